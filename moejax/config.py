@@ -1,0 +1,276 @@
+"""Frozen, validated configuration dataclasses and ``key=value`` overrides.
+
+Every config in moejax subclasses :class:`Config`:
+
+* it is a frozen dataclass (``@config`` decorator = ``dataclass(frozen=True)``);
+* ``Literal[...]`` fields are checked at construction, and subclasses add their own
+  checks in ``validate()`` (raise :class:`ConfigError` naming the field and the fix);
+* it serialises to plain JSON-able dicts (nested configs are tagged with their class
+  path, restricted to ``moejax.`` and ``experiments.`` modules) and back;
+* ``apply_overrides(cfg, ["model.d_model=256", "train.lr=1e-3"])`` returns a new config,
+  failing on an unknown key with the list of allowed keys, and on a bad value with the
+  allowed values, before any compute happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "config",
+    "apply_overrides",
+    "to_dict",
+    "from_dict",
+    "to_json",
+    "from_json",
+]
+
+_ALLOWED_MODULE_PREFIXES = ("moejax.", "experiments.")
+
+
+class ConfigError(ValueError):
+    """A configuration value or override is invalid; the message names key and fix."""
+
+
+def config(cls):
+    """Decorator: make ``cls`` a frozen, keyword-only-friendly dataclass."""
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+def _resolved_hints(cls) -> dict[str, Any]:
+    module = importlib.import_module(cls.__module__)
+    return typing.get_type_hints(cls, globalns=vars(module), include_extras=False)
+
+
+def _is_optional(tp) -> tuple[bool, Any]:
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) < len(get_args(tp)):
+            return True, (args[0] if len(args) == 1 else typing.Union[tuple(args)])
+    return False, tp
+
+
+def _check_value(owner: str, name: str, tp, value) -> None:
+    optional, inner = _is_optional(tp)
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"{owner}.{name}: None is not allowed (expected {tp}).")
+    origin = get_origin(inner)
+    if origin is Literal:
+        allowed = get_args(inner)
+        if value not in allowed:
+            raise ConfigError(
+                f"{owner}.{name}={value!r} is not allowed; allowed values: "
+                + ", ".join(repr(a) for a in allowed)
+            )
+    elif inner is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{owner}.{name}={value!r}: expected a bool (true/false).")
+    elif inner is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{owner}.{name}={value!r}: expected an int.")
+    elif inner is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{owner}.{name}={value!r}: expected a float.")
+
+
+class Config:
+    """Base class of every moejax config (use together with the ``@config`` decorator)."""
+
+    def __post_init__(self):
+        owner = type(self).__name__
+        hints = _resolved_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type is not None and f.name in hints:
+                _check_value(owner, f.name, hints[f.name], value)
+            # Coerce lists to tuples so configs stay hashable / frozen.
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        self.validate()
+
+    def validate(self) -> None:  # pragma: no cover - default is no extra checks
+        """Subclass hook: raise :class:`ConfigError` for inconsistent values."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def _require(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise ConfigError(f"{type(self).__name__}: {message}")
+
+
+# ----------------------------------------------------------------------------------------
+# Serialisation
+
+
+def _class_path(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _import_class(path: str):
+    if not path.startswith(_ALLOWED_MODULE_PREFIXES):
+        raise ConfigError(
+            f"refusing to build config class {path!r}: only classes from "
+            f"{', '.join(_ALLOWED_MODULE_PREFIXES)} modules may be restored"
+        )
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"config class {path!r} cannot be imported: {e}") from e
+    if not (dataclasses.is_dataclass(cls) and issubclass(cls, Config)):
+        raise ConfigError(f"{path!r} is not a moejax Config class")
+    return cls
+
+
+def to_dict(value) -> Any:
+    """Config (or nested structure of configs) -> JSON-able structure with class tags."""
+    if isinstance(value, Config):
+        out = {"__config__": _class_path(value)}
+        for f in dataclasses.fields(value):
+            out[f.name] = to_dict(getattr(value, f.name))
+        return out
+    if isinstance(value, (tuple, list)):
+        return [to_dict(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_dict(v) for k, v in value.items()}
+    return value
+
+
+def from_dict(value) -> Any:
+    """Inverse of :func:`to_dict`."""
+    if isinstance(value, dict) and "__config__" in value:
+        cls = _import_class(value["__config__"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: from_dict(v) for k, v in value.items() if k != "__config__"}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise ConfigError(
+                f"{cls.__name__}: unknown fields {sorted(unknown)} in stored config; "
+                f"allowed: {sorted(names)}"
+            )
+        return cls(**kwargs)
+    if isinstance(value, list):
+        return tuple(from_dict(v) for v in value)
+    if isinstance(value, dict):
+        return {k: from_dict(v) for k, v in value.items()}
+    return value
+
+
+def to_json(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
+
+
+def from_json(text: str) -> Config:
+    return from_dict(json.loads(text))
+
+
+# ----------------------------------------------------------------------------------------
+# key=value overrides
+
+
+def _allowed_keys(cfg: Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Config):
+            keys.extend(_allowed_keys(value, prefix + f.name + "."))
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _parse_scalar(text: str, tp, key: str):
+    optional, inner = _is_optional(tp)
+    if optional and text.lower() in ("none", "null"):
+        return None
+    origin = get_origin(inner)
+    if origin is Literal:
+        allowed = get_args(inner)
+        for a in allowed:
+            if str(a) == text or (isinstance(a, str) and a.lower() == text.lower()):
+                return a
+        raise ConfigError(
+            f"{key}={text!r} is not allowed; allowed values: "
+            + ", ".join(repr(a) for a in allowed)
+        )
+    if inner is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={text!r}: expected a bool (true/false)")
+    if inner is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}={text!r}: expected an int") from None
+    if inner is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r}: expected a float") from None
+    if inner is str:
+        return text
+    if origin in (tuple, list):
+        args = get_args(inner)
+        elem = args[0] if args else str
+        body = text.strip()
+        if body.startswith(("(", "[")):
+            body = body[1:-1]
+        parts = [p.strip() for p in body.split(",") if p.strip()]
+        return tuple(_parse_scalar(p, elem, key) for p in parts)
+    # Fallback: JSON literal.
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_path(cfg: Config, path: list[str], text: str, full_key: str) -> Config:
+    names = {f.name: f for f in dataclasses.fields(cfg)}
+    head = path[0]
+    if head not in names:
+        raise ConfigError(
+            f"unknown config key {full_key!r}; allowed keys: " + ", ".join(_allowed_keys(cfg))
+        )
+    value = getattr(cfg, head)
+    if len(path) > 1:
+        if not isinstance(value, Config):
+            raise ConfigError(f"unknown config key {full_key!r}: {head!r} has no sub-keys")
+        return dataclasses.replace(cfg, **{head: _set_path(value, path[1:], text, full_key)})
+    if isinstance(value, Config):
+        raise ConfigError(
+            f"{full_key!r} is a config section; set one of its keys: "
+            + ", ".join(_allowed_keys(value, full_key + "."))
+        )
+    hints = _resolved_hints(type(cfg))
+    parsed = _parse_scalar(text, hints.get(head, str), full_key)
+    try:
+        return dataclasses.replace(cfg, **{head: parsed})
+    except ConfigError as e:
+        raise ConfigError(f"override {full_key}={text!r} rejected: {e}") from None
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """Apply ``key=value`` strings (dotted keys for nested configs) to ``cfg``."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"bad override {item!r}: expected key=value; allowed keys: "
+                + ", ".join(_allowed_keys(cfg))
+            )
+        key, text = item.split("=", 1)
+        cfg = _set_path(cfg, key.strip().split("."), text.strip(), key.strip())
+    return cfg

@@ -1,0 +1,42 @@
+"""The batch-source protocol the training loop consumes.
+
+A batch source is *random access*: ``source.batch(position)`` returns the ``position``-th
+global batch as a dict of numpy arrays, deterministically from the source's seed. The training
+loop's data position is therefore one integer (the number of batches consumed), saved in every
+checkpoint; resuming at position ``n`` continues with exactly the batches an uninterrupted run
+would have seen.
+
+For multi-process runs, ``source.local_batch(position, process_index, process_count)`` returns
+this process's contiguous slice of the global batch along axis 0 (the default implementation
+slices ``batch``; sources may override it to load only their shard).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["BatchSource", "local_slice"]
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    batch_size: int
+
+    def batch(self, position: int) -> dict[str, np.ndarray]: ...
+
+
+def local_slice(batch: dict[str, np.ndarray], process_index: int, process_count: int):
+    """This process's contiguous share of a global batch (axis 0)."""
+    out = {}
+    for name, arr in batch.items():
+        n = arr.shape[0]
+        if n % process_count:
+            raise ValueError(
+                f"global batch of {n} rows in {name!r} is not divisible by {process_count} "
+                "processes; choose batch_size as a multiple of the process count"
+            )
+        per = n // process_count
+        out[name] = arr[process_index * per : (process_index + 1) * per]
+    return out
