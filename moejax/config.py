@@ -117,8 +117,8 @@ def _class_path(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _import_class(path: str):
-    if not path.startswith(_ALLOWED_MODULE_PREFIXES):
+def _import_class(path: str, extra_prefixes: tuple[str, ...] = ()):
+    if not path.startswith(_ALLOWED_MODULE_PREFIXES + tuple(extra_prefixes)):
         raise ConfigError(
             f"refusing to build config class {path!r}: only classes from "
             f"{', '.join(_ALLOWED_MODULE_PREFIXES)} modules may be restored"
@@ -147,12 +147,14 @@ def to_dict(value) -> Any:
     return value
 
 
-def from_dict(value) -> Any:
-    """Inverse of :func:`to_dict`."""
+def from_dict(value, *, extra_prefixes: tuple[str, ...] = ()) -> Any:
+    """Inverse of :func:`to_dict`. Only config classes from ``moejax.``/``experiments.`` modules
+    (plus ``extra_prefixes``, e.g. your own project's package) are ever imported."""
+    rec = lambda v: from_dict(v, extra_prefixes=extra_prefixes)  # noqa: E731
     if isinstance(value, dict) and "__config__" in value:
-        cls = _import_class(value["__config__"])
+        cls = _import_class(value["__config__"], extra_prefixes)
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: from_dict(v) for k, v in value.items() if k != "__config__"}
+        kwargs = {k: rec(v) for k, v in value.items() if k != "__config__"}
         unknown = set(kwargs) - names
         if unknown:
             raise ConfigError(
@@ -161,9 +163,9 @@ def from_dict(value) -> Any:
             )
         return cls(**kwargs)
     if isinstance(value, list):
-        return tuple(from_dict(v) for v in value)
+        return tuple(rec(v) for v in value)
     if isinstance(value, dict):
-        return {k: from_dict(v) for k, v in value.items()}
+        return {k: rec(v) for k, v in value.items()}
     return value
 
 
@@ -171,8 +173,8 @@ def to_json(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
 
 
-def from_json(text: str) -> Config:
-    return from_dict(json.loads(text))
+def from_json(text: str, *, extra_prefixes: tuple[str, ...] = ()) -> Config:
+    return from_dict(json.loads(text), extra_prefixes=extra_prefixes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -238,18 +240,20 @@ def _parse_scalar(text: str, tp, key: str):
         return text
 
 
-def _set_path(cfg: Config, path: list[str], text: str, full_key: str) -> Config:
+def _set_path(cfg: Config, path: list[str], text: str, full_key: str, prefix: str = "") -> Config:
     names = {f.name: f for f in dataclasses.fields(cfg)}
     head = path[0]
     if head not in names:
         raise ConfigError(
-            f"unknown config key {full_key!r}; allowed keys: " + ", ".join(_allowed_keys(cfg))
+            f"unknown config key {full_key!r}; allowed keys: "
+            + ", ".join(_allowed_keys(cfg, prefix))
         )
     value = getattr(cfg, head)
     if len(path) > 1:
         if not isinstance(value, Config):
             raise ConfigError(f"unknown config key {full_key!r}: {head!r} has no sub-keys")
-        return dataclasses.replace(cfg, **{head: _set_path(value, path[1:], text, full_key)})
+        sub = _set_path(value, path[1:], text, full_key, prefix + head + ".")
+        return dataclasses.replace(cfg, **{head: sub})
     if isinstance(value, Config):
         raise ConfigError(
             f"{full_key!r} is a config section; set one of its keys: "

@@ -1,0 +1,109 @@
+"""The main job: run every registered experiment's preset and write one REPORT.md linking them.
+
+    python -m experiments.main                      # quick presets, report in runs/report/
+    python -m experiments.main preset=full out=runs/full only=lm_demo,bench_dispatch
+
+Later issues register their studies by adding the module name to ``REGISTRY``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from moejax.config import ConfigError
+from moejax.experiment import PRESETS, run_experiment
+from moejax.results import atomic_write_text
+
+# Order matters: cheap, foundational studies first.
+REGISTRY: tuple[str, ...] = (
+    "lm_demo",
+    "bench_dispatch",
+)
+
+
+def _parse(argv):
+    opts = {"preset": "quick", "out": "runs/report", "only": ""}
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in opts:
+            raise ConfigError(
+                f"bad argument {item!r}; allowed keys: {sorted(opts)} "
+                f"(registered experiments: {', '.join(REGISTRY)})"
+            )
+        opts[key] = value
+    if opts["preset"] not in PRESETS:
+        raise ConfigError(f"preset={opts['preset']!r} is not allowed; allowed values: {PRESETS}")
+    names = [n for n in opts["only"].split(",") if n] or list(REGISTRY)
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ConfigError(f"only={unknown} not registered; registered: {', '.join(REGISTRY)}")
+    return opts["preset"], Path(opts["out"]), names
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        preset, out, names = _parse(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import jax
+
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.time()
+    sections, failures = [], []
+    for name in names:
+        print(f"=== {name} (preset={preset}) ===", flush=True)
+        t0 = time.time()
+        try:
+            module = importlib.import_module(f"experiments.{name}")
+            summary, run = run_experiment(
+                name, module.make_config, module.run, [f"preset={preset}"], out=out / name
+            )
+        except Exception:  # keep going: the report says which study failed and why
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr)
+            failures.append(name)
+            sections.append(f"## {name}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n")
+            continue
+        rel = Path(name) / "summary.md"
+        body = (out / rel).read_text()
+        # Re-root relative links of the study's summary into the report directory.
+        body = _reroot(body, name)
+        sections.append(body + f"\n(full results: [{rel}]({rel}))\n")
+        print(f"    done in {time.time() - t0:.1f} s", flush=True)
+
+    header = [
+        "# moejax report",
+        "",
+        f"- preset: `{preset}`",
+        f"- machine: {platform.machine()}, {platform.system()}, jax {jax.__version__} "
+        f"on {jax.devices()[0].platform} x{jax.device_count()}",
+        f"- total wall time: {time.time() - t_all:.1f} s",
+        f"- studies: {', '.join(names)}" + (f" (FAILED: {', '.join(failures)})" if failures else ""),
+        "",
+    ]
+    atomic_write_text(out / "REPORT.md", "\n".join(header) + "\n" + "\n".join(sections))
+    print(f"report: {out / 'REPORT.md'}")
+    return 1 if failures else 0
+
+
+def _reroot(md: str, sub: str) -> str:
+    import re
+
+    def fix(m):
+        text, target = m.group(1), m.group(2)
+        if "://" in target or target.startswith(("/", "#")):
+            return m.group(0)
+        return f"{text}({sub}/{target})"
+
+    return re.sub(r"(!?\[[^\]]*\])\(([^)]+)\)", fix, md)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Multi-head / grouped-query self-attention with optional RoPE and a functional KV cache.
+
+Parameter paths of :class:`Attention` (plain ``[in, out]`` matrices; heads flattened
+head-major, i.e. column ``h * K + k`` is head ``h``, dim ``k``):
+
+* ``w_q`` ``[D, H*K]``, ``w_k`` ``[D, G*K]``, ``w_v`` ``[D, G*K]``, ``w_o`` ``[H*K, D]``
+* with ``use_bias``: ``b_q`` ``[H*K]``, ``b_k`` ``[G*K]``, ``b_v`` ``[G*K]``, ``b_o`` ``[D]``
+
+``H`` = ``n_heads``, ``G`` = ``n_kv_heads`` (divides ``H``), ``K`` = ``head_dim``. Query head
+``h`` reads kv head ``h // (H // G)`` (the HF ``repeat_kv`` convention). An HF
+``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
+
+KV cache: :class:`KVCache` is a pytree ``(k_BSGK, v_BSGK, lengths_B)`` passed in and returned
+by :meth:`Attention.decode`; slot ``s`` of row ``b`` holds the token written ``s``-th, and
+``lengths_B`` counts the filled slots. New tokens are written at ``lengths_B`` and attend
+causally to every filled slot. It is never stored on the module.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.nn.rope import apply_rope
+
+__all__ = ["KVCache", "init_kv_cache", "dot_product_attention", "Attention"]
+
+_NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform softmax, not NaN
+
+
+class KVCache(NamedTuple):
+    """One layer's KV cache: keys/values ``[B, S_max, G, K]`` and filled lengths ``[B]``."""
+
+    k_BSGK: jax.Array
+    v_BSGK: jax.Array
+    lengths_B: jax.Array
+
+
+def init_kv_cache(batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                  dtype=jnp.float32) -> KVCache:
+    """An empty cache (zeros, lengths 0)."""
+    shape = (batch, max_len, n_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((batch,), jnp.int32))
+
+
+def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                          mask_BTS: jax.Array | None = None) -> jax.Array:
+    """Softmax attention (float32 logits/softmax) with grouped kv heads.
+
+    ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``.
+    Returns ``[B, T, H, K]`` in ``q``'s dtype.
+    """
+    B, T, H, K = q_BTHK.shape
+    G = k_BSGK.shape[2]
+    if H % G:
+        raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={G}")
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    logits_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK,
+                              preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(K))
+    if mask_BTS is not None:
+        logits_BGRTS = jnp.where(mask_BTS[:, None, None, :, :], logits_BGRTS, _NEG)
+    probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(v_BSGK.dtype)
+    out_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK)
+    return out_BTGRK.reshape(B, T, H, K).astype(q_BTHK.dtype)
+
+
+def _write_cache(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Write ``new_BTGK`` into each row at its own offset ``start_B`` (must fit)."""
+    def one(c_SGK, n_TGK, s):
+        return jax.lax.dynamic_update_slice(c_SGK, n_TGK.astype(c_SGK.dtype), (s, 0, 0))
+    return jax.vmap(one)(cache_BSGK, new_BTGK, start_B)
+
+
+class Attention(nnx.Module):
+    """Self-attention: MHA (``n_kv_heads == n_heads``) or GQA, optional biases and RoPE."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, *, use_bias: bool = False, causal: bool = True,
+                 rope_style: str | None = None, rope_base: float = 10000.0,
+                 rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} not divisible by n_heads={n_heads}; "
+                                 "set head_dim explicitly")
+            head_dim = d_model // n_heads
+        if rope_style is not None and rope_style not in ("interleaved", "half"):
+            raise ValueError(f"rope_style={rope_style!r}; use 'interleaved', 'half' or None")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.causal, self.rope_style, self.rope_base = causal, rope_style, float(rope_base)
+        self.use_bias, self.dtype = use_bias, dtype
+        H, G, K, D = n_heads, n_kv_heads, head_dim, d_model
+
+        def dense(shape):
+            return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
+                             * (shape[0] ** -0.5))
+
+        self.w_q, self.w_k, self.w_v = dense((D, H * K)), dense((D, G * K)), dense((D, G * K))
+        self.w_o = dense((H * K, D))
+        if use_bias:
+            self.b_q = nnx.Param(jnp.zeros((H * K,), param_dtype))
+            self.b_k = nnx.Param(jnp.zeros((G * K,), param_dtype))
+            self.b_v = nnx.Param(jnp.zeros((G * K,), param_dtype))
+            self.b_o = nnx.Param(jnp.zeros((D,), param_dtype))
+
+    def _proj(self, x_BTD, name):
+        dt = self.dtype or x_BTD.dtype
+        y = x_BTD.astype(dt) @ getattr(self, "w_" + name)[...].astype(dt)
+        if self.use_bias:
+            y = y + getattr(self, "b_" + name)[...].astype(dt)
+        return y
+
+    def _qkv(self, x_BTD, positions_BT):
+        B, T, _ = x_BTD.shape
+        q = self._proj(x_BTD, "q").reshape(B, T, self.n_heads, self.head_dim)
+        k = self._proj(x_BTD, "k").reshape(B, T, self.n_kv_heads, self.head_dim)
+        v = self._proj(x_BTD, "v").reshape(B, T, self.n_kv_heads, self.head_dim)
+        if self.rope_style is not None:
+            q = apply_rope(q, positions_BT, base=self.rope_base, style=self.rope_style)
+            k = apply_rope(k, positions_BT, base=self.rope_base, style=self.rope_style)
+        return q, k, v
+
+    def _out(self, o_BTHK):
+        B, T = o_BTHK.shape[:2]
+        return self._proj(o_BTHK.reshape(B, T, -1), "o")
+
+    def __call__(self, x_BTD: jax.Array, *, positions_BT: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None) -> jax.Array:
+        """Full-sequence attention. ``mask_BT`` marks real (non-padding) keys."""
+        B, T, _ = x_BTD.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        q, k, v = self._qkv(x_BTD, positions_BT)
+        mask_BTS = jnp.ones((B, T, T), bool)
+        if self.causal:
+            mask_BTS = mask_BTS & jnp.tril(jnp.ones((T, T), bool))[None]
+        if mask_BT is not None:
+            mask_BTS = mask_BTS & mask_BT.astype(bool)[:, None, :]
+        return self._out(dot_product_attention(q, k, v, mask_BTS))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        return init_kv_cache(batch, max_len, self.n_kv_heads, self.head_dim,
+                             dtype or self.dtype or jnp.float32)
+
+    def decode(self, x_BTD: jax.Array, cache: KVCache,
+               positions_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Attend ``T`` new tokens to the cache (+ each other, causally); return the new cache.
+
+        Positions default to ``lengths_B + arange(T)``. The caller guarantees
+        ``lengths_B + T <= S_max`` (writes past the end are clamped by XLA).
+        """
+        B, T, _ = x_BTD.shape
+        S = cache.k_BSGK.shape[1]
+        start_B = cache.lengths_B
+        slot_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        if positions_BT is None:
+            positions_BT = slot_BT
+        q, k, v = self._qkv(x_BTD, positions_BT)
+        k_cache = _write_cache(cache.k_BSGK, k, start_B)
+        v_cache = _write_cache(cache.v_BSGK, v, start_B)
+        mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]
+        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS))
+        return out, KVCache(k_cache, v_cache, start_B + T)

@@ -1,0 +1,225 @@
+"""The results layer every experiment uses: a run directory holding the resolved config, markdown
+tables, CSVs and matplotlib PNG plots, plus a ``summary.md`` that the main job links from its
+REPORT.md.
+
+    run = RunDir.create("runs/report/lm_demo", cfg)
+    run.table("losses", rows, title="Validation loss")      # losses.csv + losses.md
+    run.line_plot("loss_curve", {"train": (steps, losses)}, xlabel="step", ylabel="loss")
+    run.finish(headline="val loss 2.31 -> 1.52")              # summary.md
+
+Files are written atomically (temp file + rename), so an interrupted run never leaves a
+half-written table behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from moejax.config import Config, to_dict
+
+__all__ = ["RunDir", "markdown_table", "atomic_write_text", "format_value"]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def format_value(v: Any, floatfmt: str = ".4g") -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return format(v, floatfmt)
+    try:  # numpy / jax scalars
+        import numpy as np
+
+        if isinstance(v, np.generic) or (hasattr(v, "shape") and v.shape == ()):
+            return format_value(v.item(), floatfmt)
+    except Exception:  # pragma: no cover - numpy always present
+        pass
+    return str(v)
+
+
+def _columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:
+    if columns is not None:
+        return list(columns)
+    cols: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    return cols
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, floatfmt=".4g"
+) -> str:
+    cols = _columns(rows, columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(format_value(r.get(c, ""), floatfmt) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+class RunDir:
+    """A directory of one experiment run's outputs."""
+
+    def __init__(self, path: Path, name: str):
+        self.path = Path(path)
+        self.name = name
+        self.tables: list[tuple[str, str, str]] = []  # (title, md file, csv file)
+        self.plots: list[tuple[str, str]] = []  # (title, png file)
+        self.notes: list[str] = []
+        self._t0 = time.time()
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, cfg: Config | None = None, name: str | None = None):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        run = cls(path, name or path.name)
+        if cfg is not None:
+            atomic_write_text(path / "config.json", json.dumps(to_dict(cfg), indent=2) + "\n")
+        return run
+
+    # -- tables ------------------------------------------------------------------------
+    def table(
+        self,
+        stem: str,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        title: str | None = None,
+        columns: Sequence[str] | None = None,
+        floatfmt: str = ".4g",
+    ) -> str:
+        """Write ``<stem>.csv`` (full precision) and ``<stem>.md``; return the markdown."""
+        cols = _columns(rows, columns)
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: _csv_value(r.get(c, "")) for c in cols})
+        atomic_write_text(self.path / f"{stem}.csv", buf.getvalue())
+        md = markdown_table(rows, cols, floatfmt)
+        title = title or stem
+        atomic_write_text(self.path / f"{stem}.md", f"### {title}\n\n{md}")
+        self.tables.append((title, f"{stem}.md", f"{stem}.csv"))
+        return md
+
+    # -- plots -------------------------------------------------------------------------
+    def line_plot(
+        self,
+        stem: str,
+        series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+        *,
+        xlabel: str,
+        ylabel: str,
+        title: str | None = None,
+        logx: bool = False,
+        logy: bool = False,
+        markers: bool = False,
+        vlines: Mapping[str, float] | None = None,
+    ) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+        for label, (xs, ys) in series.items():
+            ax.plot(list(xs), list(ys), label=label, marker="o" if markers else None, ms=3)
+        for label, x in (vlines or {}).items():
+            ax.axvline(x, ls="--", color="gray", lw=1)
+            ax.text(x, ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if logx:
+            ax.set_xscale("log")
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(title or stem)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        return self._save_fig(fig, stem, title or stem)
+
+    def bar_plot(
+        self, stem: str, labels: Sequence[str], values: Sequence[float], *, ylabel: str,
+        title: str | None = None,
+    ) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+        ax.bar(range(len(values)), list(values))
+        ax.set_xticks(range(len(values)), list(labels), rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title or stem)
+        fig.tight_layout()
+        return self._save_fig(fig, stem, title or stem)
+
+    def _save_fig(self, fig, stem: str, title: str) -> Path:
+        import matplotlib.pyplot as plt
+
+        out = self.path / f"{stem}.png"
+        tmp = self.path / f".{stem}.tmp.png"
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, out)
+        self.plots.append((title, out.name))
+        return out
+
+    # -- summary -----------------------------------------------------------------------
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def finish(self, headline: str = "") -> Path:
+        """Write ``summary.md`` (headline, notes, every table inline, every plot embedded)."""
+        elapsed = time.time() - self._t0
+        parts = [f"## {self.name}\n"]
+        if headline:
+            parts.append(headline + "\n")
+        parts.append(f"_wall time: {elapsed:.1f} s_\n")
+        parts.extend(n + "\n" for n in self.notes)
+        for title, md, csv_name in self.tables:
+            body = (self.path / md).read_text()
+            parts.append(body + f"\n([{csv_name}]({csv_name}))\n")
+        for title, png in self.plots:
+            parts.append(f"![{title}]({png})\n")
+        out = self.path / "summary.md"
+        atomic_write_text(out, "\n".join(parts))
+        return out
+
+
+def _csv_value(v):
+    if isinstance(v, float):
+        return repr(v)
+    try:
+        import numpy as np
+
+        if isinstance(v, np.generic):
+            return repr(v.item())
+    except Exception:  # pragma: no cover
+        pass
+    return v

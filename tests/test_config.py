@@ -1,0 +1,85 @@
+"""Configs: validation at construction, JSON round trip, key=value overrides that fail fast."""
+
+from typing import Literal
+
+import pytest
+
+from moejax.config import Config, ConfigError, apply_overrides, config, from_json, to_json
+
+
+@config
+class _Inner(Config):
+    width: int = 4
+    act: Literal["relu", "gelu"] = "relu"
+    rate: float = 0.5
+
+    def validate(self):
+        self._require(self.width > 0, f"width must be positive, got {self.width}")
+
+
+@config
+class _Outer(Config):
+    name: str = "x"
+    inner: _Inner = _Inner()
+    layers: tuple[int, ...] = (0, 2)
+    flag: bool = False
+    maybe: int | None = None
+
+
+def test_literal_and_custom_validation_at_construction():
+    with pytest.raises(ConfigError, match=r"act='tanh' is not allowed; allowed values: 'relu', 'gelu'"):
+        _Inner(act="tanh")
+    with pytest.raises(ConfigError, match="width must be positive"):
+        _Inner(width=0)
+    with pytest.raises(ConfigError, match="expected an int"):
+        _Inner(width=2.5)
+    with pytest.raises(ConfigError, match="expected a bool"):
+        _Outer(flag="yes")
+
+
+def test_frozen():
+    cfg = _Inner()
+    with pytest.raises(Exception):
+        cfg.width = 3  # type: ignore[misc]
+
+
+def test_json_round_trip_keeps_nested_types():
+    cfg = _Outer(name="y", inner=_Inner(width=8, act="gelu"), layers=(1, 3), maybe=5)
+    back = from_json(to_json(cfg), extra_prefixes=("tests.",))
+    assert back == cfg
+    assert isinstance(back.inner, _Inner) and isinstance(back.layers, tuple)
+
+
+def test_from_json_refuses_foreign_classes():
+    with pytest.raises(ConfigError, match="refusing to build"):
+        from_json('{"__config__": "os.path.Something"}')
+
+
+def test_overrides_parse_types_and_nested_keys():
+    cfg = apply_overrides(
+        _Outer(),
+        ["inner.width=16", "inner.act=gelu", "inner.rate=1e-3", "flag=true", "layers=1,3,5",
+         "maybe=none", "name=hello"],
+    )
+    assert cfg.inner == _Inner(width=16, act="gelu", rate=1e-3)
+    assert cfg.flag is True and cfg.layers == (1, 3, 5) and cfg.maybe is None and cfg.name == "hello"
+
+
+def test_unknown_key_names_allowed_keys():
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(_Outer(), ["inner.depth=3"])
+    msg = str(e.value)
+    assert "inner.depth" in msg and "inner.width" in msg and "inner.act" in msg
+
+
+def test_bad_value_names_allowed_values():
+    with pytest.raises(ConfigError, match=r"inner.act='swish' is not allowed; allowed values: 'relu', 'gelu'"):
+        apply_overrides(_Outer(), ["inner.act=swish"])
+    with pytest.raises(ConfigError, match="inner.width='abc': expected an int"):
+        apply_overrides(_Outer(), ["inner.width=abc"])
+    with pytest.raises(ConfigError, match="width must be positive"):
+        apply_overrides(_Outer(), ["inner.width=-1"])
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_overrides(_Outer(), ["inner.width"])
+    with pytest.raises(ConfigError, match="is a config section"):
+        apply_overrides(_Outer(), ["inner=3"])
