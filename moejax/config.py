@@ -240,8 +240,10 @@ def _parse_scalar(text: str, tp, key: str):
         return text
 
 
-def _set_path(cfg: Config, path: list[str], text: str, full_key: str, prefix: str = "") -> Config:
-    names = {f.name: f for f in dataclasses.fields(cfg)}
+def _collect(cfg: Config, path: list[str], text: str, full_key: str, changes: dict,
+             prefix: str = "") -> None:
+    """Parse one override into the nested ``changes`` dict (validated later, all at once)."""
+    names = {f.name for f in dataclasses.fields(cfg)}
     head = path[0]
     if head not in names:
         raise ConfigError(
@@ -252,23 +254,42 @@ def _set_path(cfg: Config, path: list[str], text: str, full_key: str, prefix: st
     if len(path) > 1:
         if not isinstance(value, Config):
             raise ConfigError(f"unknown config key {full_key!r}: {head!r} has no sub-keys")
-        sub = _set_path(value, path[1:], text, full_key, prefix + head + ".")
-        return dataclasses.replace(cfg, **{head: sub})
+        sub = changes.setdefault(head, {})
+        if not isinstance(sub, dict):  # pragma: no cover - same key given as value and section
+            raise ConfigError(f"{full_key!r} conflicts with an earlier override")
+        _collect(value, path[1:], text, full_key, sub, prefix + head + ".")
+        return
     if isinstance(value, Config):
         raise ConfigError(
             f"{full_key!r} is a config section; set one of its keys: "
             + ", ".join(_allowed_keys(value, full_key + "."))
         )
     hints = _resolved_hints(type(cfg))
-    parsed = _parse_scalar(text, hints.get(head, str), full_key)
+    changes[head] = (_parse_scalar(text, hints.get(head, str), full_key), full_key, text)
+
+
+def _rebuild(cfg: Config, changes: dict) -> Config:
+    kwargs = {}
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            kwargs[name] = _rebuild(getattr(cfg, name), change)
+        else:
+            kwargs[name] = change[0]
     try:
-        return dataclasses.replace(cfg, **{head: parsed})
+        return dataclasses.replace(cfg, **kwargs)
     except ConfigError as e:
-        raise ConfigError(f"override {full_key}={text!r} rejected: {e}") from None
+        given = ", ".join(
+            f"{c[1]}={c[2]!r}" for c in changes.values() if not isinstance(c, dict)
+        )
+        raise ConfigError(f"overrides rejected ({given}): {e}") from None
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-    """Apply ``key=value`` strings (dotted keys for nested configs) to ``cfg``."""
+    """Apply ``key=value`` strings (dotted keys for nested configs) to ``cfg``.
+
+    All overrides are parsed first and each config section is rebuilt (and validated) once
+    with all of its changes, so the order of interdependent keys does not matter."""
+    changes: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
@@ -276,5 +297,5 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
                 + ", ".join(_allowed_keys(cfg))
             )
         key, text = item.split("=", 1)
-        cfg = _set_path(cfg, key.strip().split("."), text.strip(), key.strip())
-    return cfg
+        _collect(cfg, key.strip().split("."), text.strip(), key.strip(), changes)
+    return _rebuild(cfg, changes)

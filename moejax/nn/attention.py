@@ -92,6 +92,8 @@ class Attention(nnx.Module):
             head_dim = d_model // n_heads
         if rope_style is not None and rope_style not in ("interleaved", "half"):
             raise ValueError(f"rope_style={rope_style!r}; use 'interleaved', 'half' or None")
+        if rope_style is not None and head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even for RoPE (or rope_style=None)")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.causal, self.rope_style, self.rope_base = causal, rope_style, float(rope_base)
         self.use_bias, self.dtype = use_bias, dtype

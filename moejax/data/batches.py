@@ -1,0 +1,142 @@
+"""Random-access batch sources over in-memory arrays (the ``BatchSource`` protocol of source.py).
+
+Both sources visit their rows epoch by epoch: global row ``g = position * batch_size + j`` is
+row ``perm_e[g % n]`` of epoch ``e = g // n``, where ``perm_e`` is a permutation drawn from
+``PRNG(seed, e)``. Batch ``position`` is therefore a pure function of ``(seed, position)``, every
+row is seen once per epoch, and the data position saved in a checkpoint is one integer.
+
+* :class:`PackedLMBatches`: rows of :class:`~moejax.data.packing.PackedRows`; returns ``inputs``,
+  ``targets`` (int32), ``mask`` (float32) like ``lm_batches.WindowBatches``, plus
+  ``segment_ids`` and ``positions`` (int32) for models that respect document boundaries.
+* :class:`ClassificationBatches`: ``features`` array (token ids padded to a fixed length, or
+  images) with integer ``labels``; returns ``inputs``, ``labels`` (int32) and, for token inputs,
+  ``mask`` (float32, 1 on real tokens).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.data.packing import PackedRows, lm_example
+from moejax.data.source import local_slice
+
+__all__ = ["EpochPermutation", "PackedLMBatches", "ClassificationBatches", "pad_token_rows"]
+
+
+class EpochPermutation:
+    """Maps global row numbers to row indices, reshuffling every epoch from ``(seed, epoch)``."""
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        if num_rows < 1:
+            raise ValueError("a batch source needs at least one row")
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._cache: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._cache:
+            if len(self._cache) > 4:
+                self._cache.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._cache[epoch] = rng.permutation(self.num_rows) if self.shuffle else np.arange(
+                self.num_rows
+            )
+        return self._cache[epoch]
+
+    def rows(self, global_rows: np.ndarray) -> np.ndarray:
+        epochs, offsets = np.divmod(global_rows, self.num_rows)
+        out = np.empty_like(global_rows)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[offsets[sel]]
+        return out
+
+
+class _RowSource:
+    batch_size: int
+    fingerprint: str = ""  # set by the loaders; identifies the data stream in checkpoints
+    _order: EpochPermutation
+
+    def _take(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def batch(self, position: int) -> dict[str, np.ndarray]:
+        """The ``position``-th global batch (deterministic from seed and position)."""
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        g = position * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        return self._take(self._order.rows(g))
+
+    def local_batch(self, position: int, process_index: int, process_count: int):
+        """This process's contiguous slice of batch ``position`` (loads only those rows)."""
+        if self.batch_size % process_count:
+            local_slice({"x": np.zeros(self.batch_size)}, process_index, process_count)  # raises
+        per = self.batch_size // process_count
+        g = position * self.batch_size + process_index * per + np.arange(per, dtype=np.int64)
+        return self._take(self._order.rows(g))
+
+    def batches_per_epoch(self) -> int:
+        """Full batches in one pass over the rows (the last partial one wraps into the next)."""
+        return max(1, self._order.num_rows // self.batch_size)
+
+
+class PackedLMBatches(_RowSource):
+    """Shuffled batches of packed LM rows; ``shuffle=False`` reads rows in order (evaluation)."""
+
+    def __init__(self, rows: PackedRows, *, batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+        self.seq_len = rows.seq_len
+        self._order = EpochPermutation(rows.num_rows, seed, shuffle)
+
+    def _take(self, index):
+        return lm_example(self.rows, index)
+
+
+def pad_token_rows(docs, seq_len: int, *, pad_id: int = 0, bos_id: int | None = None):
+    """``(ids [n, seq_len] int32, mask [n, seq_len] float32)``: each doc truncated / right-padded.
+
+    With ``bos_id`` each row starts with it (for a classifier that reads a leading token).
+    """
+    ids = np.full((len(docs), seq_len), pad_id, np.int32)
+    mask = np.zeros((len(docs), seq_len), np.float32)
+    for i, d in enumerate(docs):
+        d = np.asarray(d, np.int32)
+        if bos_id is not None:
+            d = np.concatenate([[bos_id], d]).astype(np.int32)
+        d = d[:seq_len]
+        ids[i, : len(d)] = d
+        mask[i, : len(d)] = 1.0
+    return ids, mask
+
+
+class ClassificationBatches(_RowSource):
+    """Shuffled batches of ``(inputs, labels[, mask])`` rows."""
+
+    def __init__(
+        self,
+        inputs: np.ndarray,
+        labels: np.ndarray,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        mask: np.ndarray | None = None,
+        num_classes: int | None = None,
+        shuffle: bool = True,
+    ):
+        inputs, labels = np.asarray(inputs), np.asarray(labels)
+        if inputs.shape[0] != labels.shape[0]:
+            raise ValueError(f"{inputs.shape[0]} inputs but {labels.shape[0]} labels")
+        if mask is not None and mask.shape != inputs.shape:
+            raise ValueError(f"mask shape {mask.shape} differs from inputs shape {inputs.shape}")
+        self.inputs, self.labels, self.mask = inputs, labels.astype(np.int32), mask
+        self.batch_size, self.seed = batch_size, seed
+        self.num_classes = int(num_classes if num_classes is not None else labels.max() + 1)
+        self._order = EpochPermutation(labels.shape[0], seed, shuffle)
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def _take(self, index):
+        out = {"inputs": self.inputs[index], "labels": self.labels[index]}
+        if self.mask is not None:
+            out["mask"] = self.mask[index].astype(np.float32)
+        return out

@@ -1,0 +1,92 @@
+"""Packing tokenised documents into fixed-length rows, with document boundaries recorded.
+
+Every document becomes ``[bos] + tokens + [eos]``; the documents are concatenated into one stream
+in order, and row ``r`` is the window ``stream[r * seq_len : r * seq_len + seq_len + 1]`` (rows
+overlap by one token, so every next-token transition of the stream is a target exactly once);
+the tail is padded with ``pad_id``. A document may continue into the next row.
+
+Per token of a row (``seq_len + 1`` long):
+
+* ``segment_ids``: 1, 2, ... numbering the documents present in the row in order; 0 is padding.
+* ``positions``: position of the token within its segment in this row (0 at a document's first
+  token, or at the row start for a document continued from the previous row).
+
+:func:`lm_example` turns a row into ``inputs``/``targets``/``mask`` (plus ``segment_ids`` and
+``positions`` of the inputs); ``mask`` is 1 only where input and target belong to the same
+document, so no loss is taken on predicting across a document boundary or on padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PackedRows", "pack_documents", "lm_example"]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """``tokens``, ``segment_ids``, ``positions``: int32 arrays of shape ``[rows, seq_len + 1]``."""
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+def pack_documents(
+    docs: Sequence[np.ndarray],
+    seq_len: int,
+    *,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 0,
+) -> PackedRows:
+    """Pack token-id documents (in the given order) into rows of ``seq_len + 1`` tokens."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if len(docs) == 0:
+        raise ValueError("no documents to pack")
+    lengths = np.array([len(d) + 2 for d in docs], dtype=np.int64)
+    pieces = []
+    for d in docs:
+        pieces += [np.array([bos_id], np.int32), np.asarray(d, np.int32), np.array([eos_id], np.int32)]
+    stream = np.concatenate(pieces)
+    n = stream.shape[0]
+    doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    doc_of = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
+
+    rows = max(1, -(-(n - 1) // seq_len))  # enough rows that every transition is covered
+    idx = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    valid = idx < n
+    safe = np.minimum(idx, n - 1)
+    tokens = np.where(valid, stream[safe], pad_id).astype(np.int32)
+    row_doc = doc_of[safe]
+    seg = row_doc - row_doc[:, :1] + 1  # documents are contiguous, so this numbers them 1, 2, ...
+    segment_ids = np.where(valid, seg, 0).astype(np.int32)
+    row_start = (np.arange(rows) * seq_len)[:, None]
+    positions = np.where(valid, idx - np.maximum(doc_start[row_doc], row_start), 0).astype(np.int32)
+    return PackedRows(tokens=tokens, segment_ids=segment_ids, positions=positions)
+
+
+def lm_example(rows: PackedRows, index) -> dict[str, np.ndarray]:
+    """Next-token-prediction arrays for the rows ``index`` (an int array)."""
+    tok = rows.tokens[index]
+    seg = rows.segment_ids[index]
+    same_doc = (seg[..., 1:] == seg[..., :-1]) & (seg[..., 1:] > 0)
+    return {
+        "inputs": tok[..., :-1].astype(np.int32),
+        "targets": tok[..., 1:].astype(np.int32),
+        "mask": same_doc.astype(np.float32),
+        "segment_ids": seg[..., :-1].astype(np.int32),
+        "positions": rows.positions[index][..., :-1].astype(np.int32),
+    }

@@ -1,0 +1,23 @@
+"""Base class of the moejax TFDS builders: offline generator builders, no tensorflow needed.
+
+The builders write ``array_record`` files (the only TFDS format readable without tensorflow,
+through ``builder.as_data_source()`` / ``tfds.data_source``). They download nothing, so they
+have no checksums file; ``code_path`` is ``None`` to keep TFDS from probing the package with
+``importlib_resources`` (absent from this environment, and only used to find checksums and
+metadata files next to the builder's code).
+"""
+
+from __future__ import annotations
+
+import tensorflow_datasets as tfds
+
+__all__ = ["OfflineBuilder"]
+
+
+class OfflineBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """A GeneratorBasedBuilder that reads only local files."""
+
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls):  # noqa: D102
+        return None

@@ -1,0 +1,237 @@
+"""DARE and DAREx-q: random drop of delta parameters with rescaling (SPEC section 3).
+
+DARE (per weight matrix, drop rate ``p``)::
+
+    m_ij ~ Bernoulli(1 - p),   Delta'_ij = m_ij * Delta_ij / (1 - p)
+
+DAREx-q replaces the factor ``1/(1-p)`` by ``1/q`` with ``q >= 1 - p``::
+
+    Delta'_ij = m_ij * Delta_ij / q
+
+``q`` is a scalar (global), a per-leaf value, or found by a search:
+
+* ``search_q_v``: ``q_v = argmax_q metric(theta_P + P(Delta, q))`` (labelled validation);
+* ``search_q_e``: ``q_e = argmin_q mean |f_L(theta_P + P(Delta, q)) - f_L(theta_P + Delta)|``
+  (last-layer outputs on ONE fixed unlabelled batch, via a user ``outputs_fn(params)``).
+
+The grid is ``q_t = 1 - p + t * dq`` (paper Algorithm 2) with optional coarse-to-fine
+refinement. The drop mask depends only on the key, so every ``q`` in a search is
+evaluated with the SAME mask (the paper prunes once and only tunes the rescaling).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.delta.tree import apply_delta, per_leaf_keys, per_leaf_values
+
+__all__ = [
+    "dare",
+    "dare_keep_mask",
+    "q_grid",
+    "GridSearchResult",
+    "grid_search",
+    "search_q_v",
+    "search_q_e",
+    "mean_abs_output_change",
+]
+
+PyTree = Any
+Pruner = Callable[[jax.Array, PyTree, Any], PyTree]
+
+
+def _check_rate(p: float, name: str = "p") -> None:
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"{name}={p} must be in [0, 1) (drop rate); use e.g. {name}=0.9.")
+
+
+def dare_keep_mask(
+    key: jax.Array, delta_tree: PyTree, p: float, mask: PyTree | None = None
+) -> PyTree:
+    """Boolean keep-mask pytree, ``m_ij ~ Bernoulli(1 - p)`` i.i.d. per entry.
+
+    Unselected leaves (``mask`` False) get an all-True mask. Leaf ``i`` uses
+    ``fold_in(key, i)``, so masks are reproducible and independent across leaves.
+    """
+    _check_rate(p)
+    keys = per_leaf_keys(key, delta_tree)
+    sel = jax.tree_util.tree_map(lambda _: True, delta_tree) if mask is None else mask
+    return jax.tree_util.tree_map(
+        lambda d, k, m: (
+            jax.random.bernoulli(k, 1.0 - p, jnp.shape(d)) if m else jnp.ones(jnp.shape(d), bool)
+        ),
+        delta_tree,
+        keys,
+        sel,
+    )
+
+
+def dare(
+    key: jax.Array,
+    delta_tree: PyTree,
+    p: float,
+    *,
+    q: float | PyTree | dict[str, float] | None = None,
+    mask: PyTree | None = None,
+) -> PyTree:
+    """DARE / DAREx-q: ``Delta'_ij = m_ij Delta_ij / q``, ``m_ij ~ Bernoulli(1-p)``.
+
+    ``q=None`` gives vanilla DARE (``q = 1 - p``). ``q`` may be one global float, a
+    ``{leaf_path: q}`` dict or a pytree of per-leaf floats. Unselected leaves (``mask``
+    False) are returned unchanged. With the same ``key`` the same entries are dropped
+    whatever ``q`` is.
+    """
+    _check_rate(p)
+    qs = per_leaf_values(1.0 - p if q is None else q, delta_tree, "q")
+    for qi in qs:
+        if qi is not None and not isinstance(qi, jax.core.Tracer) and float(qi) <= 0.0:
+            raise ValueError(f"q={qi} must be > 0 (DAREx-q rescales survivors by 1/q).")
+    keep = dare_keep_mask(key, delta_tree, p, mask)
+    leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
+    keep_l = jax.tree_util.tree_leaves(keep)
+    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    out = [
+        jnp.where(
+            k, d / jnp.asarray(qi, jnp.result_type(d)), jnp.zeros((), jnp.result_type(d))
+        ).astype(jnp.result_type(d))
+        if s
+        else d
+        for d, k, qi, s in zip(leaves, keep_l, qs, sel)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = True) -> np.ndarray:
+    """``q_t = 1 - p + t * dq``, ``t = 0..num``, ``dq = (q_max - (1-p)) / num``.
+
+    ``t = 0`` is vanilla DARE, so a search can never score worse than DARE on its own
+    objective. ``include_max=False`` drops the last point (paper Algorithm 3, ``t != N``).
+    """
+    _check_rate(p)
+    if num < 1:
+        raise ValueError(f"num={num} must be >= 1 grid steps.")
+    g = np.linspace(1.0 - p, q_max, num + 1)
+    return g if include_max else g[:-1]
+
+
+class GridSearchResult(NamedTuple):
+    """Outcome of a 1-D grid search: best point, its score and every (point, score)."""
+
+    best: float
+    best_score: float
+    points: np.ndarray
+    scores: np.ndarray
+
+
+def grid_search(
+    score_fn: Callable[[float], float],
+    grid: Sequence[float],
+    *,
+    minimize: bool = True,
+    refine_rounds: int = 0,
+    refine_num: int = 10,
+    lo: float | None = None,
+    hi: float | None = None,
+) -> GridSearchResult:
+    """Evaluate ``score_fn`` on ``grid``; optionally refine coarse-to-fine.
+
+    Each refinement round evaluates ``refine_num + 1`` evenly spaced points between the
+    neighbours of the current best point (clipped to ``[lo, hi]``). Ties keep the
+    earliest point evaluated.
+    """
+    pts = [float(x) for x in grid]
+    if not pts:
+        raise ValueError("grid_search: empty grid; pass at least one point.")
+    lo = min(pts) if lo is None else lo
+    hi = max(pts) if hi is None else hi
+    scores = [float(score_fn(x)) for x in pts]
+    sign = 1.0 if minimize else -1.0
+
+    def best_idx():
+        vals = [sign * s if np.isfinite(s) else np.inf for s in scores]
+        return int(np.argmin(vals))
+
+    step = (max(pts) - min(pts)) / max(len(pts) - 1, 1)
+    for _ in range(refine_rounds):
+        b = pts[best_idx()]
+        a, c = max(lo, b - step), min(hi, b + step)
+        new = [x for x in np.linspace(a, c, refine_num + 1) if all(abs(x - y) > 1e-12 for y in pts)]
+        pts += [float(x) for x in new]
+        scores += [float(score_fn(x)) for x in new]
+        step = (c - a) / refine_num
+    i = best_idx()
+    return GridSearchResult(pts[i], scores[i], np.asarray(pts), np.asarray(scores))
+
+
+def _default_pruner(p: float, mask: PyTree | None) -> Pruner:
+    return lambda key, d, q: dare(key, d, p, q=q, mask=mask)
+
+
+def search_q_v(
+    key: jax.Array,
+    pretrained: PyTree,
+    delta_tree: PyTree,
+    p: float,
+    metric_fn: Callable[[PyTree], float],
+    *,
+    higher_is_better: bool = True,
+    mask: PyTree | None = None,
+    grid: Sequence[float] | None = None,
+    refine_rounds: int = 0,
+    pruner: Pruner | None = None,
+) -> GridSearchResult:
+    """Global ``q_v = argopt_q metric_fn(theta_P + P(Delta, q))`` over ``grid``.
+
+    ``metric_fn(params) -> float`` is any validation score (accuracy, -loss ...).
+    ``pruner(key, delta, q)`` defaults to :func:`dare` at rate ``p``; pass e.g. a
+    structural-DPP pruner to tune its rescaling instead.
+    """
+    prune = pruner or _default_pruner(p, mask)
+    grid = q_grid(p) if grid is None else grid
+    score = lambda q: metric_fn(apply_delta(pretrained, prune(key, delta_tree, q)))
+    return grid_search(
+        score, grid, minimize=not higher_is_better, refine_rounds=refine_rounds, lo=1.0 - p, hi=1.0
+    )
+
+
+def mean_abs_output_change(outputs_a, outputs_b) -> float:
+    """``mean |a - b|`` over every entry of two (pytrees of) output arrays."""
+    la, lb = jax.tree_util.tree_leaves(outputs_a), jax.tree_util.tree_leaves(outputs_b)
+    tot = sum(
+        float(jnp.sum(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+        for a, b in zip(la, lb)
+    )
+    return tot / max(sum(int(jnp.size(a)) for a in la), 1)
+
+
+def search_q_e(
+    key: jax.Array,
+    pretrained: PyTree,
+    delta_tree: PyTree,
+    p: float,
+    outputs_fn: Callable[[PyTree], Any],
+    *,
+    mask: PyTree | None = None,
+    grid: Sequence[float] | None = None,
+    refine_rounds: int = 0,
+    pruner: Pruner | None = None,
+) -> GridSearchResult:
+    """Label-free global ``q_e``: minimise the mean absolute last-layer output change
+
+    ``q_e = argmin_q mean_{batch, i} |f_L(theta_P + P(Delta, q))_i - f_L(theta_P + Delta)_i|``
+
+    ``outputs_fn(params)`` returns the last layer's outputs on ONE fixed batch (closing
+    over the batch) -- any model, any framework, as long as it takes the param pytree.
+    """
+    prune = pruner or _default_pruner(p, mask)
+    grid = q_grid(p) if grid is None else grid
+    ref = outputs_fn(apply_delta(pretrained, delta_tree))
+    score = lambda q: mean_abs_output_change(
+        outputs_fn(apply_delta(pretrained, prune(key, delta_tree, q))), ref
+    )
+    return grid_search(score, grid, minimize=True, refine_rounds=refine_rounds, lo=1.0 - p, hi=1.0)

@@ -1,0 +1,151 @@
+"""k-bit quantisation of delta parameters, bits 1..8 (round to nearest).
+
+Symmetric (per block, ``A = max |x|``; ``L = 2^b - 1`` odd levels incl. 0 for b >= 2,
+``L = 2`` levels ``{-A, +A}`` for b = 1)::
+
+    step = 2A / (L - 1),  code = clip(round(x/step + (L-1)/2), 0, L-1),
+    x^ = (code - (L-1)/2) * step
+
+Asymmetric (``lo = min x``, ``hi = max x``, ``L = 2^b`` levels)::
+
+    step = (hi - lo) / (L - 1),  code = clip(round((x - lo)/step), 0, L-1),
+    x^ = lo + code * step
+
+so ``|x - x^| <= step/2`` for every entry. Blocks ("granularity"): ``"tensor"`` (one
+scale per leaf), ``"channel"`` (one per output channel, reducing over ``in_axis``), or
+``"group"`` (contiguous groups of ``group_size`` entries along ``in_axis`` per output
+channel). Codes are uint8 in ``[0, L-1]``; see :mod:`moejax.delta.storage` for packing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.delta.tree import map_selected
+
+__all__ = [
+    "QuantizedLeaf",
+    "quantize",
+    "dequantize",
+    "quantize_tree",
+    "dequantize_tree",
+    "num_levels",
+]
+
+Granularity = Literal["tensor", "channel", "group"]
+
+
+class QuantizedLeaf(NamedTuple):
+    """Codes ``[...]`` (uint8, original shape), block ``step`` and ``offset`` arrays
+    (block shape, broadcastable after grouping), and the static settings."""
+
+    codes: np.ndarray
+    step: np.ndarray
+    offset: np.ndarray
+    bits: int
+    symmetric: bool
+    granularity: str
+    group_size: int
+    in_axis: int
+    dtype: str
+
+
+def num_levels(bits: int, symmetric: bool) -> int:
+    """Number of representable values: ``2^b`` (asymmetric), ``max(2, 2^b - 1)`` (symmetric)."""
+    if not (isinstance(bits, int) and 1 <= bits <= 8):
+        raise ValueError(f"bits={bits!r}: delta quantisation supports integer bits 1..8.")
+    return 2**bits if not symmetric else max(2, 2**bits - 1)
+
+
+def _blocked(x: np.ndarray, granularity: str, group_size: int, in_axis: int):
+    """View ``x`` as ``[..., G, g, d_out]`` (reduce axis -2) or ``[1, n]`` for tensor."""
+    if granularity == "tensor" or x.ndim < 2:
+        if granularity == "group" and x.ndim < 2:
+            raise ValueError(f"group quantisation needs a matrix leaf, got shape {x.shape}.")
+        return x.reshape(1, -1, 1)
+    xm = np.moveaxis(x, in_axis, -2)  # [..., d_in, d_out]
+    d_in = xm.shape[-2]
+    g = d_in if granularity == "channel" else group_size
+    if granularity not in ("channel", "group"):
+        raise ValueError(f"granularity={granularity!r}; use 'tensor', 'channel' or 'group'.")
+    if g <= 0 or d_in % g:
+        raise ValueError(
+            f"group_size={group_size} must divide d_in={d_in} (axis {in_axis}); "
+            "pick a divisor or use granularity='channel'."
+        )
+    return xm.reshape(xm.shape[:-2] + (d_in // g, g, xm.shape[-1]))
+
+
+def _unblocked(xb: np.ndarray, shape, granularity: str, in_axis: int):
+    if granularity == "tensor" or len(shape) < 2:
+        return xb.reshape(shape)
+    moved = list(shape)
+    ax = in_axis % len(shape)
+    moved_shape = tuple(np.moveaxis(np.empty(shape, np.int8), ax, -2).shape)
+    xm = xb.reshape(moved_shape)
+    return np.moveaxis(xm, -2, ax).reshape(moved)
+
+
+def quantize(
+    x,
+    bits: int,
+    *,
+    symmetric: bool = True,
+    granularity: Granularity = "channel",
+    group_size: int = 64,
+    in_axis: int = -2,
+) -> QuantizedLeaf:
+    """Quantise one array to ``bits`` bits (see module docstring for the equations)."""
+    levels = num_levels(bits, symmetric)
+    x = np.asarray(jax.device_get(x))
+    xb = _blocked(x.astype(np.float64), granularity, group_size, in_axis)
+    if symmetric:
+        amax = np.max(np.abs(xb), axis=-2, keepdims=True)
+        step = 2.0 * amax / (levels - 1)
+        offset = -(levels - 1) / 2.0 * step
+    else:
+        lo, hi = np.min(xb, axis=-2, keepdims=True), np.max(xb, axis=-2, keepdims=True)
+        step, offset = (hi - lo) / (levels - 1), lo
+    safe = np.where(step > 0, step, 1.0)
+    codes = np.clip(np.rint((xb - offset) / safe), 0, levels - 1).astype(np.uint8)
+    codes = _unblocked(codes, x.shape, granularity, in_axis)
+    return QuantizedLeaf(
+        codes,
+        step.astype(np.float32),
+        offset.astype(np.float32),
+        bits,
+        symmetric,
+        granularity,
+        group_size,
+        in_axis,
+        str(x.dtype),
+    )
+
+
+def dequantize(ql: QuantizedLeaf) -> np.ndarray:
+    """``x^ = (code - (L-1)/2) step`` (symmetric) or ``lo + code step`` (asymmetric)."""
+    cb = _blocked(np.asarray(ql.codes), ql.granularity, ql.group_size, ql.in_axis)
+    step = ql.step.astype(np.float64)
+    if ql.symmetric:  # centred form keeps x^ = 0 exactly representable (b >= 2)
+        xb = (cb.astype(np.float64) - (num_levels(ql.bits, True) - 1) / 2.0) * step
+    else:
+        xb = ql.offset.astype(np.float64) + cb.astype(np.float64) * step
+    return _unblocked(xb, ql.codes.shape, ql.granularity, ql.in_axis).astype(ql.dtype)
+
+
+def quantize_tree(delta_tree, bits: int, *, mask=None, **kw) -> Any:
+    """:func:`quantize` every selected leaf (others unchanged); returns a mixed pytree."""
+    return map_selected(lambda d: quantize(d, bits, **kw), delta_tree, mask)
+
+
+def dequantize_tree(qtree) -> Any:
+    """Inverse of :func:`quantize_tree` (quantised leaves -> arrays)."""
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(dequantize(x)) if isinstance(x, QuantizedLeaf) else x,
+        qtree,
+        is_leaf=lambda x: isinstance(x, QuantizedLeaf),
+    )

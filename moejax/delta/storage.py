@@ -1,0 +1,257 @@
+"""Compact, pickle-free storage of (pruned / quantised) delta pytrees.
+
+Per leaf one of three encodings, all plain numpy arrays + JSON metadata:
+
+* ``dense``:  ``values`` (the leaf, original dtype);
+* ``sparse``: ``index`` (flat positions of non-zeros, in the smallest unsigned dtype
+  holding ``size - 1``) and ``values`` (the non-zeros, original dtype);
+* ``quant``:  a :class:`~moejax.delta.quant.QuantizedLeaf` with its codes bit-packed
+  (``ceil(size * bits / 8)`` bytes) plus float32 ``step`` per block (and ``offset`` for asymmetric).
+
+``encode`` -> :class:`StoredDelta` (``arrays: dict[str, np.ndarray]``, ``meta: dict``);
+``save``/``load`` write/read an ``.npz`` (``allow_pickle=False``) with the metadata as a
+JSON byte array. Byte accounting is exact: ``sum(a.nbytes for a in arrays)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.delta.quant import QuantizedLeaf, num_levels
+from moejax.delta.tree import leaf_paths, per_leaf_values
+
+__all__ = [
+    "index_dtype_for",
+    "pack_bits",
+    "unpack_bits",
+    "StoredDelta",
+    "encode",
+    "decode",
+    "save",
+    "load",
+    "storage_report",
+    "dense_bytes",
+]
+
+FORMAT = "moejax.delta.storage/1"
+_is_q = lambda x: isinstance(x, QuantizedLeaf)  # noqa: E731
+
+
+def index_dtype_for(size: int) -> np.dtype:
+    """Smallest unsigned integer dtype that can hold every flat index ``0..size-1``."""
+    for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if size - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise ValueError(f"size {size} too large to index.")  # pragma: no cover
+
+
+def pack_bits(codes, bits: int) -> np.ndarray:
+    """Pack integer codes in ``[0, 2^bits)`` into ``ceil(n * bits / 8)`` bytes (LSB first)."""
+    c = np.asarray(codes).reshape(-1)
+    if c.size and int(c.max()) >= 2**bits:
+        raise ValueError(f"pack_bits: code {int(c.max())} does not fit in {bits} bits.")
+    b = np.unpackbits(c.astype(np.uint8)[:, None], axis=1, bitorder="little")[:, :bits]
+    return np.packbits(b.reshape(-1), bitorder="little")
+
+
+def unpack_bits(packed, bits: int, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``count`` uint8 codes."""
+    b = np.unpackbits(np.asarray(packed, np.uint8), bitorder="little")[: count * bits]
+    b = np.concatenate([b.reshape(count, bits), np.zeros((count, 8 - bits), np.uint8)], axis=1)
+    return np.packbits(b, axis=1, bitorder="little").reshape(count)
+
+
+def _storable(a: np.ndarray) -> tuple[np.ndarray, str]:
+    """Non-native dtypes (bfloat16, float8 ...) are stored as same-width unsigned ints."""
+    dt = str(a.dtype)
+    if (
+        a.dtype.kind == "V"
+        or type(a.dtype).__module__.startswith("ml_dtypes")
+        or "bfloat16" in dt
+        or "float8" in dt
+    ):
+        return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")), dt
+    return a, dt
+
+
+def _restore(a: np.ndarray, dtype: str) -> np.ndarray:
+    if str(a.dtype) == dtype:
+        return a
+    return a.view(jnp.dtype(dtype))
+
+
+class StoredDelta(NamedTuple):
+    """Plain arrays (``"leaf{i}.{field}"`` keys) and JSON-able metadata."""
+
+    arrays: dict
+    meta: dict
+
+
+def _sparse_nbytes(x: np.ndarray) -> int:
+    nnz = int(np.count_nonzero(x))
+    return nnz * (x.dtype.itemsize + index_dtype_for(x.size).itemsize)
+
+
+def encode(tree, formats: str | dict | Any = "auto") -> StoredDelta:
+    """Encode a delta pytree (leaves: arrays or ``QuantizedLeaf``) for storage.
+
+    ``formats``: ``"auto"`` (sparse when strictly smaller than dense), ``"dense"``,
+    ``"sparse"``, or a ``{path: format}`` dict / aligned pytree. ``QuantizedLeaf``
+    leaves are always stored as ``quant``.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_q)[0]
+    paths = leaf_paths(jax.tree_util.tree_map(lambda _: 0, tree, is_leaf=_is_q))
+    fmts = per_leaf_values(
+        formats, jax.tree_util.tree_map(lambda _: 0, tree, is_leaf=_is_q), "formats"
+    )
+    arrays, leaves_meta = {}, []
+    for i, ((_, leaf), path, fmt) in enumerate(zip(flat, paths, fmts)):
+        pre = f"leaf{i}."
+        if _is_q(leaf):
+            codes = np.asarray(leaf.codes)
+            arrays[pre + "codes"] = pack_bits(codes, leaf.bits)
+            arrays[pre + "step"] = np.asarray(leaf.step, np.float32)
+            if not leaf.symmetric:  # symmetric blocks are centred: no offset to store
+                arrays[pre + "offset"] = np.asarray(leaf.offset, np.float32)
+            leaves_meta.append(
+                dict(
+                    path=path,
+                    kind="quant",
+                    shape=list(codes.shape),
+                    dtype=leaf.dtype,
+                    bits=leaf.bits,
+                    symmetric=leaf.symmetric,
+                    granularity=leaf.granularity,
+                    group_size=leaf.group_size,
+                    in_axis=leaf.in_axis,
+                )
+            )
+            continue
+        x = np.asarray(jax.device_get(leaf))
+        if fmt not in ("auto", "dense", "sparse"):
+            raise ValueError(
+                f"encode: format {fmt!r} for leaf {path!r}; use 'auto', 'dense' or 'sparse' "
+                "(quantise with moejax.delta.quant.quantize_tree for 'quant')."
+            )
+        if fmt == "auto":
+            fmt = "sparse" if _sparse_nbytes(x) < x.nbytes else "dense"
+        xs, dt = _storable(x)
+        if fmt == "sparse":
+            idx = np.flatnonzero(x.reshape(-1))
+            arrays[pre + "index"] = idx.astype(index_dtype_for(max(x.size, 1)))
+            arrays[pre + "values"] = xs.reshape(-1)[idx]
+        else:
+            arrays[pre + "values"] = xs
+        leaves_meta.append(dict(path=path, kind=fmt, shape=list(x.shape), dtype=dt))
+    return StoredDelta(arrays, {"format": FORMAT, "leaves": leaves_meta})
+
+
+def _decode_leaf(i: int, m: dict, arrays: dict):
+    pre, shape = f"leaf{i}.", tuple(m["shape"])
+    size = math.prod(shape)
+    if m["kind"] == "quant":
+        codes = unpack_bits(arrays[pre + "codes"], m["bits"], size).reshape(shape)
+        step = arrays[pre + "step"]
+        offset = (
+            arrays[pre + "offset"]
+            if not m["symmetric"]
+            else -(num_levels(m["bits"], True) - 1) / 2.0 * step
+        )
+        return QuantizedLeaf(
+            codes,
+            step,
+            offset.astype(np.float32),
+            m["bits"],
+            m["symmetric"],
+            m["granularity"],
+            m["group_size"],
+            m["in_axis"],
+            m["dtype"],
+        )
+    vals = arrays[pre + "values"]
+    if m["kind"] == "sparse":
+        flat = np.zeros(size, vals.dtype)
+        flat[arrays[pre + "index"].astype(np.int64)] = vals
+        vals = flat
+    return jnp.asarray(_restore(vals.reshape(shape), m["dtype"]))
+
+
+def decode(stored: StoredDelta, like=None):
+    """Rebuild the tree. With ``like`` (any tree of the same structure, e.g. the
+    pre-trained params) the exact original structure is restored; without it, a
+    nested dict keyed by the path components is returned."""
+    if stored.meta.get("format") != FORMAT:
+        raise ValueError(
+            f"decode: unknown format {stored.meta.get('format')!r}; expected {FORMAT!r}."
+        )
+    metas = stored.meta["leaves"]
+    leaves = [_decode_leaf(i, m, stored.arrays) for i, m in enumerate(metas)]
+    if like is not None:
+        like_paths = leaf_paths(like)
+        if like_paths != [m["path"] for m in metas]:
+            raise ValueError(
+                "decode: `like` has different leaf paths than the stored delta "
+                f"({like_paths[:5]} vs {[m['path'] for m in metas][:5]}); pass the matching tree."
+            )
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+    out: dict = {}
+    for m, leaf in zip(metas, leaves):
+        node, parts = out, m["path"].split("/")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = leaf
+    return out
+
+
+def save(path: str, stored: StoredDelta) -> None:
+    """Write an ``.npz`` (no pickle): the arrays plus ``__meta__`` (UTF-8 JSON bytes)."""
+    meta = np.frombuffer(json.dumps(stored.meta).encode("utf-8"), np.uint8)
+    np.savez(path, __meta__=meta, **stored.arrays)
+
+
+def load(path: str) -> StoredDelta:
+    """Read a file written by :func:`save` with ``allow_pickle=False``."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != "__meta__"}
+        meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
+    return StoredDelta(arrays, meta)
+
+
+def storage_report(stored: StoredDelta) -> dict:
+    """Exact counts: per leaf ``n_params`` (dense entries), ``n_stored`` (values or codes
+    kept) and ``bytes``; totals ``params``, ``stored``, ``array_bytes``, ``meta_bytes``."""
+    per_leaf = []
+    for i, m in enumerate(stored.meta["leaves"]):
+        pre = f"leaf{i}."
+        nbytes = sum(a.nbytes for k, a in stored.arrays.items() if k.startswith(pre))
+        n_params = math.prod(m["shape"])
+        if m["kind"] == "sparse":
+            n_stored = int(stored.arrays[pre + "values"].size)
+        else:
+            n_stored = n_params
+        per_leaf.append(
+            dict(path=m["path"], kind=m["kind"], n_params=n_params, n_stored=n_stored, bytes=nbytes)
+        )
+    return dict(
+        leaves=per_leaf,
+        params=sum(x["n_params"] for x in per_leaf),
+        stored=sum(x["n_stored"] for x in per_leaf),
+        array_bytes=sum(a.nbytes for a in stored.arrays.values()),
+        meta_bytes=len(json.dumps(stored.meta).encode("utf-8")),
+    )
+
+
+def dense_bytes(tree) -> int:
+    """Bytes of the uncompressed tree: ``sum(size * itemsize)``."""
+    return int(
+        sum(
+            int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize
+            for x in jax.tree_util.tree_leaves(tree)
+        )
+    )

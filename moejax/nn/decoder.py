@@ -1,0 +1,166 @@
+"""Decoder-only causal language model (Llama layout) with per-layer FFN slots.
+
+Parameter paths of :class:`DecoderLM` (``[in, out]`` matrices):
+
+* ``embed`` ``[V, D]`` token embedding (also the output head when ``tie_embeddings``)
+* ``blocks/{i}/attn_norm/scale`` ``[D]``, ``blocks/{i}/attn/w_q`` ``[D, H*K]``,
+  ``w_k``/``w_v`` ``[D, G*K]``, ``w_o`` ``[H*K, D]`` (no biases),
+  ``blocks/{i}/ffn_norm/scale`` ``[D]``, ``blocks/{i}/ffn/...`` (the slot's params, e.g.
+  ``w_gate``/``w_up`` ``[D, F]``, ``w_down`` ``[F, D]`` for :class:`DenseFFN`)
+* ``final_norm/scale`` ``[D]``
+* ``w_head`` ``[D, V]`` only when ``tie_embeddings=False``
+
+Blocks are pre-RMSNorm with RoPE (``rope_style``: ``"half"`` for HF checkpoints,
+``"interleaved"`` for GGUF/Meta). Logits are returned in float32.
+
+Incremental decoding: ``cache = model.init_cache(B, S_max)``, then
+``logits, cache = model.decode(tokens_BT, cache)`` for the prompt (prefill) and for each new
+token; the cache (a tuple of per-layer :class:`KVCache`) is an explicit pytree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import Config, config
+from moejax.nn.block import TransformerBlock, run_blocks
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.norms import RMSNorm
+from moejax.nn.slots import FFNSlotConfig
+
+__all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
+           "smollm2_135m_config", "DTYPES"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DecoderCache = tuple  # tuple[KVCache, ...], one per layer
+
+
+@config
+class DecoderConfig(Config):
+    """Decoder LM hyper-parameters; ``ffn_slots`` holds one slot config per layer."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_slots: tuple
+    n_kv_heads: int | None = None  # None -> n_heads (plain MHA)
+    head_dim: int | None = None  # None -> d_model // n_heads
+    max_seq_len: int = 2048
+    rope_base: float = 10000.0
+    rope_style: Literal["interleaved", "half"] = "half"
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02  # embedding (and untied head) init std
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            self._require(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be > 0")
+        self._require(len(self.ffn_slots) == self.n_layers,
+                      f"ffn_slots has {len(self.ffn_slots)} entries but n_layers="
+                      f"{self.n_layers}; give one slot config per layer (see "
+                      "moejax.nn.slots.layer_pattern / dense_decoder_config)")
+        self._require(all(isinstance(s, FFNSlotConfig) for s in self.ffn_slots),
+                      "every ffn_slots entry must be an FFNSlotConfig (e.g. DenseFFNConfig)")
+        kv = self.kv_heads
+        self._require(kv > 0 and self.n_heads % kv == 0,
+                      f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.head_dim is None:
+            self._require(self.d_model % self.n_heads == 0,
+                          f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                          "set head_dim explicitly")
+        self._require(self.dim_per_head % 2 == 0,
+                      f"head_dim={self.dim_per_head} must be even for RoPE")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+
+def dense_decoder_config(*, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
+                         d_hidden: int, activation: str = "swiglu",
+                         **kwargs) -> DecoderConfig:
+    """A :class:`DecoderConfig` with the same dense FFN (no biases) in every layer."""
+    slot = DenseFFNConfig(d_hidden=d_hidden, activation=activation)
+    return DecoderConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                         n_heads=n_heads, ffn_slots=(slot,) * n_layers, **kwargs)
+
+
+def smollm2_135m_config(**kwargs) -> DecoderConfig:
+    """SmolLM2-135M architecture (HF layout: ``rope_style="half"``)."""
+    base = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                head_dim=64, d_hidden=1536, activation="swiglu", max_seq_len=8192,
+                rope_base=100000.0, rope_style="half", norm_eps=1e-5, tie_embeddings=True)
+    base.update(kwargs)
+    return dense_decoder_config(**base)
+
+
+class DecoderLM(nnx.Module):
+    """Causal LM: ``logits_BTV, aux = model(tokens_BT, train=..., key=...)``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        self.dtype = dtype
+        D, V = cfg.d_model, cfg.vocab_size
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D), pdt) * cfg.init_std)
+        self.blocks = nnx.List([
+            TransformerBlock(D, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
+                             head_dim=cfg.dim_per_head, ffn_slot=slot, norm_position="pre",
+                             norm_kind="rmsnorm", norm_eps=cfg.norm_eps, attn_bias=False,
+                             causal=True, rope_style=cfg.rope_style, rope_base=cfg.rope_base,
+                             rngs=rngs, dtype=dtype, param_dtype=pdt)
+            for slot in cfg.ffn_slots
+        ])
+        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
+        if not cfg.tie_embeddings:
+            self.w_head = nnx.Param(jax.random.normal(rngs.params(), (D, V), pdt)
+                                    * cfg.init_std)
+
+    def _embed(self, tokens_BT):
+        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+
+    def _head(self, h_BTD):
+        h = self.final_norm(h_BTD)
+        if self.cfg.tie_embeddings:
+            w_DV = self.embed[...].astype(self.dtype).T
+        else:
+            w_DV = self.w_head[...].astype(self.dtype)
+        return jnp.einsum("btd,dv->btv", h, w_DV, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT: jax.Array, *, train: bool = False,
+                 key: jax.Array | None = None, positions_BT: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None):
+        """Full forward. Returns ``(logits_BTV float32, {"aux_loss", "layers"})``;
+        ``key`` (if given) is split into one key per layer for the FFN slots."""
+        h, aux = run_blocks(self.blocks, self._embed(tokens_BT), train=train, key=key,
+                            positions_BT=positions_BT, mask_BT=mask_BT)
+        return self._head(h), aux
+
+    def init_cache(self, batch: int, max_len: int) -> DecoderCache:
+        """Empty per-layer KV caches for ``batch`` rows of up to ``max_len`` tokens."""
+        return tuple(b.attn.init_cache(batch, max_len, self.dtype) for b in self.blocks)
+
+    def decode(self, tokens_BT: jax.Array, cache: DecoderCache,
+               positions_BT: jax.Array | None = None):
+        """Prefill or incremental step: run ``tokens_BT`` after the cached tokens.
+
+        Positions default to ``cache lengths + arange(T)``. Returns
+        ``(logits_BTV, new_cache)``; inference mode (``train=False``, no key).
+        """
+        h = self._embed(tokens_BT)
+        new_cache = []
+        for block, c in zip(self.blocks, cache):
+            h, _, c = block.decode(h, c, positions_BT=positions_BT)
+            new_cache.append(c)
+        return self._head(h), tuple(new_cache)

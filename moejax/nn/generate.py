@@ -1,0 +1,97 @@
+"""Autoregressive generation for :class:`moejax.nn.decoder.DecoderLM` with a KV cache.
+
+One jitted prefill over the prompt, then one jitted decode step per new token (same shapes
+every step, so it is traced once per (model structure, batch, cache length)). Greedy when
+``temperature == 0``; otherwise samples from ``softmax(logits / temperature)`` (optionally
+restricted to the ``top_k`` largest logits) with ``fold_in(key, step)`` as the step's key.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["generate", "select_token", "TRACE_COUNTS"]
+
+TRACE_COUNTS = {"prefill": 0, "decode": 0}  # incremented at trace time (for tests)
+
+
+def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: float,
+                 top_k: int | None) -> jax.Array:
+    """Greedy argmax (``temperature == 0``) or temperature / top-k sampling -> ``[B]`` int32."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    logits = logits_BV.astype(jnp.float32) / temperature
+    if top_k is not None:
+        kth_B1 = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_B1, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _prefill(graphdef, state, prompt_BT, cache):
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    logits_BTV, cache = model.decode(prompt_BT, cache)
+    return logits_BTV[:, -1], cache
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _decode_one(graphdef, state, token_B, cache):
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    logits_B1V, cache = model.decode(token_B[:, None], cache)
+    return logits_B1V[:, 0], cache
+
+
+@partial(jax.jit, static_argnames=("temperature", "top_k"))
+def _select(logits_BV, key, step, *, temperature, top_k):
+    step_key = None if key is None else jax.random.fold_in(key, step)
+    return select_token(logits_BV, step_key, temperature=temperature, top_k=top_k)
+
+
+def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array | None = None,
+             temperature: float = 0.0, top_k: int | None = None,
+             eos_id: int | None = None) -> jax.Array:
+    """Return ``[B, T + max_new_tokens]`` int32: the prompt followed by generated tokens.
+
+    After a row emits ``eos_id`` its remaining positions are filled with ``eos_id``; the loop
+    stops early once every row has finished. All prompt rows share one length ``T``.
+    """
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    B, T = prompt_BT.shape
+    temperature = float(temperature)
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(...)")
+    if top_k is not None and not 0 < top_k <= model.cfg.vocab_size:
+        raise ValueError(f"top_k={top_k} must be in [1, vocab_size={model.cfg.vocab_size}]")
+    total = T + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                         f"max_seq_len={model.cfg.max_seq_len}; shorten or raise max_seq_len")
+    if max_new_tokens <= 0:
+        return prompt_BT
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(B, total)
+    logits_BV, cache = _prefill(graphdef, state, prompt_BT, cache)
+    out = []
+    done_B = jnp.zeros((B,), bool)
+    for i in range(max_new_tokens):
+        tok_B = _select(logits_BV, key, jnp.int32(i), temperature=temperature, top_k=top_k)
+        if eos_id is not None:
+            tok_B = jnp.where(done_B, eos_id, tok_B)
+            done_B = done_B | (tok_B == eos_id)
+        out.append(tok_B)
+        if i == max_new_tokens - 1 or (eos_id is not None and bool(done_B.all())):
+            break
+        logits_BV, cache = _decode_one(graphdef, state, tok_B, cache)
+    new_BN = jnp.stack(out, axis=1)
+    if new_BN.shape[1] < max_new_tokens:
+        pad = jnp.full((B, max_new_tokens - new_BN.shape[1]), eos_id, jnp.int32)
+        new_BN = jnp.concatenate([new_BN, pad], axis=1)
+    return jnp.concatenate([prompt_BT, new_BN], axis=1)

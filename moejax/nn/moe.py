@@ -1,0 +1,249 @@
+"""Top-k Mixture-of-Experts FFN slot (routers, dispatch paths, shared / universal FFNs).
+
+``y_BTD, aux = moe(x_BTD, train=..., key=..., mask_BT=...)`` computes::
+
+    y = sum_k G_k(x) E_{id_k}(x)  [+ shared(x)]  [+ universal(x)]
+
+Parameter paths of :class:`MoE` (names are relied on by sharding and upcycling code):
+
+* ``experts``: stacked experts, ``w_gate [E, D, F]`` (gated activations only),
+  ``w_up [E, D, F]``, ``w_down [E, F, D]``. Training code shards every parameter whose path
+  contains ``"experts"`` along its leading axis, so nothing else may use that word.
+* ``router``: ``w_g [D, E]`` (+ ``w_noise [D, E]`` for the noisy router).
+* ``shared`` (``n_shared_experts > 0``): DeepSeekMoE shared experts, always active. The sum
+  of ``n`` FFNs of width ``d_shared`` equals one FFN of width ``n * d_shared`` (the hidden
+  units concatenate), so they are stored as one FFN ``w_gate/w_up [D, n * d_shared]``,
+  ``w_down [n * d_shared, D]``; expert ``j`` is hidden columns ``[j * d_shared, (j+1) * d_shared)``.
+* ``universal`` (``universal_ffn=True``): the Med-MoE / Coder-MoE universal FFN,
+  ``w_gate/w_up [D, d_universal]``, ``w_down [d_universal, D]``, run in parallel and summed.
+
+``aux`` (padding tokens of ``mask_BT`` excluded everywhere):
+
+* ``aux_loss`` = ``balance_coef * balance_loss + z_loss_coef * z_loss`` (scalar)
+* ``balance_loss`` raw balance loss of the configured form (0 when ``"none"``)
+* ``z_loss`` raw router z-loss ``mean logsumexp(logits)^2`` (always computed)
+* ``load [E]`` fraction of real (token, slot) assignments per expert
+* ``gate_mass_selected`` / ``gate_mass_unselected`` mean full-softmax probability held by
+  the selected experts / by the others
+* ``expert_ids [B, T, k]`` selected experts (best first)
+* ``dropped_fraction`` fraction of real assignments dropped (capacity path; else 0)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import config
+from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops import router_losses as rl
+from moejax.ops.activations import ActivationName, is_gated
+from moejax.ops.dispatch import dispatch, ffn_apply
+
+__all__ = ["MoEConfig", "MoE", "StackedExperts", "FFNWeights"]
+
+
+@config
+class MoEConfig(FFNSlotConfig):
+    """Top-k MoE slot.
+
+    n_experts / top_k / d_expert: experts, experts per token, hidden width per expert.
+    activation: expert (and shared / universal FFN) activation.
+    router: "softmax" (top-k of softmax(x W_g)) or "noisy" (Shazeer 2017 noisy top-k).
+    renormalize: softmax router only: renormalise the k selected weights to sum to 1
+        (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
+        router always renormalises (softmax over the kept logits), so it requires True.
+    dispatch: "dense" (oracle, all experts on all tokens), "capacity" (fixed [E, C, D]
+        buffers, drops overflow; the CPU default) or "ragged" (dropless grouped matmul, GPU).
+    capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
+        (capacity path only; ``N`` = tokens in the call, padding included).
+    n_shared_experts / d_shared: DeepSeekMoE always-active experts (width default d_expert).
+    universal_ffn / d_universal: parallel dense "universal" FFN (width default d_expert).
+    balance_loss / balance_coef: "cv2" (CV(m)^2 + CV(P)^2), "switch" (E sum f_i P_i) or "none".
+    z_loss_coef: weight of the router z-loss in ``aux_loss``.
+    """
+
+    n_experts: int = 4
+    top_k: int = 2
+    d_expert: int = 256
+    activation: ActivationName = "swiglu"
+    router: Literal["softmax", "noisy"] = "softmax"
+    renormalize: bool = True
+    dispatch: Literal["dense", "capacity", "ragged"] = "capacity"
+    capacity_factor: float = 2.0
+    n_shared_experts: int = 0
+    d_shared: int | None = None
+    universal_ffn: bool = False
+    d_universal: int | None = None
+    balance_loss: Literal["none", "cv2", "switch"] = "switch"
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    def validate(self) -> None:
+        self._require(self.n_experts >= 1, f"n_experts={self.n_experts} must be >= 1")
+        self._require(
+            1 <= self.top_k <= self.n_experts,
+            f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]; lower top_k or "
+            "raise n_experts",
+        )
+        self._require(self.d_expert > 0, f"d_expert={self.d_expert} must be > 0")
+        self._require(
+            self.capacity_factor > 0,
+            f"capacity_factor={self.capacity_factor} must be > 0 (1.0 = exactly balanced "
+            "load fits; use >= n_experts / top_k to never drop)",
+        )
+        self._require(
+            self.n_shared_experts >= 0,
+            f"n_shared_experts={self.n_shared_experts} must be >= 0",
+        )
+        self._require(
+            self.d_shared is None or self.d_shared > 0,
+            f"d_shared={self.d_shared} must be > 0 (or None for d_expert)",
+        )
+        self._require(
+            self.d_shared is None or self.n_shared_experts > 0,
+            f"d_shared={self.d_shared} is set but n_shared_experts=0; set n_shared_experts "
+            "> 0 or leave d_shared=None",
+        )
+        self._require(
+            self.d_universal is None or self.d_universal > 0,
+            f"d_universal={self.d_universal} must be > 0 (or None for d_expert)",
+        )
+        self._require(
+            self.d_universal is None or self.universal_ffn,
+            f"d_universal={self.d_universal} is set but universal_ffn=False; set "
+            "universal_ffn=True or leave d_universal=None",
+        )
+        self._require(
+            self.router != "noisy" or self.renormalize,
+            "router='noisy' always renormalises (softmax over the kept logits); set "
+            "renormalize=True or use router='softmax'",
+        )
+        self._require(self.balance_coef >= 0, f"balance_coef={self.balance_coef} must be >= 0")
+        self._require(self.z_loss_coef >= 0, f"z_loss_coef={self.z_loss_coef} must be >= 0")
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return MoE(d_model, self, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
+
+
+def _normal(rngs: nnx.Rngs, shape, param_dtype):
+    """N(0, 1/fan_in) with fan_in = ``shape[-2]`` (same scheme as DenseFFN)."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * shape[-2] ** -0.5)
+
+
+class StackedExperts(nnx.Module):
+    """``E`` expert FFNs stacked on the leading axis: ``w_gate`` (gated only) / ``w_up``
+    ``[E, D, F]``, ``w_down [E, F, D]``."""
+
+    def __init__(self, n_experts: int, d_model: int, d_hidden: int, *, gated: bool,
+                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+        E, D, F = n_experts, d_model, d_hidden
+        if gated:
+            self.w_gate = _normal(rngs, (E, D, F), param_dtype)
+        self.w_up = _normal(rngs, (E, D, F), param_dtype)
+        self.w_down = _normal(rngs, (E, F, D), param_dtype)
+
+    def weights(self):
+        """``(w_up_EDF, w_down_EFD, w_gate_EDF or None)`` as arrays."""
+        w_gate = self.w_gate[...] if hasattr(self, "w_gate") else None
+        return self.w_up[...], self.w_down[...], w_gate
+
+
+class FFNWeights(nnx.Module):
+    """A plain bias-free FFN (shared experts, universal FFN): ``w_gate`` (gated only) /
+    ``w_up [D, F]``, ``w_down [F, D]`` (DenseFFN naming, so weights copy across)."""
+
+    def __init__(self, d_model: int, d_hidden: int, *, gated: bool, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        if gated:
+            self.w_gate = _normal(rngs, (d_model, d_hidden), param_dtype)
+        self.w_up = _normal(rngs, (d_model, d_hidden), param_dtype)
+        self.w_down = _normal(rngs, (d_hidden, d_model), param_dtype)
+
+    def __call__(self, x_ND, *, activation: str):
+        w_gate = self.w_gate[...] if hasattr(self, "w_gate") else None
+        return ffn_apply(x_ND, self.w_up[...], self.w_down[...], w_gate, activation=activation)
+
+
+class MoE(nnx.Module):
+    """Top-k MoE FFN slot built from a :class:`MoEConfig` (see the module docstring).
+
+    ``self.top_k`` is a plain attribute: setting it (e.g. to ``n_experts`` to activate all
+    experts for distillation) changes the routing of later calls (and retraces jit)."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.top_k = cfg.top_k
+        gated = is_gated(cfg.activation)
+        if cfg.router == "softmax":
+            self.router = SoftmaxRouter(d_model, cfg.n_experts, cfg.top_k,
+                                        renormalize=cfg.renormalize, rngs=rngs,
+                                        param_dtype=param_dtype)
+        else:
+            self.router = NoisyTopKRouter(d_model, cfg.n_experts, cfg.top_k, rngs=rngs,
+                                          param_dtype=param_dtype)
+        self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert, gated=gated,
+                                      rngs=rngs, param_dtype=param_dtype)
+        if cfg.n_shared_experts > 0:
+            width = cfg.n_shared_experts * (cfg.d_shared or cfg.d_expert)
+            self.shared = FFNWeights(d_model, width, gated=gated, rngs=rngs,
+                                     param_dtype=param_dtype)
+        if cfg.universal_ffn:
+            self.universal = FFNWeights(d_model, cfg.d_universal or cfg.d_expert, gated=gated,
+                                        rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None):
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        if D != self.d_model:
+            raise ValueError(f"MoE: input width {D} != d_model {self.d_model}")
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
+
+        # Route (float32). top_k may have been changed on the instance after construction.
+        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
+        w_up, w_down, w_gate = self.experts.weights()
+        out = dispatch(cfg.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
+                       activation=cfg.activation, capacity_factor=cfg.capacity_factor,
+                       valid_N=mask_N)
+        y_ND = out.y_ND
+        if cfg.n_shared_experts > 0:
+            y_ND = y_ND + self.shared(x_ND, activation=cfg.activation)
+        if cfg.universal_ffn:
+            y_ND = y_ND + self.universal(x_ND, activation=cfg.activation)
+
+        aux = self._aux(r, mask_N, out.dropped_fraction, B, T)
+        return y_ND.reshape(B, T, D), aux
+
+    def _aux(self, r, mask_N, dropped_fraction, B, T):
+        cfg = self.cfg
+        E = cfg.n_experts
+        if cfg.balance_loss == "cv2":
+            # P = summed gate values actually used (combine weights), as in Shazeer / Llama-MoE.
+            gates_NE = jnp.zeros_like(r.probs_NE).at[
+                jnp.arange(r.ids_NK.shape[0])[:, None], r.ids_NK].add(r.weights_NK)
+            balance = rl.cv2_balance_loss(r.ids_NK, gates_NE, mask_N)
+        elif cfg.balance_loss == "switch":
+            balance = rl.switch_balance_loss(r.ids_NK, r.probs_NE, mask_N)
+        else:
+            balance = jnp.zeros((), jnp.float32)
+        z = rl.router_z_loss(r.logits_NE, mask_N)
+        counts_E = rl.expert_counts(r.ids_NK, E, mask_N)
+        sel = rl.gate_mass_selected(r.ids_NK, r.probs_NE, mask_N)
+        return {
+            "aux_loss": cfg.balance_coef * balance + cfg.z_loss_coef * z,
+            "balance_loss": balance,
+            "z_loss": z,
+            "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
+            "gate_mass_selected": sel,
+            "gate_mass_unselected": 1.0 - sel,
+            "expert_ids": r.ids_NK.reshape(B, T, -1),
+            "dropped_fraction": dropped_fraction,
+        }

@@ -1,0 +1,260 @@
+"""Token -> expert dispatch for top-k MoE layers (pure functions, no model code).
+
+Every path computes, for each token ``n`` with selected experts ``ids_NK[n]`` and combine
+weights ``weights_NK[n]``::
+
+    y_N[n] = sum_k weights_NK[n, k] * E_{ids_NK[n, k]}(x_N[n])
+
+where expert ``e`` is the FFN ``act(x W_gate[e]) * (x W_up[e]) @ W_down[e]`` (gated
+activations) or ``act(x W_up[e]) @ W_down[e]`` (non-gated), see
+:mod:`moejax.ops.activations`. Stacked expert weights are ``w_up_EDF [E, D, F]``,
+``w_down_EFD [E, F, D]`` and, for gated activations only, ``w_gate_EDF [E, D, F]``.
+
+Paths (all agree to float tolerance when nothing is dropped):
+
+* :func:`dispatch_dense` -- the correctness oracle: every expert on every token
+  (``N * E`` expert evaluations), combined with a masked ``[N, E]`` weight matrix.
+* :func:`dispatch_capacity` -- sort assignments by expert, gather into fixed
+  ``[E, C, D]`` buffers with ``C = ceil(capacity_factor * N * k / E)``, run the experts as a
+  batched matmul, gather the results back and combine. Assignments over capacity are
+  dropped (their contribution is zero). Fast on CPU: only gathers, no one-hot matmuls.
+* :func:`dispatch_ragged` -- dropless: sort assignments by expert and run grouped matmuls
+  with :func:`jax.lax.ragged_dot` (the GPU path).
+
+Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.ops.activations import activation_fn, is_gated
+
+__all__ = [
+    "DispatchMethod",
+    "DispatchOut",
+    "ffn_apply",
+    "expert_capacity",
+    "dispatch_dense",
+    "dispatch_capacity",
+    "dispatch_ragged",
+    "dispatch",
+]
+
+DispatchMethod = Literal["dense", "capacity", "ragged"]
+
+
+class DispatchOut(NamedTuple):
+    """Result of a dispatch path.
+
+    y_ND: combined expert output, dtype of ``x_ND``.
+    n_dropped: int32 scalar, number of *real-token* (token, slot) assignments dropped for
+        lack of capacity (always 0 for the dropless paths).
+    dropped_fraction: float32 scalar, ``n_dropped / number of real-token assignments``.
+    """
+
+    y_ND: jax.Array
+    n_dropped: jax.Array
+    dropped_fraction: jax.Array
+
+
+def _check_weights(activation: str, w_up, w_down, w_gate, stacked: bool) -> None:
+    gated = is_gated(activation)
+    if gated and w_gate is None:
+        raise ValueError(
+            f"activation {activation!r} is gated and needs w_gate; pass the gate weights "
+            "or use a non-gated activation (gelu, gelu_tanh, relu, swish)"
+        )
+    if not gated and w_gate is not None:
+        raise ValueError(
+            f"activation {activation!r} is not gated but w_gate was given; drop w_gate or "
+            "use a gated activation (swiglu, geglu)"
+        )
+    want = 3 if stacked else 2
+    if w_up.ndim != want or w_down.ndim != want:
+        raise ValueError(
+            f"expected {'stacked [E, D, F] / [E, F, D]' if stacked else '[D, F] / [F, D]'} "
+            f"weights, got w_up {w_up.shape} and w_down {w_down.shape}"
+        )
+
+
+def ffn_apply(x_ND, w_up_DF, w_down_FD, w_gate_DF=None, *, activation: str):
+    """One (non-stacked) FFN on ``x[..., D]``: ``act(x W_gate) * (x W_up) @ W_down`` if
+    gated, else ``act(x W_up) @ W_down``. Weights are cast to ``x``'s dtype."""
+    _check_weights(activation, w_up_DF, w_down_FD, w_gate_DF, stacked=False)
+    act = activation_fn(activation)
+    dt = x_ND.dtype
+    up = x_ND @ w_up_DF.astype(dt)
+    h = act(x_ND @ w_gate_DF.astype(dt)) * up if w_gate_DF is not None else act(up)
+    return h @ w_down_FD.astype(dt)
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots per expert: ``C = ceil(capacity_factor * n_tokens * top_k / n_experts)``,
+    clipped to ``[1, n_tokens]`` (an expert can receive at most one assignment per token,
+    so more than ``n_tokens`` slots never changes the result)."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    c = math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+    return max(1, min(c, n_tokens))
+
+
+def _combine(weights_NK, y_NKD, dtype):
+    return jnp.einsum("nk,nkd->nd", weights_NK.astype(y_NKD.dtype), y_NKD).astype(dtype)
+
+
+def _no_drop(x_ND):
+    del x_ND
+    return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+
+
+def dispatch_dense(
+    x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
+    activation: str, valid_N=None,
+) -> DispatchOut:
+    """Oracle path: every expert on every token, combined with the ``[N, E]`` matrix that
+    holds ``weights_NK[n, k]`` at ``(n, ids_NK[n, k])`` and zero elsewhere. Costs ``E / k``
+    times the FLOPs of a sparse path; use for tests and tiny models. ``valid_N`` is
+    accepted for a uniform signature and ignored (nothing is dropped)."""
+    del valid_N
+    _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
+    act = activation_fn(activation)
+    dt = x_ND.dtype
+    n_experts = w_up_EDF.shape[0]
+    up_NEF = jnp.einsum("nd,edf->nef", x_ND, w_up_EDF.astype(dt))
+    if w_gate_EDF is not None:
+        h_NEF = act(jnp.einsum("nd,edf->nef", x_ND, w_gate_EDF.astype(dt))) * up_NEF
+    else:
+        h_NEF = act(up_NEF)
+    y_NED = jnp.einsum("nef,efd->ned", h_NEF, w_down_EFD.astype(dt))
+    onehot_NKE = jax.nn.one_hot(ids_NK, n_experts, dtype=weights_NK.dtype)
+    comb_NE = jnp.einsum("nk,nke->ne", weights_NK, onehot_NKE)
+    y_ND = jnp.einsum("ne,ned->nd", comb_NE.astype(y_NED.dtype), y_NED).astype(dt)
+    return DispatchOut(y_ND, *_no_drop(x_ND))
+
+
+def _sort_assignments(ids_NK, valid_N, n_experts):
+    """Flatten (token, slot) assignments and order them by expert.
+
+    Within an expert the order is: real tokens before padding tokens, then by flat token
+    index ``n`` (batch-major ``b * T + t``). Returns ``order_A`` (sorted -> flat assignment
+    index), the sorted expert ids, the sorted token ids, ``counts_E``, the sorted
+    ``is_real`` flags and the unsorted ``is_real`` flags."""
+    n, k = ids_NK.shape
+    ids_A = ids_NK.reshape(-1).astype(jnp.int32)
+    if valid_N is None:
+        real_A = jnp.ones((n * k,), bool)
+    else:
+        real_A = jnp.repeat(valid_N.reshape(-1).astype(bool), k)
+    sort_key_A = ids_A * 2 + (~real_A).astype(jnp.int32)
+    order_A = jnp.argsort(sort_key_A, stable=True)
+    counts_E = jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1)
+    token_A = jnp.arange(n * k, dtype=jnp.int32) // k
+    return order_A, ids_A[order_A], token_A[order_A], counts_E, real_A[order_A], real_A
+
+
+def dispatch_capacity(
+    x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
+    activation: str, capacity_factor: float, valid_N=None,
+) -> DispatchOut:
+    """Capacity-limited dispatch with fixed ``[E, C, D]`` expert buffers.
+
+    ``C = expert_capacity(N, k, E, capacity_factor)``. Priority when an expert is over
+    capacity: assignments of real tokens (``valid_N``, default all real) come before
+    padding tokens, and among those the earlier flat token index ``n = b * T + t`` wins
+    (slot rank does not matter: a token reaches a given expert at most once). Assignments
+    past position ``C`` in their expert's queue are dropped: they contribute zero to
+    ``y_N`` (the residual stream carries the token), and dropped real-token assignments
+    are counted in ``n_dropped``.
+    """
+    _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
+    act = activation_fn(activation)
+    dt = x_ND.dtype
+    n_tok, d = x_ND.shape
+    k = ids_NK.shape[1]
+    n_experts = w_up_EDF.shape[0]
+    cap = expert_capacity(n_tok, k, n_experts, capacity_factor)
+    n_assign = n_tok * k
+
+    order_A, eid_S, tok_S, counts_E, real_S, real_A = _sort_assignments(ids_NK, valid_N, n_experts)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    pos_S = jnp.arange(n_assign, dtype=jnp.int32) - starts_E[eid_S]
+    keep_S = pos_S < cap
+    n_slots = n_experts * cap
+    slot_S = jnp.where(keep_S, eid_S * cap + pos_S, n_slots)  # n_slots = "dropped" sentinel
+
+    # Gather tokens into the expert buffers (empty slots read a zero row at index N).
+    table_C = jnp.full((n_slots,), n_tok, jnp.int32).at[slot_S].set(tok_S, mode="drop")
+    x_pad = jnp.concatenate([x_ND, jnp.zeros((1, d), dt)], axis=0)
+    x_ECD = x_pad[table_C].reshape(n_experts, cap, d)
+
+    up_ECF = jnp.einsum("ecd,edf->ecf", x_ECD, w_up_EDF.astype(dt))
+    if w_gate_EDF is not None:
+        h_ECF = act(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate_EDF.astype(dt))) * up_ECF
+    else:
+        h_ECF = act(up_ECF)
+    y_ECD = jnp.einsum("ecf,efd->ecd", h_ECF, w_down_EFD.astype(dt))
+
+    # Gather each assignment's result back (dropped ones read the zero row) and combine.
+    slot_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(slot_S)
+    y_pad = jnp.concatenate([y_ECD.reshape(n_slots, d), jnp.zeros((1, d), y_ECD.dtype)], axis=0)
+    y_NKD = y_pad[slot_A].reshape(n_tok, k, d)
+    y_ND = _combine(weights_NK, y_NKD, dt)
+
+    n_dropped = jnp.sum((~keep_S) & real_S).astype(jnp.int32)
+    n_real = jnp.maximum(jnp.sum(real_A), 1)
+    return DispatchOut(y_ND, n_dropped, (n_dropped / n_real).astype(jnp.float32))
+
+
+def dispatch_ragged(
+    x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
+    activation: str, valid_N=None,
+) -> DispatchOut:
+    """Dropless dispatch: sort the ``N * k`` assignments by expert and run grouped matmuls
+    (:func:`jax.lax.ragged_dot`, group sizes = assignments per expert) for up/gate/down,
+    then unsort and combine. ``valid_N`` is accepted for a uniform signature and ignored."""
+    del valid_N
+    _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
+    act = activation_fn(activation)
+    dt = x_ND.dtype
+    n_tok, d = x_ND.shape
+    k = ids_NK.shape[1]
+    n_experts = w_up_EDF.shape[0]
+    ids_A = ids_NK.reshape(-1).astype(jnp.int32)
+    order_A = jnp.argsort(ids_A, stable=True)
+    tok_S = order_A // k
+    group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1)
+
+    x_SD = x_ND[tok_S]
+    up_SF = jax.lax.ragged_dot(x_SD, w_up_EDF.astype(dt), group_sizes_E)
+    if w_gate_EDF is not None:
+        h_SF = act(jax.lax.ragged_dot(x_SD, w_gate_EDF.astype(dt), group_sizes_E)) * up_SF
+    else:
+        h_SF = act(up_SF)
+    y_SD = jax.lax.ragged_dot(h_SF, w_down_EFD.astype(dt), group_sizes_E)
+
+    arange_A = jnp.arange(order_A.shape[0], dtype=order_A.dtype)
+    inv_A = jnp.zeros_like(order_A).at[order_A].set(arange_A)
+    y_NKD = y_SD[inv_A].reshape(n_tok, k, d)
+    return DispatchOut(_combine(weights_NK, y_NKD, dt), *_no_drop(x_ND))
+
+
+def dispatch(
+    method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
+    *, activation: str, capacity_factor: float = 1.0, valid_N=None,
+) -> DispatchOut:
+    """Run the dispatch path named ``method`` ("dense", "capacity" or "ragged")."""
+    args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
+    if method == "dense":
+        return dispatch_dense(*args, activation=activation, valid_N=valid_N)
+    if method == "capacity":
+        return dispatch_capacity(
+            *args, activation=activation, capacity_factor=capacity_factor, valid_N=valid_N
+        )
+    if method == "ragged":
+        return dispatch_ragged(*args, activation=activation, valid_N=valid_N)
+    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', 'ragged'")

@@ -1,0 +1,142 @@
+"""AdamR (paper Algorithm 1): Adam with decay anchored at the pre-trained parameters.
+
+    m_t = b1 m_{t-1} + (1-b1) g_t,        v_t = b2 v_{t-1} + (1-b2) g_t^2
+    m^_t = m_t/(1-b1^t),   v^_t = v_t/(1-b2^t),   vbar_t = mean(v^_t)   (ONE scalar, all params)
+    theta_t = theta_{t-1} - lr_t [ m^_t/(sqrt(v^_t)+eps)
+                                   + lambda R(theta_{t-1} - theta_P)/(sqrt(vbar_t)+eps) ]
+
+with ``R(d) = d`` (AdamR-L2, for random DPP) or ``R(d) = sign(d)`` (AdamR-L1, for
+importance DPP). It replaces AdamW's weight decay. ``theta_P`` (the anchor) defaults
+to the parameters given to ``init`` -- i.e. the pre-trained weights when fine-tuning
+starts -- or is passed explicitly.
+
+Composition: ``adamr = chain(scale_by_adamr(...), scale_by_learning_rate(lr))`` so
+``lr`` may be an optax schedule; clip with ``optax.chain(optax.clip_by_global_norm(1.),
+adamr(...))``; restrict with ``optax.masked(adamr(...), mask)`` (then ``vbar`` is the
+mean over the masked-in parameters only) or keep Adam everywhere and restrict the
+anchored decay with ``decay_mask``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+__all__ = ["ScaleByAdamRState", "scale_by_adamr", "adamr"]
+
+PyTree = Any
+
+
+class ScaleByAdamRState(NamedTuple):
+    """Wrapped ``optax.scale_by_adam`` state and the anchor ``theta_P``."""
+
+    adam: optax.ScaleByAdamState
+    anchor: PyTree
+
+
+def _is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def scale_by_adamr(
+    weight: float,
+    *,
+    reg: Literal["l2", "l1"] = "l2",
+    anchor: PyTree | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    decay_mask: PyTree | None = None,
+) -> optax.GradientTransformation:
+    """Direction ``m^/(sqrt(v^)+eps) + weight R(theta - theta_P)/(sqrt(vbar)+eps)``.
+
+    The Adam part is ``optax.scale_by_adam`` itself, so ``weight=0`` is Adam exactly.
+    ``update`` requires ``params``.
+    """
+    if reg not in ("l2", "l1"):
+        raise ValueError(
+            f"reg={reg!r}; use 'l2' (AdamR-L2, random DPP) or 'l1' (AdamR-L1, importance DPP)."
+        )
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)
+    reg_fn = (lambda d: d) if reg == "l2" else jnp.sign
+
+    def init_fn(params):
+        if anchor is None:
+            anc = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
+        else:
+            try:
+                anc = jax.tree_util.tree_map(
+                    lambda p, a: p if _is_masked(p) else jnp.asarray(a, jnp.result_type(p)),
+                    params,
+                    anchor,
+                    is_leaf=_is_masked,
+                )
+            except ValueError as e:
+                raise ValueError(
+                    f"adamr: `anchor` must have the structure of the params ({e}); "
+                    "pass the pre-trained params tree, or anchor=None to anchor at init params."
+                ) from e
+        return ScaleByAdamRState(adam.init(params), anc)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("adamr needs params: call tx.update(grads, state, params).")
+        adam_updates, adam_state = adam.update(updates, state.adam, params)
+        count = adam_state.count
+        bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+        nus = jax.tree_util.tree_leaves(adam_state.nu)
+        total = sum(jnp.sum(n.astype(jnp.float32)) for n in nus)
+        size = sum(n.size for n in nus)
+        vbar = total / bc2 / max(size, 1)
+        coef = weight / (jnp.sqrt(vbar) + eps)
+        dm = jax.tree_util.tree_map(lambda _: True, params) if decay_mask is None else decay_mask
+
+        def add(u, p, a, m):
+            if not m:
+                return u
+            return (
+                u + (coef * reg_fn(p.astype(jnp.float32) - a.astype(jnp.float32))).astype(u.dtype)
+            ).astype(u.dtype)
+
+        new_updates = jax.tree_util.tree_map(add, adam_updates, params, state.anchor, dm)
+        return new_updates, ScaleByAdamRState(adam_state, state.anchor)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adamr(
+    learning_rate: optax.ScalarOrSchedule,
+    weight: float = 0.0,
+    *,
+    reg: Literal["l2", "l1"] = "l2",
+    anchor: PyTree | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Any = None,
+    decay_mask: PyTree | None = None,
+) -> optax.GradientTransformation:
+    """AdamR-L2 / AdamR-L1 (Algorithm 1) as an optax transformation.
+
+    ``weight`` is ``lambda``; ``learning_rate`` a float or an optax schedule.
+    """
+    return optax.chain(
+        scale_by_adamr(
+            weight,
+            reg=reg,
+            anchor=anchor,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            eps_root=eps_root,
+            mu_dtype=mu_dtype,
+            decay_mask=decay_mask,
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,185 @@
+"""Training configuration, learning-rate schedules and the optax optimizer.
+
+``TrainConfig`` holds every knob of a training run. :func:`make_schedule` turns it into a
+``step -> lr`` function and :func:`make_optimizer` into an optax chain::
+
+    [clip_by_global_norm(grad_clip)]  ->  adamw / adam / sgd(schedule)
+
+Weight decay (decoupled for ``adamw``, added to the gradient for ``sgd``) skips norms and
+biases: see :func:`decay_mask`.
+
+Schedules (``t`` = optimizer step, ``S`` = ``steps``, ``W`` = ``warmup_steps``,
+``m`` = ``min_lr_ratio``, ``lr`` = peak):
+
+* warmup (all schedules), ``t < W``: ``lr * (t + 1) / W``
+* ``constant``: ``lr``
+* ``cosine``: ``lr * (m + (1 - m) * 0.5 * (1 + cos(pi * min(1, (t - W) / (S - W)))))``
+* ``wsd`` (warmup-stable-decay): ``D = S - round(decay_fraction * S)`` decay steps start;
+  ``lr`` for ``W <= t < D``, then linear to ``m * lr`` at ``t = S``:
+  ``lr * (1 - (1 - m) * min(1, (t - D) / (S - D)))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moejax.config import Config, config
+from moejax.train.paths import path_names
+
+__all__ = ["TrainConfig", "make_schedule", "make_optimizer", "decay_mask", "wsd_decay_start"]
+
+
+@config
+class TrainConfig(Config):
+    """Everything about one training run (model and data configs live elsewhere)."""
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-4
+    schedule: Literal["constant", "cosine", "wsd"] = "cosine"
+    warmup_steps: int = 0
+    decay_fraction: float = 0.1  # WSD: fraction of ``steps`` spent decaying
+    min_lr_ratio: float = 0.1
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping threshold, 0 = off
+    grad_accum: int = 1  # micro-batches per optimizer step
+    precision: Literal["float32", "bfloat16"] = "float32"
+    mesh_data: int = -1  # -1 = all devices not used by the other axis
+    mesh_expert: int = 1
+    log_every: int = 10
+    eval_every: int = 0  # 0 = no periodic evaluation
+    ckpt_every: int = 0  # 0 = only at the end of training
+    keep_checkpoints: int = 3
+    seed: int = 0
+
+    def validate(self) -> None:
+        r = self._require
+        r(self.steps >= 1, f"steps={self.steps} must be >= 1")
+        r(self.batch_size >= 1, f"batch_size={self.batch_size} must be >= 1")
+        r(self.lr > 0, f"lr={self.lr} must be > 0")
+        r(
+            0 <= self.warmup_steps <= self.steps,
+            f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]",
+        )
+        r(
+            0.0 <= self.decay_fraction <= 1.0,
+            f"decay_fraction={self.decay_fraction} must be in [0, 1]",
+        )
+        if self.schedule == "wsd":
+            decay = round(self.decay_fraction * self.steps)
+            r(
+                self.warmup_steps + decay <= self.steps,
+                f"wsd: warmup_steps={self.warmup_steps} + decay steps {decay} "
+                f"(decay_fraction * steps) exceed steps={self.steps}; lower one of them",
+            )
+        r(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        r(0.0 <= self.b1 < 1.0, f"b1={self.b1} must be in [0, 1)")
+        r(0.0 <= self.b2 < 1.0, f"b2={self.b2} must be in [0, 1)")
+        r(self.eps > 0, f"eps={self.eps} must be > 0")
+        r(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        r(
+            not (self.optimizer == "adam" and self.weight_decay > 0),
+            f"weight_decay={self.weight_decay} has no effect with optimizer='adam'; use "
+            "optimizer='adamw' (decoupled decay) or set weight_decay=0",
+        )
+        r(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 = off)")
+        r(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
+        r(
+            self.batch_size % self.grad_accum == 0,
+            f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
+            "choose batch_size as a multiple of grad_accum",
+        )
+        for name in ("mesh_data", "mesh_expert"):
+            v = getattr(self, name)
+            r(v == -1 or v >= 1, f"{name}={v} must be -1 (all remaining devices) or >= 1")
+        r(
+            not (self.mesh_data == -1 and self.mesh_expert == -1),
+            "mesh_data and mesh_expert cannot both be -1; fix one of them",
+        )
+        r(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
+        r(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = off)")
+        r(self.ckpt_every >= 0, f"ckpt_every={self.ckpt_every} must be >= 0 (0 = end only)")
+        r(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+
+def wsd_decay_start(cfg: TrainConfig) -> int:
+    """First step of the WSD decay phase."""
+    return cfg.steps - round(cfg.decay_fraction * cfg.steps)
+
+
+def make_schedule(cfg: TrainConfig):
+    """``step -> learning rate`` (jit-friendly; formulas in the module docstring)."""
+    lr, m, W, S = cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps, cfg.steps
+    D = wsd_decay_start(cfg)
+
+    def schedule(step):
+        t = jnp.asarray(step, jnp.float32)
+        warm = lr * (t + 1.0) / max(W, 1)
+        if cfg.schedule == "constant":
+            main = jnp.full_like(t, lr)
+        elif cfg.schedule == "cosine":
+            frac = jnp.clip((t - W) / max(S - W, 1), 0.0, 1.0)
+            main = lr * (m + (1.0 - m) * 0.5 * (1.0 + jnp.cos(math.pi * frac)))
+        else:  # wsd
+            frac = jnp.clip((t - D) / max(S - D, 1), 0.0, 1.0)
+            main = lr * (1.0 - (1.0 - m) * frac)
+        return jnp.where(t < W, warm, main)
+
+    return schedule
+
+
+_NO_DECAY_WORDS = ("norm", "bias", "scale", "ln_", "embedding_norm")
+
+
+def decay_mask(params):
+    """Bool tree: True where weight decay applies.
+
+    Skipped: leaves with ``ndim <= 1`` and any leaf whose path mentions a norm or a bias
+    (a component containing ``norm``/``bias``/``scale`` or named ``b``), e.g. stacked
+    expert biases ``[E, f]``.
+    """
+
+    def rule(path, x):
+        names = [n.lower() for n in path_names(path)]
+        if getattr(x, "ndim", 0) <= 1:
+            return False
+        if any(w in n for n in names for w in _NO_DECAY_WORDS) or (names and names[-1] == "b"):
+            return False
+        return True
+
+    return jax.tree_util.tree_map_with_path(rule, params)
+
+
+def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformation:
+    """Optax chain for ``cfg`` (clipping, then the optimizer with ``schedule``)."""
+    schedule = make_schedule(cfg) if schedule is None else schedule
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    if cfg.optimizer == "adamw":
+        parts.append(
+            optax.adamw(
+                schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                weight_decay=cfg.weight_decay, mask=decay_mask,
+            )
+        )
+    elif cfg.optimizer == "adam":
+        parts.append(optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
+    else:  # sgd; b1 is the momentum (0 = plain SGD)
+        if cfg.weight_decay > 0:
+            parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+        parts.append(optax.sgd(schedule, momentum=cfg.b1 if cfg.b1 > 0 else None))
+    return optax.chain(*parts)

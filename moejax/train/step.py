@@ -1,0 +1,249 @@
+"""The jitted training step: forward/backward, gradient accumulation, mixed precision, update.
+
+* :class:`TrainState` -- ``(step, params, opt_state, key, rest)``: ``params`` is the nnx State of
+  the model's ``nnx.Param`` leaves (fp32 master copy), ``key`` the run's PRNG key as
+  ``jax.random.key_data`` (uint32), ``rest`` every non-``Param`` variable of the model (fixed
+  buffers such as DeRS index vectors; carried through the step unchanged unless the model
+  writes to it).
+* ``loss_fn(model, batch, key, train=True) -> (loss, metrics)``: scalar loss and a flat dict of
+  scalar metrics; :func:`lm_loss_fn` is the language-model one.
+* :func:`make_train_step` -> jitted ``step(state, batch) -> (state, metrics)``.
+
+Gradient accumulation (``cfg.grad_accum = A``): the global batch of ``B`` rows is split into
+``A`` micro-batches of ``B / A`` rows (micro-batch ``i`` = rows ``i, i + A, i + 2A, ...`` so
+that a batch sharded over devices keeps every micro-batch spread over all devices) and
+``lax.scan`` sums their gradients; loss, metrics and gradients are the mean over
+micro-batches. This equals the big-batch step whenever ``loss_fn`` is a mean over an equal
+number of real tokens per micro-batch (always true with an all-ones mask).
+
+Mixed precision (``cfg.precision = "bfloat16"``): floating params are cast to bf16 inside the
+differentiated function, so the forward/backward run in bf16 while the gradients (w.r.t. the
+fp32 master params), the optimizer state and the update stay fp32.
+
+Non-finite guard: metrics carry ``finite`` (loss and gradient norm finite). When it is false
+the step returns the *input* state unchanged (no corrupt update is ever applied); the loop then
+raises :class:`NonFiniteError` via :func:`check_finite`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moejax.ops.losses import accuracy, cross_entropy
+from moejax.train.optim import TrainConfig
+
+__all__ = [
+    "TrainState",
+    "NonFiniteError",
+    "init_train_state",
+    "make_train_step",
+    "make_eval_step",
+    "lm_loss_fn",
+    "check_finite",
+    "cast_floating",
+]
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nnx.State of nnx.Param leaves (fp32 master copy)
+    opt_state: Any  # optax state mirroring params
+    key: jax.Array  # uint32 PRNG key data (jax.random.key_data)
+    rest: Any = None  # non-Param model variables (nnx.State)
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised by the loop when a step produced a non-finite loss or gradient norm."""
+
+
+LossFn = Callable[..., tuple[jax.Array, dict]]
+
+
+def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0):
+    """Split ``model`` and build the initial state. Returns ``(graphdef, TrainState)``."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    key = jax.random.key_data(jax.random.key(seed))
+    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), key, rest)
+    return graphdef, state
+
+
+def cast_floating(tree, dtype):
+    """Cast the floating leaves of ``tree`` to ``dtype`` (others unchanged)."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def lm_loss_fn(model, batch, key, train: bool = True):
+    """Next-token cross-entropy on ``batch["targets"]`` (masked by ``batch["mask"]``) plus
+    the model's ``aux["aux_loss"]``. Metrics: ``ce``, ``aux_loss``, ``accuracy`` and every
+    other scalar float entry of ``aux`` (prefixed ``aux/``)."""
+    mask = batch.get("mask")
+    mask_bt = None if mask is None else mask > 0
+    logits, aux = model(batch["inputs"], train=train, key=key, mask_BT=mask_bt)
+    ce = cross_entropy(logits, batch["targets"], mask)
+    aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
+    metrics = {"ce": ce, "aux_loss": aux_loss, "accuracy": accuracy(logits, batch["targets"], mask)}
+    for name, v in aux.items():
+        if name != "aux_loss" and hasattr(v, "ndim") and v.ndim == 0 and jnp.issubdtype(
+            v.dtype, jnp.floating
+        ):
+            metrics[f"aux/{name}"] = v.astype(jnp.float32)
+    return ce + aux_loss, metrics
+
+
+def _loss_and_grad(graphdef, loss_fn, compute_dtype):
+    def objective(params, rest, batch, key):
+        p = params if compute_dtype is None else cast_floating(params, compute_dtype)
+        model = nnx.merge(graphdef, p, rest)
+        loss, metrics = loss_fn(model, batch, key, train=True)
+        _, _, new_rest = nnx.split(model, nnx.Param, ...)
+        new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"}
+        return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
+
+    return jax.value_and_grad(objective, has_aux=True)
+
+
+def _split_micro(batch, n):
+    def split(x):
+        if x.shape[0] % n:
+            raise ValueError(
+                f"batch dim {x.shape[0]} is not divisible by grad_accum={n}; choose "
+                "batch_size as a multiple of grad_accum"
+            )
+        return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def make_step_fn(graphdef, loss_fn: LossFn, tx, cfg: TrainConfig, schedule=None, batch_sharding=None):
+    """The un-jitted ``step(state, batch) -> (state, metrics)`` (see :func:`make_train_step`)."""
+    compute_dtype = jnp.bfloat16 if cfg.precision == "bfloat16" else None
+    grad_fn = _loss_and_grad(graphdef, loss_fn, compute_dtype)
+    n_micro = cfg.grad_accum
+
+    def step(state: TrainState, batch):
+        key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+        if n_micro == 1:
+            (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch, step_key)
+        else:
+            micro = _split_micro(batch, n_micro)
+            first = jax.tree.map(lambda x: x[0], micro)
+            out_shape = jax.eval_shape(grad_fn, state.params, state.rest, first, step_key)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+            (l0, (m0, _)), g0 = zeros
+
+            def body(carry, xs):
+                g_sum, l_sum, m_sum, rest = carry
+                mb, i = xs
+                if batch_sharding is not None:
+                    mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
+                (l, (m, rest)), g = grad_fn(
+                    state.params, rest, mb, jax.random.fold_in(step_key, i)
+                )
+                add = lambda a, b: a + b
+                return (jax.tree.map(add, g_sum, g), l_sum + l, jax.tree.map(add, m_sum, m), rest), None
+
+            (g, loss, metrics, rest), _ = jax.lax.scan(
+                body, (g0, l0, m0, state.rest), (micro, jnp.arange(n_micro))
+            )
+            inv = 1.0 / n_micro
+            grads = jax.tree.map(lambda x: x * inv, g)
+            loss = loss * inv
+            metrics = jax.tree.map(lambda x: x * inv, metrics)
+
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(state.step + 1, params, opt_state, jax.random.key_data(key), rest)
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        out = dict(metrics)
+        out.update(loss=loss, grad_norm=grad_norm, finite=finite)
+        if schedule is not None:
+            out["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        return new, out
+
+    return step
+
+
+def make_train_step(
+    graphdef,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    cfg: TrainConfig,
+    *,
+    schedule=None,
+    mesh=None,
+    donate: bool = False,
+):
+    """Jitted ``step(state, batch) -> (state, metrics)``.
+
+    Metrics: ``loss``, ``grad_norm`` (before clipping), ``finite``, ``lr`` (when ``schedule``
+    is given) and the loss_fn's metrics. With ``mesh`` the step is jitted with explicit
+    in/out shardings from :mod:`moejax.train.mesh` (state: expert params over ``"expert"``,
+    the rest replicated; batch: dim 0 over ``("data", "expert")``); the shardings are built
+    from the first state passed in. ``donate=True`` donates the input state's buffers.
+    """
+    if mesh is None:
+        fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule)
+        return jax.jit(fn, donate_argnums=(0,) if donate else ())
+
+    from moejax.train import mesh as mesh_lib
+
+    b_sh = mesh_lib.batch_sharding(mesh)
+    fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule, batch_sharding=b_sh)
+    cache: dict = {}
+
+    def step(state, batch):
+        treedef = jax.tree.structure(state)
+        if treedef not in cache:
+            s_sh = mesh_lib.tree_shardings(state, mesh)
+            cache[treedef] = jax.jit(
+                fn,
+                in_shardings=(s_sh, b_sh),
+                out_shardings=(s_sh, mesh_lib.replicated(mesh)),
+                donate_argnums=(0,) if donate else (),
+            )
+        return cache[treedef](state, batch)
+
+    return step
+
+
+def make_eval_step(graphdef, loss_fn: LossFn, precision: str = "float32"):
+    """Jitted ``eval_step(params, rest, batch, key) -> metrics`` (``train=False``)."""
+
+    def ev(params, rest, batch, key):
+        if precision == "bfloat16":
+            params = cast_floating(params, jnp.bfloat16)
+        model = nnx.merge(graphdef, params, rest)
+        loss, metrics = loss_fn(model, batch, key, train=False)
+        out = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        out["loss"] = jnp.asarray(loss, jnp.float32)
+        return out
+
+    return jax.jit(ev)
+
+
+def check_finite(metrics: dict, step: int, data_position: int) -> None:
+    """Raise :class:`NonFiniteError` when ``metrics["finite"]`` is false (host-side)."""
+    if bool(metrics["finite"]):
+        return
+    loss, gnorm = float(metrics["loss"]), float(metrics["grad_norm"])
+    what = []
+    if not jnp.isfinite(loss):
+        what.append(f"loss={loss}")
+    if not jnp.isfinite(gnorm):
+        what.append(f"grad_norm={gnorm}")
+    raise NonFiniteError(
+        f"non-finite {' and '.join(what) or 'values'} at step {step} (the update was NOT "
+        f"applied and nothing was saved). Try: a lower lr, enabling grad_clip (e.g. "
+        f"train.grad_clip=1.0), precision=float32, and check the batch at data position "
+        f"{data_position} (source.batch({data_position}))."
+    )

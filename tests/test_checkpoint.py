@@ -1,0 +1,181 @@
+"""Checkpoints: bitwise-exact resume, incomplete/interrupted saves never count as latest,
+mismatch errors naming the leaves, and the documented plain-orbax snippet."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import moejax.checkpoint as ck_mod
+from moejax.checkpoint import CheckpointMismatchError, Checkpointer, latest_step
+from moejax.config import from_json
+from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
+from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=2, schedule="cosine", seed=3)
+
+
+def _fresh(cfg=CFG, **model_kw):
+    """A brand-new model, optimizer, initial state and jitted step."""
+    tx = make_optimizer(cfg)
+    graphdef, state = init_train_state(TinyMoELM(nnx.Rngs(0), noise=0.3, **model_kw), tx, cfg.seed)
+    return state, make_train_step(graphdef, lm_loss_fn, tx, cfg, schedule=make_schedule(cfg))
+
+
+def _run(state, step, src, start, n):
+    losses = []
+    for pos in range(start, start + n):
+        state, m = step(state, src.batch(pos))
+        losses.append(np.asarray(m["loss"]))
+    return state, losses
+
+
+def _saved_run(tmp_path, steps=(2,)):
+    state, step = _fresh()
+    src = ToySource(batch_size=4)
+    ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
+    done = 0
+    for s in steps:
+        state, _ = _run(state, step, src, done, s - done)
+        done = s
+        ckpt.save(state, data_position=done, config=CFG)
+    ckpt.close()
+    return state
+
+
+def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path):
+    src = ToySource(batch_size=4)
+    state, step = _fresh()
+    straight, losses_a = _run(state, step, src, 0, 6)
+
+    state, step = _fresh()
+    state, losses_b = _run(state, step, src, 0, 3)
+    ckpt = Checkpointer(tmp_path / "ck", async_save=True)
+    ckpt.save(state, data_position=3, config=CFG)
+    ckpt.close()
+    del state, step
+
+    template, step = _fresh()  # fresh model/optimizer/state
+    ckpt = Checkpointer(tmp_path / "ck")
+    restored, meta = ckpt.restore(template)
+    assert meta["data_position"] == 3 and meta["step"] == 3 and int(restored.step) == 3
+    assert from_json(meta["config"]) == CFG
+    assert restored.key.dtype == np.uint32
+    resumed, losses_c = _run(restored, step, src, meta["data_position"], 3)
+    assert all(np.array_equal(a, b) for a, b in zip(losses_a, losses_b + losses_c))
+    assert tree_equal(resumed.params, straight.params)
+    assert tree_equal(resumed.opt_state, straight.opt_state)
+    assert np.array_equal(resumed.key, straight.key)
+    assert jax.tree.structure(resumed) == jax.tree.structure(straight)
+
+
+def test_incomplete_step_dirs_are_never_latest(tmp_path):
+    _saved_run(tmp_path, steps=(2,))
+    d = tmp_path / "ck"
+    # orbax-style temporary dir of a newer step, and a half-copied step dir without commit
+    shutil.copytree(d / "2", d / "5.orbax-checkpoint-tmp-1234567")
+    (d / "5.orbax-checkpoint-tmp-1234567" / "commit_success.txt").unlink()
+    shutil.copytree(d / "2", d / "7")
+    (d / "7" / "commit_success.txt").unlink()
+    assert latest_step(d) == 2
+    ckpt = Checkpointer(d)
+    assert ckpt.all_steps() == [2]
+    template, _ = _fresh()
+    restored, meta = ckpt.restore(template)
+    assert int(restored.step) == 2 and meta["data_position"] == 2
+    with pytest.raises(FileNotFoundError, match="complete steps: \\[2\\]"):
+        ckpt.restore(template, step=7)
+
+
+_INTERRUPTED = """
+import os, sys
+sys.path.insert(0, {root!r})
+from orbax.checkpoint._src.path import atomicity
+from tests.test_checkpoint import _fresh, _run, ToySource
+from moejax.checkpoint import Checkpointer
+state, step = _fresh()
+src = ToySource(batch_size=4)
+ckpt = Checkpointer({d!r}, async_save={async_save})
+state, _ = _run(state, step, src, 0, 2)
+ckpt.save(state, data_position=2)
+ckpt.wait()
+async def crash(self, *a, **k):  # the process dies right before the save is finalised
+    os._exit(17)
+atomicity.AtomicRenameTemporaryPath.finalize = crash
+state, _ = _run(state, step, src, 2, 2)
+ckpt.save(state, data_position=4)
+ckpt.wait()
+print("NOT INTERRUPTED")
+"""
+
+
+@pytest.mark.parametrize("async_save", [True])
+def test_interrupted_save_is_not_latest(tmp_path, async_save):
+    d = str(tmp_path / "ck")
+    code = _INTERRUPTED.format(root=ROOT, d=d, async_save=async_save)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 17, r.stdout + r.stderr
+    leftovers = [n for n in os.listdir(d) if n.startswith("4")]
+    assert leftovers and all("tmp" in n for n in leftovers), os.listdir(d)
+    assert latest_step(d) == 2
+    template, _ = _fresh()
+    restored, meta = Checkpointer(d).restore(template)
+    assert int(restored.step) == 2 and meta["data_position"] == 2
+
+
+def test_mismatching_model_fails_naming_leaves(tmp_path):
+    _saved_run(tmp_path, steps=(1,))
+    template, _ = _fresh(d=10)  # different width
+    with pytest.raises(CheckpointMismatchError) as e:
+        Checkpointer(tmp_path / "ck").restore(template)
+    msg = str(e.value)
+    assert "params/embed/embedding: saved (16, 8) float32 vs expected (16, 10) float32" in msg
+    assert "opt_state/" in msg and "config" in msg
+    template, _ = _fresh(n_experts=2)
+    with pytest.raises(CheckpointMismatchError, match=r"params/experts/w_up: saved \(4, 8, 12\)"):
+        Checkpointer(tmp_path / "ck").restore(template)
+
+
+def test_plain_orbax_snippet_from_docstring(tmp_path):
+    state = _saved_run(tmp_path, steps=(1, 2))
+    doc = ck_mod.__doc__
+    start = doc.index("    import os\n")
+    end = doc.index("\n\n", start)
+    snippet = textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(tmp_path / "ck"))
+    assert "moejax" not in snippet.replace("moejax.checkpoint.latest_step", "")
+    out = tmp_path / "out.npz"
+    code = snippet + textwrap.dedent(f"""
+        import json, numpy as np
+        flat = {{"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
+                for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}}
+        flat["__key__"] = np.asarray(jax.random.key_data(key))
+        np.savez({str(out)!r}, **flat)
+        print(json.dumps({{"step": int(step), "position": position}}))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info == {"step": 2, "position": 2}
+    got = dict(np.load(out))
+    want = nnx.to_pure_dict(state.params)
+    flat_want = {
+        "/".join(str(k.key) for k in p): np.asarray(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(want)[0]
+    }
+    assert set(flat_want) <= set(got)
+    for k, v in flat_want.items():
+        np.testing.assert_array_equal(got[k], v)
+    np.testing.assert_array_equal(got["__key__"], np.asarray(state.key))

@@ -1,0 +1,105 @@
+"""DARE / DAREx-q: exactness vs a numpy oracle, unbiasedness, q searches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.delta import apply, dare, dare_keep_mask, q_grid, search_q_e, search_q_v, select_leaves
+
+
+def _delta(mean=0.0):
+    r = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(r.normal(mean, 1.0, (6, 5)), jnp.float32),
+        "w2": jnp.asarray(r.normal(mean, 1.0, (5, 3)), jnp.float32),
+        "bias": jnp.asarray(r.normal(size=(3,)), jnp.float32),
+    }
+
+
+def test_dare_matches_oracle_and_q_equals_1mp_is_dare():
+    d, p, key = _delta(), 0.7, jax.random.PRNGKey(1)
+    mask = select_leaves(d)
+    keep = dare_keep_mask(key, d, p, mask)
+    out = dare(key, d, p, mask=mask)
+    for k in ("w1", "w2"):
+        oracle = np.where(np.asarray(keep[k]), np.asarray(d[k]) / np.float32(1 - p), 0.0)
+        np.testing.assert_allclose(np.asarray(out[k]), oracle.astype(np.float32), rtol=1e-6)
+        assert np.array_equal(
+            np.asarray(out[k]) != 0, np.asarray(keep[k]) & (np.asarray(d[k]) != 0)
+        )
+    np.testing.assert_array_equal(out["bias"], d["bias"])  # unselected leaf untouched
+    same = dare(key, d, p, q=1 - p, mask=mask)
+    for k in d:
+        np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(out[k]))
+    # DAREx-q: same mask, survivors scaled by 1/q (global, per-path dict)
+    qx = dare(key, d, p, q={"w1": 0.5, "w2": 0.4, "bias": 1.0}, mask=mask)
+    np.testing.assert_allclose(
+        np.asarray(qx["w1"]),
+        np.where(np.asarray(keep["w1"]), np.asarray(d["w1"]) / 0.5, 0),
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        np.asarray(qx["w2"]),
+        np.where(np.asarray(keep["w2"]), np.asarray(d["w2"]) / 0.4, 0),
+        rtol=1e-6,
+    )
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        dare(key, d, 1.0)
+
+
+def test_dare_unbiased_statistically():
+    d, p, n = _delta(), 0.9, 6000
+    keys = jax.random.split(jax.random.PRNGKey(3), n)
+    outs = jax.vmap(lambda k: dare(k, d, p))(keys)
+    for k in d:
+        mean = np.asarray(outs[k]).mean(0)
+        sd = np.abs(np.asarray(d[k])) * np.sqrt(p / (1 - p) / n)
+        assert np.all(np.abs(mean - np.asarray(d[k])) <= 5 * sd + 1e-6), k
+        assert abs(np.mean(np.asarray(outs[k]) != 0) - (1 - p)) < 0.01
+    # independence across leaves: masks of two same-shape leaves differ
+    m = dare_keep_mask(
+        jax.random.PRNGKey(0), {"a": jnp.ones((50, 50)), "b": jnp.ones((50, 50))}, 0.5
+    )
+    assert not np.array_equal(m["a"], m["b"])
+
+
+def _toy():
+    """Linear model y = x @ (W_P + Delta), zero-mean deltas.
+
+    At p=0.9 the 1/(1-p) rescale inflates the output variance, so q > 1-p helps.
+    """
+    r = np.random.default_rng(5)
+    w_p = {"w": jnp.asarray(r.normal(size=(64, 8)), jnp.float32)}
+    d = {"w": jnp.asarray(r.normal(0.0, 0.2, (64, 8)), jnp.float32)}
+    x = jnp.asarray(np.abs(r.normal(size=(16, 64))), jnp.float32)
+    return w_p, d, (lambda prm: x @ prm["w"])
+
+
+def test_search_q_e_is_grid_argmin_of_oracle():
+    w_p, d, fn = _toy()
+    p, key = 0.9, jax.random.PRNGKey(2)
+    grid = q_grid(p, 30)
+    res = search_q_e(key, w_p, d, p, fn, grid=grid)
+    ref = np.asarray(fn(apply(w_p, d)))
+    keep = np.asarray(dare_keep_mask(key, d, p)["w"])
+    oracle = [
+        np.abs(np.asarray(fn({"w": w_p["w"] + np.where(keep, d["w"] / q, 0)})) - ref).mean()
+        for q in grid
+    ]
+    np.testing.assert_allclose(res.scores, oracle, rtol=1e-4, atol=1e-5)
+    assert res.best == pytest.approx(grid[int(np.argmin(oracle))])
+    assert res.best > 1 - p + 1e-6 and res.best_score < oracle[0]  # DAREx-q beats DARE here
+    fine = search_q_e(key, w_p, d, p, fn, grid=grid, refine_rounds=2)
+    assert fine.best_score <= res.best_score + 1e-7 and len(fine.points) > len(grid)
+
+
+def test_search_q_v_uses_metric_direction():
+    w_p, d, fn = _toy()
+    p, key = 0.9, jax.random.PRNGKey(2)
+    target = fn(apply(w_p, d))
+    neg_mse = lambda prm: -float(jnp.mean((fn(prm) - target) ** 2))
+    hi = search_q_v(key, w_p, d, p, neg_mse, higher_is_better=True)
+    lo = search_q_v(key, w_p, d, p, lambda prm: -neg_mse(prm), higher_is_better=False)
+    assert hi.best == lo.best and hi.best > 1 - p
+    assert hi.best_score == pytest.approx(np.max(hi.scores))

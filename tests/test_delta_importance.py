@@ -1,0 +1,106 @@
+"""Magnitude / WANDA keep exactly the top (1-p) m n; structural DPP; input norms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.delta import (
+    accumulate_input_norms,
+    input_mean_abs,
+    input_stats_init,
+    input_stats_update,
+    magnitude_prune,
+    num_kept,
+    structural_dpp,
+    wanda_prune,
+)
+
+
+def _oracle_topk(score, k):
+    flat = score.ravel()
+    keep = np.zeros(flat.size, bool)
+    keep[np.argsort(-flat, kind="stable")[:k]] = True
+    return keep.reshape(score.shape)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.99])
+def test_magnitude_keeps_exact_top_count(p):
+    r = np.random.default_rng(0)
+    d = {
+        "w": jnp.asarray(r.normal(size=(20, 10)), jnp.float32),
+        "stack": jnp.asarray(r.normal(size=(3, 10, 20)), jnp.float32),
+        "n": jnp.ones(7),
+    }
+    out = magnitude_prune(d, p, mask={"w": True, "stack": True, "n": False})
+    k = num_kept(200, p)
+    np.testing.assert_array_equal(
+        np.asarray(out["w"]) != 0, _oracle_topk(np.abs(np.asarray(d["w"])), k)
+    )
+    for e in range(3):  # per matrix of the expert stack
+        assert np.count_nonzero(np.asarray(out["stack"][e])) == k
+        np.testing.assert_array_equal(
+            np.asarray(out["stack"][e]) != 0, _oracle_topk(np.abs(np.asarray(d["stack"][e])), k)
+        )
+    kept = np.asarray(out["w"])[np.asarray(out["w"]) != 0]
+    assert set(kept.tolist()) <= set(np.asarray(d["w"]).ravel().tolist())  # no rescale
+    np.testing.assert_array_equal(out["n"], d["n"])
+
+
+def test_wanda_with_accumulated_norms():
+    r = np.random.default_rng(1)
+    d = {"w": jnp.asarray(r.normal(size=(16, 6)), jnp.float32)}
+    batches = [r.normal(size=(2, 5, 16)) * np.linspace(0.1, 3, 16) for _ in range(3)]
+    norms = accumulate_input_norms(batches)
+    np.testing.assert_allclose(
+        norms, np.sqrt(sum((b.reshape(-1, 16) ** 2).sum(0) for b in batches)), rtol=1e-5
+    )
+    st = input_stats_init(16)
+    for b in batches:
+        st = input_stats_update(st, jnp.asarray(b))
+    np.testing.assert_allclose(
+        input_mean_abs(st),
+        np.abs(np.concatenate([b.reshape(-1, 16) for b in batches])).mean(0),
+        rtol=1e-5,
+    )
+    p = 0.75
+    out = wanda_prune(d, {"w": norms}, p)
+    score = np.abs(np.asarray(d["w"])) * np.asarray(norms)[:, None]
+    np.testing.assert_array_equal(np.asarray(out["w"]) != 0, _oracle_topk(score, num_kept(96, p)))
+    assert np.count_nonzero(out["w"]) == 24
+    per_out = wanda_prune(d, {"w": norms}, p, per_output=True)
+    assert all(np.count_nonzero(np.asarray(per_out["w"])[:, j]) == 4 for j in range(6))
+    # WANDA differs from magnitude when input norms vary
+    assert not np.array_equal(
+        np.asarray(out["w"]) != 0, np.asarray(magnitude_prune(d, p)["w"]) != 0
+    )
+    with pytest.raises(ValueError, match="d_in"):
+        wanda_prune(d, {"w": norms[:5]}, p)
+
+
+def test_structural_dpp_columns_and_rate():
+    r = np.random.default_rng(2)
+    d = {
+        "w": jnp.asarray(r.normal(size=(200, 50)) + 0.1, jnp.float32),
+        "s": jnp.asarray(r.normal(size=(2, 40, 30)), jnp.float32),
+    }
+    a, b = 0.05, 0.2
+    out = structural_dpp(jax.random.PRNGKey(0), d, a, b)
+    w = np.asarray(out["w"])
+    rows = np.flatnonzero(np.any(w != 0, axis=1))  # in_axis=-2 -> input features are rows
+    assert len(rows) <= 10 and len(rows) >= 8  # round(0.05 * 200) = 10 chosen features
+    chosen_total = 10 * 50
+    assert abs(np.count_nonzero(w) / chosen_total - b) < 0.08
+    nz = w != 0
+    np.testing.assert_allclose(
+        w[nz], np.asarray(d["w"])[nz] / (a * b), rtol=1e-6
+    )  # default q = a b
+    for e in range(2):
+        assert np.count_nonzero(np.any(np.asarray(out["s"][e]) != 0, axis=1)) <= 2
+    q = structural_dpp(jax.random.PRNGKey(0), d, a, b, q=0.5)
+    np.testing.assert_allclose(np.asarray(q["w"])[nz], np.asarray(d["w"])[nz] / 0.5, rtol=1e-6)
+    # unbiased in expectation over keys (rate a*b, rescale 1/(a b))
+    outs = jax.vmap(lambda k: structural_dpp(k, {"w": d["w"][:20, :4]}, 0.5, 0.5)["w"])(
+        jax.random.split(jax.random.PRNGKey(1), 4000)
+    )
+    np.testing.assert_allclose(np.asarray(outs).mean(0), np.asarray(d["w"][:20, :4]), atol=0.25)

@@ -1,0 +1,110 @@
+"""Compact storage: exact counts and bytes; store -> save -> load -> identical tree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.delta import (
+    dare,
+    decode,
+    dense_bytes,
+    encode,
+    index_dtype_for,
+    load,
+    pack_bits,
+    quantize,
+    quantize_tree,
+    save,
+    storage_report,
+    unpack_bits,
+)
+
+
+def test_index_dtype_and_bit_packing():
+    assert index_dtype_for(256) == np.uint8 and index_dtype_for(257) == np.uint16
+    assert index_dtype_for(65536) == np.uint16 and index_dtype_for(65537) == np.uint32
+    r = np.random.default_rng(0)
+    for bits in range(1, 9):
+        codes = r.integers(0, 2**bits, size=37).astype(np.uint8)
+        packed = pack_bits(codes, bits)
+        assert packed.nbytes == -(-37 * bits // 8)
+        np.testing.assert_array_equal(unpack_bits(packed, bits, 37), codes)
+
+
+def _same(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_sparse_roundtrip_exact_accounting(tmp_path):
+    r = np.random.default_rng(1)
+    d = {
+        "layers": [
+            {"w": jnp.asarray(r.normal(size=(20, 30)), jnp.float32)},
+            {"w": jnp.asarray(r.normal(size=(300, 4)), jnp.bfloat16)},
+        ],
+        "norm": jnp.asarray(r.normal(size=(30,)), jnp.float32),
+    }
+    pruned = dare(
+        jax.random.PRNGKey(0), d, 0.9, mask={"layers": [{"w": True}, {"w": True}], "norm": False}
+    )
+    st = encode(pruned)  # auto: sparse for pruned matrices, dense for the norm
+    kinds = [m["kind"] for m in st.meta["leaves"]]
+    assert kinds == ["sparse", "sparse", "dense"]
+    nnz0, nnz1 = (
+        int(np.count_nonzero(np.asarray(pruned["layers"][i]["w"], np.float32))) for i in (0, 1)
+    )
+    rep = storage_report(st)
+    assert rep["params"] == 600 + 1200 + 30
+    assert rep["stored"] == nnz0 + nnz1 + 30
+    assert rep["leaves"][0]["bytes"] == nnz0 * (4 + 2)  # float32 value + uint16 index (600 > 256)
+    assert rep["leaves"][1]["bytes"] == nnz1 * (2 + 2)  # bfloat16 value + uint16 index
+    assert rep["array_bytes"] == rep["leaves"][0]["bytes"] + rep["leaves"][1]["bytes"] + 30 * 4
+    assert rep["array_bytes"] < dense_bytes(pruned)
+    _same(decode(st, like=pruned), pruned)
+    save(str(tmp_path / "delta.npz"), st)
+    loaded = load(str(tmp_path / "delta.npz"))
+    with np.load(tmp_path / "delta.npz", allow_pickle=False) as z:  # no object arrays inside
+        assert all(z[k].dtype != object for k in z.files)
+    _same(decode(loaded, like=pruned), pruned)
+    nested = decode(loaded)  # without a template: nested dict by path
+    np.testing.assert_array_equal(
+        np.asarray(nested["layers"]["0"]["w"]), np.asarray(pruned["layers"][0]["w"])
+    )
+    with pytest.raises(ValueError, match="leaf paths"):
+        decode(loaded, like={"x": jnp.zeros(3)})
+
+
+def test_quant_roundtrip_packed_bytes(tmp_path):
+    r = np.random.default_rng(2)
+    d = {
+        "w": r.normal(size=(16, 6)).astype(np.float32),
+        "b": r.normal(size=(6,)).astype(np.float32),
+    }
+    qt = quantize_tree(
+        d, 3, mask={"w": True, "b": False}, symmetric=False, granularity="group", group_size=8
+    )
+    st = encode(qt, formats="dense")
+    rep = storage_report(st)
+    assert [x["path"] for x in rep["leaves"]] == ["b", "w"]
+    assert (
+        rep["leaves"][1]["bytes"] == -(-96 * 3 // 8) + 2 * (2 * 6) * 4
+    )  # packed codes + step/offset per group
+    assert rep["leaves"][0]["bytes"] == 6 * 4
+    save(str(tmp_path / "q.npz"), st)
+    back = decode(load(str(tmp_path / "q.npz")), like=d)
+    ql = quantize(d["w"], 3, symmetric=False, granularity="group", group_size=8)
+    np.testing.assert_array_equal(back["w"].codes, ql.codes)
+    np.testing.assert_array_equal(back["w"].step, ql.step)
+    np.testing.assert_array_equal(np.asarray(back["b"]), d["b"])
+    # symmetric: no offsets stored, decoded values identical
+    qs = quantize_tree(d, 4, mask={"w": True, "b": False}, symmetric=True, granularity="channel")
+    sts = encode(qs)
+    assert storage_report(sts)["leaves"][1]["bytes"] == 96 * 4 // 8 + 6 * 4
+    from moejax.delta import dequantize
+
+    np.testing.assert_array_equal(dequantize(decode(sts, like=d)["w"]), dequantize(qs["w"]))

@@ -1,0 +1,217 @@
+"""DecoderLM: cache vs full forward, tied/untied params, jit, slot aux flow, generation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import ConfigError, config, from_json, to_json
+from moejax.nn import generate as gen_mod
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
+from moejax.nn.slots import FFNSlotConfig, layer_pattern
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_hidden=24,
+                max_seq_len=32, init_std=1.0)
+    base.update(kw)
+    return dense_decoder_config(**base)
+
+
+def n_params(model):
+    return sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 32, size=(2, 9)), jnp.int32)
+
+
+# ---------------------------------------------------------------- test-only FFN slot
+
+
+@config
+class ConstAuxSlotConfig(FFNSlotConfig):
+    """Test slot: y = 0, aux_loss = ``loss``, and it reports the key it received."""
+
+    loss: float = 0.25
+
+    def build(self, d_model, *, rngs, dtype=None, param_dtype=None):
+        return ConstAuxSlot(self.loss)
+
+
+class ConstAuxSlot(nnx.Module):
+    def __init__(self, loss):
+        self.loss = loss
+
+    def __call__(self, x_BTD, *, train=False, key=None, mask_BT=None):
+        key_bits = (jnp.zeros((2,), jnp.uint32) if key is None
+                    else jax.random.key_data(key).reshape(-1)[:2])
+        n_real = jnp.sum(mask_BT) if mask_BT is not None else jnp.float32(x_BTD.shape[0]
+                                                                           * x_BTD.shape[1])
+        aux = {"aux_loss": jnp.float32(self.loss), "key_bits": key_bits,
+               "train": jnp.float32(train), "n_real": n_real.astype(jnp.float32)}
+        return jnp.zeros_like(x_BTD), aux
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("rope_style", ["half", "interleaved"])
+def test_prefill_plus_cached_decode_matches_full_forward(rope_style):
+    model = DecoderLM(tiny_cfg(rope_style=rope_style), rngs=nnx.Rngs(0))
+    full, _ = model(TOKENS)
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    cache = model.init_cache(2, 12)
+    logits, cache = decode(model, TOKENS[:, :5], cache)
+    steps = [logits]
+    for t in range(5, 9):
+        logits, cache = decode(model, TOKENS[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
+    assert full.shape == (2, 9, 32) and full.dtype == jnp.float32
+    assert all(int(c.lengths_B[0]) == 9 for c in cache) and len(cache) == 2
+
+
+def test_tied_vs_untied_parameter_counts():
+    tied = DecoderLM(tiny_cfg(tie_embeddings=True), rngs=nnx.Rngs(0))
+    untied = DecoderLM(tiny_cfg(tie_embeddings=False), rngs=nnx.Rngs(0))
+    assert n_params(untied) - n_params(tied) == 16 * 32
+    # exact count: embed + per layer (2 norms + q,o [16,16] + k,v [16,8] + 3 FFN mats) + final
+    per_layer = 2 * 16 + 2 * 16 * 16 + 2 * 16 * 8 + 3 * 16 * 24
+    assert n_params(tied) == 32 * 16 + 2 * per_layer + 16
+    assert untied.w_head[...].shape == (16, 32) and not hasattr(tied, "w_head")
+
+
+def test_jit_matches_no_jit():
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(1))
+    eager, _ = model(TOKENS)
+    jitted, aux = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    np.testing.assert_allclose(jitted, eager, rtol=1e-5, atol=1e-5)
+    assert float(aux["aux_loss"]) == 0.0 and aux["layers"] == ({}, {})
+
+
+def test_bfloat16_compute_close_to_float32():
+    m32 = DecoderLM(tiny_cfg(init_std=0.5), rngs=nnx.Rngs(2))
+    m16 = DecoderLM(tiny_cfg(init_std=0.5, dtype="bfloat16"), rngs=nnx.Rngs(2))
+    a, _ = m32(TOKENS)
+    b, _ = m16(TOKENS)
+    assert b.dtype == jnp.float32 and m16.embed[...].dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(a - b))) < 0.15 * float(jnp.max(jnp.abs(a)))
+
+
+def test_aux_flows_from_slots_every_other_layer_with_per_layer_keys():
+    dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
+    slots = layer_pattern(4, dense, ConstAuxSlotConfig(loss=0.25), every=2)
+    cfg = tiny_cfg(n_layers=4).replace(ffn_slots=slots)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    mask = jnp.ones(TOKENS.shape, bool).at[1, 6:].set(False)
+    _, aux = model(TOKENS, train=True, key=jax.random.key(7), mask_BT=mask)
+    assert float(aux["aux_loss"]) == pytest.approx(0.5)
+    layers = aux["layers"]
+    assert len(layers) == 4 and layers[0] == {} and layers[2] == {}
+    k1, k3 = np.asarray(layers[1]["key_bits"]), np.asarray(layers[3]["key_bits"])
+    expected = jax.random.key_data(jax.random.split(jax.random.key(7), 4))
+    np.testing.assert_array_equal(k1, np.asarray(expected[1]).reshape(-1)[:2])
+    np.testing.assert_array_equal(k3, np.asarray(expected[3]).reshape(-1)[:2])
+    assert float(layers[1]["train"]) == 1.0 and float(layers[1]["n_real"]) == 15.0
+    # grads flow through aux_loss-free dense layers while the slot adds a constant loss
+    _, aux_nokey = model(TOKENS)
+    assert not np.any(np.asarray(aux_nokey["layers"][1]["key_bits"]))
+
+
+def test_decoder_config_validation_and_json_roundtrip():
+    cfg = tiny_cfg()
+    with pytest.raises(ConfigError, match="ffn_slots has 1 entries but n_layers=2"):
+        cfg.replace(ffn_slots=cfg.ffn_slots[:1])
+    with pytest.raises(ConfigError, match="n_kv_heads=3 must divide n_heads=4"):
+        cfg.replace(n_kv_heads=3)
+    with pytest.raises(ConfigError, match="rope_style"):
+        cfg.replace(rope_style="neox")
+    assert from_json(to_json(cfg)) == cfg
+
+
+# ------------------------------------------------------------------------- generation
+
+
+def test_greedy_generate_equals_repeated_full_forward_argmax():
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(3))
+    prompt = TOKENS[:, :4]
+    before = dict(gen_mod.TRACE_COUNTS)
+    out = generate(model, prompt, 6)
+    # Oracle: a full (uncached) forward over the whole sequence so far, once per new token.
+    # The sequence is right-padded to a fixed length (the model is causal, so the padding
+    # cannot affect earlier positions) so that one compiled forward serves every step.
+    forward = nnx.jit(lambda m, t: m(t)[0])
+    seq = np.zeros((2, 10), np.int32)
+    seq[:, :4] = np.asarray(prompt)
+    for t in range(4, 10):
+        logits = forward(model, jnp.asarray(seq))
+        seq[:, t] = np.argmax(np.asarray(logits[:, t - 1]), -1)
+    np.testing.assert_array_equal(out, seq)
+    assert gen_mod.TRACE_COUNTS["decode"] - before["decode"] <= 1  # no retrace per token
+    generate(model, prompt, 6)  # same shapes: no new trace at all
+    assert gen_mod.TRACE_COUNTS["decode"] - before["decode"] <= 1
+
+
+def test_sampling_is_keyed_and_respects_top_k():
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(4))
+    prompt = TOKENS[:, :3]
+    a = generate(model, prompt, 5, key=jax.random.key(0), temperature=1.0)
+    b = generate(model, prompt, 5, key=jax.random.key(0), temperature=1.0)
+    np.testing.assert_array_equal(a, b)
+    top1 = generate(model, prompt, 5, key=jax.random.key(1), temperature=2.0, top_k=1)
+    np.testing.assert_array_equal(top1, generate(model, prompt, 5))
+    with pytest.raises(ValueError, match="explicit key"):
+        generate(model, prompt, 2, temperature=1.0)
+
+
+def test_generate_pads_after_eos():
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(3))
+    prompt = TOKENS[:, :4]
+    greedy = np.asarray(generate(model, prompt, 6))
+    eos = int(greedy[0, 5])  # row 0's second generated token
+    out = np.asarray(generate(model, prompt, 6, eos_id=eos))
+    assert out.shape == (2, 10)
+    np.testing.assert_array_equal(out[0, :6], greedy[0, :6])
+    assert np.all(out[0, 6:] == eos)
+    for row in range(2):  # each row equals greedy up to its first eos, then eos
+        gen = greedy[row, 4:]
+        hits = np.flatnonzero(gen == eos)
+        stop = hits[0] + 1 if hits.size else 6
+        np.testing.assert_array_equal(out[row, 4:4 + stop], gen[:stop])
+        assert np.all(out[row, 4 + stop:] == eos)
+
+
+# ----------------------------------------------------------------------- MoE slots
+
+
+def test_decoder_with_moe_every_other_layer_forward_and_grad():
+    moe_mod = pytest.importorskip("moejax.nn.moe")
+    moe = moe_mod.MoEConfig(n_experts=4, top_k=2, d_expert=8, balance_coef=0.01)
+    dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
+    cfg = tiny_cfg(init_std=0.02).replace(ffn_slots=layer_pattern(2, dense, moe, every=2))
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+
+    def loss_fn(m):
+        logits, aux = m(TOKENS[:, :-1], train=True, key=jax.random.key(0))
+        logp = jax.nn.log_softmax(logits)
+        nll = -jnp.mean(jnp.take_along_axis(logp, TOKENS[:, 1:, None], -1))
+        return nll + aux["aux_loss"], aux
+
+    step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
+    (loss, aux), grads = step(model)
+    assert np.isfinite(float(loss)) and float(aux["aux_loss"]) > 0
+    assert aux["layers"][0] == {} and "aux_loss" in aux["layers"][1]
+    leaves = jax.tree_util.tree_leaves(grads)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
+    router_grad = [g for p, g in nnx.to_flat_state(grads) if "router" in map(str, p)]
+    assert router_grad and any(float(jnp.abs(g[...]).sum()) > 0 for g in router_grad)
+
+
+def test_smollm2_135m_layout_has_the_published_parameter_count():
+    from moejax.nn.decoder import smollm2_135m_config
+    abstract = nnx.eval_shape(lambda: DecoderLM(smollm2_135m_config(), rngs=nnx.Rngs(0)))
+    assert n_params(abstract) == 134_515_008
+    assert abstract.blocks[0].attn.w_k.get_value().shape == (576, 192)

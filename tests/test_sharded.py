@@ -1,0 +1,73 @@
+"""Sharded (data x expert) train step == single-device step, on 8 fake CPU devices.
+
+Runs in a subprocess because the device count must be set before JAX starts."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = r"""
+import sys
+sys.path.insert(0, ROOT)
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
+from moejax.train import mesh as mesh_lib
+from tests.test_train_utils import TinyMoELM, ToySource, tree_max_diff
+
+assert jax.device_count() == 8, jax.devices()
+cfg = TrainConfig(steps=4, batch_size=16, lr=1e-2, warmup_steps=0, schedule="constant",
+                  grad_accum=2)
+tx = make_optimizer(cfg)
+src = ToySource(batch_size=16)
+
+def run(mesh):
+    graphdef, state = init_train_state(TinyMoELM(nnx.Rngs(0), noise=0.2), tx, 0)
+    step = make_train_step(graphdef, lm_loss_fn, tx, cfg, schedule=make_schedule(cfg), mesh=mesh)
+    if mesh is not None:
+        state = mesh_lib.shard_tree(state, mesh)
+    losses = []
+    for pos in range(2):
+        b = src.batch(pos) if mesh is None else mesh_lib.shard_batch(src.batch(pos), mesh)
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+ref_state, ref_losses = run(None)
+for shape in [(4, 2), (2, 4)]:
+    mesh = mesh_lib.make_mesh(*shape)
+    assert dict(mesh.shape) == {"data": shape[0], "expert": shape[1]}
+    state, losses = run(mesh)
+    w = state.params["experts"]["w_up"][...]
+    assert w.sharding.spec == P("expert"), w.sharding
+    assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape[0] == 4 // shape[1]
+    mu = state.opt_state[1][0].mu["experts"]["w_up"][...]
+    assert mu.sharding.spec == P("expert"), mu.sharding
+    assert state.params["head"]["kernel"][...].sharding.spec == P()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    diff = tree_max_diff(state.params, ref_state.params)
+    assert diff < 1e-5, (shape, diff)
+    assert tree_max_diff(state.opt_state, ref_state.opt_state) < 1e-5
+    print("mesh", shape, "losses", losses, "max param diff", diff)
+# -1 fills the remaining devices; impossible meshes fail with a clear message
+assert dict(mesh_lib.make_mesh(-1, 2).shape) == {"data": 4, "expert": 2}
+try:
+    mesh_lib.make_mesh(3, 2)
+except ValueError as e:
+    assert "3x2" in str(e) and "8 are available" in str(e), e
+else:
+    raise AssertionError("3x2 mesh on 8 devices should fail")
+print("OK")
+"""
+
+
+def test_sharded_step_matches_single_device():
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.replace("ROOT", repr(ROOT), 1)],
+                       env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
