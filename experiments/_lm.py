@@ -36,6 +36,7 @@ class MoELMConfig(Config):
     balance_coef: float = 0.01
     moe_layers: Literal["all", "every_other", "none"] = "all"
     max_seq_len: int = 1024
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
 
     def decoder_config(self) -> DecoderConfig:
         dense = DenseFFNConfig(d_hidden=self.d_hidden, activation=self.activation)
@@ -54,7 +55,7 @@ class MoELMConfig(Config):
         return DecoderConfig(
             vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_slots=slots,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=self.max_seq_len, dtype=self.dtype,
         )
 
 

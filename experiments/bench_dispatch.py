@@ -59,7 +59,8 @@ def make_config(preset: str) -> BenchConfig:
 
 
 def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
-    mcfg = cfg.model.replace(dispatch=path, max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len))
+    mcfg = cfg.model.replace(dispatch=path, max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len),
+                             dtype=cfg.precision)
     model = DecoderLM(mcfg.decoder_config(), rngs=nnx.Rngs(0))
     tcfg = TrainConfig(steps=cfg.warmup + cfg.steps, batch_size=cfg.batch_size, lr=1e-3,
                        warmup_steps=0, schedule="constant", precision=cfg.precision)

@@ -38,6 +38,9 @@ Reading a checkpoint with plain orbax (no moejax import; this exact snippet is t
 orbax's ``commit_success.txt``. orbax's own temporary directories
 (``<step>.orbax-checkpoint-tmp-*``) and hand-made or half-copied step directories are ignored.
 
+Multi-host: every process calls ``save``/``restore`` (orbax coordinates the writes);
+``directory`` must be on a filesystem all hosts see (NFS, GCS via gcsfuse, ...).
+
 Restoring into a template whose leaves differ from the saved ones (another model config)
 raises :class:`CheckpointMismatchError` listing every differing leaf (path, saved shape/dtype
 vs expected) before anything is loaded.
@@ -46,6 +49,7 @@ vs expected) before anything is loaded.
 from __future__ import annotations
 
 import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,8 +124,12 @@ def _leaf_desc(x) -> str:
 
 def check_compatible(saved_meta_tree, template_tree, where: str = "") -> None:
     """Compare saved array metadata with a template; raise listing every differing leaf."""
-    saved = {"/".join(k): v for k, v in ocp.tree.to_flat_dict(saved_meta_tree).items() if v is not None}
-    want = {"/".join(k): v for k, v in ocp.tree.to_flat_dict(template_tree).items() if v is not None}
+    saved = {
+        "/".join(k): v for k, v in ocp.tree.to_flat_dict(saved_meta_tree).items() if v is not None
+    }
+    want = {
+        "/".join(k): v for k, v in ocp.tree.to_flat_dict(template_tree).items() if v is not None
+    }
     problems = []
     for k in sorted(set(saved) | set(want)):
         if k not in want:
@@ -131,9 +139,13 @@ def check_compatible(saved_meta_tree, template_tree, where: str = "") -> None:
         elif tuple(saved[k].shape) != tuple(want[k].shape) or np.dtype(saved[k].dtype) != np.dtype(
             want[k].dtype
         ):
-            problems.append(f"  {k}: saved {_leaf_desc(saved[k])} vs expected {_leaf_desc(want[k])}")
+            problems.append(
+                f"  {k}: saved {_leaf_desc(saved[k])} vs expected {_leaf_desc(want[k])}"
+            )
     if problems:
-        shown = problems[:40] + ([f"  ... and {len(problems) - 40} more"] if len(problems) > 40 else [])
+        shown = problems[:40] + (
+            [f"  ... and {len(problems) - 40} more"] if len(problems) > 40 else []
+        )
         raise CheckpointMismatchError(
             f"checkpoint {where} does not match the model/optimizer being restored "
             f"({len(problems)} differing leaves):\n" + "\n".join(shown) + "\nFix: rebuild the "
@@ -164,11 +176,18 @@ class Checkpointer:
         )
 
     # -- writing -------------------------------------------------------------------------
-    def save(self, state: TrainState, *, data_position: int, config: Config | str | None = None) -> int:
+    def save(
+        self, state: TrainState, *, data_position: int, config: Config | str | None = None
+    ) -> int:
         """Save ``state`` at step ``int(state.step)``; returns the step."""
         step = int(jax.device_get(state.step))
         cfg_json = to_json(config) if isinstance(config, Config) else config
-        meta = {"format": FORMAT, "step": step, "data_position": int(data_position), "config": cfg_json}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "data_position": int(data_position),
+            "config": cfg_json,
+        }
         self._mngr.save(
             step,
             args=ocp.args.Composite(
@@ -194,7 +213,9 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict:
         step = self._resolve(step)
-        return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
 
     def _resolve(self, step):
         if step is None:

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import moejax.checkpoint as ck_mod
-from moejax.checkpoint import CheckpointMismatchError, Checkpointer, latest_step
+from moejax.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
 from moejax.config import from_json
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
@@ -123,8 +123,9 @@ def test_interrupted_save_is_not_latest(tmp_path, async_save):
     d = str(tmp_path / "ck")
     code = _INTERRUPTED.format(root=ROOT, d=d, async_save=async_save)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert r.returncode == 17, r.stdout + r.stderr
     leftovers = [n for n in os.listdir(d) if n.startswith("4")]
     assert leftovers and all("tmp" in n for n in leftovers), os.listdir(d)
@@ -164,8 +165,14 @@ def test_plain_orbax_snippet_from_docstring(tmp_path):
         print(json.dumps({{"step": int(step), "position": position}}))
     """)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout.strip().splitlines()[-1])
     assert info == {"step": 2, "position": 2}

@@ -1,4 +1,4 @@
-"""TFDS array_record builders: build small slices, read them back, splits disjoint, deterministic."""
+"""TFDS array_record builders: build small slices, read back, splits disjoint, deterministic."""
 
 import numpy as np
 import pytest
@@ -21,11 +21,18 @@ def _all(name, data_dir):
     return {split: [ds[i] for i in range(len(ds))] for split, ds in srcs.items()}
 
 
-@pytest.mark.parametrize("name,key", [
-    ("stdlib_code", "doc_id"), ("prose/pydoc", "doc_id"), ("prose/kjv", "doc_id"),
-    ("wordnet_glosses", "gloss"), ("chitchat", "conversation_id"),
-    ("mnist5k", "index"), ("digits", "index"),
-])
+@pytest.mark.parametrize(
+    "name,key",
+    [
+        ("stdlib_code", "doc_id"),
+        ("prose/pydoc", "doc_id"),
+        ("prose/kjv", "doc_id"),
+        ("wordnet_glosses", "gloss"),
+        ("chitchat", "conversation_id"),
+        ("mnist5k", "index"),
+        ("digits", "index"),
+    ],
+)
 def test_build_read_disjoint(name, key, data_dir):
     splits = _all(name, data_dir)
     assert set(splits) == set(datasets.SPLITS)
@@ -51,7 +58,7 @@ def test_text_examples_are_documents_in_their_hashed_split(data_dir):
 
 
 def test_wordnet_labels(data_dir):
-    for split, exs in _all("wordnet_glosses", data_dir).items():
+    for exs in _all("wordnet_glosses", data_dir).values():
         for ex in exs:
             pos, lex = POS_NAMES[ex["pos"]], LEXNAMES[ex["lexname"]]
             assert lex.split(".")[0] == pos  # noun.*, verb.*, adj.*, adv.*

@@ -1,4 +1,4 @@
-"""Loaders from the array_record datasets (small slices): LM packing, classification, images, BPE."""
+"""Loaders from the array_record datasets (small slices): LM, classification, images, chat, BPE."""
 
 import numpy as np
 import pytest
@@ -54,16 +54,54 @@ def test_wordnet_classification(data_dir):
         assert b["inputs"].shape == (3, 32) and (b["inputs"][:, 0] == tok.bos_id).all()
         assert ((0 <= b["labels"]) & (b["labels"] < k)).all()
         assert (b["mask"].sum(1) > 1).all()
-    glosses = [datasets.decode_text(e["gloss"]) for e in datasets.load_split("wordnet_glosses", "test", **kw)]
+    glosses = [
+        datasets.decode_text(e["gloss"])
+        for e in datasets.load_split("wordnet_glosses", "test", **kw)
+    ]
     src = loader.classification_batches("test", tok, task="pos", seq_len=32, batch_size=2, **kw)
-    assert tok.decode(src.batch(0)["inputs"][0]) == glosses[0].encode()[:31].decode("utf-8", "replace")
+    assert tok.decode(src.batch(0)["inputs"][0]) == glosses[0].encode()[:31].decode(
+        "utf-8", "replace"
+    )
 
 
 def test_image_batches(data_dir):
-    src = loader.image_batches("digits", "train", batch_size=4, data_dir=data_dir,
-                               max_examples_per_split=N)
+    src = loader.image_batches(
+        "digits", "train", batch_size=4, data_dir=data_dir, max_examples_per_split=N
+    )
     b = src.batch(0)
     assert b["inputs"].shape == (4, 8, 8) and b["inputs"].dtype == np.float32
     assert 0.0 <= b["inputs"].min() and b["inputs"].max() <= 1.0 and b["labels"].dtype == np.int32
     with pytest.raises(ValueError, match="image datasets"):
         loader.image_batches("chitchat", "train", batch_size=2)
+
+
+def test_chat_batches(data_dir):
+    tok = ByteTokenizer()
+    kw = dict(data_dir=data_dir, max_examples_per_split=N)
+    src = loader.chat_batches("validation", tok, seq_len=128, batch_size=2, **kw)
+    ex = datasets.load_split("chitchat", "validation", **kw)[0]
+    b = src.batch(0)
+    row, mask = b["targets"][0], b["mask"][0]
+    response = datasets.decode_text(ex["response"]).encode()[:124].decode("utf-8", "replace")
+    assert tok.decode(row[mask > 0]) == response
+    assert row[mask > 0][-1] == tok.eos_id or len(ex["response"]) >= 124
+    ctx = loader.chat_batches(
+        "validation", tok, seq_len=128, batch_size=2, prompt_field="context", **kw
+    )
+    assert ctx.fingerprint != src.fingerprint
+
+
+def test_bpe_token_cache_round_trip(data_dir):
+    from moejax.data.token_cache import tokenized_docs
+
+    kw = dict(data_dir=data_dir, max_examples_per_split=N)
+    tok = loader.bpe_for("prose/kjv", 300, **kw)
+    first = tokenized_docs("prose/kjv", "train", tok, "text", **kw)
+    files = list(data_dir.rglob("tokens/prose-kjv-*-train-text-bpe-*.npz"))
+    assert len(files) == 1 and not list(data_dir.rglob("tokens/.*.tmp"))
+    again = tokenized_docs("prose/kjv", "train", tok, "text", **kw)
+    assert [d.tolist() for d in again] == [d.tolist() for d in first]
+    texts = loader.read_texts("prose/kjv", "train", **kw)
+    assert [tok.decode(d) for d in again] == texts
+    tokenized_docs("prose/kjv", "train", ByteTokenizer(), "text", **kw)  # bytes: never cached
+    assert len(list(data_dir.rglob("tokens/prose-kjv-*.npz"))) == 1

@@ -119,3 +119,25 @@ def test_classification_batches():
     labels = np.concatenate([src.batch(p)["labels"] for p in range(3)])  # 2 epochs of 3
     assert sorted(labels[:3].tolist()) == [0, 1, 2] and sorted(labels[3:].tolist()) == [0, 1, 2]
     np.testing.assert_array_equal(src.batch(2)["inputs"], src.batch(2)["inputs"])
+
+
+def test_pack_pairs_and_pair_batches():
+    from moejax.data.batches import PairLMBatches
+    from moejax.data.packing import pack_pairs
+
+    prompts = [np.array([10, 11, 12]), np.arange(20, 40), np.array([], np.int32)]
+    responses = [np.array([50, 51]), np.array([60, 61, 62]), np.arange(70, 90)]
+    tokens, loss = pack_pairs(prompts, responses, 11)
+    assert tokens[0].tolist() == [BOS, 10, 11, 12, EOS, BOS, 50, 51, EOS, 0, 0, 0]
+    assert loss[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    # long prompt: its beginning is dropped, the response survives whole
+    assert tokens[1].tolist() == [BOS, 35, 36, 37, 38, 39, EOS, BOS, 60, 61, 62, EOS]
+    assert loss[1].sum() == 4
+    # response longer than the row: truncated at its end
+    assert tokens[2].tolist() == [BOS, EOS, BOS, *range(70, 78), EOS]
+    src = PairLMBatches(tokens, loss, batch_size=3, seed=0, shuffle=False)
+    b = src.batch(0)
+    np.testing.assert_array_equal(b["targets"], tokens[:, 1:])
+    np.testing.assert_array_equal(b["mask"], loss[:, 1:])
+    assert b["segment_ids"][0].tolist() == [1] * 9 + [0] * 2
+    assert b["positions"][0].tolist() == list(range(9)) + [0, 0]

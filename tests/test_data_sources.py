@@ -1,4 +1,4 @@
-"""Data sources: stable splits, data directory, and missing-data errors that leave nothing behind."""
+"""Data sources: stable splits, data directory, missing-data errors that leave nothing behind."""
 
 import os
 
@@ -62,7 +62,7 @@ def test_failed_generation_leaves_no_partial_dataset(monkeypatch, tmp_path):
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(builders_images.MoejaxDigits, "_generate_examples", boom)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (TFDS may wrap the generator's error)
         datasets.get_builder("digits", data_dir=tmp_path)
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() or "incomplete" in p.name]
     assert leftovers == []

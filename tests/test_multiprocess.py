@@ -42,7 +42,14 @@ for pos in range(2):
     assert local_batch(src, pos)["inputs"].shape[0] == 4  # only this process's rows
     state, m = step(state, global_batch(src, pos, mesh))
     losses.append(float(m["loss"]))
-print("RESULT", json.dumps({"pid": jax.process_index(), "losses": losses}))
+# the full loop (sharded init, per-process data, orbax checkpoint written by both processes)
+from moejax.train.loop import train
+from moejax.checkpoint import latest_step
+hist = train(TinyMoELM(nnx.Rngs(0), noise=0.2), src, CFG.replace(steps=2), run_dir=RUN_DIR,
+             mesh=mesh, progress=False)
+assert latest_step(RUN_DIR + "/checkpoints") == 2
+print("RESULT", json.dumps({"pid": jax.process_index(), "losses": losses,
+                            "loop_losses": [h["loss"] for h in hist]}))
 """
 
 
@@ -52,9 +59,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_single_process():
+def test_two_processes_match_single_process(tmp_path):
     port = _free_port()
-    code = _WORKER.replace("ROOT", repr(ROOT), 1)
+    code = _WORKER.replace("ROOT", repr(ROOT), 1).replace("RUN_DIR", repr(str(tmp_path / "run")))
     procs = []
     for pid in range(2):
         env = dict(
@@ -65,8 +72,16 @@ def test_two_processes_match_single_process():
             MOEJAX_NUM_PROCESSES="2",
             MOEJAX_PROCESS_ID=str(pid),
         )
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -94,3 +109,4 @@ def test_two_processes_match_single_process():
         ref.append(float(m["loss"]))
     for r in results:
         np.testing.assert_allclose(r["losses"], ref, rtol=1e-5)
+        np.testing.assert_allclose(r["loop_losses"], ref, rtol=1e-5)

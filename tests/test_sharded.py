@@ -66,8 +66,15 @@ print("OK")
 
 
 def test_sharded_step_matches_single_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT.replace("ROOT", repr(ROOT), 1)],
-                       env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.replace("ROOT", repr(ROOT), 1)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

@@ -14,8 +14,17 @@ from moejax.train.optim import TrainConfig
 from moejax.train.step import NonFiniteError
 from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
 
-CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosine",
-                  ckpt_every=3, eval_every=3, log_every=2, seed=1)
+CFG = TrainConfig(
+    steps=6,
+    batch_size=4,
+    lr=1e-2,
+    warmup_steps=1,
+    schedule="cosine",
+    ckpt_every=3,
+    eval_every=3,
+    log_every=2,
+    seed=1,
+)
 
 
 class Crash(RuntimeError):
@@ -51,8 +60,14 @@ def _eval_fn(model, step):
 
 def test_loop_outputs_and_crash_resume_is_exact(tmp_path):
     straight_model = TinyMoELM(nnx.Rngs(0))
-    hist_a = train(straight_model, ToySource(batch_size=4), CFG, run_dir=str(tmp_path / "a"),
-                   eval_fn=_eval_fn, progress=False)
+    hist_a = train(
+        straight_model,
+        ToySource(batch_size=4),
+        CFG,
+        run_dir=str(tmp_path / "a"),
+        eval_fn=_eval_fn,
+        progress=False,
+    )
     assert [h["step"] for h in hist_a] == [1, 2, 3, 4, 5, 6]
     rows = read_csv(tmp_path / "a" / "metrics.csv")
     assert list(rows[0])[:5] == ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
@@ -67,8 +82,13 @@ def test_loop_outputs_and_crash_resume_is_exact(tmp_path):
     # crash while fetching data position 4 (after step 4 was logged, checkpoint at 3)
     run_b = str(tmp_path / "b")
     with pytest.raises(Crash):
-        train(TinyMoELM(nnx.Rngs(0)), CrashingSource(5, batch_size=4), CFG, run_dir=run_b,
-              progress=False)
+        train(
+            TinyMoELM(nnx.Rngs(0)),
+            CrashingSource(5, batch_size=4),
+            CFG,
+            run_dir=run_b,
+            progress=False,
+        )
     assert latest_step(os.path.join(run_b, "checkpoints")) == 3
     resumed_model = TinyMoELM(nnx.Rngs(0))  # fresh model: the loop restores from step 3
     hist_b = train(resumed_model, ToySource(batch_size=4), CFG, run_dir=run_b, progress=False)
@@ -80,15 +100,22 @@ def test_loop_outputs_and_crash_resume_is_exact(tmp_path):
     assert tree_equal(nnx.state(resumed_model, nnx.Param), nnx.state(straight_model, nnx.Param))
 
     # a finished run resumes to a no-op
-    assert train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), CFG, run_dir=run_b,
-                 progress=False) == []
+    assert (
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), CFG, run_dir=run_b, progress=False)
+        == []
+    )
 
 
 def test_loop_raises_non_finite_before_saving(tmp_path):
     cfg = CFG.replace(ckpt_every=1, eval_every=0)
     with pytest.raises(NonFiniteError, match="at step 2 .*data position 2"):
-        train(TinyMoELM(nnx.Rngs(0)), NaNSource(batch_size=4), cfg, run_dir=str(tmp_path),
-              progress=False)
+        train(
+            TinyMoELM(nnx.Rngs(0)),
+            NaNSource(batch_size=4),
+            cfg,
+            run_dir=str(tmp_path),
+            progress=False,
+        )
     assert latest_step(tmp_path / "checkpoints") == 2  # steps 1, 2 saved; the bad one not
     assert [int(r["step"]) for r in read_csv(tmp_path / "metrics.csv")] == [1, 2]
 
@@ -105,18 +132,30 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     from moejax.nn.ffn import DenseFFNConfig
     from moejax.nn.slots import layer_pattern
 
-    slots = layer_pattern(2, DenseFFNConfig(d_hidden=32, activation="swiglu"),
-                          moe.MoEConfig(n_experts=4, top_k=2, d_expert=16, dispatch="dense",
-                                        router="noisy"))
-    mcfg = decoder.DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
-                                 ffn_slots=slots, max_seq_len=16)
+    slots = layer_pattern(
+        2,
+        DenseFFNConfig(d_hidden=32, activation="swiglu"),
+        moe.MoEConfig(n_experts=4, top_k=2, d_expert=16, dispatch="dense", router="noisy"),
+    )
+    mcfg = decoder.DecoderConfig(
+        vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_slots=slots, max_seq_len=16
+    )
     rng = np.random.default_rng(0)
     tokens = np.tile(rng.integers(0, 32, size=40), 20)  # repetitive: learnable
     src = WindowBatches(tokens, batch_size=4, seq_len=8, seed=0)
-    cfg = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=0, schedule="constant",
-                      ckpt_every=3, grad_accum=2, precision="bfloat16")
-    hist = train(decoder.DecoderLM(mcfg, rngs=nnx.Rngs(0)), src, cfg,
-                 run_dir=str(tmp_path), progress=False)
+    cfg = TrainConfig(
+        steps=6,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=0,
+        schedule="constant",
+        ckpt_every=3,
+        grad_accum=2,
+        precision="bfloat16",
+    )
+    hist = train(
+        decoder.DecoderLM(mcfg, rngs=nnx.Rngs(0)), src, cfg, run_dir=str(tmp_path), progress=False
+    )
     assert len(hist) == 6 and all(np.isfinite(h["loss"]) for h in hist)
     assert hist[-1]["ce"] < hist[0]["ce"]
     assert hist[0]["aux_loss"] > 0
@@ -125,8 +164,9 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     from moejax.train.optim import make_optimizer
     from moejax.train.step import init_train_state
 
-    _, template = init_train_state(decoder.DecoderLM(mcfg, rngs=nnx.Rngs(1)),
-                                   make_optimizer(cfg), 0)
+    _, template = init_train_state(
+        decoder.DecoderLM(mcfg, rngs=nnx.Rngs(1)), make_optimizer(cfg), 0
+    )
     restored, meta = Checkpointer(tmp_path / "checkpoints").restore(template)
     assert int(restored.step) == 6 and meta["data_position"] == 6
     assert restored.params["blocks"][1]["ffn"]["experts"]["w_up"][...].shape[0] == 4

@@ -100,14 +100,22 @@ def test_optimizer_decay_mask_clip_and_lr():
     assert not mask["norm/scale"] and not mask["head/bias"]
 
     # pure weight decay (zero grads, sgd): only masked leaves shrink
-    cfg = TrainConfig(optimizer="sgd", b1=0.0, lr=0.1, weight_decay=0.5, warmup_steps=0,
-                      schedule="constant", grad_clip=0.0)
+    cfg = TrainConfig(
+        optimizer="sgd",
+        b1=0.0,
+        lr=0.1,
+        weight_decay=0.5,
+        warmup_steps=0,
+        schedule="constant",
+        grad_clip=0.0,
+    )
     tx = make_optimizer(cfg)
     zeros = jax.tree.map(jnp.zeros_like, params)
     upd, _ = tx.update(zeros, tx.init(params), params)
     new = optax.apply_updates(params, upd)
-    np.testing.assert_allclose(new["head"]["kernel"][...], params["head"]["kernel"][...] * 0.95,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        new["head"]["kernel"][...], params["head"]["kernel"][...] * 0.95, rtol=1e-6
+    )
     np.testing.assert_array_equal(new["experts"]["bias"][...], params["experts"]["bias"][...])
 
     # clipping: a huge gradient gives an update of norm lr * clip with plain sgd

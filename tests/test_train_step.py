@@ -53,9 +53,7 @@ def test_bf16_compute_keeps_fp32_master_params_and_opt_state():
         losses.append(float(m["loss"]))
         assert bool(m["finite"])
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
-    assert all(
-        x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0
-    )
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
     # the forward really ran in bf16: the loss differs from the fp32 forward at step 0
     _, s32, step32 = _setup(CFG, noise=0.1)
     _, m32 = step32(s32, src.batch(0))

@@ -11,6 +11,7 @@ row is seen once per epoch, and the data position saved in a checkpoint is one i
 * :class:`ClassificationBatches`: ``features`` array (token ids padded to a fixed length, or
   images) with integer ``labels``; returns ``inputs``, ``labels`` (int32) and, for token inputs,
   ``mask`` (float32, 1 on real tokens).
+* :class:`PairLMBatches`: prompt/response rows (one pair per row) with the loss on responses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ import numpy as np
 from moejax.data.packing import PackedRows, lm_example
 from moejax.data.source import local_slice
 
-__all__ = ["EpochPermutation", "PackedLMBatches", "ClassificationBatches", "pad_token_rows"]
+__all__ = [
+    "EpochPermutation",
+    "PackedLMBatches",
+    "ClassificationBatches",
+    "PairLMBatches",
+    "pad_token_rows",
+]
 
 
 class EpochPermutation:
@@ -37,8 +44,8 @@ class EpochPermutation:
             if len(self._cache) > 4:
                 self._cache.clear()
             rng = np.random.default_rng([self.seed, epoch])
-            self._cache[epoch] = rng.permutation(self.num_rows) if self.shuffle else np.arange(
-                self.num_rows
+            self._cache[epoch] = (
+                rng.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
             )
         return self._cache[epoch]
 
@@ -140,3 +147,45 @@ class ClassificationBatches(_RowSource):
         if self.mask is not None:
             out["mask"] = self.mask[index].astype(np.float32)
         return out
+
+
+class PairLMBatches(_RowSource):
+    """Prompt/response rows from :func:`~moejax.data.packing.pack_pairs`; loss on responses only.
+
+    Returns ``inputs``, ``targets``, ``segment_ids``, ``positions`` (int32; one segment per row,
+    0 on padding) and ``mask`` (float32, 1 on response targets and the final ``eos``).
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        loss: np.ndarray,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        pad_id: int = 0,
+        shuffle: bool = True,
+    ):
+        if tokens.shape != loss.shape:
+            raise ValueError(f"tokens {tokens.shape} and loss {loss.shape} differ in shape")
+        self.tokens, self.loss, self.pad_id = tokens, loss, pad_id
+        self.batch_size, self.seed, self.seq_len = batch_size, seed, tokens.shape[1] - 1
+        # row length = up to the last non-pad token (the final eos is never pad)
+        nonpad = tokens != pad_id
+        self.lengths = np.where(nonpad.any(1), tokens.shape[1] - np.argmax(nonpad[:, ::-1], 1), 0)
+        self._order = EpochPermutation(tokens.shape[0], seed, shuffle)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def _take(self, index):
+        tok = self.tokens[index]
+        pos = np.arange(self.seq_len, dtype=np.int32)
+        seg = (pos[None, :] < self.lengths[index][:, None]).astype(np.int32)
+        return {
+            "inputs": tok[:, :-1].astype(np.int32),
+            "targets": tok[:, 1:].astype(np.int32),
+            "mask": self.loss[index][:, 1:].astype(np.float32),
+            "segment_ids": seg,
+            "positions": np.where(seg > 0, pos[None, :], 0).astype(np.int32),
+        }

@@ -20,8 +20,13 @@ import tensorflow_datasets as tfds
 from moejax.data import sources
 from moejax.data.tfds_base import OfflineBuilder
 
-__all__ = ["MoejaxMnist5k", "MoejaxDigits", "IMAGE_SPLITS", "load_mnist5k_arrays",
-           "load_digits_arrays"]
+__all__ = [
+    "MoejaxMnist5k",
+    "MoejaxDigits",
+    "IMAGE_SPLITS",
+    "load_mnist5k_arrays",
+    "load_digits_arrays",
+]
 
 IMAGE_SPLITS = {"train": 0.8, "validation": 0.1, "test": 0.1}
 
@@ -55,11 +60,13 @@ class _ImageBuilder(OfflineBuilder):
     def _info(self) -> tfds.core.DatasetInfo:
         return self.dataset_info_from_configs(
             description=__doc__,
-            features=tfds.features.FeaturesDict({
-                "image": tfds.features.Tensor(shape=self.SHAPE, dtype=np.uint8),
-                "label": tfds.features.ClassLabel(num_classes=10),
-                "index": tfds.features.Scalar(dtype=np.int32),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Tensor(shape=self.SHAPE, dtype=np.uint8),
+                    "label": tfds.features.ClassLabel(num_classes=10),
+                    "index": tfds.features.Scalar(dtype=np.int32),
+                }
+            ),
             supervised_keys=("image", "label"),
             homepage=self.HOMEPAGE,
         )

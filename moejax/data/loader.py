@@ -7,8 +7,9 @@
     ckpt["data"] = it.state_dict()                      # {"position": int, "fingerprint": str}
     it.load_state_dict(ckpt["data"])                    # resume: the same batches follow
 
-Documents are read from the TFDS data source in its stored (deterministic) order, tokenised,
-and packed (see :mod:`moejax.data.packing`). All randomness is ``(seed, position)``.
+Documents are read from the TFDS data source in its stored (deterministic) order, tokenised
+(BPE results cached by :mod:`moejax.data.token_cache`), and packed (see
+:mod:`moejax.data.packing`). All randomness is ``(seed, position)``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,36 @@ from pathlib import Path
 import numpy as np
 
 from moejax.data import datasets, sources
-from moejax.data.batches import ClassificationBatches, PackedLMBatches, pad_token_rows
+from moejax.data.batches import (
+    ClassificationBatches,
+    PackedLMBatches,
+    PairLMBatches,
+    pad_token_rows,
+)
 from moejax.data.builders_labelled import LEXNAMES, POS_NAMES
-from moejax.data.packing import pack_documents
+from moejax.data.packing import pack_documents, pack_pairs
+from moejax.data.token_cache import tokenized_docs
 from moejax.data.tokenizer import BpeTokenizer, train_bpe
 
-__all__ = ["read_texts", "lm_batches", "classification_batches", "image_batches", "bpe_for",
-           "BatchIterator", "TEXT_FIELD", "LABELS"]
+__all__ = [
+    "read_texts",
+    "lm_batches",
+    "classification_batches",
+    "image_batches",
+    "chat_batches",
+    "bpe_for",
+    "BatchIterator",
+    "TEXT_FIELD",
+    "LABELS",
+]
 
-TEXT_FIELD = {"stdlib_code": "text", "prose/pydoc": "text", "prose/kjv": "text",
-              "wordnet_glosses": "gloss", "chitchat": "response"}
+TEXT_FIELD = {
+    "stdlib_code": "text",
+    "prose/pydoc": "text",
+    "prose/kjv": "text",
+    "wordnet_glosses": "gloss",
+    "chitchat": "response",
+}
 LABELS = {"pos": POS_NAMES, "lexname": LEXNAMES}
 _IMAGE_SCALE = {"mnist5k": 255.0, "digits": 16.0}
 
@@ -36,28 +57,47 @@ def read_texts(name: str, split: str, field: str | None = None, **ds_kwargs) -> 
     """The ``field`` texts of every example of a split, in the data source's order."""
     field = field or TEXT_FIELD[name]
     ds = datasets.load(name, split, **ds_kwargs)
-    return [datasets.decode_text(ds[i][field]) for i in range(len(ds))]
+    return [datasets.decode_text(ex[field]) for ex in datasets.read_all(ds)]
 
 
 def lm_batches(
-    name: str, split: str, tokenizer, *, seq_len: int, batch_size: int, seed: int = 0,
-    shuffle: bool | None = None, **ds_kwargs,
+    name: str,
+    split: str,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool | None = None,
+    **ds_kwargs,
 ) -> PackedLMBatches:
     """Packed next-token batches of a text dataset; shuffled by default only for ``train``."""
-    docs = tokenizer.encode_batch(read_texts(name, split, **ds_kwargs))
+    docs = tokenized_docs(name, split, tokenizer, TEXT_FIELD[name], **ds_kwargs)
     rows = pack_documents(
         docs, seq_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id
     )
     src = PackedLMBatches(
-        rows, batch_size=batch_size, seed=seed, shuffle=(split == "train") if shuffle is None else shuffle
+        rows,
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint("lm", name, split, tokenizer.fingerprint, seq_len, batch_size, seed)
+    src.fingerprint = _fingerprint(
+        "lm", name, split, tokenizer.fingerprint, seq_len, batch_size, seed
+    )
     return src
 
 
 def classification_batches(
-    split: str, tokenizer, *, task: str = "lexname", seq_len: int = 64, batch_size: int,
-    seed: int = 0, shuffle: bool | None = None, **ds_kwargs,
+    split: str,
+    tokenizer,
+    *,
+    task: str = "lexname",
+    seq_len: int = 64,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool | None = None,
+    **ds_kwargs,
 ) -> ClassificationBatches:
     """WordNet gloss classification: ``task="pos"`` (4 classes) or ``"lexname"`` (45 classes).
 
@@ -67,34 +107,90 @@ def classification_batches(
     if task not in LABELS:
         raise ValueError(f"task={task!r}; allowed: {sorted(LABELS)}")
     ds = datasets.load("wordnet_glosses", split, **ds_kwargs)
-    examples = [ds[i] for i in range(len(ds))]
+    examples = datasets.read_all(ds)
     docs = tokenizer.encode_batch([datasets.decode_text(e["gloss"]) for e in examples])
     ids, mask = pad_token_rows(docs, seq_len, pad_id=tokenizer.pad_id, bos_id=tokenizer.bos_id)
     labels = np.array([int(e[task]) for e in examples], np.int32)
     src = ClassificationBatches(
-        ids, labels, mask=mask, batch_size=batch_size, seed=seed, num_classes=len(LABELS[task]),
+        ids,
+        labels,
+        mask=mask,
+        batch_size=batch_size,
+        seed=seed,
+        num_classes=len(LABELS[task]),
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint("cls", task, split, tokenizer.fingerprint, seq_len, batch_size, seed)
+    src.fingerprint = _fingerprint(
+        "cls", task, split, tokenizer.fingerprint, seq_len, batch_size, seed
+    )
     return src
 
 
 def image_batches(
-    name: str, split: str, *, batch_size: int, seed: int = 0, shuffle: bool | None = None,
+    name: str,
+    split: str,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    shuffle: bool | None = None,
     **ds_kwargs,
 ) -> ClassificationBatches:
     """``mnist5k`` / ``digits`` batches: ``inputs`` float32 in [0, 1] ``[B, H, W]``, ``labels``."""
     if name not in _IMAGE_SCALE:
         raise ValueError(f"name={name!r}; image datasets: {sorted(_IMAGE_SCALE)}")
     ds = datasets.load(name, split, **ds_kwargs)
-    examples = [ds[i] for i in range(len(ds))]
+    examples = datasets.read_all(ds)
     images = np.stack([e["image"] for e in examples]).astype(np.float32) / _IMAGE_SCALE[name]
     labels = np.array([int(e["label"]) for e in examples], np.int32)
     src = ClassificationBatches(
-        images, labels, batch_size=batch_size, seed=seed, num_classes=10,
+        images,
+        labels,
+        batch_size=batch_size,
+        seed=seed,
+        num_classes=10,
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
     src.fingerprint = _fingerprint("img", name, split, batch_size, seed)
+    return src
+
+
+def chat_batches(
+    split: str,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int = 0,
+    prompt_field: str = "prompt",
+    shuffle: bool | None = None,
+    **ds_kwargs,
+) -> PairLMBatches:
+    """Chit-chat prompt/response rows (loss on the response); ``prompt_field="context"`` gives
+    the model up to three previous turns instead of one."""
+    if prompt_field not in ("prompt", "context"):
+        raise ValueError(f"prompt_field={prompt_field!r}; allowed: 'prompt', 'context'")
+    examples = datasets.load_split("chitchat", split, **ds_kwargs)
+    prompts = [datasets.decode_text(e[prompt_field]) for e in examples]
+    responses = [datasets.decode_text(e["response"]) for e in examples]
+    tokens, loss = pack_pairs(
+        tokenizer.encode_batch(prompts),
+        tokenizer.encode_batch(responses),
+        seq_len,
+        bos_id=tokenizer.bos_id,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+    )
+    src = PairLMBatches(
+        tokens,
+        loss,
+        batch_size=batch_size,
+        seed=seed,
+        pad_id=tokenizer.pad_id,
+        shuffle=(split == "train") if shuffle is None else shuffle,
+    )
+    src.fingerprint = _fingerprint(
+        "chat", prompt_field, split, tokenizer.fingerprint, seq_len, batch_size, seed
+    )
     return src
 
 
@@ -109,10 +205,14 @@ def bpe_for(
     root = sources.data_dir(data_dir)
     if max_examples_per_split is not None:
         root = root / "_slices" / f"max{int(max_examples_per_split)}"
-    path = Path(root) / "tokenizers" / f"{name.replace('/', '-')}-bpe{vocab_size}" / "tokenizer.json"
+    path = (
+        Path(root) / "tokenizers" / f"{name.replace('/', '-')}-bpe{vocab_size}" / "tokenizer.json"
+    )
     if path.exists():
         return BpeTokenizer.load(path)
-    texts = read_texts(name, "train", data_dir=data_dir, max_examples_per_split=max_examples_per_split)
+    texts = read_texts(
+        name, "train", data_dir=data_dir, max_examples_per_split=max_examples_per_split
+    )
     return train_bpe(texts, vocab_size, path=path)
 
 
@@ -131,8 +231,10 @@ class BatchIterator:
     def __init__(self, source, *, position: int = 0, fingerprint: str | None = None):
         self.source = source
         self.position = int(position)
-        self.fingerprint = fingerprint if fingerprint is not None else getattr(
-            source, "fingerprint", type(source).__name__
+        self.fingerprint = (
+            fingerprint
+            if fingerprint is not None
+            else getattr(source, "fingerprint", type(source).__name__)
         )
 
     def __iter__(self):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedRows", "pack_documents", "lm_example"]
+__all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs"]
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,29 @@ def pack_documents(
     lengths = np.array([len(d) + 2 for d in docs], dtype=np.int64)
     pieces = []
     for d in docs:
-        pieces += [np.array([bos_id], np.int32), np.asarray(d, np.int32), np.array([eos_id], np.int32)]
+        pieces += [
+            np.array([bos_id], np.int32),
+            np.asarray(d, np.int32),
+            np.array([eos_id], np.int32),
+        ]
     stream = np.concatenate(pieces)
     n = stream.shape[0]
-    doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    doc_of = np.repeat(np.arange(len(docs), dtype=np.int64), lengths)
+    itype = np.int32 if n + seq_len < 2**31 else np.int64  # halves peak memory on big corpora
+    doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(itype)
+    doc_of = np.repeat(np.arange(len(docs), dtype=itype), lengths)
 
     rows = max(1, -(-(n - 1) // seq_len))  # enough rows that every transition is covered
-    idx = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    idx = (
+        np.arange(rows, dtype=itype)[:, None] * itype(seq_len)
+        + np.arange(seq_len + 1, dtype=itype)[None, :]
+    )
     valid = idx < n
     safe = np.minimum(idx, n - 1)
     tokens = np.where(valid, stream[safe], pad_id).astype(np.int32)
     row_doc = doc_of[safe]
     seg = row_doc - row_doc[:, :1] + 1  # documents are contiguous, so this numbers them 1, 2, ...
     segment_ids = np.where(valid, seg, 0).astype(np.int32)
-    row_start = (np.arange(rows) * seq_len)[:, None]
+    row_start = (np.arange(rows, dtype=itype) * itype(seq_len))[:, None]
     positions = np.where(valid, idx - np.maximum(doc_start[row_doc], row_start), 0).astype(np.int32)
     return PackedRows(tokens=tokens, segment_ids=segment_ids, positions=positions)
 
@@ -90,3 +98,38 @@ def lm_example(rows: PackedRows, index) -> dict[str, np.ndarray]:
         "segment_ids": seg[..., :-1].astype(np.int32),
         "positions": rows.positions[index][..., :-1].astype(np.int32),
     }
+
+
+def pack_pairs(
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    seq_len: int,
+    *,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One row per prompt/response pair, for supervised fine-tuning.
+
+    Row = ``[bos] + prompt + [eos, bos] + response + [eos]``, right-padded to ``seq_len + 1``.
+    When too long, the response is kept (truncated at its end if it alone does not fit) and the
+    prompt loses its *beginning*. Returns ``(tokens [n, seq_len + 1] int32, loss [n, seq_len + 1]
+    float32)`` where ``loss[i, t] = 1`` if token ``t`` is a response token or the final ``eos``
+    (i.e. a target the model is trained to produce).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    width = seq_len + 1
+    if width < 6:
+        raise ValueError(f"seq_len={seq_len} leaves no room for prompt and response (need >= 5)")
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    loss = np.zeros((len(prompts), width), np.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        r = np.asarray(r, np.int32)[: width - 4]
+        room = width - 4 - len(r)
+        p = np.asarray(p, np.int32)
+        p = p[len(p) - room :] if room > 0 else p[:0]
+        row = np.concatenate([[bos_id], p, [eos_id, bos_id], r, [eos_id]]).astype(np.int32)
+        tokens[i, : len(row)] = row
+        loss[i, len(row) - len(r) - 1 : len(row)] = 1.0
+    return tokens, loss

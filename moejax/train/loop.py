@@ -24,7 +24,7 @@ from __future__ import annotations
 import csv
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from moejax.checkpoint import Checkpointer
 from moejax.config import Config, to_json
 from moejax.train import mesh as mesh_lib
-from moejax.train.distributed import global_batch, is_main_process
+from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import check_finite, init_train_state, lm_loss_fn, make_train_step
 
@@ -80,6 +80,7 @@ def read_csv(path: str) -> list[dict]:
 
 
 def _tokens(batch) -> float:
+    """Real tokens in the global batch, from this process's rows."""
     if "mask" in batch:
         n = float(np.sum(batch["mask"]))
     else:
@@ -139,13 +140,14 @@ def train(
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            batch = global_batch(source, position, mesh)
+            local = local_batch(source, position)
+            batch = assemble(local, mesh)
             new_state, metrics = step_fn(state, batch)
             metrics = jax.device_get(metrics)
             check_finite(metrics, step, position)
             state, position = new_state, position + 1
             dt = time.perf_counter() - t0
-            row = {"step": step + 1, "tokens_per_s": _tokens(batch) / max(dt, 1e-9)}
+            row = {"step": step + 1, "tokens_per_s": _tokens(local) / max(dt, 1e-9)}
             row.update({k: float(v) for k, v in metrics.items() if k != "finite"})
             history.append(row)
             if csv_log is not None:
@@ -162,7 +164,11 @@ def train(
             if ckpt is not None and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
                 ckpt.save(state, data_position=position, config=config)
                 last_saved = step + 1
-        if ckpt is not None and last_saved != cfg.steps and int(jax.device_get(state.step)) == cfg.steps:
+        if (
+            ckpt is not None
+            and last_saved != cfg.steps
+            and int(jax.device_get(state.step)) == cfg.steps
+        ):
             ckpt.save(state, data_position=position, config=config)
     finally:
         bar.close()

@@ -76,9 +76,7 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
             return jax.make_mesh((d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
         except Exception:  # pragma: no cover - fall back to the plain order
             pass
-    return Mesh(
-        np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto)
-    )
+    return Mesh(np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def leaf_spec(path, x, expert_size: int) -> P:

@@ -172,8 +172,12 @@ def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformat
     if cfg.optimizer == "adamw":
         parts.append(
             optax.adamw(
-                schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                weight_decay=cfg.weight_decay, mask=decay_mask,
+                schedule,
+                b1=cfg.b1,
+                b2=cfg.b2,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                mask=decay_mask,
             )
         )
     elif cfg.optimizer == "adam":

@@ -18,7 +18,9 @@ number of real tokens per micro-batch (always true with an all-ones mask).
 
 Mixed precision (``cfg.precision = "bfloat16"``): floating params are cast to bf16 inside the
 differentiated function, so the forward/backward run in bf16 while the gradients (w.r.t. the
-fp32 master params), the optimizer state and the update stay fp32.
+fp32 master params), the optimizer state and the update stay fp32. A model that casts to its
+own compute dtype (e.g. ``DecoderConfig.dtype``) follows that dtype; set it to ``"bfloat16"``
+as well so activations are bf16 too.
 
 Non-finite guard: metrics carry ``finite`` (loss and gradient norm finite). When it is false
 the step returns the *input* state unchanged (no corrupt update is ever applied); the loop then
@@ -27,7 +29,8 @@ raises :class:`NonFiniteError` via :func:`check_finite`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +93,11 @@ def lm_loss_fn(model, batch, key, train: bool = True):
     aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
     metrics = {"ce": ce, "aux_loss": aux_loss, "accuracy": accuracy(logits, batch["targets"], mask)}
     for name, v in aux.items():
-        if name != "aux_loss" and hasattr(v, "ndim") and v.ndim == 0 and jnp.issubdtype(
-            v.dtype, jnp.floating
+        if (
+            name != "aux_loss"
+            and hasattr(v, "ndim")
+            and v.ndim == 0
+            and jnp.issubdtype(v.dtype, jnp.floating)
         ):
             metrics[f"aux/{name}"] = v.astype(jnp.float32)
     return ce + aux_loss, metrics
@@ -122,7 +128,9 @@ def _split_micro(batch, n):
     return jax.tree.map(split, batch)
 
 
-def make_step_fn(graphdef, loss_fn: LossFn, tx, cfg: TrainConfig, schedule=None, batch_sharding=None):
+def make_step_fn(
+    graphdef, loss_fn: LossFn, tx, cfg: TrainConfig, schedule=None, batch_sharding=None
+):
     """The un-jitted ``step(state, batch) -> (state, metrics)`` (see :func:`make_train_step`)."""
     compute_dtype = jnp.bfloat16 if cfg.precision == "bfloat16" else None
     grad_fn = _loss_and_grad(graphdef, loss_fn, compute_dtype)
@@ -144,11 +152,16 @@ def make_step_fn(graphdef, loss_fn: LossFn, tx, cfg: TrainConfig, schedule=None,
                 mb, i = xs
                 if batch_sharding is not None:
                     mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
-                (l, (m, rest)), g = grad_fn(
+                (loss_i, (m, rest)), g = grad_fn(
                     state.params, rest, mb, jax.random.fold_in(step_key, i)
                 )
                 add = lambda a, b: a + b
-                return (jax.tree.map(add, g_sum, g), l_sum + l, jax.tree.map(add, m_sum, m), rest), None
+                return (
+                    jax.tree.map(add, g_sum, g),
+                    l_sum + loss_i,
+                    jax.tree.map(add, m_sum, m),
+                    rest,
+                ), None
 
             (g, loss, metrics, rest), _ = jax.lax.scan(
                 body, (g0, l0, m0, state.rest), (micro, jnp.arange(n_micro))

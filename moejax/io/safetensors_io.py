@@ -1,0 +1,132 @@
+"""Safetensors in and out: a validating reader, and export/import of moejax params.
+
+* :func:`read_safetensors` checks the header (length, JSON, dtypes, shapes, offsets inside the
+  file) before reading, so a truncated or malformed file raises
+  :class:`~moejax.io._common.WeightFileError` naming the file and the broken tensor, instead
+  of a bare library error. Read with ``safetensors.numpy`` (no torch, nothing unpickled).
+* :func:`export_params` writes a module's (or a flat dict's) parameters to one ``.safetensors``
+  file in moejax naming (``blocks/0/attn/w_q``, ``[in, out]``), with string metadata (e.g. the
+  model config as JSON under ``"moejax_config"``).
+* :func:`import_params` reads such a file back into a model built by a factory (shapes and
+  names are checked; see :func:`moejax.io._common.build_with_params`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from moejax.io._common import WeightFileError, build_with_params, flat_params
+
+__all__ = ["read_safetensors", "read_safetensors_metadata", "export_params", "import_params"]
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def _header(path: Path, fix: str) -> tuple[dict, int, int]:
+    """``(header dict, data start, file size)`` after validating every entry."""
+    if not path.is_file():
+        raise WeightFileError(path, "file does not exist", fix)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise WeightFileError(path, f"truncated: {size} bytes, shorter than the 8-byte "
+                                  "safetensors header length", fix)
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise WeightFileError(path, f"malformed or truncated safetensors file: header "
+                                  f"length {n} does not fit in the file ({size} bytes)", fix)
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WeightFileError(path, f"malformed safetensors header (not valid JSON: {e})",
+                              fix) from None
+    start = 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = info["dtype"], list(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise WeightFileError(path, f"malformed header entry for tensor {name!r}: {info!r}",
+                                  fix) from None
+        if dtype not in _DTYPE_BYTES:
+            raise WeightFileError(path, f"tensor {name!r} has unsupported dtype {dtype!r}", fix)
+        want = _DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=np.int64))
+        if b - a != want or a < 0:
+            raise WeightFileError(path, f"tensor {name!r}: data_offsets [{a}, {b}] hold "
+                                  f"{b - a} bytes but {dtype} {shape} needs {want}", fix)
+        if start + b > size:
+            raise WeightFileError(path, f"truncated: tensor {name!r} needs bytes up to "
+                                  f"{start + b} but the file has {size}", fix)
+    return header, start, size
+
+
+def read_safetensors_metadata(path, *, fix: str = "re-export or reinstall the file") -> dict:
+    """The ``__metadata__`` string dict of a (validated) safetensors file."""
+    header, _, _ = _header(Path(path), fix)
+    return dict(header.get("__metadata__") or {})
+
+
+def read_safetensors(path, *, fix: str = "re-export or reinstall the file"
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``(tensors, metadata)`` of a safetensors file, validated first (see module doc).
+
+    ``fix`` is appended to error messages (e.g. the pip command of the weight package).
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    header, _, _ = _header(path, fix)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightFileError(path, f"cannot read safetensors data: {e}", fix) from None
+    return tensors, dict(header.get("__metadata__") or {})
+
+
+def export_params(model_or_params, path, *, metadata: Mapping[str, str] | None = None,
+                  config=None) -> Path:
+    """Write parameters to ``path`` (atomically: temp file then rename).
+
+    ``model_or_params``: an ``nnx.Module`` or a flat ``{"a/b": array}`` dict. ``config``: a
+    moejax :class:`~moejax.config.Config` stored as JSON under metadata ``"moejax_config"``.
+    bfloat16 arrays are written as BF16.
+    """
+    from safetensors.numpy import save_file
+
+    if isinstance(model_or_params, nnx.Module):
+        flat = flat_params(model_or_params)
+    else:
+        flat = dict(model_or_params)
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flat.items()}
+    meta = {"format": "moejax"}
+    if config is not None:
+        from moejax.config import to_json
+        meta["moejax_config"] = to_json(config)
+    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(arrays, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def import_params(path, make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """A model from ``make_model`` filled with the parameters exported to ``path``."""
+    tensors, _ = read_safetensors(path)
+    return build_with_params(make_model, tensors, path)

@@ -1,0 +1,232 @@
+"""BlockFFN: ReLU + RMSNorm routed mixture of fine-grained experts (SPEC section 4).
+
+``y_BTD, aux = slot(x_BTD, train=..., key=None, mask_BT=None, segment_ids_BT=None)``::
+
+    A0 = x W_router                  [E]   (no bias)
+    A1 = ReLU(A0)                          activation pattern: expert e active iff A1_e > 0
+    A  = RMSNorm(A1) (learnable scale; ``rmsnorm=False`` -> A = A1, the ReMoE router)
+    E_e(x) = W_down^(e)T act(W_up^(e)T x)  non-gated Swish by default
+    y  = sum_e A_e E_e(x)
+
+No top-k, no load balancing: every token activates a variable number of experts.
+
+Parameter paths: ``router/w [D, E]``, ``router_norm/scale [E]`` (``rmsnorm=True`` only),
+``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]`` (+ ``experts/w_gate`` for a gated
+activation; App. I ablation only).
+
+Compute paths (same outputs and gradients, see tests/test_blockffn.py):
+
+* ``"dense"``: the reference; every expert on every token, weighted by ``A`` (zero when
+  inactive).
+* ``"chunk_union"``: the paper's kernel scheme in JAX. Tokens are cut into tiles of
+  ``union_chunk`` consecutive tokens; per tile the union ``U`` of active experts is taken and
+  only the experts of ``U`` run, on all tokens of the tile, masked by ``A``. ``U`` is padded to
+  the static size ``max_union`` (default ``E``: always exact). A tile whose union exceeds it
+  drops its highest-index experts (``aux["union_overflow"]`` = fraction of such tiles).
+  ``union_chunk=1`` is the per-token gather of the active experts.
+
+``aux`` (losses unweighted except ``aux_loss``; padding and document boundaries respected):
+
+* ``aux_loss = al_coef L_al + cs_coef L_cs + l1_coef L1 + entropy_coef H``
+* ``al_loss``, ``cs_loss``, ``l1_loss`` (on ``A1``), ``entropy_loss``: see
+  :mod:`moejax.ops.chunk_sparsity`
+* ``tls``: fraction of inactive experts over real tokens; ``act_magnitude``: mean ``||A||_2``
+* ``active_BTE`` (bool), ``a_BTE`` (combine weights ``A``): for streaming metrics
+* ``union_overflow`` (``chunk_union`` path only)
+
+When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.train.lambda_schedule`) the slot's
+``cs_coef`` must be 0; the schedule adds ``lambda_cs * cs_loss`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import config
+from moejax.nn.moe import StackedExperts
+from moejax.nn.norms import RMSNorm
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops import chunk_sparsity as cs
+from moejax.ops.activations import ActivationName, activation_fn, is_gated
+
+__all__ = ["BlockFFNConfig", "BlockFFN", "ReLURouter"]
+
+
+@config
+class BlockFFNConfig(FFNSlotConfig):
+    """BlockFFN slot (see the module docstring).
+
+    n_experts / d_expert: number of fine-grained experts and hidden width of each.
+    activation: expert activation (paper: non-gated ``"swish"``).
+    rmsnorm: RMSNorm after the ReLU router (False = ReMoE-style router).
+    path / union_chunk / max_union: compute path, tile length, static union cap (None = E).
+    alpha / al_coef: sigmoid sharpness and weight of the activation-locality loss.
+    chunk_len / cs_coef / cs_eps: chunk-sparsification loss chunk, static weight, log clamp.
+    l1_coef / entropy_coef: weights of the L1 and router-entropy sparsifiers (ablations).
+    """
+
+    n_experts: int = 16
+    d_expert: int = 64
+    activation: ActivationName = "swish"
+    rmsnorm: bool = True
+    norm_eps: float = 1e-6
+    path: Literal["dense", "chunk_union"] = "dense"
+    union_chunk: int = 32
+    max_union: int | None = None
+    alpha: float = 100.0
+    al_coef: float = 2e-3
+    chunk_len: int = 64
+    cs_coef: float = 0.0
+    cs_eps: float = 1e-6
+    l1_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def validate(self) -> None:
+        r = self._require
+        r(self.n_experts >= 1, f"n_experts={self.n_experts} must be >= 1")
+        r(self.d_expert >= 1, f"d_expert={self.d_expert} must be >= 1")
+        r(self.union_chunk >= 1, f"union_chunk={self.union_chunk} must be >= 1")
+        r(self.max_union is None or 1 <= self.max_union <= self.n_experts,
+          f"max_union={self.max_union} must be in [1, n_experts={self.n_experts}] or None "
+          "(None = n_experts, always exact)")
+        r(self.chunk_len >= 1, f"chunk_len={self.chunk_len} must be >= 1")
+        r(self.alpha > 0, f"alpha={self.alpha} must be > 0")
+        r(0 < self.cs_eps < 1, f"cs_eps={self.cs_eps} must be in (0, 1)")
+        for name in ("al_coef", "cs_coef", "l1_coef", "entropy_coef"):
+            r(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def active_params_per_expert(self) -> int:
+        return (3 if is_gated(self.activation) else 2) * self.d_expert
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return BlockFFN(d_model, self, rngs=rngs, dtype=dtype,
+                        param_dtype=param_dtype or jnp.float32)
+
+
+class ReLURouter(nnx.Module):
+    """``A0 = x w`` with ``w [D, E]`` ~ N(0, 1/D); returns float32 scores."""
+
+    def __init__(self, d_model: int, n_experts: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (d_model, n_experts), param_dtype)
+                           * d_model ** -0.5)
+
+    def __call__(self, x_ND):
+        return jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32))
+
+
+def _expert_hidden(x, w_up, w_gate, act, spec):
+    up = jnp.einsum(spec, x, w_up)
+    if w_gate is None:
+        return act(up)
+    return act(jnp.einsum(spec, x, w_gate)) * up
+
+
+def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
+    """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token."""
+    act = activation_fn(activation)
+    h_NEF = _expert_hidden(x_ND, w_up, w_gate, act, "nd,edf->nef")
+    return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down, a_NE.astype(h_NEF.dtype))
+
+
+def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation: str, *,
+                        tile: int, max_union: int):
+    """Per-tile union of active experts (static cap ``max_union``). Returns ``(y_ND,
+    overflow_fraction)``; exact whenever no tile's union exceeds ``max_union``."""
+    N, D = x_ND.shape
+    E = a_NE.shape[-1]
+    pad = (-N) % tile
+    if pad:
+        x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+        a_NE = jnp.pad(a_NE, ((0, pad), (0, 0)))
+        active_NE = jnp.pad(active_NE, ((0, pad), (0, 0)))
+    C = x_ND.shape[0] // tile
+    x_CnD = x_ND.reshape(C, tile, D)
+    a_CnE = a_NE.reshape(C, tile, E)
+    union_CE = jnp.any(active_NE.reshape(C, tile, E), axis=1)
+    # union members first (lowest index first), then the rest: a stable static-size selection
+    score_CE = union_CE.astype(jnp.float32) * E - jnp.arange(E, dtype=jnp.float32)
+    _, ids_CU = jax.lax.top_k(score_CE, max_union)
+    in_union_CU = jnp.take_along_axis(union_CE, ids_CU, axis=1)
+    a_CnU = jnp.take_along_axis(a_CnE, ids_CU[:, None, :], axis=2) * in_union_CU[:, None, :]
+    act = activation_fn(activation)
+    w_gate_g = None if w_gate is None else w_gate[ids_CU]
+    h = _expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
+    y_CnD = jnp.einsum("cnuf,cufd,cnu->cnd", h, w_down[ids_CU], a_CnU.astype(h.dtype))
+    overflow = jnp.mean((jnp.sum(union_CE, -1) > max_union).astype(jnp.float32))
+    return y_CnD.reshape(C * tile, D)[:N], overflow
+
+
+class BlockFFN(nnx.Module):
+    """BlockFFN FFN slot built from a :class:`BlockFFNConfig` (see the module docstring)."""
+
+    def __init__(self, d_model: int, cfg: BlockFFNConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.router = ReLURouter(d_model, cfg.n_experts, rngs=rngs, param_dtype=param_dtype)
+        if cfg.rmsnorm:
+            self.router_norm = RMSNorm(cfg.n_experts, eps=cfg.norm_eps, dtype=jnp.float32,
+                                       param_dtype=param_dtype)
+        self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert,
+                                      gated=is_gated(cfg.activation), rngs=rngs,
+                                      param_dtype=param_dtype)
+
+    def route(self, x_ND):
+        """``(A0, A1, A)`` float32 ``[N, E]``."""
+        a0 = self.router(x_ND)
+        a1 = jax.nn.relu(a0)
+        a = self.router_norm(a1) if self.cfg.rmsnorm else a1
+        return a0, a1, a
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+        del train, key  # deterministic
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        if D != self.d_model:
+            raise ValueError(f"BlockFFN: input width {D} != d_model {self.d_model}")
+        if segment_ids_BT is None:  # transient hand-over from a wrapper (see lambda_schedule)
+            segment_ids_BT = getattr(self, "_segment_ids_BT", None)
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        a0, a1, a = self.route(x_ND)
+        active = a1 > 0
+        w_up, w_down, w_gate = self.experts.weights()
+        w_up, w_down = w_up.astype(dt), w_down.astype(dt)
+        w_gate = None if w_gate is None else w_gate.astype(dt)
+        aux = {}
+        if cfg.path == "dense":
+            y_ND = dense_experts(x_ND, a, w_up, w_down, w_gate, cfg.activation)
+        else:
+            y_ND, overflow = chunk_union_experts(
+                x_ND, a, active, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,
+                max_union=cfg.max_union or cfg.n_experts)
+            aux["union_overflow"] = overflow
+        aux.update(self._losses(a0.reshape(B, T, -1), a1.reshape(B, T, -1),
+                                a.reshape(B, T, -1), mask_BT, segment_ids_BT))
+        return y_ND.reshape(B, T, D).astype(dt), aux
+
+    def _losses(self, a0, a1, a, mask_BT, segment_ids_BT):
+        cfg = self.cfg
+        kw = dict(mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
+        al = cs.activation_locality_loss(a0, alpha=cfg.alpha, **kw)
+        csl = cs.chunk_sparsification_loss(a1, chunk_len=cfg.chunk_len, eps=cfg.cs_eps, **kw)
+        l1 = cs.l1_activation_loss(a1, mask_BT=mask_BT)
+        ent = cs.router_entropy_loss(a1, mask_BT=mask_BT)
+        active = a1 > 0
+        real = jnp.ones(active.shape[:2], bool) if mask_BT is None else mask_BT.astype(bool)
+        w = real.astype(jnp.float32)
+        n = jnp.maximum(jnp.sum(w), 1.0)
+        tls = jnp.sum((1.0 - jnp.mean(active.astype(jnp.float32), -1)) * w) / n
+        mag = jnp.sum(jnp.linalg.norm(a, axis=-1) * w) / n
+        return {
+            "aux_loss": (cfg.al_coef * al + cfg.cs_coef * csl + cfg.l1_coef * l1
+                         + cfg.entropy_coef * ent),
+            "al_loss": al, "cs_loss": csl, "l1_loss": l1, "entropy_loss": ent,
+            "tls": tls, "act_magnitude": mag,
+            "active_BTE": active, "a_BTE": a,
+        }

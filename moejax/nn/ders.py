@@ -1,0 +1,285 @@
+"""DeRS upcycling slots (SPEC section 2; papers/ders-upcycled-moe.md, section 3.4 and App. A).
+
+Each expert weight is *synthesised* inside the forward pass from one expert-shared weight and a
+light expert-specific increment, for every FFN matrix ``W`` in ``{w_gate, w_up, w_down}``::
+
+    W_i = W_shared + F_pre(Delta_i),   i = 1..N
+
+* DeRS-SM (``form="sm"``, sparse rate ``p``): ``F_pre(Delta_i) = scatter(I_i, V_i)``, ``I_i`` a
+  fixed vector of ``K = max(1, round(d d_h (1 - p)))`` unique flat positions of the
+  ``[d_in, d_out]`` matrix (drawn once from a key, stored as a non-trainable
+  :class:`DeRSIndex` variable, never trained), ``V_i`` a trainable value vector initialised
+  to zero. The N dense expert copies are never parameters; they exist only as activations.
+* DeRS-LM (``form="lm"``, rank ``r``): ``F_pre(Delta_i) = A_i B_i``, ``A_i: [d_in, r] ~
+  N(0, lm_init_std^2)`` (default ``1/d_in``), ``B_i: [r, d_out] = 0``.
+
+Both equal the dense model at step 0 (zero value vector / zero ``B``). ``W_shared`` is an
+``nnx.Param`` (trainable, as in the paper) unless ``freeze_shared`` (Table 5 ablation), in which
+case it is a :class:`DeRSFrozen` variable: it travels in ``TrainState.rest`` and gets neither a
+gradient nor weight decay. ``extended=True`` (App. A) also writes the universal FFN as
+``W_shared + F_pre(Delta_{N+1})``; otherwise the universal FFN (if any) is a full FFN.
+
+Parameter paths of :class:`DeRSMoE` (``E`` = n_experts; ``w`` in ``gate`` (gated only), ``up``,
+``down``; ``[d_in, d_out]`` = ``[D, F]`` for gate/up and ``[F, D]`` for down):
+
+* ``router/w_g [D, E]`` (``w_noise`` for the noisy router)
+* ``base/w_gate``, ``base/w_up [D, F]``, ``base/w_down [F, D]``: ``W_shared``
+* SM: ``experts/v_{w} [E, K]`` (Param) and ``experts/idx_{w} [E, K]`` (int32 DeRSIndex)
+* LM: ``experts/a_{w} [E, d_in, r]``, ``experts/b_{w} [E, r, d_out]``
+* extended universal: ``universal/...`` like ``experts`` with leading dim 1; otherwise
+  ``universal/w_*`` (a full FFN, MoE naming); ``shared/w_*`` DeepSeekMoE shared experts.
+
+Trainable expert parameters per matrix (paper 3.4): SM ``(1 + N(1-p)) d d_h``, LM
+``d d_h + N r (d + d_h)``; :func:`ders_param_counts` gives the exact counts per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import config
+from moejax.nn.moe import FFNWeights, MoEConfig
+from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops import router_losses as rl
+from moejax.ops.activations import is_gated
+from moejax.ops.dispatch import dispatch, ffn_apply
+
+__all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
+           "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts"]
+
+
+class DeRSIndex(nnx.Variable):
+    """Fixed (never trained) DeRS-SM index vectors; not an ``nnx.Param``."""
+
+
+class DeRSFrozen(nnx.Variable):
+    """A frozen expert-shared weight (``freeze_shared=True``); not an ``nnx.Param``."""
+
+
+@config
+class DeRSMoEConfig(FFNSlotConfig):
+    """A top-k MoE slot whose experts are DeRS-synthesised.
+
+    moe: the MoE hyper-parameters (router, top_k, dispatch, universal / shared FFNs, balance
+        loss); ``moe.d_expert`` is the expert width ``d_h`` (= the dense FFN width when
+        upcycling).
+    form: ``"sm"`` (sparse matrix) or ``"lm"`` (low rank).
+    sm_rate: the DeRS-SM sparse rate ``p`` (fraction of positions WITHOUT a trainable value).
+    lm_rank / lm_init_std: DeRS-LM rank ``r`` and std of ``A`` (None -> ``d_in ** -0.5``).
+    freeze_shared: keep ``W_shared`` fixed (Table 5 ablation).
+    extended: decompose the universal FFN together with the experts (App. A; needs
+        ``moe.universal_ffn`` and ``moe.d_universal`` None or equal to ``d_expert``).
+    """
+
+    moe: MoEConfig = MoEConfig()
+    form: Literal["sm", "lm"] = "sm"
+    sm_rate: float = 0.99
+    lm_rank: int = 4
+    lm_init_std: float | None = None
+    freeze_shared: bool = False
+    extended: bool = False
+
+    def validate(self) -> None:
+        self._require(0.0 <= self.sm_rate < 1.0,
+                      f"sm_rate={self.sm_rate} must be in [0, 1) (fraction of positions "
+                      "dropped; e.g. 0.99)")
+        self._require(self.lm_rank >= 1, f"lm_rank={self.lm_rank} must be >= 1")
+        self._require(self.lm_init_std is None or self.lm_init_std > 0,
+                      f"lm_init_std={self.lm_init_std} must be > 0 (or None for 1/sqrt(d_in))")
+        self._require(not self.extended or self.moe.universal_ffn,
+                      "extended=True decomposes the universal FFN but moe.universal_ffn=False; "
+                      "set moe.universal_ffn=True or extended=False")
+        self._require(not self.extended or self.moe.d_universal in (None, self.moe.d_expert),
+                      f"extended=True needs d_universal == d_expert ({self.moe.d_universal} != "
+                      f"{self.moe.d_expert}); leave moe.d_universal=None")
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return DeRSMoE(d_model, self, rngs=rngs, dtype=dtype,
+                       param_dtype=param_dtype or jnp.float32)
+
+
+def matrix_shapes(d_model: int, d_hidden: int, gated: bool) -> dict[str, tuple[int, int]]:
+    """``{"gate": (D, F), "up": (D, F), "down": (F, D)}`` (no gate when not gated)."""
+    shapes = {"up": (d_model, d_hidden), "down": (d_hidden, d_model)}
+    if gated:
+        shapes = {"gate": (d_model, d_hidden), **shapes}
+    return shapes
+
+
+def sm_num_kept(d_in: int, d_out: int, rate: float) -> int:
+    """``K = max(1, round(d_in d_out (1 - p)))`` trainable positions per expert and matrix."""
+    return max(1, int(round(d_in * d_out * (1.0 - rate))))
+
+
+def draw_sm_indices(key: jax.Array, n: int, size: int, k: int) -> jax.Array:
+    """``[n, k]`` int32: per row ``k`` unique sorted flat positions in ``[0, size)``."""
+    if not 1 <= k <= size:
+        raise ValueError(f"draw_sm_indices: k={k} must be in [1, size={size}]")
+    keys = jax.random.split(key, n)
+    pick = lambda kk: jnp.sort(jax.random.choice(kk, size, (k,), replace=False))
+    return jax.vmap(pick)(keys).astype(jnp.int32)
+
+
+class DeltaStack(nnx.Module):
+    """``n`` DeRS increments per FFN matrix (see the module docstring for the paths)."""
+
+    def __init__(self, n: int, shapes: dict, cfg: DeRSMoEConfig, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        self.form, self.n, self.shapes = cfg.form, n, dict(shapes)
+        for name, (d_in, d_out) in shapes.items():
+            if cfg.form == "sm":
+                k = sm_num_kept(d_in, d_out, cfg.sm_rate)
+                setattr(self, f"idx_{name}",
+                        DeRSIndex(draw_sm_indices(rngs.params(), n, d_in * d_out, k)))
+                setattr(self, f"v_{name}", nnx.Param(jnp.zeros((n, k), param_dtype)))
+            else:
+                std = cfg.lm_init_std if cfg.lm_init_std is not None else d_in ** -0.5
+                a = jax.random.normal(rngs.params(), (n, d_in, cfg.lm_rank), param_dtype) * std
+                setattr(self, f"a_{name}", nnx.Param(a))
+                setattr(self, f"b_{name}",
+                        nnx.Param(jnp.zeros((n, cfg.lm_rank, d_out), param_dtype)))
+
+    def synthesize(self, name: str, base_IO: jax.Array) -> jax.Array:
+        """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment."""
+        d_in, d_out = self.shapes[name]
+        if self.form == "sm":
+            idx_NK = getattr(self, f"idx_{name}")[...]
+            v_NK = getattr(self, f"v_{name}")[...].astype(base_IO.dtype)
+            flat = jnp.broadcast_to(base_IO.reshape(1, d_in * d_out), (self.n, d_in * d_out))
+            rows = jnp.arange(self.n)[:, None]
+            flat = flat.at[rows, idx_NK].add(v_NK, unique_indices=True)
+            return flat.reshape(self.n, d_in, d_out)
+        a = getattr(self, f"a_{name}")[...].astype(base_IO.dtype)
+        b = getattr(self, f"b_{name}")[...].astype(base_IO.dtype)
+        return base_IO[None] + jnp.einsum("nir,nro->nio", a, b)
+
+
+class _Base(nnx.Module):
+    """The expert-shared weights ``W_shared`` (Param, or DeRSFrozen when frozen)."""
+
+    def __init__(self, shapes: dict, *, frozen: bool, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kind = DeRSFrozen if frozen else nnx.Param
+        for name, shape in shapes.items():
+            w = jax.random.normal(rngs.params(), shape, param_dtype) * shape[0] ** -0.5
+            setattr(self, f"w_{name}", kind(w))
+
+    def get(self, name: str) -> jax.Array:
+        return getattr(self, f"w_{name}")[...]
+
+
+class DeRSMoE(nnx.Module):
+    """DeRS-upcycled top-k MoE slot (module docstring); same call contract and ``aux`` as
+    :class:`moejax.nn.moe.MoE`."""
+
+    def __init__(self, d_model: int, cfg: DeRSMoEConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        m = cfg.moe
+        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.top_k = m.top_k
+        self.gated = is_gated(m.activation)
+        if m.router == "softmax":
+            self.router = SoftmaxRouter(d_model, m.n_experts, m.top_k, renormalize=m.renormalize,
+                                        rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.router = NoisyTopKRouter(d_model, m.n_experts, m.top_k, rngs=rngs,
+                                          param_dtype=param_dtype)
+        shapes = matrix_shapes(d_model, m.d_expert, self.gated)
+        self.base = _Base(shapes, frozen=cfg.freeze_shared, rngs=rngs, param_dtype=param_dtype)
+        self.experts = DeltaStack(m.n_experts, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
+        if m.n_shared_experts > 0:
+            width = m.n_shared_experts * (m.d_shared or m.d_expert)
+            self.shared = FFNWeights(d_model, width, gated=self.gated, rngs=rngs,
+                                     param_dtype=param_dtype)
+        if m.universal_ffn:
+            if cfg.extended:
+                self.universal = DeltaStack(1, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
+            else:
+                self.universal = FFNWeights(d_model, m.d_universal or m.d_expert,
+                                            gated=self.gated, rngs=rngs, param_dtype=param_dtype)
+
+    def expert_weights(self, stack: DeltaStack | None = None):
+        """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``."""
+        stack = self.experts if stack is None else stack
+        w = {name: stack.synthesize(name, self.base.get(name)) for name in stack.shapes}
+        return w["up"], w["down"], w.get("gate")
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None):
+        m = self.cfg.moe
+        B, T, D = x_BTD.shape
+        if D != self.d_model:
+            raise ValueError(f"DeRSMoE: input width {D} != d_model {self.d_model}")
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
+        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
+        w_up, w_down, w_gate = self.expert_weights()
+        out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
+                       activation=m.activation, capacity_factor=m.capacity_factor,
+                       valid_N=mask_N)
+        y_ND = out.y_ND
+        if m.n_shared_experts > 0:
+            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
+        if m.universal_ffn:
+            if self.cfg.extended:
+                u_up, u_down, u_gate = self.expert_weights(self.universal)
+                y_ND = y_ND + ffn_apply(x_ND, u_up[0], u_down[0],
+                                        None if u_gate is None else u_gate[0],
+                                        activation=m.activation)
+            else:
+                y_ND = y_ND + self.universal(x_ND, activation=m.activation)
+        return y_ND.reshape(B, T, D), router_aux(m, r, mask_N, out.dropped_fraction, B, T)
+
+
+def router_aux(m: MoEConfig, r, mask_N, dropped_fraction, B: int, T: int) -> dict:
+    """The same ``aux`` dict as :class:`moejax.nn.moe.MoE` (balance / z losses, load, ...)."""
+    if m.balance_loss == "cv2":
+        gates_NE = jnp.zeros_like(r.probs_NE).at[
+            jnp.arange(r.ids_NK.shape[0])[:, None], r.ids_NK].add(r.weights_NK)
+        balance = rl.cv2_balance_loss(r.ids_NK, gates_NE, mask_N)
+    elif m.balance_loss == "switch":
+        balance = rl.switch_balance_loss(r.ids_NK, r.probs_NE, mask_N)
+    else:
+        balance = jnp.zeros((), jnp.float32)
+    z = rl.router_z_loss(r.logits_NE, mask_N)
+    counts_E = rl.expert_counts(r.ids_NK, m.n_experts, mask_N)
+    sel = rl.gate_mass_selected(r.ids_NK, r.probs_NE, mask_N)
+    return {
+        "aux_loss": m.balance_coef * balance + m.z_loss_coef * z,
+        "balance_loss": balance,
+        "z_loss": z,
+        "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
+        "gate_mass_selected": sel,
+        "gate_mass_unselected": 1.0 - sel,
+        "expert_ids": r.ids_NK.reshape(B, T, -1),
+        "dropped_fraction": dropped_fraction,
+    }
+
+
+def ders_param_counts(cfg: DeRSMoEConfig, d_model: int) -> dict[str, int]:
+    """Exact per-layer counts of the expert part (router, shared experts excluded):
+
+    * ``shared``: ``sum_W d_in d_out`` (W_shared; trainable unless frozen)
+    * ``increments``: SM ``n sum_W K_W`` values, LM ``n r sum_W (d_in + d_out)``, with
+      ``n = N (+1 extended)``
+    * ``index``: SM index entries ``n sum_W K_W`` (stored, never trained; 0 for LM)
+    * ``trainable``: ``increments (+ shared unless frozen)``
+    * ``vanilla``: ``n sum_W d_in d_out`` (the N (+1) dense copies of vanilla upcycling)
+    """
+    m = cfg.moe
+    shapes = matrix_shapes(d_model, m.d_expert, is_gated(m.activation))
+    n = m.n_experts + (1 if cfg.extended else 0)
+    dense = sum(a * b for a, b in shapes.values())
+    if cfg.form == "sm":
+        inc = n * sum(sm_num_kept(a, b, cfg.sm_rate) for a, b in shapes.values())
+        index = inc
+    else:
+        inc = n * cfg.lm_rank * sum(a + b for a, b in shapes.values())
+        index = 0
+    return {"shared": dense, "increments": inc, "index": index,
+            "trainable": inc + (0 if cfg.freeze_shared else dense), "vanilla": n * dense}

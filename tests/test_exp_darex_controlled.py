@@ -1,0 +1,34 @@
+"""Smoke test: the controlled DAREx study (MLP MNIST -> digits) runs tiny and writes its tables."""
+
+import csv
+
+from moejax.experiment import run_experiment
+
+
+def test_darex_controlled_tiny(tmp_path):
+    from experiments import darex_controlled as mod
+
+    summary, run = run_experiment(
+        mod.NAME, mod.make_config, mod.run,
+        ["d_hidden=32", "pretrain_steps=60", "finetune_steps=40", "batch_size=64",
+         "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4"],
+        out=tmp_path / "ctl",
+    )
+    rows = list(csv.DictReader(open(run.path / "detail.csv")))
+    # 3 fine-tunings x 4 methods x 2 drop rates
+    assert len(rows) == 24
+    assert {r["fine-tuning"] for r in rows} == {"no reg (Adam)", "AdamR-L2", "AdamR-L1"}
+    for r in rows:
+        assert 0.0 <= float(r["metric"]) <= 1.0
+    by = {(r["fine-tuning"], r["method"], float(r["p"])): r for r in rows}
+    # DARE uses q = 1 - p; the q_v search includes q = 1 - p, so its chosen q is >= 1 - p
+    assert float(by["no reg (Adam)", "DARE", 0.99]["q"]) == 0.01 or by["no reg (Adam)", "DARE", 0.99]["q"].startswith("0.01")
+    assert float(by["no reg (Adam)", "DAREx-q (q_v)", 0.99]["q"]) >= 0.01 - 1e-9
+    base = list(csv.DictReader(open(run.path / "finetuned.csv")))
+    # fine-tuning moved the weights; AdamR-L2 shrinks the delta relative to no regularisation
+    l2 = {r["fine-tuning"]: float(r["delta_l2"]) for r in base}
+    assert l2["AdamR-L2"] < l2["no reg (Adam)"]
+    wide = (run.path / "accuracy.md").read_text()
+    assert "p=0.99" in wide and "WANDA" in wide
+    assert (run.path / "acc_vs_p_none.png").exists()
+    assert 0.0 <= summary["unpruned_none"] <= 1.0

@@ -1,0 +1,164 @@
+"""GGUF reading and the Llama importer on a tiny synthetic file (no weight package needed).
+
+A random moejax decoder (HF "half" RoPE layout) is written as GGUF the way llama.cpp's
+converter does it (q/k rows permuted to the interleaved order, matrices as [out, in]); the
+importer must give back the same parameters and the same logits. Also: malformed and
+truncated GGUF files raise WeightFileError naming the file and the problem.
+"""
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="pip install gguf")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from tokenizers import pre_tokenizers  # noqa: E402
+
+from moejax.io import WeightFileError  # noqa: E402
+from moejax.io._common import flat_params  # noqa: E402
+from moejax.io.gguf import read_gguf  # noqa: E402
+from moejax.io.smollm2 import load_gguf_decoder  # noqa: E402
+from moejax.nn.decoder import DecoderLM, dense_decoder_config  # noqa: E402
+
+H, G, K, D, F, L = 4, 2, 8, 32, 48, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _llamacpp_permute(w_out_in, n_head):
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (HF rows -> interleaved rows)."""
+    return (w_out_in.reshape(n_head, 2, w_out_in.shape[0] // n_head // 2, *w_out_in.shape[1:])
+            .swapaxes(1, 2).reshape(w_out_in.shape))
+
+
+def _vocab():
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["h e", "l l", "he ll", "hell o"]
+    tokens = SPECIALS + alphabet + [m.replace(" ", "") for m in merges]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, merges, types
+
+
+def _write_tiny_gguf(path, model, cfg, tokens, merges, types):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(L)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(G)
+    w.add_rope_freq_base(cfg.rope_base)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(K)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(TEMPLATE)
+    p = {k: np.asarray(v, np.float32) for k, v in flat_params(model).items()}
+    w.add_tensor("token_embd.weight", p["embed"])
+    w.add_tensor("output_norm.weight", p["final_norm/scale"])
+    for i in range(L):
+        b, o = f"blk.{i}.", f"blocks/{i}/"
+        w.add_tensor(b + "attn_norm.weight", p[o + "attn_norm/scale"])
+        w.add_tensor(b + "ffn_norm.weight", p[o + "ffn_norm/scale"])
+        w.add_tensor(b + "attn_q.weight", _llamacpp_permute(p[o + "attn/w_q"].T.copy(), H))
+        w.add_tensor(b + "attn_k.weight", _llamacpp_permute(p[o + "attn/w_k"].T.copy(), G))
+        w.add_tensor(b + "attn_v.weight", p[o + "attn/w_v"].T.copy())
+        w.add_tensor(b + "attn_output.weight", p[o + "attn/w_o"].T.copy())
+        for n in ("gate", "up", "down"):
+            w.add_tensor(b + f"ffn_{n}.weight", p[o + f"ffn/w_{n}"].T.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tokens, merges, types = _vocab()
+    cfg = dense_decoder_config(vocab_size=len(tokens), d_model=D, n_layers=L, n_heads=H,
+                               n_kv_heads=G, head_dim=K, d_hidden=F, max_seq_len=64,
+                               rope_base=10000.0, rope_style="half")
+    model = DecoderLM(cfg, rngs=nnx.Rngs(3))
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    params = _write_tiny_gguf(path, model, cfg, tokens, merges, types)
+    return path, model, cfg, params
+
+
+def test_importer_undoes_llamacpp_permutation(tiny):
+    path, ref, cfg, params = tiny
+    model, tok = load_gguf_decoder(path)
+    assert model.cfg.rope_style == "half" and model.cfg.kv_heads == G
+    assert model.cfg.dim_per_head == K and model.cfg.tie_embeddings
+    got = flat_params(model)
+    assert set(got) == set(params)
+    for k, v in params.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
+    x = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(model(x)[0]), np.asarray(ref(x)[0]), atol=1e-5)
+
+
+def test_tokenizer_rebuilt_from_metadata(tiny):
+    _, tok = load_gguf_decoder(tiny[0])
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    ids = tok.encode("hello hello")
+    hello = tok.token_to_id("hello")
+    assert hello is not None and list(ids).count(hello) == 2  # merges applied
+    assert tok.decode(ids) == "hello hello"
+    assert tok.decode(tok.encode("Ünïcode 123!")) == "Ünïcode 123!"  # byte-level round trip
+    assert list(tok.encode("<|im_start|>hi")[:1]) == [1]  # specials recognised
+    assert list(tok.encode("7")) == [tok.token_to_id("7")]
+    assert len(tok.encode("123")) == 3  # "smollm" pre-tokenizer: digits split individually
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_not_gguf_file(tmp_path):
+    bad = tmp_path / "weights.gguf"
+    bad.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(WeightFileError, match=r"weights\.gguf: not a GGUF file"):
+        read_gguf(bad)
+    with pytest.raises(WeightFileError, match="does not exist"):
+        read_gguf(tmp_path / "nope.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.5, 0.999])
+def test_truncated_gguf(tiny, tmp_path, keep):
+    data = tiny[0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: max(8, int(len(data) * keep))])
+    with pytest.raises(WeightFileError, match=r"cut\.gguf: .*truncated") as e:
+        load_gguf_decoder(cut)
+    assert "pip install" in str(e.value)  # says how to fix
+
+
+def test_missing_tensor_named(tiny, tmp_path):
+    path, model, cfg, params = tiny
+    tokens, merges, types = _vocab()
+    w = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "llama")
+    f = read_gguf(path)
+    for k in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
+              "llama.attention.head_count", "llama.attention.head_count_kv"):
+        w.add_uint32(k, int(f.metadata[k]))
+    for name, arr in f.tensors.items():
+        if name != "blk.1.ffn_up.weight":
+            w.add_tensor(name, arr)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(WeightFileError, match=r"partial\.gguf: tensor 'blk\.1\.ffn_up\.weight' "
+                                              "is missing"):
+        load_gguf_decoder(tmp_path / "partial.gguf")

@@ -1,0 +1,123 @@
+"""Sparsity metrics (moejax.ops.sparsity_metrics) against direct loops on hand-built arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moejax.ops import sparsity_metrics as sm
+
+# 2 rows x 6 tokens x 4 experts
+ACT = np.array([
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0], [0, 1, 1, 0]],
+    [[0, 0, 0, 1], [0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0, 1, 0, 0]],
+], bool)
+MASK = np.array([[1] * 6, [1, 1, 1, 1, 1, 0]], bool)
+SEG = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 0]], np.int32)
+
+
+def _runs(mask, seg):
+    out = []
+    for b in range(mask.shape[0]):
+        cur = []
+        for t in range(mask.shape[1]):
+            if mask[b, t] and cur and seg[b, t] == seg[b, cur[-1]]:
+                cur.append(t)
+            else:
+                if cur:
+                    out.append((b, cur))
+                cur = [t] if mask[b, t] else []
+        if cur:
+            out.append((b, cur))
+    return out
+
+
+def np_cls(act, L, mask, seg):
+    vals = []
+    for b, run in _runs(mask, seg):
+        for c in range(0, len(run) - L + 1, L):
+            union = np.zeros(act.shape[-1], bool)
+            for t in run[c:c + L]:
+                union |= act[b, t]
+            vals.append(1 - union.mean())
+    return np.mean(vals)
+
+
+def np_reuse(act, mask, seg):
+    vals = []
+    for b, run in _runs(mask, seg):
+        for t in run[:-1]:
+            s, s2 = set(np.flatnonzero(act[b, t])), set(np.flatnonzero(act[b, t + 1]))
+            if s:
+                vals.append(len(s & s2) / len(s))
+    return np.mean(vals)
+
+
+def test_tls_hand_computed():
+    num, den = sm.tls_counts(ACT, MASK)
+    # active counts of real tokens: row0 1,2,1,1,1,2 ; row1 1,1,0,4,1
+    want = sum(1 - c / 4 for c in [1, 2, 1, 1, 1, 2, 1, 1, 0, 4, 1]) / 11
+    assert den == 11 and num / den == pytest.approx(want)
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("use_seg", [False, True])
+def test_cls_matches_loops(L, use_seg):
+    seg = SEG if use_seg else np.where(MASK, 1, 0)
+    num, den = sm.cls_counts(ACT, L, MASK, seg if use_seg else None)
+    if den == 0:  # no run holds a full chunk
+        assert all(len(run) < L for _, run in _runs(MASK, seg)) and num == 0
+        return
+    assert num / den == pytest.approx(np_cls(ACT, L, MASK, seg))
+
+
+def test_cls_hand_value_and_cls1_equals_tls():
+    # no mask/segments, L = 2: chunks row0 {0,1}:{0,1} {2,3}:{0,2} {4,5}:{1,2};
+    # row1 {0,1}:{3} {2,3}:all {4,5}:{1}
+    num, den = sm.cls_counts(ACT, 2)
+    assert den == 6 and num / den == pytest.approx((0.5 + 0.5 + 0.5 + 0.75 + 0 + 0.75) / 6)
+    n1, d1 = sm.cls_counts(ACT, 1, MASK)
+    t, dt = sm.tls_counts(ACT, MASK)
+    assert n1 / d1 == pytest.approx(t / dt)
+
+
+@pytest.mark.parametrize("use_seg", [False, True])
+def test_reuse_matches_loops(use_seg):
+    seg = SEG if use_seg else np.where(MASK, 1, 0)
+    num, den = sm.reuse_counts(ACT, MASK, seg if use_seg else None)
+    assert num / den == pytest.approx(np_reuse(ACT, MASK, seg))
+
+
+def test_reuse_hand_value():
+    act = np.array([[[1, 1, 0], [1, 0, 0], [0, 0, 0], [0, 1, 1]]], bool)
+    # pairs: {0,1}->{0}: 1/2 ; {0}->{}: 0 ; {}->...: skipped
+    num, den = sm.reuse_counts(act)
+    assert den == 2 and num / den == pytest.approx(0.25)
+
+
+def test_magnitude_and_streaming_accumulator():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=ACT.shape) * ACT
+    tokens = np.array([[5, 6, 5, 7, 7, 7], [5, 5, 6, 8, 9, 0]])
+    acc = sm.SparsityAccumulator(chunk_lens=(1, 2))
+    # stream the two rows as two batches into layer 0, and the whole batch into layer 1
+    for b in range(2):
+        acc.update(0, ACT[b:b + 1], mask_BT=MASK[b:b + 1], segment_ids_BT=SEG[b:b + 1],
+                   a_BTE=a[b:b + 1], tokens_BT=tokens[b:b + 1])
+    acc.update(1, ACT, mask_BT=MASK, segment_ids_BT=SEG, a_BTE=a)
+    res = acc.result()
+    for layer in (0, 1):
+        r = res["layers"][layer]
+        assert r["tls"] == pytest.approx(np.mean([1 - ACT[b, t].mean() for b in range(2)
+                                                   for t in range(6) if MASK[b, t]]))
+        assert r["cls_2"] == pytest.approx(np_cls(ACT, 2, MASK, SEG))
+        assert r["reuse"] == pytest.approx(np_reuse(ACT, MASK, SEG))
+        mags = [np.linalg.norm(a[b, t]) for b in range(2) for t in range(6) if MASK[b, t]]
+        assert r["magnitude"] == pytest.approx(np.mean(mags))
+    assert res["mean"]["tls"] == pytest.approx(res["layers"][0]["tls"])
+    ids, counts, frac = acc.allocation()
+    assert ids.tolist() == [5, 6, 7, 8, 9]
+    assert counts.tolist() == [4, 2, 3, 1, 1]
+    # token 5: (0,0),(0,2),(1,0),(1,1): active fractions .25,.25,.25,.25
+    assert frac[0] == pytest.approx(0.25)
+    assert frac[3] == pytest.approx(1.0)  # token 8 at (1,3): all active

@@ -1,0 +1,192 @@
+"""Upcycling surgery (moejax.upcycle) and DeRS upcycling slots (moejax.nn.ders)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from moejax.config import ConfigError
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.ders import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
+from moejax.nn.moe import MoE, MoEConfig
+from moejax.train.optim import TrainConfig
+from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
+from moejax.upcycle import (UpcycleConfig, param_report, upcycle_model, upcycled_layers)
+
+D, F, L = 16, 32, 4
+
+
+_DENSE = {}
+
+
+def _dense(seed=0):
+    if seed not in _DENSE:
+        cfg = dense_decoder_config(vocab_size=64, d_model=D, n_layers=L, n_heads=2,
+                                   d_hidden=F, max_seq_len=32)
+        _DENSE[seed] = DecoderLM(cfg, rngs=nnx.Rngs(seed))
+    return _DENSE[seed]
+
+
+def _tokens(seed=1, B=2, T=12):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, 64)
+
+
+RULES = {
+    "vanilla_every_other": UpcycleConfig(),
+    "vanilla_list_top1_universal": UpcycleConfig(blocks="list", block_list=(0, 3), top_k=1,
+                                                 universal_ffn=True),
+    "vanilla_shared_noisy": UpcycleConfig(n_shared_experts=2, router="noisy", n_experts=3),
+    "lm_all_dense_dispatch": UpcycleConfig(expert_form="lm", lm_rank=3, blocks="all",
+                                           dispatch="dense"),
+    "sm_extended": UpcycleConfig(expert_form="sm", universal_ffn=True, extended=True,
+                                 top_k=1),
+    "lm_frozen_shared_ragged": UpcycleConfig(expert_form="lm", freeze_shared=True,
+                                             dispatch="ragged"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_upcycled_model_equals_dense_at_step_zero(name):
+    rule = RULES[name]
+    dense = _dense()
+    moe = upcycle_model(dense, rule, jax.random.key(7))
+    x = _tokens()
+    ref, _ = dense(x)
+    out, aux = moe(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    chosen = upcycled_layers(L, rule)
+    kinds = [type(b.ffn).__name__ for b in moe.blocks]
+    want = "MoE" if rule.expert_form == "vanilla" else "DeRSMoE"
+    assert kinds == [want if i in chosen else "DenseFFN" for i in range(L)]
+
+
+def test_layer_selection_rules():
+    assert upcycled_layers(6, UpcycleConfig()) == (1, 3, 5)
+    assert upcycled_layers(6, UpcycleConfig(offset=0)) == (0, 2, 4)
+    assert upcycled_layers(3, UpcycleConfig(blocks="all")) == (0, 1, 2)
+    assert upcycled_layers(6, UpcycleConfig(blocks="list", block_list=(4, 2))) == (2, 4)
+    with pytest.raises(ConfigError, match="block_list"):
+        UpcycleConfig(blocks="list")
+    with pytest.raises(ConfigError, match="expert_form"):
+        UpcycleConfig(freeze_shared=True)
+
+
+def test_vanilla_surgery_copies_dense_ffn_and_router_is_new():
+    dense = _dense()
+    rule = UpcycleConfig(universal_ffn=True, n_shared_experts=1)
+    a = upcycle_model(dense, rule, jax.random.key(0))
+    b = upcycle_model(dense, rule, jax.random.key(1))
+    s = 1.0 / 3.0
+    for i in (1, 3):
+        dffn, m = dense.blocks[i].ffn, a.blocks[i].ffn
+        for w in ("w_gate", "w_up", "w_down"):
+            ref = np.asarray(getattr(dffn, w)[...]) * (s if w == "w_down" else 1.0)
+            got = np.asarray(getattr(m.experts, w)[...])
+            assert got.shape == (4,) + ref.shape
+            np.testing.assert_allclose(got, np.broadcast_to(ref, got.shape), rtol=1e-6)
+            np.testing.assert_allclose(np.asarray(getattr(m.universal, w)[...]), ref, rtol=1e-6)
+        r_a, r_b = np.asarray(m.router.w_g[...]), np.asarray(b.blocks[i].ffn.router.w_g[...])
+        assert r_a.shape == (D, 4) and not np.allclose(r_a, r_b)
+    # non-FFN leaves are shared unchanged; the dense model is untouched
+    np.testing.assert_array_equal(np.asarray(a.embed[...]), np.asarray(dense.embed[...]))
+    np.testing.assert_array_equal(np.asarray(a.blocks[1].attn.w_q[...]),
+                                  np.asarray(dense.blocks[1].attn.w_q[...]))
+    assert type(dense.blocks[1].ffn).__name__ == "DenseFFN"
+
+
+def test_fresh_optimizer_state_after_upcycling():
+    moe = upcycle_model(_dense(), UpcycleConfig(), jax.random.key(0))
+    tx = optax.adam(1e-3)
+    _, state = init_train_state(moe, tx)
+    mu = jax.tree.leaves(state.opt_state[0].mu)
+    assert mu and all(float(jnp.abs(m).max()) == 0.0 for m in mu)
+    assert int(state.step) == 0
+
+
+def test_sm_indices_are_unique_fixed_buffers_and_only_values_train():
+    rule = UpcycleConfig(expert_form="sm", sm_rate=0.75, freeze_shared=True)
+    moe = upcycle_model(_dense(), rule, jax.random.key(3))
+    ffn = moe.blocks[1].ffn
+    idx = np.asarray(ffn.experts.idx_up[...])
+    K = round(D * F * 0.25)
+    assert idx.shape == (4, K) and idx.dtype == np.int32
+    for row in idx:
+        assert len(np.unique(row)) == K and row.min() >= 0 and row.max() < D * F
+    assert not np.array_equal(idx[0], idx[1])  # a fresh draw per expert
+    assert isinstance(ffn.experts.idx_up, DeRSIndex) and isinstance(ffn.base.w_up, DeRSFrozen)
+    # one training step: values move, indices and the frozen shared weight do not
+    tcfg = TrainConfig(steps=1, batch_size=2, lr=1e-2, weight_decay=0.1)
+    from moejax.train.optim import make_optimizer
+    tx = make_optimizer(tcfg)
+    graphdef, state = init_train_state(moe, tx)
+    step = make_train_step(graphdef, lm_loss_fn, tx, tcfg)
+    x = np.asarray(_tokens(B=2, T=9))
+    new, _ = step(state, {"inputs": x[:, :-1], "targets": x[:, 1:]})
+    m2 = nnx.merge(graphdef, new.params, new.rest)
+    f2 = m2.blocks[1].ffn
+    assert float(jnp.abs(f2.experts.v_up[...]).max()) > 0
+    np.testing.assert_array_equal(np.asarray(f2.experts.idx_up[...]), idx)
+    np.testing.assert_array_equal(np.asarray(f2.base.w_up[...]), np.asarray(ffn.base.w_up[...]))
+
+
+def _moe_oracle(ders: DeRSMoE, x_BTD):
+    """Vanilla MoE with the DeRS-synthesised weights written in (numpy synthesis)."""
+    cfg = ders.cfg.moe.replace(dispatch="dense")
+    ref = MoE(D, cfg, rngs=nnx.Rngs(0))
+    ref.router.w_g[...] = ders.router.w_g[...]
+    for name in ("gate", "up", "down"):
+        base = np.asarray(ders.base.get(name))
+        ws = []
+        for e in range(cfg.n_experts):
+            if ders.cfg.form == "sm":
+                flat = base.reshape(-1).copy()
+                flat[np.asarray(ders.experts.__dict__[f"idx_{name}"][...][e])] += np.asarray(
+                    getattr(ders.experts, f"v_{name}")[...][e])
+                ws.append(flat.reshape(base.shape))
+            else:
+                a = np.asarray(getattr(ders.experts, f"a_{name}")[...][e])
+                b = np.asarray(getattr(ders.experts, f"b_{name}")[...][e])
+                ws.append(base + a @ b)
+        getattr(ref.experts, f"w_{name}")[...] = jnp.asarray(np.stack(ws))
+    return ref(x_BTD)[0]
+
+
+@pytest.mark.parametrize("form", ["sm", "lm"])
+def test_ders_forward_matches_numpy_synthesis(form):
+    cfg = DeRSMoEConfig(moe=MoEConfig(n_experts=3, top_k=2, d_expert=F, dispatch="capacity",
+                                      capacity_factor=3.0), form=form, sm_rate=0.5, lm_rank=2)
+    m = DeRSMoE(D, cfg, rngs=nnx.Rngs(4))
+    key = jax.random.key(5)
+    for j, name in enumerate(("gate", "up", "down")):  # non-zero increments
+        v = getattr(m.experts, f"{'v' if form == 'sm' else 'b'}_{name}")
+        v[...] = 0.3 * jax.random.normal(jax.random.fold_in(key, j), v[...].shape)
+    x = jax.random.normal(jax.random.key(6), (2, 5, D))
+    np.testing.assert_allclose(np.asarray(m(x)[0]), np.asarray(_moe_oracle(m, x)),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_exact_parameter_counts():
+    dense = _dense()
+    n_dense = 64 * D + L * (4 * D * D + 2 * D + 3 * D * F) + D
+    mats = 3 * D * F
+    router = 2 * D * 4  # two MoE layers, 4 experts
+    van = param_report(dense, upcycle_model(dense, UpcycleConfig(), jax.random.key(0)))
+    assert van["dense"] == n_dense
+    assert van["added"] == 2 * (3 * mats) + router and van["index"] == 0
+    K = round(D * F * 0.1)
+    sm_rule = UpcycleConfig(expert_form="sm", sm_rate=0.9)
+    sm = param_report(dense, upcycle_model(dense, sm_rule, jax.random.key(0)))
+    assert sm["added"] == 2 * (4 * 3 * K) + router
+    assert sm["index"] == 2 * 4 * 3 * K and sm["added_with_index"] == sm["added"] + sm["index"]
+    assert sm["trainable"] == n_dense + sm["added"]
+    lm_rule = UpcycleConfig(expert_form="lm", lm_rank=2, freeze_shared=True)
+    lm = param_report(dense, upcycle_model(dense, lm_rule, jax.random.key(0)))
+    inc = 4 * 2 * 3 * (D + F)
+    assert lm["added"] == 2 * inc + router
+    assert lm["trainable"] == n_dense - 2 * mats + 2 * inc + router  # shared weight frozen
+    c = ders_param_counts(DeRSMoEConfig(moe=MoEConfig(d_expert=F), form="lm", lm_rank=2,
+                                        freeze_shared=True), D)
+    assert c == {"shared": mats, "increments": inc, "index": 0, "trainable": inc,
+                 "vanilla": 4 * mats}
