@@ -56,18 +56,29 @@ def make_tx(
     return optax.chain(optax.clip_by_global_norm(clip), opt) if clip > 0 else opt
 
 
+_STEP_CACHE: dict = {}
+
+
 def fit(
     loss_fn: Callable[[Any, Any], jax.Array], params: Any, tx: optax.GradientTransformation,
     batch_at: Callable[[int], Any], steps: int, *, desc: str = "train",
 ) -> tuple[Any, list[float]]:
-    """``steps`` of ``params <- tx(grad loss_fn(params, batch_at(i)))``; returns params, losses."""
+    """``steps`` of ``params <- tx(grad loss_fn(params, batch_at(i)))``; returns params, losses.
 
-    @jax.jit
-    def step(prm, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(prm, batch)
-        updates, opt_state = tx.update(grads, opt_state, prm)
-        return optax.apply_updates(prm, updates), opt_state, loss
+    The jitted step is cached per ``(loss_fn, tx)`` pair, so reusing both objects (e.g. over
+    seeds) compiles once.
+    """
+    cache_key = (id(loss_fn), id(tx))
+    if cache_key not in _STEP_CACHE:
 
+        @jax.jit
+        def step(prm, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(prm, batch)
+            updates, opt_state = tx.update(grads, opt_state, prm)
+            return optax.apply_updates(prm, updates), opt_state, loss
+
+        _STEP_CACHE[cache_key] = (step, loss_fn, tx)  # keep the objects alive: ids stay unique
+    step = _STEP_CACHE[cache_key][0]
     opt_state, losses = tx.init(params), []
     for i in tqdm(range(steps), desc=desc, leave=False, mininterval=2.0):
         params, opt_state, loss = step(params, opt_state, batch_at(i))

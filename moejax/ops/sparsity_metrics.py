@@ -151,7 +151,7 @@ class SparsityAccumulator:
                 self.tok_frac[i] += f
 
     def result(self) -> dict:
-        layers = {l: {k: _ratio(v) for k, v in s.items()} for l, s in self.sums.items()}
+        layers = {i: {k: _ratio(v) for k, v in s.items()} for i, s in self.sums.items()}
         keys = sorted({k for d in layers.values() for k in d})
         mean = {k: float(np.nanmean([d[k] for d in layers.values() if k in d])) for k in keys}
         return {"layers": layers, "mean": mean}

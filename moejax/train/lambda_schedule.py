@@ -121,7 +121,7 @@ class ScheduleVariable(nnx.Variable):
 
 
 def _sum(layers, name):
-    vals = [l[name] for l in layers if name in l]
+    vals = [la[name] for la in layers if name in la]
     return sum(vals) if vals else jnp.zeros((), jnp.float32)
 
 
@@ -151,10 +151,12 @@ class ScheduledLM(nnx.Module):
                              self.sched_win_sum[...], self.sched_prev_mean[...])
 
     def _set(self, st: ScheduleState) -> None:
-        self.sched_lam[...] = st.lam
-        self.sched_step[...] = st.step
-        self.sched_win_sum[...] = st.win_sum
-        self.sched_prev_mean[...] = st.prev_mean
+        # fresh Variables rather than in-place writes: the step merges the model inside
+        # value_and_grad, whose trace may not own the Variables it was given
+        self.sched_lam = ScheduleVariable(st.lam)
+        self.sched_step = ScheduleVariable(st.step)
+        self.sched_win_sum = ScheduleVariable(st.win_sum)
+        self.sched_prev_mean = ScheduleVariable(st.prev_mean)
 
     def __call__(self, tokens_BT, *, train: bool = False, key=None, positions_BT=None,
                  mask_BT=None, segment_ids_BT=None):
@@ -171,7 +173,7 @@ class ScheduledLM(nnx.Module):
                     object.__delattr__(m, "_segment_ids_BT")
         layers = aux["layers"]
         cs_sum, l1_sum = _sum(layers, "cs_loss"), _sum(layers, "l1_loss")
-        tls = [l["tls"] for l in layers if "tls" in l]
+        tls = [la["tls"] for la in layers if "tls" in la]
         tls_mean = sum(tls) / len(tls) if tls else jnp.zeros((), jnp.float32)
         st = self.state
         penalty = l1_sum if self.cfg.kind == "remoe_l1" else cs_sum

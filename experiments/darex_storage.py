@@ -1,0 +1,263 @@
+"""Storage study: bytes of a pruned + quantised delta checkpoint, load/apply time, and the time to
+apply DARE / DAREx-q to a SmolLM2-135M-sized tree.
+
+Table ``storage``: for each drop rate p and bit width, the delta is pruned with DARE and written
+with :mod:`moejax.delta.storage` (``.npz``, no pickle):
+
+* p = 0: dense leaves (32 = float32, 16 = bfloat16, b <= 8 = symmetric per-channel k-bit codes);
+* p > 0: pruned matrices as flat indices (smallest unsigned dtype) + their surviving values
+  (float32, bfloat16, or k-bit codes with one scale per matrix); vectors stay dense float32.
+
+Columns: exact array bytes, ratio to the dense float32 delta, relative error of the decoded
+delta against the pruned one, accuracy of ``theta_P + decoded delta`` (quick preset: the
+AdamR-L2 fine-tuned MLP of ``darex_controlled``), and save / load+decode / apply seconds.
+
+Table ``apply_time``: jitted ``theta_P + prune(Delta)`` on a tree with SmolLM2-135M's exact
+parameter shapes (random values: a stand-in for the real weights, same bytes and FLOPs) for DARE,
+DAREx-q with a global q and with per-layer q; bytes moved = read theta_P + read Delta + write
+theta (3 x 4 bytes per parameter, float32). The first call of the first variant includes
+compilation; the others reuse it (q is a traced argument).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax import delta as dl
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.results import RunDir
+
+NAME = "darex_storage"
+
+
+@config
+class StorageConfig(Config):
+    """What delta to store, at which drop rates / bit widths, and the timing tree."""
+
+    source: Literal["mlp", "smollm2_shapes"] = "mlp"
+    delta_std: float = 1e-3  # std of the random delta when source="smollm2_shapes"
+    ps: tuple[float, ...] = (0.0, 0.9, 0.95, 0.99)
+    bits: tuple[int, ...] = (32, 16, 8, 4, 2)
+    timing_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"  # tiny: tests only
+    timing_repeats: int = 3
+    mlp_hidden: int = 256
+    mlp_steps: int = 300
+    seed: int = 0
+
+    def validate(self):
+        self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
+        self._require(all(b in (32, 16) or 1 <= b <= 8 for b in self.bits),
+                      f"bits={self.bits}: use 32 (float32), 16 (bfloat16) or 1..8 (k-bit codes)")
+        self._require(self.timing_repeats >= 1, "timing_repeats must be >= 1")
+
+
+def make_config(preset: str) -> StorageConfig:
+    if preset == "quick":
+        return StorageConfig()
+    return StorageConfig(source="smollm2_shapes", timing_repeats=10)
+
+
+# ------------------------------------------------------------------------------ delta sources
+
+
+TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
+            d_hidden=128)
+
+
+def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
+    """``{path: array}`` with SmolLM2-135M's exact parameter shapes, entries N(0, std^2)
+    (``tiny``: a 2-layer, d=64 variant of the same layout, for tests)."""
+    from moejax.nn.decoder import DecoderLM, smollm2_135m_config
+
+    mcfg = smollm2_135m_config(**(TINY if tiny else {}))
+    abstract = nnx.eval_shape(lambda: DecoderLM(mcfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    paths = dl.leaf_paths(state)
+    shapes = [x.shape for x in jax.tree_util.tree_leaves(state)]
+    keys = jax.random.split(key, len(shapes))
+    return {p: jax.random.normal(k, s, jnp.float32) * std for p, s, k in zip(paths, shapes, keys)}
+
+
+def mlp_source(cfg: StorageConfig):
+    """``(theta_P, Delta, accuracy_fn)`` of the AdamR-L2 fine-tuned MLP (darex_controlled)."""
+    from experiments import darex_controlled as ctl
+
+    ccfg = ctl.ControlledConfig(d_hidden=cfg.mlp_hidden, pretrain_steps=cfg.mlp_steps,
+                                finetune_steps=cfg.mlp_steps, seed=cfg.seed)
+    tasks = ctl.load_tasks(cfg.seed)
+    pre, tuned = ctl.pretrain_and_finetune(ccfg, tasks, regs=("l2",))
+    return pre, dl.delta(pre, tuned["l2"]), lambda prm: ctl.accuracy(prm, tasks["B", "test"])
+
+
+# ------------------------------------------------------------------------------ encode / decode
+
+
+def encode_delta(delta_tree: dict, mask: dict, p: float, bits: int) -> dl.StoredDelta:
+    """Encode one pruned delta (flat ``{path: array}``) at ``bits`` (see module docstring)."""
+    out = {}
+    for path, d in delta_tree.items():
+        if not mask[path]:
+            out[path] = d
+            continue
+        if p == 0.0:
+            out[path] = (d.astype(jnp.bfloat16) if bits == 16 else d if bits == 32
+                         else dl.quantize(d, bits, granularity="channel"))
+            continue
+        flat = np.asarray(d).reshape(-1)
+        idx = np.flatnonzero(flat)
+        vals = flat[idx]
+        out[path] = {
+            "index": idx.astype(dl.index_dtype_for(max(flat.size, 1))),
+            "values": (vals.astype(jnp.bfloat16) if bits == 16 else vals if bits == 32
+                       else dl.quantize(vals, bits, granularity="tensor")),
+        }
+    return dl.encode(out, formats="dense")
+
+
+def decode_delta(stored: dl.StoredDelta, shapes: dict) -> dict:
+    """Inverse of :func:`encode_delta` -> flat ``{path: float32 array}``."""
+    tree = dl.decode(stored)
+    out = {}
+    for path, shape in shapes.items():
+        node = tree
+        for part in path.split("/"):
+            node = node[part]
+        if isinstance(node, dict):  # sparse: index + values
+            vals = node["values"]
+            vals = dl.dequantize(vals) if isinstance(vals, dl.QuantizedLeaf) else np.asarray(vals)
+            flat = np.zeros(int(np.prod(shape)), np.float32)
+            flat[np.asarray(node["index"], np.int64)] = np.asarray(vals, np.float32)
+            out[path] = jnp.asarray(flat.reshape(shape))
+        else:
+            node = dl.dequantize(node) if isinstance(node, dl.QuantizedLeaf) else node
+            out[path] = jnp.asarray(node, jnp.float32)
+    return out
+
+
+def _flat(tree) -> dict:
+    return dict(zip(dl.leaf_paths(tree), jax.tree_util.tree_leaves(tree)))
+
+
+def _block(tree):
+    jax.tree_util.tree_map(lambda x: x.block_until_ready(), tree)
+    return tree
+
+
+def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn) -> list[dict]:
+    flat_pre, flat_d = _flat(pre), _flat(delta_tree)
+    treedef = jax.tree_util.tree_structure(pre)
+    mask = _flat(dl.select_leaves(delta_tree))
+    dense, n_params = dl.dense_bytes(delta_tree), dl.count_params(delta_tree)
+    shapes = {k: v.shape for k, v in flat_d.items()}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # warm-up (first-call compilation of the eager ops), not timed
+        _block(dl.apply_delta(flat_pre, decode_delta(encode_delta(flat_d, mask, 0.0, 32), shapes)))
+        for p in cfg.ps:
+            pruned = (flat_d if p == 0 else
+                      _flat(dl.dare(jax.random.key(cfg.seed), flat_d, p, mask=mask)))
+            ref_norm = float(jnp.sqrt(sum(jnp.sum(v * v) for v in pruned.values())))
+            for bits in cfg.bits:
+                stored = encode_delta(pruned, mask, p, bits)
+                f = Path(tmp) / f"delta_p{p}_b{bits}.npz"
+                t0 = time.perf_counter()
+                dl.save(str(f), stored)
+                t_save = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                back = _block(decode_delta(dl.load(str(f)), shapes))
+                t_load = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                theta = _block(dl.apply_delta(flat_pre, back))
+                t_apply = time.perf_counter() - t0
+                err = float(jnp.sqrt(sum(jnp.sum((back[k] - pruned[k]) ** 2) for k in back)))
+                rep = dl.storage_report(stored)
+                metric = (float(metric_fn(jax.tree_util.tree_unflatten(
+                    treedef, [theta[k] for k in flat_pre]))) if metric_fn else float("nan"))
+                rows.append({
+                    "p": p, "bits": bits, "bytes": rep["array_bytes"],
+                    "file_bytes": f.stat().st_size, "ratio_vs_fp32": dense / rep["array_bytes"],
+                    "bits_per_param": 8 * rep["array_bytes"] / n_params,
+                    "rel_err": err / max(ref_norm, 1e-30), "metric": metric,
+                    "save_s": t_save, "load_decode_s": t_load, "apply_s": t_apply,
+                })
+    return rows
+
+
+# ------------------------------------------------------------------------------ apply timing
+
+
+def apply_timing_rows(cfg: StorageConfig) -> tuple[list[dict], int]:
+    """Jitted apply of DARE / DAREx-q on the SmolLM2-135M-shaped tree (random stand-in)."""
+    k_pre, k_d, k_drop = jax.random.split(jax.random.key(cfg.seed), 3)
+    tiny = cfg.timing_tree == "tiny"
+    pre = smollm2_shapes_tree(k_pre, 0.02, tiny)
+    delta_tree = smollm2_shapes_tree(k_d, cfg.delta_std, tiny)
+    mask = dl.select_leaves(delta_tree)
+    n = dl.count_params(delta_tree)
+    moved = 3 * 4 * n  # read theta_P + read Delta + write theta, float32
+    # one jitted function for all variants: p is static (0.99), q a traced {path: q} argument
+    flat_mask = _flat(mask)
+    variants = {
+        "DARE p=0.99 (q=1-p)": {k: 0.01 for k in flat_mask},
+        "DAREx-q p=0.99 (global q=0.1)": {k: 0.1 for k in flat_mask},
+        "DAREx-q p=0.99 (per-layer q)": {k: 0.05 + 0.1 * (i % 3) for i, k in enumerate(flat_mask)},
+    }
+    fn = jax.jit(lambda key, P, D, q: dl.apply_delta(P, dl.dare(key, D, 0.99, q=q, mask=mask)))
+    rows = []
+    for name, q in variants.items():
+        q = {k: jnp.float32(v) for k, v in q.items()}
+        t0 = time.perf_counter()
+        _block(fn(k_drop, pre, delta_tree, q))
+        t_first = time.perf_counter() - t0
+        times = []
+        for r in range(cfg.timing_repeats):
+            t0 = time.perf_counter()
+            _block(fn(jax.random.fold_in(k_drop, r + 1), pre, delta_tree, q))
+            times.append(time.perf_counter() - t0)
+        t = float(np.median(times))
+        rows.append({"variant": name, "params": n, "first_call_s": t_first,
+                     "median_s": t, "GB_moved": moved / 1e9, "GB_per_s": moved / t / 1e9,
+                     "params_per_s": n / t, "device": jax.devices()[0].device_kind})
+    return rows, n
+
+
+def run(cfg: StorageConfig, run: RunDir) -> dict:
+    if cfg.source == "mlp":
+        pre, delta_tree, metric_fn = mlp_source(cfg)
+        what = "AdamR-L2 fine-tuned MLP (MNIST -> sklearn digits); metric = test accuracy"
+    else:
+        k1, k2 = jax.random.split(jax.random.key(cfg.seed))
+        pre, delta_tree, metric_fn = (smollm2_shapes_tree(k1, 0.02),
+                                      smollm2_shapes_tree(k2, cfg.delta_std), None)
+        what = f"random delta (std {cfg.delta_std}) with SmolLM2-135M shapes; no metric"
+    rows = storage_rows(cfg, pre, delta_tree, metric_fn)
+    run.table("storage", rows, title=f"Delta checkpoint size and load/apply time: {what}")
+    dense = dl.dense_bytes(delta_tree)
+    run.note(f"Dense float32 delta: {dense} bytes ({dl.count_params(delta_tree)} parameters).")
+    out = {"dense_bytes": dense}
+    best = min(rows, key=lambda r: r["bytes"])
+    out["smallest"] = f"p={best['p']} bits={best['bits']}: {best['bytes']} B"
+    if cfg.timing_tree != "none":
+        trows, n = apply_timing_rows(cfg)
+        run.table("apply_time", trows, title="theta_P + prune(Delta), jitted, on a random tree "
+                  f"with SmolLM2-135M's exact shapes ({n} params, float32)")
+        out["dare_apply_s"] = trows[0]["median_s"]
+        out["darex_apply_s"] = trows[1]["median_s"]
+        out["dare_GB_per_s"] = trows[0]["GB_per_s"]
+    out["headline"] = (f"delta {dense / 1e6:.2f} MB dense; smallest checkpoint {out['smallest']}"
+                       + (f"; DARE on the 135M tree {out['dare_apply_s']:.2f} s "
+                          f"({out['dare_GB_per_s']:.2f} GB/s)" if "dare_apply_s" in out else ""))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

@@ -1,0 +1,242 @@
+"""DeRS compression of vanilla upcycled MoEs (paper section 3.3, Tables S13-S18, Fig. 1, 4-6).
+
+Two scenarios, each: dense LM -> vanilla upcycling -> training on the downstream corpus ->
+Decompose (``W_i = W_base + Delta_i``, ``W_base`` = the dense FFN the experts were copied from)
+-> Replace (DARE sparsification at drop rates / k-bit quantisation of the deltas) -> Synthesis.
+
+* ``finetuned`` (MoE-LLaVA analog): the dense model was pre-fine-tuned on the downstream
+  domain before upcycling; every other block, N=4, top-2.
+* ``not_finetuned`` (Coder-MoE analog): upcycled straight from the pre-trained dense model;
+  universal FFN + MoE (N=4, top-1) in every other block; also the extended variant that
+  decomposes the universal FFN together with the experts (N+1 deltas).
+
+Outputs: validation loss against stored parameters and bytes for every setting, the cosine
+similarity of the trained experts to the base and to each other per layer (Fig. 1 analog),
+and a compressed orbax checkpoint per scenario (drop 0.9 and 4 bits) re-loaded and evaluated
+with on-the-fly expert synthesis, with compiled peak inference memory.
+
+    python -m experiments.ders_compression                    # quick (CPU)
+    python -m experiments.ders_compression preset=full        # SmolLM2-135M-Instruct (GPU)
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import numpy as np
+from flax import nnx
+
+from experiments.ders_common import (
+    Evaluator,
+    SubstrateConfig,
+    batches,
+    dense_substrate,
+    fit,
+    fmt_count,
+    notes,
+)
+from moejax.config import Config, config
+from moejax.ders import (
+    bases_from_dense,
+    build_synth_model,
+    compress,
+    compression_report,
+    decompose,
+    decompress,
+    disk_bytes,
+    expert_cosines,
+    load_compressed,
+    save_compressed,
+)
+from moejax.experiment import main
+from moejax.results import RunDir
+from moejax.train.optim import TrainConfig
+from moejax.upcycle import UpcycleConfig, output_scale, upcycle_model, upcycled_layers
+
+NAME = "ders_compression"
+
+SCENARIOS = {
+    "finetuned": (True, UpcycleConfig(blocks="every_other", n_experts=4, top_k=2)),
+    "not_finetuned": (False, UpcycleConfig(blocks="every_other", n_experts=4, top_k=1,
+                                           universal_ffn=True)),
+}
+
+
+@config
+class DeRSCompressionConfig(Config):
+    substrate: SubstrateConfig = SubstrateConfig()
+    train: TrainConfig = TrainConfig(steps=200, batch_size=16, lr=3e-4, warmup_steps=20,
+                                     log_every=50, seed=2)
+    drop_rates: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.99)
+    bits: tuple = (16, 8, 4, 2, 1)
+    scenarios: tuple = ("finetuned", "not_finetuned")
+    eval_batches: int = 8
+    ckpt_drop: float = 0.9
+    ckpt_bits: int = 4
+
+    def validate(self) -> None:
+        self._require(all(s in SCENARIOS for s in self.scenarios),
+                      f"scenarios={self.scenarios}; allowed: {tuple(SCENARIOS)}")
+        self._require(all(0 <= p < 1 for p in self.drop_rates), "drop_rates must be in [0, 1)")
+        self._require(all(b in (1, 2, 3, 4, 5, 6, 7, 8, 16) for b in self.bits),
+                      "bits must be in 1..8 or 16")
+
+
+def make_config(preset: str) -> DeRSCompressionConfig:
+    if preset == "quick":
+        return DeRSCompressionConfig()
+    return DeRSCompressionConfig(
+        substrate=SubstrateConfig(source="smollm2", seq_len=512),
+        train=TrainConfig(steps=2000, batch_size=32, lr=2e-5, warmup_steps=100, seed=2,
+                          log_every=20),
+        eval_batches=32)
+
+
+def _params(model):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def _with_params(model, pure):
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x, state)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, curves):
+    s = cfg.substrate
+    prefinetune, rule = SCENARIOS[name]
+    dense = dense_substrate(s, run.path, prefinetune=prefinetune)
+    dense_loss = evaluate(dense)
+    moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
+    src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
+                  seq_len=s.seq_len, seed=100 + cfg.train.seed)
+    fit(moe, src, cfg.train, desc=f"upcycled ({name})")
+    moe_loss = evaluate(moe)
+    pure = _params(moe)
+    layers = upcycled_layers(s.n_layers, rule)
+    base = bases_from_dense(_params(dense), layers, output_scale(rule))
+
+    for i, c in expert_cosines(pure, base).items():
+        n = c["pairwise"].shape[0]
+        names = ["FFN"] + [f"E{j + 1}" for j in range(n)]
+        full = np.ones((n + 1, n + 1))
+        full[0, 1:] = full[1:, 0] = c["to_base"]
+        full[1:, 1:] = c["pairwise"]
+        for a, row in zip(names, full):
+            mat_rows.append({"scenario": name, "layer": int(i), "weight": a,
+                             **{b: f"{v:.6f}" for b, v in zip(names, row)}})
+        off = c["pairwise"][~np.eye(n, dtype=bool)]
+        cos_rows.append({"scenario": name, "layer": int(i), "min_cos_to_base": c["to_base"].min(),
+                         "mean_1-cos_to_base": float(np.mean(1 - c["to_base"])),
+                         "min_cos_pairwise": off.min(),
+                         "mean_1-cos_pairwise": float(np.mean(1 - off))})
+
+    variants = [("experts", False)] + ([("experts+universal", True)] if rule.universal_ffn
+                                       else [])
+    for decomp, extended in variants:
+        dec = decompose(pure, base, extended=extended)
+        settings = [("none", "fp32")] + [("sparse", p) for p in cfg.drop_rates] + \
+                   [("quant", b) for b in cfg.bits]
+        for method, setting in settings:
+            if method == "sparse":
+                c = compress(dec, "sparse", drop_rate=setting, key=jax.random.key(7))
+            elif method == "quant":
+                c = compress(dec, "quant", bits=setting)
+            else:
+                c = compress(dec, "none")
+            rep = compression_report(c)
+            loss = evaluate(_with_params(moe, decompress(c)))
+            rows.append({"scenario": name, "decomposed": decomp, "method": method,
+                         "setting": setting, "expert_params": rep["expert_params"],
+                         "expert_params_with_index": rep["expert_params_with_index"],
+                         "vanilla_expert_params": rep["vanilla_expert_params"],
+                         "delta_bytes": rep["delta_bytes"], "expert_bytes": rep["expert_bytes"],
+                         "vanilla_expert_bytes": rep["vanilla_expert_bytes"],
+                         "val_loss": loss, "d_loss": loss - moe_loss})
+            if method != "none":
+                curves.setdefault(f"{name}/{decomp}/{method}", []).append(
+                    (rep["expert_params_with_index"], rep["expert_bytes"], loss))
+
+        # Compressed orbax checkpoint -> reload -> on-the-fly synthesis inference.
+        for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
+                           ("quant", {"bits": cfg.ckpt_bits})):
+            c = compress(dec, method, key=jax.random.key(7), **kw)
+            path = run.path / f"ckpt_{name}_{decomp.replace('+', '_')}_{method}"
+            shutil.rmtree(path, ignore_errors=True)
+            save_compressed(path, c, moe.cfg)
+            c2, moe_cfg = load_compressed(path)
+            synth = build_synth_model(type(moe), moe_cfg, c2)
+            ckpt_rows.append({
+                "scenario": name, "decomposed": decomp, "method": method,
+                "setting": kw.get("drop_rate", kw.get("bits")),
+                "synth_val_loss": evaluate(synth),
+                "decompressed_val_loss": evaluate(_with_params(moe, decompress(c2))),
+                "expert_bytes": compression_report(c2)["expert_bytes"],
+                "disk_bytes": disk_bytes(path),
+                "peak_infer_bytes_synth": evaluate.peak_bytes(synth),
+                "peak_infer_bytes_vanilla": evaluate.peak_bytes(moe)})
+    return dense_loss, moe_loss
+
+
+def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
+    s = cfg.substrate
+    val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
+                  seq_len=s.seq_len, seed=10_000)
+    evaluate = Evaluator(val, cfg.eval_batches)
+    rows, cos_rows, mat_rows, ckpt_rows, curves, base_rows = [], [], [], [], {}, []
+    for name in cfg.scenarios:
+        dense_loss, moe_loss = _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows,
+                                         ckpt_rows, curves)
+        base_rows.append({"scenario": name, "dense_val_loss": dense_loss,
+                          "upcycled_val_loss": moe_loss})
+    for n in notes():
+        run.note(n)
+    run.table("losses", base_rows, title="Dense vs trained vanilla upcycled MoE "
+              "(validation cross-entropy, nats/byte, downstream corpus)")
+    run.table("sweep", rows, title="DeRS compression sweep: validation loss vs stored expert "
+              "parameters (paper count = base + kept values; with_index also charges the "
+              "index vector) and bytes")
+    run.table("similarity", cos_rows, title="Cosine similarity of trained experts to the base "
+              "FFN and to each other (Fig. 1 analog; flattened gate|up|down)")
+    run.table("similarity_matrix", mat_rows, title="Fig. 1 analog: cosine similarity "
+              "between the base FFN and the trained experts, per MoE layer")
+    run.table("checkpoint", ckpt_rows, title="Compressed orbax checkpoint, reloaded, evaluated "
+              "by on-the-fly expert synthesis (peak inference memory = XLA compiled memory "
+              "analysis of one evaluation step, not process RSS)")
+    run.line_plot("loss_vs_params", {k: ([p for p, _, _ in v], [loss for _, _, loss in v])
+                                     for k, v in curves.items()}, logx=True, markers=True,
+                  xlabel="stored expert parameters incl. index (base + deltas)",
+                  ylabel="validation loss (nats/byte)", title="DeRS compression")
+    run.line_plot("loss_vs_bytes", {k: ([b for _, b, _ in v], [loss for _, _, loss in v])
+                                    for k, v in curves.items()}, logx=True, markers=True,
+                  xlabel="expert bytes (base + compact deltas)",
+                  ylabel="validation loss (nats/byte)", title="DeRS compression (bytes)")
+    sim = {}
+    for name in cfg.scenarios:
+        r = [x for x in cos_rows if x["scenario"] == name]
+        sim[f"{name}: 1-cos to base"] = ([x["layer"] for x in r],
+                                         [x["mean_1-cos_to_base"] for x in r])
+        sim[f"{name}: 1-cos pairwise"] = ([x["layer"] for x in r],
+                                          [x["mean_1-cos_pairwise"] for x in r])
+    run.line_plot("similarity", sim, xlabel="layer", ylabel="1 - cosine similarity",
+                  logy=True, markers=True, title="Trained experts vs base (Fig. 1 analog)")
+
+    def at(name, method, setting):
+        for r in rows:
+            if (r["scenario"], r["decomposed"], r["method"], r["setting"]) == (
+                    name, "experts", method, setting):
+                return r["d_loss"]
+        return float("nan")
+
+    head = "; ".join(f"{n}: d_loss drop0.9 {at(n, 'sparse', 0.9):+.4f}, drop0.99 "
+                     f"{at(n, 'sparse', 0.99):+.4f}, 2-bit {at(n, 'quant', 2):+.4f}, 1-bit "
+                     f"{at(n, 'quant', 1):+.4f}" for n in cfg.scenarios)
+    return {"headline": "DeRS compression, validation-loss change vs uncompressed: " + head,
+            "n_settings": len(rows), "vanilla_expert_params": fmt_count(
+                rows[0]["vanilla_expert_params"]) if rows else ""}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

@@ -1,0 +1,162 @@
+"""DeRS upcycling vs vanilla upcycling (paper section 3.4, Tables 1, 4, 5, 6).
+
+A pre-fine-tuned dense LM is upcycled (every other block, N=4, top-2) in several ways and each
+MoE is trained on the downstream corpus with the same budget:
+
+* vanilla: N dense copies of the FFN;
+* DeRS-SM at sparse rates ``sm_rates``: ``W_i = W_shared + scatter(I_i, V_i)``;
+* DeRS-LM at ranks ``lm_ranks``: ``W_i = W_shared + A_i B_i``;
+* the frozen-shared ablation (``W_shared`` fixed) for SM at ``frozen_sm_rate`` and LM at
+  ``frozen_lm_rank`` (Table 5).
+
+Tables: validation loss with exact trainable / added-over-dense / stored parameter counts
+(Tables 1, 4, 5) and the cost table (Table 6): model size (stored numbers and bytes), peak
+training memory and peak inference memory, both from XLA's compiled memory analysis of the
+jitted training / evaluation step (``compiled.memory_analysis()``: arguments + outputs +
+temporaries - aliased), NOT process RSS.
+
+    python -m experiments.ders_upcycling                  # quick (CPU)
+    python -m experiments.ders_upcycling preset=full      # SmolLM2-135M-Instruct (GPU)
+"""
+
+from __future__ import annotations
+
+import jax
+
+from experiments.ders_common import (
+    Evaluator,
+    SubstrateConfig,
+    batches,
+    dense_substrate,
+    fit,
+    fmt_count,
+    nbytes_of,
+    notes,
+)
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.results import RunDir
+from moejax.train.optim import TrainConfig
+from moejax.upcycle import UpcycleConfig, param_report, upcycle_model
+
+NAME = "ders_upcycling"
+
+
+@config
+class DeRSUpcyclingConfig(Config):
+    substrate: SubstrateConfig = SubstrateConfig()
+    train: TrainConfig = TrainConfig(steps=150, batch_size=16, lr=1e-3, warmup_steps=15,
+                                     log_every=50, seed=2)
+    n_experts: int = 4
+    top_k: int = 2
+    sm_rates: tuple = (0.9, 0.99, 0.999, 0.9999)
+    lm_ranks: tuple = (1, 4, 16, 64)
+    frozen_sm_rate: float = 0.9
+    frozen_lm_rank: int = 4
+    eval_batches: int = 8
+
+    def validate(self) -> None:
+        self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")
+        self._require(all(r >= 1 for r in self.lm_ranks), "lm_ranks must be >= 1")
+
+
+def make_config(preset: str) -> DeRSUpcyclingConfig:
+    if preset == "quick":
+        return DeRSUpcyclingConfig()
+    return DeRSUpcyclingConfig(
+        substrate=SubstrateConfig(source="smollm2", seq_len=512),
+        train=TrainConfig(steps=2000, batch_size=32, lr=2e-5, warmup_steps=100, seed=2,
+                          log_every=20),
+        eval_batches=32)
+
+
+def _variants(cfg: DeRSUpcyclingConfig):
+    base = UpcycleConfig(blocks="every_other", n_experts=cfg.n_experts, top_k=cfg.top_k)
+    out = [("vanilla", "vanilla", "", base)]
+    out += [(f"DeRS-SM p={p}", "sm", p, base.replace(expert_form="sm", sm_rate=p))
+            for p in cfg.sm_rates]
+    out += [(f"DeRS-LM r={r}", "lm", r, base.replace(expert_form="lm", lm_rank=r))
+            for r in cfg.lm_ranks]
+    out.append((f"DeRS-SM p={cfg.frozen_sm_rate} frozen shared", "sm-frozen",
+                cfg.frozen_sm_rate, base.replace(expert_form="sm", sm_rate=cfg.frozen_sm_rate,
+                                                 freeze_shared=True)))
+    out.append((f"DeRS-LM r={cfg.frozen_lm_rank} frozen shared", "lm-frozen",
+                cfg.frozen_lm_rank, base.replace(expert_form="lm", lm_rank=cfg.frozen_lm_rank,
+                                                 freeze_shared=True)))
+    return out
+
+
+def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
+    s = cfg.substrate
+    dense = dense_substrate(s, run.path, prefinetune=True)
+    val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
+                  seq_len=s.seq_len, seed=10_000)
+    evaluate = Evaluator(val, cfg.eval_batches)
+    dense_loss = evaluate(dense)
+    src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
+                  seq_len=s.seq_len, seed=100 + cfg.train.seed)
+    rows = []
+    for label, form, setting, rule in _variants(cfg):
+        moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
+        step0 = evaluate(moe)
+        tr = fit(moe, src, cfg.train, desc=label)
+        counts = param_report(dense, moe)
+        rows.append({
+            "variant": label, "form": form, "setting": setting,
+            "val_loss": evaluate(moe), "val_loss_step0": step0,
+            "trainable": counts["trainable"], "added": counts["added"],
+            "added_with_index": counts["added_with_index"], "stored": counts["stored"],
+            "model_bytes": nbytes_of(moe),
+            "peak_train_bytes": tr["peak_train_bytes"],
+            "train_state_bytes": tr["train_state_bytes"],
+            "peak_infer_bytes": evaluate.peak_bytes(moe),
+            "infer_arg_bytes": evaluate.argument_bytes(moe),
+            "train_loss_last10": tr["final_loss"]})
+    van = rows[0]
+    for r in rows:
+        r["added_vs_vanilla"] = van["added"] / max(r["added"], 1)
+        r["d_loss_vs_vanilla"] = r["val_loss"] - van["val_loss"]
+    for n in notes():
+        run.note(n)
+    run.note(f"Dense (pre-fine-tuned) validation loss: {dense_loss:.4f} nats/byte; every "
+             "upcycled model equals it at step 0 (column val_loss_step0).")
+    run.table("upcycling", rows, title="Vanilla vs DeRS upcycling (Tables 1/4/5 analog): "
+              "validation loss and exact parameter counts (added = weights - dense; "
+              "with_index also charges the SM index vectors)",
+              columns=["variant", "val_loss", "d_loss_vs_vanilla", "val_loss_step0",
+                       "trainable", "added", "added_with_index", "added_vs_vanilla",
+                       "train_loss_last10"])
+    run.table("cost", rows, title="Cost efficiency (Table 6 analog). model size = stored "
+              "numbers (weights + SM index) and bytes; peak memories from XLA compiled "
+              "memory analysis (not process RSS) of the jitted train step / eval step "
+              "(peak = arguments + outputs + temporaries - aliased); train_state_bytes / "
+              "infer_arg_bytes = the arguments alone (params + optimizer state / weights + "
+              "buffers, plus one batch), the part that scales with the model",
+              columns=["variant", "stored", "model_bytes", "peak_train_bytes",
+                       "train_state_bytes", "peak_infer_bytes", "infer_arg_bytes",
+                       "val_loss"])
+    for form, xlab, logx in (("sm", "sparse rate p (1 - p = kept fraction)", False),
+                             ("lm", "rank r", True)):
+        sel = [r for r in rows if r["form"] == form]
+        run.line_plot(f"{form}_ablation", {
+            f"DeRS-{form.upper()}": ([r["setting"] for r in sel], [r["val_loss"] for r in sel]),
+            "vanilla": ([sel[0]["setting"], sel[-1]["setting"]], [van["val_loss"]] * 2)},
+            xlabel=xlab, ylabel="validation loss (nats/byte)", logx=logx, markers=True,
+            title=f"DeRS-{form.upper()} ablation (Table 4 analog)")
+    run.bar_plot("val_loss", [r["variant"] for r in rows], [r["val_loss"] for r in rows],
+                 ylabel="validation loss (nats/byte)", title="Vanilla vs DeRS upcycling")
+
+    def get(form, setting):
+        return next(r for r in rows if r["form"] == form and r["setting"] == setting)
+
+    sm, lm = get("sm", cfg.sm_rates[1]), get("lm", cfg.lm_ranks[1])
+    return {"headline": (
+        f"vanilla val {van['val_loss']:.4f} (added {fmt_count(van['added'])}); DeRS-SM "
+        f"p={sm['setting']} {sm['val_loss']:.4f} (added {fmt_count(sm['added'])}, "
+        f"{sm['added_vs_vanilla']:.0f}x fewer); DeRS-LM r={lm['setting']} {lm['val_loss']:.4f} "
+        f"(added {fmt_count(lm['added'])}, {lm['added_vs_vanilla']:.0f}x fewer)"),
+        "dense_val_loss": dense_loss, "vanilla_val_loss": van["val_loss"]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

@@ -1,0 +1,89 @@
+"""Compressed DeRS checkpoints on orbax: base weights + compact deltas + every other param.
+
+Layout of ``<directory>/`` (orbax ``CompositeCheckpointHandler``; no pickle)::
+
+    item "arrays" (StandardSave): {"base":   {layer: {w_*: [d_in, d_out]}},
+                                   "rest":   the model's other parameters (str keys),
+                                   "deltas": {"leaf{j}.{index|values|codes|step|offset}": ...}}
+    item "meta"   (JsonSave):     {"format": "moejax-ders-compressed-v1",
+                                   "ders": CompressedDeRS.meta,
+                                   "storage": moejax.delta.storage meta (leaf paths, kinds),
+                                   "model_config": moejax.config.to_json of the MoE decoder
+                                                   config (or null)}
+
+The delta arrays are exactly those of :mod:`moejax.delta.storage` (packed codes, smallest
+index dtype), so ``compression_report`` byte counts are what is written (orbax may compress
+further on disk). :func:`load_compressed` returns a :class:`CompressedDeRS` with integer
+block keys, ready for :func:`moejax.ders.synth.build_synth_model` or ``decompress``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moejax.config import Config, from_json, to_json
+from moejax.delta.storage import StoredDelta
+from moejax.ders.compress import CompressedDeRS
+
+__all__ = ["FORMAT", "save_compressed", "load_compressed", "disk_bytes"]
+
+FORMAT = "moejax-ders-compressed-v1"
+
+
+def _str_keys(tree):
+    if isinstance(tree, dict):
+        return {str(k): _str_keys(v) for k, v in tree.items()}
+    return np.asarray(jax.device_get(tree))
+
+
+def _int_keys(tree):
+    if isinstance(tree, dict):
+        return {(int(k) if isinstance(k, str) and k.isdigit() else k): _int_keys(v)
+                for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def save_compressed(directory, c: CompressedDeRS, model_config: Config | None = None) -> str:
+    """Write ``c`` to ``directory`` (must not exist); returns the absolute path."""
+    path = os.path.abspath(os.fspath(directory))
+    if os.path.exists(path):
+        raise FileExistsError(f"save_compressed: {path} exists; pass a new directory")
+    tree = {"base": _str_keys(c.base), "rest": _str_keys(c.rest),
+            "deltas": {k: np.asarray(v) for k, v in c.stored.arrays.items()}}
+    meta = {"format": FORMAT, "ders": c.meta, "storage": c.stored.meta,
+            "model_config": to_json(model_config) if model_config is not None else None}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(path, args=ocp.args.Composite(arrays=ocp.args.StandardSave(tree),
+                                                 meta=ocp.args.JsonSave(meta)))
+    return path
+
+
+def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
+    """Read a checkpoint written by :func:`save_compressed`: ``(compressed, model_config)``."""
+    path = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_compressed: no checkpoint directory {path}")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        out = ckptr.restore(path, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(),
+                                                          meta=ocp.args.JsonRestore()))
+    meta = out["meta"]
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"load_compressed: {path} has format {meta.get('format')!r}, expected "
+                         f"{FORMAT!r}; was it written by moejax.ders.ckpt.save_compressed?")
+    arr = out["arrays"]
+    stored = StoredDelta({k: np.asarray(v) for k, v in arr["deltas"].items()}, meta["storage"])
+    c = CompressedDeRS(_int_keys(arr["base"]), _int_keys(arr["rest"]), stored, meta["ders"])
+    cfg = from_json(meta["model_config"]) if meta.get("model_config") else None
+    return c, cfg
+
+
+def disk_bytes(directory) -> int:
+    """Total size of the files under ``directory`` (orbax's on-disk footprint)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total

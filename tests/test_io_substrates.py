@@ -1,0 +1,124 @@
+"""Substrate cache: build-on-first-use, dependency chain (prose LM -> code fine-tune), cached
+reload, resume from the training run dir, error messages; tiny recipes so it runs in seconds.
+Also checks the experiment step's config (experiments/substrate_build.py)."""
+
+import dataclasses
+import json
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="pip install safetensors")
+
+from moejax.config import ConfigError, apply_overrides
+from moejax.io import substrates
+from moejax.io._common import flat_params
+from moejax.io.substrate_cls import MiniLMTaskConfig, ViTSubstrateConfig
+from moejax.io.substrate_lm import LMSubstrateConfig
+from moejax.train.optim import TrainConfig
+
+
+def _tiny_train(steps=4):
+    return TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup_steps=1, ckpt_every=2,
+                       log_every=1, eval_every=0)
+
+
+def _tiny_lm(name, preset):
+    code = name == "dense_lm_code"
+    return LMSubstrateConfig(corpus="stdlib_code" if code else "prose/pydoc", d_model=32,
+                             n_layers=1, n_heads=2, n_kv_heads=1, d_hidden=64, seq_len=32,
+                             max_seq_len=64, eval_batches=2,
+                             init_from="dense_lm_prose" if code else "", init_preset=preset,
+                             train=_tiny_train(4 if not code else 2))
+
+
+@pytest.fixture()
+def tiny_recipes(monkeypatch, tmp_path):
+    reg = dict(substrates.SUBSTRATES)
+    for n in ("dense_lm_prose", "dense_lm_code"):
+        reg[n] = dataclasses.replace(reg[n], make_config=lambda p, n=n: _tiny_lm(n, p))
+    reg["vit_mnist5k"] = dataclasses.replace(
+        reg["vit_mnist5k"], make_config=lambda p: ViTSubstrateConfig(
+            d_model=16, n_layers=1, n_heads=2, d_hidden=32, train=_tiny_train(3)))
+    monkeypatch.setattr(substrates, "SUBSTRATES", reg)
+    return tmp_path / "subs"
+
+
+def _same_params(a, b):
+    fa, fb = flat_params(a), flat_params(b)
+    assert set(fa) == set(fb)
+    for k in fa:
+        np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
+
+
+def test_lm_chain_build_cache_and_resume(tiny_recipes):
+    cache = tiny_recipes
+    code = substrates.get("dense_lm_code", "quick", cache_dir=cache)
+    prose_dir = substrates.substrate_dir("dense_lm_prose", _tiny_lm("dense_lm_prose", "quick"),
+                                         label="quick", cache_dir=cache)
+    assert (prose_dir / "model.safetensors").is_file()  # dependency built first
+    assert code.path.name.startswith("quick-") and code.path.parent.name == "dense_lm_code"
+    m = code.metrics
+    for k in ("val_loss", "val_ppl", "val_loss_before", "base_corpus_val_loss_before",
+              "base_corpus_val_loss_after", "wall_s"):
+        assert np.isfinite(m[k]), k
+    assert m["val_ppl"] == pytest.approx(np.exp(m["val_loss"]))
+    assert json.loads((code.path / "metrics.json").read_text()) == m
+    # the fine-tune starts from the prose model: before training it scores exactly like it
+    # on the prose validation windows (same eval settings in both tiny configs)
+    prose = substrates.get("dense_lm_prose", "quick", cache_dir=cache)
+    assert prose.model.cfg == code.model.cfg
+    assert m["base_corpus_val_loss_before"] == pytest.approx(prose.metrics["val_loss"], rel=1e-5)
+    assert m["base_corpus_val_loss_after"] != m["base_corpus_val_loss_before"]
+
+    t0 = time.time()
+    again = substrates.get("dense_lm_code", "quick", cache_dir=cache, build_if_missing=False)
+    assert time.time() - t0 < 10  # loaded, not trained
+    _same_params(again.model, code.model)
+    x = jnp.arange(16, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(again.model(x)[0]), np.asarray(code.model(x)[0]))
+
+    # interrupted after the last checkpoint but before export: rebuild resumes, same params
+    (code.path / "model.safetensors").unlink()
+    resumed = substrates.get("dense_lm_code", "quick", cache_dir=cache)
+    _same_params(resumed.model, code.model)
+
+
+def test_custom_config_gets_own_cache_key(tiny_recipes):
+    cfg = _tiny_lm("dense_lm_prose", "quick")
+    other = cfg.replace(train=cfg.train.replace(steps=2))
+    a = substrates.substrate_dir("dense_lm_prose", cfg, label="quick", cache_dir=tiny_recipes)
+    b = substrates.substrate_dir("dense_lm_prose", other, cache_dir=tiny_recipes)
+    assert a != b and b.name.startswith("custom-")
+
+
+def test_vit_substrate(tiny_recipes):
+    sub = substrates.get("vit_mnist5k", "quick", cache_dir=tiny_recipes)
+    assert 0.0 <= sub.metrics["val_accuracy"] <= 1.0 and sub.metrics["train_examples"] > 4000
+    logits, _ = sub.model(jnp.zeros((2, 28, 28, 1)))
+    assert logits.shape == (2, 10)
+
+
+def test_errors(tmp_path):
+    with pytest.raises(KeyError, match="available"):
+        substrates.get("nope", cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="python -m experiments.substrate_build"):
+        substrates.get("vit_mnist5k", "quick", cache_dir=tmp_path, build_if_missing=False)
+    with pytest.raises(ValueError, match="preset"):
+        substrates.substrate_config("vit_mnist5k", "huge")
+
+
+def test_experiment_config():
+    from experiments import substrate_build as sb
+
+    q, f = sb.make_config("quick"), sb.make_config("full")
+    assert q.dense_lm_code.init_from == "dense_lm_prose"
+    assert f.dense_lm_prose.train.steps > q.dense_lm_prose.train.steps
+    assert isinstance(q.minilm_wordnet_lexname, MiniLMTaskConfig)
+    assert q.minilm_wordnet_lexname.task == "lexname"
+    c = apply_overrides(q, ["only=vit_mnist5k", "vit_mnist5k.train.steps=70"])
+    assert c.names() == ["vit_mnist5k"] and c.vit_mnist5k.train.steps == 70
+    with pytest.raises(ConfigError, match="unknown"):
+        apply_overrides(q, ["only=bogus"])
