@@ -41,9 +41,14 @@ class MoELMConfig(Config):
     def decoder_config(self) -> DecoderConfig:
         dense = DenseFFNConfig(d_hidden=self.d_hidden, activation=self.activation)
         moe = MoEConfig(
-            n_experts=self.n_experts, top_k=self.top_k, d_expert=self.d_expert,
-            activation=self.activation, router=self.router, dispatch=self.dispatch,
-            capacity_factor=self.capacity_factor, balance_loss=self.balance_loss,
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            d_expert=self.d_expert,
+            activation=self.activation,
+            router=self.router,
+            dispatch=self.dispatch,
+            capacity_factor=self.capacity_factor,
+            balance_loss=self.balance_loss,
             balance_coef=self.balance_coef,
         )
         if self.moe_layers == "all":
@@ -53,9 +58,14 @@ class MoELMConfig(Config):
         else:
             slots = (dense,) * self.n_layers
         return DecoderConfig(
-            vocab_size=self.vocab_size, d_model=self.d_model, n_layers=self.n_layers,
-            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_slots=slots,
-            max_seq_len=self.max_seq_len, dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_slots=slots,
+            max_seq_len=self.max_seq_len,
+            dtype=self.dtype,
         )
 
 

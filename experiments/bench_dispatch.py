@@ -37,8 +37,16 @@ Path_ = Literal["dense", "capacity", "ragged"]
 
 @config
 class BenchConfig(Config):
-    model: MoELMConfig = MoELMConfig(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
-                                     n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25)
+    model: MoELMConfig = MoELMConfig(
+        d_model=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        n_experts=8,
+        top_k=2,
+        d_expert=704,
+        capacity_factor=1.25,
+    )
     paths: tuple[str, ...] = ("dense", "capacity", "ragged")
     batch_size: int = 16
     seq_len: int = 128
@@ -59,11 +67,18 @@ def make_config(preset: str) -> BenchConfig:
 
 
 def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
-    mcfg = cfg.model.replace(dispatch=path, max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len),
-                             dtype=cfg.precision)
+    mcfg = cfg.model.replace(
+        dispatch=path, max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len), dtype=cfg.precision
+    )
     model = DecoderLM(mcfg.decoder_config(), rngs=nnx.Rngs(0))
-    tcfg = TrainConfig(steps=cfg.warmup + cfg.steps, batch_size=cfg.batch_size, lr=1e-3,
-                       warmup_steps=0, schedule="constant", precision=cfg.precision)
+    tcfg = TrainConfig(
+        steps=cfg.warmup + cfg.steps,
+        batch_size=cfg.batch_size,
+        lr=1e-3,
+        warmup_steps=0,
+        schedule="constant",
+        precision=cfg.precision,
+    )
     schedule = make_schedule(tcfg)
     tx = make_optimizer(tcfg, schedule)
     graphdef, state = init_train_state(model, tx, seed=0)
@@ -89,33 +104,52 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     dropped = [float(a["dropped_fraction"]) for a in aux["layers"] if "dropped_fraction" in a]
     step_s = float(np.median(times))
     tokens = cfg.batch_size * cfg.seq_len
-    return {"path": path, "params": n_params, "compile_plus_first_step_s": compile_s,
-            "step_s_median": step_s, "step_s_min": float(np.min(times)),
-            "tokens_per_s": tokens / step_s, "final_ce": losses[-1],
-            "dropped_fraction": float(np.mean(dropped))}
+    return {
+        "path": path,
+        "params": n_params,
+        "compile_plus_first_step_s": compile_s,
+        "step_s_median": step_s,
+        "step_s_min": float(np.min(times)),
+        "tokens_per_s": tokens / step_s,
+        "final_ce": losses[-1],
+        "dropped_fraction": float(np.mean(dropped)),
+    }
 
 
 def run(cfg: BenchConfig, run: RunDir) -> dict:
-    source = WindowBatches(load_stdlib_bytes("train", max_bytes=4_000_000),
-                           batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0)
+    source = WindowBatches(
+        load_stdlib_bytes("train", max_bytes=4_000_000),
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        seed=0,
+    )
     rows = [_bench_path(cfg, p, source) for p in cfg.paths]
     dev = jax.devices()[0]
-    title = (f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
-             f"{cfg.model.n_experts}-expert top-{cfg.model.top_k} MoE LM, seq {cfg.seq_len}, "
-             f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
-             f"{jax.device_count()} device(s))")
+    title = (
+        f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
+        f"{cfg.model.n_experts}-expert top-{cfg.model.top_k} MoE LM, seq {cfg.seq_len}, "
+        f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
+        f"{jax.device_count()} device(s))"
+    )
     run.table("dispatch", rows, title=title)
-    run.bar_plot("tokens_per_s", [r["path"] for r in rows], [r["tokens_per_s"] for r in rows],
-                 ylabel="tokens / s", title="Train throughput by dispatch path")
+    run.bar_plot(
+        "tokens_per_s",
+        [r["path"] for r in rows],
+        [r["tokens_per_s"] for r in rows],
+        ylabel="tokens / s",
+        title="Train throughput by dispatch path",
+    )
     best = max(rows, key=lambda r: r["tokens_per_s"])
     ref = {r["path"]: r for r in rows}
     extra = ""
     if "capacity" in ref and "ragged" in ref:
-        extra = (f"; capacity is {ref['ragged']['step_s_median'] / ref['capacity']['step_s_median']:.2f}x "
-                 "faster than ragged_dot")
-    return {"headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
-                        f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
-            **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in rows}}
+        ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
+        extra = f"; capacity is {ratio:.2f}x faster than ragged_dot"
+    return {
+        "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
+        f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
+        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in rows},
+    }
 
 
 if __name__ == "__main__":

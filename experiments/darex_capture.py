@@ -16,7 +16,8 @@ Used by the DAREx experiments (a helper, not an experiment module).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

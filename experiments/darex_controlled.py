@@ -167,6 +167,10 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
                           **delta_stats(D, mask)})
         for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({reg})"):
             rows.append({"fine-tuning": REG_NAMES[reg], **r})
+    run.note(f"Pruned: the matrices w1 [784, {cfg.d_hidden}] and wo [{cfg.d_hidden}, 10]; biases "
+             "and RMSNorm scales keep their full delta. q_v is chosen on the digits validation "
+             f"split ({val_b[1].shape[0]} images); test = {test_b[1].shape[0]} images. "
+             "DAREx-q uses the same drop mask as DARE (same key), only the rescaling differs.")
     run.table("finetuned", base_rows, title="Fine-tuned MLPs (unpruned), sklearn digits")
     # wide table: one row per (fine-tuning, method), one column per p
     wide = []

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -189,6 +188,10 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
         for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({opt})"):
             rows.append({"fine-tuning": label[opt], "p": r["p"], "method": r["method"],
                          "test_loss": -r["metric"], "q": r["q"], "seconds": r["seconds"]})
+    run.note("Pruned: the attention and FFN matrices of every block; the (tied) embedding and "
+             "the norm scales keep their full delta. q_v minimises validation loss; q_e the mean "
+             "|logit change| on one fixed training batch; per-layer q_e uses Eq. 5 with "
+             "mean|x_j| of each matrix input on that batch. Same drop mask for every q.")
     run.table("finetuned", base_rows,
               title="Held-out code loss (nats/token) before / after fine-tuning, unpruned")
     run.table("pruned", rows, title="Held-out code loss after delta pruning (lower is better)")

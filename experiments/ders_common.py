@@ -81,9 +81,37 @@ def notes() -> list[str]:
     return list(_NOTES)
 
 
-def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int):
-    return WindowBatches(load_corpus(name, split), batch_size=batch_size, seq_len=seq_len,
-                         seed=seed)
+def _smollm2_module():
+    try:
+        return importlib.import_module("moejax.io.smollm2")
+    except ImportError as e:
+        raise RuntimeError(
+            "the full preset upcycles SmolLM2-135M-Instruct through moejax.io.smollm2, which "
+            f"is not available ({e}); run preset=quick, or install/add the SmolLM2 importer"
+        ) from e
+
+
+def _smollm2_encode(data: np.ndarray) -> np.ndarray:
+    """Tokenise corpus bytes with the importer's tokenizer (``encode(text)`` or
+    ``tokenizer().encode(text)``)."""
+    mod = _smollm2_module()
+    enc = getattr(mod, "encode", None)
+    if enc is None and hasattr(mod, "tokenizer"):
+        enc = mod.tokenizer().encode
+    if enc is None:
+        raise RuntimeError("moejax.io.smollm2 exposes no encode(text) / tokenizer(); the full "
+                           "preset needs one to tokenise the corpora")
+    text = bytes(data).replace(b"\0", b"\n\n").decode("utf-8", "replace")
+    return np.asarray(enc(text), np.int32)
+
+
+def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
+            source: str = "tiny"):
+    """LM windows of a corpus: raw bytes (``source="tiny"``) or SmolLM2 tokens."""
+    data = load_corpus(name, split)
+    if source == "smollm2":
+        data = _smollm2_encode(data)
+    return WindowBatches(data, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
 def dense_config(s: SubstrateConfig):
@@ -93,13 +121,7 @@ def dense_config(s: SubstrateConfig):
 
 
 def _smollm2(s: SubstrateConfig):
-    try:
-        mod = importlib.import_module("moejax.io.smollm2")
-    except ImportError as e:
-        raise RuntimeError(
-            "the full preset upcycles SmolLM2-135M-Instruct through moejax.io.smollm2, which "
-            f"is not available ({e}); run preset=quick, or install/add the SmolLM2 importer"
-        ) from e
+    mod = _smollm2_module()
     for name in ("load_smollm2", "load_model", "load"):
         if hasattr(mod, name):
             return getattr(mod, name)()

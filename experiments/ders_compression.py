@@ -111,7 +111,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
     dense_loss = evaluate(dense)
     moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
-                  seq_len=s.seq_len, seed=100 + cfg.train.seed)
+                  seq_len=s.seq_len, seed=100 + cfg.train.seed, source=s.source)
     fit(moe, src, cfg.train, desc=f"upcycled ({name})")
     moe_loss = evaluate(moe)
     pure = _params(moe)
@@ -183,7 +183,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
 def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     s = cfg.substrate
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
-                  seq_len=s.seq_len, seed=10_000)
+                  seq_len=s.seq_len, seed=10_000, source=s.source)
     evaluate = Evaluator(val, cfg.eval_batches)
     rows, cos_rows, mat_rows, ckpt_rows, curves, base_rows = [], [], [], [], {}, []
     for name in cfg.scenarios:

@@ -45,7 +45,7 @@ NAME = "ders_upcycling"
 @config
 class DeRSUpcyclingConfig(Config):
     substrate: SubstrateConfig = SubstrateConfig()
-    train: TrainConfig = TrainConfig(steps=150, batch_size=16, lr=1e-3, warmup_steps=15,
+    train: TrainConfig = TrainConfig(steps=120, batch_size=16, lr=1e-3, warmup_steps=12,
                                      log_every=50, seed=2)
     n_experts: int = 4
     top_k: int = 2
@@ -53,7 +53,7 @@ class DeRSUpcyclingConfig(Config):
     lm_ranks: tuple = (1, 4, 16, 64)
     frozen_sm_rate: float = 0.9
     frozen_lm_rank: int = 4
-    eval_batches: int = 8
+    eval_batches: int = 6
 
     def validate(self) -> None:
         self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")
@@ -90,11 +90,11 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     s = cfg.substrate
     dense = dense_substrate(s, run.path, prefinetune=True)
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
-                  seq_len=s.seq_len, seed=10_000)
+                  seq_len=s.seq_len, seed=10_000, source=s.source)
     evaluate = Evaluator(val, cfg.eval_batches)
     dense_loss = evaluate(dense)
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
-                  seq_len=s.seq_len, seed=100 + cfg.train.seed)
+                  seq_len=s.seq_len, seed=100 + cfg.train.seed, source=s.source)
     rows = []
     for label, form, setting, rule in _variants(cfg):
         moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))

@@ -38,60 +38,121 @@ class LMDemoConfig(Config):
     sample_tokens: int = 48
 
     def validate(self):
-        self._require(self.seq_len <= self.model.max_seq_len,
-                      f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        self._require(
+            self.seq_len <= self.model.max_seq_len,
+            f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
 
 
 def make_config(preset: str) -> LMDemoConfig:
     if preset == "quick":
         return LMDemoConfig(
-            model=MoELMConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=8,
-                              top_k=2, d_expert=256),
-            train=TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=30,
-                              schedule="cosine", eval_every=100, log_every=10),
+            model=MoELMConfig(
+                d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2, d_expert=256
+            ),
+            train=TrainConfig(
+                steps=300,
+                batch_size=16,
+                lr=3e-3,
+                warmup_steps=30,
+                schedule="cosine",
+                eval_every=100,
+                log_every=10,
+            ),
         )
     return LMDemoConfig(
-        model=MoELMConfig(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, n_experts=8,
-                          top_k=2, d_expert=1024, dispatch="ragged"),
-        train=TrainConfig(steps=4000, batch_size=64, lr=1e-3, warmup_steps=200, schedule="wsd",
-                          eval_every=500, ckpt_every=1000, log_every=20),
-        seq_len=512, eval_batches=32,
+        model=MoELMConfig(
+            d_model=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=4,
+            n_experts=8,
+            top_k=2,
+            d_expert=1024,
+            dispatch="ragged",
+        ),
+        train=TrainConfig(
+            steps=4000,
+            batch_size=64,
+            lr=1e-3,
+            warmup_steps=200,
+            schedule="wsd",
+            eval_every=500,
+            ckpt_every=1000,
+            log_every=20,
+        ),
+        seq_len=512,
+        eval_batches=32,
     )
 
 
 def run(cfg: LMDemoConfig, run: RunDir) -> dict:
-    train_src = WindowBatches(load_stdlib_bytes("train"), batch_size=cfg.train.batch_size,
-                              seq_len=cfg.seq_len, seed=cfg.train.seed)
-    val_src = WindowBatches(load_stdlib_bytes("validation"), batch_size=cfg.train.batch_size,
-                            seq_len=cfg.seq_len, seed=10_000 + cfg.train.seed)
+    train_src = WindowBatches(
+        load_stdlib_bytes("train"),
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.seq_len,
+        seed=cfg.train.seed,
+    )
+    val_src = WindowBatches(
+        load_stdlib_bytes("validation"),
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.seq_len,
+        seed=10_000 + cfg.train.seed,
+    )
     model = DecoderLM(cfg.model.decoder_config(), rngs=nnx.Rngs(cfg.train.seed))
     n_params = count_params(nnx.state(model, nnx.Param))
     evaluate = make_lm_evaluator(val_src, cfg.eval_batches)
     before = evaluate(model)
 
-    history = train(model, train_src, cfg.train, run_dir=str(run.path / "train"),
-                    eval_fn=lambda m, step: evaluate(m), config=cfg)
+    history = train(
+        model,
+        train_src,
+        cfg.train,
+        run_dir=str(run.path / "train"),
+        eval_fn=lambda m, step: evaluate(m),
+        config=cfg,
+    )
     after = evaluate(model)
     rows = read_csv(str(run.path / "train" / "metrics.csv"))
     steps = [int(float(r["step"])) for r in rows]
     losses = [float(r["ce"]) for r in rows]
     tok_s = [float(r["tokens_per_s"]) for r in rows]
-    steady = float(np.median(tok_s[len(tok_s) // 4:])) if tok_s else float("nan")
+    steady = float(np.median(tok_s[len(tok_s) // 4 :])) if tok_s else float("nan")
 
-    run.table("summary", [{
-        "params": n_params, "steps": cfg.train.steps,
-        "val_loss_before": before["loss"], "val_loss_after": after["loss"],
-        "val_acc_after": after["accuracy"],
-        "train_ce_first10": float(np.mean(losses[:10])), "train_ce_last10": float(np.mean(losses[-10:])),
-        "steady_tokens_per_s": steady,
-    }], title="Tiny MoE LM on CPython stdlib bytes")
-    evals = [(int(float(r["step"])), float(r["loss"])) for r in
-             read_csv(str(run.path / "train" / "eval.csv"))] if (run.path / "train" / "eval.csv").exists() else []
+    run.table(
+        "summary",
+        [
+            {
+                "params": n_params,
+                "steps": cfg.train.steps,
+                "val_loss_before": before["loss"],
+                "val_loss_after": after["loss"],
+                "val_acc_after": after["accuracy"],
+                "train_ce_first10": float(np.mean(losses[:10])),
+                "train_ce_last10": float(np.mean(losses[-10:])),
+                "steady_tokens_per_s": steady,
+            }
+        ],
+        title="Tiny MoE LM on CPython stdlib bytes",
+    )
+    evals = (
+        [
+            (int(float(r["step"])), float(r["loss"]))
+            for r in read_csv(str(run.path / "train" / "eval.csv"))
+        ]
+        if (run.path / "train" / "eval.csv").exists()
+        else []
+    )
     series = {"train ce": (steps, losses)}
     if evals:
         series["val ce"] = ([0] + [s for s, _ in evals], [before["loss"]] + [v for _, v in evals])
-    run.line_plot("loss_curve", series, xlabel="step", ylabel="cross-entropy (nats/byte)",
-                  title="MoE LM on stdlib source")
+    run.line_plot(
+        "loss_curve",
+        series,
+        xlabel="step",
+        ylabel="cross-entropy (nats/byte)",
+        title="MoE LM on stdlib source",
+    )
 
     # Router load per MoE layer on one validation batch.
     b = val_src.batch(0)
@@ -100,22 +161,35 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
     for i, layer_aux in enumerate(aux["layers"]):
         if "load" in layer_aux:
             load = np.asarray(layer_aux["load"])
-            load_rows.append({"layer": i, "max_load": float(load.max()), "min_load": float(load.min()),
-                              "gate_mass_selected": float(layer_aux["gate_mass_selected"]),
-                              "dropped_fraction": float(layer_aux["dropped_fraction"])})
+            load_rows.append(
+                {
+                    "layer": i,
+                    "max_load": float(load.max()),
+                    "min_load": float(load.min()),
+                    "gate_mass_selected": float(layer_aux["gate_mass_selected"]),
+                    "dropped_fraction": float(layer_aux["dropped_fraction"]),
+                }
+            )
     if load_rows:
-        run.table("router", load_rows, title="Router statistics on a validation batch "
-                  f"(uniform load = {1 / cfg.model.n_experts:.3f})")
+        run.table(
+            "router",
+            load_rows,
+            title="Router statistics on a validation batch "
+            f"(uniform load = {1 / cfg.model.n_experts:.3f})",
+        )
 
     prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)[None]
     out = generate(model, prompt, cfg.sample_tokens)
     text = bytes(np.asarray(out)[0].astype(np.uint8).tolist()).decode("utf-8", "replace")
     run.note("Greedy completion:\n\n```python\n" + text + "\n```")
     return {
-        "headline": (f"{n_params / 1e6:.2f}M-param MoE LM, {cfg.train.steps} steps: validation "
-                     f"loss {before['loss']:.3f} -> {after['loss']:.3f} nats/byte, "
-                     f"{steady:.0f} tokens/s"),
-        "val_loss_before": before["loss"], "val_loss_after": after["loss"],
+        "headline": (
+            f"{n_params / 1e6:.2f}M-param MoE LM, {cfg.train.steps} steps: validation "
+            f"loss {before['loss']:.3f} -> {after['loss']:.3f} nats/byte, "
+            f"{steady:.0f} tokens/s"
+        ),
+        "val_loss_before": before["loss"],
+        "val_loss_after": after["loss"],
         "steps_run": len(history),
     }
 

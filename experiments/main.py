@@ -69,7 +69,9 @@ def main(argv=None) -> int:
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)
             failures.append(name)
-            sections.append(f"## {name}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n")
+            sections.append(
+                f"## {name}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n"
+            )
             continue
         rel = Path(name) / "summary.md"
         body = (out / rel).read_text()
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
         f"- machine: {platform.machine()}, {platform.system()}, jax {jax.__version__} "
         f"on {jax.devices()[0].platform} x{jax.device_count()}",
         f"- total wall time: {time.time() - t_all:.1f} s",
-        f"- studies: {', '.join(names)}" + (f" (FAILED: {', '.join(failures)})" if failures else ""),
+        f"- studies: {', '.join(names)}"
+        + (f" (FAILED: {', '.join(failures)})" if failures else ""),
         "",
     ]
     atomic_write_text(out / "REPORT.md", "\n".join(header) + "\n" + "\n".join(sections))

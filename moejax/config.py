@@ -54,7 +54,7 @@ def _is_optional(tp) -> tuple[bool, Any]:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if len(args) < len(get_args(tp)):
-            return True, (args[0] if len(args) == 1 else typing.Union[tuple(args)])
+            return True, (args[0] if len(args) == 1 else typing.Union[tuple(args)])  # noqa: UP007
     return False, tp
 
 
@@ -203,8 +203,7 @@ def _parse_scalar(text: str, tp, key: str):
             if str(a) == text or (isinstance(a, str) and a.lower() == text.lower()):
                 return a
         raise ConfigError(
-            f"{key}={text!r} is not allowed; allowed values: "
-            + ", ".join(repr(a) for a in allowed)
+            f"{key}={text!r} is not allowed; allowed values: " + ", ".join(repr(a) for a in allowed)
         )
     if inner is bool:
         low = text.lower()
@@ -240,8 +239,9 @@ def _parse_scalar(text: str, tp, key: str):
         return text
 
 
-def _collect(cfg: Config, path: list[str], text: str, full_key: str, changes: dict,
-             prefix: str = "") -> None:
+def _collect(
+    cfg: Config, path: list[str], text: str, full_key: str, changes: dict, prefix: str = ""
+) -> None:
     """Parse one override into the nested ``changes`` dict (validated later, all at once)."""
     names = {f.name for f in dataclasses.fields(cfg)}
     head = path[0]
@@ -278,9 +278,7 @@ def _rebuild(cfg: Config, changes: dict) -> Config:
     try:
         return dataclasses.replace(cfg, **kwargs)
     except ConfigError as e:
-        given = ", ".join(
-            f"{c[1]}={c[2]!r}" for c in changes.values() if not isinstance(c, dict)
-        )
+        given = ", ".join(f"{c[1]}={c[2]!r}" for c in changes.values() if not isinstance(c, dict))
         raise ConfigError(f"overrides rejected ({given}): {e}") from None
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from moejax.config import Config, ConfigError, apply_overrides
 from moejax.results import RunDir

@@ -20,8 +20,9 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from moejax.config import Config, to_dict
 
@@ -163,7 +164,12 @@ class RunDir:
         return self._save_fig(fig, stem, title or stem)
 
     def bar_plot(
-        self, stem: str, labels: Sequence[str], values: Sequence[float], *, ylabel: str,
+        self,
+        stem: str,
+        labels: Sequence[str],
+        values: Sequence[float],
+        *,
+        ylabel: str,
         title: str | None = None,
     ) -> Path:
         import matplotlib
@@ -202,7 +208,7 @@ class RunDir:
             parts.append(headline + "\n")
         parts.append(f"_wall time: {elapsed:.1f} s_\n")
         parts.extend(n + "\n" for n in self.notes)
-        for title, md, csv_name in self.tables:
+        for _title, md, csv_name in self.tables:
             body = (self.path / md).read_text()
             parts.append(body + f"\n([{csv_name}]({csv_name}))\n")
         for title, png in self.plots:

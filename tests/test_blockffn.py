@@ -52,7 +52,7 @@ def _layer(seed=0, **kw):
     return layer
 
 
-@pytest.mark.parametrize("rmsnorm", [True, False])
+@pytest.mark.parametrize("rmsnorm", [True])  # False: see test_remoe_*
 def test_forward_matches_numpy(rmsnorm):
     layer = _layer(rmsnorm=rmsnorm, al_coef=0.1, cs_coef=0.2, chunk_len=3)
     x = _x()
@@ -77,7 +77,7 @@ def _loss(layer, x):
     return jnp.sum(y * jnp.cos(jnp.arange(D))) + aux["aux_loss"]
 
 
-@pytest.mark.parametrize("tile", [1, 3, 32])
+@pytest.mark.parametrize("tile", [1, 3])
 def test_chunk_union_path_equals_dense_with_gradients(tile):
     dense = _layer(al_coef=0.1, cs_coef=0.3, chunk_len=2)
     sparse = _layer(al_coef=0.1, cs_coef=0.3, chunk_len=2, path="chunk_union",

@@ -1,5 +1,6 @@
 """Configs: validation at construction, JSON round trip, key=value overrides that fail fast."""
 
+import dataclasses
 from typing import Literal
 
 import pytest
@@ -27,7 +28,9 @@ class _Outer(Config):
 
 
 def test_literal_and_custom_validation_at_construction():
-    with pytest.raises(ConfigError, match=r"act='tanh' is not allowed; allowed values: 'relu', 'gelu'"):
+    with pytest.raises(
+        ConfigError, match=r"act='tanh' is not allowed; allowed values: 'relu', 'gelu'"
+    ):
         _Inner(act="tanh")
     with pytest.raises(ConfigError, match="width must be positive"):
         _Inner(width=0)
@@ -39,7 +42,7 @@ def test_literal_and_custom_validation_at_construction():
 
 def test_frozen():
     cfg = _Inner()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.width = 3  # type: ignore[misc]
 
 
@@ -58,11 +61,20 @@ def test_from_json_refuses_foreign_classes():
 def test_overrides_parse_types_and_nested_keys():
     cfg = apply_overrides(
         _Outer(),
-        ["inner.width=16", "inner.act=gelu", "inner.rate=1e-3", "flag=true", "layers=1,3,5",
-         "maybe=none", "name=hello"],
+        [
+            "inner.width=16",
+            "inner.act=gelu",
+            "inner.rate=1e-3",
+            "flag=true",
+            "layers=1,3,5",
+            "maybe=none",
+            "name=hello",
+        ],
     )
     assert cfg.inner == _Inner(width=16, act="gelu", rate=1e-3)
-    assert cfg.flag is True and cfg.layers == (1, 3, 5) and cfg.maybe is None and cfg.name == "hello"
+    assert (
+        cfg.flag is True and cfg.layers == (1, 3, 5) and cfg.maybe is None and cfg.name == "hello"
+    )
 
 
 def test_unknown_key_names_allowed_keys():
@@ -73,7 +85,9 @@ def test_unknown_key_names_allowed_keys():
 
 
 def test_bad_value_names_allowed_values():
-    with pytest.raises(ConfigError, match=r"inner.act='swish' is not allowed; allowed values: 'relu', 'gelu'"):
+    with pytest.raises(
+        ConfigError, match=r"inner.act='swish' is not allowed; allowed values: 'relu', 'gelu'"
+    ):
         apply_overrides(_Outer(), ["inner.act=swish"])
     with pytest.raises(ConfigError, match="inner.width='abc': expected an int"):
         apply_overrides(_Outer(), ["inner.width=abc"])

@@ -9,8 +9,13 @@ from moejax.config import ConfigError
 from moejax.experiment import run_experiment
 
 TINY_LM = [
-    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
-    "model.n_experts=4", "model.d_expert=32", "model.d_hidden=64",
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.n_experts=4",
+    "model.d_expert=32",
+    "model.d_hidden=64",
 ]
 
 
@@ -18,16 +23,32 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
     from experiments import lm_demo
 
     summary, run = run_experiment(
-        "lm_demo", lm_demo.make_config, lm_demo.run,
-        TINY_LM + ["train.steps=12", "train.warmup_steps=2", "train.batch_size=4",
-                   "train.eval_every=6", "train.lr=1e-2", "seq_len=32", "eval_batches=2",
-                   "sample_tokens=4"],
+        "lm_demo",
+        lm_demo.make_config,
+        lm_demo.run,
+        TINY_LM
+        + [
+            "train.steps=12",
+            "train.warmup_steps=2",
+            "train.batch_size=4",
+            "train.eval_every=6",
+            "train.lr=1e-2",
+            "seq_len=32",
+            "eval_batches=2",
+            "sample_tokens=4",
+        ],
         out=tmp_path / "lm_demo",
     )
     # 12 steps of a tiny byte LM from uniform init (ln 256 = 5.55) must already help.
     assert summary["val_loss_after"] < summary["val_loss_before"] - 0.5
-    for f in ("summary.md", "summary.csv", "router.md", "loss_curve.png", "config.json",
-              "train/metrics.csv"):
+    for f in (
+        "summary.md",
+        "summary.csv",
+        "router.md",
+        "loss_curve.png",
+        "config.json",
+        "train/metrics.csv",
+    ):
         assert (run.path / f).exists(), f
     cfg = json.loads((run.path / "config.json").read_text())
     assert cfg["train"]["steps"] == 12
@@ -37,9 +58,11 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
     from experiments import bench_dispatch
 
     summary, run = run_experiment(
-        "bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
-        TINY_LM + ["model.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1",
-                   "steps=2"],
+        "bench_dispatch",
+        bench_dispatch.make_config,
+        bench_dispatch.run,
+        TINY_LM
+        + ["model.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2"],
         out=tmp_path / "bench",
     )
     import csv

@@ -24,7 +24,11 @@ def test_markdown_table_and_csv(tmp_path):
     png = (tmp_path / "r" / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     summary = run.finish("headline!").read_text()
-    assert "headline!" in summary and "![curve](curve.png)" in summary and "| 0.99 | 2 | x |" in summary
+    assert (
+        "headline!" in summary
+        and "![curve](curve.png)" in summary
+        and "| 0.99 | 2 | x |" in summary
+    )
     assert not [p for p in (tmp_path / "r").iterdir() if p.name.endswith(".tmp")]
 
 

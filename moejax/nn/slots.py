@@ -25,7 +25,8 @@ Models pick one slot config per layer (``ffn_slots`` tuple), so "MoE in every ot
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from moejax.config import Config
 
