@@ -157,7 +157,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
                          "val_loss": loss, "d_loss": loss - moe_loss})
             if method != "none":
                 curves.setdefault(f"{name}/{decomp}/{method}", []).append(
-                    (rep["expert_params_with_index"], rep["expert_bytes"], loss))
+                    (rep["expert_params_with_index"], rep["expert_bytes"], loss - moe_loss))
 
         # Compressed orbax checkpoint -> reload -> on-the-fly synthesis inference.
         for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
@@ -206,13 +206,16 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
               "by on-the-fly expert synthesis (peak inference memory = XLA compiled memory "
               "analysis of one evaluation step, not process RSS)")
     run.line_plot("loss_vs_params", {k: ([p for p, _, _ in v], [loss for _, _, loss in v])
-                                     for k, v in curves.items()}, logx=True, markers=True,
+                                     for k, v in curves.items() if k.endswith("/sparse")},
+                  logx=True, markers=True,
                   xlabel="stored expert parameters incl. index (base + deltas)",
-                  ylabel="validation loss (nats/byte)", title="DeRS compression")
+                  ylabel="val loss increase vs uncompressed (nats/byte)",
+                  title="DeRS compression")
     run.line_plot("loss_vs_bytes", {k: ([b for _, b, _ in v], [loss for _, _, loss in v])
                                     for k, v in curves.items()}, logx=True, markers=True,
                   xlabel="expert bytes (base + compact deltas)",
-                  ylabel="validation loss (nats/byte)", title="DeRS compression (bytes)")
+                  ylabel="val loss increase vs uncompressed (nats/byte)",
+                  title="DeRS compression (bytes)")
     sim = {}
     for name in cfg.scenarios:
         r = [x for x in cos_rows if x["scenario"] == name]

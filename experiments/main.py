@@ -21,8 +21,16 @@ from moejax.results import atomic_write_text
 
 # Order matters: cheap, foundational studies first.
 REGISTRY: tuple[str, ...] = (
-    "lm_demo",
-    "bench_dispatch",
+    "lm_demo",  # issue 2: foundation demo
+    "bench_dispatch",  # issue 2: dispatch-path benchmark
+    "substrate_build",  # issue 3: cached substrate checkpoints the studies reuse
+    "darex_controlled",  # issue 4: DAREx studies
+    "darex_storage",
+    "darex_decoder",
+    "darex_encoder",
+    "blockffn_baselines",  # issue 6: BlockFFN
+    "blockffn_ablations",
+    "blockffn_granularity",
 )
 
 

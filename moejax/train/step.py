@@ -4,7 +4,8 @@
   the model's ``nnx.Param`` leaves (fp32 master copy), ``key`` the run's PRNG key as
   ``jax.random.key_data`` (uint32), ``rest`` every non-``Param`` variable of the model (fixed
   buffers such as DeRS index vectors; carried through the step unchanged unless the model
-  writes to it).
+  replaces them: inside the traced step assign a fresh variable, ``self.v = MyVar(new)``,
+  since in-place ``self.v[...] = new`` raises flax's TraceContextError there).
 * ``loss_fn(model, batch, key, train=True) -> (loss, metrics)``: scalar loss and a flat dict of
   scalar metrics; :func:`lm_loss_fn` is the language-model one.
 * :func:`make_train_step` -> jitted ``step(state, batch) -> (state, metrics)``.
