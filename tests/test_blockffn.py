@@ -169,3 +169,36 @@ def test_in_decoder_and_jit():
     assert logits.shape == (2, 9, 32) and len(aux["layers"]) == 2
     want = sum(0.002 * la["al_loss"] + 0.1 * la["cs_loss"] for la in aux["layers"])
     np.testing.assert_allclose(float(aux["aux_loss"]), float(want), rtol=1e-5)
+
+
+def test_segment_ids_are_read_from_the_argument_only():
+    """No attribute hand-over: a stray ``_segment_ids_BT`` attribute is ignored."""
+    layer = _layer()
+    x = _x(6)
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 3, 3, 3]])
+    plain = {k: float(v) for k, v in layer(x)[1].items() if k.endswith("_loss")}
+    object.__setattr__(layer, "_segment_ids_BT", seg)
+    try:
+        stray = {k: float(v) for k, v in layer(x)[1].items() if k.endswith("_loss")}
+    finally:
+        object.__delattr__(layer, "_segment_ids_BT")
+    assert stray == plain
+    a0 = layer.route(x.reshape(-1, D))[0].reshape(B, T, E)
+    a1 = jax.nn.relu(a0)
+    got = layer(x, segment_ids_BT=seg)[1]
+    np.testing.assert_allclose(float(got["al_loss"]), float(cs.activation_locality_loss(
+        a0, alpha=layer.cfg.alpha, segment_ids_BT=seg)), rtol=1e-6)
+    np.testing.assert_allclose(float(got["cs_loss"]), float(cs.chunk_sparsification_loss(
+        a1, chunk_len=layer.cfg.chunk_len, eps=layer.cfg.cs_eps, segment_ids_BT=seg)),
+        rtol=1e-6)
+
+
+def test_remoe_slot_accepts_segment_ids():
+    layer = ReMoEConfig(n_experts=E, d_expert=F).build(D, rngs=nnx.Rngs(0))
+    x = _x(7)
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2], [1] * 7])
+    y0, aux0 = layer(x)
+    y1, aux1 = layer(x, segment_ids_BT=seg)
+    np.testing.assert_array_equal(np.asarray(y0), np.asarray(y1))  # token-wise output
+    np.testing.assert_allclose(float(aux1["l1_loss"]), float(aux0["l1_loss"]), rtol=1e-6)
+    assert float(aux1["aux_loss"]) == pytest.approx(float(aux0["aux_loss"]))

@@ -45,13 +45,15 @@ class ConstAuxSlot(nnx.Module):
     def __init__(self, loss):
         self.loss = loss
 
-    def __call__(self, x_BTD, *, train=False, key=None, mask_BT=None):
+    def __call__(self, x_BTD, *, train=False, key=None, mask_BT=None, segment_ids_BT=None):
         key_bits = (jnp.zeros((2,), jnp.uint32) if key is None
                     else jax.random.key_data(key).reshape(-1)[:2])
         n_real = jnp.sum(mask_BT) if mask_BT is not None else jnp.float32(x_BTD.shape[0]
                                                                            * x_BTD.shape[1])
         aux = {"aux_loss": jnp.float32(self.loss), "key_bits": key_bits,
-               "train": jnp.float32(train), "n_real": n_real.astype(jnp.float32)}
+               "train": jnp.float32(train), "n_real": n_real.astype(jnp.float32),
+               "seg_sum": (jnp.float32(-1) if segment_ids_BT is None
+                           else jnp.sum(segment_ids_BT).astype(jnp.float32))}
         return jnp.zeros_like(x_BTD), aux
 
 
@@ -215,3 +217,76 @@ def test_smollm2_135m_layout_has_the_published_parameter_count():
     abstract = nnx.eval_shape(lambda: DecoderLM(smollm2_135m_config(), rngs=nnx.Rngs(0)))
     assert n_params(abstract) == 134_515_008
     assert abstract.blocks[0].attn.w_k.get_value().shape == (576, 192)
+
+
+# -------------------------------------------------------------- packed rows (segment ids)
+
+
+def _packed(lens, T, rng):
+    """One packed row of documents with ``lens`` (+ padding to ``T``): tokens, segment ids,
+    restarted positions, mask, and the documents."""
+    docs = [rng.integers(0, 32, size=n).astype(np.int32) for n in lens]
+    toks = np.zeros((1, T), np.int32)
+    seg = np.zeros((1, T), np.int32)
+    pos = np.zeros((1, T), np.int32)
+    start = 0
+    for i, d in enumerate(docs):
+        toks[0, start:start + len(d)] = d
+        seg[0, start:start + len(d)] = i + 1
+        pos[0, start:start + len(d)] = np.arange(len(d))
+        start += len(d)
+    return toks, seg, pos, seg > 0, docs
+
+
+def _slot_variants():
+    from moejax.nn.blockffn import BlockFFNConfig
+    from moejax.nn.remoe import ReMoEConfig
+    dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
+    return {
+        "dense": (dense, dense),
+        "blockffn": (dense, BlockFFNConfig(n_experts=4, d_expert=8, chunk_len=2)),
+        "remoe": (ReMoEConfig(n_experts=4, d_expert=8), dense),
+    }
+
+
+@pytest.mark.parametrize("variant", ["dense", "blockffn", "remoe"])
+def test_packed_row_logits_equal_each_document_alone(variant):
+    a, b = _slot_variants()[variant]
+    model = DecoderLM(tiny_cfg(init_std=0.5).replace(ffn_slots=(a, b)), rngs=nnx.Rngs(3))
+    toks, seg, pos, mask, docs = _packed([5, 7], 14, np.random.default_rng(1))
+    logits, _ = model(jnp.asarray(toks), positions_BT=jnp.asarray(pos),
+                      mask_BT=jnp.asarray(mask), segment_ids_BT=jnp.asarray(seg))
+    logits = np.asarray(logits)
+    start = 0
+    for d in docs:
+        alone = np.asarray(model(jnp.asarray(d[None]))[0])
+        np.testing.assert_allclose(logits[:, start:start + len(d)], alone, rtol=1e-4,
+                                   atol=1e-4)
+        start += len(d)
+    # without the segment ids (same restarted positions) the second document is contaminated
+    leak = np.asarray(model(jnp.asarray(toks), positions_BT=jnp.asarray(pos),
+                            mask_BT=jnp.asarray(mask))[0])
+    assert not np.allclose(leak[:, 5:12], logits[:, 5:12], atol=1e-4)
+
+
+def test_segment_ids_reach_every_slot_and_none_is_the_default():
+    dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
+    slots = layer_pattern(4, dense, ConstAuxSlotConfig(loss=0.25), every=2)
+    model = DecoderLM(tiny_cfg(n_layers=4).replace(ffn_slots=slots), rngs=nnx.Rngs(0))
+    seg = jnp.asarray(np.array([[1] * 4 + [2] * 5, [1] * 9], np.int32))
+    _, aux = model(TOKENS, segment_ids_BT=seg)
+    for i in (1, 3):
+        assert float(aux["layers"][i]["seg_sum"]) == float(np.sum(np.asarray(seg)))
+    _, aux = model(TOKENS)
+    assert float(aux["layers"][1]["seg_sum"]) == -1.0
+
+
+def test_decoder_with_moe_accepts_segment_ids():
+    moe_mod = pytest.importorskip("moejax.nn.moe")
+    moe = moe_mod.MoEConfig(n_experts=4, top_k=2, d_expert=8)
+    dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
+    model = DecoderLM(tiny_cfg().replace(ffn_slots=(dense, moe)), rngs=nnx.Rngs(0))
+    ones = jnp.ones(TOKENS.shape, jnp.int32)
+    # a single segment per row changes nothing
+    np.testing.assert_allclose(model(TOKENS, segment_ids_BT=ones)[0], model(TOKENS)[0],
+                               rtol=1e-5, atol=1e-5)

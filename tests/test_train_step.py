@@ -97,3 +97,61 @@ def test_explicit_keys_make_steps_deterministic_and_key_advances():
     assert float(ma["loss"]) == float(mb["loss"]) and tree_equal(a1.params, a2.params)
     assert not np.array_equal(np.asarray(a1.key), np.asarray(s0.key))
     assert a1.key.dtype == jnp.uint32
+
+
+class _SpyLM(nnx.Module):
+    """Records the keyword arguments of its last call; logits = 0."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def __call__(self, tokens_BT, *, train=False, key=None, mask_BT=None, **kw):
+        object.__setattr__(self, "seen", dict(kw, mask_BT=mask_BT))
+        return jnp.zeros(tokens_BT.shape + (8,), jnp.float32), {}
+
+
+def test_lm_loss_fn_passes_segment_ids_and_positions_only_when_present():
+    toks = np.arange(12, dtype=np.int32).reshape(2, 6) % 8
+    seg = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+    pos = np.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]], np.int32)
+    mask = (seg > 0).astype(np.float32)
+    spy = _SpyLM()
+    loss, m = lm_loss_fn(spy, {"inputs": toks, "targets": toks, "mask": mask,
+                               "segment_ids": seg, "positions": pos}, None, train=False)
+    np.testing.assert_array_equal(np.asarray(spy.seen["segment_ids_BT"]), seg)
+    np.testing.assert_array_equal(np.asarray(spy.seen["positions_BT"]), pos)
+    np.testing.assert_array_equal(np.asarray(spy.seen["mask_BT"]), seg > 0)
+    np.testing.assert_allclose(float(loss), np.log(8.0), rtol=1e-6)  # uniform logits
+    lm_loss_fn(spy, {"inputs": toks, "targets": toks}, None, train=False)
+    assert spy.seen == {"mask_BT": None}
+
+
+def test_lm_loss_fn_on_packed_batch_equals_documents_alone():
+    """A packed row of two documents (segment ids + restarted positions) has the same
+    token-summed CE as the two documents run as separate rows."""
+    from moejax.nn.decoder import DecoderLM, dense_decoder_config
+    cfg = dense_decoder_config(vocab_size=16, d_model=16, n_layers=2, n_heads=2, d_hidden=24,
+                               max_seq_len=16, init_std=0.5)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    d1, d2 = rng.integers(0, 16, 5).astype(np.int32), rng.integers(0, 16, 6).astype(np.int32)
+    # inputs: d1[:-1], d2[:-1], one padding token; targets: the next token within the
+    # document (the last token of each document predicts nothing)
+    inputs = np.concatenate([d1[:-1], d2[:-1], [0]])[None].astype(np.int32)
+    targets = np.concatenate([d1[1:], d2[1:], [0]])[None].astype(np.int32)
+    seg = np.array([[1] * 4 + [2] * 5 + [0]], np.int32)
+    pos = np.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0]], np.int32)
+    mask = (seg > 0).astype(np.float32)
+    packed = {"inputs": inputs, "targets": targets, "mask": mask, "segment_ids": seg,
+              "positions": pos}
+    _, m = lm_loss_fn(model, packed, None, train=False)
+    ce_sum = 0.0
+    for d in (d1, d2):
+        _, md = lm_loss_fn(model, {"inputs": d[None, :-1], "targets": d[None, 1:]}, None,
+                           train=False)
+        ce_sum += float(md["ce"]) * (len(d) - 1)
+    np.testing.assert_allclose(float(m["ce"]) * float(mask.sum()), ce_sum, rtol=1e-5)
+    # dropping the ids (plain causal attention across the boundary) changes the loss
+    _, m_leak = lm_loss_fn(model, {k: v for k, v in packed.items()
+                                   if k not in ("segment_ids", "positions")}, None, train=False)
+    assert abs(float(m_leak["ce"]) - float(m["ce"])) > 1e-5

@@ -133,8 +133,13 @@ class Attention(nnx.Module):
         return self._proj(o_BTHK.reshape(B, T, -1), "o")
 
     def __call__(self, x_BTD: jax.Array, *, positions_BT: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None) -> jax.Array:
-        """Full-sequence attention. ``mask_BT`` marks real (non-padding) keys."""
+                 mask_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """Full-sequence attention. ``mask_BT`` marks real (non-padding) keys;
+        ``segment_ids_BT`` (int, document id of each token of a packed row) restricts every
+        query to keys of its own segment (block-diagonal, combined with the causal and padding
+        masks). Positions default to ``arange(T)``; for packed rows pass the per-document
+        positions so RoPE restarts at each document."""
         B, T, _ = x_BTD.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -144,6 +149,8 @@ class Attention(nnx.Module):
             mask_BTS = mask_BTS & jnp.tril(jnp.ones((T, T), bool))[None]
         if mask_BT is not None:
             mask_BTS = mask_BTS & mask_BT.astype(bool)[:, None, :]
+        if segment_ids_BT is not None:
+            mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
         return self._out(dot_product_attention(q, k, v, mask_BTS))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:

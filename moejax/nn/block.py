@@ -50,26 +50,38 @@ class TransformerBlock(nnx.Module):
         self.ffn_norm = make_norm(norm_kind, d_model, **norm_kw)
         self.ffn = ffn_slot.build(d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
-    def _forward(self, x_BTD, attend, *, train, key, mask_BT):
+    def _slot(self, x_BTD, *, train, key, mask_BT, segment_ids_BT):
+        # segment ids are passed only when given, so slots predating the segment_ids_BT
+        # contract still run on unpacked batches
+        kw = {} if segment_ids_BT is None else {"segment_ids_BT": segment_ids_BT}
+        return self.ffn(x_BTD, train=train, key=key, mask_BT=mask_BT, **kw)
+
+    def _forward(self, x_BTD, attend, *, train, key, mask_BT, segment_ids_BT=None):
+        slot_kw = dict(train=train, key=key, mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
         if self.norm_position == "pre":
             a, extra = attend(self.attn_norm(x_BTD))
             x_BTD = x_BTD + a.astype(x_BTD.dtype)
-            y, aux = self.ffn(self.ffn_norm(x_BTD), train=train, key=key, mask_BT=mask_BT)
+            y, aux = self._slot(self.ffn_norm(x_BTD), **slot_kw)
             x_BTD = x_BTD + y.astype(x_BTD.dtype)
         else:
             a, extra = attend(x_BTD)
             x_BTD = self.attn_norm(x_BTD + a.astype(x_BTD.dtype))
-            y, aux = self.ffn(x_BTD, train=train, key=key, mask_BT=mask_BT)
+            y, aux = self._slot(x_BTD, **slot_kw)
             x_BTD = self.ffn_norm(x_BTD + y.astype(x_BTD.dtype))
         return x_BTD, aux, extra
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None):
+                 positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None):
         """Full-sequence block. ``mask_BT``: real tokens (keys masked in attention; passed to
-        the slot so its statistics ignore padding)."""
+        the slot so its statistics ignore padding). ``segment_ids_BT``: document ids of a
+        packed row (attention stays within a document; passed to the slot for its
+        document-aware losses)."""
         def attend(h):
-            return self.attn(h, positions_BT=positions_BT, mask_BT=mask_BT), None
-        x_BTD, aux, _ = self._forward(x_BTD, attend, train=train, key=key, mask_BT=mask_BT)
+            return self.attn(h, positions_BT=positions_BT, mask_BT=mask_BT,
+                             segment_ids_BT=segment_ids_BT), None
+        x_BTD, aux, _ = self._forward(x_BTD, attend, train=train, key=key, mask_BT=mask_BT,
+                                      segment_ids_BT=segment_ids_BT)
         return x_BTD, aux
 
     def decode(self, x_BTD: jax.Array, cache: KVCache, *, positions_BT=None,
@@ -81,8 +93,10 @@ class TransformerBlock(nnx.Module):
 
 
 def run_blocks(blocks, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-               positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None):
+               positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None,
+               segment_ids_BT: jax.Array | None = None):
     """Apply ``blocks`` in order; ``key`` (if given) is split into one key per block.
+    ``segment_ids_BT`` (packed documents) is forwarded to every block.
 
     Returns ``(x_BTD, {"aux_loss": sum of the slots' aux_loss, "layers": per-block aux})``.
     """
@@ -91,7 +105,7 @@ def run_blocks(blocks, x_BTD: jax.Array, *, train: bool = False, key: jax.Array 
     layer_aux = []
     for block, k in zip(blocks, keys):
         x_BTD, aux = block(x_BTD, train=train, key=k, positions_BT=positions_BT,
-                           mask_BT=mask_BT)
+                           mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
         layer_aux.append(aux)
     layer_aux = tuple(layer_aux)
     return x_BTD, {"aux_loss": sum_aux_losses(layer_aux), "layers": layer_aux}

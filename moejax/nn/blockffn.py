@@ -189,8 +189,6 @@ class BlockFFN(nnx.Module):
         B, T, D = x_BTD.shape
         if D != self.d_model:
             raise ValueError(f"BlockFFN: input width {D} != d_model {self.d_model}")
-        if segment_ids_BT is None:  # transient hand-over from a wrapper (see lambda_schedule)
-            segment_ids_BT = getattr(self, "_segment_ids_BT", None)
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D).astype(dt)
         a0, a1, a = self.route(x_ND)

@@ -43,7 +43,8 @@ class DenseFFNConfig(FFNSlotConfig):
 
 
 class DenseFFN(nnx.Module):
-    """``y, {} = ffn(x_BTD, train=..., key=..., mask_BT=...)`` (train/key/mask unused)."""
+    """``y, {} = ffn(x_BTD, train=..., key=..., mask_BT=..., segment_ids_BT=...)``
+    (train/key/mask/segment ids unused)."""
 
     def __init__(self, d_model: int, cfg: DenseFFNConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
@@ -65,8 +66,9 @@ class DenseFFN(nnx.Module):
             self.b_up = nnx.Param(jnp.zeros((F,), param_dtype))
             self.b_down = nnx.Param(jnp.zeros((D,), param_dtype))
 
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None):
-        del train, key, mask_BT
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
+                 segment_ids_BT=None):
+        del train, key, mask_BT, segment_ids_BT
         dt = self.dtype or x_BTD.dtype
         x = x_BTD.astype(dt)
         act = activation_fn(self.cfg.activation)

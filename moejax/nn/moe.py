@@ -198,7 +198,8 @@ class MoE(nnx.Module):
                                         rngs=rngs, param_dtype=param_dtype)
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None):
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+        del segment_ids_BT  # token-wise routing: document boundaries do not matter
         cfg = self.cfg
         B, T, D = x_BTD.shape
         if D != self.d_model:

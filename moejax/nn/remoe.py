@@ -7,7 +7,9 @@
 
 The experts are the same non-gated fine-grained experts as BlockFFN (the BlockFFN paper keeps
 expert number and width identical across baselines), so a ReMoE slot is a :class:`BlockFFN`
-with ``rmsnorm=False`` and no AL/CS terms; its ``aux["l1_loss"]`` is the unweighted L1.
+with ``rmsnorm=False`` and no AL/CS terms; its ``aux["l1_loss"]`` is the unweighted L1. It is
+called like every slot, ``slot(x_BTD, train=, key=, mask_BT=, segment_ids_BT=None)`` (the
+segment ids only affect the AL/CS statistics it reports).
 """
 
 from __future__ import annotations

@@ -7,13 +7,18 @@ A *slot config* is a frozen :class:`moejax.config.Config` subclass with a ``buil
 
 The module it builds is called as::
 
-    y_BTD, aux = slot(x_BTD, train=False, key=None, mask_BT=None)
+    y_BTD, aux = slot(x_BTD, train=False, key=None, mask_BT=None, segment_ids_BT=None)
 
 * ``x_BTD``: ``[batch, time, d_model]`` activations (an encoder uses the same layout).
 * ``train``: training mode (e.g. router noise on); ``key``: explicit PRNG key for any random
   step (``None`` is allowed only when the slot needs no randomness in this mode).
 * ``mask_BT``: optional bool mask of real (non-padding) tokens; statistics and losses ignore
   the padding positions.
+* ``segment_ids_BT``: optional int document id of each token of a packed row (``0`` =
+  padding), as produced by ``moejax.data`` packing. Every slot must accept the argument;
+  ignoring it is fine (dense FFN, top-k MoE). Slots with sequence-level losses (BlockFFN's
+  activation locality / chunk sparsification) use it so that no term spans two documents.
+  Blocks pass it only when it is not ``None``.
 * ``aux``: a flat ``dict[str, jax.Array]``. The key ``"aux_loss"`` (scalar, already weighted by
   the slot's coefficients) is added to the training objective by the model; every other entry
   is a statistic for analysis (router loads, selected ids, raw unweighted losses, ...). A dense

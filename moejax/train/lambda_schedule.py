@@ -26,7 +26,8 @@ micro-batch (set ``N_st``/``N_adj`` in micro-batches).
 ``ScheduledLM(lm, cfg)(tokens_BT, train=..., key=..., mask_BT=..., segment_ids_BT=...)``
 returns ``(logits, aux)`` with ``aux_loss = lm's aux_loss + lambda * penalty`` and scalar
 summaries (``lambda``, ``cs_loss``, ``al_loss``, ``l1_loss``, ``tls``) that
-:func:`sparsity_lm_loss_fn` (= ``lm_loss_fn`` + segment ids / positions) logs.
+:func:`moejax.train.step.lm_loss_fn` logs (it also hands packed batches' ``segment_ids`` /
+``positions`` to the model; ``sparsity_lm_loss_fn`` is an alias kept for old imports).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.ops.losses import accuracy, cross_entropy
+from moejax.train.step import lm_loss_fn
 
 __all__ = [
     "CoefScheduleConfig",
@@ -126,8 +127,9 @@ def _sum(layers, name):
 
 
 class ScheduledLM(nnx.Module):
-    """Wraps a ``DecoderLM`` (or any ``lm(tokens, train=, key=, positions_BT=, mask_BT=)`` whose
-    aux has ``"layers"``) and adds ``lambda * penalty`` with an adaptive ``lambda``."""
+    """Wraps a ``DecoderLM`` (or any ``lm(tokens, train=, key=, positions_BT=, mask_BT=,
+    segment_ids_BT=)`` whose aux has ``"layers"``) and adds ``lambda * penalty`` with an
+    adaptive ``lambda``. ``segment_ids_BT`` is forwarded to ``lm`` (only when given)."""
 
     def __init__(self, lm: nnx.Module, cfg: CoefScheduleConfig):
         self.lm, self.cfg = lm, cfg
@@ -160,17 +162,9 @@ class ScheduledLM(nnx.Module):
 
     def __call__(self, tokens_BT, *, train: bool = False, key=None, positions_BT=None,
                  mask_BT=None, segment_ids_BT=None):
-        routed = [m for _, m in nnx.iter_modules(self.lm) if hasattr(m, "route")]
-        if segment_ids_BT is not None:  # hand document ids to the slots for this call only
-            for m in routed:
-                object.__setattr__(m, "_segment_ids_BT", segment_ids_BT)
-        try:
-            logits, aux = self.lm(tokens_BT, train=train, key=key, positions_BT=positions_BT,
-                                  mask_BT=mask_BT)
-        finally:
-            for m in routed:
-                if "_segment_ids_BT" in vars(m):
-                    object.__delattr__(m, "_segment_ids_BT")
+        kw = {} if segment_ids_BT is None else {"segment_ids_BT": segment_ids_BT}
+        logits, aux = self.lm(tokens_BT, train=train, key=key, positions_BT=positions_BT,
+                              mask_BT=mask_BT, **kw)
         layers = aux["layers"]
         cs_sum, l1_sum = _sum(layers, "cs_loss"), _sum(layers, "l1_loss")
         tls = [la["tls"] for la in layers if "tls" in la]
@@ -187,21 +181,6 @@ class ScheduledLM(nnx.Module):
                         "l1_loss": l1_sum, "tls": tls_mean}
 
 
-def sparsity_lm_loss_fn(model, batch, key, train: bool = True):
-    """``lm_loss_fn`` that also passes ``segment_ids``/``positions`` of packed batches to a
-    :class:`ScheduledLM` (plain models get only ``mask_BT``, like ``lm_loss_fn``)."""
-    mask = batch.get("mask")
-    kw = {"mask_BT": None if mask is None else mask > 0}
-    if isinstance(model, ScheduledLM):
-        kw["segment_ids_BT"] = batch.get("segment_ids")
-        kw["positions_BT"] = batch.get("positions")
-    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
-    ce = cross_entropy(logits, batch["targets"], mask)
-    aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
-    metrics = {"ce": ce, "aux_loss": aux_loss,
-               "accuracy": accuracy(logits, batch["targets"], mask)}
-    for name, v in aux.items():
-        if name != "aux_loss" and hasattr(v, "ndim") and v.ndim == 0 and \
-                jnp.issubdtype(v.dtype, jnp.floating):
-            metrics[f"aux/{name}"] = v.astype(jnp.float32)
-    return ce + aux_loss, metrics
+# Kept for existing imports (experiments/blockffn_common.py): ``lm_loss_fn`` now passes the
+# ``segment_ids``/``positions`` of packed batches to every model.
+sparsity_lm_loss_fn = lm_loss_fn

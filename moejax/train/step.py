@@ -86,10 +86,19 @@ def cast_floating(tree, dtype):
 def lm_loss_fn(model, batch, key, train: bool = True):
     """Next-token cross-entropy on ``batch["targets"]`` (masked by ``batch["mask"]``) plus
     the model's ``aux["aux_loss"]``. Metrics: ``ce``, ``aux_loss``, ``accuracy`` and every
-    other scalar float entry of ``aux`` (prefixed ``aux/``)."""
+    other scalar float entry of ``aux`` (prefixed ``aux/``).
+
+    Packed batches: ``batch["segment_ids"]`` / ``batch["positions"]``, when present, are passed
+    as ``segment_ids_BT`` / ``positions_BT`` (attention stays within each document, RoPE
+    restarts per document, slots see the document boundaries); batches without them call the
+    model with ``mask_BT`` only."""
     mask = batch.get("mask")
-    mask_bt = None if mask is None else mask > 0
-    logits, aux = model(batch["inputs"], train=train, key=key, mask_BT=mask_bt)
+    kw = {"mask_BT": None if mask is None else mask > 0}
+    if batch.get("segment_ids") is not None:
+        kw["segment_ids_BT"] = batch["segment_ids"]
+    if batch.get("positions") is not None:
+        kw["positions_BT"] = batch["positions"]
+    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
     ce = cross_entropy(logits, batch["targets"], mask)
     aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
     metrics = {"ce": ce, "aux_loss": aux_loss, "accuracy": accuracy(logits, batch["targets"], mask)}
