@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import importlib
+import functools
 from pathlib import Path
 from typing import Literal
 
@@ -81,28 +81,17 @@ def notes() -> list[str]:
     return list(_NOTES)
 
 
-def _smollm2_module():
-    try:
-        return importlib.import_module("moejax.io.smollm2")
-    except ImportError as e:
-        raise RuntimeError(
-            "the full preset upcycles SmolLM2-135M-Instruct through moejax.io.smollm2, which "
-            f"is not available ({e}); run preset=quick, or install/add the SmolLM2 importer"
-        ) from e
+@functools.lru_cache(maxsize=1)
+def _smollm2_tokenizer():
+    from moejax.io.smollm2 import load_smollm2
+
+    return load_smollm2()[1]
 
 
 def _smollm2_encode(data: np.ndarray) -> np.ndarray:
-    """Tokenise corpus bytes with the importer's tokenizer (``encode(text)`` or
-    ``tokenizer().encode(text)``)."""
-    mod = _smollm2_module()
-    enc = getattr(mod, "encode", None)
-    if enc is None and hasattr(mod, "tokenizer"):
-        enc = mod.tokenizer().encode
-    if enc is None:
-        raise RuntimeError("moejax.io.smollm2 exposes no encode(text) / tokenizer(); the full "
-                           "preset needs one to tokenise the corpora")
+    """Tokenise corpus bytes with SmolLM2's BPE tokenizer (rebuilt from the GGUF metadata)."""
     text = bytes(data).replace(b"\0", b"\n\n").decode("utf-8", "replace")
-    return np.asarray(enc(text), np.int32)
+    return np.asarray(_smollm2_tokenizer().encode(text), np.int32)
 
 
 def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
@@ -121,12 +110,10 @@ def dense_config(s: SubstrateConfig):
 
 
 def _smollm2(s: SubstrateConfig):
-    mod = _smollm2_module()
-    for name in ("load_smollm2", "load_model", "load"):
-        if hasattr(mod, name):
-            return getattr(mod, name)()
-    raise RuntimeError("moejax.io.smollm2 has none of load_smollm2 / load_model / load; "
-                       "update experiments/ders_common._smollm2 to its API")
+    from moejax.io.smollm2 import load_smollm2
+
+    model, _ = load_smollm2(max_seq_len=max(512, s.seq_len))
+    return model
 
 
 def dense_substrate(s: SubstrateConfig, run_dir: Path, *, prefinetune: bool, seed: int = 0):
@@ -135,8 +122,7 @@ def dense_substrate(s: SubstrateConfig, run_dir: Path, *, prefinetune: bool, see
     ``train`` resumes from ``<dir>/pretrain`` / ``<dir>/prefinetune`` checkpoints, so a
     finished stage costs only a restore on re-runs."""
     if s.source == "smollm2":
-        out = _smollm2(s)
-        return out[0] if isinstance(out, tuple) else out
+        return _smollm2(s)
     root = Path(s.substrate_dir) if s.substrate_dir else Path(run_dir) / "substrate"
     model = DecoderLM(dense_config(s), rngs=nnx.Rngs(seed))
     src = batches(s.pretrain_corpus, "train", batch_size=s.pretrain.batch_size,

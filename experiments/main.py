@@ -28,6 +28,8 @@ REGISTRY: tuple[str, ...] = (
     "darex_storage",
     "darex_decoder",
     "darex_encoder",
+    "ders_compression",  # issue 5: DeRS
+    "ders_upcycling",
     "blockffn_baselines",  # issue 6: BlockFFN
     "blockffn_ablations",
     "blockffn_granularity",

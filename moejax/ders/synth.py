@@ -139,7 +139,9 @@ class SynthMoE(nnx.Module):
         return ffn_apply(x_ND, w["up"], w["down"], w.get("gate"),
                          activation=self.cfg.moe.activation)
 
-    def __call__(self, x_BTD, *, train: bool = False, key=None, mask_BT=None):
+    def __call__(self, x_BTD, *, train: bool = False, key=None, mask_BT=None,
+                 segment_ids_BT=None):
+        del segment_ids_BT  # token-wise routing ignores document ids
         m = self.cfg.moe
         B, T, D = x_BTD.shape
         dt = self.dtype or x_BTD.dtype

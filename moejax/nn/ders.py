@@ -210,7 +210,8 @@ class DeRSMoE(nnx.Module):
         return w["up"], w["down"], w.get("gate")
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None):
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+        del segment_ids_BT  # token-wise routing ignores document ids
         m = self.cfg.moe
         B, T, D = x_BTD.shape
         if D != self.d_model:
