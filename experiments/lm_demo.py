@@ -56,7 +56,7 @@ def make_config(preset: str) -> LMDemoConfig:
                 lr=3e-3,
                 warmup_steps=30,
                 schedule="cosine",
-                eval_every=100,
+                eval_every=50,
                 log_every=10,
             ),
         )
