@@ -31,9 +31,8 @@ from flax import nnx
 from moejax.config import config
 from moejax.delta.quant import num_levels
 from moejax.ders.compress import CompressedDeRS
-from moejax.nn.ders import matrix_shapes, router_aux
-from moejax.nn.moe import FFNWeights, MoEConfig
-from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.nn.ders import matrix_shapes
+from moejax.nn.moe import FFNWeights, MoEConfig, make_router, router_aux
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
 from moejax.ops.dispatch import ffn_apply
@@ -91,12 +90,7 @@ class SynthMoE(nnx.Module):
         self.shape_items = tuple(matrix_shapes(d_model, m.d_expert, gated).items())
         n = m.n_experts + (1 if cfg.extended else 0)
         self.n = n
-        if m.router == "softmax":
-            self.router = SoftmaxRouter(d_model, m.n_experts, m.top_k, renormalize=m.renormalize,
-                                        rngs=rngs, param_dtype=param_dtype)
-        else:
-            self.router = NoisyTopKRouter(d_model, m.n_experts, m.top_k, rngs=rngs,
-                                          param_dtype=param_dtype)
+        self.router = make_router(m, d_model, rngs=rngs, param_dtype=param_dtype)
         if m.n_shared_experts > 0:
             self.shared = FFNWeights(d_model, m.n_shared_experts * (m.d_shared or m.d_expert),
                                      gated=gated, rngs=rngs, param_dtype=param_dtype)

@@ -42,10 +42,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.nn.moe import FFNWeights, MoEConfig
-from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.nn.moe import FFNWeights, MoEConfig, make_router, router_aux
 from moejax.nn.slots import FFNSlotConfig
-from moejax.ops import router_losses as rl
 from moejax.ops.activations import is_gated
 from moejax.ops.dispatch import dispatch, ffn_apply
 
@@ -183,12 +181,7 @@ class DeRSMoE(nnx.Module):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         self.top_k = m.top_k
         self.gated = is_gated(m.activation)
-        if m.router == "softmax":
-            self.router = SoftmaxRouter(d_model, m.n_experts, m.top_k, renormalize=m.renormalize,
-                                        rngs=rngs, param_dtype=param_dtype)
-        else:
-            self.router = NoisyTopKRouter(d_model, m.n_experts, m.top_k, rngs=rngs,
-                                          param_dtype=param_dtype)
+        self.router = make_router(m, d_model, rngs=rngs, param_dtype=param_dtype)
         shapes = matrix_shapes(d_model, m.d_expert, self.gated)
         self.base = _Base(shapes, frozen=cfg.freeze_shared, rngs=rngs, param_dtype=param_dtype)
         self.experts = DeltaStack(m.n_experts, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
@@ -236,31 +229,6 @@ class DeRSMoE(nnx.Module):
             else:
                 y_ND = y_ND + self.universal(x_ND, activation=m.activation)
         return y_ND.reshape(B, T, D), router_aux(m, r, mask_N, out.dropped_fraction, B, T)
-
-
-def router_aux(m: MoEConfig, r, mask_N, dropped_fraction, B: int, T: int) -> dict:
-    """The same ``aux`` dict as :class:`moejax.nn.moe.MoE` (balance / z losses, load, ...)."""
-    if m.balance_loss == "cv2":
-        gates_NE = jnp.zeros_like(r.probs_NE).at[
-            jnp.arange(r.ids_NK.shape[0])[:, None], r.ids_NK].add(r.weights_NK)
-        balance = rl.cv2_balance_loss(r.ids_NK, gates_NE, mask_N)
-    elif m.balance_loss == "switch":
-        balance = rl.switch_balance_loss(r.ids_NK, r.probs_NE, mask_N)
-    else:
-        balance = jnp.zeros((), jnp.float32)
-    z = rl.router_z_loss(r.logits_NE, mask_N)
-    counts_E = rl.expert_counts(r.ids_NK, m.n_experts, mask_N)
-    sel = rl.gate_mass_selected(r.ids_NK, r.probs_NE, mask_N)
-    return {
-        "aux_loss": m.balance_coef * balance + m.z_loss_coef * z,
-        "balance_loss": balance,
-        "z_loss": z,
-        "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
-        "gate_mass_selected": sel,
-        "gate_mass_unselected": 1.0 - sel,
-        "expert_ids": r.ids_NK.reshape(B, T, -1),
-        "dropped_fraction": dropped_fraction,
-    }
 
 
 def ders_param_counts(cfg: DeRSMoEConfig, d_model: int) -> dict[str, int]:

@@ -44,7 +44,7 @@ from moejax.ops import router_losses as rl
 from moejax.ops.activations import ActivationName, is_gated
 from moejax.ops.dispatch import dispatch, ffn_apply
 
-__all__ = ["MoEConfig", "MoE", "StackedExperts", "FFNWeights"]
+__all__ = ["MoEConfig", "MoE", "StackedExperts", "FFNWeights", "make_router", "router_aux"]
 
 
 @config
@@ -180,13 +180,7 @@ class MoE(nnx.Module):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         self.top_k = cfg.top_k
         gated = is_gated(cfg.activation)
-        if cfg.router == "softmax":
-            self.router = SoftmaxRouter(d_model, cfg.n_experts, cfg.top_k,
-                                        renormalize=cfg.renormalize, rngs=rngs,
-                                        param_dtype=param_dtype)
-        else:
-            self.router = NoisyTopKRouter(d_model, cfg.n_experts, cfg.top_k, rngs=rngs,
-                                          param_dtype=param_dtype)
+        self.router = make_router(cfg, d_model, rngs=rngs, param_dtype=param_dtype)
         self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert, gated=gated,
                                       rngs=rngs, param_dtype=param_dtype)
         if cfg.n_shared_experts > 0:
@@ -220,31 +214,40 @@ class MoE(nnx.Module):
         if cfg.universal_ffn:
             y_ND = y_ND + self.universal(x_ND, activation=cfg.activation)
 
-        aux = self._aux(r, mask_N, out.dropped_fraction, B, T)
+        aux = router_aux(self.cfg, r, mask_N, out.dropped_fraction, B, T)
         return y_ND.reshape(B, T, D), aux
 
-    def _aux(self, r, mask_N, dropped_fraction, B, T):
-        cfg = self.cfg
-        E = cfg.n_experts
-        if cfg.balance_loss == "cv2":
-            # P = summed gate values actually used (combine weights), as in Shazeer / Llama-MoE.
-            gates_NE = jnp.zeros_like(r.probs_NE).at[
-                jnp.arange(r.ids_NK.shape[0])[:, None], r.ids_NK].add(r.weights_NK)
-            balance = rl.cv2_balance_loss(r.ids_NK, gates_NE, mask_N)
-        elif cfg.balance_loss == "switch":
-            balance = rl.switch_balance_loss(r.ids_NK, r.probs_NE, mask_N)
-        else:
-            balance = jnp.zeros((), jnp.float32)
-        z = rl.router_z_loss(r.logits_NE, mask_N)
-        counts_E = rl.expert_counts(r.ids_NK, E, mask_N)
-        sel = rl.gate_mass_selected(r.ids_NK, r.probs_NE, mask_N)
-        return {
-            "aux_loss": cfg.balance_coef * balance + cfg.z_loss_coef * z,
-            "balance_loss": balance,
-            "z_loss": z,
-            "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
-            "gate_mass_selected": sel,
-            "gate_mass_unselected": 1.0 - sel,
-            "expert_ids": r.ids_NK.reshape(B, T, -1),
-            "dropped_fraction": dropped_fraction,
-        }
+
+def make_router(cfg: MoEConfig, d_model: int, *, rngs, param_dtype=jnp.float32):
+    """The router ``cfg`` asks for (softmax top-k or noisy top-k); shared by MoE variants."""
+    if cfg.router == "softmax":
+        return SoftmaxRouter(d_model, cfg.n_experts, cfg.top_k, renormalize=cfg.renormalize,
+                             rngs=rngs, param_dtype=param_dtype)
+    return NoisyTopKRouter(d_model, cfg.n_experts, cfg.top_k, rngs=rngs, param_dtype=param_dtype)
+
+
+def router_aux(cfg: MoEConfig, r, mask_N, dropped_fraction, B: int, T: int) -> dict:
+    """The MoE slot's ``aux`` dict: weighted ``aux_loss`` plus raw balance / z losses, per-expert
+    load, selected vs unselected gate mass, selected ids and the dropped fraction."""
+    if cfg.balance_loss == "cv2":
+        # P = summed gate values actually used (combine weights), as in Shazeer / Llama-MoE.
+        gates_NE = jnp.zeros_like(r.probs_NE).at[
+            jnp.arange(r.ids_NK.shape[0])[:, None], r.ids_NK].add(r.weights_NK)
+        balance = rl.cv2_balance_loss(r.ids_NK, gates_NE, mask_N)
+    elif cfg.balance_loss == "switch":
+        balance = rl.switch_balance_loss(r.ids_NK, r.probs_NE, mask_N)
+    else:
+        balance = jnp.zeros((), jnp.float32)
+    z = rl.router_z_loss(r.logits_NE, mask_N)
+    counts_E = rl.expert_counts(r.ids_NK, cfg.n_experts, mask_N)
+    sel = rl.gate_mass_selected(r.ids_NK, r.probs_NE, mask_N)
+    return {
+        "aux_loss": cfg.balance_coef * balance + cfg.z_loss_coef * z,
+        "balance_loss": balance,
+        "z_loss": z,
+        "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
+        "gate_mass_selected": sel,
+        "gate_mass_unselected": 1.0 - sel,
+        "expert_ids": r.ids_NK.reshape(B, T, -1),
+        "dropped_fraction": dropped_fraction,
+    }
