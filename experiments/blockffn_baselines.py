@@ -1,12 +1,13 @@
-"""BlockFFN vs TopK MoE / DeepSeekMoE / ReMoE / dense at matched total and active parameters
+"""BlockFFN vs TopK MoE / DeepSeekMoE / GRIN / ReMoE / dense at matched total and active parameters
 (BlockFFN paper Table 2 and Fig. 1a analogs), on the CPython stdlib source bytes.
 
 Per size: BlockFFN (AL + CS, adaptive lambda_cs) is trained first; its validation TLS fixes the
 active parameters of the baselines: TopK and DSMoE use ``k = round(N (1 - TLS))`` of the same
-``N`` experts (DSMoE: one of them shared), ReMoE's controller targets the same TLS, and the dense
-model has one FFN of width ``N d_expert``. Writes the PPL / TLS / CLS_8 / reuse table, CLS_L
-against L (Fig. 1a), per-layer activation magnitudes (Fig. 4) and BlockFFN's per-token expert
-allocation histogram (Fig. 3). The quick preset uses AL sharpness alpha = 10 instead of the
+``N`` experts (DSMoE: one of them shared), GRIN (SparseMixer-v2 routing) is top-2 of the same
+experts, ReMoE's controller targets the same TLS, and the dense model has one FFN of width
+``N d_expert``. Writes the PPL / TLS / CLS_8 / reuse table, CLS_L against L (Fig. 1a),
+per-layer activation magnitudes (Fig. 4) and BlockFFN's per-token expert allocation histogram
+(Fig. 3). The quick preset uses AL sharpness alpha = 10 instead of the
 paper's 100 (see experiments/blockffn_ablations.py, table ``alpha``).
 
     python -m experiments.blockffn_baselines                 # quick (CPU)
@@ -75,12 +76,14 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
         for name, spec in [
             ("TopK", base.replace(arch="topk", top_k=k)),
             ("DSMoE", base.replace(arch="dsmoe", top_k=k, n_shared=1)),
+            ("GRIN", base.replace(arch="grin", top_k=2)),
             ("ReMoE", base.replace(arch="remoe", target_tls=float(bf["tls"]))),
             ("Dense", base.replace(arch="dense")),
         ]:
             runs[name] = (train_and_eval(spec, cfg.train, train_src, val), {})
         for name, (ev, _) in runs.items():
-            active = {"TopK": k, "DSMoE": k, "Dense": N}.get(name, N * (1 - ev.get("tls", 0)))
+            active = {"TopK": k, "DSMoE": k, "GRIN": 2, "Dense": N}.get(
+                name, N * (1 - ev.get("tls", 0)))
             rows.append(row(name, ev, {"size": size, "d_model": d, "d_expert": de,
                                        "active_experts": active}))
             if name != "Dense":
@@ -93,7 +96,7 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
         if size == "large":
             alloc = bf["allocation"]
     run.table("baselines", rows, title="Validation PPL and sparsity at matched parameters "
-              "(TopK/DSMoE k and ReMoE target set from BlockFFN's TLS)",
+              "(TopK/DSMoE k and ReMoE target set from BlockFFN's TLS; GRIN k=2)",
               columns=["size", "model", "d_model", "d_expert", "active_experts", "val_ppl",
                        "TLS", "CLS_8", "reuse", "params"])
     run.line_plot("cls_vs_L", cls_series, xlabel="chunk length L", ylabel="CLS_L",

@@ -6,6 +6,8 @@
   adaptive lambda_cs scheduler of Eq. 7 (``ScheduledLM``);
 * ``remoe``: ReLU router without RMSNorm, L1 with ReMoE's adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;
+* ``grin``: GRIN top-2 MoE (SparseMixer-v2 routing, :mod:`moejax.nn.grin`; ``grin_eps`` is
+  its masked-softmax ``jitter_eps``, ``top_k`` is ignored: always 2);
 * ``dense``: one FFN of width ``n_experts * d_expert``.
 
 Every MoE has ``n_experts`` non-gated Swish experts of width ``d_expert`` (DSMoE: ``n_shared``
@@ -32,6 +34,7 @@ from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.grin import GRINConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
 from moejax.ops.losses import cross_entropy
@@ -40,7 +43,7 @@ from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM, sparsi
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
 
-Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "dense"]
+Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
 
 
 @config
@@ -65,6 +68,7 @@ class SparseLMConfig(Config):
     entropy_coef: float = 0.0
     target_tls: float = 0.875  # remoe controller target
     remoe_lam0: float = 1e-4
+    grin_eps: float = 0.01  # GRIN-MoE's router_jitter_noise
     max_seq_len: int = 1024
 
     def slot(self):
@@ -75,6 +79,10 @@ class SparseLMConfig(Config):
                                   entropy_coef=self.entropy_coef)
         if self.arch == "remoe":
             return ReMoEConfig(n_experts=self.n_experts, d_expert=self.d_expert)
+        if self.arch == "grin":
+            return GRINConfig(n_experts=self.n_experts, d_expert=self.d_expert,
+                              activation="swish", jitter_eps=self.grin_eps, dispatch="dense",
+                              balance_loss="switch", balance_coef=0.01)
         if self.arch == "dense":
             return DenseFFNConfig(d_hidden=self.n_experts * self.d_expert, activation="swish")
         shared = self.n_shared if self.arch == "dsmoe" else 0

@@ -37,4 +37,16 @@ def test_active_sets_topk_and_dsmoe():
                          {"expert_ids": ids})
     # shared expert first (always on), then the 3 routed experts
     np.testing.assert_array_equal(np.asarray(act), [[[1, 1, 0, 1], [1, 0, 1, 1]]])
+    act, _ = active_sets(SparseLMConfig(arch="grin", n_experts=4), {"expert_ids": ids})
+    np.testing.assert_array_equal(np.asarray(act), [[[1, 0, 1, 0], [0, 1, 1, 0]]])
     assert active_sets(SparseLMConfig(arch="dense"), {}) == (None, None)
+
+
+def test_grin_slot():
+    from experiments.blockffn_common import SparseLMConfig
+    from moejax.nn.grin import GRINConfig
+
+    slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
+    assert isinstance(slot, GRINConfig)
+    assert (slot.n_experts, slot.top_k, slot.d_expert, slot.jitter_eps) == (8, 2, 4, 0.1)
+    assert slot.activation == "swish" and slot.dispatch == "dense"

@@ -1,0 +1,207 @@
+"""GRIN baseline (Liu et al. 2024, "GRIN: GRadient-INformed MoE"): top-2 MoE routed by
+SparseMixer-v2.
+
+The experts, dispatch and statistics are those of :class:`moejax.nn.moe.MoE` (stacked experts,
+``router/w_g [D, E]`` logits ``s = x W_g`` in float32, :func:`moejax.ops.dispatch.dispatch`,
+:func:`moejax.nn.moe.router_aux`); only the routing differs. This follows the reference
+``sparsemixer`` function of microsoft/GRIN-MoE (``modeling_grinmoe.py``), top-2 only.
+
+**Selection and forward weights** (two stages, ``k = 1, 2``; stage 2 works on the logits with
+the stage-1 expert set to ``-inf``). With ``m_k`` the largest remaining logit:
+
+* masked softmax ("jitter" threshold ``eps = jitter_eps``): expert ``j`` stays a candidate iff
+  ``(m_k - s_j) / max(|s_j|, m_k) <= 2 eps``; ``pi^(k) = softmax`` over the candidates (0 off).
+* expert: eval ``D_k = argmax`` (the plain top-2 ids); train (``sample=True``)
+  ``D_k ~ pi^(k)`` drawn by Gumbel-max from the slot's ``key``.
+* combine weight: eval ``w_k = pi^(k)_{D_k}``; train ``w_k = c_k pi^(k)_{D_k}`` with the
+  Heun / midpoint factor ``c_k = 1`` if ``D_k`` is the stage argmax or with probability 1/4,
+  else ``c_k = 1/3`` (the reference's "third-order Heun" ``f(x) - f(0) ~ .25 f'(x) + .75 f'(x/3)``
+  realised by randomly evaluating the expert at a third of its gate).
+
+**Backward (the SparseMixer-v2 estimator, train mode).** The sampling is non-differentiable;
+the estimator routes the gradient of the loss w.r.t. ``w_k`` (call it ``g_k``) to the logits as
+if the weight were the *unscaled* masked-softmax probability::
+
+    dL/ds_j = sum_k g_k * pi^(k)_{D_k} * (1[j = D_k] - pi^(k)_j)
+
+i.e. the ``c_k`` factor of the forward is *not* differentiated (implemented by the
+straight-through trick ``w_k = pi_D + stop_gradient(c_k pi_D - pi_D)``, exactly the reference's
+``mp`` autograd function, whose backward uses ``multiplier`` = ``pi_D`` and ignores
+``mask_for_one``). Consequences, compared to plain top-k softmax weights:
+
+* when ``c_k = 1/3`` the logit gradient is 3x what autodiff of the forward weight would give;
+* only candidates of the masked softmax (within the ``2 eps`` relative band of the stage max)
+  receive gradient; with ``pi^(k)_{D_k} = 1`` (a lone candidate) the weight gives none (the
+  balance loss still trains the router);
+* stage 2's softmax excludes the stage-1 expert, so ``w_2`` is not a slice of one softmax.
+
+In eval mode (or ``sample=False``) ``c_k = 1`` and ids are argmax, so the custom and the plain
+autodiff gradients coincide. Simplifications: top-2 only (as in the reference); no
+input-jitter noise; balance / z losses are MoE's (``"switch"`` by default, on the full
+``softmax(s)``), GRIN's global (cross-device) balancing is not reproduced.
+
+``aux`` is :func:`moejax.nn.moe.router_aux`'s (``aux_loss``, ``balance_loss``, ``z_loss``,
+``load``, ``gate_mass_selected/unselected``, ``expert_ids [B, T, 2]``, ``dropped_fraction``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import config
+from moejax.nn.moe import MoEConfig, StackedExperts, make_router, router_aux
+from moejax.nn.router import RouterOutput
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops.activations import ActivationName, is_gated
+from moejax.ops.dispatch import dispatch
+
+__all__ = ["GRINConfig", "GRIN", "SparseMixerNoise", "sparsemixer_v2", "sample_noise"]
+
+
+@config
+class GRINConfig(FFNSlotConfig):
+    """GRIN (SparseMixer-v2) top-2 MoE slot.
+
+    jitter_eps: masked-softmax band; expert j is a candidate iff
+        ``(max - s_j) / max(|s_j|, max) <= 2 jitter_eps`` (GRIN-MoE / Phi-3.5-MoE use 0.01).
+    sample: draw the experts from the masked softmax in training (GRIN); False = argmax always
+        (then training is plain masked-softmax top-2 with ordinary gradients).
+    dispatch / capacity_factor / balance_loss / balance_coef / z_loss_coef: as in MoEConfig.
+    """
+
+    n_experts: int = 16
+    top_k: int = 2
+    d_expert: int = 64
+    activation: ActivationName = "swish"
+    jitter_eps: float = 0.01
+    sample: bool = True
+    dispatch: Literal["dense", "capacity", "ragged"] = "dense"
+    capacity_factor: float = 2.0
+    balance_loss: Literal["none", "cv2", "switch"] = "switch"
+    balance_coef: float = 0.01
+    z_loss_coef: float = 0.0
+
+    def validate(self) -> None:
+        self._require(self.top_k == 2, f"top_k={self.top_k}: SparseMixer-v2 (GRIN) is top-2 only")
+        self._require(self.n_experts >= 2, f"n_experts={self.n_experts} must be >= 2")
+        self._require(self.d_expert > 0, f"d_expert={self.d_expert} must be > 0")
+        self._require(self.jitter_eps >= 0, f"jitter_eps={self.jitter_eps} must be >= 0")
+        self._require(self.capacity_factor > 0,
+                      f"capacity_factor={self.capacity_factor} must be > 0")
+        self._require(self.balance_coef >= 0, f"balance_coef={self.balance_coef} must be >= 0")
+        self._require(self.z_loss_coef >= 0, f"z_loss_coef={self.z_loss_coef} must be >= 0")
+
+    def moe_config(self) -> MoEConfig:
+        """The equivalent softmax top-2 :class:`MoEConfig` (router / aux helpers)."""
+        return MoEConfig(n_experts=self.n_experts, top_k=2, d_expert=self.d_expert,
+                         activation=self.activation, router="softmax", renormalize=False,
+                         dispatch=self.dispatch, capacity_factor=self.capacity_factor,
+                         balance_loss=self.balance_loss, balance_coef=self.balance_coef,
+                         z_loss_coef=self.z_loss_coef)
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return GRIN(d_model, self, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
+
+
+class SparseMixerNoise(NamedTuple):
+    """Random draws of one training call: ``gumbel_KNE [2, N, E]`` (Gumbel(0, 1) for the two
+    Gumbel-max samples) and ``uniform_KN [2, N]`` (U(0, 1) for the Heun factor)."""
+
+    gumbel_KNE: jax.Array
+    uniform_KN: jax.Array
+
+
+def sample_noise(key, n_tokens: int, n_experts: int) -> SparseMixerNoise:
+    kg, ku = jax.random.split(key)
+    return SparseMixerNoise(jax.random.gumbel(kg, (2, n_tokens, n_experts), jnp.float32),
+                            jax.random.uniform(ku, (2, n_tokens), jnp.float32))
+
+
+def _stage(scores_NE, remaining_NE, jitter_eps: float, noise_NE, u_N):
+    """One SparseMixer stage on ``remaining`` (``scores`` with used experts at -inf).
+    Returns ``(ids_N, weight_N, pi_NE)``."""
+    sg = jax.lax.stop_gradient
+    m_N1 = jnp.max(sg(remaining_NE), axis=-1, keepdims=True)
+    factor = jnp.maximum(jnp.abs(sg(scores_NE)), m_N1)
+    drop = ((m_N1 - sg(scores_NE)) / factor > 2.0 * jitter_eps) | jnp.isneginf(remaining_NE)
+    masked = jnp.where(drop, -jnp.inf, remaining_NE)
+    pi_NE = jax.nn.softmax(masked, axis=-1)
+    arg_N = jnp.argmax(remaining_NE, axis=-1)
+    if noise_NE is None:
+        ids_N = arg_N
+    else:
+        ids_N = jnp.argmax(sg(masked) + noise_NE, axis=-1)
+    pi_sel = jnp.take_along_axis(pi_NE, ids_N[:, None], axis=-1)[:, 0]
+    if u_N is None:
+        return ids_N, pi_sel, pi_NE
+    c_N = jnp.where((ids_N == arg_N) | (u_N > 0.75), 1.0, 1.0 / 3.0)
+    # Straight-through: forward c * pi_D, backward d(pi_D)/ds (SparseMixer-v2 ``mp``).
+    w_N = pi_sel + jax.lax.stop_gradient(c_N * pi_sel - pi_sel)
+    return ids_N, w_N, pi_NE
+
+
+def sparsemixer_v2(logits_NE, *, jitter_eps: float,
+                   noise: SparseMixerNoise | None = None) -> RouterOutput:
+    """SparseMixer-v2 top-2 routing of float logits ``[N, E]`` (see the module docstring).
+
+    ``noise=None``: eval (argmax ids, weights ``pi^(k)_{D_k}``); else the training forward /
+    estimator with the given draws. ``probs_NE`` is the full ``softmax(logits)`` (for the
+    balance loss and gate-mass statistics)."""
+    s = logits_NE.astype(jnp.float32)
+    N = s.shape[0]
+    g = (None, None) if noise is None else (noise.gumbel_KNE[0], noise.gumbel_KNE[1])
+    u = (None, None) if noise is None else (noise.uniform_KN[0], noise.uniform_KN[1])
+    id1, w1, _ = _stage(s, s, jitter_eps, g[0], u[0])
+    rest = s.at[jnp.arange(N), id1].set(-jnp.inf)
+    id2, w2, _ = _stage(s, rest, jitter_eps, g[1], u[1])
+    ids_NK = jnp.stack([id1, id2], -1).astype(jnp.int32)
+    weights_NK = jnp.stack([w1, w2], -1)
+    return RouterOutput(ids_NK, weights_NK, jax.nn.softmax(s, axis=-1), s)
+
+
+class GRIN(nnx.Module):
+    """GRIN top-2 MoE slot built from a :class:`GRINConfig` (see the module docstring).
+    Parameters: ``router/w_g [D, E]``, ``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]``
+    (+ ``experts/w_gate`` for gated activations)."""
+
+    def __init__(self, d_model: int, cfg: GRINConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.moe_cfg = cfg.moe_config()
+        self.router = make_router(self.moe_cfg, d_model, rngs=rngs, param_dtype=param_dtype)
+        self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert,
+                                      gated=is_gated(cfg.activation), rngs=rngs,
+                                      param_dtype=param_dtype)
+
+    def route(self, x_ND, *, train: bool = False, key=None) -> RouterOutput:
+        logits = self.router.logits(x_ND)
+        noise = None
+        if train and self.cfg.sample:
+            if key is None:
+                raise ValueError(
+                    "GRIN: train=True samples experts (SparseMixer-v2) and needs an explicit "
+                    "PRNG key; pass key=jax.random.key(...), or use sample=False / train=False")
+            noise = sample_noise(key, logits.shape[0], self.cfg.n_experts)
+        return sparsemixer_v2(logits, jitter_eps=self.cfg.jitter_eps, noise=noise)
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+        del segment_ids_BT  # token-wise routing
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        if D != self.d_model:
+            raise ValueError(f"GRIN: input width {D} != d_model {self.d_model}")
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
+        r = self.route(x_ND, train=train, key=key)
+        w_up, w_down, w_gate = self.experts.weights()
+        out = dispatch(cfg.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
+                       activation=cfg.activation, capacity_factor=cfg.capacity_factor,
+                       valid_N=mask_N)
+        aux = router_aux(self.moe_cfg, r, mask_N, out.dropped_fraction, B, T)
+        return out.y_ND.reshape(B, T, D), aux
