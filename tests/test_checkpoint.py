@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import moejax.checkpoint as ck_mod
-from moejax.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
+import moejax.train.checkpoint as ck_mod
+from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
 from moejax.config import from_json
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
@@ -101,7 +101,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 from orbax.checkpoint._src.path import atomicity
 from tests.test_checkpoint import _fresh, _run, ToySource
-from moejax.checkpoint import Checkpointer
+from moejax.train.checkpoint import Checkpointer
 state, step = _fresh()
 src = ToySource(batch_size=4)
 ckpt = Checkpointer({d!r}, async_save={async_save})
@@ -154,7 +154,7 @@ def test_plain_orbax_snippet_from_docstring(tmp_path):
     start = doc.index("    import os\n")
     end = doc.index("\n\n", start)
     snippet = textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(tmp_path / "ck"))
-    assert "moejax" not in snippet.replace("moejax.checkpoint.latest_step", "")
+    assert "moejax" not in snippet.replace("moejax.train.checkpoint.latest_step", "")
     out = tmp_path / "out.npz"
     code = snippet + textwrap.dedent(f"""
         import json, numpy as np

@@ -44,7 +44,7 @@ for pos in range(2):
     losses.append(float(m["loss"]))
 # the full loop (sharded init, per-process data, orbax checkpoint written by both processes)
 from moejax.train.loop import train
-from moejax.checkpoint import latest_step
+from moejax.train.checkpoint import latest_step
 hist = train(TinyMoELM(nnx.Rngs(0), noise=0.2), src, CFG.replace(steps=2), run_dir=RUN_DIR,
              mesh=mesh, progress=False)
 assert latest_step(RUN_DIR + "/checkpoints") == 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.checkpoint import latest_step
+from moejax.train.checkpoint import latest_step
 from moejax.train.loop import read_csv, train
 from moejax.train.optim import TrainConfig
 from moejax.train.step import NonFiniteError
@@ -160,7 +160,7 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     assert hist[-1]["ce"] < hist[0]["ce"]
     assert hist[0]["aux_loss"] > 0
     # the checkpoint restores into a freshly built DecoderLM state (expert stacks included)
-    from moejax.checkpoint import Checkpointer
+    from moejax.train.checkpoint import Checkpointer
     from moejax.train.optim import make_optimizer
     from moejax.train.step import init_train_state
 

@@ -43,7 +43,7 @@ def test_cross_entropy_masked_mean_matches_numpy_and_bf16_is_fp32():
 
 def test_config_validation_names_field_and_roundtrips():
     with pytest.raises(ConfigError, match="schedule"):
-        TrainConfig(schedule="linear")
+        TrainConfig(schedule="exponential")
     with pytest.raises(ConfigError, match="grad_accum"):
         TrainConfig(batch_size=6, grad_accum=4)
     with pytest.raises(ConfigError, match="optimizer='adamw'"):
@@ -84,6 +84,13 @@ def test_wsd_schedule_formula():
         else:
             want = 2e-3 * (1 - (t - decay_start) / 20)
         np.testing.assert_allclose(float(s(t)), want, rtol=1e-5, atol=1e-9, err_msg=f"t={t}")
+    lin = make_schedule(TrainConfig(steps=20, warmup_steps=4, schedule="linear", lr=1.0,
+                                    min_lr_ratio=0.1))
+    for t in [0, 3, 4, 12, 20, 30]:
+        want = (t + 1) / 4 if t < 4 else 1.0 - 0.9 * min(1.0, (t - 4) / 16)
+        np.testing.assert_allclose(float(lin(t)), want, rtol=1e-5, err_msg=f"linear t={t}")
+    with pytest.raises(ConfigError, match="lr=inf"):
+        TrainConfig(lr=float("inf"))
     const = make_schedule(TrainConfig(steps=10, warmup_steps=0, schedule="constant", lr=0.5))
     assert [float(const(t)) for t in (0, 9)] == [0.5, 0.5]
 

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moejax.pytree import count_params, leaf_paths, path_str
+
 __all__ = [
     "path_str",
     "leaf_paths",
@@ -32,23 +34,6 @@ __all__ = [
 ]
 
 PyTree = Any
-
-
-def _key_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def path_str(path) -> str:
-    """Key path (from ``jax.tree_util.tree_flatten_with_path``) -> ``"a/b/0/c"``."""
-    return "/".join(_key_str(k) for k in path)
-
-
-def leaf_paths(tree: PyTree) -> list[str]:
-    """Path strings of every leaf of ``tree``, in ``jax.tree_util`` leaf order."""
-    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _as_patterns(patterns) -> list[re.Pattern]:
@@ -185,10 +170,3 @@ def _same_structure(a, b) -> bool:
         return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     except Exception:  # pragma: no cover
         return False
-
-
-def count_params(tree: PyTree, mask: PyTree | None = None) -> int:
-    """Number of scalar entries in (the selected leaves of) ``tree``."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
-    return int(sum(int(jnp.size(x)) for x, m in zip(leaves, sel) if m))

@@ -41,6 +41,17 @@ def _is_masked(x) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
+def _full_mask(mask, params) -> PyTree:
+    """A bool per leaf of ``params`` from an optax-style mask: ``None`` (all True), a callable
+    ``params -> mask`` or a bool tree that is a prefix of ``params`` (a bool covers a subtree)."""
+    if mask is None:
+        return jax.tree_util.tree_map(lambda _: True, params)
+    if callable(mask):
+        mask = mask(params)
+    return jax.tree_util.tree_map(
+        lambda m, sub: jax.tree_util.tree_map(lambda _: bool(m), sub), mask, params)
+
+
 def scale_by_adamr(
     weight: float,
     *,
@@ -56,7 +67,8 @@ def scale_by_adamr(
     """Direction ``m^/(sqrt(v^)+eps) + weight R(theta - theta_P)/(sqrt(vbar)+eps)``.
 
     The Adam part is ``optax.scale_by_adam`` itself, so ``weight=0`` is Adam exactly.
-    ``update`` requires ``params``.
+    ``update`` requires ``params``. ``decay_mask`` (where the anchored decay applies) is
+    an optax-style mask: a bool tree, a prefix of one, or a callable ``params -> mask``.
     """
     if reg not in ("l2", "l1"):
         raise ValueError(
@@ -94,7 +106,7 @@ def scale_by_adamr(
         size = sum(n.size for n in nus)
         vbar = total / bc2 / max(size, 1)
         coef = weight / (jnp.sqrt(vbar) + eps)
-        dm = jax.tree_util.tree_map(lambda _: True, params) if decay_mask is None else decay_mask
+        dm = _full_mask(decay_mask, params)
 
         def add(u, p, a, m):
             if not m:

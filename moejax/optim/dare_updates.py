@@ -26,14 +26,22 @@ class DareUpdatesState(NamedTuple):
     key: jax.Array
 
 
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
 def dare_updates(
     p: float, key: jax.Array | int, *, q: float | None = None
 ) -> optax.GradientTransformation:
-    """Drop-and-rescale transformation; chain after the optimiser to sparsify its deltas."""
-    if not 0.0 <= p < 1.0:
+    """Drop-and-rescale transformation; chain after the optimiser to sparsify its deltas.
+
+    ``p`` and ``q`` may be traced (``optax.inject_hyperparams(dare_updates,
+    static_args="key")(p=schedule, key=0)``); they are range-checked when they are concrete.
+    """
+    if _is_concrete(p) and not 0.0 <= float(p) < 1.0:
         raise ValueError(f"dare_updates: p={p} must be in [0, 1).")
     q = 1.0 - p if q is None else q
-    if q <= 0:
+    if _is_concrete(q) and float(q) <= 0:
         raise ValueError(f"dare_updates: q={q} must be > 0.")
     key0 = jax.random.PRNGKey(key) if isinstance(key, int) else key
 

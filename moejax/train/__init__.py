@@ -1,11 +1,13 @@
-"""Training: config/optimizer (optim), jitted step (step), mesh/sharding (mesh),
-loop with logging/eval/checkpoints (loop), multi-process runtime (distributed)."""
+"""Training: config/optimizer (optim), jitted step (step), mesh/sharding (mesh), checkpoints
+(checkpoint), the one training loop (loop), multi-process runtime (distributed)."""
 
+from moejax.train.loop import History, train, train_params
 from moejax.train.optim import TrainConfig, decay_mask, make_optimizer, make_schedule
 from moejax.train.step import (
     NonFiniteError,
     TrainState,
     check_finite,
+    init_state,
     init_train_state,
     lm_loss_fn,
     make_eval_step,
@@ -19,18 +21,13 @@ __all__ = [
     "decay_mask",
     "TrainState",
     "NonFiniteError",
+    "init_state",
     "init_train_state",
     "make_train_step",
     "make_eval_step",
     "lm_loss_fn",
     "check_finite",
     "train",
+    "train_params",
+    "History",
 ]
-
-
-def __getattr__(name):  # lazy: the loop pulls in orbax and tqdm
-    if name == "train":
-        from moejax.train.loop import train
-
-        return train
-    raise AttributeError(name)

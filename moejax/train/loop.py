@@ -1,22 +1,34 @@
 """The training loop: data -> sharded step -> logs, evaluation, checkpoints, resume.
 
-``train(model, source, cfg, run_dir=...)``:
+One loop for every study. ``train(model, source, cfg, ...)`` trains an ``nnx.Module`` in place;
+``train_params(params, source, cfg, loss_fn, ...)`` trains a plain pytree of arrays (a
+functional model) and returns the new pytree. Both:
 
-* builds the optimizer/schedule from ``cfg`` (:class:`TrainConfig`), the mesh
-  (``cfg.mesh_data`` x ``cfg.mesh_expert``) and the jitted sharded step;
-* resumes automatically from the newest complete checkpoint in ``run_dir/checkpoints``
+* take any ``optax.GradientTransformation`` as ``tx`` (``optax.chain(clip,
+  moejax.optim.adamr(...))``, ``dare_updates``, ``optax.multi_transform`` with frozen parts,
+  ``optax.MultiSteps`` ...); without one the optimizer and its optax schedule come from
+  ``cfg`` (:func:`moejax.train.optim.make_optimizer`);
+* take any loss ``loss_fn(model_or_params, batch, key) -> loss`` or ``(loss, metrics)``
+  (metrics: a flat dict of scalars), default :func:`moejax.train.step.lm_loss_fn`;
+* build the mesh (``cfg.mesh_data`` x ``cfg.mesh_expert``) and the jitted sharded step;
+* resume automatically from the newest complete checkpoint in ``run_dir/checkpoints``
   (params, optimizer state, step, PRNG key, data position), so a restarted run continues with
   exactly the batches and random draws of an uninterrupted one;
-* per step: fetches ``source.batch(position)`` (this process's rows only in multi-process runs),
-  runs the step, raises :class:`NonFiniteError` before a non-finite update is applied or saved,
-  appends a row (``step, loss, lr, grad_norm, tokens_per_s`` + the loss_fn's scalar metrics) to
-  ``run_dir/metrics.csv`` and updates a tqdm bar (loss, tokens/s);
-* every ``cfg.eval_every`` steps calls ``eval_fn(model, step) -> dict`` (rows in
+* per step: fetch ``source.batch(position)`` (this process's rows only in multi-process runs;
+  ``source`` may also be a plain ``position -> batch`` callable) and run the step without
+  waiting for it. Every ``cfg.log_every`` steps (and before an evaluation, a checkpoint or the
+  end) the pending metrics are fetched from the device in one transfer, checked (a non-finite
+  loss or gradient norm raises :class:`NonFiniteError`; that step's update was not applied),
+  and written as a batch of rows to ``run_dir/metrics.csv`` (``step, loss, lr, grad_norm,
+  tokens_per_s`` + the loss_fn's metrics) and, with ``cfg.tensorboard``, to TensorBoard event
+  files in ``run_dir/tb`` (tensorboardX);
+* every ``cfg.eval_every`` steps call ``eval_fn(model_or_params, step) -> dict`` (rows in
   ``run_dir/eval.csv``, merged into the history with an ``eval/`` prefix);
-* checkpoints every ``cfg.ckpt_every`` steps and at the end; writes ``run_dir/config.json``.
+* checkpoint every ``cfg.ckpt_every`` steps and at the end, only after checking with one fused
+  reduction that every parameter is finite (non-finite state is never saved).
 
-Returns the history: a list of per-step metric dicts (only the steps run by this call). The
-passed ``model`` is updated in place with the final params.
+The result is a :class:`History`: the list of per-step metric dicts of the steps run by this
+call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measure_memory``).
 """
 
 from __future__ import annotations
@@ -25,22 +37,49 @@ import csv
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from moejax.checkpoint import Checkpointer
 from moejax.config import Config, to_json
 from moejax.train import mesh as mesh_lib
+from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
-from moejax.train.step import check_finite, init_train_state, lm_loss_fn, make_train_step
+from moejax.train.step import (
+    NonFiniteError,
+    check_finite,
+    init_state,
+    lm_loss_fn,
+    make_train_step,
+    tree_all_finite,
+)
 
-__all__ = ["train", "read_csv"]
+__all__ = ["train", "train_params", "History", "read_csv", "FnSource", "compiled_memory"]
 
 _FIRST_COLS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+
+
+class History(list):
+    """Per-step metric dicts; ``memory`` holds ``{"peak_bytes", "argument_bytes"}`` of the
+    compiled step when the loop was asked to measure it (else ``None``)."""
+
+    memory: dict | None = None
+
+
+class FnSource:
+    """Adapts a ``position -> batch`` callable to the batch-source protocol."""
+
+    def __init__(self, fn: Callable[[int], Any], batch_size: int | None = None):
+        self.fn, self.batch_size = fn, batch_size
+
+    def batch(self, position: int):
+        return self.fn(position)
 
 
 class _CsvLog:
@@ -60,9 +99,12 @@ class _CsvLog:
                     w.writeheader()
                     w.writerows(rows)
 
-    def write(self, row: dict) -> None:
+    def write(self, rows: list[dict]) -> None:
+        if not rows:
+            return
         new = self.cols is None
         if new:
+            row = rows[0]
             self.cols = [c for c in _FIRST_COLS if c in row] + sorted(
                 c for c in row if c not in _FIRST_COLS
             )
@@ -70,7 +112,31 @@ class _CsvLog:
             w = csv.DictWriter(f, self.cols, extrasaction="ignore")
             if new:
                 w.writeheader()
-            w.writerow(row)
+            w.writerows(rows)
+
+
+class _TensorBoard:
+    """Scalars to TensorBoard event files (tensorboardX, the ``tb`` extra)."""
+
+    def __init__(self, logdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise ImportError(
+                "train.tensorboard=True needs tensorboardX: pip install -e '.[tb]' "
+                "(or set train.tensorboard=False)"
+            ) from e
+        self.writer = SummaryWriter(logdir)
+
+    def write(self, rows: list[dict], prefix: str = "") -> None:
+        for row in rows:
+            for k, v in row.items():
+                if k != "step":
+                    self.writer.add_scalar(prefix + k, v, int(row["step"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def read_csv(path: str) -> list[dict]:
@@ -80,12 +146,23 @@ def read_csv(path: str) -> list[dict]:
 
 
 def _tokens(batch) -> float:
-    """Real tokens in the global batch, from this process's rows."""
-    if "mask" in batch:
+    """Real tokens (or rows) in the global batch, from this process's rows."""
+    if isinstance(batch, dict) and "mask" in batch:
         n = float(np.sum(batch["mask"]))
     else:
-        n = float(np.size(next(iter(batch.values()))))
+        n = float(np.size(jax.tree.leaves(batch)[0]))
     return n * jax.process_count()
+
+
+def compiled_memory(compiled) -> dict:
+    """``{"peak_bytes", "argument_bytes"}`` of a compiled executable (-1 when XLA has none):
+    peak = arguments + outputs + temporaries - aliased (donated) buffers."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {"peak_bytes": -1, "argument_bytes": -1}
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - getattr(m, "alias_size_in_bytes", 0))
+    return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes)}
 
 
 def train(
@@ -93,28 +170,69 @@ def train(
     source,
     cfg: TrainConfig,
     *,
-    run_dir: str | None = None,
     loss_fn: Callable = lm_loss_fn,
+    tx: optax.GradientTransformation | None = None,
+    run_dir: str | None = None,
     eval_fn: Callable | None = None,
     config: Config | None = None,
     mesh=None,
     progress: bool = True,
-) -> list[dict]:
-    """Train ``model`` on ``source`` for ``cfg.steps`` optimizer steps (see module docstring).
+    measure_memory: bool = False,
+    desc: str = "train",
+) -> History:
+    """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring).
 
     ``config``: the full experiment config stored with every checkpoint and in
     ``run_dir/config.json`` (defaults to ``cfg``). ``mesh``: override the mesh built from
     ``cfg.mesh_data``/``cfg.mesh_expert``. Without ``run_dir`` nothing is written to disk.
     """
-    if getattr(source, "batch_size", cfg.batch_size) != cfg.batch_size:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params, rest, history = _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir,
+                                 eval_fn, config, mesh, progress, measure_memory, desc)
+    nnx.update(model, params, rest)
+    return history
+
+
+def train_params(
+    params,
+    source,
+    cfg: TrainConfig,
+    loss_fn: Callable,
+    *,
+    tx: optax.GradientTransformation | None = None,
+    run_dir: str | None = None,
+    eval_fn: Callable | None = None,
+    config: Config | None = None,
+    mesh=None,
+    progress: bool = True,
+    measure_memory: bool = False,
+    desc: str = "train",
+) -> tuple[Any, History]:
+    """Train a plain pytree of arrays with ``loss_fn(params, batch, key)``; returns
+    ``(params, history)``. Same loop, checkpoints and resume as :func:`train`."""
+    params, _, history = _run(None, params, None, source, cfg, loss_fn, tx, run_dir, eval_fn,
+                              config, mesh, progress, measure_memory, desc)
+    return params, history
+
+
+def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, config, mesh,
+         progress, measure_memory, desc):
+    if callable(source) and not hasattr(source, "batch"):
+        source = FnSource(source)
+    if (getattr(source, "batch_size", None) or cfg.batch_size) != cfg.batch_size:
         raise ValueError(
             f"source.batch_size={source.batch_size} != TrainConfig.batch_size={cfg.batch_size}; "
             "build the source with the training batch size"
         )
     config = cfg if config is None else config
-    schedule = make_schedule(cfg)
-    tx = make_optimizer(cfg, schedule)
-    graphdef, state = init_train_state(model, tx, cfg.seed)
+    schedule = None
+    if tx is None:
+        schedule = make_schedule(cfg)
+        tx = make_optimizer(cfg, schedule)
+    # Own copies: the step donates its input state, and neither the caller's arrays nor
+    # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may be
+    # donated with it.
+    state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
     mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if mesh is None else mesh
     state = mesh_lib.shard_tree(state, mesh)
     main = is_main_process()
@@ -130,49 +248,87 @@ def train(
             state, meta = ckpt.restore(state)
             position = int(meta["data_position"])
     start = int(jax.device_get(state.step))
-    csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if run_dir and main else None
-    eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if run_dir and main else None
+    logs = run_dir is not None and main
+    csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if logs else None
+    eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if logs else None
+    tb = _TensorBoard(os.path.join(run_dir, "tb")) if logs and cfg.tensorboard else None
 
-    step_fn = make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh, donate=True)
-    history: list[dict] = []
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), desc="train")
+    step_fn = make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh,
+                              donate=True)
+    history = History()
+    if measure_memory:
+        compiled = step_fn.lower(state, assemble(local_batch(source, position), mesh)).compile()
+        history.memory = compiled_memory(compiled)
+        step_fn = compiled
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), desc=desc,
+               mininterval=1.0)
+    pending: list = []  # (step, data position, local tokens, device metrics)
+    t_flush = time.perf_counter()
+
+    def flush():
+        nonlocal t_flush
+        if not pending:
+            return
+        fetched = jax.device_get([m for *_, m in pending])
+        dt = (time.perf_counter() - t_flush) / len(pending)
+        rows = []
+        for (step, pos, n_tok, _), metrics in zip(pending, fetched):
+            check_finite(metrics, step, pos)
+            row = {"step": step + 1, "tokens_per_s": n_tok / max(dt, 1e-9)}
+            row.update({k: float(v) for k, v in metrics.items() if k != "finite"})
+            rows.append(row)
+        pending.clear()
+        t_flush = time.perf_counter()
+        history.extend(rows)
+        if csv_log is not None:
+            csv_log.write(rows)
+        if tb is not None:
+            tb.write(rows, "train/")
+        bar.update(len(rows))
+        bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}",
+                        tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
+
+    def save():
+        if not bool(tree_all_finite(state.params)):
+            raise NonFiniteError(
+                f"parameters became non-finite by step {int(jax.device_get(state.step))}; "
+                "nothing was saved (the previous checkpoint is intact). Lower the lr or enable "
+                "grad_clip."
+            )
+        ckpt.save(state, data_position=position, config=config)
+
     last_saved = start if ckpt is not None and ckpt.latest_step() == start else None
     try:
         for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
             local = local_batch(source, position)
-            batch = assemble(local, mesh)
-            new_state, metrics = step_fn(state, batch)
-            metrics = jax.device_get(metrics)
-            check_finite(metrics, step, position)
-            state, position = new_state, position + 1
-            dt = time.perf_counter() - t0
-            row = {"step": step + 1, "tokens_per_s": _tokens(local) / max(dt, 1e-9)}
-            row.update({k: float(v) for k, v in metrics.items() if k != "finite"})
-            history.append(row)
-            if csv_log is not None:
-                csv_log.write(row)
-            bar.update(1)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            if eval_fn is not None and cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                ev = eval_fn(nnx.merge(graphdef, state.params, state.rest), step + 1)
-                ev = {k: float(v) for k, v in ev.items()}
-                row.update({f"eval/{k}": v for k, v in ev.items()})
+            state, metrics = step_fn(state, assemble(local, mesh))
+            pending.append((step, position, _tokens(local), metrics))
+            position += 1
+            done = step + 1
+            do_eval = eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0
+            do_ckpt = ckpt is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0
+            if done % cfg.log_every == 0 or done == cfg.steps or do_eval or do_ckpt:
+                flush()
+            if do_eval:
+                target = (state.params if graphdef is None
+                          else nnx.merge(graphdef, state.params, state.rest))
+                ev = {k: float(v) for k, v in eval_fn(target, done).items()}
+                history[-1].update({f"eval/{k}": v for k, v in ev.items()})
                 if eval_log is not None:
-                    eval_log.write({"step": step + 1, **ev})
-            if ckpt is not None and cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0:
-                ckpt.save(state, data_position=position, config=config)
-                last_saved = step + 1
-        if (
-            ckpt is not None
-            and last_saved != cfg.steps
-            and int(jax.device_get(state.step)) == cfg.steps
-        ):
-            ckpt.save(state, data_position=position, config=config)
+                    eval_log.write([{"step": done, **ev}])
+                if tb is not None:
+                    tb.write([{"step": done, **ev}], "eval/")
+            if do_ckpt:
+                save()
+                last_saved = done
+        flush()
+        if (ckpt is not None and last_saved != cfg.steps
+                and int(jax.device_get(state.step)) == cfg.steps):
+            save()
     finally:
         bar.close()
         if ckpt is not None:
             ckpt.close()
-    nnx.update(model, state.params, state.rest)
-    return history
+        if tb is not None:
+            tb.close()
+    return state.params, state.rest, history

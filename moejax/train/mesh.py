@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moejax.train.paths import path_names
+from moejax.pytree import path_names
 
 __all__ = [
     "AXES",

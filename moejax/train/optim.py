@@ -14,6 +14,7 @@ Schedules (``t`` = optimizer step, ``S`` = ``steps``, ``W`` = ``warmup_steps``,
 * warmup (all schedules), ``t < W``: ``lr * (t + 1) / W``
 * ``constant``: ``lr``
 * ``cosine``: ``lr * (m + (1 - m) * 0.5 * (1 + cos(pi * min(1, (t - W) / (S - W)))))``
+* ``linear``: ``lr * (1 - (1 - m) * min(1, (t - W) / (S - W)))``
 * ``wsd`` (warmup-stable-decay): ``D = S - round(decay_fraction * S)`` decay steps start;
   ``lr`` for ``W <= t < D``, then linear to ``m * lr`` at ``t = S``:
   ``lr * (1 - (1 - m) * min(1, (t - D) / (S - D)))``.
@@ -25,11 +26,10 @@ import math
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from moejax.config import Config, config
-from moejax.train.paths import path_names
+from moejax.pytree import path_names
 
 __all__ = ["TrainConfig", "make_schedule", "make_optimizer", "decay_mask", "wsd_decay_start"]
 
@@ -41,7 +41,7 @@ class TrainConfig(Config):
     steps: int = 1000
     batch_size: int = 32
     lr: float = 3e-4
-    schedule: Literal["constant", "cosine", "wsd"] = "cosine"
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "cosine"
     warmup_steps: int = 0
     decay_fraction: float = 0.1  # WSD: fraction of ``steps`` spent decaying
     min_lr_ratio: float = 0.1
@@ -59,13 +59,14 @@ class TrainConfig(Config):
     eval_every: int = 0  # 0 = no periodic evaluation
     ckpt_every: int = 0  # 0 = only at the end of training
     keep_checkpoints: int = 3
+    tensorboard: bool = False  # also write metrics as TensorBoard events (tensorboardX)
     seed: int = 0
 
     def validate(self) -> None:
         r = self._require
         r(self.steps >= 1, f"steps={self.steps} must be >= 1")
         r(self.batch_size >= 1, f"batch_size={self.batch_size} must be >= 1")
-        r(self.lr > 0, f"lr={self.lr} must be > 0")
+        r(math.isfinite(self.lr) and self.lr > 0, f"lr={self.lr} must be finite and > 0")
         r(
             0 <= self.warmup_steps <= self.steps,
             f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]",
@@ -84,14 +85,15 @@ class TrainConfig(Config):
         r(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         r(0.0 <= self.b1 < 1.0, f"b1={self.b1} must be in [0, 1)")
         r(0.0 <= self.b2 < 1.0, f"b2={self.b2} must be in [0, 1)")
-        r(self.eps > 0, f"eps={self.eps} must be > 0")
-        r(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        r(math.isfinite(self.eps) and self.eps > 0, f"eps={self.eps} must be finite and > 0")
+        r(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+          f"weight_decay={self.weight_decay} must be finite and >= 0")
         r(
             not (self.optimizer == "adam" and self.weight_decay > 0),
             f"weight_decay={self.weight_decay} has no effect with optimizer='adam'; use "
             "optimizer='adamw' (decoupled decay) or set weight_decay=0",
         )
-        r(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 = off)")
+        r(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 = off)")
         r(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
         r(
             self.batch_size % self.grad_accum == 0,
@@ -120,25 +122,27 @@ def wsd_decay_start(cfg: TrainConfig) -> int:
     return cfg.steps - round(cfg.decay_fraction * cfg.steps)
 
 
-def make_schedule(cfg: TrainConfig):
-    """``step -> learning rate`` (jit-friendly; formulas in the module docstring)."""
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """``step -> learning rate`` built from optax schedules (formulas in the module docstring):
+    a linear warmup joined (``optax.join_schedules``) to the constant, cosine, linear or
+    stable-then-linear-decay (WSD) main phase."""
     lr, m, W, S = cfg.lr, cfg.min_lr_ratio, cfg.warmup_steps, cfg.steps
-    D = wsd_decay_start(cfg)
-
-    def schedule(step):
-        t = jnp.asarray(step, jnp.float32)
-        warm = lr * (t + 1.0) / max(W, 1)
-        if cfg.schedule == "constant":
-            main = jnp.full_like(t, lr)
-        elif cfg.schedule == "cosine":
-            frac = jnp.clip((t - W) / max(S - W, 1), 0.0, 1.0)
-            main = lr * (m + (1.0 - m) * 0.5 * (1.0 + jnp.cos(math.pi * frac)))
-        else:  # wsd
-            frac = jnp.clip((t - D) / max(S - D, 1), 0.0, 1.0)
-            main = lr * (1.0 - (1.0 - m) * frac)
-        return jnp.where(t < W, warm, main)
-
-    return schedule
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(lr)
+    elif cfg.schedule == "cosine":
+        main = optax.cosine_decay_schedule(lr, max(S - W, 1), alpha=m)
+    elif cfg.schedule == "linear":
+        main = optax.linear_schedule(lr, m * lr, max(S - W, 1))
+    else:  # wsd: stable until the decay start D, then linear to m * lr at S
+        D = wsd_decay_start(cfg)
+        main = optax.join_schedules(
+            [optax.constant_schedule(lr), optax.linear_schedule(lr, m * lr, max(S - D, 1))],
+            [D - W])
+    if W == 0:
+        return main
+    # lr * (t + 1) / W for t < W: from lr / W at t = 0 to lr at t = W - 1.
+    warm = optax.linear_schedule(lr / W, lr, max(W - 1, 0))
+    return optax.join_schedules([warm, main], [W])
 
 
 _NO_DECAY_WORDS = ("norm", "bias", "scale", "ln_", "embedding_norm")

@@ -6,8 +6,10 @@
   buffers such as DeRS index vectors; carried through the step unchanged unless the model
   replaces them: inside the traced step assign a fresh variable, ``self.v = MyVar(new)``,
   since in-place ``self.v[...] = new`` raises flax's TraceContextError there).
-* ``loss_fn(model, batch, key, train=True) -> (loss, metrics)``: scalar loss and a flat dict of
-  scalar metrics; :func:`lm_loss_fn` is the language-model one.
+* ``loss_fn(model, batch, key) -> (loss, metrics)`` (or just ``loss``): scalar loss and a
+  flat dict of scalar metrics, called in training mode; evaluation calls it with
+  ``train=False``. :func:`lm_loss_fn` is the language-model one. With plain pytree params
+  (``graphdef=None``) the first argument is the params pytree itself.
 * :func:`make_train_step` -> jitted ``step(state, batch) -> (state, metrics)``.
 
 Gradient accumulation (``cfg.grad_accum = A``): the global batch of ``B`` rows is split into
@@ -45,11 +47,14 @@ __all__ = [
     "TrainState",
     "NonFiniteError",
     "init_train_state",
+    "init_state",
     "make_train_step",
     "make_eval_step",
     "lm_loss_fn",
     "check_finite",
     "cast_floating",
+    "tree_all_finite",
+    "as_loss_and_metrics",
 ]
 
 
@@ -71,9 +76,13 @@ LossFn = Callable[..., tuple[jax.Array, dict]]
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0):
     """Split ``model`` and build the initial state. Returns ``(graphdef, TrainState)``."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, init_state(params, rest, tx, seed)
+
+
+def init_state(params, rest, tx: optax.GradientTransformation, seed: int = 0) -> TrainState:
+    """Step 0 of any params pytree (``rest``: non-trainable variables or None)."""
     key = jax.random.key_data(jax.random.key(seed))
-    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), key, rest)
-    return graphdef, state
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), key, rest)
 
 
 def cast_floating(tree, dtype):
@@ -113,13 +122,29 @@ def lm_loss_fn(model, batch, key, train: bool = True):
     return ce + aux_loss, metrics
 
 
+def as_loss_and_metrics(out) -> tuple[jax.Array, dict]:
+    """A loss function may return ``loss`` or ``(loss, metrics)``; normalise to the pair."""
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return loss, dict(metrics or {})
+    return out, {}
+
+
 def _loss_and_grad(graphdef, loss_fn, compute_dtype):
+    """``value_and_grad`` of the objective. ``graphdef=None``: ``params`` is a plain pytree and
+    ``loss_fn(params, batch, key)``; otherwise ``loss_fn(nnx.merge(graphdef, params, rest),
+    batch, key)`` and the model's non-Param variables come back as the new ``rest``."""
+
     def objective(params, rest, batch, key):
         p = params if compute_dtype is None else cast_floating(params, compute_dtype)
-        model = nnx.merge(graphdef, p, rest)
-        loss, metrics = loss_fn(model, batch, key, train=True)
-        _, _, new_rest = nnx.split(model, nnx.Param, ...)
-        new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
+        if graphdef is None:
+            loss, metrics = as_loss_and_metrics(loss_fn(p, batch, key))
+            new_rest = rest
+        else:
+            model = nnx.merge(graphdef, p, rest)
+            loss, metrics = as_loss_and_metrics(loss_fn(model, batch, key))
+            _, _, new_rest = nnx.split(model, nnx.Param, ...)
+            new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items() if k != "loss"}
         return jnp.asarray(loss, jnp.float32), (metrics, new_rest)
 
@@ -136,6 +161,21 @@ def _split_micro(batch, n):
         return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
 
     return jax.tree.map(split, batch)
+
+
+def injected_lr(opt_state):
+    """The ``learning_rate`` an ``optax.inject_hyperparams`` state holds after an update (the
+    one that update used), if there is exactly one."""
+    found = []
+
+    def visit(x):
+        hp = getattr(x, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp:
+            found.append(hp["learning_rate"])
+        return x
+
+    jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "hyperparams"))
+    return found[0] if len(found) == 1 else None
 
 
 def make_step_fn(
@@ -189,8 +229,9 @@ def make_step_fn(
         new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
         out = dict(metrics)
         out.update(loss=loss, grad_norm=grad_norm, finite=finite)
-        if schedule is not None:
-            out["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+        lr = schedule(state.step) if schedule is not None else injected_lr(opt_state)
+        if lr is not None:
+            out["lr"] = jnp.asarray(lr, jnp.float32)
         return new, out
 
     return step
@@ -206,10 +247,11 @@ def make_train_step(
     mesh=None,
     donate: bool = False,
 ):
-    """Jitted ``step(state, batch) -> (state, metrics)``.
+    """Jitted ``step(state, batch) -> (state, metrics)`` (``graphdef=None``: plain pytree
+    params, see :func:`_loss_and_grad`).
 
-    Metrics: ``loss``, ``grad_norm`` (before clipping), ``finite``, ``lr`` (when ``schedule``
-    is given) and the loss_fn's metrics. With ``mesh`` the step is jitted with explicit
+    Metrics: ``loss``, ``grad_norm`` (before clipping), ``finite``, ``lr`` (from ``schedule``,
+    else from an ``optax.inject_hyperparams`` state) and the loss_fn's metrics. With ``mesh`` the step is jitted with explicit
     in/out shardings from :mod:`moejax.train.mesh` (state: expert params over ``"expert"``,
     the rest replicated; batch: dim 0 over ``("data", "expert")``); the shardings are built
     from the first state passed in. ``donate=True`` donates the input state's buffers.
@@ -224,7 +266,7 @@ def make_train_step(
     fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule, batch_sharding=b_sh)
     cache: dict = {}
 
-    def step(state, batch):
+    def jitted_for(state):
         treedef = jax.tree.structure(state)
         if treedef not in cache:
             s_sh = mesh_lib.tree_shardings(state, mesh)
@@ -234,8 +276,12 @@ def make_train_step(
                 out_shardings=(s_sh, mesh_lib.replicated(mesh)),
                 donate_argnums=(0,) if donate else (),
             )
-        return cache[treedef](state, batch)
+        return cache[treedef]
 
+    def step(state, batch):
+        return jitted_for(state)(state, batch)
+
+    step.lower = lambda state, batch: jitted_for(state).lower(state, batch)
     return step
 
 
@@ -245,8 +291,8 @@ def make_eval_step(graphdef, loss_fn: LossFn, precision: str = "float32"):
     def ev(params, rest, batch, key):
         if precision == "bfloat16":
             params = cast_floating(params, jnp.bfloat16)
-        model = nnx.merge(graphdef, params, rest)
-        loss, metrics = loss_fn(model, batch, key, train=False)
+        model = params if graphdef is None else nnx.merge(graphdef, params, rest)
+        loss, metrics = as_loss_and_metrics(loss_fn(model, batch, key, train=False))
         out = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         out["loss"] = jnp.asarray(loss, jnp.float32)
         return out
@@ -270,3 +316,11 @@ def check_finite(metrics: dict, step: int, data_position: int) -> None:
         f"train.grad_clip=1.0), precision=float32, and check the batch at data position "
         f"{data_position} (source.batch({data_position}))."
     )
+
+
+@jax.jit
+def tree_all_finite(tree) -> jax.Array:
+    """One fused reduction: True when every floating leaf of ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
