@@ -1,5 +1,7 @@
-# The two commands (see README): `make demo` runs the main job, `make test` runs the tests.
-# Both create/refresh the virtualenv first; set-up is idempotent and skipped when up to date.
+# The two commands (see README): `make demo` runs the tour, `make test` runs the tests;
+# `make studies` runs every study's quick preset. All create/refresh the virtualenv first;
+# set-up is idempotent and skipped when up to date. The demo and the studies use a GPU when
+# jax finds one (install the `gpu` extra); the tests always run on the CPU.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,10 +9,13 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo test setup lint bench clean-runs
+.PHONY: demo studies test setup lint bench clean-runs
 
 demo: setup
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.main $(ARGS)
+	$(PY) -m experiments.main suite=demo $(ARGS)
+
+studies: setup
+	$(PY) -m experiments.main suite=studies out=runs/studies $(ARGS)
 
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)

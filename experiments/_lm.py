@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
-import numpy as np
-
 from moejax.config import Config, config
 from moejax.nn.decoder import DecoderConfig
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern
-from moejax.train.step import lm_loss_fn, make_eval_step
 
 
 @config
@@ -67,28 +63,3 @@ class MoELMConfig(Config):
             max_seq_len=self.max_seq_len,
             dtype=self.dtype,
         )
-
-
-def count_params(params) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
-
-
-def make_lm_evaluator(source, n_batches: int):
-    """``evaluate(model) -> {"loss", "accuracy"}`` averaged over ``n_batches`` fixed batches."""
-    from flax import nnx
-
-    batches = [source.batch(i) for i in range(n_batches)]
-    cache = {}
-
-    def evaluate(model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if "fn" not in cache:
-            cache["fn"] = make_eval_step(graphdef, lm_loss_fn)
-        key = jax.random.key(0)
-        ms = [jax.device_get(cache["fn"](params, rest, b, key)) for b in batches]
-        return {
-            "loss": float(np.mean([m["ce"] for m in ms])),
-            "accuracy": float(np.mean([m["accuracy"] for m in ms])),
-        }
-
-    return evaluate

@@ -21,12 +21,13 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from experiments._lm import MoELMConfig, count_params
+from experiments._lm import MoELMConfig
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
-from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
+from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
@@ -47,7 +48,7 @@ class BenchConfig(Config):
         d_expert=704,
         capacity_factor=1.25,
     )
-    paths: tuple[str, ...] = ("dense", "capacity", "ragged")
+    paths: tuple[Literal["dense", "capacity", "ragged"], ...] = ("dense", "capacity", "ragged")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2
@@ -118,7 +119,7 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
 
 def run(cfg: BenchConfig, run: RunDir) -> dict:
     source = WindowBatches(
-        load_stdlib_bytes("train", max_bytes=4_000_000),
+        corpus_bytes("stdlib_code", "train", max_bytes=4_000_000),
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         seed=0,

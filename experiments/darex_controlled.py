@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.darex_capture import matmul_input_stats
-from experiments.darex_common import PruneContext, delta_stats, fit, make_tx, run_methods
 from moejax import delta as dl
 from moejax.config import Config, config
+from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
+from moejax.evaluate import ClassifierEvaluator
 from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.train import adam_linear_config, train_params
 
 NAME = "darex_controlled"
 
@@ -40,7 +41,8 @@ class ControlledConfig(Config):
     l2_weight: float = 0.1  # AdamR-L2 lambda
     l1_weight: float = 0.001  # AdamR-L1 lambda
     ps: tuple[float, ...] = (0.5, 0.7, 0.9, 0.95, 0.99)
-    methods: tuple[str, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "magnitude", "WANDA")
+    methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "magnitude",
+                                       "WANDA")
     q_num: int = 20
     seed: int = 0
 
@@ -101,17 +103,16 @@ def mlp(params: dict, x_BD: jax.Array) -> jax.Array:
     return _rms(h, params["norm_h"]) @ params["wo"] + params["bo"]
 
 
-def xent(params, batch):
+def xent(params, batch, key=None, train=True):
     x, y = batch
     logits = mlp(params, x)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
 
-_accuracy = jax.jit(lambda prm, x, y: jnp.mean(jnp.argmax(mlp(prm, x), -1) == y))
-
-
-def accuracy(params, data) -> float:
-    return float(_accuracy(params, *data))
+def accuracy_of(data):
+    """``params -> accuracy`` of the functional MLP on ``data = (x, y)``."""
+    ev = ClassifierEvaluator(*data).bind_fn(mlp)
+    return lambda params: ev(params)["accuracy"]
 
 
 def batches(data, batch_size: int, seed: int):
@@ -129,17 +130,20 @@ def pretrain_and_finetune(cfg: ControlledConfig, tasks: dict, regs=("none", "l2"
     """``(theta_P, {reg: theta_F})`` for the requested fine-tuning regularisers."""
     key = jax.random.key(cfg.seed)
     p0 = init_mlp(key, tasks["A", "train"][0].shape[1], cfg.d_hidden)
-    pre, _ = fit(xent, p0, make_tx("adamw", cfg.lr, cfg.pretrain_steps, warmup=20),
-                 batches(tasks["A", "train"], cfg.batch_size, cfg.seed), cfg.pretrain_steps,
-                 desc="pretrain MNIST")
-    txs = {"none": make_tx("adamw", cfg.lr, cfg.finetune_steps, warmup=20),
-           "l2": make_tx("adamr_l2", cfg.lr, cfg.finetune_steps, weight=cfg.l2_weight, warmup=20),
-           "l1": make_tx("adamr_l1", cfg.lr, cfg.finetune_steps, weight=cfg.l1_weight, warmup=20)}
+    tcfg = adam_linear_config(cfg.pretrain_steps, cfg.lr, batch_size=cfg.batch_size, warmup=20,
+                              seed=cfg.seed)
+    pre, _ = train_params(p0, batches(tasks["A", "train"], cfg.batch_size, cfg.seed), tcfg, xent,
+                          desc="pretrain MNIST")
+    opts = {"none": ("adam", 0.0), "l2": ("adamr_l2", cfg.l2_weight),
+            "l1": ("adamr_l1", cfg.l1_weight)}
     tuned = {}
     for reg in regs:
-        tuned[reg], _ = fit(xent, pre, txs[reg],
-                            batches(tasks["B", "train"], cfg.batch_size, cfg.seed + 1),
-                            cfg.finetune_steps, desc=f"finetune digits ({reg})")
+        tuned[reg], _ = train_params(
+            pre, batches(tasks["B", "train"], cfg.batch_size, cfg.seed + 1),
+            adam_linear_config(cfg.finetune_steps, cfg.lr, batch_size=cfg.batch_size,
+                               optimizer=opts[reg][0], weight=opts[reg][1], warmup=20,
+                               seed=cfg.seed), xent,
+            desc=f"finetune digits ({reg})")
     return pre, tuned
 
 
@@ -151,19 +155,21 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
     pre, tuned = pretrain_and_finetune(cfg, tasks)
     test_b, val_b = tasks["B", "test"], tasks["B", "validation"]
     calib_x = tasks["B", "train"][0][:256]
+    acc_test, acc_val = accuracy_of(test_b), accuracy_of(val_b)
+    acc_test_a = accuracy_of(tasks["A", "test"])
     rows, base_rows = [], []
     for reg, fin in tuned.items():
         D = dl.delta(pre, fin)
         mask = dl.select_leaves(D, include=r"^(w1|wo)$")
         ctx = PruneContext(
             pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 7),
-            val_metric=lambda prm: accuracy(prm, val_b),
-            test_metric=lambda prm: accuracy(prm, test_b),
+            val_metric=acc_val,
+            test_metric=acc_test,
             outputs_fn=lambda prm: mlp(prm, calib_x),
             x_stats=matmul_input_stats(lambda prm: mlp(prm, calib_x), fin), q_num=cfg.q_num)
-        base_rows.append({"fine-tuning": REG_NAMES[reg], "test acc digits": accuracy(fin, test_b),
-                          "pre-trained acc digits": accuracy(pre, test_b),
-                          "pre-trained acc MNIST": accuracy(pre, tasks["A", "test"]),
+        base_rows.append({"fine-tuning": REG_NAMES[reg], "test acc digits": acc_test(fin),
+                          "pre-trained acc digits": acc_test(pre),
+                          "pre-trained acc MNIST": acc_test_a(pre),
                           **delta_stats(D, mask)})
         for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({reg})"):
             rows.append({"fine-tuning": REG_NAMES[reg], **r})

@@ -19,18 +19,18 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
-import numpy as np
 from flax import nnx
 
-from experiments.darex_capture import matmul_input_stats
-from experiments.darex_common import PruneContext, delta_stats, fit, make_tx, run_methods
 from moejax import delta as dl
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_bytes, corpus_tokens
 from moejax.data.lm_batches import WindowBatches
+from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
+from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.results import RunDir
-from moejax.train.step import lm_loss_fn
+from moejax.train import adam_linear_config, lm_loss_fn, train_params
 
 NAME = "darex_decoder"
 
@@ -52,7 +52,7 @@ class DecoderStudyConfig(Config):
     corpus_bytes: int = 2_000_000  # bytes of each corpus read
     eval_batches: int = 4
     ps: tuple[float, ...] = (0.95, 0.99)
-    methods: tuple[str, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)",
+    methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)",
                                 "DAREx-q (per-layer q_e)")
     q_num: int = 20
     seed: int = 0
@@ -73,54 +73,14 @@ def make_config(preset: str) -> DecoderStudyConfig:
 # ------------------------------------------------------------------------------ data
 
 
-def prose_bytes(max_bytes: int, split: str = "train") -> np.ndarray:
-    """UTF-8 bytes of the Python docs' .rst sources of one split (stable hash by path)."""
-    from moejax.data import sources
-
-    root = sources.pydoc_sources_dir()
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.txt")):
-        rel = str(path.relative_to(root))
-        if sources.split_of(rel, {"train": 0.9, "validation": 0.1}) != split:
-            continue
-        chunks.append(path.read_bytes() + b"\0")
-        total += len(chunks[-1])
-        if total >= max_bytes:
-            break
-    return np.frombuffer(b"".join(chunks), np.uint8)[:max_bytes]
-
-
-def code_tokens(cfg: DecoderStudyConfig, split: str, tokenizer=None) -> np.ndarray:
-    from moejax.data.stdlib_corpus import load_stdlib_bytes
-
-    raw = load_stdlib_bytes(split, max_bytes=cfg.corpus_bytes)
-    if tokenizer is None:
-        return raw.astype(np.int32)
-    return tokenizer.encode(bytes(raw).decode("utf-8", "replace"))
-
-
 # ------------------------------------------------------------------------------ model pieces
 
 
 def _loss(graphdef, rest):
-    def loss_fn(params, batch):
-        return lm_loss_fn(nnx.merge(graphdef, params, rest), batch, None, train=True)[0]
+    def loss_fn(params, batch, key=None, train=True):
+        return lm_loss_fn(nnx.merge(graphdef, params, rest), batch, key, train=train)
 
     return loss_fn
-
-
-def _evaluator(graphdef, rest, batches):
-    @jax.jit
-    def one(params, batch):
-        m = nnx.merge(graphdef, params, rest)
-        _, metrics = lm_loss_fn(m, batch, None, train=False)
-        return metrics["ce"], metrics["accuracy"]
-
-    def evaluate(params) -> dict:
-        out = np.asarray(jax.device_get([one(params, b) for b in batches]))
-        return {"loss": float(out[:, 0].mean()), "accuracy": float(out[:, 1].mean())}
-
-    return evaluate
 
 
 def build_models(cfg: DecoderStudyConfig):
@@ -139,24 +99,26 @@ def build_models(cfg: DecoderStudyConfig):
                                 n_heads=4, n_kv_heads=2, d_hidden=2 * cfg.d_model,
                                 max_seq_len=cfg.seq_len)
     graphdef, params, rest = nnx.split(DecoderLM(mcfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
-    src = WindowBatches(prose_bytes(cfg.corpus_bytes), batch_size=cfg.batch_size,
-                        seq_len=cfg.seq_len, seed=cfg.seed)
-    params, _ = fit(_loss(graphdef, rest), params,
-                    make_tx("adamw", cfg.lr_pretrain, cfg.pretrain_steps, warmup=30),
-                    src.batch, cfg.pretrain_steps, desc="pretrain (prose)")
+    src = WindowBatches(corpus_bytes("prose/pydoc", "train", cfg.corpus_bytes),
+                        batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
+    params, _ = train_params(params, src, adam_linear_config(
+        cfg.pretrain_steps, cfg.lr_pretrain, batch_size=cfg.batch_size, warmup=30, seed=cfg.seed),
+                             _loss(graphdef, rest), desc="pretrain (prose)")
     return graphdef, rest, params, None
 
 
 def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     graphdef, rest, pre, tok = build_models(cfg)
-    train_src = WindowBatches(code_tokens(cfg, "train", tok), batch_size=cfg.batch_size,
-                              seq_len=cfg.seq_len, seed=cfg.seed + 1)
-    val_tokens = code_tokens(cfg, "validation", tok)
+    code = lambda split: (corpus_bytes("stdlib_code", split, cfg.corpus_bytes) if tok is None
+                          else corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes))
+    train_src = WindowBatches(code("train"), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                              seed=cfg.seed + 1)
+    val_tokens = code("validation")
     held = lambda seed: [WindowBatches(val_tokens, batch_size=cfg.batch_size,
                                        seq_len=cfg.seq_len, seed=seed).batch(i)
                          for i in range(cfg.eval_batches)]
-    val_eval = _evaluator(graphdef, rest, held(10_000))
-    test_eval = _evaluator(graphdef, rest, held(20_000))
+    val_eval = LMEvaluator(held(10_000)).bind(graphdef, rest)
+    test_eval = LMEvaluator(held(20_000)).bind(graphdef, rest)
     calib = train_src.batch(10**6)["inputs"][: max(2, cfg.batch_size // 2)]
 
     @jax.jit
@@ -167,9 +129,11 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     before = test_eval(pre)
     tuned = {}
     for opt, weight in (("adamw", 0.0), ("adamr_l2", cfg.l2_weight)):
-        tx = make_tx(opt, cfg.lr_finetune, cfg.finetune_steps, weight=weight, warmup=20)
-        tuned[opt], _ = fit(_loss(graphdef, rest), pre, tx, train_src.batch, cfg.finetune_steps,
-                            desc=f"finetune code ({opt})")
+        tcfg = adam_linear_config(cfg.finetune_steps, cfg.lr_finetune, batch_size=cfg.batch_size,
+                                  optimizer="adam" if opt == "adamw" else opt, weight=weight,
+                                  warmup=20, seed=cfg.seed)
+        tuned[opt], _ = train_params(pre, train_src, tcfg, _loss(graphdef, rest),
+                                     desc=f"finetune code ({opt})")
     label = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
     for opt, fin in tuned.items():
         D = dl.delta(pre, fin)

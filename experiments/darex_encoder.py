@@ -24,13 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.darex_capture import matmul_input_stats
-from experiments.darex_common import PruneContext, delta_stats, fit, make_tx, run_one
 from moejax import delta as dl
 from moejax.config import Config, config
+from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
+from moejax.evaluate import ClassifierEvaluator
 from moejax.experiment import main
 from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+from moejax.pytree import path_str
 from moejax.results import RunDir
+from moejax.train import adam_linear_config, train_params
 
 NAME = "darex_encoder"
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
@@ -43,8 +45,8 @@ class EncoderStudyConfig(Config):
     """Backbone, tasks, data sizes, fine-tuning and pruning settings."""
 
     model: Literal["tiny_bytes", "minilm"] = "tiny_bytes"
-    tasks: tuple[str, ...] = ("lexname",)
-    pretrain_task: str = "pos"  # tiny_bytes only
+    tasks: tuple[Literal["pos", "lexname"], ...] = ("lexname",)
+    pretrain_task: Literal["pos", "lexname"] = "pos"  # tiny_bytes only
     d_model: int = 64
     n_layers: int = 2
     seq_len: int = 48
@@ -60,6 +62,7 @@ class EncoderStudyConfig(Config):
     n_val: int = 500
     n_test: int = 1000
     seeds: int = 4
+    seed: int = 0  # base seed: fine-tuning run i uses seed + i
     p: float = 0.99
     q_num: int = 12
     eta_num: int = 8
@@ -86,12 +89,12 @@ def make_config(preset: str) -> EncoderStudyConfig:
 def wordnet_splits(cfg: EncoderStudyConfig) -> dict:
     """``{split: (glosses, {"pos": labels, "lexname": labels})}``; the builders' gloss-hash split,
     shuffled with a fixed seed and cut to n_train / n_val / n_test."""
-    from moejax.data import sources
+    from moejax.data import raw_files
     from moejax.data.builders_labelled import GLOSS_SPLITS, LEXNAMES, POS_NAMES, iter_wordnet
 
     by = {s: ([], [], []) for s in GLOSS_SPLITS}
     for ex in iter_wordnet():
-        g = by[sources.split_of(ex["gloss"], GLOSS_SPLITS)]
+        g = by[raw_files.split_of(ex["gloss"], GLOSS_SPLITS)]
         g[0].append(ex["gloss"])
         g[1].append(POS_NAMES.index(ex["pos"]))
         g[2].append(LEXNAMES.index(ex["lexname"]))
@@ -141,18 +144,22 @@ class Task:
 
 
 def make_fns(graphdef, rest):
-    """Loss, jitted accuracy and logits for a split SequenceClassifier."""
+    """Loss, accuracy (per split) and jitted logits for a split SequenceClassifier."""
 
     def logits(params, toks, mask):
         return nnx.merge(graphdef, params, rest)(toks, mask_BT=mask)[0]
 
-    def loss_fn(params, batch):
+    def loss_fn(params, batch, key=None, train=True):
         toks, mask, y = batch
         lp = jax.nn.log_softmax(logits(params, toks, mask))
         return -jnp.mean(jnp.take_along_axis(lp, y[:, None], 1))
 
-    acc = jax.jit(lambda prm, t, m, y: jnp.mean(jnp.argmax(logits(prm, t, m), -1) == y))
-    return loss_fn, (lambda prm, data: float(acc(prm, *data))), jax.jit(logits)
+    def accuracy_on(data):
+        toks, mask, y = data
+        ev = ClassifierEvaluator(toks, y, mask).bind(graphdef, rest)
+        return lambda prm: ev(prm)["accuracy"]
+
+    return loss_fn, accuracy_on, jax.jit(logits)
 
 
 def backbone(cfg: EncoderStudyConfig, splits: dict):
@@ -171,13 +178,14 @@ def backbone(cfg: EncoderStudyConfig, splits: dict):
                                pooling="mean")
     tokenize = lambda texts: byte_tokens(texts, cfg.seq_len)
     task = Task(cfg.pretrain_task, splits, tokenize)
-    clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(1000))
+    clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(cfg.seed + 1000))
     graphdef, params, rest = nnx.split(clf, nnx.Param, ...)
     loss_fn, _, _ = make_fns(graphdef, rest)
-    params, _ = fit(loss_fn, params, make_tx("adamw", cfg.lr_pretrain, cfg.pretrain_steps,
-                                             weight=cfg.weight_decay, warmup=30),
-                    task.batches(cfg.batch_size, 1000), cfg.pretrain_steps,
-                    desc=f"pretrain ({cfg.pretrain_task})")
+    tcfg = adam_linear_config(cfg.pretrain_steps, cfg.lr_pretrain, batch_size=cfg.batch_size,
+                              optimizer="adamw", weight=cfg.weight_decay, warmup=30,
+                              seed=cfg.seed)
+    params, _ = train_params(params, task.batches(cfg.batch_size, cfg.seed + 1000), tcfg,
+                             loss_fn, desc=f"pretrain ({cfg.pretrain_task})")
     return params["encoder"], ecfg, tokenize
 
 
@@ -188,7 +196,7 @@ OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS), "adamr_l2": ("AdamR-L2", ("unpr
 def _with_encoder(tree, enc_tree):
     """``tree`` with its ``encoder/...`` leaves taken from ``enc_tree`` (same structure)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, f, e: e if dl.path_str(path).startswith("encoder/") else f, tree, enc_tree)
+        lambda path, f, e: e if path_str(path).startswith("encoder/") else f, tree, enc_tree)
 
 
 def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
@@ -205,29 +213,32 @@ def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
 
 
 def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, sweeps: dict):
-    txs = {opt: make_tx(opt, cfg.lr_finetune, cfg.finetune_steps, warmup=30,
-                        weight={"adamw": cfg.weight_decay, "adamr_l2": cfg.l2_weight,
-                                "adamr_l1": cfg.l1_weight}[opt]) for opt in OPTIMIZERS}
+    weights = {"adamw": cfg.weight_decay, "adamr_l2": cfg.l2_weight, "adamr_l1": cfg.l1_weight}
+    tcfgs = {opt: adam_linear_config(cfg.finetune_steps, cfg.lr_finetune,
+                                     batch_size=cfg.batch_size, optimizer=opt,
+                                     weight=weights[opt], warmup=30, seed=cfg.seed)
+             for opt in OPTIMIZERS}
     graphdef, _, rest = nnx.split(SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(0)),
                                   nnx.Param, ...)
-    loss_fn, accuracy, logits = make_fns(graphdef, rest)
+    loss_fn, accuracy_on, logits = make_fns(graphdef, rest)
     calib = tuple(x[:64] for x in task.data["train"][:2])
     outputs_fn = lambda prm: logits(prm, *calib)  # noqa: E731
-    val_metric = lambda prm: accuracy(prm, task.data["validation"])  # noqa: E731
-    test_metric = lambda prm: accuracy(prm, task.data["test"])  # noqa: E731
+    val_metric = accuracy_on(task.data["validation"])
+    test_metric = accuracy_on(task.data["test"])
     for seed in range(cfg.seeds):
         clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(seed))
         nnx.update(clf.encoder, enc_p)
         params = nnx.state(clf, nnx.Param)
         for opt, (label, methods) in OPTIMIZERS.items():
-            fin, _ = fit(loss_fn, params, txs[opt], task.batches(cfg.batch_size, seed),
-                         cfg.finetune_steps, desc=f"{task.name} seed {seed} {label}")
+            fin, _ = train_params(params, task.batches(cfg.batch_size, cfg.seed + seed),
+                                  tcfgs[opt].replace(seed=cfg.seed + seed), loss_fn,
+                                  desc=f"{task.name} seed {seed} {label}")
             pre = _with_encoder(fin, params)  # pre-trained encoder + this run's head
             D = dl.delta(pre, fin)
             mask = dl.select_leaves(D, include=r"^encoder/blocks/.*/(attn|ffn)/w_")
             need_x = any(m in ("WANDA",) or "per-layer" in m for m in methods)
             ctx = PruneContext(
-                pretrained=pre, delta=D, mask=mask, key=jax.random.key(100 + seed),
+                pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 100 + seed),
                 val_metric=val_metric, test_metric=test_metric, outputs_fn=outputs_fn,
                 x_stats=matmul_input_stats(outputs_fn, fin) if need_x else {},
                 q_num=cfg.q_num, eta_num=cfg.eta_num)

@@ -1,13 +1,12 @@
 """Shared pieces of the DeRS studies (not an experiment itself; do not register).
 
-* corpora: ``"stdlib_code"`` (CPython stdlib source) or moejax TFDS prose (``"prose/pydoc"``,
-  ``"prose/kjv"``) as byte arrays; a prose corpus that fails to load falls back to the stdlib
-  code (noted in the run summary);
+* corpora (:mod:`moejax.data.corpora`): ``"stdlib_code"`` (CPython stdlib source) or TFDS
+  prose (``"prose/pydoc"``, ``"prose/kjv"``) as bytes, or as SmolLM2 tokens in the full preset;
 * the dense substrate of the quick preset: a tiny byte-level LM pre-trained on one corpus and
   optionally "pre-fine-tuned" on a second, cached (orbax, via ``train``'s resume) under
   ``<substrate_dir>`` so re-runs skip it; the full preset imports SmolLM2-135M-Instruct through
   ``moejax.io.smollm2``;
-* evaluation and peak-memory measurement (XLA's compiled memory analysis, not process RSS).
+* :func:`fit`: the training loop with XLA's compiled memory analysis of the step (not RSS).
 """
 
 from __future__ import annotations
@@ -16,18 +15,15 @@ import functools
 from pathlib import Path
 from typing import Literal
 
-import jax
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_bytes, corpus_tokens
 from moejax.data.lm_batches import WindowBatches
-from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig, make_optimizer
-from moejax.train.step import init_train_state, lm_loss_fn, make_eval_step, make_train_step
+from moejax.train.optim import TrainConfig
 
 Corpus = Literal["stdlib_code", "prose/pydoc", "prose/kjv"]
 
@@ -57,30 +53,6 @@ class SubstrateConfig(Config):
                       f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
 
-_NOTES: list[str] = []
-
-
-def load_corpus(name: str, split: str) -> np.ndarray:
-    """Bytes (uint8) of ``split`` ("train" / "validation") of a corpus."""
-    if name == "stdlib_code":
-        return load_stdlib_bytes(split)
-    try:
-        from moejax.data import datasets
-
-        ds = datasets.load(name, split)
-        texts = [datasets.decode_text(ds[i]["text"]).encode("utf-8") + b"\0"
-                 for i in range(len(ds))]
-        return np.frombuffer(b"".join(texts), np.uint8)
-    except Exception as e:  # noqa: BLE001 - any loading failure -> documented fallback
-        _NOTES.append(f"corpus {name!r} failed to load ({type(e).__name__}: {e}); "
-                      "fell back to the stdlib code corpus")
-        return load_stdlib_bytes(split)
-
-
-def notes() -> list[str]:
-    return list(_NOTES)
-
-
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
     from moejax.io.smollm2 import load_smollm2
@@ -88,18 +60,13 @@ def _smollm2_tokenizer():
     return load_smollm2()[1]
 
 
-def _smollm2_encode(data: np.ndarray) -> np.ndarray:
-    """Tokenise corpus bytes with SmolLM2's BPE tokenizer (rebuilt from the GGUF metadata)."""
-    text = bytes(data).replace(b"\0", b"\n\n").decode("utf-8", "replace")
-    return np.asarray(_smollm2_tokenizer().encode(text), np.int32)
-
-
 def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
             source: str = "tiny"):
     """LM windows of a corpus: raw bytes (``source="tiny"``) or SmolLM2 tokens."""
-    data = load_corpus(name, split)
     if source == "smollm2":
-        data = _smollm2_encode(data)
+        data = corpus_tokens(name, split, _smollm2_tokenizer())
+    else:
+        data = corpus_bytes(name, split)
     return WindowBatches(data, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
@@ -135,85 +102,15 @@ def dense_substrate(s: SubstrateConfig, run_dir: Path, *, prefinetune: bool, see
     return model
 
 
-class Evaluator:
-    """Mean validation cross-entropy over fixed batches. The eval step is compiled once per
-    graphdef; :meth:`peak_bytes` is XLA's compiled memory analysis of that step (one
-    batch: weights + activations + loss), i.e. the inference peak."""
-
-    def __init__(self, source, n_batches: int):
-        self.batches = [source.batch(i) for i in range(n_batches)]
-        self._fns: dict = {}
-
-    def _compiled(self, model):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        fn = self._fns.get(graphdef)
-        if fn is None:
-            jitted = make_eval_step(graphdef, lm_loss_fn)
-            fn = jitted.lower(params, rest, self.batches[0], jax.random.key(0)).compile()
-            self._fns[graphdef] = fn
-        return fn, params, rest
-
-    def __call__(self, model) -> float:
-        fn, params, rest = self._compiled(model)
-        key = jax.random.key(0)
-        return float(np.mean([float(fn(params, rest, b, key)["ce"]) for b in self.batches]))
-
-    def peak_bytes(self, model) -> int:
-        return _peak(self._compiled(model)[0])
-
-    def argument_bytes(self, model) -> int:
-        """Arguments of the compiled eval step: weights + buffers + one batch."""
-        return _args(self._compiled(model)[0])
-
-
-def _peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    if m is None:
-        return -1
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - getattr(m, "alias_size_in_bytes", 0))
-
-
-def _args(compiled) -> int:
-    m = compiled.memory_analysis()
-    return -1 if m is None else int(m.argument_size_in_bytes)
-
-
 def fit(model, source, tcfg: TrainConfig, desc: str = "train") -> dict:
-    """Train ``model`` in place for ``tcfg.steps`` steps (fresh optimizer state; the step is
-    compiled ONCE, and its XLA memory analysis is the training peak: params + optimizer
-    state + batch + outputs + temporaries - donated/aliased). Returns ``peak_train_bytes``,
-    ``train_state_bytes`` (the step's arguments: params + optimizer state + buffers + batch),
-    ``final_loss`` (mean of the last 10 steps)."""
-    tx = make_optimizer(tcfg)
-    graphdef, state = init_train_state(model, tx, tcfg.seed)
-    step = make_train_step(graphdef, lm_loss_fn, tx, tcfg, donate=True)
-    compiled = step.lower(state, source.batch(0)).compile()
-    losses = []
-    for i in tqdm(range(tcfg.steps), desc=desc, leave=False):
-        state, metrics = compiled(state, source.batch(i))
-        losses.append(metrics["ce"])
-    nnx.update(model, state.params, state.rest)
-    final = float(np.mean([float(x) for x in losses[-10:]]))
-    if not np.isfinite(final):
-        raise FloatingPointError(f"{desc}: non-finite training loss; lower the lr")
-    return {"peak_train_bytes": _peak(compiled), "train_state_bytes": _args(compiled),
-            "final_loss": final}
+    """Train ``model`` in place (fresh optimizer state) through the one training loop and
+    return ``peak_train_bytes`` / ``train_state_bytes`` (XLA's memory analysis of the compiled
+    step: peak = params + optimizer state + batch + outputs + temporaries - donated;
+    state = its arguments) and ``final_loss`` (mean ``ce`` of the last 10 steps)."""
+    hist = train(model, source, tcfg, measure_memory=True, desc=desc)
+    return {"peak_train_bytes": hist.memory["peak_bytes"],
+            "train_state_bytes": hist.memory["argument_bytes"],
+            "final_loss": float(np.mean([h["ce"] for h in hist[-10:]]))}
 
 
-def nbytes_of(model) -> int:
-    """Bytes of every variable of the model (parameters and buffers)."""
-    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(nnx.state(model))))
-
-
-def fmt_count(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.2f}M"
-    if n >= 1e3:
-        return f"{n / 1e3:.1f}K"
-    return str(int(n)) if float(n).is_integer() else f"{n:.3g}"
-
-
-__all__ = ["SubstrateConfig", "load_corpus", "batches", "dense_config", "dense_substrate",
-           "Evaluator", "fit", "nbytes_of", "fmt_count",
-           "notes"]
+__all__ = ["SubstrateConfig", "batches", "dense_config", "dense_substrate", "fit"]

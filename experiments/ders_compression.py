@@ -22,20 +22,13 @@ with on-the-fly expert synthesis, with compiled peak inference memory.
 from __future__ import annotations
 
 import shutil
+from typing import Literal
 
 import jax
 import numpy as np
 from flax import nnx
 
-from experiments.ders_common import (
-    Evaluator,
-    SubstrateConfig,
-    batches,
-    dense_substrate,
-    fit,
-    fmt_count,
-    notes,
-)
+from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
 from moejax.config import Config, config
 from moejax.ders import (
     bases_from_dense,
@@ -49,7 +42,9 @@ from moejax.ders import (
     load_compressed,
     save_compressed,
 )
+from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
+from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig
 from moejax.upcycle import UpcycleConfig, output_scale, upcycle_model, upcycled_layers
@@ -68,9 +63,9 @@ class DeRSCompressionConfig(Config):
     substrate: SubstrateConfig = SubstrateConfig()
     train: TrainConfig = TrainConfig(steps=200, batch_size=16, lr=3e-4, warmup_steps=20,
                                      log_every=50, seed=2)
-    drop_rates: tuple = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.99)
-    bits: tuple = (16, 8, 4, 2, 1)
-    scenarios: tuple = ("finetuned", "not_finetuned")
+    drop_rates: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.99)
+    bits: tuple[int, ...] = (16, 8, 4, 2, 1)
+    scenarios: tuple[Literal["finetuned", "not_finetuned"], ...] = ("finetuned", "not_finetuned")
     eval_batches: int = 8
     ckpt_drop: float = 0.9
     ckpt_bits: int = 4
@@ -105,15 +100,16 @@ def _with_params(model, pure):
 
 
 def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, curves):
+    compress_key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)  # DeRS-sparse draws
     s = cfg.substrate
     prefinetune, rule = SCENARIOS[name]
     dense = dense_substrate(s, run.path, prefinetune=prefinetune)
-    dense_loss = evaluate(dense)
+    dense_loss = evaluate(dense)["loss"]
     moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=100 + cfg.train.seed, source=s.source)
     fit(moe, src, cfg.train, desc=f"upcycled ({name})")
-    moe_loss = evaluate(moe)
+    moe_loss = evaluate(moe)["loss"]
     pure = _params(moe)
     layers = upcycled_layers(s.n_layers, rule)
     base = bases_from_dense(_params(dense), layers, output_scale(rule))
@@ -141,13 +137,13 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
                    [("quant", b) for b in cfg.bits]
         for method, setting in settings:
             if method == "sparse":
-                c = compress(dec, "sparse", drop_rate=setting, key=jax.random.key(7))
+                c = compress(dec, "sparse", drop_rate=setting, key=compress_key)
             elif method == "quant":
                 c = compress(dec, "quant", bits=setting)
             else:
                 c = compress(dec, "none")
             rep = compression_report(c)
-            loss = evaluate(_with_params(moe, decompress(c)))
+            loss = evaluate(_with_params(moe, decompress(c)))["loss"]
             rows.append({"scenario": name, "decomposed": decomp, "method": method,
                          "setting": setting, "expert_params": rep["expert_params"],
                          "expert_params_with_index": rep["expert_params_with_index"],
@@ -162,7 +158,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
         # Compressed orbax checkpoint -> reload -> on-the-fly synthesis inference.
         for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
                            ("quant", {"bits": cfg.ckpt_bits})):
-            c = compress(dec, method, key=jax.random.key(7), **kw)
+            c = compress(dec, method, key=compress_key, **kw)
             path = run.path / f"ckpt_{name}_{decomp.replace('+', '_')}_{method}"
             shutil.rmtree(path, ignore_errors=True)
             save_compressed(path, c, moe.cfg)
@@ -171,12 +167,12 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
             ckpt_rows.append({
                 "scenario": name, "decomposed": decomp, "method": method,
                 "setting": kw.get("drop_rate", kw.get("bits")),
-                "synth_val_loss": evaluate(synth),
-                "decompressed_val_loss": evaluate(_with_params(moe, decompress(c2))),
+                "synth_val_loss": evaluate(synth)["loss"],
+                "decompressed_val_loss": evaluate(_with_params(moe, decompress(c2)))["loss"],
                 "expert_bytes": compression_report(c2)["expert_bytes"],
                 "disk_bytes": disk_bytes(path),
-                "peak_infer_bytes_synth": evaluate.peak_bytes(synth),
-                "peak_infer_bytes_vanilla": evaluate.peak_bytes(moe)})
+                "peak_infer_bytes_synth": evaluate.memory(synth)["peak_bytes"],
+                "peak_infer_bytes_vanilla": evaluate.memory(moe)["peak_bytes"]})
     return dense_loss, moe_loss
 
 
@@ -184,15 +180,13 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     s = cfg.substrate
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=10_000, source=s.source)
-    evaluate = Evaluator(val, cfg.eval_batches)
+    evaluate = LMEvaluator.from_source(val, cfg.eval_batches)
     rows, cos_rows, mat_rows, ckpt_rows, curves, base_rows = [], [], [], [], {}, []
     for name in cfg.scenarios:
         dense_loss, moe_loss = _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows,
                                          ckpt_rows, curves)
         base_rows.append({"scenario": name, "dense_val_loss": dense_loss,
                           "upcycled_val_loss": moe_loss})
-    for n in notes():
-        run.note(n)
     run.table("losses", base_rows, title="Dense vs trained vanilla upcycled MoE "
               "(validation cross-entropy, nats/byte, downstream corpus)")
     run.table("sweep", rows, title="DeRS compression sweep: validation loss vs stored expert "

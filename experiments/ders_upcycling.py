@@ -23,18 +23,11 @@ from __future__ import annotations
 
 import jax
 
-from experiments.ders_common import (
-    Evaluator,
-    SubstrateConfig,
-    batches,
-    dense_substrate,
-    fit,
-    fmt_count,
-    nbytes_of,
-    notes,
-)
+from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
 from moejax.config import Config, config
+from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
+from moejax.pytree import count_bytes, fmt_count
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig
 from moejax.upcycle import UpcycleConfig, param_report, upcycle_model
@@ -91,33 +84,31 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     dense = dense_substrate(s, run.path, prefinetune=True)
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=10_000, source=s.source)
-    evaluate = Evaluator(val, cfg.eval_batches)
-    dense_loss = evaluate(dense)
+    evaluate = LMEvaluator.from_source(val, cfg.eval_batches)
+    dense_loss = evaluate(dense)["loss"]
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=100 + cfg.train.seed, source=s.source)
     rows = []
     for label, form, setting, rule in _variants(cfg):
         moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
-        step0 = evaluate(moe)
+        step0 = evaluate(moe)["loss"]
         tr = fit(moe, src, cfg.train, desc=label)
         counts = param_report(dense, moe)
         rows.append({
             "variant": label, "form": form, "setting": setting,
-            "val_loss": evaluate(moe), "val_loss_step0": step0,
+            "val_loss": evaluate(moe)["loss"], "val_loss_step0": step0,
             "trainable": counts["trainable"], "added": counts["added"],
             "added_with_index": counts["added_with_index"], "stored": counts["stored"],
-            "model_bytes": nbytes_of(moe),
+            "model_bytes": count_bytes(moe),
             "peak_train_bytes": tr["peak_train_bytes"],
             "train_state_bytes": tr["train_state_bytes"],
-            "peak_infer_bytes": evaluate.peak_bytes(moe),
-            "infer_arg_bytes": evaluate.argument_bytes(moe),
+            "peak_infer_bytes": evaluate.memory(moe)["peak_bytes"],
+            "infer_arg_bytes": evaluate.memory(moe)["argument_bytes"],
             "train_loss_last10": tr["final_loss"]})
     van = rows[0]
     for r in rows:
         r["added_vs_vanilla"] = van["added"] / max(r["added"], 1)
         r["d_loss_vs_vanilla"] = r["val_loss"] - van["val_loss"]
-    for n in notes():
-        run.note(n)
     run.note(f"Dense (pre-fine-tuned) validation loss: {dense_loss:.4f} nats/byte; every "
              "upcycled model equals it at step 0 (column val_loss_step0).")
     run.table("upcycling", rows, title="Vanilla vs DeRS upcycling (Tables 1/4/5 analog): "

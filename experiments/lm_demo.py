@@ -14,13 +14,15 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from experiments._lm import MoELMConfig, count_params, make_lm_evaluator
+from experiments._lm import MoELMConfig
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
-from moejax.data.stdlib_corpus import load_stdlib_bytes
+from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.generate import generate
+from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.train.loop import read_csv, train
 from moejax.train.optim import TrainConfig
@@ -88,20 +90,20 @@ def make_config(preset: str) -> LMDemoConfig:
 
 def run(cfg: LMDemoConfig, run: RunDir) -> dict:
     train_src = WindowBatches(
-        load_stdlib_bytes("train"),
+        corpus_bytes("stdlib_code", "train"),
         batch_size=cfg.train.batch_size,
         seq_len=cfg.seq_len,
         seed=cfg.train.seed,
     )
     val_src = WindowBatches(
-        load_stdlib_bytes("validation"),
+        corpus_bytes("stdlib_code", "validation"),
         batch_size=cfg.train.batch_size,
         seq_len=cfg.seq_len,
         seed=10_000 + cfg.train.seed,
     )
     model = DecoderLM(cfg.model.decoder_config(), rngs=nnx.Rngs(cfg.train.seed))
-    n_params = count_params(nnx.state(model, nnx.Param))
-    evaluate = make_lm_evaluator(val_src, cfg.eval_batches)
+    n_params = count_params(model)
+    evaluate = LMEvaluator.from_source(val_src, cfg.eval_batches)
     before = evaluate(model)
 
     history = train(
@@ -109,7 +111,7 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
         train_src,
         cfg.train,
         run_dir=str(run.path / "train"),
-        eval_fn=lambda m, step: evaluate(m),
+        eval_fn=evaluate,
         config=cfg,
     )
     after = evaluate(model)

@@ -1,9 +1,13 @@
-"""The main job: run every registered experiment's preset and write one REPORT.md linking them.
+"""The main job: run a suite of experiments and write one REPORT.md linking their summaries.
 
-    python -m experiments.main                      # quick presets, report in runs/report/
-    python -m experiments.main preset=full out=runs/full only=lm_demo,bench_dispatch
+    python -m experiments.main                      # suite=demo: the tour, a few minutes
+    python -m experiments.main suite=studies        # every registered study (quick presets)
+    python -m experiments.main suite=studies preset=full out=runs/full
+    python -m experiments.main only=lm_demo,bench_dispatch
 
-Later issues register their studies by adding the module name to ``REGISTRY``.
+Suites: ``demo`` (``make demo``) trains the MoE LM and runs one cheap headline study per
+system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every study in
+``REGISTRY`` with its preset. A new study registers by adding its module name to ``REGISTRY``.
 """
 
 from __future__ import annotations
@@ -36,8 +40,18 @@ REGISTRY: tuple[str, ...] = (
 )
 
 
+# The tour: a trained MoE LM and one headline per system, a few CPU minutes in all.
+DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("lm_demo", ()),
+    ("darex_controlled", ("ps=(0.9,0.99)",)),
+    ("ders_compression", ("scenarios=(finetuned,)",)),
+    ("blockffn_granularity", ()),
+)
+SUITES = ("demo", "studies")
+
+
 def _parse(argv):
-    opts = {"preset": "quick", "out": "runs/report", "only": ""}
+    opts = {"preset": "quick", "out": "runs/report", "only": "", "suite": "demo"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts:
@@ -48,17 +62,25 @@ def _parse(argv):
         opts[key] = value
     if opts["preset"] not in PRESETS:
         raise ConfigError(f"preset={opts['preset']!r} is not allowed; allowed values: {PRESETS}")
-    names = [n for n in opts["only"].split(",") if n] or list(REGISTRY)
+    if opts["suite"] not in SUITES:
+        raise ConfigError(f"suite={opts['suite']!r} is not allowed; allowed values: {SUITES}")
+    names = [n for n in opts["only"].split(",") if n]
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ConfigError(f"only={unknown} not registered; registered: {', '.join(REGISTRY)}")
-    return opts["preset"], Path(opts["out"]), names
+    if names:
+        jobs = [(n, ()) for n in names]
+    elif opts["suite"] == "demo" and opts["preset"] == "quick":
+        jobs = list(DEMO)
+    else:
+        jobs = [(n, ()) for n in REGISTRY]
+    return opts["preset"], Path(opts["out"]), jobs
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        preset, out, names = _parse(argv)
+        preset, out, jobs = _parse(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,13 +89,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
     sections, failures = [], []
-    for name in names:
-        print(f"=== {name} (preset={preset}) ===", flush=True)
+    for name, overrides in jobs:
+        print(f"=== {name} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
+              flush=True)
         t0 = time.time()
         try:
             module = importlib.import_module(f"experiments.{name}")
             summary, run = run_experiment(
-                name, module.make_config, module.run, [f"preset={preset}"], out=out / name
+                name, module.make_config, module.run, [f"preset={preset}", *overrides],
+                out=out / name
             )
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
@@ -97,7 +121,7 @@ def main(argv=None) -> int:
         f"- machine: {platform.machine()}, {platform.system()}, jax {jax.__version__} "
         f"on {jax.devices()[0].platform} x{jax.device_count()}",
         f"- total wall time: {time.time() - t_all:.1f} s",
-        f"- studies: {', '.join(names)}"
+        f"- studies: {', '.join(n + (' (' + ' '.join(o) + ')' if o else '') for n, o in jobs)}"
         + (f" (FAILED: {', '.join(failures)})" if failures else ""),
         "",
     ]

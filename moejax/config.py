@@ -72,6 +72,11 @@ def _check_value(owner: str, name: str, tp, value) -> None:
                 f"{owner}.{name}={value!r} is not allowed; allowed values: "
                 + ", ".join(repr(a) for a in allowed)
             )
+    elif origin is tuple:
+        args = get_args(inner)
+        if len(args) == 2 and args[1] is Ellipsis and isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                _check_value(owner, f"{name}[{i}]", args[0], item)
     elif inner is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{owner}.{name}={value!r}: expected a bool (true/false).")
@@ -179,6 +184,32 @@ def from_json(text: str, *, extra_prefixes: tuple[str, ...] = ()) -> Config:
 
 # ----------------------------------------------------------------------------------------
 # key=value overrides
+
+
+def _type_desc(tp) -> str:
+    optional, inner = _is_optional(tp)
+    origin = get_origin(inner)
+    if origin is Literal:
+        desc = "one of " + ", ".join(repr(a) for a in get_args(inner))
+    elif origin is tuple:
+        args = get_args(inner)
+        each = _type_desc(args[0]) if len(args) == 2 and args[1] is Ellipsis else "values"
+        desc = f"comma list in parentheses, each {each}"
+    else:
+        desc = getattr(inner, "__name__", str(inner))
+    return desc + (" or none" if optional else "")
+
+
+def describe(cfg: Config, prefix: str = "") -> list[str]:
+    """One line per settable key of ``cfg``: ``key = default  (allowed values)``."""
+    lines, hints = [], _resolved_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Config):
+            lines.extend(describe(value, prefix + f.name + "."))
+        else:
+            lines.append(f"  {prefix}{f.name} = {value!r}  ({_type_desc(hints.get(f.name))})")
+    return lines
 
 
 def _allowed_keys(cfg: Config, prefix: str = "") -> list[str]:

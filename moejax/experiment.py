@@ -24,12 +24,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moejax.config import Config, ConfigError, apply_overrides
+from moejax.config import Config, ConfigError, apply_overrides, describe
 from moejax.results import RunDir
 
-__all__ = ["parse_cli", "run_experiment", "main", "PRESETS"]
+__all__ = ["parse_cli", "run_experiment", "main", "usage", "PRESETS"]
 
 PRESETS = ("quick", "full")
+
+
+def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick") -> str:
+    """The ``--help`` text: the runner's keys and every config key with its default (of
+    ``preset``) and allowed values."""
+    head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [key=value ...]",
+            "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
+            f"out (run directory; default runs/{name})", "",
+            f"config keys (defaults of preset={preset}):"]
+    return "\n".join(head + describe(make_config(preset)))
 
 
 def parse_cli(
@@ -76,6 +86,10 @@ def main(
     argv: Sequence[str] | None = None,
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
+        print(usage(name, make_config, preset if preset in PRESETS else "quick"))
+        return 0
     try:
         summary, run = run_experiment(name, make_config, run_fn, argv)
     except ConfigError as e:

@@ -97,3 +97,17 @@ def test_bad_value_names_allowed_values():
         apply_overrides(_Outer(), ["inner.width"])
     with pytest.raises(ConfigError, match="is a config section"):
         apply_overrides(_Outer(), ["inner=3"])
+
+
+def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_key(capsys):
+    from experiments import darex_controlled as mod
+    from moejax.experiment import main, parse_cli
+
+    with pytest.raises(ConfigError, match=r"methods='DAREx-q \(qv\)' is not allowed"):
+        parse_cli(mod.NAME, mod.make_config, ["methods=(DARE,DAREx-q (qv))"])
+    assert main(mod.NAME, mod.make_config, mod.run, ["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in ("d_hidden = 256", "methods = (", "'WANDA'", "preset"):
+        assert key in out
+    with pytest.raises(ConfigError, match=r"methods\[0\]='bad' is not allowed"):
+        mod.ControlledConfig(methods=("bad",))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from moejax.data import datasets, sources
+from moejax.data import datasets, raw_files
 from moejax.data.builders_labelled import CHAT_SPLITS, LEXNAMES, POS_NAMES
 from moejax.data.builders_text import LM_SPLITS
 
@@ -51,7 +51,7 @@ def test_text_examples_are_documents_in_their_hashed_split(data_dir):
     for name in ("stdlib_code", "prose/pydoc", "prose/kjv"):
         for split, exs in _all(name, data_dir).items():
             for ex in exs:
-                assert sources.split_of(ex["doc_id"].decode(), LM_SPLITS) == split
+                assert raw_files.split_of(ex["doc_id"].decode(), LM_SPLITS) == split
                 assert len(ex["text"]) > 0
     kjv = _all("prose/kjv", data_dir)["train"]
     assert all(datasets.decode_text(e["text"]).startswith("1 ") for e in kjv)  # whole chapters
@@ -68,7 +68,7 @@ def test_wordnet_labels(data_dir):
 def test_chitchat_pairs(data_dir):
     for split, exs in _all("chitchat", data_dir).items():
         for ex in exs:
-            assert sources.split_of(ex["conversation_id"].decode(), CHAT_SPLITS) == split
+            assert raw_files.split_of(ex["conversation_id"].decode(), CHAT_SPLITS) == split
             assert ex["prompt"] and ex["response"] and ex["turn"] >= 1
             assert datasets.decode_text(ex["context"]).endswith(datasets.decode_text(ex["prompt"]))
 

@@ -1,5 +1,8 @@
 """k-bit delta quantisation: error within half a step, code range, block counts."""
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -22,7 +25,8 @@ def test_quant_error_within_half_step(symmetric, gran, gs, nblocks):
         assert y.dtype == x.dtype and y.shape == x.shape
         # per-entry bound |x - x^| <= step/2 of its block
         step_full = dequantize(
-            q._replace(codes=np.ones_like(q.codes), offset=np.zeros_like(q.offset), symmetric=False)
+            dataclasses.replace(q, codes=np.ones_like(q.codes), offset=np.zeros_like(q.offset),
+                                symmetric=False)
         )
         assert np.all(
             np.abs(y.astype(np.float64) - x) <= step_full.astype(np.float64) / 2 * (1 + 1e-5) + 1e-9
@@ -56,3 +60,17 @@ def test_quant_special_cases_and_tree():
     assert np.abs(np.asarray(back["w"]) - x).max() <= 0.5 * 4.0 / 14 + 1e-6  # col amax 2, 15 levels
     assert np.asarray(back["w"])[0, 1] == 0.0  # symmetric keeps zero deltas exactly zero
     np.testing.assert_array_equal(back["b"], t["b"])
+
+
+def test_quantized_leaf_is_a_pytree_that_passes_through_jit_and_tree_map():
+    tree = {"w": np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32),
+            "b": np.zeros((4,), np.float32)}
+    q = quantize_tree(tree, 4)
+    assert len(jax.tree.leaves(q)) == 2 * 3  # codes, step, offset of each quantised leaf
+    same = jax.jit(lambda t: t)(q)
+    assert same["w"].bits == 4 and same["w"].granularity == q["w"].granularity
+    np.testing.assert_array_equal(np.asarray(same["w"].codes), q["w"].codes)
+    doubled = jax.tree.map(lambda x: x * 2, q)
+    np.testing.assert_allclose(np.asarray(doubled["w"].step), 2 * np.asarray(q["w"].step))
+    np.testing.assert_array_equal(dequantize_tree(jax.tree.map(np.asarray, same))["w"],
+                                  dequantize_tree(q)["w"])

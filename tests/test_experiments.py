@@ -92,3 +92,18 @@ def test_registry_modules_expose_the_contract():
             cfg = mod.make_config(preset)
             assert cfg is not None
         assert callable(mod.run)
+
+
+def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
+    import importlib
+
+    from moejax.experiment import parse_cli
+
+    preset, _, jobs = main_job._parse([])
+    assert preset == "quick" and [n for n, _ in jobs] == [n for n, _ in main_job.DEMO]
+    for name, overrides in jobs:  # every override of the tour parses against its config
+        mod = importlib.import_module(f"experiments.{name}")
+        parse_cli(name, mod.make_config, ["preset=quick", *overrides])
+    _, _, jobs = main_job._parse(["suite=studies"])
+    assert [n for n, _ in jobs] == list(main_job.REGISTRY)
+    assert main_job.main(["suite=everything"]) == 2

@@ -39,7 +39,8 @@ P0 = {"w": jnp.zeros((5,)), "b": jnp.zeros(())}
 def _by_hand(tx, steps):
     params, state = P0, tx.init(P0)
     for i in range(steps):
-        grads = jax.grad(lambda p: _mse(p, _regression(i), None)[0])(params)
+        batch = _regression(i)
+        grads = jax.grad(lambda p, b=batch: _mse(p, b, None)[0])(params)
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     return params

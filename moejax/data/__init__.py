@@ -3,7 +3,7 @@
 Modules (imported explicitly; this package imports nothing so ``moejax.data.source`` stays light):
 
 * ``source``: the ``BatchSource`` protocol (``batch(position)``; the data position is one int).
-* ``sources``: raw-data locations, data dir (``$MOEJAX_DATA_DIR``), stable document splits,
+* ``raw_files``: raw-data locations, data dir (``$MOEJAX_DATA_DIR``), stable document splits,
   ``MissingDataError``.
 * ``datasets``: ``load(name, split)`` of the TFDS array_record builders (``builders_text``,
   ``builders_labelled``, ``builders_images``), built on first use.

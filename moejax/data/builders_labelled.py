@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from moejax.data import sources
+from moejax.data import raw_files
 from moejax.data.tfds_base import OfflineBuilder
 
 __all__ = ["MoejaxWordnetGlosses", "MoejaxChitchat", "POS_NAMES", "LEXNAMES", "iter_wordnet"]
@@ -82,7 +82,7 @@ LEXNAMES = [
 
 def iter_wordnet() -> Iterator[dict]:
     """Every synset of WordNet 3.0 as ``{synset, gloss, lemmas, pos, lexname}`` (file order)."""
-    root = sources.wordnet_dir()
+    root = raw_files.wordnet_dir()
     for file_pos in ("noun", "verb", "adj", "adv"):
         with open(root / f"data.{file_pos}", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -126,12 +126,12 @@ class MoejaxWordnetGlosses(OfflineBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        sources.wordnet_dir()
+        raw_files.wordnet_dir()
         return {split: self._generate_examples(split) for split in GLOSS_SPLITS}
 
     def _generate_examples(self, split) -> Iterator[tuple[str, dict]]:
         for ex in iter_wordnet():
-            if sources.split_of(ex["gloss"], GLOSS_SPLITS) == split:
+            if raw_files.split_of(ex["gloss"], GLOSS_SPLITS) == split:
                 yield ex["synset"], ex
 
 
@@ -141,7 +141,7 @@ def _turn_text(turn: list[dict]) -> str:
 
 def iter_chitchat_pairs() -> Iterator[tuple[str, str, dict]]:
     """``(conversation_id, key, example)`` for every prompt/response pair, in file order."""
-    path = sources.pip_data_file("chitchat_dataset", "dataset.json", "chitchat-dataset")
+    path = raw_files.pip_data_file("chitchat_dataset", "dataset.json", "chitchat-dataset")
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     for conv_id in sorted(data):
@@ -184,10 +184,10 @@ class MoejaxChitchat(OfflineBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        sources.pip_data_file("chitchat_dataset", "dataset.json", "chitchat-dataset")
+        raw_files.pip_data_file("chitchat_dataset", "dataset.json", "chitchat-dataset")
         return {split: self._generate_examples(split) for split in CHAT_SPLITS}
 
     def _generate_examples(self, split) -> Iterator[tuple[str, dict]]:
         for conv_id, key, ex in iter_chitchat_pairs():
-            if sources.split_of(conv_id, CHAT_SPLITS) == split:
+            if raw_files.split_of(conv_id, CHAT_SPLITS) == split:
                 yield key, ex

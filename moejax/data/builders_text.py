@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import tensorflow_datasets as tfds
 
-from moejax.data import sources
+from moejax.data import raw_files
 from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
 from moejax.data.tfds_base import OfflineBuilder
 
@@ -52,7 +52,7 @@ class MoejaxStdlibCode(OfflineBuilder):
     def _generate_examples(self, root, split) -> Iterator[tuple[str, dict]]:
         for path in stdlib_files(root):
             rel = str(path.relative_to(root))
-            if sources.split_of(rel, LM_SPLITS) != split:
+            if raw_files.split_of(rel, LM_SPLITS) != split:
                 continue
             text = path.read_bytes().decode("utf-8", errors="replace")
             yield rel, {"doc_id": rel, "text": text}
@@ -60,7 +60,7 @@ class MoejaxStdlibCode(OfflineBuilder):
 
 def iter_kjv_chapters() -> Iterator[tuple[str, str]]:
     """``(chapter_ref, text)`` for the 1189 chapters of the KJV, in canonical order."""
-    exe = sources.bible_executable()
+    exe = raw_files.bible_executable()
     out = subprocess.run(
         [exe, "-f", "gen1:1-rev22:21"], capture_output=True, check=True, text=True
     ).stdout
@@ -101,20 +101,20 @@ class MoejaxProse(OfflineBuilder):
 
     def _split_generators(self, dl_manager):
         if self.builder_config.name == "pydoc":
-            sources.pydoc_sources_dir()  # fail before writing anything
+            raw_files.pydoc_sources_dir()  # fail before writing anything
         else:
-            sources.bible_executable()
+            raw_files.bible_executable()
         return {split: self._generate_examples(split) for split in LM_SPLITS}
 
     def _generate_examples(self, split) -> Iterator[tuple[str, dict]]:
         if self.builder_config.name == "pydoc":
-            root = sources.pydoc_sources_dir()
+            root = raw_files.pydoc_sources_dir()
             for path in sorted(root.rglob("*.txt")):
                 rel = str(path.relative_to(root))
-                if sources.split_of(rel, LM_SPLITS) == split:
+                if raw_files.split_of(rel, LM_SPLITS) == split:
                     text = path.read_bytes().decode("utf-8", errors="replace")
                     yield rel, {"doc_id": rel, "text": text}
         else:
             for ref, text in iter_kjv_chapters():
-                if sources.split_of(ref, LM_SPLITS) == split:
+                if raw_files.split_of(ref, LM_SPLITS) == split:
                     yield ref, {"doc_id": ref, "text": text}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.data import datasets, sources
+from moejax.data import datasets, raw_files
 
 __all__ = ["CARDS", "measure", "write_cards"]
 
@@ -28,7 +28,7 @@ def _stdlib_licence() -> Path | None:
 
 
 def _pip_licence(module: str, dist_glob: str, name: str) -> Path:
-    pkg = sources.pip_data_file(module, "", module)
+    pkg = raw_files.pip_data_file(module, "", module)
     hits = sorted(pkg.parent.glob(f"{dist_glob}*.dist-info/**/{name}"), key=str)
     if not hits:
         raise FileNotFoundError(f"licence file {name} of {module} not found")

@@ -11,7 +11,7 @@ slice (first ``n`` examples of each split, for tests) into ``<data dir>/_slices/
 never be mistaken for the full dataset.
 
 TFDS writes into an ``incomplete.*`` directory and renames it on success; a failed build (missing
-raw data raises :class:`~moejax.data.sources.MissingDataError` before writing) leaves nothing
+raw data raises :class:`~moejax.data.raw_files.MissingDataError` before writing) leaves nothing
 behind in the data directory.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
-from moejax.data import sources
+from moejax.data import raw_files
 from moejax.data.builders_images import MoejaxDigits, MoejaxMnist5k
 from moejax.data.builders_labelled import MoejaxChitchat, MoejaxWordnetGlosses
 from moejax.data.builders_text import MoejaxProse, MoejaxStdlibCode
@@ -47,7 +47,7 @@ SPLITS = ("train", "validation", "test")
 
 
 def _resolve_dir(data_dir, max_examples_per_split) -> Path:
-    root = sources.data_dir(data_dir)
+    root = raw_files.data_dir(data_dir)
     if max_examples_per_split is not None:
         root = root / "_slices" / f"max{int(max_examples_per_split)}"
     return root

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.data import datasets, sources
+from moejax.data import datasets, raw_files
 from moejax.data.batches import (
     ClassificationBatches,
     PackedLMBatches,
@@ -202,7 +202,7 @@ def bpe_for(
     Cached at ``<data dir>/tokenizers/<name>-bpe<vocab_size>/tokenizer.json`` (written
     atomically); later calls load it.
     """
-    root = sources.data_dir(data_dir)
+    root = raw_files.data_dir(data_dir)
     if max_examples_per_split is not None:
         root = root / "_slices" / f"max{int(max_examples_per_split)}"
     path = (

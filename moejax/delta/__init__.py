@@ -1,6 +1,8 @@
 """Delta-parameter tools (SPEC section 3): delta/apply, DARE & DAREx-q (global, searched,
 analytic per-layer q), importance & structural pruning, k-bit quantisation, compact
-pickle-free storage and LoRA. Pure functions on any JAX pytree; no model code."""
+pickle-free storage and LoRA; matrix-input capture for WANDA / analytic q; the pruning
+methods of the DAREx studies behind one name each (methods). Pure functions on any JAX
+pytree; no model code."""
 
 from moejax.delta.analytic_q import (
     EtaSearchResult,
@@ -13,6 +15,7 @@ from moejax.delta.analytic_q import (
     search_eta_e,
     search_eta_v,
 )
+from moejax.delta.capture import MatrixInputStats, matmul_input_stats
 from moejax.delta.dare import (
     GridSearchResult,
     dare,
@@ -48,6 +51,15 @@ from moejax.delta.lora import (
     lora_merge,
     lora_num_params,
 )
+from moejax.delta.methods import (
+    METHODS,
+    MethodName,
+    PruneContext,
+    delta_stats,
+    eta_grid,
+    run_methods,
+    run_one,
+)
 from moejax.delta.quant import (
     QuantizedLeaf,
     dequantize,
@@ -82,6 +94,15 @@ from moejax.delta.tree import (
 )
 
 __all__ = [
+    "MatrixInputStats",
+    "matmul_input_stats",
+    "METHODS",
+    "MethodName",
+    "PruneContext",
+    "delta_stats",
+    "eta_grid",
+    "run_methods",
+    "run_one",
     "EtaSearchResult",
     "GridSearchResult",
     "InputStats",

@@ -19,7 +19,9 @@ channel). Codes are uint8 in ``[0, L-1]``; see :mod:`moejax.delta.storage` for p
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+import dataclasses
+import functools
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +41,18 @@ __all__ = [
 Granularity = Literal["tensor", "channel", "group"]
 
 
-class QuantizedLeaf(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "step", "offset"],
+    meta_fields=["bits", "symmetric", "granularity", "group_size", "in_axis", "dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class QuantizedLeaf:
     """Codes ``[...]`` (uint8, original shape), block ``step`` and ``offset`` arrays
-    (block shape, broadcastable after grouping), and the static settings."""
+    (block shape, broadcastable after grouping), and the static settings.
+
+    A registered pytree: the three arrays are its children, the settings static metadata, so
+    quantised trees pass through ``jax.tree`` functions and ``jax.jit``."""
 
     codes: np.ndarray
     step: np.ndarray

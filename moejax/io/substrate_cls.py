@@ -12,19 +12,16 @@ Metrics: ``val_accuracy``/``val_loss`` on (a fixed slice of) the validation spli
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
+from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
 from moejax.io._common import jit_init
 from moejax.nn.encoder import SequenceClassifier, ViT, minilm_l6_config, vit_config
-from moejax.ops.losses import accuracy, cross_entropy
 from moejax.train.optim import TrainConfig
 
 __all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "vit_substrate_config",
@@ -34,42 +31,8 @@ __all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "vit_substrate_config",
 WORDNET_CLASSES = {"pos": 4, "lexname": 45}
 
 
-def classifier_loss_fn(model, batch, key, train: bool = True):
-    """Cross-entropy of ``model(inputs[, mask_BT])`` logits on ``batch["labels"]``."""
-    kw = {"mask_BT": batch["mask"] > 0} if "mask" in batch else {}
-    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
-    ce = cross_entropy(logits, batch["labels"])
-    aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
-    return ce + aux_loss, {"ce": ce, "aux_loss": aux_loss,
-                           "accuracy": accuracy(logits, batch["labels"])}
-
-
-@partial(jax.jit, static_argnums=0)
-def _log_probs(graphdef, state, inputs, mask):
-    model = nnx.merge(graphdef, state)
-    kw = {} if mask is None else {"mask_BT": mask > 0}
-    logits, _ = model(inputs, train=False, **kw)
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-
-def _evaluator(inputs, labels, mask=None, batch_size: int = 256):
-    """``evaluate(model) -> {"loss", "accuracy"}`` over all given rows. The last batch is
-    padded (and the padding ignored), so every batch has one shape: one compilation."""
-    n = len(labels)
-    bs = min(batch_size, n)
-
-    def evaluate(model, step=None):
-        graphdef, state = nnx.split(model)
-        lp = []
-        for s in range(0, n, bs):
-            idx = np.minimum(np.arange(s, s + bs), n - 1)  # pad by repeating the last row
-            m = None if mask is None else mask[idx]
-            lp.append(np.asarray(_log_probs(graphdef, state, inputs[idx], m))[: n - s])
-        logp = np.concatenate(lp)
-        return {"loss": float(-logp[np.arange(n), labels].mean()),
-                "accuracy": float((logp.argmax(-1) == labels).mean())}
-
-    return evaluate
+def _evaluator(inputs, labels, mask=None):
+    return ClassifierEvaluator(inputs, labels, mask)
 
 
 # ------------------------------------------------------------------------------------- ViT

@@ -14,21 +14,19 @@ perplexity; ``val_bpb`` = bits per byte).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Literal
 
-import jax
-import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.data.tokenizer import ByteTokenizer
+from moejax.evaluate import LMEvaluator
 from moejax.io._common import jit_init
 from moejax.nn.decoder import DecoderConfig, DecoderLM, dense_decoder_config
 from moejax.train.optim import TrainConfig
-from moejax.train.step import lm_loss_fn, make_eval_step
 
 __all__ = ["LMSubstrateConfig", "lm_config", "make_lm", "train_lm", "corpus_tokens",
            "lm_evaluator"]
@@ -93,39 +91,11 @@ def make_lm(cfg: LMSubstrateConfig) -> DecoderLM:
     return jit_init(lambda: DecoderLM(cfg.decoder_config(), rngs=nnx.Rngs(cfg.train.seed)))
 
 
-_EVAL_STEPS: dict = {}
-
-
-@functools.lru_cache(maxsize=4)
-def corpus_tokens(corpus: str, split: str) -> np.ndarray:
-    """All documents of ``corpus``/``split`` as one int32 byte-token stream (eos-separated)."""
-    from moejax.data import datasets
-
-    tok = ByteTokenizer()
-    docs = [tok.encode(datasets.decode_text(ex["text"]))
-            for ex in datasets.load_split(corpus, split)]
-    eos = np.asarray([tok.eos_id], np.int32)
-    out = np.concatenate([p for d in docs for p in (d, eos)]).astype(np.int32)
-    out.flags.writeable = False  # cached and shared
-    return out
-
-
-def lm_evaluator(cfg: LMSubstrateConfig, corpus: str | None = None):
-    """``evaluate(model) -> {"loss", "accuracy"}`` on fixed validation windows of ``corpus``."""
+def lm_evaluator(cfg: LMSubstrateConfig, corpus: str | None = None) -> LMEvaluator:
+    """Loss / accuracy / bits per byte on fixed validation windows of ``corpus``."""
     src = WindowBatches(corpus_tokens(corpus or cfg.corpus, "validation"),
                         batch_size=cfg.train.batch_size, seq_len=cfg.seq_len, seed=10_000)
-    batches = [src.batch(i) for i in range(cfg.eval_batches)]
-
-    def evaluate(model, step=None):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        if graphdef not in _EVAL_STEPS:  # one compilation per model structure
-            _EVAL_STEPS[graphdef] = make_eval_step(graphdef, lm_loss_fn)
-        fn = _EVAL_STEPS[graphdef]
-        ms = [jax.device_get(fn(params, rest, b, jax.random.key(0))) for b in batches]
-        return {"loss": float(np.mean([m["ce"] for m in ms])),
-                "accuracy": float(np.mean([m["accuracy"] for m in ms]))}
-
-    return evaluate
+    return LMEvaluator.from_source(src, cfg.eval_batches)
 
 
 def train_lm(cfg: LMSubstrateConfig, run_dir: str, deps: dict, progress: bool = False):

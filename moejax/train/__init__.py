@@ -2,7 +2,13 @@
 (checkpoint), the one training loop (loop), multi-process runtime (distributed)."""
 
 from moejax.train.loop import History, train, train_params
-from moejax.train.optim import TrainConfig, decay_mask, make_optimizer, make_schedule
+from moejax.train.optim import (
+    TrainConfig,
+    adam_linear_config,
+    decay_mask,
+    make_optimizer,
+    make_schedule,
+)
 from moejax.train.step import (
     NonFiniteError,
     TrainState,
@@ -16,6 +22,7 @@ from moejax.train.step import (
 
 __all__ = [
     "TrainConfig",
+    "adam_linear_config",
     "make_schedule",
     "make_optimizer",
     "decay_mask",

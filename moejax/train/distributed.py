@@ -120,10 +120,12 @@ def local_batch(source, position: int) -> dict[str, np.ndarray]:
     return local_slice(source.batch(position), pi, pc)
 
 
-def assemble(local: dict, mesh) -> dict[str, jax.Array]:
-    """Global ``jax.Array`` s (dim 0 over ``("data", "expert")``) from each process's rows."""
+def assemble(local, mesh):
+    """Global ``jax.Array`` s (dim 0 over ``("data", "expert")``) from each process's rows;
+    ``local`` is any pytree of arrays (a dict of named arrays, a tuple ...)."""
     sh = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sh, np.asarray(v)) for k, v in local.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sh, np.asarray(v)),
+                        local)
 
 
 def global_batch(source, position: int, mesh) -> dict[str, jax.Array]:

@@ -122,4 +122,4 @@ def shard_batch(batch, mesh: Mesh):
     """Place a full global batch (single process) on ``mesh``; see
     :func:`moejax.train.distributed.global_batch` for the multi-process version."""
     sh = batch_sharding(mesh)
-    return {k: _put(np.asarray(v), sh) for k, v in batch.items()}
+    return jax.tree.map(lambda v: _put(np.asarray(v), sh), batch)

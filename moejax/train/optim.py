@@ -3,7 +3,7 @@
 ``TrainConfig`` holds every knob of a training run. :func:`make_schedule` turns it into a
 ``step -> lr`` function and :func:`make_optimizer` into an optax chain::
 
-    [clip_by_global_norm(grad_clip)]  ->  adamw / adam / sgd(schedule)
+    [clip_by_global_norm(grad_clip)]  ->  adamw / adam / sgd / adamr(schedule)
 
 Weight decay (decoupled for ``adamw``, added to the gradient for ``sgd``) skips norms and
 biases: see :func:`decay_mask`.
@@ -29,9 +29,11 @@ import jax
 import optax
 
 from moejax.config import Config, config
+from moejax.optim.adamr import adamr
 from moejax.pytree import path_names
 
-__all__ = ["TrainConfig", "make_schedule", "make_optimizer", "decay_mask", "wsd_decay_start"]
+__all__ = ["TrainConfig", "adam_linear_config", "make_schedule", "make_optimizer", "decay_mask",
+           "wsd_decay_start"]
 
 
 @config
@@ -45,7 +47,9 @@ class TrainConfig(Config):
     warmup_steps: int = 0
     decay_fraction: float = 0.1  # WSD: fraction of ``steps`` spent decaying
     min_lr_ratio: float = 0.1
-    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    # adamr_l2 / adamr_l1: AdamR (DAREx Algorithm 1), weight_decay is its lambda (anchored
+    # at the initial params, every leaf)
+    optimizer: Literal["adamw", "adam", "sgd", "adamr_l2", "adamr_l1"] = "adamw"
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -93,7 +97,8 @@ class TrainConfig(Config):
             f"weight_decay={self.weight_decay} has no effect with optimizer='adam'; use "
             "optimizer='adamw' (decoupled decay) or set weight_decay=0",
         )
-        r(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 = off)")
+        r(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+          f"grad_clip={self.grad_clip} must be finite and >= 0 (0 = off)")
         r(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
         r(
             self.batch_size % self.grad_accum == 0,
@@ -115,6 +120,17 @@ class TrainConfig(Config):
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.grad_accum
+
+
+def adam_linear_config(steps: int, lr: float, *, batch_size: int, optimizer: str = "adam",
+                       weight: float = 0.0, warmup: int = 0, seed: int = 0) -> TrainConfig:
+    """The DAREx studies' recipe: Adam / AdamW / AdamR (``weight`` = weight decay or AdamR's
+    lambda; b2 = 0.999), ``warmup`` linear warmup steps (at most ``steps``), then linear decay
+    to 0.1 lr; global-norm clipping at 1."""
+    return TrainConfig(steps=steps, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                       weight_decay=weight, b2=0.999, warmup_steps=min(warmup, steps),
+                       schedule="linear", min_lr_ratio=0.1, grad_clip=1.0, log_every=50,
+                       seed=seed)
 
 
 def wsd_decay_start(cfg: TrainConfig) -> int:
@@ -184,6 +200,9 @@ def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformat
                 mask=decay_mask,
             )
         )
+    elif cfg.optimizer in ("adamr_l2", "adamr_l1"):
+        parts.append(adamr(schedule, cfg.weight_decay, reg=cfg.optimizer[-2:], b1=cfg.b1,
+                           b2=cfg.b2, eps=cfg.eps))
     elif cfg.optimizer == "adam":
         parts.append(optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
     else:  # sgd; b1 is the momentum (0 = plain SGD)

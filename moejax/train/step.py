@@ -251,10 +251,11 @@ def make_train_step(
     params, see :func:`_loss_and_grad`).
 
     Metrics: ``loss``, ``grad_norm`` (before clipping), ``finite``, ``lr`` (from ``schedule``,
-    else from an ``optax.inject_hyperparams`` state) and the loss_fn's metrics. With ``mesh`` the step is jitted with explicit
-    in/out shardings from :mod:`moejax.train.mesh` (state: expert params over ``"expert"``,
-    the rest replicated; batch: dim 0 over ``("data", "expert")``); the shardings are built
-    from the first state passed in. ``donate=True`` donates the input state's buffers.
+    else from an ``optax.inject_hyperparams`` state) and the loss_fn's metrics. With ``mesh``
+    the step is jitted with explicit in/out shardings from :mod:`moejax.train.mesh` (state:
+    expert params over ``"expert"``, the rest replicated; batch: dim 0 over
+    ``("data", "expert")``); the shardings are built from the first state passed in.
+    ``donate=True`` donates the input state's buffers.
     """
     if mesh is None:
         fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule)

@@ -11,7 +11,7 @@ primitive is bound as in ``jax.core.eval_jaxpr``.
     stats = matmul_input_stats(lambda prm: model_fn(prm, batch), params)
     stats["blocks/0/ffn/w_up"].mean_abs, .l2    # [d_in] each
 
-Used by the DAREx experiments (a helper, not an experiment module).
+Used by WANDA and the analytic per-layer q (:mod:`moejax.delta.methods`).
 """
 
 from __future__ import annotations

@@ -4,28 +4,28 @@ import os
 
 import pytest
 
-from moejax.data import datasets, sources
+from moejax.data import datasets, raw_files
 
 
 def test_split_of_is_stable_and_matches_fractions():
     fr = {"train": 0.8, "validation": 0.1, "test": 0.1}
     keys = [f"doc{i}" for i in range(4000)]
-    a = [sources.split_of(k, fr) for k in keys]
-    b = [sources.split_of(k, fr) for k in reversed(keys)][::-1]
+    a = [raw_files.split_of(k, fr) for k in keys]
+    b = [raw_files.split_of(k, fr) for k in reversed(keys)][::-1]
     assert a == b  # independent of order
-    assert sources.split_of("doc17", fr) == a[17]
+    assert raw_files.split_of("doc17", fr) == a[17]
     for name, share in fr.items():
         assert abs(a.count(name) / len(keys) - share) < 0.03
     with pytest.raises(ValueError, match="sum to 1"):
-        sources.split_of("x", {"train": 0.5})
+        raw_files.split_of("x", {"train": 0.5})
 
 
 def test_data_dir_override_order(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEJAX_DATA_DIR", str(tmp_path / "env"))
-    assert sources.data_dir() == tmp_path / "env"
-    assert sources.data_dir(tmp_path / "arg") == tmp_path / "arg"
+    assert raw_files.data_dir() == tmp_path / "env"
+    assert raw_files.data_dir(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("MOEJAX_DATA_DIR")
-    assert str(sources.data_dir()).endswith(os.path.join(".cache", "moejax", "tfds"))
+    assert str(raw_files.data_dir()).endswith(os.path.join(".cache", "moejax", "tfds"))
 
 
 def _listing(root):
@@ -33,8 +33,8 @@ def _listing(root):
 
 
 def test_missing_apt_source_names_install_command_and_writes_nothing(monkeypatch, tmp_path):
-    monkeypatch.setattr(sources, "PYDOC_SOURCES", tmp_path / "nowhere")
-    with pytest.raises(sources.MissingDataError) as err:
+    monkeypatch.setattr(raw_files, "PYDOC_SOURCES", tmp_path / "nowhere")
+    with pytest.raises(raw_files.MissingDataError) as err:
         datasets.get_builder("prose/pydoc", data_dir=tmp_path / "data")
     msg = str(err.value)
     assert "apt-get install -y python3.11-doc" in msg and "install_data_deps.sh" in msg
@@ -44,14 +44,14 @@ def test_missing_apt_source_names_install_command_and_writes_nothing(monkeypatch
 
 
 def test_missing_pip_source_names_install_command(monkeypatch, tmp_path):
-    with pytest.raises(sources.MissingDataError, match="pip install --no-deps no-such-dist"):
-        sources.pip_data_file("no_such_module_xyz", "data.json", "no-such-dist")
-    monkeypatch.setattr(sources, "WORDNET_DIR", tmp_path)
-    with pytest.raises(sources.MissingDataError, match="apt-get install -y wordnet-base"):
+    with pytest.raises(raw_files.MissingDataError, match="pip install --no-deps no-such-dist"):
+        raw_files.pip_data_file("no_such_module_xyz", "data.json", "no-such-dist")
+    monkeypatch.setattr(raw_files, "WORDNET_DIR", tmp_path)
+    with pytest.raises(raw_files.MissingDataError, match="apt-get install -y wordnet-base"):
         datasets.get_builder("wordnet_glosses", data_dir=tmp_path / "data")
-    monkeypatch.setattr(sources, "BIBLE_EXE", "no-such-bible-program")
-    with pytest.raises(sources.MissingDataError, match="bible-kjv bible-kjv-text"):
-        sources.bible_executable()
+    monkeypatch.setattr(raw_files, "BIBLE_EXE", "no-such-bible-program")
+    with pytest.raises(raw_files.MissingDataError, match="bible-kjv bible-kjv-text"):
+        raw_files.bible_executable()
 
 
 def test_failed_generation_leaves_no_partial_dataset(monkeypatch, tmp_path):

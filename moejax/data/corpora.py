@@ -1,0 +1,76 @@
+"""The text corpora the language-model studies read, by name, as one flat array per split.
+
+* ``corpus_bytes(name, split, max_bytes=None)``: UTF-8 bytes (uint8), documents separated by a
+  NUL byte, for a vocabulary of the 256 raw bytes;
+* ``corpus_tokens(name, split, tokenizer=None)``: int32 ids; without a tokenizer
+  :class:`~moejax.data.tokenizer.ByteTokenizer` ids with ``eos`` between documents (vocabulary
+  259), otherwise ``tokenizer.encode`` of the whole text (e.g. SmolLM2's BPE).
+
+Names (``CORPORA``): ``stdlib_code`` (the CPython standard library source), and the TFDS text
+datasets ``prose/pydoc`` (Python documentation sources) and ``prose/kjv`` (King James Bible).
+Splits are per document (stable hashes, see :mod:`moejax.data.raw_files`). One exception:
+``corpus_bytes("stdlib_code", ...)`` reads the installed ``.py`` files directly
+(:func:`~moejax.data.stdlib_corpus.load_stdlib_bytes`: 5% of files by path hash are
+validation, no TFDS build needed), while its token stream comes from the TFDS builder like
+every other corpus; the two split the files differently. Missing data raises
+``MissingDataError`` naming the install command. Windows over these arrays are
+:class:`moejax.data.lm_batches.WindowBatches`, a batch source as defined in
+:mod:`moejax.data.source`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from moejax.data.stdlib_corpus import load_stdlib_bytes
+from moejax.data.tokenizer import ByteTokenizer
+
+__all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts"]
+
+CORPORA = ("stdlib_code", "prose/pydoc", "prose/kjv")
+
+
+def _check(name: str) -> None:
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; available: {', '.join(CORPORA)}")
+
+
+@functools.lru_cache(maxsize=8)
+def corpus_texts(name: str, split: str) -> tuple[str, ...]:
+    """The documents of a corpus from its TFDS builder."""
+    _check(name)
+    from moejax.data import datasets
+
+    return tuple(datasets.decode_text(ex["text"]) for ex in datasets.load_split(name, split))
+
+
+def corpus_bytes(name: str, split: str, max_bytes: int | None = None) -> np.ndarray:
+    """UTF-8 bytes of ``name``/``split`` (NUL between documents), cut to ``max_bytes``."""
+    _check(name)
+    if name == "stdlib_code":
+        return load_stdlib_bytes(split, max_bytes=max_bytes)
+    data = b"".join(t.encode("utf-8") + b"\0" for t in corpus_texts(name, split))
+    return np.frombuffer(data[:max_bytes] if max_bytes else data, np.uint8)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_token_stream(name: str, split: str) -> np.ndarray:
+    tok = ByteTokenizer()
+    docs = corpus_texts(name, split)
+    eos = np.asarray([tok.eos_id], np.int32)
+    out = np.concatenate([p for d in docs for p in (tok.encode(d), eos)]).astype(np.int32)
+    out.flags.writeable = False  # cached and shared
+    return out
+
+
+def corpus_tokens(name: str, split: str, tokenizer=None, max_bytes: int | None = None):
+    """Token ids of ``name``/``split`` (see the module docstring)."""
+    _check(name)
+    if tokenizer is None and max_bytes is None:
+        return _byte_token_stream(name, split)
+    raw = corpus_bytes(name, split, max_bytes)
+    text = bytes(raw).replace(b"\0", b"\n\n").decode("utf-8", "replace")
+    tok = tokenizer or ByteTokenizer()
+    return np.asarray(tok.encode(text), np.int32)

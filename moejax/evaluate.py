@@ -1,0 +1,169 @@
+"""The evaluators every study uses.
+
+* :class:`LMEvaluator`: language-model loss (nats/token), next-token accuracy and bits per
+  byte on fixed held-out batches; XLA's compiled memory analysis of the evaluation step (the
+  inference peak). One compilation per model structure.
+* :class:`ClassifierEvaluator`: loss, accuracy and Matthews correlation (multi-class MCC) of a
+  classifier over every row of a split, in fixed-shape batches (one compilation).
+* :func:`matthews_corrcoef`: the multi-class MCC (Gorodkin 2004) from labels.
+
+Both evaluators take an ``nnx.Module`` or, for functional code, a params pytree after
+``bind(graphdef, rest)``. Generation metrics (sampled continuations, ROUGE) belong here too,
+beside these two, when a study needs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.ops.losses import accuracy, cross_entropy
+from moejax.train.loop import compiled_memory
+from moejax.train.step import lm_loss_fn, make_eval_step
+
+__all__ = ["LMEvaluator", "ClassifierEvaluator", "matthews_corrcoef", "classifier_loss_fn"]
+
+
+def classifier_loss_fn(model, batch, key=None, train: bool = True):
+    """Cross-entropy of ``model(inputs[, mask_BT])`` logits on ``batch["labels"]`` plus the
+    model's ``aux_loss``; metrics ``ce``, ``aux_loss``, ``accuracy``."""
+    kw = {"mask_BT": batch["mask"] > 0} if "mask" in batch else {}
+    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
+    ce = cross_entropy(logits, batch["labels"])
+    aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
+    return ce + aux_loss, {"ce": ce, "aux_loss": aux_loss,
+                           "accuracy": accuracy(logits, batch["labels"])}
+
+
+class _Bound:
+    """``evaluator.bind(graphdef, rest)``: the evaluator as a function of params only."""
+
+    def __init__(self, evaluator, graphdef, rest):
+        self.evaluator, self.graphdef, self.rest = evaluator, graphdef, rest
+
+    def __call__(self, params) -> dict:
+        return self.evaluator._evaluate(self.graphdef, params, self.rest)
+
+
+class _Evaluator:
+    def bind(self, graphdef, rest) -> _Bound:
+        return _Bound(self, graphdef, rest)
+
+    def __call__(self, model: nnx.Module, step: int | None = None) -> dict:
+        """Metrics of ``model`` (``step`` is accepted so this can be a loop ``eval_fn``)."""
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return self._evaluate(graphdef, params, rest)
+
+
+class LMEvaluator(_Evaluator):
+    """Mean ``loss`` (cross-entropy, nats/token), ``accuracy`` and ``bpb`` (bits per byte) over
+    fixed batches. ``bytes_per_token``: UTF-8 bytes per token of the corpus (1 for byte-level
+    tokens); ``bpb = loss / ln 2 / bytes_per_token``."""
+
+    def __init__(self, batches: Sequence[dict], *, bytes_per_token: float = 1.0,
+                 loss_fn: Callable = lm_loss_fn):
+        if not batches:
+            raise ValueError("LMEvaluator needs at least one batch")
+        self.batches, self.bytes_per_token, self.loss_fn = list(batches), bytes_per_token, loss_fn
+        self._fns: dict = {}
+
+    @classmethod
+    def from_source(cls, source, n_batches: int, **kw) -> LMEvaluator:
+        """The first ``n_batches`` batches of a batch source (a held-out split)."""
+        return cls([source.batch(i) for i in range(n_batches)], **kw)
+
+    def _compiled(self, graphdef, params, rest):
+        fn = self._fns.get(graphdef)
+        if fn is None:
+            step = make_eval_step(graphdef, self.loss_fn)
+            fn = step.lower(params, rest, self.batches[0], jax.random.key(0)).compile()
+            self._fns[graphdef] = fn
+        return fn
+
+    def _evaluate(self, graphdef, params, rest) -> dict:
+        fn = self._compiled(graphdef, params, rest)
+        key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
+        ms = jax.device_get([fn(params, rest, b, key) for b in self.batches])
+        loss = float(np.mean([m["ce"] for m in ms]))
+        return {"loss": loss, "accuracy": float(np.mean([m["accuracy"] for m in ms])),
+                "bpb": loss / math.log(2) / self.bytes_per_token}
+
+    def memory(self, model: nnx.Module) -> dict:
+        """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch)."""
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        return compiled_memory(self._compiled(graphdef, params, rest))
+
+
+def matthews_corrcoef(y_true, y_pred, n_classes: int | None = None) -> float:
+    """Multi-class Matthews correlation from the confusion matrix ``C``:
+    ``(c s - sum_k p_k t_k) / sqrt((s^2 - sum_k p_k^2)(s^2 - sum_k t_k^2))`` with ``c`` the
+    correct count, ``s`` the total, ``t_k``/``p_k`` true/predicted counts of class ``k``;
+    0 when a denominator factor is 0 (one class only). Binary: the usual MCC."""
+    y_true, y_pred = np.asarray(y_true, np.int64), np.asarray(y_pred, np.int64)
+    k = int(n_classes or max(y_true.max(initial=0), y_pred.max(initial=0)) + 1)
+    conf = np.zeros((k, k), np.float64)
+    np.add.at(conf, (y_true, y_pred), 1.0)
+    t, p = conf.sum(1), conf.sum(0)
+    c, s = np.trace(conf), conf.sum()
+    den = math.sqrt((s * s - p @ p) * (s * s - t @ t))
+    return float((c * s - p @ t) / den) if den > 0 else 0.0
+
+
+@jax.jit
+def _batch_stats(logits, labels, valid):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[:, None], 1)[:, 0]
+    return jnp.sum(nll * valid), jnp.argmax(logp, -1)
+
+
+class ClassifierEvaluator(_Evaluator):
+    """``loss``, ``accuracy`` and ``mcc`` over every row of ``inputs``/``labels`` (``mask``:
+    token mask of text inputs). Batches of ``batch_size`` rows; the last one is padded by
+    repeating its last row and the padding ignored, so there is one compilation."""
+
+    def __init__(self, inputs, labels, mask=None, *, batch_size: int = 256,
+                 n_classes: int | None = None):
+        self.inputs, self.labels, self.mask = np.asarray(inputs), np.asarray(labels), mask
+        self.n_classes, self.batch_size = n_classes, min(batch_size, len(self.labels))
+        self._fns: dict = {}
+
+    def _fn(self, graphdef):
+        """Jitted batch statistics; ``graphdef`` may also be a plain ``apply(params, inputs)``
+        function (a functional model, see :meth:`bind_fn`)."""
+        fn = self._fns.get(graphdef)
+        if fn is None:
+            @jax.jit
+            def fn(params, rest, inputs, mask, labels, valid):
+                if callable(graphdef) and not isinstance(graphdef, nnx.GraphDef):
+                    logits = graphdef(params, inputs)
+                else:
+                    kw = {} if mask is None else {"mask_BT": mask > 0}
+                    logits, _ = nnx.merge(graphdef, params, rest)(inputs, train=False, **kw)
+                return _batch_stats(logits, labels, valid)
+
+            self._fns[graphdef] = fn
+        return fn
+
+    def bind_fn(self, apply_fn: Callable) -> _Bound:
+        """The evaluator as a function of params for a functional model
+        ``apply_fn(params, inputs) -> logits``."""
+        return _Bound(self, apply_fn, None)
+
+    def _evaluate(self, graphdef, params, rest) -> dict:
+        fn, n, bs = self._fn(graphdef), len(self.labels), self.batch_size
+        nll, preds = 0.0, []
+        for s in range(0, n, bs):
+            idx = np.minimum(np.arange(s, s + bs), n - 1)
+            valid = (np.arange(s, s + bs) < n).astype(np.float32)
+            m = None if self.mask is None else np.asarray(self.mask)[idx]
+            total, pred = fn(params, rest, self.inputs[idx], m, self.labels[idx], valid)
+            nll += float(total)
+            preds.append(np.asarray(pred)[: n - s])
+        pred = np.concatenate(preds)
+        return {"loss": nll / n, "accuracy": float((pred == self.labels).mean()),
+                "mcc": matthews_corrcoef(self.labels, pred, self.n_classes)}
