@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
-from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -39,6 +39,7 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
 from moejax.ops.losses import cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
+from moejax.pytree import count_params
 from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM, sparsity_lm_loss_fn
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
@@ -122,7 +123,7 @@ def active_sets(spec: SparseLMConfig, layer_aux: dict):
 
 
 def param_counts(spec: SparseLMConfig, model) -> dict:
-    n = int(sum(np.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+    n = count_params(model)
     n_ffn = spec.n_layers * 2 * spec.d_model * spec.d_expert * spec.n_experts
     return {"params": n, "ffn_params": n_ffn}
 
@@ -156,9 +157,9 @@ def evaluate(spec: SparseLMConfig, model, batches, chunk_lens=CHUNK_LENS) -> dic
 
 
 def data_sources(batch_size: int, seq_len: int, seed: int, eval_batches: int):
-    train_src = WindowBatches(load_stdlib_bytes("train"), batch_size=batch_size,
+    train_src = WindowBatches(corpus_bytes("stdlib_code", "train"), batch_size=batch_size,
                               seq_len=seq_len, seed=seed)
-    val = WindowBatches(load_stdlib_bytes("validation"), batch_size=batch_size,
+    val = WindowBatches(corpus_bytes("stdlib_code", "validation"), batch_size=batch_size,
                         seq_len=seq_len, seed=10_000 + seed)
     return train_src, [val.batch(i) for i in range(eval_batches)]
 

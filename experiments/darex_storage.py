@@ -95,7 +95,7 @@ def mlp_source(cfg: StorageConfig):
                                 finetune_steps=cfg.mlp_steps, seed=cfg.seed)
     tasks = ctl.load_tasks(cfg.seed)
     pre, tuned = ctl.pretrain_and_finetune(ccfg, tasks, regs=("l2",))
-    return pre, dl.delta(pre, tuned["l2"]), lambda prm: ctl.accuracy(prm, tasks["B", "test"])
+    return pre, dl.delta(pre, tuned["l2"]), ctl.accuracy_of(tasks["B", "test"])
 
 
 # ------------------------------------------------------------------------------ encode / decode

@@ -1,0 +1,56 @@
+"""The shared evaluators: MCC against the binary formula and its invariants, the classifier
+evaluator against a direct computation (padding of the last batch ignored), bits per byte,
+and the pytree counters."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.evaluate import ClassifierEvaluator, LMEvaluator, matthews_corrcoef
+from moejax.pytree import count_bytes, count_params
+from tests.test_train_utils import TinyMoELM, ToySource
+
+
+def test_mcc_binary_formula_and_invariants():
+    rng = np.random.default_rng(0)
+    y, p = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+    tp = np.sum((y == 1) & (p == 1)); tn = np.sum((y == 0) & (p == 0))  # noqa: E702
+    fp = np.sum((y == 0) & (p == 1)); fn = np.sum((y == 1) & (p == 0))  # noqa: E702
+    want = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert abs(matthews_corrcoef(y, p) - want) < 1e-12
+    y3 = rng.integers(0, 3, 100)
+    assert matthews_corrcoef(y3, y3) == 1.0
+    assert matthews_corrcoef(y3, np.zeros_like(y3)) == 0.0  # constant prediction
+    perm = np.array([2, 0, 1])  # relabelling both sides leaves MCC unchanged
+    q3 = rng.integers(0, 3, 100)
+    assert abs(matthews_corrcoef(perm[y3], perm[q3]) - matthews_corrcoef(y3, q3)) < 1e-12
+
+
+def test_classifier_evaluator_matches_direct_computation_with_padding():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(37, 5)).astype(np.float32)
+    y = rng.integers(0, 4, 37)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)}
+    apply = lambda p, inputs: inputs @ p["w"]  # noqa: E731
+    got = ClassifierEvaluator(x, y, batch_size=16).bind_fn(apply)(params)
+    logp = jax.nn.log_softmax(x @ np.asarray(params["w"]))
+    np.testing.assert_allclose(got["loss"], -np.mean(logp[np.arange(37), y]), rtol=1e-5)
+    pred = np.asarray(logp).argmax(-1)
+    assert got["accuracy"] == np.mean(pred == y)
+    assert got["mcc"] == matthews_corrcoef(y, pred, 4)
+
+
+def test_lm_evaluator_bits_per_byte_and_counters():
+    model = TinyMoELM(nnx.Rngs(0))
+    ev = LMEvaluator.from_source(ToySource(batch_size=4), 2, bytes_per_token=2.0)
+    out = ev(model)
+    assert out["bpb"] == out["loss"] / math.log(2) / 2.0 and out["loss"] > 0
+    mem = ev.memory(model)
+    assert mem["peak_bytes"] >= mem["argument_bytes"] > 0
+    params = nnx.state(model, nnx.Param)
+    n = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    assert count_params(model) == count_params(params) == n
+    assert count_bytes({"a": np.zeros((3, 2), np.float32), "b": np.zeros(5, np.int8)}) == 29
