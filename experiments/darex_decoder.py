@@ -109,6 +109,7 @@ def build_models(cfg: DecoderStudyConfig):
 
 def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     graphdef, rest, pre, tok = build_models(cfg)
+    loss_fn = _loss(graphdef, rest)  # one function: the fine-tuning step compiles once
     code = lambda split: (corpus_bytes("stdlib_code", split, cfg.corpus_bytes) if tok is None
                           else corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes))
     train_src = WindowBatches(code("train"), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
@@ -132,7 +133,7 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
         tcfg = adam_linear_config(cfg.finetune_steps, cfg.lr_finetune, batch_size=cfg.batch_size,
                                   optimizer="adam" if opt == "adamw" else opt, weight=weight,
                                   warmup=20, seed=cfg.seed)
-        tuned[opt], _ = train_params(pre, train_src, tcfg, _loss(graphdef, rest),
+        tuned[opt], _ = train_params(pre, train_src, tcfg, loss_fn,
                                      desc=f"finetune code ({opt})")
     label = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
     for opt, fin in tuned.items():

@@ -126,9 +126,10 @@ class ClassifierEvaluator(_Evaluator):
     token mask of text inputs). Batches of ``batch_size`` rows; the last one is padded by
     repeating its last row and the padding ignored, so there is one compilation."""
 
-    def __init__(self, inputs, labels, mask=None, *, batch_size: int = 256,
+    def __init__(self, inputs, labels, mask=None, *, batch_size: int = 1024,
                  n_classes: int | None = None):
-        self.inputs, self.labels, self.mask = np.asarray(inputs), np.asarray(labels), mask
+        self.inputs, self.labels = np.asarray(inputs), np.asarray(labels)
+        self.mask = None if mask is None else np.asarray(mask)
         self.n_classes, self.batch_size = n_classes, min(batch_size, len(self.labels))
         self._fns: dict = {}
 
@@ -160,7 +161,7 @@ class ClassifierEvaluator(_Evaluator):
         for s in range(0, n, bs):
             idx = np.minimum(np.arange(s, s + bs), n - 1)
             valid = (np.arange(s, s + bs) < n).astype(np.float32)
-            m = None if self.mask is None else np.asarray(self.mask)[idx]
+            m = None if self.mask is None else self.mask[idx]
             total, pred = fn(params, rest, self.inputs[idx], m, self.labels[idx], valid)
             nll += float(total)
             preds.append(np.asarray(pred)[: n - s])

@@ -107,3 +107,15 @@ def test_tensorboard_events_and_memory_analysis(tmp_path):
     events = [f for f in os.listdir(tmp_path / "tb") if f.startswith("events.out")]
     assert events and os.path.getsize(tmp_path / "tb" / events[0]) > 0
     assert hist.memory["peak_bytes"] >= hist.memory["argument_bytes"] > 0
+
+
+def test_runs_of_one_recipe_share_one_jitted_step():
+    from moejax.train import loop
+
+    cfg = CFG.replace(steps=2)
+    train_params(P0, _regression, cfg, _mse, progress=False)
+    hits = loop._cached_step.cache_info().hits
+    _, h1 = train_params(P0, _regression, cfg.replace(seed=5, log_every=1), _mse, progress=False)
+    assert loop._cached_step.cache_info().hits == hits + 1  # seed / logging: same step
+    train_params(P0, _regression, cfg.replace(lr=0.5), _mse, progress=False)
+    assert loop._cached_step.cache_info().hits == hits + 1  # another lr: another step

@@ -32,7 +32,7 @@ from moejax.config import config
 from moejax.delta.quant import num_levels
 from moejax.ders.compress import CompressedDeRS
 from moejax.nn.ders import matrix_shapes
-from moejax.nn.moe import FFNWeights, MoEConfig, make_router, router_aux
+from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
 from moejax.ops.dispatch import ffn_apply
@@ -79,24 +79,22 @@ def unpack_codes(packed_B: jax.Array, bits: int, count: int) -> jax.Array:
     return (word >> shift) & ((1 << bits) - 1)
 
 
-class SynthMoE(nnx.Module):
-    """See the module docstring; same call contract and ``aux`` as the MoE slot."""
+class SynthMoE(MoESkeleton):
+    """See the module docstring: the MoE skeleton whose expert part synthesises one expert at a
+    time; same call contract and ``aux`` as the MoE slot."""
 
     def __init__(self, d_model: int, cfg: SynthMoEConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         m = cfg.moe
-        self.cfg, self.dtype, self.d_model, self.top_k = cfg, dtype, d_model, m.top_k
+        self.cfg, self.moe_cfg, self.dtype, self.d_model = cfg, m, dtype, d_model
+        self.top_k = m.top_k
         gated = is_gated(m.activation)
         self.shape_items = tuple(matrix_shapes(d_model, m.d_expert, gated).items())
         n = m.n_experts + (1 if cfg.extended else 0)
         self.n = n
         self.router = make_router(m, d_model, rngs=rngs, param_dtype=param_dtype)
-        if m.n_shared_experts > 0:
-            self.shared = FFNWeights(d_model, m.n_shared_experts * (m.d_shared or m.d_expert),
-                                     gated=gated, rngs=rngs, param_dtype=param_dtype)
-        if m.universal_ffn and not cfg.extended:
-            self.universal = FFNWeights(d_model, m.d_universal or m.d_expert, gated=gated,
-                                        rngs=rngs, param_dtype=param_dtype)
+        add_always_on(self, m, d_model, gated=gated, rngs=rngs, param_dtype=param_dtype,
+                      universal=not cfg.extended)
         z = lambda shape, dt=param_dtype: DeRSBuffer(jnp.zeros(shape, dt))  # noqa: E731
         for name, (di, do) in self.shape_items:
             setattr(self, f"base_{name}", z((di, do)))
@@ -133,31 +131,24 @@ class SynthMoE(nnx.Module):
         return ffn_apply(x_ND, w["up"], w["down"], w.get("gate"),
                          activation=self.cfg.moe.activation)
 
-    def __call__(self, x_BTD, *, train: bool = False, key=None, mask_BT=None,
-                 segment_ids_BT=None):
-        del segment_ids_BT  # token-wise routing ignores document ids
-        m = self.cfg.moe
-        B, T, D = x_BTD.shape
-        dt = self.dtype or x_BTD.dtype
-        x_ND = x_BTD.reshape(B * T, D).astype(dt)
-        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
-        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
-        comb_NE = jnp.zeros((B * T, m.n_experts), jnp.float32).at[
-            jnp.arange(B * T)[:, None], r.ids_NK].add(r.weights_NK)
+    def experts_out(self, x_ND, r, mask_N):
+        """Dropless: a scan over the experts, each synthesised only if a token chose it."""
+        N = x_ND.shape[0]
+        comb_NE = jnp.zeros((N, self.moe_cfg.n_experts), jnp.float32).at[
+            jnp.arange(N)[:, None], r.ids_NK].add(r.weights_NK)
 
         def body(y_ND, i):
             c_N = comb_NE[:, i]
             run = lambda y: y + (c_N[:, None] * self._ffn(x_ND, i)).astype(y.dtype)  # noqa
             return jax.lax.cond(jnp.any(c_N != 0), run, lambda y: y, y_ND), None
 
-        y_ND, _ = jax.lax.scan(body, jnp.zeros_like(x_ND), jnp.arange(m.n_experts))
-        if m.n_shared_experts > 0:
-            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
-        if m.universal_ffn:
-            y_ND = y_ND + (self._ffn(x_ND, self.n - 1) if self.cfg.extended
-                           else self.universal(x_ND, activation=m.activation))
-        aux = router_aux(m, r, mask_N, jnp.zeros((), jnp.float32), B, T)
-        return y_ND.reshape(B, T, D), aux
+        y_ND, _ = jax.lax.scan(body, jnp.zeros_like(x_ND), jnp.arange(self.moe_cfg.n_experts))
+        return y_ND, jnp.zeros((), jnp.float32)
+
+    def universal_ffn(self, x_ND):
+        if self.cfg.extended:
+            return self._ffn(x_ND, self.n - 1)
+        return super().universal_ffn(x_ND)
 
 
 def _leaf_index(c: CompressedDeRS) -> dict[str, int]:

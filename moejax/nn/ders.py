@@ -42,10 +42,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.nn.moe import FFNWeights, MoEConfig, make_router, router_aux
+from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
-from moejax.ops.dispatch import dispatch, ffn_apply
+from moejax.ops.dispatch import ffn_apply
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
            "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts"]
@@ -171,30 +171,25 @@ class _Base(nnx.Module):
         return getattr(self, f"w_{name}")[...]
 
 
-class DeRSMoE(nnx.Module):
-    """DeRS-upcycled top-k MoE slot (module docstring); same call contract and ``aux`` as
-    :class:`moejax.nn.moe.MoE`."""
+class DeRSMoE(MoESkeleton):
+    """DeRS-upcycled top-k MoE slot (module docstring): the MoE skeleton whose expert part
+    synthesises the stacked weights from ``W_shared`` and the increments; same call contract
+    and ``aux`` as :class:`moejax.nn.moe.MoE`."""
 
     def __init__(self, d_model: int, cfg: DeRSMoEConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         m = cfg.moe
-        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.cfg, self.moe_cfg, self.dtype, self.d_model = cfg, m, dtype, d_model
         self.top_k = m.top_k
         self.gated = is_gated(m.activation)
         self.router = make_router(m, d_model, rngs=rngs, param_dtype=param_dtype)
         shapes = matrix_shapes(d_model, m.d_expert, self.gated)
         self.base = _Base(shapes, frozen=cfg.freeze_shared, rngs=rngs, param_dtype=param_dtype)
         self.experts = DeltaStack(m.n_experts, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
-        if m.n_shared_experts > 0:
-            width = m.n_shared_experts * (m.d_shared or m.d_expert)
-            self.shared = FFNWeights(d_model, width, gated=self.gated, rngs=rngs,
-                                     param_dtype=param_dtype)
-        if m.universal_ffn:
-            if cfg.extended:
-                self.universal = DeltaStack(1, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
-            else:
-                self.universal = FFNWeights(d_model, m.d_universal or m.d_expert,
-                                            gated=self.gated, rngs=rngs, param_dtype=param_dtype)
+        add_always_on(self, m, d_model, gated=self.gated, rngs=rngs, param_dtype=param_dtype,
+                      universal=not cfg.extended)
+        if m.universal_ffn and cfg.extended:
+            self.universal = DeltaStack(1, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
 
     def expert_weights(self, stack: DeltaStack | None = None):
         """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``."""
@@ -202,33 +197,12 @@ class DeRSMoE(nnx.Module):
         w = {name: stack.synthesize(name, self.base.get(name)) for name, _ in stack.shape_items}
         return w["up"], w["down"], w.get("gate")
 
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-        del segment_ids_BT  # token-wise routing ignores document ids
-        m = self.cfg.moe
-        B, T, D = x_BTD.shape
-        if D != self.d_model:
-            raise ValueError(f"DeRSMoE: input width {D} != d_model {self.d_model}")
-        dt = self.dtype or x_BTD.dtype
-        x_ND = x_BTD.reshape(B * T, D).astype(dt)
-        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
-        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
-        w_up, w_down, w_gate = self.expert_weights()
-        out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
-                       activation=m.activation, capacity_factor=m.capacity_factor,
-                       valid_N=mask_N)
-        y_ND = out.y_ND
-        if m.n_shared_experts > 0:
-            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
-        if m.universal_ffn:
-            if self.cfg.extended:
-                u_up, u_down, u_gate = self.expert_weights(self.universal)
-                y_ND = y_ND + ffn_apply(x_ND, u_up[0], u_down[0],
-                                        None if u_gate is None else u_gate[0],
-                                        activation=m.activation)
-            else:
-                y_ND = y_ND + self.universal(x_ND, activation=m.activation)
-        return y_ND.reshape(B, T, D), router_aux(m, r, mask_N, out.dropped_fraction, B, T)
+    def universal_ffn(self, x_ND):
+        if not self.cfg.extended:
+            return super().universal_ffn(x_ND)
+        u_up, u_down, u_gate = self.expert_weights(self.universal)
+        return ffn_apply(x_ND, u_up[0], u_down[0], None if u_gate is None else u_gate[0],
+                         activation=self.moe_cfg.activation)
 
 
 def ders_param_counts(cfg: DeRSMoEConfig, d_model: int) -> dict[str, int]:

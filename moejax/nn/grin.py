@@ -53,11 +53,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.nn.moe import MoEConfig, StackedExperts, make_router, router_aux
+from moejax.nn.moe import MoEConfig, MoESkeleton, StackedExperts, make_router
 from moejax.nn.router import RouterOutput
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.dispatch import dispatch
 
 __all__ = ["GRINConfig", "GRIN", "SparseMixerNoise", "sparsemixer_v2", "sample_noise"]
 
@@ -163,7 +162,7 @@ def sparsemixer_v2(logits_NE, *, jitter_eps: float,
     return RouterOutput(ids_NK, weights_NK, jax.nn.softmax(s, axis=-1), s)
 
 
-class GRIN(nnx.Module):
+class GRIN(MoESkeleton):
     """GRIN top-2 MoE slot built from a :class:`GRINConfig` (see the module docstring).
     Parameters: ``router/w_g [D, E]``, ``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]``
     (+ ``experts/w_gate`` for gated activations)."""
@@ -172,6 +171,7 @@ class GRIN(nnx.Module):
                  param_dtype=jnp.float32):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         self.moe_cfg = cfg.moe_config()
+        self.top_k = 2
         self.router = make_router(self.moe_cfg, d_model, rngs=rngs, param_dtype=param_dtype)
         self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert,
                                       gated=is_gated(cfg.activation), rngs=rngs,
@@ -187,21 +187,3 @@ class GRIN(nnx.Module):
                     "PRNG key; pass key=jax.random.key(...), or use sample=False / train=False")
             noise = sample_noise(key, logits.shape[0], self.cfg.n_experts)
         return sparsemixer_v2(logits, jitter_eps=self.cfg.jitter_eps, noise=noise)
-
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-        del segment_ids_BT  # token-wise routing
-        cfg = self.cfg
-        B, T, D = x_BTD.shape
-        if D != self.d_model:
-            raise ValueError(f"GRIN: input width {D} != d_model {self.d_model}")
-        dt = self.dtype or x_BTD.dtype
-        x_ND = x_BTD.reshape(B * T, D).astype(dt)
-        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
-        r = self.route(x_ND, train=train, key=key)
-        w_up, w_down, w_gate = self.experts.weights()
-        out = dispatch(cfg.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
-                       activation=cfg.activation, capacity_factor=cfg.capacity_factor,
-                       valid_N=mask_N)
-        aux = router_aux(self.moe_cfg, r, mask_N, out.dropped_fraction, B, T)
-        return out.y_ND.reshape(B, T, D), aux

@@ -44,7 +44,8 @@ from moejax.ops import router_losses as rl
 from moejax.ops.activations import ActivationName, is_gated
 from moejax.ops.dispatch import dispatch, ffn_apply
 
-__all__ = ["MoEConfig", "MoE", "StackedExperts", "FFNWeights", "make_router", "router_aux"]
+__all__ = ["MoEConfig", "MoE", "MoESkeleton", "StackedExperts", "FFNWeights", "make_router",
+           "router_aux", "add_always_on"]
 
 
 @config
@@ -169,53 +170,85 @@ class FFNWeights(nnx.Module):
         return ffn_apply(x_ND, self.w_up[...], self.w_down[...], w_gate, activation=activation)
 
 
-class MoE(nnx.Module):
-    """Top-k MoE FFN slot built from a :class:`MoEConfig` (see the module docstring).
+class MoESkeleton(nnx.Module):
+    """The one top-k MoE forward every MoE slot shares::
+
+        r = route(x)                         # the router part (softmax / noisy / GRIN ...)
+        y = experts(x, r)                    # the expert part (stacked, DeRS, synthesised ...)
+        y += always_on(x)                    # shared experts + universal FFN
+        aux = router_aux(moe_cfg, r, ...)    # statistics and auxiliary losses, one place
+
+    A slot sets ``self.moe_cfg`` (its :class:`MoEConfig`), ``self.router``, ``self.dtype``,
+    ``self.d_model``, ``self.top_k`` and overrides the parts it changes: :meth:`route`,
+    :meth:`expert_weights` (stacked weights for :func:`moejax.ops.dispatch.dispatch`), or the
+    whole :meth:`experts`, and :meth:`universal_ffn`."""
+
+    def route(self, x_ND, *, train: bool, key):
+        return self.router(x_ND, train=train, key=key, top_k=self.top_k)
+
+    def expert_weights(self):
+        """``(w_up_EDF, w_down_EFD, w_gate_EDF or None)``."""
+        return self.experts.weights()
+
+    def experts_out(self, x_ND, r, mask_N):
+        """``(y_ND, dropped_fraction)``: the routed experts' combined output."""
+        m = self.moe_cfg
+        w_up, w_down, w_gate = self.expert_weights()
+        out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
+                       activation=m.activation, capacity_factor=m.capacity_factor,
+                       valid_N=mask_N)
+        return out.y_ND, out.dropped_fraction
+
+    def universal_ffn(self, x_ND):
+        return self.universal(x_ND, activation=self.moe_cfg.activation)
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+        del segment_ids_BT  # token-wise routing: document boundaries do not matter
+        m = self.moe_cfg
+        B, T, D = x_BTD.shape
+        if D != self.d_model:
+            raise ValueError(f"{type(self).__name__}: input width {D} != d_model {self.d_model}")
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D).astype(dt)
+        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
+        r = self.route(x_ND, train=train, key=key)  # float32 routing
+        y_ND, dropped = self.experts_out(x_ND, r, mask_N)
+        if m.n_shared_experts > 0:
+            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
+        if m.universal_ffn:
+            y_ND = y_ND + self.universal_ffn(x_ND)
+        return y_ND.reshape(B, T, D), router_aux(m, r, mask_N, dropped, B, T)
+
+
+def add_always_on(slot, moe: MoEConfig, d_model: int, *, gated: bool, rngs, param_dtype,
+                  universal: bool = True) -> None:
+    """Give ``slot`` the DeepSeekMoE shared experts and (``universal``) the universal FFN that
+    ``moe`` asks for, as plain FFNs."""
+    if moe.n_shared_experts > 0:
+        slot.shared = FFNWeights(d_model, moe.n_shared_experts * (moe.d_shared or moe.d_expert),
+                                 gated=gated, rngs=rngs, param_dtype=param_dtype)
+    if moe.universal_ffn and universal:
+        slot.universal = FFNWeights(d_model, moe.d_universal or moe.d_expert, gated=gated,
+                                    rngs=rngs, param_dtype=param_dtype)
+
+
+class MoE(MoESkeleton):
+    """Top-k MoE FFN slot built from a :class:`MoEConfig` (see the module docstring): the
+    skeleton with :class:`StackedExperts` and the configured router.
 
     ``self.top_k`` is a plain attribute: setting it (e.g. to ``n_experts`` to activate all
     experts for distillation) changes the routing of later calls (and retraces jit)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
-        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
-        self.top_k = cfg.top_k
+        self.cfg = self.moe_cfg = cfg
+        self.dtype, self.d_model, self.top_k = dtype, d_model, cfg.top_k
         gated = is_gated(cfg.activation)
         self.router = make_router(cfg, d_model, rngs=rngs, param_dtype=param_dtype)
         self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert, gated=gated,
                                       rngs=rngs, param_dtype=param_dtype)
-        if cfg.n_shared_experts > 0:
-            width = cfg.n_shared_experts * (cfg.d_shared or cfg.d_expert)
-            self.shared = FFNWeights(d_model, width, gated=gated, rngs=rngs,
-                                     param_dtype=param_dtype)
-        if cfg.universal_ffn:
-            self.universal = FFNWeights(d_model, cfg.d_universal or cfg.d_expert, gated=gated,
-                                        rngs=rngs, param_dtype=param_dtype)
-
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-        del segment_ids_BT  # token-wise routing: document boundaries do not matter
-        cfg = self.cfg
-        B, T, D = x_BTD.shape
-        if D != self.d_model:
-            raise ValueError(f"MoE: input width {D} != d_model {self.d_model}")
-        dt = self.dtype or x_BTD.dtype
-        x_ND = x_BTD.reshape(B * T, D).astype(dt)
-        mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
-
-        # Route (float32). top_k may have been changed on the instance after construction.
-        r = self.router(x_ND, train=train, key=key, top_k=self.top_k)
-        w_up, w_down, w_gate = self.experts.weights()
-        out = dispatch(cfg.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
-                       activation=cfg.activation, capacity_factor=cfg.capacity_factor,
-                       valid_N=mask_N)
-        y_ND = out.y_ND
-        if cfg.n_shared_experts > 0:
-            y_ND = y_ND + self.shared(x_ND, activation=cfg.activation)
-        if cfg.universal_ffn:
-            y_ND = y_ND + self.universal(x_ND, activation=cfg.activation)
-
-        aux = router_aux(self.cfg, r, mask_N, out.dropped_fraction, B, T)
-        return y_ND.reshape(B, T, D), aux
+        add_always_on(self, cfg, d_model, gated=gated, rngs=rngs, param_dtype=param_dtype)
 
 
 def make_router(cfg: MoEConfig, d_model: int, *, rngs, param_dtype=jnp.float32):

@@ -124,6 +124,8 @@ def assemble(local, mesh):
     """Global ``jax.Array`` s (dim 0 over ``("data", "expert")``) from each process's rows;
     ``local`` is any pytree of arrays (a dict of named arrays, a tuple ...)."""
     sh = batch_sharding(mesh)
+    if jax.process_count() == 1:  # arrays already on a device stay there (no host round trip)
+        return jax.tree.map(lambda v: jax.device_put(v, sh), local)
     return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sh, np.asarray(v)),
                         local)
 

@@ -34,6 +34,7 @@ call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measu
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -215,6 +216,31 @@ def train_params(
     return params, history
 
 
+def _build_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
+    schedule = None
+    if tx is None:
+        schedule = make_schedule(cfg)
+        tx = make_optimizer(cfg, schedule)
+    return tx, make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh,
+                               donate=True)
+
+
+# Jitted steps keyed by what they are built from, so that repeated runs of one recipe (seeds,
+# methods) compile once, as jax.jit's own cache would for one function object. Bounded.
+_cached_step = functools.lru_cache(maxsize=16)(_build_step)
+_NOT_IN_STEP = dict(seed=0, log_every=1, eval_every=0, ckpt_every=0, keep_checkpoints=1,
+                    tensorboard=False)
+
+
+def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
+    """``(tx, jitted step)``; settings that do not change the step (seed, logging) are
+    dropped from the cache key."""
+    try:
+        return _cached_step(graphdef, loss_fn, tx, cfg.replace(**_NOT_IN_STEP), mesh)
+    except TypeError:  # something unhashable: build without the cache
+        return _build_step(graphdef, loss_fn, tx, cfg, mesh)
+
+
 def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, config, mesh,
          progress, measure_memory, desc):
     if callable(source) and not hasattr(source, "batch"):
@@ -225,15 +251,12 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
             "build the source with the training batch size"
         )
     config = cfg if config is None else config
-    schedule = None
-    if tx is None:
-        schedule = make_schedule(cfg)
-        tx = make_optimizer(cfg, schedule)
+    mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if mesh is None else mesh
+    tx, step_fn = _step_for(graphdef, loss_fn, tx, cfg, mesh)
     # Own copies: the step donates its input state, and neither the caller's arrays nor
     # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may be
     # donated with it.
     state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
-    mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if mesh is None else mesh
     state = mesh_lib.shard_tree(state, mesh)
     main = is_main_process()
 
@@ -253,8 +276,6 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
     eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if logs else None
     tb = _TensorBoard(os.path.join(run_dir, "tb")) if logs and cfg.tensorboard else None
 
-    step_fn = make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh,
-                              donate=True)
     history = History()
     if measure_memory:
         compiled = step_fn.lower(state, assemble(local_batch(source, position), mesh)).compile()
