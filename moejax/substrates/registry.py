@@ -1,6 +1,6 @@
 """Cached, resumable "substrate" models that the studies reuse.
 
-    from moejax.io import substrates
+    from moejax import substrates
     sub = substrates.get("dense_lm_code", preset="quick")   # trains on first use, then cached
     sub.model, sub.config, sub.metrics, sub.path
 
@@ -15,7 +15,7 @@ Substrates (``SUBSTRATES``):
 ==========================  =================================================================
 
 Presets: ``"quick"`` (a few CPU minutes at most) and ``"full"`` (GPU). Recipes and their
-configs live in :mod:`moejax.io.substrate_lm` and :mod:`moejax.io.substrate_cls`; the
+configs live in :mod:`moejax.substrates.lm` and :mod:`moejax.substrates.classify`; the
 experiment ``python -m experiments.substrate_build`` builds them with CLI overrides.
 
 Cache: ``$MOEJAX_SUBSTRATE_DIR`` or ``~/.cache/moejax/substrates``, one directory per
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, to_json
-from moejax.io import substrate_cls as cls_r
-from moejax.io import substrate_lm as lm_r
 from moejax.io.safetensors_io import export_params, import_params
+from moejax.substrates import classify as cls_r
+from moejax.substrates import lm as lm_r
 
 __all__ = ["SUBSTRATES", "Substrate", "Recipe", "get", "build", "substrate_config",
            "substrate_dir", "cache_root", "is_cached"]

@@ -1,4 +1,4 @@
-"""Recipes of the language-model substrates (used through :mod:`moejax.io.substrates`).
+"""Recipes of the language-model substrates (used through :mod:`moejax.substrates`).
 
 * ``dense_lm_prose``: a small dense decoder (SwiGLU, GQA, RoPE) pre-trained from scratch on
   the prose corpus (``prose/pydoc``: the Python documentation sources), byte-level tokens.

@@ -1,4 +1,4 @@
-"""Recipes of the classification substrates (used through :mod:`moejax.io.substrates`).
+"""Recipes of the classification substrates (used through :mod:`moejax.substrates`).
 
 * ``vit_mnist5k``: a small ViT (patch 7 on 28x28 digits) trained from scratch on MNIST-5k.
 * ``minilm_wordnet_pos`` / ``minilm_wordnet_lexname``: all-MiniLM-L6-v2 (imported from PyPI

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("safetensors", reason="pip install safetensors")
 
+from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
-from moejax.io import substrates
 from moejax.io._common import flat_params
-from moejax.io.substrate_cls import MiniLMTaskConfig, ViTSubstrateConfig
-from moejax.io.substrate_lm import LMSubstrateConfig
+from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
+from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.optim import TrainConfig
 
 
