@@ -1,27 +1,26 @@
 """Shared pieces of the DeRS studies (not an experiment itself; do not register).
 
 * corpora (:mod:`moejax.data.corpora`): ``"stdlib_code"`` (CPython stdlib source) or TFDS
-  prose (``"prose/pydoc"``, ``"prose/kjv"``) as bytes, or as SmolLM2 tokens in the full preset;
-* the dense substrate of the quick preset: a tiny byte-level LM pre-trained on one corpus and
-  optionally "pre-fine-tuned" on a second, cached (orbax, via ``train``'s resume) under
-  ``<substrate_dir>`` so re-runs skip it; the full preset imports SmolLM2-135M-Instruct through
-  ``moejax.io.smollm2``;
+  prose (``"prose/pydoc"``, ``"prose/kjv"``) as byte tokens, or SmolLM2 tokens (full preset);
+* the dense model to upcycle: the ``dense_lm_prose`` / ``dense_lm_code`` substrates
+  (:mod:`moejax.substrates`, built once and cached); the full preset imports
+  SmolLM2-135M-Instruct through ``moejax.io.smollm2``;
 * :func:`fit`: the training loop with XLA's compiled memory analysis of the step (not RSS).
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from flax import nnx
 
 from moejax.config import Config, config
-from moejax.data.corpora import corpus_bytes, corpus_tokens
+from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
-from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
 
@@ -30,27 +29,23 @@ Corpus = Literal["stdlib_code", "prose/pydoc", "prose/kjv"]
 
 @config
 class SubstrateConfig(Config):
-    """The dense model before upcycling (quick preset: trained here; full: SmolLM2)."""
+    """The dense model before upcycling: the library substrates (quick) or SmolLM2 (full).
 
-    source: Literal["tiny", "smollm2"] = "tiny"
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    d_hidden: int = 128
+    ``not fine-tuned`` = ``dense_lm_prose`` (pre-trained on the Python docs' prose);
+    ``pre-fine-tuned`` = ``dense_lm_code`` (that model fine-tuned on stdlib code), each built
+    once per config and cached by :mod:`moejax.substrates`. The upcycled MoE then trains on
+    ``downstream_corpus`` windows of ``seq_len`` tokens."""
+
+    source: Literal["substrates", "smollm2"] = "substrates"
+    pretrained: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
+    prefinetuned: LMSubstrateConfig = substrate_config("dense_lm_code", "quick")
+    cache_dir: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     seq_len: int = 64
-    pretrain_corpus: Corpus = "stdlib_code"
-    pretrain: TrainConfig = TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=40,
-                                        log_every=50)
-    prefinetune_corpus: Corpus = "prose/pydoc"
-    prefinetune: TrainConfig = TrainConfig(steps=200, batch_size=16, lr=1e-3, warmup_steps=20,
-                                           log_every=50, seed=1)
-    downstream_corpus: Corpus = "prose/pydoc"
-    substrate_dir: str = ""  # "" -> <run dir>/substrate
+    downstream_corpus: Corpus = "stdlib_code"
 
-    def validate(self) -> None:
-        self._require(self.d_model % self.n_heads == 0,
-                      f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+    @property
+    def n_layers(self) -> int:
+        return self.pretrained.n_layers
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,19 +56,10 @@ def _smollm2_tokenizer():
 
 
 def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
-            source: str = "tiny"):
-    """LM windows of a corpus: raw bytes (``source="tiny"``) or SmolLM2 tokens."""
-    if source == "smollm2":
-        data = corpus_tokens(name, split, _smollm2_tokenizer())
-    else:
-        data = corpus_bytes(name, split)
+            source: str = "substrates"):
+    """LM windows of a corpus: byte tokens (``ByteTokenizer``) or SmolLM2 tokens."""
+    data = corpus_tokens(name, split, _smollm2_tokenizer() if source == "smollm2" else None)
     return WindowBatches(data, batch_size=batch_size, seq_len=seq_len, seed=seed)
-
-
-def dense_config(s: SubstrateConfig):
-    return dense_decoder_config(vocab_size=256, d_model=s.d_model, n_layers=s.n_layers,
-                                n_heads=s.n_heads, n_kv_heads=s.n_kv_heads,
-                                d_hidden=s.d_hidden, max_seq_len=max(128, s.seq_len))
 
 
 def _smollm2(s: SubstrateConfig):
@@ -83,23 +69,16 @@ def _smollm2(s: SubstrateConfig):
     return model
 
 
-def dense_substrate(s: SubstrateConfig, run_dir: Path, *, prefinetune: bool, seed: int = 0):
-    """The dense model: pre-trained (and pre-fine-tuned when asked), cached on disk.
-
-    ``train`` resumes from ``<dir>/pretrain`` / ``<dir>/prefinetune`` checkpoints, so a
-    finished stage costs only a restore on re-runs."""
+def dense_substrate(s: SubstrateConfig, *, prefinetune: bool):
+    """``(model, description)``: the dense model to upcycle, pre-trained (and pre-fine-tuned
+    when asked); substrates are built on first use and then loaded from the cache."""
     if s.source == "smollm2":
-        return _smollm2(s)
-    root = Path(s.substrate_dir) if s.substrate_dir else Path(run_dir) / "substrate"
-    model = DecoderLM(dense_config(s), rngs=nnx.Rngs(seed))
-    src = batches(s.pretrain_corpus, "train", batch_size=s.pretrain.batch_size,
-                  seq_len=s.seq_len, seed=seed)
-    train(model, src, s.pretrain, run_dir=str(root / "pretrain"), progress=True)
-    if prefinetune:
-        src = batches(s.prefinetune_corpus, "train", batch_size=s.prefinetune.batch_size,
-                      seq_len=s.seq_len, seed=seed + 1)
-        train(model, src, s.prefinetune, run_dir=str(root / "prefinetune"), progress=True)
-    return model
+        return _smollm2(s), "SmolLM2-135M-Instruct"
+    name, cfg = (("dense_lm_code", s.prefinetuned) if prefinetune
+                 else ("dense_lm_prose", s.pretrained))
+    sub = build_substrate(name, cfg, cache_dir=s.cache_dir or None, progress=True)
+    return sub.model, (f"substrate {name} ({sub.path.name}, val loss "
+                       f"{sub.metrics['val_loss']:.3f} on {cfg.corpus})")
 
 
 def fit(model, source, tcfg: TrainConfig, desc: str = "train") -> dict:
@@ -113,4 +92,4 @@ def fit(model, source, tcfg: TrainConfig, desc: str = "train") -> dict:
             "final_loss": float(np.mean([h["ce"] for h in hist[-10:]]))}
 
 
-__all__ = ["SubstrateConfig", "batches", "dense_config", "dense_substrate", "fit"]
+__all__ = ["SubstrateConfig", "batches", "dense_substrate", "fit"]

@@ -103,7 +103,8 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
     compress_key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)  # DeRS-sparse draws
     s = cfg.substrate
     prefinetune, rule = SCENARIOS[name]
-    dense = dense_substrate(s, run.path, prefinetune=prefinetune)
+    dense, origin = dense_substrate(s, prefinetune=prefinetune)
+    run.note(f"Scenario {name}: upcycled from {origin}.")
     dense_loss = evaluate(dense)["loss"]
     moe = upcycle_model(dense, rule, jax.random.key(cfg.train.seed))
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,

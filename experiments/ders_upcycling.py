@@ -42,8 +42,8 @@ class DeRSUpcyclingConfig(Config):
                                      log_every=50, seed=2)
     n_experts: int = 4
     top_k: int = 2
-    sm_rates: tuple = (0.9, 0.99, 0.999, 0.9999)
-    lm_ranks: tuple = (1, 4, 16, 64)
+    sm_rates: tuple[float, ...] = (0.9, 0.99, 0.999, 0.9999)
+    lm_ranks: tuple[int, ...] = (1, 4, 16, 64)
     frozen_sm_rate: float = 0.9
     frozen_lm_rank: int = 4
     eval_batches: int = 6
@@ -51,6 +51,8 @@ class DeRSUpcyclingConfig(Config):
     def validate(self) -> None:
         self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")
         self._require(all(r >= 1 for r in self.lm_ranks), "lm_ranks must be >= 1")
+        self._require(len(self.sm_rates) >= 1 and len(self.lm_ranks) >= 1,
+                      "sm_rates and lm_ranks need at least one value each")
 
 
 def make_config(preset: str) -> DeRSUpcyclingConfig:
@@ -81,7 +83,8 @@ def _variants(cfg: DeRSUpcyclingConfig):
 
 def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     s = cfg.substrate
-    dense = dense_substrate(s, run.path, prefinetune=True)
+    dense, origin = dense_substrate(s, prefinetune=True)
+    run.note(f"Upcycled from {origin}.")
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=10_000, source=s.source)
     evaluate = LMEvaluator.from_source(val, cfg.eval_batches)
@@ -140,7 +143,9 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     def get(form, setting):
         return next(r for r in rows if r["form"] == form and r["setting"] == setting)
 
-    sm, lm = get("sm", cfg.sm_rates[1]), get("lm", cfg.lm_ranks[1])
+    # headline settings: the second of each sweep (p = 0.99, r = 4 by default)
+    sm = get("sm", cfg.sm_rates[min(1, len(cfg.sm_rates) - 1)])
+    lm = get("lm", cfg.lm_ranks[min(1, len(cfg.lm_ranks) - 1)])
     return {"headline": (
         f"vanilla val {van['val_loss']:.4f} (added {fmt_count(van['added'])}); DeRS-SM "
         f"p={sm['setting']} {sm['val_loss']:.4f} (added {fmt_count(sm['added'])}, "

@@ -2,7 +2,6 @@
 reload, resume from the training run dir, error messages; tiny recipes so it runs in seconds.
 Also checks the experiment step's config (experiments/substrate_build.py)."""
 
-import dataclasses
 import json
 import time
 
@@ -15,35 +14,8 @@ pytest.importorskip("safetensors", reason="pip install safetensors")
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
 from moejax.io._common import flat_params
-from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
-from moejax.substrates.lm import LMSubstrateConfig
-from moejax.train.optim import TrainConfig
-
-
-def _tiny_train(steps=4):
-    return TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup_steps=1, ckpt_every=2,
-                       log_every=1, eval_every=0)
-
-
-def _tiny_lm(name, preset):
-    code = name == "dense_lm_code"
-    return LMSubstrateConfig(corpus="stdlib_code" if code else "prose/pydoc", d_model=32,
-                             n_layers=1, n_heads=2, n_kv_heads=1, d_hidden=64, seq_len=32,
-                             max_seq_len=64, eval_batches=2,
-                             init_from="dense_lm_prose" if code else "", init_preset=preset,
-                             train=_tiny_train(4 if not code else 2))
-
-
-@pytest.fixture()
-def tiny_recipes(monkeypatch, tmp_path):
-    reg = dict(substrates.SUBSTRATES)
-    for n in ("dense_lm_prose", "dense_lm_code"):
-        reg[n] = dataclasses.replace(reg[n], make_config=lambda p, n=n: _tiny_lm(n, p))
-    reg["vit_mnist5k"] = dataclasses.replace(
-        reg["vit_mnist5k"], make_config=lambda p: ViTSubstrateConfig(
-            d_model=16, n_layers=1, n_heads=2, d_hidden=32, train=_tiny_train(3)))
-    monkeypatch.setattr(substrates, "SUBSTRATES", reg)
-    return tmp_path / "subs"
+from moejax.substrates.classify import MiniLMTaskConfig
+from tests.tiny_substrates import tiny_lm as _tiny_lm
 
 
 def _same_params(a, b):

@@ -1,0 +1,53 @@
+"""Smoke tests: both DeRS studies run tiny, upcycling the (tiny) library substrates, build each
+substrate once into the cache, say which substrate they started from and write their tables."""
+
+import csv
+
+from moejax.experiment import run_experiment
+from moejax.train.optim import TrainConfig
+from tests.tiny_substrates import tiny_lm
+
+
+def _substrate(cache):
+    from experiments.ders_common import SubstrateConfig
+
+    return SubstrateConfig(pretrained=tiny_lm("dense_lm_prose", "quick"),
+                           prefinetuned=tiny_lm("dense_lm_code", "quick"), cache_dir=str(cache),
+                           seq_len=16)
+
+
+TRAIN = TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2, seed=2)
+
+
+def test_ders_compression_tiny(tiny_recipes, tmp_path):
+    from experiments import ders_compression as mod
+
+    cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
+                                           drop_rates=(0.0, 0.9), bits=(8, 1), eval_batches=1)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "comp")
+    rows = list(csv.DictReader(open(run.path / "losses.csv")))
+    assert [r["scenario"] for r in rows] == ["finetuned", "not_finetuned"]
+    for r in rows:
+        assert 0 < float(r["dense_val_loss"]) < 10 and 0 < float(r["upcycled_val_loss"]) < 10
+    text = (run.path / "summary.md").read_text()
+    assert "substrate dense_lm_code" in text and "substrate dense_lm_prose" in text
+    built = list(tiny_recipes.glob("*/*/model.safetensors"))
+    assert sorted(p.parent.parent.name for p in built) == ["dense_lm_code", "dense_lm_prose"]
+
+
+def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
+    from experiments import ders_upcycling as mod
+
+    cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
+                                           sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "up")
+    rows = list(csv.DictReader(open(run.path / "upcycling.csv")))
+    by = {r["variant"]: r for r in rows}
+    assert {"vanilla", "DeRS-SM p=0.9", "DeRS-LM r=2", "DeRS-SM p=0.9 frozen shared"} <= set(by)
+    # every upcycled model equals the dense substrate at step 0
+    step0 = {float(r["val_loss_step0"]) for r in rows}
+    assert max(step0) - min(step0) < 1e-4
+    assert int(by["DeRS-SM p=0.9"]["added"]) < int(by["vanilla"]["added"])
+    assert "Upcycled from substrate dense_lm_code" in (run.path / "summary.md").read_text()
