@@ -1,6 +1,6 @@
 """Benchmark: steady train-step time and tokens/s of an MoE LM for each dispatch path.
 
-Default model (issue 2): 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
+Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs
 ``warmup`` untimed steps (compilation) and then ``steps`` timed steps
 (``block_until_ready`` after each). The capacity path's dropped-assignment fraction is

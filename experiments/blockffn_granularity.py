@@ -20,7 +20,7 @@ class GranularityConfig(Config):
     model: SparseLMConfig = SparseLMConfig()
     train: TrainConfig = TrainConfig()
     ffn_width: int = 256  # N * d_expert, fixed
-    n_experts: tuple = (4, 8, 16, 32)
+    n_experts: tuple[int, ...] = (4, 8, 16, 32)
     seq_len: int = 64
     eval_batches: int = 4
 

@@ -25,27 +25,29 @@ from moejax.results import atomic_write_text
 
 # Order matters: cheap, foundational studies first.
 REGISTRY: tuple[str, ...] = (
-    "lm_demo",  # issue 2: foundation demo
-    "bench_dispatch",  # issue 2: dispatch-path benchmark
-    "substrate_build",  # issue 3: cached substrate checkpoints the studies reuse
-    "darex_controlled",  # issue 4: DAREx studies
+    "lm_demo",  # a trained MoE LM
+    "bench_dispatch",  # dispatch-path benchmark
+    "substrate_build",  # the cached pretrained starting points
+    "darex_controlled",  # DAREx
     "darex_storage",
     "darex_decoder",
     "darex_encoder",
-    "ders_compression",  # issue 5: DeRS
+    "ders_compression",  # DeRS
     "ders_upcycling",
-    "blockffn_baselines",  # issue 6: BlockFFN
+    "blockffn_baselines",  # BlockFFN
     "blockffn_ablations",
     "blockffn_granularity",
 )
 
 
 # The tour: a trained MoE LM and one headline per system, a few CPU minutes in all.
+# Shorter than the studies' quick presets; `make studies` runs those in full.
 DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("lm_demo", ()),
+    ("lm_demo", ("train.steps=100",)),
     ("darex_controlled", ("ps=(0.9,0.99)",)),
-    ("ders_compression", ("scenarios=(finetuned,)",)),
-    ("blockffn_granularity", ()),
+    ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=100",
+                          "drop_rates=(0.0,0.9,0.99)", "bits=(8,2,1)")),
+    ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=150")),
 )
 SUITES = ("demo", "studies")
 

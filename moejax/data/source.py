@@ -6,6 +6,14 @@ loop's data position is therefore one integer (the number of batches consumed), 
 checkpoint; resuming at position ``n`` continues with exactly the batches an uninterrupted run
 would have seen.
 
+The protocol, for any source a study or a user writes: ``batch_size`` (rows per global batch)
+and ``batch(position) -> dict of numpy arrays`` (or any pytree of arrays), a pure function of
+the source's seed and ``position``; sources over a finite row set visit the rows epoch by
+epoch in an order drawn from ``(seed, epoch)`` (:class:`moejax.data.batches.EpochPermutation`)
+and expose ``__len__`` (rows) and ``batches_per_epoch``; window sources over a token stream
+(:class:`moejax.data.lm_batches.WindowBatches`) draw offsets from ``(seed, position)``. The
+training loop also accepts a plain ``position -> batch`` callable.
+
 For multi-process runs, ``source.local_batch(position, process_index, process_count)`` returns
 this process's contiguous slice of the global batch along axis 0 (the default implementation
 slices ``batch``; sources may override it to load only their shard).

@@ -64,13 +64,13 @@ class LMSubstrateConfig(Config):
 def lm_config(name: str, preset: str) -> LMSubstrateConfig:
     """Default config of ``dense_lm_prose`` / ``dense_lm_code`` for ``preset``."""
     code = name == "dense_lm_code"
-    if preset == "quick":  # ~1-2 CPU minutes each
+    if preset == "quick":  # about a CPU minute each
         model = dict(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_hidden=384)
         if code:
             tr = TrainConfig(steps=150, batch_size=16, lr=1e-3, warmup_steps=15,
                              schedule="cosine", eval_every=50, log_every=10, ckpt_every=50)
         else:
-            tr = TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=30,
+            tr = TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
                              schedule="cosine", eval_every=100, log_every=10, ckpt_every=100)
         seq, ev = 128, 8
     else:  # GPU
