@@ -21,12 +21,13 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from experiments._lm import MoELMConfig
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
@@ -43,10 +44,7 @@ class BenchConfig(Config):
         n_layers=4,
         n_heads=4,
         n_kv_heads=4,
-        n_experts=8,
-        top_k=2,
-        d_expert=704,
-        capacity_factor=1.25,
+        moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
     paths: tuple[Literal["dense", "capacity", "ragged"], ...] = ("dense", "capacity", "ragged")
     batch_size: int = 16
@@ -69,7 +67,9 @@ def make_config(preset: str) -> BenchConfig:
 
 def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     mcfg = cfg.model.replace(
-        dispatch=path, max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len), dtype=cfg.precision
+        moe=cfg.model.moe.replace(dispatch=path),
+        max_seq_len=max(cfg.seq_len, cfg.model.max_seq_len),
+        dtype=cfg.precision,
     )
     model = DecoderLM(mcfg.decoder_config(), rngs=nnx.Rngs(0))
     tcfg = TrainConfig(
@@ -128,7 +128,7 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     dev = jax.devices()[0]
     title = (
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
-        f"{cfg.model.n_experts}-expert top-{cfg.model.top_k} MoE LM, seq {cfg.seq_len}, "
+        f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "
         f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
         f"{jax.device_count()} device(s))"
     )

@@ -14,10 +14,16 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from experiments.blockffn_common import SparseLMConfig, data_sources, row, train_and_eval
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.sparse_lm import (
+    SparseLMConfig,
+    data_sources,
+    sparse_lm_preset,
+    summary_row,
+    train_and_evaluate,
+)
 from moejax.train.optim import TrainConfig
 
 NAME = "blockffn_ablations"
@@ -34,18 +40,7 @@ class AblationsConfig(Config):
 
 
 def make_config(preset: str) -> AblationsConfig:
-    if preset == "quick":
-        return AblationsConfig(
-            model=SparseLMConfig(d_model=48, d_expert=16, n_layers=2, n_heads=4, n_experts=16,
-                                 chunk_len=16, alpha=10.0, cs_lam0=5e-2, n_st=40, n_adj=10),
-            train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
-                              schedule="wsd", decay_fraction=0.2, log_every=20))
-    return AblationsConfig(
-        model=SparseLMConfig(d_model=256, d_expert=64, n_layers=8, n_heads=8, n_experts=40,
-                             chunk_len=64, n_st=1000, n_adj=100, max_seq_len=512),
-        train=TrainConfig(steps=8000, batch_size=64, lr=2e-3, warmup_steps=400,
-                          schedule="wsd", decay_fraction=0.1, log_every=50),
-        seq_len=512, eval_batches=32)
+    return AblationsConfig(**sparse_lm_preset(preset))
 
 
 def run(cfg: AblationsConfig, run: RunDir) -> dict:
@@ -66,8 +61,8 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
     settings[f"AL+CS, alpha={other_alpha:g}"] = m.replace(alpha=other_alpha)
     rows = []
     for name, spec in settings.items():
-        ev = train_and_eval(spec, cfg.train, train_src, val)
-        rows.append(row(name, ev, {"CLS_64": ev.get("cls_64", float("nan")),
+        ev = train_and_evaluate(spec, cfg.train, train_src, val)
+        rows.append(summary_row(name, ev, {"CLS_64": ev.get("cls_64", float("nan")),
                                    "act_magnitude": ev.get("magnitude", float("nan"))}))
     run.table("objectives", [r for r in rows if "," not in r["model"]],
               title="Training-objective ablations (Table 5 analog)",

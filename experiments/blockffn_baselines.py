@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.blockffn_common import SparseLMConfig, data_sources, row, train_and_eval
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.ops.sparsity_metrics import CHUNK_LENS
 from moejax.results import RunDir
+from moejax.sparse_lm import (
+    SparseLMConfig,
+    data_sources,
+    sparse_lm_preset,
+    summary_row,
+    train_and_evaluate,
+)
 from moejax.train.optim import TrainConfig
 
 NAME = "blockffn_baselines"
@@ -45,19 +51,11 @@ class BaselinesConfig(Config):
 
 
 def make_config(preset: str) -> BaselinesConfig:
+    base = sparse_lm_preset(preset)
     if preset == "quick":
-        return BaselinesConfig(
-            model=SparseLMConfig(n_layers=2, n_heads=4, n_experts=16, chunk_len=16, alpha=10.0,
-                                 cs_lam0=5e-2, n_st=40, n_adj=10, remoe_lam0=1e-3),
-            train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
-                              schedule="wsd", decay_fraction=0.2, log_every=20))
-    return BaselinesConfig(
-        model=SparseLMConfig(n_layers=8, n_heads=8, n_experts=40, chunk_len=64, cs_lam0=5e-2,
-                             n_st=1000, n_adj=100, remoe_lam0=1e-4, max_seq_len=512),
-        train=TrainConfig(steps=8000, batch_size=64, lr=2e-3, warmup_steps=400,
-                          schedule="wsd", decay_fraction=0.1, log_every=50),
-        small_d_model=256, small_d_expert=64, large_d_model=512, large_d_expert=128,
-        seq_len=512, eval_batches=32)
+        return BaselinesConfig(**base)
+    return BaselinesConfig(**base, small_d_model=256, small_d_expert=64, large_d_model=512,
+                           large_d_expert=128)
 
 
 def run(cfg: BaselinesConfig, run: RunDir) -> dict:
@@ -70,7 +68,7 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
     alloc = None
     for size, (d, de) in sizes.items():
         base = cfg.model.replace(d_model=d, d_expert=de)
-        bf = train_and_eval(base.replace(arch="blockffn"), cfg.train, train_src, val)
+        bf = train_and_evaluate(base.replace(arch="blockffn"), cfg.train, train_src, val)
         k = int(min(N, max(2, round(N * (1.0 - bf["tls"])))))
         runs = {"BlockFFN": (bf, {})}
         for name, spec in [
@@ -80,11 +78,11 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
             ("ReMoE", base.replace(arch="remoe", target_tls=float(bf["tls"]))),
             ("Dense", base.replace(arch="dense")),
         ]:
-            runs[name] = (train_and_eval(spec, cfg.train, train_src, val), {})
+            runs[name] = (train_and_evaluate(spec, cfg.train, train_src, val), {})
         for name, (ev, _) in runs.items():
             active = {"TopK": k, "DSMoE": k, "GRIN": 2, "Dense": N}.get(
                 name, N * (1 - ev.get("tls", 0)))
-            rows.append(row(name, ev, {"size": size, "d_model": d, "d_expert": de,
+            rows.append(summary_row(name, ev, {"size": size, "d_model": d, "d_expert": de,
                                        "active_experts": active}))
             if name != "Dense":
                 cls_series[f"{name} ({size})"] = (

@@ -6,10 +6,16 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
-from experiments.blockffn_common import SparseLMConfig, data_sources, row, train_and_eval
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.sparse_lm import (
+    SparseLMConfig,
+    data_sources,
+    sparse_lm_preset,
+    summary_row,
+    train_and_evaluate,
+)
 from moejax.train.optim import TrainConfig
 
 NAME = "blockffn_granularity"
@@ -31,18 +37,10 @@ class GranularityConfig(Config):
 
 
 def make_config(preset: str) -> GranularityConfig:
+    base = sparse_lm_preset(preset)
     if preset == "quick":
-        return GranularityConfig(
-            model=SparseLMConfig(d_model=48, n_layers=2, n_heads=4, chunk_len=16, alpha=10.0,
-                                 cs_lam0=5e-2, n_st=40, n_adj=10),
-            train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
-                              schedule="wsd", decay_fraction=0.2, log_every=20))
-    return GranularityConfig(
-        model=SparseLMConfig(d_model=256, n_layers=8, n_heads=8, chunk_len=64, n_st=1000,
-                             n_adj=100, max_seq_len=512),
-        train=TrainConfig(steps=8000, batch_size=64, lr=2e-3, warmup_steps=400,
-                          schedule="wsd", decay_fraction=0.1, log_every=50),
-        ffn_width=2560, n_experts=(8, 16, 32, 40, 64, 80), seq_len=512, eval_batches=32)
+        return GranularityConfig(**base)
+    return GranularityConfig(**base, ffn_width=2560, n_experts=(8, 16, 32, 40, 64, 80))
 
 
 def run(cfg: GranularityConfig, run: RunDir) -> dict:
@@ -52,8 +50,8 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
     for n in cfg.n_experts:
         n = int(n)
         spec = cfg.model.replace(arch="blockffn", n_experts=n, d_expert=cfg.ffn_width // n)
-        ev = train_and_eval(spec, cfg.train, train_src, val)
-        rows.append(row(f"N={n}", ev, {"n_experts": n, "d_expert": cfg.ffn_width // n}))
+        ev = train_and_evaluate(spec, cfg.train, train_src, val)
+        rows.append(summary_row(f"N={n}", ev, {"n_experts": n, "d_expert": cfg.ffn_width // n}))
     run.table("granularity", rows, title=f"Expert granularity at N * d_expert = "
               f"{cfg.ffn_width}", columns=["n_experts", "d_expert", "val_ppl", "TLS", "CLS_8",
                                            "reuse", "params"])

@@ -16,8 +16,7 @@ from typing import Literal
 import numpy as np
 
 from moejax.config import Config, config
-from moejax.data.corpora import corpus_tokens
-from moejax.data.lm_batches import WindowBatches
+from moejax.data.corpora import corpus_windows
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
@@ -58,8 +57,8 @@ def _smollm2_tokenizer():
 def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
             source: str = "substrates"):
     """LM windows of a corpus: byte tokens (``ByteTokenizer``) or SmolLM2 tokens."""
-    data = corpus_tokens(name, split, _smollm2_tokenizer() if source == "smollm2" else None)
-    return WindowBatches(data, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    return corpus_windows(name, split, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                          tokenizer=_smollm2_tokenizer() if source == "smollm2" else None)
 
 
 def _smollm2(s: SubstrateConfig):

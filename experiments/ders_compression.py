@@ -30,7 +30,7 @@ from flax import nnx
 
 from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
 from moejax.config import Config, config
-from moejax.ders import (
+from moejax.ders_compress import (
     bases_from_dense,
     build_synth_model,
     compress,

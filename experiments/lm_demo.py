@@ -6,7 +6,7 @@ per layer, and a greedy completion of a code prompt.
 
     python -m experiments.lm_demo                    # quick
     python -m experiments.lm_demo preset=full        # GPU: d 512, 8 layers, 4000 steps
-    python -m experiments.lm_demo train.steps=50 model.dispatch=dense
+    python -m experiments.lm_demo train.steps=50 model.moe.dispatch=dense
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from experiments._lm import MoELMConfig
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
@@ -22,6 +21,8 @@ from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.generate import generate
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.train.loop import read_csv, train
@@ -49,9 +50,8 @@ class LMDemoConfig(Config):
 def make_config(preset: str) -> LMDemoConfig:
     if preset == "quick":
         return LMDemoConfig(
-            model=MoELMConfig(
-                d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2, d_expert=256
-            ),
+            model=MoELMConfig(d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                              moe=MoEConfig(n_experts=8, top_k=2, d_expert=256)),
             train=TrainConfig(
                 steps=300,
                 batch_size=16,
@@ -68,10 +68,7 @@ def make_config(preset: str) -> LMDemoConfig:
             n_layers=8,
             n_heads=8,
             n_kv_heads=4,
-            n_experts=8,
-            top_k=2,
-            d_expert=1024,
-            dispatch="ragged",
+            moe=MoEConfig(n_experts=8, top_k=2, d_expert=1024, dispatch="ragged"),
         ),
         train=TrainConfig(
             steps=4000,
@@ -177,7 +174,7 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
             "router",
             load_rows,
             title="Router statistics on a validation batch "
-            f"(uniform load = {1 / cfg.model.n_experts:.3f})",
+            f"(uniform load = {1 / cfg.model.moe.n_experts:.3f})",
         )
 
     prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)[None]

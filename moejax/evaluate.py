@@ -5,6 +5,9 @@
   inference peak). One compilation per model structure.
 * :class:`ClassifierEvaluator`: loss, accuracy and Matthews correlation (multi-class MCC) of a
   classifier over every row of a split, in fixed-shape batches (one compilation).
+* :class:`SparsityEvaluator`: validation cross-entropy / perplexity of a sparsely activated
+  LM plus the streaming activation-sparsity metrics of :mod:`moejax.ops.sparsity_metrics`
+  (TLS, CLS_L, reuse, per-token allocation), mean over layers and per layer.
 * :func:`matthews_corrcoef`: the multi-class MCC (Gorodkin 2004) from labels.
 
 Both evaluators take an ``nnx.Module`` or, for functional code, a params pytree after
@@ -23,10 +26,12 @@ import numpy as np
 from flax import nnx
 
 from moejax.ops.losses import accuracy, cross_entropy
+from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
 from moejax.train.loop import compiled_memory
 from moejax.train.step import lm_loss_fn, make_eval_step
 
-__all__ = ["LMEvaluator", "ClassifierEvaluator", "matthews_corrcoef", "classifier_loss_fn"]
+__all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "matthews_corrcoef",
+           "classifier_loss_fn", "router_active_sets"]
 
 
 def classifier_loss_fn(model, batch, key=None, train: bool = True):
@@ -168,3 +173,68 @@ class ClassifierEvaluator(_Evaluator):
         pred = np.concatenate(preds)
         return {"loss": nll / n, "accuracy": float((pred == self.labels).mean()),
                 "mcc": matthews_corrcoef(self.labels, pred, self.n_classes)}
+
+
+def router_active_sets(layer_aux: dict, n_experts: int = 0, n_always_on: int = 0):
+    """``(active_BTE bool or None, a_BTE or None)`` of one FFN layer's aux: ReLU-routed layers
+    report ``active_BTE`` (and activations ``a_BTE``); top-k layers report ``expert_ids``
+    ``[B, T, K]`` over ``n_experts`` routed experts, to which ``n_always_on`` shared experts
+    are prepended as always active; a dense FFN reports neither (``(None, None)``)."""
+    if "active_BTE" in layer_aux:
+        return layer_aux["active_BTE"], layer_aux.get("a_BTE")
+    if "expert_ids" in layer_aux:
+        ids_BTK = layer_aux["expert_ids"]
+        routed_BTE = jax.nn.one_hot(ids_BTK, n_experts, dtype=jnp.int32).sum(-2) > 0
+        if n_always_on:
+            on_BTE = jnp.ones(routed_BTE.shape[:2] + (n_always_on,), bool)
+            routed_BTE = jnp.concatenate([on_BTE, routed_BTE], -1)
+        return routed_BTE, None
+    return None, None
+
+
+class SparsityEvaluator(_Evaluator):
+    """``val_ce`` / ``val_ppl`` over fixed LM batches and the activation-sparsity metrics of
+    every routed layer (:class:`~moejax.ops.sparsity_metrics.SparsityAccumulator`): mean over
+    layers at the top level, per layer under ``"layers"``, and the per-token-id expert
+    ``"allocation"``. ``active_fn(layer_aux) -> (active_BTE, a_BTE)`` reads a layer's aux
+    (default :func:`router_active_sets`; pass a ``functools.partial`` of it for top-k layers)."""
+
+    def __init__(self, batches: Sequence[dict], *, chunk_lens=CHUNK_LENS,
+                 active_fn: Callable = router_active_sets):
+        if not batches:
+            raise ValueError("SparsityEvaluator needs at least one batch")
+        self.batches, self.chunk_lens, self.active_fn = list(batches), chunk_lens, active_fn
+        self._fns: dict = {}
+
+    def _fn(self, graphdef):
+        fn = self._fns.get(graphdef)
+        if fn is None:
+            active_fn = self.active_fn
+
+            @jax.jit
+            def fn(params, rest, batch):
+                m = nnx.merge(graphdef, params, rest)
+                logits, aux = m(batch["inputs"], train=False, mask_BT=batch["mask"] > 0)
+                ce = cross_entropy(logits, batch["targets"], batch["mask"])
+                return ce, [active_fn(la) for la in aux["layers"]]
+
+            self._fns[graphdef] = fn
+        return fn
+
+    def _evaluate(self, graphdef, params, rest) -> dict:
+        fn = self._fn(graphdef)
+        acc = SparsityAccumulator(self.chunk_lens)
+        ces = []
+        for b in self.batches:
+            ce, layers = jax.device_get(fn(params, rest, b))
+            ces.append(float(ce))
+            for i, (act, a) in enumerate(layers):
+                if act is not None:
+                    acc.update(i, act, mask_BT=b["mask"] > 0, a_BTE=a, tokens_BT=b["inputs"])
+        ce = float(np.mean(ces))
+        out = {"val_ce": ce, "val_ppl": math.exp(ce)}
+        res = acc.result()
+        out.update(res["mean"])
+        out["layers"] = res["layers"]
+        out["allocation"] = acc.allocation()
+        return out

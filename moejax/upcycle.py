@@ -6,7 +6,7 @@ zero), universal FFN and shared experts, and the expert form:
 
 * ``"vanilla"``: each of the N experts is a copy of the dense FFN
   ``W_i = W_dense`` (stacked ``experts/w_* [N, ...]``, :class:`moejax.nn.moe.MoE`);
-* ``"sm"`` / ``"lm"``: DeRS upcycling (:mod:`moejax.nn.ders`), ``W_shared = W_dense`` and
+* ``"sm"`` / ``"lm"``: DeRS upcycling (:mod:`moejax.nn.ders_moe`), ``W_shared = W_dense`` and
   zero increments (SM index vectors drawn once from the key and stored as buffers).
 
 Universal FFN and shared experts are also copies of the dense FFN. With ``scale_outputs``
@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.nn.ders import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_indices, sm_num_kept
+from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_indices, sm_num_kept
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 

@@ -26,7 +26,7 @@ def test_presets_build(name, preset):
 
 
 def test_active_sets_topk_and_dsmoe():
-    from experiments.blockffn_common import SparseLMConfig, active_sets
+    from moejax.sparse_lm import SparseLMConfig, active_sets
 
     ids = jnp.array([[[0, 2], [1, 2]]])  # [B=1, T=2, k=2] routed ids
     act, a = active_sets(SparseLMConfig(arch="topk", n_experts=4, top_k=2),
@@ -43,10 +43,50 @@ def test_active_sets_topk_and_dsmoe():
 
 
 def test_grin_slot():
-    from experiments.blockffn_common import SparseLMConfig
     from moejax.nn.grin import GRINConfig
+    from moejax.sparse_lm import SparseLMConfig
 
     slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
     assert isinstance(slot, GRINConfig)
     assert (slot.n_experts, slot.top_k, slot.d_expert, slot.jitter_eps) == (8, 2, 4, 0.1)
     assert slot.activation == "swish" and slot.dispatch == "dense"
+
+
+def test_sparsity_evaluator_matches_direct_computation():
+    """val_ce is the mean batch cross-entropy of the model and TLS the fraction of inactive
+    (token, expert) pairs, both recomputed here from the model's own outputs; a dense FFN
+    reports no sparsity metrics."""
+    import functools
+
+    from moejax.evaluate import SparsityEvaluator
+    from moejax.ops.losses import cross_entropy
+    from moejax.sparse_lm import SparseLMConfig, active_sets
+
+    rng = np.random.default_rng(0)
+    batches = [{"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
+                "targets": rng.integers(0, 256, (2, 16)).astype(np.int32),
+                "mask": np.ones((2, 16), np.float32)} for _ in range(2)]
+    for arch in ("topk", "blockffn", "dense"):
+        spec = SparseLMConfig(arch=arch, d_model=16, n_layers=2, n_heads=2, n_experts=4,
+                              d_expert=8, chunk_len=8, max_seq_len=32)
+        model = spec.build(0)
+        ev = SparsityEvaluator(batches, chunk_lens=(2, 8),
+                               active_fn=functools.partial(active_sets, spec))(model)
+        ces, inactive = [], []
+        for b in batches:
+            logits, aux = model(jnp.asarray(b["inputs"]), train=False,
+                                mask_BT=jnp.asarray(b["mask"]) > 0)
+            ces.append(float(cross_entropy(logits, b["targets"], b["mask"])))
+            for la in aux["layers"]:
+                act, _ = active_sets(spec, la)
+                if act is not None:
+                    inactive.append(1.0 - float(np.asarray(act).mean()))
+        np.testing.assert_allclose(ev["val_ce"], np.mean(ces), rtol=1e-5)
+        if arch == "dense":
+            assert "tls" not in ev and ev["layers"] == {}
+        else:
+            # equal batch shapes, no padding: the pooled ratio is the mean of the per-batch ones
+            np.testing.assert_allclose(ev["tls"], np.mean(inactive), rtol=1e-5)
+            if arch == "topk":
+                np.testing.assert_allclose(ev["tls"], 1 - 2 / 4, rtol=1e-6)
+            assert set(ev["layers"]) == {0, 1} and "cls_8" in ev

@@ -1,4 +1,4 @@
-"""DeRS compression (moejax.ders): decompose, compress, checkpoint, on-the-fly synthesis."""
+"""DeRS compression (moejax.ders_compress): decompose, compress, checkpoint, synthesis."""
 
 import math
 
@@ -10,7 +10,7 @@ from flax import nnx
 
 from moejax.delta.dare import dare_keep_mask
 from moejax.delta.storage import pack_bits
-from moejax.ders import (
+from moejax.ders_compress import (
     bases_from_dense,
     build_synth_model,
     compress,
@@ -24,8 +24,8 @@ from moejax.ders import (
     save_compressed,
     unpack_codes,
 )
-from moejax.ders.compress import delta_tree
-from moejax.ders.synth import DeRSBuffer
+from moejax.ders_compress.compress import delta_tree
+from moejax.ders_compress.synth import DeRSBuffer
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.upcycle import UpcycleConfig, output_scale, upcycle_model
 

@@ -13,8 +13,8 @@ TINY_LM = [
     "model.n_layers=2",
     "model.n_heads=2",
     "model.n_kv_heads=1",
-    "model.n_experts=4",
-    "model.d_expert=32",
+    "model.moe.n_experts=4",
+    "model.moe.d_expert=32",
     "model.d_hidden=64",
 ]
 
@@ -62,7 +62,7 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
         bench_dispatch.make_config,
         bench_dispatch.run,
         TINY_LM
-        + ["model.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2"],
+        + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2"],
         out=tmp_path / "bench",
     )
     import csv

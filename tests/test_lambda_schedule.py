@@ -145,8 +145,7 @@ def _run(run_dir, steps):
     model = ls.ScheduledLM(_lm(), SMALL)
     cfg = TrainConfig(steps=steps, batch_size=4, lr=1e-2, schedule="constant", ckpt_every=4,
                       seed=0)
-    hist = train(model, _Src(), cfg, run_dir=str(run_dir), loss_fn=ls.sparsity_lm_loss_fn,
-                 progress=False)
+    hist = train(model, _Src(), cfg, run_dir=str(run_dir), progress=False)
     return model, hist
 
 
@@ -168,9 +167,8 @@ def test_state_updates_in_train_step_and_survives_resume(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
-def test_sparsity_lm_loss_fn_is_lm_loss_fn_and_forwards_ids():
+def test_lm_loss_fn_forwards_segment_ids_to_scheduled_lm():
     from moejax.train.step import lm_loss_fn
-    assert ls.sparsity_lm_loss_fn is lm_loss_fn
     model = ls.ScheduledLM(_lm(), CFG)
     b = {k: jnp.asarray(v) for k, v in _Src().batch(1).items()}
     _, m = lm_loss_fn(model, b, None, train=False)

@@ -44,15 +44,15 @@ def test_layernorm_matches_numpy():
 # ------------------------------------------------------------------------------ RoPE
 
 
-def rope_numpy(x_BTHK, pos_BT, base, style):
-    B, T, H, K = x_BTHK.shape
-    out = np.zeros_like(x_BTHK, dtype=np.float64)
-    for i in range(K // 2):
-        theta = base ** (-2.0 * i / K)
-        a, b = (2 * i, 2 * i + 1) if style == "interleaved" else (i, i + K // 2)
+def rope_numpy(x_BTHJ, pos_BT, base, style):
+    B, T, H, J = x_BTHJ.shape
+    out = np.zeros_like(x_BTHJ, dtype=np.float64)
+    for i in range(J // 2):
+        theta = base ** (-2.0 * i / J)
+        a, b = (2 * i, 2 * i + 1) if style == "interleaved" else (i, i + J // 2)
         ang = (pos_BT * theta)[:, :, None]
-        out[..., a] = x_BTHK[..., a] * np.cos(ang) - x_BTHK[..., b] * np.sin(ang)
-        out[..., b] = x_BTHK[..., a] * np.sin(ang) + x_BTHK[..., b] * np.cos(ang)
+        out[..., a] = x_BTHJ[..., a] * np.cos(ang) - x_BTHJ[..., b] * np.sin(ang)
+        out[..., b] = x_BTHJ[..., a] * np.sin(ang) + x_BTHJ[..., b] * np.cos(ang)
     return out
 
 
@@ -178,7 +178,7 @@ def test_kv_cache_prefill_then_steps_matches_full():
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache.lengths_B, [7, 7])
-    assert cache.k_BSGK.shape == (2, 10, 2, 4)
+    assert cache.k_BSGJ.shape == (2, 10, 2, 4)
 
 
 def test_kv_cache_rows_with_different_lengths():

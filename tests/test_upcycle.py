@@ -1,4 +1,4 @@
-"""Upcycling surgery (moejax.upcycle) and DeRS upcycling slots (moejax.nn.ders)."""
+"""Upcycling surgery (moejax.upcycle) and DeRS upcycling slots (moejax.nn.ders_moe)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ from flax import nnx
 
 from moejax.config import ConfigError
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
-from moejax.nn.ders import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
+from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.train.optim import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step

@@ -24,10 +24,11 @@ import functools
 
 import numpy as np
 
+from moejax.data.lm_batches import WindowBatches
 from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.data.tokenizer import ByteTokenizer
 
-__all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts"]
+__all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts", "corpus_windows"]
 
 CORPORA = ("stdlib_code", "prose/pydoc", "prose/kjv")
 
@@ -74,3 +75,11 @@ def corpus_tokens(name: str, split: str, tokenizer=None, max_bytes: int | None =
     text = bytes(raw).replace(b"\0", b"\n\n").decode("utf-8", "replace")
     tok = tokenizer or ByteTokenizer()
     return np.asarray(tok.encode(text), np.int32)
+
+
+def corpus_windows(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
+                   tokenizer=None, max_bytes: int | None = None):
+    """:class:`~moejax.data.lm_batches.WindowBatches` over :func:`corpus_tokens` (random
+    windows of ``seq_len + 1`` tokens, deterministic per batch position)."""
+    return WindowBatches(corpus_tokens(name, split, tokenizer, max_bytes),
+                         batch_size=batch_size, seq_len=seq_len, seed=seed)

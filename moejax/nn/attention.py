@@ -1,16 +1,16 @@
 """Multi-head / grouped-query self-attention with optional RoPE and a functional KV cache.
 
 Parameter paths of :class:`Attention` (plain ``[in, out]`` matrices; heads flattened
-head-major, i.e. column ``h * K + k`` is head ``h``, dim ``k``):
+head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 
-* ``w_q`` ``[D, H*K]``, ``w_k`` ``[D, G*K]``, ``w_v`` ``[D, G*K]``, ``w_o`` ``[H*K, D]``
-* with ``use_bias``: ``b_q`` ``[H*K]``, ``b_k`` ``[G*K]``, ``b_v`` ``[G*K]``, ``b_o`` ``[D]``
+* ``w_q`` ``[D, H*J]``, ``w_k`` ``[D, G*J]``, ``w_v`` ``[D, G*J]``, ``w_o`` ``[H*J, D]``
+* with ``use_bias``: ``b_q`` ``[H*J]``, ``b_k`` ``[G*J]``, ``b_v`` ``[G*J]``, ``b_o`` ``[D]``
 
-``H`` = ``n_heads``, ``G`` = ``n_kv_heads`` (divides ``H``), ``K`` = ``head_dim``. Query head
+``H`` = ``n_heads``, ``G`` = ``n_kv_heads`` (divides ``H``), ``J`` = ``head_dim``. Query head
 ``h`` reads kv head ``h // (H // G)`` (the HF ``repeat_kv`` convention). An HF
 ``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
 
-KV cache: :class:`KVCache` is a pytree ``(k_BSGK, v_BSGK, lengths_B)`` passed in and returned
+KV cache: :class:`KVCache` is a pytree ``(k_BSGJ, v_BSGJ, lengths_B)`` passed in and returned
 by :meth:`Attention.decode`; slot ``s`` of row ``b`` holds the token written ``s``-th, and
 ``lengths_B`` counts the filled slots. New tokens are written at ``lengths_B`` and attend
 causally to every filled slot. It is never stored on the module.
@@ -32,10 +32,10 @@ _NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform soft
 
 
 class KVCache(NamedTuple):
-    """One layer's KV cache: keys/values ``[B, S_max, G, K]`` and filled lengths ``[B]``."""
+    """One layer's KV cache: keys/values ``[B, S_max, G, J]`` and filled lengths ``[B]``."""
 
-    k_BSGK: jax.Array
-    v_BSGK: jax.Array
+    k_BSGJ: jax.Array
+    v_BSGJ: jax.Array
     lengths_B: jax.Array
 
 
@@ -47,32 +47,32 @@ def init_kv_cache(batch: int, max_len: int, n_kv_heads: int, head_dim: int,
                    jnp.zeros((batch,), jnp.int32))
 
 
-def dot_product_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Array,
                           mask_BTS: jax.Array | None = None) -> jax.Array:
     """Softmax attention (float32 logits/softmax) with grouped kv heads.
 
     ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``.
-    Returns ``[B, T, H, K]`` in ``q``'s dtype.
+    Returns ``[B, T, H, J]`` in ``q``'s dtype.
     """
-    B, T, H, K = q_BTHK.shape
-    G = k_BSGK.shape[2]
+    B, T, H, J = q_BTHJ.shape
+    G = k_BSGJ.shape[2]
     if H % G:
         raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={G}")
-    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-    logits_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK,
-                              preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(K))
+    q_BTGRJ = q_BTHJ.reshape(B, T, G, H // G, J)
+    logits_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRJ, k_BSGJ,
+                              preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(J))
     if mask_BTS is not None:
         logits_BGRTS = jnp.where(mask_BTS[:, None, None, :, :], logits_BGRTS, _NEG)
-    probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(v_BSGK.dtype)
-    out_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGK)
-    return out_BTGRK.reshape(B, T, H, K).astype(q_BTHK.dtype)
+    probs_BGRTS = jax.nn.softmax(logits_BGRTS, axis=-1).astype(v_BSGJ.dtype)
+    out_BTGRJ = jnp.einsum("bgrts,bsgk->btgrk", probs_BGRTS, v_BSGJ)
+    return out_BTGRJ.reshape(B, T, H, J).astype(q_BTHJ.dtype)
 
 
-def _write_cache(cache_BSGK: jax.Array, new_BTGK: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Write ``new_BTGK`` into each row at its own offset ``start_B`` (must fit)."""
-    def one(c_SGK, n_TGK, s):
-        return jax.lax.dynamic_update_slice(c_SGK, n_TGK.astype(c_SGK.dtype), (s, 0, 0))
-    return jax.vmap(one)(cache_BSGK, new_BTGK, start_B)
+def _write_cache(cache_BSGJ: jax.Array, new_BTGJ: jax.Array, start_B: jax.Array) -> jax.Array:
+    """Write ``new_BTGJ`` into each row at its own offset ``start_B`` (must fit)."""
+    def one(c_SGJ, n_TGJ, s):
+        return jax.lax.dynamic_update_slice(c_SGJ, n_TGJ.astype(c_SGJ.dtype), (s, 0, 0))
+    return jax.vmap(one)(cache_BSGJ, new_BTGJ, start_B)
 
 
 class Attention(nnx.Module):
@@ -97,18 +97,18 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.causal, self.rope_style, self.rope_base = causal, rope_style, float(rope_base)
         self.use_bias, self.dtype = use_bias, dtype
-        H, G, K, D = n_heads, n_kv_heads, head_dim, d_model
+        H, G, J, D = n_heads, n_kv_heads, head_dim, d_model
 
         def dense(shape):
             return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
                              * (shape[0] ** -0.5))
 
-        self.w_q, self.w_k, self.w_v = dense((D, H * K)), dense((D, G * K)), dense((D, G * K))
-        self.w_o = dense((H * K, D))
+        self.w_q, self.w_k, self.w_v = dense((D, H * J)), dense((D, G * J)), dense((D, G * J))
+        self.w_o = dense((H * J, D))
         if use_bias:
-            self.b_q = nnx.Param(jnp.zeros((H * K,), param_dtype))
-            self.b_k = nnx.Param(jnp.zeros((G * K,), param_dtype))
-            self.b_v = nnx.Param(jnp.zeros((G * K,), param_dtype))
+            self.b_q = nnx.Param(jnp.zeros((H * J,), param_dtype))
+            self.b_k = nnx.Param(jnp.zeros((G * J,), param_dtype))
+            self.b_v = nnx.Param(jnp.zeros((G * J,), param_dtype))
             self.b_o = nnx.Param(jnp.zeros((D,), param_dtype))
 
     def _proj(self, x_BTD, name):
@@ -128,9 +128,9 @@ class Attention(nnx.Module):
             k = apply_rope(k, positions_BT, base=self.rope_base, style=self.rope_style)
         return q, k, v
 
-    def _out(self, o_BTHK):
-        B, T = o_BTHK.shape[:2]
-        return self._proj(o_BTHK.reshape(B, T, -1), "o")
+    def _out(self, o_BTHJ):
+        B, T = o_BTHJ.shape[:2]
+        return self._proj(o_BTHJ.reshape(B, T, -1), "o")
 
     def __call__(self, x_BTD: jax.Array, *, positions_BT: jax.Array | None = None,
                  mask_BT: jax.Array | None = None,
@@ -165,14 +165,14 @@ class Attention(nnx.Module):
         ``lengths_B + T <= S_max`` (writes past the end are clamped by XLA).
         """
         B, T, _ = x_BTD.shape
-        S = cache.k_BSGK.shape[1]
+        S = cache.k_BSGJ.shape[1]
         start_B = cache.lengths_B
         slot_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         if positions_BT is None:
             positions_BT = slot_BT
         q, k, v = self._qkv(x_BTD, positions_BT)
-        k_cache = _write_cache(cache.k_BSGK, k, start_B)
-        v_cache = _write_cache(cache.v_BSGK, v, start_B)
+        k_cache = _write_cache(cache.k_BSGJ, k, start_B)
+        v_cache = _write_cache(cache.v_BSGJ, v, start_B)
         mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]
         out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS))
         return out, KVCache(k_cache, v_cache, start_B + T)

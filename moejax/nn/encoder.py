@@ -160,7 +160,7 @@ class BertEncoder(nnx.Module):
 
 
 class SequenceClassifier(nnx.Module):
-    """BERT encoder + linear head on the pooled vector: ``logits_BC, aux = clf(tokens_BT...)``."""
+    """BERT encoder + linear head on the pooled vector: ``logits_BL, aux = clf(tokens_BT...)``."""
 
     def __init__(self, cfg: EncoderConfig, n_classes: int, *, rngs: nnx.Rngs):
         if n_classes < 1:
@@ -220,19 +220,19 @@ def vit_config(*, image_size: int, patch_size: int, d_model: int, n_layers: int,
                      ffn_slots=(slot,) * n_layers, **kwargs)
 
 
-def patchify(images_BHWC: jax.Array, patch_size: int) -> jax.Array:
-    """``[B, H, W, C]`` -> ``[B, (H/p)*(W/p), p*p*C]``; patches row-major, each flattened in
+def patchify(images_BYXZ: jax.Array, patch_size: int) -> jax.Array:
+    """``[B, Y, X, Z]`` -> ``[B, (Y/p)*(X/p), p*p*Z]``; patches row-major, each flattened in
     (row, col, channel) order."""
-    B, H, W, C = images_BHWC.shape
+    B, Y, X, Z = images_BYXZ.shape
     p = patch_size
-    if H % p or W % p:
-        raise ValueError(f"image {H}x{W} is not divisible into {p}x{p} patches")
-    x = images_BHWC.reshape(B, H // p, p, W // p, p, C).transpose(0, 1, 3, 2, 4, 5)
-    return x.reshape(B, (H // p) * (W // p), p * p * C)
+    if Y % p or X % p:
+        raise ValueError(f"image {Y}x{X} is not divisible into {p}x{p} patches")
+    x = images_BYXZ.reshape(B, Y // p, p, X // p, p, Z).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(B, (Y // p) * (X // p), p * p * Z)
 
 
 class ViT(nnx.Module):
-    """``logits_BC, aux = vit(images_BHWC, train=..., key=...)``."""
+    """``logits_BL, aux = vit(images_BYXZ, train=..., key=...)``."""
 
     def __init__(self, cfg: ViTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -248,23 +248,23 @@ class ViT(nnx.Module):
         self.w_head = _normal(rngs, (D, cfg.n_classes), pdt, s)
         self.b_head = nnx.Param(jnp.zeros((cfg.n_classes,), pdt))
 
-    def features(self, images_BHWC: jax.Array, *, train: bool = False, key=None):
+    def features(self, images_BYXZ: jax.Array, *, train: bool = False, key=None):
         """Final-normed token features ``[B, 1 + n_patches, D]`` (CLS first) and aux."""
         cfg = self.cfg
-        if images_BHWC.shape[1:] != (cfg.image_size, cfg.image_size, cfg.n_channels):
-            raise ValueError(f"images shape {images_BHWC.shape[1:]} != (image_size, image_size, "
+        if images_BYXZ.shape[1:] != (cfg.image_size, cfg.image_size, cfg.n_channels):
+            raise ValueError(f"images shape {images_BYXZ.shape[1:]} != (image_size, image_size, "
                              f"n_channels)=({cfg.image_size}, {cfg.image_size}, "
                              f"{cfg.n_channels})")
         dt = self.dtype
-        patches_BNP = patchify(images_BHWC.astype(dt), cfg.patch_size)
-        x = patches_BNP @ self.w_patch[...].astype(dt) + self.b_patch[...].astype(dt)
+        patches_BPI = patchify(images_BYXZ.astype(dt), cfg.patch_size)
+        x = patches_BPI @ self.w_patch[...].astype(dt) + self.b_patch[...].astype(dt)
         cls = jnp.broadcast_to(self.cls_token[...].astype(dt), (x.shape[0], 1, x.shape[2]))
         x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(dt)[None]
         x, aux = run_blocks(self.blocks, x, train=train, key=key)
         return self.final_norm(x), aux
 
-    def __call__(self, images_BHWC: jax.Array, *, train: bool = False, key=None):
-        h, aux = self.features(images_BHWC, train=train, key=key)
+    def __call__(self, images_BYXZ: jax.Array, *, train: bool = False, key=None):
+        h, aux = self.features(images_BYXZ, train=train, key=key)
         pooled = h[:, 0] if self.cfg.pooling == "cls" else jnp.mean(h[:, 1:], axis=1)
         logits = pooled.astype(jnp.float32) @ self.w_head[...].astype(jnp.float32)
         return logits + self.b_head[...].astype(jnp.float32), aux

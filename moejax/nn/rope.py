@@ -1,11 +1,11 @@
 """Rotary position embeddings (RoPE) in the two layouts found in checkpoints.
 
-Frequencies: ``theta_i = base ** (-2 i / K)`` for ``i in [0, K/2)``; a token at position
+Frequencies: ``theta_i = base ** (-2 i / J)`` for ``i in [0, J/2)``; a token at position
 ``p`` rotates pair ``i`` by the angle ``p * theta_i``.
 
 * ``style="interleaved"``: pair ``i`` is head dims ``(2i, 2i+1)`` (Meta's original / GGUF
   layout).
-* ``style="half"``: pair ``i`` is head dims ``(i, i + K/2)`` (``rotate_half``; HF Llama /
+* ``style="half"``: pair ``i`` is head dims ``(i, i + J/2)`` (``rotate_half``; HF Llama /
   GPT-NeoX layout).
 
 The two agree under the permutation :func:`half_to_interleaved_perm`: if
@@ -29,7 +29,7 @@ RopeStyle = Literal["interleaved", "half"]
 
 
 def rope_frequencies(head_dim: int, base: float) -> jax.Array:
-    """``[K/2]`` float32 inverse frequencies ``base ** (-2i/K)``."""
+    """``[J/2]`` float32 inverse frequencies ``base ** (-2i/J)``."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}; pick an even head_dim")
     return 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -40,25 +40,25 @@ def half_to_interleaved_perm(head_dim: int) -> np.ndarray:
     return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
 
 
-def apply_rope(x_BTHK: jax.Array, positions_BT: jax.Array, *, base: float,
+def apply_rope(x_BTHJ: jax.Array, positions_BT: jax.Array, *, base: float,
                style: str) -> jax.Array:
-    """Rotate ``x_BTHK`` ([batch, time, heads, head_dim]) by token positions ``positions_BT``."""
-    K = x_BTHK.shape[-1]
-    inv_freq_F = rope_frequencies(K, base)  # F = K/2
-    angle_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq_F
-    cos_BT1F = jnp.cos(angle_BTF)[:, :, None, :]
-    sin_BT1F = jnp.sin(angle_BTF)[:, :, None, :]
-    x = x_BTHK.astype(jnp.float32)
+    """Rotate ``x_BTHJ`` ([batch, time, heads, head_dim]) by token positions ``positions_BT``."""
+    J = x_BTHJ.shape[-1]
+    inv_freq = rope_frequencies(J, base)  # [J/2]
+    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, J/2]
+    cos = jnp.cos(angle)[:, :, None, :]
+    sin = jnp.sin(angle)[:, :, None, :]
+    x = x_BTHJ.astype(jnp.float32)
     if style == "interleaved":
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        r1 = x1 * cos_BT1F - x2 * sin_BT1F
-        r2 = x1 * sin_BT1F + x2 * cos_BT1F
+        r1 = x1 * cos - x2 * sin
+        r2 = x1 * sin + x2 * cos
         out = jnp.stack([r1, r2], axis=-1).reshape(x.shape)
     elif style == "half":
-        x1, x2 = x[..., : K // 2], x[..., K // 2:]
-        r1 = x1 * cos_BT1F - x2 * sin_BT1F
-        r2 = x1 * sin_BT1F + x2 * cos_BT1F
+        x1, x2 = x[..., : J // 2], x[..., J // 2:]
+        r1 = x1 * cos - x2 * sin
+        r2 = x1 * sin + x2 * cos
         out = jnp.concatenate([r1, r2], axis=-1)
     else:
         raise ValueError(f"unknown RoPE style {style!r}; use 'interleaved' or 'half'")
-    return out.astype(x_BTHK.dtype)
+    return out.astype(x_BTHJ.dtype)

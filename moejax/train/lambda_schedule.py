@@ -27,7 +27,7 @@ micro-batch (set ``N_st``/``N_adj`` in micro-batches).
 returns ``(logits, aux)`` with ``aux_loss = lm's aux_loss + lambda * penalty`` and scalar
 summaries (``lambda``, ``cs_loss``, ``al_loss``, ``l1_loss``, ``tls``) that
 :func:`moejax.train.step.lm_loss_fn` logs (it also hands packed batches' ``segment_ids`` /
-``positions`` to the model; ``sparsity_lm_loss_fn`` is an alias kept for old imports).
+``positions`` to the model).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.train.step import lm_loss_fn
 
 __all__ = [
     "CoefScheduleConfig",
@@ -49,7 +48,6 @@ __all__ = [
     "lambda_schedule_update",
     "remoe_update",
     "ScheduledLM",
-    "sparsity_lm_loss_fn",
 ]
 
 
@@ -179,8 +177,3 @@ class ScheduledLM(nnx.Module):
         return logits, {"aux_loss": aux_loss, "layers": layers, "lambda": st.lam,
                         "cs_loss": cs_sum, "al_loss": _sum(layers, "al_loss"),
                         "l1_loss": l1_sum, "tls": tls_mean}
-
-
-# Kept for existing imports (experiments/blockffn_common.py): ``lm_loss_fn`` now passes the
-# ``segment_ids``/``positions`` of packed batches to every model.
-sparsity_lm_loss_fn = lm_loss_fn

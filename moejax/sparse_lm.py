@@ -1,9 +1,9 @@
-"""Shared pieces of the BlockFFN studies (not an experiment itself; not part of the library).
+"""The sparsely activated decoder LMs BlockFFN is compared with, trained from scratch.
 
 :class:`SparseLMConfig` describes one decoder LM whose every FFN is one of
 
 * ``blockffn``: ReLU + RMSNorm router, AL / CS (and ablation L1 / entropy) objectives, the
-  adaptive lambda_cs scheduler of Eq. 7 (``ScheduledLM``);
+  adaptive lambda_cs scheduler of Eq. 7 (:class:`~moejax.train.lambda_schedule.ScheduledLM`);
 * ``remoe``: ReLU router without RMSNorm, L1 with ReMoE's adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;
 * ``grin``: GRIN top-2 MoE (SparseMixer-v2 routing, :mod:`moejax.nn.grin`; ``grin_eps`` is
@@ -14,35 +14,35 @@ Every MoE has ``n_experts`` non-gated Swish experts of width ``d_expert`` (DSMoE
 of them shared), so total parameters match up to the router; active parameters are matched
 through TLS (top-k ``k = round(n_experts (1 - TLS))``).
 
-:func:`train_and_eval` trains on the CPython stdlib source bytes and streams the validation
-metrics of :mod:`moejax.ops.sparsity_metrics` over fixed validation batches.
+:func:`sparse_lm_preset` holds the one quick (CPU) and full (GPU) setting the BlockFFN studies
+share; :func:`train_and_evaluate` trains one model through :func:`moejax.train.loop.train` on
+the CPython stdlib source bytes and scores it with :class:`moejax.evaluate.SparsityEvaluator`.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Literal
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.data.corpora import corpus_bytes
-from moejax.data.lm_batches import WindowBatches
+from moejax.data.corpora import corpus_windows
+from moejax.evaluate import SparsityEvaluator, router_active_sets
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.grin import GRINConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
-from moejax.ops.losses import cross_entropy
-from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
 from moejax.pytree import count_params
-from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM, sparsity_lm_loss_fn
+from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
+
+__all__ = ["Arch", "SparseLMConfig", "active_sets", "sparse_lm_preset", "data_sources",
+           "train_and_evaluate", "summary_row"]
 
 Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
 
@@ -72,6 +72,10 @@ class SparseLMConfig(Config):
     grin_eps: float = 0.01  # GRIN-MoE's router_jitter_noise
     max_seq_len: int = 1024
 
+    @property
+    def n_always_on(self) -> int:
+        return self.n_shared if self.arch == "dsmoe" else 0
+
     def slot(self):
         if self.arch == "blockffn":
             return BlockFFNConfig(n_experts=self.n_experts, d_expert=self.d_expert,
@@ -86,7 +90,7 @@ class SparseLMConfig(Config):
                               balance_loss="switch", balance_coef=0.01)
         if self.arch == "dense":
             return DenseFFNConfig(d_hidden=self.n_experts * self.d_expert, activation="swish")
-        shared = self.n_shared if self.arch == "dsmoe" else 0
+        shared = self.n_always_on
         return MoEConfig(n_experts=self.n_experts - shared, top_k=self.top_k - shared,
                          d_expert=self.d_expert, activation="swish", dispatch="dense",
                          n_shared_experts=shared, balance_loss="switch", balance_coef=0.01)
@@ -97,10 +101,9 @@ class SparseLMConfig(Config):
                             max_seq_len=self.max_seq_len)
         lm = DecoderLM(dec, rngs=nnx.Rngs(seed))
         if self.arch == "blockffn":
-            kind = "blockffn_cs" if self.use_cs else "none"
-            return ScheduledLM(lm, CoefScheduleConfig(kind=kind, lam0=self.cs_lam0 if
-                                                      self.use_cs else 0.0, n_st=self.n_st,
-                                                      n_adj=self.n_adj))
+            return ScheduledLM(lm, CoefScheduleConfig(
+                kind="blockffn_cs" if self.use_cs else "none",
+                lam0=self.cs_lam0 if self.use_cs else 0.0, n_st=self.n_st, n_adj=self.n_adj))
         if self.arch == "remoe":
             return ScheduledLM(lm, CoefScheduleConfig(kind="remoe_l1", lam0=self.remoe_lam0,
                                                       target_sparsity=self.target_tls))
@@ -108,70 +111,57 @@ class SparseLMConfig(Config):
 
 
 def active_sets(spec: SparseLMConfig, layer_aux: dict):
-    """``(active_BTE bool, a_BTE or None)`` of one layer's aux (None for a dense FFN)."""
-    if "active_BTE" in layer_aux:
-        return layer_aux["active_BTE"], layer_aux["a_BTE"]
-    if "expert_ids" in layer_aux:
-        ids = layer_aux["expert_ids"]
-        shared = spec.n_shared if spec.arch == "dsmoe" else 0
-        routed = jax.nn.one_hot(ids, spec.n_experts - shared, dtype=jnp.int32).sum(-2) > 0
-        if shared:
-            on = jnp.ones(routed.shape[:2] + (shared,), bool)
-            routed = jnp.concatenate([on, routed], -1)
-        return routed, None
-    return None, None
+    """``(active_BTE bool, a_BTE or None)`` of one layer's aux (None for a dense FFN); top-k
+    layers' ``expert_ids`` become a mask over all ``n_experts`` (shared experts first)."""
+    return router_active_sets(layer_aux, spec.n_experts - spec.n_always_on, spec.n_always_on)
 
 
-def param_counts(spec: SparseLMConfig, model) -> dict:
-    n = count_params(model)
-    n_ffn = spec.n_layers * 2 * spec.d_model * spec.d_expert * spec.n_experts
-    return {"params": n, "ffn_params": n_ffn}
+def sparse_lm_preset(preset: str) -> dict:
+    """The model, training and data settings every BlockFFN study starts from (a study
+    overrides what its recipe changes): ``{"model", "train", "seq_len", "eval_batches"}``.
+
+    quick: a 2-layer width-48 LM with 16 experts of width 16 trained 200 steps (CPU, ~30 s);
+    the AL sharpness is 10 instead of the paper's 100 (see ``blockffn_ablations``' ``alpha``
+    table). full: 8 layers, width 256, 40 experts, 8000 steps of 64 x 512 tokens (GPU)."""
+    if preset == "quick":
+        return dict(
+            model=SparseLMConfig(d_model=48, d_expert=16, n_layers=2, n_heads=4, n_experts=16,
+                                 chunk_len=16, alpha=10.0, cs_lam0=5e-2, n_st=40, n_adj=10,
+                                 remoe_lam0=1e-3),
+            train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20,
+                              schedule="wsd", decay_fraction=0.2, log_every=20),
+            seq_len=64, eval_batches=4)
+    if preset == "full":
+        return dict(
+            model=SparseLMConfig(d_model=256, d_expert=64, n_layers=8, n_heads=8, n_experts=40,
+                                 chunk_len=64, cs_lam0=5e-2, n_st=1000, n_adj=100,
+                                 remoe_lam0=1e-4, max_seq_len=512),
+            train=TrainConfig(steps=8000, batch_size=64, lr=2e-3, warmup_steps=400,
+                              schedule="wsd", decay_fraction=0.1, log_every=50),
+            seq_len=512, eval_batches=32)
+    raise ValueError(f"unknown preset {preset!r}; use 'quick' or 'full'")
 
 
-def evaluate(spec: SparseLMConfig, model, batches, chunk_lens=CHUNK_LENS) -> dict:
-    """Validation CE / PPL and the streaming sparsity metrics (mean over layers)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    @jax.jit
-    def fwd(params, rest, batch):
-        m = nnx.merge(graphdef, params, rest)
-        logits, aux = m(batch["inputs"], train=False, mask_BT=batch["mask"] > 0)
-        ce = cross_entropy(logits, batch["targets"], batch["mask"])
-        return ce, [active_sets(spec, la) for la in aux["layers"]]
-
-    acc = SparsityAccumulator(chunk_lens)
-    ces = []
-    for b in batches:
-        ce, layers = jax.device_get(fwd(params, rest, b))
-        ces.append(float(ce))
-        for i, (act, a) in enumerate(layers):
-            if act is not None:
-                acc.update(i, act, mask_BT=b["mask"] > 0, a_BTE=a, tokens_BT=b["inputs"])
-    ce = float(np.mean(ces))
-    out = {"val_ce": ce, "val_ppl": math.exp(ce)}
-    res = acc.result()
-    out.update(res["mean"])
-    out["layers"] = res["layers"]
-    out["allocation"] = acc.allocation()
-    return out
-
-
-def data_sources(batch_size: int, seq_len: int, seed: int, eval_batches: int):
-    train_src = WindowBatches(corpus_bytes("stdlib_code", "train"), batch_size=batch_size,
-                              seq_len=seq_len, seed=seed)
-    val = WindowBatches(corpus_bytes("stdlib_code", "validation"), batch_size=batch_size,
-                        seq_len=seq_len, seed=10_000 + seed)
+def data_sources(batch_size: int, seq_len: int, seed: int, eval_batches: int,
+                 corpus: str = "stdlib_code"):
+    """``(train source, fixed validation batches)`` of byte windows of ``corpus``."""
+    train_src = corpus_windows(corpus, "train", batch_size=batch_size, seq_len=seq_len,
+                               seed=seed)
+    val = corpus_windows(corpus, "validation", batch_size=batch_size, seq_len=seq_len,
+                         seed=10_000 + seed)
     return train_src, [val.batch(i) for i in range(eval_batches)]
 
 
-def train_and_eval(spec: SparseLMConfig, tcfg: TrainConfig, train_src, val_batches,
-                   run_dir=None, desc: str = "") -> dict:
-    """Train one model from scratch; return its validation metrics and training summary."""
+def train_and_evaluate(spec: SparseLMConfig, tcfg: TrainConfig, train_src, val_batches,
+                       run_dir=None) -> dict:
+    """Train one model from scratch (seed ``tcfg.seed``); its validation metrics
+    (:class:`SparsityEvaluator`), ``params`` / ``ffn_params``, ``train_ce_last`` (mean of the
+    last 10 logged steps), ``lambda_final``, the ``history`` and the trained ``model``."""
     model = spec.build(tcfg.seed)
-    hist = train(model, train_src, tcfg, run_dir=run_dir, loss_fn=sparsity_lm_loss_fn,
-                 progress=True)
-    ev = evaluate(spec, model, val_batches)
-    ev.update(param_counts(spec, model))
+    hist = train(model, train_src, tcfg, run_dir=run_dir, progress=True)
+    ev = SparsityEvaluator(val_batches, active_fn=functools.partial(active_sets, spec))(model)
+    ev["params"] = count_params(model)
+    ev["ffn_params"] = spec.n_layers * 2 * spec.d_model * spec.d_expert * spec.n_experts
     ev["train_ce_last"] = float(np.mean([h["ce"] for h in hist[-10:]]))
     ev["lambda_final"] = float(hist[-1].get("aux/lambda", float("nan")))
     ev["history"] = hist
@@ -179,7 +169,8 @@ def train_and_eval(spec: SparseLMConfig, tcfg: TrainConfig, train_src, val_batch
     return ev
 
 
-def row(name: str, ev: dict, extra: dict | None = None) -> dict:
+def summary_row(name: str, ev: dict, extra: dict | None = None) -> dict:
+    """One results-table row: ``model``, ``extra``, PPL, TLS, CLS_8, reuse, params."""
     r = {"model": name}
     r.update(extra or {})
     r.update({"val_ppl": ev["val_ppl"], "TLS": ev.get("tls", 0.0),

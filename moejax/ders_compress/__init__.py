@@ -2,18 +2,18 @@
 decompose into base + deltas, replace the deltas by sparse / quantised forms, save them as a
 compressed orbax checkpoint, and run inference that synthesises each expert on the fly.
 
-DeRS *upcycling* (trainable SM / LM experts) lives in :mod:`moejax.nn.ders` and
+DeRS *upcycling* (trainable SM / LM experts) lives in :mod:`moejax.nn.ders_moe` and
 :mod:`moejax.upcycle`."""
 
-from moejax.ders.ckpt import disk_bytes, load_compressed, save_compressed
-from moejax.ders.compress import (
+from moejax.ders_compress.ckpt import disk_bytes, load_compressed, save_compressed
+from moejax.ders_compress.compress import (
                                   CompressedDeRS,
                                   compress,
                                   compression_report,
                                   decompress,
                                   decompress_deltas,
 )
-from moejax.ders.decompose import (
+from moejax.ders_compress.decompose import (
                                   Decomposed,
                                   bases_from_dense,
                                   decompose,
@@ -21,7 +21,7 @@ from moejax.ders.decompose import (
                                   moe_layers,
                                   recompose,
 )
-from moejax.ders.synth import (
+from moejax.ders_compress.synth import (
                                   DeRSBuffer,
                                   SynthMoE,
                                   SynthMoEConfig,

@@ -14,7 +14,7 @@ Layout of ``<directory>/`` (orbax ``CompositeCheckpointHandler``; no pickle)::
 The delta arrays are exactly those of :mod:`moejax.delta.storage` (packed codes, smallest
 index dtype), so ``compression_report`` byte counts are what is written (orbax may compress
 further on disk). :func:`load_compressed` returns a :class:`CompressedDeRS` with integer
-block keys, ready for :func:`moejax.ders.synth.build_synth_model` or ``decompress``.
+block keys, ready for :func:`moejax.ders_compress.synth.build_synth_model` or ``decompress``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from moejax.config import Config, from_json, to_json
 from moejax.delta.storage import StoredDelta
-from moejax.ders.compress import CompressedDeRS
+from moejax.ders_compress.compress import CompressedDeRS
 
 __all__ = ["FORMAT", "save_compressed", "load_compressed", "disk_bytes"]
 
@@ -73,7 +73,8 @@ def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
     meta = out["meta"]
     if meta.get("format") != FORMAT:
         raise ValueError(f"load_compressed: {path} has format {meta.get('format')!r}, expected "
-                         f"{FORMAT!r}; was it written by moejax.ders.ckpt.save_compressed?")
+                         f"{FORMAT!r}; was it written by "
+                         "moejax.ders_compress.ckpt.save_compressed?")
     arr = out["arrays"]
     stored = StoredDelta({k: np.asarray(v) for k, v in arr["deltas"].items()}, meta["storage"])
     c = CompressedDeRS(_int_keys(arr["base"]), _int_keys(arr["rest"]), stored, meta["ders"])

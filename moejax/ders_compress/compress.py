@@ -27,7 +27,7 @@ import numpy as np
 from moejax.delta.dare import dare
 from moejax.delta.quant import dequantize_tree, quantize_tree
 from moejax.delta.storage import StoredDelta, decode, encode, storage_report
-from moejax.ders.decompose import Decomposed, recompose
+from moejax.ders_compress.decompose import Decomposed, recompose
 
 __all__ = ["CompressedDeRS", "compress", "decompress_deltas", "decompress",
            "compression_report", "delta_tree", "untree"]
@@ -102,7 +102,7 @@ def decompress_deltas(c: CompressedDeRS) -> dict:
 
 def decompress(c: CompressedDeRS) -> dict:
     """The full MoE parameter dict with ``W~_i = W_base + F(Delta_i)`` (all experts; for
-    round-trip checks; inference should use :mod:`moejax.ders.synth`)."""
+    round-trip checks; inference should use :mod:`moejax.ders_compress.synth`)."""
     dec = Decomposed(c.base, None, c.rest, c.meta["extended"])
     return recompose(dec, decompress_deltas(c))
 

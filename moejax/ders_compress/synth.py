@@ -30,8 +30,8 @@ from flax import nnx
 
 from moejax.config import config
 from moejax.delta.quant import num_levels
-from moejax.ders.compress import CompressedDeRS
-from moejax.nn.ders import matrix_shapes
+from moejax.ders_compress.compress import CompressedDeRS
+from moejax.nn.ders_moe import matrix_shapes
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
