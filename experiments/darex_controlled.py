@@ -1,12 +1,12 @@
 """Controlled DAREx study (paper App. B analog): a 2-layer MLP with RMSNorm.
 
-``f(x) = W_o N(relu(W_1 N(x) + b_1)) + b_o`` (N = RMSNorm with a learnable scale) is pre-trained
-on MNIST-5k and fine-tuned on the sklearn 8x8 digits upsampled to 28x28 (same 10 classes, a
-domain shift like the paper's CIFAR-10 -> SVHN) three ways: no
-regularisation (Adam), AdamR-L2 and AdamR-L1 (decay anchored at the pre-trained weights). The
-delta of the two weight matrices is then pruned with DARE, DAREx-q (q_v: validation accuracy;
-q_e: last-layer output change on one batch), magnitude and WANDA at
-p in {0.5, 0.7, 0.9, 0.95, 0.99}; the table reports test accuracy on the sklearn digits.
+``f(x) = W_o N(relu(W_1 N(x) + b_1)) + b_o`` (N = RMSNorm with a learnable scale,
+:mod:`moejax.substrates.mlp`) is pre-trained on MNIST-5k and fine-tuned on the sklearn 8x8
+digits upsampled to 28x28 (same 10 classes, a domain shift like the paper's CIFAR-10 -> SVHN)
+three ways: no regularisation (Adam), AdamR-L2 and AdamR-L1 (decay anchored at the
+pre-trained weights). The delta of the two weight matrices is then pruned with DARE, DAREx-q
+(q_v: validation accuracy; q_e: last-layer output change on one batch), magnitude and WANDA
+at p in {0.5, 0.7, 0.9, 0.95, 0.99}; the table reports test accuracy on the sklearn digits.
 
     python -m experiments.darex_controlled                  # quick (CPU, < 1 min)
     python -m experiments.darex_controlled preset=full      # wider MLP, longer training
@@ -15,16 +15,14 @@ p in {0.5, 0.7, 0.9, 0.95, 0.99}; the table reports test accuracy on the sklearn
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
-from moejax.evaluate import ClassifierEvaluator
 from moejax.experiment import main
 from moejax.results import RunDir
-from moejax.train import adam_linear_config, train_params
+from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks, mlp, pretrain_mlp
+from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"
 
@@ -34,17 +32,17 @@ class ControlledConfig(Config):
     """MLP width, training lengths, AdamR strengths and the pruning grid."""
 
     d_hidden: int = 256
-    pretrain_steps: int = 400
-    finetune_steps: int = 300
-    batch_size: int = 128
-    lr: float = 1e-3
+    # the DAREx recipe (Adam, linear warmup then linear decay, clip 1); fine-tuning runs it
+    # with Adam, AdamR-L2 (lambda = l2_weight) and AdamR-L1 (lambda = l1_weight)
+    pretrain: TrainConfig = adam_linear_config(400, 1e-3, batch_size=128, warmup=20)
+    finetune: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20)
     l2_weight: float = 0.1  # AdamR-L2 lambda
     l1_weight: float = 0.001  # AdamR-L1 lambda
     ps: tuple[float, ...] = (0.5, 0.7, 0.9, 0.95, 0.99)
     methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "magnitude",
                                        "WANDA")
     q_num: int = 20
-    seed: int = 0
+    seed: int = 0  # initialisation, batch order, DARE masks (replaces pretrain/finetune.seed)
 
     def validate(self):
         self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
@@ -54,96 +52,19 @@ class ControlledConfig(Config):
 def make_config(preset: str) -> ControlledConfig:
     if preset == "quick":
         return ControlledConfig()
-    return ControlledConfig(d_hidden=1024, pretrain_steps=3000, finetune_steps=2000)
-
-
-# ------------------------------------------------------------------------------ data and model
-
-
-def _upsample_digits(images_N88: np.ndarray) -> np.ndarray:
-    """sklearn 8x8 digits (0..16) -> 28x28 in [0, 1]: 3x nearest upsampling + 2-pixel border."""
-    x = np.kron(images_N88.astype(np.float32) / 16.0, np.ones((3, 3), np.float32))
-    return np.pad(x, ((0, 0), (2, 2), (2, 2)))
-
-
-def load_tasks(seed: int = 0) -> dict:
-    """Task A = MNIST-5k (pre-training), task B = sklearn digits upsampled to 28x28
-    (fine-tuning); each split 80/10/10 by a fixed permutation. Same 10 classes."""
-    from moejax.data.builders_images import load_digits_arrays, load_mnist5k_arrays
-
-    out = {}
-    for task, (images, labels) in (("A", load_mnist5k_arrays()), ("B", load_digits_arrays())):
-        x = (images.astype(np.float32) / 255.0 if task == "A" else _upsample_digits(images))
-        x = x.reshape(len(x), -1)
-        order = np.random.default_rng(1234 + seed).permutation(len(x))
-        n_tr, n_va = int(0.8 * len(x)), int(0.9 * len(x))
-        parts = {"train": order[:n_tr], "validation": order[n_tr:n_va], "test": order[n_va:]}
-        for split, idx in parts.items():
-            out[task, split] = (jnp.asarray(x[idx]), jnp.asarray(labels[idx].astype(np.int32)))
-    return out
-
-
-def init_mlp(key: jax.Array, d_in: int, d_hidden: int, n_classes: int = 10) -> dict:
-    """He-initialised weights, zero biases, unit RMSNorm scales."""
-    k1, k2 = jax.random.split(key)
-    return {
-        "norm_in": jnp.ones((d_in,)), "w1": jax.random.normal(k1, (d_in, d_hidden)) * d_in**-0.5,
-        "b1": jnp.zeros((d_hidden,)), "norm_h": jnp.ones((d_hidden,)),
-        "wo": jax.random.normal(k2, (d_hidden, n_classes)) * d_hidden**-0.5,
-        "bo": jnp.zeros((n_classes,)),
-    }
-
-
-def _rms(x, scale):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
-
-
-def mlp(params: dict, x_BD: jax.Array) -> jax.Array:
-    h = jax.nn.relu(_rms(x_BD, params["norm_in"]) @ params["w1"] + params["b1"])
-    return _rms(h, params["norm_h"]) @ params["wo"] + params["bo"]
-
-
-def xent(params, batch, key=None, train=True):
-    x, y = batch
-    logits = mlp(params, x)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
-
-
-def accuracy_of(data):
-    """``params -> accuracy`` of the functional MLP on ``data = (x, y)``."""
-    ev = ClassifierEvaluator(*data).bind_fn(mlp)
-    return lambda params: ev(params)["accuracy"]
-
-
-def batches(data, batch_size: int, seed: int):
-    x, y = data
-    n = x.shape[0]
-
-    def at(i):
-        idx = np.random.default_rng([seed, i]).integers(0, n, batch_size)
-        return x[idx], y[idx]
-
-    return at
+    return ControlledConfig(d_hidden=1024,
+                            pretrain=adam_linear_config(3000, 1e-3, batch_size=128, warmup=20),
+                            finetune=adam_linear_config(2000, 1e-3, batch_size=128, warmup=20))
 
 
 def pretrain_and_finetune(cfg: ControlledConfig, tasks: dict, regs=("none", "l2", "l1")):
     """``(theta_P, {reg: theta_F})`` for the requested fine-tuning regularisers."""
-    key = jax.random.key(cfg.seed)
-    p0 = init_mlp(key, tasks["A", "train"][0].shape[1], cfg.d_hidden)
-    tcfg = adam_linear_config(cfg.pretrain_steps, cfg.lr, batch_size=cfg.batch_size, warmup=20,
-                              seed=cfg.seed)
-    pre, _ = train_params(p0, batches(tasks["A", "train"], cfg.batch_size, cfg.seed), tcfg, xent,
-                          desc="pretrain MNIST")
+    pre = pretrain_mlp(tasks, cfg.d_hidden, cfg.pretrain.replace(seed=cfg.seed))
     opts = {"none": ("adam", 0.0), "l2": ("adamr_l2", cfg.l2_weight),
             "l1": ("adamr_l1", cfg.l1_weight)}
-    tuned = {}
-    for reg in regs:
-        tuned[reg], _ = train_params(
-            pre, batches(tasks["B", "train"], cfg.batch_size, cfg.seed + 1),
-            adam_linear_config(cfg.finetune_steps, cfg.lr, batch_size=cfg.batch_size,
-                               optimizer=opts[reg][0], weight=opts[reg][1], warmup=20,
-                               seed=cfg.seed), xent,
-            desc=f"finetune digits ({reg})")
+    tuned = {reg: finetune_mlp(pre, tasks, cfg.finetune.replace(
+        optimizer=opts[reg][0], weight_decay=opts[reg][1], seed=cfg.seed),
+        desc=f"finetune digits ({reg})") for reg in regs}
     return pre, tuned
 
 
@@ -155,8 +76,8 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
     pre, tuned = pretrain_and_finetune(cfg, tasks)
     test_b, val_b = tasks["B", "test"], tasks["B", "validation"]
     calib_x = tasks["B", "train"][0][:256]
-    acc_test, acc_val = accuracy_of(test_b), accuracy_of(val_b)
-    acc_test_a = accuracy_of(tasks["A", "test"])
+    acc_test, acc_val = accuracy_fn(test_b), accuracy_fn(val_b)
+    acc_test_a = accuracy_fn(tasks["A", "test"])
     rows, base_rows = [], []
     for reg, fin in tuned.items():
         D = dl.delta(pre, fin)

@@ -33,7 +33,7 @@ from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
-from moejax.train import adam_linear_config, lm_loss_fn, train_params
+from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, train_params
 
 NAME = "darex_decoder"
 
@@ -47,9 +47,8 @@ class DecoderStudyConfig(Config):
     substrate: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     seq_len: int = 64
-    batch_size: int = 16
-    finetune_steps: int = 200
-    lr_finetune: float = 1e-3
+    # the DAREx recipe, run with Adam (no decay) and with AdamR-L2 (lambda = l2_weight)
+    finetune: TrainConfig = adam_linear_config(200, 1e-3, batch_size=16, warmup=20)
     l2_weight: float = 0.1
     corpus_bytes: int = 2_000_000  # bytes of each corpus read
     eval_batches: int = 4
@@ -57,7 +56,7 @@ class DecoderStudyConfig(Config):
     methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)",
                                 "DAREx-q (per-layer q_e)")
     q_num: int = 20
-    seed: int = 0
+    seed: int = 0  # batch order, DARE masks (replaces finetune.seed)
 
     def validate(self):
         self._require(self.seq_len >= 8, f"seq_len={self.seq_len} must be >= 8")
@@ -70,9 +69,9 @@ class DecoderStudyConfig(Config):
 def make_config(preset: str) -> DecoderStudyConfig:
     if preset == "quick":
         return DecoderStudyConfig()
-    return DecoderStudyConfig(model="smollm2_135m", seq_len=256, batch_size=16,
-                              finetune_steps=1000, lr_finetune=1e-4, corpus_bytes=20_000_000,
-                              eval_batches=16)
+    return DecoderStudyConfig(model="smollm2_135m", seq_len=256,
+                              finetune=adam_linear_config(1000, 1e-4, batch_size=16, warmup=20),
+                              corpus_bytes=20_000_000, eval_batches=16)
 
 
 # ------------------------------------------------------------------------------ data
@@ -111,15 +110,16 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     graphdef, rest, pre, tok, sub = build_models(cfg)
     loss_fn = _loss(graphdef, rest)  # one function: the fine-tuning step compiles once
     code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)
-    train_src = WindowBatches(code("train"), batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+    bs = cfg.finetune.batch_size
+    train_src = WindowBatches(code("train"), batch_size=bs, seq_len=cfg.seq_len,
                               seed=cfg.seed + 1)
     val_tokens = code("validation")
-    held = lambda seed: [WindowBatches(val_tokens, batch_size=cfg.batch_size,
+    held = lambda seed: [WindowBatches(val_tokens, batch_size=bs,
                                        seq_len=cfg.seq_len, seed=seed).batch(i)
                          for i in range(cfg.eval_batches)]
     val_eval = LMEvaluator(held(10_000)).bind(graphdef, rest)
     test_eval = LMEvaluator(held(20_000)).bind(graphdef, rest)
-    calib = train_src.batch(10**6)["inputs"][: max(2, cfg.batch_size // 2)]
+    calib = train_src.batch(10**6)["inputs"][: max(2, bs // 2)]
 
     @jax.jit
     def logits_fn(params):
@@ -129,9 +129,8 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     before = test_eval(pre)
     tuned = {}
     for opt, weight in (("adamw", 0.0), ("adamr_l2", cfg.l2_weight)):
-        tcfg = adam_linear_config(cfg.finetune_steps, cfg.lr_finetune, batch_size=cfg.batch_size,
-                                  optimizer="adam" if opt == "adamw" else opt, weight=weight,
-                                  warmup=20, seed=cfg.seed)
+        tcfg = cfg.finetune.replace(optimizer="adam" if opt == "adamw" else opt,
+                                    weight_decay=weight, seed=cfg.seed)
         tuned[opt], _ = train_params(pre, train_src, tcfg, loss_fn,
                                      desc=f"finetune code ({opt})")
     label = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}

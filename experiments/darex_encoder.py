@@ -32,7 +32,7 @@ from moejax.experiment import main
 from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
 from moejax.pytree import path_str
 from moejax.results import RunDir
-from moejax.train import adam_linear_config, train_params
+from moejax.train import TrainConfig, adam_linear_config, train_params
 
 NAME = "darex_encoder"
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
@@ -50,12 +50,12 @@ class EncoderStudyConfig(Config):
     d_model: int = 64
     n_layers: int = 2
     seq_len: int = 48
-    batch_size: int = 32
-    pretrain_steps: int = 300
-    finetune_steps: int = 200
-    lr_pretrain: float = 2e-3
-    lr_finetune: float = 1e-3
-    weight_decay: float = 0.01  # AdamW baseline
+    # tiny_bytes only: pre-training of the byte encoder on pretrain_task
+    pretrain: TrainConfig = adam_linear_config(300, 2e-3, batch_size=32, optimizer="adamw",
+                                               weight=0.01, warmup=30)
+    # the DAREx recipe: AdamW as given (the baseline), AdamR-L2 / -L1 with lambda below
+    finetune: TrainConfig = adam_linear_config(200, 1e-3, batch_size=32, optimizer="adamw",
+                                               weight=0.01, warmup=30)
     l2_weight: float = 0.02
     l1_weight: float = 0.0003
     n_train: int = 20000
@@ -78,7 +78,9 @@ def make_config(preset: str) -> EncoderStudyConfig:
     if preset == "quick":
         return EncoderStudyConfig()
     return EncoderStudyConfig(model="minilm", tasks=("pos", "lexname"), seq_len=64,
-                              batch_size=32, finetune_steps=3000, lr_finetune=5e-5,
+                              finetune=adam_linear_config(3000, 5e-5, batch_size=32,
+                                                          optimizer="adamw", weight=0.01,
+                                                          warmup=30),
                               l2_weight=0.1, l1_weight=0.001, n_train=100_000, n_val=2000,
                               n_test=100_000, q_num=20, eta_num=12)
 
@@ -181,10 +183,8 @@ def backbone(cfg: EncoderStudyConfig, splits: dict):
     clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(cfg.seed + 1000))
     graphdef, params, rest = nnx.split(clf, nnx.Param, ...)
     loss_fn, _, _ = make_fns(graphdef, rest)
-    tcfg = adam_linear_config(cfg.pretrain_steps, cfg.lr_pretrain, batch_size=cfg.batch_size,
-                              optimizer="adamw", weight=cfg.weight_decay, warmup=30,
-                              seed=cfg.seed)
-    params, _ = train_params(params, task.batches(cfg.batch_size, cfg.seed + 1000), tcfg,
+    tcfg = cfg.pretrain.replace(seed=cfg.seed)
+    params, _ = train_params(params, task.batches(tcfg.batch_size, cfg.seed + 1000), tcfg,
                              loss_fn, desc=f"pretrain ({cfg.pretrain_task})")
     return params["encoder"], ecfg, tokenize
 
@@ -213,11 +213,9 @@ def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
 
 
 def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, sweeps: dict):
-    weights = {"adamw": cfg.weight_decay, "adamr_l2": cfg.l2_weight, "adamr_l1": cfg.l1_weight}
-    tcfgs = {opt: adam_linear_config(cfg.finetune_steps, cfg.lr_finetune,
-                                     batch_size=cfg.batch_size, optimizer=opt,
-                                     weight=weights[opt], warmup=30, seed=cfg.seed)
-             for opt in OPTIMIZERS}
+    tcfgs = {"adamw": cfg.finetune,
+             "adamr_l2": cfg.finetune.replace(optimizer="adamr_l2", weight_decay=cfg.l2_weight),
+             "adamr_l1": cfg.finetune.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
     graphdef, _, rest = nnx.split(SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(0)),
                                   nnx.Param, ...)
     loss_fn, accuracy_on, logits = make_fns(graphdef, rest)
@@ -230,7 +228,7 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, swe
         nnx.update(clf.encoder, enc_p)
         params = nnx.state(clf, nnx.Param)
         for opt, (label, methods) in OPTIMIZERS.items():
-            fin, _ = train_params(params, task.batches(cfg.batch_size, cfg.seed + seed),
+            fin, _ = train_params(params, task.batches(cfg.finetune.batch_size, cfg.seed + seed),
                                   tcfgs[opt].replace(seed=cfg.seed + seed), loss_fn,
                                   desc=f"{task.name} seed {seed} {label}")
             pre = _with_encoder(fin, params)  # pre-trained encoder + this run's head

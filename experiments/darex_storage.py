@@ -35,6 +35,7 @@ from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_storage"
 
@@ -49,9 +50,12 @@ class StorageConfig(Config):
     bits: tuple[int, ...] = (32, 16, 8, 4, 2)
     timing_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"  # tiny: tests only
     timing_repeats: int = 3
+    # source="mlp": the controlled MLP (moejax.substrates.mlp) fine-tuned with AdamR-L2
     mlp_hidden: int = 256
-    mlp_steps: int = 300
-    seed: int = 0
+    pretrain: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20)
+    finetune: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20,
+                                               optimizer="adamr_l2", weight=0.1)
+    seed: int = 0  # replaces pretrain/finetune.seed
 
     def validate(self):
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
@@ -88,14 +92,13 @@ def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
 
 
 def mlp_source(cfg: StorageConfig):
-    """``(theta_P, Delta, accuracy_fn)`` of the AdamR-L2 fine-tuned MLP (darex_controlled)."""
-    from experiments import darex_controlled as ctl
+    """``(theta_P, Delta, accuracy_fn)`` of the fine-tuned controlled MLP."""
+    from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks, pretrain_mlp
 
-    ccfg = ctl.ControlledConfig(d_hidden=cfg.mlp_hidden, pretrain_steps=cfg.mlp_steps,
-                                finetune_steps=cfg.mlp_steps, seed=cfg.seed)
-    tasks = ctl.load_tasks(cfg.seed)
-    pre, tuned = ctl.pretrain_and_finetune(ccfg, tasks, regs=("l2",))
-    return pre, dl.delta(pre, tuned["l2"]), ctl.accuracy_of(tasks["B", "test"])
+    tasks = load_tasks(cfg.seed)
+    pre = pretrain_mlp(tasks, cfg.mlp_hidden, cfg.pretrain.replace(seed=cfg.seed))
+    fin = finetune_mlp(pre, tasks, cfg.finetune.replace(seed=cfg.seed))
+    return pre, dl.delta(pre, fin), accuracy_fn(tasks["B", "test"])
 
 
 # ------------------------------------------------------------------------------ encode / decode

@@ -12,7 +12,8 @@ def test_darex_controlled_tiny(tmp_path):
 
     summary, run = run_experiment(
         mod.NAME, mod.make_config, mod.run,
-        ["d_hidden=32", "pretrain_steps=60", "finetune_steps=40", "batch_size=64",
+        ["d_hidden=32", "pretrain.steps=60", "finetune.steps=40", "pretrain.batch_size=64",
+         "finetune.batch_size=64",
          "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4"],
         out=tmp_path / "ctl",
     )

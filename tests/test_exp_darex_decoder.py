@@ -16,7 +16,7 @@ def test_darex_decoder_tiny(tmp_path):
          "substrate.max_seq_len=64", "substrate.eval_batches=2", "substrate.train.steps=30",
          "substrate.train.batch_size=8", "substrate.train.eval_every=0",
          "substrate.train.ckpt_every=0", f"substrate_cache={tmp_path / 'subs'}",
-         "seq_len=16", "batch_size=4", "finetune_steps=20", "corpus_bytes=60000",
+         "seq_len=16", "finetune.batch_size=4", "finetune.steps=20", "corpus_bytes=60000",
          "eval_batches=2", "ps=(0.99,)", "q_num=4",
          "methods=(DARE,DAREx-q (q_v),DAREx-q (q_e),DAREx-q (per-layer q_e))"],
         out=tmp_path / "dec",

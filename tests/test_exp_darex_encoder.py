@@ -13,8 +13,10 @@ def test_darex_encoder_tiny(tmp_path):
 
     summary, run = run_experiment(
         mod.NAME, mod.make_config, mod.run,
-        ["d_model=16", "n_layers=1", "seq_len=16", "batch_size=16", "pretrain_steps=20",
-         "finetune_steps=10", "n_train=400", "n_val=64", "n_test=64", "seeds=2", "q_num=3",
+        ["d_model=16", "n_layers=1", "seq_len=16", "pretrain.batch_size=16",
+         "finetune.batch_size=16", "pretrain.steps=20", "finetune.steps=10", "n_train=400",
+         "pretrain.warmup_steps=5", "finetune.warmup_steps=5",
+         "n_val=64", "n_test=64", "seeds=2", "q_num=3",
          "eta_num=3"],
         out=tmp_path / "enc",
     )

@@ -94,3 +94,30 @@ def test_experiment_config():
     assert c.names() == ["vit_mnist5k"] and c.vit_mnist5k.train.steps == 70
     with pytest.raises(ConfigError, match="unknown"):
         apply_overrides(q, ["only=bogus"])
+
+
+def test_controlled_mlp_matches_numpy_and_tasks_split_disjointly():
+    import jax
+
+    from moejax.substrates.mlp import init_mlp, load_tasks, mlp, mlp_loss
+
+    p = init_mlp(jax.random.key(0), 12, 8, n_classes=3)
+    x = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32)
+
+    def rms(v, s):
+        return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6) * s
+
+    q = {k: np.asarray(v) for k, v in p.items()}
+    h = np.maximum(rms(x, q["norm_in"]) @ q["w1"] + q["b1"], 0)
+    want = rms(h, q["norm_h"]) @ q["wo"] + q["bo"]
+    np.testing.assert_allclose(np.asarray(mlp(p, x)), want, rtol=1e-5, atol=1e-6)
+    y = np.array([0, 1, 2, 1, 0], np.int32)
+    logp = want - np.log(np.exp(want).sum(-1, keepdims=True))
+    np.testing.assert_allclose(float(mlp_loss(p, {"inputs": x, "labels": y})),
+                               -logp[np.arange(5), y].mean(), rtol=1e-5)
+    tasks = load_tasks(0)
+    for task in ("A", "B"):
+        xs = [np.asarray(tasks[task, s][0]) for s in ("train", "validation", "test")]
+        assert all(a.shape[1] == 784 for a in xs) and 0 <= xs[0].min() and xs[0].max() <= 1
+        rows = {a.tobytes() for a in np.concatenate(xs[1:])}
+        assert sum(r.tobytes() in rows for r in xs[0]) <= 0.01 * len(xs[0])  # duplicates only
