@@ -26,6 +26,7 @@ __all__ = [
     "PackedLMBatches",
     "ClassificationBatches",
     "PairLMBatches",
+    "PromptResponseBatches",
     "pad_token_rows",
 ]
 
@@ -189,3 +190,25 @@ class PairLMBatches(_RowSource):
             "segment_ids": seg,
             "positions": np.where(seg > 0, pos[None, :], 0).astype(np.int32),
         }
+
+
+class PromptResponseBatches(_RowSource):
+    """Shuffled batches of the arrays of :func:`~moejax.data.packing.prompt_response_rows`
+    (``prompts``, ``prompt_lens``, ``tokens``, ``response_mask``), plus the teacher-forcing
+    view of the dataset responses: ``inputs`` / ``targets`` (``tokens`` shifted by one) and
+    ``mask`` (1 where the target is a response token)."""
+
+    def __init__(self, rows: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.rows = {k: np.asarray(v) for k, v in rows.items()}
+        self.batch_size, self.seed = batch_size, seed
+        self._order = EpochPermutation(len(self), seed, shuffle)
+
+    def __len__(self) -> int:
+        return self.rows["tokens"].shape[0]
+
+    def _take(self, index):
+        out = {k: v[index] for k, v in self.rows.items()}
+        tok = out["tokens"]
+        out.update(inputs=tok[:, :-1], targets=tok[:, 1:],
+                   mask=out["response_mask"][:, 1:].astype(np.float32))
+        return out

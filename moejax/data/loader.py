@@ -23,10 +23,11 @@ from moejax.data.batches import (
     ClassificationBatches,
     PackedLMBatches,
     PairLMBatches,
+    PromptResponseBatches,
     pad_token_rows,
 )
 from moejax.data.builders_labelled import LEXNAMES, POS_NAMES
-from moejax.data.packing import pack_documents, pack_pairs
+from moejax.data.packing import pack_documents, pack_pairs, prompt_response_rows
 from moejax.data.token_cache import tokenized_docs
 from moejax.data.tokenizer import BpeTokenizer, train_bpe
 
@@ -36,6 +37,7 @@ __all__ = [
     "classification_batches",
     "image_batches",
     "chat_batches",
+    "chat_prompt_response",
     "bpe_for",
     "BatchIterator",
     "TEXT_FIELD",
@@ -192,6 +194,27 @@ def chat_batches(
         "chat", prompt_field, split, tokenizer.fingerprint, seq_len, batch_size, seed
     )
     return src
+
+
+def chat_prompt_response(split: str, tokenizer, *, prompt_len: int, response_len: int,
+                         batch_size: int, seed: int = 0, limit: int = 0,
+                         prompt_field: str = "prompt", shuffle: bool | None = None,
+                         **ds_kwargs) -> PromptResponseBatches:
+    """Chit-chat pairs as :class:`PromptResponseBatches` (prompts kept apart from responses,
+    for sampling from a student and for distillation); ``limit`` > 0 keeps the first
+    ``limit`` pairs of the split."""
+    if prompt_field not in ("prompt", "context"):
+        raise ValueError(f"prompt_field={prompt_field!r}; allowed: 'prompt', 'context'")
+    examples = datasets.load_split("chitchat", split, **ds_kwargs)
+    if limit:
+        examples = examples[:limit]
+    rows = prompt_response_rows(
+        tokenizer.encode_batch([datasets.decode_text(e[prompt_field]) for e in examples]),
+        tokenizer.encode_batch([datasets.decode_text(e["response"]) for e in examples]),
+        prompt_len, response_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id)
+    return PromptResponseBatches(rows, batch_size=batch_size, seed=seed,
+                                 shuffle=(split == "train") if shuffle is None else shuffle)
 
 
 def bpe_for(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs"]
+__all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs", "prompt_response_rows"]
 
 
 @dataclass(frozen=True)
@@ -133,3 +133,44 @@ def pack_pairs(
         tokens[i, : len(row)] = row
         loss[i, len(row) - len(r) - 1 : len(row)] = 1.0
     return tokens, loss
+
+
+def prompt_response_rows(
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    prompt_len: int,
+    response_len: int,
+    *,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 0,
+) -> dict[str, np.ndarray]:
+    """Pairs laid out for generation and distillation (the row format of :func:`pack_pairs`).
+
+    Prompt part ``[bos] + prompt + [eos, bos]`` (the prompt loses its beginning when longer
+    than ``prompt_len``), response part ``response[:response_len - 1] + [eos]``. Returns
+    ``prompts`` ``[n, prompt_len]`` (right-padded), ``prompt_lens`` ``[n]``, ``tokens``
+    ``[n, prompt_len + response_len]`` (each row's prompt part directly followed by its
+    response, then padding) and ``response_mask`` (1 on the response tokens and final eos).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if prompt_len < 4 or response_len < 2:
+        raise ValueError(f"prompt_len={prompt_len} must be >= 4 and response_len="
+                         f"{response_len} >= 2")
+    n, width = len(prompts), prompt_len + response_len
+    out = {"prompts": np.full((n, prompt_len), pad_id, np.int32),
+           "prompt_lens": np.zeros((n,), np.int32),
+           "tokens": np.full((n, width), pad_id, np.int32),
+           "response_mask": np.zeros((n, width), np.float32)}
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        p = np.asarray(p, np.int32)
+        p = p[max(0, len(p) - (prompt_len - 3)):]
+        head = np.concatenate([[bos_id], p, [eos_id, bos_id]]).astype(np.int32)
+        tail = np.concatenate([np.asarray(r, np.int32)[: response_len - 1], [eos_id]])
+        out["prompts"][i, : len(head)] = head
+        out["prompt_lens"][i] = len(head)
+        out["tokens"][i, : len(head)] = head
+        out["tokens"][i, len(head): len(head) + len(tail)] = tail
+        out["response_mask"][i, len(head): len(head) + len(tail)] = 1.0
+    return out

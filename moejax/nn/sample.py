@@ -1,0 +1,140 @@
+"""Batched on-policy sampling from a :class:`~moejax.nn.decoder.DecoderLM`, jitted end to end.
+
+``sample(model, prompts_BT, prompt_lens_B, max_new_tokens, key=..., temperature=1.0,
+top_p=1.0, eos_id=...)`` returns a :class:`Sampled` batch: ``tokens_BS`` (``S = T +
+max_new_tokens``) holds each row's prompt (its first ``prompt_lens_B[b]`` entries of
+``prompts_BT``, which may be right-padded with anything) followed directly by its response,
+then ``pad_id``; ``response_mask_BS`` marks the generated tokens (up to and including EOS).
+
+Prompts of different lengths use per-row cache positions, not padding tokens: one prefill over
+the padded ``[B, T]`` block, after which each row's cache length is set to its own prompt
+length, so row ``b``'s first new token is written at position ``prompt_lens_B[b]`` (over the
+padding) and attends to its real prompt only (the decode mask admits cache slots ``<=`` the
+current one; stale padding slots beyond are overwritten before they become visible).
+
+Token selection: ``temperature == 0`` is greedy; otherwise nucleus (top-p) sampling from
+``softmax(logits / temperature)``: the smallest set of most probable tokens whose mass reaches
+``top_p`` (``top_p = 1``: the full distribution). The decode loop is a ``lax.while_loop`` that
+stops when every row has emitted ``eos_id`` or after ``max_new_tokens`` steps; the step key is
+``fold_in(key, step)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["Sampled", "sample", "sample_traced", "top_p_filter", "select_next"]
+
+
+class Sampled(NamedTuple):
+    tokens_BS: jax.Array  # int32 prompt + response + padding
+    response_mask_BS: jax.Array  # bool: generated tokens (EOS included)
+    lengths_B: jax.Array  # int32 prompt + response length per row
+
+
+def top_p_filter(logits_BV: jax.Array, top_p: float) -> jax.Array:
+    """``logits`` with every token outside the nucleus set to ``-inf``: a token is kept when
+    the probability mass of the strictly more probable tokens is below ``top_p`` (so the most
+    probable token is always kept; ties broken by index)."""
+    if top_p >= 1.0:
+        return logits_BV
+    probs = jax.nn.softmax(logits_BV, axis=-1)
+    order_BV = jnp.argsort(-probs, axis=-1, stable=True)
+    sorted_BV = jnp.take_along_axis(probs, order_BV, axis=-1)
+    before_BV = jnp.cumsum(sorted_BV, axis=-1) - sorted_BV
+    keep_sorted_BV = before_BV < top_p
+    keep_BV = jnp.zeros_like(keep_sorted_BV).at[
+        jnp.arange(logits_BV.shape[0])[:, None], order_BV].set(keep_sorted_BV)
+    return jnp.where(keep_BV, logits_BV, -jnp.inf)
+
+
+def select_next(logits_BV: jax.Array, key: jax.Array, *, temperature: float,
+                top_p: float) -> jax.Array:
+    """Greedy (``temperature == 0``) or temperature + nucleus sampling -> ``[B]`` int32."""
+    logits = logits_BV.astype(jnp.float32)
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = top_p_filter(logits / temperature, top_p)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
+                  temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+                  pad_id: int = 0) -> Sampled:
+    """:func:`sample` without argument checks, for use inside a traced function (a training
+    step's loss); the caller guarantees what :func:`sample` checks."""
+    B, T = prompts_BT.shape
+    S = T + max_new
+    cache = model.init_cache(B, S)
+    logits_BTV, cache = model.decode(prompts_BT, cache)
+    cache = tuple(c._replace(lengths_B=prompt_lens_B) for c in cache)
+    last_BV = jnp.take_along_axis(logits_BTV, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
+    # prompt tokens in place, everything after the prompt = pad
+    cols_S = jnp.arange(S, dtype=jnp.int32)
+    prompt_S = jnp.pad(prompts_BT, ((0, 0), (0, max_new)))
+    tokens_BS = jnp.where(cols_S[None] < prompt_lens_B[:, None], prompt_S, pad_id)
+    resp_BS = jnp.zeros((B, S), bool)
+    rows_B = jnp.arange(B)
+
+    def cond(carry):
+        i, _, _, _, _, done_B = carry
+        return (i < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, logits_BV, cache, tokens_BS, resp_BS, done_B = carry
+        tok_B = select_next(logits_BV, jax.random.fold_in(key, i), temperature=temperature,
+                            top_p=top_p)
+        tok_B = jnp.where(done_B, pad_id, tok_B)
+        pos_B = prompt_lens_B + i
+        tokens_BS = tokens_BS.at[rows_B, pos_B].set(tok_B)
+        resp_BS = resp_BS.at[rows_B, pos_B].set(~done_B)
+        if eos_id is not None:
+            done_B = done_B | (tok_B == eos_id)
+        logits_B1V, cache = model.decode(tok_B[:, None], cache)
+        return i + 1, logits_B1V[:, 0], cache, tokens_BS, resp_BS, done_B
+
+    init = (jnp.int32(0), last_BV, cache, tokens_BS, resp_BS, jnp.zeros((B,), bool))
+    _, _, _, tokens_BS, resp_BS, _ = jax.lax.while_loop(cond, body, init)
+    lengths_B = prompt_lens_B + resp_BS.sum(-1).astype(jnp.int32)
+    return Sampled(tokens_BS, resp_BS, lengths_B)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new", "temperature", "top_p", "eos_id",
+                                   "pad_id"))
+def _sample(graphdef, state, prompts_BT, prompt_lens_B, key, **kw):
+    return sample_traced(nnx.merge(graphdef, state), prompts_BT, prompt_lens_B, key, **kw)
+
+
+def sample(model, prompts_BT, prompt_lens_B, max_new_tokens: int, *, key: jax.Array,
+           temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+           pad_id: int = 0) -> Sampled:
+    """Sample up to ``max_new_tokens`` after each row's prompt (see the module docstring).
+    ``prompt_lens_B`` (each in ``[1, T]``) says how many leading tokens of each row of
+    ``prompts_BT`` are the prompt. One compilation per (model structure, shapes, settings)."""
+    prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
+    B, T = prompts_BT.shape
+    lens = jnp.asarray(prompt_lens_B, jnp.int32)
+    if lens.shape != (B,):
+        raise ValueError(f"prompt_lens_B has shape {lens.shape}; expected ({B},)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if T + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"prompt block ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_seq_len={model.cfg.max_seq_len}; shorten the prompts or the "
+                         "responses")
+    lo, hi = int(jnp.min(lens)), int(jnp.max(lens))
+    if lo < 1 or hi > T:
+        raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
+    graphdef, state = nnx.split(model)
+    return _sample(graphdef, state, prompts_BT, lens, key, max_new=int(max_new_tokens),
+                   temperature=float(temperature), top_p=float(top_p), eos_id=eos_id,
+                   pad_id=int(pad_id))

@@ -1,0 +1,124 @@
+"""Distillation through the one training loop: what each method trains (SAR: the student and
+the teacher's router only; the others: the student only), that the trained teacher passed in is
+never modified, that the objectives are the stated divergences, and the vocabulary check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import ConfigError
+from moejax.data.batches import PromptResponseBatches
+from moejax.data.packing import prompt_response_rows
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.moe import MoEConfig
+from moejax.ops.distill_losses import forward_kl
+from moejax.pytree import named_leaves
+from moejax.train.distill import (
+    DistillConfig,
+    FrozenParam,
+    distill_loss_fn,
+    distill_pair,
+    distill_tx,
+)
+from moejax.train.loop import train
+from moejax.train.optim import TrainConfig
+
+V = 40
+
+
+def _lm(moe: bool, n_layers=2, vocab=V, seed=0):
+    slot = (MoEConfig(n_experts=4, top_k=2, d_expert=8, router="noisy", dispatch="dense",
+                      balance_loss="cv2") if moe else DenseFFNConfig(d_hidden=16,
+                                                                     activation="swiglu"))
+    cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=n_layers, n_heads=2,
+                        n_kv_heads=1, max_seq_len=32, ffn_slots=(slot,) * n_layers)
+    return DecoderLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def _source():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, V, rng.integers(1, 5)) for _ in range(16)]
+    responses = [rng.integers(3, V, rng.integers(1, 6)) for _ in range(16)]
+    return PromptResponseBatches(prompt_response_rows(prompts, responses, 8, 6), batch_size=4)
+
+
+def _params(model):
+    return {k: np.asarray(v) for k, v in named_leaves(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("method", ["sft", "kd", "gkd", "all", "ka", "sar"])
+def test_each_method_trains_only_what_it_should(method):
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    t0, s0 = _params(teacher), _params(student)
+    cfg = DistillConfig(method=method, ka_m=2, ka_lambda=0.5, router_lr=1e-2)
+    pair = distill_pair(student, teacher, cfg)
+    tcfg = TrainConfig(steps=3, batch_size=4, lr=1e-2, schedule="constant", log_every=1)
+    hist = train(pair, _source(), tcfg, loss_fn=distill_loss_fn(cfg), tx=distill_tx(cfg, tcfg),
+                 progress=False)
+    assert len(hist) == 3 and all(np.isfinite(h["loss"]) for h in hist)
+    # the teacher passed in is untouched, always
+    for k, v in _params(teacher).items():
+        np.testing.assert_array_equal(v, t0[k])
+    # the student moved
+    assert any(not np.array_equal(v, s0[k]) for k, v in _params(pair.student).items())
+    if method == "sft":
+        assert pair.teacher is None
+        return
+    trainable = {k for k, _ in named_leaves(nnx.state(pair.teacher, nnx.Param))}
+    frozen = nnx.state(pair.teacher, FrozenParam)
+    if method == "sar":  # only router weights stay trainable, and they moved
+        assert trainable and all("/router/" in f"/{k}/" for k in trainable)
+        moved = [k for k, v in named_leaves(nnx.state(pair.teacher, nnx.Param))
+                 if not np.array_equal(np.asarray(v), t0[k.replace("/inner", "")])]
+        assert any(k.endswith("w_g") for k in moved) and any(k.endswith("w_noise") for k in moved)
+        assert "sar_kl" in hist[-1] and "sar_balance" in hist[-1]
+    else:
+        assert not trainable
+    # every frozen teacher array equals the trained teacher's
+    for k, v in named_leaves(frozen):
+        np.testing.assert_array_equal(np.asarray(v), t0[k.replace("/inner", "")])
+
+
+def test_kd_objective_is_forward_kl_on_dataset_responses():
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="kd")
+    pair = distill_pair(student, teacher, cfg)
+    b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
+    t_logits, _ = teacher(b["inputs"])
+    s_logits, _ = student(b["inputs"])
+    want = forward_kl(t_logits, s_logits, b["mask"])
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    # teacher_k = N: the top-k teacher equals the ALL teacher
+    k4 = distill_loss_fn(DistillConfig(method="kd", teacher_k=4))(
+        distill_pair(student, teacher, DistillConfig(method="kd", teacher_k=4)), b,
+        jax.random.key(0))[0]
+    all_ = distill_loss_fn(DistillConfig(method="all", on_policy_fraction=0.0,
+                                         divergence="forward_kl"))(
+        distill_pair(student, teacher, DistillConfig(method="all")), b, jax.random.key(0))[0]
+    np.testing.assert_allclose(float(k4), float(all_), rtol=1e-5)
+
+
+def test_on_policy_rows_are_student_samples():
+    """With on_policy_fraction = 1 the scored responses are the student's own samples: the
+    KL of the student against itself as teacher is 0, and the scored tokens differ from the
+    dataset's."""
+    student = _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="gkd")
+    pair = distill_pair(student, _lm(False, n_layers=1, seed=2), cfg)
+    b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
+    assert float(loss) == pytest.approx(0.0, abs=1e-6)
+    assert float(m["response_tokens"]) > 0
+
+
+def test_bad_pairs_and_configs_raise():
+    with pytest.raises(ValueError, match="vocabulary of 40 tokens and student.* of 50"):
+        distill_pair(_lm(False, vocab=50), _lm(True), DistillConfig(method="kd"))
+    with pytest.raises(ValueError, match="no MoE layer"):
+        distill_pair(_lm(False), _lm(False), DistillConfig(method="ka"))
+    with pytest.raises(ConfigError, match="on_policy_fraction"):
+        DistillConfig(on_policy_fraction=1.5)
