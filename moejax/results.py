@@ -171,14 +171,22 @@ class RunDir:
         *,
         ylabel: str,
         title: str | None = None,
+        errors: Sequence[float] | None = None,
+        hlines: Mapping[str, float] | None = None,
     ) -> Path:
+        """Bars with optional error bars (``errors``: one half-width per bar) and labelled
+        horizontal reference lines (``hlines``: e.g. the unpruned / dense / teacher value)."""
         import matplotlib
 
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-        ax.bar(range(len(values)), list(values))
+        ax.bar(range(len(values)), list(values),
+               yerr=None if errors is None else list(errors), capsize=3)
+        for label, y in (hlines or {}).items():
+            ax.axhline(y, ls="--", color="gray", lw=1)
+            ax.text(len(values) - 0.5, y, label, va="bottom", ha="right", fontsize=8)
         ax.set_xticks(range(len(values)), list(labels), rotation=30, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(title or stem)

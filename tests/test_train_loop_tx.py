@@ -119,3 +119,19 @@ def test_runs_of_one_recipe_share_one_jitted_step():
     assert loop._cached_step.cache_info().hits == hits + 1  # seed / logging: same step
     train_params(P0, _regression, cfg.replace(lr=0.5), _mse, progress=False)
     assert loop._cached_step.cache_info().hits == hits + 1  # another lr: another step
+
+
+def test_keep_best_returns_the_best_evaluated_parameters():
+    """The evaluation peaks at step 2 of 5: keep_best ends with step 2's parameters (equal to
+    a 2-step run's), not the last step's, and says so in history.best."""
+    cfg = CFG.replace(steps=5, eval_every=1, log_every=1, schedule="constant")
+    score = lambda params, step: {"score": -abs(step - 2.0)}  # noqa: E731
+    best, hist = train_params(P0, _regression, cfg, _mse, eval_fn=score, keep_best="score",
+                              progress=False)
+    two, _ = train_params(P0, _regression, cfg.replace(steps=2, eval_every=0), _mse,
+                          progress=False)
+    assert hist.best == {"step": 2, "value": 0.0} and len(hist) == 5
+    assert tree_equal(best, two)
+    with pytest.raises(ValueError, match="keep_best"):
+        train_params(P0, _regression, cfg.replace(eval_every=0), _mse, keep_best="score",
+                     progress=False)

@@ -105,17 +105,20 @@ def load(name: str, split: str | None = None, **kwargs):
     return sources_by_split[split]
 
 
-def read_all(ds, chunk: int = 4096) -> list[dict]:
-    """Every example of a data source, in order (batched reads: ~5x faster than ``ds[i]``)."""
+def read_all(ds, chunk: int = 4096, limit: int = 0) -> list[dict]:
+    """Every example of a data source (the first ``limit`` when > 0), in order (batched
+    reads: ~5x faster than ``ds[i]``)."""
+    n = min(len(ds), limit) if limit else len(ds)
     out: list[dict] = []
-    for start in range(0, len(ds), chunk):
-        out += ds.__getitems__(list(range(start, min(start + chunk, len(ds)))))
+    for start in range(0, n, chunk):
+        out += ds.__getitems__(list(range(start, min(start + chunk, n))))
     return out
 
 
-def load_split(name: str, split: str, **kwargs) -> list[dict]:
-    """All examples of one split as a list, in the data source's (deterministic) order."""
-    return read_all(load(name, split, **kwargs))
+def load_split(name: str, split: str, limit: int = 0, **kwargs) -> list[dict]:
+    """All examples of one split (the first ``limit`` when > 0) as a list, in the data
+    source's (deterministic) order."""
+    return read_all(load(name, split, **kwargs), limit=limit)
 
 
 def decode_text(value) -> str:

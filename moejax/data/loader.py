@@ -205,9 +205,7 @@ def chat_prompt_response(split: str, tokenizer, *, prompt_len: int, response_len
     ``limit`` pairs of the split."""
     if prompt_field not in ("prompt", "context"):
         raise ValueError(f"prompt_field={prompt_field!r}; allowed: 'prompt', 'context'")
-    examples = datasets.load_split("chitchat", split, **ds_kwargs)
-    if limit:
-        examples = examples[:limit]
+    examples = datasets.load_split("chitchat", split, limit=limit, **ds_kwargs)
     rows = prompt_response_rows(
         tokenizer.encode_batch([datasets.decode_text(e[prompt_field]) for e in examples]),
         tokenizer.encode_batch([datasets.decode_text(e["response"]) for e in examples]),

@@ -33,7 +33,7 @@ from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
-           "smollm2_135m_config", "DTYPES"]
+           "smollm2_135m_config", "keep_layers", "DTYPES"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DecoderCache = tuple  # tuple[KVCache, ...], one per layer
@@ -169,3 +169,22 @@ class DecoderLM(nnx.Module):
             h, _, c = block.decode(h, c, positions_BT=positions_BT)
             new_cache.append(c)
         return self._head(h), tuple(new_cache)
+
+
+def keep_layers(model: DecoderLM, layers) -> DecoderLM:
+    """Layer surgery: a new :class:`DecoderLM` made of ``model``'s blocks ``layers`` (in the
+    given order) with its embedding, final norm and head; every array copied, ``model``
+    unchanged. E.g. ``keep_layers(lm, range(2))``: a shallower student that shares the
+    teacher's tokenizer and vocabulary."""
+    layers = [int(i) for i in layers]
+    n = model.cfg.n_layers
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise ValueError(f"layers={layers} must be a non-empty list of indices in [0, {n})")
+    cfg = model.cfg.replace(n_layers=len(layers),
+                            ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure["blocks"] = {j: pure["blocks"][i] for j, i in enumerate(layers)}
+    pure = jax.tree.map(lambda x: jnp.array(x, copy=True), pure)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)

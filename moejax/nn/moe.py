@@ -261,7 +261,9 @@ def make_router(cfg: MoEConfig, d_model: int, *, rngs, param_dtype=jnp.float32):
 
 def router_aux(cfg: MoEConfig, r, mask_N, dropped_fraction, B: int, T: int) -> dict:
     """The MoE slot's ``aux`` dict: weighted ``aux_loss`` plus raw balance / z losses, per-expert
-    load, selected vs unselected gate mass, selected ids and the dropped fraction."""
+    load, selected vs unselected gate mass, selected ids, the full gate distribution
+    ``gate_probs`` ``[B, T, E]`` (softmax over every expert's logit) and the dropped
+    fraction."""
     if cfg.balance_loss == "cv2":
         # P = summed gate values actually used (combine weights), as in Shazeer / Llama-MoE.
         gates_NE = jnp.zeros_like(r.probs_NE).at[
@@ -282,5 +284,6 @@ def router_aux(cfg: MoEConfig, r, mask_N, dropped_fraction, B: int, T: int) -> d
         "gate_mass_selected": sel,
         "gate_mass_unselected": 1.0 - sel,
         "expert_ids": r.ids_NK.reshape(B, T, -1),
+        "gate_probs": r.probs_NE.reshape(B, T, -1),
         "dropped_fraction": dropped_fraction,
     }

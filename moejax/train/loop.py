@@ -71,6 +71,7 @@ class History(list):
     compiled step when the loop was asked to measure it (else ``None``)."""
 
     memory: dict | None = None
+    best: dict | None = None  # {"step", "value"} of the kept evaluation (keep_best)
 
 
 class FnSource:
@@ -180,16 +181,21 @@ def train(
     progress: bool = True,
     measure_memory: bool = False,
     desc: str = "train",
+    keep_best: str = "",
 ) -> History:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring).
 
     ``config``: the full experiment config stored with every checkpoint and in
     ``run_dir/config.json`` (defaults to ``cfg``). ``mesh``: override the mesh built from
     ``cfg.mesh_data``/``cfg.mesh_expert``. Without ``run_dir`` nothing is written to disk.
+    ``keep_best``: a key of ``eval_fn``'s result; the model ends with the parameters of the
+    evaluation where it was highest (checkpoint selection on validation; ``history.best``
+    says which step), not those of the last step. Only this call's evaluations compete.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params, rest, history = _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir,
-                                 eval_fn, config, mesh, progress, measure_memory, desc)
+                                 eval_fn, config, mesh, progress, measure_memory, desc,
+                                 keep_best)
     nnx.update(model, params, rest)
     return history
 
@@ -208,11 +214,12 @@ def train_params(
     progress: bool = True,
     measure_memory: bool = False,
     desc: str = "train",
+    keep_best: str = "",
 ) -> tuple[Any, History]:
     """Train a plain pytree of arrays with ``loss_fn(params, batch, key)``; returns
     ``(params, history)``. Same loop, checkpoints and resume as :func:`train`."""
     params, _, history = _run(None, params, None, source, cfg, loss_fn, tx, run_dir, eval_fn,
-                              config, mesh, progress, measure_memory, desc)
+                              config, mesh, progress, measure_memory, desc, keep_best)
     return params, history
 
 
@@ -242,7 +249,11 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
 
 
 def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, config, mesh,
-         progress, measure_memory, desc):
+         progress, measure_memory, desc, keep_best=""):
+    if keep_best and not (eval_fn is not None and cfg.eval_every):
+        raise ValueError(f"keep_best={keep_best!r} selects among evaluations; pass eval_fn and "
+                         "set TrainConfig.eval_every > 0")
+    best = None
     if callable(source) and not hasattr(source, "batch"):
         source = FnSource(source)
     if (getattr(source, "batch_size", None) or cfg.batch_size) != cfg.batch_size:
@@ -335,6 +346,13 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
                           else nnx.merge(graphdef, state.params, state.rest))
                 ev = {k: float(v) for k, v in eval_fn(target, done).items()}
                 history[-1].update({f"eval/{k}": v for k, v in ev.items()})
+                if keep_best:
+                    if keep_best not in ev:
+                        raise KeyError(f"keep_best={keep_best!r} is not among the evaluation "
+                                       f"metrics {sorted(ev)}")
+                    if best is None or ev[keep_best] > best[0]:
+                        best = (ev[keep_best], done,
+                                jax.tree.map(jnp.copy, (state.params, state.rest)))
                 if eval_log is not None:
                     eval_log.write([{"step": done, **ev}])
                 if tb is not None:
@@ -352,4 +370,7 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
             ckpt.close()
         if tb is not None:
             tb.close()
+    if best is not None:
+        history.best = {"step": best[1], "value": best[0]}
+        return best[2][0], best[2][1], history
     return state.params, state.rest, history

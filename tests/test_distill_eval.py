@@ -1,0 +1,89 @@
+"""ROUGE-L against hand-computed cases, the generation evaluator on a model that can only say
+one thing, the layer-dropping surgery for students, and the router statistics."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.evaluate import GenerationEvaluator, gate_mass_by_layer, rouge_l, router_kl_by_layer
+from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.moe import MoEConfig
+from moejax.nn.routing_modes import RoutingMode, with_routing
+
+
+def test_rouge_l_hand_cases():
+    # LCS "the cat on the mat" = 5 words; P = 5/5, R = 5/6 -> F = 2PR/(P+R) = 10/11
+    got = rouge_l(["the cat on the mat", "Hello, World!", "a b c", ""],
+                  ["the cat sat on the mat", "hello world", "x y z", "something"])
+    np.testing.assert_allclose(got, [10 / 11, 1.0, 0.0, 0.0], rtol=1e-9)
+    # LCS is in order: "b a" vs "a b" shares one word -> P = R = 1/2
+    np.testing.assert_allclose(rouge_l(["b a"], ["a b"]), [0.5])
+    with pytest.raises(ValueError, match="2 predictions but 1 references"):
+        rouge_l(["a", "b"], ["a"])
+
+
+def _lm(moe=False, n_layers=3, seed=0):
+    slot = (MoEConfig(n_experts=4, top_k=2, d_expert=8, router="noisy", dispatch="dense")
+            if moe else DenseFFNConfig(d_hidden=16, activation="swiglu"))
+    return DecoderLM(DecoderConfig(vocab_size=12, d_model=16, n_layers=n_layers, n_heads=2,
+                                   n_kv_heads=1, max_seq_len=32, ffn_slots=(slot,) * n_layers),
+                     rngs=nnx.Rngs(seed))
+
+
+def test_keep_layers_is_the_shallower_network():
+    lm = _lm()
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 12, (2, 7)))
+    same = keep_layers(lm, range(3))
+    np.testing.assert_allclose(np.asarray(same(x)[0]), np.asarray(lm(x)[0]), rtol=1e-6)
+    sub = keep_layers(lm, [0, 2])
+    h = lm._embed(x)
+    for i in (0, 2):
+        h, _ = lm.blocks[i](h)
+    np.testing.assert_allclose(np.asarray(sub(x)[0]), np.asarray(lm._head(h)), rtol=1e-5,
+                               atol=1e-6)
+    assert sub.cfg.n_layers == 2
+    sub.embed[...] = sub.embed[...] * 0  # a copy: the original keeps its own
+    assert float(jnp.abs(lm.embed[...]).sum()) > 0
+    with pytest.raises(ValueError, match="indices in \\[0, 3\\)"):
+        keep_layers(lm, [3])
+
+
+def test_generation_evaluator_matches_sampling_then_rouge():
+    """Greedy: every seed gives the same responses (std 0) and the score is ROUGE-L of the
+    decoded greedy continuation of each row's own prompt against its reference; sampled:
+    seeds differ."""
+    from moejax.nn.generate import generate
+
+    lm = _lm(n_layers=1)
+    decode = lambda ids: " ".join(f"w{int(t)}" for t in ids if int(t) > 2)  # noqa: E731
+    batch = {"prompts": np.array([[1, 4, 2, 0], [1, 5, 6, 2]], np.int32),
+             "prompt_lens": np.array([3, 4]),
+             "tokens": np.array([[1, 4, 2, 7, 9, 2, 0, 0], [1, 5, 6, 2, 8, 8, 3, 2]], np.int32),
+             "response_mask": np.array([[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]],
+                                       np.float32)}
+    ev = GenerationEvaluator([batch], decode, seeds=(0, 1), temperature=0.0, eos_id=2)(lm)
+    preds = []
+    for row, n in zip(batch["prompts"], batch["prompt_lens"]):
+        out = np.asarray(generate(lm, row[None, :n], 4, eos_id=2))[0, n:]
+        stop = np.flatnonzero(out == 2)
+        preds.append(decode(out[: stop[0] + 1] if stop.size else out))
+    want = rouge_l(preds, ["w7 w9", "w8 w8 w3"]).mean()
+    assert ev["rouge_l"] == pytest.approx(want) and ev["rouge_l_std"] == 0.0
+    sampled = GenerationEvaluator([batch], decode, seeds=(0, 1, 2, 3))(lm)
+    assert len(set(sampled["rouge_l_seeds"])) > 1 or sampled["rouge_l"] == 0.0
+
+
+def test_router_statistics():
+    teacher = _lm(moe=True, n_layers=2)
+    batches = [{"inputs": np.random.default_rng(i).integers(0, 12, (2, 6))} for i in range(2)]
+    mass = gate_mass_by_layer(teacher, batches)
+    assert len(mass) == 2 and all(0.5 <= m <= 1.0 for m in mass)  # top-2 of 4 hold >= half
+    every = gate_mass_by_layer(with_routing(teacher, RoutingMode(mode="all")), batches)
+    np.testing.assert_allclose(every, [1.0, 1.0], rtol=1e-6)
+    same = router_kl_by_layer(teacher, teacher, batches)
+    assert [r["mean_kl"] for r in same] == pytest.approx([0.0, 0.0], abs=1e-7)
+    other = _lm(moe=True, n_layers=2, seed=3)
+    diff = router_kl_by_layer(teacher, other, batches)
+    assert all(r["max_kl"] >= r["mean_kl"] > 0 for r in diff)
