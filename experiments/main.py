@@ -37,6 +37,7 @@ REGISTRY: tuple[str, ...] = (
     "blockffn_baselines",  # BlockFFN
     "blockffn_ablations",
     "blockffn_granularity",
+    "moe_kd",  # MoE knowledge distillation
 )
 
 
@@ -48,6 +49,9 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=100",
                           "drop_rates=(0.0,0.9,0.99)", "bits=(8,2,1)")),
     ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=150")),
+    ("moe_kd", ("methods=(kd,all)", "dense_teacher_methods=()", "teacher_ks=()",
+                "ka_lambdas=()", "ka_ms=()", "sft.steps=60", "distill.steps=30",
+                "distill.eval_every=15", "n_val=8", "n_test=16", "eval_seeds=2")),
 )
 SUITES = ("demo", "studies")
 

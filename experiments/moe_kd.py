@@ -2,9 +2,10 @@
 (KD, GKD, ALL, KA, SAR with an MoE and a dense teacher) and the Fig. 1, 2 and 6 analyses.
 
 Recipe (SPEC section 5). Starting point: the ``dense_lm_prose`` substrate (byte-level decoder
-pre-trained on the Python docs' prose). Teacher: that model upcycled into a noisy-top-k MoE
-(``upcycle``: every layer, 8 experts, top-2, CV^2 balance loss, as Llama-MoE) and fine-tuned
-on chit-chat prompt/response pairs. Dense teacher: the substrate fine-tuned the same way.
+pre-trained on the Python docs' prose; ``preset=full``: SmolLM2-135M-Instruct). Teacher: that
+model made a noisy-top-k MoE the way Llama-MoE is built (``upcycle``: every FFN's neurons
+split into 8 experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on
+chit-chat prompt/response pairs. Dense teacher: the substrate fine-tuned the same way.
 Student: the substrate's first ``student_layers`` blocks (same tokenizer), fine-tuned the same
 way (SFT). Every method then continues from that SFT student for ``distill.steps`` steps
 (``moejax.train.distill``); the checkpoint kept is the one with the best validation ROUGE-L;
@@ -22,6 +23,8 @@ teacher's k grows, when ``teacher_ks`` is set), ``ka_sweep`` (KA's lambda and M)
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import numpy as np
@@ -57,11 +60,14 @@ LABELS = {"sft": "SFT", "kd": "KD", "gkd": "GKD", "all": "ALL", "ka": "KA", "sar
 
 @config
 class MoEKDConfig(Config):
+    # the dense starting point: the byte-level prose substrate, or SmolLM2-135M-Instruct
+    model: Literal["substrate", "smollm2_135m"] = "substrate"
     substrate: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
-    upcycle: UpcycleConfig = UpcycleConfig(blocks="all", n_experts=8, top_k=2, router="noisy",
-                                           balance_loss="cv2", balance_coef=0.01,
-                                           dispatch="dense", scale_outputs=False)
+    # Llama-MoE style: every FFN's neurons split into N experts, noisy top-k, CV^2 balance
+    upcycle: UpcycleConfig = UpcycleConfig(blocks="all", expert_form="split", n_experts=8,
+                                           top_k=2, router="noisy", balance_loss="cv2",
+                                           balance_coef=0.01, dispatch="dense")
     student_layers: int = 2  # the student keeps the substrate's first blocks
     prompt_len: int = 48  # tokens of the prompt block (bos + prompt tail + eos bos)
     response_len: int = 32  # response tokens incl. eos (the sampling length too)
@@ -75,32 +81,50 @@ class MoEKDConfig(Config):
     kd: DistillConfig = DistillConfig(router_lr=3e-4)  # method is set per row
     methods: tuple[Method, ...] = METHODS
     dense_teacher_methods: tuple[Method, ...] = ("kd", "gkd")
-    teacher_ks: tuple[int, ...] = ()  # Fig. 2 sweep (e.g. (1, 2, 4, 7, 8)); () = skip
-    ka_lambdas: tuple[float, ...] = ()  # extra KA runs (lambda sweep at kd.ka_m)
-    ka_ms: tuple[int, ...] = ()  # extra KA runs (M sweep at kd.ka_lambda)
+    teacher_ks: tuple[int, ...] = (1, 2, 4, 8)  # Fig. 2 sweep; () = skip
+    ka_lambdas: tuple[float, ...] = (0.0, 0.2)  # extra KA runs (lambda sweep at kd.ka_m)
+    ka_ms: tuple[int, ...] = (1, 4)  # extra KA runs (M sweep at kd.ka_lambda)
     seeds: int = 1  # training seeds of every distillation run
-    eval_seeds: int = 3  # generation seeds of every ROUGE-L score (the paper: 5)
+    eval_seeds: int = 5  # generation seeds of every ROUGE-L score (as the paper)
+    # the paper samples evaluation responses at temperature 1 (top-p 1); 0 = greedy
+    eval_temperature: float = 1.0
     seed: int = 0
 
     def validate(self):
         r = self._require
-        r(1 <= self.student_layers < self.substrate.n_layers,
-          f"student_layers={self.student_layers} must be in [1, substrate.n_layers="
-          f"{self.substrate.n_layers})")
-        r(self.prompt_len + self.response_len <= self.substrate.max_seq_len,
+        n_layers = self.substrate.n_layers if self.model == "substrate" else 30
+        r(1 <= self.student_layers < n_layers,
+          f"student_layers={self.student_layers} must be in [1, {n_layers}) (the teacher's "
+          "layers)")
+        r(self.model != "substrate"
+          or self.prompt_len + self.response_len <= self.substrate.max_seq_len,
           "prompt_len + response_len exceeds substrate.max_seq_len")
         r(all(1 <= k <= self.upcycle.n_experts for k in self.teacher_ks),
           f"teacher_ks={self.teacher_ks} must lie in [1, upcycle.n_experts]")
         r(self.upcycle.router == "noisy" or "sar" not in self.methods,
           "SAR trains W_g and W_noise of a noisy top-k router: set upcycle.router=noisy")
         r(self.seeds >= 1 and self.eval_seeds >= 1, "seeds and eval_seeds must be >= 1")
+        r(self.eval_temperature >= 0, "eval_temperature must be >= 0 (0 = greedy)")
 
 
 def make_config(preset: str) -> MoEKDConfig:
     if preset == "quick":
-        return MoEKDConfig()
+        # tiny byte-level models: temperature-1 samples are near-random bytes whose ROUGE-L is
+        # noise (measured: 0.005-0.05 for every model), so the quick preset scores greedy
+        # responses and reports the spread over training seeds instead of generation seeds
+        return MoEKDConfig(
+            sft=TrainConfig(steps=600, batch_size=16, lr=1e-3, warmup_steps=30,
+                            schedule="cosine", log_every=50),
+            distill=TrainConfig(steps=100, batch_size=16, lr=3e-4, warmup_steps=10,
+                                schedule="constant", eval_every=50, log_every=25),
+            teacher_ks=(2, 8), ka_lambdas=(0.2,), ka_ms=(4,), seeds=2, eval_seeds=1,
+            eval_temperature=0.0)
     return MoEKDConfig(
-        substrate=substrate_config("dense_lm_prose", "full"), student_layers=4,
+        model="smollm2_135m", substrate=substrate_config("dense_lm_prose", "full"),
+        upcycle=UpcycleConfig(blocks="all", expert_form="split", n_experts=16, top_k=4,
+                              router="noisy", balance_loss="cv2", balance_coef=0.01,
+                              dispatch="ragged"),
+        student_layers=15,
         prompt_len=256, response_len=256, n_train=100_000, n_val=500, n_test=2000,
         sft=TrainConfig(steps=3000, batch_size=16, lr=1e-4, warmup_steps=100,
                         schedule="cosine", log_every=50),
@@ -113,8 +137,20 @@ def make_config(preset: str) -> MoEKDConfig:
 # ------------------------------------------------------------------------------ pieces
 
 
-def _data(cfg: MoEKDConfig):
-    tok = ByteTokenizer()
+def _dense_start(cfg: MoEKDConfig):
+    """``(dense model, tokenizer, description)``."""
+    if cfg.model == "smollm2_135m":
+        from moejax.io.smollm2 import load_smollm2
+
+        model, tok = load_smollm2(max_seq_len=max(512, cfg.prompt_len + cfg.response_len))
+        return model, tok, "SmolLM2-135M-Instruct"
+    sub = build_substrate("dense_lm_prose", cfg.substrate, cache_dir=cfg.substrate_cache or None,
+                          progress=True)
+    return sub.model, ByteTokenizer(), (f"substrate dense_lm_prose ({sub.path.name}, val loss "
+                                        f"{sub.metrics['val_loss']:.3f})")
+
+
+def _data(cfg: MoEKDConfig, tok):
     kw = dict(prompt_len=cfg.prompt_len, response_len=cfg.response_len)
 
     def fixed(split, n):
@@ -123,8 +159,8 @@ def _data(cfg: MoEKDConfig):
 
     rows = chat_prompt_response("train", tok, batch_size=1, limit=cfg.n_train, **kw).rows
     train_src = lambda bs, seed: PromptResponseBatches(rows, batch_size=bs, seed=seed)  # noqa: E731
-    gen = dict(temperature=cfg.kd.temperature, top_p=cfg.kd.top_p, eos_id=tok.eos_id,
-               pad_id=tok.pad_id)
+    gen = dict(temperature=cfg.eval_temperature, top_p=cfg.kd.top_p, eos_id=tok.eos_id,
+               pad_id=tok.pad_id or 0)
     val = GenerationEvaluator([fixed("validation", cfg.n_val)], tok.decode, seeds=(0,), **gen)
     test = GenerationEvaluator([fixed("test", cfg.n_test)], tok.decode,
                                seeds=tuple(range(cfg.eval_seeds)), **gen)
@@ -162,10 +198,10 @@ def _row(teacher: str, method: str, scores: list[list[float]]) -> dict:
 
 
 def run(cfg: MoEKDConfig, run: RunDir) -> dict:
-    train_src, val, test = _data(cfg)
-    sub = build_substrate("dense_lm_prose", cfg.substrate, cache_dir=cfg.substrate_cache or None,
-                          progress=True)
-    dense = sub.model
+    dense, tok, start = _dense_start(cfg)
+    run.note(f"Teacher and student start from {start}.")
+    train_src, val, test = _data(cfg, tok)
+    kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
     n = dense.cfg.n_layers
     sft = cfg.sft.replace(seed=cfg.seed)
     moe_teacher = _sft(upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed)), train_src,
@@ -184,7 +220,7 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
         scores = []
         for s in range(cfg.seeds):
             tcfg = cfg.distill.replace(seed=cfg.seed + 100 * (s + 1))
-            student, pair = _distil(student_sft, teacher, cfg.kd.replace(method=method), tcfg,
+            student, pair = _distil(student_sft, teacher, kd.replace(method=method), tcfg,
                                     train_src, val, f"{LABELS[method]} ({teacher_name}) s{s}")
             scores.append(_scores(test, student)["seed_scores"])
             if method == "sar" and sar_pair is None:
@@ -219,7 +255,7 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
         k_rows = []
         for k in cfg.teacher_ks:
             t_k = with_routing(moe_teacher, RoutingMode(mode="topk", top_k=int(k)))
-            st, _ = _distil(student_sft, moe_teacher, cfg.kd.replace(method="kd", teacher_k=int(k)),
+            st, _ = _distil(student_sft, moe_teacher, kd.replace(method="kd", teacher_k=int(k)),
                             cfg.distill.replace(seed=cfg.seed + 100), train_src, val,
                             f"KD teacher k={k}")
             k_rows.append({"k": int(k), "teacher_rouge_l": _scores(test, t_k)["rouge_l"],
@@ -233,9 +269,9 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
                       title="Fig. 2 analog")
 
     # KA sweeps
-    ka = [("lambda", float(x), cfg.kd.replace(method="ka", ka_lambda=float(x)))
+    ka = [("lambda", float(x), kd.replace(method="ka", ka_lambda=float(x)))
           for x in cfg.ka_lambdas]
-    ka += [("M", int(x), cfg.kd.replace(method="ka", ka_m=int(x))) for x in cfg.ka_ms]
+    ka += [("M", int(x), kd.replace(method="ka", ka_m=int(x))) for x in cfg.ka_ms]
     if ka:
         ka_rows = []
         for what, x, dcfg in ka:
@@ -271,7 +307,11 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
              "KD and GKD gain less from the MoE teacher than from the dense one): "
              + "; ".join(f"{k}: {'holds' if v else 'does not hold'}" for k, v in shape.items())
              + ". SAR here updates the router and the student in the same optimizer step "
-             "(the distillation target lags the router update by one step).")
+             "(the distillation target lags the router update by one step). Evaluation "
+             + ("samples at temperature 1, top-p 1 (the paper's setting)."
+                if cfg.eval_temperature == 1.0 else
+                f"decodes at temperature {cfg.eval_temperature:g} (0 = greedy; the paper "
+                "samples at 1)."))
     out.update({f"{r['method']}_{r['teacher'].split()[0]}": r["rouge_l"] for r in rows})
     out["shape_holds"] = {k: bool(v) for k, v in shape.items()}
     out["headline"] = ("student ROUGE-L (MoE teacher): " + ", ".join(

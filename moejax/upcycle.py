@@ -7,7 +7,13 @@ zero), universal FFN and shared experts, and the expert form:
 * ``"vanilla"``: each of the N experts is a copy of the dense FFN
   ``W_i = W_dense`` (stacked ``experts/w_* [N, ...]``, :class:`moejax.nn.moe.MoE`);
 * ``"sm"`` / ``"lm"``: DeRS upcycling (:mod:`moejax.nn.ders_moe`), ``W_shared = W_dense`` and
-  zero increments (SM index vectors drawn once from the key and stored as buffers).
+  zero increments (SM index vectors drawn once from the key and stored as buffers);
+* ``"split"`` (Llama-MoE's neuron partition): the dense FFN's ``F`` hidden neurons are split
+  by a random permutation (from the key) into N groups of ``F / N``, expert ``e`` keeps its
+  group's columns of ``w_up`` / ``w_gate`` and rows of ``w_down``, scaled by ``N``; so
+  ``FFN(x) = sum_e E_e(x) / N``: with uniform gates the ALL-experts mixture is exactly the dense
+  FFN, and top-k is ``(N / k)`` times the selected experts' share (unbiased over a uniformly
+  random selection). Total FFN parameters stay those of the dense model.
 
 Universal FFN and shared experts are also copies of the dense FFN. With ``scale_outputs``
 (default) every ``w_down`` is multiplied by ``s = 1 / (1 + [universal] + n_shared)`` so that
@@ -77,7 +83,7 @@ class UpcycleConfig(Config):
     universal_ffn: bool = False
     n_shared_experts: int = 0
     scale_outputs: bool = True
-    expert_form: Literal["vanilla", "sm", "lm"] = "vanilla"
+    expert_form: Literal["vanilla", "sm", "lm", "split"] = "vanilla"
     sm_rate: float = 0.99
     lm_rank: int = 4
     lm_init_std: float | None = None
@@ -97,7 +103,7 @@ class UpcycleConfig(Config):
           f"block_list={self.block_list} must hold non-negative layer indices")
         r(self.offset >= 0, f"offset={self.offset} must be >= 0")
         r(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
-        r(self.expert_form != "vanilla" or not (self.freeze_shared or self.extended),
+        r(self.expert_form in ("sm", "lm") or not (self.freeze_shared or self.extended),
           "freeze_shared / extended apply to DeRS experts; set expert_form='sm' or 'lm'")
         r(not self.extended or self.universal_ffn,
           "extended=True decomposes the universal FFN; set universal_ffn=True")
@@ -125,13 +131,20 @@ def moe_slot_config(rule: UpcycleConfig, dense: DenseFFNConfig):
         raise ValueError("upcycle: dense FFNs with biases are not supported (MoE experts are "
                          "bias-free); upcycle a bias-free model")
     cf = rule.capacity_factor or rule.n_experts / rule.top_k
-    moe = MoEConfig(n_experts=rule.n_experts, top_k=rule.top_k, d_expert=dense.d_hidden,
+    d_expert = dense.d_hidden
+    if rule.expert_form == "split":
+        if dense.d_hidden % rule.n_experts:
+            raise ValueError(f"upcycle: expert_form='split' divides the {dense.d_hidden} hidden "
+                             f"neurons into n_experts={rule.n_experts} equal groups; pick a "
+                             "divisor")
+        d_expert = dense.d_hidden // rule.n_experts
+    moe = MoEConfig(n_experts=rule.n_experts, top_k=rule.top_k, d_expert=d_expert,
                     activation=dense.activation, router=rule.router,
                     renormalize=rule.renormalize, dispatch=rule.dispatch,
                     capacity_factor=float(cf), n_shared_experts=rule.n_shared_experts,
                     universal_ffn=rule.universal_ffn, balance_loss=rule.balance_loss,
                     balance_coef=rule.balance_coef, z_loss_coef=rule.z_loss_coef)
-    if rule.expert_form == "vanilla":
+    if rule.expert_form in ("vanilla", "split"):
         return moe
     return DeRSMoEConfig(moe=moe, form=rule.expert_form, sm_rate=rule.sm_rate,
                          lm_rank=rule.lm_rank, lm_init_std=rule.lm_init_std,
@@ -203,6 +216,14 @@ def upcycle_ffn(key: jax.Array, ffn: dict, rule: UpcycleConfig) -> dict:
     if rule.expert_form == "vanilla":
         out["experts"] = {k: jnp.broadcast_to(v, (rule.n_experts,) + v.shape)
                           for k, v in scaled.items()}
+    elif rule.expert_form == "split":
+        n, f = rule.n_experts, ffn["w_up"].shape[1]
+        if f % n:
+            raise ValueError(f"upcycle_ffn: {f} hidden neurons do not split into {n} experts")
+        groups_EG = jax.random.permutation(k_exp, f).reshape(n, f // n)
+        out["experts"] = {k: (v[groups_EG] * (n * s) if k == "w_down"
+                              else jnp.transpose(v[:, groups_EG], (1, 0, 2)))
+                          for k, v in ffn.items()}
     else:
         out["base"] = dict(scaled)
         out["experts"] = _ders_stack(k_exp, rule.n_experts, ffn, rule)

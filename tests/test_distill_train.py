@@ -19,6 +19,7 @@ from moejax.pytree import named_leaves
 from moejax.train.distill import (
     DistillConfig,
     FrozenParam,
+    RouterParam,
     distill_loss_fn,
     distill_pair,
     distill_tx,
@@ -69,14 +70,16 @@ def test_each_method_trains_only_what_it_should(method):
         return
     trainable = {k for k, _ in named_leaves(nnx.state(pair.teacher, nnx.Param))}
     frozen = nnx.state(pair.teacher, FrozenParam)
-    if method == "sar":  # only router weights stay trainable, and they moved
-        assert trainable and all("/router/" in f"/{k}/" for k in trainable)
-        moved = [k for k, v in named_leaves(nnx.state(pair.teacher, nnx.Param))
-                 if not np.array_equal(np.asarray(v), t0[k.replace("/inner", "")])]
+    assert not trainable  # the loop optimises the student only
+    routers = named_leaves(nnx.state(pair.teacher, RouterParam))
+    if method == "sar":  # SAR's own AdamW moved the router weights, and only them
+        assert routers and all("/router/" in f"/{k}/" for k, _ in routers)
+        moved = [k for k, v in routers if not np.array_equal(np.asarray(v),
+                                                             t0[k.replace("/inner", "")])]
         assert any(k.endswith("w_g") for k in moved) and any(k.endswith("w_noise") for k in moved)
         assert "sar_kl" in hist[-1] and "sar_balance" in hist[-1]
     else:
-        assert not trainable
+        assert not routers
     # every frozen teacher array equals the trained teacher's
     for k, v in named_leaves(frozen):
         np.testing.assert_array_equal(np.asarray(v), t0[k.replace("/inner", "")])
@@ -122,3 +125,44 @@ def test_bad_pairs_and_configs_raise():
         distill_pair(_lm(False), _lm(False), DistillConfig(method="ka"))
     with pytest.raises(ConfigError, match="on_policy_fraction"):
         DistillConfig(on_policy_fraction=1.5)
+
+
+def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
+    """One SAR loss call = (1) one optax AdamW step of the router on KL(p_noisy || q) + beta
+    CV^2, computed here by hand from the same key, then (2) reverse KL against the teacher
+    under the updated router."""
+    import optax
+
+    from moejax.ops.distill_losses import reverse_kl
+
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="sar", on_policy_fraction=0.0, router_lr=0.05, sar_beta=0.3)
+    pair = distill_pair(student, teacher, cfg)
+    b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    key = jax.random.key(4)
+    # the oracle, from the same key schedule as the loss
+    _, k_teacher = jax.random.split(key)
+    k_noise, k_clean = jax.random.split(k_teacher)
+    graphdef, router, rest = nnx.split(pair.teacher, RouterParam, ...)
+    pure0 = nnx.to_pure_dict(router)
+    s_logits, _ = student(b["inputs"])
+
+    def objective(pure):
+        r = jax.tree.map(lambda x: x, router)
+        nnx.replace_by_pure_dict(r, pure)
+        logits, aux = nnx.merge(graphdef, r, rest)(b["inputs"], train=True, key=k_noise)
+        bal = sum(la["balance_loss"] for la in aux["layers"])
+        return forward_kl(logits, s_logits, b["mask"]) + 0.3 * bal
+
+    grads = jax.grad(objective)(pure0)
+    tx = optax.adamw(0.05, weight_decay=cfg.router_weight_decay)
+    want = optax.apply_updates(pure0, tx.update(grads, tx.init(pure0), pure0)[0])
+    loss, m = distill_loss_fn(cfg)(pair, b, key)
+    got = nnx.to_pure_dict(nnx.state(pair.teacher, RouterParam))
+    for (_, a), (_, w) in zip(named_leaves(got), named_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-7)
+    assert any(not np.allclose(np.asarray(a), np.asarray(w0))
+               for (_, a), (_, w0) in zip(named_leaves(got), named_leaves(pure0)))
+    t_logits, _ = pair.teacher(b["inputs"], train=False, key=k_clean)  # updated router
+    np.testing.assert_allclose(float(loss), float(reverse_kl(t_logits, s_logits, b["mask"])),
+                               rtol=1e-5)

@@ -4,25 +4,26 @@ covered by tests/test_distill_train.py."""
 
 import csv
 
+from experiments import moe_kd as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
 from moejax.train.optim import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
 
 def test_moe_kd_tiny(tiny_recipes, tmp_path):
-    from experiments import moe_kd as mod
     from moejax.upcycle import UpcycleConfig
 
     cfg = mod.MoEKDConfig(
         substrate=tiny_lm("dense_lm_prose", "quick"), substrate_cache=str(tiny_recipes),
-        upcycle=UpcycleConfig(blocks="all", n_experts=4, top_k=2, router="noisy",
-                              balance_loss="cv2", dispatch="dense", scale_outputs=False),
+        upcycle=UpcycleConfig(blocks="all", expert_form="split", n_experts=4, top_k=2,
+                              router="noisy", balance_loss="cv2", dispatch="dense"),
         student_layers=1, prompt_len=12,
         response_len=6, n_train=64, n_val=4, n_test=6,
         sft=TrainConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1),
         distill=TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=0, eval_every=2,
                             log_every=2),
-        methods=("sft", "sar"), dense_teacher_methods=("kd",), teacher_ks=(4,),
+        methods=("sft", "sar"), dense_teacher_methods=("kd",), teacher_ks=(4,), ka_lambdas=(),
+        ka_ms=(),
         eval_seeds=2)
     summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
                                   out=tmp_path / "kd")

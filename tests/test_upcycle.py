@@ -190,3 +190,29 @@ def test_exact_parameter_counts():
                                         freeze_shared=True), D)
     assert c == {"shared": mats, "increments": inc, "index": 0, "trainable": inc,
                  "vanilla": 4 * mats}
+
+
+def test_split_upcycling_partitions_neurons():
+    """Llama-MoE neuron split: N experts of F/N neurons each (total FFN parameters unchanged);
+    with uniform gates (zero router) the ALL-experts mixture is the dense model exactly, and
+    every hidden neuron lands in exactly one expert."""
+    from moejax.nn.routing_modes import RoutingMode, with_routing
+
+    rule = UpcycleConfig(expert_form="split", blocks="all", n_experts=4, top_k=2,
+                         router_init="zeros", dispatch="dense")
+    dense = _dense()
+    moe = upcycle_model(dense, rule, jax.random.key(3))
+    x = _tokens()
+    ref, _ = dense(x)
+    out, _ = with_routing(moe, RoutingMode(mode="all"))(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    up = np.asarray(moe.blocks[0].ffn.experts.w_up[...])  # [E, D, F/E]
+    assert up.shape == (4, D, F // 4)
+    dense_up = np.asarray(dense.blocks[0].ffn.w_up[...])
+    cols = [int(np.flatnonzero((dense_up == up[e][:, j:j + 1]).all(0))[0])
+            for e in range(4) for j in range(F // 4)]
+    assert sorted(cols) == list(range(F))
+    # only the routers are added: 4 layers x D x N
+    assert param_report(dense, moe)["added"] == L * D * 4
+    with pytest.raises(ValueError, match="equal groups"):
+        upcycle_model(dense, rule.replace(n_experts=5), jax.random.key(0))

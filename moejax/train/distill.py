@@ -16,20 +16,20 @@ loop ("Every Expert Matters"; SPEC section 5).
 * ``ka``: as ``gkd`` with Knowledge Augmentation: ``ka_m`` teacher passes on the same
   student sample, each with its own key (per layer and token: N-1 experts sampled from the
   gate w.p. ``ka_lambda``, else the top N-1), the ``ka_m`` losses averaged;
-* ``sar``: Student-Aware Router: the teacher's router weights (``W_g``, ``W_noise``) train on
-  ``KL(p || q) + sar_beta * CV^2`` balance loss (noisy gate, all experts, student fixed) with
-  their own AdamW (``router_lr``), while the student distils from the teacher with all experts
-  active under that router (clean gate, reverse KL). Both updates are taken in the same
-  optimizer step from one objective whose two terms see each other only through
-  ``stop_gradient``: the paper updates the router first and then distils under the updated
-  router; here the distillation target uses the router of the start of the step (one step
-  behind, a difference of one router step of ``router_lr``).
+* ``sar``: Student-Aware Router, two stages per step as the paper: (1) the teacher's router
+  weights (``W_g``, ``W_noise``) take one AdamW step (``router_lr``, ``router_weight_decay``)
+  on ``KL(p || q) + sar_beta * CV^2`` balance loss (noisy gate, all experts, the student's
+  distribution fixed); (2) the student distils (reverse KL) from the teacher with all experts
+  active under the updated router (clean gate). The router weights are
+  :class:`RouterParam` variables and their AdamW state a :class:`RouterOptState` of the pair:
+  both are updated inside the loss (like :class:`~moejax.train.lambda_schedule.ScheduledLM`'s
+  state), so they ride in the train state, the checkpoints and the non-finite rollback.
 
 ``divergence`` overrides the method's default (``forward_kl`` for KD, ``reverse_kl``
 otherwise; ``jsd`` with ``jsd_beta`` is GKD's generalised JSD). Nothing of the teacher is
-trained except, with SAR, its router: :func:`distill_pair` turns every other teacher parameter
-into a :class:`FrozenParam` (not an ``nnx.Param``, so the loop neither differentiates nor
-optimises it). The trained teacher passed in is left unchanged.
+trained except, with SAR, its router: :func:`distill_pair` turns every teacher parameter into
+a :class:`FrozenParam` or :class:`RouterParam` (not ``nnx.Param``, so the loop neither
+differentiates nor optimises them). The trained teacher passed in is left unchanged.
 
 Batches: :class:`moejax.data.batches.PromptResponseBatches` (``prompts``, ``prompt_lens``,
 ``tokens``, ``response_mask``).
@@ -54,11 +54,11 @@ from moejax.ops.distill_losses import (
     forward_kl,
 )
 from moejax.ops.losses import cross_entropy
-from moejax.pytree import path_str
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 
-__all__ = ["DistillConfig", "FrozenParam", "DistillPair", "freeze", "distill_pair",
-           "distill_loss_fn", "distill_tx", "teacher_routing", "METHODS"]
+__all__ = ["DistillConfig", "FrozenParam", "RouterParam", "RouterOptState", "DistillPair",
+           "freeze", "distill_pair", "distill_loss_fn", "distill_tx", "sar_router_step",
+           "teacher_routing", "METHODS"]
 
 Method = Literal["sft", "kd", "gkd", "all", "ka", "sar"]
 METHODS = ("sft", "kd", "gkd", "all", "ka", "sar")
@@ -79,6 +79,7 @@ class DistillConfig(Config):
     ka_m: int = 2
     sar_beta: float = 0.01
     router_lr: float = 1e-5
+    router_weight_decay: float = 0.01  # AdamW's (PyTorch default, as the official code)
     eos_id: int = 2  # ends a sampled response (ByteTokenizer's EOS)
     pad_id: int = 0
 
@@ -92,7 +93,8 @@ class DistillConfig(Config):
         r(self.ka_m >= 1, f"ka_m={self.ka_m} must be >= 1")
         r(self.temperature > 0.0, f"temperature={self.temperature} must be > 0")
         r(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]")
-        r(self.router_lr > 0 and self.sar_beta >= 0, "router_lr must be > 0, sar_beta >= 0")
+        r(self.router_lr > 0 and self.sar_beta >= 0 and self.router_weight_decay >= 0,
+          "router_lr must be > 0, sar_beta and router_weight_decay >= 0")
 
     @property
     def divergence_kind(self) -> str:
@@ -106,6 +108,14 @@ class FrozenParam(nnx.Variable):
     model's other state and never differentiates or updates it."""
 
 
+class RouterParam(nnx.Variable):
+    """A teacher router weight that SAR updates inside the loss with its own AdamW."""
+
+
+class RouterOptState(nnx.Variable):
+    """The AdamW state (an optax state pytree) of the :class:`RouterParam` weights."""
+
+
 def _parent(root, path):
     node = root
     for p in path[:-1]:
@@ -113,21 +123,17 @@ def _parent(root, path):
     return node
 
 
-def freeze(module: nnx.Module, keep=lambda path: False) -> nnx.Module:
-    """A copy of ``module`` (same arrays) whose ``nnx.Param`` s become :class:`FrozenParam`,
-    except those whose path (a ``"/"``-joined string) satisfies ``keep``."""
+def freeze(module: nnx.Module, kind=lambda path: FrozenParam) -> nnx.Module:
+    """A copy of ``module`` (same arrays) whose ``nnx.Param`` s become ``kind(path)``
+    (:class:`FrozenParam` by default; ``path`` is ``"/"``-joined; ``None`` keeps a Param)."""
     graphdef, state = nnx.split(module)
     out = nnx.merge(graphdef, state, copy=True)  # new Variables over the same arrays
     found = [(path, v) for path, v in nnx.iter_graph(out) if isinstance(v, nnx.Param)]
     for path, var in found:
-        if keep("/".join(map(str, path))):
+        new_kind = kind("/".join(map(str, path)))
+        if new_kind is None:
             continue
-        parent, name = _parent(out, path), path[-1]
-        frozen = FrozenParam(var.get_value())
-        if isinstance(name, int):
-            parent[name] = frozen
-        else:
-            setattr(parent, name, frozen)
+        _set_attr(_parent(out, path), path[-1], new_kind(var.get_value()))
     return out
 
 
@@ -143,10 +149,12 @@ def teacher_routing(cfg: DistillConfig) -> RoutingMode | None:
 
 
 class DistillPair(nnx.Module):
-    """The student (trained) and the rerouted, frozen teacher (its router trainable with SAR)."""
+    """The student (trained), the rerouted frozen teacher and, with SAR, the AdamW state of
+    the teacher's router."""
 
-    def __init__(self, student: nnx.Module, teacher: nnx.Module | None):
-        self.student, self.teacher = student, teacher
+    def __init__(self, student: nnx.Module, teacher: nnx.Module | None,
+                 router_opt: RouterOptState | None = None):
+        self.student, self.teacher, self.router_opt = student, teacher, router_opt
 
 
 def _is_router(path: str) -> bool:
@@ -169,8 +177,56 @@ def distill_pair(student: nnx.Module, teacher: nnx.Module | None,
     elif cfg.method in ("all", "ka", "sar") or cfg.teacher_k:
         raise ValueError(f"method={cfg.method!r} (teacher_k={cfg.teacher_k}) changes an MoE "
                          "teacher's routing, but the teacher has no MoE layer")
-    keep = _is_router if cfg.method == "sar" else (lambda p: False)
-    return DistillPair(student, freeze(teacher, keep))
+    if cfg.method != "sar":
+        return DistillPair(student, freeze(teacher))
+    teacher = freeze(teacher, lambda p: RouterParam if _is_router(p) else FrozenParam)
+    router = nnx.to_pure_dict(nnx.state(teacher, RouterParam))
+    return DistillPair(student, teacher, RouterOptState(_router_tx(cfg).init(router)))
+
+
+def _router_tx(cfg: DistillConfig) -> optax.GradientTransformation:
+    return optax.adamw(cfg.router_lr, weight_decay=cfg.router_weight_decay)
+
+
+def sar_router_step(pair: DistillPair, inputs, s_logits, mask, key, cfg: DistillConfig):
+    """Stage 1 of SAR, in place on ``pair``: one AdamW step of the teacher's router weights on
+    ``KL(p_noisy-gate || q) + sar_beta * CV^2`` (the student's logits held fixed). Returns
+    ``(kl, balance)`` before the step."""
+    graphdef, router, rest = nnx.split(pair.teacher, RouterParam, ...)
+    s_fixed = jax.lax.stop_gradient(s_logits)
+
+    def objective(pure):
+        logits, aux = nnx.merge(graphdef, _as_state(router, pure), rest)(inputs, train=True,
+                                                                         key=key)
+        kl = forward_kl(logits, s_fixed, mask, cfg.reduction)
+        balance = _balance(aux)
+        return kl + cfg.sar_beta * balance, (kl, balance)
+
+    pure = nnx.to_pure_dict(router)
+    (_, (kl, balance)), grads = jax.value_and_grad(objective, has_aux=True)(pure)
+    updates, opt_state = _router_tx(cfg).update(grads, pair.router_opt.get_value(), pure)
+    new = dict(nnx.to_flat_state(_as_state(router, optax.apply_updates(pure, updates))))
+    # fresh Variables rather than in-place writes: the training step merges the pair inside
+    # value_and_grad, whose trace does not own the Variables it was given
+    for path, var in list(nnx.iter_graph(pair.teacher)):
+        if isinstance(var, RouterParam):
+            _set_attr(_parent(pair.teacher, path), path[-1],
+                      RouterParam(new[tuple(path)].get_value()))
+    pair.router_opt = RouterOptState(opt_state)
+    return kl, balance
+
+
+def _as_state(like, pure):
+    out = jax.tree.map(lambda x: x, like)
+    nnx.replace_by_pure_dict(out, pure)
+    return out
+
+
+def _set_attr(parent, name, value) -> None:
+    if isinstance(name, int):
+        parent[name] = value
+    else:
+        setattr(parent, name, value)
 
 
 def _frozen_copy(model: nnx.Module) -> nnx.Module:
@@ -225,32 +281,18 @@ def distill_loss_fn(cfg: DistillConfig):
                 losses.append(div(jax.lax.stop_gradient(t_logits), s_logits, mask))
             loss = sum(losses) / cfg.ka_m
             return loss, {"distill": loss, **metrics}
+        if cfg.method == "sar":  # stage 1: the router step; stage 2 below sees its result
+            k_noise, k_teacher = jax.random.split(k_teacher)
+            kl, balance = sar_router_step(pair, inputs, s_logits, mask, k_noise, cfg)
+            metrics.update(sar_kl=kl, sar_balance=balance)
         t_logits, _ = pair.teacher(inputs, train=False, key=k_teacher)
         loss = div(jax.lax.stop_gradient(t_logits), s_logits, mask)
-        metrics["distill"] = loss
-        if cfg.method != "sar":
-            return loss, metrics
-        # SAR router objective: noisy gate, all experts, the student's distribution fixed
-        noisy_logits, aux = pair.teacher(inputs, train=True, key=k_teacher)
-        kl = forward_kl(noisy_logits, jax.lax.stop_gradient(s_logits), mask, cfg.reduction)
-        balance = _balance(aux)
-        sar = kl + cfg.sar_beta * balance
-        return loss + sar, {**metrics, "sar_kl": kl, "sar_balance": balance}
+        return loss, {**metrics, "distill": loss}
 
     return loss_fn
 
 
 def distill_tx(cfg: DistillConfig, tcfg: TrainConfig) -> optax.GradientTransformation:
-    """The student's optimizer from ``tcfg``; with SAR, the teacher's router parameters get
-    their own AdamW at ``router_lr`` (same schedule shape, weight decay and clipping)."""
-    student_tx = make_optimizer(tcfg, make_schedule(tcfg))
-    if cfg.method != "sar":
-        return student_tx
-    rcfg = tcfg.replace(lr=cfg.router_lr)
-    router_tx = make_optimizer(rcfg, make_schedule(rcfg))
-
-    def labels(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, _: "router" if path_str(p).startswith("teacher/") else "student", params)
-
-    return optax.multi_transform({"student": student_tx, "router": router_tx}, labels)
+    """The student's optimizer from ``tcfg`` (SAR's router AdamW runs inside the loss)."""
+    del cfg
+    return make_optimizer(tcfg, make_schedule(tcfg))
