@@ -306,8 +306,8 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     run.note("Shape of the paper's main table (with the MoE teacher: ALL, KA, SAR > GKD > KD; "
              "KD and GKD gain less from the MoE teacher than from the dense one): "
              + "; ".join(f"{k}: {'holds' if v else 'does not hold'}" for k, v in shape.items())
-             + ". SAR here updates the router and the student in the same optimizer step "
-             "(the distillation target lags the router update by one step). Evaluation "
+             + ". SAR runs the paper's two stages per step (router AdamW step, then "
+             "distillation under the updated router). Evaluation "
              + ("samples at temperature 1, top-p 1 (the paper's setting)."
                 if cfg.eval_temperature == 1.0 else
                 f"decodes at temperature {cfg.eval_temperature:g} (0 = greedy; the paper "
