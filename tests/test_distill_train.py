@@ -50,7 +50,9 @@ def _params(model):
     return {k: np.asarray(v) for k, v in named_leaves(nnx.state(model, nnx.Param))}
 
 
-@pytest.mark.parametrize("method", ["sft", "kd", "gkd", "all", "ka", "sar"])
+# gkd / all reuse kd's and ka's paths (on-policy sampling, rerouting); their objectives are
+# checked below without a training loop
+@pytest.mark.parametrize("method", ["sft", "kd", "ka", "sar"])
 def test_each_method_trains_only_what_it_should(method):
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
     t0, s0 = _params(teacher), _params(student)

@@ -106,4 +106,7 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
         parse_cli(name, mod.make_config, ["preset=quick", *overrides])
     _, _, jobs = main_job._parse(["suite=studies"])
     assert [n for n, _ in jobs] == list(main_job.REGISTRY)
+    # a subset of the tour keeps the tour's settings; of the studies, the quick preset's
+    assert main_job._parse(["only=moe_kd"])[2] == [("moe_kd", dict(main_job.DEMO)["moe_kd"])]
+    assert main_job._parse(["suite=studies", "only=moe_kd"])[2] == [("moe_kd", ())]
     assert main_job.main(["suite=everything"]) == 2
