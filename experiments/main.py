@@ -38,6 +38,7 @@ REGISTRY: tuple[str, ...] = (
     "blockffn_ablations",
     "blockffn_granularity",
     "moe_kd",  # MoE knowledge distillation
+    "moee",  # expert extraction (MoEE) vs MoEfication
 )
 
 
@@ -52,6 +53,8 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moe_kd", ("methods=(kd,)", "dense_teacher_methods=()", "teacher_ks=()",
                 "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=120", "distill.steps=20",
                 "distill.eval_every=10", "n_val=8", "n_test=32")),
+    ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(dot,)",
+              "kd.steps=30", "extract.n_tokens=2000", "eval_rows=500")),
 )
 SUITES = ("demo", "studies")
 

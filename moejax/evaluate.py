@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
 from moejax.train.loop import compiled_memory
@@ -37,7 +38,8 @@ from moejax.train.step import lm_loss_fn, make_eval_step
 
 __all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "GenerationEvaluator",
            "matthews_corrcoef", "classifier_loss_fn", "router_active_sets", "rouge_l",
-           "gate_mass_by_layer", "router_kl_by_layer"]
+           "gate_mass_by_layer", "router_kl_by_layer", "classifier_kd_loss_fn",
+           "classifier_logits"]
 
 
 def classifier_loss_fn(model, batch, key=None, train: bool = True):
@@ -49,6 +51,46 @@ def classifier_loss_fn(model, batch, key=None, train: bool = True):
     aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
     return ce + aux_loss, {"ce": ce, "aux_loss": aux_loss,
                            "accuracy": accuracy(logits, batch["labels"])}
+
+
+def classifier_kd_loss_fn(*, alpha: float = 0.5, temperature: float = 1.0) -> Callable:
+    """Knowledge distillation of a classifier from a teacher's logits stored in the batch
+    (``batch["teacher_logits"]``, e.g. an :class:`~moejax.data.batches.ArrayBatches` column):
+    ``alpha * T^2 * KL(softmax(t / T) || softmax(s / T)) + (1 - alpha) * CE(s, labels)`` plus
+    the model's ``aux_loss`` (Hinton et al. 2015). Metrics ``kd``, ``ce``, ``accuracy``."""
+    if not 0.0 <= alpha <= 1.0 or temperature <= 0:
+        raise ValueError(f"alpha={alpha} must be in [0, 1] and temperature={temperature} > 0")
+
+    def loss_fn(model, batch, key=None, train: bool = True):
+        kw = {"mask_BT": batch["mask"] > 0} if "mask" in batch else {}
+        logits, aux = model(batch["inputs"], train=train, key=key, **kw)
+        t = temperature
+        ones = jnp.ones(logits.shape[:1], jnp.float32)
+        kd = forward_kl(batch["teacher_logits"] / t, logits / t, ones) * t * t
+        ce = cross_entropy(logits, batch["labels"])
+        aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
+        return alpha * kd + (1.0 - alpha) * ce + aux_loss, {
+            "kd": kd, "ce": ce, "accuracy": accuracy(logits, batch["labels"])}
+
+    return loss_fn
+
+
+def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.ndarray:
+    """``model``'s logits ``[N, L]`` for every row of ``inputs`` (``mask``: real tokens), in
+    fixed-size batches (one compilation; the last batch is padded and cut)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fn(state, x, m):
+        kw = {} if m is None else {"mask_BT": m > 0}
+        return nnx.merge(graphdef, state)(x, **kw)[0]
+
+    n, out = len(inputs), []
+    for s in range(0, n, batch_size):
+        idx = np.arange(s, s + batch_size) % n
+        m = None if mask is None else jnp.asarray(mask[idx])
+        out.append(np.asarray(fn(state, jnp.asarray(inputs[idx]), m))[: n - s])
+    return np.concatenate(out)
 
 
 class _Bound:

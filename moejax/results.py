@@ -193,6 +193,32 @@ class RunDir:
         fig.tight_layout()
         return self._save_fig(fig, stem, title or stem)
 
+    def heatmap(
+        self,
+        stem: str,
+        matrix,
+        *,
+        xlabel: str,
+        ylabel: str,
+        title: str | None = None,
+        vmin: float | None = None,
+        vmax: float | None = None,
+    ) -> Path:
+        """A matrix as an image with a colour bar (e.g. a similarity matrix)."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 4.2), dpi=110)
+        im = ax.imshow(matrix, cmap="viridis", vmin=vmin, vmax=vmax)
+        fig.colorbar(im, ax=ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title or stem, fontsize=9)
+        fig.tight_layout()
+        return self._save_fig(fig, stem, title or stem)
+
     def _save_fig(self, fig, stem: str, title: str) -> Path:
         import matplotlib.pyplot as plt
 
@@ -227,13 +253,10 @@ class RunDir:
 
 
 def _csv_value(v):
+    import numpy as np
+
+    if isinstance(v, np.generic):  # before float: repr(np.float64(1.0)) is "np.float64(1.0)"
+        return repr(v.item())
     if isinstance(v, float):
         return repr(v)
-    try:
-        import numpy as np
-
-        if isinstance(v, np.generic):
-            return repr(v.item())
-    except Exception:  # pragma: no cover
-        pass
     return v

@@ -45,6 +45,7 @@ from moejax.config import Config, config
 from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_indices, sm_num_kept
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
+from moejax.nn.surgery import build_from_pure
 
 __all__ = ["UpcycleConfig", "upcycled_layers", "moe_slot_config", "upcycle_decoder_config",
            "upcycle_ffn", "upcycle_params", "upcycle_model", "output_scale", "param_report",
@@ -259,14 +260,8 @@ def upcycle_model(dense_model, rule: UpcycleConfig, key: jax.Array):
     parameters of :func:`upcycle_params` (the dense model is left untouched)."""
     cfg = upcycle_decoder_config(dense_model.cfg, rule)
     dense = nnx.to_pure_dict(nnx.state(dense_model, nnx.Param))
-    # fresh buffers: the MoE must not alias the dense model's arrays (a training step that
-    # donates its state would otherwise delete the dense model's weights)
-    pure = jax.tree.map(lambda x: jnp.array(x, copy=True),
-                        upcycle_params(key, dense, dense_model.cfg, rule))
-    abstract = nnx.eval_shape(lambda: type(dense_model)(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    return build_from_pure(lambda: type(dense_model)(cfg, rngs=nnx.Rngs(0)),
+                           upcycle_params(key, dense, dense_model.cfg, rule))
 
 
 def model_variables(model) -> dict[str, int]:

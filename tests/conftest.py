@@ -1,6 +1,18 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+# Many tests compile the same tiny programs (the tiny substrates, the same train step on the
+# same shapes); XLA's persistent compilation cache, shared by the pytest workers, compiles
+# each once per machine. Keyed by the program, jax version and flags, so it is never stale.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("MOEJAX_TEST_JAX_CACHE",
+                                 str(Path(__file__).resolve().parent.parent / ".cache" / "jax")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 import csv
 from typing import Literal
 
+import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, config
@@ -12,7 +13,8 @@ from moejax.results import RunDir, markdown_table
 
 def test_markdown_table_and_csv(tmp_path):
     run = RunDir.create(tmp_path / "r", name="r")
-    rows = [{"p": 0.9, "loss": 1.23456789}, {"p": 0.99, "loss": 2.0, "extra": "x"}]
+    rows = [{"p": 0.9, "loss": 1.23456789}, {"p": 0.99, "loss": 2.0, "extra": "x"},
+            {"p": np.float64(0.5), "loss": np.float32(0.25)}]
     md = run.table("t", rows, title="T")
     assert md.splitlines()[0] == "| p | loss | extra |"
     assert "| 0.9 | 1.235 |  |" in md
@@ -20,6 +22,9 @@ def test_markdown_table_and_csv(tmp_path):
         back = list(csv.DictReader(f))
     assert float(back[0]["loss"]) == 1.23456789  # CSV keeps full precision
     assert back[1]["extra"] == "x"
+    assert (back[2]["p"], back[2]["loss"]) == ("0.5", "0.25")  # numpy scalars as numbers
+    run.heatmap("sim", np.eye(3), xlabel="i", ylabel="j")
+    assert (tmp_path / "r" / "sim.png").read_bytes()[:4] == b"\x89PNG"
     run.line_plot("curve", {"a": ([0, 1, 2], [3.0, 2.0, 1.0])}, xlabel="x", ylabel="y")
     png = (tmp_path / "r" / "curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,6 +12,8 @@ row is seen once per epoch, and the data position saved in a checkpoint is one i
   images) with integer ``labels``; returns ``inputs``, ``labels`` (int32) and, for token inputs,
   ``mask`` (float32, 1 on real tokens).
 * :class:`PairLMBatches`: prompt/response rows (one pair per row) with the loss on responses.
+* :class:`ArrayBatches`: rows of any dict of equal-length arrays (e.g. inputs, labels and a
+  teacher's logits for distillation), returned under the same keys.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "PackedLMBatches",
     "ClassificationBatches",
     "PairLMBatches",
+    "ArrayBatches",
     "PromptResponseBatches",
     "pad_token_rows",
 ]
@@ -148,6 +151,25 @@ class ClassificationBatches(_RowSource):
         if self.mask is not None:
             out["mask"] = self.mask[index].astype(np.float32)
         return out
+
+
+class ArrayBatches(_RowSource):
+    """Shuffled batches of the rows of ``arrays`` (a dict of arrays sharing their first axis);
+    each batch is a dict with the same keys."""
+
+    def __init__(self, arrays: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        lengths = {k: v.shape[0] for k, v in self.arrays.items()}
+        if not lengths or len(set(lengths.values())) != 1:
+            raise ValueError(f"ArrayBatches needs arrays with one common length, got {lengths}")
+        self.batch_size, self.seed = batch_size, seed
+        self._order = EpochPermutation(next(iter(lengths.values())), seed, shuffle)
+
+    def __len__(self) -> int:
+        return self._order.num_rows
+
+    def _take(self, index):
+        return {k: v[index] for k, v in self.arrays.items()}
 
 
 class PairLMBatches(_RowSource):

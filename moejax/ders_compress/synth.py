@@ -34,6 +34,7 @@ from moejax.ders_compress.compress import CompressedDeRS
 from moejax.nn.ders_moe import matrix_shapes
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
+from moejax.nn.surgery import build_from_pure
 from moejax.ops.activations import is_gated
 from moejax.ops.dispatch import ffn_apply
 
@@ -210,7 +211,4 @@ def build_synth_model(model_cls, moe_cfg, c: CompressedDeRS):
     """A ``model_cls`` (e.g. DecoderLM) running the compressed model by synthesis; no
     parameter of the N dense experts is ever built (abstract init + pure variable dict)."""
     cfg = synth_decoder_config(moe_cfg, c)
-    abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, synth_variables(c))
-    return nnx.merge(graphdef, state)
+    return build_from_pure(lambda: model_cls(cfg, rngs=nnx.Rngs(0)), synth_variables(c))

@@ -31,6 +31,7 @@ from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
+from moejax.nn.surgery import build_from_pure
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
            "smollm2_135m_config", "keep_layers", "DTYPES"]
@@ -184,7 +185,4 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
                             ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure["blocks"] = {j: pure["blocks"][i] for j, i in enumerate(layers)}
-    pure = jax.tree.map(lambda x: jnp.array(x, copy=True), pure)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    return build_from_pure(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), pure)

@@ -66,23 +66,27 @@ class DenseFFN(nnx.Module):
             self.b_up = nnx.Param(jnp.zeros((F,), param_dtype))
             self.b_down = nnx.Param(jnp.zeros((D,), param_dtype))
 
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
-                 segment_ids_BT=None):
-        del train, key, mask_BT, segment_ids_BT
+    def hidden(self, x_BTD: jax.Array) -> jax.Array:
+        """The hidden activations ``act(x w_up + b_up)`` (gated: ``act(x w_gate + b_gate) *
+        (x w_up + b_up)``), ``[..., d_hidden]``: what expert extraction clusters."""
         dt = self.dtype or x_BTD.dtype
         x = x_BTD.astype(dt)
         act = activation_fn(self.cfg.activation)
         up = x @ self.w_up[...].astype(dt)
         if self.cfg.use_bias:
             up = up + self.b_up[...].astype(dt)
-        if self.gated:
-            gate = x @ self.w_gate[...].astype(dt)
-            if self.cfg.use_bias:
-                gate = gate + self.b_gate[...].astype(dt)
-            h = act(gate) * up
-        else:
-            h = act(up)
-        y = h @ self.w_down[...].astype(dt)
+        if not self.gated:
+            return act(up)
+        gate = x @ self.w_gate[...].astype(dt)
         if self.cfg.use_bias:
-            y = y + self.b_down[...].astype(dt)
+            gate = gate + self.b_gate[...].astype(dt)
+        return act(gate) * up
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
+                 segment_ids_BT=None):
+        del train, key, mask_BT, segment_ids_BT
+        h = self.hidden(x_BTD)
+        y = h @ self.w_down[...].astype(h.dtype)
+        if self.cfg.use_bias:
+            y = y + self.b_down[...].astype(h.dtype)
         return y, {}

@@ -1,0 +1,433 @@
+"""Expert extraction from trained MLPs (MoEE, Berisha et al. 2025; SPEC section 6) against the
+MoEfication baseline, on a ViT (MNIST-5k) or on the real all-MiniLM-L6-v2 (WordNet gloss ->
+part of speech).
+
+Recipe per seed: record the FFN inputs and hidden activations of ``extract.n_tokens`` random
+training tokens; per layer cluster the activations with HDBSCAN (minimum cluster size 0.6% of
+the sample; no cluster: the layer stays dense); per cluster keep the neurons covering p = 80% of
+its variance; route each token to the cluster whose mean input is most cosine-similar; remove
+the neurons no expert uses. Then fine-tune with knowledge distillation from the unmodified
+model (AdamW, weight decay 0.01, cosine schedule, through the training loop). MoEfication:
+the same layers cut into ``moefication_experts`` equal experts by balanced k-means over the
+``W_up`` columns, top-k per layer chosen so its active neurons match MoEE's (equal MACs),
+similarity (``dot``) and trained MLP routers, the same fine-tuning.
+
+Outputs: Table 1 analog (MACs, parameters, accuracy right after extraction and after KD
+fine-tuning, over seeds), per-layer experts, Table 2 analog (random clusters / neurons /
+routing; DBSCAN, OPTICS, k-means, BIRCH; magnitude selection; Euclidean routing), extraction
+stability against the sample size, per-class routing distributions and expert-mean cosine
+similarity matrices of an early and a late extracted layer.
+
+    python -m experiments.moee                       # quick: the ViT substrate on CPU
+    python -m experiments.moee model=minilm          # the real MiniLM, short CPU fine-tune
+    python -m experiments.moee preset=full           # GPU: bigger samples, longer KD
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from moejax.config import Config, config
+from moejax.data.batches import ArrayBatches
+from moejax.evaluate import ClassifierEvaluator, classifier_kd_loss_fn, classifier_logits
+from moejax.experiment import main
+from moejax.extract import (
+    copy_model,
+    extract_model,
+    model_macs,
+    param_counts,
+    record_ffn,
+)
+from moejax.extract.pipeline import (
+    ExtractConfig,
+    cluster_layers,
+    expert_summary,
+    matched_top_k,
+    moee_plans,
+    moefication_model,
+    routing_stats,
+)
+from moejax.results import RunDir
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.classify import (
+    WORDNET_CLASSES,
+    MiniLMTaskConfig,
+    ViTSubstrateConfig,
+    mnist_arrays,
+    wordnet_arrays,
+)
+from moejax.train.loop import train
+from moejax.train.optim import TrainConfig
+
+NAME = "moee"
+
+# ablation key -> (label, cluster method, neuron selection, router vectors, router)
+ABLATIONS = {
+    "random_all": ("random clusters + random neurons + random routing", "random", "random",
+                   "random", "cosine"),
+    "random_neurons_routing": ("HDBSCAN + random neurons + random routing", "hdbscan",
+                               "random", "random", "cosine"),
+    "random_routing": ("HDBSCAN + variance + random routing", "hdbscan", "variance", "random",
+                       "cosine"),
+    "dbscan": ("DBSCAN", "dbscan", "variance", "means", "cosine"),
+    "optics": ("OPTICS", "optics", "variance", "means", "cosine"),
+    "kmeans": ("k-means (HDBSCAN's count)", "kmeans", "variance", "means", "cosine"),
+    "birch": ("BIRCH (HDBSCAN's count)", "birch", "variance", "means", "cosine"),
+    "magnitude": ("magnitude selection", "hdbscan", "magnitude", "means", "cosine"),
+    "euclidean": ("Euclidean routing", "hdbscan", "variance", "means", "euclidean"),
+}
+KD = TrainConfig(steps=150, batch_size=64, lr=5e-4, schedule="cosine", warmup_steps=0,
+                 optimizer="adamw", weight_decay=0.01, log_every=25)
+
+
+@config
+class MoEEStudyConfig(Config):
+    """model: which substrate (``vit``: vit_mnist5k; ``minilm``: minilm_wordnet_pos, the real
+    all-MiniLM-L6-v2 fine-tuned on WordNet); record_rows / eval_rows: training rows the token
+    sample is drawn from / test rows evaluated (0 = all); kd: the fine-tuning (``kd_alpha``
+    weight of the KL term, the rest cross-entropy); moefication_*: the baseline; ablations:
+    keys of ``ABLATIONS``; stability_tokens / stability_draws: the sample-size study."""
+
+    model: Literal["vit", "minilm"] = "vit"
+    vit: ViTSubstrateConfig = substrate_config("vit_mnist5k", "quick")
+    minilm: MiniLMTaskConfig = substrate_config("minilm_wordnet_pos", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
+    extract: ExtractConfig = ExtractConfig(n_tokens=4000)
+    record_rows: int = 1000
+    eval_rows: int = 1000
+    kd: TrainConfig = KD
+    kd_alpha: float = 0.5
+    kd_temperature: float = 1.0
+    moefication_experts: int = 8
+    moefication_routers: tuple[Literal["dot", "mlp"], ...] = ("dot", "mlp")
+    mlp_router_width: int = 64
+    ablations: tuple[str, ...] = tuple(ABLATIONS)
+    finetune_ablations: bool = True
+    stability_tokens: tuple[int, ...] = (1000, 2000, 4000)
+    stability_draws: int = 2
+    seeds: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        r = self._require
+        bad = [a for a in self.ablations if a not in ABLATIONS]
+        r(not bad, f"ablations {bad} unknown; use a subset of {tuple(ABLATIONS)}")
+        r(self.seeds >= 1 and self.stability_draws >= 1, "seeds and stability_draws must be >= 1")
+        r(self.record_rows >= 1 and self.eval_rows >= 0, "record_rows >= 1, eval_rows >= 0")
+        r(self.moefication_experts >= 1, "moefication_experts must be >= 1")
+        r(0.0 <= self.kd_alpha <= 1.0 and self.kd_temperature > 0,
+          "kd_alpha in [0, 1], kd_temperature > 0")
+        r(all(n >= 10 for n in self.stability_tokens), "stability_tokens must be >= 10 each")
+
+
+def make_config(preset: str) -> MoEEStudyConfig:
+    if preset == "quick":
+        return MoEEStudyConfig()
+    return MoEEStudyConfig(
+        vit=substrate_config("vit_mnist5k", "full"),
+        minilm=substrate_config("minilm_wordnet_pos", "full"),
+        extract=ExtractConfig(n_tokens=100_000), record_rows=5000, eval_rows=0,
+        kd=KD.replace(steps=3000, batch_size=32, lr=1.5e-5), moefication_experts=16,
+        stability_tokens=(5000, 20000, 50000, 100000), stability_draws=3, seeds=3)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+class Data:
+    """The substrate model, its name and the arrays of the record / train / test splits."""
+
+    def __init__(self, cfg: MoEEStudyConfig):
+        cache = cfg.substrate_cache or None
+        if cfg.model == "vit":
+            sub = build_substrate("vit_mnist5k", cfg.vit, cache_dir=cache, progress=True)
+            tr, te = mnist_arrays("train"), mnist_arrays("test")
+            self.train = {"inputs": tr[0], "labels": tr[1]}
+            self.test = {"inputs": te[0], "labels": te[1]}
+            self.n_classes, self.seq_len = 10, None
+            self.class_names = [str(i) for i in range(10)]
+        else:
+            from moejax.data.builders_labelled import POS_NAMES
+            from moejax.io.hf_tokenizer import tokenizer_from_json
+            from moejax.io.minilm import minilm_dir
+
+            sub = build_substrate("minilm_wordnet_pos", cfg.minilm, cache_dir=cache,
+                                  progress=True)
+            tok = tokenizer_from_json(minilm_dir() / "tokenizer.json")
+            mc = cfg.minilm
+            lim = max(cfg.record_rows, mc.max_train_examples, 4 * cfg.kd.batch_size)
+            names = ("inputs", "labels", "mask")
+            self.train = dict(zip(names, wordnet_arrays(mc, "train", tok, lim)))
+            self.test = dict(zip(names, wordnet_arrays(mc, "test", tok, cfg.eval_rows)))
+            self.n_classes = WORDNET_CLASSES[mc.task]
+            self.seq_len = float(self.test["mask"].sum(1).mean())
+            self.class_names = list(POS_NAMES)
+        if cfg.eval_rows:
+            self.test = {k: v[: cfg.eval_rows] for k, v in self.test.items()}
+        self.model, self.substrate = sub.model, f"{sub.name} ({sub.path.name})"
+        self.evaluator = ClassifierEvaluator(self.test["inputs"], self.test["labels"],
+                                             self.test.get("mask"))
+        self.teacher_logits = classifier_logits(self.model, self.train["inputs"],
+                                                self.train.get("mask"))
+
+    def record_batches(self, rows: int, seed: int, size: int = 250):
+        idx = np.random.default_rng([seed, 7]).permutation(len(self.train["labels"]))[:rows]
+        for s in range(0, len(idx), size):
+            yield {k: v[idx[s:s + size]] for k, v in self.train.items() if k != "labels"}
+
+    def eval_batches(self, size: int = 250):
+        n = len(self.test["labels"])
+        return [{k: v[s:s + size] for k, v in self.test.items()} for s in range(0, n, size)]
+
+
+# ------------------------------------------------------------------------------ steps
+
+
+def evaluate(data: Data, model, name: str, dense: dict) -> dict:
+    """Accuracy, MACs and parameters of ``model`` (active neurons measured on the test rows)."""
+    stats = routing_stats(model, data.eval_batches(), n_classes=data.n_classes)
+    macs = model_macs(model, data.seq_len, {i: s["active_neurons"] for i, s in stats.items()})
+    params = param_counts(model)["params"]
+    row = {"model": name, "accuracy": data.evaluator(model)["accuracy"],
+           "MACs": macs["total"], "params": params}
+    if dense:
+        row["MACs_change_%"] = 100 * (macs["total"] / dense["MACs"] - 1)
+        row["params_change_%"] = 100 * (params / dense["params"] - 1)
+    row["_stats"] = stats
+    return row
+
+
+def kd_finetune(cfg: MoEEStudyConfig, data: Data, model, seed: int):
+    """KD from the unmodified model (its logits precomputed on the training rows)."""
+    model = copy_model(model)
+    arrays = dict(data.train, teacher_logits=data.teacher_logits)
+    src = ArrayBatches(arrays, batch_size=cfg.kd.batch_size, seed=seed)
+    train(model, src, cfg.kd.replace(seed=seed), progress=True, desc="KD fine-tune",
+          loss_fn=classifier_kd_loss_fn(alpha=cfg.kd_alpha, temperature=cfg.kd_temperature))
+    return model
+
+
+def _load_cv(stats: dict) -> float:
+    """Mean over layers of the coefficient of variation of the expert loads."""
+    return float(np.mean([np.std(s["load"]) / np.mean(s["load"]) for s in stats.values()]))
+
+
+def one_seed(cfg: MoEEStudyConfig, data: Data, dense: dict, seed: int, out: dict) -> None:
+    ex = cfg.extract
+    records = record_ffn(data.model, data.record_batches(cfg.record_rows, seed),
+                         n_tokens=ex.n_tokens, seed=seed)
+    labels = cluster_layers(records, ex.cluster, seed=seed)
+    plans = moee_plans(records, labels, ex, seed=seed)
+    moee = extract_model(data.model, plans, router=ex.router)
+    variants = [("MoEE", moee)]
+    row = evaluate(data, moee, "MoEE", dense)
+    active = {i: s["active_neurons"] for i, s in row["_stats"].items()}
+    layers = sorted(active)
+    F = {i: int(plans[i].masks_CF.shape[1]) for i in layers}
+    rows = [row]
+    if layers:
+        size = {i: F[i] // cfg.moefication_experts for i in layers}
+        ks = matched_top_k(active, size, cfg.moefication_experts)
+        for r in cfg.moefication_routers:
+            m, _ = moefication_model(data.model, records, layers, n_experts=cfg.moefication_experts,
+                                     top_k=ks, router=r, d_router=cfg.mlp_router_width,
+                                     seed=seed)
+            variants.append((f"MoEfication ({r} router)", m))
+            rows.append(evaluate(data, m, variants[-1][0], dense))
+    for (_, m), r in zip(variants, rows):
+        r["accuracy_after_kd"] = data.evaluator(kd_finetune(cfg, data, m, seed))["accuracy"]
+        r["load_cv"] = _load_cv(r["_stats"]) if r["_stats"] else float("nan")
+        r["seed"] = seed
+        out["table1"].append(r)
+    if seed == cfg.seed:
+        out["plans"], out["labels"], out["records"] = plans, labels, records
+        out["moee_stats"] = rows[0]["_stats"]
+        for name, r in zip([v[0] for v in variants], rows):
+            for i, s in sorted(r["_stats"].items()):
+                out["layers"].append({"model": name, "layer": i,
+                                      "experts": len(s["load"]),
+                                      "active_neurons": s["active_neurons"], "of_neurons": F[i],
+                                      "max_load": float(s["load"].max()),
+                                      "load_cv": float(np.std(s["load"]) / np.mean(s["load"]))})
+
+
+def ablations(cfg: MoEEStudyConfig, data: Data, dense: dict, base: dict) -> list[dict]:
+    """Table 2 analog on the first seed's token sample."""
+    records, hd_labels = base["records"], base["labels"]
+    counts = {i: int(lab.max() + 1) if lab.max() >= 0 else 0 for i, lab in hd_labels.items()}
+    rows = []
+    for key in cfg.ablations:
+        label, method, selection, routing, router = ABLATIONS[key]
+        ex = cfg.extract.replace(selection=selection, routing=routing, router=router,
+                                 cluster=cfg.extract.cluster.replace(method=method))
+        labels = (hd_labels if method == "hdbscan"
+                  else cluster_layers(records, ex.cluster, seed=cfg.seed, n_clusters=counts))
+        plans = moee_plans(records, labels, ex, seed=cfg.seed)
+        m = extract_model(data.model, plans, router=router)
+        r = evaluate(data, m, label, dense)
+        r["experts"] = "/".join(str(0 if p is None else p.n_experts) for _, p in
+                                sorted(plans.items()))
+        if cfg.finetune_ablations:
+            r["accuracy_after_kd"] = data.evaluator(kd_finetune(cfg, data, m, cfg.seed))[
+                "accuracy"]
+        rows.append(r)
+    return rows
+
+
+def stability(cfg: MoEEStudyConfig, data: Data) -> list[dict]:
+    """Experts per layer and mean expert size against the token-sample size (draws = seeds)."""
+    rows = []
+    for n in cfg.stability_tokens:
+        per = []
+        for d in range(cfg.stability_draws):
+            rec = record_ffn(data.model, data.record_batches(cfg.record_rows, 100 + d),
+                             n_tokens=min(n, cfg.extract.n_tokens * 4), seed=100 + d)
+            labels = cluster_layers(rec, cfg.extract.cluster, seed=100 + d)
+            plans = moee_plans(rec, labels, cfg.extract, seed=100 + d)
+            per.append(expert_summary(plans))
+        for li in range(len(per[0])):
+            ex = np.asarray([p[li]["experts"] for p in per], float)
+            size = np.asarray([p[li].get("size_mean", 0.0) for p in per], float)
+            rows.append({"tokens": n, "layer": per[0][li]["layer"], "experts_mean": ex.mean(),
+                         "experts_std": ex.std(), "size_mean": size.mean(),
+                         "size_std": size.std()})
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _mean_std(rows, key):
+    v = np.asarray([r[key] for r in rows], float)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def _table1(run: RunDir, rows: list, dense: dict, cfg) -> dict:
+    out, by = [], {}
+    for r in rows:
+        by.setdefault(r["model"], []).append(r)
+    for name, rs in by.items():
+        acc, acc_s = _mean_std(rs, "accuracy")
+        kd, kd_s = _mean_std(rs, "accuracy_after_kd")
+        out.append({"model": name, "MACs": np.mean([r["MACs"] for r in rs]),
+                    "MACs_change_%": np.mean([r["MACs_change_%"] for r in rs]),
+                    "params": np.mean([r["params"] for r in rs]),
+                    "params_change_%": np.mean([r["params_change_%"] for r in rs]),
+                    "acc_extracted": acc, "acc_extracted_std": acc_s,
+                    "acc_after_kd": kd, "acc_after_kd_std": kd_s,
+                    "kd_vs_dense_%": 100 * kd / dense["accuracy"],
+                    "load_cv": np.mean([r["load_cv"] for r in rs]), "seeds": len(rs)})
+    run.table("table1", [{"model": "dense", "MACs": dense["MACs"], "params": dense["params"],
+                          "acc_extracted": dense["accuracy"], "acc_after_kd": dense["accuracy"],
+                          "kd_vs_dense_%": 100.0}] + out,
+              title=f"Table 1 analog: {cfg.model}, mean over {cfg.seeds} seeds (MACs per "
+                    "example; load_cv: coefficient of variation of the expert loads, mean "
+                    "over layers)")
+    run.bar_plot("table1_accuracy", [r["model"] for r in out],
+                 [r["acc_after_kd"] for r in out], errors=[r["acc_after_kd_std"] for r in out],
+                 ylabel="test accuracy after KD", hlines={"dense": dense["accuracy"]},
+                 title="Accuracy after KD fine-tuning (dense model drawn in)")
+    return {r["model"]: r for r in out}
+
+
+def _plots(run: RunDir, data: Data, base: dict) -> list[int]:
+    stats, plans = base["moee_stats"], base["plans"]
+    layers = sorted(stats)
+    if not layers:
+        return []
+    picks = sorted({layers[0], layers[-1]})
+    for i in picks:
+        s = stats[i]
+        xs = np.arange(len(s["load"]))
+        series = {data.class_names[c]: (xs, s["per_class"][c])
+                  for c in range(min(data.n_classes, 6))}
+        series["all"] = (xs, s["load"])
+        run.line_plot(f"routing_layer{i}", series, xlabel="expert", ylabel="share of tokens",
+                      markers=True, title=f"Layer {i}: routing per class (first classes) and "
+                      "over all classes")
+        r = plans[i].router_CD.astype(np.float64)
+        r = r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)
+        run.heatmap(f"similarity_layer{i}", r @ r.T, xlabel="expert", ylabel="expert",
+                    vmin=-1, vmax=1, title=f"Layer {i}: cosine similarity of expert mean inputs")
+    return picks
+
+
+def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
+    data = Data(cfg)
+    d = evaluate(data, data.model, "dense", {})
+    dense = {"accuracy": d["accuracy"], "MACs": d["MACs"], "params": d["params"]}
+    out = {"table1": [], "layers": []}
+    for s in range(cfg.seeds):
+        one_seed(cfg, data, dense, cfg.seed + s, out)
+    t1 = _table1(run, out["table1"], dense, cfg)
+    run.table("table1_per_seed", [{k: v for k, v in r.items() if k != "_stats"}
+                                  for r in out["table1"]], title="Table 1, every seed")
+    run.table("experts_per_layer", out["layers"],
+              title=f"Per extracted layer (seed {cfg.seed}): experts, mean active neurons per "
+                    "token, routing balance")
+    abl = ablations(cfg, data, dense, out)
+    if abl:
+        run.table("table2_ablations", [{k: v for k, v in r.items() if k != "_stats"}
+                                       for r in abl],
+                  title=f"Table 2 analog (seed {cfg.seed}): components replaced by random "
+                        "counterparts, other clustering, selection and routing")
+    stab = stability(cfg, data) if cfg.stability_tokens else []
+    if stab:
+        run.table("stability", stab, title="Extraction against the token-sample size "
+                  f"({cfg.stability_draws} draws each): experts per layer, mean expert size")
+        series = {f"layer {li}": ([r["tokens"] for r in stab if r["layer"] == li],
+                                  [r["experts_mean"] for r in stab if r["layer"] == li])
+                  for li in sorted({r["layer"] for r in stab})}
+        run.line_plot("stability", series, xlabel="recorded tokens", ylabel="experts (mean)",
+                      logx=True, markers=True, title="Experts found vs sample size")
+    picks = _plots(run, data, out)
+    moee = t1["MoEE"]
+    moef = {k: v for k, v in t1.items() if k.startswith("MoEfication")}
+    exp = {r["layer"]: r["experts"] for r in out["layers"] if r["model"] == "MoEE"}
+    all_layers = [i for i, p in sorted(out["plans"].items())]
+    counts = [exp.get(i, 0) for i in all_layers]
+    half = len(counts) // 2
+    later_more = sum(counts[half:]) > sum(counts[:half])
+    checks = {
+        "MACs -25% or more": moee["MACs_change_%"] <= -25,
+        "params -20% or more": moee["params_change_%"] <= -20,
+        "97% of dense accuracy after KD": moee["kd_vs_dense_%"] >= 97,
+        "beats MoEfication at equal MACs (after KD)": all(
+            moee["acc_after_kd"] > v["acc_after_kd"] for v in moef.values()),
+        "later layers form more clusters": later_more,
+        "routing more balanced than MoEfication": all(
+            moee["load_cv"] < v["load_cv"] for v in moef.values()),
+    }
+    run.note(f"Started from substrate {data.substrate}; dense test accuracy "
+             f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
+             f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
+             f"cluster size {cfg.extract.cluster.min_cluster_frac:.2%} of the sample, p = "
+             f"{cfg.extract.p}, {cfg.extract.selection} selection, {cfg.extract.router} routing "
+             f"to cluster mean inputs (the paper's recipe). Clusters per layer (seed "
+             f"{cfg.seed}): {counts}. KD: {cfg.kd.steps} AdamW steps, lr {cfg.kd.lr}, weight "
+             f"decay {cfg.kd.weight_decay}, cosine, loss {cfg.kd_alpha} KL(T={cfg.kd_temperature})"
+             f" + {1 - cfg.kd_alpha:g} CE (the paper does not give its KD loss). MoEfication: "
+             f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
+             "matched per layer to MoEE's mean active neurons. Random routing = random router "
+             "vectors (each token still goes to one fixed expert).")
+    run.note("Paper shape (SPEC section 6): " + "; ".join(
+        f"{k}: {'holds' if v else 'does not hold'}" for k, v in checks.items())
+        + (f". Routing and similarity plots: layers {picks}." if picks else ""))
+    res = {"dense_acc": dense["accuracy"], "moee_acc": moee["acc_extracted"],
+           "moee_acc_kd": moee["acc_after_kd"], "moee_macs_%": moee["MACs_change_%"],
+           "moee_params_%": moee["params_change_%"], "clusters": counts,
+           **{f"{k}_acc_kd": v["acc_after_kd"] for k, v in moef.items()}}
+    res["headline"] = (
+        f"MoEE on {cfg.model}: MACs {moee['MACs_change_%']:+.1f}%, params "
+        f"{moee['params_change_%']:+.1f}%, accuracy {moee['acc_extracted']:.3f} extracted -> "
+        f"{moee['acc_after_kd']:.3f} after KD (dense {dense['accuracy']:.3f}); "
+        + ", ".join(f"{k} {v['acc_after_kd']:.3f}" for k, v in moef.items())
+        + f" (mean of {cfg.seeds} seeds)")
+    return res
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

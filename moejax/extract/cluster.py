@@ -1,0 +1,108 @@
+"""Clustering of recorded MLP activations (MoEE step 1), on the host with scikit-learn.
+
+``labels_N = cluster_activations(y_NF, cfg, seed=...)`` gives each of ``N`` activation vectors
+a cluster id ``0..C-1`` or ``-1`` (noise: no expert is built from it). Methods:
+
+* ``"hdbscan"`` (the paper): ``sklearn.cluster.HDBSCAN(min_cluster_size=ceil(min_cluster_frac *
+  N))``; the number of clusters comes from the data (0 clusters: the layer stays dense).
+* ``"dbscan"`` / ``"optics"``: the related density methods of the ablation (Sec. 5.1), with
+  ``min_samples = min_cluster_size``; DBSCAN's ``eps`` is the ``dbscan_eps_quantile`` quantile of
+  each point's distance to its ``min_samples``-th neighbour (the k-distance heuristic).
+* ``"kmeans"`` / ``"birch"``: partition methods; they need the cluster count ``n_clusters``
+  (the study passes the count HDBSCAN found in the same layer, so only the shapes differ).
+* ``"random"``: every point gets a uniformly random id in ``0..n_clusters-1`` (Table 2's
+  "random clusters" ablation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+
+from moejax.config import Config, config
+
+__all__ = ["ClusterConfig", "cluster_activations", "n_clusters_of", "CLUSTER_METHODS",
+           "relabel"]
+
+ClusterMethod = Literal["hdbscan", "dbscan", "optics", "kmeans", "birch", "random"]
+CLUSTER_METHODS = ("hdbscan", "dbscan", "optics", "kmeans", "birch", "random")
+
+
+@config
+class ClusterConfig(Config):
+    """method: see the module docstring; min_cluster_frac: HDBSCAN's minimum cluster size as
+    a fraction of the sample (paper: 0.6%); n_clusters: kmeans / birch / random only;
+    dbscan_eps_quantile: DBSCAN's eps heuristic."""
+
+    method: ClusterMethod = "hdbscan"
+    min_cluster_frac: float = 0.006
+    n_clusters: int = 8
+    dbscan_eps_quantile: float = 0.5
+
+    def validate(self) -> None:
+        self._require(self.method in CLUSTER_METHODS,
+                      f"method={self.method!r}; use one of {CLUSTER_METHODS}")
+        self._require(0 < self.min_cluster_frac < 0.5,
+                      f"min_cluster_frac={self.min_cluster_frac} must be in (0, 0.5)")
+        self._require(self.n_clusters >= 1, f"n_clusters={self.n_clusters} must be >= 1")
+        self._require(0 < self.dbscan_eps_quantile < 1,
+                      f"dbscan_eps_quantile={self.dbscan_eps_quantile} must be in (0, 1)")
+
+    def min_cluster_size(self, n_points: int) -> int:
+        return max(2, math.ceil(self.min_cluster_frac * n_points))
+
+
+def n_clusters_of(labels_N: np.ndarray) -> int:
+    """Number of clusters (ids >= 0) in a label vector."""
+    labels_N = np.asarray(labels_N)
+    return int(labels_N.max() + 1) if labels_N.size and labels_N.max() >= 0 else 0
+
+
+def relabel(labels_N: np.ndarray) -> np.ndarray:
+    """Cluster ids made contiguous ``0..C-1`` (in the order of the old ids; empty ids vanish);
+    noise stays ``-1``."""
+    labels_N = np.asarray(labels_N, np.int64)
+    ids = np.unique(labels_N[labels_N >= 0])
+    out = np.full_like(labels_N, -1)
+    for new, old in enumerate(ids):
+        out[labels_N == old] = new
+    return out
+
+
+def cluster_activations(y_NF: np.ndarray, cfg: ClusterConfig | None = None, *,
+                        seed: int = 0) -> np.ndarray:
+    """Cluster ids ``[N]`` (``-1`` = noise) of the activation rows ``y_NF`` (``cfg`` default:
+    HDBSCAN with the paper's 0.6% minimum cluster size)."""
+    cfg = cfg or ClusterConfig()
+    y = np.asarray(y_NF, np.float32)
+    if y.ndim != 2 or y.shape[0] < 2:
+        raise ValueError(f"cluster_activations needs an [N, F] array with N >= 2, got {y.shape}")
+    if not np.all(np.isfinite(y)):
+        raise ValueError("cluster_activations: the activations contain NaN or inf")
+    n, m = y.shape[0], cfg.method
+    mcs = cfg.min_cluster_size(n)
+    if m == "random":
+        return relabel(np.random.default_rng(seed).integers(0, cfg.n_clusters, n))
+    if m in ("kmeans", "birch"):
+        from sklearn.cluster import Birch, KMeans
+
+        k = min(cfg.n_clusters, n)
+        est = (KMeans(k, n_init=3, random_state=seed) if m == "kmeans"
+               else Birch(n_clusters=k, threshold=0.1))
+        return relabel(est.fit_predict(y))
+    if m == "hdbscan":
+        from sklearn.cluster import HDBSCAN
+
+        return relabel(HDBSCAN(min_cluster_size=mcs, copy=True).fit_predict(y))
+    if m == "optics":
+        from sklearn.cluster import OPTICS
+
+        return relabel(OPTICS(min_samples=mcs, min_cluster_size=mcs).fit_predict(y))
+    from sklearn.cluster import DBSCAN
+    from sklearn.neighbors import NearestNeighbors
+
+    kdist = NearestNeighbors(n_neighbors=min(mcs, n)).fit(y).kneighbors(y)[0][:, -1]
+    eps = max(float(np.quantile(kdist, cfg.dbscan_eps_quantile)), 1e-6)
+    return relabel(DBSCAN(eps=eps, min_samples=mcs).fit_predict(y))

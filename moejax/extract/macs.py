@@ -1,0 +1,80 @@
+"""Exact multiply-accumulate (MAC) and parameter accounting of dense, extracted and MoEfied
+encoder models (per example, matrix products only; biases, norms, softmax and activations
+are not MACs, as in fvcore / the paper's tables).
+
+Per block with ``T`` tokens, width ``D``:
+
+* attention: ``4 T D^2`` (q, k, v, o projections) + ``2 T^2 D`` (scores and weighted values)
+* dense FFN of width ``F``: ``2 T D F`` (``3 T D F`` gated)
+* extracted FFN: router ``T C D`` (``T (D H + H C)`` for the MLP router) + experts
+  ``2 T D a``, ``a`` = mean hidden neurons a token uses (measured: ``aux["active_neurons"]``)
+
+plus the ViT's patch embedding ``n_patches * p^2 Z * D`` and the classifier head ``D L``
+(BERT embeddings are lookups: 0). Parameters: trainable weights (``nnx.Param``) plus the
+extracted routers' vectors (:class:`~moejax.nn.extracted.RouterWeights`); expert masks are
+structure (an index list per expert) and are counted separately.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moejax.extract.surgery import ffn_holder
+from moejax.nn.extracted import ExpertMask, ExtractedFFNConfig, RouterWeights
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.ops.activations import is_gated
+
+__all__ = ["ffn_macs", "model_macs", "param_counts"]
+
+
+def ffn_macs(slot_cfg, d_model: int, tokens: float, active_neurons: float | None = None) -> dict:
+    """``{"router": ..., "experts": ...}`` MACs of one FFN slot over ``tokens`` tokens."""
+    D = d_model
+    if isinstance(slot_cfg, DenseFFNConfig):
+        return {"router": 0.0,
+                "experts": float(tokens * (3 if is_gated(slot_cfg.activation) else 2) * D
+                                 * slot_cfg.d_hidden)}
+    if isinstance(slot_cfg, ExtractedFFNConfig):
+        if active_neurons is None:
+            raise ValueError("an extracted FFN's MACs need active_neurons (the mean hidden "
+                             "neurons per token, aux['active_neurons'])")
+        C, H = slot_cfg.n_experts, slot_cfg.d_router
+        router = D * H + H * C if slot_cfg.router == "mlp" else C * D
+        return {"router": float(tokens * router), "experts": float(tokens * 2 * D * active_neurons)}
+    raise TypeError(f"no MAC count for slot {type(slot_cfg).__name__}")
+
+
+def model_macs(model, seq_len: float | None = None,
+               active_neurons: dict[int, float] | None = None) -> dict:
+    """MACs per example: ``total``, ``attention``, ``ffn`` (router + experts), ``other``
+    (patch embedding, head) and ``per_layer`` FFN MACs. ``seq_len``: tokens per example (a
+    ViT's is fixed: ``1 + n_patches``; give a text model's mean real length)."""
+    holder = ffn_holder(model)
+    cfg = holder.cfg
+    D = cfg.d_model
+    other = 0.0
+    if hasattr(cfg, "n_patches"):
+        T = 1 + cfg.n_patches
+        other += cfg.n_patches * cfg.patch_size ** 2 * cfg.n_channels * D + D * cfg.n_classes
+    else:
+        if seq_len is None:
+            raise ValueError("model_macs of a text model needs seq_len (mean real tokens)")
+        T = float(seq_len)
+        head = getattr(model, "w_cls", None)  # SequenceClassifier's head
+        if head is not None:
+            other += float(np.prod(head[...].shape))
+    active_neurons = active_neurons or {}
+    per_layer = [ffn_macs(s, D, T, active_neurons.get(i)) for i, s in enumerate(cfg.ffn_slots)]
+    attn = cfg.n_layers * (4 * T * D * D + 2 * T * T * D)
+    ffn = sum(p["router"] + p["experts"] for p in per_layer)
+    return {"total": attn + ffn + other, "attention": attn, "ffn": ffn, "other": other,
+            "per_layer": per_layer}
+
+
+def param_counts(model) -> dict:
+    """``{"params": trainable weights + router vectors, "mask_entries": expert-mask size}``."""
+    def n(filt):
+        return int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, filt))))
+    return {"params": n(nnx.Param) + n(RouterWeights), "mask_entries": n(ExpertMask)}

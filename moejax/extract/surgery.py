@@ -1,0 +1,163 @@
+"""Layer surgery for expert extraction: record a model's MLP activations, and replace dense FFN
+slots by extracted-experts slots (:mod:`moejax.nn.extracted`) following per-layer
+:class:`~moejax.extract.plan.ExpertPlan` s.
+
+Works on every model whose blocks hold their FFN at ``blocks[i].ffn`` with the slot configs in
+``cfg.ffn_slots``: :class:`~moejax.nn.encoder.ViT`, :class:`~moejax.nn.decoder.DecoderLM`
+(the holder is the model) and :class:`~moejax.nn.encoder.SequenceClassifier` (its
+``encoder``). The new model is a copy (every array copied); the source is never edited.
+
+Models are called as the classifier loss calls them: ``model(batch["inputs"][, mask_BT])``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.extract.plan import ExpertPlan, kept_neurons
+from moejax.nn.extracted import ExtractedFFN, ExtractedFFNConfig
+from moejax.nn.ffn import DenseFFN, DenseFFNConfig
+from moejax.nn.surgery import build_from_pure
+
+__all__ = ["ffn_holder", "dense_ffn_layers", "record_ffn", "extract_model", "copy_model",
+           "slot_layers", "apply_model", "extracted_ffn_variables"]
+
+
+def ffn_holder(model) -> nnx.Module:
+    """The module that holds ``blocks`` and ``cfg.ffn_slots``."""
+    for m in (model, getattr(model, "encoder", None)):
+        if m is not None and hasattr(m, "blocks") and hasattr(getattr(m, "cfg", None),
+                                                               "ffn_slots"):
+            return m
+    raise TypeError(f"{type(model).__name__} has no blocks with cfg.ffn_slots; expert "
+                    "extraction supports ViT, SequenceClassifier and DecoderLM")
+
+
+def dense_ffn_layers(model) -> list[int]:
+    """Indices of the blocks whose FFN is a :class:`DenseFFN`."""
+    return [i for i, b in enumerate(ffn_holder(model).blocks) if isinstance(b.ffn, DenseFFN)]
+
+
+def slot_layers(model, kind=ExtractedFFN) -> list[int]:
+    """Indices of the blocks whose FFN is a ``kind`` module."""
+    return [i for i, b in enumerate(ffn_holder(model).blocks) if isinstance(b.ffn, kind)]
+
+
+def copy_model(model):
+    """An independent copy (new Variables and new buffers)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.array(a, copy=True), state))
+
+
+def apply_model(model, batch: dict):
+    """``model(batch["inputs"][, mask_BT=batch["mask"] > 0])`` -> ``(logits, aux)``."""
+    kw = {"mask_BT": jnp.asarray(batch["mask"]) > 0} if "mask" in batch else {}
+    return model(jnp.asarray(batch["inputs"]), **kw)
+
+
+class _Recorder(nnx.Module):
+    """Wraps a DenseFFN; returns its output and, in ``aux``, its input and hidden activations."""
+
+    def __init__(self, inner: DenseFFN):
+        self.inner = inner
+
+    def __call__(self, x_BTD, *, train=False, key=None, mask_BT=None, segment_ids_BT=None):
+        y, _ = self.inner(x_BTD)
+        return y, {"ffn_x": x_BTD, "ffn_h": self.inner.hidden(x_BTD)}
+
+
+def record_ffn(model, batches: Iterable[dict], *, n_tokens: int, seed: int = 0,
+               layers: Iterable[int] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``{layer: (x_ND, y_NF)}``: FFN inputs and hidden activations of ``n_tokens`` tokens drawn
+    uniformly without replacement (``seed``) from the real (unmasked) tokens of ``batches``;
+    the same tokens for every layer. Fails if the batches hold fewer real tokens."""
+    rec = copy_model(model)
+    holder = ffn_holder(rec)
+    layers = dense_ffn_layers(rec) if layers is None else list(layers)
+    for i in layers:
+        if not isinstance(holder.blocks[i].ffn, DenseFFN):
+            raise ValueError(f"layer {i} is not a DenseFFN; record before extraction")
+        holder.blocks[i].ffn = _Recorder(holder.blocks[i].ffn)
+    graphdef, state = nnx.split(rec)
+
+    @jax.jit
+    def fwd(state, batch):
+        _, aux = apply_model(nnx.merge(graphdef, state), batch)
+        return {i: (aux["layers"][i]["ffn_x"], aux["layers"][i]["ffn_h"]) for i in layers}
+
+    xs = {i: [] for i in layers}
+    hs = {i: [] for i in layers}
+    for batch in batches:
+        out = fwd(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        real = (np.ones(np.shape(batch["inputs"])[:1] + out[layers[0]][0].shape[1:2], bool)
+                if "mask" not in batch else np.asarray(batch["mask"]) > 0)
+        for i in layers:
+            xs[i].append(np.asarray(out[i][0])[real])
+            hs[i].append(np.asarray(out[i][1])[real])
+    total = sum(len(a) for a in xs[layers[0]])
+    if total < n_tokens:
+        raise ValueError(f"record_ffn: the batches hold {total} real tokens, fewer than "
+                         f"n_tokens={n_tokens}; pass more batches or lower n_tokens")
+    pick = np.sort(np.random.default_rng(seed).choice(total, n_tokens, replace=False))
+    return {i: (np.concatenate(xs[i])[pick], np.concatenate(hs[i])[pick]) for i in layers}
+
+
+def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, router: str,
+                            router_mlp: dict | None = None) -> dict:
+    """Pure: a dense FFN's variable dict (``w_up [D, F]``, ``w_down [F, D]``, biases) and a plan
+    -> the :class:`ExtractedFFN` variable dict (neurons no expert uses removed)."""
+    kept = kept_neurons(plan.masks_CF)
+    out = {"w_up": ffn["w_up"][:, kept], "w_down": ffn["w_down"][kept],
+           "masks": jnp.asarray(plan.masks_CF[:, kept], jnp.float32)}
+    if use_bias:
+        out["b_up"], out["b_down"] = ffn["b_up"][kept], ffn["b_down"]
+    if router == "mlp":
+        if router_mlp is None:
+            raise ValueError("router='mlp' needs router_mlp weights (w1, b1, w2, b2)")
+        out.update({f"router_{k}": jnp.asarray(router_mlp[k], jnp.float32)
+                    for k in ("w1", "b1", "w2", "b2")})
+    else:
+        out["router"] = jnp.asarray(plan.router_CD, jnp.float32)
+        out["router_bias"] = jnp.asarray(plan.router_bias_C, jnp.float32)
+    return out
+
+
+def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "cosine",
+                  top_k: int | dict[int, int] = 1, router_mlps: dict[int, dict] | None = None):
+    """A new model in which every layer ``i`` with ``plans[i]`` not ``None`` has an
+    :class:`ExtractedFFN` made from its dense FFN and the plan; other layers stay dense.
+    ``top_k``: one value or one per layer. Built by :func:`build_from_pure` from the pure
+    variable dict and the matching config; ``model`` is unchanged."""
+    holder = ffn_holder(model)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
+    slots = list(holder.cfg.ffn_slots)
+    for i, plan in sorted(plans.items()):
+        if plan is None:
+            continue
+        dense = slots[i]
+        if not isinstance(dense, DenseFFNConfig):
+            raise ValueError(f"layer {i} is {type(dense).__name__}, not a dense FFN")
+        if plan.masks_CF.shape[1] != dense.d_hidden:
+            raise ValueError(f"layer {i}: plan has {plan.masks_CF.shape[1]} neurons, the FFN "
+                             f"{dense.d_hidden}")
+        mlp = None if router_mlps is None else router_mlps.get(i)
+        slots[i] = ExtractedFFNConfig(
+            d_hidden=int(len(kept_neurons(plan.masks_CF))), n_experts=plan.n_experts,
+            top_k=top_k[i] if isinstance(top_k, dict) else top_k, activation=dense.activation,
+            use_bias=dense.use_bias, router=router,
+            d_router=0 if mlp is None else int(np.shape(mlp["w1"])[1]))
+        blocks[i]["ffn"] = extracted_ffn_variables(blocks[i]["ffn"], plan,
+                                                   use_bias=dense.use_bias, router=router,
+                                                   router_mlp=mlp)
+    cfg = holder.cfg.replace(ffn_slots=tuple(slots))
+    if holder is model:
+        make = lambda: type(model)(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    else:  # SequenceClassifier(encoder_cfg, n_classes)
+        make = lambda: type(model)(cfg, int(model.b_cls.shape[0]), rngs=nnx.Rngs(0))  # noqa: E731
+    return build_from_pure(make, pure)

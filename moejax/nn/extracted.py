@@ -1,0 +1,143 @@
+"""Extracted-experts FFN slot (MoEE, and MoEfication's experts): a dense MLP whose hidden
+neurons are grouped into (possibly overlapping) experts, one or ``top_k`` experts per token.
+
+``y_BTD, aux = slot(x_BTD, train=..., key=None, mask_BT=None)``::
+
+    s_NC = score(x)                      router (below), float32
+    S_n  = top_k(s_n)                    selected experts of token n
+    m_nF = OR_{c in S_n} masks[c]        the hidden neurons the token's experts use
+    y_n  = (act(x_n W_up + b_up) * m_nF) W_down + b_down
+
+so a token routed to expert ``c`` computes exactly ``W_down[M_c]^T act(W_up[:, M_c]^T x + b_up[M_c])
++ b_down`` (the paper's expert output). The hidden width ``d_hidden`` is the number of neurons
+kept by at least one expert (the others were removed at extraction).
+
+Routers (``router`` in the config; vectors ``r_c`` and biases ``b_c`` come from the plan):
+
+* ``"cosine"`` (MoEE default): ``s_c = x . r_c / |r_c|`` (= cosine up to the token's norm);
+* ``"euclidean"`` (ablation): ``s_c = -|x - r_c|^2``;
+* ``"dot"`` (MoEfication similarity router): ``s_c = x . r_c + b_c``;
+* ``"mlp"`` (MoEfication MLP router): ``s = relu(x R1 + c1) R2 + c2``, trained beforehand.
+
+Parameter paths: ``w_up [D, F]``, ``b_up [F]``, ``w_down [F, D]``, ``b_down [D]`` (DenseFFN
+names, trainable); ``masks [C, F]`` (:class:`ExpertMask`), ``router [C, D]``, ``router_bias
+[C]`` or ``router_w1 [D, H]``, ``router_b1 [H]``, ``router_w2 [H, C]``, ``router_b2 [C]``
+(:class:`RouterWeights`): not ``nnx.Param``, so fine-tuning keeps the extracted routing.
+
+This compute path is the masked oracle (every kept neuron is evaluated, the unused ones
+zeroed); the MACs a deployment saves are counted by :mod:`moejax.extract.macs`.
+
+``aux``: ``expert_ids [B, T, k]``, ``load [C]`` (share of real tokens' assignments per expert),
+``active_neurons`` (mean hidden neurons used per real token). No auxiliary loss.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import config
+from moejax.nn.slots import FFNSlotConfig
+from moejax.ops.activations import ActivationName, activation_fn
+
+__all__ = ["ExtractedFFNConfig", "ExtractedFFN", "ExpertMask", "RouterWeights"]
+
+
+class ExpertMask(nnx.Variable):
+    """Expert-to-neuron membership (0/1, float32): structure, not trained."""
+
+
+class RouterWeights(nnx.Variable):
+    """Routing vectors / router network fixed at extraction, not trained."""
+
+
+@config
+class ExtractedFFNConfig(FFNSlotConfig):
+    """d_hidden: kept neurons; n_experts / top_k: experts and experts per token; router:
+    see the module docstring (d_router: hidden width of the ``"mlp"`` router)."""
+
+    d_hidden: int
+    n_experts: int
+    top_k: int = 1
+    activation: ActivationName = "gelu"
+    use_bias: bool = True
+    router: Literal["cosine", "euclidean", "dot", "mlp"] = "cosine"
+    d_router: int = 0
+
+    def validate(self) -> None:
+        self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
+        self._require(self.n_experts >= 1, f"n_experts={self.n_experts} must be >= 1")
+        self._require(1 <= self.top_k <= self.n_experts,
+                      f"top_k={self.top_k} must be in [1, n_experts={self.n_experts}]")
+        self._require(self.activation not in ("swiglu", "geglu"),
+                      "extracted experts support non-gated activations only")
+        self._require(self.router != "mlp" or self.d_router > 0,
+                      "router='mlp' needs d_router > 0 (the router's hidden width)")
+
+    def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
+        return ExtractedFFN(d_model, self, rngs=rngs, dtype=dtype,
+                            param_dtype=param_dtype or jnp.float32)
+
+
+class ExtractedFFN(nnx.Module):
+    """See the module docstring. Built empty (zeros); :func:`moejax.extract.surgery` fills it."""
+
+    def __init__(self, d_model: int, cfg: ExtractedFFNConfig, *, rngs: nnx.Rngs, dtype=None,
+                 param_dtype=jnp.float32):
+        del rngs  # every value comes from the dense layer and the plan
+        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        D, F, C, H = d_model, cfg.d_hidden, cfg.n_experts, cfg.d_router
+        z = lambda *s: jnp.zeros(s, param_dtype)  # noqa: E731
+        self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
+        if cfg.use_bias:
+            self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
+        self.masks = ExpertMask(jnp.zeros((C, F), jnp.float32))
+        if cfg.router == "mlp":
+            self.router_w1, self.router_b1 = RouterWeights(z(D, H)), RouterWeights(z(H))
+            self.router_w2, self.router_b2 = RouterWeights(z(H, C)), RouterWeights(z(C))
+        else:
+            self.router, self.router_bias = RouterWeights(z(C, D)), RouterWeights(z(C))
+
+    def scores(self, x_ND: jax.Array) -> jax.Array:
+        """Routing scores ``[N, C]`` (float32)."""
+        x = x_ND.astype(jnp.float32)
+        kind = self.cfg.router
+        if kind == "mlp":
+            h = jax.nn.relu(x @ self.router_w1[...] + self.router_b1[...])
+            return h @ self.router_w2[...] + self.router_b2[...]
+        r = self.router[...].astype(jnp.float32)
+        dots = x @ r.T
+        if kind == "cosine":
+            return dots / jnp.maximum(jnp.linalg.norm(r, axis=-1), 1e-12)
+        if kind == "euclidean":
+            return 2.0 * dots - jnp.sum(r * r, -1) - jnp.sum(x * x, -1, keepdims=True)
+        return dots + self.router_bias[...]
+
+    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
+                 segment_ids_BT=None):
+        del train, key, segment_ids_BT
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        dt = self.dtype or x_BTD.dtype
+        x = x_BTD.reshape(B * T, D).astype(dt)
+        _, ids_NK = jax.lax.top_k(self.scores(x), cfg.top_k)
+        sel_NC = jnp.sum(jax.nn.one_hot(ids_NK, cfg.n_experts, dtype=jnp.float32), axis=1)
+        m_NF = jnp.minimum(sel_NC @ self.masks[...], 1.0)
+        up = x @ self.w_up[...].astype(dt)
+        if cfg.use_bias:
+            up = up + self.b_up[...].astype(dt)
+        h = activation_fn(cfg.activation)(up) * m_NF.astype(dt)
+        y = h @ self.w_down[...].astype(dt)
+        if cfg.use_bias:
+            y = y + self.b_down[...].astype(dt)
+        real_N = (jnp.ones((B * T,), jnp.float32) if mask_BT is None
+                  else mask_BT.reshape(B * T).astype(jnp.float32))
+        n_real = jnp.maximum(jnp.sum(real_N), 1.0)
+        counts_C = jnp.sum(sel_NC * real_N[:, None], axis=0)
+        aux = {"expert_ids": ids_NK.reshape(B, T, -1),
+               "load": counts_C / jnp.maximum(jnp.sum(counts_C), 1.0),
+               "active_neurons": jnp.sum(jnp.sum(m_NF, -1) * real_N) / n_real}
+        return y.reshape(B, T, D), aux

@@ -1,0 +1,23 @@
+"""Layer surgery on nnx models through pure variable dicts (penzai-style: select a sublayer,
+replace it): transform ``nnx.to_pure_dict(nnx.state(model))`` with a pure function, change
+the config to match, and :func:`build_from_pure` the new model. Upcycling, layer dropping,
+DeRS synthesis and expert extraction all build their models this way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["build_from_pure"]
+
+
+def build_from_pure(make: Callable[[], nnx.Module], pure: dict) -> nnx.Module:
+    """``make()`` built abstractly (no random init), its variables set from the pure dict
+    ``pure`` (every array copied, so the new model never aliases its source's buffers: a
+    training step that donates its state must not delete the source's weights)."""
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), pure))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,39 @@
+"""Smoke test: the MoEE study runs tiny on the (tiny) ViT substrate, writes Table 1 / Table 2 /
+stability tables and the routing and similarity plots, names its substrate, and the
+extracted model's accounting is consistent."""
+
+import csv
+
+from experiments import moee as mod  # imported before tiny_recipes patches the registry
+from moejax.experiment import run_experiment
+from moejax.extract import ClusterConfig
+from moejax.extract.pipeline import ExtractConfig
+from moejax.substrates.classify import ViTSubstrateConfig
+from tests.tiny_substrates import tiny_train
+
+
+def test_moee_tiny(tiny_recipes, tmp_path):
+    cfg = mod.make_config("quick").replace(
+        vit=ViTSubstrateConfig(d_model=16, n_layers=2, n_heads=2, d_hidden=32,
+                               train=tiny_train(3)),
+        substrate_cache=str(tiny_recipes),
+        extract=ExtractConfig(n_tokens=300, cluster=ClusterConfig(min_cluster_frac=0.02)),
+        record_rows=40, eval_rows=100, kd=mod.KD.replace(steps=2, batch_size=8),
+        ablations=("random_all", "kmeans"), stability_tokens=(200,), stability_draws=1,
+        seeds=1, moefication_experts=4, mlp_router_width=8, finetune_ablations=False)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "moee")
+    rows = {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
+    assert "dense" in rows
+    text = (run.path / "summary.md").read_text()
+    assert "Started from substrate vit_mnist5k" in text and "Paper shape" in text
+    for name in ("stability.csv", "experts_per_layer.csv"):
+        assert (run.path / name).is_file()
+    m = rows["MoEE"]
+    assert float(m["MACs"]) < float(rows["dense"]["MACs"])  # the tiny layers form clusters
+    assert 0.0 <= float(m["acc_after_kd"]) <= 1.0
+    assert {"MoEfication (dot router)", "MoEfication (mlp router)"} <= set(rows)
+    abl = list(csv.DictReader(open(run.path / "table2_ablations.csv")))
+    assert [r["model"] for r in abl] == [mod.ABLATIONS[k][0] for k in ("random_all", "kmeans")]
+    assert list(run.path.glob("similarity_layer*.png"))
+    assert list(run.path.glob("routing_layer*.png"))

@@ -1,0 +1,314 @@
+"""Expert extraction (MoEE) and MoEfication: clustering, neuron selection, balanced experts,
+the extracted slot against a per-token numpy oracle, surgery, MAC / parameter hand counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.data.batches import ArrayBatches
+from moejax.extract import (
+    ClusterConfig,
+    ExpertPlan,
+    balanced_kmeans_partition,
+    cluster_activations,
+    extract_model,
+    model_macs,
+    moee_plan,
+    moefication_plan,
+    n_clusters_of,
+    param_counts,
+    record_ffn,
+    select_neurons,
+)
+from moejax.extract.pipeline import (
+    matched_top_k,
+    moefication_model,
+    routing_stats,
+    train_mlp_router,
+)
+from moejax.nn.encoder import ViT, vit_config
+from moejax.nn.extracted import ExtractedFFN
+from moejax.nn.ffn import DenseFFN
+from moejax.ops.activations import activation_fn
+from moejax.train.optim import TrainConfig
+
+
+def blobs(n_per=100, n_blobs=3, dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(n_blobs, dim)) * 10
+    y = np.concatenate([c + rng.normal(size=(n_per, dim)) * 0.5 for c in centers])
+    return y.astype(np.float32), np.repeat(np.arange(n_blobs), n_per)
+
+
+def same_partition(a, b):
+    """True when two labelings group the points identically (ids may differ)."""
+    return all(len(set(b[a == i])) == 1 for i in set(a)) and len(set(a)) == len(set(b))
+
+
+@pytest.mark.parametrize("method", ["hdbscan", "dbscan", "optics", "kmeans", "birch"])
+def test_clustering_recovers_separated_blobs(method):
+    y, truth = blobs()
+    labels = cluster_activations(y, ClusterConfig(method=method, min_cluster_frac=0.05,
+                                                  n_clusters=3))
+    core = labels >= 0
+    assert core.mean() > 0.9 and n_clusters_of(labels) == 3
+    assert same_partition(labels[core], truth[core])
+
+
+def test_hdbscan_finds_no_cluster_in_uniform_noise_and_random_labels_are_in_range():
+    y = np.random.default_rng(1).uniform(size=(400, 6)).astype(np.float32)
+    assert n_clusters_of(cluster_activations(y, ClusterConfig(min_cluster_frac=0.3))) <= 1
+    r = cluster_activations(y, ClusterConfig(method="random", n_clusters=5), seed=3)
+    assert set(r) == set(range(5))
+    with pytest.raises(ValueError, match="NaN"):
+        cluster_activations(np.full((5, 2), np.nan), ClusterConfig())
+
+
+def test_variance_selection_hand_case_and_minimality():
+    # one cluster whose neurons have variances 1, 4, 2, 3 (times 0.25): cumulative 4, 7, 9 >= 8
+    signs = np.array([1.0, -1.0] * 50)[:, None]
+    y = signs * np.sqrt(np.array([1.0, 4.0, 2.0, 3.0]))[None] * 0.5
+    m = select_neurons(y, np.zeros(100, int), 1, p=0.8)
+    assert m.tolist() == [[False, True, True, True]]
+    assert select_neurons(y, np.zeros(100, int), 1, p=0.4).tolist() == [[False, True, False,
+                                                                         False]]
+    # magnitude: mean |activation| of the cluster; random: as many neurons as variance takes
+    y2 = np.tile([[5.0, 1.0, 0.0, 4.0]], (10, 1))
+    assert select_neurons(y2, np.zeros(10, int), 1, p=0.8,
+                          selection="magnitude").tolist() == [[True, False, False, True]]
+    rng = np.random.default_rng(0)
+    for seed in range(5):
+        yy = rng.gamma(1.0, size=(200, 30)) * rng.uniform(0.1, 3, size=30)
+        lab = rng.integers(0, 3, 200)
+        for p in (0.5, 0.8, 0.95):
+            masks = select_neurons(yy, lab, 3, p=p)
+            rnd = select_neurons(yy, lab, 3, p=p, selection="random", seed=seed)
+            assert (rnd.sum(1) == masks.sum(1)).all()
+            for c in range(3):
+                v = yy[lab == c].var(0)
+                kept = np.sort(v[masks[c]])
+                assert kept.sum() >= p * v.sum() - 1e-9  # covers p ...
+                assert kept.sum() - kept[0] < p * v.sum()  # ... and no neuron is spare
+                assert kept[0] >= v[~masks[c]].max(initial=0)  # the largest first
+
+
+def test_balanced_kmeans_partition_is_equal_size_and_finds_directions():
+    rng = np.random.default_rng(0)
+    dirs = rng.normal(size=(4, 16))
+    cols = np.concatenate([d + 0.05 * rng.normal(size=(8, 16)) for d in dirs])  # 32 neurons
+    perm = rng.permutation(32)
+    expert_of = balanced_kmeans_partition(cols[perm].T, 4, seed=1)
+    assert np.bincount(expert_of).tolist() == [8, 8, 8, 8]
+    assert same_partition(expert_of, np.repeat(np.arange(4), 8)[perm])
+    with pytest.raises(ValueError, match="divide"):
+        balanced_kmeans_partition(cols.T, 5)
+
+
+def tiny_vit(seed=0, n_layers=2):
+    cfg = vit_config(image_size=8, patch_size=4, d_model=8, n_layers=n_layers, n_heads=2,
+                     d_hidden=16, n_classes=3, n_channels=1)
+    m = ViT(cfg, rngs=nnx.Rngs(seed))
+    for b in m.blocks:  # non-zero biases, so the oracle checks them
+        b.ffn.b_up[...] = jax.random.normal(jax.random.key(seed + 7), (16,)) * 0.3
+        b.ffn.b_down[...] = jax.random.normal(jax.random.key(seed + 8), (8,)) * 0.3
+    return m
+
+
+def images(n=6, seed=0):
+    return np.random.default_rng(seed).uniform(size=(n, 8, 8, 1)).astype(np.float32)
+
+
+def oracle_slot(dense: DenseFFN, plan: ExpertPlan, x_ND, router: str, top_k: int):
+    """Per token: score the experts, take the top ones, run the union of their neurons."""
+    w_up, b_up = np.asarray(dense.w_up[...]), np.asarray(dense.b_up[...])
+    w_down, b_down = np.asarray(dense.w_down[...]), np.asarray(dense.b_down[...])
+    out = []
+    for x in np.asarray(x_ND, np.float64):
+        r = plan.router_CD.astype(np.float64)
+        if router == "cosine":
+            s = r @ x / np.linalg.norm(r, axis=1) / np.linalg.norm(x)
+        elif router == "euclidean":
+            s = -np.linalg.norm(x[None] - r, axis=1)
+        else:
+            s = r @ x + plan.router_bias_C
+        chosen = np.argsort(-s, kind="stable")[:top_k]
+        m = np.any(plan.masks_CF[chosen], axis=0)
+        h = np.asarray(activation_fn("gelu")(jnp.asarray(x @ w_up[:, m] + b_up[m], jnp.float32)))
+        out.append(h @ w_down[m] + b_down)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("router,top_k", [("cosine", 1), ("euclidean", 1), ("dot", 2)])
+def test_extracted_slot_matches_per_token_oracle(router, top_k):
+    model = tiny_vit()
+    rng = np.random.default_rng(1)
+    masks = rng.uniform(size=(3, 16)) < 0.4
+    masks[:, 5] = False  # neuron 5 is used by no expert: removed
+    plan = ExpertPlan(masks, rng.normal(size=(3, 8)).astype(np.float32),
+                      rng.normal(size=3).astype(np.float32))
+    new = extract_model(model, {1: plan}, router=router, top_k=top_k)
+    assert isinstance(new.blocks[1].ffn, ExtractedFFN) and isinstance(new.blocks[0].ffn, DenseFFN)
+    assert new.blocks[1].ffn.cfg.d_hidden == int(np.any(masks, 0).sum()) <= 15
+    assert new.cfg.ffn_slots[1] == new.blocks[1].ffn.cfg
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    y, aux = new.blocks[1].ffn(x)
+    want = oracle_slot(model.blocks[1].ffn, plan, np.asarray(x).reshape(10, 8), router, top_k)
+    np.testing.assert_allclose(np.asarray(y).reshape(10, 8), want, rtol=2e-5, atol=2e-5)
+    assert aux["expert_ids"].shape == (2, 5, top_k)
+    np.testing.assert_allclose(float(jnp.sum(aux["load"])), 1.0, rtol=1e-6)
+    # the source model is untouched
+    assert isinstance(model.blocks[1].ffn, DenseFFN)
+
+
+def test_one_expert_with_every_neuron_is_the_dense_model_and_cfg_rebuilds():
+    model = tiny_vit()
+    plan = ExpertPlan(np.ones((1, 16), bool), np.ones((1, 8), np.float32), np.zeros(1, np.float32))
+    new = extract_model(model, {0: plan, 1: plan})
+    x = jnp.asarray(images())
+    np.testing.assert_allclose(np.asarray(new(x)[0]), np.asarray(model(x)[0]), rtol=1e-5,
+                               atol=1e-6)
+    # the config describes the new model: build from it and load the state
+    rebuilt = ViT(new.cfg, rngs=nnx.Rngs(0))
+    nnx.update(rebuilt, nnx.state(new))
+    np.testing.assert_allclose(np.asarray(rebuilt(x)[0]), np.asarray(new(x)[0]))
+
+
+def test_record_ffn_pairs_inputs_with_hidden_and_skips_padding():
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+
+    cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=2, n_heads=2, d_hidden=16,
+                              max_position=8, pooling="mean")
+    clf = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+    toks = np.random.default_rng(0).integers(1, 20, (4, 6)).astype(np.int32)
+    mask = np.ones((4, 6), np.float32)
+    mask[:, 4:] = 0  # 16 real tokens
+    rec = record_ffn(clf, [{"inputs": toks, "mask": mask}], n_tokens=16, seed=0)
+    assert set(rec) == {0, 1}
+    for i, (x, h) in rec.items():
+        assert x.shape == (16, 8) and h.shape == (16, 16)
+        np.testing.assert_allclose(h, np.asarray(clf.encoder.blocks[i].ffn.hidden(jnp.asarray(x))),
+                                   rtol=1e-5, atol=1e-6)
+    # layer 0's inputs: with the padded positions filled differently, the real tokens' FFN
+    # inputs change only through attention, which masks the padding: same records
+    toks2 = toks.copy()
+    toks2[:, 4:] = 1
+    rec2 = record_ffn(clf, [{"inputs": toks2, "mask": mask}], n_tokens=16, seed=0)
+    np.testing.assert_allclose(rec2[0][0], rec[0][0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="fewer than n_tokens"):
+        record_ffn(clf, [{"inputs": toks, "mask": mask}], n_tokens=17)
+
+
+def test_mac_and_parameter_hand_count():
+    model = tiny_vit()
+    # T = 1 + 4 patches = 5, D = 8, F = 16, 2 layers; patch dim 16; 3 classes
+    attn = 4 * 5 * 8 * 8 + 2 * 5 * 5 * 8  # 1680 per layer
+    ffn = 2 * 5 * 8 * 16  # 1280 per layer
+    other = 4 * 16 * 8 + 8 * 3  # 536
+    m = model_macs(model)
+    assert m["total"] == 2 * (attn + ffn) + other and m["other"] == other
+    masks = np.zeros((2, 16), bool)
+    masks[0, :6] = masks[1, 4:10] = True  # 10 kept neurons
+    plan = ExpertPlan(masks, np.ones((2, 8), np.float32), np.zeros(2, np.float32))
+    new = extract_model(model, {1: plan})
+    me = model_macs(new, active_neurons={1: 5.5})
+    assert me["per_layer"][1] == {"router": 5 * 2 * 8, "experts": 2 * 5 * 8 * 5.5}
+    assert me["total"] == 2 * attn + ffn + 80 + 440 + other
+    with pytest.raises(ValueError, match="active_neurons"):
+        model_macs(new)
+    dense_p = param_counts(model)["params"]
+    # layer 1 loses 6 neurons (6 up columns, 6 biases, 6 down rows) and gains 2x8 + 2 router
+    assert param_counts(new) == {"params": dense_p - 6 * (8 + 1 + 8) + 18, "mask_entries": 20}
+
+
+def test_routing_stats_match_plan_sizes_and_matched_top_k():
+    model = tiny_vit(n_layers=1)
+    x = images(8)
+    rec = record_ffn(model, [{"inputs": x}], n_tokens=40)
+    lab = np.arange(40) % 2
+    plan = moee_plan(*rec[0], lab, p=0.8)
+    new = extract_model(model, {0: plan})
+    st = routing_stats(new, [{"inputs": x, "labels": np.arange(8) % 3}], n_classes=3)[0]
+    assert st["load"].sum() == pytest.approx(1.0)
+    assert st["active_neurons"] == pytest.approx(float(st["load"] @ plan.sizes_C))
+    np.testing.assert_allclose(st["per_class"].sum(1), 1.0)
+    assert matched_top_k({0: 7.0, 1: 1.0}, {0: 4, 1: 4}, 4) == {0: 2, 1: 1}
+
+
+def test_moefication_model_disjoint_experts_and_trained_mlp_router():
+    model = tiny_vit(n_layers=1)
+    x = images(16)
+    rec = record_ffn(model, [{"inputs": x}], n_tokens=80)
+    plan = moefication_plan(np.asarray(model.blocks[0].ffn.w_up[...]),
+                            np.asarray(model.blocks[0].ffn.b_up[...]), 4)
+    assert (plan.masks_CF.sum(0) == 1).all()  # a partition
+    # top_k = every expert: the dense model again
+    full, _ = moefication_model(model, rec, [0], n_experts=4, top_k={0: 4})
+    np.testing.assert_allclose(np.asarray(full(jnp.asarray(x))[0]),
+                               np.asarray(model(jnp.asarray(x))[0]), rtol=1e-5, atol=1e-6)
+    st = routing_stats(full, [{"inputs": x}])[0]
+    assert st["active_neurons"] == 16
+    # the MLP router learns a target that depends on the input only
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(512, 8)).astype(np.float32)
+    masks = np.eye(4, dtype=bool).repeat(2, axis=1)  # 4 experts of 2 neurons over F = 8
+    y = np.zeros((512, 8), np.float32)
+    y[np.arange(512), 2 * np.argmax(xs[:, :4], 1)] = 1.0  # expert = argmax of x[:4]
+    w = train_mlp_router(xs, y, masks, d_hidden=16, seed=0, train_cfg=TrainConfig(
+        steps=150, batch_size=64, lr=1e-2, weight_decay=0.0, log_every=50))
+    pred = np.argmax(np.maximum(xs @ w["w1"] + w["b1"], 0) @ w["w2"] + w["b2"], 1)
+    assert (pred == np.argmax(xs[:, :4], 1)).mean() > 0.9
+
+
+def test_kd_loss_and_array_batches():
+    from moejax.evaluate import classifier_kd_loss_fn
+
+    model = tiny_vit(n_layers=1)
+    x = images(4)
+    t = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    lab = np.array([0, 1, 2, 0], np.int32)
+    src = ArrayBatches({"inputs": x, "labels": lab, "teacher_logits": t}, batch_size=4, seed=0)
+    b = src.batch(0)
+    assert set(b) == {"inputs", "labels", "teacher_logits"}
+    b2 = src.batch(0)
+    np.testing.assert_array_equal(b["labels"], b2["labels"])
+    s = np.asarray(model(jnp.asarray(b["inputs"]))[0], np.float64)
+    T = 2.0
+    p = jax.nn.softmax(b["teacher_logits"] / T)
+    kl = np.mean(np.sum(p * (np.log(p) - jax.nn.log_softmax(s / T)), -1)) * T * T
+    ce = -np.mean(jax.nn.log_softmax(s)[np.arange(4), b["labels"]])
+    loss, m = classifier_kd_loss_fn(alpha=0.3, temperature=T)(model, b)
+    np.testing.assert_allclose(float(loss), 0.3 * kl + 0.7 * ce, rtol=1e-5)
+    np.testing.assert_allclose(float(m["kd"]), kl, rtol=1e-5)
+    with pytest.raises(ValueError, match="common length"):
+        ArrayBatches({"a": np.zeros(3), "b": np.zeros(4)}, batch_size=2)
+
+
+def test_extract_model_on_a_bert_classifier():
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+
+    cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=2, n_heads=2, d_hidden=16,
+                              max_position=8, pooling="mean")
+    clf = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, 20, (3, 6)), jnp.int32)
+    full = ExpertPlan(np.ones((1, 16), bool), np.ones((1, 8), np.float32), np.zeros(1, np.float32))
+    new = extract_model(clf, {1: full})
+    assert isinstance(new.encoder.blocks[1].ffn, ExtractedFFN) and new.b_cls.shape == (3,)
+    np.testing.assert_allclose(np.asarray(new(toks)[0]), np.asarray(clf(toks)[0]), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_layer_without_clusters_stays_dense_and_noise_forms_no_expert():
+    x = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
+    y = np.abs(x @ np.random.default_rng(1).normal(size=(8, 16))).astype(np.float32)
+    assert moee_plan(x, y, np.full(20, -1)) is None
+    lab = np.full(20, -1)
+    lab[:5], lab[10:14] = 3, 7  # two clusters (ids relabelled), the rest noise
+    plan = moee_plan(x, y, lab, p=0.8)
+    assert plan.n_experts == 2
+    np.testing.assert_allclose(plan.router_CD[0], x[:5].mean(0), rtol=1e-6)
+    np.testing.assert_allclose(plan.router_CD[1], x[10:14].mean(0), rtol=1e-6)
+    model = tiny_vit()
+    new = extract_model(model, {0: None, 1: plan})
+    assert isinstance(new.blocks[0].ffn, DenseFFN) and isinstance(new.blocks[1].ffn, ExtractedFFN)
