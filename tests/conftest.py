@@ -2,6 +2,13 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests run tiny models: compiling dominates their time, running them does not. LLVM's
+# optimisation level 0 compiles 30-40% faster here (e.g. the darex_controlled smoke test
+# 23-26 s -> 14-19 s) and changes no result beyond float rounding. Set MOEJAX_TEST_XLA_OPT=1 to
+# test with XLA's default optimisation.
+if os.environ.get("MOEJAX_TEST_XLA_OPT", "0") != "1":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 

@@ -1,25 +1,30 @@
-"""Smoke test: the encoder DAREx study (tiny BERT, WordNet pos -> supersense) runs tiny."""
+"""Smoke test: the encoder DAREx study (tiny byte-encoder substrate, WordNet pos ->
+supersense) runs tiny and names the substrate it fine-tunes."""
 
 import csv
 
 import numpy as np
 import pytest
 
+from experiments import darex_encoder as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
+from moejax.substrates.classify import ByteEncoderTaskConfig
+from tests.tiny_substrates import tiny_train
 
 
-def test_darex_encoder_tiny(tmp_path):
-    from experiments import darex_encoder as mod
-
-    summary, run = run_experiment(
-        mod.NAME, mod.make_config, mod.run,
-        ["d_model=16", "n_layers=1", "seq_len=16", "pretrain.batch_size=16",
-         "finetune.batch_size=16", "pretrain.steps=20", "finetune.steps=10", "n_train=400",
-         "pretrain.warmup_steps=5", "finetune.warmup_steps=5",
-         "n_val=64", "n_test=64", "seeds=2", "q_num=3",
-         "eta_num=3"],
-        out=tmp_path / "enc",
-    )
+def test_darex_encoder_tiny(tiny_recipes, tmp_path):
+    cfg = mod.make_config("quick").replace(
+        substrate=ByteEncoderTaskConfig(d_model=16, n_layers=1, n_heads=2, seq_len=16,
+                                        max_train_examples=200, eval_examples=32,
+                                        train=tiny_train(4)),
+        substrate_cache=str(tiny_recipes),
+        finetune=mod.make_config("quick").finetune.replace(batch_size=16, steps=10,
+                                                            warmup_steps=5),
+        n_train=400, n_val=64, n_test=64, seeds=2, q_num=3, eta_num=3)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "enc")
+    text = (run.path / "summary.md").read_text()
+    assert "Started from substrate byte_encoder_wordnet_pos" in text
     rows = list(csv.DictReader(open(run.path / "encoder_p.csv")))
     methods = [r["method"] for r in rows]
     for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",

@@ -312,3 +312,15 @@ def test_a_layer_without_clusters_stays_dense_and_noise_forms_no_expert():
     model = tiny_vit()
     new = extract_model(model, {0: None, 1: plan})
     assert isinstance(new.blocks[0].ffn, DenseFFN) and isinstance(new.blocks[1].ffn, ExtractedFFN)
+
+
+@pytest.mark.parametrize("method", ["hdbscan", "optics", "dbscan"])
+def test_brute_and_tree_neighbour_search_give_the_same_clusters(method):
+    y, _ = blobs(n_per=60, n_blobs=4, dim=5, seed=2)
+    y = np.concatenate([y, np.random.default_rng(3).uniform(-20, 20, size=(30, 5))])  # noise
+    cfg = ClusterConfig(method=method, min_cluster_frac=0.04)
+    brute = cluster_activations(y, cfg.replace(neighbors="brute"))
+    tree = cluster_activations(y, cfg.replace(neighbors="tree"))
+    np.testing.assert_array_equal(brute, tree)
+    assert cfg.algorithm(100) == "brute"
+    assert cfg.replace(brute_max_points=50).algorithm(100) == "auto"

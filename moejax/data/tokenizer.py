@@ -55,6 +55,16 @@ class ByteTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_padded(self, texts: Sequence[str], max_len: int | None = None):
+        """``(tokens_BT int32, mask_BT bool)`` right-padded with ``pad_id`` to the longest
+        text (or truncated to ``max_len``); the same contract as the HF tokenizer's."""
+        from moejax.data.batches import pad_token_rows
+
+        ids = [x[:max_len] if max_len is not None else x for x in self.encode_batch(texts)]
+        tokens, mask = pad_token_rows(ids, max(1, max(len(x) for x in ids)),
+                                      pad_id=self.pad_id)
+        return tokens, mask > 0
+
     def decode(self, ids) -> str:
         """Text of ``ids``; special ids are dropped, invalid UTF-8 is replaced."""
         ids = np.asarray(ids, dtype=np.int64)

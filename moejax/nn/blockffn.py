@@ -8,7 +8,9 @@
     E_e(x) = W_down^(e)T act(W_up^(e)T x)  non-gated Swish by default
     y  = sum_e A_e E_e(x)
 
-No top-k, no load balancing: every token activates a variable number of experts.
+No top-k, no load balancing: every token activates a variable number of experts. The slot is
+the MoE skeleton (:class:`moejax.nn.moe.MoESkeleton`) with this router part (``route`` ->
+:class:`BlockRoute`), this expert part (``experts_out``) and the statistics below as ``aux``.
 
 Parameter paths: ``router/w [D, E]``, ``router_norm/scale [E]`` (``rmsnorm=True`` only),
 ``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]`` (+ ``experts/w_gate`` for a gated
@@ -40,20 +42,20 @@ When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.train.lambda_sched
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.nn.moe import StackedExperts
+from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import chunk_sparsity as cs
 from moejax.ops.activations import ActivationName, activation_fn, is_gated
 
-__all__ = ["BlockFFNConfig", "BlockFFN", "ReLURouter"]
+__all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter"]
 
 
 @config
@@ -161,12 +163,23 @@ def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation:
     return y_CnD.reshape(C * tile, D)[:N], overflow
 
 
-class BlockFFN(nnx.Module):
-    """BlockFFN FFN slot built from a :class:`BlockFFNConfig` (see the module docstring)."""
+class BlockRoute(NamedTuple):
+    """BlockFFN routing, float32 ``[N, E]``: scores ``a0``, ReLU ``a1``, combine weights ``a``."""
+
+    a0: jax.Array
+    a1: jax.Array
+    a: jax.Array
+
+
+class BlockFFN(MoESkeleton):
+    """BlockFFN FFN slot built from a :class:`BlockFFNConfig` (see the module docstring): the
+    MoE skeleton with the ReLU + RMSNorm router part, the dense or chunk-union expert part and
+    the chunk-sparsity statistics as its ``aux``."""
 
     def __init__(self, d_model: int, cfg: BlockFFNConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
-        self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
+        self.cfg = self.moe_cfg = cfg
+        self.dtype, self.d_model = dtype, d_model
         self.router = ReLURouter(d_model, cfg.n_experts, rngs=rngs, param_dtype=param_dtype)
         if cfg.rmsnorm:
             self.router_norm = RMSNorm(cfg.n_experts, eps=cfg.norm_eps, dtype=jnp.float32,
@@ -175,41 +188,32 @@ class BlockFFN(nnx.Module):
                                       gated=is_gated(cfg.activation), rngs=rngs,
                                       param_dtype=param_dtype)
 
-    def route(self, x_ND):
-        """``(A0, A1, A)`` float32 ``[N, E]``."""
+    def route(self, x_ND, *, train: bool = False, key=None) -> BlockRoute:
+        del train, key  # deterministic
         a0 = self.router(x_ND)
         a1 = jax.nn.relu(a0)
         a = self.router_norm(a1) if self.cfg.rmsnorm else a1
-        return a0, a1, a
+        return BlockRoute(a0, a1, a)
 
-    def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-        del train, key  # deterministic
-        cfg = self.cfg
-        B, T, D = x_BTD.shape
-        if D != self.d_model:
-            raise ValueError(f"BlockFFN: input width {D} != d_model {self.d_model}")
-        dt = self.dtype or x_BTD.dtype
-        x_ND = x_BTD.reshape(B * T, D).astype(dt)
-        a0, a1, a = self.route(x_ND)
-        active = a1 > 0
+    def experts_out(self, x_ND, r: BlockRoute, mask_N):
+        """``(y_ND, {"union_overflow": ...} on the chunk_union path, else {})``."""
+        cfg, dt = self.cfg, x_ND.dtype
         w_up, w_down, w_gate = self.experts.weights()
         w_up, w_down = w_up.astype(dt), w_down.astype(dt)
         w_gate = None if w_gate is None else w_gate.astype(dt)
-        aux = {}
         if cfg.path == "dense":
-            y_ND = dense_experts(x_ND, a, w_up, w_down, w_gate, cfg.activation)
-        else:
-            y_ND, overflow = chunk_union_experts(
-                x_ND, a, active, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,
-                max_union=cfg.max_union or cfg.n_experts)
-            aux["union_overflow"] = overflow
-        aux.update(self._losses(a0.reshape(B, T, -1), a1.reshape(B, T, -1),
-                                a.reshape(B, T, -1), mask_BT, segment_ids_BT))
-        return y_ND.reshape(B, T, D).astype(dt), aux
+            return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
+        y_ND, overflow = chunk_union_experts(
+            x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,
+            max_union=cfg.max_union or cfg.n_experts)
+        return y_ND.astype(dt), {"union_overflow": overflow}
 
-    def _losses(self, a0, a1, a, mask_BT, segment_ids_BT):
+    def always_on(self, x_ND):
+        return None
+
+    def aux(self, r: BlockRoute, extra, *, B, T, mask_N, mask_BT, segment_ids_BT) -> dict:
         cfg = self.cfg
+        a0, a1, a = (v.reshape(B, T, -1) for v in r)
         kw = dict(mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
         al = cs.activation_locality_loss(a0, alpha=cfg.alpha, **kw)
         csl = cs.chunk_sparsification_loss(a1, chunk_len=cfg.chunk_len, eps=cfg.cs_eps, **kw)
@@ -222,6 +226,7 @@ class BlockFFN(nnx.Module):
         tls = jnp.sum((1.0 - jnp.mean(active.astype(jnp.float32), -1)) * w) / n
         mag = jnp.sum(jnp.linalg.norm(a, axis=-1) * w) / n
         return {
+            **extra,
             "aux_loss": (cfg.al_coef * al + cfg.cs_coef * csl + cfg.l1_coef * l1
                          + cfg.entropy_coef * ent),
             "al_loss": al, "cs_loss": csl, "l1_loss": l1, "entropy_loss": ent,

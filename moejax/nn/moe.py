@@ -171,17 +171,19 @@ class FFNWeights(nnx.Module):
 
 
 class MoESkeleton(nnx.Module):
-    """The one top-k MoE forward every MoE slot shares::
+    """The one MoE forward every MoE slot shares (top-k MoE, DeRS, synthesised, GRIN, BlockFFN,
+    ReMoE)::
 
-        r = route(x)                         # the router part (softmax / noisy / GRIN ...)
-        y = experts(x, r)                    # the expert part (stacked, DeRS, synthesised ...)
+        r = route(x)                         # the router part (softmax / noisy / GRIN / ReLU)
+        y, extra = experts_out(x, r)         # the expert part (stacked, DeRS, synthesised ...)
         y += always_on(x)                    # shared experts + universal FFN
-        aux = router_aux(moe_cfg, r, ...)    # statistics and auxiliary losses, one place
+        aux = aux(r, extra, ...)             # statistics and auxiliary losses, one place
 
-    A slot sets ``self.moe_cfg`` (its :class:`MoEConfig`), ``self.router``, ``self.dtype``,
-    ``self.d_model``, ``self.top_k`` and overrides the parts it changes: :meth:`route`,
-    :meth:`expert_weights` (stacked weights for :func:`moejax.ops.dispatch.dispatch`), or the
-    whole :meth:`experts`, and :meth:`universal_ffn`."""
+    A slot sets ``self.moe_cfg`` (its config), ``self.router``, ``self.dtype``, ``self.d_model``,
+    ``self.top_k`` and overrides the parts it changes: :meth:`route`, :meth:`expert_weights`
+    (stacked weights for :func:`moejax.ops.dispatch.dispatch`) or the whole
+    :meth:`experts_out`, :meth:`universal_ffn`, :meth:`always_on` and :meth:`aux` (default:
+    :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction)."""
 
     def route(self, x_ND, *, train: bool, key):
         return self.router(x_ND, train=train, key=key, top_k=self.top_k)
@@ -202,10 +204,22 @@ class MoESkeleton(nnx.Module):
     def universal_ffn(self, x_ND):
         return self.universal(x_ND, activation=self.moe_cfg.activation)
 
+    def always_on(self, x_ND):
+        """Shared experts + universal FFN output, or ``None`` when the slot has neither."""
+        m, y = self.moe_cfg, None
+        if getattr(m, "n_shared_experts", 0) > 0:
+            y = self.shared(x_ND, activation=m.activation)
+        if getattr(m, "universal_ffn", False):
+            u = self.universal_ffn(x_ND)
+            y = u if y is None else y + u
+        return y
+
+    def aux(self, r, extra, *, B: int, T: int, mask_N, mask_BT, segment_ids_BT) -> dict:
+        del mask_BT, segment_ids_BT  # token-wise routing: document boundaries do not matter
+        return router_aux(self.moe_cfg, r, mask_N, extra, B, T)
+
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
                  mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
-        del segment_ids_BT  # token-wise routing: document boundaries do not matter
-        m = self.moe_cfg
         B, T, D = x_BTD.shape
         if D != self.d_model:
             raise ValueError(f"{type(self).__name__}: input width {D} != d_model {self.d_model}")
@@ -213,12 +227,12 @@ class MoESkeleton(nnx.Module):
         x_ND = x_BTD.reshape(B * T, D).astype(dt)
         mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
         r = self.route(x_ND, train=train, key=key)  # float32 routing
-        y_ND, dropped = self.experts_out(x_ND, r, mask_N)
-        if m.n_shared_experts > 0:
-            y_ND = y_ND + self.shared(x_ND, activation=m.activation)
-        if m.universal_ffn:
-            y_ND = y_ND + self.universal_ffn(x_ND)
-        return y_ND.reshape(B, T, D), router_aux(m, r, mask_N, dropped, B, T)
+        y_ND, extra = self.experts_out(x_ND, r, mask_N)
+        always = self.always_on(x_ND)
+        if always is not None:
+            y_ND = y_ND + always
+        return y_ND.reshape(B, T, D), self.aux(r, extra, B=B, T=T, mask_N=mask_N,
+                                               mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
 
 
 def add_always_on(slot, moe: MoEConfig, d_model: int, *, gated: bool, rngs, param_dtype,

