@@ -21,7 +21,9 @@ from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
 from moejax.results import RunDir
-from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks, mlp, pretrain_mlp
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks, mlp
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"
@@ -31,10 +33,11 @@ NAME = "darex_controlled"
 class ControlledConfig(Config):
     """MLP width, training lengths, AdamR strengths and the pruning grid."""
 
-    d_hidden: int = 256
+    # the pre-trained MLP (theta_P): the cached mlp_mnist5k substrate
+    substrate: MLPSubstrateConfig = substrate_config("mlp_mnist5k", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     # the DAREx recipe (Adam, linear warmup then linear decay, clip 1); fine-tuning runs it
     # with Adam, AdamR-L2 (lambda = l2_weight) and AdamR-L1 (lambda = l1_weight)
-    pretrain: TrainConfig = adam_linear_config(400, 1e-3, batch_size=128, warmup=20)
     finetune: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20)
     l2_weight: float = 0.1  # AdamR-L2 lambda
     l1_weight: float = 0.001  # AdamR-L1 lambda
@@ -42,38 +45,38 @@ class ControlledConfig(Config):
     methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "magnitude",
                                        "WANDA")
     q_num: int = 20
-    seed: int = 0  # initialisation, batch order, DARE masks (replaces pretrain/finetune.seed)
+    seed: int = 0  # fine-tuning batch order and DARE masks (replaces finetune.seed)
 
     def validate(self):
-        self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
 
 
 def make_config(preset: str) -> ControlledConfig:
     if preset == "quick":
         return ControlledConfig()
-    return ControlledConfig(d_hidden=1024,
-                            pretrain=adam_linear_config(3000, 1e-3, batch_size=128, warmup=20),
+    return ControlledConfig(substrate=substrate_config("mlp_mnist5k", "full"),
                             finetune=adam_linear_config(2000, 1e-3, batch_size=128, warmup=20))
 
 
 def pretrain_and_finetune(cfg: ControlledConfig, tasks: dict, regs=("none", "l2", "l1")):
-    """``(theta_P, {reg: theta_F})`` for the requested fine-tuning regularisers."""
-    pre = pretrain_mlp(tasks, cfg.d_hidden, cfg.pretrain.replace(seed=cfg.seed))
+    """``(theta_P, {reg: theta_F}, substrate)`` for the requested fine-tuning regularisers."""
+    sub = build_substrate("mlp_mnist5k", cfg.substrate, cache_dir=cfg.substrate_cache or None,
+                          progress=True)
+    pre = sub.model.params()
     opts = {"none": ("adam", 0.0), "l2": ("adamr_l2", cfg.l2_weight),
             "l1": ("adamr_l1", cfg.l1_weight)}
     tuned = {reg: finetune_mlp(pre, tasks, cfg.finetune.replace(
         optimizer=opts[reg][0], weight_decay=opts[reg][1], seed=cfg.seed),
         desc=f"finetune digits ({reg})") for reg in regs}
-    return pre, tuned
+    return pre, tuned, sub
 
 
 REG_NAMES = {"none": "no reg (Adam)", "l2": "AdamR-L2", "l1": "AdamR-L1"}
 
 
 def run(cfg: ControlledConfig, run: RunDir) -> dict:
-    tasks = load_tasks(cfg.seed)
-    pre, tuned = pretrain_and_finetune(cfg, tasks)
+    tasks = load_tasks(cfg.substrate.split_seed)
+    pre, tuned, sub = pretrain_and_finetune(cfg, tasks)
     test_b, val_b = tasks["B", "test"], tasks["B", "validation"]
     calib_x = tasks["B", "train"][0][:256]
     acc_test, acc_val = accuracy_fn(test_b), accuracy_fn(val_b)
@@ -94,7 +97,10 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
                           **delta_stats(D, mask)})
         for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({reg})"):
             rows.append({"fine-tuning": REG_NAMES[reg], **r})
-    run.note(f"Pruned: the matrices w1 [784, {cfg.d_hidden}] and wo [{cfg.d_hidden}, 10]; biases "
+    d = cfg.substrate.d_hidden
+    run.note(f"Started from substrate mlp_mnist5k ({sub.path.name}, MNIST test accuracy "
+             f"{sub.metrics['test_accuracy']:.3f}). "
+             f"Pruned: the matrices w1 [784, {d}] and wo [{d}, 10]; biases "
              "and RMSNorm scales keep their full delta. q_v is chosen on the digits validation "
              f"split ({val_b[1].shape[0]} images); test = {test_b[1].shape[0]} images. "
              "DAREx-q uses the same drop mask as DARE (same key), only the rescaling differs.")

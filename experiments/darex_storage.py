@@ -35,6 +35,9 @@ from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.substrates import build as build_substrate
+from moejax.substrates import substrate_config
+from moejax.substrates.mlp import MLPSubstrateConfig
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_storage"
@@ -50,12 +53,12 @@ class StorageConfig(Config):
     bits: tuple[int, ...] = (32, 16, 8, 4, 2)
     timing_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"  # tiny: tests only
     timing_repeats: int = 3
-    # source="mlp": the controlled MLP (moejax.substrates.mlp) fine-tuned with AdamR-L2
-    mlp_hidden: int = 256
-    pretrain: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20)
+    # source="mlp": the mlp_mnist5k substrate (moejax.substrates.mlp) fine-tuned with AdamR-L2
+    substrate: MLPSubstrateConfig = substrate_config("mlp_mnist5k", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     finetune: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20,
                                                optimizer="adamr_l2", weight=0.1)
-    seed: int = 0  # replaces pretrain/finetune.seed
+    seed: int = 0  # replaces finetune.seed
 
     def validate(self):
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
@@ -93,10 +96,11 @@ def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
 
 def mlp_source(cfg: StorageConfig):
     """``(theta_P, Delta, accuracy_fn)`` of the fine-tuned controlled MLP."""
-    from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks, pretrain_mlp
+    from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks
 
-    tasks = load_tasks(cfg.seed)
-    pre = pretrain_mlp(tasks, cfg.mlp_hidden, cfg.pretrain.replace(seed=cfg.seed))
+    tasks = load_tasks(cfg.substrate.split_seed)
+    pre = build_substrate("mlp_mnist5k", cfg.substrate, cache_dir=cfg.substrate_cache or None,
+                          progress=True).model.params()
     fin = finetune_mlp(pre, tasks, cfg.finetune.replace(seed=cfg.seed))
     return pre, dl.delta(pre, fin), accuracy_fn(tasks["B", "test"])
 
@@ -236,7 +240,8 @@ def apply_timing_rows(cfg: StorageConfig) -> tuple[list[dict], int]:
 def run(cfg: StorageConfig, run: RunDir) -> dict:
     if cfg.source == "mlp":
         pre, delta_tree, metric_fn = mlp_source(cfg)
-        what = "AdamR-L2 fine-tuned MLP (MNIST -> sklearn digits); metric = test accuracy"
+        what = ("AdamR-L2 fine-tuned MLP (started from substrate mlp_mnist5k; MNIST -> sklearn "
+                "digits); metric = test accuracy")
     else:
         k1, k2 = jax.random.split(jax.random.key(cfg.seed))
         pre, delta_tree, metric_fn = (smollm2_shapes_tree(k1, 0.02),

@@ -3,6 +3,7 @@
 Substrates (see :mod:`moejax.substrates`): ``dense_lm_prose`` (dense byte-level LM
 pre-trained from scratch on the Python-docs prose corpus), ``dense_lm_code`` (that model
 fine-tuned on the CPython stdlib code corpus), ``vit_mnist5k`` (small ViT on MNIST-5k),
+``mlp_mnist5k`` (the DAREx controlled MLP on MNIST-5k),
 ``byte_encoder_wordnet_pos`` (small byte-level BERT on WordNet gloss -> part of speech),
 ``minilm_wordnet_pos`` / ``minilm_wordnet_lexname`` (all-MiniLM-L6-v2 fine-tuned on the WordNet
 gloss tasks). Each is trained by :func:`moejax.train.loop.train` in its cache directory, so
@@ -28,6 +29,7 @@ from moejax.experiment import main
 from moejax.results import RunDir
 from moejax.substrates.classify import ByteEncoderTaskConfig, MiniLMTaskConfig, ViTSubstrateConfig
 from moejax.substrates.lm import LMSubstrateConfig
+from moejax.substrates.mlp import MLPSubstrateConfig
 
 NAME = "substrate_build"
 _q = lambda n: substrates.substrate_config(n, "quick")  # noqa: E731
@@ -40,6 +42,7 @@ class SubstrateBuildConfig(Config):
     dense_lm_prose: LMSubstrateConfig = _q("dense_lm_prose")
     dense_lm_code: LMSubstrateConfig = _q("dense_lm_code")
     vit_mnist5k: ViTSubstrateConfig = _q("vit_mnist5k")
+    mlp_mnist5k: MLPSubstrateConfig = _q("mlp_mnist5k")
     byte_encoder_wordnet_pos: ByteEncoderTaskConfig = _q("byte_encoder_wordnet_pos")
     minilm_wordnet_pos: MiniLMTaskConfig = _q("minilm_wordnet_pos")
     minilm_wordnet_lexname: MiniLMTaskConfig = _q("minilm_wordnet_lexname")

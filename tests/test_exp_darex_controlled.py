@@ -12,8 +12,9 @@ def test_darex_controlled_tiny(tmp_path):
 
     summary, run = run_experiment(
         mod.NAME, mod.make_config, mod.run,
-        ["d_hidden=32", "pretrain.steps=60", "finetune.steps=40", "pretrain.batch_size=64",
-         "finetune.batch_size=64",
+        ["substrate.d_hidden=32", "substrate.train.steps=60", "finetune.steps=40",
+         "substrate.train.batch_size=64", "finetune.batch_size=64",
+         f"substrate_cache={tmp_path / 'subs'}",
          "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4"],
         out=tmp_path / "ctl",
     )
@@ -35,3 +36,5 @@ def test_darex_controlled_tiny(tmp_path):
     assert "p=0.99" in wide and "WANDA" in wide
     assert (run.path / "acc_vs_p_none.png").exists()
     assert 0.0 <= summary["unpruned_none"] <= 1.0
+    assert "Started from substrate mlp_mnist5k" in (run.path / "summary.md").read_text()
+    assert len(list((tmp_path / "subs" / "mlp_mnist5k").glob("*/model.safetensors"))) == 1

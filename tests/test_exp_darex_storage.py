@@ -14,7 +14,8 @@ def test_darex_storage_tiny(tmp_path):
 
     summary, run = run_experiment(
         mod.NAME, mod.make_config, mod.run,
-        ["mlp_hidden=16", "pretrain.steps=20", "finetune.steps=20", "ps=(0.0,0.9,0.99)",
+        ["substrate.d_hidden=16", "substrate.train.steps=20", "finetune.steps=20",
+         f"substrate_cache={tmp_path / 'subs'}", "ps=(0.0,0.9,0.99)",
          "bits=(32,16,4)",
          "timing_tree=tiny", "timing_repeats=1"],
         out=tmp_path / "st",

@@ -10,6 +10,10 @@ the delta operations of :mod:`moejax.delta` apply to them directly; training goe
     tasks = load_tasks(seed)                      # {(task, split): (x [N, 784], y [N])}
     pre = pretrain_mlp(tasks, d_hidden, tcfg)     # theta_P
     fin = finetune_mlp(pre, tasks, tcfg)          # theta_F on task B
+
+The pre-trained MLP is the cached substrate ``mlp_mnist5k`` (:class:`MLPSubstrateConfig`,
+:class:`MLPClassifier`: the same parameters in an nnx module, ``.params()`` gives the dict),
+so the DAREx studies that start from it train it once.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
-from moejax.evaluate import ClassifierEvaluator
-from moejax.train.loop import train_params
-from moejax.train.optim import TrainConfig
+from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
+from moejax.train.loop import train, train_params
+from moejax.train.optim import TrainConfig, adam_linear_config
 
 __all__ = ["load_tasks", "init_mlp", "mlp", "mlp_loss", "accuracy_fn", "pretrain_mlp",
-           "finetune_mlp"]
+           "finetune_mlp", "MLPSubstrateConfig", "MLPClassifier", "mlp_substrate_config",
+           "make_mlp", "train_mlp_substrate"]
 
 
 def _upsample_digits(images_N88: np.ndarray) -> np.ndarray:
@@ -102,3 +109,59 @@ def finetune_mlp(pre: dict, tasks: dict, tcfg: TrainConfig, desc: str = "finetun
     params, _ = train_params(pre, _source(tasks["B", "train"], tcfg.batch_size, tcfg.seed + 1),
                              tcfg, mlp_loss, desc=desc)
     return params
+
+
+# ------------------------------------------------------------------------- the substrate
+
+
+@config
+class MLPSubstrateConfig(Config):
+    """The MLP pre-trained on MNIST-5k (task A): hidden width, the seed of the 80/10/10 split
+    of both tasks, and the DAREx recipe's training (its seed: initialisation, batch order)."""
+
+    d_hidden: int = 256
+    split_seed: int = 0
+    train: TrainConfig = adam_linear_config(400, 1e-3, batch_size=128, warmup=20)
+
+    def validate(self) -> None:
+        self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
+
+
+def mlp_substrate_config(preset: str) -> MLPSubstrateConfig:
+    if preset == "quick":
+        return MLPSubstrateConfig()
+    return MLPSubstrateConfig(d_hidden=1024,
+                              train=adam_linear_config(3000, 1e-3, batch_size=128, warmup=20))
+
+
+class MLPClassifier(nnx.Module):
+    """:func:`mlp` with its parameters as ``nnx.Param`` s: ``logits, {} = m(x_BI)``."""
+
+    def __init__(self, d_in: int, d_hidden: int, n_classes: int = 10, *, seed: int = 0):
+        for k, v in init_mlp(jax.random.key(seed), d_in, d_hidden, n_classes).items():
+            setattr(self, k, nnx.Param(v))
+
+    def params(self) -> dict:
+        """The plain parameter dict :func:`mlp` and the delta operations take."""
+        return {k: getattr(self, k)[...] for k in ("norm_in", "w1", "b1", "norm_h", "wo", "bo")}
+
+    def __call__(self, x_BI, *, train: bool = False, key=None):
+        return mlp(self.params(), x_BI), {}
+
+
+def make_mlp(cfg: MLPSubstrateConfig) -> MLPClassifier:
+    return MLPClassifier(784, cfg.d_hidden, seed=cfg.train.seed)
+
+
+def train_mlp_substrate(cfg: MLPSubstrateConfig, run_dir: str, deps: dict,
+                        progress: bool = False):
+    """``theta_P``: :func:`make_mlp` trained on task A through the training loop."""
+    tasks = load_tasks(cfg.split_seed)
+    model = make_mlp(cfg)
+    train(model, _source(tasks["A", "train"], cfg.train.batch_size, cfg.train.seed), cfg.train,
+          run_dir=run_dir, loss_fn=classifier_loss_fn, config=cfg, progress=progress,
+          desc="pretrain MNIST")
+    p = model.params()
+    return model, {"val_accuracy": accuracy_fn(tasks["A", "validation"])(p),
+                   "test_accuracy": accuracy_fn(tasks["A", "test"])(p),
+                   "train_examples": int(tasks["A", "train"][1].shape[0])}

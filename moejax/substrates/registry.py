@@ -10,6 +10,7 @@ Substrates (``SUBSTRATES``):
 ``dense_lm_prose``            dense byte-level LM pre-trained from scratch on ``prose/pydoc``
 ``dense_lm_code``             ``dense_lm_prose`` fine-tuned on ``stdlib_code`` (pre/fine pair)
 ``vit_mnist5k``               small ViT trained on MNIST-5k
+``mlp_mnist5k``               the DAREx controlled MLP pre-trained on MNIST-5k (task A)
 ``byte_encoder_wordnet_pos``  small byte-level BERT trained on WordNet gloss -> part of speech
 ``minilm_wordnet_pos``        all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> part of speech
 ``minilm_wordnet_lexname``    all-MiniLM-L6-v2 fine-tuned on WordNet gloss -> supersense
@@ -44,6 +45,7 @@ from moejax.config import Config, to_json
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
+from moejax.substrates import mlp as mlp_r
 
 __all__ = ["SUBSTRATES", "Substrate", "Recipe", "get", "build", "substrate_config",
            "substrate_dir", "cache_root", "is_cached"]
@@ -77,6 +79,8 @@ SUBSTRATES: dict[str, Recipe] = {
                             description="dense_lm_prose fine-tuned on stdlib_code"),
     "vit_mnist5k": Recipe(cls_r.vit_substrate_config, cls_r.make_vit, cls_r.train_vit,
                           description="small ViT trained on MNIST-5k"),
+    "mlp_mnist5k": Recipe(mlp_r.mlp_substrate_config, mlp_r.make_mlp, mlp_r.train_mlp_substrate,
+                          description="DAREx controlled MLP pre-trained on MNIST-5k"),
     "byte_encoder_wordnet_pos": Recipe(lambda p: cls_r.byte_encoder_task_config("pos", p),
                                        cls_r.make_byte_encoder_classifier,
                                        cls_r.train_byte_encoder,
