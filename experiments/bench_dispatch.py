@@ -28,13 +28,14 @@ from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
+from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
 NAME = "bench_dispatch"
-Path_ = Literal["dense", "capacity", "ragged"]
+Path_ = DispatchMethod
 
 
 @config
@@ -46,7 +47,7 @@ class BenchConfig(Config):
         n_kv_heads=4,
         moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
-    paths: tuple[Literal["dense", "capacity", "ragged"], ...] = ("dense", "capacity", "ragged")
+    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2

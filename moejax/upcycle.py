@@ -46,6 +46,7 @@ from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_ind
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.surgery import build_from_pure
+from moejax.ops.dispatch import DispatchMethod
 
 __all__ = ["UpcycleConfig", "upcycled_layers", "moe_slot_config", "upcycle_decoder_config",
            "upcycle_ffn", "upcycle_params", "upcycle_model", "output_scale", "param_report",
@@ -90,7 +91,7 @@ class UpcycleConfig(Config):
     lm_init_std: float | None = None
     freeze_shared: bool = False
     extended: bool = False
-    dispatch: Literal["dense", "capacity", "ragged"] = "capacity"
+    dispatch: DispatchMethod = "capacity"
     capacity_factor: float | None = None
     balance_loss: Literal["none", "cv2", "switch"] = "switch"
     balance_coef: float = 0.01

@@ -57,6 +57,7 @@ from moejax.nn.moe import MoEConfig, MoESkeleton, StackedExperts, make_router
 from moejax.nn.router import RouterOutput
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, is_gated
+from moejax.ops.dispatch import DispatchMethod
 
 __all__ = ["GRINConfig", "GRIN", "SparseMixerNoise", "sparsemixer_v2", "sample_noise"]
 
@@ -78,7 +79,7 @@ class GRINConfig(FFNSlotConfig):
     activation: ActivationName = "swish"
     jitter_eps: float = 0.01
     sample: bool = True
-    dispatch: Literal["dense", "capacity", "ragged"] = "dense"
+    dispatch: DispatchMethod = "dense"
     capacity_factor: float = 2.0
     balance_loss: Literal["none", "cv2", "switch"] = "switch"
     balance_coef: float = 0.01

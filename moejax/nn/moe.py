@@ -42,7 +42,7 @@ from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl
 from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.dispatch import dispatch, ffn_apply
+from moejax.ops.dispatch import DispatchMethod, dispatch, ffn_apply
 
 __all__ = ["MoEConfig", "MoE", "MoESkeleton", "StackedExperts", "FFNWeights", "make_router",
            "router_aux", "add_always_on"]
@@ -59,7 +59,9 @@ class MoEConfig(FFNSlotConfig):
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "dense" (oracle, all experts on all tokens), "capacity" (fixed [E, C, D]
-        buffers, drops overflow; the CPU default) or "ragged" (dropless grouped matmul, GPU).
+        buffers, drops overflow; the CPU default), "ragged" (dropless grouped matmul with
+        ``jax.lax.ragged_dot``) or "gmm" (dropless, the Pallas grouped-matmul kernels with
+        their backward; GPU, interpret mode on CPU).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included).
     n_shared_experts / d_shared: DeepSeekMoE always-active experts (width default d_expert).
@@ -74,7 +76,7 @@ class MoEConfig(FFNSlotConfig):
     activation: ActivationName = "swiglu"
     router: Literal["softmax", "noisy"] = "softmax"
     renormalize: bool = True
-    dispatch: Literal["dense", "capacity", "ragged"] = "capacity"
+    dispatch: DispatchMethod = "capacity"
     capacity_factor: float = 2.0
     n_shared_experts: int = 0
     d_shared: int | None = None

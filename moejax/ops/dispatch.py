@@ -19,7 +19,9 @@ Paths (all agree to float tolerance when nothing is dropped):
   batched matmul, gather the results back and combine. Assignments over capacity are
   dropped (their contribution is zero). Fast on CPU: only gathers, no one-hot matmuls.
 * :func:`dispatch_ragged` -- dropless: sort assignments by expert and run grouped matmuls
-  with :func:`jax.lax.ragged_dot` (the GPU path).
+  with :func:`jax.lax.ragged_dot` (``"ragged"``) or with the Pallas grouped-matmul kernel
+  :func:`moejax.kernels.gmm.gmm` (``"gmm"``: forward and backward kernels; interpret mode on
+  CPU, so only for tests there).
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -45,7 +47,7 @@ __all__ = [
     "dispatch",
 ]
 
-DispatchMethod = Literal["dense", "capacity", "ragged"]
+DispatchMethod = Literal["dense", "capacity", "ragged", "gmm"]
 
 
 class DispatchOut(NamedTuple):
@@ -212,11 +214,12 @@ def dispatch_capacity(
 
 def dispatch_ragged(
     x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
-    activation: str, valid_N=None,
+    activation: str, valid_N=None, grouped_matmul=jax.lax.ragged_dot,
 ) -> DispatchOut:
     """Dropless dispatch: sort the ``N * k`` assignments by expert and run grouped matmuls
-    (:func:`jax.lax.ragged_dot`, group sizes = assignments per expert) for up/gate/down,
-    then unsort and combine. ``valid_N`` is accepted for a uniform signature and ignored."""
+    (``grouped_matmul``: :func:`jax.lax.ragged_dot` or :func:`moejax.kernels.gmm.gmm`; group
+    sizes = assignments per expert) for up/gate/down, then unsort and combine. ``valid_N`` is
+    accepted for a uniform signature and ignored."""
     del valid_N
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)
@@ -230,12 +233,12 @@ def dispatch_ragged(
     group_sizes_E = jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1)
 
     x_SD = x_ND[tok_S]
-    up_SF = jax.lax.ragged_dot(x_SD, w_up_EDF.astype(dt), group_sizes_E)
+    up_SF = grouped_matmul(x_SD, w_up_EDF.astype(dt), group_sizes_E)
     if w_gate_EDF is not None:
-        h_SF = act(jax.lax.ragged_dot(x_SD, w_gate_EDF.astype(dt), group_sizes_E)) * up_SF
+        h_SF = act(grouped_matmul(x_SD, w_gate_EDF.astype(dt), group_sizes_E)) * up_SF
     else:
         h_SF = act(up_SF)
-    y_SD = jax.lax.ragged_dot(h_SF, w_down_EFD.astype(dt), group_sizes_E)
+    y_SD = grouped_matmul(h_SF, w_down_EFD.astype(dt), group_sizes_E)
 
     arange_A = jnp.arange(order_A.shape[0], dtype=order_A.dtype)
     inv_A = jnp.zeros_like(order_A).at[order_A].set(arange_A)
@@ -247,7 +250,7 @@ def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
     *, activation: str, capacity_factor: float = 1.0, valid_N=None,
 ) -> DispatchOut:
-    """Run the dispatch path named ``method`` ("dense", "capacity" or "ragged")."""
+    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged" or "gmm")."""
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     if method == "dense":
         return dispatch_dense(*args, activation=activation, valid_N=valid_N)
@@ -257,4 +260,10 @@ def dispatch(
         )
     if method == "ragged":
         return dispatch_ragged(*args, activation=activation, valid_N=valid_N)
-    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', 'ragged'")
+    if method == "gmm":
+        from moejax.kernels.gmm import gmm
+
+        return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
+                               grouped_matmul=gmm)
+    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', "
+                     "'ragged', 'gmm'")
