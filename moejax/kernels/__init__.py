@@ -2,7 +2,10 @@
 mode (slow: tests use small shapes); on GPU they lower through Triton.
 
 * :mod:`~moejax.kernels.gmm`: dropless grouped matmul (``jax.lax.ragged_dot`` semantics) on a
-  block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``.
+  block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``; the MoE
+  skeleton's ``dispatch="gmm"``.
+* :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-sparse experts (each token tile reads
+  only its union's expert weights); BlockFFN's ``path="pallas"``.
 """
 
 from moejax.kernels.gmm import gmm, group_tiles, tgmm

@@ -20,6 +20,8 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 
 * ``"dense"``: the reference; every expert on every token, weighted by ``A`` (zero when
   inactive).
+* ``"pallas"``: the same scheme as a Pallas kernel that reads only the union's expert
+  weights (:mod:`moejax.kernels.chunk_union`; interpret mode on CPU, so for tests there).
 * ``"chunk_union"``: the paper's kernel scheme in JAX. Tokens are cut into tiles of
   ``union_chunk`` consecutive tokens; per tile the union ``U`` of active experts is taken and
   only the experts of ``U`` run, on all tokens of the tile, masked by ``A``. ``U`` is padded to
@@ -53,9 +55,12 @@ from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import chunk_sparsity as cs
-from moejax.ops.activations import ActivationName, activation_fn, is_gated
+from moejax.ops.activations import ActivationName, is_gated
+from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
-__all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter"]
+__all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath"]
+
+ExpertPath = Literal["dense", "chunk_union", "pallas"]
 
 
 @config
@@ -76,7 +81,7 @@ class BlockFFNConfig(FFNSlotConfig):
     activation: ActivationName = "swish"
     rmsnorm: bool = True
     norm_eps: float = 1e-6
-    path: Literal["dense", "chunk_union"] = "dense"
+    path: ExpertPath = "dense"
     union_chunk: int = 32
     max_union: int | None = None
     alpha: float = 100.0
@@ -121,48 +126,6 @@ class ReLURouter(nnx.Module):
         return jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32))
 
 
-def _expert_hidden(x, w_up, w_gate, act, spec):
-    up = jnp.einsum(spec, x, w_up)
-    if w_gate is None:
-        return act(up)
-    return act(jnp.einsum(spec, x, w_gate)) * up
-
-
-def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
-    """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token."""
-    act = activation_fn(activation)
-    h_NEF = _expert_hidden(x_ND, w_up, w_gate, act, "nd,edf->nef")
-    return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down, a_NE.astype(h_NEF.dtype))
-
-
-def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation: str, *,
-                        tile: int, max_union: int):
-    """Per-tile union of active experts (static cap ``max_union``). Returns ``(y_ND,
-    overflow_fraction)``; exact whenever no tile's union exceeds ``max_union``."""
-    N, D = x_ND.shape
-    E = a_NE.shape[-1]
-    pad = (-N) % tile
-    if pad:
-        x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
-        a_NE = jnp.pad(a_NE, ((0, pad), (0, 0)))
-        active_NE = jnp.pad(active_NE, ((0, pad), (0, 0)))
-    C = x_ND.shape[0] // tile
-    x_CnD = x_ND.reshape(C, tile, D)
-    a_CnE = a_NE.reshape(C, tile, E)
-    union_CE = jnp.any(active_NE.reshape(C, tile, E), axis=1)
-    # union members first (lowest index first), then the rest: a stable static-size selection
-    score_CE = union_CE.astype(jnp.float32) * E - jnp.arange(E, dtype=jnp.float32)
-    _, ids_CU = jax.lax.top_k(score_CE, max_union)
-    in_union_CU = jnp.take_along_axis(union_CE, ids_CU, axis=1)
-    a_CnU = jnp.take_along_axis(a_CnE, ids_CU[:, None, :], axis=2) * in_union_CU[:, None, :]
-    act = activation_fn(activation)
-    w_gate_g = None if w_gate is None else w_gate[ids_CU]
-    h = _expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
-    y_CnD = jnp.einsum("cnuf,cufd,cnu->cnd", h, w_down[ids_CU], a_CnU.astype(h.dtype))
-    overflow = jnp.mean((jnp.sum(union_CE, -1) > max_union).astype(jnp.float32))
-    return y_CnD.reshape(C * tile, D)[:N], overflow
-
-
 class BlockRoute(NamedTuple):
     """BlockFFN routing, float32 ``[N, E]``: scores ``a0``, ReLU ``a1``, combine weights ``a``."""
 
@@ -203,6 +166,13 @@ class BlockFFN(MoESkeleton):
         w_gate = None if w_gate is None else w_gate.astype(dt)
         if cfg.path == "dense":
             return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
+        if cfg.path == "pallas":
+            from moejax.kernels.chunk_union import chunk_union_pallas
+
+            y_ND, overflow = chunk_union_pallas(
+                x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
+                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
+            return y_ND.astype(dt), {"union_overflow": overflow}
         y_ND, overflow = chunk_union_experts(
             x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,
             max_union=cfg.max_union or cfg.n_experts)

@@ -14,13 +14,11 @@ segment ids only affect the AL/CS statistics it reports).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.nn.blockffn import BlockFFN, BlockFFNConfig
+from moejax.nn.blockffn import BlockFFN, BlockFFNConfig, ExpertPath
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName
 
@@ -34,7 +32,7 @@ class ReMoEConfig(FFNSlotConfig):
     n_experts: int = 16
     d_expert: int = 64
     activation: ActivationName = "swish"
-    path: Literal["dense", "chunk_union"] = "dense"
+    path: ExpertPath = "dense"
     union_chunk: int = 32
     l1_coef: float = 0.0
 

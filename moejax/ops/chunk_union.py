@@ -1,0 +1,77 @@
+"""BlockFFN's expert computation as pure array functions (the reference paths; the Pallas
+kernel :mod:`moejax.kernels.chunk_union` is tested against them).
+
+``y = sum_e A_e E_e(x)`` over experts ``E_e(x) = W_down^(e)T act(W_up^(e)T x)`` (gated:
+``act(W_gate^(e)T x) * W_up^(e)T x``), with combine weights ``A [N, E]`` that are zero for
+inactive (token, expert) pairs.
+
+* :func:`dense_experts`: every expert on every token (the oracle).
+* :func:`chunk_union_experts`: tokens cut into tiles of ``tile`` consecutive tokens; per tile
+  the union ``U`` of the experts active for any of its tokens; only those experts run, on all
+  tokens of the tile (the inactive pairs weigh 0). ``U`` is padded to the static size
+  ``max_union``; a tile whose union is larger keeps its lowest-index members and counts as an
+  overflow. Exact whenever no tile overflows.
+* :func:`union_members`: per tile, the union's expert ids (members first, ascending) and sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.ops.activations import activation_fn
+
+__all__ = ["dense_experts", "chunk_union_experts", "union_members", "pad_to_tiles"]
+
+
+def _expert_hidden(x, w_up, w_gate, act, spec):
+    up = jnp.einsum(spec, x, w_up)
+    if w_gate is None:
+        return act(up)
+    return act(jnp.einsum(spec, x, w_gate)) * up
+
+
+def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
+    """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token."""
+    act = activation_fn(activation)
+    h_NEF = _expert_hidden(x_ND, w_up, w_gate, act, "nd,edf->nef")
+    return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down, a_NE.astype(h_NEF.dtype))
+
+
+def pad_to_tiles(tile: int, *arrays):
+    """Pad the leading (token) axis of every array to a multiple of ``tile`` with zeros."""
+    pad = (-arrays[0].shape[0]) % tile
+    if not pad:
+        return arrays
+    return tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)) for a in arrays)
+
+
+def union_members(active_CnE, max_union: int):
+    """``(ids_CU int32, in_union_CU bool, sizes_C int32)``: per tile the union members first
+    (lowest index first), then the other experts, cut to ``max_union``; the union sizes."""
+    E = active_CnE.shape[-1]
+    union_CE = jnp.any(active_CnE, axis=1)
+    score_CE = union_CE.astype(jnp.float32) * E - jnp.arange(E, dtype=jnp.float32)
+    _, ids_CU = jax.lax.top_k(score_CE, max_union)
+    in_union_CU = jnp.take_along_axis(union_CE, ids_CU, axis=1)
+    return ids_CU.astype(jnp.int32), in_union_CU, jnp.sum(union_CE, -1).astype(jnp.int32)
+
+
+def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation: str, *,
+                        tile: int, max_union: int):
+    """Per-tile union of active experts (static cap ``max_union``). Returns ``(y_ND,
+    overflow_fraction)``; exact whenever no tile's union exceeds ``max_union``."""
+    N, D = x_ND.shape
+    E = a_NE.shape[-1]
+    x_ND, a_NE, active_NE = pad_to_tiles(tile, x_ND, a_NE, active_NE)
+    C = x_ND.shape[0] // tile
+    x_CnD = x_ND.reshape(C, tile, D)
+    a_CnE = a_NE.reshape(C, tile, E)
+    ids_CU, in_union_CU, sizes_C = union_members(active_NE.reshape(C, tile, E), max_union)
+    a_CnU = jnp.take_along_axis(a_CnE, ids_CU[:, None, :], axis=2) * in_union_CU[:, None, :]
+    act = activation_fn(activation)
+    w_gate_g = None if w_gate is None else w_gate[ids_CU]
+    h = _expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
+    y_CnD = jnp.einsum("cnuf,cufd,cnu->cnd", h, w_down[ids_CU], a_CnU.astype(h.dtype))
+    overflow = jnp.mean((sizes_C > max_union).astype(jnp.float32))
+    return y_CnD.reshape(C * tile, D)[:N], overflow
