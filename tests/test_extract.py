@@ -217,6 +217,13 @@ def test_mac_and_parameter_hand_count():
     assert me["total"] == 2 * attn + ffn + 80 + 440 + other
     with pytest.raises(ValueError, match="active_neurons"):
         model_macs(new)
+    # MoEfication layer with a trained MLP router (hidden 4): router D*4 + 4*C per token
+    from moejax.extract import ffn_macs
+    from moejax.nn.extracted import ExtractedFFNConfig
+
+    mlp_slot = ExtractedFFNConfig(d_hidden=16, n_experts=4, top_k=2, router="mlp", d_router=4)
+    assert ffn_macs(mlp_slot, 8, 5, active_neurons=8.0) == {"router": 5 * (8 * 4 + 4 * 4),
+                                                            "experts": 2 * 5 * 8 * 8.0}
     dense_p = param_counts(model)["params"]
     # layer 1 loses 6 neurons (6 up columns, 6 biases, 6 down rows) and gains 2x8 + 2 router
     assert param_counts(new) == {"params": dense_p - 6 * (8 + 1 + 8) + 18, "mask_entries": 20}
