@@ -18,7 +18,7 @@ studies: setup
 	$(PY) -m experiments.main suite=studies out=runs/studies $(ARGS)
 
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 setup: $(STAMP)
 
