@@ -96,3 +96,11 @@ def test_kernel_compiled_on_gpu_matches_reference():
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, None,
                                                                        "swish")),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_blockffn_is_a_skeleton_slot_but_not_a_top_k_slot():
+    from moejax.nn.moe import MoESkeleton
+    from moejax.nn.routing_modes import moe_slots
+
+    layer = BlockFFNConfig(n_experts=E, d_expert=F).build(D, rngs=nnx.Rngs(0))
+    assert isinstance(layer, MoESkeleton) and moe_slots(layer) == []

@@ -139,6 +139,8 @@ class BlockFFN(MoESkeleton):
     MoE skeleton with the ReLU + RMSNorm router part, the dense or chunk-union expert part and
     the chunk-sparsity statistics as its ``aux``."""
 
+    top_k_routing = False
+
     def __init__(self, d_model: int, cfg: BlockFFNConfig, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         self.cfg = self.moe_cfg = cfg

@@ -185,7 +185,11 @@ class MoESkeleton(nnx.Module):
     ``self.top_k`` and overrides the parts it changes: :meth:`route`, :meth:`expert_weights`
     (stacked weights for :func:`moejax.ops.dispatch.dispatch`) or the whole
     :meth:`experts_out`, :meth:`universal_ffn`, :meth:`always_on` and :meth:`aux` (default:
-    :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction)."""
+    :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction).
+    ``top_k_routing`` is False for slots whose router picks a variable number of experts
+    (BlockFFN, ReMoE): teacher routing modes and top-k statistics skip them."""
+
+    top_k_routing = True
 
     def route(self, x_ND, *, train: bool, key):
         return self.router(x_ND, train=train, key=key, top_k=self.top_k)

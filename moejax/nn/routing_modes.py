@@ -97,8 +97,9 @@ class ModeRouter(nnx.Module):
 
 
 def moe_slots(model: nnx.Module) -> list[MoESkeleton]:
-    """Every top-k MoE slot of ``model`` in module order."""
-    return [m for _, m in nnx.iter_modules(model) if isinstance(m, MoESkeleton)]
+    """Every top-k MoE slot of ``model`` in module order (BlockFFN / ReMoE slots excluded)."""
+    return [m for _, m in nnx.iter_modules(model)
+            if isinstance(m, MoESkeleton) and m.top_k_routing]
 
 
 def with_routing(model: nnx.Module, mode: RoutingMode) -> nnx.Module:
