@@ -399,10 +399,10 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
         "params -20% or more": moee["params_change_%"] <= -20,
         "97% of dense accuracy after KD": moee["kd_vs_dense_%"] >= 97,
         "beats MoEfication at equal MACs (after KD)": all(
-            moee["acc_after_kd"] > v["acc_after_kd"] for v in moef.values()),
+            moee["acc_after_kd"] > v["acc_after_kd"] for v in moef.values()) if moef else None,
         "later layers form more clusters": later_more,
         "routing more balanced than MoEfication": all(
-            moee["load_cv"] < v["load_cv"] for v in moef.values()),
+            moee["load_cv"] < v["load_cv"] for v in moef.values()) if moef else None,
     }
     run.note(f"Started from substrate {data.substrate}; dense test accuracy "
              f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
@@ -416,8 +416,10 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
              f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
              "matched per layer to MoEE's mean active neurons. Random routing = random router "
              "vectors (each token still goes to one fixed expert).")
+    verdict = {None: "not measured (no layer formed clusters)", True: "holds",
+               False: "does not hold"}
     run.note("Paper shape (SPEC section 6): " + "; ".join(
-        f"{k}: {'holds' if v else 'does not hold'}" for k, v in checks.items())
+        f"{k}: {verdict[None if v is None else bool(v)]}" for k, v in checks.items())
         + (f". Routing and similarity plots: layers {picks}." if picks else ""))
     res = {"dense_acc": dense["accuracy"], "moee_acc": moee["acc_extracted"],
            "moee_acc_kd": moee["acc_after_kd"], "moee_macs_%": moee["MACs_change_%"],

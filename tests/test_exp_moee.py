@@ -37,3 +37,20 @@ def test_moee_tiny(tiny_recipes, tmp_path):
     assert [r["model"] for r in abl] == [mod.ABLATIONS[k][0] for k in ("random_all", "kmeans")]
     assert list(run.path.glob("similarity_layer*.png"))
     assert list(run.path.glob("routing_layer*.png"))
+
+
+def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, tmp_path):
+    cfg = mod.make_config("quick").replace(
+        vit=ViTSubstrateConfig(d_model=16, n_layers=2, n_heads=2, d_hidden=32,
+                               train=tiny_train(3)),
+        substrate_cache=str(tiny_recipes),
+        extract=ExtractConfig(n_tokens=300, cluster=ClusterConfig(min_cluster_frac=0.05)),
+        record_rows=40, eval_rows=100, kd=mod.KD.replace(steps=1, batch_size=8),
+        ablations=(), stability_tokens=(), seeds=1)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "moee0")
+    rows = {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
+    assert set(rows) == {"dense", "MoEE"}  # no extracted layer: no MoEfication either
+    assert rows["MoEE"]["MACs"] == rows["dense"]["MACs"]
+    assert "beats MoEfication at equal MACs (after KD): not measured" in (
+        run.path / "summary.md").read_text()
