@@ -12,18 +12,25 @@ from moejax.substrates.classify import ViTSubstrateConfig
 from tests.tiny_substrates import tiny_train
 
 
-def test_moee_tiny(tiny_recipes, tmp_path):
+def run_tiny(cache, out, min_cluster_frac: float, **overrides):
+    """The study on the tiny ViT substrate; ``(run dir, {model: Table 1 row})``."""
     cfg = mod.make_config("quick").replace(
         vit=ViTSubstrateConfig(d_model=16, n_layers=2, n_heads=2, d_hidden=32,
                                train=tiny_train(3)),
-        substrate_cache=str(tiny_recipes),
-        extract=ExtractConfig(n_tokens=300, cluster=ClusterConfig(min_cluster_frac=0.02)),
-        record_rows=40, eval_rows=100, kd=mod.KD.replace(steps=2, batch_size=8),
-        ablations=("random_all", "kmeans"), stability_tokens=(200,), stability_draws=1,
-        seeds=1, moefication_experts=4, mlp_router_width=8, finetune_ablations=False)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
-                                  out=tmp_path / "moee")
-    rows = {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
+        substrate_cache=str(cache), record_rows=40, eval_rows=100, seeds=1,
+        extract=ExtractConfig(n_tokens=300,
+                              cluster=ClusterConfig(min_cluster_frac=min_cluster_frac)),
+        **overrides)
+    _, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [], out=out)
+    return run, {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
+
+
+def test_moee_tiny(tiny_recipes, tmp_path):
+    run, rows = run_tiny(tiny_recipes, tmp_path / "moee", 0.02,
+                         kd=mod.KD.replace(steps=2, batch_size=8),
+                         ablations=("random_all", "kmeans"), stability_tokens=(200,),
+                         stability_draws=1, moefication_experts=4, mlp_router_width=8,
+                         finetune_ablations=False)
     assert "dense" in rows
     text = (run.path / "summary.md").read_text()
     assert "Started from substrate vit_mnist5k" in text and "Paper shape" in text
@@ -40,16 +47,9 @@ def test_moee_tiny(tiny_recipes, tmp_path):
 
 
 def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, tmp_path):
-    cfg = mod.make_config("quick").replace(
-        vit=ViTSubstrateConfig(d_model=16, n_layers=2, n_heads=2, d_hidden=32,
-                               train=tiny_train(3)),
-        substrate_cache=str(tiny_recipes),
-        extract=ExtractConfig(n_tokens=300, cluster=ClusterConfig(min_cluster_frac=0.05)),
-        record_rows=40, eval_rows=100, kd=mod.KD.replace(steps=1, batch_size=8),
-        ablations=(), stability_tokens=(), seeds=1)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
-                                  out=tmp_path / "moee0")
-    rows = {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
+    run, rows = run_tiny(tiny_recipes, tmp_path / "moee0", 0.05,
+                         kd=mod.KD.replace(steps=1, batch_size=8), ablations=(),
+                         stability_tokens=())
     assert set(rows) == {"dense", "MoEE"}  # no extracted layer: no MoEfication either
     assert rows["MoEE"]["MACs"] == rows["dense"]["MACs"]
     assert "beats MoEfication at equal MACs (after KD): not measured" in (
