@@ -33,7 +33,7 @@ from moejax.evaluate import SparsityEvaluator, router_active_sets
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
-from moejax.nn.grin import GRINConfig
+from moejax.nn.grin import GRIN_MOE, GRINConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
 from moejax.pytree import count_params
@@ -85,9 +85,10 @@ class SparseLMConfig(Config):
         if self.arch == "remoe":
             return ReMoEConfig(n_experts=self.n_experts, d_expert=self.d_expert)
         if self.arch == "grin":
-            return GRINConfig(n_experts=self.n_experts, d_expert=self.d_expert,
-                              activation="swish", jitter_eps=self.grin_eps, dispatch="dense",
-                              balance_loss="switch", balance_coef=0.01)
+            return GRINConfig(moe=GRIN_MOE.replace(n_experts=self.n_experts,
+                                                   d_expert=self.d_expert,
+                                                   balance_loss="switch", balance_coef=0.01),
+                              jitter_eps=self.grin_eps)
         if self.arch == "dense":
             return DenseFFNConfig(d_hidden=self.n_experts * self.d_expert, activation="swish")
         shared = self.n_always_on

@@ -48,8 +48,9 @@ def test_grin_slot():
 
     slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
     assert isinstance(slot, GRINConfig)
-    assert (slot.n_experts, slot.top_k, slot.d_expert, slot.jitter_eps) == (8, 2, 4, 0.1)
-    assert slot.activation == "swish" and slot.dispatch == "dense"
+    m = slot.moe
+    assert (m.n_experts, m.top_k, m.d_expert, slot.jitter_eps) == (8, 2, 4, 0.1)
+    assert m.activation == "swish" and m.dispatch == "dense" and not m.renormalize
 
 
 def test_sparsity_evaluator_matches_direct_computation():

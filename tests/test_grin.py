@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.config import ConfigError
 from moejax.nn.decoder import DecoderConfig, DecoderLM
-from moejax.nn.grin import GRINConfig, SparseMixerNoise, sample_noise, sparsemixer_v2
+from moejax.nn.grin import GRIN_MOE, GRINConfig, SparseMixerNoise, sample_noise, sparsemixer_v2
 
 B, T, D, E, F = 2, 5, 8, 6, 4
 
@@ -59,7 +59,9 @@ def _logits(seed, n=12, e=E, scale=0.3):
 
 def test_config_validation():
     with pytest.raises(ConfigError, match="top_k"):
-        GRINConfig(top_k=3)
+        GRINConfig(moe=GRIN_MOE.replace(top_k=3))
+    with pytest.raises(ConfigError, match="renormalize"):
+        GRINConfig(moe=GRIN_MOE.replace(renormalize=True))
     with pytest.raises(ConfigError, match="jitter_eps"):
         GRINConfig(jitter_eps=-0.1)
 
@@ -101,7 +103,7 @@ def test_train_routing_matches_numpy(eps):
 
 
 def test_module_forward_matches_numpy():
-    cfg = GRINConfig(n_experts=E, d_expert=F, jitter_eps=0.1, activation="swish")
+    cfg = GRINConfig(moe=GRIN_MOE.replace(n_experts=E, d_expert=F), jitter_eps=0.1)
     m = cfg.build(D, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (B, T, D), jnp.float32)
     mask = jnp.ones((B, T), bool).at[1, -2:].set(False)
@@ -197,7 +199,7 @@ def test_estimator_formula_random():
 # ----------------------------------------------------------------------------- training
 
 def test_decoder_train_step_jit():
-    slot = GRINConfig(n_experts=4, d_expert=8, jitter_eps=0.1)
+    slot = GRINConfig(moe=GRIN_MOE.replace(n_experts=4, d_expert=8), jitter_eps=0.1)
     cfg = DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_slots=(slot,) * 2)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.arange(2 * 9).reshape(2, 9) % 32

@@ -46,7 +46,7 @@ input-jitter noise; balance / z losses are MoE's (``"switch"`` by default, on th
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,52 +56,47 @@ from moejax.config import config
 from moejax.nn.moe import MoEConfig, MoESkeleton, StackedExperts, make_router
 from moejax.nn.router import RouterOutput
 from moejax.nn.slots import FFNSlotConfig
-from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.dispatch import DispatchMethod
+from moejax.ops.activations import is_gated
 
-__all__ = ["GRINConfig", "GRIN", "SparseMixerNoise", "sparsemixer_v2", "sample_noise"]
+__all__ = ["GRINConfig", "GRIN", "GRIN_MOE", "SparseMixerNoise", "sparsemixer_v2", "sample_noise"]
+
+
+GRIN_MOE = MoEConfig(n_experts=16, top_k=2, d_expert=64, activation="swish", router="softmax",
+                     renormalize=False, dispatch="dense")
 
 
 @config
 class GRINConfig(FFNSlotConfig):
     """GRIN (SparseMixer-v2) top-2 MoE slot.
 
+    moe: the MoE settings, declared once as a :class:`MoEConfig` (experts, expert width and
+        activation, dispatch, capacity, balance / z-loss); GRIN needs ``top_k=2`` and the
+        softmax router's logits with ``renormalize=False`` (SparseMixer-v2 computes its own
+        weights), and no shared experts or universal FFN.
     jitter_eps: masked-softmax band; expert j is a candidate iff
         ``(max - s_j) / max(|s_j|, max) <= 2 jitter_eps`` (GRIN-MoE / Phi-3.5-MoE use 0.01).
     sample: draw the experts from the masked softmax in training (GRIN); False = argmax always
         (then training is plain masked-softmax top-2 with ordinary gradients).
-    dispatch / capacity_factor / balance_loss / balance_coef / z_loss_coef: as in MoEConfig.
     """
 
-    n_experts: int = 16
-    top_k: int = 2
-    d_expert: int = 64
-    activation: ActivationName = "swish"
+    moe: MoEConfig = GRIN_MOE
     jitter_eps: float = 0.01
     sample: bool = True
-    dispatch: DispatchMethod = "dense"
-    capacity_factor: float = 2.0
-    balance_loss: Literal["none", "cv2", "switch"] = "switch"
-    balance_coef: float = 0.01
-    z_loss_coef: float = 0.0
 
     def validate(self) -> None:
-        self._require(self.top_k == 2, f"top_k={self.top_k}: SparseMixer-v2 (GRIN) is top-2 only")
-        self._require(self.n_experts >= 2, f"n_experts={self.n_experts} must be >= 2")
-        self._require(self.d_expert > 0, f"d_expert={self.d_expert} must be > 0")
+        m = self.moe
+        self._require(m.top_k == 2, f"moe.top_k={m.top_k}: SparseMixer-v2 (GRIN) is top-2 only")
+        self._require(m.n_experts >= 2, f"moe.n_experts={m.n_experts} must be >= 2")
+        self._require(m.router == "softmax" and not m.renormalize,
+                      "GRIN reads the softmax router's logits and computes its own weights: "
+                      "set moe.router='softmax' and moe.renormalize=False")
+        self._require(m.n_shared_experts == 0 and not m.universal_ffn,
+                      "a GRIN slot has no shared experts or universal FFN")
         self._require(self.jitter_eps >= 0, f"jitter_eps={self.jitter_eps} must be >= 0")
-        self._require(self.capacity_factor > 0,
-                      f"capacity_factor={self.capacity_factor} must be > 0")
-        self._require(self.balance_coef >= 0, f"balance_coef={self.balance_coef} must be >= 0")
-        self._require(self.z_loss_coef >= 0, f"z_loss_coef={self.z_loss_coef} must be >= 0")
 
     def moe_config(self) -> MoEConfig:
-        """The equivalent softmax top-2 :class:`MoEConfig` (router / aux helpers)."""
-        return MoEConfig(n_experts=self.n_experts, top_k=2, d_expert=self.d_expert,
-                         activation=self.activation, router="softmax", renormalize=False,
-                         dispatch=self.dispatch, capacity_factor=self.capacity_factor,
-                         balance_loss=self.balance_loss, balance_coef=self.balance_coef,
-                         z_loss_coef=self.z_loss_coef)
+        """The slot's :class:`MoEConfig` (router / aux helpers)."""
+        return self.moe
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
         return GRIN(d_model, self, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
@@ -174,8 +169,8 @@ class GRIN(MoESkeleton):
         self.moe_cfg = cfg.moe_config()
         self.top_k = 2
         self.router = make_router(self.moe_cfg, d_model, rngs=rngs, param_dtype=param_dtype)
-        self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert,
-                                      gated=is_gated(cfg.activation), rngs=rngs,
+        self.experts = StackedExperts(cfg.moe.n_experts, d_model, cfg.moe.d_expert,
+                                      gated=is_gated(cfg.moe.activation), rngs=rngs,
                                       param_dtype=param_dtype)
 
     def route(self, x_ND, *, train: bool = False, key=None) -> RouterOutput:
@@ -186,5 +181,5 @@ class GRIN(MoESkeleton):
                 raise ValueError(
                     "GRIN: train=True samples experts (SparseMixer-v2) and needs an explicit "
                     "PRNG key; pass key=jax.random.key(...), or use sample=False / train=False")
-            noise = sample_noise(key, logits.shape[0], self.cfg.n_experts)
+            noise = sample_noise(key, logits.shape[0], self.cfg.moe.n_experts)
         return sparsemixer_v2(logits, jitter_eps=self.cfg.jitter_eps, noise=noise)
