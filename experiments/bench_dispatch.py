@@ -9,6 +9,7 @@ reported too.
     python -m experiments.bench_dispatch
     python -m experiments.bench_dispatch preset=full           # GPU: batch 64, seq 512
     python -m experiments.bench_dispatch paths=capacity,ragged steps=20
+    python -m experiments.bench_dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from moejax.bench import kernel_unavailable
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
@@ -55,8 +57,8 @@ class BenchConfig(Config):
     precision: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self):
-        bad = [p for p in self.paths if p not in ("dense", "capacity", "ragged")]
-        self._require(not bad, f"paths={bad} unknown; allowed: dense, capacity, ragged")
+        bad = [p for p in self.paths if p not in ("dense", "capacity", "ragged", "gmm")]
+        self._require(not bad, f"paths={bad} unknown; allowed: dense, capacity, ragged, gmm")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
 
 
@@ -125,7 +127,8 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         seq_len=cfg.seq_len,
         seed=0,
     )
-    rows = [_bench_path(cfg, p, source) for p in cfg.paths]
+    rows = [{"path": p, "note": why} if (why := kernel_unavailable(p)) else
+            _bench_path(cfg, p, source) for p in cfg.paths]
     dev = jax.devices()[0]
     title = (
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
@@ -134,15 +137,16 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         f"{jax.device_count()} device(s))"
     )
     run.table("dispatch", rows, title=title)
+    timed = [r for r in rows if "tokens_per_s" in r]
     run.bar_plot(
         "tokens_per_s",
-        [r["path"] for r in rows],
-        [r["tokens_per_s"] for r in rows],
+        [r["path"] for r in timed],
+        [r["tokens_per_s"] for r in timed],
         ylabel="tokens / s",
         title="Train throughput by dispatch path",
     )
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    ref = {r["path"]: r for r in rows}
+    best = max(timed, key=lambda r: r["tokens_per_s"])
+    ref = {r["path"]: r for r in timed}
     extra = ""
     if "capacity" in ref and "ragged" in ref:
         ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
@@ -150,7 +154,7 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     return {
         "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
         f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
-        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in rows},
+        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
     }
 
 

@@ -27,6 +27,7 @@ from moejax.results import atomic_write_text
 REGISTRY: tuple[str, ...] = (
     "lm_demo",  # a trained MoE LM
     "bench_dispatch",  # dispatch-path benchmark
+    "bench_kernels",  # expert kernels against their bounds
     "substrate_build",  # the cached pretrained starting points
     "darex_controlled",  # DAREx
     "darex_storage",

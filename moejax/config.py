@@ -223,6 +223,19 @@ def _allowed_keys(cfg: Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _split_top_level(body: str) -> list[str]:
+    """Split at the commas outside brackets: ``"(1,2),(3,4)"`` -> ``["(1,2)", "(3,4)"]``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        depth += ch in "(["
+        depth -= ch in ")]"
+        if ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    parts.append(body[start:])
+    return parts
+
+
 def _parse_scalar(text: str, tp, key: str):
     optional, inner = _is_optional(tp)
     if optional and text.lower() in ("none", "null"):
@@ -257,11 +270,17 @@ def _parse_scalar(text: str, tp, key: str):
         return text
     if origin in (tuple, list):
         args = get_args(inner)
-        elem = args[0] if args else str
         body = text.strip()
         if body.startswith(("(", "[")):
             body = body[1:-1]
-        parts = [p.strip() for p in body.split(",") if p.strip()]
+        parts = [p.strip() for p in _split_top_level(body) if p.strip()]
+        fixed = origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis)
+        if fixed:
+            if len(parts) != len(args):
+                raise ConfigError(f"{key}={text!r}: expected {len(args)} values, got "
+                                  f"{len(parts)}")
+            return tuple(_parse_scalar(p, t, key) for p, t in zip(parts, args))
+        elem = args[0] if args else str
         return tuple(_parse_scalar(p, elem, key) for p in parts)
     # Fallback: JSON literal.
     try:

@@ -111,3 +111,18 @@ def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_ke
         assert key in out
     with pytest.raises(ConfigError, match=r"methods\[0\]='bad' is not allowed"):
         mod.ControlledConfig(methods=("bad",))
+
+
+@config
+class _Shapes(Config):
+    shapes: tuple[tuple[int, int, int], ...] = ((1, 2, 3),)
+    pair: tuple[int, float] = (1, 0.5)
+
+
+def test_overrides_parse_nested_and_fixed_length_tuples():
+    cfg = apply_overrides(_Shapes(), ["shapes=((64,8,16),(4, 5, 6))", "pair=(3,2.5)"])
+    assert cfg.shapes == ((64, 8, 16), (4, 5, 6)) and cfg.pair == (3, 2.5)
+    with pytest.raises(ConfigError, match="expected 3 values, got 2"):
+        apply_overrides(_Shapes(), ["shapes=((64,8),)"])
+    with pytest.raises(ConfigError, match="expected an int"):
+        apply_overrides(_Shapes(), ["shapes=((64,8,x),)"])

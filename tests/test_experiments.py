@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 from experiments import main as main_job
@@ -62,17 +63,51 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
         bench_dispatch.make_config,
         bench_dispatch.run,
         TINY_LM
-        + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2"],
+        + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2",
+           "paths=(dense,capacity,ragged,gmm)"],
         out=tmp_path / "bench",
     )
     import csv
 
     rows = list(csv.DictReader(open(run.path / "dispatch.csv")))
-    assert [r["path"] for r in rows] == ["dense", "capacity", "ragged"]
+    assert [r["path"] for r in rows] == ["dense", "capacity", "ragged", "gmm"]
+    if jax.default_backend() == "cpu":  # the kernel is not timed in interpret mode
+        assert rows.pop()["note"].startswith("not measured: needs a GPU")
     ce = [float(r["final_ce"]) for r in rows]
     # Same init, same data, no drops at capacity factor 8: the three paths train identically.
     assert max(ce) - min(ce) < 1e-3
     assert all(float(r["dropped_fraction"]) == 0.0 for r in rows)
+
+
+def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
+    from experiments import bench_kernels
+
+    summary, run = run_experiment(
+        "bench_kernels", bench_kernels.make_config, bench_kernels.run,
+        ["ffn.d_model=16", "ffn.n_experts=8", "ffn.d_expert=8", "chunk_sizes=(1,4)",
+         "union_fractions=(0.25,1.0)", "gmm_shapes=((64,8,16,4),)", "warmup=0", "repeats=2"],
+        out=tmp_path / "bk")
+    import csv
+
+    ffn = list(csv.DictReader(open(run.path / "ffn.csv")))
+    assert len(ffn) == 2 * 2 * 6  # chunk sizes x fractions x paths
+    for r in ffn:
+        if r["path"] in ("pallas", "triton") and jax.default_backend() == "cpu":
+            assert r["note"].startswith("not measured") and not r["ms"]
+            continue
+        dense = next(d for d in ffn if d["path"] == "dense" and d["n"] == r["n"]
+                     and d["union"] == r["union"])
+        bound = float(dense["ms"]) * int(r["union"]) / 8
+        assert float(r["bound_ms"]) == pytest.approx(bound, rel=1e-6)
+        assert float(r["x_bound"]) == pytest.approx(float(r["ms"]) / bound, rel=1e-6)
+    gmm = list(csv.DictReader(open(run.path / "gmm.csv")))
+    assert [r["path"] for r in gmm] == ["dense", "ragged", "gmm"]
+    assert float(gmm[1]["speedup_vs_ragged"]) == 1.0
+    assert (run.path / "ffn_n1.png").exists() and (run.path / "ffn_n4.png").exists()
+    assert "chunk_union: within 1.3x" in (run.path / "summary.md").read_text()
+    with pytest.raises(ConfigError, match="union_fractions"):
+        run_experiment("bench_kernels", bench_kernels.make_config, bench_kernels.run,
+                       ["union_fractions=(0.0,)"], out=tmp_path / "bad")
 
 
 def test_main_job_rejects_bad_arguments(capsys):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.kernels.chunk_union import chunk_union_pallas
+from moejax.kernels.chunk_union import chunk_union_kernel, chunk_union_pallas
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
@@ -26,24 +26,27 @@ def inputs(seed=0, gated=False, density=0.5):
     return x, jnp.asarray(a), w[0], w[1], w[2] if gated else None
 
 
+@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
 @pytest.mark.parametrize("tile", [1, 4, 5, 13])
 @pytest.mark.parametrize("gated", [False, True])
-def test_kernel_equals_dense_oracle(tile, gated):
+def test_kernel_equals_dense_oracle(tile, gated, schedule):
     x, a, wu, wd, wg = inputs(gated=gated)
     act = "swiglu" if gated else "swish"
     y, overflow = chunk_union_pallas(x, a, a > 0, wu, wd, wg, activation=act, tile=tile,
-                                     max_union=E)
+                                     max_union=E, schedule=schedule)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, wg, act)),
                                rtol=1e-5, atol=1e-5)
     assert float(overflow) == 0.0
     np.testing.assert_array_equal(np.asarray(y[4:8]), 0)  # rows with no active expert: 0
 
 
-def test_full_union_and_cap_overflow_match_the_reference():
+@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
+def test_full_union_and_cap_overflow_match_the_reference(schedule):
     x, a, wu, wd, _ = inputs(seed=1, density=2.0)  # (almost) every expert active: full unions
     assert bool(jnp.all(jnp.any(a[:4] > 0, axis=0)))
     for cap in (E, 2, 1):
-        y, o = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=cap)
+        y, o = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=cap,
+                                  schedule=schedule)
         r, ro = chunk_union_experts(x, a, a > 0, wu, wd, None, "swish", tile=4, max_union=cap)
         np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
         assert float(o) == float(ro) and (float(o) > 0) == (cap < E)
@@ -51,10 +54,12 @@ def test_full_union_and_cap_overflow_match_the_reference():
         chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=0)
 
 
-def test_bf16_inputs_accumulate_in_float32():
+@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
+def test_bf16_inputs_accumulate_in_float32(schedule):
     x, a, wu, wd, _ = inputs(seed=2)
     y, _ = chunk_union_pallas(x.astype(jnp.bfloat16), a, a > 0, wu.astype(jnp.bfloat16),
-                              wd.astype(jnp.bfloat16), activation="swish", tile=4, max_union=E)
+                              wd.astype(jnp.bfloat16), activation="swish", tile=4, max_union=E,
+                              schedule=schedule)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32),
                                np.asarray(dense_experts(x, a, wu, wd, None, "swish")),
@@ -82,20 +87,64 @@ def test_blockffn_pallas_path_equals_dense_with_gradients():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
+def test_prefetch_schedule_walks_the_expert_width_in_blocks():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    a = jnp.asarray(np.maximum(rng.normal(size=(N, E)) - 0.5, 0), jnp.float32)
+    wu = jnp.asarray(rng.normal(size=(E, D, 8)), jnp.float32)
+    wd = jnp.asarray(rng.normal(size=(E, 8, D)), jnp.float32)
+    y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="relu", tile=4, max_union=E,
+                              schedule="prefetch", block_f=4)  # two F blocks per member
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, None,
+                                                                       "relu")),
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="schedule"):
+        chunk_union_pallas(x, a, a > 0, wu, wd, activation="relu", tile=4, max_union=E,
+                           schedule="grid")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error message")
+def test_triton_backend_without_gpu_names_the_fix():
+    x, a, wu, wd, _ = inputs()
+    with pytest.raises(RuntimeError, match="gpu"):
+        chunk_union_kernel(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=E,
+                           backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        chunk_union_kernel(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=E,
+                           backend="cuda")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Pallas lowering needs a GPU")
-def test_kernel_compiled_on_gpu_matches_reference():
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled kernels need a GPU")
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_kernel_compiled_on_gpu_matches_reference_with_gradients(backend):
+    if backend == "triton":
+        from moejax.kernels.chunk_union_triton import unavailable_reason
+
+        if (why := unavailable_reason()) is not None:
+            pytest.skip(why)
     rng = np.random.default_rng(0)
     n, d, e, f = 512, 256, 32, 64
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
     a = jnp.asarray(np.maximum(rng.normal(size=(n, e)) - 1.0, 0), jnp.float32)
     wu = jnp.asarray(rng.normal(size=(e, d, f)) / 16, jnp.float32)
     wd = jnp.asarray(rng.normal(size=(e, f, d)) / 8, jnp.float32)
-    y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=32, max_union=e,
-                              interpret=False)
+
+    def loss(x, wu, wd):
+        y, _ = chunk_union_kernel(x, a, a > 0, wu, wd, activation="swish", tile=32,
+                                  max_union=e, backend=backend, interpret=False)
+        return jnp.sum(y ** 2), y
+
+    (_, y), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, wu, wd)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, None,
                                                                        "swish")),
                                rtol=2e-2, atol=2e-2)
+
+    def ref_loss(x, wu, wd):
+        return jnp.sum(dense_experts(x, a, wu, wd, None, "swish") ** 2)
+
+    for u, v in zip(g, jax.grad(ref_loss, argnums=(0, 1, 2))(x, wu, wd)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-2, atol=2e-2)
 
 
 def test_blockffn_is_a_skeleton_slot_but_not_a_top_k_slot():
@@ -104,3 +153,37 @@ def test_blockffn_is_a_skeleton_slot_but_not_a_top_k_slot():
 
     layer = BlockFFNConfig(n_experts=E, d_expert=F).build(D, rngs=nnx.Rngs(0))
     assert isinstance(layer, MoESkeleton) and moe_slots(layer) == []
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error message")
+def test_blockffn_triton_path_fails_at_build_without_a_gpu():
+    with pytest.raises(RuntimeError, match="path='triton' cannot run here"):
+        BlockFFNConfig(n_experts=E, d_expert=F, path="triton").build(D, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("tile,cap", [(1, E), (4, E), (5, 2), (13, 1)])
+def test_loop_and_gather_schedules_agree_in_values_and_gradients(gated, tile, cap):
+    x, a, wu, wd, wg = inputs(seed=5, gated=gated)
+    act = "swiglu" if gated else "swish"
+    ct = jnp.cos(jnp.arange(N * D, dtype=jnp.float32)).reshape(N, D)
+
+    def loss(x, a, wu, wd, wg, schedule):
+        y, o = chunk_union_experts(x, a, a > 0, wu, wd, wg, act, tile=tile, max_union=cap,
+                                   schedule=schedule)
+        return jnp.sum(y * ct), (y, o)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    g_loop, (y_loop, o_loop) = grad(x, a, wu, wd, wg, "loop")
+    g_gather, (y_gather, o_gather) = grad(x, a, wu, wd, wg, "gather")
+    np.testing.assert_allclose(np.asarray(y_loop), np.asarray(y_gather), rtol=1e-5, atol=1e-5)
+    assert float(o_loop) == float(o_gather)
+    for u, v in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_gather)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-5)
+    if cap == E:  # exact: equal to the dense oracle too
+        np.testing.assert_allclose(np.asarray(y_loop),
+                                   np.asarray(dense_experts(x, a, wu, wd, wg, act)),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="schedule"):
+        chunk_union_experts(x, a, a > 0, wu, wd, wg, act, tile=tile, max_union=cap,
+                            schedule="scan")

@@ -21,7 +21,11 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 * ``"dense"``: the reference; every expert on every token, weighted by ``A`` (zero when
   inactive).
 * ``"pallas"``: the same scheme as a Pallas kernel that reads only the union's expert
-  weights (:mod:`moejax.kernels.chunk_union`; interpret mode on CPU, so for tests there).
+  weights (:mod:`moejax.kernels.chunk_union`; a loop over the union on GPU, a scalar-prefetch
+  grid over it on TPU; interpret mode on CPU, so for tests there).
+* ``"triton"``: the same scheme as a Triton kernel through ``jax_triton``
+  (:mod:`moejax.kernels.chunk_union_triton`; GPU and the ``gpu`` extra only: building the
+  layer elsewhere fails with the reason).
 * ``"chunk_union"``: the paper's kernel scheme in JAX. Tokens are cut into tiles of
   ``union_chunk`` consecutive tokens; per tile the union ``U`` of active experts is taken and
   only the experts of ``U`` run, on all tokens of the tile, masked by ``A``. ``U`` is padded to
@@ -36,7 +40,7 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
   :mod:`moejax.ops.chunk_sparsity`
 * ``tls``: fraction of inactive experts over real tokens; ``act_magnitude``: mean ``||A||_2``
 * ``active_BTE`` (bool), ``a_BTE`` (combine weights ``A``): for streaming metrics
-* ``union_overflow`` (``chunk_union`` path only)
+* ``union_overflow`` (the ``chunk_union``, ``pallas`` and ``triton`` paths)
 
 When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.train.lambda_schedule`) the slot's
 ``cs_coef`` must be 0; the schedule adds ``lambda_cs * cs_loss`` itself.
@@ -60,7 +64,7 @@ from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
 __all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath"]
 
-ExpertPath = Literal["dense", "chunk_union", "pallas"]
+ExpertPath = Literal["dense", "chunk_union", "pallas", "triton"]
 
 
 @config
@@ -149,6 +153,12 @@ class BlockFFN(MoESkeleton):
         if cfg.rmsnorm:
             self.router_norm = RMSNorm(cfg.n_experts, eps=cfg.norm_eps, dtype=jnp.float32,
                                        param_dtype=param_dtype)
+        if cfg.path == "triton":
+            from moejax.kernels.chunk_union_triton import unavailable_reason
+
+            if (why := unavailable_reason()) is not None:
+                raise RuntimeError(f"BlockFFN path='triton' cannot run here: {why}; use "
+                                   "path='chunk_union' (CPU) or path='pallas'")
         self.experts = StackedExperts(cfg.n_experts, d_model, cfg.d_expert,
                                       gated=is_gated(cfg.activation), rngs=rngs,
                                       param_dtype=param_dtype)
@@ -168,12 +178,13 @@ class BlockFFN(MoESkeleton):
         w_gate = None if w_gate is None else w_gate.astype(dt)
         if cfg.path == "dense":
             return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
-        if cfg.path == "pallas":
-            from moejax.kernels.chunk_union import chunk_union_pallas
+        if cfg.path in ("pallas", "triton"):
+            from moejax.kernels.chunk_union import chunk_union_kernel
 
-            y_ND, overflow = chunk_union_pallas(
+            y_ND, overflow = chunk_union_kernel(
                 x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
-                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
+                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts,
+                backend=cfg.path)
             return y_ND.astype(dt), {"union_overflow": overflow}
         y_ND, overflow = chunk_union_experts(
             x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,

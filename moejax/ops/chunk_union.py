@@ -10,11 +10,19 @@ inactive (token, expert) pairs.
   the union ``U`` of the experts active for any of its tokens; only those experts run, on all
   tokens of the tile (the inactive pairs weigh 0). ``U`` is padded to the static size
   ``max_union``; a tile whose union is larger keeps its lowest-index members and counts as an
-  overflow. Exact whenever no tile overflows.
+  overflow. Exact whenever no tile overflows. Two schedules of the same sum:
+  ``"loop"`` (default) walks the union with ``fori_loop``, gathering one member's weights per
+  tile per step (each weight is read once and the copy stays in cache; on this CPU 1.3-2x
+  faster than ``"gather"`` for one chunk), with the gradient of ``"gather"`` (a
+  ``custom_vjp``: the loop's own reverse pass would carry full-size weight cotangents through
+  every step); ``"gather"`` gathers every member's weights at once (``[C, U, D, F]``) and runs
+  batched einsums.
 * :func:`union_members`: per tile, the union's expert ids (members first, ascending) and sizes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -57,21 +65,78 @@ def union_members(active_CnE, max_union: int):
     return ids_CU.astype(jnp.int32), in_union_CU, jnp.sum(union_CE, -1).astype(jnp.int32)
 
 
-def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation: str, *,
-                        tile: int, max_union: int):
-    """Per-tile union of active experts (static cap ``max_union``). Returns ``(y_ND,
-    overflow_fraction)``; exact whenever no tile's union exceeds ``max_union``."""
-    N, D = x_ND.shape
+def _tiles(x_ND, a_NE, active_NE, tile, max_union):
     E = a_NE.shape[-1]
     x_ND, a_NE, active_NE = pad_to_tiles(tile, x_ND, a_NE, active_NE)
     C = x_ND.shape[0] // tile
-    x_CnD = x_ND.reshape(C, tile, D)
-    a_CnE = a_NE.reshape(C, tile, E)
     ids_CU, in_union_CU, sizes_C = union_members(active_NE.reshape(C, tile, E), max_union)
-    a_CnU = jnp.take_along_axis(a_CnE, ids_CU[:, None, :], axis=2) * in_union_CU[:, None, :]
+    a_CnU = jnp.take_along_axis(a_NE.reshape(C, tile, E), ids_CU[:, None, :], axis=2)
+    a_CnU = a_CnU * in_union_CU[:, None, :]
+    overflow = jnp.mean((sizes_C > max_union).astype(jnp.float32))
+    return x_ND.reshape(C, tile, -1), ids_CU, a_CnU, overflow
+
+
+def _union_gather(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union):
+    N, D = x_ND.shape
+    x_CnD, ids_CU, a_CnU, overflow = _tiles(x_ND, a_NE, active_NE, tile, max_union)
     act = activation_fn(activation)
     w_gate_g = None if w_gate is None else w_gate[ids_CU]
     h = _expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
     y_CnD = jnp.einsum("cnuf,cufd,cnu->cnd", h, w_down[ids_CU], a_CnU.astype(h.dtype))
-    overflow = jnp.mean((sizes_C > max_union).astype(jnp.float32))
-    return y_CnD.reshape(C * tile, D)[:N], overflow
+    return y_CnD.reshape(-1, D)[:N], overflow
+
+
+def _union_loop(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union):
+    N, D = x_ND.shape
+    x_CnD, ids_CU, a_CnU, overflow = _tiles(x_ND, a_NE, active_NE, tile, max_union)
+    act = activation_fn(activation)
+
+    def member(j, acc_CnD):
+        e_C = ids_CU[:, j]
+        w_gate_g = None if w_gate is None else w_gate[e_C]
+        h = _expert_hidden(x_CnD, w_up[e_C], w_gate_g, act, "cnd,cdf->cnf")
+        h = h * a_CnU[:, :, j, None].astype(h.dtype)
+        return acc_CnD + jnp.einsum("cnf,cfd->cnd", h, w_down[e_C]).astype(acc_CnD.dtype)
+
+    y_CnD = jax.lax.fori_loop(0, max_union, member, jnp.zeros_like(x_CnD))
+    return y_CnD.reshape(-1, D)[:N], overflow
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _union_loop_vjp(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union):
+    return _union_loop(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile,
+                       max_union)
+
+
+def _loop_fwd(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union):
+    out = _union_loop(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union)
+    return out, (x_ND, a_NE, active_NE, w_up, w_down, w_gate)
+
+
+def _loop_bwd(activation, tile, max_union, res, cts):
+    x_ND, a_NE, active_NE, w_up, w_down, w_gate = res
+
+    def gather(x, a, wu, wd, wg):
+        return _union_gather(x, a, active_NE, wu, wd, wg, activation, tile, max_union)[0]
+
+    _, vjp = jax.vjp(gather, x_ND, a_NE, w_up, w_down, w_gate)
+    dx, da, dwu, dwd, dwg = vjp(cts[0])
+    return dx, da, None, dwu, dwd, dwg
+
+
+_union_loop_vjp.defvjp(_loop_fwd, _loop_bwd)
+
+SCHEDULES = ("loop", "gather")
+
+
+def chunk_union_experts(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation: str, *,
+                        tile: int, max_union: int, schedule: str = "loop"):
+    """Per-tile union of active experts (static cap ``max_union``). Returns ``(y_ND,
+    overflow_fraction)``; exact whenever no tile's union exceeds ``max_union``. ``schedule``:
+    ``"loop"`` or ``"gather"`` (module docstring)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
+    fn = _union_loop_vjp if schedule == "loop" else _union_gather
+    w_up, w_down = jnp.asarray(w_up), jnp.asarray(w_down)
+    w_gate = None if w_gate is None else jnp.asarray(w_gate)
+    return fn(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union)

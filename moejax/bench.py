@@ -1,0 +1,77 @@
+"""Benchmark utilities: timing a jitted call and synthetic BlockFFN activation patterns.
+
+* :func:`time_call`: compile once, ``warmup`` untimed calls, then ``repeats`` timed calls
+  (each waits for the result with ``block_until_ready``); median and minimum seconds.
+* :func:`kernel_unavailable`: why a kernel path cannot be timed here (None when it can).
+* :func:`union_activations`: combine weights ``[n, E]`` for a chunk of ``n`` tokens whose
+  union of active experts is exactly a random set of ``union_size`` experts: each token is
+  active on each union expert with probability ``density`` and every union expert is active
+  for at least one token (``density=1``: every token on every union expert, so the
+  token-level and chunk-level sparsity coincide).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["time_call", "union_activations", "kernel_unavailable", "KERNEL_PATHS"]
+
+KERNEL_PATHS = ("pallas", "triton", "gmm")
+
+
+def kernel_unavailable(path: str) -> str | None:
+    """Why the compute path ``path`` has no speed measurement on this machine ("not
+    measured: ..."), or None. The kernel paths need a GPU: on a CPU Pallas runs in interpret
+    mode, which is no speed measurement; ``triton`` also needs ``jax_triton``."""
+    if path not in KERNEL_PATHS:
+        return None
+    if jax.default_backend() != "gpu":
+        return (f"not measured: needs a GPU ({jax.default_backend()} runs Pallas in "
+                "interpret mode)")
+    if path == "triton":
+        from moejax.kernels.chunk_union_triton import unavailable_reason
+
+        why = unavailable_reason()
+        return None if why is None else f"not measured: {why}"
+    return None
+
+
+def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
+    """``{"compile_s", "median_s", "min_s", "repeats"}`` of ``fn(*args)``."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return {"compile_s": compile_s, "median_s": float(np.median(times)),
+            "min_s": float(np.min(times)), "repeats": repeats}
+
+
+def union_activations(key: jax.Array, n: int, n_experts: int, union_size: int,
+                      density: float = 1.0) -> jax.Array:
+    """float32 ``[n, n_experts]``, positive exactly on (token, expert) pairs of the union
+    pattern described in the module docstring, zero elsewhere."""
+    if not 0 <= union_size <= n_experts or not 0 < density <= 1 or n < 1:
+        raise ValueError(f"need 0 <= union_size={union_size} <= n_experts={n_experts}, "
+                         f"0 < density={density} <= 1 and n={n} >= 1")
+    k_set, k_on, k_val = jax.random.split(key, 3)
+    members = jax.random.permutation(k_set, n_experts)[:union_size]
+    in_union_E = jnp.zeros(n_experts, bool).at[members].set(True)
+    on_nE = jax.random.uniform(k_on, (n, n_experts)) < density
+    owner_E = jnp.zeros(n_experts, jnp.int32).at[members].set(
+        jnp.arange(union_size, dtype=jnp.int32) % n)  # each member's guaranteed token
+    on_nE = on_nE | (jnp.arange(n)[:, None] == owner_E[None, :])
+    values = jax.random.uniform(k_val, (n, n_experts), minval=0.1, maxval=1.0)
+    return jnp.where(on_nE & in_union_E[None, :], values, 0.0).astype(jnp.float32)
