@@ -47,14 +47,15 @@ from moejax.experiment import main
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig
-from moejax.upcycle import UpcycleConfig, output_scale, upcycle_model, upcycled_layers
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 
 NAME = "ders_compression"
 
 SCENARIOS = {
-    "finetuned": (True, UpcycleConfig(blocks="every_other", n_experts=4, top_k=2)),
-    "not_finetuned": (False, UpcycleConfig(blocks="every_other", n_experts=4, top_k=1,
-                                           universal_ffn=True)),
+    "finetuned": (True, UpcycleConfig(blocks="every_other",
+                                      moe=UPCYCLE_MOE.replace(n_experts=4, top_k=2))),
+    "not_finetuned": (False, UpcycleConfig(
+        blocks="every_other", moe=UPCYCLE_MOE.replace(n_experts=4, top_k=1, universal_ffn=True))),
 }
 
 
@@ -130,7 +131,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
                          "min_cos_pairwise": off.min(),
                          "mean_1-cos_pairwise": float(np.mean(1 - off))})
 
-    variants = [("experts", False)] + ([("experts+universal", True)] if rule.universal_ffn
+    variants = [("experts", False)] + ([("experts+universal", True)] if rule.moe.universal_ffn
                                        else [])
     for decomp, extended in variants:
         dec = decompose(pure, base, extended=extended)

@@ -30,7 +30,7 @@ from moejax.experiment import main
 from moejax.pytree import count_bytes, fmt_count
 from moejax.results import RunDir
 from moejax.train.optim import TrainConfig
-from moejax.upcycle import UpcycleConfig, param_report, upcycle_model
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 
 NAME = "ders_upcycling"
 
@@ -66,7 +66,8 @@ def make_config(preset: str) -> DeRSUpcyclingConfig:
 
 
 def _variants(cfg: DeRSUpcyclingConfig):
-    base = UpcycleConfig(blocks="every_other", n_experts=cfg.n_experts, top_k=cfg.top_k)
+    base = UpcycleConfig(blocks="every_other",
+                         moe=UPCYCLE_MOE.replace(n_experts=cfg.n_experts, top_k=cfg.top_k))
     out = [("vanilla", "vanilla", "", base)]
     out += [(f"DeRS-SM p={p}", "sm", p, base.replace(expert_form="sm", sm_rate=p))
             for p in cfg.sm_rates]

@@ -51,7 +51,7 @@ from moejax.train.distill import (
 )
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
-from moejax.upcycle import UpcycleConfig, upcycle_model
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
 
 NAME = "moe_kd"
 
@@ -65,9 +65,10 @@ class MoEKDConfig(Config):
     substrate: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     # Llama-MoE style: every FFN's neurons split into N experts, noisy top-k, CV^2 balance
-    upcycle: UpcycleConfig = UpcycleConfig(blocks="all", expert_form="split", n_experts=8,
-                                           top_k=2, router="noisy", balance_loss="cv2",
-                                           balance_coef=0.01, dispatch="dense")
+    upcycle: UpcycleConfig = UpcycleConfig(
+        blocks="all", expert_form="split",
+        moe=UPCYCLE_MOE.replace(n_experts=8, top_k=2, router="noisy", balance_loss="cv2",
+                                balance_coef=0.01, dispatch="dense"))
     student_layers: int = 2  # the student keeps the substrate's first blocks
     prompt_len: int = 48  # tokens of the prompt block (bos + prompt tail + eos bos)
     response_len: int = 32  # response tokens incl. eos (the sampling length too)
@@ -99,10 +100,10 @@ class MoEKDConfig(Config):
         r(self.model != "substrate"
           or self.prompt_len + self.response_len <= self.substrate.max_seq_len,
           "prompt_len + response_len exceeds substrate.max_seq_len")
-        r(all(1 <= k <= self.upcycle.n_experts for k in self.teacher_ks),
-          f"teacher_ks={self.teacher_ks} must lie in [1, upcycle.n_experts]")
-        r(self.upcycle.router == "noisy" or "sar" not in self.methods,
-          "SAR trains W_g and W_noise of a noisy top-k router: set upcycle.router=noisy")
+        r(all(1 <= k <= self.upcycle.moe.n_experts for k in self.teacher_ks),
+          f"teacher_ks={self.teacher_ks} must lie in [1, upcycle.moe.n_experts]")
+        r(self.upcycle.moe.router == "noisy" or "sar" not in self.methods,
+          "SAR trains W_g and W_noise of a noisy top-k router: set upcycle.moe.router=noisy")
         r(self.seeds >= 1 and self.eval_seeds >= 1, "seeds and eval_seeds must be >= 1")
         r(self.eval_temperature >= 0, "eval_temperature must be >= 0 (0 = greedy)")
 
@@ -121,9 +122,10 @@ def make_config(preset: str) -> MoEKDConfig:
             eval_temperature=0.0)
     return MoEKDConfig(
         model="smollm2_135m", substrate=substrate_config("dense_lm_prose", "full"),
-        upcycle=UpcycleConfig(blocks="all", expert_form="split", n_experts=16, top_k=4,
-                              router="noisy", balance_loss="cv2", balance_coef=0.01,
-                              dispatch="ragged"),
+        upcycle=UpcycleConfig(
+            blocks="all", expert_form="split",
+            moe=UPCYCLE_MOE.replace(n_experts=16, top_k=4, router="noisy", balance_loss="cv2",
+                                    balance_coef=0.01, dispatch="ragged")),
         student_layers=15,
         prompt_len=256, response_len=256, n_train=100_000, n_val=500, n_test=2000,
         sft=TrainConfig(steps=3000, batch_size=16, lr=1e-4, warmup_steps=100,
@@ -242,8 +244,8 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     mass = gate_mass_by_layer(moe_teacher, [val_batch])
     run.table("gate_mass", [{"layer": i, "activated": m, "not_activated": 1 - m}
                             for i, m in enumerate(mass)],
-              title=f"Gate mass of the top-{cfg.upcycle.top_k} experts vs the other "
-                    f"{cfg.upcycle.n_experts - cfg.upcycle.top_k} (validation tokens)")
+              title=f"Gate mass of the top-{cfg.upcycle.moe.top_k} experts vs the other "
+                    f"{cfg.upcycle.moe.n_experts - cfg.upcycle.moe.top_k} (validation tokens)")
     run.bar_plot("gate_mass", [f"layer {i}" for i in range(len(mass))], mass,
                  ylabel="gate mass of activated experts", hlines={"50%": 0.5},
                  title="Fig. 1 analog: activated experts' share of the gate")

@@ -46,13 +46,16 @@ from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_ind
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.surgery import build_from_pure
-from moejax.ops.dispatch import DispatchMethod
 
-__all__ = ["UpcycleConfig", "upcycled_layers", "moe_slot_config", "upcycle_decoder_config",
-           "upcycle_ffn", "upcycle_params", "upcycle_model", "output_scale", "param_report",
-           "model_variables"]
+__all__ = ["UpcycleConfig", "UPCYCLE_MOE", "upcycled_layers", "moe_slot_config",
+           "upcycle_decoder_config", "upcycle_ffn", "upcycle_params", "upcycle_model",
+           "output_scale", "param_report", "model_variables"]
 
 _W = ("w_gate", "w_up", "w_down")
+
+# The MoE settings upcycling starts from: MoEConfig's defaults, except a capacity that never
+# drops (n_experts / top_k). Derive variants with ``UPCYCLE_MOE.replace(n_experts=8, ...)``.
+UPCYCLE_MOE = MoEConfig(capacity_factor=None)
 
 
 @config
@@ -61,29 +64,24 @@ class UpcycleConfig(Config):
 
     blocks / block_list / offset: ``"all"``, ``"every_other"`` (layers offset, offset+2, ...;
         MoE-LLaVA uses every other block) or ``"list"`` (the indices in ``block_list``).
-    n_experts / top_k / renormalize / router: the new MoE layers (router is always new).
-    router_init / router_init_std: ``w_g ~ N(0, std^2)`` or zeros.
-    universal_ffn / n_shared_experts: parallel dense copies (Coder-MoE universal FFN,
-        DeepSeekMoE shared experts), both initialised from the dense FFN.
+    moe: the new MoE layers' settings (experts, top-k, router, dispatch, capacity, balance
+        and z losses, universal FFN and shared experts, which are copies of the dense FFN);
+        its ``d_expert``, ``activation``, ``d_shared`` and ``d_universal`` are taken from the
+        dense FFN (the ``"split"`` form: ``d_expert = d_hidden / n_experts``).
+        ``capacity_factor=None`` (the default here) = ``n_experts / top_k``: never drops.
+    router_init / router_init_std: ``w_g ~ N(0, std^2)`` or zeros (the router is always new).
     scale_outputs: divide every ``w_down`` by the number of parallel copies (function
         preserving; see module docstring).
     expert_form: ``"vanilla"`` copies or DeRS ``"sm"`` / ``"lm"`` with ``sm_rate``,
         ``lm_rank``, ``lm_init_std``, ``freeze_shared``, ``extended`` (DeRSMoEConfig).
-    dispatch / capacity_factor (None -> ``n_experts / top_k``, never drops) / balance_loss /
-        balance_coef / z_loss_coef: passed to the MoE config.
     """
 
     blocks: Literal["all", "every_other", "list"] = "every_other"
     block_list: tuple = ()
     offset: int = 1
-    n_experts: int = 4
-    top_k: int = 2
-    renormalize: bool = True
-    router: Literal["softmax", "noisy"] = "softmax"
+    moe: MoEConfig = MoEConfig(capacity_factor=None)  # = UPCYCLE_MOE
     router_init: Literal["normal", "zeros"] = "normal"
     router_init_std: float = 0.02
-    universal_ffn: bool = False
-    n_shared_experts: int = 0
     scale_outputs: bool = True
     expert_form: Literal["vanilla", "sm", "lm", "split"] = "vanilla"
     sm_rate: float = 0.99
@@ -91,11 +89,6 @@ class UpcycleConfig(Config):
     lm_init_std: float | None = None
     freeze_shared: bool = False
     extended: bool = False
-    dispatch: DispatchMethod = "capacity"
-    capacity_factor: float | None = None
-    balance_loss: Literal["none", "cv2", "switch"] = "switch"
-    balance_coef: float = 0.01
-    z_loss_coef: float = 0.0
 
     def validate(self) -> None:
         r = self._require
@@ -107,10 +100,8 @@ class UpcycleConfig(Config):
         r(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         r(self.expert_form in ("sm", "lm") or not (self.freeze_shared or self.extended),
           "freeze_shared / extended apply to DeRS experts; set expert_form='sm' or 'lm'")
-        r(not self.extended or self.universal_ffn,
-          "extended=True decomposes the universal FFN; set universal_ffn=True")
-        r(self.capacity_factor is None or self.capacity_factor > 0,
-          f"capacity_factor={self.capacity_factor} must be > 0 (or None = never drop)")
+        r(not self.extended or self.moe.universal_ffn,
+          "extended=True decomposes the universal FFN; set moe.universal_ffn=True")
 
 
 def upcycled_layers(n_layers: int, rule: UpcycleConfig) -> tuple[int, ...]:
@@ -132,20 +123,15 @@ def moe_slot_config(rule: UpcycleConfig, dense: DenseFFNConfig):
     if dense.use_bias:
         raise ValueError("upcycle: dense FFNs with biases are not supported (MoE experts are "
                          "bias-free); upcycle a bias-free model")
-    cf = rule.capacity_factor or rule.n_experts / rule.top_k
     d_expert = dense.d_hidden
     if rule.expert_form == "split":
-        if dense.d_hidden % rule.n_experts:
+        if dense.d_hidden % rule.moe.n_experts:
             raise ValueError(f"upcycle: expert_form='split' divides the {dense.d_hidden} hidden "
-                             f"neurons into n_experts={rule.n_experts} equal groups; pick a "
+                             f"neurons into n_experts={rule.moe.n_experts} equal groups; pick a "
                              "divisor")
-        d_expert = dense.d_hidden // rule.n_experts
-    moe = MoEConfig(n_experts=rule.n_experts, top_k=rule.top_k, d_expert=d_expert,
-                    activation=dense.activation, router=rule.router,
-                    renormalize=rule.renormalize, dispatch=rule.dispatch,
-                    capacity_factor=float(cf), n_shared_experts=rule.n_shared_experts,
-                    universal_ffn=rule.universal_ffn, balance_loss=rule.balance_loss,
-                    balance_coef=rule.balance_coef, z_loss_coef=rule.z_loss_coef)
+        d_expert = dense.d_hidden // rule.moe.n_experts
+    moe = rule.moe.replace(d_expert=d_expert, activation=dense.activation,
+                           capacity_factor=rule.moe.capacity, d_shared=None, d_universal=None)
     if rule.expert_form in ("vanilla", "split"):
         return moe
     return DeRSMoEConfig(moe=moe, form=rule.expert_form, sm_rate=rule.sm_rate,
@@ -166,7 +152,7 @@ def output_scale(rule: UpcycleConfig) -> float:
     """``s = 1 / (1 + [universal] + n_shared)`` with ``scale_outputs``, else 1."""
     if not rule.scale_outputs:
         return 1.0
-    return 1.0 / (1 + int(rule.universal_ffn) + rule.n_shared_experts)
+    return 1.0 / (1 + int(rule.moe.universal_ffn) + rule.moe.n_shared_experts)
 
 
 def _scaled(ffn: dict, s: float) -> dict:
@@ -174,13 +160,13 @@ def _scaled(ffn: dict, s: float) -> dict:
 
 
 def _router(key, d_model: int, rule: UpcycleConfig, dtype) -> dict:
-    shape = (d_model, rule.n_experts)
+    shape = (d_model, rule.moe.n_experts)
     if rule.router_init == "zeros":
         w = jnp.zeros(shape, dtype)
     else:
         w = jax.random.normal(key, shape, dtype) * rule.router_init_std
     out = {"w_g": w}
-    if rule.router == "noisy":
+    if rule.moe.router == "noisy":
         out["w_noise"] = jnp.zeros(shape, dtype)
     return out
 
@@ -216,10 +202,10 @@ def upcycle_ffn(key: jax.Array, ffn: dict, rule: UpcycleConfig) -> dict:
     out: dict[str, Any] = {"router": _router(k_router, d_model, rule, ffn["w_up"].dtype)}
     scaled = _scaled(ffn, s)
     if rule.expert_form == "vanilla":
-        out["experts"] = {k: jnp.broadcast_to(v, (rule.n_experts,) + v.shape)
+        out["experts"] = {k: jnp.broadcast_to(v, (rule.moe.n_experts,) + v.shape)
                           for k, v in scaled.items()}
     elif rule.expert_form == "split":
-        n, f = rule.n_experts, ffn["w_up"].shape[1]
+        n, f = rule.moe.n_experts, ffn["w_up"].shape[1]
         if f % n:
             raise ValueError(f"upcycle_ffn: {f} hidden neurons do not split into {n} experts")
         groups_EG = jax.random.permutation(k_exp, f).reshape(n, f // n)
@@ -228,12 +214,12 @@ def upcycle_ffn(key: jax.Array, ffn: dict, rule: UpcycleConfig) -> dict:
                           for k, v in ffn.items()}
     else:
         out["base"] = dict(scaled)
-        out["experts"] = _ders_stack(k_exp, rule.n_experts, ffn, rule)
-    if rule.universal_ffn:
+        out["experts"] = _ders_stack(k_exp, rule.moe.n_experts, ffn, rule)
+    if rule.moe.universal_ffn:
         out["universal"] = (_ders_stack(k_uni, 1, ffn, rule) if rule.extended
                             else dict(scaled))
-    if rule.n_shared_experts > 0:
-        n = rule.n_shared_experts
+    if rule.moe.n_shared_experts > 0:
+        n = rule.moe.n_shared_experts
         out["shared"] = {k: jnp.concatenate([v] * n, axis=0 if k == "w_down" else 1)
                          for k, v in scaled.items()}
     return out

@@ -27,7 +27,7 @@ from moejax.ders_compress import (
 from moejax.ders_compress.compress import delta_tree
 from moejax.ders_compress.synth import DeRSBuffer
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
-from moejax.upcycle import UpcycleConfig, output_scale, upcycle_model
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model
 
 D, F, N = 16, 32, 4
 
@@ -50,8 +50,8 @@ def trained(request):
     cfg = dense_decoder_config(vocab_size=64, d_model=D, n_layers=2, n_heads=2, d_hidden=F,
                                max_seq_len=32)
     dense = DecoderLM(cfg, rngs=nnx.Rngs(0))
-    rule = UpcycleConfig(blocks="all", top_k=2 if not extended else 1, dispatch="dense",
-                         universal_ffn=extended)
+    rule = UpcycleConfig(blocks="all", moe=UPCYCLE_MOE.replace(
+        top_k=2 if not extended else 1, dispatch="dense", universal_ffn=extended))
     moe = upcycle_model(dense, rule, jax.random.key(1))
     pure = _pure(moe)
     key = jax.random.key(2)

@@ -11,12 +11,12 @@ from tests.tiny_substrates import tiny_lm
 
 
 def test_moe_kd_tiny(tiny_recipes, tmp_path):
-    from moejax.upcycle import UpcycleConfig
+    from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 
     cfg = mod.MoEKDConfig(
         substrate=tiny_lm("dense_lm_prose", "quick"), substrate_cache=str(tiny_recipes),
-        upcycle=UpcycleConfig(blocks="all", expert_form="split", n_experts=4, top_k=2,
-                              router="noisy", balance_loss="cv2", dispatch="dense"),
+        upcycle=UpcycleConfig(blocks="all", expert_form="split", moe=UPCYCLE_MOE.replace(
+            n_experts=4, top_k=2, router="noisy", balance_loss="cv2", dispatch="dense")),
         student_layers=1, prompt_len=12,
         response_len=6, n_train=64, n_val=4, n_test=6,
         sft=TrainConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1),

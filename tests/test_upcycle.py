@@ -13,7 +13,7 @@ from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, de
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.train.optim import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from moejax.upcycle import UpcycleConfig, param_report, upcycle_model, upcycled_layers
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model, upcycled_layers
 
 D, F, L = 16, 32, 4
 
@@ -35,15 +35,16 @@ def _tokens(seed=1, B=2, T=12):
 
 RULES = {
     "vanilla_every_other": UpcycleConfig(),
-    "vanilla_list_top1_universal": UpcycleConfig(blocks="list", block_list=(0, 3), top_k=1,
-                                                 universal_ffn=True),
-    "vanilla_shared_noisy": UpcycleConfig(n_shared_experts=2, router="noisy", n_experts=3),
+    "vanilla_list_top1_universal": UpcycleConfig(
+        blocks="list", block_list=(0, 3), moe=UPCYCLE_MOE.replace(top_k=1, universal_ffn=True)),
+    "vanilla_shared_noisy": UpcycleConfig(
+        moe=UPCYCLE_MOE.replace(n_shared_experts=2, router="noisy", n_experts=3)),
     "lm_all_dense_dispatch": UpcycleConfig(expert_form="lm", lm_rank=3, blocks="all",
-                                           dispatch="dense"),
-    "sm_extended": UpcycleConfig(expert_form="sm", universal_ffn=True, extended=True,
-                                 top_k=1),
+                                           moe=UPCYCLE_MOE.replace(dispatch="dense")),
+    "sm_extended": UpcycleConfig(expert_form="sm", extended=True,
+                                 moe=UPCYCLE_MOE.replace(universal_ffn=True, top_k=1)),
     "lm_frozen_shared_ragged": UpcycleConfig(expert_form="lm", freeze_shared=True,
-                                             dispatch="ragged"),
+                                             moe=UPCYCLE_MOE.replace(dispatch="ragged")),
 }
 
 
@@ -75,7 +76,7 @@ def test_layer_selection_rules():
 
 def test_vanilla_surgery_copies_dense_ffn_and_router_is_new():
     dense = _dense()
-    rule = UpcycleConfig(universal_ffn=True, n_shared_experts=1)
+    rule = UpcycleConfig(moe=UPCYCLE_MOE.replace(universal_ffn=True, n_shared_experts=1))
     a = upcycle_model(dense, rule, jax.random.key(0))
     b = upcycle_model(dense, rule, jax.random.key(1))
     s = 1.0 / 3.0
@@ -198,8 +199,8 @@ def test_split_upcycling_partitions_neurons():
     every hidden neuron lands in exactly one expert."""
     from moejax.nn.routing_modes import RoutingMode, with_routing
 
-    rule = UpcycleConfig(expert_form="split", blocks="all", n_experts=4, top_k=2,
-                         router_init="zeros", dispatch="dense")
+    rule = UpcycleConfig(expert_form="split", blocks="all", router_init="zeros",
+                         moe=UPCYCLE_MOE.replace(n_experts=4, top_k=2, dispatch="dense"))
     dense = _dense()
     moe = upcycle_model(dense, rule, jax.random.key(3))
     x = _tokens()
@@ -215,4 +216,4 @@ def test_split_upcycling_partitions_neurons():
     # only the routers are added: 4 layers x D x N
     assert param_report(dense, moe)["added"] == L * D * 4
     with pytest.raises(ValueError, match="equal groups"):
-        upcycle_model(dense, rule.replace(n_experts=5), jax.random.key(0))
+        upcycle_model(dense, rule.replace(moe=rule.moe.replace(n_experts=5)), jax.random.key(0))

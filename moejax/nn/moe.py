@@ -63,7 +63,8 @@ class MoEConfig(FFNSlotConfig):
         ``jax.lax.ragged_dot``) or "gmm" (dropless, the Pallas grouped-matmul kernels with
         their backward; GPU, interpret mode on CPU).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
-        (capacity path only; ``N`` = tokens in the call, padding included).
+        (capacity path only; ``N`` = tokens in the call, padding included); None =
+        ``n_experts / top_k``, which never drops (:attr:`capacity`).
     n_shared_experts / d_shared: DeepSeekMoE always-active experts (width default d_expert).
     universal_ffn / d_universal: parallel dense "universal" FFN (width default d_expert).
     balance_loss / balance_coef: "cv2" (CV(m)^2 + CV(P)^2), "switch" (E sum f_i P_i) or "none".
@@ -77,7 +78,7 @@ class MoEConfig(FFNSlotConfig):
     router: Literal["softmax", "noisy"] = "softmax"
     renormalize: bool = True
     dispatch: DispatchMethod = "capacity"
-    capacity_factor: float = 2.0
+    capacity_factor: float | None = 2.0
     n_shared_experts: int = 0
     d_shared: int | None = None
     universal_ffn: bool = False
@@ -85,6 +86,13 @@ class MoEConfig(FFNSlotConfig):
     balance_loss: Literal["none", "cv2", "switch"] = "switch"
     balance_coef: float = 0.01
     z_loss_coef: float = 0.0
+
+    @property
+    def capacity(self) -> float:
+        """The capacity factor in use: ``capacity_factor``, or ``n_experts / top_k`` if None."""
+        if self.capacity_factor is None:
+            return self.n_experts / self.top_k
+        return float(self.capacity_factor)
 
     def validate(self) -> None:
         self._require(self.n_experts >= 1, f"n_experts={self.n_experts} must be >= 1")
@@ -95,9 +103,9 @@ class MoEConfig(FFNSlotConfig):
         )
         self._require(self.d_expert > 0, f"d_expert={self.d_expert} must be > 0")
         self._require(
-            self.capacity_factor > 0,
+            self.capacity_factor is None or self.capacity_factor > 0,
             f"capacity_factor={self.capacity_factor} must be > 0 (1.0 = exactly balanced "
-            "load fits; use >= n_experts / top_k to never drop)",
+            "load fits; None or >= n_experts / top_k never drops)",
         )
         self._require(
             self.n_shared_experts >= 0,
@@ -203,7 +211,7 @@ class MoESkeleton(nnx.Module):
         m = self.moe_cfg
         w_up, w_down, w_gate = self.expert_weights()
         out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
-                       activation=m.activation, capacity_factor=m.capacity_factor,
+                       activation=m.activation, capacity_factor=m.capacity,
                        valid_N=mask_N)
         return out.y_ND, out.dropped_fraction
 
