@@ -27,13 +27,13 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
-from moejax.evaluate import LMEvaluator
+from moejax.evaluate import LMEvaluator, outputs_on
 from moejax.experiment import main
 from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
-from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, train_params
+from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_loss, train_params
 
 NAME = "darex_decoder"
 
@@ -80,13 +80,6 @@ def make_config(preset: str) -> DecoderStudyConfig:
 # ------------------------------------------------------------------------------ model pieces
 
 
-def _loss(graphdef, rest):
-    def loss_fn(params, batch, key=None, train=True):
-        return lm_loss_fn(nnx.merge(graphdef, params, rest), batch, key, train=train)
-
-    return loss_fn
-
-
 def build_models(cfg: DecoderStudyConfig):
     """``(graphdef, rest, theta_P, tokenizer_or_None, substrate_or_None)``: SmolLM2, or the
     ``dense_lm_prose`` substrate (built once and cached)."""
@@ -108,7 +101,7 @@ def build_models(cfg: DecoderStudyConfig):
 
 def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     graphdef, rest, pre, tok, sub = build_models(cfg)
-    loss_fn = _loss(graphdef, rest)  # one function: the fine-tuning step compiles once
+    loss_fn = params_loss(graphdef, rest, lm_loss_fn)
     code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)
     bs = cfg.finetune.batch_size
     train_src = WindowBatches(code("train"), batch_size=bs, seq_len=cfg.seq_len,
@@ -121,10 +114,7 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     test_eval = LMEvaluator(held(20_000)).bind(graphdef, rest)
     calib = train_src.batch(10**6)["inputs"][: max(2, bs // 2)]
 
-    @jax.jit
-    def logits_fn(params):
-        return nnx.merge(graphdef, params, rest)(calib)[0]
-
+    logits_fn = outputs_on(graphdef, rest, calib)
     base_rows, rows = [], []
     before = test_eval(pre)
     tuned = {}

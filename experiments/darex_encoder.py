@@ -24,14 +24,14 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from moejax import delta as dl
 from moejax.config import Config, config
+from moejax.data.batches import ClassificationBatches
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
-from moejax.evaluate import ClassifierEvaluator
+from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
 from moejax.experiment import main
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
@@ -39,7 +39,7 @@ from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
-from moejax.train import TrainConfig, adam_linear_config, train_params
+from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
 
 NAME = "darex_encoder"
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
@@ -95,43 +95,25 @@ def make_config(preset: str) -> EncoderStudyConfig:
 
 
 class Task:
-    """Tokenised splits of one WordNet task plus its batches."""
+    """One WordNet task: its tokenised splits ``(tokens, labels, mask)`` by split name."""
 
     def __init__(self, name: str, cfg: EncoderStudyConfig, tok, seq_len: int):
         self.name, self.n_classes = name, N_CLASSES[name]
-        self.data = {}
-        for split, n in (("train", cfg.n_train), ("validation", cfg.n_val),
-                         ("test", cfg.n_test)):
-            toks, labels, mask = wordnet_arrays(name, split, tok, seq_len, n)
-            self.data[split] = (jnp.asarray(toks), jnp.asarray(mask > 0), jnp.asarray(labels))
+        self.data = {split: wordnet_arrays(name, split, tok, seq_len, n)
+                     for split, n in (("train", cfg.n_train), ("validation", cfg.n_val),
+                                      ("test", cfg.n_test))}
 
-    def batches(self, batch_size, seed):
-        toks, mask, y = self.data["train"]
+    def batches(self, batch_size: int, seed: int) -> ClassificationBatches:
+        toks, labels, mask = self.data["train"]
+        return ClassificationBatches(toks, labels, mask=mask, batch_size=batch_size, seed=seed,
+                                     num_classes=self.n_classes)
 
-        def at(i):
-            idx = np.random.default_rng([seed, i]).integers(0, y.shape[0], batch_size)
-            return toks[idx], mask[idx], y[idx]
-
-        return at
-
-
-def make_fns(graphdef, rest):
-    """Loss, accuracy (per split) and jitted logits for a split SequenceClassifier."""
-
-    def logits(params, toks, mask):
-        return nnx.merge(graphdef, params, rest)(toks, mask_BT=mask)[0]
-
-    def loss_fn(params, batch, key=None, train=True):
-        toks, mask, y = batch
-        lp = jax.nn.log_softmax(logits(params, toks, mask))
-        return -jnp.mean(jnp.take_along_axis(lp, y[:, None], 1))
-
-    def accuracy_on(data):
-        toks, mask, y = data
-        ev = ClassifierEvaluator(toks, y, mask).bind(graphdef, rest)
+    def accuracy(self, split: str, graphdef, rest):
+        """``params -> accuracy`` on ``split``."""
+        toks, labels, mask = self.data[split]
+        ev = ClassifierEvaluator(toks, labels, mask, n_classes=self.n_classes).bind(graphdef,
+                                                                                    rest)
         return lambda prm: ev(prm)["accuracy"]
-
-    return loss_fn, accuracy_on, jax.jit(logits)
 
 
 def backbone(cfg: EncoderStudyConfig):
@@ -181,11 +163,11 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, swe
              "adamr_l1": cfg.finetune.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
     graphdef, _, rest = nnx.split(SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(0)),
                                   nnx.Param, ...)
-    loss_fn, accuracy_on, logits = make_fns(graphdef, rest)
-    calib = tuple(x[:64] for x in task.data["train"][:2])
-    outputs_fn = lambda prm: logits(prm, *calib)  # noqa: E731
-    val_metric = accuracy_on(task.data["validation"])
-    test_metric = accuracy_on(task.data["test"])
+    loss_fn = params_loss(graphdef, rest, classifier_loss_fn)
+    toks, _, mask = task.data["train"]
+    outputs_fn = outputs_on(graphdef, rest, toks[:64], mask[:64])
+    val_metric = task.accuracy("validation", graphdef, rest)
+    test_metric = task.accuracy("test", graphdef, rest)
     for seed in range(cfg.seeds):
         clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(seed))
         nnx.update(clf.encoder, enc_p)

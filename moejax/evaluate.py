@@ -39,7 +39,7 @@ from moejax.train.step import lm_loss_fn, make_eval_step
 __all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "GenerationEvaluator",
            "matthews_corrcoef", "classifier_loss_fn", "router_active_sets", "rouge_l",
            "gate_mass_by_layer", "router_kl_by_layer", "classifier_kd_loss_fn",
-           "classifier_logits"]
+           "classifier_logits", "outputs_on"]
 
 
 def classifier_loss_fn(model, batch, key=None, train: bool = True):
@@ -73,6 +73,20 @@ def classifier_kd_loss_fn(*, alpha: float = 0.5, temperature: float = 1.0) -> Ca
             "kd": kd, "ce": ce, "accuracy": accuracy(logits, batch["labels"])}
 
     return loss_fn
+
+
+def outputs_on(graphdef, rest, inputs, mask=None) -> Callable:
+    """``params -> logits`` of ``nnx.merge(graphdef, params, rest)`` on ONE fixed batch
+    (``mask``: real tokens), jitted: the last-layer outputs that DAREx's q_e search and the
+    output-change curves compare."""
+    inputs = jnp.asarray(inputs)
+    kw = {} if mask is None else {"mask_BT": jnp.asarray(mask) > 0}
+
+    @jax.jit
+    def fn(params):
+        return nnx.merge(graphdef, params, rest)(inputs, train=False, **kw)[0]
+
+    return fn
 
 
 def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.ndarray:

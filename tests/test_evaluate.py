@@ -54,3 +54,25 @@ def test_lm_evaluator_bits_per_byte_and_counters():
     n = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     assert count_params(model) == count_params(params) == n
     assert count_bytes({"a": np.zeros((3, 2), np.float32), "b": np.zeros(5, np.int8)}) == 29
+
+
+def test_outputs_on_and_params_loss_see_the_params_they_are_given():
+    from moejax.evaluate import classifier_loss_fn, outputs_on
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+    from moejax.train import params_loss
+
+    cfg = bert_encoder_config(vocab_size=11, d_model=8, n_layers=1, n_heads=2, d_hidden=16)
+    model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 11, (4, 6)))
+    mask = jnp.asarray(np.arange(6)[None] < np.array([6, 3, 1, 4])[:, None])
+    f = outputs_on(graphdef, rest, toks, mask)
+    np.testing.assert_allclose(np.asarray(f(params)),
+                               np.asarray(model(toks, mask_BT=mask)[0]), rtol=1e-6)
+    zeroed = jax.tree.map(jnp.zeros_like, params)
+    assert not np.allclose(np.asarray(f(zeroed)), np.asarray(f(params)))  # not a constant
+    batch = {"inputs": toks, "labels": jnp.asarray([0, 1, 2, 1]), "mask": mask}
+    loss, metrics = params_loss(graphdef, rest, classifier_loss_fn)(params, batch)
+    ref, _ = classifier_loss_fn(model, batch)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
+    assert set(metrics) >= {"ce", "accuracy"}

@@ -18,6 +18,7 @@ from moejax.train.step import (
     lm_loss_fn,
     make_eval_step,
     make_train_step,
+    params_loss,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "make_train_step",
     "make_eval_step",
     "lm_loss_fn",
+    "params_loss",
     "check_finite",
     "train",
     "train_params",

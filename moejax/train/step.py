@@ -44,6 +44,7 @@ from moejax.ops.losses import accuracy, cross_entropy
 from moejax.train.optim import TrainConfig
 
 __all__ = [
+    "params_loss",
     "TrainState",
     "NonFiniteError",
     "init_train_state",
@@ -90,6 +91,17 @@ def cast_floating(tree, dtype):
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
+
+
+def params_loss(graphdef, rest, loss_fn: Callable) -> Callable:
+    """A model loss ``loss_fn(model, batch, key, train)`` as a loss of the parameters only,
+    ``(params, batch, key=None, train=True)``, for :func:`moejax.train.train_params` (the
+    model is ``nnx.merge(graphdef, params, rest)``)."""
+
+    def loss(params, batch, key=None, train: bool = True):
+        return loss_fn(nnx.merge(graphdef, params, rest), batch, key, train=train)
+
+    return loss
 
 
 def lm_loss_fn(model, batch, key, train: bool = True):
