@@ -31,15 +31,18 @@ from flax import nnx
 from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
 from moejax.config import Config, config
 from moejax.ders_compress import (
+    QuantSpec,
     bases_from_dense,
     build_synth_model,
     compress,
     compression_report,
     decompose,
     decompress,
+    decompress_deltas,
     disk_bytes,
     expert_cosines,
     load_compressed,
+    recompose,
     save_compressed,
 )
 from moejax.evaluate import LMEvaluator
@@ -70,6 +73,12 @@ class DeRSCompressionConfig(Config):
     eval_batches: int = 8
     ckpt_drop: float = 0.9
     ckpt_bits: int = 4
+    # The k-bit quantiser (the paper does not name one): midrise 2^k levels per group of
+    # quant_group input rows, 1 bit = sign x mean|delta|; "symmetric" + "channel" is the
+    # quantiser of earlier runs (2^k - 1 levels from the column max).
+    quant_scheme: Literal["midrise", "symmetric"] = "midrise"
+    quant_granularity: Literal["group", "channel"] = "group"
+    quant_group: int = 64
 
     def validate(self) -> None:
         self._require(all(s in SCENARIOS for s in self.scenarios),
@@ -77,6 +86,11 @@ class DeRSCompressionConfig(Config):
         self._require(all(0 <= p < 1 for p in self.drop_rates), "drop_rates must be in [0, 1)")
         self._require(all(b in (1, 2, 3, 4, 5, 6, 7, 8, 16) for b in self.bits),
                       "bits must be in 1..8 or 16")
+        self._require(self.quant_group >= 1, f"quant_group={self.quant_group} must be >= 1")
+
+    @property
+    def quant(self) -> QuantSpec:
+        return QuantSpec(self.quant_scheme, self.quant_granularity, self.quant_group)
 
 
 def make_config(preset: str) -> DeRSCompressionConfig:
@@ -135,16 +149,33 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
                                        else [])
     for decomp, extended in variants:
         dec = decompose(pure, base, extended=extended)
+        # Reference: every delta dropped (W~_i = W_base): how much the deltas matter at all.
+        zero = {i: {w: np.zeros_like(a) for w, a in layer.items()}
+                for i, layer in dec.deltas.items()}
+        rep = compression_report(compress(dec, "sparse", drop_rate=0.0, key=compress_key))
+        loss = evaluate(_with_params(moe, recompose(dec, zero)))["loss"]
+        rows.append({"scenario": name, "decomposed": decomp, "method": "base_only",
+                     "setting": "all deltas dropped", "expert_params": rep["base"],
+                     "expert_params_with_index": rep["base"],
+                     "vanilla_expert_params": rep["vanilla_expert_params"], "delta_bytes": 0,
+                     "expert_bytes": rep["expert_bytes"] - rep["delta_bytes"],
+                     "vanilla_expert_bytes": rep["vanilla_expert_bytes"], "rel_err": 1.0,
+                     "val_loss": loss, "d_loss": loss - moe_loss})
         settings = [("none", "fp32")] + [("sparse", p) for p in cfg.drop_rates] + \
                    [("quant", b) for b in cfg.bits]
         for method, setting in settings:
             if method == "sparse":
                 c = compress(dec, "sparse", drop_rate=setting, key=compress_key)
             elif method == "quant":
-                c = compress(dec, "quant", bits=setting)
+                c = compress(dec, "quant", bits=setting, quant=cfg.quant)
             else:
                 c = compress(dec, "none")
             rep = compression_report(c)
+            got = decompress_deltas(c)
+            err = sum(float(np.sum((got[i][w] - a) ** 2)) for i, layer in dec.deltas.items()
+                      for w, a in layer.items())
+            norm = sum(float(np.sum(a ** 2)) for layer in dec.deltas.values()
+                       for a in layer.values())
             loss = evaluate(_with_params(moe, decompress(c)))["loss"]
             rows.append({"scenario": name, "decomposed": decomp, "method": method,
                          "setting": setting, "expert_params": rep["expert_params"],
@@ -152,6 +183,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
                          "vanilla_expert_params": rep["vanilla_expert_params"],
                          "delta_bytes": rep["delta_bytes"], "expert_bytes": rep["expert_bytes"],
                          "vanilla_expert_bytes": rep["vanilla_expert_bytes"],
+                         "rel_err": (err / norm) ** 0.5 if norm else 0.0,
                          "val_loss": loss, "d_loss": loss - moe_loss})
             if method != "none":
                 curves.setdefault(f"{name}/{decomp}/{method}", []).append(
@@ -160,7 +192,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
         # Compressed orbax checkpoint -> reload -> on-the-fly synthesis inference.
         for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
                            ("quant", {"bits": cfg.ckpt_bits})):
-            c = compress(dec, method, key=compress_key, **kw)
+            c = compress(dec, method, key=compress_key, quant=cfg.quant, **kw)
             path = run.path / f"ckpt_{name}_{decomp.replace('+', '_')}_{method}"
             shutil.rmtree(path, ignore_errors=True)
             save_compressed(path, c, moe.cfg)
@@ -231,7 +263,12 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
 
     head = "; ".join(f"{n}: d_loss drop0.9 {at(n, 'sparse', 0.9):+.4f}, drop0.99 "
                      f"{at(n, 'sparse', 0.99):+.4f}, 2-bit {at(n, 'quant', 2):+.4f}, 1-bit "
-                     f"{at(n, 'quant', 1):+.4f}" for n in cfg.scenarios)
+                     f"{at(n, 'quant', 1):+.4f}, base only "
+                     f"{at(n, 'base_only', 'all deltas dropped'):+.4f}" for n in cfg.scenarios)
+    run.note(f"Quantiser: {cfg.quant_scheme}, scales per {cfg.quant_granularity}"
+             + (f" of {cfg.quant_group} input rows" if cfg.quant_granularity == "group" else "")
+             + " (the paper names none). rel_err = ||F(Delta) - Delta|| / ||Delta|| over all "
+             "deltas; the base_only row drops every delta (rel_err 1).")
     return {"headline": "DeRS compression, validation-loss change vs uncompressed: " + head,
             "n_settings": len(rows), "vanilla_expert_params": fmt_count(
                 rows[0]["vanilla_expert_params"]) if rows else ""}

@@ -53,7 +53,11 @@ def test_quant_special_cases_and_tree():
     with pytest.raises(ValueError, match="1..8"):
         quantize(x, 9)
     with pytest.raises(ValueError, match="divide"):
-        quantize(x, 4, granularity="group", group_size=3)
+        quantize(np.ones((6, 2), np.float32), 4, granularity="group", group_size=4)
+    # a group longer than the column is the column
+    np.testing.assert_array_equal(
+        dequantize(quantize(x, 4, granularity="group", group_size=3)),
+        dequantize(quantize(x, 4, granularity="channel")))
     t = {"w": x, "b": np.ones(2, np.float32)}
     qt = quantize_tree(t, 4, mask={"w": True, "b": False}, granularity="channel")
     back = dequantize_tree(qt)
@@ -74,3 +78,45 @@ def test_quantized_leaf_is_a_pytree_that_passes_through_jit_and_tree_map():
     np.testing.assert_allclose(np.asarray(doubled["w"].step), 2 * np.asarray(q["w"].step))
     np.testing.assert_array_equal(dequantize_tree(jax.tree.map(np.asarray, same))["w"],
                                   dequantize_tree(q)["w"])
+
+
+def test_midrise_error_falls_with_bits_and_one_bit_beats_dropping_the_delta():
+    r = np.random.default_rng(3)
+    x = r.normal(size=(128, 16)).astype(np.float32) * 0.02  # Gaussian-like deltas
+    rel = []
+    for bits in range(1, 9):
+        q = quantize(x, bits, scheme="midrise", granularity="group", group_size=64, in_axis=0)
+        assert q.codes.max() < 2**bits and q.n_levels == 2**bits and q.step.size == 2 * 16
+        rel.append(float(np.linalg.norm(dequantize(q) - x) / np.linalg.norm(x)))
+    assert all(a > b for a, b in zip(rel, rel[1:])), rel  # strictly falls as bits grow
+    assert rel[0] < 1.0  # 1 bit: better than dropping the delta (relative error 1)
+    assert rel[0] == pytest.approx(np.sqrt(1 - 2 / np.pi), abs=0.03)  # sign x mean|x|, Gaussian
+    legacy = [float(np.linalg.norm(dequantize(quantize(x, b, granularity="channel",
+                                                       in_axis=0)) - x) / np.linalg.norm(x))
+              for b in (1, 2)]
+    assert legacy[0] > 1.0 and legacy[1] > rel[1]  # what the old default did: {-A, +A}
+    # 1 bit: codes are the signs, the scale the group's mean |x|
+    q1 = quantize(x, 1, scheme="midrise", granularity="group", group_size=64, in_axis=0)
+    np.testing.assert_array_equal(q1.codes, (x >= 0).astype(np.uint8))
+    np.testing.assert_allclose(np.abs(dequantize(q1))[:64, 0], np.mean(np.abs(x[:64, 0])),
+                               rtol=1e-5)
+    # every entry within half a cell at b >= 2
+    q3 = quantize(x, 3, scheme="midrise", granularity="channel", in_axis=0)
+    assert np.all(np.abs(dequantize(q3) - x) <= q3.step.reshape(1, -1) / 2 * (1 + 1e-5))
+    with pytest.raises(ValueError, match="scheme"):
+        quantize(x, 2, scheme="lloyd")
+
+
+def test_midrise_leaves_round_trip_through_storage():
+    from moejax.delta.storage import decode, encode, storage_report
+
+    x = np.random.default_rng(4).normal(size=(64, 8)).astype(np.float32)
+    q = quantize_tree({"w": x}, 2, scheme="midrise", granularity="group", group_size=32,
+                      in_axis=0)
+    stored = encode(q)
+    assert "leaf0.offset" not in stored.arrays  # centred: one scale per group, no offset
+    back = decode(stored)
+    np.testing.assert_array_equal(dequantize(back["w"]), dequantize(q["w"]))
+    assert back["w"].n_levels == 4
+    rep = storage_report(stored)
+    assert rep["array_bytes"] == 64 * 8 * 2 // 8 + 2 * 8 * 4  # codes + float32 scales

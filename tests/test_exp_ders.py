@@ -35,6 +35,14 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
     assert "upcycled from substrate dense_lm_prose" in text
     built = list(tiny_recipes.glob("*/*/model.safetensors"))
     assert [p.parent.parent.name for p in built] == ["dense_lm_prose"]  # built once, only it
+    sweep = {(r["method"], r["setting"]): r for r in csv.DictReader(open(run.path / "sweep.csv"))
+             if r["decomposed"] == "experts"}
+    base_only = sweep["base_only", "all deltas dropped"]
+    assert float(base_only["rel_err"]) == 1.0 and int(base_only["delta_bytes"]) == 0
+    assert float(sweep["none", "fp32"]["rel_err"]) == 0.0
+    # the quantiser's error falls with bits and beats dropping the delta even at 1 bit
+    assert 0 < float(sweep["quant", "8"]["rel_err"]) < float(sweep["quant", "1"]["rel_err"]) < 1
+    assert "Quantiser: midrise" in text
 
 
 def test_ders_upcycling_tiny(tiny_recipes, tmp_path):

@@ -1,20 +1,29 @@
-"""k-bit quantisation of delta parameters, bits 1..8 (round to nearest).
+"""k-bit quantisation of delta parameters, bits 1..8. Three schemes:
 
-Symmetric (per block, ``A = max |x|``; ``L = 2^b - 1`` odd levels incl. 0 for b >= 2,
-``L = 2`` levels ``{-A, +A}`` for b = 1)::
+``"midrise"`` (per block, ``A = max |x|``, ``L = 2^b`` levels, none at 0): the range
+``[-A, A]`` is cut into ``L`` equal cells and each entry is coded by its cell, reconstructed at
+the cell's centre; at 1 bit the code is the sign and the scale the block's mean ``|x|`` (the
+L2-optimal scale for a sign code, so the error is below that of dropping ``x``)::
+
+    step = 2A / L  (b >= 2),   step = 2 mean|x|  (b = 1),
+    code = clip(floor(x/step + L/2), 0, L-1),   x^ = (code - (L-1)/2) * step
+
+``"symmetric"`` (round to nearest; ``L = 2^b - 1`` odd levels incl. 0 for b >= 2, ``L = 2``
+levels ``{-A, +A}`` for b = 1; one level is spent on 0, so 2 bits give {-A, 0, A})::
 
     step = 2A / (L - 1),  code = clip(round(x/step + (L-1)/2), 0, L-1),
     x^ = (code - (L-1)/2) * step
 
-Asymmetric (``lo = min x``, ``hi = max x``, ``L = 2^b`` levels)::
+``"asymmetric"`` (round to nearest, ``lo = min x``, ``hi = max x``, ``L = 2^b`` levels)::
 
     step = (hi - lo) / (L - 1),  code = clip(round((x - lo)/step), 0, L-1),
     x^ = lo + code * step
 
-so ``|x - x^| <= step/2`` for every entry. Blocks ("granularity"): ``"tensor"`` (one
-scale per leaf), ``"channel"`` (one per output channel, reducing over ``in_axis``), or
-``"group"`` (contiguous groups of ``group_size`` entries along ``in_axis`` per output
-channel). Codes are uint8 in ``[0, L-1]``; see :mod:`moejax.delta.storage` for packing.
+so ``|x - x^| <= step/2`` for every entry (also for ``"midrise"`` at b >= 2). Blocks
+("granularity"): ``"tensor"`` (one scale per leaf), ``"channel"`` (one per output channel,
+reducing over ``in_axis``), or ``"group"`` (contiguous groups of ``group_size`` entries along
+``in_axis`` per output channel; a group longer than the column is the column). Codes are
+uint8 in ``[0, L-1]``; see :mod:`moejax.delta.storage` for packing.
 """
 
 from __future__ import annotations
@@ -39,17 +48,22 @@ __all__ = [
 ]
 
 Granularity = Literal["tensor", "channel", "group"]
+Scheme = Literal["midrise", "symmetric", "asymmetric"]
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["codes", "step", "offset"],
-    meta_fields=["bits", "symmetric", "granularity", "group_size", "in_axis", "dtype"],
+    meta_fields=["bits", "symmetric", "granularity", "group_size", "in_axis", "dtype",
+                 "levels"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedLeaf:
     """Codes ``[...]`` (uint8, original shape), block ``step`` and ``offset`` arrays
     (block shape, broadcastable after grouping), and the static settings.
+
+    ``symmetric``: centred codes, ``x^ = (code - (L-1)/2) step`` (no offset stored);
+    ``levels``: ``L`` (0 = :func:`num_levels` of the legacy schemes; ``2^b`` for midrise).
 
     A registered pytree: the three arrays are its children, the settings static metadata, so
     quantised trees pass through ``jax.tree`` functions and ``jax.jit``."""
@@ -63,6 +77,11 @@ class QuantizedLeaf:
     group_size: int
     in_axis: int
     dtype: str
+    levels: int = 0
+
+    @property
+    def n_levels(self) -> int:
+        return self.levels or num_levels(self.bits, self.symmetric)
 
 
 def num_levels(bits: int, symmetric: bool) -> int:
@@ -80,7 +99,7 @@ def _blocked(x: np.ndarray, granularity: str, group_size: int, in_axis: int):
         return x.reshape(1, -1, 1)
     xm = np.moveaxis(x, in_axis, -2)  # [..., d_in, d_out]
     d_in = xm.shape[-2]
-    g = d_in if granularity == "channel" else group_size
+    g = d_in if granularity == "channel" else min(group_size, d_in)  # a longer group = column
     if granularity not in ("channel", "group"):
         raise ValueError(f"granularity={granularity!r}; use 'tensor', 'channel' or 'group'.")
     if g <= 0 or d_in % g:
@@ -106,14 +125,22 @@ def quantize(
     bits: int,
     *,
     symmetric: bool = True,
+    scheme: Scheme | None = None,
     granularity: Granularity = "channel",
     group_size: int = 64,
     in_axis: int = -2,
 ) -> QuantizedLeaf:
-    """Quantise one array to ``bits`` bits (see module docstring for the equations)."""
-    levels = num_levels(bits, symmetric)
+    """Quantise one array to ``bits`` bits (see module docstring for the equations).
+    ``scheme`` None = ``"symmetric"`` or ``"asymmetric"`` by the ``symmetric`` flag."""
+    scheme = scheme or ("symmetric" if symmetric else "asymmetric")
+    if scheme not in ("midrise", "symmetric", "asymmetric"):
+        raise ValueError(f"scheme={scheme!r}; use 'midrise', 'symmetric' or 'asymmetric'.")
     x = np.asarray(jax.device_get(x))
     xb = _blocked(x.astype(np.float64), granularity, group_size, in_axis)
+    if scheme == "midrise":
+        return _quantize_midrise(x, xb, bits, granularity, group_size, in_axis)
+    symmetric = scheme == "symmetric"
+    levels = num_levels(bits, symmetric)
     if symmetric:
         amax = np.max(np.abs(xb), axis=-2, keepdims=True)
         step = 2.0 * amax / (levels - 1)
@@ -137,12 +164,28 @@ def quantize(
     )
 
 
+def _quantize_midrise(x, xb, bits, granularity, group_size, in_axis) -> QuantizedLeaf:
+    num_levels(bits, True)  # validates bits
+    levels = 2**bits
+    if bits == 1:
+        step = 2.0 * np.mean(np.abs(xb), axis=-2, keepdims=True)
+    else:
+        step = 2.0 * np.max(np.abs(xb), axis=-2, keepdims=True) / levels
+    safe = np.where(step > 0, step, 1.0)
+    codes = np.clip(np.floor(xb / safe + levels / 2.0), 0, levels - 1).astype(np.uint8)
+    codes = _unblocked(codes, x.shape, granularity, in_axis)
+    offset = -(levels - 1) / 2.0 * step
+    return QuantizedLeaf(codes, step.astype(np.float32), offset.astype(np.float32), bits, True,
+                         granularity, group_size, in_axis, str(x.dtype), levels)
+
+
 def dequantize(ql: QuantizedLeaf) -> np.ndarray:
-    """``x^ = (code - (L-1)/2) step`` (symmetric) or ``lo + code step`` (asymmetric)."""
+    """``x^ = (code - (L-1)/2) step`` (centred: midrise, symmetric) or ``lo + code step``
+    (asymmetric)."""
     cb = _blocked(np.asarray(ql.codes), ql.granularity, ql.group_size, ql.in_axis)
     step = ql.step.astype(np.float64)
-    if ql.symmetric:  # centred form keeps x^ = 0 exactly representable (b >= 2)
-        xb = (cb.astype(np.float64) - (num_levels(ql.bits, True) - 1) / 2.0) * step
+    if ql.symmetric:  # centred form (symmetric b >= 2 keeps x^ = 0 exactly representable)
+        xb = (cb.astype(np.float64) - (ql.n_levels - 1) / 2.0) * step
     else:
         xb = ql.offset.astype(np.float64) + cb.astype(np.float64) * step
     return _unblocked(xb, ql.codes.shape, ql.granularity, ql.in_axis).astype(ql.dtype)

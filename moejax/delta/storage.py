@@ -130,6 +130,7 @@ def encode(tree, formats: str | dict | Any = "auto") -> StoredDelta:
                     granularity=leaf.granularity,
                     group_size=leaf.group_size,
                     in_axis=leaf.in_axis,
+                    levels=leaf.n_levels,
                 )
             )
             continue
@@ -158,10 +159,11 @@ def _decode_leaf(i: int, m: dict, arrays: dict):
     if m["kind"] == "quant":
         codes = unpack_bits(arrays[pre + "codes"], m["bits"], size).reshape(shape)
         step = arrays[pre + "step"]
+        levels = m.get("levels") or num_levels(m["bits"], m["symmetric"])
         offset = (
             arrays[pre + "offset"]
             if not m["symmetric"]
-            else -(num_levels(m["bits"], True) - 1) / 2.0 * step
+            else -(levels - 1) / 2.0 * step
         )
         return QuantizedLeaf(
             codes,
@@ -173,6 +175,7 @@ def _decode_leaf(i: int, m: dict, arrays: dict):
             m["group_size"],
             m["in_axis"],
             m["dtype"],
+            levels,
         )
     vals = arrays[pre + "values"]
     if m["kind"] == "sparse":

@@ -8,6 +8,7 @@ DeRS *upcycling* (trainable SM / LM experts) lives in :mod:`moejax.nn.ders_moe` 
 from moejax.ders_compress.ckpt import disk_bytes, load_compressed, save_compressed
 from moejax.ders_compress.compress import (
                                   CompressedDeRS,
+                                  QuantSpec,
                                   compress,
                                   compression_report,
                                   decompress,
@@ -31,7 +32,7 @@ from moejax.ders_compress.synth import (
 )
 
 __all__ = [
-    "CompressedDeRS", "Decomposed", "DeRSBuffer", "SynthMoE", "SynthMoEConfig",
+    "CompressedDeRS", "QuantSpec", "Decomposed", "DeRSBuffer", "SynthMoE", "SynthMoEConfig",
     "bases_from_dense", "build_synth_model", "compress", "compression_report", "decompose",
     "decompress", "decompress_deltas", "disk_bytes", "expert_cosines", "load_compressed",
     "moe_layers", "recompose", "save_compressed", "synth_decoder_config", "unpack_codes",

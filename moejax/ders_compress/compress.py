@@ -6,8 +6,13 @@ For every decomposed layer, matrix ``w`` and expert ``i`` (one storage leaf each
   ``F(Delta_i) = (1 - M_i) * Delta_i / (1 - p)``, stored as index + value vectors
   (:func:`moejax.delta.dare` + ``moejax.delta.storage`` ``"sparse"`` encoding);
 * ``"quant"`` (Eq. 5): ``F(Delta_i) = Quant(Delta_i, k bits)``: ``k`` in 1..8 uses
-  :func:`moejax.delta.quantize` (symmetric, one scale per output column, codes bit-packed);
-  ``k = 16`` stores the delta as float16;
+  :func:`moejax.delta.quantize` (codes bit-packed, one float32 scale per block, counted in the
+  bytes); ``k = 16`` stores the delta as float16. The paper does not name its quantiser; the
+  default is ``QuantSpec()``: ``2^k`` midrise levels per group of 64 input entries of each
+  output column, and at 1 bit the sign times the group's mean ``|Delta|``.
+  ``QuantSpec(scheme="symmetric", granularity="channel")`` is the quantiser used before
+  (``2^k - 1`` levels from the column's max ``|Delta|``: 1 bit = ``{-A, +A}``, 2 bits
+  ``{-A, 0, A}``);
 * ``"none"``: the delta as is (float32 = the vanilla model, decomposed).
 
 Counts (all exact, per the whole model): ``base`` = ``sum d_in d_out`` over decomposed
@@ -29,7 +34,7 @@ from moejax.delta.quant import dequantize_tree, quantize_tree
 from moejax.delta.storage import StoredDelta, decode, encode, storage_report
 from moejax.ders_compress.decompose import Decomposed, recompose
 
-__all__ = ["CompressedDeRS", "compress", "decompress_deltas", "decompress",
+__all__ = ["CompressedDeRS", "QuantSpec", "compress", "decompress_deltas", "decompress",
            "compression_report", "delta_tree", "untree"]
 
 Method = Literal["sparse", "quant", "none"]
@@ -62,10 +67,22 @@ def untree(tree: dict, layer_keys) -> dict:
     return out
 
 
+class QuantSpec(NamedTuple):
+    """The k-bit quantiser of ``method="quant"`` (see :func:`moejax.delta.quantize`)."""
+
+    scheme: str = "midrise"
+    granularity: str = "group"
+    group_size: int = 64
+
+
+DEFAULT_QUANT = QuantSpec()
+
+
 def compress(dec: Decomposed, method: Method, *, drop_rate: float = 0.0, bits: int = 8,
-             key: jax.Array | None = None) -> CompressedDeRS:
+             key: jax.Array | None = None, quant: QuantSpec = DEFAULT_QUANT) -> CompressedDeRS:
     """Replace every delta by its light form (module docstring). ``key`` drives the DARE
-    masks (required for ``"sparse"``; leaf ``j`` of the tree uses ``fold_in(key, j)``)."""
+    masks (required for ``"sparse"``; leaf ``j`` of the tree uses ``fold_in(key, j)``);
+    ``quant`` is the k-bit quantiser."""
     tree = delta_tree(dec.deltas)
     if method == "sparse":
         if key is None:
@@ -77,7 +94,8 @@ def compress(dec: Decomposed, method: Method, *, drop_rate: float = 0.0, bits: i
         if bits == 16:
             stored = encode(jax.tree.map(lambda a: a.astype(np.float16), tree), "dense")
         elif 1 <= bits <= 8:
-            q = quantize_tree(tree, bits, symmetric=True, granularity="channel", in_axis=0)
+            q = quantize_tree(tree, bits, scheme=quant.scheme, granularity=quant.granularity,
+                              group_size=quant.group_size, in_axis=0)
             stored = encode(q)
         else:
             raise ValueError(f"compress: bits={bits}; use 1..8 or 16")
@@ -88,6 +106,7 @@ def compress(dec: Decomposed, method: Method, *, drop_rate: float = 0.0, bits: i
     layers = list(dec.base)
     n = int(next(iter(dec.deltas[layers[0]].values())).shape[0])
     meta = {"method": method, "drop_rate": float(drop_rate), "bits": int(bits),
+            "quant": dict(quant._asdict()) if method == "quant" else None,
             "extended": bool(dec.extended), "layers": [int(i) for i in layers], "n": n}
     return CompressedDeRS(dec.base, dec.rest, stored, meta)
 

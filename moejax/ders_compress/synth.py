@@ -6,7 +6,8 @@ and the N (+1) compact deltas as fixed buffers (:class:`DeRSBuffer`, not ``nnx.P
 * ``"sparse"``: ``idx_w [n, K]`` int32 flat positions (padded with ``d_in d_out``, dropped by
   the scatter) and ``val_w [n, K]``: ``W~_i = W_base + scatter(idx_i, val_i)``;
 * ``"quant"``: ``codes_w [n, ceil(d_in d_out k / 8)]`` bit-packed (LSB first) codes, ``step_w``
-  / ``offset_w [n, d_out]``: ``W~_i = W_base + offset_i + code_i * step_i`` (column-wise);
+  / ``offset_w [n, G, d_out]`` (one scale per group of ``d_in / G`` input rows of each column;
+  ``G = 1``: per column): ``W~_i = W_base + offset_i + code_i * step_i``;
 * ``"dense"``: ``d_w [n, d_in, d_out]`` (float16 / float32): ``W~_i = W_base + Delta_i``.
 
 The forward routes as the trained MoE (same router) and then scans over the experts: expert
@@ -49,19 +50,24 @@ class DeRSBuffer(nnx.Variable):
 @config
 class SynthMoEConfig(FFNSlotConfig):
     """On-the-fly synthesis slot: ``moe`` the trained MoE's config; ``kind`` the delta form;
-    ``k_max`` sparse entries per delta (padded); ``bits`` (quant); ``delta_dtype`` (dense);
-    ``extended``: the universal FFN is delta ``n - 1``."""
+    ``k_max`` sparse entries per delta (padded); ``bits`` (quant), ``quant_group`` (input
+    rows per scale; 0 = the whole column), ``levels`` (0 = the legacy symmetric count);
+    ``delta_dtype`` (dense); ``extended``: the universal FFN is delta ``n - 1``."""
 
     moe: MoEConfig = MoEConfig()
     kind: Literal["sparse", "quant", "dense"] = "sparse"
     k_max: int = 1
     bits: int = 8
+    quant_group: int = 0
+    levels: int = 0
     delta_dtype: Literal["float16", "float32"] = "float16"
     extended: bool = False
 
     def validate(self) -> None:
         self._require(self.k_max >= 1, f"k_max={self.k_max} must be >= 1")
         self._require(1 <= self.bits <= 8, f"bits={self.bits} must be in 1..8 (quant codes)")
+        self._require(self.quant_group >= 0 and self.levels >= 0,
+                      f"quant_group={self.quant_group} and levels={self.levels} must be >= 0")
         self._require(not self.extended or self.moe.universal_ffn,
                       "extended=True needs moe.universal_ffn=True")
 
@@ -105,8 +111,9 @@ class SynthMoE(MoESkeleton):
             elif cfg.kind == "quant":
                 setattr(self, f"codes_{name}", z((n, math.ceil(di * do * cfg.bits / 8)),
                                                  jnp.uint8))
-                setattr(self, f"step_{name}", z((n, do), jnp.float32))
-                setattr(self, f"offset_{name}", z((n, do), jnp.float32))
+                groups = di // min(cfg.quant_group or di, di)  # quantize's group rule
+                setattr(self, f"step_{name}", z((n, groups, do), jnp.float32))
+                setattr(self, f"offset_{name}", z((n, groups, do), jnp.float32))
             else:
                 setattr(self, f"d_{name}", z((n, di, do), jnp.dtype(cfg.delta_dtype)))
 
@@ -121,10 +128,11 @@ class SynthMoE(MoESkeleton):
             return base.reshape(-1).at[idx].add(val, mode="drop").reshape(di, do)
         if kind == "quant":
             codes = unpack_codes(getattr(self, f"codes_{name}")[...][i], self.cfg.bits, di * do)
-            step = getattr(self, f"step_{name}")[...][i]
-            off = getattr(self, f"offset_{name}")[...][i]
-            return base + (off[None, :] + codes.reshape(di, do).astype(jnp.float32)
-                           * step[None, :]).astype(base.dtype)
+            rows = di // getattr(self, f"step_{name}").shape[1]  # input rows per scale
+            step = jnp.repeat(getattr(self, f"step_{name}")[...][i], rows, axis=0)
+            off = jnp.repeat(getattr(self, f"offset_{name}")[...][i], rows, axis=0)
+            return base + (off + codes.reshape(di, do).astype(jnp.float32)
+                           * step).astype(base.dtype)
         return base + getattr(self, f"d_{name}")[...][i].astype(base.dtype)
 
     def _ffn(self, x_ND, i):
@@ -165,10 +173,19 @@ def synth_decoder_config(moe_cfg, c: CompressedDeRS):
     kind = {"sparse": "sparse", "quant": "quant" if c.meta["bits"] <= 8 else "dense",
             "none": "dense"}[method]
     dd = "float16" if method == "quant" else "float32"
+    group, levels = 0, 0
+    if kind == "quant":
+        leaf = c.stored.meta["leaves"][0]
+        if leaf["granularity"] == "tensor":
+            raise ValueError("synthesis supports per-column or per-group delta scales; "
+                             "quantise with granularity='channel' or 'group'")
+        group = leaf["group_size"] if leaf["granularity"] == "group" else 0
+        levels = leaf.get("levels") or num_levels(leaf["bits"], leaf["symmetric"])
     slots = list(moe_cfg.ffn_slots)
     for i in c.meta["layers"]:
         slots[i] = SynthMoEConfig(moe=slots[i], kind=kind, k_max=k_max,
-                                  bits=min(c.meta["bits"], 8), delta_dtype=dd, extended=ext)
+                                  bits=min(c.meta["bits"], 8), quant_group=group, levels=levels,
+                                  delta_dtype=dd, extended=ext)
     return dataclasses.replace(moe_cfg, ffn_slots=tuple(slots))
 
 
@@ -196,11 +213,15 @@ def synth_variables(c: CompressedDeRS) -> dict:
                     idx[e, :ii.size], val[e, :vv.size] = ii.astype(np.int32), vv
                 ffn[f"idx_{name}"], ffn[f"val_{name}"] = jnp.asarray(idx), jnp.asarray(val)
             elif method == "quant" and bits <= 8:
-                step = np.stack([arrays[p + "step"].reshape(-1) for p in pre])
+                metas = [c.stored.meta["leaves"][j] for j in leaves]
+                if any(not m["symmetric"] for m in metas):
+                    raise ValueError("synthesis needs centred (midrise or symmetric) codes")
+                levels = metas[0].get("levels") or num_levels(bits, True)
+                d_out = base.shape[1]
+                step = np.stack([arrays[p + "step"].reshape(-1, d_out) for p in pre])
                 ffn[f"codes_{name}"] = jnp.asarray(np.stack([arrays[p + "codes"] for p in pre]))
                 ffn[f"step_{name}"] = jnp.asarray(step, jnp.float32)
-                ffn[f"offset_{name}"] = jnp.asarray(
-                    -(num_levels(bits, True) - 1) / 2.0 * step, jnp.float32)
+                ffn[f"offset_{name}"] = jnp.asarray(-(levels - 1) / 2.0 * step, jnp.float32)
             else:
                 d = np.stack([arrays[p + "values"].reshape(base.shape) for p in pre])
                 ffn[f"d_{name}"] = jnp.asarray(d)
