@@ -61,14 +61,18 @@ def _np_moe(x, ids, w, p, activation, kept=None):
     return y
 
 
-def _np_capacity_keep(ids, valid, cap):
-    """Oracle of the documented priority: per expert, real tokens before padding, then by
-    token index; the first ``cap`` are kept."""
+def _np_capacity_keep(ids, valid, cap, priority="choice"):
+    """Oracle of the documented priority: per expert, real tokens before padding, then (for
+    "choice") first choices before second choices, then by token index; the first ``cap``
+    are kept."""
     n_tok, k = ids.shape
     kept = np.zeros((n_tok, k), bool)
     for e in range(ids.max() + 1):
         queue = [(n, s) for n in range(n_tok) for s in range(k) if ids[n, s] == e]
-        queue.sort(key=lambda a: (not valid[a[0]], a[0]))
+        if priority == "choice":
+            queue.sort(key=lambda a: (not valid[a[0]], a[1], a[0]))
+        else:
+            queue.sort(key=lambda a: (not valid[a[0]], a[0]))
         for pos, (n, s) in enumerate(queue):
             kept[n, s] = pos < cap
     return kept
@@ -96,6 +100,33 @@ def test_dense_matches_numpy_loop(activation):
     want = _np_moe(p["x"], np.asarray(r.ids_NK), np.asarray(r.weights_NK), p, activation)
     np.testing.assert_allclose(np.asarray(out.y_ND), want, rtol=1e-5, atol=1e-5)
     assert int(out.n_dropped) == 0 and float(out.dropped_fraction) == 0.0
+
+
+@pytest.mark.parametrize("priority", ["choice", "token"])
+def test_capacity_keeps_first_choices_before_second_choices(priority):
+    activation = "relu"
+    p = _params(3, activation)
+    # Expert 0 is every token's second choice for tokens 0-5 and the first choice of tokens
+    # 6-11: with capacity 5, GShard's priority keeps 5 of the later first choices, token
+    # order keeps the early second choices.
+    ids = np.array([[1, 0], [2, 0], [3, 0], [1, 0], [2, 0], [3, 0],
+                    [0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [0, 3]], np.int32)
+    w = np.full((N, K), 0.5, np.float32)
+    cap = expert_capacity(N, K, E, 0.75)
+    out = dispatch_capacity(p["x"], jnp.asarray(ids), jnp.asarray(w), p["w_up"], p["w_down"],
+                            None, activation=activation, capacity_factor=0.75,
+                            priority=priority)
+    kept = _np_capacity_keep(ids, np.ones(N, bool), cap, priority)
+    if priority == "choice":
+        assert kept[6:11, 0].all() and not kept[:6, 1].any()
+    else:
+        assert kept[:5, 1].all() and not kept[6:, 0].any()
+    np.testing.assert_allclose(np.asarray(out.y_ND),
+                               _np_moe(p["x"], ids, w, p, activation, kept=kept),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="priority"):
+        dispatch_capacity(p["x"], jnp.asarray(ids), jnp.asarray(w), p["w_up"], p["w_down"],
+                          None, activation=activation, capacity_factor=0.75, priority="rank")
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -65,6 +65,8 @@ class MoEConfig(FFNSlotConfig):
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).
+    capacity_priority: who keeps a slot of a full expert: ``"choice"`` (GShard: every
+        token's first choice before any second choice) or ``"token"`` (earlier tokens first).
     n_shared_experts / d_shared: DeepSeekMoE always-active experts (width default d_expert).
     universal_ffn / d_universal: parallel dense "universal" FFN (width default d_expert).
     balance_loss / balance_coef: "cv2" (CV(m)^2 + CV(P)^2), "switch" (E sum f_i P_i) or "none".
@@ -79,6 +81,7 @@ class MoEConfig(FFNSlotConfig):
     renormalize: bool = True
     dispatch: DispatchMethod = "capacity"
     capacity_factor: float | None = 2.0
+    capacity_priority: Literal["choice", "token"] = "choice"
     n_shared_experts: int = 0
     d_shared: int | None = None
     universal_ffn: bool = False
@@ -212,7 +215,7 @@ class MoESkeleton(nnx.Module):
         w_up, w_down, w_gate = self.expert_weights()
         out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
                        activation=m.activation, capacity_factor=m.capacity,
-                       valid_N=mask_N)
+                       valid_N=mask_N, priority=m.capacity_priority)
         return out.y_ND, out.dropped_fraction
 
     def universal_ffn(self, x_ND):

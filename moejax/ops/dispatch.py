@@ -139,11 +139,13 @@ def dispatch_dense(
     return DispatchOut(y_ND, *_no_drop(x_ND))
 
 
-def _sort_assignments(ids_NK, valid_N, n_experts):
+def _sort_assignments(ids_NK, valid_N, n_experts, priority: str = "choice"):
     """Flatten (token, slot) assignments and order them by expert.
 
-    Within an expert the order is: real tokens before padding tokens, then by flat token
-    index ``n`` (batch-major ``b * T + t``). Returns ``order_A`` (sorted -> flat assignment
+    Within an expert the order is: real tokens before padding tokens, then (``priority=
+    "choice"``) by the slot rank ``k`` (every token's first choice before any second choice,
+    GShard), then by flat token index ``n`` (batch-major ``b * T + t``); ``priority="token"``
+    skips the slot rank. Returns ``order_A`` (sorted -> flat assignment
     index), the sorted expert ids, the sorted token ids, ``counts_E``, the sorted
     ``is_real`` flags and the unsorted ``is_real`` flags."""
     n, k = ids_NK.shape
@@ -152,7 +154,14 @@ def _sort_assignments(ids_NK, valid_N, n_experts):
         real_A = jnp.ones((n * k,), bool)
     else:
         real_A = jnp.repeat(valid_N.reshape(-1).astype(bool), k)
-    sort_key_A = ids_A * 2 + (~real_A).astype(jnp.int32)
+    pad_A = (~real_A).astype(jnp.int32)
+    if priority == "choice":
+        rank_A = jnp.arange(n * k, dtype=jnp.int32) % k
+        sort_key_A = ids_A * (2 * k) + pad_A * k + rank_A
+    elif priority == "token":
+        sort_key_A = ids_A * 2 + pad_A
+    else:
+        raise ValueError(f"priority={priority!r}; use 'choice' or 'token'")
     order_A = jnp.argsort(sort_key_A, stable=True)
     counts_E = jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1)
     token_A = jnp.arange(n * k, dtype=jnp.int32) // k
@@ -161,14 +170,17 @@ def _sort_assignments(ids_NK, valid_N, n_experts):
 
 def dispatch_capacity(
     x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
-    activation: str, capacity_factor: float, valid_N=None,
+    activation: str, capacity_factor: float, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
     """Capacity-limited dispatch with fixed ``[E, C, D]`` expert buffers.
 
     ``C = expert_capacity(N, k, E, capacity_factor)``. Priority when an expert is over
     capacity: assignments of real tokens (``valid_N``, default all real) come before
-    padding tokens, and among those the earlier flat token index ``n = b * T + t`` wins
-    (slot rank does not matter: a token reaches a given expert at most once). Assignments
+    padding tokens; among those, with ``priority="choice"`` (GShard, the default) every
+    token's first choice before any second choice (slot rank ``k``: ``ids_NK`` ordered by
+    gate, as top-k returns them) and then the earlier flat token index ``n = b * T + t``;
+    ``priority="token"`` orders by token index only (a token's second choice can then push
+    out a later token's first choice). Assignments
     past position ``C`` in their expert's queue are dropped: they contribute zero to
     ``y_N`` (the residual stream carries the token), and dropped real-token assignments
     are counted in ``n_dropped``.
@@ -182,7 +194,8 @@ def dispatch_capacity(
     cap = expert_capacity(n_tok, k, n_experts, capacity_factor)
     n_assign = n_tok * k
 
-    order_A, eid_S, tok_S, counts_E, real_S, real_A = _sort_assignments(ids_NK, valid_N, n_experts)
+    order_A, eid_S, tok_S, counts_E, real_S, real_A = _sort_assignments(ids_NK, valid_N,
+                                                                        n_experts, priority)
     starts_E = jnp.cumsum(counts_E) - counts_E
     pos_S = jnp.arange(n_assign, dtype=jnp.int32) - starts_E[eid_S]
     keep_S = pos_S < cap
@@ -248,7 +261,7 @@ def dispatch_ragged(
 
 def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
-    *, activation: str, capacity_factor: float = 1.0, valid_N=None,
+    *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
     """Run the dispatch path named ``method`` ("dense", "capacity", "ragged" or "gmm")."""
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
@@ -256,8 +269,8 @@ def dispatch(
         return dispatch_dense(*args, activation=activation, valid_N=valid_N)
     if method == "capacity":
         return dispatch_capacity(
-            *args, activation=activation, capacity_factor=capacity_factor, valid_N=valid_N
-        )
+            *args, activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
+            priority=priority)
     if method == "ragged":
         return dispatch_ragged(*args, activation=activation, valid_N=valid_N)
     if method == "gmm":
