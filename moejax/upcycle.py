@@ -15,14 +15,16 @@ zero), universal FFN and shared experts, and the expert form:
   FFN, and top-k is ``(N / k)`` times the selected experts' share (unbiased over a uniformly
   random selection). Total FFN parameters stay those of the dense model.
 
-Universal FFN and shared experts are also copies of the dense FFN. With ``scale_outputs``
-(default) every ``w_down`` is multiplied by ``s = 1 / (1 + [universal] + n_shared)`` so that
-the upcycled layer computes exactly the dense function at step 0::
+Universal FFN and shared experts are also copies of the dense FFN. By default they are plain
+copies, as in the papers (Med-MoE / Coder-MoE: the layer's output at step 0 is ``(1 + u +
+n_shared)`` times the dense FFN's). With ``scale_outputs=True`` (an option) every ``w_down``
+is multiplied by ``s = 1 / (1 + [universal] + n_shared)`` so that the upcycled layer
+computes exactly the dense function at step 0::
 
     y = sum_k g_k(x) s FFN(x) + s FFN(x) [universal] + n_shared s FFN(x) = FFN(x)
 
-(renormalised top-k weights ``sum_k g_k = 1`` and no dropped tokens); ``scale_outputs=False``
-keeps plain copies (Med-MoE / Coder-MoE style, output multiplied by ``1 + u + n_shared``).
+(renormalised top-k weights ``sum_k g_k = 1`` and no dropped tokens). Without universal FFN
+and shared experts ``s = 1`` either way.
 
 :func:`upcycle_params` is the pure function ``dense parameter dict -> MoE variable dict``;
 :func:`upcycle_model` wraps it for an nnx model (builds the MoE model abstractly, so no random
@@ -71,7 +73,7 @@ class UpcycleConfig(Config):
         ``capacity_factor=None`` (the default here) = ``n_experts / top_k``: never drops.
     router_init / router_init_std: ``w_g ~ N(0, std^2)`` or zeros (the router is always new).
     scale_outputs: divide every ``w_down`` by the number of parallel copies (function
-        preserving; see module docstring).
+        preserving; see module docstring). Default False: plain copies, as in the papers.
     expert_form: ``"vanilla"`` copies or DeRS ``"sm"`` / ``"lm"`` with ``sm_rate``,
         ``lm_rank``, ``lm_init_std``, ``freeze_shared``, ``extended`` (DeRSMoEConfig).
     """
@@ -82,7 +84,7 @@ class UpcycleConfig(Config):
     moe: MoEConfig = MoEConfig(capacity_factor=None)  # = UPCYCLE_MOE
     router_init: Literal["normal", "zeros"] = "normal"
     router_init_std: float = 0.02
-    scale_outputs: bool = True
+    scale_outputs: bool = False
     expert_form: Literal["vanilla", "sm", "lm", "split"] = "vanilla"
     sm_rate: float = 0.99
     lm_rank: int = 4

@@ -36,12 +36,14 @@ def _tokens(seed=1, B=2, T=12):
 RULES = {
     "vanilla_every_other": UpcycleConfig(),
     "vanilla_list_top1_universal": UpcycleConfig(
-        blocks="list", block_list=(0, 3), moe=UPCYCLE_MOE.replace(top_k=1, universal_ffn=True)),
+        blocks="list", block_list=(0, 3), scale_outputs=True,
+        moe=UPCYCLE_MOE.replace(top_k=1, universal_ffn=True)),
     "vanilla_shared_noisy": UpcycleConfig(
+        scale_outputs=True,
         moe=UPCYCLE_MOE.replace(n_shared_experts=2, router="noisy", n_experts=3)),
     "lm_all_dense_dispatch": UpcycleConfig(expert_form="lm", lm_rank=3, blocks="all",
                                            moe=UPCYCLE_MOE.replace(dispatch="dense")),
-    "sm_extended": UpcycleConfig(expert_form="sm", extended=True,
+    "sm_extended": UpcycleConfig(expert_form="sm", extended=True, scale_outputs=True,
                                  moe=UPCYCLE_MOE.replace(universal_ffn=True, top_k=1)),
     "lm_frozen_shared_ragged": UpcycleConfig(expert_form="lm", freeze_shared=True,
                                              moe=UPCYCLE_MOE.replace(dispatch="ragged")),
@@ -74,12 +76,14 @@ def test_layer_selection_rules():
         UpcycleConfig(freeze_shared=True)
 
 
-def test_vanilla_surgery_copies_dense_ffn_and_router_is_new():
+@pytest.mark.parametrize("scale", [False, True])
+def test_vanilla_surgery_copies_dense_ffn_and_router_is_new(scale):
     dense = _dense()
-    rule = UpcycleConfig(moe=UPCYCLE_MOE.replace(universal_ffn=True, n_shared_experts=1))
+    rule = UpcycleConfig(scale_outputs=scale,
+                         moe=UPCYCLE_MOE.replace(universal_ffn=True, n_shared_experts=1))
     a = upcycle_model(dense, rule, jax.random.key(0))
     b = upcycle_model(dense, rule, jax.random.key(1))
-    s = 1.0 / 3.0
+    s = 1.0 / 3.0 if scale else 1.0  # default: plain copies, as in the papers
     for i in (1, 3):
         dffn, m = dense.blocks[i].ffn, a.blocks[i].ffn
         for w in ("w_gate", "w_up", "w_down"):
@@ -95,6 +99,11 @@ def test_vanilla_surgery_copies_dense_ffn_and_router_is_new():
     np.testing.assert_array_equal(np.asarray(a.blocks[1].attn.w_q[...]),
                                   np.asarray(dense.blocks[1].attn.w_q[...]))
     assert type(dense.blocks[1].ffn).__name__ == "DenseFFN"
+    # the layer at step 0: experts + universal + shared = (1 + 1 + 1) x FFN (plain copies)
+    x = jax.random.normal(jax.random.key(5), (2, 5, D))
+    y_dense = np.asarray(dense.blocks[1].ffn(x)[0])
+    y_moe = np.asarray(a.blocks[1].ffn(x)[0])
+    np.testing.assert_allclose(y_moe, y_dense * (1.0 if scale else 3.0), rtol=1e-4, atol=1e-5)
 
 
 def test_fresh_optimizer_state_after_upcycling():

@@ -6,9 +6,10 @@ weight, so (paper Eq. 2)::
 
     W_i = W_base + Delta_i,   i = 1..N   (N + 1 with ``extended``: the universal FFN last)
 
-``W_base`` is the weight the experts were initialised from (:func:`bases_from_dense` rebuilds it
-from the dense model and the upcycling rule, including the ``w_down`` output scale); when the
-dense model is unavailable ``"mean"`` uses the mean of the N (+1) weights instead.
+``W_base`` is the weight the experts were initialised from, the dense FFN, as in the paper
+(:func:`bases_from_dense` rebuilds it from the dense model and the upcycling rule, including
+the ``w_down`` output scale). :func:`decompose` has no default base: pass those bases, or
+``"mean"`` (the mean of the N (+1) weights: an option for when the dense model is lost).
 
 Layers are addressed by block index; the parameter dicts use the
 ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` layout (``blocks/{i}/ffn/...``).
@@ -74,9 +75,9 @@ def bases_from_dense(dense_params: dict, layers, scale_down: float = 1.0) -> dic
     return out
 
 
-def decompose(moe_params: dict, base: dict | str = "mean", *, extended: bool = False
-              ) -> Decomposed:
-    """``Delta_i = W_i - W_base`` for every vanilla MoE layer of ``moe_params`` (pure)."""
+def decompose(moe_params: dict, base: dict | str, *, extended: bool = False) -> Decomposed:
+    """``Delta_i = W_i - W_base`` for every vanilla MoE layer of ``moe_params`` (pure).
+    ``base``: ``bases_from_dense(...)`` (the paper: the dense FFN) or ``"mean"``."""
     layers = moe_layers(moe_params)
     if not layers:
         raise ValueError("decompose: no vanilla MoE layer (blocks/{i}/ffn/experts/w_up) found")
