@@ -49,13 +49,13 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lm_demo", ("train.steps=100",)),
     ("darex_controlled", ("ps=(0.9,0.99)",)),
     ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=100",
-                          "drop_rates=(0.0,0.9,0.99)", "bits=(8,2,1)")),
+                          "drop_rates=(0.9,0.99)", "bits=(2,1)")),
     ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=150")),
     ("moe_kd", ("methods=(kd,)", "dense_teacher_methods=()", "teacher_ks=()",
-                "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=120", "distill.steps=20",
+                "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=80", "distill.steps=20",
                 "distill.eval_every=10", "n_val=8", "n_test=32")),
     ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(dot,)",
-              "kd.steps=30", "extract.n_tokens=2000", "eval_rows=500")),
+              "vit.train.steps=300", "kd.steps=20", "extract.n_tokens=2000", "eval_rows=400")),
 )
 SUITES = ("demo", "studies")
 
