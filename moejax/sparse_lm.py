@@ -4,7 +4,8 @@
 
 * ``blockffn``: ReLU + RMSNorm router, AL / CS (and ablation L1 / entropy) objectives, the
   adaptive lambda_cs scheduler of Eq. 7 (:class:`~moejax.train.lambda_schedule.ScheduledLM`);
-* ``remoe``: ReLU router without RMSNorm, L1 with ReMoE's adaptive coefficient;
+* ``remoe``: ReLU router without RMSNorm, ReMoE's load-balanced L1 (``k = E (1 - target_tls)``)
+  with its adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;
 * ``grin``: GRIN top-2 MoE (SparseMixer-v2 routing, :mod:`moejax.nn.grin`; ``grin_eps`` is
   its masked-softmax ``jitter_eps``, ``top_k`` is ignored: always 2);
@@ -83,7 +84,8 @@ class SparseLMConfig(Config):
                                   chunk_len=self.chunk_len, l1_coef=self.l1_coef,
                                   entropy_coef=self.entropy_coef)
         if self.arch == "remoe":
-            return ReMoEConfig(n_experts=self.n_experts, d_expert=self.d_expert)
+            return ReMoEConfig(n_experts=self.n_experts, d_expert=self.d_expert,
+                               l1_k=self.n_experts * (1.0 - self.target_tls))
         if self.arch == "grin":
             return GRINConfig(moe=GRIN_MOE.replace(n_experts=self.n_experts,
                                                    d_expert=self.d_expert,

@@ -140,7 +140,7 @@ def test_segment_ids_change_al_loss():
 
 
 def test_remoe_is_relu_router_without_rmsnorm():
-    cfg = ReMoEConfig(n_experts=E, d_expert=F, l1_coef=0.5)
+    cfg = ReMoEConfig(n_experts=E, d_expert=F, l1_coef=0.5, l1_form="plain")
     layer = cfg.build(D, rngs=nnx.Rngs(0))
     assert not hasattr(layer, "router_norm")
     x = _x(6)
@@ -148,6 +148,13 @@ def test_remoe_is_relu_router_without_rmsnorm():
     y_np, _, a1 = _np_blockffn(layer, x, rmsnorm=False)
     np.testing.assert_allclose(np.asarray(y), y_np, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(float(aux["aux_loss"]), 0.5 * a1.sum(-1).mean(), rtol=1e-4)
+    # the default: ReMoE's load-balanced L1, each expert's L1 weighted by its frequency
+    lb = ReMoEConfig(n_experts=E, d_expert=F, l1_coef=0.5, l1_k=2.0).build(D, rngs=nnx.Rngs(0))
+    _, aux_lb = lb(x)
+    a1 = a1.reshape(-1, E)
+    f = (a1 > 0).mean(0) / 2.0
+    np.testing.assert_allclose(float(aux_lb["aux_loss"]), 0.5 * E * np.sum(a1.mean(0) * f),
+                               rtol=1e-4)
 
 
 @pytest.mark.parametrize("kw, field", [(dict(max_union=E + 1), "max_union"),

@@ -138,3 +138,45 @@ def test_chunk_starts_respect_documents():
     np.testing.assert_array_equal(np.asarray(st), want)
     with pytest.raises(ValueError, match="chunk_len"):
         cs.chunk_starts(None, None, (1, 3), 0)
+
+
+def test_load_balanced_l1_matches_numpy_and_weights_busy_experts():
+    rng = np.random.default_rng(0)
+    a = np.maximum(rng.normal(size=(2, 5, 4)) + np.array([1.0, 0.0, -0.5, -1.0]), 0)
+    a = a.astype(np.float32)
+    mask = np.ones((2, 5), bool)
+    mask[1, 3:] = False
+    real = a[mask]  # [T, E]
+    T, E, k = real.shape[0], 4, 1.5
+    f = (real > 0).sum(0) / (T * k)
+    want = E * np.sum(real.mean(0) * f)
+    got = cs.load_balanced_l1_loss(jnp.asarray(a), k=k, mask_BT=jnp.asarray(mask))
+    np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    # the frequency is a constant: d loss / d A[t, e] = E f_e / T on real tokens, 0 on padding
+    g = jax.grad(lambda x: cs.load_balanced_l1_loss(x, k=k, mask_BT=jnp.asarray(mask)))(
+        jnp.asarray(a))
+    np.testing.assert_allclose(np.asarray(g)[mask], np.broadcast_to(E * f / T, real.shape),
+                               rtol=1e-5)
+    assert np.all(np.asarray(g)[~mask] == 0)
+    assert np.argmax(f) == 0  # the busiest expert gets the largest push
+    # every expert equally busy with k active per token: equals the plain L1
+    even = np.zeros((1, 4, 4), np.float32)
+    for t in range(4):
+        even[0, t, [t, (t + 1) % 4]] = rng.uniform(0.5, 1.5, 2)
+    np.testing.assert_allclose(float(cs.load_balanced_l1_loss(jnp.asarray(even), k=2.0)),
+                               float(cs.l1_activation_loss(jnp.asarray(even))), rtol=1e-6)
+    with pytest.raises(ValueError, match="k="):
+        cs.load_balanced_l1_loss(jnp.asarray(a), k=0.0)
+
+
+def test_remoe_slot_reports_the_load_balanced_l1():
+    from flax import nnx
+
+    from moejax.nn.remoe import ReMoEConfig
+
+    layer = ReMoEConfig(n_experts=4, d_expert=8, l1_k=1.0).build(6, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 6))
+    _, aux = layer(x)
+    a1 = jnp.maximum(jnp.einsum("btd,de->bte", x, layer.router.w[...]), 0)
+    np.testing.assert_allclose(float(aux["l1_loss"]),
+                               float(cs.load_balanced_l1_loss(a1, k=1.0)), rtol=1e-5)

@@ -36,7 +36,7 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 ``aux`` (losses unweighted except ``aux_loss``; padding and document boundaries respected):
 
 * ``aux_loss = al_coef L_al + cs_coef L_cs + l1_coef L1 + entropy_coef H``
-* ``al_loss``, ``cs_loss``, ``l1_loss`` (on ``A1``), ``entropy_loss``: see
+* ``al_loss``, ``cs_loss``, ``l1_loss`` (on ``A1``; plain or load-balanced), ``entropy_loss``: see
   :mod:`moejax.ops.chunk_sparsity`
 * ``tls``: fraction of inactive experts over real tokens; ``act_magnitude``: mean ``||A||_2``
 * ``active_BTE`` (bool), ``a_BTE`` (combine weights ``A``): for streaming metrics
@@ -78,6 +78,9 @@ class BlockFFNConfig(FFNSlotConfig):
     alpha / al_coef: sigmoid sharpness and weight of the activation-locality loss.
     chunk_len / cs_coef / cs_eps: chunk-sparsification loss chunk, static weight, log clamp.
     l1_coef / entropy_coef: weights of the L1 and router-entropy sparsifiers (ablations).
+    l1_form / l1_k: ``"plain"`` L1 on ``A1`` or ReMoE's ``"load_balanced"`` L1 (each
+        expert's L1 weighted by its firing frequency, normalised by ``l1_k`` target active
+        experts per token); reported as ``l1_loss``.
     """
 
     n_experts: int = 16
@@ -95,6 +98,8 @@ class BlockFFNConfig(FFNSlotConfig):
     cs_eps: float = 1e-6
     l1_coef: float = 0.0
     entropy_coef: float = 0.0
+    l1_form: Literal["plain", "load_balanced"] = "plain"
+    l1_k: float = 1.0
 
     def validate(self) -> None:
         r = self._require
@@ -107,6 +112,7 @@ class BlockFFNConfig(FFNSlotConfig):
         r(self.chunk_len >= 1, f"chunk_len={self.chunk_len} must be >= 1")
         r(self.alpha > 0, f"alpha={self.alpha} must be > 0")
         r(0 < self.cs_eps < 1, f"cs_eps={self.cs_eps} must be in (0, 1)")
+        r(self.l1_k > 0, f"l1_k={self.l1_k} must be > 0 (target active experts per token)")
         for name in ("al_coef", "cs_coef", "l1_coef", "entropy_coef"):
             r(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
 
@@ -200,7 +206,10 @@ class BlockFFN(MoESkeleton):
         kw = dict(mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
         al = cs.activation_locality_loss(a0, alpha=cfg.alpha, **kw)
         csl = cs.chunk_sparsification_loss(a1, chunk_len=cfg.chunk_len, eps=cfg.cs_eps, **kw)
-        l1 = cs.l1_activation_loss(a1, mask_BT=mask_BT)
+        if cfg.l1_form == "load_balanced":
+            l1 = cs.load_balanced_l1_loss(a1, k=cfg.l1_k, mask_BT=mask_BT)
+        else:
+            l1 = cs.l1_activation_loss(a1, mask_BT=mask_BT)
         ent = cs.router_entropy_loss(a1, mask_BT=mask_BT)
         active = a1 > 0
         real = jnp.ones(active.shape[:2], bool) if mask_BT is None else mask_BT.astype(bool)

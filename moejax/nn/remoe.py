@@ -14,6 +14,8 @@ segment ids only affect the AL/CS statistics it reports).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -27,7 +29,9 @@ __all__ = ["ReMoEConfig"]
 
 @config
 class ReMoEConfig(FFNSlotConfig):
-    """ReMoE slot. ``l1_coef`` is a static weight; keep 0 with the adaptive controller."""
+    """ReMoE slot. ``l1_coef`` is a static weight; keep 0 with the adaptive controller.
+    ``l1_form``: ReMoE's ``"load_balanced"`` L1 (default) or ``"plain"``; ``l1_k``: the
+    target active experts per token that normalises it (``E (1 - target sparsity)``)."""
 
     n_experts: int = 16
     d_expert: int = 64
@@ -35,15 +39,18 @@ class ReMoEConfig(FFNSlotConfig):
     path: ExpertPath = "dense"
     union_chunk: int = 32
     l1_coef: float = 0.0
+    l1_form: Literal["plain", "load_balanced"] = "load_balanced"
+    l1_k: float = 2.0
 
     def validate(self) -> None:
         self._require(self.l1_coef >= 0, f"l1_coef={self.l1_coef} must be >= 0")
+        self._require(self.l1_k > 0, f"l1_k={self.l1_k} must be > 0")
 
     def blockffn_config(self) -> BlockFFNConfig:
         return BlockFFNConfig(n_experts=self.n_experts, d_expert=self.d_expert,
                               activation=self.activation, rmsnorm=False, path=self.path,
                               union_chunk=self.union_chunk, al_coef=0.0, cs_coef=0.0,
-                              l1_coef=self.l1_coef)
+                              l1_coef=self.l1_coef, l1_form=self.l1_form, l1_k=self.l1_k)
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
         return BlockFFN(d_model, self.blockffn_config(), rngs=rngs, dtype=dtype,

@@ -45,6 +45,7 @@ __all__ = [
     "normalize_over_experts",
     "chunk_sparsification_loss",
     "l1_activation_loss",
+    "load_balanced_l1_loss",
     "router_entropy_loss",
 ]
 
@@ -134,6 +135,25 @@ def _token_mean(v_BT, mask_BT):
 def l1_activation_loss(a_BTE, *, mask_BT=None) -> jax.Array:
     """``mean_t sum_e |A[t, e]|`` over real tokens."""
     return _token_mean(jnp.sum(jnp.abs(a_BTE.astype(jnp.float32)), -1), mask_BT)
+
+
+def load_balanced_l1_loss(a_BTE, *, k: float, mask_BT=None) -> jax.Array:
+    """ReMoE's load-balanced L1 (the switch balance formula on ReLU outputs):
+    ``E sum_e P_e f_e`` with ``P_e = mean_t A[t, e]`` and ``f_e = sg(#{t: A[t, e] > 0}) /
+    (T k)``, over the ``T`` real tokens; ``k`` = the target number of active experts per
+    token (``E (1 - target sparsity)``). Each expert's L1 is weighted by how often it fires,
+    so busy experts are pushed hardest; with every expert equally busy at ``k`` per token it
+    equals the plain L1 ``mean_t sum_e A[t, e]``."""
+    if k <= 0:
+        raise ValueError(f"k={k} must be > 0 (target active experts per token)")
+    a = jnp.abs(a_BTE.astype(jnp.float32))
+    E = a.shape[-1]
+    w_BT = _real(mask_BT, a.shape[:-1]).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w_BT), 1.0)
+    p_E = jnp.einsum("bte,bt->e", a, w_BT) / n
+    f_E = jax.lax.stop_gradient(jnp.einsum("bte,bt->e", (a > 0).astype(jnp.float32), w_BT)
+                                / (n * k))
+    return E * jnp.sum(p_E * f_E)
 
 
 def router_entropy_loss(a1_BTE, *, mask_BT=None) -> jax.Array:
