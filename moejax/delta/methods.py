@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from moejax.delta.analytic_q import coefficient_sums, phi, search_eta_e, search_eta_v
 from moejax.delta.dare import dare, q_grid, search_q_e, search_q_v
 from moejax.delta.importance import magnitude_prune, structural_pruner, wanda_prune
-from moejax.delta.tree import apply_delta, leaf_paths
+from moejax.delta.tree import apply_delta, leaf_paths, select_leaves
 
 __all__ = ["MethodName", "PruneContext", "run_one", "run_methods", "eta_grid", "METHODS",
            "delta_stats"]
@@ -83,6 +83,10 @@ class PruneContext:
     ``val_metric(params)`` / ``test_metric(params)``: higher is better (use ``-loss`` for LMs);
     ``outputs_fn(params)``: last-layer outputs on ONE fixed batch (for q_e);
     ``x_stats``: ``{leaf_path: MatrixInputStats}`` of the matrix inputs (WANDA, analytic q).
+    ``structural_include``: which selected matrices structural DPP prunes by input dimension
+    (the paper: the MLP layers; a model with no matching leaf, e.g. a plain MLP, is all MLP);
+    the other selected matrices get DARE at the same ``p`` and ``q`` so the overall rate is
+    ``p``.
     """
 
     pretrained: Any
@@ -97,6 +101,7 @@ class PruneContext:
     refine_rounds: int = 1
     eta_num: int = 12
     structural_a: float = 0.05
+    structural_include: str = r"(^|/)(ffn|mlp)/"
     records: dict = field(default_factory=dict)  # method -> search record (for plots)
 
     def test(self, delta_tree) -> float:
@@ -108,6 +113,24 @@ def _fmt_q(q) -> str:
         vals = np.asarray(list(q.values()), float)
         return f"{vals.min():.3g}..{vals.max():.3g}"
     return f"{float(q):.4g}"
+
+
+def _structural_mlp_pruner(ctx: PruneContext, a: float, b: float, p: float):
+    """Structural DPP on the MLP matrices, DARE (same ``p``, ``q``) on the other selected ones."""
+    sel = select_leaves(ctx.delta, include=ctx.structural_include, min_ndim=2, allow_empty=True)
+    mlp = jax.tree.map(lambda m, s: bool(m) and bool(s), ctx.mask, sel)
+    if not any(jax.tree.leaves(mlp)):
+        return structural_pruner(a, b, mask=ctx.mask)  # no MLP module: every matrix is MLP
+    rest = jax.tree.map(lambda m, s: bool(m) and not s, ctx.mask, mlp)
+    structural = structural_pruner(a, b, mask=mlp)
+
+    def pruner(key, d, q):
+        out = structural(key, d, q)
+        if any(jax.tree.leaves(rest)):
+            out = dare(jax.random.fold_in(key, 1), out, p, q=q, mask=rest)
+        return out
+
+    return pruner
 
 
 def run_one(ctx: PruneContext, method: str, p: float) -> dict:
@@ -148,7 +171,7 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
         b = (1 - p) / a
         if b > 1:
             raise ValueError(f"structural DPP: a={a} too small for p={p} (b={(1 - p) / a} > 1).")
-        pruner = structural_pruner(a, b, mask=mask)
+        pruner = _structural_mlp_pruner(ctx, a, b, p)
         r = search_q_v(key, P, D, p, ctx.val_metric, grid=grid, pruner=pruner,
                           refine_rounds=ctx.refine_rounds)
         ctx.records[(method, p)] = r

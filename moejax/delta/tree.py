@@ -50,13 +50,15 @@ def select_leaves(
     exclude: str | Sequence[str] | None = None,
     *,
     min_ndim: int = 2,
+    allow_empty: bool = False,
 ) -> PyTree:
     """Boolean mask pytree (same structure as ``tree``): which leaves to operate on.
 
     A leaf is selected iff ``ndim >= min_ndim`` and its path matches at least one
     ``include`` regex (all paths if ``include`` is None) and no ``exclude`` regex.
     Example: ``select_leaves(params, include=r"(ffn|attn)/", exclude=r"embed|norm")``.
-    ``min_ndim=2`` (default) keeps only matrices (and stacks of matrices).
+    ``min_ndim=2`` (default) keeps only matrices (and stacks of matrices). A mask that selects
+    nothing is an error unless ``allow_empty``.
     """
     inc, exc = _as_patterns(include), _as_patterns(exclude)
 
@@ -69,7 +71,7 @@ def select_leaves(
         return not any(p.search(s) for p in exc)
 
     mask = jax.tree_util.tree_map_with_path(choose, tree)
-    if not any(jax.tree_util.tree_leaves(mask)):
+    if not allow_empty and not any(jax.tree_util.tree_leaves(mask)):
         raise ValueError(
             f"select_leaves matched no leaf (include={include!r}, exclude={exclude!r}, "
             f"min_ndim={min_ndim}); available paths: {leaf_paths(tree)[:20]} ... "
