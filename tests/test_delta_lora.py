@@ -54,3 +54,38 @@ def test_lora_init_apply_merge_and_dare():
     assert 0.02 < nz.mean() < 0.25
     out = apply(params, pruned)
     assert out["ffn"]["w_up"].shape == (8, 16)
+
+
+def test_lora_dare_prunes_the_factors_and_feeds_the_q_search():
+    from moejax.delta import lora_dare, lora_factor_pruner, search_q_v
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(32, 24)), jnp.float32),
+              "b": jnp.zeros((24,), jnp.float32)}
+    lora = {"w": lora_init(jax.random.key(0), params, {"w": True, "b": False}, 4)["w"]
+            ._replace(b=jnp.asarray(rng.normal(size=(4, 24)), jnp.float32)), "b": None}
+    p = 0.9
+    pruned = lora_dare(jax.random.key(1), lora, p, q=0.2)
+    for full, cut in ((lora["w"].a, pruned["w"].a), (lora["w"].b, pruned["w"].b)):
+        kept = np.asarray(cut) != 0
+        assert 0.03 < kept.mean() < 0.2  # ~ 1 - p of each factor's entries
+        np.testing.assert_allclose(np.asarray(cut)[kept], np.asarray(full)[kept] / 0.2,
+                                   rtol=1e-6)
+    assert pruned["b"] is None
+    delta = lora_factor_pruner(params, p)(jax.random.key(1), lora, 0.2)
+    np.testing.assert_allclose(np.asarray(delta["w"]),
+                               np.asarray(pruned["w"].a @ pruned["w"].b), rtol=1e-5)
+    assert delta["w"].shape == (32, 24) and not np.any(np.asarray(delta["b"]))
+    # the q search scores the factor-pruned model at every q
+    target = lora_delta(params, lora)
+
+    def score(prm):
+        return -float(jnp.mean((prm["w"] - params["w"] - target["w"]) ** 2))
+
+    grid = [0.1, 0.3, 0.6, 1.0]
+    r = search_q_v(jax.random.key(1), params, lora, p, score, grid=grid,
+                   pruner=lora_factor_pruner(params, p))
+    want = [score({"w": params["w"] + lora_factor_pruner(params, p)(jax.random.key(1), lora,
+                                                                     q)["w"]}) for q in grid]
+    np.testing.assert_allclose(np.asarray(r.scores), want, rtol=1e-5)
+    assert r.best == grid[int(np.argmax(want))]

@@ -5,8 +5,12 @@ For a selected matrix ``W: [..., d_in, d_out]`` (``y = x @ W``)::
     W' = W + s * A @ B,   A: [..., d_in, r] ~ N(0, 1/d_in),  B: [..., r, d_out] = 0,
     s = alpha / r
 
-so ``Delta_LoRA = s A B`` and LoRA + DAREx-q prunes ``lora_delta(...)`` like any delta:
-``dare(key, lora_delta(params, lora), p, q=...)``. Unselected leaves carry ``None``.
+so ``Delta_LoRA = s A B``. LoRA + DAREx-q as in the paper prunes the LoRA parameters
+themselves: DARE on the entries of ``A`` and ``B`` at rate ``p`` with rescaling ``1/q``
+(:func:`lora_dare`; :func:`lora_factor_pruner` for the q searches of
+:mod:`moejax.delta.dare`). Pruning the merged delta instead,
+``dare(key, lora_delta(params, lora), p, q=...)``, stays an option. Unselected leaves carry
+``None``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax.delta.dare import dare
 from moejax.delta.tree import apply_delta, per_leaf_keys
 
-__all__ = ["LoraFactors", "lora_init", "lora_delta", "lora_apply", "lora_merge", "lora_num_params"]
+__all__ = ["LoraFactors", "lora_init", "lora_delta", "lora_apply", "lora_merge", "lora_num_params",
+           "lora_dare", "lora_factor_pruner"]
 
 PyTree = Any
 _is_lora = lambda x: x is None or isinstance(x, LoraFactors)  # noqa: E731
@@ -86,3 +92,15 @@ def lora_merge(params: PyTree, lora: PyTree, alpha: float | None = None) -> tupl
 def lora_num_params(lora: PyTree) -> int:
     """Trainable LoRA entries ``sum r (d_in + d_out)`` (times any leading stack axes)."""
     return int(sum(x.size for x in jax.tree_util.tree_leaves(lora)))
+
+
+def lora_dare(key: jax.Array, lora: PyTree, p: float, *, q: float | None = None) -> PyTree:
+    """DARE on the LoRA parameters: every entry of every ``A`` and ``B`` is dropped with
+    probability ``p``, survivors divided by ``q`` (default ``1 - p``; DAREx-q tunes it)."""
+    return dare(key, lora, p, q=q)
+
+
+def lora_factor_pruner(params: PyTree, p: float, alpha: float | None = None):
+    """``pruner(key, lora, q) -> full-shape delta`` of the factor-pruned LoRA, for
+    ``search_q_v`` / ``search_q_e`` (pass the LoRA factors as their ``delta_tree``)."""
+    return lambda key, lora, q: lora_delta(params, lora_dare(key, lora, p, q=q), alpha)
