@@ -1,0 +1,191 @@
+"""Speculative decoding for :class:`moejax.nn.decoder.DecoderLM`: a small draft model proposes
+``n`` tokens as a chain, the target verifies them in ONE forward pass over ``n + 1`` tokens,
+and rejected positions are rolled back from both KV caches.
+
+One round, per row (batched rows advance independently)::
+
+    draft:   feed t, d_1, ..., d_n (n + 1 one-token steps) -> d_1..d_n ~ q_0..q_{n-1}
+    target:  decode [t, d_1, ..., d_n] in one pass          -> p_0..p_n
+    accept:  greedy  d_i kept while d_i = argmax p_{i-1};  x = argmax p_a
+             sampled d_i kept with prob min(1, p_{i-1}(d_i) / q_{i-1}(d_i)); at the first
+                     rejection x ~ norm(max(0, p_a - q_a)), after n acceptances x ~ p_n
+    commit:  d_1..d_a and x (a + 1 tokens); caches rolled back to the committed prefix
+             (:func:`rollback`: lengths set, stale slots are masked and later overwritten)
+
+``t`` is the last committed token, not yet in either cache. Greedy output equals greedy
+autoregressive decoding token for token; sampled output has exactly the target's
+distribution (the standard rejection rule; Leviathan et al. 2023, Chen et al. 2023).
+Sampling uses ``softmax(logits / temperature)`` for both models.
+
+The whole loop is one jitted ``lax.while_loop`` (no Python per token). Chunk-sparse
+verification is a property of the target: give it BlockFFN slots with ``path="chunk_union"``
+and ``union_chunk = n + 1`` (:func:`chunk_sparse_target`), so the verification pass computes
+only the union of the experts the ``n + 1`` tokens activate.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["SpecOutput", "speculative_generate", "rollback", "chunk_sparse_target",
+           "accept_greedy", "accept_sampled"]
+
+
+class SpecOutput(NamedTuple):
+    tokens_BS: jax.Array  # int32 [B, T + max_new_tokens]: prompt + generated
+    accepted_B: jax.Array  # int32: draft tokens accepted per row
+    rounds_B: jax.Array  # int32: verification passes per row
+    accept_hist_N: jax.Array  # int32 [n + 1]: how often a = 0..n draft tokens were accepted
+
+    @property
+    def mean_accepted_length(self) -> jax.Array:
+        """Tokens committed per target pass (accepted drafts + the target's own token)."""
+        return jnp.sum(self.accepted_B + self.rounds_B) / jnp.maximum(jnp.sum(self.rounds_B), 1)
+
+
+def rollback(cache: tuple, lengths_B: jax.Array) -> tuple:
+    """The decoder cache truncated to ``lengths_B`` tokens per row: slots past a row's length
+    are never attended to (the decode mask admits slots ``<=`` the current one) and are
+    overwritten by the next write."""
+    return tuple(c._replace(lengths_B=lengths_B.astype(jnp.int32)) for c in cache)
+
+
+def chunk_sparse_target(model: nnx.Module, draft_len: int) -> nnx.Module:
+    """A copy of a BlockFFN ``model`` whose FFNs verify ``draft_len + 1`` tokens through the
+    chunk-union path (one tile per row, exact: the union cap stays ``n_experts``)."""
+    from moejax.nn.blockffn import BlockFFN
+    from moejax.nn.surgery import with_slot_config
+
+    return with_slot_config(model, BlockFFN, path="chunk_union", union_chunk=draft_len + 1,
+                            max_union=None)
+
+
+def accept_greedy(drafts_BN, target_logits_BNV):
+    """``(a_B, x_B)``: leading drafts equal to the target's argmax and the target's token."""
+    tgt_BN = jnp.argmax(target_logits_BNV, axis=-1).astype(jnp.int32)
+    n = drafts_BN.shape[1]
+    a_B = jnp.sum(jnp.cumprod(drafts_BN == tgt_BN[:, :n], axis=1), axis=1).astype(jnp.int32)
+    return a_B, jnp.take_along_axis(tgt_BN, a_B[:, None], axis=1)[:, 0]
+
+
+def accept_sampled(key, drafts_BN, draft_logits_BNV, target_logits_BNV, temperature: float):
+    """``(a_B, x_B)`` by the rejection rule (module docstring); ``target_logits`` has ``n + 1``
+    positions, ``draft_logits`` ``n``."""
+    k_u, k_x = jax.random.split(key)
+    n = drafts_BN.shape[1]
+    p = jax.nn.softmax(target_logits_BNV.astype(jnp.float32) / temperature, axis=-1)
+    q = jax.nn.softmax(draft_logits_BNV.astype(jnp.float32) / temperature, axis=-1)
+    p_d = jnp.take_along_axis(p[:, :n], drafts_BN[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts_BN[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_u, p_d.shape)
+    ok = u * q_d < p_d  # u < p/q without dividing by q
+    a_B = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    p_a = jnp.take_along_axis(p, a_B[:, None, None], axis=1)[:, 0]
+    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # after n accepts: p_n
+    q_a = jnp.take_along_axis(q_pad, a_B[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_a - q_a, 0.0)
+    mass = jnp.sum(resid, axis=-1, keepdims=True)
+    resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_a)
+    x_B = jax.random.categorical(k_x, jnp.log(resid), axis=-1).astype(jnp.int32)
+    return a_B, x_B
+
+
+def _pick(logits_BV, key, temperature):
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits_BV.astype(jnp.float32) / temperature,
+                                  axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnums=(0, 2), static_argnames=("max_new", "n", "temperature"))
+def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, temperature):
+    target, draft = nnx.merge(tg, ts), nnx.merge(dg, ds)
+    B, T = prompt_BT.shape
+    if T > 1:
+        _, tcache = target.decode(prompt_BT[:, :-1], tcache)
+        _, dcache = draft.decode(prompt_BT[:, :-1], dcache)
+    n_out = max_new + n + 1
+
+    def active(st):
+        return st["out_len"] < max_new
+
+    def body(st):
+        k = jax.random.fold_in(key, st["round"])
+        k_draft, k_acc = jax.random.split(k)
+        act_B = active(st)
+        base_B = st["tcache"][0].lengths_B
+
+        def draft_step(carry, i):
+            tok_B, cache = carry
+            logits, cache = draft.decode(tok_B[:, None], cache)
+            nxt = _pick(logits[:, 0], jax.random.fold_in(k_draft, i), temperature)
+            return (nxt, cache), (nxt, logits[:, 0])
+
+        (_, dcache), (d_NB, q_NBV) = jax.lax.scan(draft_step, (st["last"], st["dcache"]),
+                                                  jnp.arange(n + 1))
+        drafts_BN = d_NB[:n].T
+        block = jnp.concatenate([st["last"][:, None], drafts_BN], axis=1)
+        p_BNV, tcache = target.decode(block, st["tcache"])
+        if temperature == 0.0:
+            a_B, x_B = accept_greedy(drafts_BN, p_BNV)
+        else:
+            a_B, x_B = accept_sampled(k_acc, drafts_BN, jnp.swapaxes(q_NBV[:n], 0, 1), p_BNV,
+                                      temperature)
+        i_N = jnp.arange(n + 1)
+        vals_BN = jnp.where(i_N[None] < a_B[:, None], jnp.pad(drafts_BN, ((0, 0), (0, 1))),
+                            x_B[:, None])
+        keep_BN = (i_N[None] <= a_B[:, None]) & act_B[:, None]
+        pos_BN = jnp.where(keep_BN, st["out_len"][:, None] + i_N[None], n_out)
+        out = st["out"].at[jnp.arange(B)[:, None], pos_BN].set(vals_BN, mode="drop")
+        new_len_B = jnp.where(act_B, base_B + 1 + a_B, base_B)
+        hist = st["hist"].at[a_B].add(act_B.astype(jnp.int32))
+        return {"round": st["round"] + 1, "out": out,
+                "out_len": st["out_len"] + jnp.where(act_B, a_B + 1, 0),
+                "last": jnp.where(act_B, x_B, st["last"]),
+                "tcache": rollback(tcache, new_len_B), "dcache": rollback(dcache, new_len_B),
+                "accepted": st["accepted"] + jnp.where(act_B, a_B, 0),
+                "rounds": st["rounds"] + act_B.astype(jnp.int32), "hist": hist}
+
+    st = {"round": jnp.int32(0), "out": jnp.zeros((B, n_out), jnp.int32),
+          "out_len": jnp.zeros((B,), jnp.int32), "last": prompt_BT[:, -1],
+          "tcache": tcache, "dcache": dcache, "accepted": jnp.zeros((B,), jnp.int32),
+          "rounds": jnp.zeros((B,), jnp.int32), "hist": jnp.zeros((n + 1,), jnp.int32)}
+    st = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, st)
+    tokens = jnp.concatenate([prompt_BT, st["out"][:, :max_new]], axis=1)
+    return SpecOutput(tokens, st["accepted"], st["rounds"], st["hist"])
+
+
+def speculative_generate(target: nnx.Module, draft: nnx.Module, prompt_BT, max_new_tokens: int,
+                         *, draft_len: int = 4, key: jax.Array | None = None,
+                         temperature: float = 0.0) -> SpecOutput:
+    """Generate ``max_new_tokens`` per row (module docstring). ``temperature == 0``: greedy
+    (no key needed); otherwise sampling with an explicit ``key``. All prompt rows share one
+    length; target and draft must share the vocabulary."""
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+    B, T = prompt_BT.shape
+    temperature = float(temperature)
+    if draft_len < 1 or max_new_tokens < 1 or T < 1:
+        raise ValueError(f"draft_len={draft_len}, max_new_tokens={max_new_tokens} and the "
+                         f"prompt length {T} must be >= 1")
+    if temperature < 0 or (temperature > 0 and key is None):
+        raise ValueError(f"temperature={temperature}: use 0 (greedy) or > 0 with an explicit "
+                         "key=jax.random.key(...)")
+    if target.cfg.vocab_size != draft.cfg.vocab_size:
+        raise ValueError(f"target vocab {target.cfg.vocab_size} != draft vocab "
+                         f"{draft.cfg.vocab_size}: speculation needs one tokenizer")
+    size = T + max_new_tokens + 2 * (draft_len + 1)
+    for name, m in (("target", target), ("draft", draft)):
+        if size > m.cfg.max_seq_len:
+            raise ValueError(f"{name}: prompt {T} + {max_new_tokens} new tokens + 2 x "
+                             f"(draft_len + 1) = {size} exceeds max_seq_len={m.cfg.max_seq_len}")
+    tg, ts = nnx.split(target)
+    dg, ds = nnx.split(draft)
+    key = jax.random.key(0) if key is None else key
+    return _speculate(tg, ts, dg, ds, prompt_BT, target.init_cache(B, size),
+                      draft.init_cache(B, size), key, max_new=max_new_tokens, n=draft_len,
+                      temperature=temperature)

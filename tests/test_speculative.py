@@ -1,0 +1,127 @@
+"""Speculative decoding (moejax.nn.speculative) against its oracles: greedy output equals
+greedy autoregressive decoding token for token (several prompts and draft lengths, with and
+without chunk-sparse verification); sampled output has the target's distribution (a
+chi-square test on a tiny vocabulary); rollback equals a cache built from the kept tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
+from moejax.nn.speculative import chunk_sparse_target, rollback, speculative_generate
+
+V = 12
+
+
+def _model(slot, seed, vocab=V, layers=2, init_std=1.0):
+    cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=layers, n_heads=2,
+                        ffn_slots=(slot,) * layers, max_seq_len=64, init_std=init_std)
+    return DecoderLM(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = _model(BlockFFNConfig(n_experts=8, d_expert=8), 0)
+    near = nnx.merge(*nnx.split(target), copy=True)  # a draft that agrees often
+    for _, m in nnx.iter_modules(near):
+        if hasattr(m, "w") and isinstance(getattr(m, "w"), nnx.Param):
+            m.w = nnx.Param(m.w[...] + 0.3 * jax.random.normal(jax.random.key(5), m.w.shape))
+    far = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), 7, layers=1)
+    return target, near, far
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+@pytest.mark.parametrize("draft_name", ["near", "far"])
+def test_greedy_speculative_equals_greedy_autoregressive(models, draft_len, draft_name):
+    target, near, far = models
+    draft = near if draft_name == "near" else far
+    prompts = jax.random.randint(jax.random.key(draft_len), (3, 5), 0, V)
+    want = generate(target, prompts, 17)
+    got = speculative_generate(target, draft, prompts, 17, draft_len=draft_len)
+    np.testing.assert_array_equal(np.asarray(got.tokens_BS), np.asarray(want))
+    sparse = speculative_generate(chunk_sparse_target(target, draft_len), draft, prompts, 17,
+                                  draft_len=draft_len)
+    np.testing.assert_array_equal(np.asarray(sparse.tokens_BS), np.asarray(want))
+    rounds, acc = np.asarray(got.rounds_B), np.asarray(got.accepted_B)
+    assert np.all(rounds >= 1) and np.all(acc + rounds >= 17)  # every round commits a + 1
+    assert np.all(acc <= rounds * draft_len)
+    assert int(np.sum(got.accept_hist_N)) == int(np.sum(rounds))
+    if draft_name == "near":
+        assert float(got.mean_accepted_length) > 1.0  # drafts do get accepted
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(models):
+    target = models[0]
+    prompts = jax.random.randint(jax.random.key(1), (2, 4), 0, V)
+    out = speculative_generate(target, target, prompts, 12, draft_len=3)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BS),
+                                  np.asarray(generate(target, prompts, 12)))
+    assert np.all(np.asarray(out.accept_hist_N)[:-1] == 0)  # a = n in every round
+    assert float(out.mean_accepted_length) == 4.0
+
+
+def test_sampled_speculative_decoding_has_the_targets_distribution(models):
+    target, _, far = models
+    B, temp = 6000, 1.5
+    prompt = jnp.tile(jnp.asarray([[3, 1, 4]], jnp.int32), (B, 1))
+    out = speculative_generate(target, far, prompt, 2, draft_len=2, key=jax.random.key(11),
+                               temperature=temp)
+    toks = np.asarray(out.tokens_BS)[:, 3:5]
+    # exact joint of the first two tokens under the target
+    logits, cache = target.decode(prompt[:1], target.init_cache(1, 8))
+    p1 = np.asarray(jax.nn.softmax(logits[0, -1] / temp))
+    joint = np.zeros((V, V))
+    for t in range(V):
+        l2, _ = target.decode(jnp.asarray([[t]]), cache)
+        joint[t] = p1[t] * np.asarray(jax.nn.softmax(l2[0, 0] / temp))
+    counts = np.zeros((V, V))
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    expected = joint * B
+    cells = expected > 5  # chi-square over the well-populated cells, the rest pooled
+    obs = np.append(counts[cells], counts[~cells].sum())
+    exp = np.append(expected[cells], expected[~cells].sum())
+    chi2 = float(np.sum((obs - exp) ** 2 / exp))
+    dof = len(obs) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # ~ 3.5 sigma
+    assert 0 < int(np.asarray(out.accept_hist_N)[0]) < B  # rejections and acceptances both
+
+
+def test_rollback_equals_the_cache_of_the_kept_tokens(models):
+    target = models[0]
+    toks = jax.random.randint(jax.random.key(2), (2, 9), 0, V)
+    _, longer = target.decode(toks, target.init_cache(2, 16))
+    kept = jnp.asarray([4, 7], jnp.int32)
+    rolled = rollback(longer, kept)
+    for row, k in enumerate(np.asarray(kept)):
+        _, ref = target.decode(toks[row:row + 1, :k], target.init_cache(1, 16))
+        for c_roll, c_ref in zip(rolled, ref):
+            assert int(c_roll.lengths_B[row]) == k
+            np.testing.assert_allclose(np.asarray(c_roll.k_BSGJ[row, :k]),
+                                       np.asarray(c_ref.k_BSGJ[0, :k]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(c_roll.v_BSGJ[row, :k]),
+                                       np.asarray(c_ref.v_BSGJ[0, :k]), rtol=1e-5, atol=1e-6)
+        # the next step sees only the kept tokens
+        nxt = jnp.asarray([[5]])
+        got, _ = target.decode(nxt, tuple(c._replace(k_BSGJ=c.k_BSGJ[row:row + 1],
+                                                     v_BSGJ=c.v_BSGJ[row:row + 1],
+                                                     lengths_B=c.lengths_B[row:row + 1])
+                                          for c in rolled))
+        want, _ = target.decode(nxt, ref)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_name_the_fix(models):
+    target, _, _ = models
+    other = _model(DenseFFNConfig(d_hidden=8, activation="relu"), 1, vocab=V + 1, layers=1)
+    p = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="one tokenizer"):
+        speculative_generate(target, other, p, 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        speculative_generate(target, target, p, 60)
+    with pytest.raises(ValueError, match="key="):
+        speculative_generate(target, target, p, 4, temperature=1.0)
