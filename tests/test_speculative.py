@@ -29,7 +29,7 @@ def models():
     target = _model(BlockFFNConfig(n_experts=8, d_expert=8), 0)
     near = nnx.merge(*nnx.split(target), copy=True)  # a draft that agrees often
     for _, m in nnx.iter_modules(near):
-        if hasattr(m, "w") and isinstance(getattr(m, "w"), nnx.Param):
+        if hasattr(m, "w") and isinstance(m.w, nnx.Param):
             m.w = nnx.Param(m.w[...] + 0.3 * jax.random.normal(jax.random.key(5), m.w.shape))
     far = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), 7, layers=1)
     return target, near, far
