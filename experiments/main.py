@@ -28,6 +28,7 @@ REGISTRY: tuple[str, ...] = (
     "lm_demo",  # a trained MoE LM
     "bench_dispatch",  # dispatch-path benchmark
     "bench_kernels",  # expert kernels against their bounds
+    "bench_speculative",  # speculative decoding with chunk-sparse verification
     "substrate_build",  # the cached pretrained starting points
     "darex_controlled",  # DAREx
     "darex_storage",

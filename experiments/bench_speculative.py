@@ -1,0 +1,187 @@
+"""Speculative decoding with chunk-sparse verification (BlockFFN Sec. 3.3 / App. G, Table 11
+analog): decode tokens/s at batch 1, greedy, for
+
+* ``AR dense`` / ``AR token-sparse``: the jitted autoregressive loop, BlockFFN experts dense or
+  through the exact union path per token (FFN work ~ 1 - TLS);
+* ``spec dense`` / ``spec chunk-sparse``: a small draft proposes ``n`` tokens, the target
+  verifies ``n + 1`` in one pass, dense or through the union of the block (FFN work ~
+  1 - CLS_{n+1});
+
+on (a) the trained BlockFFN LM of the BlockFFN studies (``moejax.sparse_lm`` quick model) and
+(b) a >= 100M-parameter BlockFFN LM grown from it
+(:func:`moejax.spec_bench.grow_blockffn_lm`: zero-residual extra layers with routers tiled
+from the trained one and calibrated to its TLS, so it predicts the same tokens with the
+trained routing statistics). The draft is a small dense LM trained by the same loop on the
+same data and tokenizer. Every speculative output is checked token for token
+against the autoregressive one.
+
+    python -m experiments.bench_speculative
+    python -m experiments.bench_speculative preset=full   # GPU, bigger target
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.pytree import count_params
+from moejax.results import RunDir
+from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
+from moejax.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm, spec_chunk_sparsity
+from moejax.train.optim import TrainConfig
+
+NAME = "bench_speculative"
+
+
+@config
+class GrowConfig(Config):
+    """The >= 100M-parameter target: extra zero-residual BlockFFN layers (0 = skip (b))."""
+
+    extra_layers: int = 12
+    n_experts: int = 64
+    d_expert: int = 1408
+
+
+@config
+class SpecBenchConfig(Config):
+    target: SparseLMConfig = SparseLMConfig()
+    draft: SparseLMConfig = SparseLMConfig(arch="dense", d_model=32, n_layers=1, n_heads=2,
+                                           n_experts=4, d_expert=16)
+    train: TrainConfig = TrainConfig()
+    seq_len: int = 64
+    draft_lens: tuple[int, ...] = (2, 4, 6)
+    n_prompts: int = 4
+    prompt_len: int = 32
+    max_new_tokens: int = 96
+    grow: GrowConfig = GrowConfig()
+    seed: int = 0
+
+    def validate(self):
+        r = self._require
+        r(self.target.arch == "blockffn", "target.arch must be 'blockffn' (chunk sparsity)")
+        r(all(n >= 1 for n in self.draft_lens) and self.draft_lens, "draft_lens must be >= 1")
+        r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
+          "n_prompts, prompt_len and max_new_tokens must be >= 1")
+        need = self.prompt_len + self.max_new_tokens + 2 * (max(self.draft_lens) + 1)
+        r(need <= min(self.target.max_seq_len, self.draft.max_seq_len),
+          f"prompt_len + max_new_tokens + 2 (max draft_len + 1) = {need} exceeds the models' "
+          "max_seq_len")
+
+
+def make_config(preset: str) -> SpecBenchConfig:
+    base = sparse_lm_preset(preset)
+    cfg = SpecBenchConfig(target=base["model"], train=base["train"], seq_len=base["seq_len"])
+    if preset == "quick":
+        return cfg
+    return cfg.replace(draft=cfg.draft.replace(d_model=128, n_layers=2, n_heads=4),
+                       n_prompts=16, max_new_tokens=256,
+                       grow=GrowConfig(extra_layers=24, n_experts=160, d_expert=1024))
+
+
+def _modes(target, draft, cfg):
+    yield "AR dense", blockffn_path(target, "dense"), None, 0
+    yield "AR token-sparse", blockffn_path(target, "chunk_union", 1), None, 0
+    for n in cfg.draft_lens:
+        yield "spec dense", blockffn_path(target, "dense"), draft, n
+        yield "spec chunk-sparse", blockffn_path(target, "chunk_union", n + 1), draft, n
+
+
+def _bench(name, target, draft, prompts, cfg, rows):
+    ref = None
+    for mode, model, d, n in tqdm(list(_modes(target, draft, cfg)), desc=name, leave=False):
+        r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1))
+        if mode == "AR dense":
+            ref = r
+        row = {"model": name, "params": count_params(target), "mode": mode,
+               "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
+               "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
+               "mean_accepted_length": r.get("mean_accepted_length", 1.0),
+               "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref["tokens"]))}
+        sp = spec_chunk_sparsity(target, ref["tokens"], max(n, 0) + 1)
+        row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
+        row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
+                                         else sp["tls"] if mode == "AR token-sparse" else 0.0)
+        rows.append(row)
+    mine = [r for r in rows if r["model"] == name]
+    ar_sparse = next(r for r in mine if r["mode"] == "AR token-sparse")
+    for r in mine:
+        r["speedup_vs_AR_token_sparse"] = r["tokens_per_s"] / ar_sparse["tokens_per_s"]
+        if r["ffn_fraction_bound"] < 1:  # the sparse path against the dense one, same decoding
+            dense_mode = "AR dense" if r["mode"].startswith("AR") else "spec dense"
+            d = next(x for x in mine if x["mode"] == dense_mode
+                     and x["draft_len"] == r["draft_len"])
+            r["sparse_gain"] = r["tokens_per_s"] / d["tokens_per_s"]
+            r["gain_bound"] = 1 / r["ffn_fraction_bound"]  # if the FFN were all the time
+
+
+def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
+    tcfg = cfg.train.replace(seed=cfg.seed)
+    train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, 2)
+    target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val)
+    draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val)
+    target, draft = target_ev["model"].lm, draft_ev["model"]
+    prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in val])[:cfg.n_prompts]
+    run.note(f"Target: the BlockFFN LM trained {tcfg.steps} steps on stdlib code "
+             f"({count_params(target)} params, val PPL {target_ev['val_ppl']:.2f}, TLS "
+             f"{target_ev['tls']:.3f}); draft: a dense LM ({count_params(draft)} params, val PPL "
+             f"{draft_ev['val_ppl']:.2f}) trained the same way. Greedy, batch 1, "
+             f"{cfg.n_prompts} prompts of {cfg.prompt_len} bytes, {cfg.max_new_tokens} new "
+             f"tokens each, on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}).")
+    rows: list[dict] = []
+    _bench("trained", target, draft, prompts, cfg, rows)
+    if cfg.grow.extra_layers:
+        big = grow_blockffn_lm(target, extra_layers=cfg.grow.extra_layers,
+                               n_experts=cfg.grow.n_experts, d_expert=cfg.grow.d_expert,
+                               key=jax.random.key(cfg.seed + 1), target_tls=target_ev["tls"],
+                               calib_tokens=np.concatenate([b["inputs"] for b in val]))
+        run.note(f"Grown target: {count_params(big) / 1e6:.1f}M parameters ("
+                 f"{cfg.grow.extra_layers} zero-residual layers of {cfg.grow.n_experts} "
+                 f"experts of width {cfg.grow.d_expert}, routers tiled from the trained last "
+                 "router, shifted so the extra layers' TLS matches the trained model's "
+                 f"{target_ev['tls']:.3f} on validation tokens): same greedy tokens as the "
+                 "trained model by construction.")
+        _bench("grown", big, draft, prompts, cfg, rows)
+    run.table("decode", rows, title="Batch-1 greedy decoding: tokens/s, acceptance, TLS and "
+              "CLS of the verified blocks (ffn_fraction_bound = the share of expert work the "
+              "sparse path needs: 1 - TLS per token, 1 - CLS per verified block; sparse_gain = "
+              "tokens/s over the dense path of the same decoding, gain_bound = the paper's "
+              "bound 1 / ffn_fraction_bound, reached only if the experts were all the time)")
+    for name in ("trained", "grown"):
+        sel = [r for r in rows if r["model"] == name]
+        if sel:
+            labels = [f"{r['mode']}" + (f" n={r['draft_len']}" if r["draft_len"] else "")
+                      for r in sel]
+            run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
+                         ylabel="tokens / s", title=f"Decode speed, {name} target",
+                         hlines={"AR dense": sel[0]["tokens_per_s"]})
+    best = {}
+    for name in ("trained", "grown"):
+        sel = [r for r in rows if r["model"] == name and r["mode"] == "spec chunk-sparse"]
+        if sel:
+            b = max(sel, key=lambda r: r["tokens_per_s"])
+            best[name] = b
+            run.note(f"- {name} ({b['params'] / 1e6:.2f}M params): best speculative + "
+                     f"chunk-sparse n={b['draft_len']}: {b['tokens_per_s']:.1f} tokens/s, "
+                     f"{b['speedup_vs_AR_dense']:.2f}x AR dense, "
+                     f"{b['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, mean accepted "
+                     f"length {b['mean_accepted_length']:.2f}, CLS_{b['draft_len'] + 1} "
+                     f"{b['CLS_block']:.3f}; target >= 1.5x on CPU at >= 100M parameters: "
+                     + ("met" if b["params"] >= 1e8 and b["speedup_vs_AR_token_sparse"] >= 1.5
+                        else "not met" if b["params"] >= 1e8 else "n/a (< 100M)"))
+    if not all(r["same_tokens_as_AR"] for r in rows):
+        raise RuntimeError("a speculative decode differs from the autoregressive one: see "
+                           f"{run.path / 'decode.md'} (same_tokens_as_AR)")
+    g = best.get("grown") or best.get("trained")
+    return {"headline": f"{g['model']} target {g['params'] / 1e6:.1f}M: speculative + "
+            f"chunk-sparse {g['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, "
+            f"{g['speedup_vs_AR_dense']:.2f}x AR dense (n={g['draft_len']}, accepted "
+            f"{g['mean_accepted_length']:.2f})",
+            **{f"{r['model']}_{r['mode'].replace(' ', '_')}_n{r['draft_len']}_tok_s":
+               round(r["tokens_per_s"], 1) for r in rows}}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))

@@ -1,0 +1,72 @@
+"""moejax.spec_bench: the grown target predicts exactly what the small one does, its extra
+routers reach the asked TLS, and the decode timing reports what it ran; the benchmark study
+runs tiny and checks speculative against autoregressive output."""
+
+import csv
+
+import jax
+import numpy as np
+import pytest
+
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.pytree import count_params
+from moejax.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm
+
+
+def _small(seed=0):
+    from flax import nnx
+
+    slot = BlockFFNConfig(n_experts=4, d_expert=8)
+    cfg = DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_slots=(slot,) * 2,
+                        max_seq_len=64, init_std=1.0)
+    return DecoderLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def test_grown_model_predicts_like_the_small_one_at_the_asked_sparsity():
+    small = _small()
+    toks = jax.random.randint(jax.random.key(1), (4, 24), 0, 32)
+    big = grow_blockffn_lm(small, extra_layers=3, n_experts=16, d_expert=32,
+                           key=jax.random.key(2), target_tls=0.8, calib_tokens=toks)
+    assert count_params(big) > 2 * count_params(small)
+    np.testing.assert_allclose(np.asarray(big(toks)[0]), np.asarray(small(toks)[0]),
+                               rtol=1e-5, atol=1e-5)
+    _, aux = big(toks)
+    tls = [float(la["tls"]) for la in aux["layers"][2:]]
+    assert all(abs(t - 0.8) < 0.02 for t in tls), tls
+    with pytest.raises(ValueError, match="calib_tokens"):
+        grow_blockffn_lm(small, extra_layers=1, n_experts=8, d_expert=8,
+                         key=jax.random.key(0), target_tls=0.5)
+    sparse = blockffn_path(big, "chunk_union", 4)
+    np.testing.assert_allclose(np.asarray(sparse(toks)[0]), np.asarray(big(toks)[0]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_timing_autoregressive_and_speculative_agree():
+    small = _small()
+    prompts = jax.random.randint(jax.random.key(3), (2, 5), 0, 32)
+    ar = decode_timing(small, prompts, 9)
+    sp = decode_timing(small, prompts, 9, draft=small, draft_len=3)
+    assert ar["tokens"].shape == (2, 14) and ar["tokens_per_s"] > 0
+    np.testing.assert_array_equal(sp["tokens"], ar["tokens"])
+    assert sp["mean_accepted_length"] == pytest.approx(4.0)  # the draft is the target
+    np.testing.assert_array_equal(ar["tokens"][:, :5], np.asarray(prompts))
+
+
+def test_bench_speculative_tiny(tmp_path):
+    from experiments import bench_speculative as mod
+    from moejax.experiment import run_experiment
+
+    args = ["target.d_model=16", "target.n_layers=1", "target.n_experts=4", "target.d_expert=8",
+            "draft.d_model=16", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
+            "draft_lens=(2,)", "n_prompts=1", "prompt_len=8", "max_new_tokens=6",
+            "grow.extra_layers=1", "grow.n_experts=8", "grow.d_expert=8"]
+    summary, run = run_experiment(mod.NAME, mod.make_config, mod.run, args, out=tmp_path / "b")
+    rows = list(csv.DictReader(open(run.path / "decode.csv")))
+    assert {r["model"] for r in rows} == {"trained", "grown"}
+    assert [r["mode"] for r in rows[:4]] == ["AR dense", "AR token-sparse", "spec dense",
+                                            "spec chunk-sparse"]
+    assert all(r["same_tokens_as_AR"] == "True" for r in rows)
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert (run.path / "tokens_per_s_grown.png").exists()
+    assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
