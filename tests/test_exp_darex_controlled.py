@@ -15,7 +15,8 @@ def test_darex_controlled_tiny(tmp_path):
         ["substrate.d_hidden=32", "substrate.train.steps=60", "finetune.steps=40",
          "substrate.train.batch_size=64", "finetune.batch_size=64",
          f"substrate_cache={tmp_path / 'subs'}",
-         "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4"],
+         "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4",
+         "lora_rank=2", "lora_seeds=2", "lora_finetune.steps=20", "lora_finetune.batch_size=64"],
         out=tmp_path / "ctl",
     )
     rows = list(csv.DictReader(open(run.path / "detail.csv")))
@@ -38,3 +39,13 @@ def test_darex_controlled_tiny(tmp_path):
     assert 0.0 <= summary["unpruned_none"] <= 1.0
     assert "Started from substrate mlp_mnist5k" in (run.path / "summary.md").read_text()
     assert len(list((tmp_path / "subs" / "mlp_mnist5k").glob("*/model.safetensors"))) == 1
+    lora = list(csv.DictReader(open(run.path / "lora_detail.csv")))
+    assert len(lora) == 2 * 5  # seeds x methods at p = 0.9
+    by = {(int(r["seed"]), r["method"]): r for r in lora}
+    assert float(by[0, "DARE on LoRA factors"]["q"]) == pytest.approx(0.1)
+    assert float(by[0, "DAREx-q (q_v) on LoRA factors"]["q"]) >= 0.1 - 1e-9
+    assert by[0, "LoRA unpruned"]["accuracy"] != by[1, "LoRA unpruned"]["accuracy"] or \
+        by[0, "DARE on LoRA factors"]["accuracy"] != by[1, "DARE on LoRA factors"]["accuracy"]
+    summ = list(csv.DictReader(open(run.path / "lora.csv")))
+    assert [r["method"] for r in summ][0] == "LoRA unpruned" and summ[0]["n_seeds"] == "2"
+    assert "lora_unpruned" in summary and (run.path / "lora.png").exists()

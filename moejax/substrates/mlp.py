@@ -30,8 +30,8 @@ from moejax.train.loop import train, train_params
 from moejax.train.optim import TrainConfig, adam_linear_config
 
 __all__ = ["load_tasks", "init_mlp", "mlp", "mlp_loss", "accuracy_fn", "pretrain_mlp",
-           "finetune_mlp", "MLPSubstrateConfig", "MLPClassifier", "mlp_substrate_config",
-           "make_mlp", "train_mlp_substrate"]
+           "finetune_mlp", "finetune_mlp_lora", "MLPSubstrateConfig", "MLPClassifier",
+           "mlp_substrate_config", "make_mlp", "train_mlp_substrate"]
 
 
 def _upsample_digits(images_N88: np.ndarray) -> np.ndarray:
@@ -102,6 +102,23 @@ def pretrain_mlp(tasks: dict, d_hidden: int, tcfg: TrainConfig, desc: str = "pre
     params, _ = train_params(p0, _source(tasks["A", "train"], tcfg.batch_size, tcfg.seed),
                              tcfg, mlp_loss, desc=desc)
     return params
+
+
+def finetune_mlp_lora(pre: dict, tasks: dict, tcfg: TrainConfig, rank: int,
+                      desc: str = "LoRA finetune digits"):
+    """LoRA factors (rank ``rank``, on ``w1`` and ``wo``; ``pre`` frozen) trained on task B
+    with ``tcfg``: the model is ``lora_apply(pre, lora)``."""
+    from moejax.delta.lora import lora_apply, lora_init
+
+    mask = {k: k in ("w1", "wo") for k in pre}
+    lora0 = lora_init(jax.random.key(tcfg.seed), pre, mask, rank)
+
+    def loss(lora, batch, key=None, train=True):
+        return mlp_loss(lora_apply(pre, lora), batch, key, train)
+
+    lora, _ = train_params(lora0, _source(tasks["B", "train"], tcfg.batch_size, tcfg.seed + 1),
+                           tcfg, loss, desc=desc)
+    return lora
 
 
 def finetune_mlp(pre: dict, tasks: dict, tcfg: TrainConfig, desc: str = "finetune digits"):
