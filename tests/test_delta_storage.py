@@ -108,3 +108,27 @@ def test_quant_roundtrip_packed_bytes(tmp_path):
     from moejax.delta import dequantize
 
     np.testing.assert_array_equal(dequantize(decode(sts, like=d)["w"]), dequantize(qs["w"]))
+
+
+def test_save_is_atomic_and_names_a_bad_suffix(tmp_path, monkeypatch):
+    from moejax.delta import storage
+
+    good = storage.encode({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "dense")
+    path = tmp_path / "delta.npz"
+    storage.save(str(path), good)
+    before = path.read_bytes()
+
+    def broken_savez(f, **arrays):
+        f.write(b"partial")  # some bytes reach the temporary file, then the write fails
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage.np, "savez", broken_savez)
+    with pytest.raises(OSError, match="disk full"):
+        storage.save(str(path), good)
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # the previous file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["delta.npz"]  # no temporary left
+    np.testing.assert_array_equal(np.asarray(storage.decode(storage.load(str(path)))["w"]),
+                                  np.arange(6).reshape(2, 3))
+    with pytest.raises(ValueError, match=r"\.npz"):
+        storage.save(str(tmp_path / "delta.bin"), good)

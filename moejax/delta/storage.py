@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from typing import Any, NamedTuple
 
 import jax
@@ -213,9 +215,31 @@ def decode(stored: StoredDelta, like=None):
 
 
 def save(path: str, stored: StoredDelta) -> None:
-    """Write an ``.npz`` (no pickle): the arrays plus ``__meta__`` (UTF-8 JSON bytes)."""
+    """Write an ``.npz`` (no pickle): the arrays plus ``__meta__`` (UTF-8 JSON bytes).
+    Atomic: written to a temporary file in the same directory, fsynced, then renamed over
+    ``path``, so a failed save leaves any previous file intact."""
+    path = str(path)
+    if not path.endswith(".npz"):
+        raise ValueError(f"save: {path!r} must end with '.npz' (numpy would append it and the "
+                         "file would not be where you asked); add the suffix")
+    for k, a in stored.arrays.items():
+        if np.asarray(a).dtype == object:
+            raise ValueError(f"save: array {k!r} has dtype object (it would need pickle); "
+                             "store numeric arrays only")
     meta = np.frombuffer(json.dumps(stored.meta).encode("utf-8"), np.uint8)
-    np.savez(path, __meta__=meta, **stored.arrays)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, __meta__=meta, **stored.arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def load(path: str) -> StoredDelta:
