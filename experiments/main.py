@@ -47,16 +47,16 @@ REGISTRY: tuple[str, ...] = (
 # The tour: a trained MoE LM and one headline per system, a few CPU minutes in all.
 # Shorter than the studies' quick presets; `make studies` runs those in full.
 DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("lm_demo", ("train.steps=100",)),
-    ("darex_controlled", ("ps=(0.9,0.99)",)),
-    ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=100",
+    ("lm_demo", ("train.steps=60",)),
+    ("darex_controlled", ("ps=(0.9,0.99)", "lora_seeds=1")),
+    ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=50",
                           "drop_rates=(0.9,0.99)", "bits=(2,1)")),
-    ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=150")),
+    ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=100")),
     ("moe_kd", ("methods=(kd,)", "dense_teacher_methods=()", "teacher_ks=()",
                 "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=80", "distill.steps=20",
                 "distill.eval_every=10", "n_val=8", "n_test=32")),
     ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(dot,)",
-              "vit.train.steps=300", "kd.steps=20", "extract.n_tokens=2000", "eval_rows=400")),
+              "vit.train.steps=200", "kd.steps=15", "extract.n_tokens=2000", "eval_rows=400")),
 )
 SUITES = ("demo", "studies")
 
