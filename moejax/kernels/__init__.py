@@ -1,11 +1,14 @@
-"""Pallas kernels (pure array functions; no model code). On CPU they run in Pallas interpret
-mode (slow: tests use small shapes); on GPU they lower through Triton.
+"""Expert kernels (pure array functions; no model code). On CPU the Pallas kernels run in
+Pallas interpret mode (slow: tests use small shapes); on GPU they lower through Triton.
 
 * :mod:`~moejax.kernels.gmm`: dropless grouped matmul (``jax.lax.ragged_dot`` semantics) on a
   block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``; the MoE
   skeleton's ``dispatch="gmm"``.
 * :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-sparse experts (each token tile reads
-  only its union's expert weights); BlockFFN's ``path="pallas"``.
+  only its union's expert weights) as Pallas kernels (a loop over the union, GPU; a
+  scalar-prefetch grid over it, TPU); BlockFFN's ``path="pallas"``.
+* :mod:`~moejax.kernels.chunk_union_triton`: the same computation as a Triton kernel through
+  ``jax_triton`` (guarded imports; GPU and the ``gpu`` extra); BlockFFN's ``path="triton"``.
 """
 
 from moejax.kernels.gmm import gmm, group_tiles, tgmm
