@@ -49,7 +49,7 @@ class BenchConfig(Config):
         n_kv_heads=4,
         moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
-    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged")
+    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2
@@ -57,8 +57,9 @@ class BenchConfig(Config):
     precision: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self):
-        bad = [p for p in self.paths if p not in ("dense", "capacity", "ragged", "gmm")]
-        self._require(not bad, f"paths={bad} unknown; allowed: dense, capacity, ragged, gmm")
+        allowed = ("dense", "capacity", "ragged", "gmm", "grouped")
+        bad = [p for p in self.paths if p not in allowed]
+        self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
 
 

@@ -253,3 +253,31 @@ def test_ffn_apply_and_weight_errors():
         dispatch_ragged(p["x"], ids, w, p["w_up"], p["w_down"], p["w_gate"], activation="relu")
     with pytest.raises(ValueError, match="allowed"):
         dispatch("sparse", p["x"], ids, w, p["w_up"], p["w_down"], p["w_gate"], activation="swiglu")
+
+
+@pytest.mark.parametrize("tile", [None, 4, 3])
+def test_grouped_dispatch_equals_dense_oracle_with_gradients(tile):
+    from moejax.ops.dispatch import dispatch_grouped
+
+    activation = "swiglu"
+    p = _params(4, activation)
+    # expert 0: 10 assignments (several tiles), expert 3: none, 24 rows not a tile multiple
+    ids = jnp.asarray([[0, 1], [0, 2], [1, 0], [0, 2], [2, 0], [0, 1],
+                       [1, 2], [0, 1], [2, 0], [0, 2], [1, 0], [2, 1]], jnp.int32)
+    w = jax.random.uniform(jax.random.key(8), (N, K))
+
+    def loss(fn, x, w_up, w_down, w_gate):
+        out = fn(x, ids, w, w_up, w_down, w_gate, activation=activation)
+        return jnp.sum(out.y_ND * p["ct"]), out
+
+    grouped = (lambda *a, **kw: dispatch_grouped(*a, tile=tile, **kw))
+    args = (p["x"], p["w_up"], p["w_down"], p["w_gate"])
+    (l_g, o_g), g_g = jax.value_and_grad(lambda *a: loss(grouped, *a), argnums=(0, 1, 2, 3),
+                                         has_aux=True)(*args)
+    (l_d, o_d), g_d = jax.value_and_grad(lambda *a: loss(dispatch_dense, *a),
+                                         argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    np.testing.assert_allclose(np.asarray(o_g.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
+    assert int(o_g.n_dropped) == 0
+    for a, b in zip(g_g, g_d):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(g_g[1])[3])  # the expert nobody chose gets no gradient

@@ -59,9 +59,11 @@ class MoEConfig(FFNSlotConfig):
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "dense" (oracle, all experts on all tokens), "capacity" (fixed [E, C, D]
-        buffers, drops overflow; the CPU default), "ragged" (dropless grouped matmul with
-        ``jax.lax.ragged_dot``) or "gmm" (dropless, the Pallas grouped-matmul kernels with
-        their backward; GPU, interpret mode on CPU).
+        buffers, drops overflow; the default before 2026-11-23's fourth session), "ragged"
+        (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas
+        grouped-matmul kernels with their backward; GPU, interpret mode on CPU) or "grouped"
+        (the default: dropless, block-padded grouped tiles as batched dense matmuls in jnp;
+        3-4x faster than "ragged" on CPU, between capacity factors 1.25 and 2.0 there).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).
@@ -79,7 +81,7 @@ class MoEConfig(FFNSlotConfig):
     activation: ActivationName = "swiglu"
     router: Literal["softmax", "noisy"] = "softmax"
     renormalize: bool = True
-    dispatch: DispatchMethod = "capacity"
+    dispatch: DispatchMethod = "grouped"
     capacity_factor: float | None = 2.0
     capacity_priority: Literal["choice", "token"] = "choice"
     n_shared_experts: int = 0
