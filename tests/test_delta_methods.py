@@ -36,6 +36,7 @@ def test_structural_dpp_prunes_mlp_input_dims_and_dare_elsewhere():
     assert 0.05 < kept < 0.15  # p = 0.9 there too
     r = run_one(ctx, "structural DPP + q_v", 0.9)
     assert r["q"] != ""
+    assert run_one(ctx, "structural DPP + q_v", 0.5)["q"] != ""  # a raised to 1 - p, b = 1
 
 
 def test_structural_dpp_on_a_plain_mlp_treats_every_matrix_as_mlp():

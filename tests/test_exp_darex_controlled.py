@@ -16,7 +16,8 @@ def test_darex_controlled_tiny(tmp_path):
          "substrate.train.batch_size=64", "finetune.batch_size=64",
          f"substrate_cache={tmp_path / 'subs'}",
          "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4",
-         "lora_rank=2", "lora_seeds=2", "lora_finetune.steps=20", "lora_finetune.batch_size=64"],
+         "lora_rank=2", "lora_seeds=2", "lora_finetune.steps=20", "lora_finetune.batch_size=64",
+         "l2_sweep=(0.01,1.0)", "sweep_ps=(0.99,)"],
         out=tmp_path / "ctl",
     )
     rows = list(csv.DictReader(open(run.path / "detail.csv")))
@@ -49,3 +50,7 @@ def test_darex_controlled_tiny(tmp_path):
     summ = list(csv.DictReader(open(run.path / "lora.csv")))
     assert [r["method"] for r in summ][0] == "LoRA unpruned" and summ[0]["n_seeds"] == "2"
     assert "lora_unpruned" in summary and (run.path / "lora.png").exists()
+    sweep = list(csv.DictReader(open(run.path / "l2_sweep.csv")))
+    assert [float(r["l2_weight"]) for r in sweep] == [0.01, 1.0]
+    assert float(sweep[1]["delta_l2"]) < float(sweep[0]["delta_l2"])  # stronger L2, smaller delta
+    assert all(0 <= float(r["DARE p=0.99"]) <= 1 for r in sweep)

@@ -83,6 +83,8 @@ class PruneContext:
     ``val_metric(params)`` / ``test_metric(params)``: higher is better (use ``-loss`` for LMs);
     ``outputs_fn(params)``: last-layer outputs on ONE fixed batch (for q_e);
     ``x_stats``: ``{leaf_path: MatrixInputStats}`` of the matrix inputs (WANDA, analytic q).
+    ``structural_a``: fraction of input dimensions kept (the paper: 0.05 with ``b = 0.2`` at
+    p = 0.99; raised to ``1 - p`` at low rates so that ``b = (1 - p) / a <= 1``).
     ``structural_include``: which selected matrices structural DPP prunes by input dimension
     (the paper: the MLP layers; a model with no matching leaf, e.g. a plain MLP, is all MLP);
     the other selected matrices get DARE at the same ``p`` and ``q`` so the overall rate is
@@ -167,10 +169,8 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
         norms = {k: v.l2 for k, v in ctx.x_stats.items()}
         out = wanda_prune(D, norms, p, mask=mask)
     elif method == "structural DPP + q_v":
-        a = min(1.0, ctx.structural_a)
+        a = min(1.0, max(ctx.structural_a, 1 - p))  # below p = 1 - a keep whole dimensions
         b = (1 - p) / a
-        if b > 1:
-            raise ValueError(f"structural DPP: a={a} too small for p={p} (b={(1 - p) / a} > 1).")
         pruner = _structural_mlp_pruner(ctx, a, b, p)
         r = search_q_v(key, P, D, p, ctx.val_metric, grid=grid, pruner=pruner,
                           refine_rounds=ctx.refine_rounds)
