@@ -87,6 +87,10 @@ class DeRSCompressionConfig(Config):
         self._require(all(b in (1, 2, 3, 4, 5, 6, 7, 8, 16) for b in self.bits),
                       "bits must be in 1..8 or 16")
         self._require(self.quant_group >= 1, f"quant_group={self.quant_group} must be >= 1")
+        self._require(0 <= self.ckpt_drop < 1, f"ckpt_drop={self.ckpt_drop} must be in [0, 1) "
+                      "(1 would drop every delta and divide by zero in the rescale)")
+        self._require(self.ckpt_bits in (1, 2, 3, 4, 5, 6, 7, 8),
+                      f"ckpt_bits={self.ckpt_bits} must be in 1..8")
 
     @property
     def quant(self) -> QuantSpec:

@@ -88,6 +88,27 @@ def _check_value(owner: str, name: str, tp, value) -> None:
             raise ConfigError(f"{owner}.{name}={value!r}: expected a float.")
 
 
+# Conventions every config shares, checked by field name: sizes and counts are positive,
+# seeds non-negative (also inside tuples such as ``seeds``), floats finite.
+_POSITIVE_INTS = {"seq_len", "eval_batches", "batch_size", "steps", "d_model", "n_layers",
+                  "n_heads", "vocab_size", "max_seq_len", "n_experts", "n_seeds",
+                  "d_hidden", "d_expert", "n_tokens", "eval_batch_size"}
+
+
+def _check_by_name(owner: str, name: str, value) -> None:
+    if isinstance(value, bool):
+        return
+    if name in _POSITIVE_INTS and isinstance(value, int) and value < 1:
+        raise ConfigError(f"{owner}.{name}={value} must be >= 1")
+    if name in ("seed", "seeds"):
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, int) and v < 0:
+                raise ConfigError(f"{owner}.{name}={value}: seeds must be >= 0 (PRNG seeds "
+                                  "are unsigned)")
+    if isinstance(value, float) and value != value:
+        raise ConfigError(f"{owner}.{name}=nan is not allowed")
+
+
 class Config:
     """Base class of every moejax config (use together with the ``@config`` decorator)."""
 
@@ -101,6 +122,7 @@ class Config:
             # Coerce lists to tuples so configs stay hashable / frozen.
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
+            _check_by_name(owner, f.name, getattr(self, f.name))
         self.validate()
 
     def validate(self) -> None:  # pragma: no cover - default is no extra checks

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
-from moejax.config import Config, config
+from moejax.config import Config, ConfigError, config
 from moejax.data.corpora import corpus_windows
 from moejax.evaluate import SparsityEvaluator, router_active_sets
 from moejax.nn.blockffn import BlockFFNConfig
@@ -72,6 +72,16 @@ class SparseLMConfig(Config):
     remoe_lam0: float = 1e-4
     grin_eps: float = 0.01  # GRIN-MoE's router_jitter_noise
     max_seq_len: int = 1024
+
+    def validate(self) -> None:
+        try:  # the model this config builds must be valid too: fail at construction
+            self.slot()
+            stub = DenseFFNConfig(d_hidden=1, activation="swish")
+            DecoderConfig(vocab_size=256, d_model=self.d_model, n_layers=self.n_layers,
+                          n_heads=self.n_heads, ffn_slots=(stub,) * self.n_layers,
+                          max_seq_len=self.max_seq_len)
+        except ConfigError as e:
+            raise ConfigError(f"SparseLMConfig: {e}") from None
 
     @property
     def n_always_on(self) -> int:

@@ -92,7 +92,7 @@ def test_chat_batches(data_dir):
 
 
 def test_bpe_token_cache_round_trip(data_dir):
-    from moejax.data.token_cache import tokenized_docs
+    from moejax.data.token_cache import _load, tokenized_docs
 
     kw = dict(data_dir=data_dir, max_examples_per_split=N)
     tok = loader.bpe_for("prose/kjv", 300, **kw)
@@ -105,3 +105,12 @@ def test_bpe_token_cache_round_trip(data_dir):
     assert [tok.decode(d) for d in again] == texts
     tokenized_docs("prose/kjv", "train", ByteTokenizer(), "text", **kw)  # bytes: never cached
     assert len(list(data_dir.rglob("tokens/prose-kjv-*.npz"))) == 1
+    # a corrupt cache (bit flip, truncation) is detected and rebuilt, never used
+    raw = files[0].read_bytes()
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0x01
+    for damaged in (bytes(flipped), raw[: len(raw) // 2]):
+        files[0].write_bytes(damaged)
+        rebuilt = tokenized_docs("prose/kjv", "train", tok, "text", **kw)
+        assert [d.tolist() for d in rebuilt] == [d.tolist() for d in first]
+        assert _load(files[0]) is not None  # rewritten whole: it verifies again

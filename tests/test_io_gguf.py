@@ -142,16 +142,18 @@ def test_truncated_gguf(tiny, tmp_path, keep):
     assert "pip install" in str(e.value)  # says how to fix
 
 
-def test_missing_tensor_named(tiny, tmp_path):
-    path, model, cfg, params = tiny
+def _rewrite(src, dst, *, skip: str = "", block_count: int | None = None):
+    """Copy the tiny GGUF's metadata and tensors to ``dst``, leaving out tensor ``skip`` or
+    changing ``llama.block_count``."""
     tokens, merges, types = _vocab()
-    w = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "llama")
-    f = read_gguf(path)
+    w = gguf.GGUFWriter(str(dst), "llama")
+    f = read_gguf(src)
     for k in ("llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
               "llama.attention.head_count", "llama.attention.head_count_kv"):
-        w.add_uint32(k, int(f.metadata[k]))
+        v = block_count if k == "llama.block_count" and block_count is not None else None
+        w.add_uint32(k, int(f.metadata[k]) if v is None else v)
     for name, arr in f.tensors.items():
-        if name != "blk.1.ffn_up.weight":
+        if name != skip:
             w.add_tensor(name, arr)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -160,6 +162,41 @@ def test_missing_tensor_named(tiny, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_missing_tensor_named(tiny, tmp_path):
+    _rewrite(tiny[0], tmp_path / "partial.gguf", skip="blk.1.ffn_up.weight")
     with pytest.raises(WeightFileError, match=r"partial\.gguf: tensor 'blk\.1\.ffn_up\.weight' "
                                               "is missing"):
         load_gguf_decoder(tmp_path / "partial.gguf")
+
+
+def _set_tensor_offset(data: bytes, name: str, offset: int) -> bytes:
+    """Rewrite the data offset of tensor ``name`` in a GGUF header (v3 layout: name string,
+    n_dims uint32, dims uint64 x n_dims, type uint32, offset uint64)."""
+    key = len(name).to_bytes(8, "little") + name.encode()
+    at = data.index(key) + len(key)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    at += 4 + 8 * n_dims + 4
+    return data[:at] + offset.to_bytes(8, "little") + data[at + 8:]
+
+
+def test_overlapping_tensor_offsets_rejected(tiny, tmp_path):
+    f = read_gguf(tiny[0], dequantize=False)
+    raw = tiny[0].read_bytes()
+    # blk.0.ffn_norm has the same size as blk.0.attn_norm: point it at attn_norm's bytes
+    reader = gguf.GGUFReader(str(tiny[0]), "r")
+    offsets = {t.name: int(t.data_offset) - int(reader.data_offset) for t in reader.tensors}
+    assert f.tensors["blk.0.ffn_norm.weight"].nbytes == f.tensors["blk.0.attn_norm.weight"].nbytes
+    bad = tmp_path / "overlap.gguf"
+    bad.write_bytes(_set_tensor_offset(raw, "blk.0.ffn_norm.weight",
+                                       offsets["blk.0.attn_norm.weight"]))
+    with pytest.raises(WeightFileError, match=r"overlap\.gguf: tensors .*attn_norm.* overlap"):
+        load_gguf_decoder(bad)
+
+
+def test_extra_layers_rejected(tiny, tmp_path):
+    _rewrite(tiny[0], tmp_path / "extra.gguf", block_count=L - 1)  # the file holds L layers
+    with pytest.raises(WeightFileError, match=r"extra\.gguf: unexpected tensors "
+                                              r"\['blk\.1\..*block_count=1"):
+        load_gguf_decoder(tmp_path / "extra.gguf")

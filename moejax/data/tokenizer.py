@@ -66,8 +66,15 @@ class ByteTokenizer:
         return tokens, mask > 0
 
     def decode(self, ids) -> str:
-        """Text of ``ids``; special ids are dropped, invalid UTF-8 is replaced."""
+        """Text of ``ids``; special ids are dropped, invalid UTF-8 is replaced; an id outside
+        the vocabulary ``[0, 259)`` raises ``ValueError``."""
         ids = np.asarray(ids, dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"ByteTokenizer.decode: id {int(bad[0])} is outside the "
+                             f"vocabulary [0, {self.vocab_size}) ({bad.size} such ids); were "
+                             "these ids produced by another tokenizer or a model with a "
+                             "larger vocab_size?")
         ids = ids[ids >= self.offset] - self.offset
         return bytes(ids.astype(np.uint8)).decode("utf-8", errors="replace")
 

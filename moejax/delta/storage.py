@@ -19,6 +19,7 @@ import json
 import math
 import os
 import tempfile
+import zipfile
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +38,7 @@ __all__ = [
     "decode",
     "save",
     "load",
+    "validate_stored",
     "storage_report",
     "dense_bytes",
 ]
@@ -191,10 +193,7 @@ def decode(stored: StoredDelta, like=None):
     """Rebuild the tree. With ``like`` (any tree of the same structure, e.g. the
     pre-trained params) the exact original structure is restored; without it, a
     nested dict keyed by the path components is returned."""
-    if stored.meta.get("format") != FORMAT:
-        raise ValueError(
-            f"decode: unknown format {stored.meta.get('format')!r}; expected {FORMAT!r}."
-        )
+    validate_stored(stored, "decode")
     metas = stored.meta["leaves"]
     leaves = [_decode_leaf(i, m, stored.arrays) for i, m in enumerate(metas)]
     if like is not None:
@@ -204,6 +203,12 @@ def decode(stored: StoredDelta, like=None):
                 "decode: `like` has different leaf paths than the stored delta "
                 f"({like_paths[:5]} vs {[m['path'] for m in metas][:5]}); pass the matching tree."
             )
+        bad = [f"{m['path']}: stored {tuple(m['shape'])} vs like {tuple(np.shape(x))}"
+               for m, x in zip(metas, jax.tree_util.tree_leaves(like))
+               if tuple(m["shape"]) != tuple(np.shape(x))]
+        if bad:
+            raise ValueError("decode: the stored delta's shapes differ from `like` ("
+                             + "; ".join(bad[:6]) + "); pass the tree it was encoded from")
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
     out: dict = {}
     for m, leaf in zip(metas, leaves):
@@ -243,11 +248,71 @@ def save(path: str, stored: StoredDelta) -> None:
 
 
 def load(path: str) -> StoredDelta:
-    """Read a file written by :func:`save` with ``allow_pickle=False``."""
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files if k != "__meta__"}
-        meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
-    return StoredDelta(arrays, meta)
+    """Read a file written by :func:`save` with ``allow_pickle=False``; damage (a bad zip
+    member CRC, a truncated file, missing or inconsistent arrays) raises ``ValueError``
+    naming the file and the problem (:func:`validate_stored`)."""
+    path = str(path)
+    if not path.endswith(".npz"):
+        raise ValueError(f"load: {path!r} does not end with '.npz'; delta files are written "
+                         "by moejax.delta.storage.save as .npz. Fix: pass the .npz path")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load: no delta file {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if "__meta__" not in z.files:
+                raise ValueError("it has no __meta__ entry (not written by "
+                                 "moejax.delta.storage.save)")
+            arrays = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
+    except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"load: delta file {path} is corrupt or not a delta file ({e}). "
+                         "Fix: re-create it with moejax.delta.storage.save") from None
+    stored = StoredDelta(arrays, meta)
+    validate_stored(stored, path)
+    return stored
+
+
+def validate_stored(stored: StoredDelta, source="delta") -> None:
+    """Check that every leaf's arrays exist and fit its metadata (sizes, index range, packed
+    code length); raise ``ValueError`` naming ``source``, the leaf and the problem."""
+    meta = stored.meta
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{source}: unknown delta format "
+                         f"{meta.get('format') if isinstance(meta, dict) else meta!r}; "
+                         f"expected {FORMAT!r}")
+    a = stored.arrays
+    for i, m in enumerate(meta.get("leaves", [])):
+        pre, where = f"leaf{i}.", f"{source}: leaf {i} ({m.get('path', '?')!r})"
+        try:
+            shape = tuple(int(n) for n in m["shape"])
+            kind = m["kind"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: malformed metadata {m!r}") from None
+        size = math.prod(shape)
+        need = {"dense": ("values",), "sparse": ("index", "values"),
+                "quant": ("codes", "step")}.get(kind)
+        if need is None:
+            raise ValueError(f"{where}: unknown encoding {kind!r}")
+        missing = [pre + n for n in need if pre + n not in a]
+        if missing:
+            raise ValueError(f"{where}: arrays {missing} are missing")
+        if kind == "dense" and a[pre + "values"].size != size:
+            raise ValueError(f"{where}: {a[pre + 'values'].size} values for shape {shape}")
+        if kind == "sparse":
+            idx, vals = a[pre + "index"], a[pre + "values"]
+            if idx.dtype.kind not in "ui" or idx.shape != vals.shape or idx.size > size:
+                raise ValueError(f"{where}: sparse index {idx.dtype} {idx.shape} does not fit "
+                                 f"values {vals.shape} of a leaf of {size} entries")
+            if idx.size and (int(idx.max()) >= size or int(idx.min()) < 0):
+                raise ValueError(f"{where}: sparse index {int(idx.max())} out of range for "
+                                 f"shape {shape}")
+        if kind == "quant":
+            nbytes = math.ceil(size * int(m["bits"]) / 8)
+            if a[pre + "codes"].size != nbytes:
+                raise ValueError(f"{where}: {a[pre + 'codes'].size} code bytes, shape {shape} "
+                                 f"at {m['bits']} bits needs {nbytes}")
+            if not m["symmetric"] and pre + "offset" not in a:
+                raise ValueError(f"{where}: asymmetric codes without their offset array")
 
 
 def storage_report(stored: StoredDelta) -> dict:

@@ -9,7 +9,9 @@ Layout of ``<directory>/`` (orbax ``CompositeCheckpointHandler``; no pickle)::
                                    "ders": CompressedDeRS.meta,
                                    "storage": moejax.delta.storage meta (leaf paths, kinds),
                                    "model_config": moejax.config.to_json of the MoE decoder
-                                                   config (or null)}
+                                                   config (or null),
+                                   "checksums":    CRC-32 per array of "arrays"
+                                                   (moejax.integrity), verified on load}
 
 The delta arrays are exactly those of :mod:`moejax.delta.storage` (packed codes, smallest
 index dtype), so ``compression_report`` byte counts are what is written (orbax may compress
@@ -26,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moejax.config import Config, from_json, to_json
-from moejax.delta.storage import StoredDelta
+from moejax.delta.storage import StoredDelta, validate_stored
 from moejax.ders_compress.compress import CompressedDeRS
+from moejax.integrity import CorruptDataError, tree_checksums, verify_checksums
 
 __all__ = ["FORMAT", "save_compressed", "load_compressed", "disk_bytes"]
 
@@ -55,7 +58,8 @@ def save_compressed(directory, c: CompressedDeRS, model_config: Config | None = 
     tree = {"base": _str_keys(c.base), "rest": _str_keys(c.rest),
             "deltas": {k: np.asarray(v) for k, v in c.stored.arrays.items()}}
     meta = {"format": FORMAT, "ders": c.meta, "storage": c.stored.meta,
-            "model_config": to_json(model_config) if model_config is not None else None}
+            "model_config": to_json(model_config) if model_config is not None else None,
+            "checksums": tree_checksums(tree)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(path, args=ocp.args.Composite(arrays=ocp.args.StandardSave(tree),
                                                  meta=ocp.args.JsonSave(meta)))
@@ -67,16 +71,25 @@ def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
     path = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_compressed: no checkpoint directory {path}")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        out = ckptr.restore(path, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(),
-                                                          meta=ocp.args.JsonRestore()))
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            out = ckptr.restore(path, args=ocp.args.Composite(
+                arrays=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on damage
+        raise CorruptDataError(f"load_compressed: {path} is corrupt or not a compressed DeRS "
+                               f"checkpoint ({type(e).__name__}: {str(e)[:300]}). Fix: "
+                               "re-run the compression that wrote it") from e
     meta = out["meta"]
     if meta.get("format") != FORMAT:
         raise ValueError(f"load_compressed: {path} has format {meta.get('format')!r}, expected "
                          f"{FORMAT!r}; was it written by "
                          "moejax.ders_compress.ckpt.save_compressed?")
     arr = out["arrays"]
+    if meta.get("checksums"):
+        verify_checksums(jax.tree.map(np.asarray, arr), meta["checksums"],
+                         f"compressed DeRS checkpoint {path}")
     stored = StoredDelta({k: np.asarray(v) for k, v in arr["deltas"].items()}, meta["storage"])
+    validate_stored(stored, path)
     c = CompressedDeRS(_int_keys(arr["base"]), _int_keys(arr["rest"]), stored, meta["ders"])
     cfg = from_json(meta["model_config"]) if meta.get("model_config") else None
     return c, cfg

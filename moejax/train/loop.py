@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
+import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +51,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from moejax.config import Config, to_json
+from moejax.integrity import flatten_dict
+from moejax.results import atomic_write_text
 from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.run_lock import RunLock
 from moejax.train.step import (
     NonFiniteError,
     check_finite,
@@ -61,7 +67,10 @@ from moejax.train.step import (
     tree_all_finite,
 )
 
-__all__ = ["train", "train_params", "History", "read_csv", "FnSource", "compiled_memory"]
+__all__ = ["train", "train_params", "History", "read_csv", "FnSource", "compiled_memory",
+           "ResumeError", "config_differences"]
+
+log = logging.getLogger(__name__)
 
 _FIRST_COLS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
 
@@ -91,8 +100,14 @@ class _CsvLog:
     def __init__(self, path: str, resume_step: int):
         self.path, self.cols = path, None
         if os.path.exists(path):
-            rows = read_csv(path)
-            rows = [r for r in rows if int(float(r["step"])) <= resume_step]
+            all_rows = read_csv(path)
+            rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
+            if len(rows) < len(all_rows):  # keep what is dropped: nothing is lost
+                backup = f"{path}.before-resume-at-{resume_step}-{time.strftime('%Y%m%dT%H%M%S')}"
+                shutil.copyfile(path, backup)
+                log.warning("%s: dropped %d rows past the resumed step %d (a copy of the old "
+                            "file is in %s)", path, len(all_rows) - len(rows), resume_step,
+                            backup)
             if rows:
                 self.cols = list(rows[0].keys())
             with open(path, "w", newline="") as f:
@@ -193,9 +208,10 @@ def train(
     says which step), not those of the last step. Only this call's evaluations compete.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
     params, rest, history = _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir,
                                  eval_fn, config, mesh, progress, measure_memory, desc,
-                                 keep_best)
+                                 keep_best, vocab_size)
     nnx.update(model, params, rest)
     return history
 
@@ -236,7 +252,7 @@ def _build_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
 # methods) compile once, as jax.jit's own cache would for one function object. Bounded.
 _cached_step = functools.lru_cache(maxsize=16)(_build_step)
 _NOT_IN_STEP = dict(seed=0, log_every=1, eval_every=0, ckpt_every=0, keep_checkpoints=1,
-                    tensorboard=False)
+                    tensorboard=False, resume="auto")
 
 
 def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
@@ -248,8 +264,87 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
         return _build_step(graphdef, loss_fn, tx, cfg, mesh)
 
 
+class ResumeError(ValueError):
+    """The checkpoint in the run directory cannot continue this run exactly."""
+
+
+# Settings that may change between a run and its resumption without changing its results.
+_RESUME_FREE = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
+                "resume"}
+
+
+def config_differences(saved_json: str, current_json: str) -> list[str]:
+    """``"key: checkpoint X vs now Y"`` for every setting that differs between two configs'
+    JSON (logging/eval/checkpoint cadence and ``resume`` excluded)."""
+    a, b = flatten_dict(json.loads(saved_json)), flatten_dict(json.loads(current_json))
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k.split("/")[-1] in _RESUME_FREE:
+            continue
+        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+        if va != vb:
+            out.append(f"{k}: checkpoint {va!r} vs now {vb!r}")
+    return out
+
+
+def _open_run_dir(run_dir, cfg, config, state, main):
+    """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
+    validated (stale saves moved aside, the newest verifying step restored, its config
+    compared with this run's) before anything is written."""
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
+    position = 0
+    try:
+        if main:
+            ckpt.clean_stale()
+        found = ckpt.restore_latest(state, quarantine=main)
+        if found is not None:
+            restored, meta = found
+            saved_step = int(meta["step"])
+            if saved_step > cfg.steps:
+                raise ResumeError(
+                    f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
+                    f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
+                    "use a new run directory (out=...), or ask for steps >= "
+                    f"{saved_step}")
+            diffs = (config_differences(meta["config"], to_json(config))
+                     if meta.get("config") else [])
+            if diffs and cfg.resume != "force":
+                raise ResumeError(
+                    f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
+                    "config; resuming would not reproduce either run:\n  "
+                    + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
+                    "run directory (out=...), or resume anyway with train.resume=force")
+            if diffs:
+                log.warning("resuming %s with a changed config (resume=force):\n  %s",
+                            run_dir, "\n  ".join(diffs))
+            state, position = restored, int(meta["data_position"])
+        if main:
+            atomic_write_text(os.path.join(run_dir, "config.json"), to_json(config))
+    except BaseException:
+        ckpt.close(abort=True)
+        raise
+    return ckpt, state, position
+
+
+def _check_token_ids(batch, vocab_size: int) -> None:
+    """Token ids of the first batch must index the model's vocabulary (an id past it makes
+    the embedding lookup return NaN or garbage, silently)."""
+    if not isinstance(batch, dict):
+        return
+    for key in ("inputs", "targets"):
+        x = batch.get(key)
+        if x is None or not np.issubdtype(np.asarray(x).dtype, np.integer):
+            continue
+        hi = int(np.max(x)) if np.size(x) else 0
+        if hi >= vocab_size:
+            raise ValueError(
+                f"batch[{key!r}] holds token id {hi} but the model's vocab_size is "
+                f"{vocab_size}; the tokenizer's vocabulary does not fit the model. Fix: set "
+                f"vocab_size >= {hi + 1} (e.g. the tokenizer's vocab_size)")
+
+
 def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, config, mesh,
-         progress, measure_memory, desc, keep_best=""):
+         progress, measure_memory, desc, keep_best="", vocab_size=None):
     if keep_best and not (eval_fn is not None and cfg.eval_every):
         raise ValueError(f"keep_best={keep_best!r} selects among evaluations; pass eval_fn and "
                          "set TrainConfig.eval_every > 0")
@@ -271,16 +366,15 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
     state = mesh_lib.shard_tree(state, mesh)
     main = is_main_process()
 
-    ckpt, position = None, 0
+    ckpt, position, lock = None, 0, None
     if run_dir is not None:
-        os.makedirs(run_dir, exist_ok=True)
-        if main:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                f.write(to_json(config))
-        ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
-        if ckpt.latest_step() is not None:
-            state, meta = ckpt.restore(state)
-            position = int(meta["data_position"])
+        lock = RunLock(run_dir).acquire() if main else None
+        try:
+            ckpt, state, position = _open_run_dir(run_dir, cfg, config, state, main)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
     start = int(jax.device_get(state.step))
     logs = run_dir is not None and main
     csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if logs else None
@@ -330,9 +424,12 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
         ckpt.save(state, data_position=position, config=config)
 
     last_saved = start if ckpt is not None and ckpt.latest_step() == start else None
+    failed = True
     try:
         for step in range(start, cfg.steps):
             local = local_batch(source, position)
+            if step == start and vocab_size:
+                _check_token_ids(local, vocab_size)
             state, metrics = step_fn(state, assemble(local, mesh))
             pending.append((step, position, _tokens(local), metrics))
             position += 1
@@ -364,12 +461,17 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
         if (ckpt is not None and last_saved != cfg.steps
                 and int(jax.device_get(state.step)) == cfg.steps):
             save()
+        failed = False
     finally:
         bar.close()
-        if ckpt is not None:
-            ckpt.close()
-        if tb is not None:
-            tb.close()
+        try:
+            if ckpt is not None:
+                ckpt.close(abort=failed)
+            if tb is not None:
+                tb.close()
+        finally:
+            if lock is not None:
+                lock.release()
     if best is not None:
         history.best = {"step": best[1], "value": best[0]}
         return best[2][0], best[2][1], history

@@ -65,6 +65,10 @@ class TrainConfig(Config):
     keep_checkpoints: int = 3
     tensorboard: bool = False  # also write metrics as TensorBoard events (tensorboardX)
     seed: int = 0
+    # Resuming from run_dir/checkpoints: "auto" refuses a checkpoint whose saved config
+    # differs from this run's (other than logging/eval/checkpoint cadence), "force" resumes
+    # anyway (the differences are logged).
+    resume: Literal["auto", "force"] = "auto"
 
     def validate(self) -> None:
         r = self._require
@@ -115,6 +119,7 @@ class TrainConfig(Config):
         r(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
         r(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = off)")
         r(self.ckpt_every >= 0, f"ckpt_every={self.ckpt_every} must be >= 0 (0 = end only)")
+        r(self.seed >= 0, f"seed={self.seed} must be >= 0 (PRNG seeds are unsigned)")
         r(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
 
     @property

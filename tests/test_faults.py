@@ -1,0 +1,534 @@
+"""Fault injection: every fault class of the reliability review gets a clear error and loses
+nothing. Checkpoints (bit flips, missing files, stale saves, failing and interrupted saves,
+locks, config drift on resume), delta files, compressed DeRS checkpoints, weight imports,
+tokenizer ids and configs; plus a load test of many interrupted and corrupted saves whose
+resumptions must match the uninterrupted run bit for bit."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import ConfigError, apply_overrides
+from moejax.delta import storage
+from moejax.integrity import CorruptDataError, array_checksum, verify_checksums
+from moejax.io import WeightFileError
+from moejax.train.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    latest_step,
+)
+from moejax.train.loop import ResumeError, read_csv, train
+from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.step import NonFiniteError, init_state, lm_loss_fn
+from tests.test_train_loop import Crash
+from tests.test_train_loop import CrashingSource as CrashAt
+from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosine",
+                  ckpt_every=2, log_every=1, keep_checkpoints=10, seed=1)
+
+
+def _params(model):
+    return nnx.state(model, nnx.Param)
+
+
+def _run(run_dir, cfg=CFG, source=None, model=None):
+    model = model or TinyMoELM(nnx.Rngs(0))
+    hist = train(model, source or ToySource(batch_size=4), cfg, run_dir=str(run_dir),
+                 progress=False)
+    return model, hist
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run: final params and per-step losses."""
+    model, hist = _run(tmp_path_factory.mktemp("straight") / "run")
+    return _params(model), [h["loss"] for h in hist]
+
+
+def _template(cfg=CFG):
+    g, p, r = nnx.split(TinyMoELM(nnx.Rngs(0)), nnx.Param, ...)
+    return init_state(p, r, make_optimizer(cfg, make_schedule(cfg)), cfg.seed)
+
+
+def _data_files(step_dir):
+    return sorted(f for f in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"),
+                                       recursive=True) if os.path.isfile(f))
+
+
+def _invert_file(path):
+    raw = bytearray(open(path, "rb").read())
+    open(path, "wb").write(bytes(b ^ 0xFF for b in raw))
+
+
+# -- checkpoints: corruption ---------------------------------------------------------------
+def test_bit_flips_are_detected_or_harmless(tmp_path):
+    """A single flipped bit anywhere in the array data is either detected (checksum or
+    decode failure) or provably harmless (every array verifies); never silently loaded."""
+    _run(tmp_path / "r", CFG.replace(steps=2))
+    ck = Checkpointer(tmp_path / "r" / "checkpoints")
+    tmpl = _template()
+    ref, _ = ck.restore(tmpl, 2)
+    detected = harmless = 0
+    for f in _data_files(tmp_path / "r" / "checkpoints" / "2"):
+        raw = open(f, "rb").read()
+        for off in range(0, len(raw), max(1, len(raw) // 6)):
+            b = bytearray(raw)
+            b[off] ^= 0x04
+            open(f, "wb").write(bytes(b))
+            try:
+                got, _ = ck.restore(tmpl, 2)
+            except CorruptCheckpointError as e:
+                assert "step 2" in str(e)
+                detected += 1
+            else:
+                assert tree_equal(got.params, ref.params) and tree_equal(got.opt_state,
+                                                                         ref.opt_state)
+                harmless += 1
+            finally:
+                open(f, "wb").write(raw)
+    ck.close()
+    assert detected >= 3, (detected, harmless)
+
+
+def test_corrupt_newest_step_falls_back_and_resume_is_exact(tmp_path, straight, caplog):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(5, batch_size=4))
+    assert latest_step(run / "checkpoints") == 4
+    for f in _data_files(run / "checkpoints" / "4"):
+        _invert_file(f)
+    with pytest.raises(CorruptCheckpointError):
+        Checkpointer(run / "checkpoints").restore(_template(), 4)
+    model, hist = _run(run)
+    assert "falling back" in caplog.text and "step 4" in caplog.text
+    assert [h["step"] for h in hist] == [3, 4, 5, 6]  # resumed from step 2
+    assert tree_equal(_params(model), straight[0])
+    assert [r["step"] for r in read_csv(run / "metrics.csv")] == ["1", "2", "3", "4", "5", "6"]
+    assert os.listdir(run / "checkpoints" / ".corrupt")  # the bad step was kept aside
+
+
+@pytest.mark.parametrize("victim", ["state/_METADATA", "_CHECKPOINT_METADATA", "meta"])
+def test_missing_files_are_named(tmp_path, victim):
+    _run(tmp_path / "r", CFG.replace(steps=2))
+    p = tmp_path / "r" / "checkpoints" / "2" / victim
+    shutil.rmtree(p) if p.is_dir() else p.unlink()
+    with pytest.raises(CorruptCheckpointError, match=f"step 2 .*{victim.split('/')[-1]}"):
+        Checkpointer(tmp_path / "r" / "checkpoints").restore(_template())
+    with pytest.raises(CorruptCheckpointError, match="no checkpoint .* verifies"):
+        _run(tmp_path / "r", CFG.replace(steps=4))
+
+
+def test_stale_uncommitted_steps_are_moved_aside(tmp_path, straight):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(3, batch_size=4))
+    ck = run / "checkpoints"
+    shutil.copytree(ck / "2", ck / "4")  # a half-copied step the run will want to save
+    (ck / "4" / "commit_success.txt").unlink()
+    os.makedirs(ck / "6.orbax-checkpoint-tmp-99")
+    model, _ = _run(run)
+    assert tree_equal(_params(model), straight[0])
+    stale = sorted(os.listdir(ck / ".stale"))
+    assert [s.split("-")[0] for s in stale] == ["4", "6.orbax"]
+    assert latest_step(ck) == 6
+
+
+def test_all_steps_uncommitted_restarts_and_keeps_old_metrics(tmp_path, straight):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(5, batch_size=4))
+    for s in ("2", "4"):
+        (run / "checkpoints" / s / "commit_success.txt").unlink()
+    model, hist = _run(run)
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6]
+    assert tree_equal(_params(model), straight[0])
+    backups = glob.glob(str(run / "metrics.csv.before-resume-at-0-*"))
+    assert len(backups) == 1 and len(read_csv(backups[0])) == 5  # nothing lost
+
+
+# -- checkpoints: failing and interrupted saves ---------------------------------------------
+_FAILING_SAVE = """
+import os, sys, errno
+sys.path.insert(0, {root!r})
+from flax import nnx
+from orbax.checkpoint._src.path import atomicity
+from moejax.train.loop import train
+from moejax.train.optim import TrainConfig
+from tests.test_train_utils import TinyMoELM, ToySource
+async def fail(self, *a, **k):
+    raise {exc}
+atomicity.AtomicRenameTemporaryPath.create = fail
+cfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, ckpt_every=2, log_every=1)
+try:
+    train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r},
+          progress=False)
+except BaseException as e:
+    print("RAISED", type(e).__name__, e)
+    sys.exit(3)
+print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("exc", ["OSError(errno.EROFS, 'Read-only file system')",
+                                 "KeyboardInterrupt()"])
+def test_failing_or_interrupted_save_exits_without_hanging(tmp_path, exc):
+    """A save that fails inside orbax (read-only disk) or is interrupted (Ctrl-C) raises and
+    the process exits: orbax's waiting threads are released (they used to hang exit)."""
+    code = _FAILING_SAVE.format(root=ROOT, d=str(tmp_path / "r"), exc=exc)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=90, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 3, r.stdout + r.stderr[-2000:]
+    want = "CheckpointWriteError" if "OSError" in exc else "KeyboardInterrupt"
+    assert f"RAISED {want}" in r.stdout
+    assert time.time() - t0 < 80
+    assert latest_step(tmp_path / "r" / "checkpoints") is None
+
+
+def test_unwritable_directory_fails_before_saving(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointWriteError, match="cannot create the checkpoint directory"):
+        Checkpointer(tmp_path / "file" / "ck")
+    ck = Checkpointer(tmp_path / "ck")
+    os.rename(tmp_path / "ck", tmp_path / "gone")
+    (tmp_path / "ck").write_text("now a file")
+    with pytest.raises(CheckpointWriteError, match="Nothing was saved"):
+        ck.save(_template(), data_position=0)
+    ck.close()
+
+
+_SIGINT_RUN = """
+import sys
+sys.path.insert(0, {root!r})
+from flax import nnx
+from moejax.train.loop import train
+from moejax.train.optim import TrainConfig
+from tests.test_train_utils import TinyMoELM, ToySource
+cfg = TrainConfig(steps=400, batch_size=4, lr=1e-2, ckpt_every=1, log_every=1,
+                  keep_checkpoints=2)
+print("START", flush=True)
+train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r}, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_saves_never_hangs(tmp_path):
+    """Real SIGINTs at several moments of a run that checkpoints every step: the process
+    always exits (no hang) and the run directory still resumes."""
+    rng = np.random.default_rng(0)
+    d = str(tmp_path / "r")
+    for delay in rng.uniform(0.0, 0.5, size=3):
+        p = subprocess.Popen([sys.executable, "-c", _SIGINT_RUN.format(root=ROOT, d=d)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        assert p.stdout.readline().startswith("START")
+        t0 = time.time()  # wait until the run is saving every step, then interrupt it
+        while latest_step(os.path.join(d, "checkpoints")) is None and time.time() - t0 < 60:
+            time.sleep(0.05)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"hung after SIGINT at {delay:.2f}s")
+        assert p.returncode != 0
+    tmpl = _template(TrainConfig(steps=400, batch_size=4, lr=1e-2))
+    ck = Checkpointer(os.path.join(d, "checkpoints"))
+    assert ck.restore_latest(tmpl) is not None
+    ck.close()
+
+
+# -- run directory: locks and resume semantics ---------------------------------------------
+def test_run_lock_excludes_a_second_run_and_recovers_stale_locks(tmp_path):
+    with RunLock(tmp_path / "r"):
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()}.*out="):
+            RunLock(tmp_path / "r").acquire()
+        with pytest.raises(RunLockedError):
+            _run(tmp_path / "r", CFG.replace(steps=1))
+    assert not (tmp_path / "r" / "metrics.csv").exists()  # the refused run wrote nothing
+    # a lock file left by a process killed with -9 is taken over
+    code = (f"import sys, os; sys.path.insert(0, {ROOT!r}); from moejax.train.run_lock import "
+            f"RunLock; RunLock({str(tmp_path / 'r')!r}).acquire(); print('held', flush=True); "
+            "import time; time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    with pytest.raises(RunLockedError, match=f"pid {p.pid}"):
+        RunLock(tmp_path / "r").acquire()
+    p.kill()
+    p.wait()
+    _run(tmp_path / "r", CFG.replace(steps=1))  # stale lock: recovered
+
+
+def test_changed_config_is_refused_unless_forced(tmp_path, straight):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(3, batch_size=4))
+    before = (run / "config.json").read_text()
+    for change, key in ((dict(lr=2e-2), "lr"), (dict(seed=7), "seed")):
+        with pytest.raises(ResumeError, match=f"{key}: checkpoint .* vs now"):
+            _run(run, CFG.replace(**change))
+        assert (run / "config.json").read_text() == before  # validated before writing
+    _run(run, CFG.replace(log_every=3, ckpt_every=1))  # cadence changes are free
+    model, _ = _run(run, CFG.replace(steps=8, resume="force"))
+    assert latest_step(run / "checkpoints") == 8
+    with pytest.raises(ResumeError, match="step 8, past this run's steps=6"):
+        _run(run)
+
+
+def test_mismatched_model_does_not_touch_the_run_dir(tmp_path):
+    run = tmp_path / "r"
+    _run(run, CFG.replace(steps=2))
+    before = (run / "config.json").read_text()
+    with pytest.raises(CheckpointMismatchError):
+        _run(run, CFG.replace(steps=2), model=TinyMoELM(nnx.Rngs(0), d=10))
+    assert (run / "config.json").read_text() == before
+
+
+def test_failed_train_leaves_the_callers_model_usable(tmp_path):
+    model = TinyMoELM(nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, _params(model))
+
+    def nan_loss(m, batch, key):
+        loss, metrics = lm_loss_fn(m, batch, key)
+        return loss * jnp.nan, metrics
+
+    with pytest.raises(NonFiniteError):
+        train(model, ToySource(batch_size=4), CFG, loss_fn=nan_loss, run_dir=str(tmp_path),
+              progress=False)
+    assert tree_equal(jax.tree.map(np.asarray, _params(model)), before)
+    logits, _ = model(ToySource(batch_size=2).batch(0)["inputs"])
+    assert np.isfinite(np.asarray(logits)).all()
+    assert latest_step(tmp_path / "checkpoints") is None
+
+
+def test_token_ids_past_the_vocabulary_fail_before_compute():
+    from moejax.nn.decoder import DecoderLM, dense_decoder_config
+
+    cfg = dense_decoder_config(vocab_size=8, d_model=8, n_layers=1, n_heads=2, d_hidden=16)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="token id 15 but the model's vocab_size is 8"):
+        train(model, ToySource(batch_size=4), CFG.replace(steps=1), progress=False)
+
+
+# -- delta files, compressed checkpoints, imports -----------------------------------------
+@pytest.fixture
+def delta_file(tmp_path):
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(16, 8)).astype(np.float32),
+            "b": np.where(rng.random((32,)) < 0.1, 1.0, 0.0).astype(np.float32)}
+    path = str(tmp_path / "d.npz")
+    storage.save(path, storage.encode(tree))
+    return path, tree
+
+
+def test_delta_file_damage_is_named(delta_file, tmp_path):
+    path, tree = delta_file
+    raw = open(path, "rb").read()
+    flipped = bytearray(raw)
+    flipped[len(raw) // 3] ^= 0x01
+    cases = {"flip.npz": bytes(flipped), "cut.npz": raw[: len(raw) // 2], "zero.npz": b""}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"{name} is corrupt or not a delta file"):
+            storage.load(str(tmp_path / name))
+    with pytest.raises(ValueError, match="does not end with '.npz'"):
+        storage.load(path[:-4])
+    got = storage.decode(storage.load(path), like=tree)
+    np.testing.assert_array_equal(np.asarray(got["a"]), tree["a"])
+
+
+def test_delta_metadata_inconsistencies_are_named(delta_file):
+    path, tree = delta_file
+    stored = storage.load(path)
+    meta = json.loads(json.dumps(stored.meta))
+    meta["leaves"][0]["shape"] = [16, 9]
+    with pytest.raises(ValueError, match="leaf 0 \\('a'\\): 128 values for shape \\(16, 9\\)"):
+        storage.decode(storage.StoredDelta(stored.arrays, meta))
+    sparse = next(i for i, m in enumerate(stored.meta["leaves"]) if m["kind"] == "sparse")
+    arrays = dict(stored.arrays)
+    idx = arrays[f"leaf{sparse}.index"].copy()
+    idx[-1] = 200
+    arrays[f"leaf{sparse}.index"] = idx
+    with pytest.raises(ValueError, match="sparse index 200 out of range"):
+        storage.decode(storage.StoredDelta(arrays, stored.meta))
+    with pytest.raises(ValueError, match="shapes differ from `like`"):
+        storage.decode(stored, like={"a": np.zeros((8, 16)), "b": np.zeros(32)})
+
+
+def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
+    from moejax.ders_compress.ckpt import load_compressed, save_compressed
+    from moejax.ders_compress.compress import CompressedDeRS
+
+    rng = np.random.default_rng(0)
+    base = {0: {"w_up": rng.normal(size=(8, 16)).astype(np.float32)}}
+    delta = {"e0": rng.normal(size=(8, 16)).astype(np.float32)}
+    c = CompressedDeRS(base, {"embed": rng.normal(size=(4, 8)).astype(np.float32)},
+                       storage.encode(delta), {"note": "test"})
+    path = save_compressed(tmp_path / "c", c)
+    got, _ = load_compressed(path)
+    np.testing.assert_array_equal(got.base[0]["w_up"], base[0]["w_up"])
+    for f in _data_files_any(path):
+        _invert_file(f)
+    with pytest.raises(CorruptDataError, match="is corrupt"):
+        load_compressed(path)
+
+
+def _data_files_any(path):
+    return [f for f in glob.glob(os.path.join(path, "**", "d", "*"), recursive=True)
+            if os.path.isfile(f)]
+
+
+def test_checksum_properties():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 7)).astype(np.float32)
+    assert array_checksum(x) == array_checksum(x.copy())
+    assert array_checksum(x) != array_checksum(x.reshape(7, 5))  # shape is part of it
+    assert array_checksum(x) != array_checksum(x.view(np.int32))  # so is dtype
+    y = x.copy()
+    y.view(np.uint8).reshape(-1)[13] ^= 0x80
+    assert array_checksum(x) != array_checksum(y)
+    tree = {"p": {"w": x}, "s": np.int32(3)}
+    from moejax.integrity import tree_checksums
+
+    sums = tree_checksums(tree)
+    verify_checksums(tree, sums, "t")
+    with pytest.raises(CorruptDataError, match="p/w"):
+        verify_checksums({"p": {"w": y}, "s": np.int32(3)}, sums, "t")
+
+
+def test_safetensors_import_rejects_integers_and_non_finite(tmp_path):
+    from moejax.io.safetensors_io import export_params, import_params
+
+    make = lambda: TinyMoELM(nnx.Rngs(0))  # noqa: E731
+    from moejax.io._common import flat_params
+
+    flat = {k: np.asarray(v) for k, v in flat_params(make()).items()}
+    ints = dict(flat, **{"head/kernel": np.ones(flat["head/kernel"].shape, np.int32)})
+    export_params(ints, tmp_path / "int.safetensors")
+    with pytest.raises(WeightFileError, match="'head/kernel' has integer dtype int32"):
+        import_params(tmp_path / "int.safetensors", make)
+    nans = dict(flat)
+    nans["embed/embedding"] = flat["embed/embedding"].copy()
+    nans["embed/embedding"][1, 2] = np.nan
+    nans["embed/embedding"][3, 0] = np.inf
+    export_params(nans, tmp_path / "nan.safetensors")
+    with pytest.raises(WeightFileError, match="'embed/embedding' holds 2 NaN/inf values"):
+        import_params(tmp_path / "nan.safetensors", make)
+    export_params(flat, tmp_path / "ok.safetensors")
+    import_params(tmp_path / "ok.safetensors", make)
+
+
+# -- tokenizer and configs ------------------------------------------------------------------
+def test_byte_tokenizer_rejects_out_of_vocabulary_ids():
+    from moejax.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    assert tok.decode([1, 3 + ord("h"), 3 + ord("i"), 2]) == "hi"
+    for bad in ([259], [5, 300], [-1]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            tok.decode(bad)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: TrainConfig(seed=-1), "seed=-1"),
+    (lambda: TrainConfig(lr=float("inf")), "lr=inf"),
+    (lambda: TrainConfig(lr=float("nan")), "nan"),
+    (lambda: __import__("moejax.substrates.lm", fromlist=["x"]).LMSubstrateConfig(seq_len=0),
+     "seq_len=0"),
+    (lambda: __import__("moejax.substrates.lm", fromlist=["x"]).LMSubstrateConfig(
+        eval_batches=0), "eval_batches=0"),
+    (lambda: __import__("moejax.nn.moe_lm", fromlist=["x"]).MoELMConfig(d_model=30,
+                                                                        n_heads=4),
+     "d_model=30 is not divisible"),
+    (lambda: __import__("moejax.nn.moe", fromlist=["x"]).MoEConfig(n_experts=2, top_k=3),
+     "top_k=3"),
+    (lambda: __import__("moejax.nn.moe", fromlist=["x"]).MoEConfig(capacity_factor=0.0),
+     "capacity_factor=0.0"),
+    (lambda: __import__("moejax.sparse_lm", fromlist=["x"]).SparseLMConfig(d_model=30),
+     "not divisible"),
+])
+def test_configs_fail_at_construction(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build()
+
+
+def test_study_overrides_fail_before_compute():
+    from experiments import ders_compression
+
+    cfg = ders_compression.make_config("quick")
+    for bad, match in (("ckpt_drop=1.0", "ckpt_drop=1.0"), ("eval_batches=0", "eval_batches"),
+                       ("train.seed=-1", "seed")):
+        with pytest.raises(ConfigError, match=match):
+            apply_overrides(cfg, [bad])
+    r = subprocess.run([sys.executable, "-m", "experiments.ders_compression", "ckpt_drop=1.0",
+                        "out=" + os.devnull], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "ckpt_drop=1.0 must be in [0, 1)" in r.stderr
+
+
+# -- load test ---------------------------------------------------------------------------
+def _damage(run, rng) -> str:
+    """One random fault to the newest checkpoint: none, a bit flip in its array data, a
+    deleted ``_METADATA``, or a stale half-copied newer step directory."""
+    ck = run / "checkpoints"
+    step = latest_step(ck)
+    kind = ["none", "flip", "metadata", "stale"][int(rng.integers(4))]
+    if step is None or kind == "none":
+        return "none"
+    if kind == "flip":
+        for f in _data_files(ck / str(step)):
+            _invert_file(f)
+    elif kind == "metadata":
+        (ck / str(step) / "state" / "_METADATA").unlink()
+    else:
+        shutil.copytree(ck / str(step), ck / str(step + 1))
+        (ck / str(step + 1) / "commit_success.txt").unlink()
+    return kind
+
+
+def test_load_many_interrupted_and_corrupted_saves_resume_bitwise(tmp_path):
+    """Twelve rounds: crash the run at a random data position, damage the newest checkpoint
+    at random, resume. When it finishes, the model equals the uninterrupted run's bit for bit
+    and metrics.csv holds each step once, with the uninterrupted losses."""
+    cfg = CFG.replace(steps=10, ckpt_every=1, keep_checkpoints=3)
+    model_a, hist_a = _run(tmp_path / "straight", cfg)
+    run, rng = tmp_path / "r", np.random.default_rng(0)
+    faults = []
+    for _ in range(12):
+        crash_at = int(rng.integers(1, cfg.steps + 2))
+        try:
+            _run(run, cfg, source=CrashAt(crash_at, batch_size=4))
+        except Crash:
+            pass
+        faults.append(_damage(run, rng))
+    for _ in range(cfg.steps):  # a damaged final step may need several resumptions
+        try:
+            model_b, _ = _run(run, cfg)
+            break
+        except CorruptCheckpointError:  # every kept step was damaged: start over
+            shutil.rmtree(run / "checkpoints")
+    assert tree_equal(_params(model_b), _params(model_a))
+    rows = read_csv(run / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, cfg.steps + 1))
+    assert [float(r["loss"]) for r in rows] == pytest.approx([h["loss"] for h in hist_a],
+                                                             rel=0, abs=0)
+    assert {"flip", "metadata", "stale"} <= set(faults)
