@@ -1,4 +1,7 @@
-"""Benchmark: steady train-step time and tokens/s of an MoE LM for each dispatch path.
+"""Benchmark: steady train-step time and tokens/s of an MoE LM for each dispatch path, plus
+(issue 17's one-run table of ratios) one MoE block's fwd+bwd per path against a PyTorch expert
+loop and against the FLOP bound at this machine's matmul rate, and each delta operation over a
+SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes.
 
 Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs
@@ -10,6 +13,7 @@ reported too.
     python -m experiments.bench_dispatch preset=full           # GPU: batch 64, seq 512
     python -m experiments.bench_dispatch paths=capacity,ragged steps=20
     python -m experiments.bench_dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
+    pip install torch   # optional: fills the PyTorch peer row (never a moejax dependency)
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from moejax.bench import kernel_unavailable
+from moejax.bench import kernel_unavailable, time_call
+from moejax.bench_cpu import (
+    delta_op_times,
+    matmul_gflops,
+    moe_block_flops,
+    moe_block_fwd_bwd,
+    torch_moe_block_s,
+    tree_of_shapes,
+)
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
@@ -55,6 +67,15 @@ class BenchConfig(Config):
     warmup: int = 2
     steps: int = 8
     precision: Literal["float32", "bfloat16"] = "float32"
+    # one MoE block, fwd+bwd (the issue-17 shape): tokens, d_model, expert width, experts, k
+    block_tokens: int = 2048
+    block_d: int = 256
+    block_f: int = 1024
+    block_experts: int = 8
+    block_top_k: int = 2
+    block_repeats: int = 10
+    # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
+    delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
 
     def validate(self):
         allowed = ("dense", "capacity", "ragged", "gmm", "grouped")
@@ -121,6 +142,59 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     }
 
 
+def _smollm2_shapes(tiny: bool) -> dict:
+    layers, d, f, kv, vocab = (2, 64, 128, 32, 512) if tiny else (30, 576, 1536, 192, 49152)
+    shapes = {"embed": (vocab, d), "final_norm": (d,)}
+    for i in range(layers):
+        shapes.update({f"{i}/w_q": (d, d), f"{i}/w_k": (d, kv), f"{i}/w_v": (d, kv),
+                       f"{i}/w_o": (d, d), f"{i}/w_gate": (d, f), f"{i}/w_up": (d, f),
+                       f"{i}/w_down": (f, d), f"{i}/attn_norm": (d,), f"{i}/ffn_norm": (d,)})
+    return shapes
+
+
+def _block_rows(cfg: BenchConfig) -> tuple[list[dict], float]:
+    """One MoE block's fwd+bwd per dispatch path vs the PyTorch peer and the FLOP bound."""
+    rate = matmul_gflops(2 * cfg.block_tokens, cfg.block_d, cfg.block_f)
+    flops = moe_block_flops(cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_top_k)
+    bound = flops / (rate * 1e9)
+    base = MoEConfig(n_experts=cfg.block_experts, top_k=cfg.block_top_k, d_expert=cfg.block_f,
+                     activation="swiglu", balance_loss="none")
+    variants = [("capacity cf=1.25", base.replace(dispatch="capacity", capacity_factor=1.25)),
+                ("capacity cf=2.0", base.replace(dispatch="capacity", capacity_factor=2.0)),
+                ("grouped (dropless)", base.replace(dispatch="grouped")),
+                ("ragged (dropless)", base.replace(dispatch="ragged")),
+                ("dense (oracle)", base.replace(dispatch="dense"))]
+    rows = []
+    for name, mcfg in tqdm(variants, desc="MoE block", leave=False):
+        fn, args = moe_block_fwd_bwd(mcfg, cfg.block_d, cfg.block_tokens)
+        rows.append({"impl": name, "seconds": time_call(fn, *args,
+                                                        repeats=cfg.block_repeats)["median_s"]})
+    t_torch = torch_moe_block_s(cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts,
+                                cfg.block_top_k, repeats=cfg.block_repeats)
+    rows.append({"impl": "PyTorch expert loop (HF Mixtral style)", "seconds": t_torch,
+                 "note": "" if t_torch is not None else "not installed (pip install torch)"})
+    for r in rows:
+        if r["seconds"] is not None:
+            r["ms"] = r["seconds"] * 1e3
+            r["vs_flop_bound"] = r["seconds"] / bound
+            if t_torch is not None:
+                r["vs_torch"] = r["seconds"] / t_torch
+    rows.append({"impl": f"FLOP bound ({flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s)",
+                 "seconds": bound, "ms": bound * 1e3, "vs_flop_bound": 1.0})
+    return rows, rate
+
+
+def _versions() -> str:
+    try:
+        import torch
+        tv = torch.__version__
+    except ImportError:
+        tv = "not installed"
+    import platform
+    return (f"jax {jax.__version__}, torch {tv}, {platform.machine()} "
+            f"{jax.devices()[0].platform} x{jax.device_count()}")
+
+
 def run(cfg: BenchConfig, run: RunDir) -> dict:
     source = WindowBatches(
         corpus_bytes("stdlib_code", "train", max_bytes=4_000_000),
@@ -146,15 +220,41 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         ylabel="tokens / s",
         title="Train throughput by dispatch path",
     )
+    block, rate = _block_rows(cfg)
+    run.table("block", block, title=f"One MoE block fwd+bwd: {cfg.block_tokens} tokens, d "
+              f"{cfg.block_d}, {cfg.block_experts} SwiGLU experts of width {cfg.block_f}, "
+              f"top-{cfg.block_top_k}, median of {cfg.block_repeats} ({_versions()})",
+              columns=["impl", "ms", "vs_torch", "vs_flop_bound", "note"])
+    summary_delta = {}
+    if cfg.delta_tree != "none":
+        tree = tree_of_shapes(_smollm2_shapes(cfg.delta_tree == "tiny"))
+        n = sum(x.size for x in jax.tree.leaves(tree))
+        delta = delta_op_times(tree)
+        run.table("delta_ops", delta, title=f"Delta ops over a {n / 1e6:.1f}M-parameter "
+                  f"float32 tree ({cfg.delta_tree}), 8 bytes per parameter "
+                  f"({_versions()})", columns=["op", "seconds", "gb_s", "vs_x2",
+                                               "vs_numpy_copy"])
+        del tree
+        summary_delta = {r["op"]: round(r["vs_x2"], 2) for r in delta}
     best = max(timed, key=lambda r: r["tokens_per_s"])
     ref = {r["path"]: r for r in timed}
     extra = ""
     if "capacity" in ref and "ragged" in ref:
         ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
         extra = f"; capacity is {ratio:.2f}x faster than ragged_dot"
+    if "capacity" in ref and "grouped" in ref:
+        extra += (f"; dropless grouped step / capacity step = "
+                  f"{ref['grouped']['step_s_median'] / ref['capacity']['step_s_median']:.2f}")
+    blk = {r["impl"]: r for r in block}
+    g = blk["grouped (dropless)"]
+    extra += (f"; MoE block: grouped {g['ms']:.0f} ms = {g['vs_flop_bound']:.2f}x the FLOP "
+              f"bound" + (f", {g['vs_torch']:.2f}x PyTorch" if "vs_torch" in g else ""))
     return {
         "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
         f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
+        "matmul_gflops": round(rate, 1),
+        **{f"block {k}": round(r["ms"], 1) for k, r in blk.items() if "ms" in r},
+        **{f"delta {k} vs x*2": v for k, v in summary_delta.items()},
         **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
     }
 

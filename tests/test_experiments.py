@@ -64,10 +64,23 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
         bench_dispatch.run,
         TINY_LM
         + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2",
-           "paths=(dense,capacity,ragged,gmm)"],
+           "paths=(dense,capacity,ragged,gmm)", "block_tokens=64", "block_d=16", "block_f=32",
+           "block_repeats=1", "delta_tree=tiny"],
         out=tmp_path / "bench",
     )
     import csv
+
+    block = {r["impl"]: r for r in csv.DictReader(open(run.path / "block.csv"))}
+    assert {"capacity cf=1.25", "grouped (dropless)", "ragged (dropless)",
+            "dense (oracle)"} <= set(block)
+    bound = next(r for k, r in block.items() if k.startswith("FLOP bound"))
+    assert float(bound["vs_flop_bound"]) == 1.0
+    assert all(float(r["ms"]) > 0 for k, r in block.items() if r["ms"])
+    torch_row = block["PyTorch expert loop (HF Mixtral style)"]
+    assert torch_row["ms"] or torch_row["note"].startswith("not installed")
+    delta = {r["op"]: r for r in csv.DictReader(open(run.path / "delta_ops.csv"))}
+    assert float(delta["jitted x * 2 (reference)"]["vs_x2"]) == 1.0
+    assert {"DARE p=0.9 (hash masks)", "numpy copy (reference)"} <= set(delta)
 
     rows = list(csv.DictReader(open(run.path / "dispatch.csv")))
     assert [r["path"] for r in rows] == ["dense", "capacity", "ragged", "gmm"]

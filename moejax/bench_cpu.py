@@ -1,0 +1,132 @@
+"""Measurements behind ``experiments/bench_cpu.py`` (issue 17's one-run table of ratios).
+
+* :func:`matmul_gflops`: GFLOP/s of one jitted ``[m, k] @ [k, n]`` float32 matmul here (the
+  rate that turns FLOPs into the bound of a compute-bound op);
+* :func:`moe_block_flops` / :func:`moe_block_fwd_bwd`: fwd+bwd of one MoE slot (loss = sum of
+  squares of the output, gradients w.r.t. input and every parameter) for a dispatch path;
+* :func:`torch_moe_block_s`: the PyTorch peer, an expert loop written the way Hugging Face's
+  Mixtral block is (softmax router, top-k, renormalised, ``index_select`` / ``index_add_``),
+  same shapes and FLOPs; ``None`` when torch is not installed (it is never a dependency);
+* :func:`delta_op_times`: each delta operation jitted over a parameter tree vs a jitted
+  ``x * 2`` over the same tree and a numpy copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moejax.bench import time_call
+from moejax.delta import dare
+from moejax.delta.quant_jnp import fake_quantize_tree
+from moejax.nn.moe import MoEConfig
+
+__all__ = ["matmul_gflops", "moe_block_flops", "moe_block_fwd_bwd", "torch_moe_block_s",
+           "delta_op_times", "tree_of_shapes"]
+
+
+def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10) -> float:
+    a = jnp.ones((m, k), jnp.float32)
+    b = jnp.ones((k, n), jnp.float32)
+    t = time_call(jax.jit(jnp.matmul), a, b, repeats=repeats)["median_s"]
+    return 2.0 * m * k * n / t / 1e9
+
+
+def moe_block_flops(n_tokens: int, d: int, f: int, top_k: int, gated: bool = True) -> float:
+    """Expert FLOPs of fwd + bwd (3x the forward's ``2 N k d f`` per matrix)."""
+    return 3.0 * 2.0 * n_tokens * top_k * d * f * (3 if gated else 2)
+
+
+def moe_block_fwd_bwd(cfg: MoEConfig, d_model: int, n_tokens: int, seed: int = 0):
+    """``(jitted fn, args)``: fn(params, x) -> (loss, grads of params and x)."""
+    slot = cfg.build(d_model, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(slot)
+    x = jax.random.normal(jax.random.key(seed + 1), (1, n_tokens, d_model), jnp.float32)
+
+    def loss(p, x):
+        y, _ = nnx.merge(graphdef, p)(x)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x)
+
+
+def torch_moe_block_s(n_tokens: int, d: int, f: int, n_experts: int, top_k: int,
+                      repeats: int = 10, threads: int | None = None) -> float | None:
+    """Median seconds of the PyTorch peer's fwd+bwd, or ``None`` without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if threads:
+        torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).requires_grad_()  # noqa: E731
+    router = mk(d, n_experts)
+    w_gate, w_up, w_down = mk(n_experts, d, f), mk(n_experts, d, f), mk(n_experts, f, d)
+    x = torch.randn(n_tokens, d, generator=g).requires_grad_()
+
+    def step():
+        probs = torch.softmax(x @ router, dim=-1)
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(n_experts):
+            tok, slot = torch.where(chosen == e)
+            if tok.numel() == 0:
+                continue
+            xe = x.index_select(0, tok)
+            h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
+            ye = (h @ w_down[e]) * weights[tok, slot, None]
+            out = out.index_add(0, tok, ye)
+        (out**2).sum().backward()
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def tree_of_shapes(shapes: dict[str, tuple], seed: int = 0) -> dict:
+    key = jax.random.key(seed)
+    return {name: 0.01 * jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
+            for i, (name, s) in enumerate(shapes.items())}
+
+
+def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) -> list[dict]:
+    """Rows ``{op, seconds, gb_s, vs_x2, vs_numpy_copy}``; bytes = read + write of the tree
+    (8 per float32 parameter)."""
+    nbytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    key = jax.random.key(0)
+    ops = {
+        "jitted x * 2 (reference)": jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t)),
+        "DARE p=0.9 (hash masks)": jax.jit(lambda t: dare(key, t, p)),
+        "DAREx-q p=0.9 q=0.2 (hash)": jax.jit(lambda t: dare(key, t, p, q=0.2)),
+        "DARE p=0.9 (threefry masks)": jax.jit(lambda t: dare(key, t, p, rng="threefry")),
+        f"{bits}-bit midrise quantisation (jnp, group 64)": jax.jit(
+            lambda t: fake_quantize_tree(t, bits, mask=jax.tree.map(lambda x: x.ndim == 2, t))),
+    }
+    host = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    t_np = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for x in host:
+            np.copy(x)
+        t_np.append(time.perf_counter() - t0)
+    t_np = float(np.median(t_np))
+    rows = [{"op": "numpy copy (reference)", "seconds": t_np, "gb_s": nbytes / t_np / 1e9}]
+    for name, fn in ops.items():
+        t = time_call(fn, tree, warmup=1, repeats=repeats)["median_s"]
+        rows.append({"op": name, "seconds": t, "gb_s": nbytes / t / 1e9})
+    t_x2 = rows[1]["seconds"]
+    for r in rows:
+        r["vs_x2"] = t_x2 / r["seconds"]
+        r["vs_numpy_copy"] = t_np / r["seconds"]
+    return rows
