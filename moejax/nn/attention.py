@@ -10,6 +10,12 @@ head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 ``h`` reads kv head ``h // (H // G)`` (the HF ``repeat_kv`` convention). An HF
 ``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
 
+Two implementations of the attention itself (``impl``): ``"jax"`` (the default) calls
+``jax.nn.dot_product_attention`` with the explicit boolean mask, which XLA fuses and which
+runs cuDNN's flash attention on GPUs where it applies (bf16/fp16 and supported head sizes;
+otherwise XLA's); ``"einsum"`` is the obvious float32-softmax einsum, kept as the oracle
+(tests: equal values and gradients, GQA, padding, fully masked rows, the KV-cache path).
+
 KV cache: :class:`KVCache` is a pytree ``(k_BSGJ, v_BSGJ, lengths_B)`` passed in and returned
 by :meth:`Attention.decode`; slot ``s`` of row ``b`` holds the token written ``s``-th, and
 ``lengths_B`` counts the filled slots. New tokens are written at ``lengths_B`` and attend
@@ -26,7 +32,9 @@ from flax import nnx
 
 from moejax.nn.rope import apply_rope
 
-__all__ = ["KVCache", "init_kv_cache", "dot_product_attention", "Attention"]
+__all__ = ["KVCache", "init_kv_cache", "dot_product_attention", "Attention", "ATTENTION_IMPLS"]
+
+ATTENTION_IMPLS = ("jax", "einsum")
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform softmax, not NaN
 
@@ -48,16 +56,25 @@ def init_kv_cache(batch: int, max_len: int, n_kv_heads: int, head_dim: int,
 
 
 def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Array,
-                          mask_BTS: jax.Array | None = None) -> jax.Array:
-    """Softmax attention (float32 logits/softmax) with grouped kv heads.
+                          mask_BTS: jax.Array | None = None, *, impl: str = "jax") -> jax.Array:
+    """Softmax attention with grouped kv heads (float32 logits and softmax).
 
-    ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``.
-    Returns ``[B, T, H, J]`` in ``q``'s dtype.
+    ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``; a fully masked
+    query row attends uniformly (finite, not NaN). Returns ``[B, T, H, J]`` in ``q``'s dtype.
+    ``impl``: ``"jax"`` (``jax.nn.dot_product_attention``) or ``"einsum"`` (the oracle).
     """
     B, T, H, J = q_BTHJ.shape
     G = k_BSGJ.shape[2]
     if H % G:
         raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={G}")
+    if impl == "jax":
+        mask = None
+        if mask_BTS is not None:
+            mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
+        v = v_BSGJ.astype(q_BTHJ.dtype)
+        return jax.nn.dot_product_attention(q_BTHJ, k_BSGJ.astype(q_BTHJ.dtype), v, mask=mask)
+    if impl != "einsum":
+        raise ValueError(f"attention impl={impl!r}; use one of {ATTENTION_IMPLS}")
     q_BTGRJ = q_BTHJ.reshape(B, T, G, H // G, J)
     logits_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRJ, k_BSGJ,
                               preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(J))
@@ -81,7 +98,10 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  head_dim: int | None = None, *, use_bias: bool = False, causal: bool = True,
                  rope_style: str | None = None, rope_base: float = 10000.0,
-                 rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+                 impl: str = "jax", rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl={impl!r}; use one of {ATTENTION_IMPLS}")
+        self.impl = impl
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
@@ -151,7 +171,7 @@ class Attention(nnx.Module):
             mask_BTS = mask_BTS & mask_BT.astype(bool)[:, None, :]
         if segment_ids_BT is not None:
             mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
-        return self._out(dot_product_attention(q, k, v, mask_BTS))
+        return self._out(dot_product_attention(q, k, v, mask_BTS, impl=self.impl))
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         return init_kv_cache(batch, max_len, self.n_kv_heads, self.head_dim,
@@ -174,5 +194,5 @@ class Attention(nnx.Module):
         k_cache = _write_cache(cache.k_BSGJ, k, start_B)
         v_cache = _write_cache(cache.v_BSGJ, v, start_B)
         mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]
-        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS))
+        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS, impl=self.impl))
         return out, KVCache(k_cache, v_cache, start_B + T)

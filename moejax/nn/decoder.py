@@ -59,6 +59,9 @@ class DecoderConfig(Config):
     init_std: float = 0.02  # embedding (and untied head) init std
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "jax": jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies);
+    # "einsum": the float32 einsum oracle
+    attention: Literal["jax", "einsum"] = "jax"
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -120,7 +123,7 @@ class DecoderLM(nnx.Module):
                              head_dim=cfg.dim_per_head, ffn_slot=slot, norm_position="pre",
                              norm_kind="rmsnorm", norm_eps=cfg.norm_eps, attn_bias=False,
                              causal=True, rope_style=cfg.rope_style, rope_base=cfg.rope_base,
-                             rngs=rngs, dtype=dtype, param_dtype=pdt)
+                             attention=cfg.attention, rngs=rngs, dtype=dtype, param_dtype=pdt)
             for slot in cfg.ffn_slots
         ])
         self.final_norm = RMSNorm(D, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)

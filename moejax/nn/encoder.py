@@ -62,7 +62,7 @@ def _blocks(cfg, norm_position, rngs, dtype, pdt):
         TransformerBlock(cfg.d_model, n_heads=cfg.n_heads, ffn_slot=slot,
                          norm_position=norm_position, norm_kind="layernorm",
                          norm_eps=cfg.norm_eps, attn_bias=True, causal=False, rope_style=None,
-                         rngs=rngs, dtype=dtype, param_dtype=pdt)
+                         attention=cfg.attention, rngs=rngs, dtype=dtype, param_dtype=pdt)
         for slot in cfg.ffn_slots
     ])
 
@@ -94,6 +94,7 @@ class EncoderConfig(Config):
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["jax", "einsum"] = "jax"  # see moejax.nn.attention
 
     def validate(self) -> None:
         _check_common(self)
@@ -197,6 +198,7 @@ class ViTConfig(Config):
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["jax", "einsum"] = "jax"  # see moejax.nn.attention
 
     def validate(self) -> None:
         _check_common(self)

@@ -39,6 +39,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -264,6 +266,29 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
         return _build_step(graphdef, loss_fn, tx, cfg, mesh)
 
 
+class _CtrlC:
+    """While the loop runs (main thread only), the first Ctrl-C is recorded and raised as
+    ``KeyboardInterrupt`` at the end of the current step, after its checkpoint if one is due
+    (a press in the middle of an orbax save could otherwise be swallowed by orbax's asyncio
+    machinery, or tear the save); a second press raises at once."""
+
+    def __init__(self):
+        self.pressed, self._prev = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler) or signal.SIG_DFL
+
+    def _handler(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt("second Ctrl-C: stopping at once")
+        self.pressed = True
+        log.warning("Ctrl-C: stopping after this step (press again to stop at once)")
+
+    def restore(self) -> None:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev or signal.SIG_DFL)
+            self._prev = None
+
+
 class ResumeError(ValueError):
     """The checkpoint in the run directory cannot continue this run exactly."""
 
@@ -377,15 +402,22 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
             raise
     start = int(jax.device_get(state.step))
     logs = run_dir is not None and main
-    csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if logs else None
-    eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if logs else None
-    tb = _TensorBoard(os.path.join(run_dir, "tb")) if logs and cfg.tensorboard else None
-
-    history = History()
-    if measure_memory:
-        compiled = step_fn.lower(state, assemble(local_batch(source, position), mesh)).compile()
-        history.memory = compiled_memory(compiled)
-        step_fn = compiled
+    history, tb = History(), None
+    try:  # a failure here (e.g. tensorboardX missing) must not leave the run dir locked
+        csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if logs else None
+        eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if logs else None
+        tb = _TensorBoard(os.path.join(run_dir, "tb")) if logs and cfg.tensorboard else None
+        if measure_memory:
+            compiled = step_fn.lower(state, assemble(local_batch(source, position),
+                                                     mesh)).compile()
+            history.memory = compiled_memory(compiled)
+            step_fn = compiled
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close(abort=True)
+        if lock is not None:
+            lock.release()
+        raise
     bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), desc=desc,
                mininterval=1.0)
     pending: list = []  # (step, data position, local tokens, device metrics)
@@ -425,6 +457,7 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
 
     last_saved = start if ckpt is not None and ckpt.latest_step() == start else None
     failed = True
+    ctrl_c = _CtrlC()
     try:
         for step in range(start, cfg.steps):
             local = local_batch(source, position)
@@ -457,12 +490,17 @@ def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, con
             if do_ckpt:
                 save()
                 last_saved = done
+            if ctrl_c.pressed:
+                raise KeyboardInterrupt(
+                    f"interrupted by Ctrl-C after step {done}; the newest complete checkpoint "
+                    f"(step {last_saved}) resumes the run exactly")
         flush()
         if (ckpt is not None and last_saved != cfg.steps
                 and int(jax.device_get(state.step)) == cfg.steps):
             save()
         failed = False
     finally:
+        ctrl_c.restore()
         bar.close()
         try:
             if ckpt is not None:
