@@ -52,7 +52,8 @@ def test_analytic_q_matches_oracle_and_closed_form():
     p, gamma = 0.9, 0.05
     grid = q_grid(p, 60, include_max=False)
     for eta in (1.0, 30.0, 300.0):
-        assert analytic_q_leaf(d, xbar, p, eta, gamma=gamma, grid=grid) == pytest.approx(
+        assert analytic_q_leaf(d, xbar, p, eta, gamma=gamma, grid=grid,
+                               form="pooled") == pytest.approx(
             _oracle_q(d, xbar, p, eta, gamma, grid)
         )
     s1, s2 = coefficient_sums(d, xbar)
@@ -62,11 +63,12 @@ def test_analytic_q_matches_oracle_and_closed_form():
     s1, s2 = coefficient_sums(one, xbar)
     eta = 2 * (1 - p) * s1[0] * 0.5 / (phi(p) * s2[0])  # puts q* = 0.5
     fine = np.linspace(1 - p, 1, 2001)[:-1]
-    assert analytic_q_leaf(one, xbar, p, eta, grid=fine) == pytest.approx(0.5, abs=1e-3)
+    assert analytic_q_leaf(one, xbar, p, eta, grid=fine, form="pooled") == pytest.approx(
+        0.5, abs=1e-3)
     # torch layout [d_out, d_in] with in_axis=-1 gives the same q
-    assert analytic_q_leaf(d.T, xbar, p, 30.0, grid=grid, in_axis=-1) == analytic_q_leaf(
-        d, xbar, p, 30.0, grid=grid
-    )
+    for form in ("pooled", "official"):
+        assert analytic_q_leaf(d.T, xbar, p, 30.0, in_axis=-1, form=form) == analytic_q_leaf(
+            d, xbar, p, 30.0, form=form)
     with pytest.raises(ValueError, match="d_in"):
         analytic_q_leaf(d, xbar[:5], p, 1.0)
 
@@ -86,7 +88,7 @@ def test_analytic_q_tree_stacked_and_eta_search():
     mask = {"l1": True, "l2": True, "b": False}
     x = np.abs(r.normal(size=(3, 8)))  # per-expert input statistics
     xs = {"l1": x, "l2": np.abs(r.normal(size=6))}
-    qs = analytic_q_tree(d, xs, 0.8, 50.0, mask=mask)
+    qs = analytic_q_tree(d, xs, 0.8, 50.0, mask=mask, form="pooled")
     assert set(qs) == {"l1", "l2", "b"} and qs["b"] == pytest.approx(0.2)
     per_expert_rows = np.concatenate(
         [(np.abs(np.asarray(d["l1"][e])) * x[e][:, None]).sum(0) for e in range(3)]
@@ -98,4 +100,48 @@ def test_analytic_q_tree_stacked_and_eta_search():
         jax.random.PRNGKey(0), pre, d, xs, 0.8, fn, etas=[1.0, 10.0, 100.0, 1000.0], mask=mask
     )
     assert res.eta == res.search.best and res.q == analytic_q_tree(d, xs, 0.8, res.eta, mask=mask)
+    assert res.q != analytic_q_tree(d, xs, 0.8, res.eta, mask=mask, form="pooled")
     assert res.search.best_score == pytest.approx(min(res.search.scores))
+
+
+def _official_oracle(delta_oi, xmean, p, eta, prob=0.95, stop_iter=0.8):
+    """The official per-unit scan written out plainly: W[out, in] * mean x, q from 1-p up in
+    steps of 0.001, each unit keeps its best (<=), stop when stop_iter of the units have had
+    a non-decreasing step; the layer's q is the mean over units."""
+    c = np.asarray(delta_oi, np.float64) * np.asarray(xmean, np.float64)[None, :]
+    n = c.shape[0]
+    q_o, best, stop = np.full(n, 1 - p), np.full(n, 1e4), np.zeros(n)
+    for k in range(int(round((1 - p) * 1000)), 999):
+        q = k * 0.001
+        res = np.abs(eta * (1 - (1 - p) / q) * c.sum(1)
+                     + eta**2 * phi(p) * (c**2).sum(1) / (4 * q**2) + np.log(2 / (1 - prob)))
+        small, large = res <= best, res >= best
+        best[small], q_o[small] = res[small], q
+        stop[large] = 1
+        if stop.mean() >= stop_iter:
+            break
+    return q_o.mean()
+
+
+@pytest.mark.parametrize("p,eta", [(0.9, 3.0), (0.9, 40.0), (0.99, 200.0), (0.5, 10.0)])
+def test_official_form_matches_the_official_scan(p, eta):
+    r = np.random.default_rng(2)
+    d = r.normal(0.002, 0.01, (24, 16))  # [d_in, d_out], signed, nonzero mean
+    xmean = r.normal(0.3, 1.0, 24)  # signed mean inputs
+    got = analytic_q_leaf(d, xmean, p, eta, form="official")
+    assert got == pytest.approx(_official_oracle(d.T, xmean, p, eta), rel=1e-9)
+    assert 1 - p - 1e-12 <= got < 1
+
+
+def test_official_and_pooled_forms_differ_on_one_layer():
+    """The two aggregations on the same layer and eta: per-unit argmin then mean vs one argmin
+    of the mean, signed vs absolute coefficients."""
+    r = np.random.default_rng(3)
+    d = r.normal(0.0, 0.02, (64, 32))
+    x = r.normal(0.5, 1.0, (256, 64))
+    p, eta = 0.9, 20.0
+    q_off = analytic_q_leaf(d, x.mean(0), p, eta, form="official")
+    q_pool = analytic_q_leaf(d, np.abs(x).mean(0), p, eta, form="pooled")
+    assert abs(q_off - q_pool) > 0.05, (q_off, q_pool)
+    with pytest.raises(ValueError, match="form="):
+        analytic_q_leaf(d, x.mean(0), p, eta, form="median")

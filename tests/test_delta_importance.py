@@ -7,6 +7,7 @@ import pytest
 
 from moejax.delta import (
     accumulate_input_norms,
+    input_mean,
     input_mean_abs,
     input_stats_init,
     input_stats_update,
@@ -62,6 +63,10 @@ def test_wanda_with_accumulated_norms():
         input_mean_abs(st),
         np.abs(np.concatenate([b.reshape(-1, 16) for b in batches])).mean(0),
         rtol=1e-5,
+    )
+    np.testing.assert_allclose(  # the signed mean (official analytic-q statistic)
+        input_mean(st), np.concatenate([b.reshape(-1, 16) for b in batches]).mean(0),
+        rtol=1e-5, atol=1e-6,
     )
     p = 0.75
     out = wanda_prune(d, {"w": norms}, p)

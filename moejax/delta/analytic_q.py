@@ -1,18 +1,28 @@
 """Per-layer analytic DAREx-q rescaling from the concentration bound (paper App. C.9).
 
-With coefficients ``c_ij = |Delta_ij| * xbar_j`` (``i`` output unit, ``j`` input feature;
-``xbar_j = mean|x_j|`` as in the official code), each layer's ``q`` solves Eq. (5)::
+For output unit ``i`` of a layer with coefficients ``c_ij`` (``j`` input feature), Eq. (5)::
 
-    q(eta) = argmin_q | log(2/gamma) + eta (1 - (1-p)/q) sum_j c_ij
-                        + eta^2 Phi(p) sum_j c_ij^2 / (4 q^2) |
+    f_i(q) = | log(2/gamma) + eta (1 - (1-p)/q) sum_j c_ij
+               + eta^2 Phi(p) sum_j c_ij^2 / (4 q^2) |
 
     Phi(p) = (1 - 2p) / log((1 - p)/p)       (Kearns-Saul, paper Eq. 7; Phi(1/2) = 1/2)
 
-Eq. (5) is written per output unit ``i``; one ``q`` per layer is obtained by
-minimising the mean over output units of the absolute objective, over the grid
-``q in [1-p, 1)`` (paper Algorithm 3: ``q_t = 1-p + t dq``, ``t != N``).
-A single ``eta`` is then grid-searched for the whole network, on the last-layer
-output change (``q_e`` vector) or on a validation metric (``q_v`` vector).
+Two ways to turn it into one ``q`` per layer (``form``):
+
+* ``"official"`` (the default; the official code, ``utils/analyticalq.py`` and
+  ``utils/getwx.py`` of github.com/vengdeng/DAREx): ``c_ij = Delta_ij * mean_t x_tj``
+  (**signed** delta times the **signed** mean input), each output unit takes its own
+  ``argmin_q f_i`` scanning ``q = 1-p, 1-p + 0.001, ..., 0.998`` upwards, the scan stops once
+  ``stop_fraction`` (0.8) of the units have seen ``f_i`` stop decreasing (outlier units keep
+  their best so far), and the layer's ``q`` is the **mean** of the units' ``q``;
+* ``"pooled"`` (this codebase's earlier form): ``c_ij = |Delta_ij| * mean_t |x_tj|`` and one
+  ``q`` minimising the mean of ``f_i`` over the units, on a 200-point grid.
+
+On the same layer the two can differ by a factor 2-3 (``tests/test_delta_analytic_q.py``
+shows a case). Deviation kept in both: the official code appends the layer's bias delta as one
+more input column (input 1); here biases are separate leaves and are not appended.
+A single ``eta`` is then grid-searched for the whole network, on the last-layer output change
+(``q_e`` vector) or on a validation metric (``q_v`` vector).
 
 Matrices follow the JAX/Flax layout ``[..., d_in, d_out]`` (``y = x @ W``); pass
 ``in_axis=-1`` for ``[d_out, d_in]`` (PyTorch) layouts. Leading axes (e.g. stacked
@@ -22,7 +32,7 @@ experts) are treated as more output units of the same layer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -31,6 +41,9 @@ from moejax.delta.dare import GridSearchResult, dare, grid_search, mean_abs_outp
 from moejax.delta.tree import apply_delta, leaf_paths, per_leaf_values
 
 __all__ = [
+    "QForm",
+    "official_grid",
+    "per_unit_q",
     "phi",
     "psi",
     "coefficient_sums",
@@ -43,6 +56,7 @@ __all__ = [
 ]
 
 PyTree = Any
+QForm = Literal["official", "pooled"]
 
 
 def phi(p: float) -> float:
@@ -60,13 +74,16 @@ def psi(p: float) -> float:
     return phi(p) if p <= 0.5 else float(np.sqrt(2.0 * p * (1.0 - p)))
 
 
-def coefficient_sums(delta_leaf, x_stat, in_axis: int = -2) -> tuple[np.ndarray, np.ndarray]:
-    """``S1_i = sum_j c_ij`` and ``S2_i = sum_j c_ij^2`` with ``c_ij = |Delta_ij| xbar_j``.
+def coefficient_sums(delta_leaf, x_stat, in_axis: int = -2, *, signed: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``S1_i = sum_j c_ij`` and ``S2_i = sum_j c_ij^2``: ``c_ij = Delta_ij xbar_j``
+    (``signed``) or ``|Delta_ij| xbar_j``.
 
     ``x_stat`` has shape ``[d_in]`` (or broadcastable, e.g. ``[E, d_in]`` for stacked
     experts). Returns flat arrays over all output units of the leaf.
     """
-    d = np.abs(np.asarray(delta_leaf, np.float64))
+    d = np.asarray(delta_leaf, np.float64)
+    d = d if signed else np.abs(d)
     if d.ndim < 2:
         raise ValueError(
             f"analytic q needs a matrix leaf, got shape {d.shape}; exclude it via mask."
@@ -83,16 +100,45 @@ def coefficient_sums(delta_leaf, x_stat, in_axis: int = -2) -> tuple[np.ndarray,
     return c.sum(-1).reshape(-1), (c * c).sum(-1).reshape(-1)
 
 
-def eq5_objective(q, s1, s2, p: float, eta: float, gamma: float = 0.05) -> np.ndarray:
-    """``mean_i |log(2/gamma) + eta (1-(1-p)/q) S1_i + eta^2 Phi(p) S2_i / (4 q^2)|``.
-
-    ``q`` may be an array of candidates (returns one value per candidate).
-    """
+def _unit_objectives(q, s1, s2, p: float, eta: float, gamma: float) -> np.ndarray:
+    """``f_i(q)`` for every candidate ``q`` (leading axes) and unit ``i`` (last axis)."""
     q = np.asarray(q, np.float64)[..., None]
-    val = (
-        np.log(2.0 / gamma) + eta * (1.0 - (1.0 - p) / q) * s1 + eta**2 * phi(p) * s2 / (4.0 * q**2)
-    )
-    return np.abs(val).mean(-1)
+    return np.abs(np.log(2.0 / gamma) + eta * (1.0 - (1.0 - p) / q) * s1
+                  + eta**2 * phi(p) * s2 / (4.0 * q**2))
+
+
+def eq5_objective(q, s1, s2, p: float, eta: float, gamma: float = 0.05) -> np.ndarray:
+    """``mean_i f_i(q)`` (the pooled form's objective); ``q`` may be an array of
+    candidates (returns one value per candidate)."""
+    return _unit_objectives(q, s1, s2, p, eta, gamma).mean(-1)
+
+
+def official_grid(p: float) -> np.ndarray:
+    """The official scan: ``q = 1-p, 1-p + 0.001, ..., 0.998``."""
+    return np.arange(int(round((1.0 - p) * 1000)), 999) / 1000.0
+
+
+def per_unit_q(s1, s2, p: float, eta: float, *, gamma: float = 0.05, grid=None,
+               stop_fraction: float = 0.8, init_best: float = 1e4) -> np.ndarray:
+    """Each unit's ``argmin_q f_i`` by the official upward scan with its early stop (a unit
+    whose ``f_i`` stops decreasing is done; the scan ends when ``stop_fraction`` of them
+    are). Units start at ``q = 1-p`` with best value ``init_best`` (the official code's
+    10000: a unit whose ``f_i`` never gets below it keeps ``q = 1-p``, plain DARE; pass
+    ``np.inf`` for a plain argmin); ties keep the larger ``q`` (the official ``<=``)."""
+    g = official_grid(p) if grid is None else np.asarray(grid, np.float64)
+    s1, s2 = np.asarray(s1, np.float64), np.asarray(s2, np.float64)
+    best = np.full(s1.shape, float(init_best))
+    q_best = np.full(s1.shape, 1.0 - p)
+    done = np.zeros(s1.shape, bool)
+    for q in g:
+        f = _unit_objectives(q, s1, s2, p, eta, gamma)
+        better, worse = f <= best, f >= best
+        best = np.where(better, f, best)
+        q_best = np.where(better, q, q_best)
+        done |= worse
+        if done.mean() >= stop_fraction:
+            break
+    return q_best
 
 
 def analytic_q_leaf(
@@ -104,8 +150,18 @@ def analytic_q_leaf(
     gamma: float = 0.05,
     grid: Sequence[float] | None = None,
     in_axis: int = -2,
+    form: QForm = "official",
+    stop_fraction: float = 0.8,
 ) -> float:
-    """One layer's ``q(eta)``: grid argmin of :func:`eq5_objective` (first minimum on ties)."""
+    r"""One layer's ``q(eta)`` (see the module docstring for the two ``form``\ s;
+    ``x_stat`` is the signed mean input for ``"official"``, the mean ``|x|`` for
+    ``"pooled"``)."""
+    if form == "official":
+        s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis, signed=True)
+        return float(np.mean(per_unit_q(s1, s2, p, eta, gamma=gamma, grid=grid,
+                                        stop_fraction=stop_fraction)))
+    if form != "pooled":
+        raise ValueError(f"form={form!r}; use 'official' or 'pooled'")
     g = q_grid(p, 200, include_max=False) if grid is None else np.asarray(grid, np.float64)
     s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis)
     return float(g[int(np.argmin(eq5_objective(g, s1, s2, p, eta, gamma)))])
@@ -121,10 +177,12 @@ def analytic_q_tree(
     mask: PyTree | None = None,
     grid: Sequence[float] | None = None,
     in_axis: int = -2,
+    form: QForm = "official",
 ) -> dict[str, float]:
     """``{leaf_path: q^l(eta)}`` for every selected leaf (unselected leaves get ``1-p``).
 
-    ``x_stats`` gives ``xbar_j`` per leaf: a ``{path: array}`` dict (only selected leaves
+    ``x_stats`` gives ``xbar_j`` per leaf (the signed mean input for ``form="official"``,
+    the mean ``|x|`` for ``"pooled"``): a ``{path: array}`` dict (only selected leaves
     needed) or a pytree aligned with ``delta_tree``. The result can be passed as
     ``q=`` to :func:`moejax.delta.dare.dare`.
     """
@@ -149,7 +207,8 @@ def analytic_q_tree(
                 f"analytic_q_tree: no input statistic for selected leaf {pth!r}; "
                 "add it to x_stats or deselect the leaf via mask."
             )
-        out[pth] = analytic_q_leaf(d, x, p, eta, gamma=gamma, grid=grid, in_axis=in_axis)
+        out[pth] = analytic_q_leaf(d, x, p, eta, gamma=gamma, grid=grid, in_axis=in_axis,
+                                   form=form)
     return out
 
 
@@ -162,12 +221,14 @@ class EtaSearchResult(NamedTuple):
 
 
 def _search_eta(
-    key, pretrained, delta_tree, x_stats, p, etas, score_of_params, minimize, gamma, mask, in_axis
+    key, pretrained, delta_tree, x_stats, p, etas, score_of_params, minimize, gamma, mask, in_axis,
+    form="official",
 ):
     cache: dict[float, dict] = {}
 
     def score(eta):
-        qs = analytic_q_tree(delta_tree, x_stats, p, eta, gamma=gamma, mask=mask, in_axis=in_axis)
+        qs = analytic_q_tree(delta_tree, x_stats, p, eta, gamma=gamma, mask=mask, in_axis=in_axis,
+                             form=form)
         cache[float(eta)] = qs
         return score_of_params(apply_delta(pretrained, dare(key, delta_tree, p, q=qs, mask=mask)))
 
@@ -187,6 +248,7 @@ def search_eta_e(
     gamma: float = 0.05,
     mask: PyTree | None = None,
     in_axis: int = -2,
+    form: QForm = "official",
 ) -> EtaSearchResult:
     """``q_e`` vector: ``eta_e = argmin_eta mean|f_L(P(q(eta))) - f_L(theta_F)|``.
 
@@ -205,6 +267,7 @@ def search_eta_e(
         gamma,
         mask,
         in_axis,
+        form,
     )
 
 
@@ -221,6 +284,7 @@ def search_eta_v(
     gamma: float = 0.05,
     mask: PyTree | None = None,
     in_axis: int = -2,
+    form: QForm = "official",
 ) -> EtaSearchResult:
     """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``."""
     return _search_eta(
@@ -235,4 +299,5 @@ def search_eta_v(
         gamma,
         mask,
         in_axis,
+        form,
     )

@@ -1,6 +1,6 @@
 """Collect the inputs of every weight matrix of any JAX model, without hooks in the model code.
 
-WANDA (``|Delta_ij| * ||x_j||_2``) and the analytic per-layer q (``c_ij = |Delta_ij| mean|x_j|``)
+WANDA (``|Delta_ij| * ||x_j||_2``) and the analytic per-layer q (``c_ij = Delta_ij mean x_j``)
 need per-input-feature statistics of the activations ``x`` that multiply each matrix ``W``
 (``y = x @ W``). moejax models use their parameters as ``x @ self.w[...]``, so instead of adding
 hooks we trace ``fn(params)`` to a jaxpr and interpret it eagerly: every ``dot_general`` whose
@@ -9,7 +9,7 @@ its left operand. Nested ``jit``/``pjit`` calls are interpreted recursively; eve
 primitive is bound as in ``jax.core.eval_jaxpr``.
 
     stats = matmul_input_stats(lambda prm: model_fn(prm, batch), params)
-    stats["blocks/0/ffn/w_up"].mean_abs, .l2    # [d_in] each
+    stats["blocks/0/ffn/w_up"].mean_abs, .l2, .mean    # [d_in] each
 
 Used by WANDA and the analytic per-layer q (:mod:`moejax.delta.methods`).
 """
@@ -25,6 +25,7 @@ import numpy as np
 
 from moejax.delta.input_stats import (
     input_l2_norm,
+    input_mean,
     input_mean_abs,
     input_stats_init,
     input_stats_update,
@@ -38,11 +39,13 @@ _CALLS = {"pjit", "jit", "closed_call", "core_call"}
 
 
 class MatrixInputStats(NamedTuple):
-    """Statistics of one matrix's input features: ``mean|x_j|`` and ``||x_j||_2`` ([d_in])."""
+    """Statistics of one matrix's input features ([d_in] each): ``mean|x_j|``, ``||x_j||_2``
+    and the signed ``mean x_j``."""
 
     mean_abs: np.ndarray
     l2: np.ndarray
     count: int
+    mean: np.ndarray | None = None
 
 
 def _interpret(jaxpr, consts, args, arg_tags, record):
@@ -113,7 +116,8 @@ def matmul_input_stats(
         )
     return {
         paths[i]: MatrixInputStats(
-            np.asarray(input_mean_abs(s)), np.asarray(input_l2_norm(s)), int(s.count)
+            np.asarray(input_mean_abs(s)), np.asarray(input_l2_norm(s)), int(s.count),
+            np.asarray(input_mean(s)),
         )
         for i, s in sorted(acc.items())
     }

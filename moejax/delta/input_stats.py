@@ -4,7 +4,8 @@ For the inputs ``x`` of one weight matrix (any leading batch/token axes, last ax
 input feature ``j``), accumulated over calibration batches::
 
     ||x_j||_2   = sqrt(sum_t x_tj^2)        (WANDA score |Delta_ij| * ||x_j||_2)
-    mean|x_j|   = (1/T) sum_t |x_tj|        (official DAREx analytic-q statistic)
+    mean x_j    = (1/T) sum_t x_tj          (official DAREx analytic-q statistic, signed)
+    mean|x_j|   = (1/T) sum_t |x_tj|        (the pooled analytic-q variant)
     rms(x_j)    = sqrt((1/T) sum_t x_tj^2)
 
 The caller collects ``x`` with its own forward pass (e.g. a hook / intermediate
@@ -23,23 +24,25 @@ __all__ = [
     "input_stats_update",
     "input_l2_norm",
     "input_mean_abs",
+    "input_mean",
     "input_rms",
     "accumulate_input_norms",
 ]
 
 
 class InputStats(NamedTuple):
-    """Running sums over tokens: ``count`` (T), ``sum_sq`` [d], ``sum_abs`` [d]."""
+    """Running sums over tokens: ``count`` (T), ``sum_sq`` [d], ``sum_abs`` [d], ``sum`` [d]."""
 
     count: jnp.ndarray
     sum_sq: jnp.ndarray
     sum_abs: jnp.ndarray
+    sum: jnp.ndarray
 
 
 def input_stats_init(dim: int, dtype=jnp.float32) -> InputStats:
     """Empty statistics for inputs with ``dim`` features."""
     z = jnp.zeros((dim,), dtype)
-    return InputStats(jnp.zeros((), jnp.int32), z, z)
+    return InputStats(jnp.zeros((), jnp.int32), z, z, z)
 
 
 def input_stats_update(stats: InputStats, x_btd: jnp.ndarray) -> InputStats:
@@ -55,6 +58,7 @@ def input_stats_update(stats: InputStats, x_btd: jnp.ndarray) -> InputStats:
         stats.count + x_td.shape[0],
         stats.sum_sq + jnp.sum(x_td * x_td, axis=0),
         stats.sum_abs + jnp.sum(jnp.abs(x_td), axis=0),
+        stats.sum + jnp.sum(x_td, axis=0),
     )
 
 
@@ -66,6 +70,11 @@ def input_l2_norm(stats: InputStats) -> jnp.ndarray:
 def input_mean_abs(stats: InputStats) -> jnp.ndarray:
     """``mean_t |x_tj|``, shape [d]."""
     return stats.sum_abs / jnp.maximum(stats.count, 1)
+
+
+def input_mean(stats: InputStats) -> jnp.ndarray:
+    """``mean_t x_tj`` (signed), shape [d]."""
+    return stats.sum / jnp.maximum(stats.count, 1)
 
 
 def input_rms(stats: InputStats) -> jnp.ndarray:

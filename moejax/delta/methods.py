@@ -35,6 +35,7 @@ MethodName = Literal[
     "DAREx-q (q_e)",
     "DAREx-q (per-layer q_v)",
     "DAREx-q (per-layer q_e)",
+    "DAREx-q (per-layer q_v, pooled)",
     "magnitude",
     "WANDA",
     "structural DPP + q_v",
@@ -51,12 +52,15 @@ def delta_stats(delta_tree, mask) -> dict:
             "delta_l2": float(jnp.sqrt(sum(jnp.sum(x * x) for x in sel)))}
 
 
-def eta_grid(delta_tree, mask, x_mean_abs: dict, p: float, num: int = 12) -> np.ndarray:
+def eta_grid(delta_tree, mask, x_stat: dict, p: float, num: int = 12, *,
+             signed: bool = True) -> np.ndarray:
     """Geometric eta grid whose per-layer q*(eta) covers ``[1-p, 1]``.
 
-    For one output unit Eq. 5 is minimised at ``q* = eta Phi(p) S2 / (2 (1-p) S1)``, so
-    ``eta(q) = 2 (1-p) q S1 / (Phi(p) S2)``; we take the median unit of every layer and span
-    from the smallest ``eta(1-p)`` to the largest ``eta(1)``.
+    For one output unit Eq. 5 is minimised at ``q* = eta Phi(p) S2 / (2 (1-p) |S1|)``, so
+    ``eta(q) = 2 (1-p) q |S1| / (Phi(p) S2)``; we take the median unit of every layer and span
+    from the smallest ``eta(1-p)`` to the largest ``eta(1)``. ``signed``: coefficients
+    ``Delta_ij xbar_j`` (official form, ``x_stat`` = signed mean input) or
+    ``|Delta_ij| xbar_j`` (pooled form, ``x_stat`` = mean |x|).
     """
     phi_p = phi(p)
     lo, hi = [], []
@@ -64,8 +68,9 @@ def eta_grid(delta_tree, mask, x_mean_abs: dict, p: float, num: int = 12) -> np.
                           jax.tree_util.tree_leaves(mask)):
         if not m:
             continue
-        s1, s2 = coefficient_sums(d, x_mean_abs[path])
-        ratio = s1[s2 > 0] / s2[s2 > 0]
+        s1, s2 = coefficient_sums(d, x_stat[path], signed=signed)
+        ratio = np.abs(s1[s2 > 0]) / s2[s2 > 0]
+        ratio = ratio[ratio > 0]
         if ratio.size == 0:
             continue
         r = float(np.median(ratio))
@@ -154,13 +159,14 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
                           refine_rounds=ctx.refine_rounds)
         ctx.records[(method, p)] = r
         out, q = dare(key, D, p, q=r.best, mask=mask), r.best
-    elif method in ("DAREx-q (per-layer q_v)", "DAREx-q (per-layer q_e)"):
-        xbar = {k: v.mean_abs for k, v in ctx.x_stats.items()}
-        etas = eta_grid(D, mask, xbar, p, ctx.eta_num)
-        if method.endswith("q_v)"):
-            r = search_eta_v(key, P, D, xbar, p, ctx.val_metric, etas, mask=mask)
+    elif method.startswith("DAREx-q (per-layer"):
+        form = "pooled" if method.endswith("pooled)") else "official"
+        xbar = {k: (v.mean_abs if form == "pooled" else v.mean) for k, v in ctx.x_stats.items()}
+        etas = eta_grid(D, mask, xbar, p, ctx.eta_num, signed=form == "official")
+        if "q_v" in method:
+            r = search_eta_v(key, P, D, xbar, p, ctx.val_metric, etas, mask=mask, form=form)
         else:
-            r = search_eta_e(key, P, D, xbar, p, ctx.outputs_fn, etas, mask=mask)
+            r = search_eta_e(key, P, D, xbar, p, ctx.outputs_fn, etas, mask=mask, form=form)
         ctx.records[(method, p)] = r
         out, q = dare(key, D, p, q=r.q, mask=mask), r.q
     elif method == "magnitude":

@@ -38,7 +38,7 @@ class TransformerBlock(nnx.Module):
                  norm_position: str = "pre", norm_kind: str = "rmsnorm",
                  norm_eps: float = 1e-6, attn_bias: bool = False, causal: bool = True,
                  rope_style: str | None = None, rope_base: float = 10000.0,
-                 attention: str = "jax", rngs: nnx.Rngs, dtype=None,
+                 attention: str = "auto", rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         if norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position={norm_position!r}; use 'pre' or 'post'")

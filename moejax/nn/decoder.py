@@ -60,8 +60,8 @@ class DecoderConfig(Config):
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # "jax": jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies);
-    # "einsum": the float32 einsum oracle
-    attention: Literal["jax", "einsum"] = "jax"
+    # "einsum": the float32 einsum oracle; "auto": jax on GPU/TPU, einsum on CPU
+    attention: Literal["auto", "jax", "einsum"] = "auto"
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
