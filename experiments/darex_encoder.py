@@ -10,7 +10,8 @@ shuffled), tokenized by the backbone's tokenizer.
 
 Each task is fine-tuned with AdamW, AdamR-L2 and AdamR-L1 over several seeds (new classifier head
 per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept, as in the paper):
-unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v, per-layer q_e), WANDA, structural DPP + q_v
+unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v and q_e in the official form, per-layer q_v in
+the pooled form, see ``moejax.delta.analytic_q``), WANDA, structural DPP + q_v
 (after AdamW), DARE after AdamR-L2, magnitude after AdamR-L1. Table: test accuracy mean and std
 over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
 AdamW) with DARE's 1/(1-p) marked.
@@ -43,7 +44,8 @@ from moejax.train import TrainConfig, adam_linear_config, params_loss, train_par
 
 NAME = "darex_encoder"
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
-                 "DAREx-q (per-layer q_e)", "WANDA", "structural DPP + q_v")
+                 "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "WANDA",
+                 "structural DPP + q_v")
 N_CLASSES = {"pos": 4, "lexname": 45}
 
 
@@ -252,7 +254,8 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
     get = lambda t, m: next(r["acc_mean"] for r in summary if r["task"] == t and r["method"] == m)
     t0 = cfg.tasks[-1]
     out = {m: get(t0, m) for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (per-layer q_v)",
-                                   "AdamR-L2 + DARE", "AdamR-L1 + magnitude")}
+                                   "DAREx-q (per-layer q_v, pooled)", "AdamR-L2 + DARE",
+                                   "AdamR-L1 + magnitude")}
     out["headline"] = f"{cfg.model} on {t0}, p={cfg.p}: " + ", ".join(
         f"{k} {v:.3f}" for k, v in out.items())
     return out

@@ -65,14 +65,14 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
         TINY_LM
         + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2",
            "paths=(dense,capacity,ragged,gmm)", "block_tokens=64", "block_d=16", "block_f=32",
-           "block_repeats=1", "delta_tree=tiny"],
+           "block_repeats=1", "block_paths=(capacity,grouped)", "delta_tree=tiny"],
         out=tmp_path / "bench",
     )
     import csv
 
     block = {r["impl"]: r for r in csv.DictReader(open(run.path / "block.csv"))}
-    assert {"capacity cf=1.25", "grouped (dropless)", "ragged (dropless)",
-            "dense (oracle)"} <= set(block)
+    assert {"capacity cf=1.25", "capacity cf=2.0", "grouped (dropless)"} <= set(block)
+    assert "ragged (dropless)" not in block  # block_paths selects
     bound = next(r for k, r in block.items() if k.startswith("FLOP bound"))
     assert float(bound["vs_flop_bound"]) == 1.0
     assert all(float(r["ms"]) > 0 for k, r in block.items() if r["ms"])

@@ -89,7 +89,7 @@ def test_bit_flips_are_detected_or_harmless(tmp_path):
     detected = harmless = 0
     for f in _data_files(tmp_path / "r" / "checkpoints" / "2"):
         raw = open(f, "rb").read()
-        for off in range(0, len(raw), max(1, len(raw) // 6)):
+        for off in range(0, len(raw), max(1, len(raw) // 4)):
             b = bytearray(raw)
             b[off] ^= 0x04
             open(f, "wb").write(bytes(b))
@@ -173,34 +173,35 @@ from orbax.checkpoint._src.path import atomicity
 from moejax.train.loop import train
 from moejax.train.optim import TrainConfig
 from tests.test_train_utils import TinyMoELM, ToySource
-async def fail(self, *a, **k):
-    raise {exc}
-atomicity.AtomicRenameTemporaryPath.create = fail
 cfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, ckpt_every=2, log_every=1)
-try:
-    train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r},
-          progress=False)
-except BaseException as e:
-    print("RAISED", type(e).__name__, e)
-    sys.exit(3)
-print("NO ERROR")
+for i, exc in enumerate([OSError(errno.EROFS, 'Read-only file system'), KeyboardInterrupt()]):
+    async def fail(self, *a, exc=exc, **k):
+        raise exc
+    atomicity.AtomicRenameTemporaryPath.create = fail
+    try:
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg,
+              run_dir=os.path.join({d!r}, str(i)), progress=False)
+        print("NO ERROR", flush=True)
+    except BaseException as e:
+        print("RAISED", type(e).__name__, e, flush=True)
+sys.exit(3)
 """
 
 
-@pytest.mark.parametrize("exc", ["OSError(errno.EROFS, 'Read-only file system')",
-                                 "KeyboardInterrupt()"])
-def test_failing_or_interrupted_save_exits_without_hanging(tmp_path, exc):
-    """A save that fails inside orbax (read-only disk) or is interrupted (Ctrl-C) raises and
-    the process exits: orbax's waiting threads are released (they used to hang exit)."""
-    code = _FAILING_SAVE.format(root=ROOT, d=str(tmp_path / "r"), exc=exc)
+def test_failing_or_interrupted_save_exits_without_hanging(tmp_path):
+    """A save that fails inside orbax (read-only disk), then one interrupted by Ctrl-C: both
+    raise and the process exits; orbax's waiting threads are released (they used to hang the
+    interpreter at exit)."""
+    code = _FAILING_SAVE.format(root=ROOT, d=str(tmp_path))
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=90, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 3, r.stdout + r.stderr[-2000:]
-    want = "CheckpointWriteError" if "OSError" in exc else "KeyboardInterrupt"
-    assert f"RAISED {want}" in r.stdout
+    raised = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("RAISED")]
+    assert raised == ["CheckpointWriteError", "KeyboardInterrupt"], r.stdout
     assert time.time() - t0 < 80
-    assert latest_step(tmp_path / "r" / "checkpoints") is None
+    for i in (0, 1):
+        assert latest_step(tmp_path / str(i) / "checkpoints") is None
 
 
 def test_unwritable_directory_fails_before_saving(tmp_path):
@@ -231,10 +232,10 @@ train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r}, progr
 
 @pytest.mark.slow
 def test_ctrl_c_during_saves_never_hangs(tmp_path):
-    """Real SIGINTs at random moments of runs that checkpoint every step: each process stops
+    """A real SIGINT at a random moment of a run that checkpoints every step: the process stops
     promptly with KeyboardInterrupt (no hang, no swallowed Ctrl-C) and its directory resumes."""
     rng = np.random.default_rng(0)
-    for i, delay in enumerate(rng.uniform(0.0, 0.3, size=2)):
+    for i, delay in enumerate(rng.uniform(0.0, 0.3, size=1)):
         d = str(tmp_path / f"r{i}")
         p = subprocess.Popen([sys.executable, "-c", _SIGINT_RUN.format(root=ROOT, d=d)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
