@@ -8,6 +8,11 @@ pre-trained weights). The delta of the two weight matrices is then pruned with D
 (q_v: validation accuracy; q_e: last-layer output change on one batch), magnitude and WANDA
 at p in {0.5, 0.7, 0.9, 0.95, 0.99}; the table reports test accuracy on the sklearn digits.
 
+Large deltas (Table 6 analog): the same fine-tuning at learning rates ``large_lrs`` (x10 and
+more), which makes the mean |delta| large; DARE, DAREx-q (q_v), magnitude and WANDA at
+``large_ps``, mean and std over ``large_seeds`` fine-tuning seeds. The paper's claim: when the
+deltas are large, importance-based pruning (magnitude, WANDA) beats DARE.
+
 LoRA + DAREx-q (Table 4 analog): the pre-trained MLP is fine-tuned with LoRA (rank
 ``lora_rank`` on both matrices, ``lora_seeds`` seeds); the LoRA parameters themselves are
 pruned at ``lora_ps`` (the paper: p = 0.9) with DARE (q = 1 - p) and DAREx-q (q_v), and, as
@@ -62,6 +67,11 @@ class ControlledConfig(Config):
     sweep_ps: tuple[float, ...] = (0.9, 0.99, 0.999)
     q_num: int = 20
     seed: int = 0  # fine-tuning batch order and DARE masks (replaces finetune.seed)
+    # Table 6 analog: fine-tuning learning rates giving large deltas (empty = skip)
+    large_lrs: tuple[float, ...] = (1e-3, 1e-2, 3e-2)
+    large_ps: tuple[float, ...] = (0.5, 0.9)
+    large_methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "magnitude", "WANDA")
+    large_seeds: int = 3
     lora_rank: int = 8  # 0 = no LoRA table
     lora_ps: tuple[float, ...] = (0.9,)
     lora_seeds: int = 3
@@ -74,6 +84,9 @@ class ControlledConfig(Config):
                       "sweep_ps must lie in [0, 1) and l2_sweep weights be >= 0")
         self._require(all(0 <= p < 1 for p in self.lora_ps),
                       f"lora_ps={self.lora_ps} must lie in [0, 1)")
+        self._require(all(lr > 0 for lr in self.large_lrs) and self.large_seeds >= 1
+                      and all(0 <= p < 1 for p in self.large_ps),
+                      "large_lrs must be > 0, large_ps in [0, 1) and large_seeds >= 1")
         self._require(self.lora_rank >= 0 and self.lora_seeds >= 1,
                       "lora_rank must be >= 0 and lora_seeds >= 1")
 
@@ -194,8 +207,64 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
         + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("dar")))
     if cfg.l2_sweep:
         out.update(_l2_sweep(cfg, run, pre, tasks, acc_test))
+    if cfg.large_lrs:
+        out.update(_large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x))
     if cfg.lora_rank:
         out.update(_lora_table(cfg, run, pre, tasks, acc_val, acc_test))
+    return out
+
+
+def _large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x) -> dict:
+    """Table 6 analog: pruning methods on deltas made large by a higher fine-tuning lr."""
+    detail = []
+    for lr in cfg.large_lrs:
+        for seed in range(cfg.large_seeds):
+            fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=cfg.seed + seed),
+                               desc=f"finetune lr {lr} seed {seed}")
+            D = dl.delta(pre, fin)
+            mask = dl.select_leaves(D, include=r"^(w1|wo)$")
+            ctx = PruneContext(
+                pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + seed + 7),
+                val_metric=acc_val, test_metric=acc_test,
+                outputs_fn=lambda prm: mlp(prm, calib_x),
+                x_stats=matmul_input_stats(lambda prm: mlp(prm, calib_x), fin), q_num=cfg.q_num)
+            base = {"lr": lr, "seed": seed, **delta_stats(D, mask)}
+            detail.append({**base, "p": 0.0, "method": "unpruned", "metric": acc_test(fin)})
+            for r in run_methods(ctx, cfg.large_methods, cfg.large_ps, desc=f"prune lr {lr}"):
+                detail.append({**base, **r})
+    rows = []
+    for lr in cfg.large_lrs:
+        at = [r for r in detail if r["lr"] == lr]
+        row = {"lr": lr, "mean_abs_delta": float(np.mean([r["mean_abs_delta"] for r in at
+                                                           if r["method"] == "unpruned"]))}
+        for m, p in [("unpruned", 0.0)] + [(m, p) for p in cfg.large_ps
+                                            for m in cfg.large_methods]:
+            v = [r["metric"] for r in at if r["method"] == m and r["p"] == p]
+            key = m if m == "unpruned" else f"{m} p={p}"
+            row[key] = float(np.mean(v))
+            row[f"{key} std"] = float(np.std(v))
+        rows.append(row)
+    run.table("large_deltas", rows, title=f"Large deltas (Table 6 analog): test accuracy, mean "
+              f"over {cfg.large_seeds} fine-tuning seeds, by fine-tuning lr")
+    run.table("large_deltas_detail", detail, title="Large deltas: every seed, method and p")
+    p_hi = max(cfg.large_ps)
+    big = max(rows, key=lambda r: r["mean_abs_delta"])
+    small = min(rows, key=lambda r: r["mean_abs_delta"])
+    at = lambda r: ", ".join(f"{m} {r[f'{m} p={p_hi}']:.3f}"  # noqa: E731
+                             for m in cfg.large_methods)
+    importance = [m for m in ("magnitude", "WANDA") if m in cfg.large_methods]
+    imp = max((big[f"{m} p={p_hi}"] for m in importance), default=float("nan"))
+    verdict = ("cannot be judged (no importance-based method ran)"
+               if not importance or "DARE" not in cfg.large_methods
+               else "holds." if imp > big[f"DARE p={p_hi}"] else "does not hold here.")
+    run.note(f"Large deltas: at p = {p_hi}, with the largest deltas (lr {big['lr']}, mean "
+             f"|delta| {big['mean_abs_delta']:.2e}, unpruned {big['unpruned']:.3f}): {at(big)}; "
+             f"with the smallest (lr {small['lr']}, {small['mean_abs_delta']:.2e}): "
+             f"{at(small)}. The paper's shape (importance-based pruning beats DARE on large "
+             f"deltas): {verdict}")
+    out = {f"large_delta_best_importance_p{p_hi}": imp}
+    if "DARE" in cfg.large_methods:
+        out[f"large_delta_dare_p{p_hi}"] = big[f"DARE p={p_hi}"]
     return out
 
 

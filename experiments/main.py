@@ -48,7 +48,7 @@ REGISTRY: tuple[str, ...] = (
 # Shorter than the studies' quick presets; `make studies` runs those in full.
 DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lm_demo", ("train.steps=60",)),
-    ("darex_controlled", ("ps=(0.9,0.99)", "lora_seeds=1", "l2_sweep=()")),
+    ("darex_controlled", ("ps=(0.9,0.99)", "lora_seeds=1", "l2_sweep=()", "large_lrs=()")),
     ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=50",
                           "drop_rates=(0.9,0.99)", "bits=(2,1)")),
     ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=100")),

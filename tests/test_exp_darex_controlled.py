@@ -17,7 +17,8 @@ def test_darex_controlled_tiny(tmp_path):
          f"substrate_cache={tmp_path / 'subs'}",
          "ps=(0.5,0.99)", "methods=(DARE,DAREx-q (q_v),magnitude,WANDA)", "q_num=4",
          "lora_rank=2", "lora_seeds=2", "lora_finetune.steps=20", "lora_finetune.batch_size=64",
-         "l2_sweep=(0.01,1.0)", "sweep_ps=(0.99,)"],
+         "l2_sweep=(0.01,1.0)", "sweep_ps=(0.99,)", "large_lrs=(0.001,0.03)",
+         "large_ps=(0.9,)", "large_seeds=2", "large_methods=(DARE,magnitude)"],
         out=tmp_path / "ctl",
     )
     rows = list(csv.DictReader(open(run.path / "detail.csv")))
@@ -54,3 +55,12 @@ def test_darex_controlled_tiny(tmp_path):
     assert [float(r["l2_weight"]) for r in sweep] == [0.01, 1.0]
     assert float(sweep[1]["delta_l2"]) < float(sweep[0]["delta_l2"])  # stronger L2, smaller delta
     assert all(0 <= float(r["DARE p=0.99"]) <= 1 for r in sweep)
+    large = list(csv.DictReader(open(run.path / "large_deltas.csv")))
+    assert [float(r["lr"]) for r in large] == [0.001, 0.03]
+    # a larger fine-tuning lr gives larger deltas; every cell is an accuracy
+    assert float(large[1]["mean_abs_delta"]) > float(large[0]["mean_abs_delta"])
+    for r in large:
+        assert all(0 <= float(r[k]) <= 1 for k in ("unpruned", "DARE p=0.9", "magnitude p=0.9"))
+    detail = list(csv.DictReader(open(run.path / "large_deltas_detail.csv")))
+    assert len(detail) == 2 * 2 * (1 + 2)  # lrs x seeds x (unpruned + 2 methods)
+    assert "Large deltas: at p = 0.9" in (run.path / "summary.md").read_text()
