@@ -27,6 +27,8 @@ from moejax.sparse_lm import (
 from moejax.train.optim import TrainConfig
 
 NAME = "blockffn_ablations"
+SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -80,4 +82,5 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

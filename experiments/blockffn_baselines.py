@@ -1,27 +1,35 @@
 """BlockFFN vs TopK MoE / DeepSeekMoE / GRIN / ReMoE / dense at matched total and active parameters
 (BlockFFN paper Table 2 and Fig. 1a analogs), on the CPython stdlib source bytes.
 
-Per size: BlockFFN (AL + CS, adaptive lambda_cs) is trained first; its validation TLS fixes the
-active parameters of the baselines: TopK and DSMoE use ``k = round(N (1 - TLS))`` of the same
-``N`` experts (DSMoE: one of them shared), GRIN (SparseMixer-v2 routing) is top-2 of the same
-experts, ReMoE's controller targets the same TLS, and the dense model has one FFN of width
-``N d_expert``. Writes the PPL / TLS / CLS_8 / reuse table, CLS_L against L (Fig. 1a),
-per-layer activation magnitudes (Fig. 4) and BlockFFN's per-token expert allocation histogram
-(Fig. 3). The quick preset uses AL sharpness alpha = 10 instead of the
-paper's 100 (see experiments/blockffn_ablations.py, table ``alpha``).
+Per size and training seed: BlockFFN (AL + CS, adaptive lambda_cs) is trained first; its
+validation TLS fixes the active parameters of the baselines trained on the same seed (see
+:func:`baselines`): TopK and DSMoE use ``k = round(N (1 - TLS))`` of the same ``N`` experts
+(DSMoE: one of them shared), GRIN (SparseMixer-v2 routing) is top-2 of the same experts,
+ReMoE's controller targets the same TLS, and the dense model has one FFN of width
+``N d_expert``; every model has the same attention, expert count and width, data and steps.
+Sizes: ``small`` / ``large`` (82K / 183K parameters, the quick default) and ``xl`` (5.3M, a
+few CPU minutes per model; ``sizes=(xl,)``). Writes PPL / TLS / CLS_8 / reuse (mean and std
+over ``seeds``), every model's achieved TLS minus BlockFFN's, paired BlockFFN - baseline PPL
+differences, CLS_L against L (Fig. 1a), PPL bars with the dense reference, per-layer
+activation magnitudes (Fig. 4) and BlockFFN's per-token expert allocation (Fig. 3). The quick
+preset uses AL sharpness alpha = 10 instead of the paper's 100 (see
+experiments/blockffn_ablations.py, table ``alpha``).
 
-    python -m experiments.blockffn_baselines                 # quick (CPU)
-    python -m experiments.blockffn_baselines preset=full     # GPU
+    python -m experiments.blockffn_baselines                          # quick (CPU)
+    python -m experiments.blockffn_baselines "sizes=(xl,)"            # 5.3M params (CPU)
+    python -m experiments.blockffn_baselines preset=full              # GPU
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import numpy as np
 
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import RunDir
+from moejax.results import RunDir, seed_summary
 from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
@@ -34,20 +42,40 @@ from moejax.train.optim import TrainConfig
 NAME = "blockffn_baselines"
 
 
+Size = Literal["small", "large", "xl"]
+
+
 @config
 class BaselinesConfig(Config):
     model: SparseLMConfig = SparseLMConfig()
     train: TrainConfig = TrainConfig()
+    sizes: tuple[Size, ...] = ("small", "large")
     small_d_model: int = 48
     small_d_expert: int = 16
     large_d_model: int = 64
     large_d_expert: int = 32
+    # xl: >= 5M parameters that still trains in CPU minutes (5.3M at the defaults)
+    xl_d_model: int = 256
+    xl_d_expert: int = 128
+    xl_n_layers: int = 4
+    seeds: int = 3  # training seeds (model init and data order) of every model
     seq_len: int = 64
     eval_batches: int = 4
 
     def validate(self):
         self._require(self.seq_len <= self.model.max_seq_len,
                       f"seq_len={self.seq_len} exceeds model.max_seq_len")
+        self._require(len(self.sizes) >= 1 and len(set(self.sizes)) == len(self.sizes),
+                      f"sizes={self.sizes} must name each size at most once, at least one")
+        for size in self.sizes:  # every size must build a valid model
+            self.size_spec(size)
+
+    def size_spec(self, size: str) -> SparseLMConfig:
+        d, de, n_layers = {
+            "small": (self.small_d_model, self.small_d_expert, self.model.n_layers),
+            "large": (self.large_d_model, self.large_d_expert, self.model.n_layers),
+            "xl": (self.xl_d_model, self.xl_d_expert, self.xl_n_layers)}[size]
+        return self.model.replace(d_model=d, d_expert=de, n_layers=n_layers)
 
 
 def make_config(preset: str) -> BaselinesConfig:
@@ -55,68 +83,126 @@ def make_config(preset: str) -> BaselinesConfig:
     if preset == "quick":
         return BaselinesConfig(**base)
     return BaselinesConfig(**base, small_d_model=256, small_d_expert=64, large_d_model=512,
-                           large_d_expert=128)
+                           large_d_expert=128, seeds=1)
+
+
+def baselines(base: SparseLMConfig, tls: float) -> dict[str, tuple[SparseLMConfig, float]]:
+    """The models compared with a BlockFFN of validation TLS ``tls``: ``name -> (spec, the
+    number of active experts it is built for)``. TopK and DSMoE take
+    ``k = round(N (1 - TLS))`` (at least 2; DSMoE: one shared + k - 1 routed), ReMoE's
+    controller targets ``tls``, GRIN is top-2 (SparseMixer-v2 is defined for two experts) and
+    the dense model has one FFN of width ``N d_expert``."""
+    N = base.n_experts
+    k = int(min(N, max(2, round(N * (1.0 - tls)))))
+    return {"TopK": (base.replace(arch="topk", top_k=k), k),
+            "DSMoE": (base.replace(arch="dsmoe", top_k=k, n_shared=1), k),
+            "GRIN": (base.replace(arch="grin", top_k=2), 2),
+            "ReMoE": (base.replace(arch="remoe", target_tls=float(tls)), N * (1.0 - tls)),
+            "Dense": (base.replace(arch="dense"), N)}
 
 
 def run(cfg: BaselinesConfig, run: RunDir) -> dict:
-    train_src, val = data_sources(cfg.train.batch_size, cfg.seq_len, cfg.train.seed,
-                                  cfg.eval_batches)
     N = cfg.model.n_experts
-    rows, cls_series, mag_rows = [], {}, []
-    sizes = {"small": (cfg.small_d_model, cfg.small_d_expert),
-             "large": (cfg.large_d_model, cfg.large_d_expert)}
+    rows, cls_rows, mag_rows = [], [], []
     alloc = None
-    for size, (d, de) in sizes.items():
-        base = cfg.model.replace(d_model=d, d_expert=de)
-        bf = train_and_evaluate(base.replace(arch="blockffn"), cfg.train, train_src, val)
-        k = int(min(N, max(2, round(N * (1.0 - bf["tls"])))))
-        runs = {"BlockFFN": (bf, {})}
-        for name, spec in [
-            ("TopK", base.replace(arch="topk", top_k=k)),
-            ("DSMoE", base.replace(arch="dsmoe", top_k=k, n_shared=1)),
-            ("GRIN", base.replace(arch="grin", top_k=2)),
-            ("ReMoE", base.replace(arch="remoe", target_tls=float(bf["tls"]))),
-            ("Dense", base.replace(arch="dense")),
-        ]:
-            runs[name] = (train_and_evaluate(spec, cfg.train, train_src, val), {})
-        for name, (ev, _) in runs.items():
-            active = {"TopK": k, "DSMoE": k, "GRIN": 2, "Dense": N}.get(
-                name, N * (1 - ev.get("tls", 0)))
-            rows.append(summary_row(name, ev, {"size": size, "d_model": d, "d_expert": de,
-                                       "active_experts": active}))
-            if name != "Dense":
-                cls_series[f"{name} ({size})"] = (
-                    list(CHUNK_LENS), [ev[f"cls_{L}"] for L in CHUNK_LENS])
-            if name in ("BlockFFN", "ReMoE"):
-                for layer, m in ev["layers"].items():
-                    mag_rows.append({"size": size, "model": name, "layer": layer,
-                                     "act_magnitude": m.get("magnitude", float("nan"))})
-        if size == "large":
-            alloc = bf["allocation"]
-    run.table("baselines", rows, title="Validation PPL and sparsity at matched parameters "
-              "(TopK/DSMoE k and ReMoE target set from BlockFFN's TLS; GRIN k=2)",
-              columns=["size", "model", "d_model", "d_expert", "active_experts", "val_ppl",
-                       "TLS", "CLS_8", "reuse", "params"])
-    run.line_plot("cls_vs_L", cls_series, xlabel="chunk length L", ylabel="CLS_L",
-                  title="Chunk-level sparsity vs chunk length (Fig. 1a)", logx=True,
-                  markers=True)
-    run.table("act_magnitude", mag_rows, title="Mean ||A||_2 per layer (Fig. 4 analog)")
+    for seed in range(cfg.seeds):
+        tcfg = cfg.train.replace(seed=cfg.train.seed + seed)
+        train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, tcfg.seed,
+                                      cfg.eval_batches)
+        for size in cfg.sizes:
+            base = cfg.size_spec(size)
+            bf = train_and_evaluate(base.replace(arch="blockffn"), tcfg, train_src, val)
+            runs = {"BlockFFN": (bf, N * (1.0 - bf["tls"]))}
+            for name, (spec, active) in baselines(base, bf["tls"]).items():
+                runs[name] = (train_and_evaluate(spec, tcfg, train_src, val), active)
+            for name, (ev, active) in runs.items():
+                tls = ev.get("tls", 0.0)
+                rows.append(summary_row(name, ev, {
+                    "seed": seed, "size": size, "d_model": base.d_model,
+                    "d_expert": base.d_expert, "n_layers": base.n_layers,
+                    "active_experts": active,
+                    "TLS - TLS_BlockFFN": tls - bf["tls"] if name != "Dense" else float("nan")}))
+                if name != "Dense":
+                    cls_rows += [{"size": size, "model": name, "L": L, "CLS": ev[f"cls_{L}"]}
+                                 for L in CHUNK_LENS]
+                if name in ("BlockFFN", "ReMoE") and seed == 0:
+                    for layer, m in ev["layers"].items():
+                        mag_rows.append({"size": size, "model": name, "layer": layer,
+                                         "act_magnitude": m.get("magnitude", float("nan"))})
+            if seed == 0 and size == cfg.sizes[-1]:
+                alloc = (size, bf["allocation"])
+    values = ["val_ppl", "TLS", "TLS - TLS_BlockFFN", "active_experts", "CLS_8", "reuse"]
+    summary = seed_summary(rows, ["size", "model", "d_model", "d_expert", "n_layers", "params"],
+                           values)
+    run.table("baselines", summary, title=(
+        f"Validation PPL and sparsity at matched parameters, mean and std over {cfg.seeds} "
+        "training seeds (TopK/DSMoE k and ReMoE's target set from BlockFFN's TLS of the same "
+        "seed; GRIN k = 2)"),
+        columns=["size", "model", "params", "d_model", "d_expert", "n_layers", "n_seeds",
+                 "val_ppl", "val_ppl std", "TLS", "TLS std", "TLS - TLS_BlockFFN",
+                 "active_experts", "CLS_8", "CLS_8 std", "reuse"])
+    run.table("baselines_per_seed", rows, title="Every trained model, per seed",
+              columns=["seed", "size", "model", "params", "active_experts", "val_ppl", "TLS",
+                       "TLS - TLS_BlockFFN", "CLS_8", "reuse"])
+    paired = paired_gaps(rows, cfg.sizes)
+    run.table("blockffn_minus_baseline", paired, title=(
+        "Paired PPL difference BlockFFN - model, same size and seed (negative: BlockFFN "
+        "better); mean, std and how many seeds BlockFFN wins"))
+    cls_mean = seed_summary(cls_rows, ["size", "model", "L"], ["CLS"])
+    run.line_plot("cls_vs_L", {
+        f"{m} ({s})": ([r["L"] for r in cls_mean if (r["model"], r["size"]) == (m, s)],
+                       [r["CLS"] for r in cls_mean if (r["model"], r["size"]) == (m, s)])
+        for s, m in dict.fromkeys((r["size"], r["model"]) for r in cls_mean)},
+        xlabel="chunk length L", ylabel="CLS_L (mean over seeds)",
+        title="Chunk-level sparsity vs chunk length (Fig. 1a)", logx=True, markers=True)
+    for size in cfg.sizes:
+        sel = [r for r in summary if r["size"] == size]
+        dense = next(r["val_ppl"] for r in sel if r["model"] == "Dense")
+        moes = [r for r in sel if r["model"] != "Dense"]
+        run.bar_plot(f"ppl_{size}", [r["model"] for r in moes], [r["val_ppl"] for r in moes],
+                     errors=[r["val_ppl std"] for r in moes], hlines={"dense": dense},
+                     ylabel="validation PPL", title=f"PPL at matched TLS ({size}, "
+                     f"{sel[0]['params'] / 1e6:.2f}M params, {cfg.seeds} seeds)")
+    run.table("act_magnitude", mag_rows, title="Mean ||A||_2 per layer, seed 0 (Fig. 4 analog)")
     if alloc is not None:
-        ids, counts, frac = alloc
+        size, (ids, counts, frac) = alloc
         hi = float(min(1.0, max(0.05, frac.max() * 1.05)))
         hist, edges = np.histogram(frac, bins=20, range=(0, hi), weights=counts)
         run.bar_plot("allocation_hist", [f"{edges[i]:.2f}" for i in range(20)],
                      (hist / hist.sum()).tolist(), ylabel="fraction of tokens",
-                     title="BlockFFN (large) expert allocation per token id (Fig. 3)")
-    bf_rows = {r["size"]: r for r in rows if r["model"] == "BlockFFN"}
-    moe = [r for r in rows if r["model"] != "Dense"]
-    best = {s: min((r for r in moe if r["size"] == s), key=lambda r: r["val_ppl"])["model"]
-            for s in sizes}
-    b = bf_rows["large"]
-    return {"headline": (f"BlockFFN (large): PPL {b['val_ppl']:.3f}, TLS {b['TLS']:.3f}, "
-                         f"CLS_8 {b['CLS_8']:.3f}, reuse {b['reuse']:.3f}; lowest-PPL MoE: "
-                         f"{best}"),
-            "best_moe": best}
+                     title=f"BlockFFN ({size}, seed 0) expert allocation per token id (Fig. 3)")
+    lines, best = [], {}
+    for size in cfg.sizes:
+        moe = [r for r in summary if r["size"] == size and r["model"] != "Dense"]
+        best[size] = min(moe, key=lambda r: r["val_ppl"])["model"]
+        b = next(r for r in moe if r["model"] == "BlockFFN")
+        gaps = {r["model"]: r for r in paired if r["size"] == size and r["model"] != "Dense"}
+        wins = sum(r["BlockFFN wins"] for r in gaps.values())
+        lines.append(
+            f"{size} ({b['params'] / 1e6:.2f}M): BlockFFN PPL {b['val_ppl']:.3f} +- "
+            f"{b['val_ppl std']:.3f}, TLS {b['TLS']:.3f}, CLS_8 {b['CLS_8']:.3f}; lowest-PPL "
+            f"MoE {best[size]}; BlockFFN beats {wins} of {len(gaps) * cfg.seeds} paired "
+            "(MoE baseline, seed) comparisons")
+    holds = all(m == "BlockFFN" for m in best.values())
+    run.note("Paper's shape (BlockFFN has the lowest PPL of the MoEs at matched TLS): "
+             + ("holds at every size." if holds else "does not hold at "
+                + ", ".join(s for s, m in best.items() if m != "BlockFFN") + "."))
+    return {"headline": "; ".join(lines), "best_moe": best}
+
+
+def paired_gaps(rows: list[dict], sizes) -> list[dict]:
+    """Per size and baseline: BlockFFN's PPL minus the baseline's on the same seed, mean and
+    std over seeds, and the number of seeds where BlockFFN's PPL is lower."""
+    bf = {(r["size"], r["seed"]): r["val_ppl"] for r in rows if r["model"] == "BlockFFN"}
+    out = []
+    for size in sizes:
+        for name in dict.fromkeys(r["model"] for r in rows if r["model"] != "BlockFFN"):
+            d = np.asarray([bf[(size, r["seed"])] - r["val_ppl"] for r in rows
+                            if r["size"] == size and r["model"] == name])
+            out.append({"size": size, "model": name, "dPPL": float(d.mean()),
+                        "dPPL std": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
+                        "BlockFFN wins": int((d < 0).sum()), "n_seeds": len(d)})
+    return out
 
 
 if __name__ == "__main__":

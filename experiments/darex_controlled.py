@@ -45,6 +45,8 @@ from moejax.substrates.mlp import (
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"
+SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -120,11 +122,12 @@ def lora_rows(cfg: ControlledConfig, pre, tasks, acc_val, acc_test) -> list[dict
     """Test accuracy of every (seed, p, LoRA pruning method)."""
     rows = []
     for seed in range(cfg.lora_seeds):
-        lora = finetune_mlp_lora(pre, tasks, cfg.lora_finetune.replace(seed=cfg.seed + seed),
+        s = cfg.seed * cfg.lora_seeds + seed  # disjoint seeds across `repeat` runs
+        lora = finetune_mlp_lora(pre, tasks, cfg.lora_finetune.replace(seed=s),
                                  cfg.lora_rank, desc=f"LoRA r={cfg.lora_rank} seed {seed}")
         merged = dl.lora_delta(pre, lora)
         mask = dl.select_leaves(merged, include=r"^(w1|wo)$")
-        key = jax.random.key(cfg.seed + 31 + seed)
+        key = jax.random.key(s + 31)
         for p in cfg.lora_ps:
             grid = dl.q_grid(p, cfg.q_num)
             factors = dl.lora_factor_pruner(pre, p)
@@ -219,12 +222,13 @@ def _large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x) -> dict:
     detail = []
     for lr in cfg.large_lrs:
         for seed in range(cfg.large_seeds):
-            fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=cfg.seed + seed),
+            s = cfg.seed * cfg.large_seeds + seed  # disjoint seeds across `repeat` runs
+            fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=s),
                                desc=f"finetune lr {lr} seed {seed}")
             D = dl.delta(pre, fin)
             mask = dl.select_leaves(D, include=r"^(w1|wo)$")
             ctx = PruneContext(
-                pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + seed + 7),
+                pretrained=pre, delta=D, mask=mask, key=jax.random.key(s + 7),
                 val_metric=acc_val, test_metric=acc_test,
                 outputs_fn=lambda prm: mlp(prm, calib_x),
                 x_stats=matmul_input_stats(lambda prm: mlp(prm, calib_x), fin), q_num=cfg.q_num)
@@ -333,4 +337,5 @@ def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

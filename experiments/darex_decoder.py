@@ -36,6 +36,8 @@ from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_loss, train_params
 
 NAME = "darex_decoder"
+SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -178,4 +180,5 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

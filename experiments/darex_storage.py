@@ -41,6 +41,8 @@ from moejax.substrates.mlp import MLPSubstrateConfig
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_storage"
+SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -268,4 +270,5 @@ def run(cfg: StorageConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

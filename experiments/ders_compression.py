@@ -53,6 +53,8 @@ from moejax.train.optim import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 
 NAME = "ders_compression"
+SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 SCENARIOS = {
     "finetuned": (True, UpcycleConfig(blocks="every_other",
@@ -279,4 +281,5 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

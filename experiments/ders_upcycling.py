@@ -33,6 +33,8 @@ from moejax.train.optim import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 
 NAME = "ders_upcycling"
+SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -156,4 +158,5 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

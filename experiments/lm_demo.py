@@ -29,6 +29,8 @@ from moejax.train.loop import read_csv, train
 from moejax.train.optim import TrainConfig
 
 NAME = "lm_demo"
+SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
+QUICK_REPEAT = 1  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -194,4 +196,5 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+                          quick_repeat=QUICK_REPEAT))

@@ -86,13 +86,13 @@ def _parse(argv):
         jobs = list(DEMO)
     else:
         jobs = [(n, ()) for n in REGISTRY]
-    return opts["preset"], Path(opts["out"]), jobs
+    return opts["preset"], Path(opts["out"]), jobs, opts["suite"]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        preset, out, jobs = _parse(argv)
+        preset, out, jobs, suite = _parse(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -109,8 +109,8 @@ def main(argv=None) -> int:
             module = importlib.import_module(f"experiments.{name}")
             summary, run = run_experiment(
                 name, module.make_config, module.run, [f"preset={preset}", *overrides],
-                out=out / name
-            )
+                out=out / name, seed_keys=getattr(module, "SEED_KEYS", ()),
+                quick_repeat=getattr(module, "QUICK_REPEAT", 1) if suite == "studies" else 1)
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)

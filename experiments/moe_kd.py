@@ -118,7 +118,7 @@ def make_config(preset: str) -> MoEKDConfig:
                             schedule="cosine", log_every=50),
             distill=TrainConfig(steps=100, batch_size=16, lr=3e-4, warmup_steps=10,
                                 schedule="constant", eval_every=50, log_every=25),
-            teacher_ks=(2, 8), ka_lambdas=(0.2,), ka_ms=(4,), seeds=2, eval_seeds=1,
+            teacher_ks=(2, 8), ka_lambdas=(0.2,), ka_ms=(4,), seeds=3, eval_seeds=1,
             eval_temperature=0.0)
     return MoEKDConfig(
         model="smollm2_135m", substrate=substrate_config("dense_lm_prose", "full"),

@@ -110,7 +110,7 @@ class MoEEStudyConfig(Config):
     finetune_ablations: bool = True
     stability_tokens: tuple[int, ...] = (1000, 2000, 4000)
     stability_draws: int = 2
-    seeds: int = 2
+    seeds: int = 3
     seed: int = 0
 
     def validate(self) -> None:

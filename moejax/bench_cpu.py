@@ -21,8 +21,9 @@ import numpy as np
 from flax import nnx
 
 from moejax.bench import time_call
-from moejax.delta import dare
+from moejax.delta import dare, magnitude_prune, wanda_prune
 from moejax.delta.quant_jnp import fake_quantize_tree
+from moejax.delta.tree import leaf_paths
 from moejax.nn.moe import MoEConfig
 
 __all__ = ["matmul_gflops", "moe_block_flops", "moe_block_fwd_bwd", "torch_moe_block_s",
@@ -105,13 +106,20 @@ def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) 
     (8 per float32 parameter)."""
     nbytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     key = jax.random.key(0)
+    matrices = jax.tree.map(lambda x: x.ndim >= 2, tree)
+    norms = {path: jnp.ones(x.shape[-2], jnp.float32)
+             for path, x in zip(leaf_paths(tree), jax.tree.leaves(tree)) if x.ndim >= 2}
     ops = {
         "jitted x * 2 (reference)": jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t)),
         "DARE p=0.9 (hash masks)": jax.jit(lambda t: dare(key, t, p)),
         "DAREx-q p=0.9 q=0.2 (hash)": jax.jit(lambda t: dare(key, t, p, q=0.2)),
         "DARE p=0.9 (threefry masks)": jax.jit(lambda t: dare(key, t, p, rng="threefry")),
         f"{bits}-bit midrise quantisation (jnp, group 64)": jax.jit(
-            lambda t: fake_quantize_tree(t, bits, mask=jax.tree.map(lambda x: x.ndim == 2, t))),
+            lambda t: fake_quantize_tree(t, bits, mask=matrices)),
+        "WANDA p=0.9 (threshold select)": jax.jit(
+            lambda t: wanda_prune(t, norms, p, mask=matrices)),
+        "magnitude p=0.9 (threshold select)": jax.jit(
+            lambda t: magnitude_prune(t, p, mask=matrices)),
     }
     host = [np.asarray(x) for x in jax.tree.leaves(tree)]
     t_np = []

@@ -11,9 +11,16 @@ and ends with ``if __name__ == "__main__": main(NAME, make_config, run)``, so th
 
     python -m experiments.<name> preset=full model.d_model=512 out=runs/mine
 
-works. ``preset`` and ``out`` are the runner's own keys; every other ``key=value`` goes through
-:func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails before any
-compute with a message naming the key and the allowed keys/values.
+works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other ``key=value``
+goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
+before any compute with a message naming the key and the allowed keys/values.
+
+``repeat=N`` runs the study ``N`` times with its ``seed_keys`` (the config keys that seed a
+run: init, data order, masks) offset by ``0 .. N-1``, each run in ``out/seed_<i>/``, and
+writes every table again in ``out/`` as the mean and sample std over the runs
+(:func:`moejax.results.merge_seed_tables`), with the runs' headlines and plots linked. A
+study declares its seed keys and how many runs its quick preset makes by default
+(``main(NAME, make_config, run, seed_keys=("train.seed",), quick_repeat=3)``).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, ConfigError, apply_overrides, describe
-from moejax.results import RunDir
+from moejax.results import RunDir, merge_seed_tables, read_csv_rows
 
-__all__ = ["parse_cli", "run_experiment", "main", "usage", "PRESETS"]
+__all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
+           "PRESETS"]
 
 PRESETS = ("quick", "full")
 
@@ -35,9 +43,11 @@ PRESETS = ("quick", "full")
 def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick") -> str:
     """The ``--help`` text: the runner's keys and every config key with its default (of
     ``preset``) and allowed values."""
-    head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [key=value ...]",
+    head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [repeat=N] "
+            "[key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
-            f"out (run directory; default runs/{name})", "",
+            f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
+            "std of every table; default: the study's)", "",
             f"config keys (defaults of preset={preset}):"]
     return "\n".join(head + describe(make_config(preset)))
 
@@ -45,7 +55,17 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
 def parse_cli(
     name: str, make_config: Callable[[str], Config], argv: Sequence[str]
 ) -> tuple[Config, Path]:
-    preset, out, rest = "quick", Path("runs") / name, []
+    cfg, out, _ = parse_runner(name, make_config, argv)
+    return cfg, out
+
+
+def parse_runner(
+    name: str, make_config: Callable[[str], Config], argv: Sequence[str],
+    quick_repeat: int = 1,
+) -> tuple[Config, Path, int]:
+    """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
+    ``quick_repeat`` with the quick preset and to 1 with the full one."""
+    preset, out, rest, repeat = "quick", Path("runs") / name, [], None
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep:
@@ -56,10 +76,38 @@ def parse_cli(
             preset = value
         elif key == "out":
             out = Path(value)
+        elif key == "repeat":
+            try:
+                repeat = int(value)
+            except ValueError:
+                repeat = 0
+            if repeat < 1:
+                raise ConfigError(f"repeat={value!r}: expected an int >= 1 (runs over seeds)")
         else:
             rest.append(item)
     cfg = apply_overrides(make_config(preset), rest)
-    return cfg, out
+    if repeat is None:
+        repeat = quick_repeat if preset == "quick" else 1
+    return cfg, out, repeat
+
+
+def _get(cfg: Config, key: str):
+    value = cfg
+    for part in key.split("."):
+        if not isinstance(value, Config) or not hasattr(value, part):
+            raise ConfigError(f"seed key {key!r} is not a key of {type(cfg).__name__}")
+        value = getattr(value, part)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"seed key {key!r} is not an int field (got {value!r})")
+    return value
+
+
+def seed_offset(cfg: Config, seed_keys: Sequence[str], i: int) -> Config:
+    """``cfg`` with every key of ``seed_keys`` (dotted, e.g. ``train.seed``) raised by
+    ``i``."""
+    if not seed_keys:
+        raise ConfigError("repeat > 1 needs the study's seed_keys (none declared)")
+    return apply_overrides(cfg, [f"{k}={_get(cfg, k) + i}" for k in seed_keys])
 
 
 def run_experiment(
@@ -69,14 +117,68 @@ def run_experiment(
     argv: Sequence[str] = (),
     *,
     out: Path | None = None,
+    seed_keys: Sequence[str] = (),
+    quick_repeat: int = 1,
 ) -> tuple[dict[str, Any], RunDir]:
-    cfg, default_out = parse_cli(name, make_config, argv)
-    run = RunDir.create(out or default_out, cfg, name=name)
+    cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat)
+    if repeat > 1:  # fail before any compute on a bad seed key
+        cfgs = [seed_offset(cfg, seed_keys, i) for i in range(repeat)]
+    out = out or default_out
+    if repeat == 1:
+        return _run_once(name, cfg, run_fn, out)[:2]
+    runs, summaries, heads = [], [], []
+    t0 = time.time()
+    for i, c in enumerate(cfgs):
+        print(f"[{name}] seed run {i + 1}/{repeat}: "
+              + ", ".join(f"{k}={_get(c, k)}" for k in seed_keys), flush=True)
+        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}")
+        runs.append(run)
+        summaries.append(summary)
+        heads.append(head)
+    return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0)
+
+
+def _run_once(name, cfg, run_fn, out: Path) -> tuple[dict[str, Any], RunDir, str]:
+    run = RunDir.create(out, cfg, name=name)
     t0 = time.time()
     summary = dict(run_fn(cfg, run) or {})
     summary.setdefault("wall_s", round(time.time() - t0, 1))
-    run.finish(summary.pop("headline", ""))
-    return summary, run
+    headline = str(summary.pop("headline", ""))
+    run.finish(headline)
+    return summary, run, headline
+
+
+def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s):
+    """The top-level run of a ``repeat``: every table merged over the seed runs, the
+    numeric summary values averaged, each run's headline, notes and plots linked."""
+    n = len(runs)
+    top = RunDir.create(out, cfg, name=name)
+    top._t0 = time.time() - wall_s  # the summary's wall time covers every run
+    top.note(f"{n} runs with {', '.join(seed_keys)} offset by 0..{n - 1}; tables: mean over "
+             "the runs, with a sample std column for every value that varies "
+             "(per-run results in `seed_<i>/`).")
+    for title, md, csv_name in runs[0].tables:
+        stem = csv_name[:-len(".csv")]
+        tables = [read_csv_rows(r.path / csv_name) for r in runs]
+        merged = merge_seed_tables(tables)
+        if merged is None:
+            top.note(f"Table `{stem}` differs in shape between runs and is not merged: "
+                     + ", ".join(f"[seed {i}](seed_{i}/{md})" for i in range(n)) + ".")
+            continue
+        top.table(stem, merged, title=f"{title} (mean over {n} seed runs)")
+    summary: dict[str, Any] = {}
+    for key in summaries[0]:  # float values averaged; counts, choices and labels listed
+        vals = [s.get(key) for s in summaries]
+        summary[key] = (sum(vals) / n if all(type(v) is float for v in vals) else vals)
+    lines = [f"- seed run {i} ([summary](seed_{i}/summary.md)): {head}"
+             + "".join(f" {note}" for note in runs[i].notes)
+             for i, head in enumerate(heads)]
+    top.notes.insert(0, "Per-run headlines:\n\n" + "\n".join(lines) + "\n")
+    for title, png in runs[0].plots:
+        top.plots.append((f"{title} (seed run 0)", f"seed_0/{png}"))
+    summary["wall_s"] = round(wall_s, 1)
+    top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)}).")
+    return summary, top
 
 
 def main(
@@ -84,6 +186,9 @@ def main(
     make_config: Callable[[str], Config],
     run_fn: Callable[[Config, RunDir], dict[str, Any]],
     argv: Sequence[str] | None = None,
+    *,
+    seed_keys: Sequence[str] = (),
+    quick_repeat: int = 1,
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -91,7 +196,8 @@ def main(
         print(usage(name, make_config, preset if preset in PRESETS else "quick"))
         return 0
     try:
-        summary, run = run_experiment(name, make_config, run_fn, argv)
+        summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
+                                      quick_repeat=quick_repeat)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

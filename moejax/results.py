@@ -26,7 +26,8 @@ from typing import Any
 
 from moejax.config import Config, to_dict
 
-__all__ = ["RunDir", "markdown_table", "atomic_write_text", "format_value"]
+__all__ = ["RunDir", "markdown_table", "atomic_write_text", "format_value", "seed_summary",
+           "merge_seed_tables", "read_csv_rows"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -60,6 +61,88 @@ def format_value(v: Any, floatfmt: str = ".4g") -> str:
     except Exception:  # pragma: no cover - numpy always present
         pass
     return str(v)
+
+
+def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                 values: Sequence[str]) -> list[dict]:
+    """Collapse per-seed rows into one row per distinct ``keys`` tuple (first-seen order):
+    the ``keys``, ``n_seeds``, and for each of ``values`` its mean (same name) and sample
+    standard deviation (``"<name> std"``, ddof 1; 0.0 for one seed). NaN values are skipped
+    per column (the mean of no values is NaN); other columns are dropped."""
+    import numpy as np
+
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for key, group in groups.items():
+        row: dict[str, Any] = dict(zip(keys, key))
+        row["n_seeds"] = len(group)
+        for v in values:
+            x = np.asarray([float(g[v]) for g in group if v in g], np.float64)
+            x = x[~np.isnan(x)]
+            row[v] = float(x.mean()) if len(x) else float("nan")
+            row[f"{v} std"] = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+        out.append(row)
+    return out
+
+
+def read_csv_rows(path: str | os.PathLike) -> list[dict]:
+    """A CSV written by :meth:`RunDir.table` as rows of floats where a cell parses as one,
+    strings elsewhere."""
+    with open(path, newline="") as f:
+        return [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _parse_cell(v: str):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict] | None:
+    """Merge the same table of several seeds' runs row by row (row ``i`` of every run
+    describes the same setting): a column equal in every run is kept; a numeric column that
+    differs becomes its mean plus ``"<col> std"`` (sample std, ddof 1; present on every row
+    when the column varies anywhere); a text column that differs lists the runs' values
+    joined by " / " (a sign the rows were not aligned). ``None`` when the runs' tables differ
+    in row count or columns (e.g. a seed-dependent number of rows)."""
+    import numpy as np
+
+    first = tables[0]
+    cols = _columns(first, None)
+    if any(len(t) != len(first) or _columns(t, None) != cols for t in tables):
+        return None
+    varies = set()
+    merged: list[dict] = []
+    for i in range(len(first)):
+        row: dict[str, Any] = {}
+        for c in cols:
+            vals = [t[i].get(c, "") for t in tables]
+            same = all(v == vals[0] or (_isnan(v) and _isnan(vals[0])) for v in vals)
+            if same:
+                row[c] = vals[0]
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                x = np.asarray(vals, np.float64)
+                row[c] = float(np.nanmean(x)) if not np.isnan(x).all() else float("nan")
+                row[f"{c} std"] = float(np.nanstd(x, ddof=1)) if (~np.isnan(x)).sum() > 1 \
+                    else 0.0
+                varies.add(c)
+            else:
+                row[c] = " / ".join(str(v) for v in vals)
+        merged.append(row)
+    out_cols = []
+    for c in cols:
+        out_cols.append(c)
+        if c in varies:
+            out_cols.append(f"{c} std")
+    return [{c: r.get(c, 0.0 if c.endswith(" std") else "") for c in out_cols}
+            for r in merged]
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
 
 
 def _columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:

@@ -91,3 +91,43 @@ def test_sparsity_evaluator_matches_direct_computation():
             if arch == "topk":
                 np.testing.assert_allclose(ev["tls"], 1 - 2 / 4, rtol=1e-6)
             assert set(ev["layers"]) == {0, 1} and "cls_8" in ev
+
+
+def test_baselines_match_blockffn_active_experts():
+    """Every baseline keeps BlockFFN's experts (count and width) and attention; the top-k
+    models activate round(N (1 - TLS)) experts, ReMoE targets the same TLS; the sizes build
+    the parameter counts they claim (xl >= 5M)."""
+    from experiments.blockffn_baselines import baselines, make_config
+    from moejax.pytree import count_params
+
+    cfg = apply_overrides(make_config("quick"), ["sizes=(small,xl)"])
+    base = cfg.size_spec("small")
+    specs = baselines(base, tls=0.82)
+    N = base.n_experts
+    assert specs["TopK"][0].top_k == round(N * 0.18) == specs["TopK"][1] == 3
+    assert specs["DSMoE"][0].top_k == 3 and specs["DSMoE"][0].n_always_on == 1
+    assert specs["ReMoE"][0].target_tls == 0.82
+    np.testing.assert_allclose(specs["ReMoE"][1], N * 0.18)
+    assert specs["GRIN"][1] == 2 and specs["Dense"][1] == N
+    for spec, _ in specs.values():
+        assert (spec.d_model, spec.d_expert, spec.n_experts, spec.n_layers, spec.n_heads) == (
+            base.d_model, base.d_expert, N, base.n_layers, base.n_heads)
+    assert baselines(base, tls=0.99)["TopK"][1] == 2  # never fewer than two
+    xl = cfg.size_spec("xl")
+    assert count_params(xl.replace(arch="topk").build(0)) > 5_000_000
+    with pytest.raises(ConfigError, match="sizes"):
+        apply_overrides(cfg, ["sizes=(small,small)"])
+    with pytest.raises(ConfigError, match="sizes"):
+        apply_overrides(cfg, ["sizes=(huge,)"])
+
+
+def test_paired_gaps():
+    from experiments.blockffn_baselines import paired_gaps
+
+    rows = [{"size": "s", "seed": s, "model": m, "val_ppl": v}
+            for s, (bf, tk) in enumerate([(10.0, 11.0), (12.0, 11.5), (9.0, 10.0)])
+            for m, v in (("BlockFFN", bf), ("TopK", tk))]
+    (g,) = paired_gaps(rows, ["s"])
+    assert g["model"] == "TopK" and g["BlockFFN wins"] == 2 and g["n_seeds"] == 3
+    d = np.array([-1.0, 0.5, -1.0])
+    np.testing.assert_allclose([g["dPPL"], g["dPPL std"]], [d.mean(), d.std(ddof=1)])

@@ -14,6 +14,8 @@ from moejax.delta import (
     magnitude_prune,
     num_kept,
     structural_dpp,
+    topk_keep_mask,
+    topk_keep_mask_sort,
     wanda_prune,
 )
 
@@ -23,6 +25,33 @@ def _oracle_topk(score, k):
     keep = np.zeros(flat.size, bool)
     keep[np.argsort(-flat, kind="stable")[:k]] = True
     return keep.reshape(score.shape)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "ties", "zeros", "tiny"])
+def test_topk_select_equals_sort_oracle(kind):
+    """The bitwise threshold search keeps exactly the entries the stable sort keeps, ties
+    by flat index included: integer scores with many duplicates, mostly-zero scores (a
+    sparse delta), -0.0, denormals and huge values, per block of 1 and 2 trailing axes,
+    k from 0 to size."""
+    r = np.random.default_rng({"continuous": 0, "ties": 1, "zeros": 2, "tiny": 3}[kind])
+    shape = (3, 17, 23)
+    if kind == "continuous":
+        s = np.abs(r.normal(size=shape))
+    elif kind == "ties":
+        s = r.integers(0, 4, size=shape).astype(np.float64)
+    elif kind == "zeros":
+        s = np.where(r.random(shape) < 0.8, 0.0, np.abs(r.normal(size=shape)))
+        s[0, 0, :5] = -0.0
+    else:
+        s = r.choice([0.0, 1e-45, 3e-40, 1e-38, 1.0, 3e38], size=shape)
+    s = jnp.asarray(s, jnp.float32)
+    for nd in (1, 2):
+        for p in (0.0, 0.3, 0.5, 0.8, 0.9, 0.97, 1.0):
+            got = np.asarray(jax.jit(lambda x, p=p, nd=nd: topk_keep_mask(x, p, nd))(s))
+            want = np.asarray(topk_keep_mask_sort(s, p, nd))
+            np.testing.assert_array_equal(got, want, err_msg=f"{kind} nd={nd} p={p}")
+            size = 23 if nd == 1 else 17 * 23
+            assert (got.reshape(-1, size).sum(-1) == num_kept(size, p)).all()
 
 
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.99])

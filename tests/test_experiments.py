@@ -80,7 +80,8 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
     assert torch_row["ms"] or torch_row["note"].startswith("not installed")
     delta = {r["op"]: r for r in csv.DictReader(open(run.path / "delta_ops.csv"))}
     assert float(delta["jitted x * 2 (reference)"]["vs_x2"]) == 1.0
-    assert {"DARE p=0.9 (hash masks)", "numpy copy (reference)"} <= set(delta)
+    assert {"DARE p=0.9 (hash masks)", "numpy copy (reference)",
+            "WANDA p=0.9 (threshold select)"} <= set(delta)
 
     rows = list(csv.DictReader(open(run.path / "dispatch.csv")))
     assert [r["path"] for r in rows] == ["dense", "capacity", "ragged", "gmm"]
@@ -147,13 +148,23 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
 
     from moejax.experiment import parse_cli
 
-    preset, _, jobs = main_job._parse([])
-    assert preset == "quick" and [n for n, _ in jobs] == [n for n, _ in main_job.DEMO]
+    preset, _, jobs, suite = main_job._parse([])
+    assert suite == "demo" and preset == "quick"
+    assert [n for n, _ in jobs] == [n for n, _ in main_job.DEMO]
     for name, overrides in jobs:  # every override of the tour parses against its config
         mod = importlib.import_module(f"experiments.{name}")
         parse_cli(name, mod.make_config, ["preset=quick", *overrides])
-    _, _, jobs = main_job._parse(["suite=studies"])
-    assert [n for n, _ in jobs] == list(main_job.REGISTRY)
+    _, _, jobs, suite = main_job._parse(["suite=studies"])
+    assert suite == "studies" and [n for n, _ in jobs] == list(main_job.REGISTRY)
+    for name in main_job.REGISTRY:  # each declared seed key is an int field of its config
+        mod = importlib.import_module(f"experiments.{name}")
+        keys = getattr(mod, "SEED_KEYS", ())
+        assert getattr(mod, "QUICK_REPEAT", 1) == 1 or keys, name
+        if keys:
+            from moejax.experiment import seed_offset
+
+            cfg = mod.make_config("quick")
+            assert seed_offset(cfg, keys, 2) != cfg
     # a subset of the tour keeps the tour's settings; of the studies, the quick preset's
     assert main_job._parse(["only=moe_kd"])[2] == [("moe_kd", dict(main_job.DEMO)["moe_kd"])]
     assert main_job._parse(["suite=studies", "only=moe_kd"])[2] == [("moe_kd", ())]

@@ -8,7 +8,7 @@ import pytest
 
 from moejax.config import Config, ConfigError, config
 from moejax.experiment import parse_cli, run_experiment
-from moejax.results import RunDir, markdown_table
+from moejax.results import RunDir, markdown_table, seed_summary
 
 
 def test_markdown_table_and_csv(tmp_path):
@@ -51,6 +51,26 @@ def _make(preset):
     return _ExpCfg(steps=3 if preset == "quick" else 100)
 
 
+def test_seed_summary_mean_std_per_group():
+    rng = np.random.default_rng(0)
+    rows = []
+    truth = {}
+    for model in ("b", "a"):
+        vals = rng.normal(size=4)
+        truth[model] = vals
+        for seed, v in enumerate(vals):
+            rows.append({"model": model, "size": "s", "seed": seed, "ppl": v, "other": 1})
+    rows.append({"model": "c", "size": "s", "seed": 0, "ppl": float("nan")})
+    rows.append({"model": "c", "size": "s", "seed": 1, "ppl": 2.5})
+    out = seed_summary(rows, ["model", "size"], ["ppl"])
+    assert [r["model"] for r in out] == ["b", "a", "c"]  # first-seen order
+    for r in out[:2]:
+        assert r["n_seeds"] == 4 and "other" not in r and "seed" not in r
+        np.testing.assert_allclose(r["ppl"], truth[r["model"]].mean())
+        np.testing.assert_allclose(r["ppl std"], truth[r["model"]].std(ddof=1))
+    assert out[2]["n_seeds"] == 2 and out[2]["ppl"] == 2.5 and out[2]["ppl std"] == 0.0
+
+
 def test_cli_presets_and_fail_fast(tmp_path):
     cfg, out = parse_cli("e", _make, ["preset=full", "mode=b", f"out={tmp_path}"])
     assert cfg == _ExpCfg(steps=100, mode="b") and out == tmp_path
@@ -71,3 +91,71 @@ def test_run_experiment_writes_config_and_summary(tmp_path):
     assert summary["value"] == 1 and "wall_s" in summary
     assert '"steps": 7' in (tmp_path / "e" / "config.json").read_text()
     assert "ran 7 steps" in (tmp_path / "e" / "summary.md").read_text()
+
+
+@config
+class _SeedCfg(Config):
+    seed: int = 0
+    n: int = 2
+
+
+def test_repeat_runs_seeds_and_merges_tables(tmp_path):
+    """repeat=3 offsets the declared seed key by 0, 1, 2, runs each into seed_<i>/, and the
+    top-level table holds the mean and sample std of what varies, keys kept as they are."""
+    seen = []
+
+    def run(cfg, rundir):
+        seen.append(cfg.seed)
+        rng = np.random.default_rng(cfg.seed)
+        rundir.table("acc", [{"method": m, "p": 0.9, "acc": float(rng.random())}
+                             for m in ("dare", "wanda")])
+        rundir.table("ragged", [{"i": i} for i in range(cfg.seed + 1)])  # not mergeable
+        rundir.line_plot("curve", {"a": ([0, 1], [0, cfg.seed])}, xlabel="x", ylabel="y")
+        return {"headline": f"seed {cfg.seed}", "acc": float(cfg.seed), "tag": "x",
+                "best_n": cfg.seed}
+
+    make = lambda preset: _SeedCfg(seed=5)  # noqa: E731
+    summary, top = run_experiment("s", make, run, ["repeat=3"], out=tmp_path / "s",
+                                  seed_keys=("seed",))
+    assert seen == [5, 6, 7]
+    rows = list(csv.DictReader(open(tmp_path / "s" / "acc.csv")))
+    for j, m in enumerate(("dare", "wanda")):
+        vals = [np.random.default_rng(s).random(2)[j] for s in (5, 6, 7)]
+        assert rows[j]["method"] == m and float(rows[j]["p"]) == 0.9
+        np.testing.assert_allclose(float(rows[j]["acc"]), np.mean(vals))
+        np.testing.assert_allclose(float(rows[j]["acc std"]), np.std(vals, ddof=1))
+    assert not (tmp_path / "s" / "ragged.csv").exists()
+    text = (tmp_path / "s" / "summary.md").read_text()
+    assert "`ragged` differs in shape" in text and "seed_0/curve.png" in text
+    assert all(f"seed run {i} ([summary](seed_{i}/summary.md)): seed {5 + i}" in text
+               for i in range(3))
+    assert summary["acc"] == 6.0 and summary["tag"] == ["x", "x", "x"]
+    assert summary["best_n"] == [5, 6, 7]  # an int is a choice: listed, not averaged
+    assert all((tmp_path / "s" / f"seed_{i}" / "acc.csv").exists() for i in range(3))
+    # the quick preset's default repeat; the full preset runs once; bad values fail first
+    seen.clear()
+    run_experiment("s", make, run, [], out=tmp_path / "q", seed_keys=("seed",), quick_repeat=2)
+    assert seen == [5, 6]
+    seen.clear()
+    run_experiment("s", make, run, ["preset=full"], out=tmp_path / "f", seed_keys=("seed",),
+                   quick_repeat=2)
+    assert seen == [5] and (tmp_path / "f" / "acc.csv").exists()
+    for argv, keys, match in ((["repeat=0"], ("seed",), "repeat"),
+                              (["repeat=2"], (), "seed_keys"),
+                              (["repeat=2"], ("sed",), "sed")):
+        with pytest.raises(ConfigError, match=match):
+            run_experiment("s", make, run, argv, out=tmp_path / "bad", seed_keys=keys)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_merge_seed_tables_rules():
+    from moejax.results import merge_seed_tables
+
+    a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0}]
+    b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0}]
+    (r,) = merge_seed_tables([a, b])
+    assert r["m"] == "x / y" and r["v"] == 2.0 and r["k"] == 3.0 and "k std" not in r
+    np.testing.assert_allclose(r["v std"], np.sqrt(2.0))
+    assert np.isnan(r["w"])
+    assert merge_seed_tables([a, a + a]) is None
+    assert merge_seed_tables([a, [{"m": "x", "v": 1.0}]]) is None

@@ -32,6 +32,7 @@ from moejax.delta.importance import (
     structural_dpp,
     structural_pruner,
     topk_keep_mask,
+    topk_keep_mask_sort,
     wanda_prune,
 )
 from moejax.delta.input_stats import (
@@ -169,6 +170,7 @@ __all__ = [
     "structural_dpp",
     "structural_pruner",
     "topk_keep_mask",
+    "topk_keep_mask_sort",
     "unpack_bits",
     "wanda_prune",
 ]
