@@ -31,7 +31,7 @@ from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
-from moejax.results import RunDir
+from moejax.results import RunDir, seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (
@@ -309,23 +309,17 @@ def _l2_sweep(cfg, run, pre, tasks, acc_test) -> dict:
 
 def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
     rows = lora_rows(cfg, pre, tasks, acc_val, acc_test)
-    summary = []
-    for p in cfg.lora_ps:
-        for m in LORA_METHODS:
-            acc = np.asarray([r["accuracy"] for r in rows if r["p"] == p and r["method"] == m])
-            summary.append({"p": p, "method": m, "acc_mean": float(acc.mean()),
-                            "acc_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-                            "n_seeds": len(acc)})
+    summary = seed_summary(rows, ["p", "method"], ["accuracy"])
     run.table("lora", summary, title=f"LoRA (rank {cfg.lora_rank}) + DAREx-q, test accuracy "
               f"(sklearn digits), mean and std over {cfg.lora_seeds} seeds (Table 4 analog)")
     run.table("lora_detail", rows, title="LoRA pruning, every seed, with the chosen q")
     p = max(cfg.lora_ps)
     sel = [s for s in summary if s["p"] == p]
-    run.bar_plot("lora", [s["method"] for s in sel[1:]], [s["acc_mean"] for s in sel[1:]],
-                 errors=[s["acc_std"] for s in sel[1:]], ylabel="test accuracy",
+    run.bar_plot("lora", [s["method"] for s in sel[1:]], [s["accuracy"] for s in sel[1:]],
+                 errors=[s["accuracy std"] for s in sel[1:]], ylabel="test accuracy",
                  title=f"LoRA deltas pruned at p = {p}",
-                 hlines={"LoRA unpruned": sel[0]["acc_mean"]})
-    by = {s["method"]: s["acc_mean"] for s in sel}
+                 hlines={"LoRA unpruned": sel[0]["accuracy"]})
+    by = {s["method"]: s["accuracy"] for s in sel}
     holds = by["DAREx-q (q_v) on LoRA factors"] > by["DARE on LoRA factors"]
     run.note(f"LoRA at p = {p}: DARE on the factors {by['DARE on LoRA factors']:.3f}, DAREx-q "
              f"(q_v) {by['DAREx-q (q_v) on LoRA factors']:.3f} (unpruned "

@@ -12,7 +12,8 @@ Each task is fine-tuned with AdamW, AdamR-L2 and AdamR-L1 over several seeds (ne
 per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept, as in the paper):
 unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v and q_e in the official form, per-layer q_v in
 the pooled form, see ``moejax.delta.analytic_q``), WANDA, structural DPP + q_v
-(after AdamW), DARE after AdamR-L2, magnitude after AdamR-L1. Table: test accuracy mean and std
+(after AdamW), DARE and structural DPP + q_v after AdamR-L2 (Table 9 analog), magnitude after
+AdamR-L1. Table: test accuracy mean and std
 over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
 AdamW) with DARE's 1/(1-p) marked.
 
@@ -36,7 +37,7 @@ from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
 from moejax.experiment import main
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
-from moejax.results import RunDir
+from moejax.results import RunDir, seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
@@ -136,7 +137,10 @@ def backbone(cfg: EncoderStudyConfig):
             f"{sub.metrics['val_accuracy']:.3f} on part of speech)")
 
 
-OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS), "adamr_l2": ("AdamR-L2", ("unpruned", "DARE")),
+# AdamR-L2 + structural DPP + q_v is the Table 9 analog (structural DPP after AdamW is in
+# ADAMW_METHODS)
+OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS),
+              "adamr_l2": ("AdamR-L2", ("unpruned", "DARE", "structural DPP + q_v")),
               "adamr_l1": ("AdamR-L1", ("unpruned", "magnitude"))}
 
 
@@ -199,28 +203,12 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, swe
                 sweeps[task.name] = (q_sweep(ctx, cfg.p, cfg.q_num), dict(ctx.records))
 
 
-def _summarise(rows: list) -> list[dict]:
-    out = []
-    keys = []
-    for r in rows:
-        k = (r["task"], r["fine-tuning"], r["method"])
-        if k not in keys:
-            keys.append(k)
-    for task, ft, m in keys:
-        accs = np.asarray([r["accuracy"] for r in rows
-                           if (r["task"], r["fine-tuning"], r["method"]) == (task, ft, m)])
-        out.append({"task": task, "fine-tuning": ft, "method": m, "acc_mean": float(accs.mean()),
-                    "acc_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
-                    "n_seeds": len(accs)})
-    return out
-
-
 def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
     enc_p, ecfg, tok, seq_len, started_from = backbone(cfg)
     rows, base, sweeps = [], [], {}
     for name in cfg.tasks:
         finetune_and_prune(cfg, Task(name, cfg, tok, seq_len), enc_p, ecfg, rows, base, sweeps)
-    summary = _summarise(rows)
+    summary = seed_summary(rows, ["task", "fine-tuning", "method"], ["accuracy"])
     run.note(f"Started from {started_from}. "
              "Pruned: the attention and FFN matrices of every encoder block; embeddings, norms, "
              "biases keep their full delta and the new classifier head is kept as fine-tuned "
@@ -251,7 +239,7 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
                                    for q, a, c in zip(sw["q"], sw["acc"], sw["change"])],
                   title=f"{task}: sweep of 1/q at p={cfg.p}; best 1/q = {inv[best]:.3g} "
                         f"(DARE uses {dare_x:.3g})")
-    get = lambda t, m: next(r["acc_mean"] for r in summary if r["task"] == t and r["method"] == m)
+    get = lambda t, m: next(r["accuracy"] for r in summary if r["task"] == t and r["method"] == m)
     t0 = cfg.tasks[-1]
     out = {m: get(t0, m) for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (per-layer q_v)",
                                    "DAREx-q (per-layer q_v, pooled)", "AdamR-L2 + DARE",

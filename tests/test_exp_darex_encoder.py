@@ -29,11 +29,12 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     methods = [r["method"] for r in rows]
     for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
               "DAREx-q (per-layer q_e)", "WANDA", "structural DPP + q_v", "AdamR-L2 + DARE",
+              "AdamR-L2 + structural DPP + q_v",
               "AdamR-L1 + magnitude"):
         assert m in methods, m
     for r in rows:
         assert int(r["n_seeds"]) == 2
-        assert 0.0 <= float(r["acc_mean"]) <= 1.0 and float(r["acc_std"]) >= 0.0
+        assert 0.0 <= float(r["accuracy"]) <= 1.0 and float(r["accuracy std"]) >= 0.0
     seeds = list(csv.DictReader(open(run.path / "per_seed.csv")))
     assert {int(r["seed"]) for r in seeds} == {0, 1}
     assert all(float(r["q"]) == pytest.approx(0.01) for r in seeds if r["method"] == "DARE")
