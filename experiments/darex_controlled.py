@@ -195,8 +195,11 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
         series = {m: (list(cfg.ps), [r["metric"] for r in rows
                                      if r["method"] == m and r["fine-tuning"] == REG_NAMES[reg]])
                   for m in cfg.methods}
+        unpruned = next(b["test acc digits"] for b in base_rows
+                        if b["fine-tuning"] == REG_NAMES[reg])
         run.line_plot(f"acc_vs_p_{reg}", series, xlabel="drop rate p", ylabel="test accuracy",
-                      title=f"MLP, fine-tuned with {REG_NAMES[reg]}", markers=True)
+                      title=f"MLP, fine-tuned with {REG_NAMES[reg]}", markers=True,
+                      hlines={"unpruned": unpruned})
     pick = lambda reg, m, p: next(r["metric"] for r in rows if r["fine-tuning"] == REG_NAMES[reg]
                                   and r["method"] == m and r["p"] == p)
     p_hi = max(cfg.ps)
@@ -291,7 +294,8 @@ def _l2_sweep(cfg, run, pre, tasks, acc_test) -> dict:
                                                         [r[f"DARE p={p}"] for p in cfg.sweep_ps])
                                for r in rows},
                   xlabel="drop rate p", ylabel="test accuracy", markers=True,
-                  title="DARE after AdamR-L2 of increasing strength")
+                  title="DARE after AdamR-L2 of increasing strength (dashed: unpruned)",
+                  hlines={f"unpruned, L2 {r['l2_weight']}": r["unpruned"] for r in rows})
     p_hi = max(cfg.sweep_ps)
     best = max(rows, key=lambda r: r[f"DARE p={p_hi}"])
     run.note(f"AdamR-L2 sweep: at p = {p_hi} DARE reaches "

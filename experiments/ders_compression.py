@@ -239,17 +239,20 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     run.table("checkpoint", ckpt_rows, title="Compressed orbax checkpoint, reloaded, evaluated "
               "by on-the-fly expert synthesis (peak inference memory = XLA compiled memory "
               "analysis of one evaluation step, not process RSS)")
+    refs = {"uncompressed": 0.0}  # and every delta dropped, per scenario (the worst case)
+    refs.update({f"base only ({r['scenario']})": r["d_loss"] for r in rows
+                 if r["method"] == "base_only" and r["decomposed"] == "experts"})
     run.line_plot("loss_vs_params", {k: ([p for p, _, _ in v], [loss for _, _, loss in v])
                                      for k, v in curves.items() if k.endswith("/sparse")},
                   logx=True, markers=True,
                   xlabel="stored expert parameters incl. index (base + deltas)",
                   ylabel="val loss increase vs uncompressed (nats/byte)",
-                  title="DeRS compression")
+                  title="DeRS compression", hlines=refs)
     run.line_plot("loss_vs_bytes", {k: ([b for _, b, _ in v], [loss for _, _, loss in v])
                                     for k, v in curves.items()}, logx=True, markers=True,
                   xlabel="expert bytes (base + compact deltas)",
                   ylabel="val loss increase vs uncompressed (nats/byte)",
-                  title="DeRS compression (bytes)")
+                  title="DeRS compression (bytes)", hlines=refs)
     sim = {}
     for name in cfg.scenarios:
         r = [x for x in cos_rows if x["scenario"] == name]

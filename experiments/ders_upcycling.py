@@ -112,6 +112,7 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
             "infer_arg_bytes": evaluate.memory(moe)["argument_bytes"],
             "train_loss_last10": tr["final_loss"]})
     van = rows[0]
+    dense_ref = {"dense (pre-fine-tuned)": dense_loss}
     for r in rows:
         r["added_vs_vanilla"] = van["added"] / max(r["added"], 1)
         r["d_loss_vs_vanilla"] = r["val_loss"] - van["val_loss"]
@@ -139,9 +140,10 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
             f"DeRS-{form.upper()}": ([r["setting"] for r in sel], [r["val_loss"] for r in sel]),
             "vanilla": ([sel[0]["setting"], sel[-1]["setting"]], [van["val_loss"]] * 2)},
             xlabel=xlab, ylabel="validation loss (nats/byte)", logx=logx, markers=True,
-            title=f"DeRS-{form.upper()} ablation (Table 4 analog)")
+            title=f"DeRS-{form.upper()} ablation (Table 4 analog)", hlines=dense_ref)
     run.bar_plot("val_loss", [r["variant"] for r in rows], [r["val_loss"] for r in rows],
-                 ylabel="validation loss (nats/byte)", title="Vanilla vs DeRS upcycling")
+                 ylabel="validation loss (nats/byte)", title="Vanilla vs DeRS upcycling",
+                 hlines=dense_ref)
 
     def get(form, setting):
         return next(r for r in rows if r["form"] == form and r["setting"] == setting)

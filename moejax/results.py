@@ -223,7 +223,10 @@ class RunDir:
         logy: bool = False,
         markers: bool = False,
         vlines: Mapping[str, float] | None = None,
+        hlines: Mapping[str, float] | None = None,
     ) -> Path:
+        """Lines ``series`` (label -> (xs, ys)); ``vlines`` / ``hlines``: labelled dashed
+        reference lines (e.g. DARE's 1/(1-p); the unpruned / dense / uncompressed value)."""
         import matplotlib
 
         matplotlib.use("Agg", force=True)
@@ -235,6 +238,9 @@ class RunDir:
         for label, x in (vlines or {}).items():
             ax.axvline(x, ls="--", color="gray", lw=1)
             ax.text(x, ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=8)
+        for label, y in (hlines or {}).items():
+            ax.axhline(y, ls="--", color="gray", lw=1)
+            ax.text(ax.get_xlim()[1], y, label, va="bottom", ha="right", fontsize=8)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if logx:
