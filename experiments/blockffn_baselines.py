@@ -4,8 +4,8 @@
 Per size and training seed: BlockFFN (AL + CS, adaptive lambda_cs) is trained first; its
 validation TLS fixes the active parameters of the baselines trained on the same seed (see
 :func:`baselines`): TopK and DSMoE use ``k = round(N (1 - TLS))`` of the same ``N`` experts
-(DSMoE: one of them shared), GRIN (SparseMixer-v2 routing) is top-2 of the same experts,
-ReMoE's controller targets the same TLS, and the dense model has one FFN of width
+(DSMoE: one of them shared), GRIN (SparseMixer-v2 routing) the same k (``grin_k=two``: its
+own top-2), ReMoE's controller targets the same TLS, and the dense model has one FFN of width
 ``N d_expert``; every model has the same attention, expert count and width, data and steps.
 Sizes: ``small`` / ``large`` (82K / 183K parameters, the quick default) and ``xl`` (5.3M, a
 few CPU minutes per model; ``sizes=(xl,)``). Writes PPL / TLS / CLS_8 / reuse (mean and std
@@ -59,6 +59,9 @@ class BaselinesConfig(Config):
     xl_d_expert: int = 128
     xl_n_layers: int = 4
     seeds: int = 3  # training seeds (model init and data order) of every model
+    # GRIN's experts per token: "matched" = TopK's k (the paper compares at close TLS; more
+    # than two stages is our extension of SparseMixer-v2), "two" = GRIN's own top-2
+    grin_k: Literal["matched", "two"] = "matched"
     seq_len: int = 64
     eval_batches: int = 4
 
@@ -86,17 +89,19 @@ def make_config(preset: str) -> BaselinesConfig:
                            large_d_expert=128, seeds=1)
 
 
-def baselines(base: SparseLMConfig, tls: float) -> dict[str, tuple[SparseLMConfig, float]]:
+def baselines(base: SparseLMConfig, tls: float, grin_k: str = "matched"
+              ) -> dict[str, tuple[SparseLMConfig, float]]:
     """The models compared with a BlockFFN of validation TLS ``tls``: ``name -> (spec, the
     number of active experts it is built for)``. TopK and DSMoE take
-    ``k = round(N (1 - TLS))`` (at least 2; DSMoE: one shared + k - 1 routed), ReMoE's
-    controller targets ``tls``, GRIN is top-2 (SparseMixer-v2 is defined for two experts) and
-    the dense model has one FFN of width ``N d_expert``."""
+    ``k = round(N (1 - TLS))`` (at least 2; DSMoE: one shared + k - 1 routed), GRIN the same
+    ``k`` (``grin_k="matched"``) or its own 2 (``"two"``), ReMoE's controller targets ``tls``,
+    and the dense model has one FFN of width ``N d_expert``."""
     N = base.n_experts
     k = int(min(N, max(2, round(N * (1.0 - tls)))))
+    kg = k if grin_k == "matched" else 2
     return {"TopK": (base.replace(arch="topk", top_k=k), k),
             "DSMoE": (base.replace(arch="dsmoe", top_k=k, n_shared=1), k),
-            "GRIN": (base.replace(arch="grin", top_k=2), 2),
+            "GRIN": (base.replace(arch="grin", top_k=kg), kg),
             "ReMoE": (base.replace(arch="remoe", target_tls=float(tls)), N * (1.0 - tls)),
             "Dense": (base.replace(arch="dense"), N)}
 
@@ -113,7 +118,7 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
             base = cfg.size_spec(size)
             bf = train_and_evaluate(base.replace(arch="blockffn"), tcfg, train_src, val)
             runs = {"BlockFFN": (bf, N * (1.0 - bf["tls"]))}
-            for name, (spec, active) in baselines(base, bf["tls"]).items():
+            for name, (spec, active) in baselines(base, bf["tls"], cfg.grin_k).items():
                 runs[name] = (train_and_evaluate(spec, tcfg, train_src, val), active)
             for name, (ev, active) in runs.items():
                 tls = ev.get("tls", 0.0)
@@ -137,7 +142,7 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
     run.table("baselines", summary, title=(
         f"Validation PPL and sparsity at matched parameters, mean and std over {cfg.seeds} "
         "training seeds (TopK/DSMoE k and ReMoE's target set from BlockFFN's TLS of the same "
-        "seed; GRIN k = 2)"),
+        f"seed; GRIN k: {cfg.grin_k})"),
         columns=["size", "model", "params", "d_model", "d_expert", "n_layers", "n_seeds",
                  "val_ppl", "val_ppl std", "TLS", "TLS std", "TLS - TLS_BlockFFN",
                  "active_experts", "CLS_8", "CLS_8 std", "reuse"])

@@ -7,8 +7,8 @@
 * ``remoe``: ReLU router without RMSNorm, ReMoE's load-balanced L1 (``k = E (1 - target_tls)``)
   with its adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;
-* ``grin``: GRIN top-2 MoE (SparseMixer-v2 routing, :mod:`moejax.nn.grin`; ``grin_eps`` is
-  its masked-softmax ``jitter_eps``, ``top_k`` is ignored: always 2);
+* ``grin``: GRIN MoE (SparseMixer-v2 routing, :mod:`moejax.nn.grin`; ``grin_eps`` is
+  its masked-softmax ``jitter_eps``; GRIN is top-2, ``top_k > 2`` runs more stages);
 * ``dense``: one FFN of width ``n_experts * d_expert``.
 
 Every MoE has ``n_experts`` non-gated Swish experts of width ``d_expert`` (DSMoE: ``n_shared``
@@ -56,7 +56,7 @@ class SparseLMConfig(Config):
     n_heads: int = 4
     n_experts: int = 16
     d_expert: int = 32
-    top_k: int = 2  # topk / dsmoe (routed + shared = top_k active)
+    top_k: int = 2  # topk / dsmoe / grin (routed + shared = top_k active)
     n_shared: int = 1  # dsmoe
     rmsnorm: bool = True
     al_coef: float = 2e-3
@@ -98,7 +98,7 @@ class SparseLMConfig(Config):
                                l1_k=self.n_experts * (1.0 - self.target_tls))
         if self.arch == "grin":
             return GRINConfig(moe=GRIN_MOE.replace(n_experts=self.n_experts,
-                                                   d_expert=self.d_expert,
+                                                   d_expert=self.d_expert, top_k=self.top_k,
                                                    balance_loss="switch", balance_coef=0.01),
                               jitter_eps=self.grin_eps)
         if self.arch == "dense":

@@ -108,7 +108,9 @@ def test_baselines_match_blockffn_active_experts():
     assert specs["DSMoE"][0].top_k == 3 and specs["DSMoE"][0].n_always_on == 1
     assert specs["ReMoE"][0].target_tls == 0.82
     np.testing.assert_allclose(specs["ReMoE"][1], N * 0.18)
-    assert specs["GRIN"][1] == 2 and specs["Dense"][1] == N
+    assert specs["GRIN"][1] == 3 == specs["GRIN"][0].top_k and specs["Dense"][1] == N
+    assert baselines(base, tls=0.82, grin_k="two")["GRIN"][0].top_k == 2
+    assert specs["GRIN"][0].slot().moe.top_k == 3  # the slot really routes to 3 experts
     for spec, _ in specs.values():
         assert (spec.d_model, spec.d_expert, spec.n_experts, spec.n_layers, spec.n_heads) == (
             base.d_model, base.d_expert, N, base.n_layers, base.n_heads)

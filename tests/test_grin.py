@@ -33,16 +33,18 @@ def _np_stage(s, rem, eps, g, u):
     return d, c * pi[d], pi, c
 
 
-def _np_sparsemixer(logits, eps, noise=None):
+def _np_sparsemixer(logits, eps, noise=None, k=2):
+    k = k if noise is None else noise.gumbel_KNE.shape[0]
     ids, w, pis, cs = [], [], [], []
     for n, s in enumerate(np.asarray(logits, np.float64)):
-        g = [None, None] if noise is None else [noise.gumbel_KNE[0][n], noise.gumbel_KNE[1][n]]
-        u = [None, None] if noise is None else [noise.uniform_KN[0][n], noise.uniform_KN[1][n]]
-        d1, w1, p1, c1 = _np_stage(s, s, eps, g[0], u[0])
-        rest = s.copy()
-        rest[d1] = -np.inf
-        d2, w2, p2, c2 = _np_stage(s, rest, eps, g[1], u[1])
-        ids.append([d1, d2]), w.append([w1, w2]), pis.append([p1, p2]), cs.append([c1, c2])
+        rest, out = s.copy(), []
+        for i in range(k):
+            g = None if noise is None else noise.gumbel_KNE[i][n]
+            u = None if noise is None else noise.uniform_KN[i][n]
+            out.append(_np_stage(s, rest, eps, g, u))
+            rest[out[-1][0]] = -np.inf
+        ids.append([o[0] for o in out]), w.append([o[1] for o in out])
+        pis.append([o[2] for o in out]), cs.append([o[3] for o in out])
     return np.array(ids), np.array(w), np.array(pis), np.array(cs)
 
 
@@ -59,7 +61,10 @@ def _logits(seed, n=12, e=E, scale=0.3):
 
 def test_config_validation():
     with pytest.raises(ConfigError, match="top_k"):
-        GRINConfig(moe=GRIN_MOE.replace(top_k=3))
+        GRINConfig(moe=GRIN_MOE.replace(top_k=1))
+    with pytest.raises(ConfigError, match="top_k"):
+        GRINConfig(moe=GRIN_MOE.replace(top_k=17))
+    GRINConfig(moe=GRIN_MOE.replace(top_k=3))  # more stages: our extension
     with pytest.raises(ConfigError, match="renormalize"):
         GRINConfig(moe=GRIN_MOE.replace(renormalize=True))
     with pytest.raises(ConfigError, match="jitter_eps"):
@@ -100,6 +105,33 @@ def test_train_routing_matches_numpy(eps):
     # the sample differs from argmax somewhere, and the 1/3 Heun factor occurs
     assert (ids[:, 0] != np.argmax(np.asarray(s), 1)).any()
     assert (cs == 1 / 3).any() and (cs == 1).any()
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_k_stage_routing_matches_numpy(k):
+    """k > 2 stages: eval ids are the plain top-k, train ids distinct, and the estimator is
+    the stage-wise formula summed over all k stages."""
+    eps = 0.15
+    s = _logits(6, n=32)
+    r = sparsemixer_v2(s, jitter_eps=eps, k=k)
+    ids, w, _, _ = _np_sparsemixer(s, eps, k=k)
+    np.testing.assert_array_equal(np.asarray(r.ids_NK), np.asarray(jax.lax.top_k(s, k)[1]))
+    np.testing.assert_allclose(np.asarray(r.weights_NK), w, rtol=1e-5, atol=1e-6)
+    noise = sample_noise(jax.random.key(5), 32, E, k)
+    coef = jax.random.normal(jax.random.key(7), (32, k))
+    rt = sparsemixer_v2(s, jitter_eps=eps, noise=noise)
+    ids, w, pis, _ = _np_sparsemixer(s, eps, noise)
+    np.testing.assert_array_equal(np.asarray(rt.ids_NK), ids)
+    np.testing.assert_allclose(np.asarray(rt.weights_NK), w, rtol=1e-5, atol=1e-6)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    grad = np.asarray(jax.grad(lambda s: jnp.sum(
+        coef * sparsemixer_v2(s, jitter_eps=eps, noise=noise).weights_NK))(s))
+    want = np.zeros((32, E))
+    for n in range(32):
+        for i in range(k):
+            pi, d = pis[n, i], ids[n, i]
+            want[n] += float(coef[n, i]) * pi[d] * (np.eye(E)[d] - pi)
+    np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6)
 
 
 def test_module_forward_matches_numpy():

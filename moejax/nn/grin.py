@@ -1,17 +1,20 @@
 """GRIN baseline (Liu et al. 2024, "GRIN: GRadient-INformed MoE"): top-2 MoE routed by
-SparseMixer-v2.
+SparseMixer-v2 (top-k with ``k`` sequential stages as an extension).
 
 The experts, dispatch and statistics are those of :class:`moejax.nn.moe.MoE` (stacked experts,
 ``router/w_g [D, E]`` logits ``s = x W_g`` in float32, :func:`moejax.ops.dispatch.dispatch`,
 :func:`moejax.nn.moe.router_aux`); only the routing differs. This follows the reference
-``sparsemixer`` function of microsoft/GRIN-MoE (``modeling_grinmoe.py``), top-2 only.
+``sparsemixer`` function of microsoft/GRIN-MoE (``modeling_grinmoe.py``), which is top-2;
+``moe.top_k = k > 2`` runs ``k`` stages the same way (each on the logits with the experts of
+the earlier stages at ``-inf``): our extension, used to match a baseline's token-level sparsity
+(BlockFFN compares GRIN at close TLS), identical to the reference at ``k = 2``.
 
-**Selection and forward weights** (two stages, ``k = 1, 2``; stage 2 works on the logits with
-the stage-1 expert set to ``-inf``). With ``m_k`` the largest remaining logit:
+**Selection and forward weights** (stages ``k = 1, 2, ...``; stage ``k`` works on the logits
+with the experts of stages ``< k`` set to ``-inf``). With ``m_k`` the largest remaining logit:
 
 * masked softmax ("jitter" threshold ``eps = jitter_eps``): expert ``j`` stays a candidate iff
   ``(m_k - s_j) / max(|s_j|, m_k) <= 2 eps``; ``pi^(k) = softmax`` over the candidates (0 off).
-* expert: eval ``D_k = argmax`` (the plain top-2 ids); train (``sample=True``)
+* expert: eval ``D_k = argmax`` (the plain top-k ids); train (``sample=True``)
   ``D_k ~ pi^(k)`` drawn by Gumbel-max from the slot's ``key``.
 * combine weight: eval ``w_k = pi^(k)_{D_k}``; train ``w_k = c_k pi^(k)_{D_k}`` with the
   Heun / midpoint factor ``c_k = 1`` if ``D_k`` is the stage argmax or with probability 1/4,
@@ -36,12 +39,12 @@ straight-through trick ``w_k = pi_D + stop_gradient(c_k pi_D - pi_D)``, exactly 
 * stage 2's softmax excludes the stage-1 expert, so ``w_2`` is not a slice of one softmax.
 
 In eval mode (or ``sample=False``) ``c_k = 1`` and ids are argmax, so the custom and the plain
-autodiff gradients coincide. Simplifications: top-2 only (as in the reference); no
-input-jitter noise; balance / z losses are MoE's (``"switch"`` by default, on the full
-``softmax(s)``), GRIN's global (cross-device) balancing is not reproduced.
+autodiff gradients coincide. Simplifications: no input-jitter noise; balance / z losses are
+MoE's (``"switch"`` by default, on the full ``softmax(s)``), GRIN's global (cross-device)
+balancing is not reproduced.
 
 ``aux`` is :func:`moejax.nn.moe.router_aux`'s (``aux_loss``, ``balance_loss``, ``z_loss``,
-``load``, ``gate_mass_selected/unselected``, ``expert_ids [B, T, 2]``, ``dropped_fraction``).
+``load``, ``gate_mass_selected/unselected``, ``expert_ids [B, T, k]``, ``dropped_fraction``).
 """
 
 from __future__ import annotations
@@ -67,16 +70,17 @@ GRIN_MOE = MoEConfig(n_experts=16, top_k=2, d_expert=64, activation="swish", rou
 
 @config
 class GRINConfig(FFNSlotConfig):
-    """GRIN (SparseMixer-v2) top-2 MoE slot.
+    """GRIN (SparseMixer-v2) top-k MoE slot (the reference: ``k = 2``).
 
     moe: the MoE settings, declared once as a :class:`MoEConfig` (experts, expert width and
-        activation, dispatch, capacity, balance / z-loss); GRIN needs ``top_k=2`` and the
+        activation, dispatch, capacity, balance / z-loss); ``top_k`` stages (2 in GRIN,
+        ``2 <= top_k <= n_experts``); GRIN needs the
         softmax router's logits with ``renormalize=False`` (SparseMixer-v2 computes its own
         weights), and no shared experts or universal FFN.
     jitter_eps: masked-softmax band; expert j is a candidate iff
         ``(max - s_j) / max(|s_j|, max) <= 2 jitter_eps`` (GRIN-MoE / Phi-3.5-MoE use 0.01).
     sample: draw the experts from the masked softmax in training (GRIN); False = argmax always
-        (then training is plain masked-softmax top-2 with ordinary gradients).
+        (then training is plain masked-softmax top-k with ordinary gradients).
     """
 
     moe: MoEConfig = GRIN_MOE
@@ -85,8 +89,9 @@ class GRINConfig(FFNSlotConfig):
 
     def validate(self) -> None:
         m = self.moe
-        self._require(m.top_k == 2, f"moe.top_k={m.top_k}: SparseMixer-v2 (GRIN) is top-2 only")
-        self._require(m.n_experts >= 2, f"moe.n_experts={m.n_experts} must be >= 2")
+        self._require(2 <= m.top_k <= m.n_experts,
+                      f"moe.top_k={m.top_k}: SparseMixer-v2 needs 2 <= top_k <= n_experts "
+                      f"({m.n_experts}); GRIN itself is top-2")
         self._require(m.router == "softmax" and not m.renormalize,
                       "GRIN reads the softmax router's logits and computes its own weights: "
                       "set moe.router='softmax' and moe.renormalize=False")
@@ -103,17 +108,17 @@ class GRINConfig(FFNSlotConfig):
 
 
 class SparseMixerNoise(NamedTuple):
-    """Random draws of one training call: ``gumbel_KNE [2, N, E]`` (Gumbel(0, 1) for the two
-    Gumbel-max samples) and ``uniform_KN [2, N]`` (U(0, 1) for the Heun factor)."""
+    """Random draws of one training call: ``gumbel_KNE [k, N, E]`` (Gumbel(0, 1) for the k
+    Gumbel-max samples) and ``uniform_KN [k, N]`` (U(0, 1) for the Heun factor)."""
 
     gumbel_KNE: jax.Array
     uniform_KN: jax.Array
 
 
-def sample_noise(key, n_tokens: int, n_experts: int) -> SparseMixerNoise:
+def sample_noise(key, n_tokens: int, n_experts: int, k: int = 2) -> SparseMixerNoise:
     kg, ku = jax.random.split(key)
-    return SparseMixerNoise(jax.random.gumbel(kg, (2, n_tokens, n_experts), jnp.float32),
-                            jax.random.uniform(ku, (2, n_tokens), jnp.float32))
+    return SparseMixerNoise(jax.random.gumbel(kg, (k, n_tokens, n_experts), jnp.float32),
+                            jax.random.uniform(ku, (k, n_tokens), jnp.float32))
 
 
 def _stage(scores_NE, remaining_NE, jitter_eps: float, noise_NE, u_N):
@@ -140,26 +145,32 @@ def _stage(scores_NE, remaining_NE, jitter_eps: float, noise_NE, u_N):
 
 
 def sparsemixer_v2(logits_NE, *, jitter_eps: float,
-                   noise: SparseMixerNoise | None = None) -> RouterOutput:
-    """SparseMixer-v2 top-2 routing of float logits ``[N, E]`` (see the module docstring).
+                   noise: SparseMixerNoise | None = None, k: int = 2) -> RouterOutput:
+    """SparseMixer-v2 top-``k`` routing of float logits ``[N, E]`` (module docstring; GRIN:
+    ``k = 2``; with ``noise``, ``k`` is its number of stages).
 
     ``noise=None``: eval (argmax ids, weights ``pi^(k)_{D_k}``); else the training forward /
     estimator with the given draws. ``probs_NE`` is the full ``softmax(logits)`` (for the
     balance loss and gate-mass statistics)."""
     s = logits_NE.astype(jnp.float32)
     N = s.shape[0]
-    g = (None, None) if noise is None else (noise.gumbel_KNE[0], noise.gumbel_KNE[1])
-    u = (None, None) if noise is None else (noise.uniform_KN[0], noise.uniform_KN[1])
-    id1, w1, _ = _stage(s, s, jitter_eps, g[0], u[0])
-    rest = s.at[jnp.arange(N), id1].set(-jnp.inf)
-    id2, w2, _ = _stage(s, rest, jitter_eps, g[1], u[1])
-    ids_NK = jnp.stack([id1, id2], -1).astype(jnp.int32)
-    weights_NK = jnp.stack([w1, w2], -1)
+    if noise is not None:
+        k = noise.gumbel_KNE.shape[0]
+    rest, ids, ws = s, [], []
+    for i in range(k):
+        g = None if noise is None else noise.gumbel_KNE[i]
+        u = None if noise is None else noise.uniform_KN[i]
+        ids_N, w_N, _ = _stage(s, rest, jitter_eps, g, u)
+        ids.append(ids_N)
+        ws.append(w_N)
+        rest = rest.at[jnp.arange(N), ids_N].set(-jnp.inf)
+    ids_NK = jnp.stack(ids, -1).astype(jnp.int32)
+    weights_NK = jnp.stack(ws, -1)
     return RouterOutput(ids_NK, weights_NK, jax.nn.softmax(s, axis=-1), s)
 
 
 class GRIN(MoESkeleton):
-    """GRIN top-2 MoE slot built from a :class:`GRINConfig` (see the module docstring).
+    """GRIN top-k MoE slot built from a :class:`GRINConfig` (see the module docstring).
     Parameters: ``router/w_g [D, E]``, ``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]``
     (+ ``experts/w_gate`` for gated activations)."""
 
@@ -167,7 +178,7 @@ class GRIN(MoESkeleton):
                  param_dtype=jnp.float32):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         self.moe_cfg = cfg.moe_config()
-        self.top_k = 2
+        self.top_k = cfg.moe.top_k
         self.router = make_router(self.moe_cfg, d_model, rngs=rngs, param_dtype=param_dtype)
         self.experts = StackedExperts(cfg.moe.n_experts, d_model, cfg.moe.d_expert,
                                       gated=is_gated(cfg.moe.activation), rngs=rngs,
@@ -181,5 +192,6 @@ class GRIN(MoESkeleton):
                 raise ValueError(
                     "GRIN: train=True samples experts (SparseMixer-v2) and needs an explicit "
                     "PRNG key; pass key=jax.random.key(...), or use sample=False / train=False")
-            noise = sample_noise(key, logits.shape[0], self.cfg.moe.n_experts)
-        return sparsemixer_v2(logits, jitter_eps=self.cfg.jitter_eps, noise=noise)
+            noise = sample_noise(key, logits.shape[0], self.cfg.moe.n_experts, self.top_k)
+        return sparsemixer_v2(logits, jitter_eps=self.cfg.jitter_eps, noise=noise,
+                              k=self.top_k)
