@@ -132,10 +132,24 @@ def run_experiment(
         print(f"[{name}] seed run {i + 1}/{repeat}: "
               + ", ".join(f"{k}={_get(c, k)}" for k in seed_keys), flush=True)
         summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}")
+        _release_compiled()
         runs.append(run)
         summaries.append(summary)
         heads.append(head)
     return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0)
+
+
+def _release_compiled() -> None:
+    """Drop the run's compiled executables before the next seed: XLA's CPU JIT maps code
+    sections per executable, and one process compiling every study function several times
+    exhausted them (``LLVM ERROR: Unable to allocate section memory`` on the third
+    ``darex_controlled`` seed; ``vm.max_map_count`` 65530)."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def _run_once(name, cfg, run_fn, out: Path) -> tuple[dict[str, Any], RunDir, str]:
