@@ -18,6 +18,7 @@ Ties in the score are broken by flat index (lower index kept first).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -78,6 +79,13 @@ def topk_keep_mask(score, p: float, matrix_ndim: int = 2):
     k = num_kept(size, p)
     if k == 0 or k == size:
         return jnp.full(shape, k == size)
+    return _select_top_k(flat, k).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _select_top_k(flat, k: int):
+    """``[n, size]`` bool: the top ``k`` of each row (jitted once per shape and ``k``, so
+    eager callers do not re-trace the search loop on every call)."""
     x = flat.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(jnp.where(x > 0, x, 0.0), jnp.int32)  # [n, size]
 
@@ -95,7 +103,7 @@ def topk_keep_mask(score, p: float, matrix_ndim: int = 2):
         jnp.all(n_eq == need),
         lambda: eq,
         lambda: eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= need))
-    return (above | ties).reshape(shape)
+    return above | ties
 
 
 def magnitude_prune(delta_tree: PyTree, p: float, *, mask: PyTree | None = None) -> PyTree:
