@@ -138,3 +138,16 @@ def test_structural_dpp_columns_and_rate():
         jax.random.split(jax.random.PRNGKey(1), 4000)
     )
     np.testing.assert_allclose(np.asarray(outs).mean(0), np.asarray(d["w"][:20, :4]), atol=0.25)
+
+
+def test_eager_topk_compiles_once_per_shape_and_k():
+    """Eager pruning calls reuse one compiled search per (shape, k) instead of re-tracing the
+    loop each call (which once exhausted XLA's code memory in a long study)."""
+    from moejax.delta.importance import _select_top_k
+
+    d = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(24, 40)), jnp.float32)}
+    magnitude_prune(d, 0.7)
+    before = _select_top_k._cache_size()
+    for _ in range(5):
+        magnitude_prune(d, 0.7)
+    assert _select_top_k._cache_size() == before
