@@ -184,8 +184,8 @@ def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s):
     for key in summaries[0]:  # float values averaged; counts, choices and labels listed
         vals = [s.get(key) for s in summaries]
         summary[key] = (sum(vals) / n if all(type(v) is float for v in vals) else vals)
-    lines = [f"- seed run {i} ([summary](seed_{i}/summary.md)): {head}"
-             + "".join(f" {note}" for note in runs[i].notes)
+    lines = [f"- seed run {i} ([summary](seed_{i}/summary.md)): {head}"  # + shape verdicts
+             + "".join(f" {note}" for note in runs[i].notes if "shape" in note)
              for i, head in enumerate(heads)]
     top.notes.insert(0, "Per-run headlines:\n\n" + "\n".join(lines) + "\n")
     for title, png in runs[0].plots:
