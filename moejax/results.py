@@ -105,9 +105,11 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
     """Merge the same table of several seeds' runs row by row (row ``i`` of every run
     describes the same setting): a column equal in every run is kept; a numeric column that
     differs becomes its mean plus ``"<col> std"`` (sample std, ddof 1; present on every row
-    when the column varies anywhere); a text column that differs lists the runs' values
-    joined by " / " (a sign the rows were not aligned). ``None`` when the runs' tables differ
-    in row count or columns (e.g. a seed-dependent number of rows)."""
+    when the column varies anywhere; ``"<col> std over runs"`` if the table has a
+    ``"<col> std"`` of its own), except a column that is a spread already (its name ends in
+    " std" / "_std": the mean of the runs' spreads); a text column that differs lists the
+    runs' values joined by " / " (a sign the rows were not aligned). ``None`` when the runs'
+    tables differ in row count or columns (e.g. a seed-dependent number of rows)."""
     import numpy as np
 
     first = tables[0]
@@ -126,9 +128,10 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
                 x = np.asarray(vals, np.float64)
                 row[c] = float(np.nanmean(x)) if not np.isnan(x).all() else float("nan")
-                row[f"{c} std"] = float(np.nanstd(x, ddof=1)) if (~np.isnan(x)).sum() > 1 \
-                    else 0.0
-                varies.add(c)
+                if not _is_spread(c):
+                    row[_std_name(c, cols)] = float(np.nanstd(x, ddof=1)) \
+                        if (~np.isnan(x)).sum() > 1 else 0.0
+                    varies.add(c)
             else:
                 row[c] = " / ".join(str(v) for v in vals)
         merged.append(row)
@@ -136,9 +139,21 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
     for c in cols:
         out_cols.append(c)
         if c in varies:
-            out_cols.append(f"{c} std")
+            out_cols.append(_std_name(c, cols))
     return [{c: r.get(c, 0.0 if c.endswith(" std") else "") for c in out_cols}
             for r in merged]
+
+
+def _std_name(column: str, columns) -> str:
+    """``"<col> std"``, or ``"<col> std over runs"`` when the table has a ``"<col> std"``
+    column of its own (a spread within each run)."""
+    return f"{column} std over runs" if f"{column} std" in columns else f"{column} std"
+
+
+def _is_spread(column: str) -> bool:
+    """A column that already is a spread (``"acc std"``, ``acc_std``): merged by its mean
+    over the runs, without a std of the std."""
+    return column.endswith((" std", "_std"))
 
 
 def _isnan(v) -> bool:

@@ -151,10 +151,14 @@ def test_repeat_runs_seeds_and_merges_tables(tmp_path):
 def test_merge_seed_tables_rules():
     from moejax.results import merge_seed_tables
 
-    a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0}]
-    b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0}]
+    a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0, "v std": 0.5}]
+    b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0, "v std": 1.5}]
     (r,) = merge_seed_tables([a, b])
     assert r["m"] == "x / y" and r["v"] == 2.0 and r["k"] == 3.0 and "k std" not in r
+    # a spread within each run: averaged; the spread of the runs' means gets its own name
+    assert r["v std"] == 1.0 and "v std std" not in r
+    assert r["v std over runs"] == np.std([1.0, 3.0], ddof=1)
+    (r,) = merge_seed_tables([[{"v": 1.0}], [{"v": 3.0}]])
     np.testing.assert_allclose(r["v std"], np.sqrt(2.0))
     assert np.isnan(r["w"])
     assert merge_seed_tables([a, a + a]) is None
