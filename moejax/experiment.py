@@ -140,10 +140,11 @@ def run_experiment(
 
 
 def _release_compiled() -> None:
-    """Drop the run's compiled executables before the next seed: XLA's CPU JIT maps code
-    sections per executable, and one process compiling every study function several times
-    exhausted them (``LLVM ERROR: Unable to allocate section memory`` on the third
-    ``darex_controlled`` seed; ``vm.max_map_count`` 65530)."""
+    """Drop the run's compiled executables before the next seed: XLA's CPU JIT maps about 3
+    code sections per executable, a process may hold ``vm.max_map_count`` (65530 here) maps,
+    and a repeat compiles every study function once per seed (a `darex_controlled` repeat
+    that also re-traced a loop on every call died with ``LLVM ERROR: Unable to allocate
+    section memory``)."""
     import gc
 
     import jax
