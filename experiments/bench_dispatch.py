@@ -61,7 +61,7 @@ class BenchConfig(Config):
         n_kv_heads=4,
         moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
-    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped")
+    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped", "bucketed")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2
@@ -74,13 +74,13 @@ class BenchConfig(Config):
     block_experts: int = 8
     block_top_k: int = 2
     block_repeats: int = 10
-    block_paths: tuple[Literal["capacity", "grouped", "ragged", "dense"], ...] = (
-        "capacity", "grouped", "ragged", "dense")
+    block_paths: tuple[Literal["capacity", "grouped", "bucketed", "ragged", "dense"], ...] = (
+        "capacity", "grouped", "bucketed", "ragged", "dense")
     # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
 
     def validate(self):
-        allowed = ("dense", "capacity", "ragged", "gmm", "grouped")
+        allowed = ("dense", "capacity", "ragged", "gmm", "grouped", "bucketed")
         bad = [p for p in self.paths if p not in allowed]
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
@@ -164,6 +164,7 @@ def _block_rows(cfg: BenchConfig) -> tuple[list[dict], float]:
     variants = [("capacity cf=1.25", base.replace(dispatch="capacity", capacity_factor=1.25)),
                 ("capacity cf=2.0", base.replace(dispatch="capacity", capacity_factor=2.0)),
                 ("grouped (dropless)", base.replace(dispatch="grouped")),
+                ("bucketed (dropless)", base.replace(dispatch="bucketed")),
                 ("ragged (dropless)", base.replace(dispatch="ragged")),
                 ("dense (oracle)", base.replace(dispatch="dense"))]
     variants = [(n, m) for n, m in variants if m.dispatch in cfg.block_paths]
@@ -245,9 +246,10 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     if "capacity" in ref and "ragged" in ref:
         ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
         extra = f"; capacity is {ratio:.2f}x faster than ragged_dot"
-    if "capacity" in ref and "grouped" in ref:
-        extra += (f"; dropless grouped step / capacity step = "
-                  f"{ref['grouped']['step_s_median'] / ref['capacity']['step_s_median']:.2f}")
+    for dropless in ("grouped", "bucketed"):
+        if "capacity" in ref and dropless in ref:
+            extra += (f"; dropless {dropless} step / capacity step = "
+                      f"{ref[dropless]['step_s_median'] / ref['capacity']['step_s_median']:.2f}")
     blk = {r["impl"]: r for r in block}
     g = blk.get("grouped (dropless)")
     if g is not None:

@@ -139,21 +139,25 @@ def test_paths_agree_forward_and_gradients(activation, jit):
     (l_d, o_d), g_d = _loss_fn("dense", activation, jit=jit)(*args)
     (l_c, o_c), g_c = _loss_fn("capacity", activation, cf=cf_no_drop, jit=jit)(*args)
     (l_r, o_r), g_r = _loss_fn("ragged", activation, jit=jit)(*args)
-    for o in (o_c, o_r):
+    (l_b, o_b), g_b = _loss_fn("bucketed", activation, jit=jit)(*args)
+    for o in (o_c, o_r, o_b):
         np.testing.assert_allclose(np.asarray(o.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
         assert int(o.n_dropped) == 0
     np.testing.assert_allclose(float(l_c), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_r), float(l_d), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(l_b), float(l_d), rtol=1e-5, atol=1e-5)
     names = ["x", "w_g", "w_up", "w_down", "w_gate"]
-    for name, gd, gc, gr in zip(names, g_d, g_c, g_r):
+    for name, gd, gc, gr, gb in zip(names, g_d, g_c, g_r, g_b):
         if gd is None:
-            assert gc is None and gr is None
+            assert gc is None and gr is None and gb is None
             continue
         assert float(jnp.max(jnp.abs(gd))) > 1e-3, f"grad of {name} is trivially zero"
         np.testing.assert_allclose(np.asarray(gc), np.asarray(gd), rtol=1e-5, atol=1e-5,
                                    err_msg=f"capacity grad {name}")
         np.testing.assert_allclose(np.asarray(gr), np.asarray(gd), rtol=1e-5, atol=1e-5,
                                    err_msg=f"ragged grad {name}")
+        np.testing.assert_allclose(np.asarray(gb), np.asarray(gd), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"bucketed grad {name}")
 
 
 def test_capacity_drops_match_numpy_oracle():
@@ -281,3 +285,45 @@ def test_grouped_dispatch_equals_dense_oracle_with_gradients(tile):
     for a, b in zip(g_g, g_d):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(g_g[1])[3])  # the expert nobody chose gets no gradient
+
+
+@pytest.mark.parametrize("load", ["balanced", "skewed", "all_one_expert"])
+def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
+    """The bucketed path picks the smallest capacity rung that holds the fullest expert and
+    then equals the dense oracle in values and gradients (nothing dropped), from a balanced
+    load (first rung) to every token on one expert (the last rung, C = N)."""
+    from moejax.ops.dispatch import bucket_capacities, dispatch_bucketed
+
+    activation = "swiglu"
+    p = _params(5, activation)
+    ids = {"balanced": [[t % E, (t + 1) % E] for t in range(N)],
+           "skewed": [[0, 1 + t % 3] if t < 9 else [1 + t % 3, 1 + (t + 1) % 3]
+                      for t in range(N)],  # expert 0: 9 of 12 tokens, the middle rung
+           "all_one_expert": [[0, 1 + t % 3] for t in range(N)]}[load]
+    ids = jnp.asarray(ids, jnp.int32)
+    w = jax.random.uniform(jax.random.key(3), (N, K))
+    caps = bucket_capacities(N, K, E)
+    assert caps[-1] == N and list(caps) == sorted(caps)
+    need = int(np.bincount(np.asarray(ids).ravel(), minlength=E).max())
+    want_cap = min(c for c in caps if c >= need)
+    assert want_cap == {"balanced": caps[0], "skewed": 9, "all_one_expert": N}[load]
+    # the rung in use: the capacity path at that capacity drops nothing, one rung lower does
+    lower = [c for c in caps if c < want_cap]
+    if lower:
+        assert int(dispatch_capacity(p["x"], ids, w, p["w_up"], p["w_down"], p["w_gate"],
+                                     activation=activation, capacity_factor=1.0,
+                                     capacity=lower[-1]).n_dropped) > 0
+
+    def loss(fn, x, w_up, w_down, w_gate):
+        out = fn(x, ids, w, w_up, w_down, w_gate, activation=activation)
+        return jnp.sum(out.y_ND * p["ct"]), out
+
+    args = (p["x"], p["w_up"], p["w_down"], p["w_gate"])
+    (_, o_b), g_b = jax.jit(jax.value_and_grad(
+        lambda *a: loss(dispatch_bucketed, *a), argnums=(0, 1, 2, 3), has_aux=True))(*args)
+    (_, o_d), g_d = jax.value_and_grad(lambda *a: loss(dispatch_dense, *a),
+                                       argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    assert int(o_b.n_dropped) == 0
+    np.testing.assert_allclose(np.asarray(o_b.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_b, g_d):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -61,9 +61,12 @@ class MoEConfig(FFNSlotConfig):
     dispatch: "dense" (oracle, all experts on all tokens), "capacity" (fixed [E, C, D]
         buffers, drops overflow; the default before 2026-11-23's fourth session), "ragged"
         (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas
-        grouped-matmul kernels with their backward; GPU, interpret mode on CPU) or "grouped"
+        grouped-matmul kernels with their backward; GPU, interpret mode on CPU), "grouped"
         (the default: dropless, block-padded grouped tiles as batched dense matmuls in jnp;
-        3-4x faster than "ragged" on CPU, between capacity factors 1.25 and 2.0 there).
+        3-4x faster than "ragged" on CPU, between capacity factors 1.25 and 2.0 there) or
+        "bucketed" (dropless: the capacity path at the smallest rung of a capacity ladder
+        that holds the fullest expert; capacity-path speed when the load is near balanced,
+        one compiled capacity path per rung).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).

@@ -27,6 +27,11 @@ Paths (all agree to float tolerance when nothing is dropped):
   megablox-style, ``ceil(N k / tile) + E`` tiles in all), each tile multiplies its expert's
   gathered weights as one batched dense matmul. Exact like the ragged path, as fast as the
   capacity path on CPU (no expert runs on rows it does not own, except tile padding).
+* :func:`dispatch_bucketed` -- dropless capacity (``"bucketed"``): the capacity path with the
+  smallest capacity of a fixed ladder (``BUCKET_FACTORS`` x the balanced load, then ``N``)
+  that holds the fullest expert, chosen at run time by ``lax.switch``; as fast as the
+  capacity path when the load is near balanced, never drops (the last rung holds every
+  token), costs more compile time (one capacity path per rung).
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -50,10 +55,16 @@ __all__ = [
     "dispatch_capacity",
     "dispatch_ragged",
     "dispatch_grouped",
+    "dispatch_bucketed",
+    "bucket_capacities",
+    "BUCKET_FACTORS",
     "dispatch",
 ]
 
-DispatchMethod = Literal["dense", "capacity", "ragged", "gmm", "grouped"]
+DispatchMethod = Literal["dense", "capacity", "ragged", "gmm", "grouped", "bucketed"]
+
+# Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
+BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
 
 
 class DispatchOut(NamedTuple):
@@ -177,19 +188,19 @@ def _sort_assignments(ids_NK, valid_N, n_experts, priority: str = "choice"):
 def dispatch_capacity(
     x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
     activation: str, capacity_factor: float, valid_N=None, priority: str = "choice",
+    capacity: int | None = None,
 ) -> DispatchOut:
     """Capacity-limited dispatch with fixed ``[E, C, D]`` expert buffers.
 
-    ``C = expert_capacity(N, k, E, capacity_factor)``. Priority when an expert is over
-    capacity: assignments of real tokens (``valid_N``, default all real) come before
-    padding tokens; among those, with ``priority="choice"`` (GShard, the default) every
-    token's first choice before any second choice (slot rank ``k``: ``ids_NK`` ordered by
-    gate, as top-k returns them) and then the earlier flat token index ``n = b * T + t``;
-    ``priority="token"`` orders by token index only (a token's second choice can then push
-    out a later token's first choice). Assignments
-    past position ``C`` in their expert's queue are dropped: they contribute zero to
-    ``y_N`` (the residual stream carries the token), and dropped real-token assignments
-    are counted in ``n_dropped``.
+    ``C = expert_capacity(N, k, E, capacity_factor)``, or ``capacity`` when given. Priority when
+    an expert is over capacity: assignments of real tokens (``valid_N``, default all real) come
+    before padding tokens; among those, with ``priority="choice"`` (GShard, the default) every
+    token's first choice before any second choice (slot rank ``k``: ``ids_NK`` ordered by gate,
+    as top-k returns them) and then the earlier flat token index ``n = b * T + t``;
+    ``priority="token"`` orders by token index only (a token's second choice can then push out a
+    later token's first choice). Assignments past position ``C`` in their expert's queue are
+    dropped: they contribute zero to ``y_N`` (the residual stream carries the token), and
+    dropped real-token assignments are counted in ``n_dropped``.
     """
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)
@@ -197,7 +208,7 @@ def dispatch_capacity(
     n_tok, d = x_ND.shape
     k = ids_NK.shape[1]
     n_experts = w_up_EDF.shape[0]
-    cap = expert_capacity(n_tok, k, n_experts, capacity_factor)
+    cap = capacity or expert_capacity(n_tok, k, n_experts, capacity_factor)
     n_assign = n_tok * k
 
     order_A, eid_S, tok_S, counts_E, real_S, real_A = _sort_assignments(ids_NK, valid_N,
@@ -306,12 +317,43 @@ def dispatch_grouped(
     return _unsort_combine(y_SD, order_A, weights_NK, x_ND)
 
 
+def bucket_capacities(n_tokens: int, top_k: int, n_experts: int,
+                      factors: tuple[float, ...] = BUCKET_FACTORS) -> tuple[int, ...]:
+    """The capacity ladder of :func:`dispatch_bucketed`: ``expert_capacity`` at each factor,
+    then ``n_tokens`` (an expert gets at most one assignment per token), ascending."""
+    return tuple(sorted({expert_capacity(n_tokens, top_k, n_experts, f) for f in factors}
+                        | {n_tokens}))
+
+
+def dispatch_bucketed(
+    x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
+    activation: str, valid_N=None, priority: str = "choice",
+    factors: tuple[float, ...] = BUCKET_FACTORS,
+) -> DispatchOut:
+    """Dropless dispatch: :func:`dispatch_capacity` at the smallest capacity of
+    :func:`bucket_capacities` that is at least the largest number of assignments (padding
+    tokens' included) any expert receives, so nothing is dropped."""
+    n_tok, k = ids_NK.shape
+    n_experts = w_up_EDF.shape[0]
+    caps = bucket_capacities(n_tok, k, n_experts, factors)
+    counts_E = jnp.zeros((n_experts,), jnp.int32).at[ids_NK.reshape(-1)].add(1)
+    rung = jnp.sum(jnp.max(counts_E) > jnp.asarray(caps, jnp.int32))
+
+    def at(cap):
+        return lambda ops: dispatch_capacity(
+            *ops, activation=activation, capacity_factor=1.0, valid_N=valid_N,
+            priority=priority, capacity=cap)
+
+    ops = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
+    return jax.lax.switch(rung, [at(c) for c in caps], ops)
+
+
 def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
-    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged", "gmm" or
-    "grouped")."""
+    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged", "gmm",
+    "grouped" or "bucketed")."""
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     if method == "dense":
         return dispatch_dense(*args, activation=activation, valid_N=valid_N)
@@ -328,5 +370,8 @@ def dispatch(
                                grouped_matmul=gmm)
     if method == "grouped":
         return dispatch_grouped(*args, activation=activation, valid_N=valid_N)
+    if method == "bucketed":
+        return dispatch_bucketed(*args, activation=activation, valid_N=valid_N,
+                                 priority=priority)
     raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', "
-                     "'ragged', 'gmm', 'grouped'")
+                     "'ragged', 'gmm', 'grouped', 'bucketed'")
