@@ -140,8 +140,8 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
         out_cols.append(c)
         if c in varies:
             out_cols.append(_std_name(c, cols))
-    return [{c: r.get(c, 0.0 if c.endswith(" std") else "") for c in out_cols}
-            for r in merged]
+    stds = {_std_name(c, cols) for c in varies}  # 0.0 on rows where the column agreed
+    return [{c: r.get(c, 0.0 if c in stds else "") for c in out_cols} for r in merged]
 
 
 def _std_name(column: str, columns) -> str:

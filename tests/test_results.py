@@ -163,3 +163,7 @@ def test_merge_seed_tables_rules():
     assert merge_seed_tables([a, [{"m": "x", "v": 1.0}]]) is None
     (r,) = merge_seed_tables([[{"v": 1.0}], [{"v": 3.0}]])
     np.testing.assert_allclose(r["v std"], np.sqrt(2.0))
+    # a column that varies on one row only: its spread column is 0.0 on the other rows
+    rows = merge_seed_tables([[{"v": 1.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}],
+                              [{"v": 3.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}]])
+    assert rows[1]["v std over runs"] == 0.0 and rows[0]["v std over runs"] > 0
