@@ -1,9 +1,13 @@
 """Encoder DAREx study (paper Tables 1, 2, 5 and Fig. 1 analog) on WordNet gloss classification.
 
-* quick (CPU): the ``byte_encoder_wordnet_pos`` substrate (a BERT-style encoder over bytes,
-  2 layers, d 64, trained on gloss -> part of speech, 4 classes) is fine-tuned on gloss ->
-  supersense / lexicographer file (45 classes);
-* full (GPU): all-MiniLM-L6-v2 (``moejax.io.minilm.load_minilm``) fine-tuned on both tasks.
+* quick (CPU, ~45 min): the real all-MiniLM-L6-v2 (``moejax.io.minilm.load_minilm``, 22.7M
+  parameters) fine-tuned 150 steps on gloss -> part of speech (4 classes) and gloss ->
+  supersense / lexicographer file (45 classes), 32 WordPiece tokens, 3 seeds;
+* full (GPU): the same backbone, 3000 steps, 64 tokens, 100K training glosses;
+* ``model=substrate``: the ``byte_encoder_wordnet_pos`` substrate (a BERT-style encoder over
+  bytes, 2 layers, d 64, pre-trained on part of speech) instead, seconds per seed; its earlier
+  recipe: ``model=substrate "tasks=(lexname,)" finetune.steps=200 finetune.lr=1e-3
+  l1_weight=3e-4 n_train=20000 n_val=500 n_test=1000 seeds=4 q_num=12 eta_num=8``.
 
 Data: the ``wordnet_glosses`` splits (first ``n_train`` / ``n_val`` / ``n_test`` rows; stored
 shuffled), tokenized by the backbone's tokenizer.
@@ -11,13 +15,14 @@ shuffled), tokenized by the backbone's tokenizer.
 Each task is fine-tuned with AdamW, AdamR-L2 and AdamR-L1 over several seeds (new classifier head
 per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept, as in the paper):
 unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v and q_e in the official form, per-layer q_v in
-the pooled form, see ``moejax.delta.analytic_q``), WANDA, structural DPP + q_v
+the pooled form, see ``moejax.delta.analytic_q``), magnitude, WANDA, structural DPP + q_v
 (after AdamW), DARE and structural DPP + q_v after AdamR-L2 (Table 9 analog), magnitude after
-AdamR-L1. Table: test accuracy mean and std
+AdamR-L1 (Table 7: magnitude after AdamW is its "original" column). AdamR's anchored decay
+applies to the encoder only (``regularise_head``). Table: test accuracy mean and std
 over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
 AdamW) with DARE's 1/(1-p) marked.
 
-    python -m experiments.darex_encoder                 # quick
+    python -m experiments.darex_encoder                 # quick: MiniLM on CPU
     python -m experiments.darex_encoder preset=full     # MiniLM on a GPU
 """
 
@@ -45,8 +50,8 @@ from moejax.train import TrainConfig, adam_linear_config, params_loss, train_par
 
 NAME = "darex_encoder"
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
-                 "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "WANDA",
-                 "structural DPP + q_v")
+                 "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "magnitude",
+                 "WANDA", "structural DPP + q_v")
 N_CLASSES = {"pos": 4, "lexname": 45}
 
 
@@ -54,31 +59,43 @@ N_CLASSES = {"pos": 4, "lexname": 45}
 class EncoderStudyConfig(Config):
     """Backbone, tasks, data sizes, fine-tuning and pruning settings."""
 
-    model: Literal["substrate", "minilm"] = "substrate"
-    tasks: tuple[Literal["pos", "lexname"], ...] = ("lexname",)
+    model: Literal["substrate", "minilm"] = "minilm"
+    tasks: tuple[Literal["pos", "lexname"], ...] = ("pos", "lexname")
     # model=substrate: the pre-trained byte encoder (built once, cached)
     substrate: ByteEncoderTaskConfig = substrate_config("byte_encoder_wordnet_pos", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
-    seq_len: int = 64  # model=minilm: WordPiece tokens per gloss (the substrate has its own)
+    seq_len: int = 32  # model=minilm: WordPiece tokens per gloss (the substrate has its own)
     # the DAREx recipe: AdamW as given (the baseline), AdamR-L2 / -L1 with lambda below
-    finetune: TrainConfig = adam_linear_config(200, 1e-3, batch_size=32, optimizer="adamw",
+    finetune: TrainConfig = adam_linear_config(150, 1e-4, batch_size=32, optimizer="adamw",
                                                weight=0.01, warmup=30)
     l2_weight: float = 0.02
-    l1_weight: float = 0.0003
-    n_train: int = 20000
-    n_val: int = 500
-    n_test: int = 1000
-    seeds: int = 4
+    # AdamR-L1's lambda: on MiniLM (lexname, 150 steps at lr 1e-4) 3e-4 pins the encoder
+    # (unpruned 0.165), 1e-4 0.418, 6e-5 0.558, 3e-5 0.650, 1e-5 0.662 (AdamW 0.665)
+    l1_weight: float = 3e-5
+    # AdamR's anchored decay on the encoder only (the paper regularises the delta to the
+    # pre-trained weights; the new head has none, and anchoring it at its random init undoes
+    # its training: AdamR-L1 at lambda 3e-4 left MiniLM below chance). True = every leaf.
+    regularise_head: bool = False
+    optimizers: tuple[Literal["adamw", "adamr_l2", "adamr_l1"], ...] = ("adamw", "adamr_l2",
+                                                                        "adamr_l1")
+    n_train: int = 6000
+    n_val: int = 200
+    n_test: int = 400
+    seeds: int = 3
     seed: int = 0  # base seed: fine-tuning run i uses seed + i
     p: float = 0.99
-    q_num: int = 12
-    eta_num: int = 8
+    mp_ps: tuple[float, ...] = (0.9, 0.95)  # Table 7: magnitude pruning also at these rates
+    q_num: int = 6
+    eta_num: int = 4
 
     def validate(self):
         for t in self.tasks:
             self._require(t in N_CLASSES, f"task {t!r} unknown; use one of {sorted(N_CLASSES)}")
+        self._require(len(self.optimizers) >= 1, "optimizers must name at least one of "
+                      "adamw (the baseline and the Fig. 1 sweep), adamr_l2, adamr_l1")
         self._require(self.seeds >= 1, f"seeds={self.seeds} must be >= 1")
-        self._require(0 < self.p < 1, f"p={self.p} must be in (0, 1)")
+        for p in (self.p, *self.mp_ps):
+            self._require(0 < p < 1, f"drop rate {p} must be in (0, 1) (p, mp_ps)")
         self._require(min(self.n_train, self.n_val, self.n_test) >= 1,
                       "n_train, n_val and n_test must be >= 1")
 
@@ -90,7 +107,7 @@ def make_config(preset: str) -> EncoderStudyConfig:
                               finetune=adam_linear_config(3000, 5e-5, batch_size=32,
                                                           optimizer="adamw", weight=0.01,
                                                           warmup=30),
-                              l2_weight=0.1, l1_weight=0.001, n_train=100_000, n_val=2000,
+                              l2_weight=0.1, n_train=100_000, n_val=2000,
                               n_test=100_000, q_num=20, eta_num=12)
 
 
@@ -163,10 +180,19 @@ def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
     return {"q": qs, "acc": np.asarray(acc), "change": np.asarray(change)}
 
 
-def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, sweeps: dict):
-    tcfgs = {"adamw": cfg.finetune,
-             "adamr_l2": cfg.finetune.replace(optimizer="adamr_l2", weight_decay=cfg.l2_weight),
-             "adamr_l1": cfg.finetune.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
+def finetune_configs(cfg: EncoderStudyConfig) -> dict[str, TrainConfig]:
+    """The fine-tuning recipe per optimizer: AdamW as given; AdamR-L2 / -L1 with their lambda,
+    the anchored decay on the encoder only unless ``regularise_head``."""
+    adamr = cfg.finetune.replace(decay_paths="" if cfg.regularise_head else "^encoder/")
+    return {"adamw": cfg.finetune,
+            "adamr_l2": adamr.replace(optimizer="adamr_l2", weight_decay=cfg.l2_weight),
+            "adamr_l1": adamr.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
+
+
+def finetune_and_prune(cfg, task: Task, enc_p, ecfg, out: dict[str, list], sweeps: dict):
+    """Fine-tune ``task`` with each optimizer over the seeds and prune; appends to ``out``'s
+    ``rows`` (accuracy at ``p``), ``deltas`` and ``magnitude`` (Table 7) lists."""
+    tcfgs = finetune_configs(cfg)
     graphdef, _, rest = nnx.split(SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(0)),
                                   nnx.Param, ...)
     loss_fn = params_loss(graphdef, rest, classifier_loss_fn)
@@ -178,7 +204,8 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, swe
         clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(seed))
         nnx.update(clf.encoder, enc_p)
         params = nnx.state(clf, nnx.Param)
-        for opt, (label, methods) in OPTIMIZERS.items():
+        for opt in cfg.optimizers:
+            label, methods = OPTIMIZERS[opt]
             fin, _ = train_params(params, task.batches(cfg.finetune.batch_size, cfg.seed + seed),
                                   tcfgs[opt].replace(seed=cfg.seed + seed), loss_fn,
                                   desc=f"{task.name} seed {seed} {label}")
@@ -191,23 +218,29 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, rows: list, base: list, swe
                 val_metric=val_metric, test_metric=test_metric, outputs_fn=outputs_fn,
                 x_stats=matmul_input_stats(outputs_fn, fin) if need_x else {},
                 q_num=cfg.q_num, eta_num=cfg.eta_num)
-            base.append({"task": task.name, "seed": seed, "fine-tuning": label,
-                         **delta_stats(D, mask)})
+            out["deltas"].append({"task": task.name, "seed": seed, "fine-tuning": label,
+                                  **delta_stats(D, mask)})
             for m in methods:
                 r = run_one(ctx, m, cfg.p)
                 name = m if opt == "adamw" or m == "unpruned" else f"{label} + {m}"
-                rows.append({"task": task.name, "seed": seed, "fine-tuning": label,
-                             "method": name, "accuracy": r["metric"], "q": r["q"],
-                             "seconds": r["seconds"]})
+                out["rows"].append({"task": task.name, "seed": seed, "fine-tuning": label,
+                                    "method": name, "accuracy": r["metric"], "q": r["q"],
+                                    "seconds": r["seconds"]})
+            if opt in ("adamw", "adamr_l1"):  # Table 7: magnitude pruning, original vs L1
+                for p in sorted({*cfg.mp_ps, cfg.p}):
+                    out["magnitude"].append({"task": task.name, "seed": seed,
+                                             "fine-tuning": label, "p": p,
+                                             "accuracy": run_one(ctx, "magnitude", p)["metric"]})
             if opt == "adamw" and seed == 0:
                 sweeps[task.name] = (q_sweep(ctx, cfg.p, cfg.q_num), dict(ctx.records))
 
 
 def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
     enc_p, ecfg, tok, seq_len, started_from = backbone(cfg)
-    rows, base, sweeps = [], [], {}
+    out, sweeps = {"rows": [], "deltas": [], "magnitude": []}, {}
     for name in cfg.tasks:
-        finetune_and_prune(cfg, Task(name, cfg, tok, seq_len), enc_p, ecfg, rows, base, sweeps)
+        finetune_and_prune(cfg, Task(name, cfg, tok, seq_len), enc_p, ecfg, out, sweeps)
+    rows = out["rows"]
     summary = seed_summary(rows, ["task", "fine-tuning", "method"], ["accuracy"])
     run.note(f"Started from {started_from}. "
              "Pruned: the attention and FFN matrices of every encoder block; embeddings, norms, "
@@ -217,7 +250,13 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
     run.table("encoder_p", summary, title=f"{cfg.model}: test accuracy at p={cfg.p}, mean and "
               f"std over {cfg.seeds} seeds (encoder block matrices pruned; head kept)")
     run.table("per_seed", rows, title="Every seed (chosen q per method)")
-    run.table("deltas", base, title="Delta statistics of the pruned matrices")
+    run.table("deltas", out["deltas"], title="Delta statistics of the pruned matrices")
+    if out["magnitude"]:
+        run.table("magnitude_p", seed_summary(out["magnitude"], ["task", "fine-tuning", "p"],
+                                              ["accuracy"]),
+                  title=f"Table 7 analog: magnitude pruning of the deltas after AdamW ('original') "
+                        f"and after AdamR-L1 (lambda {cfg.l1_weight:g}), mean and std over "
+                        f"{cfg.seeds} seeds")
     dare_x = 1.0 / (1.0 - cfg.p)
     for task, (sw, rec) in sweeps.items():
         inv = 1.0 / sw["q"]
@@ -239,14 +278,19 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
                                    for q, a, c in zip(sw["q"], sw["acc"], sw["change"])],
                   title=f"{task}: sweep of 1/q at p={cfg.p}; best 1/q = {inv[best]:.3g} "
                         f"(DARE uses {dare_x:.3g})")
-    get = lambda t, m: next(r["accuracy"] for r in summary if r["task"] == t and r["method"] == m)
     t0 = cfg.tasks[-1]
-    out = {m: get(t0, m) for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (per-layer q_v)",
-                                   "DAREx-q (per-layer q_v, pooled)", "AdamR-L2 + DARE",
-                                   "AdamR-L1 + magnitude")}
-    out["headline"] = f"{cfg.model} on {t0}, p={cfg.p}: " + ", ".join(
-        f"{k} {v:.3f}" for k, v in out.items())
-    return out
+    acc = {(r["fine-tuning"], r["method"]): r["accuracy"] for r in summary if r["task"] == t0}
+    heads = {"unpruned": ("AdamW", "unpruned"), "DARE": ("AdamW", "DARE"),
+             **{m: ("AdamW", m) for m in ("DAREx-q (q_v)", "DAREx-q (per-layer q_v)",
+                                          "DAREx-q (per-layer q_v, pooled)")},
+             "magnitude": ("AdamW", "magnitude"),
+             "AdamR-L2 + DARE": ("AdamR-L2", "AdamR-L2 + DARE"),
+             "AdamR-L1 unpruned": ("AdamR-L1", "unpruned"),
+             "AdamR-L1 + magnitude": ("AdamR-L1", "AdamR-L1 + magnitude")}
+    head = {k: acc[key] for k, key in heads.items() if key in acc}
+    head["headline"] = f"{cfg.model} on {t0}, p={cfg.p}: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in head.items())
+    return head
 
 
 if __name__ == "__main__":

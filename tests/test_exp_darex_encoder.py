@@ -14,6 +14,7 @@ from tests.tiny_substrates import tiny_train
 
 def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     cfg = mod.make_config("quick").replace(
+        model="substrate", tasks=("lexname",),
         substrate=ByteEncoderTaskConfig(d_model=16, n_layers=1, n_heads=2, seq_len=16,
                                         max_train_examples=200, eval_examples=32,
                                         train=tiny_train(4)),
@@ -28,7 +29,8 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     rows = list(csv.DictReader(open(run.path / "encoder_p.csv")))
     methods = [r["method"] for r in rows]
     for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
-              "DAREx-q (per-layer q_e)", "WANDA", "structural DPP + q_v", "AdamR-L2 + DARE",
+              "DAREx-q (per-layer q_e)", "magnitude", "WANDA", "structural DPP + q_v",
+              "AdamR-L2 + DARE",
               "AdamR-L2 + structural DPP + q_v",
               "AdamR-L1 + magnitude"):
         assert m in methods, m
@@ -44,3 +46,38 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     assert (run.path / "fig1_acc_lexname.png").exists()
     assert (run.path / "fig1_change_lexname.png").exists()
     assert 0.0 <= summary["DARE"] <= 1.0
+    mp = list(csv.DictReader(open(run.path / "magnitude_p.csv")))
+    assert {(r["fine-tuning"], float(r["p"])) for r in mp} == {
+        (ft, p) for ft in ("AdamW", "AdamR-L1") for p in (0.9, 0.95, 0.99)}
+    # the table's p = 0.99 entries are the main table's magnitude rows
+    main = {(r["fine-tuning"], r["method"]): float(r["accuracy"]) for r in rows}
+    at99 = {r["fine-tuning"]: float(r["accuracy"]) for r in mp if float(r["p"]) == 0.99}
+    assert at99["AdamW"] == pytest.approx(main["AdamW", "magnitude"])
+    assert at99["AdamR-L1"] == pytest.approx(main["AdamR-L1", "AdamR-L1 + magnitude"])
+
+
+def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_path):
+    """``optimizers`` picks the fine-tunings that run; AdamR decays the encoder only (the
+    classifier head has no pre-trained value to anchor at) unless ``regularise_head``."""
+    base = mod.make_config("quick")
+    cfg = base.replace(
+        model="substrate", tasks=("lexname",),
+        substrate=ByteEncoderTaskConfig(d_model=16, n_layers=1, n_heads=2, seq_len=16,
+                                        max_train_examples=200, eval_examples=32,
+                                        train=tiny_train(4)),
+        substrate_cache=str(tiny_recipes),
+        finetune=base.finetune.replace(batch_size=16, steps=10, warmup_steps=5),
+        n_train=400, n_val=64, n_test=64, seeds=1, optimizers=("adamr_l1",), l1_weight=1.0)
+    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+                                  out=tmp_path / "enc")
+    rows = list(csv.DictReader(open(run.path / "per_seed.csv")))
+    assert {r["fine-tuning"] for r in rows} == {"AdamR-L1"}
+    assert {r["method"] for r in rows} == {"unpruned", "AdamR-L1 + magnitude"}
+    assert set(summary) >= {"AdamR-L1 unpruned", "AdamR-L1 + magnitude"}
+    assert "DARE" not in summary and not (run.path / "fig1_lexname.csv").exists()
+
+    tc = mod.finetune_configs(cfg)
+    assert tc["adamw"] == cfg.finetune
+    assert tc["adamr_l1"].decay_paths == tc["adamr_l2"].decay_paths == "^encoder/"
+    assert (tc["adamr_l1"].optimizer, tc["adamr_l1"].weight_decay) == ("adamr_l1", 1.0)
+    assert mod.finetune_configs(cfg.replace(regularise_head=True))["adamr_l2"].decay_paths == ""

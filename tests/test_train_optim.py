@@ -131,3 +131,32 @@ def test_optimizer_decay_mask_clip_and_lr():
     big = jax.tree.map(lambda x: jnp.full_like(x, 100.0), params)
     upd, _ = tx.update(big, tx.init(params), params)
     np.testing.assert_allclose(float(optax.tree.norm(upd)), 0.1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamr_l1", "adamr_l2"])
+def test_decay_paths_restricts_every_optimizers_decay(optimizer):
+    """``decay_paths`` narrows the decay: a leaf outside the regex gets the update it would get
+    with ``weight_decay=0``; a leaf inside it gets the decayed one."""
+    rng = np.random.default_rng(0)
+    params = {"encoder": {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)},
+              "head": {"kernel": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)}}
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    # AdamR anchors at the init params: move them so its decay term is not zero
+    start = jax.tree.map(lambda x: x + 0.3, params)
+    cfg = TrainConfig(optimizer=optimizer, lr=0.1, weight_decay=0.5, schedule="constant",
+                      grad_clip=0.0, b1=0.0 if optimizer == "sgd" else 0.9,
+                      decay_paths="^encoder/")
+
+    def step(c):
+        tx = make_optimizer(c)
+        state = tx.init(params)
+        return tx.update(grads, state, start)[0]
+
+    got, plain = step(cfg), step(cfg.replace(weight_decay=0.0))
+    full = step(cfg.replace(decay_paths=""))
+    np.testing.assert_allclose(got["head"]["kernel"], plain["head"]["kernel"], rtol=1e-6)
+    np.testing.assert_allclose(got["encoder"]["w"], full["encoder"]["w"], rtol=1e-6)
+    assert not np.allclose(got["encoder"]["w"], plain["encoder"]["w"])
+    assert not np.allclose(full["head"]["kernel"], plain["head"]["kernel"])
+    with pytest.raises(ConfigError, match="decay_paths"):
+        TrainConfig(decay_paths="(")

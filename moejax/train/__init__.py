@@ -8,6 +8,7 @@ from moejax.train.optim import (
     decay_mask,
     make_optimizer,
     make_schedule,
+    paths_mask,
 )
 from moejax.train.step import (
     NonFiniteError,
@@ -27,6 +28,7 @@ __all__ = [
     "make_schedule",
     "make_optimizer",
     "decay_mask",
+    "paths_mask",
     "TrainState",
     "NonFiniteError",
     "init_state",

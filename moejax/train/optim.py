@@ -6,7 +6,8 @@
     [clip_by_global_norm(grad_clip)]  ->  adamw / adam / sgd / adamr(schedule)
 
 Weight decay (decoupled for ``adamw``, added to the gradient for ``sgd``) skips norms and
-biases: see :func:`decay_mask`.
+biases: see :func:`decay_mask`; ``decay_paths`` (a regex on leaf paths) narrows any optimizer's
+decay further, e.g. to the pre-trained backbone when a new head is trained beside it.
 
 Schedules (``t`` = optimizer step, ``S`` = ``steps``, ``W`` = ``warmup_steps``,
 ``m`` = ``min_lr_ratio``, ``lr`` = peak):
@@ -23,6 +24,7 @@ Schedules (``t`` = optimizer step, ``S`` = ``steps``, ``W`` = ``warmup_steps``,
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
 import jax
@@ -30,10 +32,10 @@ import optax
 
 from moejax.config import Config, config
 from moejax.optim.adamr import adamr
-from moejax.pytree import path_names
+from moejax.pytree import path_names, path_str
 
 __all__ = ["TrainConfig", "adam_linear_config", "make_schedule", "make_optimizer", "decay_mask",
-           "wsd_decay_start"]
+           "paths_mask", "wsd_decay_start"]
 
 
 @config
@@ -54,6 +56,10 @@ class TrainConfig(Config):
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # regex on leaf paths ("encoder/blocks/0/ffn/w_in"): weight decay (AdamW's, SGD's, AdamR's
+    # anchored decay) applies only to matching leaves; "" = every leaf the optimizer's own rule
+    # covers (AdamW / SGD: matrices, not norms or biases; AdamR: every leaf)
+    decay_paths: str = ""
     grad_clip: float = 1.0  # global-norm clipping threshold, 0 = off
     grad_accum: int = 1  # micro-batches per optimizer step
     precision: Literal["float32", "bfloat16"] = "float32"
@@ -101,6 +107,10 @@ class TrainConfig(Config):
             f"weight_decay={self.weight_decay} has no effect with optimizer='adam'; use "
             "optimizer='adamw' (decoupled decay) or set weight_decay=0",
         )
+        try:
+            re.compile(self.decay_paths)
+        except re.error as e:
+            r(False, f"decay_paths={self.decay_paths!r} is not a regular expression ({e})")
         r(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
           f"grad_clip={self.grad_clip} must be finite and >= 0 (0 = off)")
         r(self.grad_accum >= 1, f"grad_accum={self.grad_accum} must be >= 1")
@@ -188,6 +198,23 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(rule, params)
 
 
+def paths_mask(pattern: str, base=None):
+    """``params -> bool tree``: True where the leaf path matches ``pattern`` (``re.search``)
+    and, given ``base`` (a mask function such as :func:`decay_mask`), where ``base`` is True.
+    ``pattern=""`` returns ``base`` itself (``None`` = every leaf)."""
+    if not pattern:
+        return base
+    rx = re.compile(pattern)
+
+    def mask(params):
+        inner = (jax.tree_util.tree_map(lambda _: True, params) if base is None
+                 else base(params))
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _, m: bool(m) and rx.search(path_str(path)) is not None, params, inner)
+
+    return mask
+
+
 def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformation:
     """Optax chain for ``cfg`` (clipping, then the optimizer with ``schedule``)."""
     schedule = make_schedule(cfg) if schedule is None else schedule
@@ -202,16 +229,18 @@ def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformat
                 b2=cfg.b2,
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
-                mask=decay_mask,
+                mask=paths_mask(cfg.decay_paths, decay_mask),
             )
         )
     elif cfg.optimizer in ("adamr_l2", "adamr_l1"):
         parts.append(adamr(schedule, cfg.weight_decay, reg=cfg.optimizer[-2:], b1=cfg.b1,
-                           b2=cfg.b2, eps=cfg.eps))
+                           b2=cfg.b2, eps=cfg.eps,
+                           decay_mask=paths_mask(cfg.decay_paths)))
     elif cfg.optimizer == "adam":
         parts.append(optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
     else:  # sgd; b1 is the momentum (0 = plain SGD)
         if cfg.weight_decay > 0:
-            parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+            parts.append(optax.add_decayed_weights(cfg.weight_decay,
+                                                   mask=paths_mask(cfg.decay_paths, decay_mask)))
         parts.append(optax.sgd(schedule, momentum=cfg.b1 if cfg.b1 > 0 else None))
     return optax.chain(*parts)
