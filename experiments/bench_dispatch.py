@@ -13,7 +13,8 @@ reported too.
     python -m experiments.bench_dispatch preset=full           # GPU: batch 64, seq 512
     python -m experiments.bench_dispatch paths=capacity,ragged steps=20
     python -m experiments.bench_dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
-    pip install torch   # optional: fills the PyTorch peer row (never a moejax dependency)
+    pip install torch   # optional: fills the PyTorch peer row (never a moejax dependency;
+                        # on a CPU-only machine: pip install "torch==2.13.0+cpu")
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class BenchConfig(Config):
         n_kv_heads=4,
         moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
-    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped", "bucketed")
+    paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped", "bucketed",
+                                         "host")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2
@@ -74,13 +76,13 @@ class BenchConfig(Config):
     block_experts: int = 8
     block_top_k: int = 2
     block_repeats: int = 10
-    block_paths: tuple[Literal["capacity", "grouped", "bucketed", "ragged", "dense"], ...] = (
-        "capacity", "grouped", "bucketed", "ragged", "dense")
+    block_paths: tuple[Literal["capacity", "grouped", "bucketed", "host", "ragged", "dense"],
+                       ...] = ("capacity", "grouped", "bucketed", "host", "ragged", "dense")
     # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
 
     def validate(self):
-        allowed = ("dense", "capacity", "ragged", "gmm", "grouped", "bucketed")
+        allowed = ("dense", "capacity", "ragged", "gmm", "host", "grouped", "bucketed")
         bad = [p for p in self.paths if p not in allowed]
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
@@ -165,6 +167,7 @@ def _block_rows(cfg: BenchConfig) -> tuple[list[dict], float]:
                 ("capacity cf=2.0", base.replace(dispatch="capacity", capacity_factor=2.0)),
                 ("grouped (dropless)", base.replace(dispatch="grouped")),
                 ("bucketed (dropless)", base.replace(dispatch="bucketed")),
+                ("host (dropless)", base.replace(dispatch="host")),
                 ("ragged (dropless)", base.replace(dispatch="ragged")),
                 ("dense (oracle)", base.replace(dispatch="dense"))]
     variants = [(n, m) for n, m in variants if m.dispatch in cfg.block_paths]
@@ -246,15 +249,17 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     if "capacity" in ref and "ragged" in ref:
         ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
         extra = f"; capacity is {ratio:.2f}x faster than ragged_dot"
-    for dropless in ("grouped", "bucketed"):
+    for dropless in ("grouped", "bucketed", "host"):
         if "capacity" in ref and dropless in ref:
             extra += (f"; dropless {dropless} step / capacity step = "
                       f"{ref[dropless]['step_s_median'] / ref['capacity']['step_s_median']:.2f}")
     blk = {r["impl"]: r for r in block}
-    g = blk.get("grouped (dropless)")
-    if g is not None:
-        extra += (f"; MoE block: grouped {g['ms']:.0f} ms = {g['vs_flop_bound']:.2f}x the FLOP "
-                  f"bound" + (f", {g['vs_torch']:.2f}x PyTorch" if "vs_torch" in g else ""))
+    for name in ("grouped", "host"):
+        g = blk.get(f"{name} (dropless)")
+        if g is not None:
+            extra += (f"; MoE block: {name} {g['ms']:.0f} ms = {g['vs_flop_bound']:.2f}x the "
+                      f"FLOP bound" + (f", {g['vs_torch']:.2f}x PyTorch" if "vs_torch" in g
+                                       else ""))
     return {
         "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
         f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",

@@ -66,7 +66,9 @@ class MoEConfig(FFNSlotConfig):
         3-4x faster than "ragged" on CPU, between capacity factors 1.25 and 2.0 there) or
         "bucketed" (dropless: the capacity path at the smallest rung of a capacity ladder
         that holds the fullest expert; capacity-path speed when the load is near balanced,
-        one compiled capacity path per rung).
+        one compiled capacity path per rung) or "host" (dropless: each expert's exact group
+        multiplied by numpy's BLAS through ``jax.pure_callback``, like an eager expert loop;
+        CPU backend only, first-order gradients).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).

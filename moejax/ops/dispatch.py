@@ -22,6 +22,9 @@ Paths (all agree to float tolerance when nothing is dropped):
   with :func:`jax.lax.ragged_dot` (``"ragged"``) or with the Pallas grouped-matmul kernel
   :func:`moejax.kernels.gmm.gmm` (``"gmm"``: forward and backward kernels; interpret mode on
   CPU, so only for tests there).
+* ``"host"`` -- dropless: :func:`dispatch_ragged` with :func:`moejax.ops.host_gmm.host_gmm`,
+  each expert's exact group multiplied by the host's BLAS (numpy, through ``pure_callback``)
+  as an eager framework's expert loop does; no padding, no weight gathers. CPU backend only.
 * :func:`dispatch_grouped` -- dropless in plain jnp (``"grouped"``): the assignments sorted by
   expert are laid out block-padded (every expert's rows padded to a multiple of a row tile,
   megablox-style, ``ceil(N k / tile) + E`` tiles in all), each tile multiplies its expert's
@@ -64,7 +67,7 @@ __all__ = [
     "dispatch",
 ]
 
-DispatchMethod = Literal["dense", "capacity", "ragged", "gmm", "grouped", "bucketed"]
+DispatchMethod = Literal["dense", "capacity", "ragged", "gmm", "host", "grouped", "bucketed"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
@@ -357,7 +360,7 @@ def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
-    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged", "gmm",
+    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged", "gmm", "host",
     "grouped" or "bucketed")."""
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     if method == "dense":
@@ -373,10 +376,15 @@ def dispatch(
 
         return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
                                grouped_matmul=gmm)
+    if method == "host":
+        from moejax.ops.host_gmm import host_gmm
+
+        return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
+                               grouped_matmul=host_gmm)
     if method == "grouped":
         return dispatch_grouped(*args, activation=activation, valid_N=valid_N)
     if method == "bucketed":
         return dispatch_bucketed(*args, activation=activation, valid_N=valid_N,
                                  priority=priority)
     raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', "
-                     "'ragged', 'gmm', 'grouped', 'bucketed'")
+                     "'ragged', 'gmm', 'host', 'grouped', 'bucketed'")
