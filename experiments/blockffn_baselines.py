@@ -62,12 +62,17 @@ class BaselinesConfig(Config):
     # GRIN's experts per token: "matched" = TopK's k (the paper compares at close TLS; more
     # than two stages is our extension of SparseMixer-v2), "two" = GRIN's own top-2
     grin_k: Literal["matched", "two"] = "matched"
+    # the baselines trained beside BlockFFN (which is always trained: its TLS sets theirs)
+    models: tuple[Literal["TopK", "DSMoE", "GRIN", "ReMoE", "Dense"], ...] = (
+        "TopK", "DSMoE", "GRIN", "ReMoE", "Dense")
     seq_len: int = 64
     eval_batches: int = 4
 
     def validate(self):
         self._require(self.seq_len <= self.model.max_seq_len,
                       f"seq_len={self.seq_len} exceeds model.max_seq_len")
+        self._require(len(set(self.models)) == len(self.models),
+                      f"models={self.models} names a model twice")
         self._require(len(self.sizes) >= 1 and len(set(self.sizes)) == len(self.sizes),
                       f"sizes={self.sizes} must name each size at most once, at least one")
         for size in self.sizes:  # every size must build a valid model
@@ -119,6 +124,8 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
             bf = train_and_evaluate(base.replace(arch="blockffn"), tcfg, train_src, val)
             runs = {"BlockFFN": (bf, N * (1.0 - bf["tls"]))}
             for name, (spec, active) in baselines(base, bf["tls"], cfg.grin_k).items():
+                if name not in cfg.models:
+                    continue
                 runs[name] = (train_and_evaluate(spec, tcfg, train_src, val), active)
             for name, (ev, active) in runs.items():
                 tls = ev.get("tls", 0.0)
@@ -162,10 +169,10 @@ def run(cfg: BaselinesConfig, run: RunDir) -> dict:
         title="Chunk-level sparsity vs chunk length (Fig. 1a)", logx=True, markers=True)
     for size in cfg.sizes:
         sel = [r for r in summary if r["size"] == size]
-        dense = next(r["val_ppl"] for r in sel if r["model"] == "Dense")
+        dense = dict(("dense", r["val_ppl"]) for r in sel if r["model"] == "Dense")
         moes = [r for r in sel if r["model"] != "Dense"]
         run.bar_plot(f"ppl_{size}", [r["model"] for r in moes], [r["val_ppl"] for r in moes],
-                     errors=[r["val_ppl std"] for r in moes], hlines={"dense": dense},
+                     errors=[r["val_ppl std"] for r in moes], hlines=dense,
                      ylabel="validation PPL", title=f"PPL at matched TLS ({size}, "
                      f"{sel[0]['params'] / 1e6:.2f}M params, {cfg.seeds} seeds)")
     run.table("act_magnitude", mag_rows, title="Mean ||A||_2 per layer, seed 0 (Fig. 4 analog)")

@@ -133,3 +133,25 @@ def test_paired_gaps():
     assert g["model"] == "TopK" and g["BlockFFN wins"] == 2 and g["n_seeds"] == 3
     d = np.array([-1.0, 0.5, -1.0])
     np.testing.assert_allclose([g["dPPL"], g["dPPL std"]], [d.mean(), d.std(ddof=1)])
+
+
+def test_baselines_run_with_a_subset_of_models(tmp_path):
+    """``models`` picks the baselines trained beside BlockFFN; without Dense the PPL bars have
+    no dense line and every table is still written."""
+    import csv
+
+    from experiments import blockffn_baselines as mod
+    from moejax.experiment import run_experiment
+
+    summary, run = run_experiment(
+        mod.NAME, mod.make_config, mod.run,
+        ["sizes=(small,)", "small_d_model=16", "small_d_expert=8", "model.n_experts=4",
+         "model.n_heads=2", "train.steps=3", "train.warmup_steps=1", "train.batch_size=2",
+         "seq_len=16", "eval_batches=1", "seeds=1", "models=(TopK,)"], out=tmp_path / "b")
+    rows = list(csv.DictReader(open(run.path / "baselines_per_seed.csv")))
+    assert [r["model"] for r in rows] == ["BlockFFN", "TopK"]
+    gaps = list(csv.DictReader(open(run.path / "blockffn_minus_baseline.csv")))
+    assert [g["model"] for g in gaps] == ["TopK"]
+    assert (run.path / "ppl_small.png").exists()
+    with pytest.raises(ConfigError, match="models"):
+        apply_overrides(mod.make_config("quick"), ["models=(TopK,TopK)"])
