@@ -331,3 +331,16 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
     np.testing.assert_allclose(np.asarray(o_b.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
     for a, b in zip(g_b, g_d):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_host_on_one_cpu_device_else_grouped(monkeypatch):
+    from moejax.ops import dispatch as dp
+
+    assert dp.resolve_dispatch("capacity") == "capacity"
+    assert dp.resolve_dispatch("grouped") == "grouped"
+    assert jax.default_backend() == "cpu" and jax.device_count() == 1  # this test process
+    assert dp.resolve_dispatch("auto") == "host"
+    monkeypatch.setattr(dp.jax, "device_count", lambda: 8)
+    assert dp.resolve_dispatch("auto") == "grouped"
+    monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
+    assert dp.resolve_dispatch("auto") == "grouped"

@@ -58,17 +58,18 @@ class MoEConfig(FFNSlotConfig):
     renormalize: softmax router only: renormalise the k selected weights to sum to 1
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
-    dispatch: "dense" (oracle, all experts on all tokens), "capacity" (fixed [E, C, D]
-        buffers, drops overflow; the default before 2026-11-23's fourth session), "ragged"
-        (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas
-        grouped-matmul kernels with their backward; GPU, interpret mode on CPU), "grouped"
-        (the default: dropless, block-padded grouped tiles as batched dense matmuls in jnp;
-        3-4x faster than "ragged" on CPU, between capacity factors 1.25 and 2.0 there) or
-        "bucketed" (dropless: the capacity path at the smallest rung of a capacity ladder
-        that holds the fullest expert; capacity-path speed when the load is near balanced,
-        one compiled capacity path per rung) or "host" (dropless: each expert's exact group
-        multiplied by numpy's BLAS through ``jax.pure_callback``, like an eager expert loop;
-        CPU backend only, first-order gradients).
+    dispatch: "auto" (the default: "host" on a single CPU device, "grouped" elsewhere; see
+        :func:`moejax.ops.dispatch.resolve_dispatch`), "dense" (oracle, all experts on all
+        tokens), "capacity" (fixed [E, C, D] buffers, drops overflow; the default before
+        2026-11-23's fourth session), "ragged" (dropless grouped matmul with
+        ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas grouped-matmul kernels with
+        their backward; GPU, interpret mode on CPU), "grouped" (dropless, block-padded
+        grouped tiles as batched dense matmuls in jnp; runs and shards anywhere), "host"
+        (dropless: each expert's exact group multiplied by numpy's BLAS in a
+        ``buffer_callback``, like an eager expert loop; CPU backend only, first-order
+        gradients; on CPU as fast as capacity factor 1.25) or "bucketed" (dropless: the
+        capacity path at the smallest rung of a capacity ladder that holds the fullest
+        expert; one compiled capacity path per rung).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).
@@ -86,7 +87,7 @@ class MoEConfig(FFNSlotConfig):
     activation: ActivationName = "swiglu"
     router: Literal["softmax", "noisy"] = "softmax"
     renormalize: bool = True
-    dispatch: DispatchMethod = "grouped"
+    dispatch: DispatchMethod = "auto"
     capacity_factor: float | None = 2.0
     capacity_priority: Literal["choice", "token"] = "choice"
     n_shared_experts: int = 0

@@ -23,7 +23,7 @@ Paths (all agree to float tolerance when nothing is dropped):
   :func:`moejax.kernels.gmm.gmm` (``"gmm"``: forward and backward kernels; interpret mode on
   CPU, so only for tests there).
 * ``"host"`` -- dropless: :func:`dispatch_ragged` with :func:`moejax.ops.host_gmm.host_gmm`,
-  each expert's exact group multiplied by the host's BLAS (numpy, through ``pure_callback``)
+  each expert's exact group multiplied by the host's BLAS (numpy, in a ``buffer_callback``)
   as an eager framework's expert loop does; no padding, no weight gathers. CPU backend only.
 * :func:`dispatch_grouped` -- dropless in plain jnp (``"grouped"``): the assignments sorted by
   expert are laid out block-padded (every expert's rows padded to a multiple of a row tile,
@@ -38,6 +38,9 @@ Paths (all agree to float tolerance when nothing is dropped):
   1.25, 101-119 ms grouped), forward + backward between the two (each rung rematerialised),
   and slow under a skewed load (an early-training LM step: 1.9 s vs grouped 1.0 s). Costs
   more compile time (one capacity path per rung).
+
+``"auto"`` (the models' default) is ``"host"`` on a single CPU device and ``"grouped"``
+everywhere else (accelerators, several devices): see :func:`resolve_dispatch`.
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -65,9 +68,11 @@ __all__ = [
     "bucket_capacities",
     "BUCKET_FACTORS",
     "dispatch",
+    "resolve_dispatch",
 ]
 
-DispatchMethod = Literal["dense", "capacity", "ragged", "gmm", "host", "grouped", "bucketed"]
+DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "grouped",
+                         "bucketed"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
@@ -356,12 +361,23 @@ def dispatch_bucketed(
     return jax.lax.switch(rung, [at(c) for c in caps], ops)
 
 
+def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
+    """The path ``"auto"`` stands for here: ``"host"`` (exact groups on the host's BLAS, the
+    fastest dropless path on CPU) when the backend is a single CPU device, else ``"grouped"``
+    (plain jnp, shards and runs on any backend). Other names are returned as they are."""
+    if method != "auto":
+        return method
+    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+    return "host" if single_cpu else "grouped"
+
+
 def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
-    """Run the dispatch path named ``method`` ("dense", "capacity", "ragged", "gmm", "host",
-    "grouped" or "bucketed")."""
+    """Run the dispatch path named ``method`` ("auto", "dense", "capacity", "ragged", "gmm",
+    "host", "grouped" or "bucketed")."""
+    method = resolve_dispatch(method)
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     if method == "dense":
         return dispatch_dense(*args, activation=activation, valid_N=valid_N)
@@ -386,5 +402,5 @@ def dispatch(
     if method == "bucketed":
         return dispatch_bucketed(*args, activation=activation, valid_N=valid_N,
                                  priority=priority)
-    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'dense', 'capacity', "
-                     "'ragged', 'gmm', 'host', 'grouped', 'bucketed'")
+    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', 'dense', "
+                     "'capacity', 'ragged', 'gmm', 'host', 'grouped', 'bucketed'")

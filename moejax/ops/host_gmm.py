@@ -4,8 +4,10 @@
 ``[s_g, s_g + group_sizes_G[g])`` of ``x_MK`` (``s_g`` = the sizes before ``g``) are multiplied
 by ``w_GKN[g]``; rows past ``sum(group_sizes_G)`` give zeros. XLA needs static shapes, so its
 own grouped paths pad (``grouped`` tiles, ``capacity`` buffers) or run every group on every
-row (``ragged_dot`` on CPU); here one ``jax.pure_callback`` hands the arrays to numpy, which
-loops over the groups with their exact sizes, as an eager framework's expert loop does. The
+row (``ragged_dot`` on CPU); here a ``buffer_callback`` (JAX's in-place callback: numpy reads
+the input buffers and writes the output buffer, no copies; ``pure_callback`` copied every
+result and cost twice the matmul time) loops over the groups with their exact sizes, as an
+eager framework's expert loop does. The
 backward pass is two more callbacks (``dx = dy W^T`` per group, ``dW_g = x_g^T dy_g``) under a
 ``custom_vjp``, so ``jax.grad`` works and nothing is recomputed (first order only: the weight
 gradient's callback has no derivative of its own).
@@ -22,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
 
 __all__ = ["host_gmm", "host_gmm_reference"]
 
@@ -39,25 +42,34 @@ def _as_f32(a) -> np.ndarray:
     return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
-def _gmm_np(x_MK, w_GKN, group_sizes_G, *, transpose_w: bool):
-    """Per group ``x_g @ w_g`` (``w_g.T`` with ``transpose_w``); rows past the groups are 0."""
-    dtype = np.asarray(x_MK).dtype
-    x, w = _as_f32(x_MK), _as_f32(w_GKN)
-    n = w.shape[1] if transpose_w else w.shape[2]
-    out = np.zeros((x.shape[0], n), np.float32)
-    for g, a, b in _segments(group_sizes_G):
-        np.matmul(x[a:b], w[g].T if transpose_w else w[g], out=out[a:b])
-    return out.astype(dtype, copy=False)
+def _matmul_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    if out.dtype == np.float32:
+        np.matmul(a, b, out=out)
+    else:
+        out[...] = np.matmul(a, b).astype(out.dtype)
 
 
-def _tgmm_np(x_MK, dy_MN, group_sizes_G, *, n_groups: int):
-    """Per group ``x_g^T dy_g`` (the weight gradient); empty groups get zeros."""
-    dtype = np.asarray(x_MK).dtype
-    x, dy = _as_f32(x_MK), _as_f32(dy_MN)
-    out = np.zeros((n_groups, x.shape[1], dy.shape[1]), np.float32)
+def _gmm_np(ctx, out_MN, x_MK, w_GKN, group_sizes_G, *, transpose_w: bool):
+    """Per group ``x_g @ w_g`` (``w_g.T`` with ``transpose_w``) written into ``out_MN``; rows
+    past the groups are 0."""
+    del ctx
+    out, x, w = np.asarray(out_MN), _as_f32(x_MK), _as_f32(w_GKN)
+    end = 0
     for g, a, b in _segments(group_sizes_G):
-        np.matmul(x[a:b].T, dy[a:b], out=out[g])
-    return out.astype(dtype, copy=False)
+        _matmul_into(out[a:b], x[a:b], w[g].T if transpose_w else w[g])
+        end = b
+    out[end:] = 0
+
+
+def _tgmm_np(ctx, out_GKN, x_MK, dy_MN, group_sizes_G):
+    """Per group ``x_g^T dy_g`` (the weight gradient) into ``out_GKN``; empty groups get 0."""
+    del ctx
+    out, x, dy = np.asarray(out_GKN), _as_f32(x_MK), _as_f32(dy_MN)
+    filled = np.zeros(out.shape[0], bool)
+    for g, a, b in _segments(group_sizes_G):
+        _matmul_into(out[g], x[a:b].T, dy[a:b])
+        filled[g] = True
+    out[~filled] = 0
 
 
 def _call(fn, shape, dtype, *args):
@@ -65,8 +77,8 @@ def _call(fn, shape, dtype, *args):
         raise ValueError(
             f"host_gmm runs on the host's BLAS and is for the CPU backend (this one is "
             f"{jax.default_backend()!r}); use dispatch='gmm' (Pallas kernel) or 'ragged' there")
-    return jax.pure_callback(fn, jax.ShapeDtypeStruct(shape, dtype), *args,
-                             vmap_method="sequential")
+    return buffer_callback(fn, jax.ShapeDtypeStruct(shape, dtype),
+                           vmap_method="sequential")(*args)
 
 
 def _forward(x_MK, w_GKN, group_sizes_G, transpose_w: bool):
@@ -87,13 +99,10 @@ def _fwd(x_MK, w_GKN, group_sizes_G, transpose_w):
 def _bwd(transpose_w, res, dy_MN):
     x_MK, w_GKN, group_sizes_G = res
     dx = _host_gmm(dy_MN, w_GKN, group_sizes_G, not transpose_w)
-    n_groups = w_GKN.shape[0]
     if transpose_w:  # y = x w^T: dW = dy^T x per group
-        dw = _call(functools.partial(_tgmm_np, n_groups=n_groups), w_GKN.shape, w_GKN.dtype,
-                   dy_MN, x_MK, group_sizes_G)
+        dw = _call(_tgmm_np, w_GKN.shape, w_GKN.dtype, dy_MN, x_MK, group_sizes_G)
     else:
-        dw = _call(functools.partial(_tgmm_np, n_groups=n_groups), w_GKN.shape, w_GKN.dtype,
-                   x_MK, dy_MN, group_sizes_G)
+        dw = _call(_tgmm_np, w_GKN.shape, w_GKN.dtype, x_MK, dy_MN, group_sizes_G)
     return dx, dw, np.zeros(group_sizes_G.shape, jax.dtypes.float0)
 
 
