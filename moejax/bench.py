@@ -19,15 +19,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["time_call", "union_activations", "kernel_unavailable", "KERNEL_PATHS"]
+__all__ = ["time_call", "union_activations", "kernel_unavailable", "KERNEL_PATHS",
+           "HOST_PATHS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm")
+HOST_PATHS = ("host", "host_capacity", "host_gmm")
 
 
 def kernel_unavailable(path: str) -> str | None:
     """Why the compute path ``path`` has no speed measurement on this machine ("not
     measured: ..."), or None. The kernel paths need a GPU: on a CPU Pallas runs in interpret
-    mode, which is no speed measurement; ``triton`` also needs ``jax_triton``."""
+    mode, which is no speed measurement; ``triton`` also needs ``jax_triton``. The host
+    (numpy) dispatch paths run on the CPU backend only."""
+    if path in HOST_PATHS:
+        return (None if jax.default_backend() == "cpu" else
+                "not measured: a host (numpy) path, for the CPU backend only")
     if path not in KERNEL_PATHS:
         return None
     if jax.default_backend() != "gpu":

@@ -30,10 +30,19 @@ __all__ = ["matmul_gflops", "moe_block_flops", "moe_block_fwd_bwd", "torch_moe_b
            "delta_op_times", "tree_of_shapes"]
 
 
-def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10) -> float:
-    a = jnp.ones((m, k), jnp.float32)
-    b = jnp.ones((k, n), jnp.float32)
-    t = time_call(jax.jit(jnp.matmul), a, b, repeats=repeats)["median_s"]
+def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10,
+                  backend: str = "xla") -> float:
+    """GFLOP/s of one float32 ``[m, k] @ [k, n]``: jitted (``backend="xla"``) or numpy's BLAS
+    (``"numpy"``, the library the host dispatch paths call); median of ``repeats``."""
+    if backend == "numpy":
+        rng = np.random.default_rng(0)
+        a, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n)))
+        out = np.empty((m, n), np.float32)
+        t = time_call(lambda: np.matmul(a, b, out=out), repeats=repeats)["median_s"]
+    else:
+        a = jnp.ones((m, k), jnp.float32)
+        b = jnp.ones((k, n), jnp.float32)
+        t = time_call(jax.jit(jnp.matmul), a, b, repeats=repeats)["median_s"]
     return 2.0 * m * k * n / t / 1e9
 
 

@@ -141,17 +141,19 @@ def test_paths_agree_forward_and_gradients(activation, jit):
     (l_r, o_r), g_r = _loss_fn("ragged", activation, jit=jit)(*args)
     (l_b, o_b), g_b = _loss_fn("bucketed", activation, jit=jit)(*args)
     (l_h, o_h), g_h = _loss_fn("host", activation, jit=jit)(*args)
-    for o in (o_c, o_r, o_b, o_h):
+    (l_hg, o_hg), g_hg = _loss_fn("host_gmm", activation, jit=jit)(*args)
+    for o in (o_c, o_r, o_b, o_h, o_hg):
         np.testing.assert_allclose(np.asarray(o.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
         assert int(o.n_dropped) == 0
     np.testing.assert_allclose(float(l_c), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_r), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_b), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_h), float(l_d), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(l_hg), float(l_d), rtol=1e-5, atol=1e-5)
     names = ["x", "w_g", "w_up", "w_down", "w_gate"]
-    for name, gd, gc, gr, gb, gh in zip(names, g_d, g_c, g_r, g_b, g_h):
+    for name, gd, gc, gr, gb, gh, ghg in zip(names, g_d, g_c, g_r, g_b, g_h, g_hg):
         if gd is None:
-            assert gc is None and gr is None and gb is None and gh is None
+            assert gc is None and gr is None and gb is None and gh is None and ghg is None
             continue
         assert float(jnp.max(jnp.abs(gd))) > 1e-3, f"grad of {name} is trivially zero"
         np.testing.assert_allclose(np.asarray(gc), np.asarray(gd), rtol=1e-5, atol=1e-5,
@@ -162,6 +164,8 @@ def test_paths_agree_forward_and_gradients(activation, jit):
                                    err_msg=f"bucketed grad {name}")
         np.testing.assert_allclose(np.asarray(gh), np.asarray(gd), rtol=1e-5, atol=1e-5,
                                    err_msg=f"host grad {name}")
+        np.testing.assert_allclose(np.asarray(ghg), np.asarray(gd), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"host_gmm grad {name}")
 
 
 def test_capacity_drops_match_numpy_oracle():

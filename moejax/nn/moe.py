@@ -65,9 +65,11 @@ class MoEConfig(FFNSlotConfig):
         ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas grouped-matmul kernels with
         their backward; GPU, interpret mode on CPU), "grouped" (dropless, block-padded
         grouped tiles as batched dense matmuls in jnp; runs and shards anywhere), "host"
-        (dropless: each expert's exact group multiplied by numpy's BLAS in a
-        ``buffer_callback``, like an eager expert loop; CPU backend only, first-order
-        gradients; on CPU as fast as capacity factor 1.25) or "bucketed" (dropless: the
+        (dropless: the fused expert FFN of :mod:`moejax.ops.host_moe`, each expert's exact
+        rows on numpy's BLAS, one callback forward and one backward; CPU backend only,
+        first-order gradients; the fastest path on CPU), "host_capacity" (the capacity
+        path's drops, computed by the same kernel over the kept rows only), "host_gmm"
+        (dropless, one host callback per grouped matmul) or "bucketed" (dropless: the
         capacity path at the smallest rung of a capacity ladder that holds the fullest
         expert; one compiled capacity path per rung).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert

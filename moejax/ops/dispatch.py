@@ -22,9 +22,17 @@ Paths (all agree to float tolerance when nothing is dropped):
   with :func:`jax.lax.ragged_dot` (``"ragged"``) or with the Pallas grouped-matmul kernel
   :func:`moejax.kernels.gmm.gmm` (``"gmm"``: forward and backward kernels; interpret mode on
   CPU, so only for tests there).
-* ``"host"`` -- dropless: :func:`dispatch_ragged` with :func:`moejax.ops.host_gmm.host_gmm`,
-  each expert's exact group multiplied by the host's BLAS (numpy, in a ``buffer_callback``)
-  as an eager framework's expert loop does; no padding, no weight gathers. CPU backend only.
+* ``"host"`` -- dropless: :func:`moejax.ops.host_moe.host_moe`, the whole expert FFN on the
+  host (one ``buffer_callback`` forward, one backward): each expert's exact rows gathered,
+  multiplied by numpy's BLAS and activated while in cache, experts spread over the cores, as
+  an eager framework's expert loop does without its per-op overhead. CPU backend only; the
+  fastest path on CPU (the issue-17 block: 0.85-0.9x a PyTorch expert loop).
+* ``"host_capacity"`` -- :func:`dispatch_capacity`'s semantics (same capacity, priority and
+  drops) computed by :func:`~moejax.ops.host_moe.host_moe` over the kept rows only, no
+  padded buffers. CPU backend only.
+* ``"host_gmm"`` -- dropless: :func:`dispatch_ragged` with
+  :func:`moejax.ops.host_gmm.host_gmm` (one callback per grouped matmul, the activation in
+  XLA): the host path before the fused kernel, kept as a second opinion.
 * :func:`dispatch_grouped` -- dropless in plain jnp (``"grouped"``): the assignments sorted by
   expert are laid out block-padded (every expert's rows padded to a multiple of a row tile,
   megablox-style, ``ceil(N k / tile) + E`` tiles in all), each tile multiplies its expert's
@@ -71,8 +79,8 @@ __all__ = [
     "resolve_dispatch",
 ]
 
-DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "grouped",
-                         "bucketed"]
+DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "host_capacity",
+                         "host_gmm", "grouped", "bucketed"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
@@ -362,8 +370,8 @@ def dispatch_bucketed(
 
 
 def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
-    """The path ``"auto"`` stands for here: ``"host"`` (exact groups on the host's BLAS, the
-    fastest dropless path on CPU) when the backend is a single CPU device, else ``"grouped"``
+    """The path ``"auto"`` stands for here: ``"host"`` (the fused expert kernel on the host's
+    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else ``"grouped"``
     (plain jnp, shards and runs on any backend). Other names are returned as they are."""
     if method != "auto":
         return method
@@ -376,7 +384,7 @@ def dispatch(
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
     """Run the dispatch path named ``method`` ("auto", "dense", "capacity", "ragged", "gmm",
-    "host", "grouped" or "bucketed")."""
+    "host", "host_capacity", "host_gmm", "grouped" or "bucketed")."""
     method = resolve_dispatch(method)
     args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     if method == "dense":
@@ -392,7 +400,17 @@ def dispatch(
 
         return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
                                grouped_matmul=gmm)
-    if method == "host":
+    if method in ("host", "host_capacity"):
+        from moejax.ops.host_moe import host_moe
+
+        cap = None if method == "host" else expert_capacity(
+            x_ND.shape[0], ids_NK.shape[1], w_up_EDF.shape[0], capacity_factor)
+        y, n_dropped = host_moe(*args, activation=activation, capacity=cap, valid_N=valid_N,
+                                priority=priority)
+        n_real = x_ND.shape[0] if valid_N is None else jnp.sum(valid_N)
+        frac = n_dropped / jnp.maximum(n_real * ids_NK.shape[1], 1)
+        return DispatchOut(y, n_dropped, frac.astype(jnp.float32))
+    if method == "host_gmm":
         from moejax.ops.host_gmm import host_gmm
 
         return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
@@ -403,4 +421,5 @@ def dispatch(
         return dispatch_bucketed(*args, activation=activation, valid_N=valid_N,
                                  priority=priority)
     raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', 'dense', "
-                     "'capacity', 'ragged', 'gmm', 'host', 'grouped', 'bucketed'")
+                     "'capacity', 'ragged', 'gmm', 'host', 'host_capacity', 'host_gmm', "
+                     "'grouped', 'bucketed'")
