@@ -64,7 +64,8 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
         bench_dispatch.run,
         TINY_LM
         + ["model.moe.capacity_factor=8.0", "batch_size=2", "seq_len=16", "warmup=1", "steps=2",
-           "paths=(dense,capacity,ragged,host,host_capacity,host_gmm,gmm)", "block_tokens=64", "block_d=16", "block_f=32",
+           "paths=(dense,capacity,ragged,host,host_capacity,host_gmm,gmm)", "block_tokens=64",
+           "block_d=16", "block_f=32",
            "block_repeats=1", "block_paths=(capacity,grouped)", "delta_tree=tiny"],
         out=tmp_path / "bench",
     )

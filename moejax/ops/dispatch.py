@@ -371,8 +371,9 @@ def dispatch_bucketed(
 
 def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     """The path ``"auto"`` stands for here: ``"host"`` (the fused expert kernel on the host's
-    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else ``"grouped"``
-    (plain jnp, shards and runs on any backend). Other names are returned as they are."""
+    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else
+    ``"grouped"`` (plain jnp, shards and runs on any backend). Other names are returned as
+    they are."""
     if method != "auto":
         return method
     single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1

@@ -23,9 +23,10 @@ kept rows are computed: no padded buffers.
 
 The forward keeps, per kept assignment, the expert's pre-activations (``x W_gate``,
 ``x W_up``) and its unweighted output in float32 for the backward (``2 N k F + N k D``
-floats with a gated activation, ``N k F + N k D`` without); ``act(.)`` is recomputed there. Inputs of any float dtype are
-computed in float32 and cast back. First-order gradients only; CPU backend only (tracing on
-another backend raises: an accelerator would copy every activation to the host).
+floats with a gated activation, ``N k F + N k D`` without); ``act(.)`` is recomputed there.
+Inputs of any float dtype are computed in float32 and cast back. First-order gradients only;
+CPU backend only (tracing on another backend raises: an accelerator would copy every
+activation to the host).
 """
 
 from __future__ import annotations
