@@ -55,8 +55,11 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
     assert cfg["train"]["steps"] == 12
 
 
-def test_bench_dispatch_tiny_paths_agree(tmp_path):
+def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     from experiments import bench_dispatch
+
+    # the retained-memory columns run, without changing this worker's allocator
+    monkeypatch.setattr(bench_dispatch, "retain_freed_memory", lambda: True)
 
     summary, run = run_experiment(
         "bench_dispatch",
@@ -77,6 +80,8 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path):
     bound = next(r for k, r in block.items() if k.startswith("FLOP bound"))
     assert float(bound["vs_flop_bound"]) == 1.0
     assert all(float(r["ms"]) > 0 for k, r in block.items() if r["ms"])
+    assert all(float(r["ms_retained"]) > 0 for k, r in block.items() if r["ms"])
+    assert float(bound["vs_flop_bound_retained"]) == 1.0
     torch_row = block["PyTorch expert loop (HF Mixtral style)"]
     assert torch_row["ms"] or torch_row["note"].startswith("not installed")
     delta = {r["op"]: r for r in csv.DictReader(open(run.path / "delta_ops.csv"))}
