@@ -26,7 +26,7 @@ Paths (all agree to float tolerance when nothing is dropped):
   host (one ``buffer_callback`` forward, one backward): each expert's exact rows gathered,
   multiplied by numpy's BLAS and activated while in cache, experts spread over the cores, as
   an eager framework's expert loop does without its per-op overhead. CPU backend only; the
-  fastest path on CPU (the issue-17 block: 0.85-0.9x a PyTorch expert loop).
+  fastest path on CPU (the issue-17 block: 0.82-0.93x a PyTorch expert loop in three runs).
 * ``"host_capacity"`` -- :func:`dispatch_capacity`'s semantics (same capacity, priority and
   drops) computed by :func:`~moejax.ops.host_moe.host_moe` over the kept rows only, no
   padded buffers. CPU backend only.
