@@ -1,7 +1,9 @@
 """Benchmark: steady train-step time and tokens/s of an MoE LM for each dispatch path, plus
 (issue 17's one-run table of ratios) one MoE block's fwd+bwd per path against a PyTorch expert
 loop and against the FLOP bound at this machine's matmul rate, and each delta operation over a
-SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes.
+SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes. The
+FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates; the block is
+timed again, last, after :func:`moejax.host_memory.retain_freed_memory` (process-wide).
 
 Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs

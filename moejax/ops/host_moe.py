@@ -165,12 +165,12 @@ def _target(out) -> np.ndarray:
 
 def _put(out, value: np.ndarray) -> None:
     out = np.asarray(out)
-    if value is not out and not np.shares_memory(value, out):
+    if not np.may_share_memory(value, out):   # the same buffer when _target returned out
         out[...] = value.astype(out.dtype)
 
 
 def _combine_into(y: np.ndarray, rows_S: np.ndarray, row_A: np.ndarray, wts_NK) -> None:
-    """``y[n] = sum_k wts[n, k] rows_S[row_A[n k + k]]`` (``wts`` None: weight 1)."""
+    """``y[n] = sum_k wts[n, k] rows_S[row_A[n K + k]]`` (``wts`` None: weight 1)."""
     n, k = y.shape[0], row_A.size // y.shape[0]
     row_NK = row_A.reshape(n, k)
     tmp = np.empty_like(y)
