@@ -4,6 +4,8 @@ loop and against the FLOP bound at this machine's matmul rate, and each delta op
 SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes. The
 FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates; the block is
 timed again, last, after :func:`moejax.host_memory.retain_freed_memory` (process-wide).
+``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.host_memory`); the
+tables' titles say whether it was.
 
 Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs
@@ -11,7 +13,8 @@ Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (``block_until_ready`` after each). The capacity path's dropped-assignment fraction is
 reported too.
 
-    python -m experiments.bench_dispatch
+    make bench                                 # = the next line, malloc huge pages on
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m experiments.bench_dispatch
     python -m experiments.bench_dispatch preset=full           # GPU: batch 64, seq 512
     python -m experiments.bench_dispatch paths=capacity,ragged steps=20
     python -m experiments.bench_dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
@@ -42,7 +45,7 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.experiment import main
-from moejax.host_memory import retain_freed_memory
+from moejax.host_memory import malloc_huge_pages, retain_freed_memory
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
@@ -230,8 +233,9 @@ def _versions() -> str:
     except ImportError:
         tv = "not installed"
     import platform
+    thp = "on" if malloc_huge_pages() else "off"
     return (f"jax {jax.__version__}, torch {tv}, {platform.machine()} "
-            f"{jax.devices()[0].platform} x{jax.device_count()}")
+            f"{jax.devices()[0].platform} x{jax.device_count()}, malloc huge pages {thp}")
 
 
 def run(cfg: BenchConfig, run: RunDir) -> dict:
@@ -314,6 +318,7 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
         f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
         "matmul_gflops": round(rate, 1),
+        "malloc_huge_pages": malloc_huge_pages(),
         **{f"block {k}": round(r["ms"], 1) for k, r in blk.items() if "ms" in r},
         **{f"block {k}, retained": round(r["ms_retained"], 1) for k, r in blk.items()
            if "ms_retained" in r},

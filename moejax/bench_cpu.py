@@ -1,4 +1,4 @@
-"""Measurements behind ``experiments/bench_cpu.py`` (issue 17's one-run table of ratios).
+"""Measurements behind ``experiments/bench_dispatch.py`` (issue 17's one-run table of ratios).
 
 * :func:`matmul_gflops`: GFLOP/s of one jitted ``[m, k] @ [k, n]`` float32 matmul here (the
   rate that turns FLOPs into the bound of a compute-bound op);

@@ -50,3 +50,13 @@ def test_hash_dare_is_unbiased_and_unselected_leaves_untouched():
     np.testing.assert_array_equal(np.asarray(out["b"]), np.asarray(d["b"]))
     with pytest.raises(ValueError, match="rng="):
         dare(jax.random.key(0), d, 0.5, rng="philox")
+
+
+def test_nd_bits_are_the_flat_counters_reshaped():
+    """The per-axis iota index equals ``arange(n).reshape(shape)``: a leaf's mask does not
+    depend on how its shape is factored (oracle: the 1-D hash of the flat counter)."""
+    key = jax.random.key(11)
+    for shape in [(), (5,), (3, 4), (2, 3, 5), (4, 1, 7)]:
+        n = int(np.prod(shape))
+        want = np.asarray(hash_bits(key, (n,))).reshape(shape)
+        np.testing.assert_array_equal(np.asarray(hash_bits(key, shape)), want)

@@ -1,11 +1,16 @@
 """``retain_freed_memory``: glibc keeps freed heap memory, so a step that allocates and frees
-the same large buffers stops page-faulting (run in subprocesses: the setting is process-wide)."""
+the same large buffers stops page-faulting (run in subprocesses: the setting is process-wide).
+``advise_huge_pages``: a fresh mapping written after the advice faults once per 2 MiB."""
 
+import mmap
 import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import moejax.host_memory as hmem
 
 STEP = """
 import sys, numpy as np
@@ -36,3 +41,72 @@ def test_retained_memory_stops_the_page_faults():
     default, retained = _faults_per_step("default"), _faults_per_step("retain")
     assert default > 500, f"the default allocator should fault here (got {default}/step)"
     assert retained < default / 10, (default, retained)
+
+
+def _fresh(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """A private anonymous mapping no page of which has been touched (as XLA's are)."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return m, np.frombuffer(m, np.float32)
+
+
+def _first_write_faults(advise: bool) -> int:
+    m, a = _fresh(16 * 2**20)
+    if advise:
+        assert hmem.advise_huge_pages(a) >= 14 * 2**20   # all but the unaligned ends
+    f0 = hmem.minor_page_faults()
+    a[:] = 1.0
+    faults = hmem.minor_page_faults() - f0
+    assert float(a.sum()) == a.size                       # the values are ordinary memory
+    del a
+    m.close()
+    return faults
+
+
+@pytest.mark.skipif(hmem.transparent_huge_pages() in (None, "never"),
+                    reason="transparent huge pages are off in this kernel")
+def test_advised_fresh_memory_faults_once_per_huge_page():
+    plain, advised = _first_write_faults(False), _first_write_faults(True)
+    assert plain >= 4000, plain                           # one per 4 KiB page
+    assert advised <= 64, advised                         # 8 huge pages (+ unaligned ends)
+
+
+def test_touching_arrays_are_advised_as_one_range(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hmem, "_madvise", lambda: lambda lo, n, flag: calls.append((lo, n)) or 0)
+    m, a = _fresh(8 * 2**20)
+    halves = a[: a.size // 2], a[a.size // 2:]            # back to back, each 4 MiB
+    assert hmem.advise_huge_pages(*halves) == 8 * 2**20   # page-aligned mapping: all of it
+    assert calls == [(a.ctypes.data, 8 * 2**20)]          # one range, not two
+    calls.clear()
+    apart = a[: 2**18], a[2**19: 2**19 + 2**18]           # 1 MiB each, a gap between
+    assert hmem.advise_huge_pages(*apart, min_bytes=2**20) == 2 * 2**20
+    assert len(calls) == 2
+    calls.clear()
+    assert hmem.advise_huge_pages(a[:1000]) == 0 and not calls   # under min_bytes: skipped
+    del a, halves, apart
+    m.close()
+
+
+def test_no_transparent_huge_pages_means_no_advice(monkeypatch):
+    monkeypatch.setattr(hmem, "transparent_huge_pages", lambda: "never")
+    hmem._madvise.cache_clear()
+    try:
+        assert hmem._madvise() is None
+        assert hmem.advise_huge_pages(np.ones(2**20, np.float32)) == 0
+    finally:
+        monkeypatch.undo()
+        hmem._madvise.cache_clear()
+
+
+def test_malloc_huge_pages_reads_the_glibc_tunable(monkeypatch):
+    monkeypatch.setattr(hmem, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(hmem.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    on = {"GLIBC_TUNABLES": "glibc.malloc.check=0:glibc.malloc.hugetlb=1"}
+    assert hmem.malloc_huge_pages(on)
+    assert not hmem.malloc_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    assert not hmem.malloc_huge_pages({})
+    monkeypatch.setattr(hmem, "transparent_huge_pages", lambda: "never")
+    assert not hmem.malloc_huge_pages(on)           # the kernel has THP off: no effect
+    monkeypatch.setattr(hmem, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(hmem.platform, "libc_ver", lambda: ("", ""))
+    assert not hmem.malloc_huge_pages(on)           # not glibc: the variable means nothing

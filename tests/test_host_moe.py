@@ -155,6 +155,26 @@ def test_bf16_inputs_and_vmap():
     for v, yv in zip(xs, ys):
         np.testing.assert_allclose(yv, dispatch_dense(v, ids, w, wu, wd, wg,
                                                       activation="swiglu").y_ND, **TOL)
+    sq = lambda y: jnp.sum(y ** 2)  # noqa: E731
+    g = jax.vmap(jax.grad(lambda v: sq(hm.host_moe(v, ids, w, wu, wd, wg,
+                                                   activation="swiglu")[0])))(xs)
+    want = jax.vmap(jax.grad(lambda v: sq(dispatch_dense(v, ids, w, wu, wd, wg,
+                                                         activation="swiglu").y_ND)))(xs)
+    np.testing.assert_allclose(g, want, **TOL)
+
+
+def test_bf16_gradients_match_float32():
+    """bf16 inputs take the path where dx cannot be written over dy's buffer (dtypes differ)."""
+    args = _case(8, "swiglu")
+    ct = jnp.asarray(np.random.default_rng(1).normal(size=args[0].shape), jnp.float32)
+    host = lambda *a: hm.host_moe(*a, activation="swiglu")  # noqa: E731
+    _, _, g32 = _grads(host, args, ct)
+    x, *rest = args
+    _, _, g16 = _grads(host, (x.astype(jnp.bfloat16), *rest), ct.astype(jnp.bfloat16))
+    for name, p, q in zip(["x", "weights", "w_up", "w_down", "w_gate"], g16, g32):
+        assert p.dtype == (jnp.bfloat16 if name == "x" else q.dtype), name
+        np.testing.assert_allclose(np.asarray(p, np.float32), q, rtol=5e-2, atol=5e-2,
+                                   err_msg=name)
 
 
 def test_bad_arguments_and_backend_fail_with_the_fix(monkeypatch):

@@ -37,15 +37,25 @@ def fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def _flat_index(shape) -> jax.Array:
+    """uint32 row-major element index of ``shape`` (``arange(n).reshape(shape)``), built from
+    per-axis iotas, which XLA fuses into the mask's consumer. With a reshaped 1-D ``arange``,
+    DARE over the SmolLM2-shaped tree took 0.091 s; this way 0.075 s (a jitted ``x * 2`` over
+    the same tree: 0.071 s)."""
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        return jnp.zeros((), jnp.uint32)
+    j = jax.lax.broadcasted_iota(jnp.uint32, shape, 0)
+    for axis in range(1, len(shape)):
+        j = j * jnp.uint32(shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    return j
+
+
 def hash_bits(key: jax.Array, shape) -> jax.Array:
     """uint32 ``shape`` of hashed counters (the module docstring's ``h``) for one key."""
     data = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
     s0, s1 = data[0], data[-1]
-    n = 1
-    for s in shape:
-        n *= int(s)
-    j = jnp.arange(n, dtype=jnp.uint32)
-    return fmix32(fmix32(j ^ s0) + s1).reshape(shape)
+    return fmix32(fmix32(_flat_index(shape) ^ s0) + s1)
 
 
 def hash_keep_mask(key: jax.Array, delta_tree: PyTree, p: float,
