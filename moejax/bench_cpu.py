@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.bench import time_call
+from moejax.bench import time_call, time_interleaved
 from moejax.delta import dare, magnitude_prune, wanda_prune
 from moejax.delta.quant_jnp import fake_quantize_tree
 from moejax.delta.tree import leaf_paths
@@ -112,7 +112,8 @@ def tree_of_shapes(shapes: dict[str, tuple], seed: int = 0) -> dict:
 
 def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) -> list[dict]:
     """Rows ``{op, seconds, gb_s, vs_x2, vs_numpy_copy}``; bytes = read + write of the tree
-    (8 per float32 parameter)."""
+    (8 per float32 parameter); medians of ``repeats`` round-robin rounds
+    (:func:`moejax.bench.time_interleaved`)."""
     nbytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     key = jax.random.key(0)
     matrices = jax.tree.map(lambda x: x.ndim >= 2, tree)
@@ -131,18 +132,16 @@ def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) 
             lambda t: magnitude_prune(t, p, mask=matrices)),
     }
     host = [np.asarray(x) for x in jax.tree.leaves(tree)]
-    t_np = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for x in host:
+
+    def numpy_copy(_):
+        for x in host:   # each copy dropped at once: its memory is reused, as memcpy's would be
             np.copy(x)
-        t_np.append(time.perf_counter() - t0)
-    t_np = float(np.median(t_np))
-    rows = [{"op": "numpy copy (reference)", "seconds": t_np, "gb_s": nbytes / t_np / 1e9}]
-    for name, fn in ops.items():
-        t = time_call(fn, tree, warmup=1, repeats=repeats)["median_s"]
-        rows.append({"op": name, "seconds": t, "gb_s": nbytes / t / 1e9})
-    t_x2 = rows[1]["seconds"]
+
+    fns = {"numpy copy (reference)": numpy_copy, **ops}
+    times = time_interleaved(fns, tree, warmup=1, repeats=repeats)
+    rows = [{"op": name, "seconds": t["median_s"], "gb_s": nbytes / t["median_s"] / 1e9}
+            for name, t in times.items()]
+    t_np, t_x2 = rows[0]["seconds"], rows[1]["seconds"]
     for r in rows:
         r["vs_x2"] = t_x2 / r["seconds"]
         r["vs_numpy_copy"] = t_np / r["seconds"]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.bench import time_call, union_activations
+from moejax.bench import time_call, time_interleaved, union_activations
 
 
 @pytest.mark.parametrize("n,union,density", [(1, 3, 1.0), (8, 16, 0.3), (32, 1, 0.5),
@@ -40,3 +40,14 @@ def test_time_call_counts_repeats_and_orders_min_median():
     assert 0 < out["min_s"] <= out["median_s"] and out["repeats"] == 4
     with pytest.raises(ValueError, match="repeats"):
         time_call(fn, jnp.ones(3), repeats=0)
+
+
+def test_time_interleaved_warms_every_fn_then_alternates():
+    order = []
+    fns = {name: (lambda x, name=name: order.append(name) or x + 1) for name in ("a", "b")}
+    out = time_interleaved(fns, jnp.ones(3), warmup=1, repeats=3)
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3   # warm-ups, then round-robin
+    assert set(out) == {"a", "b"}
+    assert all(0 < r["min_s"] <= r["median_s"] and r["repeats"] == 3 for r in out.values())
+    with pytest.raises(ValueError, match="repeats"):
+        time_interleaved(fns, jnp.ones(3), repeats=0)
