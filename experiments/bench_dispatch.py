@@ -273,8 +273,8 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         delta = delta_op_times(tree)
         run.table("delta_ops", delta, title=f"Delta ops over a {n / 1e6:.1f}M-parameter "
                   f"float32 tree ({cfg.delta_tree}), 8 bytes per parameter "
-                  f"({_versions()})", columns=["op", "seconds", "gb_s", "vs_x2",
-                                               "vs_numpy_copy"])
+                  f"({_versions()})", columns=["op", "seconds", "min_seconds", "gb_s",
+                                               "vs_x2", "vs_numpy_copy"])
         del tree
         summary_delta = {r["op"]: round(r["vs_x2"], 2) for r in delta}
     columns = ["impl", "ms", "vs_torch", "vs_flop_bound"]

@@ -111,9 +111,9 @@ def tree_of_shapes(shapes: dict[str, tuple], seed: int = 0) -> dict:
 
 
 def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) -> list[dict]:
-    """Rows ``{op, seconds, gb_s, vs_x2, vs_numpy_copy}``; bytes = read + write of the tree
-    (8 per float32 parameter); medians of ``repeats`` round-robin rounds
-    (:func:`moejax.bench.time_interleaved`)."""
+    """Rows ``{op, seconds, min_seconds, gb_s, vs_x2, vs_numpy_copy}``: median and fastest of
+    ``repeats`` round-robin rounds (:func:`moejax.bench.time_interleaved`), ratios of medians;
+    bytes = read + write of the tree (8 per float32 parameter)."""
     nbytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     key = jax.random.key(0)
     matrices = jax.tree.map(lambda x: x.ndim >= 2, tree)
@@ -139,8 +139,8 @@ def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) 
 
     fns = {"numpy copy (reference)": numpy_copy, **ops}
     times = time_interleaved(fns, tree, warmup=1, repeats=repeats)
-    rows = [{"op": name, "seconds": t["median_s"], "gb_s": nbytes / t["median_s"] / 1e9}
-            for name, t in times.items()]
+    rows = [{"op": name, "seconds": t["median_s"], "min_seconds": t["min_s"],
+             "gb_s": nbytes / t["median_s"] / 1e9} for name, t in times.items()]
     t_np, t_x2 = rows[0]["seconds"], rows[1]["seconds"]
     for r in rows:
         r["vs_x2"] = t_x2 / r["seconds"]
