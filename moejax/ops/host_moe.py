@@ -269,7 +269,7 @@ def _backward_np(ctx, outs, dy_ND, x_ND, ids_NK, weights_NK, real_N, w_up, w_dow
     tok_S, w_S = lay.order_S // k, wts.reshape(-1)[lay.order_S]
     dw_S = np.zeros(n * k, np.float32)
     dX = np.empty((s_rows + 1, d), np.float32)
-    advise_huge_pages(dX)                           # fresh each call: fault per 2 MiB
+    advise_huge_pages(dX)       # fresh each call; numpy advises only arrays of >= 4 MiB itself
     dX[s_rows] = 0                                  # the dropped assignments' row
     bufs = [_target(o) for o in outs[2:]]           # dW_up, dW_down[, dW_gate]
     dWu, dWd = bufs[:2]
