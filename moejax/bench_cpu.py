@@ -1,7 +1,7 @@
 """Measurements behind ``experiments/bench_dispatch.py`` (issue 17's one-run table of ratios).
 
-* :func:`matmul_gflops`: GFLOP/s of one jitted ``[m, k] @ [k, n]`` float32 matmul here (the
-  rate that turns FLOPs into the bound of a compute-bound op);
+* :func:`matmul_gflops`: GFLOP/s of a jitted (or numpy) ``[m, k] @ [k, n]`` float32 matmul
+  here, allocation excluded (the rate that turns FLOPs into the bound of a compute-bound op);
 * :func:`moe_block_flops` / :func:`moe_block_fwd_bwd`: fwd+bwd of one MoE slot (loss = sum of
   squares of the output, gradients w.r.t. input and every parameter) for a dispatch path;
 * :func:`torch_moe_block_s`: the PyTorch peer, an expert loop written the way Hugging Face's
@@ -31,19 +31,35 @@ __all__ = ["matmul_gflops", "moe_block_flops", "moe_block_fwd_bwd", "torch_moe_b
 
 
 def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10,
-                  backend: str = "xla") -> float:
-    """GFLOP/s of one float32 ``[m, k] @ [k, n]``: jitted (``backend="xla"``) or numpy's BLAS
-    (``"numpy"``, the library the host dispatch paths call); median of ``repeats``."""
+                  backend: str = "xla", inner: int = 8) -> float:
+    """GFLOP/s of a float32 ``[m, k] @ [k, n]``: jitted (``backend="xla"``) or numpy's BLAS
+    (``"numpy"``, the library the host dispatch paths call); median of ``repeats``.
+
+    The rate of the multiply, not of the allocation around it: numpy writes a preallocated
+    ``out``, and XLA runs ``inner`` matmuls (distinct right-hand sides, so none is hoisted)
+    in one call whose output buffer is allocated once. Timed one call per matmul, XLA's fresh
+    16 MiB output costs a page fault per 4 KiB (about 3 us each on this project's machine)
+    whenever glibc serves it from a new mapping, which depends on what the process freed
+    before: the same jitted 4096 x 256 x 1024 matmul measured 105.7 GFLOP/s in a fresh
+    process and 178 after other work, against 179-180 in the loop. Issue 17's bound
+    (105 GFLOP/s, ~184 ms) was the first of these."""
     if backend == "numpy":
         rng = np.random.default_rng(0)
         a, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n)))
         out = np.empty((m, n), np.float32)
         t = time_call(lambda: np.matmul(a, b, out=out), repeats=repeats)["median_s"]
-    else:
-        a = jnp.ones((m, k), jnp.float32)
-        b = jnp.ones((k, n), jnp.float32)
-        t = time_call(jax.jit(jnp.matmul), a, b, repeats=repeats)["median_s"]
-    return 2.0 * m * k * n / t / 1e9
+        return 2.0 * m * k * n / t / 1e9
+    if backend != "xla":
+        raise ValueError(f"matmul_gflops: backend {backend!r}; use 'xla' or 'numpy'")
+    a = jnp.ones((m, k), jnp.float32)
+    b_IKN = jax.random.normal(jax.random.key(0), (inner, k, n), jnp.float32)
+
+    @jax.jit
+    def matmuls(a, b_IKN):
+        return jax.lax.fori_loop(1, inner, lambda i, _: a @ b_IKN[i], a @ b_IKN[0])
+
+    t = time_call(matmuls, a, b_IKN, repeats=repeats)["median_s"]
+    return 2.0 * inner * m * k * n / t / 1e9
 
 
 def moe_block_flops(n_tokens: int, d: int, f: int, top_k: int, gated: bool = True) -> float:

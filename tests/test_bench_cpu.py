@@ -1,0 +1,27 @@
+"""``moejax.bench_cpu``: the matmul rate behind the FLOP bound and the block's FLOP count."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moejax.bench_cpu import matmul_gflops, moe_block_flops
+
+
+@pytest.mark.parametrize("backend", ["xla", "numpy"])
+def test_matmul_rate_is_a_finite_positive_rate(backend):
+    rate = matmul_gflops(64, 32, 48, repeats=2, backend=backend, inner=3)
+    assert math.isfinite(rate) and rate > 0
+
+
+def test_matmul_rate_rejects_an_unknown_backend():
+    with pytest.raises(ValueError, match="'xla' or 'numpy'"):
+        matmul_gflops(8, 8, 8, backend="torch")
+
+
+def test_block_flops_count_three_gated_matrices_forward_and_backward():
+    # issue 17's block: 2048 tokens, d 256, width 1024, top-2, SwiGLU -> 19.3 GFLOP
+    assert moe_block_flops(2048, 256, 1024, 2) == pytest.approx(19.327e9, rel=1e-3)
+    assert moe_block_flops(2048, 256, 1024, 2, gated=False) == pytest.approx(
+        moe_block_flops(2048, 256, 1024, 2) * 2 / 3)
