@@ -41,7 +41,7 @@ def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10,
     16 MiB output costs a page fault per 4 KiB (about 3 us each on this project's machine)
     whenever glibc serves it from a new mapping, which depends on what the process freed
     before: the same jitted 4096 x 256 x 1024 matmul measured 105.7 GFLOP/s in a fresh
-    process and 178 after other work, against 179-180 in the loop. Issue 17's bound
+    process and 178 after other work, against 178-183 in the loop. Issue 17's bound
     (105 GFLOP/s, ~184 ms) was the first of these."""
     if backend == "numpy":
         rng = np.random.default_rng(0)
@@ -51,6 +51,8 @@ def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10,
         return 2.0 * m * k * n / t / 1e9
     if backend != "xla":
         raise ValueError(f"matmul_gflops: backend {backend!r}; use 'xla' or 'numpy'")
+    if inner < 1:
+        raise ValueError(f"matmul_gflops: inner={inner}; use at least 1 matmul per call")
     a = jnp.ones((m, k), jnp.float32)
     b_IKN = jax.random.normal(jax.random.key(0), (inner, k, n), jnp.float32)
 

@@ -15,9 +15,11 @@ def test_matmul_rate_is_a_finite_positive_rate(backend):
     assert math.isfinite(rate) and rate > 0
 
 
-def test_matmul_rate_rejects_an_unknown_backend():
+def test_matmul_rate_rejects_an_unknown_backend_and_an_empty_loop():
     with pytest.raises(ValueError, match="'xla' or 'numpy'"):
         matmul_gflops(8, 8, 8, backend="torch")
+    with pytest.raises(ValueError, match="at least 1"):
+        matmul_gflops(8, 8, 8, inner=0)
 
 
 def test_block_flops_count_three_gated_matrices_forward_and_backward():
