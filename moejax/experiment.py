@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, ConfigError, apply_overrides, describe
-from moejax.results import RunDir, merge_seed_tables, read_csv_rows
+from moejax.results import RunDir, merge_seed_tables, read_csv_rows, write_run_record
 
 __all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
            "PRESETS"]
@@ -121,11 +121,22 @@ def run_experiment(
     quick_repeat: int = 1,
 ) -> tuple[dict[str, Any], RunDir]:
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat)
+    cfgs = [cfg]
     if repeat > 1:  # fail before any compute on a bad seed key
         cfgs = [seed_offset(cfg, seed_keys, i) for i in range(repeat)]
     out = out or default_out
+    started = time.time()
     if repeat == 1:
-        return _run_once(name, cfg, run_fn, out)[:2]
+        summary, run = _run_once(name, cfg, run_fn, out)[:2]
+    else:
+        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out)
+    write_run_record(run.path, study=name, argv=argv, started=started, repeat=repeat,
+                     seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys})
+    return summary, run
+
+
+def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out):
+    repeat = len(cfgs)
     runs, summaries, heads = [], [], []
     t0 = time.time()
     for i, c in enumerate(cfgs):
