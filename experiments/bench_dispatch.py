@@ -3,8 +3,8 @@
 loop and against the FLOP bound at this machine's matmul rate, and each delta operation over a
 SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes. The
 FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates; the block is
-timed again, last, after :func:`moejax.host_memory.retain_freed_memory` (process-wide).
-``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.host_memory`); the
+timed again, last, after :func:`moejax.kernels.host.memory.retain_freed_memory` (process-wide).
+``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.kernels.host.memory`); the
 tables' titles say whether it was.
 
 Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
@@ -32,8 +32,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from moejax.bench import kernel_unavailable, time_call
-from moejax.bench_cpu import (
+from experiments.bench import kernel_unavailable, time_call
+from experiments.bench_cpu import (
     delta_op_times,
     matmul_gflops,
     moe_block_flops,
@@ -45,14 +45,15 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.experiment import main
-from moejax.host_memory import malloc_huge_pages, retain_freed_memory
+from moejax.kernels.dispatch import PATHS
+from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
 from moejax.results import RunDir
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
 NAME = "bench_dispatch"
@@ -70,13 +71,13 @@ class BenchConfig(Config):
         moe=MoEConfig(n_experts=8, top_k=2, d_expert=704, capacity_factor=1.25),
     )
     paths: tuple[DispatchMethod, ...] = ("dense", "capacity", "ragged", "grouped", "bucketed",
-                                         "host_gmm", "host", "host_capacity")
+                                         "host", "host_capacity")
     batch_size: int = 16
     seq_len: int = 128
     warmup: int = 2
     steps: int = 8
     precision: Literal["float32", "bfloat16"] = "float32"
-    # one MoE block, fwd+bwd (the issue-17 shape): tokens, d_model, expert width, experts, k
+    # one MoE block, fwd+bwd: tokens, d_model, expert width, experts, k
     block_tokens: int = 2048
     block_d: int = 256
     block_f: int = 1024
@@ -84,18 +85,16 @@ class BenchConfig(Config):
     block_top_k: int = 2
     block_repeats: int = 10
     block_paths: tuple[Literal["capacity", "grouped", "bucketed", "host", "host_capacity",
-                               "host_gmm", "ragged", "dense"], ...] = (
-        "capacity", "grouped", "bucketed", "host", "host_capacity", "host_gmm", "ragged",
-        "dense")
-    # measure the block again after moejax.host_memory.retain_freed_memory() (glibc keeps
+                               "ragged", "dense"], ...] = (
+        "capacity", "grouped", "bucketed", "host", "host_capacity", "ragged", "dense")
+    # measure the block again after moejax.kernels.host.memory.retain_freed_memory() (glibc keeps
     # freed memory: fewer page faults; process-wide, so it runs last)
     block_retain_memory: bool = True
     # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
 
     def validate(self):
-        allowed = ("dense", "capacity", "ragged", "gmm", "host", "host_capacity", "host_gmm",
-                   "grouped", "bucketed")
+        allowed = tuple(PATHS)
         bad = [p for p in self.paths if p not in allowed]
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
@@ -191,7 +190,6 @@ def _block_times(cfg: BenchConfig) -> dict[str, float | None]:
                 ("host (dropless, fused)", base.replace(dispatch="host")),
                 ("host_capacity cf=1.25 (fused)", base.replace(dispatch="host_capacity",
                                                                capacity_factor=1.25)),
-                ("host_gmm (dropless, per-matmul callbacks)", base.replace(dispatch="host_gmm")),
                 ("ragged (dropless)", base.replace(dispatch="ragged")),
                 ("dense (oracle)", base.replace(dispatch="dense"))]
     times = {}
@@ -289,7 +287,7 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     run.table("block", block, title=f"One MoE block fwd+bwd: {cfg.block_tokens} tokens, d "
               f"{cfg.block_d}, {cfg.block_experts} SwiGLU experts of width {cfg.block_f}, "
               f"top-{cfg.block_top_k}, median of {cfg.block_repeats} ({_versions()}); "
-              "*_retained: measured again after moejax.host_memory.retain_freed_memory()",
+              "*_retained: measured again after moejax.kernels.host.memory.retain_freed_memory()",
               columns=columns + ["note"])
     best = max(timed, key=lambda r: r["tokens_per_s"])
     ref = {r["path"]: r for r in timed}
@@ -297,7 +295,7 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     if "capacity" in ref and "ragged" in ref:
         ratio = ref["ragged"]["step_s_median"] / ref["capacity"]["step_s_median"]
         extra = f"; capacity is {ratio:.2f}x faster than ragged_dot"
-    for dropless in ("grouped", "bucketed", "host_gmm", "host"):
+    for dropless in ("grouped", "bucketed", "host"):
         if "capacity" in ref and dropless in ref:
             extra += (f"; dropless {dropless} step / capacity step = "
                       f"{ref[dropless]['step_s_median'] / ref['capacity']['step_s_median']:.2f}")

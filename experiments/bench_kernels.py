@@ -2,7 +2,7 @@
 matmul), against their bounds.
 
 (a) ``ffn``: one BlockFFN layer's experts on a chunk of ``n`` tokens whose union of active
-experts is a fraction ``|U| / E`` of the experts (:func:`moejax.bench.union_activations`,
+experts is a fraction ``|U| / E`` of the experts (:func:`experiments.bench.union_activations`,
 every token active on every union expert). Paths: ``dense`` (every expert), ``ragged``
 (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union`` and
 ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``), and
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from moejax.bench import kernel_unavailable, time_call, union_activations
+from experiments.bench import kernel_unavailable, time_call, union_activations
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.kernels.chunk_union import chunk_union_kernel

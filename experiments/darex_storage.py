@@ -3,7 +3,6 @@ apply DARE / DAREx-q to a SmolLM2-135M-sized tree.
 
 Table ``storage``: for each drop rate p and bit width, the delta is pruned with DARE and written
 with :mod:`moejax.delta.storage` (``.npz``, no pickle):
-
 * p = 0: dense leaves (32 = float32, 16 = bfloat16, b <= 8 = symmetric per-channel k-bit codes);
 * p > 0: pruned matrices as flat indices (smallest unsigned dtype) + their surviving values
   (float32, bfloat16, or k-bit codes with one scale per matrix); vectors stay dense float32.
@@ -34,10 +33,11 @@ from flax import nnx
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.experiment import main
+from moejax.nn.decoder import DecoderLM, smollm2_135m_config
 from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
-from moejax.substrates.mlp import MLPSubstrateConfig
+from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_storage"
@@ -85,7 +85,6 @@ TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, hea
 def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
     """``{path: array}`` with SmolLM2-135M's exact parameter shapes, entries N(0, std^2)
     (``tiny``: a 2-layer, d=64 variant of the same layout, for tests)."""
-    from moejax.nn.decoder import DecoderLM, smollm2_135m_config
 
     mcfg = smollm2_135m_config(**(TINY if tiny else {}))
     abstract = nnx.eval_shape(lambda: DecoderLM(mcfg, rngs=nnx.Rngs(0)))
@@ -98,7 +97,6 @@ def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
 
 def mlp_source(cfg: StorageConfig):
     """``(theta_P, Delta, accuracy_fn)`` of the fine-tuned controlled MLP."""
-    from moejax.substrates.mlp import accuracy_fn, finetune_mlp, load_tasks
 
     tasks = load_tasks(cfg.substrate.split_seed)
     pre = build_substrate("mlp_mnist5k", cfg.substrate, cache_dir=cfg.substrate_cache or None,

@@ -17,11 +17,12 @@ import numpy as np
 
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_windows
+from moejax.io.smollm2 import load_smollm2
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 
 Corpus = Literal["stdlib_code", "prose/pydoc", "prose/kjv"]
 
@@ -49,8 +50,6 @@ class SubstrateConfig(Config):
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
-    from moejax.io.smollm2 import load_smollm2
-
     return load_smollm2()[1]
 
 
@@ -62,8 +61,6 @@ def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
 
 
 def _smollm2(s: SubstrateConfig):
-    from moejax.io.smollm2 import load_smollm2
-
     model, _ = load_smollm2(max_seq_len=max(512, s.seq_len))
     return model
 

@@ -49,7 +49,7 @@ from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 
 NAME = "ders_compression"

@@ -2,7 +2,6 @@
 
 A pre-fine-tuned dense LM is upcycled (every other block, N=4, top-2) in several ways and each
 MoE is trained on the downstream corpus with the same budget:
-
 * vanilla: N dense copies of the FFN;
 * DeRS-SM at sparse rates ``sm_rates``: ``W_i = W_shared + scatter(I_i, V_i)``;
 * DeRS-LM at ranks ``lm_ranks``: ``W_i = W_shared + A_i B_i``;
@@ -29,7 +28,7 @@ from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.pytree import count_bytes, fmt_count
 from moejax.results import RunDir
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 
 NAME = "ders_upcycling"

@@ -25,8 +25,8 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
-from moejax.train.optim import TrainConfig
 
 NAME = "lm_demo"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moejax.config import ConfigError
 from moejax.experiment import PRESETS, run_experiment
-from moejax.results import atomic_write_text
+from moejax.files import atomic_write_text
 
 # Order matters: cheap, foundational studies first.
 REGISTRY: tuple[str, ...] = (

@@ -35,6 +35,7 @@ from moejax.data.loader import chat_prompt_response
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.evaluate import GenerationEvaluator, gate_mass_by_layer, router_kl_by_layer
 from moejax.experiment import main
+from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.nn.routing_modes import RoutingMode, with_routing
 from moejax.results import RunDir
@@ -49,8 +50,8 @@ from moejax.train.distill import (
     distill_pair,
     distill_tx,
 )
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
 
 NAME = "moe_kd"
@@ -142,8 +143,6 @@ def make_config(preset: str) -> MoEKDConfig:
 def _dense_start(cfg: MoEKDConfig):
     """``(dense model, tokenizer, description)``."""
     if cfg.model == "smollm2_135m":
-        from moejax.io.smollm2 import load_smollm2
-
         model, tok = load_smollm2(max_seq_len=max(512, cfg.prompt_len + cfg.response_len))
         return model, tok, "SmolLM2-135M-Instruct"
     sub = build_substrate("dense_lm_prose", cfg.substrate, cache_dir=cfg.substrate_cache or None,

@@ -33,6 +33,7 @@ import numpy as np
 
 from moejax.config import Config, config
 from moejax.data.batches import ArrayBatches
+from moejax.data.builders_labelled import POS_NAMES
 from moejax.evaluate import ClassifierEvaluator, classifier_kd_loss_fn, classifier_logits
 from moejax.experiment import main
 from moejax.extract import (
@@ -51,6 +52,8 @@ from moejax.extract.pipeline import (
     moefication_model,
     routing_stats,
 )
+from moejax.io.hf_tokenizer import tokenizer_from_json
+from moejax.io.minilm import minilm_dir
 from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
@@ -61,8 +64,8 @@ from moejax.substrates.classify import (
     mnist_arrays,
     wordnet_arrays,
 )
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 
 NAME = "moee"
 
@@ -152,10 +155,6 @@ class Data:
             self.n_classes, self.seq_len = 10, None
             self.class_names = [str(i) for i in range(10)]
         else:
-            from moejax.data.builders_labelled import POS_NAMES
-            from moejax.io.hf_tokenizer import tokenizer_from_json
-            from moejax.io.minilm import minilm_dir
-
             sub = build_substrate("minilm_wordnet_pos", cfg.minilm, cache_dir=cache,
                                   progress=True)
             tok = tokenizer_from_json(minilm_dir() / "tokenizer.json")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.nn.sample import sample
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -332,8 +333,6 @@ class GenerationEvaluator(_Evaluator):
                            for row, m in zip(b["tokens"], b["response_mask"])]
 
     def generate(self, model, seed: int) -> list[str]:
-        from moejax.nn.sample import sample
-
         out = []
         for i, b in enumerate(self.batches):
             max_new = b["tokens"].shape[1] - b["prompts"].shape[1]

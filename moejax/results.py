@@ -18,32 +18,16 @@ import io
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, to_dict
+from moejax.files import atomic_open, atomic_write_text
 
 __all__ = ["RunDir", "markdown_table", "atomic_write_text", "format_value", "seed_summary",
            "merge_seed_tables", "read_csv_rows", "machine_info", "write_run_record"]
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _cpu_model() -> str:
@@ -375,10 +359,9 @@ class RunDir:
         import matplotlib.pyplot as plt
 
         out = self.path / f"{stem}.png"
-        tmp = self.path / f".{stem}.tmp.png"
-        fig.savefig(tmp)
+        with atomic_open(out, "wb") as f:
+            fig.savefig(f, format="png")
         plt.close(fig)
-        os.replace(tmp, out)
         self.plots.append((title, out.name))
         return out
 

@@ -1,4 +1,4 @@
-"""``moejax.bench_cpu``: the matmul rate behind the FLOP bound and the block's FLOP count."""
+"""``experiments.bench_cpu``: the matmul rate behind the FLOP bound and the block's FLOP count."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from moejax.bench_cpu import matmul_gflops, moe_block_flops
+from experiments.bench_cpu import matmul_gflops, moe_block_flops
 
 
 @pytest.mark.parametrize("backend", ["xla", "numpy"])

@@ -1,4 +1,4 @@
-"""moejax.bench: the synthetic union patterns have exactly the asked union, and the timer
+"""experiments.bench: the synthetic union patterns have exactly the asked union, and the timer
 times what it is given."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.bench import time_call, time_interleaved, union_activations
+from experiments.bench import time_call, time_interleaved, union_activations
 
 
 @pytest.mark.parametrize("n,union,density", [(1, 3, 1.0), (8, 16, 0.3), (32, 1, 0.5),

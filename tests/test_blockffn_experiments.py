@@ -26,7 +26,7 @@ def test_presets_build(name, preset):
 
 
 def test_active_sets_topk_and_dsmoe():
-    from moejax.sparse_lm import SparseLMConfig, active_sets
+    from experiments.sparse_lm import SparseLMConfig, active_sets
 
     ids = jnp.array([[[0, 2], [1, 2]]])  # [B=1, T=2, k=2] routed ids
     act, a = active_sets(SparseLMConfig(arch="topk", n_experts=4, top_k=2),
@@ -43,8 +43,8 @@ def test_active_sets_topk_and_dsmoe():
 
 
 def test_grin_slot():
+    from experiments.sparse_lm import SparseLMConfig
     from moejax.nn.grin import GRINConfig
-    from moejax.sparse_lm import SparseLMConfig
 
     slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
     assert isinstance(slot, GRINConfig)
@@ -59,9 +59,9 @@ def test_sparsity_evaluator_matches_direct_computation():
     reports no sparsity metrics."""
     import functools
 
+    from experiments.sparse_lm import SparseLMConfig, active_sets
     from moejax.evaluate import SparsityEvaluator
     from moejax.ops.losses import cross_entropy
-    from moejax.sparse_lm import SparseLMConfig, active_sets
 
     rng = np.random.default_rng(0)
     batches = [{"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),

@@ -16,7 +16,7 @@ from flax import nnx
 import moejax.train.checkpoint as ck_mod
 from moejax.config import from_json
 from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
 

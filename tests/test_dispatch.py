@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from scipy.special import erf
 
+from moejax.kernels import dispatch as dp
+from moejax.kernels.dispatch import dispatch
 from moejax.nn.router import top_k_gates
 from moejax.ops.dispatch import (
-    dispatch,
     dispatch_capacity,
     dispatch_dense,
     dispatch_ragged,
@@ -141,19 +142,17 @@ def test_paths_agree_forward_and_gradients(activation, jit):
     (l_r, o_r), g_r = _loss_fn("ragged", activation, jit=jit)(*args)
     (l_b, o_b), g_b = _loss_fn("bucketed", activation, jit=jit)(*args)
     (l_h, o_h), g_h = _loss_fn("host", activation, jit=jit)(*args)
-    (l_hg, o_hg), g_hg = _loss_fn("host_gmm", activation, jit=jit)(*args)
-    for o in (o_c, o_r, o_b, o_h, o_hg):
+    for o in (o_c, o_r, o_b, o_h):
         np.testing.assert_allclose(np.asarray(o.y_ND), np.asarray(o_d.y_ND), rtol=1e-5, atol=1e-5)
         assert int(o.n_dropped) == 0
     np.testing.assert_allclose(float(l_c), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_r), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_b), float(l_d), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l_h), float(l_d), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(l_hg), float(l_d), rtol=1e-5, atol=1e-5)
     names = ["x", "w_g", "w_up", "w_down", "w_gate"]
-    for name, gd, gc, gr, gb, gh, ghg in zip(names, g_d, g_c, g_r, g_b, g_h, g_hg):
+    for name, gd, gc, gr, gb, gh in zip(names, g_d, g_c, g_r, g_b, g_h):
         if gd is None:
-            assert gc is None and gr is None and gb is None and gh is None and ghg is None
+            assert gc is None and gr is None and gb is None and gh is None
             continue
         assert float(jnp.max(jnp.abs(gd))) > 1e-3, f"grad of {name} is trivially zero"
         np.testing.assert_allclose(np.asarray(gc), np.asarray(gd), rtol=1e-5, atol=1e-5,
@@ -164,8 +163,6 @@ def test_paths_agree_forward_and_gradients(activation, jit):
                                    err_msg=f"bucketed grad {name}")
         np.testing.assert_allclose(np.asarray(gh), np.asarray(gd), rtol=1e-5, atol=1e-5,
                                    err_msg=f"host grad {name}")
-        np.testing.assert_allclose(np.asarray(ghg), np.asarray(gd), rtol=1e-5, atol=1e-5,
-                                   err_msg=f"host_gmm grad {name}")
 
 
 def test_capacity_drops_match_numpy_oracle():
@@ -338,8 +335,6 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
 
 
 def test_auto_is_host_on_one_cpu_device_else_grouped(monkeypatch):
-    from moejax.ops import dispatch as dp
-
     assert dp.resolve_dispatch("capacity") == "capacity"
     assert dp.resolve_dispatch("grouped") == "grouped"
     assert jax.default_backend() == "cpu" and jax.device_count() == 1  # this test process

@@ -24,8 +24,8 @@ from moejax.train.distill import (
     distill_pair,
     distill_tx,
 )
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 
 V = 40
 

@@ -4,7 +4,7 @@ substrate once into the cache, say which substrate they started from and write t
 import csv
 
 from moejax.experiment import run_experiment
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
 

@@ -6,7 +6,7 @@ import csv
 
 from experiments import moe_kd as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
 

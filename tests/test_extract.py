@@ -32,7 +32,7 @@ from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
 from moejax.ops.activations import activation_fn
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 
 
 def blobs(n_per=100, n_blobs=3, dim=8, seed=0):

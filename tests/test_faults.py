@@ -32,8 +32,8 @@ from moejax.train.checkpoint import (
     CorruptCheckpointError,
     latest_step,
 )
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import ResumeError, read_csv, train
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
 from moejax.train.run_lock import RunLock, RunLockedError
 from moejax.train.step import NonFiniteError, init_state, lm_loss_fn
 from tests.test_train_loop import Crash
@@ -171,7 +171,7 @@ sys.path.insert(0, {root!r})
 from flax import nnx
 from orbax.checkpoint._src.path import atomicity
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from tests.test_train_utils import TinyMoELM, ToySource
 cfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, ckpt_every=2, log_every=1)
 for i, exc in enumerate([OSError(errno.EROFS, 'Read-only file system'), KeyboardInterrupt()]):
@@ -221,7 +221,7 @@ import sys
 sys.path.insert(0, {root!r})
 from flax import nnx
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from tests.test_train_utils import TinyMoELM, ToySource
 cfg = TrainConfig(steps=400, batch_size=4, lr=1e-2, ckpt_every=1, log_every=1,
                   keep_checkpoints=2)
@@ -477,7 +477,7 @@ def test_byte_tokenizer_rejects_out_of_vocabulary_ids():
      "top_k=3"),
     (lambda: __import__("moejax.nn.moe", fromlist=["x"]).MoEConfig(capacity_factor=0.0),
      "capacity_factor=0.0"),
-    (lambda: __import__("moejax.sparse_lm", fromlist=["x"]).SparseLMConfig(d_model=30),
+    (lambda: __import__("experiments.sparse_lm", fromlist=["x"]).SparseLMConfig(d_model=30),
      "not divisible"),
 ])
 def test_configs_fail_at_construction(build, match):

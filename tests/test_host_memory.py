@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-import moejax.host_memory as hmem
+import moejax.kernels.host.memory as hmem
 
 STEP = """
 import sys, numpy as np
-from moejax.host_memory import retain_freed_memory, minor_page_faults
+from moejax.kernels.host.memory import retain_freed_memory, minor_page_faults
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def step():  # three 12 MiB buffers, touched, freed: the heap's free top exceeds glibc's trim

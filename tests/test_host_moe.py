@@ -1,4 +1,4 @@
-"""The fused host expert kernel (``moejax.ops.host_moe``) against the dispatch oracles: the
+"""The fused host expert kernel (``moejax.kernels.host.moe``) against the dispatch oracles: the
 dense path (dropless) and the XLA capacity path (same drops), in values and in the gradients
 of the input, the combine weights and every expert weight; serial and threaded (split experts)
 schedules; activations and their derivatives against ``jax.nn`` / ``jax.grad``."""
@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moejax.ops.host_moe as hm
+import moejax.kernels.host.moe as hm
+from moejax.kernels.dispatch import dispatch
+from moejax.kernels.host.act import act_into, base_activation
 from moejax.ops.activations import activation_fn, is_gated
-from moejax.ops.dispatch import dispatch, dispatch_capacity, dispatch_dense
-from moejax.ops.host_act import act_into, base_activation
+from moejax.ops.dispatch import dispatch_capacity, dispatch_dense
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -110,7 +111,7 @@ def test_dispatch_names_route_to_the_kernel():
     np.testing.assert_allclose(host_cap.y_ND, xla_cap.y_ND, **TOL)
     assert int(host_cap.n_dropped) == int(xla_cap.n_dropped) > 0
     np.testing.assert_allclose(host_cap.dropped_fraction, xla_cap.dropped_fraction, rtol=1e-6)
-    for name in ("host", "host_gmm"):
+    for name in ("host",):
         out = dispatch(name, x, ids, w, wu, wd, wg, activation=activation)
         np.testing.assert_allclose(out.y_ND, dispatch_dense(x, ids, w, wu, wd, wg,
                                                             activation=activation).y_ND, **TOL)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moejax.kernels import gmm, group_tiles, tgmm
+from moejax.kernels.dispatch import dispatch
 from moejax.nn.router import top_k_gates
-from moejax.ops.dispatch import dispatch
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum
     ([3, 0, 9, 4], 16, 4, 4),

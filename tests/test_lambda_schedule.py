@@ -15,8 +15,8 @@ from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.train import lambda_schedule as ls
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 
 CFG = ls.CoefScheduleConfig(lam0=0.5, n_st=6, n_adj=3, gamma_min=1.025, max_factor=4.0)
 

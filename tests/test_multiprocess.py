@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from tests.test_train_utils import TinyMoELM, ToySource
 
@@ -27,7 +27,7 @@ import jax, numpy as np
 from flax import nnx
 from moejax.train import mesh as mesh_lib
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from moejax.train.optim import make_schedule, make_optimizer
+from moejax.train.hparams import make_schedule, make_optimizer
 from tests.test_multiprocess import CFG
 from tests.test_train_utils import TinyMoELM, ToySource
 assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())

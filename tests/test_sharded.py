@@ -14,7 +14,7 @@ sys.path.insert(0, ROOT)
 import jax, numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from moejax.train import mesh as mesh_lib
 from tests.test_train_utils import TinyMoELM, ToySource, tree_max_diff

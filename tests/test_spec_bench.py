@@ -1,4 +1,4 @@
-"""moejax.spec_bench: the grown target predicts exactly what the small one does, its extra
+"""experiments.spec_bench: the grown target predicts exactly what the small one does, its extra
 routers reach the asked TLS, and the decode timing reports what it ran; the benchmark study
 runs tiny and checks speculative against autoregressive output."""
 
@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from experiments.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.pytree import count_params
-from moejax.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm
 
 
 def _small(seed=0):

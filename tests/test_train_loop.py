@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from moejax.train.checkpoint import latest_step
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
-from moejax.train.optim import TrainConfig
 from moejax.train.step import NonFiniteError
 from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
 
@@ -161,7 +161,7 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     assert hist[0]["aux_loss"] > 0
     # the checkpoint restores into a freshly built DecoderLM state (expert stacks included)
     from moejax.train.checkpoint import Checkpointer
-    from moejax.train.optim import make_optimizer
+    from moejax.train.hparams import make_optimizer
     from moejax.train.step import init_train_state
 
     _, template = init_train_state(

@@ -13,8 +13,8 @@ from flax import nnx
 
 from moejax.optim.adamr import adamr
 from moejax.train.checkpoint import latest_step
+from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params
-from moejax.train.optim import TrainConfig
 from moejax.train.step import NonFiniteError
 from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, from_json, to_json
 from moejax.ops.losses import accuracy, cross_entropy
-from moejax.train.optim import TrainConfig, decay_mask, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, decay_mask, make_optimizer, make_schedule
 from tests.test_train_utils import TinyMoELM
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import (
     NonFiniteError,
     check_finite,

@@ -11,7 +11,7 @@ from moejax.config import ConfigError
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
 from moejax.nn.moe import MoE, MoEConfig
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model, upcycled_layers
 
@@ -128,7 +128,7 @@ def test_sm_indices_are_unique_fixed_buffers_and_only_values_train():
     assert isinstance(ffn.experts.idx_up, DeRSIndex) and isinstance(ffn.base.w_up, DeRSFrozen)
     # one training step: values move, indices and the frozen shared weight do not
     tcfg = TrainConfig(steps=1, batch_size=2, lr=1e-2, weight_decay=0.1)
-    from moejax.train.optim import make_optimizer
+    from moejax.train.hparams import make_optimizer
     tx = make_optimizer(tcfg)
     graphdef, state = init_train_state(moe, tx)
     step = make_train_step(graphdef, lm_loss_fn, tx, tcfg)

@@ -9,7 +9,7 @@ import dataclasses
 from moejax.substrates import registry
 from moejax.substrates.classify import ViTSubstrateConfig
 from moejax.substrates.lm import LMSubstrateConfig
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
 
 
 def tiny_train(steps: int = 4) -> TrainConfig:

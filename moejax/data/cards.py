@@ -9,20 +9,18 @@ the data dir), measures the split sizes (examples and UTF-8 bytes of the text fi
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from moejax.data import datasets, raw_files
+from moejax.data.stdlib_corpus import stdlib_root
+from moejax.files import atomic_write_bytes
 
 __all__ = ["CARDS", "measure", "write_cards"]
 
 
 def _stdlib_licence() -> Path | None:
-    from moejax.data.stdlib_corpus import stdlib_root
-
     path = stdlib_root() / "LICENSE.txt"
     return path if path.exists() else None
 
@@ -130,18 +128,6 @@ def measure(name: str, data_dir=None) -> dict[str, dict[str, int]]:
     return out
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _card(name: str, stats: dict) -> str:
     title, source, install, licence, _, doc = CARDS[name]
     cls, config = datasets.DATASETS[name]
@@ -194,10 +180,10 @@ def write_cards(root: Path, data_dir=None, names=None) -> None:
     for name in names or list(CARDS):
         stats = measure(name, data_dir)
         out = root / name.replace("/", "_")
-        _atomic_write(out / "DATA_CARD.md", _card(name, stats).encode())
+        atomic_write_bytes(out / "DATA_CARD.md", _card(name, stats).encode())
         lic = CARDS[name][4]()
         if lic is not None:
-            _atomic_write(out / "LICENSE.source.txt", Path(lic).read_bytes())
+            atomic_write_bytes(out / "LICENSE.source.txt", Path(lic).read_bytes())
         print(name, stats, flush=True)
 
 

@@ -24,6 +24,7 @@ import functools
 
 import numpy as np
 
+from moejax.data import datasets
 from moejax.data.lm_batches import WindowBatches
 from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.data.tokenizer import ByteTokenizer
@@ -42,7 +43,6 @@ def _check(name: str) -> None:
 def corpus_texts(name: str, split: str) -> tuple[str, ...]:
     """The documents of a corpus from its TFDS builder."""
     _check(name)
-    from moejax.data import datasets
 
     return tuple(datasets.decode_text(ex["text"]) for ex in datasets.load_split(name, split))
 

@@ -12,14 +12,13 @@ cheaper than reading a cache, so it is never cached.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from moejax.data import datasets
+from moejax.files import atomic_open
 from moejax.integrity import array_checksum
 
 log = logging.getLogger(__name__)
@@ -40,17 +39,8 @@ def _checksum(flat: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def _save(path: Path, flat: np.ndarray, offsets: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, flat=flat, offsets=offsets, checksum=_checksum(flat, offsets))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        np.savez(f, flat=flat, offsets=offsets, checksum=_checksum(flat, offsets))
 
 
 def _load(path: Path) -> tuple[np.ndarray, np.ndarray] | None:

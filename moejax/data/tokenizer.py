@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+
+from moejax.data.batches import pad_token_rows
+from moejax.files import atomic_write_text
 
 __all__ = [
     "PAD_ID",
@@ -58,7 +60,6 @@ class ByteTokenizer:
     def encode_padded(self, texts: Sequence[str], max_len: int | None = None):
         """``(tokens_BT int32, mask_BT bool)`` right-padded with ``pad_id`` to the longest
         text (or truncated to ``max_len``); the same contract as the HF tokenizer's."""
-        from moejax.data.batches import pad_token_rows
 
         ids = [x[:max_len] if max_len is not None else x for x in self.encode_batch(texts)]
         tokens, mask = pad_token_rows(ids, max(1, max(len(x) for x in ids)),
@@ -120,17 +121,7 @@ class BpeTokenizer:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``tokenizer.json`` atomically (temp file in the same directory, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write_text(path, self.to_json())
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)

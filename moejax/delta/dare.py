@@ -1,15 +1,12 @@
 """DARE and DAREx-q: random drop of delta parameters with rescaling (SPEC section 3).
 
 DARE (per weight matrix, drop rate ``p``)::
-
     m_ij ~ Bernoulli(1 - p),   Delta'_ij = m_ij * Delta_ij / (1 - p)
 
 DAREx-q replaces the factor ``1/(1-p)`` by ``1/q`` with ``q >= 1 - p``::
-
     Delta'_ij = m_ij * Delta_ij / q
 
 ``q`` is a scalar (global), a per-leaf value, or found by a search:
-
 * ``search_q_v``: ``q_v = argmax_q metric(theta_P + P(Delta, q))`` (labelled validation);
 * ``search_q_e``: ``q_e = argmin_q mean |f_L(theta_P + P(Delta, q)) - f_L(theta_P + Delta)|``
   (last-layer outputs on ONE fixed unlabelled batch, via a user ``outputs_fn(params)``).
@@ -28,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.delta.hash_mask import hash_keep_mask
 from moejax.delta.tree import apply_delta, per_leaf_keys, per_leaf_values
 
 __all__ = [
@@ -65,8 +63,6 @@ def dare_keep_mask(
     """
     _check_rate(p)
     if rng == "hash":
-        from moejax.delta.hash_mask import hash_keep_mask
-
         return hash_keep_mask(key, delta_tree, p, mask)
     if rng != "threefry":
         raise ValueError(f"rng={rng!r}; use 'threefry' (JAX's PRNG) or 'hash'")

@@ -2,7 +2,6 @@
 
 Per weight matrix of size ``m x n`` keep exactly ``k = round((1-p) m n)`` deltas with
 the largest score, no rescaling:
-
 * magnitude:  ``s_ij = |Delta_ij|``
 * WANDA:      ``s_ij = |Delta_ij| * ||x_j||_2``  (``j`` = input feature)
 
@@ -24,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moejax.delta.tree import map_selected, per_leaf_keys, per_leaf_values
+from moejax.delta.tree import leaf_paths, map_selected, per_leaf_keys, per_leaf_values
 
 __all__ = [
     "num_kept",
@@ -164,7 +163,6 @@ def wanda_prune(
 
 def _fill_paths(values, tree, mask):
     """Allow a ``{path: array}`` dict covering only the selected leaves."""
-    from moejax.delta.tree import leaf_paths
 
     if isinstance(values, dict) and all(isinstance(k, str) for k in values):
         paths = leaf_paths(tree)

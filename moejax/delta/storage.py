@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import zipfile
 from typing import Any, NamedTuple
 
@@ -28,6 +27,7 @@ import numpy as np
 
 from moejax.delta.quant import QuantizedLeaf, num_levels
 from moejax.delta.tree import leaf_paths, per_leaf_values
+from moejax.files import atomic_open
 
 __all__ = [
     "index_dtype_for",
@@ -232,19 +232,8 @@ def save(path: str, stored: StoredDelta) -> None:
             raise ValueError(f"save: array {k!r} has dtype object (it would need pickle); "
                              "store numeric arrays only")
     meta = np.frombuffer(json.dumps(stored.meta).encode("utf-8"), np.uint8)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, __meta__=meta, **stored.arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "wb") as f:
+        np.savez(f, __meta__=meta, **stored.arrays)
 
 
 def load(path: str) -> StoredDelta:

@@ -25,9 +25,10 @@ from flax import nnx
 from moejax.config import Config, config
 from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
-from moejax.extract.plan import ExpertPlan, moee_plan, moefication_plan
+from moejax.extract.plan import ExpertPlan, kept_neurons, moee_plan, moefication_plan
 from moejax.extract.surgery import apply_model, extract_model, ffn_holder, slot_layers
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
 
 __all__ = ["ExtractConfig", "cluster_layers", "moee_plans", "routing_stats", "matched_top_k",
            "moefication_model", "train_mlp_router", "MLPRouterNet", "expert_summary"]
@@ -154,7 +155,6 @@ def train_mlp_router(x_ND: np.ndarray, y_NF: np.ndarray, masks_CF: np.ndarray, *
     """Train :class:`MLPRouterNet` to predict which experts hold a token's activation mass:
     target ``t_c = sum_{f in c} relu(y_f)``, normalised to a distribution, cross-entropy.
     Returns the router weights ``{w1, b1, w2, b2}`` for :func:`extract_model`."""
-    from moejax.train.loop import train
 
     t = np.maximum(np.asarray(y_NF, np.float32), 0) @ masks_CF.T.astype(np.float32)
     t = t / np.maximum(t.sum(1, keepdims=True), 1e-9)
@@ -192,7 +192,6 @@ def moefication_model(model, records: dict, layers: Iterable[int], *, n_experts:
 
 def expert_summary(plans: dict) -> list[dict]:
     """One row per layer: experts, mean / min / max expert size, kept neurons."""
-    from moejax.extract.plan import kept_neurons
 
     rows = []
     for i, p in sorted(plans.items()):

@@ -14,14 +14,16 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
+from moejax.config import to_json
+from moejax.files import atomic_write_bytes
 from moejax.io._common import WeightFileError, build_with_params, flat_params
 
 __all__ = ["read_safetensors", "read_safetensors_metadata", "export_params", "import_params"]
@@ -106,8 +108,6 @@ def export_params(model_or_params, path, *, metadata: Mapping[str, str] | None =
     moejax :class:`~moejax.config.Config` stored as JSON under metadata ``"moejax_config"``.
     bfloat16 arrays are written as BF16.
     """
-    from safetensors.numpy import save_file
-
     if isinstance(model_or_params, nnx.Module):
         flat = flat_params(model_or_params)
     else:
@@ -115,15 +115,9 @@ def export_params(model_or_params, path, *, metadata: Mapping[str, str] | None =
     arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flat.items()}
     meta = {"format": "moejax"}
     if config is not None:
-        from moejax.config import to_json
         meta["moejax_config"] = to_json(config)
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(arrays, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_bytes(path, safetensors.numpy.save(arrays, metadata=meta))
 
 
 def import_params(path, make_model: Callable[[], nnx.Module]) -> nnx.Module:

@@ -1,5 +1,9 @@
 """Expert kernels (pure array functions; no model code). On CPU the Pallas kernels run in
-Pallas interpret mode (slow: tests use small shapes); on GPU they lower through Triton.
+Pallas interpret mode (slow: tests use small shapes).
+
+* :mod:`~moejax.kernels.dispatch`: every MoE dispatch path by name (jnp and kernel paths).
+* :mod:`~moejax.kernels.host`: the fused host expert FFN for the CPU backend
+  (``dispatch="host"`` / ``"host_capacity"``).
 
 * :mod:`~moejax.kernels.gmm`: dropless grouped matmul (``jax.lax.ragged_dot`` semantics) on a
   block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``; the MoE

@@ -1,7 +1,6 @@
 """BlockFFN: ReLU + RMSNorm routed mixture of fine-grained experts (SPEC section 4).
 
 ``y_BTD, aux = slot(x_BTD, train=..., key=None, mask_BT=None, segment_ids_BT=None)``::
-
     A0 = x W_router                  [E]   (no bias)
     A1 = ReLU(A0)                          activation pattern: expert e active iff A1_e > 0
     A  = RMSNorm(A1) (learnable scale; ``rmsnorm=False`` -> A = A1, the ReMoE router)
@@ -17,7 +16,6 @@ Parameter paths: ``router/w [D, E]``, ``router_norm/scale [E]`` (``rmsnorm=True`
 activation; App. I ablation only).
 
 Compute paths (same outputs and gradients, see tests/test_blockffn.py):
-
 * ``"dense"``: the reference; every expert on every token, weighted by ``A`` (zero when
   inactive).
 * ``"pallas"``: the same scheme as a Pallas kernel that reads only the union's expert
@@ -34,7 +32,6 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
   ``union_chunk=1`` is the per-token gather of the active experts.
 
 ``aux`` (losses unweighted except ``aux_loss``; padding and document boundaries respected):
-
 * ``aux_loss = al_coef L_al + cs_coef L_cs + l1_coef L1 + entropy_coef H``
 * ``al_loss``, ``cs_loss``, ``l1_loss`` (on ``A1``; plain or load-balanced), ``entropy_loss``: see
   :mod:`moejax.ops.chunk_sparsity`
@@ -55,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
+from moejax.kernels.chunk_union import chunk_union_kernel
 from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
@@ -185,8 +183,6 @@ class BlockFFN(MoESkeleton):
         if cfg.path == "dense":
             return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
         if cfg.path in ("pallas", "triton"):
-            from moejax.kernels.chunk_union import chunk_union_kernel
-
             y_ND, overflow = chunk_union_kernel(
                 x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
                 tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts,

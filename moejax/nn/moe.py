@@ -1,11 +1,9 @@
 """Top-k Mixture-of-Experts FFN slot (routers, dispatch paths, shared / universal FFNs).
 
 ``y_BTD, aux = moe(x_BTD, train=..., key=..., mask_BT=...)`` computes::
-
     y = sum_k G_k(x) E_{id_k}(x)  [+ shared(x)]  [+ universal(x)]
 
 Parameter paths of :class:`MoE` (names are relied on by sharding and upcycling code):
-
 * ``experts``: stacked experts, ``w_gate [E, D, F]`` (gated activations only),
   ``w_up [E, D, F]``, ``w_down [E, F, D]``. Training code shards every parameter whose path
   contains ``"experts"`` along its leading axis, so nothing else may use that word.
@@ -18,7 +16,6 @@ Parameter paths of :class:`MoE` (names are relied on by sharding and upcycling c
   ``w_gate/w_up [D, d_universal]``, ``w_down [d_universal, D]``, run in parallel and summed.
 
 ``aux`` (padding tokens of ``mask_BT`` excluded everywhere):
-
 * ``aux_loss`` = ``balance_coef * balance_loss + z_loss_coef * z_loss`` (scalar)
 * ``balance_loss`` raw balance loss of the configured form (0 when ``"none"``)
 * ``z_loss`` raw router z-loss ``mean logsumexp(logits)^2`` (always computed)
@@ -38,11 +35,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
+from moejax.kernels.dispatch import dispatch
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl
 from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.dispatch import DispatchMethod, dispatch, ffn_apply
+from moejax.ops.dispatch import DispatchMethod, ffn_apply
 
 __all__ = ["MoEConfig", "MoE", "MoESkeleton", "StackedExperts", "FFNWeights", "make_router",
            "router_aux", "add_always_on"]
@@ -59,17 +57,15 @@ class MoEConfig(FFNSlotConfig):
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "auto" (the default: "host" on a single CPU device, "grouped" elsewhere; see
-        :func:`moejax.ops.dispatch.resolve_dispatch`), "dense" (oracle, all experts on all
-        tokens), "capacity" (fixed [E, C, D] buffers, drops overflow; the default before
-        2026-11-23's fourth session), "ragged" (dropless grouped matmul with
+        :func:`moejax.kernels.dispatch.resolve_dispatch`), "dense" (oracle, all experts on all
+        tokens), "capacity" (fixed [E, C, D] buffers, drops overflow), "ragged" (dropless grouped matmul with
         ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas grouped-matmul kernels with
         their backward; GPU, interpret mode on CPU), "grouped" (dropless, block-padded
         grouped tiles as batched dense matmuls in jnp; runs and shards anywhere), "host"
-        (dropless: the fused expert FFN of :mod:`moejax.ops.host_moe`, each expert's exact
+        (dropless: the fused expert FFN of :mod:`moejax.kernels.host.moe`, each expert's exact
         rows on numpy's BLAS, one callback forward and one backward; CPU backend only,
         first-order gradients; the fastest path on CPU), "host_capacity" (the capacity
-        path's drops, computed by the same kernel over the kept rows only), "host_gmm"
-        (dropless, one host callback per grouped matmul) or "bucketed" (dropless: the
+        path's drops, computed by the same kernel over the kept rows only) or "bucketed" (dropless: the
         capacity path at the smallest rung of a capacity ladder that holds the fullest
         expert; one compiled capacity path per rung).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
@@ -196,7 +192,6 @@ class FFNWeights(nnx.Module):
 class MoESkeleton(nnx.Module):
     """The one MoE forward every MoE slot shares (top-k MoE, DeRS, synthesised, GRIN, BlockFFN,
     ReMoE)::
-
         r = route(x)                         # the router part (softmax / noisy / GRIN / ReLU)
         y, extra = experts_out(x, r)         # the expert part (stacked, DeRS, synthesised ...)
         y += always_on(x)                    # shared experts + universal FFN

@@ -3,7 +3,6 @@
 and rejected positions are rolled back from both KV caches.
 
 One round, per row (batched rows advance independently)::
-
     draft:   feed t, d_1, ..., d_n (n + 1 one-token steps) -> d_1..d_n ~ q_0..q_{n-1}
     target:  decode [t, d_1, ..., d_n] in one pass          -> p_0..p_n
     accept:  greedy  d_i kept while d_i = argmax p_{i-1};  x = argmax p_a
@@ -32,6 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.nn.blockffn import BlockFFN
+from moejax.nn.surgery import with_slot_config
+
 __all__ = ["SpecOutput", "speculative_generate", "rollback", "chunk_sparse_target",
            "accept_greedy", "accept_sampled"]
 
@@ -58,8 +60,6 @@ def rollback(cache: tuple, lengths_B: jax.Array) -> tuple:
 def chunk_sparse_target(model: nnx.Module, draft_len: int) -> nnx.Module:
     """A copy of a BlockFFN ``model`` whose FFNs verify ``draft_len + 1`` tokens through the
     chunk-union path (one tile per row, exact: the union cap stays ``n_experts``)."""
-    from moejax.nn.blockffn import BlockFFN
-    from moejax.nn.surgery import with_slot_config
 
     return with_slot_config(model, BlockFFN, path="chunk_union", union_chunk=draft_len + 1,
                             max_union=None)

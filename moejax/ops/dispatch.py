@@ -1,8 +1,7 @@
-"""Token -> expert dispatch for top-k MoE layers (pure functions, no model code).
+"""Token -> expert dispatch for top-k MoE layers in plain jnp (pure functions, no model code).
 
 Every path computes, for each token ``n`` with selected experts ``ids_NK[n]`` and combine
 weights ``weights_NK[n]``::
-
     y_N[n] = sum_k weights_NK[n, k] * E_{ids_NK[n, k]}(x_N[n])
 
 where expert ``e`` is the FFN ``act(x W_gate[e]) * (x W_up[e]) @ W_down[e]`` (gated
@@ -11,7 +10,6 @@ activations) or ``act(x W_up[e]) @ W_down[e]`` (non-gated), see
 ``w_down_EFD [E, F, D]`` and, for gated activations only, ``w_gate_EDF [E, D, F]``.
 
 Paths (all agree to float tolerance when nothing is dropped):
-
 * :func:`dispatch_dense` -- the correctness oracle: every expert on every token
   (``N * E`` expert evaluations), combined with a masked ``[N, E]`` weight matrix.
 * :func:`dispatch_capacity` -- sort assignments by expert, gather into fixed
@@ -19,20 +17,8 @@ Paths (all agree to float tolerance when nothing is dropped):
   batched matmul, gather the results back and combine. Assignments over capacity are
   dropped (their contribution is zero). Fast on CPU: only gathers, no one-hot matmuls.
 * :func:`dispatch_ragged` -- dropless: sort assignments by expert and run grouped matmuls
-  with :func:`jax.lax.ragged_dot` (``"ragged"``) or with the Pallas grouped-matmul kernel
-  :func:`moejax.kernels.gmm.gmm` (``"gmm"``: forward and backward kernels; interpret mode on
-  CPU, so only for tests there).
-* ``"host"`` -- dropless: :func:`moejax.ops.host_moe.host_moe`, the whole expert FFN on the
-  host (one ``buffer_callback`` forward, one backward): each expert's exact rows gathered,
-  multiplied by numpy's BLAS and activated while in cache, experts spread over the cores, as
-  an eager framework's expert loop does without its per-op overhead. CPU backend only; the
-  fastest path on CPU (the issue-17 block: 0.82-0.93x a PyTorch expert loop in three runs).
-* ``"host_capacity"`` -- :func:`dispatch_capacity`'s semantics (same capacity, priority and
-  drops) computed by :func:`~moejax.ops.host_moe.host_moe` over the kept rows only, no
-  padded buffers. CPU backend only.
-* ``"host_gmm"`` -- dropless: :func:`dispatch_ragged` with
-  :func:`moejax.ops.host_gmm.host_gmm` (one callback per grouped matmul, the activation in
-  XLA): the host path before the fused kernel, kept as a second opinion.
+  (:func:`jax.lax.ragged_dot` by default; any function of that signature, such as the Pallas
+  kernel :func:`moejax.kernels.gmm.gmm`).
 * :func:`dispatch_grouped` -- dropless in plain jnp (``"grouped"``): the assignments sorted by
   expert are laid out block-padded (every expert's rows padded to a multiple of a row tile,
   megablox-style, ``ceil(N k / tile) + E`` tiles in all), each tile multiplies its expert's
@@ -44,11 +30,10 @@ Paths (all agree to float tolerance when nothing is dropped):
   rung holds every token). Its cost follows the fullest expert: forward as fast as the
   capacity path when the load is near balanced (CPU, 2048 tokens: 64 ms vs 60 ms capacity
   1.25, 101-119 ms grouped), forward + backward between the two (each rung rematerialised),
-  and slow under a skewed load (an early-training LM step: 1.9 s vs grouped 1.0 s). Costs
-  more compile time (one capacity path per rung).
+  and slow under a skewed load. Costs more compile time (one capacity path per rung).
 
-``"auto"`` (the models' default) is ``"host"`` on a single CPU device and ``"grouped"``
-everywhere else (accelerators, several devices): see :func:`resolve_dispatch`.
+The paths by name, with the kernel paths (``"gmm"``, ``"host"``, ``"host_capacity"``) and
+``"auto"``, are in :mod:`moejax.kernels.dispatch`.
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -62,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn, is_gated
+from moejax.ops.grouped_layout import group_tiles
 
 __all__ = [
     "DispatchMethod",
@@ -75,12 +61,10 @@ __all__ = [
     "dispatch_bucketed",
     "bucket_capacities",
     "BUCKET_FACTORS",
-    "dispatch",
-    "resolve_dispatch",
 ]
 
 DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "host_capacity",
-                         "host_gmm", "grouped", "bucketed"]
+                         "grouped", "bucketed"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
@@ -313,8 +297,6 @@ def dispatch_grouped(
 ) -> DispatchOut:
     """Dropless dispatch on the block-padded grouped layout (module docstring); ``tile`` rows
     per tile (default :func:`grouped_tile`). ``valid_N`` is accepted and ignored."""
-    from moejax.kernels.gmm import group_tiles  # the layout is pure jnp
-
     del valid_N
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)
@@ -368,59 +350,3 @@ def dispatch_bucketed(
     ops = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
     return jax.lax.switch(rung, [at(c) for c in caps], ops)
 
-
-def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
-    """The path ``"auto"`` stands for here: ``"host"`` (the fused expert kernel on the host's
-    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else
-    ``"grouped"`` (plain jnp, shards and runs on any backend). Other names are returned as
-    they are."""
-    if method != "auto":
-        return method
-    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    return "host" if single_cpu else "grouped"
-
-
-def dispatch(
-    method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
-    *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
-) -> DispatchOut:
-    """Run the dispatch path named ``method`` ("auto", "dense", "capacity", "ragged", "gmm",
-    "host", "host_capacity", "host_gmm", "grouped" or "bucketed")."""
-    method = resolve_dispatch(method)
-    args = (x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF)
-    if method == "dense":
-        return dispatch_dense(*args, activation=activation, valid_N=valid_N)
-    if method == "capacity":
-        return dispatch_capacity(
-            *args, activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
-            priority=priority)
-    if method == "ragged":
-        return dispatch_ragged(*args, activation=activation, valid_N=valid_N)
-    if method == "gmm":
-        from moejax.kernels.gmm import gmm
-
-        return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
-                               grouped_matmul=gmm)
-    if method in ("host", "host_capacity"):
-        from moejax.ops.host_moe import host_moe
-
-        cap = None if method == "host" else expert_capacity(
-            x_ND.shape[0], ids_NK.shape[1], w_up_EDF.shape[0], capacity_factor)
-        y, n_dropped = host_moe(*args, activation=activation, capacity=cap, valid_N=valid_N,
-                                priority=priority)
-        n_real = x_ND.shape[0] if valid_N is None else jnp.sum(valid_N)
-        frac = n_dropped / jnp.maximum(n_real * ids_NK.shape[1], 1)
-        return DispatchOut(y, n_dropped, frac.astype(jnp.float32))
-    if method == "host_gmm":
-        from moejax.ops.host_gmm import host_gmm
-
-        return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
-                               grouped_matmul=host_gmm)
-    if method == "grouped":
-        return dispatch_grouped(*args, activation=activation, valid_N=valid_N)
-    if method == "bucketed":
-        return dispatch_bucketed(*args, activation=activation, valid_N=valid_N,
-                                 priority=priority)
-    raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', 'dense', "
-                     "'capacity', 'ragged', 'gmm', 'host', 'host_capacity', 'host_gmm', "
-                     "'grouped', 'bucketed'")

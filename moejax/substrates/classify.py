@@ -21,9 +21,12 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.data import datasets
 from moejax.data.batches import ClassificationBatches
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
 from moejax.io._common import jit_init
+from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import (
     SequenceClassifier,
     ViT,
@@ -31,7 +34,8 @@ from moejax.nn.encoder import (
     minilm_l6_config,
     vit_config,
 )
-from moejax.train.optim import TrainConfig, adam_linear_config
+from moejax.train.hparams import TrainConfig, adam_linear_config
+from moejax.train.loop import train
 
 __all__ = ["ViTSubstrateConfig", "MiniLMTaskConfig", "ByteEncoderTaskConfig",
            "vit_substrate_config", "minilm_task_config", "byte_encoder_task_config", "make_vit",
@@ -83,7 +87,6 @@ def make_vit(cfg: ViTSubstrateConfig) -> ViT:
 
 def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     """``(images [N, 28, 28, 1] float32 in [0, 1], labels [N] int32)`` of MNIST-5k."""
-    from moejax.data import datasets
 
     rows = datasets.load_split("mnist5k", split)
     x = np.stack([r["image"] for r in rows]).astype(np.float32)[..., None] / 255.0
@@ -91,8 +94,6 @@ def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def train_vit(cfg: ViTSubstrateConfig, run_dir: str, deps: dict, progress: bool = False):
-    from moejax.train.loop import train
-
     model = make_vit(cfg)
     x, y = mnist_arrays("train")
     val = _evaluator(*mnist_arrays("validation"))
@@ -141,7 +142,6 @@ def wordnet_arrays(task: str, split: str, tok, seq_len: int, limit: int = 0):
     rows (0 = all; the split's rows are stored shuffled), glosses tokenized by ``tok``
     (anything with ``encode_padded`` and ``eos_id``: the MiniLM WordPiece or the byte
     tokenizer), truncated rows ending with ``eos_id``."""
-    from moejax.data import datasets
 
     if task not in WORDNET_CLASSES:
         raise ValueError(f"task={task!r}; use one of {sorted(WORDNET_CLASSES)}")
@@ -160,9 +160,6 @@ def wordnet_arrays(task: str, split: str, tok, seq_len: int, limit: int = 0):
 
 
 def train_minilm(cfg: MiniLMTaskConfig, run_dir: str, deps: dict, progress: bool = False):
-    from moejax.io.minilm import load_minilm
-    from moejax.train.loop import train
-
     encoder, tok = load_minilm()
     model = make_minilm_classifier(cfg)
     nnx.update(model.encoder, nnx.state(encoder, nnx.Param))
@@ -223,9 +220,6 @@ def make_byte_encoder_classifier(cfg: ByteEncoderTaskConfig) -> SequenceClassifi
 
 def train_byte_encoder(cfg: ByteEncoderTaskConfig, run_dir: str, deps: dict,
                        progress: bool = False):
-    from moejax.data.tokenizer import ByteTokenizer
-    from moejax.train.loop import train
-
     tok = ByteTokenizer()
     model = make_byte_encoder_classifier(cfg)
     x, y, m = wordnet_arrays(cfg.task, "train", tok, cfg.seq_len, cfg.max_train_examples)

@@ -26,7 +26,8 @@ from moejax.data.tokenizer import ByteTokenizer
 from moejax.evaluate import LMEvaluator
 from moejax.io._common import jit_init
 from moejax.nn.decoder import DecoderConfig, DecoderLM, dense_decoder_config
-from moejax.train.optim import TrainConfig
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
 
 __all__ = ["LMSubstrateConfig", "lm_config", "make_lm", "train_lm", "corpus_tokens",
            "lm_evaluator"]
@@ -104,7 +105,6 @@ def lm_evaluator(cfg: LMSubstrateConfig, corpus: str | None = None) -> LMEvaluat
 
 def train_lm(cfg: LMSubstrateConfig, run_dir: str, deps: dict, progress: bool = False):
     """Train (resuming from ``run_dir``) and return ``(model, metrics)``."""
-    from moejax.train.loop import train
 
     model = make_lm(cfg)
     metrics = {}

@@ -25,9 +25,11 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
+from moejax.data.builders_images import load_digits_arrays, load_mnist5k_arrays
+from moejax.delta.lora import lora_apply, lora_init
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
+from moejax.train.hparams import TrainConfig, adam_linear_config
 from moejax.train.loop import train, train_params
-from moejax.train.optim import TrainConfig, adam_linear_config
 
 __all__ = ["load_tasks", "init_mlp", "mlp", "mlp_loss", "accuracy_fn", "pretrain_mlp",
            "finetune_mlp", "finetune_mlp_lora", "MLPSubstrateConfig", "MLPClassifier",
@@ -44,7 +46,6 @@ def load_tasks(seed: int = 0) -> dict:
     """``{(task, split): (x [N, 784] float32 in [0, 1], y [N] int32)}``: task ``"A"`` =
     MNIST-5k, task ``"B"`` = sklearn digits upsampled to 28x28; each split 80/10/10 by a
     permutation drawn from ``seed``."""
-    from moejax.data.builders_images import load_digits_arrays, load_mnist5k_arrays
 
     out = {}
     for task, (images, labels) in (("A", load_mnist5k_arrays()), ("B", load_digits_arrays())):
@@ -108,7 +109,6 @@ def finetune_mlp_lora(pre: dict, tasks: dict, tcfg: TrainConfig, rank: int,
                       desc: str = "LoRA finetune digits"):
     """LoRA factors (rank ``rank``, on ``w1`` and ``wo``; ``pre`` frozen) trained on task B
     with ``tcfg``: the model is ``lora_apply(pre, lora)``."""
-    from moejax.delta.lora import lora_apply, lora_init
 
     mask = {k: k in ("w1", "wo") for k in pre}
     lora0 = lora_init(jax.random.key(tcfg.seed), pre, mask, rank)

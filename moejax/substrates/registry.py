@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, to_json
+from moejax.files import atomic_write_text
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
@@ -174,11 +175,11 @@ def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_
             return _load(name, cfg, d)
         deps = {role: build(dep, preset=dep_preset, cache_dir=cache_dir, progress=progress)
                 for role, (dep, dep_preset) in recipe.deps(cfg).items()}
-        (d / "config.json").write_text(to_json(cfg))
+        atomic_write_text(d / "config.json", to_json(cfg))
         t0 = time.time()
         model, metrics = recipe.train(cfg, str(d / "train"), deps, progress)
         metrics = {"wall_s": round(time.time() - t0, 1), **metrics}
-        (d / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        atomic_write_text(d / "metrics.json", json.dumps(metrics, indent=2))
         export_params(model, d / "model.safetensors", config=cfg,
                       metadata={"substrate": name})
     return Substrate(name, model, cfg, metrics, d)

@@ -1,8 +1,7 @@
 """Training: config/optimizer (optim), jitted step (step), mesh/sharding (mesh), checkpoints
 (checkpoint), the one training loop (loop), multi-process runtime (distributed)."""
 
-from moejax.train.loop import History, train, train_params
-from moejax.train.optim import (
+from moejax.train.hparams import (
     TrainConfig,
     adam_linear_config,
     decay_mask,
@@ -10,6 +9,7 @@ from moejax.train.optim import (
     make_schedule,
     paths_mask,
 )
+from moejax.train.loop import History, train, train_params
 from moejax.train.step import (
     NonFiniteError,
     TrainState,

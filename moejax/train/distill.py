@@ -6,7 +6,6 @@ loop ("Every Expert Matters"; SPEC section 5).
     pair.student                                        # the distilled student
 
 :class:`DistillConfig.method`:
-
 * ``sft``: cross-entropy on the dataset responses (no teacher);
 * ``kd``: forward ``KL(p || q)`` on the dataset responses, teacher top-k (``teacher_k`` > 0
   overrides k, the paper's Fig. 2 sweep);
@@ -54,7 +53,7 @@ from moejax.ops.distill_losses import (
     forward_kl,
 )
 from moejax.ops.losses import cross_entropy
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 
 __all__ = ["DistillConfig", "FrozenParam", "RouterParam", "RouterOptState", "DistillPair",
            "freeze", "distill_pair", "distill_loss_fn", "distill_tx", "sar_router_step",

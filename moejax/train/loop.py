@@ -3,11 +3,10 @@
 One loop for every study. ``train(model, source, cfg, ...)`` trains an ``nnx.Module`` in place;
 ``train_params(params, source, cfg, loss_fn, ...)`` trains a plain pytree of arrays (a
 functional model) and returns the new pytree. Both:
-
 * take any ``optax.GradientTransformation`` as ``tx`` (``optax.chain(clip,
   moejax.optim.adamr(...))``, ``dare_updates``, ``optax.multi_transform`` with frozen parts,
   ``optax.MultiSteps`` ...); without one the optimizer and its optax schedule come from
-  ``cfg`` (:func:`moejax.train.optim.make_optimizer`);
+  ``cfg`` (:func:`moejax.train.hparams.make_optimizer`);
 * take any loss ``loss_fn(model_or_params, batch, key) -> loss`` or ``(loss, metrics)``
   (metrics: a flat dict of scalars), default :func:`moejax.train.step.lm_loss_fn`;
 * build the mesh (``cfg.mesh_data`` x ``cfg.mesh_expert``) and the jitted sharded step;
@@ -53,12 +52,12 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from moejax.config import Config, to_json
+from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
-from moejax.results import atomic_write_text
 from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
-from moejax.train.optim import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.run_lock import RunLock
 from moejax.train.step import (
     NonFiniteError,

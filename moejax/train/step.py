@@ -41,7 +41,8 @@ import optax
 from flax import nnx
 
 from moejax.ops.losses import accuracy, cross_entropy
-from moejax.train.optim import TrainConfig
+from moejax.train import mesh as mesh_lib
+from moejax.train.hparams import TrainConfig
 
 __all__ = [
     "params_loss",
@@ -273,7 +274,6 @@ def make_train_step(
         fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule)
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
-    from moejax.train import mesh as mesh_lib
 
     b_sh = mesh_lib.batch_sharding(mesh)
     fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule, batch_sharding=b_sh)

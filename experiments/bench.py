@@ -23,7 +23,7 @@ __all__ = ["time_call", "time_interleaved", "union_activations", "kernel_unavail
            "KERNEL_PATHS", "HOST_PATHS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm")
-HOST_PATHS = ("host", "host_capacity", "host_gmm")
+HOST_PATHS = ("host", "host_capacity")
 
 
 def kernel_unavailable(path: str) -> str | None:

@@ -2,7 +2,6 @@
 
 ``host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF, activation=...)``
 computes what every dispatch path computes (:mod:`moejax.ops.dispatch`)::
-
     y_N[n] = sum_k weights_NK[n, k] * E_{ids_NK[n, k]}(x_N[n])
 
 the way an eager framework's expert loop does, but without its per-op dispatch: for each
@@ -28,7 +27,7 @@ floats with a gate, ``2 N k F + N k D`` without); the backward's elementwise wor
 products. numpy's float32 ``exp`` costs 1.3 ns an element on this project's AVX2 machine,
 as much as eight multiplies, so computing it once instead of twice is worth a residual. They are
 fresh XLA buffers every step: they are advised onto transparent huge pages before the first
-write (:func:`moejax.host_memory.advise_huge_pages`; a 4 KiB page fault costs about 3 us
+write (:func:`moejax.kernels.host.memory.advise_huge_pages`; a 4 KiB page fault costs about 3 us
 here), and ``dx`` is written over ``dy``'s buffer.
 
 Inputs of any float dtype are computed in float32 and cast back. First-order gradients only;
@@ -50,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from moejax.host_memory import advise_huge_pages
+from moejax.kernels.host.act import HOST_ACTIVATIONS, act_into, base_activation
+from moejax.kernels.host.memory import advise_huge_pages
 from moejax.ops.activations import is_gated
-from moejax.ops.host_act import HOST_ACTIVATIONS, act_into, base_activation
 
 __all__ = ["host_moe", "HOST_ACTIVATIONS", "host_threads"]
 

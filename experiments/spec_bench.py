@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.evaluate import SparsityEvaluator
+from moejax.nn.block import run_blocks
 from moejax.nn.blockffn import BlockFFN, BlockFFNConfig
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.sample import sample
@@ -45,7 +46,6 @@ def blockffn_path(model: DecoderLM, path: str, union_chunk: int = 1) -> DecoderL
 
 def _router_inputs(small: DecoderLM, tokens_BT) -> np.ndarray:
     """``[N, D]`` RMS-normalised final residual stream of ``small`` (the extra routers' input)."""
-    from moejax.nn.block import run_blocks
 
     h, _ = run_blocks(small.blocks, small._embed(jnp.asarray(tokens_BT)), train=False)
     h = np.asarray(h, np.float64).reshape(-1, h.shape[-1])

@@ -23,7 +23,7 @@ heap instead of returning it. Off glibc (macOS, musl) it changes nothing and ret
 time: it asks the kernel (``madvise(MADV_HUGEPAGE)``) to back the buffer's aligned 2 MiB
 ranges with transparent huge pages, so a first write faults once per 2 MiB instead of once per
 4 KiB. Measured here (Linux 6.18, THP mode "madvise"): writing a fresh 16 MiB mapping took
-9.4 ms, 1.5 ms after the advice. The host expert kernel (:mod:`moejax.ops.host_moe`) gives it
+9.4 ms, 1.5 ms after the advice. The host expert kernel (:mod:`moejax.kernels.host.moe`) gives it
 its output buffers, which XLA allocates fresh every step. Where THP is off or the platform is
 not Linux it does nothing. The cost is memory granularity: a touched range takes 2 MiB.
 

@@ -38,9 +38,9 @@ from moejax.nn.grin import GRIN_MOE, GRINConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
 from moejax.pytree import count_params
+from moejax.train.hparams import TrainConfig
 from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM
 from moejax.train.loop import train
-from moejax.train.optim import TrainConfig
 
 __all__ = ["Arch", "SparseLMConfig", "active_sets", "sparse_lm_preset", "data_sources",
            "train_and_evaluate", "summary_row"]

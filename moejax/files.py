@@ -1,0 +1,66 @@
+"""Atomic file writes: a reader sees the old file or the new one, never half of one.
+
+    with atomic_open(path, "wb") as f:     # any writer that takes a file object
+        np.savez(f, **arrays)
+    atomic_write_bytes(path, data)
+    atomic_write_text(path, text)
+
+The data goes to a temporary file in the target's directory, is flushed and fsynced, gets the
+permissions an ordinary ``open`` would give it (``0o666`` less the umask, where ``mkstemp``
+alone gives ``0o600``), and is renamed over the target. On any failure, an interrupt included,
+the temporary file is removed and the previous file is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode"]
+
+
+def default_file_mode() -> int:
+    """The mode ``open()`` gives a new file here: ``0o666`` less the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb",
+                encoding: str | None = None) -> Iterator[IO]:
+    """A file object whose content replaces ``path`` when the block exits without error;
+    ``mode`` is ``"wb"`` or ``"w"`` (text, ``encoding`` default UTF-8). Creates the parent
+    directory."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open: mode={mode!r}; use 'wb' or 'w'")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        kw = {} if mode == "wb" else {"encoding": encoding or "utf-8"}
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+    return Path(path)

@@ -1,0 +1,110 @@
+"""Every MoE dispatch path by name: the jnp paths of :mod:`moejax.ops.dispatch` and the kernel
+paths, behind one signature, and ``"auto"``.
+
+* ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
+  (:mod:`moejax.ops.dispatch`).
+* ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the Pallas grouped
+  matmul :func:`moejax.kernels.gmm.gmm` (forward and backward kernels; Pallas interpret mode
+  on CPU, so only for tests there).
+* ``"host"``: dropless, :func:`moejax.kernels.host.moe.host_moe`, the whole expert FFN on the
+  host's BLAS (one callback forward, one backward), experts spread over the cores. CPU only.
+* ``"host_capacity"``: the capacity path's semantics (same capacity, priority and drops)
+  computed by the same host kernel over the kept rows only. CPU only.
+
+``"auto"`` (the models' default) is ``"host"`` on a single CPU device and ``"grouped"``
+everywhere else (accelerators, several devices): see :func:`resolve_dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moejax.kernels.gmm import gmm
+from moejax.kernels.host.moe import host_moe
+from moejax.ops.dispatch import (
+    DispatchMethod,
+    DispatchOut,
+    dispatch_bucketed,
+    dispatch_capacity,
+    dispatch_dense,
+    dispatch_grouped,
+    dispatch_ragged,
+    expert_capacity,
+)
+
+__all__ = ["PATHS", "dispatch", "resolve_dispatch"]
+
+
+def _dense(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_dense(*args, activation=activation, valid_N=valid_N)
+
+
+def _capacity(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_capacity(*args, activation=activation, capacity_factor=capacity_factor,
+                             valid_N=valid_N, priority=priority)
+
+
+def _ragged(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_ragged(*args, activation=activation, valid_N=valid_N)
+
+
+def _gmm(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_ragged(*args, activation=activation, valid_N=valid_N, grouped_matmul=gmm)
+
+
+def _grouped(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_grouped(*args, activation=activation, valid_N=valid_N)
+
+
+def _bucketed(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_bucketed(*args, activation=activation, valid_N=valid_N, priority=priority)
+
+
+def _host(*args, activation, capacity_factor, valid_N, priority, capacity=None):
+    x_ND, ids_NK = args[0], args[1]
+    y, n_dropped = host_moe(*args, activation=activation, capacity=capacity, valid_N=valid_N,
+                            priority=priority)
+    n_real = x_ND.shape[0] if valid_N is None else jnp.sum(valid_N)
+    frac = n_dropped / jnp.maximum(n_real * ids_NK.shape[1], 1)
+    return DispatchOut(y, n_dropped, frac.astype(jnp.float32))
+
+
+def _host_capacity(*args, activation, capacity_factor, valid_N, priority):
+    x_ND, ids_NK, w_up_EDF = args[0], args[1], args[3]
+    cap = expert_capacity(x_ND.shape[0], ids_NK.shape[1], w_up_EDF.shape[0], capacity_factor)
+    return _host(*args, activation=activation, capacity_factor=capacity_factor,
+                 valid_N=valid_N, priority=priority, capacity=cap)
+
+
+PATHS: dict[str, Callable[..., DispatchOut]] = {
+    "dense": _dense, "capacity": _capacity, "ragged": _ragged, "gmm": _gmm,
+    "host": _host, "host_capacity": _host_capacity, "grouped": _grouped, "bucketed": _bucketed,
+}
+
+
+def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
+    """The path ``"auto"`` stands for here: ``"host"`` (the fused expert kernel on the host's
+    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else
+    ``"grouped"`` (plain jnp, shards and runs on any backend). Other names are returned as
+    they are."""
+    if method != "auto":
+        return method
+    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+    return "host" if single_cpu else "grouped"
+
+
+def dispatch(
+    method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
+    *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
+) -> DispatchOut:
+    """Run the dispatch path named ``method`` (``"auto"`` or a key of :data:`PATHS`)."""
+    path = PATHS.get(resolve_dispatch(method))
+    if path is None:
+        raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', "
+                         + ", ".join(repr(k) for k in PATHS))
+    return path(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF,
+                activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
+                priority=priority)
