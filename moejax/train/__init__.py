@@ -1,4 +1,4 @@
-"""Training: config/optimizer (optim), jitted step (step), mesh/sharding (mesh), checkpoints
+"""Training: config/optimizer (hparams), jitted step (step), mesh/sharding (mesh), checkpoints
 (checkpoint), the one training loop (loop), multi-process runtime (distributed)."""
 
 from moejax.train.hparams import (
@@ -9,7 +9,7 @@ from moejax.train.hparams import (
     make_schedule,
     paths_mask,
 )
-from moejax.train.loop import History, train, train_params
+from moejax.train.loop import History, LoopOptions, train, train_params
 from moejax.train.step import (
     NonFiniteError,
     TrainState,
@@ -23,6 +23,7 @@ from moejax.train.step import (
 )
 
 __all__ = [
+    "LoopOptions",
     "TrainConfig",
     "adam_linear_config",
     "make_schedule",

@@ -33,6 +33,7 @@ call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measu
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import logging
@@ -68,8 +69,8 @@ from moejax.train.step import (
     tree_all_finite,
 )
 
-__all__ = ["train", "train_params", "History", "read_csv", "FnSource", "compiled_memory",
-           "ResumeError", "config_differences"]
+__all__ = ["train", "train_params", "LoopOptions", "History", "read_csv", "FnSource",
+           "compiled_memory", "ResumeError", "config_differences"]
 
 log = logging.getLogger(__name__)
 
@@ -183,60 +184,65 @@ def compiled_memory(compiled) -> dict:
     return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes)}
 
 
-def train(
-    model: nnx.Module,
-    source,
-    cfg: TrainConfig,
-    *,
-    loss_fn: Callable = lm_loss_fn,
-    tx: optax.GradientTransformation | None = None,
-    run_dir: str | None = None,
-    eval_fn: Callable | None = None,
-    config: Config | None = None,
-    mesh=None,
-    progress: bool = True,
-    measure_memory: bool = False,
-    desc: str = "train",
-    keep_best: str = "",
-) -> History:
-    """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class LoopOptions:
+    """Everything :func:`train` and :func:`train_params` take besides the model, the data and
+    the :class:`TrainConfig` (pass them as keywords, or as one ``options=`` object).
 
-    ``config``: the full experiment config stored with every checkpoint and in
-    ``run_dir/config.json`` (defaults to ``cfg``). ``mesh``: override the mesh built from
-    ``cfg.mesh_data``/``cfg.mesh_expert``. Without ``run_dir`` nothing is written to disk.
-    ``keep_best``: a key of ``eval_fn``'s result; the model ends with the parameters of the
-    evaluation where it was highest (checkpoint selection on validation; ``history.best``
-    says which step), not those of the last step. Only this call's evaluations compete.
+    loss_fn: ``loss_fn(model_or_params, batch, key) -> loss`` or ``(loss, metrics)``
+        (default :func:`moejax.train.step.lm_loss_fn`; :func:`train_params` needs its own).
+    tx: any optax transform; default: the optimizer and schedule of the ``TrainConfig``.
+    run_dir: where logs and checkpoints go; ``None`` writes nothing to disk.
+    eval_fn: ``eval_fn(model_or_params, step) -> dict`` every ``eval_every`` steps.
+    config: the full experiment config stored with every checkpoint and in
+        ``run_dir/config.json`` (default: the ``TrainConfig``).
+    mesh: a mesh to use instead of the one built from ``mesh_data`` x ``mesh_expert``.
+    progress / desc: the progress bar and its label.
+    measure_memory: compile the step once more for XLA's memory analysis
+        (``History.memory``).
+    keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
+        evaluation where it was highest (checkpoint selection on validation;
+        ``History.best`` says which step), not those of the last step. Only this call's
+        evaluations compete.
     """
+
+    loss_fn: Callable = lm_loss_fn
+    tx: optax.GradientTransformation | None = None
+    run_dir: str | os.PathLike | None = None
+    eval_fn: Callable | None = None
+    config: Config | None = None
+    mesh: Any = None
+    progress: bool = True
+    measure_memory: bool = False
+    desc: str = "train"
+    keep_best: str = ""
+
+
+def _options(options: LoopOptions | None, kw: dict) -> LoopOptions:
+    if options is not None and kw:
+        raise TypeError(f"pass either options= or keywords, not both (got {sorted(kw)})")
+    return options if options is not None else LoopOptions(**kw)
+
+
+def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions | None = None,
+          **kw) -> History:
+    """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring);
+    the keywords are the fields of :class:`LoopOptions`."""
+    opts = _options(options, kw)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    params, rest, history = _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir,
-                                 eval_fn, config, mesh, progress, measure_memory, desc,
-                                 keep_best, vocab_size)
+    params, rest, history = _Run(graphdef, params, rest, source, cfg, opts,
+                                 vocab_size).run()
     nnx.update(model, params, rest)
     return history
 
 
-def train_params(
-    params,
-    source,
-    cfg: TrainConfig,
-    loss_fn: Callable,
-    *,
-    tx: optax.GradientTransformation | None = None,
-    run_dir: str | None = None,
-    eval_fn: Callable | None = None,
-    config: Config | None = None,
-    mesh=None,
-    progress: bool = True,
-    measure_memory: bool = False,
-    desc: str = "train",
-    keep_best: str = "",
-) -> tuple[Any, History]:
+def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
+                 options: LoopOptions | None = None, **kw) -> tuple[Any, History]:
     """Train a plain pytree of arrays with ``loss_fn(params, batch, key)``; returns
     ``(params, history)``. Same loop, checkpoints and resume as :func:`train`."""
-    params, _, history = _run(None, params, None, source, cfg, loss_fn, tx, run_dir, eval_fn,
-                              config, mesh, progress, measure_memory, desc, keep_best)
+    opts = dataclasses.replace(_options(options, kw), loss_fn=loss_fn)
+    params, _, history = _Run(None, params, None, source, cfg, opts).run()
     return params, history
 
 
@@ -367,149 +373,166 @@ def _check_token_ids(batch, vocab_size: int) -> None:
                 f"vocab_size >= {hi + 1} (e.g. the tokenizer's vocab_size)")
 
 
-def _run(graphdef, params, rest, source, cfg, loss_fn, tx, run_dir, eval_fn, config, mesh,
-         progress, measure_memory, desc, keep_best="", vocab_size=None):
-    if keep_best and not (eval_fn is not None and cfg.eval_every):
-        raise ValueError(f"keep_best={keep_best!r} selects among evaluations; pass eval_fn and "
-                         "set TrainConfig.eval_every > 0")
-    best = None
-    if callable(source) and not hasattr(source, "batch"):
-        source = FnSource(source)
-    if (getattr(source, "batch_size", None) or cfg.batch_size) != cfg.batch_size:
-        raise ValueError(
-            f"source.batch_size={source.batch_size} != TrainConfig.batch_size={cfg.batch_size}; "
-            "build the source with the training batch size"
-        )
-    config = cfg if config is None else config
-    mesh = mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if mesh is None else mesh
-    tx, step_fn = _step_for(graphdef, loss_fn, tx, cfg, mesh)
-    # Own copies: the step donates its input state, and neither the caller's arrays nor
-    # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may be
-    # donated with it.
-    state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
-    state = mesh_lib.shard_tree(state, mesh)
-    main = is_main_process()
+class _Run:
+    """One call of the loop: its state, logs, checkpointer and lock, opened in that order and
+    closed in reverse whatever happens."""
 
-    ckpt, position, lock = None, 0, None
-    if run_dir is not None:
-        lock = RunLock(run_dir).acquire() if main else None
+    def __init__(self, graphdef, params, rest, source, cfg: TrainConfig, opts: LoopOptions,
+                 vocab_size: int | None = None):
+        if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
+            raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
+                             "eval_fn and set TrainConfig.eval_every > 0")
+        if callable(source) and not hasattr(source, "batch"):
+            source = FnSource(source)
+        if (getattr(source, "batch_size", None) or cfg.batch_size) != cfg.batch_size:
+            raise ValueError(
+                f"source.batch_size={source.batch_size} != TrainConfig.batch_size="
+                f"{cfg.batch_size}; build the source with the training batch size")
+        self.graphdef, self.source, self.cfg, self.opts = graphdef, source, cfg, opts
+        self.vocab_size = vocab_size
+        self.config = cfg if opts.config is None else opts.config
+        self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if opts.mesh is None
+                     else opts.mesh)
+        tx, self.step_fn = _step_for(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
+        # Own copies: the step donates its input state, and neither the caller's arrays nor
+        # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may
+        # be donated with it.
+        state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
+        self.state = mesh_lib.shard_tree(state, self.mesh)
+        self.main = is_main_process()
+        self.history, self.best, self.pending = History(), None, []
+        self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
+        self.position = 0
+
+    # -- opening and closing ---------------------------------------------------------------
+    def _open(self) -> None:
+        run_dir, cfg = self.opts.run_dir, self.cfg
+        if run_dir is not None:
+            run_dir = os.fspath(run_dir)
+            self.lock = RunLock(run_dir).acquire() if self.main else None
+            self.ckpt, self.state, self.position = _open_run_dir(
+                run_dir, cfg, self.config, self.state, self.main)
+        self.start = int(jax.device_get(self.state.step))
+        if run_dir is not None and self.main:
+            self.csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
+            self.eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), self.start)
+            if cfg.tensorboard:
+                self.tb = _TensorBoard(os.path.join(run_dir, "tb"))
+        if self.opts.measure_memory:
+            batch = assemble(local_batch(self.source, self.position), self.mesh)
+            compiled = self.step_fn.lower(self.state, batch).compile()
+            self.history.memory = compiled_memory(compiled)
+            self.step_fn = compiled
+
+    def _close(self, failed: bool) -> None:
         try:
-            ckpt, state, position = _open_run_dir(run_dir, cfg, config, state, main)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-    start = int(jax.device_get(state.step))
-    logs = run_dir is not None and main
-    history, tb = History(), None
-    try:  # a failure here (e.g. tensorboardX missing) must not leave the run dir locked
-        csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), start) if logs else None
-        eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), start) if logs else None
-        tb = _TensorBoard(os.path.join(run_dir, "tb")) if logs and cfg.tensorboard else None
-        if measure_memory:
-            compiled = step_fn.lower(state, assemble(local_batch(source, position),
-                                                     mesh)).compile()
-            history.memory = compiled_memory(compiled)
-            step_fn = compiled
-    except BaseException:
-        if ckpt is not None:
-            ckpt.close(abort=True)
-        if lock is not None:
-            lock.release()
-        raise
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and main), desc=desc,
-               mininterval=1.0)
-    pending: list = []  # (step, data position, local tokens, device metrics)
-    t_flush = time.perf_counter()
+            if self.ckpt is not None:
+                self.ckpt.close(abort=failed)
+            if self.tb is not None:
+                self.tb.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
-    def flush():
-        nonlocal t_flush
-        if not pending:
+    # -- the loop --------------------------------------------------------------------------
+    def run(self):
+        try:  # a failure while opening must not leave the run directory locked
+            self._open()
+        except BaseException:
+            self._close(failed=True)
+            raise
+        cfg = self.cfg
+        self.bar = tqdm(total=cfg.steps, initial=self.start, desc=self.opts.desc,
+                        disable=not (self.opts.progress and self.main), mininterval=1.0)
+        self.t_flush = time.perf_counter()
+        self.last_saved = (self.start if self.ckpt is not None
+                           and self.ckpt.latest_step() == self.start else None)
+        failed, ctrl_c = True, _CtrlC()
+        try:
+            for step in range(self.start, cfg.steps):
+                self._step(step)
+                if ctrl_c.pressed:
+                    raise KeyboardInterrupt(
+                        f"interrupted by Ctrl-C after step {step + 1}; the newest complete "
+                        f"checkpoint (step {self.last_saved}) resumes the run exactly")
+            self._flush()
+            if (self.ckpt is not None and self.last_saved != cfg.steps
+                    and int(jax.device_get(self.state.step)) == cfg.steps):
+                self._save()
+            failed = False
+        finally:
+            ctrl_c.restore()
+            self.bar.close()
+            self._close(failed)
+        if self.best is not None:
+            self.history.best = {"step": self.best[1], "value": self.best[0]}
+            return self.best[2][0], self.best[2][1], self.history
+        return self.state.params, self.state.rest, self.history
+
+    def _step(self, step: int) -> None:
+        cfg = self.cfg
+        local = local_batch(self.source, self.position)
+        if step == self.start and self.vocab_size:
+            _check_token_ids(local, self.vocab_size)
+        self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
+        self.pending.append((step, self.position, _tokens(local), metrics))
+        self.position += 1
+        done = step + 1
+        do_eval = self.opts.eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0
+        do_ckpt = self.ckpt is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0
+        if done % cfg.log_every == 0 or done == cfg.steps or do_eval or do_ckpt:
+            self._flush()
+        if do_eval:
+            self._evaluate(done)
+        if do_ckpt:
+            self._save()
+            self.last_saved = done
+
+    def _flush(self) -> None:
+        """Fetch the pending steps' metrics in one transfer, check them, log them."""
+        if not self.pending:
             return
-        fetched = jax.device_get([m for *_, m in pending])
-        dt = (time.perf_counter() - t_flush) / len(pending)
+        fetched = jax.device_get([m for *_, m in self.pending])
+        dt = (time.perf_counter() - self.t_flush) / len(self.pending)
         rows = []
-        for (step, pos, n_tok, _), metrics in zip(pending, fetched):
+        for (step, pos, n_tok, _), metrics in zip(self.pending, fetched):
             check_finite(metrics, step, pos)
             row = {"step": step + 1, "tokens_per_s": n_tok / max(dt, 1e-9)}
             row.update({k: float(v) for k, v in metrics.items() if k != "finite"})
             rows.append(row)
-        pending.clear()
-        t_flush = time.perf_counter()
-        history.extend(rows)
-        if csv_log is not None:
-            csv_log.write(rows)
-        if tb is not None:
-            tb.write(rows, "train/")
-        bar.update(len(rows))
-        bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}",
-                        tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
+        self.pending.clear()
+        self.t_flush = time.perf_counter()
+        self.history.extend(rows)
+        if self.csv_log is not None:
+            self.csv_log.write(rows)
+        if self.tb is not None:
+            self.tb.write(rows, "train/")
+        self.bar.update(len(rows))
+        self.bar.set_postfix(loss=f"{rows[-1]['loss']:.4f}",
+                             tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
 
-    def save():
-        if not bool(tree_all_finite(state.params)):
+    def _evaluate(self, done: int) -> None:
+        state, keep_best = self.state, self.opts.keep_best
+        target = (state.params if self.graphdef is None
+                  else nnx.merge(self.graphdef, state.params, state.rest))
+        ev = {k: float(v) for k, v in self.opts.eval_fn(target, done).items()}
+        self.history[-1].update({f"eval/{k}": v for k, v in ev.items()})
+        if keep_best:
+            if keep_best not in ev:
+                raise KeyError(f"keep_best={keep_best!r} is not among the evaluation "
+                               f"metrics {sorted(ev)}")
+            if self.best is None or ev[keep_best] > self.best[0]:
+                self.best = (ev[keep_best], done,
+                             jax.tree.map(jnp.copy, (state.params, state.rest)))
+        if self.eval_log is not None:
+            self.eval_log.write([{"step": done, **ev}])
+        if self.tb is not None:
+            self.tb.write([{"step": done, **ev}], "eval/")
+
+    def _save(self) -> None:
+        if not bool(tree_all_finite(self.state.params)):
             raise NonFiniteError(
-                f"parameters became non-finite by step {int(jax.device_get(state.step))}; "
-                "nothing was saved (the previous checkpoint is intact). Lower the lr or enable "
-                "grad_clip."
-            )
-        ckpt.save(state, data_position=position, config=config)
-
-    last_saved = start if ckpt is not None and ckpt.latest_step() == start else None
-    failed = True
-    ctrl_c = _CtrlC()
-    try:
-        for step in range(start, cfg.steps):
-            local = local_batch(source, position)
-            if step == start and vocab_size:
-                _check_token_ids(local, vocab_size)
-            state, metrics = step_fn(state, assemble(local, mesh))
-            pending.append((step, position, _tokens(local), metrics))
-            position += 1
-            done = step + 1
-            do_eval = eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0
-            do_ckpt = ckpt is not None and cfg.ckpt_every and done % cfg.ckpt_every == 0
-            if done % cfg.log_every == 0 or done == cfg.steps or do_eval or do_ckpt:
-                flush()
-            if do_eval:
-                target = (state.params if graphdef is None
-                          else nnx.merge(graphdef, state.params, state.rest))
-                ev = {k: float(v) for k, v in eval_fn(target, done).items()}
-                history[-1].update({f"eval/{k}": v for k, v in ev.items()})
-                if keep_best:
-                    if keep_best not in ev:
-                        raise KeyError(f"keep_best={keep_best!r} is not among the evaluation "
-                                       f"metrics {sorted(ev)}")
-                    if best is None or ev[keep_best] > best[0]:
-                        best = (ev[keep_best], done,
-                                jax.tree.map(jnp.copy, (state.params, state.rest)))
-                if eval_log is not None:
-                    eval_log.write([{"step": done, **ev}])
-                if tb is not None:
-                    tb.write([{"step": done, **ev}], "eval/")
-            if do_ckpt:
-                save()
-                last_saved = done
-            if ctrl_c.pressed:
-                raise KeyboardInterrupt(
-                    f"interrupted by Ctrl-C after step {done}; the newest complete checkpoint "
-                    f"(step {last_saved}) resumes the run exactly")
-        flush()
-        if (ckpt is not None and last_saved != cfg.steps
-                and int(jax.device_get(state.step)) == cfg.steps):
-            save()
-        failed = False
-    finally:
-        ctrl_c.restore()
-        bar.close()
-        try:
-            if ckpt is not None:
-                ckpt.close(abort=failed)
-            if tb is not None:
-                tb.close()
-        finally:
-            if lock is not None:
-                lock.release()
-    if best is not None:
-        history.best = {"step": best[1], "value": best[0]}
-        return best[2][0], best[2][1], history
-    return state.params, state.rest, history
+                f"parameters became non-finite by step {int(jax.device_get(self.state.step))}"
+                "; nothing was saved (the previous checkpoint is intact). Lower the lr or "
+                "enable grad_clip.")
+        self.ckpt.save(self.state, data_position=self.position, config=self.config)
