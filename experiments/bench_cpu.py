@@ -1,4 +1,4 @@
-"""Measurements behind ``experiments/bench_dispatch.py`` (issue 17's one-run table of ratios).
+"""Measurements behind ``experiments/bench_dispatch.py`` (its one-run table of ratios).
 
 * :func:`matmul_gflops`: GFLOP/s of a jitted (or numpy) ``[m, k] @ [k, n]`` float32 matmul
   here, allocation excluded (the rate that turns FLOPs into the bound of a compute-bound op);
@@ -38,11 +38,8 @@ def matmul_gflops(m: int = 4096, k: int = 256, n: int = 1024, repeats: int = 10,
     The rate of the multiply, not of the allocation around it: numpy writes a preallocated
     ``out``, and XLA runs ``inner`` matmuls (distinct right-hand sides, so none is hoisted)
     in one call whose output buffer is allocated once. Timed one call per matmul, XLA's fresh
-    16 MiB output costs a page fault per 4 KiB (about 3 us each on this project's machine)
-    whenever glibc serves it from a new mapping, which depends on what the process freed
-    before: the same jitted 4096 x 256 x 1024 matmul measured 105.7 GFLOP/s in a fresh
-    process and 178 after other work, against 178-183 in the loop. Issue 17's bound
-    (105 GFLOP/s, ~184 ms) was the first of these."""
+    output costs a page fault per 4 KiB whenever glibc serves it from a new mapping, which
+    depends on what the process freed before, and the rate would measure the allocator."""
     if backend == "numpy":
         rng = np.random.default_rng(0)
         a, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n)))

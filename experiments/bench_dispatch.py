@@ -1,5 +1,5 @@
 """Benchmark: steady train-step time and tokens/s of an MoE LM for each dispatch path, plus
-(issue 17's one-run table of ratios) one MoE block's fwd+bwd per path against a PyTorch expert
+(a one-run table of ratios) one MoE block's fwd+bwd per path against a PyTorch expert
 loop and against the FLOP bound at this machine's matmul rate, and each delta operation over a
 SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes. The
 FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates; the block is

@@ -25,7 +25,6 @@ the option the paper does not use, the merged delta ``A B`` is pruned the same w
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from moejax import delta as dl
 from moejax.config import Config, config
@@ -46,6 +45,7 @@ from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
+PRUNED = r"^(w1|wo)$"  # the MLP's weight matrices; biases and norm scales keep their delta
 QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 
@@ -118,6 +118,14 @@ LORA_METHODS = ("LoRA unpruned", "DARE on LoRA factors", "DAREx-q (q_v) on LoRA 
                 "DARE on merged delta", "DAREx-q (q_v) on merged delta")
 
 
+def _context(pre, fin, D, mask, seed, acc_val, acc_test, calib_x, q_num) -> PruneContext:
+    """What every pruning method of :func:`moejax.delta.run_methods` needs for one delta."""
+    outputs = lambda prm: mlp(prm, calib_x)  # noqa: E731
+    return PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(seed),
+                        val_metric=acc_val, test_metric=acc_test, outputs_fn=outputs,
+                        x_stats=matmul_input_stats(outputs, fin), q_num=q_num)
+
+
 def lora_rows(cfg: ControlledConfig, pre, tasks, acc_val, acc_test) -> list[dict]:
     """Test accuracy of every (seed, p, LoRA pruning method)."""
     rows = []
@@ -126,7 +134,7 @@ def lora_rows(cfg: ControlledConfig, pre, tasks, acc_val, acc_test) -> list[dict
         lora = finetune_mlp_lora(pre, tasks, cfg.lora_finetune.replace(seed=s),
                                  cfg.lora_rank, desc=f"LoRA r={cfg.lora_rank} seed {seed}")
         merged = dl.lora_delta(pre, lora)
-        mask = dl.select_leaves(merged, include=r"^(w1|wo)$")
+        mask = dl.select_leaves(merged, include=PRUNED)
         key = jax.random.key(s + 31)
         for p in cfg.lora_ps:
             grid = dl.q_grid(p, cfg.q_num)
@@ -159,13 +167,8 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
     rows, base_rows = [], []
     for reg, fin in tuned.items():
         D = dl.delta(pre, fin)
-        mask = dl.select_leaves(D, include=r"^(w1|wo)$")
-        ctx = PruneContext(
-            pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 7),
-            val_metric=acc_val,
-            test_metric=acc_test,
-            outputs_fn=lambda prm: mlp(prm, calib_x),
-            x_stats=matmul_input_stats(lambda prm: mlp(prm, calib_x), fin), q_num=cfg.q_num)
+        mask = dl.select_leaves(D, include=PRUNED)
+        ctx = _context(pre, fin, D, mask, cfg.seed + 7, acc_val, acc_test, calib_x, cfg.q_num)
         base_rows.append({"fine-tuning": REG_NAMES[reg], "test acc digits": acc_test(fin),
                           "pre-trained acc digits": acc_test(pre),
                           "pre-trained acc MNIST": acc_test_a(pre),
@@ -229,27 +232,21 @@ def _large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x) -> dict:
             fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=s),
                                desc=f"finetune lr {lr} seed {seed}")
             D = dl.delta(pre, fin)
-            mask = dl.select_leaves(D, include=r"^(w1|wo)$")
-            ctx = PruneContext(
-                pretrained=pre, delta=D, mask=mask, key=jax.random.key(s + 7),
-                val_metric=acc_val, test_metric=acc_test,
-                outputs_fn=lambda prm: mlp(prm, calib_x),
-                x_stats=matmul_input_stats(lambda prm: mlp(prm, calib_x), fin), q_num=cfg.q_num)
+            mask = dl.select_leaves(D, include=PRUNED)
+            ctx = _context(pre, fin, D, mask, s + 7, acc_val, acc_test, calib_x, cfg.q_num)
             base = {"lr": lr, "seed": seed, **delta_stats(D, mask)}
             detail.append({**base, "p": 0.0, "method": "unpruned", "metric": acc_test(fin)})
             for r in run_methods(ctx, cfg.large_methods, cfg.large_ps, desc=f"prune lr {lr}"):
                 detail.append({**base, **r})
+    means = seed_summary(detail, ["lr", "method", "p"], ["metric", "mean_abs_delta"])
     rows = []
-    for lr in cfg.large_lrs:
-        at = [r for r in detail if r["lr"] == lr]
-        row = {"lr": lr, "mean_abs_delta": float(np.mean([r["mean_abs_delta"] for r in at
-                                                           if r["method"] == "unpruned"]))}
-        for m, p in [("unpruned", 0.0)] + [(m, p) for p in cfg.large_ps
-                                            for m in cfg.large_methods]:
-            v = [r["metric"] for r in at if r["method"] == m and r["p"] == p]
-            key = m if m == "unpruned" else f"{m} p={p}"
-            row[key] = float(np.mean(v))
-            row[f"{key} std"] = float(np.std(v))
+    for lr in cfg.large_lrs:  # wide: one row per lr, one column (+ std) per method and p
+        row = {"lr": lr}
+        for r in (r for r in means if r["lr"] == lr):
+            key = r["method"] if r["method"] == "unpruned" else f"{r['method']} p={r['p']}"
+            if r["method"] == "unpruned":
+                row["mean_abs_delta"] = r["mean_abs_delta"]
+            row[key], row[f"{key} std"] = r["metric"], r["metric std"]
         rows.append(row)
     run.table("large_deltas", rows, title=f"Large deltas (Table 6 analog): test accuracy, mean "
               f"over {cfg.large_seeds} fine-tuning seeds, by fine-tuning lr")
@@ -282,7 +279,7 @@ def _l2_sweep(cfg, run, pre, tasks, acc_test) -> dict:
         fin = finetune_mlp(pre, tasks, cfg.finetune.replace(
             optimizer="adamr_l2", weight_decay=w, seed=cfg.seed), desc=f"AdamR-L2 {w}")
         D = dl.delta(pre, fin)
-        mask = dl.select_leaves(D, include=r"^(w1|wo)$")
+        mask = dl.select_leaves(D, include=PRUNED)
         row = {"l2_weight": w, "unpruned": acc_test(fin), **delta_stats(D, mask)}
         for p in cfg.sweep_ps:
             row[f"DARE p={p}"] = acc_test(dl.apply_delta(

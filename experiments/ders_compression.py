@@ -76,8 +76,8 @@ class DeRSCompressionConfig(Config):
     ckpt_drop: float = 0.9
     ckpt_bits: int = 4
     # The k-bit quantiser (the paper does not name one): midrise 2^k levels per group of
-    # quant_group input rows, 1 bit = sign x mean|delta|; "symmetric" + "channel" is the
-    # quantiser of earlier runs (2^k - 1 levels from the column max).
+    # quant_group input rows, 1 bit = sign x mean|delta|; "symmetric" + "channel" quantises
+    # per output column (2^k - 1 levels from the column max).
     quant_scheme: Literal["midrise", "symmetric"] = "midrise"
     quant_granularity: Literal["group", "channel"] = "group"
     quant_group: int = 64

@@ -1,7 +1,7 @@
 """Distillation from an MoE teacher ("Every Expert Matters", Kim et al. 2025): the main table
 (KD, GKD, ALL, KA, SAR with an MoE and a dense teacher) and the Fig. 1, 2 and 6 analyses.
 
-Recipe (SPEC section 5). Starting point: the ``dense_lm_prose`` substrate (byte-level decoder
+Recipe (Every Expert Matters, Sec. 4-5). Starting point: the ``dense_lm_prose`` substrate (byte-level decoder
 pre-trained on the Python docs' prose; ``preset=full``: SmolLM2-135M-Instruct). Teacher: that
 model made a noisy-top-k MoE the way Llama-MoE is built (``upcycle``: every FFN's neurons
 split into 8 experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on

@@ -1,4 +1,4 @@
-"""Expert extraction from trained MLPs (MoEE, Berisha et al. 2025; SPEC section 6) against the
+"""Expert extraction from trained MLPs (MoEE, Berisha et al. 2025, Sec. 3) against the
 MoEfication baseline, on a ViT (MNIST-5k) or on the real all-MiniLM-L6-v2 (WordNet gloss ->
 part of speech).
 
@@ -32,17 +32,12 @@ from typing import Literal
 import numpy as np
 
 from moejax.config import Config, config
-from moejax.data.batches import ArrayBatches
-from moejax.data.builders_labelled import POS_NAMES
-from moejax.evaluate import ClassifierEvaluator, classifier_kd_loss_fn, classifier_logits
 from moejax.experiment import main
 from moejax.extract import (
-    copy_model,
     extract_model,
-    model_macs,
-    param_counts,
     record_ffn,
 )
+from moejax.extract.finetune import evaluate_extracted, kd_finetune, load_cv
 from moejax.extract.pipeline import (
     ExtractConfig,
     cluster_layers,
@@ -50,22 +45,15 @@ from moejax.extract.pipeline import (
     matched_top_k,
     moee_plans,
     moefication_model,
-    routing_stats,
 )
-from moejax.io.hf_tokenizer import tokenizer_from_json
-from moejax.io.minilm import minilm_dir
 from moejax.results import RunDir
-from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
+from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (
-    WORDNET_CLASSES,
     MiniLMTaskConfig,
     ViTSubstrateConfig,
-    mnist_arrays,
-    wordnet_arrays,
 )
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import train
 
 NAME = "moee"
 
@@ -139,85 +127,21 @@ def make_config(preset: str) -> MoEEStudyConfig:
         stability_tokens=(5000, 20000, 50000, 100000), stability_draws=3, seeds=3)
 
 
-# ------------------------------------------------------------------------------ data
-
-
-class Data:
-    """The substrate model, its name and the arrays of the record / train / test splits."""
-
-    def __init__(self, cfg: MoEEStudyConfig):
-        cache = cfg.substrate_cache or None
-        if cfg.model == "vit":
-            sub = build_substrate("vit_mnist5k", cfg.vit, cache_dir=cache, progress=True)
-            tr, te = mnist_arrays("train"), mnist_arrays("test")
-            self.train = {"inputs": tr[0], "labels": tr[1]}
-            self.test = {"inputs": te[0], "labels": te[1]}
-            self.n_classes, self.seq_len = 10, None
-            self.class_names = [str(i) for i in range(10)]
-        else:
-            sub = build_substrate("minilm_wordnet_pos", cfg.minilm, cache_dir=cache,
-                                  progress=True)
-            tok = tokenizer_from_json(minilm_dir() / "tokenizer.json")
-            mc = cfg.minilm
-            lim = max(cfg.record_rows, mc.max_train_examples, 4 * cfg.kd.batch_size)
-            names = ("inputs", "labels", "mask")
-            self.train = dict(zip(names, wordnet_arrays(mc.task, "train", tok, mc.seq_len, lim)))
-            self.test = dict(zip(names, wordnet_arrays(mc.task, "test", tok, mc.seq_len,
-                                                       cfg.eval_rows)))
-            self.n_classes = WORDNET_CLASSES[mc.task]
-            self.seq_len = float(self.test["mask"].sum(1).mean())
-            self.class_names = list(POS_NAMES)
-        if cfg.eval_rows:
-            self.test = {k: v[: cfg.eval_rows] for k, v in self.test.items()}
-        self.model, self.substrate = sub.model, f"{sub.name} ({sub.path.name})"
-        self.evaluator = ClassifierEvaluator(self.test["inputs"], self.test["labels"],
-                                             self.test.get("mask"))
-        self.teacher_logits = classifier_logits(self.model, self.train["inputs"],
-                                                self.train.get("mask"))
-
-    def record_batches(self, rows: int, seed: int, size: int = 250):
-        idx = np.random.default_rng([seed, 7]).permutation(len(self.train["labels"]))[:rows]
-        for s in range(0, len(idx), size):
-            yield {k: v[idx[s:s + size]] for k, v in self.train.items() if k != "labels"}
-
-    def eval_batches(self, size: int = 250):
-        n = len(self.test["labels"])
-        return [{k: v[s:s + size] for k, v in self.test.items()} for s in range(0, n, size)]
-
-
 # ------------------------------------------------------------------------------ steps
 
 
-def evaluate(data: Data, model, name: str, dense: dict) -> dict:
-    """Accuracy, MACs and parameters of ``model`` (active neurons measured on the test rows)."""
-    stats = routing_stats(model, data.eval_batches(), n_classes=data.n_classes)
-    macs = model_macs(model, data.seq_len, {i: s["active_neurons"] for i, s in stats.items()})
-    params = param_counts(model)["params"]
-    row = {"model": name, "accuracy": data.evaluator(model)["accuracy"],
-           "MACs": macs["total"], "params": params}
-    if dense:
-        row["MACs_change_%"] = 100 * (macs["total"] / dense["MACs"] - 1)
-        row["params_change_%"] = 100 * (params / dense["params"] - 1)
-    row["_stats"] = stats
-    return row
+def _data(cfg: MoEEStudyConfig) -> ClassifierData:
+    return ClassifierData(cfg.model, cfg.vit, cfg.minilm, cache_dir=cfg.substrate_cache or None,
+                          train_rows=max(cfg.record_rows, 4 * cfg.kd.batch_size),
+                          eval_rows=cfg.eval_rows)
 
 
-def kd_finetune(cfg: MoEEStudyConfig, data: Data, model, seed: int):
-    """KD from the unmodified model (its logits precomputed on the training rows)."""
-    model = copy_model(model)
-    arrays = dict(data.train, teacher_logits=data.teacher_logits)
-    src = ArrayBatches(arrays, batch_size=cfg.kd.batch_size, seed=seed)
-    train(model, src, cfg.kd.replace(seed=seed), progress=True, desc="KD fine-tune",
-          loss_fn=classifier_kd_loss_fn(alpha=cfg.kd_alpha, temperature=cfg.kd_temperature))
-    return model
+def _kd(cfg: MoEEStudyConfig, data: ClassifierData, model, seed: int):
+    return kd_finetune(data, model, cfg.kd, alpha=cfg.kd_alpha,
+                       temperature=cfg.kd_temperature, seed=seed)
 
 
-def _load_cv(stats: dict) -> float:
-    """Mean over layers of the coefficient of variation of the expert loads."""
-    return float(np.mean([np.std(s["load"]) / np.mean(s["load"]) for s in stats.values()]))
-
-
-def one_seed(cfg: MoEEStudyConfig, data: Data, dense: dict, seed: int, out: dict) -> None:
+def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int, out: dict) -> None:
     ex = cfg.extract
     records = record_ffn(data.model, data.record_batches(cfg.record_rows, seed),
                          n_tokens=ex.n_tokens, seed=seed)
@@ -225,7 +149,7 @@ def one_seed(cfg: MoEEStudyConfig, data: Data, dense: dict, seed: int, out: dict
     plans = moee_plans(records, labels, ex, seed=seed)
     moee = extract_model(data.model, plans, router=ex.router)
     variants = [("MoEE", moee)]
-    row = evaluate(data, moee, "MoEE", dense)
+    row = evaluate_extracted(data, moee, "MoEE", dense)
     active = {i: s["active_neurons"] for i, s in row["_stats"].items()}
     layers = sorted(active)
     F = {i: int(plans[i].masks_CF.shape[1]) for i in layers}
@@ -238,10 +162,10 @@ def one_seed(cfg: MoEEStudyConfig, data: Data, dense: dict, seed: int, out: dict
                                      top_k=ks, router=r, d_router=cfg.mlp_router_width,
                                      seed=seed)
             variants.append((f"MoEfication ({r} router)", m))
-            rows.append(evaluate(data, m, variants[-1][0], dense))
+            rows.append(evaluate_extracted(data, m, variants[-1][0], dense))
     for (_, m), r in zip(variants, rows):
-        r["accuracy_after_kd"] = data.evaluator(kd_finetune(cfg, data, m, seed))["accuracy"]
-        r["load_cv"] = _load_cv(r["_stats"]) if r["_stats"] else float("nan")
+        r["accuracy_after_kd"] = data.evaluator(_kd(cfg, data, m, seed))["accuracy"]
+        r["load_cv"] = load_cv(r["_stats"]) if r["_stats"] else float("nan")
         r["seed"] = seed
         out["table1"].append(r)
     if seed == cfg.seed:
@@ -256,7 +180,7 @@ def one_seed(cfg: MoEEStudyConfig, data: Data, dense: dict, seed: int, out: dict
                                       "load_cv": float(np.std(s["load"]) / np.mean(s["load"]))})
 
 
-def ablations(cfg: MoEEStudyConfig, data: Data, dense: dict, base: dict) -> list[dict]:
+def ablations(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, base: dict) -> list[dict]:
     """Table 2 analog on the first seed's token sample."""
     records, hd_labels = base["records"], base["labels"]
     counts = {i: int(lab.max() + 1) if lab.max() >= 0 else 0 for i, lab in hd_labels.items()}
@@ -269,17 +193,16 @@ def ablations(cfg: MoEEStudyConfig, data: Data, dense: dict, base: dict) -> list
                   else cluster_layers(records, ex.cluster, seed=cfg.seed, n_clusters=counts))
         plans = moee_plans(records, labels, ex, seed=cfg.seed)
         m = extract_model(data.model, plans, router=router)
-        r = evaluate(data, m, label, dense)
+        r = evaluate_extracted(data, m, label, dense)
         r["experts"] = "/".join(str(0 if p is None else p.n_experts) for _, p in
                                 sorted(plans.items()))
         if cfg.finetune_ablations:
-            r["accuracy_after_kd"] = data.evaluator(kd_finetune(cfg, data, m, cfg.seed))[
-                "accuracy"]
+            r["accuracy_after_kd"] = data.evaluator(_kd(cfg, data, m, cfg.seed))["accuracy"]
         rows.append(r)
     return rows
 
 
-def stability(cfg: MoEEStudyConfig, data: Data) -> list[dict]:
+def stability(cfg: MoEEStudyConfig, data: ClassifierData) -> list[dict]:
     """Experts per layer and mean expert size against the token-sample size (draws = seeds)."""
     rows = []
     for n in cfg.stability_tokens:
@@ -335,7 +258,7 @@ def _table1(run: RunDir, rows: list, dense: dict, cfg) -> dict:
     return {r["model"]: r for r in out}
 
 
-def _plots(run: RunDir, data: Data, base: dict) -> list[int]:
+def _plots(run: RunDir, data: ClassifierData, base: dict) -> list[int]:
     stats, plans = base["moee_stats"], base["plans"]
     layers = sorted(stats)
     if not layers:
@@ -358,8 +281,8 @@ def _plots(run: RunDir, data: Data, base: dict) -> list[int]:
 
 
 def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
-    data = Data(cfg)
-    d = evaluate(data, data.model, "dense", {})
+    data = _data(cfg)
+    d = evaluate_extracted(data, data.model, "dense", {})
     dense = {"accuracy": d["accuracy"], "MACs": d["MACs"], "params": d["params"]}
     out = {"table1": [], "layers": []}
     for s in range(cfg.seeds):
@@ -417,7 +340,7 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
              "vectors (each token still goes to one fixed expert).")
     verdict = {None: "not measured (no layer formed clusters)", True: "holds",
                False: "does not hold"}
-    run.note("Paper shape (SPEC section 6): " + "; ".join(
+    run.note("Paper shape (Sec. 4-5): " + "; ".join(
         f"{k}: {verdict[None if v is None else bool(v)]}" for k, v in checks.items())
         + (f". Routing and similarity plots: layers {picks}." if picks else ""))
     res = {"dense_acc": dense["accuracy"], "moee_acc": moee["acc_extracted"],

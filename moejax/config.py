@@ -6,7 +6,7 @@ Every config in moejax subclasses :class:`Config`:
 * ``Literal[...]`` fields are checked at construction, and subclasses add their own
   checks in ``validate()`` (raise :class:`ConfigError` naming the field and the fix);
 * it serialises to plain JSON-able dicts (nested configs are tagged with their class
-  path, restricted to ``moejax.`` and ``experiments.`` modules) and back;
+  path; only moejax modules, or modules already imported, are read back) and back;
 * ``apply_overrides(cfg, ["model.d_model=256", "train.lr=1e-3"])`` returns a new config,
   failing on an unknown key with the list of allowed keys, and on a bad value with the
   allowed values, before any compute happens.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import sys
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -32,7 +33,7 @@ __all__ = [
     "from_json",
 ]
 
-_ALLOWED_MODULE_PREFIXES = ("moejax.", "experiments.")
+_IMPORTABLE_PREFIX = "moejax."  # other config classes must already be imported
 
 
 class ConfigError(ValueError):
@@ -145,19 +146,29 @@ def _class_path(obj) -> str:
 
 
 def _import_class(path: str, extra_prefixes: tuple[str, ...] = ()):
-    if not path.startswith(_ALLOWED_MODULE_PREFIXES + tuple(extra_prefixes)):
-        raise ConfigError(
-            f"refusing to build config class {path!r}: only classes from "
-            f"{', '.join(_ALLOWED_MODULE_PREFIXES)} modules may be restored"
-        )
+    """The config class named by ``path``: from a ``moejax.`` module (imported on demand) or
+    from a module the program has already imported (a study defining its own config), never
+    by importing anything else."""
     module, _, name = path.rpartition(".")
+    if not path.startswith((_IMPORTABLE_PREFIX, *extra_prefixes)):
+        cls = getattr(sys.modules.get(module), name, None)
+        if not _is_config_class(cls):
+            raise ConfigError(
+                f"refusing to build config class {path!r}: only Config classes from moejax "
+                "modules or from modules already imported may be restored (import the module "
+                "that defines it first)")
+        return cls
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"config class {path!r} cannot be imported: {e}") from e
-    if not (dataclasses.is_dataclass(cls) and issubclass(cls, Config)):
+    if not _is_config_class(cls):
         raise ConfigError(f"{path!r} is not a moejax Config class")
     return cls
+
+
+def _is_config_class(cls) -> bool:
+    return isinstance(cls, type) and dataclasses.is_dataclass(cls) and issubclass(cls, Config)
 
 
 def to_dict(value) -> Any:
@@ -175,8 +186,9 @@ def to_dict(value) -> Any:
 
 
 def from_dict(value, *, extra_prefixes: tuple[str, ...] = ()) -> Any:
-    """Inverse of :func:`to_dict`. Only config classes from ``moejax.``/``experiments.`` modules
-    (plus ``extra_prefixes``, e.g. your own project's package) are ever imported."""
+    """Inverse of :func:`to_dict`. Only config classes from ``moejax.`` modules (plus
+    ``extra_prefixes``, e.g. your own project's package) are ever imported; a class from any
+    other module is taken only when that module is imported already."""
     rec = lambda v: from_dict(v, extra_prefixes=extra_prefixes)  # noqa: E731
     if isinstance(value, dict) and "__config__" in value:
         cls = _import_class(value["__config__"], extra_prefixes)

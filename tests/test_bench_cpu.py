@@ -23,7 +23,7 @@ def test_matmul_rate_rejects_an_unknown_backend_and_an_empty_loop():
 
 
 def test_block_flops_count_three_gated_matrices_forward_and_backward():
-    # issue 17's block: 2048 tokens, d 256, width 1024, top-2, SwiGLU -> 19.3 GFLOP
+    # bench_dispatch's block: 2048 tokens, d 256, width 1024, top-2, SwiGLU -> 19.3 GFLOP
     assert moe_block_flops(2048, 256, 1024, 2) == pytest.approx(19.327e9, rel=1e-3)
     assert moe_block_flops(2048, 256, 1024, 2, gated=False) == pytest.approx(
         moe_block_flops(2048, 256, 1024, 2) * 2 / 3)

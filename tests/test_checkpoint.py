@@ -18,7 +18,7 @@ from moejax.config import from_json
 from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=2, schedule="cosine", seed=3)

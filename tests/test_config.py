@@ -126,3 +126,13 @@ def test_overrides_parse_nested_and_fixed_length_tuples():
         apply_overrides(_Shapes(), ["shapes=((64,8),)"])
     with pytest.raises(ConfigError, match="expected an int"):
         apply_overrides(_Shapes(), ["shapes=((64,8,x),)"])
+
+
+def test_from_json_takes_study_configs_only_from_imported_modules():
+    import experiments.darex_storage as study
+
+    cfg = study.make_config("quick")
+    assert from_json(to_json(cfg)) == cfg  # the study module is imported: its class is taken
+    text = to_json(cfg).replace("experiments.darex_storage", "experiments.not_a_study")
+    with pytest.raises(ConfigError, match="refusing to build.*import the module"):
+        from_json(text)

@@ -14,7 +14,7 @@ from moejax.data.packing import prompt_response_rows
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
-from moejax.ops.distill_losses import forward_kl
+from moejax.ops.distill_losses import distill_divergence, forward_kl
 from moejax.pytree import named_leaves
 from moejax.train.distill import (
     DistillConfig,
@@ -107,17 +107,40 @@ def test_kd_objective_is_forward_kl_on_dataset_responses():
     np.testing.assert_allclose(float(k4), float(all_), rtol=1e-5)
 
 
-def test_on_policy_rows_are_student_samples():
+def test_on_policy_rows_are_student_samples(monkeypatch):
     """With on_policy_fraction = 1 the scored responses are the student's own samples: the
-    KL of the student against itself as teacher is 0, and the scored tokens differ from the
-    dataset's."""
-    student = _lm(False, n_layers=1, seed=2)
+    loss equals the divergence recomputed on exactly the sequences the sampler returned for
+    the student (recorded by a pass-through wrapper), and differs from the loss on the
+    dataset's responses."""
+    import moejax.train.distill as distill_mod
+
+    teacher, student = _lm(False, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="gkd")
-    pair = distill_pair(student, _lm(False, n_layers=1, seed=2), cfg)
+    pair = distill_pair(student, teacher, cfg)
     b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    seen = []
+
+    def recording_sampler(model, *args, **kw):
+        out = distill_mod.sample_traced.__wrapped__(model, *args, **kw)
+        seen.append((model, out))
+        return out
+
+    recording_sampler.__wrapped__ = distill_mod.sample_traced
+    monkeypatch.setattr(distill_mod, "sample_traced", recording_sampler)
     loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
-    assert float(loss) == pytest.approx(0.0, abs=1e-6)
-    assert float(m["response_tokens"]) > 0
+    (sampler_model, s), = seen
+    tokens, resp = s.tokens_BS, s.response_mask_BS
+    np.testing.assert_allclose(sampler_model(tokens)[0], student(tokens)[0], rtol=1e-6)
+    mask = resp[:, 1:].astype(jnp.float32)
+    want = distill_divergence(cfg.divergence_kind, teacher(tokens[:, :-1])[0],
+                              student(tokens[:, :-1])[0], mask, beta=cfg.jsd_beta,
+                              reduction=cfg.reduction)
+    assert float(m["response_tokens"]) == pytest.approx(float(jnp.sum(mask)) / 4)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    off = DistillConfig(method="gkd", on_policy_fraction=0.0)
+    loss_data, _ = distill_loss_fn(off)(distill_pair(student, teacher, off), b,
+                                        jax.random.key(0))
+    assert abs(float(loss_data) - float(loss)) > 1e-4
 
 
 def test_bad_pairs_and_configs_raise():

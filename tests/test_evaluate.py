@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.evaluate import ClassifierEvaluator, LMEvaluator, matthews_corrcoef
 from moejax.pytree import count_bytes, count_params
-from tests.test_train_utils import TinyMoELM, ToySource
+from tests.toy_models import TinyMoELM, ToySource
 
 
 def test_mcc_binary_formula_and_invariants():

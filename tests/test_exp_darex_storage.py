@@ -30,8 +30,8 @@ def test_darex_storage_tiny(tmp_path):
     assert int(by[0.99, 32]["bytes"]) < int(by[0.9, 32]["bytes"]) < dense
     assert int(by[0.0, 4]["bytes"]) < int(by[0.0, 16]["bytes"]) < dense
     assert 0.0 < float(by[0.0, 4]["rel_err"]) < 0.5
-    for r in rows:
-        assert 0.0 <= float(r["metric"]) <= 1.0
+    # 16-bit codes of the unpruned delta keep the model's accuracy (to a test image or two)
+    assert abs(float(by[0.0, 16]["metric"]) - float(by[0.0, 32]["metric"])) < 0.02
     t = list(csv.DictReader(open(run.path / "apply_time.csv")))
     assert len(t) == 3 and all(float(r["GB_per_s"]) > 0 for r in t)
     assert int(t[0]["params"]) * 12 == pytest.approx(float(t[0]["GB_moved"]) * 1e9)

@@ -31,10 +31,12 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     assert [(r["teacher"], r["method"]) for r in rows] == (
         [("MoE teacher", m) for m in ("SAR",)]
         + [("dense teacher", "KD")])
-    for r in rows:
-        assert 0.0 <= float(r["rouge_l"]) <= 1.0 and int(r["scores"]) == 2
+    for r in rows:  # one score per evaluation seed; the summary reports the table's values
+        assert int(r["scores"]) == 2
+        key = f"{r['method']}_{r['teacher'].split()[0]}"
+        assert summary[key] == float(r["rouge_l"])
     mass = list(csv.DictReader(open(run.path / "gate_mass.csv")))
-    assert len(mass) == 2 and all(0.5 <= float(m["activated"]) <= 1.0 for m in mass)
+    assert [int(m["layer"]) for m in mass] == [0, 1]  # one row per MoE layer of the teacher
     ks = list(csv.DictReader(open(run.path / "teacher_k.csv")))
     assert [int(r["k"]) for r in ks] == [4]
     kl = list(csv.DictReader(open(run.path / "sar_kl.csv")))

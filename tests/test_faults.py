@@ -38,7 +38,7 @@ from moejax.train.run_lock import RunLock, RunLockedError
 from moejax.train.step import NonFiniteError, init_state, lm_loss_fn
 from tests.test_train_loop import Crash
 from tests.test_train_loop import CrashingSource as CrashAt
-from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosine",
@@ -172,7 +172,7 @@ from flax import nnx
 from orbax.checkpoint._src.path import atomicity
 from moejax.train.loop import train
 from moejax.train.hparams import TrainConfig
-from tests.test_train_utils import TinyMoELM, ToySource
+from tests.toy_models import TinyMoELM, ToySource
 cfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, ckpt_every=2, log_every=1)
 for i, exc in enumerate([OSError(errno.EROFS, 'Read-only file system'), KeyboardInterrupt()]):
     async def fail(self, *a, exc=exc, **k):
@@ -222,7 +222,7 @@ sys.path.insert(0, {root!r})
 from flax import nnx
 from moejax.train.loop import train
 from moejax.train.hparams import TrainConfig
-from tests.test_train_utils import TinyMoELM, ToySource
+from tests.toy_models import TinyMoELM, ToySource
 cfg = TrainConfig(steps=400, batch_size=4, lr=1e-2, ckpt_every=1, log_every=1,
                   keep_checkpoints=2)
 print("START", flush=True)

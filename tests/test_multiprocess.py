@@ -13,7 +13,7 @@ from flax import nnx
 
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from tests.test_train_utils import TinyMoELM, ToySource
+from tests.toy_models import TinyMoELM, ToySource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=3, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant")
@@ -29,7 +29,7 @@ from moejax.train import mesh as mesh_lib
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from moejax.train.hparams import make_schedule, make_optimizer
 from tests.test_multiprocess import CFG
-from tests.test_train_utils import TinyMoELM, ToySource
+from tests.toy_models import TinyMoELM, ToySource
 assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())
 mesh = mesh_lib.make_mesh(2, 2)
 tx = make_optimizer(CFG)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from moejax.train import mesh as mesh_lib
-from tests.test_train_utils import TinyMoELM, ToySource, tree_max_diff
+from tests.toy_models import TinyMoELM, ToySource, tree_max_diff
 
 assert jax.device_count() == 8, jax.devices()
 cfg = TrainConfig(steps=4, batch_size=16, lr=1e-2, warmup_steps=0, schedule="constant",

@@ -68,7 +68,7 @@ def test_custom_config_gets_own_cache_key(tiny_recipes):
 
 def test_vit_substrate(tiny_recipes):
     sub = substrates.get("vit_mnist5k", "quick", cache_dir=tiny_recipes)
-    assert 0.0 <= sub.metrics["val_accuracy"] <= 1.0 and sub.metrics["train_examples"] > 4000
+    assert sub.metrics["val_accuracy"] > 0.2 and sub.metrics["train_examples"] > 4000  # > chance
     logits, _ = sub.model(jnp.zeros((2, 28, 28, 1)))
     assert logits.shape == (2, 10)
 

@@ -12,7 +12,7 @@ from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
 from moejax.train.step import NonFiniteError
-from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
 CFG = TrainConfig(
     steps=6,

@@ -16,7 +16,7 @@ from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params
 from moejax.train.step import NonFiniteError
-from tests.test_train_utils import TinyMoELM, ToySource, tree_equal
+from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
 CFG = TrainConfig(steps=6, batch_size=8, lr=1e-2, log_every=4, seed=0, grad_clip=0.0)
 

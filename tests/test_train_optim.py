@@ -12,7 +12,7 @@ from flax import nnx
 from moejax.config import ConfigError, from_json, to_json
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.train.hparams import TrainConfig, decay_mask, make_optimizer, make_schedule
-from tests.test_train_utils import TinyMoELM
+from tests.toy_models import TinyMoELM
 
 
 def test_cross_entropy_masked_mean_matches_numpy_and_bf16_is_fp32():

@@ -16,7 +16,7 @@ from moejax.train.step import (
     make_eval_step,
     make_train_step,
 )
-from tests.test_train_utils import TinyMoELM, ToySource, tree_equal, tree_max_diff
+from tests.toy_models import TinyMoELM, ToySource, tree_equal, tree_max_diff
 
 CFG = TrainConfig(steps=10, batch_size=8, lr=1e-2, warmup_steps=2, schedule="cosine")
 

@@ -13,5 +13,5 @@ Modules (imported explicitly; this package imports nothing so ``moejax.data.sour
 * ``loader``: ``lm_batches``, ``classification_batches``, ``image_batches``, ``bpe_for``,
   ``BatchIterator`` (checkpointable position).
 * ``cards``: ``python -m moejax.data.cards`` regenerates ``third_party/*/DATA_CARD.md``.
-* ``stdlib_corpus``, ``lm_batches``: the first demo's byte corpus and window batches.
+* ``stdlib_corpus``, ``lm_batches``: the CPython standard-library byte corpus and window batches.
 """

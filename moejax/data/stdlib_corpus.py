@@ -2,7 +2,7 @@
 
 Files are read in sorted order (test suites and site-packages excluded), split into train and
 validation by a stable hash of the relative path (no file appears in both), and encoded as
-UTF-8 bytes. Used by the first demo until the TFDS builders of the data issue take over.
+UTF-8 bytes. The TFDS builders (:mod:`moejax.data.builders_text`) read it through this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Delta-parameter tools (SPEC section 3): delta/apply, DARE & DAREx-q (global, searched,
+"""Delta-parameter tools (DAREx paper, Deng et al. 2024, Sec. 3-4): delta/apply, DARE & DAREx-q (global, searched,
 analytic per-layer q), importance & structural pruning, k-bit quantisation, compact
 pickle-free storage and LoRA; matrix-input capture for WANDA / analytic q; the pruning
 methods of the DAREx studies behind one name each (methods). Pure functions on any JAX

@@ -1,4 +1,4 @@
-"""DARE and DAREx-q: random drop of delta parameters with rescaling (SPEC section 3).
+"""DARE and DAREx-q: random drop of delta parameters with rescaling (DAREx paper, Sec. 3.2 and 4.1).
 
 DARE (per weight matrix, drop rate ``p``)::
     m_ij ~ Bernoulli(1 - p),   Delta'_ij = m_ij * Delta_ij / (1 - p)
@@ -57,9 +57,9 @@ def dare_keep_mask(
     Unselected leaves (``mask`` False) get an all-True mask. Leaf ``i`` uses
     ``fold_in(key, i)``, so masks are reproducible and independent across leaves.
     ``rng="hash"`` (default) draws them from a counter-based hash
-    (:mod:`moejax.delta.hash_mask`: 11x faster than JAX's PRNG on this CPU; DARE with it
-    runs at 0.94-0.99x a jitted ``x * 2`` over the same tree); ``rng="threefry"`` from
-    ``jax.random.bernoulli`` (the masks of runs before 2026-11-23's fourth session).
+    (:mod:`moejax.delta.hash_mask`: a few integer ops per entry, so DARE runs at about the
+    speed of one pass over the tree); ``rng="threefry"`` from ``jax.random.bernoulli``
+    (other masks for the same key).
     """
     _check_rate(p)
     if rng == "hash":

@@ -1,4 +1,4 @@
-"""Importance-based and structural delta-parameter pruning (SPEC section 3).
+"""Importance-based and structural delta-parameter pruning (DAREx paper, Sec. 3.3 and App. A).
 
 Per weight matrix of size ``m x n`` keep exactly ``k = round((1-p) m n)`` deltas with
 the largest score, no rescaling:
@@ -146,7 +146,7 @@ def wanda_prune(
     ``input_norms``: per-leaf ``||x_j||_2`` vectors (``[d_in]``, or ``[E, d_in]`` for
     stacked experts), as a ``{path: array}`` dict or a pytree aligned with the deltas
     (see :mod:`moejax.delta.input_stats`). ``per_output=True`` compares within each
-    output unit (original WANDA) instead of the whole matrix (SPEC).
+    output unit (original WANDA) instead of the whole matrix (the DAREx paper, App. A).
     """
     norms = per_leaf_values(_fill_paths(input_norms, delta_tree, mask), delta_tree, "input_norms")
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)

@@ -1,4 +1,4 @@
-"""The delta-pruning methods of the DAREx paper (SPEC section 3) behind one name each.
+"""The delta-pruning methods of the DAREx paper (Sec. 3-4) behind one name each.
 
 :class:`PruneContext` holds ``(theta_P, Delta)``, the metrics and the input statistics;
 :func:`run_one` applies one method at drop rate ``p`` and scores it on the test metric;

@@ -1,6 +1,6 @@
 """Delta parameters on arbitrary JAX pytrees, and leaf selection by path pattern.
 
-``Delta = theta_F - theta_P`` (SPEC section 3). Every function here works on any
+``Delta = theta_F - theta_P`` (DAREx paper, Sec. 3.1). Every function here works on any
 pytree of arrays (nested dicts, lists, NamedTuples, ``nnx.State`` ...); nothing here
 knows about moejax models.
 

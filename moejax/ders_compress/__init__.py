@@ -1,4 +1,4 @@
-"""DeRS compression of vanilla upcycled MoEs (SPEC section 2; papers/ders-upcycled-moe.md 3.3):
+"""DeRS compression of vanilla upcycled MoEs (DeRS paper, Sec. 3.2-3.3):
 decompose into base + deltas, replace the deltas by sparse / quantised forms, save them as a
 compressed orbax checkpoint, and run inference that synthesises each expert on the fly.
 

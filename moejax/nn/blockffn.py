@@ -1,4 +1,4 @@
-"""BlockFFN: ReLU + RMSNorm routed mixture of fine-grained experts (SPEC section 4).
+"""BlockFFN: ReLU + RMSNorm routed mixture of fine-grained experts (BlockFFN paper, Sec. 3.1).
 
 ``y_BTD, aux = slot(x_BTD, train=..., key=None, mask_BT=None, segment_ids_BT=None)``::
     A0 = x W_router                  [E]   (no bias)

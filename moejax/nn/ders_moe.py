@@ -1,4 +1,5 @@
-"""DeRS upcycling slots (SPEC section 2; papers/ders-upcycled-moe.md, section 3.4 and App. A).
+"""DeRS upcycling slots (DeRS paper, Huang et al.
+2025, Sec. 3.4 and App. A).
 
 Each expert weight is *synthesised* inside the forward pass from one expert-shared weight and a
 light expert-specific increment, for every FFN matrix ``W`` in ``{w_gate, w_up, w_down}``::

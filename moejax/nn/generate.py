@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["generate", "select_token", "TRACE_COUNTS"]
-
-TRACE_COUNTS = {"prefill": 0, "decode": 0}  # incremented at trace time (for tests)
+__all__ = ["generate", "select_token"]
 
 
 def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: float,
@@ -33,7 +31,6 @@ def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: fl
 
 @partial(jax.jit, static_argnums=(0,))
 def _prefill(graphdef, state, prompt_BT, cache):
-    TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     logits_BTV, cache = model.decode(prompt_BT, cache)
     return logits_BTV[:, -1], cache
@@ -41,7 +38,6 @@ def _prefill(graphdef, state, prompt_BT, cache):
 
 @partial(jax.jit, static_argnums=(0,))
 def _decode_one(graphdef, state, token_B, cache):
-    TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     logits_B1V, cache = model.decode(token_B[:, None], cache)
     return logits_B1V[:, 0], cache

@@ -8,7 +8,7 @@ Boundaries. ``mask_BT`` (bool, real tokens) and ``segment_ids_BT`` (int, documen
 token, e.g. from :mod:`moejax.data.packing`) split every row into *runs*: maximal stretches of
 consecutive real tokens of one document. Nothing couples tokens of two different runs.
 
-* :func:`activation_locality_loss` (SPEC Eq. 4)::
+* :func:`activation_locality_loss` (BlockFFN paper, Sec. 3.2, Eq. 4)::
 
       L_al = mean_{(t, t+1) valid, e} BCE(sigmoid(alpha A0[t, e]), target=sigmoid(alpha A0[t+1, e]))
       BCE(p, q) = -(q log p + (1 - q) log(1 - p))
@@ -16,7 +16,7 @@ consecutive real tokens of one document. Nothing couples tokens of two different
   over neighbouring pairs inside one run (LeftShift along the sequence). Logs use
   ``log_sigmoid`` so large ``alpha`` (official 100) is safe. Both sides carry gradient.
 
-* :func:`chunk_sparsification_loss` (SPEC Eq. 5)::
+* :func:`chunk_sparsification_loss` (BlockFFN paper, Sec. 3.2, Eq. 5)::
 
       p[t, e] = A1[t, e] / sum_e' A1[t, e']            (0 for a token with no active expert)
       P_act[c, e] = 1 - exp(sum_{t in c} ln(1 - p[t, e]))
@@ -93,7 +93,7 @@ def pair_valid(mask_BT, segment_ids_BT, shape) -> jax.Array:
 
 def activation_locality_loss(a0_BTE, *, alpha: float = 100.0, mask_BT=None,
                              segment_ids_BT=None) -> jax.Array:
-    """SPEC Eq. 4 (see module docstring). ``a0_BTE``: pre-ReLU router scores."""
+    """BlockFFN Eq. 4 (see module docstring). ``a0_BTE``: pre-ReLU router scores."""
     B, T, E = a0_BTE.shape
     z = alpha * a0_BTE.astype(jnp.float32)
     q = jax.nn.sigmoid(z[:, 1:])  # target: next token's soft pattern
@@ -112,7 +112,7 @@ def normalize_over_experts(a1_BTE) -> jax.Array:
 
 def chunk_sparsification_loss(a1_BTE, *, chunk_len: int = 64, mask_BT=None,
                               segment_ids_BT=None, eps: float = 1e-6) -> jax.Array:
-    """SPEC Eq. 5 (see module docstring). ``a1_BTE``: ReLU router activations (>= 0)."""
+    """BlockFFN Eq. 5 (see module docstring). ``a1_BTE``: ReLU router activations (>= 0)."""
     B, T, E = a1_BTE.shape
     real = _real(mask_BT, (B, T))
     p = normalize_over_experts(a1_BTE) * real[..., None]

@@ -14,7 +14,7 @@ inactive (token, expert) pairs.
   ``"loop"`` (default) walks the union with a ``fori_loop`` whose trip count is the largest
   actual union over the tiles (so ``max_union = E`` stays exact and costs only the union),
   gathering one member's weights per tile per step (each weight is read once and the copy
-  stays in cache; on this CPU 1.3-2x faster than ``"gather"`` for one chunk), with the
+  stays in cache, where ``"gather"`` materialises every member's copy), with the
   gradient of ``"gather"`` (a
   ``custom_vjp``: the loop's own reverse pass would carry full-size weight cotangents through
   every step); ``"gather"`` gathers every member's weights at once (``[C, U, D, F]``) and runs

@@ -28,9 +28,9 @@ Paths (all agree to float tolerance when nothing is dropped):
   smallest capacity of a fixed ladder (``BUCKET_FACTORS`` x the balanced load, then ``N``)
   that holds the fullest expert, chosen at run time by ``lax.switch``; never drops (the last
   rung holds every token). Its cost follows the fullest expert: forward as fast as the
-  capacity path when the load is near balanced (CPU, 2048 tokens: 64 ms vs 60 ms capacity
-  1.25, 101-119 ms grouped), forward + backward between the two (each rung rematerialised),
-  and slow under a skewed load. Costs more compile time (one capacity path per rung).
+  capacity path when the load is near balanced, forward + backward slower (each rung
+  rematerialised), and slow under a skewed load. Costs more compile time (one capacity
+  path per rung).
 
 The paths by name, with the kernel paths (``"gmm"``, ``"host"``, ``"host_capacity"``) and
 ``"auto"``, are in :mod:`moejax.kernels.dispatch`.

@@ -8,8 +8,8 @@ rescaled by ``1/q`` (``q = 1 - p`` by default, unbiased; ``q > 1-p`` = DAREx-q):
 The PRNG key lives in the state and is split every step, so the transformation is
 pure and reproducible (same seed -> same masks). Masks come from the counter-based hash of
 :mod:`moejax.delta.hash_mask` by default (``rng="hash"``: a few integer ops per entry, at
-memory speed); ``rng="threefry"`` draws them with ``jax.random.bernoulli`` (the behaviour
-before 2026-11-23's fifth session, ~10x slower on CPU).
+memory speed); ``rng="threefry"`` draws them with ``jax.random.bernoulli`` (slower on CPU, and
+other masks for the same key).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Distillation from an MoE (or dense) teacher into a dense student through the one training
-loop ("Every Expert Matters"; SPEC section 5).
+loop ("Every Expert Matters", Kim et al. 2025, Sec. 3-4).
 
     pair = distill_pair(student, teacher, cfg)          # teacher rerouted + frozen copies
     train(pair, batches, tcfg, loss_fn=distill_loss_fn(cfg), tx=distill_tx(cfg, tcfg))

@@ -5,35 +5,26 @@ XLA's CPU runtime and numpy allocate their large buffers with ``malloc`` on ever
 glibc serves a chunk above its mmap threshold (adaptive, at most 32 MiB on 64-bit) from a
 fresh mapping and unmaps it on ``free``, and trims the heap's free top back to the kernel, so
 each training step touches new pages: one page fault per 4 KiB, and a fault costs more than
-the arithmetic on that page's floats (about 3 us a fault on this project's machine). Measured
-on the issue-17 MoE block (2048 tokens, d 256, 8 SwiGLU experts of width 1024, forward +
-backward, ``dispatch="host"``), before the kernel advised huge pages: 11.5k page faults per
-step by default, 130 after :func:`retain_freed_memory` (the residual buffers the forward hands
-the backward were the bulk of them); with the advice, 1.8k by default and 0.75k retained
-(133.5 vs 129.5 ms a step). XLA's own temporary buffer of a large program is one allocation
-above 32 MiB and stays a fresh mapping either way (the XLA capacity path: 30.6k -> 29.0k
-faults per step).
+the arithmetic on that page's floats. Three remedies, from local to global:
 
-This is the CPU analogue of what PyTorch's CPU tuning guide does with jemalloc / tcmalloc. It
-is process-wide, so nothing in moejax calls it implicitly: a program (or a benchmark's
-``block_retain_memory`` key) calls it once at start. The cost is memory: the process keeps its peak
-heap instead of returning it. Off glibc (macOS, musl) it changes nothing and returns False.
+* :func:`advise_huge_pages`: for one buffer about to be written for the first time, ask the
+  kernel (``madvise(MADV_HUGEPAGE)``) to back its aligned 2 MiB ranges with transparent huge
+  pages, so a first write faults once per 2 MiB instead of once per 4 KiB. The host expert
+  kernel (:mod:`moejax.kernels.host.moe`) gives it its output buffers, which XLA allocates
+  fresh every step. Where THP is off or the platform is not Linux it does nothing; a touched
+  range then costs 2 MiB of memory.
+* glibc (2.35 and later) has the same advice built in for every large allocation of the
+  process, XLA's included, switched on before the process starts: ``GLIBC_TUNABLES=`` +
+  :data:`HUGE_PAGE_MALLOC` (``make demo``, ``make studies`` and ``make bench`` set it;
+  :func:`malloc_huge_pages` tells whether this process has it).
+* :func:`retain_freed_memory` (opt-in, process-wide): glibc keeps freed memory instead of
+  returning it, so later steps reuse already-faulted pages; the CPU analogue of PyTorch's
+  jemalloc / tcmalloc advice. Nothing in moejax calls it implicitly (a program, or a
+  benchmark's ``block_retain_memory`` key, calls it once at start); the process keeps its
+  peak heap. Off glibc it changes nothing and returns False.
 
-:func:`advise_huge_pages` is the local remedy, for one buffer about to be written for the first
-time: it asks the kernel (``madvise(MADV_HUGEPAGE)``) to back the buffer's aligned 2 MiB
-ranges with transparent huge pages, so a first write faults once per 2 MiB instead of once per
-4 KiB. Measured here (Linux 6.18, THP mode "madvise"): writing a fresh 16 MiB mapping took
-9.4 ms, 1.5 ms after the advice. The host expert kernel (:mod:`moejax.kernels.host.moe`) gives it
-its output buffers, which XLA allocates fresh every step. Where THP is off or the platform is
-not Linux it does nothing. The cost is memory granularity: a touched range takes 2 MiB.
+``bench_dispatch`` measures what each of them saves on this machine.
 
-For every large allocation of the process, XLA's included, glibc (2.35 and later) has the
-same advice built in, switched on before the process starts: ``GLIBC_TUNABLES=`` +
-:data:`HUGE_PAGE_MALLOC` (``make demo``, ``make studies`` and ``make bench`` set it;
-:func:`malloc_huge_pages` tells whether this process has it). Measured with it on the issue-17
-block: the XLA capacity path 214.5 -> 194.6 ms, grouped 302 -> 225 ms, the fused host path
-131 -> 128 ms; the ``bench_dispatch`` LM's capacity train step 0.90 -> 0.72 s.
-"""
 
 from __future__ import annotations
 

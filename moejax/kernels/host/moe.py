@@ -24,11 +24,11 @@ The forward keeps, per kept assignment, what the backward needs so that it evalu
 activation (:func:`_residual_names`): with a gate ``act(g)``, ``act(g) u`` and ``u act'(g)``,
 without ``act(u)`` and ``act'(u)``, and the unweighted output, in float32 (``3 N k F + N k D``
 floats with a gate, ``2 N k F + N k D`` without); the backward's elementwise work is then two
-products. numpy's float32 ``exp`` costs 1.3 ns an element on this project's AVX2 machine,
-as much as eight multiplies, so computing it once instead of twice is worth a residual. They are
-fresh XLA buffers every step: they are advised onto transparent huge pages before the first
-write (:func:`moejax.kernels.host.memory.advise_huge_pages`; a 4 KiB page fault costs about 3 us
-here), and ``dx`` is written over ``dy``'s buffer.
+products: numpy's float32 ``exp`` costs as much as several multiplies, so computing it once
+instead of twice is worth a residual. They are fresh XLA buffers every step: they are advised
+onto transparent huge pages before the first write
+(:func:`moejax.kernels.host.memory.advise_huge_pages`), and ``dx`` is written over ``dy``'s
+buffer.
 
 Inputs of any float dtype are computed in float32 and cast back. First-order gradients only;
 CPU backend only (tracing on another backend raises: an accelerator would copy every
@@ -144,8 +144,7 @@ def _run(fn, tasks, d: int, f: int):
         scratch = _Scratch(rows, d, f)
         return [fn(*t, scratch) for t in tasks]
     # allocated here, in the calling thread, and handed out: the workers of a fresh pool would
-    # each take new pages (measured on the issue-17 block: 12.1k instead of 13.2k page faults
-    # per fwd+bwd; most of the rest are XLA's fresh residual buffers)
+    # each take new pages
     free = [_Scratch(rows, d, f) for _ in range(threads)]
     lock, local = threading.Lock(), threading.local()
 
@@ -181,7 +180,7 @@ def _combine_into(y: np.ndarray, rows_S: np.ndarray, row_A: np.ndarray, wts_NK,
     """``y[n] = sum_k wts[n, k] rows_S[row_A[n K + k]]`` (``wts`` None: weight 1), ``chunk``
     tokens at a time (a small scratch that stays in cache, not a fresh ``y``-sized one).
     Every ``np.take`` here uses ``mode="clip"``: the rows are in range by construction, and
-    the default "raise" buffers ``out`` (the combine measured 1.5 ms with it, 0.55 without)."""
+    the default "raise" buffers ``out`` (a copy per call)."""
     n, k = y.shape[0], row_A.size // y.shape[0]
     row_NK = row_A.reshape(n, k)
     tmp = np.empty((min(chunk, n), y.shape[1]), np.float32)

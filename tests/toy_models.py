@@ -1,5 +1,5 @@
-"""Shared helpers for the training/checkpoint tests (no tests here): a tiny MoE-shaped LM
-with a sub-module ``experts`` holding stacked ``[E, d, f]`` weights, and a toy batch source."""
+"""Shared helpers for the training and checkpoint tests (not a test module): a tiny MoE-shaped
+LM with a sub-module ``experts`` holding stacked ``[E, d, f]`` weights, and a toy batch source."""
 
 from __future__ import annotations
 
