@@ -1,6 +1,6 @@
 # The two commands (see README): `make demo` runs the tour, `make test` runs the tests;
-# `make studies` runs every study's quick preset. All create/refresh the virtualenv first;
-# set-up is idempotent and skipped when up to date. The demo and the studies use a GPU when
+# `make studies` runs every study's quick preset and writes docs/results.md. All create or
+# refresh the virtualenv first; set-up is idempotent and skipped when up to date. The demo and the studies use a GPU when
 # jax finds one (install the `gpu` extra); the tests always run on the CPU.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies test setup lint bench clean-runs
+.PHONY: demo studies results test setup lint bench clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
@@ -21,6 +21,11 @@ demo: setup
 
 studies: setup
 	$(PY) -m experiments.main suite=studies out=runs/studies $(ARGS)
+	$(PY) -m experiments.results_doc runs=runs/studies out=docs/results.md
+
+# docs/results.md again from the runs already in runs/studies (no study is run)
+results: setup
+	$(PY) -m experiments.results_doc runs=runs/studies out=docs/results.md
 
 bench: setup
 	$(PY) -m experiments.bench_dispatch $(ARGS)

@@ -23,7 +23,7 @@ from experiments.sparse_lm import (
 )
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.results import RunDir
+from moejax.results import Claim, RunDir, compare, lookup
 from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_ablations"
@@ -81,6 +81,26 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
             "lowest_ppl": best["model"]}
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """BlockFFN's objective and RMSNorm ablations (Table 5, Sec. 4.1.4)."""
+    obj = t.get("objectives") or []
+    ppl = lambda m: (m, lookup(obj, {"model": m}, "val_ppl"))  # noqa: E731
+    cls = lambda m: (m, lookup(obj, {"model": m}, "CLS_8"))  # noqa: E731
+    rms = t.get("rmsnorm") or []
+    return [
+        compare("AL+CS has a lower PPL than AL+L1 (Table 5)", ppl("AL+CS"), ppl("AL+L1"),
+                better="lower"),
+        compare("AL+CS has a lower PPL than AL+Ent (Table 5)", ppl("AL+CS"), ppl("AL+Ent"),
+                better="lower"),
+        compare("CS adds chunk-level sparsity: AL+CS has a higher CLS_8 than AL alone (Table 5)",
+                cls("AL+CS"), cls("AL")),
+        compare("The router RMSNorm lowers PPL (Sec. 4.1.4)",
+                ("with", lookup(rms, {"model": "AL+CS"}, "val_ppl")),
+                ("without", lookup(rms, {"model": "AL+CS, no RMSNorm"}, "val_ppl")),
+                better="lower"),
+    ]
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
                           quick_repeat=QUICK_REPEAT))

@@ -15,7 +15,7 @@ from experiments.sparse_lm import (
 )
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.results import RunDir
+from moejax.results import Claim, RunDir, compare
 from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_granularity"
@@ -71,6 +71,17 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
             "best_n": best["n_experts"]}
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """Expert granularity (App. F, Fig. 5): finer experts at equal FFN width lower PPL."""
+    rows = sorted(t.get("granularity") or [], key=lambda r: float(r["n_experts"]))
+    if len(rows) < 2:
+        return [Claim("Finer experts lower PPL (App. F)", None, "fewer than two sizes")]
+    lo, hi = rows[0], rows[-1]
+    return [compare("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)",
+                    (f"N={float(hi['n_experts']):.0f}", hi["val_ppl"]),
+                    (f"N={float(lo['n_experts']):.0f}", lo["val_ppl"]), better="lower")]
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
                           quick_repeat=QUICK_REPEAT))

@@ -30,7 +30,7 @@ from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
-from moejax.results import RunDir, seed_summary
+from moejax.results import Claim, RunDir, compare, lookup, seed_summary, top_column
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (
@@ -331,6 +331,47 @@ def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
             f"lora_darex_qv_factors_p{p}": by["DAREx-q (q_v) on LoRA factors"]}
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """The DAREx paper's claims on this study's tables."""
+    acc, p = t.get("accuracy"), top_column(t.get("accuracy"))
+    at = lambda ft, m: (f"{ft} {m} {p}", lookup(acc, {"fine-tuning": ft, "method": m}, p))  # noqa: E731
+    out = [compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, Table 1)",
+                   at("no reg (Adam)", "DAREx-q (q_v)"), at("no reg (Adam)", "DARE")),
+           compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate (Sec. 4.2, "
+                   "Table 2)", at("AdamR-L2", "DARE"), at("no reg (Adam)", "DARE"))]
+    lora, lp = t.get("lora"), None
+    if lora:
+        lp = max(float(r["p"]) for r in lora)
+        out.append(compare(
+            f"DAREx-q beats DARE on LoRA factors at p = {lp:g} (Table 4)",
+            ("DAREx-q (q_v)", lookup(lora, {"p": lp, "method": "DAREx-q (q_v) on LoRA factors"},
+                                     "accuracy")),
+            ("DARE", lookup(lora, {"p": lp, "method": "DARE on LoRA factors"}, "accuracy"))))
+    large = t.get("large_deltas")
+    if large:
+        big = max(large, key=lambda r: float(r["mean_abs_delta"]))
+        c = top_column([{k: v for k, v in big.items() if k.startswith("DARE p=")
+                         and not k.endswith("std")}], "DARE p=")
+        q = c[len("DARE "):] if c else ""
+        out.append(compare(
+            "With large deltas, magnitude pruning beats DARE at the highest drop rate (Sec. "
+            f"5.3, Table 6; lr {big['lr']:g})", (f"magnitude {q}", big.get(f"magnitude {q}")),
+            (f"DARE {q}", big.get(f"DARE {q}"))))
+    sweep = t.get("l2_sweep")
+    if sweep:
+        c = top_column([{k: v for k, v in sweep[0].items() if k.startswith("DARE p=")
+                         and not k.endswith("std")}], "DARE p=")
+        best = max(sweep, key=lambda r: float(r[c]))
+        strongest = max(float(r["l2_weight"]) for r in sweep)
+        drop = float(best["unpruned"]) - float(best[c])
+        out.append(Claim(
+            f"The strongest AdamR-L2 lets DARE prune at {c[5:]} with a minor drop (< 0.05; "
+            "Fig. 7)", float(best["l2_weight"]) == strongest and drop < 0.05,
+            f"best L2 weight {float(best['l2_weight']):g} (strongest {strongest:g}), "
+            f"drop {drop:.3f}"))
+    return out
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
                           quick_repeat=QUICK_REPEAT))

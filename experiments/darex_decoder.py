@@ -30,7 +30,7 @@ from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_sta
 from moejax.evaluate import LMEvaluator, outputs_on
 from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
-from moejax.results import RunDir
+from moejax.results import Claim, RunDir, compare, lookup, top_column
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
@@ -174,6 +174,18 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     return out
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """The DAREx paper's decoder claims on this study's tables (held-out loss: lower is
+    better)."""
+    wide, p = t.get("pruned_wide"), top_column(t.get("pruned_wide"))
+    at = lambda ft, m: (f"{ft} {m} {p}", lookup(wide, {"fine-tuning": ft, "method": m}, p))  # noqa: E731
+    return [compare("DAREx-q (q_v) has a lower loss than DARE at the highest drop rate (Sec. "
+                    "4.1, Table 3)", at("AdamW", "DAREx-q (q_v)"), at("AdamW", "DARE"),
+                    better="lower"),
+            compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest drop rate (Sec. 4.2)",
+                    at("AdamR-L2", "DARE"), at("AdamW", "DARE"), better="lower")]
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
                           quick_repeat=QUICK_REPEAT))

@@ -44,7 +44,7 @@ from moejax.experiment import main
 from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
-from moejax.results import RunDir, seed_summary
+from moejax.results import Claim, RunDir, compare, lookup, seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
@@ -292,5 +292,26 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
     return head
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """The DAREx paper's encoder claims on this study's tables (the last task's rows)."""
+    rows = t.get("encoder_p") or []
+    task = rows[-1]["task"] if rows else None
+    at = lambda ft, m: (f"{ft} {m}", lookup(rows, {"task": task, "fine-tuning": ft,  # noqa: E731
+                                                  "method": m}, "accuracy"))
+    dare = at("AdamW", "DARE")
+    return [
+        compare("DAREx-q (q_v) beats DARE (Table 1)", at("AdamW", "DAREx-q (q_v)"), dare),
+        compare("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
+                at("AdamW", "DAREx-q (per-layer q_v)"), dare),
+        compare("AdamR-L2 + DARE beats DARE after AdamW (Table 2)",
+                at("AdamR-L2", "AdamR-L2 + DARE"), dare),
+        compare("AdamR-L2 lifts structural DPP (Table 9)",
+                at("AdamR-L2", "AdamR-L2 + structural DPP + q_v"),
+                at("AdamW", "structural DPP + q_v")),
+        compare("AdamR-L1 makes magnitude pruning better (Table 7)",
+                at("AdamR-L1", "AdamR-L1 + magnitude"), at("AdamW", "magnitude")),
+    ]
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, claims=claims))

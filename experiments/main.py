@@ -110,7 +110,8 @@ def main(argv=None) -> int:
             summary, run = run_experiment(
                 name, module.make_config, module.run, [f"preset={preset}", *overrides],
                 out=out / name, seed_keys=getattr(module, "SEED_KEYS", ()),
-                quick_repeat=getattr(module, "QUICK_REPEAT", 1) if suite == "studies" else 1)
+                quick_repeat=getattr(module, "QUICK_REPEAT", 1) if suite == "studies" else 1,
+                claims=getattr(module, "claims", None))
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)

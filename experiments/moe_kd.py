@@ -1,17 +1,17 @@
 """Distillation from an MoE teacher ("Every Expert Matters", Kim et al. 2025): the main table
 (KD, GKD, ALL, KA, SAR with an MoE and a dense teacher) and the Fig. 1, 2 and 6 analyses.
 
-Recipe (Every Expert Matters, Sec. 4-5). Starting point: the ``dense_lm_prose`` substrate (byte-level decoder
-pre-trained on the Python docs' prose; ``preset=full``: SmolLM2-135M-Instruct). Teacher: that
-model made a noisy-top-k MoE the way Llama-MoE is built (``upcycle``: every FFN's neurons
-split into 8 experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on
-chit-chat prompt/response pairs. Dense teacher: the substrate fine-tuned the same way.
-Student: the substrate's first ``student_layers`` blocks (same tokenizer), fine-tuned the same
-way (SFT). Every method then continues from that SFT student for ``distill.steps`` steps
-(``moejax.train.distill``); the checkpoint kept is the one with the best validation ROUGE-L;
-the score is test ROUGE-L of responses sampled at temperature 1 / top-p 1 (the paper's
-generation settings), mean and standard deviation over ``eval_seeds`` generation seeds and
-``seeds`` training seeds.
+Recipe (Every Expert Matters, Sec. 4-5). Starting point: the ``dense_lm_prose`` substrate
+(byte-level decoder pre-trained on the Python docs' prose; ``preset=full``:
+SmolLM2-135M-Instruct). Teacher: that model made a noisy-top-k MoE the way Llama-MoE is built
+(``upcycle``: every FFN's neurons split into 8 experts, top-2, CV^2 balance loss; full: 16
+experts, top-4) and fine-tuned on chit-chat prompt/response pairs. Dense teacher: the substrate
+fine-tuned the same way. Student: the substrate's first ``student_layers`` blocks (same
+tokenizer), fine-tuned the same way (SFT). Every method then continues from that SFT student for
+``distill.steps`` steps (``moejax.train.distill``); the checkpoint kept is the one with the best
+validation ROUGE-L; the score is test ROUGE-L of responses sampled at temperature 1 / top-p 1
+(the paper's generation settings), mean and standard deviation over ``eval_seeds`` generation
+seeds and ``seeds`` training seeds.
 
 Tables: ``main`` (the paper's layout: teacher x method), ``gate_mass`` (Fig. 1: gate mass of
 the activated experts per layer), ``teacher_k`` (Fig. 2: teacher and KD-student quality as the
@@ -38,7 +38,7 @@ from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.nn.routing_modes import RoutingMode, with_routing
-from moejax.results import RunDir
+from moejax.results import Claim, RunDir, compare, lookup
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
@@ -322,5 +322,21 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     return out
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """The paper's main-table claims (Table 1): with an MoE teacher ALL, KA and SAR beat GKD,
+    which beats KD; the MoE teacher helps KD more than the dense teacher."""
+    main_rows = t.get("main") or []
+    at = lambda teacher, m: (f"{m} ({teacher.split()[0]})",  # noqa: E731
+                             lookup(main_rows, {"teacher": teacher, "method": m}, "rouge_l"))
+    out = [compare("GKD beats KD with the MoE teacher (Table 1)", at("MoE teacher", "GKD"),
+                   at("MoE teacher", "KD"))]
+    for m in ("ALL", "KA", "SAR"):
+        out.append(compare(f"{m} beats GKD with the MoE teacher (Table 1)",
+                           at("MoE teacher", m), at("MoE teacher", "GKD")))
+    out.append(compare("KD from the MoE teacher beats KD from the dense teacher (Table 1)",
+                       at("MoE teacher", "KD"), at("dense teacher", "KD")))
+    return out
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, claims=claims))

@@ -46,7 +46,7 @@ from moejax.extract.pipeline import (
     moee_plans,
     moefication_model,
 )
-from moejax.results import RunDir
+from moejax.results import Claim, RunDir, compare, lookup
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (
@@ -356,5 +356,32 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
     return res
 
 
+def claims(t: dict[str, list[dict]]) -> list[Claim]:
+    """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables."""
+    t1 = t.get("table1") or []
+    moee = lookup(t1, {"model": "MoEE"})
+    if moee is None:
+        return [Claim("MoEE extracts experts (Sec. 4)", None, "no MoEE row")]
+    moef = [r for r in t1 if str(r["model"]).startswith("MoEfication")]
+    v = lambda k: float(moee[k])  # noqa: E731
+    out = [Claim("MoEE cuts MACs by 25% or more (Table 1)", v("MACs_change_%") <= -25,
+                 f"{v('MACs_change_%'):+.1f}%"),
+           Claim("MoEE cuts parameters by 20% or more (Table 1)", v("params_change_%") <= -20,
+                 f"{v('params_change_%'):+.1f}%"),
+           Claim("MoEE keeps 97% of the dense accuracy after KD (Table 1)",
+                 v("kd_vs_dense_%") >= 97, f"{v('kd_vs_dense_%'):.1f}%")]
+    for r in moef:
+        out.append(compare(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
+                           ("MoEE", moee["acc_after_kd"]), (r["model"], r["acc_after_kd"])))
+    layers = [r for r in (t.get("experts_per_layer") or []) if r["model"] == "MoEE"]
+    if layers:
+        counts = [float(r["experts"]) for r in sorted(layers, key=lambda r: float(r["layer"]))]
+        half = len(counts) // 2
+        out.append(Claim("Later layers form more clusters (Sec. 4)",
+                         sum(counts[half:]) > sum(counts[:half]),
+                         f"experts per extracted layer {[int(c) for c in counts]}"))
+    return out
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, claims=claims))

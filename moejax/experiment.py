@@ -32,12 +32,20 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, ConfigError, apply_overrides, describe
-from moejax.results import RunDir, merge_seed_tables, read_csv_rows, write_run_record
+from moejax.results import (
+    Claim,
+    RunDir,
+    merge_seed_tables,
+    read_csv_rows,
+    read_tables,
+    write_run_record,
+)
 
 __all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
            "PRESETS"]
 
 PRESETS = ("quick", "full")
+ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
 
 
 def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick") -> str:
@@ -119,7 +127,11 @@ def run_experiment(
     out: Path | None = None,
     seed_keys: Sequence[str] = (),
     quick_repeat: int = 1,
+    claims: ClaimsFn | None = None,
 ) -> tuple[dict[str, Any], RunDir]:
+    """Run a study once or over seeds (module docstring); ``claims(tables) -> [Claim]`` judges
+    the paper's claims from a run's tables (every run's and the merged ones) into its
+    summary."""
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat)
     cfgs = [cfg]
     if repeat > 1:  # fail before any compute on a bad seed key
@@ -127,27 +139,28 @@ def run_experiment(
     out = out or default_out
     started = time.time()
     if repeat == 1:
-        summary, run = _run_once(name, cfg, run_fn, out)[:2]
+        summary, run = _run_once(name, cfg, run_fn, out, claims)[:2]
     else:
-        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out)
+        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims)
     write_run_record(run.path, study=name, argv=argv, started=started, repeat=repeat,
                      seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys})
     return summary, run
 
 
-def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out):
+def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims):
     repeat = len(cfgs)
     runs, summaries, heads = [], [], []
     t0 = time.time()
     for i, c in enumerate(cfgs):
         print(f"[{name}] seed run {i + 1}/{repeat}: "
               + ", ".join(f"{k}={_get(c, k)}" for k in seed_keys), flush=True)
-        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}")
+        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}", claims)
         _release_compiled()
         runs.append(run)
         summaries.append(summary)
         heads.append(head)
-    return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0)
+    return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0,
+                       claims)
 
 
 def _release_compiled() -> None:
@@ -164,17 +177,24 @@ def _release_compiled() -> None:
     gc.collect()
 
 
-def _run_once(name, cfg, run_fn, out: Path) -> tuple[dict[str, Any], RunDir, str]:
+def _judge(run: RunDir, claims: ClaimsFn | None) -> None:
+    if claims is not None:
+        tables = {k: v for k, v in read_tables(run.path).items() if k != "claims"}
+        run.claims(claims(tables))
+
+
+def _run_once(name, cfg, run_fn, out: Path, claims=None) -> tuple[dict[str, Any], RunDir, str]:
     run = RunDir.create(out, cfg, name=name)
     t0 = time.time()
     summary = dict(run_fn(cfg, run) or {})
     summary.setdefault("wall_s", round(time.time() - t0, 1))
     headline = str(summary.pop("headline", ""))
+    _judge(run, claims)
     run.finish(headline)
     return summary, run, headline
 
 
-def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s):
+def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked."""
     n = len(runs)
@@ -184,6 +204,8 @@ def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s):
              "the runs, with a sample std column for every value that varies "
              "(per-run results in `seed_<i>/`).")
     for title, md, csv_name in runs[0].tables:
+        if csv_name == "claims.csv":  # judged again below, on the merged tables
+            continue
         stem = csv_name[:-len(".csv")]
         tables = [read_csv_rows(r.path / csv_name) for r in runs]
         merged = merge_seed_tables(tables)
@@ -203,6 +225,7 @@ def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s):
     for title, png in runs[0].plots:
         top.plots.append((f"{title} (seed run 0)", f"seed_0/{png}"))
     summary["wall_s"] = round(wall_s, 1)
+    _judge(top, claims)
     top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)}).")
     return summary, top
 
@@ -215,6 +238,7 @@ def main(
     *,
     seed_keys: Sequence[str] = (),
     quick_repeat: int = 1,
+    claims: ClaimsFn | None = None,
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -223,7 +247,7 @@ def main(
         return 0
     try:
         summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
-                                      quick_repeat=quick_repeat)
+                                      quick_repeat=quick_repeat, claims=claims)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Upcycling a dense decoder into an MoE decoder as explicit, pure tree surgery (DeRS paper, Sec. 3.1).
+"""Upcycling a dense decoder into an MoE decoder as explicit, pure tree surgery (DeRS paper,
+Sec. 3.1).
 
 A rule map (:class:`UpcycleConfig`) says which blocks become MoE layers (``"all"``,
 ``"every_other"`` or an explicit ``block_list``), ``N`` / ``k``, the router (new, random or

@@ -148,7 +148,8 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
         ["sizes=(small,)", "small_d_model=16", "small_d_expert=8", "model.n_experts=4",
          "model.n_heads=2", "model.n_layers=1", "train.steps=2", "train.warmup_steps=1",
          "train.batch_size=2",
-         "seq_len=16", "eval_batches=1", "seeds=1", "models=(TopK,)"], out=tmp_path / "b")
+         "seq_len=16", "eval_batches=1", "seeds=1", "models=(TopK,)"],
+        claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "baselines_per_seed.csv")))
     assert [r["model"] for r in rows] == ["BlockFFN", "TopK"]
     gaps = list(csv.DictReader(open(run.path / "blockffn_minus_baseline.csv")))

@@ -20,7 +20,7 @@ def test_darex_controlled_tiny(tmp_path):
          "lora_rank=2", "lora_seeds=2", "lora_finetune.steps=20", "lora_finetune.batch_size=64",
          "l2_sweep=(0.01,1.0)", "sweep_ps=(0.99,)", "large_lrs=(0.001,0.03)",
          "large_ps=(0.9,)", "large_seeds=2", "large_methods=(DARE,magnitude)"],
-        out=tmp_path / "ctl",
+        claims=mod.claims, out=tmp_path / "ctl",
     )
     rows = list(csv.DictReader(open(run.path / "detail.csv")))
     # 3 fine-tunings x 4 methods x 2 drop rates

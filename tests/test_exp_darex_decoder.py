@@ -19,7 +19,7 @@ def test_darex_decoder_tiny(tmp_path):
          "seq_len=16", "finetune.batch_size=4", "finetune.steps=20", "corpus_bytes=60000",
          "eval_batches=2", "ps=(0.99,)", "q_num=4",
          "methods=(DARE,DAREx-q (q_v),DAREx-q (q_e),DAREx-q (per-layer q_e))"],
-        out=tmp_path / "dec",
+        claims=mod.claims, out=tmp_path / "dec",
     )
     rows = list(csv.DictReader(open(run.path / "pruned.csv")))
     assert len(rows) == 2 * 4  # 2 fine-tunings x 4 methods x 1 drop rate

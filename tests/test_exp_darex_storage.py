@@ -18,7 +18,7 @@ def test_darex_storage_tiny(tmp_path):
          f"substrate_cache={tmp_path / 'subs'}", "ps=(0.0,0.9,0.99)",
          "bits=(32,16,4)",
          "timing_tree=tiny", "timing_repeats=1"],
-        out=tmp_path / "st",
+        claims=mod.claims, out=tmp_path / "st",
     )
     rows = list(csv.DictReader(open(run.path / "storage.csv")))
     assert len(rows) == 9

@@ -26,7 +26,7 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
         ka_ms=(),
         eval_seeds=2)
     summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
-                                  out=tmp_path / "kd")
+                                  claims=mod.claims, out=tmp_path / "kd")
     rows = list(csv.DictReader(open(run.path / "main.csv")))
     assert [(r["teacher"], r["method"]) for r in rows] == (
         [("MoE teacher", m) for m in ("SAR",)]
@@ -45,3 +45,6 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     text = (run.path / "summary.md").read_text()
     assert "Shape of the paper's main table" in text
     assert isinstance(summary["shape_holds"], dict)
+    # no GKD run and no KD from the MoE teacher: each claim that compares them is unmeasured
+    verdicts = {c["claim"]: c["verdict"] for c in csv.DictReader(open(run.path / "claims.csv"))}
+    assert len(verdicts) == 6 and set(verdicts.values()) == {"not measured"}

@@ -13,8 +13,9 @@ pytest.importorskip("safetensors", reason="pip install safetensors")
 
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
+from moejax.evaluate import ClassifierEvaluator
 from moejax.io._common import flat_params
-from moejax.substrates.classify import MiniLMTaskConfig
+from moejax.substrates.classify import MiniLMTaskConfig, mnist_arrays
 from tests.tiny_substrates import tiny_lm as _tiny_lm
 
 
@@ -68,7 +69,10 @@ def test_custom_config_gets_own_cache_key(tiny_recipes):
 
 def test_vit_substrate(tiny_recipes):
     sub = substrates.get("vit_mnist5k", "quick", cache_dir=tiny_recipes)
-    assert sub.metrics["val_accuracy"] > 0.2 and sub.metrics["train_examples"] > 4000  # > chance
+    assert sub.metrics["train_examples"] > 4000
+    # the cached weights reproduce the accuracy recorded when they were trained
+    val = ClassifierEvaluator(*mnist_arrays("validation"))(sub.model)
+    assert val["accuracy"] == pytest.approx(sub.metrics["val_accuracy"], abs=1e-6)
     logits, _ = sub.model(jnp.zeros((2, 28, 28, 1)))
     assert logits.shape == (2, 10)
 

@@ -1,8 +1,8 @@
-"""Delta-parameter tools (DAREx paper, Deng et al. 2024, Sec. 3-4): delta/apply, DARE & DAREx-q (global, searched,
-analytic per-layer q), importance & structural pruning, k-bit quantisation, compact
-pickle-free storage and LoRA; matrix-input capture for WANDA / analytic q; the pruning
-methods of the DAREx studies behind one name each (methods). Pure functions on any JAX
-pytree; no model code."""
+"""Delta-parameter tools (DAREx paper, Deng et al. 2024, Sec. 3-4): delta/apply, DARE & DAREx-q
+(global, searched, analytic per-layer q), importance & structural pruning, k-bit quantisation,
+compact pickle-free storage and LoRA; matrix-input capture for WANDA / analytic q; the pruning
+methods of the DAREx studies behind one name each (methods). Pure functions on any JAX pytree;
+no model code."""
 
 from moejax.delta.analytic_q import (
     EtaSearchResult,

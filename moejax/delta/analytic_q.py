@@ -70,7 +70,8 @@ def phi(p: float) -> float:
 
 
 def psi(p: float) -> float:
-    """Thm 3.1 factor: ``Phi(p)`` for ``p <= 1/2`` else ``sqrt(2p(1-p))`` (the DAREx paper's notation)."""
+    """Thm 3.1 factor: ``Phi(p)`` for ``p <= 1/2`` else ``sqrt(2p(1-p))`` (the DAREx
+    paper's notation)."""
     return phi(p) if p <= 0.5 else float(np.sqrt(2.0 * p * (1.0 - p)))
 
 

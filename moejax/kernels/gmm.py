@@ -4,10 +4,11 @@
 ``x`` are sorted by group, the first ``group_sizes[0]`` rows use ``w[0]``, the next
 ``group_sizes[1]`` rows ``w[1]``, ...; rows past ``sum(group_sizes)`` give 0.
 
-Block-padded grouped layout (megablox-style): every group's rows are padded to a multiple of
-the row tile ``tm``, so each tile of ``tm`` rows belongs to exactly one group; ``T = ceil(M /
-tm) + G`` tiles bound the padded extent statically (``sum_g ceil(s_g / tm) <= M / tm + G``).
-:func:`moejax.ops.grouped_layout.group_tiles` computes the layout, the row scatter and each tile's group.
+Block-padded grouped layout (megablox-style): every group's rows are padded to a multiple of the
+row tile ``tm``, so each tile of ``tm`` rows belongs to exactly one group; ``T = ceil(M / tm) +
+G`` tiles bound the padded extent statically (``sum_g ceil(s_g / tm) <= M / tm + G``).
+:func:`moejax.ops.grouped_layout.group_tiles` computes the layout, the row scatter and each
+tile's group.
 
 Kernels (grid and blocks):
 * forward / dX (:func:`_grouped_tiles`): grid ``(T, N / tn)``; program ``(t, n)`` multiplies its

@@ -56,18 +56,19 @@ class MoEConfig(FFNSlotConfig):
     renormalize: softmax router only: renormalise the k selected weights to sum to 1
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
-    dispatch: "auto" (the default: "host" on a single CPU device, "grouped" elsewhere; see
-        :func:`moejax.kernels.dispatch.resolve_dispatch`), "dense" (oracle, all experts on all
-        tokens), "capacity" (fixed [E, C, D] buffers, drops overflow), "ragged" (dropless grouped matmul with
-        ``jax.lax.ragged_dot``), "gmm" (dropless, the Pallas grouped-matmul kernels with
-        their backward; GPU, interpret mode on CPU), "grouped" (dropless, block-padded
-        grouped tiles as batched dense matmuls in jnp; runs and shards anywhere), "host"
-        (dropless: the fused expert FFN of :mod:`moejax.kernels.host.moe`, each expert's exact
-        rows on numpy's BLAS, one callback forward and one backward; CPU backend only,
-        first-order gradients; the fastest path on CPU), "host_capacity" (the capacity
-        path's drops, computed by the same kernel over the kept rows only) or "bucketed" (dropless: the
-        capacity path at the smallest rung of a capacity ladder that holds the fullest
-        expert; one compiled capacity path per rung).
+    dispatch: "auto" (the default: "host" on a single CPU device, "grouped" elsewhere;
+        see :func:`moejax.kernels.dispatch.resolve_dispatch`), "dense" (oracle, all
+        experts on all tokens), "capacity" (fixed [E, C, D] buffers, drops overflow),
+        "ragged" (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless,
+        the Pallas grouped-matmul kernels with their backward; GPU, interpret mode on
+        CPU), "grouped" (dropless, block-padded grouped tiles as batched dense matmuls
+        in jnp; runs and shards anywhere), "host" (dropless: the fused expert FFN of
+        :mod:`moejax.kernels.host.moe`, each expert's exact rows on numpy's BLAS, one
+        callback forward and one backward; CPU backend only, first-order gradients; the
+        fastest path on CPU), "host_capacity" (the capacity path's drops, computed by
+        the same kernel over the kept rows only) or "bucketed" (dropless: the capacity
+        path at the smallest rung of a capacity ladder that holds the fullest expert;
+        one compiled capacity path per rung).
     capacity_factor: ``C = ceil(capacity_factor * N * k / E)`` slots per expert
         (capacity path only; ``N`` = tokens in the call, padding included); None =
         ``n_experts / top_k``, which never drops (:attr:`capacity`).

@@ -2,9 +2,10 @@
 
 The host expert kernels (:mod:`moejax.kernels.host.moe`) evaluate ``act`` and ``act'`` on one
 expert's ``[rows, F]`` block at a time. Every step writes into a buffer the caller owns
-(``out=``): a fresh array per step would cost a page fault per 4 KiB touched, which costs
-more than the arithmetic on those floats. The functions match :mod:`jax.nn`'s (``silu``, exact and tanh
-``gelu``, ``relu`` with derivative 0 at 0) to float32 rounding; tested against ``jax.grad``.
+(``out=``): a fresh array per step would cost a page fault per 4 KiB touched, which costs more
+than the arithmetic on those floats. The functions match :mod:`jax.nn`'s (``silu``, exact and
+tanh ``gelu``, ``relu`` with derivative 0 at 0) to float32 rounding; tested against
+``jax.grad``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ the arithmetic on that page's floats. Three remedies, from local to global:
   peak heap. Off glibc it changes nothing and returns False.
 
 ``bench_dispatch`` measures what each of them saves on this machine.
-
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,164 @@
+"""The results document: every study's last run, read back from its run directory.
+
+    python -m experiments.results_doc                      # runs/studies -> docs/results.md
+    python -m experiments.results_doc runs=runs/full out=docs/results_full.md
+
+For each registered study that has a finished run (``run.json`` beside ``summary.md``): the
+command that reproduces it, preset, seeds, date, wall time and machine; one line per paper
+claim, judged by the study's ``claims`` function on the run's tables; the headline; the tables
+(means and spreads over seeds for the studies that ran several) and the plots. Tables and
+plots are copied next to the document (``<out stem>/<study>/``), so it stands alone; nothing
+in it is typed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from experiments.main import REGISTRY
+from moejax.config import ConfigError
+from moejax.files import atomic_write_text
+from moejax.results import Claim, claims_markdown, read_tables
+
+__all__ = ["build", "main"]
+
+MAX_INLINE_ROWS = 40  # longer tables are linked, not inlined
+_TABLE_LINK = re.compile(r"^\(\[([\w.-]+\.csv)\]\([\w.-]+\.csv\)\)$", re.M)
+_PLOT = re.compile(r"^!\[([^\]]*)\]\(([\w./-]+\.png)\)$", re.M)
+
+
+def _parse(argv) -> tuple[Path, Path]:
+    opts = {"runs": "runs/studies", "out": "docs/results.md"}
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep or key not in opts or not value:
+            raise ConfigError(f"bad argument {item!r}; allowed: runs=DIR out=FILE.md")
+        opts[key] = value
+    out = Path(opts["out"])
+    if out.suffix != ".md":
+        raise ConfigError(f"out={out}: the results document is markdown; name it *.md")
+    runs = Path(opts["runs"])
+    if not runs.is_dir():
+        raise ConfigError(f"runs={runs} is not a directory; run the studies first "
+                          "(make studies), or point runs= at their output")
+    return runs, out
+
+
+def _machine(m: dict) -> str:
+    gpu = m.get("accelerator", "none")
+    return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('os', '')}; "
+            f"jax {m.get('jax', '?')}; accelerator: {gpu}"
+            + (f"; load {m['load_1min']} when it finished" if m.get("load_1min") else ""))
+
+
+def _seeds(record: dict, cfg: dict) -> str:
+    seeds = {k: v for k, v in record.get("seeds", {}).items() if len(v) > 1}
+    if seeds:
+        return "; ".join(f"{k} = {', '.join(map(str, v))}" for k, v in seeds.items())
+    n = cfg.get("seeds")
+    return f"{n} (the study's own `seeds` loop)" if isinstance(n, int) and n > 1 else "1"
+
+
+def _claims(name: str, path: Path) -> list[Claim]:
+    module = importlib.import_module(f"experiments.{name}")
+    fn = getattr(module, "claims", None)
+    if fn is None:
+        return []
+    tables = {k: v for k, v in read_tables(path).items() if k != "claims"}
+    try:
+        return list(fn(tables))
+    except (KeyError, ValueError, TypeError) as e:  # a table of another layout
+        return [Claim("the study's claims", None, f"tables not readable: {e!r}")]
+
+
+def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[Claim]]:
+    record = json.loads((path / "run.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())
+    summary = (path / "summary.md").read_text()
+    module = importlib.import_module(f"experiments.{name}")
+    what = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    head = summary.split("\n\n")[1].strip() if summary.count("\n\n") > 1 else ""
+    claims = _claims(name, path)
+    parts = [f"## {name}\n", f"{what}\n",
+             f"- command: `{record['command']}`",
+             f"- seeds: {_seeds(record, cfg)}",
+             f"- ran: {record['started']}, {record['wall_s']:.0f} s",
+             f"- machine: {_machine(record.get('machine', {}))}", ""]
+    if claims:
+        parts += ["Paper claims:", "", claims_markdown(claims)]
+    if head and not head.startswith("_wall"):
+        parts += [f"Headline: {head}", ""]
+    dest = assets / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for csv_name in _TABLE_LINK.findall(summary):
+        if csv_name == "claims.csv":
+            continue
+        shutil.copyfile(path / csv_name, dest / csv_name)
+        link = f"[{csv_name}]({rel}/{name}/{csv_name})"
+        if csv_name == "summary.csv":  # its markdown was replaced by the run's summary
+            parts += [f"Table: {link}", ""]
+            continue
+        md = (path / csv_name.replace(".csv", ".md")).read_text().strip()
+        rows = md.count("\n") - 3
+        if rows <= MAX_INLINE_ROWS:
+            parts += [md.replace("### ", "#### ", 1), "", f"({link})", ""]
+        else:
+            title = md.split("\n", 1)[0].lstrip("# ")
+            parts += [f"#### {title}", "", f"{rows} rows: {link}", ""]
+    for title, png in _PLOT.findall(summary):
+        target = dest / png.replace("/", "_")
+        shutil.copyfile(path / png, target)
+        parts += [f"![{title}]({rel}/{name}/{target.name})", ""]
+    return "\n".join(parts), claims
+
+
+def build(runs: Path, out: Path) -> Path:
+    """Write the results document for the runs under ``runs``; return its path."""
+    assets = out.with_suffix("")
+    if assets.exists():
+        shutil.rmtree(assets)
+    sections, overview, missing = [], [], []
+    for name in REGISTRY:
+        path = runs / name
+        if not (path / "run.json").is_file() or not (path / "summary.md").is_file():
+            missing.append(name)
+            continue
+        text, claims = _section(name, path, assets, assets.name)
+        sections.append(text)
+        overview += [f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
+    head = ["# moejax results", "",
+            f"Generated by `python -m experiments.results_doc runs={runs} out={out}` on "
+            f"{time.strftime('%Y-%m-%d')} from the studies' run directories; regenerate it "
+            "after `make studies` (or `make results`). Every number below was written by a "
+            "run; each study's section says how to reproduce it and on what machine.", ""]
+    if missing:
+        head += [f"Not run: {', '.join(missing)}.", ""]
+    if overview:
+        head += ["## Paper claims at a glance", "", "| study | claim | verdict |",
+                 "|---|---|---|", *overview, ""]
+    atomic_write_text(out, "\n".join(head + sections) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        runs, out = _parse(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {build(runs, out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

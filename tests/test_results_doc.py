@@ -1,0 +1,68 @@
+"""The results document and the claim helpers: a run directory written by the runner
+(run.json, tables, claims) is read back into docs; claims are judged from tables."""
+
+import json
+
+import pytest
+
+from experiments import blockffn_granularity, results_doc
+from moejax.config import ConfigError
+from moejax.experiment import run_experiment
+from moejax.results import Claim, RunDir, compare, lookup, top_column
+
+
+def test_lookup_compare_and_top_column():
+    rows = [{"method": "DARE", "p": 0.9, "acc": 0.5}, {"method": "DARE", "p": "0.99", "acc": 0.2}]
+    assert lookup(rows, {"method": "DARE", "p": 0.99}, "acc") == 0.2  # "0.99" == 0.99
+    assert lookup(rows, {"method": "WANDA"}) is None
+    assert top_column([{"p=0.5": 1, "p=0.99": 2, "p=0.9 std": 3, "method": "x"}]) == "p=0.99"
+    c = compare("a beats b", ("a", 0.3), ("b", 0.4))
+    assert (c.holds, c.verdict, c.evidence) == (False, "does not hold", "a 0.3 vs b 0.4")
+    assert compare("lower wins", ("a", 0.3), ("b", 0.4), better="lower").holds is True
+    assert compare("missing", ("a", None), ("b", 0.4)).holds is None
+    assert compare("nan", ("a", float("nan")), ("b", 0.4)).verdict == "not measured"
+
+
+def test_granularity_claim_reads_its_table():
+    rows = [{"n_experts": 4.0, "val_ppl": 12.0}, {"n_experts": 32.0, "val_ppl": 11.0}]
+    (c,) = blockffn_granularity.claims({"granularity": rows})
+    assert c.holds is True and "N=32 11 vs N=4 12" in c.evidence
+    rows[1]["val_ppl"] = 13.0
+    assert blockffn_granularity.claims({"granularity": rows})[0].holds is False
+
+
+def _study(cfg, run: RunDir) -> dict:
+    run.table("granularity", [{"n_experts": 4, "val_ppl": 9.0 + cfg.seed},
+                              {"n_experts": 8, "val_ppl": 8.0}])
+    return {"headline": f"seed {cfg.seed}"}
+
+
+def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch):
+    from moejax.train.hparams import TrainConfig
+
+    make = lambda preset: TrainConfig(seed=0)  # noqa: E731  any config with an int seed
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", make, _study, ["preset=quick", "repeat=2"],
+                   out=out, seed_keys=("seed",), claims=blockffn_granularity.claims)
+    record = json.loads((out / "run.json").read_text())
+    assert record["command"] == "python -m experiments.blockffn_granularity preset=quick repeat=2"
+    assert record["seeds"] == {"seed": [0, 1]} and record["machine"]["cores"] >= 1
+    summary = (out / "summary.md").read_text()
+    assert "**holds**: Finer experts lower PPL" in summary  # mean PPL 9.5 -> 8.0
+    assert "**holds**" in (out / "seed_0" / "summary.md").read_text()
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity", "moee"))
+    doc = results_doc.build(tmp_path / "runs", tmp_path / "docs" / "results.md").read_text()
+    assert "Not run: moee." in doc
+    assert "| blockffn_granularity | Finer experts lower PPL at equal FFN width" in doc
+    assert "- seeds: seed = 0, 1" in doc and "repeat=2`" in doc
+    assert "| 4 | 9.5 | 0.7071 |" in doc  # the merged table: mean and std over the seeds
+    assert (tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv").is_file()
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ConfigError, match="run the studies first"):
+        results_doc._parse([f"runs={tmp_path / 'none'}"])
+    with pytest.raises(ConfigError, match=r"\*.md"):
+        results_doc._parse([f"runs={tmp_path}", "out=results.txt"])
+    assert results_doc.main(["colour=blue"]) == 2
+    assert Claim("c", None, "e").verdict == "not measured"
