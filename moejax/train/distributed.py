@@ -22,7 +22,7 @@ Launching
 ---------
 Single multi-GPU node: ONE process drives all local GPUs; no initialisation is needed::
 
-    python -m experiments.run ... train.mesh_data=-1 train.mesh_expert=2
+    python -m experiments.lm_demo train.mesh_data=-1 train.mesh_expert=2
 
 (or one process per GPU: ``MOEJAX_COORDINATOR=localhost:1234 MOEJAX_NUM_PROCESSES=8
 MOEJAX_PROCESS_ID=$i CUDA_VISIBLE_DEVICES=$i python ...`` for ``i`` in 0..7.)
