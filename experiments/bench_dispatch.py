@@ -63,6 +63,8 @@ Path_ = DispatchMethod
 
 @config
 class BenchConfig(Config):
+    NONEMPTY = ("paths",)
+
     model: MoELMConfig = MoELMConfig(
         d_model=256,
         n_layers=4,

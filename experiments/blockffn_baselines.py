@@ -47,6 +47,8 @@ Size = Literal["small", "large", "xl"]
 
 @config
 class BaselinesConfig(Config):
+    NONEMPTY = ("sizes",)
+
     model: SparseLMConfig = SparseLMConfig()
     train: TrainConfig = TrainConfig()
     sizes: tuple[Size, ...] = ("small", "large")

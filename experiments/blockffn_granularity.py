@@ -25,6 +25,8 @@ QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 @config
 class GranularityConfig(Config):
+    NONEMPTY = ("n_experts",)
+
     model: SparseLMConfig = SparseLMConfig()
     train: TrainConfig = TrainConfig()
     ffn_width: int = 256  # N * d_expert, fixed

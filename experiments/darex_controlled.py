@@ -53,6 +53,8 @@ QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 class ControlledConfig(Config):
     """MLP width, training lengths, AdamR strengths and the pruning grid."""
 
+    NONEMPTY = ("ps", "methods")
+
     # the pre-trained MLP (theta_P): the cached mlp_mnist5k substrate
     substrate: MLPSubstrateConfig = substrate_config("mlp_mnist5k", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates

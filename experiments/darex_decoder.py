@@ -45,6 +45,8 @@ QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 class DecoderStudyConfig(Config):
     """Model source, corpus sizes, training lengths and the pruning grid."""
 
+    NONEMPTY = ("ps", "methods")
+
     model: Literal["substrate", "smollm2_135m"] = "substrate"
     # model="substrate": the dense byte-level LM pre-trained on prose (moejax.substrates)
     substrate: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")

@@ -61,6 +61,8 @@ N_CLASSES = {"pos": 4, "lexname": 45}
 class EncoderStudyConfig(Config):
     """Backbone, tasks, data sizes, fine-tuning and pruning settings."""
 
+    NONEMPTY = ("tasks", "optimizers")
+
     model: Literal["substrate", "minilm"] = "minilm"
     tasks: tuple[Literal["pos", "lexname"], ...] = ("pos", "lexname")
     # model=substrate: the pre-trained byte encoder (built once, cached)

@@ -49,6 +49,8 @@ QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 class StorageConfig(Config):
     """What delta to store, at which drop rates / bit widths, and the timing tree."""
 
+    NONEMPTY = ("ps", "bits")
+
     source: Literal["mlp", "smollm2_shapes"] = "mlp"
     delta_std: float = 1e-3  # std of the random delta when source="smollm2_shapes"
     ps: tuple[float, ...] = (0.0, 0.9, 0.95, 0.99)

@@ -66,6 +66,8 @@ SCENARIOS = {
 
 @config
 class DeRSCompressionConfig(Config):
+    NONEMPTY = ("scenarios",)
+
     substrate: SubstrateConfig = SubstrateConfig()
     train: TrainConfig = TrainConfig(steps=200, batch_size=16, lr=3e-4, warmup_steps=20,
                                      log_every=50, seed=2)

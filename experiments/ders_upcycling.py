@@ -38,6 +38,8 @@ QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
 @config
 class DeRSUpcyclingConfig(Config):
+    NONEMPTY = ("sm_rates", "lm_ranks")
+
     substrate: SubstrateConfig = SubstrateConfig()
     train: TrainConfig = TrainConfig(steps=120, batch_size=16, lr=1e-3, warmup_steps=12,
                                      log_every=50, seed=2)

@@ -47,6 +47,12 @@ class LMDemoConfig(Config):
             self.seq_len <= self.model.max_seq_len,
             f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
         )
+        self._require(len(self.prompt.encode()) >= 1, "prompt='' is empty: the completion "
+                      "after training needs at least one byte to start from")
+        n = len(self.prompt.encode()) + self.sample_tokens
+        self._require(0 <= self.sample_tokens and n <= self.model.max_seq_len,
+                      f"sample_tokens={self.sample_tokens}: must be >= 0, and prompt bytes + "
+                      f"sample_tokens ({n}) at most model.max_seq_len={self.model.max_seq_len}")
 
 
 def make_config(preset: str) -> LMDemoConfig:

@@ -103,6 +103,8 @@ class MoEKDConfig(Config):
           "prompt_len + response_len exceeds substrate.max_seq_len")
         r(all(1 <= k <= self.upcycle.moe.n_experts for k in self.teacher_ks),
           f"teacher_ks={self.teacher_ks} must lie in [1, upcycle.moe.n_experts]")
+        r(bool(self.methods or self.dense_teacher_methods),
+          "methods=() and dense_teacher_methods=(): nothing to distil; give at least one")
         r(self.upcycle.moe.router == "noisy" or "sar" not in self.methods,
           "SAR trains W_g and W_noise of a noisy top-k router: set upcycle.moe.router=noisy")
         r(self.seeds >= 1 and self.eval_seeds >= 1, "seeds and eval_seeds must be >= 1")

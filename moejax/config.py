@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import sys
 import types
 import typing
@@ -99,19 +100,27 @@ _POSITIVE_INTS = {"seq_len", "eval_batches", "batch_size", "steps", "d_model", "
 def _check_by_name(owner: str, name: str, value) -> None:
     if isinstance(value, bool):
         return
-    if name in _POSITIVE_INTS and isinstance(value, int) and value < 1:
-        raise ConfigError(f"{owner}.{name}={value} must be >= 1")
+    if name in _POSITIVE_INTS:
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                raise ConfigError(f"{owner}.{name}={value}: must be >= 1")
     if name in ("seed", "seeds"):
         for v in value if isinstance(value, tuple) else (value,):
             if isinstance(v, int) and v < 0:
                 raise ConfigError(f"{owner}.{name}={value}: seeds must be >= 0 (PRNG seeds "
                                   "are unsigned)")
-    if isinstance(value, float) and value != value:
-        raise ConfigError(f"{owner}.{name}=nan is not allowed")
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{owner}.{name}={value}: must be a finite number")
 
 
 class Config:
-    """Base class of every moejax config (use together with the ``@config`` decorator)."""
+    """Base class of every moejax config (use together with the ``@config`` decorator).
+
+    ``NONEMPTY``: names of tuple fields that must hold at least one item (a study that would
+    otherwise compute nothing)."""
+
+    NONEMPTY = ()  # (no annotation: a class attribute, not a field)
 
     def __post_init__(self):
         owner = type(self).__name__
@@ -124,6 +133,9 @@ class Config:
             if isinstance(value, list):
                 object.__setattr__(self, f.name, tuple(value))
             _check_by_name(owner, f.name, getattr(self, f.name))
+        for name in self.NONEMPTY:
+            if not getattr(self, name):
+                raise ConfigError(f"{owner}.{name}=() is empty: give at least one value")
         self.validate()
 
     def validate(self) -> None:  # pragma: no cover - default is no extra checks

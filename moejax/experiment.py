@@ -35,11 +35,14 @@ from moejax.config import Config, ConfigError, apply_overrides, describe
 from moejax.results import (
     Claim,
     RunDir,
+    RunDirError,
     merge_seed_tables,
     read_csv_rows,
     read_tables,
     write_run_record,
 )
+from moejax.train.checkpoint import CheckpointWriteError
+from moejax.train.run_lock import RunLockedError
 
 __all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
            "PRESETS"]
@@ -83,6 +86,8 @@ def parse_runner(
                 raise ConfigError(f"preset={value!r} is not allowed; allowed values: {PRESETS}")
             preset = value
         elif key == "out":
+            if not value.strip():
+                raise ConfigError("out= is empty: name the run directory (e.g. out=runs/mine)")
             out = Path(value)
         elif key == "repeat":
             try:
@@ -184,21 +189,31 @@ def _judge(run: RunDir, claims: ClaimsFn | None) -> None:
 
 
 def _run_once(name, cfg, run_fn, out: Path, claims=None) -> tuple[dict[str, Any], RunDir, str]:
-    run = RunDir.create(out, cfg, name=name)
-    t0 = time.time()
-    summary = dict(run_fn(cfg, run) or {})
-    summary.setdefault("wall_s", round(time.time() - t0, 1))
-    headline = str(summary.pop("headline", ""))
-    _judge(run, claims)
-    run.finish(headline)
+    run = RunDir.create(out, cfg, name=name, lock=True)
+    try:
+        t0 = time.time()
+        summary = dict(run_fn(cfg, run) or {})
+        summary.setdefault("wall_s", round(time.time() - t0, 1))
+        headline = str(summary.pop("headline", ""))
+        _judge(run, claims)
+        run.finish(headline)
+    finally:
+        run.close()
     return summary, run, headline
 
 
 def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked."""
+    top = RunDir.create(out, cfg, name=name, lock=True)
+    try:
+        return _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims)
+    finally:
+        top.close()
+
+
+def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims):
     n = len(runs)
-    top = RunDir.create(out, cfg, name=name)
     top._t0 = time.time() - wall_s  # the summary's wall time covers every run
     top.note(f"{n} runs with {', '.join(seed_keys)} offset by 0..{n - 1}; tables: mean over "
              "the runs, with a sample std column for every value that varies "
@@ -248,9 +263,17 @@ def main(
     try:
         summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
                                       quick_repeat=quick_repeat, claims=claims)
-    except ConfigError as e:
+    except (ConfigError, RunDirError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"error: {name} ran out of host memory. Fix: lower the batch size or the model "
+              "size (e.g. train.batch_size=...), or run on a machine with more memory",
+              file=sys.stderr)
+        return 1
     print(f"[{name}] wrote {run.path / 'summary.md'}")
     for k, v in summary.items():
         print(f"  {k}: {v}")

@@ -10,13 +10,14 @@ checkpoints and the token cache; it imports nothing from the rest of moejax.
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
 __all__ = ["CorruptDataError", "array_checksum", "tree_checksums", "verify_checksums",
-           "flatten_dict"]
+           "flatten_dict", "json_checksum"]
 
 
 class CorruptDataError(ValueError):
@@ -29,6 +30,14 @@ def array_checksum(a) -> str:
     x = np.ascontiguousarray(np.asarray(a))
     salt = f"{x.dtype.str}{x.shape}".encode()
     return f"{zlib.crc32(memoryview(x).cast('B'), zlib.crc32(salt)) & 0xFFFFFFFF:08x}"
+
+
+def json_checksum(record: Mapping, exclude: str = "checksum") -> str:
+    """CRC-32 of a JSON record in canonical form (sorted keys, no spaces), ``exclude`` left
+    out (the key the checksum itself is stored under); 8 hex digits."""
+    text = json.dumps({k: v for k, v in record.items() if k != exclude}, sort_keys=True,
+                      separators=(",", ":"), allow_nan=True)
+    return f"{zlib.crc32(text.encode()) & 0xFFFFFFFF:08x}"
 
 
 def flatten_dict(tree, prefix: str = "") -> dict:

@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 
 from moejax.config import Config, to_dict
 from moejax.files import atomic_open, atomic_write_text
+from moejax.train.run_lock import RunLock
 
-__all__ = ["RunDir", "Claim", "claims_markdown", "read_tables", "lookup", "compare",
+__all__ = ["RunDir", "RunDirError", "Claim", "claims_markdown", "read_tables", "lookup", "compare",
            "top_column", "markdown_table", "atomic_write_text", "format_value", "seed_summary",
            "merge_seed_tables", "read_csv_rows", "machine_info", "write_run_record"]
 
@@ -278,6 +279,29 @@ def read_tables(path: str | os.PathLike) -> dict[str, list[dict]]:
     return {p.stem: read_csv_rows(p) for p in sorted(Path(path).glob("*.csv"))}
 
 
+class RunDirError(OSError):
+    """The run directory cannot be used (a file, not writable); the message says why and
+    the fix."""
+
+
+def _usable_dir(path: Path) -> None:
+    """Create ``path`` or explain, in one line, why it cannot be a run directory."""
+    fix = "Fix: choose a writable directory with out=DIR"
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"out={path} is a file, not a directory. {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"out={path}: cannot create the run directory ({e.strerror}). "
+                          f"{fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise RunDirError(f"out={path} is not writable. {fix}")
+
+
+def _has_checkpoints(path: Path) -> bool:
+    return any(p.name.isdigit() for p in path.glob("**/checkpoints/*"))
+
+
 class RunDir:
     """A directory of one experiment run's outputs."""
 
@@ -288,15 +312,36 @@ class RunDir:
         self.plots: list[tuple[str, str]] = []  # (title, png file)
         self.notes: list[str] = []
         self._t0 = time.time()
+        self._lock: RunLock | None = None
+        self._pending_config: str | None = None
 
     @classmethod
-    def create(cls, path: str | os.PathLike, cfg: Config | None = None, name: str | None = None):
+    def create(cls, path: str | os.PathLike, cfg: Config | None = None, name: str | None = None,
+               *, lock: bool = False):
+        """Open ``path`` as a run directory. ``lock``: hold it exclusively until
+        :meth:`finish` or :meth:`close` (a second run on it fails before writing anything).
+        ``config.json`` is written now, unless the directory holds checkpoints of another
+        config: then only when the run finishes, so a resume the training loop refuses
+        leaves the old one in place."""
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        _usable_dir(path)
         run = cls(path, name or path.name)
+        if lock:
+            run._lock = RunLock(path).acquire()
         if cfg is not None:
-            atomic_write_text(path / "config.json", json.dumps(to_dict(cfg), indent=2) + "\n")
+            text = json.dumps(to_dict(cfg), indent=2) + "\n"
+            old = path / "config.json"
+            if old.is_file() and old.read_text() != text and _has_checkpoints(path):
+                run._pending_config = text
+            else:
+                atomic_write_text(old, text)
         return run
+
+    def close(self) -> None:
+        """Release the run directory's lock (idempotent)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -- tables ------------------------------------------------------------------------
     def table(
@@ -459,7 +504,11 @@ class RunDir:
         for title, png in self.plots:
             parts.append(f"![{title}]({png})\n")
         out = self.path / "summary.md"
+        if self._pending_config is not None:
+            atomic_write_text(self.path / "config.json", self._pending_config)
+            self._pending_config = None
         atomic_write_text(out, "\n".join(parts))
+        self.close()
         return out
 
 

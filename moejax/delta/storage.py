@@ -236,7 +236,7 @@ def save(path: str, stored: StoredDelta) -> None:
         np.savez(f, __meta__=meta, **stored.arrays)
 
 
-def load(path: str) -> StoredDelta:
+def load(path: str, max_bytes: int | None = None) -> StoredDelta:
     """Read a file written by :func:`save` with ``allow_pickle=False``; damage (a bad zip
     member CRC, a truncated file, missing or inconsistent arrays) raises ``ValueError``
     naming the file and the problem (:func:`validate_stored`)."""
@@ -257,27 +257,70 @@ def load(path: str) -> StoredDelta:
         raise ValueError(f"load: delta file {path} is corrupt or not a delta file ({e}). "
                          "Fix: re-create it with moejax.delta.storage.save") from None
     stored = StoredDelta(arrays, meta)
-    validate_stored(stored, path)
+    validate_stored(stored, path, max_bytes)
     return stored
 
 
-def validate_stored(stored: StoredDelta, source="delta") -> None:
-    """Check that every leaf's arrays exist and fit its metadata (sizes, index range, packed
-    code length); raise ``ValueError`` naming ``source``, the leaf and the problem."""
+def default_max_bytes() -> int:
+    """The decoded size a delta file may declare without ``max_bytes``: half this machine's
+    physical memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):  # not POSIX: no bound we can read
+        return 1 << 62
+
+
+def _leaf_dtype(name, where: str) -> np.dtype:
+    """The float dtype a leaf's metadata declares (what it decodes to)."""
+    try:
+        dt = jnp.dtype(name)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: unknown dtype {name!r} in the metadata") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{where}: dtype {name!r} is not a float dtype; deltas are floats")
+    return dt
+
+
+def validate_stored(stored: StoredDelta, source="delta", max_bytes: int | None = None) -> None:
+    """Check that the metadata is well formed and every leaf's arrays exist and fit it
+    (declared float dtype and the stored arrays' dtype, sizes, index range, packed code
+    length), and that the decoded tree stays within ``max_bytes`` (default: half the
+    machine's memory); raise ``ValueError`` naming ``source``, the leaf and the problem."""
     meta = stored.meta
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{source}: unknown delta format "
                          f"{meta.get('format') if isinstance(meta, dict) else meta!r}; "
                          f"expected {FORMAT!r}")
+    if not isinstance(meta.get("leaves", []), list):
+        raise ValueError(f"{source}: malformed metadata: 'leaves' must be a list")
     a = stored.arrays
+    limit = default_max_bytes() if max_bytes is None else max_bytes
+    total = 0
     for i, m in enumerate(meta.get("leaves", [])):
-        pre, where = f"leaf{i}.", f"{source}: leaf {i} ({m.get('path', '?')!r})"
+        pre = f"leaf{i}."
+        if not isinstance(m, dict):
+            raise ValueError(f"{source}: leaf {i}: malformed metadata {m!r} (not a record)")
+        where = f"{source}: leaf {i} ({m.get('path', '?')!r})"
         try:
             shape = tuple(int(n) for n in m["shape"])
             kind = m["kind"]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{where}: malformed metadata {m!r}") from None
+        if any(n < 0 for n in shape):
+            raise ValueError(f"{where}: negative dimension in shape {shape}")
+        dt = _leaf_dtype(m.get("dtype"), where)
         size = math.prod(shape)
+        total += size * dt.itemsize
+        if total > limit:
+            raise ValueError(
+                f"{source}: the leaves up to {i} decode to {total / 2**30:.2f} GiB, more than "
+                f"the bound of {limit / 2**30:.2f} GiB (half this machine's memory by "
+                "default); the metadata is corrupt, or pass max_bytes=... to allow it")
+        if kind in ("dense", "sparse") and pre + "values" in a:
+            want = np.dtype(_storable(np.zeros(0, dt))[0].dtype)
+            if a[pre + "values"].dtype != want:
+                raise ValueError(f"{where}: values stored as {a[pre + 'values'].dtype} but the "
+                                 f"metadata declares {m.get('dtype')} (stored as {want})")
         need = {"dense": ("values",), "sparse": ("index", "values"),
                 "quant": ("codes", "step")}.get(kind)
         if need is None:
@@ -296,6 +339,10 @@ def validate_stored(stored: StoredDelta, source="delta") -> None:
                 raise ValueError(f"{where}: sparse index {int(idx.max())} out of range for "
                                  f"shape {shape}")
         if kind == "quant":
+            keys = ("bits", "symmetric", "granularity", "group_size", "in_axis")
+            if any(k not in m for k in keys) or not isinstance(m["bits"], int):
+                raise ValueError(f"{where}: malformed quantised-leaf metadata (needs "
+                                 f"{', '.join(keys)}; got {sorted(m)})")
             nbytes = math.ceil(size * int(m["bits"]) / 8)
             if a[pre + "codes"].size != nbytes:
                 raise ValueError(f"{where}: {a[pre + 'codes'].size} code bytes, shape {shape} "

@@ -56,6 +56,10 @@ def _header(path: Path, fix: str) -> tuple[dict, int, int]:
         raise WeightFileError(path, f"malformed safetensors header (not valid JSON: {e})",
                               fix) from None
     start = 8 + n
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise WeightFileError(path, "malformed header: __metadata__ must map names to strings",
+                              fix)
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -64,6 +68,12 @@ def _header(path: Path, fix: str) -> tuple[dict, int, int]:
         except (KeyError, TypeError, ValueError):
             raise WeightFileError(path, f"malformed header entry for tensor {name!r}: {info!r}",
                                   fix) from None
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        if (not isinstance(dtype, str) or not all(is_int(d) and d >= 0 for d in shape)
+                or not (is_int(a) and is_int(b))):
+            raise WeightFileError(path, f"malformed header entry for tensor {name!r}: dtype "
+                                  "must be a string, shape and data_offsets non-negative "
+                                  f"integers (got {info!r})", fix)
         if dtype not in _DTYPE_BYTES:
             raise WeightFileError(path, f"tensor {name!r} has unsupported dtype {dtype!r}", fix)
         want = _DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=np.int64))

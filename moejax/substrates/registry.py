@@ -23,9 +23,12 @@ experiment ``python -m experiments.substrate_build`` builds them with CLI overri
 Cache: ``$MOEJAX_SUBSTRATE_DIR`` or ``~/.cache/moejax/substrates``, one directory per
 ``<name>/<preset>-<hash of the config (and of the substrates it starts from)>``, holding
 ``train/`` (the training loop's run dir: metrics CSVs and checkpoints, so an interrupted build
-resumes), ``config.json``, ``metrics.json`` and ``model.safetensors`` (written last,
-atomically; its presence marks the substrate complete). A file lock keeps two processes from
-training the same substrate at once.
+resumes), ``config.json``, ``metrics.json``, ``model.safetensors`` and ``integrity.json``
+(SHA-256 of the other three, written last, atomically: its presence marks the substrate
+complete). Every load verifies the files against it; a damaged entry (a flipped byte, a
+truncated file, unreadable JSON) is moved aside to ``<entry>.corrupt-<time>`` and rebuilt,
+with a warning naming the file. An entry from before ``integrity.json`` existed is adopted when
+it loads. A file lock keeps two processes from training the same substrate at once.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -47,6 +51,8 @@ from moejax.io.safetensors_io import export_params, import_params
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
 from moejax.substrates import mlp as mlp_r
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SUBSTRATES", "Substrate", "Recipe", "get", "build", "substrate_config",
            "substrate_dir", "cache_root", "is_cached"]
@@ -152,11 +158,71 @@ def is_cached(name: str, preset_or_cfg="quick", *, cache_dir=None) -> bool:
     return (d / "model.safetensors").is_file()
 
 
-def _load(name: str, cfg: Config, d: Path) -> Substrate:
-    recipe = _recipe(name)
-    model = import_params(d / "model.safetensors", lambda: recipe.make_model(cfg))
-    metrics = json.loads((d / "metrics.json").read_text())
-    return Substrate(name, model, cfg, metrics, d)
+_CACHED_FILES = ("config.json", "metrics.json", "model.safetensors")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_integrity(d: Path) -> None:
+    atomic_write_text(d / "integrity.json", json.dumps(
+        {name: _sha256(d / name) for name in _CACHED_FILES}, indent=2))
+
+
+def _damage(d: Path) -> str | None:
+    """Why the cache entry ``d`` cannot be trusted, or None (intact, or from before
+    ``integrity.json``)."""
+    record = d / "integrity.json"
+    if not record.is_file():
+        return None
+    try:
+        want = json.loads(record.read_text())
+    except (OSError, ValueError) as e:
+        return f"integrity.json is unreadable ({e})"
+    for name in _CACHED_FILES:
+        if not (d / name).is_file():
+            return f"{name} is missing"
+        if _sha256(d / name) != want.get(name):
+            return f"{name} differs from the SHA-256 recorded when it was built"
+    return None
+
+
+def _load(name: str, cfg: Config, d: Path) -> Substrate | None:
+    """The cached substrate in ``d``, verified; None (the entry moved aside, with a warning)
+    when it is damaged."""
+    problem = _damage(d)
+    if problem is None:
+        try:
+            model = import_params(d / "model.safetensors",
+                                  lambda: _recipe(name).make_model(cfg))
+            metrics = json.loads((d / "metrics.json").read_text())
+        except (OSError, ValueError) as e:  # WeightFileError and JSONDecodeError included
+            problem = f"it does not load ({type(e).__name__}: {str(e)[:200]})"
+        else:
+            if not (d / "integrity.json").is_file():
+                _write_integrity(d)  # an entry from before integrity.json: adopt it
+            return Substrate(name, model, cfg, metrics, d)
+    dest = d.with_name(f"{d.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    log.warning("substrate cache %s is damaged: %s; moved to %s and rebuilt", d, problem, dest)
+    os.replace(d, dest)
+    return None
+
+
+def _writable_root(d: Path) -> None:
+    root = d.parent.parent
+    fix = ("Fix: set MOEJAX_SUBSTRATE_DIR (or cache_dir) to a writable directory")
+    if root.exists() and not root.is_dir():
+        raise OSError(f"the substrate cache {root} is a file, not a directory. {fix}")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the substrate cache entry {d} ({e.strerror}). "
+                      f"{fix}") from None
 
 
 def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_dir=None,
@@ -168,11 +234,14 @@ def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_
     d = substrate_dir(name, cfg, label=_label(name, cfg), cache_dir=cache_dir)
     if rebuild and d.exists():
         shutil.rmtree(d)
-    d.mkdir(parents=True, exist_ok=True)
+    _writable_root(d)
     with open(d / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds it
         if (d / "model.safetensors").is_file():
-            return _load(name, cfg, d)
+            sub = _load(name, cfg, d)
+            if sub is not None:
+                return sub
+            return build(name, cfg, preset=preset, cache_dir=cache_dir, progress=progress)
         deps = {role: build(dep, preset=dep_preset, cache_dir=cache_dir, progress=progress)
                 for role, (dep, dep_preset) in recipe.deps(cfg).items()}
         atomic_write_text(d / "config.json", to_json(cfg))
@@ -182,6 +251,7 @@ def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_
         atomic_write_text(d / "metrics.json", json.dumps(metrics, indent=2))
         export_params(model, d / "model.safetensors", config=cfg,
                       metadata={"substrate": name})
+        _write_integrity(d)
     return Substrate(name, model, cfg, metrics, d)
 
 
@@ -193,7 +263,9 @@ def get(name: str, preset: str = "quick", *, cache_dir=None, build_if_missing: b
     cfg = substrate_config(name, preset)
     d = substrate_dir(name, cfg, label=preset, cache_dir=cache_dir)
     if (d / "model.safetensors").is_file():
-        return _load(name, cfg, d)
+        sub = _load(name, cfg, d)
+        if sub is not None:
+            return sub
     if not build_if_missing:
         raise FileNotFoundError(f"substrate {name!r} (preset {preset}) is not cached in {d}; "
                                 f"build it: python -m experiments.substrate_build "

@@ -13,8 +13,9 @@ only once complete, with ``commit_success.txt`` written on finalisation):
 
 * item ``meta`` (orbax ``JsonSave``)::
 
-      {"format": "moejax-checkpoint-v1", "step": int, "data_position": int,
-       "config": <moejax.config.to_json text or null>}
+      {"format": "moejax-checkpoint-v2", "step": int, "data_position": int,
+       "config": <moejax.config.to_json text or null>, "checksums": {path: crc32},
+       "meta_checksum": crc32 of the rest of this record}
 
 Reading a checkpoint with plain orbax (no moejax import; this exact snippet is tested)::
 
@@ -46,8 +47,11 @@ raises :class:`CheckpointMismatchError` listing every differing leaf (path, save
 vs expected) before anything is loaded.
 
 Integrity: ``meta["checksums"]`` holds a CRC-32 per array of ``state``
-(:mod:`moejax.integrity`), verified on restore; a step whose arrays or files are damaged
-raises :class:`CorruptCheckpointError`, and :meth:`Checkpointer.restore_latest` falls back to
+(:mod:`moejax.integrity`) and ``meta["meta_checksum"]`` one of the meta record itself (so an
+edited data position or config is caught too), and the step stored in ``meta`` and ``state``
+must be the step its directory is named for (a renamed step directory is caught), all
+verified on restore; a step whose arrays, files or record are damaged raises
+:class:`CorruptCheckpointError`, and :meth:`Checkpointer.restore_latest` falls back to
 the newest earlier step that verifies, saying so. Saves check first that the directory is
 writable, and a save that fails (or is interrupted by Ctrl-C) releases orbax's background
 threads, so no failure path hangs the process.
@@ -67,7 +71,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moejax.config import Config, to_json
-from moejax.integrity import CorruptDataError, tree_checksums, verify_checksums
+from moejax.integrity import CorruptDataError, json_checksum, tree_checksums, verify_checksums
 from moejax.train.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -84,7 +88,8 @@ __all__ = [
     "check_compatible",
 ]
 
-FORMAT = "moejax-checkpoint-v1"
+FORMAT = "moejax-checkpoint-v2"
+_LEGACY_FORMATS = ("moejax-checkpoint-v1",)  # written before meta had its own checksum
 COMMIT_FILE = "commit_success.txt"
 
 
@@ -203,6 +208,24 @@ def check_compatible(saved_meta_tree, template_tree, where: str = "") -> None:
         )
 
 
+def _verify_meta(meta: dict, step: int, state_step: int, where: str) -> None:
+    """The meta record is intact (its own checksum) and describes this step: the directory's
+    name, the record's step and the saved state's step agree."""
+    fmt = meta.get("format")
+    if fmt == FORMAT:
+        want = meta.get("meta_checksum")
+        if want != json_checksum(meta, exclude="meta_checksum"):
+            raise CorruptCheckpointError(
+                f"{where} is corrupt: its meta record (data position, config, checksums) was "
+                "changed after it was saved (meta_checksum does not match)")
+    elif fmt not in _LEGACY_FORMATS:
+        raise CorruptCheckpointError(f"{where} is corrupt: unknown meta format {fmt!r}")
+    if meta.get("step") != step or state_step != step:
+        raise CorruptCheckpointError(
+            f"{where} holds the state of step {state_step} (meta says {meta.get('step')}): "
+            "the step directory was renamed or copied over another")
+
+
 def _host_tree(tree):
     """Host copies of a tree's arrays, or ``None`` when some array spans other processes
     (multi-host: each process holds only its shards; checksums are then skipped)."""
@@ -270,6 +293,7 @@ class Checkpointer:
             "config": cfg_json,
             "checksums": tree_checksums(host) if host is not None else None,
         }
+        meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
         self._check_writable()
         try:
             self._mngr.save(
@@ -440,6 +464,7 @@ class Checkpointer:
             ),
         ))
         r, meta = out["state"], dict(out["meta"])
+        _verify_meta(meta, step, int(np.asarray(jax.device_get(r["step"]))), where)
         if meta.get("checksums"):
             host = _host_tree(r)
             if host is not None:

@@ -272,26 +272,31 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
 
 
 class _CtrlC:
-    """While the loop runs (main thread only), the first Ctrl-C is recorded and raised as
-    ``KeyboardInterrupt`` at the end of the current step, after its checkpoint if one is due
-    (a press in the middle of an orbax save could otherwise be swallowed by orbax's asyncio
-    machinery, or tear the save); a second press raises at once."""
+    """While the loop runs (main thread only), the first Ctrl-C or SIGTERM (the usual
+    preemption signal of a cluster) is recorded and raised as ``KeyboardInterrupt`` at the end
+    of the current step, after its checkpoint if one is due and once the save in flight has
+    finished (a signal in the middle of an orbax save could otherwise be swallowed by orbax's
+    asyncio machinery, or tear the save); a second signal raises at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.pressed, self._prev = False, None
+        self.pressed, self.signal_name, self._prev = False, "", {}
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGINT, self._handler) or signal.SIG_DFL
+            for s in self.SIGNALS:
+                self._prev[s] = signal.signal(s, self._handler) or signal.SIG_DFL
 
     def _handler(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.pressed:
-            raise KeyboardInterrupt("second Ctrl-C: stopping at once")
-        self.pressed = True
-        log.warning("Ctrl-C: stopping after this step (press again to stop at once)")
+            raise KeyboardInterrupt(f"second {name}: stopping at once")
+        self.pressed, self.signal_name = True, name
+        log.warning("%s: stopping after this step (again to stop at once)", name)
 
     def restore(self) -> None:
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev or signal.SIG_DFL)
-            self._prev = None
+        for s, prev in self._prev.items():
+            signal.signal(s, prev or signal.SIG_DFL)
+        self._prev = {}
 
 
 class ResumeError(ValueError):
@@ -299,8 +304,9 @@ class ResumeError(ValueError):
 
 
 # Settings that may change between a run and its resumption without changing its results.
+# Settings used only after training (a study's sample prompt) are free too.
 _RESUME_FREE = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
-                "resume"}
+                "resume", "prompt", "sample_tokens"}
 
 
 def config_differences(saved_json: str, current_json: str) -> list[str]:
@@ -356,17 +362,23 @@ def _open_run_dir(run_dir, cfg, config, state, main):
     return ckpt, state, position
 
 
-def _check_token_ids(batch, vocab_size: int) -> None:
-    """Token ids of the first batch must index the model's vocabulary (an id past it makes
-    the embedding lookup return NaN or garbage, silently)."""
+def _check_token_ids(batch, vocab_size: int | None) -> None:
+    """Token ids of the first batch must index the model's vocabulary (an id past it, or a
+    negative one, makes the embedding lookup return NaN or garbage, silently)."""
     if not isinstance(batch, dict):
         return
     for key in ("inputs", "targets"):
         x = batch.get(key)
         if x is None or not np.issubdtype(np.asarray(x).dtype, np.integer):
             continue
+        lo = int(np.min(x)) if np.size(x) else 0
+        if lo < 0:
+            raise ValueError(
+                f"batch[{key!r}] holds the negative token id {lo} (JAX would wrap it around "
+                "the embedding silently); the data or tokenizer is broken. Fix: check the "
+                "batch source's token ids")
         hi = int(np.max(x)) if np.size(x) else 0
-        if hi >= vocab_size:
+        if vocab_size and hi >= vocab_size:
             raise ValueError(
                 f"batch[{key!r}] holds token id {hi} but the model's vocab_size is "
                 f"{vocab_size}; the tokenizer's vocabulary does not fit the model. Fix: set "
@@ -453,8 +465,9 @@ class _Run:
                 self._step(step)
                 if ctrl_c.pressed:
                     raise KeyboardInterrupt(
-                        f"interrupted by Ctrl-C after step {step + 1}; the newest complete "
-                        f"checkpoint (step {self.last_saved}) resumes the run exactly")
+                        f"interrupted by {ctrl_c.signal_name} after step {step + 1}; the "
+                        f"newest complete checkpoint (step {self.last_saved}) resumes the run "
+                        "exactly")
             self._flush()
             if (self.ckpt is not None and self.last_saved != cfg.steps
                     and int(jax.device_get(self.state.step)) == cfg.steps):
@@ -472,7 +485,7 @@ class _Run:
     def _step(self, step: int) -> None:
         cfg = self.cfg
         local = local_batch(self.source, self.position)
-        if step == self.start and self.vocab_size:
+        if step == self.start:
             _check_token_ids(local, self.vocab_size)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
         self.pending.append((step, self.position, _tokens(local), metrics))

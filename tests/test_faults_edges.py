@@ -1,0 +1,308 @@
+"""Fault injection at the edges: renamed step directories and edited checkpoint metadata,
+refused runs that must not touch their directory, values refused before compute, damaged
+delta files and substrate caches, negative token ids, unusable output directories, SIGTERM,
+and the permissions of result files. Each test fails on code without the matching check."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import blockffn_granularity, darex_controlled, lm_demo, moe_kd
+from moejax import substrates
+from moejax.config import ConfigError, apply_overrides
+from moejax.delta import storage
+from moejax.experiment import main as cli_main
+from moejax.experiment import parse_runner, run_experiment
+from moejax.io import WeightFileError
+from moejax.io.safetensors_io import read_safetensors
+from moejax.results import RunDir, RunDirError
+from moejax.train.checkpoint import (
+    Checkpointer,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    latest_step,
+)
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import ResumeError, config_differences, train
+from moejax.train.run_lock import RunLock, RunLockedError
+from tests.test_faults import CFG, ROOT, _params, _run, _template
+from tests.test_train_loop import Crash
+from tests.test_train_loop import CrashingSource as CrashAt
+from tests.toy_models import TinyMoELM, ToySource, tree_equal
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    model, hist = _run(tmp_path_factory.mktemp("straight") / "run")
+    return _params(model), [h["loss"] for h in hist]
+
+
+def _meta_file(run, step):
+    return run / "checkpoints" / str(step) / "meta" / "metadata"
+
+
+# -- checkpoints: renamed steps and edited metadata ------------------------------------------
+def test_swapped_step_directories_are_caught_and_resume_stays_exact(tmp_path, straight):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(5, batch_size=4))
+    ck = run / "checkpoints"
+    os.rename(ck / "2", ck / "x")
+    os.rename(ck / "4", ck / "2")
+    os.rename(ck / "x", ck / "4")
+    with pytest.raises(CorruptCheckpointError, match="step 4 .* holds the state of step 2"):
+        _run(run)  # both swapped steps are refused and moved aside
+    assert len(os.listdir(ck / ".corrupt")) == 2
+    model, hist = _run(run)  # nothing verifies any more: trains from scratch, exactly
+    assert tree_equal(_params(model), straight[0])
+    assert [h["loss"] for h in hist] == straight[1]
+
+
+@pytest.mark.parametrize("edit", ["data_position", "config"])
+def test_edited_meta_record_is_caught(tmp_path, straight, edit):
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(5, batch_size=4))
+    path = _meta_file(run, 4)
+    meta = json.loads(path.read_text())
+    meta.update(data_position=2) if edit == "data_position" else meta.update(config=None)
+    path.write_text(json.dumps(meta))
+    with pytest.raises(Exception, match="meta record .* was changed"):
+        Checkpointer(run / "checkpoints").restore(_template(), 4)
+    if edit == "config":  # a resume with another lr is refused again (falls back to step 2)
+        with pytest.raises(ResumeError, match="lr: checkpoint"):
+            _run(run, CFG.replace(lr=2e-2))
+        return
+    model, hist = _run(run)  # falls back to step 2 and replays nothing twice
+    assert tree_equal(_params(model), straight[0])
+
+
+# -- refused runs write nothing ------------------------------------------------------------
+def _study(cfg, run: RunDir) -> dict:
+    train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir=str(run.path / "train"),
+          progress=False)
+    return {}
+
+
+def test_refused_runs_leave_config_json_alone(tmp_path):
+    out = tmp_path / "study"
+    make = lambda preset: CFG  # noqa: E731
+    run_experiment("s", make, _study, [], out=out)
+    before = (out / "config.json").read_text()
+    with pytest.raises(ResumeError, match="lr: checkpoint"):  # a resume the loop refuses
+        run_experiment("s", make, _study, ["lr=0.05"], out=out)
+    assert (out / "config.json").read_text() == before
+    with RunLock(out):  # another live run holds the directory
+        with pytest.raises(RunLockedError):
+            run_experiment("s", make, _study, ["steps=8"], out=out)
+    assert (out / "config.json").read_text() == before
+    run_experiment("s", make, _study, ["steps=8", "resume=force"], out=out)  # accepted
+    assert json.loads((out / "config.json").read_text())["steps"] == 8
+
+
+def test_post_training_settings_do_not_block_a_resume():
+    a = lm_demo.make_config("quick")
+    b = apply_overrides(a, ["prompt=class Foo", "sample_tokens=8"])
+    assert config_differences(*(json.dumps(json.loads(c)) for c in (
+        _json(a), _json(b)))) == []
+    assert config_differences(_json(a), _json(a.replace(seq_len=64))) != []
+
+
+def _json(cfg):
+    from moejax.config import to_json
+
+    return to_json(cfg)
+
+
+# -- values refused before compute ---------------------------------------------------------
+@pytest.mark.parametrize("module,override,match", [
+    (lm_demo, "sample_tokens=5000", "sample_tokens=5000"),
+    (lm_demo, "sample_tokens=-5", "sample_tokens=-5"),
+    (lm_demo, "prompt=", "prompt='' is empty"),
+    (lm_demo, "model.moe.balance_coef=inf", "balance_coef=inf: must be a finite"),
+    (darex_controlled, "ps=()", "ps=\\(\\) is empty"),
+    (darex_controlled, "methods=()", "methods=\\(\\) is empty"),
+    (blockffn_granularity, "n_experts=(0,)", "n_experts=\\(0,\\): must be >= 1"),
+    (moe_kd, "methods=()", None),
+])
+def test_bad_values_are_refused_at_build_time(module, override, match):
+    overrides = [override] + (["dense_teacher_methods=()"] if module is moe_kd else [])
+    with pytest.raises(ConfigError, match=match or "nothing to distil"):
+        apply_overrides(module.make_config("quick"), overrides)
+
+
+def test_empty_or_unusable_out_is_refused(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="out= is empty"):
+        parse_runner("lm_demo", lm_demo.make_config, ["out="])
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    for out in (a_file, "/dev/null"):
+        with pytest.raises(RunDirError, match="is a file, not a directory.*out=DIR"):
+            RunDir.create(out)
+    assert cli_main("lm_demo", lm_demo.make_config, lm_demo.run, [f"out={a_file}"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_memory_and_disk_errors_end_in_one_line_with_a_fix(tmp_path, capsys):
+    def oom(cfg, run):
+        raise MemoryError
+
+    def disk_full(cfg, run):
+        raise CheckpointWriteError(28, "a checkpoint save failed: No space left on device")
+
+    make = lambda preset: TrainConfig()  # noqa: E731
+    assert cli_main("s", make, oom, [f"out={tmp_path / 'a'}"]) == 1
+    assert "ran out of host memory. Fix: lower the batch size" in capsys.readouterr().err
+    assert cli_main("s", make, disk_full, [f"out={tmp_path / 'b'}"]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err
+
+
+# -- delta files ---------------------------------------------------------------------------
+def _delta_file(tmp_path, edit=None, arrays=None):
+    import jax.numpy as jnp
+
+    stored = storage.encode({"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)})
+    meta = json.loads(json.dumps(stored.meta))
+    arrays = dict(stored.arrays, **(arrays or {}))
+    if edit:
+        edit(meta)
+    path = tmp_path / "d.npz"
+    np.savez(path, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    return str(path)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("float64", "stored as float64 but the metadata declares float32"),
+    ("huge", "decode to .* GiB, more than the bound"),
+    ("leaves_not_records", "leaf 0: malformed metadata 5"),
+    ("object_dtype", "dtype 'object' is not a float dtype"),
+    ("negative", "negative dimension"),
+])
+def test_damaged_delta_files_are_refused_naming_the_file(tmp_path, case, match):
+    edits = {
+        "huge": lambda m: m["leaves"][0].update(shape=[1 << 20, 1 << 14]),
+        "leaves_not_records": lambda m: m.update(leaves=[5]),
+        "object_dtype": lambda m: m["leaves"][0].update(dtype="object"),
+        "negative": lambda m: m["leaves"][0].update(shape=[-2, -3]),
+    }
+    arrays = ({"leaf0.values": np.arange(6.0).reshape(2, 3)} if case == "float64" else None)
+    path = _delta_file(tmp_path, edits.get(case), arrays)
+    with pytest.raises(ValueError, match=match) as e:
+        storage.load(path, max_bytes=1 << 30)
+    assert "d.npz" in str(e.value)
+
+
+# -- substrate cache -----------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["flip", "truncate", "metrics"])
+def test_damaged_substrate_cache_is_rebuilt(tiny_recipes, damage, caplog):
+    sub = substrates.get("vit_mnist5k", "quick", cache_dir=tiny_recipes)
+    d = sub.path
+    weights = d / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    if damage == "flip":
+        raw[-5] ^= 0x01
+        weights.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        (d / "metrics.json").write_text("{not json")
+    again = substrates.get("vit_mnist5k", "quick", cache_dir=tiny_recipes)
+    assert "damaged" in caplog.text and str(d) in caplog.text
+    assert list(d.parent.glob(f"{d.name}.corrupt-*"))  # the damaged entry was kept aside
+    assert (again.path / "integrity.json").is_file()
+    x = np.zeros((2, 28, 28, 1), np.float32)
+    np.testing.assert_allclose(again.model(x)[0], sub.model(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_unusable_substrate_dir_says_how_to_fix_it(tmp_path, monkeypatch):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(a_file))
+    with pytest.raises(OSError, match="MOEJAX_SUBSTRATE_DIR"):
+        substrates.build("mlp_mnist5k")
+
+
+def test_wrong_typed_safetensors_header_fields_name_the_file(tmp_path):
+    header = {"w": {"dtype": ["F32"], "shape": ["2"], "data_offsets": [0, 8]}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8)
+    with pytest.raises(WeightFileError, match="bad.safetensors.*dtype must be a string"):
+        read_safetensors(path)
+
+
+# -- token ids -----------------------------------------------------------------------------
+def test_negative_token_ids_are_refused(tmp_path):
+    class Negative(ToySource):
+        def batch(self, position):
+            b = super().batch(position)
+            b["inputs"] = b["inputs"].copy()
+            b["inputs"][0, 0] = -3
+            return b
+
+    with pytest.raises(ValueError, match="negative token id -3"):
+        train(TinyMoELM(nnx.Rngs(0)), Negative(batch_size=4), CFG.replace(steps=1),
+              progress=False)
+
+
+# -- SIGTERM -------------------------------------------------------------------------------
+_RUN = """
+import sys
+sys.path.insert(0, {root!r})
+from flax import nnx
+from moejax.train.loop import train
+from moejax.train.hparams import TrainConfig
+from tests.toy_models import TinyMoELM, ToySource
+cfg = TrainConfig(steps=400, batch_size=4, lr=1e-2, ckpt_every=1, log_every=1,
+                  keep_checkpoints=2)
+print("START", flush=True)
+train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r}, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_stops_like_ctrl_c_and_the_run_resumes(tmp_path):
+    d = str(tmp_path / "r")
+    p = subprocess.Popen([sys.executable, "-c", _RUN.format(root=ROOT, d=d)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert p.stdout.readline().startswith("START")
+    t0 = time.time()
+    while latest_step(os.path.join(d, "checkpoints")) is None and time.time() - t0 < 90:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    try:
+        _, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("hung after SIGTERM")
+    assert p.returncode != 0 and "interrupted by SIGTERM after step" in err, err[-2000:]
+    ck = Checkpointer(os.path.join(d, "checkpoints"))
+    state, _ = ck.restore_latest(_template(TrainConfig(steps=400, batch_size=4, lr=1e-2)))
+    ck.close()
+    assert int(state.step) >= 1
+    shutil.rmtree(d)
+
+
+# -- result files --------------------------------------------------------------------------
+def test_result_files_are_readable_like_ordinary_files(tmp_path):
+    old = os.umask(0o022)
+    try:
+        run = RunDir.create(tmp_path / "r", TrainConfig())
+        run.table("t", [{"a": 1}])
+        run.finish("done")
+    finally:
+        os.umask(old)
+    for name in ("config.json", "t.csv", "t.md", "summary.md"):
+        assert (tmp_path / "r" / name).stat().st_mode & 0o777 == 0o644, name
