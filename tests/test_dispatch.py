@@ -334,12 +334,20 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def test_auto_is_host_on_one_cpu_device_else_grouped(monkeypatch):
+def test_auto_is_host_on_one_cpu_device_gmm_on_accelerators_else_grouped(monkeypatch):
     assert dp.resolve_dispatch("capacity") == "capacity"
     assert dp.resolve_dispatch("grouped") == "grouped"
     assert jax.default_backend() == "cpu" and jax.device_count() == 1  # this test process
     assert dp.resolve_dispatch("auto") == "host"
-    monkeypatch.setattr(dp.jax, "device_count", lambda: 8)
-    assert dp.resolve_dispatch("auto") == "grouped"
+    # "auto" under jit on one CPU device runs the host kernel: same values as "host"
+    p = _params(3, "swiglu")
+    r = top_k_gates(p["x"] @ p["w_g"], K, renormalize=True)
+    ids, w = r.ids_NK, r.weights_NK
+    args = (p["x"], ids, w, p["w_up"], p["w_down"], p["w_gate"])
+    got = jax.jit(lambda *a: dispatch("auto", *a, activation="swiglu").y_ND)(*args)
+    want = dispatch("host", *args, activation="swiglu").y_ND
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
+    assert dp.resolve_dispatch("auto") == "gmm"
+    monkeypatch.setattr(dp.jax, "device_count", lambda: 8)
     assert dp.resolve_dispatch("auto") == "grouped"

@@ -11,19 +11,21 @@ paths, behind one signature, and ``"auto"``.
 * ``"host_capacity"``: the capacity path's semantics (same capacity, priority and drops)
   computed by the same host kernel over the kept rows only. CPU only.
 
-``"auto"`` (the models' default) is ``"host"`` on a single CPU device and ``"grouped"``
-everywhere else (accelerators, several devices): see :func:`resolve_dispatch`.
+``"auto"`` (the models' default), with one device, is ``"host"`` when the program is lowered
+for a CPU and ``"gmm"`` when it is lowered for a GPU or TPU (:func:`jax.lax.platform_dependent`),
+and ``"grouped"`` with several devices: see :func:`resolve_dispatch`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from moejax.kernels.gmm import gmm
-from moejax.kernels.host.moe import host_moe
+from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
 from moejax.ops.dispatch import (
     DispatchMethod,
     DispatchOut,
@@ -63,10 +65,11 @@ def _bucketed(*args, activation, capacity_factor, valid_N, priority):
     return dispatch_bucketed(*args, activation=activation, valid_N=valid_N, priority=priority)
 
 
-def _host(*args, activation, capacity_factor, valid_N, priority, capacity=None):
+def _host(*args, activation, capacity_factor, valid_N, priority, capacity=None,
+          check_backend=True):
     x_ND, ids_NK = args[0], args[1]
     y, n_dropped = host_moe(*args, activation=activation, capacity=capacity, valid_N=valid_N,
-                            priority=priority)
+                            priority=priority, check_backend=check_backend)
     n_real = x_ND.shape[0] if valid_N is None else jnp.sum(valid_N)
     frac = n_dropped / jnp.maximum(n_real * ids_NK.shape[1], 1)
     return DispatchOut(y, n_dropped, frac.astype(jnp.float32))
@@ -79,6 +82,28 @@ def _host_capacity(*args, activation, capacity_factor, valid_N, priority):
                  valid_N=valid_N, priority=priority, capacity=cap)
 
 
+def _auto(*args, activation, capacity_factor, valid_N, priority):
+    """One device: the host kernel when lowered for the CPU, the Pallas grouped matmul for a
+    GPU or TPU, chosen at lowering time; several devices: ``grouped`` (the SPMD partitioner
+    shards plain jnp, not a kernel)."""
+    kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
+              priority=priority)
+    if jax.device_count() > 1:
+        return _grouped(*args, **kw)
+    arrays = [a for a in args if a is not None]
+
+    def rebuild(flat):
+        it = iter(flat)
+        return tuple(next(it) if a is not None else None for a in args)
+
+    cpu = (functools.partial(_host, check_backend=False) if activation in HOST_ACTIVATIONS
+           else _grouped)
+    branch = lambda fn: lambda *flat: fn(*rebuild(flat), **kw)  # noqa: E731
+    return jax.lax.platform_dependent(*arrays, cpu=branch(cpu), cuda=branch(_gmm),
+                                      rocm=branch(_gmm), tpu=branch(_gmm),
+                                      default=branch(_grouped))
+
+
 PATHS: dict[str, Callable[..., DispatchOut]] = {
     "dense": _dense, "capacity": _capacity, "ragged": _ragged, "gmm": _gmm,
     "host": _host, "host_capacity": _host_capacity, "grouped": _grouped, "bucketed": _bucketed,
@@ -86,14 +111,17 @@ PATHS: dict[str, Callable[..., DispatchOut]] = {
 
 
 def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
-    """The path ``"auto"`` stands for here: ``"host"`` (the fused expert kernel on the host's
-    BLAS, the fastest dropless path on CPU) when the backend is a single CPU device, else
-    ``"grouped"`` (plain jnp, shards and runs on any backend). Other names are returned as
-    they are."""
+    """The path ``"auto"`` runs on this machine's default backend: with one device ``"host"``
+    on a CPU (the fused expert kernel on the host's BLAS, the fastest dropless path there) and
+    ``"gmm"`` on a GPU or TPU (the Pallas grouped matmul); with several devices ``"grouped"``
+    (plain jnp, which the SPMD partitioner shards). Inside a jitted function ``"auto"`` picks
+    the kernel when the function is lowered, so a program exported for another platform gets
+    that platform's kernel. Other names are returned as they are."""
     if method != "auto":
         return method
-    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    return "host" if single_cpu else "grouped"
+    if jax.device_count() > 1:
+        return "grouped"
+    return "host" if jax.default_backend() == "cpu" else "gmm"
 
 
 def dispatch(
@@ -101,7 +129,7 @@ def dispatch(
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
 ) -> DispatchOut:
     """Run the dispatch path named ``method`` (``"auto"`` or a key of :data:`PATHS`)."""
-    path = PATHS.get(resolve_dispatch(method))
+    path = _auto if method == "auto" else PATHS.get(method)
     if path is None:
         raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', "
                          + ", ".join(repr(k) for k in PATHS))

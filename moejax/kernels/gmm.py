@@ -4,23 +4,31 @@
 ``x`` are sorted by group, the first ``group_sizes[0]`` rows use ``w[0]``, the next
 ``group_sizes[1]`` rows ``w[1]``, ...; rows past ``sum(group_sizes)`` give 0.
 
-Block-padded grouped layout (megablox-style): every group's rows are padded to a multiple of the
-row tile ``tm``, so each tile of ``tm`` rows belongs to exactly one group; ``T = ceil(M / tm) +
-G`` tiles bound the padded extent statically (``sum_g ceil(s_g / tm) <= M / tm + G``).
-:func:`moejax.ops.grouped_layout.group_tiles` computes the layout, the row scatter and each
-tile's group.
+Rows are laid out block-padded (megablox-style, :func:`moejax.ops.grouped_layout.group_tiles`):
+every group's rows padded to a multiple of the row tile ``tm``, so each of the ``T = ceil(M /
+tm) + G`` row tiles belongs to one group. Three products, each tiled over rows, columns *and*
+the contraction, so a program holds three small tiles whatever ``K`` and ``N`` are:
 
-Kernels (grid and blocks):
-* forward / dX (:func:`_grouped_tiles`): grid ``(T, N / tn)``; program ``(t, n)`` multiplies its
-  ``[tm, K]`` row tile by ``w[tile_group[t]][:, n-block]`` (f32 accumulation, output in the
-  input dtype). ``dX = gmm(dY, w^T)``.
-* dW (:func:`tgmm`): grid ``(G, N / tn)``; program ``(g, n)`` loops over the group's tiles
-  (a dynamic trip count; zero for an empty group, whose ``dW`` is then 0) and accumulates
-  ``x_tile^T dY_tile``. Each program writes only its own output block, as GPU lowering needs.
+* forward ``y_t = x_t w[g_t]`` and ``dX_t = dy_t w[g_t]^T`` (the transpose is taken in the
+  kernel: no transposed weight stack is materialised);
+* ``dW[g] = sum over g's tiles of x_t^T dy_t`` (:func:`tgmm`; an empty group gets 0).
 
-``interpret`` defaults to True on CPU (Pallas interpret mode) and False elsewhere. Tests:
-``tests/test_kernels_gmm.py`` (against ``ragged_dot`` and a per-group dense oracle, values and
-gradients, empty / multi-tile / unaligned groups).
+The kernel is chosen when the function is lowered, per platform
+(:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
+
+* TPU: Mosaic. Grid ``(tiles, output blocks, contraction blocks)``; the tiles' groups are
+  scalar-prefetched so each program DMAs only its group's ``[tk, tn]`` weight block, and an
+  f32 accumulator lives in VMEM scratch across the contraction axis. Tiles past the used ones
+  skip their matmul. ``dW`` walks the tiles in order and accumulates while the group stays
+  the same (the output block stays resident), writing when it changes.
+* GPU: Triton. Grid ``(tiles, output blocks)`` (``dW``: ``(groups, K blocks, N blocks)``); each
+  program loops over the contraction in ``tk`` steps, loading its group's weight block by
+  dynamic offsets, with an f32 accumulator in registers. Block sizes are powers of two (what
+  ``tl.dot`` takes); ``K`` and ``N`` are padded to them.
+* CPU: the TPU kernels in Pallas interpret mode (correct and slow: for tests; the CPU's fast
+  MoE path is the host kernel of :mod:`moejax.kernels.host`).
+
+``interpret=True`` forces interpret mode on every platform.
 """
 
 from __future__ import annotations
@@ -30,123 +38,290 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 from moejax.ops.grouped_layout import group_tiles
 
-__all__ = ["gmm", "tgmm", "group_tiles"]  # group_tiles: re-exported from ops
+__all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES"]
+
+# Default tiles (rows, contraction, columns) per kernel family: the TPU's MXU works on
+# 128-multiples; the GPU tiles keep two pipelined f32 stages of x and w blocks within 64 KiB
+# of shared memory.
+GMM_TILES = {"tpu": (128, 128, 128), "gpu": (64, 32, 64)}
 
 
-def _default_interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else interpret
+def _pad_to(a, axis: int, multiple: int):
+    pad = (-a.shape[axis]) % multiple
+    if not pad:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths)
 
 
-def _pad_last(a, tn):
-    pad = (-a.shape[-1]) % tn
-    return a if not pad else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _tile(dim: int, pref: int) -> int:
+    """The block length for an axis of ``dim``: ``pref``, or the whole axis when shorter."""
+    return dim if dim <= pref else pref
 
 
 def _scatter_rows(x_MK, padded_M, T, tm):
     return jnp.zeros((T * tm, x_MK.shape[1]), x_MK.dtype).at[padded_M].set(x_MK, mode="drop")
 
 
-def _grouped_tiles_kernel(tile_group_ref, x_ref, w_ref, o_ref):
-    g = tile_group_ref[pl.program_id(0)]
-    o_ref[...] = jnp.dot(x_ref[...], w_ref[g],
-                         preferred_element_type=jnp.float32).astype(o_ref.dtype)
+# -- TPU (Mosaic) and interpret mode -------------------------------------------------------------
+def _mosaic_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, acc_ref, *, transpose):
+    t, r = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(r == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(t < active_ref[0])
+    def _():
+        w = w_ref[0]
+        dims = (((1,), (1,)), ((), ())) if transpose else (((1,), (0,)), ((), ()))
+        acc_ref[...] += jax.lax.dot_general(x_ref[...], w, dims,
+                                            preferred_element_type=jnp.float32)
+
+    @pl.when(r == pl.num_programs(2) - 1)
+    def _():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _grouped_tiles(xp, w_GKN, tile_group_T, tm: int, tn: int, interpret: bool):
-    """``[T * tm, N]``: tile ``t`` of ``xp`` times ``w[tile_group[t]]``."""
-    T, G, K = tile_group_T.shape[0], w_GKN.shape[0], w_GKN.shape[1]
-    n = w_GKN.shape[2]
-    w = _pad_last(w_GKN, tn)
-    Np = w.shape[2]
-    out = pl.pallas_call(
-        _grouped_tiles_kernel,
-        out_shape=jax.ShapeDtypeStruct((T * tm, Np), xp.dtype),
-        grid=(T, Np // tn),
-        in_specs=[pl.BlockSpec((T,), lambda t, j: (0,)),
-                  pl.BlockSpec((tm, K), lambda t, j: (t, 0)),
-                  pl.BlockSpec((G, K, tn), lambda t, j: (0, 0, j))],
-        out_specs=pl.BlockSpec((tm, tn), lambda t, j: (t, j)),
+def _mosaic_tiles(xp, w, tile_group_T, n_active, tm, tr, to, transpose, interpret):
+    """``[T tm, n_out]``: row tile ``t`` of ``xp`` times ``w[g_t]`` (``w^T`` with ``transpose``),
+    contraction blocks of ``tr``, output blocks of ``to``."""
+    T, R = tile_group_T.shape[0], xp.shape[1]
+    n_out = w.shape[1] if transpose else w.shape[2]
+    if transpose:
+        w_spec = pl.BlockSpec((1, to, tr), lambda t, o, r, g, a: (g[t], o, r))
+    else:
+        w_spec = pl.BlockSpec((1, tr, to), lambda t, o, r, g, a: (g[t], r, o))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2, grid=(T, n_out // to, R // tr),
+        in_specs=[pl.BlockSpec((tm, tr), lambda t, o, r, g, a: (t, r)), w_spec],
+        out_specs=pl.BlockSpec((tm, to), lambda t, o, r, g, a: (t, o)),
+        scratch_shapes=[pltpu.VMEM((tm, to), jnp.float32)])
+    return pl.pallas_call(
+        functools.partial(_mosaic_tiles_kernel, transpose=transpose),
+        out_shape=jax.ShapeDtypeStruct((T * tm, n_out), xp.dtype), grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(tile_group_T, xp, w)
-    return out[:, :n]
+    )(tile_group_T, n_active, xp, w)
 
 
-def _gmm_impl(x_MK, w_GKN, group_sizes_G, tm, tn, interpret):
-    m = x_MK.shape[0]
-    padded_M, tile_group_T, _, _, T = group_tiles(group_sizes_G, m, tm)
-    yp = _grouped_tiles(_scatter_rows(x_MK, padded_M, T, tm), w_GKN.astype(x_MK.dtype),
-                        tile_group_T, tm, tn, interpret)
-    return yp.at[padded_M].get(mode="fill", fill_value=0)
+def _mosaic_tgmm_kernel(group_ref, first_ref, last_ref, x_ref, dy_ref, o_ref, acc_ref):
+    t = pl.program_id(2)
+
+    @pl.when(first_ref[t] == 1)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jax.lax.dot_general(x_ref[...], dy_ref[...], (((0,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+
+    @pl.when(last_ref[t] == 1)
+    def _():
+        o_ref[0] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _tgmm_kernel(tile_start_ref, tiles_ref, x_ref, dy_ref, o_ref, *, tm: int):
-    g = pl.program_id(0)
-    start, count = tile_start_ref[g], tiles_ref[g]
-    K, tn = o_ref.shape[1], o_ref.shape[2]
+def _mosaic_tgmm(xp, dyp, tile_group_T, first_T, last_T, G, tm, tk, tn, interpret):
+    T, K, N = tile_group_T.shape[0], xp.shape[1], dyp.shape[1]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(K // tk, N // tn, T),
+        in_specs=[pl.BlockSpec((tm, tk), lambda k, n, t, g, f, e: (t, k)),
+                  pl.BlockSpec((tm, tn), lambda k, n, t, g, f, e: (t, n))],
+        out_specs=pl.BlockSpec((1, tk, tn), lambda k, n, t, g, f, e: (g[t], k, n)),
+        scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)])
+    return pl.pallas_call(
+        _mosaic_tgmm_kernel, out_shape=jax.ShapeDtypeStruct((G, K, N), xp.dtype),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(tile_group_T, first_T, last_T, xp, dyp)
+
+
+# -- GPU (Triton) ------------------------------------------------------------------------------
+def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_red, transpose):
+    t, o = pl.program_id(0), pl.program_id(1)
+    g = group_ref[t]
+    to = o_ref.shape[1]
+
+    def body(r, acc):
+        x = x_ref[:, pl.ds(r * tr, tr)]
+        if transpose:
+            w = w_ref[g, pl.ds(o * to, to), pl.ds(r * tr, tr)]
+            return acc + pltriton.dot(x, w, trans_b=True)
+        w = w_ref[g, pl.ds(r * tr, tr), pl.ds(o * to, to)]
+        return acc + pltriton.dot(x, w)
+
+    steps = jnp.where(t < active_ref[0], n_red, 0)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, transpose):
+    T, R = tile_group_T.shape[0], xp.shape[1]
+    n_out = w.shape[1] if transpose else w.shape[2]
+    Tp = _pow2(T)
+    groups = _pad_to(tile_group_T, 0, Tp)
+    return pl.pallas_call(
+        functools.partial(_triton_tiles_kernel, tr=tr, n_red=R // tr, transpose=transpose),
+        out_shape=jax.ShapeDtypeStruct((T * tm, n_out), xp.dtype),
+        grid=(T, n_out // to),
+        in_specs=[pl.BlockSpec((Tp,), lambda t, o: (0,)),
+                  pl.BlockSpec((1,), lambda t, o: (0,)),
+                  pl.BlockSpec((tm, R), lambda t, o: (t, 0)),
+                  pl.BlockSpec(w.shape, lambda t, o: (0, 0, 0))],
+        out_specs=pl.BlockSpec((tm, to), lambda t, o: (t, o)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+    )(groups, n_active, xp, w)
+
+
+def _triton_tgmm_kernel(start_ref, tiles_ref, x_ref, dy_ref, o_ref, *, tm):
+    g, k, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tk, tn = o_ref.shape[1], o_ref.shape[2]
 
     def body(i, acc):
-        rows = pl.ds((start + i) * tm, tm)
-        return acc + jnp.dot(x_ref[rows, :].T, dy_ref[rows, :],
-                             preferred_element_type=jnp.float32)
+        rows = pl.ds((start_ref[g] + i) * tm, tm)
+        x = x_ref[rows, pl.ds(k * tk, tk)]
+        dy = dy_ref[rows, pl.ds(n * tn, tn)]
+        return acc + pltriton.dot(x, dy, trans_a=True)
 
-    acc = jax.lax.fori_loop(0, count, body, jnp.zeros((K, tn), jnp.float32))
+    acc = jax.lax.fori_loop(0, tiles_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
     o_ref[0] = acc.astype(o_ref.dtype)
 
 
-def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tn: int = 128, interpret=None):
+def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn):
+    G, K, N = tile_start_G.shape[0], xp.shape[1], dyp.shape[1]
+    Gp = _pow2(G)
+    return pl.pallas_call(
+        functools.partial(_triton_tgmm_kernel, tm=tm),
+        out_shape=jax.ShapeDtypeStruct((G, K, N), xp.dtype),
+        grid=(G, K // tk, N // tn),
+        in_specs=[pl.BlockSpec((Gp,), lambda g, k, n: (0,)),
+                  pl.BlockSpec((Gp,), lambda g, k, n: (0,)),
+                  pl.BlockSpec(xp.shape, lambda g, k, n: (0, 0)),
+                  pl.BlockSpec(dyp.shape, lambda g, k, n: (0, 0))],
+        out_specs=pl.BlockSpec((1, tk, tn), lambda g, k, n: (g, k, n)),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+    )(_pad_to(tile_start_G, 0, Gp), _pad_to(tiles_G, 0, Gp), xp, dyp)
+
+
+# -- platform choice ---------------------------------------------------------------------------
+def _choose(args, *, mosaic, triton, interpret):
+    """Run ``mosaic(interpret)`` / ``triton`` by the platform the program is lowered for."""
+    if interpret:
+        return mosaic(True)(*args)
+    return jax.lax.platform_dependent(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton,
+                                      rocm=triton)
+
+
+def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
+    """``[M, n_out]``: each row times its group's ``w`` (``w^T`` with ``transpose``)."""
+    m = x_MR.shape[0]
+    tm, tr_pref, to_pref = tiles
+    padded_M, tile_group_T, tile_start_G, tiles_G, T = group_tiles(group_sizes_G, m, tm)
+    n_active = jnp.reshape(tile_start_G[-1] + tiles_G[-1], (1,)).astype(jnp.int32)
+    xp = _scatter_rows(x_MR, padded_M, T, tm)
+    R = x_MR.shape[1]
+    n_out = w.shape[1] if transpose else w.shape[2]
+
+    def mosaic(interp):
+        tr, to = _tile(R, tr_pref), _tile(n_out, to_pref)
+
+        def run(xp, w, tile_group_T, n_active):
+            xq = _pad_to(xp, 1, tr)
+            wq = _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
+            return _mosaic_tiles(xq, wq, tile_group_T, n_active, tm, tr, to, transpose,
+                                 interp)[:, :n_out]
+        return run
+
+    def triton(xp, w, tile_group_T, n_active):
+        tr, to = min(_pow2(R), GMM_TILES["gpu"][1]), min(_pow2(n_out), GMM_TILES["gpu"][2])
+        xq = _pad_to(xp, 1, tr)
+        wq = _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
+        return _triton_tiles(xq, wq, tile_group_T, n_active, tm, tr, to, transpose)[:, :n_out]
+
+    yp = _choose((xp, w.astype(x_MR.dtype), tile_group_T, n_active), mosaic=mosaic,
+                 triton=triton, interpret=interpret)
+    return yp.at[padded_M].get(mode="fill", fill_value=0)
+
+
+def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
+         interpret=None):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` over each group's rows (0 for an empty group):
     the weight gradient of :func:`gmm`."""
-    interpret = _default_interpret(interpret)
     m, K = x_MK.shape
-    n, G = dy_MN.shape[1], group_sizes_G.shape[0]
-    padded_M, _, tile_start_G, tiles_G, T = group_tiles(group_sizes_G, m, tm)
+    N, G = dy_MN.shape[1], group_sizes_G.shape[0]
+    padded_M, tile_group_T, tile_start_G, tiles_G, T = group_tiles(group_sizes_G, m, tm)
     xp = _scatter_rows(x_MK, padded_M, T, tm)
-    dyp = _pad_last(_scatter_rows(dy_MN, padded_M, T, tm), tn)
-    Np = dyp.shape[1]
-    out = pl.pallas_call(
-        functools.partial(_tgmm_kernel, tm=tm),
-        out_shape=jax.ShapeDtypeStruct((G, K, Np), x_MK.dtype),
-        grid=(G, Np // tn),
-        in_specs=[pl.BlockSpec((G,), lambda g, j: (0,)),
-                  pl.BlockSpec((G,), lambda g, j: (0,)),
-                  pl.BlockSpec((T * tm, K), lambda g, j: (0, 0)),
-                  pl.BlockSpec((T * tm, tn), lambda g, j: (0, j))],
-        out_specs=pl.BlockSpec((1, K, tn), lambda g, j: (g, 0, j)),
-        interpret=interpret,
-    )(tile_start_G, tiles_G, xp, dyp)
-    return out[:, :, :n]
+    dyp = _scatter_rows(dy_MN.astype(x_MK.dtype), padded_M, T, tm)
+    t_idx = jnp.arange(T, dtype=jnp.int32)
+    nxt = jnp.concatenate([tile_group_T[1:], jnp.full((1,), -1, jnp.int32)])
+    prv = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_T[:-1]])
+    first_T = (tile_group_T != prv).astype(jnp.int32)
+    last_T = ((tile_group_T != nxt) | (t_idx == T - 1)).astype(jnp.int32)
+
+    def mosaic(interp):
+        k_, n_ = _tile(K, tk), _tile(N, tn)
+
+        def run(xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G):
+            xq, dq = _pad_to(xp, 1, k_), _pad_to(dyp, 1, n_)
+            dw = _mosaic_tgmm(xq, dq, tile_group_T, first_T, last_T, G, tm, k_, n_, interp)
+            visited = (tiles_G > 0) | (jnp.arange(G) == tile_group_T[-1])
+            return jnp.where(visited[:, None, None], dw, 0)[:, :K, :N]
+        return run
+
+    def triton(xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G):
+        k_ = min(_pow2(K), GMM_TILES["gpu"][1])
+        n_ = min(_pow2(N), GMM_TILES["gpu"][2])
+        xq, dq = _pad_to(xp, 1, k_), _pad_to(dyp, 1, n_)
+        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm, k_, n_)[:, :K, :N]
+
+    args = (xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G)
+    return _choose(args, mosaic=mosaic, triton=triton, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gmm(x_MK, w_GKN, group_sizes_G, tm, tn, interpret):
-    return _gmm_impl(x_MK, w_GKN, group_sizes_G, tm, tn, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x_MK, w_GKN, group_sizes_G, tiles, interpret):
+    return _tiles_product(x_MK, w_GKN, group_sizes_G, tiles, False, interpret)
 
 
-def _gmm_fwd(x_MK, w_GKN, group_sizes_G, tm, tn, interpret):
-    return _gmm_impl(x_MK, w_GKN, group_sizes_G, tm, tn, interpret), (x_MK, w_GKN,
-                                                                       group_sizes_G)
+def _gmm_fwd(x_MK, w_GKN, group_sizes_G, tiles, interpret):
+    y = _tiles_product(x_MK, w_GKN, group_sizes_G, tiles, False, interpret)
+    return y, (x_MK, w_GKN, group_sizes_G)
 
 
-def _gmm_bwd(tm, tn, interpret, res, dy_MN):
+def _gmm_bwd(tiles, interpret, res, dy_MN):
     x_MK, w_GKN, group_sizes_G = res
-    dx = _gmm_impl(dy_MN.astype(x_MK.dtype), jnp.swapaxes(w_GKN, 1, 2).astype(x_MK.dtype),
-                   group_sizes_G, tm, tn, interpret)
-    dw = tgmm(x_MK, dy_MN.astype(x_MK.dtype), group_sizes_G, tm=tm, tn=tn,
-              interpret=interpret).astype(w_GKN.dtype)
-    return dx, dw, None
+    tm, tk, tn = tiles
+    dy = dy_MN.astype(x_MK.dtype)
+    dx = _tiles_product(dy, w_GKN, group_sizes_G, (tm, tn, tk), True, interpret)
+    dw = tgmm(x_MK, dy, group_sizes_G, tm=tm, tk=tk, tn=tn, interpret=interpret)
+    return dx, dw.astype(w_GKN.dtype), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tn: int = 128, interpret=None):
+def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
+        interpret=None):
     """Grouped matmul (see the module docstring): ``[M, K] x [G, K, N] -> [M, N]``,
-    differentiable in ``x`` and ``w``."""
+    differentiable in ``x`` and ``w``. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
+    tiles (rows, contraction, columns; the GPU kernel takes its own, ``GMM_TILES["gpu"]``,
+    and ``tm``); ``interpret=True`` forces Pallas interpret mode."""
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
         raise ValueError(f"gmm: x {x_MK.shape} and w {w_GKN.shape} must be [M, K] and [G, K, N]")
     if group_sizes_G.shape != (w_GKN.shape[0],):
         raise ValueError(f"gmm: group_sizes {group_sizes_G.shape} must be [G={w_GKN.shape[0]}]")
-    return _gmm(x_MK, w_GKN, group_sizes_G, tm, tn, _default_interpret(interpret))
+    if min(tm, tk, tn) < 1:
+        raise ValueError(f"gmm: tiles tm={tm}, tk={tk}, tn={tn} must be >= 1")
+    return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), (tm, tk, tn), bool(interpret))

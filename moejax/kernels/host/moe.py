@@ -329,7 +329,6 @@ def _check_backend():
 
 
 def _call(fn, shapes, *args, aliases=None):
-    _check_backend()
     return buffer_callback(fn, shapes, vmap_method="sequential",
                            input_output_aliases=aliases)(*args)
 
@@ -391,11 +390,15 @@ _host_moe.defvjp(_fwd, _bwd)
 
 def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
              activation: str, capacity: int | None = None, valid_N=None,
-             priority: str = "choice"):
+             priority: str = "choice", check_backend: bool = True):
     """``(y_ND, n_dropped)``: the routed experts' combined output computed on the host (module
     docstring). ``capacity=None`` drops nothing; ``capacity=C`` has
     :func:`moejax.ops.dispatch.dispatch_capacity`'s drop rule (``valid_N``: padding tokens
-    yield first; ``priority``: "choice" or "token"). Weights are cast to ``x_ND``'s dtype."""
+    yield first; ``priority``: "choice" or "token"). Weights are cast to ``x_ND``'s dtype.
+    ``check_backend=False``: trace it on any backend (for a branch of
+    :func:`jax.lax.platform_dependent` that is only lowered for the CPU)."""
+    if check_backend:
+        _check_backend()
     if activation not in HOST_ACTIVATIONS:
         raise ValueError(f"host_moe: activation {activation!r} not supported; allowed: "
                          f"{HOST_ACTIVATIONS}")
