@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies results test setup lint bench clean-runs
+.PHONY: demo studies results test setup lint bench gpu-check clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
@@ -29,6 +29,18 @@ results: setup
 
 bench: setup
 	$(PY) -m experiments.bench_dispatch $(ARGS)
+
+# On a GPU machine: the gpu extra, the GPU-marked tests, and the kernel, dispatch and
+# speculative-decoding benchmarks on the GPU -> runs/gpu/ (tables name the device).
+gpu-check: setup
+	$(PY) -m pip install -q -e ".[gpu]"
+	$(PY) -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" || \
+	  (echo "gpu-check: jax sees no GPU here" >&2; exit 1)
+	$(PY) -m pytest -q -m gpu
+	$(PY) -m experiments.bench_kernels preset=full out=runs/gpu/bench_kernels
+	$(PY) -m experiments.bench_dispatch preset=full out=runs/gpu/bench_dispatch
+	$(PY) -m experiments.bench_speculative preset=full out=runs/gpu/bench_speculative
+	$(PY) -m experiments.results_doc runs=runs/gpu out=docs/results_gpu.md
 
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)

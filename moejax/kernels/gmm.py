@@ -93,7 +93,7 @@ def _mosaic_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, acc_ref, *,
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _mosaic_tiles(xp, w, tile_group_T, n_active, tm, tr, to, transpose, interpret):
+def _mosaic_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose, interpret):
     """``[T tm, n_out]``: row tile ``t`` of ``xp`` times ``w[g_t]`` (``w^T`` with ``transpose``),
     contraction blocks of ``tr``, output blocks of ``to``."""
     T, R = tile_group_T.shape[0], xp.shape[1]
@@ -167,7 +167,7 @@ def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_re
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, transpose):
+def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose):
     T, R = tile_group_T.shape[0], xp.shape[1]
     n_out = w.shape[1] if transpose else w.shape[2]
     Tp = _pow2(T)
@@ -224,70 +224,81 @@ def _choose(args, *, mosaic, triton, interpret):
                                       rocm=triton)
 
 
-def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
-    """``[M, n_out]``: each row times its group's ``w`` (``w^T`` with ``transpose``)."""
-    m = x_MR.shape[0]
-    tm, tr_pref, to_pref = tiles
+def _layout(group_sizes_G, m: int, tm: int):
+    """Row layout of ``m`` rows in tiles of ``tm``: scatter index, each tile's group, each
+    group's first tile and tile count, the tile count ``T`` and the used tiles (``[1]``)."""
     padded_M, tile_group_T, tile_start_G, tiles_G, T = group_tiles(group_sizes_G, m, tm)
     n_active = jnp.reshape(tile_start_G[-1] + tiles_G[-1], (1,)).astype(jnp.int32)
-    xp = _scatter_rows(x_MR, padded_M, T, tm)
-    R = x_MR.shape[1]
+    return padded_M, tile_group_T, tile_start_G, tiles_G, T, n_active
+
+
+def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
+    """``[M, n_out]``: each row times its group's ``w`` (``w^T`` with ``transpose``). Each
+    platform lays the rows out with its own row tile."""
+    m, R = x_MR.shape
     n_out = w.shape[1] if transpose else w.shape[2]
+    w = w.astype(x_MR.dtype)
 
-    def mosaic(interp):
-        tr, to = _tile(R, tr_pref), _tile(n_out, to_pref)
+    def pad_w(w, tr, to):
+        return _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
 
-        def run(xp, w, tile_group_T, n_active):
-            xq = _pad_to(xp, 1, tr)
-            wq = _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
-            return _mosaic_tiles(xq, wq, tile_group_T, n_active, tm, tr, to, transpose,
-                                 interp)[:, :n_out]
+    def product(kernel, tm, tr, to):
+        def run(x_MR, w, group_sizes_G):
+            padded_M, tile_group_T, _, _, T, n_active = _layout(group_sizes_G, m, tm)
+            xp = _pad_to(_scatter_rows(x_MR, padded_M, T, tm), 1, tr)
+            yp = kernel(xp, pad_w(w, tr, to), tile_group_T, n_active, tm, tr, to)[:, :n_out]
+            return yp.at[padded_M].get(mode="fill", fill_value=0)
         return run
 
-    def triton(xp, w, tile_group_T, n_active):
-        tr, to = min(_pow2(R), GMM_TILES["gpu"][1]), min(_pow2(n_out), GMM_TILES["gpu"][2])
-        xq = _pad_to(xp, 1, tr)
-        wq = _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
-        return _triton_tiles(xq, wq, tile_group_T, n_active, tm, tr, to, transpose)[:, :n_out]
+    def mosaic(interp):
+        tm, tr_pref, to_pref = tiles
+        kernel = functools.partial(_mosaic_tiles, transpose=transpose, interpret=interp)
+        return product(kernel, tm, _tile(R, tr_pref), _tile(n_out, to_pref))
 
-    yp = _choose((xp, w.astype(x_MR.dtype), tile_group_T, n_active), mosaic=mosaic,
-                 triton=triton, interpret=interpret)
-    return yp.at[padded_M].get(mode="fill", fill_value=0)
+    tm_g, tr_g, to_g = GMM_TILES["gpu"]
+    triton = product(functools.partial(_triton_tiles, transpose=transpose), tm_g,
+                     min(_pow2(R), tr_g), min(_pow2(n_out), to_g))
+    return _choose((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton, interpret=interpret)
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
          interpret=None):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` over each group's rows (0 for an empty group):
-    the weight gradient of :func:`gmm`."""
+    the weight gradient of :func:`gmm`. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
+    tiles (the GPU kernel takes ``GMM_TILES["gpu"]``)."""
     m, K = x_MK.shape
     N, G = dy_MN.shape[1], group_sizes_G.shape[0]
-    padded_M, tile_group_T, tile_start_G, tiles_G, T = group_tiles(group_sizes_G, m, tm)
-    xp = _scatter_rows(x_MK, padded_M, T, tm)
-    dyp = _scatter_rows(dy_MN.astype(x_MK.dtype), padded_M, T, tm)
-    t_idx = jnp.arange(T, dtype=jnp.int32)
-    nxt = jnp.concatenate([tile_group_T[1:], jnp.full((1,), -1, jnp.int32)])
-    prv = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_T[:-1]])
-    first_T = (tile_group_T != prv).astype(jnp.int32)
-    last_T = ((tile_group_T != nxt) | (t_idx == T - 1)).astype(jnp.int32)
+    dy_MN = dy_MN.astype(x_MK.dtype)
+
+    def scatter(x_MK, dy_MN, group_sizes_G, tm, k_, n_):
+        padded_M, tile_group_T, tile_start_G, tiles_G, T, _ = _layout(group_sizes_G, m, tm)
+        xq = _pad_to(_scatter_rows(x_MK, padded_M, T, tm), 1, k_)
+        dq = _pad_to(_scatter_rows(dy_MN, padded_M, T, tm), 1, n_)
+        return xq, dq, tile_group_T, tile_start_G, tiles_G, T
 
     def mosaic(interp):
         k_, n_ = _tile(K, tk), _tile(N, tn)
 
-        def run(xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G):
-            xq, dq = _pad_to(xp, 1, k_), _pad_to(dyp, 1, n_)
+        def run(x_MK, dy_MN, group_sizes_G):
+            xq, dq, tile_group_T, _, tiles_G, T = scatter(x_MK, dy_MN, group_sizes_G, tm, k_,
+                                                          n_)
+            nxt = jnp.concatenate([tile_group_T[1:], jnp.full((1,), -1, jnp.int32)])
+            prv = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_T[:-1]])
+            first_T = (tile_group_T != prv).astype(jnp.int32)
+            last_T = ((tile_group_T != nxt) | (jnp.arange(T) == T - 1)).astype(jnp.int32)
             dw = _mosaic_tgmm(xq, dq, tile_group_T, first_T, last_T, G, tm, k_, n_, interp)
             visited = (tiles_G > 0) | (jnp.arange(G) == tile_group_T[-1])
             return jnp.where(visited[:, None, None], dw, 0)[:, :K, :N]
         return run
 
-    def triton(xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G):
-        k_ = min(_pow2(K), GMM_TILES["gpu"][1])
-        n_ = min(_pow2(N), GMM_TILES["gpu"][2])
-        xq, dq = _pad_to(xp, 1, k_), _pad_to(dyp, 1, n_)
-        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm, k_, n_)[:, :K, :N]
+    def triton(x_MK, dy_MN, group_sizes_G):
+        tm_g, tk_g, tn_g = GMM_TILES["gpu"]
+        k_, n_ = min(_pow2(K), tk_g), min(_pow2(N), tn_g)
+        xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, tm_g, k_, n_)
+        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm_g, k_, n_)[:, :K, :N]
 
-    args = (xp, dyp, tile_group_T, first_T, last_T, tile_start_G, tiles_G)
-    return _choose(args, mosaic=mosaic, triton=triton, interpret=interpret)
+    return _choose((x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), mosaic=mosaic,
+                   triton=triton, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -316,8 +327,8 @@ def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 1
         interpret=None):
     """Grouped matmul (see the module docstring): ``[M, K] x [G, K, N] -> [M, N]``,
     differentiable in ``x`` and ``w``. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
-    tiles (rows, contraction, columns; the GPU kernel takes its own, ``GMM_TILES["gpu"]``,
-    and ``tm``); ``interpret=True`` forces Pallas interpret mode."""
+    tiles (rows, contraction, columns; the GPU kernel takes ``GMM_TILES["gpu"]``, powers of
+    two as ``tl.dot`` needs); ``interpret=True`` forces Pallas interpret mode."""
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
         raise ValueError(f"gmm: x {x_MK.shape} and w {w_GKN.shape} must be [M, K] and [G, K, N]")
     if group_sizes_G.shape != (w_GKN.shape[0],):
