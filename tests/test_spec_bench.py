@@ -61,7 +61,8 @@ def test_bench_speculative_tiny(tmp_path):
             "draft.d_model=16", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "draft_lens=(2,)", "n_prompts=1", "prompt_len=8", "max_new_tokens=6",
             "grow.extra_layers=1", "grow.n_experts=8", "grow.d_expert=8"]
-    summary, run = run_experiment(mod.NAME, mod.make_config, mod.run, args, out=tmp_path / "b")
+    summary, run = run_experiment(mod.NAME, mod.make_config, mod.run, args,
+                                  claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"trained", "grown"}
     assert [r["mode"] for r in rows[:4]] == ["AR dense", "AR token-sparse", "spec dense",
@@ -70,3 +71,6 @@ def test_bench_speculative_tiny(tmp_path):
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert (run.path / "tokens_per_s_grown.png").exists()
     assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
+    # the tiny models are far below 100M parameters: the serving claim is not judged
+    (claim,) = list(csv.DictReader(open(run.path / "claims.csv")))
+    assert claim["verdict"] == "not measured" and "100M" in claim["evidence"]
