@@ -36,7 +36,7 @@ gpu-check: setup
 	$(PY) -m pip install -q -e ".[gpu]"
 	$(PY) -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" || \
 	  (echo "gpu-check: jax sees no GPU here" >&2; exit 1)
-	$(PY) -m pytest -q -m gpu
+	JAX_PLATFORMS=cuda $(PY) -m pytest -q -m gpu
 	$(PY) -m experiments.bench_kernels preset=full out=runs/gpu/bench_kernels
 	$(PY) -m experiments.bench_dispatch preset=full out=runs/gpu/bench_dispatch
 	$(PY) -m experiments.bench_speculative preset=full out=runs/gpu/bench_speculative
