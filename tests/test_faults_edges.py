@@ -186,7 +186,7 @@ def _delta_file(tmp_path, edit=None, arrays=None):
     ("float64", "stored as float64 but the metadata declares float32"),
     ("huge", "decode to .* GiB, more than the bound"),
     ("leaves_not_records", "leaf 0: malformed metadata 5"),
-    ("object_dtype", "dtype 'object' is not a float dtype"),
+    ("object_dtype", "dtype 'object' is not a numeric dtype"),
     ("negative", "negative dimension"),
 ])
 def test_damaged_delta_files_are_refused_naming_the_file(tmp_path, case, match):

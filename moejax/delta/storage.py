@@ -271,19 +271,20 @@ def default_max_bytes() -> int:
 
 
 def _leaf_dtype(name, where: str) -> np.dtype:
-    """The float dtype a leaf's metadata declares (what it decodes to)."""
+    """The numeric dtype a leaf's metadata declares (what it decodes to)."""
     try:
         dt = jnp.dtype(name)
     except (TypeError, ValueError):
         raise ValueError(f"{where}: unknown dtype {name!r} in the metadata") from None
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"{where}: dtype {name!r} is not a float dtype; deltas are floats")
+    if not (jnp.issubdtype(dt, jnp.number) or dt == jnp.bool_):
+        raise ValueError(f"{where}: dtype {name!r} is not a numeric dtype; a delta file "
+                         "holds numbers only")
     return dt
 
 
 def validate_stored(stored: StoredDelta, source="delta", max_bytes: int | None = None) -> None:
     """Check that the metadata is well formed and every leaf's arrays exist and fit it
-    (declared float dtype and the stored arrays' dtype, sizes, index range, packed code
+    (declared numeric dtype and the stored arrays' dtype, sizes, index range, packed code
     length), and that the decoded tree stays within ``max_bytes`` (default: half the
     machine's memory); raise ``ValueError`` naming ``source``, the leaf and the problem."""
     meta = stored.meta
