@@ -32,11 +32,13 @@ def _custom_calls(exported) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,k,n,g", [(4096, 256, 704, 8),     # bench_kernels' gmm shape
-                                     (2048, 768, 1408, 8),    # K and N off powers of two
-                                     (512, 2048, 1408, 16)])  # D 2048
-def test_gmm_forward_and_backward_lower_to_the_platform_kernel(platform, dtype, m, k, n, g):
+@pytest.mark.parametrize("m,k,n,g,dtype", [
+    (4096, 256, 704, 8, jnp.float32),     # bench_kernels' gmm shape
+    (2048, 768, 1408, 8, jnp.bfloat16),   # K and N off powers of two
+    (512, 2048, 1408, 16, jnp.float32),   # D 2048
+    (512, 2048, 1408, 16, jnp.bfloat16),
+])
+def test_gmm_forward_and_backward_lower_to_the_platform_kernel(platform, m, k, n, g, dtype):
     def step(x, w, gs):
         loss = lambda x, w: jnp.sum(gmm(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731
         return jax.value_and_grad(loss, (0, 1))(x, w)
