@@ -52,10 +52,10 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+import moejax.train.mesh as mesh_lib
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
-from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule

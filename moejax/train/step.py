@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import moejax.train.mesh as mesh_lib
 from moejax.ops.losses import accuracy, cross_entropy
-from moejax.train import mesh as mesh_lib
 from moejax.train.hparams import TrainConfig
 
 __all__ = [
