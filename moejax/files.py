@@ -20,7 +20,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode"]
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode",
+           "writable_dir", "UnusableDirError"]
+
+
+class UnusableDirError(OSError):
+    """A directory cannot be created or written; the message names it and the fix."""
+
+
+def writable_dir(path: str | os.PathLike, what: str, fix: str, *, root=None) -> Path:
+    """Create ``path`` (and its parents) or raise :class:`UnusableDirError` in one line:
+    ``what`` names the directory for the user (``out=runs/x``), ``fix`` says what to do.
+    ``root``: the directory the user chose, checked for being a file first."""
+    path = Path(path)
+    for p in (Path(root) if root is not None else path, path):
+        if p.exists() and not p.is_dir():
+            raise UnusableDirError(f"{what}: {p} is a file, not a directory. Fix: {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UnusableDirError(f"{what}: cannot create {path} ({e.strerror}). "
+                               f"Fix: {fix}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UnusableDirError(f"{what}: {path} is not writable. Fix: {fix}")
+    return path
 
 
 def default_file_mode() -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moejax.config import Config, to_dict
-from moejax.files import atomic_open, atomic_write_text
+from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
 from moejax.train.run_lock import RunLock
 
 __all__ = ["RunDir", "RunDirError", "Claim", "claims_markdown", "read_tables", "lookup", "compare",
@@ -286,16 +286,10 @@ class RunDirError(OSError):
 
 def _usable_dir(path: Path) -> None:
     """Create ``path`` or explain, in one line, why it cannot be a run directory."""
-    fix = "Fix: choose a writable directory with out=DIR"
-    if path.exists() and not path.is_dir():
-        raise RunDirError(f"out={path} is a file, not a directory. {fix}")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunDirError(f"out={path}: cannot create the run directory ({e.strerror}). "
-                          f"{fix}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise RunDirError(f"out={path} is not writable. {fix}")
+        writable_dir(path, f"out={path}", "choose a writable directory with out=DIR")
+    except UnusableDirError as e:
+        raise RunDirError(str(e)) from None
 
 
 def _has_checkpoints(path: Path) -> bool:

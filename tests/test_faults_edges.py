@@ -35,7 +35,7 @@ from moejax.train.checkpoint import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import ResumeError, config_differences, train
 from moejax.train.run_lock import RunLock, RunLockedError
-from tests.test_faults import CFG, ROOT, _params, _run, _template
+from tests.test_faults import _SIGINT_RUN, CFG, ROOT, _params, _run, _template
 from tests.test_train_loop import Crash
 from tests.test_train_loop import CrashingSource as CrashAt
 from tests.toy_models import TinyMoELM, ToySource, tree_equal
@@ -257,24 +257,12 @@ def test_negative_token_ids_are_refused(tmp_path):
 
 
 # -- SIGTERM -------------------------------------------------------------------------------
-_RUN = """
-import sys
-sys.path.insert(0, {root!r})
-from flax import nnx
-from moejax.train.loop import train
-from moejax.train.hparams import TrainConfig
-from tests.toy_models import TinyMoELM, ToySource
-cfg = TrainConfig(steps=400, batch_size=4, lr=1e-2, ckpt_every=1, log_every=1,
-                  keep_checkpoints=2)
-print("START", flush=True)
-train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir={d!r}, progress=False)
-"""
 
 
 @pytest.mark.slow
 def test_sigterm_stops_like_ctrl_c_and_the_run_resumes(tmp_path):
     d = str(tmp_path / "r")
-    p = subprocess.Popen([sys.executable, "-c", _RUN.format(root=ROOT, d=d)],
+    p = subprocess.Popen([sys.executable, "-c", _SIGINT_RUN.format(root=ROOT, d=d)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.stdout.readline().startswith("START")

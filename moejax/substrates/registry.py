@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from moejax.config import Config, to_json
-from moejax.files import atomic_write_text
+from moejax.files import atomic_write_text, writable_dir
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
@@ -214,15 +214,8 @@ def _load(name: str, cfg: Config, d: Path) -> Substrate | None:
 
 
 def _writable_root(d: Path) -> None:
-    root = d.parent.parent
-    fix = ("Fix: set MOEJAX_SUBSTRATE_DIR (or cache_dir) to a writable directory")
-    if root.exists() and not root.is_dir():
-        raise OSError(f"the substrate cache {root} is a file, not a directory. {fix}")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"cannot create the substrate cache entry {d} ({e.strerror}). "
-                      f"{fix}") from None
+    writable_dir(d, "the substrate cache", "set MOEJAX_SUBSTRATE_DIR (or cache_dir) to a "
+                 "writable directory", root=d.parent.parent)
 
 
 def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_dir=None,
