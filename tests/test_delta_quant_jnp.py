@@ -7,7 +7,6 @@ import pytest
 from moejax.delta.quant import dequantize, quantize
 from moejax.delta.quant_jnp import fake_quantize, fake_quantize_tree, quantize_codes
 
-
 _SHAPES = [("group", (128, 24), -2), ("channel", (64, 40), -2), ("tensor", (33, 7), -2),
            ("group", (3, 64, 16), -2), ("group", (24, 128), -1)]
 _CASES = ([(s, g, sh, ax, b) for s in ("midrise", "symmetric", "asymmetric")
