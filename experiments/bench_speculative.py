@@ -32,10 +32,11 @@ from experiments.spec_bench import (
     grow_blockffn_lm,
     spec_chunk_sparsity,
 )
+from moejax.claims import Claim
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.pytree import count_params
-from moejax.results import Claim, RunDir
+from moejax.results import RunDir
 from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"

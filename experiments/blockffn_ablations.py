@@ -21,9 +21,10 @@ from experiments.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
+from moejax.claims import Claim, compare, lookup
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.results import Claim, RunDir, compare, lookup
+from moejax.results import RunDir
 from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_ablations"

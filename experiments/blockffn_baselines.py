@@ -33,10 +33,11 @@ from experiments.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
+from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import Claim, RunDir, lookup, seed_summary
+from moejax.results import RunDir, seed_summary
 from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_baselines"

@@ -27,10 +27,11 @@ from __future__ import annotations
 import jax
 
 from moejax import delta as dl
+from moejax.claims import Claim, compare, lookup, top_column
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
-from moejax.results import Claim, RunDir, compare, lookup, seed_summary, top_column
+from moejax.results import RunDir, seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (

@@ -23,6 +23,7 @@ import jax
 from flax import nnx
 
 from moejax import delta as dl
+from moejax.claims import Claim, compare, lookup, top_column
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
@@ -30,7 +31,7 @@ from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_sta
 from moejax.evaluate import LMEvaluator, outputs_on
 from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
-from moejax.results import Claim, RunDir, compare, lookup, top_column
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig

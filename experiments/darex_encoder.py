@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from moejax import delta as dl
+from moejax.claims import Claim, compare, lookup
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
@@ -44,7 +45,7 @@ from moejax.experiment import main
 from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
-from moejax.results import Claim, RunDir, compare, lookup, seed_summary
+from moejax.results import RunDir, seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays

@@ -31,10 +31,11 @@ import numpy as np
 from flax import nnx
 
 from moejax import delta as dl
+from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM, smollm2_135m_config
-from moejax.results import Claim, RunDir, lookup
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
+from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.ders_compress import (
     QuantSpec,
@@ -48,7 +49,7 @@ from moejax.ders_compress import (
 from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.pytree import fmt_count
-from moejax.results import Claim, RunDir, lookup
+from moejax.results import RunDir
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 import jax
 
 from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
+from moejax.claims import Claim
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
 from moejax.experiment import main
 from moejax.pytree import count_bytes, fmt_count
-from moejax.results import Claim, RunDir
+from moejax.results import RunDir
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 

@@ -29,6 +29,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from moejax.claims import Claim, compare, lookup
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.loader import chat_prompt_response
@@ -38,7 +39,7 @@ from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.nn.routing_modes import RoutingMode, with_routing
-from moejax.results import Claim, RunDir, compare, lookup
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig

@@ -31,6 +31,7 @@ from typing import Literal
 
 import numpy as np
 
+from moejax.claims import Claim, compare, lookup
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.extract import (
@@ -46,7 +47,7 @@ from moejax.extract.pipeline import (
     moee_plans,
     moefication_model,
 )
-from moejax.results import Claim, RunDir, compare, lookup
+from moejax.results import RunDir
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (

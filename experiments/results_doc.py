@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from experiments.main import REGISTRY
+from moejax.claims import Claim, claims_markdown
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.results import Claim, claims_markdown, read_tables
+from moejax.results import read_tables
 
 __all__ = ["build", "main"]
 

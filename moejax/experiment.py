@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from moejax.claims import Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe
 from moejax.results import (
-    Claim,
     RunDir,
     RunDirError,
     merge_seed_tables,

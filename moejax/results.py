@@ -21,15 +21,16 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
+from moejax.claims import Claim, claims_markdown
 from moejax.config import Config, to_dict
 from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
 from moejax.train.run_lock import RunLock
 
-__all__ = ["RunDir", "RunDirError", "Claim", "claims_markdown", "read_tables", "lookup", "compare",
-           "top_column", "markdown_table", "atomic_write_text", "format_value", "seed_summary",
-           "merge_seed_tables", "read_csv_rows", "machine_info", "write_run_record"]
+__all__ = ["RunDir", "RunDirError", "read_tables", "markdown_table", "atomic_write_text",
+           "format_value", "seed_summary", "merge_seed_tables", "read_csv_rows", "machine_info",
+           "write_run_record"]
 
 
 def _cpu_model() -> str:
@@ -211,67 +212,6 @@ def markdown_table(
     for r in rows:
         lines.append("| " + " | ".join(format_value(r.get(c, ""), floatfmt) for c in cols) + " |")
     return "\n".join(lines) + "\n"
-
-
-class Claim(NamedTuple):
-    """One claim of a paper and whether a run supports it: ``holds`` is True, False, or None
-    when the run did not measure it; ``evidence`` gives the compared numbers."""
-
-    claim: str
-    holds: bool | None
-    evidence: str
-
-    @property
-    def verdict(self) -> str:
-        return {True: "holds", False: "does not hold", None: "not measured"}[self.holds]
-
-
-def claims_markdown(claims: Sequence[Claim]) -> str:
-    """One line per claim: verdict in bold, the claim, the evidence."""
-    return "".join(f"- **{c.verdict}**: {c.claim} ({c.evidence})\n" for c in claims)
-
-
-def lookup(rows: Sequence[Mapping[str, Any]] | None, match: Mapping[str, Any],
-           column: str | None = None):
-    """The first row whose values equal ``match`` (numbers compared as floats), or its
-    ``column``; None when there is none."""
-    def same(a, b):
-        try:
-            return float(a) == float(b)
-        except (TypeError, ValueError):
-            return a == b
-
-    for r in rows or ():
-        if all(k in r and same(r[k], v) for k, v in match.items()):
-            return r if column is None else r.get(column)
-    return None
-
-
-def compare(claim: str, a: tuple[str, Any], b: tuple[str, Any], *, better: str = "higher",
-            fmt: str = ".4g") -> Claim:
-    """``claim`` holds when ``a``'s value is better than ``b``'s (``better``: "higher" or
-    "lower"); not measured when either is missing or NaN."""
-    (la, va), (lb, vb) = a, b
-    if va is None or vb is None or _isnan(float(va)) or _isnan(float(vb)):
-        return Claim(claim, None, f"{la} or {lb} missing")
-    va, vb = float(va), float(vb)
-    holds = va > vb if better == "higher" else va < vb
-    return Claim(claim, holds, f"{la} {format(va, fmt)} vs {lb} {format(vb, fmt)}")
-
-
-def top_column(rows: Sequence[Mapping[str, Any]] | None, prefix: str = "p=") -> str | None:
-    """The column ``<prefix><number>`` with the largest number (e.g. the highest drop rate
-    of a wide table), or None."""
-    best = None
-    for c in _columns(rows or [], None):
-        if c.startswith(prefix):
-            try:
-                v = float(c[len(prefix):])
-            except ValueError:
-                continue
-            if best is None or v > best[0]:
-                best = (v, c)
-    return None if best is None else best[1]
 
 
 def read_tables(path: str | os.PathLike) -> dict[str, list[dict]]:

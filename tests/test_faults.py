@@ -281,12 +281,12 @@ def test_run_lock_excludes_a_second_run_and_recovers_stale_locks(tmp_path):
 
 
 def test_setup_failure_releases_the_lock(tmp_path, monkeypatch):
-    import moejax.train.loop as loop_mod
+    import moejax.train.logs as logs_mod
 
     def no_tb(self, logdir):
         raise ImportError("train.tensorboard=True needs tensorboardX")
 
-    monkeypatch.setattr(loop_mod._TensorBoard, "__init__", no_tb)
+    monkeypatch.setattr(logs_mod.TensorBoardLog, "__init__", no_tb)
     with pytest.raises(ImportError, match="tensorboardX"):
         _run(tmp_path / "r", CFG.replace(steps=1, tensorboard=True))
     _run(tmp_path / "r", CFG.replace(steps=1))  # not locked out by the failed run

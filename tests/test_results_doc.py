@@ -6,9 +6,10 @@ import json
 import pytest
 
 from experiments import blockffn_granularity, results_doc
+from moejax.claims import Claim, compare, lookup, top_column
 from moejax.config import ConfigError
 from moejax.experiment import run_experiment
-from moejax.results import Claim, RunDir, compare, lookup, top_column
+from moejax.results import RunDir
 
 
 def test_lookup_compare_and_top_column():

@@ -32,13 +32,11 @@ call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measu
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -59,6 +57,7 @@ from moejax.integrity import flatten_dict
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
+from moejax.train.logs import CsvLog, TensorBoardLog, read_csv
 from moejax.train.run_lock import RunLock
 from moejax.train.step import (
     NonFiniteError,
@@ -73,9 +72,6 @@ __all__ = ["train", "train_params", "LoopOptions", "History", "read_csv", "FnSou
            "compiled_memory", "ResumeError", "config_differences"]
 
 log = logging.getLogger(__name__)
-
-_FIRST_COLS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
-
 
 class History(list):
     """Per-step metric dicts; ``memory`` holds ``{"peak_bytes", "argument_bytes"}`` of the
@@ -93,75 +89,6 @@ class FnSource:
 
     def batch(self, position: int):
         return self.fn(position)
-
-
-class _CsvLog:
-    """Append-only CSV whose columns are fixed by the first row; on resume rows past the
-    resumed step (written after the last checkpoint of a crashed run) are dropped."""
-
-    def __init__(self, path: str, resume_step: int):
-        self.path, self.cols = path, None
-        if os.path.exists(path):
-            all_rows = read_csv(path)
-            rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
-            if len(rows) < len(all_rows):  # keep what is dropped: nothing is lost
-                backup = f"{path}.before-resume-at-{resume_step}-{time.strftime('%Y%m%dT%H%M%S')}"
-                shutil.copyfile(path, backup)
-                log.warning("%s: dropped %d rows past the resumed step %d (a copy of the old "
-                            "file is in %s)", path, len(all_rows) - len(rows), resume_step,
-                            backup)
-            if rows:
-                self.cols = list(rows[0].keys())
-            with open(path, "w", newline="") as f:
-                if self.cols:
-                    w = csv.DictWriter(f, self.cols)
-                    w.writeheader()
-                    w.writerows(rows)
-
-    def write(self, rows: list[dict]) -> None:
-        if not rows:
-            return
-        new = self.cols is None
-        if new:
-            row = rows[0]
-            self.cols = [c for c in _FIRST_COLS if c in row] + sorted(
-                c for c in row if c not in _FIRST_COLS
-            )
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, self.cols, extrasaction="ignore")
-            if new:
-                w.writeheader()
-            w.writerows(rows)
-
-
-class _TensorBoard:
-    """Scalars to TensorBoard event files (tensorboardX, the ``tb`` extra)."""
-
-    def __init__(self, logdir: str):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError as e:
-            raise ImportError(
-                "train.tensorboard=True needs tensorboardX: pip install -e '.[tb]' "
-                "(or set train.tensorboard=False)"
-            ) from e
-        self.writer = SummaryWriter(logdir)
-
-    def write(self, rows: list[dict], prefix: str = "") -> None:
-        for row in rows:
-            for k, v in row.items():
-                if k != "step":
-                    self.writer.add_scalar(prefix + k, v, int(row["step"]))
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def read_csv(path: str) -> list[dict]:
-    """Rows of a metrics CSV as dicts of strings."""
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _tokens(batch) -> float:
@@ -426,10 +353,10 @@ class _Run:
                 run_dir, cfg, self.config, self.state, self.main)
         self.start = int(jax.device_get(self.state.step))
         if run_dir is not None and self.main:
-            self.csv_log = _CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
-            self.eval_log = _CsvLog(os.path.join(run_dir, "eval.csv"), self.start)
+            self.csv_log = CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
+            self.eval_log = CsvLog(os.path.join(run_dir, "eval.csv"), self.start)
             if cfg.tensorboard:
-                self.tb = _TensorBoard(os.path.join(run_dir, "tb"))
+                self.tb = TensorBoardLog(os.path.join(run_dir, "tb"))
         if self.opts.measure_memory:
             batch = assemble(local_batch(self.source, self.position), self.mesh)
             compiled = self.step_fn.lower(self.state, batch).compile()

@@ -1,0 +1,85 @@
+"""What the training loop writes while it runs: ``metrics.csv`` / ``eval.csv`` (append-only,
+trimmed back to the resumed step on resume, nothing lost) and TensorBoard event files."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import shutil
+import time
+
+__all__ = ["CsvLog", "TensorBoardLog", "read_csv", "FIRST_COLS"]
+
+log = logging.getLogger(__name__)
+
+FIRST_COLS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+
+
+class CsvLog:
+    """Append-only CSV whose columns are fixed by the first row; on resume rows past the
+    resumed step (written after the last checkpoint of a crashed run) are dropped."""
+
+    def __init__(self, path: str, resume_step: int):
+        self.path, self.cols = path, None
+        if os.path.exists(path):
+            all_rows = read_csv(path)
+            rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
+            if len(rows) < len(all_rows):  # keep what is dropped: nothing is lost
+                backup = f"{path}.before-resume-at-{resume_step}-{time.strftime('%Y%m%dT%H%M%S')}"
+                shutil.copyfile(path, backup)
+                log.warning("%s: dropped %d rows past the resumed step %d (a copy of the old "
+                            "file is in %s)", path, len(all_rows) - len(rows), resume_step,
+                            backup)
+            if rows:
+                self.cols = list(rows[0].keys())
+            with open(path, "w", newline="") as f:
+                if self.cols:
+                    w = csv.DictWriter(f, self.cols)
+                    w.writeheader()
+                    w.writerows(rows)
+
+    def write(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        new = self.cols is None
+        if new:
+            row = rows[0]
+            self.cols = [c for c in FIRST_COLS if c in row] + sorted(
+                c for c in row if c not in FIRST_COLS
+            )
+        with open(self.path, "a", newline="") as f:
+            w = csv.DictWriter(f, self.cols, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+
+
+class TensorBoardLog:
+    """Scalars to TensorBoard event files (tensorboardX, the ``tb`` extra)."""
+
+    def __init__(self, logdir: str):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise ImportError(
+                "train.tensorboard=True needs tensorboardX: pip install -e '.[tb]' "
+                "(or set train.tensorboard=False)"
+            ) from e
+        self.writer = SummaryWriter(logdir)
+
+    def write(self, rows: list[dict], prefix: str = "") -> None:
+        for row in rows:
+            for k, v in row.items():
+                if k != "step":
+                    self.writer.add_scalar(prefix + k, v, int(row["step"]))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows of a metrics CSV as dicts of strings."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
