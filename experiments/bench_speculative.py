@@ -89,10 +89,10 @@ def make_config(preset: str) -> SpecBenchConfig:
 
 def _modes(target, draft, cfg):
     yield "AR dense", blockffn_path(target, "dense"), None, 0
-    yield "AR token-sparse", blockffn_path(target, "chunk_union", 1), None, 0
+    yield "AR token-sparse", blockffn_path(target, "auto", 1), None, 0
     for n in cfg.draft_lens:
         yield "spec dense", blockffn_path(target, "dense"), draft, n
-        yield "spec chunk-sparse", blockffn_path(target, "chunk_union", n + 1), draft, n
+        yield "spec chunk-sparse", blockffn_path(target, "auto", n + 1), draft, n
 
 
 def _bench(name, target, draft, prompts, cfg, rows):

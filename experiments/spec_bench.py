@@ -39,8 +39,8 @@ __all__ = ["grow_blockffn_lm", "decode_timing", "spec_chunk_sparsity", "blockffn
 
 
 def blockffn_path(model: DecoderLM, path: str, union_chunk: int = 1) -> DecoderLM:
-    """``model`` with every BlockFFN computing through ``path`` (``"dense"`` or the exact
-    ``"chunk_union"`` with tiles of ``union_chunk`` tokens)."""
+    """``model`` with every BlockFFN computing through ``path`` (``"dense"``, or an exact
+    chunk-union path, ``"chunk_union"`` or ``"auto"``, with tiles of ``union_chunk`` tokens)."""
     return with_slot_config(model, BlockFFN, path=path, union_chunk=union_chunk, max_union=None)
 
 

@@ -1,8 +1,11 @@
 """Lowering for accelerators, proven on a CPU with ``jax.export``: the grouped-matmul kernels
-(forward, dX, dW; f32 and bf16; the full presets' shapes and wide ones) and a whole MoE LM
-train step with the default dispatch lower for ``cuda`` (Triton) and ``tpu`` (Mosaic), and
-each lowered module holds that platform's kernel custom calls, not an interpret-mode loop and
-not the host callback. The same jitted step lowered for the CPU holds the host callback."""
+(forward, dX, dW) and the chunk-union kernels (forward and backward, plain and gated; f32 and
+bf16; the full presets' shapes and wide ones: D 2048, F 1408, K 768, a 5-token tile), a whole
+MoE LM train step with the default dispatch, a BlockFFN LM train step on the ``"auto"`` path
+and the speculative decode loop with chunk-sparse verification lower for ``cuda`` (Triton) and
+``tpu`` (Mosaic), and each lowered module holds that platform's kernel custom calls, not an
+interpret-mode loop and not the host callback. The same jitted steps lowered for the CPU hold
+the host callback (MoE) or no kernel at all (BlockFFN: the jnp chunk-union loop)."""
 
 import re
 
@@ -13,10 +16,14 @@ import optax
 import pytest
 from flax import nnx
 
+from moejax.kernels.chunk_union import chunk_union_pallas
 from moejax.kernels.gmm import gmm
-from moejax.nn.decoder import DecoderLM
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
+from moejax.nn.speculative import chunk_sparse_target, speculative_generate
 from moejax.train.hparams import TrainConfig
 from moejax.train.step import init_state, lm_loss_fn, make_train_step
 
@@ -51,10 +58,37 @@ def test_gmm_forward_and_backward_lower_to_the_platform_kernel(platform, m, k, n
     assert not any("callback" in c for c in calls), calls
 
 
-def _lm_step():
-    cfg = MoELMConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                      moe=MoEConfig(n_experts=8, top_k=2, d_expert=128))  # dispatch="auto"
-    model = DecoderLM(cfg.decoder_config(), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("n,d,e,f,tile,dtype,activation", [
+    (4096, 256, 40, 64, 32, jnp.float32, "swish"),     # BlockFFN studies' full preset
+    (32, 2048, 64, 256, 32, jnp.bfloat16, "swish"),    # bench_kernels' full preset
+    (256, 2048, 8, 1408, 5, jnp.bfloat16, "swiglu"),   # D 2048, F 1408, 5-token tiles
+    (256, 768, 8, 1408, 5, jnp.float32, "gelu"),       # K 768
+])
+def test_chunk_union_forward_and_backward_lower_to_the_platform_kernel(platform, n, d, e, f,
+                                                                      tile, dtype, activation):
+    gated = activation == "swiglu"
+
+    def step(x, a, wu, wd, wg):
+        def loss(x, a, wu, wd, wg):
+            y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, wg, activation=activation,
+                                      tile=tile, max_union=e)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss, (0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))(
+            x, a, wu, wd, wg)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((n, d), dtype), S((n, e), jnp.float32), S((e, d, f), dtype), S((e, f, d), dtype),
+            S((e, d, f), dtype) if gated else None)
+    exported = je.export(jax.jit(step), platforms=(platform,), disabled_checks=CHECKS)(*args)
+    calls = _custom_calls(exported)
+    # forward: up (+ gate) and down; backward: dh, dx (x2 gated), dW_up, dW_down (+ dW_gate)
+    assert calls.get(KERNEL[platform]) == (9 if gated else 6), calls
+    assert not any("callback" in c for c in calls), calls
+
+
+def _train_step(cfg: DecoderConfig):
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tcfg = TrainConfig(steps=10, batch_size=4)
     state = init_state(params, rest, optax.adamw(1e-3), 0)
@@ -63,6 +97,50 @@ def _lm_step():
     batch = {"inputs": tokens, "targets": tokens,
              "mask": jax.ShapeDtypeStruct((4, 32), jnp.float32)}
     return step, state, batch
+
+
+def _lm_step():
+    cfg = MoELMConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                      moe=MoEConfig(n_experts=8, top_k=2, d_expert=128))  # dispatch="auto"
+    return _train_step(cfg.decoder_config())
+
+
+def _blockffn_decoder(path: str = "auto", layers: int = 2) -> DecoderConfig:
+    slot = BlockFFNConfig(n_experts=8, d_expert=32, path=path, union_chunk=8)
+    return DecoderConfig(vocab_size=256, d_model=64, n_layers=layers, n_heads=4,
+                         ffn_slots=(slot,) * layers, max_seq_len=64)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])
+def test_blockffn_lm_train_step_lowers_with_the_chunk_union_kernels(platform):
+    step, state, batch = _train_step(_blockffn_decoder())
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    exported = je.export(step, platforms=(platform,), disabled_checks=CHECKS)(abstract, batch)
+    calls = _custom_calls(exported)
+    if platform == "cpu":  # the jnp chunk-union loop: no kernel, no callback
+        assert TRITON not in calls and "tpu_custom_call" not in calls, calls
+        return
+    assert calls.get(KERNEL[platform], 0) == 2 * 6, calls  # 2 layers x (2 forward + 4 backward)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_speculative_decode_loop_lowers_with_chunk_sparse_verification(platform):
+    target = DecoderLM(_blockffn_decoder(path="dense"), rngs=nnx.Rngs(0))
+    draft = DecoderLM(DecoderConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2,
+                                    ffn_slots=(DenseFFNConfig(d_hidden=64, activation="swiglu"),),
+                                    max_seq_len=64),
+                      rngs=nnx.Rngs(1))
+    sparse = chunk_sparse_target(target, 4)  # verification tiles of n + 1 = 5 tokens
+
+    def decode(prompt_BT):
+        return speculative_generate(sparse, draft, prompt_BT, 16, draft_len=4).tokens_BS
+
+    prompt = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    calls = _custom_calls(je.export(jax.jit(decode), platforms=(platform,),
+                                    disabled_checks=CHECKS)(prompt))
+    # each target layer's forward (up and down) in the verification pass and the prefill
+    assert calls.get(KERNEL[platform], 0) >= 2 * 2, calls
+    assert not any("callback" in c for c in calls), calls
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])

@@ -1,7 +1,9 @@
-"""The chunk-sparse BlockFFN Pallas kernel (moejax.kernels.chunk_union), interpret mode on CPU:
-against the dense oracle and the jnp chunk-union reference, edge cases (empty union, full
-union, token count not a multiple of the tile, union cap overflow), gated and bf16; and as
-BlockFFN's ``path="pallas"`` against ``path="dense"`` in outputs and parameter gradients."""
+"""The chunk-sparse BlockFFN Pallas kernels (moejax.kernels.chunk_union), interpret mode on CPU:
+values against the dense oracle and the jnp chunk-union reference, and gradients (x, combine
+weights, every expert weight) against the vjp of the jnp reference; edge cases (empty union,
+full union, token count not a multiple of the tile, union cap overflow, several row,
+contraction and output blocks), every activation, gated and bf16; and as BlockFFN's
+``path="pallas"`` / ``"auto"`` against ``path="dense"`` in outputs and parameter gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from flax import nnx
 
 from moejax.kernels.chunk_union import chunk_union_kernel, chunk_union_pallas
 from moejax.nn.blockffn import BlockFFNConfig
+from moejax.ops.activations import is_gated
 from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
 N, D, E, F = 13, 6, 5, 4
@@ -26,27 +29,25 @@ def inputs(seed=0, gated=False, density=0.5):
     return x, jnp.asarray(a), w[0], w[1], w[2] if gated else None
 
 
-@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
 @pytest.mark.parametrize("tile", [1, 4, 5, 13])
 @pytest.mark.parametrize("gated", [False, True])
-def test_kernel_equals_dense_oracle(tile, gated, schedule):
+def test_kernel_equals_dense_oracle(tile, gated):
     x, a, wu, wd, wg = inputs(gated=gated)
     act = "swiglu" if gated else "swish"
     y, overflow = chunk_union_pallas(x, a, a > 0, wu, wd, wg, activation=act, tile=tile,
-                                     max_union=E, schedule=schedule)
+                                     max_union=E)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, wg, act)),
                                rtol=1e-5, atol=1e-5)
     assert float(overflow) == 0.0
     np.testing.assert_array_equal(np.asarray(y[4:8]), 0)  # rows with no active expert: 0
 
 
-@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
-def test_full_union_and_cap_overflow_match_the_reference(schedule):
+def test_full_union_and_cap_overflow_match_the_reference():
     x, a, wu, wd, _ = inputs(seed=1, density=2.0)  # (almost) every expert active: full unions
     assert bool(jnp.all(jnp.any(a[:4] > 0, axis=0)))
     for cap in (E, 2, 1):
-        y, o = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=cap,
-                                  schedule=schedule)
+        y, o = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4,
+                                  max_union=cap)
         r, ro = chunk_union_experts(x, a, a > 0, wu, wd, None, "swish", tile=4, max_union=cap)
         np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
         assert float(o) == float(ro) and (float(o) > 0) == (cap < E)
@@ -54,22 +55,21 @@ def test_full_union_and_cap_overflow_match_the_reference(schedule):
         chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=0)
 
 
-@pytest.mark.parametrize("schedule", ["loop", "prefetch"])
-def test_bf16_inputs_accumulate_in_float32(schedule):
+def test_bf16_inputs_accumulate_in_float32():
     x, a, wu, wd, _ = inputs(seed=2)
     y, _ = chunk_union_pallas(x.astype(jnp.bfloat16), a, a > 0, wu.astype(jnp.bfloat16),
-                              wd.astype(jnp.bfloat16), activation="swish", tile=4, max_union=E,
-                              schedule=schedule)
+                              wd.astype(jnp.bfloat16), activation="swish", tile=4, max_union=E)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32),
                                np.asarray(dense_experts(x, a, wu, wd, None, "swish")),
                                rtol=5e-2, atol=5e-2)
 
 
-def test_blockffn_pallas_path_equals_dense_with_gradients():
+@pytest.mark.parametrize("path", ["pallas", "auto"])
+def test_blockffn_kernel_paths_equal_dense_with_gradients(path):
     kw = dict(n_experts=E, d_expert=F, al_coef=0.1, cs_coef=0.3, chunk_len=2)
     dense = BlockFFNConfig(**kw).build(D, rngs=nnx.Rngs(0))
-    fast = BlockFFNConfig(path="pallas", union_chunk=3, **kw).build(D, rngs=nnx.Rngs(0))
+    fast = BlockFFNConfig(path=path, union_chunk=3, **kw).build(D, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (2, 7, D))
 
     def loss(layer, x):
@@ -87,20 +87,63 @@ def test_blockffn_pallas_path_equals_dense_with_gradients():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
-def test_prefetch_schedule_walks_the_expert_width_in_blocks():
+def _reference_grads(x, a, wu, wd, wg, act, tile, cap, ct):
+    def loss(x, a, wu, wd, wg):
+        y, _ = chunk_union_experts(x, a, a > 0, wu, wd, wg, act, tile=tile, max_union=cap,
+                                   schedule="gather")
+        return jnp.sum(y * ct)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, a, wu, wd, wg)
+
+
+@pytest.mark.parametrize("activation,tile,cap", [
+    ("swish", 4, E), ("swiglu", 5, E), ("relu", 1, E), ("gelu", 13, E), ("gelu_tanh", 4, 2),
+    ("geglu", 3, 1)])
+def test_kernel_gradients_equal_the_reference_vjp(activation, tile, cap):
+    x, a, wu, wd, wg = inputs(seed=6, gated=is_gated(activation))
+    ct = jnp.cos(jnp.arange(N * D, dtype=jnp.float32)).reshape(N, D)
+
+    def loss(x, a, wu, wd, wg):
+        y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, wg, activation=activation, tile=tile,
+                                  max_union=cap)
+        return jnp.sum(y * ct)
+
+    got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, a, wu, wd, wg)
+    want = _reference_grads(x, a, wu, wd, wg, activation, tile, cap, ct)
+    assert float(jnp.max(jnp.abs(want[1]))) > 1e-2  # the router's path carries gradient
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_walk_rows_contraction_and_output_in_blocks():
+    """A 300-token tile (two 256-row blocks), D 300 and F 200 (three and two 128-wide blocks,
+    ragged last blocks): values and gradients still equal the reference."""
     rng = np.random.default_rng(4)
-    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
-    a = jnp.asarray(np.maximum(rng.normal(size=(N, E)) - 0.5, 0), jnp.float32)
-    wu = jnp.asarray(rng.normal(size=(E, D, 8)), jnp.float32)
-    wd = jnp.asarray(rng.normal(size=(E, 8, D)), jnp.float32)
-    y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="relu", tile=4, max_union=E,
-                              schedule="prefetch", block_f=4)  # two F blocks per member
+    n, d, e, f = 300, 300, 3, 200
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    a = jnp.asarray(np.maximum(rng.normal(size=(n, e)) - 1.5, 0), jnp.float32)
+    wu = jnp.asarray(rng.normal(size=(e, d, f)) / np.sqrt(d), jnp.float32)
+    wd = jnp.asarray(rng.normal(size=(e, f, d)) / np.sqrt(f), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+
+    def loss(x, a, wu, wd, wg):
+        y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=n, max_union=e)
+        return jnp.sum(y * ct), y
+
+    got, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, a, wu, wd, None)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, None,
-                                                                       "relu")),
-                               rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="schedule"):
-        chunk_union_pallas(x, a, a > 0, wu, wd, activation="relu", tile=4, max_union=E,
-                           schedule="grid")
+                                                                       "swish")),
+                               rtol=1e-4, atol=1e-4)
+    want = _reference_grads(x, a, wu, wd, None, "swish", n, e, ct)
+    for u, v in zip(got, want):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-3, atol=1e-3)
+
+
+def test_bad_shapes_and_names_fail_before_lowering():
+    x, a, wu, wd, _ = inputs()
+    with pytest.raises(ValueError, match="w_down"):
+        chunk_union_pallas(x, a, a > 0, wu, wu, activation="swish", tile=4, max_union=E)
+    with pytest.raises(ValueError, match="activation"):
+        chunk_union_pallas(x, a, a > 0, wu, wd, activation="softsign", tile=4, max_union=E)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error message")
@@ -187,3 +230,27 @@ def test_loop_and_gather_schedules_agree_in_values_and_gradients(gated, tile, ca
     with pytest.raises(ValueError, match="schedule"):
         chunk_union_experts(x, a, a > 0, wu, wd, wg, act, tile=tile, max_union=cap,
                             schedule="scan")
+
+
+def test_training_through_the_kernels_needs_at_most_1_5x_the_dense_gradients_memory():
+    """Compiled temporaries of the gradient (x, combine weights, both expert stacks) at N 4096,
+    D 256, E 32, F 128, 32-token tiles, every expert in every union (the worst case), against
+    the dense path's gradient. The pair activations are ``[C, E, tile, F]``, the size of the
+    dense path's ``[N, E, F]``; no ``[C, U, D, F]`` weight copies."""
+    n, d, e, f = 4096, 256, 32, 128
+    S = jax.ShapeDtypeStruct
+    args = (S((n, d), jnp.float32), S((n, e), jnp.float32), S((e, d, f), jnp.float32),
+            S((e, f, d), jnp.float32))
+
+    def kernel(x, a, wu, wd):
+        y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=32, max_union=e)
+        return jnp.sum(y ** 2)
+
+    def dense(x, a, wu, wd):
+        return jnp.sum(dense_experts(x, a, wu, wd, None, "swish") ** 2)
+
+    def temp_bytes(fn):
+        compiled = jax.jit(jax.grad(fn, argnums=(0, 1, 2, 3))).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(kernel) <= 1.5 * temp_bytes(dense)

@@ -88,11 +88,11 @@ def inputs(seed=0, gated=False, density=0.5):
     return x, a, w[0], w[1], w[2] if gated else None
 
 
-def run_kernel(module, x, a, wu, wd, wg, activation, tile, max_union):
+def run_kernel(module, x, a, wu, wd, wg, activation, tile, max_union, **blocks):
     xp, ap, ids, count, _ = tile_unions(tile, max_union, jnp.asarray(x), jnp.asarray(a),
                                         jnp.asarray(a > 0))
     out = module.launch_interpreted(xp, ap, ids, count, wu, wd, wg, activation=activation,
-                                    tile=tile, wrap=HostTensor)
+                                    tile=tile, wrap=HostTensor, **blocks)
     return out.arr[:x.shape[0]]
 
 
@@ -106,6 +106,20 @@ def test_interpreted_kernel_equals_dense_oracle(kernel_module, tile, activation)
     np.testing.assert_allclose(y, np.asarray(ref), rtol=1e-4, atol=1e-5)
     if tile == 4:
         np.testing.assert_array_equal(y[4:8], 0)  # the empty union writes zeros
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_interpreted_kernel_walks_model_and_hidden_width_in_blocks(kernel_module, gated):
+    rng = np.random.default_rng(7)
+    d, f = 40, 70  # three D blocks and five F blocks of 16, both with a ragged last block
+    x = rng.normal(size=(N, d)).astype(np.float32)
+    a = np.maximum(rng.normal(size=(N, E)) - 0.5, 0).astype(np.float32)
+    w = [(rng.normal(size=s) / np.sqrt(s[1])).astype(np.float32)
+         for s in ((E, d, f), (E, f, d), (E, d, f))]
+    wg, act = (w[2], "swiglu") if gated else (None, "swish")
+    y = run_kernel(kernel_module, x, a, w[0], w[1], wg, act, 4, E, block_f=16, block_d=16)
+    ref = dense_experts(jnp.asarray(x), jnp.asarray(a), w[0], w[1], wg, act)
+    np.testing.assert_allclose(y, np.asarray(ref), rtol=1e-4, atol=1e-5)
 
 
 def test_interpreted_kernel_with_capped_union_matches_reference(kernel_module):

@@ -9,10 +9,12 @@ Pallas interpret mode (slow: tests use small shapes).
   block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``; the MoE
   skeleton's ``dispatch="gmm"``.
 * :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-sparse experts (each token tile reads
-  only its union's expert weights) as Pallas kernels (a loop over the union, GPU; a
-  scalar-prefetch grid over it, TPU); BlockFFN's ``path="pallas"``.
-* :mod:`~moejax.kernels.chunk_union_triton`: the same computation as a Triton kernel through
+  only its union's expert weights), forward and backward, from the (tile, expert) pair
+  products of :mod:`~moejax.kernels.pair_matmul` (Triton on GPU, Mosaic on TPU); BlockFFN's
+  ``path="pallas"`` (and ``"auto"`` on accelerators).
+* :mod:`~moejax.kernels.chunk_union_triton`: the fused forward as a Triton kernel through
   ``jax_triton`` (guarded imports; GPU and the ``gpu`` extra); BlockFFN's ``path="triton"``.
+* :mod:`~moejax.kernels.tiling`: block sizes and the per-platform kernel choice.
 """
 
 from moejax.kernels.gmm import gmm, group_tiles, tgmm

@@ -1,31 +1,32 @@
-"""BlockFFN's chunk-sparse expert computation as kernels: each tile of ``tile`` consecutive
-tokens reads only the weights of the experts in its union.
+"""BlockFFN's chunk-sparse expert computation (BlockFFN paper, Sec. 3.3) as kernels: each tile
+of ``tile`` consecutive tokens reads only the weights of the experts in its union, in the
+forward and in the backward.
 
 ``y_ND, overflow = chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate, ...)``
 equals :func:`moejax.ops.chunk_union.chunk_union_experts` (and the dense oracle when no tile
-overflows ``max_union``). Per tile ``c`` the union ids (members first, ascending) and the
-clipped union size ``count_c = min(|U_c|, max_union)`` are computed once in jnp and handed to
-the kernel as small integer arrays. Three kernels, chosen by ``backend``:
+overflows ``max_union``), with gradients in ``x``, the combine weights ``a`` (the router's
+path) and every expert weight. Per tile ``c`` the union (members first, ascending) and its
+clipped size ``count_c = min(|U_c|, max_union)`` are computed once in jnp; the (tile, member)
+pairs are the rows of three pair products (:mod:`moejax.kernels.pair_matmul`, Mosaic on TPU,
+Triton on GPU, chosen when the function is lowered):
 
-* ``"pallas"`` with ``schedule="loop"`` (GPU-style; lowers through Triton): grid ``(C,)``;
-  program ``c`` gets its ``[tile, D]`` tokens and ``[tile, E]`` combine weights as blocks and
-  loops over its union with a dynamic trip count (an empty union does no work and writes 0):
-  for member ``e`` it loads ``W_up[e]`` (``W_gate[e]``) and ``W_down[e]``, computes ``act(x
-  W_up[e]) * A[:, e]`` and accumulates ``h W_down[e]`` in float32.
-* ``"pallas"`` with ``schedule="prefetch"`` (TPU-style): the union ids and counts are *scalar
-  prefetch* operands and the grid runs over them, ``(C, max_union, F / block_f)``: the weight
-  BlockSpecs' index maps read ``ids[c, j]``, so only the union's ``[D, block_f]`` /
-  ``[block_f, D]`` expert tiles are copied into fast memory; steps past ``count_c`` repeat the
-  last member's block index (no new copy) and skip the compute. The output tile stays resident
-  across the union and F axes and accumulates in a float32 scratch buffer.
-* ``"triton"``: the same computation as a Triton kernel called through ``jax_triton``
-  (:mod:`moejax.kernels.chunk_union_triton`; needs a GPU and the ``gpu`` extra).
+* forward: ``pre = x_c W_up[e]`` per pair (``pair_up``); ``h = act(pre) * A[:, e]`` (gated:
+  ``act(x_c W_gate[e]) * pre * A[:, e]``) elementwise; ``y_c = sum_j h_cj W_down[e_cj]``
+  (``pair_down``);
+* backward: ``dh = dy_c W_down[e]^T`` (``pair_up``), the elementwise vjp gives ``dpre`` (and
+  ``dgate``) and the combine weights' gradient ``dA[:, e] = sum_f dh * act(pre)``;
+  ``dx_c = sum_j dpre_cj W_up[e]^T`` (``pair_down``); ``dW_down[e] = sum h^T dy_c`` and
+  ``dW_up[e] = sum x_c^T dpre`` over the expert's pairs (``pair_wgrad``).
 
-Up-projection, activation, masking by the combine weight and down-projection are fused in one
-program; bf16 inputs accumulate in float32. Gradients: a ``custom_vjp`` whose backward is the
-vjp of the jnp reference path, so training can use any kernel's forward. ``interpret``
-defaults to True on CPU (Pallas interpret mode); ``schedule=None`` picks ``"prefetch"`` on TPU
-and ``"loop"`` elsewhere.
+Every product is tiled over rows, the contraction and the output columns, so any ``D``, ``F``
+and tile length fits; the largest intermediates are the ``[C, max_union, tile, F]`` pair
+activations, at most the dense path's ``[N, E, F]``.
+
+``backend="triton"``: the forward as the fused Triton kernel of
+:mod:`moejax.kernels.chunk_union_triton` through ``jax_triton`` (GPU and the ``gpu`` extra);
+its backward is the one above. ``interpret=True`` (or lowering for the CPU) runs the Mosaic
+kernels in Pallas interpret mode: for tests. :func:`chunk_union_auto` is the path for models:
+the jnp loop on the CPU, these kernels on GPU and TPU.
 """
 
 from __future__ import annotations
@@ -34,15 +35,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
+from moejax.kernels.pair_matmul import pair_down, pair_up, pair_wgrad, union_pairs
 from moejax.ops.activations import activation_fn
 from moejax.ops.chunk_union import chunk_union_experts, pad_to_tiles, union_members
 
-__all__ = ["chunk_union_kernel", "chunk_union_pallas", "tile_unions"]
+__all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions"]
 
 BACKENDS = ("pallas", "triton")
-SCHEDULES = ("loop", "prefetch")
 
 
 def tile_unions(tile: int, max_union: int, x_ND, a_NE, active_NE):
@@ -57,173 +57,156 @@ def tile_unions(tile: int, max_union: int, x_ND, a_NE, active_NE):
     return xp, ap.astype(x_ND.dtype), ids_CU, count_C, overflow
 
 
-def _expert_tile(x, w_up, w_gate, w_down, a_col, act):
-    """``act(x W_up) [* gate] * a`` down-projected: one expert's contribution, f32."""
-    up = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
-    if w_gate is None:
-        h = act(up)
-    else:
-        h = act(jnp.dot(x, w_gate, preferred_element_type=jnp.float32)) * up
-    h = h * a_col.astype(jnp.float32)
-    return jnp.dot(h.astype(x.dtype), w_down, preferred_element_type=jnp.float32)
-
-
-def _loop_kernel(ids_ref, count_ref, x_ref, a_ref, w_up_ref, w_down_ref, *rest, activation,
-                 gated):
-    w_gate_ref, o_ref = rest if gated else (None, rest[0])
-    c = pl.program_id(0)
+def _hidden(pre, gate, a_Pn, activation):
+    """``act(pre) * a`` (gated: ``act(gate) * pre * a``), computed in float32."""
     act = activation_fn(activation)
-    x = x_ref[...]
-
-    def body(j, acc):
-        e = ids_ref[c, j]
-        wg = w_gate_ref[e] if gated else None
-        return acc + _expert_tile(x, w_up_ref[e], wg, w_down_ref[e], a_ref[:, pl.ds(e, 1)], act)
-
-    acc = jax.lax.fori_loop(0, count_ref[c], body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    pre = pre.astype(jnp.float32)
+    h = act(pre) if gate is None else act(gate.astype(jnp.float32)) * pre
+    return h * a_Pn[..., None]
 
 
-def _forward_loop(xp, ap, ids_CU, count_C, weights, activation, tile, interpret):
-    (C, U), D = ids_CU.shape, xp.shape[1]
-    E = ap.shape[1]
-    gated = len(weights) == 3
-    full = lambda shape: pl.BlockSpec(shape, lambda c: (0,) * len(shape))  # noqa: E731
-    w_specs = [full(w.shape) for w in weights]
-    return pl.pallas_call(
-        functools.partial(_loop_kernel, activation=activation, gated=gated),
-        out_shape=jax.ShapeDtypeStruct((C * tile, D), xp.dtype),
-        grid=(C,),
-        in_specs=[full((C, U)), full((C,)), pl.BlockSpec((tile, D), lambda c: (c, 0)),
-                  pl.BlockSpec((tile, E), lambda c: (c, 0))] + w_specs,
-        out_specs=pl.BlockSpec((tile, D), lambda c: (c, 0)),
-        interpret=interpret,
-    )(ids_CU, count_C, xp, ap, *weights)
-
-
-def _prefetch_kernel(ids_ref, count_ref, x_ref, a_ref, w_up_ref, w_down_ref, *rest, activation,
-                     gated, n_f):
-    w_gate_ref, o_ref, acc_ref = rest if gated else (None, *rest)
-    c, j, f = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-    @pl.when((j == 0) & (f == 0))
-    def _zero():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(j < count_ref[c])
-    def _accumulate():
-        e = ids_ref[c, j]
-        wg = w_gate_ref[0] if gated else None
-        acc_ref[...] += _expert_tile(x_ref[...], w_up_ref[0], wg, w_down_ref[0],
-                                     a_ref[:, pl.ds(e, 1)], activation_fn(activation))
-
-    @pl.when((j == pl.num_programs(1) - 1) & (f == n_f - 1))
-    def _write():
-        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
-def _forward_prefetch(xp, ap, ids_CU, count_C, weights, activation, tile, interpret, block_f):
-    from jax.experimental.pallas import tpu as pltpu
-
-    (C, U), D = ids_CU.shape, xp.shape[1]
-    E, F = ap.shape[1], weights[0].shape[2]
-    bf = block_f if block_f and F % block_f == 0 else F
-    gated = len(weights) == 3
-
-    def member(c, j, ids, cnt):  # past the union: repeat the last member (no new copy)
-        return ids[c, jnp.clip(jnp.minimum(j, cnt[c] - 1), 0, U - 1)]
-
-    up_spec = pl.BlockSpec((1, D, bf), lambda c, j, f, ids, cnt: (member(c, j, ids, cnt), 0, f))
-    down_spec = pl.BlockSpec((1, bf, D),
-                             lambda c, j, f, ids, cnt: (member(c, j, ids, cnt), f, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(C, U, F // bf),
-        in_specs=[pl.BlockSpec((tile, D), lambda c, j, f, ids, cnt: (c, 0)),
-                  pl.BlockSpec((tile, E), lambda c, j, f, ids, cnt: (c, 0)),
-                  up_spec, down_spec] + ([up_spec] if gated else []),
-        out_specs=pl.BlockSpec((tile, D), lambda c, j, f, ids, cnt: (c, 0)),
-        scratch_shapes=[pltpu.VMEM((tile, D), jnp.float32)],
-    )
-    return pl.pallas_call(
-        functools.partial(_prefetch_kernel, activation=activation, gated=gated, n_f=F // bf),
-        out_shape=jax.ShapeDtypeStruct((C * tile, D), xp.dtype),
-        grid_spec=grid_spec,
-        interpret=interpret,
-    )(ids_CU, count_C, xp, ap, *weights)
+def _pair_weights(ap_NE, ids_CU, valid_P, tile):
+    """``[P, tile]`` float32: each pair's combine-weight column over its tile's tokens."""
+    C, U = ids_CU.shape
+    a_CnE = ap_NE.reshape(C, tile, -1).astype(jnp.float32)
+    a_CnU = jnp.take_along_axis(a_CnE, ids_CU[:, None, :], axis=2)
+    return jnp.swapaxes(a_CnU, 1, 2).reshape(C * U, tile) * valid_P[:, None]
 
 
 def _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_union,
-             backend, schedule, interpret, block_f):
-    N = x_ND.shape[0]
+             backend, interpret, keep: bool = False):
+    """``((y_ND, overflow), residuals or None)``; ``keep``: also what the backward needs."""
+    N, D = x_ND.shape
+    E = a_NE.shape[-1]
     xp, ap, ids_CU, count_C, overflow = tile_unions(tile, max_union, x_ND, a_NE, active_NE)
-    weights = [w.astype(x_ND.dtype) for w in (w_up, w_down, w_gate) if w is not None]
+    C = xp.shape[0] // tile
+    dt = x_ND.dtype
+    wu, wd = w_up.astype(dt), w_down.astype(dt)
+    wg = None if w_gate is None else w_gate.astype(dt)
+    xs = xp.reshape(C, tile, D)
+    pairs = union_pairs(ids_CU, count_C, E)
+    a_Pn = _pair_weights(pad_to_tiles(tile, a_NE)[0], ids_CU, pairs.valid, tile)
+    pre = gate = None
+    if keep or backend != "triton":
+        pre = pair_up(xs, wu, pairs, interpret=interpret)
+        gate = None if wg is None else pair_up(xs, wg, pairs, interpret=interpret)
     if backend == "triton":
+        # imported on use: importing triton fixes its interpreter mode (TRITON_INTERPRET)
         from moejax.kernels.chunk_union_triton import chunk_union_triton_call
 
+        weights = [w for w in (wu, wd, wg) if w is not None]
         y = chunk_union_triton_call(xp, ap, ids_CU, count_C, *weights, activation=activation,
                                     tile=tile)
-    elif schedule == "prefetch":
-        y = _forward_prefetch(xp, ap, ids_CU, count_C, weights, activation, tile, interpret,
-                              block_f)
     else:
-        y = _forward_loop(xp, ap, ids_CU, count_C, weights, activation, tile, interpret)
-    return y[:N], overflow
+        h = _hidden(pre, gate, a_Pn, activation).astype(dt)
+        y = pair_down(h, wd, pairs, interpret=interpret).reshape(C * tile, D)
+    residuals = (xs, pre, gate, a_Pn, pairs, ids_CU, a_NE, w_up, w_down, w_gate) if keep else None
+    return (y[:N].astype(dt), overflow), residuals
 
 
-_STATIC = (6, 7, 8, 9, 10, 11, 12)
+_STATIC = (6, 7, 8, 9, 10)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
 def _chunk_union(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static):
-    return _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static)
+    return _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static)[0]
 
 
 def _fwd(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static):
-    out = _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static)
-    return out, (x_ND, a_NE, active_NE, w_up, w_down, w_gate)
+    return _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, *static, keep=True)
 
 
-def _bwd(activation, tile, max_union, backend, schedule, interpret, block_f, res, cts):
-    x_ND, a_NE, active_NE, w_up, w_down, w_gate = res
-    dy, _ = cts
-
-    def reference(x, a, wu, wd, wg):
-        return chunk_union_experts(x, a, active_NE, wu, wd, wg, activation, tile=tile,
-                                   max_union=max_union, schedule="gather")[0]
-
-    _, vjp = jax.vjp(reference, x_ND, a_NE, w_up, w_down, w_gate)
-    dx, da, dwu, dwd, dwg = vjp(dy)
-    return dx, da, None, dwu, dwd, dwg
+def _bwd(activation, tile, max_union, backend, interpret, res, cts):
+    del max_union, backend
+    xs, pre, gate, a_Pn, pairs, ids_CU, a_NE, w_up, w_down, w_gate = res
+    C, U = ids_CU.shape
+    (N, E), D, dt = a_NE.shape, xs.shape[2], xs.dtype
+    wu, wd = w_up.astype(dt), w_down.astype(dt)
+    dys = jnp.pad(cts[0].astype(dt), ((0, C * tile - N), (0, 0))).reshape(C, tile, D)
+    kw = dict(interpret=interpret)
+    dh = pair_up(dys, wd, pairs, transpose=True, **kw).astype(jnp.float32)
+    if gate is None:
+        h, vjp = jax.vjp(lambda p, a: _hidden(p, None, a, activation), pre.astype(jnp.float32),
+                         a_Pn)
+        (dpre, da_Pn), dgate = vjp(dh), None
+    else:
+        h, vjp = jax.vjp(lambda p, g, a: _hidden(p, g, a, activation),
+                         pre.astype(jnp.float32), gate.astype(jnp.float32), a_Pn)
+        dpre, dgate, da_Pn = vjp(dh)
+    dpre = dpre.astype(dt)
+    dxs = pair_down(dpre, wu, pairs, transpose=True, **kw).astype(jnp.float32)
+    dw_up = pair_wgrad(xs, dpre, pairs, E, l_by="tile", r_by="pair", **kw)
+    dw_down = pair_wgrad(h.astype(dt), dys, pairs, E, l_by="pair", r_by="tile", **kw)
+    dw_gate = None
+    if gate is not None:
+        dgate = dgate.astype(dt)
+        dxs = dxs + pair_down(dgate, w_gate.astype(dt), pairs, transpose=True,
+                              **kw).astype(jnp.float32)
+        dw_gate = pair_wgrad(xs, dgate, pairs, E, l_by="tile", r_by="pair",
+                             **kw).astype(w_gate.dtype)
+    # the combine weights' gradient: each pair's column back to its (token, expert) entries
+    da_CnU = jnp.swapaxes((da_Pn * pairs.valid[:, None]).reshape(C, U, tile), 1, 2)
+    da_CnE = jnp.zeros((C, tile, E), jnp.float32).at[
+        jnp.arange(C)[:, None, None], jnp.arange(tile)[None, :, None], ids_CU[:, None, :]
+    ].add(da_CnU)
+    dx = dxs.reshape(C * tile, D)[:N].astype(dt)
+    da = da_CnE.reshape(C * tile, E)[:N].astype(a_NE.dtype)
+    return dx, da, None, dw_up.astype(w_up.dtype), dw_down.astype(w_down.dtype), dw_gate
 
 
 _chunk_union.defvjp(_fwd, _bwd)
 
 
-def chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
-                       tile: int, max_union: int, backend: str = "pallas",
-                       schedule: str | None = None, interpret: bool | None = None,
-                       block_f: int = 512):
-    """``(y_ND, overflow_fraction)`` (see the module docstring)."""
+def _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union):
     E = a_NE.shape[-1]
     if not 1 <= max_union <= E or tile < 1:
         raise ValueError(f"max_union={max_union} must be in [1, {E}] and tile={tile} >= 1")
+    N, D = x_ND.shape
+    F = w_up.shape[-1]
+    want = {"w_up": (E, D, F), "w_down": (E, F, D), "w_gate": (E, D, F)}
+    for name, w in (("w_up", w_up), ("w_down", w_down), ("w_gate", w_gate)):
+        if w is not None and tuple(w.shape) != want[name]:
+            raise ValueError(f"{name} {tuple(w.shape)} must be {want[name]} for x {(N, D)} "
+                             f"and {E} experts")
+
+
+def chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
+                       tile: int, max_union: int, backend: str = "pallas",
+                       interpret: bool | None = None):
+    """``(y_ND, overflow_fraction)`` (see the module docstring). ``interpret``: None runs the
+    platform's kernels (interpret mode when lowered for the CPU), True interpret mode
+    everywhere."""
+    _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
+    activation_fn(activation)  # an unknown name fails here, before any lowering
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
-    platform = jax.default_backend()
-    schedule = schedule or ("prefetch" if platform == "tpu" else "loop")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} must be one of {SCHEDULES}")
-    interpret = platform == "cpu" if interpret is None else interpret
     return _chunk_union(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile,
-                        max_union, backend, schedule, bool(interpret), int(block_f))
+                        max_union, backend, bool(interpret))
 
 
 def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
-                       tile: int, max_union: int, schedule: str | None = None,
-                       interpret: bool | None = None, block_f: int = 512):
+                       tile: int, max_union: int, interpret: bool | None = None):
     """The Pallas kernels (``backend="pallas"``) of :func:`chunk_union_kernel`."""
     return chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
                               activation=activation, tile=tile, max_union=max_union,
-                              backend="pallas", schedule=schedule, interpret=interpret,
-                              block_f=block_f)
+                              backend="pallas", interpret=interpret)
+
+
+def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
+                     tile: int, max_union: int):
+    """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
+    loop (:func:`moejax.ops.chunk_union.chunk_union_experts`) on the CPU, the Pallas kernels
+    on GPU and TPU."""
+    _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
+
+    def jnp_path(x, a, act, wu, wd, wg):
+        y, o = chunk_union_experts(x, a, act, wu, wd, wg, activation, tile=tile,
+                                   max_union=max_union)
+        return y.astype(x.dtype), o
+
+    def kernel_path(x, a, act, wu, wd, wg):
+        return chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation, tile=tile,
+                                  max_union=max_union)
+
+    return jax.lax.platform_dependent(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
+                                      cpu=jnp_path, default=kernel_path)

@@ -2,11 +2,13 @@
 ``jax_triton.triton_call`` (the ``backend="triton"`` of
 :func:`moejax.kernels.chunk_union.chunk_union_kernel`; BlockFFN's ``path="triton"``).
 
-Grid ``(C,)``: program ``c`` loads its ``[tile, D]`` token tile once (rows padded to a power of
-two of at least 16, as ``tl.dot`` needs, and masked), then for each of the ``count[c]`` union
-members ``e = ids[c, j]`` walks the expert's hidden width in blocks of ``BLOCK_F``:
-``h = act(x W_up[e][:, f]) [* (x W_gate[e][:, f])] * A[:, e]`` and ``acc += h W_down[e][f, :]``
-with a float32 accumulator, so only the union's expert weights are read from memory. Offsets
+Grid ``(C, F / BLOCK_F)``: program ``(c, f)`` takes token tile ``c`` (rows padded to a power of
+two of at least 16, as ``tl.dot`` needs, and masked) and hidden block ``f``; for each of the
+``count[c]`` union members ``e = ids[c, j]`` it computes ``h = act(x W_up[e][:, f]) [* (x
+W_gate[e][:, f])] * A[:, e]`` over the model width in blocks of ``BLOCK_D`` and adds ``h
+W_down[e][f, :]`` into the float32 output block by block (atomic adds: the hidden blocks of a
+tile run in parallel). A program holds a few ``[BLOCK_T, BLOCK_D]`` / ``[BLOCK_D, BLOCK_F]``
+blocks whatever ``D`` and ``F`` are, and only the union's expert weights are read. Offsets
 into the expert stacks are 64-bit.
 
 Needs ``triton`` and ``jax_triton`` (the ``gpu`` extra) and a GPU; both imports are guarded:
@@ -19,6 +21,7 @@ drives it with numpy arrays whenever ``triton`` is installed).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 try:
@@ -57,12 +60,13 @@ def _next_pow2(n: int, at_least: int = 1) -> int:
 
 
 def launch_config(tile: int, d: int, f: int, activation: str, gated: bool,
-                  block_f: int = 32) -> dict:
+                  block_f: int = 32, block_d: int = 64) -> dict:
     """The kernel's compile-time constants for a tile length and the expert shapes."""
     if activation not in ACT_CODES:
         raise ValueError(f"activation={activation!r} has no Triton kernel; use one of "
                          f"{sorted(ACT_CODES)}")
-    return dict(D=d, F=f, TILE=tile, BLOCK_T=_next_pow2(tile, 16), BLOCK_D=_next_pow2(d, 16),
+    return dict(D=d, F=f, TILE=tile, BLOCK_T=_next_pow2(tile, 16),
+                BLOCK_D=min(_next_pow2(d, 16), _next_pow2(block_d, 16)),
                 BLOCK_F=min(_next_pow2(f, 16), _next_pow2(block_f, 16)),
                 ACT=ACT_CODES[activation], GATED=bool(gated))
 
@@ -89,35 +93,40 @@ if TRITON_AVAILABLE:
                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_F: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
         c = tl.program_id(0)
+        fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        f_ok = fs < F
         t = tl.arange(0, BLOCK_T)
         rows = c * TILE + t
         row_ok = t < TILE
-        cols = tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        io_mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=io_mask, other=0.0)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         count = tl.load(count_ptr + c)
         for j in range(0, count):
             e = tl.load(ids_ptr + c * U + j).to(tl.int64)
             a = tl.load(a_ptr + rows * E + e, mask=row_ok, other=0.0).to(tl.float32)
-            for f0 in range(0, F, BLOCK_F):
-                fs = f0 + tl.arange(0, BLOCK_F)
-                f_ok = fs < F
-                w_off = e * D * F + cols[:, None] * F + fs[None, :]
-                w_mask = col_ok[:, None] & f_ok[None, :]
-                up = tl.dot(x, tl.load(w_up_ptr + w_off, mask=w_mask, other=0.0))
+            up = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
+            gate = tl.zeros((BLOCK_T, BLOCK_F), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):  # h = x W_up[e][:, fs], contraction in blocks
+                ds = d0 + tl.arange(0, BLOCK_D)
+                d_ok = ds < D
+                x = tl.load(x_ptr + rows[:, None] * D + ds[None, :],
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                w_off = e * D * F + ds[:, None] * F + fs[None, :]
+                w_mask = d_ok[:, None] & f_ok[None, :]
+                up += tl.dot(x, tl.load(w_up_ptr + w_off, mask=w_mask, other=0.0))
                 if GATED:
-                    gate = tl.dot(x, tl.load(w_gate_ptr + w_off, mask=w_mask, other=0.0))
-                    h = _activation(gate, ACT) * up
-                else:
-                    h = _activation(up, ACT)
-                h = h * a[:, None]
-                w_down = tl.load(w_down_ptr + e * F * D + fs[:, None] * D + cols[None, :],
-                                 mask=f_ok[:, None] & col_ok[None, :], other=0.0)
-                acc += tl.dot(h.to(w_down.dtype), w_down)
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+                    gate += tl.dot(x, tl.load(w_gate_ptr + w_off, mask=w_mask, other=0.0))
+            if GATED:
+                h = _activation(gate, ACT) * up
+            else:
+                h = _activation(up, ACT)
+            h = h * a[:, None]
+            for d0 in range(0, D, BLOCK_D):  # out[:, ds] += h W_down[e][fs, ds]
+                ds = d0 + tl.arange(0, BLOCK_D)
+                d_ok = ds < D
+                w_down = tl.load(w_down_ptr + e * F * D + fs[:, None] * D + ds[None, :],
+                                 mask=f_ok[:, None] & d_ok[None, :], other=0.0)
+                part = tl.dot(h.to(w_down.dtype), w_down)
+                tl.atomic_add(out_ptr + rows[:, None] * D + ds[None, :], part,
+                              mask=row_ok[:, None] & d_ok[None, :])
 
     KERNEL = _chunk_union_kernel
 else:
@@ -133,24 +142,28 @@ def chunk_union_triton_call(xp, ap, ids_CU, count_C, w_up, w_down, w_gate=None, 
         raise RuntimeError(f"chunk-union Triton kernel unavailable: {why}")
     (C, U), (E, D, F) = ids_CU.shape, w_up.shape
     meta = launch_config(tile, D, F, activation, w_gate is not None)
-    return jax_triton.triton_call(
+    out = jax_triton.triton_call(
         xp, ap, ids_CU, count_C, w_up, w_down, w_up if w_gate is None else w_gate,
-        kernel=KERNEL, out_shape=jax.ShapeDtypeStruct((C * tile, D), xp.dtype), grid=(C,),
-        num_warps=num_warps, E=E, U=U, **meta)
+        kernel=KERNEL, out_shape=jax.ShapeDtypeStruct((C * tile, D), jnp.float32),
+        grid=(C, -(-F // meta["BLOCK_F"])), zeroed_outputs=(0,), num_warps=num_warps, E=E,
+        U=U, **meta)
+    return out.astype(xp.dtype)
 
 
 def launch_interpreted(xp, ap, ids_CU, count_C, w_up, w_down, w_gate=None, *, activation: str,
-                       tile: int, wrap):
+                       tile: int, wrap, **blocks):
     """Run the kernel in Triton's interpreter on host arrays (tests, ``TRITON_INTERPRET=1``):
-    ``wrap`` turns a numpy array into the tensor object the interpreter takes."""
+    ``wrap`` turns a numpy array into the tensor object the interpreter takes; ``blocks``:
+    ``block_f`` / ``block_d`` for :func:`launch_config`."""
     if not TRITON_AVAILABLE:
         raise RuntimeError(unavailable_reason())
     xp, ap, ids_CU, count_C, w_up, w_down = map(np.asarray, (xp, ap, ids_CU, count_C, w_up,
                                                              w_down))
     (C, U), (E, D, F) = ids_CU.shape, w_up.shape
-    out = wrap(np.zeros((C * tile, D), xp.dtype))
+    out = wrap(np.zeros((C * tile, D), np.float32))
     gate = w_up if w_gate is None else np.asarray(w_gate)
-    KERNEL[(C,)](wrap(xp), wrap(ap), wrap(ids_CU.astype(np.int32)),
+    meta = launch_config(tile, D, F, activation, w_gate is not None, **blocks)
+    KERNEL[(C, -(-F // meta["BLOCK_F"]))](wrap(xp), wrap(ap), wrap(ids_CU.astype(np.int32)),
                  wrap(count_C.astype(np.int32)), wrap(w_up), wrap(w_down), wrap(gate), out,
-                 E=E, U=U, **launch_config(tile, D, F, activation, w_gate is not None))
+                 E=E, U=U, **meta)
     return out

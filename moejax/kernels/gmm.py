@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.ops.grouped_layout import group_tiles
 
 __all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES"]
@@ -49,24 +50,6 @@ __all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES"]
 # 128-multiples; the GPU tiles keep two pipelined f32 stages of x and w blocks within 64 KiB
 # of shared memory.
 GMM_TILES = {"tpu": (128, 128, 128), "gpu": (64, 32, 64)}
-
-
-def _pad_to(a, axis: int, multiple: int):
-    pad = (-a.shape[axis]) % multiple
-    if not pad:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(a, widths)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _tile(dim: int, pref: int) -> int:
-    """The block length for an axis of ``dim``: ``pref``, or the whole axis when shorter."""
-    return dim if dim <= pref else pref
 
 
 def _scatter_rows(x_MK, padded_M, T, tm):
@@ -170,8 +153,8 @@ def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_re
 def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose):
     T, R = tile_group_T.shape[0], xp.shape[1]
     n_out = w.shape[1] if transpose else w.shape[2]
-    Tp = _pow2(T)
-    groups = _pad_to(tile_group_T, 0, Tp)
+    Tp = pow2(T)
+    groups = pad_to(tile_group_T, 0, Tp)
     return pl.pallas_call(
         functools.partial(_triton_tiles_kernel, tr=tr, n_red=R // tr, transpose=transpose),
         out_shape=jax.ShapeDtypeStruct((T * tm, n_out), xp.dtype),
@@ -201,7 +184,7 @@ def _triton_tgmm_kernel(start_ref, tiles_ref, x_ref, dy_ref, o_ref, *, tm):
 
 def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn):
     G, K, N = tile_start_G.shape[0], xp.shape[1], dyp.shape[1]
-    Gp = _pow2(G)
+    Gp = pow2(G)
     return pl.pallas_call(
         functools.partial(_triton_tgmm_kernel, tm=tm),
         out_shape=jax.ShapeDtypeStruct((G, K, N), xp.dtype),
@@ -212,18 +195,10 @@ def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn):
                   pl.BlockSpec(dyp.shape, lambda g, k, n: (0, 0))],
         out_specs=pl.BlockSpec((1, tk, tn), lambda g, k, n: (g, k, n)),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-    )(_pad_to(tile_start_G, 0, Gp), _pad_to(tiles_G, 0, Gp), xp, dyp)
+    )(pad_to(tile_start_G, 0, Gp), pad_to(tiles_G, 0, Gp), xp, dyp)
 
 
-# -- platform choice ---------------------------------------------------------------------------
-def _choose(args, *, mosaic, triton, interpret):
-    """Run ``mosaic(interpret)`` / ``triton`` by the platform the program is lowered for."""
-    if interpret:
-        return mosaic(True)(*args)
-    return jax.lax.platform_dependent(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton,
-                                      rocm=triton)
-
-
+# -- layout and platform choice --------------------------------------------------------------
 def _layout(group_sizes_G, m: int, tm: int):
     """Row layout of ``m`` rows in tiles of ``tm``: scatter index, each tile's group, each
     group's first tile and tile count, the tile count ``T`` and the used tiles (``[1]``)."""
@@ -240,12 +215,12 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
     w = w.astype(x_MR.dtype)
 
     def pad_w(w, tr, to):
-        return _pad_to(_pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
+        return pad_to(pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
 
     def product(kernel, tm, tr, to):
         def run(x_MR, w, group_sizes_G):
             padded_M, tile_group_T, _, _, T, n_active = _layout(group_sizes_G, m, tm)
-            xp = _pad_to(_scatter_rows(x_MR, padded_M, T, tm), 1, tr)
+            xp = pad_to(_scatter_rows(x_MR, padded_M, T, tm), 1, tr)
             yp = kernel(xp, pad_w(w, tr, to), tile_group_T, n_active, tm, tr, to)[:, :n_out]
             return yp.at[padded_M].get(mode="fill", fill_value=0)
         return run
@@ -253,12 +228,13 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
     def mosaic(interp):
         tm, tr_pref, to_pref = tiles
         kernel = functools.partial(_mosaic_tiles, transpose=transpose, interpret=interp)
-        return product(kernel, tm, _tile(R, tr_pref), _tile(n_out, to_pref))
+        return product(kernel, tm, block(R, tr_pref), block(n_out, to_pref))
 
     tm_g, tr_g, to_g = GMM_TILES["gpu"]
     triton = product(functools.partial(_triton_tiles, transpose=transpose), tm_g,
-                     min(_pow2(R), tr_g), min(_pow2(n_out), to_g))
-    return _choose((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton, interpret=interpret)
+                     min(pow2(R), tr_g), min(pow2(n_out), to_g))
+    return choose_platform((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton,
+                           interpret=interpret)
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
@@ -272,12 +248,12 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
 
     def scatter(x_MK, dy_MN, group_sizes_G, tm, k_, n_):
         padded_M, tile_group_T, tile_start_G, tiles_G, T, _ = _layout(group_sizes_G, m, tm)
-        xq = _pad_to(_scatter_rows(x_MK, padded_M, T, tm), 1, k_)
-        dq = _pad_to(_scatter_rows(dy_MN, padded_M, T, tm), 1, n_)
+        xq = pad_to(_scatter_rows(x_MK, padded_M, T, tm), 1, k_)
+        dq = pad_to(_scatter_rows(dy_MN, padded_M, T, tm), 1, n_)
         return xq, dq, tile_group_T, tile_start_G, tiles_G, T
 
     def mosaic(interp):
-        k_, n_ = _tile(K, tk), _tile(N, tn)
+        k_, n_ = block(K, tk), block(N, tn)
 
         def run(x_MK, dy_MN, group_sizes_G):
             xq, dq, tile_group_T, _, tiles_G, T = scatter(x_MK, dy_MN, group_sizes_G, tm, k_,
@@ -293,12 +269,12 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
 
     def triton(x_MK, dy_MN, group_sizes_G):
         tm_g, tk_g, tn_g = GMM_TILES["gpu"]
-        k_, n_ = min(_pow2(K), tk_g), min(_pow2(N), tn_g)
+        k_, n_ = min(pow2(K), tk_g), min(pow2(N), tn_g)
         xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, tm_g, k_, n_)
         return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm_g, k_, n_)[:, :K, :N]
 
-    return _choose((x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), mosaic=mosaic,
-                   triton=triton, interpret=interpret)
+    return choose_platform((x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), mosaic=mosaic,
+                           triton=triton, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

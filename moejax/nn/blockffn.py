@@ -18,9 +18,11 @@ activation; App. I ablation only).
 Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 * ``"dense"``: the reference; every expert on every token, weighted by ``A`` (zero when
   inactive).
-* ``"pallas"``: the same scheme as a Pallas kernel that reads only the union's expert
-  weights (:mod:`moejax.kernels.chunk_union`; a loop over the union on GPU, a scalar-prefetch
-  grid over it on TPU; interpret mode on CPU, so for tests there).
+* ``"auto"``: the chunk-union scheme on each platform's fast path, chosen when the program is
+  lowered: ``"chunk_union"`` on the CPU, ``"pallas"`` on GPU and TPU.
+* ``"pallas"``: the same scheme as Pallas kernels that read only the union's expert weights,
+  forward and backward (:mod:`moejax.kernels.chunk_union`; Triton on GPU, Mosaic on TPU;
+  interpret mode on CPU, so for tests there).
 * ``"triton"``: the same scheme as a Triton kernel through ``jax_triton``
   (:mod:`moejax.kernels.chunk_union_triton`; GPU and the ``gpu`` extra only: building the
   layer elsewhere fails with the reason).
@@ -37,7 +39,7 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
   :mod:`moejax.ops.chunk_sparsity`
 * ``tls``: fraction of inactive experts over real tokens; ``act_magnitude``: mean ``||A||_2``
 * ``active_BTE`` (bool), ``a_BTE`` (combine weights ``A``): for streaming metrics
-* ``union_overflow`` (the ``chunk_union``, ``pallas`` and ``triton`` paths)
+* ``union_overflow`` (every path but ``dense``)
 
 When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.train.lambda_schedule`) the slot's
 ``cs_coef`` must be 0; the schedule adds ``lambda_cs * cs_loss`` itself.
@@ -52,7 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.chunk_union import chunk_union_kernel
+from moejax.kernels.chunk_union import chunk_union_auto, chunk_union_kernel
 from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
@@ -62,7 +64,7 @@ from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
 __all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath"]
 
-ExpertPath = Literal["dense", "chunk_union", "pallas", "triton"]
+ExpertPath = Literal["dense", "chunk_union", "auto", "pallas", "triton"]
 
 
 @config
@@ -187,6 +189,11 @@ class BlockFFN(MoESkeleton):
                 x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
                 tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts,
                 backend=cfg.path)
+            return y_ND.astype(dt), {"union_overflow": overflow}
+        if cfg.path == "auto":
+            y_ND, overflow = chunk_union_auto(
+                x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
+                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
             return y_ND.astype(dt), {"union_overflow": overflow}
         y_ND, overflow = chunk_union_experts(
             x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,

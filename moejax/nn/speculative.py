@@ -17,9 +17,10 @@ distribution (the standard rejection rule; Leviathan et al. 2023, Chen et al. 20
 Sampling uses ``softmax(logits / temperature)`` for both models.
 
 The whole loop is one jitted ``lax.while_loop`` (no Python per token). Chunk-sparse
-verification is a property of the target: give it BlockFFN slots with ``path="chunk_union"``
-and ``union_chunk = n + 1`` (:func:`chunk_sparse_target`), so the verification pass computes
-only the union of the experts the ``n + 1`` tokens activate.
+verification is a property of the target: give it BlockFFN slots with ``path="auto"`` (the jnp
+chunk-union loop on the CPU, the Pallas kernels on GPU and TPU) and ``union_chunk = n + 1``
+(:func:`chunk_sparse_target`), so the verification pass computes only the union of the experts
+the ``n + 1`` tokens activate.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def rollback(cache: tuple, lengths_B: jax.Array) -> tuple:
 
 def chunk_sparse_target(model: nnx.Module, draft_len: int) -> nnx.Module:
     """A copy of a BlockFFN ``model`` whose FFNs verify ``draft_len + 1`` tokens through the
-    chunk-union path (one tile per row, exact: the union cap stays ``n_experts``)."""
-
-    return with_slot_config(model, BlockFFN, path="chunk_union", union_chunk=draft_len + 1,
+    chunk-union path of each platform (one tile per row, exact: the union cap stays
+    ``n_experts``)."""
+    return with_slot_config(model, BlockFFN, path="auto", union_chunk=draft_len + 1,
                             max_union=None)
 
 

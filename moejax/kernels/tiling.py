@@ -1,0 +1,39 @@
+"""Block-size arithmetic and per-platform kernel choice shared by the Pallas kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["pad_to", "pow2", "block", "choose_platform"]
+
+
+def pad_to(a, axis: int, multiple: int):
+    """``a`` zero-padded along ``axis`` to a multiple of ``multiple``."""
+    pad = (-a.shape[axis]) % multiple
+    if not pad:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(a, widths)
+
+
+def pow2(n: int, at_least: int = 1) -> int:
+    """The smallest power of two ``>= max(n, at_least)``."""
+    return max(at_least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def block(dim: int, pref: int) -> int:
+    """The block length for an axis of ``dim``: ``pref``, or the whole axis when shorter."""
+    return dim if dim <= pref else pref
+
+
+def choose_platform(args, *, mosaic, triton, interpret: bool):
+    """Run ``mosaic(interpret)`` on TPU (interpret mode on CPU) and ``triton`` on GPU, chosen
+    when the program is lowered (:func:`jax.lax.platform_dependent`), so one jitted function
+    lowers to each platform's kernel. ``interpret=True`` runs the interpreted Mosaic kernel
+    everywhere."""
+    if interpret:
+        return mosaic(True)(*args)
+    return jax.lax.platform_dependent(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton,
+                                      rocm=triton)
