@@ -29,6 +29,7 @@ REGISTRY: tuple[str, ...] = (
     "bench_dispatch",  # dispatch-path benchmark
     "bench_kernels",  # expert kernels against their bounds
     "bench_speculative",  # speculative decoding with chunk-sparse verification
+    "bench_parallel",  # expert parallelism and its collectives on 8 simulated devices
     "substrate_build",  # the cached pretrained starting points
     "darex_controlled",  # DAREx
     "darex_storage",

@@ -1,5 +1,10 @@
-"""Two local CPU processes on JAX's distributed runtime (gloo collectives): each loads only its
-half of every global batch; both must report the loss of a single-process full-batch run."""
+"""Two local CPU processes with 4 devices each on JAX's distributed runtime (gloo collectives):
+an MoE LM with expert parallelism over a (2, 4) mesh spanning both processes trains 20 steps
+through the training loop (each process loads only its half of every global batch; both write
+the orbax checkpoint) and reports the losses of the single-device run of the same steps; the
+checkpoint the single device wrote restores onto the 8-device mesh, and the one the 8 devices
+wrote restores onto a single device, both with the checkpoint integrity checks, and both give
+the same parameters."""
 
 import json
 import os
@@ -7,49 +12,64 @@ import socket
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
+from moejax.train import mesh as mesh_lib
+from moejax.train.checkpoint import Checkpointer
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
-from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from tests.toy_models import TinyMoELM, ToySource
+from moejax.train.loop import train
+from moejax.train.step import init_state
+from tests.toy_models import ToySource, tree_max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = TrainConfig(steps=3, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant")
+CFG = TrainConfig(steps=20, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant",
+                  mesh_data=2, mesh_expert=4)
+MODEL = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16,
+                    moe=MoEConfig(n_experts=8, top_k=2, d_expert=32))
+
+
+def new_model():
+    return DecoderLM(MODEL.decoder_config(), rngs=nnx.Rngs(0))
+
+
+def template(mesh=None):
+    """A train state shaped like the loop's (its optimizer), placed on ``mesh`` or here."""
+    graphdef, params, rest = nnx.split(new_model(), nnx.Param, ...)
+    state = init_state(params, rest, make_optimizer(CFG, make_schedule(CFG)), CFG.seed)
+    return state if mesh is None else mesh_lib.shard_tree(state, mesh)
+
 
 _WORKER = r"""
 import json, sys
 sys.path.insert(0, ROOT)
-from moejax.train.distributed import initialize_from_env, global_batch, local_batch
+from moejax.train.distributed import initialize_from_env, local_batch
 assert initialize_from_env()
-import jax, numpy as np
-from flax import nnx
+import jax
 from moejax.train import mesh as mesh_lib
-from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from moejax.train.hparams import make_schedule, make_optimizer
-from tests.test_multiprocess import CFG
-from tests.toy_models import TinyMoELM, ToySource
-assert jax.process_count() == 2 and jax.device_count() == 4, (jax.process_count(), jax.devices())
-mesh = mesh_lib.make_mesh(2, 2)
-tx = make_optimizer(CFG)
-graphdef, state = init_train_state(TinyMoELM(nnx.Rngs(0), noise=0.2), tx, 0)
-state = mesh_lib.shard_tree(state, mesh)
-step = make_train_step(graphdef, lm_loss_fn, tx, CFG, schedule=make_schedule(CFG), mesh=mesh)
-src = ToySource(batch_size=8)
-losses = []
-for pos in range(2):
-    assert local_batch(src, pos)["inputs"].shape[0] == 4  # only this process's rows
-    state, m = step(state, global_batch(src, pos, mesh))
-    losses.append(float(m["loss"]))
-# the full loop (sharded init, per-process data, orbax checkpoint written by both processes)
+from moejax.train.checkpoint import Checkpointer
 from moejax.train.loop import train
-from moejax.train.checkpoint import latest_step
-hist = train(TinyMoELM(nnx.Rngs(0), noise=0.2), src, CFG.replace(steps=2), run_dir=RUN_DIR,
-             mesh=mesh, progress=False)
-assert latest_step(RUN_DIR + "/checkpoints") == 2
-print("RESULT", json.dumps({"pid": jax.process_index(), "losses": losses,
-                            "loop_losses": [h["loss"] for h in hist]}))
+from tests.test_multiprocess import CFG, new_model, template
+from tests.toy_models import ToySource, tree_max_diff
+assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.devices())
+src = ToySource(batch_size=8)
+assert local_batch(src, 0)["inputs"].shape[0] == 4  # only this process's rows
+mesh = mesh_lib.make_mesh(CFG.mesh_data, CFG.mesh_expert)
+hist = train(new_model(), src, CFG, run_dir=RUN_DIR + "/eight", mesh=mesh, progress=False)
+ours, _ = Checkpointer(RUN_DIR + "/eight/checkpoints").restore(template(mesh))
+theirs, _ = Checkpointer(RUN_DIR + "/one/checkpoints").restore(template(mesh))
+specs = [x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(theirs.params)
+         if "w_up" in jax.tree_util.keystr(p)]
+assert specs and all(s[0] == "expert" for s in specs), specs
+gather = lambda t: jax.tree.map(lambda x: jax.experimental.multihost_utils.process_allgather(
+    x, tiled=True), t)
+print("RESULT", json.dumps({"pid": jax.process_index(), "losses": [h["loss"] for h in hist],
+                            "diff": tree_max_diff(gather(ours.params), gather(theirs.params))}))
 """
 
 
@@ -59,33 +79,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_single_process(tmp_path):
+def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
+    assert jax.device_count() == 1
+    one = train(new_model(), ToySource(batch_size=8), CFG.replace(mesh_data=1, mesh_expert=1),
+                run_dir=str(tmp_path / "one"), progress=False)
     port = _free_port()
-    code = _WORKER.replace("ROOT", repr(ROOT), 1).replace("RUN_DIR", repr(str(tmp_path / "run")))
+    code = _WORKER.replace("ROOT", repr(ROOT), 1).replace("RUN_DIR", repr(str(tmp_path)))
     procs = []
     for pid in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
-            MOEJAX_COORDINATOR=f"127.0.0.1:{port}",
-            MOEJAX_NUM_PROCESSES="2",
-            MOEJAX_PROCESS_ID=str(pid),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", code],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   MOEJAX_COORDINATOR=f"127.0.0.1:{port}", MOEJAX_NUM_PROCESSES="2",
+                   MOEJAX_PROCESS_ID=str(pid))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=240)
+            out, err = p.communicate(timeout=400)
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
@@ -95,18 +106,14 @@ def test_two_processes_match_single_process(tmp_path):
         if rc != 0 and ("gloo" in err.lower() and "not" in err.lower()):
             pytest.skip(f"CPU multi-process collectives unavailable here: {err[-500:]}")
         assert rc == 0, out[-2000:] + err[-4000:]
-
     results = [json.loads(o.split("RESULT", 1)[1]) for _, o, _ in outs]
     assert sorted(r["pid"] for r in results) == [0, 1]
-
-    tx = make_optimizer(CFG)
-    graphdef, state = init_train_state(TinyMoELM(nnx.Rngs(0), noise=0.2), tx, 0)
-    step = make_train_step(graphdef, lm_loss_fn, tx, CFG, schedule=make_schedule(CFG))
-    src = ToySource(batch_size=8)
-    ref = []
-    for pos in range(2):
-        state, m = step(state, src.batch(pos))
-        ref.append(float(m["loss"]))
+    ref = [h["loss"] for h in one]
     for r in results:
-        np.testing.assert_allclose(r["losses"], ref, rtol=1e-5)
-        np.testing.assert_allclose(r["loop_losses"], ref, rtol=1e-5)
+        np.testing.assert_allclose(r["losses"], ref, rtol=2e-5, atol=1e-6)
+        assert r["diff"] < 1e-4, r["diff"]
+    # the 8-device checkpoint on one device
+    eight, _ = Checkpointer(str(tmp_path / "eight" / "checkpoints")).restore(template())
+    mine, _ = Checkpointer(str(tmp_path / "one" / "checkpoints")).restore(template())
+    assert int(eight.step) == int(mine.step) == CFG.steps
+    assert tree_max_diff(eight.params, mine.params) < 1e-4

@@ -2,11 +2,7 @@
 
 Runs in a subprocess because the device count must be set before JAX starts."""
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.devices import run_on_devices
 
 _SCRIPT = r"""
 import sys
@@ -66,15 +62,4 @@ print("OK")
 
 
 def test_sharded_step_matches_single_device():
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", _SCRIPT.replace("ROOT", repr(ROOT), 1)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_on_devices(_SCRIPT)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.train.collectives import collective_bytes
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import (
     NonFiniteError,
@@ -155,3 +156,14 @@ def test_lm_loss_fn_on_packed_batch_equals_documents_alone():
     _, m_leak = lm_loss_fn(model, {k: v for k, v in packed.items()
                                    if k not in ("segment_ids", "positions")}, None, train=False)
     assert abs(float(m_leak["ce"]) - float(m["ce"])) > 1e-5
+
+
+def test_collective_bytes_reads_result_shapes_and_skips_single_device_groups():
+    hlo = "\n".join([
+        "  %a = f32[2,4]{1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1}}",
+        "  %b = (f32[8]{0}, bf16[4,2]{1,0}) all-reduce(%p, %q), replica_groups={{0},{1}}",
+        "  %c = bf16[16]{0} all-reduce-start(%r), replica_groups={{0,1},{2,3}}",
+        "  %d = s32[3]{0} all-gather(%s), dimensions={0}",
+        "  %e = f32[2]{0} add(%u, %v)",
+    ])
+    assert collective_bytes(hlo) == {"all-to-all": 32, "all-reduce": 32, "all-gather": 12}

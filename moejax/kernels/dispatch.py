@@ -11,9 +11,15 @@ paths, behind one signature, and ``"auto"``.
 * ``"host_capacity"``: the capacity path's semantics (same capacity, priority and drops)
   computed by the same host kernel over the kept rows only. CPU only.
 
-``"auto"`` (the models' default), with one device, is ``"host"`` when the program is lowered
-for a CPU and ``"gmm"`` when it is lowered for a GPU or TPU (:func:`jax.lax.platform_dependent`),
-and ``"grouped"`` with several devices: see :func:`resolve_dispatch`.
+* ``"expert_parallel"`` (dropless) and ``"expert_parallel_capacity"``: under a mesh with axes
+  ``("data", "expert")`` set for tracing (``jax.set_mesh``; the train step sets it), tokens go
+  to the devices holding their experts by all-to-all, each device runs its local experts with
+  the one-device choice below (:mod:`moejax.kernels.expert_parallel`).
+
+``"auto"`` (the models' default): under such a mesh, ``"expert_parallel"``; otherwise, with one
+device, ``"host"`` when the program is lowered for a CPU and ``"gmm"`` when it is lowered for
+a GPU or TPU (:func:`jax.lax.platform_dependent`), and ``"grouped"`` with several devices and
+no mesh: see :func:`resolve_dispatch`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.gmm import gmm
 from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
 from moejax.ops.dispatch import (
@@ -82,14 +89,11 @@ def _host_capacity(*args, activation, capacity_factor, valid_N, priority):
                  valid_N=valid_N, priority=priority, capacity=cap)
 
 
-def _auto(*args, activation, capacity_factor, valid_N, priority):
-    """One device: the host kernel when lowered for the CPU, the Pallas grouped matmul for a
-    GPU or TPU, chosen at lowering time; several devices: ``grouped`` (the SPMD partitioner
-    shards plain jnp, not a kernel)."""
+def _one_device(*args, activation, capacity_factor, valid_N, priority):
+    """The fastest dropless path of the platform the program is lowered for: the host kernel
+    on a CPU, the Pallas grouped matmul on a GPU or TPU."""
     kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
               priority=priority)
-    if jax.device_count() > 1:
-        return _grouped(*args, **kw)
     arrays = [a for a in args if a is not None]
 
     def rebuild(flat):
@@ -99,14 +103,52 @@ def _auto(*args, activation, capacity_factor, valid_N, priority):
     cpu = (functools.partial(_host, check_backend=False) if activation in HOST_ACTIVATIONS
            else _grouped)
     branch = lambda fn: lambda *flat: fn(*rebuild(flat), **kw)  # noqa: E731
-    return jax.lax.platform_dependent(*arrays, cpu=branch(cpu), cuda=branch(_gmm),
-                                      rocm=branch(_gmm), tpu=branch(_gmm),
-                                      default=branch(_grouped))
+    # one accelerator branch: gmm picks Triton or Mosaic itself (each branch is traced)
+    return jax.lax.platform_dependent(*arrays, cpu=branch(cpu), default=branch(_gmm))
+
+
+def _mesh():
+    """The mesh set for tracing, when it has the ``("data", "expert")`` axes and more than one
+    device, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not {"data", "expert"} <= set(mesh.axis_names) or mesh.size <= 1:
+        return None
+    return mesh
+
+
+def _expert_parallel(*args, activation, capacity_factor, valid_N, priority, capacity=False):
+    mesh = _mesh()
+    if mesh is None:
+        raise ValueError("dispatch 'expert_parallel' needs a mesh with axes ('data', 'expert') "
+                         "over more than one device, set while tracing: make_train_step(..., "
+                         "mesh=make_mesh(...)) or `with jax.set_mesh(mesh):`")
+
+    def local(*a, activation, valid_N):
+        return _one_device(*a, activation=activation, capacity_factor=capacity_factor,
+                           valid_N=valid_N, priority=priority)
+
+    return expert_parallel_dispatch(*args, mesh=mesh, local=local, activation=activation,
+                                    capacity_factor=capacity_factor if capacity else None,
+                                    valid_N=valid_N)
+
+
+def _auto(*args, activation, capacity_factor, valid_N, priority):
+    """Expert parallelism under a data x expert mesh; one device: the platform's kernel;
+    several devices and no mesh: ``grouped`` (plain jnp for the SPMD partitioner)."""
+    kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
+              priority=priority)
+    if _mesh() is not None:
+        return _expert_parallel(*args, **kw)
+    if jax.device_count() > 1:
+        return _grouped(*args, **kw)
+    return _one_device(*args, **kw)
 
 
 PATHS: dict[str, Callable[..., DispatchOut]] = {
     "dense": _dense, "capacity": _capacity, "ragged": _ragged, "gmm": _gmm,
     "host": _host, "host_capacity": _host_capacity, "grouped": _grouped, "bucketed": _bucketed,
+    "expert_parallel": _expert_parallel,
+    "expert_parallel_capacity": functools.partial(_expert_parallel, capacity=True),
 }
 
 
@@ -116,9 +158,12 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     ``"gmm"`` on a GPU or TPU (the Pallas grouped matmul); with several devices ``"grouped"``
     (plain jnp, which the SPMD partitioner shards). Inside a jitted function ``"auto"`` picks
     the kernel when the function is lowered, so a program exported for another platform gets
-    that platform's kernel. Other names are returned as they are."""
+    that platform's kernel. Under a data x expert mesh set for tracing, ``"expert_parallel"``.
+    Other names are returned as they are."""
     if method != "auto":
         return method
+    if _mesh() is not None:
+        return "expert_parallel"
     if jax.device_count() > 1:
         return "grouped"
     return "host" if jax.default_backend() == "cpu" else "gmm"

@@ -56,8 +56,12 @@ class MoEConfig(FFNSlotConfig):
     renormalize: softmax router only: renormalise the k selected weights to sum to 1
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
-    dispatch: "auto" (the default: "host" on a single CPU device, "grouped" elsewhere;
-        see :func:`moejax.kernels.dispatch.resolve_dispatch`), "dense" (oracle, all
+    dispatch: "auto" (the default: "expert_parallel" under a data x expert mesh, else
+        "host" lowered for a CPU and "gmm" for a GPU/TPU with one device, "grouped" with
+        several; see :func:`moejax.kernels.dispatch.resolve_dispatch`),
+        "expert_parallel" / "expert_parallel_capacity" (all-to-all expert parallelism,
+        dropless / with ``capacity_factor``; :mod:`moejax.kernels.expert_parallel`),
+        "dense" (oracle, all
         experts on all tokens), "capacity" (fixed [E, C, D] buffers, drops overflow),
         "ragged" (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless,
         the Pallas grouped-matmul kernels with their backward; GPU, interpret mode on

@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "host_capacity",
-                         "grouped", "bucketed"]
+                         "grouped", "bucketed", "expert_parallel", "expert_parallel_capacity"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)

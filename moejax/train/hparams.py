@@ -65,6 +65,7 @@ class TrainConfig(Config):
     precision: Literal["float32", "bfloat16"] = "float32"
     mesh_data: int = -1  # -1 = all devices not used by the other axis
     mesh_expert: int = 1
+    fsdp: bool = False  # shard parameters and optimizer state over the data axis (ZeRO-3)
     log_every: int = 10
     eval_every: int = 0  # 0 = no periodic evaluation
     ckpt_every: int = 0  # 0 = only at the end of training

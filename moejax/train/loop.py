@@ -337,7 +337,7 @@ class _Run:
         # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may
         # be donated with it.
         state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
-        self.state = mesh_lib.shard_tree(state, self.mesh)
+        self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
         self.history, self.best, self.pending = History(), None, []
         self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None

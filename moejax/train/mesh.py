@@ -7,7 +7,12 @@ Rules (:func:`leaf_spec`):
 * batch arrays: dim 0 over ``("data", "expert")`` -- every device gets distinct rows;
 * params whose path contains a component named ``experts`` and whose leading dim is divisible
   by the ``expert`` axis size: ``P("expert")`` (expert-parallel stacked weights ``[E, ...]``);
-* everything else: replicated;
+* everything else: replicated, unless ``fsdp=True`` (ZeRO-3 style fully sharded data
+  parallelism): then a non-expert leaf shards its largest dimension divisible by the device
+  count over ``("data", "expert")`` (else one divisible by the ``data`` axis over ``"data"``),
+  and an expert leaf its largest free dimension over ``"data"``. XLA gathers a layer's
+  weights where they are used and reduce-scatters their gradients, so parameters and
+  optimizer state take about ``1 / n`` of a device each;
 * optimizer state: the same path rule, so ``mu``/``nu`` (whose paths end with the param's path)
   are sharded exactly like the params they mirror; scalar counters are replicated.
 """
@@ -79,20 +84,31 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def leaf_spec(path, x, expert_size: int) -> P:
+def leaf_spec(path, x, expert_size: int, data_size: int = 1, fsdp: bool = False) -> P:
     """Partition spec of one state leaf (see module docstring)."""
     names = path_names(path)
-    shape = getattr(x, "shape", ())
+    shape = tuple(getattr(x, "shape", ()))
+    spec: list = [None] * len(shape)
     if "experts" in names and len(shape) >= 1 and expert_size > 1 and shape[0] % expert_size == 0:
-        return P("expert")
-    return P()
+        spec[0] = "expert"
+    if fsdp:  # experts: the data axis; the rest: every device (both axes), else the data axis
+        for axes, size in ((("data", "expert"), data_size * expert_size), ("data", data_size)):
+            if size <= 1 or (axes != "data" and spec and spec[0] == "expert"):
+                continue
+            free = [i for i, n in enumerate(shape) if spec[i] is None and n % size == 0]
+            if free:
+                spec[max(free, key=lambda i: shape[i])] = axes
+                break
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
 
 
-def tree_shardings(tree, mesh: Mesh):
+def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
     """``NamedSharding`` for every leaf of a params / optimizer / train-state tree."""
-    e = mesh.shape["expert"]
+    e, d = mesh.shape["expert"], mesh.shape["data"]
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(p, x, e)), tree
+        lambda p, x: NamedSharding(mesh, leaf_spec(p, x, e, d, fsdp)), tree
     )
 
 
@@ -113,9 +129,9 @@ def _put(x, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-def shard_tree(tree, mesh: Mesh):
+def shard_tree(tree, mesh: Mesh, fsdp: bool = False):
     """Place a (host-identical) state tree on ``mesh`` with :func:`tree_shardings`."""
-    return jax.tree.map(_put, tree, tree_shardings(tree, mesh))
+    return jax.tree.map(_put, tree, tree_shardings(tree, mesh, fsdp))
 
 
 def shard_batch(batch, mesh: Mesh):

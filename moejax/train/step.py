@@ -282,7 +282,7 @@ def make_train_step(
     def jitted_for(state):
         treedef = jax.tree.structure(state)
         if treedef not in cache:
-            s_sh = mesh_lib.tree_shardings(state, mesh)
+            s_sh = mesh_lib.tree_shardings(state, mesh, cfg.fsdp)
             cache[treedef] = jax.jit(
                 fn,
                 in_shardings=(s_sh, b_sh),
@@ -291,10 +291,17 @@ def make_train_step(
             )
         return cache[treedef]
 
+    # the mesh is set while tracing so MoE layers see it (expert-parallel dispatch)
     def step(state, batch):
-        return jitted_for(state)(state, batch)
+        with jax.set_mesh(mesh):
+            return jitted_for(state)(state, batch)
 
-    step.lower = lambda state, batch: jitted_for(state).lower(state, batch)
+    def lower(state, batch):
+        with jax.set_mesh(mesh):
+            return jitted_for(state).lower(state, batch)
+
+    step.lower = lower
+    step.jitted = jitted_for  # the jitted function for a state (call it under the mesh)
     return step
 
 

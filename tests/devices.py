@@ -1,0 +1,21 @@
+"""Run a test script in a fresh Python with ``n`` simulated CPU devices (the device count is
+fixed before JAX starts, so multi-device tests run in a subprocess)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_devices(script: str, n_devices: int = 8, timeout: int = 600) -> str:
+    """Run ``script`` (``ROOT`` in it is replaced by the repository path) with ``n_devices``
+    CPU devices; fail the test unless it exits 0 and its output ends with ``OK``. Returns
+    the output."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+    r = subprocess.run([sys.executable, "-c", script.replace("ROOT", repr(ROOT), 1)], env=env,
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-3000:]
+                                                                   + r.stderr[-5000:])
+    return r.stdout
