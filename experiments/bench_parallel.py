@@ -16,6 +16,7 @@ times compare paths, not interconnects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -31,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.bench import time_call
-from moejax.config import Config, config, from_json, to_json
+from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.kernels.dispatch import dispatch
 from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
@@ -97,7 +98,8 @@ def _layer_grad(path: str, cf: float, *, ids_NK, shardings):
 def measure(cfg_json: str) -> list[dict]:
     """The measurement (runs where ``jax.device_count() == cfg.devices``): one row per mesh and
     path."""
-    c = from_json(cfg_json)
+    fields = json.loads(cfg_json)
+    c = ParallelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     assert jax.device_count() == c.devices, jax.devices()
     T, D, F, E, K = c.tokens, c.d_model, c.d_expert, c.n_experts, c.top_k
     keys = jax.random.split(jax.random.key(c.seed), 5)
@@ -142,14 +144,18 @@ def measure(cfg_json: str) -> list[dict]:
     return rows
 
 
+def _fields_json(cfg: ParallelConfig) -> str:
+    return json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
 def _measure_here_or_in_subprocess(cfg: ParallelConfig) -> list[dict]:
     if jax.device_count() == cfg.devices:
-        return measure(to_json(cfg))
+        return measure(_fields_json(cfg))
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices}",
                JAX_PLATFORMS="cpu")
     code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from experiments.bench_parallel "
             "import measure; print('ROWS' + json.dumps(measure(sys.argv[1])))")
-    r = subprocess.run([sys.executable, "-c", code, to_json(cfg)], env=env,
+    r = subprocess.run([sys.executable, "-c", code, _fields_json(cfg)], env=env,
                        capture_output=True, text=True, check=False)
     out = [ln for ln in r.stdout.splitlines() if ln.startswith("ROWS")]
     if r.returncode != 0 or not out:

@@ -28,6 +28,7 @@ from moejax.extract.pipeline import (
     routing_stats,
     train_mlp_router,
 )
+from moejax.extract.surgery import compact_model
 from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
@@ -160,6 +161,38 @@ def test_extracted_slot_matches_per_token_oracle(router, top_k):
     np.testing.assert_allclose(float(jnp.sum(aux["load"])), 1.0, rtol=1e-6)
     # the source model is untouched
     assert isinstance(model.blocks[1].ffn, DenseFFN)
+
+
+@pytest.mark.parametrize("router,top_k,disjoint", [("cosine", 1, False), ("dot", 2, True)])
+def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, top_k, disjoint):
+    model = tiny_vit()
+    rng = np.random.default_rng(2)
+    if disjoint:  # a partition, as MoEfication builds
+        masks = np.zeros((4, 16), bool)
+        masks[rng.integers(0, 4, 16), np.arange(16)] = True
+    else:  # overlapping experts of different sizes, as MoEE builds
+        masks = rng.uniform(size=(4, 16)) < [[0.2], [0.4], [0.6], [0.3]]
+    plan = ExpertPlan(masks, rng.normal(size=(4, 8)).astype(np.float32),
+                      rng.normal(size=4).astype(np.float32))
+    masked = extract_model(model, {0: plan, 1: plan}, router=router, top_k=top_k)
+    compact = compact_model(masked)
+    slot = compact.blocks[1].ffn
+    assert slot.cfg.layout == "compact" and slot.cfg.d_expert == masks.sum(1).max()
+    assert slot.w_up[...].shape == (4, 8 + 1, masks.sum(1).max())  # + the folded up bias
+    assert slot.w_down[...].shape == (4, masks.sum(1).max(), 8 + 1)
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    y, aux = slot(x)
+    want = oracle_slot(model.blocks[1].ffn, plan, np.asarray(x).reshape(10, 8), router, top_k)
+    np.testing.assert_allclose(np.asarray(y).reshape(10, 8), want, rtol=2e-5, atol=2e-5)
+    y_masked, aux_masked = masked.blocks[1].ffn(x)
+    np.testing.assert_allclose(float(aux["active_neurons"]), float(aux_masked["active_neurons"]),
+                               rtol=1e-6)
+    logits = compact(jnp.asarray(images()))[0]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(masked(jnp.asarray(images()))[0]),
+                               rtol=2e-5, atol=2e-5)
+    if not disjoint:
+        with pytest.raises(ValueError, match="share neurons"):
+            compact_model(extract_model(model, {1: plan}, router=router, top_k=2))
 
 
 def test_one_expert_with_every_neuron_is_the_dense_model_and_cfg_rebuilds():

@@ -25,7 +25,8 @@ from moejax.nn.ffn import DenseFFN, DenseFFNConfig
 from moejax.nn.surgery import build_from_pure
 
 __all__ = ["ffn_holder", "dense_ffn_layers", "record_ffn", "extract_model", "copy_model",
-           "slot_layers", "apply_model", "extracted_ffn_variables"]
+           "slot_layers", "apply_model", "extracted_ffn_variables", "compact_ffn_variables",
+           "compact_model"]
 
 
 def ffn_holder(model) -> nnx.Module:
@@ -127,6 +128,62 @@ def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, rout
     return out
 
 
+def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool, where: str = "") -> dict:
+    """Pure: a masked :class:`ExtractedFFN` variable dict -> the compact layout's (each
+    expert's neurons contiguous, zero-padded to the largest expert, the up bias folded in as
+    an extra input row, with a matching zero output column). Refuses overlapping experts with
+    ``top_k > 1`` (not exact)."""
+    masks = np.asarray(ffn["masks"]) > 0
+    C, F = masks.shape
+    if top_k > 1 and np.any(masks.sum(0) > 1):
+        raise ValueError(f"{where}compact layout with top_k={top_k}: experts share neurons, so "
+                         "a token's experts would count them twice; use top_k=1 or disjoint "
+                         "experts")
+    sizes = masks.sum(1)
+    Fe = max(int(sizes.max()), 1)
+    idx_CE = np.full((C, Fe), F)  # F: an appended zero neuron
+    for c in range(C):
+        idx_CE[c, :sizes[c]] = np.flatnonzero(masks[c])
+    pad = lambda a, axis: jnp.concatenate(  # noqa: E731
+        [a, jnp.zeros_like(jnp.take(a, jnp.arange(1), axis=axis))], axis=axis)
+    w_up_CDE = jnp.transpose(pad(ffn["w_up"], 1)[:, idx_CE], (1, 0, 2))
+    out = {"w_down": pad(ffn["w_down"], 0)[idx_CE], "sizes": jnp.asarray(sizes, jnp.float32)}
+    if use_bias:  # input row D carries the up bias; output column D is a zero (dropped)
+        w_up_CDE = jnp.concatenate([w_up_CDE, pad(ffn["b_up"], 0)[idx_CE][:, None, :]], 1)
+        out["w_down"] = pad(out["w_down"], 2)
+        out["b_down"] = ffn["b_down"]
+    out["w_up"] = w_up_CDE
+    out.update({k: v for k, v in ffn.items() if k.startswith("router")})
+    return out
+
+
+def compact_model(model, dispatch: str = "auto"):
+    """A copy of ``model`` whose :class:`ExtractedFFN` slots use the compact layout (serving:
+    a token computes only its experts' neurons; same outputs as the masked layout)."""
+    holder = ffn_holder(model)
+    pure = nnx.to_pure_dict(nnx.state(model))
+    blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
+    slots = list(holder.cfg.ffn_slots)
+    for i in slot_layers(model):
+        cfg = slots[i]
+        if cfg.layout == "compact":
+            continue
+        blocks[i]["ffn"] = compact_ffn_variables(blocks[i]["ffn"], top_k=cfg.top_k,
+                                                 use_bias=cfg.use_bias, where=f"layer {i}: ")
+        slots[i] = cfg.replace(layout="compact", dispatch=dispatch,
+                               d_expert=int(blocks[i]["ffn"]["w_down"].shape[1]))
+    return _rebuild(model, holder, holder.cfg.replace(ffn_slots=tuple(slots)), pure)
+
+
+def _rebuild(model, holder, cfg, pure):
+    """``model``'s class built with the new slot configs and filled from ``pure``."""
+    if holder is model:
+        make = lambda: type(model)(cfg, rngs=nnx.Rngs(0))  # noqa: E731
+    else:  # SequenceClassifier(encoder_cfg, n_classes)
+        make = lambda: type(model)(cfg, int(model.b_cls.shape[0]), rngs=nnx.Rngs(0))  # noqa: E731
+    return build_from_pure(make, pure)
+
+
 def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "cosine",
                   top_k: int | dict[int, int] = 1, router_mlps: dict[int, dict] | None = None):
     """A new model in which every layer ``i`` with ``plans[i]`` not ``None`` has an
@@ -155,9 +212,4 @@ def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "
         blocks[i]["ffn"] = extracted_ffn_variables(blocks[i]["ffn"], plan,
                                                    use_bias=dense.use_bias, router=router,
                                                    router_mlp=mlp)
-    cfg = holder.cfg.replace(ffn_slots=tuple(slots))
-    if holder is model:
-        make = lambda: type(model)(cfg, rngs=nnx.Rngs(0))  # noqa: E731
-    else:  # SequenceClassifier(encoder_cfg, n_classes)
-        make = lambda: type(model)(cfg, int(model.b_cls.shape[0]), rngs=nnx.Rngs(0))  # noqa: E731
-    return build_from_pure(make, pure)
+    return _rebuild(model, holder, holder.cfg.replace(ffn_slots=tuple(slots)), pure)

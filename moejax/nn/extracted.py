@@ -24,8 +24,16 @@ names, trainable); ``masks [C, F]`` (:class:`ExpertMask`), ``router [C, D]``, ``
 [C]`` or ``router_w1 [D, H]``, ``router_b1 [H]``, ``router_w2 [H, C]``, ``router_b2 [C]``
 (:class:`RouterWeights`): not ``nnx.Param``, so fine-tuning keeps the extracted routing.
 
-This compute path is the masked oracle (every kept neuron is evaluated, the unused ones
-zeroed); the MACs a deployment saves are counted by :mod:`moejax.extract.macs`.
+Two layouts (``layout`` in the config):
+
+* ``"masked"`` (default, trainable): the masked oracle above; every kept neuron is evaluated
+  and the unused ones zeroed, so it saves no time.
+* ``"compact"`` (serving, built by :func:`moejax.extract.surgery.compact_model`): each
+  expert's neurons copied into contiguous weights ``w_up [C, D (+1), d_expert]`` (the up
+  bias folded in as an extra input row), ``w_down [C, d_expert, D (+1)]``, zero-padded to the
+  largest expert; tokens go to their experts through the MoE dispatch (``dispatch``: the host
+  kernel on a CPU, the grouped-matmul kernel on GPU/TPU), so a token computes only its
+  expert's neurons. Exact for one expert per token, or for disjoint experts (MoEfication).
 
 ``aux``: ``expert_ids [B, T, k]``, ``load [C]`` (share of real tokens' assignments per expert),
 ``active_neurons`` (mean hidden neurons used per real token). No auxiliary loss.
@@ -40,8 +48,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
+from moejax.kernels.dispatch import dispatch
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
+from moejax.ops.dispatch import DispatchMethod
 
 __all__ = ["ExtractedFFNConfig", "ExtractedFFN", "ExpertMask", "RouterWeights"]
 
@@ -66,6 +76,9 @@ class ExtractedFFNConfig(FFNSlotConfig):
     use_bias: bool = True
     router: Literal["cosine", "euclidean", "dot", "mlp"] = "cosine"
     d_router: int = 0
+    layout: Literal["masked", "compact"] = "masked"
+    d_expert: int | None = None  # compact layout: neurons per expert (the largest expert's)
+    dispatch: DispatchMethod = "auto"  # compact layout: the MoE dispatch path
 
     def validate(self) -> None:
         self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
@@ -76,6 +89,9 @@ class ExtractedFFNConfig(FFNSlotConfig):
                       "extracted experts support non-gated activations only")
         self._require(self.router != "mlp" or self.d_router > 0,
                       "router='mlp' needs d_router > 0 (the router's hidden width)")
+        self._require(self.layout == "masked" or self.d_expert is not None,
+                      "layout='compact' needs d_expert (build it with "
+                      "moejax.extract.surgery.compact_model)")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
         return ExtractedFFN(d_model, self, rngs=rngs, dtype=dtype,
@@ -91,10 +107,18 @@ class ExtractedFFN(nnx.Module):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         D, F, C, H = d_model, cfg.d_hidden, cfg.n_experts, cfg.d_router
         z = lambda *s: jnp.zeros(s, param_dtype)  # noqa: E731
-        self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
-        if cfg.use_bias:
-            self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
-        self.masks = ExpertMask(jnp.zeros((C, F), jnp.float32))
+        if cfg.layout == "compact":
+            Fe, bias_row = cfg.d_expert, int(cfg.use_bias)
+            self.w_up = nnx.Param(z(C, D + bias_row, Fe))
+            self.w_down = nnx.Param(z(C, Fe, D + bias_row))
+            if cfg.use_bias:
+                self.b_down = nnx.Param(z(D))
+            self.sizes = ExpertMask(jnp.zeros((C,), jnp.float32))
+        else:
+            self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
+            if cfg.use_bias:
+                self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
+            self.masks = ExpertMask(jnp.zeros((C, F), jnp.float32))
         if cfg.router == "mlp":
             self.router_w1, self.router_b1 = RouterWeights(z(D, H)), RouterWeights(z(H))
             self.router_w2, self.router_b2 = RouterWeights(z(H, C)), RouterWeights(z(C))
@@ -125,12 +149,16 @@ class ExtractedFFN(nnx.Module):
         x = x_BTD.reshape(B * T, D).astype(dt)
         _, ids_NK = jax.lax.top_k(self.scores(x), cfg.top_k)
         sel_NC = jnp.sum(jax.nn.one_hot(ids_NK, cfg.n_experts, dtype=jnp.float32), axis=1)
-        m_NF = jnp.minimum(sel_NC @ self.masks[...], 1.0)
-        up = x @ self.w_up[...].astype(dt)
-        if cfg.use_bias:
-            up = up + self.b_up[...].astype(dt)
-        h = activation_fn(cfg.activation)(up) * m_NF.astype(dt)
-        y = h @ self.w_down[...].astype(dt)
+        if cfg.layout == "compact":
+            y, used_N = self._compact(x, ids_NK, sel_NC, mask_BT, dt)
+        else:
+            m_NF = jnp.minimum(sel_NC @ self.masks[...], 1.0)
+            up = x @ self.w_up[...].astype(dt)
+            if cfg.use_bias:
+                up = up + self.b_up[...].astype(dt)
+            h = activation_fn(cfg.activation)(up) * m_NF.astype(dt)
+            y = h @ self.w_down[...].astype(dt)
+            used_N = jnp.sum(m_NF, -1)
         if cfg.use_bias:
             y = y + self.b_down[...].astype(dt)
         real_N = (jnp.ones((B * T,), jnp.float32) if mask_BT is None
@@ -139,5 +167,17 @@ class ExtractedFFN(nnx.Module):
         counts_C = jnp.sum(sel_NC * real_N[:, None], axis=0)
         aux = {"expert_ids": ids_NK.reshape(B, T, -1),
                "load": counts_C / jnp.maximum(jnp.sum(counts_C), 1.0),
-               "active_neurons": jnp.sum(jnp.sum(m_NF, -1) * real_N) / n_real}
+               "active_neurons": jnp.sum(used_N * real_N) / n_real}
         return y.reshape(B, T, D), aux
+
+    def _compact(self, x_ND, ids_NK, sel_NC, mask_BT, dt):
+        """``(y_ND without b_down, neurons used per token)``: each token through its experts'
+        contiguous weights by the MoE dispatch."""
+        cfg = self.cfg
+        if cfg.use_bias:  # the folded up-bias row
+            x_ND = jnp.concatenate([x_ND, jnp.ones((x_ND.shape[0], 1), x_ND.dtype)], axis=1)
+        valid_N = None if mask_BT is None else mask_BT.reshape(-1) > 0
+        out = dispatch(cfg.dispatch, x_ND, ids_NK, jnp.ones(ids_NK.shape, dt),
+                       self.w_up[...].astype(dt), self.w_down[...].astype(dt), None,
+                       activation=cfg.activation, valid_N=valid_N)
+        return out.y_ND[:, :self.d_model].astype(dt), sel_NC @ self.sizes[...]
