@@ -7,8 +7,8 @@ subprocess (the device count is fixed before JAX starts):
 * the capacity variant keeps, per source device and destination device, the first ``C`` rows
   in token order: equal to a numpy transcription of that rule, drops counted (every token
   sent to one expert);
-* the compiled HLO of one MoE layer's forward + backward under mesh (1, 8) (T 4096, D 512,
-  F 1024 SwiGLU, E 16, k 2; capacity 1.25): no all-gather or all-reduce moving expert weights
+* the compiled HLO of one MoE layer's forward + backward under mesh (1, 8) (T 2048, D 256,
+  F 512 SwiGLU, E 16, k 2; capacity 1.25): no all-gather or all-reduce moving expert weights
   or their gradients, and collective bytes per device at most 1.5x the all-to-all volume
   ``4 k (T / devices) D 4 B``;
 * an MoE LM train step under mesh (2, 4) lowers for ``cuda`` and ``tpu`` with the mesh,
@@ -100,7 +100,7 @@ for name in ("one",):
 print("capacity OK")
 
 # collectives of one layer's forward + backward, mesh (1, 8)
-T, D2, F2, E2 = 4096, 512, 1024, 16
+T, D2, F2, E2 = 2048, 256, 512, 16
 S = jax.ShapeDtypeStruct
 args = (S((T, D2), jnp.float32), S((T, K), jnp.int32), S((T, K), jnp.float32),
         S((E2, D2, F2), jnp.float32), S((E2, F2, D2), jnp.float32), S((E2, D2, F2), jnp.float32))

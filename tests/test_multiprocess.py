@@ -1,7 +1,8 @@
 """Two local CPU processes with 4 devices each on JAX's distributed runtime (gloo collectives):
-an MoE LM with expert parallelism over a (2, 4) mesh spanning both processes trains 20 steps
-through the training loop (each process loads only its half of every global batch; both write
-the orbax checkpoint) and reports the losses of the single-device run of the same steps; the
+an MoE LM with expert parallelism and FSDP over a (2, 4) mesh spanning both processes trains
+20 steps through the training loop (each process loads only its half of every global batch;
+both write the orbax checkpoint; each device holds 1/8 of the parameters and optimizer
+state) and reports the losses of the single-device run of the same steps; the
 checkpoint the single device wrote restores onto the 8-device mesh, and the one the 8 devices
 wrote restores onto a single device, both with the checkpoint integrity checks, and both give
 the same parameters."""
@@ -29,7 +30,7 @@ from tests.toy_models import ToySource, tree_max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=20, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant",
-                  mesh_data=2, mesh_expert=4)
+                  mesh_data=2, mesh_expert=4, fsdp=True)
 MODEL = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16,
                     moe=MoEConfig(n_experts=8, top_k=2, d_expert=32))
 
@@ -60,6 +61,10 @@ assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(
 src = ToySource(batch_size=8)
 assert local_batch(src, 0)["inputs"].shape[0] == 4  # only this process's rows
 mesh = mesh_lib.make_mesh(CFG.mesh_data, CFG.mesh_expert)
+state = mesh_lib.shard_tree(template(), mesh, fsdp=True)
+leaves = jax.tree.leaves(state)
+per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+assert per_device <= 1.05 * sum(x.nbytes for x in leaves) / 8, per_device  # FSDP: 1/8 each
 hist = train(new_model(), src, CFG, run_dir=RUN_DIR + "/eight", mesh=mesh, progress=False)
 ours, _ = Checkpointer(RUN_DIR + "/eight/checkpoints").restore(template(mesh))
 theirs, _ = Checkpointer(RUN_DIR + "/one/checkpoints").restore(template(mesh))
@@ -81,8 +86,9 @@ def _free_port() -> int:
 
 def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
     assert jax.device_count() == 1
-    one = train(new_model(), ToySource(batch_size=8), CFG.replace(mesh_data=1, mesh_expert=1),
-                run_dir=str(tmp_path / "one"), progress=False)
+    one = train(new_model(), ToySource(batch_size=8),
+                CFG.replace(mesh_data=1, mesh_expert=1, fsdp=False), run_dir=str(tmp_path / "one"),
+                progress=False)
     port = _free_port()
     code = _WORKER.replace("ROOT", repr(ROOT), 1).replace("RUN_DIR", repr(str(tmp_path)))
     procs = []
