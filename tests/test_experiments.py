@@ -196,20 +196,3 @@ def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
     with pytest.raises(Exception, match="DATAxEXPERT"):
         bench_parallel.make_config("quick").replace(meshes=("8by1",))
 
-
-def test_bench_extracted_tiny_times_every_layout(tmp_path):
-    from experiments import bench_extracted
-
-    _, run = run_experiment(
-        "bench_extracted", bench_extracted.make_config, bench_extracted.run,
-        ["d_model=16", "d_hidden=64", "experts=4", "batch=2", "seq_len=4", "repeats=1"],
-        out=tmp_path / "bench_extracted")
-    import csv
-
-    rows = list(csv.DictReader(open(run.path / "ffn_time.csv")))
-    assert [(r["plan"], r["layout"]) for r in rows] == [
-        ("-", "dense"), ("equal", "masked"), ("equal", "compact"), ("skewed", "masked"),
-        ("skewed", "compact")]
-    skewed = [r for r in rows if r["plan"] == "skewed"]
-    assert float(skewed[1]["padded_share"]) > float(skewed[1]["kept_share"])  # pads to max
-    assert all(float(r["ms"]) > 0 for r in rows)
