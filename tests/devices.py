@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_on_devices(script: str, n_devices: int = 8, timeout: int = 600) -> str:
     """Run ``script`` (``ROOT`` in it is replaced by the repository path) with ``n_devices``
     CPU devices; fail the test unless it exits 0 and its output ends with ``OK``. Returns
-    the output."""
+    the output, for the caller to check the stages the script reports."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
     r = subprocess.run([sys.executable, "-c", script.replace("ROOT", repr(ROOT), 1)], env=env,

@@ -62,4 +62,5 @@ print("OK")
 
 
 def test_sharded_step_matches_single_device():
-    run_on_devices(_SCRIPT)
+    out = run_on_devices(_SCRIPT)
+    assert "mesh (4, 2)" in out and "mesh (2, 4)" in out, out[-2000:]
