@@ -30,16 +30,11 @@ results: setup
 bench: setup
 	$(PY) -m experiments.bench_dispatch $(ARGS)
 
-# On a GPU machine: the gpu extra, the GPU-marked tests, and the kernel, dispatch and
-# speculative-decoding benchmarks on the GPU -> runs/gpu/ (tables name the device).
+# On a GPU machine: the gpu extra, then scripts/gpu_check.sh (the kernel tests compiled for the
+# GPU and the benchmarks' full presets -> runs/gpu/) and docs/results_gpu.md.
 gpu-check: setup
 	$(PY) -m pip install -q -e ".[gpu]"
-	$(PY) -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" || \
-	  (echo "gpu-check: jax sees no GPU here" >&2; exit 1)
-	JAX_PLATFORMS=cuda $(PY) -m pytest -q -m gpu
-	$(PY) -m experiments.bench_kernels preset=full out=runs/gpu/bench_kernels
-	$(PY) -m experiments.bench_dispatch preset=full out=runs/gpu/bench_dispatch
-	$(PY) -m experiments.bench_speculative preset=full out=runs/gpu/bench_speculative
+	PYTHON=$(PY) scripts/gpu_check.sh runs/gpu
 	$(PY) -m experiments.results_doc runs=runs/gpu out=docs/results_gpu.md
 
 test: setup

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from experiments import main as main_job
+from experiments.bench_dispatch import TORCH
 from moejax.config import ConfigError
 from moejax.experiment import run_experiment
 
@@ -82,7 +83,7 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     assert all(float(r["ms"]) > 0 for k, r in block.items() if r["ms"])
     assert all(float(r["ms_retained"]) > 0 for k, r in block.items() if r["ms"])
     assert float(bound["vs_flop_bound_retained"]) == 1.0
-    torch_row = block["PyTorch expert loop (HF Mixtral style)"]
+    torch_row = block[TORCH]
     assert torch_row["ms"] or torch_row["note"].startswith("not installed")
     delta = {r["op"]: r for r in csv.DictReader(open(run.path / "delta_ops.csv"))}
     assert float(delta["jitted x * 2 (reference)"]["vs_x2"]) == 1.0

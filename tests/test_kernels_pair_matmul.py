@@ -1,6 +1,7 @@
-"""The (tile, expert) pair products (moejax.kernels.pair_matmul), interpret mode on CPU, against
-numpy loops over the pairs: empty tiles, experts in no union (zero weight gradient), plain and
-transposed weights, operands indexed by pair or by tile, several blocks on every axis."""
+"""The (tile, expert) pair products (moejax.kernels.pair_matmul) against numpy loops over the
+pairs: empty tiles, experts in no union (zero weight gradient), plain and transposed weights,
+operands indexed by pair or by tile, several blocks on every axis. Interpret mode on a CPU;
+compiled on a GPU or TPU (scripts/gpu_check.sh)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,9 +40,8 @@ def test_pair_up_and_down_equal_loops_over_the_pairs(n, K, N, transpose):
     for s, j, e in _members(ids, count):
         up_ref[s * U + j] = xs[s] @ wm[e]
         down_ref[s] += h[s * U + j] @ wm[e]
-    up = pair_up(jnp.asarray(xs), jnp.asarray(w), pairs, transpose=transpose, interpret=True)
-    down = pair_down(jnp.asarray(h), jnp.asarray(w), pairs, transpose=transpose,
-                     interpret=True)
+    up = pair_up(jnp.asarray(xs), jnp.asarray(w), pairs, transpose=transpose)
+    down = pair_down(jnp.asarray(h), jnp.asarray(w), pairs, transpose=transpose)
     np.testing.assert_allclose(np.asarray(up), up_ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(down), down_ref, rtol=1e-4, atol=1e-4)
 
@@ -57,8 +57,7 @@ def test_pair_wgrad_sums_each_experts_pairs(l_by, r_by, n, K, N):
         li = s * U + j if l_by == "pair" else s
         ri = s * U + j if r_by == "pair" else s
         ref[e] += lhs[li].T @ rhs[ri]
-    dw = pair_wgrad(jnp.asarray(lhs), jnp.asarray(rhs), pairs, E, l_by=l_by, r_by=r_by,
-                    interpret=True)
+    dw = pair_wgrad(jnp.asarray(lhs), jnp.asarray(rhs), pairs, E, l_by=l_by, r_by=r_by)
     np.testing.assert_allclose(np.asarray(dw), ref, rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(np.asarray(dw[5]), 0)  # in no union
 

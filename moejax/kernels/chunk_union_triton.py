@@ -60,15 +60,17 @@ def _next_pow2(n: int, at_least: int = 1) -> int:
 
 
 def launch_config(tile: int, d: int, f: int, activation: str, gated: bool,
-                  block_f: int = 32, block_d: int = 64) -> dict:
-    """The kernel's compile-time constants for a tile length and the expert shapes."""
+                  block_f: int = 32, block_d: int = 64, ieee: bool = False) -> dict:
+    """The kernel's compile-time constants for a tile length and the expert shapes. ``ieee``:
+    float32 products in full precision (else TF32, Triton's and XLA's GPU default)."""
     if activation not in ACT_CODES:
         raise ValueError(f"activation={activation!r} has no Triton kernel; use one of "
                          f"{sorted(ACT_CODES)}")
     return dict(D=d, F=f, TILE=tile, BLOCK_T=_next_pow2(tile, 16),
                 BLOCK_D=min(_next_pow2(d, 16), _next_pow2(block_d, 16)),
                 BLOCK_F=min(_next_pow2(f, 16), _next_pow2(block_f, 16)),
-                ACT=ACT_CODES[activation], GATED=bool(gated))
+                ACT=ACT_CODES[activation], GATED=bool(gated),
+                PRECISION="ieee" if ieee else "tf32")
 
 
 if TRITON_AVAILABLE:
@@ -91,7 +93,8 @@ if TRITON_AVAILABLE:
                             w_gate_ptr, out_ptr, E: tl.constexpr, U: tl.constexpr,
                             D: tl.constexpr, F: tl.constexpr, TILE: tl.constexpr,
                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_F: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
+                            BLOCK_F: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr,
+                            PRECISION: tl.constexpr):
         c = tl.program_id(0)
         fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         f_ok = fs < F
@@ -111,9 +114,11 @@ if TRITON_AVAILABLE:
                             mask=row_ok[:, None] & d_ok[None, :], other=0.0)
                 w_off = e * D * F + ds[:, None] * F + fs[None, :]
                 w_mask = d_ok[:, None] & f_ok[None, :]
-                up += tl.dot(x, tl.load(w_up_ptr + w_off, mask=w_mask, other=0.0))
+                up += tl.dot(x, tl.load(w_up_ptr + w_off, mask=w_mask, other=0.0),
+                             input_precision=PRECISION)
                 if GATED:
-                    gate += tl.dot(x, tl.load(w_gate_ptr + w_off, mask=w_mask, other=0.0))
+                    gate += tl.dot(x, tl.load(w_gate_ptr + w_off, mask=w_mask, other=0.0),
+                                   input_precision=PRECISION)
             if GATED:
                 h = _activation(gate, ACT) * up
             else:
@@ -124,7 +129,7 @@ if TRITON_AVAILABLE:
                 d_ok = ds < D
                 w_down = tl.load(w_down_ptr + e * F * D + fs[:, None] * D + ds[None, :],
                                  mask=f_ok[:, None] & d_ok[None, :], other=0.0)
-                part = tl.dot(h.to(w_down.dtype), w_down)
+                part = tl.dot(h.to(w_down.dtype), w_down, input_precision=PRECISION)
                 tl.atomic_add(out_ptr + rows[:, None] * D + ds[None, :], part,
                               mask=row_ok[:, None] & d_ok[None, :])
 
@@ -141,7 +146,10 @@ def chunk_union_triton_call(xp, ap, ids_CU, count_C, w_up, w_down, w_gate=None, 
     if why is not None:
         raise RuntimeError(f"chunk-union Triton kernel unavailable: {why}")
     (C, U), (E, D, F) = ids_CU.shape, w_up.shape
-    meta = launch_config(tile, D, F, activation, w_gate is not None)
+    # full float32 products when jax is asked for them (jax_default_matmul_precision)
+    ieee = (xp.dtype == jnp.float32
+            and str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"))
+    meta = launch_config(tile, D, F, activation, w_gate is not None, ieee=ieee)
     out = jax_triton.triton_call(
         xp, ap, ids_CU, count_C, w_up, w_down, w_up if w_gate is None else w_gate,
         kernel=KERNEL, out_shape=jax.ShapeDtypeStruct((C * tile, D), jnp.float32),
@@ -162,7 +170,7 @@ def launch_interpreted(xp, ap, ids_CU, count_C, w_up, w_down, w_gate=None, *, ac
     (C, U), (E, D, F) = ids_CU.shape, w_up.shape
     out = wrap(np.zeros((C * tile, D), np.float32))
     gate = w_up if w_gate is None else np.asarray(w_gate)
-    meta = launch_config(tile, D, F, activation, w_gate is not None, **blocks)
+    meta = launch_config(tile, D, F, activation, w_gate is not None, ieee=True, **blocks)
     KERNEL[(C, -(-F // meta["BLOCK_F"]))](wrap(xp), wrap(ap), wrap(ids_CU.astype(np.int32)),
                  wrap(count_C.astype(np.int32)), wrap(w_up), wrap(w_down), wrap(gate), out,
                  E=E, U=U, **meta)

@@ -145,7 +145,9 @@ def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_re
         w = w_ref[g, pl.ds(r * tr, tr), pl.ds(o * to, to)]
         return acc + pltriton.dot(x, w)
 
-    steps = jnp.where(t < active_ref[0], n_red, 0)
+    # integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
+    # two literals lowers to i1 (rejected when the GPU compiles the module)
+    steps = jnp.minimum(jnp.maximum(active_ref[0] - t, 0), 1) * n_red
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
@@ -232,7 +234,7 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
 
     tm_g, tr_g, to_g = GMM_TILES["gpu"]
     triton = product(functools.partial(_triton_tiles, transpose=transpose), tm_g,
-                     min(pow2(R), tr_g), min(pow2(n_out), to_g))
+                     min(pow2(R, 16), tr_g), min(pow2(n_out, 16), to_g))
     return choose_platform((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton,
                            interpret=interpret)
 
@@ -269,7 +271,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
 
     def triton(x_MK, dy_MN, group_sizes_G):
         tm_g, tk_g, tn_g = GMM_TILES["gpu"]
-        k_, n_ = min(pow2(K), tk_g), min(pow2(N), tn_g)
+        k_, n_ = min(pow2(K, 16), tk_g), min(pow2(N, 16), tn_g)
         xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, tm_g, k_, n_)
         return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm_g, k_, n_)[:, :K, :N]
 

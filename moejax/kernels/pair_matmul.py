@@ -252,7 +252,9 @@ def _triton_up_kernel(src_ref, exp_ref, valid_ref, x_ref, w_ref, o_ref, *, tr, n
                                       trans_b=True)
         return acc + pltriton.dot(x, w_ref[e, pl.ds(r * tr, tr), pl.ds(o * to, to)])
 
-    steps = jnp.where(valid_ref[p] == 1, n_red, 0)
+    # integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
+    # two literals lowers to i1 (rejected when the GPU compiles the module)
+    steps = valid_ref[p] * n_red
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tm, to), jnp.float32))
     o_ref[0] = acc.astype(o_ref.dtype)
 
