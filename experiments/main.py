@@ -57,7 +57,7 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("moe_kd", ("methods=(kd,)", "dense_teacher_methods=()", "teacher_ks=()",
                 "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=80", "distill.steps=20",
                 "distill.eval_every=10", "n_val=8", "n_test=32")),
-    ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(dot,)",
+    ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(param,)",
               "vit.train.steps=200", "kd.steps=15", "extract.n_tokens=2000", "eval_rows=400")),
 )
 SUITES = ("demo", "studies")

@@ -10,7 +10,8 @@ the neurons no expert uses. Then fine-tune with knowledge distillation from the 
 model (AdamW, weight decay 0.01, cosine schedule, through the training loop). MoEfication:
 the same layers cut into ``moefication_experts`` equal experts by balanced k-means over the
 ``W_up`` columns, top-k per layer chosen so its active neurons match MoEE's (equal MACs),
-similarity (``dot``) and trained MLP routers, the same fine-tuning.
+parameter-centre (``param``) and trained MLP routers as the MoEfication code builds them, the
+same fine-tuning.
 
 Outputs: Table 1 analog (MACs, parameters, accuracy right after extraction and after KD
 fine-tuning, over seeds), per-layer experts, Table 2 analog (random clusters / neurons /
@@ -36,6 +37,7 @@ from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.extract import (
     extract_model,
+    param_breakdown,
     record_ffn,
 )
 from moejax.extract.finetune import evaluate_extracted, kd_finetune, load_cv
@@ -47,7 +49,7 @@ from moejax.extract.pipeline import (
     moee_plans,
     moefication_model,
 )
-from moejax.results import RunDir
+from moejax.results import RunDir, seed_summary
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (
@@ -58,20 +60,20 @@ from moejax.train.hparams import TrainConfig
 
 NAME = "moee"
 
-# ablation key -> (label, cluster method, neuron selection, router vectors, router)
+# ablation key -> (label, cluster method, neuron selection, router); "random" routing sends
+# every token to a random expert (Table 2)
 ABLATIONS = {
     "random_all": ("random clusters + random neurons + random routing", "random", "random",
-                   "random", "cosine"),
+                   "random"),
     "random_neurons_routing": ("HDBSCAN + random neurons + random routing", "hdbscan",
-                               "random", "random", "cosine"),
-    "random_routing": ("HDBSCAN + variance + random routing", "hdbscan", "variance", "random",
-                       "cosine"),
-    "dbscan": ("DBSCAN", "dbscan", "variance", "means", "cosine"),
-    "optics": ("OPTICS", "optics", "variance", "means", "cosine"),
-    "kmeans": ("k-means (HDBSCAN's count)", "kmeans", "variance", "means", "cosine"),
-    "birch": ("BIRCH (HDBSCAN's count)", "birch", "variance", "means", "cosine"),
-    "magnitude": ("magnitude selection", "hdbscan", "magnitude", "means", "cosine"),
-    "euclidean": ("Euclidean routing", "hdbscan", "variance", "means", "euclidean"),
+                               "random", "random"),
+    "random_routing": ("HDBSCAN + variance + random routing", "hdbscan", "variance", "random"),
+    "dbscan": ("DBSCAN", "dbscan", "variance", "cosine"),
+    "optics": ("OPTICS", "optics", "variance", "cosine"),
+    "kmeans": ("k-means (HDBSCAN's count)", "kmeans", "variance", "cosine"),
+    "birch": ("BIRCH (HDBSCAN's count)", "birch", "variance", "cosine"),
+    "magnitude": ("magnitude selection", "hdbscan", "magnitude", "cosine"),
+    "euclidean": ("Euclidean routing", "hdbscan", "variance", "euclidean"),
 }
 KD = TrainConfig(steps=150, batch_size=64, lr=5e-4, schedule="cosine", warmup_steps=0,
                  optimizer="adamw", weight_decay=0.01, log_every=25)
@@ -96,12 +98,11 @@ class MoEEStudyConfig(Config):
     kd_alpha: float = 0.5
     kd_temperature: float = 1.0
     moefication_experts: int = 8
-    moefication_routers: tuple[Literal["dot", "mlp"], ...] = ("dot", "mlp")
-    mlp_router_width: int = 64
+    moefication_routers: tuple[Literal["param", "mlp"], ...] = ("param", "mlp")
     ablations: tuple[str, ...] = tuple(ABLATIONS)
     finetune_ablations: bool = True
     stability_tokens: tuple[int, ...] = (1000, 2000, 4000)
-    stability_draws: int = 2
+    stability_draws: int = 3
     seeds: int = 3
     seed: int = 0
 
@@ -160,8 +161,7 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
         ks = matched_top_k(active, size, cfg.moefication_experts)
         for r in cfg.moefication_routers:
             m, _ = moefication_model(data.model, records, layers, n_experts=cfg.moefication_experts,
-                                     top_k=ks, router=r, d_router=cfg.mlp_router_width,
-                                     seed=seed)
+                                     top_k=ks, router=r, seed=seed)
             variants.append((f"MoEfication ({r} router)", m))
             rows.append(evaluate_extracted(data, m, variants[-1][0], dense))
     for (_, m), r in zip(variants, rows):
@@ -169,8 +169,10 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
         r["load_cv"] = load_cv(r["_stats"]) if r["_stats"] else float("nan")
         r["seed"] = seed
         out["table1"].append(r)
+    out["samples"][seed] = (records, labels)
+    out["params"].extend({"seed": seed, **r} for r in param_breakdown(data.model, plans))
     if seed == cfg.seed:
-        out["plans"], out["labels"], out["records"] = plans, labels, records
+        out["plans"] = plans
         out["moee_stats"] = rows[0]["_stats"]
         for name, r in zip([v[0] for v in variants], rows):
             for i, s in sorted(r["_stats"].items()):
@@ -182,24 +184,25 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
 
 
 def ablations(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, base: dict) -> list[dict]:
-    """Table 2 analog on the first seed's token sample."""
-    records, hd_labels = base["records"], base["labels"]
-    counts = {i: int(lab.max() + 1) if lab.max() >= 0 else 0 for i, lab in hd_labels.items()}
+    """Table 2 analog, on every seed's token sample."""
     rows = []
-    for key in cfg.ablations:
-        label, method, selection, routing, router = ABLATIONS[key]
-        ex = cfg.extract.replace(selection=selection, routing=routing, router=router,
-                                 cluster=cfg.extract.cluster.replace(method=method))
-        labels = (hd_labels if method == "hdbscan"
-                  else cluster_layers(records, ex.cluster, seed=cfg.seed, n_clusters=counts))
-        plans = moee_plans(records, labels, ex, seed=cfg.seed)
-        m = extract_model(data.model, plans, router=router)
-        r = evaluate_extracted(data, m, label, dense)
-        r["experts"] = "/".join(str(0 if p is None else p.n_experts) for _, p in
-                                sorted(plans.items()))
-        if cfg.finetune_ablations:
-            r["accuracy_after_kd"] = data.evaluator(_kd(cfg, data, m, cfg.seed))["accuracy"]
-        rows.append(r)
+    for seed, (records, hd_labels) in sorted(base["samples"].items()):
+        counts = {i: int(lab.max() + 1) if lab.max() >= 0 else 0
+                  for i, lab in hd_labels.items()}
+        for key in cfg.ablations:
+            label, method, selection, router = ABLATIONS[key]
+            ex = cfg.extract.replace(selection=selection, router=router,
+                                     cluster=cfg.extract.cluster.replace(method=method))
+            labels = (hd_labels if method == "hdbscan"
+                      else cluster_layers(records, ex.cluster, seed=seed, n_clusters=counts))
+            plans = moee_plans(records, labels, ex, seed=seed)
+            m = extract_model(data.model, plans, router=router)
+            r = evaluate_extracted(data, m, label, dense)
+            r["experts"] = "/".join(str(0 if p is None else p.n_experts) for _, p in
+                                    sorted(plans.items()))
+            if cfg.finetune_ablations:
+                r["accuracy_after_kd"] = data.evaluator(_kd(cfg, data, m, seed))["accuracy"]
+            rows.append({**r, "seed": seed})
     return rows
 
 
@@ -285,7 +288,7 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
     data = _data(cfg)
     d = evaluate_extracted(data, data.model, "dense", {})
     dense = {"accuracy": d["accuracy"], "MACs": d["MACs"], "params": d["params"]}
-    out = {"table1": [], "layers": []}
+    out = {"table1": [], "layers": [], "samples": {}, "params": []}
     for s in range(cfg.seeds):
         one_seed(cfg, data, dense, cfg.seed + s, out)
     t1 = _table1(run, out["table1"], dense, cfg)
@@ -296,10 +299,17 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
                     "token, routing balance")
     abl = ablations(cfg, data, dense, out)
     if abl:
-        run.table("table2_ablations", [{k: v for k, v in r.items() if k != "_stats"}
-                                       for r in abl],
-                  title=f"Table 2 analog (seed {cfg.seed}): components replaced by random "
-                        "counterparts, other clustering, selection and routing")
+        run.table("table2_per_seed", [{k: v for k, v in r.items() if k != "_stats"}
+                                      for r in abl], title="Table 2 analog, every seed")
+        run.table("table2_ablations", seed_summary(abl, ["model"], [
+            "accuracy", "accuracy_after_kd", "MACs_change_%", "params_change_%"]),
+                  title=f"Table 2 analog, mean and sample std over {cfg.seeds} seeds: "
+                        "components replaced by random counterparts, other clustering, "
+                        "selection and routing")
+    run.table("params_per_layer", out["params"],
+              title="Where the parameters go, every seed: per layer the FFN width, the neurons "
+                    "some expert keeps, and the parameters removed; the last rows count the "
+                    "whole model, the model without its token/patch embedding, and the FFNs")
     stab = stability(cfg, data) if cfg.stability_tokens else []
     if stab:
         run.table("stability", stab, title="Extraction against the token-sample size "
@@ -337,8 +347,9 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
              f"decay {cfg.kd.weight_decay}, cosine, loss {cfg.kd_alpha} KL(T={cfg.kd_temperature})"
              f" + {1 - cfg.kd_alpha:g} CE (the paper does not give its KD loss). MoEfication: "
              f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
-             "matched per layer to MoEE's mean active neurons. Random routing = random router "
-             "vectors (each token still goes to one fixed expert).")
+             "matched per layer to MoEE's mean active neurons, routed by their parameter "
+             "centres (param) or the trained Linear-Tanh-Linear MLP router (mlp), as the "
+             "MoEfication code builds them. Random routing sends each token to a random expert.")
     verdict = {None: "not measured (no layer formed clusters)", True: "holds",
                False: "does not hold"}
     run.note("Paper shape (Sec. 4-5): " + "; ".join(
@@ -374,6 +385,10 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     for r in moef:
         out.append(compare(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
                            ("MoEE", moee["acc_after_kd"]), (r["model"], r["acc_after_kd"])))
+    for r in t.get("table2_ablations") or []:
+        if "random" in str(r["model"]):
+            out.append(compare(f"MoEE beats {r['model']} right after extraction (Table 2)",
+                               ("MoEE", moee["acc_extracted"]), (r["model"], r["accuracy"])))
     layers = [r for r in (t.get("experts_per_layer") or []) if r["model"] == "MoEE"]
     if layers:
         counts = [float(r["experts"]) for r in sorted(layers, key=lambda r: float(r["layer"]))]

@@ -29,7 +29,7 @@ def test_moee_tiny(tiny_recipes, tmp_path):
     run, rows = run_tiny(tiny_recipes, tmp_path / "moee", 0.02,
                          kd=mod.KD.replace(steps=2, batch_size=8),
                          ablations=("random_all", "kmeans"), stability_tokens=(200,),
-                         stability_draws=1, moefication_experts=4, mlp_router_width=8,
+                         stability_draws=1, moefication_experts=4,
                          finetune_ablations=False)
     assert "dense" in rows
     text = (run.path / "summary.md").read_text()
@@ -40,7 +40,14 @@ def test_moee_tiny(tiny_recipes, tmp_path):
     assert float(m["MACs"]) < float(rows["dense"]["MACs"])  # the tiny layers form clusters
     correct = float(m["acc_after_kd"]) * 100  # eval_rows=100: a count of correct rows
     assert abs(correct - round(correct)) < 1e-6
-    assert {"MoEfication (dot router)", "MoEfication (mlp router)"} <= set(rows)
+    assert {"MoEfication (param router)", "MoEfication (mlp router)"} <= set(rows)
+    # the parameter breakdown accounts for exactly the parameters the extraction removed
+    per_seed = {r["model"]: r for r in csv.DictReader(open(run.path / "table1_per_seed.csv"))}
+    parts = {r["layer"]: r for r in csv.DictReader(open(run.path / "params_per_layer.csv"))}
+    whole = parts["whole model"]
+    assert float(whole["total_params"]) == float(rows["dense"]["params"])
+    assert (float(rows["dense"]["params"]) - float(whole["params_removed"])
+            == float(per_seed["MoEE"]["params"]))
     abl = list(csv.DictReader(open(run.path / "table2_ablations.csv")))
     assert [r["model"] for r in abl] == [mod.ABLATIONS[k][0] for k in ("random_all", "kmeans")]
     assert list(run.path.glob("similarity_layer*.png"))

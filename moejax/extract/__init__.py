@@ -4,7 +4,8 @@ baseline (Zhang et al. 2022).
 * :mod:`~moejax.extract.cluster`: HDBSCAN (and the ablation's DBSCAN, OPTICS, k-means, BIRCH,
   random) clustering of recorded hidden activations.
 * :mod:`~moejax.extract.plan`: per-layer :class:`ExpertPlan` s: MoEE's variance-based neuron
-  selection and mean-input routers; MoEfication's balanced k-means experts.
+  selection and mean-input routers; MoEfication's constrained balanced k-means experts and
+  parameter centres.
 * :mod:`~moejax.extract.surgery`: record FFN inputs/activations; replace dense FFNs by
   :class:`~moejax.nn.extracted.ExtractedFFN` slots.
 * :mod:`~moejax.extract.macs`: exact MAC and parameter accounting.
@@ -18,7 +19,7 @@ from moejax.extract.cluster import (
                                  cluster_activations,
                                  n_clusters_of,
 )
-from moejax.extract.macs import ffn_macs, model_macs, param_counts
+from moejax.extract.macs import ffn_macs, model_macs, param_breakdown, param_counts
 from moejax.extract.plan import (
                                  ExpertPlan,
                                  balanced_kmeans_partition,
@@ -39,7 +40,8 @@ from moejax.extract.surgery import (
 )
 
 __all__ = ["CLUSTER_METHODS", "ClusterConfig", "cluster_activations", "n_clusters_of", "ffn_macs",
-           "model_macs", "param_counts", "ExpertPlan", "balanced_kmeans_partition",
-           "cluster_means", "kept_neurons", "moee_plan", "moefication_plan", "select_neurons",
+           "model_macs", "param_breakdown", "param_counts", "ExpertPlan",
+           "balanced_kmeans_partition", "cluster_means", "kept_neurons", "moee_plan",
+           "moefication_plan", "select_neurons",
            "apply_model", "copy_model", "dense_ffn_layers", "extract_model", "ffn_holder",
            "record_ffn", "slot_layers"]

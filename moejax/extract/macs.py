@@ -21,12 +21,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from moejax.extract.plan import kept_neurons
 from moejax.extract.surgery import ffn_holder
 from moejax.nn.extracted import ExpertMask, ExtractedFFNConfig, RouterWeights
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.ops.activations import is_gated
 
-__all__ = ["ffn_macs", "model_macs", "param_counts"]
+__all__ = ["ffn_macs", "model_macs", "param_counts", "param_breakdown"]
 
 
 def ffn_macs(slot_cfg, d_model: int, tokens: float, active_neurons: float | None = None) -> dict:
@@ -41,7 +42,7 @@ def ffn_macs(slot_cfg, d_model: int, tokens: float, active_neurons: float | None
             raise ValueError("an extracted FFN's MACs need active_neurons (the mean hidden "
                              "neurons per token, aux['active_neurons'])")
         C, H = slot_cfg.n_experts, slot_cfg.d_router
-        router = D * H + H * C if slot_cfg.router == "mlp" else C * D
+        router = {"mlp": D * H + H * C, "random": 0}.get(slot_cfg.router, C * D)
         return {"router": float(tokens * router), "experts": float(tokens * 2 * D * active_neurons)}
     raise TypeError(f"no MAC count for slot {type(slot_cfg).__name__}")
 
@@ -78,3 +79,34 @@ def param_counts(model) -> dict:
     def n(filt):
         return int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, filt))))
     return {"params": n(nnx.Param) + n(RouterWeights), "mask_entries": n(ExpertMask)}
+
+
+def param_breakdown(dense_model, plans: dict) -> list[dict]:
+    """Where extraction's parameter savings come from: one row per FFN layer of the dense model
+    (``ffn_width``, ``kept_neurons`` by the union of the plan's experts, the FFN's parameters
+    and the net parameters removed, router vectors added back), then the removed share of
+    three totals: the whole model (what the MoEE paper's Table 1 counts), the model without
+    its embeddings (every parameter under a name containing ``embed``), and the FFNs."""
+    holder = ffn_holder(dense_model)
+    rows, removed, ffn_total = [], 0, 0
+    for i, block in enumerate(holder.blocks):
+        w_up = block.ffn.w_up[...]
+        D, F = w_up.shape
+        bias = int(getattr(block.ffn, "b_up", None) is not None)
+        plan = plans.get(i)
+        kept = F if plan is None else int(len(kept_neurons(plan.masks_CF)))
+        router = 0 if plan is None else int(plan.router_CD.size + plan.router_bias_C.size)
+        ffn_params = F * (2 * D + bias) + bias * D
+        gone = (F - kept) * (2 * D + bias) - router
+        rows.append({"layer": i, "ffn_width": F, "kept_neurons": kept,
+                     "kept_%": 100.0 * kept / F, "ffn_params": ffn_params,
+                     "params_removed": gone})
+        removed, ffn_total = removed + gone, ffn_total + ffn_params
+    whole = param_counts(dense_model)["params"]
+    embed = sum(int(np.size(v)) for path, v in nnx.to_flat_state(nnx.state(dense_model, nnx.Param))
+                if any("embed" in str(k) for k in path))
+    for name, total in (("whole model", whole), ("without embeddings", whole - embed),
+                        ("FFNs only", ffn_total)):
+        rows.append({"layer": name, "total_params": total, "params_removed": removed,
+                     "removed_%": 100.0 * removed / total})
+    return rows

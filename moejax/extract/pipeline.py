@@ -31,21 +31,22 @@ from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 
 __all__ = ["ExtractConfig", "cluster_layers", "moee_plans", "routing_stats", "matched_top_k",
+           "router_targets", "router_bce", "router_train_config",
            "moefication_model", "train_mlp_router", "MLPRouterNet", "expert_summary"]
 
 
 @config
 class ExtractConfig(Config):
     """n_tokens: recorded token sample; cluster: clustering of each layer's activations;
-    p: share of the cluster's variance the kept neurons cover; selection / routing / router:
-    the paper's choices (variance, cluster input means, cosine) or the ablations."""
+    p: share of the cluster's variance the kept neurons cover; selection / router: the paper's
+    choices (variance selection, cosine routing to the cluster input means) or the ablations
+    (``router="random"``: every token to a random expert, Table 2)."""
 
     n_tokens: int = 20000
     cluster: ClusterConfig = ClusterConfig()
     p: float = 0.8
     selection: Literal["variance", "magnitude", "random"] = "variance"
-    routing: Literal["means", "random"] = "means"
-    router: Literal["cosine", "euclidean"] = "cosine"
+    router: Literal["cosine", "euclidean", "random"] = "cosine"
 
     def validate(self) -> None:
         self._require(self.n_tokens >= 10, f"n_tokens={self.n_tokens} must be >= 10")
@@ -71,7 +72,7 @@ def moee_plans(records: dict, labels: dict, cfg: ExtractConfig, *,
                seed: int = 0) -> dict[int, ExpertPlan | None]:
     """MoEE plan of every recorded layer (``None``: no cluster, the layer stays dense)."""
     return {i: moee_plan(x, y, labels[i], p=cfg.p, selection=cfg.selection,
-                         routing=cfg.routing, seed=seed * 1000 + i)
+                         seed=seed * 1000 + i)
             for i, (x, y) in sorted(records.items())}
 
 
@@ -129,62 +130,81 @@ def matched_top_k(active_neurons: dict[int, float], expert_size: dict[int, int],
 
 
 class MLPRouterNet(nnx.Module):
-    """MoEfication's MLP router ``relu(x W1 + b1) W2 + b2``: scores of the ``C`` experts."""
+    """MoEfication's MLP router (Zhang et al. 2022, Sec. 3.2, as in the authors' code):
+    ``tanh(x_hat W1) W2`` on the L2-normalised input ``x_hat``, no biases; ``W1 [D, C]``
+    starts at the parameter centres, ``W2 [C, C]`` at the identity."""
 
-    def __init__(self, d_model: int, d_hidden: int, n_experts: int, *, rngs: nnx.Rngs):
-        n = lambda i, o: jax.random.normal(rngs.params(), (i, o)) * i ** -0.5  # noqa: E731
-        self.w1, self.b1 = nnx.Param(n(d_model, d_hidden)), nnx.Param(jnp.zeros(d_hidden))
-        self.w2, self.b2 = nnx.Param(n(d_hidden, n_experts)), nnx.Param(jnp.zeros(n_experts))
+    def __init__(self, centres_CD: np.ndarray):
+        C = centres_CD.shape[0]
+        self.w1 = nnx.Param(jnp.asarray(centres_CD, jnp.float32).T)
+        self.w2 = nnx.Param(jnp.eye(C, dtype=jnp.float32))
 
     def __call__(self, x_ND):
-        return jax.nn.relu(x_ND @ self.w1[...] + self.b1[...]) @ self.w2[...] + self.b2[...]
+        x = x_ND / jnp.maximum(jnp.linalg.norm(x_ND, axis=-1, keepdims=True), 1e-12)
+        return jnp.tanh(x @ self.w1[...]) @ self.w2[...]
 
     def weights(self) -> dict:
-        return {k: np.asarray(getattr(self, k)[...]) for k in ("w1", "b1", "w2", "b2")}
+        return {"w1": np.asarray(self.w1[...]), "w2": np.asarray(self.w2[...])}
+
+
+def router_targets(y_NF: np.ndarray, masks_CF: np.ndarray) -> np.ndarray:
+    """``[N, C]``: each expert's positive activation mass ``sum_{f in c} relu(y_f)`` (the
+    MLP router's target before the per-batch scaling of :func:`router_bce`)."""
+    return np.maximum(np.asarray(y_NF, np.float32), 0) @ masks_CF.T.astype(np.float32)
+
+
+def router_bce(logits_NC, mass_NC):
+    """Binary cross-entropy with logits against ``mass / max(mass)`` (the max over the whole
+    batch, as the authors' code scales its targets)."""
+    t = mass_NC / jnp.maximum(jnp.max(mass_NC), 1e-12)
+    return jnp.mean(jnp.maximum(logits_NC, 0) - logits_NC * t
+                    + jnp.log1p(jnp.exp(-jnp.abs(logits_NC))))
 
 
 def _router_loss(net, batch, key=None, train=True):
-    logp = jax.nn.log_softmax(net(batch["inputs"]), -1)
-    ce = -jnp.mean(jnp.sum(batch["targets"] * logp, -1))
-    top = jnp.mean(jnp.argmax(logp, -1) == jnp.argmax(batch["targets"], -1))
-    return ce, {"ce": ce, "top1_agreement": top}
+    s = net(batch["inputs"])
+    loss = router_bce(s, batch["targets"])
+    top = jnp.mean(jnp.argmax(s, -1) == jnp.argmax(batch["targets"], -1))
+    return loss, {"bce": loss, "top1_agreement": top}
 
 
-def train_mlp_router(x_ND: np.ndarray, y_NF: np.ndarray, masks_CF: np.ndarray, *,
-                     d_hidden: int, train_cfg: TrainConfig, seed: int = 0) -> dict:
-    """Train :class:`MLPRouterNet` to predict which experts hold a token's activation mass:
-    target ``t_c = sum_{f in c} relu(y_f)``, normalised to a distribution, cross-entropy.
-    Returns the router weights ``{w1, b1, w2, b2}`` for :func:`extract_model`."""
+def router_train_config(n_tokens: int, epochs: int = 30, batch_size: int = 512) -> TrainConfig:
+    """The authors' MLP-router training: Adam, learning rate 0.01, batches of 512, 30 epochs."""
+    steps = max(1, -(-epochs * n_tokens // batch_size))
+    return TrainConfig(steps=steps, batch_size=batch_size, lr=1e-2, optimizer="adam",
+                       weight_decay=0.0, schedule="constant", warmup_steps=0,
+                       log_every=max(1, steps // 4))
 
-    t = np.maximum(np.asarray(y_NF, np.float32), 0) @ masks_CF.T.astype(np.float32)
-    t = t / np.maximum(t.sum(1, keepdims=True), 1e-9)
-    net = MLPRouterNet(x_ND.shape[1], d_hidden, masks_CF.shape[0], rngs=nnx.Rngs(seed))
-    src = ArrayBatches({"inputs": np.asarray(x_ND, np.float32), "targets": t},
-                       batch_size=train_cfg.batch_size, seed=seed)
-    train(net, src, train_cfg, loss_fn=_router_loss, progress=False, desc="mlp router")
+
+def train_mlp_router(x_ND: np.ndarray, y_NF: np.ndarray, plan: ExpertPlan, *,
+                     train_cfg: TrainConfig | None = None, seed: int = 0) -> dict:
+    """Train :class:`MLPRouterNet` (initialised from ``plan``'s parameter centres) to predict
+    each expert's activation mass (:func:`router_targets`) with :func:`router_bce`. Returns
+    ``{w1, w2}`` for :func:`extract_model`."""
+    net = MLPRouterNet(plan.router_CD)
+    src = ArrayBatches({"inputs": np.asarray(x_ND, np.float32),
+                        "targets": router_targets(y_NF, plan.masks_CF)},
+                       batch_size=(train_cfg or router_train_config(len(x_ND))).batch_size,
+                       seed=seed)
+    train(net, src, train_cfg or router_train_config(len(x_ND)), loss_fn=_router_loss,
+          progress=False, desc="mlp router")
     return net.weights()
 
 
 def moefication_model(model, records: dict, layers: Iterable[int], *, n_experts: int,
-                      top_k: dict[int, int], router: Literal["dot", "mlp"] = "dot",
-                      router_train: TrainConfig | None = None, d_router: int = 0,
-                      seed: int = 0):
-    """MoEfication of ``layers``: balanced k-means experts, similarity (``"dot"``) or trained
-    MLP router, ``top_k[i]`` experts per token. ``records``: :func:`record_ffn` output (the MLP
-    router's training data)."""
+                      top_k: dict[int, int], router: Literal["param", "mlp"] = "param",
+                      router_train: TrainConfig | None = None, seed: int = 0):
+    """MoEfication of ``layers``: balanced k-means experts routed by their parameter centres
+    (``"param"``) or by the trained MLP router, ``top_k[i]`` experts per token. ``records``:
+    :func:`record_ffn` output (the MLP router's training data)."""
     holder = ffn_holder(model)
     plans, mlps = {}, {}
     for i in layers:
-        ffn = holder.blocks[i].ffn
-        b = ffn.b_up[...] if ffn.cfg.use_bias else None
-        plans[i] = moefication_plan(np.asarray(ffn.w_up[...]), None if b is None else
-                                    np.asarray(b), n_experts, seed=seed * 1000 + i)
+        plans[i] = moefication_plan(np.asarray(holder.blocks[i].ffn.w_up[...]), n_experts,
+                                    seed=seed * 1000 + i)
         if router == "mlp":
             x, y = records[i]
-            mlps[i] = train_mlp_router(x, y, plans[i].masks_CF, d_hidden=d_router,
-                                       train_cfg=router_train or TrainConfig(
-                                           steps=300, batch_size=256, lr=3e-3,
-                                           weight_decay=0.0, log_every=100),
+            mlps[i] = train_mlp_router(x, y, plans[i], train_cfg=router_train,
                                        seed=seed * 1000 + i)
     return extract_model(model, plans, router=router, top_k=top_k,
                          router_mlps=mlps if router == "mlp" else None), plans

@@ -11,12 +11,17 @@ hidden activations ``y_NF``, the neurons are taken in decreasing within-cluster 
 their cumulative variance reaches ``p`` of the cluster's total (``selection="magnitude"``: mean
 activation instead of variance; ``"random"``: as many neurons as variance selection would
 take, drawn at random, Table 2's ablation); the router vector is the mean *input* ``x`` of the
-cluster's tokens (``routing="random"``: Gaussian vectors instead, Table 2's random routing).
+cluster's tokens.
 
-MoEfication (:func:`moefication_plan`): a balanced k-means partition of the columns of
-``W_up`` into ``C`` equal experts (scikit-learn's k-means for the centres, then SciPy's optimal
-assignment with each centre repeated ``F / C`` times as the balancing step); similarity router
-vectors ``mean_{f in c} W_up[:, f]`` with bias ``mean_{f in c} b_up[f]``.
+MoEfication (Zhang et al. 2022, Sec. 3.1-3.2; :func:`moefication_plan`): the neurons' input
+weight vectors (the columns of ``W_up``) are L2-normalised and split into ``C`` equal experts
+by constrained (balanced) k-means, as the authors' code does with ``KMeansConstrained``: k-means++
+centres, then alternately the exactly balanced assignment of minimum total squared distance
+(a minimum-cost assignment in which each centre has ``F / C`` seats, SciPy's
+``linear_sum_assignment``) and the centres' update, until the assignment repeats. The router
+vectors are the parameter centres (``ParamCenter``): the mean of each expert's normalised
+columns, used by the ``"param"`` router (nearest centre to the normalised input) and as the
+initialisation of the MLP router.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 from moejax.extract.cluster import n_clusters_of, relabel
 
 __all__ = ["ExpertPlan", "select_neurons", "cluster_means", "moee_plan", "moefication_plan",
-           "balanced_kmeans_partition", "kept_neurons"]
+           "balanced_kmeans_partition", "balanced_assignment", "param_centres", "kept_neurons"]
 
 
 class ExpertPlan(NamedTuple):
@@ -92,7 +97,7 @@ def cluster_means(x_ND: np.ndarray, labels_N: np.ndarray, n_clusters: int) -> np
 
 def moee_plan(x_ND, y_NF, labels_N, *, p: float = 0.8,
               selection: Literal["variance", "magnitude", "random"] = "variance",
-              routing: Literal["means", "random"] = "means", seed: int = 0) -> ExpertPlan | None:
+              seed: int = 0) -> ExpertPlan | None:
     """The MoEE plan of one layer from its cluster labels; ``None`` when there is no cluster
     (the layer stays dense)."""
     labels_N = relabel(labels_N)  # contiguous ids, no empty cluster
@@ -100,41 +105,63 @@ def moee_plan(x_ND, y_NF, labels_N, *, p: float = 0.8,
     if C == 0:
         return None
     masks = select_neurons(y_NF, labels_N, C, p=p, selection=selection, seed=seed)
-    if routing == "random":
-        r = np.random.default_rng([seed, 1]).normal(size=(C, np.shape(x_ND)[1]))
-        router = r.astype(np.float32)
-    else:
-        router = cluster_means(x_ND, labels_N, C)
-    return ExpertPlan(masks, router, np.zeros((C,), np.float32))
+    return ExpertPlan(masks, cluster_means(x_ND, labels_N, C), np.zeros((C,), np.float32))
 
 
-def balanced_kmeans_partition(w_up_DF: np.ndarray, n_experts: int, *, seed: int = 0) -> np.ndarray:
-    """``expert_of_F [F]``: equal-size groups of the columns of ``w_up`` (``F % n_experts ==
-    0``): k-means centres on the unit-normalised columns, then each column assigned to a
-    centre by a minimum-cost assignment in which every centre has ``F / n_experts`` seats."""
+def _normalise_rows(w: np.ndarray) -> np.ndarray:
+    return w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
+
+
+def balanced_assignment(points_FD: np.ndarray, centres_CD: np.ndarray) -> np.ndarray:
+    """``group_of_F [F]``: the assignment of the points to the centres, each centre taking
+    exactly ``F / C`` points, of minimum total squared distance (exact: a minimum-cost
+    assignment over ``F / C`` replicas of every centre)."""
     from scipy.optimize import linear_sum_assignment
-    from sklearn.cluster import KMeans
 
-    w = np.asarray(w_up_DF, np.float64).T  # [F, D]: one point per neuron
-    F = w.shape[0]
-    if n_experts < 1 or F % n_experts:
-        raise ValueError(f"n_experts={n_experts} must divide the hidden width F={F}")
-    w = w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
-    km = KMeans(n_experts, n_init=3, random_state=seed).fit(w)
-    cost_FC = ((w[:, None, :] - km.cluster_centers_[None]) ** 2).sum(-1)
-    seats = np.repeat(np.arange(n_experts), F // n_experts)
+    F, C = points_FD.shape[0], centres_CD.shape[0]
+    cost_FC = ((points_FD[:, None, :] - centres_CD[None]) ** 2).sum(-1)
+    seats = np.repeat(np.arange(C), F // C)
     rows, cols = linear_sum_assignment(cost_FC[:, seats])
     out = np.empty(F, np.int64)
     out[rows] = seats[cols]
     return out
 
 
-def moefication_plan(w_up_DF, b_up_F, n_experts: int, *, seed: int = 0) -> ExpertPlan:
-    """MoEfication's experts (balanced k-means over ``W_up`` columns) and similarity router."""
+def balanced_kmeans_partition(w_up_DF: np.ndarray, n_experts: int, *, seed: int = 0,
+                              max_iter: int = 100) -> np.ndarray:
+    """``expert_of_F [F]``: constrained k-means of the L2-normalised columns of ``w_up`` into
+    ``n_experts`` groups of exactly ``F / n_experts`` (``F % n_experts == 0``): k-means++
+    centres, then :func:`balanced_assignment` and centre updates until the assignment
+    repeats (or ``max_iter`` rounds)."""
+    from sklearn.cluster import kmeans_plusplus
+
+    w = _normalise_rows(np.asarray(w_up_DF, np.float64).T)  # [F, D]: one point per neuron
+    F = w.shape[0]
+    if n_experts < 1 or F % n_experts:
+        raise ValueError(f"n_experts={n_experts} must divide the hidden width F={F}")
+    centres, _ = kmeans_plusplus(w, n_experts, random_state=seed)
+    groups = None
+    for _ in range(max_iter):
+        new = balanced_assignment(w, centres)
+        if groups is not None and np.array_equal(new, groups):
+            break
+        groups = new
+        centres = np.stack([w[groups == c].mean(0) for c in range(n_experts)])
+    return groups
+
+
+def param_centres(w_up_DF: np.ndarray, expert_of_F: np.ndarray, n_experts: int) -> np.ndarray:
+    """``[C, D]``: each expert's mean L2-normalised input weight vector (MoEfication's
+    parameter centres)."""
+    w = _normalise_rows(np.asarray(w_up_DF, np.float64).T)
+    return np.stack([w[expert_of_F == c].mean(0) for c in range(n_experts)]).astype(np.float32)
+
+
+def moefication_plan(w_up_DF, n_experts: int, *, seed: int = 0) -> ExpertPlan:
+    """MoEfication's experts (constrained balanced k-means of the normalised ``W_up``
+    columns) with their parameter centres as router vectors (no bias)."""
     w = np.asarray(w_up_DF, np.float32)
-    b = np.zeros(w.shape[1], np.float32) if b_up_F is None else np.asarray(b_up_F, np.float32)
     expert_of = balanced_kmeans_partition(w, n_experts, seed=seed)
     masks = np.stack([expert_of == c for c in range(n_experts)])
-    router = np.stack([w[:, m].mean(1) for m in masks]).astype(np.float32)
-    bias = np.asarray([b[m].mean() for m in masks], np.float32)
-    return ExpertPlan(masks, router, bias)
+    return ExpertPlan(masks, param_centres(w, expert_of, n_experts),
+                      np.zeros((n_experts,), np.float32))

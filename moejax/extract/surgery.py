@@ -119,9 +119,9 @@ def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, rout
         out["b_up"], out["b_down"] = ffn["b_up"][kept], ffn["b_down"]
     if router == "mlp":
         if router_mlp is None:
-            raise ValueError("router='mlp' needs router_mlp weights (w1, b1, w2, b2)")
+            raise ValueError("router='mlp' needs router_mlp weights (w1, w2)")
         out.update({f"router_{k}": jnp.asarray(router_mlp[k], jnp.float32)
-                    for k in ("w1", "b1", "w2", "b2")})
+                    for k in ("w1", "w2")})
     else:
         out["router"] = jnp.asarray(plan.router_CD, jnp.float32)
         out["router_bias"] = jnp.asarray(plan.router_bias_C, jnp.float32)

@@ -16,12 +16,17 @@ Routers (``router`` in the config; vectors ``r_c`` and biases ``b_c`` come from 
 
 * ``"cosine"`` (MoEE default): ``s_c = x . r_c / |r_c|`` (= cosine up to the token's norm);
 * ``"euclidean"`` (ablation): ``s_c = -|x - r_c|^2``;
-* ``"dot"`` (MoEfication similarity router): ``s_c = x . r_c + b_c``;
-* ``"mlp"`` (MoEfication MLP router): ``s = relu(x R1 + c1) R2 + c2``, trained beforehand.
+* ``"dot"``: ``s_c = x . r_c + b_c``;
+* ``"param"`` (MoEfication's parameter-centre router, Zhang et al. 2022 Sec. 3.2):
+  ``s_c = -|x / |x| - r_c|``, the nearest centre to the normalised input;
+* ``"mlp"`` (MoEfication's MLP router): ``s = tanh((x / |x|) R1) R2``, trained beforehand
+  (:func:`moejax.extract.pipeline.train_mlp_router`);
+* ``"random"`` (MoEE Table 2's random routing): each token to uniformly random experts,
+  drawn from a hash of the token's bits (fixed for a given input, unrelated to its content).
 
 Parameter paths: ``w_up [D, F]``, ``b_up [F]``, ``w_down [F, D]``, ``b_down [D]`` (DenseFFN
 names, trainable); ``masks [C, F]`` (:class:`ExpertMask`), ``router [C, D]``, ``router_bias
-[C]`` or ``router_w1 [D, H]``, ``router_b1 [H]``, ``router_w2 [H, C]``, ``router_b2 [C]``
+[C]`` or ``router_w1 [D, H]``, ``router_w2 [H, C]``
 (:class:`RouterWeights`): not ``nnx.Param``, so fine-tuning keeps the extracted routing.
 
 Two layouts (``layout`` in the config):
@@ -53,7 +58,29 @@ from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
 from moejax.ops.dispatch import DispatchMethod
 
-__all__ = ["ExtractedFFNConfig", "ExtractedFFN", "ExpertMask", "RouterWeights"]
+__all__ = ["ExtractedFFNConfig", "ExtractedFFN", "ExpertMask", "RouterWeights", "random_scores"]
+
+
+def _mix(h):
+    """A 32-bit integer finaliser (MurmurHash3's): every input bit flips each output bit with
+    probability about 1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_scores(x_ND: jax.Array, n_experts: int) -> jax.Array:
+    """``[N, C]`` scores uniform in [0, 1), independent across experts and across distinct
+    tokens: a hash of each token's float32 bits, so the top-k are uniformly random experts that
+    do not depend on what the token means (equal inputs get equal experts)."""
+    bits = jax.lax.bitcast_convert_type(x_ND.astype(jnp.float32), jnp.uint32)
+    odd = jnp.arange(x_ND.shape[-1], dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
+    h = _mix(jnp.sum(_mix(bits ^ (odd * jnp.uint32(0x9E3779B1))) * odd, -1, dtype=jnp.uint32))
+    c = jnp.arange(n_experts, dtype=jnp.uint32)
+    u = _mix(h[:, None] + (c + jnp.uint32(1)) * jnp.uint32(0x9E3779B9))
+    return (u >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
 class ExpertMask(nnx.Variable):
@@ -74,7 +101,7 @@ class ExtractedFFNConfig(FFNSlotConfig):
     top_k: int = 1
     activation: ActivationName = "gelu"
     use_bias: bool = True
-    router: Literal["cosine", "euclidean", "dot", "mlp"] = "cosine"
+    router: Literal["cosine", "euclidean", "dot", "param", "mlp", "random"] = "cosine"
     d_router: int = 0
     layout: Literal["masked", "compact"] = "masked"
     d_expert: int | None = None  # compact layout: neurons per expert (the largest expert's)
@@ -120,8 +147,7 @@ class ExtractedFFN(nnx.Module):
                 self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
             self.masks = ExpertMask(jnp.zeros((C, F), jnp.float32))
         if cfg.router == "mlp":
-            self.router_w1, self.router_b1 = RouterWeights(z(D, H)), RouterWeights(z(H))
-            self.router_w2, self.router_b2 = RouterWeights(z(H, C)), RouterWeights(z(C))
+            self.router_w1, self.router_w2 = RouterWeights(z(D, H)), RouterWeights(z(H, C))
         else:
             self.router, self.router_bias = RouterWeights(z(C, D)), RouterWeights(z(C))
 
@@ -129,15 +155,21 @@ class ExtractedFFN(nnx.Module):
         """Routing scores ``[N, C]`` (float32)."""
         x = x_ND.astype(jnp.float32)
         kind = self.cfg.router
+        if kind == "random":
+            return random_scores(x, self.cfg.n_experts)
+        if kind in ("mlp", "param"):
+            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
         if kind == "mlp":
-            h = jax.nn.relu(x @ self.router_w1[...] + self.router_b1[...])
-            return h @ self.router_w2[...] + self.router_b2[...]
+            return jnp.tanh(x @ self.router_w1[...]) @ self.router_w2[...]
         r = self.router[...].astype(jnp.float32)
         dots = x @ r.T
         if kind == "cosine":
             return dots / jnp.maximum(jnp.linalg.norm(r, axis=-1), 1e-12)
+        sq = jnp.sum(r * r, -1) + jnp.sum(x * x, -1, keepdims=True) - 2.0 * dots
         if kind == "euclidean":
-            return 2.0 * dots - jnp.sum(r * r, -1) - jnp.sum(x * x, -1, keepdims=True)
+            return -sq
+        if kind == "param":
+            return -jnp.sqrt(jnp.maximum(sq, 0.0))
         return dots + self.router_bias[...]
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
