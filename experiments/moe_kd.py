@@ -311,6 +311,10 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     run.note("Shape of the paper's main table (with the MoE teacher: ALL, KA, SAR > GKD > KD; "
              "KD and GKD gain less from the MoE teacher than from the dense one): "
              + "; ".join(f"{k}: {'holds' if v else 'does not hold'}" for k, v in shape.items())
+             + ". KD's loss: " + (f"{cfg.kd.kd_ratio:g} forward KL + "
+                                  f"{1 - cfg.kd.kd_ratio:g} cross-entropy (the official code's "
+                                  "kd-ratio 0.5)" if cfg.kd.kd_ratio < 1 else
+                                  "pure forward KL (kd.kd_ratio=1)")
              + ". SAR runs the paper's two stages per step (router AdamW step, then "
              "distillation under the updated router). Evaluation "
              + ("samples at temperature 1, top-p 1 (the paper's setting)."

@@ -87,7 +87,7 @@ def test_each_method_trains_only_what_it_should(method):
         np.testing.assert_array_equal(np.asarray(v), t0[k.replace("/inner", "")])
 
 
-def test_kd_objective_is_forward_kl_on_dataset_responses():
+def test_kd_objective_is_half_forward_kl_half_ce_on_dataset_responses():
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="kd")
     pair = distill_pair(student, teacher, cfg)
@@ -95,10 +95,18 @@ def test_kd_objective_is_forward_kl_on_dataset_responses():
     loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
     t_logits, _ = teacher(b["inputs"])
     s_logits, _ = student(b["inputs"])
-    want = forward_kl(t_logits, s_logits, b["mask"])
-    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    kl = forward_kl(t_logits, s_logits, b["mask"])
+    # the responses' cross-entropy, by hand: mean over response tokens of -log q(target)
+    logq = np.asarray(jax.nn.log_softmax(s_logits, -1))
+    tgt, msk = np.asarray(b["targets"]), np.asarray(b["mask"])
+    ce = -(np.take_along_axis(logq, tgt[..., None], -1)[..., 0] * msk).sum() / msk.sum()
+    np.testing.assert_allclose(float(loss), 0.5 * float(kl) + 0.5 * ce, rtol=1e-5)
+    np.testing.assert_allclose(float(m["distill"]), float(kl), rtol=1e-5)
+    pure = DistillConfig(method="kd", kd_ratio=1.0)  # the named option: pure forward KL
+    np.testing.assert_allclose(float(distill_loss_fn(pure)(pair, b, jax.random.key(0))[0]),
+                               float(kl), rtol=1e-5)
     # teacher_k = N: the top-k teacher equals the ALL teacher
-    k4 = distill_loss_fn(DistillConfig(method="kd", teacher_k=4))(
+    k4 = distill_loss_fn(DistillConfig(method="kd", teacher_k=4, kd_ratio=1.0))(
         distill_pair(student, teacher, DistillConfig(method="kd", teacher_k=4)), b,
         jax.random.key(0))[0]
     all_ = distill_loss_fn(DistillConfig(method="all", on_policy_fraction=0.0,

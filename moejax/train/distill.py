@@ -7,7 +7,9 @@ loop ("Every Expert Matters", Kim et al. 2025, Sec. 3-4).
 
 :class:`DistillConfig.method`:
 * ``sft``: cross-entropy on the dataset responses (no teacher);
-* ``kd``: forward ``KL(p || q)`` on the dataset responses, teacher top-k (``teacher_k`` > 0
+* ``kd``: ``kd_ratio KL(p || q) + (1 - kd_ratio) CE`` on the dataset responses (forward KL
+  to the teacher plus the responses' cross-entropy; ``kd_ratio`` 0.5 as the paper's official
+  code trains its KD baseline, 1.0 for pure forward KL), teacher top-k (``teacher_k`` > 0
   overrides k, the paper's Fig. 2 sweep);
 * ``gkd``: reverse ``KL(q || p)`` on responses sampled from the student (on-policy; the
   fraction of rows with sampled rather than dataset responses is ``on_policy_fraction``);
@@ -71,6 +73,7 @@ class DistillConfig(Config):
     jsd_beta: float = 0.5
     reduction: Reduction = "token"
     teacher_k: int = 0  # kd / gkd teacher top-k; 0 = as trained
+    kd_ratio: float = 0.5  # kd: weight of the divergence, the rest cross-entropy
     on_policy_fraction: float = 1.0  # rows whose response is sampled from the student
     temperature: float = 1.0  # student sampling (the paper: 1.0, top-p 1.0)
     top_p: float = 1.0
@@ -88,6 +91,7 @@ class DistillConfig(Config):
           f"on_policy_fraction={self.on_policy_fraction} must be in [0, 1]")
         r(0.0 < self.jsd_beta < 1.0, f"jsd_beta={self.jsd_beta} must be in (0, 1)")
         r(self.teacher_k >= 0, f"teacher_k={self.teacher_k} must be >= 0 (0 = as trained)")
+        r(0.0 <= self.kd_ratio <= 1.0, f"kd_ratio={self.kd_ratio} must be in [0, 1]")
         r(0.0 <= self.ka_lambda <= 1.0, f"ka_lambda={self.ka_lambda} must be in [0, 1]")
         r(self.ka_m >= 1, f"ka_m={self.ka_m} must be >= 1")
         r(self.temperature > 0.0, f"temperature={self.temperature} must be > 0")
@@ -285,8 +289,10 @@ def distill_loss_fn(cfg: DistillConfig):
             kl, balance = sar_router_step(pair, inputs, s_logits, mask, k_noise, cfg)
             metrics.update(sar_kl=kl, sar_balance=balance)
         t_logits, _ = pair.teacher(inputs, train=False, key=k_teacher)
-        loss = div(jax.lax.stop_gradient(t_logits), s_logits, mask)
-        return loss, {**metrics, "distill": loss}
+        distill = div(jax.lax.stop_gradient(t_logits), s_logits, mask)
+        loss = (cfg.kd_ratio * distill + (1.0 - cfg.kd_ratio) * metrics["ce"]
+                if cfg.method == "kd" else distill)
+        return loss, {**metrics, "distill": distill}
 
     return loss_fn
 
