@@ -31,6 +31,7 @@ REGISTRY: tuple[str, ...] = (
     "bench_speculative",  # speculative decoding with chunk-sparse verification
     "bench_parallel",  # expert parallelism and its collectives on 8 simulated devices
     "bench_extracted",  # extracted experts: masked vs compact layout, wall-clock time
+    "bench_ders",  # DeRS experts at decode: tokens/s and weight bytes per token
     "substrate_build",  # the cached pretrained starting points
     "darex_controlled",  # DAREx
     "darex_storage",

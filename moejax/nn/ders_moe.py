@@ -46,10 +46,12 @@ from moejax.config import config
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
+from moejax.ops.ders_apply import ders_experts
 from moejax.ops.dispatch import ffn_apply
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
-           "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts"]
+           "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts",
+           "expert_bytes_per_token"]
 
 
 class DeRSIndex(nnx.Variable):
@@ -73,6 +75,11 @@ class DeRSMoEConfig(FFNSlotConfig):
     freeze_shared: keep ``W_shared`` fixed (Table 5 ablation).
     extended: decompose the universal FFN together with the experts (App. A; needs
         ``moe.universal_ffn`` and ``moe.d_universal`` None or equal to ``d_expert``).
+    synthesis: ``"all"`` synthesises every expert's weights and runs ``moe.dispatch``;
+        ``"selected"`` never builds an expert's weights: the shared product once per token
+        plus each selected expert's increment product (:mod:`moejax.ops.ders_apply`; dropless,
+        same values), the serving path (weights read per token: ``W_shared`` + ``k``
+        increments).
     """
 
     moe: MoEConfig = MoEConfig()
@@ -82,6 +89,7 @@ class DeRSMoEConfig(FFNSlotConfig):
     lm_init_std: float | None = None
     freeze_shared: bool = False
     extended: bool = False
+    synthesis: Literal["all", "selected"] = "all"
 
     def validate(self) -> None:
         self._require(0.0 <= self.sm_rate < 1.0,
@@ -144,6 +152,12 @@ class DeltaStack(nnx.Module):
                 setattr(self, f"b_{name}",
                         nnx.Param(jnp.zeros((n, cfg.lm_rank, d_out), param_dtype)))
 
+    def deltas(self) -> dict[str, dict]:
+        """Per matrix the increments as arrays: ``{"idx", "v"}`` (SM) or ``{"a", "b"}`` (LM)."""
+        keys = ("idx", "v") if self.form == "sm" else ("a", "b")
+        return {name: {k: getattr(self, f"{k}_{name}")[...] for k in keys}
+                for name, _ in self.shape_items}
+
     def synthesize(self, name: str, base_IO: jax.Array) -> jax.Array:
         """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment."""
         d_in, d_out = dict(self.shape_items)[name]
@@ -192,6 +206,15 @@ class DeRSMoE(MoESkeleton):
         if m.universal_ffn and cfg.extended:
             self.universal = DeltaStack(1, shapes, cfg, rngs=rngs, param_dtype=param_dtype)
 
+    def experts_out(self, x_ND, r, mask_N):
+        if self.cfg.synthesis == "all":
+            return super().experts_out(x_ND, r, mask_N)
+        stack = self.experts
+        base = {name: self.base.get(name) for name, _ in stack.shape_items}
+        y = ders_experts(x_ND, r.ids_NK, r.weights_NK, base, stack.deltas(),
+                         form=self.cfg.form, activation=self.moe_cfg.activation)
+        return y, jnp.zeros((), jnp.float32)
+
     def expert_weights(self, stack: DeltaStack | None = None):
         """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``."""
         stack = self.experts if stack is None else stack
@@ -228,3 +251,27 @@ def ders_param_counts(cfg: DeRSMoEConfig, d_model: int) -> dict[str, int]:
         index = 0
     return {"shared": dense, "increments": inc, "index": index,
             "trainable": inc + (0 if cfg.freeze_shared else dense), "vanilla": n * dense}
+
+
+def expert_bytes_per_token(cfg: DeRSMoEConfig | MoEConfig, d_model: int, *,
+                           value_bytes: int = 4) -> int:
+    """Expert weight bytes one layer reads for one token at batch 1 (router excluded):
+
+    * vanilla (a :class:`MoEConfig`): the ``k`` selected experts' full matrices;
+    * DeRS, ``synthesis="selected"``: ``W_shared`` once plus ``k`` increments (SM: ``K``
+      values and ``K`` int32 positions per matrix; LM: ``r (d_in + d_out)`` per matrix);
+    * DeRS, ``synthesis="all"``: ``W_shared`` and all ``N`` increments read, the ``N``
+      synthesised copies written and read back.
+    """
+    m = cfg if isinstance(cfg, MoEConfig) else cfg.moe
+    shapes = matrix_shapes(d_model, m.d_expert, is_gated(m.activation))
+    dense = sum(a * b for a, b in shapes.values()) * value_bytes
+    if isinstance(cfg, MoEConfig):
+        return m.top_k * dense
+    if cfg.form == "sm":
+        inc = sum(sm_num_kept(a, b, cfg.sm_rate) for a, b in shapes.values()) * (value_bytes + 4)
+    else:
+        inc = cfg.lm_rank * sum(a + b for a, b in shapes.values()) * value_bytes
+    if cfg.synthesis == "selected":
+        return dense + m.top_k * inc
+    return dense + m.n_experts * inc + 2 * m.n_experts * dense

@@ -1,0 +1,164 @@
+"""Benchmark: what DeRS's compressed experts save at run time (DeRS Sec. 3.4). One dense
+decoder LM upcycled into an MoE three ways: vanilla (``N`` full expert copies), DeRS-SM and
+DeRS-LM (one shared weight plus sparse / low-rank increments per expert), then decoded greedily
+at batch 1. DeRS runs two ways: ``synthesis="all"`` builds every expert's weights each step
+(the training-time formulation); ``"selected"`` applies the shared weight once per token and
+only the selected experts' increments (:mod:`moejax.ops.ders_apply`). The increments are drawn
+at random (non-zero, as after training) and the ``selected`` tokens must equal the ``all``
+tokens.
+
+Each row: decode tokens/s, the weight bytes read per generated token
+(:func:`moejax.nn.ders_moe.expert_bytes_per_token` for the experts, plus every other weight
+once) and the memory-bandwidth bound beside it (the bytes over this machine's copy bandwidth,
+measured here: bytes read plus written by a large numpy copy).
+
+    python -m experiments.bench_ders                 # >= 100M parameters (vanilla), CPU
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.spec_bench import decode_timing
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token
+from moejax.nn.surgery import with_slot_config
+from moejax.pytree import count_params
+from moejax.results import RunDir
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
+
+NAME = "bench_ders"
+
+
+@config
+class DeRSBenchConfig(Config):
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    d_hidden: int = 1408
+    n_experts: int = 8
+    top_k: int = 2
+    sm_rate: float = 0.99
+    lm_rank: int = 16
+    vocab_size: int = 256
+    n_prompts: int = 4
+    prompt_len: int = 16
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    def validate(self) -> None:
+        r = self._require
+        r(1 <= self.top_k <= self.n_experts, "top_k must be in [1, n_experts]")
+        r(0 <= self.sm_rate < 1 and self.lm_rank >= 1, "sm_rate in [0, 1), lm_rank >= 1")
+        r(min(self.n_prompts, self.prompt_len, self.max_new_tokens) >= 1,
+          "n_prompts, prompt_len and max_new_tokens must be >= 1")
+
+
+def make_config(preset: str) -> DeRSBenchConfig:
+    del preset  # one size: >= 100M parameters for the vanilla MoE
+    return DeRSBenchConfig()
+
+
+def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes per second of a large numpy copy, counting bytes read plus bytes written (best
+    of ``repeats``)."""
+    src = np.random.default_rng(0).random(n_bytes // 8)
+    dst = np.empty_like(src)
+    best = np.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def _random_increments(model, seed: int):
+    """Every DeRS increment (SM values, LM ``B``) drawn N(0, 0.02^2), as after training."""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and str(path[-1])[:2] in ("v_", "b_"):
+            var[...] = jnp.asarray(rng.normal(size=var[...].shape) * 0.02, var[...].dtype)
+    return model
+
+
+def _models(cfg: DeRSBenchConfig):
+    dense = DecoderLM(dense_decoder_config(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads, d_hidden=cfg.d_hidden,
+        max_seq_len=cfg.prompt_len + cfg.max_new_tokens + 8), rngs=nnx.Rngs(cfg.seed))
+    moe = UPCYCLE_MOE.replace(n_experts=cfg.n_experts, top_k=cfg.top_k)
+    out = {}
+    for form in ("vanilla", "sm", "lm"):
+        rule = UpcycleConfig(blocks="all", moe=moe, expert_form=form, sm_rate=cfg.sm_rate,
+                             lm_rank=cfg.lm_rank)
+        m = upcycle_model(dense, rule, jax.random.key(cfg.seed))
+        if form == "vanilla":
+            out[("vanilla", "-")] = m
+            continue
+        m = _random_increments(m, cfg.seed + 1)
+        for synthesis in ("all", "selected"):
+            out[(f"DeRS-{form.upper()}", synthesis)] = with_slot_config(m, DeRSMoE,
+                                                                        synthesis=synthesis)
+    return dense, out
+
+
+def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
+    dense, models = _models(cfg)
+    D = cfg.d_model
+    ffn_params = cfg.n_layers * 3 * D * cfg.d_hidden
+    other_bytes = 4 * (count_params(dense) - ffn_params + cfg.n_layers * D * cfg.n_experts)
+    bandwidth = copy_bandwidth()
+    prompts = np.random.default_rng(cfg.seed).integers(
+        3, cfg.vocab_size, (cfg.n_prompts, cfg.prompt_len))
+    rows, tokens = [], {}
+    for (name, synthesis), model in models.items():
+        t = decode_timing(model, prompts, cfg.max_new_tokens)
+        tokens[(name, synthesis)] = t["tokens"]
+        slot = next(m for _, m in nnx.iter_modules(model) if hasattr(m, "moe_cfg"))
+        expert = expert_bytes_per_token(slot.cfg, D)  # the layer's own (possibly changed) cfg
+        per_token = other_bytes + cfg.n_layers * expert
+        rows.append({"model": name, "synthesis": synthesis, "params": count_params(model),
+                     "expert_bytes_per_token": cfg.n_layers * expert,
+                     "weight_bytes_per_token": per_token,
+                     "bound_tokens_per_s": bandwidth / per_token,
+                     "tokens_per_s": t["tokens_per_s"],
+                     "x_bound": bandwidth / per_token / t["tokens_per_s"]})
+    for form in ("SM", "LM"):
+        same = np.array_equal(tokens[(f"DeRS-{form}", "all")],
+                              tokens[(f"DeRS-{form}", "selected")])
+        if not same:
+            raise AssertionError(f"DeRS-{form}: synthesis='selected' decoded other tokens "
+                                 "than synthesis='all'")
+    vanilla = rows[0]
+    for r in rows:
+        r["vs_vanilla_tokens_per_s"] = r["tokens_per_s"] / vanilla["tokens_per_s"]
+        r["vs_vanilla_bytes"] = r["weight_bytes_per_token"] / vanilla["weight_bytes_per_token"]
+    dev = jax.devices()[0]
+    run.table("decode", rows, title=(
+        f"Greedy decoding at batch 1, {cfg.n_prompts} prompts x {cfg.max_new_tokens} new "
+        f"tokens: {cfg.n_layers} layers, d {D}, {cfg.n_experts} SwiGLU experts of width "
+        f"{cfg.d_hidden}, top-{cfg.top_k}; DeRS-SM sparse rate {cfg.sm_rate}, DeRS-LM rank "
+        f"{cfg.lm_rank}; on {dev.platform} ({dev.device_kind}); bound = copy bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (measured) / weight bytes per token; x_bound = bound / "
+        "measured tokens/s"))
+    labels = [f"{r['model']} {r['synthesis']}".replace(" -", "") for r in rows]
+    run.bar_plot("tokens_per_s", labels, [r["tokens_per_s"] for r in rows],
+                 ylabel="tokens/s", title="Decode tokens/s (batch 1)",
+                 hlines={"vanilla's bandwidth bound": vanilla["bound_tokens_per_s"]})
+    best = {r["model"]: r for r in rows if r["synthesis"] in ("-", "selected")}
+    return {"headline": "; ".join(
+        f"{m} {r['tokens_per_s']:.1f} tok/s ({r['vs_vanilla_tokens_per_s']:.2f}x vanilla), "
+        f"{r['weight_bytes_per_token'] / 1e6:.1f} MB/token ({r['vs_vanilla_bytes']:.2f}x)"
+        for m, r in best.items()) + f"; vanilla {vanilla['params'] / 1e6:.1f}M parameters",
+        **{f"{lab} tok/s": round(r["tokens_per_s"], 2) for lab, r in zip(labels, rows)}}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run))
