@@ -20,6 +20,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from moejax.config import Config, config
@@ -157,8 +158,7 @@ def router_bce(logits_NC, mass_NC):
     """Binary cross-entropy with logits against ``mass / max(mass)`` (the max over the whole
     batch, as the authors' code scales its targets)."""
     t = mass_NC / jnp.maximum(jnp.max(mass_NC), 1e-12)
-    return jnp.mean(jnp.maximum(logits_NC, 0) - logits_NC * t
-                    + jnp.log1p(jnp.exp(-jnp.abs(logits_NC))))
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits_NC, t))
 
 
 def _router_loss(net, batch, key=None, train=True):
@@ -181,13 +181,12 @@ def train_mlp_router(x_ND: np.ndarray, y_NF: np.ndarray, plan: ExpertPlan, *,
     """Train :class:`MLPRouterNet` (initialised from ``plan``'s parameter centres) to predict
     each expert's activation mass (:func:`router_targets`) with :func:`router_bce`. Returns
     ``{w1, w2}`` for :func:`extract_model`."""
+    train_cfg = train_cfg or router_train_config(len(x_ND))
     net = MLPRouterNet(plan.router_CD)
     src = ArrayBatches({"inputs": np.asarray(x_ND, np.float32),
                         "targets": router_targets(y_NF, plan.masks_CF)},
-                       batch_size=(train_cfg or router_train_config(len(x_ND))).batch_size,
-                       seed=seed)
-    train(net, src, train_cfg or router_train_config(len(x_ND)), loss_fn=_router_loss,
-          progress=False, desc="mlp router")
+                       batch_size=train_cfg.batch_size, seed=seed)
+    train(net, src, train_cfg, loss_fn=_router_loss, progress=False, desc="mlp router")
     return net.weights()
 
 

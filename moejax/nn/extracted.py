@@ -165,12 +165,10 @@ class ExtractedFFN(nnx.Module):
         dots = x @ r.T
         if kind == "cosine":
             return dots / jnp.maximum(jnp.linalg.norm(r, axis=-1), 1e-12)
+        if kind == "dot":
+            return dots + self.router_bias[...]
         sq = jnp.sum(r * r, -1) + jnp.sum(x * x, -1, keepdims=True) - 2.0 * dots
-        if kind == "euclidean":
-            return -sq
-        if kind == "param":
-            return -jnp.sqrt(jnp.maximum(sq, 0.0))
-        return dots + self.router_bias[...]
+        return -sq if kind == "euclidean" else -jnp.sqrt(jnp.maximum(sq, 0.0))  # param
 
     def __call__(self, x_BTD: jax.Array, *, train: bool = False, key=None, mask_BT=None,
                  segment_ids_BT=None):
