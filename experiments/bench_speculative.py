@@ -11,9 +11,20 @@ on (a) the trained BlockFFN LM of the BlockFFN studies (``experiments.sparse_lm`
 (b) a >= 100M-parameter BlockFFN LM grown from it
 (:func:`experiments.spec_bench.grow_blockffn_lm`: zero-residual extra layers with routers tiled
 from the trained one and calibrated to its TLS, so it predicts the same tokens with the
-trained routing statistics). The draft is a small dense LM trained by the same loop on the
-same data and tokenizer. Every speculative output is checked token for token
-against the autoregressive one.
+trained routing statistics). Drafts (``drafts``):
+
+* ``independent``: a small dense LM trained by the same loop on the same data and tokenizer;
+* ``distilled``: that draft distilled from the target (:func:`moejax.train.draft.distill_draft`:
+  forward KL on the target's greedy continuations of training prompts, or on-policy reverse
+  KL), from the trained small target, whose logits the grown one reproduces exactly;
+* ``self``: the target's first ``self_layers`` layers with its final norm and head (early exit,
+  no training), and ``self distilled``: the same fine-tuned by the same distillation. Fewer
+  layers than the trained model have, so the self-draft of the grown target is not the trained
+  model itself (whose zero-residual extra layers would make it exact by construction).
+
+Each draft's ``agreement`` is the share of positions of the autoregressive output where its
+argmax equals the target's. Every speculative output is checked token for token against the
+autoregressive one.
 
     python -m experiments.bench_speculative
     python -m experiments.bench_speculative preset=full   # GPU, bigger target
@@ -35,8 +46,10 @@ from experiments.spec_bench import (
 from moejax.claims import Claim
 from moejax.config import Config, config
 from moejax.experiment import main
+from moejax.nn.decoder import keep_layers
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"
@@ -52,6 +65,16 @@ class GrowConfig(Config):
 
 
 @config
+class DraftsConfig(Config):
+    """Which drafts run besides the independently trained one (module docstring)."""
+
+    distilled: bool = True
+    self_layers: int = 1  # self-draft: the target's first layers (0 = no self-draft)
+    self_distilled: bool = True
+    distil: DraftDistillConfig = DraftDistillConfig()
+
+
+@config
 class SpecBenchConfig(Config):
     target: SparseLMConfig = SparseLMConfig()
     draft: SparseLMConfig = SparseLMConfig(arch="dense", d_model=32, n_layers=1, n_heads=2,
@@ -63,6 +86,7 @@ class SpecBenchConfig(Config):
     prompt_len: int = 32
     max_new_tokens: int = 96
     grow: GrowConfig = GrowConfig()
+    drafts: DraftsConfig = DraftsConfig()
     seed: int = 0
 
     def validate(self):
@@ -75,6 +99,15 @@ class SpecBenchConfig(Config):
         r(need <= min(self.target.max_seq_len, self.draft.max_seq_len),
           f"prompt_len + max_new_tokens + 2 (max draft_len + 1) = {need} exceeds the models' "
           "max_seq_len")
+        r(0 <= self.drafts.self_layers < self.target.n_layers,
+          f"drafts.self_layers={self.drafts.self_layers} must be in [0, target.n_layers="
+          f"{self.target.n_layers}): a self-draft keeps fewer layers than the trained target")
+        r(self.drafts.self_layers or not self.drafts.self_distilled,
+          "drafts.self_distilled needs drafts.self_layers >= 1")
+        d = self.drafts.distil
+        r(d.prompt_len + d.response_len <= min(self.target.max_seq_len,
+                                                self.draft.max_seq_len),
+          "drafts.distil.prompt_len + response_len exceeds the models' max_seq_len")
 
 
 def make_config(preset: str) -> SpecBenchConfig:
@@ -87,21 +120,30 @@ def make_config(preset: str) -> SpecBenchConfig:
                        grow=GrowConfig(extra_layers=24, n_experts=160, d_expert=1024))
 
 
-def _modes(target, draft, cfg):
-    yield "AR dense", blockffn_path(target, "dense"), None, 0
-    yield "AR token-sparse", blockffn_path(target, "auto", 1), None, 0
-    for n in cfg.draft_lens:
-        yield "spec dense", blockffn_path(target, "dense"), draft, n
-        yield "spec chunk-sparse", blockffn_path(target, "auto", n + 1), draft, n
+def _modes(target, drafts, cfg):
+    """``(mode, target variant, draft name, draft, n)``: the autoregressive baselines, then
+    every draft with chunk-sparse verification (the first draft also with dense)."""
+    yield "AR dense", blockffn_path(target, "dense"), "", None, 0
+    yield "AR token-sparse", blockffn_path(target, "auto", 1), "", None, 0
+    for i, (name, draft) in enumerate(drafts.items()):
+        for n in cfg.draft_lens:
+            if i == 0:
+                yield "spec dense", blockffn_path(target, "dense"), name, draft, n
+            yield "spec chunk-sparse", blockffn_path(target, "auto", n + 1), name, draft, n
 
 
-def _bench(name, target, draft, prompts, cfg, rows):
-    ref = None
-    for mode, model, d, n in tqdm(list(_modes(target, draft, cfg)), desc=name, leave=False):
+def _bench(name, target, drafts, prompts, cfg, rows):
+    ref, agree = None, {}
+    for mode, model, dname, d, n in tqdm(list(_modes(target, drafts, cfg)), desc=name,
+                                         leave=False):
         r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1))
         if mode == "AR dense":
             ref = r
-        row = {"model": name, "params": count_params(target), "mode": mode,
+        if d is not None and dname not in agree:
+            agree[dname] = argmax_agreement(d, target, ref["tokens"])
+        row = {"model": name, "params": count_params(target), "mode": mode, "draft": dname,
+               "draft_params": count_params(d) if d is not None else "",
+               "agreement": agree.get(dname, ""),
                "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
                "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
                "mean_accepted_length": r.get("mean_accepted_length", 1.0),
@@ -116,11 +158,35 @@ def _bench(name, target, draft, prompts, cfg, rows):
     for r in mine:
         r["speedup_vs_AR_token_sparse"] = r["tokens_per_s"] / ar_sparse["tokens_per_s"]
         if r["ffn_fraction_bound"] < 1:  # the sparse path against the dense one, same decoding
-            dense_mode = "AR dense" if r["mode"].startswith("AR") else "spec dense"
-            d = next(x for x in mine if x["mode"] == dense_mode
-                     and x["draft_len"] == r["draft_len"])
-            r["sparse_gain"] = r["tokens_per_s"] / d["tokens_per_s"]
+            dense = [x for x in mine if x["draft_len"] == r["draft_len"] and x["mode"] == (
+                "AR dense" if r["mode"].startswith("AR") else "spec dense")]
+            if dense:
+                r["sparse_gain"] = r["tokens_per_s"] / dense[0]["tokens_per_s"]
             r["gain_bound"] = 1 / r["ffn_fraction_bound"]  # if the FFN were all the time
+
+
+def _drafts(cfg, target, draft, train_src, run) -> dict:
+    """The drafts to time, by name (module docstring), and a note on each."""
+    out = {"independent": draft}
+    dc = cfg.drafts
+    prompts = np.concatenate([train_src.batch(i)["inputs"] for i in range(
+        -(-dc.distil.prompts // cfg.train.batch_size))])
+    how = ("forward KL on the target's greedy continuations" if dc.distil.method == "kd"
+           else "on-policy reverse KL on the draft's own samples")
+    if dc.distilled:
+        out["distilled"], _ = distill_draft(draft, target, prompts, dc.distil, seed=cfg.seed,
+                                            desc="distil draft")
+    if dc.self_layers:
+        out[f"self ({dc.self_layers} layer)"] = self_draft = keep_layers(
+            target, range(dc.self_layers))
+        if dc.self_distilled:
+            out[f"self ({dc.self_layers} layer) distilled"], _ = distill_draft(
+                self_draft, target, prompts, dc.distil, seed=cfg.seed, desc="distil self-draft")
+    run.note(f"Drafts: {', '.join(out)}; distillation ({dc.distil.method}): {how}, "
+             f"{dc.distil.prompts} training prompts of {dc.distil.prompt_len} bytes, "
+             f"{dc.distil.response_len} target tokens each, {dc.distil.train.steps} steps of "
+             f"{dc.distil.train.batch_size}, lr {dc.distil.train.lr}.")
+    return out
 
 
 def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
@@ -137,7 +203,8 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
              f"{cfg.n_prompts} prompts of {cfg.prompt_len} bytes, {cfg.max_new_tokens} new "
              f"tokens each, on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}).")
     rows: list[dict] = []
-    _bench("trained", target, draft, prompts, cfg, rows)
+    drafts = _drafts(cfg, target, draft, train_src, run)
+    _bench("trained", target, drafts, prompts, cfg, rows)
     if cfg.grow.extra_layers:
         big = grow_blockffn_lm(target, extra_layers=cfg.grow.extra_layers,
                                n_experts=cfg.grow.n_experts, d_expert=cfg.grow.d_expert,
@@ -149,7 +216,7 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
                  "router, shifted so the extra layers' TLS matches the trained model's "
                  f"{target_ev['tls']:.3f} on validation tokens): same greedy tokens as the "
                  "trained model by construction.")
-        _bench("grown", big, draft, prompts, cfg, rows)
+        _bench("grown", big, drafts, prompts, cfg, rows)
     run.table("decode", rows, title="Batch-1 greedy decoding: tokens/s, acceptance, TLS and "
               "CLS of the verified blocks (ffn_fraction_bound = the share of expert work the "
               "sparse path needs: 1 - TLS per token, 1 - CLS per verified block; sparse_gain = "
@@ -158,18 +225,25 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     for name in ("trained", "grown"):
         sel = [r for r in rows if r["model"] == name]
         if sel:
-            labels = [f"{r['mode']}" + (f" n={r['draft_len']}" if r["draft_len"] else "")
-                      for r in sel]
+            labels = [r["mode"] + (f" {r['draft']} n={r['draft_len']}" if r["draft_len"]
+                                   else "") for r in sel]
+            ar = {r["mode"]: r["tokens_per_s"] for r in sel if not r["draft_len"]}
             run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
                          ylabel="tokens / s", title=f"Decode speed, {name} target",
-                         hlines={"AR dense": sel[0]["tokens_per_s"]})
+                         hlines={"AR dense": ar["AR dense"],
+                                 "1.5x AR token-sparse": 1.5 * ar["AR token-sparse"]})
     best = {}
     for name in ("trained", "grown"):
-        sel = [r for r in rows if r["model"] == name and r["mode"] == "spec chunk-sparse"]
-        if sel:
+        for dname in dict.fromkeys(r["draft"] for r in rows if r["draft"]):
+            sel = [r for r in rows if r["model"] == name and r["draft"] == dname
+                   and r["mode"] == "spec chunk-sparse"]
+            if not sel:
+                continue
             b = max(sel, key=lambda r: r["tokens_per_s"])
-            best[name] = b
-            run.note(f"- {name} ({b['params'] / 1e6:.2f}M params): best speculative + "
+            if name not in best or b["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = b
+            run.note(f"- {name} ({b['params'] / 1e6:.2f}M params), {dname} draft "
+                     f"(argmax agreement {b['agreement']:.3f}): best speculative + "
                      f"chunk-sparse n={b['draft_len']}: {b['tokens_per_s']:.1f} tokens/s, "
                      f"{b['speedup_vs_AR_dense']:.2f}x AR dense, "
                      f"{b['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, mean accepted "
@@ -182,11 +256,11 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
                            f"{run.path / 'decode.md'} (same_tokens_as_AR)")
     g = best.get("grown") or best.get("trained")
     return {"headline": f"{g['model']} target {g['params'] / 1e6:.1f}M: speculative + "
-            f"chunk-sparse {g['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, "
-            f"{g['speedup_vs_AR_dense']:.2f}x AR dense (n={g['draft_len']}, accepted "
-            f"{g['mean_accepted_length']:.2f})",
-            **{f"{r['model']}_{r['mode'].replace(' ', '_')}_n{r['draft_len']}_tok_s":
-               round(r["tokens_per_s"], 1) for r in rows}}
+            f"chunk-sparse with the {g['draft']} draft {g['speedup_vs_AR_token_sparse']:.2f}x "
+            f"AR token-sparse, {g['speedup_vs_AR_dense']:.2f}x AR dense (n={g['draft_len']}, "
+            f"accepted {g['mean_accepted_length']:.2f})",
+            **{f"{r['model']}_{r['mode'].replace(' ', '_')}_{r['draft'] or 'none'}_"
+               f"n{r['draft_len']}_tok_s": round(r["tokens_per_s"], 1) for r in rows}}
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
@@ -206,7 +280,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                   "decoding at >= 100M parameters, same tokens (Sec. 4.3)",
                   float(best["speedup_vs_AR_token_sparse"]) >= 1.5 and same,
                   f"{float(best['speedup_vs_AR_token_sparse']):.2f}x at n = "
-                  f"{float(best['draft_len']):.0f} ({float(best['tokens_per_s']):.1f} tokens/s, "
+                  f"{float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
+                  f"({float(best['tokens_per_s']):.1f} tokens/s, "
                   f"{float(best['mean_accepted_length']):.2f} accepted per target pass); "
                   f"same tokens as AR: {same}")]
 

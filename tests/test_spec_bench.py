@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm
+from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.pytree import count_params
@@ -57,16 +58,22 @@ def test_bench_speculative_tiny(tmp_path):
     from experiments import bench_speculative as mod
     from moejax.experiment import run_experiment
 
-    args = ["target.d_model=16", "target.n_layers=1", "target.n_experts=4", "target.d_expert=8",
+    args = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",
             "draft.d_model=16", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "draft_lens=(2,)", "n_prompts=1", "prompt_len=8", "max_new_tokens=6",
-            "grow.extra_layers=1", "grow.n_experts=8", "grow.d_expert=8"]
+            "grow.extra_layers=1", "grow.n_experts=8", "grow.d_expert=8",
+            "drafts.distil.prompts=4", "drafts.distil.prompt_len=8",
+            "drafts.distil.response_len=6", "drafts.distil.train.steps=2",
+            "drafts.distil.train.warmup_steps=1", "drafts.distil.train.batch_size=4"]
     summary, run = run_experiment(mod.NAME, mod.make_config, mod.run, args,
                                   claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"trained", "grown"}
-    assert [r["mode"] for r in rows[:4]] == ["AR dense", "AR token-sparse", "spec dense",
-                                            "spec chunk-sparse"]
+    assert [(r["mode"], r["draft"]) for r in rows[:6]] == [
+        ("AR dense", ""), ("AR token-sparse", ""), ("spec dense", "independent"),
+        ("spec chunk-sparse", "independent"), ("spec chunk-sparse", "distilled"),
+        ("spec chunk-sparse", "self (1 layer)")]
+    assert rows[6]["draft"] == "self (1 layer) distilled"
     assert all(r["same_tokens_as_AR"] == "True" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     assert (run.path / "tokens_per_s_grown.png").exists()
@@ -74,3 +81,5 @@ def test_bench_speculative_tiny(tmp_path):
     # the tiny models are far below 100M parameters: the serving claim is not judged
     (claim,) = list(csv.DictReader(open(run.path / "claims.csv")))
     assert claim["verdict"] == "not measured" and "100M" in claim["evidence"]
+    with pytest.raises(ConfigError, match="self_layers"):  # the whole trained target: no
+        mod.make_config("quick").replace(drafts=mod.DraftsConfig(self_layers=2))
