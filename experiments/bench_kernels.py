@@ -3,13 +3,20 @@ matmul), against their bounds.
 
 (a) ``ffn``: one BlockFFN layer's experts on a chunk of ``n`` tokens whose union of active
 experts is a fraction ``|U| / E`` of the experts (:func:`experiments.bench.union_activations`,
-every token active on every union expert). Paths: ``dense`` (every expert), ``ragged``
-(``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union`` and
-``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``), and
-the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode, which is
-no speed measurement, so their rows say "not measured"). Bound: ``dense time x |U| / E``; on
-GPU also the achieved bandwidth (bytes of the union's expert weights read per call) against
-``peak_gbps``.
+every token active on every union expert). Paths: ``dense`` (every expert), ``dense_union``
+(the dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping),
+``ragged`` (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union``
+and ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``),
+and the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode,
+which is no speed measurement, so their rows say "not measured"). Bound: ``dense time x |U|
+/ E``; on GPU also the achieved bandwidth (bytes of the union's expert weights read per call)
+against ``peak_gbps``. The paths of one (n, |U|) are timed round-robin (each call sees the
+caches the others leave, as one layer among many would). ``union_breakdown`` splits each
+union path's distance to the bound into two measured factors, ``x_bound = overhead x
+dense_scaling``: ``overhead`` = its time over ``dense_union``'s (what the union path adds:
+finding the union, gathering, one small product per member) and ``dense_scaling`` =
+``dense_union``'s time over the bound (how far the dense computation itself is from
+proportional to the experts it reads: caches, matmul shapes).
 
 (b) ``gmm``: forward + backward (dX and dW) of a grouped matmul ``[M, K] x [G, K, N]`` with
 random group sizes: ``ragged`` (``jax.lax.ragged_dot``), ``gmm`` (the Pallas kernels; GPU
@@ -28,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.bench import kernel_unavailable, time_call, union_activations
+from experiments.bench import kernel_unavailable, time_call, time_interleaved, union_activations
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.kernels.chunk_union import chunk_union_kernel
@@ -38,7 +45,8 @@ from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 
 NAME = "bench_kernels"
-FfnPath = Literal["dense", "ragged", "chunk_union", "chunk_union_gather", "pallas", "triton"]
+FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
+                  "triton"]
 GmmPath = Literal["dense", "ragged", "gmm"]
 
 
@@ -55,8 +63,8 @@ class FfnShape(Config):
 @config
 class BenchKernelsConfig(Config):
     ffn: FfnShape = FfnShape()
-    ffn_paths: tuple[FfnPath, ...] = ("dense", "ragged", "chunk_union", "chunk_union_gather",
-                                      "pallas", "triton")
+    ffn_paths: tuple[FfnPath, ...] = ("dense", "dense_union", "ragged", "chunk_union",
+                                      "chunk_union_gather", "pallas", "triton")
     chunk_sizes: tuple[int, ...] = (1, 8, 32)
     union_fractions: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
     gmm_paths: tuple[GmmPath, ...] = ("dense", "ragged", "gmm")
@@ -123,23 +131,34 @@ def bench_ffn(cfg: BenchKernelsConfig, key) -> list[dict]:
         size = max(1, round(u * s.n_experts))
         x = jax.random.normal(jax.random.fold_in(k_x, n), (n, s.d_model)).astype(dt)
         a = union_activations(jax.random.fold_in(k_a, n * 1000 + size), n, s.n_experts, size)
-        dense_s = None
+        fns, job = {}, []
         for path in cfg.ffn_paths:
             row = {"n": n, "union_fraction": size / s.n_experts, "union": size, "path": path}
+            job.append(row)
             why = kernel_unavailable(path)
             if why:
-                rows.append({**row, "note": why})
+                row["note"] = why
                 continue
-            t = time_call(jax.jit(_ffn_fn(path, cfg, size)), x, a, wu, wd,
-                          warmup=cfg.warmup, repeats=cfg.repeats)
-            dense_s = t["median_s"] if path == "dense" else dense_s
-            row["ms"] = t["median_s"] * 1e3
+            # dense_union: |U| experts' weights of their own (sliced here, not in the call)
+            args = ((x, a[:, :size], wu[:size], wd[:size]) if path == "dense_union"
+                    else (x, a, wu, wd))
+            fn = jax.jit(_ffn_fn("dense" if path == "dense_union" else path, cfg, size))
+            fns[path] = lambda fn=fn, args=args: fn(*args)
+        # round-robin: every path sees the caches the others leave, as a layer among layers
+        times = time_interleaved(fns, warmup=cfg.warmup, repeats=cfg.repeats)
+        dense_s = times["dense"]["median_s"] if "dense" in times else None
+        for row in job:
+            if row["path"] not in times:
+                rows.append(row)
+                continue
+            t = times[row["path"]]["median_s"]
+            row["ms"] = t * 1e3
             if dense_s is not None:
                 bound = dense_s * size / s.n_experts
                 row["bound_ms"] = bound * 1e3
-                row["x_bound"] = t["median_s"] / bound
+                row["x_bound"] = t / bound
             read = 2 * size * s.d_model * s.d_expert * dt.itemsize
-            row["gbps"] = read / t["median_s"] / 1e9
+            row["gbps"] = read / t / 1e9
             if cfg.peak_gbps:
                 row["frac_of_peak"] = row["gbps"] / cfg.peak_gbps
             rows.append(row)
@@ -196,6 +215,42 @@ def bench_gmm(cfg: BenchKernelsConfig, key) -> list[dict]:
     return rows
 
 
+def union_breakdown(rows: list[dict]) -> list[dict]:
+    """Per union path, chunk size and union size: ``x_bound = overhead x dense_scaling``
+    (module docstring), from the rows of :func:`bench_ffn`."""
+    ms = {(r["n"], r["union"], r["path"]): r for r in rows if "ms" in r}
+    out = []
+    for (n, u, path), r in ms.items():
+        ref = ms.get((n, u, "dense_union"))
+        if path not in ("chunk_union", "chunk_union_gather", "pallas", "triton") or not ref \
+                or "bound_ms" not in r:
+            continue
+        out.append({"n": n, "union_fraction": r["union_fraction"], "path": path,
+                    "x_bound": r["x_bound"], "overhead": r["ms"] / ref["ms"],
+                    "dense_scaling": ref["ms"] / r["bound_ms"]})
+    return out
+
+
+def _breakdown_note(parts: list[dict], limit: float = 1.3, lo: float = 0.25) -> str:
+    """Of the jnp union path's cases beyond ``limit`` x the bound (``|U|/E >= lo``), how many
+    are beyond it because of its own overhead and how many because the dense computation
+    itself does not scale down with the experts."""
+    miss = [p for p in parts if p["path"] == "chunk_union" and p["union_fraction"] >= lo
+            and p["x_bound"] > limit]
+    if not miss:
+        return f"chunk_union: no case beyond {limit}x of the bound with |U|/E >= {lo:.0%}"
+    own = [p for p in miss if p["overhead"] > limit]
+    fmt = lambda ps: ", ".join(  # noqa: E731
+        f"n={p['n']} |U|/E={p['union_fraction']:.2f} ({p['x_bound']:.2f}x = "
+        f"{p['overhead']:.2f} x {p['dense_scaling']:.2f})" for p in ps)
+    return (f"chunk_union beyond {limit}x of the bound in {len(miss)} cases with |U|/E >= "
+            f"{lo:.0%}: {len(own)} by its own overhead over the dense computation on the same "
+            f"experts (overhead > {limit}x: {fmt(own) or 'none'}), {len(miss) - len(own)} "
+            f"because that dense computation is itself beyond the proportional bound "
+            f"({fmt([p for p in miss if p not in own]) or 'none'}); x_bound = overhead x "
+            "dense_scaling")
+
+
 def _ffn_summary(rows: list[dict]) -> tuple[str, list[str]]:
     """A headline about the CPU/GPU target of the jnp union path and the kernels."""
     notes = []
@@ -239,6 +294,11 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
             run.line_plot(f"ffn_n{n}", series, xlabel="union fraction |U|/E",
                           ylabel="ms per call", markers=True,
                           title=f"Expert FFN time, chunk of {n} token(s), {where}")
+    parts = union_breakdown(ffn_rows)
+    run.table("union_breakdown", parts, title=(
+        "Where the union paths' time goes: x_bound = overhead (time / dense_union's: the union "
+        "bookkeeping and per-member products) x dense_scaling (dense_union / bound: the dense "
+        "computation on |U| experts against dense x |U|/E)"))
     gmm_rows = bench_gmm(cfg, jax.random.fold_in(key, 1))
     run.table("gmm", gmm_rows, title=(
         f"(b) Grouped matmul forward + backward (dX, dW), {cfg.precision}, on {where}; dense = "
@@ -246,6 +306,7 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
     headline, notes = _ffn_summary(ffn_rows)
     for line in notes:
         run.note(f"- {line}")
+    run.note("- " + _breakdown_note(parts))
     gm = [r for r in gmm_rows if r["path"] == "gmm" and "speedup_vs_ragged" in r]
     run.note("- gmm: " + ("; ".join(
         f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: {r['speedup_vs_ragged']:.2f}x ragged_dot, "

@@ -78,6 +78,23 @@ def _claims(name: str, path: Path) -> list[Claim]:
         return [Claim("the study's claims", None, f"tables not readable: {e!r}")]
 
 
+def _notes(summary: str) -> list[str]:
+    """The run's notes: the paragraphs of its summary after the wall time and before the
+    first table, without the claims (the section lists them from the tables)."""
+    out, started, in_claims = [], False, False
+    for para in (p.strip() for p in summary.split("\n\n")):
+        if para.startswith("_wall"):
+            started = True
+        elif started and para.startswith("### "):
+            break
+        elif started and para.startswith("Paper claims:"):
+            in_claims = True
+        elif started and para and not (in_claims and para.startswith("- **")):
+            in_claims = False
+            out.append(para)
+    return out
+
+
 def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[Claim]]:
     record = json.loads((path / "run.json").read_text())
     cfg = json.loads((path / "config.json").read_text())
@@ -95,6 +112,12 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
         parts += ["Paper claims:", "", claims_markdown(claims)]
     if head and not head.startswith("_wall"):
         parts += [f"Headline: {head}", ""]
+    first = path / "seed_0" / "summary.md"  # repeated runs: the notes of the first one
+    notes = _notes(first.read_text() if first.is_file() else summary)
+    if notes and first.is_file():
+        parts += ["Notes of seed run 0:", ""]
+    for para in notes:
+        parts += [para, ""]
     dest = assets / name
     dest.mkdir(parents=True, exist_ok=True)
     for csv_name in _TABLE_LINK.findall(summary):

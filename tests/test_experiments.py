@@ -111,7 +111,7 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
     import csv
 
     ffn = list(csv.DictReader(open(run.path / "ffn.csv")))
-    assert len(ffn) == 2 * 2 * 6  # chunk sizes x fractions x paths
+    assert len(ffn) == 2 * 2 * 7  # chunk sizes x fractions x paths
     for r in ffn:
         if r["path"] in ("pallas", "triton") and jax.default_backend() == "cpu":
             assert r["note"].startswith("not measured") and not r["ms"]
@@ -126,9 +126,40 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
     assert float(gmm[1]["speedup_vs_ragged"]) == 1.0
     assert (run.path / "ffn_n1.png").exists() and (run.path / "ffn_n4.png").exists()
     assert "chunk_union: within 1.3x" in (run.path / "summary.md").read_text()
+    parts = list(csv.DictReader(open(run.path / "union_breakdown.csv")))
+    assert {(r["n"], r["path"]) for r in parts} == {
+        (n, p) for n in ("1", "4") for p in ("chunk_union", "chunk_union_gather")}
+    for p in parts:  # the two factors multiply to the distance from the bound
+        assert float(p["overhead"]) * float(p["dense_scaling"]) == pytest.approx(
+            float(p["x_bound"]), rel=1e-6)
     with pytest.raises(ConfigError, match="union_fractions"):
         run_experiment("bench_kernels", bench_kernels.make_config, bench_kernels.run,
                        ["union_fractions=(0.0,)"], out=tmp_path / "bad")
+
+
+def test_union_breakdown_splits_the_distance_to_the_bound():
+    from experiments.bench_kernels import _breakdown_note, union_breakdown
+
+    def row(path, u, ms, bound=None):
+        r = {"n": 4, "union": u, "union_fraction": u / 8, "path": path, "ms": ms}
+        if bound:
+            r.update(bound_ms=bound, x_bound=ms / bound)
+        return r
+
+    # bound = dense 8 ms x |U| / 8: 2 ms at |U| = 2, 4 ms at |U| = 4
+    rows = [row("dense", 2, 8.0, 2.0), row("dense_union", 2, 2.4, 2.0),
+            row("chunk_union", 2, 4.8, 2.0), row("dense", 4, 8.0, 4.0),
+            row("dense_union", 4, 5.6, 4.0), row("chunk_union", 4, 6.16, 4.0),
+            {"n": 4, "union": 4, "path": "pallas", "note": "not measured"}]
+    got = {r["union_fraction"]: r for r in union_breakdown(rows)}
+    assert set(got) == {0.25, 0.5}
+    assert got[0.25]["overhead"] == pytest.approx(2.0)         # 4.8 / 2.4
+    assert got[0.25]["dense_scaling"] == pytest.approx(1.2)    # 2.4 / 2
+    assert got[0.5]["overhead"] == pytest.approx(1.1)          # 6.16 / 5.6
+    assert got[0.5]["dense_scaling"] == pytest.approx(1.4)
+    note = _breakdown_note(list(got.values()))
+    assert "in 2 cases" in note and "1 by its own overhead" in note
+    assert "n=4 |U|/E=0.25 (2.40x = 2.00 x 1.20)" in note
 
 
 def test_main_job_rejects_bad_arguments(capsys):
@@ -197,3 +228,27 @@ def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
     with pytest.raises(Exception, match="DATAxEXPERT"):
         bench_parallel.make_config("quick").replace(meshes=("8by1",))
 
+
+
+def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
+    from experiments import bench_extracted
+
+    _, run = run_experiment(
+        "bench_extracted", bench_extracted.make_config, bench_extracted.run,
+        ["d_model=16", "d_hidden=40", "experts=4", "keep=0.5", "batches=(2,5)", "seq_len=3",
+         "repeats=1"], out=tmp_path / "bench_extracted")
+    import csv
+
+    rows = list(csv.DictReader(open(run.path / "ffn_time.csv")))
+    assert [(r["tokens"], r["plan"], r["layout"]) for r in rows[:5]] == [
+        ("6", "-", "dense"), ("6", "equal", "masked"), ("6", "equal", "compact"),
+        ("6", "skewed", "masked"), ("6", "skewed", "compact")]
+    assert {r["tokens"] for r in rows} == {"6", "15"}
+    eq = next(r for r in rows if r["plan"] == "equal")
+    sk = next(r for r in rows if r["plan"] == "skewed")
+    assert float(eq["kept_share"]) == pytest.approx(0.5)  # 20 of 40 neurons per expert
+    assert float(eq["padded_share"]) == pytest.approx(0.5)
+    assert float(sk["padded_share"]) == pytest.approx(30 / 40)  # the largest: 1.5 x 20
+    assert "target (0.8x the MAC saving at 6 tokens)" in (run.path / "summary.md").read_text()
+    with pytest.raises(Exception, match="batches"):
+        bench_extracted.make_config("quick").replace(batches=())

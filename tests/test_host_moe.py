@@ -210,3 +210,34 @@ def test_act_into_matches_jax_values_and_derivative(activation):
     assert np.all(np.isfinite(a)) and np.all(np.isfinite(d))
     with pytest.raises(ValueError, match="unknown activation"):
         base_activation("mish")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_expert_widths_skip_each_experts_padding(activation):
+    """Experts of widths 10, 3, 7, 1 padded to 10: with ``widths_E`` the kernel computes only
+    each expert's own units (garbage past them is never read), equal to the dense oracle on
+    the zero-padded weights, and under differentiation (full width) the gradients are the
+    oracle's too."""
+    x, ids, w, wu, wd, wg = _case(3, activation, f=10)
+    widths = np.asarray([10, 3, 7, 1])
+    keep = (np.arange(10)[None, :] < widths[:, None]).astype(np.float32)  # [E, F]
+    zero = lambda a, ax: None if a is None else a * jnp.expand_dims(keep, ax)  # noqa: E731
+    wu0, wd0, wg0 = zero(wu, 1), zero(wd, 2), zero(wg, 1)
+    want = dispatch_dense(x, ids, w, wu0, wd0, wg0, activation=activation).y_ND
+    junk = lambda a, ax: None if a is None else a + 5.0 * (1 - jnp.expand_dims(keep, ax))  # noqa: E731
+    got, _ = hm.host_moe(x, ids, w, junk(wu, 1), junk(wd, 2), junk(wg, 1),
+                         activation=activation, widths_E=widths)
+    np.testing.assert_allclose(got, want, **TOL)
+    ignored, _ = hm.host_moe(x, ids, w, junk(wu, 1), junk(wd, 2), junk(wg, 1),
+                             activation=activation)
+    assert float(jnp.max(jnp.abs(ignored - want))) > 1e-2  # without widths the junk is read
+    ct = jnp.asarray(np.random.default_rng(0).normal(size=want.shape), jnp.float32)
+    oracle = lambda x, ids, w, a, b, c: (dispatch_dense(  # noqa: E731
+        x, ids, w, a, b, c, activation=activation).y_ND, jnp.int32(0))
+    with_w = lambda x, ids, w, a, b, c: hm.host_moe(  # noqa: E731
+        x, ids, w, a, b, c, activation=activation, widths_E=widths)
+    args = (x, ids, w, wu0, wd0, wg0)
+    _assert_same(_grads(with_w, args, ct), _grads(oracle, args, ct))
+    out = dispatch("auto", x, ids, w, wu0, wd0, wg0, activation=activation,
+                   expert_widths_E=widths)
+    np.testing.assert_allclose(out.y_ND, want, **TOL)

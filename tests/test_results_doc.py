@@ -35,6 +35,7 @@ def test_granularity_claim_reads_its_table():
 def _study(cfg, run: RunDir) -> dict:
     run.table("granularity", [{"n_experts": 4, "val_ppl": 9.0 + cfg.seed},
                               {"n_experts": 8, "val_ppl": 8.0}])
+    run.note("- the caveat of this run")
     return {"headline": f"seed {cfg.seed}"}
 
 
@@ -57,6 +58,8 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     assert "| blockffn_granularity | Finer experts lower PPL at equal FFN width" in doc
     assert "- seeds: seed = 0, 1" in doc and "repeat=2`" in doc
     assert "| 4 | 9.5 | 0.7071 |" in doc  # the merged table: mean and std over the seeds
+    assert "- the caveat of this run" in doc  # the run's notes, and its claims once
+    assert doc.count("**holds**: Finer experts lower PPL") == 1
     assert (tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv").is_file()
 
 

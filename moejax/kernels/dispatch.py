@@ -73,38 +73,44 @@ def _bucketed(*args, activation, capacity_factor, valid_N, priority):
 
 
 def _host(*args, activation, capacity_factor, valid_N, priority, capacity=None,
-          check_backend=True):
+          check_backend=True, widths_E=None):
     x_ND, ids_NK = args[0], args[1]
     y, n_dropped = host_moe(*args, activation=activation, capacity=capacity, valid_N=valid_N,
-                            priority=priority, check_backend=check_backend)
+                            priority=priority, widths_E=widths_E, check_backend=check_backend)
     n_real = x_ND.shape[0] if valid_N is None else jnp.sum(valid_N)
     frac = n_dropped / jnp.maximum(n_real * ids_NK.shape[1], 1)
     return DispatchOut(y, n_dropped, frac.astype(jnp.float32))
 
 
-def _host_capacity(*args, activation, capacity_factor, valid_N, priority):
+def _host_capacity(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     x_ND, ids_NK, w_up_EDF = args[0], args[1], args[3]
     cap = expert_capacity(x_ND.shape[0], ids_NK.shape[1], w_up_EDF.shape[0], capacity_factor)
     return _host(*args, activation=activation, capacity_factor=capacity_factor,
-                 valid_N=valid_N, priority=priority, capacity=cap)
+                 valid_N=valid_N, priority=priority, capacity=cap, widths_E=widths_E)
 
 
-def _one_device(*args, activation, capacity_factor, valid_N, priority):
+def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     """The fastest dropless path of the platform the program is lowered for: the host kernel
     on a CPU, the Pallas grouped matmul on a GPU or TPU."""
     kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
               priority=priority)
-    arrays = [a for a in args if a is not None]
+    every = (*args, widths_E)
+    arrays = [a for a in every if a is not None]
 
     def rebuild(flat):
         it = iter(flat)
-        return tuple(next(it) if a is not None else None for a in args)
+        return tuple(next(it) if a is not None else None for a in every)
 
-    cpu = (functools.partial(_host, check_backend=False) if activation in HOST_ACTIVATIONS
-           else _grouped)
-    branch = lambda fn: lambda *flat: fn(*rebuild(flat), **kw)  # noqa: E731
-    # one accelerator branch: gmm picks Triton or Mosaic itself (each branch is traced)
-    return jax.lax.platform_dependent(*arrays, cpu=branch(cpu), default=branch(_gmm))
+    def cpu(*flat):
+        *a, widths = rebuild(flat)
+        if activation in HOST_ACTIVATIONS:
+            return _host(*a, check_backend=False, widths_E=widths, **kw)
+        return _grouped(*a, **kw)
+
+    def accelerator(*flat):  # gmm picks Triton or Mosaic itself (each branch is traced)
+        return _gmm(*rebuild(flat)[:-1], **kw)
+
+    return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
 
 
 def _mesh():
@@ -132,7 +138,7 @@ def _expert_parallel(*args, activation, capacity_factor, valid_N, priority, capa
                                     valid_N=valid_N)
 
 
-def _auto(*args, activation, capacity_factor, valid_N, priority):
+def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     """Expert parallelism under a data x expert mesh; one device: the platform's kernel;
     several devices and no mesh: ``grouped`` (plain jnp for the SPMD partitioner)."""
     kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
@@ -141,7 +147,7 @@ def _auto(*args, activation, capacity_factor, valid_N, priority):
         return _expert_parallel(*args, **kw)
     if jax.device_count() > 1:
         return _grouped(*args, **kw)
-    return _one_device(*args, **kw)
+    return _one_device(*args, widths_E=widths_E, **kw)
 
 
 PATHS: dict[str, Callable[..., DispatchOut]] = {
@@ -169,15 +175,24 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     return "host" if jax.default_backend() == "cpu" else "gmm"
 
 
+_TAKE_WIDTHS = ("auto", "host", "host_capacity")
+
+
 def dispatch(
     method: DispatchMethod, x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
     *, activation: str, capacity_factor: float = 1.0, valid_N=None, priority: str = "choice",
+    expert_widths_E=None,
 ) -> DispatchOut:
-    """Run the dispatch path named ``method`` (``"auto"`` or a key of :data:`PATHS`)."""
+    """Run the dispatch path named ``method`` (``"auto"`` or a key of :data:`PATHS`).
+    ``expert_widths_E`` (int ``[E]``, optional): experts of different widths zero-padded to one
+    width; the host kernel skips each expert's padding when it runs, every other path computes
+    it (zeros: the result is the same)."""
     path = _auto if method == "auto" else PATHS.get(method)
     if path is None:
         raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', "
                          + ", ".join(repr(k) for k in PATHS))
+    kw = {"widths_E": expert_widths_E} if expert_widths_E is not None and (
+        method in _TAKE_WIDTHS) else {}
     return path(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF,
                 activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
-                priority=priority)
+                priority=priority, **kw)

@@ -37,8 +37,9 @@ Two layouts (``layout`` in the config):
   expert's neurons copied into contiguous weights ``w_up [C, D (+1), d_expert]`` (the up
   bias folded in as an extra input row), ``w_down [C, d_expert, D (+1)]``, zero-padded to the
   largest expert; tokens go to their experts through the MoE dispatch (``dispatch``: the host
-  kernel on a CPU, the grouped-matmul kernel on GPU/TPU), so a token computes only its
-  expert's neurons. Exact for one expert per token, or for disjoint experts (MoEfication).
+  kernel on a CPU, which skips each expert's padding, the grouped-matmul kernel on GPU/TPU),
+  so a token computes only its expert's neurons. Exact for one expert per token, or for
+  disjoint experts (MoEfication).
 
 ``aux``: ``expert_ids [B, T, k]``, ``load [C]`` (share of real tokens' assignments per expert),
 ``active_neurons`` (mean hidden neurons used per real token). No auxiliary loss.
@@ -209,5 +210,6 @@ class ExtractedFFN(nnx.Module):
         valid_N = None if mask_BT is None else mask_BT.reshape(-1) > 0
         out = dispatch(cfg.dispatch, x_ND, ids_NK, jnp.ones(ids_NK.shape, dt),
                        self.w_up[...].astype(dt), self.w_down[...].astype(dt), None,
-                       activation=cfg.activation, valid_N=valid_N)
+                       activation=cfg.activation, valid_N=valid_N,
+                       expert_widths_E=self.sizes[...].astype(jnp.int32))
         return out.y_ND[:, :self.d_model].astype(dt), sel_NC @ self.sizes[...]

@@ -198,15 +198,22 @@ def _combine_into(y: np.ndarray, rows_S: np.ndarray, row_A: np.ndarray, wts_NK,
 
 # -- the two callbacks -----------------------------------------------------------------------
 
-def _forward_np(ctx, outs, x_ND, ids_NK, weights_NK, real_N, w_up, w_down, *w_gate,
+def _rows(buf: np.ndarray, r: int, f: int) -> np.ndarray:
+    """A contiguous ``[r, f]`` view of the start of the scratch buffer ``buf``."""
+    return buf.reshape(-1)[:r * f].reshape(r, f)
+
+
+def _forward_np(ctx, outs, x_ND, ids_NK, weights_NK, real_N, widths_E, w_up, w_down, *w_gate,
                 activation: str, capacity, priority: str, keep: bool):
     """``outs = (y_ND, n_dropped[, *residuals])``, the residuals (only with ``keep``) those of
-    :func:`_residual_names`: row ``i`` for the layout's ``i``-th kept assignment, the rest 0."""
+    :func:`_residual_names`: row ``i`` for the layout's ``i``-th kept assignment, the rest 0.
+    Without ``keep``, expert ``e`` computes only its first ``widths_E[e]`` hidden units."""
     del ctx
     advise_huge_pages(*outs)
     x, w_up, w_down = _f32(x_ND), _f32(w_up), _f32(w_down)
     w_gate = _f32(w_gate[0]) if w_gate else None
     ids, wts = np.asarray(ids_NK), _f32(weights_NK)
+    widths = np.asarray(widths_E)
     n, k = ids.shape
     d, f = x.shape[1], w_up.shape[2]
     lay = _layout(ids, np.asarray(real_N), w_up.shape[0], capacity, priority)
@@ -221,16 +228,17 @@ def _forward_np(ctx, outs, x_ND, ids_NK, weights_NK, real_N, w_up, w_down, *w_ga
 
     def expert(e, a, b, ws):
         r = b - a
+        fe = f if keep else min(f, int(widths[e]))
         xe = ws.narrow[0][:r]
         np.take(x, tok_S[a:b], axis=0, out=xe, mode="clip")
-        u = ws.wide[0][:r]
-        np.matmul(xe, w_up[e], out=u)
-        h = H[a:b] if H is not None else ws.wide[1][:r]
+        u = _rows(ws.wide[0], r, fe)
+        np.matmul(xe, w_up[e][:, :fe], out=u)
+        h = H[a:b] if H is not None else _rows(ws.wide[1], r, fe)
         m = M[a:b] if M is not None else None
-        tmp, tmp2 = ws.wide[3][:r], ws.wide[4][:r]
+        tmp, tmp2 = _rows(ws.wide[3], r, fe), _rows(ws.wide[4], r, fe)
         if w_gate is not None:
-            g = ws.wide[2][:r]
-            np.matmul(xe, w_gate[e], out=g)
+            g = _rows(ws.wide[2], r, fe)
+            np.matmul(xe, w_gate[e][:, :fe], out=g)
             act_g = A[a:b] if A is not None else h
             act_into(act, g, act_g, m, tmp, tmp2)   # A = act(g), M = act'(g) ...
             if m is not None:
@@ -238,7 +246,7 @@ def _forward_np(ctx, outs, x_ND, ids_NK, weights_NK, real_N, w_up, w_down, *w_ga
             np.multiply(act_g, u, out=h)
         else:
             act_into(act, u, h, m, tmp, tmp2)
-        np.matmul(h, w_down[e], out=Y[a:b])
+        np.matmul(h, w_down[e][:fe], out=Y[a:b])
 
     _run(expert, _tasks(lay.starts_E1, host_threads()), d, f)
     for r in (res if keep else [Y]):  # rows no assignment owns: zero (the dropped ones' row)
@@ -350,26 +358,29 @@ def _fwd_shapes(x, ids, w_up, w_gate, keep: bool):
                   for name in _residual_names(w_gate is not None)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _host_moe(x, ids, weights, real, w_up, w_down, w_gate, activation, capacity, priority):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _host_moe(x, ids, weights, real, widths, w_up, w_down, w_gate, activation, capacity,
+              priority):
     fn = functools.partial(_forward_np, activation=activation, capacity=capacity,
                            priority=priority, keep=False)
     gate = () if w_gate is None else (w_gate,)
-    return _call(fn, _fwd_shapes(x, ids, w_up, w_gate, False), x, ids, weights, real, w_up,
-                 w_down, *gate)
+    return _call(fn, _fwd_shapes(x, ids, w_up, w_gate, False), x, ids, weights, real, widths,
+                 w_up, w_down, *gate)
 
 
-def _fwd(x, ids, weights, real, w_up, w_down, w_gate, activation, capacity, priority):
+def _fwd(x, ids, weights, real, widths, w_up, w_down, w_gate, activation, capacity, priority):
+    # the residuals cover every hidden unit: the backward runs at full width (equal to the
+    # truncated forward's gradient when the weights past each width are zero)
     fn = functools.partial(_forward_np, activation=activation, capacity=capacity,
                            priority=priority, keep=True)
     gate = () if w_gate is None else (w_gate,)
     y, n_drop, *res = _call(fn, _fwd_shapes(x, ids, w_up, w_gate, True), x, ids, weights, real,
-                            w_up, w_down, *gate)
-    return (y, n_drop), (x, ids, weights, real, w_up, w_down, w_gate, tuple(res))
+                            widths, w_up, w_down, *gate)
+    return (y, n_drop), (x, ids, weights, real, widths, w_up, w_down, w_gate, tuple(res))
 
 
 def _bwd(activation, capacity, priority, saved, cts):
-    x, ids, weights, real, w_up, w_down, w_gate, res = saved
+    x, ids, weights, real, widths, w_up, w_down, w_gate, res = saved
     dy = cts[0]
     fn = functools.partial(_backward_np, activation=activation, capacity=capacity,
                            priority=priority)
@@ -381,7 +392,7 @@ def _bwd(activation, capacity, priority, saved, cts):
     dx, dweights, dw_up, dw_down, *dw_gate = _call(fn, shapes, dy, x, ids, weights, real,
                                                    w_up, w_down, *res, *gate, aliases=aliases)
     f0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    return (dx, f0(ids), dweights, f0(real), dw_up, dw_down,
+    return (dx, f0(ids), dweights, f0(real), f0(widths), dw_up, dw_down,
             dw_gate[0] if w_gate is not None else None)
 
 
@@ -390,11 +401,14 @@ _host_moe.defvjp(_fwd, _bwd)
 
 def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
              activation: str, capacity: int | None = None, valid_N=None,
-             priority: str = "choice", check_backend: bool = True):
+             priority: str = "choice", widths_E=None, check_backend: bool = True):
     """``(y_ND, n_dropped)``: the routed experts' combined output computed on the host (module
     docstring). ``capacity=None`` drops nothing; ``capacity=C`` has
     :func:`moejax.ops.dispatch.dispatch_capacity`'s drop rule (``valid_N``: padding tokens
     yield first; ``priority``: "choice" or "token"). Weights are cast to ``x_ND``'s dtype.
+    ``widths_E`` (int ``[E]``, optional): expert ``e``'s hidden units past ``widths_E[e]`` are
+    zero-padding (experts of different widths in one padded array): the forward skips them
+    (the result is the same; under differentiation every unit is computed).
     ``check_backend=False``: trace it on any backend (for a branch of
     :func:`jax.lax.platform_dependent` that is only lowered for the CPU)."""
     if check_backend:
@@ -413,5 +427,9 @@ def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
     real = (jnp.ones(x_ND.shape[:1], bool) if valid_N is None
             else jnp.asarray(valid_N).reshape(-1).astype(bool))
     cast = lambda w: None if w is None else w.astype(dt)  # noqa: E731
-    return _host_moe(x_ND, jnp.asarray(ids_NK, jnp.int32), weights_NK, real, cast(w_up_EDF),
-                     cast(w_down_EFD), cast(w_gate_EDF), activation, capacity, priority)
+    E, _, F = w_up_EDF.shape
+    widths = (jnp.full((E,), F, jnp.int32) if widths_E is None
+              else jnp.asarray(widths_E).reshape(E).astype(jnp.int32))
+    return _host_moe(x_ND, jnp.asarray(ids_NK, jnp.int32), weights_NK, real, widths,
+                     cast(w_up_EDF), cast(w_down_EFD), cast(w_gate_EDF), activation, capacity,
+                     priority)
