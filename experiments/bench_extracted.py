@@ -66,19 +66,22 @@ def _plan(cfg: ExtractedBenchConfig, sizes: str, rng) -> ExpertPlan:
     return ExpertPlan(masks, router, np.zeros(C, np.float32))
 
 
-def _time_batch(cfg, slots: dict, batch: int, rng) -> dict:
+def _time_batch(cfg, slots: dict, batch: int, rng) -> tuple[dict, dict]:
     """Median seconds of each slot on ``batch`` x ``seq_len`` tokens (interleaved calls),
-    after checking the compact layouts against the masked ones."""
+    after checking the compact layouts against the masked ones; and per plan, which experts
+    the tokens use (bool ``[C]``)."""
     x = jnp.asarray(rng.normal(size=(batch, cfg.seq_len, cfg.d_model)), jnp.float32)
+    used = {}
     with jax.default_matmul_precision("highest"):  # GPUs default to TF32 products
         for name, slot in slots.items():
             if name.endswith("compact"):
-                want = slots[name.replace("compact", "masked")](x)[0]
+                want, aux = slots[name.replace("compact", "masked")](x)
                 np.testing.assert_allclose(np.asarray(slot(x)[0]), np.asarray(want),
                                            rtol=1e-4, atol=1e-4)
+                used[name.split()[0]] = np.asarray(aux["load"]) > 0
     call = nnx.jit(lambda m, x: m(x)[0])
     return time_interleaved({k: (lambda s=s: call(s, x)) for k, s in slots.items()},
-                            repeats=cfg.repeats)
+                            repeats=cfg.repeats), used
 
 
 def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
@@ -93,22 +96,29 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         slots[f"{sizes} compact"] = compact = compact_model(
             extract_model(vit, {0: plan}, router="dot")).blocks[0].ffn
         plans[sizes] = {"padded_share": compact.cfg.d_expert / cfg.d_hidden,
-                        "mean_share": float(plan.sizes_C.mean()) / cfg.d_hidden}
+                        "mean_share": float(plan.sizes_C.mean()) / cfg.d_hidden,
+                        "sizes": plan.sizes_C, "kept": slots[f"{sizes} masked"].cfg.d_hidden}
     out = []
     for batch in tqdm(cfg.batches, desc="batches", leave=False):
-        times = _time_batch(cfg, slots, batch, rng)
+        times, used = _time_batch(cfg, slots, batch, rng)
         dense_s = times["dense"]["median_s"]
         tokens = batch * cfg.seq_len
+        mb = lambda neurons: 2 * cfg.d_model * neurons * 4 / 1e6  # noqa: E731  W_up + W_down
         out.append({"tokens": tokens, "plan": "-", "layout": "dense", "ms": dense_s * 1e3,
-                    "vs_dense": 1.0})
+                    "vs_dense": 1.0, "weight_mb": mb(cfg.d_hidden)})
         for name in slots:
             if name == "dense":
                 continue
             sizes, layout = name.split()
             t = times[name]["median_s"]
             saved, promised = 1 - t / dense_s, 1 - plans[sizes]["mean_share"]
+            pl = plans[sizes]
+            read = (mb(pl["kept"]) if layout == "masked"  # compact: each used expert's copy
+                    else mb(int(np.sum(pl["sizes"][used[sizes]]))))
             out.append({"tokens": tokens, "plan": sizes, "layout": layout, "ms": t * 1e3,
-                        "vs_dense": t / dense_s, "kept_share": plans[sizes]["mean_share"],
+                        "vs_dense": t / dense_s, "weight_mb": read,
+                        "experts_used": int(np.sum(used[sizes])),
+                        "kept_share": plans[sizes]["mean_share"],
                         "padded_share": plans[sizes]["padded_share"], "time_saved": saved,
                         "mac_saved": promised, "saved_over_promised": saved / promised})
     dev = jax.devices()[0]
@@ -116,9 +126,12 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         f"One FFN (D {cfg.d_model}, F {cfg.d_hidden}, GELU) on batch x {cfg.seq_len} tokens, "
         f"{cfg.experts} experts, top-1, median of {cfg.repeats} interleaved calls on "
         f"{dev.platform} ({dev.device_kind}); kept_share: the mean expert's share of the "
-        "neurons (its MACs); time_saved / mac_saved >= 0.8 is the target"),
-        columns=["tokens", "plan", "layout", "ms", "vs_dense", "kept_share", "padded_share",
-                 "time_saved", "mac_saved", "saved_over_promised"])
+        "neurons (its MACs); weight_mb: expert weights read per call (W_up and W_down, "
+        "float32; compact: every used expert's own copy of its neurons, so experts that "
+        "share neurons read them once each); time_saved / mac_saved >= 0.8 is the target"),
+        columns=["tokens", "plan", "layout", "ms", "vs_dense", "weight_mb", "experts_used",
+                 "kept_share", "padded_share", "time_saved", "mac_saved",
+                 "saved_over_promised"])
     series = {f"{p} {lay}": ([r["tokens"] for r in out if r["plan"] == p and r["layout"] == lay],
                              [r["vs_dense"] for r in out if r["plan"] == p
                               and r["layout"] == lay])

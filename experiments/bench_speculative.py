@@ -53,6 +53,7 @@ from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_dra
 from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"
+SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run: training, distillation, growth
 
 
 @config
@@ -291,4 +292,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims))
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS))

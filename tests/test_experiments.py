@@ -249,6 +249,12 @@ def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
     assert float(eq["kept_share"]) == pytest.approx(0.5)  # 20 of 40 neurons per expert
     assert float(eq["padded_share"]) == pytest.approx(0.5)
     assert float(sk["padded_share"]) == pytest.approx(30 / 40)  # the largest: 1.5 x 20
+    dense = next(r for r in rows if r["layout"] == "dense")
+    assert float(dense["weight_mb"]) == pytest.approx(2 * 16 * 40 * 4 / 1e6)
+    for r in (r for r in rows if r["plan"] == "equal" and r["layout"] == "compact"):
+        used = int(r["experts_used"])
+        assert 1 <= used <= 4  # each used expert's own 20 neurons
+        assert float(r["weight_mb"]) == pytest.approx(2 * 16 * 20 * used * 4 / 1e6)
     assert "target (0.8x the MAC saving at 6 tokens)" in (run.path / "summary.md").read_text()
     with pytest.raises(Exception, match="batches"):
         bench_extracted.make_config("quick").replace(batches=())

@@ -36,6 +36,7 @@ Trainable expert parameters per matrix (paper 3.4): SM ``(1 + N(1-p)) d d_h``, L
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -46,8 +47,8 @@ from moejax.config import config
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
-from moejax.ops.ders_apply import ders_experts
-from moejax.ops.dispatch import ffn_apply
+from moejax.ops.ders_apply import ders_experts, ders_streamed
+from moejax.ops.dispatch import capacity_apply, ffn_apply
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
            "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts",
@@ -79,7 +80,10 @@ class DeRSMoEConfig(FFNSlotConfig):
         ``"selected"`` never builds an expert's weights: the shared product once per token
         plus each selected expert's increment product (:mod:`moejax.ops.ders_apply`; dropless,
         same values), the serving path (weights read per token: ``W_shared`` + ``k``
-        increments).
+        increments); ``"stream"`` (training at capacity) runs the capacity dispatch
+        (``moe.capacity``, ``moe.capacity_priority``: the same drops) with the experts one at
+        a time, each expert's weights synthesised inside its step and again in the backward,
+        so one expert's weights exist at a time instead of all ``N``.
     """
 
     moe: MoEConfig = MoEConfig()
@@ -89,7 +93,7 @@ class DeRSMoEConfig(FFNSlotConfig):
     lm_init_std: float | None = None
     freeze_shared: bool = False
     extended: bool = False
-    synthesis: Literal["all", "selected"] = "all"
+    synthesis: Literal["all", "selected", "stream"] = "all"
 
     def validate(self) -> None:
         self._require(0.0 <= self.sm_rate < 1.0,
@@ -209,10 +213,17 @@ class DeRSMoE(MoESkeleton):
     def experts_out(self, x_ND, r, mask_N):
         if self.cfg.synthesis == "all":
             return super().experts_out(x_ND, r, mask_N)
-        stack = self.experts
+        stack, m = self.experts, self.moe_cfg
         base = {name: self.base.get(name) for name, _ in stack.shape_items}
+        if self.cfg.synthesis == "stream":
+            out = capacity_apply(
+                x_ND, r.ids_NK, r.weights_NK, m.n_experts,
+                functools.partial(ders_streamed, base=base, deltas=stack.deltas(),
+                                  form=self.cfg.form, activation=m.activation),
+                capacity_factor=m.capacity, valid_N=mask_N, priority=m.capacity_priority)
+            return out.y_ND, out.dropped_fraction
         y = ders_experts(x_ND, r.ids_NK, r.weights_NK, base, stack.deltas(),
-                         form=self.cfg.form, activation=self.moe_cfg.activation)
+                         form=self.cfg.form, activation=m.activation)
         return y, jnp.zeros((), jnp.float32)
 
     def expert_weights(self, stack: DeltaStack | None = None):

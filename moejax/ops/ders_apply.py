@@ -14,6 +14,11 @@ The down projection's shared part is applied once to the gate-weighted sum of a 
 hidden vectors. Weights read per token: ``W_shared`` once plus ``k`` increments, instead of
 ``k`` full expert matrices (vanilla upcycling) or the ``N`` synthesised copies.
 
+For training at capacity, :func:`ders_streamed` runs the experts one at a time over their
+``[C, D]`` buffers, each expert's ``W_e`` synthesised inside its scan step and synthesised
+again in the backward (``jax.checkpoint``): one expert's weights exist at a time, instead of
+all ``N`` copies kept from the forward for the backward.
+
 ``y = ders_experts(x_ND, ids_NK, weights_NK, base, deltas, form=..., activation=...)`` with
 ``base = {"up": W [D, F], "down": [F, D], "gate": [D, F] (gated)}`` and ``deltas[name]`` =
 ``{"idx": [E, K] flat positions, "v": [E, K]}`` (SM) or ``{"a": [E, d_in, r], "b": [E, r,
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn
 
-__all__ = ["ders_experts", "delta_product"]
+__all__ = ["ders_experts", "delta_product", "synthesize_one", "ders_streamed"]
 
 
 def delta_product(form: str, x_PI, e_P, delta: dict, d_out: int):
@@ -69,3 +74,32 @@ def ders_experts(x_ND, ids_NK, weights_NK, base: dict, deltas: dict, *, form: st
     shared = jax.ops.segment_sum(hw_PF, tok_P, num_segments=N) @ w_down
     inc = delta_product(form, hw_PF, e_P, deltas["down"], w_down.shape[1])
     return shared + jax.ops.segment_sum(inc, tok_P, num_segments=N)
+
+
+def synthesize_one(form: str, base_IO, delta: dict, e):
+    """``W_e = W_shared + F_pre(Delta_e)`` ``[d_in, d_out]`` for one expert ``e`` (may be
+    traced)."""
+    if form == "sm":
+        v_K = delta["v"][e].astype(base_IO.dtype)
+        flat = base_IO.reshape(-1).at[delta["idx"][e]].add(v_K, unique_indices=True)
+        return flat.reshape(base_IO.shape)
+    a, b = delta["a"][e].astype(base_IO.dtype), delta["b"][e].astype(base_IO.dtype)
+    return base_IO + a @ b
+
+
+def ders_streamed(x_ECD, base: dict, deltas: dict, *, form: str, activation: str):
+    """``y [E, C, D]``: expert ``e``'s FFN on its buffer ``x_ECD[e]``, the experts one at a
+    time with their weights synthesised in the step (and again in the backward)."""
+    act = activation_fn(activation)
+    dt = x_ECD.dtype
+
+    @jax.checkpoint
+    def one(x_CD, e):
+        w = {n: synthesize_one(form, base[n], deltas[n], e).astype(dt) for n in base}
+        up = x_CD @ w["up"]
+        h = act(x_CD @ w["gate"]) * up if "gate" in w else act(up)
+        return h @ w["down"]
+
+    _, y_ECD = jax.lax.scan(lambda c, xs: (c, one(*xs)), None,
+                            (x_ECD, jnp.arange(x_ECD.shape[0])))
+    return y_ECD

@@ -56,6 +56,7 @@ __all__ = [
     "expert_capacity",
     "dispatch_dense",
     "dispatch_capacity",
+    "capacity_apply",
     "dispatch_ragged",
     "dispatch_grouped",
     "dispatch_bucketed",
@@ -207,10 +208,30 @@ def dispatch_capacity(
     """
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)
+
+    def experts(x_ECD):
+        dt = x_ECD.dtype
+        up_ECF = jnp.einsum("ecd,edf->ecf", x_ECD, w_up_EDF.astype(dt))
+        if w_gate_EDF is not None:
+            h_ECF = act(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate_EDF.astype(dt))) * up_ECF
+        else:
+            h_ECF = act(up_ECF)
+        return jnp.einsum("ecf,efd->ecd", h_ECF, w_down_EFD.astype(dt))
+
+    return capacity_apply(x_ND, ids_NK, weights_NK, w_up_EDF.shape[0], experts,
+                          capacity_factor=capacity_factor, valid_N=valid_N, priority=priority,
+                          capacity=capacity)
+
+
+def capacity_apply(x_ND, ids_NK, weights_NK, n_experts: int, experts_fn, *,
+                   capacity_factor: float, valid_N=None, priority: str = "choice",
+                   capacity: int | None = None) -> DispatchOut:
+    """:func:`dispatch_capacity` with the expert computation given as ``experts_fn(x_ECD) ->
+    y_ECD`` (the ``[E, C, D]`` buffers in and out): the same layout, drops and combine for
+    experts whose weights are not one stacked array (e.g. synthesised one at a time)."""
     dt = x_ND.dtype
     n_tok, d = x_ND.shape
     k = ids_NK.shape[1]
-    n_experts = w_up_EDF.shape[0]
     cap = capacity or expert_capacity(n_tok, k, n_experts, capacity_factor)
     n_assign = n_tok * k
 
@@ -225,14 +246,7 @@ def dispatch_capacity(
     # Gather tokens into the expert buffers (empty slots read a zero row at index N).
     table_C = jnp.full((n_slots,), n_tok, jnp.int32).at[slot_S].set(tok_S, mode="drop")
     x_pad = jnp.concatenate([x_ND, jnp.zeros((1, d), dt)], axis=0)
-    x_ECD = x_pad[table_C].reshape(n_experts, cap, d)
-
-    up_ECF = jnp.einsum("ecd,edf->ecf", x_ECD, w_up_EDF.astype(dt))
-    if w_gate_EDF is not None:
-        h_ECF = act(jnp.einsum("ecd,edf->ecf", x_ECD, w_gate_EDF.astype(dt))) * up_ECF
-    else:
-        h_ECF = act(up_ECF)
-    y_ECD = jnp.einsum("ecf,efd->ecd", h_ECF, w_down_EFD.astype(dt))
+    y_ECD = experts_fn(x_pad[table_C].reshape(n_experts, cap, d))
 
     # Gather each assignment's result back (dropped ones read the zero row) and combine.
     slot_A = jnp.zeros((n_assign,), jnp.int32).at[order_A].set(slot_S)
