@@ -12,6 +12,11 @@ Each row: decode tokens/s, the weight bytes read per generated token
 once) and the memory-bandwidth bound beside it (the bytes over this machine's copy bandwidth,
 measured here: bytes read plus written by a large numpy copy).
 
+Training memory (``train_memory``): XLA's compiled temporaries of one loss gradient over
+``train_batch`` x ``train_seq`` tokens, every model on the capacity dispatch (factor
+``capacity``): vanilla, DeRS synthesising every expert (``"all"``: the ``N`` copies kept for
+the backward) and DeRS streaming one expert at a time (``"stream"``).
+
     python -m experiments.bench_ders                 # >= 100M parameters (vanilla), CPU
 """
 
@@ -29,7 +34,9 @@ from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token
+from moejax.nn.moe import MoE
 from moejax.nn.surgery import with_slot_config
+from moejax.ops.losses import cross_entropy
 from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
@@ -51,6 +58,9 @@ class DeRSBenchConfig(Config):
     n_prompts: int = 4
     prompt_len: int = 16
     max_new_tokens: int = 32
+    train_batch: int = 16
+    train_seq: int = 48
+    capacity: float = 1.25
     seed: int = 0
 
     def validate(self) -> None:
@@ -59,6 +69,10 @@ class DeRSBenchConfig(Config):
         r(0 <= self.sm_rate < 1 and self.lm_rank >= 1, "sm_rate in [0, 1), lm_rank >= 1")
         r(min(self.n_prompts, self.prompt_len, self.max_new_tokens) >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
+        r(self.train_batch >= 1 and 1 <= self.train_seq <= self.prompt_len
+          + self.max_new_tokens + 7, "train_batch >= 1 and train_seq within the models' "
+          "max_seq_len (prompt_len + max_new_tokens + 8, minus the shifted target)")
+        r(self.capacity > 0, f"capacity={self.capacity} must be > 0")
 
 
 def make_config(preset: str) -> DeRSBenchConfig:
@@ -109,6 +123,43 @@ def _models(cfg: DeRSBenchConfig):
     return dense, out
 
 
+def _on_capacity(model, synthesis: str, capacity: float):
+    """``model`` with its MoE slots on the capacity dispatch at factor ``capacity`` (DeRS
+    slots: with ``synthesis``)."""
+    slot = next(m for _, m in nnx.iter_modules(model) if isinstance(m, (MoE, DeRSMoE)))
+    if isinstance(slot, MoE):
+        return with_slot_config(model, MoE, dispatch="capacity", capacity_factor=capacity)
+    return with_slot_config(model, DeRSMoE, synthesis=synthesis, moe=slot.cfg.moe.replace(
+        dispatch="capacity", capacity_factor=capacity))
+
+
+def train_memory(cfg: DeRSBenchConfig, models: dict) -> list[dict]:
+    """Compiled temporaries (bytes) of one cross-entropy gradient per model (module
+    docstring)."""
+    tokens = jnp.asarray(np.random.default_rng(cfg.seed).integers(
+        3, cfg.vocab_size, (cfg.train_batch, cfg.train_seq + 1)), jnp.int32)
+    rows = []
+    for (name, synthesis), model in models.items():
+        if synthesis == "selected":  # the decode path
+            continue
+        for s in (("-",) if name == "vanilla" else ("all", "stream")):
+            m = _on_capacity(model, s, cfg.capacity)
+            graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+            def loss(p, g=graphdef, r=rest):
+                logits, _ = nnx.merge(g, p, r)(tokens[:, :-1])
+                return cross_entropy(logits, tokens[:, 1:])
+
+            mem = jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis()
+            rows.append({"model": name, "synthesis": s,
+                         "temp_mb": mem.temp_size_in_bytes / 1e6,
+                         "params_mb": 4 * count_params(m) / 1e6})
+    base = rows[0]["temp_mb"]
+    for r in rows:
+        r["vs_vanilla"] = r["temp_mb"] / base
+    return rows
+
+
 def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
     dense, models = _models(cfg)
     D = cfg.d_model
@@ -152,11 +203,18 @@ def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
     run.bar_plot("tokens_per_s", labels, [r["tokens_per_s"] for r in rows],
                  ylabel="tokens/s", title="Decode tokens/s (batch 1)",
                  hlines={"vanilla's bandwidth bound": vanilla["bound_tokens_per_s"]})
+    mem = train_memory(cfg, models)
+    run.table("train_memory", mem, title=(
+        f"Training memory: XLA's compiled temporaries of one cross-entropy gradient over "
+        f"{cfg.train_batch} x {cfg.train_seq} tokens, capacity dispatch (factor "
+        f"{cfg.capacity}); params_mb: the model's parameters (float32)"))
     best = {r["model"]: r for r in rows if r["synthesis"] in ("-", "selected")}
     return {"headline": "; ".join(
         f"{m} {r['tokens_per_s']:.1f} tok/s ({r['vs_vanilla_tokens_per_s']:.2f}x vanilla), "
         f"{r['weight_bytes_per_token'] / 1e6:.1f} MB/token ({r['vs_vanilla_bytes']:.2f}x)"
-        for m, r in best.items()) + f"; vanilla {vanilla['params'] / 1e6:.1f}M parameters",
+        for m, r in best.items()) + f"; vanilla {vanilla['params'] / 1e6:.1f}M parameters; "
+        "training temporaries " + ", ".join(
+            f"{r['model']} {r['synthesis']} {r['temp_mb']:.0f} MB" for r in mem),
         **{f"{lab} tok/s": round(r["tokens_per_s"], 2) for lab, r in zip(labels, rows)}}
 
 

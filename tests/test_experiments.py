@@ -258,3 +258,26 @@ def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
     assert "target (0.8x the MAC saving at 6 tokens)" in (run.path / "summary.md").read_text()
     with pytest.raises(Exception, match="batches"):
         bench_extracted.make_config("quick").replace(batches=())
+
+
+def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
+    from experiments import bench_ders
+
+    _, run = run_experiment(
+        "bench_ders", bench_ders.make_config, bench_ders.run,
+        ["d_model=32", "n_layers=1", "n_heads=2", "d_hidden=64", "n_experts=8", "top_k=2",
+         "vocab_size=32", "n_prompts=1", "prompt_len=4", "max_new_tokens=3", "train_batch=4",
+         "train_seq=8", "lm_rank=2"], out=tmp_path / "bench_ders")
+    import csv
+
+    dec = list(csv.DictReader(open(run.path / "decode.csv")))
+    assert [(r["model"], r["synthesis"]) for r in dec] == [
+        ("vanilla", "-"), ("DeRS-SM", "all"), ("DeRS-SM", "selected"), ("DeRS-LM", "all"),
+        ("DeRS-LM", "selected")]
+    mem = {(r["model"], r["synthesis"]): float(r["temp_mb"])
+           for r in csv.DictReader(open(run.path / "train_memory.csv"))}
+    assert set(mem) == {("vanilla", "-"), ("DeRS-SM", "all"), ("DeRS-SM", "stream"),
+                        ("DeRS-LM", "all"), ("DeRS-LM", "stream")}
+    copies = 8 * 3 * 32 * 64 * 4 / 1e6  # the synthesised experts "all" keeps
+    for form in ("SM", "LM"):
+        assert mem[(f"DeRS-{form}", "stream")] < mem[(f"DeRS-{form}", "all")] - 0.5 * copies
