@@ -31,6 +31,7 @@ __all__ = ["build", "main"]
 
 MAX_INLINE_ROWS = 40  # longer tables are linked, not inlined
 _TABLE_LINK = re.compile(r"^\(\[([\w.-]+\.csv)\]\([\w.-]+\.csv\)\)$", re.M)
+_PER_RUN = re.compile(r"^- seed run (\d+) \(\[summary\]\([\w./-]+\)\): (.*)$", re.M)
 _PLOT = re.compile(r"^!\[([^\]]*)\]\(([\w./-]+\.png)\)$", re.M)
 
 
@@ -112,6 +113,9 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
         parts += ["Paper claims:", "", claims_markdown(claims)]
     if head and not head.startswith("_wall"):
         parts += [f"Headline: {head}", ""]
+    runs = _PER_RUN.findall(summary)  # repeated runs: each one's headline
+    if runs:
+        parts += ["Per-run headlines:", "", *(f"- run {i}: {text}" for i, text in runs), ""]
     first = path / "seed_0" / "summary.md"  # repeated runs: the notes of the first one
     notes = _notes(first.read_text() if first.is_file() else summary)
     if notes and first.is_file():

@@ -59,6 +59,7 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     assert "- seeds: seed = 0, 1" in doc and "repeat=2`" in doc
     assert "| 4 | 9.5 | 0.7071 |" in doc  # the merged table: mean and std over the seeds
     assert "- the caveat of this run" in doc  # the run's notes, and its claims once
+    assert "- run 0: seed 0" in doc and "- run 1: seed 1" in doc  # each run's headline
     assert doc.count("**holds**: Finer experts lower PPL") == 1
     assert (tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv").is_file()
 
