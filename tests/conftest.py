@@ -34,26 +34,3 @@ def tiny_recipes(monkeypatch, tmp_path):
 
     monkeypatch.setattr(registry, "SUBSTRATES", tiny_registry())
     return tmp_path / "subs"
-
-
-# The longest tests (study smoke runs, multi-device subprocesses), measured at 20-55 s each on
-# two cores, start first: the two workers then share out the short ones at the end instead of
-# one worker finishing a long test alone.
-_LONG_FIRST = (
-    "test_exp_moe_kd.py::test_moe_kd_tiny",
-    "test_multiprocess.py::test_two_processes_with_expert_parallelism_match_one_device",
-    "test_exp_darex_encoder.py::test_darex_encoder_tiny",
-    "test_exp_moee.py::test_moee_tiny",
-    "test_exp_ders.py::test_ders_upcycling_tiny",
-    "test_experiments.py::test_bench_dispatch_tiny_paths_agree",
-    "test_exp_darex_decoder.py::test_darex_decoder_tiny",
-    "test_expert_parallel.py::test_expert_parallel_dispatch_on_eight_devices",
-    "test_exp_darex_controlled.py::test_darex_controlled_tiny",
-    "test_spec_bench.py::test_bench_speculative_tiny",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
-    key = lambda item: rank.get(item.nodeid.split("/")[-1].split("[")[0], len(rank))  # noqa: E731
-    items.sort(key=key)  # stable: every other test keeps its order
