@@ -47,7 +47,7 @@ from moejax.config import config
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
-from moejax.ops.ders_apply import ders_experts, ders_streamed
+from moejax.ops.ders_apply import ders_experts, ders_streamed, synthesize_one
 from moejax.ops.dispatch import capacity_apply, ffn_apply
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
@@ -164,17 +164,9 @@ class DeltaStack(nnx.Module):
 
     def synthesize(self, name: str, base_IO: jax.Array) -> jax.Array:
         """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment."""
-        d_in, d_out = dict(self.shape_items)[name]
-        if self.form == "sm":
-            idx_NK = getattr(self, f"idx_{name}")[...]
-            v_NK = getattr(self, f"v_{name}")[...].astype(base_IO.dtype)
-            flat = jnp.broadcast_to(base_IO.reshape(1, d_in * d_out), (self.n, d_in * d_out))
-            rows = jnp.arange(self.n)[:, None]
-            flat = flat.at[rows, idx_NK].add(v_NK, unique_indices=True)
-            return flat.reshape(self.n, d_in, d_out)
-        a = getattr(self, f"a_{name}")[...].astype(base_IO.dtype)
-        b = getattr(self, f"b_{name}")[...].astype(base_IO.dtype)
-        return base_IO[None] + jnp.einsum("nir,nro->nio", a, b)
+        delta = self.deltas()[name]
+        return jax.vmap(lambda e: synthesize_one(self.form, base_IO, delta, e))(
+            jnp.arange(self.n))
 
 
 class _Base(nnx.Module):
@@ -271,8 +263,8 @@ def expert_bytes_per_token(cfg: DeRSMoEConfig | MoEConfig, d_model: int, *,
     * vanilla (a :class:`MoEConfig`): the ``k`` selected experts' full matrices;
     * DeRS, ``synthesis="selected"``: ``W_shared`` once plus ``k`` increments (SM: ``K``
       values and ``K`` int32 positions per matrix; LM: ``r (d_in + d_out)`` per matrix);
-    * DeRS, ``synthesis="all"``: ``W_shared`` and all ``N`` increments read, the ``N``
-      synthesised copies written and read back.
+    * DeRS, ``synthesis="all"`` (or ``"stream"``): ``W_shared`` and all ``N`` increments
+      read, the ``N`` synthesised copies written and read back.
     """
     m = cfg if isinstance(cfg, MoEConfig) else cfg.moe
     shapes = matrix_shapes(d_model, m.d_expert, is_gated(m.activation))

@@ -115,6 +115,9 @@ def argmax_agreement(draft: DecoderLM, target: DecoderLM, tokens_BS) -> float:
     """Share of positions of ``tokens_BS`` where the draft's next-token argmax is the
     target's (teacher-forced): the per-token acceptance a greedy speculative round sees."""
     toks = jnp.asarray(tokens_BS, jnp.int32)
-    d = jnp.argmax(nnx.jit(lambda m, x: m(x)[0])(draft, toks), -1)
-    t = jnp.argmax(nnx.jit(lambda m, x: m(x)[0])(target, toks), -1)
-    return float(jnp.mean(d == t))
+    return float(jnp.mean(_argmax(draft, toks) == _argmax(target, toks)))
+
+
+@nnx.jit
+def _argmax(model, tokens_BS):
+    return jnp.argmax(model(tokens_BS)[0], -1)
