@@ -55,9 +55,10 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=50",
                           "drop_rates=(0.9,0.99)", "bits=(2,1)")),
     ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=100")),
-    ("moe_kd", ("methods=(kd,)", "dense_teacher_methods=()", "teacher_ks=()",
-                "ka_lambdas=()", "ka_ms=()", "seeds=1", "sft.steps=80", "distill.steps=20",
-                "distill.eval_every=10", "n_val=8", "n_test=32")),
+    ("moe_kd", ("model=dense_lm_prose", "student_layers=2", "methods=(kd,)",
+                "dense_teacher_methods=()", "teacher_ks=()", "ka_lambdas=()", "ka_ms=()",
+                "lr_sweep=()", "router_lr_sweep=()", "seeds=1", "sft.steps=80",
+                "distill.steps=20", "distill.eval_every=10", "n_val=8", "n_test=32")),
     ("moee", ("seeds=1", "ablations=()", "stability_tokens=()", "moefication_routers=(param,)",
               "vit.train.steps=200", "kd.steps=15", "extract.n_tokens=2000", "eval_rows=400")),
 )

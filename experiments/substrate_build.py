@@ -41,6 +41,7 @@ class SubstrateBuildConfig(Config):
     cache_dir: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     dense_lm_prose: LMSubstrateConfig = _q("dense_lm_prose")
     dense_lm_code: LMSubstrateConfig = _q("dense_lm_code")
+    dense_lm_chat: LMSubstrateConfig = _q("dense_lm_chat")
     vit_mnist5k: ViTSubstrateConfig = _q("vit_mnist5k")
     mlp_mnist5k: MLPSubstrateConfig = _q("mlp_mnist5k")
     byte_encoder_wordnet_pos: ByteEncoderTaskConfig = _q("byte_encoder_wordnet_pos")

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column"]
+__all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim"]
 
 
 def _isnan(v) -> bool:
@@ -74,3 +74,29 @@ def top_column(rows: Sequence[Mapping[str, Any]] | None, prefix: str = "p=") -> 
             if best is None or v > best[0]:
                 best = (v, c)
     return None if best is None else best[1]
+
+
+def paired(label: str, a: Sequence[float], b: Sequence[float]) -> dict:
+    """The paired comparison of two methods measured on the same seeds (``a[i]`` and ``b[i]``
+    share seed ``i``): mean and sample standard deviation (ddof 1; 0 for one seed) of
+    ``a - b``, how many seeds ``a`` wins, and the seed count."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"{label}: paired values need equal, non-zero lengths "
+                         f"({len(a)} vs {len(b)})")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1) if len(d) > 1 else 0.0
+    return {"comparison": label, "mean_diff": mean, "std_diff": math.sqrt(var),
+            "wins": sum(x > 0 for x in d), "n": len(d)}
+
+
+def paired_claim(claim: str, row: Mapping[str, Any] | None, fmt: str = ".4f") -> Claim:
+    """``claim`` (that the first of a :func:`paired` row's methods is better) holds when the
+    mean difference is positive and the first wins on a majority of the seeds; not measured
+    without a row."""
+    if row is None:
+        return Claim(claim, None, "not run")
+    holds = float(row["mean_diff"]) > 0 and 2 * int(row["wins"]) > int(row["n"])
+    return Claim(claim, holds, f"{row['comparison']}: {format(float(row['mean_diff']), fmt)} "
+                 f"+/- {format(float(row['std_diff']), fmt)}, wins {int(row['wins'])}/"
+                 f"{int(row['n'])} seeds")

@@ -8,12 +8,10 @@
 * :class:`SparsityEvaluator`: validation cross-entropy / perplexity of a sparsely activated
   LM plus the streaming activation-sparsity metrics of :mod:`moejax.ops.sparsity_metrics`
   (TLS, CLS_L, reuse, per-token allocation), mean over layers and per layer.
-* :class:`GenerationEvaluator`: ROUGE-L (F-measure, ``rouge-score``) of responses sampled
-  from a decoder LM against the references of prompt/response batches, mean and standard
-  deviation over generation seeds.
-* :func:`gate_mass_by_layer` / :func:`router_kl_by_layer`: router statistics of MoE LMs (how
-  much gate mass the selected experts hold; how far two routers' gate distributions are).
 * :func:`matthews_corrcoef`: the multi-class MCC (Gorodkin 2004) from labels.
+
+The evaluators of generated responses and of MoE routers live in
+:mod:`moejax.evaluate_generation`.
 
 The evaluators take an ``nnx.Module`` or, for functional code, a params pytree after
 ``bind(graphdef, rest)``.
@@ -21,7 +19,6 @@ The evaluators take an ``nnx.Module`` or, for functional code, a params pytree a
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -30,16 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.nn.sample import sample
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
 from moejax.train.loop import compiled_memory
 from moejax.train.step import lm_loss_fn, make_eval_step
 
-__all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "GenerationEvaluator",
-           "matthews_corrcoef", "classifier_loss_fn", "router_active_sets", "rouge_l",
-           "gate_mass_by_layer", "router_kl_by_layer", "classifier_kd_loss_fn",
+__all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "matthews_corrcoef",
+           "classifier_loss_fn", "router_active_sets", "classifier_kd_loss_fn",
            "classifier_logits", "outputs_on"]
 
 
@@ -118,7 +113,7 @@ class _Bound:
         return self.evaluator._evaluate(self.graphdef, params, self.rest)
 
 
-class _Evaluator:
+class Evaluator:
     def bind(self, graphdef, rest) -> _Bound:
         return _Bound(self, graphdef, rest)
 
@@ -128,7 +123,7 @@ class _Evaluator:
         return self._evaluate(graphdef, params, rest)
 
 
-class LMEvaluator(_Evaluator):
+class LMEvaluator(Evaluator):
     """Mean ``loss`` (cross-entropy, nats/token), ``accuracy`` and ``bpb`` (bits per byte) over
     fixed batches. ``bytes_per_token``: UTF-8 bytes per token of the corpus (1 for byte-level
     tokens); ``bpb = loss / ln 2 / bytes_per_token``."""
@@ -189,7 +184,7 @@ def _batch_stats(logits, labels, valid):
     return jnp.sum(nll * valid), jnp.argmax(logp, -1)
 
 
-class ClassifierEvaluator(_Evaluator):
+class ClassifierEvaluator(Evaluator):
     """``loss``, ``accuracy`` and ``mcc`` over every row of ``inputs``/``labels`` (``mask``:
     token mask of text inputs). Batches of ``batch_size`` rows; the last one is padded by
     repeating its last row and the padding ignored, so there is one compilation."""
@@ -255,7 +250,7 @@ def router_active_sets(layer_aux: dict, n_experts: int = 0, n_always_on: int = 0
     return None, None
 
 
-class SparsityEvaluator(_Evaluator):
+class SparsityEvaluator(Evaluator):
     """``val_ce`` / ``val_ppl`` over fixed LM batches and the activation-sparsity metrics of
     every routed layer (:class:`~moejax.ops.sparsity_metrics.SparsityAccumulator`): mean over
     layers at the top level, per layer under ``"layers"``, and the per-token-id expert
@@ -301,95 +296,3 @@ class SparsityEvaluator(_Evaluator):
         out["layers"] = res["layers"]
         out["allocation"] = acc.allocation()
         return out
-
-
-def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> np.ndarray:
-    """ROUGE-L F-measure of each prediction against its reference (``rouge-score``: lower-cased
-    alphanumeric word tokens, longest common subsequence; 0 when either side has no word)."""
-    from rouge_score import rouge_scorer
-
-    if len(predictions) != len(references):
-        raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
-    return np.asarray([scorer.score(r, p)["rougeL"].fmeasure
-                       for p, r in zip(predictions, references)], np.float64)
-
-
-class GenerationEvaluator(_Evaluator):
-    """ROUGE-L of sampled responses on fixed prompt/response batches
-    (:class:`~moejax.data.batches.PromptResponseBatches` rows): for each seed in ``seeds`` every
-    prompt gets one response of up to ``response_len`` tokens (``temperature`` 0 = greedy);
-    ``decode(ids) -> str`` turns tokens into text. Returns ``rouge_l`` (mean over seeds of the
-    mean over prompts), ``rouge_l_std`` (over seeds) and ``rouge_l_seeds``."""
-
-    def __init__(self, batches: Sequence[dict], decode: Callable, *, seeds=(0,),
-                 temperature: float = 1.0, top_p: float = 1.0, eos_id: int = 2,
-                 pad_id: int = 0):
-        if not batches:
-            raise ValueError("GenerationEvaluator needs at least one batch")
-        self.batches, self.decode, self.seeds = list(batches), decode, tuple(seeds)
-        self.kw = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
-        self.references = [decode(row[m > 0]) for b in self.batches
-                           for row, m in zip(b["tokens"], b["response_mask"])]
-
-    def generate(self, model, seed: int) -> list[str]:
-        out = []
-        for i, b in enumerate(self.batches):
-            max_new = b["tokens"].shape[1] - b["prompts"].shape[1]
-            s = sample(model, b["prompts"], b["prompt_lens"], max_new,
-                       key=jax.random.fold_in(jax.random.key(seed), i), **self.kw)
-            toks, resp = jax.device_get((s.tokens_BS, s.response_mask_BS))
-            out += [self.decode(row[m]) for row, m in zip(toks, resp)]
-        return out
-
-    def _evaluate(self, graphdef, params, rest) -> dict:
-        model = nnx.merge(graphdef, params, rest)
-        per_seed = [float(rouge_l(self.generate(model, s), self.references).mean())
-                    for s in self.seeds]
-        return {"rouge_l": float(np.mean(per_seed)), "rouge_l_std": float(np.std(per_seed)),
-                "rouge_l_seeds": per_seed}
-
-    def __call__(self, model: nnx.Module, step: int | None = None) -> dict:
-        out = super().__call__(model, step)
-        return out if step is None else {k: v for k, v in out.items() if k != "rouge_l_seeds"}
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _router_stats(graphdef, state, inputs_BT):
-    _, aux = nnx.merge(graphdef, state)(inputs_BT, train=False)
-    return [{k: la[k] for k in ("gate_mass_selected", "gate_probs")}
-            for la in aux["layers"] if "gate_probs" in la]
-
-
-def _moe_aux(model, batch):
-    graphdef, state = nnx.split(model)
-    return _router_stats(graphdef, state, jnp.asarray(batch["inputs"]))
-
-
-def gate_mass_by_layer(model, batches: Sequence[dict]) -> list[float]:
-    """Per MoE layer: mean over the batches' tokens of the gate probability held by the
-    experts the router selected (the paper's Fig. 1; the rest sits on unused experts)."""
-    sums = None
-    for b in batches:
-        vals = [float(la["gate_mass_selected"]) for la in _moe_aux(model, b)]
-        sums = vals if sums is None else [a + v for a, v in zip(sums, vals)]
-    return [v / len(batches) for v in (sums or [])]
-
-
-def router_kl_by_layer(model_a, model_b, batches: Sequence[dict]) -> list[dict]:
-    """Per MoE layer: mean and max over tokens of ``KL(g_a || g_b)`` between the full gate
-    distributions of two models with the same layout (e.g. a teacher before and after SAR),
-    each run on the same tokens (layer inputs are each model's own hidden states)."""
-    out = None
-    for b in batches:
-        la, lb = _moe_aux(model_a, b), _moe_aux(model_b, b)
-        if len(la) != len(lb):
-            raise ValueError(f"models have {len(la)} and {len(lb)} MoE layers")
-        kls = []
-        for xa, xb in zip(la, lb):
-            pa = jnp.clip(xa["gate_probs"].astype(jnp.float32), 1e-30, 1.0)
-            pb = jnp.clip(xb["gate_probs"].astype(jnp.float32), 1e-30, 1.0)
-            kls.append(np.asarray(jnp.sum(pa * (jnp.log(pa) - jnp.log(pb)), -1)).ravel())
-        out = kls if out is None else [np.concatenate([o, k]) for o, k in zip(out, kls)]
-    return [{"layer": i, "mean_kl": float(k.mean()), "max_kl": float(k.max())}
-            for i, k in enumerate(out or [])]

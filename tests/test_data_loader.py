@@ -114,3 +114,19 @@ def test_bpe_token_cache_round_trip(data_dir):
         rebuilt = tokenized_docs("prose/kjv", "train", tok, "text", **kw)
         assert [d.tolist() for d in rebuilt] == [d.tolist() for d in first]
         assert _load(files[0]) is not None  # rewritten whole: it verifies again
+
+
+def test_chitchat_corpus_is_each_context_then_its_response():
+    from moejax.data.corpora import corpus_texts, corpus_tokens
+
+    examples = datasets.load_split("chitchat", "validation")
+    texts = corpus_texts("chitchat", "validation")
+    assert len(texts) == len(examples)
+    for i in (0, 7, len(examples) - 1):
+        ex = examples[i]
+        assert texts[i] == (datasets.decode_text(ex["context"]) + "\n"
+                            + datasets.decode_text(ex["response"]))
+    tok = ByteTokenizer()
+    stream = corpus_tokens("chitchat", "validation")  # documents joined by eos
+    assert int((stream == tok.eos_id).sum()) == len(texts)
+    assert tok.decode(stream[: len(texts[0].encode())]) == texts[0]

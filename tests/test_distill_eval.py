@@ -1,12 +1,20 @@
 """ROUGE-L against hand-computed cases, the generation evaluator on a model that can only say
-one thing, the layer-dropping surgery for students, and the router statistics."""
+one thing, the layer-dropping surgery for students, the router statistics, and the held-out
+KL and perplexity of a student against numpy."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.evaluate import GenerationEvaluator, gate_mass_by_layer, rouge_l, router_kl_by_layer
+from moejax.evaluate_generation import (
+    GenerationEvaluator,
+    ResponseScorer,
+    gate_mass_by_layer,
+    response_kl,
+    rouge_l,
+    router_kl_by_layer,
+)
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
@@ -94,3 +102,47 @@ def test_router_statistics():
     other = _lm(moe=True, n_layers=2, seed=3)
     diff = router_kl_by_layer(teacher, other, batches)
     assert all(r["max_kl"] >= r["mean_kl"] > 0 for r in diff)
+
+
+def _softmax_np(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_response_kl_and_scorer_against_numpy():
+    """KL(teacher || student) per response token over two batches (pooled by token count,
+    not by batch), and the scorer's perplexity, against numpy on the models' logits."""
+    teacher, student = _lm(moe=True, n_layers=2), _lm(n_layers=1, seed=5)
+    rng = np.random.default_rng(0)
+    batches = []
+    for n_resp in (3, 1):  # unequal token counts: a per-batch mean would weight them wrongly
+        tokens = rng.integers(3, 12, (2, 8)).astype(np.int32)
+        mask = np.zeros((2, 7), np.float32)
+        mask[:, 7 - n_resp:] = 1
+        batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask})
+    num = den = 0.0
+    for b in batches:
+        p = _softmax_np(np.asarray(teacher(jnp.asarray(b["inputs"]))[0], np.float64))
+        q = _softmax_np(np.asarray(student(jnp.asarray(b["inputs"]))[0], np.float64))
+        kl = (p * (np.log(p) - np.log(q))).sum(-1)
+        num, den = num + (kl * b["mask"]).sum(), den + b["mask"].sum()
+    assert response_kl(teacher, student, batches) == pytest.approx(num / den, rel=1e-4)
+    assert response_kl(teacher, teacher, batches) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="no response token"):
+        response_kl(teacher, student, [{**batches[0], "mask": np.zeros((2, 7), np.float32)}])
+
+    b = batches[0]
+    gen = GenerationEvaluator([{**b, "prompts": b["inputs"][:, :4],
+                                "prompt_lens": np.array([4, 4]), "tokens": np.concatenate(
+                                    [b["inputs"], b["targets"][:, -1:]], 1),
+                                "response_mask": np.concatenate(
+                                    [np.zeros((2, 1), np.float32), b["mask"]], 1)}],
+                              lambda ids: " ".join(f"w{int(t)}" for t in ids), seeds=(0, 1))
+    q = _softmax_np(np.asarray(student(jnp.asarray(b["inputs"]))[0], np.float64))
+    nll = -np.log(np.take_along_axis(q, b["targets"][..., None], -1))[..., 0]
+    sc = ResponseScorer(gen, teacher)(student)
+    assert sc["ppl"] == pytest.approx(np.exp((nll * b["mask"]).sum() / b["mask"].sum()),
+                                      rel=1e-4)
+    assert sc["kl"] == pytest.approx(response_kl(teacher, student, gen.batches))
+    assert len(sc["rouge_l_seeds"]) == 2 and "kl" not in ResponseScorer(gen)(student)

@@ -1,8 +1,11 @@
 """Smoke test: the MoE distillation study runs tiny end to end (tiny substrate, both teachers,
-the teacher-k sweep, SAR's router KL) and writes its tables. Every method's training is
-covered by tests/test_distill_train.py."""
+two training seeds, the teacher-k and learning-rate sweeps, SAR's router KL over seeds) and
+writes its tables; the paired comparison and its claim are recomputed from the per-seed runs.
+Every method's training is covered by tests/test_distill_train.py."""
 
 import csv
+
+import pytest
 
 from experiments import moe_kd as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
@@ -14,7 +17,8 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 
     cfg = mod.MoEKDConfig(
-        substrate=tiny_lm("dense_lm_prose", "quick"), substrate_cache=str(tiny_recipes),
+        model="dense_lm_prose", dense_lm_prose=tiny_lm("dense_lm_prose", "quick"),
+        substrate_cache=str(tiny_recipes),
         upcycle=UpcycleConfig(blocks="all", expert_form="split", moe=UPCYCLE_MOE.replace(
             n_experts=4, top_k=2, router="noisy", balance_loss="cv2", dispatch="dense")),
         student_layers=1, prompt_len=12,
@@ -22,29 +26,47 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
         sft=TrainConfig(steps=3, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1),
         distill=TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=0, eval_every=2,
                             log_every=2),
-        methods=("sar",), dense_teacher_methods=("kd",), teacher_ks=(4,), ka_lambdas=(),
-        ka_ms=(),
-        eval_seeds=2)
+        methods=("kd", "sar"), dense_teacher_methods=("kd",), teacher_ks=(4,), ka_lambdas=(),
+        ka_ms=(), lr_sweep=(3e-3,), router_lr_sweep=(), seeds=2, eval_seeds=2)
     summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "kd")
     rows = list(csv.DictReader(open(run.path / "main.csv")))
     assert [(r["teacher"], r["method"]) for r in rows] == (
-        [("MoE teacher", m) for m in ("SAR",)]
+        [("MoE teacher", m) for m in ("KD", "SAR")]
         + [("dense teacher", "KD")])
-    for r in rows:  # one score per evaluation seed; the summary reports the table's values
-        assert int(r["scores"]) == 2
+    for r in rows:  # one score per training x sampling seed; the summary has the table's values
+        assert int(r["scores"]) == 4 and int(r["runs"]) == 2
         key = f"{r['method']}_{r['teacher'].split()[0]}"
         assert summary[key] == float(r["rouge_l"])
+    # the paired table recomputed from the per-seed runs
+    per = {(r["teacher"], r["method"], int(r["seed"])): r
+           for r in csv.DictReader(open(run.path / "per_seed.csv"))}
+    d = [float(per[("dense teacher", "KD", s)]["rouge_l"])
+         - float(per[("MoE teacher", "KD", s)]["rouge_l"]) for s in (0, 1)]
+    pair = {(r["comparison"], r["metric"]): r for r in csv.DictReader(open(run.path /
+                                                                            "paired.csv"))}
+    got = pair[("KD: dense - MoE teacher", "rouge_l")]
+    assert float(got["mean_diff"]) == pytest.approx(sum(d) / 2, abs=1e-9)
+    assert int(got["wins"]) == sum(x > 0 for x in d) and int(got["n"]) == 2
+    refs = {r["model"] for r in csv.DictReader(open(run.path / "references.csv"))}
+    assert refs == {"MoE teacher", "student (SFT)", "dense teacher"}
+    assert [float(r["student_lr"]) for r in csv.DictReader(open(run.path / "lr_sweep.csv"))
+            ] == [3e-3]
     mass = list(csv.DictReader(open(run.path / "gate_mass.csv")))
     assert [int(m["layer"]) for m in mass] == [0, 1]  # one row per MoE layer of the teacher
     ks = list(csv.DictReader(open(run.path / "teacher_k.csv")))
     assert [int(r["k"]) for r in ks] == [4]
-    kl = list(csv.DictReader(open(run.path / "sar_kl.csv")))
-    assert len(kl) == 2 and all(float(r["max_kl"]) >= float(r["mean_kl"]) >= 0 for r in kl)
+    kl = list(csv.DictReader(open(run.path / "sar_kl.csv")))  # per layer, over the 2 seeds
+    assert len(kl) == 2 and all(float(r["max_kl"]) >= float(r["mean_kl"]) >= 0
+                                and int(r["n_seeds"]) == 2 for r in kl)
     assert (run.path / "main.png").exists() and (run.path / "gate_mass.png").exists()
     text = (run.path / "summary.md").read_text()
-    assert "Shape of the paper's main table" in text
-    assert isinstance(summary["shape_holds"], dict)
-    # no GKD run and no KD from the MoE teacher: each claim that compares them is unmeasured
+    assert "Paired ROUGE-L comparisons" in text and "Teacher worth distilling" in text
+    assert set(summary["shape_holds"]) == {"KD: dense - MoE teacher"}
+    # no GKD run: every claim that needs it is unmeasured; the dense-vs-MoE KD one is judged
     verdicts = {c["claim"]: c["verdict"] for c in csv.DictReader(open(run.path / "claims.csv"))}
-    assert len(verdicts) == 5 and set(verdicts.values()) == {"not measured"}
+    assert len(verdicts) == 6
+    kd_claim = next(v for c, v in verdicts.items() if c.startswith("KD from the dense"))
+    assert kd_claim == ("holds" if float(got["mean_diff"]) > 0 and int(got["wins"]) == 2
+                        else "does not hold")
+    assert sum(v == "not measured" for v in verdicts.values()) == 5

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import blockffn_granularity, results_doc
-from moejax.claims import Claim, compare, lookup, top_column
+from moejax.claims import Claim, compare, lookup, paired, paired_claim, top_column
 from moejax.config import ConfigError
 from moejax.experiment import run_experiment
 from moejax.results import RunDir
@@ -22,6 +22,21 @@ def test_lookup_compare_and_top_column():
     assert compare("lower wins", ("a", 0.3), ("b", 0.4), better="lower").holds is True
     assert compare("missing", ("a", None), ("b", 0.4)).holds is None
     assert compare("nan", ("a", float("nan")), ("b", 0.4)).verdict == "not measured"
+
+
+def test_paired_differences_by_hand():
+    # a - b per seed: 0.1, -0.2, 0.4 -> mean 0.1, sample std sqrt((0 + 0.09 + 0.09) / 2) = 0.3
+    row = paired("A - B", [0.5, 0.3, 0.9], [0.4, 0.5, 0.5])
+    assert row["mean_diff"] == pytest.approx(0.1) and row["std_diff"] == pytest.approx(0.3)
+    assert (row["wins"], row["n"], row["comparison"]) == (2, 3, "A - B")
+    c = paired_claim("A beats B", row)
+    assert c.holds is True and "0.1000 +/- 0.3000, wins 2/3 seeds" in c.evidence
+    # positive mean but a minority of wins: does not hold
+    assert paired_claim("x", paired("x", [1.0, 0.0, 0.0], [0.0, 0.1, 0.1])).holds is False
+    assert paired_claim("x", None).verdict == "not measured"
+    assert paired("one", [1.0], [0.5])["std_diff"] == 0.0
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        paired("bad", [1.0], [1.0, 2.0])
 
 
 def test_granularity_claim_reads_its_table():

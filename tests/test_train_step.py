@@ -127,6 +127,30 @@ def test_lm_loss_fn_passes_segment_ids_and_positions_only_when_present():
     assert spy.seen == {"mask_BT": None}
 
 
+def test_lm_loss_fn_never_shows_the_loss_mask_to_the_model():
+    """A prompt/response batch's loss mask covers only the response: the model must still
+    attend to the prompt, so the loss equals the CE of the unmasked forward's logits on the
+    response positions (the mask hiding the prompt keys gives a different loss)."""
+    from moejax.nn.decoder import DecoderLM, dense_decoder_config
+    from moejax.ops.losses import cross_entropy
+
+    lm = DecoderLM(dense_decoder_config(vocab_size=16, d_model=16, n_layers=2, n_heads=2,
+                                        d_hidden=24, max_seq_len=16, init_std=0.5),
+                   rngs=nnx.Rngs(0))
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 16, (2, 9)), jnp.int32)
+    mask = np.zeros((2, 8), np.float32)
+    mask[:, 5:] = 1  # the response: the last three targets
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": mask}
+    loss, _ = lm_loss_fn(lm, batch, None, train=False)
+    want = cross_entropy(lm(toks[:, :-1])[0], toks[:, 1:], mask)
+    hidden = cross_entropy(lm(toks[:, :-1], mask_BT=mask > 0)[0], toks[:, 1:], mask)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    assert abs(float(hidden) - float(want)) > 1e-3  # the test can tell the two apart
+    spy = _SpyLM()
+    lm_loss_fn(spy, {**batch, "token_mask": np.ones((2, 8), np.float32)}, None, train=False)
+    np.testing.assert_array_equal(np.asarray(spy.seen["mask_BT"]), np.ones((2, 8), bool))
+
+
 def test_lm_loss_fn_on_packed_batch_equals_documents_alone():
     """A packed row of two documents (segment ids + restarted positions) has the same
     token-summed CE as the two documents run as separate rows."""

@@ -28,7 +28,7 @@ def tiny_lm(name: str, preset: str) -> LMSubstrateConfig:
 
 def tiny_registry() -> dict:
     reg = dict(registry.SUBSTRATES)
-    for n in ("dense_lm_prose", "dense_lm_code"):
+    for n in ("dense_lm_prose", "dense_lm_code", "dense_lm_chat"):
         reg[n] = dataclasses.replace(reg[n], make_config=lambda p, n=n: tiny_lm(n, p))
     reg["vit_mnist5k"] = dataclasses.replace(
         reg["vit_mnist5k"], make_config=lambda p: ViTSubstrateConfig(

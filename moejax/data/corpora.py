@@ -6,8 +6,9 @@
   :class:`~moejax.data.tokenizer.ByteTokenizer` ids with ``eos`` between documents (vocabulary
   259), otherwise ``tokenizer.encode`` of the whole text (e.g. SmolLM2's BPE).
 
-Names (``CORPORA``): ``stdlib_code`` (the CPython standard library source), and the TFDS text
-datasets ``prose/pydoc`` (Python documentation sources) and ``prose/kjv`` (King James Bible).
+Names (``CORPORA``): ``stdlib_code`` (the CPython standard library source), the TFDS text
+datasets ``prose/pydoc`` (Python documentation sources) and ``prose/kjv`` (King James Bible),
+and ``chitchat`` (the chit-chat dialogues: each example's context, a newline, its response).
 Splits are per document (stable hashes, see :mod:`moejax.data.raw_files`). One exception:
 ``corpus_bytes("stdlib_code", ...)`` reads the installed ``.py`` files directly
 (:func:`~moejax.data.stdlib_corpus.load_stdlib_bytes`: 5% of files by path hash are
@@ -31,7 +32,7 @@ from moejax.data.tokenizer import ByteTokenizer
 
 __all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts", "corpus_windows"]
 
-CORPORA = ("stdlib_code", "prose/pydoc", "prose/kjv")
+CORPORA = ("stdlib_code", "prose/pydoc", "prose/kjv", "chitchat")
 
 
 def _check(name: str) -> None:
@@ -43,7 +44,10 @@ def _check(name: str) -> None:
 def corpus_texts(name: str, split: str) -> tuple[str, ...]:
     """The documents of a corpus from its TFDS builder."""
     _check(name)
-
+    if name == "chitchat":
+        return tuple(datasets.decode_text(ex["context"]) + "\n"
+                     + datasets.decode_text(ex["response"])
+                     for ex in datasets.load_split(name, split))
     return tuple(datasets.decode_text(ex["text"]) for ex in datasets.load_split(name, split))
 
 

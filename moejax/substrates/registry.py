@@ -9,6 +9,7 @@ Substrates (``SUBSTRATES``):
 ============================  ===============================================================
 ``dense_lm_prose``            dense byte-level LM pre-trained from scratch on ``prose/pydoc``
 ``dense_lm_code``             ``dense_lm_prose`` fine-tuned on ``stdlib_code`` (pre/fine pair)
+``dense_lm_chat``             wider byte-level LM pre-trained on the chit-chat dialogues
 ``vit_mnist5k``               small ViT trained on MNIST-5k
 ``mlp_mnist5k``               the DAREx controlled MLP pre-trained on MNIST-5k (task A)
 ``byte_encoder_wordnet_pos``  small byte-level BERT trained on WordNet gloss -> part of speech
@@ -84,6 +85,10 @@ SUBSTRATES: dict[str, Recipe] = {
                             lm_r.train_lm,
                             deps=lambda c: {"init": (c.init_from, c.init_preset)},
                             description="dense_lm_prose fine-tuned on stdlib_code"),
+    "dense_lm_chat": Recipe(lambda p: lm_r.lm_config("dense_lm_chat", p), lm_r.make_lm,
+                            lm_r.train_lm,
+                            description="byte-level LM pre-trained on the chit-chat "
+                                        "dialogues"),
     "vit_mnist5k": Recipe(cls_r.vit_substrate_config, cls_r.make_vit, cls_r.train_vit,
                           description="small ViT trained on MNIST-5k"),
     "mlp_mnist5k": Recipe(mlp_r.mlp_substrate_config, mlp_r.make_mlp, mlp_r.train_mlp_substrate,

@@ -5,6 +5,8 @@ loop ("Every Expert Matters", Kim et al. 2025, Sec. 3-4).
     train(pair, batches, tcfg, loss_fn=distill_loss_fn(cfg), tx=distill_tx(cfg, tcfg))
     pair.student                                        # the distilled student
 
+    student, pair, history = distil(student, teacher, cfg, tcfg, batches)   # the same, on copies
+
 :class:`DistillConfig.method`:
 * ``sft``: cross-entropy on the dataset responses (no teacher);
 * ``kd``: ``kd_ratio KL(p || q) + (1 - kd_ratio) CE`` on the dataset responses (forward KL
@@ -56,10 +58,11 @@ from moejax.ops.distill_losses import (
 )
 from moejax.ops.losses import cross_entropy
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
+from moejax.train.loop import History, train
 
 __all__ = ["DistillConfig", "FrozenParam", "RouterParam", "RouterOptState", "DistillPair",
            "freeze", "distill_pair", "distill_loss_fn", "distill_tx", "sar_router_step",
-           "teacher_routing", "METHODS"]
+           "teacher_routing", "distil", "METHODS"]
 
 Method = Literal["sft", "kd", "gkd", "all", "ka", "sar"]
 METHODS = ("sft", "kd", "gkd", "all", "ka", "sar")
@@ -301,3 +304,19 @@ def distill_tx(cfg: DistillConfig, tcfg: TrainConfig) -> optax.GradientTransform
     """The student's optimizer from ``tcfg`` (SAR's router AdamW runs inside the loss)."""
     del cfg
     return make_optimizer(tcfg, make_schedule(tcfg))
+
+
+def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,
+           tcfg: TrainConfig, source, *, eval_fn=None, keep_best: str = "",
+           desc: str = "distil") -> tuple[nnx.Module, DistillPair, History]:
+    """Distil a copy of ``student`` from ``teacher`` by ``cfg.method`` for ``tcfg.steps``
+    steps on ``source`` (prompt/response batches); ``eval_fn(student, step)`` with
+    ``keep_best`` keeps the best-evaluated student. Returns ``(student, pair, history)``
+    (``pair.teacher``: the teacher as distilled from, e.g. SAR's trained router); the models
+    passed in are left unchanged."""
+    pair = distill_pair(nnx.clone(student), teacher, cfg)
+    history = train(pair, source, tcfg, loss_fn=distill_loss_fn(cfg), tx=distill_tx(cfg, tcfg),
+                    eval_fn=None if eval_fn is None else (lambda p, step: eval_fn(p.student,
+                                                                                 step)),
+                    keep_best=keep_best, desc=desc)
+    return pair.student, pair, history

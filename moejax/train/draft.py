@@ -29,11 +29,11 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
-from moejax.nn.decoder import DecoderLM, keep_layers
+from moejax.nn.decoder import DecoderLM
 from moejax.nn.sample import sample
-from moejax.train.distill import DistillConfig, distill_loss_fn, distill_pair, distill_tx
+from moejax.train.distill import DistillConfig, distil
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import History, train
+from moejax.train.loop import History
 
 __all__ = ["DraftDistillConfig", "target_continuations", "distill_draft", "argmax_agreement"]
 
@@ -101,14 +101,10 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
     key = jax.random.key(seed)
     rows = target_continuations(target, prompts_PT, cfg.response_len,
                                 key=jax.random.fold_in(key, 0), temperature=cfg.temperature)
-    student = keep_layers(draft, range(draft.cfg.n_layers))  # a fresh copy
-    dcfg = cfg.distill()
-    pair = distill_pair(student, target, dcfg)
     tcfg = cfg.train.replace(seed=seed)
     src = PromptResponseBatches(rows, batch_size=tcfg.batch_size, seed=seed)
-    hist = train(pair, src, tcfg, loss_fn=distill_loss_fn(dcfg), tx=distill_tx(dcfg, tcfg),
-                 desc=desc)
-    return pair.student, hist
+    student, _, hist = distil(draft, target, cfg.distill(), tcfg, src, desc=desc)
+    return student, hist
 
 
 def argmax_agreement(draft: DecoderLM, target: DecoderLM, tokens_BS) -> float:

@@ -110,12 +110,19 @@ def lm_loss_fn(model, batch, key, train: bool = True):
     the model's ``aux["aux_loss"]``. Metrics: ``ce``, ``aux_loss``, ``accuracy`` and every
     other scalar float entry of ``aux`` (prefixed ``aux/``).
 
-    Packed batches: ``batch["segment_ids"]`` / ``batch["positions"]``, when present, are passed
-    as ``segment_ids_BT`` / ``positions_BT`` (attention stays within each document, RoPE
-    restarts per document, slots see the document boundaries); batches without them call the
-    model with ``mask_BT`` only."""
+    ``batch["mask"]`` selects the positions the loss counts (e.g. only the response of a
+    prompt/response row) and is never shown to the model: the model's ``mask_BT`` (the real
+    tokens, keys of attention and the tokens MoE slots route) is ``segment_ids > 0`` for packed
+    batches, else ``batch["token_mask"]`` when present, else None (every token real). Packed
+    batches: ``batch["segment_ids"]`` / ``batch["positions"]``, when present, are passed as
+    ``segment_ids_BT`` / ``positions_BT`` (attention stays within each document, RoPE restarts
+    per document, slots see the document boundaries)."""
     mask = batch.get("mask")
-    kw = {"mask_BT": None if mask is None else mask > 0}
+    if batch.get("segment_ids") is not None:
+        real = batch["segment_ids"] > 0
+    else:
+        real = None if batch.get("token_mask") is None else batch["token_mask"] > 0
+    kw = {"mask_BT": real}
     if batch.get("segment_ids") is not None:
         kw["segment_ids_BT"] = batch["segment_ids"]
     if batch.get("positions") is not None:
