@@ -70,3 +70,15 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     assert kd_claim == ("holds" if float(got["mean_diff"]) > 0 and int(got["wins"]) == 2
                         else "does not hold")
     assert sum(v == "not measured" for v in verdicts.values()) == 5
+
+
+def test_teacher_gap_needs_both_the_rouge_and_the_perplexity_gap():
+    def gap(t, s, tp, sp):
+        return mod.teacher_gap({"MoE teacher": {"rouge_l": t, "ppl": tp},
+                                "student (SFT)": {"rouge_l": s, "ppl": sp}})
+
+    g = gap(0.75, 0.5, 3.0, 4.0)  # +50% ROUGE-L, 25% lower perplexity
+    assert (g["rouge_l_rel_gain"], g["ppl_reduction"], g["worth_distilling"]) == (0.5, 0.25, True)
+    assert gap(0.55, 0.5, 3.0, 4.0)["worth_distilling"] is True  # +0.05 absolute (+10%) suffices
+    assert gap(0.06, 0.05, 3.0, 4.0)["worth_distilling"] is False  # +20%, +0.01: too small
+    assert gap(0.75, 0.5, 3.5, 4.0)["worth_distilling"] is False  # perplexity only 12.5% lower
