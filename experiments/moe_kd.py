@@ -422,15 +422,15 @@ def _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_s
                                  "max": (layers, [r["max_kl"] for r in kl])},
                       xlabel="layer", ylabel="KL", markers=True, title="Fig. 6 analog")
 
-    def main_run(method):  # the main table's first-seed run of ``method`` (MoE teacher)
-        return next((r for r in per_seed if (r["teacher"], r["method"], r["seed"])
+    def main_run(method):  # the scores of the main table's first-seed run (MoE teacher)
+        return next(({"rouge_l": r["rouge_l"], "ppl": r["ppl"], "kl": r["kl_to_moe_teacher"]}
+                     for r in per_seed if (r["teacher"], r["method"], r["seed"])
                      == ("MoE teacher", method, 0)), None)
 
     lr_rows = []
     for lr in cfg.lr_sweep:
         if float(lr) == cfg.distill.lr and main_run("KD") is not None:
             sc = main_run("KD")
-            sc = {"rouge_l": sc["rouge_l"], "ppl": sc["ppl"], "kl": sc["kl_to_moe_teacher"]}
         else:
             st, _ = _distil(student_sft, moe_teacher, kd.replace(method="kd"),
                             _seed_cfg(cfg, 0).replace(lr=float(lr)), train_src, val,
@@ -442,7 +442,6 @@ def _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_s
     for lr in cfg.router_lr_sweep:
         if float(lr) == kd.router_lr and main_run("SAR") is not None:
             sc = main_run("SAR")
-            sc = {"rouge_l": sc["rouge_l"], "ppl": sc["ppl"], "kl": sc["kl_to_moe_teacher"]}
             rk = [r for r in sar_kls if r["seed"] == 0]
         else:
             st, pair = _distil(student_sft, moe_teacher, kd.replace(method="sar",

@@ -117,14 +117,10 @@ def lm_loss_fn(model, batch, key, train: bool = True):
     batches: ``batch["segment_ids"]`` / ``batch["positions"]``, when present, are passed as
     ``segment_ids_BT`` / ``positions_BT`` (attention stays within each document, RoPE restarts
     per document, slots see the document boundaries)."""
-    mask = batch.get("mask")
-    if batch.get("segment_ids") is not None:
-        real = batch["segment_ids"] > 0
-    else:
-        real = None if batch.get("token_mask") is None else batch["token_mask"] > 0
-    kw = {"mask_BT": real}
-    if batch.get("segment_ids") is not None:
-        kw["segment_ids_BT"] = batch["segment_ids"]
+    mask, seg, real = batch.get("mask"), batch.get("segment_ids"), batch.get("token_mask")
+    kw = {"mask_BT": None if real is None else real > 0}
+    if seg is not None:
+        kw.update(mask_BT=seg > 0, segment_ids_BT=seg)
     if batch.get("positions") is not None:
         kw["positions_BT"] = batch["positions"]
     logits, aux = model(batch["inputs"], train=train, key=key, **kw)
