@@ -1,21 +1,33 @@
-"""Benchmark: does extracting experts save wall-clock time? One MiniLM-shaped FFN (D 384,
-F 1536, GELU, biases) timed dense, as extracted experts in the masked layout (the trainable
-oracle: every kept neuron computed) and in the compact layout (each expert's neurons
-contiguous, tokens routed through the MoE dispatch: the host kernel on a CPU), against the
-MAC reduction each plan promises.
+"""Benchmark: does extracting experts save wall-clock time?
 
-Plans are synthetic, one expert per token (MoEE's routing): ``experts`` experts that each keep
-``keep`` of the neurons; ``"equal"`` gives every expert that share, ``"skewed"`` spreads the
-sizes linearly from half to one and a half times it (same mean); the compact layout pads
-every expert to the largest, and the host kernel skips each expert's padding. Tokens:
-``batch`` x ``seq_len`` for each batch of ``batches`` (MiniLM's mean sentence length in the
-MoEE study's data is about 16 tokens; the first batch is the one the target is judged at),
-routed uniformly at random.
+Part 1, MoEE plans (``model=minilm``, the default; ``vit``; ``none`` skips it): the MoEE
+recipe (:mod:`moejax.extract.pipeline`: record, cluster, select, route) run on a trained
+substrate, then every extracted FFN timed on the FFN inputs of one batch of ``rows`` test
+examples without padding (MiniLM: glosses at least the mean gloss length long, cut to it)
+in three layouts: dense (the unmodified FFN), masked (the trainable oracle: every neuron some
+expert keeps, the unused ones zeroed) and compact (each expert's neurons contiguous, each
+token through its expert only, by the MoE dispatch: the host kernel on a CPU, the grouped
+matmul on GPU/TPU). The serving model compacts the layers where routing saves at least
+``min_saving`` of the masked layout's neurons (:func:`moejax.extract.surgery.compact_layers`)
+and keeps the masked layout elsewhere; the whole encoder is timed in every layout. The MAC
+saving each layer promises is exact (:mod:`moejax.extract.macs`, active neurons measured on
+the timed batch); the target is FFN time saved >= 0.8 x FFN MACs saved.
 
-    python -m experiments.bench_extracted
+Part 2, synthetic plans on one MiniLM-shaped FFN (D 384, F 1536, GELU, biases): ``experts``
+experts that each keep ``keep`` of the neurons at random (so they overlap far more than MoEE's
+few experts do); ``"equal"`` gives every expert that share, ``"skewed"`` spreads the sizes
+linearly from half to one and a half times it (same mean); the compact layout pads every
+expert to the largest, and the host kernel skips each expert's padding. Tokens: ``batch`` x
+``seq_len`` for each batch of ``batches``, routed uniformly at random. Every compact output is
+checked against the masked layout before it is timed.
+
+    python -m experiments.bench_extracted                  # MiniLM MoEE plans + synthetic
+    python -m experiments.bench_extracted model=vit        # the ViT substrate's plans
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +38,51 @@ from tqdm.auto import tqdm
 from experiments.bench import time_interleaved
 from moejax.config import Config, config
 from moejax.experiment import main
+from moejax.extract.macs import ffn_macs, model_macs
+from moejax.extract.pipeline import ExtractConfig, cluster_layers, moee_plans, routing_stats
 from moejax.extract.plan import ExpertPlan
-from moejax.extract.surgery import compact_model, extract_model
+from moejax.extract.surgery import (
+    apply_model,
+    compact_layers,
+    compact_model,
+    extract_model,
+    ffn_holder,
+    record_ffn,
+    slot_layers,
+)
 from moejax.nn.encoder import ViT, vit_config
 from moejax.results import RunDir
+from moejax.substrates import substrate_config
+from moejax.substrates.classifier_data import ClassifierData
+from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
 
 NAME = "bench_extracted"
 
 
 @config
 class ExtractedBenchConfig(Config):
+    """Part 1: ``model`` (the substrate whose MoEE plans are timed; ``none``: skip),
+    ``extract`` / ``record_rows`` (the MoEE recipe, as the moee study runs it), ``rows``
+    (examples per timed batch; the first is judged), ``min_saving`` (compact a layer when
+    routing saves at least this share of the masked layout's neurons). Part 2
+    (``synthetic``): one FFN of ``d_model`` x ``d_hidden``, ``experts`` random experts
+    keeping ``keep`` of the neurons, ``batches`` x ``seq_len`` tokens. ``repeats``:
+    interleaved timed calls."""
+
+    model: Literal["minilm", "vit", "none"] = "minilm"
+    vit: ViTSubstrateConfig = substrate_config("vit_mnist5k", "quick")
+    minilm: MiniLMTaskConfig = substrate_config("minilm_wordnet_pos", "quick")
+    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
+    extract: ExtractConfig = ExtractConfig(n_tokens=4000)
+    record_rows: int = 1000
+    eval_rows: int = 1000
+    rows: tuple[int, ...] = (32, 128)
+    min_saving: float = 0.25
+    synthetic: bool = True
     d_model: int = 384
     d_hidden: int = 1536
     experts: int = 16
-    keep: float = 0.564  # kept share of the FFN neurons per token (43.6% fewer MACs)
+    keep: float = 0.564  # kept share of the FFN neurons per token
     batches: tuple[int, ...] = (32, 128, 512)
     seq_len: int = 16
     repeats: int = 20
@@ -50,6 +93,11 @@ class ExtractedBenchConfig(Config):
         self._require(self.experts >= 2 and self.seq_len >= 1, "experts >= 2, seq_len >= 1")
         self._require(len(self.batches) > 0 and min(self.batches) >= 1,
                       f"batches={self.batches} must be >= 1")
+        self._require(len(self.rows) > 0 and min(self.rows) >= 1 and self.record_rows >= 1
+                      and self.repeats >= 1, "rows (each), record_rows and repeats must be >= 1")
+        self._require(0 <= self.min_saving < 1, f"min_saving={self.min_saving} must be in [0, 1)")
+        self._require(self.model != "none" or self.synthetic,
+                      "model=none with synthetic=false times nothing")
 
 
 def make_config(preset: str) -> ExtractedBenchConfig:
@@ -79,12 +127,13 @@ def _time_batch(cfg, slots: dict, batch: int, rng) -> tuple[dict, dict]:
                 np.testing.assert_allclose(np.asarray(slot(x)[0]), np.asarray(want),
                                            rtol=1e-4, atol=1e-4)
                 used[name.split()[0]] = np.asarray(aux["load"]) > 0
-    call = nnx.jit(lambda m, x: m(x)[0])
-    return time_interleaved({k: (lambda s=s: call(s, x)) for k, s in slots.items()},
+    calls = {k: _forward(s) for k, s in slots.items()}
+    return time_interleaved({k: (lambda f=f: f(x)) for k, f in calls.items()},
                             repeats=cfg.repeats), used
 
 
-def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
+def synthetic_plans(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
+    """Part 2 (module docstring): table ``ffn_time`` and plot ``ffn_vs_dense``."""
     rng = np.random.default_rng(cfg.seed)
     vit = ViT(vit_config(image_size=8, patch_size=4, d_model=cfg.d_model, n_layers=1,
                          n_heads=4, d_hidden=cfg.d_hidden, n_classes=2, n_channels=1),
@@ -147,12 +196,163 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         f"{r['plan']} plan {r['time_saved']:.0%} ({r['saved_over_promised']:.2f}x)" for r in rs)
     met = all(r["saved_over_promised"] >= 0.8 for r in first)
     return {"headline": (
-        f"compact layout, time saved against the dense FFN for {first[0]['mac_saved']:.0%} "
+        f"synthetic plans ({cfg.experts} random experts), compact layout, time saved against "
+        f"the dense FFN for {first[0]['mac_saved']:.0%} "
         f"fewer MACs: at {first[0]['tokens']} tokens {say(first)}"
         + (f"; at {last[0]['tokens']} tokens {say(last)}" if last != first else "")
         + f"; target (0.8x the MAC saving at {first[0]['tokens']} tokens) "
         + ("met" if met else "not met")),
         **{f"{r['tokens']} {r['plan']} {r['layout']} ms": round(r["ms"], 3) for r in out}}
+
+
+def _forward(module, encoder: bool = False):
+    """``f(x)``: ``module(x)[0]`` (an FFN slot) or, with ``encoder``, the model's logits on a
+    batch dict, jitted over the module's state (split once: no per-call graph traversal)."""
+    graphdef, state = nnx.split(module)
+    if encoder:
+        fn = jax.jit(lambda s, b: apply_model(nnx.merge(graphdef, s), b)[0])
+    else:
+        fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0])
+    return lambda x: fn(state, x)
+
+
+def _timed_batch(data: ClassifierData, rows: int) -> dict:
+    """``rows`` test examples without padding: images as they are; glosses at least the
+    mean gloss length long, cut to it (a batch of ``rows`` x the mean length, every token
+    real)."""
+    if data.seq_len is None:
+        return {"inputs": data.test["inputs"][:rows]}
+    length = int(round(data.seq_len))
+    idx = np.flatnonzero(data.test["mask"].sum(1) >= length)[:rows]
+    if len(idx) < rows:
+        raise ValueError(f"rows={rows}: only {len(idx)} of the {len(data.test['mask'])} test "
+                         f"glosses hold {length} tokens; lower rows or raise eval_rows")
+    return {"inputs": data.test["inputs"][idx, :length], "mask": data.test["mask"][idx, :length]}
+
+
+def _n_tokens(data: ClassifierData, batch: dict) -> int:
+    if data.seq_len is None:
+        return len(batch["inputs"]) * (1 + ffn_holder(data.model).cfg.n_patches)
+    return int(np.sum(batch["mask"]))
+
+
+def _time_layouts(cfg, data, models: dict, picked: list[int], batch: dict) -> tuple[list, list]:
+    """Per-layer FFN rows (``all`` last) and whole-model rows of one batch, after checking
+    every compact output against the masked layout's."""
+    masked, dense = ffn_holder(models["masked"]), ffn_holder(data.model)
+    layers, tokens = slot_layers(models["masked"]), _n_tokens(data, batch)
+    active = {i: s["active_neurons"] for i, s in routing_stats(models["masked"], [batch]).items()}
+    xs = {i: jnp.asarray(x)[None] for i, (x, _) in record_ffn(
+        data.model, [batch], n_tokens=tokens, layers=layers).items()}
+    fns = {(i, name): _forward(ffn_holder(models[name]).blocks[i].ffn)
+           for i in layers for name in ("dense", "masked", "compact")}
+    encs = {name: _forward(m, encoder=True) for name, m in models.items()}
+    with jax.default_matmul_precision("highest"):  # GPUs default to TF32 products
+        for i in layers:
+            np.testing.assert_allclose(np.asarray(fns[i, "compact"](xs[i])),
+                                       np.asarray(fns[i, "masked"](xs[i])), rtol=1e-4, atol=1e-4)
+        want = np.asarray(encs["masked"](batch))
+        for name in ("compact", "serving"):
+            np.testing.assert_allclose(np.asarray(encs[name](batch)), want, rtol=1e-4, atol=1e-4)
+    t = time_interleaved({f"{i} {name}": (lambda f=f, x=xs[i]: f(x))
+                          for (i, name), f in fns.items()}, repeats=cfg.repeats)
+    ms = {k: v["median_s"] * 1e3 for k, v in t.items()}
+    D = dense.cfg.d_model
+    macs = lambda c, a=None: sum(ffn_macs(c, D, tokens, a).values())  # noqa: E731
+    rows = []
+    for i in layers:
+        slot, layout = masked.blocks[i].ffn.cfg, "compact" if i in picked else "masked"
+        rows.append({"tokens": tokens, "layer": i, "experts": slot.n_experts,
+                     "neurons": dense.cfg.ffn_slots[i].d_hidden, "kept": slot.d_hidden,
+                     "active": active[i], "dense_ms": ms[f"{i} dense"],
+                     "masked_ms": ms[f"{i} masked"], "compact_ms": ms[f"{i} compact"],
+                     "serving": layout, "serving_ms": ms[f"{i} {layout}"],
+                     "_dense_macs": macs(dense.cfg.ffn_slots[i]), "_macs": macs(slot, active[i])})
+    rows.append({"tokens": tokens, "layer": "all", **{k: sum(r[k] for r in rows) for k in (
+        "dense_ms", "masked_ms", "compact_ms", "serving_ms", "_dense_macs", "_macs")}})
+    for r in rows:
+        r["mac_saved"] = 1 - r["_macs"] / r["_dense_macs"]
+        for lay in ("masked", "compact", "serving"):
+            r[f"{lay}_saved"] = 1 - r[f"{lay}_ms"] / r["dense_ms"]
+        r["serving_over_macs"] = r["serving_saved"] / r["mac_saved"]
+    te = time_interleaved({n: (lambda f=f: f(batch)) for n, f in encs.items()},
+                          repeats=cfg.repeats)
+    length = None if data.seq_len is None else float(np.shape(batch["inputs"])[1])
+    saved = 1 - model_macs(models["masked"], length, active)["total"] / model_macs(
+        data.model, length)["total"]
+    enc = [{"tokens": tokens, "model": n, "ms": v["median_s"] * 1e3,
+            "speedup": te["dense"]["median_s"] / v["median_s"],
+            "time_saved": 1 - v["median_s"] / te["dense"]["median_s"],
+            "mac_saved": 0.0 if n == "dense" else saved} for n, v in te.items()]
+    return rows, enc
+
+
+def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
+    """Part 1 (module docstring): tables ``moee_ffn`` and ``moee_encoder``."""
+    data = ClassifierData(cfg.model, cfg.vit, cfg.minilm, cache_dir=cfg.substrate_cache or None,
+                          train_rows=cfg.record_rows, eval_rows=cfg.eval_rows)
+    ex = cfg.extract
+    records = record_ffn(data.model, data.record_batches(cfg.record_rows, cfg.seed),
+                         n_tokens=ex.n_tokens, seed=cfg.seed)
+    plans = moee_plans(records, cluster_layers(records, ex.cluster, seed=cfg.seed), ex,
+                       seed=cfg.seed)
+    masked = extract_model(data.model, plans, router=ex.router)
+    layers = slot_layers(masked)
+    if not layers:
+        run.note(f"MoEE formed no cluster in any layer of {data.substrate}: nothing to time.")
+        return {"headline": f"MoEE plans ({cfg.model}): no layer extracted"}
+    batches = [_timed_batch(data, r) for r in cfg.rows]
+    first = routing_stats(masked, batches[:1])  # the serving layouts follow the first batch
+    picked = compact_layers(masked, {i: s["active_neurons"] for i, s in first.items()},
+                            cfg.min_saving)
+    models = {"dense": data.model, "masked": masked, "compact": compact_model(masked),
+              "serving": compact_model(masked, layers=picked)}
+    ffn, enc = [], []
+    for batch in tqdm(batches, desc="batches", leave=False):
+        f, e = _time_layouts(cfg, data, models, picked, batch)
+        ffn, enc = ffn + f, enc + e
+    dev = jax.devices()[0]
+    where = f"{dev.platform} ({dev.device_kind})"
+    shape = ("rows x 1 + patches" if data.seq_len is None
+             else f"rows x {np.shape(batches[0]['inputs'])[1]} (the mean gloss length)")
+    run.table("moee_ffn", ffn, title=(
+        f"MoEE-extracted FFNs of {data.substrate} on the FFN inputs of batches of {shape} "
+        f"real tokens, rows in {list(cfg.rows)}; median of {cfg.repeats} interleaved calls on "
+        f"{where}; kept: neurons some expert keeps (the masked layout's width); active: "
+        "neurons a token's expert uses, mean over the batch; mac_saved: 1 - the layer's MACs "
+        "(router + experts) / the dense FFN's; serving: the layout chosen (compact where "
+        f"routing saves >= {cfg.min_saving:.0%} of the kept neurons on the first batch); "
+        "*_saved: 1 - time / dense time; target: serving_over_macs >= 0.8"),
+        columns=["tokens", "layer", "experts", "neurons", "kept", "active", "mac_saved",
+                 "dense_ms", "masked_ms", "compact_ms", "serving", "serving_ms",
+                 "masked_saved", "compact_saved", "serving_saved", "serving_over_macs"])
+    run.table("moee_encoder", enc, title=(
+        f"The whole {cfg.model} model (every layer, head included) on the same batches, "
+        f"median of {cfg.repeats} interleaved calls on {where}; compact: every extracted "
+        "layer compact; serving: compact only where chosen (table above); mac_saved: the "
+        "whole model's MAC saving"))
+    run.note(f"MoEE on {data.substrate}: extracted layers {layers} with "
+             f"{[ffn_holder(masked).blocks[i].ffn.cfg.n_experts for i in layers]} experts; "
+             f"compact layers "
+             f"{picked} (min_saving {cfg.min_saving}); the rest masked.")
+    a = next(r for r in ffn if r["layer"] == "all")
+    srv = next(r for r in enc if r["model"] == "serving")
+    return {"headline": (
+        f"MoEE plans ({cfg.model}, {a['tokens']} tokens): FFN MACs {-a['mac_saved']:+.1%}, "
+        f"FFN time {-a['serving_saved']:+.1%} served (masked {-a['masked_saved']:+.1%}, all "
+        f"compact {-a['compact_saved']:+.1%}), {a['serving_over_macs']:.2f}x the MAC saving, "
+        "target 0.8x " + ("met" if a["serving_over_macs"] >= 0.8 else "not met")
+        + f"; whole model {srv['speedup']:.2f}x the dense speed for "
+        f"{-srv['mac_saved']:+.1%} MACs"),
+        "ffn_mac_saved": round(a["mac_saved"], 4), "ffn_time_saved": round(a["serving_saved"], 4),
+        "encoder_speedup": round(srv["speedup"], 3)}
+
+
+def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
+    parts = ([moee_plans_part(cfg, run)] if cfg.model != "none" else []) + (
+        [synthetic_plans(cfg, run)] if cfg.synthetic else [])
+    out = {k: v for p in parts for k, v in p.items() if k != "headline"}
+    return {"headline": "; ".join(p["headline"] for p in parts), **out}
 
 
 if __name__ == "__main__":

@@ -235,8 +235,8 @@ def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
 
     _, run = run_experiment(
         "bench_extracted", bench_extracted.make_config, bench_extracted.run,
-        ["d_model=16", "d_hidden=40", "experts=4", "keep=0.5", "batches=(2,5)", "seq_len=3",
-         "repeats=1"], out=tmp_path / "bench_extracted")
+        ["model=none", "d_model=16", "d_hidden=40", "experts=4", "keep=0.5", "batches=(2,5)",
+         "seq_len=3", "repeats=1"], out=tmp_path / "bench_extracted")
     import csv
 
     rows = list(csv.DictReader(open(run.path / "ffn_time.csv")))
@@ -258,6 +258,52 @@ def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
     assert "target (0.8x the MAC saving at 6 tokens)" in (run.path / "summary.md").read_text()
     with pytest.raises(Exception, match="batches"):
         bench_extracted.make_config("quick").replace(batches=())
+    with pytest.raises(Exception, match="times nothing"):
+        bench_extracted.make_config("quick").replace(model="none", synthetic=False)
+    with pytest.raises(Exception, match="min_saving"):
+        bench_extracted.make_config("quick").replace(min_saving=1.0)
+
+
+def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_path):
+    """The MoEE part on the tiny ViT: every extracted layer timed in three layouts on each
+    batch (compact outputs checked against the masked layout inside the run), exact MAC
+    accounting, the serving layouts picked by the rule."""
+    import csv
+
+    from experiments import bench_extracted
+    from moejax.extract import ClusterConfig
+    from moejax.extract.pipeline import ExtractConfig
+    from moejax.substrates.classify import ViTSubstrateConfig
+    from tests.tiny_substrates import tiny_train
+
+    cfg = bench_extracted.make_config("quick").replace(
+        model="vit", synthetic=False, substrate_cache=str(tiny_recipes), record_rows=40,
+        eval_rows=100, rows=(4, 6), repeats=1, min_saving=0.3,
+        vit=ViTSubstrateConfig(d_model=16, n_layers=2, n_heads=2, d_hidden=32,
+                               train=tiny_train(3)),
+        extract=ExtractConfig(n_tokens=300, cluster=ClusterConfig(min_cluster_frac=0.02)))
+    _, run = run_experiment("bench_extracted", lambda preset: cfg, bench_extracted.run, [],
+                            out=tmp_path / "bx")
+    ffn = list(csv.DictReader(open(run.path / "moee_ffn.csv")))
+    tokens = {"68": [], "102": []}  # (1 + 16 patches) x 4 and x 6 images
+    for r in ffn:
+        tokens[r["tokens"]].append(r)
+    per_layer = [r for r in tokens["68"] if r["layer"] != "all"]
+    assert per_layer and tokens["68"][-1]["layer"] == "all" and len(tokens["102"]) == len(
+        tokens["68"])
+    for r in per_layer:
+        kept, active, F = float(r["kept"]), float(r["active"]), float(r["neurons"])
+        assert 0 < active <= kept <= F
+        # MACs per token: router C D + experts 2 D active, against the dense 2 D F (D = 16)
+        want = 1 - (int(r["experts"]) * 16 + 2 * 16 * active) / (2 * 16 * F)
+        assert float(r["mac_saved"]) == pytest.approx(want, rel=1e-6)
+        assert r["serving"] == ("compact" if 1 - active / kept >= 0.3 else "masked")
+        assert float(r["serving_ms"]) == float(r[f"{r['serving']}_ms"])
+    total = tokens["68"][-1]
+    assert float(total["dense_ms"]) == pytest.approx(sum(float(r["dense_ms"]) for r in per_layer))
+    enc = list(csv.DictReader(open(run.path / "moee_encoder.csv")))
+    assert [r["model"] for r in enc] == ["dense", "masked", "compact", "serving"] * 2
+    assert "MoEE plans (vit, 68 tokens)" in (run.path / "summary.md").read_text()
 
 
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):

@@ -27,7 +27,7 @@ from moejax.extract.pipeline import (
     moefication_model,
     routing_stats,
 )
-from moejax.extract.surgery import compact_model
+from moejax.extract.surgery import compact_layers, compact_model
 from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
@@ -188,6 +188,28 @@ def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, to
     if not disjoint:
         with pytest.raises(ValueError, match="share neurons"):
             compact_model(extract_model(model, {1: plan}, router=router, top_k=2))
+
+
+def test_compact_layers_picks_by_the_saving_and_compact_model_only_touches_those():
+    model = tiny_vit()
+    rng = np.random.default_rng(3)
+    plans = {i: ExpertPlan(rng.uniform(size=(3, 16)) < 0.5, rng.normal(size=(3, 8)).astype(
+        np.float32), np.zeros(3, np.float32)) for i in (0, 1)}
+    masked = extract_model(model, plans, router="cosine")
+    kept = {i: masked.blocks[i].ffn.cfg.d_hidden for i in (0, 1)}
+    active = {0: 0.9 * kept[0], 1: 0.5 * kept[1]}  # saves 10% and 50% of the kept neurons
+    assert compact_layers(masked, active, 0.25) == [1]
+    assert compact_layers(masked, active, 0.0) == [0, 1]
+    assert compact_layers(masked, active, 0.6) == []
+    with pytest.raises(ValueError, match="no active_neurons"):
+        compact_layers(masked, {0: 1.0}, 0.25)
+    served = compact_model(masked, layers=[1])
+    assert [served.blocks[i].ffn.cfg.layout for i in (0, 1)] == ["masked", "compact"]
+    x = jnp.asarray(images())
+    np.testing.assert_allclose(np.asarray(served(x)[0]), np.asarray(masked(x)[0]), rtol=2e-5,
+                               atol=2e-5)
+    with pytest.raises(ValueError, match="not extracted"):
+        compact_model(extract_model(model, {1: plans[1]}), layers=[0])
 
 
 def test_one_expert_with_every_neuron_is_the_dense_model_and_cfg_rebuilds():

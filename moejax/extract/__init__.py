@@ -7,7 +7,7 @@ baseline (Zhang et al. 2022).
   selection and mean-input routers; MoEfication's constrained balanced k-means experts and
   parameter centres.
 * :mod:`~moejax.extract.surgery`: record FFN inputs/activations; replace dense FFNs by
-  :class:`~moejax.nn.extracted.ExtractedFFN` slots.
+  :class:`~moejax.nn.extracted.ExtractedFFN` slots; the compact (serving) layout.
 * :mod:`~moejax.extract.macs`: exact MAC and parameter accounting.
 * :mod:`~moejax.extract.pipeline`: the recipe end to end (record, cluster, plan, extract,
   MoEfication at matched MACs, its MLP router).

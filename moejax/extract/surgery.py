@@ -26,7 +26,7 @@ from moejax.nn.surgery import build_from_pure
 
 __all__ = ["ffn_holder", "dense_ffn_layers", "record_ffn", "extract_model", "copy_model",
            "slot_layers", "apply_model", "extracted_ffn_variables", "compact_ffn_variables",
-           "compact_model"]
+           "compact_model", "compact_layers"]
 
 
 def ffn_holder(model) -> nnx.Module:
@@ -157,14 +157,39 @@ def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool, where: str =
     return out
 
 
-def compact_model(model, dispatch: str = "auto"):
-    """A copy of ``model`` whose :class:`ExtractedFFN` slots use the compact layout (serving:
-    a token computes only its experts' neurons; same outputs as the masked layout)."""
+def compact_layers(model, active_neurons: dict[int, float], min_saving: float = 0.0) -> list[int]:
+    """The extracted layers worth serving in the compact layout: those where a token's experts
+    use at least ``min_saving`` fewer neurons (``active_neurons``, the mean per token that
+    :func:`moejax.extract.pipeline.routing_stats` measures) than the masked layout evaluates
+    (every neuron some expert keeps). Experts that overlap heavily leave little to save, and
+    the masked layout's one dense product runs at a higher rate than routing each token, so
+    below some saving the masked layout is the faster one (``min_saving=0``: every layer)."""
+    holder = ffn_holder(model)
+    out = []
+    for i in slot_layers(model):
+        cfg = holder.blocks[i].ffn.cfg
+        if i not in active_neurons:
+            raise ValueError(f"layer {i}: no active_neurons measured (measured: "
+                             f"{sorted(active_neurons)}); pass routing_stats' for every layer")
+        if 1.0 - active_neurons[i] / cfg.d_hidden >= min_saving:
+            out.append(i)
+    return out
+
+
+def compact_model(model, dispatch: str = "auto", layers: Iterable[int] | None = None):
+    """A copy of ``model`` whose :class:`ExtractedFFN` slots (those in ``layers``; default
+    all) use the compact layout (serving: a token computes only its experts' neurons; same
+    outputs as the masked layout)."""
     holder = ffn_holder(model)
     pure = nnx.to_pure_dict(nnx.state(model))
     blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
     slots = list(holder.cfg.ffn_slots)
-    for i in slot_layers(model):
+    extracted = slot_layers(model)
+    layers = extracted if layers is None else sorted(layers)
+    bad = [i for i in layers if i not in extracted]
+    if bad:
+        raise ValueError(f"layers {bad} are not extracted FFN slots (extracted: {extracted})")
+    for i in layers:
         cfg = slots[i]
         if cfg.layout == "compact":
             continue
