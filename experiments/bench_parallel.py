@@ -38,6 +38,7 @@ from moejax.kernels.dispatch import dispatch
 from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
 from moejax.results import RunDir
 from moejax.train.collectives import collective_bytes
+from moejax.train.distributed import cpu_devices_env
 from moejax.train.mesh import make_mesh
 
 NAME = "bench_parallel"
@@ -151,8 +152,7 @@ def _fields_json(cfg: ParallelConfig) -> str:
 def _measure_here_or_in_subprocess(cfg: ParallelConfig) -> list[dict]:
     if jax.device_count() == cfg.devices:
         return measure(_fields_json(cfg))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={cfg.devices}",
-               JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(cfg.devices)
     code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from experiments.bench_parallel "
             "import measure; print('ROWS' + json.dumps(measure(sys.argv[1])))")
     r = subprocess.run([sys.executable, "-c", code, _fields_json(cfg)], env=env,

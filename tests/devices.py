@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from moejax.train.distributed import cpu_devices_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -12,8 +14,7 @@ def run_on_devices(script: str, n_devices: int = 8, timeout: int = 600) -> str:
     """Run ``script`` (``ROOT`` in it is replaced by the repository path) with ``n_devices``
     CPU devices; fail the test unless it exits 0 and its output ends with ``OK``. Returns
     the output, for the caller to check the stages the script reports."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+    env = cpu_devices_env(n_devices)  # keeps the suite's XLA flags and compilation cache
     r = subprocess.run([sys.executable, "-c", script.replace("ROOT", repr(ROOT), 1)], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-3000:]

@@ -23,6 +23,7 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
+from moejax.train.distributed import cpu_devices_env
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import train
 from moejax.train.step import init_state
@@ -93,10 +94,8 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
     code = _WORKER.replace("ROOT", repr(ROOT), 1).replace("RUN_DIR", repr(str(tmp_path)))
     procs = []
     for pid in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                   MOEJAX_COORDINATOR=f"127.0.0.1:{port}", MOEJAX_NUM_PROCESSES="2",
-                   MOEJAX_PROCESS_ID=str(pid))
+        env = dict(cpu_devices_env(4), MOEJAX_COORDINATOR=f"127.0.0.1:{port}",
+                   MOEJAX_NUM_PROCESSES="2", MOEJAX_PROCESS_ID=str(pid))
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
@@ -123,3 +122,11 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
     mine, _ = Checkpointer(str(tmp_path / "one" / "checkpoints")).restore(template())
     assert int(eight.step) == int(mine.step) == CFG.steps
     assert tree_max_diff(eight.params, mine.params) < 1e-4
+
+
+def test_cpu_devices_env_sets_the_device_count_and_keeps_other_flags():
+    env = cpu_devices_env(8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --a=1",
+                              "JAX_PLATFORMS": "cuda", "HOME": "/h"})
+    assert env == {"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8",
+                   "JAX_PLATFORMS": "cpu", "HOME": "/h"}
+    assert cpu_devices_env(3, {})["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"

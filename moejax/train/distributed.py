@@ -50,7 +50,10 @@ import numpy as np
 from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
-__all__ = ["initialize_from_env", "local_batch", "assemble", "global_batch", "is_main_process"]
+__all__ = ["initialize_from_env", "local_batch", "assemble", "global_batch", "is_main_process",
+           "cpu_devices_env"]
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _auto_detectable(env) -> bool:
@@ -108,6 +111,19 @@ def _maybe_cpu_collectives(env, n_processes: int) -> None:
 
 def is_main_process() -> bool:
     return jax.process_index() == 0
+
+
+def cpu_devices_env(n_devices: int, env=None) -> dict[str, str]:
+    """The environment (a copy of ``env``, default ``os.environ``) for a new Python process
+    that sees ``n_devices`` simulated CPU devices: ``JAX_PLATFORMS=cpu`` and
+    ``--xla_force_host_platform_device_count`` set in ``XLA_FLAGS``, the caller's other XLA
+    flags kept (the device count is fixed when JAX starts, so multi-device runs on one CPU
+    need a new process)."""
+    env = dict(os.environ if env is None else env)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={n_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
 
 
 def local_batch(source, position: int) -> dict[str, np.ndarray]:
