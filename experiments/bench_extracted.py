@@ -7,9 +7,11 @@ examples without padding (MiniLM: glosses at least the mean gloss length long, c
 in three layouts: dense (the unmodified FFN), masked (the trainable oracle: every neuron some
 expert keeps, the unused ones zeroed) and compact (each expert's neurons contiguous, each
 token through its expert only, by the MoE dispatch: the host kernel on a CPU, the grouped
-matmul on GPU/TPU). The serving model compacts the layers where routing saves at least
-``min_saving`` of the masked layout's neurons (:func:`moejax.extract.surgery.compact_layers`)
-and keeps the masked layout elsewhere; the whole encoder is timed in every layout. The MAC
+matmul on GPU/TPU). The serving model is compact with shared neurons: in each layer the
+neurons of the most used experts (:func:`moejax.extract.surgery.shared_neurons`, chosen from
+the first batch's expert loads, a routed MAC costing ``grouped_cost`` dense ones) are computed
+for every token in one masked dense product and only the rest are routed; the whole encoder
+is timed in every layout. The MAC
 saving each layer promises is exact (:mod:`moejax.extract.macs`, active neurons measured on
 the timed batch); the target is FFN time saved >= 0.8 x FFN MACs saved.
 
@@ -43,7 +45,6 @@ from moejax.extract.pipeline import ExtractConfig, cluster_layers, moee_plans, r
 from moejax.extract.plan import ExpertPlan
 from moejax.extract.surgery import (
     apply_model,
-    compact_layers,
     compact_model,
     extract_model,
     ffn_holder,
@@ -63,8 +64,8 @@ NAME = "bench_extracted"
 class ExtractedBenchConfig(Config):
     """Part 1: ``model`` (the substrate whose MoEE plans are timed; ``none``: skip),
     ``extract`` / ``record_rows`` (the MoEE recipe, as the moee study runs it), ``rows``
-    (examples per timed batch; the first is judged), ``min_saving`` (compact a layer when
-    routing saves at least this share of the masked layout's neurons). Part 2
+    (examples per timed batch; the first is judged), ``grouped_cost`` (the serving layout's
+    price of a routed MAC in dense MACs, for choosing each layer's shared neurons). Part 2
     (``synthetic``): one FFN of ``d_model`` x ``d_hidden``, ``experts`` random experts
     keeping ``keep`` of the neurons, ``batches`` x ``seq_len`` tokens. ``repeats``:
     interleaved timed calls."""
@@ -77,7 +78,7 @@ class ExtractedBenchConfig(Config):
     record_rows: int = 1000
     eval_rows: int = 1000
     rows: tuple[int, ...] = (32, 128)
-    min_saving: float = 0.25
+    grouped_cost: float = 2.0
     synthetic: bool = True
     d_model: int = 384
     d_hidden: int = 1536
@@ -95,7 +96,7 @@ class ExtractedBenchConfig(Config):
                       f"batches={self.batches} must be >= 1")
         self._require(len(self.rows) > 0 and min(self.rows) >= 1 and self.record_rows >= 1
                       and self.repeats >= 1, "rows (each), record_rows and repeats must be >= 1")
-        self._require(0 <= self.min_saving < 1, f"min_saving={self.min_saving} must be in [0, 1)")
+        self._require(self.grouped_cost >= 1, f"grouped_cost={self.grouped_cost} must be >= 1")
         self._require(self.model != "none" or self.synthetic,
                       "model=none with synthetic=false times nothing")
 
@@ -236,21 +237,26 @@ def _n_tokens(data: ClassifierData, batch: dict) -> int:
     return int(np.sum(batch["mask"]))
 
 
-def _time_layouts(cfg, data, models: dict, picked: list[int], batch: dict) -> tuple[list, list]:
-    """Per-layer FFN rows (``all`` last) and whole-model rows of one batch, after checking
-    every compact output against the masked layout's."""
+def _time_layouts(cfg, data, models: dict, stats: dict, batch: dict) -> tuple[list, list]:
+    """Per-layer FFN rows (``all`` last) and whole-model rows of one batch (``stats``: its
+    :func:`routing_stats`), after checking every compact and serving output against the
+    masked layout's."""
     masked, dense = ffn_holder(models["masked"]), ffn_holder(data.model)
+    served = ffn_holder(models["serving"])
     layers, tokens = slot_layers(models["masked"]), _n_tokens(data, batch)
-    active = {i: s["active_neurons"] for i, s in routing_stats(models["masked"], [batch]).items()}
+    active = {i: s["active_neurons"] for i, s in stats.items()}
     xs = {i: jnp.asarray(x)[None] for i, (x, _) in record_ffn(
         data.model, [batch], n_tokens=tokens, layers=layers).items()}
+    names = ("dense", "masked", "compact", "serving")
     fns = {(i, name): _forward(ffn_holder(models[name]).blocks[i].ffn)
-           for i in layers for name in ("dense", "masked", "compact")}
+           for i in layers for name in names}
     encs = {name: _forward(m, encoder=True) for name, m in models.items()}
     with jax.default_matmul_precision("highest"):  # GPUs default to TF32 products
         for i in layers:
-            np.testing.assert_allclose(np.asarray(fns[i, "compact"](xs[i])),
-                                       np.asarray(fns[i, "masked"](xs[i])), rtol=1e-4, atol=1e-4)
+            for name in ("compact", "serving"):
+                np.testing.assert_allclose(np.asarray(fns[i, name](xs[i])),
+                                           np.asarray(fns[i, "masked"](xs[i])),
+                                           rtol=1e-4, atol=1e-4)
         want = np.asarray(encs["masked"](batch))
         for name in ("compact", "serving"):
             np.testing.assert_allclose(np.asarray(encs[name](batch)), want, rtol=1e-4, atol=1e-4)
@@ -261,12 +267,11 @@ def _time_layouts(cfg, data, models: dict, picked: list[int], batch: dict) -> tu
     macs = lambda c, a=None: sum(ffn_macs(c, D, tokens, a).values())  # noqa: E731
     rows = []
     for i in layers:
-        slot, layout = masked.blocks[i].ffn.cfg, "compact" if i in picked else "masked"
+        slot, srv = masked.blocks[i].ffn.cfg, served.blocks[i].ffn.cfg
         rows.append({"tokens": tokens, "layer": i, "experts": slot.n_experts,
                      "neurons": dense.cfg.ffn_slots[i].d_hidden, "kept": slot.d_hidden,
-                     "active": active[i], "dense_ms": ms[f"{i} dense"],
-                     "masked_ms": ms[f"{i} masked"], "compact_ms": ms[f"{i} compact"],
-                     "serving": layout, "serving_ms": ms[f"{i} {layout}"],
+                     "active": active[i], "shared": srv.d_shared, "routed": srv.d_expert,
+                     **{f"{name}_ms": ms[f"{i} {name}"] for name in names},
                      "_dense_macs": macs(dense.cfg.ffn_slots[i]), "_macs": macs(slot, active[i])})
     rows.append({"tokens": tokens, "layer": "all", **{k: sum(r[k] for r in rows) for k in (
         "dense_ms", "masked_ms", "compact_ms", "serving_ms", "_dense_macs", "_macs")}})
@@ -302,14 +307,13 @@ def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         run.note(f"MoEE formed no cluster in any layer of {data.substrate}: nothing to time.")
         return {"headline": f"MoEE plans ({cfg.model}): no layer extracted"}
     batches = [_timed_batch(data, r) for r in cfg.rows]
-    first = routing_stats(masked, batches[:1])  # the serving layouts follow the first batch
-    picked = compact_layers(masked, {i: s["active_neurons"] for i, s in first.items()},
-                            cfg.min_saving)
+    stats = [routing_stats(masked, [b]) for b in batches]
+    loads = {i: np.asarray(s["load"]) for i, s in stats[0].items()}  # the first batch's
     models = {"dense": data.model, "masked": masked, "compact": compact_model(masked),
-              "serving": compact_model(masked, layers=picked)}
+              "serving": compact_model(masked, loads=loads, grouped_cost=cfg.grouped_cost)}
     ffn, enc = [], []
-    for batch in tqdm(batches, desc="batches", leave=False):
-        f, e = _time_layouts(cfg, data, models, picked, batch)
+    for batch, st in tqdm(list(zip(batches, stats)), desc="batches", leave=False):
+        f, e = _time_layouts(cfg, data, models, st, batch)
         ffn, enc = ffn + f, enc + e
     dev = jax.devices()[0]
     where = f"{dev.platform} ({dev.device_kind})"
@@ -320,21 +324,24 @@ def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         f"real tokens, rows in {list(cfg.rows)}; median of {cfg.repeats} interleaved calls on "
         f"{where}; kept: neurons some expert keeps (the masked layout's width); active: "
         "neurons a token's expert uses, mean over the batch; mac_saved: 1 - the layer's MACs "
-        "(router + experts) / the dense FFN's; serving: the layout chosen (compact where "
-        f"routing saves >= {cfg.min_saving:.0%} of the kept neurons on the first batch); "
-        "*_saved: 1 - time / dense time; target: serving_over_macs >= 0.8"),
+        "(router + experts) / the dense FFN's; compact: every neuron routed; serving: "
+        "shared neurons computed for every token in one masked dense product, the routed "
+        "rest per expert (the widest expert's, padded), chosen from the first batch's loads "
+        f"with a routed MAC at {cfg.grouped_cost:g} dense ones; *_saved: 1 - time / dense "
+        "time; target: serving_over_macs >= 0.8"),
         columns=["tokens", "layer", "experts", "neurons", "kept", "active", "mac_saved",
-                 "dense_ms", "masked_ms", "compact_ms", "serving", "serving_ms",
+                 "dense_ms", "masked_ms", "compact_ms", "shared", "routed", "serving_ms",
                  "masked_saved", "compact_saved", "serving_saved", "serving_over_macs"])
     run.table("moee_encoder", enc, title=(
         f"The whole {cfg.model} model (every layer, head included) on the same batches, "
         f"median of {cfg.repeats} interleaved calls on {where}; compact: every extracted "
-        "layer compact; serving: compact only where chosen (table above); mac_saved: the "
-        "whole model's MAC saving"))
+        "layer compact, every neuron routed; serving: shared neurons dense (table above); "
+        "mac_saved: the whole model's MAC saving"))
     run.note(f"MoEE on {data.substrate}: extracted layers {layers} with "
              f"{[ffn_holder(masked).blocks[i].ffn.cfg.n_experts for i in layers]} experts; "
-             f"compact layers "
-             f"{picked} (min_saving {cfg.min_saving}); the rest masked.")
+             f"serving: shared neurons "
+             f"{[ffn_holder(models['serving']).blocks[i].ffn.cfg.d_shared for i in layers]}, "
+             "the rest routed.")
     a = next(r for r in ffn if r["layer"] == "all")
     srv = next(r for r in enc if r["model"] == "serving")
     return {"headline": (

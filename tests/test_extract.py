@@ -27,7 +27,7 @@ from moejax.extract.pipeline import (
     moefication_model,
     routing_stats,
 )
-from moejax.extract.surgery import compact_layers, compact_model
+from moejax.extract.surgery import compact_model, shared_neurons
 from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
@@ -161,8 +161,10 @@ def test_extracted_slot_matches_per_token_oracle(router, top_k):
     assert isinstance(model.blocks[1].ffn, DenseFFN)
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("router,top_k,disjoint", [("cosine", 1, False), ("dot", 2, True)])
-def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, top_k, disjoint):
+def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, top_k, disjoint,
+                                                                     shared):
     model = tiny_vit()
     rng = np.random.default_rng(2)
     if disjoint:  # a partition, as MoEfication builds
@@ -173,11 +175,15 @@ def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, to
     plan = ExpertPlan(masks, rng.normal(size=(4, 8)).astype(np.float32),
                       rng.normal(size=4).astype(np.float32))
     masked = extract_model(model, {0: plan, 1: plan}, router=router, top_k=top_k)
-    compact = compact_model(masked)
+    load = np.array([0.1, 0.1, 0.7, 0.1])  # expert 2 dominant: its neurons are shared
+    compact = compact_model(masked, loads={0: load, 1: load} if shared else None)
     slot = compact.blocks[1].ffn
-    assert slot.cfg.layout == "compact" and slot.cfg.d_expert == masks.sum(1).max()
-    assert slot.w_up[...].shape == (4, 8 + 1, masks.sum(1).max())  # + the folded up bias
-    assert slot.w_down[...].shape == (4, masks.sum(1).max(), 8 + 1)
+    routed = masks & ~masks[2] if shared else masks
+    assert slot.cfg.d_shared == (masks[2].sum() if shared else 0) and (
+        not shared or slot.cfg.d_shared > 0)
+    assert slot.cfg.layout == "compact" and slot.cfg.d_expert == routed.sum(1).max()
+    assert slot.w_up[...].shape == (4, 8 + 1, routed.sum(1).max())  # + the folded up bias
+    assert slot.w_down[...].shape == (4, routed.sum(1).max(), 8 + 1)
     x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
     y, aux = slot(x)
     want = oracle_slot(model.blocks[1].ffn, plan, np.asarray(x).reshape(10, 8), router, top_k)
@@ -186,30 +192,43 @@ def test_compact_layout_equals_the_per_token_oracle_and_masked_layout(router, to
     np.testing.assert_allclose(float(aux["active_neurons"]), float(aux_masked["active_neurons"]),
                                rtol=1e-6)
     if not disjoint:
-        with pytest.raises(ValueError, match="share neurons"):
+        with pytest.raises(ValueError, match="share routed neurons"):
             compact_model(extract_model(model, {1: plan}, router=router, top_k=2))
 
 
-def test_compact_layers_picks_by_the_saving_and_compact_model_only_touches_those():
+def test_shared_neurons_takes_the_cheapest_prefix_of_the_most_used_experts():
+    masks = np.zeros((2, 10), bool)
+    masks[0, :6], masks[1, 4:8] = True, True
+    # per token: k=0 2 (0.9 x 6 + 0.1 x 4) = 11.6; k=1 6 + 2 (0.1 x 2) = 6.4; k=2 8
+    np.testing.assert_array_equal(shared_neurons(masks, [0.9, 0.1]), masks[0])
+    # k=1 puts expert 1 first: 4 + 2 (0.1 x 4) = 4.8 beats 8.4 (k=0) and 8 (k=2)
+    np.testing.assert_array_equal(shared_neurons(masks, [0.1, 0.9]), masks[1])
+    even = np.zeros((2, 8), bool)
+    even[0, :4], even[1, 4:] = True, True  # disjoint, equal loads: 8, 8, 8 -> nothing shared
+    assert not shared_neurons(even, [0.5, 0.5]).any()
+    np.testing.assert_array_equal(shared_neurons(masks, [0.5, 0.5], grouped_cost=3.0),
+                                  masks.any(0))  # 15, 6 + 3 (0.5 x 2) = 9, 8: everything
+    assert not shared_neurons(masks, [0.9, 0.1], grouped_cost=1.0).any()  # 5.8 < 6.2 < 8
+    with pytest.raises(ValueError, match="load_C"):
+        shared_neurons(masks, [1.0])
+
+
+def test_compact_model_only_touches_the_given_layers():
     model = tiny_vit()
     rng = np.random.default_rng(3)
     plans = {i: ExpertPlan(rng.uniform(size=(3, 16)) < 0.5, rng.normal(size=(3, 8)).astype(
         np.float32), np.zeros(3, np.float32)) for i in (0, 1)}
     masked = extract_model(model, plans, router="cosine")
-    kept = {i: masked.blocks[i].ffn.cfg.d_hidden for i in (0, 1)}
-    active = {0: 0.9 * kept[0], 1: 0.5 * kept[1]}  # saves 10% and 50% of the kept neurons
-    assert compact_layers(masked, active, 0.25) == [1]
-    assert compact_layers(masked, active, 0.0) == [0, 1]
-    assert compact_layers(masked, active, 0.6) == []
-    with pytest.raises(ValueError, match="no active_neurons"):
-        compact_layers(masked, {0: 1.0}, 0.25)
-    served = compact_model(masked, layers=[1])
+    served = compact_model(masked, layers=[1], loads={1: np.array([0.8, 0.1, 0.1])})
     assert [served.blocks[i].ffn.cfg.layout for i in (0, 1)] == ["masked", "compact"]
+    assert served.blocks[1].ffn.cfg.d_shared == plans[1].masks_CF[0].sum()
     x = jnp.asarray(images())
     np.testing.assert_allclose(np.asarray(served(x)[0]), np.asarray(masked(x)[0]), rtol=2e-5,
                                atol=2e-5)
     with pytest.raises(ValueError, match="not extracted"):
         compact_model(extract_model(model, {1: plans[1]}), layers=[0])
+    with pytest.raises(ValueError, match="loads has no entry for layers \\[0\\]"):
+        compact_model(masked, loads={1: np.ones(3) / 3})
 
 
 def test_one_expert_with_every_neuron_is_the_dense_model_and_cfg_rebuilds():

@@ -231,12 +231,12 @@ def test_act_into_matches_jax_values_and_the_exact_derivative(activation):
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_expert_widths_skip_each_experts_padding(activation):
-    """Experts of widths 10, 3, 7, 1 padded to 10: with ``widths_E`` the kernel computes only
+    """Experts of widths 10, 0, 7, 1 padded to 10: with ``widths_E`` the kernel computes only
     each expert's own units (garbage past them is never read), equal to the dense oracle on
     the zero-padded weights, and under differentiation (full width) the gradients are the
     oracle's too."""
     x, ids, w, wu, wd, wg = _case(3, activation, f=10)
-    widths = np.asarray([10, 3, 7, 1])
+    widths = np.asarray([10, 0, 7, 1])  # width 0: the expert adds nothing
     keep = (np.arange(10)[None, :] < widths[:, None]).astype(np.float32)  # [E, F]
     zero = lambda a, ax: None if a is None else a * jnp.expand_dims(keep, ax)  # noqa: E731
     wu0, wd0, wg0 = zero(wu, 1), zero(wd, 2), zero(wg, 1)

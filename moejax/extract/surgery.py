@@ -26,7 +26,7 @@ from moejax.nn.surgery import build_from_pure
 
 __all__ = ["ffn_holder", "dense_ffn_layers", "record_ffn", "extract_model", "copy_model",
            "slot_layers", "apply_model", "extracted_ffn_variables", "compact_ffn_variables",
-           "compact_model", "compact_layers"]
+           "compact_model", "shared_neurons"]
 
 
 def ffn_holder(model) -> nnx.Module:
@@ -128,22 +128,52 @@ def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, rout
     return out
 
 
-def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool, where: str = "") -> dict:
-    """Pure: a masked :class:`ExtractedFFN` variable dict -> the compact layout's (each
-    expert's neurons contiguous, zero-padded to the largest expert, the up bias folded in as
-    an extra input row, with a matching zero output column). Refuses overlapping experts with
-    ``top_k > 1`` (not exact)."""
+def shared_neurons(masks_CF: np.ndarray, load_C: np.ndarray, grouped_cost: float = 2.0
+                   ) -> np.ndarray:
+    """bool ``[F]``: the neurons a compact layout computes for every token in one masked dense
+    product instead of per expert: the neurons of the ``k`` most used experts (``load_C``:
+    each expert's share of the tokens), ``k`` in ``0..C`` minimising the cost per token
+    ``|S| + grouped_cost * sum_c load_c |M_c minus S|`` (MACs, a routed MAC costing
+    ``grouped_cost`` dense ones). ``k = 0`` is the plain compact layout, ``k = C`` the
+    masked one; with one dominant expert, its neurons."""
+    masks = np.asarray(masks_CF) > 0
+    load = np.asarray(load_C, np.float64)
+    if load.shape != masks.shape[:1] or grouped_cost < 1:
+        raise ValueError(f"load_C {load.shape} must be [C={masks.shape[0]}] and grouped_cost="
+                         f"{grouped_cost} >= 1")
+    best, best_cost = np.zeros(masks.shape[1], bool), np.inf
+    shared = np.zeros(masks.shape[1], bool)
+    for c in [None, *np.argsort(-load, kind="stable")]:
+        if c is not None:
+            shared = shared | masks[c]
+        cost = shared.sum() + grouped_cost * float(load @ (masks & ~shared).sum(1))
+        if cost < best_cost - 1e-9:
+            best, best_cost = shared.copy(), cost
+    return best
+
+
+def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool,
+                          shared: np.ndarray | None = None, where: str = "") -> dict:
+    """Pure: a masked :class:`ExtractedFFN` variable dict -> the compact layout's. The
+    ``shared`` neurons (bool ``[F]``; default none) stay in dense weights with their expert
+    masks; each expert's other neurons are made contiguous, zero-padded to the largest
+    expert, the up bias folded in as an extra input row, with a matching zero output column.
+    Refuses experts whose routed neurons overlap with ``top_k > 1`` (not exact)."""
     masks = np.asarray(ffn["masks"]) > 0
     C, F = masks.shape
-    if top_k > 1 and np.any(masks.sum(0) > 1):
-        raise ValueError(f"{where}compact layout with top_k={top_k}: experts share neurons, so "
-                         "a token's experts would count them twice; use top_k=1 or disjoint "
-                         "experts")
-    sizes = masks.sum(1)
-    Fe = max(int(sizes.max()), 1)
+    shared = np.zeros(F, bool) if shared is None else np.asarray(shared, bool)
+    if shared.shape != (F,):
+        raise ValueError(f"{where}shared must be bool [{F}], got {shared.shape}")
+    routed = masks & ~shared
+    if top_k > 1 and np.any(routed.sum(0) > 1):
+        raise ValueError(f"{where}compact layout with top_k={top_k}: experts share routed "
+                         "neurons, so a token's experts would count them twice; use top_k=1, "
+                         "disjoint experts, or share the common neurons")
+    sizes = routed.sum(1)
+    Fe = int(sizes.max())
     idx_CE = np.full((C, Fe), F)  # F: an appended zero neuron
     for c in range(C):
-        idx_CE[c, :sizes[c]] = np.flatnonzero(masks[c])
+        idx_CE[c, :sizes[c]] = np.flatnonzero(routed[c])
     pad = lambda a, axis: jnp.concatenate(  # noqa: E731
         [a, jnp.zeros_like(jnp.take(a, jnp.arange(1), axis=axis))], axis=axis)
     w_up_CDE = jnp.transpose(pad(ffn["w_up"], 1)[:, idx_CE], (1, 0, 2))
@@ -153,33 +183,23 @@ def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool, where: str =
         out["w_down"] = pad(out["w_down"], 2)
         out["b_down"] = ffn["b_down"]
     out["w_up"] = w_up_CDE
+    if shared.any():
+        keep = np.flatnonzero(shared)
+        out.update({"w_up_shared": ffn["w_up"][:, keep], "w_down_shared": ffn["w_down"][keep],
+                    "shared_masks": jnp.asarray(masks[:, keep], jnp.float32)})
+        if use_bias:
+            out["b_up_shared"] = ffn["b_up"][keep]
     out.update({k: v for k, v in ffn.items() if k.startswith("router")})
     return out
 
 
-def compact_layers(model, active_neurons: dict[int, float], min_saving: float = 0.0) -> list[int]:
-    """The extracted layers worth serving in the compact layout: those where a token's experts
-    use at least ``min_saving`` fewer neurons (``active_neurons``, the mean per token that
-    :func:`moejax.extract.pipeline.routing_stats` measures) than the masked layout evaluates
-    (every neuron some expert keeps). Experts that overlap heavily leave little to save, and
-    the masked layout's one dense product runs at a higher rate than routing each token, so
-    below some saving the masked layout is the faster one (``min_saving=0``: every layer)."""
-    holder = ffn_holder(model)
-    out = []
-    for i in slot_layers(model):
-        cfg = holder.blocks[i].ffn.cfg
-        if i not in active_neurons:
-            raise ValueError(f"layer {i}: no active_neurons measured (measured: "
-                             f"{sorted(active_neurons)}); pass routing_stats' for every layer")
-        if 1.0 - active_neurons[i] / cfg.d_hidden >= min_saving:
-            out.append(i)
-    return out
-
-
-def compact_model(model, dispatch: str = "auto", layers: Iterable[int] | None = None):
+def compact_model(model, dispatch: str = "auto", layers: Iterable[int] | None = None,
+                  loads: dict[int, np.ndarray] | None = None, grouped_cost: float = 2.0):
     """A copy of ``model`` whose :class:`ExtractedFFN` slots (those in ``layers``; default
     all) use the compact layout (serving: a token computes only its experts' neurons; same
-    outputs as the masked layout)."""
+    outputs as the masked layout). With ``loads`` (layer -> each expert's share of the
+    tokens, e.g. ``routing_stats``' ``load``), each layer computes the
+    :func:`shared_neurons` (``grouped_cost``) for every token in one dense product."""
     holder = ffn_holder(model)
     pure = nnx.to_pure_dict(nnx.state(model))
     blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
@@ -189,14 +209,21 @@ def compact_model(model, dispatch: str = "auto", layers: Iterable[int] | None = 
     bad = [i for i in layers if i not in extracted]
     if bad:
         raise ValueError(f"layers {bad} are not extracted FFN slots (extracted: {extracted})")
+    missing = [] if loads is None else [i for i in layers if i not in loads]
+    if missing:
+        raise ValueError(f"loads has no entry for layers {missing}; pass routing_stats' load "
+                         "for every compacted layer")
     for i in layers:
         cfg = slots[i]
         if cfg.layout == "compact":
             continue
-        blocks[i]["ffn"] = compact_ffn_variables(blocks[i]["ffn"], top_k=cfg.top_k,
-                                                 use_bias=cfg.use_bias, where=f"layer {i}: ")
+        ffn = blocks[i]["ffn"]
+        shared = None if loads is None else shared_neurons(ffn["masks"], loads[i], grouped_cost)
+        blocks[i]["ffn"] = compact_ffn_variables(ffn, top_k=cfg.top_k, use_bias=cfg.use_bias,
+                                                 shared=shared, where=f"layer {i}: ")
         slots[i] = cfg.replace(layout="compact", dispatch=dispatch,
-                               d_expert=int(blocks[i]["ffn"]["w_down"].shape[1]))
+                               d_expert=int(blocks[i]["ffn"]["w_down"].shape[1]),
+                               d_shared=0 if shared is None else int(shared.sum()))
     return _rebuild(model, holder, holder.cfg.replace(ffn_slots=tuple(slots)), pure)
 
 

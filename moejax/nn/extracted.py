@@ -38,8 +38,13 @@ Two layouts (``layout`` in the config):
   bias folded in as an extra input row), ``w_down [C, d_expert, D (+1)]``, zero-padded to the
   largest expert; tokens go to their experts through the MoE dispatch (``dispatch``: the host
   kernel on a CPU, which skips each expert's padding, the grouped-matmul kernel on GPU/TPU),
-  so a token computes only its expert's neurons. Exact for one expert per token, or for
-  disjoint experts (MoEfication).
+  so a token computes only its expert's neurons. Optionally ``d_shared`` neurons (e.g. those
+  of the most used expert) are taken out of the experts and computed for every token in one
+  dense product, masked per token like the masked layout (``w_up_shared [D, d_shared]``,
+  ``b_up_shared``, ``w_down_shared [d_shared, D]``, ``shared_masks [C, d_shared]``): a few
+  MACs more for tokens of the other experts, in exchange for the dense product's rate on the
+  neurons most tokens use (:func:`moejax.extract.surgery.shared_neurons` chooses them). Exact
+  for one expert per token, or for experts whose non-shared neurons are disjoint.
 
 ``aux``: ``expert_ids [B, T, k]``, ``load [C]`` (share of real tokens' assignments per expert),
 ``active_neurons`` (mean hidden neurons used per real token). No auxiliary loss.
@@ -106,6 +111,7 @@ class ExtractedFFNConfig(FFNSlotConfig):
     d_router: int = 0
     layout: Literal["masked", "compact"] = "masked"
     d_expert: int | None = None  # compact layout: neurons per expert (the largest expert's)
+    d_shared: int = 0  # compact layout: neurons computed for every token (masked), not routed
     dispatch: DispatchMethod = "auto"  # compact layout: the MoE dispatch path
 
     def validate(self) -> None:
@@ -120,6 +126,10 @@ class ExtractedFFNConfig(FFNSlotConfig):
         self._require(self.layout == "masked" or self.d_expert is not None,
                       "layout='compact' needs d_expert (build it with "
                       "moejax.extract.surgery.compact_model)")
+        self._require(self.d_shared >= 0 and (self.d_expert or 0) >= 0,
+                      f"d_shared={self.d_shared} and d_expert={self.d_expert} must be >= 0")
+        self._require(self.layout == "compact" or self.d_shared == 0,
+                      "d_shared is a compact-layout field")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
         return ExtractedFFN(d_model, self, rngs=rngs, dtype=dtype,
@@ -142,6 +152,12 @@ class ExtractedFFN(nnx.Module):
             if cfg.use_bias:
                 self.b_down = nnx.Param(z(D))
             self.sizes = ExpertMask(jnp.zeros((C,), jnp.float32))
+            if cfg.d_shared:
+                Fs = cfg.d_shared
+                self.w_up_shared, self.w_down_shared = nnx.Param(z(D, Fs)), nnx.Param(z(Fs, D))
+                if cfg.use_bias:
+                    self.b_up_shared = nnx.Param(z(Fs))
+                self.shared_masks = ExpertMask(jnp.zeros((C, Fs), jnp.float32))
         else:
             self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
             if cfg.use_bias:
@@ -183,13 +199,8 @@ class ExtractedFFN(nnx.Module):
         if cfg.layout == "compact":
             y, used_N = self._compact(x, ids_NK, sel_NC, mask_BT, dt)
         else:
-            m_NF = jnp.minimum(sel_NC @ self.masks[...], 1.0)
-            up = x @ self.w_up[...].astype(dt)
-            if cfg.use_bias:
-                up = up + self.b_up[...].astype(dt)
-            h = activation_fn(cfg.activation)(up) * m_NF.astype(dt)
-            y = h @ self.w_down[...].astype(dt)
-            used_N = jnp.sum(m_NF, -1)
+            y, used_N = self._masked(x, sel_NC, self.masks, self.w_up,
+                                     self.b_up if cfg.use_bias else None, self.w_down, dt)
         if cfg.use_bias:
             y = y + self.b_down[...].astype(dt)
         real_N = (jnp.ones((B * T,), jnp.float32) if mask_BT is None
@@ -201,15 +212,36 @@ class ExtractedFFN(nnx.Module):
                "active_neurons": jnp.sum(used_N * real_N) / n_real}
         return y.reshape(B, T, D), aux
 
+    def _masked(self, x_ND, sel_NC, masks, w_up, b_up, w_down, dt):
+        """``(y_ND, neurons used per token)``: every neuron of ``w_up`` for every token, those
+        no selected expert keeps zeroed (the masked layout, and the compact one's shared
+        neurons)."""
+        m_NF = jnp.minimum(sel_NC @ masks[...], 1.0)
+        up = x_ND @ w_up[...].astype(dt)
+        if b_up is not None:
+            up = up + b_up[...].astype(dt)
+        h = activation_fn(self.cfg.activation)(up) * m_NF.astype(dt)
+        return h @ w_down[...].astype(dt), jnp.sum(m_NF, -1)
+
     def _compact(self, x_ND, ids_NK, sel_NC, mask_BT, dt):
-        """``(y_ND without b_down, neurons used per token)``: each token through its experts'
-        contiguous weights by the MoE dispatch."""
+        """``(y_ND without b_down, neurons used per token)``: the shared neurons in one masked
+        dense product, each token through its experts' own contiguous weights by the MoE
+        dispatch."""
         cfg = self.cfg
-        if cfg.use_bias:  # the folded up-bias row
-            x_ND = jnp.concatenate([x_ND, jnp.ones((x_ND.shape[0], 1), x_ND.dtype)], axis=1)
-        valid_N = None if mask_BT is None else mask_BT.reshape(-1) > 0
-        out = dispatch(cfg.dispatch, x_ND, ids_NK, jnp.ones(ids_NK.shape, dt),
-                       self.w_up[...].astype(dt), self.w_down[...].astype(dt), None,
-                       activation=cfg.activation, valid_N=valid_N,
-                       expert_widths_E=self.sizes[...].astype(jnp.int32))
-        return out.y_ND[:, :self.d_model].astype(dt), sel_NC @ self.sizes[...]
+        y, used_N = jnp.zeros_like(x_ND), sel_NC @ self.sizes[...]
+        if cfg.d_shared:
+            y, used_N = self._masked(x_ND, sel_NC, self.shared_masks, self.w_up_shared,
+                                     self.b_up_shared if cfg.use_bias else None,
+                                     self.w_down_shared, dt)
+            used_N = used_N + sel_NC @ self.sizes[...]
+        if cfg.d_expert:
+            xb = x_ND
+            if cfg.use_bias:  # the folded up-bias row
+                xb = jnp.concatenate([x_ND, jnp.ones((x_ND.shape[0], 1), x_ND.dtype)], axis=1)
+            valid_N = None if mask_BT is None else mask_BT.reshape(-1) > 0
+            out = dispatch(cfg.dispatch, xb, ids_NK, jnp.ones(ids_NK.shape, dt),
+                           self.w_up[...].astype(dt), self.w_down[...].astype(dt), None,
+                           activation=cfg.activation, valid_N=valid_N,
+                           expert_widths_E=self.sizes[...].astype(jnp.int32))
+            y = y + out.y_ND[:, :self.d_model].astype(dt)
+        return y, used_N

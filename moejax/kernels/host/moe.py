@@ -105,13 +105,17 @@ def host_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _tasks(starts_E1: np.ndarray, threads: int):
+def _tasks(starts_E1: np.ndarray, threads: int, busy_E: np.ndarray | None = None):
     """Row ranges ``(e, a, b)``, largest first: each expert whole unless it holds more than
-    half a thread's share, then split into chunks of at least ``_MIN_CHUNK_ROWS`` rows."""
-    total = int(starts_E1[-1])
+    half a thread's share, then split into chunks of at least ``_MIN_CHUNK_ROWS`` rows.
+    ``busy_E`` (bool, optional): only those experts (the others have nothing to compute)."""
+    experts = range(starts_E1.size - 1)
+    if busy_E is not None:
+        experts = [e for e in experts if busy_E[e]]
+    total = sum(int(starts_E1[e + 1] - starts_E1[e]) for e in experts)
     chunk = max(_MIN_CHUNK_ROWS, math.ceil(total / max(2 * threads, 1)))
     out = []
-    for e in range(starts_E1.size - 1):
+    for e in experts:
         a, b = int(starts_E1[e]), int(starts_E1[e + 1])
         pieces = max(1, math.ceil((b - a) / chunk)) if threads > 1 else 1
         edges = np.linspace(a, b, pieces + 1).round().astype(int)
@@ -142,7 +146,8 @@ def _run(fn, tasks, d: int, f: int):
     threads = min(host_threads(), len(tasks))
     if threads <= 1 or sum(b - a for _, a, b in tasks) < _SERIAL_ROWS:
         scratch = _Scratch(rows, d, f)
-        return [fn(*t, scratch) for t in tasks]
+        with _blas().limit(limits=1, user_api="blas"):  # idle BLAS threads spin, slowing
+            return [fn(*t, scratch) for t in tasks]     # the XLA ops that follow
     # allocated here, in the calling thread, and handed out: the workers of a fresh pool would
     # each take new pages
     free = [_Scratch(rows, d, f) for _ in range(threads)]
@@ -248,7 +253,10 @@ def _forward_np(ctx, outs, x_ND, ids_NK, weights_NK, real_N, widths_E, w_up, w_d
             act_into(act, u, h, m, tmp, tmp2)
         np.matmul(h, w_down[e][:fe], out=Y[a:b])
 
-    _run(expert, _tasks(lay.starts_E1, host_threads()), d, f)
+    busy = np.ones(w_up.shape[0], bool) if keep else widths > 0
+    for e in np.flatnonzero(~busy):  # experts of width 0 add nothing: their rows are zero
+        Y[lay.starts_E1[e]:lay.starts_E1[e + 1]] = 0
+    _run(expert, _tasks(lay.starts_E1, host_threads(), busy), d, f)
     for r in (res if keep else [Y]):  # rows no assignment owns: zero (the dropped ones' row)
         r[s_rows:] = 0
     y = _target(outs[0])
