@@ -5,7 +5,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests run tiny models: compiling dominates their time, running them does not. LLVM's
 # optimisation level 0 compiles 30-40% faster here (e.g. the darex_controlled smoke test
 # 23-26 s -> 14-19 s), and XLA:CPU's elemental emitters instead of its fusion emitters compile
-# a tiny MoE LM's train step in 0.20 s instead of 0.48 s (the bench_speculative smoke test
+# a tiny MoE LM's gradient in 0.20 s instead of 0.48 s (the bench_speculative smoke test
 # 35 s -> 23 s); neither changes a result beyond float rounding. Set MOEJAX_TEST_XLA_OPT=1 to
 # test with XLA's default compilation.
 if os.environ.get("MOEJAX_TEST_XLA_OPT", "0") != "1":
