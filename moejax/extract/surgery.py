@@ -108,15 +108,23 @@ def record_ffn(model, batches: Iterable[dict], *, n_tokens: int, seed: int = 0,
     return {i: (np.concatenate(xs[i])[pick], np.concatenate(hs[i])[pick]) for i in layers}
 
 
+def _neurons(ffn: dict, masks_CF: np.ndarray, idx: np.ndarray, use_bias: bool) -> dict:
+    """The FFN's neurons ``idx`` (``w_up``, ``w_down``, ``b_up``) and the experts' masks over
+    them."""
+    out = {"w_up": ffn["w_up"][:, idx], "w_down": ffn["w_down"][idx],
+           "masks": jnp.asarray(np.asarray(masks_CF)[:, idx], jnp.float32)}
+    if use_bias:
+        out["b_up"] = ffn["b_up"][idx]
+    return out
+
+
 def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, router: str,
                             router_mlp: dict | None = None) -> dict:
     """Pure: a dense FFN's variable dict (``w_up [D, F]``, ``w_down [F, D]``, biases) and a plan
     -> the :class:`ExtractedFFN` variable dict (neurons no expert uses removed)."""
-    kept = kept_neurons(plan.masks_CF)
-    out = {"w_up": ffn["w_up"][:, kept], "w_down": ffn["w_down"][kept],
-           "masks": jnp.asarray(plan.masks_CF[:, kept], jnp.float32)}
+    out = _neurons(ffn, plan.masks_CF, kept_neurons(plan.masks_CF), use_bias)
     if use_bias:
-        out["b_up"], out["b_down"] = ffn["b_up"][kept], ffn["b_down"]
+        out["b_down"] = ffn["b_down"]
     if router == "mlp":
         if router_mlp is None:
             raise ValueError("router='mlp' needs router_mlp weights (w1, w2)")
@@ -184,11 +192,9 @@ def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool,
         out["b_down"] = ffn["b_down"]
     out["w_up"] = w_up_CDE
     if shared.any():
-        keep = np.flatnonzero(shared)
-        out.update({"w_up_shared": ffn["w_up"][:, keep], "w_down_shared": ffn["w_down"][keep],
-                    "shared_masks": jnp.asarray(masks[:, keep], jnp.float32)})
-        if use_bias:
-            out["b_up_shared"] = ffn["b_up"][keep]
+        names = {"masks": "shared_masks"}
+        out.update({names.get(k, f"{k}_shared"): v for k, v in _neurons(
+            ffn, masks, np.flatnonzero(shared), use_bias).items()})
     out.update({k: v for k, v in ffn.items() if k.startswith("router")})
     return out
 

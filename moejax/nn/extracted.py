@@ -228,12 +228,12 @@ class ExtractedFFN(nnx.Module):
         dense product, each token through its experts' own contiguous weights by the MoE
         dispatch."""
         cfg = self.cfg
-        y, used_N = jnp.zeros_like(x_ND), sel_NC @ self.sizes[...]
+        parts, used_N = [], sel_NC @ self.sizes[...]
         if cfg.d_shared:
-            y, used_N = self._masked(x_ND, sel_NC, self.shared_masks, self.w_up_shared,
-                                     self.b_up_shared if cfg.use_bias else None,
-                                     self.w_down_shared, dt)
-            used_N = used_N + sel_NC @ self.sizes[...]
+            y_shared, shared_N = self._masked(x_ND, sel_NC, self.shared_masks, self.w_up_shared,
+                                              self.b_up_shared if cfg.use_bias else None,
+                                              self.w_down_shared, dt)
+            parts, used_N = [y_shared], used_N + shared_N
         if cfg.d_expert:
             xb = x_ND
             if cfg.use_bias:  # the folded up-bias row
@@ -243,5 +243,5 @@ class ExtractedFFN(nnx.Module):
                            self.w_up[...].astype(dt), self.w_down[...].astype(dt), None,
                            activation=cfg.activation, valid_N=valid_N,
                            expert_widths_E=self.sizes[...].astype(jnp.int32))
-            y = y + out.y_ND[:, :self.d_model].astype(dt)
-        return y, used_N
+            parts.append(out.y_ND[:, :self.d_model].astype(dt))
+        return (sum(parts[1:], parts[0]) if parts else jnp.zeros_like(x_ND)), used_N
