@@ -9,6 +9,11 @@ claim, judged by the study's ``claims`` function on the run's tables; the headli
 (means and spreads over seeds for the studies that ran several) and the plots. Tables and
 plots are copied next to the document (``<out stem>/<study>/``), so it stands alone; nothing
 in it is typed by hand.
+
+The assets folder is the generator's own: it carries a marker file, and a rebuild replaces
+only a folder that has it. A folder of that name without the marker, or one that holds the
+runs, is refused before anything is written. A run whose directory is locked by a live run is
+being written: it is listed as running and not read.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from moejax.claims import Claim, claims_markdown
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
 from moejax.results import read_tables
+from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]
 
 MAX_INLINE_ROWS = 40  # longer tables are linked, not inlined
+ASSETS_MARKER = ".moejax-results-assets"  # marks a folder this generator wrote
 _TABLE_LINK = re.compile(r"^\(\[([\w.-]+\.csv)\]\([\w.-]+\.csv\)\)$", re.M)
 _PER_RUN = re.compile(r"^- seed run (\d+) \(\[summary\]\([\w./-]+\)\): (.*)$", re.M)
 _PLOT = re.compile(r"^!\[([^\]]*)\]\(([\w./-]+\.png)\)$", re.M)
@@ -49,7 +56,24 @@ def _parse(argv) -> tuple[Path, Path]:
     if not runs.is_dir():
         raise ConfigError(f"runs={runs} is not a directory; run the studies first "
                           "(make studies), or point runs= at their output")
+    _check_assets(runs, out)
     return runs, out
+
+
+def _check_assets(runs: Path, out: Path) -> Path:
+    """The document's assets folder (``out`` without its suffix), refused unless replacing
+    it can only remove what this generator wrote."""
+    assets = out.with_suffix("")
+    a, r = assets.resolve(), runs.resolve()
+    if a == r or a in r.parents:
+        raise ConfigError(f"out={out} would put the document's assets in {assets}, which "
+                          f"holds the runs (runs={runs}); name the document elsewhere, e.g. "
+                          "out=docs/results.md")
+    if assets.exists() and not (assets / ASSETS_MARKER).is_file():
+        raise ConfigError(f"out={out}: {assets} exists and was not written by results_doc "
+                          f"(no {ASSETS_MARKER} in it), and rebuilding the document would "
+                          "replace it; move it away or choose another out=")
+    return assets
 
 
 def _machine(m: dict) -> str:
@@ -148,12 +172,18 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
 
 def build(runs: Path, out: Path) -> Path:
     """Write the results document for the runs under ``runs``; return its path."""
-    assets = out.with_suffix("")
+    assets = _check_assets(runs, out)
     if assets.exists():
         shutil.rmtree(assets)
-    sections, overview, missing = [], [], []
+    assets.mkdir(parents=True)
+    (assets / ASSETS_MARKER).write_text("written by python -m experiments.results_doc; "
+                                        "replaced whole on every rebuild\n")
+    sections, overview, missing, running = [], [], [], []
     for name in REGISTRY:
         path = runs / name
+        if is_held(path):
+            running.append(name)
+            continue
         if not (path / "run.json").is_file() or not (path / "summary.md").is_file():
             missing.append(name)
             continue
@@ -167,6 +197,8 @@ def build(runs: Path, out: Path) -> Path:
             "run; each study's section says how to reproduce it and on what machine.", ""]
     if missing:
         head += [f"Not run: {', '.join(missing)}.", ""]
+    if running:
+        head += [f"Running when this was generated (not read): {', '.join(running)}.", ""]
     if overview:
         head += ["## Paper claims at a glance", "", "| study | claim | verdict |",
                  "|---|---|---|", *overview, ""]
@@ -181,10 +213,10 @@ def main(argv=None) -> int:
         return 0
     try:
         runs, out = _parse(argv)
+        print(f"wrote {build(runs, out)}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {build(runs, out)}")
     return 0
 
 

@@ -86,3 +86,50 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
         results_doc._parse([f"runs={tmp_path}", "out=results.txt"])
     assert results_doc.main(["colour=blue"]) == 2
     assert Claim("c", None, "e").verdict == "not measured"
+
+
+def test_the_document_never_removes_a_folder_it_did_not_write(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "moee").mkdir(parents=True)
+    (runs / "moee" / "config.json").write_text("{}")
+    # out=runs.md: its assets folder would be the runs themselves
+    assert results_doc.main([f"runs={runs}", f"out={tmp_path / 'runs.md'}"]) == 2
+    assert (runs / "moee" / "config.json").is_file()
+    # out beside an unrelated folder of the same stem
+    (tmp_path / "important").mkdir()
+    (tmp_path / "important" / "data.txt").write_text("keep me")
+    assert results_doc.main([f"runs={runs}", f"out={tmp_path / 'important.md'}"]) == 2
+    assert (tmp_path / "important" / "data.txt").read_text() == "keep me"
+    assert not (tmp_path / "important.md").exists()
+    # a folder holding the runs further down is refused too
+    with pytest.raises(ConfigError, match="holds the runs"):
+        results_doc._parse([f"runs={runs}", f"out={tmp_path}.md"])
+    # its own folder (marked) is replaced on every rebuild, stale files included
+    out = tmp_path / "docs" / "results.md"
+    assert results_doc.main([f"runs={runs}", f"out={out}"]) == 0
+    assets = tmp_path / "docs" / "results"
+    assert (assets / results_doc.ASSETS_MARKER).is_file()
+    (assets / "stale.png").write_text("old")
+    assert results_doc.main([f"runs={runs}", f"out={out}"]) == 0
+    assert not (assets / "stale.png").exists() and (assets / results_doc.ASSETS_MARKER).is_file()
+
+
+def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
+    from moejax.train.run_lock import RunLock, is_held
+
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc_path = tmp_path / "docs" / "results.md"
+    assert not is_held(out)
+    with RunLock(out):  # a rerun has started in that directory
+        assert is_held(out)
+        doc = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "Running when this was generated (not read): blockffn_granularity." in doc
+    assert "## blockffn_granularity" not in doc
+    assert not is_held(out)
+    assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 
-__all__ = ["RunLock", "RunLockedError"]
+__all__ = ["RunLock", "RunLockedError", "is_held"]
 
 
 class RunLockedError(RuntimeError):
@@ -61,6 +61,25 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def is_held(directory) -> bool:
+    """Whether a live process holds ``directory``'s run lock now (a reader's check: it takes
+    a shared lock for an instant and drops it, so it never blocks or breaks a run)."""
+    path = os.path.join(os.fspath(directory), ".lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> str:
