@@ -2,7 +2,7 @@
 # `make studies` runs every study's quick preset and writes docs/results.md. All create or
 # refresh the virtualenv first; set-up is idempotent and skipped when up to date. The demo and the studies use a GPU when
 # jax finds one (install the `gpu` extra); the tests always run on the CPU.
-PYTHON ?= python3
+PYTHON ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moejax-installed
@@ -42,8 +42,12 @@ test: setup
 
 setup: $(STAMP)
 
+# The virtualenv's Python is >= 3.12 (jax 0.12): scripts/find_python.sh finds one (PYTHON=...
+# names it) and stops with one line when there is none; an older virtualenv is replaced.
 $(STAMP): $(DEPS)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null || \
+	  { rm -rf $(VENV) && py=$$(PYTHON=$(PYTHON) scripts/find_python.sh) && \
+	    echo "creating $(VENV) with $$py" && $$py -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
 	PYTHON=$(PY) bash scripts/install_data_deps.sh

@@ -6,7 +6,7 @@ Paths: ``capacity`` and ``grouped`` (plain jnp, sharded by XLA's SPMD partitione
 weights over ``"expert"``, tokens over both axes), ``expert_parallel`` (dropless all-to-all;
 its bytes are those of the capacity rung the routing takes, its static HLO holds every rung)
 and ``expert_parallel_capacity``. The measurement runs in a subprocess with ``devices``
-simulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``), or on the real
+simulated CPU devices (``JAX_NUM_CPU_DEVICES``), or on the real
 devices when the machine has that many; simulated devices share this machine's cores, so the
 times compare paths, not interconnects.
 

@@ -27,6 +27,7 @@ import jax.export as je
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.kernels.dispatch import dispatch
+from moejax.kernels.targets import lowering_target
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
@@ -140,9 +141,10 @@ batch = {"inputs": S((8, 16), jnp.int32, sharding=bsh),
 TRITON = "__gpu$xla.gpu.triton"
 with jax.set_mesh(mesh):
     for platform, kernel in (("cuda", TRITON), ("tpu", "tpu_custom_call")):
-        text = je.export(step.jitted(abstract), platforms=(platform,),
-                         disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
-            abstract, batch).mlir_module()
+        with lowering_target(platform, mesh):  # the mesh's axes on an H100 / a TPU v5p
+            text = je.export(step.jitted(abstract), platforms=(platform,),
+                             disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
+                abstract, batch).mlir_module()
         assert "stablehlo.all_to_all" in text and kernel in text, platform
         assert "callback" not in text, platform
 print("train step OK")

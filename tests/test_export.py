@@ -18,6 +18,7 @@ from flax import nnx
 
 from moejax.kernels.chunk_union import chunk_union_pallas
 from moejax.kernels.gmm import gmm
+from moejax.kernels.targets import lowering_target
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -30,6 +31,16 @@ from moejax.train.step import init_state, lm_loss_fn, make_train_step
 TRITON = "__gpu$xla.gpu.triton"
 KERNEL = {"cuda": TRITON, "tpu": "tpu_custom_call"}
 CHECKS = [je.DisabledSafetyCheck.custom_call(TRITON)]
+
+
+def _export(fn, platform: str, *args):
+    """``fn`` exported for ``platform``, lowered for its named target device (an H100, a
+    TPU v5p): no accelerator is attached here."""
+    export = je.export(fn, platforms=(platform,), disabled_checks=CHECKS)
+    if platform == "cpu":
+        return export(*args)
+    with lowering_target(platform):
+        return export(*args)
 
 
 def _custom_calls(exported) -> dict[str, int]:
@@ -52,7 +63,7 @@ def test_gmm_forward_and_backward_lower_to_the_platform_kernel(platform, m, k, n
 
     args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((g, k, n), dtype),
             jax.ShapeDtypeStruct((g,), jnp.int32))
-    exported = je.export(jax.jit(step), platforms=(platform,), disabled_checks=CHECKS)(*args)
+    exported = _export(jax.jit(step), platform, *args)
     calls = _custom_calls(exported)
     assert calls.get(KERNEL[platform]) == 3, calls  # forward, dX and dW kernels
     assert not any("callback" in c for c in calls), calls
@@ -79,7 +90,7 @@ def test_chunk_union_forward_and_backward_lower_to_the_platform_kernel(platform,
     S = jax.ShapeDtypeStruct
     args = (S((n, d), dtype), S((n, e), jnp.float32), S((e, d, f), dtype), S((e, f, d), dtype),
             S((e, d, f), dtype) if gated else None)
-    exported = je.export(jax.jit(step), platforms=(platform,), disabled_checks=CHECKS)(*args)
+    exported = _export(jax.jit(step), platform, *args)
     calls = _custom_calls(exported)
     # forward: up (+ gate) and down; backward: dh, dx (x2 gated), dW_up, dW_down (+ dW_gate)
     assert calls.get(KERNEL[platform]) == (9 if gated else 6), calls
@@ -114,7 +125,7 @@ def _blockffn_decoder(path: str = "auto", layers: int = 2) -> DecoderConfig:
 def test_blockffn_lm_train_step_lowers_with_the_chunk_union_kernels(platform):
     step, state, batch = _train_step(_blockffn_decoder())
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    exported = je.export(step, platforms=(platform,), disabled_checks=CHECKS)(abstract, batch)
+    exported = _export(step, platform, abstract, batch)
     calls = _custom_calls(exported)
     if platform == "cpu":  # the jnp chunk-union loop: no kernel, no callback
         assert TRITON not in calls and "tpu_custom_call" not in calls, calls
@@ -135,8 +146,7 @@ def test_speculative_decode_loop_lowers_with_chunk_sparse_verification(platform)
         return speculative_generate(sparse, draft, prompt_BT, 16, draft_len=4).tokens_BS
 
     prompt = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    calls = _custom_calls(je.export(jax.jit(decode), platforms=(platform,),
-                                    disabled_checks=CHECKS)(prompt))
+    calls = _custom_calls(_export(jax.jit(decode), platform, prompt))
     # each target layer's forward (up and down) in the verification pass and the prefill
     assert calls.get(KERNEL[platform], 0) >= 2 * 2, calls
     assert not any("callback" in c for c in calls), calls
@@ -152,7 +162,7 @@ def test_moe_lm_train_step_lowers_with_the_platforms_moe_kernel(platform):
         assert sum(n for c, n in calls.items() if "callback" in c) >= 4, calls
         assert "tpu_custom_call" not in calls and TRITON not in calls, calls
         return
-    exported = je.export(step, platforms=(platform,), disabled_checks=CHECKS)(abstract, batch)
+    exported = _export(step, platform, abstract, batch)
     calls = _custom_calls(exported)
     assert calls.get(KERNEL[platform], 0) >= 2 * 2 * 3, calls  # 2 MoE layers x up/down x 3
     assert not any("callback" in c for c in calls), calls

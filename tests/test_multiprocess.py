@@ -127,6 +127,6 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
 def test_cpu_devices_env_sets_the_device_count_and_keeps_other_flags():
     env = cpu_devices_env(8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --a=1",
                               "JAX_PLATFORMS": "cuda", "HOME": "/h"})
-    assert env == {"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8",
-                   "JAX_PLATFORMS": "cpu", "HOME": "/h"}
-    assert cpu_devices_env(3, {})["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
+    assert env == {"XLA_FLAGS": "--a=1", "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
+                   "HOME": "/h"}
+    assert cpu_devices_env(3, {}) == {"JAX_NUM_CPU_DEVICES": "3", "JAX_PLATFORMS": "cpu"}

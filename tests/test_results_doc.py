@@ -115,9 +115,8 @@ def test_the_document_never_removes_a_folder_it_did_not_write(tmp_path):
 
 
 def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
-    from moejax.train.run_lock import RunLock, is_held
-
     from moejax.train.hparams import TrainConfig
+    from moejax.train.run_lock import RunLock, is_held
 
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,

@@ -191,3 +191,14 @@ def test_collective_bytes_reads_result_shapes_and_skips_single_device_groups():
         "  %e = f32[2]{0} add(%u, %v)",
     ])
     assert collective_bytes(hlo) == {"all-to-all": 32, "all-reduce": 32, "all-gather": 12}
+    # the iota and mesh-axis notations of newer XLA: groups of one device move nothing
+    hlo = "\n".join([
+        "  %f = f32[4]{0} all-reduce(%w), replica_groups=[8,1]<=[8], to_apply=%add",
+        "  %g = f32[2]{0} all-reduce(%w), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add",
+        "  %h = (f32[2,3]{1,0}, f32[5]{0}) all-reduce(%p, %q), channel_id=1, "
+        "replica_groups=mesh['data'=1,'expert'=8] {'data'}, use_global_device_ids=true",
+        "  %i = s32[10]{0} all-to-all(%x), replica_groups=mesh['data'=1,'expert'=8] {'expert'}",
+        "  %j = f32[3]{0} all-gather(%x), replica_groups=mesh['data'=2,'expert'=4] "
+        "{'data','expert'}, dimensions={0}",
+    ])
+    assert collective_bytes(hlo) == {"all-reduce": 8, "all-to-all": 40, "all-gather": 12}

@@ -115,13 +115,18 @@ def is_main_process() -> bool:
 
 def cpu_devices_env(n_devices: int, env=None) -> dict[str, str]:
     """The environment (a copy of ``env``, default ``os.environ``) for a new Python process
-    that sees ``n_devices`` simulated CPU devices: ``JAX_PLATFORMS=cpu`` and
-    ``--xla_force_host_platform_device_count`` set in ``XLA_FLAGS``, the caller's other XLA
+    that sees ``n_devices`` simulated CPU devices: ``JAX_PLATFORMS=cpu`` and jax's
+    ``JAX_NUM_CPU_DEVICES`` (a jax option, so no XLA flag that a jaxlib may not know), with a
+    ``--xla_force_host_platform_device_count`` flag of the caller's removed and the other XLA
     flags kept (the device count is fixed when JAX starts, so multi-device runs on one CPU
     need a new process)."""
     env = dict(os.environ if env is None else env)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={n_devices}"])
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    env["JAX_NUM_CPU_DEVICES"] = str(n_devices)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
