@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies results test setup lint bench gpu-check clean-runs
+.PHONY: demo studies results test setup lint bench full-smoke gpu-check clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
@@ -29,6 +29,11 @@ results: setup
 
 bench: setup
 	$(PY) -m experiments.bench_dispatch $(ARGS)
+
+# Every study's and benchmark's full preset as a smoke run here (real sizes and weights, a
+# couple of steps and batches each; not part of `make test`) -> runs/full_smoke/full_smoke.md
+full-smoke: setup
+	$(PY) -m experiments.full_smoke $(ARGS)
 
 # On a GPU machine: the gpu extra, then scripts/gpu_check.sh (the kernel tests compiled for the
 # GPU and the benchmarks' full presets -> runs/gpu/) and docs/results_gpu.md.

@@ -42,6 +42,7 @@ from moejax.results import RunDir
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
 
 NAME = "bench_ders"
+SMOKE = ("n_prompts=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 
 
 @config
@@ -219,4 +220,4 @@ def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))

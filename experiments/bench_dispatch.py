@@ -57,6 +57,8 @@ from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
 NAME = "bench_dispatch"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("batch_size=4", "warmup=1", "steps=2", "block_repeats=1")
 TORCH = "PyTorch expert loop (HF Mixtral style, on the CPU)"
 Path_ = DispatchMethod
 
@@ -329,4 +331,4 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))

@@ -58,6 +58,9 @@ from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
 
 NAME = "bench_extracted"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=64", "eval_rows=64",
+         "extract.n_tokens=2000")
 
 
 @config
@@ -363,4 +366,4 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))

@@ -45,6 +45,8 @@ from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 
 NAME = "bench_kernels"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("union_fractions=(0.25,1.0)", "warmup=1", "repeats=1")
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
                   "triton"]
 GmmPath = Literal["dense", "ragged", "gmm"]
@@ -319,4 +321,4 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))

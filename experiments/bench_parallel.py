@@ -42,6 +42,7 @@ from moejax.train.distributed import cpu_devices_env
 from moejax.train.mesh import make_mesh
 
 NAME = "bench_parallel"
+SMOKE = ("repeats=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 Path_ = Literal["capacity", "grouped", "expert_parallel", "expert_parallel_capacity"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -237,4 +238,4 @@ def run(cfg: ParallelConfig, run: RunDir) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))

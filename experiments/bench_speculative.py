@@ -53,6 +53,8 @@ from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_dra
 from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("n_prompts=2", "max_new_tokens=16", "drafts.distil.prompts=8")
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run: training, distillation, growth
 
 
@@ -292,4 +294,5 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS))
+    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
+                          smoke=SMOKE))

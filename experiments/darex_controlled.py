@@ -45,6 +45,7 @@ from moejax.substrates.mlp import (
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"
+SMOKE = ("large_seeds=1", "lora_seeds=1")  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
 PRUNED = r"^(w1|wo)$"  # the MLP's weight matrices; biases and norm scales keep their delta
 QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
@@ -377,4 +378,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 if __name__ == "__main__":
     raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))

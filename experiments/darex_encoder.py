@@ -52,6 +52,8 @@ from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
 from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
 
 NAME = "darex_encoder"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("n_train=256", "n_val=32", "n_test=64", "seeds=1")
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
                  "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "magnitude",
                  "WANDA", "structural DPP + q_v")
@@ -317,4 +319,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims))
+    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))

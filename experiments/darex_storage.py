@@ -42,6 +42,7 @@ from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp,
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_storage"
+SMOKE = ("timing_repeats=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
 QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
@@ -287,4 +288,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 if __name__ == "__main__":
     raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))

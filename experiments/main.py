@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 name, module.make_config, module.run, [f"preset={preset}", *overrides],
                 out=out / name, seed_keys=getattr(module, "SEED_KEYS", ()),
                 quick_repeat=getattr(module, "QUICK_REPEAT", 1) if suite == "studies" else 1,
-                claims=getattr(module, "claims", None))
+                claims=getattr(module, "claims", None), smoke=getattr(module, "SMOKE", ()))
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)

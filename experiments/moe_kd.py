@@ -65,6 +65,8 @@ from moejax.train.loop import train
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
 
 NAME = "moe_kd"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1")
 
 LABELS = {"sft": "SFT", "kd": "KD", "gkd": "GKD", "all": "ALL", "ka": "KA", "sar": "SAR"}
 
@@ -475,4 +477,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims))
+    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))

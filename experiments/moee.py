@@ -59,6 +59,9 @@ from moejax.substrates.classify import (
 from moejax.train.hparams import TrainConfig
 
 NAME = "moee"
+# smoke=true: this study's own cuts (moejax.smoke)
+SMOKE = ("extract.n_tokens=2000", "record_rows=200", "stability_tokens=(2000,)", "seeds=1",
+         "eval_rows=64")
 
 # ablation key -> (label, cluster method, neuron selection, router); "random" routing sends
 # every token to a random expert (Table 2)
@@ -400,4 +403,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims))
+    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))

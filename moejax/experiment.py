@@ -15,6 +15,11 @@ works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other
 goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
 before any compute with a message naming the key and the allowed keys/values.
 
+``smoke=true`` runs the preset as a smoke run (:mod:`moejax.smoke`): real model sizes and
+weights, every training run cut to a couple of steps of a few rows, evaluations to a couple of
+batches, plus the study's own ``smoke`` overrides for what else it counts; once, not over
+seeds (``python -m experiments.<name> preset=full smoke=true``).
+
 ``repeat=N`` runs the study ``N`` times with its ``seed_keys`` (the config keys that seed a
 run: init, data order, masks) offset by ``0 .. N-1``, each run in ``out/seed_<i>/``, and
 writes every table again in ``out/`` as the mean and sample std over the runs
@@ -41,6 +46,7 @@ from moejax.results import (
     read_tables,
     write_run_record,
 )
+from moejax.smoke import smoke_config
 from moejax.train.checkpoint import CheckpointWriteError
 from moejax.train.run_lock import RunLockedError
 
@@ -55,10 +61,11 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
     """The ``--help`` text: the runner's keys and every config key with its default (of
     ``preset``) and allowed values."""
     head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [repeat=N] "
-            "[key=value ...]",
+            "[smoke=true] [key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
             f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
-            "std of every table; default: the study's)", "",
+            "std of every table; default: the study's), smoke (true: every training run and "
+            "evaluation cut to a couple of steps and batches, model sizes kept)", "",
             f"config keys (defaults of preset={preset}):"]
     return "\n".join(head + describe(make_config(preset)))
 
@@ -72,11 +79,13 @@ def parse_cli(
 
 def parse_runner(
     name: str, make_config: Callable[[str], Config], argv: Sequence[str],
-    quick_repeat: int = 1,
+    quick_repeat: int = 1, smoke_overrides: Sequence[str] = (),
 ) -> tuple[Config, Path, int]:
     """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
-    ``quick_repeat`` with the quick preset and to 1 with the full one."""
-    preset, out, rest, repeat = "quick", Path("runs") / name, [], None
+    ``quick_repeat`` with the quick preset and to 1 with the full one or a smoke run.
+    ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
+    command line's keys (which win)."""
+    preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep:
@@ -96,11 +105,18 @@ def parse_runner(
                 repeat = 0
             if repeat < 1:
                 raise ConfigError(f"repeat={value!r}: expected an int >= 1 (runs over seeds)")
+        elif key == "smoke":
+            if value not in ("true", "false"):
+                raise ConfigError(f"smoke={value!r}: expected true or false")
+            smoke = value == "true"
         else:
             rest.append(item)
-    cfg = apply_overrides(make_config(preset), rest)
+    cfg = make_config(preset)
+    if smoke:
+        cfg = apply_overrides(smoke_config(cfg), list(smoke_overrides))
+    cfg = apply_overrides(cfg, rest)
     if repeat is None:
-        repeat = quick_repeat if preset == "quick" else 1
+        repeat = quick_repeat if preset == "quick" and not smoke else 1
     return cfg, out, repeat
 
 
@@ -133,11 +149,12 @@ def run_experiment(
     seed_keys: Sequence[str] = (),
     quick_repeat: int = 1,
     claims: ClaimsFn | None = None,
+    smoke: Sequence[str] = (),
 ) -> tuple[dict[str, Any], RunDir]:
     """Run a study once or over seeds (module docstring); ``claims(tables) -> [Claim]`` judges
     the paper's claims from a run's tables (every run's and the merged ones) into its
-    summary."""
-    cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat)
+    summary; ``smoke``: the study's own overrides for ``smoke=true``."""
+    cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
     cfgs = [cfg]
     if repeat > 1:  # fail before any compute on a bad seed key
         cfgs = [seed_offset(cfg, seed_keys, i) for i in range(repeat)]
@@ -254,6 +271,7 @@ def main(
     seed_keys: Sequence[str] = (),
     quick_repeat: int = 1,
     claims: ClaimsFn | None = None,
+    smoke: Sequence[str] = (),
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -262,7 +280,7 @@ def main(
         return 0
     try:
         summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
-                                      quick_repeat=quick_repeat, claims=claims)
+                                      quick_repeat=quick_repeat, claims=claims, smoke=smoke)
     except (ConfigError, RunDirError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

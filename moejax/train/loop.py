@@ -91,6 +91,14 @@ class FnSource:
         return self.fn(position)
 
 
+def _record_scale(params, batch) -> None:
+    """The run's size as ``jax.monitoring`` scalars: trained parameters and tokens (or rows)
+    per step. Listeners (the full-preset smoke runs) read them; without one it is a no-op."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    jax.monitoring.record_scalar("/moejax/train/params", float(n))
+    jax.monitoring.record_scalar("/moejax/train/tokens_per_step", _tokens(batch))
+
+
 def _tokens(batch) -> float:
     """Real tokens (or rows) in the global batch, from this process's rows."""
     if isinstance(batch, dict) and "mask" in batch:
@@ -414,6 +422,7 @@ class _Run:
         local = local_batch(self.source, self.position)
         if step == self.start:
             _check_token_ids(local, self.vocab_size)
+            _record_scale(self.state.params, local)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
         self.pending.append((step, self.position, _tokens(local), metrics))
         self.position += 1

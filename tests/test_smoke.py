@@ -1,0 +1,101 @@
+"""Smoke runs of the full presets (``smoke=true``): every training run and evaluation cut,
+model sizes and the study's data kept; every registered study's full preset parses as one;
+the training loop reports each run's size for the smoke table."""
+
+import dataclasses
+import importlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments.main import REGISTRY
+from moejax.config import Config, ConfigError
+from moejax.experiment import parse_runner
+from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
+from tests.toy_models import TinyMoELM, ToySource
+
+
+def _trains(cfg: Config):
+    if isinstance(cfg, TrainConfig):
+        yield cfg
+        return
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Config):
+            yield from _trains(value)
+
+
+def _strip_trains(cfg: Config):
+    """The config with every TrainConfig and the counts the smoke cuts blanked out."""
+    if isinstance(cfg, TrainConfig):
+        return None
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in ("eval_batches", "eval_examples", "max_train_examples"):
+            continue
+        out[f.name] = _strip_trains(value) if isinstance(value, Config) else value
+    return out
+
+
+@pytest.mark.parametrize("name", REGISTRY)
+def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
+    module = importlib.import_module(f"experiments.{name}")
+    full = module.make_config("full")
+    cuts = getattr(module, "SMOKE", ())
+    cfg, _, repeat = parse_runner(name, module.make_config, ["preset=full", "smoke=true"],
+                                  getattr(module, "QUICK_REPEAT", 1), cuts)
+    assert repeat == 1
+    for t, t_full in zip(_trains(cfg), _trains(full), strict=True):
+        assert t.steps == min(t_full.steps, SMOKE_STEPS) and t.warmup_steps == 0
+        assert t.batch_size == min(t_full.batch_size, SMOKE_ROWS) and t.log_every == 1
+        assert t.lr == t_full.lr and t.optimizer == t_full.optimizer  # the recipe is kept
+    # everything else is the full preset's, but for the study's declared cuts
+    cut_keys = {c.split("=", 1)[0].split(".")[0] for c in cuts}
+    a, b = _strip_trains(cfg), _strip_trains(full)
+    assert {k: v for k, v in a.items() if k not in cut_keys} == {
+        k: v for k, v in b.items() if k not in cut_keys}
+
+
+def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
+    from experiments import ders_upcycling as study
+
+    cfg = smoke_config(study.make_config("full"))
+    assert cfg.train.steps == 2 and cfg.substrate.pretrained.train.steps == 2
+    assert cfg.eval_batches == 2 and cfg.substrate.pretrained.eval_batches == 2
+    assert cfg.substrate.seq_len == 512  # sizes kept
+    cfg, _, _ = parse_runner("ders_upcycling", study.make_config,
+                             ["preset=full", "smoke=true", "train.steps=3", "eval_batches=5"])
+    assert cfg.train.steps == 3 and cfg.eval_batches == 5
+    cfg, _, _ = parse_runner("ders_upcycling", study.make_config, ["preset=full", "smoke=false"])
+    assert cfg.train.steps == 2000
+    with pytest.raises(ConfigError, match="smoke='yes'"):
+        parse_runner("ders_upcycling", study.make_config, ["smoke=yes"])
+    # a 0 ("all examples") becomes a cap, a smaller count stays
+    from moejax.substrates.registry import substrate_config
+
+    sub = smoke_config(substrate_config("minilm_wordnet_pos", "full"))
+    assert sub.eval_examples == 64 and sub.max_train_examples == 256
+
+
+def test_the_loop_reports_each_runs_parameters_and_tokens_per_step():
+    seen = []
+
+    def listen(event, value, **_):
+        if event.startswith("/moejax/train/"):
+            seen.append((event, value))
+
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        model = TinyMoELM(nnx.Rngs(0))
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        train(model, ToySource(batch_size=4), TrainConfig(steps=2, batch_size=4, log_every=1))
+    finally:
+        jax.monitoring.unregister_scalar_listener(listen)
+    source = ToySource(batch_size=4)
+    assert seen == [("/moejax/train/params", float(n_params)),
+                    ("/moejax/train/tokens_per_step", float(source.batch(0)["mask"].size))]
