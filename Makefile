@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies results test setup lint bench full-smoke gpu-check clean-runs
+.PHONY: demo studies results test setup lint bench full-smoke full-aot gpu-check clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
@@ -34,6 +34,11 @@ bench: setup
 # couple of steps and batches each; not part of `make test`) -> runs/full_smoke/full_smoke.md
 full-smoke: setup
 	$(PY) -m experiments.full_smoke $(ARGS)
+
+# Every full preset's training steps proven ahead of time for cuda and tpu at their real
+# shapes (size, FLOPs, memory per device, GPU hours) -> runs/full_aot/full_aot.md
+full-aot: setup
+	$(PY) -m experiments.full_smoke mode=aot $(ARGS)
 
 # On a GPU machine: the gpu extra, then scripts/gpu_check.sh (the kernel tests compiled for the
 # GPU and the benchmarks' full presets -> runs/gpu/) and docs/results_gpu.md.

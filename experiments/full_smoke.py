@@ -1,16 +1,27 @@
-"""Every registered study's and benchmark's full preset as a smoke run, one table.
+"""Every registered study's and benchmark's full preset, proven here before it meets an
+accelerator: as a smoke run, or ahead of time for GPU and TPU. One table each.
 
-    python -m experiments.full_smoke                          # all -> runs/full_smoke/
+    python -m experiments.full_smoke                          # smoke -> runs/full_smoke/
+    python -m experiments.full_smoke mode=aot                 # -> runs/full_aot/
     python -m experiments.full_smoke only=moee,lm_demo timeout=1800 out=runs/smoke2
 
-Each study runs in its own Python as ``python -m experiments.<study> preset=full smoke=true``
-would (:mod:`moejax.smoke`: real model sizes and weights, every training run cut to a couple
-of steps of a few rows, evaluations to a couple of batches, plus the study's ``SMOKE`` cuts),
-so its peak host memory is its own. The table (``full_smoke.md`` / ``.csv``, rewritten after
-every study) gives per study: the largest trained model's parameters and its tokens (or rows)
-per smoke step (read from the training loop's ``jax.monitoring`` scalars; "-" where the study
-trains nothing), the peak resident memory, the wall time, OK or the error's last line, and
-the study's own cuts (a reduced depth among them says the full preset does not fit here).
+Each study runs in its own Python, so its peak host memory is its own.
+
+``mode=smoke`` runs it as ``python -m experiments.<study> preset=full smoke=true`` would
+(:mod:`moejax.smoke`: real model sizes and weights, every training run cut to a couple of
+steps of a few rows, evaluations to a couple of batches, plus the study's ``SMOKE`` cuts).
+The table (``full_smoke.md`` / ``.csv``, rewritten after every study) gives per study: the
+largest trained model's parameters and its tokens (or rows) per smoke step (read from the
+training loop's ``jax.monitoring`` scalars; "-" where the study trains nothing), the peak
+resident memory, the wall time, OK or the error's last line, and the study's own cuts.
+
+``mode=aot`` runs the recipe with its training runs whole but not executed
+(:func:`moejax.train.capture.capture_steps`; evaluations and the study's counts cut as in a
+smoke run, substrates cached apart) and proves every distinct training step it starts at its
+real shapes (:func:`moejax.train.aot.prove_step`): parameters, FLOPs per step, weights,
+optimizer state and activations per device, whether one H100 80 GB holds it, the cuda and
+tpu exports with their kernels, and the GPU hours of the full preset (``full_aot.md``).
+
 A study past ``timeout`` seconds is stopped and reported as such.
 """
 
@@ -27,15 +38,23 @@ import traceback
 from pathlib import Path
 
 from experiments.main import REGISTRY
-from moejax.config import ConfigError
+from moejax.config import ConfigError, apply_overrides
 from moejax.files import atomic_write_text
 from moejax.results import RunDir
+from moejax.smoke import smoke_config
 
 __all__ = ["main", "child"]
 
-def child(name: str, out: str, report: str) -> int:
-    """Run ``name``'s full preset as a smoke run into ``out``; write ``report`` (JSON: ok,
-    error, the largest trained model's parameters and its tokens per step)."""
+MODES = {"smoke": "runs/full_smoke", "aot": "runs/full_aot"}
+
+
+def _error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def _smoke(name: str, module, out: Path) -> dict:
+    """The study as a smoke run; the largest trained model's size."""
     import jax
 
     from moejax.experiment import run_experiment
@@ -51,59 +70,93 @@ def child(name: str, out: str, report: str) -> int:
                 seen.update(params=last_params[0], tokens=value)
 
     jax.monitoring.register_scalar_listener(listen)
-    module = importlib.import_module(f"experiments.{name}")
     result = {"ok": False, "error": ""}
     try:
         run_experiment(name, module.make_config, module.run, ["preset=full", "smoke=true"],
-                       out=Path(out), seed_keys=getattr(module, "SEED_KEYS", ()),
+                       out=out, seed_keys=getattr(module, "SEED_KEYS", ()),
                        claims=getattr(module, "claims", None),
                        smoke=getattr(module, "SMOKE", ()))
         result["ok"] = True
-    except Exception as e:  # reported in the table, and in full on stderr
+    except Exception as e:  # reported in the table, and in full in the study's log
         traceback.print_exc()
-        lines = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        result["error"] = _error(e)
     result.update(params=seen.get("params"), tokens=seen.get("tokens"))
-    atomic_write_text(Path(report), json.dumps(result) + "\n")
+    return result
+
+
+def _aot(name: str, module, out: Path, overrides=()) -> dict:
+    """The study's training runs captured whole (not executed) and proven ahead of time;
+    ``overrides`` (key=value) after the cuts, e.g. a reduced depth."""
+    from moejax.train.aot import prove_step
+    from moejax.train.capture import capture_steps
+
+    cfg = apply_overrides(smoke_config(module.make_config("full"), cut_training=False),
+                          [*getattr(module, "SMOKE", ()), *overrides])
+    result = {"ok": False, "error": "", "rows": []}
+    run = RunDir.create(out, cfg, name=name, lock=True)
+    with capture_steps(train=False) as captured:
+        try:
+            module.run(cfg, run)
+        except Exception as e:  # untrained models may fail a recipe's own checks later on
+            traceback.print_exc()
+            result["error"] = _error(e)
+        finally:
+            run.close()
+    seen = set()
+    for c in captured:
+        import jax
+
+        key = (c.label, jax.tree.structure(c.state), str(jax.tree.leaves(c.batch)[0].shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            result["rows"].append(prove_step(c))
+        except Exception as e:  # one run's failure is a row, the others still count
+            traceback.print_exc()
+            result["rows"].append({"run": c.label, "error": _error(e)})
+    result["ok"] = bool(result["rows"]) and all("error" not in r for r in result["rows"])
+    return result
+
+
+def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
+    """Run ``name``'s full preset in ``mode`` into ``out``; write ``report`` (JSON)."""
+    module = importlib.import_module(f"experiments.{name}")
+    result = (_smoke if mode == "smoke" else _aot)(name, module, Path(out))
+    atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
     return 0 if result["ok"] else 1
 
 
-def _run(name: str, out: Path, timeout: float) -> dict:
-    """One study in its own Python: its report, wall time and peak resident memory."""
-    report = out / f"{name}.smoke.json"
+def _run_child(name: str, out: Path, timeout: float, mode: str) -> tuple[dict, float, float]:
+    """One study in its own Python: its report, wall time and peak resident memory (GB)."""
+    report = out / f"{name}.{mode}.json"
     report.unlink(missing_ok=True)
-    log = open(out / f"{name}.log", "w")
+    env = dict(os.environ)
+    if mode == "aot":  # untrained substrates never enter the shared cache
+        env["MOEJAX_SUBSTRATE_DIR"] = str(out / "substrates")
     code = ("import sys; from experiments.full_smoke import child; "
-            f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}))")
+            f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}))")
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    timed_out, status, usage = False, 0, None
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.time() - t0 > timeout:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, status, usage = os.wait4(proc.pid, 0)
-            timed_out = True
-            break
-        time.sleep(0.5)
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.time() - t0 > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.5)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped above
-    log.close()
+    wall = time.time() - t0
     rec = json.loads(report.read_text()) if report.is_file() else {"ok": False, "error": ""}
-    if timed_out:
+    if wall > timeout:
         rec["error"] = f"stopped after the {timeout:.0f} s timeout"
-    elif not rec.get("error") and not rec.get("ok"):
+    elif not rec.get("ok") and not rec.get("error"):
         rec["error"] = f"exit code {proc.returncode} (see {name}.log)"
-    module = importlib.import_module(f"experiments.{name}")
-    return {"study": name,
-            "parameters": _count(rec.get("params")),
-            "tokens/step (smoke)": _count(rec.get("tokens")),
-            "peak host memory (GB)": round(usage.ru_maxrss / 2**20, 2),  # ru_maxrss: KiB
-            "wall (s)": round(time.time() - t0, 1),
-            "result": "OK" if rec.get("ok") else rec["error"],
-            "study's smoke cuts": " ".join(getattr(module, "SMOKE", ())) or "-"}
+    return rec, wall, usage.ru_maxrss / 2**20  # ru_maxrss: KiB
 
 
 def _count(n) -> str:
@@ -116,13 +169,52 @@ def _count(n) -> str:
     return f"{n:.0f}"
 
 
-def _parse(argv) -> tuple[list[str], Path, float]:
-    opts = {"only": "", "out": "runs/full_smoke", "timeout": "3600"}
+def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
+    module = importlib.import_module(f"experiments.{name}")
+    return [{"study": name, "parameters": _count(rec.get("params")),
+             "tokens/step (smoke)": _count(rec.get("tokens")),
+             "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
+             "result": "OK" if rec.get("ok") else rec["error"],
+             "study's smoke cuts": " ".join(getattr(module, "SMOKE", ())) or "-"}]
+
+
+def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
+    rows = []
+    for r in rec.get("rows", []):
+        if "error" in r:
+            rows.append({"study": name, "run": r["run"], "result": r["error"]})
+            continue
+        rows.append({"study": name, "run": r["run"], "parameters": _count(r["params"]),
+                     "batch": r["batch"], "steps": r["steps"],
+                     "FLOPs/step": f"{r['flops_per_step']:.3g}"
+                     + (f" + {r['uncounted_calls']} kernel calls" if r["uncounted_calls"]
+                        else ""),
+                     "weights (GB)": round(r["weights_GB"], 3),
+                     "opt state (GB)": round(r["opt_state_GB"], 3),
+                     "activations (GB)": round(r["activations_GB"], 3),
+                     "peak per device (GB)": round(r["peak_GB"], 3),
+                     "fits one H100 80GB": "yes" if r["fits_H100_80GB"] else "no",
+                     "cuda kernels": r["cuda_kernels"], "tpu kernels": r["tpu_kernels"],
+                     "GPU hours at 40% MFU": f"{r['gpu_hours']:.3g}"
+                     + (" (lower bound)" if r["uncounted_calls"] else ""),
+                     "result": "OK"})
+    if not rows or rec.get("error"):  # where the recipe stopped, with its runs untrained
+        rows.append({"study": name, "run": "(rest of the recipe)",
+                     "result": (f"stopped after {len(rows)} captured runs: {rec['error']}"
+                                if rec.get("error") else "OK")})
+    return rows
+
+
+def _parse(argv) -> tuple[list[str], Path, float, str]:
+    opts = {"only": "", "out": "", "timeout": "3600", "mode": "smoke"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts:
-            raise ConfigError(f"bad argument {item!r}; allowed: only=a,b out=DIR timeout=S")
+            raise ConfigError(f"bad argument {item!r}; allowed: mode=smoke|aot only=a,b "
+                              "out=DIR timeout=S")
         opts[key] = value
+    if opts["mode"] not in MODES:
+        raise ConfigError(f"mode={opts['mode']!r}: expected one of {', '.join(MODES)}")
     names = [n for n in opts["only"].split(",") if n] or list(REGISTRY)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
@@ -133,34 +225,38 @@ def _parse(argv) -> tuple[list[str], Path, float]:
         timeout = 0.0
     if timeout <= 0:
         raise ConfigError(f"timeout={opts['timeout']!r}: expected seconds > 0")
-    return names, Path(opts["out"]), timeout
+    return names, Path(opts["out"] or MODES[opts["mode"]]), timeout, opts["mode"]
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        names, out, timeout = _parse(argv)
-        run = RunDir.create(out, name="full_smoke", lock=True)
+        names, out, timeout, mode = _parse(argv)
+        run = RunDir.create(out, name=f"full_{mode}", lock=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = []
+    rows, ok = [], 0
+    to_rows = _smoke_rows if mode == "smoke" else _aot_rows
+    title = ("Full presets as smoke runs" if mode == "smoke"
+             else "Full presets ahead of time: every training step at its real shapes")
     try:
         for i, name in enumerate(names):
-            print(f"[full_smoke] {i + 1}/{len(names)} {name}", flush=True)
-            rows.append(_run(name, out, timeout))
-            print(f"    {rows[-1]['result']} in {rows[-1]['wall (s)']} s, "
-                  f"peak {rows[-1]['peak host memory (GB)']} GB", flush=True)
+            print(f"[full_{mode}] {i + 1}/{len(names)} {name}", flush=True)
+            rec, wall, peak = _run_child(name, out, timeout, mode)
+            ok += bool(rec.get("ok"))
+            rows += to_rows(name, rec, wall, peak)
+            print(f"    {'OK' if rec.get('ok') else rec.get('error')} in {wall:.1f} s, "
+                  f"peak {peak:.2f} GB", flush=True)
             run.tables.clear()
-            run.table("full_smoke", rows, title="Full presets as smoke runs")
-        ok = sum(r["result"] == "OK" for r in rows)
-        run.note(f"Each study ran as `python -m experiments.<study> preset=full smoke=true`; "
-                 f"per-study logs beside this summary ({out}/<study>.log).")
-        run.finish(f"{ok} of {len(rows)} full presets ran end to end as smoke runs.")
+            run.table(f"full_{mode}", rows, title=title)
+        run.note(f"Each study ran in its own Python (`python -m experiments.full_smoke "
+                 f"mode={mode}`); its log is beside this summary ({out}/<study>.log).")
+        run.finish(f"{ok} of {len(names)} full presets proven ({mode}).")
     finally:
         run.close()
-    print(f"[full_smoke] wrote {out / 'summary.md'}")
-    return 0 if all(r["result"] == "OK" for r in rows) else 1
+    print(f"[full_{mode}] wrote {out / 'summary.md'}")
+    return 0 if ok == len(names) else 1
 
 
 if __name__ == "__main__":

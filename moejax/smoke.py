@@ -6,9 +6,9 @@ before it meets an accelerator (``python -m experiments.<study> preset=full smok
 (substrates' included): ``steps`` steps of at most ``rows`` rows, no warm-up, a log line per
 step, periodic evaluation and checkpoints at most once; every ``eval_batches`` field to
 ``steps`` batches; the classifier substrates' example counts (``eval_examples``,
-``max_train_examples``, where 0 means all) to a few hundred rows. What else a study counts (prompts, seeds, repeats, recorded tokens) it
-cuts itself with its own ``SMOKE`` overrides. Model shapes and sequence lengths are never
-touched.
+``max_train_examples``, where 0 means all) to a few hundred rows. What else a study
+counts (prompts, seeds, repeats, recorded tokens) it cuts itself with its own ``SMOKE``
+overrides. Model shapes and sequence lengths are never touched.
 """
 
 from __future__ import annotations
@@ -33,15 +33,18 @@ def _smoke_train(t: TrainConfig, steps: int, rows: int) -> TrainConfig:
                      ckpt_every=min(t.ckpt_every, steps))
 
 
-def smoke_config(cfg: Config, steps: int = SMOKE_STEPS, rows: int = SMOKE_ROWS) -> Config:
-    """``cfg`` with every training run and ``eval_batches`` cut (module docstring)."""
+def smoke_config(cfg: Config, steps: int = SMOKE_STEPS, rows: int = SMOKE_ROWS, *,
+                 cut_training: bool = True) -> Config:
+    """``cfg`` with every training run and ``eval_batches`` cut (module docstring);
+    ``cut_training=False`` leaves the training runs whole (ahead-of-time proof captures them
+    at their real shapes instead of running them) and cuts only the rest."""
     if isinstance(cfg, TrainConfig):
-        return _smoke_train(cfg, steps, rows)
+        return _smoke_train(cfg, steps, rows) if cut_training else cfg
     changes = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, Config):
-            changes[f.name] = smoke_config(value, steps, rows)
+            changes[f.name] = smoke_config(value, steps, rows, cut_training=cut_training)
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
         elif f.name in _EVAL_COUNTS:

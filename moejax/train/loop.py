@@ -54,6 +54,7 @@ import moejax.train.mesh as mesh_lib
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
+from moejax.train.capture import CapturedStep, abstract, active_capture
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
@@ -389,6 +390,7 @@ class _Run:
             self._close(failed=True)
             raise
         cfg = self.cfg
+        end = cfg.steps if self._capture() else self.start
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=self.opts.desc,
                         disable=not (self.opts.progress and self.main), mininterval=1.0)
         self.t_flush = time.perf_counter()
@@ -396,7 +398,7 @@ class _Run:
                            and self.ckpt.latest_step() == self.start else None)
         failed, ctrl_c = True, _CtrlC()
         try:
-            for step in range(self.start, cfg.steps):
+            for step in range(self.start, end):
                 self._step(step)
                 if ctrl_c.pressed:
                     raise KeyboardInterrupt(
@@ -416,6 +418,17 @@ class _Run:
             self.history.best = {"step": self.best[1], "value": self.best[0]}
             return self.best[2][0], self.best[2][1], self.history
         return self.state.params, self.state.rest, self.history
+
+    def _capture(self) -> bool:
+        """Inside :func:`moejax.train.capture.capture_steps`: record this run's step at its
+        shapes; whether to train (module docstring of :mod:`moejax.train.capture`)."""
+        capture = active_capture()
+        if capture is None:
+            return True
+        batch = assemble(local_batch(self.source, self.position), self.mesh)
+        capture.steps.append(CapturedStep(self.opts.desc, self.step_fn, self.mesh,
+                                          abstract(self.state), abstract(batch), self.cfg))
+        return capture.train
 
     def _step(self, step: int) -> None:
         cfg = self.cfg

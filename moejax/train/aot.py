@@ -1,0 +1,92 @@
+"""Ahead-of-time proof of a training step for accelerators that are not attached, as
+MaxText's ``train_compile`` does: the step is exported with ``jax.export`` for each platform at
+its real shapes, lowered for a named device (:mod:`moejax.kernels.targets`), and the size of
+the run is read from XLA.
+
+:func:`prove_step` takes a :class:`~moejax.train.capture.CapturedStep` and returns one row:
+
+- ``params``, ``weights_GB``, ``opt_state_GB``: from the state's shapes (f32 master weights);
+- ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU. Work inside custom
+  calls and host callbacks (the MoE layers' kernels) is not in it; ``uncounted_calls`` says
+  how many such calls the step has, so a nonzero count makes the FLOPs a lower bound;
+- ``peak_GB``: XLA's buffer assignment of the step compiled for the CPU at the same shapes
+  (arguments + outputs + temporaries - donated), the per-device memory the step needs;
+  ``activations_GB`` is its temporaries;
+- ``<platform>_kernels``: the platform's kernel custom calls in the exported module (``cuda``:
+  Triton; ``tpu``: Mosaic), or the export's error;
+- ``fits_H100_80GB``: ``peak_GB`` within the device's memory;
+- ``gpu_hours``: ``flops_per_step x steps / (UTILISATION x H100_BF16_FLOPS)``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.export as je
+import numpy as np
+
+from moejax.kernels.targets import lowering_target
+from moejax.train.capture import CapturedStep
+
+__all__ = ["prove_step", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION", "KERNEL_CALLS"]
+
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM
+H100_BYTES = 80e9
+UTILISATION = 0.4  # the model-FLOPs utilisation the GPU-hour estimate assumes
+TRITON = "__gpu$xla.gpu.triton"
+KERNEL_CALLS = {"cuda": (TRITON, "mosaic_gpu"), "tpu": ("tpu_custom_call",)}
+_CALL = re.compile(r"custom_call @([\w$.]+)|custom_call_target=\"([\w$.]+)\"")
+
+
+def _nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _calls(text: str) -> dict[str, int]:
+    found = [a or b for a, b in _CALL.findall(text)]
+    return {c: found.count(c) for c in set(found)}
+
+
+def _export(c: CapturedStep, platform: str) -> str:
+    """The number of the platform's kernel calls in the exported step, or the error."""
+    jitted = c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step
+    checks = [je.DisabledSafetyCheck.custom_call(TRITON)]
+    try:
+        with jax.set_mesh(c.mesh), lowering_target(platform, c.mesh):
+            text = je.export(jitted, platforms=(platform,), disabled_checks=checks)(
+                c.state, c.batch).mlir_module()
+    except Exception as e:  # the row reports why the platform cannot take this step
+        return f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+    calls = _calls(text)
+    if any("callback" in k for k in calls):
+        return "error: a host callback in the module"
+    return str(sum(n for k, n in calls.items() if k in KERNEL_CALLS[platform]))
+
+
+def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
+    """One row of the ahead-of-time table for a captured training step (module docstring)."""
+    params = c.state.params
+    lowered = c.step.lower(c.state, c.batch)
+    cost = lowered.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float(cost.get("flops", 0.0))
+    uncounted = sum(n for k, n in _calls(lowered.as_text()).items() if k != "Sharding")
+    mem = lowered.compile().memory_analysis()
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - getattr(mem, "alias_size_in_bytes", 0))
+    row = {"run": c.label or "train",
+           "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+           "batch": "x".join(str(d) for d in jax.tree.leaves(c.batch)[0].shape),
+           "steps": c.cfg.steps,
+           "flops_per_step": flops,
+           "uncounted_calls": uncounted,
+           "weights_GB": _nbytes(params) / 1e9,
+           "opt_state_GB": _nbytes(c.state.opt_state) / 1e9,
+           "activations_GB": mem.temp_size_in_bytes / 1e9,
+           "peak_GB": peak / 1e9}
+    for platform in platforms:
+        row[f"{platform}_kernels"] = _export(c, platform)
+    row["fits_H100_80GB"] = peak <= H100_BYTES
+    row["gpu_hours"] = flops * c.cfg.steps / (UTILISATION * H100_BF16_FLOPS) / 3600
+    return row

@@ -1,0 +1,84 @@
+"""Ahead-of-time proof: the training runs a recipe starts are captured at their real shapes
+(without running a step when asked), and each captured step is exported for cuda and tpu
+with the platform's kernels, its size and memory read from XLA."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
+from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_step
+from moejax.train.capture import capture_steps
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
+from tests.toy_models import ToySource
+
+
+def _model():
+    cfg = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                      moe=MoEConfig(n_experts=4, top_k=2, d_expert=32))  # dispatch="auto"
+    return DecoderLM(cfg.decoder_config(), rngs=nnx.Rngs(0))
+
+
+def _params(model):
+    return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+
+
+def test_capture_records_every_run_and_can_skip_training():
+    model = _model()
+    before = _params(model)
+    cfg = TrainConfig(steps=3, batch_size=4, lr=1e-2)
+    with capture_steps(train=False) as captured:
+        history = train(model, ToySource(batch_size=4), cfg, desc="first")
+        train(model, ToySource(batch_size=2), cfg.replace(batch_size=2), desc="second")
+    assert [c.label for c in captured] == ["first", "second"] and len(history) == 0
+    assert jax.tree.leaves(captured[0].batch)[0].shape[0] == 4
+    assert jax.tree.leaves(captured[1].batch)[0].shape[0] == 2
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(captured[0].state))
+    jax.tree.map(np.testing.assert_array_equal, _params(model), before)  # nothing trained
+    with capture_steps(train=True) as captured:
+        history = train(model, ToySource(batch_size=4), cfg)
+    assert len(captured) == 1 and len(history) == 3
+    moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _params(model), before)
+    assert max(jax.tree.leaves(moved)) > 0  # trained
+    with capture_steps(train=False):
+        pass
+    assert len(train(model, ToySource(batch_size=4), cfg)) == 3  # outside: a plain run
+
+
+def test_prove_step_exports_for_both_platforms_and_reads_the_size():
+    model = _model()
+    with capture_steps(train=False) as captured:
+        train(model, ToySource(batch_size=4), TrainConfig(steps=500, batch_size=4))
+    row = prove_step(captured[0])
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_params(model)))
+    assert row["params"] == n and row["steps"] == 500 and row["batch"] == "4x6"
+    assert row["weights_GB"] == pytest.approx(4 * n / 1e9)
+    assert row["opt_state_GB"] >= 2 * row["weights_GB"]  # AdamW's two moments
+    # 2 MoE layers x up / down (+ gate) x forward, dX, dW on the platform's kernel
+    assert int(row["cuda_kernels"]) >= 12 and int(row["tpu_kernels"]) >= 12, row
+    # the CPU lowering runs the host expert kernel: its work is not in XLA's count
+    assert row["uncounted_calls"] >= 4 and row["flops_per_step"] > 0
+    assert row["peak_GB"] >= row["weights_GB"] + row["opt_state_GB"]
+    assert row["fits_H100_80GB"] is True
+    assert row["gpu_hours"] == pytest.approx(
+        row["flops_per_step"] * 500 / (UTILISATION * H100_BF16_FLOPS) / 3600)
+
+
+def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
+    """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
+    full): its training step is captured without running and exported for both platforms."""
+    import experiments.lm_demo as study
+    from experiments.full_smoke import _aot
+
+    monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
+    full = study.make_config("full")
+    result = _aot("lm_demo", study, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
+    (row,) = result["rows"]
+    assert row["batch"] == f"2x{full.seq_len}" and row["steps"] == full.train.steps
+    assert row["cuda_kernels"] == "0" and row["tpu_kernels"] == "0"  # ragged_dot: no kernel
+    assert row["flops_per_step"] > 6 * row["params"] * 2 * full.seq_len / 2  # >= ~6 N D
+    assert row["fits_H100_80GB"] is True and row["gpu_hours"] > 0
