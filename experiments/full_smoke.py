@@ -15,10 +15,10 @@ largest trained model's parameters and its tokens (or rows) per smoke step (read
 training loop's ``jax.monitoring`` scalars; "-" where the study trains nothing), the peak
 resident memory, the wall time, OK or the error's last line, and the study's own cuts.
 
-``mode=aot`` runs the recipe with its training runs whole but not executed
-(:func:`moejax.train.capture.capture_steps`; evaluations and the study's counts cut as in a
-smoke run, substrates cached apart) and proves every distinct training step it starts at its
-real shapes (:func:`moejax.train.aot.prove_step`): parameters, FLOPs per step, weights,
+``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
+smoke run (:func:`moejax.train.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
+study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
+training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`): parameters, FLOPs per step, weights,
 optimizer state and activations per device, whether one H100 80 GB holds it, the cuda and
 tpu exports with their kernels, and the GPU hours of the full preset (``full_aot.md``).
 
@@ -41,7 +41,7 @@ from experiments.main import REGISTRY
 from moejax.config import ConfigError, apply_overrides
 from moejax.files import atomic_write_text
 from moejax.results import RunDir
-from moejax.smoke import smoke_config
+from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 
 __all__ = ["main", "child"]
 
@@ -94,10 +94,10 @@ def _aot(name: str, module, out: Path, overrides=()) -> dict:
                           [*getattr(module, "SMOKE", ()), *overrides])
     result = {"ok": False, "error": "", "rows": []}
     run = RunDir.create(out, cfg, name=name, lock=True)
-    with capture_steps(train=False) as captured:
+    with capture_steps(steps=SMOKE_STEPS, rows=SMOKE_ROWS) as captured:
         try:
             module.run(cfg, run)
-        except Exception as e:  # untrained models may fail a recipe's own checks later on
+        except Exception as e:  # the runs captured so far are still proven
             traceback.print_exc()
             result["error"] = _error(e)
         finally:

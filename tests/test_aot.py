@@ -27,11 +27,11 @@ def _params(model):
     return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
 
 
-def test_capture_records_every_run_and_can_skip_training():
+def test_capture_records_every_run_at_its_shapes_and_cuts_what_runs():
     model = _model()
     before = _params(model)
     cfg = TrainConfig(steps=3, batch_size=4, lr=1e-2)
-    with capture_steps(train=False) as captured:
+    with capture_steps(steps=0) as captured:
         history = train(model, ToySource(batch_size=4), cfg, desc="first")
         train(model, ToySource(batch_size=2), cfg.replace(batch_size=2), desc="second")
     assert [c.label for c in captured] == ["first", "second"] and len(history) == 0
@@ -39,19 +39,24 @@ def test_capture_records_every_run_and_can_skip_training():
     assert jax.tree.leaves(captured[1].batch)[0].shape[0] == 2
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(captured[0].state))
     jax.tree.map(np.testing.assert_array_equal, _params(model), before)  # nothing trained
-    with capture_steps(train=True) as captured:
+    with capture_steps(steps=2, rows=1) as captured:  # recorded at 4 rows, run on 1
         history = train(model, ToySource(batch_size=4), cfg)
-    assert len(captured) == 1 and len(history) == 3
+    assert len(captured) == 1 and captured[0].cfg.steps == 3 and len(history) == 2
+    assert jax.tree.leaves(captured[0].batch)[0].shape[0] == 4
+    assert history[0]["tokens_per_s"] > 0
     moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()), _params(model), before)
     assert max(jax.tree.leaves(moved)) > 0  # trained
-    with capture_steps(train=False):
+    with capture_steps(steps=0):
         pass
     assert len(train(model, ToySource(batch_size=4), cfg)) == 3  # outside: a plain run
+    with pytest.raises(ValueError, match="rows=0"):
+        with capture_steps(rows=0):
+            pass
 
 
 def test_prove_step_exports_for_both_platforms_and_reads_the_size():
     model = _model()
-    with capture_steps(train=False) as captured:
+    with capture_steps(steps=0) as captured:
         train(model, ToySource(batch_size=4), TrainConfig(steps=500, batch_size=4))
     row = prove_step(captured[0])
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_params(model)))
@@ -70,13 +75,15 @@ def test_prove_step_exports_for_both_platforms_and_reads_the_size():
 
 def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
-    full): its training step is captured without running and exported for both platforms."""
+    full) runs as a smoke run to its end while its training step is captured at its real
+    shapes and exported for both platforms."""
     import experiments.lm_demo as study
     from experiments.full_smoke import _aot
 
     monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
     full = study.make_config("full")
     result = _aot("lm_demo", study, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
+    assert result["ok"] and not result["error"], result  # the recipe ran to its end
     (row,) = result["rows"]
     assert row["batch"] == f"2x{full.seq_len}" and row["steps"] == full.train.steps
     assert row["cuda_kernels"] == "0" and row["tpu_kernels"] == "0"  # ragged_dot: no kernel

@@ -1,15 +1,17 @@
 """Capture the training runs a recipe starts, for ahead-of-time proof at their real shapes.
 
-    with capture_steps(train=False) as captured:
+    with capture_steps(steps=2, rows=4) as captured:
         study.run(cfg, run_dir)          # every `train(...)` inside records its step
     for c in captured:
         prove_step(c, ("cuda", "tpu"))   # moejax.train.aot
 
 Inside the block, the training loop appends one :class:`CapturedStep` per run (its jitted
-step, the mesh it runs under, and the abstract shapes of its state and first batch) before
-its first step. With ``train=False`` no step runs: each run returns its model unchanged, so
-a recipe goes through every training run it has without the cost of one. The capture is a
-context variable: scoped to the ``with`` block and its thread, never seen elsewhere.
+step, the mesh it runs under, its ``TrainConfig`` and the abstract shapes of its state and
+first batch) before its first step. ``steps`` / ``rows`` then cut what it executes: at most
+``steps`` steps (0: none; the model is returned unchanged) on the first ``rows`` rows of each
+batch, so a recipe goes through every training run it has, with results to read, at the cost
+of a smoke run, while each run is recorded at its real shapes and step count. The capture is
+a context variable: scoped to the ``with`` block and its thread, never seen elsewhere.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class CapturedStep:
 
 @dataclasses.dataclass
 class _Capture:
-    train: bool
-    steps: list[CapturedStep]
+    steps: int | None
+    rows: int | None
+    captured: list[CapturedStep]
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
@@ -49,13 +52,17 @@ _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def capture_steps(*, train: bool = True):
-    """Yield the list the training runs inside append their :class:`CapturedStep` to;
-    ``train=False``: the runs stop before their first step."""
-    capture = _Capture(train, [])
+def capture_steps(*, steps: int | None = None, rows: int | None = None):
+    """Yield the list the training runs inside append their :class:`CapturedStep` to; each
+    run executes at most ``steps`` steps of ``rows`` rows (``None``: as configured)."""
+    for name, value in (("steps", steps), ("rows", rows)):
+        if value is not None and value < (0 if name == "steps" else 1):
+            raise ValueError(f"capture_steps({name}={value}): expected None or a count "
+                             f">= {0 if name == 'steps' else 1}")
+    capture = _Capture(steps, rows, [])
     token = _ACTIVE.set(capture)
     try:
-        yield capture.steps
+        yield capture.captured
     finally:
         _ACTIVE.reset(token)
 

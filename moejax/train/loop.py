@@ -351,6 +351,7 @@ class _Run:
         self.history, self.best, self.pending = History(), None, []
         self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
         self.position = 0
+        self.rows: int | None = None  # rows of each batch to execute (a captured run's cut)
 
     # -- opening and closing ---------------------------------------------------------------
     def _open(self) -> None:
@@ -390,7 +391,7 @@ class _Run:
             self._close(failed=True)
             raise
         cfg = self.cfg
-        end = cfg.steps if self._capture() else self.start
+        end, self.rows = self._capture()
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=self.opts.desc,
                         disable=not (self.opts.progress and self.main), mininterval=1.0)
         self.t_flush = time.perf_counter()
@@ -419,20 +420,25 @@ class _Run:
             return self.best[2][0], self.best[2][1], self.history
         return self.state.params, self.state.rest, self.history
 
-    def _capture(self) -> bool:
-        """Inside :func:`moejax.train.capture.capture_steps`: record this run's step at its
-        shapes; whether to train (module docstring of :mod:`moejax.train.capture`)."""
+    def _capture(self) -> tuple[int, int | None]:
+        """``(end step, rows per batch)`` to execute; inside
+        :func:`moejax.train.capture.capture_steps` this run's step is recorded at its real
+        shapes first and the run cut (module docstring of :mod:`moejax.train.capture`)."""
         capture = active_capture()
         if capture is None:
-            return True
+            return self.cfg.steps, None
         batch = assemble(local_batch(self.source, self.position), self.mesh)
-        capture.steps.append(CapturedStep(self.opts.desc, self.step_fn, self.mesh,
-                                          abstract(self.state), abstract(batch), self.cfg))
-        return capture.train
+        capture.captured.append(CapturedStep(self.opts.desc, self.step_fn, self.mesh,
+                                             abstract(self.state), abstract(batch), self.cfg))
+        end = (self.cfg.steps if capture.steps is None
+               else min(self.cfg.steps, self.start + capture.steps))
+        return end, capture.rows
 
     def _step(self, step: int) -> None:
         cfg = self.cfg
         local = local_batch(self.source, self.position)
+        if self.rows is not None:  # a captured run executes on a few rows
+            local = jax.tree.map(lambda x: x[:self.rows], local)
         if step == self.start:
             _check_token_ids(local, self.vocab_size)
             _record_scale(self.state.params, local)
