@@ -59,7 +59,7 @@ from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
 
 NAME = "bench_extracted"
 # smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=64", "eval_rows=64",
+SMOKE = ("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=200", "eval_rows=64",
          "extract.n_tokens=2000")
 
 

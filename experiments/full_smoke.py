@@ -18,9 +18,10 @@ resident memory, the wall time, OK or the error's last line, and the study's own
 ``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
 smoke run (:func:`moejax.train.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
 study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
-training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`): parameters, FLOPs per step, weights,
-optimizer state and activations per device, whether one H100 80 GB holds it, the cuda and
-tpu exports with their kernels, and the GPU hours of the full preset (``full_aot.md``).
+training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`):
+parameters, FLOPs per step, weights, optimizer state and activations per device, whether
+one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU hours of
+the full preset (``full_aot.md``).
 
 A study past ``timeout`` seconds is stopped and reported as such.
 """

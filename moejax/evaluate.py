@@ -141,11 +141,15 @@ class LMEvaluator(Evaluator):
         return cls([source.batch(i) for i in range(n_batches)], **kw)
 
     def _compiled(self, graphdef, params, rest):
-        fn = self._fns.get(graphdef)
+        """The evaluation step compiled for this model and for where its arrays live: a model
+        trained on a mesh is evaluated on that mesh (a step compiled for one layout refuses
+        arrays of another)."""
+        key = (graphdef, _layout(params), _layout(rest))
+        fn = self._fns.get(key)
         if fn is None:
             step = make_eval_step(graphdef, self.loss_fn)
             fn = step.lower(params, rest, self.batches[0], jax.random.key(0)).compile()
-            self._fns[graphdef] = fn
+            self._fns[key] = fn
         return fn
 
     def _evaluate(self, graphdef, params, rest) -> dict:
@@ -160,6 +164,11 @@ class LMEvaluator(Evaluator):
         """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         return compiled_memory(self._compiled(graphdef, params, rest))
+
+
+def _layout(tree) -> tuple:
+    """The shardings of a tree's arrays (``None`` for host arrays), hashable."""
+    return tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(tree))
 
 
 def matthews_corrcoef(y_true, y_pred, n_classes: int | None = None) -> float:
