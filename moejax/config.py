@@ -382,8 +382,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """Apply ``key=value`` strings (dotted keys for nested configs) to ``cfg``.
 
     All overrides are parsed first and each config section is rebuilt (and validated) once
-    with all of its changes, so the order of interdependent keys does not matter."""
+    with all of its changes, so the order of interdependent keys does not matter; a key given
+    twice is refused (which value was meant?)."""
     changes: dict = {}
+    given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(
@@ -391,5 +393,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
                 + ", ".join(_allowed_keys(cfg))
             )
         key, text = item.split("=", 1)
-        _collect(cfg, key.strip().split("."), text.strip(), key.strip(), changes)
+        key = key.strip()
+        if key in given:
+            raise ConfigError(f"{key} is given twice ({key}={given[key]} and {item}); give "
+                              "each key once")
+        given[key] = text
+        _collect(cfg, key.split("."), text.strip(), key, changes)
     return _rebuild(cfg, changes)

@@ -49,6 +49,7 @@ from moejax.results import (
 from moejax.smoke import smoke_config
 from moejax.train.checkpoint import CheckpointWriteError
 from moejax.train.run_lock import RunLockedError
+from moejax.train.step import NonFiniteError
 
 __all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
            "PRESETS"]
@@ -86,10 +87,15 @@ def parse_runner(
     ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
     command line's keys (which win)."""
     preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
+    seen: set[str] = set()
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"bad argument {item!r}: expected key=value (e.g. preset=full)")
+        if key in ("preset", "out", "repeat", "smoke"):
+            if key in seen:
+                raise ConfigError(f"{key} is given twice; give each key once")
+            seen.add(key)
         if key == "preset":
             if value not in PRESETS:
                 raise ConfigError(f"preset={value!r} is not allowed; allowed values: {PRESETS}")
@@ -284,7 +290,7 @@ def main(
     except (ConfigError, RunDirError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except MemoryError:

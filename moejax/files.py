@@ -33,11 +33,13 @@ def writable_dir(path: str | os.PathLike, what: str, fix: str, *, root=None) -> 
     ``what`` names the directory for the user (``out=runs/x``), ``fix`` says what to do.
     ``root``: the directory the user chose, checked for being a file first."""
     path = Path(path)
-    for p in (Path(root) if root is not None else path, path):
-        if p.exists() and not p.is_dir():
-            raise UnusableDirError(f"{what}: {p} is a file, not a directory. Fix: {fix}")
-    try:
+    try:  # exists() itself fails on a name the filesystem refuses (too long)
+        for p in (Path(root) if root is not None else path, path):
+            if p.exists() and not p.is_dir():
+                raise UnusableDirError(f"{what}: {p} is a file, not a directory. Fix: {fix}")
         path.mkdir(parents=True, exist_ok=True)
+    except UnusableDirError:
+        raise
     except OSError as e:
         raise UnusableDirError(f"{what}: cannot create {path} ({e.strerror}). "
                                f"Fix: {fix}") from None

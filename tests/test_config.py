@@ -84,6 +84,13 @@ def test_unknown_key_names_allowed_keys():
     assert "inner.depth" in msg and "inner.width" in msg and "inner.act" in msg
 
 
+def test_a_key_given_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"inner.width is given twice \(inner.width=3 and "
+                                          r"inner.width=4\)"):
+        apply_overrides(_Outer(), ["inner.width=3", "inner.width=4"])
+    assert apply_overrides(_Outer(), ["inner.width=3"]).inner.width == 3
+
+
 def test_bad_value_names_allowed_values():
     with pytest.raises(
         ConfigError, match=r"inner.act='swish' is not allowed; allowed values: 'relu', 'gelu'"

@@ -370,6 +370,32 @@ def test_delta_file_damage_is_named(delta_file, tmp_path):
     np.testing.assert_array_equal(np.asarray(got["a"]), tree["a"])
 
 
+def test_crafted_delta_members_are_named(delta_file, tmp_path):
+    import io
+    import zipfile
+
+    path, _ = delta_file
+    with np.load(path) as z:
+        members = {k: z[k] for k in z.files}
+    inner = io.BytesIO()
+    np.savez(inner, x=np.zeros(3))
+    # a member that is itself an npz; an .npy whose header declares 4 PiB
+    huge = io.BytesIO()
+    np.lib.format.write_array_header_1_0(huge, {"descr": "<f4", "fortran_order": False,
+                                                "shape": (2**50,)})
+    for name, extra in (("nested.npz", ("leaf0.values", inner.getvalue())),
+                        ("huge.npz", ("leaf0.values.npy", huge.getvalue() + bytes(64)))):
+        with zipfile.ZipFile(tmp_path / name, "w") as zf:
+            for k, v in members.items():
+                if k != "leaf0.values":
+                    buf = io.BytesIO()
+                    np.save(buf, v)
+                    zf.writestr(k + ".npy", buf.getvalue())
+            zf.writestr(*extra)
+        with pytest.raises(ValueError, match=f"{name} is corrupt or not a delta file"):
+            storage.load(str(tmp_path / name))
+
+
 def test_delta_metadata_inconsistencies_are_named(delta_file):
     path, tree = delta_file
     stored = storage.load(path)

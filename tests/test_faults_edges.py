@@ -35,6 +35,7 @@ from moejax.train.checkpoint import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import ResumeError, config_differences, train
 from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.step import NonFiniteError
 from tests.test_faults import _SIGINT_RUN, CFG, ROOT, _params, _run, _template
 from tests.test_train_loop import Crash
 from tests.test_train_loop import CrashingSource as CrashAt
@@ -141,6 +142,12 @@ def test_bad_values_are_refused_at_build_time(module, override, match):
         apply_overrides(module.make_config("quick"), overrides)
 
 
+def test_a_command_line_key_given_twice_is_refused(capsys):
+    for argv in (["train.lr=1e-3", "train.lr=2e-3"], ["preset=quick", "preset=full"]):
+        assert cli_main("lm_demo", lm_demo.make_config, lm_demo.run, argv) == 2
+        assert "is given twice" in capsys.readouterr().err
+
+
 def test_empty_or_unusable_out_is_refused(tmp_path, capsys):
     with pytest.raises(ConfigError, match="out= is empty"):
         parse_runner("lm_demo", lm_demo.make_config, ["out="])
@@ -166,6 +173,19 @@ def test_memory_and_disk_errors_end_in_one_line_with_a_fix(tmp_path, capsys):
     assert cli_main("s", make, disk_full, [f"out={tmp_path / 'b'}"]) == 1
     err = capsys.readouterr().err
     assert "No space left on device" in err and "Traceback" not in err
+
+    def diverged(cfg, run):
+        raise NonFiniteError("step 3 (data position 3): non-finite loss nan; the update was "
+                             "NOT applied and nothing was saved")
+
+    assert cli_main("s", make, diverged, [f"out={tmp_path / 'c'}"]) == 1
+    err = capsys.readouterr().err
+    assert "update was NOT applied and nothing was saved" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    # a path component the filesystem refuses: one line naming out=, exit 2
+    assert cli_main("s", make, oom, [f"out={tmp_path / ('x' * 300)}"]) == 2
+    err = capsys.readouterr().err
+    assert "out=" in err and "File name too long" in err and "Traceback" not in err
 
 
 # -- delta files ---------------------------------------------------------------------------

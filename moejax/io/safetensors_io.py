@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,6 +34,16 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object that names a key twice is refused (which tensor would be meant?)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the header names {key!r} twice")
+        out[key] = value
+    return out
+
+
 def _header(path: Path, fix: str) -> tuple[dict, int, int]:
     """``(header dict, data start, file size)`` after validating every entry."""
     if not path.is_file():
@@ -49,12 +60,15 @@ def _header(path: Path, fix: str) -> tuple[dict, int, int]:
                                   f"length {n} does not fit in the file ({size} bytes)", fix)
         raw = fh.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
         raise WeightFileError(path, f"malformed safetensors header (not valid JSON: {e})",
                               fix) from None
+    except RecursionError:
+        raise WeightFileError(path, "malformed safetensors header (nested too deeply to be "
+                              "a tensor table)", fix) from None
     start = 8 + n
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -76,7 +90,7 @@ def _header(path: Path, fix: str) -> tuple[dict, int, int]:
                                   f"integers (got {info!r})", fix)
         if dtype not in _DTYPE_BYTES:
             raise WeightFileError(path, f"tensor {name!r} has unsupported dtype {dtype!r}", fix)
-        want = _DTYPE_BYTES[dtype] * int(np.prod(shape, dtype=np.int64))
+        want = _DTYPE_BYTES[dtype] * math.prod(shape)  # exact: a crafted shape cannot wrap
         if b - a != want or a < 0:
             raise WeightFileError(path, f"tensor {name!r}: data_offsets [{a}, {b}] hold "
                                   f"{b - a} bytes but {dtype} {shape} needs {want}", fix)
