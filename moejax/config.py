@@ -183,6 +183,18 @@ def _is_config_class(cls) -> bool:
     return isinstance(cls, type) and dataclasses.is_dataclass(cls) and issubclass(cls, Config)
 
 
+def find_configs(cfg: Config, cls: type, prefix: str = ""):
+    """Yield ``(dotted key, sub-config)`` for every config of type ``cls`` in ``cfg``'s tree
+    (``cfg`` itself included, as ``""``)."""
+    if isinstance(cfg, cls):
+        yield prefix.rstrip("."), cfg
+        return
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Config):
+            yield from find_configs(value, cls, f"{prefix}{f.name}.")
+
+
 def to_dict(value) -> Any:
     """Config (or nested structure of configs) -> JSON-able structure with class tags."""
     if isinstance(value, Config):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from moejax.claims import Claim
-from moejax.config import Config, ConfigError, apply_overrides, describe
+from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
 from moejax.results import (
     RunDir,
     RunDirError,
@@ -48,6 +48,8 @@ from moejax.results import (
 )
 from moejax.smoke import smoke_config
 from moejax.train.checkpoint import CheckpointWriteError
+from moejax.train.hparams import TrainConfig
+from moejax.train.mesh import check_devices
 from moejax.train.run_lock import RunLockedError
 from moejax.train.step import NonFiniteError
 
@@ -126,6 +128,15 @@ def parse_runner(
     return cfg, out, repeat
 
 
+def _check_devices(cfg: Config) -> None:
+    """Every training run's mesh and batch against this machine's devices and processes,
+    before the run directory is written or anything compiles."""
+    import jax
+
+    for key, train_cfg in find_configs(cfg, TrainConfig):
+        check_devices(train_cfg, jax.device_count(), jax.process_count(), key or "train")
+
+
 def _get(cfg: Config, key: str):
     value = cfg
     for part in key.split("."):
@@ -161,6 +172,7 @@ def run_experiment(
     the paper's claims from a run's tables (every run's and the merged ones) into its
     summary; ``smoke``: the study's own overrides for ``smoke=true``."""
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
+    _check_devices(cfg)
     cfgs = [cfg]
     if repeat > 1:  # fail before any compute on a bad seed key
         cfgs = [seed_offset(cfg, seed_keys, i) for i in range(repeat)]

@@ -91,12 +91,29 @@ for name, study, args in runs:
     record = json.loads((out / name / "run.json").read_text())
     assert (out / name / "summary.md").is_file() and record["machine"], name
     print(name, "summary written")
+
+# a batch that does not divide over the mesh, a mesh that does not fit: refused in one line
+# (exit 2) before the run directory is written or anything compiles
+import contextlib, io
+from moejax.experiment import main
+for bad, words in ((["train.batch_size=6", "train.mesh_expert=4"], "multiple of 8"),
+                   (["train.mesh_expert=3"], "not divisible by mesh_expert=3"),
+                   (["train.mesh_expert=16"], "not divisible by mesh_expert=16")):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main("lm_demo", lm_demo.make_config, lm_demo.run, [f"out={out / 'bad'}", *bad])
+    assert rc == 2 and words in err.getvalue(), (bad, err.getvalue())
+    assert len(err.getvalue().strip().splitlines()) == 1, err.getvalue()
+    assert not (out / "bad").exists(), bad
+print("refused OK")
 print("OK")
 """
 
 
 def test_studies_run_to_their_summary_on_eight_devices():
     """Training on a (data x expert) mesh, then evaluating the sharded model: each study's
-    evaluator compiles for the layout its model's arrays have."""
+    evaluator compiles for the layout its model's arrays have. A batch or mesh that does not
+    fit the devices is refused before anything is written."""
     out = run_on_devices(_STUDIES)
     assert "lm_demo summary written" in out and "blockffn_granularity summary written" in out
+    assert "refused OK" in out

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from experiments.main import REGISTRY
-from moejax.config import Config, ConfigError
+from moejax.config import Config, ConfigError, find_configs
 from moejax.experiment import parse_runner
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.train.hparams import TrainConfig
@@ -20,13 +20,7 @@ from tests.toy_models import TinyMoELM, ToySource
 
 
 def _trains(cfg: Config):
-    if isinstance(cfg, TrainConfig):
-        yield cfg
-        return
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if isinstance(value, Config):
-            yield from _trains(value)
+    return [c for _, c in find_configs(cfg, TrainConfig)]
 
 
 def _strip_trains(cfg: Config):

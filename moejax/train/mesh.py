@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moejax.config import ConfigError
 from moejax.pytree import path_names
 
 __all__ = [
@@ -82,6 +83,23 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
         except Exception:  # pragma: no cover - fall back to the plain order
             pass
     return Mesh(np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train") -> None:
+    """Refuse (:class:`~moejax.config.ConfigError`, one line naming the keys) a
+    ``TrainConfig`` whose mesh does not fit ``n_devices`` or whose batch does not divide over
+    the mesh and the processes, before anything is compiled or written."""
+    try:
+        d, e = resolve_mesh_shape(cfg.mesh_data, cfg.mesh_expert, n_devices)
+    except ValueError as err:
+        raise ConfigError(f"{key}.mesh_data={cfg.mesh_data} {key}.mesh_expert="
+                          f"{cfg.mesh_expert}: {err}") from None
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % (d * e) or cfg.batch_size % n_processes:
+        raise ConfigError(
+            f"{key}.batch_size={cfg.batch_size} (micro-batches of {micro} rows) does not "
+            f"divide over the {d}x{e} mesh ({d * e} devices) and {n_processes} process(es); "
+            f"choose {key}.batch_size as a multiple of {d * e * cfg.grad_accum}")
 
 
 def leaf_spec(path, x, expert_size: int, data_size: int = 1, fsdp: bool = False) -> P:
