@@ -6,9 +6,10 @@ before it meets an accelerator (``python -m experiments.<study> preset=full smok
 (substrates' included): ``steps`` steps of at most ``rows`` rows, no warm-up, a log line per
 step, periodic evaluation and checkpoints at most once; every ``eval_batches`` field to
 ``steps`` batches; the classifier substrates' example counts (``eval_examples``,
-``max_train_examples``, where 0 means all) to a few hundred rows. What else a study
-counts (prompts, seeds, repeats, recorded tokens) it cuts itself with its own ``SMOKE``
-overrides. Model shapes and sequence lengths are never touched.
+``max_train_examples``, where 0 means all) to a few hundred rows; and a substrate that
+starts from another (``init_preset``) starts from that one's smoke run (``"full_smoke"``).
+What else a study counts (prompts, seeds, repeats, recorded tokens) it cuts itself with its
+own ``SMOKE`` overrides. Model shapes and sequence lengths are never touched.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import dataclasses
 from moejax.config import Config
 from moejax.train.hparams import TrainConfig
 
-__all__ = ["smoke_config", "SMOKE_STEPS", "SMOKE_ROWS"]
+__all__ = ["smoke_config", "SMOKE_STEPS", "SMOKE_ROWS", "SMOKE_SUFFIX"]
 
 SMOKE_STEPS = 2
 SMOKE_ROWS = 4
 _EVAL_COUNTS = ("eval_batches",)
 _EXAMPLE_COUNTS = {"eval_examples": 64, "max_train_examples": 256}  # 0 = all examples
+SMOKE_SUFFIX = "_smoke"  # a preset name's suffix: that preset as a smoke run
 
 
 def _smoke_train(t: TrainConfig, steps: int, rows: int) -> TrainConfig:
@@ -45,6 +47,9 @@ def smoke_config(cfg: Config, steps: int = SMOKE_STEPS, rows: int = SMOKE_ROWS, 
         value = getattr(cfg, f.name)
         if isinstance(value, Config):
             changes[f.name] = smoke_config(value, steps, rows, cut_training=cut_training)
+        elif (f.name == "init_preset" and cut_training and isinstance(value, str)
+              and not value.endswith(SMOKE_SUFFIX)):
+            changes[f.name] = value + SMOKE_SUFFIX
         elif not isinstance(value, int) or isinstance(value, bool):
             continue
         elif f.name in _EVAL_COUNTS:

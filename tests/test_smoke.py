@@ -30,7 +30,7 @@ def _strip_trains(cfg: Config):
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name in ("eval_batches", "eval_examples", "max_train_examples"):
+        if f.name in ("eval_batches", "eval_examples", "max_train_examples", "init_preset"):
             continue
         out[f.name] = _strip_trains(value) if isinstance(value, Config) else value
     return out
@@ -74,6 +74,13 @@ def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
 
     sub = smoke_config(substrate_config("minilm_wordnet_pos", "full"))
     assert sub.eval_examples == 64 and sub.max_train_examples == 256
+    # a substrate that starts from another starts from that one's smoke run
+    code = smoke_config(substrate_config("dense_lm_code", "full"))
+    assert code.init_preset == "full_smoke"
+    dep = substrate_config("dense_lm_prose", code.init_preset)
+    assert dep == smoke_config(substrate_config("dense_lm_prose", "full"))
+    assert dep.train.steps == SMOKE_STEPS and dep.train.batch_size == SMOKE_ROWS
+    assert smoke_config(code).init_preset == "full_smoke"  # idempotent
 
 
 def test_the_loop_reports_each_runs_parameters_and_tokens_per_step():

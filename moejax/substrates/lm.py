@@ -47,7 +47,8 @@ class LMSubstrateConfig(Config):
     seq_len: int = 128
     eval_batches: int = 8
     init_from: Literal["", "dense_lm_prose"] = ""  # "" = from scratch
-    init_preset: Literal["quick", "full"] = "quick"
+    # the preset of the substrate it starts from; "<preset>_smoke": that preset as a smoke run
+    init_preset: Literal["quick", "full", "quick_smoke", "full_smoke"] = "quick"
     train: TrainConfig = TrainConfig()
 
     def validate(self):

@@ -49,6 +49,7 @@ from typing import Any
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text, writable_dir
 from moejax.io.safetensors_io import export_params, import_params
+from moejax.smoke import SMOKE_SUFFIX, smoke_config
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
 from moejax.substrates import mlp as mlp_r
@@ -134,10 +135,14 @@ def _recipe(name: str) -> Recipe:
 
 
 def substrate_config(name: str, preset: str = "quick") -> Config:
-    """The default config of substrate ``name`` for ``preset``."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r}; use one of {PRESETS}")
-    return _recipe(name).make_config(preset)
+    """The default config of substrate ``name`` for ``preset``; ``"<preset>_smoke"``: that
+    preset cut as a smoke run (:mod:`moejax.smoke`; how a smoke run's substrates name the
+    substrates they start from)."""
+    base = preset.removesuffix(SMOKE_SUFFIX)
+    if base not in PRESETS:
+        raise ValueError(f"preset={preset!r}; use one of {PRESETS} (or with {SMOKE_SUFFIX!r})")
+    cfg = _recipe(name).make_config(base)
+    return smoke_config(cfg) if preset != base else cfg
 
 
 def _key(name: str, cfg: Config) -> str:
