@@ -18,10 +18,11 @@ resident memory, the wall time, OK or the error's last line, and the study's own
 ``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
 smoke run (:func:`moejax.train.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
 study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
-training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`):
-parameters, FLOPs per step, weights, optimizer state and activations per device, whether
-one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU hours of
-the full preset (``full_aot.md``).
+training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`; runs of
+one program, e.g. the same student under several methods, are proven once and their steps
+summed): parameters, FLOPs per step, weights, optimizer state and activations per device,
+whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
+hours of all the full preset's runs of that step (``full_aot.md``).
 
 A study past ``timeout`` seconds is stopped and reported as such.
 """
@@ -103,21 +104,32 @@ def _aot(name: str, module, out: Path, overrides=()) -> dict:
             result["error"] = _error(e)
         finally:
             run.close()
-    seen = set()
+    groups: dict = {}  # runs of one step (same state and batch shapes) are proven once
     for c in captured:
-        import jax
-
-        key = (c.label, jax.tree.structure(c.state), str(jax.tree.leaves(c.batch)[0].shape))
-        if key in seen:
-            continue
-        seen.add(key)
+        groups.setdefault(_shapes(c), []).append(c)
+    for runs in groups.values():
+        c, steps = runs[0], sum(r.cfg.steps for r in runs)
+        labels = sorted({r.label or "train" for r in runs})
         try:
-            result["rows"].append(prove_step(c))
-        except Exception as e:  # one run's failure is a row, the others still count
+            row = prove_step(c)
+        except Exception as e:  # one step's failure is a row, the others still count
             traceback.print_exc()
-            result["rows"].append({"run": c.label, "error": _error(e)})
+            result["rows"].append({"run": ", ".join(labels), "error": _error(e)})
+            continue
+        row.update(run=", ".join(labels), runs=len(runs), steps=steps,
+                   gpu_hours=row["gpu_hours"] * steps / c.cfg.steps)
+        result["rows"].append(row)
     result["ok"] = bool(result["rows"]) and all("error" not in r for r in result["rows"])
     return result
+
+
+def _shapes(c) -> tuple:
+    """What makes two captured runs the same program: the shapes of state and batch."""
+    import jax
+
+    leaves = jax.tree.leaves((c.state, c.batch))
+    return (jax.tree.structure((c.state, c.batch)),
+            tuple((x.shape, str(x.dtype)) for x in leaves))
 
 
 def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
@@ -186,7 +198,8 @@ def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
             rows.append({"study": name, "run": r["run"], "result": r["error"]})
             continue
         rows.append({"study": name, "run": r["run"], "parameters": _count(r["params"]),
-                     "batch": r["batch"], "steps": r["steps"],
+                     "batch": r["batch"], "runs": r.get("runs", 1),
+                     "steps (all runs)": r["steps"],
                      "FLOPs/step": f"{r['flops_per_step']:.3g}"
                      + (f" + {r['uncounted_calls']} kernel calls" if r["uncounted_calls"]
                         else ""),
