@@ -30,6 +30,7 @@ study declares its seed keys and how many runs its quick preset makes by default
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -304,6 +305,14 @@ def main(
         return 2
     except (CheckpointWriteError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: disk full writing {e.filename or 'a file'} ({e.strerror}); nothing "
+              "partial was kept (writes are atomic). Fix: free disk space (substrates: "
+              "MOEJAX_SUBSTRATE_DIR names their cache) and run the same command again",
+              file=sys.stderr)
         return 1
     except MemoryError:
         print(f"error: {name} ran out of host memory. Fix: lower the batch size or the model "

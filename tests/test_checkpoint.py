@@ -186,3 +186,33 @@ def test_plain_orbax_snippet_from_docstring(tmp_path):
     for k, v in flat_want.items():
         np.testing.assert_array_equal(got[k], v)
     np.testing.assert_array_equal(got["__key__"], np.asarray(state.key))
+
+
+def test_a_full_disk_ends_in_one_line_and_leaves_no_partial_step(tmp_path, monkeypatch):
+    """tensorstore reports ENOSPC as a ValueError through orbax: it becomes one
+    CheckpointWriteError naming the directory and the space a step needs, and the partial
+    step directory is removed; earlier complete steps stay."""
+    import errno
+
+    state, step = _fresh()
+    ckpt = Checkpointer(tmp_path / "ck", keep=5, async_save=False)
+    ckpt.save(state, data_position=0, config=CFG)
+    state, _ = _run(state, step, ToySource(batch_size=4), 0, 1)
+
+    def full(step_no, **kw):
+        os.makedirs(tmp_path / "ck" / f"{step_no}.orbax-checkpoint-tmp" / "state")
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "params.w/0" in OCDBT database: '
+                         "Failed to write 1064651 bytes to file 6: No space left on device "
+                         "[os_error_code='28']")
+
+    monkeypatch.setattr(ckpt._mngr, "save", full)
+    with pytest.raises(ck_mod.CheckpointWriteError) as e:
+        ckpt.save(state, data_position=1, config=CFG)
+    msg = str(e.value)
+    assert e.value.errno == errno.ENOSPC and "\n" not in msg
+    assert f"disk full: a checkpoint of step 1 did not fit under {tmp_path / 'ck'}" in msg
+    assert "MB" in msg and "earlier complete steps are intact" in msg
+    assert sorted(os.listdir(tmp_path / "ck")) == ["0"]  # the partial step is gone
+    monkeypatch.undo()
+    ckpt.close()
+    assert latest_step(str(tmp_path / "ck")) == 0

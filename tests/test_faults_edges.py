@@ -182,6 +182,13 @@ def test_memory_and_disk_errors_end_in_one_line_with_a_fix(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "update was NOT applied and nothing was saved" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+    def cache_full(cfg, run):  # an atomic write of the substrate cache on a full disk
+        raise OSError(28, "No space left on device", "/cache/subs/x/model.safetensors")
+
+    assert cli_main("s", make, cache_full, [f"out={tmp_path / 'd'}"]) == 1
+    err = capsys.readouterr().err
+    assert "disk full writing /cache/subs/x/model.safetensors" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     # a path component the filesystem refuses: one line naming out=, exit 2
     assert cli_main("s", make, oom, [f"out={tmp_path / ('x' * 300)}"]) == 2
     err = capsys.readouterr().err

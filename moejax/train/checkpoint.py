@@ -59,8 +59,10 @@ threads, so no failure path hangs the process.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -106,6 +108,13 @@ class CheckpointWriteError(OSError):
     """The checkpoint directory cannot be written (read-only, no permission, disk full)."""
 
 
+def _disk_full(e: BaseException) -> bool:
+    """Whether ``e`` says the disk is full: an ``OSError`` with ``ENOSPC``, or tensorstore's
+    ``RESOURCE_EXHAUSTED ... No space left on device`` (a ``ValueError`` through orbax)."""
+    return ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+            or "No space left on device" in str(e))
+
+
 def release_orbax_threads(timeout_s: float = 30.0) -> int:
     """Unblock orbax's background save threads still waiting for signals that a failed or
     interrupted save will never send (they are non-daemon: left alone they hang the
@@ -129,6 +138,10 @@ def release_orbax_threads(timeout_s: float = 30.0) -> int:
         except BaseException:  # noqa: BLE001 - orbax's join raises CancelledError: expected
             pass
     return len(threads)
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
 
 def _is_key_array(x) -> bool:
@@ -294,6 +307,7 @@ class Checkpointer:
             "checksums": tree_checksums(host) if host is not None else None,
         }
         meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
+        self._step_bytes = _tree_bytes(plain)
         self._check_writable()
         try:
             self._mngr.save(
@@ -305,12 +319,31 @@ class Checkpointer:
             )
         except BaseException as e:
             release_orbax_threads()
+            if _disk_full(e):
+                raise self._disk_full_error(step) from None
             if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
                 raise CheckpointWriteError(
                     e.errno, f"a checkpoint save under {self.directory} failed (reported while "
                     f"saving step {step}): {e}. Earlier complete steps are intact") from e
             raise
         return step
+
+    def _disk_full_error(self, step=None) -> CheckpointWriteError:
+        """The disk filled during a save: the partial step is removed (it must never look like
+        a checkpoint) and one line names the directory and the space a step needs."""
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            partial = name.isdigit() and not os.path.isfile(os.path.join(full, COMMIT_FILE))
+            if os.path.isdir(full) and (partial or ".orbax-checkpoint-tmp" in name):
+                shutil.rmtree(full, ignore_errors=True)
+        need = getattr(self, "_step_bytes", None)
+        return CheckpointWriteError(
+            errno.ENOSPC, f"disk full: a checkpoint{'' if step is None else f' of step {step}'}"
+            f" did not fit under {self.directory}"
+            + (f" (a step needs about {need / 1e6:.1f} MB)" if need else "")
+            + ". The partial step was removed; earlier complete steps are intact. Fix: free "
+            "disk space or choose another run directory (out=...), then run the same command "
+            "to resume")
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
@@ -332,6 +365,8 @@ class Checkpointer:
                     self._mngr.close()
                 except BaseException:  # noqa: BLE001 - the first error is the one to report
                     pass
+                if _disk_full(e):
+                    raise self._disk_full_error() from None
                 if isinstance(e, OSError):
                     raise CheckpointWriteError(
                         e.errno, f"a checkpoint save under {self.directory} failed in the "
