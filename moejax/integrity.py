@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 __all__ = ["CorruptDataError", "array_checksum", "tree_checksums", "verify_checksums",
-           "flatten_dict", "json_checksum"]
+           "flatten_dict", "json_checksum", "shard_checksums", "verify_shard_checksums"]
 
 
 class CorruptDataError(ValueError):
@@ -76,3 +76,68 @@ def verify_checksums(tree, expected: Mapping[str, str], where: str) -> None:
         if extra:
             parts.append(f"arrays without a checksum {extra[:8]}")
         raise CorruptDataError(f"{where} is corrupt: " + "; ".join(parts))
+
+
+def _region(index, shape) -> str:
+    """A shard's region of its array as ``"0:4,0:8"`` (every slice resolved)."""
+    return ",".join(f"{sl.indices(n)[0]}:{sl.indices(n)[1]}" for sl, n in zip(index, shape))
+
+
+def _index(region: str) -> tuple:
+    return tuple(slice(*map(int, r.split(":"))) for r in region.split(",") if r)
+
+
+def _leaf_shards(path: str, x):
+    """``(key, checksum)`` of each shard of leaf ``x`` this process holds (replica 0)."""
+    shards = getattr(x, "addressable_shards", None)
+    if shards is None:  # a host array: one region, the whole of it
+        a = np.asarray(x)
+        yield f"{path}@{_region(tuple(slice(None) for _ in a.shape), a.shape)}", array_checksum(a)
+        return
+    for sh in shards:
+        if sh.replica_id == 0:
+            yield f"{path}@{_region(sh.index, x.shape)}", array_checksum(sh.data)
+
+
+def shard_checksums(tree) -> dict[str, str]:
+    """``{"a/b@0:4,0:8": checksum}`` of every shard of every array leaf that this process
+    holds (one replica each): what a process of a multi-host run can checksum alone."""
+    return {k: v for path, x in sorted(flatten_dict(tree).items())
+            for k, v in _leaf_shards(path, x)}
+
+
+def verify_shard_checksums(tree, expected: Mapping[str, str], where: str) -> int:
+    """Check this process's shards of ``tree`` against ``expected`` (:func:`shard_checksums`
+    of every process); an array held whole here is checked region by region. Raise
+    :class:`CorruptDataError` naming ``where`` and the bad regions; return how many regions
+    were checked (a region another process holds is that process's to check)."""
+    leaves = flatten_dict(tree)
+    by_path: dict[str, list[str]] = {}
+    for key in expected:
+        by_path.setdefault(key.rsplit("@", 1)[0], []).append(key)
+    missing = sorted(set(by_path) - set(leaves))
+    bad, checked = [], 0
+    for path, x in sorted(leaves.items()):
+        if getattr(x, "is_fully_addressable", True):  # the whole array: slice each region
+            a = np.asarray(x)
+            got = {k: array_checksum(a[_index(k.rsplit("@", 1)[1])])
+                   for k in by_path.get(path, [])}
+        else:  # each saved region inside a shard held here (the layouts may differ)
+            got = {}
+            held = [(_index(_region(sh.index, x.shape)), sh.data)
+                    for sh in x.addressable_shards if sh.replica_id == 0]
+            for k in by_path.get(path, []):
+                want = _index(k.rsplit("@", 1)[1])
+                for have, data in held:
+                    if all(h.start <= w.start and w.stop <= h.stop for h, w in zip(have, want)):
+                        local = tuple(slice(w.start - h.start, w.stop - h.start)
+                                      for h, w in zip(have, want))
+                        got[k] = array_checksum(np.asarray(data)[local])
+                        break
+        checked += len(got)
+        bad += [k for k, v in got.items() if v != expected[k]]
+    if bad or missing:
+        parts = ([f"{len(bad)} shards differ from their saved checksums ({', '.join(bad[:8])})"]
+                 if bad else []) + ([f"missing arrays {missing[:8]}"] if missing else [])
+        raise CorruptDataError(f"{where} is corrupt: " + "; ".join(parts))
+    return checked

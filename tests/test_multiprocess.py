@@ -72,10 +72,39 @@ theirs, _ = Checkpointer(RUN_DIR + "/one/checkpoints").restore(template(mesh))
 specs = [x.sharding.spec for p, x in jax.tree_util.tree_leaves_with_path(theirs.params)
          if "w_up" in jax.tree_util.keystr(p)]
 assert specs and all(s[0] == "expert" for s in specs), specs
+# every shard of a multi-host checkpoint carries a checksum, and restore verifies them: a
+# tampered record (its own checksum redone, as damaged data would look) is caught by the
+# process that holds the shard
+import os, shutil
+from jax.experimental import multihost_utils
+from moejax.integrity import json_checksum
+from moejax.train.checkpoint import CorruptCheckpointError
+ckdir = RUN_DIR + "/tampered"
+if jax.process_index() == 0:
+    shutil.copytree(RUN_DIR + "/eight/checkpoints", ckdir)
+multihost_utils.sync_global_devices("copied")
+step = max(int(n) for n in os.listdir(ckdir) if n.isdigit())
+meta_file = os.path.join(ckdir, str(step), "meta", "metadata")
+meta = json.load(open(meta_file))
+assert meta["checksums"] is None and len(meta["shard_checksums"]) > 8, meta.keys()
+key = sorted(k for k in meta["shard_checksums"] if "w_up" in k)[-1]
+multihost_utils.sync_global_devices("read")
+if jax.process_index() == 0:
+    meta["shard_checksums"][key] = "00000000"
+    meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
+    json.dump(meta, open(meta_file, "w"))
+multihost_utils.sync_global_devices("tampered")
+try:
+    Checkpointer(ckdir).restore(template(mesh), step)
+    caught = ""
+except CorruptCheckpointError as e:
+    caught = str(e)
+assert not caught or key in caught, caught
 gather = lambda t: jax.tree.map(lambda x: jax.experimental.multihost_utils.process_allgather(
     x, tiled=True), t)
 print("RESULT", json.dumps({"pid": jax.process_index(), "losses": [h["loss"] for h in hist],
-                            "diff": tree_max_diff(gather(ours.params), gather(theirs.params))}))
+                            "diff": tree_max_diff(gather(ours.params), gather(theirs.params)),
+                            "caught": bool(caught)}))
 """
 
 
@@ -113,6 +142,7 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
         assert rc == 0, out[-2000:] + err[-4000:]
     results = [json.loads(o.split("RESULT", 1)[1]) for _, o, _ in outs]
     assert sorted(r["pid"] for r in results) == [0, 1]
+    assert sum(r["caught"] for r in results) >= 1  # the tampered shard's holder caught it
     ref = [h["loss"] for h in one]
     for r in results:
         np.testing.assert_allclose(r["losses"], ref, rtol=2e-5, atol=1e-6)

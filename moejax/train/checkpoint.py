@@ -47,8 +47,11 @@ raises :class:`CheckpointMismatchError` listing every differing leaf (path, save
 vs expected) before anything is loaded.
 
 Integrity: ``meta["checksums"]`` holds a CRC-32 per array of ``state``
-(:mod:`moejax.integrity`) and ``meta["meta_checksum"]`` one of the meta record itself (so an
-edited data position or config is caught too), and the step stored in ``meta`` and ``state``
+(:mod:`moejax.integrity`), or, when the arrays span processes (multi-host),
+``meta["shard_checksums"]`` one per shard region, each process checksumming its own shards
+and the records gathered to every process (each process verifies its shards on restore);
+``meta["meta_checksum"]`` holds one of the meta record itself (so an edited data position
+or config is caught too); and the step stored in ``meta`` and ``state``
 must be the step its directory is named for (a renamed step directory is caught), all
 verified on restore; a step whose arrays, files or record are damaged raises
 :class:`CorruptCheckpointError`, and :meth:`Checkpointer.restore_latest` falls back to
@@ -60,6 +63,7 @@ threads, so no failure path hangs the process.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -73,7 +77,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moejax.config import Config, to_json
-from moejax.integrity import CorruptDataError, json_checksum, tree_checksums, verify_checksums
+from moejax.integrity import (
+    CorruptDataError,
+    json_checksum,
+    shard_checksums,
+    tree_checksums,
+    verify_checksums,
+    verify_shard_checksums,
+)
 from moejax.train.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -239,9 +250,25 @@ def _verify_meta(meta: dict, step: int, state_step: int, where: str) -> None:
             "the step directory was renamed or copied over another")
 
 
+def _gather_dicts(local: dict) -> dict:
+    """The union of every process's ``local`` string dict, on every process (a collective:
+    all processes call it)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(local).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).ravel()
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    merged: dict = {}
+    for row, n in zip(rows, sizes):
+        merged.update(json.loads(bytes(row[:n]).decode()))
+    return merged
+
+
 def _host_tree(tree):
     """Host copies of a tree's arrays, or ``None`` when some array spans other processes
-    (multi-host: each process holds only its shards; checksums are then skipped)."""
+    (multi-host: each process holds only its shards, which it checksums itself)."""
     leaves = jax.tree.leaves(tree)
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         return None
@@ -306,6 +333,8 @@ class Checkpointer:
             "config": cfg_json,
             "checksums": tree_checksums(host) if host is not None else None,
         }
+        if host is None:  # multi-host: every process checksums its shards, all gathered
+            meta["shard_checksums"] = _gather_dicts(shard_checksums(plain))
         meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
         self._step_bytes = _tree_bytes(plain)
         self._check_writable()
@@ -500,13 +529,17 @@ class Checkpointer:
         ))
         r, meta = out["state"], dict(out["meta"])
         _verify_meta(meta, step, int(np.asarray(jax.device_get(r["step"]))), where)
-        if meta.get("checksums"):
-            host = _host_tree(r)
-            if host is not None:
-                try:
+        try:
+            if meta.get("checksums"):
+                host = _host_tree(r)
+                # (saved by one process and restored across several, the whole arrays
+                # are on no one process: nothing to compare them with)
+                if host is not None:
                     verify_checksums(host, meta["checksums"], where)
-                except CorruptDataError as e:
-                    raise CorruptCheckpointError(str(e)) from None
+            elif meta.get("shard_checksums"):
+                verify_shard_checksums(r, meta["shard_checksums"], where)
+        except CorruptDataError as e:
+            raise CorruptCheckpointError(str(e)) from None
         rest_t = template.rest if template.rest is not None else {}
 
         def refill(tmpl, restored):
