@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from moejax.claims import Claim, claims_markdown
 from moejax.config import Config, to_dict
 from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
@@ -86,13 +88,8 @@ def format_value(v: Any, floatfmt: str = ".4g") -> str:
         if math.isnan(v):
             return "nan"
         return format(v, floatfmt)
-    try:  # numpy / jax scalars
-        import numpy as np
-
-        if isinstance(v, np.generic) or (hasattr(v, "shape") and v.shape == ()):
-            return format_value(v.item(), floatfmt)
-    except Exception:  # pragma: no cover - numpy always present
-        pass
+    if isinstance(v, np.generic) or (hasattr(v, "shape") and v.shape == ()):  # numpy / jax
+        return format_value(v.item(), floatfmt)
     return str(v)
 
 

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from experiments.bench_cpu import matmul_gflops, moe_block_flops
 
 
 @pytest.mark.parametrize("backend", ["xla", "numpy"])
-def test_matmul_rate_is_a_finite_positive_rate(backend):
+def test_matmul_rate_is_the_flops_over_the_median_time(backend, monkeypatch):
+    import experiments.bench_cpu as bench
+
+    calls = []
+
+    def timed(fn, *args, repeats):  # runs the multiply once, reports a known median
+        calls.append(fn(*args))
+        return {"median_s": 0.5}
+
+    monkeypatch.setattr(bench, "time_call", timed)
     rate = matmul_gflops(64, 32, 48, repeats=2, backend=backend, inner=3)
-    assert math.isfinite(rate) and rate > 0
+    flops = 2.0 * 64 * 32 * 48 * (3 if backend == "xla" else 1)
+    assert rate == pytest.approx(flops / 0.5 / 1e9)
+    assert np.asarray(calls[0]).shape == (64, 48)  # what was timed is the [m, k] @ [k, n]
+    assert math.isfinite(matmul_gflops(16, 8, 8, repeats=1, backend=backend, inner=1))
 
 
 def test_matmul_rate_rejects_an_unknown_backend_and_an_empty_loop():

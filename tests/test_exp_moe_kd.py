@@ -57,7 +57,8 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     ks = list(csv.DictReader(open(run.path / "teacher_k.csv")))
     assert [int(r["k"]) for r in ks] == [4]
     kl = list(csv.DictReader(open(run.path / "sar_kl.csv")))  # per layer, over the 2 seeds
-    assert len(kl) == 2 and all(float(r["max_kl"]) >= float(r["mean_kl"]) >= 0
+    # the student-aware router moves away from the teacher's: a KL that is there, and finite
+    assert len(kl) == 2 and all(0 < float(r["mean_kl"]) <= float(r["max_kl"]) < 1e3
                                 and int(r["n_seeds"]) == 2 for r in kl)
     assert (run.path / "main.png").exists() and (run.path / "gate_mass.png").exists()
     text = (run.path / "summary.md").read_text()

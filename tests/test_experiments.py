@@ -7,7 +7,7 @@ import pytest
 
 from experiments import main as main_job
 from experiments.bench_dispatch import TORCH
-from moejax.config import ConfigError
+from moejax.config import Config, ConfigError, from_json, to_json
 from moejax.experiment import run_experiment
 
 TINY_LM = [
@@ -175,9 +175,9 @@ def test_registry_modules_expose_the_contract():
 
     for name in main_job.REGISTRY:
         mod = importlib.import_module(f"experiments.{name}")
-        for preset in ("quick", "full"):
-            cfg = mod.make_config(preset)
-            assert cfg is not None
+        quick, full = mod.make_config("quick"), mod.make_config("full")
+        for cfg in (quick, full):  # frozen, validated, and stored / read back exactly
+            assert isinstance(cfg, Config) and from_json(to_json(cfg)) == cfg
         assert callable(mod.run)
 
 

@@ -11,6 +11,7 @@ from moejax.nn import generate as gen_mod
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
+from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import FFNSlotConfig, layer_pattern
 
 
@@ -191,8 +192,7 @@ def test_generate_pads_after_eos():
 
 
 def test_decoder_with_moe_every_other_layer_forward_and_grad():
-    moe_mod = pytest.importorskip("moejax.nn.moe")
-    moe = moe_mod.MoEConfig(n_experts=4, top_k=2, d_expert=8, balance_coef=0.01)
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, balance_coef=0.01)
     dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
     cfg = tiny_cfg(init_std=0.02).replace(ffn_slots=layer_pattern(2, dense, moe, every=2))
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
@@ -283,8 +283,7 @@ def test_segment_ids_reach_every_slot_and_none_is_the_default():
 
 
 def test_decoder_with_moe_accepts_segment_ids():
-    moe_mod = pytest.importorskip("moejax.nn.moe")
-    moe = moe_mod.MoEConfig(n_experts=4, top_k=2, d_expert=8)
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8)
     dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
     model = DecoderLM(tiny_cfg().replace(ffn_slots=(dense, moe)), rngs=nnx.Rngs(0))
     ones = jnp.ones(TOKENS.shape, jnp.int32)

@@ -126,9 +126,8 @@ def test_source_batch_size_must_match():
 
 
 def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
-    decoder = pytest.importorskip("moejax.nn.decoder")
-    moe = pytest.importorskip("moejax.nn.moe")
     from moejax.data.lm_batches import WindowBatches
+    from moejax.nn import decoder, moe
     from moejax.nn.ffn import DenseFFNConfig
     from moejax.nn.slots import layer_pattern
 

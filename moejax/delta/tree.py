@@ -168,7 +168,4 @@ def per_leaf_values(value, tree: PyTree, name: str = "value") -> list:
 
 
 def _same_structure(a, b) -> bool:
-    try:
-        return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-    except Exception:  # pragma: no cover
-        return False
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)

@@ -204,7 +204,7 @@ class MoESkeleton(nnx.Module):
 
     A slot sets ``self.moe_cfg`` (its config), ``self.router``, ``self.dtype``, ``self.d_model``,
     ``self.top_k`` and overrides the parts it changes: :meth:`route`, :meth:`expert_weights`
-    (stacked weights for :func:`moejax.ops.dispatch.dispatch`) or the whole
+    (stacked weights for :func:`moejax.kernels.dispatch.dispatch`) or the whole
     :meth:`experts_out`, :meth:`universal_ffn`, :meth:`always_on` and :meth:`aux` (default:
     :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction).
     ``top_k_routing`` is False for slots whose router picks a variable number of experts

@@ -75,13 +75,10 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
     """Mesh with axes ``("data", "expert")``; ``-1`` = all remaining devices."""
     devices = list(jax.devices() if devices is None else devices)
     d, e = resolve_mesh_shape(data, expert, len(devices))
+    # Auto axes: XLA propagates shardings (explicit-sharding mode would require every model
+    # op to spell out its output sharding). All devices: jax's topology-aware order.
     if devices == list(jax.devices()):
-        try:
-            # Auto axes: XLA propagates shardings (explicit-sharding mode would require every
-            # model op to spell out its output sharding).
-            return jax.make_mesh((d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
-        except Exception:  # pragma: no cover - fall back to the plain order
-            pass
+        return jax.make_mesh((d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
     return Mesh(np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
