@@ -38,6 +38,7 @@ from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_loss, train_params
 
 NAME = "darex_decoder"
+SMOKE = ("q_num=3",)  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
 QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
 
@@ -191,4 +192,4 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 if __name__ == "__main__":
     raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))
