@@ -43,10 +43,6 @@ class SubstrateConfig(Config):
     seq_len: int = 64
     downstream_corpus: Corpus = "stdlib_code"
 
-    @property
-    def n_layers(self) -> int:
-        return self.pretrained.n_layers
-
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():

@@ -136,7 +136,7 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
     fit(moe, src, cfg.train, desc=f"upcycled ({name})")
     moe_loss = evaluate(moe)["loss"]
     pure = _params(moe)
-    layers = upcycled_layers(s.n_layers, rule)
+    layers = upcycled_layers(dense.cfg.n_layers, rule)  # the model upcycled (SmolLM2: 30)
     base = bases_from_dense(_params(dense), layers, output_scale(rule))
 
     for i, c in expert_cosines(pure, base).items():
