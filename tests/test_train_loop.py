@@ -4,6 +4,7 @@ integration run of DecoderLM with an MoE slot."""
 
 import os
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -169,3 +170,22 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     restored, meta = Checkpointer(tmp_path / "checkpoints").restore(template)
     assert int(restored.step) == 6 and meta["data_position"] == 6
     assert restored.params["blocks"][1]["ffn"]["experts"]["w_up"][...].shape[0] == 4
+
+
+def test_a_step_that_cannot_fit_the_device_is_refused_before_it_runs(tmp_path, monkeypatch):
+    from moejax.train import budget
+
+    model = TinyMoELM(nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    assert budget.available_bytes(jax.devices()[0])[0] > 1e9  # this host: the real memory
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (1000, "a 1 kB device"))
+    with pytest.raises(budget.MemoryBudgetError) as e:
+        train(model, ToySource(batch_size=4), CFG, run_dir=str(tmp_path / "r"), progress=False)
+    msg = str(e.value)
+    assert "GB per device" in msg and "a 1 kB device is 0.00 GB" in msg
+    assert "batch_size (now 4)" in msg and "grad_accum" in msg and "\n" not in msg
+    assert not (tmp_path / "r" / "checkpoints").exists()  # refused before anything ran
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    monkeypatch.undo()
+    assert len(train(model, ToySource(batch_size=4), CFG.replace(steps=1), progress=False)) == 1

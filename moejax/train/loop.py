@@ -54,6 +54,7 @@ import moejax.train.mesh as mesh_lib
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
+from moejax.train.budget import check_fits
 from moejax.train.capture import CapturedStep, abstract, active_capture
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import assemble, is_main_process, local_batch
@@ -136,6 +137,8 @@ class LoopOptions:
     progress / desc: the progress bar and its label.
     measure_memory: compile the step once more for XLA's memory analysis
         (``History.memory``).
+    check_memory: refuse, before the first step, a step whose compiled peak memory exceeds
+        the device's (:mod:`moejax.train.budget`).
     keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
         evaluation where it was highest (checkpoint selection on validation;
         ``History.best`` says which step), not those of the last step. Only this call's
@@ -150,6 +153,7 @@ class LoopOptions:
     mesh: Any = None
     progress: bool = True
     measure_memory: bool = False
+    check_memory: bool = True
     desc: str = "train"
     keep_best: str = ""
 
@@ -356,6 +360,7 @@ class _Run:
     # -- opening and closing ---------------------------------------------------------------
     def _open(self) -> None:
         run_dir, cfg = self.opts.run_dir, self.cfg
+        self._compile_and_check()
         if run_dir is not None:
             run_dir = os.fspath(run_dir)
             self.lock = RunLock(run_dir).acquire() if self.main else None
@@ -367,11 +372,24 @@ class _Run:
             self.eval_log = CsvLog(os.path.join(run_dir, "eval.csv"), self.start)
             if cfg.tensorboard:
                 self.tb = TensorBoardLog(os.path.join(run_dir, "tb"))
+
+    def _compile_and_check(self) -> None:
+        """Compile the step for the first batch's shapes (jit reuses it) and refuse a step
+        that cannot fit the device (:mod:`moejax.train.budget`) before anything is written
+        or run; ``measure_memory`` keeps XLA's numbers. A captured run
+        (:mod:`moejax.train.capture`) is recorded at shapes it does not execute: skipped."""
+        captured = active_capture() is not None
+        if not (self.opts.measure_memory or (self.opts.check_memory and not captured)):
+            return
+        batch = assemble(local_batch(self.source, self.position), self.mesh)
+        compiled = self.step_fn.lower(self.state, batch).compile()
+        memory = compiled_memory(compiled)
+        if self.opts.check_memory and not captured:
+            check_fits(memory["peak_bytes"], self.cfg, self.mesh.devices.flat[0])
         if self.opts.measure_memory:
-            batch = assemble(local_batch(self.source, self.position), self.mesh)
-            compiled = self.step_fn.lower(self.state, batch).compile()
-            self.history.memory = compiled_memory(compiled)
-            self.step_fn = compiled
+            self.history.memory = memory
+            if not captured:
+                self.step_fn = compiled
 
     def _close(self, failed: bool) -> None:
         try:

@@ -1,0 +1,58 @@
+"""Whether a training step fits the machine it is about to run on.
+
+The training loop compiles its step (XLA's buffer assignment gives the peak bytes per device:
+weights, optimizer state, batch, activations, temporaries) and, before the first step runs,
+compares that peak with the memory the device has: an accelerator's ``bytes_limit``, or for
+CPU devices this host's physical memory shared by its local devices. A step that cannot fit
+stops there with :class:`MemoryBudgetError` (a :class:`~moejax.config.ConfigError`: one line,
+exit 2 from a study's command) naming the estimate, the memory and the keys that shrink it,
+instead of running out of memory minutes later.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from moejax.config import ConfigError
+
+__all__ = ["MemoryBudgetError", "available_bytes", "check_fits"]
+
+
+class MemoryBudgetError(ConfigError):
+    """The compiled training step needs more memory than the device has."""
+
+
+def available_bytes(device) -> tuple[int, str] | None:
+    """``(bytes one device may use, what that is)``, or ``None`` when unknown."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without memory stats: nothing to compare
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+    if device.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+        n = max(1, jax.local_device_count())
+        return total // n, (f"this host's memory shared by {n} CPU devices" if n > 1
+                            else "this host's memory")
+    return None
+
+
+def check_fits(peak_bytes: int, cfg, device) -> None:
+    """Raise :class:`MemoryBudgetError` when ``peak_bytes`` (per device) exceeds what
+    ``device`` has; ``cfg`` is the run's ``TrainConfig`` (its keys are named in the fix)."""
+    have = available_bytes(device) if peak_bytes > 0 else None
+    if have is None or peak_bytes <= have[0]:
+        return
+    raise MemoryBudgetError(
+        f"the training step needs about {peak_bytes / 1e9:.2f} GB per device (XLA's estimate: "
+        f"weights, optimizer state, batch, activations) but {have[1]} is "
+        f"{have[0] / 1e9:.2f} GB. Fix: shrink it with the run's batch_size (now "
+        f"{cfg.batch_size}) or the sequence length, raise grad_accum (now {cfg.grad_accum}), "
+        f"set fsdp=true (now {cfg.fsdp}) or a larger mesh (mesh_data / mesh_expert), or run "
+        "on a machine with more memory")
