@@ -54,7 +54,8 @@ from moejax.train.hparams import TrainConfig
 
 NAME = "bench_speculative"
 # smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("n_prompts=2", "max_new_tokens=16", "drafts.distil.prompts=8")
+SMOKE = ("n_prompts=2", "max_new_tokens=16", "drafts.distil.prompts=8",
+         "grow.extra_layers=8")  # reduced depth: the full 2.0B grown target OOMs at 24 GB
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run: training, distillation, growth
 
 
