@@ -39,11 +39,16 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+
 from experiments.main import REGISTRY
 from moejax.config import ConfigError, apply_overrides
+from moejax.experiment import run_experiment
 from moejax.files import atomic_write_text
 from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.train.aot import prove_step
+from moejax.train.capture import capture_steps
 
 __all__ = ["main", "child"]
 
@@ -57,10 +62,6 @@ def _error(e: BaseException) -> str:
 
 def _smoke(name: str, module, out: Path) -> dict:
     """The study as a smoke run; the largest trained model's size."""
-    import jax
-
-    from moejax.experiment import run_experiment
-
     seen: dict[str, float] = {}
     last_params: list[float] = []
 
@@ -89,9 +90,6 @@ def _smoke(name: str, module, out: Path) -> dict:
 def _aot(name: str, module, out: Path, overrides=()) -> dict:
     """The study's training runs captured whole (not executed) and proven ahead of time;
     ``overrides`` (key=value) after the cuts, e.g. a reduced depth."""
-    from moejax.train.aot import prove_step
-    from moejax.train.capture import capture_steps
-
     cfg = apply_overrides(smoke_config(module.make_config("full"), cut_training=False),
                           [*getattr(module, "SMOKE", ()), *overrides])
     result = {"ok": False, "error": "", "rows": []}
@@ -125,8 +123,6 @@ def _aot(name: str, module, out: Path, overrides=()) -> dict:
 
 def _shapes(c) -> tuple:
     """What makes two captured runs the same program: the shapes of state and batch."""
-    import jax
-
     leaves = jax.tree.leaves((c.state, c.batch))
     return (jax.tree.structure((c.state, c.batch)),
             tuple((x.shape, str(x.dtype)) for x in leaves))

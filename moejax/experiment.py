@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from moejax.claims import Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
 from moejax.results import (
@@ -132,8 +134,6 @@ def parse_runner(
 def _check_devices(cfg: Config) -> None:
     """Every training run's mesh and batch against this machine's devices and processes,
     before the run directory is written or anything compiles."""
-    import jax
-
     for key, train_cfg in find_configs(cfg, TrainConfig):
         check_devices(train_cfg, jax.device_count(), jax.process_count(), key or "train")
 
