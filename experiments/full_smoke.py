@@ -45,6 +45,7 @@ from experiments.main import REGISTRY
 from moejax.config import ConfigError, apply_overrides
 from moejax.experiment import run_experiment
 from moejax.files import atomic_write_text
+from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.train.aot import prove_step
@@ -169,13 +170,7 @@ def _run_child(name: str, out: Path, timeout: float, mode: str) -> tuple[dict, f
 
 
 def _count(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
+    return "-" if n is None else fmt_count(float(n))
 
 
 def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:

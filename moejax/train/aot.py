@@ -24,9 +24,9 @@ import re
 
 import jax
 import jax.export as je
-import numpy as np
 
 from moejax.kernels.targets import lowering_target
+from moejax.pytree import count_bytes, count_params
 from moejax.train.capture import CapturedStep
 
 __all__ = ["prove_step", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION", "KERNEL_CALLS"]
@@ -37,10 +37,6 @@ UTILISATION = 0.4  # the model-FLOPs utilisation the GPU-hour estimate assumes
 TRITON = "__gpu$xla.gpu.triton"
 KERNEL_CALLS = {"cuda": (TRITON, "mosaic_gpu"), "tpu": ("tpu_custom_call",)}
 _CALL = re.compile(r"custom_call @([\w$.]+)|custom_call_target=\"([\w$.]+)\"")
-
-
-def _nbytes(tree) -> int:
-    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def _calls(text: str) -> dict[str, int]:
@@ -76,13 +72,13 @@ def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
     peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
             - getattr(mem, "alias_size_in_bytes", 0))
     row = {"run": c.label or "train",
-           "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+           "params": count_params(params),
            "batch": "x".join(str(d) for d in jax.tree.leaves(c.batch)[0].shape),
            "steps": c.cfg.steps,
            "flops_per_step": flops,
            "uncounted_calls": uncounted,
-           "weights_GB": _nbytes(params) / 1e9,
-           "opt_state_GB": _nbytes(c.state.opt_state) / 1e9,
+           "weights_GB": count_bytes(params) / 1e9,
+           "opt_state_GB": count_bytes(c.state.opt_state) / 1e9,
            "activations_GB": mem.temp_size_in_bytes / 1e9,
            "peak_GB": peak / 1e9}
     for platform in platforms:

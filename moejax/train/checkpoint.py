@@ -85,6 +85,7 @@ from moejax.integrity import (
     verify_checksums,
     verify_shard_checksums,
 )
+from moejax.pytree import count_bytes
 from moejax.train.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,6 @@ def release_orbax_threads(timeout_s: float = 30.0) -> int:
         except BaseException:  # noqa: BLE001 - orbax's join raises CancelledError: expected
             pass
     return len(threads)
-
-
-def _tree_bytes(tree) -> int:
-    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
 
 
 def _is_key_array(x) -> bool:
@@ -336,7 +333,7 @@ class Checkpointer:
         if host is None:  # multi-host: every process checksums its shards, all gathered
             meta["shard_checksums"] = _gather_dicts(shard_checksums(plain))
         meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
-        self._step_bytes = _tree_bytes(plain)
+        self._step_bytes = count_bytes(plain)
         self._check_writable()
         try:
             self._mngr.save(

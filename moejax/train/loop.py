@@ -54,6 +54,7 @@ import moejax.train.mesh as mesh_lib
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
+from moejax.pytree import count_params
 from moejax.train.budget import check_fits
 from moejax.train.capture import CapturedStep, abstract, active_capture
 from moejax.train.checkpoint import Checkpointer
@@ -96,8 +97,7 @@ class FnSource:
 def _record_scale(params, batch) -> None:
     """The run's size as ``jax.monitoring`` scalars: trained parameters and tokens (or rows)
     per step. Listeners (the full-preset smoke runs) read them; without one it is a no-op."""
-    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    jax.monitoring.record_scalar("/moejax/train/params", float(n))
+    jax.monitoring.record_scalar("/moejax/train/params", float(count_params(params)))
     jax.monitoring.record_scalar("/moejax/train/tokens_per_step", _tokens(batch))
 
 
