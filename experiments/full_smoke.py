@@ -13,10 +13,12 @@ steps of a few rows, evaluations to a couple of batches, plus the study's ``SMOK
 The table (``full_smoke.md`` / ``.csv``, rewritten after every study) gives per study: the
 largest trained model's parameters and its tokens (or rows) per smoke step (read from the
 training loop's ``jax.monitoring`` scalars; "-" where the study trains nothing), the peak
-resident memory, the wall time, OK or the error's last line, and the study's own cuts.
+resident memory, the wall time, OK or the error's last line, the depth ("full", or the keys
+of a study's ``SMOKE_DEPTH`` where its full preset cannot fit this machine: fewer layers,
+every layer's shape kept) and the study's own cuts.
 
 ``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
-smoke run (:func:`moejax.train.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
+smoke run (:func:`moejax.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
 study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
 training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`; runs of
 one program, e.g. the same student under several methods, are proven once and their steps
@@ -42,14 +44,14 @@ from pathlib import Path
 import jax
 
 from experiments.main import REGISTRY
+from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError, apply_overrides
 from moejax.experiment import run_experiment
 from moejax.files import atomic_write_text
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
-from moejax.train.aot import prove_step
-from moejax.train.capture import capture_steps
+from moejax.train.aot import prove_decode, prove_step
 
 __all__ = ["main", "child"]
 
@@ -79,13 +81,19 @@ def _smoke(name: str, module, out: Path) -> dict:
         run_experiment(name, module.make_config, module.run, ["preset=full", "smoke=true"],
                        out=out, seed_keys=getattr(module, "SEED_KEYS", ()),
                        claims=getattr(module, "claims", None),
-                       smoke=getattr(module, "SMOKE", ()))
+                       smoke=_cuts(module))
         result["ok"] = True
     except Exception as e:  # reported in the table, and in full in the study's log
         traceback.print_exc()
         result["error"] = _error(e)
     result.update(params=seen.get("params"), tokens=seen.get("tokens"))
     return result
+
+
+def _cuts(module) -> tuple[str, ...]:
+    """The study's own smoke cuts: what it counts (``SMOKE``), then the depth it drops where
+    the full preset cannot fit this machine (``SMOKE_DEPTH``; ahead-of-time proof keeps it)."""
+    return (*getattr(module, "SMOKE", ()), *getattr(module, "SMOKE_DEPTH", ()))
 
 
 def _aot(name: str, module, out: Path, overrides=()) -> dict:
@@ -103,30 +111,35 @@ def _aot(name: str, module, out: Path, overrides=()) -> dict:
             result["error"] = _error(e)
         finally:
             run.close()
-    groups: dict = {}  # runs of one step (same state and batch shapes) are proven once
+    groups: dict = {}  # runs of one program (same shapes) are proven once
     for c in captured:
         groups.setdefault(_shapes(c), []).append(c)
     for runs in groups.values():
-        c, steps = runs[0], sum(r.cfg.steps for r in runs)
-        labels = sorted({r.label or "train" for r in runs})
+        c = runs[0]
+        labels = ", ".join(sorted({r.label or "train" for r in runs}))
         try:
-            row = prove_step(c)
-        except Exception as e:  # one step's failure is a row, the others still count
+            row = prove_step(c) if isinstance(c, CapturedStep) else prove_decode(c)
+        except Exception as e:  # one program's failure is a row, the others still count
             traceback.print_exc()
-            result["rows"].append({"run": ", ".join(labels), "error": _error(e)})
+            result["rows"].append({"run": labels, "error": _error(e)})
             continue
-        row.update(run=", ".join(labels), runs=len(runs), steps=steps,
-                   gpu_hours=row["gpu_hours"] * steps / c.cfg.steps)
+        row.update(run=labels, runs=len(runs))
+        if isinstance(c, CapturedStep):
+            steps = sum(r.cfg.steps for r in runs)
+            row.update(steps=steps, gpu_hours=row["gpu_hours"] * steps / c.cfg.steps)
         result["rows"].append(row)
     result["ok"] = bool(result["rows"]) and all("error" not in r for r in result["rows"])
     return result
 
 
 def _shapes(c) -> tuple:
-    """What makes two captured runs the same program: the shapes of state and batch."""
-    leaves = jax.tree.leaves((c.state, c.batch))
-    return (jax.tree.structure((c.state, c.batch)),
-            tuple((x.shape, str(x.dtype)) for x in leaves))
+    """What makes two captured runs or decode calls the same program: the kind and the
+    shapes of what it takes (and a decode's static arguments)."""
+    args = (c.state, c.batch) if isinstance(c, CapturedStep) else c.args
+    leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+    static = () if isinstance(c, CapturedStep) else (getattr(c.fn, "__name__", ""),
+                                                      sorted(c.static.items(), key=str))
+    return (type(c).__name__, str(static), tuple((x.shape, str(x.dtype)) for x in leaves))
 
 
 def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
@@ -179,6 +192,7 @@ def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
              "tokens/step (smoke)": _count(rec.get("tokens")),
              "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
              "result": "OK" if rec.get("ok") else rec["error"],
+             "depth": " ".join(getattr(module, "SMOKE_DEPTH", ())) or "full",
              "study's smoke cuts": " ".join(getattr(module, "SMOKE", ())) or "-"}]
 
 
@@ -187,6 +201,19 @@ def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
     for r in rec.get("rows", []):
         if "error" in r:
             rows.append({"study": name, "run": r["run"], "result": r["error"]})
+            continue
+        if "flops_per_call" in r:  # a decode loop
+            rows.append({"study": name, "run": f"decode: {r['run']}",
+                         "parameters": _count(r["params"]),
+                         "batch": f"{r['batch']} + {r['new_tokens']} new", "runs": r["runs"],
+                         "steps (all runs)": "-",
+                         "FLOPs/step": f"{r['flops_per_call']:.3g} per loop body",
+                         "weights (GB)": round(r["weights_GB"], 3), "opt state (GB)": "-",
+                         "activations (GB)": round(r["activations_GB"], 3),
+                         "peak per device (GB)": round(r["peak_GB"], 3),
+                         "fits one H100 80GB": "yes" if r["fits_H100_80GB"] else "no",
+                         "cuda kernels": r["cuda_kernels"], "tpu kernels": r["tpu_kernels"],
+                         "GPU hours at 40% MFU": "-", "result": "OK"})
             continue
         rows.append({"study": name, "run": r["run"], "parameters": _count(r["params"]),
                      "batch": r["batch"], "runs": r.get("runs", 1),

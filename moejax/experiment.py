@@ -31,6 +31,7 @@ study declares its seed keys and how many runs its quick preset makes by default
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from moejax.results import (
 )
 from moejax.smoke import smoke_config
 from moejax.train.checkpoint import CheckpointWriteError
+from moejax.train.distributed import EXIT_PEER_LOST, PeerLostError, initialize_from_env
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices
 from moejax.train.run_lock import RunLockedError
@@ -298,8 +300,17 @@ def main(
         print(usage(name, make_config, preset if preset in PRESETS else "quick"))
         return 0
     try:
+        initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*): connect
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
                                       quick_repeat=quick_repeat, claims=claims, smoke=smoke)
+    except PeerLostError as e:  # exit now: the distributed runtime would abort the process
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)
     except (ConfigError, RunDirError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

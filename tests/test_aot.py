@@ -1,17 +1,24 @@
 """Ahead-of-time proof: the training runs a recipe starts are captured at their real shapes
 (without running a step when asked), and each captured step is exported for cuda and tpu
-with the platform's kernels, its size and memory read from XLA."""
+with the platform's kernels, its size and memory read from XLA; so are the decode loops
+(sampling, speculative decoding with chunk-sparse verification, generation's token step)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.nn.decoder import DecoderLM
+from moejax.capture import CapturedDecode, CapturedStep, capture_steps
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
-from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_step
-from moejax.train.capture import capture_steps
+from moejax.nn.sample import sample
+from moejax.nn.speculative import chunk_sparse_target, speculative_generate
+from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_decode, prove_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.toy_models import ToySource
@@ -75,8 +82,8 @@ def test_prove_step_exports_for_both_platforms_and_reads_the_size():
 
 def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
-    full) runs as a smoke run to its end while its training step is captured at its real
-    shapes and exported for both platforms."""
+    full) runs as a smoke run to its end while its training step and its decode step are
+    captured at their real shapes and exported for both platforms."""
     import experiments.lm_demo as study
     from experiments.full_smoke import _aot
 
@@ -84,8 +91,44 @@ def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     full = study.make_config("full")
     result = _aot("lm_demo", study, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
     assert result["ok"] and not result["error"], result  # the recipe ran to its end
-    (row,) = result["rows"]
+    (row,) = [r for r in result["rows"] if "flops_per_step" in r]
+    (dec,) = [r for r in result["rows"] if "flops_per_call" in r]  # its greedy completion
+    assert dec["run"] == "generate (one token)" and dec["params"] == row["params"]
+    assert dec["cuda_kernels"] == "0" and dec["fits_H100_80GB"] is True
     assert row["batch"] == f"2x{full.seq_len}" and row["steps"] == full.train.steps
     assert row["cuda_kernels"] == "0" and row["tpu_kernels"] == "0"  # ragged_dot: no kernel
     assert row["flops_per_step"] > 6 * row["params"] * 2 * full.seq_len / 2  # >= ~6 N D
     assert row["fits_H100_80GB"] is True and row["gpu_hours"] > 0
+
+
+def _lm(slot, layers=2):
+    cfg = DecoderConfig(vocab_size=12, d_model=16, n_layers=layers, n_heads=2,
+                        ffn_slots=(slot,) * layers, max_seq_len=64)
+    return DecoderLM(cfg, rngs=nnx.Rngs(layers))
+
+
+def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
+    target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
+    draft = _lm(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
+    prompt = jnp.ones((1, 5), jnp.int32)
+    spec_target = chunk_sparse_target(target, 4)
+    expected = speculative_generate(spec_target, draft, prompt, 8, draft_len=3).tokens_BS
+    with capture_steps() as captured:
+        got = speculative_generate(spec_target, draft, prompt, 8, draft_len=3).tokens_BS
+        sample(target, jnp.ones((2, 5), jnp.int32), jnp.array([5, 3]), 6, key=jax.random.key(0))
+        generate(target, prompt, 4)
+    np.testing.assert_array_equal(got, expected)  # a captured decode still runs as usual
+    assert not any(isinstance(c, CapturedStep) for c in captured)
+    assert [c.label for c in captured] == ["speculative n=3", "sample", "generate (one token)"]
+    assert all(isinstance(c, CapturedDecode) for c in captured)
+    spec, samp, gen = (prove_decode(c) for c in captured)
+    n_target = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_params(target)))
+    n_draft = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_params(draft)))
+    assert spec["params"] == n_target + n_draft and samp["params"] == n_target
+    assert (spec["batch"], spec["new_tokens"]) == ("1x5", 8)
+    assert (samp["batch"], samp["new_tokens"]) == ("2x5", 6) and gen["batch"] == "1"
+    # chunk-sparse verification: the union kernels of both BlockFFN layers, on both platforms
+    assert int(spec["cuda_kernels"]) >= 2 and int(spec["tpu_kernels"]) >= 2, spec
+    assert samp["cuda_kernels"] == "0"  # the dense path: no kernel
+    assert all(r["fits_H100_80GB"] and r["peak_GB"] >= r["weights_GB"] > 0
+               for r in (spec, samp, gen))

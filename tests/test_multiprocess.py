@@ -5,13 +5,16 @@ both write the orbax checkpoint; each device holds 1/8 of the parameters and opt
 state) and reports the losses of the single-device run of the same steps; the
 checkpoint the single device wrote restores onto the 8-device mesh, and the one the 8 devices
 wrote restores onto a single device, both with the checkpoint integrity checks, and both give
-the same parameters."""
+the same parameters. A process killed mid-run ends the other in one line and exit code 75
+(not JAX's C++ abort), with the checkpoint written restorable."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -23,7 +26,7 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
-from moejax.train.distributed import cpu_devices_env
+from moejax.train.distributed import EXIT_PEER_LOST, cpu_devices_env
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import train
 from moejax.train.step import init_state
@@ -152,6 +155,114 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
     mine, _ = Checkpointer(str(tmp_path / "one" / "checkpoints")).restore(template())
     assert int(eight.step) == int(mine.step) == CFG.steps
     assert tree_max_diff(eight.params, mine.params) < 1e-4
+
+
+_DYING_WORKER = r"""
+import sys
+sys.path.insert(0, ROOT)
+from moejax.experiment import main
+from moejax.train.loop import train
+from tests.test_multiprocess import CFG, new_model
+from tests.toy_models import ToySource
+
+def run(cfg, run):  # a long run that checkpoints every 5 steps into a directory both share
+    train(new_model(), ToySource(batch_size=8), cfg, run_dir=RUN_DIR, progress=False)
+    return {}
+
+sys.exit(main("dying", lambda preset: CFG.replace(steps=100000, ckpt_every=5), run,
+              ["out=" + OUT]))
+"""
+
+
+def test_a_dead_peer_ends_the_survivor_in_one_line_naming_the_checkpoint(tmp_path):
+    """SIGKILL one of two training processes: the other exits within seconds with
+    EXIT_PEER_LOST and one line naming the checkpoint that resumes the run (not JAX's C++
+    abort on missed heartbeats), and that checkpoint restores."""
+    port, shared = _free_port(), tmp_path / "shared"
+    procs = []
+    for pid in range(2):
+        out = repr(str(tmp_path / f"p{pid}"))
+        code = (_DYING_WORKER.replace("ROOT", repr(ROOT), 1)
+                .replace("RUN_DIR", repr(str(shared))).replace("OUT", out))
+        env = dict(cpu_devices_env(4), MOEJAX_COORDINATOR=f"127.0.0.1:{port}",
+                   MOEJAX_NUM_PROCESSES="2", MOEJAX_PROCESS_ID=str(pid),
+                   MOEJAX_HEARTBEAT_TIMEOUT="10")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        ckpts = shared / "checkpoints"
+        deadline = time.time() + 300
+        while not (ckpts.is_dir() and any(n.name.isdigit() and int(n.name) >= 10
+                                          for n in ckpts.iterdir())):
+            assert time.time() < deadline and procs[0].poll() is None, procs[0].communicate()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        out, err = procs[0].communicate(timeout=120)
+        waited = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    if "gloo" in err.lower() and "not available" in err.lower():
+        pytest.skip(f"CPU multi-process collectives unavailable here: {err[-500:]}")
+    last = err.strip().splitlines()[-1]
+    assert procs[0].returncode == EXIT_PEER_LOST, (procs[0].returncode, waited, err[-3000:])
+    assert last.startswith("error: process 0 of 2 lost another process ("), last
+    assert "start the same command on every process again to resume" in last
+    assert waited < 60, waited  # the heartbeat timeout is 10 s here
+    print(f"survivor exited after {waited:.1f} s: {last}")
+    restored, _ = Checkpointer(str(ckpts)).restore(template())  # the newest complete step
+    assert int(restored.step) >= 10
+
+
+_GLOO_RESET = ("UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:547] Connection "
+               "closed by peer [127.0.0.1]:32925")
+
+
+def test_a_failed_collective_ends_the_loop_naming_the_step_and_the_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """The other path: a collective fails in Python before the watcher notices (gloo's
+    "connection closed by peer"), so the loop raises PeerLostError naming the step and the
+    checkpoint that resumes it, without closing the checkpointer (its barriers would wait on
+    the dead process), and a study's main exits with EXIT_PEER_LOST at once."""
+    from moejax import experiment
+    from moejax.train import distributed, loop
+
+    assert distributed.is_peer_failure(ValueError(_GLOO_RESET), processes=2)
+    assert not distributed.is_peer_failure(ValueError(_GLOO_RESET), processes=1)
+    assert not distributed.is_peer_failure(ValueError("shapes (3,) and (4,) differ"), 2)
+
+    class Dying(ToySource):
+        def batch(self, position):
+            if position == 7:  # the 8th step's collective
+                raise ValueError(_GLOO_RESET)
+            return super().batch(position)
+
+    monkeypatch.setattr(loop, "is_peer_failure", lambda e: distributed.is_peer_failure(e, 2))
+    closed = []
+    monkeypatch.setattr(Checkpointer, "close", lambda self, abort=False: closed.append(abort))
+    cfg = CFG.replace(mesh_data=1, mesh_expert=1, fsdp=False, steps=50, ckpt_every=5)
+    with pytest.raises(distributed.PeerLostError) as info:
+        train(new_model(), Dying(batch_size=8), cfg, run_dir=str(tmp_path), progress=False)
+    msg = str(info.value)
+    assert msg.startswith("process 0 of 1 lost another process during step 8 (ValueError: "), msg
+    assert f"the newest complete checkpoint (step 5 in {tmp_path}" in msg
+    assert msg.endswith("resumes the run exactly: start the same command on every process again")
+    assert closed == []  # not closed: that would wait on the dead process
+
+    def run(cfg, run):
+        raise info.value
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(experiment.os, "_exit", exit_now)
+    with pytest.raises(SystemExit) as exited:
+        experiment.main("dying", lambda preset: cfg, run, [f"out={tmp_path / 'study'}"])
+    assert exited.value.code == distributed.EXIT_PEER_LOST
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {msg}"
 
 
 def test_cpu_devices_env_sets_the_device_count_and_keeps_other_flags():

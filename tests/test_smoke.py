@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.full_smoke import _cuts
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
 from moejax.experiment import parse_runner
@@ -40,7 +41,9 @@ def _strip_trains(cfg: Config):
 def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
     module = importlib.import_module(f"experiments.{name}")
     full = module.make_config("full")
-    cuts = getattr(module, "SMOKE", ())
+    cuts = _cuts(module)
+    # a depth cut drops layers and keeps every layer's shape
+    assert all(c.split("=", 1)[0].endswith("layers") for c in getattr(module, "SMOKE_DEPTH", ()))
     cfg, _, repeat = parse_runner(name, module.make_config, ["preset=full", "smoke=true"],
                                   getattr(module, "QUICK_REPEAT", 1), cuts)
     assert repeat == 1

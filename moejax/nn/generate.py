@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.capture import record_decode
+
 __all__ = ["generate", "select_token"]
 
 
@@ -74,6 +76,8 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
         return prompt_BT
     graphdef, state = nnx.split(model)
     cache = model.init_cache(B, total)
+    record_decode("generate (one token)", _decode_one,
+                  (graphdef, state, jnp.zeros((B,), jnp.int32), cache), {})
     logits_BV, cache = _prefill(graphdef, state, prompt_BT, cache)
     out = []
     done_B = jnp.zeros((B,), bool)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.capture import record_decode
+
 __all__ = ["Sampled", "sample", "sample_traced", "top_p_filter", "select_next"]
 
 
@@ -135,6 +137,8 @@ def sample(model, prompts_BT, prompt_lens_B, max_new_tokens: int, *, key: jax.Ar
     if lo < 1 or hi > T:
         raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
     graphdef, state = nnx.split(model)
-    return _sample(graphdef, state, prompts_BT, lens, key, max_new=int(max_new_tokens),
-                   temperature=float(temperature), top_p=float(top_p), eos_id=eos_id,
-                   pad_id=int(pad_id))
+    static = dict(max_new=int(max_new_tokens), temperature=float(temperature),
+                  top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
+    args = (graphdef, state, prompts_BT, lens, key)
+    record_decode("sample", _sample, args, static)
+    return _sample(*args, **static)

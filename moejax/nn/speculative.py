@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.capture import record_decode
 from moejax.nn.blockffn import BlockFFN
 from moejax.nn.surgery import with_slot_config
 
@@ -187,6 +188,8 @@ def speculative_generate(target: nnx.Module, draft: nnx.Module, prompt_BT, max_n
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(draft)
     key = jax.random.key(0) if key is None else key
-    return _speculate(tg, ts, dg, ds, prompt_BT, target.init_cache(B, size),
-                      draft.init_cache(B, size), key, max_new=max_new_tokens, n=draft_len,
-                      temperature=temperature)
+    args = (tg, ts, dg, ds, prompt_BT, target.init_cache(B, size), draft.init_cache(B, size),
+            key)
+    static = dict(max_new=max_new_tokens, n=draft_len, temperature=temperature)
+    record_decode(f"speculative n={draft_len}", _speculate, args, static)
+    return _speculate(*args, **static)

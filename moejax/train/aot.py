@@ -3,7 +3,8 @@ MaxText's ``train_compile`` does: the step is exported with ``jax.export`` for e
 its real shapes, lowered for a named device (:mod:`moejax.kernels.targets`), and the size of
 the run is read from XLA.
 
-:func:`prove_step` takes a :class:`~moejax.train.capture.CapturedStep` and returns one row:
+:func:`prove_step` takes a :class:`~moejax.capture.CapturedStep` and returns one row
+(:func:`prove_decode` does the same for a captured decode loop, per call):
 
 - ``params``, ``weights_GB``, ``opt_state_GB``: from the state's shapes (f32 master weights);
 - ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU. Work inside custom
@@ -20,16 +21,20 @@ the run is read from XLA.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import jax.export as je
+import jax.numpy as jnp
+from flax import nnx
 
+from moejax.capture import CapturedDecode, CapturedStep
 from moejax.kernels.targets import lowering_target
 from moejax.pytree import count_bytes, count_params
-from moejax.train.capture import CapturedStep
 
-__all__ = ["prove_step", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION", "KERNEL_CALLS"]
+__all__ = ["prove_step", "prove_decode", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION",
+           "KERNEL_CALLS"]
 
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM
 H100_BYTES = 80e9
@@ -44,14 +49,17 @@ def _calls(text: str) -> dict[str, int]:
     return {c: found.count(c) for c in set(found)}
 
 
-def _export(c: CapturedStep, platform: str) -> str:
-    """The number of the platform's kernel calls in the exported step, or the error."""
-    jitted = c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step
+def _export(fn, args, static, platform: str, mesh=None) -> str:
+    """The number of the platform's kernel calls in ``fn(*args, **static)`` exported, or the
+    error."""
     checks = [je.DisabledSafetyCheck.custom_call(TRITON)]
     try:
-        with jax.set_mesh(c.mesh), lowering_target(platform, c.mesh):
-            text = je.export(jitted, platforms=(platform,), disabled_checks=checks)(
-                c.state, c.batch).mlir_module()
+        with contextlib.ExitStack() as stack:
+            if mesh is not None:
+                stack.enter_context(jax.set_mesh(mesh))
+            stack.enter_context(lowering_target(platform, mesh))
+            text = je.export(fn, platforms=(platform,), disabled_checks=checks)(
+                *args, **static).mlir_module()
     except Exception as e:  # the row reports why the platform cannot take this step
         return f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
     calls = _calls(text)
@@ -68,9 +76,7 @@ def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", 0.0))
     uncounted = sum(n for k, n in _calls(lowered.as_text()).items() if k != "Sharding")
-    mem = lowered.compile().memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - getattr(mem, "alias_size_in_bytes", 0))
+    peak, temp = _peak(lowered.compile())
     row = {"run": c.label or "train",
            "params": count_params(params),
            "batch": "x".join(str(d) for d in jax.tree.leaves(c.batch)[0].shape),
@@ -79,10 +85,44 @@ def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
            "uncounted_calls": uncounted,
            "weights_GB": count_bytes(params) / 1e9,
            "opt_state_GB": count_bytes(c.state.opt_state) / 1e9,
-           "activations_GB": mem.temp_size_in_bytes / 1e9,
+           "activations_GB": temp / 1e9,
            "peak_GB": peak / 1e9}
+    jitted = c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step
     for platform in platforms:
-        row[f"{platform}_kernels"] = _export(c, platform)
+        row[f"{platform}_kernels"] = _export(jitted, (c.state, c.batch), {}, platform, c.mesh)
     row["fits_H100_80GB"] = peak <= H100_BYTES
     row["gpu_hours"] = flops * c.cfg.steps / (UTILISATION * H100_BF16_FLOPS) / 3600
+    return row
+
+
+def _peak(compiled) -> tuple[float, float]:
+    """``(peak bytes, temporaries)`` of a compiled program: arguments + outputs + temporaries
+    - donated, from XLA's buffer assignment."""
+    mem = compiled.memory_analysis()
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - getattr(mem, "alias_size_in_bytes", 0)), mem.temp_size_in_bytes
+
+
+def prove_decode(c: CapturedDecode, platforms=("cuda", "tpu")) -> dict:
+    """One row for a captured decode loop: the models' parameters (every ``nnx.State``
+    argument), the prompt block's shape and the new tokens, XLA's FLOPs of one call (a
+    ``while_loop``'s body counted once, so per round, not per call), its per-device peak
+    (weights, KV caches, temporaries), whether one H100 holds it, and the exports with their
+    kernels."""
+    states = [a for a in c.args if isinstance(a, nnx.State)]
+    tokens = next(a for a in c.args if isinstance(a, jax.ShapeDtypeStruct)
+                  and jnp.issubdtype(a.dtype, jnp.integer))
+    lowered = c.fn.lower(*c.args, **c.static)
+    cost = lowered.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    peak, temp = _peak(lowered.compile())
+    row = {"run": c.label, "params": sum(count_params(s) for s in states),
+           "batch": "x".join(str(d) for d in tokens.shape),
+           "new_tokens": c.static.get("max_new", 1),
+           "flops_per_call": float(cost.get("flops", 0.0)),
+           "weights_GB": sum(count_bytes(s) for s in states) / 1e9,
+           "activations_GB": temp / 1e9, "peak_GB": peak / 1e9}
+    for platform in platforms:
+        row[f"{platform}_kernels"] = _export(c.fn, c.args, c.static, platform)
+    row["fits_H100_80GB"] = peak <= H100_BYTES
     return row

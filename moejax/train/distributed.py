@@ -38,11 +38,22 @@ JAX detects the slice topology itself.
 
 Batch sizes must be divisible by the process count (each process loads
 ``batch_size / process_count`` rows) and by the mesh size.
+
+When a process dies, the others cannot go on. A watcher thread started by
+:func:`initialize_from_env` notices (the coordination service's view of who is alive, with a
+``MOEJAX_HEARTBEAT_TIMEOUT``, default 30 s) and exits each survivor with one line saying what
+happened and how to resume, and :data:`EXIT_PEER_LOST`; a collective that fails first
+becomes :class:`PeerLostError` in the training loop (naming the step and the checkpoint that
+resumes it), which :func:`moejax.experiment.main` prints and exits with the same code.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -51,7 +62,36 @@ from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
 __all__ = ["initialize_from_env", "local_batch", "assemble", "global_batch", "is_main_process",
-           "cpu_devices_env"]
+           "cpu_devices_env", "PeerLostError", "is_peer_failure", "EXIT_PEER_LOST",
+           "HEARTBEAT_TIMEOUT_S"]
+
+EXIT_PEER_LOST = 75  # EX_TEMPFAIL: try again (every process, the same command)
+HEARTBEAT_TIMEOUT_S = 30  # MOEJAX_HEARTBEAT_TIMEOUT: a process silent this long is dead
+_WATCH_EVERY_S = 2.0
+_EXIT_WAIT_S = 600  # how long a finished process waits for the others to finish
+# how a collective or the coordination service reports a process that died (gloo, NCCL, gRPC)
+_PEER_FAILURE = ("connection reset", "connection refused", "connection closed", "broken pipe",
+                 "socket closed", "gloo", "nccl", "unavailable", "heartbeat",
+                 "deadline_exceeded", "deadline exceeded", "coordination service")
+_RESUME = ("checkpoints already written are complete and verified: start the same command on "
+           "every process again to resume from the newest")
+
+
+class PeerLostError(RuntimeError):
+    """Another process of a multi-process run died. The others cannot finish the step (every
+    collective needs all of them) nor close the checkpointer (its barriers too); the run is
+    resumed by starting the same command on every process again. A program that catches this
+    should exit at once (``os._exit``): an orderly exit waits on the processes that are
+    gone."""
+
+
+def is_peer_failure(error: BaseException, processes: int | None = None) -> bool:
+    """Whether ``error``, raised in a run of ``processes`` processes (default: this run's),
+    says another process is gone."""
+    if (jax.process_count() if processes is None else processes) == 1:
+        return False
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(m in text for m in _PEER_FAILURE)
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -88,17 +128,97 @@ def initialize_from_env(env=None) -> bool:
             raise ValueError(f"MOEJAX_PROCESS_ID={pid} must be in [0, MOEJAX_NUM_PROCESSES={n})")
         local = env.get("MOEJAX_LOCAL_DEVICE_IDS")
         _maybe_cpu_collectives(env, n)
+        heartbeat = _recoverable(env)
         jax.distributed.initialize(
             coordinator_address=coord,
             num_processes=n,
             process_id=pid,
             local_device_ids=[int(i) for i in local.split(",")] if local else None,
+            heartbeat_timeout_seconds=heartbeat,
         )
+        _watch_peers()
         return True
     if _auto_detectable(env):
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=_recoverable(env))
+        _watch_peers()
         return True
     return False
+
+
+def _recoverable(env) -> int:
+    """Let the processes outlive a dead one long enough to say so (``jax_enable_recoverability``:
+    the coordination service then reports a dead process to the others instead of aborting
+    them); returns the heartbeat timeout (``MOEJAX_HEARTBEAT_TIMEOUT`` seconds)."""
+    raw = env.get("MOEJAX_HEARTBEAT_TIMEOUT", str(HEARTBEAT_TIMEOUT_S))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"MOEJAX_HEARTBEAT_TIMEOUT={raw!r} must be a whole number of seconds "
+                         ">= 1")
+    jax.config.update("jax_enable_recoverability", True)
+    return int(raw)
+
+
+def _watch_peers() -> None:
+    """A daemon thread that asks the coordination service every few seconds which processes
+    are alive (every process asks, barrier-like, as ``multihost_utils.live_devices`` does) and,
+    when one is gone, prints one line and exits with :data:`EXIT_PEER_LOST`. The main thread
+    may then be blocked for good in a collective that waits on the dead process, so the
+    watcher exits the process itself."""
+    from jax._src import distributed as jax_distributed  # the runtime's client, as live_devices
+
+    client = jax_distributed.global_state.client
+    if client is None or not hasattr(client, "get_live_nodes"):
+        return
+    me, everyone = jax.process_index(), list(range(jax.process_count()))
+    leaving = threading.Event()
+
+    def watch() -> None:
+        while not leaving.is_set():
+            try:
+                live = set(client.get_live_nodes(everyone))
+            except Exception as e:  # the service itself is gone (process 0 died)
+                if leaving.is_set():
+                    return
+                _exit_lost(me, f"the coordination service stopped answering: {e}")
+            gone = sorted(set(everyone) - live)
+            if gone and not leaving.is_set():
+                _exit_lost(me, f"process {', '.join(map(str, gone))} stopped")
+            leaving.wait(_WATCH_EVERY_S)
+
+    def leave() -> None:
+        """At exit, before jax's own shutdown (atexit runs last-registered first): stop
+        watching, wait for the others, then disconnect the others before process 0, which
+        hosts the coordination service (recoverable processes do not wait for each other
+        at shutdown, so without this a process could take another's exit for a death, or
+        disconnect from a service already gone)."""
+        leaving.set()
+        try:
+            client.wait_at_barrier("moejax_exit", timeout_in_ms=_EXIT_WAIT_S * 1000)
+        except Exception:  # a peer died meanwhile: nothing to wait for  # noqa: BLE001
+            return
+        if me != 0:
+            jax.distributed.shutdown()
+            return
+        thread.join(timeout=_EXIT_WAIT_S)
+        deadline = time.time() + _EXIT_WAIT_S
+        while time.time() < deadline:  # until every other process has disconnected
+            try:
+                if set(client.get_live_nodes(everyone)) <= {0}:
+                    return
+            except Exception:  # noqa: BLE001
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, name="moejax-peer-watch", daemon=True)
+    thread.start()
+    atexit.register(leave)
+
+
+def _exit_lost(me: int, what: str) -> None:
+    first = (what.strip().splitlines() or [""])[0][:300]
+    sys.stdout.flush()
+    print(f"error: process {me} of {jax.process_count()} lost another process ({first}); "
+          f"{_RESUME}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
 
 
 def _maybe_cpu_collectives(env, n_processes: int) -> None:

@@ -51,14 +51,20 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import moejax.train.mesh as mesh_lib
+from moejax.capture import CapturedStep, abstract, active_capture
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits
-from moejax.train.capture import CapturedStep, abstract, active_capture
 from moejax.train.checkpoint import Checkpointer
-from moejax.train.distributed import assemble, is_main_process, local_batch
+from moejax.train.distributed import (
+    PeerLostError,
+    assemble,
+    is_main_process,
+    is_peer_failure,
+    local_batch,
+)
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.logs import CsvLog, TensorBoardLog, read_csv
 from moejax.train.run_lock import RunLock
@@ -377,7 +383,7 @@ class _Run:
         """Compile the step for the first batch's shapes (jit reuses it) and refuse a step
         that cannot fit the device (:mod:`moejax.train.budget`) before anything is written
         or run; ``measure_memory`` keeps XLA's numbers. A captured run
-        (:mod:`moejax.train.capture`) is recorded at shapes it does not execute: skipped."""
+        (:mod:`moejax.capture`) is recorded at shapes it does not execute: skipped."""
         captured = active_capture() is not None
         if not (self.opts.measure_memory or (self.opts.check_memory and not captured)):
             return
@@ -391,10 +397,23 @@ class _Run:
             if not captured:
                 self.step_fn = compiled
 
-    def _close(self, failed: bool) -> None:
+    def _peer_lost(self, step: int, error: BaseException) -> PeerLostError:
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        where = (f"the newest complete checkpoint (step {self.last_saved} in "
+                 f"{self.ckpt.directory}) resumes the run exactly"
+                 if self.ckpt is not None and self.last_saved is not None
+                 else "no checkpoint was written yet, so the run starts over")
+        return PeerLostError(
+            f"process {jax.process_index()} of {jax.process_count()} lost another process "
+            f"during step {step + 1} ({type(error).__name__}: {first}); {where}: start the "
+            "same command on every process again")
+
+    def _close(self, failed: bool | str) -> None:
+        """Close the checkpointer (``failed``: abort its pending save; ``"peer"``: leave it,
+        since closing waits on the processes that are gone) and the logs; release the lock."""
         try:
-            if self.ckpt is not None:
-                self.ckpt.close(abort=failed)
+            if self.ckpt is not None and failed != "peer":
+                self.ckpt.close(abort=bool(failed))
             if self.tb is not None:
                 self.tb.close()
         finally:
@@ -415,7 +434,7 @@ class _Run:
         self.t_flush = time.perf_counter()
         self.last_saved = (self.start if self.ckpt is not None
                            and self.ckpt.latest_step() == self.start else None)
-        failed, ctrl_c = True, _CtrlC()
+        failed, ctrl_c, step = True, _CtrlC(), self.start
         try:
             for step in range(self.start, end):
                 self._step(step)
@@ -429,6 +448,11 @@ class _Run:
                     and int(jax.device_get(self.state.step)) == cfg.steps):
                 self._save()
             failed = False
+        except Exception as e:
+            if not is_peer_failure(e):
+                raise
+            failed = "peer"
+            raise self._peer_lost(step, e) from e
         finally:
             ctrl_c.restore()
             self.bar.close()
@@ -440,8 +464,8 @@ class _Run:
 
     def _capture(self) -> tuple[int, int | None]:
         """``(end step, rows per batch)`` to execute; inside
-        :func:`moejax.train.capture.capture_steps` this run's step is recorded at its real
-        shapes first and the run cut (module docstring of :mod:`moejax.train.capture`)."""
+        :func:`moejax.capture.capture_steps` this run's step is recorded at its real
+        shapes first and the run cut (module docstring of :mod:`moejax.capture`)."""
         capture = active_capture()
         if capture is None:
             return self.cfg.steps, None

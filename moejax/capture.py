@@ -1,0 +1,114 @@
+"""Capture the training runs and decode loops a recipe starts, for ahead-of-time proof at
+their real shapes.
+
+    with capture_steps(steps=2, rows=4) as captured:
+        study.run(cfg, run_dir)          # every `train(...)` and decode loop records itself
+    for c in captured:
+        prove_step(c) if isinstance(c, CapturedStep) else prove_decode(c)   # moejax.train.aot
+
+Inside the block, the training loop appends one :class:`CapturedStep` per run (its jitted
+step, the mesh it runs under, its ``TrainConfig`` and the abstract shapes of its state and
+first batch) before its first step. ``steps`` / ``rows`` then cut what it executes: at most
+``steps`` steps (0: none; the model is returned unchanged) on the first ``rows`` rows of each
+batch, so a recipe goes through every training run it has, with results to read, at the cost
+of a smoke run, while each run is recorded at its real shapes and step count.
+
+The jitted decode loops (:func:`moejax.nn.sample.sample`,
+:func:`moejax.nn.speculative.speculative_generate`, and the one-token step of
+:func:`moejax.nn.generate.generate`) append one :class:`CapturedDecode` per call (the jitted
+function, its static arguments and its arguments' abstract shapes) and then run as usual, at
+the shapes the recipe gives them.
+
+The capture is a context variable: scoped to the ``with`` block and its thread, never seen
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any
+
+import jax
+
+__all__ = ["CapturedStep", "CapturedDecode", "capture_steps", "active_capture",
+           "record_decode", "abstract"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedStep:
+    """One training run's step: ``step`` (from :func:`moejax.train.step.make_train_step`,
+    with ``.jitted(state)``), its ``mesh``, abstract ``state`` and ``batch``, its
+    ``TrainConfig`` and the run's label."""
+
+    label: str
+    step: Any
+    mesh: Any
+    state: Any
+    batch: Any
+    cfg: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedDecode:
+    """One decode loop's call: the jitted ``fn``, its abstract positional ``args`` and its
+    ``static`` keyword arguments (``fn(*args, **static)`` reruns it), and the ``label``."""
+
+    label: str
+    fn: Any
+    args: tuple
+    static: dict
+
+
+@dataclasses.dataclass
+class _Capture:
+    steps: int | None
+    rows: int | None
+    captured: list
+
+
+def record_decode(label: str, fn, args: tuple, static: dict) -> None:
+    """Inside :func:`capture_steps`: record a decode loop's call (arrays as abstract shapes,
+    anything else such as a graphdef as is); outside: nothing."""
+    capture = _ACTIVE.get()
+    if capture is not None:
+        args = tuple(abstract(a) if _is_arrays(a) else a for a in args)
+        capture.captured.append(CapturedDecode(label, fn, args, dict(static)))
+
+
+def _is_arrays(tree) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
+
+
+_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
+    "moejax_capture_steps", default=None)
+
+
+@contextlib.contextmanager
+def capture_steps(*, steps: int | None = None, rows: int | None = None):
+    """Yield the list the training runs and decode loops inside append their
+    :class:`CapturedStep` / :class:`CapturedDecode` to; each training run executes at most
+    ``steps`` steps of ``rows`` rows (``None``: as configured)."""
+    for name, value in (("steps", steps), ("rows", rows)):
+        if value is not None and value < (0 if name == "steps" else 1):
+            raise ValueError(f"capture_steps({name}={value}): expected None or a count "
+                             f">= {0 if name == 'steps' else 1}")
+    capture = _Capture(steps, rows, [])
+    token = _ACTIVE.set(capture)
+    try:
+        yield capture.captured
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_capture() -> _Capture | None:
+    return _ACTIVE.get()
+
+
+def abstract(tree):
+    """``tree`` as ``jax.ShapeDtypeStruct`` s (shardings kept)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree)
