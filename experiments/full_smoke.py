@@ -24,7 +24,9 @@ training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`;
 one program, e.g. the same student under several methods, are proven once and their steps
 summed): parameters, FLOPs per step, weights, optimizer state and activations per device,
 whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
-hours of all the full preset's runs of that step (``full_aot.md``).
+hours of all the full preset's runs of that step; and every distinct decode loop it calls
+(:func:`moejax.train.aot.prove_decode`, at the shapes the smoke cuts give it). A study's
+``SMOKE_DEPTH`` applies here too, and the depth column says so (``full_aot.md``).
 
 A study past ``timeout`` seconds is stopped and reported as such.
 """
@@ -92,7 +94,7 @@ def _smoke(name: str, module, out: Path) -> dict:
 
 def _cuts(module) -> tuple[str, ...]:
     """The study's own smoke cuts: what it counts (``SMOKE``), then the depth it drops where
-    the full preset cannot fit this machine (``SMOKE_DEPTH``; ahead-of-time proof keeps it)."""
+    the full preset cannot fit this machine (``SMOKE_DEPTH``; the tables say so)."""
     return (*getattr(module, "SMOKE", ()), *getattr(module, "SMOKE_DEPTH", ()))
 
 
@@ -100,7 +102,7 @@ def _aot(name: str, module, out: Path, overrides=()) -> dict:
     """The study's training runs captured whole (not executed) and proven ahead of time;
     ``overrides`` (key=value) after the cuts, e.g. a reduced depth."""
     cfg = apply_overrides(smoke_config(module.make_config("full"), cut_training=False),
-                          [*getattr(module, "SMOKE", ()), *overrides])
+                          [*_cuts(module), *overrides])
     result = {"ok": False, "error": "", "rows": []}
     run = RunDir.create(out, cfg, name=name, lock=True)
     with capture_steps(steps=SMOKE_STEPS, rows=SMOKE_ROWS) as captured:
@@ -197,6 +199,11 @@ def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
 
 
 def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
+    depth = " ".join(getattr(importlib.import_module(f"experiments.{name}"), "SMOKE_DEPTH", ()))
+    return [{"depth": depth or "full", **row} for row in _proven_rows(name, rec)]
+
+
+def _proven_rows(name: str, rec: dict) -> list[dict]:
     rows = []
     for r in rec.get("rows", []):
         if "error" in r:
