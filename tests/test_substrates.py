@@ -59,6 +59,45 @@ def test_lm_chain_build_cache_and_resume(tiny_recipes):
     _same_params(resumed.model, code.model)
 
 
+def test_a_full_disk_while_caching_names_the_directory_and_the_space(tiny_recipes, monkeypatch,
+                                                                      capsys):
+    """ENOSPC while writing the weights: one OSError naming the substrate's directory and the
+    megabytes its weights need, nothing that looks cached, and a study's main prints one
+    line (exit 1); the next build, with space again, resumes from the trained run."""
+    import errno
+
+    from moejax import experiment
+    from moejax.substrates import registry
+
+    real = registry.export_params
+
+    def full(model, path, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(registry, "export_params", full)
+    with pytest.raises(OSError) as e:
+        substrates.get("dense_lm_prose", "quick", cache_dir=tiny_recipes)
+    d = substrates.substrate_dir("dense_lm_prose", _tiny_lm("dense_lm_prose", "quick"),
+                                 label="quick", cache_dir=tiny_recipes)
+    assert e.value.errno == errno.ENOSPC and "\n" not in e.value.strerror
+    assert e.value.strerror.startswith(f"disk full caching substrate dense_lm_prose in {d}: "
+                                       "its weights need ")
+    assert " MB; the trained run " in e.value.strerror
+    assert not (d / "model.safetensors").exists() and not (d / "integrity.json").exists()
+
+    def study(cfg, run):
+        substrates.get("dense_lm_prose", "quick", cache_dir=tiny_recipes)
+
+    cfg = _tiny_lm("dense_lm_prose", "quick")
+    assert experiment.main("full_disk", lambda preset: cfg, study,
+                           [f"out={tiny_recipes / 'study'}"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: disk full writing ") and str(d) in line
+    monkeypatch.setattr(registry, "export_params", real)
+    substrates.get("dense_lm_prose", "quick", cache_dir=tiny_recipes)
+    assert (d / "model.safetensors").is_file()
+
+
 def test_custom_config_gets_own_cache_key(tiny_recipes):
     cfg = _tiny_lm("dense_lm_prose", "quick")
     other = cfg.replace(train=cfg.train.replace(steps=2))

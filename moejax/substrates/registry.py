@@ -35,6 +35,7 @@ it loads. A file lock keeps two processes from training the same substrate at on
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -46,9 +47,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text, writable_dir
 from moejax.io.safetensors_io import export_params, import_params
+from moejax.pytree import count_bytes
 from moejax.smoke import SMOKE_SUFFIX, smoke_config
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
@@ -251,10 +255,19 @@ def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_
         t0 = time.time()
         model, metrics = recipe.train(cfg, str(d / "train"), deps, progress)
         metrics = {"wall_s": round(time.time() - t0, 1), **metrics}
-        atomic_write_text(d / "metrics.json", json.dumps(metrics, indent=2))
-        export_params(model, d / "model.safetensors", config=cfg,
-                      metadata={"substrate": name})
-        _write_integrity(d)
+        try:
+            atomic_write_text(d / "metrics.json", json.dumps(metrics, indent=2))
+            export_params(model, d / "model.safetensors", config=cfg,
+                          metadata={"substrate": name})
+            _write_integrity(d)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise OSError(errno.ENOSPC, (
+                f"disk full caching substrate {name} in {d}: its weights need "
+                f"{count_bytes(nnx.state(model, nnx.Param)) / 1e6:.1f} MB; the trained run "
+                f"in {d / 'train'} is kept and the next build resumes from it"),
+                e.filename) from e
     return Substrate(name, model, cfg, metrics, d)
 
 
