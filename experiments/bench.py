@@ -22,7 +22,7 @@ import numpy as np
 __all__ = ["time_call", "time_interleaved", "union_activations", "kernel_unavailable",
            "KERNEL_PATHS", "HOST_PATHS"]
 
-KERNEL_PATHS = ("pallas", "triton", "gmm")
+KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
 HOST_PATHS = ("host", "host_capacity")
 
 

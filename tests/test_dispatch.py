@@ -29,9 +29,9 @@ NP_ACT = {
     "relu": (lambda v: np.maximum(v, 0), False),
 }
 
-# the one-device kernel path compared with the oracles: the host kernel on a CPU, the Pallas
+# the one-device kernel path compared with the oracles: the host kernel on a CPU, tokamax's
 # grouped matmul on a GPU or TPU
-ONE_DEVICE = "host" if jax.default_backend() == "cpu" else "gmm"
+ONE_DEVICE = "host" if jax.default_backend() == "cpu" else "tokamax"
 
 
 def _params(seed, activation, n=N, d=D, f=F, e=E):
@@ -339,7 +339,7 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs the CPU's host kernel")
-def test_auto_is_host_on_one_cpu_device_gmm_on_accelerators_else_grouped(monkeypatch):
+def test_auto_is_host_on_one_cpu_device_tokamax_on_accelerators_else_grouped(monkeypatch):
     assert dp.resolve_dispatch("capacity") == "capacity"
     assert dp.resolve_dispatch("grouped") == "grouped"
     assert jax.default_backend() == "cpu" and jax.device_count() == 1  # this test process
@@ -353,6 +353,6 @@ def test_auto_is_host_on_one_cpu_device_gmm_on_accelerators_else_grouped(monkeyp
     want = dispatch("host", *args, activation="swiglu").y_ND
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
-    assert dp.resolve_dispatch("auto") == "gmm"
+    assert dp.resolve_dispatch("auto") == ("tokamax" if dp.RAGGED_DOT_AVAILABLE else "gmm")
     monkeypatch.setattr(dp.jax, "device_count", lambda: 8)
     assert dp.resolve_dispatch("auto") == "grouped"

@@ -1,7 +1,8 @@
 """The Pallas grouped-matmul kernels (moejax.kernels.gmm), in interpret mode on CPU, against
 jax.lax.ragged_dot and a per-group dense oracle: values and gradients, empty groups, groups
 spanning several tiles, sizes that are not multiples of the tiles; and as the MoE skeleton's
-``dispatch="gmm"`` path against the dense oracle."""
+``dispatch="gmm"`` path against the dense oracle, as is ``dispatch="tokamax"`` (tokamax's
+reference implementation on CPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 
 from moejax.kernels import gmm, group_tiles, tgmm
 from moejax.kernels.dispatch import dispatch
+from moejax.kernels.ragged_dot import AVAILABLE as RAGGED_DOT_AVAILABLE
 from moejax.nn.router import top_k_gates
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum
@@ -87,7 +89,10 @@ def test_group_tiles_layout_and_bf16():
         gmm(x, w, g[:3])
 
 
-def test_gmm_dispatch_equals_dense_oracle_with_gradients():
+@pytest.mark.parametrize("method", [
+    "gmm", pytest.param("tokamax", marks=pytest.mark.skipif(
+        not RAGGED_DOT_AVAILABLE, reason="tokamax is not installed"))])
+def test_grouped_matmul_dispatch_equals_dense_oracle_with_gradients(method):
     n, d, f, e, k = 10, 8, 12, 4, 2
     ks = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(ks[0], (n, d))
@@ -106,7 +111,7 @@ def test_gmm_dispatch_equals_dense_oracle_with_gradients():
         return jax.value_and_grad(fn, argnums=(0, 1, 2, 3))
 
     (l_d, g_d), (l_g, g_g) = (loss("dense")(x, w_up, w_gate, w_down),
-                              loss("gmm")(x, w_up, w_gate, w_down))
+                              loss(method)(x, w_up, w_gate, w_down))
     np.testing.assert_allclose(float(l_g), float(l_d), rtol=1e-5)
     for a, b in zip(g_g, g_d):
         assert float(jnp.max(jnp.abs(b))) > 1e-3

@@ -3,9 +3,12 @@ paths, behind one signature, and ``"auto"``.
 
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
   (:mod:`moejax.ops.dispatch`).
-* ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the Pallas grouped
-  matmul :func:`moejax.kernels.gmm.gmm` (forward and backward kernels; Pallas interpret mode
-  on CPU, so only for tests there).
+* ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
+  grouped matmul (:func:`moejax.kernels.ragged_dot.ragged_dot`: Mosaic GPU / Mosaic TPU
+  kernels, :func:`jax.lax.ragged_dot` elsewhere).
+* ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
+  grouped matmul :func:`moejax.kernels.gmm.gmm` (forward and backward kernels; Pallas
+  interpret mode on CPU, so only for tests there).
 * ``"host"``: dropless, :func:`moejax.kernels.host.moe.host_moe`, the whole expert FFN on the
   host's BLAS (one callback forward, one backward), experts spread over the cores. CPU only.
 * ``"host_capacity"``: the capacity path's semantics (same capacity, priority and drops)
@@ -17,9 +20,9 @@ paths, behind one signature, and ``"auto"``.
   the one-device choice below (:mod:`moejax.kernels.expert_parallel`).
 
 ``"auto"`` (the models' default): under such a mesh, ``"expert_parallel"``; otherwise, with one
-device, ``"host"`` when the program is lowered for a CPU and ``"gmm"`` when it is lowered for
-a GPU or TPU (:func:`jax.lax.platform_dependent`), and ``"grouped"`` with several devices and
-no mesh: see :func:`resolve_dispatch`.
+device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
+for a GPU or TPU (:func:`jax.lax.platform_dependent`; ``"gmm"`` where tokamax is not
+installed), and ``"grouped"`` with several devices and no mesh: see :func:`resolve_dispatch`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import jax.numpy as jnp
 from moejax.kernels.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.gmm import gmm
 from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
+from moejax.kernels.ragged_dot import AVAILABLE as RAGGED_DOT_AVAILABLE
+from moejax.kernels.ragged_dot import ragged_dot
 from moejax.ops.dispatch import (
     DispatchMethod,
     DispatchOut,
@@ -64,6 +69,11 @@ def _gmm(*args, activation, capacity_factor, valid_N, priority):
     return dispatch_ragged(*args, activation=activation, valid_N=valid_N, grouped_matmul=gmm)
 
 
+def _tokamax(*args, activation, capacity_factor, valid_N, priority):
+    return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
+                           grouped_matmul=ragged_dot)
+
+
 def _grouped(*args, activation, capacity_factor, valid_N, priority):
     return dispatch_grouped(*args, activation=activation, valid_N=valid_N)
 
@@ -91,7 +101,8 @@ def _host_capacity(*args, activation, capacity_factor, valid_N, priority, widths
 
 def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     """The fastest dropless path of the platform the program is lowered for: the host kernel
-    on a CPU, the Pallas grouped matmul on a GPU or TPU."""
+    on a CPU, tokamax's grouped matmul on a GPU or TPU (the project's Pallas gmm where
+    tokamax is not installed)."""
     kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
               priority=priority)
     every = (*args, widths_E)
@@ -107,8 +118,8 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
             return _host(*a, check_backend=False, widths_E=widths, **kw)
         return _grouped(*a, **kw)
 
-    def accelerator(*flat):  # gmm picks Triton or Mosaic itself (each branch is traced)
-        return _gmm(*rebuild(flat)[:-1], **kw)
+    def accelerator(*flat):  # each picks the platform's kernel itself (every branch is traced)
+        return (_tokamax if RAGGED_DOT_AVAILABLE else _gmm)(*rebuild(flat)[:-1], **kw)
 
     return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
 
@@ -151,7 +162,7 @@ def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
 
 
 PATHS: dict[str, Callable[..., DispatchOut]] = {
-    "dense": _dense, "capacity": _capacity, "ragged": _ragged, "gmm": _gmm,
+    "dense": _dense, "capacity": _capacity, "ragged": _ragged, "gmm": _gmm, "tokamax": _tokamax,
     "host": _host, "host_capacity": _host_capacity, "grouped": _grouped, "bucketed": _bucketed,
     "expert_parallel": _expert_parallel,
     "expert_parallel_capacity": functools.partial(_expert_parallel, capacity=True),
@@ -161,7 +172,8 @@ PATHS: dict[str, Callable[..., DispatchOut]] = {
 def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     """The path ``"auto"`` runs on this machine's default backend: with one device ``"host"``
     on a CPU (the fused expert kernel on the host's BLAS, the fastest dropless path there) and
-    ``"gmm"`` on a GPU or TPU (the Pallas grouped matmul); with several devices ``"grouped"``
+    ``"tokamax"`` on a GPU or TPU (``"gmm"``, the project's Pallas grouped matmul, where
+    tokamax is not installed); with several devices ``"grouped"``
     (plain jnp, which the SPMD partitioner shards). Inside a jitted function ``"auto"`` picks
     the kernel when the function is lowered, so a program exported for another platform gets
     that platform's kernel. Under a data x expert mesh set for tracing, ``"expert_parallel"``.
@@ -172,7 +184,9 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
         return "expert_parallel"
     if jax.device_count() > 1:
         return "grouped"
-    return "host" if jax.default_backend() == "cpu" else "gmm"
+    if jax.default_backend() == "cpu":
+        return "host"
+    return "tokamax" if RAGGED_DOT_AVAILABLE else "gmm"
 
 
 _TAKE_WIDTHS = ("auto", "host", "host_capacity")

@@ -16,7 +16,9 @@ import contextlib
 
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-__all__ = ["TARGETS", "lowering_target"]
+from moejax.kernels.ragged_dot import cross_compile
+
+__all__ = ["TARGETS", "COMPUTE_CAPABILITY", "lowering_target"]
 
 # device_kind as jax reports it on that device; num_cores: SMs (GPU) or TensorCores (TPU)
 TARGETS: dict[str, AbstractDevice] = {
@@ -24,11 +26,15 @@ TARGETS: dict[str, AbstractDevice] = {
     "tpu": AbstractDevice(device_kind="TPU v5p", num_cores=2, platform="tpu"),
 }
 
+# what tokamax reads from a local GPU to pick its kernels (sm90 for the H100)
+COMPUTE_CAPABILITY: dict[str, float] = {"cuda": 9.0}
+
 
 @contextlib.contextmanager
 def lowering_target(platform: str, mesh=None):
     """Lower under ``TARGETS[platform]`` (``mesh``: a concrete or abstract mesh whose axes
-    to keep; default one device). Yields the abstract device."""
+    to keep; default one device), with tokamax's kernels lowered for it too
+    (:func:`moejax.kernels.ragged_dot.cross_compile`). Yields the abstract device."""
     if platform not in TARGETS:
         raise ValueError(f"no lowering target for platform {platform!r}; "
                          f"known: {', '.join(TARGETS)}")
@@ -37,5 +43,5 @@ def lowering_target(platform: str, mesh=None):
         target = AbstractMesh((1,), ("target",), (AxisType.Auto,), abstract_device=device)
     else:
         target = getattr(mesh, "abstract_mesh", mesh).update(abstract_device=device)
-    with use_abstract_mesh(target):
+    with use_abstract_mesh(target), cross_compile(COMPUTE_CAPABILITY.get(platform)):
         yield device

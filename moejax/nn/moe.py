@@ -57,15 +57,17 @@ class MoEConfig(FFNSlotConfig):
         (Mixtral, MoE-LLaVA) or keep the raw softmax probabilities (Switch). The noisy
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "auto" (the default: "expert_parallel" under a data x expert mesh, else
-        "host" lowered for a CPU and "gmm" for a GPU/TPU with one device, "grouped" with
+        "host" lowered for a CPU and "tokamax" for a GPU/TPU with one device, "grouped" with
         several; see :func:`moejax.kernels.dispatch.resolve_dispatch`),
         "expert_parallel" / "expert_parallel_capacity" (all-to-all expert parallelism,
         dropless / with ``capacity_factor``; :mod:`moejax.kernels.expert_parallel`),
         "dense" (oracle, all
         experts on all tokens), "capacity" (fixed [E, C, D] buffers, drops overflow),
-        "ragged" (dropless grouped matmul with ``jax.lax.ragged_dot``), "gmm" (dropless,
-        the Pallas grouped-matmul kernels with their backward; GPU, interpret mode on
-        CPU), "grouped" (dropless, block-padded grouped tiles as batched dense matmuls
+        "ragged" (dropless grouped matmul with ``jax.lax.ragged_dot``), "tokamax"
+        (dropless, tokamax's Mosaic GPU / TPU grouped-matmul kernels with their backward;
+        ``jax.lax.ragged_dot`` elsewhere), "gmm" (dropless, the project's Pallas
+        grouped-matmul kernels with their backward; GPU, interpret mode on CPU),
+        "grouped" (dropless, block-padded grouped tiles as batched dense matmuls
         in jnp; runs and shards anywhere), "host" (dropless: the fused expert FFN of
         :mod:`moejax.kernels.host.moe`, each expert's exact rows on numpy's BLAS, one
         callback forward and one backward; CPU backend only, first-order gradients; the

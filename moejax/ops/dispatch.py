@@ -32,7 +32,8 @@ Paths (all agree to float tolerance when nothing is dropped):
   rematerialised), and slow under a skewed load. Costs more compile time (one capacity
   path per rung).
 
-The paths by name, with the kernel paths (``"gmm"``, ``"host"``, ``"host_capacity"``) and
+The paths by name, with the kernel paths (``"tokamax"``, ``"gmm"``, ``"host"``,
+``"host_capacity"``) and
 ``"auto"``, are in :mod:`moejax.kernels.dispatch`.
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
@@ -64,8 +65,9 @@ __all__ = [
     "BUCKET_FACTORS",
 ]
 
-DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "gmm", "host", "host_capacity",
-                         "grouped", "bucketed", "expert_parallel", "expert_parallel_capacity"]
+DispatchMethod = Literal["auto", "dense", "capacity", "ragged", "tokamax", "gmm", "host",
+                         "host_capacity", "grouped", "bucketed", "expert_parallel",
+                         "expert_parallel_capacity"]
 
 # Capacity ladder of the bucketed path, as multiples of the balanced load N k / E.
 BUCKET_FACTORS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)

@@ -14,7 +14,7 @@ the run is read from XLA.
   (arguments + outputs + temporaries - donated), the per-device memory the step needs;
   ``activations_GB`` is its temporaries;
 - ``<platform>_kernels``: the platform's kernel custom calls in the exported module (``cuda``:
-  Triton; ``tpu``: Mosaic), or the export's error;
+  Triton or Mosaic GPU; ``tpu``: Mosaic), or the export's error;
 - ``fits_H100_80GB``: ``peak_GB`` within the device's memory;
 - ``gpu_hours``: ``flops_per_step x steps / (UTILISATION x H100_BF16_FLOPS)``.
 """
@@ -40,7 +40,7 @@ H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM
 H100_BYTES = 80e9
 UTILISATION = 0.4  # the model-FLOPs utilisation the GPU-hour estimate assumes
 TRITON = "__gpu$xla.gpu.triton"
-KERNEL_CALLS = {"cuda": (TRITON, "mosaic_gpu"), "tpu": ("tpu_custom_call",)}
+KERNEL_CALLS = {"cuda": (TRITON, "mosaic_gpu", "mosaic_gpu_v2"), "tpu": ("tpu_custom_call",)}
 _CALL = re.compile(r"custom_call @([\w$.]+)|custom_call_target=\"([\w$.]+)\"")
 
 

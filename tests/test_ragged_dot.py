@@ -1,0 +1,108 @@
+"""tokamax's grouped matmul (moejax.kernels.ragged_dot), the dropless path dispatch="auto"
+takes on GPU and TPU: on the CPU it runs tokamax's reference implementation, whose values and
+gradients equal a per-row dense oracle (empty groups included; the "tokamax" dispatch path
+against the dense dispatch oracle is in test_kernels_gmm); exported for an H100 and a TPU v5p from this
+CPU, forward and both gradients are tokamax's Mosaic GPU / Mosaic TPU kernels (three custom
+calls), at the full presets' widths too; and the export context leaves tokamax's device
+lookup as it found it."""
+
+import re
+
+import jax
+import jax.export as je
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.kernels import ragged_dot as rd
+from moejax.kernels.dispatch import resolve_dispatch
+from moejax.kernels.targets import lowering_target
+
+pytestmark = pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed "
+                                "(pip install -e '.[dev]')")
+KERNEL = {"cuda": "mosaic_gpu_v2", "tpu": "tpu_custom_call"}
+
+
+def _oracle(x_MK, w_GKN, sizes_G):
+    """Row by row: ``x[m] @ w[group of m]``."""
+    group_M = np.repeat(np.arange(len(sizes_G)), sizes_G)
+    return jnp.einsum("mk,mkn->mn", x_MK, w_GKN[group_M])
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 9, 2), (16, 0, 0, 0), (1, 1, 1, 13)])
+def test_values_and_gradients_equal_the_dense_oracle(sizes):
+    m, k, n = sum(sizes), 12, 20
+    kx, kw, kc = jax.random.split(jax.random.key(len(sizes) + sizes[0]), 3)
+    x = jax.random.normal(kx, (m, k))
+    w = jax.random.normal(kw, (len(sizes), k, n))
+    ct = jax.random.normal(kc, (m, n))
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def loss(f):
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) * ct), (0, 1)))
+
+    (lv, (gx, gw)) = loss(lambda x, w: rd.ragged_dot(x, w, gs))(x, w)
+    (ov, (ox, ow)) = loss(lambda x, w: _oracle(x, w, np.asarray(sizes)))(x, w)
+    np.testing.assert_allclose(float(lv), float(ov), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(ox), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(ow), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(gw[np.asarray(sizes) == 0]).max(initial=0.0)) == 0.0  # empty: no grad
+    with pytest.raises(ValueError, match="cast one"):
+        rd.ragged_dot(x.astype(jnp.bfloat16), w, gs)
+    with pytest.raises(ValueError, match=r"\[M, K\] and \[G, K, N\]"):
+        rd.ragged_dot(x[:, :5], w, gs)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("m,k,n,g", [
+    (2048, 768, 1408, 8),    # K and N off powers of two
+    (512, 2048, 1408, 16),   # D 2048
+])
+def test_forward_and_both_gradients_export_as_the_platforms_kernels(platform, m, k, n, g):
+    def step(x, w, gs):
+        loss = lambda x, w: jnp.sum(rd.ragged_dot(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32))
+    with lowering_target(platform):
+        text = je.export(jax.jit(step), platforms=(platform,))(*args).mlir_module()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls.count(KERNEL[platform]) == 3, calls  # forward, dX and dW
+    assert not any("callback" in c for c in calls), calls
+
+
+@pytest.mark.parametrize("platform,dtype,k,kernel", [
+    ("cuda", jnp.float32, 256, "__gpu$xla.gpu.triton"),   # Mosaic GPU takes bf16 / f16 only
+    ("tpu", jnp.bfloat16, 64, "tpu_custom_call"),          # Mosaic TPU: a contraction >= 128
+])
+def test_what_tokamax_does_not_take_runs_on_the_own_kernel_never_dense(platform, dtype, k,
+                                                                       kernel):
+    def step(x, w, gs):
+        loss = lambda x, w: jnp.sum(rd.ragged_dot(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((512, k), dtype), S((8, k, 384), dtype), S((8,), jnp.int32))
+    checks = [je.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with lowering_target(platform):
+        text = je.export(jax.jit(step), platforms=(platform,), disabled_checks=checks)(
+            *args).mlir_module()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls.count(kernel) == 3 and KERNEL["cuda"] not in calls, calls
+
+
+def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(monkeypatch):
+    lookup = rd._tokamax_gpu_utils._compute_capability
+    with lowering_target("cuda"):
+        assert rd._tokamax_gpu_utils._compute_capability() == 9.0
+        assert rd.tokamax.config.cross_compile.value is True
+    assert rd._tokamax_gpu_utils._compute_capability is lookup
+    assert rd.tokamax.config.cross_compile.value is False
+    assert lookup() is None  # this CPU has no compute capability
+    from moejax.kernels import dispatch as dp
+
+    monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
+    assert resolve_dispatch("auto") == "tokamax"
+    monkeypatch.setattr(dp, "RAGGED_DOT_AVAILABLE", False)
+    assert resolve_dispatch("auto") == "gmm"  # the project's kernel where tokamax is absent
