@@ -1,10 +1,11 @@
 """tokamax's grouped matmul (moejax.kernels.ragged_dot), the dropless path dispatch="auto"
 takes on GPU and TPU: on the CPU it runs tokamax's reference implementation, whose values and
 gradients equal a per-row dense oracle (empty groups included; the "tokamax" dispatch path
-against the dense dispatch oracle is in test_kernels_gmm); exported for an H100 and a TPU v5p from this
-CPU, forward and both gradients are tokamax's Mosaic GPU / Mosaic TPU kernels (three custom
-calls), at the full presets' widths too; and the export context leaves tokamax's device
-lookup as it found it."""
+against the dense dispatch oracle is in test_kernels_gmm). Exported for an H100 and a TPU v5p
+from this CPU, forward and both gradients are tokamax's Mosaic GPU / Mosaic TPU kernels
+(three custom calls), at the full presets' widths too, and what tokamax does not take (f32 on
+Mosaic GPU, a short contraction on Mosaic TPU) runs on the project's own Pallas kernel; the
+export context leaves tokamax's device lookup as it found it."""
 
 import re
 
