@@ -40,7 +40,7 @@ def kernel_unavailable(path: str) -> str | None:
         return (f"not measured: needs a GPU ({jax.default_backend()} runs Pallas in "
                 "interpret mode)")
     if path == "triton":
-        from moejax.kernels.chunk_union_triton import unavailable_reason
+        from moejax.kernels.chunk_union.fused_triton import unavailable_reason
 
         why = unavailable_reason()
         return None if why is None else f"not measured: {why}"

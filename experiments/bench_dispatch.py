@@ -45,8 +45,8 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.experiment import main
-from moejax.kernels.dispatch import PATHS
 from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
+from moejax.kernels.moe_dispatch import PATHS
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig

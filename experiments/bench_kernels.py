@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 from experiments.bench import kernel_unavailable, time_call, time_interleaved, union_activations
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.kernels.chunk_union import chunk_union_kernel
-from moejax.kernels.gmm import gmm
-from moejax.ops.chunk_union import chunk_union_experts, dense_experts
+from moejax.kernels.chunk_union.pallas import chunk_union_kernel
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
+from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 

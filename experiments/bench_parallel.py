@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 from experiments.bench import time_call
 from moejax.config import Config, config
 from moejax.experiment import main
-from moejax.kernels.dispatch import dispatch
 from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.results import RunDir
 from moejax.train.collectives import collective_bytes
 from moejax.train.distributed import cpu_devices_env

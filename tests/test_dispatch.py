@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from scipy.special import erf
 
-from moejax.kernels import dispatch as dp
-from moejax.kernels.dispatch import dispatch
+from moejax.kernels import moe_dispatch as dp
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.router import top_k_gates
 from moejax.ops.dispatch import (
     dispatch_capacity,

@@ -26,7 +26,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 import jax.export as je
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from moejax.kernels.dispatch import dispatch
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.kernels.targets import lowering_target
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig

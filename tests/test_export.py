@@ -16,8 +16,8 @@ import optax
 import pytest
 from flax import nnx
 
-from moejax.kernels.chunk_union import chunk_union_pallas
-from moejax.kernels.gmm import gmm
+from moejax.kernels.chunk_union.pallas import chunk_union_pallas
+from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.targets import lowering_target
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import moejax.kernels.host.moe as hm
-from moejax.kernels.dispatch import dispatch
 from moejax.kernels.host.act import act_into, base_activation
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.ops.activations import activation_fn, is_gated
 from moejax.ops.dispatch import dispatch_capacity, dispatch_dense
 

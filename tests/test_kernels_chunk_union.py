@@ -1,5 +1,5 @@
-"""The chunk-sparse BlockFFN Pallas kernels (moejax.kernels.chunk_union), interpret mode on CPU:
-values against the dense oracle and the jnp chunk-union reference, and gradients (x, combine
+"""The chunk-sparse BlockFFN Pallas kernels (moejax.kernels.chunk_union.pallas), interpret mode
+on CPU: values against the dense oracle and the jnp chunk-union reference, and gradients (x, combine
 weights, every expert weight) against the vjp of the jnp reference; edge cases (empty union,
 full union, token count not a multiple of the tile, union cap overflow, several row,
 contraction and output blocks), every activation, gated and bf16; and as BlockFFN's
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.kernels.chunk_union import chunk_union_kernel, chunk_union_pallas
+from moejax.kernels.chunk_union.pallas import chunk_union_kernel, chunk_union_pallas
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.ops.activations import is_gated
-from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
 N, D, E, F = 13, 6, 5, 4
 
@@ -162,7 +162,7 @@ def test_triton_backend_without_gpu_names_the_fix():
 @pytest.mark.parametrize("backend", ["pallas", "triton"])
 def test_kernel_compiled_on_gpu_matches_reference_with_gradients(backend):
     if backend == "triton":
-        from moejax.kernels.chunk_union_triton import unavailable_reason
+        from moejax.kernels.chunk_union.fused_triton import unavailable_reason
 
         if (why := unavailable_reason()) is not None:
             pytest.skip(why)

@@ -1,8 +1,8 @@
-"""The Pallas grouped-matmul kernels (moejax.kernels.gmm), in interpret mode on CPU, against
-jax.lax.ragged_dot and a per-group dense oracle: values and gradients, empty groups, groups
-spanning several tiles, sizes that are not multiples of the tiles; and as the MoE skeleton's
-``dispatch="gmm"`` path against the dense oracle, as is ``dispatch="tokamax"`` (tokamax's
-reference implementation on CPU)."""
+"""The Pallas grouped-matmul kernels (moejax.kernels.grouped.pallas_gmm), in interpret mode on
+CPU, against jax.lax.ragged_dot and a per-group dense oracle: values and gradients, empty
+groups, groups spanning several tiles, sizes that are not multiples of the tiles; and as the
+MoE skeleton's ``dispatch="gmm"`` path against the dense oracle, as is ``dispatch="tokamax"``
+(tokamax's reference implementation on CPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from moejax.kernels import gmm, group_tiles, tgmm
-from moejax.kernels.dispatch import dispatch
-from moejax.kernels.ragged_dot import AVAILABLE as RAGGED_DOT_AVAILABLE
+from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.router import top_k_gates
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum

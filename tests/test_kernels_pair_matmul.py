@@ -1,4 +1,4 @@
-"""The (tile, expert) pair products (moejax.kernels.pair_matmul) against numpy loops over the
+"""The (tile, expert) pair products (moejax.kernels.chunk_union.pairs) against numpy loops over the
 pairs: empty tiles, experts in no union (zero weight gradient), plain and transposed weights,
 operands indexed by pair or by tile, several blocks on every axis. Interpret mode on a CPU;
 compiled on a GPU or TPU (scripts/gpu_check.sh)."""
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels.pair_matmul import pair_down, pair_up, pair_wgrad, union_pairs
-from moejax.ops.chunk_union import union_members
+from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
+from moejax.kernels.chunk_union.reference import union_members
 
 S, E, U = 4, 6, 3
 

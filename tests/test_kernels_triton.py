@@ -1,4 +1,4 @@
-"""The chunk-sparse BlockFFN Triton kernel (moejax.kernels.chunk_union_triton).
+"""The chunk-sparse BlockFFN Triton kernel (moejax.kernels.chunk_union.fused_triton).
 
 On a CPU machine with ``triton`` installed, the kernel runs in Triton's interpreter on numpy
 arrays (dressed as the torch-like tensors the interpreter takes) and must match the dense
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels.chunk_union import tile_unions
-from moejax.ops.chunk_union import chunk_union_experts, dense_experts
+from moejax.kernels.chunk_union.pallas import tile_unions
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: its own library too
 
@@ -26,7 +26,7 @@ triton = pytest.importorskip(
 
 @pytest.fixture(scope="module")
 def kernel_module():
-    import moejax.kernels.chunk_union_triton as m
+    import moejax.kernels.chunk_union.fused_triton as m
 
     return importlib.reload(m)  # decorate the kernel for the interpreter
 

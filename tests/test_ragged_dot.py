@@ -1,4 +1,4 @@
-"""tokamax's grouped matmul (moejax.kernels.ragged_dot), the dropless path dispatch="auto"
+"""tokamax's grouped matmul (moejax.kernels.grouped.ragged), the dropless path dispatch="auto"
 takes on GPU and TPU: on the CPU it runs tokamax's reference implementation, whose values and
 gradients equal a per-row dense oracle (empty groups included; the "tokamax" dispatch path
 against the dense dispatch oracle is in test_kernels_gmm). Exported for an H100 and a TPU v5p
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import ragged_dot as rd
-from moejax.kernels.dispatch import resolve_dispatch
+from moejax.kernels.grouped import ragged as rd
+from moejax.kernels.moe_dispatch import resolve_dispatch
 from moejax.kernels.targets import lowering_target
 
 pytestmark = pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed "
@@ -101,7 +101,7 @@ def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(m
     assert rd._tokamax_gpu_utils._compute_capability is lookup
     assert rd.tokamax.config.cross_compile.value is False
     assert lookup() is None  # this CPU has no compute capability
-    from moejax.kernels import dispatch as dp
+    from moejax.kernels import moe_dispatch as dp
 
     monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
     assert resolve_dispatch("auto") == "tokamax"

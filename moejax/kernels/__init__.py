@@ -1,22 +1,19 @@
-"""Expert kernels (pure array functions; no model code). On CPU the Pallas kernels run in
-Pallas interpret mode (slow: tests use small shapes).
+"""Expert kernels (pure array functions; no model code), one package per kernel family: each
+holds its reference, its per-backend kernels, their ``custom_vjp`` and their layout. On CPU
+the Pallas kernels run in Pallas interpret mode (slow: tests use small shapes).
 
-* :mod:`~moejax.kernels.dispatch`: every MoE dispatch path by name (jnp and kernel paths).
+* :mod:`~moejax.kernels.grouped`: the dropless grouped matmul (tokamax's kernels, the
+  project's Pallas gmm);
+* :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-union experts (reference, pair
+  products, the Pallas layer, the fused Triton forward);
 * :mod:`~moejax.kernels.host`: the fused host expert FFN for the CPU backend
-  (``dispatch="host"`` / ``"host_capacity"``).
-
-* :mod:`~moejax.kernels.gmm`: dropless grouped matmul (``jax.lax.ragged_dot`` semantics) on a
-  block-padded grouped layout, forward and backward (dX, dW) under a ``custom_vjp``; the MoE
-  skeleton's ``dispatch="gmm"``.
-* :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-sparse experts (each token tile reads
-  only its union's expert weights), forward and backward, from the (tile, expert) pair
-  products of :mod:`~moejax.kernels.pair_matmul` (Triton on GPU, Mosaic on TPU); BlockFFN's
-  ``path="pallas"`` (and ``"auto"`` on accelerators).
-* :mod:`~moejax.kernels.chunk_union_triton`: the fused forward as a Triton kernel through
-  ``jax_triton`` (guarded imports; GPU and the ``gpu`` extra); BlockFFN's ``path="triton"``.
-* :mod:`~moejax.kernels.tiling`: block sizes and the per-platform kernel choice.
+  (``dispatch="host"`` / ``"host_capacity"``);
+* :mod:`~moejax.kernels.moe_dispatch`: every MoE dispatch path by name (jnp and kernel
+  paths) and ``"auto"``; :mod:`~moejax.kernels.expert_parallel`: the all-to-all paths;
+* :mod:`~moejax.kernels.tiling`: block sizes and the per-platform kernel choice;
+  :mod:`~moejax.kernels.targets`: the devices exports are lowered for.
 """
 
-from moejax.kernels.gmm import gmm, group_tiles, tgmm
+from moejax.kernels.grouped import gmm, group_tiles, tgmm
 
 __all__ = ["gmm", "tgmm", "group_tiles"]

@@ -16,7 +16,7 @@ import contextlib
 
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from moejax.kernels.ragged_dot import cross_compile
+from moejax.kernels.grouped.ragged import cross_compile
 
 __all__ = ["TARGETS", "COMPUTE_CAPABILITY", "lowering_target"]
 
@@ -34,7 +34,7 @@ COMPUTE_CAPABILITY: dict[str, float] = {"cuda": 9.0}
 def lowering_target(platform: str, mesh=None):
     """Lower under ``TARGETS[platform]`` (``mesh``: a concrete or abstract mesh whose axes
     to keep; default one device), with tokamax's kernels lowered for it too
-    (:func:`moejax.kernels.ragged_dot.cross_compile`). Yields the abstract device."""
+    (:func:`moejax.kernels.grouped.ragged.cross_compile`). Yields the abstract device."""
     if platform not in TARGETS:
         raise ValueError(f"no lowering target for platform {platform!r}; "
                          f"known: {', '.join(TARGETS)}")

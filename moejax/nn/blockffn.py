@@ -21,10 +21,10 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 * ``"auto"``: the chunk-union scheme on each platform's fast path, chosen when the program is
   lowered: ``"chunk_union"`` on the CPU, ``"pallas"`` on GPU and TPU.
 * ``"pallas"``: the same scheme as Pallas kernels that read only the union's expert weights,
-  forward and backward (:mod:`moejax.kernels.chunk_union`; Triton on GPU, Mosaic on TPU;
+  forward and backward (:mod:`moejax.kernels.chunk_union.pallas`; Triton on GPU, Mosaic on TPU;
   interpret mode on CPU, so for tests there).
 * ``"triton"``: the same scheme as a Triton kernel through ``jax_triton``
-  (:mod:`moejax.kernels.chunk_union_triton`; GPU and the ``gpu`` extra only: building the
+  (:mod:`moejax.kernels.chunk_union.fused_triton`; GPU and the ``gpu`` extra only: building the
   layer elsewhere fails with the reason).
 * ``"chunk_union"``: the paper's kernel scheme in JAX. Tokens are cut into tiles of
   ``union_chunk`` consecutive tokens; per tile the union ``U`` of active experts is taken and
@@ -54,13 +54,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.chunk_union import chunk_union_auto, chunk_union_kernel
+from moejax.kernels.chunk_union.pallas import chunk_union_auto, chunk_union_kernel
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import chunk_sparsity as cs
 from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.chunk_union import chunk_union_experts, dense_experts
 
 __all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath"]
 
@@ -160,7 +160,7 @@ class BlockFFN(MoESkeleton):
             self.router_norm = RMSNorm(cfg.n_experts, eps=cfg.norm_eps, dtype=jnp.float32,
                                        param_dtype=param_dtype)
         if cfg.path == "triton":
-            from moejax.kernels.chunk_union_triton import unavailable_reason
+            from moejax.kernels.chunk_union.fused_triton import unavailable_reason
 
             if (why := unavailable_reason()) is not None:
                 raise RuntimeError(f"BlockFFN path='triton' cannot run here: {why}; use "

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.dispatch import dispatch
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
 from moejax.ops.dispatch import DispatchMethod

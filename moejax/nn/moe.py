@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.dispatch import dispatch
+from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl
@@ -58,7 +58,7 @@ class MoEConfig(FFNSlotConfig):
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "auto" (the default: "expert_parallel" under a data x expert mesh, else
         "host" lowered for a CPU and "tokamax" for a GPU/TPU with one device, "grouped" with
-        several; see :func:`moejax.kernels.dispatch.resolve_dispatch`),
+        several; see :func:`moejax.kernels.moe_dispatch.resolve_dispatch`),
         "expert_parallel" / "expert_parallel_capacity" (all-to-all expert parallelism,
         dropless / with ``capacity_factor``; :mod:`moejax.kernels.expert_parallel`),
         "dense" (oracle, all
@@ -206,7 +206,7 @@ class MoESkeleton(nnx.Module):
 
     A slot sets ``self.moe_cfg`` (its config), ``self.router``, ``self.dtype``, ``self.d_model``,
     ``self.top_k`` and overrides the parts it changes: :meth:`route`, :meth:`expert_weights`
-    (stacked weights for :func:`moejax.kernels.dispatch.dispatch`) or the whole
+    (stacked weights for :func:`moejax.kernels.moe_dispatch.dispatch`) or the whole
     :meth:`experts_out`, :meth:`universal_ffn`, :meth:`always_on` and :meth:`aux` (default:
     :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction).
     ``top_k_routing`` is False for slots whose router picks a variable number of experts

@@ -18,7 +18,7 @@ Paths (all agree to float tolerance when nothing is dropped):
   dropped (their contribution is zero). Fast on CPU: only gathers, no one-hot matmuls.
 * :func:`dispatch_ragged` -- dropless: sort assignments by expert and run grouped matmuls
   (:func:`jax.lax.ragged_dot` by default; any function of that signature, such as the Pallas
-  kernel :func:`moejax.kernels.gmm.gmm`).
+  kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm`).
 * :func:`dispatch_grouped` -- dropless in plain jnp (``"grouped"``): the assignments sorted by
   expert are laid out block-padded (every expert's rows padded to a multiple of a row tile,
   megablox-style, ``ceil(N k / tile) + E`` tiles in all), each tile multiplies its expert's
@@ -34,7 +34,7 @@ Paths (all agree to float tolerance when nothing is dropped):
 
 The paths by name, with the kernel paths (``"tokamax"``, ``"gmm"``, ``"host"``,
 ``"host_capacity"``) and
-``"auto"``, are in :mod:`moejax.kernels.dispatch`.
+``"auto"``, are in :mod:`moejax.kernels.moe_dispatch`.
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -266,9 +266,11 @@ def dispatch_ragged(
     activation: str, valid_N=None, grouped_matmul=jax.lax.ragged_dot,
 ) -> DispatchOut:
     """Dropless dispatch: sort the ``N * k`` assignments by expert and run grouped matmuls
-    (``grouped_matmul``: :func:`jax.lax.ragged_dot` or :func:`moejax.kernels.gmm.gmm`; group
-    sizes = assignments per expert) for up/gate/down, then unsort and combine. ``valid_N`` is
-    accepted for a uniform signature and ignored."""
+    (``grouped_matmul``: :func:`jax.lax.ragged_dot`,
+    :func:`moejax.kernels.grouped.ragged.ragged_dot` or
+    :func:`moejax.kernels.grouped.pallas_gmm.gmm`; group sizes = assignments per expert) for
+    up/gate/down, then unsort and combine. ``valid_N`` is accepted for a uniform signature and
+    ignored."""
     del valid_N
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)

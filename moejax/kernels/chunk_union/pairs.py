@@ -1,5 +1,5 @@
 """Matmuls over (token tile, expert) pairs as Pallas kernels: the products of BlockFFN's
-chunk-union computation (:mod:`moejax.kernels.chunk_union`), forward and backward.
+chunk-union computation (:mod:`moejax.kernels.chunk_union.pallas`), forward and backward.
 
 Tokens come in tiles ``xs [S, n, K]`` (``S`` tiles of ``n`` rows). Tile ``s`` has a union of
 ``count_s`` experts; pair ``p = s U + j`` is tile ``s`` with its ``j``-th union member

@@ -4,10 +4,10 @@ paths, behind one signature, and ``"auto"``.
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
   (:mod:`moejax.ops.dispatch`).
 * ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
-  grouped matmul (:func:`moejax.kernels.ragged_dot.ragged_dot`: Mosaic GPU / Mosaic TPU
+  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot`: Mosaic GPU / Mosaic TPU
   kernels, :func:`jax.lax.ragged_dot` elsewhere).
 * ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
-  grouped matmul :func:`moejax.kernels.gmm.gmm` (forward and backward kernels; Pallas
+  grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and backward kernels; Pallas
   interpret mode on CPU, so only for tests there).
 * ``"host"``: dropless, :func:`moejax.kernels.host.moe.host_moe`, the whole expert FFN on the
   host's BLAS (one callback forward, one backward), experts spread over the cores. CPU only.
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.expert_parallel import expert_parallel_dispatch
-from moejax.kernels.gmm import gmm
+from moejax.kernels.grouped.pallas_gmm import gmm
+from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
+from moejax.kernels.grouped.ragged import ragged_dot
 from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
-from moejax.kernels.ragged_dot import AVAILABLE as RAGGED_DOT_AVAILABLE
-from moejax.kernels.ragged_dot import ragged_dot
 from moejax.ops.dispatch import (
     DispatchMethod,
     DispatchOut,

@@ -3,11 +3,11 @@ of ``tile`` consecutive tokens reads only the weights of the experts in its unio
 forward and in the backward.
 
 ``y_ND, overflow = chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate, ...)``
-equals :func:`moejax.ops.chunk_union.chunk_union_experts` (and the dense oracle when no tile
-overflows ``max_union``), with gradients in ``x``, the combine weights ``a`` (the router's
-path) and every expert weight. Per tile ``c`` the union (members first, ascending) and its
+equals :func:`moejax.kernels.chunk_union.reference.chunk_union_experts` (and the dense oracle
+when no tile overflows ``max_union``), with gradients in ``x``, the combine weights ``a`` (the
+router's path) and every expert weight. Per tile ``c`` the union (members first, ascending) and its
 clipped size ``count_c = min(|U_c|, max_union)`` are computed once in jnp; the (tile, member)
-pairs are the rows of three pair products (:mod:`moejax.kernels.pair_matmul`, Mosaic on TPU,
+pairs are the rows of three pair products (:mod:`moejax.kernels.chunk_union.pairs`, Mosaic on TPU,
 Triton on GPU, chosen when the function is lowered):
 
 * forward: ``pre = x_c W_up[e]`` per pair (``pair_up``); ``h = act(pre) * A[:, e]`` (gated:
@@ -23,7 +23,7 @@ and tile length fits; the largest intermediates are the ``[C, max_union, tile, F
 activations, at most the dense path's ``[N, E, F]``.
 
 ``backend="triton"``: the forward as the fused Triton kernel of
-:mod:`moejax.kernels.chunk_union_triton` through ``jax_triton`` (GPU and the ``gpu`` extra);
+:mod:`moejax.kernels.chunk_union.fused_triton` through ``jax_triton`` (GPU and the ``gpu`` extra);
 its backward is the one above. ``interpret=True`` (or lowering for the CPU) runs the Mosaic
 kernels in Pallas interpret mode: for tests. :func:`chunk_union_auto` is the path for models:
 the jnp loop on the CPU, these kernels on GPU and TPU.
@@ -36,9 +36,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.pair_matmul import pair_down, pair_up, pair_wgrad, union_pairs
+from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
+from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
 from moejax.ops.activations import activation_fn
-from moejax.ops.chunk_union import chunk_union_experts, pad_to_tiles, union_members
 
 __all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions"]
 
@@ -92,7 +92,7 @@ def _forward(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, max_
         gate = None if wg is None else pair_up(xs, wg, pairs, interpret=interpret)
     if backend == "triton":
         # imported on use: importing triton fixes its interpreter mode (TRITON_INTERPRET)
-        from moejax.kernels.chunk_union_triton import chunk_union_triton_call
+        from moejax.kernels.chunk_union.fused_triton import chunk_union_triton_call
 
         weights = [w for w in (wu, wd, wg) if w is not None]
         y = chunk_union_triton_call(xp, ap, ids_CU, count_C, *weights, activation=activation,
@@ -195,8 +195,8 @@ def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
 def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
                      tile: int, max_union: int):
     """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
-    loop (:func:`moejax.ops.chunk_union.chunk_union_experts`) on the CPU, the Pallas kernels
-    on GPU and TPU."""
+    loop (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the
+    Pallas kernels on GPU and TPU."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
 
     def jnp_path(x, a, act, wu, wd, wg):

@@ -17,8 +17,8 @@ names its kernel (the abstract device of :func:`moejax.kernels.targets.lowering_
 the default backend); the other branches trace the reference, which is never lowered there.
 Where tokamax's kernel does not take the call (it raises ``NotImplementedError``: Mosaic GPU
 takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older than sm80), the
-project's own Pallas kernel :func:`moejax.kernels.gmm.gmm` runs it (Triton on GPU, Mosaic on
-TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense. The same
+project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
+GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense. The same
 implementation runs the three passes; a measured table may pick per pass when a GPU is at
 hand.
 
@@ -39,7 +39,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.gmm import gmm
+from moejax.kernels.grouped.pallas_gmm import gmm
 
 try:  # optional: the gpu / tpu / dev extras
     import tokamax
@@ -70,8 +70,9 @@ def _one(impl: str):
 def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
     """Grouped matmul (module docstring); ``x`` and ``w`` of one dtype, the result too."""
     if not AVAILABLE:
-        raise ImportError("moejax.kernels.ragged_dot needs tokamax: pip install 'moejax[gpu]' "
-                          "(or [tpu]); dispatch='gmm' is the project's own Pallas kernel")
+        raise ImportError("moejax.kernels.grouped.ragged needs tokamax: pip install "
+                          "'moejax[gpu]' (or [tpu]); dispatch='gmm' is the project's own "
+                          "Pallas kernel")
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
         raise ValueError(f"ragged_dot: x {x_MK.shape} and w {w_GKN.shape} must be [M, K] and "
                          "[G, K, N]")

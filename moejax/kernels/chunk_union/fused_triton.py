@@ -1,6 +1,6 @@
 """BlockFFN's chunk-sparse experts as a Triton kernel, called from JAX through
 ``jax_triton.triton_call`` (the ``backend="triton"`` of
-:func:`moejax.kernels.chunk_union.chunk_union_kernel`; BlockFFN's ``path="triton"``).
+:func:`moejax.kernels.chunk_union.pallas.chunk_union_kernel`; BlockFFN's ``path="triton"``).
 
 Grid ``(C, F / BLOCK_F)``: program ``(c, f)`` takes token tile ``c`` (rows padded to a power of
 two of at least 16, as ``tl.dot`` needs, and masked) and hidden block ``f``; for each of the
@@ -141,7 +141,7 @@ else:
 def chunk_union_triton_call(xp, ap, ids_CU, count_C, w_up, w_down, w_gate=None, *,
                             activation: str, tile: int, num_warps: int = 4):
     """``y [C * tile, D]`` for tile-padded inputs (see
-    :func:`moejax.kernels.chunk_union.tile_unions`) through ``jax_triton.triton_call``."""
+    :func:`moejax.kernels.chunk_union.pallas.tile_unions`) through ``jax_triton.triton_call``."""
     why = unavailable_reason()
     if why is not None:
         raise RuntimeError(f"chunk-union Triton kernel unavailable: {why}")

@@ -1,5 +1,5 @@
 """BlockFFN's expert computation as pure array functions (the reference paths; the Pallas
-kernel :mod:`moejax.kernels.chunk_union` is tested against them).
+kernel :mod:`moejax.kernels.chunk_union.pallas` is tested against them).
 
 ``y = sum_e A_e E_e(x)`` over experts ``E_e(x) = W_down^(e)T act(W_up^(e)T x)`` (gated:
 ``act(W_gate^(e)T x) * W_up^(e)T x``), with combine weights ``A [N, E]`` that are zero for

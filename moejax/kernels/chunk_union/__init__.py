@@ -1,0 +1,16 @@
+"""BlockFFN's chunk-sparse experts: each tile of tokens computes only the union of the experts
+its tokens activate (BlockFFN Sec. 3.3), as one family:
+
+* :mod:`~moejax.kernels.chunk_union.reference`: the plain-jnp oracle and CPU path (the union
+  per tile, the experts gathered and run densely), which the kernels are tested against;
+* :mod:`~moejax.kernels.chunk_union.pairs`: the (tile, expert) pair products, forward and
+  backward, in Pallas (Triton on GPU, Mosaic on TPU, interpret mode on CPU);
+* :mod:`~moejax.kernels.chunk_union.pallas`: the layer built from them under a
+  ``custom_vjp`` (BlockFFN's ``path="pallas"``, and ``"auto"`` on accelerators);
+* :mod:`~moejax.kernels.chunk_union.fused_triton`: the fused forward as one Triton kernel
+  through ``jax_triton`` (guarded import; GPU only; BlockFFN's ``path="triton"``).
+"""
+
+from moejax.kernels.chunk_union.pallas import chunk_union_pallas
+
+__all__ = ["chunk_union_pallas"]

@@ -1,0 +1,20 @@
+"""The dropless grouped matmul, ``[M, K] x [G, K, N] -> [M, N]`` with the rows of group ``g``
+multiplied by ``w[g]`` (:func:`jax.lax.ragged_dot` semantics, which is also the reference the
+tests compare with):
+
+* :mod:`~moejax.kernels.grouped.ragged`: tokamax's kernels (Mosaic GPU, Mosaic TPU), what
+  ``dispatch="auto"`` runs on accelerators, and the cross-compilation context its exports need;
+* :mod:`~moejax.kernels.grouped.pallas_gmm`: the project's own Pallas kernel (Triton on GPU,
+  Mosaic on TPU, interpret mode on CPU) with its ``custom_vjp`` (dX, dW), for what tokamax
+  does not take.
+
+Its layout metadata (:func:`moejax.ops.grouped_layout.group_tiles`) stays in ``ops``: the
+plain-jnp ``grouped`` dispatch path shares it.
+"""
+
+from moejax.kernels.grouped.pallas_gmm import GMM_TILES, gmm, tgmm
+from moejax.kernels.grouped.ragged import AVAILABLE, cross_compile, ragged_dot
+from moejax.ops.grouped_layout import group_tiles
+
+__all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES", "ragged_dot", "cross_compile",
+           "AVAILABLE"]
