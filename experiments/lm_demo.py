@@ -76,7 +76,7 @@ def make_config(preset: str) -> LMDemoConfig:
             n_layers=8,
             n_heads=8,
             n_kv_heads=4,
-            moe=MoEConfig(n_experts=8, top_k=2, d_expert=1024, dispatch="ragged"),
+            moe=MoEConfig(n_experts=8, top_k=2, d_expert=1024),  # dispatch "auto"
         ),
         train=TrainConfig(
             steps=4000,

@@ -150,7 +150,7 @@ def make_config(preset: str) -> MoEKDConfig:
         upcycle=UpcycleConfig(
             blocks="all", expert_form="split",
             moe=UPCYCLE_MOE.replace(n_experts=16, top_k=4, router="noisy", balance_loss="cv2",
-                                    balance_coef=0.01, dispatch="ragged")),
+                                    balance_coef=0.01, dispatch="auto")),
         student_layers=15,
         prompt_len=256, response_len=256, n_train=100_000, n_val=500, n_test=2000,
         sft=TrainConfig(steps=3000, batch_size=16, lr=1e-4, warmup_steps=100,

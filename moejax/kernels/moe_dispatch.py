@@ -49,7 +49,7 @@ from moejax.ops.dispatch import (
     expert_capacity,
 )
 
-__all__ = ["PATHS", "dispatch", "resolve_dispatch"]
+__all__ = ["PATHS", "dispatch", "resolve_dispatch", "experts_in_xla"]
 
 
 def _dense(*args, activation, capacity_factor, valid_N, priority):
@@ -114,7 +114,7 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
 
     def cpu(*flat):
         *a, widths = rebuild(flat)
-        if activation in HOST_ACTIVATIONS:
+        if activation in HOST_ACTIVATIONS and not _IN_XLA.value:
             return _host(*a, check_backend=False, widths_E=widths, **kw)
         return _grouped(*a, **kw)
 
@@ -122,6 +122,19 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
         return (_tokamax if RAGGED_DOT_AVAILABLE else _gmm)(*rebuild(flat)[:-1], **kw)
 
     return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
+
+
+# a jit-cache-sensitive context: a step traced inside experts_in_xla() is traced anew
+_IN_XLA = jax.make_user_context(False)
+
+
+def experts_in_xla():
+    """While tracing inside this block, ``"auto"`` on a CPU runs the plain-jnp ``"grouped"``
+    path instead of the host kernel, so XLA sees the experts' work: its cost and memory
+    analyses then count the expert matmuls (a host callback is opaque to them). Same values;
+    for ahead-of-time estimates (:mod:`moejax.train.aot`), not for speed. Part of jax's
+    tracing cache key, so an already traced step is traced again inside it."""
+    return _IN_XLA(True)
 
 
 def _mesh():

@@ -7,10 +7,12 @@ the run is read from XLA.
 (:func:`prove_decode` does the same for a captured decode loop, per call):
 
 - ``params``, ``weights_GB``, ``opt_state_GB``: from the state's shapes (f32 master weights);
-- ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU. Work inside custom
-  calls and host callbacks (the MoE layers' kernels) is not in it; ``uncounted_calls`` says
-  how many such calls the step has, so a nonzero count makes the FLOPs a lower bound;
-- ``peak_GB``: XLA's buffer assignment of the step compiled for the CPU at the same shapes
+- ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU with the MoE
+  experts in plain jnp (:func:`moejax.kernels.moe_dispatch.experts_in_xla`, the ``grouped``
+  path: the expert matmuls plus at most a tile of padding per expert). Work left inside
+  custom calls or host callbacks is not in it; ``uncounted_calls`` says how many such calls
+  remain, so a nonzero count makes the FLOPs a lower bound;
+- ``peak_GB``: XLA's buffer assignment of that step compiled for the CPU at the same shapes
   (arguments + outputs + temporaries - donated), the per-device memory the step needs;
   ``activations_GB`` is its temporaries;
 - ``<platform>_kernels``: the platform's kernel custom calls in the exported module (``cuda``:
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.capture import CapturedDecode, CapturedStep
+from moejax.kernels.moe_dispatch import experts_in_xla
 from moejax.kernels.targets import lowering_target
 from moejax.pytree import count_bytes, count_params
 
@@ -71,7 +74,8 @@ def _export(fn, args, static, platform: str, mesh=None) -> str:
 def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
     """One row of the ahead-of-time table for a captured training step (module docstring)."""
     params = c.state.params
-    lowered = c.step.lower(c.state, c.batch)
+    with experts_in_xla():  # the experts' matmuls in XLA's analyses, not in a host callback
+        lowered = c.step.lower(c.state, c.batch)
     cost = lowered.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", 0.0))
@@ -87,12 +91,17 @@ def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
            "opt_state_GB": count_bytes(c.state.opt_state) / 1e9,
            "activations_GB": temp / 1e9,
            "peak_GB": peak / 1e9}
-    jitted = c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step
     for platform in platforms:
-        row[f"{platform}_kernels"] = _export(jitted, (c.state, c.batch), {}, platform, c.mesh)
+        row[f"{platform}_kernels"] = _export(_jitted(c), (c.state, c.batch), {}, platform,
+                                             c.mesh)
     row["fits_H100_80GB"] = peak <= H100_BYTES
     row["gpu_hours"] = flops * c.cfg.steps / (UTILISATION * H100_BF16_FLOPS) / 3600
     return row
+
+
+def _jitted(c: CapturedStep):
+    """The captured step's jitted function (under a mesh: the one for this state)."""
+    return c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step
 
 
 def _peak(compiled) -> tuple[float, float]:
