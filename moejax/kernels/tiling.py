@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["pad_to", "pow2", "block", "choose_platform"]
+__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device"]
 
 
 def pad_to(a, axis: int, multiple: int):
@@ -37,3 +37,17 @@ def choose_platform(args, *, mosaic, triton, interpret: bool):
         return mosaic(True)(*args)
     return jax.lax.platform_dependent(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton,
                                       rocm=triton)
+
+
+def target_device() -> tuple[str, str]:
+    """``(platform, device_kind)`` of the device a program is being built for: the abstract
+    device of the mesh set for lowering (:func:`moejax.kernels.targets.lowering_target`: an
+    export for an accelerator that is not attached), else the default device. The platform
+    is jax's lowering name (``"cuda"`` for an NVIDIA GPU)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        device = jax.devices()[0]
+    platform = device.platform
+    if platform == "gpu":
+        platform = "rocm" if "AMD" in device.device_kind.upper() else "cuda"
+    return platform, device.device_kind

@@ -24,7 +24,9 @@ The kernel is chosen when the function is lowered, per platform
 * GPU: Triton. Grid ``(tiles, output blocks)`` (``dW``: ``(groups, K blocks, N blocks)``); each
   program loops over the contraction in ``tk`` steps, loading its group's weight block by
   dynamic offsets, with an f32 accumulator in registers. Block sizes are powers of two (what
-  ``tl.dot`` takes); ``K`` and ``N`` are padded to them.
+  ``tl.dot`` takes); ``K`` and ``N`` are padded to them. Tiles, warps and stages come from
+  :func:`moejax.kernels.tuning.config_for` (the tuned table for the device being lowered
+  for, per dtype and shape bucket, else the anchors' H100 defaults).
 * CPU: the TPU kernels in Pallas interpret mode (correct and slow: for tests; the CPU's fast
   MoE path is the host kernel of :mod:`moejax.kernels.host`).
 
@@ -42,14 +44,14 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
+from moejax.kernels.tuning import config_for
 from moejax.ops.grouped_layout import group_tiles
 
 __all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES"]
 
-# Default tiles (rows, contraction, columns) per kernel family: the TPU's MXU works on
-# 128-multiples; the GPU tiles keep two pipelined f32 stages of x and w blocks within 64 KiB
-# of shared memory.
-GMM_TILES = {"tpu": (128, 128, 128), "gpu": (64, 32, 64)}
+# Default tiles (rows, contraction, columns) of the TPU kernels: the MXU works on
+# 128-multiples (the GPU's come from moejax.kernels.tuning)
+GMM_TILES = {"tpu": (128, 128, 128)}
 
 
 def _scatter_rows(x_MK, padded_M, T, tm):
@@ -152,7 +154,7 @@ def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_re
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose):
+def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose, warps, stages):
     T, R = tile_group_T.shape[0], xp.shape[1]
     n_out = w.shape[1] if transpose else w.shape[2]
     Tp = pow2(T)
@@ -166,7 +168,7 @@ def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose):
                   pl.BlockSpec((tm, R), lambda t, o: (t, 0)),
                   pl.BlockSpec(w.shape, lambda t, o: (0, 0, 0))],
         out_specs=pl.BlockSpec((tm, to), lambda t, o: (t, o)),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
     )(groups, n_active, xp, w)
 
 
@@ -184,7 +186,7 @@ def _triton_tgmm_kernel(start_ref, tiles_ref, x_ref, dy_ref, o_ref, *, tm):
     o_ref[0] = acc.astype(o_ref.dtype)
 
 
-def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn):
+def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn, warps, stages):
     G, K, N = tile_start_G.shape[0], xp.shape[1], dyp.shape[1]
     Gp = pow2(G)
     return pl.pallas_call(
@@ -196,7 +198,7 @@ def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn):
                   pl.BlockSpec(xp.shape, lambda g, k, n: (0, 0)),
                   pl.BlockSpec(dyp.shape, lambda g, k, n: (0, 0))],
         out_specs=pl.BlockSpec((1, tk, tn), lambda g, k, n: (g, k, n)),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
     )(pad_to(tile_start_G, 0, Gp), pad_to(tiles_G, 0, Gp), xp, dyp)
 
 
@@ -232,9 +234,12 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
         kernel = functools.partial(_mosaic_tiles, transpose=transpose, interpret=interp)
         return product(kernel, tm, block(R, tr_pref), block(n_out, to_pref))
 
-    tm_g, tr_g, to_g = GMM_TILES["gpu"]
-    triton = product(functools.partial(_triton_tiles, transpose=transpose), tm_g,
-                     min(pow2(R, 16), tr_g), min(pow2(n_out, 16), to_g))
+    def triton(*args):  # the launch configuration is read when the GPU branch is traced
+        c = config_for("gmm", x_MR.dtype, R, n_out)
+        kernel = functools.partial(_triton_tiles, transpose=transpose, warps=c.num_warps,
+                                   stages=c.num_stages)
+        return product(kernel, c.tm, min(pow2(R, 16), c.tk), min(pow2(n_out, 16), c.tn))(*args)
+
     return choose_platform((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton,
                            interpret=interpret)
 
@@ -243,7 +248,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
          interpret=None):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` over each group's rows (0 for an empty group):
     the weight gradient of :func:`gmm`. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
-    tiles (the GPU kernel takes ``GMM_TILES["gpu"]``)."""
+    tiles (the GPU kernel's come from :func:`moejax.kernels.tuning.config_for`)."""
     m, K = x_MK.shape
     N, G = dy_MN.shape[1], group_sizes_G.shape[0]
     dy_MN = dy_MN.astype(x_MK.dtype)
@@ -270,10 +275,11 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
         return run
 
     def triton(x_MK, dy_MN, group_sizes_G):
-        tm_g, tk_g, tn_g = GMM_TILES["gpu"]
-        k_, n_ = min(pow2(K, 16), tk_g), min(pow2(N, 16), tn_g)
-        xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, tm_g, k_, n_)
-        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, tm_g, k_, n_)[:, :K, :N]
+        c = config_for("tgmm", x_MK.dtype, K, N)
+        k_, n_ = min(pow2(K, 16), c.tk), min(pow2(N, 16), c.tn)
+        xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, c.tm, k_, n_)
+        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, c.tm, k_, n_, c.num_warps,
+                            c.num_stages)[:, :K, :N]
 
     return choose_platform((x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), mosaic=mosaic,
                            triton=triton, interpret=interpret)
@@ -305,8 +311,9 @@ def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 1
         interpret=None):
     """Grouped matmul (see the module docstring): ``[M, K] x [G, K, N] -> [M, N]``,
     differentiable in ``x`` and ``w``. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
-    tiles (rows, contraction, columns; the GPU kernel takes ``GMM_TILES["gpu"]``, powers of
-    two as ``tl.dot`` needs); ``interpret=True`` forces Pallas interpret mode."""
+    tiles (rows, contraction, columns; the GPU kernel's, powers of two as ``tl.dot`` needs,
+    come from :func:`moejax.kernels.tuning.config_for`); ``interpret=True`` forces Pallas
+    interpret mode."""
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
         raise ValueError(f"gmm: x {x_MK.shape} and w {w_GKN.shape} must be [M, K] and [G, K, N]")
     if group_sizes_G.shape != (w_GKN.shape[0],):

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.grouped.pallas_gmm import gmm
+from moejax.kernels.tiling import target_device
 
 try:  # optional: the gpu / tpu / dev extras
     import tokamax
@@ -78,19 +79,13 @@ def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> j
                          "[G, K, N]")
     if x_MK.dtype != w_GKN.dtype:
         raise ValueError(f"ragged_dot: x is {x_MK.dtype} and w {w_GKN.dtype}; cast one")
-    target = _target_platform()
+    target = target_device()[0]
     branches = {p: _one(impl if p == target else IMPLEMENTATIONS["default"])
                 for p, impl in IMPLEMENTATIONS.items() if p != "default"}
     return jax.lax.platform_dependent(x_MK, w_GKN, group_sizes_G.astype(jnp.int32),
                                       default=_one(IMPLEMENTATIONS["default"]), **branches)
 
 
-def _target_platform() -> str:
-    """The platform this program is being built for: the abstract device of the mesh set for
-    lowering (an export for an accelerator that is not attached), else the default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = device.platform if device is not None else jax.default_backend()
-    return {"gpu": "cuda"}.get(platform, platform)
 
 
 @contextlib.contextmanager

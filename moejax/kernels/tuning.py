@@ -1,0 +1,152 @@
+"""Launch configurations of the project's own GPU kernels, tuned per device, and read when a
+kernel is lowered.
+
+A configuration is a :class:`TritonConfig` (row, contraction and column tiles; warps and
+pipeline stages). :func:`config_for` returns the one for a kernel (``"gmm"``: the grouped
+products, forward and dX; ``"tgmm"``: the weight gradient), a dtype and a shape ``(K, N)``
+(contraction, output columns) on the device the program is lowered for
+(:func:`moejax.kernels.tiling.target_device`): the entry of :data:`TABLE` (a JSON file in
+this package; ``MOEJAX_KERNEL_TABLE`` names another) for that device kind, kernel, dtype and
+shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS`.
+
+The defaults follow the published H100 configurations of the anchors (tokamax's and
+megablox's grouped matmuls): 16-bit inputs take 128 x 64 x 128 tiles with 8 warps and 3
+stages, and the weight gradient 128 x 128 output tiles; f32, whose tiles take twice the
+shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages.
+
+:func:`tune` times a space of configurations per case with a given timer and keeps the
+fastest; :func:`write_entries` merges the winners into the table for one device kind,
+atomically (``python -m experiments.autotune`` on a GPU does both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.files import atomic_write_text
+from moejax.kernels.tiling import pow2, target_device
+
+__all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "config_for", "forced", "bucket",
+           "tune", "write_entries", "read_table", "table_path", "SPACE"]
+
+KERNELS = ("gmm", "tgmm")
+TABLE = Path(__file__).with_name("tuned_configs.json")
+
+
+class TritonConfig(NamedTuple):
+    tm: int
+    tk: int
+    tn: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+_WIDE = ("bfloat16", "float16")
+DEFAULTS: dict[tuple[str, str], TritonConfig] = {
+    **{("gmm", d): TritonConfig(128, 64, 128, 8, 3) for d in _WIDE},
+    **{("tgmm", d): TritonConfig(128, 128, 128, 8, 3) for d in _WIDE},
+    ("gmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
+    ("tgmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
+}
+
+
+# the candidates python -m experiments.autotune times: tiles around the defaults, 4 or 8 warps
+SPACE: tuple[TritonConfig, ...] = tuple(
+    TritonConfig(tm, tk, tn, w, st)
+    for tm, tk, tn in ((64, 32, 64), (64, 64, 128), (128, 32, 128), (128, 64, 128),
+                       (128, 128, 128), (128, 64, 256))
+    for w, st in ((4, 2), (8, 3)))
+
+
+def bucket(k: int, n: int) -> str:
+    """The shape bucket of a product with contraction ``k`` and ``n`` output columns."""
+    return f"k{pow2(k)}_n{pow2(n)}"
+
+
+def table_path() -> Path:
+    return Path(os.environ.get("MOEJAX_KERNEL_TABLE") or TABLE)
+
+
+def read_table(path: Path | None = None) -> dict:
+    """The tuned table (``{}`` when there is none); a malformed file is an error naming it."""
+    path = table_path() if path is None else Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a kernel table ({e}); delete it or rerun "
+                         "python -m experiments.autotune") from e
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: not a kernel table (a JSON object by device kind)")
+    return table
+
+
+# a jit-cache-sensitive context: the configuration every lowering inside uses (autotuning)
+_FORCED = jax.make_user_context(None)
+
+
+def forced(config: TritonConfig):
+    """Lower every kernel inside this block with ``config`` (how :func:`tune`'s timer tries
+    a candidate); part of jax's tracing cache key, so each candidate is traced anew."""
+    return _FORCED(TritonConfig(*config))
+
+
+def config_for(kernel: str, dtype, k: int, n: int, device_kind: str | None = None
+               ) -> TritonConfig:
+    """The launch configuration of ``kernel`` for ``dtype`` and shape ``(k, n)`` on
+    ``device_kind`` (default: the device being lowered for): a :func:`forced` one, else the
+    tuned one, else the default."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; known: {', '.join(KERNELS)}")
+    if _FORCED.value is not None:
+        return _FORCED.value
+    name = jnp.dtype(dtype).name
+    key = (kernel, name if (kernel, name) in DEFAULTS else "float32")
+    kind = target_device()[1] if device_kind is None else device_kind
+    entry = read_table().get(kind, {}).get(kernel, {}).get(name, {}).get(bucket(k, n))
+    if entry is None:
+        return DEFAULTS[key]
+    return TritonConfig(**{f: int(entry[f]) for f in TritonConfig._fields})
+
+
+def tune(cases: Iterable[tuple[str, str, int, int]], space: Sequence[TritonConfig],
+         time_fn: Callable[[str, str, int, int, TritonConfig], float]) -> dict:
+    """``{kernel: {dtype: {bucket: winner}}}``: for each case ``(kernel, dtype, k, n)`` the
+    configuration of ``space`` with the smallest ``time_fn(kernel, dtype, k, n, config)``
+    (seconds; a config that cannot run raises and is skipped), with its time in ``ms``."""
+    out: dict = {}
+    for kernel, dtype, k, n in cases:
+        best = None
+        for cfg in space:
+            try:
+                t = float(time_fn(kernel, dtype, k, n, cfg))
+            except Exception:  # this config does not fit the device or the shape  # noqa: BLE001
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        if best is None:
+            raise RuntimeError(f"no configuration of the space ran {kernel} {dtype} k={k} n={n}")
+        entry = {**best[1]._asdict(), "ms": round(best[0] * 1e3, 4)}
+        out.setdefault(kernel, {}).setdefault(dtype, {})[bucket(k, n)] = entry
+    return out
+
+
+def write_entries(device_kind: str, entries: dict, path: Path | None = None) -> Path:
+    """Merge ``entries`` (from :func:`tune`) into the table under ``device_kind``;
+    atomic."""
+    path = table_path() if path is None else Path(path)
+    table = read_table(path)
+    dev = table.setdefault(device_kind, {})
+    for kernel, by_dtype in entries.items():
+        for dtype, by_bucket in by_dtype.items():
+            dev.setdefault(kernel, {}).setdefault(dtype, {}).update(by_bucket)
+    atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return path

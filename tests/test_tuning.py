@@ -1,0 +1,97 @@
+"""Kernel launch configurations (moejax.kernels.tuning): the search keeps the fastest
+configuration per kernel, dtype and shape bucket (skipping one that cannot run); the table
+merges per device kind and reads back; a lowering for a device reads its entry, and one
+without an entry gets the anchors' H100 defaults, both visible in the exported Triton call;
+the autotune entry point refuses a machine without a GPU before writing anything."""
+
+import json
+import re
+
+import jax
+import jax.export as je
+import jax.numpy as jnp
+import pytest
+
+from experiments import autotune
+from moejax.kernels import tuning
+from moejax.kernels.grouped.pallas_gmm import gmm
+from moejax.kernels.targets import TARGETS, lowering_target
+
+H100 = TARGETS["cuda"].device_kind
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def test_the_search_keeps_the_fastest_per_case_and_skips_what_cannot_run():
+    space = [tuning.TritonConfig(64, 32, 64), tuning.TritonConfig(128, 64, 128, 8, 3),
+             tuning.TritonConfig(128, 128, 256, 8, 3)]
+    cost = {space[0]: 3.0, space[1]: 1.0}
+
+    def time_fn(kernel, dtype, k, n, c):
+        if c not in cost:
+            raise RuntimeError("out of shared memory")
+        return cost[c] * (2.0 if dtype == "float32" and c.tm == 128 else 1.0) * 1e-3
+
+    got = tuning.tune([("gmm", "bfloat16", 2048, 1408), ("gmm", "float32", 256, 704)],
+                      space, time_fn)
+    assert got["gmm"]["bfloat16"]["k2048_n2048"] == {**space[1]._asdict(), "ms": 1.0}
+    assert got["gmm"]["float32"]["k256_n1024"] == {**space[1]._asdict(), "ms": 2.0}
+    with pytest.raises(RuntimeError, match="no configuration"):
+        tuning.tune([("tgmm", "bfloat16", 8, 8)], space[2:], time_fn)
+
+
+def test_the_table_merges_per_device_and_reads_back(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(path))
+    a = {"gmm": {"bfloat16": {"k2048_n2048": {**tuning.TritonConfig(128, 64, 256, 8, 3)
+                                               ._asdict(), "ms": 1.5}}}}
+    b = {"tgmm": {"float32": {"k256_n1024": {**tuning.TritonConfig(64, 64, 128, 4, 2)
+                                              ._asdict(), "ms": 0.5}}}}
+    tuning.write_entries(H100, a)
+    tuning.write_entries(H100, b)
+    tuning.write_entries("NVIDIA B200", a)
+    table = json.loads(path.read_text())
+    assert set(table) == {H100, "NVIDIA B200"} and set(table[H100]) == {"gmm", "tgmm"}
+    assert tuning.config_for("gmm", jnp.bfloat16, 1500, 2000, H100) == (128, 64, 256, 8, 3)
+    assert tuning.config_for("tgmm", jnp.float32, 200, 1000, H100) == (64, 64, 128, 4, 2)
+    # no entry for the bucket, the dtype or the device: the defaults
+    assert tuning.config_for("gmm", jnp.bfloat16, 64, 64, H100) == tuning.DEFAULTS[
+        ("gmm", "bfloat16")]
+    assert tuning.config_for("gmm", jnp.float16, 1500, 2000, H100) == tuning.DEFAULTS[
+        ("gmm", "float16")]
+    assert tuning.config_for("gmm", jnp.bfloat16, 1500, 2000, "NVIDIA A100") == (
+        tuning.DEFAULTS[("gmm", "bfloat16")])
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a kernel table"):
+        tuning.config_for("gmm", jnp.bfloat16, 8, 8, H100)
+
+
+def _triton_launches(dtype, k=256, n=384):
+    f = jax.jit(lambda x, w, g: gmm(x, w, g))
+    S = jax.ShapeDtypeStruct
+    with lowering_target("cuda"):
+        text = je.export(f, platforms=("cuda",),
+                         disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
+            S((512, k), dtype), S((8, k, n), dtype), S((8,), jnp.int32)).mlir_module()
+    return [(int(gy), int(w)) for gy, w in re.findall(
+        r"grid_y = (\d+) : i32.*?num_warps = (\d+) : i32", text)]
+
+
+def test_a_lowering_reads_its_devices_entry_else_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "none.json"))
+    # defaults: bf16 128 x 64 x 128 with 8 warps -> 384 / 128 = 3 column blocks
+    assert _triton_launches(jnp.bfloat16) == [(3, 8)]
+    assert _triton_launches(jnp.float32) == [(6, 4)]  # f32: 64-column tiles, 4 warps
+    table = tmp_path / "tuned.json"
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(table))
+    tuning.write_entries(H100, {"gmm": {"bfloat16": {tuning.bucket(256, 384): {
+        **tuning.TritonConfig(64, 32, 32, 4, 2)._asdict(), "ms": 1.0}}}})
+    assert _triton_launches(jnp.bfloat16) == [(12, 4)]  # 384 / 32 column blocks, 4 warps
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 8, 3)):
+        assert _triton_launches(jnp.bfloat16) == [(3, 8)]
+
+
+def test_autotune_refuses_a_machine_without_a_gpu_before_writing(tmp_path, capsys):
+    assert autotune.cli([f"out={tmp_path / 'run'}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: autotune times GPU kernels; this machine lowers for cpu")
+    assert not (tmp_path / "run").exists()
