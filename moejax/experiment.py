@@ -52,7 +52,12 @@ from moejax.results import (
 )
 from moejax.smoke import smoke_config
 from moejax.train.checkpoint import CheckpointWriteError
-from moejax.train.distributed import EXIT_PEER_LOST, PeerLostError, initialize_from_env
+from moejax.train.distributed import (
+    EXIT_PEER_LOST,
+    PeerLostError,
+    PeerWatch,
+    initialize_from_env,
+)
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices
 from moejax.train.run_lock import RunLockedError
@@ -300,13 +305,22 @@ def main(
         print(usage(name, make_config, preset if preset in PRESETS else "quick"))
         return 0
     try:
-        initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*): connect
+        peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    code = _run_main(name, make_config, run_fn, argv, seed_keys=seed_keys,
+                     quick_repeat=quick_repeat, claims=claims, smoke=smoke)
+    if code and isinstance(peers, PeerWatch):  # failed: leave now, not waiting on the others
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # an orderly exit would wait on the distributed runtime's peers
+    return code
+
+
+def _run_main(name, make_config, run_fn, argv, **kw) -> int:
     try:
-        summary, run = run_experiment(name, make_config, run_fn, argv, seed_keys=seed_keys,
-                                      quick_repeat=quick_repeat, claims=claims, smoke=smoke)
+        summary, run = run_experiment(name, make_config, run_fn, argv, **kw)
     except PeerLostError as e:  # exit now: the distributed runtime would abort the process
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()

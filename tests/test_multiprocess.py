@@ -160,12 +160,16 @@ def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
 _DYING_WORKER = r"""
 import sys
 sys.path.insert(0, ROOT)
+import jax
+from moejax.config import ConfigError
 from moejax.experiment import main
 from moejax.train.loop import train
 from tests.test_multiprocess import CFG, new_model
 from tests.toy_models import ToySource
 
 def run(cfg, run):  # a long run that checkpoints every 5 steps into a directory both share
+    if FAIL and jax.process_index() == 1:
+        raise ConfigError("process 1 refuses its config")
     train(new_model(), ToySource(batch_size=8), cfg, run_dir=RUN_DIR, progress=False)
     return {}
 
@@ -174,21 +178,47 @@ sys.exit(main("dying", lambda preset: CFG.replace(steps=100000, ckpt_every=5), r
 """
 
 
-def test_a_dead_peer_ends_the_survivor_in_one_line_naming_the_checkpoint(tmp_path):
-    """SIGKILL one of two training processes: the other exits within seconds with
-    EXIT_PEER_LOST and one line naming the checkpoint that resumes the run (not JAX's C++
-    abort on missed heartbeats), and that checkpoint restores."""
+def _start_pair(tmp_path, fail: bool) -> list:
     port, shared = _free_port(), tmp_path / "shared"
     procs = []
     for pid in range(2):
         out = repr(str(tmp_path / f"p{pid}"))
-        code = (_DYING_WORKER.replace("ROOT", repr(ROOT), 1)
+        code = (_DYING_WORKER.replace("ROOT", repr(ROOT), 1).replace("FAIL", repr(fail))
                 .replace("RUN_DIR", repr(str(shared))).replace("OUT", out))
         env = dict(cpu_devices_env(4), MOEJAX_COORDINATOR=f"127.0.0.1:{port}",
                    MOEJAX_NUM_PROCESSES="2", MOEJAX_PROCESS_ID=str(pid),
                    MOEJAX_HEARTBEAT_TIMEOUT="10")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_a_process_that_fails_leaves_at_once_and_the_other_says_so(tmp_path):
+    """One of two processes refuses its config (exit 2): it leaves without waiting for the
+    other, which is blocked in its first collective and exits with EXIT_PEER_LOST within
+    the heartbeat timeout: no process waits on a failed one."""
+    procs = _start_pair(tmp_path, fail=True)
+    t0 = time.time()
+    try:
+        _, err1 = procs[1].communicate(timeout=120)
+        _, err0 = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[1].returncode == 2, err1[-2000:]
+    assert err1.strip().splitlines()[-1] == "error: process 1 refuses its config"
+    assert procs[0].returncode == EXIT_PEER_LOST, err0[-2000:]
+    assert "lost another process (process 1 stopped)" in err0.strip().splitlines()[-1]
+    assert time.time() - t0 < 100
+
+
+def test_a_dead_peer_ends_the_survivor_in_one_line_naming_the_checkpoint(tmp_path):
+    """SIGKILL one of two training processes: the other exits within seconds with
+    EXIT_PEER_LOST and one line naming the checkpoint that resumes the run (not JAX's C++
+    abort on missed heartbeats), and that checkpoint restores."""
+    procs, shared = _start_pair(tmp_path, fail=False), tmp_path / "shared"
     try:
         ckpts = shared / "checkpoints"
         deadline = time.time() + 300
@@ -209,8 +239,11 @@ def test_a_dead_peer_ends_the_survivor_in_one_line_naming_the_checkpoint(tmp_pat
         pytest.skip(f"CPU multi-process collectives unavailable here: {err[-500:]}")
     last = err.strip().splitlines()[-1]
     assert procs[0].returncode == EXIT_PEER_LOST, (procs[0].returncode, waited, err[-3000:])
-    assert last.startswith("error: process 0 of 2 lost another process ("), last
-    assert "start the same command on every process again to resume" in last
+    # the watcher's line ("lost another process (process 1 stopped)"), or the loop's when the
+    # collective failed first ("lost another process during step S (...)", naming the
+    # checkpoint that resumes the run)
+    assert last.startswith("error: process 0 of 2 lost another process "), last
+    assert "start the same command on every process again" in last
     assert waited < 60, waited  # the heartbeat timeout is 10 s here
     print(f"survivor exited after {waited:.1f} s: {last}")
     restored, _ = Checkpointer(str(ckpts)).restore(template())  # the newest complete step

@@ -62,7 +62,7 @@ from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
 __all__ = ["initialize_from_env", "local_batch", "assemble", "global_batch", "is_main_process",
-           "cpu_devices_env", "PeerLostError", "is_peer_failure", "EXIT_PEER_LOST",
+           "cpu_devices_env", "PeerLostError", "PeerWatch", "is_peer_failure", "EXIT_PEER_LOST",
            "HEARTBEAT_TIMEOUT_S"]
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: try again (every process, the same command)
@@ -108,10 +108,12 @@ def _auto_detectable(env) -> bool:
     return False
 
 
-def initialize_from_env(env=None) -> bool:
+def initialize_from_env(env=None) -> PeerWatch | bool:
     """Call ``jax.distributed.initialize`` when launched as one of several processes.
 
-    Returns True when the distributed runtime was initialised, False for a single process.
+    Returns the :class:`PeerWatch` on the other processes (or True where the runtime cannot
+    say who is alive) when the distributed runtime was initialised, False for a single
+    process.
     Raises ``ValueError`` naming the variable when the ``MOEJAX_*`` settings are incomplete.
     """
     env = os.environ if env is None else env
@@ -136,12 +138,10 @@ def initialize_from_env(env=None) -> bool:
             local_device_ids=[int(i) for i in local.split(",")] if local else None,
             heartbeat_timeout_seconds=heartbeat,
         )
-        _watch_peers()
-        return True
+        return _watch_peers() or True
     if _auto_detectable(env):
         jax.distributed.initialize(heartbeat_timeout_seconds=_recoverable(env))
-        _watch_peers()
-        return True
+        return _watch_peers() or True
     return False
 
 
@@ -157,60 +157,79 @@ def _recoverable(env) -> int:
     return int(raw)
 
 
-def _watch_peers() -> None:
-    """A daemon thread that asks the coordination service every few seconds which processes
-    are alive (every process asks, barrier-like, as ``multihost_utils.live_devices`` does) and,
-    when one is gone, prints one line and exits with :data:`EXIT_PEER_LOST`. The main thread
-    may then be blocked for good in a collective that waits on the dead process, so the
-    watcher exits the process itself."""
-    from jax._src import distributed as jax_distributed  # the runtime's client, as live_devices
+class PeerWatch:
+    """The watch on the other processes of a multi-process run (:func:`initialize_from_env`):
+    a daemon thread asks the coordination service every few seconds which processes are alive
+    (every process asks, barrier-like, as ``multihost_utils.live_devices`` does) and, when one
+    is gone, prints one line and exits with :data:`EXIT_PEER_LOST`: the main thread may then be
+    blocked for good in a collective that waits on the dead process, so the watcher exits the
+    process itself.
 
-    client = jax_distributed.global_state.client
-    if client is None or not hasattr(client, "get_live_nodes"):
-        return
-    me, everyone = jax.process_index(), list(range(jax.process_count()))
-    leaving = threading.Event()
+    At exit (before jax's own shutdown: atexit runs last-registered first) a process that
+    finished stops watching, waits for the others to finish too, and the others disconnect
+    before process 0, which hosts the coordination service: recoverable processes do not wait
+    for each other at shutdown, so without this one could take another's orderly exit for a
+    death, or disconnect from a service already gone. A process that failed leaves at once
+    (a study's ``main`` exits it directly; after an uncaught exception, or :meth:`abandon`,
+    it skips the wait), so the others stop within the heartbeat timeout instead of waiting
+    on it."""
 
-    def watch() -> None:
-        while not leaving.is_set():
+    def __init__(self, client):
+        self.client, self.me = client, jax.process_index()
+        self.everyone = list(range(jax.process_count()))
+        self.leaving, self.abandoned = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="moejax-peer-watch",
+                                       daemon=True)
+        self.thread.start()
+        atexit.register(self._leave)
+
+    def abandon(self) -> None:
+        """This process failed: at exit, leave without waiting for the others."""
+        self.abandoned.set()
+
+    def _watch(self) -> None:
+        while not self.leaving.is_set():
             try:
-                live = set(client.get_live_nodes(everyone))
+                live = set(self.client.get_live_nodes(self.everyone))
             except Exception as e:  # the service itself is gone (process 0 died)
-                if leaving.is_set():
+                if self.leaving.is_set():
                     return
-                _exit_lost(me, f"the coordination service stopped answering: {e}")
-            gone = sorted(set(everyone) - live)
-            if gone and not leaving.is_set():
-                _exit_lost(me, f"process {', '.join(map(str, gone))} stopped")
-            leaving.wait(_WATCH_EVERY_S)
+                _exit_lost(self.me, f"the coordination service stopped answering: {e}")
+            gone = sorted(set(self.everyone) - live)
+            if gone and not self.leaving.is_set():
+                _exit_lost(self.me, f"process {', '.join(map(str, gone))} stopped")
+            self.leaving.wait(_WATCH_EVERY_S)
 
-    def leave() -> None:
-        """At exit, before jax's own shutdown (atexit runs last-registered first): stop
-        watching, wait for the others, then disconnect the others before process 0, which
-        hosts the coordination service (recoverable processes do not wait for each other
-        at shutdown, so without this a process could take another's exit for a death, or
-        disconnect from a service already gone)."""
-        leaving.set()
+    def _leave(self) -> None:
+        self.leaving.set()
+        if self.abandoned.is_set() or getattr(sys, "last_value", None) is not None:
+            return  # failed: the others notice within the heartbeat timeout
         try:
-            client.wait_at_barrier("moejax_exit", timeout_in_ms=_EXIT_WAIT_S * 1000)
+            self.client.wait_at_barrier("moejax_exit", timeout_in_ms=_EXIT_WAIT_S * 1000)
         except Exception:  # a peer died meanwhile: nothing to wait for  # noqa: BLE001
             return
-        if me != 0:
+        if self.me != 0:
             jax.distributed.shutdown()
             return
-        thread.join(timeout=_EXIT_WAIT_S)
+        self.thread.join(timeout=_EXIT_WAIT_S)
         deadline = time.time() + _EXIT_WAIT_S
         while time.time() < deadline:  # until every other process has disconnected
             try:
-                if set(client.get_live_nodes(everyone)) <= {0}:
+                if set(self.client.get_live_nodes(self.everyone)) <= {0}:
                     return
             except Exception:  # noqa: BLE001
                 return
             time.sleep(0.1)
 
-    thread = threading.Thread(target=watch, name="moejax-peer-watch", daemon=True)
-    thread.start()
-    atexit.register(leave)
+
+def _watch_peers() -> PeerWatch | None:
+    """Start the watch when the runtime's client can say who is alive."""
+    from jax._src import distributed as jax_distributed  # the runtime's client, as live_devices
+
+    client = jax_distributed.global_state.client
+    if client is None or not hasattr(client, "get_live_nodes"):
+        return None
+    return PeerWatch(client)
 
 
 def _exit_lost(me: int, what: str) -> None:
