@@ -11,6 +11,8 @@ per layer, and a greedy completion of a code prompt.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from flax import nnx
 
@@ -30,6 +32,7 @@ from moejax.train.loop import read_csv, train
 
 NAME = "lm_demo"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
+UNIFORM_NATS = math.log(256)  # cross-entropy of a uniform guess over byte values
 QUICK_REPEAT = 1  # runs of the quick preset (mean and std over seeds)
 
 
@@ -159,6 +162,7 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
         xlabel="step",
         ylabel="cross-entropy (nats/byte)",
         title="MoE LM on stdlib source",
+        hlines={"uniform guess (ln 256)": UNIFORM_NATS},
     )
 
     # Router load per MoE layer on one validation batch.
@@ -188,7 +192,14 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
     prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)[None]
     out = generate(model, prompt, cfg.sample_tokens)
     text = bytes(np.asarray(out)[0].astype(np.uint8).tolist()).decode("utf-8", "replace")
-    run.note("Greedy completion:\n\n```python\n" + text + "\n```")
+    run.note(
+        f"What {len(history)} steps bought: validation loss {before['loss']:.2f} -> "
+        f"{after['loss']:.2f} nats/byte (a uniform guess over bytes scores "
+        f"{UNIFORM_NATS:.2f}) and {after['accuracy']:.0%} of next bytes right. A byte-level "
+        "model this early has learned byte statistics and frequent fragments, not syntax, so "
+        "its greedy completion loops on fragments; the loss curve is the measure of progress "
+        "(the quick preset's 300 steps and the full preset go further):\n\n```python\n"
+        + text + "\n```")
     return {
         "headline": (
             f"{n_params / 1e6:.2f}M-param MoE LM, {cfg.train.steps} steps: validation "

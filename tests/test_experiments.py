@@ -54,6 +54,12 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
         assert (run.path / f).exists(), f
     cfg = json.loads((run.path / "config.json").read_text())
     assert cfg["train"]["steps"] == 12
+    # the completion comes with what the loss means, measured against a uniform guess
+    text = (run.path / "summary.md").read_text()
+    assert (f"What 12 steps bought: validation loss {summary['val_loss_before']:.2f} -> "
+            f"{summary['val_loss_after']:.2f} nats/byte (a uniform guess over bytes scores "
+            "5.55)") in text
+    assert text.index("What 12 steps bought") < text.index("```python")
 
 
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
