@@ -140,3 +140,23 @@ def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
     assert samp["cuda_kernels"] == "0"  # the dense path: no kernel
     assert all(r["fits_H100_80GB"] and r["peak_GB"] >= r["weights_GB"] > 0
                for r in (spec, samp, gen))
+
+
+def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monkeypatch):
+    """A benchmark that neither trains nor decodes: its recipe runs to its end and the table
+    says there was nothing to prove (not an error)."""
+    import types
+
+    from experiments.full_smoke import _aot, _aot_rows
+    from moejax.config import Config, config
+
+    @config
+    class Nothing(Config):
+        seed: int = 0
+
+    study = types.SimpleNamespace(make_config=lambda preset: Nothing(), run=lambda c, r: {})
+    monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
+    result = _aot("nothing", study, tmp_path / "run")
+    assert result == {"ok": True, "error": "", "rows": []}
+    (row,) = _aot_rows("bench_kernels", result, 1.0, 0.1)
+    assert row["run"] == "(none)" and row["result"].startswith("OK: the recipe ran to its end")
