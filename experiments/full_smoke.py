@@ -139,8 +139,11 @@ def _shapes(c) -> tuple:
     shapes of what it takes (and a decode's static arguments)."""
     args = (c.state, c.batch) if isinstance(c, CapturedStep) else c.args
     leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
-    static = () if isinstance(c, CapturedStep) else (getattr(c.fn, "__name__", ""),
-                                                      sorted(c.static.items(), key=str))
+    static = () if isinstance(c, CapturedStep) else (
+        getattr(c.fn, "__name__", ""), sorted(c.static.items(), key=str),
+        # the models' structure (graphdefs): e.g. a dense and a chunk-sparse path of one model
+        tuple(hash(a) for a in c.args if not jax.tree.leaves(a) or not isinstance(
+            jax.tree.leaves(a)[0], jax.ShapeDtypeStruct)))
     return (type(c).__name__, str(static), tuple((x.shape, str(x.dtype)) for x in leaves))
 
 

@@ -160,3 +160,18 @@ def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monke
     assert result == {"ok": True, "error": "", "rows": []}
     (row,) = _aot_rows("bench_kernels", result, 1.0, 0.1)
     assert row["run"] == "(none)" and row["result"].startswith("OK: the recipe ran to its end")
+
+
+def test_decode_calls_group_by_model_structure_not_only_by_shapes():
+    """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
+    programs (different kernels): they are proven apart; repeats of one are proven once."""
+    from experiments.full_smoke import _shapes
+    from experiments.spec_bench import blockffn_path
+
+    target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
+    with capture_steps() as captured:
+        for m in (blockffn_path(target, "dense"), blockffn_path(target, "auto", 1),
+                  blockffn_path(target, "dense")):
+            sample(m, jnp.ones((1, 5), jnp.int32), jnp.array([5]), 4, key=jax.random.key(0))
+    keys = [_shapes(c) for c in captured]
+    assert keys[0] == keys[2] != keys[1]
