@@ -193,7 +193,7 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
     out = generate(model, prompt, cfg.sample_tokens)
     text = bytes(np.asarray(out)[0].astype(np.uint8).tolist()).decode("utf-8", "replace")
     run.note(
-        f"What {len(history)} steps bought: validation loss {before['loss']:.2f} -> "
+        f"What {cfg.train.steps} steps bought: validation loss {before['loss']:.2f} -> "
         f"{after['loss']:.2f} nats/byte (a uniform guess over bytes scores "
         f"{UNIFORM_NATS:.2f}) and {after['accuracy']:.0%} of next bytes right. A byte-level "
         "model this early has learned byte statistics and frequent fragments, not syntax, so "
