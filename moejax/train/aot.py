@@ -35,6 +35,7 @@ from moejax.capture import CapturedDecode, CapturedStep
 from moejax.kernels.moe_dispatch import experts_in_xla
 from moejax.kernels.targets import lowering_target
 from moejax.pytree import count_bytes, count_params
+from moejax.train.loop import compiled_memory
 
 __all__ = ["prove_step", "prove_decode", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION",
            "KERNEL_CALLS"]
@@ -105,11 +106,9 @@ def _jitted(c: CapturedStep):
 
 
 def _peak(compiled) -> tuple[float, float]:
-    """``(peak bytes, temporaries)`` of a compiled program: arguments + outputs + temporaries
-    - donated, from XLA's buffer assignment."""
-    mem = compiled.memory_analysis()
-    return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - getattr(mem, "alias_size_in_bytes", 0)), mem.temp_size_in_bytes
+    """``(peak bytes, temporaries)`` from XLA's buffer assignment (:func:`compiled_memory`)."""
+    m = compiled_memory(compiled)
+    return m["peak_bytes"], m["temp_bytes"]
 
 
 def prove_decode(c: CapturedDecode, platforms=("cuda", "tpu")) -> dict:

@@ -117,14 +117,15 @@ def _tokens(batch) -> float:
 
 
 def compiled_memory(compiled) -> dict:
-    """``{"peak_bytes", "argument_bytes"}`` of a compiled executable (-1 when XLA has none):
-    peak = arguments + outputs + temporaries - aliased (donated) buffers."""
+    """``{"peak_bytes", "argument_bytes", "temp_bytes"}`` of a compiled executable (-1 when
+    XLA has none): peak = arguments + outputs + temporaries - aliased (donated) buffers."""
     m = compiled.memory_analysis()
     if m is None:
-        return {"peak_bytes": -1, "argument_bytes": -1}
+        return {"peak_bytes": -1, "argument_bytes": -1, "temp_bytes": -1}
     peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - getattr(m, "alias_size_in_bytes", 0))
-    return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes)}
+    return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes)}
 
 
 @dataclasses.dataclass(frozen=True)
