@@ -2,6 +2,8 @@
 
 * :func:`time_call`: compile once, ``warmup`` untimed calls, then ``repeats`` timed calls
   (each waits for the result with ``block_until_ready``); median and minimum seconds.
+* :func:`time_device_loop`: device time per call, from ``iters`` calls inside one jitted
+  loop (no host dispatch between calls; the kernels' launches are counted).
 * :func:`kernel_unavailable`: why a kernel path cannot be timed here (None when it can).
 * :func:`union_activations`: combine weights ``[n, E]`` for a chunk of ``n`` tokens whose
   union of active experts is exactly a random set of ``union_size`` experts: each token is
@@ -19,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["time_call", "time_interleaved", "union_activations", "kernel_unavailable",
-           "KERNEL_PATHS", "HOST_PATHS"]
+__all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
+           "kernel_unavailable", "KERNEL_PATHS", "HOST_PATHS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
 HOST_PATHS = ("host", "host_capacity")
@@ -63,6 +65,52 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
         times.append(time.perf_counter() - t)
     return {"compile_s": compile_s, "median_s": float(np.median(times)),
             "min_s": float(np.min(times)), "repeats": repeats}
+
+
+def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
+                     flush_bytes: int = 0) -> dict:
+    """``{"compile_s", "median_s", "min_s", "iters"}``: seconds per call of ``fn(*args)``,
+    timed as ``iters`` calls in one jitted ``fori_loop`` (median and minimum over ``repeats``
+    runs of the loop, after a warm-up run). Each iteration passes the arguments through an
+    optimisation barrier with the loop index, so XLA cannot hoist the loop-invariant call, and
+    the loop carries the result, so it cannot be removed. Per call this counts the device
+    work and its kernel launches, not Python dispatch. Arguments that fit the L2 cache stay
+    there across iterations unless ``flush_bytes`` > 0: then every iteration also rewrites a
+    buffer of that size (a few times the L2, so each call reads its operands from memory, as
+    a layer among many layers does), and the median time of a loop of the rewrites alone
+    (``flush_s``) is subtracted: where the call is shorter than the rewrite's noise (a CPU),
+    the difference can come out near zero or below it."""
+    if iters < 1 or repeats < 1 or flush_bytes < 0:
+        raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
+                         f"flush_bytes={flush_bytes} >= 0")
+    out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+    scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
+
+    def timed(call):
+        @jax.jit
+        def loop(scratch, *args):
+            def body(i, carry):
+                out, scratch = carry
+                if flush_bytes:  # after the previous call, before this one: never beside them
+                    scratch = jax.lax.optimization_barrier((scratch, out))[0] + 1.0
+                a = jax.lax.optimization_barrier((args, i, scratch))[0]
+                return (call(*a) if call else out), scratch
+            return jax.lax.fori_loop(0, iters, body, (out0, scratch))
+
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(scratch, *args))
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(loop(scratch, *args))
+            times.append((time.perf_counter() - t) / iters)
+        return compile_s, np.asarray(times)
+
+    compile_s, times = timed(fn)
+    flush_s = float(np.median(timed(None)[1])) if flush_bytes else 0.0
+    return {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
+            "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters}
 
 
 def time_interleaved(fns: dict[str, Callable], *args, warmup: int = 1,

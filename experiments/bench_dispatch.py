@@ -107,7 +107,13 @@ class BenchConfig(Config):
 def make_config(preset: str) -> BenchConfig:
     if preset == "quick":
         return BenchConfig()
-    return BenchConfig(batch_size=64, seq_len=512, warmup=5, steps=50, precision="bfloat16")
+    # a train step at a realistic size: d 1024, 16 experts of width 1408, seq 2048, bf16
+    cfg = BenchConfig()
+    return cfg.replace(
+        model=cfg.model.replace(d_model=1024, n_heads=8, n_kv_heads=8,
+                                moe=cfg.model.moe.replace(n_experts=16, d_expert=1408)),
+        paths=("capacity", "tokamax", "gmm", "bucketed", "ragged", "dense"),
+        batch_size=8, seq_len=2048, warmup=2, steps=10, precision="bfloat16")
 
 
 def _bench_path(cfg: BenchConfig, path: str, source) -> dict:

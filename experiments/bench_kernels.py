@@ -1,5 +1,4 @@
-"""Benchmark of the expert kernels (BlockFFN's chunk-sparse FFN and the dropless grouped
-matmul), against their bounds.
+"""Benchmark of BlockFFN's chunk-sparse expert kernels against their bound.
 
 (a) ``ffn``: one BlockFFN layer's experts on a chunk of ``n`` tokens whose union of active
 experts is a fraction ``|U| / E`` of the experts (:func:`experiments.bench.union_activations`,
@@ -10,17 +9,17 @@ and ``chunk_union_gather`` (the jnp union path's two schedules, static cap set t
 and the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode,
 which is no speed measurement, so their rows say "not measured"). Bound: ``dense time x |U|
 / E``; on GPU also the achieved bandwidth (bytes of the union's expert weights read per call)
-against ``peak_gbps``. The paths of one (n, |U|) are timed round-robin (each call sees the
-caches the others leave, as one layer among many would). ``union_breakdown`` splits each
-union path's distance to the bound into two measured factors, ``x_bound = overhead x
-dense_scaling``: ``overhead`` = its time over ``dense_union``'s (what the union path adds:
-finding the union, gathering, one small product per member) and ``dense_scaling`` =
+against ``peak_gbps``. Times are device time per call (:func:`experiments.bench.
+time_device_loop`), with the L2 cache flushed between calls where ``l2_flush_mb`` is set (the
+full preset), as in a decode step whose layers each read their own weights.
+``union_breakdown`` splits each union path's distance to the bound into two measured factors,
+``x_bound = overhead x dense_scaling``: ``overhead`` = its time over ``dense_union``'s (what
+the union path adds: finding the union, gathering, one small product per member) and
+``dense_scaling`` =
 ``dense_union``'s time over the bound (how far the dense computation itself is from
 proportional to the experts it reads: caches, matmul shapes).
 
-(b) ``gmm``: forward + backward (dX and dW) of a grouped matmul ``[M, K] x [G, K, N]`` with
-random group sizes: ``ragged`` (``jax.lax.ragged_dot``), ``gmm`` (the Pallas kernels; GPU
-only) and ``dense`` (one ``[M, K] x [K, N]`` matmul: the same active FLOPs).
+The dropless grouped matmul has its own benchmark, :mod:`experiments.bench_grouped`.
 
     python -m experiments.bench_kernels                 # CPU: the jnp paths
     python -m experiments.bench_kernels preset=full     # GPU: every path, bf16, larger shapes
@@ -35,21 +34,19 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.bench import kernel_unavailable, time_call, time_interleaved, union_activations
+from experiments.bench import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
-from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 
 NAME = "bench_kernels"
 # smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("union_fractions=(0.25,1.0)", "warmup=1", "repeats=1")
+SMOKE = ("union_fractions=(0.25,1.0)", "repeats=1")
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
                   "triton"]
-GmmPath = Literal["dense", "ragged", "gmm"]
 
 
 @config
@@ -69,15 +66,12 @@ class BenchKernelsConfig(Config):
                                       "chunk_union_gather", "pallas", "triton")
     chunk_sizes: tuple[int, ...] = (1, 8, 32)
     union_fractions: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
-    gmm_paths: tuple[GmmPath, ...] = ("dense", "ragged", "gmm")
-    # (M rows, K, N, G groups): the bench_dispatch up-projection (2048 tokens x top-2) and a
-    # larger one.
-    gmm_shapes: tuple[tuple[int, int, int, int], ...] = ((4096, 256, 704, 8),
-                                                         (8192, 512, 1024, 8))
     precision: Literal["float32", "bfloat16"] = "float32"
-    warmup: int = 3
     repeats: int = 20
     peak_gbps: float = 0.0  # the device's memory bandwidth (0 = not given): H100 SXM 3350
+    # rewrite this many MB between timed calls (a few times the L2: 50 MB on an H100), so the
+    # experts' weights come from memory as in a decode step through many layers; 0 = no flush
+    l2_flush_mb: float = 0.0
     seed: int = 0
 
     def validate(self):
@@ -86,10 +80,9 @@ class BenchKernelsConfig(Config):
           f"chunk_sizes={self.chunk_sizes} must be >= 1")
         r(len(self.union_fractions) > 0 and all(0 < u <= 1 for u in self.union_fractions),
           f"union_fractions={self.union_fractions} must be in (0, 1]")
-        r(all(len(s) == 4 and min(s) >= 1 for s in self.gmm_shapes),
-          f"gmm_shapes={self.gmm_shapes}: each must be (M, K, N, G) >= 1")
-        r(self.repeats >= 1 and self.warmup >= 0, "repeats must be >= 1 and warmup >= 0")
+        r(self.repeats >= 1, f"repeats={self.repeats} must be >= 1")
         r(self.peak_gbps >= 0, f"peak_gbps={self.peak_gbps} must be >= 0")
+        r(self.l2_flush_mb >= 0, f"l2_flush_mb={self.l2_flush_mb} must be >= 0")
 
 
 def make_config(preset: str) -> BenchKernelsConfig:
@@ -97,8 +90,7 @@ def make_config(preset: str) -> BenchKernelsConfig:
         return BenchKernelsConfig()
     return BenchKernelsConfig(
         ffn=FfnShape(d_model=2048, n_experts=64, d_expert=256), precision="bfloat16",
-        gmm_shapes=((4096, 256, 704, 8), (65536, 2048, 1408, 64)), repeats=50,
-        peak_gbps=3350.0)
+        repeats=50, peak_gbps=3350.0, l2_flush_mb=256)
 
 
 def _ffn_fn(path: str, cfg: BenchKernelsConfig, union_size: int):
@@ -144,10 +136,11 @@ def bench_ffn(cfg: BenchKernelsConfig, key) -> list[dict]:
             # dense_union: |U| experts' weights of their own (sliced here, not in the call)
             args = ((x, a[:, :size], wu[:size], wd[:size]) if path == "dense_union"
                     else (x, a, wu, wd))
-            fn = jax.jit(_ffn_fn("dense" if path == "dense_union" else path, cfg, size))
-            fns[path] = lambda fn=fn, args=args: fn(*args)
-        # round-robin: every path sees the caches the others leave, as a layer among layers
-        times = time_interleaved(fns, warmup=cfg.warmup, repeats=cfg.repeats)
+            fns[path] = (_ffn_fn("dense" if path == "dense_union" else path, cfg, size), args)
+        # device time: calls in one jitted loop (a decode step's kernels, not Python dispatch)
+        times = {path: time_device_loop(fn, *args, iters=cfg.repeats, repeats=3,
+                                        flush_bytes=int(cfg.l2_flush_mb * 2**20))
+                 for path, (fn, args) in fns.items()}
         dense_s = times["dense"]["median_s"] if "dense" in times else None
         for row in job:
             if row["path"] not in times:
@@ -164,56 +157,6 @@ def bench_ffn(cfg: BenchKernelsConfig, key) -> list[dict]:
             if cfg.peak_gbps:
                 row["frac_of_peak"] = row["gbps"] / cfg.peak_gbps
             rows.append(row)
-    return rows
-
-
-def _gmm_loss(path: str):
-    def loss(x, w, gs, ct):
-        if path == "dense":
-            y = x @ w[0]
-        elif path == "ragged":
-            y = jax.lax.ragged_dot(x, w, gs)
-        else:
-            y = gmm(x, w, gs)
-        return jnp.sum(y.astype(jnp.float32) * ct)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-
-def bench_gmm(cfg: BenchKernelsConfig, key) -> list[dict]:
-    dt = jnp.dtype(cfg.precision)
-    rows = []
-    for M, K, N, G in tqdm(cfg.gmm_shapes, desc="grouped matmul", leave=False):
-        kx, kw, kg, kc = jax.random.split(jax.random.fold_in(key, M * K), 4)
-        x = jax.random.normal(kx, (M, K)).astype(dt)
-        w = (jax.random.normal(kw, (G, K, N)) / np.sqrt(K)).astype(dt)
-        gs = jnp.bincount(jax.random.randint(kg, (M,), 0, G), length=G).astype(jnp.int32)
-        ct = jax.random.normal(kc, (M, N))
-        flops = 3 * 2 * M * K * N  # forward, dX, dW
-        base = {"M": M, "K": K, "N": N, "G": G}
-        times = {}
-        for path in cfg.gmm_paths:
-            why = kernel_unavailable(path)
-            if why:
-                rows.append({**base, "path": path, "note": why})
-                continue
-            try:
-                t = time_call(_gmm_loss(path), x, w, gs, ct, warmup=cfg.warmup,
-                              repeats=max(3, cfg.repeats // 4))
-            except jax.errors.JaxRuntimeError as err:  # the dense path on a large shape
-                if "RESOURCE_EXHAUSTED" not in str(err):
-                    raise
-                rows.append({**base, "path": path, "note": "out of device memory"})
-                continue
-            times[path] = t["median_s"]
-            rows.append({**base, "path": path, "fwd_bwd_ms": t["median_s"] * 1e3,
-                         "tflops": flops / t["median_s"] / 1e12})
-        for r in rows[-len(cfg.gmm_paths):]:
-            if "fwd_bwd_ms" in r:
-                s = r["fwd_bwd_ms"] / 1e3
-                if "ragged" in times:
-                    r["speedup_vs_ragged"] = times["ragged"] / s
-                if "dense" in times:
-                    r["x_dense_equal_flops"] = s / times["dense"]
     return rows
 
 
@@ -279,7 +222,8 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
     ffn_rows = bench_ffn(cfg, jax.random.fold_in(key, 0))
     run.table("ffn", ffn_rows, title=(
         f"(a) BlockFFN experts on a chunk of n tokens, d {s.d_model}, {s.n_experts} experts of "
-        f"width {s.d_expert}, {s.activation}, {cfg.precision}, median of {cfg.repeats}, on "
+        f"width {s.d_expert}, {s.activation}, {cfg.precision}, device time per call (median of "
+        f"3 loops of {cfg.repeats}), on "
         f"{where}; bound = dense x |U|/E"))
     for n in cfg.chunk_sizes:
         series = {}
@@ -301,20 +245,10 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
         "Where the union paths' time goes: x_bound = overhead (time / dense_union's: the union "
         "bookkeeping and per-member products) x dense_scaling (dense_union / bound: the dense "
         "computation on |U| experts against dense x |U|/E)"))
-    gmm_rows = bench_gmm(cfg, jax.random.fold_in(key, 1))
-    run.table("gmm", gmm_rows, title=(
-        f"(b) Grouped matmul forward + backward (dX, dW), {cfg.precision}, on {where}; dense = "
-        "one matmul of the same active FLOPs"))
     headline, notes = _ffn_summary(ffn_rows)
     for line in notes:
         run.note(f"- {line}")
     run.note("- " + _breakdown_note(parts))
-    gm = [r for r in gmm_rows if r["path"] == "gmm" and "speedup_vs_ragged" in r]
-    run.note("- gmm: " + ("; ".join(
-        f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: {r['speedup_vs_ragged']:.2f}x ragged_dot, "
-        f"{r.get('x_dense_equal_flops', float('nan')):.2f}x the dense matmul" for r in gm)
-        if gm else "not measured here (needs a GPU: `python -m experiments.bench_kernels "
-        "preset=full`)"))
     return {"headline": f"{headline} ({where})",
             **{f"{r['path']}_n{r['n']}_u{r['union']}_ms": round(r["ms"], 3)
                for r in ffn_rows if "ms" in r and r["union_fraction"] in (0.25, 1.0)}}

@@ -28,6 +28,7 @@ REGISTRY: tuple[str, ...] = (
     "lm_demo",  # a trained MoE LM
     "bench_dispatch",  # dispatch-path benchmark
     "bench_kernels",  # expert kernels against their bounds
+    "bench_grouped",  # the dropless grouped matmul, one product at a time
     "bench_speculative",  # speculative decoding with chunk-sparse verification
     "bench_parallel",  # expert parallelism and its collectives on 8 simulated devices
     "bench_extracted",  # extracted experts: masked vs compact layout, wall-clock time

@@ -1,20 +1,45 @@
 #!/usr/bin/env bash
 # The GPU checks with whatever python has jax with CUDA (PYTHON, default python3): no virtual
-# environment, nothing downloaded. Stages (default: all):
+# environment, nothing downloaded. WHEELHOUSE=DIR (scripts/gpu_wheelhouse.sh) installs the
+# wheels there into a folder of their own first (its floor/ ones only where the image's
+# flax, optax, chex or orbax-checkpoint is older than the project's floor). Stages (default:
+# all):
 #   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply)
-#   kernels | dispatch | speculative | extracted
+#   grouped | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device)
-# Usage: scripts/gpu_check.sh OUT_DIR [stage ...]
+# Usage: [WHEELHOUSE=DIR] scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
-stages=${*:-tests kernels dispatch speculative extracted}
+stages=${*:-tests grouped kernels dispatch speculative extracted}
 py=${PYTHON:-python3}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+site=
+if [ -n "${WHEELHOUSE:-}" ]; then
+  site=$(mktemp -d /tmp/moejax-site.XXXX)
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+    "$WHEELHOUSE"/*.whl || { echo "gpu_check: installing $WHEELHOUSE failed" >&2; exit 1; }
+  old=$("$py" - <<'PY'
+import importlib.metadata as md
+from packaging.version import Version
+floors = {"flax": "0.12.8", "optax": "0.2.6", "chex": "0.1.91", "orbax_checkpoint": "0.12.8"}
+def below(name, floor):
+    try:
+        return Version(md.version(name)) < Version(floor)
+    except md.PackageNotFoundError:
+        return True
+print(" ".join(n for n, v in floors.items() if below(n, v)))
+PY
+)
+  for name in $old; do
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      "$WHEELHOUSE"/floor/"$name"-*.whl || exit 1
+  done
+fi
+export PYTHONPATH=${site:+$site:}$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$out"
-"$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" ||
+"$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null ||
   { echo "gpu_check: jax sees no GPU here" >&2; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 "$py" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
@@ -25,11 +50,11 @@ for stage in $stages; do
   case $stage in
     tests)
       JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -q -p no:cacheprovider -n 4 \
-        tests/test_kernels_gmm.py tests/test_kernels_pair_matmul.py \
+        tests/test_kernels_gmm.py tests/test_ragged_dot.py tests/test_kernels_pair_matmul.py \
         tests/test_kernels_chunk_union.py tests/test_dispatch.py tests/test_blockffn.py \
         tests/test_speculative.py tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" || status=1 ;;
-    kernels|dispatch|speculative|extracted)
+    grouped|kernels|dispatch|speculative|extracted)
       "$py" -m "experiments.bench_$stage" preset=full out="$out/bench_$stage" 2>&1 |
         tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 || status=1 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;

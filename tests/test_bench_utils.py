@@ -1,12 +1,12 @@
-"""experiments.bench: the synthetic union patterns have exactly the asked union, and the timer
-times what it is given."""
+"""experiments.bench: the synthetic union patterns have exactly the asked union, and the timers
+time what they are given (the device loop calls the function in every iteration, not once)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench import time_call, time_interleaved, union_activations
+from experiments.bench import time_call, time_device_loop, time_interleaved, union_activations
 
 
 @pytest.mark.parametrize("n,union,density", [(1, 3, 1.0), (8, 16, 0.3), (32, 1, 0.5),
@@ -51,3 +51,25 @@ def test_time_interleaved_warms_every_fn_then_alternates():
     assert all(0 < r["min_s"] <= r["median_s"] and r["repeats"] == 3 for r in out.values())
     with pytest.raises(ValueError, match="repeats"):
         time_interleaved(fns, jnp.ones(3), repeats=0)
+
+
+def test_time_device_loop_runs_the_call_in_every_iteration():
+    """A call that does k times the work takes about k times as long per iteration: the loop
+    neither hoists the loop-invariant call nor drops it."""
+    x = jax.random.normal(jax.random.key(0), (256, 256))
+
+    def chain(k):
+        def fn(x):
+            for _ in range(k):
+                x = jnp.tanh(x @ x) * 0.5
+            return x
+        return fn
+
+    one = time_device_loop(chain(2), x, iters=20, repeats=5)
+    many = time_device_loop(chain(16), x, iters=20, repeats=5)
+    assert one["iters"] == 20 and 0 < one["min_s"] <= one["median_s"] and one["flush_s"] == 0
+    assert many["median_s"] > 3 * one["median_s"], (one, many)
+    flushed = time_device_loop(chain(16), x, iters=5, repeats=3, flush_bytes=1 << 20)
+    assert flushed["flush_s"] > 0 and np.isfinite(flushed["median_s"])
+    with pytest.raises(ValueError, match="flush_bytes"):
+        time_device_loop(chain(1), x, flush_bytes=-1)

@@ -112,7 +112,7 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
     summary, run = run_experiment(
         "bench_kernels", bench_kernels.make_config, bench_kernels.run,
         ["ffn.d_model=16", "ffn.n_experts=8", "ffn.d_expert=8", "chunk_sizes=(1,4)",
-         "union_fractions=(0.25,1.0)", "gmm_shapes=((64,8,16,4),)", "warmup=0", "repeats=2"],
+         "union_fractions=(0.25,1.0)", "repeats=2"],
         out=tmp_path / "bk")
     import csv
 
@@ -127,9 +127,6 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
         bound = float(dense["ms"]) * int(r["union"]) / 8
         assert float(r["bound_ms"]) == pytest.approx(bound, rel=1e-6)
         assert float(r["x_bound"]) == pytest.approx(float(r["ms"]) / bound, rel=1e-6)
-    gmm = list(csv.DictReader(open(run.path / "gmm.csv")))
-    assert [r["path"] for r in gmm] == ["dense", "ragged", "gmm"]
-    assert float(gmm[1]["speedup_vs_ragged"]) == 1.0
     assert (run.path / "ffn_n1.png").exists() and (run.path / "ffn_n4.png").exists()
     assert "chunk_union: within 1.3x" in (run.path / "summary.md").read_text()
     parts = list(csv.DictReader(open(run.path / "union_breakdown.csv")))
@@ -329,3 +326,31 @@ def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
     copies = 8 * 3 * 32 * 64 * 4 / 1e6  # the synthesised experts "all" keeps
     for form in ("SM", "LM"):
         assert mem[(f"DeRS-{form}", "stream")] < mem[(f"DeRS-{form}", "all")] - 0.5 * copies
+
+
+def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
+    from experiments import bench_grouped
+
+    summary, run = run_experiment(
+        "bench_grouped", bench_grouped.make_config, bench_grouped.run,
+        ["shapes=((64,16,32,4),)", "iters=2", "repeats=1"], out=tmp_path / "bg")
+    import csv
+
+    rows = list(csv.DictReader(open(run.path / "passes.csv")))
+    timed = {(r["path"], r["pass"]) for r in rows if r["ms"]}
+    assert {("dense", p) for p in ("fwd", "dlhs", "drhs")} <= timed
+    assert ("train", "fwd+dlhs+drhs") in timed
+    for r in rows:
+        if r["path"] == "dense" and r["ms"]:
+            assert float(r["x_dense"]) == 1.0
+        if jax.default_backend() == "cpu" and r["path"] in bench_grouped.ACCELERATOR_PATHS:
+            assert r["note"].startswith("not measured") and not r["ms"]
+    choice = list(csv.DictReader(open(run.path / "choice.csv")))
+    assert [c["pass"] for c in choice] == ["fwd", "dlhs", "drhs"]
+    for c in choice:  # the fastest is the minimum over the timed grouped rows of that pass
+        got = [float(r["ms"]) for r in rows if r["pass"] == c["pass"] and r["ms"]
+               and r["path"] not in ("dense", "train")]
+        assert float(c["fastest_ms"]) == pytest.approx(min(got))
+    with pytest.raises(ConfigError, match="shapes"):
+        run_experiment("bench_grouped", bench_grouped.make_config, bench_grouped.run,
+                       ["shapes=((64,0,32,4),)"], out=tmp_path / "bad")

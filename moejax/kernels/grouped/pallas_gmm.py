@@ -47,7 +47,7 @@ from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.kernels.tuning import config_for
 from moejax.ops.grouped_layout import group_tiles
 
-__all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES"]
+__all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 
 # Default tiles (rows, contraction, columns) of the TPU kernels: the MXU works on
 # 128-multiples (the GPU's come from moejax.kernels.tuning)
@@ -305,6 +305,14 @@ def _gmm_bwd(tiles, interpret, res, dy_MN):
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm_t(dy_MN, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
+          interpret=None):
+    """``[M, N] x [G, K, N]^T -> [M, K]``: each row times its group's ``w^T``, the input
+    gradient of :func:`gmm` (not differentiable itself)."""
+    return _tiles_product(dy_MN, w_GKN, group_sizes_G.astype(jnp.int32), (tm, tn, tk), True,
+                          bool(interpret))
 
 
 def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,

@@ -1,9 +1,12 @@
 """The dropless grouped matmul from a maintained library: tokamax's ``ragged_dot``.
 
 :func:`ragged_dot` is ``[M, K] x [G, K, N] -> [M, N]`` with the rows of group ``g`` multiplied
-by ``w[g]`` (the contract of :func:`jax.lax.ragged_dot`), differentiable in both operands.
-The implementation is picked when the program is lowered (:func:`jax.lax.platform_dependent`),
-per platform:
+by ``w[g]`` (the contract of :func:`jax.lax.ragged_dot`), differentiable in both operands:
+its forward and its VJP are three products (``PASSES``: ``fwd`` x w_g, ``dlhs`` dy w_g^T,
+``drhs`` x_g^T dy_g), each a :func:`ragged_pass` with the implementation ``IMPLEMENTATIONS``
+names for that platform and pass (``experiments.bench_grouped`` times every implementation
+per pass and names the fastest). The platform is picked when the program is lowered
+(:func:`jax.lax.platform_dependent`):
 
 * ``cuda``: tokamax's Pallas Mosaic GPU kernels (sm80 / sm90 / sm100 variants, forward and
   both gradients, tokamax's tuned configurations);
@@ -18,9 +21,8 @@ the default backend); the other branches trace the reference, which is never low
 Where tokamax's kernel does not take the call (it raises ``NotImplementedError``: Mosaic GPU
 takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older than sm80), the
 project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
-GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense. The same
-implementation runs the three passes; a measured table may pick per pass when a GPU is at
-hand.
+GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense.
+Shapes off Mosaic GPU's tiles are zero-padded to them (``ALIGN``), which is exact.
 
 tokamax checks the local device before it lowers a kernel, so a program exported on a machine
 without the target accelerator needs :func:`cross_compile` (entered by
@@ -39,7 +41,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.grouped.pallas_gmm import gmm
+from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
 
 try:  # optional: the gpu / tpu / dev extras
@@ -49,23 +51,96 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     tokamax = None
     _tokamax_gpu_utils = None
 
-__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "ragged_dot", "cross_compile"]
+__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "PASSES", "ALIGN", "ragged_dot", "ragged_pass",
+           "cross_compile"]
 
 AVAILABLE = tokamax is not None
-# tokamax's implementation per lowering platform ("default": every other platform)
-IMPLEMENTATIONS = {"cuda": "mosaic_gpu", "tpu": "mosaic_tpu", "default": "xla"}
+PASSES = ("fwd", "dlhs", "drhs")
+# tokamax's implementation per lowering platform and pass ("default": every other platform)
+IMPLEMENTATIONS = {
+    "cuda": {"fwd": "mosaic_gpu", "dlhs": "mosaic_gpu", "drhs": "mosaic_gpu"},
+    "tpu": {"fwd": "mosaic_tpu", "dlhs": "mosaic_tpu", "drhs": "mosaic_tpu"},
+    "default": {"fwd": "xla", "dlhs": "xla", "drhs": "xla"},
+}
+# the three products as ragged dot dimension numbers (jax.lax.ragged_dot_general):
+# fwd  x [M, K] . w [G, K, N] -> [M, N], rows ragged, w grouped;
+# dlhs dy [M, N] . w [G, K, N] -> [M, K], contracting N;
+# drhs x [M, K] . dy [M, N] -> [G, K, N], the ragged M contracted group by group.
+_DIMS = {
+    "fwd": jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0]),
+    "dlhs": jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0]),
+    "drhs": jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []),
+}
+# the project's own kernel for each product, where tokamax's does not take the call
+_OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
 
 
-def _one(impl: str):
-    def run(x_MK, w_GKN, group_sizes_G):
-        try:
-            return tokamax.ragged_dot(x_MK, w_GKN, group_sizes_G, implementation=impl)
-        except NotImplementedError:  # not this dtype / shape / device: the own kernel
-            if impl == IMPLEMENTATIONS["default"]:
-                raise
-            return gmm(x_MK, w_GKN, group_sizes_G)
+# each operand's and the result's axes: M rows, K, N, G groups
+_AXES = {"fwd": ("MK", "GKN", "MN"), "dlhs": ("MN", "GKN", "MK"), "drhs": ("MK", "MN", "GKN")}
+# the multiples of M, K and N an implementation's kernel tiles take (Mosaic GPU lowers M, K
+# and N in tiles of 64; zero padding is exact: padded rows lie past the groups'
+# total, padded K contracts zeros, padded N is sliced off)
+ALIGN = {"mosaic_gpu": {"M": 64, "K": 64, "N": 64}}
 
-    return run
+
+def _pad(x, axes: str, align: dict):
+    widths = [(0, -n % align.get(a, 1)) for n, a in zip(x.shape, axes)]
+    return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
+                fallback: bool = True):
+    """One of the three products (``PASSES``) with tokamax's ``implementation`` ("xla":
+    :func:`jax.lax.ragged_dot_general`), its operands zero-padded to the multiples the kernel
+    takes (``ALIGN``); where that kernel does not take the call (it raises
+    ``NotImplementedError``), the project's own Pallas kernel. Not differentiable itself: the
+    three make :func:`ragged_dot`'s forward and its VJP. ``fallback=False``: raise instead of
+    running the own kernel (the benchmarks time each implementation on its own)."""
+    out_dtype = b.dtype if which == "drhs" else a.dtype
+    ax_a, ax_b, ax_out = _AXES[which]
+    align = ALIGN.get(implementation, {})
+    try:
+        out = tokamax.ragged_dot_general(
+            _pad(a, ax_a, align), _pad(b, ax_b, align), group_sizes_G, _DIMS[which],
+            preferred_element_type=out_dtype, implementation=implementation)
+    except NotImplementedError:  # not this dtype / shape / device: the own kernel
+        if implementation == "xla" or not fallback:
+            raise
+        return _OWN[which](a, b, group_sizes_G).astype(out_dtype)
+    size = dict(zip(ax_a + ax_b, a.shape + b.shape), G=group_sizes_G.shape[0])
+    return out[tuple(slice(0, size[ax]) for ax in ax_out)]
+
+
+def _on_target(which: str, a, b, group_sizes_G):
+    """``which`` with the implementation of the platform the program is lowered for."""
+    target = target_device()[0]
+    default = IMPLEMENTATIONS["default"][which]
+
+    def branch(impl):
+        return lambda a, b, gs: ragged_pass(which, a, b, gs, impl)
+
+    branches = {p: branch(impls[which] if p == target else default)
+                for p, impls in IMPLEMENTATIONS.items() if p != "default"}
+    return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default), **branches)
+
+
+@jax.custom_vjp
+def _ragged_dot(x_MK, w_GKN, group_sizes_G):
+    return _on_target("fwd", x_MK, w_GKN, group_sizes_G)
+
+
+def _ragged_dot_fwd(x_MK, w_GKN, group_sizes_G):
+    return _on_target("fwd", x_MK, w_GKN, group_sizes_G), (x_MK, w_GKN, group_sizes_G)
+
+
+def _ragged_dot_bwd(res, dy_MN):
+    x_MK, w_GKN, group_sizes_G = res
+    dy_MN = dy_MN.astype(x_MK.dtype)
+    return (_on_target("dlhs", dy_MN, w_GKN, group_sizes_G),
+            _on_target("drhs", x_MK, dy_MN, group_sizes_G), None)
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
@@ -79,13 +154,7 @@ def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> j
                          "[G, K, N]")
     if x_MK.dtype != w_GKN.dtype:
         raise ValueError(f"ragged_dot: x is {x_MK.dtype} and w {w_GKN.dtype}; cast one")
-    target = target_device()[0]
-    branches = {p: _one(impl if p == target else IMPLEMENTATIONS["default"])
-                for p, impl in IMPLEMENTATIONS.items() if p != "default"}
-    return jax.lax.platform_dependent(x_MK, w_GKN, group_sizes_G.astype(jnp.int32),
-                                      default=_one(IMPLEMENTATIONS["default"]), **branches)
-
-
+    return _ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,202 @@
+"""Benchmark of the dropless grouped matmul ``[M, K] x [G, K, N]``, one product at a time.
+
+Each of the three products of a grouped layer (``fwd``: ``x w_g``; ``dlhs``: ``dy w_g^T``;
+``drhs``: ``x_g^T dy_g``, see :mod:`moejax.kernels.grouped.ragged`) is timed per
+implementation in device time (:func:`experiments.bench.time_device_loop`: calls inside one
+jitted loop, no host dispatch between them):
+
+* ``dense``: one ``[M, K] x [K, N]`` matmul of the same FLOPs (the speed the grouped product
+  aims at);
+* ``xla``: :func:`jax.lax.ragged_dot_general`;
+* ``mosaic_gpu`` / ``triton`` / ``mosaic_tpu``: tokamax's kernels (accelerators only);
+* ``gmm``: the project's own Pallas kernels (accelerators only; on a CPU Pallas runs in
+  interpret mode, which is no speed measurement).
+
+``train`` times forward and both gradients through :func:`moejax.kernels.grouped.ragged.
+ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform. The
+``choice`` table names the fastest implementation of each pass and whether it is the one
+``ragged_dot`` uses.
+
+    python -m experiments.bench_grouped                 # CPU: dense and xla, small shapes
+    python -m experiments.bench_grouped preset=full     # accelerator: every path, bf16
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments.bench import time_device_loop
+from moejax.config import Config, config
+from moejax.experiment import main
+from moejax.kernels.grouped import ragged
+from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
+from moejax.kernels.tiling import target_device
+from moejax.results import RunDir
+
+NAME = "bench_grouped"
+SMOKE = ("iters=2", "repeats=1")
+Path_ = Literal["dense", "xla", "gmm", "mosaic_gpu", "triton", "mosaic_tpu"]
+ACCELERATOR_PATHS = ("gmm", "mosaic_gpu", "triton", "mosaic_tpu")
+
+
+@config
+class BenchGroupedConfig(Config):
+    NONEMPTY = ("paths", "shapes")
+
+    paths: tuple[Path_, ...] = ("dense", "xla", "gmm", "mosaic_gpu", "triton", "mosaic_tpu")
+    # (M rows, K, N, G groups)
+    shapes: tuple[tuple[int, int, int, int], ...] = ((512, 64, 128, 4), (2048, 128, 256, 8))
+    precision: Literal["float32", "bfloat16"] = "float32"
+    iters: int = 10
+    repeats: int = 3
+    # rewrite this many MB between timed calls (a few times the L2), so operands come from
+    # memory; 0 = no flush
+    l2_flush_mb: float = 0.0
+    seed: int = 0
+
+    def validate(self):
+        r = self._require
+        r(all(len(s) == 4 and min(s) >= 1 for s in self.shapes),
+          f"shapes={self.shapes}: each must be (M, K, N, G) >= 1")
+        r(self.iters >= 1 and self.repeats >= 1, "iters and repeats must be >= 1")
+        r(self.l2_flush_mb >= 0, f"l2_flush_mb={self.l2_flush_mb} must be >= 0")
+
+
+def make_config(preset: str) -> BenchGroupedConfig:
+    if preset == "quick":
+        return BenchGroupedConfig()
+    return BenchGroupedConfig(
+        shapes=((4096, 256, 704, 8), (16384, 1024, 1408, 16), (65536, 2048, 1408, 64)),
+        precision="bfloat16", iters=20, repeats=5, l2_flush_mb=256)
+
+
+def _unavailable(path: str) -> str | None:
+    platform = target_device()[0]
+    if path in ACCELERATOR_PATHS and platform not in ("cuda", "rocm", "tpu"):
+        return f"not measured: needs an accelerator ({platform} runs Pallas in interpret mode)"
+    if path in ("mosaic_gpu", "triton") and platform == "tpu" or \
+            path == "mosaic_tpu" and platform != "tpu":
+        return f"not measured: not a {platform} kernel"
+    if path != "dense" and not ragged.AVAILABLE and path != "gmm":
+        return "not measured: tokamax is not installed"
+    return None
+
+
+def _pass_fn(path: str, which: str):
+    """``(a, b, group_sizes) -> product`` of pass ``which`` with implementation ``path``."""
+    if path == "dense":
+        return {"fwd": lambda x, w, gs: x @ w[0],
+                "dlhs": lambda dy, w, gs: dy @ w[0].T,
+                "drhs": lambda x, dy, gs: (x.T @ dy)[None]}[which]
+    if path == "gmm":
+        return {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}[which]
+    return lambda a, b, gs: ragged.ragged_pass(which, a, b, gs, path, fallback=False)
+
+
+def _train_fn(x, w, gs, ct):
+    def loss(x, w):
+        return jnp.sum(ragged.ragged_dot(x, w, gs).astype(jnp.float32) * ct)
+    return jax.value_and_grad(loss, (0, 1))(x, w)
+
+
+def _time(fn, *args, cfg) -> tuple[float | None, str]:
+    try:
+        return time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
+                                flush_bytes=int(cfg.l2_flush_mb * 2**20))["median_s"], ""
+    except jax.errors.JaxRuntimeError as err:  # xla's dense expansion on a large shape
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return None, "out of device memory"
+    except (NotImplementedError, ValueError, KeyError) as err:  # not this dtype / shape, or
+        # an implementation this tokamax build lacks (its Triton kernels need Pallas Triton)
+        return None, f"not taken: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
+    dt = jnp.dtype(cfg.precision)
+    rows = []
+    jobs = [(s, p) for s in cfg.shapes for p in (*cfg.paths, "train")]
+    for (M, K, N, G), path in tqdm(jobs, desc="grouped matmul", leave=False):
+        kx, kw, kg, kc = jax.random.split(jax.random.fold_in(key, M * K + N), 4)
+        x = jax.random.normal(kx, (M, K)).astype(dt)
+        w = (jax.random.normal(kw, (G, K, N)) / np.sqrt(K)).astype(dt)
+        gs = jnp.bincount(jax.random.randint(kg, (M,), 0, G), length=G).astype(jnp.int32)
+        dy = jax.random.normal(kc, (M, N)).astype(dt)
+        base = {"M": M, "K": K, "N": N, "G": G, "path": path}
+        why = None if path == "train" else _unavailable(path)
+        if path == "train" and not ragged.AVAILABLE:
+            why = "not measured: tokamax is not installed"
+        if why:
+            rows.append({**base, "note": why})
+            continue
+        if path == "train":
+            s, note = _time(_train_fn, x, w, gs, dy.astype(jnp.float32), cfg=cfg)
+            rows.append({**base, "pass": "fwd+dlhs+drhs", "ms": s and s * 1e3,
+                         "tflops": s and 3 * 2 * M * K * N / s / 1e12, "note": note})
+            continue
+        operands = {"fwd": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}
+        for which, (a, b) in operands.items():
+            s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg)
+            rows.append({**base, "pass": which, "ms": s and s * 1e3,
+                         "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
+    dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows
+             if r["path"] == "dense" and r.get("ms")}
+    for r in rows:
+        ref = dense.get((r["M"], r["K"], r["N"], r.get("pass")))
+        if r.get("ms") and ref:
+            r["x_dense"] = r["ms"] / ref
+    return rows
+
+
+def choice(rows: list[dict]) -> list[dict]:
+    """Per shape and pass: the fastest grouped implementation (not ``dense``) and the one
+    :func:`~moejax.kernels.grouped.ragged.ragged_dot` uses on this platform."""
+    platform = target_device()[0]
+    used = ragged.IMPLEMENTATIONS.get(platform, ragged.IMPLEMENTATIONS["default"])
+    out, shapes = [], sorted({(r["M"], r["K"], r["N"], r["G"]) for r in rows})
+    for M, K, N, G in shapes:
+        for which in ragged.PASSES:
+            got = [r for r in rows if (r["M"], r["K"], r["N"], r["G"]) == (M, K, N, G)
+                   and r.get("pass") == which and r.get("ms") and r["path"] != "dense"]
+            if not got:
+                continue
+            best = min(got, key=lambda r: r["ms"])
+            mine = next((r for r in got if r["path"] == used[which]), None)
+            out.append({"M": M, "K": K, "N": N, "G": G, "pass": which,
+                        "fastest": best["path"], "fastest_ms": best["ms"],
+                        "used": used[which], "used_ms": mine and mine["ms"],
+                        "used_x_fastest": mine and mine["ms"] / best["ms"]})
+    return out
+
+
+def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
+    dev = jax.devices()[0]
+    where = f"{dev.platform} ({dev.device_kind})"
+    rows = bench(cfg, jax.random.key(cfg.seed))
+    run.table("passes", rows, title=(
+        f"Grouped matmul [M, K] x [G, K, N], one product per row, {cfg.precision}, device "
+        f"time per call (median of {cfg.repeats} loops of {cfg.iters}"
+        f"{', L2 flushed between calls' if cfg.l2_flush_mb else ''}), on {where}; x_dense = "
+        "time over one dense matmul of the same FLOPs; train = forward and both gradients "
+        "through moejax's ragged_dot"))
+    picks = choice(rows)
+    run.table("choice", picks, title=(
+        f"Fastest implementation per pass against the one ragged_dot uses on {where}"))
+    off = [p for p in picks if p["used_x_fastest"] and p["used_x_fastest"] > 1.05]
+    train = [r for r in rows if r["path"] == "train" and r.get("ms")]
+    headline = "; ".join(f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: train {r['ms']:.3f} ms = "
+                         f"{r['tflops']:.3g} TFLOP/s" for r in train) or "train: not measured"
+    run.note(f"- {len(off)} of {len(picks)} (shape, pass) cases run more than 5% slower than "
+             "the fastest implementation measured" + (": " + ", ".join(
+                 f"{p['M']}x{p['K']}x{p['N']} {p['pass']} ({p['used']} "
+                 f"{p['used_x_fastest']:.2f}x {p['fastest']})" for p in off) if off else ""))
+    return {"headline": f"{headline} ({where})"}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
