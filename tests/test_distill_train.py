@@ -199,3 +199,23 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
     t_logits, _ = pair.teacher(b["inputs"], train=False, key=k_clean)  # updated router
     np.testing.assert_allclose(float(loss), float(reverse_kl(t_logits, s_logits, b["mask"])),
                                rtol=1e-5)
+
+
+def test_runs_of_one_recipe_share_one_compiled_step():
+    """distil builds its loss as a value (equal for equal configs) and lets the loop build the
+    optimizer from the TrainConfig, so a second run of a recipe (another seed) reuses the
+    first one's jitted step instead of compiling and holding another."""
+    from moejax.train import loop
+    from moejax.train.distill import distil
+
+    cfg = DistillConfig(method="kd", kd_ratio=0.5)
+    assert distill_loss_fn(cfg) == distill_loss_fn(DistillConfig(method="kd", kd_ratio=0.5))
+    assert hash(distill_loss_fn(cfg)) == hash(distill_loss_fn(cfg))
+    assert distill_loss_fn(cfg) != distill_loss_fn(cfg.replace(method="sft"))
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    before = loop._cached_step.cache_info()
+    for seed in (0, 1):
+        tcfg = TrainConfig(steps=2, batch_size=4, lr=1e-2, schedule="constant", seed=seed)
+        distil(student, teacher, cfg, tcfg, _source())
+    after = loop._cached_step.cache_info()
+    assert after.misses - before.misses == 1 and after.hits - before.hits == 1

@@ -1,5 +1,6 @@
 """``retain_freed_memory``: glibc keeps freed heap memory, so a step that allocates and frees
 the same large buffers stops page-faulting (run in subprocesses: the setting is process-wide).
+``release_freed_memory``: free chunks held inside the heap go back to the kernel.
 ``advise_huge_pages``: a fresh mapping written after the advice faults once per 2 MiB."""
 
 import mmap
@@ -110,3 +111,35 @@ def test_malloc_huge_pages_reads_the_glibc_tunable(monkeypatch):
     monkeypatch.setattr(hmem, "transparent_huge_pages", lambda: "madvise")
     monkeypatch.setattr(hmem.platform, "libc_ver", lambda: ("", ""))
     assert not hmem.malloc_huge_pages(on)           # not glibc: the variable means nothing
+
+
+RELEASE = """
+import ctypes, os, sys
+from moejax.kernels.host.memory import release_freed_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+chunks = [libc.malloc(4000) for _ in range(50000)]   # 200 MB of small chunks, touched
+for c in chunks:
+    ctypes.memset(c, 1, 4000)
+pin = libc.malloc(4000)   # above them all: the heap's top cannot shrink past it
+for c in chunks:
+    libc.free(c)
+page = os.sysconf("SC_PAGE_SIZE")
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page / 2**20
+before = rss()
+if sys.argv[1] == "release":
+    assert release_freed_memory()
+print(before - rss())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_release_freed_memory_returns_free_chunks_inside_the_heap():
+    def freed(mode):
+        out = subprocess.run([sys.executable, "-c", RELEASE, mode], capture_output=True,
+                             text=True, check=True)
+        return float(out.stdout.strip())
+
+    assert freed("keep") < 20            # glibc alone keeps the 200 MB mapped
+    assert freed("release") > 150        # ... and gives it back when asked

@@ -40,6 +40,7 @@ Batches: :class:`moejax.data.batches.PromptResponseBatches` (``prompts``, ``prom
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
@@ -262,15 +263,20 @@ def _balance(aux) -> jax.Array:
                jnp.zeros((), jnp.float32))
 
 
-def distill_loss_fn(cfg: DistillConfig):
-    """``loss(pair, batch, key) -> (loss, metrics)`` of ``cfg.method`` for the training loop."""
-    kind = cfg.divergence_kind
+@dataclasses.dataclass(frozen=True)
+class _DistillLoss:
+    """``cfg.method``'s loss as a value: two built from equal configs are equal, so the
+    training loop's step cache compiles one step per recipe, not one per run (seeds, repeats
+    of one method), and holds one executable per recipe."""
 
-    def div(t_logits, s_logits, mask):
-        return distill_divergence(kind, t_logits, s_logits, mask, beta=cfg.jsd_beta,
-                                  reduction=cfg.reduction)
+    cfg: DistillConfig
 
-    def loss_fn(pair, batch, key, train: bool = True):
+    def _div(self, t_logits, s_logits, mask):
+        return distill_divergence(self.cfg.divergence_kind, t_logits, s_logits, mask,
+                                  beta=self.cfg.jsd_beta, reduction=self.cfg.reduction)
+
+    def __call__(self, pair, batch, key, train: bool = True):
+        cfg = self.cfg
         key = jax.random.key(0) if key is None else key
         k_seq, k_teacher = jax.random.split(key)
         inputs, targets, mask = _sequences(pair, batch, cfg, k_seq)
@@ -284,7 +290,7 @@ def distill_loss_fn(cfg: DistillConfig):
             losses = []
             for k in jax.random.split(k_teacher, cfg.ka_m):
                 t_logits, _ = pair.teacher(inputs, train=False, key=k)
-                losses.append(div(jax.lax.stop_gradient(t_logits), s_logits, mask))
+                losses.append(self._div(jax.lax.stop_gradient(t_logits), s_logits, mask))
             loss = sum(losses) / cfg.ka_m
             return loss, {"distill": loss, **metrics}
         if cfg.method == "sar":  # stage 1: the router step; stage 2 below sees its result
@@ -292,16 +298,22 @@ def distill_loss_fn(cfg: DistillConfig):
             kl, balance = sar_router_step(pair, inputs, s_logits, mask, k_noise, cfg)
             metrics.update(sar_kl=kl, sar_balance=balance)
         t_logits, _ = pair.teacher(inputs, train=False, key=k_teacher)
-        distill = div(jax.lax.stop_gradient(t_logits), s_logits, mask)
+        distill = self._div(jax.lax.stop_gradient(t_logits), s_logits, mask)
         loss = (cfg.kd_ratio * distill + (1.0 - cfg.kd_ratio) * metrics["ce"]
                 if cfg.method == "kd" else distill)
         return loss, {**metrics, "distill": distill}
 
-    return loss_fn
+
+def distill_loss_fn(cfg: DistillConfig):
+    """``loss(pair, batch, key) -> (loss, metrics)`` of ``cfg.method`` for the training loop
+    (equal for equal configs)."""
+    return _DistillLoss(cfg)
 
 
 def distill_tx(cfg: DistillConfig, tcfg: TrainConfig) -> optax.GradientTransformation:
-    """The student's optimizer from ``tcfg`` (SAR's router AdamW runs inside the loss)."""
+    """The student's optimizer from ``tcfg`` (SAR's router AdamW runs inside the loss): the
+    training loop's own optimizer of ``tcfg``, which :func:`distil` lets the loop build so
+    that runs of one recipe share one compiled step."""
     del cfg
     return make_optimizer(tcfg, make_schedule(tcfg))
 
@@ -315,7 +327,7 @@ def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,
     (``pair.teacher``: the teacher as distilled from, e.g. SAR's trained router); the models
     passed in are left unchanged."""
     pair = distill_pair(nnx.clone(student), teacher, cfg)
-    history = train(pair, source, tcfg, loss_fn=distill_loss_fn(cfg), tx=distill_tx(cfg, tcfg),
+    history = train(pair, source, tcfg, loss_fn=distill_loss_fn(cfg), tx=None,
                     eval_fn=None if eval_fn is None else (lambda p, step: eval_fn(p.student,
                                                                                  step)),
                     keep_best=keep_best, desc=desc)

@@ -55,6 +55,7 @@ from moejax.capture import CapturedStep, abstract, active_capture
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
+from moejax.kernels.host.memory import release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits
 from moejax.train.checkpoint import Checkpointer
@@ -458,6 +459,7 @@ class _Run:
             ctrl_c.restore()
             self.bar.close()
             self._close(failed)
+            release_freed_memory()  # a study's many runs in one process do not add up
         if self.best is not None:
             self.history.best = {"step": self.best[1], "value": self.best[0]}
             return self.best[2][0], self.best[2][1], self.history

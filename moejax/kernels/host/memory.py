@@ -17,6 +17,8 @@ the arithmetic on that page's floats. Three remedies, from local to global:
   process, XLA's included, switched on before the process starts: ``GLIBC_TUNABLES=`` +
   :data:`HUGE_PAGE_MALLOC` (``make demo``, ``make studies`` and ``make bench`` set it;
   :func:`malloc_huge_pages` tells whether this process has it).
+* :func:`release_freed_memory`: the other way, once: give the heap's free memory back (the
+  training loop does at the end of every run, so a study's many runs do not add up).
 * :func:`retain_freed_memory` (opt-in, process-wide): glibc keeps freed memory instead of
   returning it, so later steps reuse already-faulted pages; the CPU analogue of PyTorch's
   jemalloc / tcmalloc advice. Nothing in moejax calls it implicitly (a program, or a
@@ -36,7 +38,7 @@ import resource
 
 import numpy as np
 
-__all__ = ["retain_freed_memory", "minor_page_faults", "advise_huge_pages",
+__all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults", "advise_huge_pages",
            "transparent_huge_pages", "malloc_huge_pages", "GLIBC_MAX_MMAP_THRESHOLD",
            "HUGE_PAGE_BYTES", "HUGE_PAGE_MALLOC"]
 
@@ -66,6 +68,18 @@ def retain_freed_memory(mmap_threshold: int = GLIBC_MAX_MMAP_THRESHOLD,
                          f"{mmap_threshold}, trim_threshold={trim_threshold}, top_pad="
                          f"{top_pad}); older glibc takes mmap_threshold <= "
                          f"{GLIBC_MAX_MMAP_THRESHOLD}")
+    return True
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the kernel now (glibc ``malloc_trim(0)``). A compile
+    and a training run free much of what they allocated, but malloc keeps its arenas' free
+    chunks mapped, so a process that runs many training runs in a row (a study's methods and
+    seeds) grows by each run's compile and allocations. The training loop calls it when a run
+    ends. True where glibc did it, False off glibc."""
+    if platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
+        return False
+    ctypes.CDLL(None).malloc_trim(0)
     return True
 
 
