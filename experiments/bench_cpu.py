@@ -80,19 +80,25 @@ def moe_block_fwd_bwd(cfg: MoEConfig, d_model: int, n_tokens: int, seed: int = 0
 
 
 def torch_moe_block_s(n_tokens: int, d: int, f: int, n_experts: int, top_k: int,
-                      repeats: int = 10, threads: int | None = None) -> float | None:
-    """Median seconds of the PyTorch peer's fwd+bwd, or ``None`` without torch."""
+                      repeats: int = 10, threads: int | None = None,
+                      device: str = "cpu") -> tuple[float | None, str]:
+    """``(median seconds, device)`` of the PyTorch peer's fwd+bwd (f32) on ``device``
+    ("cuda": the GPU jax uses, where torch sees one; else the CPU), ``(None, "")`` without
+    torch. On a GPU each step ends with ``torch.cuda.synchronize``."""
     try:
         import torch
     except ImportError:
-        return None
+        return None, ""
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu"
     if threads:
         torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
-    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).requires_grad_()  # noqa: E731
+    mk = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(device).requires_grad_()  # noqa: E731
     router = mk(d, n_experts)
     w_gate, w_up, w_down = mk(n_experts, d, f), mk(n_experts, d, f), mk(n_experts, f, d)
-    x = torch.randn(n_tokens, d, generator=g).requires_grad_()
+    x = torch.randn(n_tokens, d, generator=g).to(device).requires_grad_()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step():
         probs = torch.softmax(x @ router, dim=-1)
@@ -108,6 +114,7 @@ def torch_moe_block_s(n_tokens: int, d: int, f: int, n_experts: int, top_k: int,
             ye = (h @ w_down[e]) * weights[tok, slot, None]
             out = out.index_add(0, tok, ye)
         (out**2).sum().backward()
+        sync()
 
     for _ in range(2):
         step()
@@ -116,7 +123,8 @@ def torch_moe_block_s(n_tokens: int, d: int, f: int, n_experts: int, top_k: int,
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    return float(np.median(times)), name
 
 
 def tree_of_shapes(shapes: dict[str, tuple], seed: int = 0) -> dict:

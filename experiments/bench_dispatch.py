@@ -59,7 +59,7 @@ from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 NAME = "bench_dispatch"
 # smoke=true: this study's own cuts (moejax.smoke)
 SMOKE = ("batch_size=4", "warmup=1", "steps=2", "block_repeats=1")
-TORCH = "PyTorch expert loop (HF Mixtral style, on the CPU)"
+TORCH = "PyTorch expert loop (HF Mixtral style"  # the row's name: + ", on <device>)"
 Path_ = DispatchMethod
 
 
@@ -208,15 +208,16 @@ def _block_times(cfg: BenchConfig) -> dict[str, float | None]:
     for name, mcfg in tqdm(runnable, desc="MoE block", leave=False):
         fn, args = moe_block_fwd_bwd(mcfg, cfg.block_d, cfg.block_tokens)
         times[name] = time_call(fn, *args, repeats=cfg.block_repeats)["median_s"]
-    times[TORCH] = torch_moe_block_s(cfg.block_tokens, cfg.block_d, cfg.block_f,
-                                     cfg.block_experts, cfg.block_top_k,
-                                     repeats=cfg.block_repeats)
+    t, device = torch_moe_block_s(
+        cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts, cfg.block_top_k,
+        repeats=cfg.block_repeats, device="cuda" if jax.default_backend() == "gpu" else "cpu")
+    times[f"{TORCH}, on {device})" if device else f"{TORCH})"] = t
     return times
 
 
 def _block_rows(times: dict, bound: float, rates: dict, suffix: str = "") -> list[dict]:
     """Rows ``impl, ms, vs_torch, vs_flop_bound`` (column names + ``suffix``)."""
-    t_torch = times.get(TORCH)
+    t_torch = next((t for name, t in times.items() if name.startswith(TORCH)), None)
     rows = []
     for name, t in times.items():
         row = {"impl": name}

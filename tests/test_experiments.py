@@ -89,8 +89,11 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     assert all(float(r["ms"]) > 0 for k, r in block.items() if r["ms"])
     assert all(float(r["ms_retained"]) > 0 for k, r in block.items() if r["ms"])
     assert float(bound["vs_flop_bound_retained"]) == 1.0
-    torch_row = block[TORCH]
+    (torch_row,) = [r for k, r in block.items() if k.startswith(TORCH)]
     assert torch_row["ms"] or torch_row["note"].startswith("not installed")
+    if torch_row["ms"]:  # the peer runs where jax runs, and its row says so
+        assert torch_row["impl"].endswith(", on CPU)" if jax.default_backend() == "cpu"
+                                          else ")")
     delta = {r["op"]: r for r in csv.DictReader(open(run.path / "delta_ops.csv"))}
     assert float(delta["jitted x * 2 (reference)"]["vs_x2"]) == 1.0
     assert {"DARE p=0.9 (hash masks)", "numpy copy (reference)",
@@ -112,12 +115,13 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
     summary, run = run_experiment(
         "bench_kernels", bench_kernels.make_config, bench_kernels.run,
         ["ffn.d_model=16", "ffn.n_experts=8", "ffn.d_expert=8", "chunk_sizes=(1,4)",
-         "union_fractions=(0.25,1.0)", "repeats=2"],
+         "union_fractions=(0.25,1.0)", "repeats=2", "bandwidth_mb=4"],
         out=tmp_path / "bk")
     import csv
 
     ffn = list(csv.DictReader(open(run.path / "ffn.csv")))
     assert len(ffn) == 2 * 2 * 7  # chunk sizes x fractions x paths
+    floors = []
     for r in ffn:
         if r["path"] in ("pallas", "triton") and jax.default_backend() == "cpu":
             assert r["note"].startswith("not measured") and not r["ms"]
@@ -127,6 +131,10 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
         bound = float(dense["ms"]) * int(r["union"]) / 8
         assert float(r["bound_ms"]) == pytest.approx(bound, rel=1e-6)
         assert float(r["x_bound"]) == pytest.approx(float(r["ms"]) / bound, rel=1e-6)
+        read = 2 * int(r["union"]) * 16 * 8 * 4  # the union's up and down weights, f32
+        floors.append(read / float(r["floor_ms"]))  # the one measured bandwidth, per row
+        assert float(r["x_floor"]) == pytest.approx(float(r["ms"]) / float(r["floor_ms"]))
+    assert max(floors) == pytest.approx(min(floors), rel=1e-6)
     assert (run.path / "ffn_n1.png").exists() and (run.path / "ffn_n4.png").exists()
     assert "chunk_union: within 1.3x" in (run.path / "summary.md").read_text()
     parts = list(csv.DictReader(open(run.path / "union_breakdown.csv")))
