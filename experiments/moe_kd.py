@@ -352,10 +352,13 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
            "gate_mass_mean": float(np.mean(mass)) if mass else float("nan")}
     _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_seed, sar_kls)
 
-    verdicts = {r["comparison"]: paired_claim(r["comparison"], r) for r in paired_tab
-                if r["metric"] == "rouge_l"}
-    run.note("Paired ROUGE-L comparisons (the paper: with the MoE teacher ALL, KA, SAR > GKD > "
-             "KD; a comparable dense teacher gives better KD and GKD students): "
+    verdicts = {}
+    for r in paired_tab:  # each comparison judged on ROUGE-L and perplexity together
+        verdicts.setdefault(r["comparison"], []).append(r)
+    verdicts = {k: paired_claim(k, rows) for k, rows in verdicts.items()}
+    run.note("Paired comparisons on ROUGE-L and response perplexity (the paper: with the MoE "
+             "teacher ALL, KA, SAR > GKD > KD; a comparable dense teacher gives better KD and "
+             "GKD students): "
              + "; ".join(f"{c.evidence}: {c.verdict}" for c in verdicts.values())
              + ". KD's loss: " + (f"{cfg.kd.kd_ratio:g} forward KL + "
                                   f"{1 - cfg.kd.kd_ratio:g} cross-entropy (the official code's "
@@ -462,9 +465,13 @@ def _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_s
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The paper's main-table claims (Table 1, Sec. 5.2), each judged on the paired
-    per-seed ROUGE-L differences: with an MoE teacher ALL, KA and SAR beat GKD, which beats
-    KD; a comparable dense teacher gives better KD and GKD students than the MoE teacher."""
-    rows = {r["comparison"]: r for r in t.get("paired") or [] if r["metric"] == "rouge_l"}
+    per-seed differences of both metrics the paper reports, ROUGE-L and response perplexity
+    (:func:`moejax.claims.paired_claim`: holds when both intervals lie above zero): with an
+    MoE teacher ALL, KA and SAR beat GKD, which beats KD; a comparable dense teacher gives
+    better KD and GKD students than the MoE teacher."""
+    rows = {}
+    for r in t.get("paired") or []:
+        rows.setdefault(r["comparison"], []).append(r)
     text = {"GKD - KD (MoE teacher)": "GKD beats KD with the MoE teacher (Table 1)",
             "ALL - GKD (MoE teacher)": "ALL beats GKD with the MoE teacher (Table 1)",
             "KA - GKD (MoE teacher)": "KA beats GKD with the MoE teacher (Table 1)",

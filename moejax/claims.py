@@ -1,6 +1,12 @@
 """A paper's claims judged from a run's tables: :class:`Claim` (the claim, whether the run
 supports it, the numbers compared) and the helpers a study's ``claims(tables)`` uses to find
-rows and compare values."""
+rows and compare values.
+
+A claim that two methods differ is judged from their paired per-seed differences (both arms
+trained and evaluated on the same seeds, :func:`paired`): it holds when the 95% interval of
+the mean difference (Student's t, ``n - 1`` degrees of freedom) lies above zero, does not
+hold when it lies below, and is inconclusive when it contains zero or when one seed cannot
+give an interval (:func:`paired_claim`)."""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim"]
+__all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim",
+           "t_critical"]
 
 
 def _isnan(v) -> bool:
@@ -17,14 +24,18 @@ def _isnan(v) -> bool:
 
 class Claim(NamedTuple):
     """One claim of a paper and whether a run supports it: ``holds`` is True, False, or None
-    when the run did not measure it; ``evidence`` gives the compared numbers."""
+    when the run did not measure it or cannot decide (``inconclusive``: measured, but the
+    seeds do not separate the arms); ``evidence`` gives the compared numbers."""
 
     claim: str
     holds: bool | None
     evidence: str
+    inconclusive: bool = False
 
     @property
     def verdict(self) -> str:
+        if self.inconclusive:
+            return "inconclusive"
         return {True: "holds", False: "does not hold", None: "not measured"}[self.holds]
 
 
@@ -90,13 +101,51 @@ def paired(label: str, a: Sequence[float], b: Sequence[float]) -> dict:
             "wins": sum(x > 0 for x in d), "n": len(d)}
 
 
-def paired_claim(claim: str, row: Mapping[str, Any] | None, fmt: str = ".4f") -> Claim:
-    """``claim`` (that the first of a :func:`paired` row's methods is better) holds when the
-    mean difference is positive and the first wins on a majority of the seeds; not measured
-    without a row."""
-    if row is None:
+# two-sided 95% critical values of Student's t by degrees of freedom (a df between two
+# entries takes the smaller df's, the wider interval)
+_T95 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447), (7, 2.365),
+        (8, 2.306), (9, 2.262), (10, 2.228), (12, 2.179), (15, 2.131), (20, 2.086),
+        (25, 2.060), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980))
+
+
+def t_critical(df: int) -> float:
+    """Two-sided 95% critical value of Student's t with ``df`` >= 1 degrees of freedom
+    (1.96 past the table)."""
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    value = 1.960
+    for d, t in reversed(_T95):
+        if df >= d:
+            return t if df <= 120 else value
+    return value
+
+
+def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None, str]:
+    """True / False / None (inconclusive) for one paired row, and its evidence."""
+    n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
+    text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
+            f"{format(mean, fmt)} +/- {format(sd, fmt)}, wins {int(row['wins'])}/{n} seeds")
+    if n < 2:
+        return None, text + ", one seed: no interval"
+    half = t_critical(n - 1) * sd / math.sqrt(n)
+    lo, hi = mean - half, mean + half
+    text += f", 95% CI [{format(lo, fmt)}, {format(hi, fmt)}]"
+    return (True if lo > 0 else False if hi < 0 else None), text
+
+
+def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+                 fmt: str = ".4f") -> Claim:
+    """``claim`` (that the first of a :func:`paired` comparison's methods is better) judged
+    on one paired row or on several (one per metric the claim names, each oriented so that
+    higher is better): holds when every metric's 95% interval lies above zero, does not hold
+    when any lies below, inconclusive otherwise; not measured without rows."""
+    if rows is None or (not isinstance(rows, Mapping) and not rows):
         return Claim(claim, None, "not run")
-    holds = float(row["mean_diff"]) > 0 and 2 * int(row["wins"]) > int(row["n"])
-    return Claim(claim, holds, f"{row['comparison']}: {format(float(row['mean_diff']), fmt)} "
-                 f"+/- {format(float(row['std_diff']), fmt)}, wins {int(row['wins'])}/"
-                 f"{int(row['n'])} seeds")
+    rows = [rows] if isinstance(rows, Mapping) else list(rows)
+    outcomes, texts = zip(*(_one(r, fmt) for r in rows))
+    evidence = "; ".join(texts)
+    if any(o is False for o in outcomes):
+        return Claim(claim, False, evidence)
+    if all(o is True for o in outcomes):
+        return Claim(claim, True, evidence)
+    return Claim(claim, None, evidence, inconclusive=True)

@@ -30,13 +30,51 @@ def test_paired_differences_by_hand():
     assert row["mean_diff"] == pytest.approx(0.1) and row["std_diff"] == pytest.approx(0.3)
     assert (row["wins"], row["n"], row["comparison"]) == (2, 3, "A - B")
     c = paired_claim("A beats B", row)
-    assert c.holds is True and "0.1000 +/- 0.3000, wins 2/3 seeds" in c.evidence
-    # positive mean but a minority of wins: does not hold
-    assert paired_claim("x", paired("x", [1.0, 0.0, 0.0], [0.0, 0.1, 0.1])).holds is False
+    # 95% CI: 0.1 +/- t(2) 4.303 * 0.3 / sqrt(3) = [-0.645, 0.845]: contains zero
+    assert c.verdict == "inconclusive" and c.holds is None
+    assert "0.1000 +/- 0.3000, wins 2/3 seeds, 95% CI [-0.6453, 0.8453]" in c.evidence
     assert paired_claim("x", None).verdict == "not measured"
-    assert paired("one", [1.0], [0.5])["std_diff"] == 0.0
+    one = paired("one", [1.0], [0.5])
+    assert one["std_diff"] == 0.0 and paired_claim("x", one).verdict == "inconclusive"
     with pytest.raises(ValueError, match="equal, non-zero lengths"):
         paired("bad", [1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_paired_verdicts_follow_the_interval(seed):
+    """Properties over random seeds: a clear shift holds (its mirror does not), equal arms
+    and noise-dominated shifts are inconclusive, the interval holds the mean, and several
+    metrics hold only together."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    b = rng.normal(size=n)
+    noise = rng.normal(scale=0.01, size=n)
+    up = paired("A - B", list(b + 1.0 + noise), list(b))
+    assert paired_claim("A beats B", up).holds is True
+    assert paired_claim("B beats A", paired("B - A", list(b), list(b + 1.0 + noise))).holds \
+        is False
+    assert paired_claim("same", paired("same", list(b), list(b))).verdict == "inconclusive"
+    tiny = paired("tiny", list(b + 1e-3 + rng.normal(scale=1.0, size=n)), list(b))
+    c = paired_claim("tiny", tiny)
+    lo, hi = (float(v) for v in c.evidence.split("CI [")[1].rstrip("]").split(", "))
+    assert lo <= tiny["mean_diff"] <= hi
+    assert c.verdict == ("holds" if lo > 0 else "does not hold" if hi < 0 else "inconclusive")
+    assert paired_claim("both", [up, up]).holds is True
+    assert paired_claim("both", [up, paired("same", list(b), list(b))]).verdict == \
+        "inconclusive"
+    down = paired("B - A", list(b), list(b + 1.0 + noise))
+    assert paired_claim("both", [up, down]).holds is False
+
+
+def test_t_critical_is_conservative_between_table_entries():
+    from moejax.claims import t_critical
+
+    assert t_critical(1) == 12.706 and t_critical(2) == 4.303 and t_critical(500) == 1.96
+    assert t_critical(11) == 2.228  # 10's value: a wider interval than t(11) = 2.201
+    with pytest.raises(ValueError, match="df"):
+        t_critical(0)
 
 
 def test_granularity_claim_reads_its_table():
