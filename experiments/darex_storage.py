@@ -271,19 +271,31 @@ def run(cfg: StorageConfig, run: RunDir) -> dict:
     return out
 
 
+# how much test accuracy a compressed delta may lose and still count as "minimally
+# compromising performance" (DAREx paper, Sec. 3.1; the paper gives no number)
+ACCURACY_TOLERANCE = 0.02
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """Storage: what delta pruning is for (DAREx paper, Sec. 1)."""
+    """Storage: what delta pruning is for (DAREx paper, Sec. 1 and Table 13): a delta pruned
+    (and quantised) so that its accuracy stays within :data:`ACCURACY_TOLERANCE` of the
+    unpruned delta's stores at least 10x smaller. Size alone would hold at any drop rate."""
     rows = t.get("storage") or []
-    dense = lookup(rows, {"p": 0.0, "bits": 32}, "bytes")
-    p_hi = max((float(r["p"]) for r in rows), default=None)
-    pruned = lookup(rows, {"p": p_hi, "bits": 32}, "bytes") if p_hi else None
-    if dense is None or pruned is None:
-        return [Claim("A delta pruned at a high drop rate stores in a fraction of its dense "
-                      "size (Sec. 1)", None, "storage table missing")]
-    ratio = float(dense) / float(pruned)
-    return [Claim(f"A delta pruned at p = {p_hi:g} stores at least 10x smaller than dense "
-                  "(Sec. 1)", ratio >= 10, f"{float(dense):.0f} B dense vs {float(pruned):.0f} B "
-                  f"pruned ({ratio:.1f}x)")]
+    claim = (f"A delta compressed without losing more than {ACCURACY_TOLERANCE:g} accuracy "
+             "stores at least 10x smaller than dense (Sec. 1, Table 13)")
+    base = lookup(rows, {"p": 0.0, "bits": 32})
+    if base is None or base.get("metric") in (None, ""):
+        return [Claim(claim, None, "no accuracy in the storage table")]
+    acc0 = float(base["metric"])
+    kept = [r for r in rows if float(r["metric"]) >= acc0 - ACCURACY_TOLERANCE]
+    best = max(kept, key=lambda r: float(r["ratio_vs_fp32"]))
+    smallest = max(rows, key=lambda r: float(r["ratio_vs_fp32"]))
+    ratio = float(best["ratio_vs_fp32"])
+    return [Claim(claim, ratio >= 10, (
+        f"{ratio:.1f}x at p={float(best['p']):g}, {int(float(best['bits']))} bits, accuracy "
+        f"{float(best['metric']):.3f} vs {acc0:.3f} unpruned; the smallest, "
+        f"{float(smallest['ratio_vs_fp32']):.1f}x at p={float(smallest['p']):g}, "
+        f"{int(float(smallest['bits']))} bits, keeps {float(smallest['metric']):.3f}"))]
 
 
 if __name__ == "__main__":

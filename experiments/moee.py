@@ -328,18 +328,6 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
     exp = {r["layer"]: r["experts"] for r in out["layers"] if r["model"] == "MoEE"}
     all_layers = [i for i, p in sorted(out["plans"].items())]
     counts = [exp.get(i, 0) for i in all_layers]
-    half = len(counts) // 2
-    later_more = sum(counts[half:]) > sum(counts[:half])
-    checks = {
-        "MACs -25% or more": moee["MACs_change_%"] <= -25,
-        "params -20% or more": moee["params_change_%"] <= -20,
-        "97% of dense accuracy after KD": moee["kd_vs_dense_%"] >= 97,
-        "beats MoEfication at equal MACs (after KD)": all(
-            moee["acc_after_kd"] > v["acc_after_kd"] for v in moef.values()) if moef else None,
-        "later layers form more clusters": later_more,
-        "routing more balanced than MoEfication": all(
-            moee["load_cv"] < v["load_cv"] for v in moef.values()) if moef else None,
-    }
     run.note(f"Started from substrate {data.substrate}; dense test accuracy "
              f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
              f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
@@ -353,11 +341,8 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
              "matched per layer to MoEE's mean active neurons, routed by their parameter "
              "centres (param) or the trained Linear-Tanh-Linear MLP router (mlp), as the "
              "MoEfication code builds them. Random routing sends each token to a random expert.")
-    verdict = {None: "not measured (no layer formed clusters)", True: "holds",
-               False: "does not hold"}
-    run.note("Paper shape (Sec. 4-5): " + "; ".join(
-        f"{k}: {verdict[None if v is None else bool(v)]}" for k, v in checks.items())
-        + (f". Routing and similarity plots: layers {picks}." if picks else ""))
+    if picks:
+        run.note(f"Routing and similarity plots: layers {picks}.")
     res = {"dense_acc": dense["accuracy"], "moee_acc": moee["acc_extracted"],
            "moee_acc_kd": moee["acc_after_kd"], "moee_macs_%": moee["MACs_change_%"],
            "moee_params_%": moee["params_change_%"], "clusters": counts,
@@ -371,27 +356,53 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
     return res
 
 
+# Table 1's smallest model (DeiT-T): MACs -27.0%, parameters -20.1%; the abstract: 98% of the
+# original accuracy regained after fine-tuning. Two rows are "at equal MACs" when their MACs
+# changes differ by at most EQUAL_MACS_PTS points (Table 1's pairs differ by 0.4-1.6).
+MACS_CUT_PCT, PARAMS_CUT_PCT, KD_RETAINED_PCT, EQUAL_MACS_PTS = 27.0, 20.0, 98.0, 2.0
+
+
+def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str) -> Claim:
+    """``claim`` that MoEE's ``a`` beats ``other``'s ``b``, judged only where the two cut
+    MACs alike; inconclusive (with both cuts) where they do not."""
+    gap = abs(float(moee["MACs_change_%"]) - float(other["MACs_change_%"]))
+    if gap > EQUAL_MACS_PTS:
+        return Claim(claim, None, f"not at equal MACs: MoEE {float(moee['MACs_change_%']):+.1f}"
+                     f"% vs {other['model']} {float(other['MACs_change_%']):+.1f}%",
+                     inconclusive=True)
+    c = compare(claim, ("MoEE", moee[a]), (other["model"], other[b]))
+    return c._replace(evidence=f"{c.evidence}; MACs {float(moee['MACs_change_%']):+.1f}% vs "
+                      f"{float(other['MACs_change_%']):+.1f}%")
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables."""
+    """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables, at the thresholds of the
+    paper's smallest model (:data:`MACS_CUT_PCT` ...); comparisons with MoEfication and the
+    random-routing ablation only at equal MACs."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
     if moee is None:
         return [Claim("MoEE extracts experts (Sec. 4)", None, "no MoEE row")]
     moef = [r for r in t1 if str(r["model"]).startswith("MoEfication")]
     v = lambda k: float(moee[k])  # noqa: E731
-    out = [Claim("MoEE cuts MACs by 25% or more (Table 1)", v("MACs_change_%") <= -25,
-                 f"{v('MACs_change_%'):+.1f}%"),
-           Claim("MoEE cuts parameters by 20% or more (Table 1)", v("params_change_%") <= -20,
-                 f"{v('params_change_%'):+.1f}%"),
-           Claim("MoEE keeps 97% of the dense accuracy after KD (Table 1)",
-                 v("kd_vs_dense_%") >= 97, f"{v('kd_vs_dense_%'):.1f}%")]
+    out = [Claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)",
+                 v("MACs_change_%") <= -MACS_CUT_PCT, f"{v('MACs_change_%'):+.1f}%"),
+           Claim(f"MoEE cuts parameters by {PARAMS_CUT_PCT:g}% or more (Table 1)",
+                 v("params_change_%") <= -PARAMS_CUT_PCT, f"{v('params_change_%'):+.1f}%"),
+           Claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after fine-tuning "
+                 "(Table 1, abstract)", v("kd_vs_dense_%") >= KD_RETAINED_PCT,
+                 f"{v('kd_vs_dense_%'):.1f}%")]
     for r in moef:
-        out.append(compare(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
-                           ("MoEE", moee["acc_after_kd"]), (r["model"], r["acc_after_kd"])))
+        out.append(_at_equal_macs(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
+                                  moee, r, "acc_after_kd", "acc_after_kd"))
+        if r.get("load_cv") not in (None, ""):
+            out.append(compare(f"MoEE routes more evenly than {r['model']} (Sec. 5, Fig. 2)",
+                               ("MoEE load CV", moee["load_cv"]),
+                               (f"{r['model']} load CV", r["load_cv"]), better="lower"))
     for r in t.get("table2_ablations") or []:
         if "random" in str(r["model"]):
-            out.append(compare(f"MoEE beats {r['model']} right after extraction (Table 2)",
-                               ("MoEE", moee["acc_extracted"]), (r["model"], r["accuracy"])))
+            out.append(_at_equal_macs(f"MoEE beats {r['model']} right after extraction "
+                                      "(Table 2)", moee, r, "acc_extracted", "accuracy"))
     layers = [r for r in (t.get("experts_per_layer") or []) if r["model"] == "MoEE"]
     if layers:
         counts = [float(r["experts"]) for r in sorted(layers, key=lambda r: float(r["layer"]))]

@@ -37,6 +37,22 @@ def test_darex_storage_tiny(tmp_path):
     assert int(t[0]["params"]) * 12 == pytest.approx(float(t[0]["GB_moved"]) * 1e9)
 
 
+def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
+    from experiments.darex_storage import ACCURACY_TOLERANCE, claims
+
+    def row(p, bits, ratio, acc):
+        return {"p": p, "bits": bits, "ratio_vs_fp32": ratio, "metric": acc}
+
+    rows = [row(0.0, 32, 1.0, 0.94), row(0.9, 32, 8.2, 0.93), row(0.99, 32, 56.0, 0.60)]
+    (c,) = claims({"storage": rows})  # 56x, but at 0.60 accuracy: does not count
+    assert c.holds is False and "8.2x at p=0.9" in c.evidence and "keeps 0.600" in c.evidence
+    rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2))
+    (c,) = claims({"storage": rows})
+    assert c.holds is True and "14.1x at p=0.9, 4 bits" in c.evidence
+    (c,) = claims({"storage": [{**r, "metric": ""} for r in rows]})  # a random delta
+    assert c.verdict == "not measured"
+
+
 def test_encode_decode_roundtrip_sparse_quant():
     from experiments.darex_storage import decode_delta, encode_delta
     from moejax import delta as dl

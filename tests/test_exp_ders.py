@@ -59,4 +59,21 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
     step0 = {float(r["val_loss_step0"]) for r in rows}
     assert max(step0) - min(step0) < 1e-4
     assert int(by["DeRS-SM p=0.9"]["added"]) < int(by["vanilla"]["added"])
+    assert int(by["dense fine-tuned (control)"]["added"]) == 0  # trained alike, no experts
     assert "Upcycled from substrate dense_lm_code" in (run.path / "summary.md").read_text()
+
+
+def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
+    from experiments import ders_upcycling as mod
+
+    def row(variant, form, d, ratio):
+        return {"variant": variant, "form": form, "d_loss_vs_vanilla": d,
+                "added_vs_vanilla": ratio}
+
+    rows = [row("vanilla", "vanilla", 0.0, 1.0), row("DeRS-SM p=0.99", "sm", 0.004, 50.0),
+            row("DeRS-LM r=4", "lm", 0.03, 40.0)]
+    verdict = lambda rows: [c.verdict for c in mod.claims({"upcycling": rows})]  # noqa: E731
+    assert verdict(rows + [row("dense fine-tuned (control)", "dense", 0.08, 1e9)]) == [
+        "holds", "does not hold"]           # the experts matter here, and SM keeps them
+    assert verdict(rows + [row("dense fine-tuned (control)", "dense", 0.002, 1e9)]) == [
+        "inconclusive", "does not hold"]    # no experts at all match vanilla too

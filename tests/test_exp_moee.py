@@ -33,7 +33,9 @@ def test_moee_tiny(tiny_recipes, tmp_path):
                          finetune_ablations=False)
     assert "dense" in rows
     text = (run.path / "summary.md").read_text()
-    assert "Started from substrate vit_mnist5k" in text and "Paper shape" in text
+    assert "Started from substrate vit_mnist5k" in text
+    claims = {r["claim"]: r["verdict"] for r in csv.DictReader(open(run.path / "claims.csv"))}
+    assert any(c.startswith("MoEE beats MoEfication") for c in claims)  # judged from tables
     for name in ("stability.csv", "experts_per_layer.csv"):
         assert (run.path / name).is_file()
     m = rows["MoEE"]
@@ -60,5 +62,26 @@ def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, t
                          stability_tokens=())
     assert set(rows) == {"dense", "MoEE"}  # no extracted layer: no MoEfication either
     assert rows["MoEE"]["MACs"] == rows["dense"]["MACs"]
-    assert "beats MoEfication at equal MACs (after KD): not measured" in (
-        run.path / "summary.md").read_text()
+    claims = {r["claim"]: r["verdict"] for r in csv.DictReader(open(run.path / "claims.csv"))}
+    assert not any("MoEfication" in c for c in claims)  # nothing to compare with
+    assert claims["MoEE cuts MACs by 27% or more (Table 1)"] == "does not hold"
+
+
+def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
+    moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -20.5,
+            "kd_vs_dense_%": 97.5, "acc_extracted": 0.80, "acc_after_kd": 0.90, "load_cv": 0.3}
+    moef = {"model": "MoEfication (param)", "MACs_change_%": -27.0, "acc_after_kd": 0.85,
+            "load_cv": 0.6}
+    rand = {"model": "MoEE, random routing", "MACs_change_%": -17.4, "accuracy": 0.5}
+    got = {c.claim: c for c in mod.claims({"table1": [moee, moef],
+                                           "table2_ablations": [rand]})}
+    by = lambda word: next(c for k, c in got.items() if word in k)  # noqa: E731
+    assert by("cuts MACs").holds is True and by("cuts parameters").holds is True
+    assert by("regains 98%").holds is False          # 97.5% passed the old 97% bar
+    assert by("MoEfication (param) at equal").holds is True
+    assert by("more evenly").holds is True
+    rnd = by("random routing")                       # -27.5% vs -17.4%: not comparable
+    assert rnd.verdict == "inconclusive" and "not at equal MACs" in rnd.evidence
+    far = {**moef, "MACs_change_%": -20.0}
+    c = next(c for c in mod.claims({"table1": [moee, far]}) if "equal MACs" in c.claim)
+    assert c.verdict == "inconclusive"
