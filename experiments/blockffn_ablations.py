@@ -21,7 +21,7 @@ from experiments.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
-from moejax.claims import Claim, compare, lookup
+from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
@@ -83,22 +83,24 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """BlockFFN's objective and RMSNorm ablations (Table 5, Sec. 4.1.4)."""
-    obj = t.get("objectives") or []
-    ppl = lambda m: (m, lookup(obj, {"model": m}, "val_ppl"))  # noqa: E731
-    cls = lambda m: (m, lookup(obj, {"model": m}, "CLS_8"))  # noqa: E731
-    rms = t.get("rmsnorm") or []
+    """BlockFFN's objective and RMSNorm ablations (Table 5, Sec. 4.1.4), each judged on the
+    paired per-seed differences (:func:`moejax.claims.paired_compare`)."""
+    def col(table, model, column):
+        return model, lambda r: lookup(r.get(table), {"model": model}, column)
+
+    ppl = lambda m: col("objectives", m, "val_ppl")  # noqa: E731
     return [
-        compare("AL+CS has a lower PPL than AL+L1 (Table 5)", ppl("AL+CS"), ppl("AL+L1"),
-                better="lower"),
-        compare("AL+CS has a lower PPL than AL+Ent (Table 5)", ppl("AL+CS"), ppl("AL+Ent"),
-                better="lower"),
-        compare("CS adds chunk-level sparsity: AL+CS has a higher CLS_8 than AL alone (Table 5)",
-                cls("AL+CS"), cls("AL")),
-        compare("The router RMSNorm lowers PPL (Sec. 4.1.4)",
-                ("with", lookup(rms, {"model": "AL+CS"}, "val_ppl")),
-                ("without", lookup(rms, {"model": "AL+CS, no RMSNorm"}, "val_ppl")),
-                better="lower"),
+        paired_compare("AL+CS has a lower PPL than AL+L1 (Table 5)", t, ppl("AL+CS"),
+                       ppl("AL+L1"), better="lower"),
+        paired_compare("AL+CS has a lower PPL than AL+Ent (Table 5)", t, ppl("AL+CS"),
+                       ppl("AL+Ent"), better="lower"),
+        paired_compare("CS adds chunk-level sparsity: AL+CS has a higher CLS_8 than AL alone "
+                       "(Table 5)", t, col("objectives", "AL+CS", "CLS_8"),
+                       col("objectives", "AL", "CLS_8")),
+        paired_compare("The router RMSNorm lowers PPL (Sec. 4.1.4)", t,
+                       ("with", col("rmsnorm", "AL+CS", "val_ppl")[1]),
+                       ("without", col("rmsnorm", "AL+CS, no RMSNorm", "val_ppl")[1]),
+                       better="lower"),
     ]
 
 

@@ -13,7 +13,7 @@ from experiments.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
-from moejax.claims import Claim, compare
+from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.results import RunDir
@@ -75,14 +75,30 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """Expert granularity (App. F, Fig. 5): finer experts at equal FFN width lower PPL."""
+    """Expert granularity (App. F, Fig. 5): finer experts at equal FFN width lower PPL, judged
+    on the paired per-seed differences between the finest and the coarsest setting, and on
+    every step between neighbouring settings (each finer one lowers PPL)."""
     rows = sorted(t.get("granularity") or [], key=lambda r: float(r["n_experts"]))
     if len(rows) < 2:
         return [Claim("Finer experts lower PPL (App. F)", None, "fewer than two sizes")]
-    lo, hi = rows[0], rows[-1]
-    return [compare("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)",
-                    (f"N={float(hi['n_experts']):.0f}", hi["val_ppl"]),
-                    (f"N={float(lo['n_experts']):.0f}", lo["val_ppl"]), better="lower")]
+    ns = [float(r["n_experts"]) for r in rows]
+
+    def ppl(n):
+        return f"N={n:.0f}", lambda r: lookup(r.get("granularity"), {"n_experts": n}, "val_ppl")
+
+    out = [paired_compare("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)", t,
+                          ppl(ns[-1]), ppl(ns[0]), better="lower")]
+    if len(ns) > 2:
+        steps = [paired_compare("", t, ppl(b), ppl(a), better="lower")
+                 for a, b in zip(ns, ns[1:])]
+        verdicts = [c.verdict for c in steps]
+        holds = (True if all(v == "holds" for v in verdicts) else
+                 False if any(v == "does not hold" for v in verdicts) else None)
+        out.append(Claim("Each finer setting lowers PPL (App. F, Fig. 5)", holds,
+                         "; ".join(f"N={b:.0f} vs N={a:.0f}: {v}"
+                                   for (a, b), v in zip(zip(ns, ns[1:]), verdicts)),
+                         inconclusive=holds is None))
+    return out
 
 
 if __name__ == "__main__":

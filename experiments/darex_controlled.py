@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 
 from moejax import delta as dl
-from moejax.claims import Claim, compare, lookup, top_column
+from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
@@ -336,31 +336,46 @@ def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """The DAREx paper's claims on this study's tables."""
-    acc, p = t.get("accuracy"), top_column(t.get("accuracy"))
-    at = lambda ft, m: (f"{ft} {m} {p}", lookup(acc, {"fine-tuning": ft, "method": m}, p))  # noqa: E731
-    out = [compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, Table 1)",
-                   at("no reg (Adam)", "DAREx-q (q_v)"), at("no reg (Adam)", "DARE")),
-           compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate (Sec. 4.2, "
-                   "Table 2)", at("AdamR-L2", "DARE"), at("no reg (Adam)", "DARE"))]
-    lora, lp = t.get("lora"), None
+    """The DAREx paper's claims on this study's tables; the comparisons of two methods are
+    judged on the paired per-seed differences (:func:`moejax.claims.paired_compare`)."""
+    p = top_column(t.get("accuracy"))
+
+    def at(ft, m):
+        return (f"{ft} {m} {p}",
+                lambda r: lookup(r.get("accuracy"), {"fine-tuning": ft, "method": m}, p))
+
+    out = [paired_compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, "
+                          "Table 1)", t, at("no reg (Adam)", "DAREx-q (q_v)"),
+                          at("no reg (Adam)", "DARE")),
+           paired_compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate "
+                          "(Sec. 4.2, Table 2)", t, at("AdamR-L2", "DARE"),
+                          at("no reg (Adam)", "DARE"))]
+    lora = t.get("lora")
     if lora:
         lp = max(float(r["p"]) for r in lora)
-        out.append(compare(
-            f"DAREx-q beats DARE on LoRA factors at p = {lp:g} (Table 4)",
-            ("DAREx-q (q_v)", lookup(lora, {"p": lp, "method": "DAREx-q (q_v) on LoRA factors"},
-                                     "accuracy")),
-            ("DARE", lookup(lora, {"p": lp, "method": "DARE on LoRA factors"}, "accuracy"))))
+
+        def on_lora(label, method):
+            return label, lambda r: lookup(r.get("lora"), {"p": lp, "method": method},
+                                           "accuracy")
+
+        out.append(paired_compare(
+            f"DAREx-q beats DARE on LoRA factors at p = {lp:g} (Table 4)", t,
+            on_lora("DAREx-q (q_v)", "DAREx-q (q_v) on LoRA factors"),
+            on_lora("DARE", "DARE on LoRA factors")))
     large = t.get("large_deltas")
     if large:
         big = max(large, key=lambda r: float(r["mean_abs_delta"]))
         c = top_column([{k: v for k, v in big.items() if k.startswith("DARE p=")
                          and not k.endswith("std")}], "DARE p=")
         q = c[len("DARE "):] if c else ""
-        out.append(compare(
+
+        def at_lr(method):
+            return (f"{method} {q}", lambda r: lookup(r.get("large_deltas"),
+                                                      {"lr": big["lr"]}, f"{method} {q}"))
+
+        out.append(paired_compare(
             "With large deltas, magnitude pruning beats DARE at the highest drop rate (Sec. "
-            f"5.3, Table 6; lr {big['lr']:g})", (f"magnitude {q}", big.get(f"magnitude {q}")),
-            (f"DARE {q}", big.get(f"DARE {q}"))))
+            f"5.3, Table 6; lr {float(big['lr']):g})", t, at_lr("magnitude"), at_lr("DARE")))
     sweep = t.get("l2_sweep")
     if sweep:
         c = top_column([{k: v for k, v in sweep[0].items() if k.startswith("DARE p=")

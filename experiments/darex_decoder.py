@@ -23,7 +23,7 @@ import jax
 from flax import nnx
 
 from moejax import delta as dl
-from moejax.claims import Claim, compare, lookup, top_column
+from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
@@ -180,14 +180,19 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's decoder claims on this study's tables (held-out loss: lower is
-    better)."""
-    wide, p = t.get("pruned_wide"), top_column(t.get("pruned_wide"))
-    at = lambda ft, m: (f"{ft} {m} {p}", lookup(wide, {"fine-tuning": ft, "method": m}, p))  # noqa: E731
-    return [compare("DAREx-q (q_v) has a lower loss than DARE at the highest drop rate (Sec. "
-                    "4.1, Table 3)", at("AdamW", "DAREx-q (q_v)"), at("AdamW", "DARE"),
-                    better="lower"),
-            compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest drop rate (Sec. 4.2)",
-                    at("AdamR-L2", "DARE"), at("AdamW", "DARE"), better="lower")]
+    better), each judged on the paired per-seed differences at the highest drop rate."""
+    p = top_column(t.get("pruned_wide"))
+
+    def at(ft, m):
+        return (f"{ft} {m} {p}",
+                lambda r: lookup(r.get("pruned_wide"), {"fine-tuning": ft, "method": m}, p))
+
+    return [paired_compare("DAREx-q (q_v) has a lower loss than DARE at the highest drop rate "
+                           "(Sec. 4.1, Table 3)", t, at("AdamW", "DAREx-q (q_v)"),
+                           at("AdamW", "DARE"), better="lower"),
+            paired_compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest drop rate "
+                           "(Sec. 4.2)", t, at("AdamR-L2", "DARE"), at("AdamW", "DARE"),
+                           better="lower")]
 
 
 if __name__ == "__main__":

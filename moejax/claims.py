@@ -15,7 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim",
-           "t_critical"]
+           "paired_compare", "per_seed", "t_critical", "SEED_TABLES"]
+
+# the key under which a repeated study's claims also get each seed run's tables (a list of
+# {table: rows}, seed order), beside the tables merged over the runs
+SEED_TABLES = "_seed_tables"
 
 
 def _isnan(v) -> bool:
@@ -149,3 +153,29 @@ def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any
     if all(o is True for o in outcomes):
         return Claim(claim, True, evidence)
     return Claim(claim, None, evidence, inconclusive=True)
+
+
+def per_seed(t: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Each seed run's tables of a repeated study (:data:`SEED_TABLES`), else the one run's."""
+    return list(t.get(SEED_TABLES) or [t])
+
+
+def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tuple[str, Any],
+                   *, better: str = "higher", fmt: str = ".4g") -> Claim:
+    """:func:`compare` judged from the seeds: ``a`` and ``b`` are ``(label, value_of)`` with
+    ``value_of(tables)`` reading one run's value; each seed run gives a pair, and the claim
+    is :func:`paired_claim` on the differences (oriented by ``better``), with both arms'
+    means. One run: inconclusive. A value missing in any run: not measured."""
+    (la, fa), (lb, fb) = a, b
+    runs = per_seed(t)
+    va, vb = [fa(r) for r in runs], [fb(r) for r in runs]
+    if any(v is None or _isnan(float(v)) for v in va + vb):
+        return Claim(claim, None, f"{la} or {lb} missing")
+    va, vb = [float(v) for v in va], [float(v) for v in vb]
+    sign = 1.0 if better == "higher" else -1.0
+    row = paired(f"{la} - {lb}" if better == "higher" else f"{lb} - {la}",
+                 [sign * v for v in va], [sign * v for v in vb])
+    c = paired_claim(claim, row, fmt=fmt)
+    means = (f"{la} {format(sum(va) / len(va), fmt)} vs {lb} {format(sum(vb) / len(vb), fmt)}"
+             f" (mean of {len(va)} seed run{'s' * (len(va) > 1)})")
+    return c._replace(evidence=f"{means}; {c.evidence}")

@@ -40,7 +40,7 @@ from typing import Any
 
 import jax
 
-from moejax.claims import Claim
+from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
 from moejax.results import (
     RunDir,
@@ -225,9 +225,17 @@ def _release_compiled() -> None:
     gc.collect()
 
 
-def _judge(run: RunDir, claims: ClaimsFn | None) -> None:
+def _tables(path: Path) -> dict:
+    return {k: v for k, v in read_tables(path).items() if k != "claims"}
+
+
+def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = ()) -> None:
+    """The run's claims from its tables; a repeated study's merged run also hands each seed
+    run's tables (:data:`moejax.claims.SEED_TABLES`), so that its claims pair the seeds."""
     if claims is not None:
-        tables = {k: v for k, v in read_tables(run.path).items() if k != "claims"}
+        tables = _tables(run.path)
+        if seed_runs:
+            tables[SEED_TABLES] = [_tables(r.path) for r in seed_runs]
         run.claims(claims(tables))
 
 
@@ -283,7 +291,7 @@ def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims):
     for title, png in runs[0].plots:
         top.plots.append((f"{title} (seed run 0)", f"seed_0/{png}"))
     summary["wall_s"] = round(wall_s, 1)
-    _judge(top, claims)
+    _judge(top, claims, runs)
     top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)}).")
     return summary, top
 
