@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from moejax import delta as dl
-from moejax.claims import Claim, compare, lookup
+from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
@@ -298,23 +298,37 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """The DAREx paper's encoder claims on this study's tables (the last task's rows)."""
-    rows = t.get("encoder_p") or []
-    task = rows[-1]["task"] if rows else None
-    at = lambda ft, m: (f"{ft} {m}", lookup(rows, {"task": task, "fine-tuning": ft,  # noqa: E731
-                                                  "method": m}, "accuracy"))
-    dare = at("AdamW", "DARE")
+    """The DAREx paper's encoder claims on this study's tables, each judged on the paired
+    differences over every (task, seed) that both methods ran (:func:`moejax.claims.
+    paired_claim`), not on one task's means."""
+    rows = t.get("per_seed") or []
+
+    def acc(ft, m):
+        return {(r["task"], int(float(r["seed"]))): float(r["accuracy"]) for r in rows
+                if r["fine-tuning"] == ft and r["method"] == m}
+
+    def judge(claim, a, b):
+        (la, va), (lb, vb) = (a, acc(*a)), (b, acc(*b))
+        units = sorted(set(va) & set(vb))
+        if not units:
+            return Claim(claim, None, f"{' '.join(la)} or {' '.join(lb)} not run")
+        row = paired(f"{la[1]} - {lb[1]}", [va[u] for u in units], [vb[u] for u in units])
+        tasks = sorted({u[0] for u in units})
+        c = paired_claim(claim, row)
+        return c._replace(evidence=f"{c.evidence} (tasks {', '.join(tasks)} x seeds)")
+
+    dare = ("AdamW", "DARE")
     return [
-        compare("DAREx-q (q_v) beats DARE (Table 1)", at("AdamW", "DAREx-q (q_v)"), dare),
-        compare("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
-                at("AdamW", "DAREx-q (per-layer q_v)"), dare),
-        compare("AdamR-L2 + DARE beats DARE after AdamW (Table 2)",
-                at("AdamR-L2", "AdamR-L2 + DARE"), dare),
-        compare("AdamR-L2 lifts structural DPP (Table 9)",
-                at("AdamR-L2", "AdamR-L2 + structural DPP + q_v"),
-                at("AdamW", "structural DPP + q_v")),
-        compare("AdamR-L1 makes magnitude pruning better (Table 7)",
-                at("AdamR-L1", "AdamR-L1 + magnitude"), at("AdamW", "magnitude")),
+        judge("DAREx-q (q_v) beats DARE (Table 1)", ("AdamW", "DAREx-q (q_v)"), dare),
+        judge("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
+              ("AdamW", "DAREx-q (per-layer q_v)"), dare),
+        judge("AdamR-L2 + DARE beats DARE after AdamW (Table 2)",
+              ("AdamR-L2", "AdamR-L2 + DARE"), dare),
+        judge("AdamR-L2 lifts structural DPP (Table 9)",
+              ("AdamR-L2", "AdamR-L2 + structural DPP + q_v"),
+              ("AdamW", "structural DPP + q_v")),
+        judge("AdamR-L1 makes magnitude pruning better (Table 7)",
+              ("AdamR-L1", "AdamR-L1 + magnitude"), ("AdamW", "magnitude")),
     ]
 
 

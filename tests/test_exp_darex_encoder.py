@@ -88,3 +88,25 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
     assert tc["adamr_l1"].decay_paths == tc["adamr_l2"].decay_paths == "^encoder/"
     assert (tc["adamr_l1"].optimizer, tc["adamr_l1"].weight_decay) == ("adamr_l1", 1.0)
     assert mod.finetune_configs(cfg.replace(regularise_head=True))["adamr_l2"].decay_paths == ""
+
+
+def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
+    from experiments import darex_encoder as mod
+
+    def rows(dare, darex):
+        out = []
+        for i, (task, seed) in enumerate([(t, s) for t in ("a", "b") for s in (0, 1, 2)]):
+            out += [{"task": task, "seed": seed, "fine-tuning": "AdamW", "method": "DARE",
+                     "accuracy": dare[i]},
+                    {"task": task, "seed": seed, "fine-tuning": "AdamW",
+                     "method": "DAREx-q (q_v)", "accuracy": darex[i]}]
+        return {"per_seed": out}
+
+    base = [0.5, 0.52, 0.48, 0.7, 0.71, 0.69]
+    better = [b + 0.1 + 0.01 * i for i, b in enumerate(base)]
+    (c, *rest) = mod.claims(rows(base, better))
+    assert c.holds is True and "wins 6/6" in c.evidence and "tasks a, b" in c.evidence
+    assert all(r.verdict == "not measured" for r in rest)  # those methods did not run
+    # the last task alone favours DAREx-q, the first task more strongly the other way
+    mixed = [b + (0.02 if i >= 3 else -0.2) for i, b in enumerate(base)]
+    assert mod.claims(rows(base, mixed))[0].verdict != "holds"
