@@ -157,3 +157,28 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     assert (run.path / "ppl_small.png").exists()
     with pytest.raises(ConfigError, match="models"):
         apply_overrides(mod.make_config("quick"), ["models=(TopK,TopK)"])
+
+
+def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
+    from experiments import blockffn_baselines as mod
+
+    def rows(ppl_other_offset, cls_other_offset):
+        out = []
+        for seed in range(5):
+            noise = 0.05 * ((seed * 7) % 5 - 2)
+            out.append({"seed": seed, "size": "S", "model": "BlockFFN", "val_ppl": 10 + noise,
+                        "CLS_8": 0.5 + noise / 10})
+            for i, m in enumerate(("TopK", "ReMoE")):
+                out.append({"seed": seed, "size": "S", "model": m,
+                            "val_ppl": 10 + noise + ppl_other_offset * (i + 1),
+                            "CLS_8": 0.5 + noise / 10 + cls_other_offset * (i + 1)})
+            out.append({"seed": seed, "size": "S", "model": "Dense", "val_ppl": 1.0,
+                        "CLS_8": 0.0})  # the dense model is not an MoE: not compared
+        return {"baselines_per_seed": out}
+
+    ppl, cls = mod.claims(rows(0.5, -0.1))
+    assert ppl.holds is True and cls.holds is True and "wins 5/5" in ppl.evidence
+    ppl, cls = mod.claims(rows(-0.5, 0.1))           # every other MoE is better
+    assert ppl.holds is False and cls.holds is False
+    ppl, _ = mod.claims(rows(0.0, -0.1))             # tied with both: cannot tell
+    assert ppl.verdict == "inconclusive"
