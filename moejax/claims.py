@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim",
-           "paired_compare", "per_seed", "t_critical", "SEED_TABLES"]
+           "paired_compare", "per_seed", "t_critical", "threshold_claim", "SEED_TABLES"]
 
 # the key under which a repeated study's claims also get each seed run's tables (a list of
 # {table: rows}, seed order), beside the tables merged over the runs
@@ -179,3 +179,19 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
     means = (f"{la} {format(sum(va) / len(va), fmt)} vs {lb} {format(sum(vb) / len(vb), fmt)}"
              f" (mean of {len(va)} seed run{'s' * (len(va) > 1)})")
     return c._replace(evidence=f"{means}; {c.evidence}")
+
+
+def threshold_claim(claim: str, values: Sequence[float], threshold: float, *,
+                    better: str = "higher", fmt: str = ".4g") -> Claim:
+    """``claim`` that a quantity measured once per seed is at least (``better="higher"``) or
+    at most ``threshold``: holds when its 95% interval lies past the threshold, does not
+    hold when it lies short of it, inconclusive otherwise (one seed: no interval)."""
+    if not values:
+        return Claim(claim, None, "not run")
+    sign = 1.0 if better == "higher" else -1.0
+    row = paired(f"{'' if sign > 0 else '-'}value - {'' if sign > 0 else '-'}{threshold:g}",
+                 [sign * float(v) for v in values], [sign * threshold] * len(values))
+    c = paired_claim(claim, row, fmt=fmt)
+    mean = sum(float(v) for v in values) / len(values)
+    return c._replace(evidence=f"{format(mean, fmt)} (mean of {len(values)}) vs {threshold:g}; "
+                      f"{c.evidence}")

@@ -77,3 +77,25 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
         "holds", "does not hold"]           # the experts matter here, and SM keeps them
     assert verdict(rows + [row("dense fine-tuned (control)", "dense", 0.002, 1e9)]) == [
         "inconclusive", "does not hold"]    # no experts at all match vanilla too
+
+
+def test_compression_claim_judges_each_seed_runs_worst_scenario():
+    from experiments import ders_compression as mod
+    from moejax.claims import SEED_TABLES
+
+    def run(kept_a, kept_b):
+        rows = []
+        for sc, kept in (("a", kept_a), ("b", kept_b)):
+            rows += [{"scenario": sc, "decomposed": "experts", "method": "base_only",
+                      "setting": "", "d_loss": 1.0},
+                     {"scenario": sc, "decomposed": "experts", "method": "sparse",
+                      "setting": 0.9, "d_loss": 1.0 - kept},
+                     {"scenario": sc, "decomposed": "experts", "method": "quant",
+                      "setting": 2, "d_loss": 1.0 - kept}]
+        return {"sweep": rows}
+
+    good = [run(0.97 + e, 0.95 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]
+    (sparse, quant) = mod.claims({**good[0], SEED_TABLES: good})
+    assert sparse.holds is True and quant.holds is True
+    bad = [run(0.99, 0.6 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]  # one scenario fails
+    assert mod.claims({**bad[0], SEED_TABLES: bad})[0].holds is False

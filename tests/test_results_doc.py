@@ -184,3 +184,14 @@ def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
     assert "## blockffn_granularity" not in doc
     assert not is_held(out)
     assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()
+
+
+def test_threshold_claims_need_the_interval_past_the_threshold():
+    from moejax.claims import threshold_claim
+
+    assert threshold_claim("x", [0.95, 0.96, 0.94, 0.955, 0.945], 0.9).holds is True
+    assert threshold_claim("x", [0.85, 0.86, 0.84, 0.855, 0.845], 0.9).holds is False
+    assert threshold_claim("x", [0.95, 0.80, 0.99], 0.9).verdict == "inconclusive"
+    assert threshold_claim("x", [0.95], 0.9).verdict == "inconclusive"   # one seed
+    assert threshold_claim("x", [0.05, 0.04, 0.06], 0.1, better="lower").holds is True
+    assert threshold_claim("x", [], 0.9).verdict == "not measured"
