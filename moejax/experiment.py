@@ -253,6 +253,20 @@ def _run_once(name, cfg, run_fn, out: Path, claims=None) -> tuple[dict[str, Any]
     return summary, run, headline
 
 
+def _headline_keys(summaries: Sequence[dict], limit: int = 4) -> list[str]:
+    """The first ``limit`` summary values every seed run reported as a float (not its wall
+    time): what a repeated study's headline gives as mean +/- std."""
+    keys = [k for k, v in summaries[0].items() if type(v) is float and k != "wall_s"
+            and all(type(s.get(k)) is float for s in summaries)]
+    return keys[:limit]
+
+
+def _spread(key: str, vals: Sequence[float]) -> str:
+    mean = sum(vals) / len(vals)
+    sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+    return f"{key} {mean:.4g} +/- {sd:.2g}"
+
+
 def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked."""
@@ -292,7 +306,10 @@ def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims):
         top.plots.append((f"{title} (seed run 0)", f"seed_0/{png}"))
     summary["wall_s"] = round(wall_s, 1)
     _judge(top, claims, runs)
-    top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)}).")
+    top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)})"
+               + (": " + "; ".join(_spread(k, [s[k] for s in summaries])
+                                   for k in _headline_keys(summaries)) + "."
+                  if _headline_keys(summaries) else "."))
     return summary, top
 
 

@@ -101,7 +101,7 @@ def _study(cfg, run: RunDir) -> dict:
     run.table("granularity", [{"n_experts": 4, "val_ppl": 9.0 + cfg.seed},
                               {"n_experts": 8, "val_ppl": 8.0 + 0.5 * cfg.seed}])
     run.note("- the caveat of this run")
-    return {"headline": f"seed {cfg.seed}"}
+    return {"headline": f"seed {cfg.seed}", "ppl_n4": 9.0 + cfg.seed, "steps": 3}
 
 
 def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch):
@@ -119,6 +119,7 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     # 95% CI 1.25 +/- 12.706 * 0.354 / sqrt(2) = [-1.93, 4.43]: two seeds cannot tell
     assert "**inconclusive**: Finer experts lower PPL" in summary and "wins 2/2" in summary
     assert "one seed: no interval" in (out / "seed_0" / "summary.md").read_text()
+    assert "Mean over 2 seed runs (seed): ppl_n4 9.5 +/- 0.71." in summary  # numbers in it
     monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity", "moee"))
     doc = results_doc.build(tmp_path / "runs", tmp_path / "docs" / "results.md").read_text()
     assert "Not run: moee." in doc
