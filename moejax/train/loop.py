@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,13 +49,10 @@ from tqdm.auto import tqdm
 
 import moejax.train.mesh as mesh_lib
 from moejax.capture import CapturedStep, abstract, active_capture
-from moejax.config import Config, to_json
-from moejax.files import atomic_write_text
-from moejax.integrity import flatten_dict
+from moejax.config import Config
 from moejax.kernels.host.memory import release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits
-from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import (
     PeerLostError,
     assemble,
@@ -69,6 +63,7 @@ from moejax.train.distributed import (
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.logs import CsvLog, TensorBoardLog, read_csv
 from moejax.train.run_lock import RunLock
+from moejax.train.run_state import CtrlC, ResumeError, config_differences, open_run_dir
 from moejax.train.step import (
     NonFiniteError,
     check_finite,
@@ -219,97 +214,6 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
         return _build_step(graphdef, loss_fn, tx, cfg, mesh)
 
 
-class _CtrlC:
-    """While the loop runs (main thread only), the first Ctrl-C or SIGTERM (the usual
-    preemption signal of a cluster) is recorded and raised as ``KeyboardInterrupt`` at the end
-    of the current step, after its checkpoint if one is due and once the save in flight has
-    finished (a signal in the middle of an orbax save could otherwise be swallowed by orbax's
-    asyncio machinery, or tear the save); a second signal raises at once."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.pressed, self.signal_name, self._prev = False, "", {}
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._prev[s] = signal.signal(s, self._handler) or signal.SIG_DFL
-
-    def _handler(self, signum, frame):
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if self.pressed:
-            raise KeyboardInterrupt(f"second {name}: stopping at once")
-        self.pressed, self.signal_name = True, name
-        log.warning("%s: stopping after this step (again to stop at once)", name)
-
-    def restore(self) -> None:
-        for s, prev in self._prev.items():
-            signal.signal(s, prev or signal.SIG_DFL)
-        self._prev = {}
-
-
-class ResumeError(ValueError):
-    """The checkpoint in the run directory cannot continue this run exactly."""
-
-
-# Settings that may change between a run and its resumption without changing its results.
-# Settings used only after training (a study's sample prompt) are free too.
-_RESUME_FREE = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
-                "resume", "prompt", "sample_tokens"}
-
-
-def config_differences(saved_json: str, current_json: str) -> list[str]:
-    """``"key: checkpoint X vs now Y"`` for every setting that differs between two configs'
-    JSON (logging/eval/checkpoint cadence and ``resume`` excluded)."""
-    a, b = flatten_dict(json.loads(saved_json)), flatten_dict(json.loads(current_json))
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if k.split("/")[-1] in _RESUME_FREE:
-            continue
-        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
-        if va != vb:
-            out.append(f"{k}: checkpoint {va!r} vs now {vb!r}")
-    return out
-
-
-def _open_run_dir(run_dir, cfg, config, state, main):
-    """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
-    validated (stale saves moved aside, the newest verifying step restored, its config
-    compared with this run's) before anything is written."""
-    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
-    position = 0
-    try:
-        if main:
-            ckpt.clean_stale()
-        found = ckpt.restore_latest(state, quarantine=main)
-        if found is not None:
-            restored, meta = found
-            saved_step = int(meta["step"])
-            if saved_step > cfg.steps:
-                raise ResumeError(
-                    f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
-                    f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
-                    "use a new run directory (out=...), or ask for steps >= "
-                    f"{saved_step}")
-            diffs = (config_differences(meta["config"], to_json(config))
-                     if meta.get("config") else [])
-            if diffs and cfg.resume != "force":
-                raise ResumeError(
-                    f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
-                    "config; resuming would not reproduce either run:\n  "
-                    + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
-                    "run directory (out=...), or resume anyway with train.resume=force")
-            if diffs:
-                log.warning("resuming %s with a changed config (resume=force):\n  %s",
-                            run_dir, "\n  ".join(diffs))
-            state, position = restored, int(meta["data_position"])
-        if main:
-            atomic_write_text(os.path.join(run_dir, "config.json"), to_json(config))
-    except BaseException:
-        ckpt.close(abort=True)
-        raise
-    return ckpt, state, position
-
-
 def _check_token_ids(batch, vocab_size: int | None) -> None:
     """Token ids of the first batch must index the model's vocabulary (an id past it, or a
     negative one, makes the embedding lookup return NaN or garbage, silently)."""
@@ -372,7 +276,7 @@ class _Run:
         if run_dir is not None:
             run_dir = os.fspath(run_dir)
             self.lock = RunLock(run_dir).acquire() if self.main else None
-            self.ckpt, self.state, self.position = _open_run_dir(
+            self.ckpt, self.state, self.position = open_run_dir(
                 run_dir, cfg, self.config, self.state, self.main)
         self.start = int(jax.device_get(self.state.step))
         if run_dir is not None and self.main:
@@ -436,7 +340,7 @@ class _Run:
         self.t_flush = time.perf_counter()
         self.last_saved = (self.start if self.ckpt is not None
                            and self.ckpt.latest_step() == self.start else None)
-        failed, ctrl_c, step = True, _CtrlC(), self.start
+        failed, ctrl_c, step = True, CtrlC(), self.start
         try:
             for step in range(self.start, end):
                 self._step(step)

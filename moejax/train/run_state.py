@@ -1,0 +1,113 @@
+"""What a training run's directory holds between runs: opening it to start or resume
+(:func:`open_run_dir`: stale saves moved aside, the newest verifying checkpoint restored, its
+config compared with this run's, before anything is written), the settings that may change
+across a resumption (:func:`config_differences`), and the signal guard that turns Ctrl-C or
+SIGTERM into a stop at the end of a step (:class:`CtrlC`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+
+from moejax.config import to_json
+from moejax.files import atomic_write_text
+from moejax.integrity import flatten_dict
+from moejax.train.checkpoint import Checkpointer
+
+__all__ = ["CtrlC", "ResumeError", "config_differences", "open_run_dir"]
+
+log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
+
+
+class CtrlC:
+    """While the loop runs (main thread only), the first Ctrl-C or SIGTERM (the usual
+    preemption signal of a cluster) is recorded and raised as ``KeyboardInterrupt`` at the end
+    of the current step, after its checkpoint if one is due and once the save in flight has
+    finished (a signal in the middle of an orbax save could otherwise be swallowed by orbax's
+    asyncio machinery, or tear the save); a second signal raises at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.pressed, self.signal_name, self._prev = False, "", {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._prev[s] = signal.signal(s, self._handler) or signal.SIG_DFL
+
+    def _handler(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if self.pressed:
+            raise KeyboardInterrupt(f"second {name}: stopping at once")
+        self.pressed, self.signal_name = True, name
+        log.warning("%s: stopping after this step (again to stop at once)", name)
+
+    def restore(self) -> None:
+        for s, prev in self._prev.items():
+            signal.signal(s, prev or signal.SIG_DFL)
+        self._prev = {}
+
+
+class ResumeError(ValueError):
+    """The checkpoint in the run directory cannot continue this run exactly."""
+
+
+# Settings that may change between a run and its resumption without changing its results.
+# Settings used only after training (a study's sample prompt) are free too.
+_RESUME_FREE = {"log_every", "eval_every", "ckpt_every", "keep_checkpoints", "tensorboard",
+                "resume", "prompt", "sample_tokens"}
+
+
+def config_differences(saved_json: str, current_json: str) -> list[str]:
+    """``"key: checkpoint X vs now Y"`` for every setting that differs between two configs'
+    JSON (logging/eval/checkpoint cadence and ``resume`` excluded)."""
+    a, b = flatten_dict(json.loads(saved_json)), flatten_dict(json.loads(current_json))
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k.split("/")[-1] in _RESUME_FREE:
+            continue
+        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+        if va != vb:
+            out.append(f"{k}: checkpoint {va!r} vs now {vb!r}")
+    return out
+
+
+def open_run_dir(run_dir, cfg, config, state, main):
+    """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
+    validated (stale saves moved aside, the newest verifying step restored, its config
+    compared with this run's) before anything is written."""
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
+    position = 0
+    try:
+        if main:
+            ckpt.clean_stale()
+        found = ckpt.restore_latest(state, quarantine=main)
+        if found is not None:
+            restored, meta = found
+            saved_step = int(meta["step"])
+            if saved_step > cfg.steps:
+                raise ResumeError(
+                    f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
+                    f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
+                    "use a new run directory (out=...), or ask for steps >= "
+                    f"{saved_step}")
+            diffs = (config_differences(meta["config"], to_json(config))
+                     if meta.get("config") else [])
+            if diffs and cfg.resume != "force":
+                raise ResumeError(
+                    f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
+                    "config; resuming would not reproduce either run:\n  "
+                    + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
+                    "run directory (out=...), or resume anyway with train.resume=force")
+            if diffs:
+                log.warning("resuming %s with a changed config (resume=force):\n  %s",
+                            run_dir, "\n  ".join(diffs))
+            state, position = restored, int(meta["data_position"])
+        if main:
+            atomic_write_text(os.path.join(run_dir, "config.json"), to_json(config))
+    except BaseException:
+        ckpt.close(abort=True)
+        raise
+    return ckpt, state, position
