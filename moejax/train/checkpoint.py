@@ -63,7 +63,6 @@ threads, so no failure path hangs the process.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -71,10 +70,8 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 
 from moejax.config import Config, to_json
 from moejax.integrity import (
@@ -86,6 +83,23 @@ from moejax.integrity import (
     verify_shard_checksums,
 )
 from moejax.pytree import count_bytes
+from moejax.train.checkpoint_format import (
+    COMMIT_FILE,
+    FORMAT,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    check_compatible,
+    complete_steps,
+    disk_full,
+    gather_dicts,
+    host_tree,
+    is_key_array,
+    latest_step,
+    release_orbax_threads,
+    to_saveable,
+    verify_meta,
+)
 from moejax.train.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -101,176 +115,6 @@ __all__ = [
     "to_saveable",
     "check_compatible",
 ]
-
-FORMAT = "moejax-checkpoint-v2"
-_LEGACY_FORMATS = ("moejax-checkpoint-v1",)  # written before meta had its own checksum
-COMMIT_FILE = "commit_success.txt"
-
-
-class CheckpointMismatchError(ValueError):
-    """The saved checkpoint does not match the model/optimizer it is restored into."""
-
-
-class CorruptCheckpointError(CorruptDataError):
-    """A committed step cannot be read back intact (checksum mismatch, missing or damaged
-    files)."""
-
-
-class CheckpointWriteError(OSError):
-    """The checkpoint directory cannot be written (read-only, no permission, disk full)."""
-
-
-def _disk_full(e: BaseException) -> bool:
-    """Whether ``e`` says the disk is full: an ``OSError`` with ``ENOSPC``, or tensorstore's
-    ``RESOURCE_EXHAUSTED ... No space left on device`` (a ``ValueError`` through orbax)."""
-    return ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
-            or "No space left on device" in str(e))
-
-
-def release_orbax_threads(timeout_s: float = 30.0) -> int:
-    """Unblock orbax's background save threads still waiting for signals that a failed or
-    interrupted save will never send (they are non-daemon: left alone they hang the
-    interpreter at exit). Returns how many were released. Threads already writing finish
-    their work."""
-    try:
-        from orbax.checkpoint._src.futures import future as ofuture
-    except ImportError:  # pragma: no cover - another orbax layout
-        return 0
-    threads = [t for t in threading.enumerate()
-               if isinstance(t, getattr(ofuture, "_SignalingThread", ())) and t.is_alive()]
-    for t in threads:
-        t._cancelled = True
-        try:
-            ofuture.set_signals(t._receive_signals, operation_id=t._operation_id)
-        except Exception:  # noqa: BLE001 - best effort: the join below is bounded anyway
-            pass
-    for t in threads:
-        try:
-            t.join(timeout_s)
-        except BaseException:  # noqa: BLE001 - orbax's join raises CancelledError: expected
-            pass
-    return len(threads)
-
-
-def _is_key_array(x) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _to_plain(x):
-    if isinstance(x, nnx.Variable):
-        x = x.get_value()
-    return jax.random.key_data(x) if _is_key_array(x) else x
-
-
-def to_saveable(state: TrainState) -> dict:
-    """TrainState -> dict of plain arrays (nnx Variables unwrapped, typed keys as uint32)."""
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    plain = lambda t: jax.tree.map(_to_plain, t, is_leaf=is_var)
-    return {
-        "params": plain(state.params),
-        "opt_state": plain(state.opt_state),
-        "rest": plain(state.rest) if state.rest is not None else {},
-        "step": state.step,
-        "key": state.key,
-    }
-
-
-def complete_steps(directory) -> list[int]:
-    """Sorted steps under ``directory`` whose save was finalised (``commit_success.txt``)."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return []
-    steps = []
-    for name in os.listdir(directory):
-        if name.isdigit() and os.path.isfile(os.path.join(directory, name, COMMIT_FILE)):
-            steps.append(int(name))
-    return sorted(steps)
-
-
-def latest_step(directory) -> int | None:
-    """Newest complete step under ``directory`` (``None`` if there is none)."""
-    steps = complete_steps(directory)
-    return steps[-1] if steps else None
-
-
-def _leaf_desc(x) -> str:
-    return f"{tuple(x.shape)} {np.dtype(x.dtype).name}"
-
-
-def check_compatible(saved_meta_tree, template_tree, where: str = "") -> None:
-    """Compare saved array metadata with a template; raise listing every differing leaf."""
-    saved = {
-        "/".join(k): v for k, v in ocp.tree.to_flat_dict(saved_meta_tree).items() if v is not None
-    }
-    want = {
-        "/".join(k): v for k, v in ocp.tree.to_flat_dict(template_tree).items() if v is not None
-    }
-    problems = []
-    for k in sorted(set(saved) | set(want)):
-        if k not in want:
-            problems.append(f"  {k}: in checkpoint ({_leaf_desc(saved[k])}) but not in the model")
-        elif k not in saved:
-            problems.append(f"  {k}: expected {_leaf_desc(want[k])} but missing from checkpoint")
-        elif tuple(saved[k].shape) != tuple(want[k].shape) or np.dtype(saved[k].dtype) != np.dtype(
-            want[k].dtype
-        ):
-            problems.append(
-                f"  {k}: saved {_leaf_desc(saved[k])} vs expected {_leaf_desc(want[k])}"
-            )
-    if problems:
-        shown = problems[:40] + (
-            [f"  ... and {len(problems) - 40} more"] if len(problems) > 40 else []
-        )
-        raise CheckpointMismatchError(
-            f"checkpoint {where} does not match the model/optimizer being restored "
-            f"({len(problems)} differing leaves):\n" + "\n".join(shown) + "\nFix: rebuild the "
-            "model and optimizer from the config stored with the checkpoint (meta['config'] / "
-            "config.json in the run directory), or start a fresh run directory."
-        )
-
-
-def _verify_meta(meta: dict, step: int, state_step: int, where: str) -> None:
-    """The meta record is intact (its own checksum) and describes this step: the directory's
-    name, the record's step and the saved state's step agree."""
-    fmt = meta.get("format")
-    if fmt == FORMAT:
-        want = meta.get("meta_checksum")
-        if want != json_checksum(meta, exclude="meta_checksum"):
-            raise CorruptCheckpointError(
-                f"{where} is corrupt: its meta record (data position, config, checksums) was "
-                "changed after it was saved (meta_checksum does not match)")
-    elif fmt not in _LEGACY_FORMATS:
-        raise CorruptCheckpointError(f"{where} is corrupt: unknown meta format {fmt!r}")
-    if meta.get("step") != step or state_step != step:
-        raise CorruptCheckpointError(
-            f"{where} holds the state of step {state_step} (meta says {meta.get('step')}): "
-            "the step directory was renamed or copied over another")
-
-
-def _gather_dicts(local: dict) -> dict:
-    """The union of every process's ``local`` string dict, on every process (a collective:
-    all processes call it)."""
-    from jax.experimental import multihost_utils
-
-    data = np.frombuffer(json.dumps(local).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).ravel()
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    merged: dict = {}
-    for row, n in zip(rows, sizes):
-        merged.update(json.loads(bytes(row[:n]).decode()))
-    return merged
-
-
-def _host_tree(tree):
-    """Host copies of a tree's arrays, or ``None`` when some array spans other processes
-    (multi-host: each process holds only its shards, which it checksums itself)."""
-    leaves = jax.tree.leaves(tree)
-    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
-        return None
-    return jax.device_get(tree)
-
 
 class Checkpointer:
     """Save/restore :class:`TrainState` + data position + config under ``directory``.
@@ -322,7 +166,7 @@ class Checkpointer:
         step = int(jax.device_get(state.step))
         cfg_json = to_json(config) if isinstance(config, Config) else config
         plain = to_saveable(state)
-        host = _host_tree(plain)
+        host = host_tree(plain)
         meta = {
             "format": FORMAT,
             "step": step,
@@ -331,7 +175,7 @@ class Checkpointer:
             "checksums": tree_checksums(host) if host is not None else None,
         }
         if host is None:  # multi-host: every process checksums its shards, all gathered
-            meta["shard_checksums"] = _gather_dicts(shard_checksums(plain))
+            meta["shard_checksums"] = gather_dicts(shard_checksums(plain))
         meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
         self._step_bytes = count_bytes(plain)
         self._check_writable()
@@ -345,7 +189,7 @@ class Checkpointer:
             )
         except BaseException as e:
             release_orbax_threads()
-            if _disk_full(e):
+            if disk_full(e):
                 raise self._disk_full_error(step) from None
             if isinstance(e, OSError) and not isinstance(e, CheckpointWriteError):
                 raise CheckpointWriteError(
@@ -391,7 +235,7 @@ class Checkpointer:
                     self._mngr.close()
                 except BaseException:  # noqa: BLE001 - the first error is the one to report
                     pass
-                if _disk_full(e):
+                if disk_full(e):
                     raise self._disk_full_error() from None
                 if isinstance(e, OSError):
                     raise CheckpointWriteError(
@@ -525,10 +369,10 @@ class Checkpointer:
             ),
         ))
         r, meta = out["state"], dict(out["meta"])
-        _verify_meta(meta, step, int(np.asarray(jax.device_get(r["step"]))), where)
+        verify_meta(meta, step, int(np.asarray(jax.device_get(r["step"]))), where)
         try:
             if meta.get("checksums"):
-                host = _host_tree(r)
+                host = host_tree(r)
                 # (saved by one process and restored across several, the whole arrays
                 # are on no one process: nothing to compare them with)
                 if host is not None:
@@ -543,7 +387,7 @@ class Checkpointer:
             leaves = jax.tree.leaves(restored)
             tleaves, treedef = jax.tree.flatten(tmpl)
             leaves = [
-                jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if _is_key_array(t) else v
+                jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if is_key_array(t) else v
                 for t, v in zip(tleaves, leaves)
             ]
             return jax.tree.unflatten(treedef, leaves)
