@@ -1,5 +1,6 @@
 # The two commands (see README): `make demo` runs the tour, `make test` runs the tests;
-# `make studies` runs every study's quick preset and writes docs/results.md. All create or
+# `make studies` runs every study's quick preset and writes this machine class's results
+# document from the newest run of every study (docs/results.md on a CPU). All create or
 # refresh the virtualenv first; set-up is idempotent and skipped when up to date. The demo and the studies use a GPU when
 # jax finds one (install the `gpu` extra); the tests always run on the CPU.
 PYTHON ?=
@@ -21,11 +22,12 @@ demo: setup
 
 studies: setup
 	$(PY) -m experiments.main suite=studies out=runs/studies $(ARGS)
-	$(PY) -m experiments.results_doc runs=runs/studies out=docs/results.md
+	$(PY) -m experiments.results_doc
 
-# docs/results.md again from the runs already in runs/studies (no study is run)
+# this machine class's results document again (docs/results.md on a CPU, docs/results_gpu.md
+# on a GPU) from the newest indexed run of every study (runs/index.jsonl); no study is run
 results: setup
-	$(PY) -m experiments.results_doc runs=runs/studies out=docs/results.md
+	$(PY) -m experiments.results_doc
 
 bench: setup
 	$(PY) -m experiments.bench_dispatch $(ARGS)
@@ -45,7 +47,7 @@ full-aot: setup
 gpu-check: setup
 	$(PY) -m pip install -q -e ".[gpu]"
 	PYTHON=$(PY) scripts/gpu_check.sh runs/gpu
-	$(PY) -m experiments.results_doc runs=runs/gpu out=docs/results_gpu.md
+	$(PY) -m experiments.results_doc machine=gpu
 
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)

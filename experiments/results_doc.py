@@ -1,7 +1,14 @@
-"""The results document: every study's last run, read back from its run directory.
+"""The results document of a machine class: every study's newest run, read back from its run
+directory.
 
-    python -m experiments.results_doc                      # runs/studies -> docs/results.md
-    python -m experiments.results_doc runs=runs/full out=docs/results_full.md
+    python -m experiments.results_doc              # this machine's class: CPU -> docs/results.md
+    python -m experiments.results_doc machine=gpu  # -> docs/results_gpu.md
+    python -m experiments.results_doc runs=runs/studies out=/tmp/r.md   # one directory's runs
+
+By default the runs come from the run index (:mod:`moejax.run_index`: every finished study
+run, wherever its directory lives): per study the newest run on ``machine`` (cpu, gpu or tpu;
+by default the class of the machine it runs on).
+``runs=DIR`` reads ``DIR/<study>`` instead.
 
 For each registered study that has a finished run (``run.json`` beside ``summary.md``): the
 command that reproduces it, preset, seeds, date, wall time and machine; one line per paper
@@ -24,13 +31,15 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.main import REGISTRY
+from moejax import run_index
 from moejax.claims import Claim, claims_markdown
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.results import read_tables
+from moejax.results import machine_info, read_tables
 from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]
@@ -42,33 +51,51 @@ _PER_RUN = re.compile(r"^- seed run (\d+) \(\[summary\]\([\w./-]+\)\): (.*)$", r
 _PLOT = re.compile(r"^!\[([^\]]*)\]\(([\w./-]+\.png)\)$", re.M)
 
 
-def _parse(argv) -> tuple[Path, Path]:
-    opts = {"runs": "runs/studies", "out": "docs/results.md"}
+def _parse(argv) -> tuple[dict[str, Path], Path, str]:
+    """``({study: run directory}, out, where the runs came from)``."""
+    opts = {"runs": "", "machine": run_index.machine_class(machine_info()), "index": "",
+            "out": ""}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts or not value:
-            raise ConfigError(f"bad argument {item!r}; allowed: runs=DIR out=FILE.md")
+            raise ConfigError(f"bad argument {item!r}; allowed: machine=cpu|gpu|tpu "
+                              "index=FILE runs=DIR out=FILE.md")
         opts[key] = value
-    out = Path(opts["out"])
+    out = Path(opts["out"] or ("docs/results.md" if opts["machine"] == "cpu"
+                               else f"docs/results_{opts['machine']}.md"))
     if out.suffix != ".md":
         raise ConfigError(f"out={out}: the results document is markdown; name it *.md")
-    runs = Path(opts["runs"])
-    if not runs.is_dir():
-        raise ConfigError(f"runs={runs} is not a directory; run the studies first "
-                          "(make studies), or point runs= at their output")
-    _check_assets(runs, out)
-    return runs, out
+    if opts["runs"]:
+        runs = Path(opts["runs"])
+        if not runs.is_dir():
+            raise ConfigError(f"runs={runs} is not a directory; run the studies first "
+                              "(make studies), or point runs= at their output")
+        paths = {name: runs / name for name in REGISTRY}
+        source = f"runs={runs}"
+    else:
+        if opts["machine"] not in ("cpu", "gpu", "tpu"):
+            raise ConfigError(f"machine={opts['machine']}: one of cpu, gpu, tpu")
+        index = Path(opts["index"]) if opts["index"] else run_index.index_path()
+        paths, skipped = run_index.newest(opts["machine"], index)
+        if skipped:
+            print(f"results_doc: skipped {skipped} malformed line(s) of {index}",
+                  file=sys.stderr)
+        source = f"machine={opts['machine']}" + (f" index={index}" if opts["index"] else "")
+    _check_assets(list(paths.values()), out)
+    return paths, out, source
 
 
-def _check_assets(runs: Path, out: Path) -> Path:
+def _check_assets(runs: Sequence[Path], out: Path) -> Path:
     """The document's assets folder (``out`` without its suffix), refused unless replacing
-    it can only remove what this generator wrote."""
+    it can only remove what this generator wrote: it holds none of the ``runs``."""
     assets = out.with_suffix("")
-    a, r = assets.resolve(), runs.resolve()
-    if a == r or a in r.parents:
-        raise ConfigError(f"out={out} would put the document's assets in {assets}, which "
-                          f"holds the runs (runs={runs}); name the document elsewhere, e.g. "
-                          "out=docs/results.md")
+    a = assets.resolve()
+    for run in runs:
+        r = run.resolve()
+        if a == r or a in r.parents:
+            raise ConfigError(f"out={out} would put the document's assets in {assets}, which "
+                              f"holds the runs ({run}); name the document elsewhere, e.g. "
+                              "out=docs/results.md")
     if assets.exists() and not (assets / ASSETS_MARKER).is_file():
         raise ConfigError(f"out={out}: {assets} exists and was not written by results_doc "
                           f"(no {ASSETS_MARKER} in it), and rebuilding the document would "
@@ -170,9 +197,13 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
     return "\n".join(parts), claims
 
 
-def build(runs: Path, out: Path) -> Path:
-    """Write the results document for the runs under ``runs``; return its path."""
-    assets = _check_assets(runs, out)
+def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
+    """Write the results document for the runs ``{study: run directory}`` (or those under
+    one directory, ``runs/<study>``); return its path."""
+    if isinstance(runs, Path):
+        source = source or f"runs={runs}"
+        runs = {name: runs / name for name in REGISTRY}
+    assets = _check_assets(list(runs.values()), out)
     if assets.exists():
         shutil.rmtree(assets)
     assets.mkdir(parents=True)
@@ -180,7 +211,10 @@ def build(runs: Path, out: Path) -> Path:
                                         "replaced whole on every rebuild\n")
     sections, overview, missing, running = [], [], [], []
     for name in REGISTRY:
-        path = runs / name
+        path = runs.get(name)
+        if path is None:
+            missing.append(name)
+            continue
         if is_held(path):
             running.append(name)
             continue
@@ -191,10 +225,10 @@ def build(runs: Path, out: Path) -> Path:
         sections.append(text)
         overview += [f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
     head = ["# moejax results", "",
-            f"Generated by `python -m experiments.results_doc runs={runs} out={out}` on "
-            f"{time.strftime('%Y-%m-%d')} from the studies' run directories; regenerate it "
-            "after `make studies` (or `make results`). Every number below was written by a "
-            "run; each study's section says how to reproduce it and on what machine.", ""]
+            f"Generated by `python -m experiments.results_doc {source} out={out}` on "
+            f"{time.strftime('%Y-%m-%d')} from each study's newest run; regenerate it after "
+            "`make studies` (or `make results`). Every number below was written by a run; "
+            "each study's section says how to reproduce it and on what machine.", ""]
     if missing:
         head += [f"Not run: {', '.join(missing)}.", ""]
     if running:
@@ -212,8 +246,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0
     try:
-        runs, out = _parse(argv)
-        print(f"wrote {build(runs, out)}")
+        runs, out, source = _parse(argv)
+        print(f"wrote {build(runs, out, source)}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

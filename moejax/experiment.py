@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 
+from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
 from moejax.results import (
@@ -192,6 +193,7 @@ def run_experiment(
         summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims)
     write_run_record(run.path, study=name, argv=argv, started=started, repeat=repeat,
                      seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys})
+    run_index.record(run.path)  # the results documents read the newest run from the index
     return summary, run
 
 

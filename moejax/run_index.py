@@ -1,0 +1,87 @@
+"""The run index: one JSON line per finished study run, wherever its directory lives, so that
+each results document is generated from the newest run of every study on its machine class.
+
+The runner (:func:`moejax.experiment.run_experiment`) appends a line when a study's top-level
+run has finished: the study, the run directory's absolute path, the preset, the machine class
+(``cpu``, ``gpu`` or ``tpu``, from the run's ``run.json``) and when it finished. Smoke runs
+(``smoke=true``) are not results and are not indexed. :func:`newest` reads the index back:
+per study the newest line whose directory still holds a finished run (its ``run.json``),
+malformed lines counted and skipped.
+
+The index is ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl`` under the working directory.
+Lines are appended with one ``write`` on a file opened for appending, so runs finishing at
+once do not interleave their lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["ENV", "index_path", "machine_class", "record", "newest"]
+
+ENV = "MOEJAX_RUN_INDEX"
+
+
+def index_path() -> Path:
+    """Where the index is: ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl``."""
+    return Path(os.environ.get(ENV) or Path("runs") / "index.jsonl")
+
+
+def machine_class(machine: Mapping) -> str:
+    """``cpu``, ``gpu`` or ``tpu`` from a ``run.json`` machine record's accelerator."""
+    accel = str(machine.get("accelerator", "none")).lower()
+    if accel in ("", "none"):
+        return "cpu"
+    return "tpu" if "tpu" in accel else "gpu"
+
+
+def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None:
+    """Append the finished run in ``run_dir`` (its ``run.json``) to the index; returns the
+    line written, or None for a smoke run (not a result)."""
+    run_dir = Path(run_dir).resolve()
+    meta = json.loads((run_dir / "run.json").read_text())
+    command = str(meta.get("command", ""))
+    if re.search(r"(^|\s)smoke=(true|1|yes)(\s|$)", command):
+        return None
+    preset = re.search(r"(^|\s)preset=(\w+)", command)
+    line = {"study": meta["study"], "path": str(run_dir),
+            "preset": preset.group(2) if preset else "quick",
+            "machine": machine_class(meta.get("machine", {})),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
+    index = index or index_path()
+    index.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(index, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return line
+
+
+def newest(machine: str, index: Path | None = None, *,
+           preset: str | None = None) -> tuple[dict[str, Path], int]:
+    """``({study: run directory}, skipped lines)``: per study the newest indexed run of
+    ``machine`` (and ``preset``, if given) whose directory still holds its ``run.json``."""
+    index = index or index_path()
+    best: dict[str, tuple[float, Path]] = {}
+    skipped = 0
+    if not index.is_file():
+        return {}, 0
+    for raw in index.read_text().splitlines():
+        try:
+            line = json.loads(raw)
+            study, path, t = line["study"], Path(line["path"]), float(line["t"])
+            if line["machine"] != machine or (preset and line["preset"] != preset):
+                continue
+        except (ValueError, KeyError, TypeError):
+            skipped += 1
+            continue
+        if (path / "run.json").is_file() and t >= best.get(study, (-1.0, path))[0]:
+            best[study] = (t, path)
+    return {study: path for study, (_, path) in best.items()}, skipped

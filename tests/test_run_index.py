@@ -1,0 +1,75 @@
+"""The run index: finished runs are recorded wherever they live, smoke runs are not, and the
+results document of a machine class reads the newest run of each study from it."""
+
+import json
+import time
+
+from experiments import results_doc
+from moejax import run_index
+from moejax.results import write_run_record
+
+
+def _run(path, study, command, accelerator="none"):
+    """A finished run's directory: its run.json (as the runner writes it, with the given
+    accelerator), summary and config."""
+    path.mkdir(parents=True)
+    write_run_record(path, study=study, argv=command.split()[3:], started=time.time(),
+                     repeat=1, seeds={})
+    meta = json.loads((path / "run.json").read_text())
+    meta["machine"]["accelerator"] = accelerator
+    (path / "run.json").write_text(json.dumps(meta))
+    (path / "summary.md").write_text(f"## {study}\n\n{command}\n\n_wall time: 1 s_\n")
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_newest_run_per_study_and_machine_class(tmp_path):
+    index = tmp_path / "index.jsonl"
+    old = _run(tmp_path / "a" / "old", "lm_demo", "python -m experiments.lm_demo")
+    new = _run(tmp_path / "elsewhere" / "new", "lm_demo", "python -m experiments.lm_demo")
+    gpu = _run(tmp_path / "g", "lm_demo", "python -m experiments.lm_demo preset=full",
+               accelerator="1 x NVIDIA H200")
+    smoke = _run(tmp_path / "s", "lm_demo", "python -m experiments.lm_demo smoke=true")
+    gone = _run(tmp_path / "gone", "moee", "python -m experiments.moee")
+    for p in (old, new, gpu, gone):
+        assert run_index.record(p, index)["path"] == str(p.resolve())
+    assert run_index.record(smoke, index) is None          # a smoke run is no result
+    (gone / "run.json").unlink()                           # its directory was removed
+    with open(index, "a") as f:
+        f.write("{not json\n")
+    cpu, skipped = run_index.newest("cpu", index)
+    assert cpu == {"lm_demo": new.resolve()} and skipped == 1
+    assert run_index.newest("gpu", index)[0] == {"lm_demo": gpu.resolve()}
+    assert run_index.newest("gpu", index, preset="quick")[0] == {}
+    line = json.loads(index.read_text().splitlines()[2])
+    assert (line["preset"], line["machine"]) == ("full", "gpu")
+
+
+def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch):
+    index = tmp_path / "index.jsonl"
+    run_index.record(_run(tmp_path / "x" / "lm", "lm_demo", "python -m experiments.lm_demo"),
+                     index)
+    run_index.record(_run(tmp_path / "y" / "g", "moee", "python -m experiments.moee",
+                          accelerator="1 x NVIDIA H200"), index)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("lm_demo", "moee"))
+    out = tmp_path / "docs" / "results.md"
+    assert results_doc.main([f"index={index}", f"out={out}"]) == 0
+    doc = out.read_text()
+    assert "## lm_demo" in doc and "## moee" not in doc and "Not run: moee." in doc
+    assert f"results_doc machine=cpu index={index} out={out}" in doc
+    gpu_out = tmp_path / "docs" / "results_gpu.md"
+    assert results_doc.main(["machine=gpu", f"index={index}", f"out={gpu_out}"]) == 0
+    assert "## moee" in gpu_out.read_text() and "Not run: lm_demo." in gpu_out.read_text()
+    assert results_doc.main(["machine=quantum", f"index={index}", f"out={out}"]) == 2
+
+
+def test_the_runner_indexes_what_it_finishes(tmp_path, monkeypatch):
+    from moejax.experiment import run_experiment
+    from moejax.train.hparams import TrainConfig
+
+    index = tmp_path / "index.jsonl"
+    monkeypatch.setenv(run_index.ENV, str(index))
+    run_experiment("lm_demo", lambda preset: TrainConfig(seed=0),
+                   lambda cfg, run: {"headline": "x"}, [], out=tmp_path / "runs" / "lm")
+    (line,) = [json.loads(x) for x in index.read_text().splitlines()]
+    assert line["study"] == "lm_demo" and line["machine"] == "cpu"
