@@ -143,3 +143,23 @@ def test_release_freed_memory_returns_free_chunks_inside_the_heap():
 
     assert freed("keep") < 20            # glibc alone keeps the 200 MB mapped
     assert freed("release") > 150        # ... and gives it back when asked
+
+
+def test_available_fraction_reads_meminfo(tmp_path):
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       1000 kB\nMemFree:         100 kB\nMemAvailable:    250 kB\n")
+    assert hmem.available_fraction(str(f)) == 0.25
+    f.write_text("nothing here\n")
+    assert hmem.available_fraction(str(f)) is None
+    assert hmem.available_fraction(str(tmp_path / "absent")) is None
+
+
+def test_the_loop_drops_its_cached_steps_only_when_memory_is_short():
+    from moejax.train import loop
+
+    loop._cached_step.cache_clear()
+    loop._cached_step(None, None, None, loop.TrainConfig(steps=1), None)  # one cached step
+    assert loop._release_memory(lambda: 0.9) is False
+    assert loop._cached_step.cache_info().currsize == 1
+    assert loop._release_memory(lambda: 0.1) is True
+    assert loop._cached_step.cache_info().currsize == 0

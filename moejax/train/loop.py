@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 import moejax.train.mesh as mesh_lib
 from moejax.capture import CapturedStep, abstract, active_capture
 from moejax.config import Config
-from moejax.kernels.host.memory import release_freed_memory
+from moejax.kernels.host.memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits
 from moejax.train.distributed import (
@@ -203,6 +203,25 @@ def _build_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
 _cached_step = functools.lru_cache(maxsize=16)(_build_step)
 _NOT_IN_STEP = dict(seed=0, log_every=1, eval_every=0, ckpt_every=0, keep_checkpoints=1,
                     tensorboard=False, resume="auto")
+
+
+# Below this fraction of the machine's memory available at the end of a run, the cached steps
+# (compiled programs: hundreds of MB each at a real model's size) are dropped.
+LOW_MEMORY_FRACTION = 0.3
+
+
+def _release_memory(available=available_fraction) -> bool:
+    """At the end of a run: give freed heap back and, when memory is short, drop the cached
+    steps and jax's compilation caches (a later run of the same recipe compiles again).
+    Returns whether the caches were dropped."""
+    short = (available() or 1.0) < LOW_MEMORY_FRACTION
+    if short:
+        log.info("memory short after this run: dropping %d cached train steps",
+                 _cached_step.cache_info().currsize)
+        _cached_step.cache_clear()
+        jax.clear_caches()
+    release_freed_memory()
+    return short
 
 
 def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
@@ -363,7 +382,7 @@ class _Run:
             ctrl_c.restore()
             self.bar.close()
             self._close(failed)
-            release_freed_memory()  # a study's many runs in one process do not add up
+            _release_memory()  # a study's many runs in one process do not add up
         if self.best is not None:
             self.history.best = {"step": self.best[1], "value": self.best[0]}
             return self.best[2][0], self.best[2][1], self.history

@@ -38,7 +38,8 @@ import resource
 
 import numpy as np
 
-__all__ = ["retain_freed_memory", "release_freed_memory", "minor_page_faults", "advise_huge_pages",
+__all__ = ["retain_freed_memory", "release_freed_memory", "available_fraction",
+           "minor_page_faults", "advise_huge_pages",
            "transparent_huge_pages", "malloc_huge_pages", "GLIBC_MAX_MMAP_THRESHOLD",
            "HUGE_PAGE_BYTES", "HUGE_PAGE_MALLOC"]
 
@@ -81,6 +82,17 @@ def release_freed_memory() -> bool:
         return False
     ctypes.CDLL(None).malloc_trim(0)
     return True
+
+
+def available_fraction(meminfo: str = "/proc/meminfo") -> float | None:
+    """The fraction of the machine's memory still available (Linux ``MemAvailable`` over
+    ``MemTotal``), or None where the kernel does not say."""
+    try:
+        fields = dict(line.split(":", 1) for line in open(meminfo).read().splitlines()
+                      if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) / int(fields["MemTotal"].split()[0])
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return None
 
 
 def minor_page_faults() -> int:
