@@ -37,7 +37,8 @@ from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
 from moejax.experiment import main
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import RunDir, seed_summary
+from moejax.results import RunDir
+from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_baselines"

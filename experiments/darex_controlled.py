@@ -31,7 +31,7 @@ from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.experiment import main
-from moejax.results import RunDir, seed_summary
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (
@@ -42,6 +42,7 @@ from moejax.substrates.mlp import (
     load_tasks,
     mlp,
 )
+from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config
 
 NAME = "darex_controlled"

@@ -45,10 +45,11 @@ from moejax.experiment import main
 from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
-from moejax.results import RunDir, seed_summary
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
+from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
 
 NAME = "darex_encoder"

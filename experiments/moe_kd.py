@@ -50,10 +50,11 @@ from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.nn.routing_modes import RoutingMode, with_routing
-from moejax.results import RunDir, seed_summary
+from moejax.results import RunDir
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
+from moejax.tables import seed_summary
 from moejax.train.distill import (
     METHODS,
     DistillConfig,

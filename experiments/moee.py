@@ -49,13 +49,14 @@ from moejax.extract.pipeline import (
     moee_plans,
     moefication_model,
 )
-from moejax.results import RunDir, seed_summary
+from moejax.results import RunDir
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (
     MiniLMTaskConfig,
     ViTSubstrateConfig,
 )
+from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
 
 NAME = "moee"

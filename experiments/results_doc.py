@@ -39,7 +39,8 @@ from moejax import run_index
 from moejax.claims import Claim, claims_markdown
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.results import machine_info, read_tables
+from moejax.run_record import machine_info
+from moejax.tables import read_tables
 from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]

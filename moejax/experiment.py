@@ -43,15 +43,10 @@ import jax
 from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
-from moejax.results import (
-    RunDir,
-    RunDirError,
-    merge_seed_tables,
-    read_csv_rows,
-    read_tables,
-    write_run_record,
-)
+from moejax.results import RunDir, RunDirError
+from moejax.run_record import write_run_record
 from moejax.smoke import smoke_config
+from moejax.tables import merge_seed_tables, read_csv_rows, read_tables
 from moejax.train.checkpoint import CheckpointWriteError
 from moejax.train.distributed import (
     EXIT_PEER_LOST,

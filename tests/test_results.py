@@ -8,7 +8,8 @@ import pytest
 
 from moejax.config import Config, ConfigError, config
 from moejax.experiment import parse_cli, run_experiment
-from moejax.results import RunDir, markdown_table, seed_summary
+from moejax.results import RunDir
+from moejax.tables import markdown_table, seed_summary
 
 
 def test_markdown_table_and_csv(tmp_path):
@@ -149,7 +150,7 @@ def test_repeat_runs_seeds_and_merges_tables(tmp_path):
 
 
 def test_merge_seed_tables_rules():
-    from moejax.results import merge_seed_tables
+    from moejax.tables import merge_seed_tables
 
     a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0, "v std": 0.5}]
     b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0, "v std": 1.5}]

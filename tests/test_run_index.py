@@ -6,7 +6,7 @@ import time
 
 from experiments import results_doc
 from moejax import run_index
-from moejax.results import write_run_record
+from moejax.run_record import write_run_record
 
 
 def _run(path, study, command, accelerator="none"):

@@ -1,0 +1,163 @@
+"""Result tables as rows of dicts: markdown and CSV round trips (:func:`markdown_table`,
+:func:`read_csv_rows`, :func:`read_tables`), and statistics over seeds (:func:`seed_summary`:
+per-seed rows collapsed to mean and sample std; :func:`merge_seed_tables`: one table per seed
+run merged the same way)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["format_value", "seed_summary", "read_csv_rows", "merge_seed_tables",
+           "markdown_table", "read_tables", "csv_value", "columns_of"]
+
+
+def format_value(v: Any, floatfmt: str = ".4g") -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return format(v, floatfmt)
+    if isinstance(v, np.generic) or (hasattr(v, "shape") and v.shape == ()):  # numpy / jax
+        return format_value(v.item(), floatfmt)
+    return str(v)
+
+
+def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                 values: Sequence[str]) -> list[dict]:
+    """Collapse per-seed rows into one row per distinct ``keys`` tuple (first-seen order):
+    the ``keys``, ``n_seeds``, and for each of ``values`` its mean (same name) and sample
+    standard deviation (``"<name> std"``, ddof 1; 0.0 for one seed). NaN values are skipped
+    per column (the mean of no values is NaN); other columns are dropped."""
+    import numpy as np
+
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for key, group in groups.items():
+        row: dict[str, Any] = dict(zip(keys, key))
+        row["n_seeds"] = len(group)
+        for v in values:
+            x = np.asarray([float(g[v]) for g in group if v in g], np.float64)
+            x = x[~np.isnan(x)]
+            row[v] = float(x.mean()) if len(x) else float("nan")
+            row[f"{v} std"] = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+        out.append(row)
+    return out
+
+
+def read_csv_rows(path: str | os.PathLike) -> list[dict]:
+    """A CSV written by :meth:`RunDir.table` as rows of floats where a cell parses as one,
+    strings elsewhere."""
+    with open(path, newline="") as f:
+        return [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _parse_cell(v: str):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict] | None:
+    """Merge the same table of several seeds' runs row by row (row ``i`` of every run
+    describes the same setting): a column equal in every run is kept; a numeric column that
+    differs becomes its mean plus ``"<col> std"`` (sample std, ddof 1; present on every row
+    when the column varies anywhere; ``"<col> std over runs"`` if the table has a
+    ``"<col> std"`` of its own), except a column that is a spread already (its name ends in
+    " std" / "_std": the mean of the runs' spreads); a text column that differs lists the
+    runs' values joined by " / " (a sign the rows were not aligned). ``None`` when the runs'
+    tables differ in row count or columns (e.g. a seed-dependent number of rows)."""
+    import numpy as np
+
+    first = tables[0]
+    cols = columns_of(first, None)
+    if any(len(t) != len(first) or columns_of(t, None) != cols for t in tables):
+        return None
+    varies = set()
+    merged: list[dict] = []
+    for i in range(len(first)):
+        row: dict[str, Any] = {}
+        for c in cols:
+            vals = [t[i].get(c, "") for t in tables]
+            same = all(v == vals[0] or (_isnan(v) and _isnan(vals[0])) for v in vals)
+            if same:
+                row[c] = vals[0]
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                x = np.asarray(vals, np.float64)
+                row[c] = float(np.nanmean(x)) if not np.isnan(x).all() else float("nan")
+                if not _is_spread(c):
+                    row[_std_name(c, cols)] = float(np.nanstd(x, ddof=1)) \
+                        if (~np.isnan(x)).sum() > 1 else 0.0
+                    varies.add(c)
+            else:
+                row[c] = " / ".join(str(v) for v in vals)
+        merged.append(row)
+    out_cols = []
+    for c in cols:
+        out_cols.append(c)
+        if c in varies:
+            out_cols.append(_std_name(c, cols))
+    stds = {_std_name(c, cols) for c in varies}  # 0.0 on rows where the column agreed
+    return [{c: r.get(c, 0.0 if c in stds else "") for c in out_cols} for r in merged]
+
+
+def _std_name(column: str, columns) -> str:
+    """``"<col> std"``, or ``"<col> std over runs"`` when the table has a ``"<col> std"``
+    column of its own (a spread within each run)."""
+    return f"{column} std over runs" if f"{column} std" in columns else f"{column} std"
+
+
+def _is_spread(column: str) -> bool:
+    """A column that already is a spread (``"acc std"``, ``acc_std``): merged by its mean
+    over the runs, without a std of the std."""
+    return column.endswith((" std", "_std"))
+
+
+def _isnan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def columns_of(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:
+    if columns is not None:
+        return list(columns)
+    cols: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in cols:
+                cols.append(k)
+    return cols
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, floatfmt=".4g"
+) -> str:
+    cols = columns_of(rows, columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(format_value(r.get(c, ""), floatfmt) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def read_tables(path: str | os.PathLike) -> dict[str, list[dict]]:
+    """Every ``<stem>.csv`` of a run directory as rows (:func:`read_csv_rows`), by stem."""
+    return {p.stem: read_csv_rows(p) for p in sorted(Path(path).glob("*.csv"))}
+
+
+def csv_value(v):
+    import numpy as np
+
+    if isinstance(v, np.generic):  # before float: repr(np.float64(1.0)) is "np.float64(1.0)"
+        return repr(v.item())
+    if isinstance(v, float):
+        return repr(v)
+    return v
