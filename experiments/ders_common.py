@@ -84,4 +84,12 @@ def fit(model, source, tcfg: TrainConfig, desc: str = "train") -> dict:
             "final_loss": float(np.mean([h["ce"] for h in hist[-10:]]))}
 
 
-__all__ = ["SubstrateConfig", "batches", "dense_substrate", "fit"]
+# Both DeRS studies' full preset (SmolLM2-135M-Instruct, lr 2e-5 as in the paper's tables): the
+# substrate, the training run and the evaluation batches.
+FULL_PRESET = dict(
+    substrate=SubstrateConfig(source="smollm2", seq_len=512),
+    train=TrainConfig(steps=2000, batch_size=32, lr=2e-5, warmup_steps=100, seed=2,
+                      log_every=20),
+    eval_batches=32)
+
+__all__ = ["SubstrateConfig", "batches", "dense_substrate", "fit", "FULL_PRESET"]

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
+from experiments.ders_common import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.claims import Claim, lookup, per_seed, threshold_claim
 from moejax.config import Config, config
 from moejax.ders_compress import (
@@ -105,11 +105,7 @@ class DeRSCompressionConfig(Config):
 def make_config(preset: str) -> DeRSCompressionConfig:
     if preset == "quick":
         return DeRSCompressionConfig()
-    return DeRSCompressionConfig(
-        substrate=SubstrateConfig(source="smollm2", seq_len=512),
-        train=TrainConfig(steps=2000, batch_size=32, lr=2e-5, warmup_steps=100, seed=2,
-                          log_every=20),
-        eval_batches=32)
+    return DeRSCompressionConfig(**FULL_PRESET)
 
 
 def _params(model):

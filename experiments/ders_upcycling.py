@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from experiments.ders_common import SubstrateConfig, batches, dense_substrate, fit
+from experiments.ders_common import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
@@ -66,11 +66,7 @@ class DeRSUpcyclingConfig(Config):
 def make_config(preset: str) -> DeRSUpcyclingConfig:
     if preset == "quick":
         return DeRSUpcyclingConfig()
-    return DeRSUpcyclingConfig(
-        substrate=SubstrateConfig(source="smollm2", seq_len=512),
-        train=TrainConfig(steps=2000, batch_size=32, lr=2e-5, warmup_steps=100, seed=2,
-                          log_every=20),
-        eval_batches=32)
+    return DeRSUpcyclingConfig(**FULL_PRESET)
 
 
 def _variants(cfg: DeRSUpcyclingConfig):
