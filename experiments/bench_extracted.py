@@ -149,8 +149,8 @@ def synthetic_plans(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
         slots[f"{sizes} compact"] = compact = compact_model(
             extract_model(vit, {0: plan}, router="dot")).blocks[0].ffn
         plans[sizes] = {"padded_share": compact.cfg.d_expert / cfg.d_hidden,
-                        "mean_share": float(plan.sizes_C.mean()) / cfg.d_hidden,
-                        "sizes": plan.sizes_C, "kept": slots[f"{sizes} masked"].cfg.d_hidden}
+                        "mean_share": float(plan.sizes_E.mean()) / cfg.d_hidden,
+                        "sizes": plan.sizes_E, "kept": slots[f"{sizes} masked"].cfg.d_hidden}
     out = []
     for batch in tqdm(cfg.batches, desc="batches", leave=False):
         times, used = _time_batch(cfg, slots, batch, rng)

@@ -158,7 +158,7 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
     row = evaluate_extracted(data, moee, "MoEE", dense)
     active = {i: s["active_neurons"] for i, s in row["_stats"].items()}
     layers = sorted(active)
-    F = {i: int(plans[i].masks_CF.shape[1]) for i in layers}
+    F = {i: int(plans[i].masks_EF.shape[1]) for i in layers}
     rows = [row]
     if layers:
         size = {i: F[i] // cfg.moefication_experts for i in layers}
@@ -281,7 +281,7 @@ def _plots(run: RunDir, data: ClassifierData, base: dict) -> list[int]:
         run.line_plot(f"routing_layer{i}", series, xlabel="expert", ylabel="share of tokens",
                       markers=True, title=f"Layer {i}: routing per class (first classes) and "
                       "over all classes")
-        r = plans[i].router_CD.astype(np.float64)
+        r = plans[i].router_ED.astype(np.float64)
         r = r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)
         run.heatmap(f"similarity_layer{i}", r @ r.T, xlabel="expert", ylabel="expert",
                     vmin=-1, vmax=1, title=f"Layer {i}: cosine similarity of expert mean inputs")

@@ -125,15 +125,15 @@ def oracle_slot(dense: DenseFFN, plan: ExpertPlan, x_ND, router: str, top_k: int
     w_down, b_down = np.asarray(dense.w_down[...]), np.asarray(dense.b_down[...])
     out = []
     for x in np.asarray(x_ND, np.float64):
-        r = plan.router_CD.astype(np.float64)
+        r = plan.router_ED.astype(np.float64)
         if router == "cosine":
             s = r @ x / np.linalg.norm(r, axis=1) / np.linalg.norm(x)
         elif router == "euclidean":
             s = -np.linalg.norm(x[None] - r, axis=1)
         else:
-            s = r @ x + plan.router_bias_C
+            s = r @ x + plan.router_bias_E
         chosen = np.argsort(-s, kind="stable")[:top_k]
-        m = np.any(plan.masks_CF[chosen], axis=0)
+        m = np.any(plan.masks_EF[chosen], axis=0)
         h = np.asarray(activation_fn("gelu")(jnp.asarray(x @ w_up[:, m] + b_up[m], jnp.float32)))
         out.append(h @ w_down[m] + b_down)
     return np.stack(out)
@@ -209,7 +209,7 @@ def test_shared_neurons_takes_the_cheapest_prefix_of_the_most_used_experts():
     np.testing.assert_array_equal(shared_neurons(masks, [0.5, 0.5], grouped_cost=3.0),
                                   masks.any(0))  # 15, 6 + 3 (0.5 x 2) = 9, 8: everything
     assert not shared_neurons(masks, [0.9, 0.1], grouped_cost=1.0).any()  # 5.8 < 6.2 < 8
-    with pytest.raises(ValueError, match="load_C"):
+    with pytest.raises(ValueError, match="load_E"):
         shared_neurons(masks, [1.0])
 
 
@@ -221,7 +221,7 @@ def test_compact_model_only_touches_the_given_layers():
     masked = extract_model(model, plans, router="cosine")
     served = compact_model(masked, layers=[1], loads={1: np.array([0.8, 0.1, 0.1])})
     assert [served.blocks[i].ffn.cfg.layout for i in (0, 1)] == ["masked", "compact"]
-    assert served.blocks[1].ffn.cfg.d_shared == plans[1].masks_CF[0].sum()
+    assert served.blocks[1].ffn.cfg.d_shared == plans[1].masks_EF[0].sum()
     x = jnp.asarray(images())
     np.testing.assert_allclose(np.asarray(served(x)[0]), np.asarray(masked(x)[0]), rtol=2e-5,
                                atol=2e-5)
@@ -307,7 +307,7 @@ def test_routing_stats_match_plan_sizes_and_matched_top_k():
     new = extract_model(model, {0: plan})
     st = routing_stats(new, [{"inputs": x, "labels": np.arange(8) % 3}], n_classes=3)[0]
     assert st["load"].sum() == pytest.approx(1.0)
-    assert st["active_neurons"] == pytest.approx(float(st["load"] @ plan.sizes_C))
+    assert st["active_neurons"] == pytest.approx(float(st["load"] @ plan.sizes_E))
     np.testing.assert_allclose(st["per_class"].sum(1), 1.0)
     assert matched_top_k({0: 7.0, 1: 1.0}, {0: 4, 1: 4}, 4) == {0: 2, 1: 1}
 
@@ -317,7 +317,7 @@ def test_moefication_model_disjoint_experts_cover_the_dense_layer():
     x = images(16)
     rec = record_ffn(model, [{"inputs": x}], n_tokens=80)
     plan = moefication_plan(np.asarray(model.blocks[0].ffn.w_up[...]), 4)
-    assert (plan.masks_CF.sum(0) == 1).all()  # a partition
+    assert (plan.masks_EF.sum(0) == 1).all()  # a partition
     # top_k = every expert: the dense model again
     full, _ = moefication_model(model, rec, [0], n_experts=4, top_k={0: 4})
     np.testing.assert_allclose(np.asarray(full(jnp.asarray(x))[0]),
@@ -372,8 +372,8 @@ def test_a_layer_without_clusters_stays_dense_and_noise_forms_no_expert():
     lab[:5], lab[10:14] = 3, 7  # two clusters (ids relabelled), the rest noise
     plan = moee_plan(x, y, lab, p=0.8)
     assert plan.n_experts == 2
-    np.testing.assert_allclose(plan.router_CD[0], x[:5].mean(0), rtol=1e-6)
-    np.testing.assert_allclose(plan.router_CD[1], x[10:14].mean(0), rtol=1e-6)
+    np.testing.assert_allclose(plan.router_ED[0], x[:5].mean(0), rtol=1e-6)
+    np.testing.assert_allclose(plan.router_ED[1], x[10:14].mean(0), rtol=1e-6)
     model = tiny_vit()
     new = extract_model(model, {0: None, 1: plan})
     assert isinstance(new.blocks[0].ffn, DenseFFN) and isinstance(new.blocks[1].ffn, ExtractedFFN)

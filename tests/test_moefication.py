@@ -109,7 +109,7 @@ def test_mlp_router_learns_which_expert_holds_the_mass():
     y[np.arange(1024), 2 * np.argmax(xs[:, :4], 1)] = 1.0  # expert = argmax of x[:4]
     plan = ExpertPlan(masks, rng.normal(size=(4, 8)).astype(np.float32) * 0.1,
                       np.zeros(4, np.float32))
-    before = MLPRouterNet(plan.router_CD)(jnp.asarray(xs))
+    before = MLPRouterNet(plan.router_ED)(jnp.asarray(xs))
     w = train_mlp_router(xs, y, plan, train_cfg=TrainConfig(
         steps=300, batch_size=128, lr=1e-2, optimizer="adam", weight_decay=0.0,
         schedule="constant", warmup_steps=0, log_every=100))
@@ -143,9 +143,9 @@ def test_param_breakdown_counts_what_extraction_removes():
                            d_hidden=16, n_classes=3, n_channels=1), rngs=nnx.Rngs(0))
     w = np.asarray(model.blocks[1].ffn.w_up[...])
     plan = moefication_plan(w, 4)
-    masks = plan.masks_CF.copy()
+    masks = plan.masks_EF.copy()
     masks[:, :6] = False  # 6 neurons in no expert
-    plan = ExpertPlan(masks, plan.router_CD, plan.router_bias_C)
+    plan = ExpertPlan(masks, plan.router_ED, plan.router_bias_E)
     rows = {r["layer"]: r for r in param_breakdown(model, {1: plan})}
     assert rows[0]["kept_neurons"] == 16 and rows[0]["params_removed"] == 0
     assert rows[1]["kept_neurons"] == 10

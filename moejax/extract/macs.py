@@ -6,7 +6,7 @@ Per block with ``T`` tokens, width ``D``:
 
 * attention: ``4 T D^2`` (q, k, v, o projections) + ``2 T^2 D`` (scores and weighted values)
 * dense FFN of width ``F``: ``2 T D F`` (``3 T D F`` gated)
-* extracted FFN: router ``T C D`` (``T (D H + H C)`` for the MLP router) + experts
+* extracted FFN: router ``T E D`` (``T (D H + H E)`` for the MLP router) + experts
   ``2 T D a``, ``a`` = mean hidden neurons a token uses (measured: ``aux["active_neurons"]``)
 
 plus the ViT's patch embedding ``n_patches * p^2 Z * D`` and the classifier head ``D L``
@@ -41,8 +41,8 @@ def ffn_macs(slot_cfg, d_model: int, tokens: float, active_neurons: float | None
         if active_neurons is None:
             raise ValueError("an extracted FFN's MACs need active_neurons (the mean hidden "
                              "neurons per token, aux['active_neurons'])")
-        C, H = slot_cfg.n_experts, slot_cfg.d_router
-        router = {"mlp": D * H + H * C, "random": 0}.get(slot_cfg.router, C * D)
+        E, H = slot_cfg.n_experts, slot_cfg.d_router
+        router = {"mlp": D * H + H * E, "random": 0}.get(slot_cfg.router, E * D)
         return {"router": float(tokens * router), "experts": float(tokens * 2 * D * active_neurons)}
     raise TypeError(f"no MAC count for slot {type(slot_cfg).__name__}")
 
@@ -94,8 +94,8 @@ def param_breakdown(dense_model, plans: dict) -> list[dict]:
         D, F = w_up.shape
         bias = int(getattr(block.ffn, "b_up", None) is not None)
         plan = plans.get(i)
-        kept = F if plan is None else int(len(kept_neurons(plan.masks_CF)))
-        router = 0 if plan is None else int(plan.router_CD.size + plan.router_bias_C.size)
+        kept = F if plan is None else int(len(kept_neurons(plan.masks_EF)))
+        router = 0 if plan is None else int(plan.router_ED.size + plan.router_bias_E.size)
         ffn_params = F * (2 * D + bias) + bias * D
         gone = (F - kept) * (2 * D + bias) - router
         rows.append({"layer": i, "ffn_width": F, "kept_neurons": kept,

@@ -78,8 +78,8 @@ def moee_plans(records: dict, labels: dict, cfg: ExtractConfig, *,
 
 
 def routing_stats(model, batches: Iterable[dict], n_classes: int = 0) -> dict[int, dict]:
-    """Per extracted layer: ``active_neurons`` (mean per real token), ``load [C]`` (share of
-    assignments) and, with labels in the batches and ``n_classes``, ``per_class [L, C]``
+    """Per extracted layer: ``active_neurons`` (mean per real token), ``load [E]`` (share of
+    assignments) and, with labels in the batches and ``n_classes``, ``per_class [L, E]``
     (share of each class's tokens routed to each expert, first choice)."""
     layers = slot_layers(model)
     graphdef, state = nnx.split(model)
@@ -132,13 +132,13 @@ def matched_top_k(active_neurons: dict[int, float], expert_size: dict[int, int],
 
 class MLPRouterNet(nnx.Module):
     """MoEfication's MLP router (Zhang et al. 2022, Sec. 3.2, as in the authors' code):
-    ``tanh(x_hat W1) W2`` on the L2-normalised input ``x_hat``, no biases; ``W1 [D, C]``
-    starts at the parameter centres, ``W2 [C, C]`` at the identity."""
+    ``tanh(x_hat W1) W2`` on the L2-normalised input ``x_hat``, no biases; ``W1 [D, E]``
+    starts at the parameter centres, ``W2 [E, E]`` at the identity."""
 
-    def __init__(self, centres_CD: np.ndarray):
-        C = centres_CD.shape[0]
-        self.w1 = nnx.Param(jnp.asarray(centres_CD, jnp.float32).T)
-        self.w2 = nnx.Param(jnp.eye(C, dtype=jnp.float32))
+    def __init__(self, centres_ED: np.ndarray):
+        E = centres_ED.shape[0]
+        self.w1 = nnx.Param(jnp.asarray(centres_ED, jnp.float32).T)
+        self.w2 = nnx.Param(jnp.eye(E, dtype=jnp.float32))
 
     def __call__(self, x_ND):
         x = x_ND / jnp.maximum(jnp.linalg.norm(x_ND, axis=-1, keepdims=True), 1e-12)
@@ -148,17 +148,17 @@ class MLPRouterNet(nnx.Module):
         return {"w1": np.asarray(self.w1[...]), "w2": np.asarray(self.w2[...])}
 
 
-def router_targets(y_NF: np.ndarray, masks_CF: np.ndarray) -> np.ndarray:
-    """``[N, C]``: each expert's positive activation mass ``sum_{f in c} relu(y_f)`` (the
+def router_targets(y_NF: np.ndarray, masks_EF: np.ndarray) -> np.ndarray:
+    """``[N, E]``: each expert's positive activation mass ``sum_{f in c} relu(y_f)`` (the
     MLP router's target before the per-batch scaling of :func:`router_bce`)."""
-    return np.maximum(np.asarray(y_NF, np.float32), 0) @ masks_CF.T.astype(np.float32)
+    return np.maximum(np.asarray(y_NF, np.float32), 0) @ masks_EF.T.astype(np.float32)
 
 
-def router_bce(logits_NC, mass_NC):
+def router_bce(logits_NE, mass_NE):
     """Binary cross-entropy with logits against ``mass / max(mass)`` (the max over the whole
     batch, as the authors' code scales its targets)."""
-    t = mass_NC / jnp.maximum(jnp.max(mass_NC), 1e-12)
-    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits_NC, t))
+    t = mass_NE / jnp.maximum(jnp.max(mass_NE), 1e-12)
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits_NE, t))
 
 
 def _router_loss(net, batch, key=None, train=True):
@@ -182,9 +182,9 @@ def train_mlp_router(x_ND: np.ndarray, y_NF: np.ndarray, plan: ExpertPlan, *,
     each expert's activation mass (:func:`router_targets`) with :func:`router_bce`. Returns
     ``{w1, w2}`` for :func:`extract_model`."""
     train_cfg = train_cfg or router_train_config(len(x_ND))
-    net = MLPRouterNet(plan.router_CD)
+    net = MLPRouterNet(plan.router_ED)
     src = ArrayBatches({"inputs": np.asarray(x_ND, np.float32),
-                        "targets": router_targets(y_NF, plan.masks_CF)},
+                        "targets": router_targets(y_NF, plan.masks_EF)},
                        batch_size=train_cfg.batch_size, seed=seed)
     train(net, src, train_cfg, loss_fn=_router_loss, progress=False, desc="mlp router")
     return net.weights()
@@ -217,11 +217,11 @@ def expert_summary(plans: dict) -> list[dict]:
         if p is None:
             rows.append({"layer": i, "experts": 0})
             continue
-        s = p.sizes_C
+        s = p.sizes_E
         rows.append({"layer": i, "experts": p.n_experts, "size_mean": float(s.mean()),
                      "size_min": int(s.min()), "size_max": int(s.max()),
-                     "kept_neurons": int(len(kept_neurons(p.masks_CF))),
-                     "of_neurons": int(p.masks_CF.shape[1])})
+                     "kept_neurons": int(len(kept_neurons(p.masks_EF))),
+                     "of_neurons": int(p.masks_EF.shape[1])})
     return rows
 
 

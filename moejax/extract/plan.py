@@ -2,9 +2,9 @@
 
 An :class:`ExpertPlan` is a pure description, independent of any model::
 
-    masks_CF    bool [C, F]   expert c uses hidden neuron f (experts may overlap)
-    router_CD   float [C, D]  routing vectors (MoEE: mean input token of each cluster)
-    router_bias_C float [C]   added to the routing scores (0 for MoEE)
+    masks_EF    bool [E, F]   expert c uses hidden neuron f (experts may overlap)
+    router_ED   float [E, D]  routing vectors (MoEE: mean input token of each cluster)
+    router_bias_E float [E]   added to the routing scores (0 for MoEE)
 
 MoEE (step 2 and 3 of the paper, :func:`moee_plan`): for each cluster ``c`` of the recorded
 hidden activations ``y_NF``, the neurons are taken in decreasing within-cluster variance until
@@ -14,10 +14,10 @@ take, drawn at random, Table 2's ablation); the router vector is the mean *input
 cluster's tokens.
 
 MoEfication (Zhang et al. 2022, Sec. 3.1-3.2; :func:`moefication_plan`): the neurons' input
-weight vectors (the columns of ``W_up``) are L2-normalised and split into ``C`` equal experts
+weight vectors (the columns of ``W_up``) are L2-normalised and split into ``E`` equal experts
 by constrained (balanced) k-means, as the authors' code does with ``KMeansConstrained``: k-means++
 centres, then alternately the exactly balanced assignment of minimum total squared distance
-(a minimum-cost assignment in which each centre has ``F / C`` seats, SciPy's
+(a minimum-cost assignment in which each centre has ``F / E`` seats, SciPy's
 ``linear_sum_assignment``) and the centres' update, until the assignment repeats. The router
 vectors are the parameter centres (``ParamCenter``): the mean of each expert's normalised
 columns, used by the ``"param"`` router (nearest centre to the normalised input) and as the
@@ -37,22 +37,22 @@ __all__ = ["ExpertPlan", "select_neurons", "cluster_means", "moee_plan", "moefic
 
 
 class ExpertPlan(NamedTuple):
-    masks_CF: np.ndarray
-    router_CD: np.ndarray
-    router_bias_C: np.ndarray
+    masks_EF: np.ndarray
+    router_ED: np.ndarray
+    router_bias_E: np.ndarray
 
     @property
     def n_experts(self) -> int:
-        return int(self.masks_CF.shape[0])
+        return int(self.masks_EF.shape[0])
 
     @property
-    def sizes_C(self) -> np.ndarray:
-        return self.masks_CF.sum(axis=1)
+    def sizes_E(self) -> np.ndarray:
+        return self.masks_EF.sum(axis=1)
 
 
-def kept_neurons(masks_CF: np.ndarray) -> np.ndarray:
+def kept_neurons(masks_EF: np.ndarray) -> np.ndarray:
     """Indices of the hidden neurons at least one expert uses (the others are removed)."""
-    return np.flatnonzero(np.any(masks_CF, axis=0))
+    return np.flatnonzero(np.any(masks_EF, axis=0))
 
 
 def _take_until(scores_F: np.ndarray, p: float) -> np.ndarray:
@@ -70,7 +70,7 @@ def _take_until(scores_F: np.ndarray, p: float) -> np.ndarray:
 def select_neurons(y_NF: np.ndarray, labels_N: np.ndarray, n_clusters: int, *, p: float = 0.8,
                    selection: Literal["variance", "magnitude", "random"] = "variance",
                    seed: int = 0) -> np.ndarray:
-    """``masks_CF``: per cluster, the neurons covering ``p`` of its total within-cluster
+    """``masks_EF``: per cluster, the neurons covering ``p`` of its total within-cluster
     variance (or mean activation magnitude), largest first."""
     if not 0 < p <= 1:
         raise ValueError(f"p={p} must be in (0, 1]")
@@ -90,7 +90,7 @@ def select_neurons(y_NF: np.ndarray, labels_N: np.ndarray, n_clusters: int, *, p
 
 
 def cluster_means(x_ND: np.ndarray, labels_N: np.ndarray, n_clusters: int) -> np.ndarray:
-    """Mean input ``[C, D]`` of each cluster's tokens."""
+    """Mean input ``[E, D]`` of each cluster's tokens."""
     x = np.asarray(x_ND, np.float64)
     return np.stack([x[labels_N == c].mean(0) for c in range(n_clusters)]).astype(np.float32)
 
@@ -101,27 +101,27 @@ def moee_plan(x_ND, y_NF, labels_N, *, p: float = 0.8,
     """The MoEE plan of one layer from its cluster labels; ``None`` when there is no cluster
     (the layer stays dense)."""
     labels_N = relabel(labels_N)  # contiguous ids, no empty cluster
-    C = n_clusters_of(labels_N)
-    if C == 0:
+    E = n_clusters_of(labels_N)
+    if E == 0:
         return None
-    masks = select_neurons(y_NF, labels_N, C, p=p, selection=selection, seed=seed)
-    return ExpertPlan(masks, cluster_means(x_ND, labels_N, C), np.zeros((C,), np.float32))
+    masks = select_neurons(y_NF, labels_N, E, p=p, selection=selection, seed=seed)
+    return ExpertPlan(masks, cluster_means(x_ND, labels_N, E), np.zeros((E,), np.float32))
 
 
 def _normalise_rows(w: np.ndarray) -> np.ndarray:
     return w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
 
 
-def balanced_assignment(points_FD: np.ndarray, centres_CD: np.ndarray) -> np.ndarray:
+def balanced_assignment(points_FD: np.ndarray, centres_ED: np.ndarray) -> np.ndarray:
     """``group_of_F [F]``: the assignment of the points to the centres, each centre taking
-    exactly ``F / C`` points, of minimum total squared distance (exact: a minimum-cost
-    assignment over ``F / C`` replicas of every centre)."""
+    exactly ``F / E`` points, of minimum total squared distance (exact: a minimum-cost
+    assignment over ``F / E`` replicas of every centre)."""
     from scipy.optimize import linear_sum_assignment
 
-    F, C = points_FD.shape[0], centres_CD.shape[0]
-    cost_FC = ((points_FD[:, None, :] - centres_CD[None]) ** 2).sum(-1)
-    seats = np.repeat(np.arange(C), F // C)
-    rows, cols = linear_sum_assignment(cost_FC[:, seats])
+    F, E = points_FD.shape[0], centres_ED.shape[0]
+    cost_FE = ((points_FD[:, None, :] - centres_ED[None]) ** 2).sum(-1)
+    seats = np.repeat(np.arange(E), F // E)
+    rows, cols = linear_sum_assignment(cost_FE[:, seats])
     out = np.empty(F, np.int64)
     out[rows] = seats[cols]
     return out
@@ -151,7 +151,7 @@ def balanced_kmeans_partition(w_up_DF: np.ndarray, n_experts: int, *, seed: int 
 
 
 def param_centres(w_up_DF: np.ndarray, expert_of_F: np.ndarray, n_experts: int) -> np.ndarray:
-    """``[C, D]``: each expert's mean L2-normalised input weight vector (MoEfication's
+    """``[E, D]``: each expert's mean L2-normalised input weight vector (MoEfication's
     parameter centres)."""
     w = _normalise_rows(np.asarray(w_up_DF, np.float64).T)
     return np.stack([w[expert_of_F == c].mean(0) for c in range(n_experts)]).astype(np.float32)

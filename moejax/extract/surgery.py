@@ -108,11 +108,11 @@ def record_ffn(model, batches: Iterable[dict], *, n_tokens: int, seed: int = 0,
     return {i: (np.concatenate(xs[i])[pick], np.concatenate(hs[i])[pick]) for i in layers}
 
 
-def _neurons(ffn: dict, masks_CF: np.ndarray, idx: np.ndarray, use_bias: bool) -> dict:
+def _neurons(ffn: dict, masks_EF: np.ndarray, idx: np.ndarray, use_bias: bool) -> dict:
     """The FFN's neurons ``idx`` (``w_up``, ``w_down``, ``b_up``) and the experts' masks over
     them."""
     out = {"w_up": ffn["w_up"][:, idx], "w_down": ffn["w_down"][idx],
-           "masks": jnp.asarray(np.asarray(masks_CF)[:, idx], jnp.float32)}
+           "masks": jnp.asarray(np.asarray(masks_EF)[:, idx], jnp.float32)}
     if use_bias:
         out["b_up"] = ffn["b_up"][idx]
     return out
@@ -122,7 +122,7 @@ def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, rout
                             router_mlp: dict | None = None) -> dict:
     """Pure: a dense FFN's variable dict (``w_up [D, F]``, ``w_down [F, D]``, biases) and a plan
     -> the :class:`ExtractedFFN` variable dict (neurons no expert uses removed)."""
-    out = _neurons(ffn, plan.masks_CF, kept_neurons(plan.masks_CF), use_bias)
+    out = _neurons(ffn, plan.masks_EF, kept_neurons(plan.masks_EF), use_bias)
     if use_bias:
         out["b_down"] = ffn["b_down"]
     if router == "mlp":
@@ -131,23 +131,23 @@ def extracted_ffn_variables(ffn: dict, plan: ExpertPlan, *, use_bias: bool, rout
         out.update({f"router_{k}": jnp.asarray(router_mlp[k], jnp.float32)
                     for k in ("w1", "w2")})
     else:
-        out["router"] = jnp.asarray(plan.router_CD, jnp.float32)
-        out["router_bias"] = jnp.asarray(plan.router_bias_C, jnp.float32)
+        out["router"] = jnp.asarray(plan.router_ED, jnp.float32)
+        out["router_bias"] = jnp.asarray(plan.router_bias_E, jnp.float32)
     return out
 
 
-def shared_neurons(masks_CF: np.ndarray, load_C: np.ndarray, grouped_cost: float = 2.0
+def shared_neurons(masks_EF: np.ndarray, load_E: np.ndarray, grouped_cost: float = 2.0
                    ) -> np.ndarray:
     """bool ``[F]``: the neurons a compact layout computes for every token in one masked dense
-    product instead of per expert: the neurons of the ``k`` most used experts (``load_C``:
-    each expert's share of the tokens), ``k`` in ``0..C`` minimising the cost per token
+    product instead of per expert: the neurons of the ``k`` most used experts (``load_E``:
+    each expert's share of the tokens), ``k`` in ``0..E`` minimising the cost per token
     ``|S| + grouped_cost * sum_c load_c |M_c minus S|`` (MACs, a routed MAC costing
-    ``grouped_cost`` dense ones). ``k = 0`` is the plain compact layout, ``k = C`` the
+    ``grouped_cost`` dense ones). ``k = 0`` is the plain compact layout, ``k = E`` the
     masked one; with one dominant expert, its neurons."""
-    masks = np.asarray(masks_CF) > 0
-    load = np.asarray(load_C, np.float64)
+    masks = np.asarray(masks_EF) > 0
+    load = np.asarray(load_E, np.float64)
     if load.shape != masks.shape[:1] or grouped_cost < 1:
-        raise ValueError(f"load_C {load.shape} must be [C={masks.shape[0]}] and grouped_cost="
+        raise ValueError(f"load_E {load.shape} must be [E={masks.shape[0]}] and grouped_cost="
                          f"{grouped_cost} >= 1")
     best, best_cost = np.zeros(masks.shape[1], bool), np.inf
     shared = np.zeros(masks.shape[1], bool)
@@ -168,7 +168,7 @@ def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool,
     expert, the up bias folded in as an extra input row, with a matching zero output column.
     Refuses experts whose routed neurons overlap with ``top_k > 1`` (not exact)."""
     masks = np.asarray(ffn["masks"]) > 0
-    C, F = masks.shape
+    E, F = masks.shape
     shared = np.zeros(F, bool) if shared is None else np.asarray(shared, bool)
     if shared.shape != (F,):
         raise ValueError(f"{where}shared must be bool [{F}], got {shared.shape}")
@@ -179,18 +179,18 @@ def compact_ffn_variables(ffn: dict, *, top_k: int, use_bias: bool,
                          "disjoint experts, or share the common neurons")
     sizes = routed.sum(1)
     Fe = int(sizes.max())
-    idx_CE = np.full((C, Fe), F)  # F: an appended zero neuron
-    for c in range(C):
-        idx_CE[c, :sizes[c]] = np.flatnonzero(routed[c])
+    idx_EF = np.full((E, Fe), F)  # F: an appended zero neuron
+    for c in range(E):
+        idx_EF[c, :sizes[c]] = np.flatnonzero(routed[c])
     pad = lambda a, axis: jnp.concatenate(  # noqa: E731
         [a, jnp.zeros_like(jnp.take(a, jnp.arange(1), axis=axis))], axis=axis)
-    w_up_CDE = jnp.transpose(pad(ffn["w_up"], 1)[:, idx_CE], (1, 0, 2))
-    out = {"w_down": pad(ffn["w_down"], 0)[idx_CE], "sizes": jnp.asarray(sizes, jnp.float32)}
+    w_up_EDF = jnp.transpose(pad(ffn["w_up"], 1)[:, idx_EF], (1, 0, 2))
+    out = {"w_down": pad(ffn["w_down"], 0)[idx_EF], "sizes": jnp.asarray(sizes, jnp.float32)}
     if use_bias:  # input row D carries the up bias; output column D is a zero (dropped)
-        w_up_CDE = jnp.concatenate([w_up_CDE, pad(ffn["b_up"], 0)[idx_CE][:, None, :]], 1)
+        w_up_EDF = jnp.concatenate([w_up_EDF, pad(ffn["b_up"], 0)[idx_EF][:, None, :]], 1)
         out["w_down"] = pad(out["w_down"], 2)
         out["b_down"] = ffn["b_down"]
-    out["w_up"] = w_up_CDE
+    out["w_up"] = w_up_EDF
     if shared.any():
         names = {"masks": "shared_masks"}
         out.update({names.get(k, f"{k}_shared"): v for k, v in _neurons(
@@ -258,12 +258,12 @@ def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "
         dense = slots[i]
         if not isinstance(dense, DenseFFNConfig):
             raise ValueError(f"layer {i} is {type(dense).__name__}, not a dense FFN")
-        if plan.masks_CF.shape[1] != dense.d_hidden:
-            raise ValueError(f"layer {i}: plan has {plan.masks_CF.shape[1]} neurons, the FFN "
+        if plan.masks_EF.shape[1] != dense.d_hidden:
+            raise ValueError(f"layer {i}: plan has {plan.masks_EF.shape[1]} neurons, the FFN "
                              f"{dense.d_hidden}")
         mlp = None if router_mlps is None else router_mlps.get(i)
         slots[i] = ExtractedFFNConfig(
-            d_hidden=int(len(kept_neurons(plan.masks_CF))), n_experts=plan.n_experts,
+            d_hidden=int(len(kept_neurons(plan.masks_EF))), n_experts=plan.n_experts,
             top_k=top_k[i] if isinstance(top_k, dict) else top_k, activation=dense.activation,
             use_bias=dense.use_bias, router=router,
             d_router=0 if mlp is None else int(np.shape(mlp["w1"])[1]))

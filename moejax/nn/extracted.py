@@ -3,7 +3,7 @@ neurons are grouped into (possibly overlapping) experts, one or ``top_k`` expert
 
 ``y_BTD, aux = slot(x_BTD, train=..., key=None, mask_BT=None)``::
 
-    s_NC = score(x)                      router (below), float32
+    s_NE = score(x)                      router (below), float32
     S_n  = top_k(s_n)                    selected experts of token n
     m_nF = OR_{c in S_n} masks[c]        the hidden neurons the token's experts use
     y_n  = (act(x_n W_up + b_up) * m_nF) W_down + b_down
@@ -25,8 +25,8 @@ Routers (``router`` in the config; vectors ``r_c`` and biases ``b_c`` come from 
   drawn from a hash of the token's bits (fixed for a given input, unrelated to its content).
 
 Parameter paths: ``w_up [D, F]``, ``b_up [F]``, ``w_down [F, D]``, ``b_down [D]`` (DenseFFN
-names, trainable); ``masks [C, F]`` (:class:`ExpertMask`), ``router [C, D]``, ``router_bias
-[C]`` or ``router_w1 [D, H]``, ``router_w2 [H, C]``
+names, trainable); ``masks [E, F]`` (:class:`ExpertMask`), ``router [E, D]``, ``router_bias
+[E]`` or ``router_w1 [D, H]``, ``router_w2 [H, E]``
 (:class:`RouterWeights`): not ``nnx.Param``, so fine-tuning keeps the extracted routing.
 
 Two layouts (``layout`` in the config):
@@ -34,19 +34,19 @@ Two layouts (``layout`` in the config):
 * ``"masked"`` (default, trainable): the masked oracle above; every kept neuron is evaluated
   and the unused ones zeroed, so it saves no time.
 * ``"compact"`` (serving, built by :func:`moejax.extract.surgery.compact_model`): each
-  expert's neurons copied into contiguous weights ``w_up [C, D (+1), d_expert]`` (the up
-  bias folded in as an extra input row), ``w_down [C, d_expert, D (+1)]``, zero-padded to the
+  expert's neurons copied into contiguous weights ``w_up [E, D (+1), d_expert]`` (the up
+  bias folded in as an extra input row), ``w_down [E, d_expert, D (+1)]``, zero-padded to the
   largest expert; tokens go to their experts through the MoE dispatch (``dispatch``: the host
   kernel on a CPU, which skips each expert's padding, the grouped-matmul kernel on GPU/TPU),
   so a token computes only its expert's neurons. Optionally ``d_shared`` neurons (e.g. those
   of the most used expert) are taken out of the experts and computed for every token in one
   dense product, masked per token like the masked layout (``w_up_shared [D, d_shared]``,
-  ``b_up_shared``, ``w_down_shared [d_shared, D]``, ``shared_masks [C, d_shared]``): a few
+  ``b_up_shared``, ``w_down_shared [d_shared, D]``, ``shared_masks [E, d_shared]``): a few
   MACs more for tokens of the other experts, in exchange for the dense product's rate on the
   neurons most tokens use (:func:`moejax.extract.surgery.shared_neurons` chooses them). Exact
   for one expert per token, or for experts whose non-shared neurons are disjoint.
 
-``aux``: ``expert_ids [B, T, k]``, ``load [C]`` (share of real tokens' assignments per expert),
+``aux``: ``expert_ids [B, T, k]``, ``load [E]`` (share of real tokens' assignments per expert),
 ``active_neurons`` (mean hidden neurons used per real token). No auxiliary loss.
 """
 
@@ -78,7 +78,7 @@ def _mix(h):
 
 
 def random_scores(x_ND: jax.Array, n_experts: int) -> jax.Array:
-    """``[N, C]`` scores uniform in [0, 1), independent across experts and across distinct
+    """``[N, E]`` scores uniform in [0, 1), independent across experts and across distinct
     tokens: a hash of each token's float32 bits, so the top-k are uniformly random experts that
     do not depend on what the token means (equal inputs get equal experts)."""
     bits = jax.lax.bitcast_convert_type(x_ND.astype(jnp.float32), jnp.uint32)
@@ -143,33 +143,33 @@ class ExtractedFFN(nnx.Module):
                  param_dtype=jnp.float32):
         del rngs  # every value comes from the dense layer and the plan
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
-        D, F, C, H = d_model, cfg.d_hidden, cfg.n_experts, cfg.d_router
+        D, F, E, H = d_model, cfg.d_hidden, cfg.n_experts, cfg.d_router
         z = lambda *s: jnp.zeros(s, param_dtype)  # noqa: E731
         if cfg.layout == "compact":
             Fe, bias_row = cfg.d_expert, int(cfg.use_bias)
-            self.w_up = nnx.Param(z(C, D + bias_row, Fe))
-            self.w_down = nnx.Param(z(C, Fe, D + bias_row))
+            self.w_up = nnx.Param(z(E, D + bias_row, Fe))
+            self.w_down = nnx.Param(z(E, Fe, D + bias_row))
             if cfg.use_bias:
                 self.b_down = nnx.Param(z(D))
-            self.sizes = ExpertMask(jnp.zeros((C,), jnp.float32))
+            self.sizes = ExpertMask(jnp.zeros((E,), jnp.float32))
             if cfg.d_shared:
                 Fs = cfg.d_shared
                 self.w_up_shared, self.w_down_shared = nnx.Param(z(D, Fs)), nnx.Param(z(Fs, D))
                 if cfg.use_bias:
                     self.b_up_shared = nnx.Param(z(Fs))
-                self.shared_masks = ExpertMask(jnp.zeros((C, Fs), jnp.float32))
+                self.shared_masks = ExpertMask(jnp.zeros((E, Fs), jnp.float32))
         else:
             self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
             if cfg.use_bias:
                 self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
-            self.masks = ExpertMask(jnp.zeros((C, F), jnp.float32))
+            self.masks = ExpertMask(jnp.zeros((E, F), jnp.float32))
         if cfg.router == "mlp":
-            self.router_w1, self.router_w2 = RouterWeights(z(D, H)), RouterWeights(z(H, C))
+            self.router_w1, self.router_w2 = RouterWeights(z(D, H)), RouterWeights(z(H, E))
         else:
-            self.router, self.router_bias = RouterWeights(z(C, D)), RouterWeights(z(C))
+            self.router, self.router_bias = RouterWeights(z(E, D)), RouterWeights(z(E))
 
     def scores(self, x_ND: jax.Array) -> jax.Array:
-        """Routing scores ``[N, C]`` (float32)."""
+        """Routing scores ``[N, E]`` (float32)."""
         x = x_ND.astype(jnp.float32)
         kind = self.cfg.router
         if kind == "random":
@@ -195,42 +195,42 @@ class ExtractedFFN(nnx.Module):
         dt = self.dtype or x_BTD.dtype
         x = x_BTD.reshape(B * T, D).astype(dt)
         _, ids_NK = jax.lax.top_k(self.scores(x), cfg.top_k)
-        sel_NC = jnp.sum(jax.nn.one_hot(ids_NK, cfg.n_experts, dtype=jnp.float32), axis=1)
+        sel_NE = jnp.sum(jax.nn.one_hot(ids_NK, cfg.n_experts, dtype=jnp.float32), axis=1)
         if cfg.layout == "compact":
-            y, used_N = self._compact(x, ids_NK, sel_NC, mask_BT, dt)
+            y, used_N = self._compact(x, ids_NK, sel_NE, mask_BT, dt)
         else:
-            y, used_N = self._masked(x, sel_NC, self.masks, self.w_up,
+            y, used_N = self._masked(x, sel_NE, self.masks, self.w_up,
                                      self.b_up if cfg.use_bias else None, self.w_down, dt)
         if cfg.use_bias:
             y = y + self.b_down[...].astype(dt)
         real_N = (jnp.ones((B * T,), jnp.float32) if mask_BT is None
                   else mask_BT.reshape(B * T).astype(jnp.float32))
         n_real = jnp.maximum(jnp.sum(real_N), 1.0)
-        counts_C = jnp.sum(sel_NC * real_N[:, None], axis=0)
+        counts_E = jnp.sum(sel_NE * real_N[:, None], axis=0)
         aux = {"expert_ids": ids_NK.reshape(B, T, -1),
-               "load": counts_C / jnp.maximum(jnp.sum(counts_C), 1.0),
+               "load": counts_E / jnp.maximum(jnp.sum(counts_E), 1.0),
                "active_neurons": jnp.sum(used_N * real_N) / n_real}
         return y.reshape(B, T, D), aux
 
-    def _masked(self, x_ND, sel_NC, masks, w_up, b_up, w_down, dt):
+    def _masked(self, x_ND, sel_NE, masks, w_up, b_up, w_down, dt):
         """``(y_ND, neurons used per token)``: every neuron of ``w_up`` for every token, those
         no selected expert keeps zeroed (the masked layout, and the compact one's shared
         neurons)."""
-        m_NF = jnp.minimum(sel_NC @ masks[...], 1.0)
+        m_NF = jnp.minimum(sel_NE @ masks[...], 1.0)
         up = x_ND @ w_up[...].astype(dt)
         if b_up is not None:
             up = up + b_up[...].astype(dt)
         h = activation_fn(self.cfg.activation)(up) * m_NF.astype(dt)
         return h @ w_down[...].astype(dt), jnp.sum(m_NF, -1)
 
-    def _compact(self, x_ND, ids_NK, sel_NC, mask_BT, dt):
+    def _compact(self, x_ND, ids_NK, sel_NE, mask_BT, dt):
         """``(y_ND without b_down, neurons used per token)``: the shared neurons in one masked
         dense product, each token through its experts' own contiguous weights by the MoE
         dispatch."""
         cfg = self.cfg
-        parts, used_N = [], sel_NC @ self.sizes[...]
+        parts, used_N = [], sel_NE @ self.sizes[...]
         if cfg.d_shared:
-            y_shared, shared_N = self._masked(x_ND, sel_NC, self.shared_masks, self.w_up_shared,
+            y_shared, shared_N = self._masked(x_ND, sel_NE, self.shared_masks, self.w_up_shared,
                                               self.b_up_shared if cfg.use_bias else None,
                                               self.w_down_shared, dt)
             parts, used_N = [y_shared], used_N + shared_N
