@@ -29,7 +29,7 @@ from moejax.train.hparams import TrainConfig
 
 NAME = "blockffn_ablations"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
+QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config

@@ -62,7 +62,7 @@ class BaselinesConfig(Config):
     xl_d_model: int = 256
     xl_d_expert: int = 128
     xl_n_layers: int = 4
-    seeds: int = 3  # training seeds (model init and data order) of every model
+    seeds: int = 5  # training seeds (model init and data order) of every model
     # GRIN's experts per token: "matched" = TopK's k (the paper compares at close TLS; more
     # than two stages is our extension of SparseMixer-v2), "two" = GRIN's own top-2
     grin_k: Literal["matched", "two"] = "matched"

@@ -49,7 +49,7 @@ NAME = "darex_controlled"
 SMOKE = ("large_seeds=1", "lora_seeds=1")  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
 PRUNED = r"^(w1|wo)$"  # the MLP's weight matrices; biases and norm scales keep their delta
-QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
+QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config

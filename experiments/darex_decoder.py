@@ -40,7 +40,7 @@ from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_los
 NAME = "darex_decoder"
 SMOKE = ("q_num=3",)  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
+QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config

@@ -44,7 +44,7 @@ from moejax.train import TrainConfig, adam_linear_config
 NAME = "darex_storage"
 SMOKE = ("timing_repeats=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
+QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config

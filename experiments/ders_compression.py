@@ -55,7 +55,7 @@ from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_mod
 
 NAME = "ders_compression"
 SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 3  # runs of the quick preset (mean and std over seeds)
+QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 SCENARIOS = {
     "finetuned": (True, UpcycleConfig(blocks="every_other",
