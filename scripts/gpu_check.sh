@@ -8,7 +8,10 @@
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply)
 #   grouped | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device)
-# Usage: [WHEELHOUSE=DIR] scripts/gpu_check.sh OUT_DIR [stage ...]
+# Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
+# and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
+# stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
+# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [REDO=1] scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
@@ -45,19 +48,29 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 "$py" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
 'optax', optax.__version__, jax.devices())"
 status=0
+limit=${STAGE_LIMIT:-570}
 for stage in $stages; do
+  if [ -f "$out/.done-$stage" ] && [ -z "${REDO:-}" ]; then
+    echo "== $stage: passed before ($out/.done-$stage), skipped"; continue
+  fi
   echo "== $stage"
   case $stage in
     tests)
-      JAX_DEFAULT_MATMUL_PRECISION=highest "$py" -m pytest -q -p no:cacheprovider -n 4 \
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" "$py" -m pytest -q \
+        -p no:cacheprovider -n 4 \
         tests/test_kernels_gmm.py tests/test_ragged_dot.py tests/test_kernels_pair_matmul.py \
         tests/test_kernels_chunk_union.py tests/test_dispatch.py tests/test_blockffn.py \
         tests/test_speculative.py tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
-        grep -E "^(FAILED|ERROR)|passed|failed" || status=1 ;;
+        grep -E "^(FAILED|ERROR)|passed|failed" ;;
     grouped|kernels|dispatch|speculative|extracted)
-      "$py" -m "experiments.bench_$stage" preset=full out="$out/bench_$stage" 2>&1 |
-        tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 || status=1 ;;
+      timeout "$limit" "$py" -m "experiments.bench_$stage" preset=full \
+        out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;
   esac
+  if [ "${PIPESTATUS[0]}" = 0 ]; then
+    touch "$out/.done-$stage"
+  else
+    echo "gpu_check: stage $stage failed or ran past ${limit} s" >&2; status=1
+  fi
 done
 exit $status
