@@ -96,102 +96,70 @@ def make_config(preset: str) -> LMDemoConfig:
     )
 
 
-def run(cfg: LMDemoConfig, run: RunDir) -> dict:
-    train_src = WindowBatches(
-        corpus_bytes("stdlib_code", "train"),
-        batch_size=cfg.train.batch_size,
-        seq_len=cfg.seq_len,
-        seed=cfg.train.seed,
-    )
-    val_src = WindowBatches(
-        corpus_bytes("stdlib_code", "validation"),
-        batch_size=cfg.train.batch_size,
-        seq_len=cfg.seq_len,
-        seed=10_000 + cfg.train.seed,
-    )
-    model = DecoderLM(cfg.model.decoder_config(), rngs=nnx.Rngs(cfg.train.seed))
-    n_params = count_params(model)
-    evaluate = LMEvaluator.from_source(val_src, cfg.eval_batches)
-    before = evaluate(model)
+def _sources(cfg: LMDemoConfig) -> tuple[WindowBatches, WindowBatches]:
+    """Training and validation windows of the CPython standard library's bytes."""
+    def windows(split, seed):
+        return WindowBatches(corpus_bytes("stdlib_code", split), batch_size=cfg.train.batch_size,
+                             seq_len=cfg.seq_len, seed=seed)
+    return windows("train", cfg.train.seed), windows("validation", 10_000 + cfg.train.seed)
 
-    history = train(
-        model,
-        train_src,
-        cfg.train,
-        run_dir=str(run.path / "train"),
-        eval_fn=evaluate,
-        config=cfg,
-    )
-    after = evaluate(model)
+
+def _curves(run: RunDir, before: float) -> tuple[list[float], float]:
+    """The loss curve (training cross-entropy, validation loss from ``before`` on, the
+    uniform guess drawn in) from the training run's logs; returns the training losses and
+    the steady tokens/s (median after the first quarter)."""
     rows = read_csv(str(run.path / "train" / "metrics.csv"))
     steps = [int(float(r["step"])) for r in rows]
     losses = [float(r["ce"]) for r in rows]
     tok_s = [float(r["tokens_per_s"]) for r in rows]
-    steady = float(np.median(tok_s[len(tok_s) // 4 :])) if tok_s else float("nan")
-
-    run.table(
-        "summary",
-        [
-            {
-                "params": n_params,
-                "steps": cfg.train.steps,
-                "val_loss_before": before["loss"],
-                "val_loss_after": after["loss"],
-                "val_acc_after": after["accuracy"],
-                "train_ce_first10": float(np.mean(losses[:10])),
-                "train_ce_last10": float(np.mean(losses[-10:])),
-                "steady_tokens_per_s": steady,
-            }
-        ],
-        title="Tiny MoE LM on CPython stdlib bytes",
-    )
-    evals = (
-        [
-            (int(float(r["step"])), float(r["loss"]))
-            for r in read_csv(str(run.path / "train" / "eval.csv"))
-        ]
-        if (run.path / "train" / "eval.csv").exists()
-        else []
-    )
+    eval_csv = run.path / "train" / "eval.csv"
+    evals = ([(int(float(r["step"])), float(r["loss"])) for r in read_csv(str(eval_csv))]
+             if eval_csv.exists() else [])
     series = {"train ce": (steps, losses)}
     if evals:
-        series["val ce"] = ([0] + [s for s, _ in evals], [before["loss"]] + [v for _, v in evals])
-    run.line_plot(
-        "loss_curve",
-        series,
-        xlabel="step",
-        ylabel="cross-entropy (nats/byte)",
-        title="MoE LM on stdlib source",
-        hlines={"uniform guess (ln 256)": UNIFORM_NATS},
-    )
+        series["val ce"] = ([0] + [s for s, _ in evals], [before] + [v for _, v in evals])
+    run.line_plot("loss_curve", series, xlabel="step", ylabel="cross-entropy (nats/byte)",
+                  title="MoE LM on stdlib source",
+                  hlines={"uniform guess (ln 256)": UNIFORM_NATS})
+    return losses, float(np.median(tok_s[len(tok_s) // 4:])) if tok_s else float("nan")
 
-    # Router load per MoE layer on one validation batch.
-    b = val_src.batch(0)
-    _, aux = model(b["inputs"], train=False)
-    load_rows = []
-    for i, layer_aux in enumerate(aux["layers"]):
-        if "load" in layer_aux:
-            load = np.asarray(layer_aux["load"])
-            load_rows.append(
-                {
-                    "layer": i,
-                    "max_load": float(load.max()),
-                    "min_load": float(load.min()),
-                    "gate_mass_selected": float(layer_aux["gate_mass_selected"]),
-                    "dropped_fraction": float(layer_aux["dropped_fraction"]),
-                }
-            )
-    if load_rows:
-        run.table(
-            "router",
-            load_rows,
-            title="Router statistics on a validation batch "
-            f"(uniform load = {1 / cfg.model.moe.n_experts:.3f})",
-        )
 
+def _router_rows(model, batch) -> list[dict]:
+    """Each MoE layer's router statistics on one batch: load spread, gate mass kept, drops."""
+    _, aux = model(batch["inputs"], train=False)
+    return [{"layer": i, "max_load": float(np.max(a["load"])),
+             "min_load": float(np.min(a["load"])),
+             "gate_mass_selected": float(a["gate_mass_selected"]),
+             "dropped_fraction": float(a["dropped_fraction"])}
+            for i, a in enumerate(aux["layers"]) if "load" in a]
+
+
+def _completion(model, cfg: LMDemoConfig) -> str:
     prompt = np.frombuffer(cfg.prompt.encode(), np.uint8).astype(np.int32)[None]
     out = generate(model, prompt, cfg.sample_tokens)
-    text = bytes(np.asarray(out)[0].astype(np.uint8).tolist()).decode("utf-8", "replace")
+    return bytes(np.asarray(out)[0].astype(np.uint8).tolist()).decode("utf-8", "replace")
+
+
+def run(cfg: LMDemoConfig, run: RunDir) -> dict:
+    train_src, val_src = _sources(cfg)
+    model = DecoderLM(cfg.model.decoder_config(), rngs=nnx.Rngs(cfg.train.seed))
+    n_params = count_params(model)
+    evaluate = LMEvaluator.from_source(val_src, cfg.eval_batches)
+    before = evaluate(model)
+    history = train(model, train_src, cfg.train, run_dir=str(run.path / "train"),
+                    eval_fn=evaluate, config=cfg)
+    after = evaluate(model)
+    losses, steady = _curves(run, before["loss"])
+    run.table("summary", [{
+        "params": n_params, "steps": cfg.train.steps, "val_loss_before": before["loss"],
+        "val_loss_after": after["loss"], "val_acc_after": after["accuracy"],
+        "train_ce_first10": float(np.mean(losses[:10])),
+        "train_ce_last10": float(np.mean(losses[-10:])), "steady_tokens_per_s": steady}],
+        title="Tiny MoE LM on CPython stdlib bytes")
+    load_rows = _router_rows(model, val_src.batch(0))
+    if load_rows:
+        run.table("router", load_rows, title="Router statistics on a validation batch "
+                  f"(uniform load = {1 / cfg.model.moe.n_experts:.3f})")
     run.note(
         f"What {cfg.train.steps} steps bought: validation loss {before['loss']:.2f} -> "
         f"{after['loss']:.2f} nats/byte (a uniform guess over bytes scores "
@@ -199,7 +167,7 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
         "model this early has learned byte statistics and frequent fragments, not syntax, so "
         "its greedy completion loops on fragments; the loss curve is the measure of progress "
         "(the quick preset's 300 steps and the full preset go further):\n\n```python\n"
-        + text + "\n```")
+        + _completion(model, cfg) + "\n```")
     return {
         "headline": (
             f"{n_params / 1e6:.2f}M-param MoE LM, {cfg.train.steps} steps: validation "
