@@ -22,7 +22,7 @@ with on-the-fly expert synthesis, with compiled peak inference memory.
 from __future__ import annotations
 
 import shutil
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -119,8 +119,100 @@ def _with_params(model, pure):
     return nnx.merge(graphdef, state)
 
 
-def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, curves):
-    compress_key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)  # DeRS-sparse draws
+def _similarity_rows(name: str, pure, base) -> tuple[list[dict], list[dict]]:
+    """Per MoE layer: the trained experts' cosine similarity to the base FFN and to each other
+    (summary rows) and the full matrix, base first (Fig. 1 analog)."""
+    cos_rows, mat_rows = [], []
+    for i, c in expert_cosines(pure, base).items():
+        n = c["pairwise"].shape[0]
+        names = ["FFN"] + [f"E{j + 1}" for j in range(n)]
+        full = np.ones((n + 1, n + 1))
+        full[0, 1:] = full[1:, 0] = c["to_base"]
+        full[1:, 1:] = c["pairwise"]
+        mat_rows += [{"scenario": name, "layer": int(i), "weight": a,
+                      **{b: f"{v:.6f}" for b, v in zip(names, row)}}
+                     for a, row in zip(names, full)]
+        off = c["pairwise"][~np.eye(n, dtype=bool)]
+        cos_rows.append({"scenario": name, "layer": int(i), "min_cos_to_base": c["to_base"].min(),
+                         "mean_1-cos_to_base": float(np.mean(1 - c["to_base"])),
+                         "min_cos_pairwise": off.min(),
+                         "mean_1-cos_pairwise": float(np.mean(1 - off))})
+    return cos_rows, mat_rows
+
+
+def _settings(cfg) -> list[tuple[str, Any]]:
+    return ([("none", "fp32")] + [("sparse", p) for p in cfg.drop_rates]
+            + [("quant", b) for b in cfg.bits])
+
+
+def _compressed(cfg, dec, method: str, setting, key):
+    if method == "sparse":
+        return compress(dec, "sparse", drop_rate=setting, key=key)
+    if method == "quant":
+        return compress(dec, "quant", bits=setting, quant=cfg.quant)
+    return compress(dec, "none")
+
+
+def _sweep_rows(cfg, name: str, decomp: str, dec, moe, moe_loss: float, evaluate, key):
+    """The compression sweep of one decomposition: every delta dropped (how much the deltas
+    matter at all), then every setting; each row's stored size, error and loss change."""
+    zero = {i: {w: np.zeros_like(a) for w, a in layer.items()}
+            for i, layer in dec.deltas.items()}
+    rep = compression_report(compress(dec, "sparse", drop_rate=0.0, key=key))
+    loss = evaluate(_with_params(moe, recompose(dec, zero)))["loss"]
+    rows = [{"scenario": name, "decomposed": decomp, "method": "base_only",
+             "setting": "all deltas dropped", "expert_params": rep["base"],
+             "expert_params_with_index": rep["base"],
+             "vanilla_expert_params": rep["vanilla_expert_params"], "delta_bytes": 0,
+             "expert_bytes": rep["expert_bytes"] - rep["delta_bytes"],
+             "vanilla_expert_bytes": rep["vanilla_expert_bytes"], "rel_err": 1.0,
+             "val_loss": loss, "d_loss": loss - moe_loss}]
+    norm = sum(float(np.sum(a ** 2)) for layer in dec.deltas.values() for a in layer.values())
+    for method, setting in _settings(cfg):
+        c = _compressed(cfg, dec, method, setting, key)
+        rep, got = compression_report(c), decompress_deltas(c)
+        err = sum(float(np.sum((got[i][w] - a) ** 2)) for i, layer in dec.deltas.items()
+                  for w, a in layer.items())
+        loss = evaluate(_with_params(moe, decompress(c)))["loss"]
+        rows.append({"scenario": name, "decomposed": decomp, "method": method,
+                     "setting": setting, "expert_params": rep["expert_params"],
+                     "expert_params_with_index": rep["expert_params_with_index"],
+                     "vanilla_expert_params": rep["vanilla_expert_params"],
+                     "delta_bytes": rep["delta_bytes"], "expert_bytes": rep["expert_bytes"],
+                     "vanilla_expert_bytes": rep["vanilla_expert_bytes"],
+                     "rel_err": (err / norm) ** 0.5 if norm else 0.0,
+                     "val_loss": loss, "d_loss": loss - moe_loss})
+    return rows
+
+
+def _checkpoint_rows(cfg, run: RunDir, name: str, decomp: str, dec, moe, evaluate, key):
+    """A compressed orbax checkpoint per method, reloaded and evaluated by on-the-fly expert
+    synthesis and by decompressing it."""
+    rows = []
+    for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
+                       ("quant", {"bits": cfg.ckpt_bits})):
+        c = compress(dec, method, key=key, quant=cfg.quant, **kw)
+        path = run.path / f"ckpt_{name}_{decomp.replace('+', '_')}_{method}"
+        shutil.rmtree(path, ignore_errors=True)
+        save_compressed(path, c, moe.cfg)
+        c2, moe_cfg = load_compressed(path)
+        synth = build_synth_model(type(moe), moe_cfg, c2)
+        rows.append({
+            "scenario": name, "decomposed": decomp, "method": method,
+            "setting": kw.get("drop_rate", kw.get("bits")),
+            "synth_val_loss": evaluate(synth)["loss"],
+            "decompressed_val_loss": evaluate(_with_params(moe, decompress(c2)))["loss"],
+            "expert_bytes": compression_report(c2)["expert_bytes"],
+            "disk_bytes": disk_bytes(path),
+            "peak_infer_bytes_synth": evaluate.memory(synth)["peak_bytes"],
+            "peak_infer_bytes_vanilla": evaluate.memory(moe)["peak_bytes"]})
+    return rows
+
+
+def _scenario(cfg, run: RunDir, name: str, evaluate) -> dict:
+    """One scenario: the dense substrate upcycled and trained, its experts decomposed into a
+    base and deltas, then the similarity, sweep and checkpoint rows and the losses."""
+    key = jax.random.fold_in(jax.random.key(cfg.train.seed), 7)  # DeRS-sparse draws
     s = cfg.substrate
     prefinetune, rule = SCENARIOS[name]
     dense, origin = dense_substrate(s, prefinetune=prefinetune)
@@ -134,85 +226,28 @@ def _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows, ckpt_rows, cur
     pure = _params(moe)
     layers = upcycled_layers(dense.cfg.n_layers, rule)  # the model upcycled (SmolLM2: 30)
     base = bases_from_dense(_params(dense), layers, output_scale(rule))
-
-    for i, c in expert_cosines(pure, base).items():
-        n = c["pairwise"].shape[0]
-        names = ["FFN"] + [f"E{j + 1}" for j in range(n)]
-        full = np.ones((n + 1, n + 1))
-        full[0, 1:] = full[1:, 0] = c["to_base"]
-        full[1:, 1:] = c["pairwise"]
-        for a, row in zip(names, full):
-            mat_rows.append({"scenario": name, "layer": int(i), "weight": a,
-                             **{b: f"{v:.6f}" for b, v in zip(names, row)}})
-        off = c["pairwise"][~np.eye(n, dtype=bool)]
-        cos_rows.append({"scenario": name, "layer": int(i), "min_cos_to_base": c["to_base"].min(),
-                         "mean_1-cos_to_base": float(np.mean(1 - c["to_base"])),
-                         "min_cos_pairwise": off.min(),
-                         "mean_1-cos_pairwise": float(np.mean(1 - off))})
-
+    cos_rows, mat_rows = _similarity_rows(name, pure, base)
+    rows, ckpt_rows = [], []
     variants = [("experts", False)] + ([("experts+universal", True)] if rule.moe.universal_ffn
                                        else [])
     for decomp, extended in variants:
         dec = decompose(pure, base, extended=extended)
-        # Reference: every delta dropped (W~_i = W_base): how much the deltas matter at all.
-        zero = {i: {w: np.zeros_like(a) for w, a in layer.items()}
-                for i, layer in dec.deltas.items()}
-        rep = compression_report(compress(dec, "sparse", drop_rate=0.0, key=compress_key))
-        loss = evaluate(_with_params(moe, recompose(dec, zero)))["loss"]
-        rows.append({"scenario": name, "decomposed": decomp, "method": "base_only",
-                     "setting": "all deltas dropped", "expert_params": rep["base"],
-                     "expert_params_with_index": rep["base"],
-                     "vanilla_expert_params": rep["vanilla_expert_params"], "delta_bytes": 0,
-                     "expert_bytes": rep["expert_bytes"] - rep["delta_bytes"],
-                     "vanilla_expert_bytes": rep["vanilla_expert_bytes"], "rel_err": 1.0,
-                     "val_loss": loss, "d_loss": loss - moe_loss})
-        settings = [("none", "fp32")] + [("sparse", p) for p in cfg.drop_rates] + \
-                   [("quant", b) for b in cfg.bits]
-        for method, setting in settings:
-            if method == "sparse":
-                c = compress(dec, "sparse", drop_rate=setting, key=compress_key)
-            elif method == "quant":
-                c = compress(dec, "quant", bits=setting, quant=cfg.quant)
-            else:
-                c = compress(dec, "none")
-            rep = compression_report(c)
-            got = decompress_deltas(c)
-            err = sum(float(np.sum((got[i][w] - a) ** 2)) for i, layer in dec.deltas.items()
-                      for w, a in layer.items())
-            norm = sum(float(np.sum(a ** 2)) for layer in dec.deltas.values()
-                       for a in layer.values())
-            loss = evaluate(_with_params(moe, decompress(c)))["loss"]
-            rows.append({"scenario": name, "decomposed": decomp, "method": method,
-                         "setting": setting, "expert_params": rep["expert_params"],
-                         "expert_params_with_index": rep["expert_params_with_index"],
-                         "vanilla_expert_params": rep["vanilla_expert_params"],
-                         "delta_bytes": rep["delta_bytes"], "expert_bytes": rep["expert_bytes"],
-                         "vanilla_expert_bytes": rep["vanilla_expert_bytes"],
-                         "rel_err": (err / norm) ** 0.5 if norm else 0.0,
-                         "val_loss": loss, "d_loss": loss - moe_loss})
-            if method != "none":
-                curves.setdefault(f"{name}/{decomp}/{method}", []).append(
-                    (rep["expert_params_with_index"], rep["expert_bytes"], loss - moe_loss))
+        rows += _sweep_rows(cfg, name, decomp, dec, moe, moe_loss, evaluate, key)
+        ckpt_rows += _checkpoint_rows(cfg, run, name, decomp, dec, moe, evaluate, key)
+    return {"rows": rows, "cos_rows": cos_rows, "mat_rows": mat_rows, "ckpt_rows": ckpt_rows,
+            "losses": {"scenario": name, "dense_val_loss": dense_loss,
+                       "upcycled_val_loss": moe_loss}}
 
-        # Compressed orbax checkpoint -> reload -> on-the-fly synthesis inference.
-        for method, kw in (("sparse", {"drop_rate": cfg.ckpt_drop}),
-                           ("quant", {"bits": cfg.ckpt_bits})):
-            c = compress(dec, method, key=compress_key, quant=cfg.quant, **kw)
-            path = run.path / f"ckpt_{name}_{decomp.replace('+', '_')}_{method}"
-            shutil.rmtree(path, ignore_errors=True)
-            save_compressed(path, c, moe.cfg)
-            c2, moe_cfg = load_compressed(path)
-            synth = build_synth_model(type(moe), moe_cfg, c2)
-            ckpt_rows.append({
-                "scenario": name, "decomposed": decomp, "method": method,
-                "setting": kw.get("drop_rate", kw.get("bits")),
-                "synth_val_loss": evaluate(synth)["loss"],
-                "decompressed_val_loss": evaluate(_with_params(moe, decompress(c2)))["loss"],
-                "expert_bytes": compression_report(c2)["expert_bytes"],
-                "disk_bytes": disk_bytes(path),
-                "peak_infer_bytes_synth": evaluate.memory(synth)["peak_bytes"],
-                "peak_infer_bytes_vanilla": evaluate.memory(moe)["peak_bytes"]})
-    return dense_loss, moe_loss
+
+def _curves(rows: list[dict]) -> dict:
+    """Per scenario, decomposition and compression method: (stored parameters, bytes, loss
+    change) of each setting."""
+    out = {}
+    for r in rows:
+        if r["method"] in ("sparse", "quant"):
+            out.setdefault(f"{r['scenario']}/{r['decomposed']}/{r['method']}", []).append(
+                (r["expert_params_with_index"], r["expert_bytes"], r["d_loss"]))
+    return out
 
 
 def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
@@ -220,12 +255,10 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     val = batches(s.downstream_corpus, "validation", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=10_000, source=s.source)
     evaluate = LMEvaluator.from_source(val, cfg.eval_batches)
-    rows, cos_rows, mat_rows, ckpt_rows, curves, base_rows = [], [], [], [], {}, []
-    for name in cfg.scenarios:
-        dense_loss, moe_loss = _scenario(cfg, run, name, evaluate, rows, cos_rows, mat_rows,
-                                         ckpt_rows, curves)
-        base_rows.append({"scenario": name, "dense_val_loss": dense_loss,
-                          "upcycled_val_loss": moe_loss})
+    parts = [_scenario(cfg, run, name, evaluate) for name in cfg.scenarios]
+    rows, cos_rows, mat_rows, ckpt_rows = ([r for p in parts for r in p[k]] for k in (
+        "rows", "cos_rows", "mat_rows", "ckpt_rows"))
+    base_rows, curves = [p["losses"] for p in parts], _curves(rows)
     run.table("losses", base_rows, title="Dense vs trained vanilla upcycled MoE "
               "(validation cross-entropy, nats/byte, downstream corpus)")
     run.table("sweep", rows, title="DeRS compression sweep: validation loss vs stored expert "
