@@ -20,8 +20,9 @@ every layer's shape kept) and the study's own cuts.
 ``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
 smoke run (:func:`moejax.capture.capture_steps`: 2 steps of 4 rows; evaluations and the
 study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
-training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`; runs of
-one program, e.g. the same student under several methods, are proven once and their steps
+training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`, as
+each run starts, so a study stopped by its timeout keeps the rows proven before; runs of one
+program, e.g. the same student under several methods, are proven once and their steps
 summed): parameters, FLOPs per step, weights, optimizer state and activations per device,
 whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
 hours of all the full preset's runs of that step; and every distinct decode loop it calls
@@ -98,38 +99,61 @@ def _cuts(module) -> tuple[str, ...]:
     return (*getattr(module, "SMOKE", ()), *getattr(module, "SMOKE_DEPTH", ()))
 
 
-def _aot(name: str, module, out: Path, overrides=()) -> dict:
-    """The study's training runs captured whole (not executed) and proven ahead of time;
-    ``overrides`` (key=value) after the cuts, e.g. a reduced depth."""
+class _Prover:
+    """Proves each captured program as the recipe records it (runs of one program, the same
+    shapes, once, their steps summed) and rewrites ``report`` after each, so the rows proven
+    before a stop (a timeout, running out of memory) are kept."""
+
+    def __init__(self, result: dict, report: Path | None):
+        self.result, self.report = result, report
+        self.groups: dict = {}  # program key -> (row, its runs)
+
+    def __call__(self, c) -> None:
+        key = _shapes(c)
+        if key in self.groups:
+            row, runs = self.groups[key]
+            runs.append(c)
+        else:
+            try:
+                row = prove_step(c) if isinstance(c, CapturedStep) else prove_decode(c)
+            except Exception as e:  # one program's failure is a row, the others still count
+                traceback.print_exc()
+                row = {"error": _error(e)}
+            if isinstance(c, CapturedStep) and "error" not in row:
+                row["gpu_hours_per_step"] = row["gpu_hours"] / c.cfg.steps
+            runs = [c]
+            self.groups[key] = (row, runs)
+            self.result["rows"].append(row)
+        row.update(run=", ".join(sorted({r.label or "train" for r in runs})), runs=len(runs))
+        if isinstance(c, CapturedStep) and "error" not in row:
+            row["steps"] = sum(r.cfg.steps for r in runs)
+            row["gpu_hours"] = row["gpu_hours_per_step"] * row["steps"]
+        self.write()
+
+    def write(self) -> None:
+        if self.report is not None:
+            atomic_write_text(self.report, json.dumps(self.result, default=str) + "\n")
+
+
+def _aot(name: str, module, out: Path, overrides=(), report: Path | None = None) -> dict:
+    """The study's training runs captured whole (executed as in a smoke run) and each
+    distinct one proven ahead of time as it starts; ``overrides`` (key=value) after the cuts,
+    e.g. a reduced depth; ``report``: rewritten with the rows so far after each proof."""
     cfg = apply_overrides(smoke_config(module.make_config("full"), cut_training=False),
                           [*_cuts(module), *overrides])
     result = {"ok": False, "error": "", "rows": []}
+    prover = _Prover(result, report)
     run = RunDir.create(out, cfg, name=name, lock=True)
-    with capture_steps(steps=SMOKE_STEPS, rows=SMOKE_ROWS) as captured:
+    with capture_steps(steps=SMOKE_STEPS, rows=SMOKE_ROWS, on_capture=prover):
         try:
             module.run(cfg, run)
-        except Exception as e:  # the runs captured so far are still proven
+        except Exception as e:  # the runs proven so far are kept
             traceback.print_exc()
             result["error"] = _error(e)
         finally:
             run.close()
-    groups: dict = {}  # runs of one program (same shapes) are proven once
-    for c in captured:
-        groups.setdefault(_shapes(c), []).append(c)
-    for runs in groups.values():
-        c = runs[0]
-        labels = ", ".join(sorted({r.label or "train" for r in runs}))
-        try:
-            row = prove_step(c) if isinstance(c, CapturedStep) else prove_decode(c)
-        except Exception as e:  # one program's failure is a row, the others still count
-            traceback.print_exc()
-            result["rows"].append({"run": labels, "error": _error(e)})
-            continue
-        row.update(run=labels, runs=len(runs))
-        if isinstance(c, CapturedStep):
-            steps = sum(r.cfg.steps for r in runs)
-            row.update(steps=steps, gpu_hours=row["gpu_hours"] * steps / c.cfg.steps)
-        result["rows"].append(row)
+    for row in result["rows"]:
+        row.pop("gpu_hours_per_step", None)
     result["ok"] = not result["error"] and all("error" not in r for r in result["rows"])
     return result
 
@@ -150,7 +174,8 @@ def _shapes(c) -> tuple:
 def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
     """Run ``name``'s full preset in ``mode`` into ``out``; write ``report`` (JSON)."""
     module = importlib.import_module(f"experiments.{name}")
-    result = (_smoke if mode == "smoke" else _aot)(name, module, Path(out))
+    result = (_smoke(name, module, Path(out)) if mode == "smoke"
+              else _aot(name, module, Path(out), report=Path(report)))
     atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
     return 0 if result["ok"] else 1
 

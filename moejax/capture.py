@@ -8,10 +8,12 @@ their real shapes.
 
 Inside the block, the training loop appends one :class:`CapturedStep` per run (its jitted
 step, the mesh it runs under, its ``TrainConfig`` and the abstract shapes of its state and
-first batch) before its first step. ``steps`` / ``rows`` then cut what it executes: at most
-``steps`` steps (0: none; the model is returned unchanged) on the first ``rows`` rows of each
-batch, so a recipe goes through every training run it has, with results to read, at the cost
-of a smoke run, while each run is recorded at its real shapes and step count.
+first batch) before its first step, and ``on_capture`` (if given) sees it at once, so what is
+proven of a long recipe survives the recipe being stopped. ``steps`` / ``rows`` then cut what
+it executes: at most ``steps`` steps (0: none; the model is returned unchanged) on the first
+``rows`` rows of each batch, so a recipe goes through every training run it has, with results
+to read, at the cost of a smoke run, while each run is recorded at its real shapes and step
+count.
 
 The jitted decode loops (:func:`moejax.nn.sample.sample`,
 :func:`moejax.nn.speculative.speculative_generate`, and the one-token step of
@@ -66,6 +68,13 @@ class _Capture:
     steps: int | None
     rows: int | None
     captured: list
+    on_capture: Any = None
+
+    def add(self, item) -> None:
+        """Record ``item`` (a :class:`CapturedStep` or :class:`CapturedDecode`)."""
+        self.captured.append(item)
+        if self.on_capture is not None:
+            self.on_capture(item)
 
 
 def record_decode(label: str, fn, args: tuple, static: dict) -> None:
@@ -74,7 +83,7 @@ def record_decode(label: str, fn, args: tuple, static: dict) -> None:
     capture = _ACTIVE.get()
     if capture is not None:
         args = tuple(abstract(a) if _is_arrays(a) else a for a in args)
-        capture.captured.append(CapturedDecode(label, fn, args, dict(static)))
+        capture.add(CapturedDecode(label, fn, args, dict(static)))
 
 
 def _is_arrays(tree) -> bool:
@@ -87,15 +96,16 @@ _ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def capture_steps(*, steps: int | None = None, rows: int | None = None):
+def capture_steps(*, steps: int | None = None, rows: int | None = None, on_capture=None):
     """Yield the list the training runs and decode loops inside append their
     :class:`CapturedStep` / :class:`CapturedDecode` to; each training run executes at most
-    ``steps`` steps of ``rows`` rows (``None``: as configured)."""
+    ``steps`` steps of ``rows`` rows (``None``: as configured). ``on_capture(item)`` is
+    called with each one as it is recorded (before the run's first step)."""
     for name, value in (("steps", steps), ("rows", rows)):
         if value is not None and value < (0 if name == "steps" else 1):
             raise ValueError(f"capture_steps({name}={value}): expected None or a count "
                              f">= {0 if name == 'steps' else 1}")
-    capture = _Capture(steps, rows, [])
+    capture = _Capture(steps, rows, [], on_capture)
     token = _ACTIVE.set(capture)
     try:
         yield capture.captured

@@ -162,6 +162,42 @@ def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monke
     assert row["run"] == "(none)" and row["result"].startswith("OK: the recipe ran to its end")
 
 
+def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path, monkeypatch):
+    """The report holds a run's proof before the recipe goes on (a study killed later by its
+    timeout keeps it); a second run of the same program adds its steps to that row."""
+    import json
+    import types
+
+    from experiments.full_smoke import _aot, _proven_rows
+    from moejax.config import Config, config
+
+    @config
+    class Toy(Config):
+        seed: int = 0
+
+    report = tmp_path / "toy.aot.json"
+    seen = []
+
+    def run(cfg, run_dir):
+        model = _model()
+        train(model, ToySource(batch_size=4), TrainConfig(steps=7, batch_size=4), desc="a")
+        seen.append(json.loads(report.read_text()))  # proven before the recipe goes on
+        train(model, ToySource(batch_size=4), TrainConfig(steps=5, batch_size=4), desc="b")
+        raise RuntimeError("out of time")
+
+    study = types.SimpleNamespace(make_config=lambda preset: Toy(), run=run)
+    monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
+    result = _aot("toy", study, tmp_path / "run", report=report)
+    ((first,),) = [s["rows"] for s in seen]
+    assert first["run"] == "a" and first["steps"] == 7 and int(first["cuda_kernels"]) >= 12
+    assert not result["ok"] and result["error"] == "RuntimeError: out of time"
+    (row,) = result["rows"]
+    assert row["run"] == "a, b" and row["runs"] == 2 and row["steps"] == 12
+    assert row["gpu_hours"] == pytest.approx(first["gpu_hours"] * 12 / 7)
+    rows = _proven_rows("toy", result)
+    assert rows[-1]["result"] == "stopped after 1 captured runs: RuntimeError: out of time"
+
+
 def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
     programs (different kernels): they are proven apart; repeats of one are proven once."""

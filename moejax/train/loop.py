@@ -396,8 +396,8 @@ class _Run:
         if capture is None:
             return self.cfg.steps, None
         batch = assemble(local_batch(self.source, self.position), self.mesh)
-        capture.captured.append(CapturedStep(self.opts.desc, self.step_fn, self.mesh,
-                                             abstract(self.state), abstract(batch), self.cfg))
+        capture.add(CapturedStep(self.opts.desc, self.step_fn, self.mesh, abstract(self.state),
+                                 abstract(batch), self.cfg))
         end = (self.cfg.steps if capture.steps is None
                else min(self.cfg.steps, self.start + capture.steps))
         return end, capture.rows
