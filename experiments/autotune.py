@@ -19,13 +19,11 @@ import jax.numpy as jnp
 
 from experiments.bench import time_call
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.kernels.grouped.pallas_gmm import gmm, tgmm
 from moejax.kernels.tiling import target_device
 from moejax.kernels.tuning import KERNELS, SPACE, forced, tune, write_entries
 from moejax.results import RunDir
-
-NAME = "autotune"
+from moejax.study import Study
 
 
 @config
@@ -85,6 +83,9 @@ def run(cfg: AutotuneConfig, run: RunDir) -> dict:
     return {"device": kind, "cases": len(rows), "table": str(path)}
 
 
+STUDY = Study("autotune", make_config, run)
+
+
 def cli(argv=None) -> int:
     """Refuse a machine without a GPU before anything is written, then run."""
     platform = target_device()[0]
@@ -93,7 +94,7 @@ def cli(argv=None) -> int:
               "kernels would run in interpret mode, which is no timing): run it on a GPU",
               file=sys.stderr)
         return 2
-    return main(NAME, make_config, run, argv)
+    return STUDY.main(argv)
 
 
 if __name__ == "__main__":

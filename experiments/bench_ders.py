@@ -31,7 +31,6 @@ from flax import nnx
 
 from experiments.spec_bench import decode_timing
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token
 from moejax.nn.moe import MoE
@@ -39,10 +38,8 @@ from moejax.nn.surgery import with_slot_config
 from moejax.ops.losses import cross_entropy
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
-
-NAME = "bench_ders"
-SMOKE = ("n_prompts=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 
 
 @config
@@ -219,5 +216,11 @@ def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
         **{f"{lab} tok/s": round(r["tokens_per_s"], 2) for lab, r in zip(labels, rows)}}
 
 
+STUDY = Study(
+    "bench_ders", make_config, run,
+    smoke=("n_prompts=1",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

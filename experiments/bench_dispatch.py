@@ -44,7 +44,6 @@ from experiments.bench_cpu import (
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
-from moejax.experiment import main
 from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
 from moejax.kernels.moe_dispatch import PATHS
 from moejax.nn.decoder import DecoderLM
@@ -53,16 +52,10 @@ from moejax.nn.moe_lm import MoELMConfig
 from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
-NAME = "bench_dispatch"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("batch_size=4", "warmup=1", "steps=2", "block_repeats=1")
-# the full preset's 4 layers do not fit a 24 GB host with the dense paths on the CPU (XLA's
-# ragged_dot and the dense oracle compute every expert for every token): its smoke run takes
-# one layer, every other size full
-SMOKE_DEPTH = ("model.n_layers=1",)
 TORCH = "PyTorch expert loop (HF Mixtral style"  # the row's name: + ", on <device>)"
 Path_ = DispatchMethod
 
@@ -341,5 +334,15 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     }
 
 
+STUDY = Study(
+    "bench_dispatch", make_config, run,
+    smoke=("batch_size=4", "warmup=1", "steps=2", "block_repeats=1"),
+    # the full preset's 4 layers do not fit a 24 GB host with the dense paths on the CPU (XLA's
+    # ragged_dot and the dense oracle compute every expert for every token): its smoke run takes
+    # one layer, every other size full
+    smoke_depth=("model.n_layers=1",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

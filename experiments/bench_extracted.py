@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 
 from experiments.bench import time_interleaved
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.extract.macs import ffn_macs, model_macs
 from moejax.extract.pipeline import ExtractConfig, cluster_layers, moee_plans, routing_stats
 from moejax.extract.plan import ExpertPlan
@@ -53,14 +52,10 @@ from moejax.extract.surgery import (
 )
 from moejax.nn.encoder import ViT, vit_config
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
-
-NAME = "bench_extracted"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=200", "eval_rows=64",
-         "extract.n_tokens=2000")
 
 
 @config
@@ -365,5 +360,12 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
     return {"headline": "; ".join(p["headline"] for p in parts), **out}
 
 
+STUDY = Study(
+    "bench_extracted", make_config, run,
+    smoke=("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=200", "eval_rows=64",
+             "extract.n_tokens=2000"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

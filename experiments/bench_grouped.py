@@ -32,16 +32,12 @@ from tqdm.auto import tqdm
 
 from experiments.bench import time_device_loop
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
 from moejax.results import RunDir
+from moejax.study import Study
 
-NAME = "bench_grouped"
-# smoke=true: one call per loop, and the accelerator shapes' smaller two (on a CPU the
-# largest one's jax.lax.ragged_dot_general expands to 17 GB)
-SMOKE = ("iters=1", "repeats=1", "shapes=((4096,256,704,8),(16384,1024,1408,16))")
 Path_ = Literal["dense", "xla", "gmm", "mosaic_gpu", "triton", "mosaic_tpu"]
 ACCELERATOR_PATHS = ("gmm", "mosaic_gpu", "triton", "mosaic_tpu")
 
@@ -200,5 +196,13 @@ def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
     return {"headline": f"{headline} ({where})"}
 
 
+STUDY = Study(
+    "bench_grouped", make_config, run,
+    # smoke=true: one call per loop, and the accelerator shapes' smaller two (on a CPU the
+    # largest one's jax.lax.ragged_dot_general expands to 17 GB)
+    smoke=("iters=1", "repeats=1", "shapes=((4096,256,704,8),(16384,1024,1408,16))"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

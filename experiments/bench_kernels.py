@@ -38,15 +38,12 @@ from tqdm.auto import tqdm
 
 from experiments.bench import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
+from moejax.study import Study
 
-NAME = "bench_kernels"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("union_fractions=(0.25,1.0)", "repeats=1")
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
                   "triton"]
 
@@ -274,5 +271,11 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
                for r in ffn_rows if "ms" in r and r["union_fraction"] in (0.25, 1.0)}}
 
 
+STUDY = Study(
+    "bench_kernels", make_config, run,
+    smoke=("union_fractions=(0.25,1.0)", "repeats=1"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

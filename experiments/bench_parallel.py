@@ -33,16 +33,14 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.bench import time_call
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
 from moejax.kernels.moe_dispatch import dispatch
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.collectives import collective_bytes
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.mesh import make_mesh
 
-NAME = "bench_parallel"
-SMOKE = ("repeats=1",)  # smoke=true: this study's own cuts (moejax.smoke)
 Path_ = Literal["capacity", "grouped", "expert_parallel", "expert_parallel_capacity"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -237,5 +235,11 @@ def run(cfg: ParallelConfig, run: RunDir) -> dict:
             **{f"{r['mesh']} {r['path']} ms": round(r["step_ms"], 1) for r in rows}}
 
 
+STUDY = Study(
+    "bench_parallel", make_config, run,
+    smoke=("repeats=1",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

@@ -45,20 +45,12 @@ from experiments.spec_bench import (
 )
 from moejax.claims import Claim
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.nn.decoder import keep_layers
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.train.hparams import TrainConfig
-
-NAME = "bench_speculative"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("n_prompts=2", "max_new_tokens=16", "drafts.distil.prompts=8")
-# smoke=true at reduced depth: the grown target's 24 extra layers (2.0B parameters) need more
-# than this CPU's 24 GB; 8 of them keep every layer's shape
-SMOKE_DEPTH = ("grow.extra_layers=8",)
-SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run: training, distillation, growth
 
 
 @config
@@ -298,6 +290,15 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                   f"same tokens as AR: {same}")]
 
 
+STUDY = Study(
+    "bench_speculative", make_config, run, claims=claims,
+    seed_keys=("seed",),  # what `repeat=N` offsets per run: training, distillation, growth
+    smoke=("n_prompts=2", "max_new_tokens=16", "drafts.distil.prompts=8"),
+    # smoke=true at reduced depth: the grown target's 24 extra layers (2.0B parameters) need more
+    # than this CPU's 24 GB; 8 of them keep every layer's shape
+    smoke_depth=("grow.extra_layers=8",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          smoke=SMOKE + SMOKE_DEPTH))
+    raise SystemExit(STUDY.main())

@@ -35,14 +35,11 @@ from experiments.sparse_lm import (
 )
 from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.ops.sparsity_metrics import CHUNK_LENS
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
-
-NAME = "blockffn_baselines"
-
 
 Size = Literal["small", "large", "xl"]
 
@@ -259,5 +256,10 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "blockffn_baselines", make_config, run, claims=claims,
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims))
+    raise SystemExit(STUDY.main())

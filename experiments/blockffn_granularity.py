@@ -15,13 +15,9 @@ from experiments.sparse_lm import (
 )
 from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.hparams import TrainConfig
-
-NAME = "blockffn_granularity"
-SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config
@@ -101,6 +97,12 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "blockffn_granularity", make_config, run, claims=claims,
+    seed_keys=("train.seed",),
+    quick_repeat=5,
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+    raise SystemExit(STUDY.main())

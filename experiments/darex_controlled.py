@@ -30,8 +30,8 @@ from moejax import delta as dl
 from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
-from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (
@@ -45,11 +45,7 @@ from moejax.substrates.mlp import (
 from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config
 
-NAME = "darex_controlled"
-SMOKE = ("large_seeds=1", "lora_seeds=1")  # smoke=true: this study's own cuts (moejax.smoke)
-SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
 PRUNED = r"^(w1|wo)$"  # the MLP's weight matrices; biases and norm scales keep their delta
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config
@@ -379,6 +375,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "darex_controlled", make_config, run, claims=claims,
+    seed_keys=("seed",),
+    quick_repeat=5,
+    smoke=("large_seeds=1", "lora_seeds=1"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

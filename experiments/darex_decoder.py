@@ -29,18 +29,13 @@ from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.evaluate import LMEvaluator, outputs_on
-from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_loss, train_params
-
-NAME = "darex_decoder"
-SMOKE = ("q_num=3",)  # smoke=true: this study's own cuts (moejax.smoke)
-SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config
@@ -195,6 +190,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                            better="lower")]
 
 
+STUDY = Study(
+    "darex_decoder", make_config, run, claims=claims,
+    seed_keys=("seed",),
+    quick_repeat=5,
+    smoke=("q_num=3",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

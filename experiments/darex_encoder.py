@@ -41,20 +41,17 @@ from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
-from moejax.experiment import main
 from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
 from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
 
-NAME = "darex_encoder"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("n_train=256", "n_val=32", "n_test=64", "seeds=1")
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
                  "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "magnitude",
                  "WANDA", "structural DPP + q_v")
@@ -333,5 +330,11 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     ]
 
 
+STUDY = Study(
+    "darex_encoder", make_config, run, claims=claims,
+    smoke=("n_train=256", "n_val=32", "n_test=64", "seeds=1"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

@@ -33,18 +33,13 @@ from flax import nnx
 from moejax import delta as dl
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM, smollm2_135m_config
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
 from moejax.train import TrainConfig, adam_linear_config
-
-NAME = "darex_storage"
-SMOKE = ("timing_repeats=1",)  # smoke=true: this study's own cuts (moejax.smoke)
-SEED_KEYS = ("seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config
@@ -298,6 +293,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         f"{int(float(smallest['bits']))} bits, keeps {float(smallest['metric']):.3f}"))]
 
 
+STUDY = Study(
+    "darex_storage", make_config, run, claims=claims,
+    seed_keys=("seed",),
+    quick_repeat=5,
+    smoke=("timing_repeats=1",),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

@@ -47,15 +47,11 @@ from moejax.ders_compress import (
     save_compressed,
 )
 from moejax.evaluate import LMEvaluator
-from moejax.experiment import main
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
-
-NAME = "ders_compression"
-SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 SCENARIOS = {
     "finetuned": (True, UpcycleConfig(blocks="every_other",
@@ -340,6 +336,12 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "ders_compression", make_config, run, claims=claims,
+    seed_keys=("train.seed",),
+    quick_repeat=5,
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+    raise SystemExit(STUDY.main())

@@ -30,15 +30,11 @@ from experiments.ders_common import FULL_PRESET, SubstrateConfig, batches, dense
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
-from moejax.experiment import main
 from moejax.pytree import count_bytes, fmt_count
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
-
-NAME = "ders_upcycling"
-SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
-QUICK_REPEAT = 5  # runs of the quick preset: 5 seeds, paired for the claims (moejax.claims)
 
 
 @config
@@ -199,6 +195,12 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "ders_upcycling", make_config, run, claims=claims,
+    seed_keys=("train.seed",),
+    quick_repeat=5,
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+    raise SystemExit(STUDY.main())

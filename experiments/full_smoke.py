@@ -9,12 +9,12 @@ Each study runs in its own Python, so its peak host memory is its own.
 
 ``mode=smoke`` runs it as ``python -m experiments.<study> preset=full smoke=true`` would
 (:mod:`moejax.smoke`: real model sizes and weights, every training run cut to a couple of
-steps of a few rows, evaluations to a couple of batches, plus the study's ``SMOKE`` cuts).
+steps of a few rows, evaluations to a couple of batches, plus the study's ``smoke`` cuts).
 The table (``full_smoke.md`` / ``.csv``, rewritten after every study) gives per study: the
 largest trained model's parameters and its tokens (or rows) per smoke step (read from the
 training loop's ``jax.monitoring`` scalars; "-" where the study trains nothing), the peak
 resident memory, the wall time, OK or the error's last line, the depth ("full", or the keys
-of a study's ``SMOKE_DEPTH`` where its full preset cannot fit this machine: fewer layers,
+of a study's ``smoke_depth`` where its full preset cannot fit this machine: fewer layers,
 every layer's shape kept) and the study's own cuts.
 
 ``mode=aot`` runs the recipe with its training runs configured whole but executed as in a
@@ -27,7 +27,7 @@ summed): parameters, FLOPs per step, weights, optimizer state and activations pe
 whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
 hours of all the full preset's runs of that step; and every distinct decode loop it calls
 (:func:`moejax.train.aot.prove_decode`, at the shapes the smoke cuts give it). A study's
-``SMOKE_DEPTH`` applies here too, and the depth column says so (``full_aot.md``).
+``smoke_depth`` applies here too, and the depth column says so (``full_aot.md``).
 
 A study past ``timeout`` seconds is stopped and reported as such.
 """
@@ -49,11 +49,11 @@ import jax
 from experiments.main import REGISTRY
 from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError, apply_overrides
-from moejax.experiment import run_experiment
 from moejax.files import atomic_write_text
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.study import Study
 from moejax.train.aot import prove_decode, prove_step
 
 __all__ = ["main", "child"]
@@ -66,7 +66,7 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
-def _smoke(name: str, module, out: Path) -> dict:
+def _smoke(study: Study, out: Path) -> dict:
     """The study as a smoke run; the largest trained model's size."""
     seen: dict[str, float] = {}
     last_params: list[float] = []
@@ -81,22 +81,13 @@ def _smoke(name: str, module, out: Path) -> dict:
     jax.monitoring.register_scalar_listener(listen)
     result = {"ok": False, "error": ""}
     try:
-        run_experiment(name, module.make_config, module.run, ["preset=full", "smoke=true"],
-                       out=out, seed_keys=getattr(module, "SEED_KEYS", ()),
-                       claims=getattr(module, "claims", None),
-                       smoke=_cuts(module))
+        study.run_experiment(["preset=full", "smoke=true"], out=out)
         result["ok"] = True
     except Exception as e:  # reported in the table, and in full in the study's log
         traceback.print_exc()
         result["error"] = _error(e)
     result.update(params=seen.get("params"), tokens=seen.get("tokens"))
     return result
-
-
-def _cuts(module) -> tuple[str, ...]:
-    """The study's own smoke cuts: what it counts (``SMOKE``), then the depth it drops where
-    the full preset cannot fit this machine (``SMOKE_DEPTH``; the tables say so)."""
-    return (*getattr(module, "SMOKE", ()), *getattr(module, "SMOKE_DEPTH", ()))
 
 
 class _Prover:
@@ -135,18 +126,18 @@ class _Prover:
             atomic_write_text(self.report, json.dumps(self.result, default=str) + "\n")
 
 
-def _aot(name: str, module, out: Path, overrides=(), report: Path | None = None) -> dict:
+def _aot(study: Study, out: Path, overrides=(), report: Path | None = None) -> dict:
     """The study's training runs captured whole (executed as in a smoke run) and each
     distinct one proven ahead of time as it starts; ``overrides`` (key=value) after the cuts,
     e.g. a reduced depth; ``report``: rewritten with the rows so far after each proof."""
-    cfg = apply_overrides(smoke_config(module.make_config("full"), cut_training=False),
-                          [*_cuts(module), *overrides])
+    cfg = apply_overrides(smoke_config(study.make_config("full"), cut_training=False),
+                          [*study.smoke_cuts, *overrides])
     result = {"ok": False, "error": "", "rows": []}
     prover = _Prover(result, report)
-    run = RunDir.create(out, cfg, name=name, lock=True)
+    run = RunDir.create(out, cfg, name=study.name, lock=True)
     with capture_steps(steps=SMOKE_STEPS, rows=SMOKE_ROWS, on_capture=prover):
         try:
-            module.run(cfg, run)
+            study.run(cfg, run)
         except Exception as e:  # the runs proven so far are kept
             traceback.print_exc()
             result["error"] = _error(e)
@@ -173,9 +164,9 @@ def _shapes(c) -> tuple:
 
 def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
     """Run ``name``'s full preset in ``mode`` into ``out``; write ``report`` (JSON)."""
-    module = importlib.import_module(f"experiments.{name}")
-    result = (_smoke(name, module, Path(out)) if mode == "smoke"
-              else _aot(name, module, Path(out), report=Path(report)))
+    study = importlib.import_module(f"experiments.{name}").STUDY
+    result = (_smoke(study, Path(out)) if mode == "smoke"
+              else _aot(study, Path(out), report=Path(report)))
     atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
     return 0 if result["ok"] else 1
 
@@ -217,17 +208,17 @@ def _count(n) -> str:
 
 
 def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
-    module = importlib.import_module(f"experiments.{name}")
+    study = importlib.import_module(f"experiments.{name}").STUDY
     return [{"study": name, "parameters": _count(rec.get("params")),
              "tokens/step (smoke)": _count(rec.get("tokens")),
              "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
              "result": "OK" if rec.get("ok") else rec["error"],
-             "depth": " ".join(getattr(module, "SMOKE_DEPTH", ())) or "full",
-             "study's smoke cuts": " ".join(getattr(module, "SMOKE", ())) or "-"}]
+             "depth": " ".join(study.smoke_depth) or "full",
+             "study's smoke cuts": " ".join(study.smoke) or "-"}]
 
 
 def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
-    depth = " ".join(getattr(importlib.import_module(f"experiments.{name}"), "SMOKE_DEPTH", ()))
+    depth = " ".join(importlib.import_module(f"experiments.{name}").STUDY.smoke_depth)
     return [{"depth": depth or "full", **row} for row in _proven_rows(name, rec)]
 
 

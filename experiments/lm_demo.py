@@ -20,20 +20,17 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.evaluate import LMEvaluator
-from moejax.experiment import main
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
 
-NAME = "lm_demo"
-SEED_KEYS = ("train.seed",)  # what `repeat=N` offsets per run
 UNIFORM_NATS = math.log(256)  # cross-entropy of a uniform guess over byte values
-QUICK_REPEAT = 1  # runs of the quick preset (mean and std over seeds)
 
 
 @config
@@ -180,6 +177,12 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
     }
 
 
+STUDY = Study(
+    "lm_demo", make_config, run,
+    seed_keys=("train.seed",),
+    quick_repeat=1,  # runs of the quick preset (mean and std over seeds)
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, seed_keys=SEED_KEYS,
-                          quick_repeat=QUICK_REPEAT))
+    raise SystemExit(STUDY.main())

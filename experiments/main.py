@@ -7,7 +7,8 @@
 
 Suites: ``demo`` (``make demo``) trains the MoE LM and runs one cheap headline study per
 system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every study in
-``REGISTRY`` with its preset. A new study registers by adding its module name to ``REGISTRY``.
+``REGISTRY`` with its preset. A new study registers by adding its module name (a module
+with a :class:`moejax.study.Study` named ``STUDY``) to ``REGISTRY``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from moejax.config import ConfigError
-from moejax.experiment import PRESETS, run_experiment
+from moejax.experiment import PRESETS
 from moejax.files import atomic_write_text
 
 # Order matters: cheap, foundational studies first.
@@ -111,12 +112,10 @@ def main(argv=None) -> int:
               flush=True)
         t0 = time.time()
         try:
-            module = importlib.import_module(f"experiments.{name}")
-            summary, run = run_experiment(
-                name, module.make_config, module.run, [f"preset={preset}", *overrides],
-                out=out / name, seed_keys=getattr(module, "SEED_KEYS", ()),
-                quick_repeat=getattr(module, "QUICK_REPEAT", 1) if suite == "studies" else 1,
-                claims=getattr(module, "claims", None), smoke=getattr(module, "SMOKE", ()))
+            study = importlib.import_module(f"experiments.{name}").STUDY
+            summary, run = study.run_experiment([f"preset={preset}", *overrides],
+                                                out=out / name,
+                                                repeat_quick=suite == "studies")
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)

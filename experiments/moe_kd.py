@@ -46,11 +46,11 @@ from moejax.evaluate_generation import (
     gate_mass_by_layer,
     router_kl_by_layer,
 )
-from moejax.experiment import main
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.nn.routing_modes import RoutingMode, with_routing
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
@@ -64,10 +64,6 @@ from moejax.train.distill import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
-
-NAME = "moe_kd"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1")
 
 LABELS = {"sft": "SFT", "kd": "KD", "gkd": "GKD", "all": "ALL", "ka": "KA", "sar": "SAR"}
 
@@ -484,5 +480,11 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return [paired_claim(claim, rows.get(label)) for label, claim in text.items()]
 
 
+STUDY = Study(
+    "moe_kd", make_config, run, claims=claims,
+    smoke=("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

@@ -34,7 +34,6 @@ import numpy as np
 
 from moejax.claims import Claim, compare, lookup
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.extract import (
     extract_model,
     param_breakdown,
@@ -50,6 +49,7 @@ from moejax.extract.pipeline import (
     moefication_model,
 )
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import (
@@ -58,11 +58,6 @@ from moejax.substrates.classify import (
 )
 from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
-
-NAME = "moee"
-# smoke=true: this study's own cuts (moejax.smoke)
-SMOKE = ("extract.n_tokens=2000", "record_rows=200", "stability_tokens=(2000,)", "seeds=1",
-         "eval_rows=64")
 
 # ablation key -> (label, cluster method, neuron selection, router); "random" routing sends
 # every token to a random expert (Table 2)
@@ -414,5 +409,12 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return out
 
 
+STUDY = Study(
+    "moee", make_config, run, claims=claims,
+    smoke=("extract.n_tokens=2000", "record_rows=200", "stability_tokens=(2000,)", "seeds=1",
+             "eval_rows=64"),
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run, claims=claims, smoke=SMOKE))
+    raise SystemExit(STUDY.main())

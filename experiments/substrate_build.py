@@ -25,13 +25,12 @@ import time
 
 from moejax import substrates
 from moejax.config import Config, config
-from moejax.experiment import main
 from moejax.results import RunDir
+from moejax.study import Study
 from moejax.substrates.classify import ByteEncoderTaskConfig, MiniLMTaskConfig, ViTSubstrateConfig
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.substrates.mlp import MLPSubstrateConfig
 
-NAME = "substrate_build"
 _q = lambda n: substrates.substrate_config(n, "quick")  # noqa: E731
 
 
@@ -94,5 +93,10 @@ def run(cfg: SubstrateBuildConfig, run: RunDir) -> dict:
     return out
 
 
+STUDY = Study(
+    "substrate_build", make_config, run,
+)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(NAME, make_config, run))
+    raise SystemExit(STUDY.main())

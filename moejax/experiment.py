@@ -7,7 +7,8 @@ An experiment module defines
 * ``run(cfg, run: RunDir) -> dict``: the study; writes tables/plots into ``run`` and returns a
   small dict of headline numbers;
 
-and ends with ``if __name__ == "__main__": main(NAME, make_config, run)``, so that
+and ends with its declaration, a :class:`moejax.study.Study` named ``STUDY``, and
+``if __name__ == "__main__": raise SystemExit(STUDY.main())``, so that
 
     python -m experiments.<name> preset=full model.d_model=512 out=runs/mine
 
@@ -25,7 +26,7 @@ run: init, data order, masks) offset by ``0 .. N-1``, each run in ``out/seed_<i>
 writes every table again in ``out/`` as the mean and sample std over the runs
 (:func:`moejax.results.merge_seed_tables`), with the runs' headlines and plots linked. A
 study declares its seed keys and how many runs its quick preset makes by default
-(``main(NAME, make_config, run, seed_keys=("train.seed",), quick_repeat=3)``).
+(``Study(name, make_config, run, seed_keys=("train.seed",), quick_repeat=5)``).
 """
 
 from __future__ import annotations

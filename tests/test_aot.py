@@ -18,6 +18,7 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.nn.sample import sample
 from moejax.nn.speculative import chunk_sparse_target, speculative_generate
+from moejax.study import Study
 from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_decode, prove_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
@@ -92,7 +93,7 @@ def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
     full = study.make_config("full")
-    result = _aot("lm_demo", study, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
+    result = _aot(study.STUDY, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
     assert result["ok"] and not result["error"], result  # the recipe ran to its end
     (row,) = [r for r in result["rows"] if "flops_per_step" in r]
     (dec,) = [r for r in result["rows"] if "flops_per_call" in r]  # its greedy completion
@@ -145,8 +146,6 @@ def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
 def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monkeypatch):
     """A benchmark that neither trains nor decodes: its recipe runs to its end and the table
     says there was nothing to prove (not an error)."""
-    import types
-
     from experiments.full_smoke import _aot, _aot_rows
     from moejax.config import Config, config
 
@@ -154,9 +153,9 @@ def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monke
     class Nothing(Config):
         seed: int = 0
 
-    study = types.SimpleNamespace(make_config=lambda preset: Nothing(), run=lambda c, r: {})
+    study = Study("nothing", lambda preset: Nothing(), lambda c, r: {})
     monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
-    result = _aot("nothing", study, tmp_path / "run")
+    result = _aot(study, tmp_path / "run")
     assert result == {"ok": True, "error": "", "rows": []}
     (row,) = _aot_rows("bench_kernels", result, 1.0, 0.1)
     assert row["run"] == "(none)" and row["result"].startswith("OK: the recipe ran to its end")
@@ -166,7 +165,6 @@ def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path
     """The report holds a run's proof before the recipe goes on (a study killed later by its
     timeout keeps it); a second run of the same program adds its steps to that row."""
     import json
-    import types
 
     from experiments.full_smoke import _aot, _proven_rows
     from moejax.config import Config, config
@@ -185,9 +183,9 @@ def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path
         train(model, ToySource(batch_size=4), TrainConfig(steps=5, batch_size=4), desc="b")
         raise RuntimeError("out of time")
 
-    study = types.SimpleNamespace(make_config=lambda preset: Toy(), run=run)
+    study = Study("toy", lambda preset: Toy(), run)
     monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
-    result = _aot("toy", study, tmp_path / "run", report=report)
+    result = _aot(study, tmp_path / "run", report=report)
     ((first,),) = [s["rows"] for s in seen]
     assert first["run"] == "a" and first["steps"] == 7 and int(first["cuda_kernels"]) >= 12
     assert not result["ok"] and result["error"] == "RuntimeError: out of time"

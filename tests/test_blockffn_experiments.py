@@ -144,7 +144,7 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     from moejax.experiment import run_experiment
 
     summary, run = run_experiment(
-        mod.NAME, mod.make_config, mod.run,
+        mod.STUDY.name, mod.make_config, mod.run,
         ["sizes=(small,)", "small_d_model=16", "small_d_expert=8", "model.n_experts=4",
          "model.n_heads=2", "model.n_layers=1", "train.steps=2", "train.warmup_steps=1",
          "train.batch_size=2",

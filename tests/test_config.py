@@ -111,8 +111,8 @@ def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_ke
     from moejax.experiment import main, parse_cli
 
     with pytest.raises(ConfigError, match=r"methods='DAREx-q \(qv\)' is not allowed"):
-        parse_cli(mod.NAME, mod.make_config, ["methods=(DARE,DAREx-q (qv))"])
-    assert main(mod.NAME, mod.make_config, mod.run, ["--help"]) == 0
+        parse_cli(mod.STUDY.name, mod.make_config, ["methods=(DARE,DAREx-q (qv))"])
+    assert main(mod.STUDY.name, mod.make_config, mod.run, ["--help"]) == 0
     out = capsys.readouterr().out
     for key in ("d_hidden = 256", "methods = (", "'WANDA'", "preset"):
         assert key in out

@@ -12,7 +12,7 @@ def test_darex_controlled_tiny(tmp_path):
     from experiments import darex_controlled as mod
 
     summary, run = run_experiment(
-        mod.NAME, mod.make_config, mod.run,
+        mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_hidden=32", "substrate.train.steps=60", "finetune.steps=40",
          "substrate.train.batch_size=64", "finetune.batch_size=64",
          f"substrate_cache={tmp_path / 'subs'}",

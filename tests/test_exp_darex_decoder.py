@@ -10,7 +10,7 @@ def test_darex_decoder_tiny(tmp_path):
     from experiments import darex_decoder as mod
 
     summary, run = run_experiment(
-        mod.NAME, mod.make_config, mod.run,
+        mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_model=32", "substrate.n_layers=1", "substrate.n_heads=2",
          "substrate.n_kv_heads=1", "substrate.d_hidden=64", "substrate.seq_len=32",
          "substrate.max_seq_len=64", "substrate.eval_batches=2", "substrate.train.steps=30",

@@ -22,7 +22,7 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
         finetune=mod.make_config("quick").finetune.replace(batch_size=16, steps=10,
                                                             warmup_steps=5),
         n_train=400, n_val=64, n_test=64, seeds=2, q_num=3, eta_num=3)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "enc")
     text = (run.path / "summary.md").read_text()
     assert "Started from substrate byte_encoder_wordnet_pos" in text
@@ -75,7 +75,7 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
         substrate_cache=str(tiny_recipes),
         finetune=base.finetune.replace(batch_size=16, steps=10, warmup_steps=5),
         n_train=400, n_val=64, n_test=64, seeds=1, optimizers=("adamr_l1",), l1_weight=1.0)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "enc")
     rows = list(csv.DictReader(open(run.path / "per_seed.csv")))
     assert {r["fine-tuning"] for r in rows} == {"AdamR-L1"}

@@ -13,7 +13,7 @@ def test_darex_storage_tiny(tmp_path):
     from experiments import darex_storage as mod
 
     summary, run = run_experiment(
-        mod.NAME, mod.make_config, mod.run,
+        mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_hidden=16", "substrate.train.steps=20", "finetune.steps=20",
          f"substrate_cache={tmp_path / 'subs'}", "ps=(0.0,0.9,0.99)",
          "bits=(32,16,4)",

@@ -25,7 +25,7 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            drop_rates=(0.0, 0.9), bits=(8, 1), eval_batches=1,
                                            scenarios=("not_finetuned",))
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "comp")
     rows = list(csv.DictReader(open(run.path / "losses.csv")))
     assert [r["scenario"] for r in rows] == ["not_finetuned"]
@@ -50,7 +50,7 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
 
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "up")
     rows = list(csv.DictReader(open(run.path / "upcycling.csv")))
     by = {r["variant"]: r for r in rows}

@@ -29,7 +29,7 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
                             log_every=2),
         methods=("kd", "sar"), dense_teacher_methods=("kd",), teacher_ks=(4,), ka_lambdas=(),
         ka_ms=(), lr_sweep=(3e-3,), router_lr_sweep=(), seeds=2, eval_seeds=2)
-    summary, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [],
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "kd")
     rows = list(csv.DictReader(open(run.path / "main.csv")))
     assert [(r["teacher"], r["method"]) for r in rows] == (

@@ -21,7 +21,8 @@ def run_tiny(cache, out, min_cluster_frac: float, **overrides):
         extract=ExtractConfig(n_tokens=300,
                               cluster=ClusterConfig(min_cluster_frac=min_cluster_frac)),
         **overrides)
-    _, run = run_experiment(mod.NAME, lambda preset: cfg, mod.run, [], claims=mod.claims, out=out)
+    _, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [], claims=mod.claims,
+                            out=out)
     return run, {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
 
 

@@ -206,13 +206,13 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
     _, _, jobs, suite = main_job._parse(["suite=studies"])
     assert suite == "studies" and [n for n, _ in jobs] == list(main_job.REGISTRY)
     for name in main_job.REGISTRY:  # each declared seed key is an int field of its config
-        mod = importlib.import_module(f"experiments.{name}")
-        keys = getattr(mod, "SEED_KEYS", ())
-        assert getattr(mod, "QUICK_REPEAT", 1) == 1 or keys, name
+        study = importlib.import_module(f"experiments.{name}").STUDY
+        keys = study.seed_keys
+        assert study.name == name and (study.quick_repeat == 1 or keys), name
         if keys:
             from moejax.experiment import seed_offset
 
-            cfg = mod.make_config("quick")
+            cfg = study.make_config("quick")
             assert seed_offset(cfg, keys, 2) != cfg
     # a subset of the tour keeps the tour's settings; of the studies, the quick preset's
     assert main_job._parse(["only=moe_kd"])[2] == [("moe_kd", dict(main_job.DEMO)["moe_kd"])]
@@ -362,3 +362,24 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
     with pytest.raises(ConfigError, match="shapes"):
         run_experiment("bench_grouped", bench_grouped.make_config, bench_grouped.run,
                        ["shapes=((64,0,32,4),)"], out=tmp_path / "bad")
+
+
+def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():
+    from moejax.study import Study
+
+    def make(preset):
+        return None
+
+    def run(cfg, run_dir):
+        return {}
+
+    with pytest.raises(ValueError, match="needs the seed_keys"):
+        Study("s", make, run, quick_repeat=5)
+    with pytest.raises(ValueError, match="quick_repeat=0"):
+        Study("s", make, run, quick_repeat=0)
+    with pytest.raises(ValueError, match="key=value"):
+        Study("s", make, run, smoke_depth=("n_layers",))
+    with pytest.raises(ValueError, match="module-like name"):
+        Study("two words", make, run)
+    study = Study("s", make, run, smoke=("a=1",), smoke_depth=("model.n_layers=1",))
+    assert study.smoke_cuts == ("a=1", "model.n_layers=1")

@@ -72,7 +72,6 @@ sys.path.insert(0, ROOT)
 import json, pathlib, tempfile
 import jax
 from experiments import blockffn_granularity, lm_demo
-from moejax.experiment import run_experiment
 
 assert jax.device_count() == 8, jax.devices()
 out = pathlib.Path(tempfile.mkdtemp())
@@ -85,9 +84,7 @@ runs = [
       *TRAIN]),
 ]
 for name, study, args in runs:
-    run_experiment(name, study.make_config, study.run, args, out=out / name,
-                   seed_keys=getattr(study, "SEED_KEYS", ()),
-                   claims=getattr(study, "claims", None))
+    study.STUDY.run_experiment(args, out=out / name)
     record = json.loads((out / name / "run.json").read_text())
     assert (out / name / "summary.md").is_file() and record["machine"], name
     print(name, "summary written")

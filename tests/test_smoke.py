@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.full_smoke import _cuts
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
 from moejax.experiment import parse_runner
@@ -39,13 +38,13 @@ def _strip_trains(cfg: Config):
 
 @pytest.mark.parametrize("name", REGISTRY)
 def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
-    module = importlib.import_module(f"experiments.{name}")
-    full = module.make_config("full")
-    cuts = _cuts(module)
+    study = importlib.import_module(f"experiments.{name}").STUDY
+    full = study.make_config("full")
+    cuts = study.smoke_cuts
     # a depth cut drops layers and keeps every layer's shape
-    assert all(c.split("=", 1)[0].endswith("layers") for c in getattr(module, "SMOKE_DEPTH", ()))
-    cfg, _, repeat = parse_runner(name, module.make_config, ["preset=full", "smoke=true"],
-                                  getattr(module, "QUICK_REPEAT", 1), cuts)
+    assert all(c.split("=", 1)[0].endswith("layers") for c in study.smoke_depth)
+    cfg, _, repeat = parse_runner(name, study.make_config, ["preset=full", "smoke=true"],
+                                  study.quick_repeat, cuts)
     assert repeat == 1
     for t, t_full in zip(_trains(cfg), _trains(full), strict=True):
         assert t.steps == min(t_full.steps, SMOKE_STEPS) and t.warmup_steps == 0

@@ -65,7 +65,7 @@ def test_bench_speculative_tiny(tmp_path):
             "drafts.distil.prompts=4", "drafts.distil.prompt_len=8",
             "drafts.distil.response_len=6", "drafts.distil.train.steps=2",
             "drafts.distil.train.warmup_steps=1", "drafts.distil.train.batch_size=4"]
-    summary, run = run_experiment(mod.NAME, mod.make_config, mod.run, args,
+    summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args,
                                   claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"trained", "grown"}

@@ -1,0 +1,76 @@
+"""A study (or benchmark) as one declaration: what the runner, the suites and the full-preset
+proofs need to know about it, in one frozen value at the end of its module.
+
+    STUDY = Study("ders_upcycling", make_config, run, claims=claims,
+                  seed_keys=("train.seed",), quick_repeat=5)
+
+    if __name__ == "__main__":
+        raise SystemExit(STUDY.main())
+
+* ``name``: the run directory's and the report's name (``runs/<name>``);
+* ``make_config(preset) -> Config`` and ``run(cfg, RunDir) -> dict``: the recipe
+  (:mod:`moejax.experiment`);
+* ``claims(tables) -> [Claim]``: the paper's claims judged from the run's tables
+  (:mod:`moejax.claims`);
+* ``seed_keys``: the config keys that seed a run (``repeat=N`` offsets them);
+  ``quick_repeat``: how many seed runs ``make studies`` makes of the quick preset;
+* ``smoke``: the study's own cuts for ``smoke=true`` (what it counts, :mod:`moejax.smoke`);
+  ``smoke_depth``: the reduced depth a smoke run takes where the full preset cannot fit a
+  24 GB host (fewer layers, every layer's shape kept; the smoke tables say so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from moejax.experiment import ClaimsFn, main, run_experiment
+
+__all__ = ["Study"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    name: str
+    make_config: Callable[[str], Any]
+    run: Callable[..., dict]
+    claims: ClaimsFn | None = None
+    seed_keys: tuple[str, ...] = ()
+    quick_repeat: int = 1
+    smoke: tuple[str, ...] = ()
+    smoke_depth: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise ValueError(f"Study name {self.name!r}: expected a module-like name")
+        if self.quick_repeat < 1:
+            raise ValueError(f"Study {self.name}: quick_repeat={self.quick_repeat} must be >= 1")
+        if self.quick_repeat > 1 and not self.seed_keys:
+            raise ValueError(f"Study {self.name}: quick_repeat={self.quick_repeat} needs the "
+                             "seed_keys its runs offset")
+        for key, cuts in (("smoke", self.smoke), ("smoke_depth", self.smoke_depth)):
+            bad = [c for c in cuts if "=" not in c]
+            if bad:
+                raise ValueError(f"Study {self.name}: {key}={bad}: expected key=value items")
+
+    @property
+    def smoke_cuts(self) -> tuple[str, ...]:
+        """What ``smoke=true`` applies after the generic cuts: the study's own cuts, then its
+        reduced depth."""
+        return (*self.smoke, *self.smoke_depth)
+
+    def run_experiment(self, argv: Sequence[str] = (), *, out: Path | None = None,
+                       repeat_quick: bool = False):
+        """``(summary, RunDir)`` of :func:`moejax.experiment.run_experiment` with this
+        study's declaration; ``repeat_quick``: the quick preset makes ``quick_repeat`` runs."""
+        return run_experiment(self.name, self.make_config, self.run, argv, out=out,
+                              seed_keys=self.seed_keys,
+                              quick_repeat=self.quick_repeat if repeat_quick else 1,
+                              claims=self.claims, smoke=self.smoke_cuts)
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """``python -m experiments.<name> key=value ...`` (:func:`moejax.experiment.main`)."""
+        return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
+                    quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts)
