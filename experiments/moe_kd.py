@@ -30,7 +30,7 @@ between the original and the SAR-trained router, over the training seeds), ``lr_
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import numpy as np
@@ -263,23 +263,74 @@ def teacher_gap(refs: dict) -> dict:
 # ------------------------------------------------------------------------------ study
 
 
+class _Setup(NamedTuple):
+    """What every distillation run of the study shares."""
+
+    kd: DistillConfig
+    moe_teacher: object
+    dense_teacher: object
+    student_sft: object
+    train_src: object
+    val: GenerationEvaluator
+    score: ResponseScorer
+
+    def distil(self, cfg: MoEKDConfig, dcfg: DistillConfig, seed: int, desc: str, **train_kw):
+        """One distillation run from the SFT student with the MoE teacher (or ``teacher``)."""
+        teacher = train_kw.pop("teacher", self.moe_teacher)
+        return _distil(self.student_sft, teacher, dcfg, _seed_cfg(cfg, seed).replace(**train_kw),
+                       self.train_src, self.val, desc)
+
+
 def run(cfg: MoEKDConfig, run: RunDir) -> dict:
+    s = _setup(cfg, run)
+    refs, gap = _references(cfg, run, s)
+    per_seed, sar_kls = _methods(cfg, s)
+    rows, paired_tab = _main_tables(cfg, run, per_seed, refs)
+    mass = _gate_mass(cfg, run, s)
+    _teacher_k(cfg, run, s)
+    _ka_sweep(cfg, run, s, per_seed)
+    _sar_kl(run, sar_kls)
+    _lr_sweeps(cfg, run, s, per_seed, sar_kls)
+    verdicts = {}
+    for r in paired_tab:  # each comparison judged on ROUGE-L and perplexity together
+        verdicts.setdefault(r["comparison"], []).append(r)
+    verdicts = {k: paired_claim(k, v) for k, v in verdicts.items()}
+    run.note(_setting_note(cfg, verdicts))
+    out = {"student_sft": refs["student (SFT)"]["rouge_l"],
+           "moe_teacher": refs["MoE teacher"]["rouge_l"],
+           "dense_teacher": refs.get("dense teacher", {}).get("rouge_l", float("nan")),
+           "teacher_worth_distilling": gap["worth_distilling"],
+           "gate_mass_mean": float(np.mean(mass)) if mass else float("nan")}
+    out.update({f"{r['method']}_{r['teacher'].split()[0]}": r["rouge_l"] for r in rows})
+    out["shape_holds"] = {k: bool(c.holds) for k, c in verdicts.items()}
+    out["headline"] = ("student ROUGE-L (MoE teacher): " + ", ".join(
+        f"{r['method']} {r['rouge_l']:.4f}" for r in rows if r["teacher"] == "MoE teacher")
+        + f"; SFT student {out['student_sft']:.4f}, MoE teacher {out['moe_teacher']:.4f}")
+    return out
+
+
+def _setup(cfg: MoEKDConfig, run: RunDir) -> _Setup:
+    """The substrate, the data, the SFT MoE teacher (upcycled), dense teacher and student."""
     dense, tok, start = _dense_start(cfg)
     run.note(f"Teacher and student start from {start}.")
     train_src, val, test = _data(cfg, tok)
     kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-    n = dense.cfg.n_layers
     sft = cfg.sft.replace(seed=cfg.seed)
     moe_teacher = _sft(upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed)), train_src,
                        sft, "SFT MoE teacher")
-    dense_teacher = (_sft(keep_layers(dense, range(n)), train_src, sft, "SFT dense teacher")
-                     if cfg.dense_teacher_methods else None)
+    dense_teacher = (_sft(keep_layers(dense, range(dense.cfg.n_layers)), train_src, sft,
+                          "SFT dense teacher") if cfg.dense_teacher_methods else None)
     student_sft = _sft(keep_layers(dense, range(cfg.student_layers)), train_src, sft,
                        "SFT student")
-    score = ResponseScorer(test, moe_teacher)
-    refs = {"MoE teacher": score(moe_teacher), "student (SFT)": score(student_sft)}
-    if dense_teacher is not None:
-        refs["dense teacher"] = score(dense_teacher)
+    return _Setup(kd, moe_teacher, dense_teacher, student_sft, train_src, val,
+                  ResponseScorer(test, moe_teacher))
+
+
+def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
+    """Teachers and SFT student before distillation, and whether the teacher is worth it."""
+    refs = {"MoE teacher": s.score(s.moe_teacher), "student (SFT)": s.score(s.student_sft)}
+    if s.dense_teacher is not None:
+        refs["dense teacher"] = s.score(s.dense_teacher)
     gap = teacher_gap(refs)
     run.table("references", [{"model": k, "rouge_l": v["rouge_l"],
                               "std": float(np.std(v["rouge_l_seeds"])), "ppl": v["ppl"],
@@ -291,24 +342,33 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
              f"response perplexity {100 * gap['ppl_reduction']:.1f}% lower than the SFT "
              f"student's: the >= 50% (or 0.05) ROUGE-L and >= 20% perplexity gap "
              + ("holds." if gap["worth_distilling"] else "does NOT hold."))
+    return refs, gap
 
+
+def _methods(cfg: MoEKDConfig, s: _Setup) -> tuple[list[dict], list[dict]]:
+    """Every (teacher, method, training seed) run's scores, and SAR's router KL per layer."""
     per_seed, sar_kls = [], []
-    plan = [("MoE", moe_teacher, m) for m in cfg.methods]
-    plan += [("dense", dense_teacher, m) for m in cfg.dense_teacher_methods]
+    plan = [("MoE", s.moe_teacher, m) for m in cfg.methods]
+    plan += [("dense", s.dense_teacher, m) for m in cfg.dense_teacher_methods]
     for teacher_name, teacher, method in plan:
-        for s in range(cfg.seeds):
-            student, pair = _distil(student_sft, teacher, kd.replace(method=method),
-                                    _seed_cfg(cfg, s), train_src, val,
-                                    f"{LABELS[method]} ({teacher_name}) s{s}")
-            sc = score(student)
+        for seed in range(cfg.seeds):
+            student, pair = s.distil(cfg, s.kd.replace(method=method), seed,
+                                     f"{LABELS[method]} ({teacher_name}) s{seed}",
+                                     teacher=teacher)
+            sc = s.score(student)
             per_seed.append({"teacher": f"{teacher_name} teacher", "method": LABELS[method],
-                             "seed": s, "rouge_l": sc["rouge_l"],
+                             "seed": seed, "rouge_l": sc["rouge_l"],
                              "rouge_l_sampling_std": float(np.std(sc["rouge_l_seeds"])),
                              "ppl": sc["ppl"], "kl_to_moe_teacher": sc["kl"],
                              "_seeds": sc["rouge_l_seeds"]})
             if method == "sar":
-                sar_kls += [{**r, "seed": s} for r in router_kl_by_layer(
-                    moe_teacher, pair.teacher, [val.batches[0]])]
+                sar_kls += [{**r, "seed": seed} for r in router_kl_by_layer(
+                    s.moe_teacher, pair.teacher, [s.val.batches[0]])]
+    return per_seed, sar_kls
+
+
+def _main_tables(cfg, run: RunDir, per_seed: list[dict], refs: dict):
+    """The paper's table (teacher x method), every run, the paired comparisons, the plot."""
     groups = {}
     for r in per_seed:
         groups.setdefault((r["teacher"], r["method"]), []).append(
@@ -331,10 +391,12 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     run.bar_plot("main", labels, [r["rouge_l"] for r in rows], errors=[r["std"] for r in rows],
                  ylabel="test ROUGE-L", title="Student ROUGE-L by method and teacher",
                  hlines={k: v["rouge_l"] for k, v in refs.items()})
+    return rows, paired_tab
 
-    # Fig. 1: gate mass of the activated experts, per layer
-    val_batch = val.batches[0]
-    mass = gate_mass_by_layer(moe_teacher, [val_batch])
+
+def _gate_mass(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> list[float]:
+    """Fig. 1: the gate mass of the activated experts, per layer."""
+    mass = gate_mass_by_layer(s.moe_teacher, [s.val.batches[0]])
     run.table("gate_mass", [{"layer": i, "activated": m, "not_activated": 1 - m}
                             for i, m in enumerate(mass)],
               title=f"Gate mass of the top-{cfg.upcycle.moe.top_k} experts vs the other "
@@ -342,115 +404,112 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     run.bar_plot("gate_mass", [f"layer {i}" for i in range(len(mass))], mass,
                  ylabel="gate mass of activated experts", hlines={"50%": 0.5},
                  title="Fig. 1 analog: activated experts' share of the gate")
-    out = {"student_sft": refs["student (SFT)"]["rouge_l"],
-           "moe_teacher": refs["MoE teacher"]["rouge_l"],
-           "dense_teacher": refs.get("dense teacher", {}).get("rouge_l", float("nan")),
-           "teacher_worth_distilling": gap["worth_distilling"],
-           "gate_mass_mean": float(np.mean(mass)) if mass else float("nan")}
-    _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_seed, sar_kls)
+    return mass
 
-    verdicts = {}
-    for r in paired_tab:  # each comparison judged on ROUGE-L and perplexity together
-        verdicts.setdefault(r["comparison"], []).append(r)
-    verdicts = {k: paired_claim(k, rows) for k, rows in verdicts.items()}
-    run.note("Paired comparisons on ROUGE-L and response perplexity (the paper: with the MoE "
-             "teacher ALL, KA, SAR > GKD > KD; a comparable dense teacher gives better KD and "
-             "GKD students): "
-             + "; ".join(f"{c.evidence}: {c.verdict}" for c in verdicts.values())
-             + ". KD's loss: " + (f"{cfg.kd.kd_ratio:g} forward KL + "
-                                  f"{1 - cfg.kd.kd_ratio:g} cross-entropy (the official code's "
-                                  "kd-ratio 0.5)" if cfg.kd.kd_ratio < 1 else
-                                  "pure forward KL (kd.kd_ratio=1)")
-             + f". Student lr {cfg.distill.lr:g}, router lr {cfg.kd.router_lr:g} (the paper: "
-             "1e-5 both), weight decay " + f"{cfg.distill.weight_decay:g}"
-             + ". SAR runs the paper's two stages per step (router AdamW step, then "
-             "distillation under the updated router). Evaluation "
-             + ("samples at temperature 1, top-p 1 (the paper's setting)."
+
+def _setting_note(cfg: MoEKDConfig, verdicts: dict) -> str:
+    """The paired verdicts and the settings that ran, beside the paper's."""
+    kd_loss = (f"{cfg.kd.kd_ratio:g} forward KL + {1 - cfg.kd.kd_ratio:g} cross-entropy (the "
+               "official code's kd-ratio 0.5)" if cfg.kd.kd_ratio < 1 else
+               "pure forward KL (kd.kd_ratio=1)")
+    sampling = ("samples at temperature 1, top-p 1 (the paper's setting)."
                 if cfg.eval_temperature == 1.0 else
                 f"decodes at temperature {cfg.eval_temperature:g} (0 = greedy; the paper "
-                "samples at 1)."))
-    out.update({f"{r['method']}_{r['teacher'].split()[0]}": r["rouge_l"] for r in rows})
-    out["shape_holds"] = {k: bool(c.holds) for k, c in verdicts.items()}
-    out["headline"] = ("student ROUGE-L (MoE teacher): " + ", ".join(
-        f"{r['method']} {r['rouge_l']:.4f}" for r in rows if r["teacher"] == "MoE teacher")
-        + f"; SFT student {out['student_sft']:.4f}, MoE teacher {out['moe_teacher']:.4f}")
-    return out
+                "samples at 1).")
+    return ("Paired comparisons on ROUGE-L and response perplexity (the paper: with the MoE "
+            "teacher ALL, KA, SAR > GKD > KD; a comparable dense teacher gives better KD and "
+            "GKD students): "
+            + "; ".join(f"{c.evidence}: {c.verdict}" for c in verdicts.values())
+            + f". KD's loss: {kd_loss}. Student lr {cfg.distill.lr:g}, router lr "
+            f"{cfg.kd.router_lr:g} (the paper: 1e-5 both), weight decay "
+            f"{cfg.distill.weight_decay:g}. SAR runs the paper's two stages per step (router "
+            f"AdamW step, then distillation under the updated router). Evaluation {sampling}")
 
 
-def _sweeps(cfg, run, kd, moe_teacher, student_sft, train_src, val, score, per_seed, sar_kls):
-    """Fig. 2 (teacher k), the KA sweep over seeds, Fig. 6 (SAR's router KL per layer over
-    seeds) and the learning-rate sweeps."""
-    if cfg.teacher_ks:
-        k_rows = []
-        for k in cfg.teacher_ks:
-            t_k = with_routing(moe_teacher, RoutingMode(mode="topk", top_k=int(k)))
-            st, _ = _distil(student_sft, moe_teacher, kd.replace(method="kd", teacher_k=int(k)),
-                            _seed_cfg(cfg, 0), train_src, val, f"KD teacher k={k}")
-            k_rows.append({"k": int(k), "teacher_rouge_l": score(t_k, kl=False)["rouge_l"],
-                           "student_rouge_l": score(st, kl=False)["rouge_l"]})
-        run.table("teacher_k", k_rows, title="Teacher and KD student as the teacher's k grows "
-                  "(Fig. 2 analog; first training seed)")
-        ks = [r["k"] for r in k_rows]
-        run.line_plot("teacher_k", {"teacher": (ks, [r["teacher_rouge_l"] for r in k_rows]),
-                                    "student (KD)": (ks, [r["student_rouge_l"] for r in k_rows])},
-                      xlabel="teacher experts k", ylabel="test ROUGE-L", markers=True,
-                      title="Fig. 2 analog")
+def _teacher_k(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> None:
+    """Fig. 2: teacher and KD student as the teacher's k grows (first training seed)."""
+    if not cfg.teacher_ks:
+        return
+    k_rows = []
+    for k in cfg.teacher_ks:
+        t_k = with_routing(s.moe_teacher, RoutingMode(mode="topk", top_k=int(k)))
+        st, _ = s.distil(cfg, s.kd.replace(method="kd", teacher_k=int(k)), 0,
+                         f"KD teacher k={k}")
+        k_rows.append({"k": int(k), "teacher_rouge_l": s.score(t_k, kl=False)["rouge_l"],
+                       "student_rouge_l": s.score(st, kl=False)["rouge_l"]})
+    run.table("teacher_k", k_rows, title="Teacher and KD student as the teacher's k grows "
+              "(Fig. 2 analog; first training seed)")
+    ks = [r["k"] for r in k_rows]
+    run.line_plot("teacher_k", {"teacher": (ks, [r["teacher_rouge_l"] for r in k_rows]),
+                                "student (KD)": (ks, [r["student_rouge_l"] for r in k_rows])},
+                  xlabel="teacher experts k", ylabel="test ROUGE-L", markers=True,
+                  title="Fig. 2 analog")
 
+
+def _ka_sweep(cfg: MoEKDConfig, run: RunDir, s: _Setup, per_seed: list[dict]) -> None:
+    """KA's lambda and M over the training seeds (the main table's KA runs included)."""
+    kd = s.kd
     ka = [("lambda", float(x), kd.replace(method="ka", ka_lambda=float(x)))
           for x in cfg.ka_lambdas if float(x) != kd.ka_lambda]
     ka += [("M", int(x), kd.replace(method="ka", ka_m=int(x))) for x in cfg.ka_ms
            if int(x) != kd.ka_m]
-    if ka:
-        ka_rows = [{"lambda": kd.ka_lambda, "M": kd.ka_m, "seed": r["seed"],
-                    "rouge_l": r["rouge_l"], "ppl": r["ppl"]} for r in per_seed
-                   if r["method"] == "KA" and r["teacher"] == "MoE teacher"]
-        for what, x, dcfg in ka:
-            for s in range(cfg.seeds):
-                st, _ = _distil(student_sft, moe_teacher, dcfg, _seed_cfg(cfg, s), train_src,
-                                val, f"KA {what}={x} s{s}")
-                sc = score(st, kl=False)
-                ka_rows.append({"lambda": dcfg.ka_lambda, "M": dcfg.ka_m, "seed": s,
-                                "rouge_l": sc["rouge_l"], "ppl": sc["ppl"]})
-        run.table("ka_sweep", seed_summary(ka_rows, ["lambda", "M"], ["rouge_l", "ppl"]),
-                  title=f"KA: lambda and M, mean and std over training seeds (ROUGE-L of "
-                        f"each run: mean over {cfg.eval_seeds} sampling seeds)")
+    if not ka:
+        return
+    ka_rows = [{"lambda": kd.ka_lambda, "M": kd.ka_m, "seed": r["seed"],
+                "rouge_l": r["rouge_l"], "ppl": r["ppl"]} for r in per_seed
+               if r["method"] == "KA" and r["teacher"] == "MoE teacher"]
+    for what, x, dcfg in ka:
+        for seed in range(cfg.seeds):
+            st, _ = s.distil(cfg, dcfg, seed, f"KA {what}={x} s{seed}")
+            sc = s.score(st, kl=False)
+            ka_rows.append({"lambda": dcfg.ka_lambda, "M": dcfg.ka_m, "seed": seed,
+                            "rouge_l": sc["rouge_l"], "ppl": sc["ppl"]})
+    run.table("ka_sweep", seed_summary(ka_rows, ["lambda", "M"], ["rouge_l", "ppl"]),
+              title=f"KA: lambda and M, mean and std over training seeds (ROUGE-L of "
+                    f"each run: mean over {cfg.eval_seeds} sampling seeds)")
 
-    if sar_kls:
-        kl = seed_summary(sar_kls, ["layer"], ["mean_kl", "max_kl"])
-        run.table("sar_kl", kl, title="KL(original gate || SAR gate) per layer, mean and std "
-                  "over training seeds (Fig. 6 analog; each teacher on its own hidden states)")
-        layers = [r["layer"] for r in kl]
-        run.line_plot("sar_kl", {"mean": (layers, [r["mean_kl"] for r in kl]),
-                                 "max": (layers, [r["max_kl"] for r in kl])},
-                      xlabel="layer", ylabel="KL", markers=True, title="Fig. 6 analog")
+
+def _sar_kl(run: RunDir, sar_kls: list[dict]) -> None:
+    """Fig. 6: KL between the original and the SAR-trained router per layer, over seeds."""
+    if not sar_kls:
+        return
+    kl = seed_summary(sar_kls, ["layer"], ["mean_kl", "max_kl"])
+    run.table("sar_kl", kl, title="KL(original gate || SAR gate) per layer, mean and std "
+              "over training seeds (Fig. 6 analog; each teacher on its own hidden states)")
+    layers = [r["layer"] for r in kl]
+    run.line_plot("sar_kl", {"mean": (layers, [r["mean_kl"] for r in kl]),
+                             "max": (layers, [r["max_kl"] for r in kl])},
+                  xlabel="layer", ylabel="KL", markers=True, title="Fig. 6 analog")
+
+
+def _lr_sweeps(cfg: MoEKDConfig, run: RunDir, s: _Setup, per_seed, sar_kls) -> None:
+    """Student (KD) and router (SAR) learning rates within the step budget (first seed; the
+    main table's run is reused where its rate is swept)."""
 
     def main_run(method):  # the scores of the main table's first-seed run (MoE teacher)
         return next(({"rouge_l": r["rouge_l"], "ppl": r["ppl"], "kl": r["kl_to_moe_teacher"]}
                      for r in per_seed if (r["teacher"], r["method"], r["seed"])
                      == ("MoE teacher", method, 0)), None)
 
+    nan = float("nan")
     lr_rows = []
     for lr in cfg.lr_sweep:
-        if float(lr) == cfg.distill.lr and main_run("KD") is not None:
-            sc = main_run("KD")
-        else:
-            st, _ = _distil(student_sft, moe_teacher, kd.replace(method="kd"),
-                            _seed_cfg(cfg, 0).replace(lr=float(lr)), train_src, val,
-                            f"KD lr={lr:g}")
-            sc = score(st)
-        lr_rows.append({"method": "KD", "student_lr": float(lr), "router_lr": float("nan"),
+        sc = main_run("KD") if float(lr) == cfg.distill.lr else None
+        if sc is None:
+            sc = s.score(s.distil(cfg, s.kd.replace(method="kd"), 0, f"KD lr={lr:g}",
+                                  lr=float(lr))[0])
+        lr_rows.append({"method": "KD", "student_lr": float(lr), "router_lr": nan,
                         "rouge_l": sc["rouge_l"], "ppl": sc["ppl"], "kl": sc["kl"],
-                        "router_kl": float("nan")})
+                        "router_kl": nan})
     for lr in cfg.router_lr_sweep:
-        if float(lr) == kd.router_lr and main_run("SAR") is not None:
-            sc = main_run("SAR")
+        sc = main_run("SAR") if float(lr) == s.kd.router_lr else None
+        if sc is not None:
             rk = [r for r in sar_kls if r["seed"] == 0]
         else:
-            st, pair = _distil(student_sft, moe_teacher, kd.replace(method="sar",
-                                                                    router_lr=float(lr)),
-                               _seed_cfg(cfg, 0), train_src, val, f"SAR router lr={lr:g}")
-            sc = score(st)
-            rk = router_kl_by_layer(moe_teacher, pair.teacher, [val.batches[0]])
+            st, pair = s.distil(cfg, s.kd.replace(method="sar", router_lr=float(lr)), 0,
+                                f"SAR router lr={lr:g}")
+            sc = s.score(st)
+            rk = router_kl_by_layer(s.moe_teacher, pair.teacher, [s.val.batches[0]])
         lr_rows.append({"method": "SAR", "student_lr": cfg.distill.lr, "router_lr": float(lr),
                         "rouge_l": sc["rouge_l"], "ppl": sc["ppl"], "kl": sc["kl"],
                         "router_kl": float(np.mean([r["mean_kl"] for r in rk]))})
