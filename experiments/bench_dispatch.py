@@ -246,44 +246,47 @@ def _versions() -> str:
 
 
 def run(cfg: BenchConfig, run: RunDir) -> dict:
-    source = WindowBatches(
-        corpus_bytes("stdlib_code", "train", max_bytes=4_000_000),
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        seed=0,
-    )
+    timed = _train_steps(cfg, run)
+    block, rate = _block_table(cfg, run)
+    summary_delta = _delta_ops(cfg, run)
+    best = max(timed, key=lambda r: r["tokens_per_s"])
+    blk = {r["impl"]: r for r in block}
+    return {
+        "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
+        f"({best['step_s_median'] * 1e3:.0f} ms/step){_ratios(timed, blk)}",
+        "matmul_gflops": round(rate, 1),
+        "malloc_huge_pages": malloc_huge_pages(),
+        **{f"block {k}": round(r["ms"], 1) for k, r in blk.items() if "ms" in r},
+        **{f"block {k}, retained": round(r["ms_retained"], 1) for k, r in blk.items()
+           if "ms_retained" in r},
+        **{f"delta {k} vs x*2": v for k, v in summary_delta.items()},
+        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
+    }
+
+
+def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
+    """The train-step table and plot, one row per dispatch path; the timed rows."""
+    source = WindowBatches(corpus_bytes("stdlib_code", "train", max_bytes=4_000_000),
+                           batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0)
     rows = [{"path": p, "note": why} if (why := kernel_unavailable(p)) else
             _bench_path(cfg, p, source) for p in cfg.paths]
     dev = jax.devices()[0]
-    title = (
+    run.table("dispatch", rows, title=(
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
         f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "
         f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
-        f"{jax.device_count()} device(s))"
-    )
-    run.table("dispatch", rows, title=title)
+        f"{jax.device_count()} device(s))"))
     timed = [r for r in rows if "tokens_per_s" in r]
-    run.bar_plot(
-        "tokens_per_s",
-        [r["path"] for r in timed],
-        [r["tokens_per_s"] for r in timed],
-        ylabel="tokens / s",
-        title="Train throughput by dispatch path",
-    )
+    run.bar_plot("tokens_per_s", [r["path"] for r in timed], [r["tokens_per_s"] for r in timed],
+                 ylabel="tokens / s", title="Train throughput by dispatch path")
+    return timed
+
+
+def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
+    """One MoE block forward + backward per implementation against PyTorch and the FLOP
+    bound (again with freed memory retained, when asked); the rows and the matmul rate."""
     bound, rates = _block_bound(cfg)
-    rate = max(rates.values())
     block = _block_rows(_block_times(cfg), bound, rates)
-    summary_delta = {}
-    if cfg.delta_tree != "none":
-        tree = tree_of_shapes(_smollm2_shapes(cfg.delta_tree == "tiny"))
-        n = sum(x.size for x in jax.tree.leaves(tree))
-        delta = delta_op_times(tree)
-        run.table("delta_ops", delta, title=f"Delta ops over a {n / 1e6:.1f}M-parameter "
-                  f"float32 tree ({cfg.delta_tree}), 8 bytes per parameter "
-                  f"({_versions()})", columns=["op", "seconds", "min_seconds", "gb_s",
-                                               "vs_x2", "vs_numpy_copy"])
-        del tree
-        summary_delta = {r["op"]: round(r["vs_x2"], 2) for r in delta}
     columns = ["impl", "ms", "vs_torch", "vs_flop_bound"]
     if cfg.block_retain_memory:  # last: process-wide from here on
         if retain_freed_memory():
@@ -298,7 +301,26 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
               f"top-{cfg.block_top_k}, median of {cfg.block_repeats} ({_versions()}); "
               "*_retained: measured again after moejax.kernels.host.memory.retain_freed_memory()",
               columns=columns + ["note"])
-    best = max(timed, key=lambda r: r["tokens_per_s"])
+    return block, max(rates.values())
+
+
+def _delta_ops(cfg: BenchConfig, run: RunDir) -> dict:
+    """The delta ops over a SmolLM2-shaped tree against ``x * 2``; ``{op: ratio}``."""
+    if cfg.delta_tree == "none":
+        return {}
+    tree = tree_of_shapes(_smollm2_shapes(cfg.delta_tree == "tiny"))
+    n = sum(x.size for x in jax.tree.leaves(tree))
+    delta = delta_op_times(tree)
+    run.table("delta_ops", delta, title=f"Delta ops over a {n / 1e6:.1f}M-parameter "
+              f"float32 tree ({cfg.delta_tree}), 8 bytes per parameter "
+              f"({_versions()})", columns=["op", "seconds", "min_seconds", "gb_s",
+                                           "vs_x2", "vs_numpy_copy"])
+    return {r["op"]: round(r["vs_x2"], 2) for r in delta}
+
+
+def _ratios(timed: list[dict], blk: dict) -> str:
+    """The headline's comparisons: dropless steps against the capacity step, and the MoE
+    block against its FLOP bound and PyTorch."""
     ref = {r["path"]: r for r in timed}
     extra = ""
     if "capacity" in ref and "ragged" in ref:
@@ -308,30 +330,19 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         if "capacity" in ref and dropless in ref:
             extra += (f"; dropless {dropless} step / capacity step = "
                       f"{ref[dropless]['step_s_median'] / ref['capacity']['step_s_median']:.2f}")
-    blk = {r["impl"]: r for r in block}
     for name in ("grouped (dropless)", "host (dropless, fused)", "capacity cf=1.25",
                  "host_capacity cf=1.25 (fused)"):
         g = blk.get(name)
-        if g is not None:
-            extra += (f"; MoE block: {name} {g['ms']:.0f} ms = {g['vs_flop_bound']:.2f}x the "
-                      f"FLOP bound" + (f", {g['vs_torch']:.2f}x PyTorch" if "vs_torch" in g
-                                       else ""))
-            if "ms_retained" in g:
-                extra += (f" (freed memory retained: {g['ms_retained']:.0f} ms = "
-                          f"{g['vs_flop_bound_retained']:.2f}x the bound" +
-                          (f", {g['vs_torch_retained']:.2f}x PyTorch)"
-                           if "vs_torch_retained" in g else ")"))
-    return {
-        "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
-        f"({best['step_s_median'] * 1e3:.0f} ms/step){extra}",
-        "matmul_gflops": round(rate, 1),
-        "malloc_huge_pages": malloc_huge_pages(),
-        **{f"block {k}": round(r["ms"], 1) for k, r in blk.items() if "ms" in r},
-        **{f"block {k}, retained": round(r["ms_retained"], 1) for k, r in blk.items()
-           if "ms_retained" in r},
-        **{f"delta {k} vs x*2": v for k, v in summary_delta.items()},
-        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
-    }
+        if g is None:
+            continue
+        extra += (f"; MoE block: {name} {g['ms']:.0f} ms = {g['vs_flop_bound']:.2f}x the "
+                  f"FLOP bound" + (f", {g['vs_torch']:.2f}x PyTorch" if "vs_torch" in g else ""))
+        if "ms_retained" in g:
+            extra += (f" (freed memory retained: {g['ms_retained']:.0f} ms = "
+                      f"{g['vs_flop_bound_retained']:.2f}x the bound" +
+                      (f", {g['vs_torch_retained']:.2f}x PyTorch)"
+                       if "vs_torch_retained" in g else ")"))
+    return extra
 
 
 STUDY = Study(
