@@ -47,7 +47,7 @@ from moejax.config import Config, ConfigError, apply_overrides, describe, find_c
 from moejax.results import RunDir, RunDirError
 from moejax.run_record import write_run_record
 from moejax.smoke import smoke_config
-from moejax.tables import merge_seed_tables, read_csv_rows, read_tables
+from moejax.tables import mean_std, merge_seed_tables, read_csv_rows, read_tables
 from moejax.train.checkpoint import CheckpointWriteError
 from moejax.train.distributed import (
     EXIT_PEER_LOST,
@@ -260,8 +260,7 @@ def _headline_keys(summaries: Sequence[dict], limit: int = 4) -> list[str]:
 
 
 def _spread(key: str, vals: Sequence[float]) -> str:
-    mean = sum(vals) / len(vals)
-    sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+    mean, sd = mean_std(vals)
     return f"{key} {mean:.4g} +/- {sd:.2g}"
 
 

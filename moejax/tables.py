@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_value", "seed_summary", "read_csv_rows", "merge_seed_tables",
+__all__ = ["format_value", "seed_summary", "mean_std", "read_csv_rows", "merge_seed_tables",
            "markdown_table", "read_tables", "csv_value", "columns_of"]
 
 
@@ -30,14 +30,21 @@ def format_value(v: Any, floatfmt: str = ".4g") -> str:
     return str(v)
 
 
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; 0.0 for one value) of ``values``, NaNs
+    skipped (the mean of no values is NaN)."""
+    x = np.asarray([float(v) for v in values], np.float64)
+    x = x[~np.isnan(x)]
+    return (float(x.mean()) if len(x) else float("nan"),
+            float(x.std(ddof=1)) if len(x) > 1 else 0.0)
+
+
 def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
                  values: Sequence[str]) -> list[dict]:
     """Collapse per-seed rows into one row per distinct ``keys`` tuple (first-seen order):
     the ``keys``, ``n_seeds``, and for each of ``values`` its mean (same name) and sample
     standard deviation (``"<name> std"``, ddof 1; 0.0 for one seed). NaN values are skipped
     per column (the mean of no values is NaN); other columns are dropped."""
-    import numpy as np
-
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
@@ -46,10 +53,7 @@ def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
         row: dict[str, Any] = dict(zip(keys, key))
         row["n_seeds"] = len(group)
         for v in values:
-            x = np.asarray([float(g[v]) for g in group if v in g], np.float64)
-            x = x[~np.isnan(x)]
-            row[v] = float(x.mean()) if len(x) else float("nan")
-            row[f"{v} std"] = float(x.std(ddof=1)) if len(x) > 1 else 0.0
+            row[v], row[f"{v} std"] = mean_std([g[v] for g in group if v in g])
         out.append(row)
     return out
 

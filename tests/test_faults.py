@@ -204,6 +204,18 @@ def test_failing_or_interrupted_save_exits_without_hanging(tmp_path):
         assert latest_step(tmp_path / str(i) / "checkpoints") is None
 
 
+def test_an_orbax_without_the_signalling_threads_is_named_not_ignored(monkeypatch):
+    """Releasing orbax's waiting threads reads a private orbax module; where a newer orbax
+    moved it, a warning says a failed save may hang, and nothing is touched."""
+    from orbax.checkpoint._src.futures import future
+
+    from moejax.train.checkpoint_format import release_orbax_threads
+
+    monkeypatch.delattr(future, "_SignalingThread")
+    with pytest.warns(RuntimeWarning, match="this orbax version moved them"):
+        assert release_orbax_threads() == 0
+
+
 def test_unwritable_directory_fails_before_saving(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(CheckpointWriteError, match="cannot create the checkpoint directory"):

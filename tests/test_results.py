@@ -168,3 +168,21 @@ def test_merge_seed_tables_rules():
     rows = merge_seed_tables([[{"v": 1.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}],
                               [{"v": 3.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}]])
     assert rows[1]["v std over runs"] == 0.0 and rows[0]["v std over runs"] > 0
+
+
+def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
+    from moejax.tables import mean_std
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # random lengths, scales and NaN positions
+        x = rng.normal(rng.uniform(-5, 5), rng.uniform(0.01, 10), size=rng.integers(1, 9))
+        x[rng.random(len(x)) < 0.3] = np.nan
+        kept = x[~np.isnan(x)]
+        mean, sd = mean_std(list(x))
+        if len(kept) == 0:
+            assert np.isnan(mean) and sd == 0.0
+            continue
+        assert mean == pytest.approx(kept.mean(), rel=1e-12, abs=1e-12)
+        assert sd == (pytest.approx(kept.std(ddof=1), rel=1e-12, abs=1e-12) if len(kept) > 1
+                      else 0.0)
+        assert mean_std(list(x + 3.0))[1] == pytest.approx(sd, rel=1e-9, abs=1e-9)  # shift
