@@ -206,21 +206,44 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     drafts = _drafts(cfg, target, draft, train_src, run)
     _bench("trained", target, drafts, prompts, cfg, rows)
     if cfg.grow.extra_layers:
-        big = grow_blockffn_lm(target, extra_layers=cfg.grow.extra_layers,
-                               n_experts=cfg.grow.n_experts, d_expert=cfg.grow.d_expert,
-                               key=jax.random.key(cfg.seed + 1), target_tls=target_ev["tls"],
-                               calib_tokens=np.concatenate([b["inputs"] for b in val]))
-        run.note(f"Grown target: {count_params(big) / 1e6:.1f}M parameters ("
-                 f"{cfg.grow.extra_layers} zero-residual layers of {cfg.grow.n_experts} "
-                 f"experts of width {cfg.grow.d_expert}, routers tiled from the trained last "
-                 "router, shifted so the extra layers' TLS matches the trained model's "
-                 f"{target_ev['tls']:.3f} on validation tokens): same greedy tokens as the "
-                 "trained model by construction. It costs what a 100M-parameter model costs "
-                 f"but predicts what the {count_params(target):,}-parameter trained model "
-                 "predicts, so a draft distilled from it imitates a small model: its "
-                 "acceptance is an upper estimate of what a draft of the same size would reach "
-                 "against a trained 100M-parameter target.")
-        _bench("grown", big, drafts, prompts, cfg, rows)
+        _bench("grown", _grown(cfg, run, target, target_ev["tls"], val), drafts, prompts, cfg,
+               rows)
+    _decode_table(run, rows)
+    best = _best_notes(run, rows)
+    if not all(r["same_tokens_as_AR"] for r in rows):
+        raise RuntimeError("a speculative decode differs from the autoregressive one: see "
+                           f"{run.path / 'decode.md'} (same_tokens_as_AR)")
+    g = best.get("grown") or best.get("trained")
+    return {"headline": f"{g['model']} target {g['params'] / 1e6:.1f}M: speculative + "
+            f"chunk-sparse with the {g['draft']} draft {g['speedup_vs_AR_token_sparse']:.2f}x "
+            f"AR token-sparse, {g['speedup_vs_AR_dense']:.2f}x AR dense (n={g['draft_len']}, "
+            f"accepted {g['mean_accepted_length']:.2f})",
+            **{f"{r['model']}_{r['mode'].replace(' ', '_')}_{r['draft'] or 'none'}_"
+               f"n{r['draft_len']}_tok_s": round(r["tokens_per_s"], 1) for r in rows}}
+
+
+def _grown(cfg: SpecBenchConfig, run: RunDir, target, tls: float, val):
+    """The trained target grown by zero-residual BlockFFN layers to the paper's scale."""
+    big = grow_blockffn_lm(target, extra_layers=cfg.grow.extra_layers,
+                           n_experts=cfg.grow.n_experts, d_expert=cfg.grow.d_expert,
+                           key=jax.random.key(cfg.seed + 1), target_tls=tls,
+                           calib_tokens=np.concatenate([b["inputs"] for b in val]))
+    run.note(f"Grown target: {count_params(big) / 1e6:.1f}M parameters ("
+             f"{cfg.grow.extra_layers} zero-residual layers of {cfg.grow.n_experts} "
+             f"experts of width {cfg.grow.d_expert}, routers tiled from the trained last "
+             "router, shifted so the extra layers' TLS matches the trained model's "
+             f"{tls:.3f} on validation tokens): same greedy tokens as the "
+             "trained model by construction. It costs what a 100M-parameter model costs "
+             f"but predicts what the {count_params(target):,}-parameter trained model "
+             "predicts, so a draft distilled from it imitates a small model: its "
+             "acceptance is an upper estimate of what a draft of the same size would reach "
+             "against a trained 100M-parameter target.")
+    return big
+
+
+def _decode_table(run: RunDir, rows: list[dict]) -> None:
+    """Every decoding's row, and per target a bar plot against AR dense and 1.5x AR
+    token-sparse."""
     run.table("decode", rows, title="Batch-1 greedy decoding: tokens/s, acceptance, TLS and "
               "CLS of the verified blocks (ffn_fraction_bound = the share of expert work the "
               "sparse path needs: 1 - TLS per token, 1 - CLS per verified block; sparse_gain = "
@@ -228,14 +251,20 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
               "bound 1 / ffn_fraction_bound, reached only if the experts were all the time)")
     for name in ("trained", "grown"):
         sel = [r for r in rows if r["model"] == name]
-        if sel:
-            labels = [r["mode"] + (f" {r['draft']} n={r['draft_len']}" if r["draft_len"]
-                                   else "") for r in sel]
-            ar = {r["mode"]: r["tokens_per_s"] for r in sel if not r["draft_len"]}
-            run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
-                         ylabel="tokens / s", title=f"Decode speed, {name} target",
-                         hlines={"AR dense": ar["AR dense"],
-                                 "1.5x AR token-sparse": 1.5 * ar["AR token-sparse"]})
+        if not sel:
+            continue
+        labels = [r["mode"] + (f" {r['draft']} n={r['draft_len']}" if r["draft_len"] else "")
+                  for r in sel]
+        ar = {r["mode"]: r["tokens_per_s"] for r in sel if not r["draft_len"]}
+        run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
+                     ylabel="tokens / s", title=f"Decode speed, {name} target",
+                     hlines={"AR dense": ar["AR dense"],
+                             "1.5x AR token-sparse": 1.5 * ar["AR token-sparse"]})
+
+
+def _best_notes(run: RunDir, rows: list[dict]) -> dict:
+    """Per target and draft, the best speculative + chunk-sparse decoding as a note; the best
+    row per target."""
     best = {}
     for name in ("trained", "grown"):
         for dname in dict.fromkeys(r["draft"] for r in rows if r["draft"]):
@@ -255,16 +284,7 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
                      f"{b['CLS_block']:.3f}; target >= 1.5x on CPU at >= 100M parameters: "
                      + ("met" if b["params"] >= 1e8 and b["speedup_vs_AR_token_sparse"] >= 1.5
                         else "not met" if b["params"] >= 1e8 else "n/a (< 100M)"))
-    if not all(r["same_tokens_as_AR"] for r in rows):
-        raise RuntimeError("a speculative decode differs from the autoregressive one: see "
-                           f"{run.path / 'decode.md'} (same_tokens_as_AR)")
-    g = best.get("grown") or best.get("trained")
-    return {"headline": f"{g['model']} target {g['params'] / 1e6:.1f}M: speculative + "
-            f"chunk-sparse with the {g['draft']} draft {g['speedup_vs_AR_token_sparse']:.2f}x "
-            f"AR token-sparse, {g['speedup_vs_AR_dense']:.2f}x AR dense (n={g['draft_len']}, "
-            f"accepted {g['mean_accepted_length']:.2f})",
-            **{f"{r['model']}_{r['mode'].replace(' ', '_')}_{r['draft'] or 'none'}_"
-               f"n{r['draft_len']}_tok_s": round(r["tokens_per_s"], 1) for r in rows}}
+    return best
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
