@@ -17,9 +17,10 @@ code cross-entropy (nats/token; lower is better) and next-token accuracy.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
+import numpy as np
 from flax import nnx
 
 from moejax import delta as dl
@@ -95,56 +96,33 @@ def build_models(cfg: DecoderStudyConfig):
     return graphdef, rest, params, None, sub
 
 
+LABEL = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
+
+
+class _Data(NamedTuple):
+    """The fine-tuning stream, the held-out evaluators and the calibration batch."""
+
+    train_src: WindowBatches
+    val_eval: object
+    test_eval: object
+    calib: np.ndarray
+
+
 def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     graphdef, rest, pre, tok, sub = build_models(cfg)
+    data = _data(cfg, tok, graphdef, rest)
     loss_fn = params_loss(graphdef, rest, lm_loss_fn)
-    code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)
-    bs = cfg.finetune.batch_size
-    train_src = WindowBatches(code("train"), batch_size=bs, seq_len=cfg.seq_len,
-                              seed=cfg.seed + 1)
-    val_tokens = code("validation")
-    held = lambda seed: [WindowBatches(val_tokens, batch_size=bs,
-                                       seq_len=cfg.seq_len, seed=seed).batch(i)
-                         for i in range(cfg.eval_batches)]
-    val_eval = LMEvaluator(held(10_000)).bind(graphdef, rest)
-    test_eval = LMEvaluator(held(20_000)).bind(graphdef, rest)
-    calib = train_src.batch(10**6)["inputs"][: max(2, bs // 2)]
-
-    logits_fn = outputs_on(graphdef, rest, calib)
+    before = data.test_eval(pre)
     base_rows, rows = [], []
-    before = test_eval(pre)
-    tuned = {}
     for opt, weight in (("adamw", 0.0), ("adamr_l2", cfg.l2_weight)):
         tcfg = cfg.finetune.replace(optimizer="adam" if opt == "adamw" else opt,
                                     weight_decay=weight, seed=cfg.seed)
-        tuned[opt], _ = train_params(pre, train_src, tcfg, loss_fn,
-                                     desc=f"finetune code ({opt})")
-    label = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
-    for opt, fin in tuned.items():
-        D = dl.delta(pre, fin)
-        mask = dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_")
-        after = test_eval(fin)
-        base_rows.append({"fine-tuning": label[opt], "test_loss_pretrained": before["loss"],
-                          "test_loss_finetuned": after["loss"],
-                          "test_acc_finetuned": after["accuracy"], **delta_stats(D, mask)})
-        x_stats = {}
-        if any("per-layer" in m for m in cfg.methods):
-            x_stats = matmul_input_stats(lambda prm: nnx.merge(graphdef, prm, rest)(calib)[0], fin)
-        ctx = PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 3),
-                           val_metric=lambda prm: -val_eval(prm)["loss"],
-                           test_metric=lambda prm: -test_eval(prm)["loss"],
-                           outputs_fn=logits_fn, x_stats=x_stats, q_num=cfg.q_num)
-        for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({opt})"):
-            rows.append({"fine-tuning": label[opt], "p": r["p"], "method": r["method"],
-                         "test_loss": -r["metric"], "q": r["q"], "seconds": r["seconds"]})
-    if sub is not None:
-        sc = sub.config
-        run.note(f"Started from the substrate `dense_lm_prose` ({sub.path.name}: a "
-                 f"{sc.n_layers}-layer d={sc.d_model} byte-level LM pre-trained "
-                 f"{sc.train.steps} steps on {sc.corpus}, validation loss "
-                 f"{sub.metrics['val_loss']:.3f} nats/byte there).")
-    else:
-        run.note("Started from SmolLM2-135M-Instruct (imported GGUF weights).")
+        fin, _ = train_params(pre, data.train_src, tcfg, loss_fn, desc=f"finetune code ({opt})")
+        base, pruned = _prune(cfg, graphdef, rest, pre, fin, data, LABEL[opt])
+        base_rows.append({"fine-tuning": LABEL[opt], "test_loss_pretrained": before["loss"],
+                          **base})
+        rows += pruned
+    run.note(_start_note(sub))
     run.note("Pruned: the attention and FFN matrices of every block; the (tied) embedding and "
              "the norm scales keep their full delta. q_v minimises validation loss; q_e the mean "
              "|logit change| on one fixed training batch; per-layer q_e uses Eq. 5 with "
@@ -152,25 +130,71 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     run.table("finetuned", base_rows,
               title="Held-out code loss (nats/token) before / after fine-tuning, unpruned")
     run.table("pruned", rows, title="Held-out code loss after delta pruning (lower is better)")
-    wide = []
-    for lab in label.values():
-        for m in cfg.methods:
-            row = {"fine-tuning": lab, "method": m}
-            row.update({f"p={r['p']}": r["test_loss"] for r in rows
-                        if r["fine-tuning"] == lab and r["method"] == m})
-            wide.append(row)
-    run.table("pruned_wide", wide, title="Held-out code loss by drop rate")
-    loss = lambda lab, m, p: next(r["test_loss"] for r in rows
-                                  if r["fine-tuning"] == lab and r["method"] == m and r["p"] == p)
+    run.table("pruned_wide", [
+        {"fine-tuning": lab, "method": m, **{f"p={r['p']}": r["test_loss"] for r in rows
+                                             if r["fine-tuning"] == lab and r["method"] == m}}
+        for lab in LABEL.values() for m in cfg.methods], title="Held-out code loss by drop rate")
     p_hi = max(cfg.ps)
-    out = {"pretrained_loss": before["loss"], "finetuned_loss": base_rows[0]["test_loss_finetuned"]}
-    for m in cfg.methods:
-        out[f"{m} p={p_hi}"] = loss("AdamW", m, p_hi)
+    at_p = {r["method"]: r["test_loss"] for r in rows
+            if r["fine-tuning"] == "AdamW" and r["p"] == p_hi}
+    out = {"pretrained_loss": before["loss"],
+           "finetuned_loss": base_rows[0]["test_loss_finetuned"],
+           **{f"{m} p={p_hi}": at_p[m] for m in cfg.methods}}
     start = "substrate dense_lm_prose" if sub is not None else cfg.model
     out["headline"] = (f"{start}: code loss pre-trained {before['loss']:.3f}, fine-tuned "
                        f"{out['finetuned_loss']:.3f}; at p={p_hi} " + ", ".join(
-                           f"{m} {loss('AdamW', m, p_hi):.3f}" for m in cfg.methods))
+                           f"{m} {at_p[m]:.3f}" for m in cfg.methods))
     return out
+
+
+def _data(cfg: DecoderStudyConfig, tok, graphdef, rest) -> _Data:
+    """Code windows to fine-tune on; validation (for q_v) and test evaluators on held-out
+    windows; a calibration batch from the training stream (for q_e)."""
+    code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)  # noqa: E731
+    bs = cfg.finetune.batch_size
+    train_src = WindowBatches(code("train"), batch_size=bs, seq_len=cfg.seq_len,
+                              seed=cfg.seed + 1)
+    val_tokens = code("validation")
+
+    def held(seed):
+        return [WindowBatches(val_tokens, batch_size=bs, seq_len=cfg.seq_len,
+                              seed=seed).batch(i) for i in range(cfg.eval_batches)]
+
+    return _Data(train_src, LMEvaluator(held(10_000)).bind(graphdef, rest),
+                 LMEvaluator(held(20_000)).bind(graphdef, rest),
+                 train_src.batch(10**6)["inputs"][: max(2, bs // 2)])
+
+
+def _prune(cfg, graphdef, rest, pre, fin, data: _Data, label: str):
+    """The fine-tuned model's unpruned row and one row per (method, drop rate)."""
+    D = dl.delta(pre, fin)
+    mask = dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_")
+    after = data.test_eval(fin)
+    base = {"fine-tuning": label, "test_loss_finetuned": after["loss"],
+            "test_acc_finetuned": after["accuracy"], **delta_stats(D, mask)}
+    x_stats = {}
+    if any("per-layer" in m for m in cfg.methods):
+        x_stats = matmul_input_stats(lambda prm: nnx.merge(graphdef, prm, rest)(data.calib)[0],
+                                     fin)
+    ctx = PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 3),
+                       val_metric=lambda prm: -data.val_eval(prm)["loss"],
+                       test_metric=lambda prm: -data.test_eval(prm)["loss"],
+                       outputs_fn=outputs_on(graphdef, rest, data.calib), x_stats=x_stats,
+                       q_num=cfg.q_num)
+    rows = [{"fine-tuning": label, "p": r["p"], "method": r["method"], "test_loss": -r["metric"],
+             "q": r["q"], "seconds": r["seconds"]}
+            for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({label})")]
+    return base, rows
+
+
+def _start_note(sub) -> str:
+    if sub is None:
+        return "Started from SmolLM2-135M-Instruct (imported GGUF weights)."
+    sc = sub.config
+    return (f"Started from the substrate `dense_lm_prose` ({sub.path.name}: a "
+            f"{sc.n_layers}-layer d={sc.d_model} byte-level LM pre-trained "
+            f"{sc.train.steps} steps on {sc.corpus}, validation loss "
+            f"{sub.metrics['val_loss']:.3f} nats/byte there).")
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
