@@ -291,52 +291,14 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
     for s in range(cfg.seeds):
         one_seed(cfg, data, dense, cfg.seed + s, out)
     t1 = _table1(run, out["table1"], dense, cfg)
-    run.table("table1_per_seed", [{k: v for k, v in r.items() if k != "_stats"}
-                                  for r in out["table1"]], title="Table 1, every seed")
-    run.table("experts_per_layer", out["layers"],
-              title=f"Per extracted layer (seed {cfg.seed}): experts, mean active neurons per "
-                    "token, routing balance")
-    abl = ablations(cfg, data, dense, out)
-    if abl:
-        run.table("table2_per_seed", [{k: v for k, v in r.items() if k != "_stats"}
-                                      for r in abl], title="Table 2 analog, every seed")
-        run.table("table2_ablations", seed_summary(abl, ["model"], [
-            "accuracy", "accuracy_after_kd", "MACs_change_%", "params_change_%"]),
-                  title=f"Table 2 analog, mean and sample std over {cfg.seeds} seeds: "
-                        "components replaced by random counterparts, other clustering, "
-                        "selection and routing")
-    run.table("params_per_layer", out["params"],
-              title="Where the parameters go, every seed: per layer the FFN width, the neurons "
-                    "some expert keeps, and the parameters removed; the last rows count the "
-                    "whole model, the model without its token/patch embedding, and the FFNs")
-    stab = stability(cfg, data) if cfg.stability_tokens else []
-    if stab:
-        run.table("stability", stab, title="Extraction against the token-sample size "
-                  f"({cfg.stability_draws} draws each): experts per layer, mean expert size")
-        series = {f"layer {li}": ([r["tokens"] for r in stab if r["layer"] == li],
-                                  [r["experts_mean"] for r in stab if r["layer"] == li])
-                  for li in sorted({r["layer"] for r in stab})}
-        run.line_plot("stability", series, xlabel="recorded tokens", ylabel="experts (mean)",
-                      logx=True, markers=True, title="Experts found vs sample size")
+    _seed_tables(cfg, run, out, ablations(cfg, data, dense, out))
+    _stability(cfg, run, data)
     picks = _plots(run, data, out)
     moee = t1["MoEE"]
     moef = {k: v for k, v in t1.items() if k.startswith("MoEfication")}
     exp = {r["layer"]: r["experts"] for r in out["layers"] if r["model"] == "MoEE"}
-    all_layers = [i for i, p in sorted(out["plans"].items())]
-    counts = [exp.get(i, 0) for i in all_layers]
-    run.note(f"Started from substrate {data.substrate}; dense test accuracy "
-             f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
-             f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
-             f"cluster size {cfg.extract.cluster.min_cluster_frac:.2%} of the sample, p = "
-             f"{cfg.extract.p}, {cfg.extract.selection} selection, {cfg.extract.router} routing "
-             f"to cluster mean inputs (the paper's recipe). Clusters per layer (seed "
-             f"{cfg.seed}): {counts}. KD: {cfg.kd.steps} AdamW steps, lr {cfg.kd.lr}, weight "
-             f"decay {cfg.kd.weight_decay}, cosine, loss {cfg.kd_alpha} KL(T={cfg.kd_temperature})"
-             f" + {1 - cfg.kd_alpha:g} CE (the paper does not give its KD loss). MoEfication: "
-             f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
-             "matched per layer to MoEE's mean active neurons, routed by their parameter "
-             "centres (param) or the trained Linear-Tanh-Linear MLP router (mlp), as the "
-             "MoEfication code builds them. Random routing sends each token to a random expert.")
+    counts = [exp.get(i, 0) for i in sorted(out["plans"])]
+    run.note(_recipe_note(cfg, data, dense, counts))
     if picks:
         run.note(f"Routing and similarity plots: layers {picks}.")
     res = {"dense_acc": dense["accuracy"], "moee_acc": moee["acc_extracted"],
@@ -350,6 +312,60 @@ def run(cfg: MoEEStudyConfig, run: RunDir) -> dict:
         + ", ".join(f"{k} {v['acc_after_kd']:.3f}" for k, v in moef.items())
         + f" (mean of {cfg.seeds} seeds)")
     return res
+
+
+def _no_stats(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "_stats"} for r in rows]
+
+
+def _seed_tables(cfg: MoEEStudyConfig, run: RunDir, out: dict, abl: list[dict]) -> None:
+    """Table 1 per seed, the extracted layers, Table 2 (per seed and over seeds) and where
+    the parameters go."""
+    run.table("table1_per_seed", _no_stats(out["table1"]), title="Table 1, every seed")
+    run.table("experts_per_layer", out["layers"],
+              title=f"Per extracted layer (seed {cfg.seed}): experts, mean active neurons per "
+                    "token, routing balance")
+    if abl:
+        run.table("table2_per_seed", _no_stats(abl), title="Table 2 analog, every seed")
+        run.table("table2_ablations", seed_summary(abl, ["model"], [
+            "accuracy", "accuracy_after_kd", "MACs_change_%", "params_change_%"]),
+                  title=f"Table 2 analog, mean and sample std over {cfg.seeds} seeds: "
+                        "components replaced by random counterparts, other clustering, "
+                        "selection and routing")
+    run.table("params_per_layer", out["params"],
+              title="Where the parameters go, every seed: per layer the FFN width, the neurons "
+                    "some expert keeps, and the parameters removed; the last rows count the "
+                    "whole model, the model without its token/patch embedding, and the FFNs")
+
+
+def _stability(cfg: MoEEStudyConfig, run: RunDir, data) -> None:
+    """Experts found against the number of recorded tokens, per layer."""
+    stab = stability(cfg, data) if cfg.stability_tokens else []
+    if not stab:
+        return
+    run.table("stability", stab, title="Extraction against the token-sample size "
+              f"({cfg.stability_draws} draws each): experts per layer, mean expert size")
+    series = {f"layer {li}": ([r["tokens"] for r in stab if r["layer"] == li],
+                              [r["experts_mean"] for r in stab if r["layer"] == li])
+              for li in sorted({r["layer"] for r in stab})}
+    run.line_plot("stability", series, xlabel="recorded tokens", ylabel="experts (mean)",
+                  logx=True, markers=True, title="Experts found vs sample size")
+
+
+def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> str:
+    return (f"Started from substrate {data.substrate}; dense test accuracy "
+            f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
+            f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
+            f"cluster size {cfg.extract.cluster.min_cluster_frac:.2%} of the sample, p = "
+            f"{cfg.extract.p}, {cfg.extract.selection} selection, {cfg.extract.router} routing "
+            f"to cluster mean inputs (the paper's recipe). Clusters per layer (seed "
+            f"{cfg.seed}): {counts}. KD: {cfg.kd.steps} AdamW steps, lr {cfg.kd.lr}, weight "
+            f"decay {cfg.kd.weight_decay}, cosine, loss {cfg.kd_alpha} KL(T={cfg.kd_temperature})"
+            f" + {1 - cfg.kd_alpha:g} CE (the paper does not give its KD loss). MoEfication: "
+            f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
+            "matched per layer to MoEE's mean active neurons, routed by their parameter "
+            "centres (param) or the trained Linear-Tanh-Linear MLP router (mlp), as the "
+            "MoEfication code builds them. Random routing sends each token to a random expert.")
 
 
 # Table 1's smallest model (DeiT-T): MACs -27.0%, parameters -20.1%; the abstract: 98% of the
