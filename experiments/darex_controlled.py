@@ -174,8 +174,8 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
                           "pre-trained acc digits": acc_test(pre),
                           "pre-trained acc MNIST": acc_test_a(pre),
                           **delta_stats(D, mask)})
-        for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({reg})"):
-            rows.append({"fine-tuning": REG_NAMES[reg], **r})
+        rows += [{"fine-tuning": REG_NAMES[reg], **r}
+                 for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({reg})")]
     d = cfg.substrate.d_hidden
     run.note(f"Started from substrate mlp_mnist5k ({sub.path.name}, MNIST test accuracy "
              f"{sub.metrics['test_accuracy']:.3f}). "
@@ -184,18 +184,28 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
              f"split ({val_b[1].shape[0]} images); test = {test_b[1].shape[0]} images. "
              "DAREx-q uses the same drop mask as DARE (same key), only the rescaling differs.")
     run.table("finetuned", base_rows, title="Fine-tuned MLPs (unpruned), sklearn digits")
-    # wide table: one row per (fine-tuning, method), one column per p
-    wide = []
-    for reg in tuned:
-        for m in cfg.methods:
-            row = {"fine-tuning": REG_NAMES[reg], "method": m}
-            for r in rows:
-                if r["fine-tuning"] == REG_NAMES[reg] and r["method"] == m:
-                    row[f"p={r['p']}"] = r["metric"]
-            wide.append(row)
-    run.table("accuracy", wide, title="Test accuracy (sklearn digits) after delta pruning")
+    _accuracy_tables(cfg, run, list(tuned), rows, base_rows)
+    out = _headline(cfg, list(tuned), rows, base_rows)
+    if cfg.l2_sweep:
+        out.update(_l2_sweep(cfg, run, pre, tasks, acc_test))
+    if cfg.large_lrs:
+        out.update(_large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x))
+    if cfg.lora_rank:
+        out.update(_lora_table(cfg, run, pre, tasks, acc_val, acc_test))
+    return out
+
+
+def _accuracy_tables(cfg: ControlledConfig, run: RunDir, regs, rows, base_rows) -> None:
+    """Accuracy by drop rate (one row per fine-tuning and method), every pruning with its q,
+    and per fine-tuning a plot against the unpruned accuracy."""
+    run.table("accuracy", [
+        {"fine-tuning": REG_NAMES[reg], "method": m,
+         **{f"p={r['p']}": r["metric"] for r in rows
+            if r["fine-tuning"] == REG_NAMES[reg] and r["method"] == m}}
+        for reg in regs for m in cfg.methods],
+              title="Test accuracy (sklearn digits) after delta pruning")
     run.table("detail", rows, title="Every (fine-tuning, method, p) with the chosen q")
-    for reg in tuned:
+    for reg in regs:
         series = {m: (list(cfg.ps), [r["metric"] for r in rows
                                      if r["method"] == m and r["fine-tuning"] == REG_NAMES[reg]])
                   for m in cfg.methods}
@@ -204,23 +214,23 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
         run.line_plot(f"acc_vs_p_{reg}", series, xlabel="drop rate p", ylabel="test accuracy",
                       title=f"MLP, fine-tuned with {REG_NAMES[reg]}", markers=True,
                       hlines={"unpruned": unpruned})
-    pick = lambda reg, m, p: next(r["metric"] for r in rows if r["fine-tuning"] == REG_NAMES[reg]
-                                  and r["method"] == m and r["p"] == p)
+
+
+def _headline(cfg: ControlledConfig, regs, rows, base_rows) -> dict:
+    """DARE per fine-tuning and DAREx-q (q_v) at the highest drop rate, beside unpruned."""
+    def pick(reg, m, p):
+        return next(r["metric"] for r in rows if r["fine-tuning"] == REG_NAMES[reg]
+                    and r["method"] == m and r["p"] == p)
+
     p_hi = max(cfg.ps)
     out = {"unpruned_none": base_rows[0]["test acc digits"]}
     if "DARE" in cfg.methods:
-        out.update({f"dare_{reg}_p{p_hi}": pick(reg, "DARE", p_hi) for reg in tuned})
+        out.update({f"dare_{reg}_p{p_hi}": pick(reg, "DARE", p_hi) for reg in regs})
     if "DAREx-q (q_v)" in cfg.methods:
         out[f"darex_qv_none_p{p_hi}"] = pick("none", "DAREx-q (q_v)", p_hi)
     out["headline"] = (
         f"MLP MNIST -> sklearn digits, unpruned {out['unpruned_none']:.3f}; at p={p_hi}: "
         + ", ".join(f"{k}={v:.3f}" for k, v in out.items() if k.startswith("dar")))
-    if cfg.l2_sweep:
-        out.update(_l2_sweep(cfg, run, pre, tasks, acc_test))
-    if cfg.large_lrs:
-        out.update(_large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x))
-    if cfg.lora_rank:
-        out.update(_lora_table(cfg, run, pre, tasks, acc_val, acc_test))
     return out
 
 
