@@ -166,25 +166,7 @@ def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
     bandwidth = copy_bandwidth()
     prompts = np.random.default_rng(cfg.seed).integers(
         3, cfg.vocab_size, (cfg.n_prompts, cfg.prompt_len))
-    rows, tokens = [], {}
-    for (name, synthesis), model in models.items():
-        t = decode_timing(model, prompts, cfg.max_new_tokens)
-        tokens[(name, synthesis)] = t["tokens"]
-        slot = next(m for _, m in nnx.iter_modules(model) if hasattr(m, "moe_cfg"))
-        expert = expert_bytes_per_token(slot.cfg, D)  # the layer's own (possibly changed) cfg
-        per_token = other_bytes + cfg.n_layers * expert
-        rows.append({"model": name, "synthesis": synthesis, "params": count_params(model),
-                     "expert_bytes_per_token": cfg.n_layers * expert,
-                     "weight_bytes_per_token": per_token,
-                     "bound_tokens_per_s": bandwidth / per_token,
-                     "tokens_per_s": t["tokens_per_s"],
-                     "x_bound": bandwidth / per_token / t["tokens_per_s"]})
-    for form in ("SM", "LM"):
-        same = np.array_equal(tokens[(f"DeRS-{form}", "all")],
-                              tokens[(f"DeRS-{form}", "selected")])
-        if not same:
-            raise AssertionError(f"DeRS-{form}: synthesis='selected' decoded other tokens "
-                                 "than synthesis='all'")
+    rows = _decode_rows(cfg, models, prompts, other_bytes, bandwidth)
     vanilla = rows[0]
     for r in rows:
         r["vs_vanilla_tokens_per_s"] = r["tokens_per_s"] / vanilla["tokens_per_s"]
@@ -214,6 +196,31 @@ def run(cfg: DeRSBenchConfig, run: RunDir) -> dict:
         "training temporaries " + ", ".join(
             f"{r['model']} {r['synthesis']} {r['temp_mb']:.0f} MB" for r in mem),
         **{f"{lab} tok/s": round(r["tokens_per_s"], 2) for lab, r in zip(labels, rows)}}
+
+
+def _decode_rows(cfg: DeRSBenchConfig, models: dict, prompts, other_bytes: float,
+                 bandwidth: float) -> list[dict]:
+    """Per model and synthesis: decode tokens/s against the bandwidth bound of the weight
+    bytes a token reads; refuses a synthesis that decodes other tokens than ``"all"``."""
+    rows, tokens = [], {}
+    for (name, synthesis), model in models.items():
+        t = decode_timing(model, prompts, cfg.max_new_tokens)
+        tokens[(name, synthesis)] = t["tokens"]
+        slot = next(m for _, m in nnx.iter_modules(model) if hasattr(m, "moe_cfg"))
+        expert = expert_bytes_per_token(slot.cfg, cfg.d_model)  # the layer's own cfg
+        per_token = other_bytes + cfg.n_layers * expert
+        rows.append({"model": name, "synthesis": synthesis, "params": count_params(model),
+                     "expert_bytes_per_token": cfg.n_layers * expert,
+                     "weight_bytes_per_token": per_token,
+                     "bound_tokens_per_s": bandwidth / per_token,
+                     "tokens_per_s": t["tokens_per_s"],
+                     "x_bound": bandwidth / per_token / t["tokens_per_s"]})
+    for form in ("SM", "LM"):
+        if not np.array_equal(tokens[(f"DeRS-{form}", "all")],
+                              tokens[(f"DeRS-{form}", "selected")]):
+            raise AssertionError(f"DeRS-{form}: synthesis='selected' decoded other tokens "
+                                 "than synthesis='all'")
+    return rows
 
 
 STUDY = Study(

@@ -259,6 +259,13 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
                   title=f"Table 7 analog: magnitude pruning of the deltas after AdamW ('original') "
                         f"and after AdamR-L1 (lambda {cfg.l1_weight:g}), mean and std over "
                         f"{cfg.seeds} seeds")
+    _fig1(cfg, run, sweeps)
+    return _headline(cfg, summary)
+
+
+def _fig1(cfg: EncoderStudyConfig, run: RunDir, sweeps: dict) -> None:
+    """Fig. 1 per task: accuracy and last-layer output change against the rescaling 1/q at
+    the study's drop rate, with DARE's 1/(1-p) and the chosen q's marked."""
     dare_x = 1.0 / (1.0 - cfg.p)
     for task, (sw, rec) in sweeps.items():
         inv = 1.0 / sw["q"]
@@ -280,6 +287,10 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
                                    for q, a, c in zip(sw["q"], sw["acc"], sw["change"])],
                   title=f"{task}: sweep of 1/q at p={cfg.p}; best 1/q = {inv[best]:.3g} "
                         f"(DARE uses {dare_x:.3g})")
+
+
+def _headline(cfg: EncoderStudyConfig, summary: list[dict]) -> dict:
+    """Each method's mean accuracy on the last task."""
     t0 = cfg.tasks[-1]
     acc = {(r["fine-tuning"], r["method"]): r["accuracy"] for r in summary if r["task"] == t0}
     heads = {"unpruned": ("AdamW", "unpruned"), "DARE": ("AdamW", "DARE"),
