@@ -93,31 +93,52 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     dense_loss = evaluate(dense)["loss"]
     src = batches(s.downstream_corpus, "train", batch_size=cfg.train.batch_size,
                   seq_len=s.seq_len, seed=100 + cfg.train.seed, source=s.source)
-    rows = []
-    for label, form, setting, rule in _variants(cfg):
-        moe = (nnx.clone(dense) if rule is None
-               else upcycle_model(dense, rule, jax.random.key(cfg.train.seed)))
-        step0 = evaluate(moe)["loss"]
-        tr = fit(moe, src, cfg.train, desc=label)
-        counts = param_report(dense, moe)
-        rows.append({
-            "variant": label, "form": form, "setting": setting,
-            "val_loss": evaluate(moe)["loss"], "val_loss_step0": step0,
-            "trainable": counts["trainable"], "added": counts["added"],
-            "added_with_index": counts["added_with_index"], "stored": counts["stored"],
-            "model_bytes": count_bytes(moe),
-            "peak_train_bytes": tr["peak_train_bytes"],
-            "train_state_bytes": tr["train_state_bytes"],
-            "peak_infer_bytes": evaluate.memory(moe)["peak_bytes"],
-            "infer_arg_bytes": evaluate.memory(moe)["argument_bytes"],
-            "train_loss_last10": tr["final_loss"]})
+    rows = [_variant_row(cfg, dense, evaluate, src, *v) for v in _variants(cfg)]
     van = rows[0]
-    dense_ref = {"dense (pre-fine-tuned)": dense_loss}
     for r in rows:
         r["added_vs_vanilla"] = van["added"] / max(r["added"], 1)
         r["d_loss_vs_vanilla"] = r["val_loss"] - van["val_loss"]
     run.note(f"Dense (pre-fine-tuned) validation loss: {dense_loss:.4f} nats/byte; every "
              "upcycled model equals it at step 0 (column val_loss_step0).")
+    _tables(run, rows, {"dense (pre-fine-tuned)": dense_loss})
+
+    def get(form, setting):
+        return next(r for r in rows if r["form"] == form and r["setting"] == setting)
+
+    # headline settings: the second of each sweep (p = 0.99, r = 4 by default)
+    sm = get("sm", cfg.sm_rates[min(1, len(cfg.sm_rates) - 1)])
+    lm = get("lm", cfg.lm_ranks[min(1, len(cfg.lm_ranks) - 1)])
+    return {"headline": (
+        f"vanilla val {van['val_loss']:.4f} (added {fmt_count(van['added'])}); DeRS-SM "
+        f"p={sm['setting']} {sm['val_loss']:.4f} (added {fmt_count(sm['added'])}, "
+        f"{sm['added_vs_vanilla']:.0f}x fewer); DeRS-LM r={lm['setting']} {lm['val_loss']:.4f} "
+        f"(added {fmt_count(lm['added'])}, {lm['added_vs_vanilla']:.0f}x fewer)"),
+        "dense_val_loss": dense_loss, "vanilla_val_loss": van["val_loss"]}
+
+
+def _variant_row(cfg: DeRSUpcyclingConfig, dense, evaluate, src, label, form, setting,
+                 rule) -> dict:
+    """One variant upcycled from the dense model (``rule`` None: the dense control, trained
+    as is), trained, evaluated and counted."""
+    moe = (nnx.clone(dense) if rule is None
+           else upcycle_model(dense, rule, jax.random.key(cfg.train.seed)))
+    step0 = evaluate(moe)["loss"]
+    tr = fit(moe, src, cfg.train, desc=label)
+    counts = param_report(dense, moe)
+    infer = evaluate.memory(moe)
+    return {"variant": label, "form": form, "setting": setting,
+            "val_loss": evaluate(moe)["loss"], "val_loss_step0": step0,
+            "trainable": counts["trainable"], "added": counts["added"],
+            "added_with_index": counts["added_with_index"], "stored": counts["stored"],
+            "model_bytes": count_bytes(moe), "peak_train_bytes": tr["peak_train_bytes"],
+            "train_state_bytes": tr["train_state_bytes"],
+            "peak_infer_bytes": infer["peak_bytes"], "infer_arg_bytes": infer["argument_bytes"],
+            "train_loss_last10": tr["final_loss"]}
+
+
+def _tables(run: RunDir, rows: list[dict], dense_ref: dict) -> None:
+    """Tables 1/4/5 (loss and parameters), Table 6 (cost), the SM and LM ablations."""
+    van = rows[0]
     run.table("upcycling", rows, title="Vanilla vs DeRS upcycling (Tables 1/4/5 analog): "
               "validation loss and exact parameter counts (added = weights - dense; "
               "with_index also charges the SM index vectors)",
@@ -144,19 +165,6 @@ def run(cfg: DeRSUpcyclingConfig, run: RunDir) -> dict:
     run.bar_plot("val_loss", [r["variant"] for r in rows], [r["val_loss"] for r in rows],
                  ylabel="validation loss (nats/byte)", title="Vanilla vs DeRS upcycling",
                  hlines=dense_ref)
-
-    def get(form, setting):
-        return next(r for r in rows if r["form"] == form and r["setting"] == setting)
-
-    # headline settings: the second of each sweep (p = 0.99, r = 4 by default)
-    sm = get("sm", cfg.sm_rates[min(1, len(cfg.sm_rates) - 1)])
-    lm = get("lm", cfg.lm_ranks[min(1, len(cfg.lm_ranks) - 1)])
-    return {"headline": (
-        f"vanilla val {van['val_loss']:.4f} (added {fmt_count(van['added'])}); DeRS-SM "
-        f"p={sm['setting']} {sm['val_loss']:.4f} (added {fmt_count(sm['added'])}, "
-        f"{sm['added_vs_vanilla']:.0f}x fewer); DeRS-LM r={lm['setting']} {lm['val_loss']:.4f} "
-        f"(added {fmt_count(lm['added'])}, {lm['added_vs_vanilla']:.0f}x fewer)"),
-        "dense_val_loss": dense_loss, "vanilla_val_loss": van["val_loss"]}
 
 
 # "matches vanilla upcycling": validation loss within this many nats per byte
