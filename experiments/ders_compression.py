@@ -254,9 +254,8 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     parts = [_scenario(cfg, run, name, evaluate) for name in cfg.scenarios]
     rows, cos_rows, mat_rows, ckpt_rows = ([r for p in parts for r in p[k]] for k in (
         "rows", "cos_rows", "mat_rows", "ckpt_rows"))
-    base_rows, curves = [p["losses"] for p in parts], _curves(rows)
-    run.table("losses", base_rows, title="Dense vs trained vanilla upcycled MoE "
-              "(validation cross-entropy, nats/byte, downstream corpus)")
+    run.table("losses", [p["losses"] for p in parts], title="Dense vs trained vanilla "
+              "upcycled MoE (validation cross-entropy, nats/byte, downstream corpus)")
     run.table("sweep", rows, title="DeRS compression sweep: validation loss vs stored expert "
               "parameters (paper count = base + kept values; with_index also charges the "
               "index vector) and bytes")
@@ -267,6 +266,20 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     run.table("checkpoint", ckpt_rows, title="Compressed orbax checkpoint, reloaded, evaluated "
               "by on-the-fly expert synthesis (peak inference memory = XLA compiled memory "
               "analysis of one evaluation step, not process RSS)")
+    _plots(cfg, run, rows, cos_rows)
+    run.note(f"Quantiser: {cfg.quant_scheme}, scales per {cfg.quant_granularity}"
+             + (f" of {cfg.quant_group} input rows" if cfg.quant_granularity == "group" else "")
+             + " (the paper names none). rel_err = ||F(Delta) - Delta|| / ||Delta|| over all "
+             "deltas; the base_only row drops every delta (rel_err 1).")
+    return {"headline": "DeRS compression, validation-loss change vs uncompressed: "
+            + _headline(cfg, rows), "n_settings": len(rows), "vanilla_expert_params": fmt_count(
+                rows[0]["vanilla_expert_params"]) if rows else ""}
+
+
+def _plots(cfg: DeRSCompressionConfig, run: RunDir, rows: list[dict], cos_rows) -> None:
+    """Loss against stored parameters and bytes (with the uncompressed and every-delta-dropped
+    references), and the experts' similarity per layer (Fig. 1)."""
+    curves = _curves(rows)
     refs = {"uncompressed": 0.0}  # and every delta dropped, per scenario (the worst case)
     refs.update({f"base only ({r['scenario']})": r["d_loss"] for r in rows
                  if r["method"] == "base_only" and r["decomposed"] == "experts"})
@@ -291,6 +304,8 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
     run.line_plot("similarity", sim, xlabel="layer", ylabel="1 - cosine similarity",
                   logy=True, markers=True, title="Trained experts vs base (Fig. 1 analog)")
 
+
+def _headline(cfg: DeRSCompressionConfig, rows: list[dict]) -> str:
     def at(name, method, setting):
         for r in rows:
             if (r["scenario"], r["decomposed"], r["method"], r["setting"]) == (
@@ -298,17 +313,10 @@ def run(cfg: DeRSCompressionConfig, run: RunDir) -> dict:
                 return r["d_loss"]
         return float("nan")
 
-    head = "; ".join(f"{n}: d_loss drop0.9 {at(n, 'sparse', 0.9):+.4f}, drop0.99 "
+    return "; ".join(f"{n}: d_loss drop0.9 {at(n, 'sparse', 0.9):+.4f}, drop0.99 "
                      f"{at(n, 'sparse', 0.99):+.4f}, 2-bit {at(n, 'quant', 2):+.4f}, 1-bit "
                      f"{at(n, 'quant', 1):+.4f}, base only "
                      f"{at(n, 'base_only', 'all deltas dropped'):+.4f}" for n in cfg.scenarios)
-    run.note(f"Quantiser: {cfg.quant_scheme}, scales per {cfg.quant_granularity}"
-             + (f" of {cfg.quant_group} input rows" if cfg.quant_granularity == "group" else "")
-             + " (the paper names none). rel_err = ||F(Delta) - Delta|| / ||Delta|| over all "
-             "deltas; the base_only row drops every delta (rel_err 1).")
-    return {"headline": "DeRS compression, validation-loss change vs uncompressed: " + head,
-            "n_settings": len(rows), "vanilla_expert_params": fmt_count(
-                rows[0]["vanilla_expert_params"]) if rows else ""}
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
