@@ -38,10 +38,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from experiments.bench import time_interleaved
-from moejax.config import Config, config
+from moejax.config import config
 from moejax.extract.macs import ffn_macs, model_macs
-from moejax.extract.pipeline import ExtractConfig, cluster_layers, moee_plans, routing_stats
+from moejax.extract.pipeline import cluster_layers, moee_plans, routing_stats
 from moejax.extract.plan import ExpertPlan
+from moejax.extract.source import ExtractionSource, source_preset
 from moejax.extract.surgery import (
     apply_model,
     compact_model,
@@ -53,15 +54,13 @@ from moejax.extract.surgery import (
 from moejax.nn.encoder import ViT, vit_config
 from moejax.results import RunDir
 from moejax.study import Study
-from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
-from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
 
 
 @config
-class ExtractedBenchConfig(Config):
-    """Part 1: ``model`` (the substrate whose MoEE plans are timed; ``none``: skip),
-    ``extract`` / ``record_rows`` (the MoEE recipe, as the moee study runs it), ``rows``
+class ExtractedBenchConfig(ExtractionSource):
+    """Part 1: the substrate whose MoEE plans are timed and its recording, as the moee study
+    takes them (:class:`moejax.extract.source.ExtractionSource`; ``model=none``: skip), ``rows``
     (examples per timed batch; the first is judged), ``grouped_cost`` (the serving layout's
     price of a routed MAC in dense MACs, for choosing each layer's shared neurons). Part 2
     (``synthetic``): one FFN of ``d_model`` x ``d_hidden``, ``experts`` random experts
@@ -69,12 +68,6 @@ class ExtractedBenchConfig(Config):
     interleaved timed calls."""
 
     model: Literal["minilm", "vit", "none"] = "minilm"
-    vit: ViTSubstrateConfig = substrate_config("vit_mnist5k", "quick")
-    minilm: MiniLMTaskConfig = substrate_config("minilm_wordnet_pos", "quick")
-    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
-    extract: ExtractConfig = ExtractConfig(n_tokens=4000)
-    record_rows: int = 1000
-    eval_rows: int = 1000
     rows: tuple[int, ...] = (32, 128)
     grouped_cost: float = 2.0
     synthetic: bool = True
@@ -100,7 +93,7 @@ class ExtractedBenchConfig(Config):
 
 
 def make_config(preset: str) -> ExtractedBenchConfig:
-    return ExtractedBenchConfig(repeats=20 if preset == "quick" else 50)
+    return ExtractedBenchConfig(**source_preset(preset), repeats=20 if preset == "quick" else 50)
 
 
 def _plan(cfg: ExtractedBenchConfig, sizes: str, rng) -> ExpertPlan:
@@ -292,8 +285,7 @@ def _time_layouts(cfg, data, models: dict, stats: dict, batch: dict) -> tuple[li
 
 def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
     """Part 1 (module docstring): tables ``moee_ffn`` and ``moee_encoder``."""
-    data = ClassifierData(cfg.model, cfg.vit, cfg.minilm, cache_dir=cfg.substrate_cache or None,
-                          train_rows=cfg.record_rows, eval_rows=cfg.eval_rows)
+    data = cfg.classifier_data()
     ex = cfg.extract
     records = record_ffn(data.model, data.record_batches(cfg.record_rows, cfg.seed),
                          n_tokens=ex.n_tokens, seed=cfg.seed)

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from moejax.claims import Claim, compare, lookup
-from moejax.config import Config, config
+from moejax.config import config
 from moejax.extract import (
     extract_model,
     param_breakdown,
@@ -41,21 +41,16 @@ from moejax.extract import (
 )
 from moejax.extract.finetune import evaluate_extracted, kd_finetune, load_cv
 from moejax.extract.pipeline import (
-    ExtractConfig,
     cluster_layers,
     expert_summary,
     matched_top_k,
     moee_plans,
     moefication_model,
 )
+from moejax.extract.source import ExtractionSource, source_preset
 from moejax.results import RunDir
 from moejax.study import Study
-from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
-from moejax.substrates.classify import (
-    MiniLMTaskConfig,
-    ViTSubstrateConfig,
-)
 from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
 
@@ -79,20 +74,12 @@ KD = TrainConfig(steps=150, batch_size=64, lr=5e-4, schedule="cosine", warmup_st
 
 
 @config
-class MoEEStudyConfig(Config):
-    """model: which substrate (``vit``: vit_mnist5k; ``minilm``: minilm_wordnet_pos, the real
-    all-MiniLM-L6-v2 fine-tuned on WordNet); record_rows / eval_rows: training rows the token
-    sample is drawn from / test rows evaluated (0 = all); kd: the fine-tuning (``kd_alpha``
-    weight of the KL term, the rest cross-entropy); moefication_*: the baseline; ablations:
-    keys of ``ABLATIONS``; stability_tokens / stability_draws: the sample-size study."""
+class MoEEStudyConfig(ExtractionSource):
+    """The substrate and its recording (:class:`moejax.extract.source.ExtractionSource`);
+    kd: the fine-tuning (``kd_alpha`` weight of the KL term, the rest cross-entropy);
+    moefication_*: the baseline; ablations: keys of ``ABLATIONS``; stability_tokens /
+    stability_draws: the sample-size study."""
 
-    model: Literal["vit", "minilm"] = "vit"
-    vit: ViTSubstrateConfig = substrate_config("vit_mnist5k", "quick")
-    minilm: MiniLMTaskConfig = substrate_config("minilm_wordnet_pos", "quick")
-    substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
-    extract: ExtractConfig = ExtractConfig(n_tokens=4000)
-    record_rows: int = 1000
-    eval_rows: int = 1000
     kd: TrainConfig = KD
     kd_alpha: float = 0.5
     kd_temperature: float = 1.0
@@ -121,9 +108,7 @@ def make_config(preset: str) -> MoEEStudyConfig:
     if preset == "quick":
         return MoEEStudyConfig()
     return MoEEStudyConfig(
-        vit=substrate_config("vit_mnist5k", "full"),
-        minilm=substrate_config("minilm_wordnet_pos", "full"),
-        extract=ExtractConfig(n_tokens=100_000), record_rows=5000, eval_rows=0,
+        **source_preset("full"),
         kd=KD.replace(steps=3000, batch_size=32, lr=1.5e-5), moefication_experts=16,
         stability_tokens=(5000, 20000, 50000, 100000), stability_draws=3, seeds=3)
 
@@ -132,9 +117,7 @@ def make_config(preset: str) -> MoEEStudyConfig:
 
 
 def _data(cfg: MoEEStudyConfig) -> ClassifierData:
-    return ClassifierData(cfg.model, cfg.vit, cfg.minilm, cache_dir=cfg.substrate_cache or None,
-                          train_rows=max(cfg.record_rows, 4 * cfg.kd.batch_size),
-                          eval_rows=cfg.eval_rows)
+    return cfg.classifier_data(train_rows=max(cfg.record_rows, 4 * cfg.kd.batch_size))
 
 
 def _kd(cfg: MoEEStudyConfig, data: ClassifierData, model, seed: int):

@@ -47,8 +47,9 @@ def config(cls):
 
 
 def _resolved_hints(cls) -> dict[str, Any]:
-    module = importlib.import_module(cls.__module__)
-    return typing.get_type_hints(cls, globalns=vars(module), include_extras=False)
+    """The field types of ``cls``, each class of its MRO resolved in its own module (a config
+    may inherit fields from a config defined elsewhere)."""
+    return typing.get_type_hints(cls, include_extras=False)
 
 
 def _is_optional(tp) -> tuple[bool, Any]:

@@ -383,3 +383,18 @@ def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():
         Study("two words", make, run)
     study = Study("s", make, run, smoke=("a=1",), smoke_depth=("model.n_layers=1",))
     assert study.smoke_cuts == ("a=1", "model.n_layers=1")
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
+    """The benchmark times the plans the study extracts: same substrates, recording and
+    recipe per preset (only which model each defaults to differs)."""
+    import dataclasses
+
+    from experiments import bench_extracted, moee
+    from moejax.extract.source import ExtractionSource
+
+    a, b = moee.make_config(preset), bench_extracted.make_config(preset)
+    shared = [f.name for f in dataclasses.fields(ExtractionSource) if f.name != "model"]
+    assert {k: getattr(a, k) for k in shared} == {k: getattr(b, k) for k in shared}
+    assert (a.extract.n_tokens == 100_000) == (preset == "full")
