@@ -34,7 +34,6 @@ A study past ``timeout`` seconds is stopped and reported as such.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import jax
 
+from experiments import load_study
 from experiments.main import REGISTRY
 from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError, apply_overrides
@@ -164,7 +164,7 @@ def _shapes(c) -> tuple:
 
 def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
     """Run ``name``'s full preset in ``mode`` into ``out``; write ``report`` (JSON)."""
-    study = importlib.import_module(f"experiments.{name}").STUDY
+    study = load_study(name)
     result = (_smoke(study, Path(out)) if mode == "smoke"
               else _aot(study, Path(out), report=Path(report)))
     atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
@@ -208,7 +208,7 @@ def _count(n) -> str:
 
 
 def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
-    study = importlib.import_module(f"experiments.{name}").STUDY
+    study = load_study(name)
     return [{"study": name, "parameters": _count(rec.get("params")),
              "tokens/step (smoke)": _count(rec.get("tokens")),
              "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
@@ -218,7 +218,7 @@ def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
 
 
 def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
-    depth = " ".join(importlib.import_module(f"experiments.{name}").STUDY.smoke_depth)
+    depth = " ".join(load_study(name).smoke_depth)
     return [{"depth": depth or "full", **row} for row in _proven_rows(name, rec)]
 
 

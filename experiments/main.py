@@ -7,46 +7,24 @@
 
 Suites: ``demo`` (``make demo``) trains the MoE LM and runs one cheap headline study per
 system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every study in
-``REGISTRY`` with its preset. A new study registers by adding its module name (a module
-with a :class:`moejax.study.Study` named ``STUDY``) to ``REGISTRY``.
+``REGISTRY`` with its preset. A new study registers by adding its name and module (a module
+with a :class:`moejax.study.Study` named ``STUDY``) to :data:`experiments.STUDIES`.
 """
 
 from __future__ import annotations
 
-import importlib
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from experiments import STUDIES, load_study
 from moejax.config import ConfigError
 from moejax.experiment import PRESETS
 from moejax.files import atomic_write_text
 
-# Order matters: cheap, foundational studies first.
-REGISTRY: tuple[str, ...] = (
-    "lm_demo",  # a trained MoE LM
-    "bench_dispatch",  # dispatch-path benchmark
-    "bench_kernels",  # expert kernels against their bounds
-    "bench_grouped",  # the dropless grouped matmul, one product at a time
-    "bench_speculative",  # speculative decoding with chunk-sparse verification
-    "bench_parallel",  # expert parallelism and its collectives on 8 simulated devices
-    "bench_extracted",  # extracted experts: masked vs compact layout, wall-clock time
-    "bench_ders",  # DeRS experts at decode: tokens/s and weight bytes per token
-    "substrate_build",  # the cached pretrained starting points
-    "darex_controlled",  # DAREx
-    "darex_storage",
-    "darex_decoder",
-    "darex_encoder",
-    "ders_compression",  # DeRS
-    "ders_upcycling",
-    "blockffn_baselines",  # BlockFFN
-    "blockffn_ablations",
-    "blockffn_granularity",
-    "moe_kd",  # MoE knowledge distillation
-    "moee",  # expert extraction (MoEE) vs MoEfication
-)
+REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
 
 
 # The tour: a trained MoE LM and one headline per system, a few CPU minutes in all.
@@ -112,7 +90,7 @@ def main(argv=None) -> int:
               flush=True)
         t0 = time.time()
         try:
-            study = importlib.import_module(f"experiments.{name}").STUDY
+            study = load_study(name)
             summary, run = study.run_experiment([f"preset={preset}", *overrides],
                                                 out=out / name,
                                                 repeat_quick=suite == "studies")

@@ -1,4 +1,4 @@
-"""Command-line runner shared by every ``experiments/<name>.py`` module.
+"""Command-line runner shared by every study module (``experiments/<paper>/<study>.py``).
 
 An experiment module defines
 

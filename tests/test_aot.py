@@ -200,7 +200,7 @@ def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
     programs (different kernels): they are proven apart; repeats of one are proven once."""
     from experiments.full_smoke import _shapes
-    from experiments.spec_bench import blockffn_path
+    from moejax.bench.decode import blockffn_path
 
     target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
     with capture_steps() as captured:

@@ -1,4 +1,4 @@
-"""``experiments.bench_cpu``: the matmul rate behind the FLOP bound and the block's FLOP count."""
+"""``moejax.bench.cpu``: the matmul rate behind the FLOP bound and the block's FLOP count."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from experiments.bench_cpu import matmul_gflops, moe_block_flops
+from moejax.bench.cpu import matmul_gflops, moe_block_flops
 
 
 @pytest.mark.parametrize("backend", ["xla", "numpy"])
 def test_matmul_rate_is_the_flops_over_the_median_time(backend, monkeypatch):
-    import experiments.bench_cpu as bench
+    import moejax.bench.cpu as bench
 
     calls = []
 

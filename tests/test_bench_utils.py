@@ -1,4 +1,4 @@
-"""experiments.bench: the synthetic union patterns have exactly the asked union, and the timers
+"""moejax.bench.timing: the synthetic union patterns have exactly the asked union, and the timers
 time what they are given (the device loop calls the function in every iteration, not once)."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.bench import time_call, time_device_loop, time_interleaved, union_activations
+from moejax.bench.timing import time_call, time_device_loop, time_interleaved, union_activations
 
 
 @pytest.mark.parametrize("n,union,density", [(1, 3, 1.0), (8, 16, 0.3), (32, 1, 0.5),

@@ -26,7 +26,7 @@ def test_presets_build(name, preset):
 
 
 def test_active_sets_topk_and_dsmoe():
-    from experiments.sparse_lm import SparseLMConfig, active_sets
+    from moejax.sparse_lm import SparseLMConfig, active_sets
 
     ids = jnp.array([[[0, 2], [1, 2]]])  # [B=1, T=2, k=2] routed ids
     act, a = active_sets(SparseLMConfig(arch="topk", n_experts=4, top_k=2),
@@ -43,8 +43,8 @@ def test_active_sets_topk_and_dsmoe():
 
 
 def test_grin_slot():
-    from experiments.sparse_lm import SparseLMConfig
     from moejax.nn.grin import GRINConfig
+    from moejax.sparse_lm import SparseLMConfig
 
     slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
     assert isinstance(slot, GRINConfig)
@@ -59,9 +59,9 @@ def test_sparsity_evaluator_matches_direct_computation():
     reports no sparsity metrics."""
     import functools
 
-    from experiments.sparse_lm import SparseLMConfig, active_sets
     from moejax.evaluate import SparsityEvaluator
     from moejax.ops.losses import cross_entropy
+    from moejax.sparse_lm import SparseLMConfig, active_sets
 
     rng = np.random.default_rng(0)
     batches = [{"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
@@ -97,7 +97,7 @@ def test_baselines_match_blockffn_active_experts():
     """Every baseline keeps BlockFFN's experts (count and width) and attention; the top-k
     models activate round(N (1 - TLS)) experts, ReMoE targets the same TLS; the sizes build
     the parameter counts they claim (xl >= 5M)."""
-    from experiments.blockffn_baselines import baselines, make_config
+    from experiments.blockffn.baselines import baselines, make_config
     from moejax.pytree import count_params
 
     cfg = apply_overrides(make_config("quick"), ["sizes=(small,xl)"])
@@ -124,7 +124,7 @@ def test_baselines_match_blockffn_active_experts():
 
 
 def test_paired_gaps():
-    from experiments.blockffn_baselines import paired_gaps
+    from experiments.blockffn.baselines import paired_gaps
 
     rows = [{"size": "s", "seed": s, "model": m, "val_ppl": v}
             for s, (bf, tk) in enumerate([(10.0, 11.0), (12.0, 11.5), (9.0, 10.0)])
@@ -140,7 +140,7 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     no dense line and every table is still written."""
     import csv
 
-    from experiments import blockffn_baselines as mod
+    from experiments.blockffn import baselines as mod
     from moejax.experiment import run_experiment
 
     summary, run = run_experiment(
@@ -160,7 +160,7 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
 
 
 def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
-    from experiments import blockffn_baselines as mod
+    from experiments.blockffn import baselines as mod
 
     def rows(ppl_other_offset, cls_other_offset):
         out = []

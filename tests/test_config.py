@@ -107,7 +107,7 @@ def test_bad_value_names_allowed_values():
 
 
 def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_key(capsys):
-    from experiments import darex_controlled as mod
+    from experiments.darex import controlled as mod
     from moejax.experiment import main, parse_cli
 
     with pytest.raises(ConfigError, match=r"methods='DAREx-q \(qv\)' is not allowed"):
@@ -136,10 +136,10 @@ def test_overrides_parse_nested_and_fixed_length_tuples():
 
 
 def test_from_json_takes_study_configs_only_from_imported_modules():
-    import experiments.darex_storage as study
+    import experiments.darex.storage as study
 
     cfg = study.make_config("quick")
     assert from_json(to_json(cfg)) == cfg  # the study module is imported: its class is taken
-    text = to_json(cfg).replace("experiments.darex_storage", "experiments.not_a_study")
+    text = to_json(cfg).replace("experiments.darex.storage", "experiments.not_a_study")
     with pytest.raises(ConfigError, match="refusing to build.*import the module"):
         from_json(text)

@@ -9,7 +9,7 @@ from moejax.experiment import run_experiment
 
 
 def test_darex_controlled_tiny(tmp_path):
-    from experiments import darex_controlled as mod
+    from experiments.darex import controlled as mod
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,

@@ -7,7 +7,7 @@ from moejax.experiment import run_experiment
 
 
 def test_darex_decoder_tiny(tmp_path):
-    from experiments import darex_decoder as mod
+    from experiments.darex import decoder as mod
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,

@@ -6,7 +6,7 @@ import csv
 import numpy as np
 import pytest
 
-from experiments import darex_encoder as mod  # imported before tiny_recipes patches the registry
+from experiments.darex import encoder as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
 from moejax.substrates.classify import ByteEncoderTaskConfig
 from tests.tiny_substrates import tiny_train
@@ -91,7 +91,7 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
 
 
 def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
-    from experiments import darex_encoder as mod
+    from experiments.darex import encoder as mod
 
     def rows(dare, darex):
         out = []

@@ -10,7 +10,7 @@ from moejax.experiment import run_experiment
 
 
 def test_darex_storage_tiny(tmp_path):
-    from experiments import darex_storage as mod
+    from experiments.darex import storage as mod
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
@@ -38,7 +38,7 @@ def test_darex_storage_tiny(tmp_path):
 
 
 def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
-    from experiments.darex_storage import ACCURACY_TOLERANCE, claims
+    from experiments.darex.storage import ACCURACY_TOLERANCE, claims
 
     def row(p, bits, ratio, acc):
         return {"p": p, "bits": bits, "ratio_vs_fp32": ratio, "metric": acc}
@@ -54,7 +54,7 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
 
 
 def test_encode_decode_roundtrip_sparse_quant():
-    from experiments.darex_storage import decode_delta, encode_delta
+    from experiments.darex.storage import decode_delta, encode_delta
     from moejax import delta as dl
 
     d = {"w": jax.random.normal(jax.random.key(0), (40, 30)), "b": np.ones(30, np.float32)}

@@ -9,7 +9,7 @@ from tests.tiny_substrates import tiny_lm
 
 
 def _substrate(cache):
-    from experiments.ders_common import SubstrateConfig
+    from moejax.substrates.ders import SubstrateConfig
 
     return SubstrateConfig(pretrained=tiny_lm("dense_lm_prose", "quick"),
                            prefinetuned=tiny_lm("dense_lm_code", "quick"), cache_dir=str(cache),
@@ -20,7 +20,7 @@ TRAIN = TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2,
 
 
 def test_ders_compression_tiny(tiny_recipes, tmp_path):
-    from experiments import ders_compression as mod
+    from experiments.ders import compression as mod
 
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            drop_rates=(0.0, 0.9), bits=(8, 1), eval_batches=1,
@@ -46,7 +46,7 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
 
 
 def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
-    from experiments import ders_upcycling as mod
+    from experiments.ders import upcycling as mod
 
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1)
@@ -64,7 +64,7 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
 
 
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
-    from experiments import ders_upcycling as mod
+    from experiments.ders import upcycling as mod
 
     def row(variant, form, d, ratio):
         return {"variant": variant, "form": form, "d_loss_vs_vanilla": d,
@@ -80,7 +80,7 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
 
 
 def test_compression_claim_judges_each_seed_runs_worst_scenario():
-    from experiments import ders_compression as mod
+    from experiments.ders import compression as mod
     from moejax.claims import SEED_TABLES
 
     def run(kept_a, kept_b):

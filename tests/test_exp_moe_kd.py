@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from experiments import moe_kd as mod  # imported before tiny_recipes patches the registry
+from experiments.kd import moe_kd as mod  # imported before tiny_recipes patches the registry
 from moejax.claims import paired_claim
 from moejax.experiment import run_experiment
 from moejax.train.hparams import TrainConfig

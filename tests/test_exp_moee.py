@@ -4,7 +4,7 @@ extracted model's accounting is consistent."""
 
 import csv
 
-from experiments import moee as mod  # imported before tiny_recipes patches the registry
+from experiments.extraction import moee as mod  # imported before tiny_recipes patches the registry
 from moejax.experiment import run_experiment
 from moejax.extract import ClusterConfig
 from moejax.extract.pipeline import ExtractConfig

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from experiments import main as main_job
-from experiments.bench_dispatch import TORCH
+from experiments.benchmarks.dispatch import TORCH
 from moejax.config import Config, ConfigError, from_json, to_json
 from moejax.experiment import run_experiment
 
@@ -63,7 +63,7 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
 
 
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
-    from experiments import bench_dispatch
+    from experiments.benchmarks import dispatch as bench_dispatch
 
     # the retained-memory columns run, without changing this worker's allocator
     monkeypatch.setattr(bench_dispatch, "retain_freed_memory", lambda: True)
@@ -110,7 +110,7 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
 
 
 def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
-    from experiments import bench_kernels
+    from experiments.benchmarks import kernels as bench_kernels
 
     summary, run = run_experiment(
         "bench_kernels", bench_kernels.make_config, bench_kernels.run,
@@ -149,7 +149,7 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
 
 
 def test_union_breakdown_splits_the_distance_to_the_bound():
-    from experiments.bench_kernels import _breakdown_note, union_breakdown
+    from experiments.benchmarks.kernels import _breakdown_note, union_breakdown
 
     def row(path, u, ms, bound=None):
         r = {"n": 4, "union": u, "union_fraction": u / 8, "path": path, "ms": ms}
@@ -221,7 +221,7 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
 
 
 def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
-    from experiments import bench_parallel
+    from experiments.benchmarks import parallel as bench_parallel
 
     _, run = run_experiment(
         "bench_parallel", bench_parallel.make_config, bench_parallel.run,
@@ -242,7 +242,7 @@ def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
 
 
 def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
-    from experiments import bench_extracted
+    from experiments.benchmarks import extracted as bench_extracted
 
     _, run = run_experiment(
         "bench_extracted", bench_extracted.make_config, bench_extracted.run,
@@ -281,7 +281,7 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
     accounting, the serving layout's shared neurons within the kept ones."""
     import csv
 
-    from experiments import bench_extracted
+    from experiments.benchmarks import extracted as bench_extracted
     from moejax.extract import ClusterConfig
     from moejax.extract.pipeline import ExtractConfig
     from moejax.substrates.classify import ViTSubstrateConfig
@@ -314,7 +314,7 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
 
 
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
-    from experiments import bench_ders
+    from experiments.benchmarks import ders as bench_ders
 
     _, run = run_experiment(
         "bench_ders", bench_ders.make_config, bench_ders.run,
@@ -337,7 +337,7 @@ def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
 
 
 def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
-    from experiments import bench_grouped
+    from experiments.benchmarks import grouped as bench_grouped
 
     summary, run = run_experiment(
         "bench_grouped", bench_grouped.make_config, bench_grouped.run,
@@ -391,10 +391,33 @@ def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
     recipe per preset (only which model each defaults to differs)."""
     import dataclasses
 
-    from experiments import bench_extracted, moee
+    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import moee
     from moejax.extract.source import ExtractionSource
 
     a, b = moee.make_config(preset), bench_extracted.make_config(preset)
     shared = [f.name for f in dataclasses.fields(ExtractionSource) if f.name != "model"]
     assert {k: getattr(a, k) for k in shared} == {k: getattr(b, k) for k in shared}
     assert (a.extract.n_tokens == 100_000) == (preset == "full")
+
+
+def test_a_study_is_one_module_under_its_flat_name_and_its_papers_package():
+    """``experiments.<name>`` is the same module object as its paper package's, every
+    registered name loads a Study of that name, and ``python -m experiments.<name>`` runs it."""
+    import importlib
+    import subprocess
+    import sys
+
+    import experiments
+
+    for name, module in {**experiments.STUDIES, **experiments.TOOLS}.items():
+        flat = importlib.import_module(f"experiments.{name}")
+        assert flat is importlib.import_module(module), name
+        assert flat.__spec__.name == module  # the module keeps its own spec
+        if name in experiments.STUDIES:
+            assert experiments.load_study(name).name == name
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("experiments.no_such_study")
+    r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "n_experts" in r.stdout, r.stderr[-2000:]

@@ -515,7 +515,7 @@ def test_byte_tokenizer_rejects_out_of_vocabulary_ids():
      "top_k=3"),
     (lambda: __import__("moejax.nn.moe", fromlist=["x"]).MoEConfig(capacity_factor=0.0),
      "capacity_factor=0.0"),
-    (lambda: __import__("experiments.sparse_lm", fromlist=["x"]).SparseLMConfig(d_model=30),
+    (lambda: __import__("moejax.sparse_lm", fromlist=["x"]).SparseLMConfig(d_model=30),
      "not divisible"),
 ])
 def test_configs_fail_at_construction(build, match):
@@ -524,14 +524,14 @@ def test_configs_fail_at_construction(build, match):
 
 
 def test_study_overrides_fail_before_compute():
-    from experiments import ders_compression
+    from experiments.ders import compression as ders_compression
 
     cfg = ders_compression.make_config("quick")
     for bad, match in (("ckpt_drop=1.0", "ckpt_drop=1.0"), ("eval_batches=0", "eval_batches"),
                        ("train.seed=-1", "seed")):
         with pytest.raises(ConfigError, match=match):
             apply_overrides(cfg, [bad])
-    r = subprocess.run([sys.executable, "-m", "experiments.ders_compression", "ckpt_drop=1.0",
+    r = subprocess.run([sys.executable, "-m", "experiments.ders.compression", "ckpt_drop=1.0",
                         "out=" + os.devnull], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)
     assert r.returncode == 2 and "ckpt_drop=1.0 must be in [0, 1)" in r.stderr

@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import blockffn_granularity, darex_controlled, lm_demo, moe_kd
+from experiments import lm_demo
+from experiments.blockffn import granularity as blockffn_granularity
+from experiments.darex import controlled as darex_controlled
+from experiments.kd import moe_kd
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
 from moejax.delta import storage

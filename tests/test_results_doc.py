@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from experiments import blockffn_granularity, results_doc
+from experiments import results_doc
+from experiments.blockffn import granularity as blockffn_granularity
 from moejax.claims import Claim, compare, lookup, paired, paired_claim, top_column
 from moejax.config import ConfigError
 from moejax.experiment import run_experiment

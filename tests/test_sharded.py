@@ -71,7 +71,8 @@ import sys
 sys.path.insert(0, ROOT)
 import json, pathlib, tempfile
 import jax
-from experiments import blockffn_granularity, lm_demo
+from experiments import lm_demo
+from experiments.blockffn import granularity as blockffn_granularity
 
 assert jax.device_count() == 8, jax.devices()
 out = pathlib.Path(tempfile.mkdtemp())

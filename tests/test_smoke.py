@@ -58,7 +58,7 @@ def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
 
 
 def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
-    from experiments import ders_upcycling as study
+    from experiments.ders import upcycling as study
 
     cfg = smoke_config(study.make_config("full"))
     assert cfg.train.steps == 2 and cfg.substrate.pretrained.train.steps == 2

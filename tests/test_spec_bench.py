@@ -1,4 +1,4 @@
-"""experiments.spec_bench: the grown target predicts exactly what the small one does, its extra
+"""moejax.bench.decode: the grown target predicts exactly what the small one does, its extra
 routers reach the asked TLS, and the decode timing reports what it ran; the benchmark study
 runs tiny and checks speculative against autoregressive output."""
 
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments.spec_bench import blockffn_path, decode_timing, grow_blockffn_lm
+from moejax.bench.decode import blockffn_path, decode_timing, grow_blockffn_lm
 from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
@@ -55,7 +55,7 @@ def test_decode_timing_autoregressive_and_speculative_agree():
 
 
 def test_bench_speculative_tiny(tmp_path):
-    from experiments import bench_speculative as mod
+    from experiments.benchmarks import speculative as mod
     from moejax.experiment import run_experiment
 
     args = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",

@@ -12,7 +12,7 @@ import jax.export as je
 import jax.numpy as jnp
 import pytest
 
-from experiments import autotune
+from experiments.benchmarks import autotune
 from moejax.kernels import tuning
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.targets import TARGETS, lowering_target

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from experiments.bench import time_interleaved
+from moejax.bench.timing import time_interleaved
 from moejax.config import config
 from moejax.extract.macs import ffn_macs, model_macs
 from moejax.extract.pipeline import cluster_layers, moee_plans, routing_stats

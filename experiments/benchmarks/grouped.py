@@ -2,7 +2,7 @@
 
 Each of the three products of a grouped layer (``fwd``: ``x w_g``; ``dlhs``: ``dy w_g^T``;
 ``drhs``: ``x_g^T dy_g``, see :mod:`moejax.kernels.grouped.ragged`) is timed per
-implementation in device time (:func:`experiments.bench.time_device_loop`: calls inside one
+implementation in device time (:func:`moejax.bench.timing.time_device_loop`: calls inside one
 jitted loop, no host dispatch between them):
 
 * ``dense``: one ``[M, K] x [K, N]`` matmul of the same FLOPs (the speed the grouped product
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.bench import time_device_loop
+from moejax.bench.timing import time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm

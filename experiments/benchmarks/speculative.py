@@ -7,9 +7,9 @@ analog): decode tokens/s at batch 1, greedy, for
   verifies ``n + 1`` in one pass, dense or through the union of the block (FFN work ~
   1 - CLS_{n+1});
 
-on (a) the trained BlockFFN LM of the BlockFFN studies (``experiments.sparse_lm`` quick model) and
+on (a) the trained BlockFFN LM of the BlockFFN studies (``moejax.sparse_lm`` quick model) and
 (b) a >= 100M-parameter BlockFFN LM grown from it
-(:func:`experiments.spec_bench.grow_blockffn_lm`: zero-residual extra layers with routers tiled
+(:func:`moejax.bench.decode.grow_blockffn_lm`: zero-residual extra layers with routers tiled
 from the trained one and calibrated to its TLS, so it predicts the same tokens with the
 trained routing statistics). Drafts (``drafts``):
 
@@ -36,8 +36,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
-from experiments.spec_bench import (
+from moejax.bench.decode import (
     blockffn_path,
     decode_timing,
     grow_blockffn_lm,
@@ -48,6 +47,7 @@ from moejax.config import Config, config
 from moejax.nn.decoder import keep_layers
 from moejax.pytree import count_params
 from moejax.results import RunDir
+from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
 from moejax.study import Study
 from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.train.hparams import TrainConfig

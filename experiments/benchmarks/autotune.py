@@ -17,7 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from experiments.bench import time_call
+from moejax.bench.timing import time_call
 from moejax.config import Config, config
 from moejax.kernels.grouped.pallas_gmm import gmm, tgmm
 from moejax.kernels.tiling import target_device

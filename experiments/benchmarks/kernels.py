@@ -1,7 +1,7 @@
 """Benchmark of BlockFFN's chunk-sparse expert kernels against their bound.
 
 (a) ``ffn``: one BlockFFN layer's experts on a chunk of ``n`` tokens whose union of active
-experts is a fraction ``|U| / E`` of the experts (:func:`experiments.bench.union_activations`,
+experts is a fraction ``|U| / E`` of the experts (:func:`moejax.bench.timing.union_activations`,
 every token active on every union expert). Paths: ``dense`` (every expert), ``dense_union``
 (the dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping),
 ``ragged`` (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union``
@@ -11,7 +11,7 @@ which is no speed measurement, so their rows say "not measured"). Bound: ``dense
 / E``, and the memory floor: the bytes of the union's expert weights over this device's
 bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written) in the same
 device loop (``x_floor``: time over that floor). Times are device time per call
-(:func:`experiments.bench.time_device_loop`), with the L2 cache flushed between calls where
+(:func:`moejax.bench.timing.time_device_loop`), with the L2 cache flushed between calls where
 ``l2_flush_mb`` is set (the full preset), as in a decode step whose layers each read their own
 weights.
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
@@ -21,7 +21,7 @@ the union path adds: finding the union, gathering, one small product per member)
 ``dense_union``'s time over the bound (how far the dense computation itself is from
 proportional to the experts it reads: caches, matmul shapes).
 
-The dropless grouped matmul has its own benchmark, :mod:`experiments.bench_grouped`.
+The dropless grouped matmul has its own benchmark, :mod:`experiments.benchmarks.grouped`.
 
     python -m experiments.bench_kernels                 # CPU: the jnp paths
     python -m experiments.bench_kernels preset=full     # GPU: every path, bf16, larger shapes
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.bench import kernel_unavailable, time_device_loop, union_activations
+from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts

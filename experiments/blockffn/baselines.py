@@ -13,7 +13,7 @@ over ``seeds``), every model's achieved TLS minus BlockFFN's, paired BlockFFN - 
 differences, CLS_L against L (Fig. 1a), PPL bars with the dense reference, per-layer
 activation magnitudes (Fig. 4) and BlockFFN's per-token expert allocation (Fig. 3). The quick
 preset uses AL sharpness alpha = 10 instead of the paper's 100 (see
-experiments/blockffn_ablations.py, table ``alpha``).
+experiments/blockffn/ablations.py, table ``alpha``).
 
     python -m experiments.blockffn_baselines                          # quick (CPU)
     python -m experiments.blockffn_baselines "sizes=(xl,)"            # 5.3M params (CPU)
@@ -26,17 +26,17 @@ from typing import Literal
 
 import numpy as np
 
-from experiments.sparse_lm import (
+from moejax.claims import Claim, paired, paired_claim
+from moejax.config import Config, config
+from moejax.ops.sparsity_metrics import CHUNK_LENS
+from moejax.results import RunDir
+from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
     sparse_lm_preset,
     summary_row,
     train_and_evaluate,
 )
-from moejax.claims import Claim, paired, paired_claim
-from moejax.config import Config, config
-from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import RunDir
 from moejax.study import Study
 from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig

@@ -14,16 +14,16 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from experiments.sparse_lm import (
+from moejax.claims import Claim, lookup, paired_compare
+from moejax.config import Config, config
+from moejax.results import RunDir
+from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
     sparse_lm_preset,
     summary_row,
     train_and_evaluate,
 )
-from moejax.claims import Claim, lookup, paired_compare
-from moejax.config import Config, config
-from moejax.results import RunDir
 from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 

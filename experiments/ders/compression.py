@@ -28,7 +28,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.ders_common import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.claims import Claim, lookup, per_seed, threshold_claim
 from moejax.config import Config, config
 from moejax.ders_compress import (
@@ -50,6 +49,7 @@ from moejax.evaluate import LMEvaluator
 from moejax.pytree import fmt_count
 from moejax.results import RunDir
 from moejax.study import Study
+from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from experiments.ders_common import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
 from moejax.pytree import count_bytes, fmt_count
 from moejax.results import RunDir
 from moejax.study import Study
+from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 

@@ -32,8 +32,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from experiments.bench import kernel_unavailable, time_call
-from experiments.bench_cpu import (
+from moejax.bench.cpu import (
     delta_op_times,
     matmul_gflops,
     moe_block_flops,
@@ -41,6 +40,7 @@ from experiments.bench_cpu import (
     torch_moe_block_s,
     tree_of_shapes,
 )
+from moejax.bench.timing import kernel_unavailable, time_call
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.spec_bench import decode_timing
+from moejax.bench.decode import decode_timing
 from moejax.config import Config, config
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token

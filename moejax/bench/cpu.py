@@ -1,4 +1,4 @@
-"""Measurements behind ``experiments/bench_dispatch.py`` (its one-run table of ratios).
+"""Measurements behind ``experiments/benchmarks/dispatch.py`` (its one-run table of ratios).
 
 * :func:`matmul_gflops`: GFLOP/s of a jitted (or numpy) ``[m, k] @ [k, n]`` float32 matmul
   here, allocation excluded (the rate that turns FLOPs into the bound of a compute-bound op);
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench import time_call, time_interleaved
+from moejax.bench.timing import time_call, time_interleaved
 from moejax.delta import dare, magnitude_prune, wanda_prune
 from moejax.delta.quant_jnp import fake_quantize_tree
 from moejax.delta.tree import leaf_paths
@@ -135,8 +135,8 @@ def tree_of_shapes(shapes: dict[str, tuple], seed: int = 0) -> dict:
 
 def delta_op_times(tree: dict, p: float = 0.9, bits: int = 4, repeats: int = 5) -> list[dict]:
     """Rows ``{op, seconds, min_seconds, gb_s, vs_x2, vs_numpy_copy}``: median and fastest of
-    ``repeats`` round-robin rounds (:func:`experiments.bench.time_interleaved`), ratios of medians;
-    bytes = read + write of the tree (8 per float32 parameter)."""
+    ``repeats`` round-robin rounds (:func:`moejax.bench.timing.time_interleaved`), ratios of
+    medians; bytes = read + write of the tree (8 per float32 parameter)."""
     nbytes = 2 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     key = jax.random.key(0)
     matrices = jax.tree.map(lambda x: x.ndim >= 2, tree)

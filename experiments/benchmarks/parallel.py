@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.bench import time_call
+from moejax.bench.timing import time_call
 from moejax.config import Config, config
 from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
 from moejax.kernels.moe_dispatch import dispatch
@@ -152,7 +152,7 @@ def _measure_here_or_in_subprocess(cfg: ParallelConfig) -> list[dict]:
     if jax.device_count() == cfg.devices:
         return measure(_fields_json(cfg))
     env = cpu_devices_env(cfg.devices)
-    code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from experiments.bench_parallel "
+    code = (f"import sys, json; sys.path.insert(0, {ROOT!r}); from experiments.benchmarks.parallel "
             "import measure; print('ROWS' + json.dumps(measure(sys.argv[1])))")
     r = subprocess.run([sys.executable, "-c", code, _fields_json(cfg)], env=env,
                        capture_output=True, text=True, check=False)

@@ -1,0 +1,2 @@
+"""DeRS (Huang et al. 2025): upcycling with decomposed, replaced and synthesised experts, and
+compressing the experts' delta weights (``compression``, ``upcycling``)."""
