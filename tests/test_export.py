@@ -152,6 +152,29 @@ def test_speculative_decode_loop_lowers_with_chunk_sparse_verification(platform)
     assert not any("callback" in c for c in calls), calls
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_batch_one_verification_takes_the_decode_kernels_on_tpu(platform):
+    """At batch 1 each verified block is one exact chunk: on TPU it runs the two decode
+    launches (the union, then the experts over union slots); a GPU keeps the pair kernels."""
+    target = DecoderLM(_blockffn_decoder(path="dense"), rngs=nnx.Rngs(0))
+    draft = DecoderLM(DecoderConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2,
+                                    ffn_slots=(DenseFFNConfig(d_hidden=64, activation="swiglu"),),
+                                    max_seq_len=64),
+                      rngs=nnx.Rngs(1))
+    sparse = chunk_sparse_target(target, 4)
+
+    def decode(prompt_BT):
+        return speculative_generate(sparse, draft, prompt_BT, 16, draft_len=4).tokens_BS
+
+    exported = _export(jax.jit(decode), platform, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    kernels = set(re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module()))
+    if platform == "tpu":
+        assert {"_union_kernel", "_experts_kernel"} <= kernels, kernels
+    else:
+        assert not kernels & {"_union_kernel", "_experts_kernel"}, kernels
+        assert _custom_calls(exported).get(TRITON, 0) >= 2
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])
 def test_moe_lm_train_step_lowers_with_the_platforms_moe_kernel(platform):
     step, state, batch = _lm_step()

@@ -6,8 +6,9 @@ every token active on every union expert). Paths: ``dense`` (every expert), ``de
 (the dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping),
 ``ragged`` (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union``
 and ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``),
-and the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode,
-which is no speed measurement, so their rows say "not measured"). Bound: ``dense time x |U|
+the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode,
+which is no speed measurement, so their rows say "not measured"), and ``decode`` (the two-launch
+decode kernels of :mod:`moejax.kernels.chunk_union.decode`, exact union; TPU only). Bound: ``dense time x |U|
 / E``, and the memory floor: the bytes of the union's expert weights over this device's
 bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written) in the same
 device loop (``x_floor``: time over that floor). Times are device time per call
@@ -21,7 +22,7 @@ the union path adds: finding the union, gathering, one small product per member)
 ``dense_union``'s time over the bound (how far the dense computation itself is from
 proportional to the experts it reads: caches, matmul shapes).
 
-The dropless grouped matmul has its own benchmark, :mod:`experiments.benchmarks.grouped`.
+The dropless grouped matmul has its own benchmark, :mod:`experiments.bench_grouped`.
 
     python -m experiments.bench_kernels                 # CPU: the jnp paths
     python -m experiments.bench_kernels preset=full     # GPU: every path, bf16, larger shapes
@@ -38,6 +39,7 @@ from tqdm.auto import tqdm
 
 from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
+from moejax.kernels.chunk_union.decode import chunk_union_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.ops.dispatch import dispatch_ragged
@@ -45,7 +47,7 @@ from moejax.results import RunDir
 from moejax.study import Study
 
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
-                  "triton"]
+                  "triton", "decode"]
 
 
 @config
@@ -62,7 +64,7 @@ class FfnShape(Config):
 class BenchKernelsConfig(Config):
     ffn: FfnShape = FfnShape()
     ffn_paths: tuple[FfnPath, ...] = ("dense", "dense_union", "ragged", "chunk_union",
-                                      "chunk_union_gather", "pallas", "triton")
+                                      "chunk_union_gather", "pallas", "triton", "decode")
     chunk_sizes: tuple[int, ...] = (1, 8, 32)
     union_fractions: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
     precision: Literal["float32", "bfloat16"] = "float32"
@@ -101,6 +103,8 @@ def _ffn_fn(path: str, cfg: BenchKernelsConfig, union_size: int):
             w, ids = jax.lax.top_k(a, union_size)
             return dispatch_ragged(x, ids, w, wu, wd, activation=act).y_ND
         return ragged
+    if path == "decode":  # the two-launch decode kernels (exact union)
+        return lambda x, a, wu, wd: chunk_union_decode(x, a, a > 0, wu, wd, activation=act)
     if path.startswith("chunk_union"):
         schedule = "gather" if path.endswith("gather") else "loop"
         return lambda x, a, wu, wd: chunk_union_experts(
@@ -174,8 +178,8 @@ def union_breakdown(rows: list[dict]) -> list[dict]:
     out = []
     for (n, u, path), r in ms.items():
         ref = ms.get((n, u, "dense_union"))
-        if path not in ("chunk_union", "chunk_union_gather", "pallas", "triton") or not ref \
-                or "bound_ms" not in r:
+        union_paths = ("chunk_union", "chunk_union_gather", "pallas", "triton", "decode")
+        if path not in union_paths or not ref or "bound_ms" not in r:
             continue
         out.append({"n": n, "union_fraction": r["union_fraction"], "path": path,
                     "x_bound": r["x_bound"], "overhead": r["ms"] / ref["ms"],
@@ -218,7 +222,7 @@ def _ffn_summary(rows: list[dict]) -> tuple[str, list[str]]:
         notes.append(f"{path}: within {limit}x of the bound in {ok}/{len(got)} cases with "
                      f"|U|/E >= {lo:.0%} (worst {worst['x_bound']:.2f}x at n={worst['n']}, "
                      f"|U|/E={worst['union_fraction']:.2f})")
-    for path in ("chunk_union_gather", "pallas", "triton"):  # the decode target: the floor
+    for path in ("chunk_union_gather", "pallas", "triton", "decode"):  # the decode target
         got = [r for r in rows if r["path"] == path and "x_floor" in r
                and r["union_fraction"] >= 0.25]
         if got:

@@ -33,6 +33,10 @@ def kernel_unavailable(path: str) -> str | None:
     measured: ..."), or None. The kernel paths need a GPU: on a CPU Pallas runs in interpret
     mode, which is no speed measurement; ``triton`` also needs ``jax_triton``. The host
     (numpy) dispatch paths run on the CPU backend only."""
+    if path == "decode":
+        return (None if jax.default_backend() == "tpu" else "not measured: the decode "
+                f"kernels are TPU kernels ({jax.default_backend()} runs them in interpret mode "
+                "or not at all)")
     if path in HOST_PATHS:
         return (None if jax.default_backend() == "cpu" else
                 "not measured: a host (numpy) path, for the CPU backend only")

@@ -8,7 +8,10 @@ its tokens activate (BlockFFN Sec. 3.3), as one family:
 * :mod:`~moejax.kernels.chunk_union.pallas`: the layer built from them under a
   ``custom_vjp`` (BlockFFN's ``path="pallas"``, and ``"auto"`` on accelerators);
 * :mod:`~moejax.kernels.chunk_union.fused_triton`: the fused forward as one Triton kernel
-  through ``jax_triton`` (guarded import; GPU only; BlockFFN's ``path="triton"``).
+  through ``jax_triton`` (guarded import; GPU only; BlockFFN's ``path="triton"``);
+* :mod:`~moejax.kernels.chunk_union.decode`: one chunk of 1 to 64 tokens at decode in two
+  launches (the union, then the experts over (union slot, F block) with early exit; TPU, and
+  interpret mode on CPU), forward only.
 """
 
 from moejax.kernels.chunk_union.pallas import chunk_union_pallas

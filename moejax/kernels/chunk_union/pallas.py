@@ -26,7 +26,8 @@ activations, at most the dense path's ``[N, E, F]``.
 :mod:`moejax.kernels.chunk_union.fused_triton` through ``jax_triton`` (GPU and the ``gpu`` extra);
 its backward is the one above. ``interpret=True`` (or lowering for the CPU) runs the Mosaic
 kernels in Pallas interpret mode: for tests. :func:`chunk_union_auto` is the path for models:
-the jnp loop on the CPU, these kernels on GPU and TPU.
+the jnp loop on the CPU, these kernels on GPU and TPU, and on TPU the decode kernels
+(:mod:`moejax.kernels.chunk_union.decode`) for one exact chunk of at most 64 tokens.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.chunk_union.decode import MAX_CHUNK, chunk_union_decode
 from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
 from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions"]
+__all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions",
+           "decode_chunk"]
 
 BACKENDS = ("pallas", "triton")
 
@@ -192,12 +195,44 @@ def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
                               backend="pallas", interpret=interpret)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret):
+    """One chunk through the decode kernels (:mod:`moejax.kernels.chunk_union.decode`); its
+    gradient, where one is asked for, recomputes the chunk through the pair kernels."""
+    return chunk_union_decode(x_nD, a_nE, active_nE, w_up, w_down, w_gate,
+                              activation=activation, interpret=interpret)
+
+
+def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret):
+    y = decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret)
+    return y, (x_nD, a_nE, active_nE, w_up, w_down, w_gate)
+
+
+def _decode_bwd(activation, interpret, res, ct):
+    x_nD, a_nE, active_nE, w_up, w_down, w_gate = res
+
+    def pairs(x, a, wu, wd, wg):
+        return chunk_union_kernel(x, a, active_nE, wu, wd, wg, activation=activation,
+                                  tile=x.shape[0], max_union=a.shape[-1],
+                                  interpret=interpret)[0]
+
+    dx, da, dwu, dwd, dwg = jax.vjp(pairs, x_nD, a_nE, w_up, w_down, w_gate)[1](ct)
+    return dx, da, None, dwu, dwd, dwg
+
+
+decode_chunk.defvjp(_decode_fwd, _decode_bwd)
+
+
 def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
                      tile: int, max_union: int):
     """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
     loop (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the
-    Pallas kernels on GPU and TPU."""
+    Pallas pair kernels on GPU and TPU; on TPU a single exact chunk of at most
+    ``MAX_CHUNK`` tokens (batch-1 decoding, a verified draft block) takes the decode kernels
+    (:func:`decode_chunk`) instead."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
+    N, E = a_NE.shape
+    decode = N <= min(tile, MAX_CHUNK) and max_union == E
 
     def jnp_path(x, a, act, wu, wd, wg):
         y, o = chunk_union_experts(x, a, act, wu, wd, wg, activation, tile=tile,
@@ -208,5 +243,10 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         return chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation, tile=tile,
                                   max_union=max_union)
 
+    def tpu_path(x, a, act, wu, wd, wg):
+        if not decode:
+            return kernel_path(x, a, act, wu, wd, wg)
+        return decode_chunk(x, a, act, wu, wd, wg, activation, False), jnp.zeros((), jnp.float32)
+
     return jax.lax.platform_dependent(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
-                                      cpu=jnp_path, default=kernel_path)
+                                      cpu=jnp_path, tpu=tpu_path, default=kernel_path)
