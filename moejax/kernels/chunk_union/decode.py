@@ -35,7 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode", "chunk_union_ids", "MAX_CHUNK", "F_BLOCK"]
+__all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "MAX_CHUNK",
+           "F_BLOCK"]
 
 MAX_CHUNK = 64  # tokens per chunk: a decoded token up to a long verified draft block
 F_BLOCK = 256  # expert-width columns per program (a multiple of 128 for the MXU)
@@ -160,12 +161,17 @@ def _check(x_nD, a_nE, active_nE, w_up, w_down, w_gate):
                          f"{MAX_CHUNK} (longer inputs: the pair kernels, chunk_union_kernel)")
     if a_nE.shape != (n, E) or active_nE.shape != (n, E):
         raise ValueError(f"a {a_nE.shape} and active {active_nE.shape} must be {(n, E)}")
-    F = w_up.shape[-1]
+    check_expert_weights(x_nD.shape, E, w_up, w_down, w_gate)
+
+
+def check_expert_weights(x_shape, E: int, w_up, w_down, w_gate) -> None:
+    """Refuse expert weights whose shapes do not fit ``x [N, D]`` and ``E`` experts."""
+    D, F = x_shape[-1], w_up.shape[-1]
     want = {"w_up": (E, D, F), "w_down": (E, F, D), "w_gate": (E, D, F)}
     for name, w in (("w_up", w_up), ("w_down", w_down), ("w_gate", w_gate)):
         if w is not None and tuple(w.shape) != want[name]:
-            raise ValueError(f"{name} {tuple(w.shape)} must be {want[name]} for x {(n, D)} "
-                             f"and {E} experts")
+            raise ValueError(f"{name} {tuple(w.shape)} must be {want[name]} for x "
+                             f"{tuple(x_shape)} and {E} experts")
 
 
 def chunk_union_decode(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *, activation: str,

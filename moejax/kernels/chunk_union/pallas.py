@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.chunk_union.decode import MAX_CHUNK, chunk_union_decode
+from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, chunk_union_decode
 from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
 from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
 from moejax.ops.activations import activation_fn
@@ -164,13 +164,7 @@ def _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union):
     E = a_NE.shape[-1]
     if not 1 <= max_union <= E or tile < 1:
         raise ValueError(f"max_union={max_union} must be in [1, {E}] and tile={tile} >= 1")
-    N, D = x_ND.shape
-    F = w_up.shape[-1]
-    want = {"w_up": (E, D, F), "w_down": (E, F, D), "w_gate": (E, D, F)}
-    for name, w in (("w_up", w_up), ("w_down", w_down), ("w_gate", w_gate)):
-        if w is not None and tuple(w.shape) != want[name]:
-            raise ValueError(f"{name} {tuple(w.shape)} must be {want[name]} for x {(N, D)} "
-                             f"and {E} experts")
+    check_expert_weights(x_ND.shape, E, w_up, w_down, w_gate)
 
 
 def chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
