@@ -59,3 +59,10 @@ def test_no_module_name_is_shared_between_ops_and_kernels():
             p.name for p in (ROOT / layer).rglob("*") if p.is_dir() and p.name != "__pycache__"}
 
     assert names("ops") & names("kernels") == set()
+
+
+def test_the_library_never_imports_the_studies():
+    """Shared helpers live in the library; ``experiments/`` is the top layer."""
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted(ROOT.rglob("*.py"))
+           for m in _imports(p) if m.split(".")[0] == "experiments"]
+    assert bad == []
