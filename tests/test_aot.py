@@ -84,6 +84,23 @@ def test_prove_step_exports_for_both_platforms_and_reads_the_size():
         row["flops_per_step"] * 500 / (UTILISATION * H100_BF16_FLOPS) / 3600)
 
 
+def test_gradient_accumulation_does_not_change_the_step_flops():
+    """XLA counts the micro-batch loop's body once; the proof counts the whole step (a dense
+    model: no per-micro-batch expert padding; 384 tokens a step, so the optimizer's FLOPs,
+    counted once per micro-batch, stay within the tolerance)."""
+    cfg = DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2,
+                        ffn_slots=(DenseFFNConfig(d_hidden=64, activation="swiglu"),) * 2,
+                        max_seq_len=64)
+    rows = []
+    for accum in (1, 4):
+        with capture_steps(steps=0) as captured:
+            train(DecoderLM(cfg, rngs=nnx.Rngs(0)), ToySource(batch_size=64),
+                  TrainConfig(steps=10, batch_size=64, grad_accum=accum))
+        rows.append(prove_step(captured[0]))
+    assert rows[1]["flops_per_step"] == pytest.approx(rows[0]["flops_per_step"], rel=0.05)
+    assert rows[1]["gpu_hours"] == pytest.approx(rows[0]["gpu_hours"], rel=0.05)
+
+
 def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
     full) runs as a smoke run to its end while its training step and its decode step are

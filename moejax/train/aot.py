@@ -11,7 +11,10 @@ the run is read from XLA.
   experts in plain jnp (:func:`moejax.kernels.moe_dispatch.experts_in_xla`, the ``grouped``
   path: the expert matmuls plus at most a tile of padding per expert). Work left inside
   custom calls or host callbacks is not in it; ``uncounted_calls`` says how many such calls
-  remain, so a nonzero count makes the FLOPs a lower bound;
+  remain, so a nonzero count makes the FLOPs a lower bound. XLA counts a loop's body once,
+  so with gradient accumulation (the micro-batches' ``lax.scan``) the count is multiplied by
+  ``grad_accum`` (the optimizer update outside the loop, some 10 FLOPs per parameter, is then
+  counted ``grad_accum`` times: negligible beside 6 per parameter per token);
 - ``peak_GB``: XLA's buffer assignment of that step compiled for the CPU at the same shapes
   (arguments + outputs + temporaries - donated), the per-device memory the step needs;
   ``activations_GB`` is its temporaries;
@@ -79,7 +82,7 @@ def prove_step(c: CapturedStep, platforms=("cuda", "tpu")) -> dict:
         lowered = c.step.lower(c.state, c.batch)
     cost = lowered.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
-    flops = float(cost.get("flops", 0.0))
+    flops = float(cost.get("flops", 0.0)) * c.cfg.grad_accum  # the scan's body counted once
     uncounted = sum(n for k, n in _calls(lowered.as_text()).items() if k != "Sharding")
     peak, temp = _peak(lowered.compile())
     row = {"run": c.label or "train",
