@@ -150,11 +150,12 @@ def _aot(study: Study, out: Path, overrides=(), report: Path | None = None) -> d
 
 
 def _shapes(c) -> tuple:
-    """What makes two captured runs or decode calls the same program: the kind and the
-    shapes of what it takes (and a decode's static arguments)."""
+    """What makes two captured runs or decode calls the same program: the kind, the shapes of
+    what it takes, a step's ``program`` (a benchmark's dispatch path) and a decode's static
+    arguments and model structure."""
     args = (c.state, c.batch) if isinstance(c, CapturedStep) else c.args
     leaves = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
-    static = () if isinstance(c, CapturedStep) else (
+    static = (c.program,) if isinstance(c, CapturedStep) else (
         getattr(c.fn, "__name__", ""), sorted(c.static.items(), key=str),
         # the models' structure (graphdefs): e.g. a dense and a chunk-sparse path of one model
         tuple(hash(a) for a in c.args if not jax.tree.leaves(a) or not isinstance(

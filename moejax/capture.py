@@ -35,14 +35,15 @@ from typing import Any
 import jax
 
 __all__ = ["CapturedStep", "CapturedDecode", "capture_steps", "active_capture",
-           "record_decode", "abstract"]
+           "record_decode", "record_step", "abstract"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CapturedStep:
     """One training run's step: ``step`` (from :func:`moejax.train.step.make_train_step`,
     with ``.jitted(state)``), its ``mesh``, abstract ``state`` and ``batch``, its
-    ``TrainConfig`` and the run's label."""
+    ``TrainConfig``, the run's label and ``program`` (set where steps of the same shapes are
+    different programs, e.g. a benchmark's dispatch paths)."""
 
     label: str
     step: Any
@@ -50,6 +51,7 @@ class CapturedStep:
     state: Any
     batch: Any
     cfg: Any
+    program: str = ""  # what else tells this program apart from others of its shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,15 @@ def record_decode(label: str, fn, args: tuple, static: dict) -> None:
     if capture is not None:
         args = tuple(abstract(a) if _is_arrays(a) else a for a in args)
         capture.add(CapturedDecode(label, fn, args, dict(static)))
+
+
+def record_step(label: str, step, state, batch, cfg, *, mesh=None, program: str = "") -> None:
+    """Inside :func:`capture_steps`: record a training step that runs outside the training
+    loop (a benchmark's own timed loop) at its real shapes; outside: nothing."""
+    capture = _ACTIVE.get()
+    if capture is not None:
+        capture.add(CapturedStep(label, step, mesh, abstract(state), abstract(batch), cfg,
+                                 program))
 
 
 def _is_arrays(tree) -> bool:

@@ -226,3 +226,31 @@ def test_decode_calls_group_by_model_structure_not_only_by_shapes():
             sample(m, jnp.ones((1, 5), jnp.int32), jnp.array([5]), 4, key=jax.random.key(0))
     keys = [_shapes(c) for c in captured]
     assert keys[0] == keys[2] != keys[1]
+
+
+def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path(tmp_path):
+    """bench_dispatch times its steps outside the training loop: each path's step is recorded
+    at its real shapes, and paths of equal shapes stay apart (different kernels)."""
+    from experiments.benchmarks import dispatch as bench
+    from experiments.full_smoke import _shapes
+    from moejax.config import apply_overrides
+
+    cfg = apply_overrides(bench.make_config("quick"), [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.moe.n_experts=4", "model.moe.d_expert=32", "batch_size=2", "seq_len=16",
+        "warmup=1", "steps=1", "paths=(capacity,gmm)", "block_tokens=64", "block_d=16",
+        "block_f=32", "block_repeats=1", "block_paths=(capacity,)", "delta_tree=none",
+        "block_retain_memory=false"])
+    from moejax.results import RunDir
+
+    run = RunDir.create(tmp_path / "b", cfg, name="bench_dispatch")
+    with capture_steps() as captured:
+        bench.run(cfg, run)
+    run.close()
+    steps = [c for c in captured if isinstance(c, CapturedStep)]
+    # gmm is a GPU kernel: not timed on a CPU, yet recorded for the proof
+    assert [c.program for c in steps] == ["capacity", "gmm"]
+    assert jax.tree.leaves(steps[0].batch)[0].shape == (2, 16)
+    assert _shapes(steps[0]) != _shapes(steps[1])
+    row = prove_step(steps[1], platforms=("cuda",))
+    assert int(row["cuda_kernels"]) >= 6 and row["flops_per_step"] > 0, row

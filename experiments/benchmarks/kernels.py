@@ -2,14 +2,14 @@
 
 (a) ``ffn``: one BlockFFN layer's experts on a chunk of ``n`` tokens whose union of active
 experts is a fraction ``|U| / E`` of the experts (:func:`moejax.bench.timing.union_activations`,
-every token active on every union expert). Paths: ``dense`` (every expert), ``dense_union``
-(the dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping),
-``ragged`` (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union``
-and ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``),
-the kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode,
-which is no speed measurement, so their rows say "not measured"), and ``decode`` (the two-launch
-decode kernels of :mod:`moejax.kernels.chunk_union.decode`, exact union; TPU only). Bound: ``dense time x |U|
-/ E``, and the memory floor: the bytes of the union's expert weights over this device's
+every token active on every union expert). Paths: ``dense`` (every expert), ``dense_union`` (the
+dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping), ``ragged``
+(``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union`` and
+``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``), the
+kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode, which is no
+speed measurement, so their rows say "not measured"), and ``decode`` (the two-launch decode
+kernels of :mod:`moejax.kernels.chunk_union.decode`, exact union; TPU only). Bound: ``dense time
+x |U| / E``, and the memory floor: the bytes of the union's expert weights over this device's
 bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written) in the same
 device loop (``x_floor``: time over that floor). Times are device time per call
 (:func:`moejax.bench.timing.time_device_loop`), with the L2 cache flushed between calls where
