@@ -254,3 +254,21 @@ def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path
     assert _shapes(steps[0]) != _shapes(steps[1])
     row = prove_step(steps[1], platforms=("cuda",))
     assert int(row["cuda_kernels"]) >= 6 and row["flops_per_step"] > 0, row
+
+
+def test_the_grouped_kernel_paths_are_counted_as_the_work_their_kernels_do():
+    """tokamax and gmm lowered for a CPU are a dense fallback and an interpret loop; the
+    proof counts them as the grouped expert matmuls, so every dropless kernel path gets the
+    same FLOPs and a peak that is not the dense fallback's."""
+    rows = {}
+    for path in ("grouped", "tokamax", "gmm"):
+        cfg = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64,
+                          moe=MoEConfig(n_experts=8, top_k=2, d_expert=32, dispatch=path))
+        with capture_steps(steps=0) as captured:
+            train(DecoderLM(cfg.decoder_config(), rngs=nnx.Rngs(0)), ToySource(batch_size=8),
+                  TrainConfig(steps=10, batch_size=8))
+        rows[path] = prove_step(captured[0], platforms=("cuda",))
+    for path in ("tokamax", "gmm"):
+        assert rows[path]["flops_per_step"] == pytest.approx(rows["grouped"]["flops_per_step"])
+        assert rows[path]["peak_GB"] == pytest.approx(rows["grouped"]["peak_GB"], rel=0.05)
+    assert int(rows["gmm"]["cuda_kernels"]) >= 6  # the export still holds the kernels

@@ -130,8 +130,10 @@ _IN_XLA = jax.make_user_context(False)
 
 def experts_in_xla():
     """While tracing inside this block, ``"auto"`` on a CPU runs the plain-jnp ``"grouped"``
-    path instead of the host kernel, so XLA sees the experts' work: its cost and memory
-    analyses then count the expert matmuls (a host callback is opaque to them). Same values;
+    path instead of the host kernel, and so do ``"tokamax"`` and ``"gmm"`` (lowered for a CPU
+    they are a dense fallback over every expert and an interpret-mode loop, neither what their
+    GPU and TPU kernels do), so XLA sees the experts' work: its cost and memory analyses then
+    count the expert matmuls (a host callback is opaque to them). Same values;
     for ahead-of-time estimates (:mod:`moejax.train.aot`), not for speed. Part of jax's
     tracing cache key, so an already traced step is traced again inside it."""
     return _IN_XLA(True)
@@ -218,6 +220,8 @@ def dispatch(
     if path is None:
         raise ValueError(f"unknown dispatch method {method!r}; allowed: 'auto', "
                          + ", ".join(repr(k) for k in PATHS))
+    if method in ("tokamax", "gmm") and _IN_XLA.value:  # the kernels' work, as XLA can count it
+        path = _grouped
     kw = {"widths_E": expert_widths_E} if expert_widths_E is not None and (
         method in _TAKE_WIDTHS) else {}
     return path(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF,
