@@ -1,0 +1,9 @@
+"""What the benchmarks measure, as library functions (the benchmark modules under
+``experiments/benchmarks/`` are their recipes):
+
+* :mod:`~moejax.bench.timing`: host and device timing of jitted calls, why a kernel path has
+  no measurement here, synthetic BlockFFN activation patterns;
+* :mod:`~moejax.bench.cpu`: the matmul rate, one MoE block forward + backward and its PyTorch
+  peer, the delta operations;
+* :mod:`~moejax.bench.decode`: decode timing and the grown speculative-decoding target.
+"""
