@@ -81,7 +81,6 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
     " std" / "_std": the mean of the runs' spreads); a text column that differs lists the
     runs' values joined by " / " (a sign the rows were not aligned). ``None`` when the runs'
     tables differ in row count or columns (e.g. a seed-dependent number of rows)."""
-    import numpy as np
 
     first = tables[0]
     cols = columns_of(first, None)
@@ -97,11 +96,9 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
             if same:
                 row[c] = vals[0]
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-                x = np.asarray(vals, np.float64)
-                row[c] = float(np.nanmean(x)) if not np.isnan(x).all() else float("nan")
+                row[c], sd = mean_std(vals)
                 if not _is_spread(c):
-                    row[_std_name(c, cols)] = float(np.nanstd(x, ddof=1)) \
-                        if (~np.isnan(x)).sum() > 1 else 0.0
+                    row[_std_name(c, cols)] = sd
                     varies.add(c)
             else:
                 row[c] = " / ".join(str(v) for v in vals)

@@ -48,7 +48,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import moejax.train.mesh as mesh_lib
-from moejax.capture import CapturedStep, abstract, active_capture
+from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.kernels.host.memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
@@ -396,8 +396,7 @@ class _Run:
         if capture is None:
             return self.cfg.steps, None
         batch = assemble(local_batch(self.source, self.position), self.mesh)
-        capture.add(CapturedStep(self.opts.desc, self.step_fn, self.mesh, abstract(self.state),
-                                 abstract(batch), self.cfg))
+        record_step(self.opts.desc, self.step_fn, self.state, batch, self.cfg, mesh=self.mesh)
         end = (self.cfg.steps if capture.steps is None
                else min(self.cfg.steps, self.start + capture.steps))
         return end, capture.rows
