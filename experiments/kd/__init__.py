@@ -1,2 +1,2 @@
 """Distillation from an MoE teacher ("Every Expert Matters", Kim et al. 2025): KD, GKD, ALL,
-KA and SAR (``moe_kd``)."""
+KA and SAR (``moe_kd``, its sweeps in ``sweeps``)."""
