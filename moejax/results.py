@@ -101,7 +101,9 @@ class RunDir:
         columns: Sequence[str] | None = None,
         floatfmt: str = ".4g",
     ) -> str:
-        """Write ``<stem>.csv`` (full precision) and ``<stem>.md``; return the markdown."""
+        """Write ``<stem>.csv`` (full precision) and ``<stem>.md``; return the markdown.
+        Writing a stem again replaces its files and its entry in the summary (a table
+        rewritten as rows arrive is listed once)."""
         cols = columns_of(rows, columns)
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
@@ -112,7 +114,12 @@ class RunDir:
         md = markdown_table(rows, cols, floatfmt)
         title = title or stem
         atomic_write_text(self.path / f"{stem}.md", f"### {title}\n\n{md}")
-        self.tables.append((title, f"{stem}.md", f"{stem}.csv"))
+        entry = (title, f"{stem}.md", f"{stem}.csv")
+        at = next((i for i, t in enumerate(self.tables) if t[1] == entry[1]), None)
+        if at is None:
+            self.tables.append(entry)
+        else:
+            self.tables[at] = entry
         return md
 
     # -- plots -------------------------------------------------------------------------

@@ -186,3 +186,14 @@ def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
         assert sd == (pytest.approx(kept.std(ddof=1), rel=1e-12, abs=1e-12) if len(kept) > 1
                       else 0.0)
         assert mean_std(list(x + 3.0))[1] == pytest.approx(sd, rel=1e-9, abs=1e-9)  # shift
+
+
+def test_a_table_written_again_is_replaced_not_listed_twice(tmp_path):
+    run = RunDir.create(tmp_path / "r", name="r")
+    run.table("first", [{"a": 1}], title="First")
+    run.table("rows", [{"n": 1}], title="Rows")
+    run.table("rows", [{"n": 1}, {"n": 2}], title="Rows")
+    assert [t[1] for t in run.tables] == ["first.md", "rows.md"]
+    assert (tmp_path / "r" / "rows.csv").read_text().splitlines() == ["n", "1", "2"]
+    summary = run.finish("h").read_text()
+    assert summary.count("### Rows") + summary.count("#### Rows") == 1

@@ -54,18 +54,20 @@ def test_decode_timing_autoregressive_and_speculative_agree():
     np.testing.assert_array_equal(ar["tokens"][:, :5], np.asarray(prompts))
 
 
-def test_bench_speculative_tiny(tmp_path):
-    from experiments.benchmarks import speculative as mod
-    from moejax.experiment import run_experiment
-
-    args = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",
+TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",
             "draft.d_model=16", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "draft_lens=(2,)", "n_prompts=1", "prompt_len=8", "max_new_tokens=6",
             "grow.extra_layers=1", "grow.n_experts=8", "grow.d_expert=8",
             "drafts.distil.prompts=4", "drafts.distil.prompt_len=8",
             "drafts.distil.response_len=6", "drafts.distil.train.steps=2",
             "drafts.distil.train.warmup_steps=1", "drafts.distil.train.batch_size=4"]
-    summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args,
+
+
+def test_bench_speculative_tiny(tmp_path):
+    from experiments.benchmarks import speculative as mod
+    from moejax.experiment import run_experiment
+
+    summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, TINY,
                                   claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"trained", "grown"}
@@ -83,3 +85,24 @@ def test_bench_speculative_tiny(tmp_path):
     assert claim["verdict"] == "not measured" and "100M" in claim["evidence"]
     with pytest.raises(ConfigError, match="self_layers"):  # the whole trained target: no
         mod.make_config("quick").replace(drafts=mod.DraftsConfig(self_layers=2))
+
+
+def test_a_stopped_speculative_bench_keeps_the_rows_it_timed(tmp_path, monkeypatch):
+    """A run cut short (a GPU command's time limit) leaves every decoding timed before it."""
+    from experiments.benchmarks import speculative as mod
+    from moejax.experiment import run_experiment
+
+    calls, real = [], mod.decode_timing
+
+    def stop_at_the_fourth(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise TimeoutError("the command's time limit")
+        return real(*a, **k)
+
+    monkeypatch.setattr(mod, "decode_timing", stop_at_the_fourth)
+    with pytest.raises(TimeoutError):
+        run_experiment(mod.STUDY.name, mod.make_config, mod.run, TINY, claims=mod.claims,
+                       out=tmp_path / "b")
+    rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
+    assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense"]

@@ -40,13 +40,13 @@ from moejax.bench.cpu import (
     torch_moe_block_s,
     tree_of_shapes,
 )
-from moejax.bench.timing import kernel_unavailable, time_call
+from moejax.bench.timing import kernel_unavailable, time_call, time_device_loop
 from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
-from moejax.kernels.moe_dispatch import PATHS
+from moejax.kernels.moe_dispatch import PATHS, resolve_dispatch
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
@@ -96,7 +96,7 @@ class BenchConfig(Config):
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
 
     def validate(self):
-        allowed = tuple(PATHS)
+        allowed = ("auto", *PATHS)
         bad = [p for p in self.paths if p not in allowed]
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
@@ -110,7 +110,7 @@ def make_config(preset: str) -> BenchConfig:
     return cfg.replace(
         model=cfg.model.replace(d_model=1024, n_heads=8, n_kv_heads=8,
                                 moe=cfg.model.moe.replace(n_experts=16, d_expert=1408)),
-        paths=("capacity", "tokamax", "gmm", "bucketed", "ragged", "dense"),
+        paths=("auto", "capacity", "tokamax", "gmm", "bucketed", "ragged", "dense"),
         batch_size=8, seq_len=2048, warmup=2, steps=10, precision="bfloat16")
 
 
@@ -163,6 +163,7 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     tokens = cfg.batch_size * cfg.seq_len
     return {
         "path": path,
+        "runs": resolve_dispatch(path),
         "params": n_params,
         "compile_plus_first_step_s": compile_s,
         "step_s_median": step_s,
@@ -212,12 +213,19 @@ def _block_times(cfg: BenchConfig) -> dict[str, float | None]:
                 if m.dispatch in cfg.block_paths and not kernel_unavailable(m.dispatch)]
     for name, mcfg in tqdm(runnable, desc="MoE block", leave=False):
         fn, args = moe_block_fwd_bwd(mcfg, cfg.block_d, cfg.block_tokens)
-        times[name] = time_call(fn, *args, repeats=cfg.block_repeats)["median_s"]
+        times[name] = _block_timer()(fn, *args, repeats=cfg.block_repeats)["median_s"]
     t, device = torch_moe_block_s(
         cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts, cfg.block_top_k,
         repeats=cfg.block_repeats, device="cuda" if jax.default_backend() == "gpu" else "cpu")
     times[f"{TORCH}, on {device})" if device else f"{TORCH})"] = t
     return times
+
+
+def _block_timer():
+    """On an accelerator the device time of a call (calls in one jitted loop, so a sub-
+    millisecond block is not timed as Python dispatch); on the CPU, whose host paths call
+    numpy, the wall time of one call."""
+    return time_call if jax.default_backend() == "cpu" else time_device_loop
 
 
 def _block_rows(times: dict, bound: float, rates: dict, suffix: str = "") -> list[dict]:
@@ -308,10 +316,15 @@ def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
             columns += ["ms_retained", "vs_torch_retained", "vs_flop_bound_retained"]
         else:
             block[-1]["note"] += "; retained-memory columns: not glibc, not measured"
+    how = ("wall time per call" if _block_timer() is time_call else
+           "device time per call (20 calls in one jitted loop)")
+    retained = ("; *_retained: measured again after moejax.kernels.host.memory."
+                "retain_freed_memory()" if "ms_retained" in columns else "")
     run.table("block", block, title=f"One MoE block fwd+bwd: {cfg.block_tokens} tokens, d "
               f"{cfg.block_d}, {cfg.block_experts} SwiGLU experts of width {cfg.block_f}, "
-              f"top-{cfg.block_top_k}, median of {cfg.block_repeats} ({_versions()}); "
-              "*_retained: measured again after moejax.kernels.host.memory.retain_freed_memory()",
+              f"top-{cfg.block_top_k}, float32 operands at each library's default matmul "
+              f"precision, {how}, median of {cfg.block_repeats} ({_versions()}); PyTorch: "
+              f"wall time of a step ending in a device synchronisation{retained}",
               columns=columns + ["note"])
     return block, max(rates.values())
 

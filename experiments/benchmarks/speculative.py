@@ -130,7 +130,9 @@ def _modes(target, drafts, cfg):
             yield "spec chunk-sparse", blockffn_path(target, "auto", n + 1), name, draft, n
 
 
-def _bench(name, target, drafts, prompts, cfg, rows):
+def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
+    """Time every decoding of ``target`` into ``rows``; the table is rewritten after each
+    row, so a run stopped by a time limit keeps the rows it measured."""
     ref, agree = None, {}
     total = 2 + len(cfg.draft_lens) * (len(drafts) + 1)
     # one path variant (a copy of the target's weights) alive at a time, not all of them
@@ -153,6 +155,7 @@ def _bench(name, target, drafts, prompts, cfg, rows):
         row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
                                          else sp["tls"] if mode == "AR token-sparse" else 0.0)
         rows.append(row)
+        run.table("decode", rows, title=DECODE_TITLE)
     mine = [r for r in rows if r["model"] == name]
     ar_sparse = next(r for r in mine if r["mode"] == "AR token-sparse")
     for r in mine:
@@ -204,10 +207,10 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
              f"tokens each, on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}).")
     rows: list[dict] = []
     drafts = _drafts(cfg, target, draft, train_src, run)
-    _bench("trained", target, drafts, prompts, cfg, rows)
+    _bench("trained", target, drafts, prompts, cfg, rows, run)
     if cfg.grow.extra_layers:
         _bench("grown", _grown(cfg, run, target, target_ev["tls"], val), drafts, prompts, cfg,
-               rows)
+               rows, run)
     _decode_table(run, rows)
     best = _best_notes(run, rows)
     if not all(r["same_tokens_as_AR"] for r in rows):
@@ -241,14 +244,18 @@ def _grown(cfg: SpecBenchConfig, run: RunDir, target, tls: float, val):
     return big
 
 
+DECODE_TITLE = (
+    "Batch-1 greedy decoding: tokens/s, acceptance, TLS and CLS of the verified blocks "
+    "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token, "
+    "1 - CLS per verified block; sparse_gain = tokens/s over the dense path of the same "
+    "decoding, gain_bound = the paper's bound 1 / ffn_fraction_bound, reached only if the "
+    "experts were all the time)")
+
+
 def _decode_table(run: RunDir, rows: list[dict]) -> None:
     """Every decoding's row, and per target a bar plot against AR dense and 1.5x AR
     token-sparse."""
-    run.table("decode", rows, title="Batch-1 greedy decoding: tokens/s, acceptance, TLS and "
-              "CLS of the verified blocks (ffn_fraction_bound = the share of expert work the "
-              "sparse path needs: 1 - TLS per token, 1 - CLS per verified block; sparse_gain = "
-              "tokens/s over the dense path of the same decoding, gain_bound = the paper's "
-              "bound 1 / ffn_fraction_bound, reached only if the experts were all the time)")
+    run.table("decode", rows, title=DECODE_TITLE)
     for name in ("trained", "grown"):
         sel = [r for r in rows if r["model"] == name]
         if not sel:
