@@ -95,18 +95,29 @@ class TransformerBlock(nnx.Module):
 
 def run_blocks(blocks, x_BTD: jax.Array, *, train: bool = False, key: jax.Array | None = None,
                positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None,
-               segment_ids_BT: jax.Array | None = None):
+               segment_ids_BT: jax.Array | None = None, remat: bool = False):
     """Apply ``blocks`` in order; ``key`` (if given) is split into one key per block.
-    ``segment_ids_BT`` (packed documents) is forwarded to every block.
+    ``segment_ids_BT`` (packed documents) is forwarded to every block. ``remat``: each block
+    under :func:`jax.checkpoint`, so a gradient keeps only the blocks' inputs and recomputes
+    one block's activations at a time in the backward (same values, one more forward).
 
     Returns ``(x_BTD, {"aux_loss": sum of the slots' aux_loss, "layers": per-block aux})``.
     """
     n = len(blocks)
     keys = jax.random.split(key, n) if key is not None else [None] * n
     layer_aux = []
+    def call(block, x_BTD, k):
+        return block(x_BTD, train=train, key=k, positions_BT=positions_BT, mask_BT=mask_BT,
+                     segment_ids_BT=segment_ids_BT)
+
+    def recomputed(block, x_BTD, k):  # blocks read their variables and write none
+        graphdef, state = nnx.split(block)
+        return jax.checkpoint(lambda st, x, kk: call(nnx.merge(graphdef, st), x, kk))(
+            state, x_BTD, k)
+
+    step = recomputed if remat else call
     for block, k in zip(blocks, keys):
-        x_BTD, aux = block(x_BTD, train=train, key=k, positions_BT=positions_BT,
-                           mask_BT=mask_BT, segment_ids_BT=segment_ids_BT)
+        x_BTD, aux = step(block, x_BTD, k)
         layer_aux.append(aux)
     layer_aux = tuple(layer_aux)
     return x_BTD, {"aux_loss": sum_aux_losses(layer_aux), "layers": layer_aux}

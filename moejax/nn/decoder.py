@@ -144,16 +144,19 @@ class DecoderLM(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, *, train: bool = False,
                  key: jax.Array | None = None, positions_BT: jax.Array | None = None,
-                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None):
+                 mask_BT: jax.Array | None = None, segment_ids_BT: jax.Array | None = None,
+                 remat: bool = False):
         """Full forward. Returns ``(logits_BTV float32, {"aux_loss", "layers"})``;
-        ``key`` (if given) is split into one key per layer for the FFN slots.
+        ``key`` (if given) is split into one key per layer for the FFN slots; ``remat``
+        recomputes each block's activations in a backward (:func:`moejax.nn.block.
+        run_blocks`).
 
         Packed rows: ``segment_ids_BT`` keeps attention inside each document and reaches the
         FFN slots; pass the packed ``positions_BT`` too so RoPE restarts per document (then
         each document's logits equal those of the document run alone)."""
         h, aux = run_blocks(self.blocks, self._embed(tokens_BT), train=train, key=key,
                             positions_BT=positions_BT, mask_BT=mask_BT,
-                            segment_ids_BT=segment_ids_BT)
+                            segment_ids_BT=segment_ids_BT, remat=remat)
         return self._head(h), aux
 
     def init_cache(self, batch: int, max_len: int) -> DecoderCache:

@@ -86,6 +86,10 @@ class DistillConfig(Config):
     sar_beta: float = 0.01
     router_lr: float = 1e-5
     router_weight_decay: float = 0.01  # AdamW's (PyTorch default, as the official code)
+    # SAR's router step differentiates the all-expert teacher through every layer; True
+    # recomputes one teacher block at a time in that backward instead of keeping every
+    # block's activations (same gradient, one more teacher forward)
+    sar_remat: bool = True
     eos_id: int = 2  # ends a sampled response (ByteTokenizer's EOS)
     pad_id: int = 0
 
@@ -203,8 +207,8 @@ def sar_router_step(pair: DistillPair, inputs, s_logits, mask, key, cfg: Distill
     s_fixed = jax.lax.stop_gradient(s_logits)
 
     def objective(pure):
-        logits, aux = nnx.merge(graphdef, _as_state(router, pure), rest)(inputs, train=True,
-                                                                         key=key)
+        logits, aux = nnx.merge(graphdef, _as_state(router, pure), rest)(
+            inputs, train=True, key=key, remat=cfg.sar_remat)
         kl = forward_kl(logits, s_fixed, mask, cfg.reduction)
         balance = _balance(aux)
         return kl + cfg.sar_beta * balance, (kl, balance)
