@@ -36,7 +36,7 @@ from pathlib import Path
 
 from experiments.main import REGISTRY
 from moejax import run_index
-from moejax.claims import Claim, claims_markdown
+from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
 from moejax.run_record import machine_info
@@ -162,7 +162,9 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
              f"- ran: {record['started']}, {record['wall_s']:.0f} s",
              f"- machine: {_machine(record.get('machine', {}))}", ""]
     if claims:
-        parts += ["Paper claims:", "", claims_markdown(claims)]
+        study = getattr(module, "STUDY", None)
+        scale = claims_scale(record.get("scale", ""), getattr(study, "paper_scale", ""))
+        parts += ["Paper claims:", "", claims_markdown(claims, scale)]
     if head and not head.startswith("_wall"):
         parts += [f"Headline: {head}", ""]
     runs = _PER_RUN.findall(summary)  # repeated runs: each one's headline

@@ -14,8 +14,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Claim", "claims_markdown", "lookup", "compare", "top_column", "paired", "paired_claim",
-           "paired_compare", "per_seed", "t_critical", "threshold_claim", "SEED_TABLES"]
+__all__ = ["Claim", "claims_markdown", "claims_scale", "lookup", "compare", "top_column",
+           "paired", "paired_claim", "paired_compare", "per_seed", "t_critical",
+           "threshold_claim", "SEED_TABLES"]
 
 # the key under which a repeated study's claims also get each seed run's tables (a list of
 # {table: rows}, seed order), beside the tables merged over the runs
@@ -43,9 +44,20 @@ class Claim(NamedTuple):
         return {True: "holds", False: "does not hold", None: "not measured"}[self.holds]
 
 
-def claims_markdown(claims: Sequence[Claim]) -> str:
-    """One line per claim: verdict in bold, the claim, the evidence."""
-    return "".join(f"- **{c.verdict}**: {c.claim} ({c.evidence})\n" for c in claims)
+def claims_scale(here: str, paper: str) -> str:
+    """The scale a verdict was reached at beside the paper's: ``"here: <here>; paper:
+    <paper>"`` (``""`` when neither is known)."""
+    if not (here or paper):
+        return ""
+    return (f"here: {here or 'no model trained by the run'}; "
+            f"paper: {paper or 'not stated'}")
+
+
+def claims_markdown(claims: Sequence[Claim], scale: str = "") -> str:
+    """One line per claim: verdict in bold, the claim, the evidence, and the scale
+    (:func:`claims_scale`) when given."""
+    tail = f" [scale {scale}]" if scale else ""
+    return "".join(f"- **{c.verdict}**: {c.claim} ({c.evidence}){tail}\n" for c in claims)
 
 
 def lookup(rows: Sequence[Mapping[str, Any]] | None, match: Mapping[str, Any],

@@ -58,6 +58,7 @@ from moejax.train.distributed import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices
 from moejax.train.run_lock import RunLockedError
+from moejax.train.scale import measure_scale
 from moejax.train.step import NonFiniteError
 
 __all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
@@ -172,10 +173,13 @@ def run_experiment(
     quick_repeat: int = 1,
     claims: ClaimsFn | None = None,
     smoke: Sequence[str] = (),
+    paper_scale: str = "",
 ) -> tuple[dict[str, Any], RunDir]:
     """Run a study once or over seeds (module docstring); ``claims(tables) -> [Claim]`` judges
     the paper's claims from a run's tables (every run's and the merged ones) into its
-    summary; ``smoke``: the study's own overrides for ``smoke=true``."""
+    summary, each beside the scale the run trained at (:func:`moejax.train.scale.
+    measure_scale`) and ``paper_scale``, the paper's; ``smoke``: the study's own overrides
+    for ``smoke=true``."""
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
     _check_devices(cfg)
     cfgs = [cfg]
@@ -184,29 +188,32 @@ def run_experiment(
     out = out or default_out
     started = time.time()
     if repeat == 1:
-        summary, run = _run_once(name, cfg, run_fn, out, claims)[:2]
+        summary, run = _run_once(name, cfg, run_fn, out, claims, paper_scale)[:2]
     else:
-        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims)
+        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims,
+                                   paper_scale)
     write_run_record(run.path, study=name, argv=argv, started=started, repeat=repeat,
-                     seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys})
+                     seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
+                     scale=run.scale)
     run_index.record(run.path)  # the results documents read the newest run from the index
     return summary, run
 
 
-def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims):
+def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale=""):
     repeat = len(cfgs)
     runs, summaries, heads = [], [], []
     t0 = time.time()
     for i, c in enumerate(cfgs):
         print(f"[{name}] seed run {i + 1}/{repeat}: "
               + ", ".join(f"{k}={_get(c, k)}" for k in seed_keys), flush=True)
-        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}", claims)
+        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}", claims,
+                                       paper_scale)
         _release_compiled()
         runs.append(run)
         summaries.append(summary)
         heads.append(head)
     return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0,
-                       claims)
+                       claims, paper_scale)
 
 
 def _release_compiled() -> None:
@@ -227,24 +234,28 @@ def _tables(path: Path) -> dict:
     return {k: v for k, v in read_tables(path).items() if k != "claims"}
 
 
-def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = ()) -> None:
+def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = (),
+           paper_scale: str = "") -> None:
     """The run's claims from its tables; a repeated study's merged run also hands each seed
     run's tables (:data:`moejax.claims.SEED_TABLES`), so that its claims pair the seeds."""
     if claims is not None:
         tables = _tables(run.path)
         if seed_runs:
             tables[SEED_TABLES] = [_tables(r.path) for r in seed_runs]
-        run.claims(claims(tables))
+        run.claims(claims(tables), paper_scale=paper_scale)
 
 
-def _run_once(name, cfg, run_fn, out: Path, claims=None) -> tuple[dict[str, Any], RunDir, str]:
+def _run_once(name, cfg, run_fn, out: Path, claims=None,
+              paper_scale: str = "") -> tuple[dict[str, Any], RunDir, str]:
     run = RunDir.create(out, cfg, name=name, lock=True)
     try:
         t0 = time.time()
-        summary = dict(run_fn(cfg, run) or {})
+        with measure_scale() as scale:
+            summary = dict(run_fn(cfg, run) or {})
+        run.scale = scale.text()
         summary.setdefault("wall_s", round(time.time() - t0, 1))
         headline = str(summary.pop("headline", ""))
-        _judge(run, claims)
+        _judge(run, claims, paper_scale=paper_scale)
         run.finish(headline)
     finally:
         run.close()
@@ -264,18 +275,21 @@ def _spread(key: str, vals: Sequence[float]) -> str:
     return f"{key} {mean:.4g} +/- {sd:.2g}"
 
 
-def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None):
+def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None,
+                paper_scale=""):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked."""
     top = RunDir.create(out, cfg, name=name, lock=True)
     try:
-        return _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims)
+        return _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims,
+                           paper_scale)
     finally:
         top.close()
 
 
-def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims):
+def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims, paper_scale=""):
     n = len(runs)
+    top.scale = runs[0].scale  # every seed run trains the same models
     top._t0 = time.time() - wall_s  # the summary's wall time covers every run
     top.note(f"{n} runs with {', '.join(seed_keys)} offset by 0..{n - 1}; tables: mean over "
              "the runs, with a sample std column for every value that varies "
@@ -302,7 +316,7 @@ def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims):
     for title, png in runs[0].plots:
         top.plots.append((f"{title} (seed run 0)", f"seed_0/{png}"))
     summary["wall_s"] = round(wall_s, 1)
-    _judge(top, claims, runs)
+    _judge(top, claims, runs, paper_scale)
     top.finish(f"Mean over {n} seed runs ({', '.join(seed_keys)})"
                + (": " + "; ".join(_spread(k, [s[k] for s in summaries])
                                    for k in _headline_keys(summaries)) + "."
@@ -320,6 +334,7 @@ def main(
     quick_repeat: int = 1,
     claims: ClaimsFn | None = None,
     smoke: Sequence[str] = (),
+    paper_scale: str = "",
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -332,7 +347,8 @@ def main(
         print(f"error: {e}", file=sys.stderr)
         return 2
     code = _run_main(name, make_config, run_fn, argv, seed_keys=seed_keys,
-                     quick_repeat=quick_repeat, claims=claims, smoke=smoke)
+                     quick_repeat=quick_repeat, claims=claims, smoke=smoke,
+                     paper_scale=paper_scale)
     if code and isinstance(peers, PeerWatch):  # failed: leave now, not waiting on the others
         sys.stdout.flush()
         sys.stderr.flush()

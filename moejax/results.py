@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moejax.claims import Claim, claims_markdown
+from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.config import Config, to_dict
 from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
 from moejax.plots import bar_figure, heatmap_figure, line_figure
@@ -59,6 +59,7 @@ class RunDir:
         self.tables: list[tuple[str, str, str]] = []  # (title, md file, csv file)
         self.plots: list[tuple[str, str]] = []  # (title, png file)
         self.notes: list[str] = []
+        self.scale = ""  # what the run trained (moejax.train.scale.RunScale.text)
         self._t0 = time.time()
         self._lock: RunLock | None = None
         self._pending_config: str | None = None
@@ -155,14 +156,17 @@ class RunDir:
     def note(self, text: str) -> None:
         self.notes.append(text)
 
-    def claims(self, claims: Sequence[Claim]) -> None:
+    def claims(self, claims: Sequence[Claim], paper_scale: str = "") -> None:
         """The paper's claims and whether this run supports each: ``claims.csv`` / ``.md``
-        and a section of the summary."""
+        and a section of the summary; every verdict beside the scale it was reached at
+        (:attr:`scale`, what the run trained) and ``paper_scale`` (the paper's)."""
         if not claims:
             return
-        self.table("claims", [{"claim": c.claim, "verdict": c.verdict, "evidence": c.evidence}
-                              for c in claims], title="Paper claims")
-        self.note("Paper claims:\n\n" + claims_markdown(claims))
+        scale = claims_scale(self.scale, paper_scale)
+        self.table("claims", [{"claim": c.claim, "verdict": c.verdict, "evidence": c.evidence,
+                               **({"scale": scale} if scale else {})} for c in claims],
+                   title="Paper claims")
+        self.note("Paper claims:\n\n" + claims_markdown(claims, scale))
 
     def finish(self, headline: str = "") -> Path:
         """Write ``summary.md`` (headline, notes, every table inline, every plot embedded)."""

@@ -16,7 +16,9 @@ proofs need to know about it, in one frozen value at the end of its module.
   ``quick_repeat``: how many seed runs ``make studies`` makes of the quick preset;
 * ``smoke``: the study's own cuts for ``smoke=true`` (what it counts, :mod:`moejax.smoke`);
   ``smoke_depth``: the reduced depth a smoke run takes where the full preset cannot fit a
-  24 GB host (fewer layers, every layer's shape kept; the smoke tables say so).
+  24 GB host (fewer layers, every layer's shape kept; the smoke tables say so);
+* ``paper_scale``: the models (and data) the paper measured its claims on, printed beside
+  every verdict with the scale the run trained at (:mod:`moejax.train.scale`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Study:
     quick_repeat: int = 1
     smoke: tuple[str, ...] = ()
     smoke_depth: tuple[str, ...] = ()
+    # the models and data the paper's claims were measured on, printed beside every verdict
+    paper_scale: str = ""
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -68,9 +72,11 @@ class Study:
         return run_experiment(self.name, self.make_config, self.run, argv, out=out,
                               seed_keys=self.seed_keys,
                               quick_repeat=self.quick_repeat if repeat_quick else 1,
-                              claims=self.claims, smoke=self.smoke_cuts)
+                              claims=self.claims, smoke=self.smoke_cuts,
+                              paper_scale=self.paper_scale)
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         """``python -m experiments.<name> key=value ...`` (:func:`moejax.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
-                    quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts)
+                    quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
+                    paper_scale=self.paper_scale)

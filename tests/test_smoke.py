@@ -85,7 +85,7 @@ def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
     assert smoke_config(code).init_preset == "full_smoke"  # idempotent
 
 
-def test_the_loop_reports_each_runs_parameters_and_tokens_per_step():
+def test_the_loop_reports_each_runs_parameters_tokens_per_step_and_steps():
     seen = []
 
     def listen(event, value, **_):
@@ -101,4 +101,5 @@ def test_the_loop_reports_each_runs_parameters_and_tokens_per_step():
         jax.monitoring.unregister_scalar_listener(listen)
     source = ToySource(batch_size=4)
     assert seen == [("/moejax/train/params", float(n_params)),
-                    ("/moejax/train/tokens_per_step", float(source.batch(0)["mask"].size))]
+                    ("/moejax/train/tokens_per_step", float(source.batch(0)["mask"].size)),
+                    ("/moejax/train/steps", 2.0)]

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from experiments.blockffn import PAPER_SCALE
 from moejax.bench.decode import (
     blockffn_path,
     decode_timing,
@@ -324,6 +325,7 @@ STUDY = Study(
     # smoke=true at reduced depth: the grown target's 24 extra layers (2.0B parameters) need more
     # than this CPU's 24 GB; 8 of them keep every layer's shape
     smoke_depth=("grow.extra_layers=8",),
+    paper_scale=PAPER_SCALE,
 )
 
 

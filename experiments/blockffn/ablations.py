@@ -14,6 +14,7 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
+from experiments.blockffn import PAPER_SCALE
 from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
 from moejax.results import RunDir
@@ -104,6 +105,7 @@ STUDY = Study(
     "blockffn_ablations", make_config, run, claims=claims,
     seed_keys=("train.seed",),
     quick_repeat=5,
+    paper_scale=PAPER_SCALE,
 )
 
 

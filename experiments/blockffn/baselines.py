@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from experiments.blockffn import PAPER_SCALE
 from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
 from moejax.ops.sparsity_metrics import CHUNK_LENS
@@ -258,6 +259,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 STUDY = Study(
     "blockffn_baselines", make_config, run, claims=claims,
+    paper_scale=PAPER_SCALE,
 )
 
 

@@ -6,6 +6,7 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
+from experiments.blockffn import PAPER_SCALE
 from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
 from moejax.results import RunDir
@@ -101,6 +102,7 @@ STUDY = Study(
     "blockffn_granularity", make_config, run, claims=claims,
     seed_keys=("train.seed",),
     quick_repeat=5,
+    paper_scale=PAPER_SCALE,
 )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import jax
 
+from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
 from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
@@ -390,6 +391,7 @@ STUDY = Study(
     seed_keys=("seed",),
     quick_repeat=5,
     smoke=("large_seeds=1", "lora_seeds=1"),
+    paper_scale=PAPER_SCALE,
 )
 
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
 from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
@@ -219,6 +220,7 @@ STUDY = Study(
     seed_keys=("seed",),
     quick_repeat=5,
     smoke=("q_num=3",),
+    paper_scale=PAPER_SCALE,
 )
 
 

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
 from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
@@ -344,6 +345,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 STUDY = Study(
     "darex_encoder", make_config, run, claims=claims,
     smoke=("n_train=256", "n_val=32", "n_test=64", "seeds=1"),
+    paper_scale=PAPER_SCALE,
 )
 
 

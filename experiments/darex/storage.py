@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
@@ -298,6 +299,7 @@ STUDY = Study(
     seed_keys=("seed",),
     quick_repeat=5,
     smoke=("timing_repeats=1",),
+    paper_scale=PAPER_SCALE,
 )
 
 

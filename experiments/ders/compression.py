@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.ders import PAPER_SCALE
 from moejax.claims import Claim, lookup, per_seed, threshold_claim
 from moejax.config import Config, config
 from moejax.ders_compress import (
@@ -348,6 +349,7 @@ STUDY = Study(
     "ders_compression", make_config, run, claims=claims,
     seed_keys=("train.seed",),
     quick_repeat=5,
+    paper_scale=PAPER_SCALE,
 )
 
 

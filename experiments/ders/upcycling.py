@@ -26,6 +26,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from experiments.ders import PAPER_SCALE
 from moejax.claims import Claim, lookup
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
@@ -207,6 +208,7 @@ STUDY = Study(
     "ders_upcycling", make_config, run, claims=claims,
     seed_keys=("train.seed",),
     quick_repeat=5,
+    paper_scale=PAPER_SCALE,
 )
 
 

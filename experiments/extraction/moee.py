@@ -32,6 +32,7 @@ from typing import Literal
 
 import numpy as np
 
+from experiments.extraction import PAPER_SCALE
 from moejax.claims import Claim, compare, lookup
 from moejax.config import config
 from moejax.extract import (
@@ -412,6 +413,7 @@ STUDY = Study(
     "moee", make_config, run, claims=claims,
     smoke=("extract.n_tokens=2000", "record_rows=200", "stability_tokens=(2000,)", "seeds=1",
              "eval_rows=64"),
+    paper_scale=PAPER_SCALE,
 )
 
 

@@ -35,6 +35,7 @@ from typing import Literal, NamedTuple
 import jax
 import numpy as np
 
+from experiments.kd import PAPER_SCALE
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
 from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
@@ -448,6 +449,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 STUDY = Study(
     "moe_kd", make_config, run, claims=claims,
     smoke=("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1"),
+    paper_scale=PAPER_SCALE,
 )
 
 

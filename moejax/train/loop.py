@@ -48,6 +48,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import moejax.train.mesh as mesh_lib
+import moejax.train.scale as scale
 from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.kernels.host.memory import available_fraction, release_freed_memory
@@ -96,11 +97,13 @@ class FnSource:
         return self.fn(position)
 
 
-def _record_scale(params, batch) -> None:
-    """The run's size as ``jax.monitoring`` scalars: trained parameters and tokens (or rows)
-    per step. Listeners (the full-preset smoke runs) read them; without one it is a no-op."""
-    jax.monitoring.record_scalar("/moejax/train/params", float(count_params(params)))
-    jax.monitoring.record_scalar("/moejax/train/tokens_per_step", _tokens(batch))
+def _record_scale(params, batch, steps: int) -> None:
+    """The run's size as ``jax.monitoring`` scalars: trained parameters, tokens (or rows)
+    per step and the run's steps. Listeners (:func:`moejax.train.scale.measure_scale`, the
+    full-preset smoke runs) read them; without one it is a no-op."""
+    jax.monitoring.record_scalar(scale.PARAMS, float(count_params(params)))
+    jax.monitoring.record_scalar(scale.TOKENS_PER_STEP, _tokens(batch))
+    jax.monitoring.record_scalar(scale.STEPS, float(steps))
 
 
 def _tokens(batch) -> float:
@@ -408,7 +411,7 @@ class _Run:
             local = jax.tree.map(lambda x: x[:self.rows], local)
         if step == self.start:
             _check_token_ids(local, self.vocab_size)
-            _record_scale(self.state.params, local)
+            _record_scale(self.state.params, local, cfg.steps)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
         self.pending.append((step, self.position, _tokens(local), metrics))
         self.position += 1
