@@ -163,7 +163,8 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
              f"- machine: {_machine(record.get('machine', {}))}", ""]
     if claims:
         study = getattr(module, "STUDY", None)
-        scale = claims_scale(record.get("scale", ""), getattr(study, "paper_scale", ""))
+        here = record.get("scale", "not recorded by this run")  # runs before it was measured
+        scale = claims_scale(here, getattr(study, "paper_scale", ""))
         parts += ["Paper claims:", "", claims_markdown(claims, scale)]
     if head and not head.startswith("_wall"):
         parts += [f"Headline: {head}", ""]
