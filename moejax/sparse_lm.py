@@ -23,6 +23,7 @@ the CPython stdlib source bytes and scores it with :class:`moejax.evaluate.Spars
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal
 
 import numpy as np
@@ -40,9 +41,10 @@ from moejax.nn.remoe import ReMoEConfig
 from moejax.pytree import count_params
 from moejax.train.hparams import TrainConfig
 from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM
+from moejax.train.logs import read_csv
 from moejax.train.loop import train
 
-__all__ = ["Arch", "SparseLMConfig", "active_sets", "sparse_lm_preset", "data_sources",
+__all__ = ["Arch", "SparseLMConfig", "TrainedLM", "active_sets", "sparse_lm_preset", "data_sources",
            "train_and_evaluate", "summary_row"]
 
 Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
@@ -165,18 +167,35 @@ def data_sources(batch_size: int, seq_len: int, seed: int, eval_batches: int,
     return train_src, [val.batch(i) for i in range(eval_batches)]
 
 
+@config
+class TrainedLM(Config):
+    """What a checkpoint of :func:`train_and_evaluate` holds: the model and its training
+    (a resume into the same ``run_dir`` with either changed is refused)."""
+
+    model: SparseLMConfig = SparseLMConfig()
+    train: TrainConfig = TrainConfig()
+
+
 def train_and_evaluate(spec: SparseLMConfig, tcfg: TrainConfig, train_src, val_batches,
                        run_dir=None) -> dict:
     """Train one model from scratch (seed ``tcfg.seed``); its validation metrics
     (:class:`SparsityEvaluator`), ``params`` / ``ffn_params``, ``train_ce_last`` (mean of the
-    last 10 logged steps), ``lambda_final``, the ``history`` and the trained ``model``."""
+    last 10 logged steps), ``lambda_final``, the ``history`` and the trained ``model``.
+
+    ``run_dir``: checkpoints and logs there, so a stopped run resumes exactly and a finished
+    one is restored instead of trained again (its logged steps read back from
+    ``metrics.csv``; ``history`` holds this call's steps only)."""
     model = spec.build(tcfg.seed)
-    hist = train(model, train_src, tcfg, run_dir=run_dir, progress=True)
+    hist = train(model, train_src, tcfg, run_dir=run_dir, progress=True,
+                 config=TrainedLM(model=spec, train=tcfg))
+    logged = hist if run_dir is None else [
+        {k: float(v) for k, v in r.items() if v not in ("", None)}
+        for r in read_csv(os.path.join(run_dir, "metrics.csv"))]
     ev = SparsityEvaluator(val_batches, active_fn=functools.partial(active_sets, spec))(model)
     ev["params"] = count_params(model)
     ev["ffn_params"] = spec.n_layers * 2 * spec.d_model * spec.d_expert * spec.n_experts
-    ev["train_ce_last"] = float(np.mean([h["ce"] for h in hist[-10:]]))
-    ev["lambda_final"] = float(hist[-1].get("aux/lambda", float("nan")))
+    ev["train_ce_last"] = float(np.mean([h["ce"] for h in logged[-10:]]))
+    ev["lambda_final"] = float(logged[-1].get("aux/lambda", float("nan")))
     ev["history"] = hist
     ev["model"] = model
     return ev

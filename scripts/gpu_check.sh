@@ -7,7 +7,11 @@
 #   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply)
 #   grouped | kernels | dispatch | speculative | extracted
-#                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device)
+#                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device);
+#                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (the
+#                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
+#                than one command may run) and keeps its trained target and draft as
+#                checkpoints, so a stage stopped by STAGE_LIMIT resumes without training again
 # Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
 # and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
 # stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
@@ -63,7 +67,9 @@ for stage in $stages; do
         tests/test_speculative.py tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     grouped|kernels|dispatch|speculative|extracted)
-      timeout "$limit" "$py" -m "experiments.bench_$stage" preset=full \
+      args=()
+      [ "$stage" = speculative ] && args=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
+      timeout "$limit" "$py" -m "experiments.bench_$stage" preset=full "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;
   esac

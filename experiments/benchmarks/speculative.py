@@ -196,8 +196,10 @@ def _drafts(cfg, target, draft, train_src, run) -> dict:
 def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     tcfg = cfg.train.replace(seed=cfg.seed)
     train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, 2)
-    target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val)
-    draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val)
+    # checkpointed in the run directory: the same command again (a GPU command's time limit)
+    # restores the trained models and goes straight to the decodings
+    target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val, run.path / "target")
+    draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val, run.path / "draft")
     target, draft = target_ev["model"].lm, draft_ev["model"]
     prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in val])[:cfg.n_prompts]
     run.note(f"Target: the BlockFFN LM trained {tcfg.steps} steps on stdlib code "
