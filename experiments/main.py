@@ -7,7 +7,8 @@
 
 Suites: ``demo`` (``make demo``) trains the MoE LM and runs one cheap headline study per
 system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every study in
-``REGISTRY`` with its preset. A new study registers by adding its name and module (a module
+``REGISTRY`` with its preset, and at the quick preset each study's declared variants after it
+(``runs/studies/<study>_<variant>``). A new study registers by adding its name and module (a module
 with a :class:`moejax.study.Study` named ``STUDY``) to :data:`experiments.STUDIES`.
 """
 
@@ -23,8 +24,25 @@ from experiments import STUDIES, load_study
 from moejax.config import ConfigError
 from moejax.experiment import PRESETS
 from moejax.files import atomic_write_text
+from moejax.run_index import entry_name
 
 REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
+
+
+def entries(names=REGISTRY) -> list[tuple[str, str, str]]:
+    """``(entry, study, variant)`` of every study in ``names`` and its declared variants
+    (:attr:`moejax.study.Study.variants`), in suite order: what ``make studies`` runs and the
+    results documents hold, one section each (``entry``: ``study`` or ``study[variant]``;
+    its run directory under the suite's ``out`` is :func:`run_dirname`)."""
+    out = []
+    for name in names:
+        out.append((name, name, ""))
+        out += [(entry_name(name, v), name, v) for v, _ in load_study(name).variants]
+    return out
+
+
+def run_dirname(study: str, variant: str = "") -> str:
+    return f"{study}_{variant}" if variant else study
 
 
 # The tour: a trained MoE LM and one headline per system, a few CPU minutes in all.
@@ -73,6 +91,16 @@ def _parse(argv):
     return opts["preset"], Path(opts["out"]), jobs, opts["suite"]
 
 
+def _jobs_with_variants(jobs, preset: str, suite: str):
+    """``(study, overrides, variant)``: the suite's jobs, each study of ``suite=studies`` at
+    the quick preset followed by its declared variants."""
+    for name, overrides in jobs:
+        yield name, overrides, ""
+        if suite == "studies" and preset == "quick":
+            for variant, _ in load_study(name).variants:
+                yield name, overrides, variant
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -85,27 +113,29 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
     sections, failures = [], []
-    for name, overrides in jobs:
-        print(f"=== {name} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
+    for name, overrides, variant in _jobs_with_variants(jobs, preset, suite):
+        entry, sub = entry_name(name, variant), run_dirname(name, variant)
+        print(f"=== {entry} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
               flush=True)
         t0 = time.time()
         try:
             study = load_study(name)
             summary, run = study.run_experiment([f"preset={preset}", *overrides],
-                                                out=out / name,
-                                                repeat_quick=suite == "studies")
+                                                out=out / sub,
+                                                repeat_quick=suite == "studies",
+                                                variant=variant)
         except Exception:  # keep going: the report says which study failed and why
             tb = traceback.format_exc()
             print(tb, file=sys.stderr)
-            failures.append(name)
+            failures.append(entry)
             sections.append(
-                f"## {name}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n"
+                f"## {entry}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n"
             )
             continue
-        rel = Path(name) / "summary.md"
+        rel = Path(sub) / "summary.md"
         body = (out / rel).read_text()
         # Re-root relative links of the study's summary into the report directory.
-        body = _reroot(body, name)
+        body = _reroot(body, sub)
         sections.append(body + f"\n(full results: [{rel}]({rel}))\n")
         print(f"    done in {time.time() - t0:.1f} s", flush=True)
 

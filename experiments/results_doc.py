@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments.main import REGISTRY
+from experiments.main import REGISTRY, entries, run_dirname
 from moejax import run_index
 from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.config import ConfigError
@@ -71,7 +71,8 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str]:
         if not runs.is_dir():
             raise ConfigError(f"runs={runs} is not a directory; run the studies first "
                               "(make studies), or point runs= at their output")
-        paths = {name: runs / name for name in REGISTRY}
+        paths = {entry: runs / run_dirname(study, variant)
+                 for entry, study, variant in entries(REGISTRY)}
         source = f"runs={runs}"
     else:
         if opts["machine"] not in ("cpu", "gpu", "tpu"):
@@ -148,23 +149,25 @@ def _notes(summary: str) -> list[str]:
     return out
 
 
-def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[Claim]]:
+def _section(name: str, study: str, variant: str, path: Path, assets: Path,
+             rel: str) -> tuple[str, list[Claim]]:
+    """The section of ``name`` (a study, or ``study[variant]``) from its run in ``path``."""
     record = json.loads((path / "run.json").read_text())
     cfg = json.loads((path / "config.json").read_text())
     summary = (path / "summary.md").read_text()
-    module = importlib.import_module(f"experiments.{name}")
+    module = importlib.import_module(f"experiments.{study}")
     what = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
     head = summary.split("\n\n")[1].strip() if summary.count("\n\n") > 1 else ""
-    claims = _claims(name, path)
+    claims = _claims(study, path)
     parts = [f"## {name}\n", f"{what}\n",
              f"- command: `{record['command']}`",
              f"- seeds: {_seeds(record, cfg)}",
              f"- ran: {record['started']}, {record['wall_s']:.0f} s",
              f"- machine: {_machine(record.get('machine', {}))}", ""]
     if claims:
-        study = getattr(module, "STUDY", None)
+        declared = getattr(module, "STUDY", None)
         here = record.get("scale", "not recorded by this run")  # runs before it was measured
-        scale = claims_scale(here, getattr(study, "paper_scale", ""))
+        scale = claims_scale(here, getattr(declared, "paper_scale", ""))
         parts += ["Paper claims:", "", claims_markdown(claims, scale)]
     if head and not head.startswith("_wall"):
         parts += [f"Headline: {head}", ""]
@@ -177,13 +180,14 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
         parts += ["Notes of seed run 0:", ""]
     for para in notes:
         parts += [para, ""]
-    dest = assets / name
+    folder = run_dirname(study, variant)
+    dest = assets / folder
     dest.mkdir(parents=True, exist_ok=True)
     for csv_name in _TABLE_LINK.findall(summary):
         if csv_name == "claims.csv":
             continue
         shutil.copyfile(path / csv_name, dest / csv_name)
-        link = f"[{csv_name}]({rel}/{name}/{csv_name})"
+        link = f"[{csv_name}]({rel}/{folder}/{csv_name})"
         if csv_name == "summary.csv":  # its markdown was replaced by the run's summary
             parts += [f"Table: {link}", ""]
             continue
@@ -197,7 +201,7 @@ def _section(name: str, path: Path, assets: Path, rel: str) -> tuple[str, list[C
     for title, png in _PLOT.findall(summary):
         target = dest / png.replace("/", "_")
         shutil.copyfile(path / png, target)
-        parts += [f"![{title}]({rel}/{name}/{target.name})", ""]
+        parts += [f"![{title}]({rel}/{folder}/{target.name})", ""]
     return "\n".join(parts), claims
 
 
@@ -206,7 +210,8 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
     one directory, ``runs/<study>``); return its path."""
     if isinstance(runs, Path):
         source = source or f"runs={runs}"
-        runs = {name: runs / name for name in REGISTRY}
+        runs = {entry: runs / run_dirname(study, variant)
+                for entry, study, variant in entries(REGISTRY)}
     assets = _check_assets(list(runs.values()), out)
     if assets.exists():
         shutil.rmtree(assets)
@@ -214,7 +219,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
     (assets / ASSETS_MARKER).write_text("written by python -m experiments.results_doc; "
                                         "replaced whole on every rebuild\n")
     sections, overview, missing, running = [], [], [], []
-    for name in REGISTRY:
+    for name, study, variant in entries(REGISTRY):
         path = runs.get(name)
         if path is None:
             missing.append(name)
@@ -225,7 +230,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
         if not (path / "run.json").is_file() or not (path / "summary.md").is_file():
             missing.append(name)
             continue
-        text, claims = _section(name, path, assets, assets.name)
+        text, claims = _section(name, study, variant, path, assets, assets.name)
         sections.append(text)
         overview += [f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
     head = ["# moejax results", "",

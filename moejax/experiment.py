@@ -35,7 +35,7 @@ import errno
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,13 +174,20 @@ def run_experiment(
     claims: ClaimsFn | None = None,
     smoke: Sequence[str] = (),
     paper_scale: str = "",
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[dict[str, Any], RunDir]:
     """Run a study once or over seeds (module docstring); ``claims(tables) -> [Claim]`` judges
     the paper's claims from a run's tables (every run's and the merged ones) into its
     summary, each beside the scale the run trained at (:func:`moejax.train.scale.
     measure_scale`) and ``paper_scale``, the paper's; ``smoke``: the study's own overrides
-    for ``smoke=true``."""
+    for ``smoke=true``; ``variants``: the study's declared variants by name, which
+    ``variant=NAME`` on the command line selects (its overrides before the line's other keys;
+    its own run directory ``runs/<name>_<variant>``; the run index and the results documents
+    keep its newest run apart from the study's own)."""
+    given, (argv, variant) = list(argv), _variant(name, argv, variants or {})
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
+    if variant:
+        default_out = default_out.with_name(f"{default_out.name}_{variant}")
     _check_devices(cfg)
     cfgs = [cfg]
     if repeat > 1:  # fail before any compute on a bad seed key
@@ -192,11 +199,26 @@ def run_experiment(
     else:
         summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims,
                                    paper_scale)
-    write_run_record(run.path, study=name, argv=argv, started=started, repeat=repeat,
+    write_run_record(run.path, study=name, argv=given, started=started, repeat=repeat,
                      seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
-                     scale=run.scale)
+                     scale=run.scale, variant=variant)
     run_index.record(run.path)  # the results documents read the newest run from the index
     return summary, run
+
+
+def _variant(name: str, argv: Sequence[str],
+             variants: Mapping[str, Sequence[str]]) -> tuple[list[str], str]:
+    """``(argv with the variant's overrides in place of variant=NAME, NAME or "")``."""
+    picked = [a.partition("=")[2] for a in argv if a.startswith("variant=")]
+    if not picked:
+        return list(argv), ""
+    if len(picked) > 1 or picked[0] not in variants:
+        raise ConfigError(f"variant={', '.join(picked)}: give one of the variants {name} "
+                          f"declares: {', '.join(variants) or 'none'}")
+    rest = [a for a in argv if not a.startswith("variant=")]
+    head = [a for a in rest if a.partition("=")[0] in ("preset", "out", "repeat", "smoke")]
+    tail = [a for a in rest if a not in head]
+    return [*head, *variants[picked[0]], *tail], picked[0]
 
 
 def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale=""):
@@ -335,6 +357,7 @@ def main(
     claims: ClaimsFn | None = None,
     smoke: Sequence[str] = (),
     paper_scale: str = "",
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
@@ -348,7 +371,7 @@ def main(
         return 2
     code = _run_main(name, make_config, run_fn, argv, seed_keys=seed_keys,
                      quick_repeat=quick_repeat, claims=claims, smoke=smoke,
-                     paper_scale=paper_scale)
+                     paper_scale=paper_scale, variants=variants)
     if code and isinstance(peers, PeerWatch):  # failed: leave now, not waiting on the others
         sys.stdout.flush()
         sys.stderr.flush()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ENV", "index_path", "machine_class", "record", "newest"]
+__all__ = ["ENV", "index_path", "machine_class", "record", "newest", "entry_name"]
 
 ENV = "MOEJAX_RUN_INDEX"
 
@@ -30,6 +30,11 @@ ENV = "MOEJAX_RUN_INDEX"
 def index_path() -> Path:
     """Where the index is: ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl``."""
     return Path(os.environ.get(ENV) or Path("runs") / "index.jsonl")
+
+
+def entry_name(study: str, variant: str = "") -> str:
+    """What the index and the documents call a run: the study, or ``study[variant]``."""
+    return f"{study}[{variant}]" if variant else study
 
 
 def machine_class(machine: Mapping) -> str:
@@ -49,7 +54,7 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     if re.search(r"(^|\s)smoke=(true|1|yes)(\s|$)", command):
         return None
     preset = re.search(r"(^|\s)preset=(\w+)", command)
-    line = {"study": meta["study"], "path": str(run_dir),
+    line = {"study": meta["study"], "variant": meta.get("variant", ""), "path": str(run_dir),
             "preset": preset.group(2) if preset else "quick",
             "machine": machine_class(meta.get("machine", {})),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
@@ -66,7 +71,8 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
 
 def newest(machine: str, index: Path | None = None, *,
            preset: str | None = None) -> tuple[dict[str, Path], int]:
-    """``({study: run directory}, skipped lines)``: per study the newest indexed run of
+    """``({study or study[variant]: run directory}, skipped lines)``: per study (and per
+    declared variant, :func:`entry_name`) the newest indexed run of
     ``machine`` (and ``preset``, if given) whose directory still holds its ``run.json``."""
     index = index or index_path()
     best: dict[str, tuple[float, Path]] = {}
@@ -76,7 +82,8 @@ def newest(machine: str, index: Path | None = None, *,
     for raw in index.read_text().splitlines():
         try:
             line = json.loads(raw)
-            study, path, t = line["study"], Path(line["path"]), float(line["t"])
+            study = entry_name(line["study"], line.get("variant", ""))
+            path, t = Path(line["path"]), float(line["t"])
             if line["machine"] != machine or (preset and line["preset"] != preset):
                 continue
         except (ValueError, KeyError, TypeError):

@@ -49,11 +49,12 @@ def machine_info() -> dict[str, Any]:
 
 def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str],
                      started: float, repeat: int, seeds: Mapping[str, Sequence[int]],
-                     scale: str = "") -> Path:
+                     scale: str = "", variant: str = "") -> Path:
     """``run.json`` beside a run's ``summary.md``: the command that reproduces it, when it
-    ran and for how long, its seeds, the scale it trained at (:mod:`moejax.train.scale`)
-    and the machine, read back by the results document."""
-    record = {"study": study, "scale": scale,
+    ran and for how long, its seeds, the scale it trained at (:mod:`moejax.train.scale`),
+    the variant it is (``""``: the study's own) and the machine, read back by the results
+    document."""
+    record = {"study": study, "variant": variant, "scale": scale,
               "command": " ".join(["python -m experiments." + study, *argv]),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
               "wall_s": round(time.time() - started, 1), "repeat": repeat,

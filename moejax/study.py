@@ -18,7 +18,10 @@ proofs need to know about it, in one frozen value at the end of its module.
   ``smoke_depth``: the reduced depth a smoke run takes where the full preset cannot fit a
   24 GB host (fewer layers, every layer's shape kept; the smoke tables say so);
 * ``paper_scale``: the models (and data) the paper measured its claims on, printed beside
-  every verdict with the scale the run trained at (:mod:`moejax.train.scale`).
+  every verdict with the scale the run trained at (:mod:`moejax.train.scale`);
+* ``variants``: ``(name, overrides)`` runs of the quick preset that ``make studies`` makes
+  after the study's own (e.g. the same recipe on a real pretrained model), each indexed and
+  documented as ``<study>[<name>]``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class Study:
     smoke_depth: tuple[str, ...] = ()
     # the models and data the paper's claims were measured on, printed beside every verdict
     paper_scale: str = ""
+    # named runs of the quick preset with overrides that `make studies` makes after the
+    # study's own, each its own section of the results documents
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -54,7 +60,11 @@ class Study:
         if self.quick_repeat > 1 and not self.seed_keys:
             raise ValueError(f"Study {self.name}: quick_repeat={self.quick_repeat} needs the "
                              "seed_keys its runs offset")
-        for key, cuts in (("smoke", self.smoke), ("smoke_depth", self.smoke_depth)):
+        for name, _ in self.variants:
+            if not name.isidentifier():
+                raise ValueError(f"Study {self.name}: variant {name!r}: expected a name")
+        for key, cuts in (("smoke", self.smoke), ("smoke_depth", self.smoke_depth),
+                          *((f"variant {n}", o) for n, o in self.variants)):
             bad = [c for c in cuts if "=" not in c]
             if bad:
                 raise ValueError(f"Study {self.name}: {key}={bad}: expected key=value items")
@@ -66,10 +76,13 @@ class Study:
         return (*self.smoke, *self.smoke_depth)
 
     def run_experiment(self, argv: Sequence[str] = (), *, out: Path | None = None,
-                       repeat_quick: bool = False):
+                       repeat_quick: bool = False, variant: str = ""):
         """``(summary, RunDir)`` of :func:`moejax.experiment.run_experiment` with this
-        study's declaration; ``repeat_quick``: the quick preset makes ``quick_repeat`` runs."""
+        study's declaration; ``repeat_quick``: the quick preset makes ``quick_repeat`` runs;
+        ``variant``: one of :attr:`variants` (as ``variant=NAME`` on the command line)."""
+        argv = [*argv, f"variant={variant}"] if variant else list(argv)
         return run_experiment(self.name, self.make_config, self.run, argv, out=out,
+                              variants=dict(self.variants),
                               seed_keys=self.seed_keys,
                               quick_repeat=self.quick_repeat if repeat_quick else 1,
                               claims=self.claims, smoke=self.smoke_cuts,
@@ -79,4 +92,4 @@ class Study:
         """``python -m experiments.<name> key=value ...`` (:func:`moejax.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
                     quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
-                    paper_scale=self.paper_scale)
+                    paper_scale=self.paper_scale, variants=dict(self.variants))

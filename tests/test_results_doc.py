@@ -123,7 +123,7 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     assert "Mean over 2 seed runs (seed): ppl_n4 9.5 +/- 0.71." in summary  # numbers in it
     monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity", "moee"))
     doc = results_doc.build(tmp_path / "runs", tmp_path / "docs" / "results.md").read_text()
-    assert "Not run: moee." in doc
+    assert "Not run: moee, moee[minilm]." in doc  # and its declared variant
     assert "| blockffn_granularity | Finer experts lower PPL at equal FFN width" in doc
     assert "- seeds: seed = 0, 1" in doc and "repeat=2`" in doc
     assert "| 4 | 9.5 | 0.7071 |" in doc  # the merged table: mean and std over the seeds
@@ -200,3 +200,44 @@ def test_threshold_claims_need_the_interval_past_the_threshold():
     assert threshold_claim("x", [0.95], 0.9).verdict == "inconclusive"   # one seed
     assert threshold_claim("x", [0.05, 0.04, 0.06], 0.1, better="lower").holds is True
     assert threshold_claim("x", [], 0.9).verdict == "not measured"
+
+
+def test_a_declared_variant_is_run_indexed_and_documented_apart(tmp_path, monkeypatch):
+    """A study's variant (its quick preset with declared overrides) keeps its own newest run
+    in the index and its own section, beside the study's own run."""
+    from experiments import main as suite
+    from moejax import run_index
+    from moejax.study import Study
+    from moejax.train.hparams import TrainConfig
+
+    study = Study("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                  claims=blockffn_granularity.claims, variants=(("late", ("seed=7",)),))
+    monkeypatch.setenv(run_index.ENV, str(tmp_path / "index.jsonl"))
+    runs = tmp_path / "runs"
+    study.run_experiment(["preset=quick"], out=runs / "blockffn_granularity")
+    study.run_experiment(["preset=quick"], out=runs / "blockffn_granularity_late",
+                         variant="late")
+    paths, _ = run_index.newest("cpu")
+    assert paths == {"blockffn_granularity": runs / "blockffn_granularity",
+                     "blockffn_granularity[late]": runs / "blockffn_granularity_late"}
+    record = json.loads((runs / "blockffn_granularity_late" / "run.json").read_text())
+    # the command names the variant, so it reproduces into the same section
+    assert record["variant"] == "late"
+    assert record["command"] == ("python -m experiments.blockffn_granularity preset=quick "
+                                 "variant=late")
+    monkeypatch.setattr(suite, "load_study", lambda name: study)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
+    assert "## blockffn_granularity\n" in doc and "## blockffn_granularity[late]\n" in doc
+    assert "Headline: seed 0" in doc and "Headline: seed 7" in doc
+    assert "| blockffn_granularity[late] | Finer experts lower PPL" in doc
+    assert (tmp_path / "docs" / "results" / "blockffn_granularity_late" /
+            "granularity.csv").is_file()
+    with pytest.raises(ConfigError, match="variant=early: give one of the variants "
+                       "blockffn_granularity declares: late"):
+        study.run_experiment(["preset=quick"], out=runs / "x", variant="early")
+    assert not (runs / "x").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="expected a name"):
+        Study("s", study.make_config, _study, variants=(("two words", ("seed=1",)),))
+    with pytest.raises(ValueError, match="key=value"):
+        Study("s", study.make_config, _study, variants=(("v", ("seed",)),))
