@@ -356,3 +356,26 @@ def test_auto_is_host_on_one_cpu_device_tokamax_on_accelerators_else_grouped(mon
     assert dp.resolve_dispatch("auto") == ("tokamax" if dp.RAGGED_DOT_AVAILABLE else "gmm")
     monkeypatch.setattr(dp.jax, "device_count", lambda: 8)
     assert dp.resolve_dispatch("auto") == "grouped"
+
+
+@pytest.mark.parametrize("method", ["auto", "grouped", "ragged", "bucketed", "host"])
+def test_every_expert_active_runs_the_dense_sum_without_sorting_token_copies(method):
+    """k = E (a teacher under ALL or SAR): the dropless paths give the numpy oracle's mixture
+    through the dense path: no sort of the N E token copies in the program."""
+    activation = "swiglu"
+    p = _params(5, activation)
+    ids = jnp.tile(jnp.arange(E, dtype=jnp.int32), (N, 1))[:, ::-1]
+    w = jax.nn.softmax(jax.random.normal(jax.random.key(2), (N, E)), axis=-1)
+
+    def run(x):
+        return dispatch(method, x, ids, w, p["w_up"], p["w_down"], p["w_gate"],
+                        activation=activation).y_ND
+
+    y = run(p["x"])
+    np.testing.assert_allclose(np.asarray(y), _np_moe(p["x"], ids, w, p, activation),
+                               rtol=1e-5, atol=1e-5)
+    assert " sort(" not in jax.jit(run).lower(p["x"]).as_text(dialect="hlo")
+    # fewer than every expert: the path's own program (grouped sorts its token copies)
+    part = jax.jit(lambda x: dispatch("grouped", x, ids[:, :K], w[:, :K], p["w_up"],
+                                      p["w_down"], p["w_gate"], activation=activation).y_ND)
+    assert " sort(" in part.lower(p["x"]).as_text(dialect="hlo")

@@ -23,6 +23,10 @@ paths, behind one signature, and ``"auto"``.
 device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
 for a GPU or TPU (:func:`jax.lax.platform_dependent`; ``"gmm"`` where tokamax is not
 installed), and ``"grouped"`` with several devices and no mesh: see :func:`resolve_dispatch`.
+
+With every expert active (``k = E``: a teacher distilled with ALL or SAR) the dropless
+one-device paths and ``"auto"`` without a mesh run ``"dense"``: the same sum, without sorting E
+copies of every token.
 """
 
 from __future__ import annotations
@@ -205,6 +209,12 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
 
 
 _TAKE_WIDTHS = ("auto", "host", "host_capacity")
+# The dropless one-device paths, which with k = E (every expert active: a teacher distilled
+# with ALL or SAR) run the dense path instead: the same weighted sum of every expert, without
+# sorting E copies of each token (the grouped paths' [N E, D] rows). Capacity paths keep
+# their own (a capacity factor below 1 drops even then); expert parallelism keeps its
+# all-to-all, whose experts live on other devices.
+_EVERY_EXPERT_DENSE = ("auto", "ragged", "gmm", "tokamax", "grouped", "bucketed", "host")
 
 
 def dispatch(
@@ -222,6 +232,9 @@ def dispatch(
                          + ", ".join(repr(k) for k in PATHS))
     if method in ("tokamax", "gmm") and _IN_XLA.value:  # the kernels' work, as XLA can count it
         path = _grouped
+    if ids_NK.shape[-1] == w_up_EDF.shape[0] and method in _EVERY_EXPERT_DENSE and (
+            method != "auto" or _mesh() is None):
+        path = _dense  # every token takes every expert: the same sum, without E copies
     kw = {"widths_E": expert_widths_E} if expert_widths_E is not None and (
         method in _TAKE_WIDTHS) else {}
     return path(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF,
