@@ -22,7 +22,7 @@ smoke run (:func:`moejax.capture.capture_steps`: 2 steps of 4 rows; evaluations 
 study's counts cut as in a smoke run; substrates cached apart) and proves every distinct
 training step it starts at its real shapes (:func:`moejax.train.aot.prove_step`, as
 each run starts, so a study stopped by its timeout keeps the rows proven before; runs of one
-program, e.g. the same student under several methods, are proven once and their steps
+program, e.g. one distillation method's runs over seeds, are proven once and their steps
 summed): parameters, FLOPs per step, weights, optimizer state and activations per device,
 whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
 hours of all the full preset's runs of that step; and every distinct decode loop it calls

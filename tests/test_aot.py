@@ -213,6 +213,24 @@ def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path
     assert rows[-1]["result"] == "stopped after 1 captured runs: RuntimeError: out of time"
 
 
+def test_runs_of_one_loss_are_one_program_and_other_losses_are_others():
+    """Distillation methods train the same student at the same shapes, yet are different
+    programs (ALL's all-expert teacher, KA's passes): grouped by loss, not by shapes only;
+    equal losses (one method's seeds) stay one program."""
+    from experiments.full_smoke import _shapes
+    from moejax.train.step import lm_loss_fn
+
+    def other_loss(model, batch, key):
+        return lm_loss_fn(model, batch, key)
+
+    cfg = TrainConfig(steps=3, batch_size=4)
+    with capture_steps(steps=0) as captured:
+        for loss in (lm_loss_fn, other_loss, lm_loss_fn):
+            train(_model(), ToySource(batch_size=4), cfg, loss_fn=loss)
+    keys = [_shapes(c) for c in captured]
+    assert keys[0] == keys[2] != keys[1]
+
+
 def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
     programs (different kernels): they are proven apart; repeats of one are proven once."""

@@ -106,6 +106,14 @@ def _record_scale(params, batch, steps: int) -> None:
     jax.monitoring.record_scalar(scale.STEPS, float(steps))
 
 
+def _loss_name(loss_fn) -> str:
+    """What tells a run's step apart from another's of the same shapes: its loss (a function's
+    name, or the repr of a loss value such as a distillation method's, equal for equal
+    recipes)."""
+    name = getattr(loss_fn, "__qualname__", None)
+    return f"{loss_fn.__module__}.{name}" if name else repr(loss_fn)
+
+
 def _tokens(batch) -> float:
     """Real tokens (or rows) in the global batch, from this process's rows."""
     if isinstance(batch, dict) and "mask" in batch:
@@ -399,7 +407,8 @@ class _Run:
         if capture is None:
             return self.cfg.steps, None
         batch = assemble(local_batch(self.source, self.position), self.mesh)
-        record_step(self.opts.desc, self.step_fn, self.state, batch, self.cfg, mesh=self.mesh)
+        record_step(self.opts.desc, self.step_fn, self.state, batch, self.cfg, mesh=self.mesh,
+                    program=_loss_name(self.opts.loss_fn))
         end = (self.cfg.steps if capture.steps is None
                else min(self.cfg.steps, self.start + capture.steps))
         return end, capture.rows
