@@ -68,17 +68,21 @@ PRESETS = ("quick", "full")
 ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
 
 
-def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick") -> str:
-    """The ``--help`` text: the runner's keys and every config key with its default (of
-    ``preset``) and allowed values."""
+def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick",
+          variants: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The ``--help`` text: the runner's keys, the study's variants and every config key with
+    its default (of ``preset``) and allowed values."""
     head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [repeat=N] "
-            "[smoke=true] [key=value ...]",
+            "[smoke=true] [variant=NAME] [key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
             f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
             "std of every table; default: the study's), smoke (true: every training run and "
-            "evaluation cut to a couple of steps and batches, model sizes kept)", "",
-            f"config keys (defaults of preset={preset}):"]
-    return "\n".join(head + describe(make_config(preset)))
+            "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
+            "of the study's declared variants: its overrides, its own run directory and "
+            "results section)", ""]
+    head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
+    head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
+    return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
 
 
 def parse_cli(
@@ -362,7 +366,7 @@ def main(
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
-        print(usage(name, make_config, preset if preset in PRESETS else "quick"))
+        print(usage(name, make_config, preset if preset in PRESETS else "quick", variants))
         return 0
     try:
         peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)

@@ -143,3 +143,11 @@ def test_from_json_takes_study_configs_only_from_imported_modules():
     text = to_json(cfg).replace("experiments.darex.storage", "experiments.not_a_study")
     with pytest.raises(ConfigError, match="refusing to build.*import the module"):
         from_json(text)
+
+
+def test_help_lists_the_studys_variants(capsys):
+    from experiments.extraction import moee
+
+    assert moee.STUDY.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[variant=NAME]" in out and "variant minilm: model=minilm seeds=3" in out
