@@ -190,7 +190,7 @@ def run_experiment(
     keep its newest run apart from the study's own)."""
     given, (argv, variant) = list(argv), _variant(name, argv, variants or {})
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
-    if variant:
+    if variant and not any(a.startswith("out=") for a in argv):  # the variant's own default
         default_out = default_out.with_name(f"{default_out.name}_{variant}")
     _check_devices(cfg)
     cfgs = [cfg]

@@ -233,6 +233,14 @@ def test_a_declared_variant_is_run_indexed_and_documented_apart(tmp_path, monkey
     assert "| blockffn_granularity[late] | Finer experts lower PPL" in doc
     assert (tmp_path / "docs" / "results" / "blockffn_granularity_late" /
             "granularity.csv").is_file()
+    # by hand: out= names the directory as given; without it, runs/<study>_<variant>
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    study.run_experiment(["preset=quick", f"out={runs / 'mine'}"], variant="late")
+    study.run_experiment(["preset=quick"], variant="late")
+    assert (runs / "mine" / "run.json").is_file()
+    assert [p.name for p in (tmp_path / "cwd" / "runs").iterdir()] == [
+        "blockffn_granularity_late"]
     with pytest.raises(ConfigError, match="variant=early: give one of the variants "
                        "blockffn_granularity declares: late"):
         study.run_experiment(["preset=quick"], out=runs / "x", variant="early")
