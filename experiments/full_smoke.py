@@ -55,7 +55,7 @@ from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.study import Study
 from moejax.train.aot import prove_decode, prove_step
-from moejax.train.scale import PARAMS, TOKENS_PER_STEP
+from moejax.train.scale import PARAMS, ROWS_PER_STEP, TOKENS_PER_STEP
 
 __all__ = ["main", "child"]
 
@@ -75,7 +75,7 @@ def _smoke(study: Study, out: Path) -> dict:
     def listen(event: str, value: float, **_) -> None:  # the loop records params, then tokens
         if event == PARAMS:
             last_params[:] = [value]
-        elif event == TOKENS_PER_STEP and last_params:
+        elif event in (TOKENS_PER_STEP, ROWS_PER_STEP) and last_params:
             if last_params[0] >= seen.get("params", -1.0):
                 seen.update(params=last_params[0], tokens=value)
 

@@ -5,13 +5,15 @@ import csv
 import json
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.experiment import run_experiment
 from moejax.pytree import count_params
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import train
+from moejax.train.loop import train, train_params
 from moejax.train.scale import PARAMS, STEPS, TOKENS_PER_STEP, measure_scale
 from tests.toy_models import TinyMoELM, ToySource
 
@@ -66,3 +68,24 @@ def test_each_verdict_gives_the_run_scale_beside_the_papers(tmp_path):
     assert json.loads((r.path / "run.json").read_text())["scale"] == want.split("; paper")[0][6:]
     assert f"- **holds**: A beats B (1 vs 0) [scale {want}]" in (r.path / "summary.md").read_text()
     assert claims_markdown([Claim("c", None, "e")]) == "- **not measured**: c (e)\n"
+
+
+class _Images:
+    """Batches of float features and integer labels (no token ids)."""
+
+    def batch(self, position):
+        rng = np.random.default_rng(position)
+        return {"images": rng.normal(size=(6, 28, 28)).astype(np.float32),
+                "labels": rng.integers(0, 10, 6).astype(np.int32)}
+
+
+def test_image_batches_count_examples_not_pixels():
+    def loss(params, batch, key):
+        logits = batch["images"].reshape(6, -1) @ params["w"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(6), batch["labels"]])
+
+    params = {"w": jnp.zeros((784, 10), jnp.float32)}
+    with measure_scale() as scale:
+        train_params(params, _Images(), CFG.replace(steps=4, batch_size=6), loss)
+    assert (scale.params, scale.tokens, scale.unit) == (7840, 24, "examples")
+    assert scale.text() == "7.8K parameters, 24 training examples"

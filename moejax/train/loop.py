@@ -98,11 +98,18 @@ class FnSource:
 
 
 def _record_scale(params, batch, steps: int) -> None:
-    """The run's size as ``jax.monitoring`` scalars: trained parameters, tokens (or rows)
-    per step and the run's steps. Listeners (:func:`moejax.train.scale.measure_scale`, the
-    full-preset smoke runs) read them; without one it is a no-op."""
+    """The run's size as ``jax.monitoring`` scalars: trained parameters, tokens per step (a
+    batch of token ids) or rows per step (images, features), and the run's steps. Listeners
+    (:func:`moejax.train.scale.measure_scale`, the full-preset smoke runs) read them;
+    without one it is a no-op."""
     jax.monitoring.record_scalar(scale.PARAMS, float(count_params(params)))
-    jax.monitoring.record_scalar(scale.TOKENS_PER_STEP, _tokens(batch))
+    first = jax.tree.leaves(batch)[0]
+    if (isinstance(batch, dict) and "mask" in batch) or (
+            np.ndim(first) >= 2 and np.issubdtype(np.asarray(first).dtype, np.integer)):
+        jax.monitoring.record_scalar(scale.TOKENS_PER_STEP, _tokens(batch))
+    else:
+        jax.monitoring.record_scalar(scale.ROWS_PER_STEP,
+                                     float(np.shape(first)[0] * jax.process_count()))
     jax.monitoring.record_scalar(scale.STEPS, float(steps))
 
 

@@ -1,8 +1,10 @@
 """The scale of what a run trained, as the training loop reports it: the largest trained
-model's parameters and the tokens (or rows) it was trained on.
+model's parameters and the tokens (or, for images and features, the examples) it was
+trained on.
 
-The loop records ``/moejax/train/params``, ``/moejax/train/tokens_per_step`` and
-``/moejax/train/steps`` as :mod:`jax.monitoring` scalars when a run starts
+The loop records ``/moejax/train/params``, ``/moejax/train/tokens_per_step`` (or
+``/moejax/train/rows_per_step``) and ``/moejax/train/steps`` as :mod:`jax.monitoring`
+scalars when a run starts
 (:func:`moejax.train.loop.train`); :func:`measure_scale` listens while a study runs, so a
 verdict can state the scale it was reached at beside the paper's. Models a study loads
 already trained (a cached substrate) or trains outside the loop are not counted.
@@ -18,20 +20,23 @@ import jax
 
 from moejax.pytree import fmt_count
 
-__all__ = ["RunScale", "measure_scale", "PARAMS", "TOKENS_PER_STEP", "STEPS"]
+__all__ = ["RunScale", "measure_scale", "PARAMS", "TOKENS_PER_STEP", "ROWS_PER_STEP", "STEPS"]
 
 PARAMS = "/moejax/train/params"
 TOKENS_PER_STEP = "/moejax/train/tokens_per_step"
+ROWS_PER_STEP = "/moejax/train/rows_per_step"
 STEPS = "/moejax/train/steps"
 
 
 @dataclass
 class RunScale:
-    """The largest model trained so far (``params``; ties: the later run) and its training
-    tokens (``tokens_per_step * steps``); ``runs``: training runs seen."""
+    """The largest model trained so far (``params``; ties: the later run) and what it was
+    trained on (``tokens``: per step times steps, in ``unit``: tokens, or examples for
+    images and features); ``runs``: training runs seen."""
 
     params: float = 0.0
     tokens: float = 0.0
+    unit: str = "tokens"
     runs: int = 0
 
     def text(self) -> str:
@@ -41,7 +46,7 @@ class RunScale:
             return ""
         of = f" (the largest of {self.runs} trained models)" if self.runs > 1 else ""
         return (f"{fmt_count(self.params)} parameters, {fmt_count(self.tokens)} training "
-                f"tokens{of}")
+                f"{self.unit}{of}")
 
 
 @contextlib.contextmanager
@@ -54,13 +59,15 @@ def measure_scale() -> Iterator[RunScale]:
         if event == PARAMS:
             current.clear()
             current[PARAMS] = value
-        elif event in (TOKENS_PER_STEP, STEPS) and PARAMS in current:
+        elif event in (TOKENS_PER_STEP, ROWS_PER_STEP, STEPS) and PARAMS in current:
             current[event] = value
-            if TOKENS_PER_STEP in current and STEPS in current:
+            per_step = current.get(TOKENS_PER_STEP, current.get(ROWS_PER_STEP))
+            if per_step is not None and STEPS in current:
                 scale.runs += 1
                 if current[PARAMS] >= scale.params:
                     scale.params = current[PARAMS]
-                    scale.tokens = current[TOKENS_PER_STEP] * current[STEPS]
+                    scale.tokens = per_step * current[STEPS]
+                    scale.unit = "tokens" if TOKENS_PER_STEP in current else "examples"
                 current.clear()
 
     jax.monitoring.register_scalar_listener(listen)
