@@ -36,7 +36,7 @@ from pathlib import Path
 
 from experiments.main import REGISTRY, entries, run_dirname
 from moejax import run_index
-from moejax.claims import Claim, claims_markdown, claims_scale
+from moejax.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
 from moejax.run_record import machine_info
@@ -126,6 +126,11 @@ def _claims(name: str, path: Path) -> list[Claim]:
     if fn is None:
         return []
     tables = {k: v for k, v in read_tables(path).items() if k != "claims"}
+    seeds = sorted((p for p in path.glob("seed_*") if p.name[5:].isdigit()),
+                   key=lambda p: int(p.name[5:]))
+    if seeds:  # a repeated run: its claims pair the seed runs, as when it was judged
+        tables[SEED_TABLES] = [{k: v for k, v in read_tables(p).items() if k != "claims"}
+                               for p in seeds]
     try:
         return list(fn(tables))
     except (KeyError, ValueError, TypeError) as e:  # a table of another layout

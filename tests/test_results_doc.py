@@ -130,6 +130,7 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     assert "- the caveat of this run" in doc  # the run's notes, and its claims once
     assert "- run 0: seed 0" in doc and "- run 1: seed 1" in doc  # each run's headline
     assert doc.count("**inconclusive**: Finer experts lower PPL") == 1
+    assert "wins 2/2 seeds" in doc  # judged again from the seed runs' tables, paired
     # the scale beside the paper's: _study trains nothing through the loop
     assert ("[scale here: no model trained by the run; paper: BlockFFN and baseline LMs of "
             "0.1B") in doc
