@@ -55,7 +55,7 @@ from moejax.results import RunDir
 from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.study import Study
 from moejax.train.aot import prove_decode, prove_step
-from moejax.train.scale import PARAMS, ROWS_PER_STEP, TOKENS_PER_STEP
+from moejax.train.scale import measure_scale
 
 __all__ = ["main", "child"]
 
@@ -69,25 +69,16 @@ def _error(e: BaseException) -> str:
 
 def _smoke(study: Study, out: Path) -> dict:
     """The study as a smoke run; the largest trained model's size."""
-    seen: dict[str, float] = {}
-    last_params: list[float] = []
-
-    def listen(event: str, value: float, **_) -> None:  # the loop records params, then tokens
-        if event == PARAMS:
-            last_params[:] = [value]
-        elif event in (TOKENS_PER_STEP, ROWS_PER_STEP) and last_params:
-            if last_params[0] >= seen.get("params", -1.0):
-                seen.update(params=last_params[0], tokens=value)
-
-    jax.monitoring.register_scalar_listener(listen)
     result = {"ok": False, "error": ""}
-    try:
-        study.run_experiment(["preset=full", "smoke=true"], out=out)
-        result["ok"] = True
-    except Exception as e:  # reported in the table, and in full in the study's log
-        traceback.print_exc()
-        result["error"] = _error(e)
-    result.update(params=seen.get("params"), tokens=seen.get("tokens"))
+    with measure_scale() as scale:
+        try:
+            study.run_experiment(["preset=full", "smoke=true"], out=out)
+            result["ok"] = True
+        except Exception as e:  # reported in the table, and in full in the study's log
+            traceback.print_exc()
+            result["error"] = _error(e)
+    if scale.runs:
+        result.update(params=scale.params, tokens=scale.per_step)
     return result
 
 

@@ -31,10 +31,11 @@ STEPS = "/moejax/train/steps"
 @dataclass
 class RunScale:
     """The largest model trained so far (``params``; ties: the later run) and what it was
-    trained on (``tokens``: per step times steps, in ``unit``: tokens, or examples for
-    images and features); ``runs``: training runs seen."""
+    trained on (``per_step`` and ``tokens`` = per step times steps, in ``unit``: tokens, or
+    examples for images and features); ``runs``: training runs seen."""
 
     params: float = 0.0
+    per_step: float = 0.0
     tokens: float = 0.0
     unit: str = "tokens"
     runs: int = 0
@@ -65,7 +66,7 @@ def measure_scale() -> Iterator[RunScale]:
             if per_step is not None and STEPS in current:
                 scale.runs += 1
                 if current[PARAMS] >= scale.params:
-                    scale.params = current[PARAMS]
+                    scale.params, scale.per_step = current[PARAMS], per_step
                     scale.tokens = per_step * current[STEPS]
                     scale.unit = "tokens" if TOKENS_PER_STEP in current else "examples"
                 current.clear()
