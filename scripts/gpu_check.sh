@@ -63,8 +63,9 @@ for stage in $stages; do
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" "$py" -m pytest -q \
         -p no:cacheprovider -n 4 \
         tests/test_kernels_gmm.py tests/test_ragged_dot.py tests/test_kernels_pair_matmul.py \
-        tests/test_kernels_chunk_union.py tests/test_dispatch.py tests/test_blockffn.py \
-        tests/test_speculative.py tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
+        tests/test_kernels_chunk_union.py tests/test_kernels_chunk_decode_gpu.py \
+        tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
+        tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     grouped|kernels|dispatch|speculative|extracted)
       args=()

@@ -7,6 +7,7 @@ and the speculative decode loop with chunk-sparse verification lower for ``cuda`
 interpret-mode loop and not the host callback. The same jitted steps lowered for the CPU hold
 the host callback (MoE) or no kernel at all (BlockFFN: the jnp chunk-union loop)."""
 
+import dataclasses
 import re
 
 import jax
@@ -115,9 +116,10 @@ def _lm_step():
     return _train_step(cfg.decoder_config())
 
 
-def _blockffn_decoder(path: str = "auto", layers: int = 2) -> DecoderConfig:
-    slot = BlockFFNConfig(n_experts=8, d_expert=32, path=path, union_chunk=8)
-    return DecoderConfig(vocab_size=256, d_model=64, n_layers=layers, n_heads=4,
+def _blockffn_decoder(path: str = "auto", layers: int = 2, d_model: int = 64,
+                      d_expert: int = 32) -> DecoderConfig:
+    slot = BlockFFNConfig(n_experts=8, d_expert=d_expert, path=path, union_chunk=8)
+    return DecoderConfig(vocab_size=256, d_model=d_model, n_layers=layers, n_heads=4,
                          ffn_slots=(slot,) * layers, max_seq_len=64)
 
 
@@ -152,11 +154,15 @@ def test_speculative_decode_loop_lowers_with_chunk_sparse_verification(platform)
     assert not any("callback" in c for c in calls), calls
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_batch_one_verification_takes_the_decode_kernels_on_tpu(platform):
+@pytest.mark.parametrize("platform,dtype", [("tpu", "float32"), ("cuda", "float32"),
+                                            ("cuda", "bfloat16")])
+def test_batch_one_verification_takes_the_decode_kernels(platform, dtype):
     """At batch 1 each verified block is one exact chunk: on TPU it runs the two decode
-    launches (the union, then the experts over union slots); a GPU keeps the pair kernels."""
-    target = DecoderLM(_blockffn_decoder(path="dense"), rngs=nnx.Rngs(0))
+    launches (the union, then the experts over union slots); on a Hopper GPU a bf16 target
+    runs the Mosaic GPU decode kernel, once per layer; a float32 one keeps the pair kernels."""
+    target_cfg = dataclasses.replace(_blockffn_decoder(path="dense", d_model=128, d_expert=64),
+                                     dtype=dtype)
+    target = DecoderLM(target_cfg, rngs=nnx.Rngs(0))
     draft = DecoderLM(DecoderConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2,
                                     ffn_slots=(DenseFFNConfig(d_hidden=64, activation="swiglu"),),
                                     max_seq_len=64),
@@ -168,11 +174,14 @@ def test_batch_one_verification_takes_the_decode_kernels_on_tpu(platform):
 
     exported = _export(jax.jit(decode), platform, jax.ShapeDtypeStruct((1, 8), jnp.int32))
     kernels = set(re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module()))
+    calls = _custom_calls(exported)
     if platform == "tpu":
         assert {"_union_kernel", "_experts_kernel"} <= kernels, kernels
+    elif dtype == "bfloat16":
+        assert calls.get("mosaic_gpu_v2", 0) >= target_cfg.n_layers, calls
     else:
         assert not kernels & {"_union_kernel", "_experts_kernel"}, kernels
-        assert _custom_calls(exported).get(TRITON, 0) >= 2
+        assert "mosaic_gpu_v2" not in calls and calls.get(TRITON, 0) >= 2, calls
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])

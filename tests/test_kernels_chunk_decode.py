@@ -76,7 +76,7 @@ def test_its_gradient_is_the_oracles(activation):
             return jnp.sum(fn(x, a, wu, wd, wg) ** 2)
         return jax.grad(f, argnums=(0, 1, 2, 3, 4))(x, a, wu, wd, wg)
 
-    got = loss(lambda *z: decode_chunk(z[0], z[1], on, *z[2:], activation, True))
+    got = loss(lambda *z: decode_chunk(z[0], z[1], on, *z[2:], activation, True, "tpu"))
     want = loss(lambda x, a, wu, wd, wg: dense_experts(x, a, wu, wd, wg, activation))
     for g, w in zip(got, want):
         if w is not None:

@@ -7,8 +7,9 @@ dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping
 (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union`` and
 ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``), the
 kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode, which is no
-speed measurement, so their rows say "not measured"), and ``decode`` (the two-launch decode
-kernels of :mod:`moejax.kernels.chunk_union.decode`, exact union; TPU only). Bound: ``dense time
+speed measurement, so their rows say "not measured"), and ``decode`` (the decode
+kernels, exact union: :mod:`moejax.kernels.chunk_union.decode`'s two launches on TPU,
+:mod:`moejax.kernels.chunk_union.decode_gpu`'s one on a Hopper GPU in bf16 / f16). Bound: ``dense time
 x |U| / E``, and the memory floor: the bytes of the union's expert weights over this device's
 bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written) in the same
 device loop (``x_floor``: time over that floor). Times are device time per call
@@ -40,6 +41,8 @@ from tqdm.auto import tqdm
 from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
+from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.ops.dispatch import dispatch_ragged
@@ -103,8 +106,9 @@ def _ffn_fn(path: str, cfg: BenchKernelsConfig, union_size: int):
             w, ids = jax.lax.top_k(a, union_size)
             return dispatch_ragged(x, ids, w, wu, wd, activation=act).y_ND
         return ragged
-    if path == "decode":  # the two-launch decode kernels (exact union)
-        return lambda x, a, wu, wd: chunk_union_decode(x, a, a > 0, wu, wd, activation=act)
+    if path == "decode":  # the decode kernels (exact union): TPU's two launches, GPU's one
+        kernel = chunk_union_decode_gpu if jax.default_backend() == "gpu" else chunk_union_decode
+        return lambda x, a, wu, wd: kernel(x, a, a > 0, wu, wd, activation=act)
     if path.startswith("chunk_union"):
         schedule = "gather" if path.endswith("gather") else "loop"
         return lambda x, a, wu, wd: chunk_union_experts(
@@ -141,6 +145,9 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
             row = {"n": n, "union_fraction": size / s.n_experts, "union": size, "path": path}
             job.append(row)
             why = kernel_unavailable(path)
+            if (not why and path == "decode" and jax.default_backend() == "gpu"
+                    and not supports_gpu_decode(x, wu)):
+                why = f"not measured: the GPU decode kernel takes bf16 / f16, not {dt.name}"
             if why:
                 row["note"] = why
                 continue

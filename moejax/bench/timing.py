@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.kernels.chunk_union.decode_gpu import hopper_target
+
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
            "kernel_unavailable", "KERNEL_PATHS", "HOST_PATHS"]
 
@@ -34,9 +36,10 @@ def kernel_unavailable(path: str) -> str | None:
     mode, which is no speed measurement; ``triton`` also needs ``jax_triton``. The host
     (numpy) dispatch paths run on the CPU backend only."""
     if path == "decode":
-        return (None if jax.default_backend() == "tpu" else "not measured: the decode "
-                f"kernels are TPU kernels ({jax.default_backend()} runs them in interpret mode "
-                "or not at all)")
+        if jax.default_backend() == "tpu" or (jax.default_backend() == "gpu" and hopper_target()):
+            return None
+        return ("not measured: the decode kernels are Mosaic TPU and Mosaic GPU (Hopper) "
+                f"kernels ({jax.default_backend()} runs them in interpret mode or not at all)")
     if path in HOST_PATHS:
         return (None if jax.default_backend() == "cpu" else
                 "not measured: a host (numpy) path, for the CPU backend only")

@@ -11,7 +11,10 @@ its tokens activate (BlockFFN Sec. 3.3), as one family:
   through ``jax_triton`` (guarded import; GPU only; BlockFFN's ``path="triton"``);
 * :mod:`~moejax.kernels.chunk_union.decode`: one chunk of 1 to 64 tokens at decode in two
   launches (the union, then the experts over (union slot, F block) with early exit; TPU, and
-  interpret mode on CPU), forward only.
+  interpret mode on CPU), forward only;
+* :mod:`~moejax.kernels.chunk_union.decode_gpu`: the same chunk on a Hopper GPU in one Mosaic
+  GPU launch (programs over (expert, F block) that exit unless their expert is in the union,
+  the down-projection summed by TMA reduce-add; Mosaic GPU's interpreter on CPU), forward only.
 """
 
 from moejax.kernels.chunk_union.pallas import chunk_union_pallas

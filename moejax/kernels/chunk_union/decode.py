@@ -17,8 +17,8 @@ its union (BlockFFN paper, Sec. 3.3 and its decode kernels), in two launches:
 The forward only (decoding); training keeps the pair kernels or the grouped path
 (:mod:`moejax.kernels.chunk_union.pallas`). On TPU both launches are Mosaic kernels; on the CPU
 they run in Pallas interpret mode (for tests). :func:`~moejax.kernels.chunk_union.pallas.
-chunk_union_auto` takes them for a decode-sized chunk on TPU; a GPU decodes through the pair
-kernels.
+chunk_union_auto` takes them for a decode-sized chunk on TPU; a Hopper GPU decodes through the
+Mosaic GPU kernel of :mod:`moejax.kernels.chunk_union.decode_gpu`.
 
 ``y_nD = chunk_union_decode(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation=...)``
 equals :func:`moejax.kernels.chunk_union.reference.dense_experts` for every ``n``.
@@ -35,8 +35,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "MAX_CHUNK",
-           "F_BLOCK"]
+__all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "kernel_activation",
+           "MAX_CHUNK", "F_BLOCK"]
 
 MAX_CHUNK = 64  # tokens per chunk: a decoded token up to a long verified draft block
 F_BLOCK = 256  # expert-width columns per program (a multiple of 128 for the MXU)
@@ -56,7 +56,7 @@ def _erf(x):
     return jnp.where(x < 0, -y, y)
 
 
-def _kernel_activation(name: str):
+def kernel_activation(name: str):
     """The activation as the kernel computes it: exact GELU through :func:`_erf`."""
     if name in ("gelu", "geglu"):
         return lambda x: 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
@@ -104,7 +104,7 @@ def _experts_kernel(ids_ref, count_ref, x_ref, a_ref, wu_ref, wd_ref, *rest, act
 
     @pl.when(u < count_ref[0])  # past the union: nothing to compute (and nothing was copied)
     def _():
-        act = _kernel_activation(activation)
+        act = kernel_activation(activation)
         x = x_ref[...]
         pre = jnp.dot(x, wu_ref[...], preferred_element_type=jnp.float32)
         if gated:

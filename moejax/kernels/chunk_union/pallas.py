@@ -26,8 +26,9 @@ activations, at most the dense path's ``[N, E, F]``.
 :mod:`moejax.kernels.chunk_union.fused_triton` through ``jax_triton`` (GPU and the ``gpu`` extra);
 its backward is the one above. ``interpret=True`` (or lowering for the CPU) runs the Mosaic
 kernels in Pallas interpret mode: for tests. :func:`chunk_union_auto` is the path for models:
-the jnp loop on the CPU, these kernels on GPU and TPU, and on TPU the decode kernels
-(:mod:`moejax.kernels.chunk_union.decode`) for one exact chunk of at most 64 tokens.
+the jnp loop on the CPU, these kernels on GPU and TPU, and for one exact chunk of at most 64
+tokens the decode kernels (:mod:`moejax.kernels.chunk_union.decode` on TPU,
+:mod:`moejax.kernels.chunk_union.decode_gpu` on a Hopper GPU).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, chunk_union_decode
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, hopper_target, supports
 from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
 from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
 from moejax.ops.activations import activation_fn
@@ -189,20 +191,26 @@ def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
                               backend="pallas", interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret):
-    """One chunk through the decode kernels (:mod:`moejax.kernels.chunk_union.decode`); its
-    gradient, where one is asked for, recomputes the chunk through the pair kernels."""
-    return chunk_union_decode(x_nD, a_nE, active_nE, w_up, w_down, w_gate,
-                              activation=activation, interpret=interpret)
+DECODE_KERNELS = {"tpu": chunk_union_decode, "mosaic_gpu": chunk_union_decode_gpu}
 
 
-def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret):
-    y = decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret, kernel):
+    """One chunk through a decode kernel (``kernel``: ``"tpu"``,
+    :mod:`moejax.kernels.chunk_union.decode`, or ``"mosaic_gpu"``,
+    :mod:`moejax.kernels.chunk_union.decode_gpu`); its gradient, where one is asked for,
+    recomputes the chunk through the pair kernels."""
+    return DECODE_KERNELS[kernel](x_nD, a_nE, active_nE, w_up, w_down, w_gate,
+                                  activation=activation, interpret=interpret)
+
+
+def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret, kernel):
+    y = decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret,
+                     kernel)
     return y, (x_nD, a_nE, active_nE, w_up, w_down, w_gate)
 
 
-def _decode_bwd(activation, interpret, res, ct):
+def _decode_bwd(activation, interpret, kernel, res, ct):
     x_nD, a_nE, active_nE, w_up, w_down, w_gate = res
 
     def pairs(x, a, wu, wd, wg):
@@ -221,12 +229,14 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
                      tile: int, max_union: int):
     """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
     loop (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the
-    Pallas pair kernels on GPU and TPU; on TPU a single exact chunk of at most
-    ``MAX_CHUNK`` tokens (batch-1 decoding, a verified draft block) takes the decode kernels
-    (:func:`decode_chunk`) instead."""
+    Pallas pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
+    (batch-1 decoding, a verified draft block) takes a decode kernel (:func:`decode_chunk`)
+    instead: on TPU always, on a Hopper GPU where the Mosaic GPU kernel takes the chunk
+    (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`)."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
     N, E = a_NE.shape
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
+    no_overflow = jnp.zeros((), jnp.float32)
 
     def jnp_path(x, a, act, wu, wd, wg):
         y, o = chunk_union_experts(x, a, act, wu, wd, wg, activation, tile=tile,
@@ -237,10 +247,16 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         return chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation, tile=tile,
                                   max_union=max_union)
 
+    def gpu_path(x, a, act, wu, wd, wg):
+        if not (decode and hopper_target() and supports(x, wu)):
+            return kernel_path(x, a, act, wu, wd, wg)
+        return decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"), no_overflow
+
     def tpu_path(x, a, act, wu, wd, wg):
         if not decode:
             return kernel_path(x, a, act, wu, wd, wg)
-        return decode_chunk(x, a, act, wu, wd, wg, activation, False), jnp.zeros((), jnp.float32)
+        return decode_chunk(x, a, act, wu, wd, wg, activation, False, "tpu"), no_overflow
 
     return jax.lax.platform_dependent(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
-                                      cpu=jnp_path, tpu=tpu_path, default=kernel_path)
+                                      cpu=jnp_path, tpu=tpu_path, cuda=gpu_path,
+                                      default=kernel_path)

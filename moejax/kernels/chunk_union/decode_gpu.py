@@ -1,0 +1,191 @@
+"""BlockFFN's chunk-union forward at decode on an NVIDIA Hopper GPU, in Pallas Mosaic GPU: one
+chunk of ``n`` tokens (1 to 64: a decoded token, or the draft block that speculative decoding
+verifies) reads only the weights of the experts in its union (BlockFFN paper, Sec. 3.3 and its
+decode kernels), in one launch after the output is zeroed.
+
+The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
+
+1. **Membership.** ``e`` is in the union when a token of the chunk activates it; the program
+   reads the chunk's activity row for ``e`` and stops at the first active token. A program of
+   a non-member exits there, so the weights read are the union's only, each once.
+2. **Up-projection.** ``h = act(x W_gate[e][:, f]) * (x W_up[e][:, f]) * a[:, e]`` (plain:
+   ``act(x W_up[e][:, f]) * a[:, e]``): the chunk, padded to wgmma's 64 rows, times the F
+   block's columns, pipelined over D in 64-column steps (TMA copies into swizzled shared
+   memory, wgmma into float32 accumulators). ``h`` goes to shared memory in the weights'
+   dtype, as the jnp oracle casts it.
+3. **Down-projection.** Over D blocks of 128: ``h W_down[e][f, d]`` by wgmma, added into the
+   float32 output by TMA's reduce-add (``cp.reduce.async.bulk``), so the programs of all
+   members and F blocks sum into one output without a second launch. Only the chunk's rows
+   (rounded up to 8) are added.
+
+Against the official design (thunlp/BlockFFN ``inference/``: a union kernel, then programs
+over (union slot, F block) and a down-projection over D blocks) this finds the union inside
+each program and sums the down-projection through the reduce-add; the weights read are the
+same (the union's, once), with one launch fewer.
+
+bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` a multiple of 128 and
+``F`` of 64: :func:`supports` says whether a call qualifies; the others decode through the
+pair kernels (:func:`moejax.kernels.chunk_union.pallas.chunk_union_auto` chooses). Hopper
+only (wgmma; compute capability 9.x): :func:`hopper_target`.
+
+``interpret=True`` runs the kernel in Mosaic GPU's interpreter on the CPU, programs one after
+another, for tests. The interpreter has no TMA reduce-add, so there the add is a
+read-modify-write of the output block, exact when programs do not overlap; everything else is
+the kernel that lowers for the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
+from moejax.kernels.tiling import target_device
+from moejax.ops.activations import activation_fn
+
+__all__ = ["chunk_union_decode_gpu", "supports", "hopper_target", "ROWS", "BLOCKS"]
+
+ROWS = 64  # wgmma's M: the chunk is padded to it
+# (K step of the up-projection, F block, D block of the down-projection)
+BLOCKS = (64, 64, 128)
+_STAGES = 3  # TMA copies in flight per pipeline
+_DTYPES = (jnp.bfloat16, jnp.float16)
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def hopper_target() -> bool:
+    """Whether the program is being built for a Hopper GPU: the attached GPU's compute
+    capability 9.x, or the abstract device named for an export
+    (:func:`moejax.kernels.targets.lowering_target`)."""
+    platform, kind = target_device()
+    if platform != "cuda":
+        return False
+    local = jax.devices()[0]
+    capability = getattr(local, "compute_capability", None) if local.platform == "gpu" else None
+    if capability is not None:
+        return str(capability).startswith("9")
+    return any(k in kind for k in _HOPPER_KINDS)
+
+
+def supports(x_nD, w_up) -> bool:
+    """Whether the kernel takes this chunk: 1 to 64 tokens, bf16 / f16 operands, ``D`` a
+    multiple of 128 and ``F`` of 64."""
+    n, D = x_nD.shape
+    bK, bF, bD = BLOCKS
+    return (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in _DTYPES)
+            and D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0)
+
+
+def _swizzled(shape, dtype, what: str):
+    """Tiling and swizzle transforms for a wgmma operand in shared memory."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits, what)
+    return plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _is_member(active_g, e, n: int):
+    """1 when any of the chunk's ``n`` tokens activates expert ``e`` (stops at the first)."""
+    def more(carry):
+        i, found = carry
+        return (i < n) & (found == 0)
+
+    def step(carry):
+        i, _ = carry
+        return i + 1, (active_g[e, i] != 0).astype(jnp.int32)
+
+    return jax.lax.while_loop(more, step, (jnp.int32(0), jnp.int32(0)))[1]
+
+
+def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, interpret):
+    wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
+    bK, bF, bD = BLOCKS
+    D = x_g.shape[1]
+    dt = x_g.dtype
+    e, f = jax.lax.axis_index("e"), jax.lax.axis_index("f")
+
+    def spec(shape, index, what):
+        return plgpu.BlockSpec(shape, index, transforms=_swizzled(shape, dt, what),
+                               delay_release=1)
+
+    @pl.when(_is_member(active_g, e, n) > 0)
+    def _():
+        def up(*accs):
+            def step(_, x_s, *w_s):
+                for acc, w in zip(accs, w_s):
+                    plgpu.wgmma(acc, x_s, w)
+                plgpu.wgmma_wait(len(accs))
+
+            w_spec = spec((bK, bF), lambda k: (k, f), "w")
+            weights = (wu_g.at[e],) + ((wg_g.at[e],) if gated else ())
+            plgpu.emit_pipeline(step, grid=(D // bK,),
+                                in_specs=(spec((ROWS, bK), lambda k: (0, k), "x"),
+                                          *[w_spec] * len(weights)),
+                                max_concurrent_steps=_STAGES)(x_g, *weights)
+            return tuple(acc[...] for acc in accs)
+
+        accs = pl.run_scoped(up, *[plgpu.ACC((ROWS, bF))] * (2 if gated else 1))
+        act = kernel_activation(activation)
+        h = act(accs[1]) * accs[0] if gated else act(accs[0])
+        a_col = plgpu.load(a_g.at[e], layout=_ROW_LAYOUT, optimized=False)
+        h_smem[...] = (h * a_col[:, None]).astype(dt)
+        plgpu.commit_smem()
+
+        def down(idx, wd_s):
+            (d,) = idx
+            out = pl.run_scoped(lambda acc: (plgpu.wgmma(acc, h_smem, wd_s), acc[...])[1],
+                                plgpu.ACC((ROWS, bD)))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read o_smem
+            o_smem[...] = out
+            plgpu.commit_smem()
+            src, dst = o_smem.at[pl.ds(0, rows)], y_g.at[:, pl.ds(d * bD, bD)]
+            if interpret:
+                dst[...] = dst[...] + src[...]
+            else:
+                plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
+
+        plgpu.emit_pipeline(down, grid=(D // bD,),
+                            in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, d),
+                                                      transforms=_swizzled((bF, bD), dt, "wd")),),
+                            max_concurrent_steps=_STAGES)(wd_g.at[e])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
+                           activation: str, interpret: bool = False):
+    """``y [n, D]`` in ``x``'s dtype: the chunk's expert output through the union's weights
+    only (module docstring); equals
+    :func:`moejax.kernels.chunk_union.reference.dense_experts`."""
+    n, D = x_nD.shape
+    E = a_nE.shape[-1]
+    if a_nE.shape != (n, E) or active_nE.shape != (n, E):
+        raise ValueError(f"a {a_nE.shape} and active {active_nE.shape} must be {(n, E)}")
+    check_expert_weights(x_nD.shape, E, w_up, w_down, w_gate)
+    activation_fn(activation)  # an unknown name fails here, before any lowering
+    if not supports(x_nD, w_up):
+        raise ValueError(f"chunk_union_decode_gpu takes 1 to {MAX_CHUNK} tokens of bfloat16 "
+                         f"or float16 with D % {BLOCKS[2]} == 0 and F % {BLOCKS[1]} == 0; got "
+                         f"x {tuple(x_nD.shape)} {x_nD.dtype}, F {w_up.shape[-1]} (other "
+                         f"chunks: chunk_union_auto's pair kernels)")
+    dt = x_nD.dtype
+    rows = -(-n // 8) * 8
+    gated = w_gate is not None
+    weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
+    x = jnp.pad(x_nD, ((0, ROWS - n), (0, 0)))
+    a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, ROWS - n)))
+    active_E = active_nE.astype(jnp.int32).T
+    kernel = plgpu.kernel(
+        functools.partial(_body, n=n, rows=rows, activation=activation, gated=gated,
+                          interpret=interpret),
+        out_type=(), grid=(E, w_up.shape[-1] // BLOCKS[1]), grid_names=("e", "f"),
+        scratch_types=[plgpu.SMEM((ROWS, BLOCKS[1]), dt,
+                                  transforms=_swizzled((ROWS, BLOCKS[1]), dt, "h")),
+                       plgpu.SMEM((ROWS, BLOCKS[2]), jnp.float32)],
+        interpret=plgpu.InterpretGPUParams() if interpret else False)
+    y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))
+    kernel(x, a_E, active_E, *weights[:2], *weights[2:], y)
+    return y[...][:n].astype(dt)

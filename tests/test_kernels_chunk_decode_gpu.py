@@ -1,0 +1,148 @@
+"""The Mosaic GPU decode kernel (one chunk of 1 to 64 tokens on a Hopper GPU, one launch) in
+Mosaic GPU's interpreter: it equals the dense oracle for every activation and chunk length;
+it reads no weight of an expert outside the chunk's union; its gradient (recomputed through
+the pair kernels) is the oracle's; it lowers for ``cuda`` to one Mosaic GPU custom call at the
+benchmark shapes, and ``chunk_union_auto`` takes it for a decode-sized bf16 chunk on a Hopper
+GPU (the pair kernels otherwise); bad calls are refused before any lowering. The interpreter
+stands in for the TMA reduce-add with a read-modify-write (the module docstring); a GPU run
+proves the rest."""
+
+import jax
+import jax.export as je
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, hopper_target, supports
+from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
+from moejax.kernels.chunk_union.reference import dense_experts
+from moejax.kernels.targets import lowering_target
+from moejax.ops.activations import ACTIVATIONS, is_gated
+from moejax.train.aot import TRITON
+
+E, D, F = 6, 128, 128
+BF = jnp.bfloat16
+
+
+def _chunk(n, activation, seed=0, density=0.3):
+    k = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(k[0], (n, D)).astype(BF)
+    on = jax.random.uniform(k[1], (n, E)) < density
+    a = jnp.where(on, jax.random.uniform(k[2], (n, E), minval=0.1, maxval=1.0), 0.0)
+    w = [(jax.random.normal(kk, s) / np.sqrt(s[1])).astype(BF)
+         for kk, s in ((k[3], (E, D, F)), (k[4], (E, F, D)), (k[5], (E, D, F)))]
+    return x, a, on, w[0], w[1], w[2] if is_gated(activation) else None
+
+
+def _oracle(x, a, wu, wd, wg, activation):
+    f32 = lambda z: None if z is None else z.astype(jnp.float32)  # noqa: E731
+    return dense_experts(f32(x), a, f32(wu), f32(wd), f32(wg), activation)
+
+
+def _close(y, want):
+    """bf16 output of float32 sums: within two bf16 steps of the largest value."""
+    assert y.dtype == BF
+    tol = 2 * 2.0 ** -8 * float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("activation,n", list(zip(sorted(ACTIVATIONS), [1, 8, 17, 33, 64, 5])))
+def test_the_kernel_equals_the_dense_oracle(activation, n):
+    x, a, on, wu, wd, wg = _chunk(n, activation, seed=n)
+    y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation, interpret=True)
+    _close(y, _oracle(x, a, wu, wd, wg, activation))
+
+
+ON_HOPPER = jax.default_backend() == "gpu" and hopper_target()
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the compiled kernel needs a Hopper GPU (make gpu-check)")
+@pytest.mark.parametrize("activation,n", [("swish", 1), ("swiglu", 8), ("geglu", 64)])
+def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation, n):
+    """The kernel as the GPU runs it: TMA reduce-add, wgmma, early exit."""
+    x, a, on, wu, wd, wg = _chunk(n, activation, seed=n)
+    y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation=activation))(
+        x, a, on, wu, wd, wg)
+    _close(y, _oracle(x, a, wu, wd, wg, activation))
+
+
+@pytest.mark.parametrize("members", [(), (3,), (0, 5)])
+def test_it_reads_no_weight_outside_the_union(members):
+    """Every other expert's weights are NaN: a program that read them would spread NaN."""
+    on = np.zeros((4, E), bool)
+    for i, e in enumerate(members):
+        on[i % 4, e] = True
+    x, a, _, wu, wd, wg = _chunk(4, "swiglu")
+    a = jnp.where(on, jnp.abs(a) + 0.5, 0.0)
+    keep = jnp.asarray(on.any(0))[:, None, None]
+    poisoned = [jnp.where(keep, w, jnp.nan).astype(BF) for w in (wu, wd, wg)]
+    y = chunk_union_decode_gpu(x, a, jnp.asarray(on), *poisoned, activation="swiglu",
+                               interpret=True)
+    clean = [jnp.where(keep, w, 0).astype(BF) for w in (wu, wd, wg)]
+    _close(y, _oracle(x, a, *clean, "swiglu"))
+    if not members:
+        assert not np.any(np.asarray(y, np.float32))
+
+
+def test_its_gradient_is_the_oracles():
+    x, a, on, wu, wd, wg = (z if z is None or z.dtype == bool else z.astype(jnp.float32)
+                            for z in _chunk(6, "relu", density=0.5))
+
+    def grads(fn):
+        return jax.grad(lambda *z: jnp.sum(fn(*z).astype(jnp.float32) ** 2),
+                        argnums=(0, 1, 2, 3))(x.astype(BF), a, wu.astype(BF), wd.astype(BF))
+
+    got = grads(lambda x, a, wu, wd: decode_chunk(x, a, on, wu, wd, None, "relu", True,
+                                                  "mosaic_gpu"))
+    want = grads(lambda x, a, wu, wd: dense_experts(x, a, wu, wd, None, "relu"))
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=0.05 * np.abs(w).max(), rtol=0)
+
+
+def _shapes(n, dtype=BF, e=64, d=2048, f=256, gated=True):
+    return [jax.ShapeDtypeStruct(s, t) for s, t in
+            (((n, d), dtype), ((n, e), dtype), ((n, e), jnp.bool_), ((e, d, f), dtype),
+             ((e, f, d), dtype)) + ((((e, d, f), dtype),) if gated else ())]
+
+
+@pytest.mark.parametrize("n", [1, 8, 32])
+def test_it_lowers_for_cuda_to_one_mosaic_gpu_launch_at_the_benchmark_shapes(n):
+    """d 2048, 64 experts of width 256, bf16, gated: one Mosaic GPU custom call, no Triton."""
+    def fn(*z):
+        return chunk_union_decode_gpu(*z, activation="swiglu")
+
+    with lowering_target("cuda"):
+        text = je.export(jax.jit(fn), platforms=("cuda",))(*_shapes(n)).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 1
+    assert "triton" not in text and "callback" not in text
+
+
+@pytest.mark.parametrize("dtype,kernel", [(BF, "mosaic_gpu_v2"), (jnp.float32, "triton")])
+def test_auto_takes_it_for_a_decode_chunk_on_hopper(dtype, kernel):
+    """A bf16 chunk of 8 tokens decodes through the Mosaic GPU kernel; float32, which wgmma
+    takes only as tf32, through the pair kernels."""
+    def fn(*z):
+        return chunk_union_auto(*z, activation="swiglu", tile=8, max_union=64)[0]
+
+    with lowering_target("cuda"):
+        assert hopper_target()
+        text = je.export(jax.jit(fn), platforms=("cuda",),
+                         disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
+            *_shapes(8, dtype)).mlir_module()
+    assert kernel in text
+    assert hopper_target() is False  # no GPU here, and no target named
+
+
+def test_bad_calls_are_refused_before_lowering():
+    x, a, on, wu, wd, _ = _chunk(4, "relu")
+    assert supports(x, wu) and not supports(x.astype(jnp.float32), wu)
+    with pytest.raises(ValueError, match="float16"):
+        chunk_union_decode_gpu(x.astype(jnp.float32), a, on, wu, wd, activation="relu")
+    with pytest.raises(ValueError, match="1 to 64"):
+        chunk_union_decode_gpu(jnp.zeros((65, D), BF), jnp.zeros((65, E)),
+                               jnp.zeros((65, E), bool), wu, wd, activation="relu")
+    with pytest.raises(ValueError, match="w_down"):
+        chunk_union_decode_gpu(x, a, on, wu, wd[:, :, :64], activation="relu")
+    with pytest.raises(ValueError, match="unknown activation"):
+        chunk_union_decode_gpu(x, a, on, wu, wd, activation="tanh")
