@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, hopper_target, supports
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
 from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.targets import lowering_target
+from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import ACTIVATIONS, is_gated
 from moejax.train.aot import TRITON
 

@@ -7,12 +7,12 @@ dense path on ``|U|`` experts: the union's bytes and FLOPs, no union bookkeeping
 (``jax.lax.ragged_dot`` over the ``n |U|`` (token, expert) pairs), ``chunk_union`` and
 ``chunk_union_gather`` (the jnp union path's two schedules, static cap set to ``|U|``), the
 kernels ``pallas`` and ``triton`` (GPU only: on a CPU they run in interpret mode, which is no
-speed measurement, so their rows say "not measured"), and ``decode`` (the decode
-kernels, exact union: :mod:`moejax.kernels.chunk_union.decode`'s two launches on TPU,
-:mod:`moejax.kernels.chunk_union.decode_gpu`'s one on a Hopper GPU in bf16 / f16). Bound: ``dense time
-x |U| / E``, and the memory floor: the bytes of the union's expert weights over this device's
-bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written) in the same
-device loop (``x_floor``: time over that floor). Times are device time per call
+speed measurement, so their rows say "not measured"), and ``decode`` (the decode kernels, exact
+union: :mod:`moejax.kernels.chunk_union.decode`'s two launches on TPU,
+:mod:`moejax.kernels.chunk_union.decode_gpu`'s one on a Hopper GPU in bf16 / f16). Bound:
+``dense time x |U| / E``, and the memory floor: the bytes of the union's expert weights over
+this device's bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written)
+in the same device loop (``x_floor``: time over that floor). Times are device time per call
 (:func:`moejax.bench.timing.time_device_loop`), with the L2 cache flushed between calls where
 ``l2_flush_mb`` is set (the full preset), as in a decode step whose layers each read their own
 weights.

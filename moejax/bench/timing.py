@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.kernels.chunk_union.decode_gpu import hopper_target
+from moejax.kernels.tiling import hopper_target
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
            "kernel_unavailable", "KERNEL_PATHS", "HOST_PATHS"]

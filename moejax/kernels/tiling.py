@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device"]
+__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device", "hopper_target"]
+
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 
 
 def pad_to(a, axis: int, multiple: int):
@@ -51,3 +53,17 @@ def target_device() -> tuple[str, str]:
     if platform == "gpu":
         platform = "rocm" if "AMD" in device.device_kind.upper() else "cuda"
     return platform, device.device_kind
+
+
+def hopper_target() -> bool:
+    """Whether the program is being built for a Hopper GPU: the attached GPU's compute
+    capability 9.x, or the abstract device named for an export
+    (:func:`moejax.kernels.targets.lowering_target`)."""
+    platform, kind = target_device()
+    if platform != "cuda":
+        return False
+    local = jax.devices()[0]
+    capability = getattr(local, "compute_capability", None) if local.platform == "gpu" else None
+    if capability is not None:
+        return str(capability).startswith("9")
+    return any(k in kind for k in _HOPPER_KINDS)

@@ -26,7 +26,7 @@ same (the union's, once), with one launch fewer.
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` a multiple of 128 and
 ``F`` of 64: :func:`supports` says whether a call qualifies; the others decode through the
 pair kernels (:func:`moejax.kernels.chunk_union.pallas.chunk_union_auto` chooses). Hopper
-only (wgmma; compute capability 9.x): :func:`hopper_target`.
+only (wgmma; compute capability 9.x): :func:`moejax.kernels.tiling.hopper_target`.
 
 ``interpret=True`` runs the kernel in Mosaic GPU's interpreter on the CPU, programs one after
 another, for tests. The interpreter has no TMA reduce-add, so there the add is a
@@ -44,32 +44,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
-from moejax.kernels.tiling import target_device
+from moejax.kernels.chunk_union.pairs_gpu import DTYPES, swizzled
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "hopper_target", "ROWS", "BLOCKS"]
+__all__ = ["chunk_union_decode_gpu", "supports", "ROWS", "BLOCKS"]
 
 ROWS = 64  # wgmma's M: the chunk is padded to it
 # (K step of the up-projection, F block, D block of the down-projection)
 BLOCKS = (64, 64, 128)
 _STAGES = 3  # TMA copies in flight per pipeline
-_DTYPES = (jnp.bfloat16, jnp.float16)
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
-_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
-
-
-def hopper_target() -> bool:
-    """Whether the program is being built for a Hopper GPU: the attached GPU's compute
-    capability 9.x, or the abstract device named for an export
-    (:func:`moejax.kernels.targets.lowering_target`)."""
-    platform, kind = target_device()
-    if platform != "cuda":
-        return False
-    local = jax.devices()[0]
-    capability = getattr(local, "compute_capability", None) if local.platform == "gpu" else None
-    if capability is not None:
-        return str(capability).startswith("9")
-    return any(k in kind for k in _HOPPER_KINDS)
 
 
 def supports(x_nD, w_up) -> bool:
@@ -77,15 +61,8 @@ def supports(x_nD, w_up) -> bool:
     multiple of 128 and ``F`` of 64."""
     n, D = x_nD.shape
     bK, bF, bD = BLOCKS
-    return (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in _DTYPES)
+    return (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in DTYPES)
             and D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0)
-
-
-def _swizzled(shape, dtype, what: str):
-    """Tiling and swizzle transforms for a wgmma operand in shared memory."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(shape[-1] * bits, what)
-    return plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def _is_member(active_g, e, n: int):
@@ -109,7 +86,7 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
     e, f = jax.lax.axis_index("e"), jax.lax.axis_index("f")
 
     def spec(shape, index, what):
-        return plgpu.BlockSpec(shape, index, transforms=_swizzled(shape, dt, what),
+        return plgpu.BlockSpec(shape, index, transforms=swizzled(shape, dt, what),
                                delay_release=1)
 
     @pl.when(_is_member(active_g, e, n) > 0)
@@ -150,7 +127,7 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
 
         plgpu.emit_pipeline(down, grid=(D // bD,),
                             in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, d),
-                                                      transforms=_swizzled((bF, bD), dt, "wd")),),
+                                                      transforms=swizzled((bF, bD), dt, "wd")),),
                             max_concurrent_steps=_STAGES)(wd_g.at[e])
         plgpu.wait_smem_to_gmem(0)
 
@@ -183,7 +160,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                           interpret=interpret),
         out_type=(), grid=(E, w_up.shape[-1] // BLOCKS[1]), grid_names=("e", "f"),
         scratch_types=[plgpu.SMEM((ROWS, BLOCKS[1]), dt,
-                                  transforms=_swizzled((ROWS, BLOCKS[1]), dt, "h")),
+                                  transforms=swizzled((ROWS, BLOCKS[1]), dt, "h")),
                        plgpu.SMEM((ROWS, BLOCKS[2]), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))

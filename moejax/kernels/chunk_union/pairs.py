@@ -22,11 +22,12 @@ experts its pairs name. Per platform, chosen when the function is lowered
   pair's expert, so only its blocks are copied to VMEM; empty pairs repeat the previous
   block index (no copy) and skip the matmul; f32 accumulators in VMEM scratch. ``pair_wgrad``
   walks the pairs sorted by expert and writes an expert's block when its run ends.
-* GPU: Triton. Each program loops over the contraction (and, for ``pair_down`` /
-  ``pair_wgrad``, over the tile's union / the expert's pairs) loading blocks by dynamic
-  offsets, f32 accumulator in registers. Blocks are powers of two (``tl.dot``: at least 16
-  rows); rows and columns are zero-padded to them.
-* CPU: the TPU kernels in Pallas interpret mode (for tests).
+* GPU: on a Hopper GPU with bf16 / f16 operands, Mosaic GPU
+  (:mod:`moejax.kernels.chunk_union.pairs_gpu`: TMA-pipelined blocks, wgmma); otherwise
+  (float32, older GPUs) Triton (:mod:`moejax.kernels.chunk_union.pairs_triton`), kept while
+  jax still has Pallas Triton. Rows and columns are zero-padded to the kernels' blocks.
+* CPU: the TPU kernels in Pallas interpret mode (for tests); ``interpret="mosaic_gpu"``
+  runs the Mosaic GPU kernels in Mosaic GPU's interpreter instead.
 """
 
 from __future__ import annotations
@@ -38,11 +39,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
-from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
+from moejax.kernels.chunk_union.pairs_gpu import DTYPES as MGPU_DTYPES
+from moejax.kernels.chunk_union.pairs_gpu import MGPU_TILES, mgpu_down, mgpu_up, mgpu_wgrad
+from moejax.kernels.chunk_union.pairs_triton import triton_down, triton_up, triton_wgrad
+from moejax.kernels.tiling import block, choose_platform, hopper_target, pad_to, pow2
 
-__all__ = ["UnionPairs", "union_pairs", "pair_up", "pair_down", "pair_wgrad", "PAIR_TILES"]
+__all__ = ["UnionPairs", "union_pairs", "pair_up", "pair_down", "pair_wgrad", "PAIR_TILES",
+           "GPU_INTERPRET"]
+
+# ``interpret=GPU_INTERPRET``: the GPU's Mosaic GPU kernels in Mosaic GPU's interpreter (tests);
+# ``interpret=True``: the TPU kernels in Pallas interpret mode
+GPU_INTERPRET = "mosaic_gpu"
 
 # Blocks (rows, contraction, output columns) per kernel family. TPU: 128-multiples for the
 # MXU, rows up to 256 per block (a few (256, 128) f32 blocks: well inside the scoped VMEM).
@@ -238,120 +246,12 @@ def _mosaic_wgrad(lhs, lrow, rhs, rrow, pairs, valid_sorted, E, tiles, interpret
     )(lrow, rrow, pairs.sorted_expert, valid_sorted, pairs.first, pairs.last, lhs, rhs)
 
 
-# -- GPU (Triton) ------------------------------------------------------------------------------
-def _triton_up_kernel(src_ref, exp_ref, valid_ref, x_ref, w_ref, o_ref, *, tr, n_red,
-                      transpose):
-    p, m, o = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    s, e = src_ref[p], exp_ref[p]
-    tm, to = o_ref.shape[1], o_ref.shape[2]
-
-    def body(r, acc):
-        x = x_ref[s, pl.ds(m * tm, tm), pl.ds(r * tr, tr)]
-        if transpose:
-            return acc + pltriton.dot(x, w_ref[e, pl.ds(o * to, to), pl.ds(r * tr, tr)],
-                                      trans_b=True)
-        return acc + pltriton.dot(x, w_ref[e, pl.ds(r * tr, tr), pl.ds(o * to, to)])
-
-    # integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
-    # two literals lowers to i1 (rejected when the GPU compiles the module)
-    steps = valid_ref[p] * n_red
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tm, to), jnp.float32))
-    o_ref[0] = acc.astype(o_ref.dtype)
-
-
-def _full(a):
-    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-
-
-def _vec(v):
-    """A 1-D table padded to a power of two (Triton blocks must be)."""
-    return pad_to(v, 0, pow2(v.shape[0]))
-
-
-_TRITON = dict(num_warps=4, num_stages=2)
-
-
-def _triton_up(xs, w, pairs, tiles, transpose):
-    tm, tr, to = tiles
-    P, n, K = pairs.src.shape[0], xs.shape[1], xs.shape[2]
-    tables = [_vec(pairs.src), _vec(pairs.expert), _vec(pairs.valid)]
-    n_out = _out_cols(w, transpose)
-    return pl.pallas_call(
-        functools.partial(_triton_up_kernel, tr=tr, n_red=K // tr, transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((P, n, n_out), xs.dtype),
-        grid=(P, n // tm, n_out // to),
-        in_specs=[_full(t) for t in tables] + [_full(xs), _full(w)],
-        out_specs=pl.BlockSpec((1, tm, to), lambda p, m, o: (p, m, o)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, xs, w)
-
-
-def _triton_down_kernel(exp_ref, count_ref, h_ref, w_ref, o_ref, *, U, tr, n_red, transpose):
-    s, m, o = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tm, to = o_ref.shape[1], o_ref.shape[2]
-
-    def body(i, acc):
-        p = s * U + jax.lax.div(i, n_red)  # lax div/rem: i >= 0, and Triton lowers them
-        r, e = jax.lax.rem(i, n_red), exp_ref[p]
-        h = h_ref[p, pl.ds(m * tm, tm), pl.ds(r * tr, tr)]
-        if transpose:
-            return acc + pltriton.dot(h, w_ref[e, pl.ds(o * to, to), pl.ds(r * tr, tr)],
-                                      trans_b=True)
-        return acc + pltriton.dot(h, w_ref[e, pl.ds(r * tr, tr), pl.ds(o * to, to)])
-
-    acc = jax.lax.fori_loop(0, count_ref[s] * n_red, body, jnp.zeros((tm, to), jnp.float32))
-    o_ref[0] = acc.astype(o_ref.dtype)
-
-
-def _triton_down(h, w, pairs, U, tiles, transpose):
-    tm, tr, to = tiles
-    S, n = pairs.count.shape[0], h.shape[1]
-    tables = [_vec(pairs.expert), _vec(pairs.count)]
-    n_out = _out_cols(w, transpose)
-    return pl.pallas_call(
-        functools.partial(_triton_down_kernel, U=U, tr=tr, n_red=h.shape[2] // tr,
-                          transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((S, n, n_out), h.dtype),
-        grid=(S, n // tm, n_out // to),
-        in_specs=[_full(t) for t in tables] + [_full(h), _full(w)],
-        out_specs=pl.BlockSpec((1, tm, to), lambda s, m, o: (s, m, o)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, h, w)
-
-
-def _triton_wgrad_kernel(lrow_ref, rrow_ref, start_ref, per_ref, l_ref, r_ref, o_ref, *, tm,
-                         n_m):
-    e, k, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tk, tn = o_ref.shape[1], o_ref.shape[2]
-
-    def body(i, acc):
-        q, m = start_ref[e] + jax.lax.div(i, n_m), jax.lax.rem(i, n_m)
-        lb = l_ref[lrow_ref[q], pl.ds(m * tm, tm), pl.ds(k * tk, tk)]
-        rb = r_ref[rrow_ref[q], pl.ds(m * tm, tm), pl.ds(c * tn, tn)]
-        return acc + pltriton.dot(lb, rb, trans_a=True)
-
-    acc = jax.lax.fori_loop(0, per_ref[e] * n_m, body, jnp.zeros((tk, tn), jnp.float32))
-    o_ref[0] = acc.astype(o_ref.dtype)
-
-
-def _triton_wgrad(lhs, lrow, rhs, rrow, pairs, E, tiles):
-    tm, tk, tn = tiles
-    n, K, N = lhs.shape[1], lhs.shape[2], rhs.shape[2]
-    tables = [_vec(lrow), _vec(rrow), _vec(pairs.start), _vec(pairs.pairs_per_expert)]
-    return pl.pallas_call(
-        functools.partial(_triton_wgrad_kernel, tm=tm, n_m=n // tm),
-        out_shape=jax.ShapeDtypeStruct((E, K, N), lhs.dtype),
-        grid=(E, K // tk, N // tn),
-        in_specs=[_full(t) for t in tables] + [_full(lhs), _full(rhs)],
-        out_specs=pl.BlockSpec((1, tk, tn), lambda e, k, c: (e, k, c)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, lhs, rhs)
-
-
 # -- tiles per platform and the public products ---------------------------------------------------
 def _tiles(platform: str, n: int, R: int, n_out: int):
     """``(tm, tr, to)`` and the padded row count for ``n`` rows, contraction ``R``, output
     ``n_out``."""
+    if platform == "mgpu":
+        return MGPU_TILES
     tm_pref, tr_pref, to_pref = PAIR_TILES[platform]
     if platform == "gpu":
         n_p = pow2(n, 16)
@@ -374,7 +274,13 @@ def _check(a, w, transpose, what):
                          f"{w.shape}{' (transposed)' if transpose else ''}")
 
 
-def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, triton_call):
+def _gpu_backend(dtype) -> str:
+    """``"mgpu"`` (the Mosaic GPU kernels) on a Hopper GPU with bf16 / f16 operands, else
+    ``"gpu"`` (Triton)."""
+    return "mgpu" if hopper_target() and any(dtype == d for d in MGPU_DTYPES) else "gpu"
+
+
+def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, gpu_calls):
     """Run a pair product of ``a [rows, n, R]`` with ``w`` on the platform's kernel: operands
     padded to whole blocks, the result cut back to ``[:, :n, :n_out]``."""
     _check(a_InR, w, transpose, what)
@@ -390,9 +296,13 @@ def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, tr
             return out[:, :n, :n_out]
         return run
 
+    if interpret == GPU_INTERPRET:
+        return kernel("mgpu", functools.partial(gpu_calls["mgpu"], interpret=True))(
+            a_InR, w.astype(a_InR.dtype), *pairs)
+    gpu = _gpu_backend(a_InR.dtype)
     return choose_platform((a_InR, w.astype(a_InR.dtype), *pairs),
                            mosaic=lambda interp: kernel("tpu", mosaic_call(interp)),
-                           triton=kernel("gpu", triton_call), interpret=interpret)
+                           triton=kernel(gpu, gpu_calls[gpu]), interpret=interpret)
 
 
 def pair_up(xs_SnK, w_EKN, pairs: UnionPairs, *, transpose: bool = False,
@@ -401,7 +311,8 @@ def pair_up(xs_SnK, w_EKN, pairs: UnionPairs, *, transpose: bool = False,
     return _weight_product(
         xs_SnK, w_EKN, pairs, transpose, interpret, "pair_up",
         lambda interp: lambda x, w, p, t: _mosaic_up(x, w, p, t, transpose, interp),
-        lambda x, w, p, t: _triton_up(x, w, p, t, transpose))
+        {"mgpu": lambda x, w, p, t, **kw: mgpu_up(x, w, p, t, transpose, **kw),
+         "gpu": lambda x, w, p, t: triton_up(x, w, p, t, transpose)})
 
 
 def pair_down(h_PnK, w_EKN, pairs: UnionPairs, *, transpose: bool = False,
@@ -412,7 +323,8 @@ def pair_down(h_PnK, w_EKN, pairs: UnionPairs, *, transpose: bool = False,
     return _weight_product(
         h_PnK, w_EKN, pairs, transpose, interpret, "pair_down",
         lambda interp: lambda h, w, p, t: _mosaic_down(h, w, p, U, t, transpose, interp),
-        lambda h, w, p, t: _triton_down(h, w, p, U, t, transpose))
+        {"mgpu": lambda h, w, p, t, **kw: mgpu_down(h, w, p, U, t, transpose, **kw),
+         "gpu": lambda h, w, p, t: triton_down(h, w, p, U, t, transpose)})
 
 
 def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_by: str,
@@ -440,7 +352,7 @@ def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_
             pairs_ = UnionPairs(*tables)
             lq, rq = _blocked(platform, lhs, tm, tk), _blocked(platform, rhs, tm, tn)
             order = pairs_.order
-            if platform != "gpu":  # empty pairs (sorted last) re-read the last valid pair
+            if platform == "tpu":  # empty pairs (sorted last) re-read the last valid pair
                 n_valid = jnp.sum(pairs_.valid)
                 order = order[jnp.minimum(jnp.arange(order.shape[0]),
                                           jnp.maximum(n_valid - 1, 0))]
@@ -456,7 +368,12 @@ def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_
             return _mosaic_wgrad(lq, lrow, rq, rrow, p, valid_sorted, E, t, interp)
         return kernel("tpu", call)
 
-    triton = kernel("gpu", lambda lq, lrow, rq, rrow, p, t: _triton_wgrad(lq, lrow, rq, rrow, p,
-                                                                          E, t))
-    return choose_platform((l_InK, r_JnN, *pairs), mosaic=mosaic, triton=triton,
+    if interpret == GPU_INTERPRET:
+        return kernel("mgpu", lambda lq, lrow, rq, rrow, p, t: mgpu_wgrad(
+            lq, lrow, rq, rrow, p, E, t, interpret=True))(l_InK, r_JnN, *pairs)
+    gpu = _gpu_backend(l_InK.dtype)
+    gpu_call = mgpu_wgrad if gpu == "mgpu" else triton_wgrad
+    return choose_platform((l_InK, r_JnN, *pairs), mosaic=mosaic,
+                           triton=kernel(gpu, lambda lq, lrow, rq, rrow, p, t: gpu_call(
+                               lq, lrow, rq, rrow, p, E, t)),
                            interpret=interpret)

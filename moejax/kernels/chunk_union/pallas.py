@@ -39,9 +39,16 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, chunk_union_decode
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, hopper_target, supports
-from moejax.kernels.chunk_union.pairs import pair_down, pair_up, pair_wgrad, union_pairs
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
+from moejax.kernels.chunk_union.pairs import (
+    GPU_INTERPRET,
+    pair_down,
+    pair_up,
+    pair_wgrad,
+    union_pairs,
+)
 from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
+from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions",
@@ -174,13 +181,15 @@ def chunk_union_kernel(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
                        interpret: bool | None = None):
     """``(y_ND, overflow_fraction)`` (see the module docstring). ``interpret``: None runs the
     platform's kernels (interpret mode when lowered for the CPU), True interpret mode
-    everywhere."""
+    everywhere, ``"mosaic_gpu"`` the GPU's Mosaic GPU pair kernels in Mosaic GPU's
+    interpreter."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
     activation_fn(activation)  # an unknown name fails here, before any lowering
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    interpret = interpret if interpret == GPU_INTERPRET else bool(interpret)
     return _chunk_union(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile,
-                        max_union, backend, bool(interpret))
+                        max_union, backend, interpret)
 
 
 def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
