@@ -6,8 +6,9 @@
 # all):
 #   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply)
-#   grouped | kernels | dispatch | speculative | extracted
-#                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device);
+#   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
+#                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
+#                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply);
 #                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (the
 #                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
 #                than one command may run) and keeps its trained target and draft as
@@ -19,7 +20,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
-stages=${*:-tests grouped kernels dispatch speculative extracted}
+stages=${*:-tests grouped grouped_f32 kernels dispatch speculative extracted}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -68,10 +69,12 @@ for stage in $stages; do
         tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
         tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
-    grouped|kernels|dispatch|speculative|extracted)
+    grouped|grouped_f32|kernels|dispatch|speculative|extracted)
       args=()
+      bench=${stage%_f32}
       [ "$stage" = speculative ] && args=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
-      timeout "$limit" "$py" -m "experiments.bench_$stage" preset=full "${args[@]}" \
+      [ "$stage" = grouped_f32 ] && args=(variant=f32)
+      timeout "$limit" "$py" -m "experiments.bench_$bench" preset=full "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;
   esac

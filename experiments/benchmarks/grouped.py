@@ -201,6 +201,9 @@ STUDY = Study(
     # smoke=true: one call per loop, and the accelerator shapes' smaller two (on a CPU the
     # largest one's jax.lax.ragged_dot_general expands to 17 GB)
     smoke=("iters=1", "repeats=1", "shapes=((4096,256,704,8),(16384,1024,1408,16))"),
+    # float32, which tokamax's Mosaic GPU kernels do not take: the own gmm against
+    # jax.lax.ragged_dot and dense there (on a GPU: preset=full variant=f32)
+    variants=(("f32", ("precision=float32",)),),
 )
 
 
