@@ -2,7 +2,9 @@
 configuration per kernel, dtype and shape bucket (skipping one that cannot run); the table
 merges per device kind and reads back; a lowering for a device reads its entry, and one
 without an entry gets the anchors' H100 defaults, both visible in the exported Triton call;
-the autotune entry point refuses a machine without a GPU before writing anything."""
+the Mosaic GPU kernels run with the blocks their configuration names; the autotune entry point
+tunes each kernel over its own space and refuses a machine without a GPU before writing
+anything."""
 
 import json
 import re
@@ -10,10 +12,14 @@ import re
 import jax
 import jax.export as je
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments.benchmarks import autotune
 from moejax.kernels import tuning
+from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
+from moejax.kernels.chunk_union.pairs import GPU_INTERPRET, pair_up, union_pairs
+from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.targets import TARGETS, lowering_target
 
@@ -95,3 +101,54 @@ def test_autotune_refuses_a_machine_without_a_gpu_before_writing(tmp_path, capsy
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: autotune times GPU kernels; this machine lowers for cpu")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_mosaic_gpu_kernels_take_their_configuration():
+    """Blocks other than the defaults (a forced configuration, as a tuned one is read): the
+    decode kernel with 128-wide F and 256-wide D blocks and the pair product with 64-column
+    output blocks and 2 stages still equal their oracles; a shape off the blocks is not
+    taken; float32 has no configuration."""
+    k = jax.random.split(jax.random.key(0), 4)
+    bf = jnp.bfloat16
+    x = jax.random.normal(k[0], (3, 256)).astype(bf)
+    a = jnp.where(jax.random.uniform(k[1], (3, 4)) < 0.5, 1.0, 0.0)
+    wu = (jax.random.normal(k[2], (4, 256, 128)) / 16).astype(bf)
+    wd = (jax.random.normal(k[3], (4, 128, 256)) / 11).astype(bf)
+    f32 = [z.astype(jnp.float32) for z in (x, wu, wd)]
+    want = dense_experts(f32[0], a, f32[1], f32[2], None, "relu")
+    with tuning.forced(tuning.TritonConfig(64, 128, 256, 4, 2)):
+        assert supports(x, wu) and not supports(x[:, :128], wu[:, :128])
+        y = chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu", interpret=True)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want,
+                               atol=2 * 2.0 ** -8 * float(jnp.abs(want).max()))
+    ids = jnp.array([[0, 2], [3, 1]], jnp.int32)
+    pairs = union_pairs(ids, jnp.array([2, 1], jnp.int32), 4)
+    xs = x[None, :2].repeat(2, 0)  # both tiles the same rows
+    with tuning.forced(tuning.TritonConfig(64, 64, 64, 4, 2)):
+        up = pair_up(xs, wu, pairs, interpret=GPU_INTERPRET)
+    for p, (_, e, v) in enumerate(zip(pairs.src, pairs.expert, pairs.valid)):
+        ref = (f32[0][:2] @ f32[1][int(e)]) * int(v)
+        np.testing.assert_allclose(np.asarray(up[p], np.float32), ref,
+                                   atol=2 * 2.0 ** -8 * float(np.abs(ref).max() + 1e-9))
+    with pytest.raises(ValueError, match="takes bfloat16 / float16, not float32"):
+        tuning.config_for("decode_mgpu", jnp.float32, 256, 128)
+
+
+def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monkeypatch):
+    seen = []
+
+    def time_fn(kernel, dtype, k, n, c):
+        seen.append((kernel, dtype, c))
+        return 1e-3
+
+    cfg = autotune.AutotuneConfig(dtypes=("bfloat16", "float32"), shapes=((256, 128),))
+    got = autotune.tune_all(cfg, time_fn)
+    assert set(got) == {"gmm", "tgmm"}  # no Hopper GPU here: the Mosaic GPU kernels wait
+    monkeypatch.setattr(autotune, "hopper_target", lambda: True)
+    seen.clear()
+    got = autotune.tune_all(cfg, time_fn)
+    assert set(got) == set(tuning.KERNELS) and set(got["decode_mgpu"]) == {"bfloat16"}
+    assert {c for kn, _, c in seen if kn == "pairs_mgpu"} == set(tuning.SPACES["pairs_mgpu"])
+    assert {(kn, dt) for kn, dt, _ in seen} == {
+        ("gmm", "bfloat16"), ("gmm", "float32"), ("tgmm", "bfloat16"), ("tgmm", "float32"),
+        ("pairs_mgpu", "bfloat16"), ("decode_mgpu", "bfloat16")}

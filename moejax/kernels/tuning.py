@@ -1,10 +1,12 @@
 """Launch configurations of the project's own GPU kernels, tuned per device, and read when a
 kernel is lowered.
 
-A configuration is a :class:`TritonConfig` (row, contraction and column tiles; warps and
-pipeline stages). :func:`config_for` returns the one for a kernel (``"gmm"``: the grouped
-products, forward and dX; ``"tgmm"``: the weight gradient), a dtype and a shape ``(K, N)``
-(contraction, output columns) on the device the program is lowered for
+A configuration is a :class:`TritonConfig` (three tiles, warps and pipeline stages; what the
+tiles are per kernel: :data:`TILES`). :func:`config_for` returns the one for a kernel
+(``"gmm"``: the grouped products, forward and dX; ``"tgmm"``: the weight gradient, both
+Triton; ``"pairs_mgpu"``: BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic
+GPU decode kernel), a dtype and a shape ``(K, N)`` (contraction, output columns; the decode
+kernel: ``(D, F)``) on the device the program is lowered for
 (:func:`moejax.kernels.tiling.target_device`): the entry of :data:`TABLE` (a JSON file in
 this package; ``MOEJAX_KERNEL_TABLE`` names another) for that device kind, kernel, dtype and
 shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS`.
@@ -12,7 +14,9 @@ shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS
 The defaults follow the published H100 configurations of the anchors (tokamax's and
 megablox's grouped matmuls): 16-bit inputs take 128 x 64 x 128 tiles with 8 warps and 3
 stages, and the weight gradient 128 x 128 output tiles; f32, whose tiles take twice the
-shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages.
+shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages. The Mosaic GPU kernels (one
+warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmma tiles, 64-column
+contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest; :func:`write_entries` merges the winners into the table for one device kind,
@@ -33,10 +37,14 @@ import jax.numpy as jnp
 from moejax.files import atomic_write_text
 from moejax.kernels.tiling import pow2, target_device
 
-__all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "config_for", "forced", "bucket",
-           "tune", "write_entries", "read_table", "table_path", "SPACE"]
+__all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
+           "bucket", "tune", "write_entries", "read_table", "table_path", "SPACE", "SPACES"]
 
-KERNELS = ("gmm", "tgmm")
+KERNELS = ("gmm", "tgmm", "pairs_mgpu", "decode_mgpu")
+# what a configuration's three tiles are, per kernel
+TILES = {"gmm": ("rows", "contraction", "columns"), "tgmm": ("rows", "K", "N"),
+         "pairs_mgpu": ("rows", "contraction", "columns"),
+         "decode_mgpu": ("D step", "F block", "D block")}
 TABLE = Path(__file__).with_name("tuned_configs.json")
 
 
@@ -54,6 +62,8 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     **{("tgmm", d): TritonConfig(128, 128, 128, 8, 3) for d in _WIDE},
     ("gmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
     ("tgmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
+    **{(k, d): TritonConfig(64, 64, 128, 4, 3) for k in ("pairs_mgpu", "decode_mgpu")
+       for d in _WIDE},
 }
 
 
@@ -63,6 +73,12 @@ SPACE: tuple[TritonConfig, ...] = tuple(
     for tm, tk, tn in ((64, 32, 64), (64, 64, 128), (128, 32, 128), (128, 64, 128),
                        (128, 128, 128), (128, 64, 256))
     for w, st in ((4, 2), (8, 3)))
+# the Mosaic GPU kernels: one warpgroup; output blocks of 64 to 256 columns, 2 to 4 stages
+_MGPU_SPACE = tuple(TritonConfig(64, 64, tn, 4, st) for tn in (64, 128, 256) for st in (2, 3, 4))
+SPACES: dict[str, tuple[TritonConfig, ...]] = {
+    "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
+    "decode_mgpu": tuple(TritonConfig(64, bf, bd, 4, st) for bf in (64, 128)
+                         for bd in (128, 256) for st in (2, 3, 4))}
 
 
 def bucket(k: int, n: int) -> str:
@@ -110,6 +126,9 @@ def config_for(kernel: str, dtype, k: int, n: int, device_kind: str | None = Non
         return _FORCED.value
     name = jnp.dtype(dtype).name
     key = (kernel, name if (kernel, name) in DEFAULTS else "float32")
+    if key not in DEFAULTS:
+        raise ValueError(f"{kernel} takes {' / '.join(d for k, d in DEFAULTS if k == kernel)}, "
+                         f"not {name}")
     kind = target_device()[1] if device_kind is None else device_kind
     entry = read_table().get(kind, {}).get(kernel, {}).get(name, {}).get(bucket(k, n))
     if entry is None:

@@ -11,9 +11,9 @@ The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
 2. **Up-projection.** ``h = act(x W_gate[e][:, f]) * (x W_up[e][:, f]) * a[:, e]`` (plain:
    ``act(x W_up[e][:, f]) * a[:, e]``): the chunk, padded to wgmma's 64 rows, times the F
    block's columns, pipelined over D in 64-column steps (TMA copies into swizzled shared
-   memory, wgmma into float32 accumulators). ``h`` goes to shared memory in the weights'
-   dtype, as the jnp oracle casts it.
-3. **Down-projection.** Over D blocks of 128: ``h W_down[e][f, d]`` by wgmma, added into the
+   memory, wgmma into float32 accumulators; the block sizes: :func:`blocks`). ``h`` goes to
+   shared memory in the weights' dtype, as the jnp oracle casts it.
+3. **Down-projection.** Over D blocks (default 128): ``h W_down[e][f, d]`` by wgmma, added into the
    float32 output by TMA's reduce-add (``cp.reduce.async.bulk``), so the programs of all
    members and F blocks sum into one output without a second launch. Only the chunk's rows
    (rounded up to 8) are added.
@@ -23,8 +23,9 @@ over (union slot, F block) and a down-projection over D blocks) this finds the u
 each program and sums the down-projection through the reduce-add; the weights read are the
 same (the union's, once), with one launch fewer.
 
-bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` a multiple of 128 and
-``F`` of 64: :func:`supports` says whether a call qualifies; the others decode through the
+bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
+of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
+whether a call qualifies; the others decode through the
 pair kernels (:func:`moejax.kernels.chunk_union.pallas.chunk_union_auto` chooses). Hopper
 only (wgmma; compute capability 9.x): :func:`moejax.kernels.tiling.hopper_target`.
 
@@ -45,24 +46,32 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
 from moejax.kernels.chunk_union.pairs_gpu import DTYPES, swizzled
+from moejax.kernels.tuning import config_for
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "ROWS", "BLOCKS"]
+__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "ROWS"]
 
 ROWS = 64  # wgmma's M: the chunk is padded to it
-# (K step of the up-projection, F block, D block of the down-projection)
-BLOCKS = (64, 64, 128)
-_STAGES = 3  # TMA copies in flight per pipeline
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 
 
+def blocks(dtype, D: int, F: int) -> tuple[int, int, int, int]:
+    """``(bK, bF, bD, stages)``: the up-projection's contraction step, the F block, the
+    down-projection's D block and the pipeline depth for ``D`` and ``F`` on the device being
+    lowered for (:func:`moejax.kernels.tuning.config_for`'s ``"decode_mgpu"``; default
+    64, 64, 128 and 3)."""
+    c = config_for("decode_mgpu", dtype, D, F)
+    return c.tm, c.tk, c.tn, c.num_stages
+
+
 def supports(x_nD, w_up) -> bool:
-    """Whether the kernel takes this chunk: 1 to 64 tokens, bf16 / f16 operands, ``D`` a
-    multiple of 128 and ``F`` of 64."""
+    """Whether the kernel takes this chunk: 1 to 64 tokens, bf16 / f16 operands, ``D`` and
+    ``F`` whole multiples of the blocks (default: ``D`` of 128, ``F`` of 64)."""
     n, D = x_nD.shape
-    bK, bF, bD = BLOCKS
-    return (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in DTYPES)
-            and D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0)
+    if not (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in DTYPES)):
+        return False
+    bK, bF, bD, _ = blocks(x_nD.dtype, D, w_up.shape[-1])
+    return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
 def _is_member(active_g, e, n: int):
@@ -78,9 +87,10 @@ def _is_member(active_g, e, n: int):
     return jax.lax.while_loop(more, step, (jnp.int32(0), jnp.int32(0)))[1]
 
 
-def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, interpret):
+def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, interpret,
+          tiles):
     wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
-    bK, bF, bD = BLOCKS
+    bK, bF, bD, stages = tiles
     D = x_g.shape[1]
     dt = x_g.dtype
     e, f = jax.lax.axis_index("e"), jax.lax.axis_index("f")
@@ -102,7 +112,7 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
             plgpu.emit_pipeline(step, grid=(D // bK,),
                                 in_specs=(spec((ROWS, bK), lambda k: (0, k), "x"),
                                           *[w_spec] * len(weights)),
-                                max_concurrent_steps=_STAGES)(x_g, *weights)
+                                max_concurrent_steps=stages)(x_g, *weights)
             return tuple(acc[...] for acc in accs)
 
         accs = pl.run_scoped(up, *[plgpu.ACC((ROWS, bF))] * (2 if gated else 1))
@@ -128,7 +138,7 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
         plgpu.emit_pipeline(down, grid=(D // bD,),
                             in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, d),
                                                       transforms=swizzled((bF, bD), dt, "wd")),),
-                            max_concurrent_steps=_STAGES)(wd_g.at[e])
+                            max_concurrent_steps=stages)(wd_g.at[e])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -145,9 +155,11 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     activation_fn(activation)  # an unknown name fails here, before any lowering
     if not supports(x_nD, w_up):
         raise ValueError(f"chunk_union_decode_gpu takes 1 to {MAX_CHUNK} tokens of bfloat16 "
-                         f"or float16 with D % {BLOCKS[2]} == 0 and F % {BLOCKS[1]} == 0; got "
+                         f"or float16 with D and F whole multiples of its blocks; got "
                          f"x {tuple(x_nD.shape)} {x_nD.dtype}, F {w_up.shape[-1]} (other "
                          f"chunks: chunk_union_auto's pair kernels)")
+    tiles = blocks(x_nD.dtype, D, w_up.shape[-1])
+    bF, bD = tiles[1], tiles[2]
     dt = x_nD.dtype
     rows = -(-n // 8) * 8
     gated = w_gate is not None
@@ -157,11 +169,10 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     active_E = active_nE.astype(jnp.int32).T
     kernel = plgpu.kernel(
         functools.partial(_body, n=n, rows=rows, activation=activation, gated=gated,
-                          interpret=interpret),
-        out_type=(), grid=(E, w_up.shape[-1] // BLOCKS[1]), grid_names=("e", "f"),
-        scratch_types=[plgpu.SMEM((ROWS, BLOCKS[1]), dt,
-                                  transforms=swizzled((ROWS, BLOCKS[1]), dt, "h")),
-                       plgpu.SMEM((ROWS, BLOCKS[2]), jnp.float32)],
+                          interpret=interpret, tiles=tiles),
+        out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
+        scratch_types=[plgpu.SMEM((ROWS, bF), dt, transforms=swizzled((ROWS, bF), dt, "h")),
+                       plgpu.SMEM((ROWS, bD), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))
     kernel(x, a_E, active_E, *weights[:2], *weights[2:], y)

@@ -41,9 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.kernels.chunk_union.pairs_gpu import DTYPES as MGPU_DTYPES
-from moejax.kernels.chunk_union.pairs_gpu import MGPU_TILES, mgpu_down, mgpu_up, mgpu_wgrad
+from moejax.kernels.chunk_union.pairs_gpu import mgpu_down, mgpu_up, mgpu_wgrad
 from moejax.kernels.chunk_union.pairs_triton import triton_down, triton_up, triton_wgrad
 from moejax.kernels.tiling import block, choose_platform, hopper_target, pad_to, pow2
+from moejax.kernels.tuning import config_for
 
 __all__ = ["UnionPairs", "union_pairs", "pair_up", "pair_down", "pair_wgrad", "PAIR_TILES",
            "GPU_INTERPRET"]
@@ -247,11 +248,12 @@ def _mosaic_wgrad(lhs, lrow, rhs, rrow, pairs, valid_sorted, E, tiles, interpret
 
 
 # -- tiles per platform and the public products ---------------------------------------------------
-def _tiles(platform: str, n: int, R: int, n_out: int):
-    """``(tm, tr, to)`` and the padded row count for ``n`` rows, contraction ``R``, output
-    ``n_out``."""
+def _tiles(platform: str, n: int, R: int, n_out: int, dtype):
+    """``(tm, tr, to)`` for ``n`` rows, contraction ``R``, output ``n_out`` (Mosaic GPU:
+    ``(tm, tr, to, stages)`` from :func:`moejax.kernels.tuning.config_for`)."""
     if platform == "mgpu":
-        return MGPU_TILES
+        c = config_for("pairs_mgpu", dtype, R, n_out)
+        return c.tm, c.tk, c.tn, c.num_stages
     tm_pref, tr_pref, to_pref = PAIR_TILES[platform]
     if platform == "gpu":
         n_p = pow2(n, 16)
@@ -288,11 +290,12 @@ def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, gp
     n_out = _out_cols(w, transpose)
 
     def kernel(platform, call):
-        tm, tr, to = _tiles(platform, n, R, n_out)
+        tiles = _tiles(platform, n, R, n_out, a_InR.dtype)
+        tm, tr, to = tiles[:3]
 
         def run(a, w, *tables):
             out = call(_blocked(platform, a, tm, tr), _pad_w(w, tr, to, transpose),
-                       UnionPairs(*tables), (tm, tr, to))
+                       UnionPairs(*tables), tiles)
             return out[:, :n, :n_out]
         return run
 
@@ -346,7 +349,8 @@ def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_
         return order if by == "pair" else src[order]
 
     def kernel(platform, call):
-        tm, tk, tn = _tiles(platform, n, K, N)
+        tiles = _tiles(platform, n, K, N, l_InK.dtype)
+        tm, tk, tn = tiles[:3]
 
         def run(lhs, rhs, *tables):
             pairs_ = UnionPairs(*tables)
@@ -358,7 +362,7 @@ def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_
                                           jnp.maximum(n_valid - 1, 0))]
             lrow = rows_of(l_by, order, pairs_.src)
             rrow = rows_of(r_by, order, pairs_.src)
-            dw = call(lq, lrow, rq, rrow, pairs_, (tm, tk, tn))[:, :K, :N]
+            dw = call(lq, lrow, rq, rrow, pairs_, tiles)[:, :K, :N]
             return jnp.where(pairs_.pairs_per_expert[:, None, None] > 0, dw, 0)
         return run
 

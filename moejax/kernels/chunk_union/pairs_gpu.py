@@ -16,7 +16,9 @@ whole blocks; :func:`moejax.kernels.chunk_union.pairs.pair_up` and friends choos
   transposed left operand.
 
 Transposed weights (the backward's ``W^T``) are read as stored and given to wgmma as a
-transposed shared-memory view, never materialised. Rows are padded to 64 (wgmma's M).
+transposed shared-memory view, never materialised. ``tiles`` is ``(rows, contraction,
+output columns, pipeline stages)`` (:func:`moejax.kernels.tuning.config_for`'s
+``"pairs_mgpu"``; rows a multiple of 64, wgmma's M).
 ``interpret=True`` runs the kernels in Mosaic GPU's interpreter on the CPU (for tests).
 """
 
@@ -27,13 +29,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["mgpu_up", "mgpu_down", "mgpu_wgrad", "MGPU_TILES", "DTYPES", "swizzled"]
+__all__ = ["mgpu_up", "mgpu_down", "mgpu_wgrad", "DTYPES", "swizzled"]
 
-# (rows, contraction, output columns): rows are wgmma's M; 64-column contraction steps fill a
-# 128-byte swizzle in bf16
-MGPU_TILES = (64, 64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
-_STAGES = 3
 
 
 def swizzled(shape, dtype, what: str = ""):
@@ -82,7 +80,7 @@ def _kernel(body, out_shape, grid, names, interpret):
 
 def mgpu_up(xs, w, pairs, tiles, transpose: bool, interpret: bool = False):
     """``[P, n, N]``: ``xs[src_p] w[e_p]`` (``w^T`` with ``transpose``), 0 for an empty pair."""
-    tm, tr, to = tiles
+    tm, tr, to, stages = tiles
     P, n, K = pairs.src.shape[0], xs.shape[1], xs.shape[2]
     n_out = w.shape[1] if transpose else w.shape[2]
     dt = xs.dtype
@@ -98,7 +96,7 @@ def mgpu_up(xs, w, pairs, tiles, transpose: bool, interpret: bool = False):
                     lambda _, x_s, w_s: _mma(acc, x_s, w_s, transpose), grid=(K // tr,),
                     in_specs=(_spec((None, tm, tr), lambda r: (s, m, r), dt, "x"),
                               _w_spec(tr, to, transpose, dt, lambda r: e, o)),
-                    max_concurrent_steps=_STAGES)(x_g, w_g)
+                    max_concurrent_steps=stages)(x_g, w_g)
             return acc[...]
 
         acc = pl.run_scoped(product, plgpu.ACC((tm, to)))
@@ -111,7 +109,7 @@ def mgpu_up(xs, w, pairs, tiles, transpose: bool, interpret: bool = False):
 def mgpu_down(h, w, pairs, U: int, tiles, transpose: bool, interpret: bool = False):
     """``[S, n, N]``: ``y_s = sum_{j < count_s} h_{sU+j} w[e_{sU+j}]`` (``w^T`` with
     ``transpose``)."""
-    tm, tr, to = tiles
+    tm, tr, to, stages = tiles
     S, n, R = pairs.count.shape[0], h.shape[1], h.shape[2]
     n_red = R // tr
     n_out = w.shape[1] if transpose else w.shape[2]
@@ -141,7 +139,7 @@ def mgpu_down(h, w, pairs, U: int, tiles, transpose: bool, interpret: bool = Fal
                     in_specs=(_spec((None, tm, tr),
                                     lambda i: (pair(i), m, jax.lax.rem(i, n_red)), dt, "h"),
                               w_spec),
-                    max_concurrent_steps=_STAGES)(h_g, w_g)
+                    max_concurrent_steps=stages)(h_g, w_g)
             return acc[...]
 
         acc = pl.run_scoped(product, plgpu.ACC((tm, to)))
@@ -154,7 +152,7 @@ def mgpu_down(h, w, pairs, U: int, tiles, transpose: bool, interpret: bool = Fal
 def mgpu_wgrad(lhs, lrow, rhs, rrow, pairs, E: int, tiles, interpret: bool = False):
     """``[E, K, N]``: ``dW[e] = sum over e's pairs q and row blocks of l[lrow_q]^T r[rrow_q]``
     (pairs sorted by expert: ``pairs.start`` / ``pairs.pairs_per_expert``)."""
-    tm, tk, tn = tiles
+    tm, tk, tn, stages = tiles
     n, K, N = lhs.shape[1], lhs.shape[2], rhs.shape[2]
     n_m = n // tm
     dt = lhs.dtype
@@ -179,7 +177,7 @@ def mgpu_wgrad(lhs, lrow, rhs, rrow, pairs, E: int, tiles, interpret: bool = Fal
                                     lambda i: (lrow_g[q(i)], jax.lax.rem(i, n_m), k), dt, "l"),
                               _spec((None, tm, tn),
                                     lambda i: (rrow_g[q(i)], jax.lax.rem(i, n_m), c), dt, "r")),
-                    max_concurrent_steps=_STAGES)(l_g, r_g)
+                    max_concurrent_steps=stages)(l_g, r_g)
             return acc[...]
 
         acc = pl.run_scoped(product, plgpu.ACC((tk, tn)))
