@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
 from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import hopper_target
-from moejax.ops.activations import ACTIVATIONS, is_gated
+from moejax.ops.activations import ACTIVATIONS, activation_fn, is_gated
 from moejax.train.aot import TRITON
 
 E, D, F = 6, 128, 128
@@ -65,6 +66,14 @@ def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation,
     y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation=activation))(
         x, a, on, wu, wd, wg)
     _close(y, _oracle(x, a, wu, wd, wg, activation))
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_the_kernels_activations_are_the_models(activation):
+    """What the kernels compute (primitives every backend lowers) is jax.nn's function."""
+    x = jnp.concatenate([jnp.linspace(-30.0, 30.0, 2001), jnp.array([-88.0, 88.0])])
+    np.testing.assert_allclose(kernel_activation(activation)(x), activation_fn(activation)(x),
+                               rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("members", [(), (3,), (0, 5)])

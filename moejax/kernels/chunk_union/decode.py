@@ -56,11 +56,27 @@ def _erf(x):
     return jnp.where(x < 0, -y, y)
 
 
+def _gelu(x):
+    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def _silu(x):
+    return x / (1.0 + jnp.exp(-x))
+
+
+_KERNEL_ACTIVATIONS = {"relu": lambda x: jnp.maximum(x, 0.0), "swish": _silu, "swiglu": _silu,
+                       "gelu": _gelu, "geglu": _gelu, "gelu_tanh": _gelu_tanh}
+
+
 def kernel_activation(name: str):
-    """The activation as the kernel computes it: exact GELU through :func:`_erf`."""
-    if name in ("gelu", "geglu"):
-        return lambda x: 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
-    return activation_fn(name)
+    """The activation as a kernel computes it: the same function in primitives every kernel
+    backend lowers (no ``custom_jvp`` as in ``jax.nn``, exact GELU through :func:`_erf`)."""
+    activation_fn(name)  # an unknown name fails here
+    return _KERNEL_ACTIVATIONS[name]
 
 
 def _union_kernel(active_ref, ids_ref, count_ref):
