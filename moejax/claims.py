@@ -5,8 +5,8 @@ rows and compare values.
 A claim that two methods differ is judged from their paired per-seed differences (both arms
 trained and evaluated on the same seeds, :func:`paired`): it holds when the 95% interval of
 the mean difference (Student's t, ``n - 1`` degrees of freedom) lies above zero, does not
-hold when it lies below, and is inconclusive when it contains zero or when one seed cannot
-give an interval (:func:`paired_claim`)."""
+hold when it lies below or when the two are equal in every seed, and is inconclusive when it
+contains zero otherwise or when one seed cannot give an interval (:func:`paired_claim`)."""
 
 from __future__ import annotations
 
@@ -143,6 +143,8 @@ def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None, str]:
             f"{format(mean, fmt)} +/- {format(sd, fmt)}, wins {int(row['wins'])}/{n} seeds")
     if n < 2:
         return None, text + ", one seed: no interval"
+    if mean == 0 and sd == 0:  # every seed a tie: the first method is better in none
+        return False, text + ", equal in every seed"
     half = t_critical(n - 1) * sd / math.sqrt(n)
     lo, hi = mean - half, mean + half
     text += f", 95% CI [{format(lo, fmt)}, {format(hi, fmt)}]"
@@ -154,7 +156,8 @@ def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any
     """``claim`` (that the first of a :func:`paired` comparison's methods is better) judged
     on one paired row or on several (one per metric the claim names, each oriented so that
     higher is better): holds when every metric's 95% interval lies above zero, does not hold
-    when any lies below, inconclusive otherwise; not measured without rows."""
+    when any lies below or is tied in every seed, inconclusive otherwise; not measured
+    without rows."""
     if rows is None or (not isinstance(rows, Mapping) and not rows):
         return Claim(claim, None, "not run")
     rows = [rows] if isinstance(rows, Mapping) else list(rows)

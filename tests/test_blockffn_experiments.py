@@ -180,5 +180,5 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
     assert ppl.holds is True and cls.holds is True and "wins 5/5" in ppl.evidence
     ppl, cls = mod.claims(rows(-0.5, 0.1))           # every other MoE is better
     assert ppl.holds is False and cls.holds is False
-    ppl, _ = mod.claims(rows(0.0, -0.1))             # tied with both: cannot tell
-    assert ppl.verdict == "inconclusive"
+    ppl, _ = mod.claims(rows(0.0, -0.1))             # tied with both in every seed
+    assert ppl.verdict == "does not hold" and "equal in every seed" in ppl.evidence

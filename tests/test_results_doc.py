@@ -43,9 +43,9 @@ def test_paired_differences_by_hand():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_paired_verdicts_follow_the_interval(seed):
-    """Properties over random seeds: a clear shift holds (its mirror does not), equal arms
-    and noise-dominated shifts are inconclusive, the interval holds the mean, and several
-    metrics hold only together."""
+    """Properties over random seeds: a clear shift holds (its mirror does not), arms equal in
+    every seed do not hold (the first is better in none), noise-dominated shifts follow the
+    interval, the interval holds the mean, and several metrics hold only together."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -56,7 +56,8 @@ def test_paired_verdicts_follow_the_interval(seed):
     assert paired_claim("A beats B", up).holds is True
     assert paired_claim("B beats A", paired("B - A", list(b), list(b + 1.0 + noise))).holds \
         is False
-    assert paired_claim("same", paired("same", list(b), list(b))).verdict == "inconclusive"
+    same = paired_claim("same", paired("same", list(b), list(b)))
+    assert same.verdict == "does not hold" and "equal in every seed" in same.evidence
     tiny = paired("tiny", list(b + 1e-3 + rng.normal(scale=1.0, size=n)), list(b))
     c = paired_claim("tiny", tiny)
     lo, hi = (float(v) for v in c.evidence.split("CI [")[1].rstrip("]").split(", "))
@@ -64,7 +65,10 @@ def test_paired_verdicts_follow_the_interval(seed):
     assert c.verdict == ("holds" if lo > 0 else "does not hold" if hi < 0 else "inconclusive")
     assert paired_claim("both", [up, up]).holds is True
     assert paired_claim("both", [up, paired("same", list(b), list(b))]).verdict == \
-        "inconclusive"
+        "does not hold"
+    assert paired_claim("both", [up, tiny]).verdict == ("holds" if lo > 0 else
+                                                        "does not hold" if hi < 0 else
+                                                        "inconclusive")
     down = paired("B - A", list(b), list(b + 1.0 + noise))
     assert paired_claim("both", [up, down]).holds is False
 
