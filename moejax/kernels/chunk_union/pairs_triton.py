@@ -54,19 +54,27 @@ def _vec(v):
 _TRITON = dict(num_warps=4, num_stages=2)
 
 
+def _launch(kernel, tables, operands, out_shape, dtype, blocks):
+    """``kernel`` over the grid of ``out_shape``'s ``blocks`` (3-d), the 1-D ``tables`` and
+    whole ``operands`` in, each program writing its own output block."""
+    tables = [_vec(t) for t in tables]
+    grid = tuple(d // b for d, b in zip(out_shape, blocks))
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(out_shape, dtype), grid=grid,
+        in_specs=[_full(a) for a in (*tables, *operands)],
+        out_specs=pl.BlockSpec(blocks, lambda i, j, k: (i, j, k)),
+        compiler_params=pltriton.CompilerParams(**_TRITON),
+    )(*tables, *operands)
+
+
 def triton_up(xs, w, pairs, tiles, transpose):
     tm, tr, to = tiles
     P, n, K = pairs.src.shape[0], xs.shape[1], xs.shape[2]
-    tables = [_vec(pairs.src), _vec(pairs.expert), _vec(pairs.valid)]
     n_out = w.shape[1] if transpose else w.shape[2]
-    return pl.pallas_call(
-        functools.partial(_triton_up_kernel, tr=tr, n_red=K // tr, transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((P, n, n_out), xs.dtype),
-        grid=(P, n // tm, n_out // to),
-        in_specs=[_full(t) for t in tables] + [_full(xs), _full(w)],
-        out_specs=pl.BlockSpec((1, tm, to), lambda p, m, o: (p, m, o)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, xs, w)
+    return _launch(functools.partial(_triton_up_kernel, tr=tr, n_red=K // tr,
+                                     transpose=transpose),
+                   (pairs.src, pairs.expert, pairs.valid), (xs, w), (P, n, n_out), xs.dtype,
+                   (1, tm, to))
 
 
 def _triton_down_kernel(exp_ref, count_ref, h_ref, w_ref, o_ref, *, U, tr, n_red, transpose):
@@ -89,17 +97,10 @@ def _triton_down_kernel(exp_ref, count_ref, h_ref, w_ref, o_ref, *, U, tr, n_red
 def triton_down(h, w, pairs, U, tiles, transpose):
     tm, tr, to = tiles
     S, n = pairs.count.shape[0], h.shape[1]
-    tables = [_vec(pairs.expert), _vec(pairs.count)]
     n_out = w.shape[1] if transpose else w.shape[2]
-    return pl.pallas_call(
-        functools.partial(_triton_down_kernel, U=U, tr=tr, n_red=h.shape[2] // tr,
-                          transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((S, n, n_out), h.dtype),
-        grid=(S, n // tm, n_out // to),
-        in_specs=[_full(t) for t in tables] + [_full(h), _full(w)],
-        out_specs=pl.BlockSpec((1, tm, to), lambda s, m, o: (s, m, o)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, h, w)
+    return _launch(functools.partial(_triton_down_kernel, U=U, tr=tr, n_red=h.shape[2] // tr,
+                                     transpose=transpose),
+                   (pairs.expert, pairs.count), (h, w), (S, n, n_out), h.dtype, (1, tm, to))
 
 
 def _triton_wgrad_kernel(lrow_ref, rrow_ref, start_ref, per_ref, l_ref, r_ref, o_ref, *, tm,
@@ -120,12 +121,6 @@ def _triton_wgrad_kernel(lrow_ref, rrow_ref, start_ref, per_ref, l_ref, r_ref, o
 def triton_wgrad(lhs, lrow, rhs, rrow, pairs, E, tiles):
     tm, tk, tn = tiles
     n, K, N = lhs.shape[1], lhs.shape[2], rhs.shape[2]
-    tables = [_vec(lrow), _vec(rrow), _vec(pairs.start), _vec(pairs.pairs_per_expert)]
-    return pl.pallas_call(
-        functools.partial(_triton_wgrad_kernel, tm=tm, n_m=n // tm),
-        out_shape=jax.ShapeDtypeStruct((E, K, N), lhs.dtype),
-        grid=(E, K // tk, N // tn),
-        in_specs=[_full(t) for t in tables] + [_full(lhs), _full(rhs)],
-        out_specs=pl.BlockSpec((1, tk, tn), lambda e, k, c: (e, k, c)),
-        compiler_params=pltriton.CompilerParams(**_TRITON),
-    )(*tables, lhs, rhs)
+    return _launch(functools.partial(_triton_wgrad_kernel, tm=tm, n_m=n // tm),
+                   (lrow, rrow, pairs.start, pairs.pairs_per_expert), (lhs, rhs), (E, K, N),
+                   lhs.dtype, (1, tk, tn))
