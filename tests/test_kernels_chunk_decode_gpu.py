@@ -41,18 +41,20 @@ def _oracle(x, a, wu, wd, wg, activation):
     return dense_experts(f32(x), a, f32(wu), f32(wd), f32(wg), activation)
 
 
-def _close(y, want):
-    """bf16 output of float32 sums: within two bf16 steps of the largest value."""
-    assert y.dtype == BF
-    tol = 2 * 2.0 ** -8 * float(jnp.max(jnp.abs(want)))
-    np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=tol, rtol=0)
+def _steps(y, want) -> float:
+    """The largest error of a bf16 output of float32 sums, in bf16 steps (2^-8) of the
+    oracle's largest value (tests accept 2); inf when the output is not bf16."""
+    if y.dtype != BF:
+        return float("inf")
+    err = np.abs(np.asarray(y, np.float32) - np.asarray(want, np.float32)).max()
+    return float(err / (2.0 ** -8 * np.abs(np.asarray(want)).max()))
 
 
 @pytest.mark.parametrize("activation,n", list(zip(sorted(ACTIVATIONS), [1, 8, 17, 33, 64, 5])))
 def test_the_kernel_equals_the_dense_oracle(activation, n):
     x, a, on, wu, wd, wg = _chunk(n, activation, seed=n)
     y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation, interpret=True)
-    _close(y, _oracle(x, a, wu, wd, wg, activation))
+    assert _steps(y, _oracle(x, a, wu, wd, wg, activation)) <= 2
 
 
 ON_HOPPER = jax.default_backend() == "gpu" and hopper_target()
@@ -65,7 +67,7 @@ def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation,
     x, a, on, wu, wd, wg = _chunk(n, activation, seed=n)
     y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation=activation))(
         x, a, on, wu, wd, wg)
-    _close(y, _oracle(x, a, wu, wd, wg, activation))
+    assert _steps(y, _oracle(x, a, wu, wd, wg, activation)) <= 2
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -89,7 +91,7 @@ def test_it_reads_no_weight_outside_the_union(members):
     y = chunk_union_decode_gpu(x, a, jnp.asarray(on), *poisoned, activation="swiglu",
                                interpret=True)
     clean = [jnp.where(keep, w, 0).astype(BF) for w in (wu, wd, wg)]
-    _close(y, _oracle(x, a, *clean, "swiglu"))
+    assert _steps(y, _oracle(x, a, *clean, "swiglu")) <= 2
     if not members:
         assert not np.any(np.asarray(y, np.float32))
 

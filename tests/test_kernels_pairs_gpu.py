@@ -46,10 +46,11 @@ def _bf(rng, shape):
     return a, np.asarray(a, np.float32)
 
 
-def _close(got, want):
-    """bf16 results of float32 sums: within two bf16 steps of the largest value."""
-    np.testing.assert_allclose(np.asarray(got, np.float32), want,
-                               atol=2 * 2.0 ** -8 * np.abs(want).max(), rtol=0)
+def _steps(got, want) -> float:
+    """The largest error of bf16 results of float32 sums, in bf16 steps (2^-8) of the
+    reference's largest value (tests accept 2)."""
+    err = np.abs(np.asarray(got, np.float32) - want).max()
+    return float(err / (2.0 ** -8 * np.abs(want).max()))
 
 
 @pytest.mark.parametrize("n,K,N", [(5, 72, 136), (70, 128, 64)])
@@ -66,8 +67,8 @@ def test_up_and_down_equal_loops_over_the_pairs(n, K, N, transpose):
         up_ref[s * U + j] = xs32[s] @ wm[e]
         down_ref[s] += h32[s * U + j] @ wm[e]
     kw = dict(transpose=transpose, interpret=GPU_INTERPRET)
-    _close(pair_up(xs, w, pairs, **kw), up_ref)
-    _close(pair_down(h, w, pairs, **kw), down_ref)
+    assert _steps(pair_up(xs, w, pairs, **kw), up_ref) <= 2
+    assert _steps(pair_down(h, w, pairs, **kw), down_ref) <= 2
 
 
 @pytest.mark.parametrize("l_by,r_by", [("pair", "tile"), ("tile", "pair")])
@@ -82,7 +83,7 @@ def test_wgrad_sums_each_experts_pairs(l_by, r_by):
         ref[e] += (l32[s * U + j if l_by == "pair" else s].T
                    @ r32[s * U + j if r_by == "pair" else s])
     dw = pair_wgrad(lhs, rhs, pairs, E, l_by=l_by, r_by=r_by, interpret=GPU_INTERPRET)
-    _close(dw, ref)
+    assert _steps(dw, ref) <= 2
     assert not np.any(np.asarray(dw[5], np.float32))  # in no union: exactly zero
 
 
