@@ -4,6 +4,8 @@ accelerator: as a smoke run, or ahead of time for GPU and TPU. One table each.
     python -m experiments.full_smoke                          # smoke -> runs/full_smoke/
     python -m experiments.full_smoke mode=aot                 # -> runs/full_aot/
     python -m experiments.full_smoke only=moee,lm_demo timeout=1800 out=runs/smoke2
+    python -m experiments.full_smoke mode=aot only=ders_upcycling \
+        "ders_upcycling.sm_rates=(0.999,0.9999)"                # a study's own keys
 
 Each study runs in its own Python, so its peak host memory is its own.
 
@@ -29,7 +31,10 @@ hours of all the full preset's runs of that step; and every distinct decode loop
 (:func:`moejax.train.aot.prove_decode`, at the shapes the smoke cuts give it). A study's
 ``smoke_depth`` applies here too, and the depth column says so (``full_aot.md``).
 
-A study past ``timeout`` seconds is stopped and reported as such.
+A study past ``timeout`` seconds is stopped and reported as such. ``<study>.<key>=<value>``
+sets one of that study's own config keys after the cuts (e.g. to prove only some of its
+arms again); each is checked against the study's config before anything runs, and the
+depth column names it.
 """
 
 from __future__ import annotations
@@ -67,12 +72,13 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
-def _smoke(study: Study, out: Path) -> dict:
-    """The study as a smoke run; the largest trained model's size."""
+def _smoke(study: Study, out: Path, overrides=()) -> dict:
+    """The study as a smoke run (``overrides``: key=value after the cuts); the largest
+    trained model's size."""
     result = {"ok": False, "error": ""}
     with measure_scale() as scale:
         try:
-            study.run_experiment(["preset=full", "smoke=true"], out=out)
+            study.run_experiment(["preset=full", "smoke=true", *overrides], out=out)
             result["ok"] = True
         except Exception as e:  # reported in the table, and in full in the study's log
             traceback.print_exc()
@@ -155,16 +161,18 @@ def _shapes(c) -> tuple:
     return (type(c).__name__, str(static), tuple((x.shape, str(x.dtype)) for x in leaves))
 
 
-def child(name: str, out: str, report: str, mode: str = "smoke") -> int:
-    """Run ``name``'s full preset in ``mode`` into ``out``; write ``report`` (JSON)."""
+def child(name: str, out: str, report: str, mode: str = "smoke", overrides=()) -> int:
+    """Run ``name``'s full preset in ``mode`` into ``out`` (``overrides``: the study's own
+    key=value); write ``report`` (JSON)."""
     study = load_study(name)
-    result = (_smoke(study, Path(out)) if mode == "smoke"
-              else _aot(study, Path(out), report=Path(report)))
+    result = (_smoke(study, Path(out), overrides) if mode == "smoke"
+              else _aot(study, Path(out), overrides, report=Path(report)))
     atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
     return 0 if result["ok"] else 1
 
 
-def _run_child(name: str, out: Path, timeout: float, mode: str) -> tuple[dict, float, float]:
+def _run_child(name: str, out: Path, timeout: float, mode: str,
+               overrides=()) -> tuple[dict, float, float]:
     """One study in its own Python: its report, wall time and peak resident memory (GB)."""
     report = out / f"{name}.{mode}.json"
     report.unlink(missing_ok=True)
@@ -172,7 +180,8 @@ def _run_child(name: str, out: Path, timeout: float, mode: str) -> tuple[dict, f
     if mode == "aot":  # untrained substrates never enter the shared cache
         env["MOEJAX_SUBSTRATE_DIR"] = str(out / "substrates")
     code = ("import sys; from experiments.full_smoke import child; "
-            f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}))")
+            f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}, "
+            f"{list(overrides)!r}))")
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
@@ -200,19 +209,24 @@ def _count(n) -> str:
     return "-" if n is None else fmt_count(float(n))
 
 
-def _smoke_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
+def _depth(study: Study, overrides=()) -> str:
+    """The depth column: the study's ``smoke_depth`` keys (or "full") and what was set."""
+    return " ".join([*study.smoke_depth, *overrides]) or "full"
+
+
+def _smoke_rows(name: str, rec: dict, wall: float, peak: float, overrides=()) -> list[dict]:
     study = load_study(name)
     return [{"study": name, "parameters": _count(rec.get("params")),
              "tokens/step (smoke)": _count(rec.get("tokens")),
              "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
              "result": "OK" if rec.get("ok") else rec["error"],
-             "depth": " ".join(study.smoke_depth) or "full",
+             "depth": _depth(study, overrides),
              "study's smoke cuts": " ".join(study.smoke) or "-"}]
 
 
-def _aot_rows(name: str, rec: dict, wall: float, peak: float) -> list[dict]:
-    depth = " ".join(load_study(name).smoke_depth)
-    return [{"depth": depth or "full", **row} for row in _proven_rows(name, rec)]
+def _aot_rows(name: str, rec: dict, wall: float, peak: float, overrides=()) -> list[dict]:
+    depth = _depth(load_study(name), overrides)
+    return [{"depth": depth, **row} for row in _proven_rows(name, rec)]
 
 
 def _proven_rows(name: str, rec: dict) -> list[dict]:
@@ -258,13 +272,18 @@ def _proven_rows(name: str, rec: dict) -> list[dict]:
     return rows
 
 
-def _parse(argv) -> tuple[list[str], Path, float, str]:
+def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]]]:
     opts = {"only": "", "out": "", "timeout": "3600", "mode": "smoke"}
+    overrides: dict[str, list[str]] = {}
     for item in argv:
         key, sep, value = item.partition("=")
+        study, dot, study_key = key.partition(".")
+        if sep and dot and study in REGISTRY and study_key:
+            overrides.setdefault(study, []).append(f"{study_key}={value}")
+            continue
         if not sep or key not in opts:
             raise ConfigError(f"bad argument {item!r}; allowed: mode=smoke|aot only=a,b "
-                              "out=DIR timeout=S")
+                              "out=DIR timeout=S <study>.<key>=<value>")
         opts[key] = value
     if opts["mode"] not in MODES:
         raise ConfigError(f"mode={opts['mode']!r}: expected one of {', '.join(MODES)}")
@@ -278,13 +297,18 @@ def _parse(argv) -> tuple[list[str], Path, float, str]:
         timeout = 0.0
     if timeout <= 0:
         raise ConfigError(f"timeout={opts['timeout']!r}: expected seconds > 0")
-    return names, Path(opts["out"] or MODES[opts["mode"]]), timeout, opts["mode"]
+    for study, items in overrides.items():
+        if study not in names:
+            raise ConfigError(f"{study}.{items[0]}: {study} is not among the studies to run "
+                              f"({', '.join(names)}); add it to only=")
+        apply_overrides(load_study(study).make_config("full"), items)  # bad key or value
+    return names, Path(opts["out"] or MODES[opts["mode"]]), timeout, opts["mode"], overrides
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        names, out, timeout, mode = _parse(argv)
+        names, out, timeout, mode, overrides = _parse(argv)
         run = RunDir.create(out, name=f"full_{mode}", lock=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -296,9 +320,9 @@ def main(argv=None) -> int:
     try:
         for i, name in enumerate(names):
             print(f"[full_{mode}] {i + 1}/{len(names)} {name}", flush=True)
-            rec, wall, peak = _run_child(name, out, timeout, mode)
+            rec, wall, peak = _run_child(name, out, timeout, mode, overrides.get(name, ()))
             ok += bool(rec.get("ok"))
-            rows += to_rows(name, rec, wall, peak)
+            rows += to_rows(name, rec, wall, peak, overrides.get(name, ()))
             print(f"    {'OK' if rec.get('ok') else rec.get('error')} in {wall:.1f} s, "
                   f"peak {peak:.2f} GB", flush=True)
             run.tables.clear()

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from moejax.capture import CapturedDecode, CapturedStep, capture_steps
+from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -176,6 +177,27 @@ def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monke
     assert result == {"ok": True, "error": "", "rows": []}
     (row,) = _aot_rows("bench_kernels", result, 1.0, 0.1)
     assert row["run"] == "(none)" and row["result"].startswith("OK: the recipe ran to its end")
+
+
+def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs():
+    """``<study>.<key>=<value>`` (e.g. proving only some of a study's arms again) goes to that
+    study's run after the cuts and into the depth column; a bad key or value, or a study not
+    being run, stops the command before anything starts."""
+    from experiments.full_smoke import _aot_rows, _parse
+
+    names, _, _, mode, overrides = _parse(
+        ["mode=aot", "only=ders_upcycling,moee", "ders_upcycling.sm_rates=(0.999,0.9999)"])
+    assert names == ["ders_upcycling", "moee"] and mode == "aot"
+    assert overrides == {"ders_upcycling": ["sm_rates=(0.999,0.9999)"]}
+    (row,) = _aot_rows("ders_upcycling", {"rows": []}, 1.0, 0.1, overrides["ders_upcycling"])
+    assert row["depth"] == "sm_rates=(0.999,0.9999)"
+    assert _aot_rows("ders_upcycling", {"rows": []}, 1.0, 0.1)[0]["depth"] == "full"
+    for bad, match in [(["only=moee", "ders_upcycling.sm_rates=(0.9,)"], "only="),
+                       (["only=ders_upcycling", "ders_upcycling.colour=red"], "colour"),
+                       (["only=ders_upcycling", "ders_upcycling.sm_rates=abc"], "float"),
+                       (["nostudy.x=1"], "bad argument")]:
+        with pytest.raises(ConfigError, match=match):
+            _parse(bad)
 
 
 def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path, monkeypatch):
