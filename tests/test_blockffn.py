@@ -14,6 +14,7 @@ from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.remoe import ReMoEConfig
 from moejax.ops import chunk_sparsity as cs
+from tests.toy_models import jitted
 
 B, T, D, E, F = 2, 7, 8, 6, 5
 
@@ -83,11 +84,11 @@ def test_chunk_union_path_equals_dense_with_gradients(tile):
     sparse = _layer(al_coef=0.1, cs_coef=0.3, chunk_len=2, path="chunk_union",
                     union_chunk=tile)
     x = _x(1)
-    (yd, _), (ys, as_) = dense(x), sparse(x)
+    (yd, _), (ys, as_) = jitted(dense)(x), jitted(sparse)(x)
     np.testing.assert_allclose(np.asarray(ys), np.asarray(yd), rtol=1e-5, atol=1e-6)
     assert float(as_["union_overflow"]) == 0.0
-    gd = nnx.grad(_loss, argnums=(0, 1))(dense, x)
-    gs = nnx.grad(_loss, argnums=(0, 1))(sparse, x)
+    gd = nnx.jit(nnx.grad(_loss, argnums=(0, 1)))(dense, x)
+    gs = nnx.jit(nnx.grad(_loss, argnums=(0, 1)))(sparse, x)
     for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gs)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 

@@ -74,7 +74,8 @@ def test_synthesis_paths_equal_synthesising_every_expert(form, activation, synth
 
 def _grad(layer, loss):
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-    return jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest)), has_aux=True)(params)
+    grad = jax.grad(lambda p: loss(nnx.merge(graphdef, p, rest)), has_aux=True)
+    return jax.jit(grad)(params)
 
 
 def _assert_same_grads(y_all, g_all, y_sel, g_sel):

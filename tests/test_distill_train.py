@@ -26,6 +26,7 @@ from moejax.train.distill import (
 )
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
+from tests.toy_models import jitted
 
 V = 40
 
@@ -92,9 +93,9 @@ def test_kd_objective_is_half_forward_kl_half_ce_on_dataset_responses():
     cfg = DistillConfig(method="kd")
     pair = distill_pair(student, teacher, cfg)
     b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
-    loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
-    t_logits, _ = teacher(b["inputs"])
-    s_logits, _ = student(b["inputs"])
+    loss, m = nnx.jit(distill_loss_fn(cfg))(pair, b, jax.random.key(0))
+    t_logits, _ = jitted(teacher)(b["inputs"])
+    s_logits, _ = jitted(student)(b["inputs"])
     kl = forward_kl(t_logits, s_logits, b["mask"])
     # the responses' cross-entropy, by hand: mean over response tokens of -log q(target)
     logq = np.asarray(jax.nn.log_softmax(s_logits, -1))
@@ -103,14 +104,14 @@ def test_kd_objective_is_half_forward_kl_half_ce_on_dataset_responses():
     np.testing.assert_allclose(float(loss), 0.5 * float(kl) + 0.5 * ce, rtol=1e-5)
     np.testing.assert_allclose(float(m["distill"]), float(kl), rtol=1e-5)
     pure = DistillConfig(method="kd", kd_ratio=1.0)  # the named option: pure forward KL
-    np.testing.assert_allclose(float(distill_loss_fn(pure)(pair, b, jax.random.key(0))[0]),
-                               float(kl), rtol=1e-5)
+    pure_loss = nnx.jit(distill_loss_fn(pure))(pair, b, jax.random.key(0))[0]
+    np.testing.assert_allclose(float(pure_loss), float(kl), rtol=1e-5)
     # teacher_k = N: the top-k teacher equals the ALL teacher
-    k4 = distill_loss_fn(DistillConfig(method="kd", teacher_k=4, kd_ratio=1.0))(
+    k4 = nnx.jit(distill_loss_fn(DistillConfig(method="kd", teacher_k=4, kd_ratio=1.0)))(
         distill_pair(student, teacher, DistillConfig(method="kd", teacher_k=4)), b,
         jax.random.key(0))[0]
-    all_ = distill_loss_fn(DistillConfig(method="all", on_policy_fraction=0.0,
-                                         divergence="forward_kl"))(
+    all_ = nnx.jit(distill_loss_fn(DistillConfig(method="all", on_policy_fraction=0.0,
+                                                 divergence="forward_kl")))(
         distill_pair(student, teacher, DistillConfig(method="all")), b, jax.random.key(0))[0]
     np.testing.assert_allclose(float(k4), float(all_), rtol=1e-5)
 
@@ -178,7 +179,7 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
     k_noise, k_clean = jax.random.split(k_teacher)
     graphdef, router, rest = nnx.split(pair.teacher, RouterParam, ...)
     pure0 = nnx.to_pure_dict(router)
-    s_logits, _ = student(b["inputs"])
+    s_logits, _ = jitted(student)(b["inputs"])
 
     def objective(pure):
         r = jax.tree.map(lambda x: x, router)
@@ -187,16 +188,16 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
         bal = sum(la["balance_loss"] for la in aux["layers"])
         return forward_kl(logits, s_logits, b["mask"]) + 0.3 * bal
 
-    grads = jax.grad(objective)(pure0)
+    grads = jax.jit(jax.grad(objective))(pure0)
     tx = optax.adamw(0.05, weight_decay=cfg.router_weight_decay)
     want = optax.apply_updates(pure0, tx.update(grads, tx.init(pure0), pure0)[0])
-    loss, m = distill_loss_fn(cfg)(pair, b, key)
+    loss, m = nnx.jit(distill_loss_fn(cfg))(pair, b, key)  # updates pair's router
     got = nnx.to_pure_dict(nnx.state(pair.teacher, RouterParam))
     for (_, a), (_, w) in zip(named_leaves(got), named_leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-7)
     assert any(not np.allclose(np.asarray(a), np.asarray(w0))
                for (_, a), (_, w0) in zip(named_leaves(got), named_leaves(pure0)))
-    t_logits, _ = pair.teacher(b["inputs"], train=False, key=k_clean)  # updated router
+    t_logits, _ = jitted(pair.teacher, train=False)(b["inputs"], key=k_clean)  # updated router
     np.testing.assert_allclose(float(loss), float(reverse_kl(t_logits, s_logits, b["mask"])),
                                rtol=1e-5)
 

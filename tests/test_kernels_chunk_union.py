@@ -34,10 +34,10 @@ def inputs(seed=0, gated=False, density=0.5):
 def test_kernel_equals_dense_oracle(tile, gated):
     x, a, wu, wd, wg = inputs(gated=gated)
     act = "swiglu" if gated else "swish"
-    y, overflow = chunk_union_pallas(x, a, a > 0, wu, wd, wg, activation=act, tile=tile,
-                                     max_union=E)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, wg, act)),
-                               rtol=1e-5, atol=1e-5)
+    y, overflow = jax.jit(lambda *w: chunk_union_pallas(
+        x, a, a > 0, *w, activation=act, tile=tile, max_union=E))(wu, wd, wg)
+    want = jax.jit(lambda *w: dense_experts(x, a, *w, act))(wu, wd, wg)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert float(overflow) == 0.0
     np.testing.assert_array_equal(np.asarray(y[4:8]), 0)  # rows with no active expert: 0
 
@@ -46,9 +46,10 @@ def test_full_union_and_cap_overflow_match_the_reference():
     x, a, wu, wd, _ = inputs(seed=1, density=2.0)  # (almost) every expert active: full unions
     assert bool(jnp.all(jnp.any(a[:4] > 0, axis=0)))
     for cap in (E, 2, 1):
-        y, o = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4,
-                                  max_union=cap)
-        r, ro = chunk_union_experts(x, a, a > 0, wu, wd, None, "swish", tile=4, max_union=cap)
+        y, o = jax.jit(lambda *w, cap=cap: chunk_union_pallas(
+            x, a, a > 0, *w, activation="swish", tile=4, max_union=cap))(wu, wd)
+        r, ro = jax.jit(lambda *w, cap=cap: chunk_union_experts(
+            x, a, a > 0, *w, None, "swish", tile=4, max_union=cap))(wu, wd)
         np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
         assert float(o) == float(ro) and (float(o) > 0) == (cap < E)
     with pytest.raises(ValueError, match="max_union"):
@@ -76,11 +77,11 @@ def test_blockffn_kernel_paths_equal_dense_with_gradients(path):
         y, aux = layer(x)
         return jnp.sum(y * jnp.cos(jnp.arange(D))) + aux["aux_loss"]
 
-    (yd, _), (yf, af) = dense(x), fast(x)
+    (yd, _), (yf, af) = nnx.jit(lambda m, x: m(x))(dense, x), nnx.jit(lambda m, x: m(x))(fast, x)
     np.testing.assert_allclose(np.asarray(yf), np.asarray(yd), rtol=1e-5, atol=1e-6)
     assert float(af["union_overflow"]) == 0.0
-    gd = nnx.grad(loss, argnums=(0, 1))(dense, x)
-    gf = nnx.grad(loss, argnums=(0, 1))(fast, x)
+    gd = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(dense, x)
+    gf = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(fast, x)
     leaves = list(zip(jax.tree.leaves(gd), jax.tree.leaves(gf)))
     assert any(float(jnp.max(jnp.abs(a))) > 1e-3 for a, _ in leaves)
     for a, b in leaves:
@@ -92,7 +93,7 @@ def _reference_grads(x, a, wu, wd, wg, act, tile, cap, ct):
         y, _ = chunk_union_experts(x, a, a > 0, wu, wd, wg, act, tile=tile, max_union=cap,
                                    schedule="gather")
         return jnp.sum(y * ct)
-    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, a, wu, wd, wg)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, a, wu, wd, wg)
 
 
 @pytest.mark.parametrize("activation,tile,cap", [
@@ -107,7 +108,7 @@ def test_kernel_gradients_equal_the_reference_vjp(activation, tile, cap):
                                   max_union=cap)
         return jnp.sum(y * ct)
 
-    got = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, a, wu, wd, wg)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, a, wu, wd, wg)
     want = _reference_grads(x, a, wu, wd, wg, activation, tile, cap, ct)
     assert float(jnp.max(jnp.abs(want[1]))) > 1e-2  # the router's path carries gradient
     for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -129,10 +130,9 @@ def test_kernels_walk_rows_contraction_and_output_in_blocks():
         y, _ = chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=n, max_union=e)
         return jnp.sum(y * ct), y
 
-    got, y = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, a, wu, wd, None)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_experts(x, a, wu, wd, None,
-                                                                       "swish")),
-                               rtol=1e-4, atol=1e-4)
+    got, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, a, wu, wd, None)
+    want_y = jax.jit(lambda *w: dense_experts(*w, None, "swish"))(x, a, wu, wd)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), rtol=1e-4, atol=1e-4)
     want = _reference_grads(x, a, wu, wd, None, "swish", n, e, ct)
     for u, v in zip(got, want):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-3, atol=1e-3)

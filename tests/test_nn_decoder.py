@@ -13,6 +13,7 @@ from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import FFNSlotConfig, layer_pattern
+from tests.toy_models import jitted
 
 
 def tiny_cfg(**kw):
@@ -255,6 +256,7 @@ def test_packed_row_logits_equal_each_document_alone(variant):
     a, b = _slot_variants()[variant]
     model = DecoderLM(tiny_cfg(init_std=0.5).replace(ffn_slots=(a, b)), rngs=nnx.Rngs(3))
     toks, seg, pos, mask, docs = _packed([5, 7], 14, np.random.default_rng(1))
+    model = jitted(model)
     logits, _ = model(jnp.asarray(toks), positions_BT=jnp.asarray(pos),
                       mask_BT=jnp.asarray(mask), segment_ids_BT=jnp.asarray(seg))
     logits = np.asarray(logits)
@@ -297,8 +299,8 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_activation_memory():
     included, so the recomputation must replay the same key), and a compiled gradient that
     holds fewer bytes of temporaries than the one keeping every block's activations."""
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=64, router="noisy")
-    cfg = tiny_cfg(init_std=0.02, n_layers=6, d_hidden=64).replace(
-        ffn_slots=layer_pattern(6, moe, moe, every=1))
+    cfg = tiny_cfg(init_std=0.02, n_layers=3, d_hidden=64).replace(
+        ffn_slots=layer_pattern(3, moe, moe, every=1))
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, size=(4, 32)), jnp.int32)

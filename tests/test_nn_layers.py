@@ -11,6 +11,7 @@ from moejax.nn.attention import Attention
 from moejax.nn.ffn import DenseFFN, DenseFFNConfig
 from moejax.nn.norms import LayerNorm, RMSNorm
 from moejax.nn.rope import apply_rope, half_to_interleaved_perm
+from tests.toy_models import jitted
 
 RNG = np.random.default_rng(0)
 
@@ -258,7 +259,8 @@ def test_attention_with_segment_ids_equals_each_document_alone(causal, rope):
     of 6 + a doc of 4. With restarted positions each document's output equals running it
     alone (slicing oracle) and the numpy oracle on the block-diagonal mask."""
     D, H, G, K, T = 12, 4, 2, 4, 10
-    attn = Attention(D, H, G, K, causal=causal, rope_style=rope, rngs=nnx.Rngs(11))
+    layer = Attention(D, H, G, K, causal=causal, rope_style=rope, rngs=nnx.Rngs(11))
+    attn = jitted(layer)
     x = randn(2, T, D)
     lens = [[3, 5], [6, 4]]
     seg = np.zeros((2, T), np.int32)
@@ -283,7 +285,7 @@ def test_attention_with_segment_ids_equals_each_document_alone(causal, rope):
     for b, ls in enumerate(lens):
         start = 0
         for n in ls:
-            ref = attention_numpy(x[b:b + 1, start:start + n], params_np(attn), H, G, K,
+            ref = attention_numpy(x[b:b + 1, start:start + n], params_np(layer), H, G, K,
                                   causal=causal, rope=rope, pos=np.arange(n)[None])
             np.testing.assert_allclose(got[b:b + 1, start:start + n], ref, rtol=1e-4,
                                        atol=1e-4)
