@@ -364,6 +364,26 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
                        ["shapes=((64,0,32,4),)"], out=tmp_path / "bad")
 
 
+def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monkeypatch):
+    """float32 on a GPU: Mosaic GPU declines, ragged_pass runs the own gmm, and the choice
+    table judges that kernel, not an empty row."""
+    from experiments.benchmarks import grouped as bench_grouped
+
+    monkeypatch.setattr(bench_grouped, "target_device", lambda: ("cuda", None))
+    shape = {"M": 64, "K": 16, "N": 32, "G": 4}
+    rows = [{**shape, "path": "xla", "pass": "fwd", "ms": 2.0},
+            {**shape, "path": "gmm", "pass": "fwd", "ms": 1.0},
+            {**shape, "path": "mosaic_gpu", "pass": "fwd", "ms": None,
+             "note": "not taken: NotImplementedError: Only bfloat16/float16 inputs"},
+            {**shape, "path": "xla", "pass": "dlhs", "ms": 1.0},
+            {**shape, "path": "gmm", "pass": "dlhs", "ms": 3.0},
+            {**shape, "path": "mosaic_gpu", "pass": "dlhs", "ms": 0.5}]
+    fwd, dlhs = bench_grouped.choice(rows)
+    assert (fwd["used"], fwd["used_ms"], fwd["used_x_fastest"]) == (
+        "gmm (mosaic_gpu declines)", 1.0, 1.0)
+    assert (dlhs["used"], dlhs["used_ms"], dlhs["fastest"]) == ("mosaic_gpu", 0.5, "mosaic_gpu")
+
+
 def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():
     from moejax.study import Study
 

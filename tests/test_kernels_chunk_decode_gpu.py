@@ -3,7 +3,8 @@ Mosaic GPU's interpreter: it equals the dense oracle for every activation and ch
 it reads no weight of an expert outside the chunk's union; its gradient (recomputed through
 the pair kernels) is the oracle's; it lowers for ``cuda`` to one Mosaic GPU custom call at the
 benchmark shapes, and ``chunk_union_auto`` takes it for a decode-sized bf16 chunk on a Hopper
-GPU (the pair kernels otherwise); bad calls are refused before any lowering. The interpreter
+GPU (a float32 chunk: the dense product with the non-members weighted 0, which equals the
+union path in values and gradients); bad calls are refused before any lowering. The interpreter
 stands in for the TMA reduce-add with a read-modify-write (the module docstring); a GPU run
 proves the rest."""
 
@@ -16,7 +17,7 @@ import pytest
 from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
-from moejax.kernels.chunk_union.reference import dense_experts
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_chunk, dense_experts
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import ACTIVATIONS, activation_fn, is_gated
@@ -135,20 +136,53 @@ def test_it_lowers_for_cuda_to_one_mosaic_gpu_launch_at_the_benchmark_shapes(n):
     assert "triton" not in text and "callback" not in text
 
 
-@pytest.mark.parametrize("dtype,kernel", [(BF, "mosaic_gpu_v2"), (jnp.float32, "triton")])
+@pytest.mark.parametrize("dtype,kernel", [(BF, "mosaic_gpu_v2"), (jnp.float32, None)])
 def test_auto_takes_it_for_a_decode_chunk_on_hopper(dtype, kernel):
-    """A bf16 chunk of 8 tokens decodes through the Mosaic GPU kernel; float32, which wgmma
-    takes only as tf32, through the pair kernels."""
+    """A bf16 chunk of 8 tokens decodes through the Mosaic GPU kernel; float32, which no
+    decode kernel takes, as one dense product (no kernel launch); 9 tokens, past the tile,
+    through the pair kernels (Triton in float32)."""
     def fn(*z):
         return chunk_union_auto(*z, activation="swiglu", tile=8, max_union=64)[0]
 
+    def export(n):
+        return je.export(jax.jit(fn), platforms=("cuda",),
+                         disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
+            *_shapes(n, dtype)).mlir_module()
+
     with lowering_target("cuda"):
         assert hopper_target()
-        text = je.export(jax.jit(fn), platforms=("cuda",),
-                         disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
-            *_shapes(8, dtype)).mlir_module()
-    assert kernel in text
+        text, longer = export(8), export(9)
+    if kernel:
+        assert kernel in text and "triton" not in text
+    else:
+        assert "custom_call" not in text
+        assert "triton" in longer
     assert hopper_target() is False  # no GPU here, and no target named
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_the_dense_chunk_equals_the_union_path_with_gradients(activation):
+    """Combine weights of an inactive (token, expert) pair are kept for union members and
+    dropped for the rest, as the union path does; values and every gradient."""
+    x, a, on, wu, wd, wg = _chunk(5, activation, seed=3)
+    x, a, wu, wd = (z.astype(jnp.float32) for z in (x, a, wu, wd))
+    wg = None if wg is None else wg.astype(jnp.float32)
+    on = on.at[:, 5].set(False)
+    a = a.at[2, 5].set(0.5)  # expert 5 is in no token's active set: outside the union
+    a = a.at[0, 3].set(0.25).at[1, 3].set(0.0)
+    on = on.at[1, 3].set(True).at[0, 3].set(False)  # 3 in the union, token 0 inactive for it
+
+    def loss(fn):
+        def f(x, a, wu, wd):
+            return jnp.sum(fn(x, a, wu, wd) ** 2)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, a, wu, wd)
+
+    got = loss(lambda x, a, wu, wd: dense_chunk(x, a, on, wu, wd, wg, activation))
+    want = loss(lambda x, a, wu, wd: chunk_union_experts(
+        x, a, on, wu, wd, wg, activation, tile=5, max_union=E)[0])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    assert float(jnp.abs(got[1][1][2, 5])) == 0.0  # outside the union: no gradient to a
 
 
 def test_bad_calls_are_refused_before_lowering():

@@ -47,7 +47,12 @@ from moejax.kernels.chunk_union.pairs import (
     pair_wgrad,
     union_pairs,
 )
-from moejax.kernels.chunk_union.reference import chunk_union_experts, pad_to_tiles, union_members
+from moejax.kernels.chunk_union.reference import (
+    chunk_union_experts,
+    dense_chunk,
+    pad_to_tiles,
+    union_members,
+)
 from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import activation_fn
 
@@ -241,7 +246,10 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
     Pallas pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
     (batch-1 decoding, a verified draft block) takes a decode kernel (:func:`decode_chunk`)
     instead: on TPU always, on a Hopper GPU where the Mosaic GPU kernel takes the chunk
-    (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`)."""
+    (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`). A float32 chunk on a
+    GPU, which no decode kernel takes, runs as one dense product with the non-members
+    weighted 0 (:func:`moejax.kernels.chunk_union.reference.dense_chunk`): at these sizes
+    the pair kernels are slower than computing every expert."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
     N, E = a_NE.shape
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
@@ -257,9 +265,14 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
                                   max_union=max_union)
 
     def gpu_path(x, a, act, wu, wd, wg):
-        if not (decode and hopper_target() and supports(x, wu)):
+        if not decode or (supports(x, wu) and not hopper_target()):
             return kernel_path(x, a, act, wu, wd, wg)
-        return decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"), no_overflow
+        if supports(x, wu):
+            return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
+                    no_overflow)
+        # float32: with the union capped at E, as here, the pair kernels (Triton) ran slower
+        # than this dense product of every expert at each decode size measured on an H100
+        return dense_chunk(x, a, act, wu, wd, wg, activation).astype(x.dtype), no_overflow
 
     def tpu_path(x, a, act, wu, wd, wg):
         if not decode:

@@ -6,6 +6,10 @@ kernel :mod:`moejax.kernels.chunk_union.pallas` is tested against them).
 inactive (token, expert) pairs.
 
 * :func:`dense_experts`: every expert on every token (the oracle).
+* :func:`dense_chunk`: one tile as :func:`dense_experts` with the combine weights of the
+  experts outside its union zeroed: :func:`chunk_union_experts` of that tile with
+  ``max_union = E`` computed densely (the fast form of a small chunk on a device whose
+  union kernels do not take it).
 * :func:`chunk_union_experts`: tokens cut into tiles of ``tile`` consecutive tokens; per tile
   the union ``U`` of the experts active for any of its tokens; only those experts run, on all
   tokens of the tile (the inactive pairs weigh 0). ``U`` is padded to the static size
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn
 
-__all__ = ["dense_experts", "chunk_union_experts", "union_members", "pad_to_tiles"]
+__all__ = ["dense_experts", "dense_chunk", "chunk_union_experts", "union_members", "pad_to_tiles"]
 
 
 def _expert_hidden(x, w_up, w_gate, act, spec):
@@ -46,6 +50,14 @@ def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
     act = activation_fn(activation)
     h_NEF = _expert_hidden(x_ND, w_up, w_gate, act, "nd,edf->nef")
     return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down, a_NE.astype(h_NEF.dtype))
+
+
+def dense_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation: str):
+    """One tile of ``n`` tokens: ``chunk_union_experts(..., tile=n, max_union=E)`` as one
+    dense product, every expert run and the ones outside the tile's union weighted 0."""
+    in_union_E = jnp.any(active_nE, axis=0)
+    return dense_experts(x_nD, a_nE * in_union_E.astype(a_nE.dtype), w_up, w_down, w_gate,
+                         activation)
 
 
 def pad_to_tiles(tile: int, *arrays):
