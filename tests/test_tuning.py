@@ -103,11 +103,19 @@ def test_autotune_refuses_a_machine_without_a_gpu_before_writing(tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
+def _cuda_text(x, a, wu, wd):
+    """The decode kernel's ``cuda`` export (Mosaic GPU's lowering checks the blocks' layouts,
+    which the interpreter does not)."""
+    with lowering_target("cuda"):
+        return je.export(jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation="relu")),
+                         platforms=("cuda",))(x, a, a > 0, wu, wd).mlir_module()
+
+
 def test_the_mosaic_gpu_kernels_take_their_configuration():
     """Blocks other than the defaults (a forced configuration, as a tuned one is read): the
-    decode kernel with 128-wide F and 256-wide D blocks and the pair product with 64-column
-    output blocks and 2 stages still equal their oracles; a shape off the blocks is not
-    taken; float32 has no configuration."""
+    decode kernel with 128-wide F and 256-wide D blocks, and with one 256-column D step (which
+    lowers for cuda), and the pair product with 64-column output blocks and 2 stages still
+    equal their oracles; a shape off the blocks is not taken; float32 has no configuration."""
     k = jax.random.split(jax.random.key(0), 4)
     bf = jnp.bfloat16
     x = jax.random.normal(k[0], (3, 256)).astype(bf)
@@ -119,6 +127,11 @@ def test_the_mosaic_gpu_kernels_take_their_configuration():
     with tuning.forced(tuning.TritonConfig(64, 128, 256, 4, 2)):
         assert supports(x, wu) and not supports(x[:, :128], wu[:, :128])
         y = chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu", interpret=True)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want,
+                               atol=2 * 2.0 ** -8 * float(jnp.abs(want).max()))
+    with tuning.forced(tuning.TritonConfig(256, 64, 128, 4, 3)):  # one 256-column D step
+        y = chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu", interpret=True)
+        assert "mosaic_gpu_v2" in _cuda_text(x, a, wu, wd)
     np.testing.assert_allclose(np.asarray(y, np.float32), want,
                                atol=2 * 2.0 ** -8 * float(jnp.abs(want).max()))
     ids = jnp.array([[0, 2], [3, 1]], jnp.int32)

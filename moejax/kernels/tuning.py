@@ -77,8 +77,10 @@ SPACE: tuple[TritonConfig, ...] = tuple(
 _MGPU_SPACE = tuple(TritonConfig(64, 64, tn, 4, st) for tn in (64, 128, 256) for st in (2, 3, 4))
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
-    "decode_mgpu": tuple(TritonConfig(64, bf, bd, 4, st) for bf in (64, 128)
-                         for bd in (128, 256) for st in (2, 3, 4))}
+    # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
+    # in flight, so longer D steps (128, 256) as well as deeper pipelines
+    "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st) for bk in (64, 128, 256)
+                         for bf in (64, 128) for bd in (128, 256) for st in (2, 3, 4))}
 
 
 def bucket(k: int, n: int) -> str:
