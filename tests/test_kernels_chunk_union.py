@@ -15,6 +15,7 @@ from moejax.kernels.chunk_union.pallas import chunk_union_kernel, chunk_union_pa
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.ops.activations import is_gated
+from tests.toy_models import jitted
 
 N, D, E, F = 13, 6, 5, 4
 
@@ -77,7 +78,7 @@ def test_blockffn_kernel_paths_equal_dense_with_gradients(path):
         y, aux = layer(x)
         return jnp.sum(y * jnp.cos(jnp.arange(D))) + aux["aux_loss"]
 
-    (yd, _), (yf, af) = nnx.jit(lambda m, x: m(x))(dense, x), nnx.jit(lambda m, x: m(x))(fast, x)
+    (yd, _), (yf, af) = jitted(dense)(x), jitted(fast)(x)
     np.testing.assert_allclose(np.asarray(yf), np.asarray(yd), rtol=1e-5, atol=1e-6)
     assert float(af["union_overflow"]) == 0.0
     gd = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(dense, x)

@@ -161,16 +161,15 @@ def choice(rows: list[dict]) -> list[dict]:
     out, shapes = [], sorted({(r["M"], r["K"], r["N"], r["G"]) for r in rows})
     for M, K, N, G in shapes:
         for which in ragged.PASSES:
-            got = [r for r in rows if (r["M"], r["K"], r["N"], r["G"]) == (M, K, N, G)
-                   and r.get("pass") == which and r.get("ms") and r["path"] != "dense"]
+            here = [r for r in rows if (r["M"], r["K"], r["N"], r["G"]) == (M, K, N, G)
+                    and r.get("pass") == which]
+            got = [r for r in here if r.get("ms") and r["path"] != "dense"]
             if not got:
                 continue
             best = min(got, key=lambda r: r["ms"])
             impl = used[which]
-            declined = any((r["M"], r["K"], r["N"], r["G"]) == (M, K, N, G)
-                           and r.get("pass") == which and r["path"] == impl
-                           and r.get("note", "").startswith("not taken: NotImplementedError")
-                           for r in rows)
+            declined = any(r["path"] == impl and r.get("note", "").startswith(
+                "not taken: NotImplementedError") for r in here)
             if declined:  # ragged_pass runs the own kernel where tokamax's declines the call
                 impl = "gmm"
             mine = next((r for r in got if r["path"] == impl), None)

@@ -268,7 +268,7 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         if decode and x.dtype == jnp.float32:
             # with the union capped at E, as here, the pair kernels (Triton) ran slower than
             # this dense product of every expert at each decode size measured on an H100
-            return dense_chunk(x, a, act, wu, wd, wg, activation).astype(x.dtype), no_overflow
+            return dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow
         if not (decode and hopper_target() and supports(x, wu)):
             return kernel_path(x, a, act, wu, wd, wg)
         return decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"), no_overflow
