@@ -1,6 +1,8 @@
-"""The Pallas grouped-matmul kernels (moejax.kernels.grouped.pallas_gmm), in interpret mode on
-CPU, against jax.lax.ragged_dot and a per-group dense oracle: values and gradients, empty
-groups, groups spanning several tiles, sizes that are not multiples of the tiles; and as the
+"""The Pallas grouped-matmul kernels (moejax.kernels.grouped.pallas_gmm), the TPU ones and the
+GPU (Triton) ones each in interpret mode on CPU, against jax.lax.ragged_dot and a per-group
+dense oracle: values and gradients, empty groups, groups spanning several tiles, row tiles
+that groups share, sizes that are not multiples of the tiles; their two row layouts'
+invariants over random group sizes; and as the
 MoE skeleton's ``dispatch="gmm"`` path against the dense oracle, as is ``dispatch="tokamax"``
 (tokamax's reference implementation on CPU)."""
 
@@ -13,6 +15,7 @@ from moejax.kernels import gmm, group_tiles, tgmm
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
 from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.router import top_k_gates
+from moejax.ops.grouped_layout import group_visits
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum
     ([3, 0, 9, 4], 16, 4, 4),
@@ -39,18 +42,25 @@ def data(gs, m, k=5, n=6, seed=0):
             jnp.asarray(gs, jnp.int32))
 
 
+# the platform's kernel on this CPU (the TPU kernels interpreted) and the GPU's Triton kernels
+# interpreted, with the test's tiles (a 2-column contraction step: several per product)
+MODES = [None, "triton"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("gs,m,tm,tn", CASES)
-def test_gmm_matches_oracle_and_ragged_dot(gs, m, tm, tn):
+def test_gmm_matches_oracle_and_ragged_dot(gs, m, tm, tn, mode):
     x, w, g = data(gs, m)
-    y = gmm(x, w, g, tm=tm, tn=tn)
+    y = gmm(x, w, g, tm=tm, tk=2, tn=tn, interpret=mode)
     np.testing.assert_allclose(np.asarray(y), oracle(x, w, gs), rtol=1e-5, atol=1e-5)
     if sum(gs) == m:  # ragged_dot's output past the sum is unspecified
         np.testing.assert_allclose(np.asarray(y), np.asarray(jax.lax.ragged_dot(x, w, g)),
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("gs,m,tm,tn", CASES)
-def test_gmm_gradients_match_ragged_dot(gs, m, tm, tn):
+def test_gmm_gradients_match_ragged_dot(gs, m, tm, tn, mode):
     x, w, g = data(gs, m, seed=1)
     ct = jnp.asarray(np.random.default_rng(2).normal(size=(m, w.shape[2])), jnp.float32)
     valid = (jnp.arange(m) < sum(gs))[:, None]
@@ -58,7 +68,8 @@ def test_gmm_gradients_match_ragged_dot(gs, m, tm, tn):
     def loss(fn):
         return lambda x, w: jnp.sum(jnp.where(valid, fn(x, w, g), 0.0) * ct)
 
-    dx, dw = jax.grad(loss(lambda x, w, g: gmm(x, w, g, tm=tm, tn=tn)), (0, 1))(x, w)
+    dx, dw = jax.grad(loss(lambda x, w, g: gmm(x, w, g, tm=tm, tk=2, tn=tn, interpret=mode)),
+                      (0, 1))(x, w)
     rx, rw = jax.jit(jax.grad(loss(jax.lax.ragged_dot), (0, 1)))(x, w)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(rx), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(dw), np.asarray(rw), rtol=1e-5, atol=1e-5)
@@ -68,8 +79,8 @@ def test_gmm_gradients_match_ragged_dot(gs, m, tm, tn):
     # tgmm directly: dW[g] = x_g^T ct_g
     want = np.stack([np.asarray(x[sum(gs[:e]):sum(gs[:e + 1])]).T
                      @ np.asarray(ct[sum(gs[:e]):sum(gs[:e + 1])]) for e in range(len(gs))])
-    np.testing.assert_allclose(np.asarray(tgmm(x, ct, g, tm=tm, tn=tn)), want, rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(tgmm(x, ct, g, tm=tm, tn=tn, interpret=mode)), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_group_tiles_layout_and_bf16():
@@ -87,6 +98,35 @@ def test_group_tiles_layout_and_bf16():
                                rtol=5e-2, atol=5e-2)
     with pytest.raises(ValueError, match="group_sizes"):
         gmm(x, w, g[:3])
+    with pytest.raises(ValueError, match="interpret="):
+        gmm(x, w, g, interpret="mosaic")
+
+
+def test_group_visits_cover_every_row_once_within_the_static_bound():
+    """Over random group sizes (empty groups, rows past the sum, groups inside one tile and
+    across many): the used visits are consecutive, in row order, at most ``V``, and their
+    masks cover every row exactly once, with its own group's segment (``G``: past the sum)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        G, tm = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+        gs = rng.integers(0, 12, G) * (rng.random(G) < 0.7)
+        m = int(gs.sum() + rng.integers(0, 2 * tm))
+        if m == 0:
+            continue
+        seg, tile, lo, hi, V = map(np.asarray, group_visits(jnp.asarray(gs), m, tm))
+        assert seg.shape == tile.shape == (V,) and V == -(-m // tm) + G
+        used = seg <= G
+        assert not np.any(used[np.argmax(~used):]) or used.all()  # used visits first
+        owner = np.full(m, -1)
+        for s, t in zip(seg[used], tile[used]):
+            rows = np.arange(t * tm, min((t + 1) * tm, m))
+            mine = rows[(rows >= lo[s]) & (rows < hi[s])]
+            assert mine.size and np.all(owner[mine] == -1)
+            owner[mine] = s
+        want = np.repeat(np.arange(G + 1), [*gs, m - gs.sum()])
+        np.testing.assert_array_equal(owner, want)
+        assert np.all(np.diff(seg[used]) >= 0)
+        assert lo[G + 1] == hi[G + 1] == 0  # the unused visits' empty segment
 
 
 @pytest.mark.parametrize("method", [

@@ -13,10 +13,11 @@ shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS
 
 The defaults follow the published H100 configurations of the anchors (tokamax's and
 megablox's grouped matmuls): 16-bit inputs take 128 x 64 x 128 tiles with 8 warps and 3
-stages, and the weight gradient 128 x 128 output tiles; f32, whose tiles take twice the
-shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages. The Mosaic GPU kernels (one
-warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmma tiles, 64-column
-contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages.
+stages, and the weight gradient 128 x 128 output tiles. f32, whose tiles take twice the
+shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages for the forward and dX, and takes
+the 128 x 128 weight-gradient tiles with 64-row steps, 8 warps and 2 stages. The Mosaic GPU
+kernels (one warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmma tiles,
+64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest; :func:`write_entries` merges the winners into the table for one device kind,
@@ -61,7 +62,9 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     **{("gmm", d): TritonConfig(128, 64, 128, 8, 3) for d in _WIDE},
     **{("tgmm", d): TritonConfig(128, 128, 128, 8, 3) for d in _WIDE},
     ("gmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
-    ("tgmm", "float32"): TritonConfig(64, 32, 64, 4, 2),
+    # dW in 128 x 128 output blocks (the anchors'), 64 rows a step: 2 x 64 KB of float32
+    # operands in shared memory at 2 stages
+    ("tgmm", "float32"): TritonConfig(64, 128, 128, 8, 2),
     **{(k, d): TritonConfig(64, 64, 128, 4, 3) for k in ("pairs_mgpu", "decode_mgpu")
        for d in _WIDE},
 }

@@ -1,14 +1,21 @@
-"""The block-padded grouped layout of dropless MoE (megablox-style): every group's rows padded
-to a multiple of a row tile ``tm``, so each tile belongs to one group, and ``T = ceil(M / tm) +
-G`` tiles bound the padded extent statically (``sum_g ceil(s_g / tm) <= M / tm + G``). Shared
-by the jnp ``grouped`` dispatch path and the Pallas grouped-matmul kernels."""
+"""Row layouts of grouped (dropless MoE) matmuls, shared by the jnp ``grouped`` dispatch path
+and the Pallas grouped-matmul kernels.
+
+* :func:`group_tiles`, block-padded: every group's rows padded to a multiple of a row tile
+  ``tm``, so each tile belongs to one group, and ``T = ceil(M / tm) + G`` tiles bound the
+  padded extent statically (``sum_g ceil(s_g / tm) <= M / tm + G``). The rows are copied into
+  that layout and back.
+* :func:`group_visits`, megablox's tile metadata: the rows stay where they are, and a row tile
+  that two groups share is visited once per group, each visit masking the other group's
+  rows. The visits of the ``G`` groups and of the rows past ``sum(group_sizes)`` (a tail
+  segment, whose visits write zeros) number at most ``ceil(M / tm) + G``."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["group_tiles"]
+__all__ = ["group_tiles", "group_visits"]
 
 
 def group_tiles(group_sizes_G: jax.Array, m: int, tm: int):
@@ -30,3 +37,32 @@ def group_tiles(group_sizes_G: jax.Array, m: int, tm: int):
     tile_group_T = jnp.clip(jnp.searchsorted(tile_end_G, jnp.arange(T, dtype=jnp.int32),
                                              side="right"), 0, G - 1).astype(jnp.int32)
     return padded_M, tile_group_T, tile_start_G.astype(jnp.int32), tiles_G.astype(jnp.int32), T
+
+
+def group_visits(group_sizes_G: jax.Array, m: int, tm: int):
+    """Megablox-style visits of ``m`` rows in row tiles of ``tm``: ``(segment_V, tile_V,
+    row_lo_S, row_hi_S, V)``. Segments ``0..G-1`` are the groups, ``G`` the rows past
+    ``sum(group_sizes)`` and ``G + 1`` an empty segment (``row_lo = row_hi = 0``) that the
+    unused visits name. Visit ``v`` covers the rows of tile ``tile_V[v]`` that lie in
+    ``[row_lo_S[s], row_hi_S[s])``, ``s = segment_V[v]``; visits are in row order, so one
+    segment's visits are consecutive. ``V = ceil(m / tm) + G`` bounds the visits statically
+    (the ``k`` non-empty segments of a partition of the rows touch at most ``ceil(m / tm) +
+    k - 1`` tiles)."""
+    G = group_sizes_G.shape[0]
+    V = -(-m // tm) + G
+    gs = group_sizes_G.astype(jnp.int32)
+    row_end_G = jnp.cumsum(gs)
+    row_lo = jnp.concatenate([row_end_G - gs, row_end_G[-1:]])
+    row_hi = jnp.concatenate([row_end_G, jnp.full((1,), m, jnp.int32)])
+    first = row_lo // tm
+    n_visits = jnp.where(row_hi > row_lo, (row_hi + tm - 1) // tm - first, 0)
+    visit_end = jnp.cumsum(n_visits)
+    v = jnp.arange(V, dtype=jnp.int32)
+    segment = jnp.searchsorted(visit_end, v, side="right").astype(jnp.int32)
+    s = jnp.clip(segment, 0, G)
+    used = v < visit_end[-1]
+    tile = jnp.where(used, first[s] + v - (visit_end[s] - n_visits[s]), 0)
+    segment = jnp.where(used, segment, G + 1)
+    zero = jnp.zeros((1,), jnp.int32)
+    return (segment, tile.astype(jnp.int32), jnp.concatenate([row_lo, zero]),
+            jnp.concatenate([row_hi, zero]), V)

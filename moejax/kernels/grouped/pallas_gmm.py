@@ -4,33 +4,41 @@
 ``x`` are sorted by group, the first ``group_sizes[0]`` rows use ``w[0]``, the next
 ``group_sizes[1]`` rows ``w[1]``, ...; rows past ``sum(group_sizes)`` give 0.
 
-Rows are laid out block-padded (megablox-style, :func:`moejax.ops.grouped_layout.group_tiles`):
-every group's rows padded to a multiple of the row tile ``tm``, so each of the ``T = ceil(M /
-tm) + G`` row tiles belongs to one group. Three products, each tiled over rows, columns *and*
-the contraction, so a program holds three small tiles whatever ``K`` and ``N`` are:
+Three products, each tiled over rows, columns *and* the contraction, so a program holds three
+small tiles whatever ``K`` and ``N`` are:
 
 * forward ``y_t = x_t w[g_t]`` and ``dX_t = dy_t w[g_t]^T`` (the transpose is taken in the
   kernel: no transposed weight stack is materialised);
-* ``dW[g] = sum over g's tiles of x_t^T dy_t`` (:func:`tgmm`; an empty group gets 0).
+* ``dW[g] = sum over g's row tiles of x_t^T dy_t`` (:func:`tgmm`; an empty group gets 0).
 
 The kernel is chosen when the function is lowered, per platform
 (:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
 
-* TPU: Mosaic. Grid ``(tiles, output blocks, contraction blocks)``; the tiles' groups are
-  scalar-prefetched so each program DMAs only its group's ``[tk, tn]`` weight block, and an
-  f32 accumulator lives in VMEM scratch across the contraction axis. Tiles past the used ones
-  skip their matmul. ``dW`` walks the tiles in order and accumulates while the group stays
-  the same (the output block stays resident), writing when it changes.
-* GPU: Triton. Grid ``(tiles, output blocks)`` (``dW``: ``(groups, K blocks, N blocks)``); each
-  program loops over the contraction in ``tk`` steps, loading its group's weight block by
-  dynamic offsets, with an f32 accumulator in registers. Block sizes are powers of two (what
-  ``tl.dot`` takes); ``K`` and ``N`` are padded to them. Tiles, warps and stages come from
-  :func:`moejax.kernels.tuning.config_for` (the tuned table for the device being lowered
-  for, per dtype and shape bucket, else the anchors' H100 defaults).
+* GPU: Triton, on megablox's tile metadata (:func:`moejax.ops.grouped_layout.group_visits`):
+  the rows stay where they are, and a row tile two groups share is visited once per group,
+  each visit loading and storing only its group's rows (masked), so no padded copy of ``x``
+  or ``y`` is made. A 1-D grid over (visit, output block) in grouped launch order
+  (``GROUP_VISITS`` visits cover every output block before the next start, so their rows stay
+  in L2); each program loops over the contraction, loading its group's weight block by
+  dynamic offsets, with an f32 accumulator in registers. ``dW``: grid ``(N blocks, K blocks,
+  groups)``, each program walking its group's row tiles. Block sizes are powers of two (what
+  ``tl.dot`` takes); the blocks' columns past ``K`` or ``N`` are masked too, so no operand is
+  padded either.
+  Tiles, warps and stages come from :func:`moejax.kernels.tuning.config_for` (the tuned table
+  for the device being lowered for, per dtype and shape bucket, else the defaults there).
+* TPU: Mosaic, on the block-padded layout (:func:`moejax.ops.grouped_layout.group_tiles`:
+  every group's rows copied into tiles of its own). Grid ``(tiles, output blocks, contraction
+  blocks)``; the tiles' groups are scalar-prefetched so each program DMAs only its group's
+  ``[tk, tn]`` weight block, and an f32 accumulator lives in VMEM scratch across the
+  contraction axis. Tiles past the used ones skip their matmul. ``dW`` walks the tiles in
+  order and accumulates while the group stays the same (the output block stays resident),
+  writing when it changes. (On TPU this kernel only runs where tokamax's declines:
+  :mod:`moejax.kernels.grouped.ragged`.)
 * CPU: the TPU kernels in Pallas interpret mode (correct and slow: for tests; the CPU's fast
   MoE path is the host kernel of :mod:`moejax.kernels.host`).
 
-``interpret=True`` forces interpret mode on every platform.
+``interpret=True`` runs the TPU kernels interpreted on every platform, ``interpret="triton"``
+the GPU kernels.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
-from moejax.kernels.tuning import config_for
-from moejax.ops.grouped_layout import group_tiles
+from moejax.kernels.tuning import TritonConfig, config_for
+from moejax.ops.grouped_layout import group_tiles, group_visits
 
 __all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 
@@ -134,72 +142,124 @@ def _mosaic_tgmm(xp, dyp, tile_group_T, first_T, last_T, G, tm, tk, tn, interpre
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------------
-def _triton_tiles_kernel(group_ref, active_ref, x_ref, w_ref, o_ref, *, tr, n_red, transpose):
-    t, o = pl.program_id(0), pl.program_id(1)
-    g = group_ref[t]
-    to = o_ref.shape[1]
+# visits that run over every output block before the next ones start (Triton's grouped
+# launch order): their rows of x stay in L2 while the weight blocks stream past
+GROUP_VISITS = 8
+
+
+def _launch_order(pid, n_v, n_o):
+    """Program ``pid`` of the 1-D grid -> (visit, output block) in grouped launch order."""
+    per = GROUP_VISITS * n_o
+    first = (pid // per) * GROUP_VISITS
+    size = jnp.minimum(n_v - first, GROUP_VISITS)
+    return first + (pid % per) % size, (pid % per) // size
+
+
+def _span(start, size, lo, hi):
+    """``[size]`` bool: which of the indices ``start + arange(size)`` lie in ``[lo, hi)``."""
+    idx = start + jnp.arange(size, dtype=jnp.int32)
+    return (idx >= lo) & (idx < hi)
+
+
+def _both(rows, cols):
+    return rows[:, None] & cols[None, :]
+
+
+def _triton_tiles_kernel(seg_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, tm, tr, to,
+                         n_v, n_o, groups, transpose):
+    R, n_out = x_ref.shape[1], o_ref.shape[1]
+    v, o = _launch_order(pl.program_id(0), n_v, n_o)
+    s = seg_ref[v]
+    row0 = tile_ref[v] * tm
+    rows = _span(row0, tm, lo_ref[s], hi_ref[s])  # this visit's group's rows of the tile
+    cols = _span(o * to, to, 0, n_out)
 
     def body(r, acc):
-        x = x_ref[:, pl.ds(r * tr, tr)]
+        red = _span(r * tr, tr, 0, R)
+        x = pltriton.load(x_ref.at[pl.ds(row0, tm), pl.ds(r * tr, tr)], mask=_both(rows, red),
+                          other=0)
         if transpose:
-            w = w_ref[g, pl.ds(o * to, to), pl.ds(r * tr, tr)]
+            w = pltriton.load(w_ref.at[s, pl.ds(o * to, to), pl.ds(r * tr, tr)],
+                              mask=_both(cols, red), other=0)
             return acc + pltriton.dot(x, w, trans_b=True)
-        w = w_ref[g, pl.ds(r * tr, tr), pl.ds(o * to, to)]
+        w = pltriton.load(w_ref.at[s, pl.ds(r * tr, tr), pl.ds(o * to, to)],
+                          mask=_both(red, cols), other=0)
         return acc + pltriton.dot(x, w)
 
-    # integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
+    # a group's visit runs the contraction; the tail's (rows past the groups) stores zeros.
+    # Integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
     # two literals lowers to i1 (rejected when the GPU compiles the module)
-    steps = jnp.minimum(jnp.maximum(active_ref[0] - t, 0), 1) * n_red
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    steps = jnp.minimum(jnp.maximum(groups - s, 0), 1) * pl.cdiv(R, tr)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tm, to), jnp.float32))
+    pltriton.store(o_ref.at[pl.ds(row0, tm), pl.ds(o * to, to)], acc.astype(o_ref.dtype),
+                   mask=_both(rows, cols))
 
 
-def _triton_tiles(xp, w, tile_group_T, n_active, tm, tr, to, *, transpose, warps, stages):
-    T, R = tile_group_T.shape[0], xp.shape[1]
+def _triton_tiles(x_MR, w, group_sizes_G, tm, tr, to, *, transpose, warps, stages, interpret):
+    """``[M, n_out]``: each row of ``x`` times its group's ``w`` (``w^T`` with ``transpose``),
+    on megablox-style visits (:func:`group_visits`): nothing is copied or padded, each visit
+    loads and stores its group's rows of one row tile (and the blocks' in-range columns)
+    under a mask."""
+    m = x_MR.shape[0]
+    G = group_sizes_G.shape[0]
     n_out = w.shape[1] if transpose else w.shape[2]
-    Tp = pow2(T)
-    groups = pad_to(tile_group_T, 0, Tp)
+    seg_V, tile_V, lo_S, hi_S, V = group_visits(group_sizes_G, m, tm)
+    n_o = pl.cdiv(n_out, to)
+    Vp, Sp = pow2(V), pow2(G + 2)
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_triton_tiles_kernel, tr=tr, n_red=R // tr, transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((T * tm, n_out), xp.dtype),
-        grid=(T, n_out // to),
-        in_specs=[pl.BlockSpec((Tp,), lambda t, o: (0,)),
-                  pl.BlockSpec((1,), lambda t, o: (0,)),
-                  pl.BlockSpec((tm, R), lambda t, o: (t, 0)),
-                  pl.BlockSpec(w.shape, lambda t, o: (0, 0, 0))],
-        out_specs=pl.BlockSpec((tm, to), lambda t, o: (t, o)),
+        functools.partial(_triton_tiles_kernel, tm=tm, tr=tr, to=to, n_v=V, n_o=n_o, groups=G,
+                          transpose=transpose),
+        out_shape=jax.ShapeDtypeStruct((m, n_out), x_MR.dtype),
+        grid=(V * n_o,),
+        in_specs=[full((Vp,)), full((Vp,)), full((Sp,)), full((Sp,)), full(x_MR.shape),
+                  full(w.shape)],
+        out_specs=full((m, n_out)),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-    )(groups, n_active, xp, w)
+        interpret=interpret,
+    )(pad_to(seg_V, 0, Vp), pad_to(tile_V, 0, Vp), pad_to(lo_S, 0, Sp), pad_to(hi_S, 0, Sp),
+      x_MR, w)
 
 
-def _triton_tgmm_kernel(start_ref, tiles_ref, x_ref, dy_ref, o_ref, *, tm):
-    g, k, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tk, tn = o_ref.shape[1], o_ref.shape[2]
+def _triton_tgmm_kernel(lo_ref, hi_ref, x_ref, dy_ref, o_ref, *, tm, tk, tn):
+    n, k, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    K, N = x_ref.shape[1], dy_ref.shape[1]
+    lo, hi = lo_ref[g], hi_ref[g]
+    first = lo // tm
+    tiles = ((hi + tm - 1) // tm - first) * jnp.minimum(jnp.maximum(hi - lo, 0), 1)
+    k_in, n_in = _span(k * tk, tk, 0, K), _span(n * tn, tn, 0, N)
 
     def body(i, acc):
-        rows = pl.ds((start_ref[g] + i) * tm, tm)
-        x = x_ref[rows, pl.ds(k * tk, tk)]
-        dy = dy_ref[rows, pl.ds(n * tn, tn)]
+        row0 = (first + i) * tm
+        rows = _span(row0, tm, lo, hi)
+        x = pltriton.load(x_ref.at[pl.ds(row0, tm), pl.ds(k * tk, tk)], mask=_both(rows, k_in),
+                          other=0)
+        dy = pltriton.load(dy_ref.at[pl.ds(row0, tm), pl.ds(n * tn, tn)],
+                           mask=_both(rows, n_in), other=0)
         return acc + pltriton.dot(x, dy, trans_a=True)
 
-    acc = jax.lax.fori_loop(0, tiles_ref[g], body, jnp.zeros((tk, tn), jnp.float32))
-    o_ref[0] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((tk, tn), jnp.float32))
+    pltriton.store(o_ref.at[g, pl.ds(k * tk, tk), pl.ds(n * tn, tn)], acc.astype(o_ref.dtype),
+                   mask=_both(k_in, n_in))
 
 
-def _triton_tgmm(xp, dyp, tile_start_G, tiles_G, tm, tk, tn, warps, stages):
-    G, K, N = tile_start_G.shape[0], xp.shape[1], dyp.shape[1]
-    Gp = pow2(G)
+def _triton_tgmm(x_MK, dy_MN, group_sizes_G, tm, tk, tn, *, warps, stages, interpret):
+    """``dW [G, K, N]`` over the rows in place: program ``(N block, K block, group)`` walks
+    its group's row tiles, masking the neighbours' rows (an empty group walks none: 0). The
+    group is the slowest grid axis, so consecutive programs share a group's rows of x."""
+    G, K, N = group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]
+    _, _, lo_S, hi_S, _ = group_visits(group_sizes_G, x_MK.shape[0], tm)
+    Sp = pow2(G + 2)
+    full = lambda shape: pl.BlockSpec(shape, lambda n, k, g: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_triton_tgmm_kernel, tm=tm),
-        out_shape=jax.ShapeDtypeStruct((G, K, N), xp.dtype),
-        grid=(G, K // tk, N // tn),
-        in_specs=[pl.BlockSpec((Gp,), lambda g, k, n: (0,)),
-                  pl.BlockSpec((Gp,), lambda g, k, n: (0,)),
-                  pl.BlockSpec(xp.shape, lambda g, k, n: (0, 0)),
-                  pl.BlockSpec(dyp.shape, lambda g, k, n: (0, 0))],
-        out_specs=pl.BlockSpec((1, tk, tn), lambda g, k, n: (g, k, n)),
+        functools.partial(_triton_tgmm_kernel, tm=tm, tk=tk, tn=tn),
+        out_shape=jax.ShapeDtypeStruct((G, K, N), x_MK.dtype),
+        grid=(pl.cdiv(N, tn), pl.cdiv(K, tk), G),
+        in_specs=[full((Sp,)), full((Sp,)), full(x_MK.shape), full(dy_MN.shape)],
+        out_specs=full((G, K, N)),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-    )(pad_to(tile_start_G, 0, Gp), pad_to(tiles_G, 0, Gp), xp, dyp)
+        interpret=interpret,
+    )(pad_to(lo_S, 0, Sp), pad_to(hi_S, 0, Sp), x_MK, dy_MN)
 
 
 # -- layout and platform choice --------------------------------------------------------------
@@ -211,9 +271,30 @@ def _layout(group_sizes_G, m: int, tm: int):
     return padded_M, tile_group_T, tile_start_G, tiles_G, T, n_active
 
 
+def _mode(interpret):
+    """``interpret`` as False, True (the TPU kernels interpreted) or ``"triton"`` (the GPU
+    kernels interpreted)."""
+    if interpret == "triton":
+        return interpret
+    if interpret not in (None, False, True):
+        raise ValueError(f"interpret={interpret!r}; allowed: None, False, True, 'triton'")
+    return bool(interpret)
+
+
+def _triton_config(kernel, dtype, k, n, tiles, interpret):
+    """The Triton launch: interpreted, the caller's tiles as they are; compiled, the tuned or
+    default configuration for the device being lowered for (read when the GPU branch is
+    traced), its blocks capped at the operands' powers of two (what ``tl.dot`` takes)."""
+    if interpret:
+        return TritonConfig(*tiles)
+    c = config_for(kernel, dtype, k, n)
+    return c._replace(tk=min(pow2(k, 16), c.tk), tn=min(pow2(n, 16), c.tn))
+
+
 def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
-    """``[M, n_out]``: each row times its group's ``w`` (``w^T`` with ``transpose``). Each
-    platform lays the rows out with its own row tile."""
+    """``[M, n_out]``: each row times its group's ``w`` (``w^T`` with ``transpose``).
+    ``interpret``: False (the platform's kernel), True (the TPU kernel interpreted) or
+    ``"triton"`` (the GPU kernel interpreted)."""
     m, R = x_MR.shape
     n_out = w.shape[1] if transpose else w.shape[2]
     w = w.astype(x_MR.dtype)
@@ -221,50 +302,47 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
     def pad_w(w, tr, to):
         return pad_to(pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
 
-    def product(kernel, tm, tr, to):
+    def mosaic(interp):
+        tm, tr, to = tiles[0], block(R, tiles[1]), block(n_out, tiles[2])
+
         def run(x_MR, w, group_sizes_G):
             padded_M, tile_group_T, _, _, T, n_active = _layout(group_sizes_G, m, tm)
             xp = pad_to(_scatter_rows(x_MR, padded_M, T, tm), 1, tr)
-            yp = kernel(xp, pad_w(w, tr, to), tile_group_T, n_active, tm, tr, to)[:, :n_out]
+            yp = _mosaic_tiles(xp, pad_w(w, tr, to), tile_group_T, n_active, tm, tr, to,
+                               transpose=transpose, interpret=interp)[:, :n_out]
             return yp.at[padded_M].get(mode="fill", fill_value=0)
         return run
 
-    def mosaic(interp):
-        tm, tr_pref, to_pref = tiles
-        kernel = functools.partial(_mosaic_tiles, transpose=transpose, interpret=interp)
-        return product(kernel, tm, block(R, tr_pref), block(n_out, to_pref))
+    def triton(interp):
+        def run(x_MR, w, group_sizes_G):
+            c = _triton_config("gmm", x_MR.dtype, R, n_out, tiles, interp)
+            return _triton_tiles(x_MR, w, group_sizes_G, c.tm, c.tk, c.tn, transpose=transpose,
+                                 warps=c.num_warps, stages=c.num_stages, interpret=interp)
+        return run
 
-    def triton(*args):  # the launch configuration is read when the GPU branch is traced
-        c = config_for("gmm", x_MR.dtype, R, n_out)
-        kernel = functools.partial(_triton_tiles, transpose=transpose, warps=c.num_warps,
-                                   stages=c.num_stages)
-        return product(kernel, c.tm, min(pow2(R, 16), c.tk), min(pow2(n_out, 16), c.tn))(*args)
-
-    return choose_platform((x_MR, w, group_sizes_G), mosaic=mosaic, triton=triton,
-                           interpret=interpret)
+    args = (x_MR, w, group_sizes_G)
+    if interpret == "triton":
+        return triton(True)(*args)
+    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
          interpret=None):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` over each group's rows (0 for an empty group):
     the weight gradient of :func:`gmm`. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
-    tiles (the GPU kernel's come from :func:`moejax.kernels.tuning.config_for`)."""
+    tiles (the GPU kernel's come from :func:`moejax.kernels.tuning.config_for`);
+    ``interpret``: as :func:`gmm`'s."""
     m, K = x_MK.shape
     N, G = dy_MN.shape[1], group_sizes_G.shape[0]
     dy_MN = dy_MN.astype(x_MK.dtype)
-
-    def scatter(x_MK, dy_MN, group_sizes_G, tm, k_, n_):
-        padded_M, tile_group_T, tile_start_G, tiles_G, T, _ = _layout(group_sizes_G, m, tm)
-        xq = pad_to(_scatter_rows(x_MK, padded_M, T, tm), 1, k_)
-        dq = pad_to(_scatter_rows(dy_MN, padded_M, T, tm), 1, n_)
-        return xq, dq, tile_group_T, tile_start_G, tiles_G, T
 
     def mosaic(interp):
         k_, n_ = block(K, tk), block(N, tn)
 
         def run(x_MK, dy_MN, group_sizes_G):
-            xq, dq, tile_group_T, _, tiles_G, T = scatter(x_MK, dy_MN, group_sizes_G, tm, k_,
-                                                          n_)
+            padded_M, tile_group_T, _, tiles_G, T, _ = _layout(group_sizes_G, m, tm)
+            xq = pad_to(_scatter_rows(x_MK, padded_M, T, tm), 1, k_)
+            dq = pad_to(_scatter_rows(dy_MN, padded_M, T, tm), 1, n_)
             nxt = jnp.concatenate([tile_group_T[1:], jnp.full((1,), -1, jnp.int32)])
             prv = jnp.concatenate([jnp.full((1,), -1, jnp.int32), tile_group_T[:-1]])
             first_T = (tile_group_T != prv).astype(jnp.int32)
@@ -274,15 +352,17 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
             return jnp.where(visited[:, None, None], dw, 0)[:, :K, :N]
         return run
 
-    def triton(x_MK, dy_MN, group_sizes_G):
-        c = config_for("tgmm", x_MK.dtype, K, N)
-        k_, n_ = min(pow2(K, 16), c.tk), min(pow2(N, 16), c.tn)
-        xq, dq, _, tile_start_G, tiles_G, _ = scatter(x_MK, dy_MN, group_sizes_G, c.tm, k_, n_)
-        return _triton_tgmm(xq, dq, tile_start_G, tiles_G, c.tm, k_, n_, c.num_warps,
-                            c.num_stages)[:, :K, :N]
+    def triton(interp):
+        def run(x_MK, dy_MN, group_sizes_G):
+            c = _triton_config("tgmm", x_MK.dtype, K, N, (tm, tk, tn), interp)
+            return _triton_tgmm(x_MK, dy_MN, group_sizes_G, c.tm, c.tk, c.tn,
+                                warps=c.num_warps, stages=c.num_stages, interpret=interp)
+        return run
 
-    return choose_platform((x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), mosaic=mosaic,
-                           triton=triton, interpret=interpret)
+    args, interpret = (x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), _mode(interpret)
+    if interpret == "triton":
+        return triton(True)(*args)
+    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -312,7 +392,7 @@ def gmm_t(dy_MN, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int 
     """``[M, N] x [G, K, N]^T -> [M, K]``: each row times its group's ``w^T``, the input
     gradient of :func:`gmm` (not differentiable itself)."""
     return _tiles_product(dy_MN, w_GKN, group_sizes_G.astype(jnp.int32), (tm, tn, tk), True,
-                          bool(interpret))
+                          _mode(interpret))
 
 
 def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
@@ -320,12 +400,13 @@ def gmm(x_MK, w_GKN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 1
     """Grouped matmul (see the module docstring): ``[M, K] x [G, K, N] -> [M, N]``,
     differentiable in ``x`` and ``w``. ``tm`` / ``tk`` / ``tn``: the TPU and interpret-mode
     tiles (rows, contraction, columns; the GPU kernel's, powers of two as ``tl.dot`` needs,
-    come from :func:`moejax.kernels.tuning.config_for`); ``interpret=True`` forces Pallas
-    interpret mode."""
+    come from :func:`moejax.kernels.tuning.config_for`). ``interpret=True`` runs the TPU
+    kernels in Pallas interpret mode on any platform, ``interpret="triton"`` the GPU kernels
+    (with these tiles), so both are checked on a CPU."""
     if x_MK.ndim != 2 or w_GKN.ndim != 3 or x_MK.shape[1] != w_GKN.shape[1]:
         raise ValueError(f"gmm: x {x_MK.shape} and w {w_GKN.shape} must be [M, K] and [G, K, N]")
     if group_sizes_G.shape != (w_GKN.shape[0],):
         raise ValueError(f"gmm: group_sizes {group_sizes_G.shape} must be [G={w_GKN.shape[0]}]")
     if min(tm, tk, tn) < 1:
         raise ValueError(f"gmm: tiles tm={tm}, tk={tk}, tn={tn} must be >= 1")
-    return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), (tm, tk, tn), bool(interpret))
+    return _gmm(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), (tm, tk, tn), _mode(interpret))
