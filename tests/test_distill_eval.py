@@ -1,7 +1,8 @@
 """ROUGE-L against hand-computed cases, the generation evaluator on a model that can only say
-one thing, the layer-dropping surgery for students, the router statistics, and the held-out
+one thing, the layer-dropping and dtype surgery, the router statistics, and the held-out
 KL and perplexity of a student against numpy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from moejax.evaluate_generation import (
     rouge_l,
     router_kl_by_layer,
 )
-from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers
+from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers, with_dtype
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.routing_modes import RoutingMode, with_routing
@@ -56,6 +57,26 @@ def test_keep_layers_is_the_shallower_network():
     assert float(jnp.abs(lm.embed[...]).sum()) > 0
     with pytest.raises(ValueError, match="indices in \\[0, 3\\)"):
         keep_layers(lm, [3])
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_with_dtype_is_the_same_network_in_bfloat16(moe):
+    lm = _lm(moe=moe)
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 12, (2, 7)))
+    half = with_dtype(lm, "bfloat16")
+    assert {str(a.dtype) for a in jax.tree.leaves(nnx.state(half, nnx.Param))} == {"bfloat16"}
+    assert half._embed(x).dtype == jnp.bfloat16  # it computes in bfloat16 (logits: float32)
+    logits, want = half(x)[0], lm(x)[0]
+    # bfloat16's 8 bits of mantissa (a routed layer may also pick another expert at a tie)
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(logits, np.float32), np.asarray(want), atol=0.1 * scale)
+    assert float(jnp.mean(jnp.abs(logits - want))) < 0.02 * scale
+    back = with_dtype(half, "float32")  # the original is untouched; a round trip rounds once
+    assert {str(a.dtype) for a in jax.tree.leaves(nnx.state(lm, nnx.Param))} == {"float32"}
+    np.testing.assert_array_equal(np.asarray(back.embed[...]),
+                                  np.asarray(lm.embed[...].astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        with_dtype(lm, "float16")
 
 
 def test_generation_evaluator_matches_sampling_then_rouge():

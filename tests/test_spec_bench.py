@@ -120,3 +120,47 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
                                          "spec chunk-sparse"]
+
+
+def test_a_bfloat16_bench_decodes_in_bfloat16_and_says_how_many_tokens_matched(tmp_path):
+    """decode_dtype=bfloat16: the trained float32 models decode as bfloat16 copies; every row
+    names the dtype and the share of its new tokens before the first difference from the
+    autoregressive decoding (which must be 1 for that decoding itself)."""
+    from experiments.benchmarks import speculative as mod
+    from moejax.experiment import run_experiment
+
+    args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
+            "grow.extra_layers=0", "drafts.distilled=false", "drafts.self_layers=0",
+            "drafts.self_distilled=false", "decode_dtype=bfloat16"]
+    _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
+    rows = list(csv.DictReader(open(run.path / "decode.csv")))
+    assert len(rows) == 4 and {r["decode_dtype"] for r in rows} == {"bfloat16"}
+    assert rows[0]["mode"] == "AR dense" and float(rows[0]["tokens_matching_AR"]) == 1.0
+    assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
+    assert "decoded in bfloat16" in (run.path / "summary.md").read_text()
+
+
+def test_matching_prefix_counts_new_tokens_before_the_first_difference():
+    from experiments.benchmarks.speculative import matching_prefix
+
+    ref = np.array([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8]])
+    assert matching_prefix(ref, ref, 2) == 1.0
+    got = ref.copy()
+    got[0, 3] = 0  # prompt 0: 1 of 4 new tokens before the difference (later ones count not)
+    got[1, 2] = 0  # prompt 1: none
+    assert matching_prefix(got, ref, 2) == pytest.approx((1 / 4 + 0) / 2)
+    got[0, 5] = 4
+    assert matching_prefix(got, ref, 2) == pytest.approx(1 / 8)
+
+
+@pytest.mark.parametrize("dtype,verdict", [("float32", False), ("bfloat16", True)])
+def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype, verdict):
+    from experiments.benchmarks.speculative import claims
+
+    row = {"params": 2e8, "mode": "spec chunk-sparse", "decode_dtype": dtype, "draft": "d",
+           "speedup_vs_AR_token_sparse": 2.0, "draft_len": 4, "tokens_per_s": 100.0,
+           "mean_accepted_length": 3.0, "same_tokens_as_AR": "False",
+           "tokens_matching_AR": 0.875}
+    (claim,) = claims({"decode": [row]})
+    assert claim.holds is verdict
+    assert ("0.875" in claim.evidence) is (dtype == "bfloat16")

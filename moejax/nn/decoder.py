@@ -34,7 +34,7 @@ from moejax.nn.slots import FFNSlotConfig
 from moejax.nn.surgery import build_from_pure
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
-           "smollm2_135m_config", "keep_layers", "DTYPES"]
+           "smollm2_135m_config", "keep_layers", "with_dtype", "DTYPES"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DecoderCache = tuple  # tuple[KVCache, ...], one per layer
@@ -191,4 +191,17 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
                             ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure["blocks"] = {j: pure["blocks"][i] for j, i in enumerate(layers)}
+    return build_from_pure(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), pure)
+
+
+def with_dtype(model: DecoderLM, dtype: Literal["float32", "bfloat16"]) -> DecoderLM:
+    """A copy of ``model`` that stores its parameters and computes in ``dtype`` (e.g. a model
+    trained in float32, served in bfloat16: half the weight bytes a decoded token reads, and
+    the 16-bit kernels); ``model`` unchanged, every array copied."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {tuple(DTYPES)}")
+    cfg = model.cfg.replace(dtype=dtype, param_dtype=dtype)
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure = jax.tree.map(lambda x: x.astype(DTYPES[dtype])
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
     return build_from_pure(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), pure)
