@@ -26,6 +26,11 @@ The kernel is chosen when the function is lowered, per platform
   padded either.
   Tiles, warps and stages come from :func:`moejax.kernels.tuning.config_for` (the tuned table
   for the device being lowered for, per dtype and shape bucket, else the defaults there).
+  On a GPU this kernel serves what tokamax's Mosaic GPU kernels do not take: float32 (and GPUs
+  older than sm80). It stays on Triton because float32 on Mosaic GPU means a tf32 wgmma, which
+  takes K-major operands only (Mosaic GPU transposes 16-bit operands alone): the forward's
+  ``w[g]`` (``[K, N]``, N fastest) and dW's ``x`` (contracted over its rows) would each need a
+  transposed copy per step.
 * TPU: Mosaic, on the block-padded layout (:func:`moejax.ops.grouped_layout.group_tiles`:
   every group's rows copied into tiles of its own). Grid ``(tiles, output blocks, contraction
   blocks)``; the tiles' groups are scalar-prefetched so each program DMAs only its group's
