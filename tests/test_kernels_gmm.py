@@ -107,7 +107,7 @@ def test_group_visits_cover_every_row_once_within_the_static_bound():
     across many): the used visits are consecutive, in row order, at most ``V``, and their
     masks cover every row exactly once, with its own group's segment (``G``: past the sum)."""
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for _ in range(100):
         G, tm = int(rng.integers(1, 7)), int(rng.integers(1, 9))
         gs = rng.integers(0, 12, G) * (rng.random(G) < 0.7)
         m = int(gs.sum() + rng.integers(0, 2 * tm))
