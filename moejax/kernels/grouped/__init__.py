@@ -8,13 +8,15 @@ tests compare with):
   Mosaic on TPU, interpret mode on CPU) with its ``custom_vjp`` (dX, dW), for what tokamax
   does not take.
 
-Its layout metadata (:func:`moejax.ops.grouped_layout.group_tiles`) stays in ``ops``: the
-plain-jnp ``grouped`` dispatch path shares it.
+Its layout metadata stays in ``ops`` (:mod:`moejax.ops.grouped_layout`): the block-padded
+tiles (:func:`~moejax.ops.grouped_layout.group_tiles`), which the plain-jnp ``grouped``
+dispatch path and the TPU kernel share, and the megablox-style visits of rows left in place
+(:func:`~moejax.ops.grouped_layout.group_visits`), which the GPU kernel runs on.
 """
 
 from moejax.kernels.grouped.pallas_gmm import GMM_TILES, gmm, tgmm
 from moejax.kernels.grouped.ragged import AVAILABLE, cross_compile, ragged_dot
-from moejax.ops.grouped_layout import group_tiles
+from moejax.ops.grouped_layout import group_tiles, group_visits
 
-__all__ = ["gmm", "tgmm", "group_tiles", "GMM_TILES", "ragged_dot", "cross_compile",
+__all__ = ["gmm", "tgmm", "group_tiles", "group_visits", "GMM_TILES", "ragged_dot", "cross_compile",
            "AVAILABLE"]
