@@ -90,13 +90,16 @@ def test_bench_speculative_tiny(tmp_path):
 def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, monkeypatch):
     """A run cut short (a GPU command's time limit) leaves every decoding timed before it;
     the same command again restores the trained target and draft from their checkpoints
-    (no training step, the same validation perplexity) and finishes the table."""
+    (no training step, the same validation perplexity) and finishes the table. It decodes
+    in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
+    the share of its new tokens before the first difference from AR dense (1 for AR dense
+    itself)."""
     from experiments.benchmarks import speculative as mod
     from moejax.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
             "grow.extra_layers=0", "drafts.distilled=false", "drafts.self_layers=0",
-            "drafts.self_distilled=false"]
+            "drafts.self_distilled=false", "decode_dtype=bfloat16"]
     calls, real = [], mod.decode_timing
 
     def stop_at_the_fourth(*a, **k):
@@ -120,24 +123,10 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
                                          "spec chunk-sparse"]
-
-
-def test_a_bfloat16_bench_decodes_in_bfloat16_and_says_how_many_tokens_matched(tmp_path):
-    """decode_dtype=bfloat16: the trained float32 models decode as bfloat16 copies; every row
-    names the dtype and the share of its new tokens before the first difference from the
-    autoregressive decoding (which must be 1 for that decoding itself)."""
-    from experiments.benchmarks import speculative as mod
-    from moejax.experiment import run_experiment
-
-    args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
-            "grow.extra_layers=0", "drafts.distilled=false", "drafts.self_layers=0",
-            "drafts.self_distilled=false", "decode_dtype=bfloat16"]
-    _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
-    rows = list(csv.DictReader(open(run.path / "decode.csv")))
-    assert len(rows) == 4 and {r["decode_dtype"] for r in rows} == {"bfloat16"}
-    assert rows[0]["mode"] == "AR dense" and float(rows[0]["tokens_matching_AR"]) == 1.0
+    assert {r["decode_dtype"] for r in rows} == {"bfloat16"}
+    assert float(rows[0]["tokens_matching_AR"]) == 1.0
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
-    assert "decoded in bfloat16" in (run.path / "summary.md").read_text()
+    assert "decoded in bfloat16" in (tmp_path / "b" / "summary.md").read_text()
 
 
 def test_matching_prefix_counts_new_tokens_before_the_first_difference():

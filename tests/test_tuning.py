@@ -78,22 +78,23 @@ def _triton_launches(dtype, k=256, n=384):
         text = je.export(f, platforms=("cuda",),
                          disabled_checks=[je.DisabledSafetyCheck.custom_call(TRITON)])(
             S((512, k), dtype), S((8, k, n), dtype), S((8,), jnp.int32)).mlir_module()
-    return [(int(gy), int(w)) for gy, w in re.findall(
-        r"grid_y = (\d+) : i32.*?num_warps = (\d+) : i32", text)]
+    return [(int(gx), int(w)) for gx, w in re.findall(
+        r"grid_x = (\d+) : i32.*?num_warps = (\d+) : i32", text)]
 
 
 def test_a_lowering_reads_its_devices_entry_else_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "none.json"))
-    # defaults: bf16 128 x 64 x 128 with 8 warps -> 384 / 128 = 3 column blocks
-    assert _triton_launches(jnp.bfloat16) == [(3, 8)]
-    assert _triton_launches(jnp.float32) == [(6, 4)]  # f32: 64-column tiles, 4 warps
+    # the launch: (512 / tm + 8 groups) row-tile visits x 384 / tn column blocks
+    # defaults: bf16 128 x 64 x 128 with 8 warps -> (4 + 8) x 3
+    assert _triton_launches(jnp.bfloat16) == [(12 * 3, 8)]
+    assert _triton_launches(jnp.float32) == [(16 * 6, 4)]  # f32: 64 x 32 x 64, 4 warps
     table = tmp_path / "tuned.json"
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(table))
     tuning.write_entries(H100, {"gmm": {"bfloat16": {tuning.bucket(256, 384): {
         **tuning.TritonConfig(64, 32, 32, 4, 2)._asdict(), "ms": 1.0}}}})
-    assert _triton_launches(jnp.bfloat16) == [(12, 4)]  # 384 / 32 column blocks, 4 warps
+    assert _triton_launches(jnp.bfloat16) == [(16 * 12, 4)]  # 64-row tiles, 32 columns
     with tuning.forced(tuning.TritonConfig(128, 64, 128, 8, 3)):
-        assert _triton_launches(jnp.bfloat16) == [(3, 8)]
+        assert _triton_launches(jnp.bfloat16) == [(12 * 3, 8)]
 
 
 def test_autotune_refuses_a_machine_without_a_gpu_before_writing(tmp_path, capsys):
