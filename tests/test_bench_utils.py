@@ -68,7 +68,9 @@ def test_time_device_loop_runs_the_call_in_every_iteration():
     one = time_device_loop(chain(2), x, iters=20, repeats=5)
     many = time_device_loop(chain(16), x, iters=20, repeats=5)
     assert one["iters"] == 20 and 0 < one["min_s"] <= one["median_s"] and one["flush_s"] == 0
-    assert many["median_s"] > 3 * one["median_s"], (one, many)
+    # 8x the work: compared by the fastest repeat (the median of a short call on a busy
+    # machine can be twice its minimum)
+    assert many["min_s"] > 3 * one["min_s"], (one, many)
     flushed = time_device_loop(chain(16), x, iters=5, repeats=3, flush_bytes=1 << 20)
     assert flushed["flush_s"] > 0 and np.isfinite(flushed["median_s"])
     with pytest.raises(ValueError, match="flush_bytes"):
