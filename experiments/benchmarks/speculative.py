@@ -146,9 +146,8 @@ def _modes(target, drafts, cfg):
 def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
     """Time every decoding of ``target`` into ``rows``; the table is rewritten after each
     row, so a run stopped by a time limit keeps the rows it measured."""
-    if cfg.decode_dtype != "float32":
+    if cfg.decode_dtype != "float32":  # the drafts are cast once, in run()
         target = with_dtype(target, cfg.decode_dtype)
-        drafts = {k: with_dtype(d, cfg.decode_dtype) for k, d in drafts.items()}
     ref, agree = None, {}
     total = 2 + len(cfg.draft_lens) * (len(drafts) + 1)
     # one path variant (a copy of the target's weights) alive at a time, not all of them
@@ -236,6 +235,8 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
              f"decoded in {cfg.decode_dtype}.")
     rows: list[dict] = []
     drafts = _drafts(cfg, target, draft, train_src, run)
+    if cfg.decode_dtype != "float32":
+        drafts = {k: with_dtype(d, cfg.decode_dtype) for k, d in drafts.items()}
     _bench("trained", target, drafts, prompts, cfg, rows, run)
     if cfg.grow.extra_layers:
         _bench("grown", _grown(cfg, run, target, target_ev["tls"], val), drafts, prompts, cfg,

@@ -191,7 +191,7 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
                             ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure["blocks"] = {j: pure["blocks"][i] for j, i in enumerate(layers)}
-    return build_from_pure(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), pure)
+    return _rebuilt(cfg, pure)
 
 
 def with_dtype(model: DecoderLM, dtype: Literal["float32", "bfloat16"]) -> DecoderLM:
@@ -204,4 +204,9 @@ def with_dtype(model: DecoderLM, dtype: Literal["float32", "bfloat16"]) -> Decod
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     pure = jax.tree.map(lambda x: x.astype(DTYPES[dtype])
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
+    return _rebuilt(cfg, pure)
+
+
+def _rebuilt(cfg: DecoderConfig, pure: dict) -> DecoderLM:
+    """A :class:`DecoderLM` of ``cfg`` with the parameters of the pure dict (copied)."""
     return build_from_pure(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), pure)
