@@ -4,6 +4,8 @@
         np.savez(f, **arrays)
     atomic_write_bytes(path, data)
     atomic_write_text(path, text)
+    with exclusive(directory / ".lock"):   # one process at a time builds what is cached there
+        ...
 
 The data goes to a temporary file in the target's directory, is flushed and fsynced, gets the
 permissions an ordinary ``open`` would give it (``0o666`` less the umask, where ``mkstemp``
@@ -14,6 +16,7 @@ the temporary file is removed and the previous file is left as it was.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import IO
 
 __all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode",
-           "writable_dir", "UnusableDirError"]
+           "exclusive", "writable_dir", "UnusableDirError"]
 
 
 class UnusableDirError(OSError):
@@ -46,6 +49,19 @@ def writable_dir(path: str | os.PathLike, what: str, fix: str, *, root=None) -> 
     if not os.access(path, os.W_OK | os.X_OK):
         raise UnusableDirError(f"{what}: {path} is not writable. Fix: {fix}")
     return path
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (created if missing), waiting while another
+    process (or another open of the file in this one) holds it. The operating system drops it
+    when its holder dies, so a crashed builder never blocks the next one."""
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def default_file_mode() -> int:

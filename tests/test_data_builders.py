@@ -1,5 +1,7 @@
 """TFDS array_record builders: build small slices, read back, splits disjoint, deterministic."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -90,3 +92,38 @@ def test_tfds_data_source_api_and_determinism(data_dir, tmp_path):
     for i in range(N):
         assert ds[i]["index"] == again[i]["index"]
         np.testing.assert_array_equal(ds[i]["image"], again[i]["image"])
+
+
+def test_two_builds_at_once_build_it_once_and_both_read_it(tmp_path, monkeypatch):
+    """Two processes (here threads, each its own lock file handle) asking for the same
+    unbuilt dataset: the second waits while the first builds, then reads what it built (TFDS
+    alone lets both build and the second's rename fail on the first's directory)."""
+    import threading
+
+    builds, started = [], threading.Event()
+    real = datasets.tfds.core.DatasetBuilder.download_and_prepare
+
+    def slow_build(self, *a, **k):
+        builds.append(1)
+        started.set()
+        time.sleep(0.5)  # the other caller arrives while this one builds
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(datasets.tfds.core.DatasetBuilder, "download_and_prepare", slow_build)
+    got, errors = [], []
+
+    def get():
+        try:
+            got.append(datasets.get_builder("digits", data_dir=tmp_path, max_examples_per_split=N))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    first = threading.Thread(target=get)
+    first.start()
+    assert started.wait(60)
+    second = threading.Thread(target=get)
+    second.start()
+    first.join(120)
+    second.join(120)
+    assert errors == [] and len(got) == 2 and len(builds) == 1
+    assert all(b.is_prepared() and b.info.splits["test"].num_examples == N for b in got)

@@ -12,13 +12,13 @@ never be mistaken for the full dataset.
 
 TFDS writes into an ``incomplete.*`` directory and renames it on success; a failed build (missing
 raw data raises :class:`~moejax.data.raw_files.MissingDataError` before writing) leaves nothing
-behind in the data directory.
+behind in the data directory. A file lock beside the dataset's versions lets one process build it
+while others that want it at the same time wait, then read what it built.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -31,6 +31,7 @@ from moejax.data import raw_files
 from moejax.data.builders_images import MoejaxDigits, MoejaxMnist5k
 from moejax.data.builders_labelled import MoejaxChitchat, MoejaxWordnetGlosses
 from moejax.data.builders_text import MoejaxProse, MoejaxStdlibCode
+from moejax.files import exclusive
 
 __all__ = ["DATASETS", "get_builder", "load", "load_split", "decode_text", "read_all", "SPLITS"]
 
@@ -66,6 +67,15 @@ def _clean_incomplete(builder_dir: Path, min_age_s: float = 3600.0) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def _prepare(builder, max_examples_per_split) -> None:
+    _clean_incomplete(Path(builder.data_dir))
+    dl_config = tfds.download.DownloadConfig(max_examples_per_split=max_examples_per_split)
+    tqdm_utils.display_progress_bar(False)
+    with tempfile.TemporaryDirectory(prefix="moejax-tfds-dl-") as dl_dir:
+        # nothing is downloaded; keep TFDS's empty downloads/ out of the data dir
+        builder.download_and_prepare(download_dir=dl_dir, download_config=dl_config)
+
+
 def get_builder(
     name: str, *, data_dir=None, max_examples_per_split: int | None = None, prepare: bool = True
 ) -> tfds.core.DatasetBuilder:
@@ -81,13 +91,12 @@ def get_builder(
     try:
         builder = cls(data_dir=str(root), file_format="array_record", **kwargs)
         if prepare and not builder.is_prepared():
-            _clean_incomplete(Path(builder.data_dir))
-            os.makedirs(root, exist_ok=True)
-            dl_config = tfds.download.DownloadConfig(max_examples_per_split=max_examples_per_split)
-            tqdm_utils.display_progress_bar(False)
-            with tempfile.TemporaryDirectory(prefix="moejax-tfds-dl-") as dl_dir:
-                # nothing is downloaded; keep TFDS's empty downloads/ out of the data dir
-                builder.download_and_prepare(download_dir=dl_dir, download_config=dl_config)
+            home = Path(builder.data_dir).parent
+            home.mkdir(parents=True, exist_ok=True)
+            with exclusive(home / ".lock"):  # another process may be building it right now
+                builder = cls(data_dir=str(root), file_format="array_record", **kwargs)
+                if not builder.is_prepared():
+                    _prepare(builder, max_examples_per_split)
     finally:
         absl_logger.setLevel(level)
         tqdm_utils.display_progress_bar(bar)

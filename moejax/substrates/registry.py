@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -50,7 +49,7 @@ from typing import Any
 from flax import nnx
 
 from moejax.config import Config, to_json
-from moejax.files import atomic_write_text, writable_dir
+from moejax.files import atomic_write_text, exclusive, writable_dir
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.pytree import count_bytes
 from moejax.smoke import SMOKE_SUFFIX, smoke_config
@@ -242,8 +241,7 @@ def build(name: str, cfg: Config | None = None, *, preset: str = "quick", cache_
     if rebuild and d.exists():
         shutil.rmtree(d)
     _writable_root(d)
-    with open(d / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process builds it
+    with exclusive(d / ".lock"):  # waits while another process builds it
         if (d / "model.safetensors").is_file():
             sub = _load(name, cfg, d)
             if sub is not None:
