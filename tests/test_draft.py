@@ -27,11 +27,16 @@ def _lm(seed, d=16, layers=1, std=0.02):
     return DecoderLM(cfg, rngs=nnx.Rngs(seed))
 
 
+@nnx.jit
+def _forward(model, tokens):
+    return model(tokens)
+
+
 def _greedy(model, prompt, n):
     """Oracle: greedy decoding by full forward passes over the growing sequence."""
     seq = list(np.asarray(prompt))
     for _ in range(n):
-        logits, _ = model(jnp.asarray([seq], jnp.int32))
+        logits, _ = _forward(model, jnp.asarray([seq], jnp.int32))
         seq.append(int(jnp.argmax(logits[0, -1])))
     return np.asarray(seq)
 

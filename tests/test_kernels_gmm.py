@@ -107,13 +107,15 @@ def test_group_visits_cover_every_row_once_within_the_static_bound():
     across many): the used visits are consecutive, in row order, at most ``V``, and their
     masks cover every row exactly once, with its own group's segment (``G``: past the sum)."""
     rng = np.random.default_rng(0)
+    # (G, tm, m): a few static shapes, each compiled once, with random sizes drawn into them
+    shapes = [(1, 1, 5), (2, 8, 9), (3, 4, 20), (6, 8, 40), (6, 3, 70)]
+    visits = jax.jit(group_visits, static_argnums=(1, 2))
     for _ in range(100):
-        G, tm = int(rng.integers(1, 7)), int(rng.integers(1, 9))
+        G, tm, m = shapes[rng.integers(len(shapes))]
         gs = rng.integers(0, 12, G) * (rng.random(G) < 0.7)
-        m = int(gs.sum() + rng.integers(0, 2 * tm))
-        if m == 0:
-            continue
-        seg, tile, lo, hi, V = map(np.asarray, group_visits(jnp.asarray(gs), m, tm))
+        while gs.sum() > m:  # a random group loses rows until the sizes fit
+            gs[rng.integers(G)] //= 2
+        seg, tile, lo, hi, V = map(np.asarray, visits(jnp.asarray(gs), m, tm))
         assert seg.shape == tile.shape == (V,) and V == -(-m // tm) + G
         used = seg <= G
         assert not np.any(used[np.argmax(~used):]) or used.all()  # used visits first

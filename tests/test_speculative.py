@@ -18,6 +18,12 @@ from moejax.nn.speculative import chunk_sparse_target, rollback, speculative_gen
 V = 12
 
 
+@nnx.jit
+def _decode(model, tokens, cache):
+    """``model.decode`` compiled whole (run op by op it compiles each op for each shape)."""
+    return model.decode(tokens, cache)
+
+
 def _model(slot, seed, vocab=V, layers=2, init_std=1.0):
     cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=layers, n_heads=2,
                         ffn_slots=(slot,) * layers, max_seq_len=64, init_std=init_std)
@@ -73,11 +79,11 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(models):
                                temperature=temp)
     toks = np.asarray(out.tokens_BS)[:, 3:5]
     # exact joint of the first two tokens under the target
-    logits, cache = target.decode(prompt[:1], target.init_cache(1, 8))
+    logits, cache = _decode(target, prompt[:1], target.init_cache(1, 8))
     p1 = np.asarray(jax.nn.softmax(logits[0, -1] / temp))
     joint = np.zeros((V, V))
     for t in range(V):
-        l2, _ = target.decode(jnp.asarray([[t]]), cache)
+        l2, _ = _decode(target, jnp.asarray([[t]]), cache)
         joint[t] = p1[t] * np.asarray(jax.nn.softmax(l2[0, 0] / temp))
     counts = np.zeros((V, V))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
@@ -94,11 +100,11 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(models):
 def test_rollback_equals_the_cache_of_the_kept_tokens(models):
     target = models[0]
     toks = jax.random.randint(jax.random.key(2), (2, 9), 0, V)
-    _, longer = target.decode(toks, target.init_cache(2, 16))
+    _, longer = _decode(target, toks, target.init_cache(2, 16))
     kept = jnp.asarray([4, 7], jnp.int32)
     rolled = rollback(longer, kept)
     for row, k in enumerate(np.asarray(kept)):
-        _, ref = target.decode(toks[row:row + 1, :k], target.init_cache(1, 16))
+        _, ref = _decode(target, toks[row:row + 1, :k], target.init_cache(1, 16))
         for c_roll, c_ref in zip(rolled, ref):
             assert int(c_roll.lengths_B[row]) == k
             np.testing.assert_allclose(np.asarray(c_roll.k_BSGJ[row, :k]),
@@ -107,11 +113,11 @@ def test_rollback_equals_the_cache_of_the_kept_tokens(models):
                                        np.asarray(c_ref.v_BSGJ[0, :k]), rtol=1e-5, atol=1e-6)
         # the next step sees only the kept tokens
         nxt = jnp.asarray([[5]])
-        got, _ = target.decode(nxt, tuple(c._replace(k_BSGJ=c.k_BSGJ[row:row + 1],
+        got, _ = _decode(target, nxt, tuple(c._replace(k_BSGJ=c.k_BSGJ[row:row + 1],
                                                      v_BSGJ=c.v_BSGJ[row:row + 1],
                                                      lengths_B=c.lengths_B[row:row + 1])
                                           for c in rolled))
-        want, _ = target.decode(nxt, ref)
+        want, _ = _decode(target, nxt, ref)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

@@ -15,9 +15,9 @@ per pass and names the fastest). The platform is picked when the program is lowe
   which is also the reference the tests compare with the dense oracle.
 
 ``platform_dependent`` traces every branch, and tokamax cannot trace one platform's kernel
-for another's device, so only the branch of the platform the program is being built for
-names its kernel (the abstract device of :func:`moejax.kernels.targets.lowering_target`, else
-the default backend); the other branches trace the reference, which is never lowered there.
+for another's device, so the program gets one branch beside the default (the reference): that
+of the platform it is being built for (the abstract device of
+:func:`moejax.kernels.targets.lowering_target`, else the default backend), none on the CPU.
 Where tokamax's kernel does not take the call (it raises ``NotImplementedError``: Mosaic GPU
 takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older than sm80), the
 project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
@@ -112,16 +112,19 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
 
 
 def _on_target(which: str, a, b, group_sizes_G):
-    """``which`` with the implementation of the platform the program is lowered for."""
+    """``which`` with the implementation of the platform the program is lowered for (only
+    that platform's branch is traced beside the default: every other platform would take the
+    default anyway)."""
     target = target_device()[0]
     default = IMPLEMENTATIONS["default"][which]
 
     def branch(impl):
         return lambda a, b, gs: ragged_pass(which, a, b, gs, impl)
 
-    branches = {p: branch(impls[which] if p == target else default)
-                for p, impls in IMPLEMENTATIONS.items() if p != "default"}
-    return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default), **branches)
+    if target not in IMPLEMENTATIONS or target == "default":
+        return branch(default)(a, b, group_sizes_G)
+    return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default),
+                                      **{target: branch(IMPLEMENTATIONS[target][which])})
 
 
 @jax.custom_vjp
