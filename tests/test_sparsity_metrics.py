@@ -121,3 +121,19 @@ def test_magnitude_and_streaming_accumulator():
     # token 5: (0,0),(0,2),(1,0),(1,1): active fractions .25,.25,.25,.25
     assert frac[0] == pytest.approx(0.25)
     assert frac[3] == pytest.approx(1.0)  # token 8 at (1,3): all active
+
+
+def test_a_metric_no_layer_measured_averages_to_nan_without_a_warning():
+    """Every token masked out: each layer's ratios are NaN, and so is their mean, quietly
+    (numpy's nanmean would warn "Mean of empty slice"); a measured layer is averaged alone."""
+    import warnings
+
+    acc = sm.SparsityAccumulator(chunk_lens=(1,))
+    acc.update(0, ACT, mask_BT=np.zeros_like(MASK))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = acc.result()
+    assert np.isnan(res["layers"][0]["tls"]) and np.isnan(res["mean"]["tls"])
+    acc.update(1, ACT, mask_BT=MASK)
+    res = acc.result()
+    assert res["mean"]["tls"] == pytest.approx(res["layers"][1]["tls"])

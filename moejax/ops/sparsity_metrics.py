@@ -114,6 +114,13 @@ def _ratio(nd):
     return nd[0] / nd[1] if nd[1] > 0 else float("nan")
 
 
+def _nanmean(values) -> float:
+    """The mean of the values that are not NaN; NaN (without numpy's empty-slice warning)
+    when none is: a metric no layer could measure."""
+    kept = [v for v in values if not np.isnan(v)]
+    return float(np.mean(kept)) if kept else float("nan")
+
+
 class SparsityAccumulator:
     """Streaming per-layer sums of every metric above.
 
@@ -153,7 +160,7 @@ class SparsityAccumulator:
     def result(self) -> dict:
         layers = {i: {k: _ratio(v) for k, v in s.items()} for i, s in self.sums.items()}
         keys = sorted({k for d in layers.values() for k in d})
-        mean = {k: float(np.nanmean([d[k] for d in layers.values() if k in d])) for k in keys}
+        mean = {k: _nanmean([d[k] for d in layers.values() if k in d]) for k in keys}
         return {"layers": layers, "mean": mean}
 
     def allocation(self):
