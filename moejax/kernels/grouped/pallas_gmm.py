@@ -286,6 +286,15 @@ def _mode(interpret):
     return bool(interpret)
 
 
+def _run(*args, mosaic, triton, interpret):
+    """One product on ``args``: ``mosaic(interp)`` / ``triton(interp)`` build the TPU / GPU
+    kernels; ``interpret`` (from :func:`_mode`) ``"triton"`` runs the GPU kernels
+    interpreted, otherwise the platform's kernel is chosen when the program is lowered."""
+    if interpret == "triton":
+        return triton(True)(*args)
+    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
+
+
 def _triton_config(kernel, dtype, k, n, tiles, interpret):
     """The Triton launch: interpreted, the caller's tiles as they are; compiled, the tuned or
     default configuration for the device being lowered for (read when the GPU branch is
@@ -325,10 +334,7 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
                                  warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
-    args = (x_MR, w, group_sizes_G)
-    if interpret == "triton":
-        return triton(True)(*args)
-    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
+    return _run(x_MR, w, group_sizes_G, mosaic=mosaic, triton=triton, interpret=interpret)
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
@@ -364,10 +370,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
                                 warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
-    args, interpret = (x_MK, dy_MN, group_sizes_G.astype(jnp.int32)), _mode(interpret)
-    if interpret == "triton":
-        return triton(True)(*args)
-    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
+    return _run(x_MK, dy_MN, group_sizes_G.astype(jnp.int32), mosaic=mosaic, triton=triton,
+                interpret=_mode(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
