@@ -5,7 +5,11 @@
 # flax, optax, chex or orbax-checkpoint is older than the project's floor). Stages (default:
 # all):
 #   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU
-#                (f32 dots at full precision, so the oracles' f32 tolerances apply)
+#                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
+#                platform beside the GPU for the cases that run a kernel interpreted)
+#   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
+#                products at the full presets' shapes: each configuration checked against an
+#                oracle, the fastest written to moejax/kernels/tuned_configs.json
 #   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
 #                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply);
@@ -20,7 +24,7 @@
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
-stages=${*:-tests grouped grouped_f32 kernels dispatch speculative extracted}
+stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative extracted}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -61,7 +65,8 @@ for stage in $stages; do
   echo "== $stage"
   case $stage in
     tests)
-      JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" "$py" -m pytest -q \
+      JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
+        "$py" -m pytest -q \
         -p no:cacheprovider -n 4 \
         tests/test_kernels_gmm.py tests/test_ragged_dot.py tests/test_kernels_pair_matmul.py \
         tests/test_kernels_chunk_union.py tests/test_kernels_chunk_decode_gpu.py \
@@ -69,6 +74,10 @@ for stage in $stages; do
         tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
         tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
+    autotune)
+      timeout "$limit" "$py" -m experiments.autotune "kernels=(decode_mgpu,gmm,tgmm)" \
+        "dtypes=(bfloat16,)" "shapes=((2048,256),(2048,1408),(1408,2048))" \
+        out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
     grouped|grouped_f32|kernels|dispatch|speculative|extracted)
       args=()
       bench=${stage%_f32}

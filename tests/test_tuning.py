@@ -1,5 +1,6 @@
 """Kernel launch configurations (moejax.kernels.tuning): the search keeps the fastest
-configuration per kernel, dtype and shape bucket (skipping one that cannot run); the table
+configuration per kernel, dtype and shape bucket (skipping one that cannot run, and one whose
+output the autotune timer found unlike its slow float32 oracle, however fast); the table
 merges per device kind and reads back; a lowering for a device reads its entry, and one
 without an entry gets the anchors' H100 defaults, both visible in the exported Triton call;
 the Mosaic GPU kernels run with the blocks their configuration names; the autotune entry point
@@ -38,11 +39,80 @@ def test_the_search_keeps_the_fastest_per_case_and_skips_what_cannot_run():
         return cost[c] * (2.0 if dtype == "float32" and c.tm == 128 else 1.0) * 1e-3
 
     got = tuning.tune([("gmm", "bfloat16", 2048, 1408), ("gmm", "float32", 256, 704)],
-                      space, time_fn)
+                      space, time_fn).entries
     assert got["gmm"]["bfloat16"]["k2048_n2048"] == {**space[1]._asdict(), "ms": 1.0}
     assert got["gmm"]["float32"]["k256_n1024"] == {**space[1]._asdict(), "ms": 2.0}
-    with pytest.raises(RuntimeError, match="no configuration"):
-        tuning.tune([("tgmm", "bfloat16", 8, 8)], space[2:], time_fn)
+    none = tuning.tune([("tgmm", "bfloat16", 8, 8)], space[2:], time_fn)
+    assert none.entries == {}
+    assert [t["outcome"] for t in none.trials] == ["cannot run: out of shared memory"]
+
+
+def test_a_wrong_configuration_is_never_kept_however_fast():
+    space = [tuning.TritonConfig(64, 32, 64), tuning.TritonConfig(128, 64, 128, 8, 3)]
+
+    def time_fn(kernel, dtype, k, n, c):
+        if c == space[0] and dtype == "bfloat16":
+            raise tuning.WrongResult("error 0.5 of the oracle's largest value")
+        return (1.0 if c == space[0] else 2.0) * 1e-3
+
+    got = tuning.tune([("gmm", "bfloat16", 256, 256), ("gmm", "float32", 256, 256)],
+                      space, time_fn)
+    assert got.entries["gmm"]["bfloat16"]["k256_n256"]["tm"] == 128  # the fast one was wrong
+    assert got.entries["gmm"]["float32"]["k256_n256"]["tm"] == 64
+    assert [(t["dtype"], t["tm"], t["ms"], t["outcome"].split(":")[0]) for t in got.trials] == [
+        ("bfloat16", 64, None, "wrong"), ("bfloat16", 128, 2.0, "ok"),
+        ("float32", 64, 1.0, "ok"), ("float32", 128, 2.0, "ok")]
+
+
+def test_check_close_refuses_an_output_past_the_dtypes_tolerance():
+    want = np.linspace(-4.0, 4.0, 64, dtype=np.float32).reshape(8, 8)
+    assert tuning.check_close(want.astype(jnp.bfloat16), want, jnp.bfloat16) <= 2.0 ** -8
+    assert tuning.check_close(want + 0.01, want, jnp.float32) <= 2.0 ** -7
+    for bad in (want * 1.1, np.roll(want, 1, 0), np.where(want > 3, np.nan, want), want[:4]):
+        with pytest.raises(tuning.WrongResult):
+            tuning.check_close(bad, want, jnp.float32)
+
+
+def test_the_autotune_timer_checks_each_candidate_against_a_slow_oracle(monkeypatch):
+    """On the CPU the kernels run interpreted: the timer's oracle agrees with the real
+    kernels, and refuses a kernel whose output is wrong before timing it."""
+    cfg = autotune.AutotuneConfig(rows=64, groups=4, iters=1, repeats=1, l2_flush_mb=0)
+    timed = []
+
+    def timer(fn, *args, **kw):
+        timed.append(fn)
+        return {"median_s": 1e-3}
+
+    time_fn = autotune._timer(cfg, timer)
+    candidate = tuning.TritonConfig(64, 32, 64)
+    for kernel in ("gmm", "tgmm"):
+        assert time_fn(kernel, "float32", 32, 24, candidate) == 1e-3
+    assert len(timed) == 2
+    monkeypatch.setattr(autotune, "gmm", lambda x, w, s: gmm(x, w, s) * 1.05)
+    with pytest.raises(tuning.WrongResult):
+        time_fn("gmm", "float32", 32, 24, candidate)
+    assert len(timed) == 2
+
+
+def test_the_autotune_oracles_are_the_products_they_stand_for():
+    key = jax.random.key(3)
+    x, w = jax.random.normal(key, (10, 6)), jax.random.normal(jax.random.key(4), (3, 6, 5))
+    dy = jax.random.normal(jax.random.key(5), (10, 5))
+    sizes = jnp.array([4, 0, 6], jnp.int32)
+    gid = np.repeat(np.arange(3), np.asarray(sizes))
+    xn, wn, dyn = (np.asarray(z, np.float64) for z in (x, w, dy))
+    np.testing.assert_allclose(autotune._gmm_oracle(x, w, sizes),
+                               np.stack([xn[i] @ wn[g] for i, g in enumerate(gid)]),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(autotune._tgmm_oracle(x, dy, sizes),
+                               np.stack([xn[gid == g].T @ dyn[gid == g] for g in range(3)]),
+                               rtol=1e-5, atol=1e-5)
+    pairs = union_pairs(jnp.array([[2, 0], [1, 1]], jnp.int32), jnp.array([2, 1], jnp.int32), 3)
+    xs = jax.random.normal(key, (2, 4, 6))
+    want = [np.asarray(xs[s], np.float64) @ wn[e] * v
+            for s, e, v in zip(pairs.src, pairs.expert, pairs.valid)]
+    np.testing.assert_allclose(autotune._pairs_oracle(xs, w, pairs), np.stack(want),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_the_table_merges_per_device_and_reads_back(tmp_path, monkeypatch):
@@ -156,11 +226,11 @@ def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monke
         return 1e-3
 
     cfg = autotune.AutotuneConfig(dtypes=("bfloat16", "float32"), shapes=((256, 128),))
-    got = autotune.tune_all(cfg, time_fn)
+    got = autotune.tune_all(cfg, time_fn).entries
     assert set(got) == {"gmm", "tgmm"}  # no Hopper GPU here: the Mosaic GPU kernels wait
     monkeypatch.setattr(autotune, "hopper_target", lambda: True)
     seen.clear()
-    got = autotune.tune_all(cfg, time_fn)
+    got = autotune.tune_all(cfg, time_fn).entries
     assert set(got) == set(tuning.KERNELS) and set(got["decode_mgpu"]) == {"bfloat16"}
     assert {c for kn, _, c in seen if kn == "pairs_mgpu"} == set(tuning.SPACES["pairs_mgpu"])
     assert {(kn, dt) for kn, dt, _ in seen} == {

@@ -4,9 +4,12 @@ each kernel (``gmm``: the grouped products, forward and dX; ``tgmm``: the weight
 rows in 64-row tiles, each with 4 of ``groups`` experts; ``decode_mgpu``: its Mosaic GPU
 decode kernel on a chunk of 8 tokens whose union is a quarter of ``groups`` experts of shape
 ``(D, F) = (K, N)``), dtype it takes and shape ``(K, N)``, every configuration of the
-kernel's space is timed (``gmm`` / ``tgmm``: ``rows`` rows in ``groups`` random groups), and
-the fastest is merged into the package's kernel table under this GPU's device kind, where
-every later lowering for that device reads it.
+kernel's space is run (``gmm`` / ``tgmm``: ``rows`` rows in ``groups`` random groups), its
+output checked against a float32 oracle written the slow obvious way (one that differs is
+refused, however fast), and timed in device time with the L2 flushed between calls; the
+fastest correct one is merged into the package's kernel table under this GPU's device kind,
+where every later lowering for that device reads it. The run's ``trials`` table keeps every
+configuration's time or the reason it was refused.
 
     python -m experiments.autotune                                   # the default cases
     python -m experiments.autotune dtypes=(bfloat16,) shapes=((2048,1408),)
@@ -17,17 +20,29 @@ A GPU only: on a CPU the kernels run in interpret mode, which is no timing (exit
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from moejax.bench.timing import time_call, union_activations
+from moejax.bench.timing import time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
 from moejax.kernels.chunk_union.pairs import pair_up, union_pairs
+from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.grouped.pallas_gmm import gmm, tgmm
 from moejax.kernels.tiling import hopper_target, target_device
-from moejax.kernels.tuning import DEFAULTS, KERNELS, SPACES, forced, tune, write_entries
+from moejax.kernels.tuning import (
+    DEFAULTS,
+    KERNELS,
+    SPACES,
+    Tuned,
+    check_close,
+    forced,
+    tune,
+    write_entries,
+)
 from moejax.results import RunDir
 from moejax.study import Study
 
@@ -40,7 +55,11 @@ class AutotuneConfig(Config):
     shapes: tuple[tuple[int, int], ...] = ((2048, 1408), (1408, 2048), (256, 704), (704, 256))
     rows: int = 16384
     groups: int = 64
-    repeats: int = 10
+    iters: int = 20  # calls per timed device loop
+    repeats: int = 5  # timed loops per configuration (their median is its time)
+    # rewritten between calls (a few times the L2), so the weights come from memory as in a
+    # step through many layers
+    l2_flush_mb: float = 256.0
     seed: int = 0
 
     def validate(self):
@@ -50,16 +69,49 @@ class AutotuneConfig(Config):
           "dtypes must be among bfloat16, float16, float32")
         r(all(k >= 1 and n >= 1 for k, n in self.shapes) and self.shapes,
           "shapes: one or more (K, N) with K, N >= 1")
-        r(self.rows >= self.groups >= 1 and self.repeats >= 1,
-          "rows >= groups >= 1 and repeats >= 1")
+        r(self.rows >= self.groups >= 1 and self.repeats >= 1 and self.iters >= 1,
+          "rows >= groups >= 1, repeats >= 1 and iters >= 1")
+        r(self.l2_flush_mb >= 0, f"l2_flush_mb={self.l2_flush_mb} must be >= 0")
 
 
 def make_config(preset: str) -> AutotuneConfig:
     return AutotuneConfig()
 
 
+_f32 = partial(jnp.asarray, dtype=jnp.float32)
+
+
+def _group_of_row(sizes_G, rows: int):
+    return jnp.repeat(jnp.arange(sizes_G.shape[0]), sizes_G, total_repeat_length=rows)
+
+
+def _gmm_oracle(x, w, sizes):
+    """``x[i] w[group(i)]`` in float32, one group at a time (no [M, G, N] expansion)."""
+    gid = _group_of_row(sizes, x.shape[0])
+    hi = jax.lax.Precision.HIGHEST
+    return jax.lax.fori_loop(0, w.shape[0], lambda g, acc: acc + jnp.where(
+        (gid == g)[:, None], jnp.dot(_f32(x), _f32(w[g]), precision=hi), 0.0),
+        jnp.zeros((x.shape[0], w.shape[2]), jnp.float32))
+
+
+def _tgmm_oracle(x, dy, sizes):
+    """``sum over rows i of group g: x[i]^T dy[i]`` per group, float32."""
+    gid = _group_of_row(sizes, x.shape[0])
+    hi = jax.lax.Precision.HIGHEST
+    return jax.lax.map(lambda g: jnp.dot(jnp.where((gid == g)[:, None], _f32(x), 0.0).T,
+                                         _f32(dy), precision=hi), jnp.arange(sizes.shape[0]))
+
+
+def _pairs_oracle(xs, w, pairs):
+    """``xs[src_p] w[e_p]`` per pair (0 for an empty pair), float32."""
+    hi = jax.lax.Precision.HIGHEST
+    return jax.lax.map(lambda p: jnp.dot(_f32(xs[p[0]]), _f32(w[p[1]]), precision=hi) * p[2],
+                       jnp.stack([pairs.src, pairs.expert, pairs.valid], 1))
+
+
 def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
-    """``(jitted function, its arguments)`` timed for one case of ``kernel``."""
+    """``(jitted function, its arguments, a jitted float32 oracle of the same arguments)``
+    for one case of ``kernel``."""
     kx, kw, kg = jax.random.split(key, 3)
     G = cfg.groups
     if kernel in ("gmm", "tgmm"):
@@ -67,58 +119,86 @@ def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
         sizes = jnp.bincount(jax.random.randint(kg, (cfg.rows,), 0, G),
                              length=G).astype(jnp.int32)
         other = jax.random.normal(kw, (G, k, n) if kernel == "gmm" else (cfg.rows, n))
-        return jax.jit(gmm if kernel == "gmm" else tgmm), (x, other.astype(dt), sizes)
+        fn, oracle = (gmm, _gmm_oracle) if kernel == "gmm" else (tgmm, _tgmm_oracle)
+        return jax.jit(fn), (x, other.astype(dt), sizes), jax.jit(oracle)
     if kernel == "pairs_mgpu":
         S, U = max(1, cfg.rows // 64), min(4, G)
         ids = jax.vmap(lambda kk: jax.random.permutation(kk, G)[:U])(
             jax.random.split(kg, S)).astype(jnp.int32)
         pairs = union_pairs(ids, jnp.full((S,), U, jnp.int32), G)
         xs = jax.random.normal(kx, (S, 64, k)).astype(dt)
-        w = jax.random.normal(kw, (G, k, n)).astype(dt)
-        return jax.jit(lambda xs, w: pair_up(xs, w, pairs)), (xs, w)
+        w = (jax.random.normal(kw, (G, k, n)) / k ** 0.5).astype(dt)
+        return (jax.jit(lambda xs, w: pair_up(xs, w, pairs)), (xs, w),
+                jax.jit(lambda xs, w: _pairs_oracle(xs, w, pairs)))
     x = jax.random.normal(kx, (8, k)).astype(dt)
     a = union_activations(kg, 8, G, max(1, G // 4)).astype(jnp.float32)
-    wu, wd = (jax.random.normal(kk, s).astype(dt)
+    wu, wd = ((jax.random.normal(kk, s) / s[1] ** 0.5).astype(dt)
               for kk, s in zip(jax.random.split(kw), ((G, k, n), (G, n, k))))
+    oracle = jax.jit(lambda x, a, wu, wd: dense_experts(_f32(x), a, _f32(wu), _f32(wd), None,
+                                                        "relu"))
     return jax.jit(lambda x, a, wu, wd: chunk_union_decode_gpu(
-        x, a, a > 0, wu, wd, activation="relu")), (x, a, wu, wd)
+        x, a, a > 0, wu, wd, activation="relu")), (x, a, wu, wd), oracle
 
 
-def _timer(cfg: AutotuneConfig):
+def _timer(cfg: AutotuneConfig, timer=time_device_loop):
+    """``time_fn(kernel, dtype, k, n, candidate)``: the candidate's output checked against
+    the case's oracle (:class:`WrongResult` when it differs), then its device time per call
+    (``timer``: :func:`moejax.bench.timing.time_device_loop`'s signature)."""
+    wants: dict = {}  # the oracle's output per case, computed once
+
     def time_fn(kernel, dtype, k, n, candidate) -> float:
         key = jax.random.fold_in(jax.random.key(cfg.seed), k * 100_003 + n)
-        fn, args = _call(kernel, cfg, jnp.dtype(dtype), k, n, key)
+        fn, args, oracle = _call(kernel, cfg, jnp.dtype(dtype), k, n, key)
+        case = (kernel, dtype, k, n)
+        if case not in wants:
+            wants[case] = np.asarray(oracle(*args))
         with forced(candidate):  # traced (and compiled) with this candidate
-            return time_call(fn, *args, repeats=cfg.repeats)["median_s"]
+            check_close(fn(*args), wants[case], dtype)
+            return timer(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
+                         flush_bytes=int(cfg.l2_flush_mb * 2 ** 20))["median_s"]
     return time_fn
 
 
-def tune_all(cfg: AutotuneConfig, time_fn) -> dict:
+def tune_all(cfg: AutotuneConfig, time_fn) -> Tuned:
     """Each kernel over its own space (:data:`moejax.kernels.tuning.SPACES`), for the dtypes
     it takes; the Mosaic GPU kernels only on a Hopper GPU (elsewhere their callers run
     Triton, so their timings would tune nothing)."""
     entries: dict = {}
+    trials: list = []
     for kn in cfg.kernels:
         if kn.endswith("_mgpu") and not hopper_target():
             continue
         cases = [(kn, dt, k, n) for dt in cfg.dtypes if (kn, dt) in DEFAULTS
                  for k, n in cfg.shapes]
         if cases:
-            entries.update(tune(cases, SPACES[kn], time_fn))
-    return entries
+            got = tune(cases, SPACES[kn], time_fn)
+            entries.update(got.entries)
+            trials += got.trials
+    return Tuned(entries, trials)
 
 
 def run(cfg: AutotuneConfig, run: RunDir) -> dict:
     kind = target_device()[1]
-    entries = tune_all(cfg, _timer(cfg))
-    path = write_entries(kind, entries)
+    tuned = tune_all(cfg, _timer(cfg))
+    path = write_entries(kind, tuned.entries)
     rows = [{"kernel": kn, "dtype": dt, "bucket": b, **e}
-            for kn, by_dtype in entries.items() for dt, by_b in by_dtype.items()
+            for kn, by_dtype in tuned.entries.items() for dt, by_b in by_dtype.items()
             for b, e in by_b.items()]
-    run.table("winners", rows, title=f"Fastest launch configuration per case on {kind} "
-              f"({cfg.rows} rows in {cfg.groups} groups, median of {cfg.repeats})")
-    run.note(f"Written to {path} under {kind!r}; lowerings for this device read it.")
-    return {"device": kind, "cases": len(rows), "table": str(path)}
+    how = (f"device time per call, median of {cfg.repeats} loops of {cfg.iters}, L2 flushed "
+           f"({cfg.l2_flush_mb:g} MB)" if cfg.l2_flush_mb else
+           f"device time per call, median of {cfg.repeats} loops of {cfg.iters}")
+    run.table("winners", rows, title=f"Fastest correct launch configuration per case on "
+              f"{kind} ({cfg.rows} rows in {cfg.groups} groups; {how})")
+    run.table("trials", tuned.trials, title="Every configuration tried: its time, or why it "
+              "was refused (output unlike the float32 oracle's, or it cannot run)")
+    won = {(r["kernel"], r["dtype"], r["bucket"]) for r in rows}
+    lost = sorted({(t["kernel"], t["dtype"], t["bucket"]) for t in tuned.trials} - won)
+    run.note(f"Written to {path} under {kind!r}; lowerings for this device read it."
+             + (f" No configuration ran correctly for {lost}: those keep their defaults."
+                if lost else ""))
+    return {"device": kind, "cases": len(rows), "cases_without_a_winner": len(lost),
+            "wrong_configurations": sum(t["outcome"].startswith("wrong") for t in tuned.trials),
+            "table": str(path)}
 
 
 STUDY = Study("autotune", make_config, run)

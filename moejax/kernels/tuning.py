@@ -20,8 +20,9 @@ kernels (one warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmm
 64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
-fastest; :func:`write_entries` merges the winners into the table for one device kind,
-atomically (``python -m experiments.autotune`` on a GPU does both).
+fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
+configuration is never stored, however fast); :func:`write_entries` merges the winners into
+the table for one device kind, atomically (``python -m experiments.autotune`` on a GPU does both).
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.files import atomic_write_text
 from moejax.kernels.tiling import pow2, target_device
 
 __all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
-           "bucket", "tune", "write_entries", "read_table", "table_path", "SPACE", "SPACES"]
+           "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
+           "read_table", "table_path", "SPACE", "SPACES"]
 
 KERNELS = ("gmm", "tgmm", "pairs_mgpu", "decode_mgpu")
 # what a configuration's three tiles are, per kernel
@@ -141,26 +144,66 @@ def config_for(kernel: str, dtype, k: int, n: int, device_kind: str | None = Non
     return TritonConfig(**{f: int(entry[f]) for f in TritonConfig._fields})
 
 
+class WrongResult(Exception):
+    """A configuration's output differs from the oracle's (raised by a :func:`tune` timer)."""
+
+
+class Tuned(NamedTuple):
+    """What :func:`tune` found: ``entries`` ``{kernel: {dtype: {bucket: winner}}}`` (each
+    winner's fields and ``ms``) and ``trials``, one row per case and configuration tried
+    (``ms`` None where it did not run or was wrong; ``outcome``: ``ok``, ``wrong: ...`` or
+    ``cannot run: ...``)."""
+
+    entries: dict
+    trials: list
+
+
+def check_close(got, want, dtype) -> float:
+    """The largest error of ``got`` against the float32 oracle ``want``, relative to the
+    oracle's largest value; raises :class:`WrongResult` past the dtype's tolerance (16-bit:
+    2^-6, four bf16 steps; float32: 2^-7, for TF32 products) or on a shape mismatch."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if got.shape != want.shape:
+        raise WrongResult(f"shape {got.shape}, the oracle's {want.shape}")
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got - want).max()) / (scale if scale > 0 else 1.0)
+    tol = 2.0 ** -6 if jnp.dtype(dtype).itemsize == 2 else 2.0 ** -7
+    if not err <= tol:  # NaN is wrong too
+        raise WrongResult(f"error {err:.3g} of the oracle's largest value (allowed {tol:.3g})")
+    return err
+
+
 def tune(cases: Iterable[tuple[str, str, int, int]], space: Sequence[TritonConfig],
-         time_fn: Callable[[str, str, int, int, TritonConfig], float]) -> dict:
-    """``{kernel: {dtype: {bucket: winner}}}``: for each case ``(kernel, dtype, k, n)`` the
-    configuration of ``space`` with the smallest ``time_fn(kernel, dtype, k, n, config)``
-    (seconds; a config that cannot run raises and is skipped), with its time in ``ms``."""
+         time_fn: Callable[[str, str, int, int, TritonConfig], float]) -> Tuned:
+    """For each case ``(kernel, dtype, k, n)`` the configuration of ``space`` with the
+    smallest ``time_fn(kernel, dtype, k, n, config)`` (seconds), with its time in ``ms``. A
+    configuration for which ``time_fn`` raises :class:`WrongResult` (its output is not the
+    oracle's) or any other error (it does not fit the device or the shape) is skipped and
+    recorded in the trials; a case that no configuration ran correctly has no entry (its
+    trials say why), so the cases that did are kept."""
     out: dict = {}
+    trials: list = []
     for kernel, dtype, k, n in cases:
         best = None
         for cfg in space:
+            row = {"kernel": kernel, "dtype": dtype, "bucket": bucket(k, n), **cfg._asdict()}
             try:
                 t = float(time_fn(kernel, dtype, k, n, cfg))
-            except Exception:  # this config does not fit the device or the shape  # noqa: BLE001
+            except WrongResult as e:
+                trials.append({**row, "ms": None, "outcome": f"wrong: {e}"})
                 continue
+            except Exception as e:  # does not fit the device or the shape  # noqa: BLE001
+                msg = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+                trials.append({**row, "ms": None, "outcome": f"cannot run: {msg}"})
+                continue
+            trials.append({**row, "ms": round(t * 1e3, 4), "outcome": "ok"})
             if best is None or t < best[0]:
                 best = (t, cfg)
         if best is None:
-            raise RuntimeError(f"no configuration of the space ran {kernel} {dtype} k={k} n={n}")
+            continue
         entry = {**best[1]._asdict(), "ms": round(best[0] * 1e3, 4)}
         out.setdefault(kernel, {}).setdefault(dtype, {})[bucket(k, n)] = entry
-    return out
+    return Tuned(out, trials)
 
 
 def write_entries(device_kind: str, entries: dict, path: Path | None = None) -> Path:
