@@ -382,6 +382,10 @@ def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monk
     assert (fwd["used"], fwd["used_ms"], fwd["used_x_fastest"]) == (
         "gmm (mosaic_gpu declines)", 1.0, 1.0)
     assert (dlhs["used"], dlhs["used_ms"], dlhs["fastest"]) == ("mosaic_gpu", 0.5, "mosaic_gpu")
+    big = {"M": 65536, "K": 2048, "N": 1408, "G": 64}  # past OWN_FROM_FLOPS: the own kernel
+    (fwd,) = bench_grouped.choice([{**big, "path": "gmm", "pass": "fwd", "ms": 0.75},
+                                   {**big, "path": "mosaic_gpu", "pass": "fwd", "ms": 1.2}])
+    assert (fwd["used"], fwd["used_ms"], fwd["fastest"]) == ("gmm", 0.75, "gmm")
 
 
 def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():

@@ -4,8 +4,9 @@ gradients equal a per-row dense oracle (empty groups included; the "tokamax" dis
 against the dense dispatch oracle is in test_kernels_gmm). Exported for an H100 and a TPU v5p
 from this CPU, forward and both gradients are tokamax's Mosaic GPU / Mosaic TPU kernels
 (three custom calls), at the full presets' widths too, and what tokamax does not take (f32 on
-Mosaic GPU, a short contraction on Mosaic TPU) runs on the project's own Pallas kernel; the
-export context leaves tokamax's device lookup as it found it."""
+Mosaic GPU, a short contraction on Mosaic TPU) runs on the project's own Pallas kernel, as do
+the GPU's products from the size where it was measured faster; the export context leaves
+tokamax's device lookup as it found it."""
 
 import re
 
@@ -123,6 +124,33 @@ def test_what_tokamax_does_not_take_runs_on_the_own_kernel_never_dense(platform,
             *args).mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
     assert calls.count(kernel) == 3 and KERNEL["cuda"] not in calls, calls
+
+
+def test_large_products_run_on_the_own_kernel_where_it_was_measured_faster():
+    """From OWN_FROM_FLOPS on a GPU the three passes are the own Triton gmm, below it
+    tokamax's Mosaic GPU; the TPU and the CPU keep tokamax's choice at every size."""
+    big, small = (4096, 1024, 1408), (2048, 768, 1408)  # 11.8 and 4.4 GFLOP
+    for which in rd.PASSES:
+        assert rd.implementation("cuda", which, *big) == "gmm"
+        assert rd.implementation("cuda", which, *small) == "mosaic_gpu"
+        assert rd.implementation("tpu", which, *big) == "mosaic_tpu"
+        assert rd.implementation("cpu", which, *big) == "xla"
+    with pytest.raises(ValueError, match="which"):
+        rd.implementation("cuda", "dx", *big)
+
+    def step(x, w, gs):
+        loss = lambda x, w: jnp.sum(rd.ragged_dot(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+
+    S = jax.ShapeDtypeStruct
+    (m, k, n), g = big, 16
+    args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32))
+    checks = [je.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with lowering_target("cuda"):
+        text = je.export(jax.jit(step), platforms=("cuda",), disabled_checks=checks)(
+            *args).mlir_module()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls.count("__gpu$xla.gpu.triton") == 3 and KERNEL["cuda"] not in calls, calls
 
 
 def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(monkeypatch):

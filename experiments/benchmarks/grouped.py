@@ -153,11 +153,11 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
 
 def choice(rows: list[dict]) -> list[dict]:
     """Per shape and pass: the fastest grouped implementation (not ``dense``) and the one
-    :func:`~moejax.kernels.grouped.ragged.ragged_dot` uses on this platform: the own ``gmm``
-    where tokamax's kernel declines the call (``NotImplementedError``, e.g. float32 on
+    :func:`~moejax.kernels.grouped.ragged.ragged_dot` uses on this platform
+    (:func:`~moejax.kernels.grouped.ragged.implementation`), or the own ``gmm`` where
+    tokamax's kernel declines the call (``NotImplementedError``, e.g. float32 on
     Mosaic GPU), as :func:`~moejax.kernels.grouped.ragged.ragged_pass` falls back."""
     platform = target_device()[0]
-    used = ragged.IMPLEMENTATIONS.get(platform, ragged.IMPLEMENTATIONS["default"])
     out, shapes = [], sorted({(r["M"], r["K"], r["N"], r["G"]) for r in rows})
     for M, K, N, G in shapes:
         for which in ragged.PASSES:
@@ -167,7 +167,7 @@ def choice(rows: list[dict]) -> list[dict]:
             if not got:
                 continue
             best = min(got, key=lambda r: r["ms"])
-            impl = used[which]
+            impl = planned = ragged.implementation(platform, which, M, K, N)
             declined = any(r["path"] == impl and r.get("note", "").startswith(
                 "not taken: NotImplementedError") for r in here)
             if declined:  # ragged_pass runs the own kernel where tokamax's declines the call
@@ -175,7 +175,7 @@ def choice(rows: list[dict]) -> list[dict]:
             mine = next((r for r in got if r["path"] == impl), None)
             out.append({"M": M, "K": K, "N": N, "G": G, "pass": which,
                         "fastest": best["path"], "fastest_ms": best["ms"],
-                        "used": impl + (f" ({used[which]} declines)" if declined else ""),
+                        "used": impl + (f" ({planned} declines)" if declined else ""),
                         "used_ms": mine and mine["ms"],
                         "used_x_fastest": mine and mine["ms"] / best["ms"]})
     return out

@@ -22,6 +22,9 @@ Where tokamax's kernel does not take the call (it raises ``NotImplementedError``
 takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older than sm80), the
 project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
 GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense.
+The own kernel also runs every pass of at least ``OWN_FROM_FLOPS`` on the platforms where
+``experiments.bench_grouped``'s per-pass table measured it faster than tokamax's at such sizes
+(:func:`implementation` says which runs a given product).
 Shapes off Mosaic GPU's tiles are zero-padded to them (``ALIGN``), which is exact.
 
 tokamax checks the local device before it lowers a kernel, so a program exported on a machine
@@ -51,8 +54,8 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     tokamax = None
     _tokamax_gpu_utils = None
 
-__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "PASSES", "ALIGN", "ragged_dot", "ragged_pass",
-           "cross_compile"]
+__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "PASSES", "ALIGN", "ragged_dot",
+           "ragged_pass", "implementation", "cross_compile"]
 
 AVAILABLE = tokamax is not None
 PASSES = ("fwd", "dlhs", "drhs")
@@ -62,6 +65,11 @@ IMPLEMENTATIONS = {
     "tpu": {"fwd": "mosaic_tpu", "dlhs": "mosaic_tpu", "drhs": "mosaic_tpu"},
     "default": {"fwd": "xla", "dlhs": "xla", "drhs": "xla"},
 }
+# per platform and pass, the product size (2 M K N FLOPs) from which the project's own kernel
+# ("gmm") runs it in place of tokamax's. cuda: bench_grouped's bf16 table on an H200 has the own
+# Triton gmm 1.03-2.2x faster than tokamax's Mosaic GPU kernels in all three passes at 47 and
+# 378 GFLOP, and 1.2-4.5x slower at 1.5 GFLOP; 8 GFLOP lies between (not measured there).
+OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9, "drhs": 8e9}}
 # the three products as ragged dot dimension numbers (jax.lax.ragged_dot_general):
 # fwd  x [M, K] . w [G, K, N] -> [M, N], rows ragged, w grouped;
 # dlhs dy [M, N] . w [G, K, N] -> [M, K], contracting N;
@@ -88,15 +96,36 @@ def _pad(x, axes: str, align: dict):
     return jnp.pad(x, widths) if any(w for _, w in widths) else x
 
 
+def _sizes(which: str, a, b, group_sizes_G) -> dict[str, int]:
+    ax_a, ax_b, _ = _AXES[which]
+    return dict(zip(ax_a + ax_b, a.shape + b.shape), G=group_sizes_G.shape[0])
+
+
+def implementation(platform: str, which: str, m: int, k: int, n: int) -> str:
+    """What runs pass ``which`` of an ``[m, k] x [G, k, n]`` grouped product lowered for
+    ``platform``: ``"gmm"`` (the project's own kernel) from ``OWN_FROM_FLOPS``, else the
+    platform's tokamax implementation (``IMPLEMENTATIONS``; that kernel may still decline the
+    call, :func:`ragged_pass`)."""
+    if which not in PASSES:
+        raise ValueError(f"which={which!r}; one of {PASSES}")
+    own_from = OWN_FROM_FLOPS.get(platform, {}).get(which)
+    if own_from is not None and 2 * m * k * n >= own_from:
+        return "gmm"
+    return IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])[which]
+
+
 def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
                 fallback: bool = True):
     """One of the three products (``PASSES``) with tokamax's ``implementation`` ("xla":
-    :func:`jax.lax.ragged_dot_general`), its operands zero-padded to the multiples the kernel
-    takes (``ALIGN``); where that kernel does not take the call (it raises
-    ``NotImplementedError``), the project's own Pallas kernel. Not differentiable itself: the
-    three make :func:`ragged_dot`'s forward and its VJP. ``fallback=False``: raise instead of
-    running the own kernel (the benchmarks time each implementation on its own)."""
+    :func:`jax.lax.ragged_dot_general`; ``"gmm"``: the project's own Pallas kernel), its
+    operands zero-padded to the multiples the kernel takes (``ALIGN``); where that kernel does
+    not take the call (it raises ``NotImplementedError``), the project's own kernel. Not
+    differentiable itself: the three make :func:`ragged_dot`'s forward and its VJP.
+    ``fallback=False``: raise instead of running the own kernel (the benchmarks time each
+    implementation on its own)."""
     out_dtype = b.dtype if which == "drhs" else a.dtype
+    if implementation == "gmm":
+        return _OWN[which](a, b, group_sizes_G).astype(out_dtype)
     ax_a, ax_b, ax_out = _AXES[which]
     align = ALIGN.get(implementation, {})
     try:
@@ -107,7 +136,7 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
         if implementation == "xla" or not fallback:
             raise
         return _OWN[which](a, b, group_sizes_G).astype(out_dtype)
-    size = dict(zip(ax_a + ax_b, a.shape + b.shape), G=group_sizes_G.shape[0])
+    size = _sizes(which, a, b, group_sizes_G)
     return out[tuple(slice(0, size[ax]) for ax in ax_out)]
 
 
@@ -123,8 +152,10 @@ def _on_target(which: str, a, b, group_sizes_G):
 
     if target not in IMPLEMENTATIONS or target == "default":
         return branch(default)(a, b, group_sizes_G)
+    size = _sizes(which, a, b, group_sizes_G)
+    impl = implementation(target, which, size["M"], size["K"], size["N"])
     return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default),
-                                      **{target: branch(IMPLEMENTATIONS[target][which])})
+                                      **{target: branch(impl)})
 
 
 @jax.custom_vjp
