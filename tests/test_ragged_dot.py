@@ -153,6 +153,35 @@ def test_large_products_run_on_the_own_kernel_where_it_was_measured_faster():
     assert calls.count("__gpu$xla.gpu.triton") == 3 and KERNEL["cuda"] not in calls, calls
 
 
+@pytest.mark.parametrize("method,kernel", [("auto", "__gpu$xla.gpu.triton"),
+                                           ("tokamax", KERNEL["cuda"])])
+def test_auto_takes_the_own_kernel_for_large_gpu_products_and_tokamax_keeps_the_library(
+        method, kernel):
+    """An MoE layer's dispatch at 4096 tokens x top-2 over 16 experts of 1024 x 1408 (each
+    product 23.6 GFLOP), forward and backward, exported for an H100."""
+    from moejax.kernels.moe_dispatch import dispatch
+
+    N, D, F, E = 4096, 1024, 1408, 16
+
+    def step(x, w_up, w_down, ids, wts):
+        def loss(x, w_up, w_down):
+            return jnp.sum(dispatch(method, x, ids, wts, w_up, w_down, activation="relu")
+                           .y_ND.astype(jnp.float32) ** 2)
+        return jax.grad(loss, (0, 1, 2))(x, w_up, w_down)
+
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    args = (S((N, D), bf), S((E, D, F), bf), S((E, F, D), bf), S((N, 2), jnp.int32),
+            S((N, 2), jnp.float32))
+    checks = [je.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with lowering_target("cuda"):
+        text = je.export(jax.jit(step), platforms=("cuda",), disabled_checks=checks)(
+            *args).mlir_module()
+    calls = re.findall(r"custom_call @([\w$.]+)", text)
+    assert calls.count(kernel) == 6, calls  # two layers of products: forward, dX and dW
+    other = KERNEL["cuda"] if kernel != KERNEL["cuda"] else "__gpu$xla.gpu.triton"
+    assert other not in calls, calls
+
+
 def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(monkeypatch):
     lookup = rd._tokamax_gpu_utils._compute_capability
     local = lookup()  # None on a machine without a GPU

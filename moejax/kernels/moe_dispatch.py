@@ -4,8 +4,8 @@ paths, behind one signature, and ``"auto"``.
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
   (:mod:`moejax.ops.dispatch`).
 * ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
-  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot`: Mosaic GPU / Mosaic TPU
-  kernels, :func:`jax.lax.ragged_dot` elsewhere).
+  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with ``library_only``:
+  Mosaic GPU / Mosaic TPU kernels at every size, :func:`jax.lax.ragged_dot` elsewhere).
 * ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
   grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and backward kernels; Pallas
   interpret mode on CPU, so only for tests there).
@@ -23,6 +23,9 @@ paths, behind one signature, and ``"auto"``.
 device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
 for a GPU or TPU (:func:`jax.lax.platform_dependent`; ``"gmm"`` where tokamax is not
 installed), and ``"grouped"`` with several devices and no mesh: see :func:`resolve_dispatch`.
+On a GPU, ``"auto"``'s grouped matmul runs a product of
+:data:`~moejax.kernels.grouped.ragged.OWN_FROM_FLOPS` or more on the project's kernel, where
+it was measured faster than tokamax's (``"tokamax"`` named explicitly keeps the library's).
 
 With every expert active (``k = E``: a teacher distilled with ALL or SAR) the dropless
 one-device paths and ``"auto"`` without a mesh run ``"dense"``: the same sum, without sorting E
@@ -73,9 +76,10 @@ def _gmm(*args, activation, capacity_factor, valid_N, priority):
     return dispatch_ragged(*args, activation=activation, valid_N=valid_N, grouped_matmul=gmm)
 
 
-def _tokamax(*args, activation, capacity_factor, valid_N, priority):
+def _tokamax(*args, activation, capacity_factor, valid_N, priority, library_only=True):
     return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
-                           grouped_matmul=ragged_dot)
+                           grouped_matmul=functools.partial(ragged_dot,
+                                                            library_only=library_only))
 
 
 def _grouped(*args, activation, capacity_factor, valid_N, priority):
@@ -105,8 +109,8 @@ def _host_capacity(*args, activation, capacity_factor, valid_N, priority, widths
 
 def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     """The fastest dropless path of the platform the program is lowered for: the host kernel
-    on a CPU, tokamax's grouped matmul on a GPU or TPU (the project's Pallas gmm where
-    tokamax is not installed)."""
+    on a CPU, tokamax's grouped matmul on a GPU or TPU with the project's kernel where it was
+    measured faster (the project's Pallas gmm alone where tokamax is not installed)."""
     kw = dict(activation=activation, capacity_factor=capacity_factor, valid_N=valid_N,
               priority=priority)
     every = (*args, widths_E)
@@ -123,7 +127,9 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
         return _grouped(*a, **kw)
 
     def accelerator(*flat):  # each picks the platform's kernel itself (every branch is traced)
-        return (_tokamax if RAGGED_DOT_AVAILABLE else _gmm)(*rebuild(flat)[:-1], **kw)
+        if not RAGGED_DOT_AVAILABLE:
+            return _gmm(*rebuild(flat)[:-1], **kw)
+        return _tokamax(*rebuild(flat)[:-1], library_only=False, **kw)
 
     return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
 

@@ -40,6 +40,7 @@ tokamax is an optional dependency (the ``gpu`` and ``tpu`` extras; ``dev`` for t
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -140,10 +141,11 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
     return out[tuple(slice(0, size[ax]) for ax in ax_out)]
 
 
-def _on_target(which: str, a, b, group_sizes_G):
+def _on_target(which: str, a, b, group_sizes_G, library_only: bool):
     """``which`` with the implementation of the platform the program is lowered for (only
     that platform's branch is traced beside the default: every other platform would take the
-    default anyway)."""
+    default anyway); ``library_only``: tokamax's, not the own kernel from
+    ``OWN_FROM_FLOPS``."""
     target = target_device()[0]
     default = IMPLEMENTATIONS["default"][which]
 
@@ -153,32 +155,37 @@ def _on_target(which: str, a, b, group_sizes_G):
     if target not in IMPLEMENTATIONS or target == "default":
         return branch(default)(a, b, group_sizes_G)
     size = _sizes(which, a, b, group_sizes_G)
-    impl = implementation(target, which, size["M"], size["K"], size["N"])
+    impl = (IMPLEMENTATIONS[target][which] if library_only else
+            implementation(target, which, size["M"], size["K"], size["N"]))
     return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default),
                                       **{target: branch(impl)})
 
 
-@jax.custom_vjp
-def _ragged_dot(x_MK, w_GKN, group_sizes_G):
-    return _on_target("fwd", x_MK, w_GKN, group_sizes_G)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot(x_MK, w_GKN, group_sizes_G, library_only):
+    return _on_target("fwd", x_MK, w_GKN, group_sizes_G, library_only)
 
 
-def _ragged_dot_fwd(x_MK, w_GKN, group_sizes_G):
-    return _on_target("fwd", x_MK, w_GKN, group_sizes_G), (x_MK, w_GKN, group_sizes_G)
+def _ragged_dot_fwd(x_MK, w_GKN, group_sizes_G, library_only):
+    return (_on_target("fwd", x_MK, w_GKN, group_sizes_G, library_only),
+            (x_MK, w_GKN, group_sizes_G))
 
 
-def _ragged_dot_bwd(res, dy_MN):
+def _ragged_dot_bwd(library_only, res, dy_MN):
     x_MK, w_GKN, group_sizes_G = res
     dy_MN = dy_MN.astype(x_MK.dtype)
-    return (_on_target("dlhs", dy_MN, w_GKN, group_sizes_G),
-            _on_target("drhs", x_MK, dy_MN, group_sizes_G), None)
+    return (_on_target("dlhs", dy_MN, w_GKN, group_sizes_G, library_only),
+            _on_target("drhs", x_MK, dy_MN, group_sizes_G, library_only), None)
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
-def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-    """Grouped matmul (module docstring); ``x`` and ``w`` of one dtype, the result too."""
+def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
+               library_only: bool = False) -> jax.Array:
+    """Grouped matmul (module docstring); ``x`` and ``w`` of one dtype, the result too.
+    ``library_only``: tokamax's kernels for every size (the own kernel only where they
+    decline the call), not the own kernel from ``OWN_FROM_FLOPS``."""
     if not AVAILABLE:
         raise ImportError("moejax.kernels.grouped.ragged needs tokamax: pip install "
                           "'moejax[gpu]' (or [tpu]); dispatch='gmm' is the project's own "
@@ -188,7 +195,7 @@ def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array) -> j
                          "[G, K, N]")
     if x_MK.dtype != w_GKN.dtype:
         raise ValueError(f"ragged_dot: x is {x_MK.dtype} and w {w_GKN.dtype}; cast one")
-    return _ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32))
+    return _ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), bool(library_only))
 
 
 @contextlib.contextmanager
