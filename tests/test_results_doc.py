@@ -2,6 +2,7 @@
 (run.json, tables, claims) is read back into docs; claims are judged from tables."""
 
 import json
+import shutil
 
 import pytest
 
@@ -139,6 +140,40 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
     assert ("[scale here: no model trained by the run; paper: BlockFFN and baseline LMs of "
             "0.1B") in doc
     assert (tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv").is_file()
+
+
+def test_a_study_whose_run_is_gone_keeps_its_section_and_a_failed_rebuild_keeps_all(
+        tmp_path, monkeypatch):
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity", "moee"))
+    doc_path = tmp_path / "docs" / "results.md"
+    table = tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv"
+    first = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    section = first[first.index("## blockffn_granularity\n"):]
+    row = next(line for line in first.splitlines() if line.startswith("| blockffn_granul"))
+    shutil.rmtree(out)  # the run is gone (a GPU machine given back): its section stays
+    again = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert section in again and row in again and table.is_file()
+    assert ("Carried over from the previous document, their runs not being readable here "
+            "(each section names where and when it ran): blockffn_granularity.") in again
+    assert "Not run: moee, moee[minilm]." in again
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "_section", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        results_doc.build(tmp_path / "runs", doc_path)
+    assert doc_path.read_text() == again and table.is_file()  # the old document, whole
+    assert sorted(p.name for p in doc_path.parent.iterdir()) == ["results", "results.md"]
 
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
