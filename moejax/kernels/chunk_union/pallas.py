@@ -246,10 +246,11 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
     Pallas pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
     (batch-1 decoding, a verified draft block) takes a decode kernel (:func:`decode_chunk`)
     instead: on TPU always, on a Hopper GPU where the Mosaic GPU kernel takes the chunk
-    (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`). A float32 chunk on a
-    GPU, which no decode kernel takes, runs as one dense product with the non-members
-    weighted 0 (:func:`moejax.kernels.chunk_union.reference.dense_chunk`): at these sizes
-    the pair kernels are slower than computing every expert."""
+    (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`). A decode chunk on a
+    GPU that no decode kernel takes (float32; a width off the kernel's blocks; a GPU before
+    Hopper) runs as one dense product with the non-members weighted 0
+    (:func:`moejax.kernels.chunk_union.reference.dense_chunk`): at these sizes the pair
+    kernels are slower than computing every expert."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
     N, E = a_NE.shape
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
@@ -265,13 +266,15 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
                                   max_union=max_union)
 
     def gpu_path(x, a, act, wu, wd, wg):
-        if decode and x.dtype == jnp.float32:
-            # with the union capped at E, as here, the pair kernels (Triton) ran slower than
-            # this dense product of every expert at each decode size measured on an H100
-            return dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow
-        if not (decode and hopper_target() and supports(x, wu)):
+        if not decode:
             return kernel_path(x, a, act, wu, wd, wg)
-        return decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"), no_overflow
+        if hopper_target() and supports(x, wu):
+            return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
+                    no_overflow)
+        # with the union capped at E, as here, the pair kernels ran slower than this dense
+        # product of every expert at each decode size measured (H100 float32; H200 bf16 at
+        # width 48, which the decode kernel's blocks do not divide)
+        return dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow
 
     def tpu_path(x, a, act, wu, wd, wg):
         if not decode:
