@@ -33,9 +33,14 @@ os.environ["PYTHONWARNINGS"] = ("error::DeprecationWarning,"
 # Many tests compile the same tiny programs (the tiny substrates, the same train step on the
 # same shapes); XLA's persistent compilation cache, shared by the pytest workers and by the
 # Python subprocesses the multi-device tests start (they inherit these variables), compiles
-# each once per machine. Keyed by the program, jax version and flags, so it is never stale.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get(
-    "MOEJAX_TEST_JAX_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "jax"))
+# each once per machine: in the user's cache folder, so a fresh clone or worktree reuses what
+# another compiled (a cold suite spends about half its time compiling). Keyed by the program,
+# jax version and flags, so it is never stale; bounded by MOEJAX_TEST_JAX_CACHE_GB (default 2):
+# past it, a session starts by removing the oldest entries. MOEJAX_TEST_JAX_CACHE=DIR names
+# another folder (an empty one measures a cold suite).
+JAX_CACHE = Path(os.environ.get("MOEJAX_TEST_JAX_CACHE")
+                 or Path.home() / ".cache" / "moejax" / "jax-tests")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = str(JAX_CACHE)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
@@ -46,6 +51,33 @@ os.environ["MOEJAX_RUN_INDEX"] = os.environ.get(
                                  "test-run-index.jsonl"))
 
 import pytest  # noqa: E402
+
+
+def prune_cache(folder: Path, max_bytes: int) -> int:
+    """Remove the oldest files of ``folder`` (by modification time) until the rest fit in
+    ``max_bytes``; returns how many were removed. Files that vanish meanwhile (another
+    session pruning) are skipped."""
+    files = []
+    for f in folder.rglob("*") if folder.is_dir() else ():
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        if f.is_file():
+            files.append((st.st_mtime, st.st_size, f))
+    total, removed = sum(size for _, size, _ in files), 0
+    for _, size, f in sorted(files, key=lambda t: t[0]):
+        if total <= max_bytes:
+            break
+        f.unlink(missing_ok=True)
+        total, removed = total - size, removed + 1
+    return removed
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once per session, in the controlling process
+        prune_cache(JAX_CACHE, int(float(os.environ.get("MOEJAX_TEST_JAX_CACHE_GB", "2"))
+                                   * 2**30))
 
 
 @pytest.fixture()
