@@ -20,7 +20,11 @@
 # Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
 # and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
 # stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
-# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [REDO=1] scripts/gpu_check.sh OUT_DIR [stage ...]
+# BUDGET=s bounds the stages together: each gets at most what is left of it (less 10 s), and
+# a stage with under 40 s left is skipped, so one command of a lent machine ends in time and
+# the stages it reached are done.
+# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [REDO=1] scripts/gpu_check.sh OUT_DIR
+#        [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
@@ -57,12 +61,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 "$py" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__,
 'optax', optax.__version__, jax.devices())"
 status=0
-limit=${STAGE_LIMIT:-570}
+end=$(( $(date +%s) + ${BUDGET:-100000} ))
 for stage in $stages; do
   if [ -f "$out/.done-$stage" ] && [ -z "${REDO:-}" ]; then
     echo "== $stage: passed before ($out/.done-$stage), skipped"; continue
   fi
-  echo "== $stage"
+  limit=${STAGE_LIMIT:-570}
+  left=$(( end - $(date +%s) ))
+  if [ "$left" -lt 40 ]; then
+    echo "== $stage: skipped, ${left} s of BUDGET left" >&2; status=1; continue
+  fi
+  [ "$limit" -gt $(( left - 10 )) ] && limit=$(( left - 10 ))
+  echo "== $stage (at most ${limit} s)"
   case $stage in
     tests)
       JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \

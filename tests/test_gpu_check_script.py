@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh's stages call the benchmark each names with its arguments, mark a passed
-stage done, skip a done stage on the next run and refuse an unknown stage (a stand-in python
-records the calls; no GPU needed)."""
+stage done, skip a done stage on the next run, skip a stage that BUDGET leaves no time for and
+refuse an unknown stage (a stand-in python records the calls; no GPU needed)."""
 
 import os
 import stat
@@ -10,12 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path, *stages):
+def _run(tmp_path, *stages, **env_vars):
     log = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PYTHON=str(fake))
+    env = dict(os.environ, PYTHON=str(fake), **env_vars)
     proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), str(tmp_path / "out"),
                            *stages], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
@@ -40,3 +40,16 @@ def test_an_unknown_stage_is_refused(tmp_path):
     proc, calls = _run(tmp_path, "grouped_f64")
     assert proc.returncode != 0 and "unknown stage 'grouped_f64'" in proc.stderr
     assert calls == []
+
+
+def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_stages(tmp_path):
+    proc, calls = _run(tmp_path, "autotune")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [f"-m experiments.autotune kernels=(decode_mgpu,gmm,tgmm) dtypes=(bfloat16,) "
+                     f"shapes=((2048,256),(2048,1408),(1408,2048)) out={tmp_path}/out/autotune"]
+    late = tmp_path / "late"
+    late.mkdir()
+    proc, calls = _run(late, "grouped", BUDGET="30")
+    assert proc.returncode != 0 and calls == []
+    assert "grouped: skipped" in proc.stderr and "BUDGET" in proc.stderr
+    assert not (late / "out" / ".done-grouped").exists()
