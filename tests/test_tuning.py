@@ -226,8 +226,10 @@ def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monke
         return 1e-3
 
     cfg = autotune.AutotuneConfig(dtypes=("bfloat16", "float32"), shapes=((256, 128),))
-    got = autotune.tune_all(cfg, time_fn).entries
+    kept = []
+    got = autotune.tune_all(cfg, time_fn, keep=kept.append).entries
     assert set(got) == {"gmm", "tgmm"}  # no Hopper GPU here: the Mosaic GPU kernels wait
+    assert [set(k) for k in kept] == [{"gmm"}, {"tgmm"}]  # handed over kernel by kernel
     monkeypatch.setattr(autotune, "hopper_target", lambda: True)
     seen.clear()
     got = autotune.tune_all(cfg, time_fn).entries

@@ -40,6 +40,7 @@ from moejax.kernels.tuning import (
     Tuned,
     check_close,
     forced,
+    table_path,
     tune,
     write_entries,
 )
@@ -159,10 +160,12 @@ def _timer(cfg: AutotuneConfig, timer=time_device_loop):
     return time_fn
 
 
-def tune_all(cfg: AutotuneConfig, time_fn) -> Tuned:
+def tune_all(cfg: AutotuneConfig, time_fn, keep=None) -> Tuned:
     """Each kernel over its own space (:data:`moejax.kernels.tuning.SPACES`), for the dtypes
     it takes; the Mosaic GPU kernels only on a Hopper GPU (elsewhere their callers run
-    Triton, so their timings would tune nothing)."""
+    Triton, so their timings would tune nothing). ``keep(entries)``, if given, receives each
+    kernel's winners as soon as they are found (the table is written kernel by kernel, so a
+    run stopped by a time limit keeps what it tuned)."""
     entries: dict = {}
     trials: list = []
     for kn in cfg.kernels:
@@ -172,6 +175,8 @@ def tune_all(cfg: AutotuneConfig, time_fn) -> Tuned:
                  for k, n in cfg.shapes]
         if cases:
             got = tune(cases, SPACES[kn], time_fn)
+            if keep is not None:
+                keep(got.entries)
             entries.update(got.entries)
             trials += got.trials
     return Tuned(entries, trials)
@@ -179,8 +184,8 @@ def tune_all(cfg: AutotuneConfig, time_fn) -> Tuned:
 
 def run(cfg: AutotuneConfig, run: RunDir) -> dict:
     kind = target_device()[1]
-    tuned = tune_all(cfg, _timer(cfg))
-    path = write_entries(kind, tuned.entries)
+    tuned = tune_all(cfg, _timer(cfg), keep=lambda entries: write_entries(kind, entries))
+    path = table_path()
     rows = [{"kernel": kn, "dtype": dt, "bucket": b, **e}
             for kn, by_dtype in tuned.entries.items() for dt, by_b in by_dtype.items()
             for b, e in by_b.items()]
