@@ -23,8 +23,10 @@
 # BUDGET=s bounds the stages together: each gets at most what is left of it (less 10 s), and
 # a stage with under 40 s left is skipped, so one command of a lent machine ends in time and
 # the stages it reached are done.
-# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [REDO=1] scripts/gpu_check.sh OUT_DIR
-#        [stage ...]
+# PACK=FILE.tgz writes OUT_DIR packed into FILE after every stage (a machine that is given
+# back keeps nothing else).
+# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [REDO=1]
+#        scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
@@ -102,5 +104,7 @@ for stage in $stages; do
   else
     echo "gpu_check: stage $stage failed or ran past ${limit} s" >&2; status=1
   fi
+  # PACK=FILE.tgz: OUT_DIR packed after every stage, so what a killed command reached is there
+  [ -n "${PACK:-}" ] && tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")"
 done
 exit $status

@@ -1,10 +1,12 @@
 """scripts/gpu_check.sh's stages call the benchmark each names with its arguments, mark a passed
-stage done, skip a done stage on the next run, skip a stage that BUDGET leaves no time for and
-refuse an unknown stage (a stand-in python records the calls; no GPU needed)."""
+stage done (packed into PACK), skip a done stage on the next run, skip a stage that BUDGET
+leaves no time for and refuse an unknown stage (a stand-in python records the calls; no GPU
+needed)."""
 
 import os
 import stat
 import subprocess
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +45,10 @@ def test_an_unknown_stage_is_refused(tmp_path):
 
 
 def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_stages(tmp_path):
-    proc, calls = _run(tmp_path, "autotune")
+    proc, calls = _run(tmp_path, "autotune", PACK=str(tmp_path / "gpu.tgz"))
     assert proc.returncode == 0, proc.stderr
+    with tarfile.open(tmp_path / "gpu.tgz") as tar:  # packed after the stage
+        assert "out/.done-autotune" in tar.getnames()
     assert calls == [f"-m experiments.autotune kernels=(decode_mgpu,gmm,tgmm) dtypes=(bfloat16,) "
                      f"shapes=((2048,256),(2048,1408),(1408,2048)) out={tmp_path}/out/autotune"]
     late = tmp_path / "late"
