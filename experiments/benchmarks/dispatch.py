@@ -46,7 +46,7 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
-from moejax.kernels.moe_dispatch import PATHS, resolve_dispatch
+from moejax.kernels.moe_dispatch import PATHS, describe_dispatch
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
@@ -163,7 +163,7 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     tokens = cfg.batch_size * cfg.seq_len
     return {
         "path": path,
-        "runs": resolve_dispatch(path),
+        "runs": describe_dispatch(path),
         "params": n_params,
         "compile_plus_first_step_s": compile_s,
         "step_s_median": step_s,

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from moejax.kernels.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
-from moejax.kernels.grouped.ragged import ragged_dot
+from moejax.kernels.grouped.ragged import OWN_FROM_FLOPS, ragged_dot
 from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
+from moejax.kernels.tiling import target_device
 from moejax.ops.dispatch import (
     DispatchMethod,
     DispatchOut,
@@ -56,7 +57,7 @@ from moejax.ops.dispatch import (
     expert_capacity,
 )
 
-__all__ = ["PATHS", "dispatch", "resolve_dispatch", "experts_in_xla"]
+__all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla"]
 
 
 def _dense(*args, activation, capacity_factor, valid_N, priority):
@@ -212,6 +213,16 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     if jax.default_backend() == "cpu":
         return "host"
     return "tokamax" if RAGGED_DOT_AVAILABLE else "gmm"
+
+
+def describe_dispatch(method: DispatchMethod) -> str:
+    """:func:`resolve_dispatch` in words, for tables: ``"auto"`` resolved to ``"tokamax"`` for
+    a platform whose large products run on the project's kernel says from what size."""
+    runs = resolve_dispatch(method)
+    own = OWN_FROM_FLOPS.get(target_device()[0], {})
+    if method == "auto" and runs == "tokamax" and own:
+        runs += f" (the own gmm for products of {min(own.values()) / 1e9:g} GFLOP and more)"
+    return runs
 
 
 _TAKE_WIDTHS = ("auto", "host", "host_capacity")
