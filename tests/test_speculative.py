@@ -61,6 +61,22 @@ def test_greedy_speculative_equals_greedy_autoregressive(models, draft_len, draf
         assert float(got.mean_accepted_length) > 1.0  # drafts do get accepted
 
 
+@pytest.mark.parametrize("prompt_len", [1, 2])
+def test_short_prompts_decode_as_autoregressive(models, prompt_len):
+    """One token: the first new token comes from a target step before the loop; two: the
+    draft's cache starts empty (the loop's first draft pass takes both)."""
+    target, near, _ = models
+    prompts = jax.random.randint(jax.random.key(9), (3, prompt_len), 0, V)
+    want = np.asarray(generate(target, prompts, 11))
+    for n in (1, 4):
+        got = speculative_generate(target, near, prompts, 11, draft_len=n)
+        np.testing.assert_array_equal(np.asarray(got.tokens_BS), want)
+        first = int(prompt_len == 1)  # not a round: committed before the loop
+        assert np.all(np.asarray(got.accepted_B + got.rounds_B) >= 11 - first)
+    one = speculative_generate(target, near, prompts, 1, draft_len=2)
+    np.testing.assert_array_equal(np.asarray(one.tokens_BS), want[:, :prompt_len + 1])
+
+
 def test_a_draft_equal_to_the_target_is_always_accepted(models):
     target = models[0]
     prompts = jax.random.randint(jax.random.key(1), (2, 4), 0, V)
@@ -69,6 +85,31 @@ def test_a_draft_equal_to_the_target_is_always_accepted(models):
                                   np.asarray(generate(target, prompts, 12)))
     assert np.all(np.asarray(out.accept_hist_N)[:-1] == 0)  # a = n in every round
     assert float(out.mean_accepted_length) == 4.0
+
+
+class _CountingLM(DecoderLM):
+    """A decoder that counts its decode passes at run time (one per call, whatever T)."""
+
+    passes: list = []
+
+    def decode(self, tokens_BT, cache, positions_BT=None):
+        jax.debug.callback(lambda: _CountingLM.passes.append(tokens_BT.shape[1]))
+        return super().decode(tokens_BT, cache, positions_BT)
+
+
+def test_a_draft_of_n_tokens_costs_n_draft_passes(models):
+    """Every round's draft work is n passes (the first over two tokens), plus one prefill."""
+    target = models[0]
+    counting = _CountingLM(target.cfg, rngs=nnx.Rngs(0))
+    nnx.update(counting, nnx.state(target))  # the target itself: every draft is accepted
+    prompt = jax.random.randint(jax.random.key(3), (1, 5), 0, V)
+    for n in (1, 3):
+        _CountingLM.passes.clear()
+        out = speculative_generate(target, counting, prompt, 12, draft_len=n)
+        jax.effects_barrier()
+        rounds = int(out.rounds_B[0])
+        assert rounds == -(-12 // (n + 1))
+        assert _CountingLM.passes == [3] + [2, *[1] * (n - 1)] * rounds
 
 
 def test_sampled_speculative_decoding_has_the_targets_distribution(models):

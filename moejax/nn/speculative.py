@@ -3,7 +3,7 @@
 and rejected positions are rolled back from both KV caches.
 
 One round, per row (batched rows advance independently)::
-    draft:   feed t, d_1, ..., d_n (n + 1 one-token steps) -> d_1..d_n ~ q_0..q_{n-1}
+    draft:   feed [s, t], then d_1, ..., d_{n-1} (n passes)  -> d_1..d_n ~ q_0..q_{n-1}
     target:  decode [t, d_1, ..., d_n] in one pass          -> p_0..p_n
     accept:  greedy  d_i kept while d_i = argmax p_{i-1};  x = argmax p_a
              sampled d_i kept with prob min(1, p_{i-1}(d_i) / q_{i-1}(d_i)); at the first
@@ -11,10 +11,15 @@ One round, per row (batched rows advance independently)::
     commit:  d_1..d_a and x (a + 1 tokens); caches rolled back to the committed prefix
              (:func:`rollback`: lengths set, stale slots are masked and later overwritten)
 
-``t`` is the last committed token, not yet in either cache. Greedy output equals greedy
-autoregressive decoding token for token; sampled output has exactly the target's
-distribution (the standard rejection rule; Leviathan et al. 2023, Chen et al. 2023).
-Sampling uses ``softmax(logits / temperature)`` for both models.
+``t`` is the last committed token, in neither cache; ``s`` is the committed token before it,
+which the draft's cache leaves out, so each round's first draft pass takes the two tokens
+``[s, t]``. After ``n`` acceptances the draft has never seen ``d_n``, which is then the next
+``s``; otherwise ``s``'s key and value are written again where they already were. So a draft
+of ``n`` tokens costs ``n`` draft passes, not ``n + 1`` (a pass of a small model costs about
+the same for two tokens as for one). A one-token prompt gets its first new token from one
+target step. Greedy output equals greedy autoregressive decoding token for token; sampled
+output has exactly the target's distribution (the standard rejection rule; Leviathan et al.
+2023, Chen et al. 2023). Sampling uses ``softmax(logits / temperature)`` for both models.
 
 The whole loop is one jitted ``lax.while_loop`` (no Python per token). Chunk-sparse
 verification is a property of the target: give it BlockFFN slots with ``path="auto"`` (the jnp
@@ -108,10 +113,18 @@ def _pick(logits_BV, key, temperature):
 def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, temperature):
     target, draft = nnx.merge(tg, ts), nnx.merge(dg, ds)
     B, T = prompt_BT.shape
-    if T > 1:
-        _, tcache = target.decode(prompt_BT[:, :-1], tcache)
-        _, dcache = draft.decode(prompt_BT[:, :-1], dcache)
     n_out = max_new + n + 1
+    k_first, key = jax.random.split(key)
+    out = jnp.zeros((B, n_out), jnp.int32)
+    if T > 1:  # target: all but the last token; draft: all but the last two
+        _, tcache = target.decode(prompt_BT[:, :-1], tcache)
+        if T > 2:
+            _, dcache = draft.decode(prompt_BT[:, :-2], dcache)
+        prev, last, out_len = prompt_BT[:, -2], prompt_BT[:, -1], jnp.zeros((B,), jnp.int32)
+    else:  # one target step gives the first new token, which the loop then extends
+        logits, tcache = target.decode(prompt_BT, tcache)
+        prev, last = prompt_BT[:, 0], _pick(logits[:, 0], k_first, temperature)
+        out, out_len = out.at[:, 0].set(last), jnp.ones((B,), jnp.int32)
 
     def active(st):
         return st["out_len"] < max_new
@@ -128,16 +141,19 @@ def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, te
             nxt = _pick(logits[:, 0], jax.random.fold_in(k_draft, i), temperature)
             return (nxt, cache), (nxt, logits[:, 0])
 
-        (_, dcache), (d_NB, q_NBV) = jax.lax.scan(draft_step, (st["last"], st["dcache"]),
-                                                  jnp.arange(n + 1))
-        drafts_BN = d_NB[:n].T
+        pair_B2 = jnp.stack([st["prev"], st["last"]], axis=1)
+        logits, dcache = draft.decode(pair_B2, st["dcache"])
+        d1_B = _pick(logits[:, 1], jax.random.fold_in(k_draft, 0), temperature)
+        (_, dcache), (d_NB, q_NBV) = jax.lax.scan(draft_step, (d1_B, dcache),
+                                                  jnp.arange(1, n))
+        drafts_BN = jnp.concatenate([d1_B[:, None], d_NB.T], axis=1)
+        q_BNV = jnp.concatenate([logits[:, 1:], jnp.swapaxes(q_NBV, 0, 1)], axis=1)
         block = jnp.concatenate([st["last"][:, None], drafts_BN], axis=1)
         p_BNV, tcache = target.decode(block, st["tcache"])
         if temperature == 0.0:
             a_B, x_B = accept_greedy(drafts_BN, p_BNV)
         else:
-            a_B, x_B = accept_sampled(k_acc, drafts_BN, jnp.swapaxes(q_NBV[:n], 0, 1), p_BNV,
-                                      temperature)
+            a_B, x_B = accept_sampled(k_acc, drafts_BN, q_BNV, p_BNV, temperature)
         i_N = jnp.arange(n + 1)
         vals_BN = jnp.where(i_N[None] < a_B[:, None], jnp.pad(drafts_BN, ((0, 0), (0, 1))),
                             x_B[:, None])
@@ -145,16 +161,18 @@ def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, te
         pos_BN = jnp.where(keep_BN, st["out_len"][:, None] + i_N[None], n_out)
         out = st["out"].at[jnp.arange(B)[:, None], pos_BN].set(vals_BN, mode="drop")
         new_len_B = jnp.where(act_B, base_B + 1 + a_B, base_B)
+        # the committed token before x: t after no acceptance, else d_a
+        prev_B = jnp.take_along_axis(block, a_B[:, None], axis=1)[:, 0]
         hist = st["hist"].at[a_B].add(act_B.astype(jnp.int32))
         return {"round": st["round"] + 1, "out": out,
                 "out_len": st["out_len"] + jnp.where(act_B, a_B + 1, 0),
+                "prev": jnp.where(act_B, prev_B, st["prev"]),
                 "last": jnp.where(act_B, x_B, st["last"]),
-                "tcache": rollback(tcache, new_len_B), "dcache": rollback(dcache, new_len_B),
+                "tcache": rollback(tcache, new_len_B), "dcache": rollback(dcache, new_len_B - 1),
                 "accepted": st["accepted"] + jnp.where(act_B, a_B, 0),
                 "rounds": st["rounds"] + act_B.astype(jnp.int32), "hist": hist}
 
-    st = {"round": jnp.int32(0), "out": jnp.zeros((B, n_out), jnp.int32),
-          "out_len": jnp.zeros((B,), jnp.int32), "last": prompt_BT[:, -1],
+    st = {"round": jnp.int32(0), "out": out, "out_len": out_len, "prev": prev, "last": last,
           "tcache": tcache, "dcache": dcache, "accepted": jnp.zeros((B,), jnp.int32),
           "rounds": jnp.zeros((B,), jnp.int32), "hist": jnp.zeros((n + 1,), jnp.int32)}
     st = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, st)
