@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn, is_gated
 from moejax.ops.grouped_layout import group_tiles
+from moejax.ops.permute import inverse_permutation, sort_rows, unsort_rows
 
 __all__ = [
     "DispatchMethod",
@@ -275,30 +276,30 @@ def dispatch_ragged(
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
     act = activation_fn(activation)
     dt = x_ND.dtype
-    order_A, group_sizes_E = _by_expert(ids_NK, w_up_EDF.shape[0])
-    x_SD = x_ND[order_A // ids_NK.shape[1]]
+    order_A, inv_A, group_sizes_E = _by_expert(ids_NK, w_up_EDF.shape[0])
+    x_SD = sort_rows(x_ND, order_A, inv_A, ids_NK.shape[1])
     up_SF = grouped_matmul(x_SD, w_up_EDF.astype(dt), group_sizes_E)
     if w_gate_EDF is not None:
         h_SF = act(grouped_matmul(x_SD, w_gate_EDF.astype(dt), group_sizes_E)) * up_SF
     else:
         h_SF = act(up_SF)
     y_SD = grouped_matmul(h_SF, w_down_EFD.astype(dt), group_sizes_E)
-    return _unsort_combine(y_SD, order_A, weights_NK, x_ND)
+    return _unsort_combine(y_SD, order_A, inv_A, weights_NK, x_ND)
 
 
 def _by_expert(ids_NK, n_experts: int):
-    """``(order_A, group_sizes_E)``: assignments sorted by expert (stable), group sizes."""
+    """``(order_A, inv_A, group_sizes_E)``: assignments sorted by expert (stable), the
+    inverse permutation, group sizes."""
     ids_A = ids_NK.reshape(-1).astype(jnp.int32)
     order_A = jnp.argsort(ids_A, stable=True)
-    return order_A, jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1)
+    return (order_A, inverse_permutation(order_A),
+            jnp.zeros((n_experts,), jnp.int32).at[ids_A].add(1))
 
 
-def _unsort_combine(y_SD, order_A, weights_NK, x_ND) -> DispatchOut:
+def _unsort_combine(y_SD, order_A, inv_A, weights_NK, x_ND) -> DispatchOut:
     """Sorted per-assignment outputs back to token order, combined with the gates."""
     n_tok, d = x_ND.shape
-    inv_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0],
-                                                               dtype=order_A.dtype))
-    y_NKD = y_SD[inv_A].reshape(n_tok, weights_NK.shape[1], d)
+    y_NKD = unsort_rows(y_SD, order_A, inv_A).reshape(n_tok, weights_NK.shape[1], d)
     return DispatchOut(_combine(weights_NK, y_NKD, x_ND.dtype), *_no_drop(x_ND))
 
 
@@ -322,9 +323,9 @@ def dispatch_grouped(
     d, k, n_experts = x_ND.shape[1], ids_NK.shape[1], w_up_EDF.shape[0]
     m = ids_NK.size
     tm = tile or grouped_tile(m, n_experts)
-    order_A, group_sizes_E = _by_expert(ids_NK, n_experts)
+    order_A, inv_A, group_sizes_E = _by_expert(ids_NK, n_experts)
     padded_S, tile_group_T, _, _, T = group_tiles(group_sizes_E, m, tm)
-    x_SD = x_ND[order_A // k]
+    x_SD = sort_rows(x_ND, order_A, inv_A, k)
     x_TmD = jnp.zeros((T * tm, d), dt).at[padded_S].set(x_SD, mode="drop").reshape(T, tm, d)
     up = jnp.einsum("tmd,tdf->tmf", x_TmD, w_up_EDF.astype(dt)[tile_group_T])
     if w_gate_EDF is not None:
@@ -333,7 +334,7 @@ def dispatch_grouped(
         h = act(up)
     y_TmD = jnp.einsum("tmf,tfd->tmd", h, w_down_EFD.astype(dt)[tile_group_T])
     y_SD = y_TmD.reshape(T * tm, d).at[padded_S].get(mode="fill", fill_value=0)
-    return _unsort_combine(y_SD, order_A, weights_NK, x_ND)
+    return _unsort_combine(y_SD, order_A, inv_A, weights_NK, x_ND)
 
 
 def bucket_capacities(n_tokens: int, top_k: int, n_experts: int,
