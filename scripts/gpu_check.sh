@@ -17,6 +17,12 @@
 #                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
 #                than one command may run) and keeps its trained target and draft as
 #                checkpoints, so a stage stopped by STAGE_LIMIT resumes without training again
+#   speculative_quick
+#                bench_speculative's quick models (the trained target grown to 104M
+#                parameters) decoded in bfloat16 at draft lengths 2 and 4
+# SEED=DIR: a stage's output folder starts as a copy of DIR/<its folder> (e.g. the trained
+#   target/ and draft/ checkpoints of a run of the same configuration made on a CPU), so a
+#   lent machine's minutes go to the measurements; the checkpoints are verified when restored.
 # Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
 # and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
 # stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
@@ -25,12 +31,12 @@
 # the stages it reached are done.
 # PACK=FILE.tgz writes OUT_DIR packed into FILE after every stage (a machine that is given
 # back keeps nothing else).
-# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [REDO=1]
+# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [SEED=DIR] [REDO=1]
 #        scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
-stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative extracted}
+stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -90,12 +96,18 @@ for stage in $stages; do
       timeout "$limit" "$py" -m experiments.autotune "kernels=(decode_mgpu,gmm,tgmm)" \
         "dtypes=(bfloat16,)" "shapes=((2048,256),(2048,1408),(1408,2048))" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
-    grouped|grouped_f32|kernels|dispatch|speculative|extracted)
-      args=()
+    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|extracted)
+      args=(preset=full)
       bench=${stage%_f32}
-      [ "$stage" = speculative ] && args=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
-      [ "$stage" = grouped_f32 ] && args=(variant=f32)
-      timeout "$limit" "$py" -m "experiments.bench_$bench" preset=full "${args[@]}" \
+      bench=${bench%_quick}
+      [ "$stage" = speculative ] && args+=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
+      [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
+        "draft_lens=(2,4)")
+      [ "$stage" = grouped_f32 ] && args+=(variant=f32)
+      if [ -n "${SEED:-}" ] && [ -d "$SEED/bench_$stage" ]; then
+        mkdir -p "$out/bench_$stage" && cp -rn "$SEED/bench_$stage/." "$out/bench_$stage/"
+      fi
+      timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;
   esac

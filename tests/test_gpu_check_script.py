@@ -57,3 +57,15 @@ def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_
     assert proc.returncode != 0 and calls == []
     assert "grouped: skipped" in proc.stderr and "BUDGET" in proc.stderr
     assert not (late / "out" / ".done-grouped").exists()
+
+
+def test_the_quick_speculative_stage_starts_from_seeded_checkpoints(tmp_path):
+    seed = tmp_path / "seed" / "bench_speculative_quick" / "target"
+    seed.mkdir(parents=True)
+    (seed / "ckpt.bin").write_text("trained elsewhere")
+    proc, calls = _run(tmp_path, "speculative_quick", SEED=str(tmp_path / "seed"))
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out" / "bench_speculative_quick"
+    assert calls == [f"-m experiments.bench_speculative preset=quick decode_dtype=bfloat16 "
+                     f"draft_lens=(2,4) out={out}"]
+    assert (out / "target" / "ckpt.bin").read_text() == "trained elsewhere"
