@@ -20,6 +20,10 @@
 #   speculative_quick
 #                bench_speculative's quick models (the trained target grown to 104M
 #                parameters) decoded in bfloat16 at draft lengths 2 and 4
+#   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
+#                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
+#                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
+#                copy of ~/.cache/moejax/tfds carried with the tree: the machine builds none)
 # SEED=DIR: a stage's output folder starts as a copy of DIR/<its folder> (e.g. the trained
 #   target/ and draft/ checkpoints of a run of the same configuration made on a CPU), so a
 #   lent machine's minutes go to the measurements; the checkpoints are verified when restored.
@@ -109,6 +113,9 @@ for stage in $stages; do
       fi
       timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
+    full_*)
+      timeout "$limit" "$py" -m experiments.main only="${stage#full_}" preset=full \
+        out="$out/full" 2>&1 | tee "$out/$stage.log" | grep -v "it/s" | tail -25 ;;
     *) echo "gpu_check: unknown stage '$stage'" >&2; exit 2 ;;
   esac
   if [ "${PIPESTATUS[0]}" = 0 ]; then

@@ -69,3 +69,10 @@ def test_the_quick_speculative_stage_starts_from_seeded_checkpoints(tmp_path):
     assert calls == [f"-m experiments.bench_speculative preset=quick decode_dtype=bfloat16 "
                      f"draft_lens=(2,4) out={out}"]
     assert (out / "target" / "ckpt.bin").read_text() == "trained elsewhere"
+
+
+def test_a_full_stage_runs_that_studys_full_preset(tmp_path):
+    proc, calls = _run(tmp_path, "full_lm_demo")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [f"-m experiments.main only=lm_demo preset=full out={tmp_path}/out/full"]
+    assert (tmp_path / "out" / ".done-full_lm_demo").exists()
