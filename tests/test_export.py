@@ -44,6 +44,15 @@ def _export(fn, platform: str, *args):
         return export(*args)
 
 
+def _loops(exported) -> int:
+    """``while`` loops of the module outside ``chlo.scan`` decompositions (a cumsum's
+    fallback, which XLA's GPU compiler replaces with one CUB kernel)."""
+    text = exported if isinstance(exported, str) else exported.mlir_module()
+    funcs = re.split(r"\n\s*func\.func ", text)
+    return sum(f.count("stablehlo.while") for f in funcs
+               if not re.match(r"private @chlo\.scan\.impl", f))
+
+
 def _custom_calls(exported) -> dict[str, int]:
     text = exported if isinstance(exported, str) else exported.mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
@@ -205,3 +214,5 @@ def test_moe_lm_train_step_lowers_with_the_platforms_moe_kernel(platform):
     calls = _custom_calls(exported)
     assert calls.get(KERNEL[platform], 0) >= 2 * 2 * 3, calls  # 2 MoE layers x up/down x 3
     assert not any("callback" in c for c in calls), calls
+    # the grouped products' metadata is array ops: no loop of small sequential kernels
+    assert _loops(exported) == 0

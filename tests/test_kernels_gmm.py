@@ -15,6 +15,7 @@ from moejax.kernels import gmm, group_tiles, tgmm
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
 from moejax.kernels.moe_dispatch import dispatch
 from moejax.nn.router import top_k_gates
+from moejax.ops import grouped_layout
 from moejax.ops.grouped_layout import group_visits
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum
@@ -100,6 +101,21 @@ def test_group_tiles_layout_and_bf16():
         gmm(x, w, g[:3])
     with pytest.raises(ValueError, match="interpret="):
         gmm(x, w, g, interpret="mosaic")
+
+
+@pytest.mark.parametrize("compare_all", [True, False])
+def test_count_le_is_searchsorted_right(compare_all, monkeypatch):
+    """Against numpy over random ascending bounds with repeats (empty groups) and queries on,
+    between and outside them; both methods (compare-all and, past its size, sort)."""
+    monkeypatch.setattr(grouped_layout, "COMPARE_ALL_MAX", 1 << 24 if compare_all else 0)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        bounds = np.cumsum(rng.integers(0, 4, rng.integers(1, 12))).astype(np.int32)
+        queries = rng.integers(-2, int(bounds[-1]) + 3, rng.integers(1, 40)).astype(np.int32)
+        got = grouped_layout.count_le(jnp.asarray(bounds), jnp.asarray(queries))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.searchsorted(bounds, queries, side="right"))
 
 
 def test_group_visits_cover_every_row_once_within_the_static_bound():

@@ -8,14 +8,30 @@ and the Pallas grouped-matmul kernels.
 * :func:`group_visits`, megablox's tile metadata: the rows stay where they are, and a row tile
   that two groups share is visited once per group, each visit masking the other group's
   rows. The visits of the ``G`` groups and of the rows past ``sum(group_sizes)`` (a tail
-  segment, whose visits write zeros) number at most ``ceil(M / tm) + G``."""
+  segment, whose visits write zeros) number at most ``ceil(M / tm) + G``.
+
+Both are a few fused array ops, with no loop: the group of a row or tile is found by
+comparing it with every group boundary at once (:func:`count_le`) rather than by
+``jnp.searchsorted``'s default binary search, which lowers to a loop of small sequential
+kernels on a GPU or TPU, once per grouped product."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["group_tiles", "group_visits"]
+__all__ = ["group_tiles", "group_visits", "count_le"]
+
+# Above this many comparisons, count_le sorts instead (a GPU or TPU sort, no loop either)
+COMPARE_ALL_MAX = 1 << 24
+
+
+def count_le(bounds_S: jax.Array, queries_Q: jax.Array) -> jax.Array:
+    """int32 ``[Q]``: how many of the ascending ``bounds`` are ``<=`` each query
+    (``searchsorted(bounds, queries, side="right")``), as one compare-and-count over
+    ``Q x S`` pairs (no loop), or by sorting where that is over ``COMPARE_ALL_MAX``."""
+    method = ("compare_all" if queries_Q.size * bounds_S.size <= COMPARE_ALL_MAX else "sort")
+    return jnp.searchsorted(bounds_S, queries_Q, side="right", method=method).astype(jnp.int32)
 
 
 def group_tiles(group_sizes_G: jax.Array, m: int, tm: int):
@@ -31,11 +47,10 @@ def group_tiles(group_sizes_G: jax.Array, m: int, tm: int):
     row_end_G = jnp.cumsum(gs)
     row_start_G = row_end_G - gs
     rows_M = jnp.arange(m, dtype=jnp.int32)
-    group_M = jnp.clip(jnp.searchsorted(row_end_G, rows_M, side="right"), 0, G - 1)
+    group_M = jnp.clip(count_le(row_end_G, rows_M), 0, G - 1)
     padded_M = tile_start_G[group_M] * tm + rows_M - row_start_G[group_M]
     padded_M = jnp.where(rows_M < row_end_G[-1], padded_M, T * tm)
-    tile_group_T = jnp.clip(jnp.searchsorted(tile_end_G, jnp.arange(T, dtype=jnp.int32),
-                                             side="right"), 0, G - 1).astype(jnp.int32)
+    tile_group_T = jnp.clip(count_le(tile_end_G, jnp.arange(T, dtype=jnp.int32)), 0, G - 1)
     return padded_M, tile_group_T, tile_start_G.astype(jnp.int32), tiles_G.astype(jnp.int32), T
 
 
@@ -58,7 +73,7 @@ def group_visits(group_sizes_G: jax.Array, m: int, tm: int):
     n_visits = jnp.where(row_hi > row_lo, (row_hi + tm - 1) // tm - first, 0)
     visit_end = jnp.cumsum(n_visits)
     v = jnp.arange(V, dtype=jnp.int32)
-    segment = jnp.searchsorted(visit_end, v, side="right").astype(jnp.int32)
+    segment = count_le(visit_end, v)
     s = jnp.clip(segment, 0, G)
     used = v < visit_end[-1]
     tile = jnp.where(used, first[s] + v - (visit_end[s] - n_visits[s]), 0)
