@@ -26,12 +26,13 @@ __all__ = ["group_tiles", "group_visits", "count_le"]
 COMPARE_ALL_MAX = 1 << 24
 
 
-def count_le(bounds_S: jax.Array, queries_Q: jax.Array) -> jax.Array:
-    """int32 ``[Q]``: how many of the ascending ``bounds`` are ``<=`` each query
-    (``searchsorted(bounds, queries, side="right")``), as one compare-and-count over
-    ``Q x S`` pairs (no loop), or by sorting where that is over ``COMPARE_ALL_MAX``."""
-    method = ("compare_all" if queries_Q.size * bounds_S.size <= COMPARE_ALL_MAX else "sort")
-    return jnp.searchsorted(bounds_S, queries_Q, side="right", method=method).astype(jnp.int32)
+def count_le(ends_G: jax.Array, rows_M: jax.Array) -> jax.Array:
+    """int32 ``[M]``: how many of the ascending group ends ``ends_G`` are ``<=`` each row
+    index (or tile, or visit) in ``rows_M`` (``searchsorted(ends, rows, side="right")``), as
+    one compare-and-count over ``M x G`` pairs (no loop), or by sorting where that is over
+    ``COMPARE_ALL_MAX``."""
+    method = "compare_all" if rows_M.size * ends_G.size <= COMPARE_ALL_MAX else "sort"
+    return jnp.searchsorted(ends_G, rows_M, side="right", method=method).astype(jnp.int32)
 
 
 def group_tiles(group_sizes_G: jax.Array, m: int, tm: int):
