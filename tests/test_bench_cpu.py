@@ -40,3 +40,31 @@ def test_block_flops_count_three_gated_matrices_forward_and_backward():
     assert moe_block_flops(2048, 256, 1024, 2) == pytest.approx(19.327e9, rel=1e-3)
     assert moe_block_flops(2048, 256, 1024, 2, gated=False) == pytest.approx(
         moe_block_flops(2048, 256, 1024, 2) * 2 / 3)
+
+
+def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
+    """Beside a GPU jax, a torch that sees no GPU gives no time (its CPU time would be
+    compared with the GPU's), and the block table says so instead of dividing by it."""
+    import sys
+    import types
+
+    import moejax.bench.cpu as bench
+    from experiments.benchmarks import dispatch
+
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert bench.torch_moe_block_s(8, 4, 4, 2, 1, device="cuda") == (None, bench.NO_CUDA)
+
+    times = {"capacity cf=1.25": 0.002,
+             f"{dispatch.TORCH})": "not timed: this torch has no CUDA"}
+    rows = {r["impl"]: r for r in dispatch._block_rows(times, 0.001, {"xla": 10.0,
+                                                                      "numpy": 1.0})}
+    assert "vs_torch" not in rows["capacity cf=1.25"]  # nothing to divide by
+    assert rows["capacity cf=1.25"]["vs_flop_bound"] == pytest.approx(2.0)
+    assert rows[f"{dispatch.TORCH})"]["note"].startswith("not timed")
+    assert "ms" not in rows[f"{dispatch.TORCH})"]
+    monkeypatch.setattr(dispatch, "torch_moe_block_s", lambda *a, **k: (None, bench.NO_CUDA))
+    noted = dispatch._block_times(dispatch.BenchConfig(block_paths=()))
+    assert noted == {f"{dispatch.TORCH})": "not timed: this torch has no CUDA (a CUDA torch "
+                                           "times the peer on the GPU)"}

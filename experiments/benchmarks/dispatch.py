@@ -33,6 +33,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from moejax.bench.cpu import (
+    NO_CUDA,
     delta_op_times,
     matmul_gflops,
     moe_block_flops,
@@ -217,7 +218,11 @@ def _block_times(cfg: BenchConfig) -> dict[str, float | None]:
     t, device = torch_moe_block_s(
         cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts, cfg.block_top_k,
         repeats=cfg.block_repeats, device="cuda" if jax.default_backend() == "gpu" else "cpu")
-    times[f"{TORCH}, on {device})" if device else f"{TORCH})"] = t
+    if device == NO_CUDA:  # a note, not a time: its CPU time is no peer of a GPU's
+        times[f"{TORCH})"] = ("not timed: this torch has no CUDA (a CUDA torch times the "
+                              "peer on the GPU)")
+    else:
+        times[f"{TORCH}, on {device})" if device else f"{TORCH})"] = t
     return times
 
 
@@ -230,12 +235,15 @@ def _block_timer():
 
 def _block_rows(times: dict, bound: float, rates: dict, suffix: str = "") -> list[dict]:
     """Rows ``impl, ms, vs_torch, vs_flop_bound`` (column names + ``suffix``)."""
-    t_torch = next((t for name, t in times.items() if name.startswith(TORCH)), None)
+    t_torch = next((t for name, t in times.items()
+                    if name.startswith(TORCH) and isinstance(t, float)), None)
     rows = []
     for name, t in times.items():
         row = {"impl": name}
         if t is None:
             row["note"] = "not installed (pip install torch)"
+        elif isinstance(t, str):
+            row["note"] = t
         else:
             row |= {f"ms{suffix}": t * 1e3, f"vs_flop_bound{suffix}": t / bound}
             if t_torch is not None:

@@ -79,18 +79,23 @@ def moe_block_fwd_bwd(cfg: MoEConfig, d_model: int, n_tokens: int, seed: int = 0
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (params, x)
 
 
+NO_CUDA = "no CUDA"  # torch_moe_block_s: a GPU asked for, torch without one
+
+
 def torch_moe_block_s(n_tokens: int, d: int, f: int, n_experts: int, top_k: int,
                       repeats: int = 10, threads: int | None = None,
                       device: str = "cpu") -> tuple[float | None, str]:
-    """``(median seconds, device)`` of the PyTorch peer's fwd+bwd (f32) on ``device``
-    ("cuda": the GPU jax uses, where torch sees one; else the CPU), ``(None, "")`` without
-    torch. On a GPU each step ends with ``torch.cuda.synchronize``."""
+    """``(median seconds, device name)`` of the PyTorch peer's fwd+bwd (f32) on ``device``
+    (``"cuda"``: the GPU jax uses; ``"cpu"``), ``(None, "")`` without torch and ``(None,
+    "no CUDA")`` when ``device`` is ``"cuda"`` and this torch sees no GPU: it is then not
+    timed on the CPU instead, since its time would be compared with the GPU's. On a GPU each
+    step ends with ``torch.cuda.synchronize``."""
     try:
         import torch
     except ImportError:
         return None, ""
     if device == "cuda" and not torch.cuda.is_available():
-        device = "cpu"
+        return None, NO_CUDA
     if threads:
         torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
