@@ -10,6 +10,7 @@
 #   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
 #                products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/tuned_configs.json
+#                (AUTOTUNE_KERNELS=gmm,tgmm: only those kernels)
 #   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
 #                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply);
@@ -36,6 +37,7 @@
 # PACK=FILE.tgz writes OUT_DIR packed into FILE after every stage (a machine that is given
 # back keeps nothing else).
 # Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [SEED=DIR] [REDO=1]
+#        [AUTOTUNE_KERNELS=k1,k2]
 #        scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
@@ -97,7 +99,7 @@ for stage in $stages; do
         tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
-      timeout "$limit" "$py" -m experiments.autotune "kernels=(decode_mgpu,gmm,tgmm)" \
+      timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
         "dtypes=(bfloat16,)" "shapes=((2048,256),(2048,1408),(1408,2048))" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
     grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|extracted)

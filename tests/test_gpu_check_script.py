@@ -76,3 +76,9 @@ def test_a_full_stage_runs_that_studys_full_preset(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert calls == [f"-m experiments.main only=lm_demo preset=full out={tmp_path}/out/full"]
     assert (tmp_path / "out" / ".done-full_lm_demo").exists()
+
+
+def test_autotune_kernels_names_what_the_autotune_stage_tunes(tmp_path):
+    proc, calls = _run(tmp_path, "autotune", AUTOTUNE_KERNELS="gmm,tgmm")
+    assert proc.returncode == 0, proc.stderr
+    assert calls[0].startswith("-m experiments.autotune kernels=(gmm,tgmm) dtypes=(bfloat16,)")

@@ -73,12 +73,15 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
 }
 
 
-# the candidates python -m experiments.autotune times: tiles around the defaults, 4 or 8 warps
+# the candidates python -m experiments.autotune times: tiles around the defaults, 4 or 8 warps;
+# then Triton's usual Hopper matmul configurations (256-row blocks, 4-stage pipelines)
 SPACE: tuple[TritonConfig, ...] = tuple(
     TritonConfig(tm, tk, tn, w, st)
     for tm, tk, tn in ((64, 32, 64), (64, 64, 128), (128, 32, 128), (128, 64, 128),
                        (128, 128, 128), (128, 64, 256))
-    for w, st in ((4, 2), (8, 3)))
+    for w, st in ((4, 2), (8, 3))) + (
+    TritonConfig(256, 64, 128, 8, 3), TritonConfig(128, 64, 256, 8, 4),
+    TritonConfig(128, 64, 128, 4, 4), TritonConfig(128, 32, 128, 4, 4))
 # the Mosaic GPU kernels: one warpgroup; output blocks of 64 to 256 columns, 2 to 4 stages
 _MGPU_SPACE = tuple(TritonConfig(64, 64, tn, 4, st) for tn in (64, 128, 256) for st in (2, 3, 4))
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
