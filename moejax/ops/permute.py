@@ -38,11 +38,10 @@ def sort_rows(x_ND: jax.Array, order_A: jax.Array, inv_A: jax.Array, k: int) -> 
 
 
 def _sort_fwd(x_ND, order_A, inv_A, k):
-    return x_ND[order_A // k], (order_A, inv_A)
+    return x_ND[order_A // k], inv_A
 
 
-def _sort_bwd(k, res, ct_SD):
-    order_A, inv_A = res
+def _sort_bwd(k, inv_A, ct_SD):
     n_assign, d = ct_SD.shape
     ct_ND = jnp.sum(ct_SD[inv_A].reshape(n_assign // k, k, d), axis=1, dtype=jnp.float32)
     return ct_ND.astype(ct_SD.dtype), None, None
@@ -58,11 +57,10 @@ def unsort_rows(y_SD: jax.Array, order_A: jax.Array, inv_A: jax.Array) -> jax.Ar
 
 
 def _unsort_fwd(y_SD, order_A, inv_A):
-    return y_SD[inv_A], (order_A, inv_A)
+    return y_SD[inv_A], order_A
 
 
-def _unsort_bwd(res, ct_AD):
-    order_A, _ = res
+def _unsort_bwd(order_A, ct_AD):
     return ct_AD[order_A], None, None
 
 
