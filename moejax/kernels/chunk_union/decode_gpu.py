@@ -75,14 +75,16 @@ def supports(x_nD, w_up) -> bool:
 
 
 def _is_member(active_g, e, n: int):
-    """1 when any of the chunk's ``n`` tokens activates expert ``e`` (stops at the first)."""
+    """1 when any of the chunk's ``n`` tokens activates expert ``e`` (stops at the first);
+    ``active_g`` is the chunk's ``[n, E]`` activity as the router gives it (no transposed
+    copy: one XLA launch fewer around the kernel)."""
     def more(carry):
         i, found = carry
         return (i < n) & (found == 0)
 
     def step(carry):
         i, _ = carry
-        return i + 1, (active_g[e, i] != 0).astype(jnp.int32)
+        return i + 1, (active_g[i, e] != 0).astype(jnp.int32)
 
     return jax.lax.while_loop(more, step, (jnp.int32(0), jnp.int32(0)))[1]
 
@@ -166,7 +168,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
     x = jnp.pad(x_nD, ((0, ROWS - n), (0, 0)))
     a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, ROWS - n)))
-    active_E = active_nE.astype(jnp.int32).T
+    active_nE = active_nE.astype(jnp.int32)
     kernel = plgpu.kernel(
         functools.partial(_body, n=n, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles),
@@ -175,5 +177,5 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                        plgpu.SMEM((ROWS, bD), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))
-    kernel(x, a_E, active_E, *weights[:2], *weights[2:], y)
+    kernel(x, a_E, active_nE, *weights[:2], *weights[2:], y)
     return y[...][:n].astype(dt)
