@@ -237,4 +237,5 @@ def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monke
     assert {c for kn, _, c in seen if kn == "pairs_mgpu"} == set(tuning.SPACES["pairs_mgpu"])
     assert {(kn, dt) for kn, dt, _ in seen} == {
         ("gmm", "bfloat16"), ("gmm", "float32"), ("tgmm", "bfloat16"), ("tgmm", "float32"),
+        ("gmm_mgpu", "bfloat16"), ("tgmm_mgpu", "bfloat16"),
         ("pairs_mgpu", "bfloat16"), ("decode_mgpu", "bfloat16")}

@@ -1,15 +1,15 @@
-"""Tune the project's own GPU kernels on the GPU at hand (:mod:`moejax.kernels.tuning`): for
-each kernel (``gmm``: the grouped products, forward and dX; ``tgmm``: the weight gradient;
-``pairs_mgpu``: BlockFFN's Mosaic GPU pair product, timed as the up-projection of ``rows``
-rows in 64-row tiles, each with 4 of ``groups`` experts; ``decode_mgpu``: its Mosaic GPU
-decode kernel on a chunk of 8 tokens whose union is a quarter of ``groups`` experts of shape
-``(D, F) = (K, N)``), dtype it takes and shape ``(K, N)``, every configuration of the
-kernel's space is run (``gmm`` / ``tgmm``: ``rows`` rows in ``groups`` random groups), its
-output checked against a float32 oracle written the slow obvious way (one that differs is
-refused, however fast), and timed in device time with the L2 flushed between calls; the
-fastest correct one is merged into the package's kernel table under this GPU's device kind,
-where every later lowering for that device reads it. The run's ``trials`` table keeps every
-configuration's time or the reason it was refused.
+"""Tune the project's own GPU kernels on the GPU at hand (:mod:`moejax.kernels.tuning`): for each
+kernel (``gmm``: the grouped products, forward and dX; ``tgmm``: the weight gradient; ``gmm_mgpu`` /
+``tgmm_mgpu``: the same on Mosaic GPU; ``pairs_mgpu``: BlockFFN's Mosaic GPU pair product, timed as
+the up-projection of ``rows`` rows in 64-row tiles, each with 4 of ``groups`` experts;
+``decode_mgpu``: its Mosaic GPU decode kernel on a chunk of 8 tokens whose union is a quarter of
+``groups`` experts of shape ``(D, F) = (K, N)``), dtype it takes and shape ``(K, N)``, every
+configuration of the kernel's space is run (the grouped products: ``rows`` rows in ``groups`` random
+groups), its output checked against a float32 oracle written the slow obvious way (one that differs
+is refused, however fast), and timed in device time with the L2 flushed between calls; the fastest
+correct one is merged into the package's kernel table under this GPU's device kind, where every
+later lowering for that device reads it. The run's ``trials`` table keeps every configuration's time
+or the reason it was refused.
 
     python -m experiments.autotune                                   # the default cases
     python -m experiments.autotune dtypes=(bfloat16,) shapes=((2048,1408),)
@@ -31,6 +31,7 @@ from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
 from moejax.kernels.chunk_union.pairs import pair_up, union_pairs
 from moejax.kernels.chunk_union.reference import dense_experts
+from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, tgmm_mgpu
 from moejax.kernels.grouped.pallas_gmm import gmm, tgmm
 from moejax.kernels.tiling import hopper_target, target_device
 from moejax.kernels.tuning import (
@@ -110,17 +111,27 @@ def _pairs_oracle(xs, w, pairs):
                        jnp.stack([pairs.src, pairs.expert, pairs.valid], 1))
 
 
+_GROUPED = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu")
+
+
+def _grouped(kernel: str):
+    """A grouped product's ``(function, float32 oracle)`` (looked up when called)."""
+    return {"gmm": (gmm, _gmm_oracle), "tgmm": (tgmm, _tgmm_oracle),
+            "gmm_mgpu": (gmm_mgpu, _gmm_oracle), "tgmm_mgpu": (tgmm_mgpu, _tgmm_oracle)}[kernel]
+
+
 def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
     """``(jitted function, its arguments, a jitted float32 oracle of the same arguments)``
     for one case of ``kernel``."""
     kx, kw, kg = jax.random.split(key, 3)
     G = cfg.groups
-    if kernel in ("gmm", "tgmm"):
+    if kernel in _GROUPED:
         x = jax.random.normal(kx, (cfg.rows, k)).astype(dt)
         sizes = jnp.bincount(jax.random.randint(kg, (cfg.rows,), 0, G),
                              length=G).astype(jnp.int32)
-        other = jax.random.normal(kw, (G, k, n) if kernel == "gmm" else (cfg.rows, n))
-        fn, oracle = (gmm, _gmm_oracle) if kernel == "gmm" else (tgmm, _tgmm_oracle)
+        fn, oracle = _grouped(kernel)
+        forward = oracle is _gmm_oracle
+        other = jax.random.normal(kw, (G, k, n) if forward else (cfg.rows, n))
         return jax.jit(fn), (x, other.astype(dt), sizes), jax.jit(oracle)
     if kernel == "pairs_mgpu":
         S, U = max(1, cfg.rows // 64), min(4, G)

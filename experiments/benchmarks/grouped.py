@@ -10,7 +10,9 @@ jitted loop, no host dispatch between them):
 * ``xla``: :func:`jax.lax.ragged_dot_general`;
 * ``mosaic_gpu`` / ``triton`` / ``mosaic_tpu``: tokamax's kernels (accelerators only);
 * ``gmm``: the project's own Pallas kernels (accelerators only; on a CPU Pallas runs in
-  interpret mode, which is no speed measurement).
+  interpret mode, which is no speed measurement);
+* ``gmm_mgpu``: the same products as the project's Mosaic GPU kernels (a Hopper GPU, bf16 /
+  f16).
 
 ``train`` times forward and both gradients through :func:`moejax.kernels.grouped.ragged.
 ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform. The
@@ -34,19 +36,21 @@ from moejax.bench.timing import time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
-from moejax.kernels.tiling import target_device
+from moejax.kernels.tiling import hopper_target, target_device
 from moejax.results import RunDir
 from moejax.study import Study
 
-Path_ = Literal["dense", "xla", "gmm", "mosaic_gpu", "triton", "mosaic_tpu"]
-ACCELERATOR_PATHS = ("gmm", "mosaic_gpu", "triton", "mosaic_tpu")
+Path_ = Literal["dense", "xla", "gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu"]
+ACCELERATOR_PATHS = ("gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu")
+OWN_PATHS = ("gmm", "gmm_mgpu")  # the project's kernels: no tokamax needed
 
 
 @config
 class BenchGroupedConfig(Config):
     NONEMPTY = ("paths", "shapes")
 
-    paths: tuple[Path_, ...] = ("dense", "xla", "gmm", "mosaic_gpu", "triton", "mosaic_tpu")
+    paths: tuple[Path_, ...] = ("dense", "xla", "gmm", "gmm_mgpu", "mosaic_gpu", "triton",
+                                "mosaic_tpu")
     # (M rows, K, N, G groups)
     shapes: tuple[tuple[int, int, int, int], ...] = ((512, 64, 128, 4), (2048, 128, 256, 8))
     precision: Literal["float32", "bfloat16"] = "float32"
@@ -77,10 +81,12 @@ def _unavailable(path: str) -> str | None:
     platform = target_device()[0]
     if path in ACCELERATOR_PATHS and platform not in ("cuda", "rocm", "tpu"):
         return f"not measured: needs an accelerator ({platform} runs Pallas in interpret mode)"
-    if path in ("mosaic_gpu", "triton") and platform == "tpu" or \
+    if path in ("mosaic_gpu", "triton", "gmm_mgpu") and platform == "tpu" or \
             path == "mosaic_tpu" and platform != "tpu":
         return f"not measured: not a {platform} kernel"
-    if path != "dense" and not ragged.AVAILABLE and path != "gmm":
+    if path == "gmm_mgpu" and not hopper_target():
+        return "not measured: needs a Hopper GPU (wgmma)"
+    if path != "dense" and not ragged.AVAILABLE and path not in OWN_PATHS:
         return "not measured: tokamax is not installed"
     return None
 

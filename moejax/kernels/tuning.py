@@ -4,9 +4,10 @@ kernel is lowered.
 A configuration is a :class:`TritonConfig` (three tiles, warps and pipeline stages; what the
 tiles are per kernel: :data:`TILES`). :func:`config_for` returns the one for a kernel
 (``"gmm"``: the grouped products, forward and dX; ``"tgmm"``: the weight gradient, both
-Triton; ``"pairs_mgpu"``: BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic
-GPU decode kernel), a dtype and a shape ``(K, N)`` (contraction, output columns; the decode
-kernel: ``(D, F)``) on the device the program is lowered for
+Triton; ``"gmm_mgpu"`` / ``"tgmm_mgpu"``: the same on Mosaic GPU; ``"pairs_mgpu"``:
+BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic GPU decode kernel), a
+dtype and a shape ``(K, N)`` (contraction, output columns; the decode kernel: ``(D, F)``) on
+the device the program is lowered for
 (:func:`moejax.kernels.tiling.target_device`): the entry of :data:`TABLE` (a JSON file in
 this package; ``MOEJAX_KERNEL_TABLE`` names another) for that device kind, kernel, dtype and
 shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS`.
@@ -17,7 +18,9 @@ stages, and the weight gradient 128 x 128 output tiles. f32, whose tiles take tw
 shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages for the forward and dX, and takes
 the 128 x 128 weight-gradient tiles with 64-row steps, 8 warps and 2 stages. The Mosaic GPU
 kernels (one warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmma tiles,
-64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages.
+64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages;
+the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles (dW: 128 x 128 output
+blocks in 64-row steps) at 4 stages.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
@@ -44,9 +47,10 @@ __all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for"
            "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
            "read_table", "table_path", "SPACE", "SPACES"]
 
-KERNELS = ("gmm", "tgmm", "pairs_mgpu", "decode_mgpu")
+KERNELS = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu", "pairs_mgpu", "decode_mgpu")
 # what a configuration's three tiles are, per kernel
 TILES = {"gmm": ("rows", "contraction", "columns"), "tgmm": ("rows", "K", "N"),
+         "gmm_mgpu": ("rows", "contraction", "columns"), "tgmm_mgpu": ("rows", "K", "N"),
          "pairs_mgpu": ("rows", "contraction", "columns"),
          "decode_mgpu": ("D step", "F block", "D block")}
 TABLE = Path(__file__).with_name("tuned_configs.json")
@@ -70,6 +74,10 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     ("tgmm", "float32"): TritonConfig(64, 128, 128, 8, 2),
     **{(k, d): TritonConfig(64, 64, 128, 4, 3) for k in ("pairs_mgpu", "decode_mgpu")
        for d in _WIDE},
+    # the grouped products on Mosaic GPU: the anchors' bf16 H100 tiles (128 x 64 x 128; dW in
+    # 128 x 128 output blocks, 64 rows a step), 4 stages (4 x 32 KB of shared memory)
+    **{("gmm_mgpu", d): TritonConfig(128, 64, 128, 4, 4) for d in _WIDE},
+    **{("tgmm_mgpu", d): TritonConfig(64, 128, 128, 4, 4) for d in _WIDE},
 }
 
 
@@ -84,8 +92,16 @@ SPACE: tuple[TritonConfig, ...] = tuple(
     TritonConfig(128, 64, 128, 4, 4), TritonConfig(128, 32, 128, 4, 4))
 # the Mosaic GPU kernels: one warpgroup; output blocks of 64 to 256 columns, 2 to 4 stages
 _MGPU_SPACE = tuple(TritonConfig(64, 64, tn, 4, st) for tn in (64, 128, 256) for st in (2, 3, 4))
+_MGPU_ACC = ((64, 128), (64, 256), (128, 128))
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
+    # the grouped products on Mosaic GPU, one warpgroup: accumulators of 64 x 128, 64 x 256 or
+    # 128 x 128 (128 x 256 needs more registers than a thread has), contraction steps of 64 or
+    # 128, 2 to 4 stages
+    "gmm_mgpu": tuple(TritonConfig(tm, tk, tn, 4, st) for tm, tn in _MGPU_ACC for tk in (64, 128)
+                      for st in (2, 3, 4)),
+    "tgmm_mgpu": tuple(TritonConfig(64, tk, tn, 4, st) for tk, tn in _MGPU_ACC
+                       for st in (2, 3, 4)),
     # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
     # in flight, so longer D steps (128, 256) as well as deeper pipelines
     "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st) for bk in (64, 128, 256)

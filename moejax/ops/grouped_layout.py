@@ -20,7 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["group_tiles", "group_visits", "count_le"]
+__all__ = ["group_tiles", "group_visits", "count_le", "launch_order", "GROUP_VISITS"]
+
+# visits that run over every output block before the next ones start (grouped launch order):
+# their rows of x stay in L2 while the weight blocks stream past
+GROUP_VISITS = 8
 
 # Above this many comparisons, count_le sorts instead (a GPU or TPU sort, no loop either)
 COMPARE_ALL_MAX = 1 << 24
@@ -82,3 +86,13 @@ def group_visits(group_sizes_G: jax.Array, m: int, tm: int):
     zero = jnp.zeros((1,), jnp.int32)
     return (segment, tile.astype(jnp.int32), jnp.concatenate([row_lo, zero]),
             jnp.concatenate([row_hi, zero]), V)
+
+
+def launch_order(pid, n_v: int, n_o: int, group: int = GROUP_VISITS):
+    """Program ``pid`` of a 1-D grid of ``n_v x n_o`` -> ``(visit, output block)`` in grouped
+    launch order: ``group`` consecutive visits cover every output block before the next
+    visits start."""
+    per = group * n_o
+    first = (pid // per) * group
+    size = jnp.minimum(n_v - first, group)
+    return first + (pid % per) % size, (pid % per) // size

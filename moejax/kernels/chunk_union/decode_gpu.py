@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
-from moejax.kernels.chunk_union.pairs_gpu import DTYPES, swizzled
+from moejax.kernels.mgpu import DTYPES, swizzled
 from moejax.kernels.tuning import config_for
 from moejax.ops.activations import activation_fn
 

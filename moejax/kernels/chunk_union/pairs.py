@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moejax.kernels.chunk_union.pairs_gpu import DTYPES as MGPU_DTYPES
 from moejax.kernels.chunk_union.pairs_gpu import mgpu_down, mgpu_up, mgpu_wgrad
 from moejax.kernels.chunk_union.pairs_triton import triton_down, triton_up, triton_wgrad
+from moejax.kernels.mgpu import DTYPES as MGPU_DTYPES
 from moejax.kernels.tiling import block, choose_platform, hopper_target, pad_to, pow2
 from moejax.kernels.tuning import config_for
 

@@ -25,57 +25,16 @@ output columns, pipeline stages)`` (:func:`moejax.kernels.tuning.config_for`'s
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["mgpu_up", "mgpu_down", "mgpu_wgrad", "DTYPES", "swizzled"]
+from moejax.kernels.mgpu import block_spec as _spec
+from moejax.kernels.mgpu import mgpu_kernel as _kernel
+from moejax.kernels.mgpu import mma as _mma
+from moejax.kernels.mgpu import store_block as _store
+from moejax.kernels.mgpu import weight_spec as _w_spec
 
-DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-def swizzled(shape, dtype, what: str = ""):
-    """Tiling and swizzle transforms for a wgmma operand block in shared memory."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(shape[-1] * bits, what)
-    return plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)
-
-
-def _spec(shape, index, dtype, what):
-    """A pipelined block of ``shape`` (``None``: a squeezed leading axis)."""
-    block = tuple(d for d in shape if d is not None)
-    return plgpu.BlockSpec(shape, index, transforms=swizzled(block, dtype, what),
-                           delay_release=1)
-
-
-def _w_spec(tr, to, transpose, dtype, expert, col):
-    """The expert's weight block for contraction step ``r``: ``[tr, to]``, or as stored
-    ``[to, tr]`` when the product takes ``w^T``."""
-    if transpose:
-        return _spec((None, to, tr), lambda i: (expert(i), col, i), dtype, "wT")
-    return _spec((None, tr, to), lambda i: (expert(i), i, col), dtype, "w")
-
-
-def _mma(acc, a_s, w_s, transpose):
-    plgpu.wgmma(acc, a_s, w_s.T if transpose else w_s)
-    plgpu.wgmma_wait(1)
-
-
-def _store(acc_f32, out_g, index, dtype):
-    """The accumulator in ``dtype`` through shared memory to ``out_g[index]``."""
-    def write(o_smem):
-        o_smem[...] = acc_f32.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_g.at[index])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(write, plgpu.SMEM(acc_f32.shape, dtype))
-
-
-def _kernel(body, out_shape, grid, names, interpret):
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(*out_shape), grid=grid,
-                        grid_names=names,
-                        interpret=plgpu.InterpretGPUParams() if interpret else False)
+__all__ = ["mgpu_up", "mgpu_down", "mgpu_wgrad"]
 
 
 def mgpu_up(xs, w, pairs, tiles, transpose: bool, interpret: bool = False):

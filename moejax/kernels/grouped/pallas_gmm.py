@@ -14,23 +14,24 @@ small tiles whatever ``K`` and ``N`` are:
 The kernel is chosen when the function is lowered, per platform
 (:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
 
-* GPU: Triton, on megablox's tile metadata (:func:`moejax.ops.grouped_layout.group_visits`):
-  the rows stay where they are, and a row tile two groups share is visited once per group,
-  each visit loading and storing only its group's rows (masked), so no padded copy of ``x``
-  or ``y`` is made. A 1-D grid over (visit, output block) in grouped launch order
-  (``GROUP_VISITS`` visits cover every output block before the next start, so their rows stay
-  in L2); each program loops over the contraction, loading its group's weight block by
-  dynamic offsets, with an f32 accumulator in registers. ``dW``: grid ``(N blocks, K blocks,
-  groups)``, each program walking its group's row tiles. Block sizes are powers of two (what
-  ``tl.dot`` takes); the blocks' columns past ``K`` or ``N`` are masked too, so no operand is
-  padded either.
+* GPU: Triton, on megablox's tile metadata (:func:`moejax.ops.grouped_layout.group_visits`): the
+  rows stay where they are, and a row tile two groups share is visited once per group, each visit
+  loading and storing only its group's rows (masked), so no padded copy of ``x`` or ``y`` is made. A
+  1-D grid over (visit, output block) in grouped launch order
+  (:data:`~moejax.ops.grouped_layout.GROUP_VISITS` visits cover every output block before the next
+  start, so their rows stay in L2); each program loops over the contraction, loading its group's
+  weight block by dynamic offsets, with an f32 accumulator in registers. ``dW``: grid ``(N blocks, K
+  blocks, groups)``, each program walking its group's row tiles. Block sizes are powers of two (what
+  ``tl.dot`` takes); the blocks' columns past ``K`` or ``N`` are masked too, so no operand is padded
+  either.
   Tiles, warps and stages come from :func:`moejax.kernels.tuning.config_for` (the tuned table
   for the device being lowered for, per dtype and shape bucket, else the defaults there).
   On a GPU this kernel serves what tokamax's Mosaic GPU kernels do not take: float32 (and GPUs
-  older than sm80). It stays on Triton because float32 on Mosaic GPU means a tf32 wgmma, which
-  takes K-major operands only (Mosaic GPU transposes 16-bit operands alone): the forward's
-  ``w[g]`` (``[K, N]``, N fastest) and dW's ``x`` (contracted over its rows) would each need a
-  transposed copy per step.
+  older than sm80), and the large products where it measured faster. Its bf16 / f16 products
+  also exist on Mosaic GPU (:mod:`moejax.kernels.grouped.gmm_mgpu`); float32 stays on Triton
+  because on Mosaic GPU it means a tf32 wgmma, which takes K-major operands only (Mosaic GPU
+  transposes 16-bit operands alone): the forward's ``w[g]`` (``[K, N]``, N fastest) and dW's
+  ``x`` (contracted over its rows) would each need a transposed copy per step.
 * TPU: Mosaic, on the block-padded layout (:func:`moejax.ops.grouped_layout.group_tiles`:
   every group's rows copied into tiles of its own). Grid ``(tiles, output blocks, contraction
   blocks)``; the tiles' groups are scalar-prefetched so each program DMAs only its group's
@@ -58,7 +59,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.kernels.tuning import TritonConfig, config_for
-from moejax.ops.grouped_layout import group_tiles, group_visits
+from moejax.ops.grouped_layout import group_tiles, group_visits, launch_order
 
 __all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 
@@ -147,19 +148,6 @@ def _mosaic_tgmm(xp, dyp, tile_group_T, first_T, last_T, G, tm, tk, tn, interpre
 
 
 # -- GPU (Triton) ------------------------------------------------------------------------------
-# visits that run over every output block before the next ones start (Triton's grouped
-# launch order): their rows of x stay in L2 while the weight blocks stream past
-GROUP_VISITS = 8
-
-
-def _launch_order(pid, n_v, n_o):
-    """Program ``pid`` of the 1-D grid -> (visit, output block) in grouped launch order."""
-    per = GROUP_VISITS * n_o
-    first = (pid // per) * GROUP_VISITS
-    size = jnp.minimum(n_v - first, GROUP_VISITS)
-    return first + (pid % per) % size, (pid % per) // size
-
-
 def _span(start, size, lo, hi):
     """``[size]`` bool: which of the indices ``start + arange(size)`` lie in ``[lo, hi)``."""
     idx = start + jnp.arange(size, dtype=jnp.int32)
@@ -173,7 +161,7 @@ def _both(rows, cols):
 def _triton_tiles_kernel(seg_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, tm, tr, to,
                          n_v, n_o, groups, transpose):
     R, n_out = x_ref.shape[1], o_ref.shape[1]
-    v, o = _launch_order(pl.program_id(0), n_v, n_o)
+    v, o = launch_order(pl.program_id(0), n_v, n_o)
     s = seg_ref[v]
     row0 = tile_ref[v] * tm
     rows = _span(row0, tm, lo_ref[s], hi_ref[s])  # this visit's group's rows of the tile

@@ -45,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
 
@@ -55,7 +56,8 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     tokamax = None
     _tokamax_gpu_utils = None
 
-__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "PASSES", "ALIGN", "ragged_dot",
+__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_KERNEL", "OWN_KERNELS", "PASSES",
+           "ALIGN", "ragged_dot",
            "ragged_pass", "implementation", "cross_compile"]
 
 AVAILABLE = tokamax is not None
@@ -71,6 +73,9 @@ IMPLEMENTATIONS = {
 # Triton gmm 1.03-2.2x faster than tokamax's Mosaic GPU kernels in all three passes at 47 and
 # 378 GFLOP, and 1.2-4.5x slower at 1.5 GFLOP; 8 GFLOP lies between (not measured there).
 OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9, "drhs": 8e9}}
+# which of the project's own kernels OWN_FROM_FLOPS runs per platform: "gmm" (Triton on GPU,
+# the one measured there) or "gmm_mgpu" (the same products on Mosaic GPU)
+OWN_KERNEL = {"cuda": "gmm"}
 # the three products as ragged dot dimension numbers (jax.lax.ragged_dot_general):
 # fwd  x [M, K] . w [G, K, N] -> [M, N], rows ragged, w grouped;
 # dlhs dy [M, N] . w [G, K, N] -> [M, K], contracting N;
@@ -80,8 +85,10 @@ _DIMS = {
     "dlhs": jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0]),
     "drhs": jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []),
 }
-# the project's own kernel for each product, where tokamax's does not take the call
+# the project's own kernels for each product: "gmm" also runs what tokamax's kernel does not
+# take (it takes every dtype), "gmm_mgpu" bf16 / f16 on a Hopper GPU
 _OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
+OWN_KERNELS = {"gmm": _OWN, "gmm_mgpu": {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}}
 
 
 # each operand's and the result's axes: M rows, K, N, G groups
@@ -104,37 +111,38 @@ def _sizes(which: str, a, b, group_sizes_G) -> dict[str, int]:
 
 def implementation(platform: str, which: str, m: int, k: int, n: int) -> str:
     """What runs pass ``which`` of an ``[m, k] x [G, k, n]`` grouped product lowered for
-    ``platform``: ``"gmm"`` (the project's own kernel) from ``OWN_FROM_FLOPS``, else the
+    ``platform``: the project's own kernel (``OWN_KERNEL``) from ``OWN_FROM_FLOPS``, else the
     platform's tokamax implementation (``IMPLEMENTATIONS``; that kernel may still decline the
     call, :func:`ragged_pass`)."""
     if which not in PASSES:
         raise ValueError(f"which={which!r}; one of {PASSES}")
     own_from = OWN_FROM_FLOPS.get(platform, {}).get(which)
     if own_from is not None and 2 * m * k * n >= own_from:
-        return "gmm"
+        return OWN_KERNEL.get(platform, "gmm")
     return IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])[which]
 
 
 def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
                 fallback: bool = True):
     """One of the three products (``PASSES``) with tokamax's ``implementation`` ("xla":
-    :func:`jax.lax.ragged_dot_general`; ``"gmm"``: the project's own Pallas kernel), its
-    operands zero-padded to the multiples the kernel takes (``ALIGN``); where that kernel does
-    not take the call (it raises ``NotImplementedError``), the project's own kernel. Not
-    differentiable itself: the three make :func:`ragged_dot`'s forward and its VJP.
-    ``fallback=False``: raise instead of running the own kernel (the benchmarks time each
-    implementation on its own)."""
+    :func:`jax.lax.ragged_dot_general`) or the project's own (``OWN_KERNELS``: ``"gmm"``,
+    ``"gmm_mgpu"``), its operands zero-padded to the multiples tokamax's kernel takes
+    (``ALIGN``); where that kernel does not take the call (it raises
+    ``NotImplementedError``), the project's own ``"gmm"``. Not differentiable itself: the
+    three make :func:`ragged_dot`'s forward and its VJP. ``fallback=False``: raise instead
+    of running ``"gmm"`` (the benchmarks time each implementation on its own)."""
     out_dtype = b.dtype if which == "drhs" else a.dtype
-    if implementation == "gmm":
-        return _OWN[which](a, b, group_sizes_G).astype(out_dtype)
-    ax_a, ax_b, ax_out = _AXES[which]
-    align = ALIGN.get(implementation, {})
     try:
+        if implementation in OWN_KERNELS:
+            out = OWN_KERNELS[implementation][which](a, b, group_sizes_G)
+            return out.astype(out_dtype)
+        ax_a, ax_b, ax_out = _AXES[which]
+        align = ALIGN.get(implementation, {})
         out = tokamax.ragged_dot_general(
             _pad(a, ax_a, align), _pad(b, ax_b, align), group_sizes_G, _DIMS[which],
             preferred_element_type=out_dtype, implementation=implementation)
     except NotImplementedError:  # not this dtype / shape / device: the own kernel
-        if implementation == "xla" or not fallback:
+        if implementation in ("xla", "gmm") or not fallback:
             raise
         return _OWN[which](a, b, group_sizes_G).astype(out_dtype)
     size = _sizes(which, a, b, group_sizes_G)
