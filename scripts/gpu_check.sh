@@ -94,7 +94,7 @@ for stage in $stages; do
         -p no:cacheprovider -n 4 \
         tests/test_kernels_gmm.py tests/test_ragged_dot.py tests/test_kernels_pair_matmul.py \
         tests/test_kernels_chunk_union.py tests/test_kernels_chunk_decode_gpu.py \
-        tests/test_kernels_pairs_gpu.py \
+        tests/test_kernels_pairs_gpu.py tests/test_kernels_gmm_mgpu.py \
         tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
         tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;

@@ -25,7 +25,10 @@ from moejax.train.aot import TRITON
 # (group sizes, M): an empty group, a group over several tiles, tiles two or three groups
 # share, rows past the groups (their output is 0)
 CASES = [((70, 0, 100, 64), 320), ((3, 130, 1, 0), 200), ((0, 0, 64, 0), 64)]
-TILES = (64, 64, 64, 2)  # interpret mode's (rows, contraction, columns, stages)
+# interpret mode's launches (rows, contraction, columns, warps, stages): one warpgroup, and
+# warp-specialized (two computing warpgroups of 128 columns, stored 64 columns at a time)
+TILES = tuning.TritonConfig(64, 64, 64, 4, 2)
+SPECIALIZED = tuning.TritonConfig(64, 64, 128, 12, 2)
 
 
 def _group_rows(sizes):
@@ -63,12 +66,14 @@ def _assert_close(got, want, dtype):
 
 
 @pytest.mark.parametrize("sizes,m", CASES)
-@pytest.mark.parametrize("k,n,dtype", [(128, 192, jnp.bfloat16), (72, 136, jnp.float16)])
-def test_the_three_products_equal_numpy_loops(sizes, m, k, n, dtype):
+@pytest.mark.parametrize("k,n,dtype,tiles", [(128, 192, jnp.bfloat16, TILES),
+                                             (72, 136, jnp.float16, TILES),
+                                             (128, 320, jnp.bfloat16, SPECIALIZED)])
+def test_the_three_products_equal_numpy_loops(sizes, m, k, n, dtype, tiles):
     G = len(sizes)
     x, w, dy = _data(m, k, n, G, dtype, seed=m + k)
     gs = jnp.asarray(sizes, jnp.int32)
-    run = dict(interpret=True, tiles=TILES)
+    run = dict(interpret=True, tiles=tiles)
     _assert_close(gm.gmm_mgpu(x, w, gs, **run), _np_gmm(x, w, sizes), dtype)
     _assert_close(gm.gmm_t_mgpu(dy, w, gs, **run), _np_gmm(dy, jnp.swapaxes(w, 1, 2), sizes),
                   dtype)

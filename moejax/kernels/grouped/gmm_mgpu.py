@@ -1,7 +1,6 @@
 """The grouped matmul's three products (:mod:`moejax.kernels.grouped.pallas_gmm`) as Pallas
 Mosaic GPU kernels for Hopper: TMA copies into swizzled shared memory, wgmma into float32
-accumulators, one warpgroup per program, bf16 / f16 operands
-(:mod:`moejax.kernels.mgpu`). They run on megablox's tile metadata
+accumulators, bf16 / f16 operands (:mod:`moejax.kernels.mgpu`). They run on megablox's tile metadata
 (:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are and no operand
 is copied into a padded layout.
 
@@ -14,15 +13,22 @@ is copied into a padded layout.
   each visit stores only its group's rows: TMA copies of the accumulator's rows in a ladder
   of power-of-two lengths (a visit of ``r`` rows stores one copy per set bit of ``r``), since
   a TMA copy's shape is static.
+* :func:`mgpu_visits_ws`: the same products warp-specialized, as jax's Hopper matmul is
+  (``num_warps`` 12 in the configuration, the default): three warpgroups a program, one
+  issuing the TMA copies of the row tile and the weight blocks, two computing with wgmma,
+  each over half of the program's output columns, then storing them 64 columns at a time
+  (the shared memory the pipeline leaves).
 * :func:`mgpu_tgmm` ``[G, K, N]`` (dW ``x_g^T dy_g``): grid (group, K block, N block); a
   program pipelines over its group's row tiles, giving wgmma the ``x`` block as a transposed
   view. The first and last tiles can hold neighbouring groups' rows: their ``x`` rows are
   zeroed in shared memory before the product. An empty group writes zeros.
 
-Operands arrive whole multiples of the blocks (:func:`padded`, zero padding, exact: padded
-rows lie past the groups, padded contraction adds zeros, padded columns are cut off).
-``tiles`` is ``(rows, contraction, output columns, stages)`` from
-:func:`moejax.kernels.tuning.config_for` (``"gmm_mgpu"``, ``"tgmm_mgpu"``).
+The kernels take operands in whole blocks; :func:`gmm_mgpu`, :func:`gmm_t_mgpu` and
+:func:`tgmm_mgpu` choose blocks that divide the shape where they can (:func:`fit_block`) and
+zero-pad otherwise (exact: padded rows lie past the groups, padded contraction adds zeros,
+padded columns are cut off).
+The launch (rows, contraction and output-column blocks, warps: :data:`WARPS`, stages) is
+:func:`moejax.kernels.tuning.config_for`'s (``"gmm_mgpu"``, ``"tgmm_mgpu"``).
 ``interpret=True`` runs them in Mosaic GPU's interpreter on the CPU (for tests).
 """
 
@@ -33,14 +39,28 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moejax.kernels.mgpu import block_spec, mgpu_kernel, mma, store_block, takes_dtype, weight_spec
+from moejax.kernels.mgpu import (
+    block_spec,
+    mgpu_kernel,
+    mma,
+    store_block,
+    swizzled,
+    takes_dtype,
+    weight_spec,
+)
 from moejax.kernels.tiling import pad_to
-from moejax.kernels.tuning import config_for
+from moejax.kernels.tuning import TritonConfig, config_for
 from moejax.ops.grouped_layout import group_visits, launch_order
 
-__all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_tgmm", "fit_block",
-           "visits_store_ladder"]
+__all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_visits_ws", "mgpu_tgmm",
+           "fit_block", "visits_store_ladder", "WARPS"]
 
+# the warp-specialized kernel stores its accumulators this many columns at a time (the
+# shared memory the pipeline's stages leave)
+EPILOGUE_COLS = 64
+# a configuration's num_warps -> the kernel: one warpgroup (mgpu_visits) or three, one loading
+# and two computing (mgpu_visits_ws; the weight gradient always takes one)
+WARPS = {4: "one", 12: "specialized"}
 # wgmma's M: row blocks and the weight gradient's K blocks are multiples of it
 WGMMA_M = 64
 
@@ -51,24 +71,32 @@ def visits_store_ladder(tm: int) -> tuple[int, ...]:
     return tuple(1 << b for b in reversed(range(tm.bit_length())) if 1 << b <= tm)
 
 
-def _store_rows(acc_f32, o_g, row0, first, size, col, tm: int, to: int, dtype):
+def _store_rows_in(acc_f32, o_smem, o_g, row0, first, size, col, tm: int, to: int, dtype):
     """Rows ``[first, first + size)`` of the ``[tm, to]`` accumulator (``0 <= size <= tm``)
-    to ``o_g`` at row ``row0 + first``, column block ``col``: through shared memory, one TMA
-    copy per set bit of ``size``."""
-    def write(o_smem):
-        o_smem[...] = acc_f32.astype(dtype)
+    to ``o_g`` at row ``row0 + first``, column block ``col``, through ``o_smem`` (``[tm, c]``,
+    ``c`` dividing ``to``: the columns go ``c`` at a time): one TMA copy per set bit of
+    ``size``."""
+    c = o_smem.shape[1]
+    for j in range(to // c):
+        plgpu.wait_smem_to_gmem(0)  # the previous columns' copies have read o_smem
+        o_smem[...] = acc_f32[:, j * c:(j + 1) * c].astype(dtype)
         plgpu.commit_smem()
         start = first
         for length in visits_store_ladder(tm):
             @pl.when((size & length) != 0)
-            def _(start=start, length=length):
+            def _(start=start, length=length, j=j):
                 plgpu.copy_smem_to_gmem(
                     o_smem.at[pl.ds(start, length)],
-                    o_g.at[pl.ds(row0 + start, length), pl.ds(col * to, to)])
+                    o_g.at[pl.ds(row0 + start, length), pl.ds(col * to + j * c, c)])
             start = start + (size & length)
-        plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(write, plgpu.SMEM((tm, to), dtype))
+
+def _store_rows(acc_f32, o_g, row0, first, size, col, tm: int, to: int, dtype):
+    """:func:`_store_rows_in` through a scoped shared-memory block."""
+    pl.run_scoped(lambda o_smem: _store_rows_in(acc_f32, o_smem, o_g, row0, first, size, col,
+                                                tm, to, dtype),
+                  plgpu.SMEM((tm, to), dtype))
 
 
 def mgpu_visits(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool = False):
@@ -105,6 +133,69 @@ def mgpu_visits(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool 
 
     return mgpu_kernel(body, ((m, n_out), dt), (V * n_o,), ("p",), interpret)(
         seg_V, tile_V, lo_S, hi_S, x_MR, w)
+
+
+def mgpu_visits_ws(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool = False):
+    """:func:`mgpu_visits` warp-specialized: a program is three warpgroups, one issuing the TMA
+    copies of its row tile and weight blocks, two computing with wgmma, each over half of the
+    program's ``2 to`` output columns (``to``: ``tiles[2]``)."""
+    tm, tr, to, stages = tiles
+    m, R = x_MR.shape
+    G = group_sizes_G.shape[0]
+    n_out = w.shape[1] if transpose else w.shape[2]
+    seg_V, tile_V, lo_S, hi_S, V = group_visits(group_sizes_G, m, tm)
+    n_o = n_out // (2 * to)
+    dt = x_MR.dtype
+    w_block = (2 * to, tr) if transpose else (tr, 2 * to)
+
+    def body(seg_g, tile_g, lo_g, hi_g, x_g, w_g, o_g, o_smem):
+        v, o = launch_order(jax.lax.axis_index("p"), V, n_o)
+        wg = jax.lax.axis_index("wg")
+        s, t = seg_g[v], tile_g[v]
+        row0 = t * tm
+        first = jnp.clip(lo_g[s] - row0, 0, tm)
+        size = jnp.clip(hi_g[s] - row0, 0, tm) - first
+        col = 2 * o + wg  # this warpgroup's output block
+
+        def step(_, x_s, w_s, acc):
+            half = (w_s.at[pl.ds(wg * to, to)].T if transpose else
+                    w_s.at[:, pl.ds(wg * to, to)])
+            plgpu.wgmma(acc, x_s, half)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        def compute(eval_pipeline):
+            def run(acc):
+                eval_pipeline(acc)
+                _store_rows_in(acc[...], o_smem.at[wg], o_g, row0, first, size, col, tm, to,
+                               dt)
+            pl.run_scoped(run, plgpu.ACC((tm, to)))
+
+        w_cols = pl.ds(o * 2 * to, 2 * to)
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(R // tr,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=compute,
+            in_specs=[plgpu.BlockSpec((tm, tr), lambda r: (0, r),
+                                      transforms=swizzled((tm, tr), dt, "x")),
+                      plgpu.BlockSpec(w_block, lambda r: (0, r) if transpose else (r, 0),
+                                      transforms=swizzled(w_block, dt, "w"))])
+
+        @pl.when((s < G) & (size > 0))
+        def _():
+            pipeline(x_g.at[pl.ds(row0, tm)],
+                     w_g.at[s, w_cols] if transpose else w_g.at[s, :, w_cols])
+
+        @pl.when((s >= G) & (size > 0) & (wg < 2))  # rows past the groups: zeros
+        def _():
+            _store_rows_in(jnp.zeros((tm, to), jnp.float32), o_smem.at[wg], o_g, row0, first,
+                           size, col, tm, to, dt)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n_out), dt), grid=(V * n_o,), grid_names=("p",),
+        num_threads=3, thread_name="wg",
+        scratch_types=[plgpu.SMEM((2, tm, min(to, EPILOGUE_COLS)), dt)],
+        interpret=plgpu.InterpretGPUParams() if interpret else False)
+    return kernel(seg_V, tile_V, lo_S, hi_S, x_MR, w)
 
 
 def _zero_rows_outside(x_s, row0, lo, hi, tm: int):
@@ -170,14 +261,21 @@ def fit_block(dim: int, pref: int, least: int = WGMMA_M) -> int:
     return pref
 
 
-def _tiles(kernel: str, dtype, k: int, n: int, interpret: bool, tiles):
-    """``(rows, contraction, columns, stages)``: the caller's ``tiles`` in interpret mode
-    when given, else the tuned or default configuration for the device being lowered for,
-    its contraction and column blocks fitted to ``k`` and ``n`` (:func:`fit_block`)."""
+def _config(kernel: str, dtype, k: int, n: int, interpret: bool, tiles) -> TritonConfig:
+    """The launch: interpret mode's ``tiles`` as given, else the tuned or default configuration
+    for the device being lowered for (:func:`moejax.kernels.tuning.config_for`), its
+    contraction and column blocks fitted to ``k`` and ``n`` (:func:`fit_block`; the
+    warp-specialized forward takes ``2 tn`` columns a program)."""
+    c = TritonConfig(*tiles) if interpret and tiles is not None else config_for(
+        kernel, dtype, k, n)
+    if c.num_warps not in WARPS:
+        raise ValueError(f"{kernel}: num_warps={c.num_warps}; one of {tuple(WARPS)} "
+                         "(one warpgroup, or one loading and two computing)")
     if interpret and tiles is not None:
-        return tuple(tiles)
-    c = config_for(kernel, dtype, k, n)
-    return c.tm, fit_block(k, c.tk), fit_block(n, c.tn), c.num_stages
+        return c
+    pair = 2 if kernel == "gmm_mgpu" and WARPS[c.num_warps] == "specialized" else 1
+    return c._replace(tk=fit_block(k, c.tk),
+                      tn=fit_block(n, pair * c.tn, least=pair * WGMMA_M) // pair)
 
 
 def _check(a, b):
@@ -188,21 +286,27 @@ def _check(a, b):
 
 
 def _visits_call(a_MR, w, group_sizes_G, transpose: bool, interpret: bool, tiles):
-    """:func:`mgpu_visits` on operands zero-padded to its blocks, the result cut back."""
+    """:func:`mgpu_visits` (or :func:`mgpu_visits_ws`, as the configuration's warps say) on
+    operands zero-padded to its blocks, the result cut back."""
     _check(a_MR, w)
     m, R = a_MR.shape
     n_out = w.shape[1] if transpose else w.shape[2]
-    tm, tr, to, st = _tiles("gmm_mgpu", a_MR.dtype, R, n_out, interpret, tiles)
-    a = pad_to(pad_to(a_MR, 0, tm), 1, tr)
-    w = pad_to(pad_to(w, 2 if transpose else 1, tr), 1 if transpose else 2, to)
-    return mgpu_visits(a, w, group_sizes_G, (tm, tr, to, st), transpose, interpret)[:m, :n_out]
+    c = _config("gmm_mgpu", a_MR.dtype, R, n_out, interpret, tiles)
+    ws = WARPS[c.num_warps] == "specialized"
+    cols = c.tn * (2 if ws else 1)
+    a = pad_to(pad_to(a_MR, 0, c.tm), 1, c.tk)
+    w = pad_to(pad_to(w, 2 if transpose else 1, c.tk), 1 if transpose else 2, cols)
+    kernel = mgpu_visits_ws if ws else mgpu_visits
+    return kernel(a, w, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages), transpose,
+                  interpret)[:m, :n_out]
 
 
 def gmm_mgpu(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False, tiles=None):
     """``[M, K] x [G, K, N] -> [M, N]``, :func:`jax.lax.ragged_dot`'s meaning (rows past the
     groups give 0), by :func:`mgpu_visits`; operands zero-padded to its blocks and the result
     cut back. bf16 / f16 only (``NotImplementedError`` otherwise). ``tiles``: interpret
-    mode's ``(rows, contraction, columns, stages)``."""
+    mode's launch, a :class:`~moejax.kernels.tuning.TritonConfig` (its ``num_warps``:
+    :data:`WARPS`)."""
     return _visits_call(x_MK, w_GKN, group_sizes_G, False, interpret, tiles)
 
 
@@ -217,7 +321,8 @@ def tgmm_mgpu(x_MK, dy_MN, group_sizes_G, *, interpret: bool = False, tiles=None
     an empty group)."""
     _check(x_MK, dy_MN)
     K, N = x_MK.shape[1], dy_MN.shape[1]
-    tm, tk, tn, st = _tiles("tgmm_mgpu", x_MK.dtype, K, N, interpret, tiles)
-    x = pad_to(pad_to(x_MK, 0, tm), 1, tk)
-    dy = pad_to(pad_to(dy_MN, 0, tm), 1, tn)
-    return mgpu_tgmm(x, dy, group_sizes_G, (tm, tk, tn, st), interpret)[:, :K, :N]
+    c = _config("tgmm_mgpu", x_MK.dtype, K, N, interpret, tiles)
+    x = pad_to(pad_to(x_MK, 0, c.tm), 1, c.tk)
+    dy = pad_to(pad_to(dy_MN, 0, c.tm), 1, c.tn)
+    return mgpu_tgmm(x, dy, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages),
+                     interpret)[:, :K, :N]
