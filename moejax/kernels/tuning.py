@@ -19,10 +19,9 @@ shared memory, keeps 64 x 32 x 64 with 4 warps and 2 stages for the forward and 
 the 128 x 128 weight-gradient tiles with 64-row steps, 8 warps and 2 stages. The Mosaic GPU
 kernels (one warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmma tiles,
 64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages;
-the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages, the
-forward and dX warp-specialized as jax's Hopper matmul is (``num_warps`` 12: one warpgroup
-issuing the copies, two computing 128 columns each), dW one warpgroup with 128 x 128 output
-blocks in 64-row steps.
+the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages (dW: 128 x
+128 output blocks in 64-row steps), warp-specialized as jax's Hopper matmul is
+(``num_warps`` 12: one warpgroup issuing the copies, two computing a block each).
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
@@ -80,7 +79,7 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     # computing warpgroup; dW in 128 x 128 output blocks, 64 rows a step), 4 stages
     # (12 warps: warp-specialized, one warpgroup loading and two computing 128 columns each)
     **{("gmm_mgpu", d): TritonConfig(128, 64, 128, 12, 4) for d in _WIDE},
-    **{("tgmm_mgpu", d): TritonConfig(64, 128, 128, 4, 4) for d in _WIDE},
+    **{("tgmm_mgpu", d): TritonConfig(64, 128, 128, 12, 4) for d in _WIDE},
 }
 
 
@@ -100,14 +99,16 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
     # the grouped products on Mosaic GPU, one warpgroup: accumulators of 64 x 128, 64 x 256 or
     # 128 x 128 (128 x 256 needs more registers than a thread has), contraction steps of 64 or
-    # 128, 2 to 4 stages; the forward also warp-specialized (12 warps: two computing
-    # warpgroups of 64 or 128 columns each)
+    # 128, 2 to 4 stages; also warp-specialized (12 warps: two computing warpgroups of 64 or
+    # 128 columns, or rows of dW, each)
     "gmm_mgpu": tuple(TritonConfig(tm, tk, tn, 4, st) for tm, tn in _MGPU_ACC for tk in (64, 128)
                       for st in (2, 3, 4)) + tuple(
         TritonConfig(tm, 64, tn, 12, st) for tm in (64, 128) for tn in (64, 128)
         for st in (3, 4)),
     "tgmm_mgpu": tuple(TritonConfig(64, tk, tn, 4, st) for tk, tn in _MGPU_ACC
-                       for st in (2, 3, 4)),
+                       for st in (2, 3, 4)) + tuple(
+        TritonConfig(64, tk, tn, 12, st) for tk in (64, 128) for tn in (64, 128)
+        for st in (3, 4)),
     # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
     # in flight, so longer D steps (128, 256) as well as deeper pipelines
     "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st) for bk in (64, 128, 256)

@@ -22,6 +22,9 @@ is copied into a padded layout.
   program pipelines over its group's row tiles, giving wgmma the ``x`` block as a transposed
   view. The first and last tiles can hold neighbouring groups' rows: their ``x`` rows are
   zeroed in shared memory before the product. An empty group writes zeros.
+  :func:`mgpu_tgmm_ws` warp-specializes it: one warpgroup loads ``2 tk`` columns of ``x``
+  and the ``dy`` block, and each of two computing warpgroups makes the ``[tk, tn]`` block of
+  ``dW`` of its half.
 
 The kernels take operands in whole blocks; :func:`gmm_mgpu`, :func:`gmm_t_mgpu` and
 :func:`tgmm_mgpu` choose blocks that divide the shape where they can (:func:`fit_block`) and
@@ -53,13 +56,13 @@ from moejax.kernels.tuning import TritonConfig, config_for
 from moejax.ops.grouped_layout import group_visits, launch_order
 
 __all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_visits_ws", "mgpu_tgmm",
-           "fit_block", "visits_store_ladder", "WARPS"]
+           "mgpu_tgmm_ws", "fit_block", "visits_store_ladder", "WARPS"]
 
 # the warp-specialized kernel stores its accumulators this many columns at a time (the
 # shared memory the pipeline's stages leave)
 EPILOGUE_COLS = 64
-# a configuration's num_warps -> the kernel: one warpgroup (mgpu_visits) or three, one loading
-# and two computing (mgpu_visits_ws; the weight gradient always takes one)
+# a configuration's num_warps -> the kernel: one warpgroup (mgpu_visits, mgpu_tgmm) or three,
+# one loading and two computing (mgpu_visits_ws, mgpu_tgmm_ws)
 WARPS = {4: "one", 12: "specialized"}
 # wgmma's M: row blocks and the weight gradient's K blocks are multiples of it
 WGMMA_M = 64
@@ -249,6 +252,77 @@ def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
                        interpret)(lo_S, hi_S, x_MK, dy_MN)
 
 
+def mgpu_tgmm_ws(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
+    """:func:`mgpu_tgmm` warp-specialized: a program is three warpgroups, one issuing the TMA
+    copies of the group's row tiles of ``x`` (``2 tk`` columns) and ``dy``, two computing,
+    each the ``[tk, tn]`` block of ``dW`` for its half of those columns (and zeroing its half's
+    rows outside the group in the first and last tiles)."""
+    tm, tk, tn, stages = tiles
+    m, K = x_MK.shape
+    N, G = dy_MN.shape[1], group_sizes_G.shape[0]
+    _, _, lo_S, hi_S, _ = group_visits(group_sizes_G, m, tm)
+    dt = x_MK.dtype
+    chunk = min(tn, EPILOGUE_COLS)
+
+    def body(lo_g, hi_g, x_g, dy_g, o_g, o_smem):
+        g, k, c = (jax.lax.axis_index(a) for a in ("g", "k", "c"))
+        wg = jax.lax.axis_index("wg")
+        lo, hi = lo_g[g], hi_g[g]
+        first = jax.lax.div(lo, tm)
+        tiles_g = jnp.where(hi > lo, jax.lax.div(hi + tm - 1, tm) - first, 0)
+        rows = pl.ds((2 * k + wg) * tk, tk)  # this warpgroup's rows of dW[g]
+
+        def store(acc_f32):
+            for j in range(tn // chunk):
+                plgpu.wait_smem_to_gmem(0)
+                o_smem.at[wg][...] = acc_f32[:, j * chunk:(j + 1) * chunk].astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg],
+                                        o_g.at[g, rows, pl.ds(c * tn + j * chunk, chunk)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(idx, x_s, dy_s, acc):
+            (i,) = idx
+            mine = x_s.at[:, pl.ds(wg * tk, tk)]
+
+            @pl.when((i == 0) | (i == tiles_g - 1))
+            def _():
+                _zero_rows_outside(mine, (first + i) * tm, lo, hi, tm)
+
+            plgpu.wgmma(acc, mine.T, dy_s)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        def compute(eval_pipeline):
+            def run(acc):
+                eval_pipeline(acc)
+                store(acc[...])
+            pl.run_scoped(run, plgpu.ACC((tk, tn)))
+
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step, grid=(tiles_g,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=compute,
+            in_specs=[plgpu.BlockSpec((tm, 2 * tk), lambda i: (first + i, 0),
+                                      transforms=swizzled((tm, 2 * tk), dt, "x")),
+                      plgpu.BlockSpec((tm, tn), lambda i: (first + i, 0),
+                                      transforms=swizzled((tm, tn), dt, "dy"))])
+
+        @pl.when(tiles_g > 0)
+        def _():
+            pipeline(x_g.at[:, pl.ds(k * 2 * tk, 2 * tk)], dy_g.at[:, pl.ds(c * tn, tn)])
+
+        @pl.when((tiles_g == 0) & (wg < 2))  # an empty group: zeros
+        def _():
+            store(jnp.zeros((tk, tn), jnp.float32))
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((G, K, N), dt), grid=(G, K // (2 * tk), N // tn),
+        grid_names=("g", "k", "c"), num_threads=3, thread_name="wg",
+        scratch_types=[plgpu.SMEM((2, tk, chunk), dt)],
+        interpret=plgpu.InterpretGPUParams() if interpret else False)
+    return kernel(lo_S, hi_S, x_MK, dy_MN)
+
+
 # -- padding, tiles and the three products ------------------------------------------------------
 def fit_block(dim: int, pref: int, least: int = WGMMA_M) -> int:
     """The block for an axis of ``dim``: the largest of ``pref, pref / 2, ..., least`` that
@@ -264,8 +338,8 @@ def fit_block(dim: int, pref: int, least: int = WGMMA_M) -> int:
 def _config(kernel: str, dtype, k: int, n: int, interpret: bool, tiles) -> TritonConfig:
     """The launch: interpret mode's ``tiles`` as given, else the tuned or default configuration
     for the device being lowered for (:func:`moejax.kernels.tuning.config_for`), its
-    contraction and column blocks fitted to ``k`` and ``n`` (:func:`fit_block`; the
-    warp-specialized forward takes ``2 tn`` columns a program)."""
+    contraction and column blocks fitted to ``k`` and ``n`` (:func:`fit_block`; a
+    warp-specialized program takes ``2 tn`` output columns, or ``2 tk`` rows of dW)."""
     c = TritonConfig(*tiles) if interpret and tiles is not None else config_for(
         kernel, dtype, k, n)
     if c.num_warps not in WARPS:
@@ -273,7 +347,10 @@ def _config(kernel: str, dtype, k: int, n: int, interpret: bool, tiles) -> Trito
                          "(one warpgroup, or one loading and two computing)")
     if interpret and tiles is not None:
         return c
-    pair = 2 if kernel == "gmm_mgpu" and WARPS[c.num_warps] == "specialized" else 1
+    pair = 2 if WARPS[c.num_warps] == "specialized" else 1
+    if kernel == "tgmm_mgpu":  # dW's K rows split between the computing warpgroups
+        return c._replace(tk=fit_block(k, pair * c.tk, least=pair * WGMMA_M) // pair,
+                          tn=fit_block(n, c.tn))
     return c._replace(tk=fit_block(k, c.tk),
                       tn=fit_block(n, pair * c.tn, least=pair * WGMMA_M) // pair)
 
@@ -318,11 +395,13 @@ def gmm_t_mgpu(dy_MN, w_GKN, group_sizes_G, *, interpret: bool = False, tiles=No
 
 def tgmm_mgpu(x_MK, dy_MN, group_sizes_G, *, interpret: bool = False, tiles=None):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` (the weight gradient of :func:`gmm_mgpu`; 0 for
-    an empty group)."""
+    an empty group), by :func:`mgpu_tgmm` or :func:`mgpu_tgmm_ws` as the configuration's
+    warps say."""
     _check(x_MK, dy_MN)
     K, N = x_MK.shape[1], dy_MN.shape[1]
     c = _config("tgmm_mgpu", x_MK.dtype, K, N, interpret, tiles)
-    x = pad_to(pad_to(x_MK, 0, c.tm), 1, c.tk)
+    ws = WARPS[c.num_warps] == "specialized"
+    x = pad_to(pad_to(x_MK, 0, c.tm), 1, c.tk * (2 if ws else 1))
     dy = pad_to(pad_to(dy_MN, 0, c.tm), 1, c.tn)
-    return mgpu_tgmm(x, dy, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages),
-                     interpret)[:, :K, :N]
+    kernel = mgpu_tgmm_ws if ws else mgpu_tgmm
+    return kernel(x, dy, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages), interpret)[:, :K, :N]
