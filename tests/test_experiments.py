@@ -364,6 +364,22 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
                        ["shapes=((64,0,32,4),)"], out=tmp_path / "bad")
 
 
+def test_bench_grouped_keeps_the_other_rows_when_a_kernel_fails(monkeypatch):
+    """A kernel path that fails to compile or run is a row saying so; the dense product's
+    failure still fails the run."""
+    from experiments.benchmarks import grouped as bench_grouped
+
+    def broken(*args, **kw):
+        raise RuntimeError("Mosaic GPU: failed to compile\nmore")
+
+    monkeypatch.setattr(bench_grouped, "time_device_loop", broken)
+    cfg = bench_grouped.BenchGroupedConfig()
+    assert bench_grouped._time(None, cfg=cfg, path="gmm_mgpu") == (
+        None, "failed: RuntimeError: Mosaic GPU: failed to compile")
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        bench_grouped._time(None, cfg=cfg, path="dense")
+
+
 def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monkeypatch):
     """float32 on a GPU: Mosaic GPU declines, ragged_pass runs the own gmm, and the choice
     table judges that kernel, not an empty row."""
