@@ -131,13 +131,18 @@ def test_store_ladder_and_block_fitting():
     assert gm.fit_block(2048, 256) == 256 and gm.fit_block(100, 128) == 128  # padded
 
 
-def test_float32_is_refused_as_tokamax_refuses_it():
+def test_float32_and_other_gpus_are_refused_as_tokamax_refuses_them():
+    """float32 anywhere, and bf16 built for a device without wgmma (this CPU; an A100):
+    ``NotImplementedError``, on which ragged_dot falls back to the Triton kernel."""
     x, w, dy = _data(64, 64, 64, 2, jnp.float32, seed=0)
     gs = jnp.asarray([30, 34], jnp.int32)
-    for call in (lambda: gm.gmm_mgpu(x, w, gs), lambda: gm.gmm_t_mgpu(dy, w, gs),
-                 lambda: gm.tgmm_mgpu(x, dy, gs)):
+    calls = (lambda x, w, dy: gm.gmm_mgpu(x, w, gs), lambda x, w, dy: gm.gmm_t_mgpu(dy, w, gs),
+             lambda x, w, dy: gm.tgmm_mgpu(x, dy, gs))
+    for call in calls:
         with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
-            call()
+            call(x, w, dy)
+        with pytest.raises(NotImplementedError, match="needs a Hopper GPU"):
+            call(*(a.astype(jnp.bfloat16) for a in (x, w, dy)))
 
 
 def _cuda_calls(fn, *args):

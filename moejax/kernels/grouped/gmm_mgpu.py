@@ -51,7 +51,7 @@ from moejax.kernels.mgpu import (
     takes_dtype,
     weight_spec,
 )
-from moejax.kernels.tiling import pad_to
+from moejax.kernels.tiling import hopper_target, pad_to
 from moejax.kernels.tuning import TritonConfig, config_for
 from moejax.ops.grouped_layout import group_visits, launch_order
 
@@ -355,17 +355,23 @@ def _config(kernel: str, dtype, k: int, n: int, interpret: bool, tiles) -> Trito
                       tn=fit_block(n, pair * c.tn, least=pair * WGMMA_M) // pair)
 
 
-def _check(a, b):
+def _check(a, b, interpret: bool):
+    """``NotImplementedError`` (what tokamax raises for a call its kernel does not take, so
+    :func:`moejax.kernels.grouped.ragged.ragged_pass` falls back to the Triton kernel) unless
+    the operands are bf16 / f16 of one dtype and the program is built for a Hopper GPU."""
     if not (takes_dtype(a.dtype) and a.dtype == b.dtype):
         raise NotImplementedError(f"the Mosaic GPU grouped matmul takes bfloat16 or float16 "
                                   f"operands of one dtype, not {a.dtype} and {b.dtype} (float32: "
                                   "the Triton kernel, moejax.kernels.grouped.pallas_gmm)")
+    if not (interpret or hopper_target()):
+        raise NotImplementedError("the Mosaic GPU grouped matmul needs a Hopper GPU (wgmma); "
+                                  "elsewhere the Triton kernel, moejax.kernels.grouped.pallas_gmm")
 
 
 def _visits_call(a_MR, w, group_sizes_G, transpose: bool, interpret: bool, tiles):
     """:func:`mgpu_visits` (or :func:`mgpu_visits_ws`, as the configuration's warps say) on
     operands zero-padded to its blocks, the result cut back."""
-    _check(a_MR, w)
+    _check(a_MR, w, interpret)
     m, R = a_MR.shape
     n_out = w.shape[1] if transpose else w.shape[2]
     c = _config("gmm_mgpu", a_MR.dtype, R, n_out, interpret, tiles)
@@ -397,7 +403,7 @@ def tgmm_mgpu(x_MK, dy_MN, group_sizes_G, *, interpret: bool = False, tiles=None
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` (the weight gradient of :func:`gmm_mgpu`; 0 for
     an empty group), by :func:`mgpu_tgmm` or :func:`mgpu_tgmm_ws` as the configuration's
     warps say."""
-    _check(x_MK, dy_MN)
+    _check(x_MK, dy_MN, interpret)
     K, N = x_MK.shape[1], dy_MN.shape[1]
     c = _config("tgmm_mgpu", x_MK.dtype, K, N, interpret, tiles)
     ws = WARPS[c.num_warps] == "specialized"

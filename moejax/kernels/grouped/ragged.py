@@ -57,8 +57,7 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     _tokamax_gpu_utils = None
 
 __all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_KERNEL", "OWN_KERNELS", "PASSES",
-           "ALIGN", "ragged_dot",
-           "ragged_pass", "implementation", "cross_compile"]
+           "ALIGN", "ragged_dot", "ragged_pass", "implementation", "cross_compile"]
 
 AVAILABLE = tokamax is not None
 PASSES = ("fwd", "dlhs", "drhs")
