@@ -1,10 +1,10 @@
-"""The grouped matmul's Mosaic GPU kernels (moejax.kernels.grouped.gmm_mgpu) in Mosaic GPU's
-interpreter on this CPU: forward, dX and dW each equal a numpy loop over the groups (empty
-groups, groups spanning tiles, row tiles two groups share, rows past the groups, every
-dimension off the blocks, bf16 and f16); the row-store ladder and the block fitting; float32
-is refused the way tokamax refuses it (so ragged_dot falls back to the Triton kernel).
-Exported for an H100, each product is one Mosaic GPU kernel and no Triton kernel, and
-ragged_dot's train step runs the three on it when ``OWN_KERNEL`` names it."""
+"""The grouped matmul's Mosaic GPU kernels (moejax.kernels.grouped.gmm_mgpu, one warpgroup, and
+gmm_mgpu_ws, warp-specialized) in Mosaic GPU's interpreter on this CPU: forward, dX and dW each
+equal a numpy loop over the groups (empty groups, groups spanning tiles, row tiles two groups
+share, rows past the groups, every dimension off the blocks, bf16 and f16); the row-store ladder
+and the block fitting; float32 is refused the way tokamax refuses it (so ragged_dot falls back
+to the Triton kernel). Exported for an H100, each product is one Mosaic GPU kernel and no Triton
+kernel, and ragged_dot's train step runs the three on it when ``OWN_KERNEL`` names it."""
 
 import re
 
@@ -17,7 +17,9 @@ import pytest
 from experiments.benchmarks import autotune
 from moejax.kernels import tuning
 from moejax.kernels.grouped import gmm_mgpu as gm
+from moejax.kernels.grouped import gmm_mgpu_ws as gm_ws
 from moejax.kernels.grouped import ragged as rd
+from moejax.kernels.mgpu import row_ladder
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import hopper_target
 from moejax.train.aot import TRITON
@@ -97,7 +99,8 @@ def test_a_wrong_row_range_fails_the_oracle(monkeypatch):
     with pytest.raises(AssertionError):
         _assert_close(gm.gmm_mgpu(x, w, gs, interpret=True, tiles=TILES), want, jnp.bfloat16)
     monkeypatch.undo()
-    monkeypatch.setattr(gm, "_zero_rows_outside", lambda *a: None)
+    for module in (gm, gm_ws):
+        monkeypatch.setattr(module, "zero_rows_outside", lambda *a: None)
     for tiles in (TILES, SPECIALIZED):
         with pytest.raises(AssertionError):
             _assert_close(gm.tgmm_mgpu(x, dy, gs, interpret=True, tiles=tiles),
@@ -123,7 +126,7 @@ def test_the_kernels_take_a_forced_configuration_as_a_tuned_one_is_read():
 
 def test_store_ladder_and_block_fitting():
     for tm in (64, 128, 96):
-        ladder = gm.visits_store_ladder(tm)
+        ladder = row_ladder(tm)
         assert list(ladder) == sorted(ladder, reverse=True) and ladder[-1] == 1
         for r in range(tm + 1):  # every row count is a sum of distinct rungs
             assert sum(length for length in ladder if r & length) == r

@@ -1,6 +1,7 @@
 """Building blocks shared by the project's Pallas Mosaic GPU kernels (Hopper: TMA copies into
 swizzled shared memory, wgmma into float32 accumulators): operand block specs, the store of
-an accumulator, and the kernel launch with its interpret mode.
+an accumulator (whole, or a dynamic range of its rows), zeroing rows outside a range, and the
+kernel launch with its interpret mode.
 
 Mosaic GPU's wgmma takes 16-bit operands (:data:`DTYPES`) from shared memory, either
 orientation (a transposed view of a block is free); float32 would be a tf32 wgmma, which
@@ -16,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["DTYPES", "swizzled", "block_spec", "weight_spec", "mma", "store_block", "mgpu_kernel",
-           "takes_dtype"]
+           "takes_dtype", "row_ladder", "store_row_range", "zero_rows_outside"]
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -65,6 +66,43 @@ def store_block(acc_f32, out_g, index, dtype):
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(write, plgpu.SMEM(acc_f32.shape, dtype))
+
+
+def row_ladder(tm: int) -> tuple[int, ...]:
+    """The TMA copy lengths a store of a dynamic number of rows uses: the powers of two up
+    to ``tm``, longest first (``r <= tm`` rows take those of ``r``'s set bits; a TMA copy's
+    shape is static)."""
+    return tuple(1 << b for b in reversed(range(tm.bit_length())) if 1 << b <= tm)
+
+
+def store_row_range(acc_f32, o_smem, o_g, row0, first, size, col, tm: int, to: int, dtype):
+    """Rows ``[first, first + size)`` of the ``[tm, to]`` accumulator (``0 <= size <= tm``)
+    to ``o_g`` at row ``row0 + first``, column block ``col``, through ``o_smem`` (``[tm, c]``,
+    ``c`` dividing ``to``: the columns go ``c`` at a time): one TMA copy per set bit of
+    ``size``."""
+    c = o_smem.shape[1]
+    for j in range(to // c):
+        plgpu.wait_smem_to_gmem(0)  # the previous columns' copies have read o_smem
+        o_smem[...] = acc_f32[:, j * c:(j + 1) * c].astype(dtype)
+        plgpu.commit_smem()
+        start = first
+        for length in row_ladder(tm):
+            @pl.when((size & length) != 0)
+            def _(start=start, length=length, j=j):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(start, length)],
+                    o_g.at[pl.ds(row0 + start, length), pl.ds(col * to + j * c, c)])
+            start = start + (size & length)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def zero_rows_outside(x_s, row0, lo, hi, tm: int):
+    """Zero the rows of the ``[tm, tk]`` shared-memory block (rows ``row0 ..``) outside
+    ``[lo, hi)``."""
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x_s.shape, 0)
+    keep = (rows >= lo) & (rows < hi)
+    x_s[...] = jnp.where(keep, x_s[...], jnp.zeros(x_s.shape, x_s.dtype))
+    plgpu.commit_smem()
 
 
 def mgpu_kernel(body, out_shape, grid, names, interpret: bool):

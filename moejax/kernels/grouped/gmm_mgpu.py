@@ -1,8 +1,10 @@
 """The grouped matmul's three products (:mod:`moejax.kernels.grouped.pallas_gmm`) as Pallas
 Mosaic GPU kernels for Hopper: TMA copies into swizzled shared memory, wgmma into float32
-accumulators, bf16 / f16 operands (:mod:`moejax.kernels.mgpu`). They run on megablox's tile metadata
-(:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are and no operand
-is copied into a padded layout.
+accumulators, bf16 / f16 operands (:mod:`moejax.kernels.mgpu`). They run on megablox's tile
+metadata (:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are and no
+operand is copied into a padded layout. One warpgroup a program here; warp-specialized (one
+loading, two computing, as jax's Hopper matmul is) in :mod:`moejax.kernels.grouped.gmm_mgpu_ws`
+(``num_warps`` 12 in the configuration, the default: :data:`WARPS`).
 
 * :func:`mgpu_visits` ``[M, n_out]`` (forward ``x w_g``; dX ``dy w_g^T`` with ``transpose``,
   the weight read as stored and given to wgmma as a transposed view): a 1-D grid over
@@ -11,27 +13,18 @@ is copied into a padded layout.
   group's weight blocks over the contraction; the visit of the rows past the groups skips
   the product and writes zeros. A row tile two groups share is visited once per group, so
   each visit stores only its group's rows: TMA copies of the accumulator's rows in a ladder
-  of power-of-two lengths (a visit of ``r`` rows stores one copy per set bit of ``r``), since
-  a TMA copy's shape is static.
-* :func:`mgpu_visits_ws`: the same products warp-specialized, as jax's Hopper matmul is
-  (``num_warps`` 12 in the configuration, the default): three warpgroups a program, one
-  issuing the TMA copies of the row tile and the weight blocks, two computing with wgmma,
-  each over half of the program's output columns, then storing them 64 columns at a time
-  (the shared memory the pipeline leaves).
+  of power-of-two lengths (:func:`moejax.kernels.mgpu.store_row_range`), since a TMA copy's
+  shape is static.
 * :func:`mgpu_tgmm` ``[G, K, N]`` (dW ``x_g^T dy_g``): grid (group, K block, N block); a
   program pipelines over its group's row tiles, giving wgmma the ``x`` block as a transposed
   view. The first and last tiles can hold neighbouring groups' rows: their ``x`` rows are
   zeroed in shared memory before the product. An empty group writes zeros.
-  :func:`mgpu_tgmm_ws` warp-specializes it: one warpgroup loads ``2 tk`` columns of ``x``
-  and the ``dy`` block, and each of two computing warpgroups makes the ``[tk, tn]`` block of
-  ``dW`` of its half.
 
 The kernels take operands in whole blocks; :func:`gmm_mgpu`, :func:`gmm_t_mgpu` and
 :func:`tgmm_mgpu` choose blocks that divide the shape where they can (:func:`fit_block`) and
 zero-pad otherwise (exact: padded rows lie past the groups, padded contraction adds zeros,
-padded columns are cut off).
-The launch (rows, contraction and output-column blocks, warps: :data:`WARPS`, stages) is
-:func:`moejax.kernels.tuning.config_for`'s (``"gmm_mgpu"``, ``"tgmm_mgpu"``).
+padded columns are cut off). The launch (rows, contraction and output-column blocks, warps,
+stages) is :func:`moejax.kernels.tuning.config_for`'s (``"gmm_mgpu"``, ``"tgmm_mgpu"``).
 ``interpret=True`` runs them in Mosaic GPU's interpreter on the CPU (for tests).
 """
 
@@ -42,25 +35,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moejax.kernels.grouped.gmm_mgpu_ws import mgpu_tgmm_ws, mgpu_visits_ws
 from moejax.kernels.mgpu import (
     block_spec,
     mgpu_kernel,
     mma,
     store_block,
-    swizzled,
+    store_row_range,
     takes_dtype,
     weight_spec,
+    zero_rows_outside,
 )
 from moejax.kernels.tiling import hopper_target, pad_to
 from moejax.kernels.tuning import TritonConfig, config_for
 from moejax.ops.grouped_layout import group_visits, launch_order
 
-__all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_visits_ws", "mgpu_tgmm",
-           "mgpu_tgmm_ws", "fit_block", "visits_store_ladder", "WARPS"]
+__all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_tgmm", "fit_block",
+           "WARPS"]
 
-# the warp-specialized kernel stores its accumulators this many columns at a time (the
-# shared memory the pipeline's stages leave)
-EPILOGUE_COLS = 64
 # a configuration's num_warps -> the kernel: one warpgroup (mgpu_visits, mgpu_tgmm) or three,
 # one loading and two computing (mgpu_visits_ws, mgpu_tgmm_ws)
 WARPS = {4: "one", 12: "specialized"}
@@ -68,36 +60,9 @@ WARPS = {4: "one", 12: "specialized"}
 WGMMA_M = 64
 
 
-def visits_store_ladder(tm: int) -> tuple[int, ...]:
-    """The TMA copy lengths a visit's store may use: the powers of two up to ``tm``,
-    longest first (a visit of ``r <= tm`` rows uses those of ``r``'s set bits)."""
-    return tuple(1 << b for b in reversed(range(tm.bit_length())) if 1 << b <= tm)
-
-
-def _store_rows_in(acc_f32, o_smem, o_g, row0, first, size, col, tm: int, to: int, dtype):
-    """Rows ``[first, first + size)`` of the ``[tm, to]`` accumulator (``0 <= size <= tm``)
-    to ``o_g`` at row ``row0 + first``, column block ``col``, through ``o_smem`` (``[tm, c]``,
-    ``c`` dividing ``to``: the columns go ``c`` at a time): one TMA copy per set bit of
-    ``size``."""
-    c = o_smem.shape[1]
-    for j in range(to // c):
-        plgpu.wait_smem_to_gmem(0)  # the previous columns' copies have read o_smem
-        o_smem[...] = acc_f32[:, j * c:(j + 1) * c].astype(dtype)
-        plgpu.commit_smem()
-        start = first
-        for length in visits_store_ladder(tm):
-            @pl.when((size & length) != 0)
-            def _(start=start, length=length, j=j):
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(start, length)],
-                    o_g.at[pl.ds(row0 + start, length), pl.ds(col * to + j * c, c)])
-            start = start + (size & length)
-    plgpu.wait_smem_to_gmem(0)
-
-
 def _store_rows(acc_f32, o_g, row0, first, size, col, tm: int, to: int, dtype):
-    """:func:`_store_rows_in` through a scoped shared-memory block."""
-    pl.run_scoped(lambda o_smem: _store_rows_in(acc_f32, o_smem, o_g, row0, first, size, col,
+    """:func:`moejax.kernels.mgpu.store_row_range` through a scoped shared-memory block."""
+    pl.run_scoped(lambda o_smem: store_row_range(acc_f32, o_smem, o_g, row0, first, size, col,
                                                 tm, to, dtype),
                   plgpu.SMEM((tm, to), dtype))
 
@@ -138,78 +103,6 @@ def mgpu_visits(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool 
         seg_V, tile_V, lo_S, hi_S, x_MR, w)
 
 
-def mgpu_visits_ws(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool = False):
-    """:func:`mgpu_visits` warp-specialized: a program is three warpgroups, one issuing the TMA
-    copies of its row tile and weight blocks, two computing with wgmma, each over half of the
-    program's ``2 to`` output columns (``to``: ``tiles[2]``)."""
-    tm, tr, to, stages = tiles
-    m, R = x_MR.shape
-    G = group_sizes_G.shape[0]
-    n_out = w.shape[1] if transpose else w.shape[2]
-    seg_V, tile_V, lo_S, hi_S, V = group_visits(group_sizes_G, m, tm)
-    n_o = n_out // (2 * to)
-    dt = x_MR.dtype
-    w_block = (2 * to, tr) if transpose else (tr, 2 * to)
-
-    def body(seg_g, tile_g, lo_g, hi_g, x_g, w_g, o_g, o_smem):
-        v, o = launch_order(jax.lax.axis_index("p"), V, n_o)
-        wg = jax.lax.axis_index("wg")
-        s, t = seg_g[v], tile_g[v]
-        row0 = t * tm
-        first = jnp.clip(lo_g[s] - row0, 0, tm)
-        size = jnp.clip(hi_g[s] - row0, 0, tm) - first
-        col = 2 * o + wg  # this warpgroup's output block
-
-        def step(_, x_s, w_s, acc):
-            half = (w_s.at[pl.ds(wg * to, to)].T if transpose else
-                    w_s.at[:, pl.ds(wg * to, to)])
-            plgpu.wgmma(acc, x_s, half)
-            plgpu.wgmma_wait(0)
-            return acc
-
-        def compute(eval_pipeline):
-            def run(acc):
-                eval_pipeline(acc)
-                _store_rows_in(acc[...], o_smem.at[wg], o_g, row0, first, size, col, tm, to,
-                               dt)
-            pl.run_scoped(run, plgpu.ACC((tm, to)))
-
-        w_cols = pl.ds(o * 2 * to, 2 * to)
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(R // tr,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=stages, compute_context=compute,
-            in_specs=[plgpu.BlockSpec((tm, tr), lambda r: (0, r),
-                                      transforms=swizzled((tm, tr), dt, "x")),
-                      plgpu.BlockSpec(w_block, lambda r: (0, r) if transpose else (r, 0),
-                                      transforms=swizzled(w_block, dt, "w"))])
-
-        @pl.when((s < G) & (size > 0))
-        def _():
-            pipeline(x_g.at[pl.ds(row0, tm)],
-                     w_g.at[s, w_cols] if transpose else w_g.at[s, :, w_cols])
-
-        @pl.when((s >= G) & (size > 0) & (wg < 2))  # rows past the groups: zeros
-        def _():
-            _store_rows_in(jnp.zeros((tm, to), jnp.float32), o_smem.at[wg], o_g, row0, first,
-                           size, col, tm, to, dt)
-
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n_out), dt), grid=(V * n_o,), grid_names=("p",),
-        num_threads=3, thread_name="wg",
-        scratch_types=[plgpu.SMEM((2, tm, min(to, EPILOGUE_COLS)), dt)],
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return kernel(seg_V, tile_V, lo_S, hi_S, x_MR, w)
-
-
-def _zero_rows_outside(x_s, row0, lo, hi, tm: int):
-    """Zero the rows of the ``[tm, tk]`` shared-memory block (rows ``row0 ..``) outside
-    ``[lo, hi)``."""
-    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x_s.shape, 0)
-    keep = (rows >= lo) & (rows < hi)
-    x_s[...] = jnp.where(keep, x_s[...], jnp.zeros(x_s.shape, x_s.dtype))
-    plgpu.commit_smem()
-
-
 def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
     """``dW [G, K, N]``, ``dW[g] = x_g^T dy_g`` over each group's rows (0 for an empty
     group). ``M``, ``K`` and ``N`` are whole multiples of the tiles (rows, ``K``, ``N``)."""
@@ -231,7 +124,7 @@ def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
 
                 @pl.when((i == 0) | (i == tiles_g - 1))
                 def _():
-                    _zero_rows_outside(x_s, (first + i) * tm, lo, hi, tm)
+                    zero_rows_outside(x_s, (first + i) * tm, lo, hi, tm)
 
                 plgpu.wgmma(acc, x_s.T, dy_s)
                 plgpu.wgmma_wait(1)
@@ -250,77 +143,6 @@ def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
 
     return mgpu_kernel(body, ((G, K, N), dt), (G, K // tk, N // tn), ("g", "k", "c"),
                        interpret)(lo_S, hi_S, x_MK, dy_MN)
-
-
-def mgpu_tgmm_ws(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
-    """:func:`mgpu_tgmm` warp-specialized: a program is three warpgroups, one issuing the TMA
-    copies of the group's row tiles of ``x`` (``2 tk`` columns) and ``dy``, two computing,
-    each the ``[tk, tn]`` block of ``dW`` for its half of those columns (and zeroing its half's
-    rows outside the group in the first and last tiles)."""
-    tm, tk, tn, stages = tiles
-    m, K = x_MK.shape
-    N, G = dy_MN.shape[1], group_sizes_G.shape[0]
-    _, _, lo_S, hi_S, _ = group_visits(group_sizes_G, m, tm)
-    dt = x_MK.dtype
-    chunk = min(tn, EPILOGUE_COLS)
-
-    def body(lo_g, hi_g, x_g, dy_g, o_g, o_smem):
-        g, k, c = (jax.lax.axis_index(a) for a in ("g", "k", "c"))
-        wg = jax.lax.axis_index("wg")
-        lo, hi = lo_g[g], hi_g[g]
-        first = jax.lax.div(lo, tm)
-        tiles_g = jnp.where(hi > lo, jax.lax.div(hi + tm - 1, tm) - first, 0)
-        rows = pl.ds((2 * k + wg) * tk, tk)  # this warpgroup's rows of dW[g]
-
-        def store(acc_f32):
-            for j in range(tn // chunk):
-                plgpu.wait_smem_to_gmem(0)
-                o_smem.at[wg][...] = acc_f32[:, j * chunk:(j + 1) * chunk].astype(dt)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg],
-                                        o_g.at[g, rows, pl.ds(c * tn + j * chunk, chunk)])
-            plgpu.wait_smem_to_gmem(0)
-
-        def step(idx, x_s, dy_s, acc):
-            (i,) = idx
-            mine = x_s.at[:, pl.ds(wg * tk, tk)]
-
-            @pl.when((i == 0) | (i == tiles_g - 1))
-            def _():
-                _zero_rows_outside(mine, (first + i) * tm, lo, hi, tm)
-
-            plgpu.wgmma(acc, mine.T, dy_s)
-            plgpu.wgmma_wait(0)
-            return acc
-
-        def compute(eval_pipeline):
-            def run(acc):
-                eval_pipeline(acc)
-                store(acc[...])
-            pl.run_scoped(run, plgpu.ACC((tk, tn)))
-
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            step, grid=(tiles_g,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=stages, compute_context=compute,
-            in_specs=[plgpu.BlockSpec((tm, 2 * tk), lambda i: (first + i, 0),
-                                      transforms=swizzled((tm, 2 * tk), dt, "x")),
-                      plgpu.BlockSpec((tm, tn), lambda i: (first + i, 0),
-                                      transforms=swizzled((tm, tn), dt, "dy"))])
-
-        @pl.when(tiles_g > 0)
-        def _():
-            pipeline(x_g.at[:, pl.ds(k * 2 * tk, 2 * tk)], dy_g.at[:, pl.ds(c * tn, tn)])
-
-        @pl.when((tiles_g == 0) & (wg < 2))  # an empty group: zeros
-        def _():
-            store(jnp.zeros((tk, tn), jnp.float32))
-
-    kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((G, K, N), dt), grid=(G, K // (2 * tk), N // tn),
-        grid_names=("g", "k", "c"), num_threads=3, thread_name="wg",
-        scratch_types=[plgpu.SMEM((2, tk, chunk), dt)],
-        interpret=plgpu.InterpretGPUParams() if interpret else False)
-    return kernel(lo_S, hi_S, x_MK, dy_MN)
 
 
 # -- padding, tiles and the three products ------------------------------------------------------
