@@ -20,8 +20,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["group_tiles", "group_visits", "count_le", "launch_order", "GROUP_VISITS"]
+__all__ = ["group_tiles", "group_visits", "count_le", "launch_order", "GROUP_VISITS",
+           "RAGGED_DIMS"]
 
+# a grouped layer's three products as ragged dot dimension numbers
+# (jax.lax.ragged_dot_general): fwd x [M, K] . w [G, K, N] -> [M, N], rows ragged, w grouped;
+# dlhs dy [M, N] . w [G, K, N] -> [M, K], contracting N; drhs x [M, K] . dy [M, N] -> [G, K, N],
+# the ragged M contracted group by group
+RAGGED_DIMS = {
+    "fwd": jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0]),
+    "dlhs": jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0]),
+    "drhs": jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []),
+}
 # visits that run over every output block before the next ones start (grouped launch order):
 # their rows of x stay in L2 while the weight blocks stream past
 GROUP_VISITS = 8

@@ -25,7 +25,9 @@ experts its pairs name. Per platform, chosen when the function is lowered
 * GPU: on a Hopper GPU with bf16 / f16 operands, Mosaic GPU
   (:mod:`moejax.kernels.chunk_union.pairs_gpu`: TMA-pipelined blocks, wgmma); otherwise
   (float32, older GPUs) Triton (:mod:`moejax.kernels.chunk_union.pairs_triton`), kept while
-  jax still has Pallas Triton. Rows and columns are zero-padded to the kernels' blocks.
+  jax still has Pallas Triton (without it, the TPU kernels interpreted: correct and slow; the
+  BlockFFN layer's ``auto`` then takes the jnp path). Rows and columns are zero-padded to the
+  kernels' blocks.
 * CPU: the TPU kernels in Pallas interpret mode (for tests); ``interpret="mosaic_gpu"``
   runs the Mosaic GPU kernels in Mosaic GPU's interpreter instead.
 """
@@ -41,13 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.kernels.chunk_union.pairs_gpu import mgpu_down, mgpu_up, mgpu_wgrad
+from moejax.kernels.chunk_union.pairs_triton import AVAILABLE as TRITON_AVAILABLE
 from moejax.kernels.chunk_union.pairs_triton import triton_down, triton_up, triton_wgrad
 from moejax.kernels.mgpu import DTYPES as MGPU_DTYPES
 from moejax.kernels.tiling import block, choose_platform, hopper_target, pad_to, pow2
 from moejax.kernels.tuning import config_for
 
 __all__ = ["UnionPairs", "union_pairs", "pair_up", "pair_down", "pair_wgrad", "PAIR_TILES",
-           "GPU_INTERPRET"]
+           "GPU_INTERPRET", "gpu_kernels_take"]
 
 # ``interpret=GPU_INTERPRET``: the GPU's Mosaic GPU kernels in Mosaic GPU's interpreter (tests);
 # ``interpret=True``: the TPU kernels in Pallas interpret mode
@@ -278,8 +281,18 @@ def _check(a, w, transpose, what):
 
 def _gpu_backend(dtype) -> str:
     """``"mgpu"`` (the Mosaic GPU kernels) on a Hopper GPU with bf16 / f16 operands, else
-    ``"gpu"`` (Triton)."""
-    return "mgpu" if hopper_target() and any(dtype == d for d in MGPU_DTYPES) else "gpu"
+    ``"gpu"`` (Triton), or ``"tpu"`` where jax no longer ships Pallas Triton: the TPU
+    kernels in interpret mode, correct and slow (:func:`gpu_kernels_take` tells callers
+    with a faster path to take it instead)."""
+    if hopper_target() and any(dtype == d for d in MGPU_DTYPES):
+        return "mgpu"
+    return "gpu" if TRITON_AVAILABLE else "tpu"
+
+
+def gpu_kernels_take(dtype) -> bool:
+    """Whether a GPU runs the pair products of ``dtype`` as compiled kernels (Mosaic GPU, or
+    Triton while jax ships it), not interpreted."""
+    return _gpu_backend(dtype) != "tpu"
 
 
 def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, gpu_calls):
@@ -303,9 +316,10 @@ def _weight_product(a_InR, w, pairs, transpose, interpret, what, mosaic_call, gp
         return kernel("mgpu", functools.partial(gpu_calls["mgpu"], interpret=True))(
             a_InR, w.astype(a_InR.dtype), *pairs)
     gpu = _gpu_backend(a_InR.dtype)
+    gpu_call = mosaic_call(True) if gpu == "tpu" else gpu_calls[gpu]
     return choose_platform((a_InR, w.astype(a_InR.dtype), *pairs),
                            mosaic=lambda interp: kernel("tpu", mosaic_call(interp)),
-                           triton=kernel(gpu, gpu_calls[gpu]), interpret=interpret)
+                           triton=kernel(gpu, gpu_call), interpret=interpret)
 
 
 def pair_up(xs_SnK, w_EKN, pairs: UnionPairs, *, transpose: bool = False,
@@ -377,7 +391,7 @@ def pair_wgrad(l_InK, r_JnN, pairs: UnionPairs, n_experts: int, *, l_by: str, r_
             lq, lrow, rq, rrow, p, E, t, interpret=True))(l_InK, r_JnN, *pairs)
     gpu = _gpu_backend(l_InK.dtype)
     gpu_call = mgpu_wgrad if gpu == "mgpu" else triton_wgrad
-    return choose_platform((l_InK, r_JnN, *pairs), mosaic=mosaic,
-                           triton=kernel(gpu, lambda lq, lrow, rq, rrow, p, t: gpu_call(
-                               lq, lrow, rq, rrow, p, E, t)),
+    gpu_kernel = mosaic(True) if gpu == "tpu" else kernel(
+        gpu, lambda lq, lrow, rq, rrow, p, t: gpu_call(lq, lrow, rq, rrow, p, E, t))
+    return choose_platform((l_InK, r_JnN, *pairs), mosaic=mosaic, triton=gpu_kernel,
                            interpret=interpret)

@@ -42,6 +42,7 @@ from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, c
 from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
 from moejax.kernels.chunk_union.pairs import (
     GPU_INTERPRET,
+    gpu_kernels_take,
     pair_down,
     pair_up,
     pair_wgrad,
@@ -250,7 +251,9 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
     GPU that no decode kernel takes (float32; a width off the kernel's blocks; a GPU before
     Hopper) runs as one dense product with the non-members weighted 0
     (:func:`moejax.kernels.chunk_union.reference.dense_chunk`): at these sizes the pair
-    kernels are slower than computing every expert."""
+    kernels are slower than computing every expert. Where a GPU has no compiled pair kernel
+    for the dtype (float32 or a GPU before Hopper once jax no longer ships Pallas Triton),
+    the jnp loop runs there too."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
     N, E = a_NE.shape
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
@@ -266,8 +269,9 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
                                   max_union=max_union)
 
     def gpu_path(x, a, act, wu, wd, wg):
-        if not decode:
-            return kernel_path(x, a, act, wu, wd, wg)
+        if not decode:  # the pair kernels; the jnp loop where they would run interpreted
+            fast = gpu_kernels_take(x.dtype)
+            return (kernel_path if fast else jnp_path)(x, a, act, wu, wd, wg)
         if hopper_target() and supports(x, wu):
             return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
                     no_overflow)

@@ -43,6 +43,10 @@ The kernel is chosen when the function is lowered, per platform
 * CPU: the TPU kernels in Pallas interpret mode (correct and slow: for tests; the CPU's fast
   MoE path is the host kernel of :mod:`moejax.kernels.host`).
 
+Where jax no longer ships Pallas Triton (deprecated since jax 0.12), a GPU runs the Mosaic GPU
+kernels of :mod:`moejax.kernels.grouped.gmm_mgpu` (bf16 / f16 on a Hopper GPU) and otherwise
+:func:`jax.lax.ragged_dot_general`.
+
 ``interpret=True`` runs the TPU kernels interpreted on every platform, ``interpret="triton"``
 the GPU kernels.
 """
@@ -55,11 +59,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
+from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.kernels.tuning import TritonConfig, config_for
-from moejax.ops.grouped_layout import group_tiles, group_visits, launch_order
+from moejax.ops.grouped_layout import RAGGED_DIMS, group_tiles, group_visits, launch_order
+
+try:  # deprecated since jax 0.12: the Triton kernels below run while jax still ships it
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - exercised by a test that hides the module
+    pltriton = None
 
 __all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 
@@ -268,19 +277,40 @@ def _mode(interpret):
     """``interpret`` as False, True (the TPU kernels interpreted) or ``"triton"`` (the GPU
     kernels interpreted)."""
     if interpret == "triton":
+        if pltriton is None:
+            raise ValueError("interpret='triton': this jax has no Pallas Triton "
+                             "(jax.experimental.pallas.triton); use interpret=True")
         return interpret
     if interpret not in (None, False, True):
         raise ValueError(f"interpret={interpret!r}; allowed: None, False, True, 'triton'")
     return bool(interpret)
 
 
-def _run(*args, mosaic, triton, interpret):
-    """One product on ``args``: ``mosaic(interp)`` / ``triton(interp)`` build the TPU / GPU
-    kernels; ``interpret`` (from :func:`_mode`) ``"triton"`` runs the GPU kernels
-    interpreted, otherwise the platform's kernel is chosen when the program is lowered."""
+_MGPU = {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}
+
+
+def _without_triton(which: str):
+    """Product ``which`` on a GPU where jax no longer ships Pallas Triton: the Mosaic GPU
+    kernels (bf16 / f16 on a Hopper GPU), else XLA's ragged dot."""
+    def run(a, b, group_sizes_G):
+        try:
+            return _MGPU[which](a, b, group_sizes_G)
+        except NotImplementedError:
+            return jax.lax.ragged_dot_general(
+                a, b, group_sizes_G, RAGGED_DIMS[which],
+                preferred_element_type=b.dtype if which == "drhs" else a.dtype)
+    return run
+
+
+def _run(*args, which: str, mosaic, triton, interpret):
+    """Product ``which`` on ``args``: ``mosaic(interp)`` / ``triton(interp)`` build the TPU /
+    GPU kernels; ``interpret`` (from :func:`_mode`) ``"triton"`` runs the GPU kernels
+    interpreted, otherwise the platform's kernel is chosen when the program is lowered (on a
+    GPU without Pallas Triton: :func:`_without_triton`)."""
     if interpret == "triton":
         return triton(True)(*args)
-    return choose_platform(args, mosaic=mosaic, triton=triton(False), interpret=interpret)
+    gpu = triton(False) if pltriton is not None else _without_triton(which)
+    return choose_platform(args, mosaic=mosaic, triton=gpu, interpret=interpret)
 
 
 def _triton_config(kernel, dtype, k, n, tiles, interpret):
@@ -322,7 +352,8 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
                                  warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
-    return _run(x_MR, w, group_sizes_G, mosaic=mosaic, triton=triton, interpret=interpret)
+    return _run(x_MR, w, group_sizes_G, which="dlhs" if transpose else "fwd", mosaic=mosaic,
+                triton=triton, interpret=interpret)
 
 
 def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 128,
@@ -358,8 +389,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
                                 warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
-    return _run(x_MK, dy_MN, group_sizes_G.astype(jnp.int32), mosaic=mosaic, triton=triton,
-                interpret=_mode(interpret))
+    return _run(x_MK, dy_MN, group_sizes_G.astype(jnp.int32), which="drhs", mosaic=mosaic,
+                triton=triton, interpret=_mode(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

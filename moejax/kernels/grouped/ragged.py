@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
+from moejax.ops.grouped_layout import RAGGED_DIMS
 
 try:  # optional: the gpu / tpu / dev extras
     import tokamax
@@ -75,15 +76,6 @@ OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9, "drhs": 8e9}}
 # which of the project's own kernels OWN_FROM_FLOPS runs per platform: "gmm" (Triton on GPU,
 # the one measured there) or "gmm_mgpu" (the same products on Mosaic GPU)
 OWN_KERNEL = {"cuda": "gmm"}
-# the three products as ragged dot dimension numbers (jax.lax.ragged_dot_general):
-# fwd  x [M, K] . w [G, K, N] -> [M, N], rows ragged, w grouped;
-# dlhs dy [M, N] . w [G, K, N] -> [M, K], contracting N;
-# drhs x [M, K] . dy [M, N] -> [G, K, N], the ragged M contracted group by group.
-_DIMS = {
-    "fwd": jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0]),
-    "dlhs": jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0]),
-    "drhs": jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []),
-}
 # the project's own kernels for each product: "gmm" also runs what tokamax's kernel does not
 # take (it takes every dtype), "gmm_mgpu" bf16 / f16 on a Hopper GPU
 _OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
@@ -138,7 +130,7 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
         ax_a, ax_b, ax_out = _AXES[which]
         align = ALIGN.get(implementation, {})
         out = tokamax.ragged_dot_general(
-            _pad(a, ax_a, align), _pad(b, ax_b, align), group_sizes_G, _DIMS[which],
+            _pad(a, ax_a, align), _pad(b, ax_b, align), group_sizes_G, RAGGED_DIMS[which],
             preferred_element_type=out_dtype, implementation=implementation)
     except NotImplementedError:  # not this dtype / shape / device: the own kernel
         if implementation in ("xla", "gmm") or not fallback:
