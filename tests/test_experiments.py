@@ -348,6 +348,9 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
     timed = {(r["path"], r["pass"]) for r in rows if r["ms"]}
     assert {("dense", p) for p in ("fwd", "dlhs", "drhs")} <= timed
     assert ("train", "fwd+dlhs+drhs") in timed
+    (train,) = [r for r in rows if r["path"] == "train"]  # against the three dense products
+    three = sum(float(r["ms"]) for r in rows if r["path"] == "dense")
+    assert float(train["x_dense"]) == pytest.approx(float(train["ms"]) / three)
     for r in rows:
         if r["path"] == "dense" and r["ms"]:
             assert float(r["x_dense"]) == 1.0
@@ -362,6 +365,15 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
     with pytest.raises(ConfigError, match="shapes"):
         run_experiment("bench_grouped", bench_grouped.make_config, bench_grouped.run,
                        ["shapes=((64,0,32,4),)"], out=tmp_path / "bad")
+
+
+def test_bench_grouped_trains_on_each_own_kernel_where_it_runs(monkeypatch):
+    from experiments.benchmarks import grouped as bench_grouped
+
+    cfg = bench_grouped.BenchGroupedConfig()
+    assert bench_grouped._train_paths(cfg) == ("train",)  # this CPU: no own kernel runs
+    monkeypatch.setattr(bench_grouped, "_unavailable", lambda path: None)
+    assert bench_grouped._train_paths(cfg) == ("train", "train[gmm]", "train[gmm_mgpu]")
 
 
 def test_bench_grouped_keeps_the_other_rows_when_a_kernel_fails(monkeypatch):

@@ -148,6 +148,11 @@ def test_float32_and_other_gpus_are_refused_as_tokamax_refuses_them():
             call(*(a.astype(jnp.bfloat16) for a in (x, w, dy)))
 
 
+# the source path these kernels' Mosaic GPU modules carry (tokamax's kernels are also
+# mosaic_gpu_v2 calls)
+OURS = "kernels/grouped/gmm_mgpu"
+
+
 def _cuda_calls(fn, *args):
     with lowering_target("cuda"):
         text = je.export(jax.jit(fn), platforms=("cuda",),
@@ -165,7 +170,7 @@ def test_each_product_exports_as_one_mosaic_gpu_kernel():
                      (gm.gmm_t_mgpu, S((m, n), bf), S((G, k, n), bf)),
                      (gm.tgmm_mgpu, S((m, k), bf), S((m, n), bf))):
         calls, text = _cuda_calls(fn, a, b, gs)
-        assert calls == ["mosaic_gpu_v2"] and "gmm_mgpu.py" in text, (fn.__name__, calls)
+        assert calls == ["mosaic_gpu_v2"] and OURS in text, (fn.__name__, calls)
 
 
 @pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed")
@@ -184,7 +189,28 @@ def test_ragged_dot_runs_the_mosaic_gpu_kernels_where_own_kernel_names_them(monk
         calls, text = _cuda_calls(step, S((m, k), dtype), S((g, k, n), dtype),
                                   S((g,), jnp.int32))
         assert calls.count(want) == 3 and len(calls) == 3, (dtype, calls)
+        assert (OURS in text) == (dtype == jnp.bfloat16)  # these kernels, not tokamax's
     assert rd.implementation("cuda", "fwd", m, k, n) == "gmm_mgpu"
+
+
+@pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed")
+def test_ragged_dot_kernel_names_one_implementation_at_every_size():
+    """``kernel="gmm_mgpu"``: all three passes on these kernels even below OWN_FROM_FLOPS
+    (where the measured choice is tokamax's); an unknown name is refused."""
+    def step(kernel):
+        def fn(x, w, gs):
+            loss = lambda x, w: jnp.sum(  # noqa: E731
+                rd.ragged_dot(x, w, gs, kernel=kernel).astype(jnp.float32) ** 2)
+            return jax.value_and_grad(loss, (0, 1))(x, w)
+        return fn
+
+    S = jax.ShapeDtypeStruct
+    args = (S((2048, 256), jnp.bfloat16), S((8, 256, 512), jnp.bfloat16), S((8,), jnp.int32))
+    for kernel in ("gmm_mgpu", "measured"):
+        calls, text = _cuda_calls(step(kernel), *args)
+        assert len(calls) == 3 and (OURS in text) == (kernel == "gmm_mgpu"), kernel
+    with pytest.raises(ValueError, match="kernel='bogus'"):
+        rd.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4]), kernel="bogus")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" or not hopper_target(),

@@ -15,7 +15,8 @@ jitted loop, no host dispatch between them):
   f16).
 
 ``train`` times forward and both gradients through :func:`moejax.kernels.grouped.ragged.
-ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform. The
+ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform;
+``train[gmm]`` / ``train[gmm_mgpu]`` the same with all three passes on that own kernel. The
 ``choice`` table names the fastest implementation of each pass and whether it is the one
 ``ragged_dot`` uses.
 
@@ -43,6 +44,7 @@ from moejax.study import Study
 Path_ = Literal["dense", "xla", "gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu"]
 ACCELERATOR_PATHS = ("gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu")
 OWN_PATHS = ("gmm", "gmm_mgpu")  # the project's kernels: no tokamax needed
+TRAIN_PASS = "fwd+dlhs+drhs"
 
 
 @config
@@ -102,10 +104,21 @@ def _pass_fn(path: str, which: str):
     return lambda a, b, gs: ragged.ragged_pass(which, a, b, gs, path, fallback=False)
 
 
-def _train_fn(x, w, gs, ct):
-    def loss(x, w):
-        return jnp.sum(ragged.ragged_dot(x, w, gs).astype(jnp.float32) * ct)
-    return jax.value_and_grad(loss, (0, 1))(x, w)
+def _train_fn(kernel: str):
+    """Forward and both gradients through :func:`~moejax.kernels.grouped.ragged.ragged_dot`
+    with its ``kernel`` choice."""
+    def fn(x, w, gs, ct):
+        def loss(x, w):
+            return jnp.sum(ragged.ragged_dot(x, w, gs, kernel=kernel).astype(jnp.float32) * ct)
+        return jax.value_and_grad(loss, (0, 1))(x, w)
+    return fn
+
+
+def _train_paths(cfg) -> tuple[str, ...]:
+    """``train`` (ragged_dot's measured choice) and ``train[K]`` for each own kernel ``K`` of
+    ``cfg.paths`` that runs here (all three passes on it, at every size)."""
+    return ("train", *(f"train[{p}]" for p in cfg.paths
+                       if p in OWN_PATHS and _unavailable(p) is None))
 
 
 def _first_line(err: Exception) -> str:
@@ -137,7 +150,7 @@ def _time(fn, *args, cfg, path: str = "") -> tuple[float | None, str]:
 def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
     dt = jnp.dtype(cfg.precision)
     rows = []
-    jobs = [(s, p) for s in cfg.shapes for p in (*cfg.paths, "train")]
+    jobs = [(s, p) for s in cfg.shapes for p in (*cfg.paths, *_train_paths(cfg))]
     for (M, K, N, G), path in tqdm(jobs, desc="grouped matmul", leave=False):
         kx, kw, kg, kc = jax.random.split(jax.random.fold_in(key, M * K + N), 4)
         x = jax.random.normal(kx, (M, K)).astype(dt)
@@ -145,15 +158,18 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
         gs = jnp.bincount(jax.random.randint(kg, (M,), 0, G), length=G).astype(jnp.int32)
         dy = jax.random.normal(kc, (M, N)).astype(dt)
         base = {"M": M, "K": K, "N": N, "G": G, "path": path}
-        why = None if path == "train" else _unavailable(path)
-        if path == "train" and not ragged.AVAILABLE:
+        train = path.startswith("train")
+        why = None if train else _unavailable(path)
+        if train and not ragged.AVAILABLE:
             why = "not measured: tokamax is not installed"
         if why:
             rows.append({**base, "note": why})
             continue
-        if path == "train":
-            s, note = _time(_train_fn, x, w, gs, dy.astype(jnp.float32), cfg=cfg)
-            rows.append({**base, "pass": "fwd+dlhs+drhs", "ms": s and s * 1e3,
+        if train:
+            kernel = path[len("train["):-1] if path != "train" else "measured"
+            s, note = _time(_train_fn(kernel), x, w, gs, dy.astype(jnp.float32), cfg=cfg,
+                            path=kernel)
+            rows.append({**base, "pass": TRAIN_PASS, "ms": s and s * 1e3,
                          "tflops": s and 3 * 2 * M * K * N / s / 1e12, "note": note})
             continue
         operands = {"fwd": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}
@@ -163,10 +179,12 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
                          "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
     dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows
              if r["path"] == "dense" and r.get("ms")}
-    for r in rows:
-        ref = dense.get((r["M"], r["K"], r["N"], r.get("pass")))
-        if r.get("ms") and ref:
-            r["x_dense"] = r["ms"] / ref
+    for r in rows:  # a train row against the three dense products together
+        shape = (r["M"], r["K"], r["N"])
+        passes = ragged.PASSES if r.get("pass") == TRAIN_PASS else (r.get("pass"),)
+        refs = [dense.get((*shape, p)) for p in passes]
+        if r.get("ms") and all(refs):
+            r["x_dense"] = r["ms"] / sum(refs)
     return rows
 
 
@@ -208,15 +226,17 @@ def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
         f"Grouped matmul [M, K] x [G, K, N], one product per row, {cfg.precision}, device "
         f"time per call (median of {cfg.repeats} loops of {cfg.iters}"
         f"{', L2 flushed between calls' if cfg.l2_flush_mb else ''}), on {where}; x_dense = "
-        "time over one dense matmul of the same FLOPs; train = forward and both gradients "
-        "through moejax's ragged_dot"))
+        "time over one dense matmul of the same FLOPs (train: over the three); train = forward "
+        "and both gradients through moejax's ragged_dot (train[K]: all three on kernel K)"))
     picks = choice(rows)
     run.table("choice", picks, title=(
         f"Fastest implementation per pass against the one ragged_dot uses on {where}"))
     off = [p for p in picks if p["used_x_fastest"] and p["used_x_fastest"] > 1.05]
     train = [r for r in rows if r["path"] == "train" and r.get("ms")]
-    headline = "; ".join(f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: train {r['ms']:.3f} ms = "
-                         f"{r['tflops']:.3g} TFLOP/s" for r in train) or "train: not measured"
+    headline = "; ".join(
+        f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: train {r['ms']:.3f} ms = "
+        f"{r['tflops']:.3g} TFLOP/s" + (f", {r['x_dense']:.2f}x dense" if r.get("x_dense")
+                                        else "") for r in train) or "train: not measured"
     run.note(f"- {len(off)} of {len(picks)} (shape, pass) cases run more than 5% slower than "
              "the fastest implementation measured" + (": " + ", ".join(
                  f"{p['M']}x{p['K']}x{p['N']} {p['pass']} ({p['used']} "

@@ -4,8 +4,9 @@ paths, behind one signature, and ``"auto"``.
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
   (:mod:`moejax.ops.dispatch`).
 * ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
-  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with ``library_only``:
-  Mosaic GPU / Mosaic TPU kernels at every size, :func:`jax.lax.ragged_dot` elsewhere).
+  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with
+  ``kernel="library"``: Mosaic GPU / Mosaic TPU kernels at every size,
+  :func:`jax.lax.ragged_dot` elsewhere).
 * ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
   grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and backward kernels; Pallas
   interpret mode on CPU, so only for tests there).
@@ -77,10 +78,9 @@ def _gmm(*args, activation, capacity_factor, valid_N, priority):
     return dispatch_ragged(*args, activation=activation, valid_N=valid_N, grouped_matmul=gmm)
 
 
-def _tokamax(*args, activation, capacity_factor, valid_N, priority, library_only=True):
+def _tokamax(*args, activation, capacity_factor, valid_N, priority, kernel="library"):
     return dispatch_ragged(*args, activation=activation, valid_N=valid_N,
-                           grouped_matmul=functools.partial(ragged_dot,
-                                                            library_only=library_only))
+                           grouped_matmul=functools.partial(ragged_dot, kernel=kernel))
 
 
 def _grouped(*args, activation, capacity_factor, valid_N, priority):
@@ -130,7 +130,7 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
     def accelerator(*flat):  # each picks the platform's kernel itself (every branch is traced)
         if not RAGGED_DOT_AVAILABLE:
             return _gmm(*rebuild(flat)[:-1], **kw)
-        return _tokamax(*rebuild(flat)[:-1], library_only=False, **kw)
+        return _tokamax(*rebuild(flat)[:-1], kernel="measured", **kw)
 
     return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
 

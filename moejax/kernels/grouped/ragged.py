@@ -58,7 +58,8 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     _tokamax_gpu_utils = None
 
 __all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_KERNEL", "OWN_KERNELS", "PASSES",
-           "ALIGN", "ragged_dot", "ragged_pass", "implementation", "cross_compile"]
+           "ALIGN", "KERNEL_CHOICES", "ragged_dot", "ragged_pass", "implementation",
+           "cross_compile"]
 
 AVAILABLE = tokamax is not None
 PASSES = ("fwd", "dlhs", "drhs")
@@ -140,11 +141,10 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
     return out[tuple(slice(0, size[ax]) for ax in ax_out)]
 
 
-def _on_target(which: str, a, b, group_sizes_G, library_only: bool):
+def _on_target(which: str, a, b, group_sizes_G, kernel: str):
     """``which`` with the implementation of the platform the program is lowered for (only
     that platform's branch is traced beside the default: every other platform would take the
-    default anyway); ``library_only``: tokamax's, not the own kernel from
-    ``OWN_FROM_FLOPS``."""
+    default anyway), as ``kernel`` says (:func:`ragged_dot`)."""
     target = target_device()[0]
     default = IMPLEMENTATIONS["default"][which]
 
@@ -154,37 +154,49 @@ def _on_target(which: str, a, b, group_sizes_G, library_only: bool):
     if target not in IMPLEMENTATIONS or target == "default":
         return branch(default)(a, b, group_sizes_G)
     size = _sizes(which, a, b, group_sizes_G)
-    impl = (IMPLEMENTATIONS[target][which] if library_only else
-            implementation(target, which, size["M"], size["K"], size["N"]))
+    if kernel == "library":
+        impl = IMPLEMENTATIONS[target][which]
+    elif kernel in OWN_KERNELS:
+        impl = kernel
+    else:
+        impl = implementation(target, which, size["M"], size["K"], size["N"])
     return jax.lax.platform_dependent(a, b, group_sizes_G, default=branch(default),
                                       **{target: branch(impl)})
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ragged_dot(x_MK, w_GKN, group_sizes_G, library_only):
-    return _on_target("fwd", x_MK, w_GKN, group_sizes_G, library_only)
+def _ragged_dot(x_MK, w_GKN, group_sizes_G, kernel):
+    return _on_target("fwd", x_MK, w_GKN, group_sizes_G, kernel)
 
 
-def _ragged_dot_fwd(x_MK, w_GKN, group_sizes_G, library_only):
-    return (_on_target("fwd", x_MK, w_GKN, group_sizes_G, library_only),
+def _ragged_dot_fwd(x_MK, w_GKN, group_sizes_G, kernel):
+    return (_on_target("fwd", x_MK, w_GKN, group_sizes_G, kernel),
             (x_MK, w_GKN, group_sizes_G))
 
 
-def _ragged_dot_bwd(library_only, res, dy_MN):
+def _ragged_dot_bwd(kernel, res, dy_MN):
     x_MK, w_GKN, group_sizes_G = res
     dy_MN = dy_MN.astype(x_MK.dtype)
-    return (_on_target("dlhs", dy_MN, w_GKN, group_sizes_G, library_only),
-            _on_target("drhs", x_MK, dy_MN, group_sizes_G, library_only), None)
+    return (_on_target("dlhs", dy_MN, w_GKN, group_sizes_G, kernel),
+            _on_target("drhs", x_MK, dy_MN, group_sizes_G, kernel), None)
 
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
+# what ragged_dot's ``kernel`` may name: the measured choice, tokamax's kernels at every size,
+# or one of the project's own kernels at every size
+KERNEL_CHOICES = ("measured", "library", *OWN_KERNELS)
+
 
 def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
-               library_only: bool = False) -> jax.Array:
+               kernel: str = "measured") -> jax.Array:
     """Grouped matmul (module docstring); ``x`` and ``w`` of one dtype, the result too.
-    ``library_only``: tokamax's kernels for every size (the own kernel only where they
-    decline the call), not the own kernel from ``OWN_FROM_FLOPS``."""
+    ``kernel`` (on GPU and TPU; the CPU runs the reference): ``"measured"``, tokamax's
+    kernels with the own kernel from ``OWN_FROM_FLOPS``; ``"library"``, tokamax's kernels at
+    every size; ``"gmm"`` / ``"gmm_mgpu"``, that own kernel at every size (each falling back
+    to the Triton ``"gmm"`` where its kernel declines the call)."""
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(f"ragged_dot: kernel={kernel!r}; one of {KERNEL_CHOICES}")
     if not AVAILABLE:
         raise ImportError("moejax.kernels.grouped.ragged needs tokamax: pip install "
                           "'moejax[gpu]' (or [tpu]); dispatch='gmm' is the project's own "
@@ -194,7 +206,7 @@ def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
                          "[G, K, N]")
     if x_MK.dtype != w_GKN.dtype:
         raise ValueError(f"ragged_dot: x is {x_MK.dtype} and w {w_GKN.dtype}; cast one")
-    return _ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), bool(library_only))
+    return _ragged_dot(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), kernel)
 
 
 @contextlib.contextmanager
