@@ -96,9 +96,9 @@ def store_row_range(acc_f32, o_smem, o_g, row0, first, size, col, tm: int, to: i
     plgpu.wait_smem_to_gmem(0)
 
 
-def zero_rows_outside(x_s, row0, lo, hi, tm: int):
-    """Zero the rows of the ``[tm, tk]`` shared-memory block (rows ``row0 ..``) outside
-    ``[lo, hi)``."""
+def zero_rows_outside(x_s, row0, lo, hi):
+    """Zero the rows of the shared-memory block ``x_s`` (its rows are rows ``row0, row0 + 1,
+    ..`` of the operand) outside ``[lo, hi)``, for the asynchronous proxy (wgmma) to read."""
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x_s.shape, 0)
     keep = (rows >= lo) & (rows < hi)
     x_s[...] = jnp.where(keep, x_s[...], jnp.zeros(x_s.shape, x_s.dtype))

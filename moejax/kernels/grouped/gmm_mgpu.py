@@ -124,7 +124,7 @@ def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
 
                 @pl.when((i == 0) | (i == tiles_g - 1))
                 def _():
-                    zero_rows_outside(x_s, (first + i) * tm, lo, hi, tm)
+                    zero_rows_outside(x_s, (first + i) * tm, lo, hi)
 
                 plgpu.wgmma(acc, x_s.T, dy_s)
                 plgpu.wgmma_wait(1)

@@ -131,7 +131,7 @@ def mgpu_tgmm_ws(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
 
             @pl.when((i == 0) | (i == tiles_g - 1))
             def _():
-                zero_rows_outside(mine, (first + i) * tm, lo, hi, tm)
+                zero_rows_outside(mine, (first + i) * tm, lo, hi)
 
             plgpu.wgmma(acc, mine.T, dy_s)
             plgpu.wgmma_wait(0)
