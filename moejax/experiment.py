@@ -32,6 +32,7 @@ study declares its seed keys and how many runs its quick preset makes by default
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import sys
 import time
@@ -248,10 +249,6 @@ def _release_compiled() -> None:
     and a repeat compiles every study function once per seed (a `darex_controlled` repeat
     that also re-traced a loop on every call died with ``LLVM ERROR: Unable to allocate
     section memory``)."""
-    import gc
-
-    import jax
-
     jax.clear_caches()
     gc.collect()
 

@@ -155,8 +155,6 @@ def read_tables(path: str | os.PathLike) -> dict[str, list[dict]]:
 
 
 def csv_value(v):
-    import numpy as np
-
     if isinstance(v, np.generic):  # before float: repr(np.float64(1.0)) is "np.float64(1.0)"
         return repr(v.item())
     if isinstance(v, float):
