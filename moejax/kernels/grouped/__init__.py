@@ -7,8 +7,9 @@ tests compare with):
 * :mod:`~moejax.kernels.grouped.pallas_gmm`: the project's own Pallas kernel (Triton on GPU,
   Mosaic on TPU, interpret mode on CPU) with its ``custom_vjp`` (dX, dW), for what tokamax
   does not take.
-* :mod:`~moejax.kernels.grouped.gmm_mgpu`: its three products as Mosaic GPU kernels for
-  Hopper (bf16 / f16), on the same tile metadata.
+* :mod:`~moejax.kernels.grouped.gmm_triton`: its GPU products in Pallas Triton (while jax
+  ships it), and :mod:`~moejax.kernels.grouped.gmm_mgpu` / ``gmm_mgpu_ws``: the same as
+  Mosaic GPU kernels for Hopper (bf16 / f16), on the same tile metadata.
 
 Its layout metadata stays in ``ops`` (:mod:`moejax.ops.grouped_layout`): the block-padded
 tiles (:func:`~moejax.ops.grouped_layout.group_tiles`), which the plain-jnp ``grouped``

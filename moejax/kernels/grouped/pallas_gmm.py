@@ -14,16 +14,11 @@ small tiles whatever ``K`` and ``N`` are:
 The kernel is chosen when the function is lowered, per platform
 (:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
 
-* GPU: Triton, on megablox's tile metadata (:func:`moejax.ops.grouped_layout.group_visits`): the
-  rows stay where they are, and a row tile two groups share is visited once per group, each visit
-  loading and storing only its group's rows (masked), so no padded copy of ``x`` or ``y`` is made. A
-  1-D grid over (visit, output block) in grouped launch order
-  (:data:`~moejax.ops.grouped_layout.GROUP_VISITS` visits cover every output block before the next
-  start, so their rows stay in L2); each program loops over the contraction, loading its group's
-  weight block by dynamic offsets, with an f32 accumulator in registers. ``dW``: grid ``(N blocks, K
-  blocks, groups)``, each program walking its group's row tiles. Block sizes are powers of two (what
-  ``tl.dot`` takes); the blocks' columns past ``K`` or ``N`` are masked too, so no operand is padded
-  either.
+* GPU: Triton (:mod:`moejax.kernels.grouped.gmm_triton`), on megablox's tile metadata
+  (:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are, each visit
+  of a row tile loads and stores only its group's rows (masked), so no operand is copied or
+  padded; the visits run in grouped launch order (their rows stay in L2 while the weight
+  blocks stream past).
   Tiles, warps and stages come from :func:`moejax.kernels.tuning.config_for` (the tuned table
   for the device being lowered for, per dtype and shape bucket, else the defaults there).
   On a GPU this kernel serves what tokamax's Mosaic GPU kernels do not take: float32 (and GPUs
@@ -61,14 +56,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
+from moejax.kernels.grouped.gmm_triton import AVAILABLE as TRITON_AVAILABLE
+from moejax.kernels.grouped.gmm_triton import triton_tgmm, triton_tiles
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.kernels.tuning import TritonConfig, config_for
-from moejax.ops.grouped_layout import RAGGED_DIMS, group_tiles, group_visits, launch_order
-
-try:  # deprecated since jax 0.12: the Triton kernels below run while jax still ships it
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - exercised by a test that hides the module
-    pltriton = None
+from moejax.ops.grouped_layout import RAGGED_DIMS, group_tiles
 
 __all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 
@@ -156,114 +148,6 @@ def _mosaic_tgmm(xp, dyp, tile_group_T, first_T, last_T, G, tm, tk, tn, interpre
     )(tile_group_T, first_T, last_T, xp, dyp)
 
 
-# -- GPU (Triton) ------------------------------------------------------------------------------
-def _span(start, size, lo, hi):
-    """``[size]`` bool: which of the indices ``start + arange(size)`` lie in ``[lo, hi)``."""
-    idx = start + jnp.arange(size, dtype=jnp.int32)
-    return (idx >= lo) & (idx < hi)
-
-
-def _both(rows, cols):
-    return rows[:, None] & cols[None, :]
-
-
-def _triton_tiles_kernel(seg_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, tm, tr, to,
-                         n_v, n_o, groups, transpose):
-    R, n_out = x_ref.shape[1], o_ref.shape[1]
-    v, o = launch_order(pl.program_id(0), n_v, n_o)
-    s = seg_ref[v]
-    row0 = tile_ref[v] * tm
-    rows = _span(row0, tm, lo_ref[s], hi_ref[s])  # this visit's group's rows of the tile
-    cols = _span(o * to, to, 0, n_out)
-
-    def body(r, acc):
-        red = _span(r * tr, tr, 0, R)
-        x = pltriton.load(x_ref.at[pl.ds(row0, tm), pl.ds(r * tr, tr)], mask=_both(rows, red),
-                          other=0)
-        if transpose:
-            w = pltriton.load(w_ref.at[s, pl.ds(o * to, to), pl.ds(r * tr, tr)],
-                              mask=_both(cols, red), other=0)
-            return acc + pltriton.dot(x, w, trans_b=True)
-        w = pltriton.load(w_ref.at[s, pl.ds(r * tr, tr), pl.ds(o * to, to)],
-                          mask=_both(red, cols), other=0)
-        return acc + pltriton.dot(x, w)
-
-    # a group's visit runs the contraction; the tail's (rows past the groups) stores zeros.
-    # Integer arithmetic, not jnp.where: Triton's scf.for wants i32 bounds, and a select of
-    # two literals lowers to i1 (rejected when the GPU compiles the module)
-    steps = jnp.minimum(jnp.maximum(groups - s, 0), 1) * pl.cdiv(R, tr)
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tm, to), jnp.float32))
-    pltriton.store(o_ref.at[pl.ds(row0, tm), pl.ds(o * to, to)], acc.astype(o_ref.dtype),
-                   mask=_both(rows, cols))
-
-
-def _triton_tiles(x_MR, w, group_sizes_G, tm, tr, to, *, transpose, warps, stages, interpret):
-    """``[M, n_out]``: each row of ``x`` times its group's ``w`` (``w^T`` with ``transpose``),
-    on megablox-style visits (:func:`group_visits`): nothing is copied or padded, each visit
-    loads and stores its group's rows of one row tile (and the blocks' in-range columns)
-    under a mask."""
-    m = x_MR.shape[0]
-    G = group_sizes_G.shape[0]
-    n_out = w.shape[1] if transpose else w.shape[2]
-    seg_V, tile_V, lo_S, hi_S, V = group_visits(group_sizes_G, m, tm)
-    n_o = pl.cdiv(n_out, to)
-    Vp, Sp = pow2(V), pow2(G + 2)
-    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_triton_tiles_kernel, tm=tm, tr=tr, to=to, n_v=V, n_o=n_o, groups=G,
-                          transpose=transpose),
-        out_shape=jax.ShapeDtypeStruct((m, n_out), x_MR.dtype),
-        grid=(V * n_o,),
-        in_specs=[full((Vp,)), full((Vp,)), full((Sp,)), full((Sp,)), full(x_MR.shape),
-                  full(w.shape)],
-        out_specs=full((m, n_out)),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-    )(pad_to(seg_V, 0, Vp), pad_to(tile_V, 0, Vp), pad_to(lo_S, 0, Sp), pad_to(hi_S, 0, Sp),
-      x_MR, w)
-
-
-def _triton_tgmm_kernel(lo_ref, hi_ref, x_ref, dy_ref, o_ref, *, tm, tk, tn):
-    n, k, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    K, N = x_ref.shape[1], dy_ref.shape[1]
-    lo, hi = lo_ref[g], hi_ref[g]
-    first = lo // tm
-    tiles = ((hi + tm - 1) // tm - first) * jnp.minimum(jnp.maximum(hi - lo, 0), 1)
-    k_in, n_in = _span(k * tk, tk, 0, K), _span(n * tn, tn, 0, N)
-
-    def body(i, acc):
-        row0 = (first + i) * tm
-        rows = _span(row0, tm, lo, hi)
-        x = pltriton.load(x_ref.at[pl.ds(row0, tm), pl.ds(k * tk, tk)], mask=_both(rows, k_in),
-                          other=0)
-        dy = pltriton.load(dy_ref.at[pl.ds(row0, tm), pl.ds(n * tn, tn)],
-                           mask=_both(rows, n_in), other=0)
-        return acc + pltriton.dot(x, dy, trans_a=True)
-
-    acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((tk, tn), jnp.float32))
-    pltriton.store(o_ref.at[g, pl.ds(k * tk, tk), pl.ds(n * tn, tn)], acc.astype(o_ref.dtype),
-                   mask=_both(k_in, n_in))
-
-
-def _triton_tgmm(x_MK, dy_MN, group_sizes_G, tm, tk, tn, *, warps, stages, interpret):
-    """``dW [G, K, N]`` over the rows in place: program ``(N block, K block, group)`` walks
-    its group's row tiles, masking the neighbours' rows (an empty group walks none: 0). The
-    group is the slowest grid axis, so consecutive programs share a group's rows of x."""
-    G, K, N = group_sizes_G.shape[0], x_MK.shape[1], dy_MN.shape[1]
-    _, _, lo_S, hi_S, _ = group_visits(group_sizes_G, x_MK.shape[0], tm)
-    Sp = pow2(G + 2)
-    full = lambda shape: pl.BlockSpec(shape, lambda n, k, g: (0,) * len(shape))  # noqa: E731
-    return pl.pallas_call(
-        functools.partial(_triton_tgmm_kernel, tm=tm, tk=tk, tn=tn),
-        out_shape=jax.ShapeDtypeStruct((G, K, N), x_MK.dtype),
-        grid=(pl.cdiv(N, tn), pl.cdiv(K, tk), G),
-        in_specs=[full((Sp,)), full((Sp,)), full(x_MK.shape), full(dy_MN.shape)],
-        out_specs=full((G, K, N)),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-    )(pad_to(lo_S, 0, Sp), pad_to(hi_S, 0, Sp), x_MK, dy_MN)
-
-
 # -- layout and platform choice --------------------------------------------------------------
 def _layout(group_sizes_G, m: int, tm: int):
     """Row layout of ``m`` rows in tiles of ``tm``: scatter index, each tile's group, each
@@ -277,7 +161,7 @@ def _mode(interpret):
     """``interpret`` as False, True (the TPU kernels interpreted) or ``"triton"`` (the GPU
     kernels interpreted)."""
     if interpret == "triton":
-        if pltriton is None:
+        if not TRITON_AVAILABLE:
             raise ValueError("interpret='triton': this jax has no Pallas Triton "
                              "(jax.experimental.pallas.triton); use interpret=True")
         return interpret
@@ -309,7 +193,7 @@ def _run(*args, which: str, mosaic, triton, interpret):
     GPU without Pallas Triton: :func:`_without_triton`)."""
     if interpret == "triton":
         return triton(True)(*args)
-    gpu = triton(False) if pltriton is not None else _without_triton(which)
+    gpu = triton(False) if TRITON_AVAILABLE else _without_triton(which)
     return choose_platform(args, mosaic=mosaic, triton=gpu, interpret=interpret)
 
 
@@ -348,7 +232,7 @@ def _tiles_product(x_MR, w, group_sizes_G, tiles, transpose, interpret):
     def triton(interp):
         def run(x_MR, w, group_sizes_G):
             c = _triton_config("gmm", x_MR.dtype, R, n_out, tiles, interp)
-            return _triton_tiles(x_MR, w, group_sizes_G, c.tm, c.tk, c.tn, transpose=transpose,
+            return triton_tiles(x_MR, w, group_sizes_G, c.tm, c.tk, c.tn, transpose=transpose,
                                  warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
@@ -385,7 +269,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, tm: int = 128, tk: int = 128, tn: int = 
     def triton(interp):
         def run(x_MK, dy_MN, group_sizes_G):
             c = _triton_config("tgmm", x_MK.dtype, K, N, (tm, tk, tn), interp)
-            return _triton_tgmm(x_MK, dy_MN, group_sizes_G, c.tm, c.tk, c.tn,
+            return triton_tgmm(x_MK, dy_MN, group_sizes_G, c.tm, c.tk, c.tn,
                                 warps=c.num_warps, stages=c.num_stages, interpret=interp)
         return run
 
