@@ -51,7 +51,7 @@ from moejax.kernels.tuning import TritonConfig, config_for
 from moejax.ops.grouped_layout import group_visits, launch_order
 
 __all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_tgmm", "fit_block",
-           "WARPS"]
+           "WARPS", "PASSES"]
 
 # a configuration's num_warps -> the kernel: one warpgroup (mgpu_visits, mgpu_tgmm) or three,
 # one loading and two computing (mgpu_visits_ws, mgpu_tgmm_ws)
@@ -233,3 +233,7 @@ def tgmm_mgpu(x_MK, dy_MN, group_sizes_G, *, interpret: bool = False, tiles=None
     dy = pad_to(pad_to(dy_MN, 0, c.tm), 1, c.tn)
     kernel = mgpu_tgmm_ws if ws else mgpu_tgmm
     return kernel(x, dy, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages), interpret)[:, :K, :N]
+
+
+# the grouped layer's three products (moejax.ops.grouped_layout.RAGGED_DIMS) on these kernels
+PASSES = {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}

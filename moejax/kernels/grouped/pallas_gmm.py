@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
+from moejax.kernels.grouped.gmm_mgpu import PASSES as MGPU_PASSES
 from moejax.kernels.grouped.gmm_triton import AVAILABLE as TRITON_AVAILABLE
 from moejax.kernels.grouped.gmm_triton import triton_tgmm, triton_tiles
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
@@ -170,15 +170,12 @@ def _mode(interpret):
     return bool(interpret)
 
 
-_MGPU = {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}
-
-
 def _without_triton(which: str):
     """Product ``which`` on a GPU where jax no longer ships Pallas Triton: the Mosaic GPU
     kernels (bf16 / f16 on a Hopper GPU), else XLA's ragged dot."""
     def run(a, b, group_sizes_G):
         try:
-            return _MGPU[which](a, b, group_sizes_G)
+            return MGPU_PASSES[which](a, b, group_sizes_G)
         except NotImplementedError:
             return jax.lax.ragged_dot_general(
                 a, b, group_sizes_G, RAGGED_DIMS[which],

@@ -45,7 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, gmm_t_mgpu, tgmm_mgpu
+from moejax.kernels.grouped.gmm_mgpu import PASSES as MGPU_PASSES
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
 from moejax.ops.grouped_layout import RAGGED_DIMS
@@ -80,7 +80,7 @@ OWN_KERNEL = {"cuda": "gmm"}
 # the project's own kernels for each product: "gmm" also runs what tokamax's kernel does not
 # take (it takes every dtype), "gmm_mgpu" bf16 / f16 on a Hopper GPU
 _OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
-OWN_KERNELS = {"gmm": _OWN, "gmm_mgpu": {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}}
+OWN_KERNELS = {"gmm": _OWN, "gmm_mgpu": MGPU_PASSES}
 
 
 # each operand's and the result's axes: M rows, K, N, G groups
