@@ -8,22 +8,31 @@ union path in values and gradients); bad calls are refused before any lowering. 
 stands in for the TMA reduce-add with a read-modify-write (the module docstring); a GPU run
 proves the rest."""
 
+import json
+
 import jax
 import jax.export as je
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.kernels import tuning
 from moejax.kernels.chunk_union.decode import kernel_activation
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
+from moejax.kernels.chunk_union.decode_gpu import (
+    blocks,
+    chunk_union_decode_gpu,
+    smem_bytes,
+    supports,
+)
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_chunk, dense_experts
+from moejax.kernels.mgpu import SMEM_BYTES
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import ACTIVATIONS, activation_fn, is_gated
 from moejax.train.aot import TRITON
 
-E, D, F = 6, 128, 128
+E, D, F = 6, 256, 128  # two D blocks: the down-projection alternates its buffers
 BF = jnp.bfloat16
 
 
@@ -198,3 +207,51 @@ def test_bad_calls_are_refused_before_lowering():
         chunk_union_decode_gpu(x, a, on, wu, wd[:, :, :64], activation="relu")
     with pytest.raises(ValueError, match="unknown activation"):
         chunk_union_decode_gpu(x, a, on, wu, wd, activation="tanh")
+
+
+# around the limit: 3 and 4 stages of 128-column steps, 256-wide blocks, 2 stages of 256
+SMEM_CASES = [(64, 64, 128, 3), (128, 64, 128, 3), (128, 64, 128, 4), (256, 64, 128, 2),
+              (64, 128, 256, 3), (128, 128, 256, 2), (128, 64, 256, 2)]
+
+
+def _lowers(n, gated) -> bool:
+    """Whether the kernel at the benchmark shapes lowers for an H100 (False: refused for its
+    shared memory; any other failure is raised)."""
+    act = "swiglu" if gated else "relu"
+    try:
+        with lowering_target("cuda"):
+            je.export(jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation=act)),
+                      platforms=("cuda",))(*_shapes(n, gated=gated))
+    except Exception as e:  # noqa: BLE001 - only the shared-memory refusal is an answer
+        if "shared memory" not in str(e):
+            raise
+        return False
+    return True
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_its_shared_memory_estimate_is_the_lowerings(gated):
+    """smem_bytes tells which configurations Mosaic GPU refuses for their shared memory."""
+    verdicts = []
+    for bk, bf, bd, st in SMEM_CASES:
+        with tuning.forced(tuning.TritonConfig(bk, bf, bd, 4, st)):
+            fits = smem_bytes((bk, bf, bd, st), gated) <= SMEM_BYTES
+            verdicts.append((fits, _lowers(8, gated)))
+    assert all(f == lowered for f, lowered in verdicts), verdicts
+    assert {f for f, _ in verdicts} == {True, False}  # both sides of the limit seen
+
+
+def test_a_tuned_configuration_too_large_for_gated_experts_is_fitted(tmp_path, monkeypatch):
+    """A table entry tuned on plain experts whose 4 stages do not fit with a gated expert's
+    second weight block: the gated call gets fewer stages and lowers; the plain one keeps it."""
+    with lowering_target("cuda") as device:
+        kind = device.device_kind
+    entry = {"tm": 128, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 4, "ms": 0.01}
+    table = {kind: {"decode_mgpu": {"bfloat16": {tuning.bucket(2048, 256): entry}}}}
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "t.json"))
+    assert smem_bytes((128, 64, 128, 4), gated=True) > SMEM_BYTES
+    with lowering_target("cuda"):
+        assert blocks(BF, 2048, 256, gated=False) == (128, 64, 128, 4)
+        assert blocks(BF, 2048, 256, gated=True) == (128, 64, 128, 3)
+    assert _lowers(8, gated=True) and _lowers(8, gated=False)

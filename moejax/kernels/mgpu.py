@@ -17,9 +17,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["DTYPES", "swizzled", "block_spec", "weight_spec", "mma", "store_block", "mgpu_kernel",
-           "takes_dtype", "row_ladder", "store_row_range", "zero_rows_outside"]
+           "takes_dtype", "row_ladder", "store_row_range", "zero_rows_outside", "SMEM_BYTES"]
 
 DTYPES = (jnp.bfloat16, jnp.float16)
+SMEM_BYTES = 232_448  # the shared memory a Hopper (sm90) block may take; Mosaic GPU refuses more
 
 
 def takes_dtype(dtype) -> bool:

@@ -45,7 +45,7 @@ from moejax.files import atomic_write_text
 from moejax.kernels.tiling import pow2, target_device
 
 __all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
-           "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
+           "is_forced", "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
            "read_table", "table_path", "SPACE", "SPACES"]
 
 KERNELS = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu", "pairs_mgpu", "decode_mgpu")
@@ -147,6 +147,11 @@ def forced(config: TritonConfig):
     """Lower every kernel inside this block with ``config`` (how :func:`tune`'s timer tries
     a candidate); part of jax's tracing cache key, so each candidate is traced anew."""
     return _FORCED(TritonConfig(*config))
+
+
+def is_forced() -> bool:
+    """Whether a :func:`forced` configuration is in effect (a kernel lowers it as given)."""
+    return _FORCED.value is not None
 
 
 def config_for(kernel: str, dtype, k: int, n: int, device_kind: str | None = None

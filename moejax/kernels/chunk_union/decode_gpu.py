@@ -5,9 +5,11 @@ decode kernels), in one launch after the output is zeroed.
 
 The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
 
-1. **Membership.** ``e`` is in the union when a token of the chunk activates it; the program
-   reads the chunk's activity row for ``e`` and stops at the first active token. A program of
-   a non-member exits there, so the weights read are the union's only, each once.
+1. **Membership.** ``e`` is in the union when a token of the chunk activates it. The union's
+   flags ``[E]`` are one reduction over the chunk's activity, outside the kernel; a program
+   reads its expert's flag (one load, where scanning the chunk's tokens in the program was a
+   chain of ``n`` dependent loads) and a non-member's exits there, so the weights read are the
+   union's only, each once.
 2. **Up-projection.** ``h = act(x W_gate[e][:, f]) * (x W_up[e][:, f]) * a[:, e]`` (plain:
    ``act(x W_up[e][:, f]) * a[:, e]``): the chunk, padded to wgmma's 64 rows, times the F
    block's columns, pipelined over D in 64-column steps (TMA copies into swizzled shared
@@ -16,7 +18,9 @@ The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
 3. **Down-projection.** Over D blocks (default 128): ``h W_down[e][f, d]`` by wgmma, added into the
    float32 output by TMA's reduce-add (``cp.reduce.async.bulk``), so the programs of all
    members and F blocks sum into one output without a second launch. Only the chunk's rows
-   (rounded up to 8) are added.
+   (rounded up to 8) are added. The products are staged for the add in two alternating
+   shared-memory buffers, so a block's product waits only for the add issued two blocks
+   before it, not for the last one.
 
 Against the official design (thunlp/BlockFFN ``inference/``: a union kernel, then programs
 over (union slot, F block) and a down-projection over D blocks) this finds the union inside
@@ -45,52 +49,59 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
-from moejax.kernels.mgpu import DTYPES, swizzled
-from moejax.kernels.tuning import config_for
+from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, swizzled
+from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "ROWS"]
+__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "smem_bytes", "ROWS", "OUT_BUFFERS"]
 
 ROWS = 64  # wgmma's M: the chunk is padded to it
+OUT_BUFFERS = 2  # the down-projection's staging buffers: a step's add overlaps the next product
 _ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 
 
-def blocks(dtype, D: int, F: int) -> tuple[int, int, int, int]:
+def smem_bytes(tiles, gated: bool, itemsize: int = 2) -> int:
+    """Shared memory the kernel takes with ``tiles`` (:func:`blocks`): ``h`` and the output's
+    staging buffers, then the larger of the two pipelines (they run one after the other), and
+    their barriers."""
+    bK, bF, bD, stages = tiles
+    up = stages * (ROWS * bK + (2 if gated else 1) * bK * bF) * itemsize
+    down = stages * bF * bD * itemsize
+    return ROWS * bF * itemsize + OUT_BUFFERS * ROWS * bD * 4 + max(up, down) + 16 * stages
+
+
+def blocks(dtype, D: int, F: int, gated: bool = False) -> tuple[int, int, int, int]:
     """``(bK, bF, bD, stages)``: the up-projection's contraction step, the F block, the
     down-projection's D block and the pipeline depth for ``D`` and ``F`` on the device being
     lowered for (:func:`moejax.kernels.tuning.config_for`'s ``"decode_mgpu"``; default
-    64, 64, 128 and 3)."""
+    64, 64, 128 and 3). A tuned configuration is tuned on plain experts; where a gated
+    expert's second weight block does not fit in shared memory (:data:`SMEM_BYTES`), the
+    pipeline gets fewer stages (at least 2), else the default. A :func:`forced` one (an
+    autotune candidate) is lowered as given."""
     c = config_for("decode_mgpu", dtype, D, F)
-    return c.tm, c.tk, c.tn, c.num_stages
+    tiles = (c.tm, c.tk, c.tn, c.num_stages)
+    if is_forced():
+        return tiles
+    size = jnp.dtype(dtype).itemsize
+    while smem_bytes(tiles, gated, size) > SMEM_BYTES and tiles[3] > 2:
+        tiles = (*tiles[:3], tiles[3] - 1)
+    if smem_bytes(tiles, gated, size) > SMEM_BYTES:
+        d = DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]
+        tiles = (d.tm, d.tk, d.tn, d.num_stages)
+    return tiles
 
 
-def supports(x_nD, w_up) -> bool:
+def supports(x_nD, w_up, w_gate=None) -> bool:
     """Whether the kernel takes this chunk: 1 to 64 tokens, bf16 / f16 operands, ``D`` and
     ``F`` whole multiples of the blocks (default: ``D`` of 128, ``F`` of 64)."""
     n, D = x_nD.shape
     if not (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in DTYPES)):
         return False
-    bK, bF, bD, _ = blocks(x_nD.dtype, D, w_up.shape[-1])
+    bK, bF, bD, _ = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None)
     return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
-def _is_member(active_g, e, n: int):
-    """1 when any of the chunk's ``n`` tokens activates expert ``e`` (stops at the first);
-    ``active_g`` is the chunk's ``[n, E]`` activity as the router gives it (no transposed
-    copy: one XLA launch fewer around the kernel)."""
-    def more(carry):
-        i, found = carry
-        return (i < n) & (found == 0)
-
-    def step(carry):
-        i, _ = carry
-        return i + 1, (active_g[i, e] != 0).astype(jnp.int32)
-
-    return jax.lax.while_loop(more, step, (jnp.int32(0), jnp.int32(0)))[1]
-
-
-def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, interpret,
-          tiles):
+def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles):
     wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
     bK, bF, bD, stages = tiles
     D = x_g.shape[1]
@@ -101,7 +112,7 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
         return plgpu.BlockSpec(shape, index, transforms=swizzled(shape, dt, what),
                                delay_release=1)
 
-    @pl.when(_is_member(active_g, e, n) > 0)
+    @pl.when(member_g[e] != 0)
     def _():
         def up(*accs):
             def step(_, x_s, *w_s):
@@ -128,10 +139,13 @@ def _body(x_g, a_g, active_g, wu_g, wd_g, *rest, n, rows, activation, gated, int
             (d,) = idx
             out = pl.run_scoped(lambda acc: (plgpu.wgmma(acc, h_smem, wd_s), acc[...])[1],
                                 plgpu.ACC((ROWS, bD)))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read o_smem
-            o_smem[...] = out
+            # the add issued two steps ago, from the same buffer, has read it; the last one
+            # may still be reading the other
+            plgpu.wait_smem_to_gmem(OUT_BUFFERS - 1, wait_read_only=True)
+            buf = o_smem.at[d % OUT_BUFFERS]
+            buf[...] = out
             plgpu.commit_smem()
-            src, dst = o_smem.at[pl.ds(0, rows)], y_g.at[:, pl.ds(d * bD, bD)]
+            src, dst = buf.at[pl.ds(0, rows)], y_g.at[:, pl.ds(d * bD, bD)]
             if interpret:
                 dst[...] = dst[...] + src[...]
             else:
@@ -155,12 +169,12 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
         raise ValueError(f"a {a_nE.shape} and active {active_nE.shape} must be {(n, E)}")
     check_expert_weights(x_nD.shape, E, w_up, w_down, w_gate)
     activation_fn(activation)  # an unknown name fails here, before any lowering
-    if not supports(x_nD, w_up):
+    if not supports(x_nD, w_up, w_gate):
         raise ValueError(f"chunk_union_decode_gpu takes 1 to {MAX_CHUNK} tokens of bfloat16 "
                          f"or float16 with D and F whole multiples of its blocks; got "
                          f"x {tuple(x_nD.shape)} {x_nD.dtype}, F {w_up.shape[-1]} (other "
                          f"chunks: chunk_union_auto's pair kernels)")
-    tiles = blocks(x_nD.dtype, D, w_up.shape[-1])
+    tiles = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None)
     bF, bD = tiles[1], tiles[2]
     dt = x_nD.dtype
     rows = -(-n // 8) * 8
@@ -168,14 +182,14 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
     x = jnp.pad(x_nD, ((0, ROWS - n), (0, 0)))
     a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, ROWS - n)))
-    active_nE = active_nE.astype(jnp.int32)
+    member_E = jnp.any(active_nE != 0, axis=0).astype(jnp.int32)
     kernel = plgpu.kernel(
-        functools.partial(_body, n=n, rows=rows, activation=activation, gated=gated,
+        functools.partial(_body, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles),
         out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
         scratch_types=[plgpu.SMEM((ROWS, bF), dt, transforms=swizzled((ROWS, bF), dt, "h")),
-                       plgpu.SMEM((ROWS, bD), jnp.float32)],
+                       plgpu.SMEM((OUT_BUFFERS, ROWS, bD), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))
-    kernel(x, a_E, active_nE, *weights[:2], *weights[2:], y)
+    kernel(x, a_E, member_E, *weights[:2], *weights[2:], y)
     return y[...][:n].astype(dt)

@@ -272,7 +272,7 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         if not decode:  # the pair kernels; the jnp loop where they would run interpreted
             fast = gpu_kernels_take(x.dtype)
             return (kernel_path if fast else jnp_path)(x, a, act, wu, wd, wg)
-        if hopper_target() and supports(x, wu):
+        if hopper_target() and supports(x, wu, wg):
             return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
                     no_overflow)
         # with the union capped at E, as here, the pair kernels ran slower than this dense
