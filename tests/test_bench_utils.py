@@ -1,11 +1,16 @@
-"""moejax.bench.timing: the synthetic union patterns have exactly the asked union, and the timers
-time what they are given (the device loop calls the function in every iteration, not once)."""
+"""moejax.bench.timing and .profile: the synthetic union patterns have exactly the asked union,
+the timers time what they are given (the device loop calls the function in every iteration,
+not once), and the profiler's device time counts each kernel once and is None where the trace
+sees no device."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.profiler import ProfileData
 
+from moejax.bench import timing
+from moejax.bench.profile import KernelTrace, device_kernels, trace_kernels
 from moejax.bench.timing import time_call, time_device_loop, time_interleaved, union_activations
 
 
@@ -75,3 +80,61 @@ def test_time_device_loop_runs_the_call_in_every_iteration():
     assert flushed["flush_s"] > 0 and np.isfinite(flushed["median_s"])
     with pytest.raises(ValueError, match="flush_bytes"):
         time_device_loop(chain(1), x, flush_bytes=-1)
+
+
+def _xspace(device_plane: str, lines: dict[str, list[tuple[str, int]]]) -> ProfileData:
+    """A profile with one device plane: ``lines`` {line name: [(event name, duration ns)]}."""
+    names = sorted({name for events in lines.values() for name, _ in events})
+    ids = {name: i + 1 for i, name in enumerate(names)}
+    text = "".join(
+        f'lines {{ id: {j} name: "{line}" ' + "".join(
+            f"events {{ metadata_id: {ids[name]} offset_ps: {k * 10**7} "
+            f"duration_ps: {ns * 1000} }} " for k, (name, ns) in enumerate(events)) + "} "
+        for j, (line, events) in enumerate(lines.items()))
+    meta = "".join(f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }} '
+                   for n, i in ids.items())
+    host = 'planes { id: 2 name: "/host:CPU" lines { id: 1 name: "python" ' \
+           'events { metadata_id: 1 offset_ps: 0 duration_ps: 99000000 } } ' \
+           'event_metadata { key: 1 value { id: 1 name: "host_work" } } }'
+    xspace = f'planes {{ id: 1 name: "{device_plane}" {text}{meta}}} {host}'
+    return ProfileData.from_serialized_xspace(ProfileData.text_proto_to_serialized_xspace(xspace))
+
+
+def test_device_kernels_reads_a_gpus_streams_and_a_tpus_ops_once():
+    """GPU: the stream lines' kernels, not the summary lines that repeat their time; TPU:
+    the XLA Ops line; the host plane is never device time."""
+    gpu = _xspace("/device:GPU:0", {
+        "Stream #7(Compute)": [("fusion_2", 3000), ("mosaic_kernel", 9000), ("fusion_2", 1000)],
+        "Stream #9(MemcpyD2D)": [("memset", 500)],
+        "XLA Ops": [("fusion.2", 4000), ("custom-call", 9000)],
+        "XLA Modules": [("jit_loop", 20000)]})
+    got = device_kernels(gpu)
+    assert got.launches == 4 and got.busy_s == pytest.approx(13.5e-6)
+    assert list(got.by_name) == ["mosaic_kernel", "fusion_2", "memset"]
+    assert got.by_name["fusion_2"] == pytest.approx(4e-6)
+    tpu = device_kernels(_xspace("/device:TPU:0", {"XLA Ops": [("fusion.1", 2000)],
+                                                   "XLA Modules": [("jit_f", 5000)]}))
+    assert tpu == KernelTrace(1, pytest.approx(2e-6), {"fusion.1": pytest.approx(2e-6)})
+    assert device_kernels(_xspace("/device:GPU:0", {"XLA Modules": [("jit_f", 5)]})) is None
+
+
+def test_a_cpu_trace_has_no_device_kernels():
+    f = jax.jit(lambda a: jnp.tanh(a @ a))
+    a = jnp.ones((64, 64))
+    f(a).block_until_ready()
+    if jax.default_backend() == "cpu":
+        assert trace_kernels(lambda: f(a)) is None
+        r = time_device_loop(f, a, iters=2, repeats=1, flush_bytes=4096, profile=True)
+        assert r["kernel_s"] is None and r["kernels_per_call"] is None and r["median_s"] > -1
+
+
+def test_the_profiled_device_loop_subtracts_the_rewrites(monkeypatch):
+    """kernel_s and kernels_per_call are the call loop's less the rewrite loop's, per call."""
+    traces = iter([KernelTrace(30, 9e-6, {"kernel": 6e-6, "rewrite": 3e-6}),
+                   KernelTrace(10, 3e-6, {"rewrite": 3e-6})])
+    monkeypatch.setattr(timing, "trace_kernels", lambda run: next(traces))
+    r = time_device_loop(lambda a: a * 2, jnp.ones(8), iters=10, repeats=1,
+                         flush_bytes=4096, profile=True)
+    assert r["kernels_per_call"] == pytest.approx(2.0)
+    assert r["kernel_s"] == pytest.approx(6e-7)
+    assert r["kernels"] == {"kernel": pytest.approx(6e-7), "rewrite": pytest.approx(3e-7)}

@@ -473,3 +473,29 @@ def test_a_study_is_one_module_under_its_flat_name_and_its_papers_package():
     r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "n_experts" in r.stdout, r.stderr[-2000:]
+
+
+def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_path):
+    from experiments.benchmarks import kernels as bench_kernels
+    from experiments.benchmarks.kernels import _ffn_summary, _profile_columns
+
+    timed = {"kernel_s": 12e-6, "kernels_per_call": 3.0,
+             "kernels": {"decode_kernel": 10e-6, "fusion": 1.5e-6, "memset": 0.5e-6,
+                         "slice": 0.1e-6}}
+    cols = _profile_columns(timed, floor_ms=0.010)
+    assert cols["kernel_ms"] == pytest.approx(0.012) and cols["kernels"] == 3.0
+    assert cols["x_floor_kernel"] == pytest.approx(1.2)
+    assert cols["top_kernels"] == "decode_kernel: 10.0 us; fusion: 1.5 us; memset: 0.5 us"
+    rows = [{"n": 1, "union": 16, "union_fraction": 0.25, "path": "decode", "ms": 0.02,
+             "x_floor": 2.0, "floor_ms": 0.01, **cols},
+            {"n": 8, "union": 64, "union_fraction": 1.0, "path": "decode", "ms": 0.06,
+             "x_floor": 1.6, "floor_ms": 0.04,
+             **_profile_columns({**timed, "kernel_s": 70e-6}, floor_ms=0.04)}]
+    notes = _ffn_summary(rows)[1]
+    assert "decode: within 1.5x of the memory floor in 0/2 cases" in notes[-2]
+    assert notes[-1].startswith("decode, its kernels' own device time (profiler: no launch "
+                                "gaps; 3.0 kernels a call): within 1.5x of the memory floor "
+                                "in 1/2 cases (nearest 1.20x at n=1, |U|/E=0.25)")
+    with pytest.raises(ConfigError, match="profile_paths"):
+        run_experiment("bench_kernels", bench_kernels.make_config, bench_kernels.run,
+                       ["ffn_paths=(dense,)"], out=tmp_path / "bad")

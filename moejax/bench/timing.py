@@ -3,7 +3,8 @@
 * :func:`time_call`: compile once, ``warmup`` untimed calls, then ``repeats`` timed calls
   (each waits for the result with ``block_until_ready``); median and minimum seconds.
 * :func:`time_device_loop`: device time per call, from ``iters`` calls inside one jitted
-  loop (no host dispatch between calls; the kernels' launches are counted).
+  loop (no host dispatch between calls; the kernels' launches are counted); with
+  ``profile``, also the call's kernels and their device time from the profiler.
 * :func:`kernel_unavailable`: why a kernel path cannot be timed here (None when it can).
 * :func:`union_activations`: combine weights ``[n, E]`` for a chunk of ``n`` tokens whose
   union of active experts is exactly a random set of ``union_size`` experts: each token is
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
@@ -75,7 +77,7 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 
 
 def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
-                     flush_bytes: int = 0) -> dict:
+                     flush_bytes: int = 0, profile: bool = False) -> dict:
     """``{"compile_s", "median_s", "min_s", "iters"}``: seconds per call of ``fn(*args)``,
     timed as ``iters`` calls in one jitted ``fori_loop`` (median and minimum over ``repeats``
     runs of the loop, after a warm-up run). Each iteration passes the arguments through an
@@ -86,14 +88,21 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     buffer of that size (a few times the L2, so each call reads its operands from memory, as
     a layer among many layers does), and the median time of a loop of the rewrites alone
     (``flush_s``) is subtracted: where the call is shorter than the rewrite's noise (a CPU),
-    the difference can come out near zero or below it."""
+    the difference can come out near zero or below it.
+
+    ``profile``: one more run of each loop under the profiler
+    (:func:`moejax.bench.profile.trace_kernels`) adds ``kernels_per_call`` and ``kernel_s``
+    (the call's kernels, copies and memsets per call and their summed device time, the
+    rewrites' subtracted: the time without the gaps between launches) and ``kernels`` (seconds
+    per call by kernel name, the call loop's own, largest first); each None where the trace
+    has no device events (a CPU)."""
     if iters < 1 or repeats < 1 or flush_bytes < 0:
         raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
                          f"flush_bytes={flush_bytes} >= 0")
     out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
     scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
 
-    def timed(call):
+    def device_loop(call):
         @jax.jit
         def loop(scratch, *args):
             def body(i, carry):
@@ -103,7 +112,9 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
                 a = jax.lax.optimization_barrier((args, i, scratch))[0]
                 return (call(*a) if call else out), scratch
             return jax.lax.fori_loop(0, iters, body, (out0, scratch))
+        return loop
 
+    def timed(loop):
         t0 = time.perf_counter()
         jax.block_until_ready(loop(scratch, *args))
         compile_s = time.perf_counter() - t0
@@ -114,10 +125,28 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
             times.append((time.perf_counter() - t) / iters)
         return compile_s, np.asarray(times)
 
-    compile_s, times = timed(fn)
-    flush_s = float(np.median(timed(None)[1])) if flush_bytes else 0.0
-    return {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
-            "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters}
+    loops = {"call": device_loop(fn), "flush": device_loop(None) if flush_bytes else None}
+    compile_s, times = timed(loops["call"])
+    flush_s = float(np.median(timed(loops["flush"])[1])) if flush_bytes else 0.0
+    result = {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
+              "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters}
+    if profile:
+        result.update(_profiled(loops, scratch, args, iters))
+    return result
+
+
+def _profiled(loops: dict, scratch, args, iters: int) -> dict:
+    """:func:`time_device_loop`'s profile keys from one traced run of each (compiled) loop."""
+    traces = {name: trace_kernels(lambda loop=loop: loop(scratch, *args))
+              for name, loop in loops.items() if loop is not None}
+    call, flush = traces["call"], traces.get("flush")
+    if call is None or ("flush" in traces and flush is None):
+        return {"kernels_per_call": None, "kernel_s": None, "kernels": None}
+    launches, busy = call.launches, call.busy_s
+    if flush is not None:
+        launches, busy = launches - flush.launches, busy - flush.busy_s
+    return {"kernels_per_call": launches / iters, "kernel_s": busy / iters,
+            "kernels": {name: s / iters for name, s in call.by_name.items()}}
 
 
 def time_interleaved(fns: dict[str, Callable], *args, warmup: int = 1,

@@ -1,0 +1,74 @@
+"""Device time from the profiler: how many kernels a jitted call launches and how long they
+run on the device, apart from the gaps between them.
+
+A device loop (:func:`moejax.bench.timing.time_device_loop`) measures a call's time as the
+device sees it, launch gaps included; a call of a few microseconds (a decode step's expert
+kernel) can spend as long in the gaps and in the small XLA kernels around it as in its own
+kernel. :func:`trace_kernels` runs a function under ``jax.profiler.trace`` and reads the trace
+(``jax.profiler.ProfileData``) back: every event on the accelerator's plane (``/device:GPU:0``,
+``/device:TPU:0``...) that is a kernel, a copy or a memset. On a GPU those are the events of its
+streams (lines named ``Stream #...``; the other lines summarize the same time per XLA op or
+module, and would count it twice); on a TPU the ``XLA Ops`` line. A trace without such events
+(a CPU; a GPU whose CUPTI library is missing) gives ``None``: the caller reports "not
+measured", never a zero.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+from jax.profiler import ProfileData
+
+__all__ = ["KernelTrace", "device_kernels", "trace_kernels"]
+
+_TPU_OPS = "XLA Ops"
+
+
+class KernelTrace(NamedTuple):
+    """The device events of a traced run: ``launches`` (events), ``busy_s`` (their summed
+    durations) and ``by_name`` (seconds per kernel name, largest first)."""
+
+    launches: int
+    busy_s: float
+    by_name: dict[str, float]
+
+
+def _kernel_lines(plane) -> list:
+    lines = list(plane.lines)
+    streams = [line for line in lines if line.name.startswith("Stream")]
+    return streams or [line for line in lines if line.name == _TPU_OPS]
+
+
+def device_kernels(profile: ProfileData) -> KernelTrace | None:
+    """The kernels, copies and memsets on the accelerator planes of ``profile`` (module
+    docstring); None where it has none."""
+    durations: dict[str, float] = {}
+    launches = 0
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in _kernel_lines(plane):
+            for event in line.events:
+                launches += 1
+                durations[event.name] = durations.get(event.name, 0.0) + event.duration_ns * 1e-9
+    if not launches:
+        return None
+    by_name = dict(sorted(durations.items(), key=lambda kv: -kv[1]))
+    return KernelTrace(launches, sum(by_name.values()), by_name)
+
+
+def trace_kernels(run: Callable[[], object]) -> KernelTrace | None:
+    """``run()`` (its result waited for) under the profiler, and its device events
+    (:func:`device_kernels`); None where the trace has none. Compile ``run`` before: a first
+    call's compilation would be traced too (harmless, but slow to write)."""
+    with tempfile.TemporaryDirectory(prefix="moejax_trace_") as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(run())
+        paths = sorted(Path(d).rglob("*.xplane.pb"))
+        if not paths:
+            return None
+        return device_kernels(ProfileData.from_file(str(paths[-1])))
