@@ -20,6 +20,7 @@ from moejax.kernels import tuning
 from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import (
     blocks,
+    chunk_rows,
     chunk_union_decode_gpu,
     smem_bytes,
     supports,
@@ -209,9 +210,10 @@ def test_bad_calls_are_refused_before_lowering():
         chunk_union_decode_gpu(x, a, on, wu, wd, activation="tanh")
 
 
-# around the limit: 3 and 4 stages of 128-column steps, 256-wide blocks, 2 stages of 256
-SMEM_CASES = [(64, 64, 128, 3), (128, 64, 128, 3), (128, 64, 128, 4), (256, 64, 128, 2),
-              (64, 128, 256, 3), (128, 128, 256, 2), (128, 64, 256, 2)]
+# around the limit for a chunk of 8 and of 64 tokens, plain and gated
+SMEM_CASES = [(64, 64, 128, 3), (128, 64, 128, 4), (128, 64, 128, 3), (256, 64, 128, 4),
+              (256, 64, 128, 3), (128, 128, 256, 4), (128, 128, 128, 4), (256, 128, 128, 3),
+              (256, 64, 256, 2)]
 
 
 def _lowers(n, gated) -> bool:
@@ -229,29 +231,31 @@ def _lowers(n, gated) -> bool:
     return True
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_its_shared_memory_estimate_is_the_lowerings(gated):
+@pytest.mark.parametrize("n,gated", [(8, False), (8, True), (64, False), (64, True)])
+def test_its_shared_memory_estimate_is_the_lowerings(n, gated):
     """smem_bytes tells which configurations Mosaic GPU refuses for their shared memory."""
     verdicts = []
     for bk, bf, bd, st in SMEM_CASES:
         with tuning.forced(tuning.TritonConfig(bk, bf, bd, 4, st)):
-            fits = smem_bytes((bk, bf, bd, st), gated) <= SMEM_BYTES
-            verdicts.append((fits, _lowers(8, gated)))
+            fits = smem_bytes((bk, bf, bd, st), gated, chunk_rows(n)) <= SMEM_BYTES
+            verdicts.append((fits, _lowers(n, gated)))
     assert all(f == lowered for f, lowered in verdicts), verdicts
     assert {f for f, _ in verdicts} == {True, False}  # both sides of the limit seen
 
 
-def test_a_tuned_configuration_too_large_for_gated_experts_is_fitted(tmp_path, monkeypatch):
-    """A table entry tuned on plain experts whose 4 stages do not fit with a gated expert's
-    second weight block: the gated call gets fewer stages and lowers; the plain one keeps it."""
+def test_a_configuration_too_large_for_a_chunk_is_fitted(tmp_path, monkeypatch):
+    """A table entry tuned on plain experts and short chunks whose 4 stages do not fit with a
+    gated expert's second weight block and a 64-token chunk: that call gets fewer stages and
+    lowers; the others keep it."""
     with lowering_target("cuda") as device:
         kind = device.device_kind
     entry = {"tm": 128, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 4, "ms": 0.01}
     table = {kind: {"decode_mgpu": {"bfloat16": {tuning.bucket(2048, 256): entry}}}}
     (tmp_path / "t.json").write_text(json.dumps(table))
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "t.json"))
-    assert smem_bytes((128, 64, 128, 4), gated=True) > SMEM_BYTES
+    assert smem_bytes((128, 64, 128, 4), gated=True, rows=64) > SMEM_BYTES
     with lowering_target("cuda"):
-        assert blocks(BF, 2048, 256, gated=False) == (128, 64, 128, 4)
-        assert blocks(BF, 2048, 256, gated=True) == (128, 64, 128, 3)
-    assert _lowers(8, gated=True) and _lowers(8, gated=False)
+        assert blocks(BF, 2048, 256, gated=False, rows=64) == (128, 64, 128, 4)
+        assert blocks(BF, 2048, 256, gated=True, rows=8) == (128, 64, 128, 4)
+        assert blocks(BF, 2048, 256, gated=True, rows=64) == (128, 64, 128, 3)
+    assert _lowers(64, gated=True) and _lowers(64, gated=False)

@@ -21,7 +21,10 @@ kernels (one warpgroup, bf16 / f16 only) take tokamax's sm90 shapes: 64-row wgmm
 64-column contraction steps (one 128-byte swizzle of bf16), 128 output columns, 3 stages;
 the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages (dW: 128 x
 128 output blocks in 64-row steps), warp-specialized as jax's Hopper matmul is
-(``num_warps`` 12: one warpgroup issuing the copies, two computing a block each).
+(``num_warps`` 12: one warpgroup issuing the copies, two computing a block each). The decode
+kernel, whose weights are wgmma's M operand and whose chunk of a few tokens is the N, takes
+128-row D steps of 64-column F blocks and 128-row D blocks at 4 stages: its few programs per
+union member each keep as many weight bytes in flight as shared memory holds.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
@@ -73,8 +76,10 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     # dW in 128 x 128 output blocks (the anchors'), 64 rows a step: 2 x 64 KB of float32
     # operands in shared memory at 2 stages
     ("tgmm", "float32"): TritonConfig(64, 128, 128, 8, 2),
-    **{(k, d): TritonConfig(64, 64, 128, 4, 3) for k in ("pairs_mgpu", "decode_mgpu")
-       for d in _WIDE},
+    **{("pairs_mgpu", d): TritonConfig(64, 64, 128, 4, 3) for d in _WIDE},
+    # decode (weights as wgmma's M, the chunk as N): 128-row D steps of 64 F columns, the
+    # deepest pipeline that fits beside a 64-token chunk's buffers
+    **{("decode_mgpu", d): TritonConfig(128, 64, 128, 4, 4) for d in _WIDE},
     # the grouped products on Mosaic GPU: the anchors' bf16 H100 tiles (128 x 64 x 128 a
     # computing warpgroup; dW in 128 x 128 output blocks, 64 rows a step), 4 stages
     # (12 warps: warp-specialized, one warpgroup loading and two computing 128 columns each)
@@ -112,7 +117,7 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
     # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
     # in flight, so longer D steps (128, 256) as well as deeper pipelines
     "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st) for bk in (64, 128, 256)
-                         for bf in (64, 128) for bd in (128, 256) for st in (2, 3, 4))}
+                         for bf in (64, 128) for bd in (128, 256) for st in (3, 4, 6))}
 
 
 def bucket(k: int, n: int) -> str:

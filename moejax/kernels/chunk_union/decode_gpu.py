@@ -3,29 +3,36 @@ chunk of ``n`` tokens (1 to 64: a decoded token, or the draft block that specula
 verifies) reads only the weights of the experts in its union (BlockFFN paper, Sec. 3.3 and its
 decode kernels), in one launch after the output is zeroed.
 
+As in the official kernels (thunlp/BlockFFN ``inference/``), the weights are wgmma's M operand
+and the chunk its N: the products are computed transposed, ``h^T = W^T x^T``, so the chunk is
+padded only to a multiple of 8 rows (wgmma's N step), not to the 64 rows of an M operand, and
+a step's copy of the chunk is ``rows x bK`` beside the weights' ``bK x bF``.
+
 The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
 
 1. **Membership.** ``e`` is in the union when a token of the chunk activates it. The union's
    flags ``[E]`` are one reduction over the chunk's activity, outside the kernel; a program
-   reads its expert's flag (one load, where scanning the chunk's tokens in the program was a
-   chain of ``n`` dependent loads) and a non-member's exits there, so the weights read are the
-   union's only, each once.
-2. **Up-projection.** ``h = act(x W_gate[e][:, f]) * (x W_up[e][:, f]) * a[:, e]`` (plain:
-   ``act(x W_up[e][:, f]) * a[:, e]``): the chunk, padded to wgmma's 64 rows, times the F
-   block's columns, pipelined over D in 64-column steps (TMA copies into swizzled shared
-   memory, wgmma into float32 accumulators; the block sizes: :func:`blocks`). ``h`` goes to
-   shared memory in the weights' dtype, as the jnp oracle casts it.
-3. **Down-projection.** Over D blocks (default 128): ``h W_down[e][f, d]`` by wgmma, added into the
-   float32 output by TMA's reduce-add (``cp.reduce.async.bulk``), so the programs of all
-   members and F blocks sum into one output without a second launch. Only the chunk's rows
-   (rounded up to 8) are added. The products are staged for the add in two alternating
+   reads its expert's flag (one load) and a non-member's exits there, so the weights read are
+   the union's only, each once.
+2. **Up-projection.** ``h^T = act(W_gate[e][:, f]^T x^T) * (W_up[e][:, f]^T x^T) * a[:, e]^T``
+   (plain: ``act(W_up[e][:, f]^T x^T) * a[:, e]^T``), ``[bF, rows]``: the F block's weight
+   columns (a transposed view of the ``[bK, bF]`` block) times the chunk's, pipelined over D in
+   ``bK`` steps (TMA copies into swizzled shared memory, wgmma into float32 accumulators; the
+   block sizes: :func:`blocks`). ``h`` goes to shared memory in the weights' dtype, as the jnp
+   oracle casts it, stored through a transposed view as ``[rows, bF]`` (the K-major operand
+   the down-projection's wgmma takes for any ``rows``).
+3. **Down-projection.** Over D blocks (default 128): ``W_down[e][f, d]^T h^T`` by wgmma
+   (``[bD, rows]``), added into the float32 output ``y^T [D, rows]`` by TMA's reduce-add
+   (``cp.reduce.async.bulk``), so the programs of all members and F blocks sum into one
+   output without a second launch. The products are staged for the add in two alternating
    shared-memory buffers, so a block's product waits only for the add issued two blocks
-   before it, not for the last one.
+   before it, not for the last one. The output is transposed back when it is cut to the
+   chunk's ``n`` rows and cast.
 
-Against the official design (thunlp/BlockFFN ``inference/``: a union kernel, then programs
-over (union slot, F block) and a down-projection over D blocks) this finds the union inside
-each program and sums the down-projection through the reduce-add; the weights read are the
-same (the union's, once), with one launch fewer.
+Against the official design (a union kernel, then programs over (union slot, F block) and a
+down-projection over D blocks) this finds the union with one reduction beside the kernel and
+sums the down-projection through the reduce-add; the weights read are the same (the union's,
+once), with one launch fewer.
 
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
 of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
@@ -53,41 +60,49 @@ from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, swizzled
 from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "smem_bytes", "ROWS", "OUT_BUFFERS"]
+__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "smem_bytes", "chunk_rows",
+           "OUT_BUFFERS"]
 
-ROWS = 64  # wgmma's M: the chunk is padded to it
 OUT_BUFFERS = 2  # the down-projection's staging buffers: a step's add overlaps the next product
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+_COLUMN_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column (token)
 
 
-def smem_bytes(tiles, gated: bool, itemsize: int = 2) -> int:
-    """Shared memory the kernel takes with ``tiles`` (:func:`blocks`): ``h`` and the output's
-    staging buffers, then the larger of the two pipelines (they run one after the other), and
-    their barriers."""
+def chunk_rows(n: int) -> int:
+    """The chunk's rows as the kernel computes them: ``n`` rounded up to wgmma's N step, 8."""
+    return -(-n // 8) * 8
+
+
+def smem_bytes(tiles, gated: bool, rows: int = 64, itemsize: int = 2) -> int:
+    """Shared memory the kernel takes with ``tiles`` (:func:`blocks`) for a chunk of ``rows``
+    (:func:`chunk_rows`): ``h`` and the output's staging buffers, then the larger of the two
+    pipelines (they run one after the other), and their barriers."""
     bK, bF, bD, stages = tiles
-    up = stages * (ROWS * bK + (2 if gated else 1) * bK * bF) * itemsize
+    up = stages * (rows * bK + (2 if gated else 1) * bK * bF) * itemsize
     down = stages * bF * bD * itemsize
-    return ROWS * bF * itemsize + OUT_BUFFERS * ROWS * bD * 4 + max(up, down) + 16 * stages
+    return rows * bF * itemsize + OUT_BUFFERS * bD * rows * 4 + max(up, down) + 16 * stages
 
 
-def blocks(dtype, D: int, F: int, gated: bool = False) -> tuple[int, int, int, int]:
+def blocks(dtype, D: int, F: int, gated: bool = False, rows: int = 64
+           ) -> tuple[int, int, int, int]:
     """``(bK, bF, bD, stages)``: the up-projection's contraction step, the F block, the
     down-projection's D block and the pipeline depth for ``D`` and ``F`` on the device being
     lowered for (:func:`moejax.kernels.tuning.config_for`'s ``"decode_mgpu"``; default
-    64, 64, 128 and 3). A tuned configuration is tuned on plain experts; where a gated
-    expert's second weight block does not fit in shared memory (:data:`SMEM_BYTES`), the
-    pipeline gets fewer stages (at least 2), else the default. A :func:`forced` one (an
-    autotune candidate) is lowered as given."""
+    128, 64, 128 and 4: a few programs per member, each holding as many weight bytes in flight
+    as shared memory allows). A configuration is tuned on plain experts; where a gated expert's
+    second weight block (or a longer chunk) does not fit in shared memory
+    (:data:`SMEM_BYTES`) with it, the pipeline gets fewer stages (at least 2), else the
+    default does. A :func:`forced` one (an autotune candidate) is lowered as given."""
     c = config_for("decode_mgpu", dtype, D, F)
     tiles = (c.tm, c.tk, c.tn, c.num_stages)
     if is_forced():
         return tiles
     size = jnp.dtype(dtype).itemsize
-    while smem_bytes(tiles, gated, size) > SMEM_BYTES and tiles[3] > 2:
-        tiles = (*tiles[:3], tiles[3] - 1)
-    if smem_bytes(tiles, gated, size) > SMEM_BYTES:
-        d = DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]
-        tiles = (d.tm, d.tk, d.tn, d.num_stages)
+    for candidate in (tiles, DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]):
+        tiles = tuple(candidate[:3]) + (candidate[-1],)
+        while smem_bytes(tiles, gated, rows, size) > SMEM_BYTES and tiles[3] > 2:
+            tiles = (*tiles[:3], tiles[3] - 1)
+        if smem_bytes(tiles, gated, rows, size) <= SMEM_BYTES:
+            break
     return tiles
 
 
@@ -97,7 +112,7 @@ def supports(x_nD, w_up, w_gate=None) -> bool:
     n, D = x_nD.shape
     if not (1 <= n <= MAX_CHUNK and any(x_nD.dtype == d for d in DTYPES)):
         return False
-    bK, bF, bD, _ = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None)
+    bK, bF, bD, _ = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None, chunk_rows(n))
     return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
@@ -117,39 +132,40 @@ def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interp
         def up(*accs):
             def step(_, x_s, *w_s):
                 for acc, w in zip(accs, w_s):
-                    plgpu.wgmma(acc, x_s, w)
+                    plgpu.wgmma(acc, w.T, x_s.T)  # [bF, bK] x [bK, rows]
                 plgpu.wgmma_wait(len(accs))
 
             w_spec = spec((bK, bF), lambda k: (k, f), "w")
             weights = (wu_g.at[e],) + ((wg_g.at[e],) if gated else ())
             plgpu.emit_pipeline(step, grid=(D // bK,),
-                                in_specs=(spec((ROWS, bK), lambda k: (0, k), "x"),
+                                in_specs=(spec((rows, bK), lambda k: (0, k), "x"),
                                           *[w_spec] * len(weights)),
                                 max_concurrent_steps=stages)(x_g, *weights)
             return tuple(acc[...] for acc in accs)
 
-        accs = pl.run_scoped(up, *[plgpu.ACC((ROWS, bF))] * (2 if gated else 1))
+        accs = pl.run_scoped(up, *[plgpu.ACC((bF, rows))] * (2 if gated else 1))
         act = kernel_activation(activation)
         h = act(accs[1]) * accs[0] if gated else act(accs[0])
-        a_col = plgpu.load(a_g.at[e], layout=_ROW_LAYOUT, optimized=False)
-        h_smem[...] = (h * a_col[:, None]).astype(dt)
+        a_row = plgpu.load(a_g.at[e], layout=_COLUMN_LAYOUT, optimized=False)
+        h_smem.T[...] = (h * a_row[None, :]).astype(dt)
         plgpu.commit_smem()
 
         def down(idx, wd_s):
             (d,) = idx
-            out = pl.run_scoped(lambda acc: (plgpu.wgmma(acc, h_smem, wd_s), acc[...])[1],
-                                plgpu.ACC((ROWS, bD)))
+            out = pl.run_scoped(  # [bD, bF] x [bF, rows]
+                lambda acc: (plgpu.wgmma(acc, wd_s.T, h_smem.T), acc[...])[1],
+                plgpu.ACC((bD, rows)))
             # the add issued two steps ago, from the same buffer, has read it; the last one
             # may still be reading the other
             plgpu.wait_smem_to_gmem(OUT_BUFFERS - 1, wait_read_only=True)
             buf = o_smem.at[d % OUT_BUFFERS]
             buf[...] = out
             plgpu.commit_smem()
-            src, dst = buf.at[pl.ds(0, rows)], y_g.at[:, pl.ds(d * bD, bD)]
+            dst = y_g.at[pl.ds(d * bD, bD)]
             if interpret:
-                dst[...] = dst[...] + src[...]
+                dst[...] = dst[...] + buf[...]
             else:
-                plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
+                plgpu.copy_smem_to_gmem(buf, dst, reduction_op="add")
 
         plgpu.emit_pipeline(down, grid=(D // bD,),
                             in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, d),
@@ -174,22 +190,22 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                          f"or float16 with D and F whole multiples of its blocks; got "
                          f"x {tuple(x_nD.shape)} {x_nD.dtype}, F {w_up.shape[-1]} (other "
                          f"chunks: chunk_union_auto's pair kernels)")
-    tiles = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None)
+    rows = chunk_rows(n)
+    tiles = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None, rows)
     bF, bD = tiles[1], tiles[2]
     dt = x_nD.dtype
-    rows = -(-n // 8) * 8
     gated = w_gate is not None
     weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
-    x = jnp.pad(x_nD, ((0, ROWS - n), (0, 0)))
-    a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, ROWS - n)))
+    x = jnp.pad(x_nD, ((0, rows - n), (0, 0)))
+    a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, rows - n)))
     member_E = jnp.any(active_nE != 0, axis=0).astype(jnp.int32)
     kernel = plgpu.kernel(
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles),
         out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
-        scratch_types=[plgpu.SMEM((ROWS, bF), dt, transforms=swizzled((ROWS, bF), dt, "h")),
-                       plgpu.SMEM((OUT_BUFFERS, ROWS, bD), jnp.float32)],
+        scratch_types=[plgpu.SMEM((rows, bF), dt, transforms=swizzled((rows, bF), dt, "h")),
+                       plgpu.SMEM((OUT_BUFFERS, bD, rows), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
-    y = jax.new_ref(jnp.zeros((rows, D), jnp.float32))
+    y = jax.new_ref(jnp.zeros((D, rows), jnp.float32))
     kernel(x, a_E, member_E, *weights[:2], *weights[2:], y)
-    return y[...][:n].astype(dt)
+    return y[...][:, :n].T.astype(dt)
