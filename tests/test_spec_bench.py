@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+from moejax.bench import decode as bench_decode
 from moejax.bench.decode import blockffn_path, decode_timing, grow_blockffn_lm
+from moejax.bench.profile import KernelTrace
 from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
@@ -52,6 +54,20 @@ def test_decode_timing_autoregressive_and_speculative_agree():
     np.testing.assert_array_equal(sp["tokens"], ar["tokens"])
     assert sp["mean_accepted_length"] == pytest.approx(4.0)  # the draft is the target
     np.testing.assert_array_equal(ar["tokens"][:, :5], np.asarray(prompts))
+
+
+def test_decode_timing_profiles_kernels_per_token(monkeypatch):
+    """On a CPU the trace has no device: None. With a device trace of 90 kernels busy 2 ms for
+    9 tokens: 10 kernels a token, and 2 ms over the measured time of one prompt."""
+    small = _small()
+    prompts = jax.random.randint(jax.random.key(3), (2, 5), 0, 32)
+    if jax.default_backend() == "cpu":
+        r = decode_timing(small, prompts, 9, profile=True)
+        assert r["kernels_per_token"] is None and r["device_busy"] is None
+    monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(90, 2e-3, {}))
+    r = decode_timing(small, prompts, 9, draft=small, draft_len=3, profile=True)
+    assert r["kernels_per_token"] == pytest.approx(10.0)
+    assert r["device_busy"] == pytest.approx(2e-3 / (r["seconds"] / 2))
 
 
 TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",

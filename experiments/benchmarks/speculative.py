@@ -97,6 +97,10 @@ class SpecBenchConfig(Config):
     grow: GrowConfig = GrowConfig()
     drafts: DraftsConfig = DraftsConfig()
     decode_dtype: Literal["float32", "bfloat16"] = "float32"
+    # each decoding traced once more by the profiler on a GPU or TPU (a CPU trace has no
+    # device plane): kernels per generated token and the fraction of the wall time the device
+    # is busy
+    profile: bool = True
     seed: int = 0
 
     def validate(self):
@@ -153,7 +157,8 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
     # one path variant (a copy of the target's weights) alive at a time, not all of them
     for mode, model, dname, d, n in tqdm(_modes(target, drafts, cfg), total=total, desc=name,
                                          leave=False):
-        r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1))
+        r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
+                          profile=cfg.profile and jax.default_backend() != "cpu")
         if mode == "AR dense":
             ref = r
         if d is not None and dname not in agree:
@@ -168,6 +173,9 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
                "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref["tokens"])),
                "tokens_matching_AR": matching_prefix(r["tokens"], ref["tokens"],
                                                      cfg.prompt_len)}
+        if r.get("kernels_per_token") is not None:
+            row["kernels_per_token"] = r["kernels_per_token"]
+            row["device_busy"] = r["device_busy"]
         sp = spec_chunk_sparsity(target, ref["tokens"], max(n, 0) + 1)
         row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
         row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
@@ -285,7 +293,9 @@ DECODE_TITLE = (
     "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token, "
     "1 - CLS per verified block; sparse_gain = tokens/s over the dense path of the same "
     "decoding, gain_bound = the paper's bound 1 / ffn_fraction_bound, reached only if the "
-    "experts were all the time)")
+    "experts were all the time; on a GPU or TPU, kernels_per_token and device_busy from one "
+    "profiled decode: the device's kernels per generated token and their time over the wall "
+    "time)")
 
 
 def _decode_table(run: RunDir, rows: list[dict]) -> None:

@@ -11,7 +11,8 @@
   columns are shifted along the mean direction ``m`` of that stream, ``W - beta m 1^T``, with
   ``beta`` bisected so the extra layers' TLS on the calibration tokens matches.
 * :func:`decode_timing`: tokens/s of batch-1 greedy decoding, autoregressive (the jitted
-  sampling loop) or speculative, over several prompts after one untimed warm-up.
+  sampling loop) or speculative, over several prompts after one untimed warm-up; with
+  ``profile``, the device kernels per token and the fraction of the time the device is busy.
 * :func:`spec_chunk_sparsity`: TLS and CLS of the target's routers over the generated text in
   chunks of ``draft_len + 1`` (the verified blocks).
 """
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.bench.profile import trace_kernels
 from moejax.evaluate import SparsityEvaluator
 from moejax.nn.block import run_blocks
 from moejax.nn.blockffn import BlockFFN, BlockFFNConfig
@@ -115,10 +117,15 @@ def _get(tree, names):
 
 
 def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
-                  draft_len: int = 4) -> dict:
+                  draft_len: int = 4, profile: bool = False) -> dict:
     """Greedy batch-1 decoding of each prompt row (autoregressive when ``draft`` is None):
     ``tokens_per_s`` over all timed prompts, the generated ``tokens`` ``[P, T + new]`` and,
-    for speculative runs, ``mean_accepted_length``."""
+    for speculative runs, ``mean_accepted_length``. ``profile``: the first prompt decoded
+    once more under the profiler (:func:`moejax.bench.profile.trace_kernels`) adds
+    ``kernels_per_token`` (device kernels, copies and memsets a generated token costs) and
+    ``device_busy`` (their summed device time over the prompt's measured wall time: well
+    below 1, the decode waits on the host launching its many small kernels, not on the
+    device); both None where the trace sees no device (a CPU)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     P, T = prompts.shape
 
@@ -144,6 +151,10 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         acc = sum(int(jnp.sum(o.accepted_B)) for o in outs)
         rounds = sum(int(jnp.sum(o.rounds_B)) for o in outs)
         res["mean_accepted_length"] = (acc + rounds) / max(rounds, 1)
+    if profile:
+        trace = trace_kernels(lambda: one(prompts[:1])[0])
+        res["kernels_per_token"] = None if trace is None else trace.launches / max_new_tokens
+        res["device_busy"] = None if trace is None else trace.busy_s / (seconds / P)
     return res
 
 
