@@ -23,7 +23,7 @@ the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages
 128 output blocks in 64-row steps), warp-specialized as jax's Hopper matmul is
 (``num_warps`` 12: one warpgroup issuing the copies, two computing a block each). The decode
 kernel, whose weights are wgmma's M operand and whose chunk of a few tokens is the N, takes
-128-row D steps of 64-column F blocks and 128-row D blocks at 4 stages: its few programs per
+128-row D steps of 64-column F blocks and 128-row D blocks at 6 stages: its few programs per
 union member each keep as many weight bytes in flight as shared memory holds.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
@@ -77,9 +77,11 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
     # operands in shared memory at 2 stages
     ("tgmm", "float32"): TritonConfig(64, 128, 128, 8, 2),
     **{("pairs_mgpu", d): TritonConfig(64, 64, 128, 4, 3) for d in _WIDE},
-    # decode (weights as wgmma's M, the chunk as N): 128-row D steps of 64 F columns, the
-    # deepest pipeline that fits beside a 64-token chunk's buffers
-    **{("decode_mgpu", d): TritonConfig(128, 64, 128, 4, 4) for d in _WIDE},
+    # decode (weights as wgmma's M, the chunk as N): 128-row D steps of 64 F columns, 6
+    # stages: a union of 16 experts keeps only 64 programs busy, each needing ~64 GB/s, which
+    # at ~1 us of memory latency is ~64 KB of weight copies in flight (6 x 16 KB); a gated
+    # expert or a long chunk gets fewer stages where shared memory runs out (decode_gpu.blocks)
+    **{("decode_mgpu", d): TritonConfig(128, 64, 128, 4, 6) for d in _WIDE},
     # the grouped products on Mosaic GPU: the anchors' bf16 H100 tiles (128 x 64 x 128 a
     # computing warpgroup; dW in 128 x 128 output blocks, 64 rows a step), 4 stages
     # (12 warps: warp-specialized, one warpgroup loading and two computing 128 columns each)
@@ -115,9 +117,11 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
         TritonConfig(64, tk, tn, 12, st) for tk in (64, 128) for tn in (64, 128)
         for st in (3, 4)),
     # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
-    # in flight, so longer D steps (128, 256) as well as deeper pipelines
-    "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st) for bk in (64, 128, 256)
-                         for bf in (64, 128) for bd in (128, 256) for st in (3, 4, 6))}
+    # in flight, so longer D steps (128, 256) and deeper pipelines; 64-column F blocks (more
+    # programs per member), and the 128-column one at the default depth
+    "decode_mgpu": tuple(TritonConfig(bk, 64, bd, 4, st) for bk in (64, 128, 256)
+                         for bd in (128, 256) for st in (3, 4, 6, 8)) + (
+        TritonConfig(128, 128, 128, 4, 4), TritonConfig(128, 128, 128, 4, 6))}
 
 
 def bucket(k: int, n: int) -> str:

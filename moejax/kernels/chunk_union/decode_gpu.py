@@ -87,7 +87,7 @@ def blocks(dtype, D: int, F: int, gated: bool = False, rows: int = 64
     """``(bK, bF, bD, stages)``: the up-projection's contraction step, the F block, the
     down-projection's D block and the pipeline depth for ``D`` and ``F`` on the device being
     lowered for (:func:`moejax.kernels.tuning.config_for`'s ``"decode_mgpu"``; default
-    128, 64, 128 and 4: a few programs per member, each holding as many weight bytes in flight
+    128, 64, 128 and 6: a few programs per member, each holding as many weight bytes in flight
     as shared memory allows). A configuration is tuned on plain experts; where a gated expert's
     second weight block (or a longer chunk) does not fit in shared memory
     (:data:`SMEM_BYTES`) with it, the pipeline gets fewer stages (at least 2), else the
