@@ -10,8 +10,10 @@ import pytest
 from jax.profiler import ProfileData
 
 from moejax.bench import timing
+from moejax.bench.oracles import grouped_pass_sample
 from moejax.bench.profile import KernelTrace, device_kernels, trace_kernels
 from moejax.bench.timing import time_call, time_device_loop, time_interleaved, union_activations
+from moejax.kernels.tuning import WrongResult, check_close
 
 
 @pytest.mark.parametrize("n,union,density", [(1, 3, 1.0), (8, 16, 0.3), (32, 1, 0.5),
@@ -138,3 +140,46 @@ def test_the_profiled_device_loop_subtracts_the_rewrites(monkeypatch):
     assert r["kernels_per_call"] == pytest.approx(2.0)
     assert r["kernel_s"] == pytest.approx(6e-7)
     assert r["kernels"] == {"kernel": pytest.approx(6e-7), "rewrite": pytest.approx(3e-7)}
+
+
+def _grouped_case(sizes, M=40, K=24, N=20, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(k[0], (M, K))
+    w = jax.random.normal(k[1], (len(sizes), K, N))
+    dy = jax.random.normal(k[2], (M, N))
+    return x, w, dy, jnp.asarray(sizes, jnp.int32)
+
+
+def _grouped_numpy(which, a, b, sizes):
+    """The three products with one numpy loop over the groups (rows past them: zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ends = np.cumsum(sizes)
+    out = (np.zeros((len(sizes), a.shape[1], b.shape[1])) if which == "drhs" else
+           np.zeros((a.shape[0], b.shape[2] if which == "fwd" else b.shape[1])))
+    for g, (lo, hi) in enumerate(zip(ends - sizes, ends)):
+        if which == "fwd":
+            out[lo:hi] = a[lo:hi] @ b[g]
+        elif which == "dlhs":
+            out[lo:hi] = a[lo:hi] @ b[g].T
+        else:
+            out[g] = a[lo:hi].T @ b[lo:hi]
+    return out
+
+
+@pytest.mark.parametrize("sizes,moved", [((10, 0, 25, 5), (11, 0, 24, 5)),
+                                         ((40, 0, 0, 0), (39, 0, 0, 0)),
+                                         ((3, 7, 11, 9), (3, 8, 10, 9))])
+@pytest.mark.parametrize("which", ["fwd", "dlhs", "drhs"])
+def test_the_sampled_grouped_oracle_is_the_per_group_product(which, sizes, moved):
+    """Its entries are numpy's per-group products (empty groups, rows past the groups), and
+    an output with one row on the wrong side of a group boundary fails the check."""
+    x, w, dy, gs = _grouped_case(sizes)
+    a, b = {"fwd": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}[which]
+    full = jnp.asarray(_grouped_numpy(which, a, b, np.asarray(sizes)), jnp.float32)
+    take, want = grouped_pass_sample(which, a, b, gs, jax.random.key(1), samples=16)
+    np.testing.assert_allclose(np.asarray(take(full)), want, rtol=1e-5, atol=1e-4)
+    check_close(take(full), want, jnp.float32)
+    wrong = jnp.asarray(_grouped_numpy(which, a, b, np.asarray(moved)), jnp.float32)
+    take, want = grouped_pass_sample(which, a, b, gs, jax.random.key(1), samples=400)
+    with pytest.raises(WrongResult):  # 400 samples: the moved row is among them
+        check_close(take(wrong), want, jnp.float32)

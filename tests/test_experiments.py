@@ -499,3 +499,35 @@ def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_pat
     with pytest.raises(ConfigError, match="profile_paths"):
         run_experiment("bench_kernels", bench_kernels.make_config, bench_kernels.run,
                        ["ffn_paths=(dense,)"], out=tmp_path / "bad")
+
+
+def test_the_benchmarks_time_no_wrong_kernel(monkeypatch):
+    """A grouped product or an expert path whose output is not its oracle's is a row saying
+    "wrong: ...", with no time; the others are timed."""
+    from experiments.benchmarks import grouped as bench_grouped
+    from experiments.benchmarks import kernels as bench_kernels
+
+    right = bench_grouped._pass_fn
+    monkeypatch.setattr(bench_grouped, "_pass_fn", lambda path, which: (
+        (lambda a, b, gs: 2 * right("xla", which)(a, b, gs)) if path == "xla" and
+        which == "dlhs" else right(path, which)))
+    cfg = bench_grouped.BenchGroupedConfig(paths=("dense", "xla"), shapes=((64, 16, 32, 4),),
+                                           iters=1, repeats=1)
+    rows = bench_grouped.bench(cfg, jax.random.key(0))
+    xla = {r["pass"]: r for r in rows if r["path"] == "xla"}
+    assert xla["dlhs"]["note"].startswith("wrong: error") and not xla["dlhs"]["ms"]
+    assert xla["fwd"]["ms"] and xla["drhs"]["ms"] and not xla["fwd"]["note"]
+
+    right_ffn = bench_kernels._ffn_fn
+    monkeypatch.setattr(bench_kernels, "_ffn_fn", lambda path, cfg, u: (
+        (lambda *z: 2 * right_ffn(path, cfg, u)(*z)) if path == "chunk_union"
+        else right_ffn(path, cfg, u)))
+    cfg = bench_kernels.BenchKernelsConfig(
+        ffn=bench_kernels.FfnShape(d_model=16, n_experts=8, d_expert=8), chunk_sizes=(2,),
+        union_fractions=(0.5,), repeats=1,
+        ffn_paths=("dense", "dense_union", "chunk_union", "chunk_union_gather"),
+        profile_paths=())
+    rows = {r["path"]: r for r in bench_kernels.bench_ffn(cfg, jax.random.key(0), 1.0)}
+    assert rows["chunk_union"]["note"].startswith("wrong: error")
+    assert "ms" not in rows["chunk_union"]
+    assert all(rows[p].get("ms") for p in ("dense", "dense_union", "chunk_union_gather"))

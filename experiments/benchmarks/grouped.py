@@ -18,7 +18,10 @@ jitted loop, no host dispatch between them):
 ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform;
 ``train[gmm]`` / ``train[gmm_mgpu]`` the same with all three passes on that own kernel. The
 ``choice`` table names the fastest implementation of each pass and whether it is the one
-``ragged_dot`` uses.
+``ragged_dot`` uses. Every grouped product's output is checked against a sampled float32
+oracle (:func:`moejax.bench.oracles.grouped_pass_sample`) before its time is kept: a wrong
+one is a row saying ``wrong: ...``, with no time (the ``train`` rows compose the checked
+products).
 
     python -m experiments.bench_grouped                 # CPU: dense and xla, small shapes
     python -m experiments.bench_grouped preset=full     # accelerator: every path, bf16
@@ -33,11 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from moejax.bench.oracles import grouped_pass_sample
 from moejax.bench.timing import time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import hopper_target, target_device
+from moejax.kernels.tuning import WrongResult, check_close
 from moejax.results import RunDir
 from moejax.study import Study
 
@@ -125,13 +130,21 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
 
 
-def _time(fn, *args, cfg, path: str = "") -> tuple[float | None, str]:
+def _time(fn, *args, cfg, path: str = "", oracle=None) -> tuple[float | None, str]:
     """Device time per call of ``fn``, or ``None`` and why not. A kernel path
     (``ACCELERATOR_PATHS``) that fails to compile or run is recorded as failed, so the other
-    paths' rows are kept; the dense and XLA products fail the run."""
+    paths' rows are kept; the dense and XLA products fail the run. ``oracle`` (``(take,
+    want)`` of :func:`moejax.bench.oracles.grouped_pass_sample`): an output whose sampled
+    entries differ from it is recorded as wrong, with no time."""
     try:
-        return time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
-                                flush_bytes=int(cfg.l2_flush_mb * 2**20))["median_s"], ""
+        timed = time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
+                                 flush_bytes=int(cfg.l2_flush_mb * 2**20))
+        if oracle is not None:
+            take, want = oracle
+            check_close(take(timed["output"]), want, args[0].dtype)
+        return timed["median_s"], ""
+    except WrongResult as err:
+        return None, f"wrong: {err}"
     except jax.errors.JaxRuntimeError as err:  # xla's dense expansion on a large shape
         if "RESOURCE_EXHAUSTED" in str(err):
             return None, "out of device memory"
@@ -151,6 +164,7 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
     dt = jnp.dtype(cfg.precision)
     rows = []
     jobs = [(s, p) for s in cfg.shapes for p in (*cfg.paths, *_train_paths(cfg))]
+    oracles: dict = {}  # per shape and pass: the sampled float32 oracle
     for (M, K, N, G), path in tqdm(jobs, desc="grouped matmul", leave=False):
         kx, kw, kg, kc = jax.random.split(jax.random.fold_in(key, M * K + N), 4)
         x = jax.random.normal(kx, (M, K)).astype(dt)
@@ -174,7 +188,15 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
             continue
         operands = {"fwd": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}
         for which, (a, b) in operands.items():
-            s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg, path=path)
+            oracle = None
+            if path != "dense":  # the grouped products are checked before they are timed
+                case = (M, K, N, G, which)
+                if case not in oracles:
+                    oracles[case] = grouped_pass_sample(which, a, b, gs, jax.random.fold_in(
+                        kc, ragged.PASSES.index(which)))
+                oracle = oracles[case]
+            s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg, path=path,
+                            oracle=oracle)
             rows.append({**base, "pass": which, "ms": s and s * 1e3,
                          "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
     dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows

@@ -18,7 +18,9 @@ in the same device loop (``x_floor``: time over that floor). Times are device ti
 weights. The ``profile_paths`` (default: ``decode``) are also traced by the profiler where it
 sees the device (a GPU or TPU): their rows add the kernels a call launches (the kernel and the
 small XLA ops around it), those kernels' own device time (``kernel_ms``, without the gaps
-between launches; ``x_floor_kernel``: over the floor) and the longest three.
+between launches; ``x_floor_kernel``: over the floor) and the longest three. Each path's
+output is checked against the float32 dense oracle before its time is kept (a wrong one is a
+row saying ``wrong: ...``).
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
 ``x_bound = overhead x dense_scaling``: ``overhead`` = its time over ``dense_union``'s (what
 the union path adds: finding the union, gathering, one small product per member) and
@@ -48,6 +50,7 @@ from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
 from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
+from moejax.kernels.tuning import WrongResult, check_close
 from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 from moejax.study import Study
@@ -168,8 +171,12 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
                                         flush_bytes=int(cfg.l2_flush_mb * 2**20),
                                         profile=path in cfg.profile_paths)
                  for path, (fn, args) in fns.items()}
+        wrong = _wrong_paths(fns, times, act=s.activation)
+        times = {path: t for path, t in times.items() if path not in wrong}
         dense_s = times["dense"]["median_s"] if "dense" in times else None
         for row in job:
+            if row["path"] in wrong:
+                row["note"] = wrong[row["path"]]
             if row["path"] not in times:
                 rows.append(row)
                 continue
@@ -187,6 +194,23 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
                 row.update(_profile_columns(times[row["path"]], row["floor_ms"]))
             rows.append(row)
     return rows
+
+
+def _wrong_paths(fns: dict, times: dict, act: str) -> dict[str, str]:
+    """``{path: "wrong: ..."}`` for each timed path whose output is not the float32 dense
+    oracle's on its own arguments (:func:`~moejax.kernels.tuning.check_close`): its time is
+    not kept."""
+    wrong, wants = {}, {}
+    for path, (_, args) in fns.items():
+        key = tuple(id(a) for a in args)
+        if key not in wants:
+            x, a, wu, wd = (z.astype(jnp.float32) for z in args)
+            wants[key] = dense_experts(x, a, wu, wd, None, act)
+        try:
+            check_close(times[path]["output"], wants[key], args[0].dtype)
+        except WrongResult as err:
+            wrong[path] = f"wrong: {err}"
+    return wrong
 
 
 def _profile_columns(timed: dict, floor_ms: float) -> dict:

@@ -4,6 +4,7 @@
 * :mod:`~moejax.bench.timing`: host and device timing of jitted calls, why a kernel path has
   no measurement here, synthetic BlockFFN activation patterns;
 * :mod:`~moejax.bench.profile`: a call's kernels and their own device time, from the profiler;
+* :mod:`~moejax.bench.oracles`: what a kernel's output is checked against before it is timed;
 * :mod:`~moejax.bench.cpu`: the matmul rate, one MoE block forward + backward and its PyTorch
   peer, the delta operations;
 * :mod:`~moejax.bench.decode`: decode timing and the grown speculative-decoding target.

@@ -78,7 +78,9 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 
 def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
                      flush_bytes: int = 0, profile: bool = False) -> dict:
-    """``{"compile_s", "median_s", "min_s", "iters"}``: seconds per call of ``fn(*args)``,
+    """``{"compile_s", "median_s", "min_s", "iters", "output"}``: seconds per call of
+    ``fn(*args)`` and the output of the loop's last call (to be checked against an oracle:
+    :mod:`moejax.bench.oracles`),
     timed as ``iters`` calls in one jitted ``fori_loop`` (median and minimum over ``repeats``
     runs of the loop, after a warm-up run). Each iteration passes the arguments through an
     optimisation barrier with the loop index, so XLA cannot hoist the loop-invariant call, and
@@ -116,20 +118,21 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
 
     def timed(loop):
         t0 = time.perf_counter()
-        jax.block_until_ready(loop(scratch, *args))
+        first = jax.block_until_ready(loop(scratch, *args))[0]
         compile_s = time.perf_counter() - t0
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
             jax.block_until_ready(loop(scratch, *args))
             times.append((time.perf_counter() - t) / iters)
-        return compile_s, np.asarray(times)
+        return compile_s, np.asarray(times), first
 
     loops = {"call": device_loop(fn), "flush": device_loop(None) if flush_bytes else None}
-    compile_s, times = timed(loops["call"])
+    compile_s, times, output = timed(loops["call"])
     flush_s = float(np.median(timed(loops["flush"])[1])) if flush_bytes else 0.0
     result = {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
-              "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters}
+              "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters,
+              "output": output}
     if profile:
         result.update(_profiled(loops, scratch, args, iters))
     return result
