@@ -531,3 +531,38 @@ def test_the_benchmarks_time_no_wrong_kernel(monkeypatch):
     assert rows["chunk_union"]["note"].startswith("wrong: error")
     assert "ms" not in rows["chunk_union"]
     assert all(rows[p].get("ms") for p in ("dense", "dense_union", "chunk_union_gather"))
+
+
+def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_path, monkeypatch):
+    """With a device trace (stubbed here: a CPU trace has none), each path's row gets its
+    kernels per step and the device's busy fraction, and step_kernels its longest kernels and
+    the rest together."""
+    import csv
+
+    from experiments.benchmarks import dispatch as bench_dispatch
+    from moejax.bench.profile import KernelTrace
+
+    def traced(one_step):
+        one_step()  # the step runs (and donates its state) as under the profiler
+        return KernelTrace(12, 3e-3, {"gemm": 2e-3, "fusion": 0.8e-3, "copy": 0.2e-3})
+
+    monkeypatch.setattr(bench_dispatch, "_profiles", lambda cfg: True)
+    monkeypatch.setattr(bench_dispatch, "trace_kernels", traced)
+    _, run = run_experiment(
+        "bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
+        TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=1", "paths=(dense,capacity)",
+                   "profile_top=2", "block_tokens=64", "block_d=16", "block_f=32",
+                   "block_repeats=1", "block_paths=(capacity,)", "delta_tree=none"],
+        out=tmp_path / "bench")
+    rows = list(csv.DictReader(open(run.path / "dispatch.csv")))
+    for r in rows:
+        assert int(r["kernels_per_step"]) == 12
+        assert float(r["device_busy"]) == pytest.approx(3e-3 / float(r["step_s_median"]))
+    top = list(csv.DictReader(open(run.path / "step_kernels.csv")))
+    assert [(t["path"], t["kernel"]) for t in top] == [
+        (p, k) for p in ("dense", "capacity") for k in ("gemm", "fusion", "(the other kernels)")]
+    assert [float(t["ms"]) for t in top[:3]] == pytest.approx([2.0, 0.8, 0.2])
+    assert float(top[0]["share"]) == pytest.approx(2 / 3)
+    with pytest.raises(ConfigError, match="profile_top"):
+        run_experiment("bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
+                       ["profile_top=0"], out=tmp_path / "bad")

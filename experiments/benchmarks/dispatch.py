@@ -5,7 +5,9 @@ SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same
 FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates; the block is
 timed again, last, after :func:`moejax.kernels.host.memory.retain_freed_memory` (process-wide).
 ``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.kernels.host.memory`); the
-tables' titles say whether it was.
+tables' titles say whether it was. On a GPU or TPU one more step per path runs under the
+profiler (``profile``): the device's busy fraction of the step and its longest kernels
+(``step_kernels``), so a path's distance to another reads off the kernels that make it.
 
 Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs
@@ -41,6 +43,7 @@ from moejax.bench.cpu import (
     torch_moe_block_s,
     tree_of_shapes,
 )
+from moejax.bench.profile import trace_kernels
 from moejax.bench.timing import kernel_unavailable, time_call, time_device_loop
 from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
@@ -95,12 +98,17 @@ class BenchConfig(Config):
     block_retain_memory: bool = True
     # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
+    # on a GPU or TPU, one more step per path traced by the profiler: the device's busy
+    # fraction of the step and its longest kernels (table "step_kernels")
+    profile: bool = True
+    profile_top: int = 8
 
     def validate(self):
         allowed = ("auto", *PATHS)
         bad = [p for p in self.paths if p not in allowed]
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
+        self._require(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
 
 
 def make_config(preset: str) -> BenchConfig:
@@ -156,6 +164,16 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t)
         losses.append(float(m["ce"]))
+    kernels = None
+    if _profiles(cfg):
+        held = {"state": state}
+
+        def one_step():
+            held["state"], m = step(held["state"], source.batch(cfg.warmup + cfg.steps))
+            return m["loss"]
+
+        kernels = trace_kernels(one_step)
+        state = held["state"]
     # Dropped (token, expert) assignments, measured on one more batch with the trained params.
     trained = nnx.merge(graphdef, state.params, state.rest)
     _, aux = trained(source.batch(cfg.warmup + cfg.steps)["inputs"], train=False)
@@ -172,7 +190,32 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
         "tokens_per_s": tokens / step_s,
         "final_ce": losses[-1],
         "dropped_fraction": float(np.mean(dropped)),
+        **({} if kernels is None else {
+            "kernels_per_step": kernels.launches, "device_busy": kernels.busy_s / step_s,
+            "kernels": kernels.by_name}),
     }
+
+
+def _profiles(cfg: BenchConfig) -> bool:
+    """Whether the train steps are profiled here (a CPU trace has no device plane)."""
+    return cfg.profile and jax.default_backend() != "cpu"
+
+
+def _step_kernels(rows: list[dict], top: int) -> list[dict]:
+    """Per profiled path, its ``top`` longest kernels (milliseconds of device time in one
+    step, and their share of the step's device time), then the rest together."""
+    out = []
+    for r in rows:
+        by_name = r.pop("kernels", None)
+        if not by_name:
+            continue
+        busy = sum(by_name.values())
+        items = list(by_name.items())
+        rest = sum(t for _, t in items[top:])
+        for name, t in items[:top] + ([("(the other kernels)", rest)] if rest else []):
+            out.append({"path": r["path"], "kernel": name, "ms": t * 1e3,
+                        "share": t / busy if busy else 0.0})
+    return out
 
 
 def _smollm2_shapes(tiny: bool) -> dict:
@@ -299,11 +342,17 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
             _build_step(cfg, p, source)
         rows.append({"path": p, "note": why} if why else _bench_path(cfg, p, source))
     dev = jax.devices()[0]
+    top = _step_kernels(rows, cfg.profile_top)  # takes the kernel lists out of the rows
     run.table("dispatch", rows, title=(
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
         f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "
         f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
         f"{jax.device_count()} device(s))"))
+    if top:
+        run.table("step_kernels", top, title=(
+            f"Where one train step's device time goes, per dispatch path: its {cfg.profile_top} "
+            "longest kernels (profiler; device_busy in the table above: the kernels' time over "
+            f"the step's wall time) on {dev.platform} ({dev.device_kind})"))
     timed = [r for r in rows if "tokens_per_s" in r]
     run.bar_plot("tokens_per_s", [r["path"] for r in timed], [r["tokens_per_s"] for r in timed],
                  ylabel="tokens / s", title="Train throughput by dispatch path")
