@@ -183,3 +183,26 @@ def test_the_sampled_grouped_oracle_is_the_per_group_product(which, sizes, moved
     take, want = grouped_pass_sample(which, a, b, gs, jax.random.key(1), samples=400)
     with pytest.raises(WrongResult):  # 400 samples: the moved row is among them
         check_close(take(wrong), want, jnp.float32)
+
+
+def test_a_failing_profiler_costs_the_trace_not_the_measurement(monkeypatch, capsys):
+    """The profiler refusing to start: None and one line saying so, and the call still runs;
+    the call's own error is raised, with the trace stopped (a later trace starts)."""
+    calls = []
+
+    def refuse(d):
+        raise RuntimeError("a trace is already running")
+
+    with monkeypatch.context() as m:
+        m.setattr(jax.profiler, "start_trace", refuse)
+        assert trace_kernels(lambda: calls.append(1) or jnp.ones(2)) is None
+    assert calls == [1]
+    assert "starting a trace failed (RuntimeError: a trace is already running)" in \
+        capsys.readouterr().err
+
+    def broken():
+        raise ValueError("the call itself")
+
+    with pytest.raises(ValueError, match="the call itself"):
+        trace_kernels(broken)
+    trace_kernels(lambda: jnp.ones(2))  # the failed call's trace was stopped

@@ -15,6 +15,7 @@ measured", never a zero.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -61,14 +62,30 @@ def device_kernels(profile: ProfileData) -> KernelTrace | None:
     return KernelTrace(launches, sum(by_name.values()), by_name)
 
 
+def _attempt(what: str, fn):
+    """``fn()``, or None (and one line on stderr) where the profiler fails: a trace is extra
+    evidence, never a reason to lose the measurement it comes with."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - any profiler failure means "not measured"
+        print(f"moejax.bench.profile: {what} failed ({type(err).__name__}: {err}); kernel "
+              "times not measured", file=sys.stderr)
+        return None
+
+
 def trace_kernels(run: Callable[[], object]) -> KernelTrace | None:
     """``run()`` (its result waited for) under the profiler, and its device events
-    (:func:`device_kernels`); None where the trace has none. Compile ``run`` before: a first
-    call's compilation would be traced too (harmless, but slow to write)."""
+    (:func:`device_kernels`); None where the trace has none or the profiler fails (``run``
+    still runs once; its own errors are raised). Compile ``run`` before: a first call's
+    compilation would be traced too (harmless, but slow to write)."""
     with tempfile.TemporaryDirectory(prefix="moejax_trace_") as d:
-        with jax.profiler.trace(d):
+        started = _attempt("starting a trace", lambda: jax.profiler.start_trace(d) or True)
+        try:
             jax.block_until_ready(run())
-        paths = sorted(Path(d).rglob("*.xplane.pb"))
-        if not paths:
-            return None
-        return device_kernels(ProfileData.from_file(str(paths[-1])))
+        finally:
+            stopped = started and _attempt("stopping the trace",
+                                           lambda: jax.profiler.stop_trace() or True)
+        paths = sorted(Path(d).rglob("*.xplane.pb")) if stopped else []
+        profile = paths and _attempt("reading the trace",
+                                     lambda: ProfileData.from_file(str(paths[-1])))
+        return device_kernels(profile) if profile else None
