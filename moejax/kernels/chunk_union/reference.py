@@ -18,7 +18,8 @@ inactive (token, expert) pairs.
   ``"loop"`` (default) walks the union with a ``fori_loop`` whose trip count is the largest
   actual union over the tiles (so ``max_union = E`` stays exact and costs only the union),
   gathering one member's weights per tile per step (each weight is read once and the copy
-  stays in cache, where ``"gather"`` materialises every member's copy), with the
+  stays in cache, where ``"gather"`` materialises every member's copy; the members' running
+  sum is float32, as the kernels' accumulators), with the
   gradient of ``"gather"`` (a
   ``custom_vjp``: the loop's own reverse pass would carry full-size weight cotangents through
   every step); ``"gather"`` gathers every member's weights at once (``[C, U, D, F]``) and runs
@@ -113,10 +114,13 @@ def _union_loop(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, m
         w_gate_g = None if w_gate is None else w_gate[e_C]
         h = _expert_hidden(x_CnD, w_up[e_C], w_gate_g, act, "cnd,cdf->cnf")
         h = h * a_CnU[:, :, j, None].astype(h.dtype)
-        return acc_CnD + jnp.einsum("cnf,cfd->cnd", h, w_down[e_C]).astype(acc_CnD.dtype)
+        return acc_CnD + jnp.einsum("cnf,cfd->cnd", h, w_down[e_C],
+                                    preferred_element_type=jnp.float32)
 
-    y_CnD = jax.lax.fori_loop(0, n_steps, member, jnp.zeros_like(x_CnD))
-    return y_CnD.reshape(-1, D)[:N], overflow
+    # the members' sum in float32, as the kernels' accumulators (a 16-bit running sum over
+    # 64 members drifts by several of its steps)
+    y_CnD = jax.lax.fori_loop(0, n_steps, member, jnp.zeros(x_CnD.shape, jnp.float32))
+    return y_CnD.astype(x_ND.dtype).reshape(-1, D)[:N], overflow
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
