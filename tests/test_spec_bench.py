@@ -105,8 +105,9 @@ def test_bench_speculative_tiny(tmp_path):
 
 def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, monkeypatch):
     """A run cut short (a GPU command's time limit) leaves every decoding timed before it;
-    the same command again restores the trained target and draft from their checkpoints
-    (no training step, the same validation perplexity) and finishes the table. It decodes
+    the same command again restores the trained target and draft and the distilled draft
+    from their checkpoints (no training step, the same validation perplexity) and finishes
+    the table. It decodes
     in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
@@ -114,7 +115,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     from moejax.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
-            "grow.extra_layers=0", "drafts.distilled=false", "drafts.self_layers=0",
+            "grow.extra_layers=0", "drafts.distilled=true", "drafts.self_layers=0",
             "drafts.self_distilled=false", "decode_dtype=bfloat16"]
     calls, real = [], mod.decode_timing
 
@@ -131,14 +132,16 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense"]
     first = (tmp_path / "b" / "target" / "metrics.csv").read_text()
+    assert (tmp_path / "b" / "distilled" / "checkpoints").is_dir()
     steps = []
     monkeypatch.setattr("moejax.train.loop._Run._step", lambda self, step: steps.append(step))
     run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     assert steps == []  # nothing trained again
     assert (tmp_path / "b" / "target" / "metrics.csv").read_text() == first
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
-    assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
-                                         "spec chunk-sparse"]
+    assert [(r["mode"], r["draft"]) for r in rows] == [
+        ("AR dense", ""), ("AR token-sparse", ""), ("spec dense", "independent"),
+        ("spec chunk-sparse", "independent"), ("spec chunk-sparse", "distilled")]
     assert {r["decode_dtype"] for r in rows} == {"bfloat16"}
     assert float(rows[0]["tokens_matching_AR"]) == 1.0
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)

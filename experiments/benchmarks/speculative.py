@@ -209,15 +209,18 @@ def _drafts(cfg, target, draft, train_src, run) -> dict:
         -(-dc.distil.prompts // cfg.train.batch_size))])
     how = ("forward KL on the target's greedy continuations" if dc.distil.method == "kd"
            else "on-policy reverse KL on the draft's own samples")
+    # checkpointed in the run directory, as the target and draft are
     if dc.distilled:
         out["distilled"], _ = distill_draft(draft, target, prompts, dc.distil, seed=cfg.seed,
-                                            desc="distil draft")
+                                            desc="distil draft", start="independent",
+                                            run_dir=run.path / "distilled")
     if dc.self_layers:
-        out[f"self ({dc.self_layers} layer)"] = self_draft = keep_layers(
-            target, range(dc.self_layers))
+        name = f"self ({dc.self_layers} layer)"
+        out[name] = self_draft = keep_layers(target, range(dc.self_layers))
         if dc.self_distilled:
-            out[f"self ({dc.self_layers} layer) distilled"], _ = distill_draft(
-                self_draft, target, prompts, dc.distil, seed=cfg.seed, desc="distil self-draft")
+            out[f"{name} distilled"], _ = distill_draft(
+                self_draft, target, prompts, dc.distil, seed=cfg.seed, desc="distil self-draft",
+                start=name, run_dir=run.path / "self_distilled")
     run.note(f"Drafts: {', '.join(out)}; distillation ({dc.distil.method}): {how}, "
              f"{dc.distil.prompts} training prompts of {dc.distil.prompt_len} bytes, "
              f"{dc.distil.response_len} target tokens each, {dc.distil.train.steps} steps of "
@@ -228,8 +231,9 @@ def _drafts(cfg, target, draft, train_src, run) -> dict:
 def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     tcfg = cfg.train.replace(seed=cfg.seed)
     train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, 2)
-    # checkpointed in the run directory: the same command again (a GPU command's time limit)
-    # restores the trained models and goes straight to the decodings
+    # checkpointed in the run directory (the drafts distilled from the target too): the same
+    # command again (a GPU command's time limit) restores the trained models and goes
+    # straight to the decodings
     target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val, run.path / "target")
     draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val, run.path / "draft")
     target, draft = target_ev["model"].lm, draft_ev["model"]

@@ -35,7 +35,8 @@ from moejax.train.distill import DistillConfig, distil
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import History
 
-__all__ = ["DraftDistillConfig", "target_continuations", "distill_draft", "argmax_agreement"]
+__all__ = ["DraftDistillConfig", "DistilledDraft", "target_continuations", "distill_draft",
+           "argmax_agreement"]
 
 
 @config
@@ -87,12 +88,25 @@ def target_continuations(target: DecoderLM, prompts_PT, response_len: int, *, ke
             "tokens": tokens_PS, "response_mask": mask}
 
 
+@config
+class DistilledDraft(Config):
+    """What a distilled draft's checkpoints are of (stored with them, compared on resume):
+    the recipe, its seed, and the name of the draft it started from."""
+
+    recipe: DraftDistillConfig = DraftDistillConfig()
+    seed: int = 0
+    start: str = ""
+
+
 def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDistillConfig,
-                  *, seed: int = 0, desc: str = "distil draft") -> tuple[DecoderLM, History]:
+                  *, seed: int = 0, desc: str = "distil draft", run_dir=None,
+                  start: str = "") -> tuple[DecoderLM, History]:
     """A copy of ``draft`` distilled from ``target`` on ``prompts_PT`` (``[P, T]`` training
     prompts, cut to ``cfg.prompts`` rows of ``cfg.prompt_len`` tokens) by ``cfg.method``
     (module docstring); ``draft`` and ``target`` are left unchanged. Returns ``(draft,
-    history)``."""
+    history)``. ``run_dir``: checkpoints there (with :class:`DistilledDraft` of ``cfg``,
+    ``seed`` and ``start``, the starting draft's name), so a stopped distillation resumes and
+    a finished one is restored instead of trained again."""
     prompts_PT = np.asarray(prompts_PT, np.int32)
     if prompts_PT.ndim != 2 or prompts_PT.shape[1] < cfg.prompt_len:
         raise ValueError(f"distill_draft: prompts of shape {prompts_PT.shape}; need [P, T >= "
@@ -103,7 +117,9 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
                                 key=jax.random.fold_in(key, 0), temperature=cfg.temperature)
     tcfg = cfg.train.replace(seed=seed)
     src = PromptResponseBatches(rows, batch_size=tcfg.batch_size, seed=seed)
-    student, _, hist = distil(draft, target, cfg.distill(), tcfg, src, desc=desc)
+    student, _, hist = distil(draft, target, cfg.distill(), tcfg, src, desc=desc,
+                              run_dir=run_dir,
+                              config=DistilledDraft(recipe=cfg, seed=seed, start=start))
     return student, hist
 
 
