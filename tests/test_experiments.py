@@ -483,7 +483,7 @@ def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_pat
              "kernels": {"decode_kernel": 10e-6, "fusion": 1.5e-6, "memset": 0.5e-6,
                          "slice": 0.1e-6}}
     cols = _profile_columns(timed, floor_ms=0.010)
-    assert cols["kernel_ms"] == pytest.approx(0.012) and cols["kernels"] == 3.0
+    assert cols["kernel_ms"] == pytest.approx(0.012) and cols["kernels_per_call"] == 3.0
     assert cols["x_floor_kernel"] == pytest.approx(1.2)
     assert cols["top_kernels"] == "decode_kernel: 10.0 us; fusion: 1.5 us; memset: 0.5 us"
     rows = [{"n": 1, "union": 16, "union_fraction": 0.25, "path": "decode", "ms": 0.02,

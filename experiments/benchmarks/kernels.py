@@ -218,7 +218,7 @@ def _profile_columns(timed: dict, floor_ms: float) -> dict:
     floor, and the three longest kernels (name: microseconds per call)."""
     kernel_ms = timed["kernel_s"] * 1e3
     top = list(timed["kernels"].items())[:3]
-    return {"kernels": timed["kernels_per_call"], "kernel_ms": kernel_ms,
+    return {"kernels_per_call": timed["kernels_per_call"], "kernel_ms": kernel_ms,
             "x_floor_kernel": kernel_ms / floor_ms,
             "top_kernels": "; ".join(f"{name}: {s * 1e6:.1f} us" for name, s in top)}
 
@@ -286,7 +286,7 @@ def _ffn_summary(rows: list[dict]) -> tuple[str, list[str]]:
         profiled = [r for r in got if "x_floor_kernel" in r]
         if profiled:
             best = min(profiled, key=lambda r: r["x_floor_kernel"])
-            launches = sorted({round(r["kernels"], 2) for r in profiled})
+            launches = sorted({round(r["kernels_per_call"], 2) for r in profiled})
             notes.append(f"{path}, its kernels' own device time (profiler: no launch gaps; "
                          f"{' / '.join(map(str, launches))} kernels a call): within 1.5x of the "
                          f"memory floor in {sum(r['x_floor_kernel'] <= 1.5 for r in profiled)}"
