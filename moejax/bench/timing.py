@@ -96,8 +96,8 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     (:func:`moejax.bench.profile.trace_kernels`) adds ``kernels_per_call`` and ``kernel_s``
     (the call's kernels, copies and memsets per call and their summed device time, the
     rewrites' subtracted: the time without the gaps between launches) and ``kernels`` (seconds
-    per call by kernel name, the call loop's own, largest first); each None where the trace
-    has no device events (a CPU)."""
+    per call by kernel name, largest first, less the rewrite loop's kernels of the same name);
+    each None where the trace has no device events (a CPU)."""
     if iters < 1 or repeats < 1 or flush_bytes < 0:
         raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
                          f"flush_bytes={flush_bytes} >= 0")
@@ -145,11 +145,15 @@ def _profiled(loops: dict, scratch, args, iters: int) -> dict:
     call, flush = traces["call"], traces.get("flush")
     if call is None or ("flush" in traces and flush is None):
         return {"kernels_per_call": None, "kernel_s": None, "kernels": None}
-    launches, busy = call.launches, call.busy_s
+    launches, busy, by_name = call.launches, call.busy_s, dict(call.by_name)
     if flush is not None:
         launches, busy = launches - flush.launches, busy - flush.busy_s
-    return {"kernels_per_call": launches / iters, "kernel_s": busy / iters,
-            "kernels": {name: s / iters for name, s in call.by_name.items()}}
+        for name, s in flush.by_name.items():  # the rewrites' kernels, where named alike
+            if name in by_name:
+                by_name[name] -= s
+    kernels = {name: s / iters for name, s in sorted(by_name.items(), key=lambda kv: -kv[1])
+               if s > 0}
+    return {"kernels_per_call": launches / iters, "kernel_s": busy / iters, "kernels": kernels}
 
 
 def time_interleaved(fns: dict[str, Callable], *args, warmup: int = 1,
