@@ -206,3 +206,20 @@ def test_a_failing_profiler_costs_the_trace_not_the_measurement(monkeypatch, cap
     with pytest.raises(ValueError, match="the call itself"):
         trace_kernels(broken)
     trace_kernels(lambda: jnp.ones(2))  # the failed call's trace was stopped
+
+
+@pytest.mark.parametrize("which", ["fwd", "dlhs"])
+def test_the_sampled_oracle_checks_every_group(which):
+    """One sample beyond the per-group rows: a wrong 5-row group is still caught, and groups
+    with no rows at all check the shape only."""
+    x, w, dy, gs = _grouped_case((10, 0, 25, 5))
+    a = x if which == "fwd" else dy
+    full = _grouped_numpy(which, a, w, np.asarray((10, 0, 25, 5)))
+    wrong = full.copy()
+    wrong[35:40] += 1.0  # only the last group's rows
+    take, want = grouped_pass_sample(which, a, w, gs, jax.random.key(2), samples=1)
+    check_close(take(jnp.asarray(full, jnp.float32)), want, jnp.float32)
+    with pytest.raises(WrongResult):
+        check_close(take(jnp.asarray(wrong, jnp.float32)), want, jnp.float32)
+    take, want = grouped_pass_sample(which, a, w, jnp.zeros(4, jnp.int32), jax.random.key(2))
+    assert check_close(take(jnp.asarray(full, jnp.float32)), want, jnp.float32) == 0.0

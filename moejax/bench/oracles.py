@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["grouped_pass_sample"]
 
@@ -31,8 +32,9 @@ def grouped_pass_sample(which: str, a, b, group_sizes, key, samples: int = 64
                         ) -> tuple[Callable, jax.Array]:
     """``(take, want)``: ``take(out)`` picks the sampled entries of pass ``which``'s output
     from operands ``a``, ``b`` (``fwd``: ``x [M, K]``, ``w [G, K, N]``; ``dlhs``: ``dy [M,
-    N]``, ``w``; ``drhs``: ``x``, ``dy``) and ``want`` holds their float32 values. Rows are
-    sampled among those inside the groups (rows past them belong to no product); the weight
+    N]``, ``w``; ``drhs``: ``x``, ``dy``) and ``want`` holds their float32 values. The rows
+    checked are one inside every non-empty group and ``samples`` more anywhere inside the
+    groups (rows past them belong to no product); the weight
     gradient samples ``samples // 2`` of its ``K`` rows and of its ``N`` columns, in every
     group (its segment sums hold ``M x (samples // 2)^2`` float32 values). Operands are
     concrete arrays (the benchmark's, not traced ones)."""
@@ -51,15 +53,19 @@ def grouped_pass_sample(which: str, a, b, group_sizes, key, samples: int = 64
         outer = f32(a[:, ks])[:, :, None] * f32(b[:, ns])[:, None, :]
         want = jax.ops.segment_sum(outer, gid, num_segments=G + 1)[:G]
         return (lambda out: out[:, ks][:, :, ns]), want
-    rows = jnp.sort(jax.random.randint(key, (samples,), 0, jnp.maximum(total, 1)))
-    gid = _row_groups(group_sizes, rows)
+    # one row inside every non-empty group, then ``samples`` rows anywhere inside the groups
+    sizes = np.asarray(group_sizes)
+    ends = np.cumsum(sizes)
+    k_group, k_any = jax.random.split(key)
+    u = np.asarray(jax.random.uniform(k_group, sizes.shape))
+    per_group = (ends - sizes + np.floor(u * sizes)).astype(np.int64)[sizes > 0]
+    anywhere = np.asarray(jax.random.randint(k_any, (samples,), 0, max(int(total), 1)))
+    rows = np.unique(np.concatenate([per_group, anywhere if total else anywhere[:0]]))
+    gid = _row_groups(group_sizes, jnp.asarray(rows, jnp.int32))
 
     def one(r, g):
         w = f32(b[g])
         return f32(a[r]) @ (w if which == "fwd" else w.T)
 
-    want = jax.lax.map(lambda rg: one(*rg), (rows, gid))  # one group's weights at a time
-    if total == 0:  # no row belongs to a group: nothing to check but the shape
-        want = want[:0]
-        rows = rows[:0]
+    want = jax.lax.map(lambda rg: one(*rg), (jnp.asarray(rows, jnp.int32), gid))
     return (lambda out: out[rows]), want
