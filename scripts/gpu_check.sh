@@ -13,7 +13,9 @@
 #                (AUTOTUNE_KERNELS=gmm,tgmm: only those kernels)
 #   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
-#                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply);
+#                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply;
+#                kernels: the paths and union sizes the decode and Pallas targets are judged on,
+#                the decode kernel profiled);
 #                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (the
 #                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
 #                than one command may run) and keeps its trained target and draft as
@@ -110,6 +112,8 @@ for stage in $stages; do
       [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
         "draft_lens=(4,)")
       [ "$stage" = grouped_f32 ] && args+=(variant=f32)
+      [ "$stage" = kernels ] && args+=("ffn_paths=(dense,dense_union,pallas,decode)" \
+        "union_fractions=(0.25,0.5,0.75,1.0)")
       if [ -n "${SEED:-}" ] && [ -d "$SEED/bench_$stage" ]; then
         mkdir -p "$out/bench_$stage" && cp -rn "$SEED/bench_$stage/." "$out/bench_$stage/"
       fi

@@ -82,3 +82,11 @@ def test_autotune_kernels_names_what_the_autotune_stage_tunes(tmp_path):
     proc, calls = _run(tmp_path, "autotune", AUTOTUNE_KERNELS="gmm,tgmm")
     assert proc.returncode == 0, proc.stderr
     assert calls[0].startswith("-m experiments.autotune kernels=(gmm,tgmm) dtypes=(bfloat16,)")
+
+
+def test_the_kernels_stage_times_the_paths_its_targets_are_judged_on(tmp_path):
+    proc, calls = _run(tmp_path, "kernels")
+    assert proc.returncode == 0, proc.stderr
+    assert calls == [f"-m experiments.bench_kernels preset=full "
+                     f"ffn_paths=(dense,dense_union,pallas,decode) "
+                     f"union_fractions=(0.25,0.5,0.75,1.0) out={tmp_path}/out/bench_kernels"]
