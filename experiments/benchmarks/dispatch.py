@@ -43,7 +43,7 @@ from moejax.bench.cpu import (
     torch_moe_block_s,
     tree_of_shapes,
 )
-from moejax.bench.profile import trace_kernels
+from moejax.bench.profile import sees_device, trace_kernels
 from moejax.bench.timing import kernel_unavailable, time_call, time_device_loop
 from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
@@ -197,8 +197,8 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
 
 
 def _profiles(cfg: BenchConfig) -> bool:
-    """Whether the train steps are profiled here (a CPU trace has no device plane)."""
-    return cfg.profile and jax.default_backend() != "cpu"
+    """Whether the train steps are profiled here (where a trace sees the device)."""
+    return cfg.profile and sees_device()
 
 
 def _step_kernels(rows: list[dict], top: int) -> list[dict]:

@@ -53,6 +53,7 @@ from moejax.bench.decode import (
     grow_blockffn_lm,
     spec_chunk_sparsity,
 )
+from moejax.bench.profile import sees_device
 from moejax.claims import Claim
 from moejax.config import Config, config
 from moejax.nn.decoder import keep_layers, with_dtype
@@ -158,7 +159,7 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
     for mode, model, dname, d, n in tqdm(_modes(target, drafts, cfg), total=total, desc=name,
                                          leave=False):
         r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
-                          profile=cfg.profile and jax.default_backend() != "cpu")
+                          profile=cfg.profile and sees_device())
         if mode == "AR dense":
             ref = r
         if d is not None and dname not in agree:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 from jax.profiler import ProfileData
 
-__all__ = ["KernelTrace", "device_kernels", "trace_kernels"]
+__all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device"]
 
 _TPU_OPS = "XLA Ops"
 
@@ -36,6 +36,12 @@ class KernelTrace(NamedTuple):
     launches: int
     busy_s: float
     by_name: dict[str, float]
+
+
+def sees_device() -> bool:
+    """Whether a trace here can hold device events: the default backend is an accelerator (a
+    CPU trace has no device plane, so tracing there only costs time)."""
+    return jax.default_backend() != "cpu"
 
 
 def _kernel_lines(plane) -> list:
