@@ -392,6 +392,26 @@ def test_bench_grouped_keeps_the_other_rows_when_a_kernel_fails(monkeypatch):
         bench_grouped._time(None, cfg=cfg, path="dense")
 
 
+def test_bench_grouped_flags_a_wrong_used_kernel_and_a_time_lost_in_the_flush(monkeypatch):
+    """A call whose time comes out at or below zero once the L2 flush loop's is subtracted is
+    a row saying so, not a negative time; the choice table marks the implementation ragged_dot
+    uses as WRONG where its output failed the oracle."""
+    from experiments.benchmarks import grouped as bench_grouped
+
+    monkeypatch.setattr(bench_grouped, "time_device_loop", lambda *a, **kw: {
+        "median_s": -1.5e-5, "flush_s": 2e-4, "output": None})
+    cfg = bench_grouped.BenchGroupedConfig()
+    assert bench_grouped._time(None, cfg=cfg, path="gmm") == (
+        None, "unresolved: -0.0150 ms once the L2 flush's 0.2000 ms is subtracted")
+    monkeypatch.setattr(bench_grouped, "target_device", lambda: ("cuda", None))
+    shape = {"M": 4096, "K": 256, "N": 704, "G": 8}  # under OWN_FROM_FLOPS: tokamax's fwd
+    (fwd,) = bench_grouped.choice([
+        {**shape, "path": "gmm", "pass": "fwd", "ms": 1.0},
+        {**shape, "path": "mosaic_gpu", "pass": "fwd", "ms": None,
+         "note": "wrong: error 0.129 of the oracle's largest value (allowed 0.0156)"}])
+    assert (fwd["used"], fwd["used_ms"], fwd["fastest"]) == ("mosaic_gpu WRONG", None, "gmm")
+
+
 def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monkeypatch):
     """float32 on a GPU: Mosaic GPU declines, ragged_pass runs the own gmm, and the choice
     table judges that kernel, not an empty row."""

@@ -135,8 +135,9 @@ def test_store_ladder_and_block_fitting():
 
 
 def test_float32_and_other_gpus_are_refused_as_tokamax_refuses_them():
-    """float32 anywhere, and bf16 built for a device without wgmma (this CPU; an A100):
-    ``NotImplementedError``, on which ragged_dot falls back to the Triton kernel."""
+    """float32 anywhere, and bf16 built for a device without wgmma (a CPU; an A100):
+    ``NotImplementedError``, on which ragged_dot falls back to the Triton kernel; a Hopper
+    GPU takes bf16."""
     x, w, dy = _data(64, 64, 64, 2, jnp.float32, seed=0)
     gs = jnp.asarray([30, 34], jnp.int32)
     calls = (lambda x, w, dy: gm.gmm_mgpu(x, w, gs), lambda x, w, dy: gm.gmm_t_mgpu(dy, w, gs),
@@ -144,13 +145,17 @@ def test_float32_and_other_gpus_are_refused_as_tokamax_refuses_them():
     for call in calls:
         with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
             call(x, w, dy)
+        bf16 = [a.astype(jnp.bfloat16) for a in (x, w, dy)]
+        if hopper_target():  # a Hopper GPU here: the kernel takes bf16
+            assert jnp.isfinite(call(*bf16).astype(jnp.float32)).all()
+            continue
         with pytest.raises(NotImplementedError, match="needs a Hopper GPU"):
-            call(*(a.astype(jnp.bfloat16) for a in (x, w, dy)))
+            call(*bf16)
 
 
-# the source path these kernels' Mosaic GPU modules carry (tokamax's kernels are also
-# mosaic_gpu_v2 calls)
-OURS = "kernels/grouped/gmm_mgpu"
+# the names these kernels' Mosaic GPU calls carry (tokamax's kernels are also mosaic_gpu_v2
+# calls): "moejax_gmm_mgpu", "moejax_tgmm_mgpu" and their warp-specialized "..._ws"
+OURS = "moejax_"
 
 
 def _cuda_calls(fn, *args):
@@ -177,7 +182,7 @@ def test_each_product_exports_as_one_mosaic_gpu_kernel():
 def test_ragged_dot_runs_the_mosaic_gpu_kernels_where_own_kernel_names_them(monkeypatch):
     """A large bf16 product (above OWN_FROM_FLOPS) with OWN_KERNEL["cuda"] = "gmm_mgpu":
     forward and both gradients are these kernels, no Triton; float32 falls back to Triton."""
-    monkeypatch.setitem(rd.OWN_KERNEL, "cuda", "gmm_mgpu")
+    monkeypatch.setitem(rd.OWN_KERNEL, "cuda", {"fwd": "gmm_mgpu", "dlhs": "gmm_mgpu"})
 
     def step(x, w, gs):
         loss = lambda x, w: jnp.sum(rd.ragged_dot(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731
@@ -196,7 +201,8 @@ def test_ragged_dot_runs_the_mosaic_gpu_kernels_where_own_kernel_names_them(monk
 @pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed")
 def test_ragged_dot_kernel_names_one_implementation_at_every_size():
     """``kernel="gmm_mgpu"``: all three passes on these kernels even below OWN_FROM_FLOPS
-    (where the measured choice is tokamax's); an unknown name is refused."""
+    (where the measured choice is tokamax's for the forward product and dX); an unknown name
+    is refused."""
     def step(kernel):
         def fn(x, w, gs):
             loss = lambda x, w: jnp.sum(  # noqa: E731
@@ -206,9 +212,10 @@ def test_ragged_dot_kernel_names_one_implementation_at_every_size():
 
     S = jax.ShapeDtypeStruct
     args = (S((2048, 256), jnp.bfloat16), S((8, 256, 512), jnp.bfloat16), S((8,), jnp.int32))
-    for kernel in ("gmm_mgpu", "measured"):
+    for kernel in ("gmm_mgpu", "measured"):  # measured: tokamax's forward and dX, the own dW
         calls, text = _cuda_calls(step(kernel), *args)
-        assert len(calls) == 3 and (OURS in text) == (kernel == "gmm_mgpu"), kernel
+        assert len(calls) == 3 and OURS in text, kernel
+        assert ("ragged_dot_sm90" in text) == (kernel == "measured"), kernel
     with pytest.raises(ValueError, match="kernel='bogus'"):
         rd.ragged_dot(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4]), kernel="bogus")
 

@@ -5,7 +5,8 @@ against the dense dispatch oracle is in test_kernels_gmm). Exported for an H100 
 from this CPU, forward and both gradients are tokamax's Mosaic GPU / Mosaic TPU kernels
 (three custom calls), at the full presets' widths too, and what tokamax does not take (f32 on
 Mosaic GPU, a short contraction on Mosaic TPU) runs on the project's own Pallas kernel, as do
-the GPU's products from the size where it was measured faster; the export context leaves
+the GPU's products from the size where it was measured faster and the GPU's weight gradient
+at every size (tokamax's Hopper kernel for it failed the oracle); the export context leaves
 tokamax's device lookup as it found it."""
 
 import re
@@ -126,13 +127,22 @@ def test_what_tokamax_does_not_take_runs_on_the_own_kernel_never_dense(platform,
     assert calls.count(kernel) == 3 and KERNEL["cuda"] not in calls, calls
 
 
+# tokamax's Hopper kernel for dW (the ragged contraction), which failed the oracle on an H200,
+# and the project's Mosaic GPU kernels for dW and for the row products (forward, dX)
+TOKAMAX_DW, OURS_DW, OURS_ROWS = ("ragged_contracting_dim_dot_sm90", "moejax_tgmm_mgpu",
+                                  "moejax_gmm_mgpu")
+
+
 def test_large_products_run_on_the_own_kernel_where_it_was_measured_faster():
-    """From OWN_FROM_FLOPS on a GPU the three passes are the own Triton gmm, below it
-    tokamax's Mosaic GPU; the TPU and the CPU keep tokamax's choice at every size."""
+    """From OWN_FROM_FLOPS on a GPU the forward product is the own Triton gmm and dX the own
+    Mosaic GPU one, below it tokamax's Mosaic GPU kernels; dW is the own Mosaic GPU kernel at
+    every size (tokamax's was wrong). The TPU and the CPU keep tokamax's choice."""
     big, small = (4096, 1024, 1408), (2048, 768, 1408)  # 11.8 and 4.4 GFLOP
+    want = {"fwd": ("gmm", "mosaic_gpu"), "dlhs": ("gmm_mgpu", "mosaic_gpu"),
+            "drhs": ("gmm_mgpu", "gmm_mgpu")}
     for which in rd.PASSES:
-        assert rd.implementation("cuda", which, *big) == "gmm"
-        assert rd.implementation("cuda", which, *small) == "mosaic_gpu"
+        assert (rd.implementation("cuda", which, *big),
+                rd.implementation("cuda", which, *small)) == want[which]
         assert rd.implementation("tpu", which, *big) == "mosaic_tpu"
         assert rd.implementation("cpu", which, *big) == "xla"
     with pytest.raises(ValueError, match="which"):
@@ -150,15 +160,68 @@ def test_large_products_run_on_the_own_kernel_where_it_was_measured_faster():
         text = je.export(jax.jit(step), platforms=("cuda",), disabled_checks=checks)(
             *args).mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
-    assert calls.count("__gpu$xla.gpu.triton") == 3 and KERNEL["cuda"] not in calls, calls
+    assert sorted(calls) == ["__gpu$xla.gpu.triton", KERNEL["cuda"], KERNEL["cuda"]], calls
+    assert OURS_DW in text and OURS_ROWS in text and TOKAMAX_DW not in text
 
 
-@pytest.mark.parametrize("method,kernel", [("auto", "__gpu$xla.gpu.triton"),
-                                           ("tokamax", KERNEL["cuda"])])
+@pytest.mark.parametrize("kernel", ["measured", "library"])
+@pytest.mark.parametrize("m,k,n,g", [(4096, 256, 704, 8), (65536, 2048, 1408, 64)])
+def test_the_weight_gradient_never_runs_on_tokamaxs_hopper_kernel(kernel, m, k, n, g):
+    """dW at bench_grouped's smallest and largest shapes, with the measured choice and with
+    the library's: the project's Mosaic GPU kernel, never tokamax's ragged contraction."""
+    def step(x, w, gs):
+        loss = lambda x, w: jnp.sum(  # noqa: E731
+            rd.ragged_dot(x, w, gs, kernel=kernel).astype(jnp.float32) ** 2)
+        return jax.grad(loss, 1)(x, w)
+
+    S = jax.ShapeDtypeStruct
+    args = (S((m, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((g,), jnp.int32))
+    checks = [je.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with lowering_target("cuda"):
+        text = je.export(jax.jit(step), platforms=("cuda",), disabled_checks=checks)(
+            *args).mlir_module()
+    assert OURS_DW in text and TOKAMAX_DW not in text
+
+
+@pytest.mark.parametrize("kernel", rd.KERNEL_CHOICES)
+def test_bf16_values_and_gradients_at_default_precision_on_this_device(kernel):
+    """bench_grouped's smallest shape scaled down (random group sizes off every tile), bf16 at
+    the default matmul precision, which is what runs tokamax's Mosaic GPU kernels on a GPU
+    (at "highest", as the GPU check's f32 tests set it, tokamax declines and the Triton
+    kernel runs): values and both gradients against the float32 oracle, for every kernel
+    choice. On the CPU every choice is the reference."""
+    m, k, n, g = 2048, 256, 384, 8
+    kx, kw, kc, kg = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (g, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (m, n))
+    sizes = np.bincount(np.asarray(jax.random.randint(kg, (m,), 0, g)), minlength=g)
+    gs = jnp.asarray(sizes, jnp.int32)
+
+    def grads(f):
+        loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+
+    with jax.default_matmul_precision("default"):
+        y = rd.ragged_dot(x, w, gs, kernel=kernel).astype(jnp.float32)
+        got = grads(lambda x, w: rd.ragged_dot(x, w, gs, kernel=kernel))
+    with jax.default_matmul_precision("highest"):
+        y_ref = _oracle(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+        want = grads(lambda x, w: _oracle(x.astype(jnp.float32), w.astype(jnp.float32),
+                                          sizes))
+    for a, b in ((y, y_ref), *zip(got[1], want[1])):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        err = float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) / scale
+        assert err < 2e-2, (kernel, a.shape, err)
+
+
+@pytest.mark.parametrize("method,triton", [("auto", 2), ("tokamax", 0)])
 def test_auto_takes_the_own_kernel_for_large_gpu_products_and_tokamax_keeps_the_library(
-        method, kernel):
+        method, triton):
     """An MoE layer's dispatch at 4096 tokens x top-2 over 16 experts of 1024 x 1408 (each
-    product 23.6 GFLOP), forward and backward, exported for an H100."""
+    product 23.6 GFLOP), forward and backward, exported for an H100: ``auto``'s two forward
+    products on the Triton gmm and the rest on Mosaic GPU (dX and dW on the own kernel);
+    ``tokamax``'s all on Mosaic GPU, dW on the own kernel."""
     from moejax.kernels.moe_dispatch import dispatch
 
     N, D, F, E = 4096, 1024, 1408, 16
@@ -177,9 +240,11 @@ def test_auto_takes_the_own_kernel_for_large_gpu_products_and_tokamax_keeps_the_
         text = je.export(jax.jit(step), platforms=("cuda",), disabled_checks=checks)(
             *args).mlir_module()
     calls = re.findall(r"custom_call @([\w$.]+)", text)
-    assert calls.count(kernel) == 6, calls  # two layers of products: forward, dX and dW
-    other = KERNEL["cuda"] if kernel != KERNEL["cuda"] else "__gpu$xla.gpu.triton"
-    assert other not in calls, calls
+    # two layers of products: forward, dX and dW
+    assert (calls.count("__gpu$xla.gpu.triton"), calls.count(KERNEL["cuda"])) == (
+        triton, 6 - triton), calls
+    assert OURS_DW in text and TOKAMAX_DW not in text
+    assert (OURS_ROWS in text) == (method == "auto")  # dX past OWN_FROM_FLOPS
 
 
 def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(monkeypatch):

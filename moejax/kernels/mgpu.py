@@ -106,9 +106,10 @@ def zero_rows_outside(x_s, row0, lo, hi):
     plgpu.commit_smem()
 
 
-def mgpu_kernel(body, out_shape, grid, names, interpret: bool):
+def mgpu_kernel(body, out_shape, grid, names, interpret: bool, name: str):
     """``plgpu.kernel`` of one warpgroup per program over ``grid`` (axes ``names``) with one
-    output ``(shape, dtype)``; ``interpret``: Mosaic GPU's interpreter (the CPU's tests)."""
+    output ``(shape, dtype)``, named ``name`` (in profiles and in the lowered program);
+    ``interpret``: Mosaic GPU's interpreter (the CPU's tests)."""
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(*out_shape), grid=grid,
-                        grid_names=names,
+                        grid_names=names, kernel_name=name,
                         interpret=plgpu.InterpretGPUParams() if interpret else False)

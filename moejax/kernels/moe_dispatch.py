@@ -5,8 +5,9 @@ paths, behind one signature, and ``"auto"``.
   (:mod:`moejax.ops.dispatch`).
 * ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
   grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with
-  ``kernel="library"``: Mosaic GPU / Mosaic TPU kernels at every size,
-  :func:`jax.lax.ragged_dot` elsewhere).
+  ``kernel="library"``: Mosaic GPU / Mosaic TPU kernels at every size, but dW on a GPU on the
+  project's Mosaic GPU kernel, tokamax's being wrong there; :func:`jax.lax.ragged_dot`
+  elsewhere).
 * ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
   grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and backward kernels; Pallas
   interpret mode on CPU, so only for tests there).

@@ -203,6 +203,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles),
         out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
+        kernel_name="moejax_chunk_union_decode",
         scratch_types=[plgpu.SMEM((rows, bF), dt, transforms=swizzled((rows, bF), dt, "h")),
                        plgpu.SMEM((OUT_BUFFERS, bD, rows), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)

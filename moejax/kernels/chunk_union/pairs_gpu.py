@@ -62,7 +62,7 @@ def mgpu_up(xs, w, pairs, tiles, transpose: bool, interpret: bool = False):
         _store(acc, o_g, (p, pl.ds(m * tm, tm), pl.ds(o * to, to)), dt)
 
     return _kernel(body, ((P, n, n_out), dt), (P, n // tm, n_out // to), ("p", "m", "o"),
-                   interpret)(pairs.src, pairs.expert, pairs.valid, xs, w)
+                   interpret, "moejax_pairs_up")(pairs.src, pairs.expert, pairs.valid, xs, w)
 
 
 def mgpu_down(h, w, pairs, U: int, tiles, transpose: bool, interpret: bool = False):
@@ -105,7 +105,7 @@ def mgpu_down(h, w, pairs, U: int, tiles, transpose: bool, interpret: bool = Fal
         _store(acc, o_g, (s, pl.ds(m * tm, tm), pl.ds(o * to, to)), dt)
 
     return _kernel(body, ((S, n, n_out), dt), (S, n // tm, n_out // to), ("s", "m", "o"),
-                   interpret)(pairs.expert, pairs.count, h, w)
+                   interpret, "moejax_pairs_down")(pairs.expert, pairs.count, h, w)
 
 
 def mgpu_wgrad(lhs, lrow, rhs, rrow, pairs, E: int, tiles, interpret: bool = False):
@@ -143,4 +143,5 @@ def mgpu_wgrad(lhs, lrow, rhs, rrow, pairs, E: int, tiles, interpret: bool = Fal
         _store(acc, o_g, (e, pl.ds(k * tk, tk), pl.ds(c * tn, tn)), dt)
 
     return _kernel(body, ((E, K, N), dt), (E, K // tk, N // tn), ("e", "k", "c"),
-                   interpret)(lrow, rrow, pairs.start, pairs.pairs_per_expert, lhs, rhs)
+                   interpret, "moejax_pairs_dw")(lrow, rrow, pairs.start,
+                                                 pairs.pairs_per_expert, lhs, rhs)

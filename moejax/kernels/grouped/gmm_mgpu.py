@@ -99,7 +99,8 @@ def mgpu_visits(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bool 
         acc = pl.run_scoped(product, plgpu.ACC((tm, to)))
         _store_rows(acc, o_g, row0, first, size, o, tm, to, dt)
 
-    return mgpu_kernel(body, ((m, n_out), dt), (V * n_o,), ("p",), interpret)(
+    return mgpu_kernel(body, ((m, n_out), dt), (V * n_o,), ("p",), interpret,
+                       "moejax_gmm_mgpu")(
         seg_V, tile_V, lo_S, hi_S, x_MR, w)
 
 
@@ -142,7 +143,7 @@ def mgpu_tgmm(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
         store_block(acc, o_g, (g, pl.ds(k * tk, tk), pl.ds(c * tn, tn)), dt)
 
     return mgpu_kernel(body, ((G, K, N), dt), (G, K // tk, N // tn), ("g", "k", "c"),
-                       interpret)(lo_S, hi_S, x_MK, dy_MN)
+                       interpret, "moejax_tgmm_mgpu")(lo_S, hi_S, x_MK, dy_MN)
 
 
 # -- padding, tiles and the three products ------------------------------------------------------

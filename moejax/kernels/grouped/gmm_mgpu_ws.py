@@ -90,7 +90,7 @@ def mgpu_visits_ws(x_MR, w, group_sizes_G, tiles, transpose: bool, interpret: bo
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n_out), dt), grid=(V * n_o,), grid_names=("p",),
-        num_threads=3, thread_name="wg",
+        num_threads=3, thread_name="wg", kernel_name="moejax_gmm_mgpu_ws",
         scratch_types=[plgpu.SMEM((2, tm, min(to, EPILOGUE_COLS)), dt)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     return kernel(seg_V, tile_V, lo_S, hi_S, x_MR, w)
@@ -162,6 +162,7 @@ def mgpu_tgmm_ws(x_MK, dy_MN, group_sizes_G, tiles, interpret: bool = False):
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((G, K, N), dt), grid=(G, K // (2 * tk), N // tn),
         grid_names=("g", "k", "c"), num_threads=3, thread_name="wg",
+        kernel_name="moejax_tgmm_mgpu_ws",
         scratch_types=[plgpu.SMEM((2, tk, chunk), dt)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     return kernel(lo_S, hi_S, x_MK, dy_MN)

@@ -8,8 +8,10 @@ names for that platform and pass (``experiments.bench_grouped`` times every impl
 per pass and names the fastest). The platform is picked when the program is lowered
 (:func:`jax.lax.platform_dependent`):
 
-* ``cuda``: tokamax's Pallas Mosaic GPU kernels (sm80 / sm90 / sm100 variants, forward and
-  both gradients, tokamax's tuned configurations);
+* ``cuda``: tokamax's Pallas Mosaic GPU kernels (sm80 / sm90 / sm100 variants, tokamax's
+  tuned configurations) for the forward product and dX; dW on the project's own Mosaic GPU
+  kernel (:mod:`moejax.kernels.grouped.gmm_mgpu`), since tokamax's measured wrong
+  (``IMPLEMENTATIONS``);
 * ``tpu``: tokamax's Pallas Mosaic TPU kernels (megablox-style tile metadata);
 * anything else (the CPU): tokamax's ``"xla"`` implementation, :func:`jax.lax.ragged_dot`,
   which is also the reference the tests compare with the dense oracle.
@@ -63,20 +65,28 @@ __all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_KERNEL", "OWN_
 
 AVAILABLE = tokamax is not None
 PASSES = ("fwd", "dlhs", "drhs")
-# tokamax's implementation per lowering platform and pass ("default": every other platform)
+# what runs each pass per lowering platform ("default": every other platform): tokamax's
+# implementation, except cuda's drhs. tokamax's sm90 ragged-contracting kernel (dW = x_g^T
+# dy_g) disagreed with experiments.bench_grouped's float32 oracle by 0.10-0.13 of the largest
+# value at all three of its bf16 shapes on an H200 (tokamax 0.0.17; its fwd and dlhs agreed,
+# and both own kernels' dW agreed), so on cuda dW runs on the project's Mosaic GPU kernel
+# ("gmm_mgpu"; Triton where that declines: float32, a GPU without wgmma) at every size, for
+# kernel="library" too. The benchmark keeps checking tokamax's (its "mosaic_gpu" rows).
 IMPLEMENTATIONS = {
-    "cuda": {"fwd": "mosaic_gpu", "dlhs": "mosaic_gpu", "drhs": "mosaic_gpu"},
+    "cuda": {"fwd": "mosaic_gpu", "dlhs": "mosaic_gpu", "drhs": "gmm_mgpu"},
     "tpu": {"fwd": "mosaic_tpu", "dlhs": "mosaic_tpu", "drhs": "mosaic_tpu"},
     "default": {"fwd": "xla", "dlhs": "xla", "drhs": "xla"},
 }
 # per platform and pass, the product size (2 M K N FLOPs) from which the project's own kernel
-# ("gmm") runs it in place of tokamax's. cuda: bench_grouped's bf16 table on an H200 has the own
-# Triton gmm 1.03-2.2x faster than tokamax's Mosaic GPU kernels in all three passes at 47 and
-# 378 GFLOP, and 1.2-4.5x slower at 1.5 GFLOP; 8 GFLOP lies between (not measured there).
-OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9, "drhs": 8e9}}
-# which of the project's own kernels OWN_FROM_FLOPS runs per platform: "gmm" (Triton on GPU,
-# the one measured there) or "gmm_mgpu" (the same products on Mosaic GPU)
-OWN_KERNEL = {"cuda": "gmm"}
+# OWN_KERNEL names runs it in place of IMPLEMENTATIONS'. cuda, from bench_grouped's bf16 table
+# on an H200: fwd, the Triton gmm 1.63x and 1.57x faster than tokamax's Mosaic GPU kernel at
+# 47 and 378 GFLOP, even with it at 1.5 GFLOP (the Mosaic GPU gmm 2.3x slower there, 1.35x
+# slower than Triton at 47, 1.08x faster at 378); dlhs, the Mosaic GPU gmm 1.48x and 1.85x
+# faster than tokamax's at 47 and 378 GFLOP, 1.19x slower at 1.5 (the Triton one slower than
+# it at all three). 8 GFLOP lies between (not measured there).
+OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9}}
+# which of the project's own kernels (OWN_KERNELS) OWN_FROM_FLOPS runs, per platform and pass
+OWN_KERNEL = {"cuda": {"fwd": "gmm", "dlhs": "gmm_mgpu"}}
 # the project's own kernels for each product: "gmm" also runs what tokamax's kernel does not
 # take (it takes every dtype), "gmm_mgpu" bf16 / f16 on a Hopper GPU
 _OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
@@ -103,14 +113,13 @@ def _sizes(which: str, a, b, group_sizes_G) -> dict[str, int]:
 
 def implementation(platform: str, which: str, m: int, k: int, n: int) -> str:
     """What runs pass ``which`` of an ``[m, k] x [G, k, n]`` grouped product lowered for
-    ``platform``: the project's own kernel (``OWN_KERNEL``) from ``OWN_FROM_FLOPS``, else the
-    platform's tokamax implementation (``IMPLEMENTATIONS``; that kernel may still decline the
-    call, :func:`ragged_pass`)."""
+    ``platform``: the project's own kernel (``OWN_KERNEL``) from ``OWN_FROM_FLOPS``, else
+    ``IMPLEMENTATIONS``' (that kernel may still decline the call, :func:`ragged_pass`)."""
     if which not in PASSES:
         raise ValueError(f"which={which!r}; one of {PASSES}")
     own_from = OWN_FROM_FLOPS.get(platform, {}).get(which)
     if own_from is not None and 2 * m * k * n >= own_from:
-        return OWN_KERNEL.get(platform, "gmm")
+        return OWN_KERNEL.get(platform, {}).get(which, "gmm")
     return IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])[which]
 
 
@@ -183,18 +192,19 @@ def _ragged_dot_bwd(kernel, res, dy_MN):
 
 _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
-# what ragged_dot's ``kernel`` may name: the measured choice, tokamax's kernels at every size,
-# or one of the project's own kernels at every size
+# what ragged_dot's ``kernel`` may name: the measured choice, the library's kernels (where
+# right) at every size, or one of the project's own kernels at every size
 KERNEL_CHOICES = ("measured", "library", *OWN_KERNELS)
 
 
 def ragged_dot(x_MK: jax.Array, w_GKN: jax.Array, group_sizes_G: jax.Array, *,
                kernel: str = "measured") -> jax.Array:
     """Grouped matmul (module docstring); ``x`` and ``w`` of one dtype, the result too.
-    ``kernel`` (on GPU and TPU; the CPU runs the reference): ``"measured"``, tokamax's
-    kernels with the own kernel from ``OWN_FROM_FLOPS``; ``"library"``, tokamax's kernels at
-    every size; ``"gmm"`` / ``"gmm_mgpu"``, that own kernel at every size (each falling back
-    to the Triton ``"gmm"`` where its kernel declines the call)."""
+    ``kernel`` (on GPU and TPU; the CPU runs the reference): ``"measured"``,
+    ``IMPLEMENTATIONS`` with the own kernel from ``OWN_FROM_FLOPS``; ``"library"``,
+    ``IMPLEMENTATIONS`` (tokamax's kernels where they are right) at every size; ``"gmm"`` /
+    ``"gmm_mgpu"``, that own kernel at every size (each falling back to the Triton ``"gmm"``
+    where its kernel declines the call)."""
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"ragged_dot: kernel={kernel!r}; one of {KERNEL_CHOICES}")
     if not AVAILABLE:
