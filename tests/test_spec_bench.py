@@ -58,16 +58,19 @@ def test_decode_timing_autoregressive_and_speculative_agree():
 
 def test_decode_timing_profiles_kernels_per_token(monkeypatch):
     """On a CPU the trace has no device: None. With a device trace of 90 kernels busy 2 ms for
-    9 tokens: 10 kernels a token, and 2 ms over the measured time of one prompt."""
+    9 tokens: 10 kernels a token, 2 ms over the measured time of one prompt, and each
+    kernel's time per token."""
     small = _small()
     prompts = jax.random.randint(jax.random.key(3), (2, 5), 0, 32)
     if jax.default_backend() == "cpu":
         r = decode_timing(small, prompts, 9, profile=True)
         assert r["kernels_per_token"] is None and r["device_busy"] is None
-    monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(90, 2e-3, {}))
+    monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
+        90, 2e-3, {"gemm": 1.8e-3, "copy": 0.2e-3}))
     r = decode_timing(small, prompts, 9, draft=small, draft_len=3, profile=True)
     assert r["kernels_per_token"] == pytest.approx(10.0)
     assert r["device_busy"] == pytest.approx(2e-3 / (r["seconds"] / 2))
+    assert r["kernels"] == pytest.approx({"gemm": 2e-4, "copy": 2e-4 / 9})
 
 
 TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",
@@ -79,10 +82,16 @@ TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.
             "drafts.distil.train.warmup_steps=1", "drafts.distil.train.batch_size=4"]
 
 
-def test_bench_speculative_tiny(tmp_path):
+def test_bench_speculative_tiny(tmp_path, monkeypatch):
+    """The whole bench on tiny models; with a device trace (stubbed: a CPU trace has none)
+    each decoding's row gets its kernels per token, and token_kernels_<target> its longest
+    kernels."""
     from experiments.benchmarks import speculative as mod
     from moejax.experiment import run_experiment
 
+    monkeypatch.setattr(mod, "sees_device", lambda: True)
+    monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
+        12, 3e-4, {"gemm": 2e-4, "fusion": 1e-4}))
     summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, TINY,
                                   claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
@@ -94,6 +103,13 @@ def test_bench_speculative_tiny(tmp_path):
     assert rows[6]["draft"] == "self (1 layer) distilled"
     assert all(r["same_tokens_as_AR"] == "True" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(float(r["kernels_per_token"]) == pytest.approx(2.0) for r in rows)  # 12 / 6
+    top = list(csv.DictReader(open(run.path / "token_kernels_grown.csv")))
+    assert [(t["mode"], t["kernel"]) for t in top[:4]] == [
+        ("AR dense", "gemm"), ("AR dense", "fusion"), ("AR token-sparse", "gemm"),
+        ("AR token-sparse", "fusion")]
+    assert float(top[0]["ms"]) == pytest.approx(2e-4 / 6 * 1e3)
+    assert float(top[0]["share"]) == pytest.approx(2 / 3)
     assert (run.path / "tokens_per_s_grown.png").exists()
     assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
     # the tiny models are far below 100M parameters: the serving claim is not judged

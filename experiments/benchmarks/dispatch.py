@@ -43,7 +43,7 @@ from moejax.bench.cpu import (
     torch_moe_block_s,
     tree_of_shapes,
 )
-from moejax.bench.profile import sees_device, trace_kernels
+from moejax.bench.profile import sees_device, top_kernel_rows, trace_kernels
 from moejax.bench.timing import kernel_unavailable, time_call, time_device_loop
 from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
@@ -201,23 +201,6 @@ def _profiles(cfg: BenchConfig) -> bool:
     return cfg.profile and sees_device()
 
 
-def _step_kernels(rows: list[dict], top: int) -> list[dict]:
-    """Per profiled path, its ``top`` longest kernels (milliseconds of device time in one
-    step, and their share of the step's device time), then the rest together."""
-    out = []
-    for r in rows:
-        by_name = r.pop("kernels", None)
-        if not by_name:
-            continue
-        busy = sum(by_name.values())
-        items = list(by_name.items())
-        rest = sum(t for _, t in items[top:])
-        for name, t in items[:top] + ([("(the other kernels)", rest)] if rest else []):
-            out.append({"path": r["path"], "kernel": name, "ms": t * 1e3,
-                        "share": t / busy if busy else 0.0})
-    return out
-
-
 def _smollm2_shapes(tiny: bool) -> dict:
     layers, d, f, kv, vocab = (2, 64, 128, 32, 512) if tiny else (30, 576, 1536, 192, 49152)
     shapes = {"embed": (vocab, d), "final_norm": (d,)}
@@ -342,7 +325,7 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
             _build_step(cfg, p, source)
         rows.append({"path": p, "note": why} if why else _bench_path(cfg, p, source))
     dev = jax.devices()[0]
-    top = _step_kernels(rows, cfg.profile_top)  # takes the kernel lists out of the rows
+    top = top_kernel_rows(rows, cfg.profile_top, ("path",))  # takes them out of the rows
     run.table("dispatch", rows, title=(
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
         f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "

@@ -53,7 +53,7 @@ from moejax.bench.decode import (
     grow_blockffn_lm,
     spec_chunk_sparsity,
 )
-from moejax.bench.profile import sees_device
+from moejax.bench.profile import sees_device, top_kernel_rows
 from moejax.claims import Claim
 from moejax.config import Config, config
 from moejax.nn.decoder import keep_layers, with_dtype
@@ -99,15 +99,17 @@ class SpecBenchConfig(Config):
     drafts: DraftsConfig = DraftsConfig()
     decode_dtype: Literal["float32", "bfloat16"] = "float32"
     # each decoding traced once more by the profiler on a GPU or TPU (a CPU trace has no
-    # device plane): kernels per generated token and the fraction of the wall time the device
-    # is busy
+    # device plane): kernels per generated token, the fraction of the wall time the device
+    # is busy, and the profile_top longest kernels per token (tables "token_kernels_<target>")
     profile: bool = True
+    profile_top: int = 6
     seed: int = 0
 
     def validate(self):
         r = self._require
         r(self.target.arch == "blockffn", "target.arch must be 'blockffn' (chunk sparsity)")
         r(all(n >= 1 for n in self.draft_lens) and self.draft_lens, "draft_lens must be >= 1")
+        r(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
         r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
         need = self.prompt_len + self.max_new_tokens + 2 * (max(self.draft_lens) + 1)
@@ -153,7 +155,7 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
     row, so a run stopped by a time limit keeps the rows it measured."""
     if cfg.decode_dtype != "float32":  # the drafts are cast once, in run()
         target = with_dtype(target, cfg.decode_dtype)
-    ref, agree = None, {}
+    ref, agree, token_kernels = None, {}, []
     total = 2 + len(cfg.draft_lens) * (len(drafts) + 1)
     # one path variant (a copy of the target's weights) alive at a time, not all of them
     for mode, model, dname, d, n in tqdm(_modes(target, drafts, cfg), total=total, desc=name,
@@ -177,12 +179,19 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
         if r.get("kernels_per_token") is not None:
             row["kernels_per_token"] = r["kernels_per_token"]
             row["device_busy"] = r["device_busy"]
+            token_kernels += top_kernel_rows(
+                [{**row, "kernels": r["kernels"]}], cfg.profile_top,
+                ("model", "mode", "draft", "draft_len"))
         sp = spec_chunk_sparsity(target, ref["tokens"], max(n, 0) + 1)
         row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
         row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
                                          else sp["tls"] if mode == "AR token-sparse" else 0.0)
         rows.append(row)
         run.table("decode", rows, title=DECODE_TITLE)
+        if token_kernels:
+            run.table(f"token_kernels_{name}", token_kernels, title=(
+                f"Where a generated token's device time goes, {name} target: each decoding's "
+                f"{cfg.profile_top} longest kernels (profiler), milliseconds per token"))
     mine = [r for r in rows if r["model"] == name]
     ar_sparse = next(r for r in mine if r["mode"] == "AR token-sparse")
     for r in mine:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 from jax.profiler import ProfileData
 
-__all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device"]
+__all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device", "top_kernel_rows"]
 
 _TPU_OPS = "XLA Ops"
 
@@ -95,3 +95,22 @@ def trace_kernels(run: Callable[[], object]) -> KernelTrace | None:
         profile = paths and _attempt("reading the trace",
                                      lambda: ProfileData.from_file(str(paths[-1])))
         return device_kernels(profile) if profile else None
+
+
+def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...]) -> list[dict]:
+    """Per row with a ``kernels`` mapping (seconds per kernel name, largest first, in some unit
+    of work: a train step, a generated token), which it takes out of the row: its ``top``
+    longest kernels, then the rest together, each with the row's ``keys``, its milliseconds
+    per unit and its share of the unit's device time."""
+    out = []
+    for r in rows:
+        by_name = r.pop("kernels", None)
+        if not by_name:
+            continue
+        busy = sum(by_name.values())
+        items = list(by_name.items())
+        rest = sum(t for _, t in items[top:])
+        for name, t in items[:top] + ([("(the other kernels)", rest)] if rest else []):
+            out.append({**{k: r.get(k, "") for k in keys}, "kernel": name, "ms": t * 1e3,
+                        "share": t / busy if busy else 0.0})
+    return out
