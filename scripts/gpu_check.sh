@@ -10,7 +10,8 @@
 #   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
 #                products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/tuned_configs.json
-#                (AUTOTUNE_KERNELS=gmm,tgmm: only those kernels)
+#                (AUTOTUNE_KERNELS=gmm,tgmm: only those kernels; AUTOTUNE_SHAPES="(2048,256),":
+#                only those shapes)
 #   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
 #                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply;
@@ -20,9 +21,10 @@
 #                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
 #                than one command may run) and keeps its trained target and draft as
 #                checkpoints, so a stage stopped by STAGE_LIMIT resumes without training again
-#   speculative_quick
+#   speculative_quick | speculative_wide
 #                bench_speculative's quick models (the trained target grown to 104M
-#                parameters) decoded in bfloat16 at draft length 4 (fewer decodes to compile)
+#                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks)
+#                decoded in bfloat16 at draft length 4 (fewer decodes to compile)
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -39,7 +41,7 @@
 # PACK=FILE.tgz writes OUT_DIR packed into FILE after every stage (a machine that is given
 # back keeps nothing else).
 # Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [SEED=DIR] [REDO=1]
-#        [AUTOTUNE_KERNELS=k1,k2]
+#        [AUTOTUNE_KERNELS=k1,k2] [AUTOTUNE_SHAPES="(k,n),..."]
 #        scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
@@ -102,15 +104,18 @@ for stage in $stages; do
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
-        "dtypes=(bfloat16,)" "shapes=((2048,256),(2048,1408),(1408,2048))" \
+        "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,256),(2048,1408),(1408,2048)})" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
-    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|extracted)
+    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|speculative_wide|extracted)
       args=(preset=full)
       bench=${stage%_f32}
       bench=${bench%_quick}
+      bench=${bench%_wide}
       [ "$stage" = speculative ] && args+=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
       [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
         "draft_lens=(4,)")
+      [ "$stage" = speculative_wide ] && args=(preset=quick variant=wide \
+        decode_dtype=bfloat16 "draft_lens=(4,)")
       [ "$stage" = grouped_f32 ] && args+=(variant=f32)
       [ "$stage" = kernels ] && args+=("ffn_paths=(dense,dense_union,pallas,decode)" \
         "union_fractions=(0.25,0.5,0.75,1.0)")

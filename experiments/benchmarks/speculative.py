@@ -34,7 +34,13 @@ so a near-tie can round the other way; there the table gives each decoding's
 ``tokens_matching_AR`` (the share of new tokens before its first difference, over prompts)
 and the serving claim is judged on speed, its evidence naming that share.
 
+Variant ``wide``: the quick recipe at width 256 (16 experts of width 64), grown with 64 experts
+of width 256 to 102M parameters, shapes the Hopper decode kernel takes. The quick model's
+width 48 is off the kernel's blocks, so on a GPU its chunk-sparse rows run the dense product
+and measure the draft and the verification, not the union kernel.
+
     python -m experiments.bench_speculative
+    python -m experiments.bench_speculative variant=wide decode_dtype=bfloat16   # a GPU
     python -m experiments.bench_speculative preset=full   # GPU, bigger target
 """
 
@@ -385,6 +391,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                                                   "first difference)"))]
 
 
+# the module docstring's variant: width 256, experts on the Hopper decode kernel's blocks
+WIDE = ("target.d_model=256", "target.n_heads=8", "target.d_expert=64", "grow.d_expert=256")
+
 STUDY = Study(
     "bench_speculative", make_config, run, claims=claims,
     seed_keys=("seed",),  # what `repeat=N` offsets per run: training, distillation, growth
@@ -393,6 +402,7 @@ STUDY = Study(
     # than this CPU's 24 GB; 8 of them keep every layer's shape
     smoke_depth=("grow.extra_layers=8",),
     paper_scale=PAPER_SCALE,
+    variants=(("wide", WIDE),),
 )
 
 
