@@ -35,7 +35,7 @@ so a near-tie can round the other way; there the table gives each decoding's
 and the serving claim is judged on speed, its evidence naming that share.
 
 Variant ``wide``: the quick recipe at width 256 (16 experts of width 64), grown with 64 experts
-of width 256 to 102M parameters, shapes the Hopper decode kernel takes. The quick model's
+of width 256 to 106M parameters, shapes the Hopper decode kernel takes. The quick model's
 width 48 is off the kernel's blocks, so on a GPU its chunk-sparse rows run the dense product
 and measure the draft and the verification, not the union kernel.
 
