@@ -412,6 +412,31 @@ def test_bench_grouped_flags_a_wrong_used_kernel_and_a_time_lost_in_the_flush(mo
     assert (fwd["used"], fwd["used_ms"], fwd["fastest"]) == ("mosaic_gpu WRONG", None, "gmm")
 
 
+def test_bench_grouped_checks_a_train_rows_gradients_against_the_pass_oracles(monkeypatch):
+    """A train row's dX and dW are checked against the dX and dW products' oracles: right
+    gradients keep their time, a wrong dW loses it."""
+    import jax.numpy as jnp
+
+    from experiments.benchmarks import grouped as bench_grouped
+    from moejax.bench.oracles import grouped_pass_sample
+
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, (24, 8)), jax.random.normal(kw, (3, 8, 5))
+    dy, gs = jax.random.normal(kd, (24, 5)), jnp.asarray([10, 0, 14], jnp.int32)
+    row_w = w[jnp.repeat(jnp.arange(3), gs, total_repeat_length=24)]
+    dx = jnp.einsum("mn,mkn->mk", dy, row_w)
+    dw = jnp.stack([x[a:b].T @ dy[a:b] for a, b in ((0, 10), (10, 10), (10, 24))])
+    checks = [(lambda out, i=i: out[1][i], grouped_pass_sample(
+        which, *operands, gs, jax.random.key(i + 1)))
+        for i, (which, operands) in enumerate((("dlhs", (dy, w)), ("drhs", (x, dy))))]
+    cfg = bench_grouped.BenchGroupedConfig()
+    for grads, want in (((dx, dw), ""), ((dx, dw.at[2].multiply(1.5)), "wrong")):
+        monkeypatch.setattr(bench_grouped, "time_device_loop", lambda *a, g=grads, **k: {
+            "median_s": 1e-3, "flush_s": 0.0, "output": (0.0, g)})
+        s, note = bench_grouped._time(None, x, cfg=cfg, path="gmm", oracles=checks)
+        assert note.startswith(want) and (s is None) == bool(want), note
+
+
 def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monkeypatch):
     """float32 on a GPU: Mosaic GPU declines, ragged_pass runs the own gmm, and the choice
     table judges that kernel, not an empty row."""

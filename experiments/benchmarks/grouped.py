@@ -20,8 +20,8 @@ ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this p
 ``choice`` table names the fastest implementation of each pass and whether it is the one
 ``ragged_dot`` uses. Every grouped product's output is checked against a sampled float32
 oracle (:func:`moejax.bench.oracles.grouped_pass_sample`) before its time is kept: a wrong
-one is a row saying ``wrong: ...``, with no time (the ``train`` rows compose the checked
-products).
+one is a row saying ``wrong: ...``, with no time; a ``train`` row's dX and dW are checked
+against the same oracles as the dX and dW products.
 
     python -m experiments.bench_grouped                 # CPU: dense and xla, small shapes
     python -m experiments.bench_grouped preset=full     # accelerator: every path, bf16
@@ -130,18 +130,19 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
 
 
-def _time(fn, *args, cfg, path: str = "", oracle=None) -> tuple[float | None, str]:
+def _time(fn, *args, cfg, path: str = "", oracles=()) -> tuple[float | None, str]:
     """Device time per call of ``fn``, or ``None`` and why not. A kernel path
     (``ACCELERATOR_PATHS``) that fails to compile or run is recorded as failed, so the other
-    paths' rows are kept; the dense and XLA products fail the run. ``oracle`` (``(take,
-    want)`` of :func:`moejax.bench.oracles.grouped_pass_sample`): an output whose sampled
-    entries differ from it is recorded as wrong, with no time."""
+    paths' rows are kept; the dense and XLA products fail the run. ``oracles``: ``(pick,
+    (take, want))`` pairs, ``(take, want)`` of
+    :func:`moejax.bench.oracles.grouped_pass_sample` for the part ``pick(output)`` of the
+    output: an output whose sampled entries differ from one is recorded as wrong, with no
+    time."""
     try:
         timed = time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
                                  flush_bytes=int(cfg.l2_flush_mb * 2**20))
-        if oracle is not None:
-            take, want = oracle
-            check_close(take(timed["output"]), want, args[0].dtype)
+        for pick, (take, want) in oracles:
+            check_close(take(pick(timed["output"])), want, args[0].dtype)
         if timed["median_s"] <= 0:  # the call hid inside the L2 rewrite's noise
             return None, (f"unresolved: {timed['median_s'] * 1e3:.4f} ms once the L2 flush's "
                           f"{timed['flush_s'] * 1e3:.4f} ms is subtracted")
@@ -182,24 +183,27 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
         if why:
             rows.append({**base, "note": why})
             continue
-        if train:
+        if train:  # its gradients checked against the dX and dW products' oracles
             kernel = path[len("train["):-1] if path != "train" else "measured"
+            checks = [(lambda out, i=i: out[1][i], oracles[(M, K, N, G, which)])
+                      for i, which in enumerate(("dlhs", "drhs"))
+                      if (M, K, N, G, which) in oracles]
             s, note = _time(_train_fn(kernel), x, w, gs, dy.astype(jnp.float32), cfg=cfg,
-                            path=kernel)
+                            path=kernel, oracles=checks)
             rows.append({**base, "pass": TRAIN_PASS, "ms": s and s * 1e3,
                          "tflops": s and 3 * 2 * M * K * N / s / 1e12, "note": note})
             continue
         operands = {"fwd": (x, w), "dlhs": (dy, w), "drhs": (x, dy)}
         for which, (a, b) in operands.items():
-            oracle = None
+            checks = []
             if path != "dense":  # the grouped products are checked before they are timed
                 case = (M, K, N, G, which)
                 if case not in oracles:
                     oracles[case] = grouped_pass_sample(which, a, b, gs, jax.random.fold_in(
                         kc, ragged.PASSES.index(which)))
-                oracle = oracles[case]
+                checks = [(lambda out: out, oracles[case])]
             s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg, path=path,
-                            oracle=oracle)
+                            oracles=checks)
             rows.append({**base, "pass": which, "ms": s and s * 1e3,
                          "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
     dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows
