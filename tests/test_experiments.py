@@ -347,10 +347,13 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
     rows = list(csv.DictReader(open(run.path / "passes.csv")))
     timed = {(r["path"], r["pass"]) for r in rows if r["ms"]}
     assert {("dense", p) for p in ("fwd", "dlhs", "drhs")} <= timed
-    assert ("train", "fwd+dlhs+drhs") in timed
+    assert {("train", "fwd+dlhs+drhs"), ("train[dense]", "fwd+dlhs+drhs")} <= timed
     (train,) = [r for r in rows if r["path"] == "train"]  # against the three dense products
+    (step,) = [r for r in rows if r["path"] == "train[dense]"]  # and the dense train step
     three = sum(float(r["ms"]) for r in rows if r["path"] == "dense")
     assert float(train["x_dense"]) == pytest.approx(float(train["ms"]) / three)
+    assert float(train["x_dense_step"]) == pytest.approx(float(train["ms"]) / float(step["ms"]))
+    assert float(step["x_dense_step"]) == 1.0
     for r in rows:
         if r["path"] == "dense" and r["ms"]:
             assert float(r["x_dense"]) == 1.0
@@ -371,9 +374,13 @@ def test_bench_grouped_trains_on_each_own_kernel_where_it_runs(monkeypatch):
     from experiments.benchmarks import grouped as bench_grouped
 
     cfg = bench_grouped.BenchGroupedConfig()
-    assert bench_grouped._train_paths(cfg) == ("train",)  # this CPU: no own kernel runs
+    # this CPU: no own kernel runs; the dense step is the train rows' reference
+    assert bench_grouped._train_paths(cfg) == ("train[dense]", "train")
     monkeypatch.setattr(bench_grouped, "_unavailable", lambda path: None)
-    assert bench_grouped._train_paths(cfg) == ("train", "train[gmm]", "train[gmm_mgpu]")
+    assert bench_grouped._train_paths(cfg) == ("train[dense]", "train", "train[gmm]",
+                                               "train[gmm_mgpu]")
+    assert bench_grouped._train_paths(cfg.replace(paths=("xla", "gmm"))) == ("train",
+                                                                             "train[gmm]")
 
 
 def test_bench_grouped_keeps_the_other_rows_when_a_kernel_fails(monkeypatch):

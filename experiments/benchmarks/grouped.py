@@ -16,12 +16,15 @@ jitted loop, no host dispatch between them):
 
 ``train`` times forward and both gradients through :func:`moejax.kernels.grouped.ragged.
 ragged_dot`, the implementation per pass that ``dispatch="auto"`` runs on this platform;
-``train[gmm]`` / ``train[gmm_mgpu]`` the same with all three passes on that own kernel. The
-``choice`` table names the fastest implementation of each pass and whether it is the one
-``ragged_dot`` uses. Every grouped product's output is checked against a sampled float32
-oracle (:func:`moejax.bench.oracles.grouped_pass_sample`) before its time is kept: a wrong
-one is a row saying ``wrong: ...``, with no time; a ``train`` row's dX and dW are checked
-against the same oracles as the dX and dW products.
+``train[gmm]`` / ``train[gmm_mgpu]`` the same with all three passes on that own kernel, and
+``train[dense]`` the same loss around one dense matmul of the same FLOPs: ``x_dense`` holds a
+train row against the three dense products, ``x_dense_step`` against that dense step (the
+loss's element-wise work, which reads and writes the whole ``[M, N]`` output twice, then
+counted on both sides). The ``choice`` table names the fastest implementation of each pass
+and whether it is the one ``ragged_dot`` uses. Every grouped product's output is checked
+against a sampled float32 oracle (:func:`moejax.bench.oracles.grouped_pass_sample`) before
+its time is kept: a wrong one is a row saying ``wrong: ...``, with no time; a ``train`` row's
+dX and dW are checked against the same oracles as the dX and dW products.
 
     python -m experiments.bench_grouped                 # CPU: dense and xla, small shapes
     python -m experiments.bench_grouped preset=full     # accelerator: every path, bf16
@@ -111,19 +114,26 @@ def _pass_fn(path: str, which: str):
 
 def _train_fn(kernel: str):
     """Forward and both gradients through :func:`~moejax.kernels.grouped.ragged.ragged_dot`
-    with its ``kernel`` choice."""
+    with its ``kernel`` choice (``"dense"``: one dense matmul of the same FLOPs, ``x w_0``,
+    under the same loss: the train rows' like-for-like reference)."""
+    def product(x, w, gs):
+        if kernel == "dense":
+            return x @ w[0]
+        return ragged.ragged_dot(x, w, gs, kernel=kernel)
+
     def fn(x, w, gs, ct):
         def loss(x, w):
-            return jnp.sum(ragged.ragged_dot(x, w, gs, kernel=kernel).astype(jnp.float32) * ct)
+            return jnp.sum(product(x, w, gs).astype(jnp.float32) * ct)
         return jax.value_and_grad(loss, (0, 1))(x, w)
     return fn
 
 
 def _train_paths(cfg) -> tuple[str, ...]:
-    """``train`` (ragged_dot's measured choice) and ``train[K]`` for each own kernel ``K`` of
-    ``cfg.paths`` that runs here (all three passes on it, at every size)."""
-    return ("train", *(f"train[{p}]" for p in cfg.paths
-                       if p in OWN_PATHS and _unavailable(p) is None))
+    """``train[dense]`` (where ``cfg.paths`` has dense), ``train`` (ragged_dot's measured
+    choice) and ``train[K]`` for each own kernel ``K`` of ``cfg.paths`` that runs here (all
+    three passes on it, at every size)."""
+    return (*(("train[dense]",) if "dense" in cfg.paths else ()), "train",
+            *(f"train[{p}]" for p in cfg.paths if p in OWN_PATHS and _unavailable(p) is None))
 
 
 def _first_line(err: Exception) -> str:
@@ -178,7 +188,7 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
         base = {"M": M, "K": K, "N": N, "G": G, "path": path}
         train = path.startswith("train")
         why = None if train else _unavailable(path)
-        if train and not ragged.AVAILABLE:
+        if train and path != "train[dense]" and not ragged.AVAILABLE:
             why = "not measured: tokamax is not installed"
         if why:
             rows.append({**base, "note": why})
@@ -187,9 +197,10 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
             kernel = path[len("train["):-1] if path != "train" else "measured"
             checks = [(lambda out, i=i: out[1][i], oracles[(M, K, N, G, which)])
                       for i, which in enumerate(("dlhs", "drhs"))
-                      if (M, K, N, G, which) in oracles]
-            s, note = _time(_train_fn(kernel), x, w, gs, dy.astype(jnp.float32), cfg=cfg,
-                            path=kernel, oracles=checks)
+                      if (M, K, N, G, which) in oracles and kernel != "dense"]
+            # the dense step gets w[:1] (its gradient w_0's alone, not zeros for every group)
+            s, note = _time(_train_fn(kernel), x, w[:1] if kernel == "dense" else w, gs,
+                            dy.astype(jnp.float32), cfg=cfg, path=kernel, oracles=checks)
             rows.append({**base, "pass": TRAIN_PASS, "ms": s and s * 1e3,
                          "tflops": s and 3 * 2 * M * K * N / s / 1e12, "note": note})
             continue
@@ -207,13 +218,17 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
             rows.append({**base, "pass": which, "ms": s and s * 1e3,
                          "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
     dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows
-             if r["path"] == "dense" and r.get("ms")}
-    for r in rows:  # a train row against the three dense products together
+             if r["path"] in ("dense", "train[dense]") and r.get("ms")}
+    for r in rows:  # a train row against the three dense products together, and against
+        # the dense train step (the same loss around one dense matmul of the same FLOPs)
         shape = (r["M"], r["K"], r["N"])
         passes = ragged.PASSES if r.get("pass") == TRAIN_PASS else (r.get("pass"),)
         refs = [dense.get((*shape, p)) for p in passes]
         if r.get("ms") and all(refs):
             r["x_dense"] = r["ms"] / sum(refs)
+        step = dense.get((*shape, TRAIN_PASS))
+        if r.get("ms") and step and r.get("pass") == TRAIN_PASS:
+            r["x_dense_step"] = r["ms"] / step
     return rows
 
 
@@ -260,7 +275,10 @@ def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
         f"time per call (median of {cfg.repeats} loops of {cfg.iters}"
         f"{', L2 flushed between calls' if cfg.l2_flush_mb else ''}), on {where}; x_dense = "
         "time over one dense matmul of the same FLOPs (train: over the three); train = forward "
-        "and both gradients through moejax's ragged_dot (train[K]: all three on kernel K)"))
+        "and both gradients through moejax's ragged_dot (train[K]: all three on kernel K), "
+        "under a loss sum(y * ct); train[dense]: the same loss around one dense matmul of the "
+        "same FLOPs, and x_dense_step = a train row's time over it (the loss's own element-wise "
+        "work on both sides)"))
     picks = choice(rows)
     run.table("choice", picks, title=(
         f"Fastest implementation per pass against the one ragged_dot uses on {where}"))
@@ -269,7 +287,9 @@ def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
     headline = "; ".join(
         f"{r['M']}x{r['K']}x{r['N']} G={r['G']}: train {r['ms']:.3f} ms = "
         f"{r['tflops']:.3g} TFLOP/s" + (f", {r['x_dense']:.2f}x dense" if r.get("x_dense")
-                                        else "") for r in train) or "train: not measured"
+                                        else "")
+        + (f", {r['x_dense_step']:.2f}x the dense step" if r.get("x_dense_step") else "")
+        for r in train) or "train: not measured"
     wrong = [p for p in picks if p["used"].endswith("WRONG")]
     if wrong:
         run.note(f"- **ragged_dot's implementation failed the oracle** in {len(wrong)} (shape, "
