@@ -23,8 +23,9 @@
 #                checkpoints, so a stage stopped by STAGE_LIMIT resumes without training again
 #   speculative_quick | speculative_wide
 #                bench_speculative's quick models (the trained target grown to 104M
-#                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks)
-#                decoded in bfloat16 at draft length 4 (fewer decodes to compile)
+#                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks,
+#                the grown target's decodings only) decoded in bfloat16 at draft length 4
+#                (fewer decodes to compile)
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -115,7 +116,7 @@ for stage in $stages; do
       [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
         "draft_lens=(4,)")
       [ "$stage" = speculative_wide ] && args=(preset=quick variant=wide \
-        decode_dtype=bfloat16 "draft_lens=(4,)")
+        decode_dtype=bfloat16 "draft_lens=(4,)" decode_trained=false)
       [ "$stage" = grouped_f32 ] && args+=(variant=f32)
       [ "$stage" = kernels ] && args+=("ffn_paths=(dense,dense_union,pallas,decode)" \
         "union_fractions=(0.25,0.5,0.75,1.0)")

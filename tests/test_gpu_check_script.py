@@ -72,8 +72,8 @@ def test_the_quick_speculative_stage_starts_from_seeded_checkpoints(tmp_path):
     proc, calls = _run(tmp_path, "speculative_wide")
     assert proc.returncode == 0, proc.stderr
     assert calls[-1] == (f"-m experiments.bench_speculative preset=quick variant=wide "
-                         f"decode_dtype=bfloat16 draft_lens=(4,) out={out.parent}/"
-                         "bench_speculative_wide")
+                         f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
+                         f"out={out.parent}/bench_speculative_wide")
 
 
 def test_a_full_stage_runs_that_studys_full_preset(tmp_path):

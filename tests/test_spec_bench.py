@@ -188,3 +188,24 @@ def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype
     (claim,) = claims({"decode": [row]})
     assert claim.holds is verdict
     assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
+
+
+def test_the_bench_can_time_the_grown_target_alone(tmp_path):
+    """decode_trained=false: only the grown target's decodings are timed (a GPU's minutes go
+    to the >= 100M-parameter claim); with no grown target that would decode nothing and is
+    refused before any training."""
+    from experiments.benchmarks import speculative as mod
+    from moejax.experiment import run_experiment
+
+    args = [*TINY, "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
+            "drafts.self_distilled=false"]
+    _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
+    rows = list(csv.DictReader(open(run.path / "decode.csv")))
+    assert {r["model"] for r in rows} == {"grown"}
+    assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
+                                         "spec chunk-sparse"]
+    no_growth = [a for a in args if not a.startswith("grow.extra_layers")]
+    with pytest.raises(ConfigError, match="decode_trained=false needs grow.extra_layers"):
+        run_experiment(mod.STUDY.name, mod.make_config, mod.run,
+                       [*no_growth, "grow.extra_layers=0"], out=tmp_path / "bad")
+    assert not (tmp_path / "bad" / "target").exists()
