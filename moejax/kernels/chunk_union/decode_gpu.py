@@ -93,12 +93,11 @@ def blocks(dtype, D: int, F: int, gated: bool = False, rows: int = 64
     (:data:`SMEM_BYTES`) with it, the pipeline gets fewer stages (at least 2), else the
     default does. A :func:`forced` one (an autotune candidate) is lowered as given."""
     c = config_for("decode_mgpu", dtype, D, F)
-    tiles = (c.tm, c.tk, c.tn, c.num_stages)
     if is_forced():
-        return tiles
+        return c.tm, c.tk, c.tn, c.num_stages
     size = jnp.dtype(dtype).itemsize
-    for candidate in (tiles, DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]):
-        tiles = tuple(candidate[:3]) + (candidate[-1],)
+    for cand in (c, DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]):
+        tiles = (cand.tm, cand.tk, cand.tn, cand.num_stages)
         while smem_bytes(tiles, gated, rows, size) > SMEM_BYTES and tiles[3] > 2:
             tiles = (*tiles[:3], tiles[3] - 1)
         if smem_bytes(tiles, gated, rows, size) <= SMEM_BYTES:
