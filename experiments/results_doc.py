@@ -117,6 +117,7 @@ def _machine(m: dict) -> str:
     gpu = m.get("accelerator", "none")
     return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('os', '')}; "
             f"jax {m.get('jax', '?')}; accelerator: {gpu}"
+            + (f"; XLA_FLAGS `{m['xla_flags']}`" if m.get("xla_flags") else "")
             + (f"; load {m['load_1min']} when it finished" if m.get("load_1min") else ""))
 
 

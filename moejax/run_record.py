@@ -31,8 +31,9 @@ def _cpu_model() -> str:
 
 def machine_info() -> dict[str, Any]:
     """What a result was measured on: CPU model and cores, OS, Python and library versions,
-    the accelerator jax sees (``"none"`` on a CPU-only machine) and the load average when
-    the record was written (other work on the machine slows timings)."""
+    the accelerator jax sees (``"none"`` on a CPU-only machine), the ``XLA_FLAGS`` it ran
+    under and the load average when the record was written (other work on the machine slows
+    timings)."""
 
     import jax
     import jaxlib
@@ -44,6 +45,7 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version(), "jax": jax.__version__,
             "jaxlib": jaxlib.__version__, "accelerator": accel,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None}
 
 

@@ -26,6 +26,11 @@
 #                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks,
 #                the grown target's decodings only) decoded in bfloat16 at draft length 4
 #                (fewer decodes to compile)
+#   speculative_wide_graphs
+#                speculative_wide again (from its trained checkpoints when that stage ran),
+#                with XLA's command buffers (CUDA graphs) also taking while loops and
+#                conditionals, where this XLA has the flag: a decoding's whole loop launched as
+#                one graph, against the stage above, whose loop the host steps
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -107,23 +112,35 @@ for stage in $stages; do
       timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
         "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,256),(2048,1408),(1408,2048)})" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
-    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|speculative_wide|extracted)
+    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|speculative_wide|\
+    speculative_wide_graphs|extracted)
       args=(preset=full)
+      flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
+      bench=${bench%_graphs}
       bench=${bench%_quick}
       bench=${bench%_wide}
       [ "$stage" = speculative ] && args+=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
       [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
         "draft_lens=(4,)")
-      [ "$stage" = speculative_wide ] && args=(preset=quick variant=wide \
+      [ "${stage%_graphs}" = speculative_wide ] && args=(preset=quick variant=wide \
         decode_dtype=bfloat16 "draft_lens=(4,)" decode_trained=false)
+      if [ "$stage" = speculative_wide_graphs ]; then
+        flags=$("$py" -c "from moejax.xla_flags import with_flags
+print(with_flags(['--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL']))")
+        echo "XLA_FLAGS=$flags"
+        for m in target draft distilled self_distilled; do
+          [ -d "$out/bench_speculative_wide/$m" ] && mkdir -p "$out/bench_$stage" &&
+            cp -rn "$out/bench_speculative_wide/$m" "$out/bench_$stage/"
+        done
+      fi
       [ "$stage" = grouped_f32 ] && args+=(variant=f32)
       [ "$stage" = kernels ] && args+=("ffn_paths=(dense,dense_union,pallas,decode)" \
         "union_fractions=(0.25,0.5,0.75,1.0)")
       if [ -n "${SEED:-}" ] && [ -d "$SEED/bench_$stage" ]; then
         mkdir -p "$out/bench_$stage" && cp -rn "$SEED/bench_$stage/." "$out/bench_$stage/"
       fi
-      timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
+      XLA_FLAGS=$flags timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     full_*)
       timeout "$limit" "$py" -m experiments.main only="${stage#full_}" preset=full \

@@ -15,14 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(tmp_path, *stages, **env_vars):
     log = tmp_path / "calls.txt"
     fake = tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n')
+    fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n'  # and, asked for flags, one
+                    '[[ "$*" == *with_flags* ]] && echo "--xla_gpu_enable_command_buffer=+WHILE"\n'
+                    f'[ -n "${{XLA_FLAGS:-}}" ] && echo "  XLA_FLAGS=$XLA_FLAGS" >> {log}\n'
+                    'exit 0\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PYTHON=str(fake), **env_vars)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the suite's own
+    env.update(PYTHON=str(fake), **env_vars)
     proc = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), str(tmp_path / "out"),
                            *stages], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     lines = log.read_text().splitlines() if log.exists() else []
-    return proc, [c for c in lines if c.startswith("-m ")]  # the benchmarks, not the probes
+    # the benchmarks (each with the XLA_FLAGS it ran under, if any), not the probes
+    return proc, [c for c in lines if c.startswith(("-m ", "  XLA_FLAGS"))]
 
 
 def test_stages_call_their_benchmark_and_resume(tmp_path):
@@ -95,3 +100,22 @@ def test_the_kernels_stage_times_the_paths_its_targets_are_judged_on(tmp_path):
     assert calls == [f"-m experiments.bench_kernels preset=full "
                      f"ffn_paths=(dense,dense_union,pallas,decode) "
                      f"union_fractions=(0.25,0.5,0.75,1.0) out={tmp_path}/out/bench_kernels"]
+
+
+def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_flags(tmp_path):
+    """speculative_wide_graphs: the same benchmark call as speculative_wide, from the
+    checkpoints that stage trained, under the XLA_FLAGS that moejax.xla_flags accepted."""
+    wide = tmp_path / "out" / "bench_speculative_wide"
+    for m in ("target", "self_distilled"):
+        (wide / m).mkdir(parents=True)
+        (wide / m / "ckpt.bin").write_text(m)
+    (wide / "decode.csv").write_text("the wide stage's own table")
+    proc, calls = _run(tmp_path, "speculative_wide_graphs")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out" / "bench_speculative_wide_graphs"
+    assert calls == [f"-m experiments.bench_speculative preset=quick variant=wide "
+                     f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false out={out}",
+                     "  XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE"]
+    assert sorted(p.name for p in out.iterdir()) == ["self_distilled", "target"]
+    assert (out / "target" / "ckpt.bin").read_text() == "target"
+    assert "XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE" in proc.stdout

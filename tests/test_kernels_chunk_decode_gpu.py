@@ -19,6 +19,7 @@ import pytest
 from moejax.kernels import tuning
 from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import (
+    TUNED_ROWS,
     blocks,
     chunk_rows,
     chunk_union_decode_gpu,
@@ -27,7 +28,7 @@ from moejax.kernels.chunk_union.decode_gpu import (
 )
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_chunk, dense_experts
-from moejax.kernels.mgpu import SMEM_BYTES
+from moejax.kernels.mgpu import SMEM_BYTES, blocks_per_sm
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import hopper_target
 from moejax.ops.activations import ACTIVATIONS, activation_fn, is_gated
@@ -247,18 +248,28 @@ def test_its_shared_memory_estimate_is_the_lowerings(n, gated):
 
 
 def test_a_configuration_too_large_for_a_chunk_is_fitted(tmp_path, monkeypatch):
-    """A table entry tuned on plain experts and short chunks whose 4 stages do not fit with a
-    gated expert's second weight block and a 64-token chunk: that call gets fewer stages and
-    lowers; the others keep it."""
+    """A table entry tuned on plain experts and chunks of 8 rows, whose 4 stages of 128-row
+    steps let two programs share an SM: a gated expert's second weight block or a chunk of 32
+    rows would leave room for one, so those calls get 3 stages and keep two; a 64-token chunk,
+    whose staged output alone keeps it to one program per SM, keeps the most stages that fit
+    (4 plain; gated, whose 4 do not fit, 3). Every one lowers."""
     with lowering_target("cuda") as device:
         kind = device.device_kind
     entry = {"tm": 128, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 4, "ms": 0.01}
     table = {kind: {"decode_mgpu": {"bfloat16": {tuning.bucket(2048, 256): entry}}}}
     (tmp_path / "t.json").write_text(json.dumps(table))
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "t.json"))
-    assert smem_bytes((128, 64, 128, 4), gated=True, rows=64) > SMEM_BYTES
+    four = (128, 64, 128, 4)
+    assert blocks_per_sm(smem_bytes(four, gated=False, rows=TUNED_ROWS)) == 2
+    assert blocks_per_sm(smem_bytes(four, gated=False, rows=32)) == 1
+    assert blocks_per_sm(smem_bytes(four, gated=True, rows=8)) == 1
+    assert smem_bytes(four, gated=True, rows=64) > SMEM_BYTES
     with lowering_target("cuda"):
-        assert blocks(BF, 2048, 256, gated=False, rows=64) == (128, 64, 128, 4)
-        assert blocks(BF, 2048, 256, gated=True, rows=8) == (128, 64, 128, 4)
+        assert blocks(BF, 2048, 256, gated=False, rows=8) == four
+        assert blocks(BF, 2048, 256, gated=False, rows=32) == (128, 64, 128, 3)
+        assert blocks(BF, 2048, 256, gated=True, rows=8) == (128, 64, 128, 3)
+        assert blocks(BF, 2048, 256, gated=False, rows=64) == four
         assert blocks(BF, 2048, 256, gated=True, rows=64) == (128, 64, 128, 3)
-    assert _lowers(64, gated=True) and _lowers(64, gated=False)
+    for fitted, rows in (((128, 64, 128, 3), 32), ((128, 64, 128, 3), 8)):
+        assert blocks_per_sm(smem_bytes(fitted, gated=rows == 8, rows=rows)) == 2
+    assert _lowers(64, gated=True) and _lowers(64, gated=False) and _lowers(32, gated=False)

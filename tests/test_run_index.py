@@ -47,8 +47,11 @@ def test_newest_run_per_study_and_machine_class(tmp_path):
 
 def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch):
     index = tmp_path / "index.jsonl"
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
     run_index.record(_run(tmp_path / "x" / "lm", "lm_demo", "python -m experiments.lm_demo"),
                      index)
+    graphs = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+    monkeypatch.setenv("XLA_FLAGS", graphs)  # what the run ran under is on its machine line
     run_index.record(_run(tmp_path / "y" / "g", "moee", "python -m experiments.moee",
                           accelerator="1 x NVIDIA H200"), index)
     monkeypatch.setattr(results_doc, "REGISTRY", ("lm_demo", "moee"))
@@ -60,6 +63,8 @@ def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch)
     gpu_out = tmp_path / "docs" / "results_gpu.md"
     assert results_doc.main(["machine=gpu", f"index={index}", f"out={gpu_out}"]) == 0
     assert "## moee" in gpu_out.read_text()
+    assert f"accelerator: 1 x NVIDIA H200; XLA_FLAGS `{graphs}`" in gpu_out.read_text()
+    assert "XLA_FLAGS" not in doc
     assert "Not run: lm_demo, moee[minilm]." in gpu_out.read_text()
     assert results_doc.main(["machine=quantum", f"index={index}", f"out={out}"]) == 2
 

@@ -18,7 +18,7 @@ import pytest
 
 from experiments.benchmarks import autotune
 from moejax.kernels import tuning
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu, supports
+from moejax.kernels.chunk_union.decode_gpu import TUNED_ROWS, chunk_union_decode_gpu, supports
 from moejax.kernels.chunk_union.pairs import GPU_INTERPRET, pair_up, union_pairs
 from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.grouped.pallas_gmm import gmm
@@ -216,6 +216,27 @@ def test_the_mosaic_gpu_kernels_take_their_configuration():
                                    atol=2 * 2.0 ** -8 * float(np.abs(ref).max() + 1e-9))
     with pytest.raises(ValueError, match="takes bfloat16 / float16, not float32"):
         tuning.config_for("decode_mgpu", jnp.float32, 256, 128)
+
+
+def test_autotune_times_the_decode_kernel_on_a_quarter_union_and_a_full_one():
+    """One launch configuration serves every union size: the decode case calls the kernel on
+    a union of a quarter of the experts and on one of all of them (weights of their own),
+    both checked against the float32 oracle, which the interpreted kernel equals."""
+    fn, args, oracle = autotune._call("decode_mgpu", autotune.AutotuneConfig(groups=8),
+                                      jnp.bfloat16, 256, 128, jax.random.key(0))
+    x, a_UnG, wu_UGkn, wd_UGnk = args
+    assert x.shape == (TUNED_ROWS, 256) and a_UnG.shape == (2, TUNED_ROWS, 8)
+    assert wu_UGkn.shape == (2, 8, 256, 128) and wd_UGnk.shape == (2, 8, 128, 256)
+    assert [int(u) for u in jnp.sum(jnp.any(a_UnG > 0, axis=1), axis=-1)] == [2, 8]
+    want = np.asarray(oracle(*args))
+    assert want.shape == (2, TUNED_ROWS, 256)
+    for a, wu, wd, want_nD in zip(a_UnG, wu_UGkn, wd_UGnk, want):
+        tuning.check_close(chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu",
+                                                  interpret=True), want_nD, "bfloat16")
+    with lowering_target("cuda"):
+        text = je.export(fn, platforms=("cuda",))(*args).mlir_module()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
+    assert "moejax_chunk_union_decode" in text
 
 
 def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monkeypatch):

@@ -2,8 +2,10 @@
 kernel (``gmm``: the grouped products, forward and dX; ``tgmm``: the weight gradient; ``gmm_mgpu`` /
 ``tgmm_mgpu``: the same on Mosaic GPU; ``pairs_mgpu``: BlockFFN's Mosaic GPU pair product, timed as
 the up-projection of ``rows`` rows in 64-row tiles, each with 4 of ``groups`` experts;
-``decode_mgpu``: its Mosaic GPU decode kernel on a chunk of 8 tokens whose union is a quarter of
-``groups`` experts of shape ``(D, F) = (K, N)``), dtype it takes and shape ``(K, N)``, every
+``decode_mgpu``: its Mosaic GPU decode kernel on a chunk of 8 tokens, called twice, with a union of
+a quarter of ``groups`` experts of shape ``(D, F) = (K, N)`` and with all of them: one launch
+configuration serves every union, whose size is known only at run time, and a quarter union's few
+programs may want another than a full one's many), dtype it takes and shape ``(K, N)``, every
 configuration of the kernel's space is run (the grouped products: ``rows`` rows in ``groups`` random
 groups), its output checked against a float32 oracle written the slow obvious way (one that differs
 is refused, however fast), and timed in device time with the L2 flushed between calls; the fastest
@@ -28,7 +30,7 @@ import numpy as np
 
 from moejax.bench.timing import time_device_loop, union_activations
 from moejax.config import Config, config
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
+from moejax.kernels.chunk_union.decode_gpu import TUNED_ROWS, chunk_union_decode_gpu
 from moejax.kernels.chunk_union.pairs import pair_up, union_pairs
 from moejax.kernels.chunk_union.reference import dense_experts
 from moejax.kernels.grouped.gmm_mgpu import gmm_mgpu, tgmm_mgpu
@@ -142,14 +144,23 @@ def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
         w = (jax.random.normal(kw, (G, k, n)) / k ** 0.5).astype(dt)
         return (jax.jit(lambda xs, w: pair_up(xs, w, pairs)), (xs, w),
                 jax.jit(lambda xs, w: _pairs_oracle(xs, w, pairs)))
-    x = jax.random.normal(kx, (8, k)).astype(dt)
-    a = union_activations(kg, 8, G, max(1, G // 4)).astype(jnp.float32)
-    wu, wd = ((jax.random.normal(kk, s) / s[1] ** 0.5).astype(dt)
-              for kk, s in zip(jax.random.split(kw), ((G, k, n), (G, n, k))))
-    oracle = jax.jit(lambda x, a, wu, wd: dense_experts(_f32(x), a, _f32(wu), _f32(wd), None,
-                                                        "relu"))
-    return jax.jit(lambda x, a, wu, wd: chunk_union_decode_gpu(
-        x, a, a > 0, wu, wd, activation="relu")), (x, a, wu, wd), oracle
+    # a union of a quarter of the experts, then of all, each with weights of its own (the
+    # second call finds none of its weights in the L2 that the first one filled)
+    x = jax.random.normal(kx, (TUNED_ROWS, k)).astype(dt)
+    a_UnG = jnp.stack([union_activations(kk, TUNED_ROWS, G, u) for kk, u in zip(
+        jax.random.split(kg), (max(1, G // 4), G))])
+    wu_UGkn, wd_UGnk = ((jax.random.normal(kk, s) / s[2] ** 0.5).astype(dt)
+                        for kk, s in zip(jax.random.split(kw), ((2, G, k, n), (2, G, n, k))))
+
+    def calls(expert_fn):
+        return jax.jit(lambda x, a_UnG, wu_UGkn, wd_UGnk: jnp.stack([
+            expert_fn(x, a, wu, wd) for a, wu, wd in zip(a_UnG, wu_UGkn, wd_UGnk)]))
+
+    return (calls(lambda x, a, wu, wd: chunk_union_decode_gpu(x, a, a > 0, wu, wd,
+                                                              activation="relu")),
+            (x, a_UnG, wu_UGkn, wd_UGnk),
+            calls(lambda x, a, wu, wd: dense_experts(_f32(x), a, _f32(wu), _f32(wd), None,
+                                                     "relu")))
 
 
 def _timer(cfg: AutotuneConfig, timer=time_device_loop):

@@ -17,10 +17,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["DTYPES", "swizzled", "block_spec", "weight_spec", "mma", "store_block", "mgpu_kernel",
-           "takes_dtype", "row_ladder", "store_row_range", "zero_rows_outside", "SMEM_BYTES"]
+           "takes_dtype", "row_ladder", "store_row_range", "zero_rows_outside", "SMEM_BYTES",
+           "blocks_per_sm"]
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 SMEM_BYTES = 232_448  # the shared memory a Hopper (sm90) block may take; Mosaic GPU refuses more
+SM_SMEM_BYTES = 233_472  # an sm90 SM's shared memory, which the blocks resident on it share
+BLOCK_RESERVED_BYTES = 1_024  # what CUDA keeps of it per resident block
+
+
+def blocks_per_sm(smem: int) -> int:
+    """How many blocks of ``smem`` shared-memory bytes an sm90 SM holds at once (by shared
+    memory alone: one warpgroup's registers and threads allow more)."""
+    return SM_SMEM_BYTES // (smem + BLOCK_RESERVED_BYTES)
 
 
 def takes_dtype(dtype) -> bool:

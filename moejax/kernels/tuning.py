@@ -117,10 +117,11 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
         TritonConfig(64, tk, tn, 12, st) for tk in (64, 128) for tn in (64, 128)
         for st in (3, 4)),
     # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
-    # in flight, so longer D steps (128, 256) and deeper pipelines; 64-column F blocks (more
-    # programs per member), and the 128-column one at the default depth
+    # in flight, so longer D steps (128, 256) and deeper pipelines (5 stages of 128-row steps:
+    # the deepest of which two programs share an SM); 64-column F blocks (more programs per
+    # member), and the 128-column one at the default depth
     "decode_mgpu": tuple(TritonConfig(bk, 64, bd, 4, st) for bk in (64, 128, 256)
-                         for bd in (128, 256) for st in (3, 4, 6, 8)) + (
+                         for bd in (128, 256) for st in (3, 4, 5, 6, 8)) + (
         TritonConfig(128, 128, 128, 4, 4), TritonConfig(128, 128, 128, 4, 6))}
 
 

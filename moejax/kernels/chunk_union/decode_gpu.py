@@ -56,14 +56,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
-from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, swizzled
+from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, blocks_per_sm, swizzled
 from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_decode_gpu", "supports", "blocks", "smem_bytes", "chunk_rows",
-           "OUT_BUFFERS"]
+           "OUT_BUFFERS", "TUNED_ROWS"]
 
 OUT_BUFFERS = 2  # the down-projection's staging buffers: a step's add overlaps the next product
+TUNED_ROWS = 8  # the chunk the autotune times a configuration on (one token, or a draft of 8)
 _COLUMN_LAYOUT = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column (token)
 
 
@@ -88,21 +89,33 @@ def blocks(dtype, D: int, F: int, gated: bool = False, rows: int = 64
     down-projection's D block and the pipeline depth for ``D`` and ``F`` on the device being
     lowered for (:func:`moejax.kernels.tuning.config_for`'s ``"decode_mgpu"``; default
     128, 64, 128 and 6: a few programs per member, each holding as many weight bytes in flight
-    as shared memory allows). A configuration is tuned on plain experts; where a gated expert's
-    second weight block (or a longer chunk) does not fit in shared memory
-    (:data:`SMEM_BYTES`) with it, the pipeline gets fewer stages (at least 2), else the
-    default does. A :func:`forced` one (an autotune candidate) is lowered as given."""
+    as shared memory allows). A configuration is tuned on plain experts and a chunk of
+    :data:`TUNED_ROWS`; a gated expert's second weight block or a longer chunk takes more
+    shared memory, so the call gets the deepest pipeline (at least 2 stages) that keeps as
+    many programs resident per SM as the tuned one had (two programs of 4 stages become two
+    of 3 rather than one of 4: the SM keeps the bytes in flight of both), else the deepest
+    that fits (:data:`SMEM_BYTES`), else the default's. A :func:`forced` one (an autotune
+    candidate) is lowered as given."""
     c = config_for("decode_mgpu", dtype, D, F)
     if is_forced():
         return c.tm, c.tk, c.tn, c.num_stages
     size = jnp.dtype(dtype).itemsize
     for cand in (c, DEFAULTS[("decode_mgpu", jnp.dtype(dtype).name)]):
-        tiles = (cand.tm, cand.tk, cand.tn, cand.num_stages)
-        while smem_bytes(tiles, gated, rows, size) > SMEM_BYTES and tiles[3] > 2:
-            tiles = (*tiles[:3], tiles[3] - 1)
-        if smem_bytes(tiles, gated, rows, size) <= SMEM_BYTES:
-            break
-    return tiles
+        tiles = _fitted((cand.tm, cand.tk, cand.tn, cand.num_stages), gated, rows, size)
+        if tiles is not None:
+            return tiles
+    return (cand.tm, cand.tk, cand.tn, 2)
+
+
+def _fitted(tiles, gated: bool, rows: int, size: int):
+    """``tiles`` with the most stages (at most theirs, at least 2) that fit and keep the
+    programs per SM the tiles had on :data:`TUNED_ROWS` rows of plain experts; else the most
+    that fit; None when none does."""
+    resident = blocks_per_sm(smem_bytes(tiles, False, TUNED_ROWS, size))
+    fit = [t for t in ((*tiles[:3], s) for s in range(tiles[3], 1, -1))
+           if smem_bytes(t, gated, rows, size) <= SMEM_BYTES]
+    keep = [t for t in fit if blocks_per_sm(smem_bytes(t, gated, rows, size)) >= resident]
+    return (keep or fit or [None])[0]
 
 
 def supports(x_nD, w_up, w_gate=None) -> bool:
