@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rouge_score import rouge_scorer
 
 from moejax.evaluate import Evaluator, LMEvaluator
 from moejax.nn.sample import sample
@@ -33,8 +34,6 @@ __all__ = ["GenerationEvaluator", "ResponseScorer", "rouge_l", "response_kl",
 def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> np.ndarray:
     """ROUGE-L F-measure of each prediction against its reference (``rouge-score``: lower-cased
     alphanumeric word tokens, longest common subsequence; 0 when either side has no word)."""
-    from rouge_score import rouge_scorer
-
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
     scorer = rouge_scorer.RougeScorer(["rougeL"])

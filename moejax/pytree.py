@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 __all__ = ["path_names", "path_str", "named_leaves", "leaf_paths", "count_params",
            "count_bytes", "fmt_count"]
@@ -53,8 +54,6 @@ def leaf_paths(tree: PyTree) -> list[str]:
 
 
 def _tree_of(obj, params_only: bool):
-    from flax import nnx  # models are pytrees too; imported lazily to keep this module light
-
     if isinstance(obj, nnx.Module):
         return nnx.state(obj, nnx.Param) if params_only else nnx.state(obj)
     return obj

@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jaxlib
+
 from moejax.files import atomic_write_text
 
 __all__ = ["machine_info", "write_run_record"]
@@ -34,10 +37,6 @@ def machine_info() -> dict[str, Any]:
     the accelerator jax sees (``"none"`` on a CPU-only machine), the ``XLA_FLAGS`` it ran
     under and the load average when the record was written (other work on the machine slows
     timings)."""
-
-    import jax
-    import jaxlib
-
     dev = jax.devices()[0]
     accel = "none" if dev.platform == "cpu" else f"{jax.device_count()} x {dev.device_kind}"
     return {"cpu": _cpu_model(), "cores": os.cpu_count(),

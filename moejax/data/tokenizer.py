@@ -97,6 +97,8 @@ class BpeTokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> BpeTokenizer:
         """Load a ``tokenizer.json`` written by :meth:`save`."""
+        # tokenizers on use: the byte tokenizer (what the GPU benchmarks read) does not need
+        # it, and a GPU image may lack it
         from tokenizers import Tokenizer
 
         path = Path(path)

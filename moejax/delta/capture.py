@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 
 from moejax.delta.input_stats import (
     input_l2_norm,
@@ -50,8 +51,6 @@ class MatrixInputStats(NamedTuple):
 
 def _interpret(jaxpr, consts, args, arg_tags, record):
     """Eagerly evaluate ``jaxpr``; ``arg_tags[i]`` is the param-leaf index of input i (or None)."""
-    from jax.extend.core import Literal
-
     env, tags = {}, {}
 
     def read(v):

@@ -103,6 +103,8 @@ def cluster_activations(y_NF: np.ndarray, cfg: ClusterConfig | None = None, *,
     if m == "random":
         return relabel(np.random.default_rng(seed).integers(0, cfg.n_clusters, n))
     if m in ("kmeans", "birch"):
+        # scikit-learn on use: importing moejax.extract (the extracted-expert benchmark does,
+        # on GPU images that may lack it) does not need it
         from sklearn.cluster import Birch, KMeans
 
         k = min(cfg.n_clusters, n)

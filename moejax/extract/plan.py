@@ -116,6 +116,7 @@ def balanced_assignment(points_FD: np.ndarray, centres_ED: np.ndarray) -> np.nda
     """``group_of_F [F]``: the assignment of the points to the centres, each centre taking
     exactly ``F / E`` points, of minimum total squared distance (exact: a minimum-cost
     assignment over ``F / E`` replicas of every centre)."""
+    # on use, as in moejax.extract.cluster: a GPU image may lack SciPy and scikit-learn
     from scipy.optimize import linear_sum_assignment
 
     F, E = points_FD.shape[0], centres_ED.shape[0]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from moejax.integrity import CorruptDataError, json_checksum
 from moejax.train.step import TrainState
@@ -182,8 +183,6 @@ def verify_meta(meta: dict, step: int, state_step: int, where: str) -> None:
 def gather_dicts(local: dict) -> dict:
     """The union of every process's ``local`` string dict, on every process (a collective:
     all processes call it)."""
-    from jax.experimental import multihost_utils
-
     data = np.frombuffer(json.dumps(local).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size]))).ravel()
     padded = np.zeros(int(sizes.max()), np.uint8)
