@@ -26,7 +26,7 @@ from moejax.kernels.chunk_union.decode_gpu import (
     smem_bytes,
     supports,
 )
-from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk
+from moejax.kernels.chunk_union.pallas import chunk_union_auto, decode_chunk, decode_route
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_chunk, dense_experts
 from moejax.kernels.mgpu import SMEM_BYTES, blocks_per_sm
 from moejax.kernels.targets import lowering_target
@@ -162,9 +162,15 @@ def test_auto_takes_it_for_a_decode_chunk_on_hopper(dtype, d, kernel):
             *_shapes(n, dtype, d=d)).mlir_module()
 
     local = hopper_target()  # the attached device's answer: False on a CPU
+    x, _, _, w_up, _, w_gate = _shapes(8, dtype, d=d)
     with lowering_target("cuda"):
         assert hopper_target()
         text, longer = export(8), export(9)
+        route = decode_route(x, w_up, w_gate)  # what a benchmark's table says it timed
+    assert route == ("decode kernel (Mosaic GPU)" if kernel else
+                     "dense product, non-members weighted 0")
+    assert decode_route(x, w_up, w_gate, "tpu") == "decode kernel (TPU)"
+    assert decode_route(x, w_up, w_gate, "cpu") == "jnp loop"
     if kernel:
         assert kernel in text and "triton" not in text
     else:

@@ -7,13 +7,16 @@ import csv
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from moejax.bench import decode as bench_decode
-from moejax.bench.decode import blockffn_path, decode_timing, grow_blockffn_lm
+from moejax.bench.decode import blockffn_path, decode_timing, expert_routes, grow_blockffn_lm
 from moejax.bench.profile import KernelTrace
 from moejax.config import ConfigError
+from moejax.kernels.targets import lowering_target
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
 from moejax.pytree import count_params
 
 
@@ -103,6 +106,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert rows[6]["draft"] == "self (1 layer) distilled"
     assert all(r["same_tokens_as_AR"] == "True" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    assert [r["expert_path"] for r in rows[:4]] == ["dense", "jnp loop", "dense", "jnp loop"]
     assert all(float(r["kernels_per_token"]) == pytest.approx(2.0) for r in rows)  # 12 / 6
     top = list(csv.DictReader(open(run.path / "token_kernels_grown.csv")))
     assert [(t["mode"], t["kernel"]) for t in top[:4]] == [
@@ -188,6 +192,32 @@ def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype
     (claim,) = claims({"decode": [row]})
     assert claim.holds is verdict
     assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
+    assert "expert path: not recorded" in claim.evidence
+    (claim,) = claims({"decode": [{**row, "expert_path": "jnp loop"}]})
+    assert "expert path: jnp loop" in claim.evidence
+
+
+def test_expert_routes_say_what_each_layer_decodes_with():
+    """On this CPU the jnp loop; lowered for an H100, a bf16 chunk goes to the Mosaic GPU
+    decode kernel in the layers whose widths its blocks divide (model width 128, expert width
+    64) and to the dense product in the others (expert width 8); float32 never takes it."""
+    small = DecoderLM(DecoderConfig(
+        vocab_size=32, d_model=128, n_layers=1, n_heads=2, max_seq_len=64,
+        ffn_slots=(BlockFFNConfig(n_experts=4, d_expert=8),)), rngs=nnx.Rngs(0))
+    big = grow_blockffn_lm(small, extra_layers=2, n_experts=8, d_expert=64,
+                           key=jax.random.key(0))
+    assert expert_routes(big, 5, "bfloat16") == "jnp loop"
+    with lowering_target("cuda"):
+        assert expert_routes(big, 5, "bfloat16") == (
+            "dense product, non-members weighted 0 in 1 layers; "
+            "decode kernel (Mosaic GPU) in 2 layers")
+        assert expert_routes(big, 1, "float32") == "dense product, non-members weighted 0"
+    with lowering_target("tpu"):
+        assert expert_routes(big, 1, "float32") == "decode kernel (TPU)"
+    with pytest.raises(ValueError, match="no BlockFFN layer"):
+        expert_routes(DecoderLM(DecoderConfig(
+            vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8,
+            ffn_slots=(DenseFFNConfig(32, "gelu"),)), rngs=nnx.Rngs(0)), 1, "float32")
 
 
 def test_the_bench_can_time_the_grown_target_alone(tmp_path):

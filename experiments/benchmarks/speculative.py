@@ -56,6 +56,7 @@ from experiments.blockffn import PAPER_SCALE
 from moejax.bench.decode import (
     blockffn_path,
     decode_timing,
+    expert_routes,
     grow_blockffn_lm,
     spec_chunk_sparsity,
 )
@@ -178,7 +179,8 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
         if d is not None and dname not in agree:
             agree[dname] = argmax_agreement(d, target, ref["tokens"])
         row = {"model": name, "params": count_params(target), "decode_dtype": cfg.decode_dtype,
-               "mode": mode, "draft": dname,
+               "mode": mode, "expert_path": "dense" if mode.endswith("dense") else
+               expert_routes(target, n + 1, cfg.decode_dtype), "draft": dname,
                "draft_params": count_params(d) if d is not None else "",
                "agreement": agree.get(dname, ""),
                "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
@@ -316,12 +318,13 @@ def _grown(cfg: SpecBenchConfig, run: RunDir, target, tls: float, val):
 
 DECODE_TITLE = (
     "Batch-1 greedy decoding: tokens/s, acceptance, TLS and CLS of the verified blocks "
-    "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token, "
-    "1 - CLS per verified block; sparse_gain = tokens/s over the dense path of the same "
-    "decoding, gain_bound = the paper's bound 1 / ffn_fraction_bound, reached only if the "
-    "experts were all the time; on a GPU or TPU, kernels_per_token and device_busy from one "
-    "profiled decode: the device's kernels per generated token and their time over the wall "
-    "time)")
+    "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token,"
+    " 1 - CLS per verified block; expert_path = what the target's BlockFFN layers computed a "
+    "token or a verified block with on this device; sparse_gain = tokens/s over the dense "
+    "path of the same decoding, gain_bound = the paper's bound 1 / ffn_fraction_bound, "
+    "reached only if the experts were all the time; on a GPU or TPU, kernels_per_token and "
+    "device_busy from one profiled decode: the device's kernels per generated token and their"
+    " time over the wall time)")
 
 
 def _decode_table(run: RunDir, rows: list[dict]) -> None:
@@ -360,7 +363,8 @@ def _best_notes(run: RunDir, rows: list[dict]) -> dict:
                      f"{b['speedup_vs_AR_dense']:.2f}x AR dense, "
                      f"{b['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, mean accepted "
                      f"length {b['mean_accepted_length']:.2f}, CLS_{b['draft_len'] + 1} "
-                     f"{b['CLS_block']:.3f}; target >= 1.5x on CPU at >= 100M parameters: "
+                     f"{b['CLS_block']:.3f}, expert path: {b['expert_path']}; target >= 1.5x "
+                     "AR token-sparse at >= 100M parameters: "
                      + ("met" if b["params"] >= 1e8 and b["speedup_vs_AR_token_sparse"] >= 1.5
                         else "not met" if b["params"] >= 1e8 else "n/a (< 100M)"))
     return best
@@ -391,6 +395,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                   f"{float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
                   f"({float(best['tokens_per_s']):.1f} tokens/s, "
                   f"{float(best['mean_accepted_length']):.2f} accepted per target pass); "
+                  f"expert path: {best.get('expert_path', 'not recorded')}; "
                   f"same tokens as AR: {same}" + ("" if exact else
                                                   f" (16-bit decoding: at least {matched:.3f} "
                                                   "of each decoding's tokens before the "

@@ -54,11 +54,11 @@ from moejax.kernels.chunk_union.reference import (
     pad_to_tiles,
     union_members,
 )
-from moejax.kernels.tiling import hopper_target
+from moejax.kernels.tiling import hopper_target, target_device
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions",
-           "decode_chunk"]
+           "decode_chunk", "decode_route", "DECODE_ROUTES"]
 
 BACKENDS = ("pallas", "triton")
 
@@ -240,6 +240,27 @@ def _decode_bwd(activation, interpret, kernel, res, ct):
 decode_chunk.defvjp(_decode_fwd, _decode_bwd)
 
 
+DECODE_ROUTES = ("jnp loop", "decode kernel (TPU)", "decode kernel (Mosaic GPU)",
+                 "dense product, non-members weighted 0", "pair kernels")
+
+
+def decode_route(x_nD, w_up, w_gate=None, platform: str | None = None) -> str:
+    """What :func:`chunk_union_auto` computes one exact decode chunk ``x_nD`` (``n`` up to
+    ``MAX_CHUNK`` tokens, the union not capped) with on ``platform`` (default: the device
+    being lowered for, :func:`moejax.kernels.tiling.target_device`), one of
+    :data:`DECODE_ROUTES`; ``x_nD`` and ``w_up`` may be shapes (``jax.ShapeDtypeStruct``)."""
+    platform = platform or target_device()[0]
+    if platform == "cpu":
+        return DECODE_ROUTES[0]
+    if platform == "tpu":
+        return DECODE_ROUTES[1]
+    if platform != "cuda":
+        return DECODE_ROUTES[4]
+    if hopper_target() and supports(x_nD, w_up, w_gate):
+        return DECODE_ROUTES[2]
+    return DECODE_ROUTES[3]
+
+
 def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
                      tile: int, max_union: int):
     """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
@@ -272,7 +293,7 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         if not decode:  # the pair kernels; the jnp loop where they would run interpreted
             fast = gpu_kernels_take(x.dtype)
             return (kernel_path if fast else jnp_path)(x, a, act, wu, wd, wg)
-        if hopper_target() and supports(x, wu, wg):
+        if decode_route(x, wu, wg, "cuda") == DECODE_ROUTES[2]:
             return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
                     no_overflow)
         # with the union capped at E, as here, the pair kernels ran slower than this dense
