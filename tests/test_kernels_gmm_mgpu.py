@@ -4,7 +4,7 @@ equal a numpy loop over the groups (empty groups, groups spanning tiles, row til
 share, rows past the groups, every dimension off the blocks, bf16 and f16); the row-store ladder
 and the block fitting; float32 is refused the way tokamax refuses it (so ragged_dot falls back
 to the Triton kernel). Exported for an H100, each product is one Mosaic GPU kernel and no Triton
-kernel, and ragged_dot's train step runs the three on it when ``OWN_KERNEL`` names it."""
+kernel, and ragged_dot's train step runs the three on it when ``OWN_TIERS`` names it."""
 
 import re
 
@@ -180,9 +180,11 @@ def test_each_product_exports_as_one_mosaic_gpu_kernel():
 
 @pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed")
 def test_ragged_dot_runs_the_mosaic_gpu_kernels_where_own_kernel_names_them(monkeypatch):
-    """A large bf16 product (above OWN_FROM_FLOPS) with OWN_KERNEL["cuda"] = "gmm_mgpu":
-    forward and both gradients are these kernels, no Triton; float32 falls back to Triton."""
-    monkeypatch.setitem(rd.OWN_KERNEL, "cuda", {"fwd": "gmm_mgpu", "dlhs": "gmm_mgpu"})
+    """A large bf16 product (above OWN_FROM_FLOPS) with OWN_TIERS naming "gmm_mgpu" for the
+    forward product and dX: forward and both gradients are these kernels, no Triton; float32
+    falls back to Triton."""
+    monkeypatch.setitem(rd.OWN_TIERS, "cuda", {"fwd": ((8e9, "gmm_mgpu"),),
+                                               "dlhs": ((8e9, "gmm_mgpu"),)})
 
     def step(x, w, gs):
         loss = lambda x, w: jnp.sum(rd.ragged_dot(x, w, gs).astype(jnp.float32) ** 2)  # noqa: E731

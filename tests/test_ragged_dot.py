@@ -134,15 +134,19 @@ TOKAMAX_DW, OURS_DW, OURS_ROWS = ("ragged_contracting_dim_dot_sm90", "moejax_tgm
 
 
 def test_large_products_run_on_the_own_kernel_where_it_was_measured_faster():
-    """From OWN_FROM_FLOPS on a GPU the forward product is the own Triton gmm and dX the own
-    Mosaic GPU one, below it tokamax's Mosaic GPU kernels; dW is the own Mosaic GPU kernel at
-    every size (tokamax's was wrong). The TPU and the CPU keep tokamax's choice."""
+    """From OWN_FROM_FLOPS on a GPU the forward product is the own Triton gmm (from 130
+    GFLOP the own Mosaic GPU one) and dX the own Mosaic GPU one, below it tokamax's Mosaic GPU
+    kernels; dW is the own Mosaic GPU kernel at every size (tokamax's was wrong). The TPU and
+    the CPU keep tokamax's choice."""
     big, small = (4096, 1024, 1408), (2048, 768, 1408)  # 11.8 and 4.4 GFLOP
-    want = {"fwd": ("gmm", "mosaic_gpu"), "dlhs": ("gmm_mgpu", "mosaic_gpu"),
-            "drhs": ("gmm_mgpu", "gmm_mgpu")}
+    largest = (65536, 2048, 1408)  # 378 GFLOP
+    want = {"fwd": ("gmm_mgpu", "gmm", "mosaic_gpu"),
+            "dlhs": ("gmm_mgpu", "gmm_mgpu", "mosaic_gpu"),
+            "drhs": ("gmm_mgpu", "gmm_mgpu", "gmm_mgpu")}
+    assert rd.OWN_FROM_FLOPS == {"cuda": {"fwd": 8e9, "dlhs": 8e9}}
     for which in rd.PASSES:
-        assert (rd.implementation("cuda", which, *big),
-                rd.implementation("cuda", which, *small)) == want[which]
+        assert tuple(rd.implementation("cuda", which, *s)
+                     for s in (largest, big, small)) == want[which]
         assert rd.implementation("tpu", which, *big) == "mosaic_tpu"
         assert rd.implementation("cpu", which, *big) == "xla"
     with pytest.raises(ValueError, match="which"):

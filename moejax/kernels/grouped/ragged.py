@@ -24,9 +24,10 @@ Where tokamax's kernel does not take the call (it raises ``NotImplementedError``
 takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older than sm80), the
 project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
 GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense.
-The own kernel also runs every pass of at least ``OWN_FROM_FLOPS`` on the platforms where
-``experiments.bench_grouped``'s per-pass table measured it faster than tokamax's at such sizes
-(:func:`implementation` says which runs a given product).
+The own kernels also run the passes of at least ``OWN_FROM_FLOPS`` on the platforms where
+``experiments.bench_grouped``'s per-pass table measured them faster than tokamax's at such
+sizes, each in the size tiers where it was the faster own kernel (``OWN_TIERS``;
+:func:`implementation` says which runs a given product).
 Shapes off Mosaic GPU's tiles are zero-padded to them (``ALIGN``), which is exact.
 
 tokamax checks the local device before it lowers a kernel, so a program exported on a machine
@@ -59,7 +60,7 @@ except ImportError:  # pragma: no cover - exercised where tokamax is not install
     tokamax = None
     _tokamax_gpu_utils = None
 
-__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_KERNEL", "OWN_KERNELS", "PASSES",
+__all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_TIERS", "OWN_KERNELS", "PASSES",
            "ALIGN", "KERNEL_CHOICES", "ragged_dot", "ragged_pass", "implementation",
            "cross_compile"]
 
@@ -77,16 +78,21 @@ IMPLEMENTATIONS = {
     "tpu": {"fwd": "mosaic_tpu", "dlhs": "mosaic_tpu", "drhs": "mosaic_tpu"},
     "default": {"fwd": "xla", "dlhs": "xla", "drhs": "xla"},
 }
-# per platform and pass, the product size (2 M K N FLOPs) from which the project's own kernel
-# OWN_KERNEL names runs it in place of IMPLEMENTATIONS'. cuda, from bench_grouped's bf16 table
-# on an H200: fwd, the Triton gmm 1.63x and 1.57x faster than tokamax's Mosaic GPU kernel at
-# 47 and 378 GFLOP, even with it at 1.5 GFLOP (the Mosaic GPU gmm 2.3x slower there, 1.35x
-# slower than Triton at 47, 1.08x faster at 378); dlhs, the Mosaic GPU gmm 1.48x and 1.85x
-# faster than tokamax's at 47 and 378 GFLOP, 1.19x slower at 1.5 (the Triton one slower than
-# it at all three). 8 GFLOP lies between (not measured there).
-OWN_FROM_FLOPS = {"cuda": {"fwd": 8e9, "dlhs": 8e9}}
-# which of the project's own kernels (OWN_KERNELS) OWN_FROM_FLOPS runs, per platform and pass
-OWN_KERNEL = {"cuda": {"fwd": "gmm", "dlhs": "gmm_mgpu"}}
+# per platform and pass, the project's own kernels by product size (2 M K N FLOPs): (from
+# FLOPs, kernel) tiers in ascending order; a product runs the kernel of the last tier it
+# reaches, a smaller one IMPLEMENTATIONS'. cuda, from bench_grouped's bf16 table on an H200:
+# fwd, the Triton gmm 1.63x and 1.57x faster than tokamax's Mosaic GPU kernel at 47 and 378
+# GFLOP, even with it at 1.5 GFLOP; the Mosaic GPU gmm 2.3x slower than tokamax's at 1.5,
+# 1.35x slower than Triton at 47 and 1.08x faster than it at 378, so it takes the forward
+# product from 130 GFLOP (the geometric mean of 47 and 378: between them nothing was
+# measured); dlhs, the Mosaic GPU gmm 1.48x and 1.85x faster than tokamax's at 47 and 378
+# GFLOP, 1.19x slower at 1.5 (the Triton one slower than it at all three). 8 GFLOP lies
+# between 1.5 and 47 (not measured there).
+OWN_TIERS = {"cuda": {"fwd": ((8e9, "gmm"), (1.3e11, "gmm_mgpu")),
+                      "dlhs": ((8e9, "gmm_mgpu"),)}}
+# per platform and pass, the size from which one of the project's own kernels runs
+OWN_FROM_FLOPS = {platform: {which: tiers[0][0] for which, tiers in by_pass.items()}
+                  for platform, by_pass in OWN_TIERS.items()}
 # the project's own kernels for each product: "gmm" also runs what tokamax's kernel does not
 # take (it takes every dtype), "gmm_mgpu" bf16 / f16 on a Hopper GPU
 _OWN = {"fwd": gmm, "dlhs": gmm_t, "drhs": tgmm}
@@ -113,14 +119,13 @@ def _sizes(which: str, a, b, group_sizes_G) -> dict[str, int]:
 
 def implementation(platform: str, which: str, m: int, k: int, n: int) -> str:
     """What runs pass ``which`` of an ``[m, k] x [G, k, n]`` grouped product lowered for
-    ``platform``: the project's own kernel (``OWN_KERNEL``) from ``OWN_FROM_FLOPS``, else
-    ``IMPLEMENTATIONS``' (that kernel may still decline the call, :func:`ragged_pass`)."""
+    ``platform``: the project's own kernel of the last ``OWN_TIERS`` tier its FLOPs reach,
+    else ``IMPLEMENTATIONS``' (that kernel may still decline the call, :func:`ragged_pass`)."""
     if which not in PASSES:
         raise ValueError(f"which={which!r}; one of {PASSES}")
-    own_from = OWN_FROM_FLOPS.get(platform, {}).get(which)
-    if own_from is not None and 2 * m * k * n >= own_from:
-        return OWN_KERNEL.get(platform, {}).get(which, "gmm")
-    return IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])[which]
+    own = [kernel for flops, kernel in OWN_TIERS.get(platform, {}).get(which, ())
+           if 2 * m * k * n >= flops]
+    return own[-1] if own else IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])[which]
 
 
 def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
