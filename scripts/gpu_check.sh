@@ -10,8 +10,9 @@
 #   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
 #                products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/tuned_configs.json
-#                (AUTOTUNE_KERNELS=gmm,tgmm: only those kernels; AUTOTUNE_SHAPES="(2048,256),":
-#                only those shapes)
+#                (AUTOTUNE_KERNELS=gmm_mgpu,tgmm_mgpu: only those kernels;
+#                AUTOTUNE_SHAPES="(2048,1408),": only those grouped shapes (K, N);
+#                AUTOTUNE_DECODE_SHAPES="(2048,256),": the decode kernel's (D, F))
 #   grouped | grouped_f32 | kernels | dispatch | speculative | extracted
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
 #                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply;
@@ -48,6 +49,7 @@
 # back keeps nothing else).
 # Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [SEED=DIR] [REDO=1]
 #        [AUTOTUNE_KERNELS=k1,k2] [AUTOTUNE_SHAPES="(k,n),..."]
+#        [AUTOTUNE_DECODE_SHAPES="(d,f),..."]
 #        scripts/gpu_check.sh OUT_DIR [stage ...]
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
@@ -110,7 +112,8 @@ for stage in $stages; do
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
-        "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,256),(2048,1408),(1408,2048)})" \
+        "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,1408),(1408,2048)})" \
+        "decode_shapes=(${AUTOTUNE_DECODE_SHAPES:-(2048,256),})" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
     grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|speculative_wide|\
     speculative_wide_graphs|extracted)

@@ -55,7 +55,8 @@ def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_
     with tarfile.open(tmp_path / "gpu.tgz") as tar:  # packed after the stage
         assert "out/.done-autotune" in tar.getnames()
     assert calls == [f"-m experiments.autotune kernels=(decode_mgpu,gmm,tgmm) dtypes=(bfloat16,) "
-                     f"shapes=((2048,256),(2048,1408),(1408,2048)) out={tmp_path}/out/autotune"]
+                     f"shapes=((2048,1408),(1408,2048)) decode_shapes=((2048,256),) "
+                     f"out={tmp_path}/out/autotune"]
     late = tmp_path / "late"
     late.mkdir()
     proc, calls = _run(late, "grouped", BUDGET="30")

@@ -240,10 +240,11 @@ def test_autotune_times_the_decode_kernel_on_a_quarter_union_and_a_full_one():
 
 
 def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monkeypatch):
-    seen = []
+    seen, shapes = [], set()
 
     def time_fn(kernel, dtype, k, n, c):
         seen.append((kernel, dtype, c))
+        shapes.add((kernel == "decode_mgpu", k, n))
         return 1e-3
 
     cfg = autotune.AutotuneConfig(dtypes=("bfloat16", "float32"), shapes=((256, 128),))
@@ -256,6 +257,7 @@ def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monke
     got = autotune.tune_all(cfg, time_fn).entries
     assert set(got) == set(tuning.KERNELS) and set(got["decode_mgpu"]) == {"bfloat16"}
     assert {c for kn, _, c in seen if kn == "pairs_mgpu"} == set(tuning.SPACES["pairs_mgpu"])
+    assert shapes == {(False, 256, 128), (True, 2048, 256)}  # the decode kernel's own shapes
     assert {(kn, dt) for kn, dt, _ in seen} == {
         ("gmm", "bfloat16"), ("gmm", "float32"), ("tgmm", "bfloat16"), ("tgmm", "float32"),
         ("gmm_mgpu", "bfloat16"), ("tgmm_mgpu", "bfloat16"),

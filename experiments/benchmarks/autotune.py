@@ -5,7 +5,8 @@ the up-projection of ``rows`` rows in 64-row tiles, each with 4 of ``groups`` ex
 ``decode_mgpu``: its Mosaic GPU decode kernel on a chunk of 8 tokens, called twice, with a union of
 a quarter of ``groups`` experts of shape ``(D, F) = (K, N)`` and with all of them: one launch
 configuration serves every union, whose size is known only at run time, and a quarter union's few
-programs may want another than a full one's many), dtype it takes and shape ``(K, N)``, every
+programs may want another than a full one's many), dtype it takes and shape ``(K, N)``
+(``shapes``; the decode kernel's ``(D, F)``: ``decode_shapes``), every
 configuration of the kernel's space is run (the grouped products: ``rows`` rows in ``groups`` random
 groups), its output checked against a float32 oracle written the slow obvious way (one that differs
 is refused, however fast), and timed in device time with the L2 flushed between calls; the fastest
@@ -15,6 +16,7 @@ or the reason it was refused.
 
     python -m experiments.autotune                                   # the default cases
     python -m experiments.autotune dtypes=(bfloat16,) shapes=((2048,1408),)
+    python -m experiments.autotune kernels=(decode_mgpu,) "decode_shapes=((2048,256),)"
 
 A GPU only: on a CPU the kernels run in interpret mode, which is no timing (exit 2).
 """
@@ -57,6 +59,8 @@ class AutotuneConfig(Config):
     dtypes: tuple[str, ...] = ("bfloat16", "float32")
     # (K, N): the full presets' expert products (d 2048 / 256 with expert widths 1408 / 704)
     shapes: tuple[tuple[int, int], ...] = ((2048, 1408), (1408, 2048), (256, 704), (704, 256))
+    # (D, F) of the decode kernel's cases: BlockFFN's experts at bench_kernels' decode size
+    decode_shapes: tuple[tuple[int, int], ...] = ((2048, 256),)
     rows: int = 16384
     groups: int = 64
     iters: int = 20  # calls per timed device loop
@@ -71,8 +75,10 @@ class AutotuneConfig(Config):
         r(set(self.kernels) <= set(KERNELS), f"kernels must be among {KERNELS}")
         r(set(self.dtypes) <= {"bfloat16", "float16", "float32"},
           "dtypes must be among bfloat16, float16, float32")
-        r(all(k >= 1 and n >= 1 for k, n in self.shapes) and self.shapes,
-          "shapes: one or more (K, N) with K, N >= 1")
+        for name in ("shapes", "decode_shapes"):
+            got = getattr(self, name)
+            r(all(k >= 1 and n >= 1 for k, n in got) and got,
+              f"{name}: one or more (K, N) with K, N >= 1")
         r(self.rows >= self.groups >= 1 and self.repeats >= 1 and self.iters >= 1,
           "rows >= groups >= 1, repeats >= 1 and iters >= 1")
         r(self.l2_flush_mb >= 0, f"l2_flush_mb={self.l2_flush_mb} must be >= 0")
@@ -194,7 +200,7 @@ def tune_all(cfg: AutotuneConfig, time_fn, keep=None) -> Tuned:
         if kn.endswith("_mgpu") and not hopper_target():
             continue
         cases = [(kn, dt, k, n) for dt in cfg.dtypes if (kn, dt) in DEFAULTS
-                 for k, n in cfg.shapes]
+                 for k, n in (cfg.decode_shapes if kn == "decode_mgpu" else cfg.shapes)]
         if cases:
             got = tune(cases, SPACES[kn], time_fn)
             if keep is not None:
