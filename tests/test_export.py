@@ -174,7 +174,8 @@ def test_batch_one_verification_takes_the_decode_kernels(platform, dtype):
     """At batch 1 each verified block is one exact chunk: on TPU it runs the two decode
     launches (the union, then the experts over union slots); on a Hopper GPU a bf16 target
     runs the Mosaic GPU decode kernel, once per layer; a float32 one verifies by the dense
-    product, and only its prefill (8 tokens, past the 5-token tile) runs the pair kernels."""
+    product, and only its prefill (8 tokens, past the 5-token tile) runs the pair kernels. The
+    rounds are the program's one loop (a round's draft passes are unrolled)."""
     target_cfg = dataclasses.replace(_blockffn_decoder(path="dense", d_model=128, d_expert=64),
                                      dtype=dtype)
     target = DecoderLM(target_cfg, rngs=nnx.Rngs(0))
@@ -190,6 +191,7 @@ def test_batch_one_verification_takes_the_decode_kernels(platform, dtype):
     exported = _export(jax.jit(decode), platform, jax.ShapeDtypeStruct((1, 8), jnp.int32))
     kernels = set(re.findall(r'kernel_name = "([^"]+)"', exported.mlir_module()))
     calls = _custom_calls(exported)
+    assert _loops(exported) == 1  # the rounds; each round's draft passes are unrolled
     if platform == "tpu":
         assert {"_union_kernel", "_experts_kernel"} <= kernels, kernels
     elif dtype == "bfloat16":

@@ -21,7 +21,9 @@ target step. Greedy output equals greedy autoregressive decoding token for token
 output has exactly the target's distribution (the standard rejection rule; Leviathan et al.
 2023, Chen et al. 2023). Sampling uses ``softmax(logits / temperature)`` for both models.
 
-The whole loop is one jitted ``lax.while_loop`` (no Python per token). Chunk-sparse
+The whole loop is one jitted ``lax.while_loop`` (no Python per token), with a round's draft
+passes unrolled in its body: one loop trip per round, which a GPU ends by reading one flag back
+to the host. Chunk-sparse
 verification is a property of the target: give it BlockFFN slots with ``path="auto"`` (the jnp
 chunk-union loop on the CPU, the Pallas kernels on GPU and TPU) and ``union_chunk = n + 1``
 (:func:`chunk_sparse_target`), so the verification pass computes only the union of the experts
@@ -144,8 +146,10 @@ def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, te
         pair_B2 = jnp.stack([st["prev"], st["last"]], axis=1)
         logits, dcache = draft.decode(pair_B2, st["dcache"])
         d1_B = _pick(logits[:, 1], jax.random.fold_in(k_draft, 0), temperature)
+        # unrolled: a loop here would be a second while loop per round, whose trip the GPU
+        # runtime ends by reading a flag back to the host each draft step
         (_, dcache), (d_NB, q_NBV) = jax.lax.scan(draft_step, (d1_B, dcache),
-                                                  jnp.arange(1, n))
+                                                  jnp.arange(1, n), unroll=True)
         drafts_BN = jnp.concatenate([d1_B[:, None], d_NB.T], axis=1)
         q_BNV = jnp.concatenate([logits[:, 1:], jnp.swapaxes(q_NBV, 0, 1)], axis=1)
         block = jnp.concatenate([st["last"][:, None], drafts_BN], axis=1)
