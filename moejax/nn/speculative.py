@@ -23,11 +23,10 @@ output has exactly the target's distribution (the standard rejection rule; Levia
 
 The whole loop is one jitted ``lax.while_loop`` (no Python per token), with a round's draft
 passes unrolled in its body: one loop trip per round, which a GPU ends by reading one flag back
-to the host. Chunk-sparse
-verification is a property of the target: give it BlockFFN slots with ``path="auto"`` (the jnp
-chunk-union loop on the CPU, the Pallas kernels on GPU and TPU) and ``union_chunk = n + 1``
-(:func:`chunk_sparse_target`), so the verification pass computes only the union of the experts
-the ``n + 1`` tokens activate.
+to the host. Chunk-sparse verification is a property of the target: give it BlockFFN slots
+with ``path="auto"`` (the jnp chunk-union loop on the CPU, the Pallas kernels on GPU and TPU)
+and ``union_chunk = n + 1`` (:func:`chunk_sparse_target`), so the verification pass computes
+only the union of the experts the ``n + 1`` tokens activate.
 """
 
 from __future__ import annotations
