@@ -224,13 +224,17 @@ def test_autotune_times_the_decode_kernel_on_a_quarter_union_and_a_full_one():
     both checked against the float32 oracle, which the interpreted kernel equals."""
     fn, args, oracle = autotune._call("decode_mgpu", autotune.AutotuneConfig(groups=8),
                                       jnp.bfloat16, 256, 128, jax.random.key(0))
-    x, a_UnG, wu_UGkn, wd_UGnk = args
-    assert x.shape == (TUNED_ROWS, 256) and a_UnG.shape == (2, TUNED_ROWS, 8)
-    assert wu_UGkn.shape == (2, 8, 256, 128) and wd_UGnk.shape == (2, 8, 128, 256)
-    assert [int(u) for u in jnp.sum(jnp.any(a_UnG > 0, axis=1), axis=-1)] == [2, 8]
+    x, *unions = args
+    assert x.shape == (TUNED_ROWS, 256) and len(unions) == 6
+    a_s, wu_s, wd_s = unions[0::3], unions[1::3], unions[2::3]
+    assert {a.shape for a in a_s} == {(TUNED_ROWS, 8)}
+    assert {w.shape for w in wu_s} == {(8, 256, 128)} and {w.shape for w in wd_s} == {
+        (8, 128, 256)}
+    assert [int(jnp.sum(jnp.any(a > 0, axis=0))) for a in a_s] == [2, 8]
+    assert not np.array_equal(np.asarray(wu_s[0]), np.asarray(wu_s[1]))  # weights of its own
     want = np.asarray(oracle(*args))
     assert want.shape == (2, TUNED_ROWS, 256)
-    for a, wu, wd, want_nD in zip(a_UnG, wu_UGkn, wd_UGnk, want):
+    for a, wu, wd, want_nD in zip(a_s, wu_s, wd_s, want):
         tuning.check_close(chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu",
                                                   interpret=True), want_nD, "bfloat16")
     with lowering_target("cuda"):

@@ -151,20 +151,21 @@ def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
         return (jax.jit(lambda xs, w: pair_up(xs, w, pairs)), (xs, w),
                 jax.jit(lambda xs, w: _pairs_oracle(xs, w, pairs)))
     # a union of a quarter of the experts, then of all, each with weights of its own (the
-    # second call finds none of its weights in the L2 that the first one filled)
+    # second call finds none of its weights in the L2 that the first one filled), passed as
+    # separate arguments (a slice of a stacked one would be a copy in every timed call)
     x = jax.random.normal(kx, (TUNED_ROWS, k)).astype(dt)
-    a_UnG = jnp.stack([union_activations(kk, TUNED_ROWS, G, u) for kk, u in zip(
-        jax.random.split(kg), (max(1, G // 4), G))])
-    wu_UGkn, wd_UGnk = ((jax.random.normal(kk, s) / s[2] ** 0.5).astype(dt)
-                        for kk, s in zip(jax.random.split(kw), ((2, G, k, n), (2, G, n, k))))
+    unions = []
+    for ka, kk, size in zip(jax.random.split(kg), jax.random.split(kw), (max(1, G // 4), G)):
+        wu, wd = ((jax.random.normal(kw_, s) / s[1] ** 0.5).astype(dt)
+                  for kw_, s in zip(jax.random.split(kk), ((G, k, n), (G, n, k))))
+        unions += [union_activations(ka, TUNED_ROWS, G, size), wu, wd]
 
-    def calls(expert_fn):
-        return jax.jit(lambda x, a_UnG, wu_UGkn, wd_UGnk: jnp.stack([
-            expert_fn(x, a, wu, wd) for a, wu, wd in zip(a_UnG, wu_UGkn, wd_UGnk)]))
+    def calls(expert_fn):  # [2, rows, D]: the quarter union's output, then the full one's
+        return jax.jit(lambda x, *u: jnp.stack([expert_fn(x, *u[i:i + 3]) for i in (0, 3)]))
 
     return (calls(lambda x, a, wu, wd: chunk_union_decode_gpu(x, a, a > 0, wu, wd,
                                                               activation="relu")),
-            (x, a_UnG, wu_UGkn, wd_UGnk),
+            (x, *unions),
             calls(lambda x, a, wu, wd: dense_experts(_f32(x), a, _f32(wu), _f32(wd), None,
                                                      "relu")))
 
