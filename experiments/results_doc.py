@@ -20,7 +20,9 @@ in it is typed by hand.
 A study with no readable run here (a GPU run made on a machine since given back, or one
 being rerun) keeps its section, its claims and its tables from the document being replaced,
 listed as carried over: each such section still names the command, date and machine of the
-run it came from. A study never documented is listed as not run.
+run it came from. A study never documented is listed as not run, as is a carried-over one
+named in ``forget=`` (its run no longer describes the code, or holds a row that does not
+stand: it goes until a new run brings it back).
 
 The assets folder is the generator's own: it carries a marker file, and a rebuild replaces
 only a folder that has it. A folder of that name without the marker, or one that holds the
@@ -60,16 +62,21 @@ _SECTION = re.compile(r"^## (.+)$", re.M)
 _OVERVIEW = "Paper claims at a glance"
 
 
-def _parse(argv) -> tuple[dict[str, Path], Path, str]:
-    """``({study: run directory}, out, where the runs came from)``."""
+def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...]]:
+    """``({study: run directory}, out, where the runs came from, studies to forget)``."""
     opts = {"runs": "", "machine": run_index.machine_class(machine_info()), "index": "",
-            "out": ""}
+            "out": "", "forget": ""}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts or not value:
             raise ConfigError(f"bad argument {item!r}; allowed: machine=cpu|gpu|tpu "
-                              "index=FILE runs=DIR out=FILE.md")
+                              "index=FILE runs=DIR out=FILE.md forget=STUDY[,STUDY]")
         opts[key] = value
+    forget = tuple(n for n in opts["forget"].split(",") if n)
+    known = [entry for entry, _, _ in entries(REGISTRY)]
+    if unknown := [n for n in forget if n not in known]:
+        raise ConfigError(f"forget={opts['forget']}: {', '.join(unknown)} is no study; "
+                          f"one of {', '.join(known)}")
     out = Path(opts["out"] or ("docs/results.md" if opts["machine"] == "cpu"
                                else f"docs/results_{opts['machine']}.md"))
     if out.suffix != ".md":
@@ -92,7 +99,7 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str]:
                   file=sys.stderr)
         source = f"machine={opts['machine']}" + (f" index={index}" if opts["index"] else "")
     _check_assets(list(paths.values()), out)
-    return paths, out, source
+    return paths, out, source + (f" forget={','.join(forget)}" if forget else ""), forget
 
 
 def _check_assets(runs: Sequence[Path], out: Path) -> Path:
@@ -235,9 +242,11 @@ def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     return sections, rows
 
 
-def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
+def build(runs: Path | dict[str, Path], out: Path, source: str = "",
+          forget: Sequence[str] = ()) -> Path:
     """Write the results document for the runs ``{study: run directory}`` (or those under
-    one directory, ``runs/<study>``); return its path."""
+    one directory, ``runs/<study>``); return its path. A study of ``forget`` without a run
+    here is not carried over from the previous document (module docstring)."""
     if isinstance(runs, Path):
         source = source or f"runs={runs}"
         runs = {entry: runs / run_dirname(study, variant)
@@ -260,7 +269,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "") -> Path:
                 running.append(name)
             if path is None or held or not (path / "run.json").is_file() or not (
                     path / "summary.md").is_file():
-                if name in old_sections:
+                if name in old_sections and name not in forget:
                     folder = assets / run_dirname(study, variant)
                     if folder.is_dir():
                         shutil.copytree(folder, fresh / folder.name)
@@ -306,8 +315,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0
     try:
-        runs, out, source = _parse(argv)
-        print(f"wrote {build(runs, out, source)}")
+        runs, out, source, forget = _parse(argv)
+        print(f"wrote {build(runs, out, source, forget)}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -176,6 +176,33 @@ def test_a_study_whose_run_is_gone_keeps_its_section_and_a_failed_rebuild_keeps_
     assert sorted(p.name for p in doc_path.parent.iterdir()) == ["results", "results.md"]
 
 
+def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path,
+                                                                       monkeypatch):
+    """forget=: a carried-over section (its run gone) is left out and named as not run, and
+    the command that wrote the document says so; an unknown study is refused."""
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity", "moee"))
+    doc_path = tmp_path / "docs" / "results.md"
+    table = tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv"
+    assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()
+    shutil.rmtree(out)
+    runs, path, source, forget = results_doc._parse(
+        [f"runs={tmp_path / 'runs'}", f"out={doc_path}", "forget=blockffn_granularity"])
+    assert forget == ("blockffn_granularity",) and source.endswith(" forget=blockffn_granularity")
+    gone = results_doc.build(runs, path, source, forget).read_text()
+    assert "## blockffn_granularity" not in gone and not table.exists()
+    assert "| blockffn_granularity |" not in gone and "Carried over" not in gone
+    assert "Not run: blockffn_granularity, moee, moee[minilm]." in gone
+    assert "forget=blockffn_granularity" in gone
+    with pytest.raises(ConfigError, match="nope is no study"):
+        results_doc._parse([f"runs={tmp_path / 'runs'}", "forget=moee,nope"])
+
+
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match="run the studies first"):
         results_doc._parse([f"runs={tmp_path / 'none'}"])
