@@ -233,6 +233,39 @@ def test_loop_and_gather_schedules_agree_in_values_and_gradients(gated, tile, ca
                             schedule="scan")
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_dense_oracle_reads_few_tokens_weights_as_stored(gated):
+    """Fewer tokens than an expert's width (a decode step) run one product per expert on the
+    stacked weights as stored: the compiled program holds no transposed copy of them, which
+    the many-token form makes; both forms give the same values and gradients."""
+    e, d, f, n = 4, 16, 32, 3
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    a = jnp.asarray(np.maximum(rng.normal(size=(n, e)), 0), jnp.float32)
+    wu, wd, wg = (jnp.asarray(rng.normal(size=s), jnp.float32) / np.sqrt(s[1])
+                  for s in ((e, d, f), (e, f, d), (e, d, f)))
+    wg = wg if gated else None
+    act = "swiglu" if gated else "relu"
+    ct = jnp.cos(jnp.arange(n * d, dtype=jnp.float32)).reshape(n, d)
+    pad = f - n  # the same tokens among f rows: the many-token form
+
+    def loss(x, a, wu, wd, wg, rows):
+        xs, as_ = (jnp.pad(v, ((0, rows - n), (0, 0))) for v in (x, a))
+        return jnp.sum(dense_experts(xs, as_, wu, wd, wg, act)[:n] * ct)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    few, many = grad(x, a, wu, wd, wg, n), grad(x, a, wu, wd, wg, n + pad)
+    for u, v in zip(jax.tree.leaves(few), jax.tree.leaves(many)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-5)
+
+    def relaid(rows):  # a [D, E, F] copy of the stacked [E, D, F] weights in the program
+        text = jax.jit(lambda x, a, *w: dense_experts(x, a, *w, act)).lower(
+            jnp.zeros((rows, d)), jnp.zeros((rows, e)), wu, wd, wg).compile().as_text()
+        return f"f32[{d},{e},{f}]" in text
+
+    assert not relaid(n) and relaid(f)
+
+
 def test_training_through_the_kernels_needs_at_most_1_5x_the_dense_gradients_memory():
     """Compiled temporaries of the gradient (x, combine weights, both expert stacks) at N 4096,
     D 256, E 32, F 128, 32-token tiles, every expert in every union (the worst case), against

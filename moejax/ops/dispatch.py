@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn, is_gated
+from moejax.ops.every_expert import every_expert
 from moejax.ops.grouped_layout import group_tiles
 from moejax.ops.permute import inverse_permutation, sort_rows, unsort_rows
 
@@ -148,19 +149,13 @@ def dispatch_dense(
     accepted for a uniform signature and ignored (nothing is dropped)."""
     del valid_N
     _check_weights(activation, w_up_EDF, w_down_EFD, w_gate_EDF, stacked=True)
-    act = activation_fn(activation)
     dt = x_ND.dtype
-    n_experts = w_up_EDF.shape[0]
-    up_NEF = jnp.einsum("nd,edf->nef", x_ND, w_up_EDF.astype(dt))
-    if w_gate_EDF is not None:
-        h_NEF = act(jnp.einsum("nd,edf->nef", x_ND, w_gate_EDF.astype(dt))) * up_NEF
-    else:
-        h_NEF = act(up_NEF)
-    y_NED = jnp.einsum("nef,efd->ned", h_NEF, w_down_EFD.astype(dt))
-    onehot_NKE = jax.nn.one_hot(ids_NK, n_experts, dtype=weights_NK.dtype)
+    onehot_NKE = jax.nn.one_hot(ids_NK, w_up_EDF.shape[0], dtype=weights_NK.dtype)
     comb_NE = jnp.einsum("nk,nke->ne", weights_NK, onehot_NKE)
-    y_ND = jnp.einsum("ne,ned->nd", comb_NE.astype(y_NED.dtype), y_NED).astype(dt)
-    return DispatchOut(y_ND, *_no_drop(x_ND))
+    y_ND = every_expert(x_ND, comb_NE, w_up_EDF.astype(dt), w_down_EFD.astype(dt),
+                        None if w_gate_EDF is None else w_gate_EDF.astype(dt),
+                        activation_fn(activation))
+    return DispatchOut(y_ND.astype(dt), *_no_drop(x_ND))
 
 
 def _sort_assignments(ids_NK, valid_N, n_experts, priority: str = "choice"):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn
+from moejax.ops.every_expert import every_expert
 
 __all__ = ["dense_experts", "dense_chunk", "chunk_union_experts", "union_members", "pad_to_tiles"]
 
@@ -47,10 +48,9 @@ def _expert_hidden(x, w_up, w_gate, act, spec):
 
 
 def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
-    """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token."""
-    act = activation_fn(activation)
-    h_NEF = _expert_hidden(x_ND, w_up, w_gate, act, "nd,edf->nef")
-    return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down, a_NE.astype(h_NEF.dtype))
+    """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token
+    (:func:`moejax.ops.every_expert.every_expert`, whose layout follows the token count)."""
+    return every_expert(x_ND, a_NE, w_up, w_down, w_gate, activation_fn(activation))
 
 
 def dense_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation: str):
