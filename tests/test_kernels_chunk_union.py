@@ -236,8 +236,9 @@ def test_loop_and_gather_schedules_agree_in_values_and_gradients(gated, tile, ca
 @pytest.mark.parametrize("gated", [False, True])
 def test_the_dense_oracle_reads_few_tokens_weights_as_stored(gated):
     """Fewer tokens than an expert's width (a decode step) run one product per expert on the
-    stacked weights as stored: the compiled program holds no transposed copy of them, which
-    the many-token form makes; both forms give the same values and gradients."""
+    stacked weights as stored: XLA's compiled program (the CPU's, which shows it) holds no
+    transposed copy of them, which the many-token form makes; both forms give the same values
+    and gradients."""
     e, d, f, n = 4, 16, 32, 3
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
@@ -259,8 +260,10 @@ def test_the_dense_oracle_reads_few_tokens_weights_as_stored(gated):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-5)
 
     def relaid(rows):  # a [D, E, F] copy of the stacked [E, D, F] weights in the program
+        cpu = jax.devices("cpu")[0]  # XLA's CPU compile (on a GPU machine too)
+        args = jax.device_put((jnp.zeros((rows, d)), jnp.zeros((rows, e)), wu, wd, wg), cpu)
         text = jax.jit(lambda x, a, *w: dense_experts(x, a, *w, act)).lower(
-            jnp.zeros((rows, d)), jnp.zeros((rows, e)), wu, wd, wg).compile().as_text()
+            *args).compile().as_text()
         return f"f32[{d},{e},{f}]" in text
 
     assert not relaid(n) and relaid(f)
