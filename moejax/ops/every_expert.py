@@ -19,19 +19,23 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["every_expert"]
+__all__ = ["every_expert", "expert_hidden"]
+
+
+def expert_hidden(x, w_up, w_gate, act: Callable[[jax.Array], jax.Array], spec: str):
+    """The experts' hidden activations, ``act(x W_up)`` or (gated) ``act(x W_gate) * (x
+    W_up)``, each product ``jnp.einsum(spec, x, w)``."""
+    up = jnp.einsum(spec, x, w_up)
+    return act(up) if w_gate is None else act(jnp.einsum(spec, x, w_gate)) * up
 
 
 def every_expert(x_ND, weights_NE, w_up_EDF, w_down_EFD, w_gate_EDF,
                  act: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """``y_ND`` (module docstring), in the dtype the products give (``x``'s with weights of
     that dtype); ``act`` is the activation function."""
-    N, E, F = x_ND.shape[0], w_up_EDF.shape[0], w_up_EDF.shape[-1]
-    if N < F:  # one product per expert: [E, N, D] x [E, D, F]
-        x, spec, combine = jnp.broadcast_to(x_ND, (E, N, x_ND.shape[1])), "end,edf->enf", (
-            "enf,efd,ne->nd")
-    else:  # one product: [N, D] x [D, E F]
-        x, spec, combine = x_ND, "nd,edf->nef", "nef,efd,ne->nd"
-    up = jnp.einsum(spec, x, w_up_EDF)
-    h = act(up) if w_gate_EDF is None else act(jnp.einsum(spec, x, w_gate_EDF)) * up
-    return jnp.einsum(combine, h, w_down_EFD, weights_NE.astype(h.dtype))
+    if x_ND.shape[0] < w_up_EDF.shape[-1]:  # one product per expert: [E, N, D] x [E, D, F]
+        x_END = jnp.broadcast_to(x_ND, (w_up_EDF.shape[0], *x_ND.shape))
+        h_ENF = expert_hidden(x_END, w_up_EDF, w_gate_EDF, act, "end,edf->enf")
+        return jnp.einsum("enf,efd,ne->nd", h_ENF, w_down_EFD, weights_NE.astype(h_ENF.dtype))
+    h_NEF = expert_hidden(x_ND, w_up_EDF, w_gate_EDF, act, "nd,edf->nef")  # [N, D] x [D, E F]
+    return jnp.einsum("nef,efd,ne->nd", h_NEF, w_down_EFD, weights_NE.astype(h_NEF.dtype))

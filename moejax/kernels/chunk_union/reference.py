@@ -35,16 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from moejax.ops.activations import activation_fn
-from moejax.ops.every_expert import every_expert
+from moejax.ops.every_expert import every_expert, expert_hidden
 
 __all__ = ["dense_experts", "dense_chunk", "chunk_union_experts", "union_members", "pad_to_tiles"]
-
-
-def _expert_hidden(x, w_up, w_gate, act, spec):
-    up = jnp.einsum(spec, x, w_up)
-    if w_gate is None:
-        return act(up)
-    return act(jnp.einsum(spec, x, w_gate)) * up
 
 
 def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
@@ -96,7 +89,7 @@ def _union_gather(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile,
     x_CnD, ids_CU, a_CnU, overflow, _ = _tiles(x_ND, a_NE, active_NE, tile, max_union)
     act = activation_fn(activation)
     w_gate_g = None if w_gate is None else w_gate[ids_CU]
-    h = _expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
+    h = expert_hidden(x_CnD, w_up[ids_CU], w_gate_g, act, "cnd,cudf->cnuf")
     y_CnD = jnp.einsum("cnuf,cufd,cnu->cnd", h, w_down[ids_CU], a_CnU.astype(h.dtype))
     return y_CnD.reshape(-1, D)[:N], overflow
 
@@ -112,7 +105,7 @@ def _union_loop(x_ND, a_NE, active_NE, w_up, w_down, w_gate, activation, tile, m
     def member(j, acc_CnD):
         e_C = ids_CU[:, j]
         w_gate_g = None if w_gate is None else w_gate[e_C]
-        h = _expert_hidden(x_CnD, w_up[e_C], w_gate_g, act, "cnd,cdf->cnf")
+        h = expert_hidden(x_CnD, w_up[e_C], w_gate_g, act, "cnd,cdf->cnf")
         h = h * a_CnU[:, :, j, None].astype(h.dtype)
         return acc_CnD + jnp.einsum("cnf,cfd->cnd", h, w_down[e_C],
                                     preferred_element_type=jnp.float32)
