@@ -46,8 +46,11 @@
 # a stage with under 40 s left is skipped, so one command of a lent machine ends in time and
 # the stages it reached are done.
 # PACK=FILE.tgz writes OUT_DIR packed into FILE after every stage (a machine that is given
-# back keeps nothing else).
-# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [SEED=DIR] [REDO=1]
+# back keeps nothing else): the results, without the trained models' checkpoints and profiler
+# traces, so the archive stays small enough to come back; ALL_PACK=FILE.tgz packs everything
+# (the checkpoints, to SEED a later check), beside it.
+# Usage: [WHEELHOUSE=DIR] [STAGE_LIMIT=s] [BUDGET=s] [PACK=f.tgz] [ALL_PACK=f.tgz] [SEED=DIR]
+#        [REDO=1]
 #        [AUTOTUNE_KERNELS=k1,k2] [AUTOTUNE_SHAPES="(k,n),..."]
 #        [AUTOTUNE_DECODE_SHAPES="(d,f),..."]
 #        scripts/gpu_check.sh OUT_DIR [stage ...]
@@ -155,7 +158,9 @@ print(with_flags(['--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL']))")
   else
     echo "gpu_check: stage $stage failed or ran past ${limit} s" >&2; status=1
   fi
-  # PACK=FILE.tgz: OUT_DIR packed after every stage, so what a killed command reached is there
-  [ -n "${PACK:-}" ] && tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")"
+  # OUT_DIR packed after every stage, so what a killed command reached is there
+  [ -n "${PACK:-}" ] && tar czf "$PACK" --exclude=checkpoints --exclude='*.xplane.pb' \
+    --exclude='*.trace.json.gz' -C "$(dirname "$out")" "$(basename "$out")"
+  [ -n "${ALL_PACK:-}" ] && tar czf "$ALL_PACK" -C "$(dirname "$out")" "$(basename "$out")"
 done
 exit $status

@@ -84,6 +84,25 @@ def test_time_device_loop_runs_the_call_in_every_iteration():
         time_device_loop(chain(1), x, flush_bytes=-1)
 
 
+
+def test_time_device_loop_subtracts_the_flush_and_reports_its_noise(monkeypatch):
+    """On a scripted clock: per call, the call loop's median less the flush loop's, and the
+    noise is half of each loop's spread over the repeats, added."""
+    call_s, flush_s = (0.30, 0.34, 0.31), (0.20, 0.26, 0.22)  # per loop of 10 calls
+    ticks = []
+    for loop in (call_s, flush_s):
+        start = len(ticks) * 100.0
+        ticks += [start, start + 1.0]  # the first (compiling) run
+        for i, d in enumerate(loop):
+            ticks += [start + 10.0 * (i + 1), start + 10.0 * (i + 1) + d]
+    clock = iter(ticks)
+    monkeypatch.setattr("moejax.bench.timing.time.perf_counter", lambda: next(clock))
+    out = time_device_loop(lambda x: x + 1, jnp.ones(4), iters=10, repeats=3, flush_bytes=64)
+    assert out["median_s"] == pytest.approx((0.31 - 0.22) / 10)
+    assert out["flush_s"] == pytest.approx(0.022)
+    assert out["noise_s"] == pytest.approx((0.04 / 2 + 0.06 / 2) / 10)
+    assert out["min_s"] == pytest.approx((0.30 - 0.22) / 10)
+
 def _xspace(device_plane: str, lines: dict[str, list[tuple[str, int]]]) -> ProfileData:
     """A profile with one device plane: ``lines`` {line name: [(event name, duration ns)]}."""
     names = sorted({name for events in lines.values() for name, _ in events})

@@ -50,10 +50,17 @@ def test_an_unknown_stage_is_refused(tmp_path):
 
 
 def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_stages(tmp_path):
-    proc, calls = _run(tmp_path, "autotune", PACK=str(tmp_path / "gpu.tgz"))
+    ckpt = tmp_path / "out" / "bench_speculative_wide" / "target" / "checkpoints" / "200"
+    ckpt.mkdir(parents=True)  # a trained model from an earlier stage
+    (ckpt / "state").write_text("weights")
+    proc, calls = _run(tmp_path, "autotune", PACK=str(tmp_path / "gpu.tgz"),
+                       ALL_PACK=str(tmp_path / "all.tgz"))
     assert proc.returncode == 0, proc.stderr
-    with tarfile.open(tmp_path / "gpu.tgz") as tar:  # packed after the stage
+    with tarfile.open(tmp_path / "gpu.tgz") as tar:  # packed after the stage, no checkpoints
         assert "out/.done-autotune" in tar.getnames()
+        assert not any("checkpoints" in name for name in tar.getnames())
+    with tarfile.open(tmp_path / "all.tgz") as tar:  # everything
+        assert "out/bench_speculative_wide/target/checkpoints/200/state" in tar.getnames()
     assert calls == [f"-m experiments.autotune kernels=(decode_mgpu,gmm,tgmm) dtypes=(bfloat16,) "
                      f"shapes=((2048,1408),(1408,2048)) decode_shapes=((2048,256),) "
                      f"out={tmp_path}/out/autotune"]

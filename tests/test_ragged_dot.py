@@ -268,7 +268,8 @@ def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(m
     assert resolve_dispatch("auto") == "tokamax"
     monkeypatch.setattr(dp, "target_device", lambda: ("cuda", "NVIDIA H200"))
     assert dp.describe_dispatch("auto") == (
-        "tokamax (the own gmm for products of 8 GFLOP and more)")
+        "tokamax (fwd: mosaic_gpu, gmm from 8 GFLOP, gmm_mgpu from 130 GFLOP; dlhs: "
+        "mosaic_gpu, gmm_mgpu from 8 GFLOP; drhs: gmm_mgpu)")
     assert dp.describe_dispatch("tokamax") == "tokamax"
     monkeypatch.setattr(dp, "RAGGED_DOT_AVAILABLE", False)
     assert resolve_dispatch("auto") == "gmm"  # the project's kernel where tokamax is absent

@@ -241,6 +241,10 @@ def test_autotune_times_the_decode_kernel_on_a_quarter_union_and_a_full_one():
         text = je.export(fn, platforms=("cuda",))(*args).mlir_module()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
     assert "moejax_chunk_union_decode" in text
+    # the second launch waits for the first (a barrier on its output), so a GPU cannot run
+    # them side by side and time the pair as less than the two calls
+    first, second = (m.start() for m in re.finditer(r"custom_call @mosaic_gpu_v2", text))
+    assert first < text.index("optimization_barrier", first) < second
 
 
 def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monkeypatch):

@@ -161,7 +161,13 @@ def _call(kernel: str, cfg: AutotuneConfig, dt, k: int, n: int, key):
         unions += [union_activations(ka, TUNED_ROWS, G, size), wu, wd]
 
     def calls(expert_fn):  # [2, rows, D]: the quarter union's output, then the full one's
-        return jax.jit(lambda x, *u: jnp.stack([expert_fn(x, *u[i:i + 3]) for i in (0, 3)]))
+        def both(x, *u):
+            quarter = expert_fn(x, *u[:3])
+            # the full union's call takes its x from the quarter one's output: the two launches
+            # run one after the other, as in a model, not side by side on the GPU's streams
+            x_full = jax.lax.optimization_barrier((x, quarter))[0]
+            return jnp.stack([quarter, expert_fn(x_full, *u[3:])])
+        return jax.jit(both)
 
     return (calls(lambda x, a, wu, wd: chunk_union_decode_gpu(x, a, a > 0, wu, wd,
                                                               activation="relu")),

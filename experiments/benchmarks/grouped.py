@@ -40,7 +40,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moejax.bench.oracles import grouped_pass_sample
-from moejax.bench.timing import time_device_loop
+from moejax.bench.timing import peak_flops, time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
@@ -140,23 +140,32 @@ def _first_line(err: Exception) -> str:
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]}"
 
 
-def _time(fn, *args, cfg, path: str = "", oracles=()) -> tuple[float | None, str]:
-    """Device time per call of ``fn``, or ``None`` and why not. A kernel path
-    (``ACCELERATOR_PATHS``) that fails to compile or run is recorded as failed, so the other
-    paths' rows are kept; the dense and XLA products fail the run. ``oracles``: ``(pick,
-    (take, want))`` pairs, ``(take, want)`` of
+def _time(fn, *args, cfg, flops: float, path: str = "", oracles=()
+          ) -> tuple[float | None, str]:
+    """Device time per call of ``fn`` (``flops`` of work), or ``None`` and why not. A kernel
+    path (``ACCELERATOR_PATHS``) that fails to compile or run is recorded as failed, so the
+    other paths' rows are kept; the dense and XLA products fail the run. ``oracles``:
+    ``(pick, (take, want))`` pairs, ``(take, want)`` of
     :func:`moejax.bench.oracles.grouped_pass_sample` for the part ``pick(output)`` of the
     output: an output whose sampled entries differ from one is recorded as wrong, with no
-    time."""
+    time. A time inside the timing's noise, or one that puts the rate above the device's
+    peak (:func:`moejax.bench.timing.peak_flops`: the L2 rewrite subtracted from a call much
+    shorter than it), is unresolved: no time, and the choice does not count it."""
     try:
         timed = time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
                                  flush_bytes=int(cfg.l2_flush_mb * 2**20))
         for pick, (take, want) in oracles:
             check_close(take(pick(timed["output"])), want, args[0].dtype)
-        if timed["median_s"] <= 0:  # the call hid inside the L2 rewrite's noise
-            return None, (f"unresolved: {timed['median_s'] * 1e3:.4f} ms once the L2 flush's "
-                          f"{timed['flush_s'] * 1e3:.4f} ms is subtracted")
-        return timed["median_s"], ""
+        s, noise = timed["median_s"], timed["noise_s"]
+        peak = peak_flops(jax.devices()[0].device_kind, args[0].dtype)
+        measured = (f"unresolved: {s * 1e3:.4f} ms (± {noise * 1e3:.4f} ms) once the L2 "
+                    f"flush's {timed['flush_s'] * 1e3:.4f} ms is subtracted")
+        if s <= noise:
+            return None, measured + ": inside the timing's noise"
+        if peak and flops / s > peak:
+            return None, (measured + f": {flops / s / 1e12:.0f} TFLOP/s, above the device's "
+                          f"{peak / 1e12:.0f}")
+        return s, ""
     except WrongResult as err:
         return None, f"wrong: {err}"
     except jax.errors.JaxRuntimeError as err:  # xla's dense expansion on a large shape
@@ -200,7 +209,8 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
                       if (M, K, N, G, which) in oracles and kernel != "dense"]
             # the dense step gets w[:1] (its gradient w_0's alone, not zeros for every group)
             s, note = _time(_train_fn(kernel), x, w[:1] if kernel == "dense" else w, gs,
-                            dy.astype(jnp.float32), cfg=cfg, path=kernel, oracles=checks)
+                            dy.astype(jnp.float32), cfg=cfg, flops=3 * 2 * M * K * N,
+                            path=kernel, oracles=checks)
             rows.append({**base, "pass": TRAIN_PASS, "ms": s and s * 1e3,
                          "tflops": s and 3 * 2 * M * K * N / s / 1e12, "note": note})
             continue
@@ -213,8 +223,8 @@ def bench(cfg: BenchGroupedConfig, key) -> list[dict]:
                     oracles[case] = grouped_pass_sample(which, a, b, gs, jax.random.fold_in(
                         kc, ragged.PASSES.index(which)))
                 checks = [(lambda out: out, oracles[case])]
-            s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg, path=path,
-                            oracles=checks)
+            s, note = _time(_pass_fn(path, which), a, b, gs, cfg=cfg, flops=2 * M * K * N,
+                            path=path, oracles=checks)
             rows.append({**base, "pass": which, "ms": s and s * 1e3,
                          "tflops": s and 2 * M * K * N / s / 1e12, "note": note})
     dense = {(r["M"], r["K"], r["N"], r["pass"]): r["ms"] for r in rows

@@ -18,7 +18,9 @@ in the same device loop (``x_floor``: time over that floor). Times are device ti
 weights. The ``profile_paths`` (default: ``decode``) are also traced by the profiler where it
 sees the device (a GPU or TPU): their rows add the kernels a call launches (the kernel and the
 small XLA ops around it), those kernels' own device time (``kernel_ms``, without the gaps
-between launches; ``x_floor_kernel``: over the floor) and the longest three. Each path's
+between launches; ``x_floor_kernel``: over the floor) and the longest three. On a GPU the
+decode rows name the launch configuration the kernel was lowered with (``tiles``: bK x bF x
+bD x stages, the tuned table's entry for this device or the default). Each path's
 output is checked against the float32 dense oracle before its time is kept (a wrong one is a
 row saying ``wrong: ...``).
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
@@ -46,7 +48,8 @@ from tqdm.auto import tqdm
 from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
-from moejax.kernels.chunk_union.decode_gpu import chunk_union_decode_gpu
+from moejax.kernels.chunk_union.decode_gpu import blocks as decode_tiles
+from moejax.kernels.chunk_union.decode_gpu import chunk_rows, chunk_union_decode_gpu
 from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
@@ -192,6 +195,10 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
             row["x_floor"] = t * 1e3 / row["floor_ms"]
             if times[row["path"]].get("kernel_s") is not None:
                 row.update(_profile_columns(times[row["path"]], row["floor_ms"]))
+            if row["path"] == "decode" and jax.default_backend() == "gpu":
+                # what the lowering took (tuned table or default): bK x bF x bD x stages
+                row["tiles"] = "x".join(map(str, decode_tiles(
+                    dt, s.d_model, s.d_expert, False, chunk_rows(n))))
             rows.append(row)
     return rows
 
@@ -243,8 +250,11 @@ def _breakdown_note(parts: list[dict], limit: float = 1.3, lo: float = 0.25) -> 
     """Of the jnp union path's cases beyond ``limit`` x the bound (``|U|/E >= lo``), how many
     are beyond it because of its own overhead and how many because the dense computation
     itself does not scale down with the experts."""
-    miss = [p for p in parts if p["path"] == "chunk_union" and p["union_fraction"] >= lo
-            and p["x_bound"] > limit]
+    mine = [p for p in parts if p["path"] == "chunk_union" and p["union_fraction"] >= lo]
+    if not mine:
+        return (f"chunk_union: no case with |U|/E >= {lo:.0%} measured against dense_union "
+                "(both paths timed), so no breakdown")
+    miss = [p for p in mine if p["x_bound"] > limit]
     if not miss:
         return f"chunk_union: no case beyond {limit}x of the bound with |U|/E >= {lo:.0%}"
     own = [p for p in miss if p["overhead"] > limit]

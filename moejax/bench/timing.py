@@ -26,10 +26,14 @@ from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
-           "kernel_unavailable", "KERNEL_PATHS", "HOST_PATHS"]
+           "kernel_unavailable", "peak_flops", "KERNEL_PATHS", "HOST_PATHS", "PEAK_FLOPS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
 HOST_PATHS = ("host", "host_capacity")
+# dense 16-bit tensor-core peaks (FLOP/s) by the device-kind name they appear in, the
+# fastest part of each family (H100 SXM's 989 TFLOP/s; an H200 has the same cores): a rate
+# measured above it is a timing error, not a fast kernel
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12}
 
 
 def kernel_unavailable(path: str) -> str | None:
@@ -58,6 +62,15 @@ def kernel_unavailable(path: str) -> str | None:
     return None
 
 
+def peak_flops(device_kind: str, dtype) -> float | None:
+    """The dense tensor-core peak of ``device_kind`` for 16-bit ``dtype`` (``PEAK_FLOPS``),
+    None for another dtype or a device not listed."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return None
+    return next((f for name, f in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0]))
+                 if name in device_kind), None)
+
+
 def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
     """``{"compile_s", "median_s", "min_s", "repeats"}`` of ``fn(*args)``."""
     if repeats < 1 or warmup < 0:
@@ -78,9 +91,9 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 
 def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
                      flush_bytes: int = 0, profile: bool = False) -> dict:
-    """``{"compile_s", "median_s", "min_s", "iters", "output"}``: seconds per call of
-    ``fn(*args)`` and the output of the loop's last call (to be checked against an oracle:
-    :mod:`moejax.bench.oracles`),
+    """``{"compile_s", "median_s", "min_s", "flush_s", "noise_s", "iters", "output"}``:
+    seconds per call of ``fn(*args)`` and the output of the loop's last call (to be checked
+    against an oracle: :mod:`moejax.bench.oracles`),
     timed as ``iters`` calls in one jitted ``fori_loop`` (median and minimum over ``repeats``
     runs of the loop, after a warm-up run). Each iteration passes the arguments through an
     optimisation barrier with the loop index, so XLA cannot hoist the loop-invariant call, and
@@ -90,7 +103,9 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     buffer of that size (a few times the L2, so each call reads its operands from memory, as
     a layer among many layers does), and the median time of a loop of the rewrites alone
     (``flush_s``) is subtracted: where the call is shorter than the rewrite's noise (a CPU),
-    the difference can come out near zero or below it.
+    the difference can come out near zero or below it. ``noise_s``: half the spread of the
+    call loop's per-call times over the repeats plus half the flush loop's, the uncertainty of
+    ``median_s`` (a call shorter than it is not resolved).
 
     ``profile``: one more run of each loop under the profiler
     (:func:`moejax.bench.profile.trace_kernels`) adds ``kernels_per_call`` and ``kernel_s``
@@ -129,13 +144,20 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
 
     loops = {"call": device_loop(fn), "flush": device_loop(None) if flush_bytes else None}
     compile_s, times, output = timed(loops["call"])
-    flush_s = float(np.median(timed(loops["flush"])[1])) if flush_bytes else 0.0
+    flush_times = timed(loops["flush"])[1] if flush_bytes else np.zeros(1)
+    flush_s = float(np.median(flush_times))
     result = {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
-              "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s, "iters": iters,
+              "min_s": float(np.min(times)) - flush_s, "flush_s": flush_s,
+              "noise_s": _half_range(times) + _half_range(flush_times), "iters": iters,
               "output": output}
     if profile:
         result.update(_profiled(loops, scratch, args, iters))
     return result
+
+
+def _half_range(times) -> float:
+    """Half the spread of a loop's per-call times over its repeats."""
+    return float(np.max(times) - np.min(times)) / 2
 
 
 def _profiled(loops: dict, scratch, args, iters: int) -> dict:

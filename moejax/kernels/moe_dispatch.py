@@ -25,9 +25,9 @@ paths, behind one signature, and ``"auto"``.
 device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
 for a GPU or TPU (:func:`jax.lax.platform_dependent`; ``"gmm"`` where tokamax is not
 installed), and ``"grouped"`` with several devices and no mesh: see :func:`resolve_dispatch`.
-On a GPU, ``"auto"``'s grouped matmul runs a product of
-:data:`~moejax.kernels.grouped.ragged.OWN_FROM_FLOPS` or more on the project's kernel, where
-it was measured faster than tokamax's (``"tokamax"`` named explicitly keeps the library's).
+On a GPU, ``"auto"``'s grouped matmul runs each pass on the project's kernel of the size
+tier the product reaches (:data:`~moejax.kernels.grouped.ragged.OWN_TIERS`), where that was
+measured faster than tokamax's (``"tokamax"`` named explicitly keeps the library's).
 
 With every expert active (``k = E``: a teacher distilled with ALL or SAR) the dropless
 one-device paths and ``"auto"`` without a mesh run ``"dense"``: the same sum, without sorting E
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from moejax.kernels.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
-from moejax.kernels.grouped.ragged import OWN_FROM_FLOPS, ragged_dot
+from moejax.kernels.grouped.ragged import IMPLEMENTATIONS, OWN_TIERS, ragged_dot
 from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
 from moejax.kernels.tiling import target_device
 from moejax.ops.dispatch import (
@@ -217,12 +217,18 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
 
 
 def describe_dispatch(method: DispatchMethod) -> str:
-    """:func:`resolve_dispatch` in words, for tables: ``"auto"`` resolved to ``"tokamax"`` for
-    a platform whose large products run on the project's kernel says from what size."""
+    """:func:`resolve_dispatch` in words, for tables: ``"auto"`` resolved to ``"tokamax"``
+    for a platform where the project's own kernels take some products also says which kernel
+    runs each pass from what size (:func:`moejax.kernels.grouped.ragged.implementation`)."""
     runs = resolve_dispatch(method)
-    own = OWN_FROM_FLOPS.get(target_device()[0], {})
-    if method == "auto" and runs == "tokamax" and own:
-        runs += f" (the own gmm for products of {min(own.values()) / 1e9:g} GFLOP and more)"
+    platform = target_device()[0]
+    tiers = OWN_TIERS.get(platform, {})
+    if method == "auto" and runs == "tokamax" and tiers:
+        default = IMPLEMENTATIONS.get(platform, IMPLEMENTATIONS["default"])
+        runs += " (" + "; ".join(
+            f"{which}: " + ", ".join([default[which]] + [
+                f"{kernel} from {flops / 1e9:g} GFLOP" for flops, kernel in
+                tiers.get(which, ())]) for which in default) + ")"
     return runs
 
 
