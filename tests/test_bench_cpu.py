@@ -68,3 +68,25 @@ def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
     noted = dispatch._block_times(dispatch.BenchConfig(block_paths=()))
     assert noted == {f"{dispatch.TORCH})": "not timed: this torch has no CUDA (a CUDA torch "
                                            "times the peer on the GPU)"}
+
+
+def test_the_block_bound_on_an_accelerator_is_a_device_timed_matmul(monkeypatch):
+    """On a GPU the bound's rate is XLA's matmul in device time (as the block is timed), not
+    a host-timed one nor numpy's BLAS; the note names it."""
+    from experiments.benchmarks import dispatch
+    from moejax.bench.timing import device_matmul_gflops
+
+    assert device_matmul_gflops(64, 32, 16, iters=2, repeats=1) > 0  # runs here too
+    asked = []
+    monkeypatch.setattr(dispatch, "device_matmul_gflops", lambda *s: asked.append(s) or 500.0)
+    monkeypatch.setattr(dispatch, "matmul_gflops", lambda *a, **k: pytest.fail("host rate"))
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    cfg = dispatch.BenchConfig()
+    bound, rates = dispatch._block_bound(cfg)
+    assert asked == [(2 * cfg.block_tokens, cfg.block_d, cfg.block_f)]
+    assert rates == {"XLA (device time)": 500.0}
+    flops = dispatch.moe_block_flops(cfg.block_tokens, cfg.block_d, cfg.block_f,
+                                     cfg.block_top_k)
+    assert bound == pytest.approx(flops / 500e9)
+    row = dispatch._block_rows({}, bound, rates)[-1]
+    assert row["note"] == "matmul rate here: XLA (device time) 500 GFLOP/s"

@@ -26,7 +26,8 @@ from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
-           "kernel_unavailable", "peak_flops", "KERNEL_PATHS", "HOST_PATHS", "PEAK_FLOPS"]
+           "kernel_unavailable", "peak_flops", "device_matmul_gflops", "KERNEL_PATHS",
+           "HOST_PATHS", "PEAK_FLOPS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
 HOST_PATHS = ("host", "host_capacity")
@@ -176,6 +177,17 @@ def _profiled(loops: dict, scratch, args, iters: int) -> dict:
     kernels = {name: s / iters for name, s in sorted(by_name.items(), key=lambda kv: -kv[1])
                if s > 0}
     return {"kernels_per_call": launches / iters, "kernel_s": busy / iters, "kernels": kernels}
+
+
+def device_matmul_gflops(m: int, k: int, n: int, dtype=jnp.float32, iters: int = 20,
+                         repeats: int = 5) -> float:
+    """GFLOP/s of a ``[m, k] @ [k, n]`` matmul of ``dtype`` (jax's default precision) in
+    device time (:func:`time_device_loop`): the rate a path timed the same way is held to."""
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k)).astype(dtype)
+    b = jax.random.normal(kb, (k, n)).astype(dtype)
+    s = time_device_loop(jnp.matmul, a, b, iters=iters, repeats=repeats)["median_s"]
+    return 2.0 * m * k * n / s / 1e9
 
 
 def time_interleaved(fns: dict[str, Callable], *args, warmup: int = 1,
