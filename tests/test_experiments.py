@@ -575,8 +575,10 @@ def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_pat
             {"n": 8, "union": 64, "union_fraction": 1.0, "path": "decode", "ms": 0.06,
              "x_floor": 1.6, "floor_ms": 0.04,
              **_profile_columns({**timed, "kernel_s": 70e-6}, floor_ms=0.04)}]
-    notes = _ffn_summary(rows)[1]
+    headline, notes = _ffn_summary(rows)
     assert "decode: within 1.5x of the memory floor in 0/2 cases" in notes[-2]
+    # only the decode kernel ran: the headline is its target, not "chunk_union: not measured"
+    assert notes[0] == "chunk_union: not measured here" and headline == notes[-2]
     assert notes[-1].startswith("decode, its kernels' own device time (profiler: no launch "
                                 "gaps; 3.0 kernels a call): within 1.5x of the memory floor "
                                 "in 1/2 cases (nearest 1.20x at n=1, |U|/E=0.25)")
