@@ -43,10 +43,11 @@ full-aot: setup
 	$(PY) -m experiments.full_smoke mode=aot $(ARGS)
 
 # On a GPU machine: the gpu extra, then scripts/gpu_check.sh (the kernel tests compiled for the
-# GPU and the benchmarks' full presets -> runs/gpu/) and docs/results_gpu.md.
+# GPU and the benchmarks' full presets -> runs/gpu/; its stages within BUDGET, 25 minutes
+# unless set) and docs/results_gpu.md.
 gpu-check: setup
 	$(PY) -m pip install -q -e ".[gpu]"
-	PYTHON=$(PY) scripts/gpu_check.sh runs/gpu
+	PYTHON=$(PY) BUDGET=$${BUDGET:-1500} scripts/gpu_check.sh runs/gpu
 	$(PY) -m experiments.results_doc machine=gpu
 
 test: setup
