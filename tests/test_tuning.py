@@ -81,13 +81,16 @@ def test_the_autotune_timer_checks_each_candidate_against_a_slow_oracle(monkeypa
 
     def timer(fn, *args, **kw):
         timed.append(fn)
-        return {"median_s": 1e-3}
+        assert kw["profile"]  # the kernels' own time decides where there is a trace
+        return {"median_s": 1e-3, "kernel_s": None}
 
     time_fn = autotune._timer(cfg, timer)
     candidate = tuning.TritonConfig(64, 32, 64)
     for kernel in ("gmm", "tgmm"):
-        assert time_fn(kernel, "float32", 32, 24, candidate) == 1e-3
+        assert time_fn(kernel, "float32", 32, 24, candidate) == 1e-3  # no trace: the median
     assert len(timed) == 2
+    # with a device trace, the kernels' time, not a wall time less a noisy L2 rewrite's
+    assert autotune._decisive({"median_s": -2e-6, "kernel_s": 5e-5}) == 5e-5
     monkeypatch.setattr(autotune, "gmm", lambda x, w, s: gmm(x, w, s) * 1.05)
     with pytest.raises(tuning.WrongResult):
         time_fn("gmm", "float32", 32, 24, candidate)

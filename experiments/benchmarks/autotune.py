@@ -9,7 +9,9 @@ programs may want another than a full one's many), dtype it takes and shape ``(K
 (``shapes``; the decode kernel's ``(D, F)``: ``decode_shapes``), every
 configuration of the kernel's space is run (the grouped products: ``rows`` rows in ``groups`` random
 groups), its output checked against a float32 oracle written the slow obvious way (one that differs
-is refused, however fast), and timed in device time with the L2 flushed between calls; the fastest
+is refused, however fast), and timed by its kernels' own device time (the profiler's, less the
+kernels of the L2 rewrite between calls; a short call's wall time minus the rewrite's would be
+inside the rewrite's noise); the fastest
 correct one is merged into the package's kernel table under this GPU's device kind, where every
 later lowering for that device reads it. The run's ``trials`` table keeps every configuration's time
 or the reason it was refused.
@@ -190,9 +192,18 @@ def _timer(cfg: AutotuneConfig, timer=time_device_loop):
             wants[case] = np.asarray(oracle(*args))
         with forced(candidate):  # traced (and compiled) with this candidate
             check_close(fn(*args), wants[case], dtype)
-            return timer(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
-                         flush_bytes=int(cfg.l2_flush_mb * 2 ** 20))["median_s"]
+            timed = timer(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
+                          flush_bytes=int(cfg.l2_flush_mb * 2 ** 20), profile=True)
+        return _decisive(timed)
     return time_fn
+
+
+def _decisive(timed: dict) -> float:
+    """The time a candidate is judged by: its kernels' own device time per call from the
+    profiler (``kernel_s``: the L2 rewrite's kernels taken out by name, so the rewrite's
+    timing noise, which can be larger than a short call, does not enter), else the loop's
+    median (no device trace: a CPU)."""
+    return timed["kernel_s"] if timed.get("kernel_s") is not None else timed["median_s"]
 
 
 def tune_all(cfg: AutotuneConfig, time_fn, keep=None) -> Tuned:
@@ -224,9 +235,9 @@ def run(cfg: AutotuneConfig, run: RunDir) -> dict:
     rows = [{"kernel": kn, "dtype": dt, "bucket": b, **e}
             for kn, by_dtype in tuned.entries.items() for dt, by_b in by_dtype.items()
             for b, e in by_b.items()]
-    how = (f"device time per call, median of {cfg.repeats} loops of {cfg.iters}, L2 flushed "
-           f"({cfg.l2_flush_mb:g} MB)" if cfg.l2_flush_mb else
-           f"device time per call, median of {cfg.repeats} loops of {cfg.iters}")
+    how = (f"the call's kernels' own device time per call, from the profiler over a loop of "
+           f"{cfg.iters} (where there is no device trace, the median of {cfg.repeats} loops)"
+           + (f", L2 flushed ({cfg.l2_flush_mb:g} MB)" if cfg.l2_flush_mb else ""))
     run.table("winners", rows, title=f"Fastest correct launch configuration per case on "
               f"{kind} ({cfg.rows} rows in {cfg.groups} groups; {how})")
     run.table("trials", tuned.trials, title="Every configuration tried: its time, or why it "
