@@ -40,11 +40,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moejax.bench.oracles import grouped_pass_sample
-from moejax.bench.timing import peak_flops, time_device_loop
+from moejax.bench.timing import time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
-from moejax.kernels.tiling import hopper_target, target_device
+from moejax.kernels.tiling import hopper_target, peak_flops, target_device
 from moejax.kernels.tuning import WrongResult, check_close
 from moejax.results import RunDir
 from moejax.study import Study
@@ -149,7 +149,7 @@ def _time(fn, *args, cfg, flops: float, path: str = "", oracles=()
     :func:`moejax.bench.oracles.grouped_pass_sample` for the part ``pick(output)`` of the
     output: an output whose sampled entries differ from one is recorded as wrong, with no
     time. A time inside the timing's noise, or one that puts the rate above the device's
-    peak (:func:`moejax.bench.timing.peak_flops`: the L2 rewrite subtracted from a call much
+    peak (:func:`moejax.kernels.tiling.peak_flops`: the L2 rewrite subtracted from a call much
     shorter than it), is unresolved: no time, and the choice does not count it."""
     try:
         timed = time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,

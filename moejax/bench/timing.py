@@ -26,15 +26,10 @@ from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
-           "kernel_unavailable", "peak_flops", "device_matmul_gflops", "KERNEL_PATHS",
-           "HOST_PATHS", "PEAK_FLOPS"]
+           "kernel_unavailable", "device_matmul_gflops", "KERNEL_PATHS", "HOST_PATHS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
 HOST_PATHS = ("host", "host_capacity")
-# dense 16-bit tensor-core peaks (FLOP/s) by the device-kind name they appear in, the
-# fastest part of each family (H100 SXM's 989 TFLOP/s; an H200 has the same cores): a rate
-# measured above it is a timing error, not a fast kernel
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12}
 
 
 def kernel_unavailable(path: str) -> str | None:
@@ -61,15 +56,6 @@ def kernel_unavailable(path: str) -> str | None:
         why = unavailable_reason()
         return None if why is None else f"not measured: {why}"
     return None
-
-
-def peak_flops(device_kind: str, dtype) -> float | None:
-    """The dense tensor-core peak of ``device_kind`` for 16-bit ``dtype`` (``PEAK_FLOPS``),
-    None for another dtype or a device not listed."""
-    if jnp.dtype(dtype).itemsize != 2:
-        return None
-    return next((f for name, f in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0]))
-                 if name in device_kind), None)
 
 
 def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:

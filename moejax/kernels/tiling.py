@@ -5,9 +5,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device", "hopper_target"]
+__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device", "hopper_target",
+           "peak_flops", "PEAK_FLOPS"]
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+# dense 16-bit tensor-core peaks (FLOP/s) by the device-kind name they appear in, the
+# fastest part of each family (H100 SXM's 989 TFLOP/s; an H200 has the same cores): the
+# GPU-hour estimates' rate, and a rate a benchmark measures above it is a timing error
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12}
+
+
+def peak_flops(device_kind: str, dtype) -> float | None:
+    """The dense tensor-core peak of ``device_kind`` for 16-bit ``dtype`` (``PEAK_FLOPS``),
+    None for another dtype or a device not listed."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return None
+    return next((f for name, f in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0]))
+                 if name in device_kind), None)
 
 
 def pad_to(a, axis: int, multiple: int):

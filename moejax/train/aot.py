@@ -37,13 +37,14 @@ from flax import nnx
 from moejax.capture import CapturedDecode, CapturedStep
 from moejax.kernels.moe_dispatch import experts_in_xla
 from moejax.kernels.targets import lowering_target
+from moejax.kernels.tiling import PEAK_FLOPS
 from moejax.pytree import count_bytes, count_params
 from moejax.train.loop import compiled_memory
 
 __all__ = ["prove_step", "prove_decode", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION",
            "KERNEL_CALLS"]
 
-H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM
+H100_BF16_FLOPS = PEAK_FLOPS["H100"]  # dense bf16 tensor-core peak of an H100 SXM
 H100_BYTES = 80e9
 UTILISATION = 0.4  # the model-FLOPs utilisation the GPU-hour estimate assumes
 TRITON = "__gpu$xla.gpu.triton"
