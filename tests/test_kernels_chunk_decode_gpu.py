@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 
 from moejax.kernels import tuning
+from moejax.kernels.chunk_union import decode_gpu
 from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import (
     TUNED_ROWS,
     blocks,
     chunk_rows,
     chunk_union_decode_gpu,
+    l2_boxes,
+    l2_prefetch,
     smem_bytes,
     supports,
 )
@@ -279,3 +282,73 @@ def test_a_configuration_too_large_for_a_chunk_is_fitted(tmp_path, monkeypatch):
     for fitted, rows in (((128, 64, 128, 3), 32), ((128, 64, 128, 3), 8)):
         assert blocks_per_sm(smem_bytes(fitted, gated=rows == 8, rows=rows)) == 2
     assert _lowers(64, gated=True) and _lowers(64, gated=False) and _lowers(32, gated=False)
+
+
+@pytest.mark.parametrize("f,along", [(0, 0), (3, 0), (2, 1)])
+def test_the_l2_prefetch_boxes_cover_a_programs_block_once(f, along):
+    """A program's up-projection columns [D, bF] (cut along D) or down rows [bF, D] (cut
+    along D): the boxes tile the block exactly, each within a TMA box's 256 a side."""
+    d, bf, box = 2048, 64, 256
+    block = ((0, d), (f * bf, bf)) if along == 0 else ((f * bf, bf), (0, d))
+    seen = np.zeros((d + bf, d + 4 * bf), int)
+    for (r0, nr), (c0, nc) in l2_boxes(*block, box, along):
+        assert nr <= 256 and nc <= 256
+        seen[r0:r0 + nr, c0:c0 + nc] += 1
+    (r0, nr), (c0, nc) = block
+    want = np.zeros_like(seen)
+    want[r0:r0 + nr, c0:c0 + nc] = 1
+    np.testing.assert_array_equal(seen, want)
+    with pytest.raises(ValueError, match="no whole number"):
+        l2_boxes((0, 2000), (0, 64), 256, 0)
+
+
+@pytest.mark.parametrize("prefetch,gated", [(0, True), (1, True), (2, True), (2, False)])
+def test_the_l2_prefetch_lowers_as_configured(prefetch, gated, monkeypatch):
+    """A configuration's ``l2_prefetch`` (none / the down weights / all) is what the cuda
+    lowering asks the L2 for: one block per weight it names, and TMA prefetch instructions
+    in the kernel exactly when it names any; one Mosaic GPU launch either way."""
+    asked = []
+    real = decode_gpu._prefetch_to_l2
+    monkeypatch.setattr(decode_gpu, "_prefetch_to_l2",
+                        lambda w, *args, **kw: (asked.append(kw["along"]), real(w, *args, **kw)))
+
+    def fn(*z):
+        return chunk_union_decode_gpu(*z, activation="swiglu" if gated else "relu")
+
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 6, prefetch)), \
+            lowering_target("cuda"):
+        assert l2_prefetch(BF, 2048, 256) == prefetch
+        text = je.export(jax.jit(fn), platforms=("cuda",))(
+            *_shapes(8, gated=gated)).mlir_module()
+    up = 2 if gated else 1
+    assert sorted(asked) == {0: [], 1: [1], 2: [0] * up + [1]}[prefetch]
+    assert text.count("mosaic_gpu_v2") == 1
+    assert ("cp.async.bulk.prefetch.tensor" in text) == (prefetch > 0)
+
+
+def test_a_prefetching_configuration_computes_the_same():
+    """The prefetch moves no value (in the interpreter it is no operation): the kernel still
+    equals the oracle under a configuration that prefetches everything."""
+    x, a, on, wu, wd, wg = _chunk(8, "swiglu", seed=3)
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, 2)):
+        y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation="swiglu", interpret=True)
+    assert _steps(y, _oracle(x, a, wu, wd, wg, "swiglu")) <= 2
+
+
+def test_the_l2_prefetch_is_read_from_the_devices_table_entry(tmp_path, monkeypatch):
+    """A tuned entry's ``l2_prefetch`` is what the decode kernel lowers with; an entry
+    written before the field existed, and a device without an entry, prefetch nothing."""
+    with lowering_target("cuda") as device:
+        kind = device.device_kind
+    entry = {"tm": 128, "tk": 64, "tn": 128, "num_warps": 4, "num_stages": 4, "ms": 0.01}
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(path))
+    got = []
+    for table in ({kind: {"decode_mgpu": {"bfloat16": {
+                      tuning.bucket(2048, 256): {**entry, "l2_prefetch": 1}}}}},
+                  {kind: {"decode_mgpu": {"bfloat16": {tuning.bucket(2048, 256): entry}}}},
+                  {}):
+        path.write_text(json.dumps(table))
+        with lowering_target("cuda"):
+            got.append(l2_prefetch(BF, 2048, 256))
+    assert got == [1, 0, 0]

@@ -20,7 +20,8 @@ sees the device (a GPU or TPU): their rows add the kernels a call launches (the 
 small XLA ops around it), those kernels' own device time (``kernel_ms``, without the gaps
 between launches; ``x_floor_kernel``: over the floor) and the longest three. On a GPU the
 decode rows name the launch configuration the kernel was lowered with (``tiles``: bK x bF x
-bD x stages, the tuned table's entry for this device or the default). Each path's
+bD x stages, the tuned table's entry for this device or the default; ``l2_prefetch``: which
+weights each program asks the L2 for at its start). Each path's
 output is checked against the float32 dense oracle before its time is kept (a wrong one is a
 row saying ``wrong: ...``).
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
@@ -50,10 +51,11 @@ from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
 from moejax.kernels.chunk_union.decode_gpu import blocks as decode_tiles
 from moejax.kernels.chunk_union.decode_gpu import chunk_rows, chunk_union_decode_gpu
+from moejax.kernels.chunk_union.decode_gpu import l2_prefetch as decode_prefetch
 from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
-from moejax.kernels.tuning import WrongResult, check_close
+from moejax.kernels.tuning import L2_PREFETCH, WrongResult, check_close
 from moejax.ops.dispatch import dispatch_ragged
 from moejax.results import RunDir
 from moejax.study import Study
@@ -196,9 +198,11 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
             if times[row["path"]].get("kernel_s") is not None:
                 row.update(_profile_columns(times[row["path"]], row["floor_ms"]))
             if row["path"] == "decode" and jax.default_backend() == "gpu":
-                # what the lowering took (tuned table or default): bK x bF x bD x stages
+                # what the lowering took (tuned table or default): bK x bF x bD x stages,
+                # and which weights a program prefetches into the L2
                 row["tiles"] = "x".join(map(str, decode_tiles(
                     dt, s.d_model, s.d_expert, False, chunk_rows(n))))
+                row["l2_prefetch"] = L2_PREFETCH[decode_prefetch(dt, s.d_model, s.d_expert)]
             rows.append(row)
     return rows
 

@@ -2,7 +2,8 @@
 kernel is lowered.
 
 A configuration is a :class:`TritonConfig` (three tiles, warps and pipeline stages; what the
-tiles are per kernel: :data:`TILES`). :func:`config_for` returns the one for a kernel
+tiles are per kernel: :data:`TILES`; the decode kernel's also which of its weights each program
+prefetches into the L2: :data:`L2_PREFETCH`). :func:`config_for` returns the one for a kernel
 (``"gmm"``: the grouped products, forward and dX; ``"tgmm"``: the weight gradient, both
 Triton; ``"gmm_mgpu"`` / ``"tgmm_mgpu"``: the same on Mosaic GPU; ``"pairs_mgpu"``:
 BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic GPU decode kernel), a
@@ -24,7 +25,8 @@ the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages
 (``num_warps`` 12: one warpgroup issuing the copies, two computing a block each). The decode
 kernel, whose weights are wgmma's M operand and whose chunk of a few tokens is the N, takes
 128-row D steps of 64-column F blocks and 128-row D blocks at 6 stages: its few programs per
-union member each keep as many weight bytes in flight as shared memory holds.
+union member each keep as many weight bytes in flight as shared memory holds; it prefetches
+nothing into the L2 until a measurement on the device says a prefetch is faster.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
@@ -49,7 +51,7 @@ from moejax.kernels.tiling import pow2, target_device
 
 __all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
            "is_forced", "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
-           "read_table", "table_path", "SPACE", "SPACES"]
+           "read_table", "table_path", "SPACE", "SPACES", "L2_PREFETCH"]
 
 KERNELS = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu", "pairs_mgpu", "decode_mgpu")
 # what a configuration's three tiles are, per kernel
@@ -66,6 +68,15 @@ class TritonConfig(NamedTuple):
     tn: int
     num_warps: int = 4
     num_stages: int = 2
+    # the decode kernel only (:data:`L2_PREFETCH`): which of a program's weights it asks the
+    # L2 for at its start, ahead of its pipelines
+    l2_prefetch: int = 0
+
+
+# ``l2_prefetch`` of the decode kernel: none; its down-projection's weights (they arrive in
+# the L2 while the up-projection streams, so the second pipeline starts from the L2); all of
+# its weights (every byte it reads requested at once, however deep its pipelines)
+L2_PREFETCH = ("none", "down", "all")
 
 
 _WIDE = ("bfloat16", "float16")
@@ -102,6 +113,12 @@ SPACE: tuple[TritonConfig, ...] = tuple(
 # the Mosaic GPU kernels: one warpgroup; output blocks of 64 to 256 columns, 2 to 4 stages
 _MGPU_SPACE = tuple(TritonConfig(64, 64, tn, 4, st) for tn in (64, 128, 256) for st in (2, 3, 4))
 _MGPU_ACC = ((64, 128), (64, 256), (128, 128))
+# decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has in
+# flight: the default, the tiles an H200 ranked first without a prefetch (longer D steps and
+# blocks at 4 to 6 stages; 128-column F blocks), and shallow pipelines, which a prefetch to
+# the L2 may make enough (two programs to an SM); each without, and with either, prefetch
+_DECODE_TILES = ((128, 64, 128, 6), (256, 64, 256, 4), (128, 128, 128, 4), (128, 64, 256, 6),
+                 (256, 64, 128, 4), (64, 64, 128, 5), (128, 64, 128, 3), (256, 64, 256, 2))
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
     # the grouped products on Mosaic GPU, one warpgroup: accumulators of 64 x 128, 64 x 256 or
@@ -116,13 +133,8 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
                        for st in (2, 3, 4)) + tuple(
         TritonConfig(64, tk, tn, 12, st) for tk in (64, 128) for tn in (64, 128)
         for st in (3, 4)),
-    # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has
-    # in flight, so longer D steps (128, 256) and deeper pipelines (5 stages of 128-row steps:
-    # the deepest of which two programs share an SM); 64-column F blocks (more programs per
-    # member), and the 128-column one at the default depth
-    "decode_mgpu": tuple(TritonConfig(bk, 64, bd, 4, st) for bk in (64, 128, 256)
-                         for bd in (128, 256) for st in (3, 4, 5, 6, 8)) + (
-        TritonConfig(128, 128, 128, 4, 4), TritonConfig(128, 128, 128, 4, 6))}
+    "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st, pf) for bk, bf, bd, st in _DECODE_TILES
+                         for pf in range(len(L2_PREFETCH)))}
 
 
 def bucket(k: int, n: int) -> str:
@@ -182,7 +194,8 @@ def config_for(kernel: str, dtype, k: int, n: int, device_kind: str | None = Non
     entry = read_table().get(kind, {}).get(kernel, {}).get(name, {}).get(bucket(k, n))
     if entry is None:
         return DEFAULTS[key]
-    return TritonConfig(**{f: int(entry[f]) for f in TritonConfig._fields})
+    # an entry written before a field existed takes that field's default
+    return TritonConfig(**{f: int(entry[f]) for f in TritonConfig._fields if f in entry})
 
 
 class WrongResult(Exception):

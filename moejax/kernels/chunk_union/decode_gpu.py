@@ -29,6 +29,13 @@ The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
    before it, not for the last one. The output is transposed back when it is cut to the
    chunk's ``n`` rows and cast.
 
+**L2 prefetch** (a tuned option, :data:`moejax.kernels.tuning.L2_PREFETCH`; default none):
+at its start a member's program can ask the L2 for its down-projection's weights, or for all
+of its weights, in TMA prefetches (``cp.async.bulk.prefetch``, no shared memory, nothing to
+wait on). A small union leaves most SMs idle and each busy one bound by the bytes its
+pipelines keep in flight; a prefetch puts every byte the program will read in flight at once,
+and its pipelines then copy from the L2. The values are the same either way.
+
 Against the official design (a union kernel, then programs over (union slot, F block) and a
 down-projection over D blocks) this finds the union with one reduction beside the kernel and
 sums the down-projection through the reduce-add; the weights read are the same (the union's,
@@ -49,6 +56,7 @@ the kernel that lowers for the GPU.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +68,8 @@ from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, blocks_per_sm, swizzled
 from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "smem_bytes", "chunk_rows",
-           "OUT_BUFFERS", "TUNED_ROWS"]
+__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "l2_prefetch", "l2_boxes",
+           "smem_bytes", "chunk_rows", "OUT_BUFFERS", "TUNED_ROWS"]
 
 OUT_BUFFERS = 2  # the down-projection's staging buffers: a step's add overlaps the next product
 TUNED_ROWS = 8  # the chunk the autotune times a configuration on (one token, or a draft of 8)
@@ -118,6 +126,31 @@ def _fitted(tiles, gated: bool, rows: int, size: int):
     return (keep or fit or [None])[0]
 
 
+def l2_prefetch(dtype, D: int, F: int) -> int:
+    """Which weights a member's program prefetches into the L2 at its start, as an index of
+    :data:`moejax.kernels.tuning.L2_PREFETCH` (0 none, 1 the down-projection's, 2 all), for
+    ``D`` and ``F`` on the device being lowered for (a :func:`forced` configuration's, else
+    the tuned one's, else none)."""
+    return config_for("decode_mgpu", dtype, D, F).l2_prefetch
+
+
+def l2_boxes(rows: tuple, cols: tuple, box: int, along: int) -> list[tuple[tuple, tuple]]:
+    """The block ``[rows, cols]`` (each a ``(start, size)``) cut along axis ``along`` into
+    ``box``-long pieces, ``(rows, cols)`` each: one TMA prefetch apiece (a TMA box is at most
+    256 elements a side; the block's other side is an F block, at most 256 too)."""
+    span = (rows, cols)[along]
+    if span[1] % box:
+        raise ValueError(f"a side of {span[1]} is no whole number of {box}-long boxes")
+    parts = [(span[0] + i * box, box) for i in range(span[1] // box)]
+    return [(p, cols) if along == 0 else (rows, p) for p in parts]
+
+
+def _prefetch_to_l2(w_g, rows: tuple, cols: tuple, box: int, along: int):
+    """Ask the L2 for ``w_g[rows, cols]``, :func:`l2_boxes` at a time."""
+    for r, c in l2_boxes(rows, cols, box, along):
+        plgpu.async_prefetch(w_g.at[pl.ds(*r), pl.ds(*c)])
+
+
 def supports(x_nD, w_up, w_gate=None) -> bool:
     """Whether the kernel takes this chunk: 1 to 64 tokens, bf16 / f16 operands, ``D`` and
     ``F`` whole multiples of the blocks (default: ``D`` of 128, ``F`` of 64)."""
@@ -128,12 +161,14 @@ def supports(x_nD, w_up, w_gate=None) -> bool:
     return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
-def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles):
+def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles,
+          prefetch):
     wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
     bK, bF, bD, stages = tiles
     D = x_g.shape[1]
     dt = x_g.dtype
     e, f = jax.lax.axis_index("e"), jax.lax.axis_index("f")
+    box = math.gcd(D, 256)
 
     def spec(shape, index, what):
         return plgpu.BlockSpec(shape, index, transforms=swizzled(shape, dt, what),
@@ -141,6 +176,12 @@ def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interp
 
     @pl.when(member_g[e] != 0)
     def _():
+        if prefetch == 2:  # all: the up-projection's columns (and the gate's), then the down
+            for w_g in (wu_g,) + ((wg_g,) if gated else ()):
+                _prefetch_to_l2(w_g.at[e], (0, D), (f * bF, bF), box, along=0)
+        if prefetch >= 1:
+            _prefetch_to_l2(wd_g.at[e], (f * bF, bF), (0, D), box, along=1)
+
         def up(*accs):
             def step(_, x_s, *w_s):
                 for acc, w in zip(accs, w_s):
@@ -204,6 +245,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                          f"chunks: chunk_union_auto's pair kernels)")
     rows = chunk_rows(n)
     tiles = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None, rows)
+    prefetch = l2_prefetch(x_nD.dtype, D, w_up.shape[-1])
     bF, bD = tiles[1], tiles[2]
     dt = x_nD.dtype
     gated = w_gate is not None
@@ -213,7 +255,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     member_E = jnp.any(active_nE != 0, axis=0).astype(jnp.int32)
     kernel = plgpu.kernel(
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
-                          interpret=interpret, tiles=tiles),
+                          interpret=interpret, tiles=tiles, prefetch=prefetch),
         out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
         kernel_name="moejax_chunk_union_decode",
         scratch_types=[plgpu.SMEM((rows, bF), dt, transforms=swizzled((rows, bF), dt, "h")),
