@@ -9,6 +9,7 @@ stands in for the TMA reduce-add with a read-modify-write (the module docstring)
 proves the rest."""
 
 import json
+import re
 
 import jax
 import jax.export as je
@@ -148,6 +149,25 @@ def test_it_lowers_for_cuda_to_one_mosaic_gpu_launch_at_the_benchmark_shapes(n):
         text = je.export(jax.jit(fn), platforms=("cuda",))(*_shapes(n)).mlir_module()
     assert text.count("mosaic_gpu_v2") == 1
     assert "triton" not in text and "callback" not in text
+
+
+@pytest.mark.parametrize("n,a_dtype", [(1, jnp.float32), (8, BF), (32, jnp.float32)])
+def test_nothing_but_the_outputs_zeroing_runs_before_the_kernel(n, a_dtype):
+    """The members and their combine weights are read by the kernel from ``a`` as given
+    (float32 or the operands' 16-bit dtype): no reduction finds the union and no transpose
+    or conversion lays the weights out before the launch; the one transpose is the output's
+    (and a chunk off the 8-row step is padded)."""
+    def fn(*z):
+        return chunk_union_decode_gpu(*z, activation="swiglu")
+
+    shapes = _shapes(n)
+    shapes[1] = jax.ShapeDtypeStruct(shapes[1].shape, a_dtype)
+    with lowering_target("cuda"):
+        text = je.export(jax.jit(fn), platforms=("cuda",))(*shapes).mlir_module()
+    hlo = "\n".join(line for line in text.splitlines() if "custom_call" not in line)
+    assert "stablehlo.reduce" not in hlo and hlo.count("stablehlo.transpose") == 1
+    assert not re.search(r"stablehlo.convert %arg1 : \(tensor<\d+x64x", hlo)  # a as given
+    assert ("stablehlo.pad" in hlo) == (n % 8 != 0)
 
 
 @pytest.mark.parametrize("dtype,d,kernel", [(BF, 2048, "mosaic_gpu_v2"), (jnp.float32, 2048, None),

@@ -10,10 +10,14 @@ a step's copy of the chunk is ``rows x bK`` beside the weights' ``bK x bF``.
 
 The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
 
-1. **Membership.** ``e`` is in the union when a token of the chunk activates it. The union's
-   flags ``[E]`` are one reduction over the chunk's activity, outside the kernel; a program
-   reads its expert's flag (one load) and a non-member's exits there, so the weights read are
-   the union's only, each once.
+1. **Membership.** ``e`` is a member when a token of the chunk gives it a nonzero combine
+   weight: a program reads its expert's ``n`` weights (scalar loads of ``a [n, E]``) and a
+   non-member's exits there, so the weights read are the members' only, each once. The
+   combine weights are zero outside the chunk's activity (every caller's contract), so the
+   members are the union's experts that contribute; one whose weights are all zero adds
+   exactly nothing to ``y = sum_e a[:, e] E_e(x)`` and is skipped too. Nothing runs before
+   the kernel to find them, and the weights the up-projection's output is scaled by are the
+   same scalars, placed in the accumulator's column layout.
 2. **Up-projection.** ``h^T = act(W_gate[e][:, f]^T x^T) * (W_up[e][:, f]^T x^T) * a[:, e]^T``
    (plain: ``act(W_up[e][:, f]^T x^T) * a[:, e]^T``), ``[bF, rows]``: the F block's weight
    columns (a transposed view of the ``[bK, bF]`` block) times the chunk's, pipelined over D in
@@ -37,9 +41,10 @@ pipelines keep in flight; a prefetch puts every byte the program will read in fl
 and its pipelines then copy from the L2. The values are the same either way.
 
 Against the official design (a union kernel, then programs over (union slot, F block) and a
-down-projection over D blocks) this finds the union with one reduction beside the kernel and
-sums the down-projection through the reduce-add; the weights read are the same (the union's,
-once), with one launch fewer.
+down-projection over D blocks) each program finds its own membership and the programs sum the
+down-projection through the reduce-add; the weights read are the same (the union's, once),
+with no launch but this one and the output's zeroing (and, for a chunk off wgmma's 8-row step,
+its padding).
 
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
 of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
@@ -161,8 +166,7 @@ def supports(x_nD, w_up, w_gate=None) -> bool:
     return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
-def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles,
-          prefetch):
+def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles, prefetch):
     wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
     bK, bF, bD, stages = tiles
     D = x_g.shape[1]
@@ -174,7 +178,12 @@ def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interp
         return plgpu.BlockSpec(shape, index, transforms=swizzled(shape, dt, what),
                                delay_release=1)
 
-    @pl.when(member_g[e] != 0)
+    # the expert's combine weight for each of the chunk's tokens, as scalars: e is a member
+    # when one is nonzero
+    a_n = [a_g[j, e].astype(jnp.float32) for j in range(a_g.shape[0])]
+    member = functools.reduce(jnp.logical_or, [a != 0 for a in a_n])
+
+    @pl.when(member)
     def _():
         if prefetch == 2:  # all: the up-projection's columns (and the gate's), then the down
             for w_g in (wu_g,) + ((wg_g,) if gated else ()):
@@ -199,7 +208,9 @@ def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interp
         accs = pl.run_scoped(up, *[plgpu.ACC((bF, rows))] * (2 if gated else 1))
         act = kernel_activation(activation)
         h = act(accs[1]) * accs[0] if gated else act(accs[0])
-        a_row = plgpu.load(a_g.at[e], layout=_COLUMN_LAYOUT, optimized=False)
+        token = plgpu.broadcasted_iota(jnp.int32, (rows,), 0, layout=_COLUMN_LAYOUT)
+        a_row = functools.reduce(lambda row, j: jnp.where(token == j, a_n[j], row),
+                                 range(1, len(a_n)), jnp.where(token == 0, a_n[0], 0.0))
         h_smem.T[...] = (h * a_row[None, :]).astype(dt)
         plgpu.commit_smem()
 
@@ -229,9 +240,10 @@ def _body(x_g, a_g, member_g, wu_g, wd_g, *rest, rows, activation, gated, interp
 
 def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                            activation: str, interpret: bool = False):
-    """``y [n, D]`` in ``x``'s dtype: the chunk's expert output through the union's weights
+    """``y [n, D]`` in ``x``'s dtype: the chunk's expert output through its members' weights
     only (module docstring); equals
-    :func:`moejax.kernels.chunk_union.reference.dense_experts`."""
+    :func:`moejax.kernels.chunk_union.reference.dense_experts` of ``a`` (``active``, whose
+    union holds every member, is checked for its shape: the members are read from ``a``)."""
     n, D = x_nD.shape
     E = a_nE.shape[-1]
     if a_nE.shape != (n, E) or active_nE.shape != (n, E):
@@ -250,9 +262,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     dt = x_nD.dtype
     gated = w_gate is not None
     weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
-    x = jnp.pad(x_nD, ((0, rows - n), (0, 0)))
-    a_E = jnp.pad(a_nE.astype(jnp.float32).T, ((0, 0), (0, rows - n)))
-    member_E = jnp.any(active_nE != 0, axis=0).astype(jnp.int32)
+    x = x_nD if rows == n else jnp.pad(x_nD, ((0, rows - n), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles, prefetch=prefetch),
@@ -262,5 +272,6 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                        plgpu.SMEM((OUT_BUFFERS, bD, rows), jnp.float32)],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((D, rows), jnp.float32))
-    kernel(x, a_E, member_E, *weights[:2], *weights[2:], y)
+    a = a_nE if any(a_nE.dtype == d for d in (jnp.float32, *DTYPES)) else a_nE.astype(jnp.float32)
+    kernel(x, a, *weights[:2], *weights[2:], y)
     return y[...][:, :n].T.astype(dt)
