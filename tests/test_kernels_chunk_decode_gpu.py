@@ -90,6 +90,17 @@ def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation,
     assert _steps(y, _oracle(x, a, wu, wd, wg, activation)) <= 2
 
 
+@pytest.mark.skipif(not ON_HOPPER, reason="the compiled kernel needs a Hopper GPU (make gpu-check)")
+@pytest.mark.parametrize("prefetch,splits", [(1, 1), (2, 1), (0, 2), (2, 2)])
+def test_the_compiled_kernel_with_a_prefetch_or_a_split_equals_the_oracle(prefetch, splits):
+    """The TMA prefetches and the split programs' reduce-adds as the GPU runs them."""
+    x, a, on, wu, wd, wg = _chunk(5, "swiglu", seed=11)
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, prefetch, splits)):
+        y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation="swiglu"))(
+            x, a, on, wu, wd, wg)
+    assert _steps(y, _oracle(x, a, wu, wd, wg, "swiglu")) <= 2
+
+
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 def test_the_kernels_activations_are_the_models(activation):
     """What the kernels compute (primitives every backend lowers) is jax.nn's function."""
@@ -346,13 +357,31 @@ def test_the_l2_prefetch_lowers_as_configured(prefetch, gated, monkeypatch):
     assert ("cp.async.bulk.prefetch.tensor" in text) == (prefetch > 0)
 
 
-def test_a_prefetching_configuration_computes_the_same():
-    """The prefetch moves no value (in the interpreter it is no operation): the kernel still
-    equals the oracle under a configuration that prefetches everything."""
-    x, a, on, wu, wd, wg = _chunk(8, "swiglu", seed=3)
-    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, 2)):
+@pytest.mark.parametrize("prefetch,splits,n", [(2, 1, 8), (0, 2, 5), (1, 2, 8)])
+def test_a_prefetching_or_split_configuration_computes_the_same(prefetch, splits, n):
+    """The prefetch moves no value (in the interpreter it is no operation); programs split
+    over the model width each add their own D blocks (D 256 in two 128-wide blocks: one a
+    program): the kernel still equals the oracle."""
+    x, a, on, wu, wd, wg = _chunk(n, "swiglu", seed=3 + n)
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, prefetch, splits)):
+        assert decode_gpu.d_splits(BF, D, F) == splits
         y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation="swiglu", interpret=True)
     assert _steps(y, _oracle(x, a, wu, wd, wg, "swiglu")) <= 2
+
+
+@pytest.mark.parametrize("splits,d,want", [(2, 2048, 2), (4, 2048, 4), (2, 384, 1), (3, 2048, 1)])
+def test_a_split_is_taken_only_where_the_width_divides(splits, d, want):
+    """Splits that leave a program no whole number of 128-wide D blocks fall back to one
+    program per F block; the others lower to one launch of ``E x F / bF x splits``
+    programs."""
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, 0, splits)):
+        assert decode_gpu.d_splits(BF, d, 256) == want
+        if d == 2048:
+            with lowering_target("cuda"):
+                text = je.export(jax.jit(lambda *z: chunk_union_decode_gpu(
+                    *z, activation="relu")), platforms=("cuda",))(
+                        *_shapes(8, gated=False)).mlir_module()
+            assert text.count("mosaic_gpu_v2") == 1
 
 
 def test_the_l2_prefetch_is_read_from_the_devices_table_entry(tmp_path, monkeypatch):

@@ -130,8 +130,8 @@ def test_the_table_merges_per_device_and_reads_back(tmp_path, monkeypatch):
     tuning.write_entries("NVIDIA B200", a)
     table = json.loads(path.read_text())
     assert set(table) == {H100, "NVIDIA B200"} and set(table[H100]) == {"gmm", "tgmm"}
-    assert tuning.config_for("gmm", jnp.bfloat16, 1500, 2000, H100) == (128, 64, 256, 8, 3, 0)
-    assert tuning.config_for("tgmm", jnp.float32, 200, 1000, H100) == (64, 64, 128, 4, 2, 0)
+    assert tuning.config_for("gmm", jnp.bfloat16, 1500, 2000, H100) == (128, 64, 256, 8, 3, 0, 1)
+    assert tuning.config_for("tgmm", jnp.float32, 200, 1000, H100) == (64, 64, 128, 4, 2, 0, 1)
     # no entry for the bucket, the dtype or the device: the defaults
     assert tuning.config_for("gmm", jnp.bfloat16, 64, 64, H100) == tuning.DEFAULTS[
         ("gmm", "bfloat16")]

@@ -21,7 +21,8 @@ small XLA ops around it), those kernels' own device time (``kernel_ms``, without
 between launches; ``x_floor_kernel``: over the floor) and the longest three. On a GPU the
 decode rows name the launch configuration the kernel was lowered with (``tiles``: bK x bF x
 bD x stages, the tuned table's entry for this device or the default; ``l2_prefetch``: which
-weights each program asks the L2 for at its start). Each path's
+weights each program asks the L2 for at its start; ``d_splits``: programs per expert and
+F block, split over the model width). Each path's
 output is checked against the float32 dense oracle before its time is kept (a wrong one is a
 row saying ``wrong: ...``).
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
@@ -51,6 +52,7 @@ from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
 from moejax.kernels.chunk_union.decode_gpu import blocks as decode_tiles
 from moejax.kernels.chunk_union.decode_gpu import chunk_rows, chunk_union_decode_gpu
+from moejax.kernels.chunk_union.decode_gpu import d_splits as decode_splits
 from moejax.kernels.chunk_union.decode_gpu import l2_prefetch as decode_prefetch
 from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
@@ -203,6 +205,7 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
                 row["tiles"] = "x".join(map(str, decode_tiles(
                     dt, s.d_model, s.d_expert, False, chunk_rows(n))))
                 row["l2_prefetch"] = L2_PREFETCH[decode_prefetch(dt, s.d_model, s.d_expert)]
+                row["d_splits"] = decode_splits(dt, s.d_model, s.d_expert, False, chunk_rows(n))
             rows.append(row)
     return rows
 

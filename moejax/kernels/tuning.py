@@ -3,7 +3,8 @@ kernel is lowered.
 
 A configuration is a :class:`TritonConfig` (three tiles, warps and pipeline stages; what the
 tiles are per kernel: :data:`TILES`; the decode kernel's also which of its weights each program
-prefetches into the L2: :data:`L2_PREFETCH`). :func:`config_for` returns the one for a kernel
+prefetches into the L2, :data:`L2_PREFETCH`, and in how many programs it splits the model
+width). :func:`config_for` returns the one for a kernel
 (``"gmm"``: the grouped products, forward and dX; ``"tgmm"``: the weight gradient, both
 Triton; ``"gmm_mgpu"`` / ``"tgmm_mgpu"``: the same on Mosaic GPU; ``"pairs_mgpu"``:
 BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic GPU decode kernel), a
@@ -26,7 +27,8 @@ the grouped products on Mosaic GPU the anchors' 128 x 64 x 128 tiles at 4 stages
 kernel, whose weights are wgmma's M operand and whose chunk of a few tokens is the N, takes
 128-row D steps of 64-column F blocks and 128-row D blocks at 6 stages: its few programs per
 union member each keep as many weight bytes in flight as shared memory holds; it prefetches
-nothing into the L2 until a measurement on the device says a prefetch is faster.
+nothing into the L2 and runs one program per F block, until a measurement on the device says
+otherwise.
 
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
@@ -71,6 +73,9 @@ class TritonConfig(NamedTuple):
     # the decode kernel only (:data:`L2_PREFETCH`): which of a program's weights it asks the
     # L2 for at its start, ahead of its pipelines
     l2_prefetch: int = 0
+    # the decode kernel only: programs per (expert, F block), each computing the
+    # up-projection and the down-projection of its 1 / d_splits of the model width
+    d_splits: int = 1
 
 
 # ``l2_prefetch`` of the decode kernel: none; its down-projection's weights (they arrive in
@@ -116,9 +121,12 @@ _MGPU_ACC = ((64, 128), (64, 256), (128, 128))
 # decode: a union of a few experts keeps a few SMs busy, each bound by the bytes it has in
 # flight: the default, the tiles an H200 ranked first without a prefetch (longer D steps and
 # blocks at 4 to 6 stages; 128-column F blocks), and shallow pipelines, which a prefetch to
-# the L2 may make enough (two programs to an SM); each without, and with either, prefetch
-_DECODE_TILES = ((128, 64, 128, 6), (256, 64, 256, 4), (128, 128, 128, 4), (128, 64, 256, 6),
-                 (256, 64, 128, 4), (64, 64, 128, 5), (128, 64, 128, 3), (256, 64, 256, 2))
+# the L2 may make enough (two programs to an SM); each without, and with either, prefetch,
+# and split over the model width in two programs (twice the SMs busy; the up-projection's
+# weights read twice, the second time from the L2) without a prefetch and with all of it
+_DECODE_TILES = ((128, 64, 128, 6), (256, 64, 256, 4), (128, 128, 128, 4),
+                 (256, 64, 128, 4), (128, 64, 128, 3), (256, 64, 256, 2))
+_DECODE_PROGRAMS = ((0, 1), (1, 1), (2, 1), (0, 2), (2, 2))  # (l2_prefetch, d_splits)
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
     # the grouped products on Mosaic GPU, one warpgroup: accumulators of 64 x 128, 64 x 256 or
@@ -133,8 +141,8 @@ SPACES: dict[str, tuple[TritonConfig, ...]] = {
                        for st in (2, 3, 4)) + tuple(
         TritonConfig(64, tk, tn, 12, st) for tk in (64, 128) for tn in (64, 128)
         for st in (3, 4)),
-    "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st, pf) for bk, bf, bd, st in _DECODE_TILES
-                         for pf in range(len(L2_PREFETCH)))}
+    "decode_mgpu": tuple(TritonConfig(bk, bf, bd, 4, st, pf, sp) for bk, bf, bd, st in _DECODE_TILES
+                         for pf, sp in _DECODE_PROGRAMS)}
 
 
 def bucket(k: int, n: int) -> str:

@@ -8,7 +8,10 @@ and the chunk its N: the products are computed transposed, ``h^T = W^T x^T``, so
 padded only to a multiple of 8 rows (wgmma's N step), not to the 64 rows of an M operand, and
 a step's copy of the chunk is ``rows x bK`` beside the weights' ``bK x bF``.
 
-The grid is (expert ``e``, F block ``f``); each program is one warpgroup:
+The grid is (expert ``e``, F block ``f``, split ``s``); each program is one warpgroup (a
+tuned configuration may split each (expert, F block) over the model width in ``splits``
+programs, :func:`d_splits`: each computes the up-projection and the down-projection of its
+``D / splits`` columns, so a small union keeps more SMs busy; default one):
 
 1. **Membership.** ``e`` is a member when a token of the chunk gives it a nonzero combine
    weight: a program reads its expert's ``n`` weights (scalar loads of ``a [n, E]``) and a
@@ -73,7 +76,7 @@ from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, blocks_per_sm, swizzled
 from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "l2_prefetch", "l2_boxes",
+__all__ = ["chunk_union_decode_gpu", "supports", "blocks", "l2_prefetch", "d_splits", "l2_boxes",
            "smem_bytes", "chunk_rows", "OUT_BUFFERS", "TUNED_ROWS"]
 
 OUT_BUFFERS = 2  # the down-projection's staging buffers: a step's add overlaps the next product
@@ -139,6 +142,17 @@ def l2_prefetch(dtype, D: int, F: int) -> int:
     return config_for("decode_mgpu", dtype, D, F).l2_prefetch
 
 
+def d_splits(dtype, D: int, F: int, gated: bool = False, rows: int = TUNED_ROWS) -> int:
+    """In how many programs each (expert, F block) is split over the model width ``D``: each
+    computes the F block's up-projection (the same weights: the first program's read brings
+    them to the L2 for the others) and the down-projection for its ``D / splits`` columns,
+    so a small union keeps ``splits`` times the SMs busy. The configuration's (forced, tuned,
+    else 1), or 1 where ``D`` is no whole number of its D blocks per program."""
+    splits = config_for("decode_mgpu", dtype, D, F).d_splits
+    bD = blocks(dtype, D, F, gated, rows)[2]
+    return splits if splits >= 1 and D % (bD * splits) == 0 else 1
+
+
 def l2_boxes(rows: tuple, cols: tuple, box: int, along: int) -> list[tuple[tuple, tuple]]:
     """The block ``[rows, cols]`` (each a ``(start, size)``) cut along axis ``along`` into
     ``box``-long pieces, ``(rows, cols)`` each: one TMA prefetch apiece (a TMA box is at most
@@ -166,12 +180,14 @@ def supports(x_nD, w_up, w_gate=None) -> bool:
     return D % bD == 0 and D % bK == 0 and w_up.shape[-1] % bF == 0
 
 
-def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles, prefetch):
+def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles, prefetch,
+          splits):
     wg_g, y_g, h_smem, o_smem = rest if gated else (None, *rest)
     bK, bF, bD, stages = tiles
     D = x_g.shape[1]
     dt = x_g.dtype
-    e, f = jax.lax.axis_index("e"), jax.lax.axis_index("f")
+    e, f, s = (jax.lax.axis_index(a) for a in ("e", "f", "s"))
+    blocks_s = D // bD // splits  # the down-projection's D blocks in each program
     box = math.gcd(D, 256)
 
     def spec(shape, index, what):
@@ -189,7 +205,8 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
             for w_g in (wu_g,) + ((wg_g,) if gated else ()):
                 _prefetch_to_l2(w_g.at[e], (0, D), (f * bF, bF), box, along=0)
         if prefetch >= 1:
-            _prefetch_to_l2(wd_g.at[e], (f * bF, bF), (0, D), box, along=1)
+            _prefetch_to_l2(wd_g.at[e], (f * bF, bF), (s * blocks_s * bD, blocks_s * bD),
+                            math.gcd(blocks_s * bD, 256), along=1)
 
         def up(*accs):
             def step(_, x_s, *w_s):
@@ -215,14 +232,15 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
         plgpu.commit_smem()
 
         def down(idx, wd_s):
-            (d,) = idx
+            i = idx[0]
+            d = s * blocks_s + i
             out = pl.run_scoped(  # [bD, bF] x [bF, rows]
                 lambda acc: (plgpu.wgmma(acc, wd_s.T, h_smem.T), acc[...])[1],
                 plgpu.ACC((bD, rows)))
             # the add issued two steps ago, from the same buffer, has read it; the last one
             # may still be reading the other
             plgpu.wait_smem_to_gmem(OUT_BUFFERS - 1, wait_read_only=True)
-            buf = o_smem.at[d % OUT_BUFFERS]
+            buf = o_smem.at[i % OUT_BUFFERS]
             buf[...] = out
             plgpu.commit_smem()
             dst = y_g.at[pl.ds(d * bD, bD)]
@@ -231,8 +249,8 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
             else:
                 plgpu.copy_smem_to_gmem(buf, dst, reduction_op="add")
 
-        plgpu.emit_pipeline(down, grid=(D // bD,),
-                            in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, d),
+        plgpu.emit_pipeline(down, grid=(blocks_s,),
+                            in_specs=(plgpu.BlockSpec((bF, bD), lambda d: (f, s * blocks_s + d),
                                                       transforms=swizzled((bF, bD), dt, "wd")),),
                             max_concurrent_steps=stages)(wd_g.at[e])
         plgpu.wait_smem_to_gmem(0)
@@ -258,6 +276,7 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     rows = chunk_rows(n)
     tiles = blocks(x_nD.dtype, D, w_up.shape[-1], w_gate is not None, rows)
     prefetch = l2_prefetch(x_nD.dtype, D, w_up.shape[-1])
+    splits = d_splits(x_nD.dtype, D, w_up.shape[-1], w_gate is not None, rows)
     bF, bD = tiles[1], tiles[2]
     dt = x_nD.dtype
     gated = w_gate is not None
@@ -265,8 +284,8 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     x = x_nD if rows == n else jnp.pad(x_nD, ((0, rows - n), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
-                          interpret=interpret, tiles=tiles, prefetch=prefetch),
-        out_type=(), grid=(E, w_up.shape[-1] // bF), grid_names=("e", "f"),
+                          interpret=interpret, tiles=tiles, prefetch=prefetch, splits=splits),
+        out_type=(), grid=(E, w_up.shape[-1] // bF, splits), grid_names=("e", "f", "s"),
         kernel_name="moejax_chunk_union_decode",
         scratch_types=[plgpu.SMEM((rows, bF), dt, transforms=swizzled((rows, bF), dt, "h")),
                        plgpu.SMEM((OUT_BUFFERS, bD, rows), jnp.float32)],
