@@ -202,8 +202,10 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
     @pl.when(member)
     def _():
         if prefetch == 2:  # all: the up-projection's columns (and the gate's), then the down
-            for w_g in (wu_g,) + ((wg_g,) if gated else ()):
-                _prefetch_to_l2(w_g.at[e], (0, D), (f * bF, bF), box, along=0)
+            @pl.when(s == 0)  # the split programs read the same up-projection weights
+            def _():
+                for w_g in (wu_g,) + ((wg_g,) if gated else ()):
+                    _prefetch_to_l2(w_g.at[e], (0, D), (f * bF, bF), box, along=0)
         if prefetch >= 1:
             _prefetch_to_l2(wd_g.at[e], (f * bF, bF), (s * blocks_s * bD, blocks_s * bD),
                             math.gcd(blocks_s * bD, 256), along=1)
