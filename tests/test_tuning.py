@@ -221,33 +221,35 @@ def test_the_mosaic_gpu_kernels_take_their_configuration():
         tuning.config_for("decode_mgpu", jnp.float32, 256, 128)
 
 
-def test_autotune_times_the_decode_kernel_on_a_quarter_union_and_a_full_one():
+def test_autotune_times_the_decode_kernel_on_quarter_unions_and_a_full_one():
     """One launch configuration serves every union size: the decode case calls the kernel on
-    a union of a quarter of the experts and on one of all of them (weights of their own),
-    both checked against the float32 oracle, which the interpreted kernel equals."""
+    four unions of a quarter of the experts and on one of all of them (weights of their own),
+    so each size counts alike against its floor; every call is checked against the float32
+    oracle, which the interpreted kernel equals."""
     fn, args, oracle = autotune._call("decode_mgpu", autotune.AutotuneConfig(groups=8),
                                       jnp.bfloat16, 256, 128, jax.random.key(0))
     x, *unions = args
-    assert x.shape == (TUNED_ROWS, 256) and len(unions) == 6
+    assert x.shape == (TUNED_ROWS, 256) and len(unions) == 15
     a_s, wu_s, wd_s = unions[0::3], unions[1::3], unions[2::3]
     assert {a.shape for a in a_s} == {(TUNED_ROWS, 8)}
     assert {w.shape for w in wu_s} == {(8, 256, 128)} and {w.shape for w in wd_s} == {
         (8, 128, 256)}
-    assert [int(jnp.sum(jnp.any(a > 0, axis=0))) for a in a_s] == [2, 8]
-    assert not np.array_equal(np.asarray(wu_s[0]), np.asarray(wu_s[1]))  # weights of its own
+    assert [int(jnp.sum(jnp.any(a > 0, axis=0))) for a in a_s] == [2, 2, 2, 2, 8]
+    assert len({np.asarray(w).tobytes() for w in wu_s}) == 5  # weights of its own
     want = np.asarray(oracle(*args))
-    assert want.shape == (2, TUNED_ROWS, 256)
+    assert want.shape == (5, TUNED_ROWS, 256)
     for a, wu, wd, want_nD in zip(a_s, wu_s, wd_s, want):
         tuning.check_close(chunk_union_decode_gpu(x, a, a > 0, wu, wd, activation="relu",
                                                   interpret=True), want_nD, "bfloat16")
     with lowering_target("cuda"):
         text = je.export(fn, platforms=("cuda",))(*args).mlir_module()
-    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 2
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"] * 5
     assert "moejax_chunk_union_decode" in text
-    # the second launch waits for the first (a barrier on its output), so a GPU cannot run
-    # them side by side and time the pair as less than the two calls
-    first, second = (m.start() for m in re.finditer(r"custom_call @mosaic_gpu_v2", text))
-    assert first < text.index("optimization_barrier", first) < second
+    # each launch waits for the one before it (a barrier on its output), so a GPU cannot run
+    # them side by side and time the five as less than the calls
+    starts = [m.start() for m in re.finditer(r"custom_call @mosaic_gpu_v2", text)]
+    for first, second in zip(starts, starts[1:]):
+        assert first < text.index("optimization_barrier", first) < second
 
 
 def test_autotune_tunes_each_kernel_over_its_space_for_the_dtypes_it_takes(monkeypatch):
