@@ -1,7 +1,8 @@
-"""moejax.bench.timing and .profile: the synthetic union patterns have exactly the asked union,
-the timers time what they are given (the device loop calls the function in every iteration,
-not once), and the profiler's device time counts each kernel once and is None where the trace
-sees no device."""
+"""moejax.bench.timing, .profile and .cost: the synthetic union patterns have exactly the asked
+union, the timers time what they are given (the device loop calls the function in every
+iteration, not once), the profiler's device time counts each kernel once and is None where the
+trace sees no device, and a union path's time on a line gives back its fixed and per-member
+parts."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import pytest
 from jax.profiler import ProfileData
 
 from moejax.bench import timing
+from moejax.bench.cost import fixed_plus_per_member, smallest_union_within, union_cost
 from moejax.bench.oracles import grouped_pass_sample
 from moejax.bench.profile import KernelTrace, device_kernels, trace_kernels
 from moejax.bench.timing import time_call, time_device_loop, time_interleaved, union_activations
@@ -242,3 +244,46 @@ def test_the_sampled_oracle_checks_every_group(which):
         check_close(take(jnp.asarray(wrong, jnp.float32)), want, jnp.float32)
     take, want = grouped_pass_sample(which, a, w, jnp.zeros(4, jnp.int32), jax.random.key(2))
     assert check_close(take(jnp.asarray(full, jnp.float32)), want, jnp.float32) == 0.0
+
+
+@pytest.mark.parametrize("fixed,per", [(5.0, 0.7), (0.0, 0.5), (12.5, 1.1)])
+def test_a_union_paths_line_is_recovered_from_its_times(fixed, per):
+    """Times on an exact line give back its fixed part and per-member cost (noise-free), and
+    the union size from which it is within a limit of the floor is where the line says."""
+    unions = [16, 32, 48, 64]
+    got_fixed, got_per = fixed_plus_per_member(unions, [fixed + per * u for u in unions])
+    assert got_fixed == pytest.approx(fixed, abs=1e-9) and got_per == pytest.approx(per)
+    floor, limit = 0.5, 1.5
+    reach = smallest_union_within(fixed, per, floor, limit)
+    if per >= limit * floor:
+        assert reach is None
+    else:
+        assert fixed + per * reach == pytest.approx(limit * floor * reach)
+        assert all((fixed + per * u <= limit * floor * u) == (u >= reach) for u in range(1, 200))
+    with pytest.raises(ValueError, match="two or more distinct union sizes"):
+        fixed_plus_per_member([16, 16], [1.0, 2.0])
+
+
+def test_bench_kernels_sets_each_union_paths_time_as_a_line():
+    """union_cost fits the call's and the kernels' times per path and chunk size; a path with
+    one union size measured has no line."""
+    rows = []
+    for u in (16, 32, 64):
+        for path, fixed, per in (("decode", 4.0, 0.6), ("pallas", 30.0, 1.8)):
+            t_ms = (fixed + per * u) / 1e3
+            floor_ms = 0.5 * u / 1e3
+            rows.append({"n": 1, "union": u, "union_fraction": u / 64, "path": path,
+                         "ms": t_ms, "floor_ms": floor_ms, "gbps": 2e6 * u / t_ms / 1e9 * 1e3,
+                         **({"kernel_ms": t_ms - 1e-3} if path == "decode" else {})})
+    rows.append({"n": 8, "union": 16, "union_fraction": 0.25, "path": "decode", "ms": 0.02,
+                 "floor_ms": 0.008, "gbps": 1.0})
+    got = {(c["path"], c["n"], c["time"]): c for c in union_cost(rows)}
+    assert set(got) == {("decode", 1, "call"), ("decode", 1, "kernels"), ("pallas", 1, "call")}
+    call = got[("decode", 1, "call")]
+    assert call["fixed_us"] == pytest.approx(4.0) and call["per_member_us"] == pytest.approx(0.6)
+    assert got[("decode", 1, "kernels")]["fixed_us"] == pytest.approx(3.0)
+    assert call["member_gbps"] == pytest.approx(2e6 / 0.6e-6 / 1e9)  # 2 MB a member
+    # 4 us / (1.5 x 0.5 - 0.6) us a member: from 27 members; pallas's 1.8 us a member alone is
+    # beyond 1.5 x 0.5
+    assert call["within_1.5x_from_union"] == 27
+    assert got[("pallas", 1, "call")]["within_1.5x_from_union"] == "none"

@@ -30,7 +30,10 @@ row saying ``wrong: ...``).
 the union path adds: finding the union, gathering, one small product per member) and
 ``dense_scaling`` =
 ``dense_union``'s time over the bound (how far the dense computation itself is from
-proportional to the experts it reads: caches, matmul shapes).
+proportional to the experts it reads: caches, matmul shapes). ``union_cost`` sets each union
+path's time per chunk size as a line over the union sizes, a fixed part plus a cost per member
+(:mod:`moejax.bench.cost`): whether a path's distance to the floor is its fixed part or the
+rate it streams a member's weights at.
 
 The dropless grouped matmul has its own benchmark, :mod:`experiments.bench_grouped`.
 
@@ -47,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from moejax.bench.cost import cost_note, union_cost
 from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
@@ -346,8 +350,16 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
         "Where the union paths' time goes: x_bound = overhead (time / dense_union's: the union "
         "bookkeeping and per-member products) x dense_scaling (dense_union / bound: the dense "
         "computation on |U| experts against dense x |U|/E)"))
+    costs = union_cost(ffn_rows)
+    if costs:
+        run.table("union_cost", costs, title=(
+            "Each union path's time per chunk size as a line over the union sizes measured, "
+            "fixed + per_member x |U| (least squares, microseconds; time: the call's, or its "
+            "kernels' own from the profiler), the rate the per-member cost streams a member's "
+            "weights at, and the union size from which the line is within 1.5x of the HBM "
+            "floor (none: the per-member cost alone is beyond it)"))
     headline, notes = _ffn_summary(ffn_rows)
-    for line in notes:
+    for line in notes + [c for c in (cost_note(costs),) if c]:
         run.note(f"- {line}")
     run.note("- " + _breakdown_note(parts))
     return {"headline": f"{headline} ({where})",
