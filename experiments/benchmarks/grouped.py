@@ -3,7 +3,7 @@
 Each of the three products of a grouped layer (``fwd``: ``x w_g``; ``dlhs``: ``dy w_g^T``;
 ``drhs``: ``x_g^T dy_g``, see :mod:`moejax.kernels.grouped.ragged`) is timed per
 implementation in device time (:func:`moejax.bench.timing.time_device_loop`: calls inside one
-jitted loop, no host dispatch between them):
+jitted loop, no host dispatch between them; on a CPU, blocking calls timed from the host):
 
 * ``dense``: one ``[M, K] x [K, N]`` matmul of the same FLOPs (the speed the grouped product
   aims at);
@@ -40,7 +40,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moejax.bench.oracles import grouped_pass_sample
-from moejax.bench.timing import time_device_loop
+from moejax.bench.timing import how_timed, time_device_loop
 from moejax.config import Config, config
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
@@ -281,9 +281,8 @@ def run(cfg: BenchGroupedConfig, run: RunDir) -> dict:
     where = f"{dev.platform} ({dev.device_kind})"
     rows = bench(cfg, jax.random.key(cfg.seed))
     run.table("passes", rows, title=(
-        f"Grouped matmul [M, K] x [G, K, N], one product per row, {cfg.precision}, device "
-        f"time per call (median of {cfg.repeats} loops of {cfg.iters}"
-        f"{', L2 flushed between calls' if cfg.l2_flush_mb else ''}), on {where}; x_dense = "
+        f"Grouped matmul [M, K] x [G, K, N], one product per row, {cfg.precision}, "
+        f"{how_timed(cfg.iters, cfg.repeats, bool(cfg.l2_flush_mb))}, on {where}; x_dense = "
         "time over one dense matmul of the same FLOPs (train: over the three); train = forward "
         "and both gradients through moejax's ragged_dot (train[K]: all three on kernel K), "
         "under a loss sum(y * ct); train[dense]: the same loss around one dense matmul of the "

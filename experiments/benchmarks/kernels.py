@@ -12,19 +12,20 @@ union: :mod:`moejax.kernels.chunk_union.decode`'s two launches on TPU,
 :mod:`moejax.kernels.chunk_union.decode_gpu`'s one on a Hopper GPU in bf16 / f16). Bound:
 ``dense time x |U| / E``, and the memory floor: the bytes of the union's expert weights over
 this device's bandwidth, measured here as a jitted copy of ``bandwidth_mb`` (read and written)
-in the same device loop (``x_floor``: time over that floor). Times are device time per call
-(:func:`moejax.bench.timing.time_device_loop`), with the L2 cache flushed between calls where
-``l2_flush_mb`` is set (the full preset), as in a decode step whose layers each read their own
-weights. The ``profile_paths`` (default: ``decode``) are also traced by the profiler where it
-sees the device (a GPU or TPU): their rows add the kernels a call launches (the kernel and the
-small XLA ops around it), those kernels' own device time (``kernel_ms``, without the gaps
-between launches; ``x_floor_kernel``: over the floor) and the longest three. On a GPU the
-decode rows name the launch configuration the kernel was lowered with (``tiles``: bK x bF x
-bD x stages, the tuned table's entry for this device or the default; ``l2_prefetch``: which
-weights each program asks the L2 for at its start; ``d_splits``: programs per expert and
-F block, split over the model width). Each path's
-output is checked against the float32 dense oracle before its time is kept (a wrong one is a
-row saying ``wrong: ...``).
+in the same device loop (``x_floor``: time over that floor); a read-only sum of the same bytes
+is timed beside it, the rate a kernel that only reads weights could hope for. Times are device
+time per call (:func:`moejax.bench.timing.time_device_loop`; on a CPU, blocking calls timed from
+the host), with the L2 cache flushed between calls where ``l2_flush_mb`` is set (the full
+preset), as in a decode step whose layers each read their own weights. The ``profile_paths``
+(default: ``decode``) are also traced by the profiler where it sees the device (a GPU or TPU):
+their rows add the kernels a call launches (the kernel and the small XLA ops around it), those
+kernels' own device time (``kernel_ms``, without the gaps between launches; ``x_floor_kernel``:
+over the floor) and the longest three. On a GPU the decode rows name the launch configuration
+the kernel was lowered with (``tiles``: bK x bF x bD x stages, the tuned table's entry for this
+device or the default; ``l2_prefetch``: which weights each program asks the L2 for at its start;
+``d_splits``: programs per expert and F block, split over the model width). Each path's output
+is checked against the float32 dense oracle before its time is kept (a wrong one is a row saying
+``wrong: ...``).
 ``union_breakdown`` splits each union path's distance to the bound into two measured factors,
 ``x_bound = overhead x dense_scaling``: ``overhead`` = its time over ``dense_union``'s (what
 the union path adds: finding the union, gathering, one small product per member) and
@@ -51,7 +52,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moejax.bench.cost import cost_note, union_cost
-from moejax.bench.timing import kernel_unavailable, time_device_loop, union_activations
+from moejax.bench.timing import (
+    how_timed,
+    kernel_unavailable,
+    time_device_loop,
+    union_activations,
+)
 from moejax.config import Config, config
 from moejax.kernels.chunk_union.decode import chunk_union_decode
 from moejax.kernels.chunk_union.decode_gpu import blocks as decode_tiles
@@ -147,6 +153,17 @@ def measured_gbps(cfg: BenchKernelsConfig) -> float:
     buf = jnp.zeros((int(cfg.bandwidth_mb * 2**20) // 4,), jnp.float32)
     t = time_device_loop(lambda b: b + 1.0, buf, iters=cfg.repeats, repeats=3)["median_s"]
     return 2 * buf.nbytes / t / 1e9
+
+
+def measured_read_gbps(cfg: BenchKernelsConfig) -> float:
+    """The rate a read alone streams at, GB/s: a jitted sum of ``bandwidth_mb`` of bf16 (read
+    once, nothing written but the sum), beside :func:`measured_gbps`'s copy, which sets the
+    floor: how far any weight-reading kernel can get towards that floor."""
+    # ones, not zeros: a host's untouched zero pages would all be one page, read from cache
+    buf = jnp.ones((int(cfg.bandwidth_mb * 2**20) // 2,), jnp.bfloat16)
+    t = time_device_loop(lambda b: jnp.sum(b, dtype=jnp.float32), buf, iters=cfg.repeats,
+                         repeats=3)["median_s"]
+    return buf.nbytes / t / 1e9
 
 
 def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
@@ -323,13 +340,15 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
     dev = jax.devices()[0]
     where = f"{dev.platform} ({dev.device_kind})"
     s = cfg.ffn
-    gbps = measured_gbps(cfg)
+    gbps, read_gbps = measured_gbps(cfg), measured_read_gbps(cfg)
     ffn_rows = bench_ffn(cfg, jax.random.fold_in(key, 0), gbps)
     run.table("ffn", ffn_rows, title=(
         f"(a) BlockFFN experts on a chunk of n tokens, d {s.d_model}, {s.n_experts} experts of "
-        f"width {s.d_expert}, {s.activation}, {cfg.precision}, device time per call (median of "
-        f"3 loops of {cfg.repeats}), on {where}; bound = dense x |U|/E; floor = the union's "
-        f"weight bytes at the measured {gbps:.0f} GB/s"))
+        f"width {s.d_expert}, {s.activation}, {cfg.precision}, "
+        f"{how_timed(cfg.repeats, 3, bool(cfg.l2_flush_mb))}, on {where}; bound = dense x "
+        f"|U|/E; floor = the union's "
+        f"weight bytes at the measured {gbps:.0f} GB/s (a copy; a sum, reading only, streamed "
+        f"{read_gbps:.0f} GB/s)"))
     for n in cfg.chunk_sizes:
         series = {}
         for path in cfg.ffn_paths:
@@ -356,13 +375,15 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
             "Each union path's time per chunk size as a line over the union sizes measured, "
             "fixed + per_member x |U| (least squares, microseconds; time: the call's, or its "
             "kernels' own from the profiler), the rate the per-member cost streams a member's "
-            "weights at, and the union size from which the line is within 1.5x of the HBM "
-            "floor (none: the per-member cost alone is beyond it)"))
+            f"weights at (a copy streamed {gbps:.0f} GB/s, a read-only sum {read_gbps:.0f}), "
+            "and the union size from which the line is within 1.5x of the HBM floor (none: "
+            "the per-member cost alone is beyond it)"))
     headline, notes = _ffn_summary(ffn_rows)
     for line in notes + [c for c in (cost_note(costs),) if c]:
         run.note(f"- {line}")
     run.note("- " + _breakdown_note(parts))
-    return {"headline": f"{headline} ({where})",
+    return {"headline": f"{headline} ({where})", "copy_gbps": round(gbps),
+            "read_gbps": round(read_gbps),
             **{f"{r['path']}_n{r['n']}_u{r['union']}_ms": round(r["ms"], 3)
                for r in ffn_rows if "ms" in r and r["union_fraction"] in (0.25, 1.0)}}
 

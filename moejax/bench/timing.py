@@ -4,7 +4,9 @@
   (each waits for the result with ``block_until_ready``); median and minimum seconds.
 * :func:`time_device_loop`: device time per call, from ``iters`` calls inside one jitted
   loop (no host dispatch between calls; the kernels' launches are counted); with
-  ``profile``, also the call's kernels and their device time from the profiler.
+  ``profile``, also the call's kernels and their device time from the profiler. On a CPU,
+  whose compiler hoists a loop-invariant call out of such a loop, blocking calls timed
+  from the host.
 * :func:`kernel_unavailable`: why a kernel path cannot be timed here (None when it can).
 * :func:`union_activations`: combine weights ``[n, E]`` for a chunk of ``n`` tokens whose
   union of active experts is exactly a random set of ``union_size`` experts: each token is
@@ -25,7 +27,7 @@ import numpy as np
 from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
 
-__all__ = ["time_call", "time_interleaved", "time_device_loop", "union_activations",
+__all__ = ["time_call", "time_interleaved", "time_device_loop", "how_timed", "union_activations",
            "kernel_unavailable", "device_matmul_gflops", "KERNEL_PATHS", "HOST_PATHS"]
 
 KERNEL_PATHS = ("pallas", "triton", "gmm", "tokamax")
@@ -77,7 +79,8 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 
 
 def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
-                     flush_bytes: int = 0, profile: bool = False) -> dict:
+                     flush_bytes: int = 0, profile: bool = False,
+                     host_loop: bool | None = None) -> dict:
     """``{"compile_s", "median_s", "min_s", "flush_s", "noise_s", "iters", "output"}``:
     seconds per call of ``fn(*args)`` and the output of the loop's last call (to be checked
     against an oracle: :mod:`moejax.bench.oracles`),
@@ -99,10 +102,19 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     (the call's kernels, copies and memsets per call and their summed device time, the
     rewrites' subtracted: the time without the gaps between launches) and ``kernels`` (seconds
     per call by kernel name, largest first, less the rewrite loop's kernels of the same name);
-    each None where the trace has no device events (a CPU)."""
+    each None where the trace has no device events (a CPU).
+
+    ``host_loop`` (default: on a CPU) times the ``iters`` calls as separate blocking calls
+    from the host instead, the rewrite between them untimed (``flush_s`` 0): XLA's CPU
+    compiler expands the optimisation barriers before it moves loop-invariant code, so in
+    the device loop a call whose output is smaller than its inputs (a reduction, a product
+    with a few rows) runs once per loop, not once per iteration. On a CPU the host is the
+    device, so a call's wall time is its device time plus its dispatch."""
     if iters < 1 or repeats < 1 or flush_bytes < 0:
         raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
                          f"flush_bytes={flush_bytes} >= 0")
+    if host_loop if host_loop is not None else jax.default_backend() == "cpu":
+        return _host_loop(fn, args, iters, repeats, flush_bytes, profile)
     out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
     scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
 
@@ -139,6 +151,43 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
               "output": output}
     if profile:
         result.update(_profiled(loops, scratch, args, iters))
+    return result
+
+
+def how_timed(iters: int, repeats: int, flushed: bool = False) -> str:
+    """What :func:`time_device_loop` measures on this backend, for a table's title."""
+    if jax.default_backend() == "cpu":
+        return (f"wall time per blocking call (median of {repeats} runs of {iters} calls"
+                f"{', L2 flushed before each' if flushed else ''})")
+    return (f"device time per call (median of {repeats} loops of {iters}"
+            f"{', L2 flushed between calls' if flushed else ''})")
+
+
+def _host_loop(fn: Callable, args: tuple, iters: int, repeats: int, flush_bytes: int,
+               profile: bool) -> dict:
+    """:func:`time_device_loop`'s keys from ``iters`` blocking calls per repeat, timed one
+    by one from the host (the L2 rewrite, where asked, before each call and untimed)."""
+    call = jax.jit(fn)
+    rewrite = jax.jit(lambda s: s + 1.0)
+    scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
+    t0 = time.perf_counter()
+    output = jax.block_until_ready(call(*args))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(iters):
+            if flush_bytes:
+                scratch = jax.block_until_ready(rewrite(scratch))
+            t = time.perf_counter()
+            output = jax.block_until_ready(call(*args))
+            total += time.perf_counter() - t
+        times.append(total / iters)
+    result = {"compile_s": compile_s, "median_s": float(np.median(times)),
+              "min_s": float(np.min(times)), "flush_s": 0.0, "noise_s": _half_range(times),
+              "iters": iters, "output": output}
+    if profile:  # a host's trace has no device kernels
+        result.update(kernels_per_call=None, kernel_s=None, kernels=None)
     return result
 
 
