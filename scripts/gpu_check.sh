@@ -4,7 +4,8 @@
 # wheels there into a folder of their own first (its floor/ ones only where the image's
 # flax, optax, chex or orbax-checkpoint is older than the project's floor). Stages (default:
 # all):
-#   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU
+#   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU,
+#                and the timers' (the device loop runs a call in every iteration there too)
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
 #                platform beside the GPU for the cases that run a kernel interpreted)
 #   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
@@ -111,7 +112,7 @@ for stage in $stages; do
         tests/test_kernels_chunk_union.py tests/test_kernels_chunk_decode_gpu.py \
         tests/test_kernels_pairs_gpu.py tests/test_kernels_gmm_mgpu.py \
         tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
-        tests/test_moe_layer.py 2>&1 | tee "$out/tests.log" |
+        tests/test_moe_layer.py tests/test_bench_utils.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
