@@ -346,9 +346,8 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
         f"(a) BlockFFN experts on a chunk of n tokens, d {s.d_model}, {s.n_experts} experts of "
         f"width {s.d_expert}, {s.activation}, {cfg.precision}, "
         f"{how_timed(cfg.repeats, 3, bool(cfg.l2_flush_mb))}, on {where}; bound = dense x "
-        f"|U|/E; floor = the union's "
-        f"weight bytes at the measured {gbps:.0f} GB/s (a copy; a sum, reading only, streamed "
-        f"{read_gbps:.0f} GB/s)"))
+        f"|U|/E; floor = the union's weight bytes at the measured {gbps:.0f} GB/s (a copy; a "
+        f"sum, reading only, streamed {read_gbps:.0f} GB/s)"))
     for n in cfg.chunk_sizes:
         series = {}
         for path in cfg.ffn_paths:

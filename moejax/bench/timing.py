@@ -113,7 +113,7 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     if iters < 1 or repeats < 1 or flush_bytes < 0:
         raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
                          f"flush_bytes={flush_bytes} >= 0")
-    if host_loop if host_loop is not None else jax.default_backend() == "cpu":
+    if _on_host() if host_loop is None else host_loop:
         return _host_loop(fn, args, iters, repeats, flush_bytes, profile)
     out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
     scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
@@ -154,9 +154,14 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     return result
 
 
+def _on_host() -> bool:
+    """Whether :func:`time_device_loop` times from the host by default here (a CPU)."""
+    return jax.default_backend() == "cpu"
+
+
 def how_timed(iters: int, repeats: int, flushed: bool = False) -> str:
     """What :func:`time_device_loop` measures on this backend, for a table's title."""
-    if jax.default_backend() == "cpu":
+    if _on_host():
         return (f"wall time per blocking call (median of {repeats} runs of {iters} calls"
                 f"{', L2 flushed before each' if flushed else ''})")
     return (f"device time per call (median of {repeats} loops of {iters}"
