@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 __all__ = ["Claim", "claims_markdown", "claims_scale", "lookup", "compare", "top_column",
            "paired", "paired_claim", "paired_compare", "per_seed", "t_critical",
-           "threshold_claim", "SEED_TABLES"]
+           "threshold_claim", "measured", "SEED_TABLES"]
 
 # the key under which a repeated study's claims also get each seed run's tables (a list of
 # {table: rows}, seed order), beside the tables merged over the runs
@@ -25,6 +25,15 @@ SEED_TABLES = "_seed_tables"
 
 def _isnan(v) -> bool:
     return isinstance(v, float) and math.isnan(v)
+
+
+def measured(value) -> float | None:
+    """A table cell as a number, or None where it holds no measurement (missing, empty, or
+    NaN: how a table records a quantity its run could not measure)."""
+    if value is None or value == "":
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
 
 
 class Claim(NamedTuple):

@@ -49,8 +49,26 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
     rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2))
     (c,) = claims({"storage": rows})
     assert c.holds is True and "14.1x at p=0.9, 4 bits" in c.evidence
-    (c,) = claims({"storage": [{**r, "metric": ""} for r in rows]})  # a random delta
-    assert c.verdict == "not measured"
+    for missing in ("", "nan", float("nan")):  # a random delta: the CSV holds "nan"
+        (c,) = claims({"storage": [{**r, "metric": missing} for r in rows]})
+        assert c.verdict == "not measured" and "no accuracy" in c.evidence
+
+
+def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_path):
+    """The full preset's source (a random delta with SmolLM2-135M's layout, here at its tiny
+    size) has no accuracy: every row's metric is NaN and the storage claim says "not
+    measured" instead of failing after the tables are written."""
+    from experiments.darex import storage as mod
+
+    summary, run = run_experiment(
+        mod.STUDY.name, mod.make_config, mod.run,
+        ["source=smollm2_shapes_tiny", "ps=(0.0,0.9)", "bits=(32,4)", "timing_tree=none"],
+        claims=mod.claims, out=tmp_path / "st")
+    rows = list(csv.DictReader(open(run.path / "storage.csv")))
+    assert len(rows) == 4 and all(r["metric"] == "nan" for r in rows)
+    assert int(rows[0]["bytes"]) == summary["dense_bytes"]
+    (c,) = csv.DictReader(open(run.path / "claims.csv"))
+    assert c["verdict"] == "not measured" and (run.path / "summary.md").exists()
 
 
 def test_encode_decode_roundtrip_sparse_quant():

@@ -1,9 +1,11 @@
 """The experiment modules run end to end on tiny settings and write their reports."""
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from experiments import main as main_job
@@ -315,6 +317,32 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
     enc = list(csv.DictReader(open(run.path / "moee_encoder.csv")))
     assert [r["model"] for r in enc] == ["dense", "masked", "compact", "serving"]
     assert "MoEE plans (vit, 68 tokens)" in (run.path / "summary.md").read_text()
+
+
+def test_bench_extracted_refuses_a_batch_the_glosses_cannot_fill_before_recording(
+        monkeypatch):
+    """A timed batch takes glosses at least the mean length long, cut to it (every token
+    real); a ``rows`` the test set cannot fill is refused with the fix, before the substrate's
+    FFNs are recorded and clustered."""
+    from experiments.benchmarks import extracted as bench_extracted
+
+    lengths = np.array([2, 5, 4, 6, 3, 4])  # mean 4: four glosses of at least 4 tokens
+    mask = np.arange(8)[None, :] < lengths[:, None]
+    data = SimpleNamespace(seq_len=float(lengths.mean()), test={
+        "inputs": np.arange(48).reshape(6, 8), "mask": mask})
+    batch = bench_extracted._timed_batch(data, 3)
+    assert batch["inputs"].shape == (3, 4) and batch["mask"].all()
+    np.testing.assert_array_equal(batch["inputs"][:, 0], [8, 16, 24])  # rows 1, 2 and 3
+
+    def record(*args, **kwargs):
+        raise AssertionError("recorded before the batch sizes were checked")
+
+    monkeypatch.setattr(bench_extracted, "record_ffn", record)
+    cfg = bench_extracted.make_config("quick").replace(rows=(4, 5))
+    monkeypatch.setattr(type(cfg), "classifier_data", lambda self, *a: data)
+    with pytest.raises(ValueError, match="rows=5: only 4 of the 6 test glosses hold 4 tokens; "
+                                         "lower rows or raise eval_rows"):
+        bench_extracted.moee_plans_part(cfg, run=None)
 
 
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):

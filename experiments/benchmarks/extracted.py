@@ -286,6 +286,8 @@ def _time_layouts(cfg, data, models: dict, stats: dict, batch: dict) -> tuple[li
 def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
     """Part 1 (module docstring): tables ``moee_ffn`` and ``moee_encoder``."""
     data = cfg.classifier_data()
+    # the timed batches first: a size the test glosses cannot fill fails before any recording
+    batches = [_timed_batch(data, r) for r in cfg.rows]
     ex = cfg.extract
     records = record_ffn(data.model, data.record_batches(cfg.record_rows, cfg.seed),
                          n_tokens=ex.n_tokens, seed=cfg.seed)
@@ -296,7 +298,6 @@ def moee_plans_part(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
     if not layers:
         run.note(f"MoEE formed no cluster in any layer of {data.substrate}: nothing to time.")
         return {"headline": f"MoEE plans ({cfg.model}): no layer extracted"}
-    batches = [_timed_batch(data, r) for r in cfg.rows]
     stats = [routing_stats(masked, [b]) for b in batches]
     loads = {i: np.asarray(s["load"]) for i, s in stats[0].items()}  # the first batch's
     models = {"dense": data.model, "masked": masked, "compact": compact_model(masked),
@@ -354,7 +355,7 @@ def run(cfg: ExtractedBenchConfig, run: RunDir) -> dict:
 
 STUDY = Study(
     "bench_extracted", make_config, run,
-    smoke=("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=200", "eval_rows=64",
+    smoke=("repeats=1", "rows=(32,)", "batches=(32,)", "record_rows=200", "eval_rows=128",
              "extract.n_tokens=2000"),
 )
 
