@@ -53,6 +53,15 @@ CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosi
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _collect_only_this_modules_objects():
+    """Each test's collection scans only what this module made: the heap the suite built
+    before it (seconds to scan, late in the suite) is frozen while it runs."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(autouse=True)
 def _collect_abandoned_reads():
     yield
