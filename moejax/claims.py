@@ -23,10 +23,6 @@ __all__ = ["Claim", "claims_markdown", "claims_scale", "lookup", "compare", "top
 SEED_TABLES = "_seed_tables"
 
 
-def _isnan(v) -> bool:
-    return isinstance(v, float) and math.isnan(v)
-
-
 def measured(value) -> float | None:
     """A table cell as a number, or None where it holds no measurement (missing, empty, or
     NaN: how a table records a quantity its run could not measure)."""
@@ -90,9 +86,9 @@ def compare(claim: str, a: tuple[str, Any], b: tuple[str, Any], *, better: str =
     """``claim`` holds when ``a``'s value is better than ``b``'s (``better``: "higher" or
     "lower"); not measured when either is missing or NaN."""
     (la, va), (lb, vb) = a, b
-    if va is None or vb is None or _isnan(float(va)) or _isnan(float(vb)):
+    va, vb = measured(va), measured(vb)
+    if va is None or vb is None:
         return Claim(claim, None, f"{la} or {lb} missing")
-    va, vb = float(va), float(vb)
     holds = va > vb if better == "higher" else va < vb
     return Claim(claim, holds, f"{la} {format(va, fmt)} vs {lb} {format(vb, fmt)}")
 
@@ -192,10 +188,9 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
     means. One run: inconclusive. A value missing in any run: not measured."""
     (la, fa), (lb, fb) = a, b
     runs = per_seed(t)
-    va, vb = [fa(r) for r in runs], [fb(r) for r in runs]
-    if any(v is None or _isnan(float(v)) for v in va + vb):
+    va, vb = [measured(fa(r)) for r in runs], [measured(fb(r)) for r in runs]
+    if any(v is None for v in va + vb):
         return Claim(claim, None, f"{la} or {lb} missing")
-    va, vb = [float(v) for v in va], [float(v) for v in vb]
     sign = 1.0 if better == "higher" else -1.0
     row = paired(f"{la} - {lb}" if better == "higher" else f"{lb} - {la}",
                  [sign * v for v in va], [sign * v for v in vb])
