@@ -610,6 +610,13 @@ def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_pat
     assert notes[-1].startswith("decode, its kernels' own device time (profiler: no launch "
                                 "gaps; 3.0 kernels a call): within 1.5x of the memory floor "
                                 "in 1/2 cases (nearest 1.20x at n=1, |U|/E=0.25)")
+    # the pair kernels measured beside it: the headline is still the decode target
+    pallas = {"n": 1, "union": 16, "union_fraction": 0.25, "path": "pallas", "ms": 0.05,
+              "x_bound": 4.0, "x_floor": 5.0, "floor_ms": 0.01}
+    headline, notes = _ffn_summary([pallas, *rows])
+    assert notes[1].startswith("pallas: within 1.15x of the bound in 0/1 cases")
+    assert headline.startswith("decode: within 1.5x of the memory floor in 0/2 cases")
+    assert _ffn_summary([pallas])[0] == notes[1]
     with pytest.raises(ConfigError, match="profile_paths"):
         run_experiment("bench_kernels", bench_kernels.make_config, bench_kernels.run,
                        ["ffn_paths=(dense,)"], out=tmp_path / "bad")
