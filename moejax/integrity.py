@@ -26,10 +26,13 @@ class CorruptDataError(ValueError):
 
 
 def array_checksum(a) -> str:
-    """CRC-32 of ``a``'s bytes (C order), salted with dtype and shape; 8 hex digits."""
+    """CRC-32 of ``a``'s bytes (C order), salted with dtype and shape; 8 hex digits. The
+    dtypes numpy does not know natively (``ml_dtypes``' bfloat16, float8) are named in the
+    salt (their ``dtype.str`` is a bare void of their size)."""
     x = np.ascontiguousarray(np.asarray(a))
-    salt = f"{x.dtype.str}{x.shape}".encode()
-    return f"{zlib.crc32(memoryview(x).cast('B'), zlib.crc32(salt)) & 0xFFFFFFFF:08x}"
+    dtype = x.dtype.name if x.dtype.kind == "V" else x.dtype.str
+    salt = f"{dtype}{x.shape}".encode()
+    return f"{zlib.crc32(x.reshape(-1).view(np.uint8), zlib.crc32(salt)) & 0xFFFFFFFF:08x}"
 
 
 def json_checksum(record: Mapping, exclude: str = "checksum") -> str:

@@ -22,7 +22,8 @@
 #                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (the
 #                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
 #                than one command may run) and keeps its trained target and draft as
-#                checkpoints, so a stage stopped by STAGE_LIMIT resumes without training again
+#                checkpoints and each decoding it timed (measured_<target>.json), so a stage
+#                stopped by STAGE_LIMIT resumes without training or timing anything again
 #   speculative_quick | speculative_wide
 #                bench_speculative's quick models (the trained target grown to 104M
 #                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks,

@@ -126,8 +126,9 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
 def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, monkeypatch):
     """A run cut short (a GPU command's time limit) leaves every decoding timed before it;
     the same command again restores the trained target and draft and the distilled draft
-    from their checkpoints (no training step, the same validation perplexity) and finishes
-    the table. It decodes
+    from their checkpoints (no training step, the same validation perplexity), times only
+    the decodings still missing, and finishes the table; under another config every
+    decoding is timed again. It decodes
     in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
@@ -153,11 +154,17 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense"]
     first = (tmp_path / "b" / "target" / "metrics.csv").read_text()
     assert (tmp_path / "b" / "distilled" / "checkpoints").is_dir()
-    steps = []
+    steps, timed = [], []
     monkeypatch.setattr("moejax.train.loop._Run._step", lambda self, step: steps.append(step))
+    monkeypatch.setattr(mod, "decode_timing", lambda *a, **k: timed.append(k) or real(*a, **k))
     run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     assert steps == []  # nothing trained again
+    assert [k["draft"] is not None for k in timed] == [True, True]  # the two never timed
     assert (tmp_path / "b" / "target" / "metrics.csv").read_text() == first
+    assert "3 of 5 decodings were timed by an earlier command" in (
+        tmp_path / "b" / "summary.md").read_text()
+    kept = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
+    assert [r["tokens_per_s"] for r in kept[:3]] == [r["tokens_per_s"] for r in rows]
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
     assert [(r["mode"], r["draft"]) for r in rows] == [
         ("AR dense", ""), ("AR token-sparse", ""), ("spec dense", "independent"),
@@ -166,6 +173,11 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert float(rows[0]["tokens_matching_AR"]) == 1.0
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
     assert "decoded in bfloat16" in (tmp_path / "b" / "summary.md").read_text()
+    timed.clear()  # a decode key changed: the measurements kept are not reused
+    run_experiment(mod.STUDY.name, mod.make_config, mod.run, [*args, "profile_top=3"],
+                   out=tmp_path / "b")
+    assert len(timed) == 5 and steps == []
+    assert "decodings were timed by an earlier" not in (tmp_path / "b" / "summary.md").read_text()
 
 
 def test_matching_prefix_counts_new_tokens_before_the_first_difference():

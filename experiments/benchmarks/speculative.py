@@ -61,8 +61,9 @@ from moejax.bench.decode import (
     spec_chunk_sparsity,
 )
 from moejax.bench.profile import sees_device, top_kernel_rows
+from moejax.bench.resume import MeasurementStore, device_basis, weights_fingerprint
 from moejax.claims import Claim
-from moejax.config import Config, config
+from moejax.config import Config, config, to_dict
 from moejax.nn.decoder import keep_layers, with_dtype
 from moejax.pytree import count_params
 from moejax.results import RunDir
@@ -163,48 +164,45 @@ def _modes(target, drafts, cfg):
 
 
 def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
-    """Time every decoding of ``target`` into ``rows``; the table is rewritten after each
-    row, so a run stopped by a time limit keeps the rows it measured."""
+    """Time every decoding of ``target`` into ``rows``. The table is rewritten after each
+    row, and each decoding is kept in ``measured_<name>.json`` (:class:`moejax.bench.resume.
+    MeasurementStore`, under the config, the device and the models' weights), so the same
+    command again after a time limit times only the decodings still missing."""
     if cfg.decode_dtype != "float32":  # the drafts are cast once, in run()
         target = with_dtype(target, cfg.decode_dtype)
-    ref, agree, token_kernels = None, {}, []
+    store = MeasurementStore(run.path / f"measured_{name}.json", {
+        "config": to_dict(cfg), "device": device_basis(), "target": weights_fingerprint(target),
+        "drafts": {k: weights_fingerprint(d) for k, d in drafts.items()}})
+    if store.dropped:
+        print(f"bench_speculative: {store.dropped}", flush=True)
+    ref, agree, token_kernels, reused = None, {}, [], 0
     total = 2 + len(cfg.draft_lens) * (len(drafts) + 1)
     # one path variant (a copy of the target's weights) alive at a time, not all of them
     for mode, model, dname, d, n in tqdm(_modes(target, drafts, cfg), total=total, desc=name,
                                          leave=False):
-        r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
-                          profile=cfg.profile and sees_device())
+        key = f"{mode} | {dname} | {n}"
+        kept = store.get(key)
+        reused += kept is not None
+        if kept is None:
+            kept = store.put(key, _decoding(name, target, mode, model, dname, d, n, prompts,
+                                            ref, agree, cfg))
+        row = dict(kept["row"])  # the summary's ratios are added to the table's copy
         if mode == "AR dense":
-            ref = r
-        if d is not None and dname not in agree:
-            agree[dname] = argmax_agreement(d, target, ref["tokens"])
-        row = {"model": name, "params": count_params(target), "decode_dtype": cfg.decode_dtype,
-               "mode": mode, "expert_path": "dense" if mode.endswith("dense") else
-               expert_routes(target, n + 1, cfg.decode_dtype), "draft": dname,
-               "draft_params": count_params(d) if d is not None else "",
-               "agreement": agree.get(dname, ""),
-               "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
-               "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
-               "mean_accepted_length": r.get("mean_accepted_length", 1.0),
-               "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref["tokens"])),
-               "tokens_matching_AR": matching_prefix(r["tokens"], ref["tokens"],
-                                                     cfg.prompt_len)}
-        if r.get("kernels_per_token") is not None:
-            row["kernels_per_token"] = r["kernels_per_token"]
-            row["device_busy"] = r["device_busy"]
-            token_kernels += top_kernel_rows(
-                [{**row, "kernels": r["kernels"]}], cfg.profile_top,
-                ("model", "mode", "draft", "draft_len"))
-        sp = spec_chunk_sparsity(target, ref["tokens"], max(n, 0) + 1)
-        row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
-        row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
-                                         else sp["tls"] if mode == "AR token-sparse" else 0.0)
+            ref = {"tokens": np.asarray(kept["tokens"], np.int32),
+                   "tokens_per_s": row["tokens_per_s"]}
+        if dname:
+            agree.setdefault(dname, row["agreement"])
         rows.append(row)
+        token_kernels += kept["kernels"]
         run.table("decode", rows, title=DECODE_TITLE)
         if token_kernels:
             run.table(f"token_kernels_{name}", token_kernels, title=(
                 f"Where a generated token's device time goes, {name} target: each decoding's "
                 f"{cfg.profile_top} longest kernels (profiler), milliseconds per token"))
+    if reused:
+        run.note(f"{name} target: {reused} of {total} decodings were timed by an earlier "
+                 f"command of this run on the same device ({store.path.name}), the others by "
+                 "this one.")
     mine = [r for r in rows if r["model"] == name]
     ar_sparse = next(r for r in mine if r["mode"] == "AR token-sparse")
     for r in mine:
@@ -215,6 +213,38 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
             if dense:
                 r["sparse_gain"] = r["tokens_per_s"] / dense[0]["tokens_per_s"]
             r["gain_bound"] = 1 / r["ffn_fraction_bound"]  # if the FFN were all the time
+
+
+def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) -> dict:
+    """One decoding timed: its table row, its longest kernels and (AR dense, the reference
+    ``ref`` of the others: None when timing it) its tokens."""
+    r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
+                      profile=cfg.profile and sees_device())
+    ref = ref or r
+    ref_tokens = ref["tokens"]
+    if d is not None and dname not in agree:
+        agree[dname] = argmax_agreement(d, target, ref_tokens)
+    row = {"model": name, "params": count_params(target), "decode_dtype": cfg.decode_dtype,
+           "mode": mode, "expert_path": "dense" if mode.endswith("dense") else
+           expert_routes(target, n + 1, cfg.decode_dtype), "draft": dname,
+           "draft_params": count_params(d) if d is not None else "",
+           "agreement": agree.get(dname, ""),
+           "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
+           "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
+           "mean_accepted_length": r.get("mean_accepted_length", 1.0),
+           "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref_tokens)),
+           "tokens_matching_AR": matching_prefix(r["tokens"], ref_tokens, cfg.prompt_len)}
+    kernels = []
+    if r.get("kernels_per_token") is not None:
+        row["kernels_per_token"] = r["kernels_per_token"]
+        row["device_busy"] = r["device_busy"]
+        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top,
+                                  ("model", "mode", "draft", "draft_len"))
+    sp = spec_chunk_sparsity(target, ref_tokens, max(n, 0) + 1)
+    row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
+    row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
+                                     else sp["tls"] if mode == "AR token-sparse" else 0.0)
+    return {"row": row, "kernels": kernels, "tokens": r["tokens"] if ref is r else None}
 
 
 def matching_prefix(tokens_PS, ref_PS, prompt_len: int) -> float:

@@ -1,0 +1,111 @@
+"""Measurements a benchmark keeps as it takes them, so that the same command again (after a
+GPU command's time limit stopped it) measures only what is still missing.
+
+    store = MeasurementStore(run.path / "measured.json", basis={"config": to_dict(cfg),
+                             "device": device_basis(), "weights": weights_fingerprint(m)})
+    row = store.get("AR dense")
+    if row is None:
+        row = store.put("AR dense", measure())
+
+A stored measurement is reused only under the same ``basis``: what it was measured from and
+on (the run's config, the device and jax version, the models' weights). A file measured
+under another basis, or one that cannot be read back as the store's JSON, is set aside
+(:attr:`MeasurementStore.dropped` says why) and everything is measured again. Each
+:meth:`~MeasurementStore.put` rewrites the file atomically, so a command killed mid-write
+leaves the measurements before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from moejax.files import atomic_write_text
+from moejax.integrity import json_checksum, tree_checksums
+from moejax.pytree import named_leaves
+
+__all__ = ["MeasurementStore", "device_basis", "weights_fingerprint", "jsonable"]
+
+_FORMAT = 1
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with numpy and jax scalars and arrays as plain Python numbers and lists
+    (tuples as lists), so it reads back from JSON as it was written."""
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return np.asarray(value).tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a measurement holds a {type(value).__name__}, which JSON cannot keep")
+
+
+def device_basis() -> dict:
+    """The device and software a measurement was taken on: platform, device kind and count,
+    jax version."""
+    devs = jax.devices()
+    return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
+            "devices": len(devs), "jax": jax.__version__}
+
+
+def weights_fingerprint(tree) -> str:
+    """One checksum of every array leaf of ``tree`` (a module: its variables), by path."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree)
+    leaves = {name: np.asarray(x) for name, x in named_leaves(tree)
+              if isinstance(x, (np.ndarray, jax.Array))}
+    return json_checksum(tree_checksums(leaves))
+
+
+class MeasurementStore:
+    """Measurements by key, kept in one JSON file under a ``basis`` (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, basis: Mapping):
+        self.path = Path(path)
+        self.basis = jsonable(basis)
+        self.entries: dict[str, Any] = {}
+        self.dropped = ""  # why the file's measurements were not reused ("" if they were)
+        if not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            ok = (isinstance(data, dict) and data.get("format") == _FORMAT
+                  and isinstance(data.get("entries"), dict)
+                  and data.get("checksum") == json_checksum(data))
+        except (OSError, ValueError) as e:
+            self.dropped = f"{self.path} cannot be read back ({e}): measuring again"
+            return
+        if not ok:
+            self.dropped = f"{self.path} is not a measurement store it wrote: measuring again"
+        elif data.get("basis") != self.basis:
+            self.dropped = (f"{self.path} was measured under another config, device or "
+                            "weights: measuring again")
+        else:
+            self.entries = data["entries"]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def get(self, key: str, default=None):
+        return self.entries.get(key, default)
+
+    def put(self, key: str, value: Any) -> Any:
+        """Keep ``value`` (JSON-able: :func:`jsonable`) under ``key`` and rewrite the file;
+        returns the value as it will read back."""
+        self.entries[key] = jsonable(value)
+        record = {"format": _FORMAT, "basis": self.basis, "entries": self.entries}
+        record["checksum"] = json_checksum(record)
+        atomic_write_text(self.path, json.dumps(record, allow_nan=True) + "\n")
+        return self.entries[key]
