@@ -11,8 +11,9 @@ head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 ``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
 
 Two implementations of the attention itself (``impl``): ``"jax"`` calls
-``jax.nn.dot_product_attention`` with the explicit boolean mask, which runs cuDNN's flash
-attention on GPUs where it applies (bf16/fp16 and supported head sizes; otherwise XLA's);
+``jax.nn.dot_product_attention`` with the explicit boolean mask and its default
+implementation, which is XLA's on every platform (cuDNN's flash attention is
+``implementation="cudnn"``, not asked for here: tracing it needs a GPU's cuDNN);
 ``"einsum"`` is the obvious float32-softmax einsum, kept as the oracle (tests: equal values
 and gradients, GQA, padding, fully masked rows, the KV-cache path). ``"auto"`` (the default)
 is ``"jax"`` on GPU/TPU and ``"einsum"`` on CPU, where both are plain XLA and the einsum

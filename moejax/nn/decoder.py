@@ -59,7 +59,7 @@ class DecoderConfig(Config):
     init_std: float = 0.02  # embedding (and untied head) init std
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    # "jax": jax.nn.dot_product_attention (cuDNN flash attention on GPU where it applies);
+    # "jax": jax.nn.dot_product_attention, its default implementation (XLA's);
     # "einsum": the float32 einsum oracle; "auto": jax on GPU/TPU, einsum on CPU
     attention: Literal["auto", "jax", "einsum"] = "auto"
 
