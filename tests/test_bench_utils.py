@@ -13,7 +13,13 @@ from jax.profiler import ProfileData
 from moejax.bench import timing
 from moejax.bench.cost import fixed_plus_per_member, smallest_union_within, union_cost
 from moejax.bench.oracles import grouped_pass_sample
-from moejax.bench.profile import KernelTrace, device_kernels, trace_kernels
+from moejax.bench.profile import (
+    KernelTrace,
+    device_kernels,
+    kernel_kind,
+    kernel_kind_rows,
+    trace_kernels,
+)
 from moejax.bench.timing import time_call, time_device_loop, time_interleaved, union_activations
 from moejax.kernels.tuning import WrongResult, check_close
 
@@ -155,10 +161,29 @@ def test_device_kernels_reads_a_gpus_streams_and_a_tpus_ops_once():
     assert got.launches == 4 and got.busy_s == pytest.approx(13.5e-6)
     assert list(got.by_name) == ["mosaic_kernel", "fusion_2", "memset"]
     assert got.by_name["fusion_2"] == pytest.approx(4e-6)
+    assert got.counts == {"fusion_2": 2, "mosaic_kernel": 1, "memset": 1}
     tpu = device_kernels(_xspace("/device:TPU:0", {"XLA Ops": [("fusion.1", 2000)],
                                                    "XLA Modules": [("jit_f", 5000)]}))
-    assert tpu == KernelTrace(1, pytest.approx(2e-6), {"fusion.1": pytest.approx(2e-6)})
+    assert tpu == KernelTrace(1, pytest.approx(2e-6), {"fusion.1": pytest.approx(2e-6)},
+                              {"fusion.1": 1})
     assert device_kernels(_xspace("/device:GPU:0", {"XLA Modules": [("jit_f", 5)]})) is None
+
+
+def test_kernels_are_grouped_by_kind_without_xlas_instance_numbers():
+    assert [kernel_kind(n) for n in ("input_reduce_fusion_83", "gemm_fusion_dot_general_5",
+                                     "fusion.1", "loop_fusion", "sm90_xmma_gemm", "7")] == [
+        "input_reduce_fusion", "gemm_fusion_dot_general", "fusion", "loop_fusion",
+        "sm90_xmma_gemm", "7"]
+    row = {"mode": "AR", "kernels": {"input_reduce_fusion_83": 3e-6, "gemm_2": 4e-6,
+                                     "input_reduce_fusion_11": 2e-6},
+           "kernel_counts": {"input_reduce_fusion_83": 1.0, "gemm_2": 2.0,
+                             "input_reduce_fusion_11": 3.0}}
+    got = kernel_kind_rows([row, {"mode": "no counts", "kernels": {"gemm_2": 1e-6}}],
+                           ("mode",))
+    assert [(r["kind"], r["kernels"]) for r in got] == [("input_reduce_fusion", 4.0),
+                                                        ("gemm", 2.0)]
+    assert got[0]["ms"] == pytest.approx(5e-3) and got[0]["share"] == pytest.approx(5 / 9)
+    assert got[1]["mode"] == "AR" and "kernels" in row  # the row is left as it was
 
 
 def test_a_cpu_trace_has_no_device_kernels():

@@ -94,7 +94,8 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mod, "sees_device", lambda: True)
     monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
-        12, 3e-4, {"gemm": 2e-4, "fusion": 1e-4}))
+        12, 3e-4, {"gemm": 2e-4, "fusion_3": 0.6e-4, "fusion_1": 0.4e-4},
+        {"gemm": 6, "fusion_3": 4, "fusion_1": 2}))
     summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, TINY,
                                   claims=mod.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
@@ -110,8 +111,12 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert all(float(r["kernels_per_token"]) == pytest.approx(2.0) for r in rows)  # 12 / 6
     top = list(csv.DictReader(open(run.path / "token_kernels_grown.csv")))
     assert [(t["mode"], t["kernel"]) for t in top[:4]] == [
-        ("AR dense", "gemm"), ("AR dense", "fusion"), ("AR token-sparse", "gemm"),
-        ("AR token-sparse", "fusion")]
+        ("AR dense", "gemm"), ("AR dense", "fusion_3"), ("AR dense", "fusion_1"),
+        ("AR token-sparse", "gemm")]
+    kinds = list(csv.DictReader(open(run.path / "kernel_kinds_grown.csv")))
+    assert [(k["mode"], k["kind"], float(k["kernels"])) for k in kinds[:2]] == [
+        ("AR dense", "gemm", 1.0), ("AR dense", "fusion", 1.0)]  # launches per token: 6 / 6
+    assert float(kinds[1]["ms"]) == pytest.approx(1e-4 / 6 * 1e3)
     assert float(top[0]["ms"]) == pytest.approx(2e-4 / 6 * 1e3)
     assert float(top[0]["share"]) == pytest.approx(2 / 3)
     assert (run.path / "tokens_per_s_grown.png").exists()

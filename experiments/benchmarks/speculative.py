@@ -60,7 +60,7 @@ from moejax.bench.decode import (
     grow_blockffn_lm,
     spec_chunk_sparsity,
 )
-from moejax.bench.profile import sees_device, top_kernel_rows
+from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
 from moejax.bench.resume import MeasurementStore, device_basis, weights_fingerprint
 from moejax.claims import Claim
 from moejax.config import Config, config, to_dict
@@ -175,7 +175,7 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
         "drafts": {k: weights_fingerprint(d) for k, d in drafts.items()}})
     if store.dropped:
         print(f"bench_speculative: {store.dropped}", flush=True)
-    ref, agree, token_kernels, reused = None, {}, [], 0
+    ref, agree, token_kernels, kernel_kinds, reused = None, {}, [], [], 0
     total = 2 + len(cfg.draft_lens) * (len(drafts) + 1)
     # one path variant (a copy of the target's weights) alive at a time, not all of them
     for mode, model, dname, d, n in tqdm(_modes(target, drafts, cfg), total=total, desc=name,
@@ -194,11 +194,17 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
             agree.setdefault(dname, row["agreement"])
         rows.append(row)
         token_kernels += kept["kernels"]
+        kernel_kinds += kept.get("kinds", [])
         run.table("decode", rows, title=DECODE_TITLE)
         if token_kernels:
             run.table(f"token_kernels_{name}", token_kernels, title=(
                 f"Where a generated token's device time goes, {name} target: each decoding's "
                 f"{cfg.profile_top} longest kernels (profiler), milliseconds per token"))
+        if kernel_kinds:
+            run.table(f"kernel_kinds_{name}", kernel_kinds, title=(
+                f"What a generated token's kernels are, {name} target: each decoding's kernels "
+                "by kind (the name without XLA's instance numbers), launches and milliseconds "
+                "per token, longest first"))
     if reused:
         run.note(f"{name} target: {reused} of {total} decodings were timed by an earlier "
                  f"command of this run on the same device ({store.path.name}), the others by "
@@ -234,17 +240,20 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
            "mean_accepted_length": r.get("mean_accepted_length", 1.0),
            "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref_tokens)),
            "tokens_matching_AR": matching_prefix(r["tokens"], ref_tokens, cfg.prompt_len)}
-    kernels = []
+    kernels, kinds = [], []
     if r.get("kernels_per_token") is not None:
         row["kernels_per_token"] = r["kernels_per_token"]
         row["device_busy"] = r["device_busy"]
-        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top,
-                                  ("model", "mode", "draft", "draft_len"))
+        keys = ("model", "mode", "draft", "draft_len")
+        kinds = kernel_kind_rows([{**row, "kernels": r["kernels"],
+                                   "kernel_counts": r.get("kernel_counts")}], keys)
+        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top, keys)
     sp = spec_chunk_sparsity(target, ref_tokens, max(n, 0) + 1)
     row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
     row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
                                      else sp["tls"] if mode == "AR token-sparse" else 0.0)
-    return {"row": row, "kernels": kernels, "tokens": r["tokens"] if ref is r else None}
+    return {"row": row, "kernels": kernels, "kinds": kinds,
+            "tokens": r["tokens"] if ref is r else None}
 
 
 def matching_prefix(tokens_PS, ref_PS, prompt_len: int) -> float:

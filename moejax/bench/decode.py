@@ -152,8 +152,9 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
     ``kernels_per_token`` (device kernels, copies and memsets a generated token costs) and
     ``device_busy`` (their summed device time over the prompt's measured wall time: well
     below 1, the decode waits on the host launching its many small kernels, not on the
-    device) and ``kernels`` (device seconds per generated token by kernel name, largest
-    first); each None where the trace sees no device (a CPU)."""
+    device), ``kernels`` (device seconds per generated token by kernel name, largest
+    first) and ``kernel_counts`` (launches per generated token by kernel name); each None
+    where the trace sees no device (a CPU)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     P, T = prompts.shape
 
@@ -185,6 +186,8 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         res["device_busy"] = None if trace is None else trace.busy_s / (seconds / P)
         res["kernels"] = None if trace is None else {
             name: t / max_new_tokens for name, t in trace.by_name.items()}
+        res["kernel_counts"] = None if trace is None or trace.counts is None else {
+            name: c / max_new_tokens for name, c in trace.counts.items()}
     return res
 
 

@@ -15,6 +15,7 @@ measured", never a zero.
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -24,18 +25,21 @@ from typing import NamedTuple
 import jax
 from jax.profiler import ProfileData
 
-__all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device", "top_kernel_rows"]
+__all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device", "top_kernel_rows",
+           "kernel_kind", "kernel_kind_rows"]
 
 _TPU_OPS = "XLA Ops"
 
 
 class KernelTrace(NamedTuple):
     """The device events of a traced run: ``launches`` (events), ``busy_s`` (their summed
-    durations) and ``by_name`` (seconds per kernel name, largest first)."""
+    durations), ``by_name`` (seconds per kernel name, largest first) and ``counts`` (events
+    per kernel name; None where not recorded)."""
 
     launches: int
     busy_s: float
     by_name: dict[str, float]
+    counts: dict[str, int] | None = None
 
 
 def sees_device() -> bool:
@@ -54,6 +58,7 @@ def device_kernels(profile: ProfileData) -> KernelTrace | None:
     """The kernels, copies and memsets on the accelerator planes of ``profile`` (module
     docstring); None where it has none."""
     durations: dict[str, float] = {}
+    counts: dict[str, int] = {}
     launches = 0
     for plane in profile.planes:
         if not plane.name.startswith("/device:"):
@@ -62,10 +67,11 @@ def device_kernels(profile: ProfileData) -> KernelTrace | None:
             for event in line.events:
                 launches += 1
                 durations[event.name] = durations.get(event.name, 0.0) + event.duration_ns * 1e-9
+                counts[event.name] = counts.get(event.name, 0) + 1
     if not launches:
         return None
     by_name = dict(sorted(durations.items(), key=lambda kv: -kv[1]))
-    return KernelTrace(launches, sum(by_name.values()), by_name)
+    return KernelTrace(launches, sum(by_name.values()), by_name, counts)
 
 
 def _attempt(what: str, fn):
@@ -113,4 +119,34 @@ def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...]) -> list[d
         for name, t in items[:top] + ([("(the other kernels)", rest)] if rest else []):
             out.append({**{k: r.get(k, "") for k in keys}, "kernel": name, "ms": t * 1e3,
                         "share": t / busy if busy else 0.0})
+    return out
+
+
+def kernel_kind(name: str) -> str:
+    """A kernel's name without the numbers XLA appends to tell its instances apart
+    (``input_reduce_fusion_83`` -> ``input_reduce_fusion``, ``fusion.1`` -> ``fusion``): the
+    kind of work, for counting where a step's many small kernels come from."""
+    return re.sub(r"([._]\d+)+$", "", name) or name
+
+
+def kernel_kind_rows(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """Per row with ``kernels`` (seconds per kernel name in some unit of work: a train step, a
+    generated token) and ``kernel_counts`` (launches per name in the same unit): its kernels
+    grouped by :func:`kernel_kind`, longest first, each with the row's ``keys``, its launches
+    and milliseconds per unit and its share of the unit's device time. Rows without counts
+    give none."""
+    out = []
+    for r in rows:
+        by_name, counts = r.get("kernels"), r.get("kernel_counts")
+        if not by_name or not counts:
+            continue
+        kinds: dict[str, list[float]] = {}
+        for name, t in by_name.items():
+            k = kinds.setdefault(kernel_kind(name), [0.0, 0.0])
+            k[0] += counts.get(name, 0)
+            k[1] += t
+        busy = sum(t for _, t in kinds.values())
+        for kind, (n, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            out.append({**{k: r.get(k, "") for k in keys}, "kind": kind, "kernels": n,
+                        "ms": t * 1e3, "share": t / busy if busy else 0.0})
     return out
