@@ -186,7 +186,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
 
 
 def test_matching_prefix_counts_new_tokens_before_the_first_difference():
-    from experiments.benchmarks.speculative import matching_prefix
+    from moejax.bench.decode import matching_prefix
 
     ref = np.array([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8]])
     assert matching_prefix(ref, ref, 2) == 1.0

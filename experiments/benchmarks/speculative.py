@@ -58,6 +58,7 @@ from moejax.bench.decode import (
     decode_timing,
     expert_routes,
     grow_blockffn_lm,
+    matching_prefix,
     spec_chunk_sparsity,
 )
 from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
@@ -254,13 +255,6 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
                                      else sp["tls"] if mode == "AR token-sparse" else 0.0)
     return {"row": row, "kernels": kernels, "kinds": kinds,
             "tokens": r["tokens"] if ref is r else None}
-
-
-def matching_prefix(tokens_PS, ref_PS, prompt_len: int) -> float:
-    """The share of new tokens before the first that differs from ``ref``, over prompts."""
-    new, ref = np.asarray(tokens_PS)[:, prompt_len:], np.asarray(ref_PS)[:, prompt_len:]
-    same = np.cumprod(new == ref, axis=1)  # 1 until the first difference
-    return float(same.mean())
 
 
 def _drafts(cfg, target, draft, train_src, run) -> dict:

@@ -13,6 +13,8 @@
 * :func:`decode_timing`: tokens/s of batch-1 greedy decoding, autoregressive (the jitted
   sampling loop) or speculative, over several prompts after one untimed warm-up; with
   ``profile``, the device kernels per token and the fraction of the time the device is busy.
+* :func:`matching_prefix`: how much of a decoding is the reference's, where 16-bit decoding
+  lets a near-tie round the other way.
 * :func:`spec_chunk_sparsity`: TLS and CLS of the target's routers over the generated text in
   chunks of ``draft_len + 1`` (the verified blocks).
 * :func:`expert_routes`: what a model's BlockFFN layers compute a decode chunk with on the
@@ -42,8 +44,8 @@ from moejax.nn.speculative import speculative_generate
 from moejax.nn.surgery import build_from_pure, with_slot_config
 from moejax.ops.activations import is_gated
 
-__all__ = ["grow_blockffn_lm", "decode_timing", "spec_chunk_sparsity", "blockffn_path",
-           "expert_routes"]
+__all__ = ["grow_blockffn_lm", "decode_timing", "spec_chunk_sparsity", "matching_prefix",
+           "blockffn_path", "expert_routes"]
 
 
 def blockffn_path(model: DecoderLM, path: str, union_chunk: int = 1) -> DecoderLM:
@@ -189,6 +191,13 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         res["kernel_counts"] = None if trace is None or trace.counts is None else {
             name: c / max_new_tokens for name, c in trace.counts.items()}
     return res
+
+
+def matching_prefix(tokens_PS, ref_PS, prompt_len: int) -> float:
+    """The share of new tokens before the first that differs from ``ref``, over prompts."""
+    new, ref = np.asarray(tokens_PS)[:, prompt_len:], np.asarray(ref_PS)[:, prompt_len:]
+    same = np.cumprod(new == ref, axis=1)  # 1 until the first difference
+    return float(same.mean())
 
 
 def spec_chunk_sparsity(model, tokens, chunk_len: int) -> dict:
