@@ -52,7 +52,22 @@ def test_another_config_device_or_weights_is_measured_again(tmp_path):
         store = MeasurementStore(path, other)
         assert store.entries == {} and "another config, device or weights" in store.dropped
     assert MeasurementStore(path, BASIS).entries == {"a": 1}  # the file was not rewritten
-    assert device_basis()["platform"] == "cpu" and device_basis()["jax"]
+
+
+def test_the_device_basis_names_the_flags_and_kernel_table_a_lowering_reads(tmp_path,
+                                                                          monkeypatch):
+    base = device_basis()
+    assert base["platform"] == "cpu" and base["jax"]
+    monkeypatch.setenv("XLA_FLAGS", base["xla_flags"] + " --xla_gpu_enable_command_buffer=")
+    flagged = device_basis()
+    assert flagged["xla_flags"] != base["xla_flags"]
+    table = tmp_path / "table.json"
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(table))
+    assert device_basis()["kernel_table"] == "none"
+    table.write_text("{}")
+    empty = device_basis()["kernel_table"]
+    table.write_text('{"NVIDIA H200": {}}')
+    assert device_basis()["kernel_table"] not in {"none", empty}
 
 
 def test_weights_fingerprint_sees_every_weight_and_its_dtype():

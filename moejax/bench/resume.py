@@ -8,7 +8,8 @@ GPU command's time limit stopped it) measures only what is still missing.
         row = store.put("AR dense", measure())
 
 A stored measurement is reused only under the same ``basis``: what it was measured from and
-on (the run's config, the device and jax version, the models' weights). A file measured
+on (the run's config, the device, jax, ``XLA_FLAGS`` and the kernel table, the models'
+weights). A file measured
 under another basis, or one that cannot be read back as the store's JSON, is set aside
 (:attr:`MeasurementStore.dropped` says why) and everything is measured again. Each
 :meth:`~MeasurementStore.put` rewrites the file atomically, so a command killed mid-write
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from flax import nnx
 
 from moejax.files import atomic_write_text
 from moejax.integrity import json_checksum, tree_checksums
+from moejax.kernels.tuning import table_path
 from moejax.pytree import named_leaves
 
 __all__ = ["MeasurementStore", "device_basis", "weights_fingerprint", "jsonable"]
@@ -54,10 +57,15 @@ def jsonable(value: Any) -> Any:
 
 def device_basis() -> dict:
     """The device and software a measurement was taken on: platform, device kind and count,
-    jax version."""
+    jax version, ``XLA_FLAGS`` and the kernel table the lowerings read
+    (:func:`moejax.kernels.tuning.table_path`, by checksum of its bytes)."""
     devs = jax.devices()
+    table = table_path()
     return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
-            "devices": len(devs), "jax": jax.__version__}
+            "devices": len(devs), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "kernel_table": f"{zlib.crc32(table.read_bytes()) & 0xFFFFFFFF:08x}"
+            if table.is_file() else "none"}
 
 
 def weights_fingerprint(tree) -> str:
