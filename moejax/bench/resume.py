@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.files import atomic_write_text
-from moejax.integrity import json_checksum, tree_checksums
+from moejax.integrity import array_checksum, json_checksum
 from moejax.kernels.tuning import table_path
 from moejax.pytree import named_leaves
 
@@ -72,9 +72,10 @@ def weights_fingerprint(tree) -> str:
     """One checksum of every array leaf of ``tree`` (a module: its variables), by path."""
     if isinstance(tree, nnx.Module):
         tree = nnx.state(tree)
-    leaves = {name: np.asarray(x) for name, x in named_leaves(tree)
-              if isinstance(x, (np.ndarray, jax.Array))}
-    return json_checksum(tree_checksums(leaves))
+    # one leaf on the host at a time: a 2B-parameter target is not copied whole
+    sums = {name: array_checksum(x) for name, x in named_leaves(tree)
+            if isinstance(x, (np.ndarray, jax.Array))}
+    return json_checksum(sums)
 
 
 class MeasurementStore:
