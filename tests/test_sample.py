@@ -11,7 +11,7 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
-from moejax.nn.sample import sample, top_p_filter
+from moejax.nn.sample import sample, sampler, top_p_filter
 
 
 def _lm(moe: bool = False, vocab: int = 32):
@@ -92,3 +92,35 @@ def test_bad_arguments_raise():
         sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), top_p=0.0)
     with pytest.raises(ValueError, match="max_seq_len"):
         sample(model, p, np.array([4, 4]), 40, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="prompt_lens_B has shape"):
+        sample(model, p, np.array([4]), 2, key=jax.random.key(0))
+
+
+def test_a_sampler_splits_the_model_once_and_samples_its_variables_values():
+    """sampler: each call equals sample's, for batches of other shapes; a variable's value
+    set in place after it was made is seen, a variable replaced by a new object is not (a
+    new sampler sees it)."""
+    model = _lm(moe=True)
+    draw = sampler(model, 5, temperature=0.7, top_p=0.9)
+    key = jax.random.key(4)
+    rng = np.random.default_rng(1)
+    for B, T in ((1, 3), (3, 6)):
+        prompts = rng.integers(1, 32, (B, T)).astype(np.int32)
+        lens = rng.integers(1, T + 1, (B,))
+        got = draw(prompts, lens, key=key)
+        want = sample(model, prompts, lens, 5, key=key, temperature=0.7, top_p=0.9)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    before = np.asarray(draw(prompts, lens, key=key).tokens_BS)
+    rolled = jnp.roll(model.embed[...], 1, axis=0)
+    model.embed[...] = rolled
+    moved = np.asarray(draw(prompts, lens, key=key).tokens_BS)
+    assert not np.array_equal(moved, before)
+    np.testing.assert_array_equal(moved, np.asarray(sample(
+        model, prompts, lens, 5, key=key, temperature=0.7, top_p=0.9).tokens_BS))
+    model.embed = nnx.Param(jnp.roll(rolled, 1, axis=0))  # a new object: not in draw's state
+    np.testing.assert_array_equal(np.asarray(draw(prompts, lens, key=key).tokens_BS), moved)
+    after = sampler(model, 5, temperature=0.7, top_p=0.9)(prompts, lens, key=key)
+    assert not np.array_equal(np.asarray(after.tokens_BS), moved)
+    with pytest.raises(ValueError, match="top_p"):
+        sampler(model, 5, top_p=1.5)

@@ -13,7 +13,12 @@ from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
-from moejax.nn.speculative import chunk_sparse_target, rollback, speculative_generate
+from moejax.nn.speculative import (
+    chunk_sparse_target,
+    rollback,
+    speculative_decoder,
+    speculative_generate,
+)
 
 V = 12
 
@@ -172,3 +177,33 @@ def test_bad_arguments_name_the_fix(models):
         speculative_generate(target, target, p, 60)
     with pytest.raises(ValueError, match="key="):
         speculative_generate(target, target, p, 4, temperature=1.0)
+
+
+def test_a_decoder_splits_the_models_once_and_decodes_like_generate(models, monkeypatch):
+    """speculative_decoder: every call equals speculative_generate's, for prompts of other
+    lengths and for sampling with a key; the models are split when it is made, not per
+    call."""
+    target, near, _ = models
+    decode = speculative_decoder(target, near, 9, draft_len=3)
+    splits = []
+    real = nnx.split
+    monkeypatch.setattr(nnx, "split", lambda *a, **k: splits.append(1) or real(*a, **k))
+    for T in (1, 4, 6):
+        prompts = jax.random.randint(jax.random.key(T), (2, T), 0, V)
+        got = decode(prompts)
+        want = speculative_generate(target, near, prompts, 9, draft_len=3)
+        np.testing.assert_array_equal(np.asarray(got.tokens_BS), np.asarray(want.tokens_BS))
+        np.testing.assert_array_equal(np.asarray(got.rounds_B), np.asarray(want.rounds_B))
+    assert len(splits) == 2 * 3  # speculative_generate's own splits, none of the decoder's
+    key = jax.random.key(3)
+    sampled = speculative_decoder(target, near, 9, draft_len=3, temperature=1.0)
+    np.testing.assert_array_equal(
+        np.asarray(sampled(prompts, key).tokens_BS),
+        np.asarray(speculative_generate(target, near, prompts, 9, draft_len=3, key=key,
+                                        temperature=1.0).tokens_BS))
+    with pytest.raises(ValueError, match="key="):
+        sampled(prompts)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        decode(jnp.zeros((1, 50), jnp.int32))
+    with pytest.raises(ValueError, match="draft_len"):
+        speculative_decoder(target, near, 9, draft_len=0)

@@ -11,7 +11,8 @@
   columns are shifted along the mean direction ``m`` of that stream, ``W - beta m 1^T``, with
   ``beta`` bisected so the extra layers' TLS on the calibration tokens matches.
 * :func:`decode_timing`: tokens/s of batch-1 greedy decoding, autoregressive (the jitted
-  sampling loop) or speculative, over several prompts after one untimed warm-up; with
+  sampling loop) or speculative, over several prompts after one untimed warm-up, the models
+  split once before (a timed call is the jitted decoding, as a server runs it); with
   ``profile``, the device kernels per token and the fraction of the time the device is busy.
 * :func:`matching_prefix`: how much of a decoding is the reference's, where 16-bit decoding
   lets a near-tie round the other way.
@@ -39,8 +40,8 @@ from moejax.kernels.chunk_union.pallas import decode_route
 from moejax.nn.block import run_blocks
 from moejax.nn.blockffn import BlockFFN, BlockFFNConfig
 from moejax.nn.decoder import DecoderLM
-from moejax.nn.sample import sample
-from moejax.nn.speculative import speculative_generate
+from moejax.nn.sample import sampler
+from moejax.nn.speculative import speculative_decoder
 from moejax.nn.surgery import build_from_pure, with_slot_config
 from moejax.ops.activations import is_gated
 
@@ -159,13 +160,17 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
     where the trace sees no device (a CPU)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     P, T = prompts.shape
+    # the models split once, as a server holds them: a timed call is the jitted decoding
+    if draft is None:
+        draw, lens, key = sampler(target, max_new_tokens, temperature=0.0), np.full(
+            (1,), T, np.int32), jax.random.key(0)
+    else:
+        decode = speculative_decoder(target, draft, max_new_tokens, draft_len=draft_len)
 
     def one(row):
         if draft is None:
-            s = sample(target, row, jnp.asarray([T], jnp.int32), max_new_tokens,
-                       key=jax.random.key(0), temperature=0.0)
-            return s.tokens_BS, None
-        out = speculative_generate(target, draft, row, max_new_tokens, draft_len=draft_len)
+            return draw(row, lens, key=key).tokens_BS, None
+        out = decode(row)
         return out.tokens_BS, out
 
     jax.block_until_ready(one(prompts[:1])[0])  # compile

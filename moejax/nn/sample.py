@@ -21,16 +21,18 @@ stops when every row has emitted ``eos_id`` or after ``max_new_tokens`` steps; t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
 
-__all__ = ["Sampled", "sample", "sample_traced", "top_p_filter", "select_next"]
+__all__ = ["Sampled", "sample", "sampler", "sample_traced", "top_p_filter", "select_next"]
 
 
 class Sampled(NamedTuple):
@@ -112,33 +114,51 @@ def _sample(graphdef, state, prompts_BT, prompt_lens_B, key, **kw):
     return sample_traced(nnx.merge(graphdef, state), prompts_BT, prompt_lens_B, key, **kw)
 
 
-def sample(model, prompts_BT, prompt_lens_B, max_new_tokens: int, *, key: jax.Array,
-           temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
-           pad_id: int = 0) -> Sampled:
-    """Sample up to ``max_new_tokens`` after each row's prompt (see the module docstring).
-    ``prompt_lens_B`` (each in ``[1, T]``) says how many leading tokens of each row of
-    ``prompts_BT`` are the prompt. One compilation per (model structure, shapes, settings)."""
-    prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
-    B, T = prompts_BT.shape
-    lens = jnp.asarray(prompt_lens_B, jnp.int32)
-    if lens.shape != (B,):
-        raise ValueError(f"prompt_lens_B has shape {lens.shape}; expected ({B},)")
+def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
+            eos_id: int | None = None, pad_id: int = 0) -> Callable[..., Sampled]:
+    """``draw(prompts_BT, prompt_lens_B, *, key) -> Sampled``: :func:`sample` with this model
+    and these settings, the model split once (as a server holds it): a call pays the jitted
+    loop and nothing per module. The split state holds the model's variables, so a call
+    samples their values at that time (``param[...] = x`` and ``nnx.update`` are seen); a
+    variable or submodule replaced by a new object is not (make a new sampler). Prompt
+    lengths given as numpy are checked on the host, with no device round trip."""
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if T + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(f"prompt block ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_seq_len={model.cfg.max_seq_len}; shorten the prompts or the "
-                         "responses")
-    lo, hi = int(jnp.min(lens)), int(jnp.max(lens))
-    if lo < 1 or hi > T:
-        raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
+    max_seq_len = model.cfg.max_seq_len
     graphdef, state = nnx.split(model)
     static = dict(max_new=int(max_new_tokens), temperature=float(temperature),
                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
-    args = (graphdef, state, prompts_BT, lens, key)
-    record_decode("sample", _sample, args, static)
-    return _sample(*args, **static)
+
+    def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
+        prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
+        B, T = prompts_BT.shape
+        lens_host = np.asarray(prompt_lens_B)
+        if lens_host.shape != (B,):
+            raise ValueError(f"prompt_lens_B has shape {lens_host.shape}; expected ({B},)")
+        if T + max_new_tokens > max_seq_len:
+            raise ValueError(f"prompt block ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_seq_len={max_seq_len}; shorten the prompts or the "
+                             "responses")
+        lo, hi = int(lens_host.min()), int(lens_host.max())
+        if lo < 1 or hi > T:
+            raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
+        args = (graphdef, state, prompts_BT, jnp.asarray(lens_host, jnp.int32), key)
+        record_decode("sample", _sample, args, static)
+        return _sample(*args, **static)
+
+    return draw
+
+
+def sample(model, prompts_BT, prompt_lens_B, max_new_tokens: int, *, key: jax.Array,
+           temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None = None,
+           pad_id: int = 0) -> Sampled:
+    """Sample up to ``max_new_tokens`` after each row's prompt (see the module docstring).
+    ``prompt_lens_B`` (each in ``[1, T]``) says how many leading tokens of each row of
+    ``prompts_BT`` are the prompt. One compilation per (model structure, shapes, settings).
+    Sampling many batches with one model: :func:`sampler` splits it once."""
+    return sampler(model, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=eos_id,
+                   pad_id=pad_id)(prompts_BT, prompt_lens_B, key=key)

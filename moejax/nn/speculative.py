@@ -31,6 +31,7 @@ only the union of the experts the ``n + 1`` tokens activate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -42,8 +43,8 @@ from moejax.capture import record_decode
 from moejax.nn.blockffn import BlockFFN
 from moejax.nn.surgery import with_slot_config
 
-__all__ = ["SpecOutput", "speculative_generate", "rollback", "chunk_sparse_target",
-           "accept_greedy", "accept_sampled"]
+__all__ = ["SpecOutput", "speculative_generate", "speculative_decoder", "cache_len", "rollback",
+           "chunk_sparse_target", "accept_greedy", "accept_sampled"]
 
 
 class SpecOutput(NamedTuple):
@@ -110,10 +111,18 @@ def _pick(logits_BV, key, temperature):
                                   axis=-1).astype(jnp.int32)
 
 
+def cache_len(prompt_len: int, max_new_tokens: int, draft_len: int) -> int:
+    """The KV-cache slots a speculative decoding takes: the prompt, the new tokens and two
+    rounds' drafts and corrections past them (a round writes before it rolls back)."""
+    return prompt_len + max_new_tokens + 2 * (draft_len + 1)
+
+
 @partial(jax.jit, static_argnums=(0, 2), static_argnames=("max_new", "n", "temperature"))
-def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, temperature):
+def _speculate(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
     target, draft = nnx.merge(tg, ts), nnx.merge(dg, ds)
     B, T = prompt_BT.shape
+    size = cache_len(T, max_new, n)
+    tcache, dcache = target.init_cache(B, size), draft.init_cache(B, size)
     n_out = max_new + n + 1
     k_first, key = jax.random.split(key)
     out = jnp.zeros((B, n_out), jnp.int32)
@@ -183,34 +192,59 @@ def _speculate(tg, ts, dg, ds, prompt_BT, tcache, dcache, key, *, max_new, n, te
     return SpecOutput(tokens, st["accepted"], st["rounds"], st["hist"])
 
 
-def speculative_generate(target: nnx.Module, draft: nnx.Module, prompt_BT, max_new_tokens: int,
-                         *, draft_len: int = 4, key: jax.Array | None = None,
-                         temperature: float = 0.0) -> SpecOutput:
-    """Generate ``max_new_tokens`` per row (module docstring). ``temperature == 0``: greedy
-    (no key needed); otherwise sampling with an explicit ``key``. All prompt rows share one
-    length; target and draft must share the vocabulary."""
-    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
-    B, T = prompt_BT.shape
+def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: int, *,
+                        draft_len: int = 4, temperature: float = 0.0
+                        ) -> Callable[..., SpecOutput]:
+    """``decode(prompt_BT, key=None) -> SpecOutput``: :func:`speculative_generate` with these
+    models and settings, the models split once (as a server holds them): a call pays the
+    jitted loop and nothing per module. The split states hold the models' variables, so a
+    call decodes their values at that time (``param[...] = x`` and ``nnx.update`` are seen); a
+    variable or submodule replaced by a new object is not (make a new decoder).
+    ``temperature == 0``: greedy (no key needed);
+    otherwise each call takes an explicit ``key``. All prompt rows share one length; target
+    and draft must share the vocabulary."""
     temperature = float(temperature)
-    if draft_len < 1 or max_new_tokens < 1 or T < 1:
-        raise ValueError(f"draft_len={draft_len}, max_new_tokens={max_new_tokens} and the "
-                         f"prompt length {T} must be >= 1")
-    if temperature < 0 or (temperature > 0 and key is None):
+    if draft_len < 1 or max_new_tokens < 1:
+        raise ValueError(f"draft_len={draft_len} and max_new_tokens={max_new_tokens} must be "
+                         ">= 1")
+    if temperature < 0:
         raise ValueError(f"temperature={temperature}: use 0 (greedy) or > 0 with an explicit "
                          "key=jax.random.key(...)")
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"target vocab {target.cfg.vocab_size} != draft vocab "
                          f"{draft.cfg.vocab_size}: speculation needs one tokenizer")
-    size = T + max_new_tokens + 2 * (draft_len + 1)
-    for name, m in (("target", target), ("draft", draft)):
-        if size > m.cfg.max_seq_len:
-            raise ValueError(f"{name}: prompt {T} + {max_new_tokens} new tokens + 2 x "
-                             f"(draft_len + 1) = {size} exceeds max_seq_len={m.cfg.max_seq_len}")
     tg, ts = nnx.split(target)
     dg, ds = nnx.split(draft)
-    key = jax.random.key(0) if key is None else key
-    args = (tg, ts, dg, ds, prompt_BT, target.init_cache(B, size), draft.init_cache(B, size),
-            key)
-    static = dict(max_new=max_new_tokens, n=draft_len, temperature=temperature)
-    record_decode(f"speculative n={draft_len}", _speculate, args, static)
-    return _speculate(*args, **static)
+    cfgs = (("target", target.cfg), ("draft", draft.cfg))
+    static = dict(max_new=int(max_new_tokens), n=int(draft_len), temperature=temperature)
+
+    def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
+        prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+        T = prompt_BT.shape[1]
+        if T < 1:
+            raise ValueError("the prompt length must be >= 1")
+        if temperature > 0 and key is None:
+            raise ValueError(f"temperature={temperature}: sampling needs an explicit "
+                             "key=jax.random.key(...)")
+        size = cache_len(T, max_new_tokens, draft_len)
+        for name, cfg in cfgs:
+            if size > cfg.max_seq_len:
+                raise ValueError(f"{name}: prompt {T} + {max_new_tokens} new tokens + 2 x "
+                                 f"(draft_len + 1) = {size} exceeds max_seq_len="
+                                 f"{cfg.max_seq_len}")
+        args = (tg, ts, dg, ds, prompt_BT, jax.random.key(0) if key is None else key)
+        record_decode(f"speculative n={draft_len}", _speculate, args, static)
+        return _speculate(*args, **static)
+
+    return decode
+
+
+def speculative_generate(target: nnx.Module, draft: nnx.Module, prompt_BT, max_new_tokens: int,
+                         *, draft_len: int = 4, key: jax.Array | None = None,
+                         temperature: float = 0.0) -> SpecOutput:
+    """Generate ``max_new_tokens`` per row (module docstring). ``temperature == 0``: greedy
+    (no key needed); otherwise sampling with an explicit ``key``. All prompt rows share one
+    length; target and draft must share the vocabulary. Decoding many prompts with the same
+    models: :func:`speculative_decoder` splits them once."""
+    return speculative_decoder(target, draft, max_new_tokens, draft_len=draft_len,
+                               temperature=temperature)(prompt_BT, key)
