@@ -24,7 +24,7 @@ from flax import nnx
 from rouge_score import rouge_scorer
 
 from moejax.evaluate import Evaluator, LMEvaluator
-from moejax.nn.sample import sample
+from moejax.nn.sample import sampler
 from moejax.ops.distill_losses import forward_kl
 
 __all__ = ["GenerationEvaluator", "ResponseScorer", "rouge_l", "response_kl",
@@ -59,11 +59,13 @@ class GenerationEvaluator(Evaluator):
                            for row, m in zip(b["tokens"], b["response_mask"])]
 
     def generate(self, model, seed: int) -> list[str]:
-        out = []
+        out, draws = [], {}  # a sampler per response length: the model split once for each
         for i, b in enumerate(self.batches):
             max_new = b["tokens"].shape[1] - b["prompts"].shape[1]
-            s = sample(model, b["prompts"], b["prompt_lens"], max_new,
-                       key=jax.random.fold_in(jax.random.key(seed), i), **self.kw)
+            if max_new not in draws:
+                draws[max_new] = sampler(model, max_new, **self.kw)
+            s = draws[max_new](b["prompts"], b["prompt_lens"],
+                               key=jax.random.fold_in(jax.random.key(seed), i))
             toks, resp = jax.device_get((s.tokens_BS, s.response_mask_BS))
             out += [self.decode(row[m]) for row, m in zip(toks, resp)]
         return out

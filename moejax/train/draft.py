@@ -30,7 +30,7 @@ from flax import nnx
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
 from moejax.nn.decoder import DecoderLM
-from moejax.nn.sample import sample
+from moejax.nn.sample import sampler
 from moejax.train.distill import DistillConfig, distil
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import History
@@ -75,11 +75,10 @@ def target_continuations(target: DecoderLM, prompts_PT, response_len: int, *, ke
     ``response_mask`` (1 on the generated tokens)."""
     prompts_PT = np.asarray(prompts_PT, np.int32)
     P, T = prompts_PT.shape
-    tokens = []
+    tokens, draw = [], sampler(target, response_len, temperature=temperature)
     for i in range(0, P, batch):
         rows = prompts_PT[i:i + batch]
-        s = sample(target, rows, np.full((rows.shape[0],), T, np.int32), response_len,
-                   key=jax.random.fold_in(key, i), temperature=temperature)
+        s = draw(rows, np.full((rows.shape[0],), T, np.int32), key=jax.random.fold_in(key, i))
         tokens.append(np.asarray(s.tokens_BS))
     tokens_PS = np.concatenate(tokens)
     mask = np.zeros(tokens_PS.shape, np.float32)
