@@ -369,6 +369,22 @@ def test_a_prefetching_or_split_configuration_computes_the_same(prefetch, splits
     assert _steps(y, _oracle(x, a, wu, wd, wg, "swiglu")) <= 2
 
 
+def test_four_programs_over_the_width_each_add_their_own_d_block():
+    """Four splits of D 512 (one 128-wide D block a program), as the autotune's four-split
+    candidates run: the kernel still equals the oracle."""
+    k = jax.random.split(jax.random.key(11), 5)
+    d, n = 512, 3
+    x = jax.random.normal(k[0], (n, d)).astype(BF)
+    on = jax.random.uniform(k[1], (n, E)) < 0.4
+    a = jnp.where(on, jax.random.uniform(k[2], (n, E), minval=0.1, maxval=1.0), 0.0)
+    wu = (jax.random.normal(k[3], (E, d, F)) / np.sqrt(d)).astype(BF)
+    wd = (jax.random.normal(k[4], (E, F, d)) / np.sqrt(F)).astype(BF)
+    with tuning.forced(tuning.TritonConfig(128, 64, 128, 4, 3, 0, 4)):
+        assert decode_gpu.d_splits(BF, d, F) == 4
+        y = chunk_union_decode_gpu(x, a, on, wu, wd, activation="relu", interpret=True)
+    assert _steps(y, _oracle(x, a, wu, wd, None, "relu")) <= 2
+
+
 @pytest.mark.parametrize("splits,d,want", [(2, 2048, 2), (4, 2048, 4), (2, 384, 1), (3, 2048, 1)])
 def test_a_split_is_taken_only_where_the_width_divides(splits, d, want):
     """Splits that leave a program no whole number of 128-wide D blocks fall back to one

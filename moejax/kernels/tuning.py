@@ -123,10 +123,12 @@ _MGPU_ACC = ((64, 128), (64, 256), (128, 128))
 # blocks at 4 to 6 stages; 128-column F blocks), and shallow pipelines, which a prefetch to
 # the L2 may make enough (two programs to an SM); each without, and with either, prefetch,
 # and split over the model width in two programs (twice the SMs busy; the up-projection's
-# weights read twice, the second time from the L2) without a prefetch and with all of it
+# weights read twice, the second time from the L2) without a prefetch and with all of it,
+# and in four without a prefetch (a quarter union of 64 experts then has 128 to 256 programs
+# for the H200's 132 SMs, where two splits of 128-column F blocks gave it 64)
 _DECODE_TILES = ((128, 64, 128, 6), (256, 64, 256, 4), (128, 128, 128, 4),
                  (256, 64, 128, 4), (128, 64, 128, 3), (256, 64, 256, 2))
-_DECODE_PROGRAMS = ((0, 1), (1, 1), (2, 1), (0, 2), (2, 2))  # (l2_prefetch, d_splits)
+_DECODE_PROGRAMS = ((0, 1), (1, 1), (2, 1), (0, 2), (2, 2), (0, 4))  # (l2_prefetch, d_splits)
 SPACES: dict[str, tuple[TritonConfig, ...]] = {
     "gmm": SPACE, "tgmm": SPACE, "pairs_mgpu": _MGPU_SPACE,
     # the grouped products on Mosaic GPU, one warpgroup: accumulators of 64 x 128, 64 x 256 or
