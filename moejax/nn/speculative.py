@@ -217,6 +217,7 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     dg, ds = nnx.split(draft)
     cfgs = (("target", target.cfg), ("draft", draft.cfg))
     static = dict(max_new=int(max_new_tokens), n=int(draft_len), temperature=temperature)
+    greedy_key = jax.random.key(0)  # greedy decoding draws nothing; the loop takes a key
 
     def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
         prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
@@ -232,7 +233,7 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
                 raise ValueError(f"{name}: prompt {T} + {max_new_tokens} new tokens + 2 x "
                                  f"(draft_len + 1) = {size} exceeds max_seq_len="
                                  f"{cfg.max_seq_len}")
-        args = (tg, ts, dg, ds, prompt_BT, jax.random.key(0) if key is None else key)
+        args = (tg, ts, dg, ds, prompt_BT, greedy_key if key is None else key)
         record_decode(f"speculative n={draft_len}", _speculate, args, static)
         return _speculate(*args, **static)
 
