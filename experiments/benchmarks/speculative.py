@@ -109,7 +109,8 @@ class SpecBenchConfig(Config):
     decode_dtype: Literal["float32", "bfloat16"] = "float32"
     # each decoding traced once more by the profiler on a GPU or TPU (a CPU trace has no
     # device plane): kernels per generated token, the fraction of the wall time the device
-    # is busy, and the profile_top longest kernels per token (tables "token_kernels_<target>")
+    # is busy, the profile_top longest kernels per token (tables "token_kernels_<target>")
+    # and every kernel by kind, with its launches per token ("kernel_kinds_<target>")
     profile: bool = True
     profile_top: int = 6
     # time the trained (small) target's decodings as well as the grown one's (false: the
