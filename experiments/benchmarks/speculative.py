@@ -225,18 +225,19 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir):
 
 def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) -> dict:
     """One decoding timed: its table row, its longest kernels and (AR dense, the reference
-    ``ref`` of the others: None when timing it) its tokens."""
+    ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
+    agreement measured so far (read, not written: the caller keeps the row's)."""
     r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
                       profile=cfg.profile and sees_device())
     ref = ref or r
     ref_tokens = ref["tokens"]
-    if d is not None and dname not in agree:
-        agree[dname] = argmax_agreement(d, target, ref_tokens)
+    agreement = agree.get(dname, "") if d is None or dname in agree else argmax_agreement(
+        d, target, ref_tokens)
     row = {"model": name, "params": count_params(target), "decode_dtype": cfg.decode_dtype,
            "mode": mode, "expert_path": "dense" if mode.endswith("dense") else
            expert_routes(target, n + 1, cfg.decode_dtype), "draft": dname,
            "draft_params": count_params(d) if d is not None else "",
-           "agreement": agree.get(dname, ""),
+           "agreement": agreement,
            "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
            "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
            "mean_accepted_length": r.get("mean_accepted_length", 1.0),
