@@ -24,6 +24,8 @@ the option the paper does not use, the merged delta ``A B`` is pruned the same w
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 
 from experiments.darex import PAPER_SCALE
@@ -46,7 +48,16 @@ from moejax.substrates.mlp import (
 from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config
 
-PRUNED = r"^(w1|wo)$"  # the MLP's weight matrices; biases and norm scales keep their delta
+MATRICES = r"^(w1|wo)$"  # the MLP's weight matrices (prune=matrices)
+
+
+def pruned_mask(D, prune: str):
+    """The pruned leaves: every delta (``"all"``, the official ``drop()``; the MLP has no
+    new task head, its output layer is pre-trained) or the two weight matrices
+    (``"matrices"``: biases and norm scales keep their delta)."""
+    if prune == "all":
+        return dl.select_leaves(D, min_ndim=0)
+    return dl.select_leaves(D, include=MATRICES)
 
 
 @config
@@ -80,17 +91,28 @@ class ControlledConfig(Config):
     lora_ps: tuple[float, ...] = (0.9,)
     lora_seeds: int = 3
     lora_finetune: TrainConfig = adam_linear_config(300, 3e-3, batch_size=128, warmup=20)
+    # what is pruned: "all" (every delta, as the official drop()) or "matrices" (w1 and wo)
+    prune: Literal["all", "matrices"] = "all"
+    q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
 
     def validate(self):
-        self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
-        self._require(all(0 <= p < 1 for p in self.sweep_ps) and all(w >= 0 for w in
-                                                                      self.l2_sweep),
-                      "sweep_ps must lie in [0, 1) and l2_sweep weights be >= 0")
-        self._require(all(0 <= p < 1 for p in self.lora_ps),
-                      f"lora_ps={self.lora_ps} must lie in [0, 1)")
+        self._require(all(0 < p < 1 for p in self.ps), f"ps={self.ps} must lie in (0, 1)")
+        self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
+        self._require(all(0 < p < 1 for p in self.sweep_ps) and all(w >= 0 for w in
+                                                                     self.l2_sweep),
+                      "sweep_ps must lie in (0, 1) and l2_sweep weights be >= 0")
+        self._require(not self.l2_sweep or self.sweep_ps,
+                      "sweep_ps is empty while l2_sweep is not; give drop rates or l2_sweep=()")
+        self._require(all(0 < p < 1 for p in self.lora_ps),
+                      f"lora_ps={self.lora_ps} must lie in (0, 1)")
+        self._require(self.lora_rank == 0 or self.lora_ps,
+                      "lora_ps is empty while lora_rank > 0; give drop rates or lora_rank=0")
         self._require(all(lr > 0 for lr in self.large_lrs) and self.large_seeds >= 1
-                      and all(0 <= p < 1 for p in self.large_ps),
-                      "large_lrs must be > 0, large_ps in [0, 1) and large_seeds >= 1")
+                      and all(0 < p < 1 for p in self.large_ps),
+                      "large_lrs must be > 0, large_ps in (0, 1) and large_seeds >= 1")
+        self._require(not self.large_lrs or (self.large_ps and self.large_methods),
+                      "large_ps and large_methods must be non-empty while large_lrs is not; "
+                      "or large_lrs=()")
         self._require(self.lora_rank >= 0 and self.lora_seeds >= 1,
                       "lora_rank must be >= 0 and lora_seeds >= 1")
 
@@ -120,12 +142,13 @@ LORA_METHODS = ("LoRA unpruned", "DARE on LoRA factors", "DAREx-q (q_v) on LoRA 
                 "DARE on merged delta", "DAREx-q (q_v) on merged delta")
 
 
-def _context(pre, fin, D, mask, seed, acc_val, acc_test, calib_x, q_num) -> PruneContext:
+def _context(cfg, pre, fin, D, mask, seed, acc_val, acc_test, calib_x) -> PruneContext:
     """What every pruning method of :func:`moejax.delta.run_methods` needs for one delta."""
     outputs = lambda prm: mlp(prm, calib_x)  # noqa: E731
     return PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(seed),
                         val_metric=acc_val, test_metric=acc_test, outputs_fn=outputs,
-                        x_stats=matmul_input_stats(outputs, fin), q_num=q_num)
+                        x_stats=matmul_input_stats(outputs, fin), q_num=cfg.q_num,
+                        q_spacing=cfg.q_spacing)
 
 
 def lora_rows(cfg: ControlledConfig, pre, tasks, acc_val, acc_test) -> list[dict]:
@@ -136,10 +159,10 @@ def lora_rows(cfg: ControlledConfig, pre, tasks, acc_val, acc_test) -> list[dict
         lora = finetune_mlp_lora(pre, tasks, cfg.lora_finetune.replace(seed=s),
                                  cfg.lora_rank, desc=f"LoRA r={cfg.lora_rank} seed {seed}")
         merged = dl.lora_delta(pre, lora)
-        mask = dl.select_leaves(merged, include=PRUNED)
+        mask = pruned_mask(merged, cfg.prune)
         key = jax.random.key(s + 31)
         for p in cfg.lora_ps:
-            grid = dl.q_grid(p, cfg.q_num)
+            grid = dl.q_grid(p, cfg.q_num, spacing=cfg.q_spacing)
             factors = dl.lora_factor_pruner(pre, p)
             qf = dl.search_q_v(key, pre, lora, p, acc_val, grid=grid, pruner=factors).best
             qm = dl.search_q_v(key, pre, merged, p, acc_val, grid=grid, mask=mask).best
@@ -169,8 +192,8 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
     rows, base_rows = [], []
     for reg, fin in tuned.items():
         D = dl.delta(pre, fin)
-        mask = dl.select_leaves(D, include=PRUNED)
-        ctx = _context(pre, fin, D, mask, cfg.seed + 7, acc_val, acc_test, calib_x, cfg.q_num)
+        mask = pruned_mask(D, cfg.prune)
+        ctx = _context(cfg, pre, fin, D, mask, cfg.seed + 7, acc_val, acc_test, calib_x)
         base_rows.append({"fine-tuning": REG_NAMES[reg], "test acc digits": acc_test(fin),
                           "pre-trained acc digits": acc_test(pre),
                           "pre-trained acc MNIST": acc_test_a(pre),
@@ -180,8 +203,13 @@ def run(cfg: ControlledConfig, run: RunDir) -> dict:
     d = cfg.substrate.d_hidden
     run.note(f"Started from substrate mlp_mnist5k ({sub.path.name}, MNIST test accuracy "
              f"{sub.metrics['test_accuracy']:.3f}). "
-             f"Pruned: the matrices w1 [784, {d}] and wo [{d}, 10]; biases "
-             "and RMSNorm scales keep their full delta. q_v is chosen on the digits validation "
+             f"Fine-tuned {cfg.finetune.steps} steps at lr {cfg.finetune.lr:g}. Pruned: "
+             + (f"every delta (w1 [784, {d}], wo [{d}, 10], biases and RMSNorm scales, as the "
+                "official drop())" if cfg.prune == "all" else
+                f"the matrices w1 [784, {d}] and wo [{d}, 10] (prune=matrices; biases and "
+                "RMSNorm scales keep their full delta)")
+             + f"; q searched over a {cfg.q_spacing} grid of {cfg.q_num} steps. "
+             "q_v is chosen on the digits validation "
              f"split ({val_b[1].shape[0]} images); test = {test_b[1].shape[0]} images. "
              "DAREx-q uses the same drop mask as DARE (same key), only the rescaling differs.")
     run.table("finetuned", base_rows, title="Fine-tuned MLPs (unpruned), sklearn digits")
@@ -244,8 +272,8 @@ def _large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x) -> dict:
             fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=s),
                                desc=f"finetune lr {lr} seed {seed}")
             D = dl.delta(pre, fin)
-            mask = dl.select_leaves(D, include=PRUNED)
-            ctx = _context(pre, fin, D, mask, s + 7, acc_val, acc_test, calib_x, cfg.q_num)
+            mask = pruned_mask(D, cfg.prune)
+            ctx = _context(cfg, pre, fin, D, mask, s + 7, acc_val, acc_test, calib_x)
             base = {"lr": lr, "seed": seed, **delta_stats(D, mask)}
             detail.append({**base, "p": 0.0, "method": "unpruned", "metric": acc_test(fin)})
             for r in run_methods(ctx, cfg.large_methods, cfg.large_ps, desc=f"prune lr {lr}"):
@@ -287,7 +315,7 @@ def _l2_sweep(cfg, run, pre, tasks, acc_test) -> dict:
         fin = finetune_mlp(pre, tasks, cfg.finetune.replace(
             optimizer="adamr_l2", weight_decay=w, seed=cfg.seed), desc=f"AdamR-L2 {w}")
         D = dl.delta(pre, fin)
-        mask = dl.select_leaves(D, include=PRUNED)
+        mask = pruned_mask(D, cfg.prune)
         row = {"l2_weight": w, "unpruned": acc_test(fin), **delta_stats(D, mask)}
         for p in cfg.sweep_ps:
             row[f"DARE p={p}"] = acc_test(dl.apply_delta(

@@ -60,6 +60,14 @@ class DecoderStudyConfig(Config):
     methods: tuple[MethodName, ...] = ("DARE", "DAREx-q (q_v)", "DAREx-q (q_e)",
                                 "DAREx-q (per-layer q_e)")
     q_num: int = 20
+    eta_num: int = 12
+    # what is pruned: "all" (the official drop_decoder: every delta but an untied output head;
+    # a tied embedding is the embedding and is pruned) or "matrices" (the blocks' attention
+    # and FFN matrices only)
+    prune: Literal["all", "matrices"] = "all"
+    # the per-layer q's bound (moejax.delta.analytic_q): "two_sided" or "official_signed"
+    per_layer_form: Literal["two_sided", "official_signed"] = "two_sided"
+    q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
     seed: int = 0  # batch order, DARE masks (replaces finetune.seed)
 
     def validate(self):
@@ -67,7 +75,9 @@ class DecoderStudyConfig(Config):
         self._require(self.model != "substrate" or self.seq_len <= self.substrate.max_seq_len,
                       f"seq_len={self.seq_len} exceeds substrate.max_seq_len="
                       f"{self.substrate.max_seq_len}")
-        self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
+        self._require(all(0 < p < 1 for p in self.ps), f"ps={self.ps} must lie in (0, 1)")
+        self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
+        self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
 
 
 def make_config(preset: str) -> DecoderStudyConfig:
@@ -124,10 +134,16 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
                           **base})
         rows += pruned
     run.note(_start_note(sub))
-    run.note("Pruned: the attention and FFN matrices of every block; the (tied) embedding and "
-             "the norm scales keep their full delta. q_v minimises validation loss; q_e the mean "
-             "|logit change| on one fixed training batch; per-layer q_e uses Eq. 5 with "
-             "mean|x_j| of each matrix input on that batch. Same drop mask for every q.")
+    pruned = ("every delta but an untied output head (the tied embedding and the norm scales "
+              "too, as the official drop_decoder)" if cfg.prune == "all" else
+              "the attention and FFN matrices of every block (prune=matrices; the tied "
+              "embedding and the norm scales keep their full delta)")
+    run.note(f"Fine-tuned {cfg.finetune.steps} steps at lr {cfg.finetune.lr:g}. Pruned: "
+             f"{pruned}. q_v minimises validation loss; q_e the mean |logit change| on one "
+             f"fixed training batch, over a {cfg.q_spacing} grid of {cfg.q_num} steps; "
+             f"per-layer q_e uses Eq. 5's {cfg.per_layer_form} bound with the signed mean "
+             "x_j of each matrix input on that batch (other pruned leaves: 1-p), over "
+             f"{cfg.eta_num} etas. Same drop mask for every q.")
     run.table("finetuned", base_rows,
               title="Held-out code loss (nats/token) before / after fine-tuning, unpruned")
     run.table("pruned", rows, title="Held-out code loss after delta pruning (lower is better)")
@@ -169,7 +185,8 @@ def _data(cfg: DecoderStudyConfig, tok, graphdef, rest) -> _Data:
 def _prune(cfg, graphdef, rest, pre, fin, data: _Data, label: str):
     """The fine-tuned model's unpruned row and one row per (method, drop rate)."""
     D = dl.delta(pre, fin)
-    mask = dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_")
+    mask = (dl.select_leaves(D, exclude=r"^w_head$", min_ndim=0) if cfg.prune == "all"
+            else dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_"))
     after = data.test_eval(fin)
     base = {"fine-tuning": label, "test_loss_finetuned": after["loss"],
             "test_acc_finetuned": after["accuracy"], **delta_stats(D, mask)}
@@ -181,7 +198,8 @@ def _prune(cfg, graphdef, rest, pre, fin, data: _Data, label: str):
                        val_metric=lambda prm: -data.val_eval(prm)["loss"],
                        test_metric=lambda prm: -data.test_eval(prm)["loss"],
                        outputs_fn=outputs_on(graphdef, rest, data.calib), x_stats=x_stats,
-                       q_num=cfg.q_num)
+                       q_num=cfg.q_num, eta_num=cfg.eta_num,
+                       analytic_form=cfg.per_layer_form, q_spacing=cfg.q_spacing)
     rows = [{"fine-tuning": label, "p": r["p"], "method": r["method"], "test_loss": -r["metric"],
              "q": r["q"], "seconds": r["seconds"]}
             for r in run_methods(ctx, cfg.methods, cfg.ps, desc=f"prune ({label})")]

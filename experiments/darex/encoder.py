@@ -93,6 +93,14 @@ class EncoderStudyConfig(Config):
     mp_ps: tuple[float, ...] = (0.9, 0.95)  # Table 7: magnitude pruning also at these rates
     q_num: int = 6
     eta_num: int = 4
+    # what is pruned: "all" (the official drop(): every encoder delta, embeddings, norms and
+    # biases included; the new head is kept) or "matrices" (the blocks' attention and FFN
+    # matrices only)
+    prune: Literal["all", "matrices"] = "all"
+    # the per-layer q's bound (moejax.delta.analytic_q): "two_sided" or the official code's
+    # "official_signed"
+    per_layer_form: Literal["two_sided", "official_signed"] = "two_sided"
+    q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
 
     def validate(self):
         for t in self.tasks:
@@ -104,6 +112,8 @@ class EncoderStudyConfig(Config):
             self._require(0 < p < 1, f"drop rate {p} must be in (0, 1) (p, mp_ps)")
         self._require(min(self.n_train, self.n_val, self.n_test) >= 1,
                       "n_train, n_val and n_test must be >= 1")
+        self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
+        self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
 
 
 def make_config(preset: str) -> EncoderStudyConfig:
@@ -192,6 +202,14 @@ def finetune_configs(cfg: EncoderStudyConfig) -> dict[str, TrainConfig]:
             "adamr_l1": adamr.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
 
 
+def pruned_mask(D, prune: str):
+    """The pruned leaves: every encoder delta (``"all"``, the official ``drop()``: all but
+    the task head) or the blocks' attention and FFN matrices (``"matrices"``)."""
+    if prune == "all":
+        return dl.select_leaves(D, include=r"^encoder/", min_ndim=0)
+    return dl.select_leaves(D, include=r"^encoder/blocks/.*/(attn|ffn)/w_")
+
+
 def finetune_and_prune(cfg, task: Task, enc_p, ecfg, out: dict[str, list], sweeps: dict):
     """Fine-tune ``task`` with each optimizer over the seeds and prune; appends to ``out``'s
     ``rows`` (accuracy at ``p``), ``deltas`` and ``magnitude`` (Table 7) lists."""
@@ -214,13 +232,14 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, out: dict[str, list], sweep
                                   desc=f"{task.name} seed {seed} {label}")
             pre = _with_encoder(fin, params)  # pre-trained encoder + this run's head
             D = dl.delta(pre, fin)
-            mask = dl.select_leaves(D, include=r"^encoder/blocks/.*/(attn|ffn)/w_")
+            mask = pruned_mask(D, cfg.prune)
             need_x = any(m in ("WANDA",) or "per-layer" in m for m in methods)
             ctx = PruneContext(
                 pretrained=pre, delta=D, mask=mask, key=jax.random.key(cfg.seed + 100 + seed),
                 val_metric=val_metric, test_metric=test_metric, outputs_fn=outputs_fn,
                 x_stats=matmul_input_stats(outputs_fn, fin) if need_x else {},
-                q_num=cfg.q_num, eta_num=cfg.eta_num)
+                q_num=cfg.q_num, eta_num=cfg.eta_num, analytic_form=cfg.per_layer_form,
+                q_spacing=cfg.q_spacing)
             out["deltas"].append({"task": task.name, "seed": seed, "fine-tuning": label,
                                   **delta_stats(D, mask)})
             for m in methods:
@@ -245,13 +264,17 @@ def run(cfg: EncoderStudyConfig, run: RunDir) -> dict:
         finetune_and_prune(cfg, Task(name, cfg, tok, seq_len), enc_p, ecfg, out, sweeps)
     rows = out["rows"]
     summary = seed_summary(rows, ["task", "fine-tuning", "method"], ["accuracy"])
-    run.note(f"Started from {started_from}. "
-             "Pruned: the attention and FFN matrices of every encoder block; embeddings, norms, "
-             "biases keep their full delta and the new classifier head is kept as fine-tuned "
-             "(its pre-trained value does not exist). q_v maximises validation accuracy, q_e "
-             "minimises the mean |logit change| on one fixed batch of 64 training glosses.")
+    pruned = ("every encoder delta (embeddings, norms and biases too, as the official drop())"
+              if cfg.prune == "all" else "the attention and FFN matrices of every encoder "
+              "block (prune=matrices; embeddings, norms, biases keep their full delta)")
+    run.note(f"Started from {started_from}. Fine-tuned {cfg.finetune.steps} steps at lr "
+             f"{cfg.finetune.lr:g}. Pruned: {pruned}; the new classifier head is kept as "
+             "fine-tuned (its pre-trained value does not exist). q_v maximises validation "
+             "accuracy, q_e minimises the mean |logit change| on one fixed batch of 64 training "
+             f"glosses, over a {cfg.q_spacing} grid of {cfg.q_num} steps; per-layer q from the "
+             f"{cfg.per_layer_form} bound over {cfg.eta_num} etas.")
     run.table("encoder_p", summary, title=f"{cfg.model}: test accuracy at p={cfg.p}, mean and "
-              f"std over {cfg.seeds} seeds (encoder block matrices pruned; head kept)")
+              f"std over {cfg.seeds} seeds (pruned: {cfg.prune}; head kept)")
     run.table("per_seed", rows, title="Every seed (chosen q per method)")
     run.table("deltas", out["deltas"], title="Delta statistics of the pruned matrices")
     if out["magnitude"]:

@@ -1,26 +1,44 @@
-"""Per-layer analytic DAREx-q rescaling from the concentration bound (paper App. C.9).
+"""Per-layer analytic DAREx-q rescaling from the concentration bound (paper App. C.9, E.2).
 
-For output unit ``i`` of a layer with coefficients ``c_ij`` (``j`` input feature), Eq. (5)::
+For output unit ``i`` of a layer, with ``c_ij = Delta_ij x_j`` (``j`` input feature) and
+``S1_i = sum_j c_ij``, ``S2_i = sum_j c_ij^2``, App. E.2 writes the pruned-and-rescaled change
+as ``sum_j A_ij`` with ``A_ij = (1 - delta_ij / q) c_ij`` and bounds its upper tail for one
+fixed ``eta > 0`` (Eq. 10, Kearns-Saul)::
 
-    f_i(q) = | log(2/gamma) + eta (1 - (1-p)/q) sum_j c_ij
-               + eta^2 Phi(p) sum_j c_ij^2 / (4 q^2) |
+    Pr[sum_j A_ij > eps] <= exp(eta ((1 - (1-p)/q) S1_i - eps) + eta^2 Phi(p) S2_i / (4 q^2))
 
     Phi(p) = (1 - 2p) / log((1 - p)/p)       (Kearns-Saul, paper Eq. 7; Phi(1/2) = 1/2)
 
-Two ways to turn it into one ``q`` per layer (``form``):
+The bound the paper wants is on ``|h_i^diff|`` (Eq. 11), so the lower tail counts too. It is
+the same inequality for ``-A_ij``, i.e. with ``c_ij -> -c_ij``: ``S1_i`` changes sign and
+``S2_i`` does not. Both tails are below ``gamma/2`` once ``eta eps`` reaches the larger of the
+two exponents' remainders, which, since ``q >= 1-p`` makes ``1 - (1-p)/q >= 0``, is::
 
-* ``"official"`` (the default; the official code, ``utils/analyticalq.py`` and
-  ``utils/getwx.py`` of github.com/vengdeng/DAREx): ``c_ij = Delta_ij * mean_t x_tj``
-  (**signed** delta times the **signed** mean input), each output unit takes its own
-  ``argmin_q f_i`` scanning ``q = 1-p, 1-p + 0.001, ..., 0.998`` upwards, the scan stops once
-  ``stop_fraction`` (0.8) of the units have seen ``f_i`` stop decreasing (outlier units keep
-  their best so far), and the layer's ``q`` is the **mean** of the units' ``q``;
-* ``"pooled"`` (this codebase's earlier form): ``c_ij = |Delta_ij| * mean_t |x_tj|`` and one
-  ``q`` minimising the mean of ``f_i`` over the units, on a 200-point grid.
+    f_i(q) = log(2/gamma) + eta (1 - (1-p)/q) |S1_i| + eta^2 Phi(p) S2_i / (4 q^2)
 
-On the same layer the two can differ by a factor 2-3 (``tests/test_delta_analytic_q.py``
-shows a case). Deviation kept in both: the official code appends the layer's bias delta as one
-more input column (input 1); here biases are separate leaves and are not appended.
+Eq. (5) with ``|S1_i|`` for ``sum_j c_ij``: the bound on ``|h_i^diff|`` is unchanged when a
+unit's delta row changes sign, and so is the ``q`` minimising it. In ``u = 1/q`` it is a
+parabola, minimised at ``q*_i = eta Phi(p) S2_i / (2 (1-p) |S1_i|)`` (clipped to the grid): a
+small ``eta`` gives DARE's ``q = 1-p``, a larger one a larger ``q``.
+
+Three ways to turn it into one ``q`` per layer (``form``):
+
+* ``"two_sided"`` (the default): ``f_i`` above with ``x_j`` the **signed** mean input
+  ``mean_t x_tj``; each unit takes its own ``argmin_q f_i`` by the official code's upward scan
+  ``q = 1-p, 1-p + 0.001, ..., 0.998``, which stops once ``stop_fraction`` (0.8) of the units
+  have seen ``f_i`` stop decreasing (outlier units keep their best so far); the layer's ``q``
+  is the **mean** of the units' ``q``;
+* ``"official_signed"`` (the official code, ``utils/analyticalq.py`` and ``utils/getwx.py`` of
+  github.com/vengdeng/DAREx): the same scan and mean over Eq. (5) with the **signed** ``S1_i``
+  inside the absolute value. Only the upper tail is bounded: a unit with ``S1_i < 0`` sees
+  ``f_i`` fall over the whole grid for every ``eta`` whose ``eta |S1_i|`` is small against
+  ``log(2/gamma)``, ends at ``q = 0.998``, and the layer's ``q`` follows the share of such
+  units rather than the bound;
+* ``"pooled"``: ``c_ij = |Delta_ij| * mean_t |x_tj|`` and one ``q`` minimising the mean of
+  ``f_i`` over the units, on a 200-point grid.
+
+Deviation kept in all three: the official code appends the layer's bias delta as one more
+input column (input 1); here biases are separate leaves and are not appended.
 A single ``eta`` is then grid-searched for the whole network, on the last-layer output change
 (``q_e`` vector) or on a validation metric (``q_v`` vector).
 
@@ -32,7 +50,7 @@ experts) are treated as more output units of the same layer.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import numpy as np
@@ -42,6 +60,7 @@ from moejax.delta.tree import apply_delta, leaf_paths, per_leaf_values
 
 __all__ = [
     "QForm",
+    "Q_FORMS",
     "official_grid",
     "per_unit_q",
     "phi",
@@ -56,7 +75,8 @@ __all__ = [
 ]
 
 PyTree = Any
-QForm = Literal["official", "pooled"]
+QForm = Literal["two_sided", "official_signed", "pooled"]
+Q_FORMS: tuple[str, ...] = get_args(QForm)
 
 
 def phi(p: float) -> float:
@@ -102,7 +122,8 @@ def coefficient_sums(delta_leaf, x_stat, in_axis: int = -2, *, signed: bool = Fa
 
 
 def _unit_objectives(q, s1, s2, p: float, eta: float, gamma: float) -> np.ndarray:
-    """``f_i(q)`` for every candidate ``q`` (leading axes) and unit ``i`` (last axis)."""
+    """``f_i(q)`` of Eq. (5) for every candidate ``q`` (leading axes) and unit ``i`` (last
+    axis); pass ``|S1|`` for the two-sided bound."""
     q = np.asarray(q, np.float64)[..., None]
     return np.abs(np.log(2.0 / gamma) + eta * (1.0 - (1.0 - p) / q) * s1
                   + eta**2 * phi(p) * s2 / (4.0 * q**2))
@@ -151,21 +172,30 @@ def analytic_q_leaf(
     gamma: float = 0.05,
     grid: Sequence[float] | None = None,
     in_axis: int = -2,
-    form: QForm = "official",
+    form: QForm = "two_sided",
     stop_fraction: float = 0.8,
 ) -> float:
-    r"""One layer's ``q(eta)`` (see the module docstring for the two ``form``\ s;
-    ``x_stat`` is the signed mean input for ``"official"``, the mean ``|x|`` for
-    ``"pooled"``)."""
-    if form == "official":
-        s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis, signed=True)
+    r"""One layer's ``q(eta)`` (see the module docstring for the three ``form``\ s;
+    ``x_stat`` is the signed mean input for ``"two_sided"`` and ``"official_signed"``, the
+    mean ``|x|`` for ``"pooled"``)."""
+    _check_form(form)
+    if form == "pooled":
+        g = q_grid(p, 200, include_max=False) if grid is None else np.asarray(grid, np.float64)
+        s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis)
+        return float(g[int(np.argmin(eq5_objective(g, s1, s2, p, eta, gamma)))])
+    s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis, signed=True)
+    if form == "official_signed":
         return float(np.mean(per_unit_q(s1, s2, p, eta, gamma=gamma, grid=grid,
                                         stop_fraction=stop_fraction)))
-    if form != "pooled":
-        raise ValueError(f"form={form!r}; use 'official' or 'pooled'")
-    g = q_grid(p, 200, include_max=False) if grid is None else np.asarray(grid, np.float64)
-    s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis)
-    return float(g[int(np.argmin(eq5_objective(g, s1, s2, p, eta, gamma)))])
+    # the two-sided f_i is unimodal in q: a plain argmin by the same scan (no 1e4 cap, which
+    # would send every unit of a large-eta layer back to 1-p)
+    return float(np.mean(per_unit_q(np.abs(s1), s2, p, eta, gamma=gamma, grid=grid,
+                                    stop_fraction=stop_fraction, init_best=np.inf)))
+
+
+def _check_form(form) -> None:
+    if form not in Q_FORMS:
+        raise ValueError(f"form={form!r}; use one of {', '.join(Q_FORMS)}")
 
 
 def analytic_q_tree(
@@ -178,15 +208,16 @@ def analytic_q_tree(
     mask: PyTree | None = None,
     grid: Sequence[float] | None = None,
     in_axis: int = -2,
-    form: QForm = "official",
+    form: QForm = "two_sided",
 ) -> dict[str, float]:
     """``{leaf_path: q^l(eta)}`` for every selected leaf (unselected leaves get ``1-p``).
 
-    ``x_stats`` gives ``xbar_j`` per leaf (the signed mean input for ``form="official"``,
-    the mean ``|x|`` for ``"pooled"``): a ``{path: array}`` dict (only selected leaves
-    needed) or a pytree aligned with ``delta_tree``. The result can be passed as
-    ``q=`` to :func:`moejax.delta.dare.dare`.
+    ``x_stats`` gives ``xbar_j`` per leaf (the signed mean input for ``form="two_sided"``
+    and ``"official_signed"``, the mean ``|x|`` for ``"pooled"``): a ``{path: array}`` dict
+    (only selected leaves needed) or a pytree aligned with ``delta_tree``. The result can be
+    passed as ``q=`` to :func:`moejax.delta.dare.dare`.
     """
+    _check_form(form)
     paths = leaf_paths(delta_tree)
     leaves = jax.tree_util.tree_leaves(delta_tree)
     sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
@@ -223,12 +254,14 @@ class EtaSearchResult(NamedTuple):
 
 def _search_eta(
     key, pretrained, delta_tree, x_stats, p, etas, score_of_params, minimize, gamma, mask, in_axis,
-    form="official",
+    form="two_sided", q_mask=None,
 ):
     cache: dict[float, dict] = {}
+    q_mask = mask if q_mask is None else q_mask
 
     def score(eta):
-        qs = analytic_q_tree(delta_tree, x_stats, p, eta, gamma=gamma, mask=mask, in_axis=in_axis,
+        qs = analytic_q_tree(delta_tree, x_stats, p, eta, gamma=gamma, mask=q_mask,
+                             in_axis=in_axis,
                              form=form)
         cache[float(eta)] = qs
         return score_of_params(apply_delta(pretrained, dare(key, delta_tree, p, q=qs, mask=mask)))
@@ -249,11 +282,15 @@ def search_eta_e(
     gamma: float = 0.05,
     mask: PyTree | None = None,
     in_axis: int = -2,
-    form: QForm = "official",
+    form: QForm = "two_sided",
+    q_mask: PyTree | None = None,
 ) -> EtaSearchResult:
     """``q_e`` vector: ``eta_e = argmin_eta mean|f_L(P(q(eta))) - f_L(theta_F)|``.
 
-    ``f_L`` = ``outputs_fn``; ``P(q)`` = ``theta_P + dare(key, Delta, p, q=q(eta))``.
+    ``f_L`` = ``outputs_fn``; ``P(q)`` = ``theta_P + dare(key, Delta, p, q=q(eta))`` over the
+    leaves of ``mask``. ``q_mask`` (default ``mask``): the leaves that get an analytic ``q``
+    (matrices with input statistics); the other pruned leaves keep DARE's ``1-p``, as the
+    official code leaves biases, norms and embeddings out of its per-layer ``q``.
     """
     ref = outputs_fn(apply_delta(pretrained, delta_tree))
     return _search_eta(
@@ -269,6 +306,7 @@ def search_eta_e(
         mask,
         in_axis,
         form,
+        q_mask,
     )
 
 
@@ -285,9 +323,11 @@ def search_eta_v(
     gamma: float = 0.05,
     mask: PyTree | None = None,
     in_axis: int = -2,
-    form: QForm = "official",
+    form: QForm = "two_sided",
+    q_mask: PyTree | None = None,
 ) -> EtaSearchResult:
-    """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``."""
+    """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``
+    (``mask`` and ``q_mask`` as in :func:`search_eta_e`)."""
     return _search_eta(
         key,
         pretrained,
@@ -301,4 +341,5 @@ def search_eta_v(
         mask,
         in_axis,
         form,
+        q_mask,
     )

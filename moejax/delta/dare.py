@@ -19,7 +19,7 @@ evaluated with the SAME mask (the paper prunes once and only tunes the rescaling
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,16 +115,33 @@ def dare(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = True) -> np.ndarray:
-    """``q_t = 1 - p + t * dq``, ``t = 0..num``, ``dq = (q_max - (1-p)) / num``.
+def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = True,
+           spacing: Literal["linear", "geometric"] = "linear",
+           inv_q_min: float = 10.0) -> np.ndarray:
+    """Candidate rescalings ``q``, starting at vanilla DARE's ``1 - p``.
+
+    ``spacing="linear"``: ``q_t = 1 - p + t * dq``, ``t = 0..num``,
+    ``dq = (q_max - (1-p)) / num`` (paper Algorithm 2's grid). ``"geometric"``: ``num + 1``
+    points geometric from ``1 - p`` to ``1 / inv_q_min`` (``1/q`` from ``1/(1-p)`` down to
+    ``inv_q_min``; to ``q_max`` when ``1 - p`` is already above ``1 / inv_q_min``), dense
+    near ``1 - p`` where the paper's optima lie (p = 0.99: ``1/q`` of 30 to 55, i.e.
+    ``q`` of 0.018 to 0.033, between the linear grid's first two points at ``num = 20``).
 
     ``t = 0`` is vanilla DARE, so a search can never score worse than DARE on its own
     objective. ``include_max=False`` drops the last point (paper Algorithm 3, ``t != N``).
     """
     _check_rate(p)
-    if num < 1:
-        raise ValueError(f"num={num} must be >= 1 grid steps.")
-    g = np.linspace(1.0 - p, q_max, num + 1)
+    if int(num) != num or num < 1:
+        raise ValueError(f"num={num} must be an int >= 1 grid steps.")
+    if spacing == "linear":
+        g = np.linspace(1.0 - p, q_max, int(num) + 1)
+    elif spacing == "geometric":
+        if not (np.isfinite(inv_q_min) and inv_q_min >= 1.0):
+            raise ValueError(f"inv_q_min={inv_q_min} must be a finite 1/q >= 1.")
+        hi = 1.0 / inv_q_min if 1.0 - p < 1.0 / inv_q_min else q_max
+        g = np.geomspace(1.0 - p, hi, int(num) + 1)
+    else:
+        raise ValueError(f"spacing={spacing!r}: 'linear' or 'geometric'")
     return g if include_max else g[:-1]
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from moejax.delta.analytic_q import coefficient_sums, phi, search_eta_e, search_eta_v
+from moejax.delta.analytic_q import Q_FORMS, coefficient_sums, phi, search_eta_e, search_eta_v
 from moejax.delta.dare import dare, q_grid, search_q_e, search_q_v
 from moejax.delta.importance import magnitude_prune, structural_pruner, wanda_prune
 from moejax.delta.tree import apply_delta, leaf_paths, select_leaves
@@ -59,7 +59,7 @@ def eta_grid(delta_tree, mask, x_stat: dict, p: float, num: int = 12, *,
     For one output unit Eq. 5 is minimised at ``q* = eta Phi(p) S2 / (2 (1-p) |S1|)``, so
     ``eta(q) = 2 (1-p) q |S1| / (Phi(p) S2)``; we take the median unit of every layer and span
     from the smallest ``eta(1-p)`` to the largest ``eta(1)``. ``signed``: coefficients
-    ``Delta_ij xbar_j`` (official form, ``x_stat`` = signed mean input) or
+    ``Delta_ij xbar_j`` (two-sided and official forms, ``x_stat`` = signed mean input) or
     ``|Delta_ij| xbar_j`` (pooled form, ``x_stat`` = mean |x|).
     """
     phi_p = phi(p)
@@ -93,7 +93,12 @@ class PruneContext:
     ``structural_include``: which selected matrices structural DPP prunes by input dimension
     (the paper: the MLP layers; a model with no matching leaf, e.g. a plain MLP, is all MLP);
     the other selected matrices get DARE at the same ``p`` and ``q`` so the overall rate is
-    ``p``.
+    ``p``. ``analytic_form``: the bound the per-layer methods minimise
+    (:mod:`moejax.delta.analytic_q`; ``"two_sided"``, the default, or the official code's
+    ``"official_signed"``); ``"DAREx-q (per-layer q_v, pooled)"`` always uses ``"pooled"``.
+    ``q_spacing``: the searched ``q`` grid of ``q_num`` steps (:func:`moejax.delta.dare.
+    q_grid`; ``"geometric"`` from ``1/q = 1/(1-p)`` down to 10, or ``"linear"`` over
+    ``[1-p, 1]``).
     """
 
     pretrained: Any
@@ -109,7 +114,31 @@ class PruneContext:
     eta_num: int = 12
     structural_a: float = 0.05
     structural_include: str = r"(^|/)(ffn|mlp)/"
+    analytic_form: str = "two_sided"
+    q_spacing: str = "geometric"
     records: dict = field(default_factory=dict)  # method -> search record (for plots)
+
+    def __post_init__(self):
+        if self.q_spacing not in ("geometric", "linear"):
+            raise ValueError(f"q_spacing={self.q_spacing!r}: 'geometric' or 'linear'")
+        for key in ("q_num", "eta_num"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1 grid steps")
+        if not any(bool(m) for m in jax.tree_util.tree_leaves(self.mask)):
+            raise ValueError("mask selects no delta leaf: nothing to prune")
+        if self.analytic_form not in Q_FORMS[:2]:
+            raise ValueError(f"analytic_form={self.analytic_form!r}: one of "
+                             f"{', '.join(Q_FORMS[:2])} (the pooled form is its own method)")
+
+    @property
+    def stats_mask(self):
+        """The pruned leaves that have input statistics (the matrices used as ``x @ W``):
+        where WANDA and the analytic per-layer ``q`` apply; the other pruned leaves
+        (vectors, embedding tables) get magnitude and DARE's ``1-p`` there."""
+        paths = leaf_paths(self.delta)
+        flat = [bool(m) and pth in self.x_stats
+                for pth, m in zip(paths, jax.tree_util.tree_leaves(self.mask))]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self.mask), flat)
 
     def test(self, delta_tree) -> float:
         return float(self.test_metric(apply_delta(self.pretrained, delta_tree)))
@@ -144,7 +173,7 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
     """Apply ``method`` at drop rate ``p``; returns ``{"metric", "q", "seconds"}``."""
     P, D, mask, key = ctx.pretrained, ctx.delta, ctx.mask, ctx.key
     t0, q = time.time(), ""
-    grid = q_grid(p, ctx.q_num)
+    grid = q_grid(p, ctx.q_num, spacing=ctx.q_spacing)
     if method == "unpruned":
         out = D
     elif method == "DARE":
@@ -160,20 +189,27 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
         ctx.records[(method, p)] = r
         out, q = dare(key, D, p, q=r.best, mask=mask), r.best
     elif method.startswith("DAREx-q (per-layer"):
-        form = "pooled" if method.endswith("pooled)") else "official"
+        form = "pooled" if method.endswith("pooled)") else ctx.analytic_form
         xbar = {k: (v.mean_abs if form == "pooled" else v.mean) for k, v in ctx.x_stats.items()}
-        etas = eta_grid(D, mask, xbar, p, ctx.eta_num, signed=form == "official")
+        qm = ctx.stats_mask
+        etas = eta_grid(D, qm, xbar, p, ctx.eta_num, signed=form != "pooled")
         if "q_v" in method:
-            r = search_eta_v(key, P, D, xbar, p, ctx.val_metric, etas, mask=mask, form=form)
+            r = search_eta_v(key, P, D, xbar, p, ctx.val_metric, etas, mask=mask, form=form,
+                             q_mask=qm)
         else:
-            r = search_eta_e(key, P, D, xbar, p, ctx.outputs_fn, etas, mask=mask, form=form)
+            r = search_eta_e(key, P, D, xbar, p, ctx.outputs_fn, etas, mask=mask, form=form,
+                             q_mask=qm)
         ctx.records[(method, p)] = r
         out, q = dare(key, D, p, q=r.q, mask=mask), r.q
     elif method == "magnitude":
         out = magnitude_prune(D, p, mask=mask)
     elif method == "WANDA":
+        qm = ctx.stats_mask
         norms = {k: v.l2 for k, v in ctx.x_stats.items()}
-        out = wanda_prune(D, norms, p, mask=mask)
+        out = wanda_prune(D, norms, p, mask=qm)
+        rest = jax.tree.map(lambda m, s: bool(m) and not s, mask, qm)
+        if any(jax.tree.leaves(rest)):  # no input statistic: |Delta| alone
+            out = magnitude_prune(out, p, mask=rest)
     elif method == "structural DPP + q_v":
         a = min(1.0, max(ctx.structural_a, 1 - p))  # below p = 1 - a keep whole dimensions
         b = (1 - p) / a
