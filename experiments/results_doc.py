@@ -47,8 +47,8 @@ from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.run_record import machine_info
-from moejax.tables import read_tables
+from moejax.run_record import machine_info, read_run_record
+from moejax.tables import read_csv_rows
 from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]
@@ -120,6 +120,14 @@ def _check_assets(runs: Sequence[Path], out: Path) -> Path:
     return assets
 
 
+def _finished(path: Path) -> bool:
+    """A finished run is there: its record says so (a record from before states were kept
+    counts) and its summary was written; a running or interrupted run is never shown."""
+    record = read_run_record(path)
+    return (record is not None and "unreadable" not in record
+            and record.get("state") == "finished" and (path / "summary.md").is_file())
+
+
 def _machine(m: dict) -> str:
     gpu = m.get("accelerator", "none")
     return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('os', '')}; "
@@ -136,17 +144,31 @@ def _seeds(record: dict, cfg: dict) -> str:
     return f"{n} (the study's own `seeds` loop)" if isinstance(n, int) and n > 1 else "1"
 
 
-def _claims(name: str, path: Path) -> list[Claim]:
+def _recorded_tables(path: Path, stems: Sequence[str] | None) -> dict[str, list[dict]]:
+    """The tables a run recorded as its own (``stems`` from its ``run.json``; a record from
+    before they were kept: the tables its ``summary.md`` links), never the other CSVs of its
+    directory; claims aside."""
+    if stems is None:
+        summary = path / "summary.md"
+        text = summary.read_text() if summary.is_file() else ""
+        stems = [c[:-len(".csv")] for c in _TABLE_LINK.findall(text)]
+    return {s: read_csv_rows(path / f"{s}.csv") for s in stems
+            if s != "claims" and (path / f"{s}.csv").is_file()}
+
+
+def _claims(name: str, path: Path, record: dict) -> list[Claim]:
     module = importlib.import_module(f"experiments.{name}")
     fn = getattr(module, "claims", None)
     if fn is None:
         return []
-    tables = {k: v for k, v in read_tables(path).items() if k != "claims"}
-    seeds = sorted((p for p in path.glob("seed_*") if p.name[5:].isdigit()),
-                   key=lambda p: int(p.name[5:]))
-    if seeds:  # a repeated run: its claims pair the seed runs, as when it was judged
-        tables[SEED_TABLES] = [{k: v for k, v in read_tables(p).items() if k != "claims"}
-                               for p in seeds]
+    tables = _recorded_tables(path, record.get("tables"))
+    seed_runs = record.get("seed_runs")
+    if seed_runs is None:  # a record from before they were kept: its `repeat` seed runs
+        n = int(record.get("repeat", 1))
+        seed_runs = {f"seed_{i}": None for i in range(n)} if n > 1 else {}
+    if seed_runs:  # a repeated run: its claims pair its own seed runs, as when it was judged
+        tables[SEED_TABLES] = [_recorded_tables(path / d, stems)
+                               for d, stems in seed_runs.items()]
     try:
         return list(fn(tables))
     except (KeyError, ValueError, TypeError) as e:  # a table of another layout
@@ -179,7 +201,7 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
     module = importlib.import_module(f"experiments.{study}")
     what = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
     head = summary.split("\n\n")[1].strip() if summary.count("\n\n") > 1 else ""
-    claims = _claims(study, path)
+    claims = _claims(study, path, record)
     parts = [f"## {name}\n", f"{what}\n",
              f"- command: `{record['command']}`",
              f"- seeds: {_seeds(record, cfg)}",
@@ -267,8 +289,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
             held = path is not None and is_held(path)
             if held:
                 running.append(name)
-            if path is None or held or not (path / "run.json").is_file() or not (
-                    path / "summary.md").is_file():
+            if path is None or held or not _finished(path):
                 if name in old_sections and name not in forget:
                     folder = assets / run_dirname(study, variant)
                     if folder.is_dir():

@@ -44,11 +44,17 @@ import jax
 
 from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim
-from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs
+from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs, to_dict
 from moejax.results import RunDir, RunDirError
-from moejax.run_record import write_run_record
+from moejax.run_record import (
+    RunOwnerError,
+    claim_run_dir,
+    config_hash,
+    mark_run_state,
+    write_run_record,
+)
 from moejax.smoke import smoke_config
-from moejax.tables import mean_std, merge_seed_tables, read_csv_rows, read_tables
+from moejax.tables import mean_std, merge_seed_tables, read_csv_rows
 from moejax.train.checkpoint import CheckpointWriteError
 from moejax.train.distributed import (
     EXIT_PEER_LOST,
@@ -58,7 +64,7 @@ from moejax.train.distributed import (
 )
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices
-from moejax.train.run_lock import RunLockedError
+from moejax.train.run_lock import RunLock, RunLockedError
 from moejax.train.scale import measure_scale
 from moejax.train.step import NonFiniteError
 
@@ -74,13 +80,14 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
     """The ``--help`` text: the runner's keys, the study's variants and every config key with
     its default (of ``preset``) and allowed values."""
     head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [repeat=N] "
-            "[smoke=true] [variant=NAME] [key=value ...]",
+            "[smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
             f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
             "std of every table; default: the study's), smoke (true: every training run and "
             "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
             "of the study's declared variants: its overrides, its own run directory and "
-            "results section)", ""]
+            "results section), overwrite (true: replace a run of another study or config "
+            "in out, deleting its tables, seed runs and plots first; default false)", ""]
     head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
     head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
     return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
@@ -189,7 +196,9 @@ def run_experiment(
     ``variant=NAME`` on the command line selects (its overrides before the line's other keys;
     its own run directory ``runs/<name>_<variant>``; the run index and the results documents
     keep its newest run apart from the study's own)."""
-    given, (argv, variant) = list(argv), _variant(name, argv, variants or {})
+    given = list(argv)
+    argv, overwrite = _overwrite(argv)
+    argv, variant = _variant(name, argv, variants or {})
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
     if variant and not any(a.startswith("out=") for a in argv):  # the variant's own default
         default_out = default_out.with_name(f"{default_out.name}_{variant}")
@@ -199,16 +208,54 @@ def run_experiment(
         cfgs = [seed_offset(cfg, seed_keys, i) for i in range(repeat)]
     out = out or default_out
     started = time.time()
-    if repeat == 1:
-        summary, run = _run_once(name, cfg, run_fn, out, claims, paper_scale)[:2]
-    else:
-        summary, run = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims,
-                                   paper_scale)
-    write_run_record(run.path, study=name, argv=given, started=started, repeat=repeat,
-                     seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
-                     scale=run.scale, variant=variant)
+    h = config_hash(to_dict(cfg))
+    RunDir.check_usable(out)
+    lock = RunLock(out).acquire()  # the directory is this run's until it ends
+    try:
+        claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
+                      overwrite=overwrite)
+        try:
+            if repeat == 1:
+                summary, run = _run_once(name, cfg, run_fn, out, claims, paper_scale,
+                                         lock=False)[:2]
+                seed_runs = {}
+            else:
+                summary, run, runs = _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out,
+                                                 claims, paper_scale)
+                seed_runs = {r.path.name: _stems(r) for r in runs}
+        except BaseException:
+            mark_run_state(out, "interrupted")  # never shown as finished
+            raise
+        write_run_record(run.path, study=name, argv=given, started=started, repeat=repeat,
+                         seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
+                         scale=run.scale, variant=variant, cfg_hash=h, tables=_stems(run),
+                         seed_runs=seed_runs, preset=_preset(argv),
+                         smoke=_flag(argv, "smoke"))
+    finally:
+        lock.release()
     run_index.record(run.path)  # the results documents read the newest run from the index
     return summary, run
+
+
+def _stems(run: RunDir) -> list[str]:
+    """The CSV stems a run wrote (its own, not whatever else is in its directory)."""
+    return [csv_name[:-len(".csv")] for _, _, csv_name in run.tables]
+
+
+def _preset(argv: Sequence[str]) -> str:
+    return next((a.partition("=")[2] for a in argv if a.startswith("preset=")), "quick")
+
+
+def _flag(argv: Sequence[str], key: str) -> bool:
+    return any(a == f"{key}=true" for a in argv)
+
+
+def _overwrite(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``(argv without overwrite=..., whether it was true)``."""
+    values = [a.partition("=")[2] for a in argv if a.startswith("overwrite=")]
+    if len(values) > 1 or (values and values[0] not in ("true", "false")):
+        raise ConfigError(f"overwrite={', '.join(values)}: give it once, true or false")
+    return [a for a in argv if not a.startswith("overwrite=")], values == ["true"]
 
 
 def _variant(name: str, argv: Sequence[str],
@@ -239,8 +286,9 @@ def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale="")
         runs.append(run)
         summaries.append(summary)
         heads.append(head)
-    return _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, time.time() - t0,
-                       claims, paper_scale)
+    summary, top = _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out,
+                               time.time() - t0, claims, paper_scale)
+    return summary, top, runs
 
 
 def _release_compiled() -> None:
@@ -253,8 +301,10 @@ def _release_compiled() -> None:
     gc.collect()
 
 
-def _tables(path: Path) -> dict:
-    return {k: v for k, v in read_tables(path).items() if k != "claims"}
+def _tables(run: RunDir) -> dict:
+    """The tables ``run`` wrote (never another run's files left in its directory)."""
+    return {stem: read_csv_rows(run.path / f"{stem}.csv") for stem in _stems(run)
+            if stem != "claims"}
 
 
 def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = (),
@@ -262,15 +312,15 @@ def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = (
     """The run's claims from its tables; a repeated study's merged run also hands each seed
     run's tables (:data:`moejax.claims.SEED_TABLES`), so that its claims pair the seeds."""
     if claims is not None:
-        tables = _tables(run.path)
+        tables = _tables(run)
         if seed_runs:
-            tables[SEED_TABLES] = [_tables(r.path) for r in seed_runs]
+            tables[SEED_TABLES] = [_tables(r) for r in seed_runs]
         run.claims(claims(tables), paper_scale=paper_scale)
 
 
-def _run_once(name, cfg, run_fn, out: Path, claims=None,
-              paper_scale: str = "") -> tuple[dict[str, Any], RunDir, str]:
-    run = RunDir.create(out, cfg, name=name, lock=True)
+def _run_once(name, cfg, run_fn, out: Path, claims=None, paper_scale: str = "",
+              lock: bool = True) -> tuple[dict[str, Any], RunDir, str]:
+    run = RunDir.create(out, cfg, name=name, lock=lock)
     try:
         t0 = time.time()
         with measure_scale() as scale:
@@ -302,7 +352,7 @@ def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claim
                 paper_scale=""):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked."""
-    top = RunDir.create(out, cfg, name=name, lock=True)
+    top = RunDir.create(out, cfg, name=name)  # run_experiment holds its lock
     try:
         return _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims,
                            paper_scale)
@@ -387,7 +437,7 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)
-    except (ConfigError, RunDirError, RunLockedError) as e:
+    except (ConfigError, RunDirError, RunLockedError, RunOwnerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (CheckpointWriteError, NonFiniteError) as e:

@@ -64,6 +64,12 @@ class RunDir:
         self._lock: RunLock | None = None
         self._pending_config: str | None = None
 
+    @staticmethod
+    def check_usable(path: str | os.PathLike) -> None:
+        """Create ``path`` or raise :class:`RunDirError` saying in one line why it cannot be
+        a run directory."""
+        _usable_dir(Path(path))
+
     @classmethod
     def create(cls, path: str | os.PathLike, cfg: Config | None = None, name: str | None = None,
                *, lock: bool = False):

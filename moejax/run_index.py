@@ -4,13 +4,14 @@ each results document is generated from the newest run of every study on its mac
 The runner (:func:`moejax.experiment.run_experiment`) appends a line when a study's top-level
 run has finished: the study, the run directory's absolute path, the preset, the machine class
 (``cpu``, ``gpu`` or ``tpu``, from the run's ``run.json``) and when it finished. Smoke runs
-(``smoke=true``) are not results and are not indexed. :func:`newest` reads the index back:
-per study the newest line whose directory still holds a finished run (its ``run.json``),
-malformed lines counted and skipped.
+(``smoke=true`` in the run's record) are not results and are not indexed. :func:`newest`
+reads the index back: per study the newest line whose directory still holds a finished run
+(its ``run.json`` in state ``finished``), malformed lines counted and skipped.
 
 The index is ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl`` under the working directory.
-Lines are appended with one ``write`` on a file opened for appending, so runs finishing at
-once do not interleave their lines.
+Each line is appended with one ``write`` on a file opened for appending, so runs finishing at
+once do not interleave their lines; a line cut off without its newline (a full disk, a kill)
+is closed first, so the next line starts on its own.
 """
 
 from __future__ import annotations
@@ -50,19 +51,26 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     line written, or None for a smoke run (not a result)."""
     run_dir = Path(run_dir).resolve()
     meta = json.loads((run_dir / "run.json").read_text())
-    command = str(meta.get("command", ""))
-    if re.search(r"(^|\s)smoke=(true|1|yes)(\s|$)", command):
+    if "smoke" in meta:  # the recorded config, never a search of the command line
+        smoke, preset = bool(meta["smoke"]), str(meta.get("preset", "quick"))
+    else:  # a record from before these were kept
+        command = str(meta.get("command", ""))
+        smoke = bool(re.search(r"(^|\s)smoke=(true|1|yes)(\s|$)", command))
+        found = re.search(r"(^|\s)preset=(\w+)", command)
+        preset = found.group(2) if found else "quick"
+    if smoke:
         return None
-    preset = re.search(r"(^|\s)preset=(\w+)", command)
     line = {"study": meta["study"], "variant": meta.get("variant", ""), "path": str(run_dir),
-            "preset": preset.group(2) if preset else "quick",
+            "preset": preset,
             "machine": machine_class(meta.get("machine", {})),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
     index = index or index_path()
     index.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(index, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(index, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (json.dumps(line) + "\n").encode())
+        size = os.fstat(fd).st_size
+        cut = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        os.write(fd, (("\n" if cut else "") + json.dumps(line) + "\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -89,6 +97,15 @@ def newest(machine: str, index: Path | None = None, *,
         except (ValueError, KeyError, TypeError):
             skipped += 1
             continue
-        if (path / "run.json").is_file() and t >= best.get(study, (-1.0, path))[0]:
+        if _finished(path) and t >= best.get(study, (-1.0, path))[0]:
             best[study] = (t, path)
     return {study: path for study, (_, path) in best.items()}, skipped
+
+
+def _finished(path: Path) -> bool:
+    """Whether ``path`` holds a finished run (a record from before states were kept counts)."""
+    try:
+        meta = json.loads((path / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("state", "finished") == "finished"

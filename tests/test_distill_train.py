@@ -220,3 +220,42 @@ def test_runs_of_one_recipe_share_one_compiled_step():
         distil(student, teacher, cfg, tcfg, _source())
     after = loop._cached_step.cache_info()
     assert after.misses - before.misses == 1 and after.hits - before.hits == 1
+
+
+def test_ka_takes_m_updates_per_batch_on_one_student_sample_by_default(monkeypatch):
+    """Algorithm 1: per step one student sample, then M optimizer updates (the optimizer's
+    count moves by M per step, the sampler is traced once per step); ka_updates="averaged"
+    (the named option) averages the M teacher passes into one update."""
+    import optax
+
+    import moejax.train.distill as distill_mod
+    from moejax.train.step import init_state, make_step_fn
+
+    assert DistillConfig(method="ka").ka_updates == "sequential"
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    tcfg = TrainConfig(steps=2, batch_size=4, lr=1e-2, schedule="constant", warmup_steps=0)
+    counts = {}
+    for mode, m in (("sequential", 3), ("averaged", 3)):
+        cfg = DistillConfig(method="ka", ka_m=m, ka_lambda=0.5, ka_updates=mode)
+        loss = distill_loss_fn(cfg)
+        assert loss.updates_per_batch == (m if mode == "sequential" else 1)
+        pair = distill_pair(student, teacher, cfg)
+        graphdef, params, rest = nnx.split(pair, nnx.Param, ...)
+        tx = distill_tx(cfg, tcfg)
+        state = init_state(params, rest, tx, seed=0)
+        calls = []
+        real = distill_mod.sample_traced
+
+        def counting(*a, calls=calls, real=real, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(distill_mod, "sample_traced", counting)
+        new, metrics = jax.jit(make_step_fn(graphdef, loss, tx, tcfg))(state, b)
+        monkeypatch.setattr(distill_mod, "sample_traced", real)
+        assert np.isfinite(float(metrics["loss"])) and len(calls) == 1
+        found = {int(c) for _, c in optax.tree_utils.tree_get_all_with_path(new.opt_state,
+                                                                            "count")}
+        (counts[mode],) = found
+    assert counts == {"sequential": 3, "averaged": 1}

@@ -99,3 +99,29 @@ def test_compression_claim_judges_each_seed_runs_worst_scenario():
     assert sparse.holds is True and quant.holds is True
     bad = [run(0.99, 0.6 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]  # one scenario fails
     assert mod.claims({**bad[0], SEED_TABLES: bad})[0].holds is False
+
+
+def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
+    """The table the study writes (read back from its CSV) carries the dense control: where
+    DeRS equals the control, the claim does not read holds."""
+    from experiments.ders import upcycling as mod
+    from moejax.results import RunDir
+    from moejax.tables import read_tables
+
+    def row(variant, form, setting, loss, added):
+        return {"variant": variant, "form": form, "setting": setting, "val_loss": loss,
+                "val_loss_step0": 2.0, "trainable": 1, "added": added, "added_with_index": added,
+                "stored": 1, "model_bytes": 1, "peak_train_bytes": 1, "train_state_bytes": 1,
+                "peak_infer_bytes": 1, "infer_arg_bytes": 1, "train_loss_last10": loss}
+
+    rows = [row("vanilla", "vanilla", "", 1.70, 1000), row("DeRS-SM p=0.99", "sm", 0.99, 1.705, 10),
+            row("DeRS-LM r=4", "lm", 4, 1.705, 20),
+            row(mod.CONTROL, "dense", "", 1.705, 0)]  # the control: no experts, same loss
+    for r in rows:
+        r["added_vs_vanilla"] = 1000 / max(r["added"], 1)
+        r["d_loss_vs_vanilla"] = r["val_loss"] - 1.70
+    run = RunDir.create(tmp_path / "up")
+    mod._tables(run, rows, {"dense": 1.8})
+    got = mod.claims(read_tables(run.path))
+    assert [c.verdict for c in got] == ["inconclusive", "inconclusive"]
+    assert all("dense control" in c.evidence for c in got)

@@ -77,7 +77,7 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
     got = {c.claim: c for c in mod.claims({"table1": [moee, moef],
                                            "table2_ablations": [rand]})}
     by = lambda word: next(c for k, c in got.items() if word in k)  # noqa: E731
-    assert by("cuts MACs").holds is True and by("cuts parameters").holds is True
+    assert by("cuts MACs").holds is True and by("cuts non-embedding parameters").holds is True
     assert by("regains 98%").holds is False          # 97.5% passed the old 97% bar
     assert by("MoEfication (param) at equal").holds is True
     assert by("more evenly").holds is True
@@ -86,3 +86,45 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
     far = {**moef, "MACs_change_%": -20.0}
     c = next(c for c in mod.claims({"table1": [moee, far]}) if "equal MACs" in c.claim)
     assert c.verdict == "inconclusive"
+
+
+def test_moefication_claim_is_paired_per_seed_with_an_interval():
+    """Per-seed differences -0.003, -0.001, -0.009 against the MLP router: the interval
+    spans zero, so inconclusive (the unpaired means read 'does not hold'); a consistent win
+    holds."""
+    moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -10.0,
+            "kd_vs_dense_%": 99.0, "acc_extracted": 0.8, "acc_after_kd": 0.900}
+    mlp = {"model": "MoEfication (mlp router)", "MACs_change_%": -27.0, "acc_after_kd": 0.904}
+
+    def per_seed(diffs):
+        rows = []
+        for s, d in enumerate(diffs):
+            rows += [{"model": "MoEE", "seed": s, "accuracy_after_kd": 0.9 + d, "accuracy": 0.8},
+                     {"model": mlp["model"], "seed": s, "accuracy_after_kd": 0.9}]
+        return rows
+
+    def verdict(diffs):
+        got = mod.claims({"table1": [moee, mlp], "table1_per_seed": per_seed(diffs)})
+        return next(c for c in got if "mlp router) at equal" in c.claim)
+
+    c = verdict([-0.003, -0.001, -0.009])
+    assert c.verdict == "inconclusive" and "95% CI" in c.evidence
+    assert verdict([0.010, 0.012, 0.011]).verdict == "holds"
+    assert verdict([-0.010, -0.012, -0.011]).verdict == "does not hold"
+
+
+def test_parameter_claim_is_judged_without_the_embedding_table():
+    """MiniLM: -14.0% of the whole model, -29.7% without its word embeddings: the claim
+    (the paper's ViTs have no large embedding table) reads holds, the whole-model cut beside."""
+    moee = {"model": "MoEE", "MACs_change_%": -44.0, "params_change_%": -14.0,
+            "kd_vs_dense_%": 99.0, "acc_extracted": 0.8, "acc_after_kd": 0.9}
+    split = [{"layer": "whole model", "removed_%": 14.0, "seed": 0},
+             {"layer": "without embeddings", "removed_%": 29.7, "seed": 0},
+             {"layer": "FFNs only", "removed_%": 44.6, "seed": 0}]
+    got = {c.claim: c for c in mod.claims({"table1": [moee], "params_per_layer": split})}
+    c = next(v for k, v in got.items() if "non-embedding parameters" in k)
+    assert c.holds is True and "-29.7% without embeddings (-14.0% whole model)" in c.evidence
+    low = [dict(r, **{"removed_%": 9.4}) if r["layer"] == "without embeddings" else r
+           for r in split]
+    got = mod.claims({"table1": [moee], "params_per_layer": low})
+    assert next(c for c in got if "non-embedding" in c.claim).holds is False

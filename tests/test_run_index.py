@@ -13,8 +13,10 @@ def _run(path, study, command, accelerator="none"):
     """A finished run's directory: its run.json (as the runner writes it, with the given
     accelerator), summary and config."""
     path.mkdir(parents=True)
-    write_run_record(path, study=study, argv=command.split()[3:], started=time.time(),
-                     repeat=1, seeds={})
+    argv = command.split()[3:]
+    preset = next((a[7:] for a in argv if a.startswith("preset=")), "quick")
+    write_run_record(path, study=study, argv=argv, started=time.time(), repeat=1, seeds={},
+                     preset=preset, smoke="smoke=true" in argv)
     meta = json.loads((path / "run.json").read_text())
     meta["machine"]["accelerator"] = accelerator
     (path / "run.json").write_text(json.dumps(meta))
@@ -79,3 +81,26 @@ def test_the_runner_indexes_what_it_finishes(tmp_path, monkeypatch):
                    lambda cfg, run: {"headline": "x"}, [], out=tmp_path / "runs" / "lm")
     (line,) = [json.loads(x) for x in index.read_text().splitlines()]
     assert line["study"] == "lm_demo" and line["machine"] == "cpu"
+
+
+def test_index_lines_survive_a_cut_line_and_argv_that_quotes_smoke(tmp_path, monkeypatch):
+    """A line cut off without its newline does not swallow the next run's line; a value that
+    merely contains ' smoke=true' (a prompt) does not keep a real run out of the index; the
+    recorded command is shell-quoted and splits back into the run's argv."""
+    import shlex
+
+    from moejax.experiment import run_experiment
+    from moejax.train.hparams import TrainConfig
+
+    index = tmp_path / "index.jsonl"
+    monkeypatch.setenv(run_index.ENV, str(index))
+    index.write_text('{"study": "lm_demo", "path": "/x", "t": 1')  # cut: no newline
+    argv = ["decay_paths=say smoke=true now"]
+    make = lambda preset: TrainConfig(seed=0)  # noqa: E731
+    _, run = run_experiment("lm_demo", make, lambda cfg, run: {"headline": "x"},
+                            argv, out=tmp_path / "lm")
+    lines = index.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[1])["path"] == str(run.path.resolve())
+    assert run_index.newest("cpu", index) == ({"lm_demo": run.path.resolve()}, 1)
+    command = json.loads((run.path / "run.json").read_text())["command"]
+    assert shlex.split(command)[3:] == argv

@@ -202,3 +202,50 @@ def test_collective_bytes_reads_result_shapes_and_skips_single_device_groups():
         "{'data','expert'}, dimensions={0}",
     ])
     assert collective_bytes(hlo) == {"all-reduce": 8, "all-to-all": 40, "all-gather": 12}
+
+
+class _ThreeUpdates:
+    """A toy loss taking three updates per batch on one prepared batch: the target is the
+    batch's ``y`` shifted by a key-dependent offset (prepare), and each update's key adds
+    its own term (so a reused key would show)."""
+
+    updates_per_batch = 3
+
+    def prepare(self, params, batch, key):
+        return {**batch, "y": batch["y"] + jax.random.normal(key, batch["y"].shape)}
+
+    def __call__(self, params, batch, key):
+        r = jax.random.normal(key, ())
+        return jnp.sum((params["w"] - batch["y"]) ** 2) + r * jnp.sum(params["w"])
+
+
+def test_several_updates_per_batch_equal_sequential_sgd_on_one_prepared_batch():
+    """The oracle: prepare once with the step's first key, then three plain SGD updates, the
+    m-th with fold_in(key, m); the step's metrics are the updates' mean."""
+    import optax
+
+    from moejax.train.step import init_state, make_step_fn, per_step_schedule, updates_per_batch
+
+    lr = 0.1
+    cfg = TrainConfig(steps=4, lr=lr, schedule="constant", warmup_steps=0)
+    tx = optax.sgd(lr)
+    params = {"w": jnp.arange(3.0)}
+    batch = {"y": jnp.ones(3)}
+    state = init_state(params, None, tx, seed=7)
+    new, metrics = jax.jit(make_step_fn(None, _ThreeUpdates(), tx, cfg))(state, batch)
+    _, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+    prep_key, step_key = jax.random.split(step_key)
+    prepared = _ThreeUpdates().prepare(params, batch, prep_key)
+    w, losses = params["w"], []
+    for m in range(3):
+        k = jax.random.fold_in(step_key, m)
+        loss, g = jax.value_and_grad(lambda w, k=k: _ThreeUpdates()({"w": w}, prepared, k))(w)
+        losses.append(loss)
+        w = w - lr * g
+    np.testing.assert_allclose(new.params["w"], w, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=1e-5)
+    assert int(new.step) == 1 and updates_per_batch(_ThreeUpdates()) == 3
+    sched = per_step_schedule(lambda t: 10.0 * t, 3)  # every update of a step at its lr
+    assert [sched(c) for c in range(6)] == [0, 0, 0, 10, 10, 10]
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        updates_per_batch(type("L", (), {"updates_per_batch": 0})())

@@ -37,6 +37,8 @@ from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
 
+CONTROL = "dense fine-tuned (control)"  # the dense model trained alike: no added parameters
+
 
 @config
 class DeRSUpcyclingConfig(Config):
@@ -80,7 +82,7 @@ def _variants(cfg: DeRSUpcyclingConfig):
     out.append((f"DeRS-LM r={cfg.frozen_lm_rank} frozen shared", "lm-frozen",
                 cfg.frozen_lm_rank, base.replace(expert_form="lm", lm_rank=cfg.frozen_lm_rank,
                                                  freeze_shared=True)))
-    out.append(("dense fine-tuned (control)", "dense", "", None))
+    out.append((CONTROL, "dense", "", None))
     return out
 
 
@@ -143,7 +145,7 @@ def _tables(run: RunDir, rows: list[dict], dense_ref: dict) -> None:
     run.table("upcycling", rows, title="Vanilla vs DeRS upcycling (Tables 1/4/5 analog): "
               "validation loss and exact parameter counts (added = weights - dense; "
               "with_index also charges the SM index vectors)",
-              columns=["variant", "val_loss", "d_loss_vs_vanilla", "val_loss_step0",
+              columns=["variant", "form", "val_loss", "d_loss_vs_vanilla", "val_loss_step0",
                        "trainable", "added", "added_with_index", "added_vs_vanilla",
                        "train_loss_last10"])
     run.table("cost", rows, title="Cost efficiency (Table 6 analog). model size = stored "
@@ -178,7 +180,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     parameters. Inconclusive where the dense control, trained alike with no added parameters,
     matches vanilla too: then nothing at this scale separates more experts from none."""
     rows = t.get("upcycling") or []
-    control = lookup(rows, {"form": "dense"})
+    control = lookup(rows, {"variant": CONTROL})  # by its label: every table has that column
     out = []
     for form in ("SM", "LM"):
         claim = (f"DeRS-{form} matches vanilla upcycling with >= 10x fewer added parameters "

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from experiments.extraction import PAPER_SCALE
-from moejax.claims import Claim, compare, lookup
+from moejax.claims import Claim, compare, lookup, paired, paired_claim
 from moejax.config import config
 from moejax.extract import (
     extract_model,
@@ -358,39 +358,77 @@ def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> 
 MACS_CUT_PCT, PARAMS_CUT_PCT, KD_RETAINED_PCT, EQUAL_MACS_PTS = 27.0, 20.0, 98.0, 2.0
 
 
-def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str) -> Claim:
+def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
+                   moee_seeds: dict | None = None, other_seeds: dict | None = None) -> Claim:
     """``claim`` that MoEE's ``a`` beats ``other``'s ``b``, judged only where the two cut
-    MACs alike; inconclusive (with both cuts) where they do not."""
+    MACs alike (inconclusive, with both cuts, where they do not): on the paired per-seed
+    differences with their 95% interval where both have per-seed values (``{seed: value}``),
+    else on the means."""
     gap = abs(float(moee["MACs_change_%"]) - float(other["MACs_change_%"]))
+    macs = f"MACs {float(moee['MACs_change_%']):+.1f}% vs {float(other['MACs_change_%']):+.1f}%"
     if gap > EQUAL_MACS_PTS:
         return Claim(claim, None, f"not at equal MACs: MoEE {float(moee['MACs_change_%']):+.1f}"
                      f"% vs {other['model']} {float(other['MACs_change_%']):+.1f}%",
                      inconclusive=True)
-    c = compare(claim, ("MoEE", moee[a]), (other["model"], other[b]))
-    return c._replace(evidence=f"{c.evidence}; MACs {float(moee['MACs_change_%']):+.1f}% vs "
-                      f"{float(other['MACs_change_%']):+.1f}%")
+    seeds = sorted(set(moee_seeds or {}) & set(other_seeds or {}))
+    if seeds:
+        c = paired_claim(claim, paired(f"MoEE - {other['model']}",
+                                       [moee_seeds[s] for s in seeds],
+                                       [other_seeds[s] for s in seeds]))
+    else:
+        c = compare(claim, ("MoEE", moee[a]), (other["model"], other[b]))
+    return c._replace(evidence=f"{c.evidence}; {macs}")
+
+
+def _by_seed(rows, model: str, key: str) -> dict:
+    """``{seed: value}`` of ``model``'s per-seed rows (measured values only)."""
+    out = {}
+    for r in rows or ():
+        if r.get("model") == model and r.get(key) not in (None, ""):
+            out[int(float(r["seed"]))] = float(r[key])
+    return out
+
+
+def _param_cut(t: dict, moee: dict) -> Claim:
+    """The parameter claim on the non-embedding parameters (the paper's ViTs have no large
+    embedding table: a patch projection), the whole-model cut beside it; on the whole model
+    where the run counted no split."""
+    claim = f"MoEE cuts non-embedding parameters by {PARAMS_CUT_PCT:g}% or more (Table 1)"
+    rows = t.get("params_per_layer") or []
+    cut = lambda name: [float(r["removed_%"]) for r in rows  # noqa: E731
+                        if r.get("layer") == name and r.get("removed_%") not in (None, "")]
+    ne, whole = cut("without embeddings"), cut("whole model")
+    if not ne:
+        v = float(moee["params_change_%"])
+        return Claim(claim, v <= -PARAMS_CUT_PCT, f"{v:+.1f}% (whole model; no split counted)")
+    m, w = float(np.mean(ne)), float(np.mean(whole)) if whole else float("nan")
+    return Claim(claim, m >= PARAMS_CUT_PCT,
+                 f"{-m:+.1f}% without embeddings ({-w:+.1f}% whole model), mean of {len(ne)} "
+                 "seeds")
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables, at the thresholds of the
     paper's smallest model (:data:`MACS_CUT_PCT` ...); comparisons with MoEfication and the
-    random-routing ablation only at equal MACs."""
+    random-routing ablations only at equal MACs, paired per seed."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
     if moee is None:
         return [Claim("MoEE extracts experts (Sec. 4)", None, "no MoEE row")]
     moef = [r for r in t1 if str(r["model"]).startswith("MoEfication")]
+    per1, per2 = t.get("table1_per_seed"), t.get("table2_per_seed")
     v = lambda k: float(moee[k])  # noqa: E731
     out = [Claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)",
                  v("MACs_change_%") <= -MACS_CUT_PCT, f"{v('MACs_change_%'):+.1f}%"),
-           Claim(f"MoEE cuts parameters by {PARAMS_CUT_PCT:g}% or more (Table 1)",
-                 v("params_change_%") <= -PARAMS_CUT_PCT, f"{v('params_change_%'):+.1f}%"),
+           _param_cut(t, moee),
            Claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after fine-tuning "
                  "(Table 1, abstract)", v("kd_vs_dense_%") >= KD_RETAINED_PCT,
                  f"{v('kd_vs_dense_%'):.1f}%")]
     for r in moef:
         out.append(_at_equal_macs(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
-                                  moee, r, "acc_after_kd", "acc_after_kd"))
+                                  moee, r, "acc_after_kd", "acc_after_kd",
+                                  _by_seed(per1, "MoEE", "accuracy_after_kd"),
+                                  _by_seed(per1, r["model"], "accuracy_after_kd")))
         if r.get("load_cv") not in (None, ""):
             out.append(compare(f"MoEE routes more evenly than {r['model']} (Sec. 5, Fig. 2)",
                                ("MoEE load CV", moee["load_cv"]),
@@ -398,7 +436,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     for r in t.get("table2_ablations") or []:
         if "random" in str(r["model"]):
             out.append(_at_equal_macs(f"MoEE beats {r['model']} right after extraction "
-                                      "(Table 2)", moee, r, "acc_extracted", "accuracy"))
+                                      "(Table 2)", moee, r, "acc_extracted", "accuracy",
+                                      _by_seed(per1, "MoEE", "accuracy"),
+                                      _by_seed(per2, r["model"], "accuracy")))
     layers = [r for r in (t.get("experts_per_layer") or []) if r["model"] == "MoEE"]
     if layers:
         counts = [float(r["experts"]) for r in sorted(layers, key=lambda r: float(r["layer"]))]

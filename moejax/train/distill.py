@@ -18,7 +18,11 @@ loop ("Every Expert Matters", Kim et al. 2025, Sec. 3-4).
 * ``all``: as ``gkd`` with every expert of the teacher active (softmax over all N logits);
 * ``ka``: as ``gkd`` with Knowledge Augmentation: ``ka_m`` teacher passes on the same
   student sample, each with its own key (per layer and token: N-1 experts sampled from the
-  gate w.p. ``ka_lambda``, else the top N-1), the ``ka_m`` losses averaged;
+  gate w.p. ``ka_lambda``, else the top N-1). ``ka_updates="sequential"`` (the default, the
+  paper's Algorithm 1): one student sample per step, then ``ka_m`` optimizer updates, one per
+  teacher pass (the loop's step takes them, :func:`moejax.train.step.updates_per_batch`;
+  every update of a step gets that step's learning rate); ``"averaged"``: the ``ka_m``
+  losses averaged into one update;
 * ``sar``: Student-Aware Router, two stages per step as the paper: (1) the teacher's router
   weights (``W_g``, ``W_noise``) take one AdamW step (``router_lr``, ``router_weight_decay``)
   on ``KL(p || q) + sar_beta * CV^2`` balance loss (noisy gate, all experts, the student's
@@ -60,6 +64,7 @@ from moejax.ops.distill_losses import (
 from moejax.ops.losses import cross_entropy
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import History, train
+from moejax.train.step import per_step_schedule
 
 __all__ = ["DistillConfig", "FrozenParam", "RouterParam", "RouterOptState", "DistillPair",
            "freeze", "distill_pair", "distill_loss_fn", "distill_tx", "sar_router_step",
@@ -83,6 +88,7 @@ class DistillConfig(Config):
     top_p: float = 1.0
     ka_lambda: float = 0.05
     ka_m: int = 2
+    ka_updates: Literal["sequential", "averaged"] = "sequential"
     sar_beta: float = 0.01
     router_lr: float = 1e-5
     router_weight_decay: float = 0.01  # AdamW's (PyTorch default, as the official code)
@@ -279,11 +285,26 @@ class _DistillLoss:
         return distill_divergence(self.cfg.divergence_kind, t_logits, s_logits, mask,
                                   beta=self.cfg.jsd_beta, reduction=self.cfg.reduction)
 
+    @property
+    def updates_per_batch(self) -> int:
+        """KA's sequential updates: ``ka_m`` optimizer updates per batch (Algorithm 1)."""
+        cfg = self.cfg
+        return cfg.ka_m if cfg.method == "ka" and cfg.ka_updates == "sequential" else 1
+
+    def prepare(self, pair, batch, key):
+        """The batch with the student's sampled responses in place (once per step, shared
+        by the step's updates; :func:`moejax.train.step.make_step_fn`)."""
+        inputs, targets, mask = _sequences(pair, batch, self.cfg, key)
+        return {**batch, "presampled": (inputs, targets, mask)}
+
     def __call__(self, pair, batch, key, train: bool = True):
         cfg = self.cfg
         key = jax.random.key(0) if key is None else key
         k_seq, k_teacher = jax.random.split(key)
-        inputs, targets, mask = _sequences(pair, batch, cfg, k_seq)
+        if "presampled" in batch:
+            inputs, targets, mask = batch["presampled"]
+        else:
+            inputs, targets, mask = _sequences(pair, batch, cfg, k_seq)
         s_logits, _ = pair.student(inputs, train=train)
         metrics = {"response_tokens": jnp.sum(mask) / inputs.shape[0]}
         if cfg.method == "sft":
@@ -291,11 +312,12 @@ class _DistillLoss:
             return loss, {"ce": loss, **metrics}
         metrics["ce"] = cross_entropy(s_logits, targets, mask)
         if cfg.method == "ka":
-            losses = []
-            for k in jax.random.split(k_teacher, cfg.ka_m):
+            losses = []  # sequential: one teacher pass per update (the step takes ka_m)
+            n = 1 if self.updates_per_batch > 1 else cfg.ka_m
+            for k in jax.random.split(k_teacher, n):
                 t_logits, _ = pair.teacher(inputs, train=False, key=k)
                 losses.append(self._div(jax.lax.stop_gradient(t_logits), s_logits, mask))
-            loss = sum(losses) / cfg.ka_m
+            loss = sum(losses) / n
             return loss, {"distill": loss, **metrics}
         if cfg.method == "sar":  # stage 1: the router step; stage 2 below sees its result
             k_noise, k_teacher = jax.random.split(k_teacher)
@@ -318,8 +340,8 @@ def distill_tx(cfg: DistillConfig, tcfg: TrainConfig) -> optax.GradientTransform
     """The student's optimizer from ``tcfg`` (SAR's router AdamW runs inside the loss): the
     training loop's own optimizer of ``tcfg``, which :func:`distil` lets the loop build so
     that runs of one recipe share one compiled step."""
-    del cfg
-    return make_optimizer(tcfg, make_schedule(tcfg))
+    updates = distill_loss_fn(cfg).updates_per_batch  # KA's: every update at its step's lr
+    return make_optimizer(tcfg, per_step_schedule(make_schedule(tcfg), updates))
 
 
 def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,

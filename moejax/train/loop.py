@@ -71,7 +71,9 @@ from moejax.train.step import (
     init_state,
     lm_loss_fn,
     make_train_step,
+    per_step_schedule,
     tree_all_finite,
+    updates_per_batch,
 )
 
 __all__ = ["train", "train_params", "LoopOptions", "History", "read_csv", "FnSource",
@@ -209,9 +211,9 @@ def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
 
 def _build_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
     schedule = None
-    if tx is None:
+    if tx is None:  # a loss taking several updates per batch: each gets its step's lr
         schedule = make_schedule(cfg)
-        tx = make_optimizer(cfg, schedule)
+        tx = make_optimizer(cfg, per_step_schedule(schedule, updates_per_batch(loss_fn)))
     return tx, make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh,
                                donate=True)
 

@@ -25,6 +25,13 @@ fp32 master params), the optimizer state and the update stay fp32. A model that 
 own compute dtype (e.g. ``DecoderConfig.dtype``) follows that dtype; set it to ``"bfloat16"``
 as well so activations are bf16 too.
 
+Several updates per batch: a loss that declares ``updates_per_batch = M > 1`` (and a
+``prepare(model, batch, key) -> batch`` run once per step before them, e.g. sampling the
+responses the updates share) takes ``M`` optimizer updates on one batch per step, each with
+its own key (the Knowledge Augmentation of "Every Expert Matters", Algorithm 1); the metrics
+are the mean over the updates. Pass the optimizer a schedule of the step, not of the update
+(:func:`per_step_schedule`).
+
 Non-finite guard: metrics carry ``finite`` (loss and gradient norm finite). When it is false
 the step returns the *input* state unchanged (no corrupt update is ever applied); the loop then
 raises :class:`NonFiniteError` via :func:`check_finite`.
@@ -57,6 +64,8 @@ __all__ = [
     "cast_floating",
     "tree_all_finite",
     "as_loss_and_metrics",
+    "updates_per_batch",
+    "per_step_schedule",
 ]
 
 
@@ -194,6 +203,23 @@ def injected_lr(opt_state):
     return found[0] if len(found) == 1 else None
 
 
+def updates_per_batch(loss_fn) -> int:
+    """How many optimizer updates ``loss_fn`` takes on each batch (its ``updates_per_batch``
+    attribute; 1 without one)."""
+    m = getattr(loss_fn, "updates_per_batch", 1)
+    if int(m) != m or m < 1:
+        raise ValueError(f"{type(loss_fn).__name__}.updates_per_batch={m} must be an int >= 1")
+    return int(m)
+
+
+def per_step_schedule(schedule, updates: int):
+    """``schedule`` of the loop's step for an optimizer that counts ``updates`` updates per
+    step: every update of step ``k`` gets ``schedule(k)``."""
+    if updates == 1:
+        return schedule
+    return lambda count: schedule(count // updates)
+
+
 def make_step_fn(
     graphdef, loss_fn: LossFn, tx, cfg: TrainConfig, schedule=None, batch_sharding=None
 ):
@@ -201,50 +227,67 @@ def make_step_fn(
     compute_dtype = jnp.bfloat16 if cfg.precision == "bfloat16" else None
     grad_fn = _loss_and_grad(graphdef, loss_fn, compute_dtype)
     n_micro = cfg.grad_accum
+    n_updates = updates_per_batch(loss_fn)
+    prepare = getattr(loss_fn, "prepare", None)
+
+    def gradients(params, rest0, batch, step_key):
+        if n_micro == 1:
+            (loss, (metrics, rest)), grads = grad_fn(params, rest0, batch, step_key)
+            return loss, metrics, rest, grads
+        micro = _split_micro(batch, n_micro)
+        first = jax.tree.map(lambda x: x[0], micro)
+        out_shape = jax.eval_shape(grad_fn, params, rest0, first, step_key)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+        (l0, (m0, _)), g0 = zeros
+
+        def body(carry, xs):
+            g_sum, l_sum, m_sum, rest = carry
+            mb, i = xs
+            if batch_sharding is not None:
+                mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
+            (loss_i, (m, rest)), g = grad_fn(params, rest, mb, jax.random.fold_in(step_key, i))
+            add = lambda a, b: a + b
+            return (
+                jax.tree.map(add, g_sum, g),
+                l_sum + loss_i,
+                jax.tree.map(add, m_sum, m),
+                rest,
+            ), None
+
+        (g, loss, metrics, rest), _ = jax.lax.scan(
+            body, (g0, l0, m0, rest0), (micro, jnp.arange(n_micro))
+        )
+        inv = 1.0 / n_micro
+        return (loss * inv, jax.tree.map(lambda x: x * inv, metrics), rest,
+                jax.tree.map(lambda x: x * inv, g))
+
+    def update(params, opt_state, rest, batch, key):
+        loss, metrics, rest, grads = gradients(params, rest, batch, key)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, rest, dict(
+            metrics, loss=loss, grad_norm=grad_norm, finite=finite)
 
     def step(state: TrainState, batch):
         key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        if n_micro == 1:
-            (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch, step_key)
-        else:
-            micro = _split_micro(batch, n_micro)
-            first = jax.tree.map(lambda x: x[0], micro)
-            out_shape = jax.eval_shape(grad_fn, state.params, state.rest, first, step_key)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-            (l0, (m0, _)), g0 = zeros
-
-            def body(carry, xs):
-                g_sum, l_sum, m_sum, rest = carry
-                mb, i = xs
-                if batch_sharding is not None:
-                    mb = jax.lax.with_sharding_constraint(mb, batch_sharding)
-                (loss_i, (m, rest)), g = grad_fn(
-                    state.params, rest, mb, jax.random.fold_in(step_key, i)
-                )
-                add = lambda a, b: a + b
-                return (
-                    jax.tree.map(add, g_sum, g),
-                    l_sum + loss_i,
-                    jax.tree.map(add, m_sum, m),
-                    rest,
-                ), None
-
-            (g, loss, metrics, rest), _ = jax.lax.scan(
-                body, (g0, l0, m0, state.rest), (micro, jnp.arange(n_micro))
-            )
-            inv = 1.0 / n_micro
-            grads = jax.tree.map(lambda x: x * inv, g)
-            loss = loss * inv
-            metrics = jax.tree.map(lambda x: x * inv, metrics)
-
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state, rest = state.params, state.opt_state, state.rest
+        if n_updates == 1:
+            params, opt_state, rest, out = update(params, opt_state, rest, batch, step_key)
+        else:  # one batch (prepared once), n_updates updates, each with its own key
+            if prepare is not None:
+                prep_key, step_key = jax.random.split(step_key)
+                model = params if graphdef is None else nnx.merge(graphdef, params, rest)
+                batch = jax.lax.stop_gradient(prepare(model, batch, prep_key))
+            outs = []
+            for m in range(n_updates):
+                params, opt_state, rest, o = update(params, opt_state, rest, batch,
+                                                    jax.random.fold_in(step_key, m))
+                outs.append(o)
+            out = {k: (jnp.all(jnp.stack([o[k] for o in outs])) if k == "finite" else
+                       sum(o[k] for o in outs) / n_updates) for k in outs[0]}
         new = TrainState(state.step + 1, params, opt_state, jax.random.key_data(key), rest)
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-        out = dict(metrics)
-        out.update(loss=loss, grad_norm=grad_norm, finite=finite)
+        new = jax.tree.map(lambda n, o: jnp.where(out["finite"], n, o), new, state)
         lr = schedule(state.step) if schedule is not None else injected_lr(opt_state)
         if lr is not None:
             out["lr"] = jnp.asarray(lr, jnp.float32)

@@ -1,0 +1,141 @@
+"""A run directory holds one run: a study is refused where another study's run, or its own
+finished run of another config, lives (unless overwrite=true, which clears the old results
+first); claims and the results documents read only the tables and seed runs the run recorded;
+an interrupted run is marked so and never shown or indexed as finished."""
+
+import json
+
+import pytest
+
+from experiments import blockffn_granularity, results_doc
+from moejax import run_index
+from moejax.experiment import main, run_experiment
+from moejax.run_record import RunOwnerError, read_run_record
+from moejax.train.hparams import TrainConfig
+
+MAKE = lambda preset: TrainConfig(seed=0)  # noqa: E731  any config with an int seed
+
+
+def _granularity(cfg, run):
+    run.table("granularity", [{"n_experts": 4, "val_ppl": 9.0 + cfg.seed},
+                              {"n_experts": 8, "val_ppl": 8.0 + 0.5 * cfg.seed}])
+    return {"headline": f"seed {cfg.seed}"}
+
+
+def _two_tables(cfg, run):
+    run.table("main", [{"x": 1}])
+    if cfg.steps > 5:  # a config with the optional table
+        run.table("extra", [{"y": 2}])
+    return {"headline": "ok"}
+
+
+def _snapshot(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()
+            and p.name != ".lock"}
+
+
+@pytest.fixture(autouse=True)
+def _own_index(tmp_path, monkeypatch):
+    monkeypatch.setenv(run_index.ENV, str(tmp_path / "index.jsonl"))
+
+
+def test_another_studys_run_is_refused_before_anything_is_written(tmp_path, capsys):
+    out = tmp_path / "bench"
+    run_experiment("bench_dispatch", MAKE, _two_tables, [], out=out)
+    before = _snapshot(out)
+    called = []
+    code = main("lm_demo", MAKE, lambda cfg, run: called.append(1) or {}, [f"out={out}"])
+    assert code == 2 and not called and _snapshot(out) == before
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a finished run of bench_dispatch" in err[0]
+    assert "overwrite=true" in err[0]
+    link = tmp_path / "link"  # through a symlink too
+    link.symlink_to(out)
+    with pytest.raises(RunOwnerError, match="bench_dispatch"):
+        run_experiment("lm_demo", MAKE, _two_tables, [], out=link)
+    assert _snapshot(out) == before
+
+
+def test_a_finished_run_of_another_config_needs_overwrite_which_clears_it(tmp_path):
+    out = tmp_path / "run"
+    seen = []
+
+    def claims(tables):
+        seen.append(sorted(tables))
+        return []
+
+    run_experiment("darex_controlled", MAKE, _two_tables, ["steps=10"], out=out, claims=claims)
+    (out / "seed_3").mkdir()
+    (out / "seed_3" / "summary.md").write_text("stale")
+    (out / "plot.png").write_bytes(b"png")
+    with pytest.raises(RunOwnerError, match="another config"):
+        run_experiment("darex_controlled", MAKE, _two_tables, ["steps=2"], out=out,
+                       claims=claims)
+    assert json.loads((out / "config.json").read_text())["steps"] == 10
+    run_experiment("darex_controlled", MAKE, _two_tables, ["steps=2", "overwrite=true"],
+                   out=out, claims=claims)
+    assert seen == [["extra", "main"], ["main"]]  # the old run's `extra` never judged
+    assert not (out / "extra.csv").exists() and not (out / "seed_3").exists()
+    assert not (out / "plot.png").exists()
+    assert read_run_record(out)["tables"] == ["main"]
+    # the same config again is a rerun, taken without overwrite
+    run_experiment("darex_controlled", MAKE, _two_tables, ["steps=2"], out=out, claims=claims)
+
+
+def test_claims_ignore_tables_the_run_did_not_write(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "extra.csv").write_text("y\n2\n")  # left by something else
+    seen = []
+    run_experiment("darex_controlled", MAKE, _two_tables, ["steps=2"], out=out,
+                   claims=lambda t: seen.append(sorted(t)) or [])
+    assert seen == [["main"]]
+
+
+def test_a_smaller_repeat_is_judged_on_its_own_seeds(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    out = runs / "blockffn_granularity"
+    kw = dict(out=out, seed_keys=("seed",), claims=blockffn_granularity.claims)
+    run_experiment("blockffn_granularity", MAKE, _granularity, ["repeat=3"], **kw)
+    run_experiment("blockffn_granularity", MAKE, _granularity, ["repeat=2"], **kw)
+    assert (out / "seed_2").is_dir()  # the first run's third seed is still there
+    record = read_run_record(out)
+    assert sorted(record["seed_runs"]) == ["seed_0", "seed_1"]
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
+    assert "wins 2/2 seeds" in doc and "3/3" not in doc
+
+
+def test_an_interrupted_run_is_marked_and_never_shown_as_finished(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    out = runs / "blockffn_granularity"
+    run_experiment("blockffn_granularity", MAKE, _granularity, [], out=out)
+    assert run_index.newest("cpu")[0] == {"blockffn_granularity": out.resolve()}
+
+    def dies(cfg, run):
+        run.table("granularity", [{"n_experts": 4, "val_ppl": 1.0}])
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment("blockffn_granularity", MAKE, dies, [], out=out)
+    assert read_run_record(out)["state"] == "interrupted"
+    assert run_index.newest("cpu")[0] == {}  # the index's line points at a run no more
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
+    assert "Not run: blockffn_granularity." in doc and "## blockffn_granularity" not in doc
+    # the same study and config resumes in place and finishes
+    run_experiment("blockffn_granularity", MAKE, _granularity, [], out=out)
+    assert read_run_record(out)["state"] == "finished"
+
+
+def test_an_unreadable_record_is_refused_and_overwrite_is_checked(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{cut")
+    with pytest.raises(RunOwnerError, match="unreadable"):
+        run_experiment("lm_demo", MAKE, _two_tables, [], out=out)
+    from moejax.config import ConfigError
+    with pytest.raises(ConfigError, match="overwrite"):
+        run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=yes"], out=out)
+    run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=true"], out=out)
+    assert read_run_record(out)["study"] == "lm_demo"
