@@ -87,7 +87,8 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
             "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
             "of the study's declared variants: its overrides, its own run directory and "
             "results section), overwrite (true: replace a run of another study or config "
-            "in out, deleting its tables, seed runs and plots first; default false)", ""]
+            "in out, deleting its tables, seed runs and plots first, checkpoints kept; "
+            "default false)", ""]
     head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
     head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
     return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
@@ -213,7 +214,8 @@ def run_experiment(
     lock = RunLock(out).acquire()  # the directory is this run's until it ends
     try:
         claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
-                      overwrite=overwrite)
+                      overwrite=overwrite, resume_force=any(
+                          t.resume == "force" for _, t in find_configs(cfg, TrainConfig)))
         try:
             if repeat == 1:
                 summary, run = _run_once(name, cfg, run_fn, out, claims, paper_scale,

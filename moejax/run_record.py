@@ -72,14 +72,17 @@ def _entry(study: str, variant: str) -> str:
 
 
 def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash: str,
-                  argv: Sequence[str], overwrite: bool = False) -> None:
+                  argv: Sequence[str], overwrite: bool = False,
+                  resume_force: bool = False) -> None:
     """Take ``path`` for a run of ``study`` (``variant``) with config hash ``cfg_hash``.
 
     Refused (:class:`RunOwnerError`, before anything is written) when the directory holds
     another study's run, an unreadable record, or this study's finished run of another
     config, unless ``overwrite``: then the old run's results are cleared first. This study's
-    running or interrupted run (a resume), or its finished run of the same config (a rerun),
-    is taken as it is. The record is then written with state ``running``."""
+    running or interrupted run (a resume), its finished run of the same config (a rerun), or,
+    with ``resume_force`` (the config's ``resume=force``: continue it under the changed
+    config), its finished run of another config, is taken as it is. The record is then
+    written with state ``running``."""
     path = Path(path)
     old = read_run_record(path)
     if old is not None and not overwrite:
@@ -87,10 +90,10 @@ def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash
         what = (f"an unreadable run.json ({old['unreadable']})" if "unreadable" in old else
                 f"a {old.get('state')} run of {who}")
         fix = ("choose another out=, or add overwrite=true to replace it (its tables, seed runs "
-               "and plots are deleted first)")
+               "and plots are deleted first; checkpoints are kept)")
         if "unreadable" in old or (old.get("study"), old.get("variant", "")) != (study, variant):
             raise RunOwnerError(f"out={path} holds {what}; {fix}")
-        if old["state"] == "finished" and old.get("config_hash") != cfg_hash:
+        if old["state"] == "finished" and old.get("config_hash") != cfg_hash and not resume_force:
             raise RunOwnerError(f"out={path} holds {what} with another config "
                                 f"(config.json differs); {fix}")
     if old is not None and overwrite:
@@ -114,17 +117,17 @@ def mark_run_state(path: str | os.PathLike, state: str) -> None:
 
 
 def clear_results(path: str | os.PathLike) -> list[str]:
-    """Delete what a run wrote in ``path``: its record, config, tables, notes and plots
-    (``*.csv``, ``*.md``, ``*.png``), seed runs (``seed_<i>/``) and checkpoints; anything
-    else is left. Returns the names removed."""
+    """Delete what a run reports in ``path``: its record, summary, tables, notes and plots
+    (``run.json`` and the ``*.csv``, ``*.md``, ``*.png`` beside it) and its seed runs
+    (``seed_<i>/``). Checkpoints, caches and anything else stay (a trained model is reused
+    when its config allows, :mod:`moejax.train.loop`). Returns the names removed."""
     path, removed = Path(path), []
     for entry in sorted(path.iterdir()) if path.is_dir() else []:
         name = entry.name
-        if entry.is_dir() and not entry.is_symlink() and (
-                (name.startswith("seed_") and name[5:].isdigit()) or name == "checkpoints"):
+        if entry.is_dir() and not entry.is_symlink() and name.startswith("seed_") \
+                and name[5:].isdigit():
             shutil.rmtree(entry)
-        elif entry.is_file() and (name in ("run.json", "config.json")
-                                  or entry.suffix in RESULT_SUFFIXES):
+        elif entry.is_file() and (name == "run.json" or entry.suffix in RESULT_SUFFIXES):
             entry.unlink()
         else:
             continue

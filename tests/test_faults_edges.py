@@ -29,6 +29,7 @@ from moejax.experiment import parse_runner, run_experiment
 from moejax.io import WeightFileError
 from moejax.io.safetensors_io import read_safetensors
 from moejax.results import RunDir, RunDirError
+from moejax.run_record import RunOwnerError, mark_run_state
 from moejax.train.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
@@ -103,7 +104,8 @@ def test_refused_runs_leave_config_json_alone(tmp_path):
     make = lambda preset: CFG  # noqa: E731
     run_experiment("s", make, _study, [], out=out)
     before = (out / "config.json").read_text()
-    with pytest.raises(ResumeError, match="lr: checkpoint"):  # a resume the loop refuses
+    # a finished run of another config: refused before anything is written
+    with pytest.raises(RunOwnerError, match="finished run of s with another config"):
         run_experiment("s", make, _study, ["lr=0.05"], out=out)
     assert (out / "config.json").read_text() == before
     with RunLock(out):  # another live run holds the directory
@@ -111,6 +113,10 @@ def test_refused_runs_leave_config_json_alone(tmp_path):
             run_experiment("s", make, _study, ["steps=8"], out=out)
     assert (out / "config.json").read_text() == before
     run_experiment("s", make, _study, ["steps=8", "resume=force"], out=out)  # accepted
+    assert json.loads((out / "config.json").read_text())["steps"] == 8
+    mark_run_state(out, "interrupted")  # stopped: a resume the loop refuses, as before
+    with pytest.raises(ResumeError, match="lr: checkpoint"):
+        run_experiment("s", make, _study, ["steps=8", "lr=0.05"], out=out)
     assert json.loads((out / "config.json").read_text())["steps"] == 8
 
 

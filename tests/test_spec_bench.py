@@ -179,8 +179,8 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
     assert "decoded in bfloat16" in (tmp_path / "b" / "summary.md").read_text()
     timed.clear()  # a decode key changed: the measurements kept are not reused
-    run_experiment(mod.STUDY.name, mod.make_config, mod.run, [*args, "profile_top=3"],
-                   out=tmp_path / "b")
+    run_experiment(mod.STUDY.name, mod.make_config, mod.run,  # another config: overwrite
+                   [*args, "profile_top=3", "overwrite=true"], out=tmp_path / "b")
     assert len(timed) == 5 and steps == []
     assert "decodings were timed by an earlier" not in (tmp_path / "b" / "summary.md").read_text()
 
