@@ -208,7 +208,7 @@ def threshold_claim(claim: str, values: Sequence[float], threshold: float, *,
     if not values:
         return Claim(claim, None, "not run")
     sign = 1.0 if better == "higher" else -1.0
-    row = paired(f"{'' if sign > 0 else '-'}value - {'' if sign > 0 else '-'}{threshold:g}",
+    row = paired(f"value - {threshold:g}" if sign > 0 else f"{threshold:g} - value",
                  [sign * float(v) for v in values], [sign * threshold] * len(values))
     c = paired_claim(claim, row, fmt=fmt)
     mean = sum(float(v) for v in values) / len(values)

@@ -65,18 +65,27 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
 
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
     from experiments.ders import upcycling as mod
+    from moejax.claims import SEED_TABLES
 
     def row(variant, form, d, ratio):
         return {"variant": variant, "form": form, "d_loss_vs_vanilla": d,
                 "added_vs_vanilla": ratio}
 
-    rows = [row("vanilla", "vanilla", 0.0, 1.0), row("DeRS-SM p=0.99", "sm", 0.004, 50.0),
-            row("DeRS-LM r=4", "lm", 0.03, 40.0)]
-    verdict = lambda rows: [c.verdict for c in mod.claims({"upcycling": rows})]  # noqa: E731
-    assert verdict(rows + [row("dense fine-tuned (control)", "dense", 0.08, 1e9)]) == [
+    def verdict(sm, lm, control, noise=(0.0, 0.0005, -0.0005)):
+        seeds = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
+                                row("DeRS-SM p=0.99", "sm", sm + e, 50.0),
+                                row("DeRS-LM r=4", "lm", lm + e, 40.0),
+                                row(mod.CONTROL, "dense", control + e, 1e9)]}
+                 for e in noise]
+        return [c.verdict for c in mod.claims({**seeds[0], SEED_TABLES: seeds})]
+
+    assert verdict(0.004, 0.03, 0.08) == [
         "holds", "does not hold"]           # the experts matter here, and SM keeps them
-    assert verdict(rows + [row("dense fine-tuned (control)", "dense", 0.002, 1e9)]) == [
+    assert verdict(0.004, 0.03, 0.002) == [
         "inconclusive", "does not hold"]    # no experts at all match vanilla too
+    assert verdict(0.0095, 0.03, 0.08, noise=(0.0, 0.004, -0.004)) == [
+        "inconclusive", "does not hold"]    # the seeds straddle the tolerance
+    assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 2
 
 
 def test_compression_claim_judges_each_seed_runs_worst_scenario():
@@ -122,6 +131,9 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
         r["d_loss_vs_vanilla"] = r["val_loss"] - 1.70
     run = RunDir.create(tmp_path / "up")
     mod._tables(run, rows, {"dense": 1.8})
-    got = mod.claims(read_tables(run.path))
+    from moejax.claims import SEED_TABLES
+
+    tables = read_tables(run.path)
+    got = mod.claims({**tables, SEED_TABLES: [tables, tables]})  # two equal seed runs
     assert [c.verdict for c in got] == ["inconclusive", "inconclusive"]
-    assert all("dense control" in c.evidence for c in got)
+    assert all("dense control" in c.evidence and "no measurable" in c.evidence for c in got)

@@ -68,13 +68,24 @@ def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, t
     assert claims["MoEE cuts MACs by 27% or more (Table 1)"] == "does not hold"
 
 
+def _per_seed(model, n=3, **values):
+    """``n`` per-seed rows of ``model``, each value a little apart per seed."""
+    return [{"model": model, "seed": s, **{k: v + 0.001 * (s - 1) for k, v in values.items()}}
+            for s in range(n)]
+
+
 def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
+    dense = {"model": "dense", "acc_after_kd": 0.92}
     moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -20.5,
-            "kd_vs_dense_%": 97.5, "acc_extracted": 0.80, "acc_after_kd": 0.90, "load_cv": 0.3}
+            "kd_vs_dense_%": 97.5, "acc_extracted": 0.80, "acc_after_kd": 0.897, "load_cv": 0.3}
     moef = {"model": "MoEfication (param)", "MACs_change_%": -27.0, "acc_after_kd": 0.85,
             "load_cv": 0.6}
     rand = {"model": "MoEE, random routing", "MACs_change_%": -17.4, "accuracy": 0.5}
-    got = {c.claim: c for c in mod.claims({"table1": [moee, moef],
+    per = (_per_seed("MoEE", **{"MACs_change_%": -27.5, "params_change_%": -20.5,
+                                "accuracy_after_kd": 0.897, "accuracy": 0.8, "load_cv": 0.3})
+           + _per_seed(moef["model"], accuracy_after_kd=0.85, load_cv=0.6))
+    got = {c.claim: c for c in mod.claims({"table1": [dense, moee, moef],
+                                           "table1_per_seed": per,
                                            "table2_ablations": [rand]})}
     by = lambda word: next(c for k, c in got.items() if word in k)  # noqa: E731
     assert by("cuts MACs").holds is True and by("cuts non-embedding parameters").holds is True
@@ -84,8 +95,10 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
     rnd = by("random routing")                       # -27.5% vs -17.4%: not comparable
     assert rnd.verdict == "inconclusive" and "not at equal MACs" in rnd.evidence
     far = {**moef, "MACs_change_%": -20.0}
-    c = next(c for c in mod.claims({"table1": [moee, far]}) if "equal MACs" in c.claim)
+    c = next(c for c in mod.claims({"table1": [dense, moee, far]}) if "equal MACs" in c.claim)
     assert c.verdict == "inconclusive"
+    one = {c.claim: c.verdict for c in mod.claims({"table1": [dense, moee]})}
+    assert one["MoEE cuts MACs by 27% or more (Table 1)"] == "inconclusive"  # one value
 
 
 def test_moefication_claim_is_paired_per_seed_with_an_interval():
@@ -118,12 +131,13 @@ def test_parameter_claim_is_judged_without_the_embedding_table():
     (the paper's ViTs have no large embedding table) reads holds, the whole-model cut beside."""
     moee = {"model": "MoEE", "MACs_change_%": -44.0, "params_change_%": -14.0,
             "kd_vs_dense_%": 99.0, "acc_extracted": 0.8, "acc_after_kd": 0.9}
-    split = [{"layer": "whole model", "removed_%": 14.0, "seed": 0},
-             {"layer": "without embeddings", "removed_%": 29.7, "seed": 0},
-             {"layer": "FFNs only", "removed_%": 44.6, "seed": 0}]
+    split = [{"layer": name, "removed_%": v + 0.1 * s, "seed": s} for s in range(3)
+             for name, v in (("whole model", 14.0), ("without embeddings", 29.7),
+                             ("FFNs only", 44.6))]
     got = {c.claim: c for c in mod.claims({"table1": [moee], "params_per_layer": split})}
     c = next(v for k, v in got.items() if "non-embedding parameters" in k)
-    assert c.holds is True and "-29.7% without embeddings (-14.0% whole model)" in c.evidence
+    assert c.holds is True and "removed without embeddings 29.8 (mean of 3)" in c.evidence
+    assert "whole model 14.1% removed" in c.evidence
     low = [dict(r, **{"removed_%": 9.4}) if r["layer"] == "without embeddings" else r
            for r in split]
     got = mod.claims({"table1": [moee], "params_per_layer": low})

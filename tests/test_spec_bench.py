@@ -107,6 +107,11 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert rows[6]["draft"] == "self (1 layer) distilled"
     assert all(r["same_tokens_as_AR"] == "True" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    each = list(csv.DictReader(open(run.path / "decode_prompts.csv")))
+    n_prompts = mod.make_config("quick").n_prompts if not any(
+        a.startswith("n_prompts=") for a in TINY) else int(next(
+            a for a in TINY if a.startswith("n_prompts="))[10:])
+    assert len(each) == len(rows) * n_prompts and all(float(r["seconds"]) > 0 for r in each)
     assert [r["expert_path"] for r in rows[:4]] == ["dense", "jnp loop", "dense", "jnp loop"]
     assert all(float(r["kernels_per_token"]) == pytest.approx(2.0) for r in rows)  # 12 / 6
     top = list(csv.DictReader(open(run.path / "token_kernels_grown.csv")))
@@ -198,20 +203,52 @@ def test_matching_prefix_counts_new_tokens_before_the_first_difference():
     assert matching_prefix(got, ref, 2) == pytest.approx(1 / 8)
 
 
+def _prompt_times(row, speedups):
+    """Per-prompt times: AR token-sparse 1 s each, ``row``'s decoding 1 / speedup."""
+    base = {"model": row["model"], "draft": "", "draft_len": ""}
+    return ([{**base, "mode": "AR token-sparse", "prompt": i, "seconds": 1.0}
+             for i in range(len(speedups))]
+            + [{**base, "mode": row["mode"], "draft": row["draft"], "draft_len": row["draft_len"],
+                "prompt": i, "seconds": 1.0 / x} for i, x in enumerate(speedups)])
+
+
 @pytest.mark.parametrize("dtype,verdict", [("float32", False), ("bfloat16", True)])
 def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype, verdict):
     from experiments.benchmarks.speculative import claims
 
-    row = {"params": 2e8, "mode": "spec chunk-sparse", "decode_dtype": dtype, "draft": "d",
-           "speedup_vs_AR_token_sparse": 2.0, "draft_len": 4, "tokens_per_s": 100.0,
-           "mean_accepted_length": 3.0, "same_tokens_as_AR": "False",
-           "tokens_matching_AR": 0.875}
-    (claim,) = claims({"decode": [row]})
+    row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
+           "decode_dtype": dtype, "draft": "d", "speedup_vs_AR_token_sparse": 2.0,
+           "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
+           "same_tokens_as_AR": "False", "tokens_matching_AR": 0.875}
+    prompts = _prompt_times(row, [1.9, 2.0, 2.1, 2.0])
+    (claim,) = claims({"decode": [row], "decode_prompts": prompts})
     assert claim.holds is verdict
     assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
     assert "expert path: not recorded" in claim.evidence
-    (claim,) = claims({"decode": [{**row, "expert_path": "jnp loop"}]})
+    (claim,) = claims({"decode": [{**row, "expert_path": "jnp loop"}], "decode_prompts": prompts})
     assert "expert path: jnp loop" in claim.evidence
+
+
+def test_the_serving_claim_is_judged_on_per_prompt_speedups():
+    """Holds when the per-prompt speedups' interval lies above 1.5x, does not hold below,
+    inconclusive when it straddles 1.5x or when only one timing was kept."""
+    from experiments.benchmarks.speculative import claims
+
+    row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
+           "decode_dtype": "float32", "draft": "d", "speedup_vs_AR_token_sparse": 1.6,
+           "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
+           "same_tokens_as_AR": "True", "tokens_matching_AR": 1.0}
+
+    def verdict(speedups):
+        t = {"decode": [row]}
+        if speedups:
+            t["decode_prompts"] = _prompt_times(row, speedups)
+        return claims(t)[0].verdict
+
+    assert verdict([1.9, 2.0, 2.1, 2.0]) == "holds"
+    assert verdict([1.1, 1.2, 1.15, 1.2]) == "does not hold"
+    assert verdict([1.2, 1.9, 1.4, 1.7]) == "inconclusive"
+    assert verdict([]) == "inconclusive"  # one timing: no interval
 
 
 def test_expert_routes_say_what_each_layer_decodes_with():

@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 
 from experiments.extraction import PAPER_SCALE
-from moejax.claims import Claim, compare, lookup, paired, paired_claim
+from moejax.claims import Claim, compare, lookup, paired, paired_claim, threshold_claim
 from moejax.config import config
 from moejax.extract import (
     extract_model,
@@ -135,6 +135,7 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
     moee = extract_model(data.model, plans, router=ex.router)
     variants = [("MoEE", moee)]
     row = evaluate_extracted(data, moee, "MoEE", dense)
+    row["experts"] = _experts_per_layer(plans)
     active = {i: s["active_neurons"] for i, s in row["_stats"].items()}
     layers = sorted(active)
     F = {i: int(plans[i].masks_EF.shape[1]) for i in layers}
@@ -166,6 +167,11 @@ def one_seed(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, seed: int,
                                       "load_cv": float(np.std(s["load"]) / np.mean(s["load"]))})
 
 
+def _experts_per_layer(plans: dict) -> str:
+    """Experts of each FFN layer in order, ``"2/2/4"`` (0: the layer kept dense)."""
+    return "/".join(str(0 if p is None else p.n_experts) for _, p in sorted(plans.items()))
+
+
 def ablations(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, base: dict) -> list[dict]:
     """Table 2 analog, on every seed's token sample."""
     rows = []
@@ -181,8 +187,7 @@ def ablations(cfg: MoEEStudyConfig, data: ClassifierData, dense: dict, base: dic
             plans = moee_plans(records, labels, ex, seed=seed)
             m = extract_model(data.model, plans, router=router)
             r = evaluate_extracted(data, m, label, dense)
-            r["experts"] = "/".join(str(0 if p is None else p.n_experts) for _, p in
-                                    sorted(plans.items()))
+            r["experts"] = _experts_per_layer(plans)
             if cfg.finetune_ablations:
                 r["accuracy_after_kd"] = data.evaluator(_kd(cfg, data, m, seed))["accuracy"]
             rows.append({**r, "seed": seed})
@@ -391,62 +396,94 @@ def _by_seed(rows, model: str, key: str) -> dict:
 
 def _param_cut(t: dict, moee: dict) -> Claim:
     """The parameter claim on the non-embedding parameters (the paper's ViTs have no large
-    embedding table: a patch projection), the whole-model cut beside it; on the whole model
-    where the run counted no split."""
+    embedding table: a patch projection), over the seeds, the whole-model cut beside it; on
+    the whole model where the run counted no split."""
     claim = f"MoEE cuts non-embedding parameters by {PARAMS_CUT_PCT:g}% or more (Table 1)"
     rows = t.get("params_per_layer") or []
     cut = lambda name: [float(r["removed_%"]) for r in rows  # noqa: E731
                         if r.get("layer") == name and r.get("removed_%") not in (None, "")]
     ne, whole = cut("without embeddings"), cut("whole model")
     if not ne:
-        v = float(moee["params_change_%"])
-        return Claim(claim, v <= -PARAMS_CUT_PCT, f"{v:+.1f}% (whole model; no split counted)")
-    m, w = float(np.mean(ne)), float(np.mean(whole)) if whole else float("nan")
-    return Claim(claim, m >= PARAMS_CUT_PCT,
-                 f"{-m:+.1f}% without embeddings ({-w:+.1f}% whole model), mean of {len(ne)} "
-                 "seeds")
+        per = _by_seed(t.get("table1_per_seed"), "MoEE", "params_change_%")
+        c = threshold_claim(claim, list(per.values()) or [float(moee["params_change_%"])],
+                            -PARAMS_CUT_PCT, better="lower", fmt="+.1f")
+        return c._replace(evidence=f"{c.evidence} (whole model; no split counted)")
+    c = threshold_claim(claim, ne, PARAMS_CUT_PCT, fmt=".1f")
+    w = float(np.mean(whole)) if whole else float("nan")
+    return c._replace(evidence=f"removed without embeddings {c.evidence}; whole model "
+                               f"{w:.1f}% removed")
+
+
+def _later_minus_earlier(experts: str) -> float | None:
+    """Experts in the later half of the layers minus the earlier half, from ``"2/2/4/5"``."""
+    counts = [float(c) for c in str(experts).split("/") if c != ""]
+    if len(counts) < 2:
+        return None
+    half = len(counts) // 2
+    return sum(counts[half:]) - sum(counts[:half])
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables, at the thresholds of the
-    paper's smallest model (:data:`MACS_CUT_PCT` ...); comparisons with MoEfication and the
-    random-routing ablations only at equal MACs, paired per seed."""
+    paper's smallest model (:data:`MACS_CUT_PCT` ...), each judged over the seeds: the cuts
+    and the accuracy regained by :func:`moejax.claims.threshold_claim` on the per-seed
+    values, the comparisons with MoEfication and the random ablations on the paired per-seed
+    differences, only at equal MACs."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
     if moee is None:
         return [Claim("MoEE extracts experts (Sec. 4)", None, "no MoEE row")]
+    dense = lookup(t1, {"model": "dense"})
     moef = [r for r in t1 if str(r["model"]).startswith("MoEfication")]
     per1, per2 = t.get("table1_per_seed"), t.get("table2_per_seed")
-    v = lambda k: float(moee[k])  # noqa: E731
-    out = [Claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)",
-                 v("MACs_change_%") <= -MACS_CUT_PCT, f"{v('MACs_change_%'):+.1f}%"),
+    seeds = lambda model, key: _by_seed(per1, model, key)  # noqa: E731
+    macs = list(seeds("MoEE", "MACs_change_%").values()) or [float(moee["MACs_change_%"])]
+    kd = ([100 * v / float(dense["acc_after_kd"]) for v in
+           seeds("MoEE", "accuracy_after_kd").values()] if dense is not None else []) or [
+        float(moee["kd_vs_dense_%"])]
+    out = [threshold_claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)", macs,
+                           -MACS_CUT_PCT, better="lower", fmt="+.1f"),
            _param_cut(t, moee),
-           Claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after fine-tuning "
-                 "(Table 1, abstract)", v("kd_vs_dense_%") >= KD_RETAINED_PCT,
-                 f"{v('kd_vs_dense_%'):.1f}%")]
+           threshold_claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after "
+                           "fine-tuning (Table 1, abstract)", kd, KD_RETAINED_PCT, fmt=".1f")]
     for r in moef:
         out.append(_at_equal_macs(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
                                   moee, r, "acc_after_kd", "acc_after_kd",
-                                  _by_seed(per1, "MoEE", "accuracy_after_kd"),
-                                  _by_seed(per1, r["model"], "accuracy_after_kd")))
+                                  seeds("MoEE", "accuracy_after_kd"),
+                                  seeds(r["model"], "accuracy_after_kd")))
         if r.get("load_cv") not in (None, ""):
-            out.append(compare(f"MoEE routes more evenly than {r['model']} (Sec. 5, Fig. 2)",
-                               ("MoEE load CV", moee["load_cv"]),
-                               (f"{r['model']} load CV", r["load_cv"]), better="lower"))
+            out.append(_paired_lower(f"MoEE routes more evenly than {r['model']} (Sec. 5, "
+                                     "Fig. 2)", "load CV", seeds("MoEE", "load_cv"),
+                                     seeds(r["model"], "load_cv"), moee["load_cv"],
+                                     r["load_cv"]))
     for r in t.get("table2_ablations") or []:
         if "random" in str(r["model"]):
             out.append(_at_equal_macs(f"MoEE beats {r['model']} right after extraction "
                                       "(Table 2)", moee, r, "acc_extracted", "accuracy",
-                                      _by_seed(per1, "MoEE", "accuracy"),
+                                      seeds("MoEE", "accuracy"),
                                       _by_seed(per2, r["model"], "accuracy")))
-    layers = [r for r in (t.get("experts_per_layer") or []) if r["model"] == "MoEE"]
-    if layers:
-        counts = [float(r["experts"]) for r in sorted(layers, key=lambda r: float(r["layer"]))]
-        half = len(counts) // 2
-        out.append(Claim("Later layers form more clusters (Sec. 4)",
-                         sum(counts[half:]) > sum(counts[:half]),
-                         f"experts per extracted layer {[int(c) for c in counts]}"))
+    later = [d for d in (_later_minus_earlier(r.get("experts", "")) for r in per1 or ()
+                         if r.get("model") == "MoEE") if d is not None]
+    if not later:  # a run that kept one seed's layers only
+        layers = sorted((r for r in t.get("experts_per_layer") or [] if r["model"] == "MoEE"),
+                        key=lambda r: float(r["layer"]))
+        d = _later_minus_earlier("/".join(str(r["experts"]) for r in layers))
+        later = [] if d is None else [d]
+    if later:
+        c = threshold_claim("Later layers form more clusters (Sec. 4)", later, 0.0, fmt="+.1f")
+        out.append(c._replace(evidence=f"experts in the later half minus the earlier half of "
+                                       f"the layers: {c.evidence}"))
     return out
+
+
+def _paired_lower(claim: str, what: str, a: dict, b: dict, mean_a, mean_b) -> Claim:
+    """``claim`` that MoEE's ``what`` is lower than another's, paired per seed where both have
+    per-seed values, else on the means."""
+    common = sorted(set(a) & set(b))
+    if common:
+        return paired_claim(claim, paired(f"other - MoEE {what}", [b[s] for s in common],
+                                          [a[s] for s in common]))
+    return compare(claim, (f"MoEE {what}", mean_a), (f"other {what}", mean_b), better="lower")
 
 
 STUDY = Study(

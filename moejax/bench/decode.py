@@ -149,7 +149,9 @@ def _get(tree, names):
 def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
                   draft_len: int = 4, profile: bool = False) -> dict:
     """Greedy batch-1 decoding of each prompt row (autoregressive when ``draft`` is None):
-    ``tokens_per_s`` over all timed prompts, the generated ``tokens`` ``[P, T + new]`` and,
+    ``tokens_per_s`` over all timed prompts, each prompt's own wall time ``prompt_seconds``
+    (what a comparison of two decodings pairs by prompt), the generated ``tokens``
+    ``[P, T + new]`` and,
     for speculative runs, ``mean_accepted_length``. ``profile``: the first prompt decoded
     once more under the profiler (:func:`moejax.bench.profile.trace_kernels`) adds
     ``kernels_per_token`` (device kernels, copies and memsets a generated token costs) and
@@ -174,15 +176,17 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         return out.tokens_BS, out
 
     jax.block_until_ready(one(prompts[:1])[0])  # compile
-    toks, outs, t0 = [], [], time.perf_counter()
+    toks, outs, each, t0 = [], [], [], time.perf_counter()
     for i in range(P):
+        t1 = time.perf_counter()
         tk, out = one(prompts[i:i + 1])
         jax.block_until_ready(tk)
+        each.append(time.perf_counter() - t1)
         toks.append(np.asarray(tk)[0, :T + max_new_tokens])
         outs.append(out)
     seconds = time.perf_counter() - t0
     res = {"tokens_per_s": P * max_new_tokens / seconds, "seconds": seconds,
-           "tokens": np.stack(toks)}
+           "prompt_seconds": each, "tokens": np.stack(toks)}
     if draft is not None:
         acc = sum(int(jnp.sum(o.accepted_B)) for o in outs)
         rounds = sum(int(jnp.sum(o.rounds_B)) for o in outs)
