@@ -18,9 +18,11 @@ plots are copied next to the document (``<out stem>/<study>/``), so it stands al
 in it is typed by hand.
 
 A study with no readable run here (a GPU run made on a machine since given back, or one
-being rerun) keeps its section, its claims and its tables from the document being replaced,
-listed as carried over: each such section still names the command, date and machine of the
-run it came from. A study never documented is listed as not run, as is a carried-over one
+being rerun) keeps its section and its tables from the document being replaced, listed as
+carried over: each such section still names the command, date and machine of the run it came
+from. Its claims are judged again by the study's current rules on the tables carried with it
+(a repeated run's seed runs' tables are carried too); where those tables are not all there,
+its claims stay as its run judged them, and the document says which. A study never documented is listed as not run, as is a carried-over one
 named in ``forget=`` (its run no longer describes the code, or holds a row that does not
 stand: it goes until a new run brings it back).
 
@@ -156,16 +158,23 @@ def _recorded_tables(path: Path, stems: Sequence[str] | None) -> dict[str, list[
             if s != "claims" and (path / f"{s}.csv").is_file()}
 
 
+def _seed_runs(record: dict) -> dict[str, list[str] | None]:
+    """A repeated run's seed runs, ``{directory: its table stems}`` (a record from before
+    they were kept: its ``repeat`` seed runs, stems unknown)."""
+    seed_runs = record.get("seed_runs")
+    if seed_runs is None:
+        n = int(record.get("repeat", 1))
+        seed_runs = {f"seed_{i}": None for i in range(n)} if n > 1 else {}
+    return seed_runs
+
+
 def _claims(name: str, path: Path, record: dict) -> list[Claim]:
     module = importlib.import_module(f"experiments.{name}")
     fn = getattr(module, "claims", None)
     if fn is None:
         return []
     tables = _recorded_tables(path, record.get("tables"))
-    seed_runs = record.get("seed_runs")
-    if seed_runs is None:  # a record from before they were kept: its `repeat` seed runs
-        n = int(record.get("repeat", 1))
-        seed_runs = {f"seed_{i}": None for i in range(n)} if n > 1 else {}
+    seed_runs = _seed_runs(record)
     if seed_runs:  # a repeated run: its claims pair its own seed runs, as when it was judged
         tables[SEED_TABLES] = [_recorded_tables(path / d, stems)
                                for d, stems in seed_runs.items()]
@@ -226,6 +235,10 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
     folder = run_dirname(study, variant)
     dest = assets / folder
     dest.mkdir(parents=True, exist_ok=True)
+    for d, tables in _seed_runs(record).items():  # kept, so a carried section is re-judged
+        for stem in _recorded_tables(path / d, tables):
+            (dest / d).mkdir(exist_ok=True)
+            shutil.copyfile(path / d / f"{stem}.csv", dest / d / f"{stem}.csv")
     for csv_name in _TABLE_LINK.findall(summary):
         if csv_name == "claims.csv":
             continue
@@ -246,6 +259,39 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
         shutil.copyfile(path / png, target)
         parts += [f"![{title}]({rel}/{folder}/{target.name})", ""]
     return "\n".join(parts), claims
+
+
+_CLAIMS_BLOCK = re.compile(r"^Paper claims:\n\n((?:- \*\*.*\n)+)", re.M)
+_SCALE = re.compile(r" \[scale (.*)\]$")
+
+
+def _rejudge(study: str, section: str, folder: Path) -> tuple[str, list[Claim] | None]:
+    """A carried section with its claims judged again by the study's current rules on the
+    tables carried with it (its seed runs' too, for a repeated run); ``(section, None)``
+    unchanged where those tables are not all there (a repeated run documented before its
+    seed runs' tables were carried)."""
+    fn = getattr(importlib.import_module(f"experiments.{study}"), "claims", None)
+    block = _CLAIMS_BLOCK.search(section)
+    if fn is None or block is None or not folder.is_dir():
+        return section, None
+    tables = {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv"))
+              if p.stem != "claims"}
+    repeated = re.search(r"^- seeds: \S+ = ", section, re.M) is not None
+    seeds = sorted((p for p in folder.glob("seed_*") if p.is_dir()),
+                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
+    if repeated and not seeds:
+        return section, None
+    if seeds:
+        tables[SEED_TABLES] = [{p.stem: read_csv_rows(p) for p in sorted(d.glob("*.csv"))}
+                               for d in seeds]
+    try:
+        claims = list(fn(tables))
+    except (KeyError, ValueError, TypeError):
+        return section, None
+    first = block.group(1).splitlines()[0]
+    scale = _SCALE.search(first)
+    text = claims_markdown(claims, scale.group(1) if scale else "")
+    return section[:block.start(1)] + text + section[block.end(1):], claims
 
 
 def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -284,6 +330,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         (fresh / ASSETS_MARKER).write_text("written by python -m experiments.results_doc; "
                                            "replaced whole on every rebuild\n")
         sections, overview, missing, running, carried = [], [], [], [], []
+        rejudged, kept = [], []
         for name, study, variant in entries(REGISTRY):
             path = runs.get(name)
             held = path is not None and is_held(path)
@@ -294,9 +341,12 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                     folder = assets / run_dirname(study, variant)
                     if folder.is_dir():
                         shutil.copytree(folder, fresh / folder.name)
-                    sections.append(old_sections[name])
-                    overview += old_rows.get(name, [])
+                    text, claims = _rejudge(study, old_sections[name], fresh / folder.name)
+                    sections.append(text)
+                    overview += ([f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
+                                 if claims is not None else old_rows.get(name, []))
                     carried.append(name)
+                    (rejudged if claims is not None else kept).append(name)
                 elif not held:
                     missing.append(name)
                 continue
@@ -315,6 +365,12 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         if carried:
             head += [f"Carried over from the previous document, their runs not being readable "
                      f"here (each section names where and when it ran): {', '.join(carried)}.", ""]
+        if rejudged:
+            head += ["Their claims judged again by today's claim rules on the tables carried "
+                     f"with them: {', '.join(rejudged)}.", ""]
+        if kept:
+            head += ["Their claims as their runs judged them (the tables that would judge them "
+                     f"again were not carried: rerun them): {', '.join(kept)}.", ""]
         if overview:
             head += [f"## {_OVERVIEW}", "", "| study | claim | verdict |",
                      "|---|---|---|", *overview, ""]

@@ -8,7 +8,7 @@ import pytest
 
 from experiments import results_doc
 from experiments.blockffn import granularity as blockffn_granularity
-from moejax.claims import Claim, compare, lookup, paired, paired_claim, top_column
+from moejax.claims import SEED_TABLES, Claim, compare, lookup, paired, paired_claim, top_column
 from moejax.config import ConfigError
 from moejax.experiment import run_experiment
 from moejax.results import RunDir
@@ -174,6 +174,47 @@ def test_a_study_whose_run_is_gone_keeps_its_section_and_a_failed_rebuild_keeps_
         results_doc.build(tmp_path / "runs", doc_path)
     assert doc_path.read_text() == again and table.is_file()  # the old document, whole
     assert sorted(p.name for p in doc_path.parent.iterdir()) == ["results", "results.md"]
+
+
+def test_a_carried_section_is_judged_again_by_todays_rules_on_its_own_tables(tmp_path,
+                                                                            monkeypatch):
+    """A repeated run's section, carried after its run is gone, keeps its seed runs' tables
+    beside it, and its claims are judged again by the study's current rule; a section whose
+    tables were not all carried keeps the verdicts its run gave, and the document says so."""
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc_path = tmp_path / "docs" / "results.md"
+    first = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "**inconclusive**: Finer experts lower PPL" in first
+    assets = tmp_path / "docs" / "results" / "blockffn_granularity"
+    assert (assets / "seed_1" / "granularity.csv").is_file()
+    shutil.rmtree(out)
+    seen = []
+
+    def new_rule(tables):
+        seen.append(len(tables.get(SEED_TABLES, [])))
+        return [Claim("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)", False,
+                      "today's rule")]
+
+    monkeypatch.setattr(blockffn_granularity, "claims", new_rule)
+    again = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert seen == [2] and "**does not hold**: Finer experts lower PPL" in again
+    assert "| blockffn_granularity | Finer experts lower PPL at equal FFN width (App. F, " \
+           "Fig. 5) | does not hold |" in again
+    assert "judged again by today's claim rules on the tables carried with them: " \
+           "blockffn_granularity." in again
+    shutil.rmtree(assets / "seed_0")  # a section documented before seed tables were kept
+    shutil.rmtree(assets / "seed_1")
+    monkeypatch.setattr(blockffn_granularity, "claims", lambda t: [])
+    kept = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "**does not hold**: Finer experts lower PPL" in kept
+    assert "as their runs judged them (the tables that would judge them again were not " \
+           "carried: rerun them): blockffn_granularity." in kept
 
 
 def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path,
