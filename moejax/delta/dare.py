@@ -18,6 +18,7 @@ evaluated with the SAME mask (the paper prunes once and only tunes the rescaling
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.delta.hash_mask import hash_keep_mask
-from moejax.delta.tree import apply_delta, per_leaf_keys, per_leaf_values
+from moejax.delta.tree import apply_delta, leaf_paths, per_leaf_keys, per_leaf_values
 
 __all__ = [
     "dare",
@@ -44,7 +45,7 @@ Pruner = Callable[[jax.Array, PyTree, Any], PyTree]
 
 
 def _check_rate(p: float, name: str = "p") -> None:
-    if not 0.0 <= float(p) < 1.0:
+    if not (math.isfinite(float(p)) and 0.0 <= float(p) < 1.0):
         raise ValueError(f"{name}={p} must be in [0, 1) (drop rate); use e.g. {name}=0.9.")
 
 
@@ -98,12 +99,19 @@ def dare(
     _check_rate(p)
     qs = per_leaf_values(1.0 - p if q is None else q, delta_tree, "q")
     for qi in qs:
-        if qi is not None and not isinstance(qi, jax.core.Tracer) and float(qi) <= 0.0:
-            raise ValueError(f"q={qi} must be > 0 (DAREx-q rescales survivors by 1/q).")
-    keep = dare_keep_mask(key, delta_tree, p, mask, rng)
+        if qi is not None and not isinstance(qi, jax.core.Tracer) and not (
+                math.isfinite(float(qi)) and float(qi) > 0.0):
+            raise ValueError(f"q={qi} must be finite and > 0 (DAREx-q rescales survivors by "
+                             "1/q).")
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
-    keep_l = jax.tree_util.tree_leaves(keep)
     sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    for path, d, s in zip(leaf_paths(delta_tree), leaves, sel):
+        if s and not jnp.issubdtype(jnp.result_type(d), jnp.floating):
+            raise ValueError(f"dare: delta leaf {path!r} is {jnp.result_type(d)}; DARE "
+                             "rescales by 1/q and needs floating deltas (cast it, or deselect "
+                             "it via mask).")
+    keep = dare_keep_mask(key, delta_tree, p, mask, rng)
+    keep_l = jax.tree_util.tree_leaves(keep)
     out = [
         jnp.where(
             k, d / jnp.asarray(qi, jnp.result_type(d)), jnp.zeros((), jnp.result_type(d))

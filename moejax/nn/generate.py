@@ -8,6 +8,7 @@ restricted to the ``top_k`` largest logits) with ``fold_in(key, step)`` as the s
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -16,7 +17,25 @@ from flax import nnx
 
 from moejax.capture import record_decode
 
-__all__ = ["generate", "select_token"]
+__all__ = ["generate", "select_token", "check_decode_inputs"]
+
+
+def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float) -> None:
+    """Refuse, naming the argument, what a decoding would turn into garbage: an empty
+    prompt, token ids outside ``[0, vocab_size)`` (a concrete prompt), a temperature that is
+    not a finite number >= 0."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
+                         "(0 = greedy)")
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
+        raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give [B, T] token ids with "
+                         "T >= 1 (an empty prompt has nothing to continue)")
+    if not isinstance(prompt_BT, jax.core.Tracer) and prompt_BT.size:
+        lo, hi = int(jnp.min(prompt_BT)), int(jnp.max(prompt_BT))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
+                             f"vocabulary [0, {vocab_size}); encode it with the model's "
+                             "tokenizer")
 
 
 def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: float,
@@ -60,10 +79,9 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     stops early once every row has finished. All prompt rows share one length ``T``.
     """
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
-    B, T = prompt_BT.shape
     temperature = float(temperature)
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    check_decode_inputs(prompt_BT, model.cfg.vocab_size, temperature)
+    B, T = prompt_BT.shape
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(...)")
     if top_k is not None and not 0 < top_k <= model.cfg.vocab_size:

@@ -31,6 +31,7 @@ only the union of the experts the ``n + 1`` tokens activate.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -41,6 +42,7 @@ from flax import nnx
 
 from moejax.capture import record_decode
 from moejax.nn.blockffn import BlockFFN
+from moejax.nn.generate import check_decode_inputs
 from moejax.nn.surgery import with_slot_config
 
 __all__ = ["SpecOutput", "speculative_generate", "speculative_decoder", "cache_len", "rollback",
@@ -207,9 +209,9 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     if draft_len < 1 or max_new_tokens < 1:
         raise ValueError(f"draft_len={draft_len} and max_new_tokens={max_new_tokens} must be "
                          ">= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}: use 0 (greedy) or > 0 with an explicit "
-                         "key=jax.random.key(...)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature}: use 0 (greedy) or a finite number > 0 "
+                         "with an explicit key=jax.random.key(...)")
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"target vocab {target.cfg.vocab_size} != draft vocab "
                          f"{draft.cfg.vocab_size}: speculation needs one tokenizer")
@@ -221,9 +223,8 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
 
     def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
         prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+        check_decode_inputs(prompt_BT, target.cfg.vocab_size, temperature)
         T = prompt_BT.shape[1]
-        if T < 1:
-            raise ValueError("the prompt length must be >= 1")
         if temperature > 0 and key is None:
             raise ValueError(f"temperature={temperature}: sampling needs an explicit "
                              "key=jax.random.key(...)")

@@ -19,6 +19,7 @@ anchored decay with ``decay_mask``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -74,6 +75,9 @@ def scale_by_adamr(
         raise ValueError(
             f"reg={reg!r}; use 'l2' (AdamR-L2, random DPP) or 'l1' (AdamR-L1, importance DPP)."
         )
+    if not isinstance(weight, jax.core.Tracer) and not (
+            math.isfinite(float(weight)) and float(weight) >= 0):
+        raise ValueError(f"adamr: weight={weight} must be a finite lambda >= 0.")
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)
     reg_fn = (lambda d: d) if reg == "l2" else jnp.sign
 
@@ -81,13 +85,17 @@ def scale_by_adamr(
         if anchor is None:
             anc = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
         else:
+            def cast(p, a):
+                if _is_masked(p):
+                    return p
+                if jnp.shape(a) != jnp.shape(p):  # a broadcast would decay toward garbage
+                    raise ValueError(f"adamr: an anchor leaf of shape {jnp.shape(a)} for a "
+                                     f"parameter of shape {jnp.shape(p)}; the anchor must be "
+                                     "the pre-trained params, leaf for leaf.")
+                return jnp.asarray(a, jnp.result_type(p))
+
             try:
-                anc = jax.tree_util.tree_map(
-                    lambda p, a: p if _is_masked(p) else jnp.asarray(a, jnp.result_type(p)),
-                    params,
-                    anchor,
-                    is_leaf=_is_masked,
-                )
+                anc = jax.tree_util.tree_map(cast, params, anchor, is_leaf=_is_masked)
             except ValueError as e:
                 raise ValueError(
                     f"adamr: `anchor` must have the structure of the params ({e}); "

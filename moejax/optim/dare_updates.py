@@ -14,6 +14,7 @@ other masks for the same key).
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -53,11 +54,11 @@ def dare_updates(
     ``p`` and ``q`` may be traced (``optax.inject_hyperparams(dare_updates,
     static_args="key")(p=schedule, key=0)``); they are range-checked when they are concrete.
     """
-    if _is_concrete(p) and not 0.0 <= float(p) < 1.0:
+    if _is_concrete(p) and not (math.isfinite(float(p)) and 0.0 <= float(p) < 1.0):
         raise ValueError(f"dare_updates: p={p} must be in [0, 1).")
     q = 1.0 - p if q is None else q
-    if _is_concrete(q) and float(q) <= 0:
-        raise ValueError(f"dare_updates: q={q} must be > 0.")
+    if _is_concrete(q) and not (math.isfinite(float(q)) and float(q) > 0):
+        raise ValueError(f"dare_updates: q={q} must be finite and > 0.")
     if rng not in ("hash", "threefry"):
         raise ValueError(f"dare_updates: rng={rng!r}; use 'hash' or 'threefry'")
     key0 = jax.random.PRNGKey(key) if isinstance(key, int) else key
@@ -72,6 +73,9 @@ def dare_updates(
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         out = []
         for i, u in enumerate(leaves):
+            if not jnp.issubdtype(u.dtype, jnp.floating):
+                raise ValueError(f"dare_updates: update leaf {i} is {u.dtype}; DARE rescales "
+                                 "by 1/q and needs floating updates.")
             keep = _keep(jax.random.fold_in(step_key, i), p, u.shape, rng)
             out.append(jnp.where(keep, u / jnp.asarray(q, u.dtype), jnp.zeros((), u.dtype)))
         return jax.tree_util.tree_unflatten(treedef, out), DareUpdatesState(next_key)

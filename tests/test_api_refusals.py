@@ -1,0 +1,84 @@
+"""The public API refuses, with a ValueError naming the argument, what it would otherwise turn
+into garbage: integer deltas for DARE (1/q cast to 0), non-finite drop rates, rescalings and
+weights, anchors of another shape than the parameters (a silent broadcast), token ids outside
+the vocabulary, non-finite temperatures and empty prompts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.delta import dare
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
+from moejax.nn.speculative import speculative_generate
+from moejax.optim import adamr, dare_updates
+
+KEY = jax.random.key(0)
+
+
+def test_dare_refuses_integer_deltas_and_non_finite_rates():
+    ints = {"w": jnp.arange(12, dtype=jnp.int32).reshape(3, 4)}
+    with pytest.raises(ValueError, match="'w' is int32"):
+        dare(KEY, ints, 0.5)
+    floats = {"w": jnp.ones((3, 4))}
+    for q in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="q="):
+            dare(KEY, floats, 0.5, q=q)
+    for p in (float("nan"), 1.0, -0.1):
+        with pytest.raises(ValueError, match="p="):
+            dare(KEY, floats, p)
+    assert dare(KEY, {"w": floats["w"], "n": jnp.arange(3)}, 0.5,
+                mask={"w": True, "n": False})["n"].dtype == jnp.int32  # deselected: kept
+
+
+def test_dare_updates_refuses_integer_updates_and_non_finite_q():
+    tx = dare_updates(0.5, 0)
+    state = tx.init({"w": jnp.zeros(3)})
+    with pytest.raises(ValueError, match="int32"):
+        tx.update({"w": jnp.arange(3, dtype=jnp.int32)}, state)
+    for q in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="q="):
+            dare_updates(0.5, 0, q=q)
+    with pytest.raises(ValueError, match="p="):
+        dare_updates(float("nan"), 0)
+
+
+def test_adamr_refuses_broadcast_anchors_and_bad_weights():
+    params = {"w": jnp.ones((3, 3))}
+    for anchor in ({"w": jnp.zeros((1, 3))}, {"w": jnp.zeros(())}):
+        with pytest.raises(ValueError, match="anchor leaf of shape"):
+            adamr(1e-3, 0.1, anchor=anchor).init(params)
+    for weight in (float("nan"), -0.1, float("inf")):
+        with pytest.raises(ValueError, match="weight="):
+            adamr(1e-3, weight)
+    adamr(1e-3, 0.1, anchor={"w": jnp.zeros((3, 3))}).init(params)  # same shapes: fine
+
+
+def _lm(seed=0, vocab=16):
+    cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                        max_seq_len=32, ffn_slots=(DenseFFNConfig(d_hidden=16, activation="swiglu"),))
+    return DecoderLM(cfg, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("decode", ["generate", "speculative"])
+def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_prompts(
+        decode):
+    target, draft = _lm(0), _lm(1)
+
+    def run(prompt, temperature=0.0):
+        if decode == "generate":
+            return generate(target, prompt, 4, temperature=temperature, key=KEY)
+        return speculative_generate(target, draft, prompt, 4, temperature=temperature, key=KEY)
+
+    for bad in ([[1, 16, 2]], [[1, -1, 2]]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            run(np.asarray(bad))
+    for t in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature="):
+            run(np.asarray([[1, 2]]), t)
+    with pytest.raises(ValueError, match="empty prompt"):
+        run(np.zeros((1, 0), np.int32))
+    run(np.asarray([[1, 15]]))  # ids in range: decodes
