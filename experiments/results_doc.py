@@ -22,9 +22,10 @@ being rerun) keeps its section and its tables from the document being replaced, 
 carried over: each such section still names the command, date and machine of the run it came
 from. Its claims are judged again by the study's current rules on the tables carried with it
 (a repeated run's seed runs' tables are carried too); where those tables are not all there,
-its claims stay as its run judged them, and the document says which. A study never documented is listed as not run, as is a carried-over one
-named in ``forget=`` (its run no longer describes the code, or holds a row that does not
-stand: it goes until a new run brings it back).
+its claims stay as its run judged them, and the document says which. A study never
+documented is listed as not run, as is a carried-over one named in ``forget=`` (its run no
+longer describes the code, or holds a row that does not stand: it goes until a new run
+brings it back).
 
 The assets folder is the generator's own: it carries a marker file, and a rebuild replaces
 only a folder that has it. A folder of that name without the marker, or one that holds the

@@ -58,8 +58,9 @@ def test_adamr_refuses_broadcast_anchors_and_bad_weights():
 
 
 def _lm(seed=0, vocab=16):
+    ffn = DenseFFNConfig(d_hidden=16, activation="swiglu")
     cfg = DecoderConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                        max_seq_len=32, ffn_slots=(DenseFFNConfig(d_hidden=16, activation="swiglu"),))
+                        max_seq_len=32, ffn_slots=(ffn,))
     return DecoderLM(cfg, rngs=nnx.Rngs(seed))
 
 
