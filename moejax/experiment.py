@@ -45,6 +45,7 @@ import jax
 from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs, to_dict
+from moejax.io._common import WeightFileError
 from moejax.results import RunDir, RunDirError
 from moejax.run_record import (
     RunOwnerError,
@@ -56,6 +57,7 @@ from moejax.run_record import (
 from moejax.smoke import smoke_config
 from moejax.tables import mean_std, merge_seed_tables, read_csv_rows
 from moejax.train.checkpoint import CheckpointWriteError
+from moejax.train.checkpoint_format import CheckpointMismatchError
 from moejax.train.distributed import (
     EXIT_PEER_LOST,
     PeerLostError,
@@ -65,6 +67,7 @@ from moejax.train.distributed import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices
 from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.run_state import ResumeError
 from moejax.train.scale import measure_scale
 from moejax.train.step import NonFiniteError
 
@@ -439,9 +442,13 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)
-    except (ConfigError, RunDirError, RunLockedError, RunOwnerError) as e:
+    except (ConfigError, RunDirError, RunLockedError, RunOwnerError, ResumeError,
+            CheckpointMismatchError, WeightFileError) as e:  # the user's to fix: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: one line, the shell's code for it
+        print(f"[{name}] stopped: {e or 'interrupted'}", file=sys.stderr)
+        return 130
     except (CheckpointWriteError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -45,7 +45,14 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoEConfig, draw_sm_indices, sm_num_kept
+from moejax.nn.ders_moe import (
+    DeRSFrozen,
+    DeRSIndex,
+    DeRSMoEConfig,
+    check_lm_rank,
+    draw_sm_indices,
+    sm_num_kept,
+)
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.nn.surgery import build_from_pure
@@ -185,6 +192,7 @@ def _ders_stack(key, n: int, ffn: dict, rule: UpcycleConfig) -> dict:
             out[f"idx_{name}"] = draw_sm_indices(kk, n, d_in * d_out, k)
             out[f"v_{name}"] = jnp.zeros((n, k), ffn[w].dtype)
         else:
+            check_lm_rank(rule.lm_rank, name, d_in, d_out)
             std = rule.lm_init_std if rule.lm_init_std is not None else d_in ** -0.5
             out[f"a_{name}"] = jax.random.normal(kk, (n, d_in, rule.lm_rank), ffn[w].dtype) * std
             out[f"b_{name}"] = jnp.zeros((n, rule.lm_rank, d_out), ffn[w].dtype)

@@ -83,3 +83,15 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
     with pytest.raises(ValueError, match="empty prompt"):
         run(np.zeros((1, 0), np.int32))
     run(np.asarray([[1, 15]]))  # ids in range: decodes
+
+
+def test_ders_lm_ranks_past_full_rank_are_refused():
+    from experiments.ders import upcycling
+    from moejax.config import ConfigError, apply_overrides
+    from moejax.nn.ders_moe import check_lm_rank
+
+    check_lm_rank(32, "up", 32, 96)  # full rank: allowed
+    with pytest.raises(ValueError, match="lm_rank=1000 exceeds min"):
+        check_lm_rank(1000, "up", 32, 96)
+    with pytest.raises(ConfigError, match="full rank already"):
+        apply_overrides(upcycling.make_config("quick"), ["lm_ranks=(1000,)"])

@@ -139,3 +139,44 @@ def test_an_unreadable_record_is_refused_and_overwrite_is_checked(tmp_path):
         run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=yes"], out=out)
     run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=true"], out=out)
     assert read_run_record(out)["study"] == "lm_demo"
+
+
+def test_user_errors_and_ctrl_c_end_in_one_line_with_their_exit_codes(tmp_path, capsys):
+    from moejax.io._common import WeightFileError
+    from moejax.train.checkpoint_format import CheckpointMismatchError
+    from moejax.train.run_state import ResumeError
+
+    for i, (exc, code) in enumerate([(ResumeError("lr: checkpoint 0.1 vs now 0.2"), 2),
+                                     (CheckpointMismatchError("shapes differ"), 2),
+                                     (WeightFileError("w.gguf", "bad header"), 2),
+                                     (KeyboardInterrupt("interrupted by Ctrl-C"), 130)]):
+        def boom(cfg, run, exc=exc):
+            raise exc
+
+        assert main("lm_demo", MAKE, boom, [f"out={tmp_path / str(i)}"]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(exc).strip("'") in err[0], err
+
+
+def test_ctrl_c_without_a_checkpoint_promises_no_resume(tmp_path):
+    """ckpt_every=0: the message says no checkpoint exists, not 'step None resumes'."""
+    import os
+    import signal
+
+    from flax import nnx
+
+    from moejax.train.loop import train
+    from tests.toy_models import TinyMoELM, ToySource
+
+    class Interrupting(ToySource):
+        def batch(self, position):
+            if position == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            return super().batch(position)
+
+    cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, ckpt_every=0, log_every=1)
+    with pytest.raises(KeyboardInterrupt) as info:
+        train(TinyMoELM(nnx.Rngs(0)), Interrupting(batch_size=4), cfg,
+              run_dir=str(tmp_path / "r"), progress=False)
+    msg = str(info.value)
+    assert "no checkpoint was written" in msg and "None" not in msg

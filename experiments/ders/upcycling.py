@@ -60,6 +60,11 @@ class DeRSUpcyclingConfig(Config):
         self._require(all(r >= 1 for r in self.lm_ranks), "lm_ranks must be >= 1")
         self._require(len(self.sm_rates) >= 1 and len(self.lm_ranks) >= 1,
                       "sm_rates and lm_ranks need at least one value each")
+        if self.substrate.source == "substrates":  # the FFN's matrices: [d, h] and [h, d]
+            full = min(self.substrate.prefinetuned.d_model, self.substrate.prefinetuned.d_hidden)
+            self._require(max(self.lm_ranks + (self.frozen_lm_rank,)) <= full,
+                          f"lm_ranks={self.lm_ranks} / frozen_lm_rank={self.frozen_lm_rank}: "
+                          f"a rank past min(d_model, d_hidden) = {full} is full rank already")
 
 
 def make_config(preset: str) -> DeRSUpcyclingConfig:

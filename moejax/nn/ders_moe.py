@@ -63,6 +63,16 @@ class DeRSFrozen(nnx.Variable):
     """A frozen expert-shared weight (``freeze_shared=True``); not an ``nnx.Param``."""
 
 
+def check_lm_rank(rank: int, name: str, d_in: int, d_out: int) -> None:
+    """Refuse a DeRS-LM rank past ``min(d_in, d_out)``: ``A B`` can be no richer there, and
+    its factors outgrow the matrix they decompose (the added parameters, DeRS's point,
+    grow past a full copy)."""
+    if rank > min(d_in, d_out):
+        raise ValueError(f"lm_rank={rank} exceeds min(d_in, d_out) = {min(d_in, d_out)} of "
+                         f"the {name} matrix [{d_in}, {d_out}]; a rank up to "
+                         f"{min(d_in, d_out)} is full rank already")
+
+
 @config
 class DeRSMoEConfig(FFNSlotConfig):
     """A top-k MoE slot whose experts are DeRS-synthesised.
@@ -150,6 +160,7 @@ class DeltaStack(nnx.Module):
                         DeRSIndex(draw_sm_indices(rngs.params(), n, d_in * d_out, k)))
                 setattr(self, f"v_{name}", nnx.Param(jnp.zeros((n, k), param_dtype)))
             else:
+                check_lm_rank(cfg.lm_rank, name, d_in, d_out)
                 std = cfg.lm_init_std if cfg.lm_init_std is not None else d_in ** -0.5
                 a = jax.random.normal(rngs.params(), (n, d_in, cfg.lm_rank), param_dtype) * std
                 setattr(self, f"a_{name}", nnx.Param(a))

@@ -385,9 +385,12 @@ class _Run:
                 self._step(step)
                 if ctrl_c.pressed:
                     raise KeyboardInterrupt(
-                        f"interrupted by {ctrl_c.signal_name} after step {step + 1}; the "
-                        f"newest complete checkpoint (step {self.last_saved}) resumes the run "
-                        "exactly")
+                        f"interrupted by {ctrl_c.signal_name} after step {step + 1}; " + (
+                            f"the newest complete checkpoint (step {self.last_saved}) resumes "
+                            "the run exactly: run the same command again"
+                            if self.last_saved is not None else
+                            "no checkpoint was written (ckpt_every=0 or none due yet): the "
+                            "same command starts the run again"))
             self._flush()
             if (self.ckpt is not None and self.last_saved != cfg.steps
                     and int(jax.device_get(self.state.step)) == cfg.steps):
