@@ -25,6 +25,8 @@ from moejax.config import ConfigError
 from moejax.experiment import PRESETS
 from moejax.files import atomic_write_text
 from moejax.run_index import entry_name
+from moejax.run_record import read_run_record
+from moejax.train.run_lock import RunLockedError
 
 REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
 
@@ -112,25 +114,37 @@ def main(argv=None) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
-    sections, failures = [], []
+    sections, failures, skipped = [], [], []
     for name, overrides, variant in _jobs_with_variants(jobs, preset, suite):
         entry, sub = entry_name(name, variant), run_dirname(name, variant)
         print(f"=== {entry} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
               flush=True)
         t0 = time.time()
-        try:
-            study = load_study(name)
-            summary, run = study.run_experiment([f"preset={preset}", *overrides],
-                                                out=out / sub,
-                                                repeat_quick=suite == "studies",
-                                                variant=variant)
-        except Exception:  # keep going: the report says which study failed and why
-            tb = traceback.format_exc()
-            print(tb, file=sys.stderr)
-            failures.append(entry)
-            sections.append(
-                f"## {entry}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n{tb}```\n"
-            )
+        record = out / sub / "run.json"
+        if (record.is_file() and record.stat().st_mtime >= t_all
+                and (read_run_record(out / sub) or {}).get("state") == "finished"):
+            why = "finished by another process since this suite started"
+        else:
+            why = ""
+            try:
+                study = load_study(name)
+                summary, run = study.run_experiment([f"preset={preset}", *overrides],
+                                                    out=out / sub,
+                                                    repeat_quick=suite == "studies",
+                                                    variant=variant)
+            except RunLockedError as e:  # another suite runs it now: not a failure
+                why = f"locked: {e}"
+            except Exception:  # keep going: the report says which study failed and why
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr)
+                failures.append(entry)
+                sections.append(f"## {entry}\n\n**FAILED** after {time.time() - t0:.1f} s:"
+                                f"\n\n```\n{tb}```\n")
+                continue
+        if why:
+            print(f"    skipped ({why})", flush=True)
+            skipped.append(entry)
+            sections.append(f"## {entry}\n\nSkipped: {why}.\n")
             continue
         rel = Path(sub) / "summary.md"
         body = (out / rel).read_text()
@@ -147,7 +161,8 @@ def main(argv=None) -> int:
         f"on {jax.devices()[0].platform} x{jax.device_count()}",
         f"- total wall time: {time.time() - t_all:.1f} s",
         f"- studies: {', '.join(n + (' (' + ' '.join(o) + ')' if o else '') for n, o in jobs)}"
-        + (f" (FAILED: {', '.join(failures)})" if failures else ""),
+        + (f" (FAILED: {', '.join(failures)})" if failures else "")
+        + (f" (skipped: {', '.join(skipped)})" if skipped else ""),
         "",
     ]
     atomic_write_text(out / "REPORT.md", "\n".join(header) + "\n" + "\n".join(sections))

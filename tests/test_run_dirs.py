@@ -180,3 +180,41 @@ def test_ctrl_c_without_a_checkpoint_promises_no_resume(tmp_path):
               run_dir=str(tmp_path / "r"), progress=False)
     msg = str(info.value)
     assert "no checkpoint was written" in msg and "None" not in msg
+
+
+def test_a_suite_skips_a_study_another_suite_holds_or_finished(tmp_path, monkeypatch, capsys):
+    """Two suites at once: a study locked by the other suite is reported skipped (locked by
+    its process), not failed; one the other finished since this suite began is not run
+    twice."""
+    import os
+
+    from experiments import main as suite
+    from moejax.study import Study
+    from moejax.train.run_lock import RunLock
+
+    ran = []
+
+    def study(name):
+        def run(cfg, run):
+            ran.append(name)
+            return {"headline": name}
+        return Study(name, MAKE, run)
+
+    monkeypatch.setattr(suite, "load_study", study)
+    monkeypatch.setattr(suite, "_parse", lambda argv: (
+        "quick", tmp_path / "report", [("lm_demo", ()), ("moee", ())], "demo"))
+    monkeypatch.setattr(suite, "_jobs_with_variants",
+                        lambda jobs, preset, s: [(n, o, "") for n, o in jobs])
+    out = tmp_path / "report"
+    with RunLock(out / "lm_demo"):  # the other suite is running lm_demo now
+        assert suite.main([]) == 0
+    report = (out / "REPORT.md").read_text()
+    assert ran == ["moee"] and "FAILED" not in report
+    assert "## lm_demo\n\nSkipped: locked" in report and f"pid {os.getpid()}" in report
+    assert "(skipped: lm_demo)" in report
+    ran.clear()
+    real_time = suite.time.time
+    monkeypatch.setattr(suite.time, "time", lambda: real_time() - 60)  # started a minute ago
+    assert suite.main([]) == 0  # moee finished (by "the other suite") after this one began
+    assert "moee" not in ran and "finished by another process" in (out / "REPORT.md").read_text()
+    capsys.readouterr()
