@@ -95,3 +95,29 @@ def test_ders_lm_ranks_past_full_rank_are_refused():
         check_lm_rank(1000, "up", 32, 96)
     with pytest.raises(ConfigError, match="full rank already"):
         apply_overrides(upcycling.make_config("quick"), ["lm_ranks=(1000,)"])
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"tm": 0, "tk": 64, "tn": 128}, "tm=0"), ({"tm": -128, "tk": 64, "tn": 128}, "tm=-128"),
+    ({"tm": 100, "tk": 64, "tn": 128}, "tm=100"),
+    ({"tm": 128, "tk": 64, "tn": 128, "num_stages": 0}, "num_stages=0"),
+    ({"tm": 128, "tk": 64, "tn": 128, "l2_prefetch": 7}, "l2_prefetch=7"),
+    ({"tm": 128, "tk": 64, "tn": 128, "num_warps": 5}, "num_warps=5"),
+    ([128, 64, 128], "not an object"),
+])
+def test_kernel_table_entries_are_checked_when_the_table_loads(tmp_path, monkeypatch, entry,
+                                                               match):
+    import json
+
+    from moejax.kernels.tuning import config_for, read_table
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"NVIDIA H200": {"gmm": {"bfloat16": {"k128_n128": entry}}}}))
+    with pytest.raises(ValueError, match=match):
+        read_table(path)
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(path))
+    with pytest.raises(ValueError, match=match):
+        config_for("gmm", "bfloat16", 128, 128, "NVIDIA H200")
+    monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "typo.json"))
+    with pytest.raises(ValueError, match="no kernel table there"):
+        config_for("gmm", "bfloat16", 128, 128, "NVIDIA H200")

@@ -38,10 +38,13 @@ def test_a_damaged_or_edited_file_is_set_aside(tmp_path, damage, why):
     path = tmp_path / "m.json"
     MeasurementStore(path, BASIS).put("a", {"v": 12.5})
     damage(path)
+    foreign = path.read_bytes()
     store = MeasurementStore(path, BASIS)
     assert store.entries == {} and why in store.dropped and str(path) in store.dropped
-    store.put("b", 1)  # and measuring again replaces it
-    assert MeasurementStore(path, BASIS).entries == {"b": 1}
+    aside = tmp_path / "m.json.foreign"
+    assert aside.read_bytes() == foreign and "m.json.foreign" in store.dropped  # kept aside
+    store.put("b", 1)  # measuring again writes a new store, the foreign file untouched
+    assert MeasurementStore(path, BASIS).entries == {"b": 1} and aside.read_bytes() == foreign
 
 
 def test_another_config_device_or_weights_is_measured_again(tmp_path):

@@ -156,6 +156,7 @@ def _triton_launches(dtype, k=256, n=384):
 
 
 def test_a_lowering_reads_its_devices_entry_else_the_defaults(tmp_path, monkeypatch):
+    (tmp_path / "none.json").write_text("{}")  # an empty table: the defaults everywhere
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "none.json"))
     # the launch: (512 / tm + 8 groups) row-tile visits x 384 / tn column blocks
     # defaults: bf16 128 x 64 x 128 with 8 warps -> (4 + 8) x 3

@@ -94,15 +94,27 @@ class MeasurementStore:
                   and isinstance(data.get("entries"), dict)
                   and data.get("checksum") == json_checksum(data))
         except (OSError, ValueError) as e:
-            self.dropped = f"{self.path} cannot be read back ({e}): measuring again"
+            self.dropped = (f"{self.path} cannot be read back ({e}): moved to "
+                            f"{self._set_aside()}; measuring again")
             return
         if not ok:
-            self.dropped = f"{self.path} is not a measurement store it wrote: measuring again"
+            self.dropped = (f"{self.path} is not a measurement store it wrote: moved to "
+                            f"{self._set_aside()}; measuring again")
         elif data.get("basis") != self.basis:
             self.dropped = (f"{self.path} was measured under another config, device or "
                             "weights: measuring again")
         else:
             self.entries = data["entries"]
+
+    def _set_aside(self) -> Path:
+        """Move a file this store did not write out of the way (never overwrite it): to
+        ``<name>.foreign``, ``<name>.foreign.1``, ... beside it."""
+        dest, i = self.path.with_name(self.path.name + ".foreign"), 0
+        while dest.exists():
+            i += 1
+            dest = self.path.with_name(f"{self.path.name}.foreign.{i}")
+        os.replace(self.path, dest)
+        return dest
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries

@@ -53,7 +53,7 @@ from moejax.kernels.tiling import pow2, target_device
 
 __all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
            "is_forced", "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
-           "read_table", "table_path", "SPACE", "SPACES", "L2_PREFETCH"]
+           "read_table", "check_table", "table_path", "SPACE", "SPACES", "L2_PREFETCH"]
 
 KERNELS = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu", "pairs_mgpu", "decode_mgpu")
 # what a configuration's three tiles are, per kernel
@@ -157,18 +157,78 @@ def table_path() -> Path:
 
 
 def read_table(path: Path | None = None) -> dict:
-    """The tuned table (``{}`` when there is none); a malformed file is an error naming it."""
+    """The tuned table (``{}`` when the package's own is absent), every entry checked
+    against the kernels' constraints (:func:`check_table`); a malformed file, a bad entry or
+    a ``MOEJAX_KERNEL_TABLE`` that names no file is an error naming it."""
+    named = path is not None or bool(os.environ.get("MOEJAX_KERNEL_TABLE"))
     path = table_path() if path is None else Path(path)
     if not path.is_file():
+        if named and path != TABLE:
+            raise ValueError(f"{path}: no kernel table there (MOEJAX_KERNEL_TABLE or the path "
+                             "given); fix the path, or unset it for the package's table")
         return {}
     try:
         table = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a kernel table ({e}); delete it or rerun "
                          "python -m experiments.autotune") from e
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: not a kernel table (a JSON object by device kind)")
+    check_table(table, path)
     return table
+
+
+_POW2_TILE = (8, 1024)  # tiles: powers of two in this range
+_WARPS = (4, 8, 12, 16)
+
+
+def check_table(table, path) -> None:
+    """Raise a ValueError naming the first entry that no kernel can launch: the layout
+    ``{device: {kernel: {dtype: {bucket: entry}}}}``, a known kernel, a ``k<2^i>_n<2^j>``
+    bucket, power-of-two tiles of 8 to 1024, 4 / 8 / 12 / 16 warps, 1 to 8 stages, a known
+    L2 prefetch and at least one split of the model width."""
+    def bad(where, what):
+        raise ValueError(f"{path}: {where}: {what}; fix or delete the entry (python -m "
+                         "experiments.autotune rewrites it)")
+
+    if not isinstance(table, dict):
+        bad("top level", "not a JSON object by device kind")
+    for dev, kernels in table.items():
+        if not isinstance(kernels, dict):
+            bad(dev, "not an object by kernel")
+        for kernel, dtypes in kernels.items():
+            if kernel not in KERNELS or not isinstance(dtypes, dict):
+                bad(f"{dev}/{kernel}", f"not a kernel's object (kernels: {', '.join(KERNELS)})")
+            for dtype, buckets in dtypes.items():
+                if not isinstance(buckets, dict):
+                    bad(f"{dev}/{kernel}/{dtype}", "not an object by shape bucket")
+                for b, entry in buckets.items():
+                    _check_entry(f"{dev}/{kernel}/{dtype}/{b}", b, entry, bad)
+
+
+def _check_entry(where, b, entry, bad) -> None:
+    k, _, n = b.partition("_")
+    if not (k[:1] == "k" and n[:1] == "n" and k[1:].isdigit() and n[1:].isdigit()
+            and pow2(int(k[1:])) == int(k[1:]) and pow2(int(n[1:])) == int(n[1:])):
+        bad(where, "the bucket is not k<power of two>_n<power of two>")
+    if not isinstance(entry, dict) or any(f not in entry for f in ("tm", "tk", "tn")):
+        bad(where, "not an object with tm, tk and tn")
+    try:
+        cfg = TritonConfig(**{f: int(entry[f]) for f in TritonConfig._fields if f in entry})
+    except (TypeError, ValueError) as e:
+        bad(where, f"a field is not an integer ({e})")
+    lo, hi = _POW2_TILE
+    for f in ("tm", "tk", "tn"):
+        v = getattr(cfg, f)
+        if not (lo <= v <= hi and v & (v - 1) == 0):
+            bad(where, f"{f}={v}: a tile is a power of two from {lo} to {hi}")
+    if cfg.num_warps not in _WARPS:
+        bad(where, f"num_warps={cfg.num_warps}: one of {_WARPS}")
+    if not 1 <= cfg.num_stages <= 8:
+        bad(where, f"num_stages={cfg.num_stages}: 1 to 8")
+    if not 0 <= cfg.l2_prefetch < len(L2_PREFETCH):
+        bad(where, f"l2_prefetch={cfg.l2_prefetch}: 0 to {len(L2_PREFETCH) - 1} "
+                   f"({', '.join(L2_PREFETCH)})")
+    if cfg.d_splits < 1:
+        bad(where, f"d_splits={cfg.d_splits}: at least 1")
 
 
 # a jit-cache-sensitive context: the configuration every lowering inside uses (autotuning)
@@ -277,7 +337,7 @@ def write_entries(device_kind: str, entries: dict, path: Path | None = None) -> 
     """Merge ``entries`` (from :func:`tune`) into the table under ``device_kind``;
     atomic."""
     path = table_path() if path is None else Path(path)
-    table = read_table(path)
+    table = read_table(path) if path.is_file() else {}
     dev = table.setdefault(device_kind, {})
     for kernel, by_dtype in entries.items():
         for dtype, by_bucket in by_dtype.items():
