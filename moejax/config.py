@@ -407,6 +407,11 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
             )
         key, text = item.split("=", 1)
         key = key.strip()
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that were not UTF-8 (surrogate-escaped)
+            raise ConfigError(f"{key}=...: the value is not valid UTF-8 text; give it in "
+                              "UTF-8") from None
         if key in given:
             raise ConfigError(f"{key} is given twice ({key}={given[key]} and {item}); give "
                               "each key once")

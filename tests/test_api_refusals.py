@@ -121,3 +121,28 @@ def test_kernel_table_entries_are_checked_when_the_table_loads(tmp_path, monkeyp
     monkeypatch.setenv("MOEJAX_KERNEL_TABLE", str(tmp_path / "typo.json"))
     with pytest.raises(ValueError, match="no kernel table there"):
         config_for("gmm", "bfloat16", 128, 128, "NVIDIA H200")
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "capacity", "ragged", "host", "grouped"])
+@pytest.mark.parametrize("shape", [(0, 5, 16), (2, 0, 16)])
+def test_an_moe_layer_of_no_tokens_returns_an_empty_output(dispatch, shape):
+    from moejax.nn.moe import MoEConfig
+
+    m = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=dispatch).build(
+        16, rngs=nnx.Rngs(0))
+    y, aux = m(jnp.zeros(shape))
+    _, aux_one = m(jnp.ones((1, 1, 16)))
+    assert y.shape == shape
+    assert jax.tree.structure(aux) == jax.tree.structure(aux_one)
+    assert all(float(jnp.sum(jnp.abs(a))) == 0 for a in jax.tree.leaves(aux))
+
+
+def test_a_non_utf8_value_is_refused_in_one_line():
+    import os
+
+    from experiments import lm_demo
+    from moejax.config import ConfigError, apply_overrides
+
+    raw = os.fsdecode(b"prompt=caf\xe9")  # argv bytes that are not UTF-8
+    with pytest.raises(ConfigError, match="prompt=...: the value is not valid UTF-8"):
+        apply_overrides(lm_demo.make_config("quick"), [raw])

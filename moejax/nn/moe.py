@@ -252,6 +252,11 @@ class MoESkeleton(nnx.Module):
         B, T, D = x_BTD.shape
         if D != self.d_model:
             raise ValueError(f"{type(self).__name__}: input width {D} != d_model {self.d_model}")
+        if B * T == 0:  # no token: an empty output, and the statistics of none (zeros)
+            _, aux = jax.eval_shape(lambda x: self(x, train=False), jnp.zeros((1, 1, D),
+                                                                             x_BTD.dtype))
+            return (jnp.zeros((B, T, D), self.dtype or x_BTD.dtype),
+                    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux))
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D).astype(dt)
         mask_N = None if mask_BT is None else mask_BT.reshape(B * T).astype(bool)
