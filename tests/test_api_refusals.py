@@ -146,3 +146,18 @@ def test_a_non_utf8_value_is_refused_in_one_line():
     raw = os.fsdecode(b"prompt=caf\xe9")  # argv bytes that are not UTF-8
     with pytest.raises(ConfigError, match="prompt=...: the value is not valid UTF-8"):
         apply_overrides(lm_demo.make_config("quick"), [raw])
+
+
+@pytest.mark.parametrize("ep,ref", [("expert_parallel", "grouped"),
+                                    ("expert_parallel_capacity", "capacity")])
+def test_expert_parallel_without_an_expert_mesh_computes_on_one_device(ep, ref):
+    """An evaluation of host arrays (before training shards them) or a one-device run:
+    the expert-parallel dispatch computes the same products on this device."""
+    from moejax.nn.moe import MoEConfig
+
+    x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+    got, _ = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=ep).build(
+        16, rngs=nnx.Rngs(0))(x)
+    want, _ = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=ref).build(
+        16, rngs=nnx.Rngs(0))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -162,10 +162,10 @@ def _mesh():
 
 def _expert_parallel(*args, activation, capacity_factor, valid_N, priority, capacity=False):
     mesh = _mesh()
-    if mesh is None:
-        raise ValueError("dispatch 'expert_parallel' needs a mesh with axes ('data', 'expert') "
-                         "over more than one device, set while tracing: make_train_step(..., "
-                         "mesh=make_mesh(...)) or `with jax.set_mesh(mesh):`")
+    if mesh is None:  # no expert mesh here (an evaluation of host arrays, one device): the
+        # same products on this device, with the capacity the expert-parallel one would take
+        return _one_device(*args, activation=activation, capacity_factor=capacity_factor,
+                           valid_N=valid_N, priority=priority)
 
     def local(*a, activation, valid_N):
         return _one_device(*a, activation=activation, capacity_factor=capacity_factor,
