@@ -30,6 +30,7 @@ from flax import nnx
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
+from moejax.train.budget import check_program_fits
 from moejax.train.loop import compiled_memory
 from moejax.train.step import lm_loss_fn, make_eval_step
 
@@ -149,6 +150,12 @@ class LMEvaluator(Evaluator):
         if fn is None:
             step = make_eval_step(graphdef, self.loss_fn)
             fn = step.lower(params, rest, self.batches[0], jax.random.key(0)).compile()
+            b = self.batches[0]["inputs"].shape
+            check_program_fits(  # before it first runs: an evaluation can be the first program
+                compiled_memory(fn)["peak_bytes"], jax.devices()[0],
+                f"the evaluation of batches of {b[0]} x {b[1]} tokens",
+                "evaluate smaller batches (the run's batch_size or sequence length), or run "
+                "on a machine with more memory")
             self._fns[key] = fn
         return fn
 

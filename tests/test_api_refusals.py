@@ -161,3 +161,18 @@ def test_expert_parallel_without_an_expert_mesh_computes_on_one_device(ep, ref):
     want, _ = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=ref).build(
         16, rngs=nnx.Rngs(0))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_an_evaluation_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
+    """The evaluation before training can be a run's first program: its compiled peak is
+    checked against the device's memory before it runs (here the host is made 1 MB)."""
+    import moejax.train.budget as budget
+    from moejax.evaluate import LMEvaluator
+    from moejax.train.budget import MemoryBudgetError
+
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (10**6, "this host's memory"))
+    tokens = np.ones((64, 33), np.int32)
+    ev = LMEvaluator([{"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                       "mask": np.ones((64, 32), np.float32)}])
+    with pytest.raises(MemoryBudgetError, match="the evaluation of batches of 64 x 32 tokens"):
+        ev(_lm())

@@ -17,7 +17,7 @@ import jax
 
 from moejax.config import ConfigError
 
-__all__ = ["MemoryBudgetError", "available_bytes", "check_fits"]
+__all__ = ["MemoryBudgetError", "available_bytes", "check_fits", "check_program_fits"]
 
 
 class MemoryBudgetError(ConfigError):
@@ -56,3 +56,14 @@ def check_fits(peak_bytes: int, cfg, device) -> None:
         f"{cfg.batch_size}) or the sequence length, raise grad_accum (now {cfg.grad_accum}), "
         f"set fsdp=true (now {cfg.fsdp}) or a larger mesh (mesh_data / mesh_expert), or run "
         "on a machine with more memory")
+
+
+def check_program_fits(peak_bytes: int, device, what: str, fix: str) -> None:
+    """:func:`check_fits` for any compiled program (an evaluation, a benchmark step) before
+    it first runs: ``what`` it is and the ``fix`` (the keys that shrink it) are named."""
+    have = available_bytes(device) if peak_bytes > 0 else None
+    if have is None or peak_bytes <= have[0]:
+        return
+    raise MemoryBudgetError(
+        f"{what} needs about {peak_bytes / 1e9:.2f} GB per device (XLA's estimate) but "
+        f"{have[1]} is {have[0] / 1e9:.2f} GB. Fix: {fix}")
