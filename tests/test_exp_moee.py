@@ -65,7 +65,8 @@ def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, t
     assert rows["MoEE"]["MACs"] == rows["dense"]["MACs"]
     claims = {r["claim"]: r["verdict"] for r in csv.DictReader(open(run.path / "claims.csv"))}
     assert not any("MoEfication" in c for c in claims)  # nothing to compare with
-    assert claims["MoEE cuts MACs by 27% or more (Table 1)"] == "does not hold"
+    # +0% against the 27% bar, but one seed gives no interval: the rule cannot tell
+    assert claims["MoEE cuts MACs by 27% or more (Table 1)"] == "inconclusive"
 
 
 def _per_seed(model, n=3, **values):
