@@ -46,8 +46,13 @@ def writable_dir(path: str | os.PathLike, what: str, fix: str, *, root=None) -> 
     except OSError as e:
         raise UnusableDirError(f"{what}: cannot create {path} ({e.strerror}). "
                                f"Fix: {fix}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UnusableDirError(f"{what}: {path} is not writable. Fix: {fix}")
+    try:  # a real write: os.access says yes for root on read-only mounts and /sys
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UnusableDirError(f"{what}: {path} is not writable ({e.strerror}). "
+                               f"Fix: {fix}") from None
     return path
 
 

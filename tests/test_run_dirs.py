@@ -218,3 +218,14 @@ def test_a_suite_skips_a_study_another_suite_holds_or_finished(tmp_path, monkeyp
     assert suite.main([]) == 0  # moee finished (by "the other suite") after this one began
     assert "moee" not in ran and "finished by another process" in (out / "REPORT.md").read_text()
     capsys.readouterr()
+
+
+def test_an_unwritable_out_is_refused_in_one_line_by_a_real_write(capsys):
+    """/sys/kernel passes os.access for root; a real write finds it unwritable."""
+    import os
+
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("no /sys/kernel here")
+    assert main("lm_demo", MAKE, _two_tables, ["out=/sys/kernel"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "/sys/kernel is not writable" in err[0]
