@@ -147,6 +147,8 @@ print(with_flags(['--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL']))")
         "union_fractions=(0.25,0.5,0.75,1.0)")
       if [ -n "${SEED:-}" ] && [ -d "$SEED/bench_$stage" ]; then
         mkdir -p "$out/bench_$stage" && cp -rn "$SEED/bench_$stage/." "$out/bench_$stage/"
+        # its checkpoints and measurements are reused; its record is not this run's
+        rm -f "$out/bench_$stage/run.json"
       fi
       XLA_FLAGS=$flags timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
