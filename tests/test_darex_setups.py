@@ -60,24 +60,34 @@ def test_geometric_q_grid_holds_the_papers_optima():
 
 def _ctx(mask_vectors=True, **kw):
     r = np.random.default_rng(0)
-    D = {"w": jnp.asarray(r.normal(0, 0.01, (8, 6))), "b": jnp.asarray(r.normal(0, 0.01, 6))}
+    D = {"w_a": jnp.asarray(r.normal(0, 0.01, (8, 6))), "b_a": jnp.asarray(r.normal(0, 0.01, 6)),
+         "w_o": jnp.asarray(r.normal(0, 0.01, (6, 3))), "scale": jnp.asarray(r.normal(0, 0.01, 8))}
     pre = jax.tree.map(jnp.zeros_like, D)
-    x = r.normal(size=8)
-    stats = {"w": MatrixInputStats(np.abs(x), np.abs(x) * 3, 10, x)}
-    mask = {"w": True, "b": mask_vectors}
+    x, h = r.normal(size=8), r.normal(size=6)
+    stats = {"w_a": MatrixInputStats(np.abs(x), np.abs(x) * 3, 10, x),
+             "w_o": MatrixInputStats(np.abs(h), np.abs(h) * 3, 10, h)}
+    mask = {k: mask_vectors or k.startswith("w_") for k in D}
     score = lambda prm: -float(sum(jnp.sum(jnp.abs(v)) for v in jax.tree.leaves(prm)))  # noqa
     return PruneContext(pretrained=pre, delta=D, mask=mask, key=jax.random.key(0),
-                        val_metric=score, test_metric=score, outputs_fn=lambda prm: prm["w"],
+                        val_metric=score, test_metric=score,
+                        outputs_fn=lambda prm: (x @ prm["w_a"]) @ prm["w_o"],
                         x_stats=stats, q_num=3, eta_num=3, **kw)
 
 
 def test_per_layer_q_and_wanda_with_vectors_among_the_pruned_leaves():
+    """The official rescale_q for leaves without an analytic q: a bias b_X takes its weight
+    w_X's q, a norm scale the mean of the layers' q."""
+    from moejax.delta.analytic_q import fill_other_leaves
+
     ctx = _ctx()
-    assert jax.tree.leaves(ctx.stats_mask) == [False, True]  # {"b", "w"}: only w has stats
+    assert [k for k, v in zip(sorted(ctx.delta), jax.tree.leaves(ctx.stats_mask)) if v] == [
+        "w_a", "w_o"]
+    qs = fill_other_leaves({"w_a": 0.2, "w_o": 0.4, "b_a": 0.1, "scale": 0.1}, ctx.delta,
+                           ctx.mask, ctx.stats_mask)
+    assert qs == {"w_a": 0.2, "w_o": 0.4, "b_a": 0.2, "scale": pytest.approx(0.3)}
     r = run_one(ctx, "DAREx-q (per-layer q_v)", 0.9)
-    lo, _, hi = r["q"].partition("..")
-    assert float(lo) == pytest.approx(0.1)  # the vector keeps DARE's 1-p
-    run_one(ctx, "WANDA", 0.9)  # the vector by |Delta| alone, the matrix by WANDA
+    assert r["q"] and float(r["q"].partition("..")[0]) >= 0.1
+    run_one(ctx, "WANDA", 0.9)  # the vectors by |Delta| alone, the matrices by WANDA
 
 
 def test_prune_context_refuses_empty_grids_masks_and_unknown_forms():
@@ -86,7 +96,7 @@ def test_prune_context_refuses_empty_grids_masks_and_unknown_forms():
     with pytest.raises(ValueError, match="eta_num"):
         PruneContext(**{**_ctx().__dict__, "eta_num": 0})
     with pytest.raises(ValueError, match="nothing to prune"):
-        PruneContext(**{**_ctx().__dict__, "mask": {"w": False, "b": False}})
+        PruneContext(**{**_ctx().__dict__, "mask": {k: False for k in _ctx().delta}})
     with pytest.raises(ValueError, match="analytic_form"):
         PruneContext(**{**_ctx().__dict__, "analytic_form": "pooled"})
     with pytest.raises(ValueError, match="q_spacing"):

@@ -70,6 +70,7 @@ __all__ = [
     "analytic_q_leaf",
     "analytic_q_tree",
     "EtaSearchResult",
+    "fill_other_leaves",
     "search_eta_e",
     "search_eta_v",
 ]
@@ -244,6 +245,29 @@ def analytic_q_tree(
     return out
 
 
+def fill_other_leaves(qs: dict[str, float], delta_tree: PyTree, mask: PyTree | None,
+                      q_mask: PyTree | None) -> dict[str, float]:
+    """``qs`` with a ``q`` for every leaf of ``mask`` that ``q_mask`` gave none, by the
+    official ``rescale_q`` (``utils/deltaprune.py``): a bias ``.../b_X`` takes its weight
+    ``.../w_X``'s q, any other leaf (norm scales, embedding tables) the mean of the layers'
+    q."""
+    paths = leaf_paths(delta_tree)
+    sel = [True] * len(paths) if mask is None else [bool(m) for m in
+                                                     jax.tree_util.tree_leaves(mask)]
+    has = sel if q_mask is None else [bool(m) for m in jax.tree_util.tree_leaves(q_mask)]
+    stated = {pth: qs[pth] for pth, h in zip(paths, has) if h}
+    if not stated:
+        return dict(qs)
+    mean = float(np.mean(list(stated.values())))
+    out = dict(qs)
+    for pth, s, h in zip(paths, sel, has):
+        if s and not h:
+            head, _, name = pth.rpartition("/")
+            weight = f"{head}/w_{name[2:]}" if head else f"w_{name[2:]}"
+            out[pth] = stated.get(weight, mean) if name.startswith("b_") else mean
+    return out
+
+
 class EtaSearchResult(NamedTuple):
     """Best ``eta``, the per-leaf ``q`` it induces, and the full ``eta`` search record."""
 
@@ -260,9 +284,9 @@ def _search_eta(
     q_mask = mask if q_mask is None else q_mask
 
     def score(eta):
-        qs = analytic_q_tree(delta_tree, x_stats, p, eta, gamma=gamma, mask=q_mask,
-                             in_axis=in_axis,
-                             form=form)
+        qs = fill_other_leaves(analytic_q_tree(
+            delta_tree, x_stats, p, eta, gamma=gamma, mask=q_mask, in_axis=in_axis,
+            form=form), delta_tree, mask, q_mask)
         cache[float(eta)] = qs
         return score_of_params(apply_delta(pretrained, dare(key, delta_tree, p, q=qs, mask=mask)))
 
@@ -289,8 +313,9 @@ def search_eta_e(
 
     ``f_L`` = ``outputs_fn``; ``P(q)`` = ``theta_P + dare(key, Delta, p, q=q(eta))`` over the
     leaves of ``mask``. ``q_mask`` (default ``mask``): the leaves that get an analytic ``q``
-    (matrices with input statistics); the other pruned leaves keep DARE's ``1-p``, as the
-    official code leaves biases, norms and embeddings out of its per-layer ``q``.
+    (matrices with input statistics); the other pruned leaves are rescaled as the official
+    code does (:func:`fill_other_leaves`: a bias by its weight's q, norms and embeddings by
+    the mean of the layers' q).
     """
     ref = outputs_fn(apply_delta(pretrained, delta_tree))
     return _search_eta(

@@ -134,7 +134,9 @@ class PruneContext:
     def stats_mask(self):
         """The pruned leaves that have input statistics (the matrices used as ``x @ W``):
         where WANDA and the analytic per-layer ``q`` apply; the other pruned leaves
-        (vectors, embedding tables) get magnitude and DARE's ``1-p`` there."""
+        (vectors, embedding tables) get magnitude pruning in WANDA's place and, in the
+        per-layer methods, the official rescaling of leaves without a q
+        (:func:`moejax.delta.analytic_q.fill_other_leaves`)."""
         paths = leaf_paths(self.delta)
         flat = [bool(m) and pth in self.x_stats
                 for pth, m in zip(paths, jax.tree_util.tree_leaves(self.mask))]
