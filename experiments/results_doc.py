@@ -347,7 +347,8 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                     overview += ([f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
                                  if claims is not None else old_rows.get(name, []))
                     carried.append(name)
-                    (rejudged if claims is not None else kept).append(name)
+                    if _CLAIMS_BLOCK.search(old_sections[name]):  # a section with claims
+                        (rejudged if claims is not None else kept).append(name)
                 elif not held:
                     missing.append(name)
                 continue
