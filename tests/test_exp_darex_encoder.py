@@ -26,6 +26,7 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
                                   claims=mod.claims, out=tmp_path / "enc")
     text = (run.path / "summary.md").read_text()
     assert "Started from substrate byte_encoder_wordnet_pos" in text
+    assert "DARE at p=0.99 loses (unpruned - DARE, AdamW): lexname " in text
     rows = list(csv.DictReader(open(run.path / "encoder_p.csv")))
     methods = [r["method"] for r in rows]
     for m in ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
