@@ -23,6 +23,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from moejax.run_record import read_run_record
+
 __all__ = ["ENV", "index_path", "machine_class", "record", "newest", "entry_name"]
 
 ENV = "MOEJAX_RUN_INDEX"
@@ -103,9 +105,7 @@ def newest(machine: str, index: Path | None = None, *,
 
 
 def _finished(path: Path) -> bool:
-    """Whether ``path`` holds a finished run (a record from before states were kept counts)."""
-    try:
-        meta = json.loads((path / "run.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("state", "finished") == "finished"
+    """Whether ``path`` holds a finished run (:func:`moejax.run_record.read_run_record`: a
+    record from before states were kept counts)."""
+    record = read_run_record(path)
+    return record is not None and record.get("state") == "finished"
