@@ -115,3 +115,11 @@ def test_prune_context_refuses_empty_grids_masks_and_unknown_forms():
 def test_darex_studies_refuse_bad_grids_and_rates_before_fine_tuning(mod, override, key):
     with pytest.raises(ConfigError, match=key):
         apply_overrides(mod.make_config("quick"), [override])
+
+
+def test_structural_dpp_with_vectors_among_the_pruned_leaves():
+    """A plain MLP pruned whole (prune=all): structural DPP takes its matrices, DARE its
+    vectors (biases, norm scales), instead of refusing the vectors."""
+    ctx = _ctx()
+    r = run_one(ctx, "structural DPP + q_v", 0.9)
+    assert r["q"] != ""

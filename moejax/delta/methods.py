@@ -157,8 +157,9 @@ def _structural_mlp_pruner(ctx: PruneContext, a: float, b: float, p: float):
     """Structural DPP on the MLP matrices, DARE (same ``p``, ``q``) on the other selected ones."""
     sel = select_leaves(ctx.delta, include=ctx.structural_include, min_ndim=2, allow_empty=True)
     mlp = jax.tree.map(lambda m, s: bool(m) and bool(s), ctx.mask, sel)
-    if not any(jax.tree.leaves(mlp)):
-        return structural_pruner(a, b, mask=ctx.mask)  # no MLP module: every matrix is MLP
+    if not any(jax.tree.leaves(mlp)):  # no MLP module: every selected matrix is MLP
+        mats = select_leaves(ctx.delta, min_ndim=2, allow_empty=True)
+        mlp = jax.tree.map(lambda m, s: bool(m) and bool(s), ctx.mask, mats)
     rest = jax.tree.map(lambda m, s: bool(m) and not s, ctx.mask, mlp)
     structural = structural_pruner(a, b, mask=mlp)
 
