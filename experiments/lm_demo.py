@@ -29,6 +29,7 @@ from moejax.results import RunDir
 from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
+from moejax.train.run_state import check_resume
 
 UNIFORM_NATS = math.log(256)  # cross-entropy of a uniform guess over byte values
 
@@ -138,6 +139,7 @@ def _completion(model, cfg: LMDemoConfig) -> str:
 
 
 def run(cfg: LMDemoConfig, run: RunDir) -> dict:
+    check_resume(run.path / "train", cfg.train, cfg)  # before the first evaluation
     train_src, val_src = _sources(cfg)
     model = DecoderLM(cfg.model.decoder_config(), rngs=nnx.Rngs(cfg.train.seed))
     n_params = count_params(model)

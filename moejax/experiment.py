@@ -45,7 +45,9 @@ import jax
 from moejax import run_index
 from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs, to_dict
+from moejax.data.raw_files import DataDirError, MissingDataError
 from moejax.io._common import WeightFileError
+from moejax.nn.moe import MoEConfig
 from moejax.results import RunDir, RunDirError
 from moejax.run_record import (
     RunOwnerError,
@@ -65,7 +67,7 @@ from moejax.train.distributed import (
     initialize_from_env,
 )
 from moejax.train.hparams import TrainConfig
-from moejax.train.mesh import check_devices
+from moejax.train.mesh import check_devices, resolve_mesh_shape
 from moejax.train.run_lock import RunLock, RunLockedError
 from moejax.train.run_state import ResumeError
 from moejax.train.scale import measure_scale
@@ -155,8 +157,18 @@ def parse_runner(
 def _check_devices(cfg: Config) -> None:
     """Every training run's mesh and batch against this machine's devices and processes,
     before the run directory is written or anything compiles."""
+    moes = find_configs(cfg, MoEConfig)
     for key, train_cfg in find_configs(cfg, TrainConfig):
-        check_devices(train_cfg, jax.device_count(), jax.process_count(), key or "train")
+        key = key or "train"
+        check_devices(train_cfg, jax.device_count(), jax.process_count(), key)
+        _, n_ep = resolve_mesh_shape(train_cfg.mesh_data, train_cfg.mesh_expert,
+                                     jax.device_count())
+        for moe_key, moe in moes:
+            if n_ep > 1 and moe.n_experts % n_ep:
+                raise ConfigError(
+                    f"{key}.mesh_expert={train_cfg.mesh_expert}: the expert axis ({n_ep} "
+                    f"devices) does not divide {moe_key or 'moe'}.n_experts={moe.n_experts}; "
+                    "choose an expert axis that divides the expert count")
 
 
 def _get(cfg: Config, key: str):
@@ -443,7 +455,8 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)
     except (ConfigError, RunDirError, RunLockedError, RunOwnerError, ResumeError,
-            CheckpointMismatchError, WeightFileError) as e:  # the user's to fix: one line
+            CheckpointMismatchError, WeightFileError, DataDirError,
+            MissingDataError) as e:  # the user's to fix: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: one line, the shell's code for it

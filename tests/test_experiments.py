@@ -65,6 +65,26 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
     assert text.index("What 12 steps bought") < text.index("```python")
 
 
+def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A benchmark's own timed step is compiled and its estimate compared with the device's
+    memory before its first call (here the host is made 10 kB): exit 2 in one line, no row."""
+    import moejax.train.budget as budget
+    from experiments.benchmarks import dispatch as bench_dispatch
+    from moejax.experiment import main
+
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
+    called = []
+    monkeypatch.setattr(bench_dispatch, "_block_table", lambda *a: called.append(1))
+    code = main("bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
+                TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=2",
+                           "paths=(capacity,)", f"out={tmp_path / 'bench'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not called
+    assert "the capacity train step needs about" in err[-1] and "lower batch_size" in err[-1]
+    assert not (tmp_path / "bench" / "dispatch.csv").exists()
+
+
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     from experiments.benchmarks import dispatch as bench_dispatch
 

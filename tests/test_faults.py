@@ -36,6 +36,7 @@ from moejax.train.checkpoint import (
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import ResumeError, read_csv, train
 from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.run_state import check_resume
 from moejax.train.step import NonFiniteError, init_state, lm_loss_fn
 from tests.test_train_loop import Crash
 from tests.test_train_loop import CrashingSource as CrashAt
@@ -341,6 +342,21 @@ def test_changed_config_is_refused_unless_forced(tmp_path, straight):
     assert latest_step(run / "checkpoints") == 8
     with pytest.raises(ResumeError, match="step 8, past this run's steps=6"):
         _run(run)
+
+
+def test_check_resume_refuses_from_metadata_alone(tmp_path, straight):
+    """A study calls check_resume before its first evaluation: the same refusals as the
+    loop's, from the checkpoint's metadata, and None for a directory without checkpoints."""
+    run = tmp_path / "r"
+    assert check_resume(run, CFG) is None
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(3, batch_size=4))
+    assert check_resume(run, CFG) == latest_step(run / "checkpoints")
+    with pytest.raises(ResumeError, match="lr: checkpoint"):
+        check_resume(run, CFG.replace(lr=2e-2))
+    assert check_resume(run, CFG.replace(lr=2e-2, resume="force")) is not None
+    with pytest.raises(ResumeError, match="past this run's steps=1"):
+        check_resume(run, CFG.replace(steps=1))
 
 
 def test_mismatched_model_does_not_touch_the_run_dir(tmp_path):

@@ -64,6 +64,7 @@ from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
 from moejax.results import RunDir
 from moejax.study import Study
+from moejax.train.budget import compile_fitting
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
@@ -157,6 +158,11 @@ def _build_step(cfg: BenchConfig, path: str, source):
 def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     graphdef, state, step, n_params = _build_step(cfg, path, source)
     t0 = time.perf_counter()
+    if active_capture() is None:  # (a captured step is recorded, not compiled here)
+        step = compile_fitting(  # the estimate before the first call
+            step, state, source.batch(0), what=f"the {path} train step",
+            fix=f"lower batch_size (now {cfg.batch_size}) or seq_len (now {cfg.seq_len}), "
+            "or the model's d_model / moe.d_expert / n_layers")
     for i in range(cfg.warmup):
         state, m = step(state, source.batch(i))
         jax.block_until_ready(m["loss"])

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 __all__ = [
+    "DataDirError",
     "MissingDataError",
     "INSTALL_ALL",
     "data_dir",
@@ -42,13 +43,25 @@ class MissingDataError(FileNotFoundError):
     """A raw data source is not installed; the message names the install command."""
 
 
+class DataDirError(ValueError):
+    """The data directory names something that is not a directory."""
+
+
 def data_dir(override: str | os.PathLike | None = None) -> Path:
     """The TFDS data directory.
 
     ``override`` if given, else ``$MOEJAX_DATA_DIR``, else ``~/.cache/moejax/tfds``.
     """
     raw = override or os.environ.get("MOEJAX_DATA_DIR") or DEFAULT_DATA_DIR
-    return Path(raw).expanduser()
+    path = Path(raw).expanduser()
+    if path.exists() and not path.is_dir():
+        where = "the data_dir argument" if override else (
+            "$MOEJAX_DATA_DIR" if os.environ.get("MOEJAX_DATA_DIR") else "the default")
+        raise DataDirError(
+            f"the data directory {path} ({where}) is a file, not a directory. Fix: point "
+            "MOEJAX_DATA_DIR at a directory (it is created if missing), or unset it to use "
+            f"{DEFAULT_DATA_DIR}")
+    return path
 
 
 def _hash_unit(key: str) -> float:

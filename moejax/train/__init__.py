@@ -10,6 +10,7 @@ from moejax.train.hparams import (
     paths_mask,
 )
 from moejax.train.loop import History, LoopOptions, train, train_params
+from moejax.train.run_state import ResumeError, check_resume
 from moejax.train.step import (
     NonFiniteError,
     TrainState,
@@ -24,6 +25,8 @@ from moejax.train.step import (
 
 __all__ = [
     "LoopOptions",
+    "ResumeError",
+    "check_resume",
     "TrainConfig",
     "adam_linear_config",
     "make_schedule",

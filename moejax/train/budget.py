@@ -11,13 +11,29 @@ instead of running out of memory minutes later.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 
 from moejax.config import ConfigError
 
-__all__ = ["MemoryBudgetError", "available_bytes", "check_fits", "check_program_fits"]
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryBudgetError", "available_bytes", "check_fits", "check_program_fits",
+           "compile_fitting", "compiled_memory"]
+
+
+def compiled_memory(compiled) -> dict:
+    """``{"peak_bytes", "argument_bytes", "temp_bytes"}`` of a compiled executable (-1 when
+    XLA has none): peak = arguments + outputs + temporaries - aliased (donated) buffers."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {"peak_bytes": -1, "argument_bytes": -1, "temp_bytes": -1}
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - getattr(m, "alias_size_in_bytes", 0))
+    return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes),
+            "temp_bytes": int(m.temp_size_in_bytes)}
 
 
 class MemoryBudgetError(ConfigError):
@@ -67,3 +83,16 @@ def check_program_fits(peak_bytes: int, device, what: str, fix: str) -> None:
     raise MemoryBudgetError(
         f"{what} needs about {peak_bytes / 1e9:.2f} GB per device (XLA's estimate) but "
         f"{have[1]} is {have[0] / 1e9:.2f} GB. Fix: {fix}")
+
+
+def compile_fitting(fn, *args, what: str, fix: str):
+    """``fn`` (a jitted function) compiled for ``args`` and checked with
+    :func:`check_program_fits` before it first runs; XLA's estimate is logged. Call the
+    returned executable in place of ``fn`` (it keeps ``fn``'s donation)."""
+    compiled = fn.lower(*args).compile()
+    peak = compiled_memory(compiled)["peak_bytes"]
+    device = jax.devices()[0]
+    if peak > 0:
+        log.info("%s: about %.2f GB per device (XLA's estimate)", what, peak / 1e9)
+    check_program_fits(peak, device, what, fix)
+    return compiled

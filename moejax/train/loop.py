@@ -53,7 +53,7 @@ from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.kernels.host.memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
-from moejax.train.budget import check_fits
+from moejax.train.budget import check_fits, compiled_memory
 from moejax.train.distributed import (
     PeerLostError,
     assemble,
@@ -130,18 +130,6 @@ def _tokens(batch) -> float:
     else:
         n = float(np.size(jax.tree.leaves(batch)[0]))
     return n * jax.process_count()
-
-
-def compiled_memory(compiled) -> dict:
-    """``{"peak_bytes", "argument_bytes", "temp_bytes"}`` of a compiled executable (-1 when
-    XLA has none): peak = arguments + outputs + temporaries - aliased (donated) buffers."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return {"peak_bytes": -1, "argument_bytes": -1, "temp_bytes": -1}
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - getattr(m, "alias_size_in_bytes", 0))
-    return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes),
-            "temp_bytes": int(m.temp_size_in_bytes)}
 
 
 @dataclasses.dataclass(frozen=True)

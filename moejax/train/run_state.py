@@ -15,9 +15,9 @@ import threading
 from moejax.config import to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
-from moejax.train.checkpoint import Checkpointer
+from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError, latest_step
 
-__all__ = ["CtrlC", "ResumeError", "config_differences", "open_run_dir"]
+__all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "open_run_dir"]
 
 log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
 
@@ -74,6 +74,45 @@ def config_differences(saved_json: str, current_json: str) -> list[str]:
     return out
 
 
+def _refuse_resume(run_dir, saved_step: int, meta: dict, cfg, config) -> list[str]:
+    """Raise :class:`ResumeError` when the checkpoint at ``saved_step`` (its ``meta``) cannot
+    continue this run; return the config differences ``resume=force`` lets through."""
+    if saved_step > cfg.steps:
+        raise ResumeError(
+            f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
+            f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
+            f"use a new run directory (out=...), or ask for steps >= {saved_step}")
+    diffs = (config_differences(meta["config"], to_json(config))
+             if meta.get("config") else [])
+    if diffs and cfg.resume != "force":
+        raise ResumeError(
+            f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
+            "config; resuming would not reproduce either run:\n  "
+            + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
+            "run directory (out=...), or resume anyway with train.resume=force")
+    return diffs
+
+
+def check_resume(run_dir, cfg, config=None) -> int | None:
+    """Refuse, before any compute, a run directory whose newest checkpoint cannot continue
+    this run (a later step, another config); return that step, or ``None`` when the
+    directory holds no checkpoint. Reads only the checkpoint's metadata, so a study calls it
+    before its first evaluation; :func:`open_run_dir` checks the same again on restore."""
+    directory = os.path.join(os.fspath(run_dir), "checkpoints")
+    step = latest_step(directory) if os.path.isdir(directory) else None
+    if step is None:
+        return None
+    ckpt = Checkpointer(directory, keep=cfg.keep_checkpoints)
+    try:
+        meta = ckpt.read_meta(step)
+    except CorruptCheckpointError:
+        return step  # restore_latest sets it aside and falls back, with a warning
+    finally:
+        ckpt.close()
+    _refuse_resume(run_dir, int(meta["step"]), meta, cfg, config if config is not None else cfg)
+    return step
+
+
 def open_run_dir(run_dir, cfg, config, state, main):
     """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
     validated (stale saves moved aside, the newest verifying step restored, its config
@@ -87,20 +126,7 @@ def open_run_dir(run_dir, cfg, config, state, main):
         if found is not None:
             restored, meta = found
             saved_step = int(meta["step"])
-            if saved_step > cfg.steps:
-                raise ResumeError(
-                    f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
-                    f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
-                    "use a new run directory (out=...), or ask for steps >= "
-                    f"{saved_step}")
-            diffs = (config_differences(meta["config"], to_json(config))
-                     if meta.get("config") else [])
-            if diffs and cfg.resume != "force":
-                raise ResumeError(
-                    f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
-                    "config; resuming would not reproduce either run:\n  "
-                    + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
-                    "run directory (out=...), or resume anyway with train.resume=force")
+            diffs = _refuse_resume(run_dir, saved_step, meta, cfg, config)
             if diffs:
                 log.warning("resuming %s with a changed config (resume=force):\n  %s",
                             run_dir, "\n  ".join(diffs))
