@@ -25,7 +25,7 @@ studies: setup
 	$(PY) -m experiments.results_doc
 
 # this machine class's results document again (docs/results.md on a CPU, docs/results_gpu.md
-# on a GPU) from the newest indexed run of every study (runs/index.jsonl); no study is run
+# on a GPU) from the newest preset run of every study indexed under runs/; no study is run
 results: setup
 	$(PY) -m experiments.results_doc
 

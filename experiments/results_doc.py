@@ -5,10 +5,12 @@ directory.
     python -m experiments.results_doc machine=gpu  # -> docs/results_gpu.md
     python -m experiments.results_doc runs=runs/studies out=/tmp/r.md   # one directory's runs
 
-By default the runs come from the run index (:mod:`moejax.run_index`: every finished study
-run, wherever its directory lives): per study the newest run on ``machine`` (cpu, gpu or tpu;
-by default the class of the machine it runs on).
-``runs=DIR`` reads ``DIR/<study>`` instead.
+By default the runs come from the run indexes (:mod:`moejax.run_index`: every finished study
+run, wherever its directory lives, indexed beside it; ``index=FILE`` reads one index): per
+study the newest preset run on ``machine`` (cpu, gpu or tpu; by default the class of the
+machine it runs on). A trial run (a config key overridden, a repeat changed) is never
+published: the document lists the newest trials apart, by command, and keeps the preset
+run's section. ``runs=DIR`` reads ``DIR/<study>`` instead.
 
 For each registered study that has a finished run (``run.json`` beside ``summary.md``): the
 command that reproduces it, preset, seeds, date, wall time and machine; one line per paper
@@ -65,8 +67,9 @@ _SECTION = re.compile(r"^## (.+)$", re.M)
 _OVERVIEW = "Paper claims at a glance"
 
 
-def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...]]:
-    """``({study: run directory}, out, where the runs came from, studies to forget)``."""
+def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str, Path]]:
+    """``({study: run directory}, out, where the runs came from, studies to forget,
+    {study: newest trial run})``."""
     opts = {"runs": "", "machine": run_index.machine_class(machine_info()), "index": "",
             "out": "", "forget": ""}
     for item in argv:
@@ -91,18 +94,21 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...]]:
                               "(make studies), or point runs= at their output")
         paths = {entry: runs / run_dirname(study, variant)
                  for entry, study, variant in entries(REGISTRY)}
-        source = f"runs={runs}"
+        source, trials = f"runs={runs}", {}
     else:
         if opts["machine"] not in ("cpu", "gpu", "tpu"):
             raise ConfigError(f"machine={opts['machine']}: one of cpu, gpu, tpu")
-        index = Path(opts["index"]) if opts["index"] else run_index.index_path()
+        index = [Path(opts["index"])] if opts["index"] else run_index.index_paths()
         paths, skipped = run_index.newest(opts["machine"], index)
+        trials, _ = run_index.newest(opts["machine"], index, kind="trial")
         if skipped:
-            print(f"results_doc: skipped {skipped} malformed line(s) of {index}",
-                  file=sys.stderr)
-        source = f"machine={opts['machine']}" + (f" index={index}" if opts["index"] else "")
+            print(f"results_doc: skipped {skipped} malformed line(s) of "
+                  f"{', '.join(map(str, index))}", file=sys.stderr)
+        source = f"machine={opts['machine']}" + (f" index={opts['index']}" if opts["index"]
+                                                 else "")
     _check_assets(list(paths.values()), out)
-    return paths, out, source + (f" forget={','.join(forget)}" if forget else ""), forget
+    return (paths, out, source + (f" forget={','.join(forget)}" if forget else ""), forget,
+            trials)
 
 
 def _check_assets(runs: Sequence[Path], out: Path) -> Path:
@@ -312,10 +318,11 @@ def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
 
 
 def build(runs: Path | dict[str, Path], out: Path, source: str = "",
-          forget: Sequence[str] = ()) -> Path:
+          forget: Sequence[str] = (), trials: dict[str, Path] | None = None) -> Path:
     """Write the results document for the runs ``{study: run directory}`` (or those under
     one directory, ``runs/<study>``); return its path. A study of ``forget`` without a run
-    here is not carried over from the previous document (module docstring)."""
+    here is not carried over from the previous document; ``trials`` (``{study: run}``) are
+    listed by command, never published (module docstring)."""
     if isinstance(runs, Path):
         source = source or f"runs={runs}"
         runs = {entry: runs / run_dirname(study, variant)
@@ -373,6 +380,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         if kept:
             head += ["Their claims as their runs judged them (the tables that would judge them "
                      f"again were not carried: rerun them): {', '.join(kept)}.", ""]
+        head += _trial_lines(trials or {}, runs)
         if overview:
             head += [f"## {_OVERVIEW}", "", "| study | claim | verdict |",
                      "|---|---|---|", *overview, ""]
@@ -388,14 +396,32 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
     return out
 
 
+def _trial_lines(trials: dict[str, Path], runs: dict[str, Path]) -> list[str]:
+    """The newest trial run of each study newer than its published run, by command: listed,
+    never published (their configs are not the presets')."""
+    lines = []
+    for name, path in sorted(trials.items()):
+        record = read_run_record(path) or {}
+        published = runs.get(name)
+        if published is not None and (read_run_record(published) or {}).get(
+                "started", "") > record.get("started", ""):
+            continue
+        lines.append(f"- {name}: `{record.get('command', '?')}` ({record.get('started', '?')}"
+                     f", {path})")
+    if not lines:
+        return []
+    return ["Trial runs, not published here (a config key overridden or a repeat changed; "
+            "each study's section is its newest preset run):", "", *lines, ""]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         print(__doc__)
         return 0
     try:
-        runs, out, source, forget = _parse(argv)
-        print(f"wrote {build(runs, out, source, forget)}")
+        runs, out, source, forget, trials = _parse(argv)
+        print(f"wrote {build(runs, out, source, forget, trials)}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

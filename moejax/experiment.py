@@ -247,11 +247,26 @@ def run_experiment(
                          seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
                          scale=run.scale, variant=variant, cfg_hash=h, tables=_stems(run),
                          seed_runs=seed_runs, preset=_preset(argv),
-                         smoke=_flag(argv, "smoke"))
+                         smoke=_flag(argv, "smoke"), kind=_run_kind(
+                             name, make_config, argv, h, repeat, quick_repeat, smoke,
+                             (variants or {}).get(variant, ())))
     finally:
         lock.release()
     run_index.record(run.path)  # the results documents read the newest run from the index
     return summary, run
+
+
+def _run_kind(name, make_config, argv, cfg_hash: str, repeat: int, quick_repeat: int,
+              smoke: Sequence[str], variant_overrides: Sequence[str] = ()) -> str:
+    """``"preset"`` when the run's config is its preset's (with its variant's overrides) and it
+    ran the preset's default number of seed runs; else ``"trial"`` (a key overridden, a
+    repeat changed): the results documents publish preset runs only."""
+    runner = [a for a in argv if a.partition("=")[0] in ("preset", "smoke")]
+    preset_cfg, _, preset_repeat = parse_runner(name, make_config,
+                                                [*runner, *variant_overrides],
+                                                quick_repeat, smoke)
+    same = config_hash(to_dict(preset_cfg)) == cfg_hash
+    return "preset" if same and repeat == preset_repeat else "trial"
 
 
 def _stems(run: RunDir) -> list[str]:

@@ -2,13 +2,18 @@
 each results document is generated from the newest run of every study on its machine class.
 
 The runner (:func:`moejax.experiment.run_experiment`) appends a line when a study's top-level
-run has finished: the study, the run directory's absolute path, the preset, the machine class
-(``cpu``, ``gpu`` or ``tpu``, from the run's ``run.json``) and when it finished. Smoke runs
-(``smoke=true`` in the run's record) are not results and are not indexed. :func:`newest`
-reads the index back: per study the newest line whose directory still holds a finished run
-(its ``run.json`` in state ``finished``), malformed lines counted and skipped.
+run has finished: the study, the run directory's absolute path, the preset, its kind
+(``preset``: the study's preset config at its default repeat, the only runs the results
+documents publish; ``trial``: anything overridden), the machine class (``cpu``, ``gpu`` or
+``tpu``, from the run's ``run.json``) and when it finished. Smoke runs (``smoke=true`` in the
+run's record) are not results and are not indexed. :func:`newest` reads the index back: per
+study the newest line of a kind whose directory still holds a finished run (its ``run.json``
+in state ``finished``), malformed lines counted and skipped.
 
-The index is ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl`` under the working directory.
+The index lives beside the runs it indexes: ``index.jsonl`` in the run directory's parent
+(``runs/index.jsonl`` for the default ``out=runs/<study>``), or ``$MOEJAX_RUN_INDEX`` when
+set. :func:`index_paths` lists what a reader reads: ``$MOEJAX_RUN_INDEX``, else every
+``index.jsonl`` under ``runs/``.
 Each line is appended with one ``write`` on a file opened for appending, so runs finishing at
 once do not interleave their lines; a line cut off without its newline (a full disk, a kill)
 is closed first, so the next line starts on its own.
@@ -19,20 +24,36 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moejax.run_record import read_run_record
 
-__all__ = ["ENV", "index_path", "machine_class", "record", "newest", "entry_name"]
+__all__ = ["ENV", "KINDS", "index_path", "index_paths", "machine_class", "record", "newest",
+           "entry_name"]
 
 ENV = "MOEJAX_RUN_INDEX"
+KINDS = ("preset", "trial")
 
 
-def index_path() -> Path:
-    """Where the index is: ``$MOEJAX_RUN_INDEX``, else ``runs/index.jsonl``."""
-    return Path(os.environ.get(ENV) or Path("runs") / "index.jsonl")
+def index_path(run_dir: str | os.PathLike | None = None) -> Path:
+    """Where a run's line goes: ``$MOEJAX_RUN_INDEX``, else ``index.jsonl`` beside the run
+    directory (in its parent), else ``runs/index.jsonl``."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    if run_dir is not None:
+        return Path(run_dir).resolve().parent / "index.jsonl"
+    return Path("runs") / "index.jsonl"
+
+
+def index_paths(root: str | os.PathLike = "runs") -> list[Path]:
+    """The indexes a reader reads: ``$MOEJAX_RUN_INDEX``, else every ``index.jsonl`` under
+    ``root``."""
+    if os.environ.get(ENV):
+        return [Path(os.environ[ENV])]
+    return sorted(Path(root).glob("**/index.jsonl"))
 
 
 def entry_name(study: str, variant: str = "") -> str:
@@ -63,10 +84,10 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     if smoke:
         return None
     line = {"study": meta["study"], "variant": meta.get("variant", ""), "path": str(run_dir),
-            "preset": preset,
+            "preset": preset, "kind": str(meta.get("kind", "preset")),
             "machine": machine_class(meta.get("machine", {})),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
-    index = index or index_path()
+    index = index or index_path(run_dir)
     index.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(index, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -79,17 +100,21 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     return line
 
 
-def newest(machine: str, index: Path | None = None, *,
-           preset: str | None = None) -> tuple[dict[str, Path], int]:
+def newest(machine: str, index: Path | Sequence[Path] | None = None, *,
+           preset: str | None = None, kind: str = "preset") -> tuple[dict[str, Path], int]:
     """``({study or study[variant]: run directory}, skipped lines)``: per study (and per
-    declared variant, :func:`entry_name`) the newest indexed run of
-    ``machine`` (and ``preset``, if given) whose directory still holds its ``run.json``."""
-    index = index or index_path()
+    declared variant, :func:`entry_name`) the newest run of ``machine`` and ``kind`` (and
+    ``preset``, if given) in the indexes (default :func:`index_paths`) whose directory still
+    holds its ``run.json``. A line from before kinds were kept takes its run's recorded
+    command: any config key on it makes a trial."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: one of {KINDS}")
+    indexes = (index_paths() if index is None else [index] if isinstance(index, Path | str)
+               else list(index))
     best: dict[str, tuple[float, Path]] = {}
     skipped = 0
-    if not index.is_file():
-        return {}, 0
-    for raw in index.read_text().splitlines():
+    raws = [raw for i in map(Path, indexes) if i.is_file() for raw in i.read_text().splitlines()]
+    for raw in raws:
         try:
             line = json.loads(raw)
             study = entry_name(line["study"], line.get("variant", ""))
@@ -99,7 +124,8 @@ def newest(machine: str, index: Path | None = None, *,
         except (ValueError, KeyError, TypeError):
             skipped += 1
             continue
-        if _finished(path) and t >= best.get(study, (-1.0, path))[0]:
+        if (_finished(path) and t >= best.get(study, (-1.0, path))[0]
+                and (line.get("kind") or _legacy_kind(path)) == kind):
             best[study] = (t, path)
     return {study: path for study, (_, path) in best.items()}, skipped
 
@@ -109,3 +135,19 @@ def _finished(path: Path) -> bool:
     record from before states were kept counts)."""
     record = read_run_record(path)
     return record is not None and record.get("state") == "finished"
+
+
+_RUNNER_KEYS = ("preset", "out", "variant", "overwrite")
+
+
+def _legacy_kind(path: Path) -> str:
+    """The kind of a run indexed before kinds were kept: ``trial`` when its recorded command
+    sets any key besides the runner's own (``preset``, ``out``, ``variant``, ``overwrite``)."""
+    record = read_run_record(path) or {}
+    if record.get("kind") in KINDS:
+        return record["kind"]
+    try:
+        argv = shlex.split(str(record.get("command", "")))[3:]
+    except ValueError:
+        return "trial"
+    return "trial" if any(a.partition("=")[0] not in _RUNNER_KEYS for a in argv) else "preset"

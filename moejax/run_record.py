@@ -176,15 +176,18 @@ def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str]
                      scale: str = "", variant: str = "", cfg_hash: str = "",
                      tables: Sequence[str] = (),
                      seed_runs: Mapping[str, Sequence[str]] | None = None,
-                     preset: str = "quick", smoke: bool = False) -> Path:
+                     preset: str = "quick", smoke: bool = False,
+                     kind: str = "preset") -> Path:
     """``run.json`` of a finished run beside its ``summary.md``: the command that reproduces
     it (shell-quoted), when it ran and for how long, its seeds, the scale it trained at
     (:mod:`moejax.train.scale`), the variant it is (``""``: the study's own), its config hash,
     the tables it wrote (``tables``: CSV stems; ``seed_runs``: each seed run's directory and
-    stems), its preset, whether it was a smoke run, and the machine; read back by the results
-    documents and the run index."""
+    stems), its preset, whether it was a smoke run, its ``kind`` (``"preset"``: the study's
+    preset config, variants included, at its default repeat; ``"trial"``: anything else), and
+    the machine; read back by the results documents and the run index."""
     record = {"study": study, "variant": variant, "config_hash": cfg_hash,
               "state": "finished", "scale": scale, "preset": preset, "smoke": smoke,
+              "kind": kind,
               "command": _command(study, argv), "started": _now(started),
               "wall_s": round(time.time() - started, 1), "repeat": repeat,
               "seeds": {k: list(v) for k, v in seeds.items()}, "tables": list(tables),

@@ -232,7 +232,7 @@ def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path
     table = tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv"
     assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()
     shutil.rmtree(out)
-    runs, path, source, forget = results_doc._parse(
+    runs, path, source, forget, _ = results_doc._parse(
         [f"runs={tmp_path / 'runs'}", f"out={doc_path}", "forget=blockffn_granularity"])
     assert forget == ("blockffn_granularity",) and source.endswith(" forget=blockffn_granularity")
     gone = results_doc.build(runs, path, source, forget).read_text()

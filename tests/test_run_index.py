@@ -101,6 +101,51 @@ def test_index_lines_survive_a_cut_line_and_argv_that_quotes_smoke(tmp_path, mon
                             argv, out=tmp_path / "lm")
     lines = index.read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["path"] == str(run.path.resolve())
-    assert run_index.newest("cpu", index) == ({"lm_demo": run.path.resolve()}, 1)
+    # (an overridden key: a trial, indexed apart from the preset runs)
+    assert run_index.newest("cpu", index, kind="trial") == ({"lm_demo": run.path.resolve()}, 1)
     command = json.loads((run.path / "run.json").read_text())["command"]
     assert shlex.split(command)[3:] == argv
+
+
+def test_trials_are_indexed_apart_and_never_replace_a_published_section(tmp_path, monkeypatch):
+    """A run is a preset run only at its preset's config and default repeat (a variant's
+    overrides included); an overridden key or another repeat makes a trial, which the results
+    document lists by command and never publishes over the preset run's section."""
+    from moejax.experiment import run_experiment
+    from moejax.train.hparams import TrainConfig
+
+    monkeypatch.delenv(run_index.ENV, raising=False)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    make = lambda preset: TrainConfig(seed=0, steps=300)  # noqa: E731
+
+    def body(cfg, run):
+        run.table("t", [{"steps": cfg.steps}])
+        return {"headline": f"{cfg.steps} steps"}
+
+    runs = tmp_path / "runs"
+    kinds = {}
+    for out, argv, kw in (("pub", [], {}), ("trial", ["steps=30"], {}),
+                          ("fewer", [], {"seed_keys": ("seed",), "quick_repeat": 2}),
+                          ("fewer2", ["repeat=1"], {"seed_keys": ("seed",), "quick_repeat": 2}),
+                          ("var", ["variant=long"], {"variants": {"long": ("steps=900",)}})):
+        _, run = run_experiment("lm_demo", make, body, argv, out=runs / out, **kw)
+        kinds[out] = json.loads((run.path / "run.json").read_text())["kind"]
+    assert kinds == {"pub": "preset", "trial": "trial", "fewer": "preset", "fewer2": "trial",
+                     "var": "preset"}
+    # the index lives beside the runs (not in the working directory), one line per run
+    lines = [json.loads(x) for x in (runs / "index.jsonl").read_text().splitlines()]
+    assert [line["kind"] for line in lines] == ["preset", "trial", "preset", "trial", "preset"]
+    assert not (tmp_path / "cwd" / "runs").exists()
+    assert run_index.index_paths(runs) == [runs / "index.jsonl"]
+    # a preset run published, then a newer trial: the section stays the preset run's
+    (runs / "fewer").rename(tmp_path / "moved_fewer")  # (keep one preset run of lm_demo)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("lm_demo",))
+    out = tmp_path / "docs" / "results.md"
+    assert results_doc.main([f"index={runs / 'index.jsonl'}", f"out={out}"]) == 0
+    doc = out.read_text()
+    section = doc[doc.index("## lm_demo"):]
+    assert "900 steps" not in section or "300 steps" in section  # (the variant is its own)
+    assert "Headline: 300 steps" in section and "Headline: 30 steps" not in doc
+    assert "Trial runs, not published here" in doc
+    assert "python -m experiments.lm_demo repeat=1" in doc
