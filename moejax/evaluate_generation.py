@@ -21,7 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from rouge_score import rouge_scorer
+
+from moejax.extras import missing_extra
+
+try:
+    from rouge_score import rouge_scorer
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.evaluate_generation (ROUGE)") from None
 
 from moejax.evaluate import Evaluator, LMEvaluator
 from moejax.nn.sample import sampler

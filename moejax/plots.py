@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from moejax.extras import require
+
 __all__ = ["line_figure", "bar_figure", "heatmap_figure"]
 
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or one line naming the extra."""
+    require("matplotlib", "moejax.plots (the plots)").use("Agg", force=True)
+    return require("matplotlib.pyplot", "moejax.plots (the plots)")
 
 def line_figure(
     stem: str,
@@ -23,10 +31,7 @@ def line_figure(
 ):
     """Lines ``series`` (label -> (xs, ys)); ``vlines`` / ``hlines``: labelled dashed
     reference lines (e.g. DARE's 1/(1-p); the unpruned / dense / uncompressed value)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for label, (xs, ys) in series.items():
@@ -63,10 +68,7 @@ def bar_figure(
 ):
     """Bars with optional error bars (``errors``: one half-width per bar) and labelled
     horizontal reference lines (``hlines``: e.g. the unpruned / dense / teacher value)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     ax.bar(range(len(values)), list(values),
@@ -92,10 +94,7 @@ def heatmap_figure(
     vmax: float | None = None,
 ):
     """A matrix as an image with a colour bar (e.g. a similarity matrix)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 4.2), dpi=110)
     im = ax.imshow(matrix, cmap="viridis", vmin=vmin, vmax=vmax)

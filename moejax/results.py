@@ -25,6 +25,7 @@ from typing import Any
 
 from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.config import Config, to_dict
+from moejax.extras import require
 from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
 from moejax.plots import bar_figure, heatmap_figure, line_figure
 from moejax.tables import columns_of, csv_value, markdown_table
@@ -149,8 +150,7 @@ class RunDir:
                               title or stem)
 
     def _save_fig(self, fig, stem: str, title: str) -> Path:
-        import matplotlib.pyplot as plt
-
+        plt = require("matplotlib.pyplot", "moejax.results (a run's plots)")
         out = self.path / f"{stem}.png"
         with atomic_open(out, "wb") as f:
             fig.savefig(f, format="png")

@@ -52,7 +52,7 @@ def test_adamr_refuses_broadcast_anchors_and_bad_weights():
         with pytest.raises(ValueError, match="anchor leaf of shape"):
             adamr(1e-3, 0.1, anchor=anchor).init(params)
     for weight in (float("nan"), -0.1, float("inf")):
-        with pytest.raises(ValueError, match="weight="):
+        with pytest.raises(ValueError, match="weight_decay="):
             adamr(1e-3, weight)
     adamr(1e-3, 0.1, anchor={"w": jnp.zeros((3, 3))}).init(params)  # same shapes: fine
 

@@ -66,7 +66,7 @@ def test_vocab_mismatch_names_both_sizes():
 def _moe(router="noisy", n=4, k=2):
     cfg = MoEConfig(n_experts=n, top_k=k, d_expert=8, router=router, dispatch="dense",
                     activation="swiglu", balance_loss="cv2")
-    return MoE(6, cfg, rngs=nnx.Rngs(0))
+    return MoE(cfg, 6, rngs=nnx.Rngs(0))
 
 
 def test_all_mode_equals_dense_mixture_oracle():
@@ -134,6 +134,6 @@ def test_ka_expert_sets_have_the_stated_distribution():
 def test_with_routing_needs_an_moe():
     from moejax.nn.ffn import DenseFFN, DenseFFNConfig
 
-    dense = DenseFFN(6, DenseFFNConfig(d_hidden=8, activation="swiglu"), rngs=nnx.Rngs(0))
+    dense = DenseFFN(DenseFFNConfig(d_hidden=8, activation="swiglu"), 6, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no MoE slot"):
         with_routing(dense, RoutingMode(mode="all"))

@@ -303,3 +303,29 @@ def test_bf16_compute_dtype():
     y, aux = m(_x(11))
     assert y.dtype == jnp.bfloat16 and aux["load"].dtype == jnp.float32
     assert m.experts.w_up[...].dtype == jnp.float32
+
+
+def test_moe_layer_is_an_nnx_layer_over_the_same_moe():
+    """MoELayer(cfg, d_model, rngs=) returns the MoE's output alone, sows its auxiliary
+    losses and statistics as nnx.Intermediate, follows model.train() / model.eval(), and
+    draws the noisy router's noise from its own rng stream (a new draw each call)."""
+    from moejax.nn.moe_layer import SOWN, MoELayer
+
+    cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, router="noisy", dispatch="dense")
+    layer = MoELayer(cfg, D, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (B, T, D))
+    layer.eval()
+    y, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    want, aux = layer.moe(x, train=False)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    for name in SOWN:
+        np.testing.assert_allclose(np.asarray(sown[name][0]), np.asarray(aux[name]))
+    assert not nnx.state(layer, nnx.Intermediate)  # captured: nothing left on the layer
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y))  # eval: no noise
+    layer.train()
+    a, b = layer(x), layer(x)
+    assert not np.allclose(np.asarray(a), np.asarray(b))  # a fresh draw per call
+    assert not np.allclose(np.asarray(a), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(layer(x, deterministic=True)), np.asarray(y))
+    with pytest.raises(TypeError, match="cfg must be a MoEConfig"):
+        MoELayer(D, cfg, rngs=nnx.Rngs(0))

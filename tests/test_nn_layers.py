@@ -304,7 +304,7 @@ def test_attention_segment_ids_all_equal_is_a_no_op():
 
 
 def test_dense_ffn_accepts_and_ignores_segment_ids():
-    ffn = DenseFFN(8, DenseFFNConfig(d_hidden=16, activation="swiglu"), rngs=nnx.Rngs(0))
+    ffn = DenseFFN(DenseFFNConfig(d_hidden=16, activation="swiglu"), 8, rngs=nnx.Rngs(0))
     x = jnp.asarray(randn(2, 5, 8))
     seg = jnp.asarray(np.array([[1, 1, 2, 2, 2], [1, 2, 3, 0, 0]], np.int32))
     y0, a0 = ffn(x)

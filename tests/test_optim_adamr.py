@@ -121,12 +121,32 @@ def test_composes_with_clipping_masking_and_decay_mask():
         masked["b"], theta0["b"] + np.sum([g["b"] for g in grads], 0), rtol=1e-6
     )
     assert not np.allclose(masked["w"], theta0["w"])
-    # decay_mask: no anchored decay on "b" -> identical to weight 0 on that leaf's Adam path
+    # mask: no anchored decay on "b" -> identical to weight_decay 0 on that leaf's Adam path
     dm = {"w": True, "b": False, "blk": {"k": True}}
-    a = _run(adamr(1e-2, 0.3, decay_mask=dm), theta0, grads)
+    a = _run(adamr(1e-2, weight_decay=0.3, mask=dm), theta0, grads)
     b0 = _run(optax.adam(1e-2), theta0, grads)
     np.testing.assert_array_equal(np.asarray(a["b"]), np.asarray(b0["b"]))
     assert not np.array_equal(np.asarray(a["w"]), np.asarray(b0["w"]))
+
+
+def test_former_keyword_names_still_work_and_warn():
+    """optax's names (weight_decay, mask) are the API; the former weight / decay_mask give
+    the same updates with a DeprecationWarning, and giving both names is refused."""
+    theta0 = {"w": jnp.ones((3, 3)), "b": jnp.full((3,), 0.5)}
+    grads = [jax.tree.map(lambda x, i=i: jnp.full_like(x, 0.1 * (i + 1)), theta0)
+             for i in range(3)]
+    dm = {"w": True, "b": False}
+    new = _run(adamr(1e-2, weight_decay=0.3, mask=dm), theta0, grads)
+    with pytest.warns(DeprecationWarning, match="weight= is now weight_decay="):
+        old_w = adamr(1e-2, weight=0.3, mask=dm)
+    with pytest.warns(DeprecationWarning, match="decay_mask= is now mask="):
+        old_m = adamr(1e-2, 0.3, decay_mask=dm)
+    for tx in (old_w, old_m):
+        got = _run(tx, theta0, grads)
+        for k in theta0:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(new[k]))
+    with pytest.raises(TypeError, match="not both"):
+        adamr(1e-2, 0.3, weight=0.3)
 
 
 def test_update_without_params_errors():

@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from moejax.optim.adamr import adamr
+from moejax.optim.anchored import adamr
 from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params

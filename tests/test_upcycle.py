@@ -144,7 +144,7 @@ def test_sm_indices_are_unique_fixed_buffers_and_only_values_train():
 def _moe_oracle(ders: DeRSMoE, x_BTD):
     """Vanilla MoE with the DeRS-synthesised weights written in (numpy synthesis)."""
     cfg = ders.cfg.moe.replace(dispatch="dense")
-    ref = MoE(D, cfg, rngs=nnx.Rngs(0))
+    ref = MoE(cfg, D, rngs=nnx.Rngs(0))
     ref.router.w_g[...] = ders.router.w_g[...]
     for name in ("gate", "up", "down"):
         base = np.asarray(ders.base.get(name))
@@ -167,7 +167,7 @@ def _moe_oracle(ders: DeRSMoE, x_BTD):
 def test_ders_forward_matches_numpy_synthesis(form):
     cfg = DeRSMoEConfig(moe=MoEConfig(n_experts=3, top_k=2, d_expert=F, dispatch="capacity",
                                       capacity_factor=3.0), form=form, sm_rate=0.5, lm_rank=2)
-    m = DeRSMoE(D, cfg, rngs=nnx.Rngs(4))
+    m = DeRSMoE(cfg, D, rngs=nnx.Rngs(4))
     key = jax.random.key(5)
     for j, name in enumerate(("gate", "up", "down")):  # non-zero increments
         v = getattr(m.experts, f"{'v' if form == 'sm' else 'b'}_{name}")

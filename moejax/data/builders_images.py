@@ -15,7 +15,13 @@ import gzip
 from collections.abc import Iterator
 
 import numpy as np
-import tensorflow_datasets as tfds
+
+from moejax.extras import missing_extra
+
+try:
+    import tensorflow_datasets as tfds
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.data.builders_images (the TFDS image datasets)") from None
 
 from moejax.data import raw_files
 from moejax.data.tfds_base import OfflineBuilder

@@ -18,7 +18,13 @@ import json
 from collections.abc import Iterator
 
 import numpy as np
-import tensorflow_datasets as tfds
+
+from moejax.extras import missing_extra
+
+try:
+    import tensorflow_datasets as tfds
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.data.builders_labelled (the TFDS labelled datasets)") from None
 
 from moejax.data import raw_files
 from moejax.data.tfds_base import OfflineBuilder

@@ -16,7 +16,12 @@ import re
 import subprocess
 from collections.abc import Iterator
 
-import tensorflow_datasets as tfds
+from moejax.extras import missing_extra
+
+try:
+    import tensorflow_datasets as tfds
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.data.builders_text (the TFDS text datasets)") from None
 
 from moejax.data import raw_files
 from moejax.data.stdlib_corpus import stdlib_files, stdlib_root

@@ -24,8 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import tensorflow_datasets as tfds
-from tensorflow_datasets.core.utils import tqdm_utils
+from moejax.extras import missing_extra
+
+try:
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.utils import tqdm_utils
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.data.datasets (the TFDS datasets)") from None
 
 from moejax.data import raw_files
 from moejax.data.builders_images import MoejaxDigits, MoejaxMnist5k

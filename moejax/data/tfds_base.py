@@ -9,7 +9,12 @@ metadata files next to the builder's code).
 
 from __future__ import annotations
 
-import tensorflow_datasets as tfds
+from moejax.extras import missing_extra
+
+try:
+    import tensorflow_datasets as tfds
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.data.tfds_base (the TFDS datasets)") from None
 
 __all__ = ["OfflineBuilder"]
 

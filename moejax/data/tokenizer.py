@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.data.batches import pad_token_rows
+from moejax.extras import require
 from moejax.files import atomic_write_text
 
 __all__ = [
@@ -97,9 +98,8 @@ class BpeTokenizer:
     @classmethod
     def load(cls, path: str | os.PathLike) -> BpeTokenizer:
         """Load a ``tokenizer.json`` written by :meth:`save`."""
-        # tokenizers on use: the byte tokenizer (what the GPU benchmarks read) does not need
-        # it, and a GPU image may lack it
-        from tokenizers import Tokenizer
+        # tokenizers (the io extra) on use: the byte tokenizer does not need it
+        Tokenizer = require("tokenizers", "moejax.data.tokenizer (BPE)").Tokenizer  # noqa: N806
 
         path = Path(path)
         if not path.exists():
@@ -148,7 +148,9 @@ def train_bpe(
     The vocabulary always holds the 3 specials and the 256 byte symbols, so ``vocab_size`` must be
     at least 259. If ``path`` is given the tokenizer is saved there as ``tokenizer.json``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = require("tokenizers", "moejax.data.tokenizer (BPE training)")
+    Tokenizer, decoders, models, pre_tokenizers, trainers = (  # noqa: N806
+        tk.Tokenizer, tk.decoders, tk.models, tk.pre_tokenizers, tk.trainers)
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size={vocab_size} is below the 259 specials + byte symbols")

@@ -18,12 +18,12 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from moejax.delta.analytic_q import Q_FORMS, coefficient_sums, phi, search_eta_e, search_eta_v
 from moejax.delta.dare import dare, q_grid, search_q_e, search_q_v
 from moejax.delta.importance import magnitude_prune, structural_pruner, wanda_prune
 from moejax.delta.tree import apply_delta, leaf_paths, select_leaves
+from moejax.extras import progress
 
 __all__ = ["MethodName", "PruneContext", "run_one", "run_methods", "eta_grid", "METHODS",
            "delta_stats"]
@@ -232,6 +232,6 @@ def run_methods(ctx: PruneContext, methods: Sequence[str], ps: Sequence[float],
     """``[{"p", "method", "metric", "q", "seconds"}]`` for every (p, method)."""
     rows = []
     todo = [(p, m) for p in ps for m in methods]
-    for p, m in tqdm(todo, desc=desc, leave=False):
+    for p, m in progress(todo, desc=desc, leave=False):
         rows.append({"p": p, "method": m, **run_one(ctx, m, p)})
     return rows

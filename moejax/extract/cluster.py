@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from moejax.config import Config, config
+from moejax.extras import require
 
 __all__ = ["ClusterConfig", "cluster_activations", "n_clusters_of", "CLUSTER_METHODS",
            "relabel"]
@@ -103,28 +104,23 @@ def cluster_activations(y_NF: np.ndarray, cfg: ClusterConfig | None = None, *,
     if m == "random":
         return relabel(np.random.default_rng(seed).integers(0, cfg.n_clusters, n))
     if m in ("kmeans", "birch"):
-        # scikit-learn on use: importing moejax.extract (the extracted-expert benchmark does,
-        # on GPU images that may lack it) does not need it
-        from sklearn.cluster import Birch, KMeans
-
+        # scikit-learn (the studies extra) on use: importing moejax.extract does not need it
+        sk = require("sklearn.cluster", "moejax.extract.cluster (k-means, Birch)")
         k = min(cfg.n_clusters, n)
-        est = (KMeans(k, n_init=3, random_state=seed) if m == "kmeans"
-               else Birch(n_clusters=k, threshold=0.1))
+        est = (sk.KMeans(k, n_init=3, random_state=seed) if m == "kmeans"
+               else sk.Birch(n_clusters=k, threshold=0.1))
         return relabel(est.fit_predict(y))
     if m == "hdbscan":
-        from sklearn.cluster import HDBSCAN
-
-        return relabel(HDBSCAN(min_cluster_size=mcs, algorithm=cfg.algorithm(n),
-                               copy=True).fit_predict(y))
+        sk = require("sklearn.cluster", "moejax.extract.cluster (HDBSCAN)")
+        return relabel(sk.HDBSCAN(min_cluster_size=mcs, algorithm=cfg.algorithm(n),
+                                  copy=True).fit_predict(y))
     if m == "optics":
-        from sklearn.cluster import OPTICS
-
-        return relabel(OPTICS(min_samples=mcs, min_cluster_size=mcs,
-                              algorithm=cfg.algorithm(n)).fit_predict(y))
-    from sklearn.cluster import DBSCAN
-    from sklearn.neighbors import NearestNeighbors
-
+        sk = require("sklearn.cluster", "moejax.extract.cluster (OPTICS)")
+        return relabel(sk.OPTICS(min_samples=mcs, min_cluster_size=mcs,
+                                 algorithm=cfg.algorithm(n)).fit_predict(y))
+    sk = require("sklearn.cluster", "moejax.extract.cluster (DBSCAN)")
+    nearest = require("sklearn.neighbors", "moejax.extract.cluster (DBSCAN)").NearestNeighbors
     alg = cfg.algorithm(n)
-    kdist = NearestNeighbors(n_neighbors=min(mcs, n), algorithm=alg).fit(y).kneighbors(y)[0][:, -1]
+    kdist = nearest(n_neighbors=min(mcs, n), algorithm=alg).fit(y).kneighbors(y)[0][:, -1]
     eps = max(float(np.quantile(kdist, cfg.dbscan_eps_quantile)), 1e-6)
-    return relabel(DBSCAN(eps=eps, min_samples=mcs, algorithm=alg).fit_predict(y))
+    return relabel(sk.DBSCAN(eps=eps, min_samples=mcs, algorithm=alg).fit_predict(y))

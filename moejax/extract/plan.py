@@ -31,6 +31,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from moejax.extract.cluster import n_clusters_of, relabel
+from moejax.extras import require
 
 __all__ = ["ExpertPlan", "select_neurons", "cluster_means", "moee_plan", "moefication_plan",
            "balanced_kmeans_partition", "balanced_assignment", "param_centres", "kept_neurons"]
@@ -116,8 +117,9 @@ def balanced_assignment(points_FD: np.ndarray, centres_ED: np.ndarray) -> np.nda
     """``group_of_F [F]``: the assignment of the points to the centres, each centre taking
     exactly ``F / E`` points, of minimum total squared distance (exact: a minimum-cost
     assignment over ``F / E`` replicas of every centre)."""
-    # on use, as in moejax.extract.cluster: a GPU image may lack SciPy and scikit-learn
-    from scipy.optimize import linear_sum_assignment
+    # on use, as in moejax.extract.cluster: SciPy and scikit-learn are the studies extra's
+    linear_sum_assignment = require("scipy.optimize", "moejax.extract.plan (balanced "
+                                    "assignment)").linear_sum_assignment
 
     F, E = points_FD.shape[0], centres_ED.shape[0]
     cost_FE = ((points_FD[:, None, :] - centres_ED[None]) ** 2).sum(-1)
@@ -134,7 +136,8 @@ def balanced_kmeans_partition(w_up_DF: np.ndarray, n_experts: int, *, seed: int 
     ``n_experts`` groups of exactly ``F / n_experts`` (``F % n_experts == 0``): k-means++
     centres, then :func:`balanced_assignment` and centre updates until the assignment
     repeats (or ``max_iter`` rounds)."""
-    from sklearn.cluster import kmeans_plusplus
+    kmeans_plusplus = require("sklearn.cluster", "moejax.extract.plan (k-means++)"
+                              ).kmeans_plusplus
 
     w = _normalise_rows(np.asarray(w_up_DF, np.float64).T)  # [F, D]: one point per neuron
     F = w.shape[0]

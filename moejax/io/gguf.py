@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from moejax.extras import require
 from moejax.io._common import WeightFileError
 
 __all__ = ["GGUFFile", "read_gguf", "GGUF_MAGIC"]
@@ -59,7 +60,7 @@ class GGUFFile:
 
 
 def _open_reader(path: Path):
-    import gguf  # local: keeps `import moejax.io` light
+    gguf = require("gguf", "moejax.io.gguf (GGUF weights)")  # on use: the io extra
 
     if not path.is_file():
         raise WeightFileError(path, "file does not exist", _FIX)
@@ -86,8 +87,7 @@ def _field_value(field) -> Any:
 def read_gguf(path, *, dequantize: bool = True, names=None) -> GGUFFile:
     """Parse ``path``; with ``dequantize`` return float32 tensors (else the raw ``gguf``
     tensor data). ``names``: optional iterable restricting which tensors are dequantised."""
-    import gguf
-
+    gguf = require("gguf", "moejax.io.gguf (GGUF weights)")
     path = Path(path)
     reader = _open_reader(path)
     size = path.stat().st_size

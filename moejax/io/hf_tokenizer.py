@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moejax.extras import require
 from moejax.io._common import WeightFileError
 
 __all__ = ["HFTokenizer", "tokenizer_from_gguf", "tokenizer_from_json", "render_chat_template"]
@@ -133,7 +134,9 @@ def tokenizer_from_gguf(metadata: dict, source="<gguf>") -> HFTokenizer:
     (SmolLM/StarCoder style); others use the plain GPT-2 byte-level regex. Tokens of type
     CONTROL / USER_DEFINED become special added tokens with their original ids.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    tk = require("tokenizers", "moejax.io.hf_tokenizer")
+    AddedToken, Tokenizer, decoders, models, pre_tokenizers = (  # noqa: N806
+        tk.AddedToken, tk.Tokenizer, tk.decoders, tk.models, tk.pre_tokenizers)
 
     def need(key):
         if key not in metadata:
@@ -184,8 +187,7 @@ def tokenizer_from_json(path, *, add_special_tokens: bool = True) -> HFTokenizer
     """Load a HF ``tokenizer.json``; ids of ``[PAD]``/``<pad>``, ``[CLS]``/``<s>`` and
     ``[SEP]``/``</s>`` become ``pad_id``/``bos_id``/``eos_id``. Its own fixed padding and
     truncation settings are turned off (use :meth:`HFTokenizer.encode_padded`)."""
-    from tokenizers import Tokenizer
-
+    Tokenizer = require("tokenizers", "moejax.io.hf_tokenizer").Tokenizer  # noqa: N806
     path = Path(path)
     if not path.is_file():
         raise WeightFileError(path, "tokenizer file does not exist",

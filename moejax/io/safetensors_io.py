@@ -20,8 +20,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
 from flax import nnx
+
+from moejax.extras import missing_extra
+
+try:
+    import safetensors.numpy
+except ImportError as _e:
+    raise missing_extra(_e, "moejax.io.safetensors_io (safetensors weights)") from None
 
 from moejax.config import to_json
 from moejax.files import atomic_write_bytes

@@ -121,7 +121,7 @@ class BlockFFNConfig(FFNSlotConfig):
         return (3 if is_gated(self.activation) else 2) * self.d_expert
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return BlockFFN(d_model, self, rngs=rngs, dtype=dtype,
+        return BlockFFN(self, d_model, rngs=rngs, dtype=dtype,
                         param_dtype=param_dtype or jnp.float32)
 
 
@@ -151,7 +151,7 @@ class BlockFFN(MoESkeleton):
 
     top_k_routing = False
 
-    def __init__(self, d_model: int, cfg: BlockFFNConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: BlockFFNConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         self.cfg = self.moe_cfg = cfg
         self.dtype, self.d_model = dtype, d_model

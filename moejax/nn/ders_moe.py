@@ -120,7 +120,7 @@ class DeRSMoEConfig(FFNSlotConfig):
                       f"{self.moe.d_expert}); leave moe.d_universal=None")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return DeRSMoE(d_model, self, rngs=rngs, dtype=dtype,
+        return DeRSMoE(self, d_model, rngs=rngs, dtype=dtype,
                        param_dtype=param_dtype or jnp.float32)
 
 
@@ -198,7 +198,7 @@ class DeRSMoE(MoESkeleton):
     synthesises the stacked weights from ``W_shared`` and the increments; same call contract
     and ``aux`` as :class:`moejax.nn.moe.MoE`."""
 
-    def __init__(self, d_model: int, cfg: DeRSMoEConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: DeRSMoEConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         m = cfg.moe
         self.cfg, self.moe_cfg, self.dtype, self.d_model = cfg, m, dtype, d_model

@@ -132,14 +132,14 @@ class ExtractedFFNConfig(FFNSlotConfig):
                       "d_shared is a compact-layout field")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return ExtractedFFN(d_model, self, rngs=rngs, dtype=dtype,
+        return ExtractedFFN(self, d_model, rngs=rngs, dtype=dtype,
                             param_dtype=param_dtype or jnp.float32)
 
 
 class ExtractedFFN(nnx.Module):
     """See the module docstring. Built empty (zeros); :func:`moejax.extract.surgery` fills it."""
 
-    def __init__(self, d_model: int, cfg: ExtractedFFNConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: ExtractedFFNConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         del rngs  # every value comes from the dense layer and the plan
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model

@@ -38,7 +38,7 @@ class DenseFFNConfig(FFNSlotConfig):
         self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return DenseFFN(d_model, self, rngs=rngs, dtype=dtype,
+        return DenseFFN(self, d_model, rngs=rngs, dtype=dtype,
                         param_dtype=param_dtype or jnp.float32)
 
 
@@ -46,7 +46,7 @@ class DenseFFN(nnx.Module):
     """``y, {} = ffn(x_BTD, train=..., key=..., mask_BT=..., segment_ids_BT=...)``
     (train/key/mask/segment ids unused)."""
 
-    def __init__(self, d_model: int, cfg: DenseFFNConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: DenseFFNConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         self.cfg, self.dtype = cfg, dtype
         self.gated = is_gated(cfg.activation)

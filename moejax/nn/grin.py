@@ -104,7 +104,7 @@ class GRINConfig(FFNSlotConfig):
         return self.moe
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return GRIN(d_model, self, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
+        return GRIN(self, d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
 
 
 class SparseMixerNoise(NamedTuple):
@@ -174,7 +174,7 @@ class GRIN(MoESkeleton):
     Parameters: ``router/w_g [D, E]``, ``experts/w_up [E, D, F]``, ``experts/w_down [E, F, D]``
     (+ ``experts/w_gate`` for gated activations)."""
 
-    def __init__(self, d_model: int, cfg: GRINConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: GRINConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         self.cfg, self.dtype, self.d_model = cfg, dtype, d_model
         self.moe_cfg = cfg.moe_config()

@@ -154,7 +154,7 @@ class MoEConfig(FFNSlotConfig):
         self._require(self.z_loss_coef >= 0, f"z_loss_coef={self.z_loss_coef} must be >= 0")
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return MoE(d_model, self, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
+        return MoE(self, d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
 
 
 def _normal(rngs: nnx.Rngs, shape, param_dtype):
@@ -288,7 +288,7 @@ class MoE(MoESkeleton):
     ``self.top_k`` is a plain attribute: setting it (e.g. to ``n_experts`` to activate all
     experts for distillation) changes the routing of later calls (and retraces jit)."""
 
-    def __init__(self, d_model: int, cfg: MoEConfig, *, rngs: nnx.Rngs, dtype=None,
+    def __init__(self, cfg: MoEConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         self.cfg = self.moe_cfg = cfg
         self.dtype, self.d_model, self.top_k = dtype, d_model, cfg.top_k

@@ -53,5 +53,5 @@ class ReMoEConfig(FFNSlotConfig):
                               l1_coef=self.l1_coef, l1_form=self.l1_form, l1_k=self.l1_k)
 
     def build(self, d_model: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=None):
-        return BlockFFN(d_model, self.blockffn_config(), rngs=rngs, dtype=dtype,
+        return BlockFFN(self.blockffn_config(), d_model, rngs=rngs, dtype=dtype,
                         param_dtype=param_dtype or jnp.float32)

@@ -1,7 +1,7 @@
 """optax transformations: AdamR (anchored decay, paper Algorithm 1) and DARE on updates."""
 
-from moejax.optim.adamr import ScaleByAdamRState, adamr, scale_by_adamr
-from moejax.optim.dare_updates import DareUpdatesState, dare_updates
+from moejax.optim.anchored import ScaleByAdamRState, adamr, scale_by_adamr
+from moejax.optim.dropped_updates import DareUpdatesState, dare_updates
 
 __all__ = [
     "DareUpdatesState",

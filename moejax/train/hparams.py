@@ -31,7 +31,7 @@ import jax
 import optax
 
 from moejax.config import Config, config
-from moejax.optim.adamr import adamr
+from moejax.optim.anchored import adamr
 from moejax.pytree import path_names, path_str
 
 __all__ = ["TrainConfig", "adam_linear_config", "make_schedule", "make_optimizer", "decay_mask",

@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 import moejax.train.mesh as mesh_lib
 import moejax.train.scale as scale
 from moejax.capture import active_capture, record_step
 from moejax.config import Config
+from moejax.extras import progress
 from moejax.kernels.host.memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits, compiled_memory
@@ -362,7 +362,7 @@ class _Run:
             raise
         cfg = self.cfg
         end, self.rows = self._capture()
-        self.bar = tqdm(total=cfg.steps, initial=self.start, desc=self.opts.desc,
+        self.bar = progress(total=cfg.steps, initial=self.start, desc=self.opts.desc,
                         disable=not (self.opts.progress and self.main), mininterval=1.0)
         self.t_flush = time.perf_counter()
         self.last_saved = (self.start if self.ckpt is not None

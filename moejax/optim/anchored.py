@@ -14,12 +14,15 @@ Composition: ``adamr = chain(scale_by_adamr(...), scale_by_learning_rate(lr))`` 
 ``lr`` may be an optax schedule; clip with ``optax.chain(optax.clip_by_global_norm(1.),
 adamr(...))``; restrict with ``optax.masked(adamr(...), mask)`` (then ``vbar`` is the
 mean over the masked-in parameters only) or keep Adam everywhere and restrict the
-anchored decay with ``decay_mask``.
+anchored decay with ``mask``. The keywords are optax's (``optax.adamw``): ``weight_decay``
+is ``lambda`` and ``mask`` where the decay applies; the former names ``weight`` and
+``decay_mask`` still work and warn (``DeprecationWarning``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -29,6 +32,19 @@ import optax
 __all__ = ["ScaleByAdamRState", "scale_by_adamr", "adamr"]
 
 PyTree = Any
+_UNSET = object()
+
+
+def _renamed(value, old_value, new: str, old: str):
+    """``value``, or ``old_value`` given under the former keyword ``old`` (with a
+    ``DeprecationWarning``); both given is an error."""
+    if old_value is _UNSET:
+        return value
+    if value is not _UNSET:
+        raise TypeError(f"adamr: give {new}= (optax's name) or the former {old}=, not both")
+    warnings.warn(f"adamr: {old}= is now {new}= (optax's name); {old}= goes in the next "
+                  "release", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 class ScaleByAdamRState(NamedTuple):
@@ -54,7 +70,7 @@ def _full_mask(mask, params) -> PyTree:
 
 
 def scale_by_adamr(
-    weight: float,
+    weight_decay: float = _UNSET,
     *,
     reg: Literal["l2", "l1"] = "l2",
     anchor: PyTree | None = None,
@@ -63,21 +79,28 @@ def scale_by_adamr(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any = None,
-    decay_mask: PyTree | None = None,
+    mask: PyTree | None = _UNSET,
+    weight: float = _UNSET,
+    decay_mask: PyTree | None = _UNSET,
 ) -> optax.GradientTransformation:
-    """Direction ``m^/(sqrt(v^)+eps) + weight R(theta - theta_P)/(sqrt(vbar)+eps)``.
+    """Direction ``m^/(sqrt(v^)+eps) + weight_decay R(theta - theta_P)/(sqrt(vbar)+eps)``.
 
-    The Adam part is ``optax.scale_by_adam`` itself, so ``weight=0`` is Adam exactly.
-    ``update`` requires ``params``. ``decay_mask`` (where the anchored decay applies) is
-    an optax-style mask: a bool tree, a prefix of one, or a callable ``params -> mask``.
+    The Adam part is ``optax.scale_by_adam`` itself, so ``weight_decay=0`` is Adam exactly.
+    ``update`` requires ``params``. ``mask`` (where the anchored decay applies) is an
+    optax-style mask: a bool tree, a prefix of one, or a callable ``params -> mask``.
+    ``weight`` and ``decay_mask`` are the former names (deprecated).
     """
+    weight = _renamed(weight_decay, weight, "weight_decay", "weight")
+    weight = 0.0 if weight is _UNSET else weight
+    decay_mask = _renamed(mask, decay_mask, "mask", "decay_mask")
+    decay_mask = None if decay_mask is _UNSET else decay_mask
     if reg not in ("l2", "l1"):
         raise ValueError(
             f"reg={reg!r}; use 'l2' (AdamR-L2, random DPP) or 'l1' (AdamR-L1, importance DPP)."
         )
     if not isinstance(weight, jax.core.Tracer) and not (
             math.isfinite(float(weight)) and float(weight) >= 0):
-        raise ValueError(f"adamr: weight={weight} must be a finite lambda >= 0.")
+        raise ValueError(f"adamr: weight_decay={weight} must be a finite lambda >= 0.")
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)
     reg_fn = (lambda d: d) if reg == "l2" else jnp.sign
 
@@ -131,7 +154,7 @@ def scale_by_adamr(
 
 def adamr(
     learning_rate: optax.ScalarOrSchedule,
-    weight: float = 0.0,
+    weight_decay: float = _UNSET,
     *,
     reg: Literal["l2", "l1"] = "l2",
     anchor: PyTree | None = None,
@@ -140,15 +163,21 @@ def adamr(
     eps: float = 1e-8,
     eps_root: float = 0.0,
     mu_dtype: Any = None,
-    decay_mask: PyTree | None = None,
+    mask: PyTree | None = _UNSET,
+    weight: float = _UNSET,
+    decay_mask: PyTree | None = _UNSET,
 ) -> optax.GradientTransformation:
     """AdamR-L2 / AdamR-L1 (Algorithm 1) as an optax transformation.
 
-    ``weight`` is ``lambda``; ``learning_rate`` a float or an optax schedule.
+    ``weight_decay`` is ``lambda`` (default 0: Adam); ``learning_rate`` a float or an optax
+    schedule; ``mask`` where the anchored decay applies. ``weight`` and ``decay_mask`` are
+    the former names (deprecated).
     """
+    weight_decay = _renamed(weight_decay, weight, "weight_decay", "weight")
+    mask = _renamed(mask, decay_mask, "mask", "decay_mask")
     return optax.chain(
         scale_by_adamr(
-            weight,
+            weight_decay,
             reg=reg,
             anchor=anchor,
             b1=b1,
@@ -156,7 +185,7 @@ def adamr(
             eps=eps,
             eps_root=eps_root,
             mu_dtype=mu_dtype,
-            decay_mask=decay_mask,
+            mask=mask,
         ),
         optax.scale_by_learning_rate(learning_rate),
     )
