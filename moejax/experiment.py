@@ -58,7 +58,7 @@ from moejax.run_record import (
 )
 from moejax.smoke import smoke_config
 from moejax.tables import mean_std, merge_seed_tables, read_csv_rows
-from moejax.train.checkpoint import CheckpointWriteError
+from moejax.train.checkpoint import CheckpointWriteError, ForeignCheckpointError
 from moejax.train.checkpoint_format import CheckpointMismatchError
 from moejax.train.distributed import (
     EXIT_PEER_LOST,
@@ -470,8 +470,8 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         sys.stdout.flush()
         os._exit(EXIT_PEER_LOST)
     except (ConfigError, RunDirError, RunLockedError, RunOwnerError, ResumeError,
-            CheckpointMismatchError, WeightFileError, DataDirError,
-            MissingDataError) as e:  # the user's to fix: one line
+            CheckpointMismatchError, WeightFileError, DataDirError, MissingDataError,
+            ForeignCheckpointError) as e:  # the user's to fix: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: one line, the shell's code for it

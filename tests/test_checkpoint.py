@@ -188,6 +188,94 @@ def test_plain_orbax_snippet_from_docstring(tmp_path):
     np.testing.assert_array_equal(got["__key__"], np.asarray(state.key))
 
 
+def _snippet(ckdir) -> str:
+    doc = ck_mod.__doc__
+    start = doc.index("    import os\n")
+    end = doc.index("\n\n", start)
+    return textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(ckdir))
+
+
+def test_plain_orbax_restores_a_checkpoint_of_8_devices_on_1_and_4(tmp_path):
+    """The docstring's plain-orbax snippet, in processes that never import moejax, reads a
+    checkpoint saved on a 4 x 2 mesh of 8 devices on 1 and on 4 devices, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ckpt_saver.py"),
+                        str(run)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(env, PYTHONPATH=ROOT))
+    assert r.returncode == 0 and "devices 8" in r.stdout, r.stderr[-2000:]
+    code = _snippet(run / "checkpoints") + textwrap.dedent(f"""
+        import numpy as np
+        flat = {{"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)
+                for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}}
+        saved = np.load({str(run / "saved.npz")!r})
+        assert set(saved) == set(flat), set(saved) ^ set(flat)
+        for k in saved:
+            np.testing.assert_array_equal(saved[k], flat[k])
+        print("restored on", jax.device_count(), "at", position)
+    """)
+    assert "moejax" not in code
+
+    def restore(n):
+        flags = f"--xla_force_host_platform_device_count={n}"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300, cwd=str(tmp_path), env=dict(env, XLA_FLAGS=flags))
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(restore, (1, 4)))
+    for n, r in zip((1, 4), results):
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"restored on {n} at 2" in r.stdout
+
+
+def test_init_from_starts_a_run_from_another_runs_parameters(tmp_path):
+    """restore_params / init_from: the newest verified step's parameters alone, into a new
+    model (in place) or a params pytree; other shapes are refused naming the leaves."""
+    import optax
+
+    from moejax.train import restore_params, train
+
+    state = _saved_run(tmp_path / "a", steps=(2,))
+    want = nnx.to_pure_dict(state.params)
+    model = TinyMoELM(nnx.Rngs(5), noise=0.3)
+    assert not tree_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), want)
+    restore_params(tmp_path / "a" / "ck", model)
+    assert tree_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), want)
+    # a run started from it with a zero learning rate ends where it started
+    fresh = TinyMoELM(nnx.Rngs(6), noise=0.3)
+    train(fresh, ToySource(batch_size=4), CFG.replace(steps=1, warmup_steps=0), tx=optax.sgd(0.0),
+          init_from=tmp_path / "a" / "ck", progress=False)
+    assert tree_equal(nnx.to_pure_dict(nnx.state(fresh, nnx.Param)), want)
+    with pytest.raises(CheckpointMismatchError, match="saved"):
+        restore_params(tmp_path / "a" / "ck", TinyMoELM(nnx.Rngs(0), noise=0.3, d=10))
+    with pytest.raises(FileNotFoundError, match="no complete moejax checkpoint"):
+        restore_params(tmp_path / "nothing", TinyMoELM(nnx.Rngs(0), noise=0.3))
+
+
+def test_a_checkpoint_moejax_did_not_write_is_refused_and_left_alone(tmp_path):
+    """A plain orbax save in a run directory's checkpoints/ is named and refused in one line
+    by train(); the step is not moved to .corrupt/ nor touched."""
+    import orbax.checkpoint as ocp
+
+    from moejax.train import ForeignCheckpointError, train
+
+    ckdir = tmp_path / "run" / "checkpoints"
+    with ocp.CheckpointManager(ckdir, item_handlers={
+            "state": ocp.StandardCheckpointHandler()}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(
+            {"w": np.ones((2, 2), np.float32)})))
+        mngr.wait_until_finished()
+    before = sorted(str(p.relative_to(ckdir)) for p in ckdir.rglob("*"))
+    with pytest.raises(ForeignCheckpointError, match="moejax did not write") as e:
+        train(TinyMoELM(nnx.Rngs(0), noise=0.3), ToySource(batch_size=4),
+              CFG.replace(steps=1, warmup_steps=0), run_dir=tmp_path / "run", progress=False)
+    assert "\n" not in str(e.value)
+    assert sorted(str(p.relative_to(ckdir)) for p in ckdir.rglob("*")) == before
+    assert not (ckdir / ".corrupt").exists()
+
+
 def test_a_full_disk_ends_in_one_line_and_leaves_no_partial_step(tmp_path, monkeypatch):
     """tensorstore reports ENOSPC as a ValueError through orbax: it becomes one
     CheckpointWriteError naming the directory and the space a step needs, and the partial

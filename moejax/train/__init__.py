@@ -1,6 +1,7 @@
 """Training: config/optimizer (hparams), jitted step (step), mesh/sharding (mesh), checkpoints
 (checkpoint), the one training loop (loop), multi-process runtime (distributed)."""
 
+from moejax.train.checkpoint import ForeignCheckpointError, restore_params
 from moejax.train.hparams import (
     TrainConfig,
     adam_linear_config,
@@ -24,7 +25,9 @@ from moejax.train.step import (
 )
 
 __all__ = [
+    "ForeignCheckpointError",
     "LoopOptions",
+    "restore_params",
     "ResumeError",
     "check_resume",
     "TrainConfig",

@@ -27,7 +27,7 @@ from moejax.train.step import TrainState
 __all__ = ["FORMAT", "COMMIT_FILE", "CheckpointMismatchError", "CorruptCheckpointError",
            "CheckpointWriteError", "disk_full", "release_orbax_threads", "to_saveable",
            "complete_steps", "latest_step", "check_compatible", "verify_meta", "gather_dicts",
-           "host_tree", "is_key_array"]
+           "host_tree", "is_key_array", "to_plain"]
 
 FORMAT = "moejax-checkpoint-v2"
 _LEGACY_FORMATS = ("moejax-checkpoint-v1",)  # written before meta had its own checksum
@@ -89,7 +89,7 @@ def is_key_array(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _to_plain(x):
+def to_plain(x):
     if isinstance(x, nnx.Variable):
         x = x.get_value()
     return jax.random.key_data(x) if is_key_array(x) else x
@@ -98,7 +98,7 @@ def _to_plain(x):
 def to_saveable(state: TrainState) -> dict:
     """TrainState -> dict of plain arrays (nnx Variables unwrapped, typed keys as uint32)."""
     is_var = lambda x: isinstance(x, nnx.Variable)
-    plain = lambda t: jax.tree.map(_to_plain, t, is_leaf=is_var)
+    plain = lambda t: jax.tree.map(to_plain, t, is_leaf=is_var)
     return {
         "params": plain(state.params),
         "opt_state": plain(state.opt_state),

@@ -54,6 +54,7 @@ from moejax.extras import progress
 from moejax.kernels.host.memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits, compiled_memory
+from moejax.train.checkpoint import restore_params
 from moejax.train.distributed import (
     PeerLostError,
     assemble,
@@ -154,6 +155,10 @@ class LoopOptions:
         evaluation where it was highest (checkpoint selection on validation;
         ``History.best`` says which step), not those of the last step. Only this call's
         evaluations compete.
+    init_from: a moejax run directory (or its ``checkpoints/``) whose newest verified
+        parameters start this run (its optimizer state and data position are not taken;
+        AdamR's anchor is these parameters); a checkpoint in ``run_dir`` still takes
+        precedence when this run resumes.
     """
 
     loss_fn: Callable = lm_loss_fn
@@ -167,6 +172,7 @@ class LoopOptions:
     check_memory: bool = True
     desc: str = "train"
     keep_best: str = ""
+    init_from: str | os.PathLike | None = None
 
 
 def _options(options: LoopOptions | None, kw: dict) -> LoopOptions:
@@ -180,6 +186,8 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring);
     the keywords are the fields of :class:`LoopOptions`."""
     opts = _options(options, kw)
+    if opts.init_from is not None:
+        restore_params(opts.init_from, model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
     params, rest, history = _Run(graphdef, params, rest, source, cfg, opts,
@@ -193,6 +201,8 @@ def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
     """Train a plain pytree of arrays with ``loss_fn(params, batch, key)``; returns
     ``(params, history)``. Same loop, checkpoints and resume as :func:`train`."""
     opts = dataclasses.replace(_options(options, kw), loss_fn=loss_fn)
+    if opts.init_from is not None:
+        params = restore_params(opts.init_from, params=params)
     params, _, history = _Run(None, params, None, source, cfg, opts).run()
     return params, history
 
