@@ -160,6 +160,19 @@ for (n, e), words in (((64, 6), ("8 devices", "6 experts")), ((60, 8), ("60 toke
         assert all(wd_ in str(err) for wd_ in words), err
     else:
         raise AssertionError((n, e))
+
+# a mesh of other axis names: "auto" says why it runs no expert parallelism, and which path
+import logging
+said = []
+handler = logging.Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("moejax.kernels.moe_dispatch").addHandler(handler)
+other = jax.make_mesh((2, 4), ("batch", "model"))
+args = (jnp.zeros((64, D)), jnp.zeros((64, K), jnp.int32), jnp.zeros((64, K)),
+        jnp.zeros((8, D, F)), jnp.zeros((8, F, D)), None)
+with jax.set_mesh(other):
+    dispatch("auto", *args, activation="swish")
+assert any("('batch', 'model')" in m and "'grouped' path" in m for m in said), said
 print("OK")
 """
 

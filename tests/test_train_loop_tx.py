@@ -137,3 +137,25 @@ def test_keep_best_returns_the_best_evaluated_parameters():
     with pytest.raises(ValueError, match="keep_best"):
         train_params(P0, _regression, cfg.replace(eval_every=0), _mse, keep_best="score",
                      progress=False)
+
+
+def test_nothing_silent_for_a_users_source_loss_and_transform(tmp_path):
+    """A source that ignores batch_size is refused at its first batch; the default loss on a
+    batch without its keys names the keys expected and found; config.json records that the
+    caller's transform ran, not the config's optimizer."""
+    import json
+
+    with pytest.raises(ValueError, match="first batch has 8 rows but TrainConfig.batch_size=16"):
+        train_params(P0, _regression, CFG.replace(batch_size=16), _mse, progress=False)
+    with pytest.raises(ValueError, match=r"needs batch keys 'inputs' and 'targets'.*\['x', 'y'\]"):
+        train(TinyMoELM(nnx.Rngs(0)), _regression, CFG, progress=False)
+    tx = adamr(1e-2, weight_decay=0.1)
+    train_params(P0, _regression, CFG.replace(steps=1), _mse, tx=tx, run_dir=tmp_path / "r",
+                 progress=False)
+    record = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert record["optimizer"] == CFG.optimizer  # the config as given ...
+    assert "given by the caller" in record["transform"]  # ... and what ran instead
+    assert "optimizer" in record["transform"]
+    train_params(P0, _regression, CFG.replace(steps=1), _mse, run_dir=tmp_path / "own",
+                 progress=False)
+    assert "transform" not in json.loads((tmp_path / "own" / "config.json").read_text())

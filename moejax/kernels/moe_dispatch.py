@@ -37,6 +37,7 @@ copies of every token.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -60,6 +61,8 @@ from moejax.ops.dispatch import (
 )
 
 __all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla"]
+
+log = logging.getLogger(__name__)
 
 
 def _dense(*args, activation, capacity_factor, valid_N, priority):
@@ -184,6 +187,11 @@ def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     if _mesh() is not None:
         return _expert_parallel(*args, **kw)
     if jax.device_count() > 1:
+        names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+        if names:  # a mesh of the caller's own: say why it gets no expert parallelism
+            log.warning("dispatch='auto' under a mesh with axes %s: expert parallelism needs "
+                        "axes named ('data', 'expert') (moejax.train.mesh.AXES); the experts "
+                        "run on the 'grouped' path, partitioned by XLA", names)
         return _grouped(*args, **kw)
     return _one_device(*args, widths_E=widths_E, **kw)
 

@@ -251,6 +251,19 @@ def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
         return _build_step(graphdef, loss_fn, tx, cfg, mesh)
 
 
+def _check_batch_rows(batch, cfg: TrainConfig) -> None:
+    """The first batch must hold this process's share of ``cfg.batch_size`` rows: a source
+    that ignores the batch size would train on batches of another size, silently."""
+    leaves = jax.tree.leaves(batch)
+    want = cfg.batch_size // jax.process_count()
+    if leaves and np.ndim(leaves[0]) and np.shape(leaves[0])[0] != want:
+        raise ValueError(
+            f"the source's first batch has {np.shape(leaves[0])[0]} rows but "
+            f"TrainConfig.batch_size={cfg.batch_size} asks for {want} per process; the "
+            "source does not follow the batch size. Fix: build the source with "
+            f"batch_size={cfg.batch_size}, or set batch_size to the source's")
+
+
 def _check_token_ids(batch, vocab_size: int | None) -> None:
     """Token ids of the first batch must index the model's vocabulary (an id past it, or a
     negative one, makes the embedding lookup return NaN or garbage, silently)."""
@@ -314,7 +327,7 @@ class _Run:
             run_dir = os.fspath(run_dir)
             self.lock = RunLock(run_dir).acquire() if self.main else None
             self.ckpt, self.state, self.position = open_run_dir(
-                run_dir, cfg, self.config, self.state, self.main)
+                run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
         self.start = int(jax.device_get(self.state.step))
         if run_dir is not None and self.main:
             self.csv_log = CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
@@ -429,6 +442,8 @@ class _Run:
         if self.rows is not None:  # a captured run executes on a few rows
             local = jax.tree.map(lambda x: x[:self.rows], local)
         if step == self.start:
+            if self.rows is None:
+                _check_batch_rows(local, cfg)
             _check_token_ids(local, self.vocab_size)
             _record_scale(self.state.params, local, cfg.steps)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))

@@ -113,10 +113,27 @@ def check_resume(run_dir, cfg, config=None) -> int | None:
     return step
 
 
-def open_run_dir(run_dir, cfg, config, state, main):
+def describe_transform(tx) -> str:
+    """What ``config.json`` says of an optax transform the caller gave the loop."""
+    init = getattr(getattr(tx, "init", None), "__qualname__", "?")
+    return (f"given by the caller ({type(tx).__name__}, init {init}); the config's optimizer, "
+            "lr, schedule, warmup_steps, weight_decay, b1, b2, eps and grad_clip were not used")
+
+
+def run_config_json(config, tx=None) -> str:
+    """``config.json`` of a training run: the config, and where the caller gave its own optax
+    transform, a ``transform`` entry saying so (the config's optimizer keys did not run)."""
+    if tx is None:
+        return to_json(config)
+    return json.dumps({**json.loads(to_json(config)), "transform": describe_transform(tx)},
+                      indent=2)
+
+
+def open_run_dir(run_dir, cfg, config, state, main, tx=None):
     """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
     validated (stale saves moved aside, the newest verifying step restored, its config
-    compared with this run's) before anything is written."""
+    compared with this run's) before anything is written; ``tx``: the caller's optax
+    transform, recorded in ``config.json`` (:func:`run_config_json`)."""
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
     position = 0
     try:
@@ -132,7 +149,7 @@ def open_run_dir(run_dir, cfg, config, state, main):
                             run_dir, "\n  ".join(diffs))
             state, position = restored, int(meta["data_position"])
         if main:
-            atomic_write_text(os.path.join(run_dir, "config.json"), to_json(config))
+            atomic_write_text(os.path.join(run_dir, "config.json"), run_config_json(config, tx))
     except BaseException:
         ckpt.close(abort=True)
         raise

@@ -126,6 +126,13 @@ def lm_loss_fn(model, batch, key, train: bool = True):
     batches: ``batch["segment_ids"]`` / ``batch["positions"]``, when present, are passed as
     ``segment_ids_BT`` / ``positions_BT`` (attention stays within each document, RoPE restarts
     per document, slots see the document boundaries)."""
+    missing = [k for k in ("inputs", "targets") if not hasattr(batch, "get") or k not in batch]
+    if missing:
+        found = sorted(batch) if hasattr(batch, "keys") else type(batch).__name__
+        raise ValueError(
+            f"lm_loss_fn (the default loss) needs batch keys 'inputs' and 'targets' ('mask', "
+            f"'token_mask', 'segment_ids' and 'positions' optional); the batch has {found}. "
+            "Fix: give the batches those keys, or pass your own loss_fn=")
     mask, seg, real = batch.get("mask"), batch.get("segment_ids"), batch.get("token_mask")
     kw = {"mask_BT": None if real is None else real > 0}
     if seg is not None:
