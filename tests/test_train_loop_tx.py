@@ -15,8 +15,8 @@ from moejax.optim.anchored import adamr
 from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params
-from moejax.train.step import NonFiniteError
-from tests.toy_models import TinyMoELM, ToySource, tree_equal
+from moejax.train.step import NonFiniteError, lm_loss_fn
+from tests.toy_models import TinyMoELM, ToySource, tree_equal, tree_max_diff
 
 CFG = TrainConfig(steps=6, batch_size=8, lr=1e-2, log_every=4, seed=0, grad_clip=0.0)
 
@@ -159,3 +159,40 @@ def test_nothing_silent_for_a_users_source_loss_and_transform(tmp_path):
     train_params(P0, _regression, CFG.replace(steps=1), _mse, run_dir=tmp_path / "own",
                  progress=False)
     assert "transform" not in json.loads((tmp_path / "own" / "config.json").read_text())
+
+
+def test_train_takes_a_users_nnx_optimizer_as_given():
+    """train(model, ..., tx=nnx.Optimizer): its transform continues from its state (the
+    same parameters as the user's own loop continuing), and the optimizer ends with the
+    state and step count of the run, so the user's loop can go on."""
+    def loss(model, batch, key, train=True):  # deterministic: the same in both loops
+        return lm_loss_fn(model, batch, key, train=False)
+
+    src = ToySource(batch_size=8)
+    mine, ref = TinyMoELM(nnx.Rngs(0)), TinyMoELM(nnx.Rngs(0))
+    opt_mine = nnx.Optimizer(mine, optax.adam(1e-2), wrt=nnx.Param)
+    opt_ref = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+
+    def by_hand(model, opt, position):
+        grads = nnx.grad(lambda m: loss(m, src.batch(position), None)[0])(model)
+        opt.update(model, grads)
+
+    for position in range(2):  # both start with two steps of the user's own loop
+        by_hand(mine, opt_mine, position)
+        by_hand(ref, opt_ref, position)
+    for position in range(2, 5):
+        by_hand(ref, opt_ref, position)
+
+    class From2:  # the loop's positions 0.. are the user's batches 2..
+        batch_size = 8
+
+        def batch(self, i):
+            return src.batch(2 + i)
+
+    train(mine, From2(), CFG.replace(steps=3, grad_clip=0.0), loss_fn=loss, tx=opt_mine,
+          progress=False)
+    assert tree_max_diff(nnx.state(mine, nnx.Param), nnx.state(ref, nnx.Param)) < 1e-6
+    assert int(opt_mine.step[...]) == 5
+    by_hand(mine, opt_mine, 5)  # and the user's loop goes on from where the run left it
+    by_hand(ref, opt_ref, 5)
+    assert tree_max_diff(nnx.state(mine, nnx.Param), nnx.state(ref, nnx.Param)) < 1e-6

@@ -140,7 +140,9 @@ class LoopOptions:
 
     loss_fn: ``loss_fn(model_or_params, batch, key) -> loss`` or ``(loss, metrics)``
         (default :func:`moejax.train.step.lm_loss_fn`; :func:`train_params` needs its own).
-    tx: any optax transform; default: the optimizer and schedule of the ``TrainConfig``.
+    tx: any optax transform, or an ``nnx.Optimizer`` over the model (:func:`train` only: its
+        transform continues from its state, and the optimizer holds the state the run ends
+        with); default: the optimizer and schedule of the ``TrainConfig``.
     run_dir: where logs and checkpoints go; ``None`` writes nothing to disk.
     eval_fn: ``eval_fn(model_or_params, step) -> dict`` every ``eval_every`` steps.
     config: the full experiment config stored with every checkpoint and in
@@ -188,12 +190,31 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     opts = _options(options, kw)
     if opts.init_from is not None:
         restore_params(opts.init_from, model)
+    optimizer = opts.tx if isinstance(opts.tx, nnx.Optimizer) else None
+    if optimizer is not None:  # its transform, continuing from its state
+        opts = dataclasses.replace(opts, tx=optimizer.tx)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
-    params, rest, history = _Run(graphdef, params, rest, source, cfg, opts,
-                                 vocab_size).run()
+    run = _Run(graphdef, params, rest, source, cfg, opts, vocab_size,
+               opt_state=None if optimizer is None else _variables(optimizer.opt_state))
+    params, rest, history = run.run()
     nnx.update(model, params, rest)
+    if optimizer is not None:  # the optimizer as the loop left it, for the caller's loop
+        for var, value in zip(_variable_leaves(optimizer.opt_state),
+                              jax.tree.leaves(run.state.opt_state)):
+            var[...] = value
+        optimizer.step[...] = optimizer.step[...] + (int(jax.device_get(run.state.step))
+                                                     - run.start)
     return history
+
+
+def _variable_leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _variables(tree) -> list:
+    """The arrays of an ``nnx.Optimizer``'s state, in leaf order."""
+    return [v[...] for v in _variable_leaves(tree)]
 
 
 def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
@@ -292,7 +313,7 @@ class _Run:
     closed in reverse whatever happens."""
 
     def __init__(self, graphdef, params, rest, source, cfg: TrainConfig, opts: LoopOptions,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, opt_state: list | None = None):
         if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
             raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
                              "eval_fn and set TrainConfig.eval_every > 0")
@@ -312,6 +333,15 @@ class _Run:
         # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may
         # be donated with it.
         state = jax.tree.map(jnp.array, init_state(params, rest, tx, cfg.seed))
+        if opt_state is not None:  # a caller's nnx.Optimizer: its state, leaf for leaf
+            structure = jax.tree.structure(state.opt_state)
+            if structure.num_leaves != len(opt_state):
+                raise ValueError(
+                    f"the nnx.Optimizer's state has {len(opt_state)} arrays but its transform "
+                    f"gives this model {structure.num_leaves}; build it over this model's "
+                    "parameters (nnx.Optimizer(model, tx, wrt=nnx.Param))")
+            state = state._replace(opt_state=jax.tree.unflatten(
+                structure, [jnp.array(v) for v in opt_state]))
         self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
         self.history, self.best, self.pending = History(), None, []
