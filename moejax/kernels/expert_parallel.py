@@ -49,17 +49,18 @@ TOKENS = ("data", "expert")
 DROPLESS_RUNGS: tuple[float, ...] = (1.25, 1.5, 2.0, 3.0)
 
 
-def expert_axis_size(mesh) -> int:
-    """Size of the mesh's ``"expert"`` axis (1 when there is no mesh or no such axis)."""
-    if mesh is None or "expert" not in getattr(mesh, "axis_names", ()):
+def expert_axis_size(mesh, axes: tuple[str, str] = TOKENS) -> int:
+    """Size of the mesh's expert axis (``axes[1]``; 1 when there is no mesh or no such axis)."""
+    if mesh is None or axes[1] not in getattr(mesh, "axis_names", ()):
         return 1
-    return int(mesh.shape["expert"])
+    return int(mesh.shape[axes[1]])
 
 
-def check_expert_parallel(mesh, n_tokens: int, n_experts: int) -> None:
+def check_expert_parallel(mesh, n_tokens: int, n_experts: int,
+                          axes: tuple[str, str] = TOKENS) -> None:
     """Refuse, before compiling, shapes the expert-parallel layout cannot take."""
-    n_ep = expert_axis_size(mesh)
-    n_dev = math.prod(int(mesh.shape[a]) for a in TOKENS)
+    n_ep = expert_axis_size(mesh, axes)
+    n_dev = math.prod(int(mesh.shape[a]) for a in axes)
     if n_experts % n_ep:
         raise ValueError(f"expert parallelism: the mesh's expert axis ({n_ep} devices) does not "
                          f"divide the {n_experts} experts; use an expert axis that divides "
@@ -107,15 +108,17 @@ def _pack(ids_NK, valid_N, n_ep: int, e_local: int, C: int):
 
 def expert_parallel_dispatch(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None,
                              *, mesh, local: Callable[..., DispatchOut], activation: str,
-                             capacity_factor: float | None = None, valid_N=None) -> DispatchOut:
+                             capacity_factor: float | None = None, valid_N=None,
+                             axes: tuple[str, str] = TOKENS) -> DispatchOut:
     """``DispatchOut`` of the expert-parallel dispatch over ``mesh`` (module docstring).
     ``local(x, ids, weights, w_up, w_down, w_gate, activation=..., valid_N=...)`` computes a
-    device's own experts."""
+    device's own experts; ``axes``: the mesh's ``(data, expert)`` axis names."""
     N, K = ids_NK.shape
     E = w_up_EDF.shape[0]
-    check_expert_parallel(mesh, N, E)
-    n_ep = expert_axis_size(mesh)
-    n_dev = math.prod(int(mesh.shape[a]) for a in TOKENS)
+    check_expert_parallel(mesh, N, E, axes)
+    n_ep = expert_axis_size(mesh, axes)
+    n_dev = math.prod(int(mesh.shape[a]) for a in axes)
+    tokens, expert = tuple(axes), axes[1]
     e_local = E // n_ep
     rows = (N // n_dev) * K
     C = send_capacity(rows, n_ep, capacity_factor)
@@ -123,7 +126,7 @@ def expert_parallel_dispatch(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_g
     gated = w_gate_EDF is not None
     masked = valid_N is not None
 
-    a2a = lambda a: jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)  # noqa: E731
+    a2a = lambda a: jax.lax.all_to_all(a, expert, 0, 0, tiled=True)  # noqa: E731
     R = max(rungs)
 
     def send(C, x, ids, valid):
@@ -155,7 +158,7 @@ def expert_parallel_dispatch(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_g
             dest_R = ids.reshape(-1) // e_local
             ok_R = jnp.ones_like(dest_R, bool) if valid is None else jnp.repeat(valid, K)
             sent = jnp.zeros((n_ep,), jnp.int32).at[dest_R].add(ok_R.astype(jnp.int32))
-            rung = jnp.sum(jnp.asarray(rungs[:-1]) < jax.lax.pmax(jnp.max(sent), TOKENS))
+            rung = jnp.sum(jnp.asarray(rungs[:-1]) < jax.lax.pmax(jnp.max(sent), tokens))
             recv_x, recv_e, slot_R, keep_R, valid_R = jax.lax.switch(
                 rung, [functools.partial(send, c) for c in rungs], x, ids, valid)
         got = recv_e >= 0
@@ -169,12 +172,12 @@ def expert_parallel_dispatch(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_g
             y_R = jax.lax.switch(rung, [functools.partial(back, c) for c in rungs], y_full,
                                  slot_R)
         y = jnp.einsum("nk,nkd->nd", wts.astype(y_R.dtype), y_R.reshape(n, K, D))
-        dropped = jax.lax.psum(jnp.sum(valid_R & ~keep_R), TOKENS)
-        real = jax.lax.psum(jnp.sum(valid_R), TOKENS)
+        dropped = jax.lax.psum(jnp.sum(valid_R & ~keep_R), tokens)
+        real = jax.lax.psum(jnp.sum(valid_R), tokens)
         return (y.astype(x.dtype), dropped,
                 (dropped / jnp.maximum(real, 1)).astype(jnp.float32))
 
-    tok, w = P(TOKENS), P("expert")
+    tok, w = P(tokens), P(expert)
     args = [x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD]
     specs = [tok, tok, tok, w, w]
     if gated:

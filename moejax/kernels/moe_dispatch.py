@@ -60,7 +60,8 @@ from moejax.ops.dispatch import (
     expert_capacity,
 )
 
-__all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla"]
+__all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla",
+           "expert_mesh_axes"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,22 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
 
 # a jit-cache-sensitive context: a step traced inside experts_in_xla() is traced anew
 _IN_XLA = jax.make_user_context(False)
+# The (data, expert) mesh axis names expert parallelism runs over; part of jax's tracing cache
+# key, as _IN_XLA is.
+_EXPERT_AXES = jax.make_user_context(("data", "expert"))
+
+
+def expert_mesh_axes(data: str = "data", expert: str = "expert"):
+    """While tracing inside this block, expert parallelism (``"auto"`` and the
+    ``expert_parallel`` paths) runs over a mesh whose token axes are ``(data, expert)`` and
+    whose experts are split over ``expert``: for a mesh of the caller's own axis names, e.g.
+    ``with jax.set_mesh(mesh), expert_mesh_axes("batch", "model"): ...``. The training loop's
+    mesh (:mod:`moejax.train.mesh`) is ``("data", "expert")``, the default."""
+    if not (isinstance(data, str) and isinstance(expert, str) and data and expert
+            and data != expert):
+        raise ValueError(f"expert_mesh_axes(data={data!r}, expert={expert!r}): two distinct "
+                         "axis names of the mesh")
+    return _EXPERT_AXES((data, expert))
 
 
 def experts_in_xla():
@@ -155,10 +172,11 @@ def experts_in_xla():
 
 
 def _mesh():
-    """The mesh set for tracing, when it has the ``("data", "expert")`` axes and more than one
-    device, else None."""
+    """The mesh set for tracing, when it has the expert-parallel axes
+    (:func:`expert_mesh_axes`, default ``("data", "expert")``) and more than one device,
+    else None."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not {"data", "expert"} <= set(mesh.axis_names) or mesh.size <= 1:
+    if not set(_EXPERT_AXES.value) <= set(mesh.axis_names) or mesh.size <= 1:
         return None
     return mesh
 
@@ -176,7 +194,7 @@ def _expert_parallel(*args, activation, capacity_factor, valid_N, priority, capa
 
     return expert_parallel_dispatch(*args, mesh=mesh, local=local, activation=activation,
                                     capacity_factor=capacity_factor if capacity else None,
-                                    valid_N=valid_N)
+                                    valid_N=valid_N, axes=tuple(_EXPERT_AXES.value))
 
 
 def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
@@ -189,9 +207,10 @@ def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
     if jax.device_count() > 1:
         names = tuple(jax.sharding.get_abstract_mesh().axis_names)
         if names:  # a mesh of the caller's own: say why it gets no expert parallelism
-            log.warning("dispatch='auto' under a mesh with axes %s: expert parallelism needs "
-                        "axes named ('data', 'expert') (moejax.train.mesh.AXES); the experts "
-                        "run on the 'grouped' path, partitioned by XLA", names)
+            log.warning("dispatch='auto' under a mesh with axes %s: expert parallelism runs "
+                        "over the axes %s (name yours with moejax.kernels.moe_dispatch."
+                        "expert_mesh_axes(data=..., expert=...)); the experts run on the "
+                        "'grouped' path, partitioned by XLA", names, tuple(_EXPERT_AXES.value))
         return _grouped(*args, **kw)
     return _one_device(*args, widths_E=widths_E, **kw)
 
