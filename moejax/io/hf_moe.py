@@ -60,6 +60,14 @@ UNSUPPORTED_FAMILIES = {
     "olmoe": "q/k RMSNorms",
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+# A block's tensors other than its experts: Mixtral name -> (moejax name, transposed)
+_LAYER_TENSORS = {"input_layernorm.weight": ("attn_norm/scale", False),
+                  "post_attention_layernorm.weight": ("ffn_norm/scale", False),
+                  "self_attn.q_proj.weight": ("attn/w_q", True),
+                  "self_attn.k_proj.weight": ("attn/w_k", True),
+                  "self_attn.v_proj.weight": ("attn/w_v", True),
+                  "self_attn.o_proj.weight": ("attn/w_o", True),
+                  "block_sparse_moe.gate.weight": ("ffn/router/w_g", True)}
 _FIX = "convert it to a Mixtral checkpoint, or load it with transformers"
 
 
@@ -141,15 +149,8 @@ def _moejax_name(name: str) -> tuple[str, int | None, bool] | None:
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         return None
     o, rest = f"blocks/{parts[2]}/", ".".join(parts[3:])
-    simple = {"input_layernorm.weight": ("attn_norm/scale", False),
-              "post_attention_layernorm.weight": ("ffn_norm/scale", False),
-              "self_attn.q_proj.weight": ("attn/w_q", True),
-              "self_attn.k_proj.weight": ("attn/w_k", True),
-              "self_attn.v_proj.weight": ("attn/w_v", True),
-              "self_attn.o_proj.weight": ("attn/w_o", True),
-              "block_sparse_moe.gate.weight": ("ffn/router/w_g", True)}
-    if rest in simple:
-        target, transpose = simple[rest]
+    if rest in _LAYER_TENSORS:
+        target, transpose = _LAYER_TENSORS[rest]
         return o + target, None, transpose
     if (len(parts) == 8 and parts[3:5] == ["block_sparse_moe", "experts"]
             and parts[5].isdigit() and parts[7] == "weight"):
@@ -273,13 +274,6 @@ def _names_for(name: str, cfg: DecoderConfig) -> list[tuple[str, int | None, boo
         hf = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}[rest.rsplit("/", 1)[1]]
         return [(f"{pre}block_sparse_moe.experts.{j}.{hf}.weight", j, True)
                 for j in range(n_experts)]
-    simple = {"attn_norm/scale": ("input_layernorm.weight", False),
-              "ffn_norm/scale": ("post_attention_layernorm.weight", False),
-              "attn/w_q": ("self_attn.q_proj.weight", True),
-              "attn/w_k": ("self_attn.k_proj.weight", True),
-              "attn/w_v": ("self_attn.v_proj.weight", True),
-              "attn/w_o": ("self_attn.o_proj.weight", True),
-              "ffn/router/w_g": ("block_sparse_moe.gate.weight", True)}
-    hf, transpose = simple[rest]
+    hf, (_, transpose) = next((k, v) for k, v in _LAYER_TENSORS.items() if v[0] == rest)
     return [(pre + hf, None, transpose)]
 
