@@ -321,3 +321,29 @@ def test_remat_gives_the_same_loss_and_gradients_with_less_activation_memory():
     temp = [grad_fn(r).lower(params).compile().memory_analysis().temp_size_in_bytes
             for r in (False, True)]
     assert temp[1] < 0.7 * temp[0], temp
+
+
+def test_batch_one_decode_writes_its_cache_in_place_without_scatters():
+    """Batch-1 decoding (a server's single stream) writes each KV cache with one
+    dynamic_update_slice of the whole cache: the lowered one-token step holds no scatter and
+    two dynamic_update_slice per block (k and v), and its logits equal the full forward's."""
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
+    full, _ = model(TOKENS[:1])
+    graphdef, state = nnx.split(model)
+
+    def decode(state, t, cache):
+        return nnx.merge(graphdef, state).decode(t, cache)
+
+    cache = model.init_cache(1, 12)
+    step = jax.jit(decode)
+    logits, cache = step(state, TOKENS[:1, :5], cache)
+    steps = [logits]
+    for t in range(5, 9):
+        logits, cache = step(state, TOKENS[:1, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
+    hlo = step.lower(state, TOKENS[:1, 8:9], cache).as_text()
+    assert hlo.count("stablehlo.scatter") == 0
+    assert hlo.count("stablehlo.dynamic_update_slice") == 2 * model.cfg.n_layers
+    batched = step.lower(state, TOKENS[:, 8:9], model.init_cache(2, 12)).as_text()
+    assert batched.count("stablehlo.scatter") >= 2 * model.cfg.n_layers  # rows at own offsets

@@ -99,9 +99,17 @@ def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Arra
 
 
 def _write_cache(cache_BSGJ: jax.Array, new_BTGJ: jax.Array, start_B: jax.Array) -> jax.Array:
-    """Write ``new_BTGJ`` into each row at its own offset ``start_B`` (must fit)."""
+    """Write ``new_BTGJ`` into each row at its own offset ``start_B`` (must fit). One row
+    (batch-1 decoding) is one ``dynamic_update_slice`` of the whole cache, which XLA does in
+    place on a donated cache; several rows at their own offsets are a vmapped one (a
+    scatter)."""
+    new_BTGJ = new_BTGJ.astype(cache_BSGJ.dtype)
+    if cache_BSGJ.shape[0] == 1:
+        zero = jnp.zeros((), start_B.dtype)
+        return jax.lax.dynamic_update_slice(cache_BSGJ, new_BTGJ, (zero, start_B[0], zero, zero))
+
     def one(c_SGJ, n_TGJ, s):
-        return jax.lax.dynamic_update_slice(c_SGJ, n_TGJ.astype(c_SGJ.dtype), (s, 0, 0))
+        return jax.lax.dynamic_update_slice(c_SGJ, n_TGJ, (s, 0, 0))
     return jax.vmap(one)(cache_BSGJ, new_BTGJ, start_B)
 
 
