@@ -101,3 +101,52 @@ def test_models_without_a_mixtral_layout_are_not_exported(tmp_path):
     with pytest.raises(ValueError, match="no Mixtral layout: every block's FFN must be"):
         save_hf_moe(DecoderLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "x")
     assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_bf16_stays_bf16(tmp_path):
+    """A bfloat16 checkpoint (config dtype and BF16 tensors) loads as bfloat16 parameters and
+    exports as BF16 again, bit for bit."""
+    import ml_dtypes
+
+    from moejax.io.safetensors_io import export_params, read_safetensors
+
+    d = tmp_path / "bf16"
+    d.mkdir()
+    tensors, _ = read_safetensors(MIXTRAL / "model.safetensors")
+    export_params({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+                  d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((MIXTRAL / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    model = load_hf_moe(d)
+    assert {np.asarray(v).dtype for v in flat_params(model).values()} == {
+        np.dtype(ml_dtypes.bfloat16)}
+    np.testing.assert_allclose(_logits(model).astype(np.float32),
+                               np.load(MIXTRAL / "logits.npy"), atol=0.05)
+    save_hf_moe(model, tmp_path / "again")
+    back, _ = read_safetensors(tmp_path / "again" / "model.safetensors")
+    for k, v in back.items():
+        assert v.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(v.view(np.uint16), tensors[k].astype(
+            ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_a_sharded_checkpoint_reads_the_same(tmp_path):
+    """model.safetensors.index.json and its shards (a layer's experts split across two)
+    give the same model as the single file."""
+    from moejax.io.safetensors_io import export_params, read_safetensors
+
+    tensors, _ = read_safetensors(MIXTRAL / "model.safetensors")
+    names = sorted(tensors)
+    first = [k for k in names if ".experts.0." in k or ".experts.2." in k or "embed" in k]
+    halves = {"model-00001-of-00002.safetensors": first,
+              "model-00002-of-00002.safetensors": [k for k in names if k not in first]}
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for shard, keys in halves.items():
+        export_params({k: tensors[k] for k in keys}, d / shard, metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    shutil.copy(MIXTRAL / "config.json", d / "config.json")
+    a, b = flat_params(load_hf_moe(d)), flat_params(load_hf_moe(MIXTRAL))
+    for k in b:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
