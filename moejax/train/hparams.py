@@ -236,7 +236,7 @@ def make_optimizer(cfg: TrainConfig, schedule=None) -> optax.GradientTransformat
     elif cfg.optimizer in ("adamr_l2", "adamr_l1"):
         parts.append(adamr(schedule, cfg.weight_decay, reg=cfg.optimizer[-2:], b1=cfg.b1,
                            b2=cfg.b2, eps=cfg.eps,
-                           decay_mask=paths_mask(cfg.decay_paths)))
+                           mask=paths_mask(cfg.decay_paths)))
     elif cfg.optimizer == "adam":
         parts.append(optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
     else:  # sgd; b1 is the momentum (0 = plain SGD)
