@@ -84,7 +84,7 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     if smoke:
         return None
     line = {"study": meta["study"], "variant": meta.get("variant", ""), "path": str(run_dir),
-            "preset": preset, "kind": str(meta.get("kind", "preset")),
+            "preset": preset, "kind": str(meta.get("kind") or _legacy_kind(run_dir)),
             "machine": machine_class(meta.get("machine", {})),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
     index = index or index_path(run_dir)
