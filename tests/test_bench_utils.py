@@ -97,6 +97,25 @@ def test_time_device_loop_runs_the_call_in_every_iteration():
 
 
 
+@pytest.mark.parametrize("host_loop", [False, True])
+def test_time_device_loop_checks_the_timed_program_against_memory_first(host_loop,
+                                                                          monkeypatch):
+    """The timed program is compiled and XLA's estimate compared with the device's memory
+    before it runs: with the host made 10 kB, MemoryBudgetError naming what is timed and the
+    fix, and the call never runs."""
+    import moejax.train.budget as budget
+
+    ran = []
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
+    x = jnp.ones((128, 128))
+    with pytest.raises(budget.MemoryBudgetError,
+                       match="the big product needs about .* Fix: fewer rows"):
+        time_device_loop(lambda a: jax.debug.callback(lambda: ran.append(1)) or a @ a, x,
+                         iters=2, repeats=1, host_loop=host_loop, what="the big product",
+                         fix="fewer rows")
+    assert ran == []
+
+
 def test_a_call_with_a_small_output_is_timed_once_per_iteration():
     """A reduction of a large array (a small output from a large input: what XLA's CPU
     compiler hoists out of a loop once the optimisation barriers are expanded) takes about

@@ -59,6 +59,49 @@ def test_decode_timing_autoregressive_and_speculative_agree():
     np.testing.assert_array_equal(ar["tokens"][:, :5], np.asarray(prompts))
 
 
+@pytest.mark.parametrize("spec", [False, True])
+def test_decode_timing_checks_its_loop_against_memory_before_it_runs(spec, monkeypatch):
+    """The decoding loop is compiled and XLA's estimate compared with the device's memory
+    before any call: with the host made 10 kB, MemoryBudgetError names the loop and the fix,
+    and the model is never called."""
+    import moejax.train.budget as budget
+    from moejax.nn import sample, speculative
+
+    small = _small()
+    prompts = jax.random.randint(jax.random.key(3), (2, 5), 0, 32)
+    ran = []
+    for mod, name in ((sample, "_sample"), (speculative, "_speculate")):
+        jitted = getattr(mod, name)
+        monkeypatch.setattr(mod, name, type("Spy", (), {
+            "lower": staticmethod(jitted.lower),
+            "__call__": staticmethod(lambda *a, f=jitted, **k: ran.append(1) or f(*a, **k))})())
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
+    what = "speculative" if spec else "autoregressive"
+    with pytest.raises(budget.MemoryBudgetError,
+                       match=f"the {what} decoding loop needs about .* Fix: fewer layers"):
+        decode_timing(small, prompts, 9, draft=small if spec else None, fix="fewer layers")
+    assert ran == []
+    monkeypatch.undo()
+    assert decode_timing(small, prompts, 9, draft=small if spec else None)["tokens_per_s"] > 0
+
+
+def test_a_sampler_and_a_decoder_lower_without_running():
+    """``draw.lower`` / ``decode.lower``: the jitted loops for those arguments, not run; the
+    compiled loop returns what the call returns."""
+    from moejax.nn.sample import sampler
+    from moejax.nn.speculative import speculative_decoder
+
+    small = _small()
+    prompts = jax.random.randint(jax.random.key(3), (1, 5), 0, 32)
+    lens = np.full((1,), 5, np.int32)
+    draw = sampler(small, 6, temperature=0.0)
+    decode = speculative_decoder(small, small, 6, draft_len=2)
+    assert "while" in draw.lower(prompts, lens, key=jax.random.key(0)).as_text()
+    assert "while" in decode.lower(prompts).as_text()
+    with pytest.raises(ValueError, match="prompt lengths"):
+        draw.lower(prompts, np.full((1,), 9, np.int32), key=jax.random.key(0))
+
+
 def test_decode_timing_profiles_kernels_per_token(monkeypatch):
     """On a CPU the trace has no device: None. With a device trace of 90 kernels busy 2 ms for
     9 tokens: 10 kernels a token, 2 ms over the measured time of one prompt, and each

@@ -48,6 +48,7 @@ from moejax.kernels.tiling import hopper_target, peak_flops, target_device
 from moejax.kernels.tuning import WrongResult, check_close
 from moejax.results import RunDir
 from moejax.study import Study
+from moejax.train.budget import MemoryBudgetError
 
 Path_ = Literal["dense", "xla", "gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu"]
 ACCELERATOR_PATHS = ("gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu")
@@ -153,7 +154,9 @@ def _time(fn, *args, cfg, flops: float, path: str = "", oracles=()
     shorter than it), is unresolved: no time, and the choice does not count it."""
     try:
         timed = time_device_loop(fn, *args, iters=cfg.iters, repeats=cfg.repeats,
-                                 flush_bytes=int(cfg.l2_flush_mb * 2**20))
+                                 flush_bytes=int(cfg.l2_flush_mb * 2**20),
+                                 what=f"the {path or 'timed'} grouped matmul",
+                                 fix="smaller shapes (the shapes key, (M, K, N, G) each)")
         for pick, (take, want) in oracles:
             check_close(take(pick(timed["output"])), want, args[0].dtype)
         s, noise = timed["median_s"], timed["noise_s"]
@@ -168,6 +171,8 @@ def _time(fn, *args, cfg, flops: float, path: str = "", oracles=()
         return s, ""
     except WrongResult as err:
         return None, f"wrong: {err}"
+    except MemoryBudgetError as err:  # XLA's estimate, before the call: the next shape runs
+        return None, f"out of device memory: {_first_line(err)}"
     except jax.errors.JaxRuntimeError as err:  # xla's dense expansion on a large shape
         if "RESOURCE_EXHAUSTED" in str(err):
             return None, "out of device memory"

@@ -151,7 +151,9 @@ def measured_gbps(cfg: BenchKernelsConfig) -> float:
     """This device's memory bandwidth in GB/s: a jitted ``b + 1`` over ``bandwidth_mb`` of f32
     (read once, written once) in the benchmark's device loop."""
     buf = jnp.zeros((int(cfg.bandwidth_mb * 2**20) // 4,), jnp.float32)
-    t = time_device_loop(lambda b: b + 1.0, buf, iters=cfg.repeats, repeats=3)["median_s"]
+    t = time_device_loop(lambda b: b + 1.0, buf, iters=cfg.repeats, repeats=3,
+                         what="the bandwidth copy", fix=f"lower bandwidth_mb (now "
+                         f"{cfg.bandwidth_mb})")["median_s"]
     return 2 * buf.nbytes / t / 1e9
 
 
@@ -162,7 +164,8 @@ def measured_read_gbps(cfg: BenchKernelsConfig) -> float:
     # ones, not zeros: a host's untouched zero pages would all be one page, read from cache
     buf = jnp.ones((int(cfg.bandwidth_mb * 2**20) // 2,), jnp.bfloat16)
     t = time_device_loop(lambda b: jnp.sum(b, dtype=jnp.float32), buf, iters=cfg.repeats,
-                         repeats=3)["median_s"]
+                         repeats=3, what="the bandwidth read",
+                         fix=f"lower bandwidth_mb (now {cfg.bandwidth_mb})")["median_s"]
     return buf.nbytes / t / 1e9
 
 
@@ -197,7 +200,11 @@ def bench_ffn(cfg: BenchKernelsConfig, key, gbps: float) -> list[dict]:
         # device time: calls in one jitted loop (a decode step's kernels, not Python dispatch)
         times = {path: time_device_loop(fn, *args, iters=cfg.repeats, repeats=3,
                                         flush_bytes=int(cfg.l2_flush_mb * 2**20),
-                                        profile=path in cfg.profile_paths)
+                                        profile=path in cfg.profile_paths,
+                                        what=f"the {path} FFN for {n} tokens", fix=(
+                                            f"smaller ffn shapes (now {s.n_experts} experts, "
+                                            f"d_model {s.d_model}, d_expert {s.d_expert}) "
+                                            "or chunk_sizes"))
                  for path, (fn, args) in fns.items()}
         wrong = _wrong_paths(fns, times, act=s.activation)
         times = {path: t for path, t in times.items() if path not in wrong}

@@ -37,6 +37,7 @@ from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
 from moejax.kernels.moe_dispatch import dispatch
 from moejax.results import RunDir
 from moejax.study import Study
+from moejax.train.budget import lowered_fitting
 from moejax.train.collectives import collective_bytes
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.mesh import make_mesh
@@ -124,7 +125,10 @@ def measure(cfg_json: str) -> list[dict]:
             args = (x, w_NK, wu, wd, wg)
             with jax.set_mesh(mesh):
                 fn = grad_fn(path, c.capacity_factor)
-                moved = static = collective_bytes(fn.lower(*args).compile().as_text())
+                compiled = lowered_fitting(  # checked before the first timed call
+                    fn.lower(*args), what=f"the {path} layer gradient on a {d}x{e} mesh",
+                    fix=f"lower tokens (now {T}), d_model, d_expert or n_experts")
+                moved = static = collective_bytes(compiled.as_text())
                 timing = time_call(fn, *args, repeats=c.repeats)
                 if path == "expert_parallel" and rung is not None:  # the taken rung's bytes
                     cf_rung = rung * e / ((T // c.devices) * K)

@@ -236,7 +236,10 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
     ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
     agreement measured so far (read, not written: the caller keeps the row's)."""
     r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
-                      profile=cfg.profile and sees_device())
+                      profile=cfg.profile and sees_device(), fix=(
+                          f"lower grow.extra_layers (now {cfg.grow.extra_layers}) or "
+                          f"grow.d_expert (now {cfg.grow.d_expert}), or prompt_len (now "
+                          f"{cfg.prompt_len}) or max_new_tokens (now {cfg.max_new_tokens})"))
     ref = ref or r
     ref_tokens = ref["tokens"]
     agreement = agree.get(dname, "") if d is None or dname in agree else argmax_agreement(

@@ -44,6 +44,7 @@ from moejax.nn.sample import sampler
 from moejax.nn.speculative import speculative_decoder
 from moejax.nn.surgery import build_from_pure, with_slot_config
 from moejax.ops.activations import is_gated
+from moejax.train.budget import lowered_fitting
 
 __all__ = ["grow_blockffn_lm", "decode_timing", "spec_chunk_sparsity", "matching_prefix",
            "blockffn_path", "expert_routes"]
@@ -147,7 +148,9 @@ def _get(tree, names):
 
 
 def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
-                  draft_len: int = 4, profile: bool = False) -> dict:
+                  draft_len: int = 4, profile: bool = False,
+                  fix: str = "a smaller model or a shorter decoding (fewer prompt or new tokens)"
+                  ) -> dict:
     """Greedy batch-1 decoding of each prompt row (autoregressive when ``draft`` is None):
     ``tokens_per_s`` over all timed prompts, each prompt's own wall time ``prompt_seconds``
     (what a comparison of two decodings pairs by prompt), the generated ``tokens``
@@ -159,7 +162,9 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
     below 1, the decode waits on the host launching its many small kernels, not on the
     device), ``kernels`` (device seconds per generated token by kernel name, largest
     first) and ``kernel_counts`` (launches per generated token by kernel name); each None
-    where the trace sees no device (a CPU)."""
+    where the trace sees no device (a CPU). The decoding loop is compiled and its memory
+    checked against the device's before its first call
+    (:class:`~moejax.train.budget.MemoryBudgetError`, naming ``fix``: what shrinks it)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     P, T = prompts.shape
     # the models split once, as a server holds them: a timed call is the jitted decoding
@@ -175,7 +180,11 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         out = decode(row)
         return out.tokens_BS, out
 
-    jax.block_until_ready(one(prompts[:1])[0])  # compile
+    # compiled and checked against the device's memory before its first call (which reuses it)
+    what = f"the {'speculative' if draft is not None else 'autoregressive'} decoding loop"
+    lowered_fitting(draw.lower(prompts[:1], lens, key=key) if draft is None
+                    else decode.lower(prompts[:1]), what=what, fix=fix)
+    jax.block_until_ready(one(prompts[:1])[0])
     toks, outs, each, t0 = [], [], [], time.perf_counter()
     for i in range(P):
         t1 = time.perf_counter()

@@ -26,6 +26,7 @@ import numpy as np
 
 from moejax.bench.profile import trace_kernels
 from moejax.kernels.tiling import hopper_target
+from moejax.train.budget import lowered_fitting
 
 __all__ = ["time_call", "time_interleaved", "time_device_loop", "how_timed", "union_activations",
            "kernel_unavailable", "device_matmul_gflops", "KERNEL_PATHS", "HOST_PATHS"]
@@ -80,7 +81,8 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 10) -> dict:
 
 def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
                      flush_bytes: int = 0, profile: bool = False,
-                     host_loop: bool | None = None) -> dict:
+                     host_loop: bool | None = None, what: str = "a timed call",
+                     fix: str = "smaller shapes") -> dict:
     """``{"compile_s", "median_s", "min_s", "flush_s", "noise_s", "iters", "output"}``:
     seconds per call of ``fn(*args)`` and the output of the loop's last call (to be checked
     against an oracle: :mod:`moejax.bench.oracles`),
@@ -109,12 +111,16 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
     compiler expands the optimisation barriers before it moves loop-invariant code, so in
     the device loop a call whose output is smaller than its inputs (a reduction, a product
     with a few rows) runs once per loop, not once per iteration. On a CPU the host is the
-    device, so a call's wall time is its device time plus its dispatch."""
+    device, so a call's wall time is its device time plus its dispatch.
+
+    The timed program (the loop, or the call) is compiled and its memory checked against the
+    device's before it first runs (:class:`~moejax.train.budget.MemoryBudgetError` naming
+    ``what`` is timed and the ``fix``: what shrinks it)."""
     if iters < 1 or repeats < 1 or flush_bytes < 0:
         raise ValueError(f"iters={iters} and repeats={repeats} must be >= 1 and "
                          f"flush_bytes={flush_bytes} >= 0")
     if _on_host() if host_loop is None else host_loop:
-        return _host_loop(fn, args, iters, repeats, flush_bytes, profile)
+        return _host_loop(fn, args, iters, repeats, flush_bytes, profile, what, fix)
     out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
     scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
 
@@ -130,8 +136,10 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
             return jax.lax.fori_loop(0, iters, body, (out0, scratch))
         return loop
 
-    def timed(loop):
+    def timed(loop, check: bool = False):
         t0 = time.perf_counter()
+        if check:  # compiled once here, reused by the first call
+            lowered_fitting(loop.lower(scratch, *args), what=what, fix=fix)
         first = jax.block_until_ready(loop(scratch, *args))[0]
         compile_s = time.perf_counter() - t0
         times = []
@@ -142,7 +150,7 @@ def time_device_loop(fn: Callable, *args, iters: int = 20, repeats: int = 5,
         return compile_s, np.asarray(times), first
 
     loops = {"call": device_loop(fn), "flush": device_loop(None) if flush_bytes else None}
-    compile_s, times, output = timed(loops["call"])
+    compile_s, times, output = timed(loops["call"], check=True)
     flush_times = timed(loops["flush"])[1] if flush_bytes else np.zeros(1)
     flush_s = float(np.median(flush_times))
     result = {"compile_s": compile_s, "median_s": float(np.median(times)) - flush_s,
@@ -169,13 +177,14 @@ def how_timed(iters: int, repeats: int, flushed: bool = False) -> str:
 
 
 def _host_loop(fn: Callable, args: tuple, iters: int, repeats: int, flush_bytes: int,
-               profile: bool) -> dict:
+               profile: bool, what: str, fix: str) -> dict:
     """:func:`time_device_loop`'s keys from ``iters`` blocking calls per repeat, timed one
     by one from the host (the L2 rewrite, where asked, before each call and untimed)."""
     call = jax.jit(fn)
     rewrite = jax.jit(lambda s: s + 1.0)
     scratch = jnp.zeros((max(1, flush_bytes // 4),), jnp.float32)
     t0 = time.perf_counter()
+    lowered_fitting(call.lower(*args), what=what, fix=fix)  # reused by the first call
     output = jax.block_until_ready(call(*args))
     compile_s = time.perf_counter() - t0
     times = []

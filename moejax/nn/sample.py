@@ -121,7 +121,9 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     loop and nothing per module. The split state holds the model's variables, so a call
     samples their values at that time (``param[...] = x`` and ``nnx.update`` are seen); a
     variable or submodule replaced by a new object is not (make a new sampler). Prompt
-    lengths given as numpy are checked on the host, with no device round trip."""
+    lengths given as numpy are checked on the host, with no device round trip.
+    ``draw.lower(prompts_BT, prompt_lens_B, key=...)``: the loop lowered for those arguments,
+    not run (its compiled memory can be checked first; a later call reuses the compilation)."""
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if temperature < 0:
@@ -133,7 +135,7 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     static = dict(max_new=int(max_new_tokens), temperature=float(temperature),
                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
 
-    def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
+    def checked(prompts_BT, prompt_lens_B, key: jax.Array) -> tuple:
         prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
         B, T = prompts_BT.shape
         lens_host = np.asarray(prompt_lens_B)
@@ -146,10 +148,16 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
         lo, hi = int(lens_host.min()), int(lens_host.max())
         if lo < 1 or hi > T:
             raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
-        args = (graphdef, state, prompts_BT, jnp.asarray(lens_host, jnp.int32), key)
+        return graphdef, state, prompts_BT, jnp.asarray(lens_host, jnp.int32), key
+
+    def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
+        args = checked(prompts_BT, prompt_lens_B, key)
         record_decode("sample", _sample, args, static)
         return _sample(*args, **static)
 
+    # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
+    draw.lower = lambda prompts_BT, prompt_lens_B, *, key: _sample.lower(
+        *checked(prompts_BT, prompt_lens_B, key), **static)
     return draw
 
 

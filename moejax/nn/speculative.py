@@ -204,7 +204,8 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     variable or submodule replaced by a new object is not (make a new decoder).
     ``temperature == 0``: greedy (no key needed);
     otherwise each call takes an explicit ``key``. All prompt rows share one length; target
-    and draft must share the vocabulary."""
+    and draft must share the vocabulary. ``decode.lower(prompt_BT, key=None)``: the loop
+    lowered for those arguments, not run (a later call reuses its compilation)."""
     temperature = float(temperature)
     if draft_len < 1 or max_new_tokens < 1:
         raise ValueError(f"draft_len={draft_len} and max_new_tokens={max_new_tokens} must be "
@@ -221,7 +222,7 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     static = dict(max_new=int(max_new_tokens), n=int(draft_len), temperature=temperature)
     greedy_key = jax.random.key(0)  # greedy decoding draws nothing; the loop takes a key
 
-    def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
+    def checked(prompt_BT, key: jax.Array | None) -> tuple:
         prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
         check_decode_inputs(prompt_BT, target.cfg.vocab_size, temperature)
         T = prompt_BT.shape[1]
@@ -234,10 +235,16 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
                 raise ValueError(f"{name}: prompt {T} + {max_new_tokens} new tokens + 2 x "
                                  f"(draft_len + 1) = {size} exceeds max_seq_len="
                                  f"{cfg.max_seq_len}")
-        args = (tg, ts, dg, ds, prompt_BT, greedy_key if key is None else key)
+        return tg, ts, dg, ds, prompt_BT, greedy_key if key is None else key
+
+    def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
+        args = checked(prompt_BT, key)
         record_decode(f"speculative n={draft_len}", _speculate, args, static)
         return _speculate(*args, **static)
 
+    # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
+    decode.lower = lambda prompt_BT, key=None: _speculate.lower(*checked(prompt_BT, key),
+                                                                **static)
     return decode
 
 

@@ -21,7 +21,7 @@ from moejax.config import ConfigError
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryBudgetError", "available_bytes", "check_fits", "check_program_fits",
-           "compile_fitting", "compiled_memory"]
+           "compile_fitting", "compiled_memory", "lowered_fitting"]
 
 
 def compiled_memory(compiled) -> dict:
@@ -89,7 +89,14 @@ def compile_fitting(fn, *args, what: str, fix: str):
     """``fn`` (a jitted function) compiled for ``args`` and checked with
     :func:`check_program_fits` before it first runs; XLA's estimate is logged. Call the
     returned executable in place of ``fn`` (it keeps ``fn``'s donation)."""
-    compiled = fn.lower(*args).compile()
+    return lowered_fitting(fn.lower(*args), what=what, fix=fix)
+
+
+def lowered_fitting(lowered, *, what: str, fix: str):
+    """:func:`compile_fitting` for a program already lowered (``jitted.lower(...)``): the
+    compiled executable, checked before it first runs. Calling the jitted function with the
+    same arguments afterwards reuses this compilation."""
+    compiled = lowered.compile()
     peak = compiled_memory(compiled)["peak_bytes"]
     device = jax.devices()[0]
     if peak > 0:
