@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies results test setup lint bench full-smoke full-aot gpu-check clean-runs
+.PHONY: demo studies results test setup lint bench full-smoke full-aot smoke-devices gpu-check \
+        clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
@@ -41,6 +42,12 @@ full-smoke: setup
 # shapes (size, FLOPs, memory per device, GPU hours) -> runs/full_aot/full_aot.md
 full-aot: setup
 	$(PY) -m experiments.full_smoke mode=aot $(ARGS)
+
+# Every study's and benchmark's quick preset as a smoke run on 2 CPU devices (each training
+# loop, evaluator and benchmark with its arrays over a mesh of both; not part of `make test`)
+# -> runs/smoke_devices/full_smoke.md
+smoke-devices: setup
+	$(PY) -m experiments.full_smoke preset=quick devices=2 out=runs/smoke_devices $(ARGS)
 
 # On a GPU machine: the gpu extra, then scripts/gpu_check.sh (the kernel tests compiled for the
 # GPU and the benchmarks' full presets -> runs/gpu/; its stages within BUDGET, 25 minutes

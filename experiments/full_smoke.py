@@ -4,10 +4,15 @@ accelerator: as a smoke run, or ahead of time for GPU and TPU. One table each.
     python -m experiments.full_smoke                          # smoke -> runs/full_smoke/
     python -m experiments.full_smoke mode=aot                 # -> runs/full_aot/
     python -m experiments.full_smoke only=moee,lm_demo timeout=1800 out=runs/smoke2
+    python -m experiments.full_smoke preset=quick devices=2 out=runs/smoke_devices
     python -m experiments.full_smoke mode=aot only=ders_upcycling \
         "ders_upcycling.sm_rates=(0.999,0.9999)"                # a study's own keys
 
-Each study runs in its own Python, so its peak host memory is its own.
+Each study runs in its own Python, so its peak host memory is its own. ``preset=quick``
+smokes the quick presets instead; ``devices=N`` gives each study N CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=N``), so every training loop, evaluator
+and benchmark runs with its arrays spread over a mesh of several devices, as on a multi-GPU
+host (``make smoke-devices``; the devices column says how many the study saw).
 
 ``mode=smoke`` runs it as ``python -m experiments.<study> preset=full smoke=true`` would
 (:mod:`moejax.smoke`: real model sizes and weights, every training run cut to a couple of
@@ -72,13 +77,13 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
-def _smoke(study: Study, out: Path, overrides=()) -> dict:
-    """The study as a smoke run (``overrides``: key=value after the cuts); the largest
-    trained model's size."""
-    result = {"ok": False, "error": ""}
+def _smoke(study: Study, out: Path, overrides=(), preset: str = "full") -> dict:
+    """The study's ``preset`` as a smoke run (``overrides``: key=value after the cuts); the
+    largest trained model's size and the devices jax saw."""
+    result = {"ok": False, "error": "", "devices": jax.device_count()}
     with measure_scale() as scale:
         try:
-            study.run_experiment(["preset=full", "smoke=true", *overrides], out=out)
+            study.run_experiment([f"preset={preset}", "smoke=true", *overrides], out=out)
             result["ok"] = True
         except Exception as e:  # reported in the table, and in full in the study's log
             traceback.print_exc()
@@ -161,27 +166,37 @@ def _shapes(c) -> tuple:
     return (type(c).__name__, str(static), tuple((x.shape, str(x.dtype)) for x in leaves))
 
 
-def child(name: str, out: str, report: str, mode: str = "smoke", overrides=()) -> int:
-    """Run ``name``'s full preset in ``mode`` into ``out`` (``overrides``: the study's own
-    key=value); write ``report`` (JSON)."""
+def child(name: str, out: str, report: str, mode: str = "smoke", overrides=(),
+          preset: str = "full") -> int:
+    """Run ``name``'s ``preset`` (smoke mode; aot proves the full one) in ``mode`` into
+    ``out`` (``overrides``: the study's own key=value); write ``report`` (JSON)."""
     study = load_study(name)
-    result = (_smoke(study, Path(out), overrides) if mode == "smoke"
+    result = (_smoke(study, Path(out), overrides, preset) if mode == "smoke"
               else _aot(study, Path(out), overrides, report=Path(report)))
     atomic_write_text(Path(report), json.dumps(result, default=str) + "\n")
     return 0 if result["ok"] else 1
 
 
-def _run_child(name: str, out: Path, timeout: float, mode: str,
-               overrides=()) -> tuple[dict, float, float]:
-    """One study in its own Python: its report, wall time and peak resident memory (GB)."""
+def _run_child(name: str, out: Path, timeout: float, mode: str, overrides=(),
+               preset: str = "full", devices: int = 0) -> tuple[dict, float, float]:
+    """One study in its own Python (``devices`` > 0: that many CPU devices, as
+    ``XLA_FLAGS=--xla_force_host_platform_device_count`` gives them, so the training loop's
+    mesh, the evaluators and the benchmarks span several): its report, wall time and peak
+    resident memory (GB)."""
     report = out / f"{name}.{mode}.json"
     report.unlink(missing_ok=True)
     env = dict(os.environ)
     if mode == "aot":  # untrained substrates never enter the shared cache
         env["MOEJAX_SUBSTRATE_DIR"] = str(out / "substrates")
+    if devices:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = " ".join(
+            [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+            + [f"--xla_force_host_platform_device_count={devices}"])
     code = ("import sys; from experiments.full_smoke import child; "
             f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}, "
-            f"{list(overrides)!r}))")
+            f"{list(overrides)!r}, {preset!r}))")
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
@@ -216,7 +231,8 @@ def _depth(study: Study, overrides=()) -> str:
 
 def _smoke_rows(name: str, rec: dict, wall: float, peak: float, overrides=()) -> list[dict]:
     study = load_study(name)
-    return [{"study": name, "parameters": _count(rec.get("params")),
+    return [{"study": name, "devices": rec.get("devices", "-"),
+             "parameters": _count(rec.get("params")),
              "tokens/step (smoke)": _count(rec.get("tokens")),
              "peak host memory (GB)": round(peak, 2), "wall (s)": round(wall, 1),
              "result": "OK" if rec.get("ok") else rec["error"],
@@ -272,8 +288,9 @@ def _proven_rows(name: str, rec: dict) -> list[dict]:
     return rows
 
 
-def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]]]:
-    opts = {"only": "", "out": "", "timeout": "3600", "mode": "smoke"}
+def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]], dict]:
+    opts = {"only": "", "out": "", "timeout": "3600", "mode": "smoke", "preset": "full",
+            "devices": "0"}
     overrides: dict[str, list[str]] = {}
     for item in argv:
         key, sep, value = item.partition("=")
@@ -283,10 +300,19 @@ def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]]]:
             continue
         if not sep or key not in opts:
             raise ConfigError(f"bad argument {item!r}; allowed: mode=smoke|aot only=a,b "
-                              "out=DIR timeout=S <study>.<key>=<value>")
+                              "out=DIR timeout=S preset=full|quick devices=N "
+                              "<study>.<key>=<value>")
         opts[key] = value
     if opts["mode"] not in MODES:
         raise ConfigError(f"mode={opts['mode']!r}: expected one of {', '.join(MODES)}")
+    if opts["preset"] not in ("full", "quick"):
+        raise ConfigError(f"preset={opts['preset']!r}: expected full or quick")
+    if opts["mode"] == "aot" and (opts["preset"] != "full" or opts["devices"] != "0"):
+        raise ConfigError("mode=aot proves the full presets for cuda and tpu: preset= and "
+                          "devices= are for mode=smoke")
+    if not opts["devices"].isdigit():
+        raise ConfigError(f"devices={opts['devices']!r}: expected a count of CPU devices "
+                          "(0: as the environment gives them)")
     names = [n for n in opts["only"].split(",") if n] or list(REGISTRY)
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
@@ -301,26 +327,30 @@ def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]]]:
         if study not in names:
             raise ConfigError(f"{study}.{items[0]}: {study} is not among the studies to run "
                               f"({', '.join(names)}); add it to only=")
-        apply_overrides(load_study(study).make_config("full"), items)  # bad key or value
-    return names, Path(opts["out"] or MODES[opts["mode"]]), timeout, opts["mode"], overrides
+        apply_overrides(load_study(study).make_config(opts["preset"]), items)  # bad key/value
+    child = {"preset": opts["preset"], "devices": int(opts["devices"])}
+    return (names, Path(opts["out"] or MODES[opts["mode"]]), timeout, opts["mode"], overrides,
+            child)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        names, out, timeout, mode, overrides = _parse(argv)
+        names, out, timeout, mode, overrides, child_opts = _parse(argv)
         run = RunDir.create(out, name=f"full_{mode}", lock=True)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows, ok = [], 0
     to_rows = _smoke_rows if mode == "smoke" else _aot_rows
-    title = ("Full presets as smoke runs" if mode == "smoke"
+    on = (f" on {child_opts['devices']} CPU devices" if child_opts["devices"] else "")
+    title = (f"{child_opts['preset'].capitalize()} presets as smoke runs{on}" if mode == "smoke"
              else "Full presets ahead of time: every training step at its real shapes")
     try:
         for i, name in enumerate(names):
             print(f"[full_{mode}] {i + 1}/{len(names)} {name}", flush=True)
-            rec, wall, peak = _run_child(name, out, timeout, mode, overrides.get(name, ()))
+            rec, wall, peak = _run_child(name, out, timeout, mode, overrides.get(name, ()),
+                                         **child_opts)
             ok += bool(rec.get("ok"))
             rows += to_rows(name, rec, wall, peak, overrides.get(name, ()))
             print(f"    {'OK' if rec.get('ok') else rec.get('error')} in {wall:.1f} s, "
@@ -328,8 +358,10 @@ def main(argv=None) -> int:
             run.tables.clear()
             run.table(f"full_{mode}", rows, title=title)
         run.note(f"Each study ran in its own Python (`python -m experiments.full_smoke "
-                 f"mode={mode}`); its log is beside this summary ({out}/<study>.log).")
-        run.finish(f"{ok} of {len(names)} full presets proven ({mode}).")
+                 f"{' '.join(argv) or f'mode={mode}'}`); its log is beside this summary "
+                 f"({out}/<study>.log).")
+        run.finish(f"{ok} of {len(names)} {child_opts['preset']} presets proven ({mode}"
+                   f"{on}).")
     finally:
         run.close()
     print(f"[full_{mode}] wrote {out / 'summary.md'}")

@@ -186,7 +186,7 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
     being run, stops the command before anything starts."""
     from experiments.full_smoke import _aot_rows, _parse
 
-    names, _, _, mode, overrides = _parse(
+    names, _, _, mode, overrides, _ = _parse(
         ["mode=aot", "only=ders_upcycling,moee", "ders_upcycling.sm_rates=(0.999,0.9999)"])
     assert names == ["ders_upcycling", "moee"] and mode == "aot"
     assert overrides == {"ders_upcycling": ["sm_rates=(0.999,0.9999)"]}
@@ -196,7 +196,10 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
     for bad, match in [(["only=moee", "ders_upcycling.sm_rates=(0.9,)"], "only="),
                        (["only=ders_upcycling", "ders_upcycling.colour=red"], "colour"),
                        (["only=ders_upcycling", "ders_upcycling.sm_rates=abc"], "float"),
-                       (["nostudy.x=1"], "bad argument")]:
+                       (["nostudy.x=1"], "bad argument"),
+                       (["preset=tiny"], "expected full or quick"),
+                       (["devices=two"], "count of CPU devices"),
+                       (["mode=aot", "devices=2"], "for mode=smoke")]:
         with pytest.raises(ConfigError, match=match):
             _parse(bad)
 
