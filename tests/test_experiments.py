@@ -267,6 +267,25 @@ def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
 
 
 
+def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_path,
+                                                                           monkeypatch, capsys):
+    """Each timed forward is compiled and its estimate compared with the device's memory
+    before the first call (the host made 10 kB): exit 2 in one line naming the key, no row."""
+    import moejax.train.budget as budget
+    from experiments.benchmarks import extracted as bench_extracted
+    from moejax.experiment import main
+
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
+    code = main("bench_extracted", bench_extracted.make_config, bench_extracted.run,
+                ["model=none", "d_model=16", "d_hidden=40", "experts=4", "keep=0.5",
+                 "batches=(2,5)", "seq_len=3", "repeats=1", f"out={tmp_path / 'b'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and " forward needs about " in err[-1], err[-3:]
+    assert "this host's memory is 10.0 kB" in err[-1]
+    assert "lower batches (now (2, 5))" in err[-1]
+    assert not (tmp_path / "b" / "ffn_time.csv").exists()
+
+
 def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
     from experiments.benchmarks import extracted as bench_extracted
 

@@ -182,7 +182,7 @@ def test_a_step_that_cannot_fit_the_device_is_refused_before_it_runs(tmp_path, m
     with pytest.raises(budget.MemoryBudgetError) as e:
         train(model, ToySource(batch_size=4), CFG, run_dir=str(tmp_path / "r"), progress=False)
     msg = str(e.value)
-    assert "GB per device" in msg and "a 1 kB device is 0.00 GB" in msg
+    assert " per device" in msg and "a 1 kB device is 1.0 kB" in msg
     assert "batch_size (now 4)" in msg and "grad_accum" in msg and "\n" not in msg
     assert not (tmp_path / "r" / "checkpoints").exists()  # refused before anything ran
     jax.tree.map(np.testing.assert_array_equal, before,

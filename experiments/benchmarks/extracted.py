@@ -55,6 +55,7 @@ from moejax.nn.encoder import ViT, vit_config
 from moejax.results import RunDir
 from moejax.study import Study
 from moejax.substrates.classifier_data import ClassifierData
+from moejax.train.budget import lowered_fitting
 
 
 @config
@@ -112,6 +113,9 @@ def _time_batch(cfg, slots: dict, batch: int, rng) -> tuple[dict, dict]:
     the tokens use (bool ``[C]``)."""
     x = jnp.asarray(rng.normal(size=(batch, cfg.seq_len, cfg.d_model)), jnp.float32)
     used = {}
+    calls = {k: _forward(s) for k, s in slots.items()}
+    _fitting({k: (f, x) for k, f in calls.items()}, f"lower batches (now {cfg.batches}) or "
+             f"seq_len (now {cfg.seq_len})")
     with jax.default_matmul_precision("highest"):  # GPUs default to TF32 products
         for name, slot in slots.items():
             if name.endswith("compact"):
@@ -119,7 +123,6 @@ def _time_batch(cfg, slots: dict, batch: int, rng) -> tuple[dict, dict]:
                 np.testing.assert_allclose(np.asarray(slot(x)[0]), np.asarray(want),
                                            rtol=1e-4, atol=1e-4)
                 used[name.split()[0]] = np.asarray(aux["load"]) > 0
-    calls = {k: _forward(s) for k, s in slots.items()}
     return time_interleaved({k: (lambda f=f: f(x)) for k, f in calls.items()},
                             repeats=cfg.repeats), used
 
@@ -205,7 +208,16 @@ def _forward(module, encoder: bool = False):
         fn = jax.jit(lambda s, b: apply_model(nnx.merge(graphdef, s), b)[0])
     else:
         fn = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0])
-    return lambda x: fn(state, x)
+    f = lambda x: fn(state, x)  # noqa: E731
+    f.lower = lambda x: fn.lower(state, x)  # to check its memory before the first call
+    return f
+
+
+def _fitting(calls: dict, fix: str) -> None:
+    """Each ``name: (f, x)`` of :func:`_forward` compiled for its ``x`` and checked against
+    the device's memory before any runs (a later call reuses the compilation)."""
+    for name, (f, x) in calls.items():
+        lowered_fitting(f.lower(x), what=f"the {name} forward", fix=fix)
 
 
 def _timed_batch(data: ClassifierData, rows: int) -> dict:
@@ -242,6 +254,9 @@ def _time_layouts(cfg, data, models: dict, stats: dict, batch: dict) -> tuple[li
     fns = {(i, name): _forward(ffn_holder(models[name]).blocks[i].ffn)
            for i in layers for name in names}
     encs = {name: _forward(m, encoder=True) for name, m in models.items()}
+    _fitting({**{f"layer {i} {name}": (f, xs[i]) for (i, name), f in fns.items()},
+              **{f"{name} model": (f, batch) for name, f in encs.items()}},
+             f"lower rows (now {cfg.rows})")
     with jax.default_matmul_precision("highest"):  # GPUs default to TF32 products
         for i in layers:
             for name in ("compact", "serving"):

@@ -36,6 +36,13 @@ def compiled_memory(compiled) -> dict:
             "temp_bytes": int(m.temp_size_in_bytes)}
 
 
+def _size(n_bytes: int) -> str:
+    """``n_bytes`` in GB, or MB / kB where GB would print 0.00."""
+    if n_bytes >= 1e7:
+        return f"{n_bytes / 1e9:.2f} GB"
+    return f"{n_bytes / 1e6:.2f} MB" if n_bytes >= 1e5 else f"{n_bytes / 1e3:.1f} kB"
+
+
 class MemoryBudgetError(ConfigError):
     """The compiled training step needs more memory than the device has."""
 
@@ -66,9 +73,9 @@ def check_fits(peak_bytes: int, cfg, device) -> None:
     if have is None or peak_bytes <= have[0]:
         return
     raise MemoryBudgetError(
-        f"the training step needs about {peak_bytes / 1e9:.2f} GB per device (XLA's estimate: "
+        f"the training step needs about {_size(peak_bytes)} per device (XLA's estimate: "
         f"weights, optimizer state, batch, activations) but {have[1]} is "
-        f"{have[0] / 1e9:.2f} GB. Fix: shrink it with the run's batch_size (now "
+        f"{_size(have[0])}. Fix: shrink it with the run's batch_size (now "
         f"{cfg.batch_size}) or the sequence length, raise grad_accum (now {cfg.grad_accum}), "
         f"set fsdp=true (now {cfg.fsdp}) or a larger mesh (mesh_data / mesh_expert), or run "
         "on a machine with more memory")
@@ -81,8 +88,8 @@ def check_program_fits(peak_bytes: int, device, what: str, fix: str) -> None:
     if have is None or peak_bytes <= have[0]:
         return
     raise MemoryBudgetError(
-        f"{what} needs about {peak_bytes / 1e9:.2f} GB per device (XLA's estimate) but "
-        f"{have[1]} is {have[0] / 1e9:.2f} GB. Fix: {fix}")
+        f"{what} needs about {_size(peak_bytes)} per device (XLA's estimate) but "
+        f"{have[1]} is {_size(have[0])}. Fix: {fix}")
 
 
 def compile_fitting(fn, *args, what: str, fix: str):
@@ -100,6 +107,6 @@ def lowered_fitting(lowered, *, what: str, fix: str):
     peak = compiled_memory(compiled)["peak_bytes"]
     device = jax.devices()[0]
     if peak > 0:
-        log.info("%s: about %.2f GB per device (XLA's estimate)", what, peak / 1e9)
+        log.info("%s: about %s per device (XLA's estimate)", what, _size(peak))
     check_program_fits(peak, device, what, fix)
     return compiled
