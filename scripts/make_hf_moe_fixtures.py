@@ -2,7 +2,8 @@
 ``save_pretrained``, and transformers' logits on fixed prompts beside them (not run by CI;
 needs torch and transformers, e.g. a separate virtualenv):
 
-    python scripts/make_hf_moe_fixtures.py tests/fixtures/hf_moe            # make
+    python scripts/make_hf_moe_fixtures.py tests/fixtures/hf_moe            # make all
+    python scripts/make_hf_moe_fixtures.py tests/fixtures/hf_moe olmoe      # make one
     python scripts/make_hf_moe_fixtures.py tests/fixtures/hf_moe --check DIR  # logits of an
                                                                           # exported DIR
 
@@ -27,6 +28,28 @@ FAMILIES = {
         max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-5,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
         tie_word_embeddings=False, attn_implementation="eager"),
+    # one gated shared expert, q/k/v biases, top-k weights not renormalised
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
+        rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+        tie_word_embeddings=False, attn_implementation="eager"),
+    # per-head q/k RMSNorms, a head_dim that is not hidden / heads, renormalised top-k
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        use_sliding_window=False, tie_word_embeddings=False, attn_implementation="eager"),
+    # q/k RMSNorms over the whole projections, softmax over all experts then top-k
+    "olmoe": lambda: transformers.OlmoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=10000.0, rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=False, clip_qkv=None, tie_word_embeddings=False,
+        attn_implementation="eager"),
 }
 
 
@@ -39,14 +62,18 @@ def logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
 
 
-def make(out: Path) -> None:
+def make(out: Path, only: list[str]) -> None:
     for family, make_config in FAMILIES.items():
+        if only and family not in only:
+            continue
         torch.manual_seed(0)
         cfg = make_config()
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
         with torch.no_grad():  # routers and norms away from their trivial initial values
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+                elif name.endswith(".bias"):
                     p.add_(0.1 * torch.randn_like(p))
                 elif name.endswith("gate.weight"):
                     p.mul_(20.0)
@@ -73,4 +100,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[2] == "--check":
         check(Path(sys.argv[1]), Path(sys.argv[3]))
     else:
-        make(Path(sys.argv[1]))
+        make(Path(sys.argv[1]), sys.argv[2:])

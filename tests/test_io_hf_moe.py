@@ -1,8 +1,8 @@
-"""Hugging Face Mixtral checkpoints in and out (moejax.io.hf_moe), against transformers' own
-logits committed beside tiny checkpoints it made (scripts/make_hf_moe_fixtures.py): the
-import equals transformers' forward on every dispatch path, an exported model loads in
-transformers with the same logits, a round trip is bit-identical, and what the layers cannot
-reproduce is refused in one line naming the key."""
+"""Hugging Face MoE checkpoints in and out (moejax.io.hf_moe: Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE), against transformers' own logits committed beside tiny checkpoints it made
+(scripts/make_hf_moe_fixtures.py): the import equals transformers' forward on every dispatch
+path, an exported model loads in transformers with the same logits, a round trip is
+bit-identical, and what the layers cannot reproduce is refused in one line naming the key."""
 
 import json
 import shutil
@@ -24,18 +24,64 @@ MIXTRAL = FIXTURES / "mixtral"
 PROMPTS = np.load(MIXTRAL / "prompts.npy")
 
 
+def _assert_same_model(a_model, b_model):
+    """The same config and every parameter bit for bit."""
+    assert a_model.cfg == b_model.cfg
+    a, b = flat_params(a_model), flat_params(b_model)
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+
 def _logits(model):
     out, _ = model(jnp.asarray(PROMPTS), train=False)
     return np.asarray(out)
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "dense", "capacity", "grouped", "ragged",
-                                      "bucketed", "host"])
-def test_mixtral_import_equals_transformers(dispatch):
-    model = load_hf_moe(MIXTRAL, dispatch=dispatch)
-    want = np.load(MIXTRAL / "logits.npy")
-    np.testing.assert_allclose(_logits(model), want, rtol=0, atol=1e-5)
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+DISPATCHES = ("auto", "dense", "capacity", "grouped", "ragged", "bucketed", "host")
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_import_equals_transformers(family, dispatch):
+    d = FIXTURES / family
+    model = load_hf_moe(d, dispatch=dispatch)
+    out, _ = model(jnp.asarray(np.load(d / "prompts.npy")), train=False)
+    np.testing.assert_allclose(np.asarray(out), np.load(d / "logits.npy"), rtol=0, atol=1e-5)
     assert model.cfg.ffn_slots[0].n_experts == 4 and model.cfg.ffn_slots[0].top_k == 2
+
+
+def test_each_familys_layers_are_read_from_its_config():
+    """What the fixtures' configs set: Qwen2-MoE's gated shared expert, q/k/v biases and raw
+    top-k weights; Qwen3-MoE's per-head q/k norms, its own head_dim and renormalised
+    weights; OLMoE's whole-projection q/k norms and raw weights."""
+    cfgs = {f: load_hf_moe(FIXTURES / f).cfg for f in FAMILIES}
+    moe = {f: c.ffn_slots[0] for f, c in cfgs.items()}
+    assert (moe["qwen2_moe"].n_shared_experts, moe["qwen2_moe"].d_shared,
+            moe["qwen2_moe"].shared_gate) == (1, 40, True)
+    assert [moe[f].renormalize for f in FAMILIES] == [True, False, True, False]
+    assert [cfgs[f].qk_norm for f in FAMILIES] == ["none", "none", "head", "full"]
+    assert [cfgs[f].qkv_bias for f in FAMILIES] == [False, True, False, False]
+    assert cfgs["qwen3_moe"].head_dim == 12 and moe["qwen3_moe"].d_expert == 24
+
+
+@pytest.mark.parametrize("family", FAMILIES[1:])
+def test_an_exported_family_loads_in_transformers_with_the_same_logits(family, tmp_path):
+    """The imported fixture saved again (its family's layout) is what transformers read
+    (exported_checks/<family>: the config.json it read and its logits, by the fixture script's
+    --check): today's export writes that config, a round trip is bit-identical, and
+    transformers' logits of the export equal moejax's."""
+    model = load_hf_moe(FIXTURES / family)
+    save_hf_moe(model, tmp_path / "out")
+    checked = FIXTURES / "exported_checks" / family
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
+        (checked / "config.json").read_text())
+    back = load_hf_moe(tmp_path / "out")
+    _assert_same_model(back, model)
+    out, _ = back(jnp.asarray(np.load(FIXTURES / family / "prompts.npy")), train=False)
+    np.testing.assert_allclose(np.asarray(out), np.load(checked / "transformers_logits.npy"),
+                               rtol=0, atol=1e-5)
 
 
 def test_an_exported_model_loads_in_transformers_with_the_same_logits():
@@ -62,18 +108,14 @@ def test_round_trip_is_bit_identical(tmp_path):
     model = load_hf_moe(MIXTRAL)
     save_hf_moe(model, tmp_path / "out")
     back = load_hf_moe(tmp_path / "out")
-    assert back.cfg == model.cfg
-    a, b = flat_params(model), flat_params(back)
-    assert set(a) == set(b)
-    for k in a:
-        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+    _assert_same_model(back, model)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 4
 
 
-def _edited(tmp_path, **changes):
+def _edited(tmp_path, family="mixtral", **changes):
     d = tmp_path / "edited"
-    shutil.copytree(MIXTRAL, d)
+    shutil.copytree(FIXTURES / family, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -81,26 +123,63 @@ def _edited(tmp_path, **changes):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe': needs a sigmoid-gated shared"),
-    ({"model_type": "olmoe"}, "model_type='olmoe': needs q/k RMSNorms"),
-    ({"model_type": "llama"}, "only 'mixtral' is read"),
+    ({"model_type": "llama"}, "model_type='llama': moejax reads mixtral, qwen2_moe"),
+    ({"model_type": "qwen2_moe"}, "has no 'num_experts', which a qwen2_moe config needs"),
     ({"sliding_window": 4096}, "sliding_window=4096"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ({"num_local_experts": 8}, "experts"),
 ])
 def test_what_the_layers_cannot_reproduce_is_refused(tmp_path, change, words):
     with pytest.raises(WeightFileError) as e:
-        load_hf_moe(_edited(tmp_path, **change))
+        load_hf_moe(_edited(tmp_path, "mixtral", **change))
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_models_without_a_mixtral_layout_are_not_exported(tmp_path):
-    blockffn = BlockFFNConfig(n_experts=4, d_expert=8)
-    cfg = DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
-                        ffn_slots=layer_pattern(2, blockffn, blockffn, every=1))
-    with pytest.raises(ValueError, match="no Mixtral layout: every block's FFN must be"):
+@pytest.mark.parametrize("family, change, words", [
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window=True"),
+    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ("olmoe", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling="),
+])
+def test_each_familys_unsupported_options_are_refused(tmp_path, family, change, words):
+    with pytest.raises(WeightFileError) as e:
+        load_hf_moe(_edited(tmp_path, family, **change))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def _moe_decoder(**moe_kw):
+    from moejax.nn.moe import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, **moe_kw)
+    return DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
+                         ffn_slots=layer_pattern(2, moe, moe, every=1))
+
+
+@pytest.mark.parametrize("cfg, words", [
+    (DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_slots=layer_pattern(
+        2, BlockFFNConfig(n_experts=4, d_expert=8), BlockFFNConfig(n_experts=4, d_expert=8),
+        every=1)), "every block's FFN must be a plain MoE"),
+    (_moe_decoder(renormalize=False), "Mixtral renormalises"),
+    (_moe_decoder(n_shared_experts=1), "no family has these layers"),
+    (_moe_decoder().replace(qk_norm="head", qkv_bias=True), "no family has these layers"),
+])
+def test_models_without_a_hugging_face_layout_are_not_exported(tmp_path, cfg, words):
+    with pytest.raises(ValueError, match=words):
         save_hf_moe(DecoderLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "x")
     assert not (tmp_path / "x" / "model.safetensors").exists()
+
+
+def test_a_plain_moe_exports_as_mixtral_and_qwen_layers_as_their_family(tmp_path):
+    from moejax.io.hf_moe import _family_of
+
+    assert _family_of(_moe_decoder()) == "mixtral"
+    assert _family_of(_moe_decoder(n_shared_experts=1, shared_gate=True)) == "qwen2_moe"
+    assert _family_of(_moe_decoder(n_shared_experts=1, shared_gate=True).replace(
+        qkv_bias=True)) == "qwen2_moe"
+    assert _family_of(_moe_decoder().replace(qk_norm="head")) == "qwen3_moe"
+    assert _family_of(_moe_decoder(renormalize=False).replace(qk_norm="full")) == "olmoe"
 
 
 def test_bf16_stays_bf16(tmp_path):
@@ -150,3 +229,78 @@ def test_a_sharded_checkpoint_reads_the_same(tmp_path):
     a, b = flat_params(load_hf_moe(d)), flat_params(load_hf_moe(MIXTRAL))
     for k in b:
         np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+
+def _sharded(tmp_path, family="qwen3_moe", edit=None):
+    """``family``'s fixture as two shards and an index; ``edit(tensors_by_shard, index)``
+    changes them before they are written."""
+    from moejax.io.safetensors_io import export_params, read_safetensors
+
+    tensors, _ = read_safetensors(FIXTURES / family / "model.safetensors")
+    names = sorted(tensors)
+    first = [k for k in names if ".experts.1." in k or "embed" in k]
+    shards = {"a.safetensors": {k: tensors[k] for k in first},
+              "b.safetensors": {k: tensors[k] for k in names if k not in first}}
+    index = {"weight_map": {k: shard for shard, ts in shards.items() for k in ts}}
+    if edit is not None:
+        edit(shards, index)
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for shard, ts in shards.items():
+        export_params(ts, d / shard, metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(FIXTURES / family / "config.json", d / "config.json")
+    return d
+
+
+def _dup(shards, index):
+    k = next(iter(shards["b.safetensors"]))
+    shards["a.safetensors"][k] = shards["b.safetensors"][k]
+
+
+def _outside(shards, index):
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+
+
+def _missing(shards, index):
+    index["weight_map"]["model.norm.weight"] = "c.safetensors"
+
+
+def _shape(shards, index):
+    k = next(k for k in shards["a.safetensors"] if ".experts.1.up_proj" in k)
+    shards["a.safetensors"][k] = shards["a.safetensors"][k][:, :-1]
+
+
+def _int(shards, index):
+    k = next(k for k in shards["a.safetensors"] if ".experts.1.up_proj" in k)
+    shards["a.safetensors"][k] = shards["a.safetensors"][k].astype(np.int32)
+
+
+def _drop_norm(shards, index):
+    k = next(k for k in shards["b.safetensors"] if "q_norm" in k)
+    del shards["b.safetensors"][k]
+    del index["weight_map"][k]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (None, None),
+    (_dup, "appears twice (also in"),
+    (_outside, "names shard '../elsewhere.safetensors', outside its directory"),
+    (_missing, "names shard 'c.safetensors', which is missing"),
+    (_shape, "the config's experts are (32, 24) floats"),
+    (_int, "is int32"),
+    (_drop_norm, "missing tensors"),
+])
+def test_bad_checkpoints_are_refused_in_one_line_naming_file_and_tensor(tmp_path, edit, words):
+    """A sharded Qwen3-MoE checkpoint reads as the single file; each fault (duplicate tensor,
+    a shard outside the directory or missing, an expert of the wrong shape or dtype, a tensor
+    the config needs but the files lack) is refused in one line and returns no model."""
+    d = _sharded(tmp_path, edit=edit)
+    if words is None:
+        a, b = flat_params(load_hf_moe(d)), flat_params(load_hf_moe(FIXTURES / "qwen3_moe"))
+        for k in b:
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+        return
+    with pytest.raises(WeightFileError) as e:
+        load_hf_moe(d)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -30,6 +30,18 @@ def n_params(model):
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 32, size=(2, 9)), jnp.int32)
 
 
+def _prefill_then_steps(model, decode=None):
+    """``(logits [2, 9, V], cache)``: TOKENS' first 5 tokens prefilled into an empty cache,
+    then the other 4 decoded one at a time."""
+    decode = decode or (lambda m, t, c: m.decode(t, c))
+    logits, cache = decode(model, TOKENS[:, :5], model.init_cache(2, 12))
+    steps = [logits]
+    for t in range(5, 9):
+        logits, cache = decode(model, TOKENS[:, t:t + 1], cache)
+        steps.append(logits)
+    return jnp.concatenate(steps, 1), cache
+
+
 # ---------------------------------------------------------------- test-only FFN slot
 
 
@@ -66,16 +78,30 @@ class ConstAuxSlot(nnx.Module):
 def test_prefill_plus_cached_decode_matches_full_forward(rope_style):
     model = DecoderLM(tiny_cfg(rope_style=rope_style), rngs=nnx.Rngs(0))
     full, _ = model(TOKENS)
-    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
-    cache = model.init_cache(2, 12)
-    logits, cache = decode(model, TOKENS[:, :5], cache)
-    steps = [logits]
-    for t in range(5, 9):
-        logits, cache = decode(model, TOKENS[:, t:t + 1], cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, 1), full, rtol=1e-4, atol=1e-4)
+    cached, cache = _prefill_then_steps(model, nnx.jit(lambda m, t, c: m.decode(t, c)))
+    np.testing.assert_allclose(cached, full, rtol=1e-4, atol=1e-4)
     assert full.shape == (2, 9, 32) and full.dtype == jnp.float32
     assert all(int(c.lengths_B[0]) == 9 for c in cache) and len(cache) == 2
+
+
+@pytest.mark.parametrize("layers", [dict(qk_norm="head"), dict(qk_norm="full"),
+                                    dict(qkv_bias=True)])
+def test_qk_norms_and_qkv_biases_decode_as_the_full_forward(layers):
+    """Per-head and whole-projection q/k RMSNorms (Qwen3, OLMoE) and q/k/v biases (Qwen2)
+    apply before RoPE on the cached path as on the full one; they add their parameters."""
+    model = DecoderLM(tiny_cfg(**layers), rngs=nnx.Rngs(0))
+    for _, p in nnx.iter_graph(model):  # norms and biases away from 1 / 0
+        if isinstance(p, nnx.Param):
+            p[...] = p[...] + 0.1 * jax.random.normal(jax.random.key(p[...].size),
+                                                      p[...].shape)
+    full, _ = model(TOKENS)
+    np.testing.assert_allclose(_prefill_then_steps(model)[0], full, rtol=1e-4, atol=1e-4)
+    attn = model.blocks[0].attn  # head_dim 4, 4 query heads, 2 kv heads
+    if layers.get("qk_norm"):
+        shapes = (attn.q_norm.scale[...].shape, attn.k_norm.scale[...].shape)
+        assert shapes == {"head": ((4,), (4,)), "full": ((16,), (8,))}[layers["qk_norm"]]
+    else:
+        assert attn.b_q[...].shape == (16,) and not hasattr(attn, "b_o")
 
 
 def test_tied_vs_untied_parameter_counts():

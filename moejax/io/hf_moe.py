@@ -1,43 +1,59 @@
-"""Hugging Face MoE checkpoints in and out: Mixtral ``config.json`` + (sharded)
-``*.safetensors`` <-> :class:`moejax.nn.decoder.DecoderLM` with an MoE FFN in every block.
+"""Hugging Face MoE checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
+``config.json`` + (sharded) ``*.safetensors`` <-> :class:`moejax.nn.decoder.DecoderLM` with an
+MoE FFN in every block.
 
-    model = load_hf_moe("path/to/mixtral")      # a DecoderLM equal to transformers' forward
-    save_hf_moe(model, "out/dir")               # config.json + model.safetensors, Mixtral layout
+    model = load_hf_moe("path/to/checkpoint")   # a DecoderLM equal to transformers' forward
+    save_hf_moe(model, "out/dir")               # config.json + model.safetensors
 
-Layout (safetensors ``[out, in]``; moejax ``[in, out]``; experts stacked on a leading axis):
+Layout (safetensors ``[out, in]``; moejax ``[in, out]``; experts stacked on a leading axis;
+``<moe>`` is ``block_sparse_moe`` in Mixtral, ``mlp`` in the others; Mixtral's expert
+matrices are ``w1`` / ``w3`` / ``w2``, the others' ``gate_proj`` / ``up_proj`` /
+``down_proj``):
 
-==========================================================  =================================
-Mixtral tensor                                              moejax parameter
-==========================================================  =================================
-``model.embed_tokens.weight`` [V, D]                        ``embed``
-``lm_head.weight`` [V, D]                                   ``w_head`` [D, V] (untied)
-``model.layers.i.input_layernorm.weight``                   ``blocks/i/attn_norm/scale``
-``model.layers.i.self_attn.{q,k,v,o}_proj.weight``          ``blocks/i/attn/w_{q,k,v,o}``
-``model.layers.i.post_attention_layernorm.weight``          ``blocks/i/ffn_norm/scale``
-``model.layers.i.block_sparse_moe.gate.weight`` [E, D]      ``blocks/i/ffn/router/w_g`` [D, E]
-``model.layers.i.block_sparse_moe.experts.j.w1`` [F, D]     ``blocks/i/ffn/experts/w_gate[j]``
-``model.layers.i.block_sparse_moe.experts.j.w3`` [F, D]     ``blocks/i/ffn/experts/w_up[j]``
-``model.layers.i.block_sparse_moe.experts.j.w2`` [D, F]     ``blocks/i/ffn/experts/w_down[j]``
-``model.norm.weight``                                       ``final_norm/scale``
-==========================================================  =================================
+===============================================================  ==============================
+Hugging Face tensor                                              moejax parameter
+===============================================================  ==============================
+``model.embed_tokens.weight`` [V, D]                             ``embed``
+``lm_head.weight`` [V, D]                                        ``w_head`` [D, V] (untied)
+``model.layers.i.input_layernorm.weight``                        ``blocks/i/attn_norm/scale``
+``model.layers.i.self_attn.{q,k,v,o}_proj.weight``               ``blocks/i/attn/w_{q,k,v,o}``
+``model.layers.i.self_attn.{q,k,v}_proj.bias`` (Qwen2-MoE)       ``blocks/i/attn/b_{q,k,v}``
+``model.layers.i.self_attn.{q,k}_norm.weight`` (Qwen3, OLMoE)    ``blocks/i/attn/{q,k}_norm/scale``
+``model.layers.i.post_attention_layernorm.weight``               ``blocks/i/ffn_norm/scale``
+``model.layers.i.<moe>.gate.weight`` [E, D]                      ``blocks/i/ffn/router/w_g``
+``model.layers.i.<moe>.experts.j.<gate>.weight`` [F, D]          ``blocks/i/ffn/experts/w_gate[j]``
+``model.layers.i.<moe>.experts.j.<up>.weight`` [F, D]            ``blocks/i/ffn/experts/w_up[j]``
+``model.layers.i.<moe>.experts.j.<down>.weight`` [D, F]          ``blocks/i/ffn/experts/w_down[j]``
+``model.layers.i.mlp.shared_expert.*_proj.weight`` (Qwen2-MoE)   ``blocks/i/ffn/shared/w_*``
+``model.layers.i.mlp.shared_expert_gate.weight`` [1, D]          ``blocks/i/ffn/w_shared_gate``
+``model.norm.weight``                                            ``final_norm/scale``
+===============================================================  ==============================
 
-Mixtral routes with a softmax over every expert's logit, keeps the top k and renormalises
-them (the same as a softmax over the k kept logits): the softmax router with
-``renormalize=True``. RoPE is the "rotate half" layout (``rope_style="half"``), so q and k
-need no permutation. Every setting is read from ``config.json``; a ``model_type`` other than
-``mixtral``, or an option the layers lack (a sliding window, router jitter, attention
-biases), is refused in one line naming the key. The shards are read one at a time; each
-tensor goes to its place as its shard is read, and a layer's stacked experts are assembled
-from their shards before they leave the host. bf16 files stay bf16 (the model's
-``param_dtype``).
+What each family's import reads from ``config.json``:
 
-Qwen2-MoE / Qwen3-MoE (a sigmoid-gated shared expert, q/k/v biases or per-head q/k norms)
-and OLMoE (q/k norms) need layers moejax's decoder does not have yet; they are refused,
-naming what is missing.
+* **Mixtral**: a softmax over every expert's logit, the top k kept and renormalised (the
+  softmax router with ``renormalize=True``).
+* **Qwen2-MoE**: the same router, renormalised only where ``norm_topk_prob`` says so; q, k
+  and v projections with biases; one shared expert of ``shared_expert_intermediate_size``
+  whose output a per-token sigmoid gate scales (``MoEConfig.shared_gate``).
+* **Qwen3-MoE**: the router as Qwen2-MoE's; an RMSNorm on each head's queries and keys
+  before RoPE (``qk_norm="head"``); no shared expert.
+* **OLMoE**: a softmax over all experts, then the top k, renormalised only where
+  ``norm_topk_prob`` says so (by default not); RMSNorms over the whole q and k projections
+  (``qk_norm="full"``).
+
+RoPE is the "rotate half" layout in all four (``rope_style="half"``), so q and k need no
+permutation. An unknown ``model_type``, or an option the layers lack (a sliding window,
+router jitter, rope scaling, dense layers between the sparse ones, clipped q/k/v, attention
+biases where the family has none), is refused in one line naming the key. The shards are read
+one at a time; each tensor goes to its place as its shard is read, and a layer's stacked
+experts are assembled from their shards before they leave the host. bf16 files stay bf16 (the
+model's ``param_dtype``). :func:`save_hf_moe` writes the family whose layers the model has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,61 +68,107 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern
 
-__all__ = ["hf_moe_config", "load_hf_moe", "save_hf_moe", "UNSUPPORTED_FAMILIES"]
+__all__ = ["hf_moe_config", "load_hf_moe", "save_hf_moe", "FAMILIES", "HFMoEFamily"]
 
-UNSUPPORTED_FAMILIES = {
-    "qwen2_moe": "a sigmoid-gated shared expert and q/k/v biases",
-    "qwen3_moe": "per-head q/k RMSNorms",
-    "olmoe": "q/k RMSNorms",
+_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMoEFamily:
+    """What one Hugging Face MoE family's checkpoint holds and how its config names it."""
+
+    architecture: str
+    moe: str  # the MoE block's module name in a layer
+    experts: dict  # moejax expert matrix -> the family's name
+    d_expert_key: str
+    n_experts_key: str
+    renormalize_key: str | None  # None: always renormalised (Mixtral)
+    qk_norm: str = "none"
+    qkv_bias: bool = False  # q/k/v biases as the config's "qkv_bias" says (default: present)
+    shared: bool = False
+    # config keys whose value must be this (a layer moejax lacks otherwise)
+    required: tuple = ()
+    default_aux_coef: float = 0.01
+
+
+FAMILIES = {
+    "mixtral": HFMoEFamily(
+        "MixtralForCausalLM", "block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"},
+        "intermediate_size", "num_local_experts", None,
+        required=(("sliding_window", None), ("router_jitter_noise", 0.0),
+                  ("attention_bias", False), ("mlp_bias", False)), default_aux_coef=0.02),
+    "qwen2_moe": HFMoEFamily(
+        "Qwen2MoeForCausalLM", "mlp", _PROJ, "moe_intermediate_size", "num_experts",
+        "norm_topk_prob", qkv_bias=True, shared=True,
+        required=(("use_sliding_window", False), ("decoder_sparse_step", 1),
+                  ("mlp_only_layers", [])), default_aux_coef=0.001),
+    "qwen3_moe": HFMoEFamily(
+        "Qwen3MoeForCausalLM", "mlp", _PROJ, "moe_intermediate_size", "num_experts",
+        "norm_topk_prob", qk_norm="head",
+        required=(("use_sliding_window", False), ("decoder_sparse_step", 1),
+                  ("mlp_only_layers", []), ("attention_bias", False)), default_aux_coef=0.001),
+    "olmoe": HFMoEFamily(
+        "OlmoeForCausalLM", "mlp", _PROJ, "intermediate_size", "num_experts", "norm_topk_prob",
+        qk_norm="full", required=(("clip_qkv", None), ("attention_bias", False))),
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-# A block's tensors other than its experts: Mixtral name -> (moejax name, transposed)
-_LAYER_TENSORS = {"input_layernorm.weight": ("attn_norm/scale", False),
-                  "post_attention_layernorm.weight": ("ffn_norm/scale", False),
-                  "self_attn.q_proj.weight": ("attn/w_q", True),
-                  "self_attn.k_proj.weight": ("attn/w_k", True),
-                  "self_attn.v_proj.weight": ("attn/w_v", True),
-                  "self_attn.o_proj.weight": ("attn/w_o", True),
-                  "block_sparse_moe.gate.weight": ("ffn/router/w_g", True)}
-_FIX = "convert it to a Mixtral checkpoint, or load it with transformers"
+_FIX = "convert it to a supported family, or load it with transformers"
 
 
 def _refuse(path, key: str, value, why: str) -> WeightFileError:
     return WeightFileError(path, f"config.json: {key}={value!r}: {why}", _FIX)
 
 
+def _family(path: Path, c: dict) -> tuple[str, HFMoEFamily]:
+    kind = c.get("model_type")
+    if kind not in FAMILIES:
+        raise _refuse(path, "model_type", kind, f"moejax reads {', '.join(FAMILIES)}")
+    fam = FAMILIES[kind]
+    for key, ok in fam.required:
+        if key in c and c[key] != ok and not (ok is None and c[key] in (0, None)):
+            raise _refuse(path, key, c[key], f"moejax's layers need {ok!r} here")
+    if c.get("hidden_act", "silu") != "silu":
+        raise _refuse(path, "hidden_act", c["hidden_act"], "the experts are SwiGLU (silu)")
+    if c.get("rope_scaling"):
+        raise _refuse(path, "rope_scaling", c["rope_scaling"], "plain RoPE only")
+    return kind, fam
+
+
 def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> DecoderConfig:
-    """The :class:`DecoderConfig` of a Mixtral ``config.json`` (every MoE setting read from
-    it; anything the layers cannot reproduce refused, naming the key); ``dispatch``: the MoE
-    layers' dispatch path (:mod:`moejax.kernels.moe_dispatch`)."""
+    """The :class:`DecoderConfig` of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE ``config.json``
+    (every setting read from it; anything the layers cannot reproduce refused, naming the
+    key); ``dispatch``: the MoE layers' dispatch path (:mod:`moejax.kernels.moe_dispatch`)."""
     path = Path(config_json)
     try:
         c = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
                               _FIX) from None
-    kind = c.get("model_type")
-    if kind in UNSUPPORTED_FAMILIES:
-        raise _refuse(path, "model_type", kind, f"needs {UNSUPPORTED_FAMILIES[kind]}, which "
-                      "moejax's decoder layers do not have")
-    if kind != "mixtral":
-        raise _refuse(path, "model_type", kind, "only 'mixtral' is read")
-    for key, ok in (("sliding_window", None), ("router_jitter_noise", 0.0),
-                    ("attention_bias", False), ("mlp_bias", False)):
-        if c.get(key, ok) not in (ok, 0):
-            raise _refuse(path, key, c[key], "moejax's layers have no such option")
-    if c.get("hidden_act", "silu") != "silu":
-        raise _refuse(path, "hidden_act", c["hidden_act"], "the experts are SwiGLU (silu)")
-    if c.get("rope_scaling"):
-        raise _refuse(path, "rope_scaling", c["rope_scaling"], "plain RoPE only")
+    kind, fam = _family(path, c)
+    try:
+        return _decoder_config(c, fam, dispatch, overrides)
+    except KeyError as e:
+        raise WeightFileError(path, f"config.json has no {e.args[0]!r}, which a {kind} "
+                              "config needs", _FIX) from None
+
+
+def _decoder_config(c: dict, fam: HFMoEFamily, dispatch: str, overrides: dict
+                    ) -> DecoderConfig:
     dtype = _DTYPES.get(str(c.get("torch_dtype") or c.get("dtype") or "float32"), "float32")
     n_layers, d = int(c["num_hidden_layers"]), int(c["hidden_size"])
-    moe = MoEConfig(n_experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
-                    d_expert=int(c["intermediate_size"]), activation="swiglu",
-                    router="softmax", renormalize=True, balance_loss="switch",
-                    balance_coef=float(c.get("router_aux_loss_coef", 0.02)),
-                    dispatch=dispatch, **({"capacity_factor": float(c["num_local_experts"])}
-                                          if "capacity" in dispatch else {}))
+    n_experts = int(c[fam.n_experts_key])
+    shared = {}
+    if fam.shared:
+        shared = dict(n_shared_experts=1, d_shared=int(c["shared_expert_intermediate_size"]),
+                      shared_gate=True)
+    moe = MoEConfig(n_experts=n_experts, top_k=int(c["num_experts_per_tok"]),
+                    d_expert=int(c[fam.d_expert_key]), activation="swiglu",
+                    router="softmax", balance_loss="switch",
+                    renormalize=(True if fam.renormalize_key is None
+                                 else bool(c.get(fam.renormalize_key, False))),
+                    balance_coef=float(c.get("router_aux_loss_coef", fam.default_aux_coef)),
+                    dispatch=dispatch, **shared,
+                    **({"capacity_factor": float(n_experts)} if "capacity" in dispatch else {}))
     n_heads = int(c["num_attention_heads"])
     base = dict(vocab_size=int(c["vocab_size"]), d_model=d, n_layers=n_layers,
                 n_heads=n_heads, n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
@@ -115,10 +177,31 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
                 rope_base=float(c.get("rope_theta", 10000.0)), rope_style="half",
                 norm_eps=float(c.get("rms_norm_eps", 1e-5)),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                dtype=dtype, param_dtype=dtype,
+                dtype=dtype, param_dtype=dtype, qk_norm=fam.qk_norm,
+                qkv_bias=fam.qkv_bias and bool(c.get("qkv_bias", True)),
                 ffn_slots=layer_pattern(n_layers, moe, moe, every=1))
     base.update(overrides)
     return DecoderConfig(**base)
+
+
+def _layer_tensors(fam: HFMoEFamily, qkv_bias: bool) -> dict[str, tuple[str, bool]]:
+    """A block's tensors other than its routed experts: HF name -> (moejax name,
+    transposed)."""
+    out = {"input_layernorm.weight": ("attn_norm/scale", False),
+           "post_attention_layernorm.weight": ("ffn_norm/scale", False),
+           f"{fam.moe}.gate.weight": ("ffn/router/w_g", True)}
+    for x in "qkvo":
+        out[f"self_attn.{x}_proj.weight"] = (f"attn/w_{x}", True)
+    if qkv_bias:
+        out.update({f"self_attn.{x}_proj.bias": (f"attn/b_{x}", False) for x in "qkv"})
+    if fam.qk_norm != "none":
+        out.update({f"self_attn.{x}_norm.weight": (f"attn/{x}_norm/scale", False)
+                    for x in "qk"})
+    if fam.shared:
+        out.update({f"mlp.shared_expert.{hf}.weight": (f"ffn/shared/{ours}", True)
+                    for ours, hf in _PROJ.items()})
+        out["mlp.shared_expert_gate.weight"] = ("ffn/w_shared_gate", True)
+    return out
 
 
 def _shards(directory: Path) -> list[Path]:
@@ -129,7 +212,17 @@ def _shards(directory: Path) -> list[Path]:
         except (OSError, ValueError, KeyError) as e:
             raise WeightFileError(index, f"unreadable shard index ({type(e).__name__}: {e})",
                                   _FIX) from None
-        return [directory / name for name in dict.fromkeys(weight_map.values())]
+        shards = []
+        for name in dict.fromkeys(weight_map.values()):
+            shard = directory / str(name)
+            if shard.resolve().parent != directory.resolve():
+                raise WeightFileError(index, f"names shard {name!r}, outside its directory",
+                                      "the index must name files beside it")
+            if not shard.is_file():
+                raise WeightFileError(index, f"names shard {name!r}, which is missing",
+                                      "the checkpoint is incomplete: download every shard")
+            shards.append(shard)
+        return shards
     single = directory / "model.safetensors"
     if not single.is_file():
         raise WeightFileError(directory, "holds neither model.safetensors nor "
@@ -137,8 +230,10 @@ def _shards(directory: Path) -> list[Path]:
     return [single]
 
 
-def _moejax_name(name: str) -> tuple[str, int | None, bool] | None:
-    """``(moejax parameter, expert index or None, transpose)`` of a Mixtral tensor name."""
+def _moejax_name(name: str, fam: HFMoEFamily, layer_tensors: dict
+                 ) -> tuple[str, int | None, bool] | None:
+    """``(moejax parameter, expert index or None, transpose)`` of one of ``fam``'s tensor
+    names (``layer_tensors``: :func:`_layer_tensors` of ``fam``)."""
     if name == "model.embed_tokens.weight":
         return "embed", None, False
     if name == "lm_head.weight":
@@ -149,12 +244,12 @@ def _moejax_name(name: str) -> tuple[str, int | None, bool] | None:
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         return None
     o, rest = f"blocks/{parts[2]}/", ".".join(parts[3:])
-    if rest in _LAYER_TENSORS:
-        target, transpose = _LAYER_TENSORS[rest]
+    if rest in layer_tensors:
+        target, transpose = layer_tensors[rest]
         return o + target, None, transpose
-    if (len(parts) == 8 and parts[3:5] == ["block_sparse_moe", "experts"]
+    if (len(parts) == 8 and parts[3:5] == [fam.moe, "experts"]
             and parts[5].isdigit() and parts[7] == "weight"):
-        which = {"w1": "w_gate", "w3": "w_up", "w2": "w_down"}.get(parts[6])
+        which = {hf: ours for ours, hf in fam.experts.items()}.get(parts[6])
         if which is not None:
             return o + f"ffn/experts/{which}", int(parts[5]), True
     return None
@@ -169,18 +264,25 @@ def _tensors(directory: Path) -> Iterator[tuple[Path, str, np.ndarray]]:
 
 
 def load_hf_moe(directory, *, dispatch: str = "auto", **config_overrides) -> DecoderLM:
-    """A :class:`DecoderLM` from a Hugging Face Mixtral directory (module docstring), its MoE
-    layers on the ``dispatch`` path (a capacity path gets capacity for every token: Mixtral
-    drops none); ``config_overrides`` go to the :class:`DecoderConfig` (e.g.
-    ``max_seq_len``)."""
+    """A :class:`DecoderLM` from a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE
+    directory (module docstring), its MoE layers on the ``dispatch`` path (a capacity path gets
+    capacity for every token: the families drop none); ``config_overrides`` go to the
+    :class:`DecoderConfig` (e.g. ``max_seq_len``)."""
     directory = Path(directory)
     cfg = hf_moe_config(directory / "config.json", dispatch=dispatch, **config_overrides)
+    fam = FAMILIES[json.loads((directory / "config.json").read_text())["model_type"]]
+    layer_tensors = _layer_tensors(fam, cfg.qkv_bias)
     want = flat_params(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
     params: dict[str, np.ndarray] = {}
     stacks: dict[str, np.ndarray] = {}
     filled: dict[str, set[int]] = {}
+    seen: dict[str, str] = {}  # tensor name -> the shard that held it
     for shard, name, value in _tensors(directory):
-        found = _moejax_name(name)
+        if name in seen:
+            raise WeightFileError(shard, f"tensor {name!r} appears twice (also in "
+                                  f"{seen[name]})", "the checkpoint's shards overlap")
+        seen[name] = shard.name
+        found = _moejax_name(name, fam, layer_tensors)
         if found is None or found[0] not in want:
             raise WeightFileError(shard, f"unexpected tensor {name!r} for the config's "
                                   f"{cfg.n_layers} layers and {cfg.ffn_slots[0].n_experts} "
@@ -193,6 +295,11 @@ def load_hf_moe(directory, *, dispatch: str = "auto", **config_overrides) -> Dec
         if expert >= want[target].shape[0]:
             raise WeightFileError(shard, f"tensor {name!r} names expert {expert} of "
                                   f"{want[target].shape[0]}", "the config and tensors disagree")
+        if value.shape != want[target].shape[1:] or value.dtype.kind in "iub":
+            raise WeightFileError(shard, f"tensor {name!r} is {value.dtype} "
+                                  f"{tuple(value.shape)}; the config's experts are "
+                                  f"{tuple(want[target].shape[1:])} floats",
+                                  "the config and tensors disagree")
         if target not in stacks:
             stacks[target] = np.zeros(want[target].shape, value.dtype)
             filled[target] = set()
@@ -207,23 +314,8 @@ def load_hf_moe(directory, *, dispatch: str = "auto", **config_overrides) -> Dec
     return build_with_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), params, directory)
 
 
-def _mixtral_config(cfg: DecoderConfig) -> dict:
-    moe = cfg.ffn_slots[0]
-    return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        "intermediate_size": moe.d_expert, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.dim_per_head, "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_base, "rms_norm_eps": cfg.norm_eps,
-        "num_local_experts": moe.n_experts, "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.balance_coef, "sliding_window": None,
-        "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": cfg.param_dtype, "attention_dropout": 0.0, "router_jitter_noise": 0.0,
-    }
-
-
-def _exportable(cfg: DecoderConfig) -> None:
+def _family_of(cfg: DecoderConfig) -> str:
+    """The Hugging Face family whose layers ``cfg`` has (ValueError naming why none)."""
     slots = cfg.ffn_slots
     moe = slots[0]
     why = None
@@ -232,37 +324,79 @@ def _exportable(cfg: DecoderConfig) -> None:
                "slots have no Hugging Face family; synthesise DeRS experts to dense first")
     elif any(s != moe for s in slots):
         why = "every block's MoE must have the same config"
-    elif moe.activation != "swiglu" or moe.router != "softmax" or not moe.renormalize:
-        why = "Mixtral's experts are SwiGLU with a renormalised softmax top-k router"
-    elif moe.n_shared_experts or moe.universal_ffn:
-        why = "Mixtral has no shared or universal experts"
+    elif moe.activation != "swiglu" or moe.router != "softmax":
+        why = "the families' experts are SwiGLU with a softmax top-k router"
+    elif moe.universal_ffn:
+        why = "no family has a universal FFN"
     elif cfg.rope_style != "half":
-        why = "Mixtral's RoPE is the rotate-half layout (rope_style='half')"
+        why = "the families' RoPE is the rotate-half layout (rope_style='half')"
     if why:
-        raise ValueError(f"save_hf_moe: this model has no Mixtral layout: {why}")
+        raise ValueError(f"save_hf_moe: this model has no Hugging Face layout: {why}")
+    shared = (moe.n_shared_experts, moe.shared_gate)
+    for kind, fam in FAMILIES.items():
+        bias_ok = cfg.qkv_bias == fam.qkv_bias or (fam.qkv_bias and fam.shared)  # Qwen2-MoE
+        if fam.qk_norm == cfg.qk_norm and bias_ok and shared == (
+                (1, True) if fam.shared else (0, False)):
+            if fam.renormalize_key is None and not moe.renormalize:
+                raise ValueError("save_hf_moe: Mixtral renormalises the top-k weights; this "
+                                 "model does not (renormalize=False)")
+            return kind
+    raise ValueError(
+        f"save_hf_moe: no family has these layers: qk_norm={cfg.qk_norm!r}, qkv_bias="
+        f"{cfg.qkv_bias}, {moe.n_shared_experts} shared experts (gated: {moe.shared_gate}); "
+        "Mixtral: none of them; Qwen2-MoE: one gated shared expert (q/k/v biases or not); "
+        "Qwen3-MoE: qk_norm='head'; OLMoE: qk_norm='full'")
+
+
+def _hf_config(kind: str, cfg: DecoderConfig) -> dict:
+    fam, moe = FAMILIES[kind], cfg.ffn_slots[0]
+    out = {
+        "architectures": [fam.architecture], "model_type": kind,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        fam.d_expert_key: moe.d_expert, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_per_head, "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_base, "rms_norm_eps": cfg.norm_eps,
+        fam.n_experts_key: moe.n_experts, "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.balance_coef, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
+        "attention_dropout": 0.0, **dict(fam.required),
+    }
+    if fam.renormalize_key is not None:
+        out[fam.renormalize_key] = moe.renormalize
+    if fam.shared:
+        out["shared_expert_intermediate_size"] = moe.d_shared or moe.d_expert
+    if kind == "qwen2_moe":  # its MLP width for dense layers (none here) must be set
+        out.update(intermediate_size=moe.d_expert, qkv_bias=cfg.qkv_bias)
+    return out
 
 
 def save_hf_moe(model: DecoderLM, directory) -> Path:
-    """Write ``model`` as a Hugging Face Mixtral directory (``config.json`` and
-    ``model.safetensors``); :func:`load_hf_moe` reads it back bit for bit."""
+    """Write ``model`` as a Hugging Face directory (``config.json`` and ``model.safetensors``)
+    of the family whose layers it has (Mixtral for a plain MoE decoder; Qwen2-MoE, Qwen3-MoE
+    or OLMoE for one imported from them); :func:`load_hf_moe` reads it back bit for bit."""
     cfg = model.cfg
-    _exportable(cfg)
+    kind = _family_of(cfg)
+    fam = FAMILIES[kind]
+    inverse = {ours: (hf, t) for hf, (ours, t) in _layer_tensors(fam, cfg.qkv_bias).items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     out: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
         value = np.asarray(value)
-        for hf_name, expert, transpose in _names_for(name, cfg):
+        for hf_name, expert, transpose in _names_for(name, cfg, fam, inverse):
             v = value[expert] if expert is not None else value
             out[hf_name] = np.ascontiguousarray(v.T if transpose else v)
     export_params(out, directory / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_text(directory / "config.json", json.dumps(_mixtral_config(cfg), indent=2)
+    atomic_write_text(directory / "config.json", json.dumps(_hf_config(kind, cfg), indent=2)
                       + "\n")
     return directory
 
 
-def _names_for(name: str, cfg: DecoderConfig) -> list[tuple[str, int | None, bool]]:
-    """The Mixtral tensors of one moejax parameter (the inverse of :func:`_moejax_name`)."""
+def _names_for(name: str, cfg: DecoderConfig, fam: HFMoEFamily, inverse: dict
+               ) -> list[tuple[str, int | None, bool]]:
+    """The family's tensors of one moejax parameter (the inverse of :func:`_moejax_name`;
+    ``inverse``: moejax name in a block -> (HF name, transposed))."""
     n_experts = cfg.ffn_slots[0].n_experts
     candidates = {"embed": "model.embed_tokens.weight", "w_head": "lm_head.weight",
                   "final_norm/scale": "model.norm.weight"}
@@ -271,9 +405,7 @@ def _names_for(name: str, cfg: DecoderConfig) -> list[tuple[str, int | None, boo
     _, layer, rest = name.split("/", 2)
     pre = f"model.layers.{layer}."
     if rest.startswith("ffn/experts/"):
-        hf = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}[rest.rsplit("/", 1)[1]]
-        return [(f"{pre}block_sparse_moe.experts.{j}.{hf}.weight", j, True)
-                for j in range(n_experts)]
-    hf, (_, transpose) = next((k, v) for k, v in _LAYER_TENSORS.items() if v[0] == rest)
+        hf = fam.experts[rest.rsplit("/", 1)[1]]
+        return [(f"{pre}{fam.moe}.experts.{j}.{hf}.weight", j, True) for j in range(n_experts)]
+    hf, transpose = inverse[rest]
     return [(pre + hf, None, transpose)]
-

@@ -4,7 +4,11 @@ Parameter paths of :class:`Attention` (plain ``[in, out]`` matrices; heads flatt
 head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 
 * ``w_q`` ``[D, H*J]``, ``w_k`` ``[D, G*J]``, ``w_v`` ``[D, G*J]``, ``w_o`` ``[H*J, D]``
-* with ``use_bias``: ``b_q`` ``[H*J]``, ``b_k`` ``[G*J]``, ``b_v`` ``[G*J]``, ``b_o`` ``[D]``
+* with ``use_bias``: ``b_q`` ``[H*J]``, ``b_k`` ``[G*J]``, ``b_v`` ``[G*J]``, ``b_o`` ``[D]``;
+  with ``qkv_bias``: ``b_q``, ``b_k``, ``b_v`` only (Qwen2)
+* with ``qk_norm``: RMSNorms ``q_norm`` and ``k_norm`` on the projected queries and keys,
+  before RoPE: ``"head"`` over each head's ``J`` dims, one ``[J]`` scale shared by the heads
+  (Qwen3); ``"full"`` over the whole projection, scales ``[H*J]`` and ``[G*J]`` (OLMoE)
 
 ``H`` = ``n_heads``, ``G`` = ``n_kv_heads`` (divides ``H``), ``J`` = ``head_dim``. Query head
 ``h`` reads kv head ``h // (H // G)`` (the HF ``repeat_kv`` convention). An HF
@@ -33,12 +37,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.nn.norms import RMSNorm
 from moejax.nn.rope import apply_rope
 
 __all__ = ["KVCache", "init_kv_cache", "dot_product_attention", "Attention", "ATTENTION_IMPLS",
-           "resolve_attention_impl"]
+           "QK_NORMS", "resolve_attention_impl"]
 
 ATTENTION_IMPLS = ("auto", "jax", "einsum")
+QK_NORMS = ("none", "head", "full")
 
 
 def resolve_attention_impl(impl: str) -> str:
@@ -114,13 +120,17 @@ def _write_cache(cache_BSGJ: jax.Array, new_BTGJ: jax.Array, start_B: jax.Array)
 
 
 class Attention(nnx.Module):
-    """Self-attention: MHA (``n_kv_heads == n_heads``) or GQA, optional biases and RoPE."""
+    """Self-attention: MHA (``n_kv_heads == n_heads``) or GQA, optional biases, q/k norms
+    and RoPE."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
                  head_dim: int | None = None, *, use_bias: bool = False, causal: bool = True,
                  rope_style: str | None = None, rope_base: float = 10000.0,
+                 qkv_bias: bool = False, qk_norm: str = "none", norm_eps: float = 1e-6,
                  impl: str = "auto", rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
         self.impl = resolve_attention_impl(impl)
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm={qk_norm!r}; use one of {QK_NORMS}")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
@@ -135,7 +145,7 @@ class Attention(nnx.Module):
             raise ValueError(f"head_dim={head_dim} must be even for RoPE (or rope_style=None)")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.causal, self.rope_style, self.rope_base = causal, rope_style, float(rope_base)
-        self.use_bias, self.dtype = use_bias, dtype
+        self.use_bias, self.dtype, self.qk_norm = use_bias, dtype, qk_norm
         H, G, J, D = n_heads, n_kv_heads, head_dim, d_model
 
         def dense(shape):
@@ -144,24 +154,33 @@ class Attention(nnx.Module):
 
         self.w_q, self.w_k, self.w_v = dense((D, H * J)), dense((D, G * J)), dense((D, G * J))
         self.w_o = dense((H * J, D))
-        if use_bias:
-            self.b_q = nnx.Param(jnp.zeros((H * J,), param_dtype))
-            self.b_k = nnx.Param(jnp.zeros((G * J,), param_dtype))
-            self.b_v = nnx.Param(jnp.zeros((G * J,), param_dtype))
-            self.b_o = nnx.Param(jnp.zeros((D,), param_dtype))
+        self.biased = ("q", "k", "v", "o") if use_bias else ("q", "k", "v") if qkv_bias else ()
+        for name, width in zip(("q", "k", "v", "o"), (H * J, G * J, G * J, D)):
+            if name in self.biased:
+                setattr(self, "b_" + name, nnx.Param(jnp.zeros((width,), param_dtype)))
+        if qk_norm != "none":
+            per_head = qk_norm == "head"
+            norm_kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.q_norm = RMSNorm(J if per_head else H * J, **norm_kw)
+            self.k_norm = RMSNorm(J if per_head else G * J, **norm_kw)
 
     def _proj(self, x_BTD, name):
         dt = self.dtype or x_BTD.dtype
         y = x_BTD.astype(dt) @ getattr(self, "w_" + name)[...].astype(dt)
-        if self.use_bias:
+        if name in self.biased:
             y = y + getattr(self, "b_" + name)[...].astype(dt)
         return y
 
     def _qkv(self, x_BTD, positions_BT):
         B, T, _ = x_BTD.shape
-        q = self._proj(x_BTD, "q").reshape(B, T, self.n_heads, self.head_dim)
-        k = self._proj(x_BTD, "k").reshape(B, T, self.n_kv_heads, self.head_dim)
+        q, k = self._proj(x_BTD, "q"), self._proj(x_BTD, "k")
+        if self.qk_norm == "full":  # over the whole projection (OLMoE)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(B, T, self.n_heads, self.head_dim)
+        k = k.reshape(B, T, self.n_kv_heads, self.head_dim)
         v = self._proj(x_BTD, "v").reshape(B, T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # over each head's dims (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_style is not None:
             q = apply_rope(q, positions_BT, base=self.rope_base, style=self.rope_style)
             k = apply_rope(k, positions_BT, base=self.rope_base, style=self.rope_style)

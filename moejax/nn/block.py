@@ -38,6 +38,7 @@ class TransformerBlock(nnx.Module):
                  norm_position: str = "pre", norm_kind: str = "rmsnorm",
                  norm_eps: float = 1e-6, attn_bias: bool = False, causal: bool = True,
                  rope_style: str | None = None, rope_base: float = 10000.0,
+                 qkv_bias: bool = False, qk_norm: str = "none",
                  attention: str = "auto", rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):
         if norm_position not in ("pre", "post"):
@@ -47,6 +48,7 @@ class TransformerBlock(nnx.Module):
         self.attn_norm = make_norm(norm_kind, d_model, **norm_kw)
         self.attn = Attention(d_model, n_heads, n_kv_heads, head_dim, use_bias=attn_bias,
                               causal=causal, rope_style=rope_style, rope_base=rope_base,
+                              qkv_bias=qkv_bias, qk_norm=qk_norm, norm_eps=norm_eps,
                               impl=attention, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.ffn_norm = make_norm(norm_kind, d_model, **norm_kw)
         self.ffn = ffn_slot.build(d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype)

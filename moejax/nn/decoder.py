@@ -62,6 +62,10 @@ class DecoderConfig(Config):
     # "jax": jax.nn.dot_product_attention, its default implementation (XLA's);
     # "einsum": the float32 einsum oracle; "auto": jax on GPU/TPU, einsum on CPU
     attention: Literal["auto", "jax", "einsum"] = "auto"
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2-MoE)
+    # RMSNorms on the projected q and k before RoPE: over each head (Qwen3) or the whole
+    # projection (OLMoE); moejax.nn.attention.Attention
+    qk_norm: Literal["none", "head", "full"] = "none"
 
     def validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
@@ -123,6 +127,7 @@ class DecoderLM(nnx.Module):
                              head_dim=cfg.dim_per_head, ffn_slot=slot, norm_position="pre",
                              norm_kind="rmsnorm", norm_eps=cfg.norm_eps, attn_bias=False,
                              causal=True, rope_style=cfg.rope_style, rope_base=cfg.rope_base,
+                             qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
                              attention=cfg.attention, rngs=rngs, dtype=dtype, param_dtype=pdt)
             for slot in cfg.ffn_slots
         ])

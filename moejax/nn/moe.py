@@ -12,6 +12,8 @@ Parameter paths of :class:`MoE` (names are relied on by sharding and upcycling c
   of ``n`` FFNs of width ``d_shared`` equals one FFN of width ``n * d_shared`` (the hidden
   units concatenate), so they are stored as one FFN ``w_gate/w_up [D, n * d_shared]``,
   ``w_down [n * d_shared, D]``; expert ``j`` is hidden columns ``[j * d_shared, (j+1) * d_shared)``.
+  With ``shared_gate`` (Qwen2-MoE) their output is scaled per token by
+  ``sigmoid(x w_shared_gate)``, ``w_shared_gate [D, 1]``.
 * ``universal`` (``universal_ffn=True``): the Med-MoE / Coder-MoE universal FFN,
   ``w_gate/w_up [D, d_universal]``, ``w_down [d_universal, D]``, run in parallel and summed.
 
@@ -81,6 +83,8 @@ class MoEConfig(FFNSlotConfig):
     capacity_priority: who keeps a slot of a full expert: ``"choice"`` (GShard: every
         token's first choice before any second choice) or ``"token"`` (earlier tokens first).
     n_shared_experts / d_shared: DeepSeekMoE always-active experts (width default d_expert).
+    shared_gate: scale the shared experts' output per token by ``sigmoid(x w_shared_gate)``,
+        ``w_shared_gate [D, 1]`` (Qwen2-MoE's ``shared_expert_gate``); needs shared experts.
     universal_ffn / d_universal: parallel dense "universal" FFN (width default d_expert).
     balance_loss / balance_coef: "cv2" (CV(m)^2 + CV(P)^2), "switch" (E sum f_i P_i) or "none".
     z_loss_coef: weight of the router z-loss in ``aux_loss``.
@@ -97,6 +101,7 @@ class MoEConfig(FFNSlotConfig):
     capacity_priority: Literal["choice", "token"] = "choice"
     n_shared_experts: int = 0
     d_shared: int | None = None
+    shared_gate: bool = False
     universal_ffn: bool = False
     d_universal: int | None = None
     balance_loss: Literal["none", "cv2", "switch"] = "switch"
@@ -135,6 +140,11 @@ class MoEConfig(FFNSlotConfig):
             self.d_shared is None or self.n_shared_experts > 0,
             f"d_shared={self.d_shared} is set but n_shared_experts=0; set n_shared_experts "
             "> 0 or leave d_shared=None",
+        )
+        self._require(
+            not self.shared_gate or self.n_shared_experts > 0,
+            "shared_gate=True gates the shared experts but n_shared_experts=0; set "
+            "n_shared_experts > 0 or shared_gate=False",
         )
         self._require(
             self.d_universal is None or self.d_universal > 0,
@@ -238,6 +248,8 @@ class MoESkeleton(nnx.Module):
         m, y = self.moe_cfg, None
         if getattr(m, "n_shared_experts", 0) > 0:
             y = self.shared(x_ND, activation=m.activation)
+            if getattr(m, "shared_gate", False):  # Qwen2-MoE: a sigmoid gate per token
+                y = y * jax.nn.sigmoid(x_ND @ self.w_shared_gate[...].astype(x_ND.dtype))
         if getattr(m, "universal_ffn", False):
             u = self.universal_ffn(x_ND)
             y = u if y is None else y + u
@@ -276,6 +288,8 @@ def add_always_on(slot, moe: MoEConfig, d_model: int, *, gated: bool, rngs, para
     if moe.n_shared_experts > 0:
         slot.shared = FFNWeights(d_model, moe.n_shared_experts * (moe.d_shared or moe.d_expert),
                                  gated=gated, rngs=rngs, param_dtype=param_dtype)
+        if moe.shared_gate:
+            slot.w_shared_gate = _normal(rngs, (d_model, 1), param_dtype)
     if moe.universal_ffn and universal:
         slot.universal = FFNWeights(d_model, moe.d_universal or moe.d_expert, gated=gated,
                                     rngs=rngs, param_dtype=param_dtype)
