@@ -127,7 +127,7 @@ def _edited(tmp_path, family="mixtral", **changes):
     ({"model_type": "qwen2_moe"}, "has no 'num_experts', which a qwen2_moe config needs"),
     ({"sliding_window": 4096}, "sliding_window=4096"),
     ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-    ({"num_local_experts": 8}, "experts"),
+    ({"num_local_experts": 8}, "gate.weight' is float32 (4, 32); the config's is (8, 32)"),
 ])
 def test_what_the_layers_cannot_reproduce_is_refused(tmp_path, change, words):
     with pytest.raises(WeightFileError) as e:
@@ -287,7 +287,7 @@ def _drop_norm(shards, index):
     (_dup, "appears twice (also in"),
     (_outside, "names shard '../elsewhere.safetensors', outside its directory"),
     (_missing, "names shard 'c.safetensors', which is missing"),
-    (_shape, "the config's experts are (32, 24) floats"),
+    (_shape, "up_proj.weight' is float32 (24, 31); the config's is (24, 32) floats"),
     (_int, "is int32"),
     (_drop_norm, "missing tensors"),
 ])
@@ -304,3 +304,41 @@ def test_bad_checkpoints_are_refused_in_one_line_naming_file_and_tensor(tmp_path
     with pytest.raises(WeightFileError) as e:
         load_hf_moe(d)
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+_SHARDED_SCRIPT = """
+root = ROOT
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from moejax.io.hf_moe import load_hf_moe
+from moejax.io._common import flat_params
+
+d = Path(root) / "tests" / "fixtures" / "hf_moe" / "qwen3_moe"
+from moejax.train.mesh import make_mesh
+mesh = make_mesh(data=1, expert=2)  # the training loop's mesh
+asked = []
+
+def shardings(name, shape):
+    asked.append((name, shape))
+    return NamedSharding(mesh, P("expert") if "/experts/" in name else P())
+
+model = load_hf_moe(d, dispatch="dense", shardings=shardings)
+params = flat_params(model)
+up = params["blocks/0/ffn/experts/w_up"]
+assert up.sharding.spec == P("expert") and len(up.sharding.device_set) == 2, up.sharding
+assert {s.data.shape for s in up.addressable_shards} == {(2, 32, 24)}
+assert params["embed"].sharding.spec == P() and len(params["embed"].sharding.device_set) == 2
+assert len(asked) == len(params) and ("blocks/1/ffn/experts/w_down", (4, 24, 32)) in asked
+out, _ = model(jnp.asarray(np.load(d / "prompts.npy")), train=False)
+np.testing.assert_allclose(np.asarray(out), np.load(d / "logits.npy"), rtol=0, atol=1e-5)
+print("OK")
+"""
+
+
+def test_tensors_stream_into_their_sharded_places():
+    """On 2 devices, ``shardings`` puts each expert stack split over an expert axis and every
+    other tensor replicated as it is read; the model equals transformers' forward."""
+    from tests.devices import run_on_devices
+
+    run_on_devices(_SHARDED_SCRIPT, n_devices=2, timeout=300)

@@ -63,12 +63,14 @@ def flat_params(model: nnx.Module) -> dict[str, object]:
 
 
 def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.ndarray],
-                      source) -> nnx.Module:
+                      source, *, values_checked: bool = False) -> nnx.Module:
     """Build ``make_model()`` abstractly (no random init) and fill it with ``params``.
 
     ``params`` must hold exactly the model's parameter names with the model's shapes;
     otherwise :class:`WeightFileError` names ``source`` and lists the missing, unexpected and
-    mis-shaped tensors. Values are cast to the model's parameter dtype.
+    mis-shaped tensors. Values are cast to the model's parameter dtype (arrays already on
+    devices keep their placement). ``values_checked``: the caller ran :func:`check_values`
+    on each tensor as it read it (so device arrays are not copied back to the host).
     """
     model = nnx.eval_shape(make_model)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
@@ -91,7 +93,8 @@ def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str,
         raise WeightFileError(source, "does not fit the model: " + "; ".join(parts),
                               "check that the file and the model config describe the same "
                               "architecture")
-    _check_values(params, want, source)
+    if not values_checked:
+        check_values(params, want, source)
     state = nnx.state(model, nnx.Param)
     new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
            jnp.asarray(params[k], dtype=want[k].dtype) for k in want}
@@ -100,7 +103,7 @@ def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str,
     return model
 
 
-def _check_values(params: Mapping[str, np.ndarray], want, source) -> None:
+def check_values(params: Mapping[str, np.ndarray], want, source) -> None:
     """Integer/bool tensors for float parameters and non-finite values are refused (a cast
     would turn a wrong file into plausible-looking weights)."""
     for k in sorted(want):

@@ -58,11 +58,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from moejax.files import atomic_write_text
-from moejax.io._common import WeightFileError, build_with_params, flat_params
+from moejax.io._common import WeightFileError, build_with_params, check_values, flat_params
 from moejax.io.safetensors_io import export_params, read_safetensors
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
@@ -263,19 +265,31 @@ def _tensors(directory: Path) -> Iterator[tuple[Path, str, np.ndarray]]:
         del tensors
 
 
-def load_hf_moe(directory, *, dispatch: str = "auto", **config_overrides) -> DecoderLM:
+def load_hf_moe(directory, *, dispatch: str = "auto", shardings=None,
+                **config_overrides) -> DecoderLM:
     """A :class:`DecoderLM` from a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE
     directory (module docstring), its MoE layers on the ``dispatch`` path (a capacity path gets
     capacity for every token: the families drop none); ``config_overrides`` go to the
-    :class:`DecoderConfig` (e.g. ``max_seq_len``)."""
+    :class:`DecoderConfig` (e.g. ``max_seq_len``).
+
+    ``shardings``: where each parameter lives, ``shardings(name, shape) ->
+    jax.sharding.Sharding`` (``name`` as in :func:`moejax.io.flat_params`, e.g.
+    ``blocks/0/ffn/experts/w_up``), or None for the default device. Every tensor is checked,
+    cast to the model's dtype and put in its place as its shard is read, and a layer's
+    experts are stacked on the device, so the host holds one shard's tensors at a time."""
     directory = Path(directory)
     cfg = hf_moe_config(directory / "config.json", dispatch=dispatch, **config_overrides)
     fam = FAMILIES[json.loads((directory / "config.json").read_text())["model_type"]]
     layer_tensors = _layer_tensors(fam, cfg.qkv_bias)
     want = flat_params(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
-    params: dict[str, np.ndarray] = {}
-    stacks: dict[str, np.ndarray] = {}
-    filled: dict[str, set[int]] = {}
+
+    def place(target, value):
+        value = jnp.asarray(value, want[target].dtype)  # on the default device
+        where = None if shardings is None else shardings(target, value.shape)
+        return value if where is None else jax.device_put(value, where)
+
+    params: dict[str, jax.Array] = {}
+    experts: dict[str, dict[int, jax.Array]] = {}
     seen: dict[str, str] = {}  # tensor name -> the shard that held it
     for shard, name, value in _tensors(directory):
         if name in seen:
@@ -288,30 +302,31 @@ def load_hf_moe(directory, *, dispatch: str = "auto", **config_overrides) -> Dec
                                   f"{cfg.n_layers} layers and {cfg.ffn_slots[0].n_experts} "
                                   "experts", "the file's config and tensors disagree")
         target, expert, transpose = found
+        shape = want[target].shape if expert is None else want[target].shape[1:]
+        file_shape = tuple(shape[::-1] if transpose else shape)  # the file's orientation
+        if value.shape != file_shape or value.dtype.kind in "iub":
+            raise WeightFileError(shard, f"tensor {name!r} is {value.dtype} "
+                                  f"{tuple(value.shape)}; the config's is {file_shape} "
+                                  "floats", "the config and tensors disagree")
         value = value.T if transpose else value
+        check_values({name: value}, {name: jax.ShapeDtypeStruct(shape, want[target].dtype)},
+                     shard)  # here, while the host has it
         if expert is None:
-            params[target] = value
+            params[target] = place(target, value)
             continue
         if expert >= want[target].shape[0]:
             raise WeightFileError(shard, f"tensor {name!r} names expert {expert} of "
                                   f"{want[target].shape[0]}", "the config and tensors disagree")
-        if value.shape != want[target].shape[1:] or value.dtype.kind in "iub":
-            raise WeightFileError(shard, f"tensor {name!r} is {value.dtype} "
-                                  f"{tuple(value.shape)}; the config's experts are "
-                                  f"{tuple(want[target].shape[1:])} floats",
-                                  "the config and tensors disagree")
-        if target not in stacks:
-            stacks[target] = np.zeros(want[target].shape, value.dtype)
-            filled[target] = set()
-        stacks[target][expert] = value
-        filled[target].add(expert)
-    for target, stack in stacks.items():
-        if len(filled[target]) != stack.shape[0]:
-            missing = sorted(set(range(stack.shape[0])) - filled[target])
-            raise WeightFileError(directory, f"{target}: experts {missing} are missing",
-                                  "the checkpoint is incomplete")
-        params[target] = stack
-    return build_with_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), params, directory)
+        experts.setdefault(target, {})[expert] = jnp.asarray(value, want[target].dtype)
+        if len(experts[target]) == want[target].shape[0]:  # the layer's stack is complete
+            have = experts.pop(target)
+            params[target] = place(target, jnp.stack([have[j] for j in range(len(have))]))
+    for target, have in experts.items():
+        missing = sorted(set(range(want[target].shape[0])) - set(have))
+        raise WeightFileError(directory, f"{target}: experts {missing} are missing",
+                              "the checkpoint is incomplete")
+    return build_with_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), params, directory,
+                             values_checked=True)
 
 
 def _family_of(cfg: DecoderConfig) -> str:
