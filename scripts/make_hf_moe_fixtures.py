@@ -30,7 +30,8 @@ FAMILIES = {
         tie_word_embeddings=False, attn_implementation="eager"),
     # one gated shared expert, q/k/v biases, top-k weights not renormalised
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
         shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
         rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
@@ -38,14 +39,16 @@ FAMILIES = {
         tie_word_embeddings=False, attn_implementation="eager"),
     # per-head q/k RMSNorms, a head_dim that is not hidden / heads, renormalised top-k
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, num_experts=4,
         num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         use_sliding_window=False, tie_word_embeddings=False, attn_implementation="eager"),
     # q/k RMSNorms over the whole projections, softmax over all experts then top-k
     "olmoe": lambda: transformers.OlmoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        vocab_size=96, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        hidden_size=32, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rope_theta=10000.0, rms_norm_eps=1e-5, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=False, clip_qkv=None, tie_word_embeddings=False,
@@ -60,6 +63,20 @@ def prompts(vocab: int) -> np.ndarray:
 def logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def char_tokenizer(vocab_size: int, path: Path) -> None:
+    """A character-level ``tokenizer.json`` of ``vocab_size`` tokens: ``<unk>``, ``<s>``,
+    ``</s>`` and the first printable ASCII characters (a real checkpoint ships its own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [chr(c) for c in range(32, 127)][:vocab_size - 3]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(path))
 
 
 def make(out: Path, only: list[str]) -> None:
@@ -79,6 +96,7 @@ def make(out: Path, only: list[str]) -> None:
                     p.mul_(20.0)
         where = out / family
         model.save_pretrained(where, safe_serialization=True)
+        char_tokenizer(cfg.vocab_size, where / "tokenizer.json")
         ids = prompts(cfg.vocab_size)
         np.save(where / "prompts.npy", ids)
         np.save(where / "logits.npy", logits(model, ids))

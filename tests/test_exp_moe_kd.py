@@ -4,6 +4,8 @@ writes its tables; the paired comparison and its claim are recomputed from the p
 Every method's training is covered by tests/test_distill_train.py."""
 
 import csv
+import re
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +109,36 @@ def test_claims_are_judged_on_rouge_l_alone_with_perplexity_beside_it():
     assert first(rows(-0.02, 0.3)).verdict == "does not hold"
     assert first(rows(0.0001, -0.3)).verdict == "inconclusive"
     assert first({"paired": []}).verdict == "not measured"
+
+
+HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"
+
+
+def test_moe_kd_distils_an_imported_hugging_face_moe(tmp_path):
+    """``teacher=hf:<dir>``: the tiny Qwen3-MoE fixture (its char-level tokenizer.json) is the
+    teacher, its first block the student; KD and GKD run, the summary names the teacher, and
+    what an imported teacher cannot do is refused before anything runs."""
+    cfg = mod.make_config("quick").replace(
+        teacher=f"hf:{HF_QWEN3}", student_layers=1, prompt_len=24, response_len=8,
+        n_train=32, n_val=2, n_test=3,
+        sft=TrainConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=0, log_every=1),
+        distill=TrainConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=0, eval_every=2,
+                            log_every=1),
+        methods=("kd", "gkd"), dense_teacher_methods=(), teacher_ks=(1,), ka_lambdas=(),
+        ka_ms=(), lr_sweep=(), router_lr_sweep=(), seeds=1, eval_seeds=1)
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
+                                  claims=mod.claims, out=tmp_path / "kd")
+    rows = list(csv.DictReader(open(run.path / "main.csv")))
+    assert [(r["teacher"], r["method"]) for r in rows] == [("MoE teacher", "KD"),
+                                                           ("MoE teacher", "GKD")]
+    assert "MoE teacher: the imported checkpoint qwen3_moe (2 layers, 4 experts, top-2" in (
+        run.path / "summary.md").read_text()
+    assert [int(m["layer"]) for m in csv.DictReader(open(run.path / "gate_mass.csv"))] == [0, 1]
+    for bad, words in [(dict(dense_teacher_methods=("kd",)), "has no dense teacher"),
+                       (dict(methods=("sar",)), "router is softmax: drop sar"),
+                       (dict(teacher_ks=(8,)), "must lie in [1, 4]"),
+                       (dict(student_layers=2), "must be in [1, 2)"),
+                       (dict(prompt_len=60), "exceeds the model's max_seq_len (64)"),
+                       (dict(teacher=f"hf:{tmp_path}"), "give hf:<dir> of a Hugging Face")]:
+        with pytest.raises(Exception, match=re.escape(words)):
+            cfg.replace(**bad)

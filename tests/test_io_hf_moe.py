@@ -342,3 +342,25 @@ def test_tensors_stream_into_their_sharded_places():
     from tests.devices import run_on_devices
 
     run_on_devices(_SHARDED_SCRIPT, n_devices=2, timeout=300)
+
+
+def test_the_tokenizer_travels_with_the_export(tmp_path):
+    """The directory's tokenizer.json and the ids its config names come back from an export
+    that is given the tokenizer."""
+    from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
+
+    tok = tokenizer_from_hf_dir(FIXTURES / "olmoe")
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 96)  # pad: eos
+    assert tok.decode(tok.encode("Hi there!")) == "Hi there!"
+    save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), tmp_path / "out", tokenizer=tok)
+    back = tokenizer_from_hf_dir(tmp_path / "out")
+    assert back.fingerprint == tok.fingerprint and (back.bos_id, back.eos_id) == (1, 2)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / "olmoe", bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 50279}))
+    (bad / "generation_config.json").unlink()
+    with pytest.raises(WeightFileError, match="eos_token_id=50279 is outside the tokenizer's"):
+        tokenizer_from_hf_dir(bad)

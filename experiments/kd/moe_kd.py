@@ -24,12 +24,22 @@ difference), ``gate_mass`` (Fig. 1), ``teacher_k`` (Fig. 2, when ``teacher_ks`` 
 between the original and the SAR-trained router, over the training seeds), ``lr_sweep``
 (student and router learning rates within the step budget, when set).
 
+``teacher=hf:<dir>`` distils an imported Hugging Face MoE instead (Mixtral, Qwen2-MoE,
+Qwen3-MoE or OLMoE with its ``tokenizer.json``; :func:`moejax.io.hf_moe.load_hf_moe`): it is
+fine-tuned on the pairs like the upcycled teacher, and the student is its first
+``student_layers`` blocks, MoE FFNs included (an imported checkpoint has no dense sibling
+sharing its tokenizer); there is no dense teacher, and SAR, which trains a noisy top-k router,
+is refused for its softmax router. The summary names the teacher that ran.
+
     python -m experiments.moe_kd                     # quick (CPU)
     python -m experiments.moe_kd preset=full         # GPU: SmolLM2-135M substrate sizes
+    python -m experiments.moe_kd preset=full teacher=hf:/data/OLMoE-1B-7B-0924 \
+        student_layers=4 dense_teacher_methods=() "methods=(kd,gkd,all,ka)"
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import jax
@@ -48,6 +58,8 @@ from moejax.evaluate_generation import (
     gate_mass_by_layer,
     router_kl_by_layer,
 )
+from moejax.io.hf_moe import hf_moe_config, load_hf_moe
+from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
 from moejax.results import RunDir
@@ -75,6 +87,9 @@ class MoEKDConfig(Config):
     dense_lm_chat: LMSubstrateConfig = substrate_config("dense_lm_chat", "quick")
     dense_lm_prose: LMSubstrateConfig = substrate_config("dense_lm_prose", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
+    # "" = the MoE teacher upcycled from `model` (the paper's recipe); "hf:<dir>" = an imported
+    # Hugging Face MoE checkpoint (module docstring)
+    teacher: str = ""
     # Llama-MoE style: every FFN's neurons split into N experts, noisy top-k, CV^2 balance
     upcycle: UpcycleConfig = UpcycleConfig(
         blocks="all", expert_form="split",
@@ -112,23 +127,43 @@ class MoEKDConfig(Config):
     def validate(self):
         r = self._require
         sub = None if self.model == "smollm2_135m" else getattr(self, self.model)
-        n_layers = 30 if sub is None else sub.n_layers
+        n_layers, max_len = 30, None if sub is None else sub.max_seq_len
+        n_layers = n_layers if sub is None else sub.n_layers
+        moe, where = self.upcycle.moe, "upcycle.moe"
+        if self.teacher:
+            hf = self.hf_teacher()
+            n_layers, max_len = hf.n_layers, hf.max_seq_len
+            moe, where = hf.ffn_slots[0], "the imported teacher"
+            r(not self.dense_teacher_methods, f"teacher={self.teacher} has no dense teacher: "
+              "set dense_teacher_methods=()")
         r(1 <= self.student_layers < n_layers,
           f"student_layers={self.student_layers} must be in [1, {n_layers}) (the teacher's "
           "layers)")
-        r(sub is None or self.prompt_len + self.response_len <= sub.max_seq_len,
-          f"prompt_len + response_len exceeds {self.model}.max_seq_len")
-        r(all(1 <= k <= self.upcycle.moe.n_experts for k in self.teacher_ks),
-          f"teacher_ks={self.teacher_ks} must lie in [1, upcycle.moe.n_experts]")
+        r(max_len is None or self.prompt_len + self.response_len <= max_len,
+          f"prompt_len + response_len exceeds the model's max_seq_len ({max_len})")
+        r(all(1 <= k <= moe.n_experts for k in self.teacher_ks),
+          f"teacher_ks={self.teacher_ks} must lie in [1, {moe.n_experts}] (the experts of "
+          f"{where})")
         r(bool(self.methods or self.dense_teacher_methods),
           "methods=() and dense_teacher_methods=(): nothing to distil; give at least one")
-        r(self.upcycle.moe.router == "noisy" or not ({"sar"} & set(self.methods)
-                                                     or self.router_lr_sweep),
-          "SAR trains W_g and W_noise of a noisy top-k router: set upcycle.moe.router=noisy")
+        r(moe.router == "noisy" or not ({"sar"} & set(self.methods) or self.router_lr_sweep),
+          f"SAR trains W_g and W_noise of a noisy top-k router, and {where}'s router is "
+          f"{moe.router}: drop sar from methods and router_lr_sweep"
+          + ("" if self.teacher else ", or set upcycle.moe.router=noisy"))
         r(all(x > 0 for x in self.lr_sweep + self.router_lr_sweep),
           "lr_sweep and router_lr_sweep take learning rates > 0")
         r(self.seeds >= 1 and self.eval_seeds >= 1, "seeds and eval_seeds must be >= 1")
         r(self.eval_temperature >= 0, "eval_temperature must be >= 0 (0 = greedy)")
+
+    def hf_teacher(self):
+        """The imported teacher's DecoderConfig (``teacher=hf:<dir>``), read from its
+        ``config.json`` (an unsupported family refused in one line)."""
+        d = Path(self.teacher.removeprefix("hf:"))
+        self._require(self.teacher.startswith("hf:") and (d / "config.json").is_file()
+                      and (d / "tokenizer.json").is_file(),
+                      f"teacher={self.teacher!r}: give hf:<dir> of a Hugging Face MoE "
+                      "checkpoint with config.json and tokenizer.json, or '' (upcycled)")
+        return hf_moe_config(d / "config.json")
 
 
 def make_config(preset: str) -> MoEKDConfig:
@@ -160,6 +195,17 @@ def make_config(preset: str) -> MoEKDConfig:
 
 
 # ------------------------------------------------------------------------------ pieces
+
+
+def _imported_teacher(cfg: MoEKDConfig):
+    """``(teacher, tokenizer, description)`` of ``teacher=hf:<dir>``."""
+    d = Path(cfg.teacher.removeprefix("hf:"))
+    model = load_hf_moe(d, dispatch=cfg.upcycle.moe.dispatch)
+    moe = model.cfg.ffn_slots[0]
+    return model, tokenizer_from_hf_dir(d), (
+        f"the imported checkpoint {d.name} ({model.cfg.n_layers} layers, {moe.n_experts} "
+        f"experts, top-{moe.top_k}, {'renormalised' if moe.renormalize else 'raw'} top-k "
+        "weights)")
 
 
 def _dense_start(cfg: MoEKDConfig):
@@ -311,17 +357,24 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
 
 def _setup(cfg: MoEKDConfig, run: RunDir) -> _Setup:
     """The substrate, the data, the SFT MoE teacher (upcycled), dense teacher and student."""
-    dense, tok, start = _dense_start(cfg)
-    run.note(f"Teacher and student start from {start}.")
+    if cfg.teacher:  # the imported MoE is the teacher, its first blocks the student
+        moe, tok, start = _imported_teacher(cfg)
+        run.note(f"MoE teacher: {start}, fine-tuned on the pairs; the student is its first "
+                 f"{cfg.student_layers} blocks with their MoE FFNs (not the paper's dense "
+                 "student: the checkpoint has no dense sibling sharing its tokenizer).")
+        dense = moe
+    else:
+        dense, tok, start = _dense_start(cfg)
+        run.note(f"Teacher and student start from {start}.")
+        moe = upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed))
     train_src, val, test = _data(cfg, tok)
     kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
     sft = cfg.sft.replace(seed=cfg.seed)
-    moe_teacher = _sft(upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed)), train_src,
-                       sft, "SFT MoE teacher")
+    student = keep_layers(dense, range(cfg.student_layers))  # copied before any SFT
+    moe_teacher = _sft(moe, train_src, sft, "SFT MoE teacher")
     dense_teacher = (_sft(keep_layers(dense, range(dense.cfg.n_layers)), train_src, sft,
                           "SFT dense teacher") if cfg.dense_teacher_methods else None)
-    student_sft = _sft(keep_layers(dense, range(cfg.student_layers)), train_src, sft,
-                       "SFT student")
+    student_sft = _sft(student, train_src, sft, "SFT student")
     return _Setup(kd, moe_teacher, dense_teacher, student_sft, train_src, val,
                   ResponseScorer(test, moe_teacher))
 

@@ -386,12 +386,17 @@ def _hf_config(kind: str, cfg: DecoderConfig) -> dict:
     return out
 
 
-def save_hf_moe(model: DecoderLM, directory) -> Path:
+def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
     """Write ``model`` as a Hugging Face directory (``config.json`` and ``model.safetensors``)
     of the family whose layers it has (Mixtral for a plain MoE decoder; Qwen2-MoE, Qwen3-MoE
-    or OLMoE for one imported from them); :func:`load_hf_moe` reads it back bit for bit."""
+    or OLMoE for one imported from them); :func:`load_hf_moe` reads it back bit for bit.
+    ``tokenizer`` (a :class:`moejax.io.hf_tokenizer.HFTokenizer`, e.g. the imported one):
+    its ``tokenizer.json`` beside them and its bos / eos / pad ids in the config."""
     cfg = model.cfg
     kind = _family_of(cfg)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"save_hf_moe: the tokenizer has {tokenizer.vocab_size} tokens, more "
+                         f"than the model's vocab_size={cfg.vocab_size}")
     fam = FAMILIES[kind]
     inverse = {ours: (hf, t) for hf, (ours, t) in _layer_tensors(fam, cfg.qkv_bias).items()}
     directory = Path(directory)
@@ -403,8 +408,12 @@ def save_hf_moe(model: DecoderLM, directory) -> Path:
             v = value[expert] if expert is not None else value
             out[hf_name] = np.ascontiguousarray(v.T if transpose else v)
     export_params(out, directory / "model.safetensors", metadata={"format": "pt"})
-    atomic_write_text(directory / "config.json", json.dumps(_hf_config(kind, cfg), indent=2)
-                      + "\n")
+    config = _hf_config(kind, cfg)
+    if tokenizer is not None:
+        atomic_write_text(directory / "tokenizer.json", tokenizer.tokenizer.to_str())
+        config.update({f"{k}_token_id": getattr(tokenizer, f"{k}_id")
+                       for k in ("bos", "eos", "pad")})
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory
 
 

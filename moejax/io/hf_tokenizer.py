@@ -3,6 +3,8 @@
 * :func:`tokenizer_from_gguf`: rebuilds a GGUF model's byte-level BPE tokenizer (vocabulary,
   merges, special tokens, bos/eos/pad ids, chat template) from the GGUF metadata alone.
 * :func:`tokenizer_from_json`: a HF ``tokenizer.json`` (e.g. MiniLM's WordPiece).
+* :func:`tokenizer_from_hf_dir`: a model directory's ``tokenizer.json`` with the special ids
+  its ``config.json`` / ``generation_config.json`` name (a Qwen or OLMoE checkpoint).
 
 Both return :class:`HFTokenizer`, which has the interface of
 :mod:`moejax.data.tokenizer` (``encode`` -> int32 numpy without specials unless asked,
@@ -28,7 +30,8 @@ import numpy as np
 from moejax.extras import require
 from moejax.io._common import WeightFileError
 
-__all__ = ["HFTokenizer", "tokenizer_from_gguf", "tokenizer_from_json", "render_chat_template"]
+__all__ = ["HFTokenizer", "tokenizer_from_gguf", "tokenizer_from_json", "tokenizer_from_hf_dir",
+           "render_chat_template"]
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
@@ -210,3 +213,38 @@ def tokenizer_from_json(path, *, add_special_tokens: bool = True) -> HFTokenizer
     return HFTokenizer(tok, pad_id=first("[PAD]", "<pad>"), bos_id=first("[CLS]", "<s>"),
                        eos_id=first("[SEP]", "</s>"), add_special_tokens=add_special_tokens,
                        name=path.parent.name)
+
+
+def tokenizer_from_hf_dir(directory) -> HFTokenizer:
+    """A Hugging Face model directory's ``tokenizer.json``, with ``bos_id`` / ``eos_id`` /
+    ``pad_id`` from its ``generation_config.json`` or ``config.json`` (``*_token_id``; the
+    first of a list) where they are set, else from the token names
+    (:func:`tokenizer_from_json`); no pad id: the eos id (padding is masked out). Without
+    special tokens added on encode (a decoder's)."""
+    import json
+
+    directory = Path(directory)
+    tok = tokenizer_from_json(directory / "tokenizer.json", add_special_tokens=False)
+    ids: dict = {}
+    for name in ("config.json", "generation_config.json"):  # the latter wins
+        path = directory / name
+        if path.is_file():
+            try:
+                c = json.loads(path.read_text())
+            except ValueError as e:
+                raise WeightFileError(path, f"unreadable JSON ({e})",
+                                      "restore the file from its model") from None
+            for key in ("bos", "eos", "pad"):
+                v = c.get(f"{key}_token_id")
+                v = v[0] if isinstance(v, list) and v else v
+                if isinstance(v, int):
+                    ids[key] = v
+    for key, v in ids.items():
+        if not 0 <= v < tok.vocab_size:
+            raise WeightFileError(directory, f"{key}_token_id={v} is outside the "
+                                  f"tokenizer's {tok.vocab_size} tokens",
+                                  "the config and tokenizer.json disagree")
+        setattr(tok, f"{key}_id", v)
+    if tok.pad_id is None:  # padding is masked out; a decoder's is its eos (as transformers pads)
+        tok.pad_id = tok.eos_id
+    return tok
