@@ -58,6 +58,17 @@ def test_geometric_q_grid_holds_the_papers_optima():
         dl.q_grid(0.9, 0, spacing="geometric")
 
 
+@pytest.mark.parametrize("p", [0.5, 0.7, 0.8, 0.9, 0.95, 0.96, 0.97, 0.975, 0.98, 0.99, 0.999])
+def test_the_geometric_grid_never_collapses_onto_vanilla_dare(p):
+    """Every drop rate's grid starts at 1 - p (vanilla DARE) and spans at least a factor of
+    4 in q with distinct points: at p = 0.9, where 1 - p is 1/inv_q_min itself, a grid
+    narrowed to 1/q >= 10 would be 21 copies of 0.1, and DAREx-q would be DARE by
+    construction."""
+    g = dl.q_grid(p, 20, spacing="geometric")
+    assert g[0] == pytest.approx(1 - p) and len(np.unique(np.round(g, 12))) == 21
+    assert g[-1] / g[0] >= 4 - 1e-9 or g[-1] == pytest.approx(1.0)
+
+
 def _ctx(mask_vectors=True, **kw):
     r = np.random.default_rng(0)
     D = {"w_a": jnp.asarray(r.normal(0, 0.01, (8, 6))), "b_a": jnp.asarray(r.normal(0, 0.01, 6)),

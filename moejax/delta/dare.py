@@ -131,7 +131,7 @@ def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = T
     ``spacing="linear"``: ``q_t = 1 - p + t * dq``, ``t = 0..num``,
     ``dq = (q_max - (1-p)) / num`` (paper Algorithm 2's grid). ``"geometric"``: ``num + 1``
     points geometric from ``1 - p`` to ``1 / inv_q_min`` (``1/q`` from ``1/(1-p)`` down to
-    ``inv_q_min``; to ``q_max`` when ``1 - p`` is already above ``1 / inv_q_min``), dense
+    ``inv_q_min``; to ``q_max`` when ``1/(1-p)`` is under ``4 inv_q_min``), dense
     near ``1 - p`` where the paper's optima lie (p = 0.99: ``1/q`` of 30 to 55, i.e.
     ``q`` of 0.018 to 0.033, between the linear grid's first two points at ``num = 20``).
 
@@ -146,7 +146,10 @@ def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = T
     elif spacing == "geometric":
         if not (np.isfinite(inv_q_min) and inv_q_min >= 1.0):
             raise ValueError(f"inv_q_min={inv_q_min} must be a finite 1/q >= 1.")
-        hi = 1.0 / inv_q_min if 1.0 - p < 1.0 / inv_q_min else q_max
+        # narrowed to 1/q >= inv_q_min only where that still spans a factor of 4 (p = 0.99:
+        # 1/q from 100 to 10); nearer (p = 0.9: 1 - p is 1 / inv_q_min itself) the grid
+        # would collapse onto 1 - p, vanilla DARE, so it runs to q_max
+        hi = 1.0 / inv_q_min if 4.0 * (1.0 - p) <= 1.0 / inv_q_min else q_max
         g = np.geomspace(1.0 - p, hi, int(num) + 1)
     else:
         raise ValueError(f"spacing={spacing!r}: 'linear' or 'geometric'")
