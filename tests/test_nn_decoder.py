@@ -104,6 +104,31 @@ def test_qk_norms_and_qkv_biases_decode_as_the_full_forward(layers):
         assert attn.b_q[...].shape == (16,) and not hasattr(attn, "b_o")
 
 
+def test_decoding_past_the_cache_is_refused_with_both_lengths():
+    """A prefill or step that would write past the cache's end (XLA would clamp it onto the
+    last slots) is refused before tracing, naming the lengths; generate, the sampler and the
+    speculative decoder refuse a prompt plus new tokens beyond max_seq_len the same way."""
+    from moejax.nn.generate import generate
+    from moejax.nn.sample import sampler
+    from moejax.nn.speculative import speculative_decoder
+
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
+    cache = model.init_cache(2, 6)
+    with pytest.raises(ValueError, match="9 new tokens after 0 cached ones need 9 cache "
+                                         "slots, but the cache holds 6"):
+        model.decode(TOKENS, cache)
+    _, cache = model.decode(TOKENS[:, :5], cache)
+    with pytest.raises(ValueError, match="2 new tokens after 5 cached ones need 7"):
+        model.decode(TOKENS[:, 5:7], cache)
+    with pytest.raises(ValueError, match=r"prompt \(9\) \+ max_new_tokens \(30\) = 39 "
+                                         "exceeds max_seq_len=32"):
+        generate(model, TOKENS, 30)
+    with pytest.raises(ValueError, match=r"prompt block \(9\) \+ max_new_tokens \(30\)"):
+        sampler(model, 30, temperature=0.0)(TOKENS, np.full((2,), 9), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="prompt 9 \\+ 20 new tokens \\+ 2 x .* exceeds"):
+        speculative_decoder(model, model, 20, draft_len=2)(TOKENS[:1])
+
+
 def test_tied_vs_untied_parameter_counts():
     tied = DecoderLM(tiny_cfg(tie_embeddings=True), rngs=nnx.Rngs(0))
     untied = DecoderLM(tiny_cfg(tie_embeddings=False), rngs=nnx.Rngs(0))

@@ -173,14 +173,33 @@ class DecoderLM(nnx.Module):
         """Prefill or incremental step: run ``tokens_BT`` after the cached tokens.
 
         Positions default to ``cache lengths + arange(T)``. Returns
-        ``(logits_BTV, new_cache)``; inference mode (``train=False``, no key).
+        ``(logits_BTV, new_cache)``; inference mode (``train=False``, no key). Tokens that
+        would not fit the cache are refused before tracing where the lengths are known (a
+        concrete cache), and always where ``T`` alone exceeds it: a write past the end
+        would be clamped onto the last slots.
         """
+        check_cache_room(tokens_BT.shape[1], cache[0] if cache else None)
         h = self._embed(tokens_BT)
         new_cache = []
         for block, c in zip(self.blocks, cache):
             h, _, c = block.decode(h, c, positions_BT=positions_BT)
             new_cache.append(c)
         return self._head(h), tuple(new_cache)
+
+
+def check_cache_room(n_new: int, cache) -> None:
+    """Refuse ``n_new`` tokens that do not fit ``cache`` (a layer's :class:`KVCache`): the
+    cache's size against ``n_new``, and, for a concrete cache, against its fullest row."""
+    if cache is None:
+        return
+    size = cache.k_BSGJ.shape[1]
+    filled = 0
+    if not isinstance(cache.lengths_B, jax.core.Tracer) and cache.lengths_B.size:
+        filled = int(jnp.max(cache.lengths_B))
+    if filled + n_new > size:
+        raise ValueError(f"{n_new} new tokens after {filled} cached ones need {filled + n_new} "
+                         f"cache slots, but the cache holds {size}; make it with "
+                         "init_cache(batch, max_len) for a larger max_len")
 
 
 def keep_layers(model: DecoderLM, layers) -> DecoderLM:
