@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from moejax.kernels import tuning
+from moejax.kernels.activation_forms import kernel_activation
 from moejax.kernels.chunk_union import decode_gpu
-from moejax.kernels.chunk_union.decode import kernel_activation
 from moejax.kernels.chunk_union.decode_gpu import (
     TUNED_ROWS,
     blocks,

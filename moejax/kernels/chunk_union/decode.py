@@ -33,50 +33,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moejax.kernels.activation_forms import kernel_activation
 from moejax.ops.activations import activation_fn
 
-__all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "kernel_activation",
-           "MAX_CHUNK", "F_BLOCK"]
+__all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "MAX_CHUNK",
+           "F_BLOCK"]
 
 MAX_CHUNK = 64  # tokens per chunk: a decoded token up to a long verified draft block
 F_BLOCK = 256  # expert-width columns per program (a multiple of 128 for the MXU)
 _SUBLANES = 8  # a TPU block's second-to-last dimension: a multiple of 8 (tokens are padded)
-
-
-# Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7 over the reals, float32's own resolution
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
-def _erf(x):
-    """erf from exp and a polynomial: Mosaic lowers these (not ``erf`` itself)."""
-    t = 1.0 / (1.0 + _ERF_P * jnp.abs(x))
-    poly = t * (_ERF_A[0] + t * (_ERF_A[1] + t * (_ERF_A[2] + t * (_ERF_A[3] + t * _ERF_A[4]))))
-    y = 1.0 - poly * jnp.exp(-x * x)
-    return jnp.where(x < 0, -y, y)
-
-
-def _gelu(x):
-    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
-
-
-def _gelu_tanh(x):
-    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-
-
-def _silu(x):
-    return x / (1.0 + jnp.exp(-x))
-
-
-_KERNEL_ACTIVATIONS = {"relu": lambda x: jnp.maximum(x, 0.0), "swish": _silu, "swiglu": _silu,
-                       "gelu": _gelu, "geglu": _gelu, "gelu_tanh": _gelu_tanh}
-
-
-def kernel_activation(name: str):
-    """The activation as a kernel computes it: the same function in primitives every kernel
-    backend lowers (no ``custom_jvp`` as in ``jax.nn``, exact GELU through :func:`_erf`)."""
-    activation_fn(name)  # an unknown name fails here
-    return _KERNEL_ACTIVATIONS[name]
 
 
 def _union_kernel(active_ref, ids_ref, count_ref):

@@ -71,7 +71,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights, kernel_activation
+from moejax.kernels.activation_forms import kernel_activation
+from moejax.kernels.chunk_union.decode import MAX_CHUNK, check_expert_weights
 from moejax.kernels.mgpu import DTYPES, SMEM_BYTES, blocks_per_sm, swizzled
 from moejax.kernels.tuning import DEFAULTS, config_for, is_forced
 from moejax.ops.activations import activation_fn
