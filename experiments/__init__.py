@@ -1,5 +1,5 @@
 """The studies, one package per paper, and the benchmarks apart; each module is its paper's
-recipe and ends with its :class:`moejax.study.Study` declaration.
+recipe and ends with its :class:`moejax.harness.study.Study` declaration.
 
     experiments/
       main.py  full_smoke.py  results_doc.py    the suites, the full-preset proofs, the results
@@ -53,7 +53,7 @@ TOOLS: dict[str, str] = {"autotune": "experiments.benchmarks.autotune"}
 
 
 def load_study(name: str):
-    """The :class:`moejax.study.Study` registered as ``name``."""
+    """The :class:`moejax.harness.study.Study` registered as ``name``."""
     return importlib.import_module(STUDIES[name]).STUDY
 
 

@@ -15,7 +15,7 @@ and benchmark runs with its arrays spread over a mesh of several devices, as on 
 host (``make smoke-devices``; the devices column says how many the study saw).
 
 ``mode=smoke`` runs it as ``python -m experiments.<study> preset=full smoke=true`` would
-(:mod:`moejax.smoke`: real model sizes and weights, every training run cut to a couple of
+(:mod:`moejax.harness.smoke`: real model sizes and weights, every training run cut to a couple of
 steps of a few rows, evaluations to a couple of batches, plus the study's ``smoke`` cuts).
 The table (``full_smoke.md`` / ``.csv``, rewritten after every study) gives per study: the
 largest trained model's parameters and its tokens (or rows) per smoke step (read from the
@@ -60,10 +60,10 @@ from experiments.main import REGISTRY
 from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError, apply_overrides
 from moejax.files import atomic_write_text
+from moejax.harness.results import RunDir
+from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.harness.study import Study
 from moejax.pytree import fmt_count
-from moejax.results import RunDir
-from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
-from moejax.study import Study
 from moejax.train.aot import prove_decode, prove_step
 from moejax.train.scale import measure_scale
 

@@ -20,13 +20,13 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.evaluate import LMEvaluator
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train
 from moejax.train.run_state import check_resume

@@ -9,7 +9,7 @@ Suites: ``demo`` (``make demo``) trains the MoE LM and runs one cheap headline s
 system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every study in
 ``REGISTRY`` with its preset, and at the quick preset each study's declared variants after it
 (``runs/studies/<study>_<variant>``). A new study registers by adding its name and module (a module
-with a :class:`moejax.study.Study` named ``STUDY``) to :data:`experiments.STUDIES`.
+with a :class:`moejax.harness.study.Study` named ``STUDY``) to :data:`experiments.STUDIES`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 from experiments import STUDIES, load_study
 from moejax.config import ConfigError
-from moejax.experiment import PRESETS
 from moejax.files import atomic_write_text
-from moejax.run_index import entry_name
-from moejax.run_record import read_run_record
+from moejax.harness.experiment import PRESETS
+from moejax.harness.run_index import entry_name
+from moejax.harness.run_record import read_run_record
 from moejax.train.run_lock import RunLockedError
 
 REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
@@ -33,9 +33,10 @@ REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suit
 
 def entries(names=REGISTRY) -> list[tuple[str, str, str]]:
     """``(entry, study, variant)`` of every study in ``names`` and its declared variants
-    (:attr:`moejax.study.Study.variants`), in suite order: what ``make studies`` runs and the
-    results documents hold, one section each (``entry``: ``study`` or ``study[variant]``;
-    its run directory under the suite's ``out`` is :func:`run_dirname`)."""
+    (:attr:`moejax.harness.study.Study.variants`), in suite order: what ``make studies`` runs
+    and the results documents hold, one section each (``entry``: ``study`` or
+    ``study[variant]``; its run directory under the suite's ``out`` is
+    :func:`run_dirname`)."""
     out = []
     for name in names:
         out.append((name, name, ""))

@@ -5,7 +5,7 @@ directory.
     python -m experiments.results_doc machine=gpu  # -> docs/results_gpu.md
     python -m experiments.results_doc runs=runs/studies out=/tmp/r.md   # one directory's runs
 
-By default the runs come from the run indexes (:mod:`moejax.run_index`: every finished study
+By default the runs come from the run indexes (:mod:`moejax.harness.run_index`: every finished study
 run, wherever its directory lives, indexed beside it; ``index=FILE`` reads one index): per
 study the newest preset run on ``machine`` (cpu, gpu or tpu; by default the class of the
 machine it runs on). A trial run (a config key overridden, a repeat changed) is never
@@ -48,12 +48,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from experiments.main import REGISTRY, entries, run_dirname
-from moejax import run_index
-from moejax.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.run_record import machine_info, read_run_record
-from moejax.tables import read_csv_rows
+from moejax.harness import run_index
+from moejax.harness.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
+from moejax.harness.run_record import machine_info, read_run_record
+from moejax.harness.tables import read_csv_rows
 from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]

@@ -25,8 +25,8 @@ import time
 
 from moejax import substrates
 from moejax.config import Config, config
-from moejax.results import RunDir
-from moejax.study import Study
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.substrates.classify import ByteEncoderTaskConfig, MiniLMTaskConfig, ViTSubstrateConfig
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.substrates.mlp import MLPSubstrateConfig

@@ -45,7 +45,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 # Runs the tests finish go to an index of their own, not to the repository's runs/index.jsonl
-# that the results documents are generated from (moejax.run_index).
+# that the results documents are generated from (moejax.harness.run_index).
 os.environ["MOEJAX_RUN_INDEX"] = os.environ.get(
     "MOEJAX_TEST_RUN_INDEX", str(Path(__file__).resolve().parent.parent / ".cache" /
                                  "test-run-index.jsonl"))

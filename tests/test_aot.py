@@ -11,6 +11,7 @@ from flax import nnx
 
 from moejax.capture import CapturedDecode, CapturedStep, capture_steps
 from moejax.config import ConfigError
+from moejax.harness.study import Study
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -19,7 +20,6 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.nn.sample import sample
 from moejax.nn.speculative import chunk_sparse_target, speculative_generate
-from moejax.study import Study
 from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_decode, prove_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
@@ -285,7 +285,7 @@ def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path
         "warmup=1", "steps=1", "paths=(capacity,gmm)", "block_tokens=64", "block_d=16",
         "block_f=32", "block_repeats=1", "block_paths=(capacity,)", "delta_tree=none",
         "block_retain_memory=false"])
-    from moejax.results import RunDir
+    from moejax.harness.results import RunDir
 
     run = RunDir.create(tmp_path / "b", cfg, name="bench_dispatch")
     with capture_steps() as captured:

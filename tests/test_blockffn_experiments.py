@@ -141,7 +141,7 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     import csv
 
     from experiments.blockffn import baselines as mod
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,

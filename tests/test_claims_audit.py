@@ -16,7 +16,7 @@ from experiments.darex import controlled, decoder, encoder, storage
 from experiments.ders import compression, upcycling
 from experiments.extraction import moee
 from experiments.kd import moe_kd
-from moejax.claims import SEED_TABLES
+from moejax.harness.claims import SEED_TABLES
 
 SEEDS = range(4)
 MARGINS = {"holds": lambda s: 0.1 + 0.001 * s,

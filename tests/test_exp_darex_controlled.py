@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 
 
 def test_darex_controlled_tiny(tmp_path):

@@ -3,7 +3,7 @@ tables; the substrate is built once into the test's cache and reused."""
 
 import csv
 
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 
 
 def test_darex_decoder_tiny(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from experiments.darex import encoder as mod  # imported before tiny_recipes patches the registry
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 from moejax.substrates.classify import ByteEncoderTaskConfig
 from tests.tiny_substrates import tiny_train
 

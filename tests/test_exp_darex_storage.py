@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 
 
 def test_darex_storage_tiny(tmp_path):
@@ -43,7 +43,7 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
     def row(p, bits, ratio, acc):
         return {"p": p, "bits": bits, "ratio_vs_fp32": ratio, "metric": acc}
 
-    from moejax.claims import SEED_TABLES
+    from moejax.harness.claims import SEED_TABLES
 
     def seeds(rows, n=3):  # n seed runs, the ratios a little apart
         runs = [{"storage": [{**r, "ratio_vs_fp32": r["ratio_vs_fp32"] * (1 + 0.01 * i)}

@@ -3,7 +3,7 @@ substrate once into the cache, say which substrate they started from and write t
 
 import csv
 
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
@@ -65,7 +65,7 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
 
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
     from experiments.ders import upcycling as mod
-    from moejax.claims import SEED_TABLES
+    from moejax.harness.claims import SEED_TABLES
 
     def row(variant, form, d, ratio):
         return {"variant": variant, "form": form, "d_loss_vs_vanilla": d,
@@ -90,7 +90,7 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
 
 def test_compression_claim_judges_each_seed_runs_worst_scenario():
     from experiments.ders import compression as mod
-    from moejax.claims import SEED_TABLES
+    from moejax.harness.claims import SEED_TABLES
 
     def run(kept_a, kept_b):
         rows = []
@@ -114,8 +114,8 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
     """The table the study writes (read back from its CSV) carries the dense control: where
     DeRS equals the control, the claim does not read holds."""
     from experiments.ders import upcycling as mod
-    from moejax.results import RunDir
-    from moejax.tables import read_tables
+    from moejax.harness.results import RunDir
+    from moejax.harness.tables import read_tables
 
     def row(variant, form, setting, loss, added):
         return {"variant": variant, "form": form, "setting": setting, "val_loss": loss,
@@ -131,7 +131,7 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
         r["d_loss_vs_vanilla"] = r["val_loss"] - 1.70
     run = RunDir.create(tmp_path / "up")
     mod._tables(run, rows, {"dense": 1.8})
-    from moejax.claims import SEED_TABLES
+    from moejax.harness.claims import SEED_TABLES
 
     tables = read_tables(run.path)
     got = mod.claims({**tables, SEED_TABLES: [tables, tables]})  # two equal seed runs

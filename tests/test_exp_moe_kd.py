@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from experiments.kd import moe_kd as mod  # imported before tiny_recipes patches the registry
-from moejax.claims import paired_claim
-from moejax.experiment import run_experiment
+from moejax.harness.claims import paired_claim
+from moejax.harness.experiment import run_experiment
 from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 

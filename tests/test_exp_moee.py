@@ -5,9 +5,9 @@ extracted model's accounting is consistent."""
 import csv
 
 from experiments.extraction import moee as mod  # imported before tiny_recipes patches the registry
-from moejax.experiment import run_experiment
 from moejax.extract import ClusterConfig
 from moejax.extract.pipeline import ExtractConfig
+from moejax.harness.experiment import run_experiment
 from moejax.substrates.classify import ViTSubstrateConfig
 from tests.tiny_substrates import tiny_train
 

@@ -11,7 +11,7 @@ import pytest
 from experiments import main as main_job
 from experiments.benchmarks.dispatch import TORCH
 from moejax.config import Config, ConfigError, from_json, to_json
-from moejax.experiment import run_experiment
+from moejax.harness.experiment import run_experiment
 
 TINY_LM = [
     "model.d_model=32",
@@ -71,7 +71,7 @@ def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, 
     memory before its first call (here the host is made 10 kB): exit 2 in one line, no row."""
     import moejax.train.budget as budget
     from experiments.benchmarks import dispatch as bench_dispatch
-    from moejax.experiment import main
+    from moejax.harness.experiment import main
 
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
     called = []
@@ -221,7 +221,7 @@ def test_registry_modules_expose_the_contract():
 def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
     import importlib
 
-    from moejax.experiment import parse_cli
+    from moejax.harness.experiment import parse_cli
 
     preset, _, jobs, suite = main_job._parse([])
     assert suite == "demo" and preset == "quick"
@@ -236,7 +236,7 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
         keys = study.seed_keys
         assert study.name == name and (study.quick_repeat == 1 or keys), name
         if keys:
-            from moejax.experiment import seed_offset
+            from moejax.harness.experiment import seed_offset
 
             cfg = study.make_config("quick")
             assert seed_offset(cfg, keys, 2) != cfg
@@ -273,7 +273,7 @@ def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_
     before the first call (the host made 10 kB): exit 2 in one line naming the key, no row."""
     import moejax.train.budget as budget
     from experiments.benchmarks import extracted as bench_extracted
-    from moejax.experiment import main
+    from moejax.harness.experiment import main
 
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
     code = main("bench_extracted", bench_extracted.make_config, bench_extracted.run,
@@ -568,7 +568,7 @@ def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monk
 
 
 def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():
-    from moejax.study import Study
+    from moejax.harness.study import Study
 
     def make(preset):
         return None

@@ -24,12 +24,12 @@ from experiments.kd import moe_kd
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
 from moejax.delta import storage
-from moejax.experiment import main as cli_main
-from moejax.experiment import parse_runner, run_experiment
+from moejax.harness.experiment import main as cli_main
+from moejax.harness.experiment import parse_runner, run_experiment
+from moejax.harness.results import RunDir, RunDirError
+from moejax.harness.run_record import RunOwnerError, mark_run_state
 from moejax.io import WeightFileError
 from moejax.io.safetensors_io import read_safetensors
-from moejax.results import RunDir, RunDirError
-from moejax.run_record import RunOwnerError, mark_run_state
 from moejax.train.checkpoint import (
     Checkpointer,
     CheckpointWriteError,

@@ -66,3 +66,15 @@ def test_the_library_never_imports_the_studies():
     bad = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted(ROOT.rglob("*.py"))
            for m in _imports(p) if m.split(".")[0] == "experiments"]
     assert bad == []
+
+
+def test_the_library_below_the_harness_never_imports_it():
+    """The study harness (moejax/harness: run directories, the index, claims, tables, plots,
+    the runner) sits above the library: only the substrate cache, which names a smoke run's
+    substrates by the harness's smoke cuts, reaches into it."""
+    allowed = {"substrates/registry.py"}
+    bad = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted(ROOT.rglob("*.py"))
+           if p.relative_to(ROOT).parts[0] != "harness"
+           and str(p.relative_to(ROOT)) not in allowed
+           for m in _imports(p) if m.startswith("moejax.harness")]
+    assert bad == []

@@ -162,7 +162,7 @@ import sys
 sys.path.insert(0, ROOT)
 import jax
 from moejax.config import ConfigError
-from moejax.experiment import main
+from moejax.harness.experiment import main
 from moejax.train.loop import train
 from tests.test_multiprocess import CFG, new_model
 from tests.toy_models import ToySource
@@ -260,7 +260,7 @@ def test_a_failed_collective_ends_the_loop_naming_the_step_and_the_checkpoint(
     "connection closed by peer"), so the loop raises PeerLostError naming the step and the
     checkpoint that resumes it, without closing the checkpointer (its barriers would wait on
     the dead process), and a study's main exits with EXIT_PEER_LOST at once."""
-    from moejax import experiment
+    from moejax.harness import experiment
     from moejax.train import distributed, loop
 
     assert distributed.is_peer_failure(ValueError(_GLOO_RESET), processes=2)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, config
-from moejax.experiment import parse_cli, run_experiment
-from moejax.results import RunDir
-from moejax.tables import markdown_table, seed_summary
+from moejax.harness.experiment import parse_cli, run_experiment
+from moejax.harness.results import RunDir
+from moejax.harness.tables import markdown_table, seed_summary
 
 
 def test_markdown_table_and_csv(tmp_path):
@@ -150,7 +150,7 @@ def test_repeat_runs_seeds_and_merges_tables(tmp_path):
 
 
 def test_merge_seed_tables_rules():
-    from moejax.tables import merge_seed_tables
+    from moejax.harness.tables import merge_seed_tables
 
     a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0, "v std": 0.5}]
     b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0, "v std": 1.5}]
@@ -171,7 +171,7 @@ def test_merge_seed_tables_rules():
 
 
 def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
-    from moejax.tables import mean_std
+    from moejax.harness.tables import mean_std
 
     rng = np.random.default_rng(0)
     for _ in range(200):  # random lengths, scales and NaN positions

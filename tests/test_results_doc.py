@@ -8,10 +8,18 @@ import pytest
 
 from experiments import results_doc
 from experiments.blockffn import granularity as blockffn_granularity
-from moejax.claims import SEED_TABLES, Claim, compare, lookup, paired, paired_claim, top_column
 from moejax.config import ConfigError
-from moejax.experiment import run_experiment
-from moejax.results import RunDir
+from moejax.harness.claims import (
+    SEED_TABLES,
+    Claim,
+    compare,
+    lookup,
+    paired,
+    paired_claim,
+    top_column,
+)
+from moejax.harness.experiment import run_experiment
+from moejax.harness.results import RunDir
 
 
 def test_lookup_compare_and_top_column():
@@ -75,7 +83,7 @@ def test_paired_verdicts_follow_the_interval(seed):
 
 
 def test_t_critical_is_conservative_between_table_entries():
-    from moejax.claims import t_critical
+    from moejax.harness.claims import t_critical
 
     assert t_critical(1) == 12.706 and t_critical(2) == 4.303 and t_critical(500) == 1.96
     assert t_critical(11) == 2.228  # 10's value: a wider interval than t(11) = 2.201
@@ -84,7 +92,7 @@ def test_t_critical_is_conservative_between_table_entries():
 
 
 def test_granularity_claim_pairs_the_seed_runs():
-    from moejax.claims import SEED_TABLES
+    from moejax.harness.claims import SEED_TABLES
 
     def tables(*ppl_by_seed):
         seeds = [{"granularity": [{"n_experts": n, "val_ppl": v} for n, v in zip((4, 8, 32), p)]}
@@ -300,7 +308,7 @@ def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
 
 
 def test_threshold_claims_need_the_interval_past_the_threshold():
-    from moejax.claims import threshold_claim
+    from moejax.harness.claims import threshold_claim
 
     assert threshold_claim("x", [0.95, 0.96, 0.94, 0.955, 0.945], 0.9).holds is True
     assert threshold_claim("x", [0.85, 0.86, 0.84, 0.855, 0.845], 0.9).holds is False
@@ -314,8 +322,8 @@ def test_a_declared_variant_is_run_indexed_and_documented_apart(tmp_path, monkey
     """A study's variant (its quick preset with declared overrides) keeps its own newest run
     in the index and its own section, beside the study's own run."""
     from experiments import main as suite
-    from moejax import run_index
-    from moejax.study import Study
+    from moejax.harness import run_index
+    from moejax.harness.study import Study
     from moejax.train.hparams import TrainConfig
 
     study = Study("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from experiments import blockffn_granularity, results_doc
-from moejax import run_index
-from moejax.experiment import main, run_experiment
-from moejax.run_record import RunOwnerError, read_run_record
+from moejax.harness import run_index
+from moejax.harness.experiment import main, run_experiment
+from moejax.harness.run_record import RunOwnerError, read_run_record
 from moejax.train.hparams import TrainConfig
 
 MAKE = lambda preset: TrainConfig(seed=0)  # noqa: E731  any config with an int seed
@@ -189,7 +189,7 @@ def test_a_suite_skips_a_study_another_suite_holds_or_finished(tmp_path, monkeyp
     import os
 
     from experiments import main as suite
-    from moejax.study import Study
+    from moejax.harness.study import Study
     from moejax.train.run_lock import RunLock
 
     ran = []

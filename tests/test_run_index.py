@@ -5,8 +5,8 @@ import json
 import time
 
 from experiments import results_doc
-from moejax import run_index
-from moejax.run_record import write_run_record
+from moejax.harness import run_index
+from moejax.harness.run_record import write_run_record
 
 
 def _run(path, study, command, accelerator="none"):
@@ -72,7 +72,7 @@ def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch)
 
 
 def test_the_runner_indexes_what_it_finishes(tmp_path, monkeypatch):
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
     from moejax.train.hparams import TrainConfig
 
     index = tmp_path / "index.jsonl"
@@ -89,7 +89,7 @@ def test_index_lines_survive_a_cut_line_and_argv_that_quotes_smoke(tmp_path, mon
     recorded command is shell-quoted and splits back into the run's argv."""
     import shlex
 
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
     from moejax.train.hparams import TrainConfig
 
     index = tmp_path / "index.jsonl"
@@ -111,7 +111,7 @@ def test_trials_are_indexed_apart_and_never_replace_a_published_section(tmp_path
     """A run is a preset run only at its preset's config and default repeat (a variant's
     overrides included); an overridden key or another repeat makes a trial, which the results
     document lists by command and never publishes over the preset run's section."""
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
     from moejax.train.hparams import TrainConfig
 
     monkeypatch.delenv(run_index.ENV, raising=False)

@@ -93,7 +93,7 @@ for name, study, args in runs:
 # a batch that does not divide over the mesh, a mesh that does not fit: refused in one line
 # (exit 2) before the run directory is written or anything compiles
 import contextlib, io
-from moejax.experiment import main
+from moejax.harness.experiment import main
 for bad, words in ((["train.batch_size=6", "train.mesh_expert=4"], "multiple of 8"),
                    (["train.mesh_expert=3"], "not divisible by mesh_expert=3"),
                    (["train.mesh_expert=16"], "not divisible by mesh_expert=16")):

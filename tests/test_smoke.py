@@ -12,8 +12,8 @@ from flax import nnx
 
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
-from moejax.experiment import parse_runner
-from moejax.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.harness.experiment import parse_runner
+from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.toy_models import TinyMoELM, ToySource

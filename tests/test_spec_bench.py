@@ -133,7 +133,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     each decoding's row gets its kernels per token, and token_kernels_<target> its longest
     kernels."""
     from experiments.benchmarks import speculative as mod
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
 
     monkeypatch.setattr(mod, "sees_device", lambda: True)
     monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
@@ -186,7 +186,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
     from experiments.benchmarks import speculative as mod
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
             "grow.extra_layers=0", "drafts.distilled=true", "drafts.self_layers=0",
@@ -322,7 +322,7 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     to the >= 100M-parameter claim); with no grown target that would decode nothing and is
     refused before any training."""
     from experiments.benchmarks import speculative as mod
-    from moejax.experiment import run_experiment
+    from moejax.harness.experiment import run_experiment
 
     args = [*TINY, "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
             "drafts.self_distilled=false"]

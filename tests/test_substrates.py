@@ -66,7 +66,7 @@ def test_a_full_disk_while_caching_names_the_directory_and_the_space(tiny_recipe
     line (exit 1); the next build, with space again, resumes from the trained run."""
     import errno
 
-    from moejax import experiment
+    from moejax.harness import experiment
     from moejax.substrates import registry
 
     real = registry.export_params

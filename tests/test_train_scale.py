@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.claims import Claim, claims_markdown, claims_scale
-from moejax.experiment import run_experiment
+from moejax.harness.claims import Claim, claims_markdown, claims_scale
+from moejax.harness.experiment import run_experiment
 from moejax.pytree import count_params
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train, train_params

@@ -35,6 +35,8 @@ import numpy as np
 
 from moejax.bench.timing import time_device_loop, union_activations
 from moejax.config import Config, config
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.kernels.chunk_union.decode_gpu import TUNED_ROWS, chunk_union_decode_gpu
 from moejax.kernels.chunk_union.pairs import pair_up, union_pairs
 from moejax.kernels.chunk_union.reference import dense_experts
@@ -52,8 +54,6 @@ from moejax.kernels.tuning import (
     tune,
     write_entries,
 )
-from moejax.results import RunDir
-from moejax.study import Study
 
 
 @config

@@ -31,14 +31,14 @@ from flax import nnx
 
 from moejax.bench.decode import decode_timing
 from moejax.config import Config, config
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token
 from moejax.nn.moe import MoE
 from moejax.nn.surgery import with_slot_config
 from moejax.ops.losses import cross_entropy
 from moejax.pytree import count_params
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
 
 

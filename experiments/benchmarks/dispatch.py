@@ -55,6 +55,8 @@ from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
 from moejax.kernels.moe_dispatch import PATHS, describe_dispatch
 from moejax.nn.decoder import DecoderLM
@@ -62,8 +64,6 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.train.budget import compile_fitting
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step

@@ -51,9 +51,9 @@ from moejax.extract.surgery import (
     record_ffn,
     slot_layers,
 )
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.nn.encoder import ViT, vit_config
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.train.budget import lowered_fitting
 

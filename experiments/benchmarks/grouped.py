@@ -42,12 +42,12 @@ from tqdm.auto import tqdm
 from moejax.bench.oracles import grouped_pass_sample
 from moejax.bench.timing import how_timed, time_device_loop
 from moejax.config import Config, config
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.kernels.grouped import ragged
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import hopper_target, peak_flops, target_device
 from moejax.kernels.tuning import WrongResult, check_close
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.train.budget import MemoryBudgetError
 
 Path_ = Literal["dense", "xla", "gmm", "gmm_mgpu", "mosaic_gpu", "triton", "mosaic_tpu"]

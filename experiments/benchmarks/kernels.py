@@ -59,6 +59,8 @@ from moejax.bench.timing import (
     union_activations,
 )
 from moejax.config import Config, config
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.kernels.chunk_union.decode import chunk_union_decode
 from moejax.kernels.chunk_union.decode_gpu import blocks as decode_tiles
 from moejax.kernels.chunk_union.decode_gpu import chunk_rows, chunk_union_decode_gpu
@@ -69,8 +71,6 @@ from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.kernels.tuning import L2_PREFETCH, WrongResult, check_close
 from moejax.ops.dispatch import dispatch_ragged
-from moejax.results import RunDir
-from moejax.study import Study
 
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",
                   "triton", "decode"]

@@ -63,13 +63,13 @@ from moejax.bench.decode import (
 )
 from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
 from moejax.bench.resume import MeasurementStore, device_basis, weights_fingerprint
-from moejax.claims import Claim, threshold_claim
 from moejax.config import Config, config, to_dict
+from moejax.harness.claims import Claim, threshold_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.nn.decoder import keep_layers, with_dtype
 from moejax.pytree import count_params
-from moejax.results import RunDir
 from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
-from moejax.study import Study
 from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.train.hparams import TrainConfig
 
@@ -438,9 +438,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     verification beats autoregressive decoding that already skips inactive experts per
     token; judged at >= 100M parameters, batch 1, greedy, with output equal to greedy
     autoregressive decoding (this project's target: 1.5x), on the fastest setting's
-    per-prompt speedups (:func:`moejax.claims.threshold_claim`: holds when their 95% interval
-    lies above 1.5x). A float32 decoding that differs from autoregressive decoding does not
-    hold (a bug)."""
+    per-prompt speedups (:func:`moejax.harness.claims.threshold_claim`: holds when their 95%
+    interval lies above 1.5x). A float32 decoding that differs from autoregressive decoding
+    does not hold (a bug)."""
     claim = ("Speculative + chunk-sparse decoding is >= 1.5x token-sparse autoregressive "
              "decoding at >= 100M parameters, same tokens (Sec. 4.3)")
     rows = [r for r in t.get("decode") or [] if float(r["params"]) >= 100e6]

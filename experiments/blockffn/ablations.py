@@ -15,9 +15,10 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 from __future__ import annotations
 
 from experiments.blockffn import PAPER_SCALE
-from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
-from moejax.results import RunDir
+from moejax.harness.claims import Claim, lookup, paired_compare
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
@@ -25,7 +26,6 @@ from moejax.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
-from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 
 
@@ -81,7 +81,7 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """BlockFFN's objective and RMSNorm ablations (Table 5, Sec. 4.1.4), each judged on the
-    paired per-seed differences (:func:`moejax.claims.paired_compare`)."""
+    paired per-seed differences (:func:`moejax.harness.claims.paired_compare`)."""
     def col(table, model, column):
         return model, lambda r: lookup(r.get(table), {"model": model}, column)
 

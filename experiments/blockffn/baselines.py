@@ -27,10 +27,12 @@ from typing import Literal
 import numpy as np
 
 from experiments.blockffn import PAPER_SCALE
-from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
+from moejax.harness.claims import Claim, paired, paired_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
+from moejax.harness.tables import seed_summary
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.results import RunDir
 from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
@@ -38,8 +40,6 @@ from moejax.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
-from moejax.study import Study
-from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
 
 Size = Literal["small", "large", "xl"]
@@ -229,7 +229,7 @@ def paired_gaps(rows: list[dict], sizes) -> list[dict]:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """BlockFFN's claims against the other MoEs at matched parameters and TLS (Table 2), each
     judged on the paired per-seed differences against every other MoE
-    (:func:`moejax.claims.paired_claim`): holds when BlockFFN beats each one, does not hold
+    (:func:`moejax.harness.claims.paired_claim`): holds when BlockFFN beats each one, does not hold
     when one beats it."""
     rows = t.get("baselines_per_seed") or []
     out = []

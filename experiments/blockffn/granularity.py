@@ -7,9 +7,10 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 from __future__ import annotations
 
 from experiments.blockffn import PAPER_SCALE
-from moejax.claims import Claim, lookup, paired_compare
 from moejax.config import Config, config
-from moejax.results import RunDir
+from moejax.harness.claims import Claim, lookup, paired_compare
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.sparse_lm import (
     SparseLMConfig,
     data_sources,
@@ -17,7 +18,6 @@ from moejax.sparse_lm import (
     summary_row,
     train_and_evaluate,
 )
-from moejax.study import Study
 from moejax.train.hparams import TrainConfig
 
 

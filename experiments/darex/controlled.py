@@ -30,7 +30,9 @@ import jax
 
 from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
-from moejax.claims import (
+from moejax.config import Config, config
+from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
+from moejax.harness.claims import (
     Claim,
     lookup,
     measured,
@@ -39,10 +41,9 @@ from moejax.claims import (
     threshold_claim,
     top_column,
 )
-from moejax.config import Config, config
-from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
-from moejax.results import RunDir
-from moejax.study import Study
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
+from moejax.harness.tables import seed_summary
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import (
@@ -53,7 +54,6 @@ from moejax.substrates.mlp import (
     load_tasks,
     mlp,
 )
-from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config
 
 MATRICES = r"^(w1|wo)$"  # the MLP's weight matrices (prune=matrices)
@@ -368,7 +368,7 @@ def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's claims on this study's tables; the comparisons of two methods are
-    judged on the paired per-seed differences (:func:`moejax.claims.paired_compare`)."""
+    judged on the paired per-seed differences (:func:`moejax.harness.claims.paired_compare`)."""
     p = top_column(t.get("accuracy"))
 
     def at(ft, m):

@@ -25,15 +25,15 @@ from flax import nnx
 
 from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
-from moejax.claims import Claim, lookup, paired_compare, top_column
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.evaluate import LMEvaluator, outputs_on
+from moejax.harness.claims import Claim, lookup, paired_compare, top_column
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.io.smollm2 import load_smollm2
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig

@@ -38,21 +38,21 @@ from flax import nnx
 
 from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
-from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
+from moejax.harness.claims import Claim, paired, paired_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
+from moejax.harness.tables import seed_summary
 from moejax.io.minilm import load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
-from moejax.tables import seed_summary
 from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
 
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
@@ -92,7 +92,7 @@ class EncoderStudyConfig(Config):
     n_train: int = 6000
     n_val: int = 200
     n_test: int = 400
-    seeds: int = 5  # paired for the claims (moejax.claims)
+    seeds: int = 5  # paired for the claims (moejax.harness.claims)
     seed: int = 0  # base seed: fine-tuning run i uses seed + i
     p: float = 0.99
     mp_ps: tuple[float, ...] = (0.9, 0.95)  # Table 7: magnitude pruning also at these rates
@@ -359,7 +359,7 @@ def _headline(cfg: EncoderStudyConfig, summary: list[dict]) -> dict:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's encoder claims on this study's tables, each judged on the paired
-    differences over every (task, seed) that both methods ran (:func:`moejax.claims.
+    differences over every (task, seed) that both methods ran (:func:`moejax.harness.claims.
     paired_claim`), not on one task's means."""
     rows = t.get("per_seed") or []
 

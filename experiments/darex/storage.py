@@ -32,11 +32,11 @@ from flax import nnx
 
 from experiments.darex import PAPER_SCALE
 from moejax import delta as dl
-from moejax.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.config import Config, config
+from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.nn.decoder import DecoderLM, smollm2_135m_config
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
@@ -280,7 +280,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """Storage: what delta pruning is for (DAREx paper, Sec. 1 and Table 13): a delta pruned
     (and quantised) so that its accuracy stays within :data:`ACCURACY_TOLERANCE` of the
     unpruned delta's stores at least 10x smaller. Size alone would hold at any drop rate.
-    Judged over the seed runs (:func:`moejax.claims.threshold_claim` on each run's best
+    Judged over the seed runs (:func:`moejax.harness.claims.threshold_claim` on each run's best
     ratio)."""
     claim = (f"A delta compressed without losing more than {ACCURACY_TOLERANCE:g} accuracy "
              "stores at least 10x smaller than dense (Sec. 1, Table 13)")

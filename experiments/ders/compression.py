@@ -29,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from experiments.ders import PAPER_SCALE
-from moejax.claims import Claim, lookup, per_seed, threshold_claim
 from moejax.config import Config, config
 from moejax.ders_compress import (
     QuantSpec,
@@ -47,9 +46,10 @@ from moejax.ders_compress import (
     save_compressed,
 )
 from moejax.evaluate import LMEvaluator
+from moejax.harness.claims import Claim, lookup, per_seed, threshold_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.pytree import fmt_count
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
@@ -323,7 +323,7 @@ def _headline(cfg: DeRSCompressionConfig, rows: list[dict]) -> str:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """DeRS compression (Sec. 3.3, Tables S13-S18): compressed deltas keep most of what the
     deltas are worth (the loss rise of dropping every delta), in every scenario; judged on the
-    worst scenario of each seed run (:func:`moejax.claims.threshold_claim`)."""
+    worst scenario of each seed run (:func:`moejax.harness.claims.threshold_claim`)."""
     out = []
     for method, setting, label in (("sparse", 0.9, "sparse deltas at drop rate 0.9"),
                                    ("quant", 2, "2-bit deltas")):

@@ -27,12 +27,12 @@ import jax
 from flax import nnx
 
 from experiments.ders import PAPER_SCALE
-from moejax.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
+from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.pytree import count_bytes, fmt_count
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model
@@ -184,7 +184,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     with at least 10x fewer added parameters. The variant: the one of at least 10x fewer
     added parameters with the lowest mean loss gap to vanilla; "matches": its per-seed gap
     ``val_loss - vanilla`` lies below :data:`MATCH_NATS` nats/byte with 95% confidence
-    (:func:`moejax.claims.threshold_claim`; above it: does not hold). Inconclusive where the
+    (:func:`moejax.harness.claims.threshold_claim`; above it: does not hold). Inconclusive where the
     dense control, trained alike with no added parameters, matches vanilla too: then nothing
     at this scale separates more experts from none."""
     rows = t.get("upcycling") or []

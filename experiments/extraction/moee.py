@@ -33,7 +33,6 @@ from typing import Literal
 import numpy as np
 
 from experiments.extraction import PAPER_SCALE
-from moejax.claims import Claim, compare, lookup, paired, paired_claim, threshold_claim
 from moejax.config import config
 from moejax.extract import (
     extract_model,
@@ -49,10 +48,11 @@ from moejax.extract.pipeline import (
     moefication_model,
 )
 from moejax.extract.source import ExtractionSource, source_preset
-from moejax.results import RunDir
-from moejax.study import Study
+from moejax.harness.claims import Claim, compare, lookup, paired, paired_claim, threshold_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
+from moejax.harness.tables import seed_summary
 from moejax.substrates.classifier_data import ClassifierData
-from moejax.tables import seed_summary
 from moejax.train.hparams import TrainConfig
 
 # ablation key -> (label, cluster method, neuron selection, router); "random" routing sends
@@ -90,7 +90,7 @@ class MoEEStudyConfig(ExtractionSource):
     finetune_ablations: bool = True
     stability_tokens: tuple[int, ...] = (1000, 2000, 4000)
     stability_draws: int = 3
-    seeds: int = 5  # paired for the claims (moejax.claims)
+    seeds: int = 5  # paired for the claims (moejax.harness.claims)
     seed: int = 0
 
     def validate(self) -> None:
@@ -426,7 +426,7 @@ def _later_minus_earlier(experts: str) -> float | None:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables, at the thresholds of the
     paper's smallest model (:data:`MACS_CUT_PCT` ...), each judged over the seeds: the cuts
-    and the accuracy regained by :func:`moejax.claims.threshold_claim` on the per-seed
+    and the accuracy regained by :func:`moejax.harness.claims.threshold_claim` on the per-seed
     values, the comparisons with MoEfication and the random ablations on the paired per-seed
     differences, only at equal MACs."""
     t1 = t.get("table1") or []

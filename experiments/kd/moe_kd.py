@@ -47,7 +47,6 @@ import numpy as np
 
 from experiments.kd import PAPER_SCALE
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
-from moejax.claims import Claim, paired, paired_claim
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.loader import chat_prompt_response
@@ -58,12 +57,13 @@ from moejax.evaluate_generation import (
     gate_mass_by_layer,
     router_kl_by_layer,
 )
+from moejax.harness.claims import Claim, paired, paired_claim
+from moejax.harness.results import RunDir
+from moejax.harness.study import Study
 from moejax.io.hf_moe import hf_moe_config, load_hf_moe
 from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
 from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import keep_layers
-from moejax.results import RunDir
-from moejax.study import Study
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig

@@ -50,9 +50,9 @@ from flax import nnx
 
 from moejax.config import Config, to_json
 from moejax.files import atomic_write_text, exclusive, writable_dir
+from moejax.harness.smoke import SMOKE_SUFFIX, smoke_config
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.pytree import count_bytes
-from moejax.smoke import SMOKE_SUFFIX, smoke_config
 from moejax.substrates import classify as cls_r
 from moejax.substrates import lm as lm_r
 from moejax.substrates import mlp as mlp_r
@@ -139,7 +139,7 @@ def _recipe(name: str) -> Recipe:
 
 def substrate_config(name: str, preset: str = "quick") -> Config:
     """The default config of substrate ``name`` for ``preset``; ``"<preset>_smoke"``: that
-    preset cut as a smoke run (:mod:`moejax.smoke`; how a smoke run's substrates name the
+    preset cut as a smoke run (:mod:`moejax.harness.smoke`; how a smoke run's substrates name the
     substrates they start from)."""
     base = preset.removesuffix(SMOKE_SUFFIX)
     if base not in PRESETS:

@@ -44,7 +44,7 @@ When a process dies, the others cannot go on. A watcher thread started by
 ``MOEJAX_HEARTBEAT_TIMEOUT``, default 30 s) and exits each survivor with one line saying what
 happened and how to resume, and :data:`EXIT_PEER_LOST`; a collective that fails first
 becomes :class:`PeerLostError` in the training loop (naming the step and the checkpoint that
-resumes it), which :func:`moejax.experiment.main` prints and exits with the same code.
+resumes it), which :func:`moejax.harness.experiment.main` prints and exits with the same code.
 """
 
 from __future__ import annotations

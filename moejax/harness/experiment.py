@@ -7,7 +7,7 @@ An experiment module defines
 * ``run(cfg, run: RunDir) -> dict``: the study; writes tables/plots into ``run`` and returns a
   small dict of headline numbers;
 
-and ends with its declaration, a :class:`moejax.study.Study` named ``STUDY``, and
+and ends with its declaration, a :class:`moejax.harness.study.Study` named ``STUDY``, and
 ``if __name__ == "__main__": raise SystemExit(STUDY.main())``, so that
 
     python -m experiments.<name> preset=full model.d_model=512 out=runs/mine
@@ -16,7 +16,7 @@ works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other
 goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
 before any compute with a message naming the key and the allowed keys/values.
 
-``smoke=true`` runs the preset as a smoke run (:mod:`moejax.smoke`): real model sizes and
+``smoke=true`` runs the preset as a smoke run (:mod:`moejax.harness.smoke`): real model sizes and
 weights, every training run cut to a couple of steps of a few rows, evaluations to a couple of
 batches, plus the study's own ``smoke`` overrides for what else it counts; once, not over
 seeds (``python -m experiments.<name> preset=full smoke=true``).
@@ -24,7 +24,7 @@ seeds (``python -m experiments.<name> preset=full smoke=true``).
 ``repeat=N`` runs the study ``N`` times with its ``seed_keys`` (the config keys that seed a
 run: init, data order, masks) offset by ``0 .. N-1``, each run in ``out/seed_<i>/``, and
 writes every table again in ``out/`` as the mean and sample std over the runs
-(:func:`moejax.results.merge_seed_tables`), with the runs' headlines and plots linked. A
+(:func:`moejax.harness.results.merge_seed_tables`), with the runs' headlines and plots linked. A
 study declares its seed keys and how many runs its quick preset makes by default
 (``Study(name, make_config, run, seed_keys=("train.seed",), quick_repeat=5)``).
 """
@@ -42,22 +42,22 @@ from typing import Any
 
 import jax
 
-from moejax import run_index
-from moejax.claims import SEED_TABLES, Claim
 from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs, to_dict
 from moejax.data.raw_files import DataDirError, MissingDataError
-from moejax.io._common import WeightFileError
-from moejax.nn.moe import MoEConfig
-from moejax.results import RunDir, RunDirError
-from moejax.run_record import (
+from moejax.harness import run_index
+from moejax.harness.claims import SEED_TABLES, Claim
+from moejax.harness.results import RunDir, RunDirError
+from moejax.harness.run_record import (
     RunOwnerError,
     claim_run_dir,
     config_hash,
     mark_run_state,
     write_run_record,
 )
-from moejax.smoke import smoke_config
-from moejax.tables import mean_std, merge_seed_tables, read_csv_rows
+from moejax.harness.smoke import smoke_config
+from moejax.harness.tables import mean_std, merge_seed_tables, read_csv_rows
+from moejax.io._common import WeightFileError
+from moejax.nn.moe import MoEConfig
 from moejax.train.checkpoint import CheckpointWriteError, ForeignCheckpointError
 from moejax.train.checkpoint_format import CheckpointMismatchError
 from moejax.train.distributed import (
@@ -342,7 +342,7 @@ def _tables(run: RunDir) -> dict:
 def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = (),
            paper_scale: str = "") -> None:
     """The run's claims from its tables; a repeated study's merged run also hands each seed
-    run's tables (:data:`moejax.claims.SEED_TABLES`), so that its claims pair the seeds."""
+    run's tables (:data:`moejax.harness.claims.SEED_TABLES`), so that its claims pair the seeds."""
     if claims is not None:
         tables = _tables(run)
         if seed_runs:

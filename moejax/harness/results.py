@@ -1,7 +1,7 @@
 """A run directory, what every experiment writes its results into: the resolved config,
-markdown tables and CSVs (:mod:`moejax.tables`), PNG plots (:mod:`moejax.plots`), notes and
+markdown tables and CSVs (:mod:`.tables`), PNG plots (:mod:`.plots`), notes and
 claims, and a ``summary.md`` that the main job links from its REPORT.md. The run's record
-(``run.json``) is :mod:`moejax.run_record`.
+(``run.json``) is :mod:`moejax.harness.run_record`.
 
     run = RunDir.create("runs/report/lm_demo", cfg)
     run.table("losses", rows, title="Validation loss")      # losses.csv + losses.md
@@ -23,12 +23,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from moejax.claims import Claim, claims_markdown, claims_scale
 from moejax.config import Config, to_dict
 from moejax.extras import require
 from moejax.files import UnusableDirError, atomic_open, atomic_write_text, writable_dir
-from moejax.plots import bar_figure, heatmap_figure, line_figure
-from moejax.tables import columns_of, csv_value, markdown_table
+from moejax.harness.claims import Claim, claims_markdown, claims_scale
+from moejax.harness.plots import bar_figure, heatmap_figure, line_figure
+from moejax.harness.tables import columns_of, csv_value, markdown_table
 from moejax.train.run_lock import RunLock
 
 __all__ = ["RunDir", "RunDirError"]
@@ -133,24 +133,24 @@ class RunDir:
     # -- plots -------------------------------------------------------------------------
     def line_plot(self, stem: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
                   *, title: str | None = None, **kw) -> Path:
-        """Lines ``series`` (label -> (xs, ys)) as ``stem.png`` (:func:`moejax.plots.
+        """Lines ``series`` (label -> (xs, ys)) as ``stem.png`` (:func:`moejax.harness.plots.
         line_figure`: axis labels, log axes, markers, labelled reference lines)."""
         return self._save_fig(line_figure(stem, series, title=title, **kw), stem, title or stem)
 
     def bar_plot(self, stem: str, labels: Sequence[str], values: Sequence[float], *,
                  title: str | None = None, **kw) -> Path:
-        """Bars as ``stem.png`` (:func:`moejax.plots.bar_figure`: error bars, reference
+        """Bars as ``stem.png`` (:func:`moejax.harness.plots.bar_figure`: error bars, reference
         lines)."""
         return self._save_fig(bar_figure(stem, labels, values, title=title, **kw), stem,
                               title or stem)
 
     def heatmap(self, stem: str, matrix, *, title: str | None = None, **kw) -> Path:
-        """A matrix as ``stem.png`` (:func:`moejax.plots.heatmap_figure`)."""
+        """A matrix as ``stem.png`` (:func:`moejax.harness.plots.heatmap_figure`)."""
         return self._save_fig(heatmap_figure(stem, matrix, title=title, **kw), stem,
                               title or stem)
 
     def _save_fig(self, fig, stem: str, title: str) -> Path:
-        plt = require("matplotlib.pyplot", "moejax.results (a run's plots)")
+        plt = require("matplotlib.pyplot", "moejax.harness.results (a run's plots)")
         out = self.path / f"{stem}.png"
         with atomic_open(out, "wb") as f:
             fig.savefig(f, format="png")

@@ -9,12 +9,12 @@ proofs need to know about it, in one frozen value at the end of its module.
 
 * ``name``: the run directory's and the report's name (``runs/<name>``);
 * ``make_config(preset) -> Config`` and ``run(cfg, RunDir) -> dict``: the recipe
-  (:mod:`moejax.experiment`);
+  (:mod:`moejax.harness.experiment`);
 * ``claims(tables) -> [Claim]``: the paper's claims judged from the run's tables
-  (:mod:`moejax.claims`);
+  (:mod:`moejax.harness.claims`);
 * ``seed_keys``: the config keys that seed a run (``repeat=N`` offsets them);
   ``quick_repeat``: how many seed runs ``make studies`` makes of the quick preset;
-* ``smoke``: the study's own cuts for ``smoke=true`` (what it counts, :mod:`moejax.smoke`);
+* ``smoke``: the study's own cuts for ``smoke=true`` (what it counts, :mod:`moejax.harness.smoke`);
   ``smoke_depth``: the reduced depth a smoke run takes where the full preset cannot fit a
   24 GB host (fewer layers, every layer's shape kept; the smoke tables say so);
 * ``paper_scale``: the models (and data) the paper measured its claims on, printed beside
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from moejax.experiment import ClaimsFn, main, run_experiment
+from moejax.harness.experiment import ClaimsFn, main, run_experiment
 
 __all__ = ["Study"]
 
@@ -77,7 +77,7 @@ class Study:
 
     def run_experiment(self, argv: Sequence[str] = (), *, out: Path | None = None,
                        repeat_quick: bool = False, variant: str = ""):
-        """``(summary, RunDir)`` of :func:`moejax.experiment.run_experiment` with this
+        """``(summary, RunDir)`` of :func:`moejax.harness.experiment.run_experiment` with this
         study's declaration; ``repeat_quick``: the quick preset makes ``quick_repeat`` runs;
         ``variant``: one of :attr:`variants` (as ``variant=NAME`` on the command line)."""
         argv = [*argv, f"variant={variant}"] if variant else list(argv)
@@ -89,7 +89,7 @@ class Study:
                               paper_scale=self.paper_scale)
 
     def main(self, argv: Sequence[str] | None = None) -> int:
-        """``python -m experiments.<name> key=value ...`` (:func:`moejax.experiment.main`)."""
+        """``python -m experiments.<name> key=value ...`` (:func:`.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
                     quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
                     paper_scale=self.paper_scale, variants=dict(self.variants))

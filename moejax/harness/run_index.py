@@ -1,7 +1,7 @@
 """The run index: one JSON line per finished study run, wherever its directory lives, so that
 each results document is generated from the newest run of every study on its machine class.
 
-The runner (:func:`moejax.experiment.run_experiment`) appends a line when a study's top-level
+The runner (:func:`.experiment.run_experiment`) appends a line when a study's top-level
 run has finished: the study, the run directory's absolute path, the preset, its kind
 (``preset``: the study's preset config at its default repeat, the only runs the results
 documents publish; ``trial``: anything overridden), the machine class (``cpu``, ``gpu`` or
@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from moejax.run_record import read_run_record
+from moejax.harness.run_record import read_run_record
 
 __all__ = ["ENV", "KINDS", "index_path", "index_paths", "machine_class", "record", "newest",
            "entry_name"]
@@ -131,7 +131,7 @@ def newest(machine: str, index: Path | Sequence[Path] | None = None, *,
 
 
 def _finished(path: Path) -> bool:
-    """Whether ``path`` holds a finished run (:func:`moejax.run_record.read_run_record`: a
+    """Whether ``path`` holds a finished run (:func:`moejax.harness.run_record.read_run_record`: a
     record from before states were kept counts)."""
     record = read_run_record(path)
     return record is not None and record.get("state") == "finished"

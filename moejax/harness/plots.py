@@ -1,4 +1,4 @@
-"""The figures of a run directory's plots (:class:`moejax.results.RunDir` saves them): lines,
+"""The figures of a run directory's plots (:class:`.results.RunDir` saves them): lines,
 bars and heatmaps with labelled reference lines, drawn with matplotlib's Agg backend."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ __all__ = ["line_figure", "bar_figure", "heatmap_figure"]
 
 def _pyplot():
     """matplotlib's pyplot on the Agg backend (files only), or one line naming the extra."""
-    require("matplotlib", "moejax.plots (the plots)").use("Agg", force=True)
-    return require("matplotlib.pyplot", "moejax.plots (the plots)")
+    require("matplotlib", "moejax.harness.plots (the plots)").use("Agg", force=True)
+    return require("matplotlib.pyplot", "moejax.harness.plots (the plots)")
 
 def line_figure(
     stem: str,
