@@ -332,6 +332,8 @@ assert params["embed"].sharding.spec == P() and len(params["embed"].sharding.dev
 assert len(asked) == len(params) and ("blocks/1/ffn/experts/w_down", (4, 24, 32)) in asked
 out, _ = model(jnp.asarray(np.load(d / "prompts.npy")), train=False)
 np.testing.assert_allclose(np.asarray(out), np.load(d / "logits.npy"), rtol=0, atol=1e-5)
+print("expert shards", sorted({s.data.shape for s in up.addressable_shards}),
+      "on", len(up.sharding.device_set), "devices")
 print("OK")
 """
 
@@ -341,7 +343,8 @@ def test_tensors_stream_into_their_sharded_places():
     other tensor replicated as it is read; the model equals transformers' forward."""
     from tests.devices import run_on_devices
 
-    run_on_devices(_SHARDED_SCRIPT, n_devices=2, timeout=300)
+    out = run_on_devices(_SHARDED_SCRIPT, n_devices=2, timeout=300)
+    assert "expert shards [(2, 32, 24)] on 2 devices" in out, out[-2000:]
 
 
 def test_the_tokenizer_travels_with_the_export(tmp_path):

@@ -21,6 +21,7 @@ an error naming ``pip install jinja2``.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -221,8 +222,6 @@ def tokenizer_from_hf_dir(directory) -> HFTokenizer:
     first of a list) where they are set, else from the token names
     (:func:`tokenizer_from_json`); no pad id: the eos id (padding is masked out). Without
     special tokens added on encode (a decoder's)."""
-    import json
-
     directory = Path(directory)
     tok = tokenizer_from_json(directory / "tokenizer.json", add_special_tokens=False)
     ids: dict = {}
