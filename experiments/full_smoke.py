@@ -33,8 +33,11 @@ program, e.g. one distillation method's runs over seeds, are proven once and the
 summed): parameters, FLOPs per step, weights, optimizer state and activations per device,
 whether one H100 80 GB holds it, the cuda and tpu exports with their kernels, and the GPU
 hours of all the full preset's runs of that step; and every distinct decode loop it calls
-(:func:`moejax.train.aot.prove_decode`, at the shapes the smoke cuts give it). A study's
-``smoke_depth`` applies here too, and the depth column says so (``full_aot.md``).
+(:func:`moejax.train.aot.prove_decode`, at the shapes the smoke cuts give it); then the full
+preset's runs on the real checkpoints a study names (``Study.checkpoint_runs``: e.g.
+OLMoE-1B-7B and Qwen1.5-MoE-A2.7B, built from their ``config.json`` alone, no weights). A
+study's ``smoke_depth`` applies to the recipe's runs, and the depth column says so
+(``full_aot.md``).
 
 A study past ``timeout`` seconds is stopped and reported as such. ``<study>.<key>=<value>``
 sets one of that study's own config keys after the cuts (e.g. to prove only some of its
@@ -146,6 +149,9 @@ def _aot(study: Study, out: Path, overrides=(), report: Path | None = None) -> d
             result["error"] = _error(e)
         finally:
             run.close()
+    if study.checkpoint_runs is not None:  # real checkpoints, from their config.json alone
+        for c in study.checkpoint_runs(cfg):
+            prover(c)
     for row in result["rows"]:
         row.pop("gpu_hours_per_step", None)
     result["ok"] = not result["error"] and all("error" not in r for r in result["rows"])

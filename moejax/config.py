@@ -149,6 +149,14 @@ class Config:
         if not condition:
             raise ConfigError(f"{type(self).__name__}: {message}")
 
+    def _checked(self, fn, *args):
+        """``fn(*args)``, a value checked by a library function: its ``ValueError`` raised as
+        this config's :class:`ConfigError`."""
+        try:
+            return fn(*args)
+        except ValueError as e:
+            raise ConfigError(f"{type(self).__name__}: {e}") from None
+
 
 # ----------------------------------------------------------------------------------------
 # Serialisation

@@ -316,3 +316,85 @@ def test_the_grouped_kernel_paths_are_counted_as_the_work_their_kernels_do():
         assert rows[path]["flops_per_step"] == pytest.approx(rows["grouped"]["flops_per_step"])
         assert rows[path]["peak_GB"] == pytest.approx(rows["grouped"]["peak_GB"], rel=0.05)
     assert int(rows["gmm"]["cuda_kernels"]) >= 6  # the export still holds the kernels
+
+
+def test_an_abstract_run_is_the_step_the_training_loop_captures():
+    """A model built from its config alone (no weights) gives the captured step of the real
+    run: the same shapes and program, and the same proven size."""
+    from moejax.train.aot import abstract_run
+
+    cfg = TrainConfig(steps=7, batch_size=4, lr=1e-2)
+    with capture_steps(steps=0) as captured:
+        train(_model(), ToySource(batch_size=4), cfg, desc="real")
+    ghost = abstract_run(_model, cfg, ToySource(batch_size=4).batch(0), label="ghost")
+    real = captured[0]
+    same = lambda a, b: jax.tree.map(lambda x, y: (x.shape, x.dtype) == (y.shape, y.dtype), a, b)
+    assert all(jax.tree.leaves(same(real.state, ghost.state)))
+    assert all(jax.tree.leaves(same(real.batch, ghost.batch)))
+    assert ghost.program == real.program and ghost.cfg == real.cfg
+    a, b = prove_step(real, platforms=()), prove_step(ghost, platforms=())
+    assert {k: a[k] for k in ("params", "flops_per_step", "peak_GB", "batch")} == {
+        k: b[k] for k in ("params", "flops_per_step", "peak_GB", "batch")}
+
+
+def _tiny_checkpoints(monkeypatch, *modules):
+    """The named real checkpoints replaced by the tiny fixtures' config.json (same families)."""
+    import json
+    from pathlib import Path
+
+    d = Path(__file__).parent / "fixtures" / "hf_moe"
+    tiny = {f"tiny-{f}": json.loads((d / f / "config.json").read_text())
+            for f in ("olmoe", "qwen2_moe")}
+    for m in modules:
+        monkeypatch.setattr(m, "CHECKPOINTS", tiny)
+    return d
+
+
+def test_real_checkpoints_are_proven_from_their_config_alone(tmp_path, monkeypatch):
+    """``make full-aot`` proves each study's runs on the named checkpoints from their
+    config.json alone, beside the recipe's own: the parameters are the imported model's, and
+    moe_kd proves the teacher's and student's SFT and every method but SAR's distillation."""
+    from experiments.ders import upcycling
+    from experiments.full_smoke import _aot, _aot_rows
+    from experiments.kd import moe_kd
+    from moejax.config import Config, config
+    from moejax.io.hf_moe import load_hf_moe
+
+    d = _tiny_checkpoints(monkeypatch, upcycling, moe_kd)
+    n = {f: _count(load_hf_moe(d / f)) for f in ("olmoe", "qwen2_moe")}
+    cfg = upcycling.make_config("quick").replace(
+        substrate=upcycling.SubstrateConfig(seq_len=16), train=TrainConfig(steps=5, batch_size=2))
+    runs = upcycling.checkpoint_runs(cfg)
+    assert [r.label for r in runs] == [
+        f"baseline=hf:tiny-{f} fine-tuned alike (config.json only)" for f in n]
+    rows = [prove_step(r, platforms=()) for r in runs]
+    assert [r["params"] for r in rows] == list(n.values())
+    assert all(r["batch"] == "2x16" and r["steps"] == 5 for r in rows)
+
+    kd = moe_kd.make_config("quick").replace(prompt_len=8, response_len=8, methods=(
+        "kd", "sar"), dense_teacher_methods=(), teacher_ks=(), lr_sweep=(), router_lr_sweep=())
+    kd_runs = moe_kd.checkpoint_runs(kd)
+    assert [r.label.split(": ", 1)[1] for r in kd_runs] == [
+        "SFT MoE teacher (config.json only)", "SFT student (config.json only)",
+        "KD (config.json only)"] * 2
+    student, distil = (prove_step(r, platforms=()) for r in kd_runs[1:3])
+    # the teacher is frozen inside the distillation: the student's parameters are trained
+    assert distil["params"] == student["params"] < n["olmoe"]
+    assert distil["flops_per_step"] > student["flops_per_step"]  # + the teacher's forward
+
+    @config
+    class Nothing(Config):
+        seed: int = 0
+
+    study = Study("nothing", lambda preset: Nothing(), lambda c, r: {},
+                  checkpoint_runs=lambda c: runs[:1])
+    monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
+    result = _aot(study, tmp_path / "run")
+    assert result["ok"], result
+    (row,) = _aot_rows("bench_kernels", result, 1.0, 0.1)  # a name for the depth column
+    assert row["run"] == runs[0].label and row["parameters"] and row["result"] == "OK"
+    assert row["cuda kernels"] != "" and row["fits one H100 80GB"] == "yes"
+
+
+def _count(model):
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

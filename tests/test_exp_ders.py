@@ -2,7 +2,14 @@
 substrate once into the cache, say which substrate they started from and write their tables."""
 
 import csv
+import math
+from pathlib import Path
 
+import pytest
+
+# imported here, not inside a test: their configs' defaults read the substrate registry, which
+# the tiny_recipes fixture replaces
+from experiments.ders import compression, upcycling
 from moejax.harness.experiment import run_experiment
 from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
@@ -20,7 +27,7 @@ TRAIN = TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2,
 
 
 def test_ders_compression_tiny(tiny_recipes, tmp_path):
-    from experiments.ders import compression as mod
+    mod = compression
 
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            drop_rates=(0.0, 0.9), bits=(8, 1), eval_batches=1,
@@ -46,7 +53,7 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
 
 
 def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
-    from experiments.ders import upcycling as mod
+    mod = upcycling
 
     cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
                                            sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1)
@@ -64,7 +71,7 @@ def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
 
 
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
-    from experiments.ders import upcycling as mod
+    mod = upcycling
     from moejax.harness.claims import SEED_TABLES
 
     def row(variant, form, d, ratio):
@@ -89,7 +96,7 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
 
 
 def test_compression_claim_judges_each_seed_runs_worst_scenario():
-    from experiments.ders import compression as mod
+    mod = compression
     from moejax.harness.claims import SEED_TABLES
 
     def run(kept_a, kept_b):
@@ -113,7 +120,7 @@ def test_compression_claim_judges_each_seed_runs_worst_scenario():
 def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
     """The table the study writes (read back from its CSV) carries the dense control: where
     DeRS equals the control, the claim does not read holds."""
-    from experiments.ders import upcycling as mod
+    mod = upcycling
     from moejax.harness.results import RunDir
     from moejax.harness.tables import read_tables
 
@@ -137,3 +144,56 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
     got = mod.claims({**tables, SEED_TABLES: [tables, tables]})  # two equal seed runs
     assert [c.verdict for c in got] == ["inconclusive", "inconclusive"]
     assert all("dense control" in c.evidence and "no measurable" in c.evidence for c in got)
+
+
+def test_ders_upcycling_with_an_imported_baseline(tiny_recipes, tmp_path):
+    """``baseline=hf:<dir>``: the tiny OLMoE fixture (its char-level tokenizer) evaluated and
+    trained alike on the same text; its row compares in bits per byte, its nats converted to
+    the study's byte tokens, and the claims still judge the DeRS rows only."""
+    mod = upcycling
+
+    hf = Path(__file__).parent / "fixtures" / "hf_moe" / "olmoe"
+    cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
+                                           sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1,
+                                           baseline=f"hf:{hf}")
+    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
+                                  claims=mod.claims, out=tmp_path / "up")
+    by = {r["form"]: r for r in csv.DictReader(open(run.path / "upcycling.csv"))}
+    imp, van = by["imported"], by["vanilla"]
+    assert imp["variant"].startswith("imported olmoe") and imp["added_vs_vanilla"] == "-"
+    # byte tokens: a loss per token is one per byte; the imported row converts to it
+    assert abs(float(van["val_bpb"]) * math.log(2) - float(van["val_loss"])) < 1e-6
+    assert abs(float(imp["val_bpb"]) * math.log(2) - float(imp["val_loss"])) < 1e-6
+    assert 0 < float(imp["val_loss"]) < 10 and float(imp["val_loss"]) != float(
+        imp["val_loss_step0"])
+    text = (run.path / "summary.md").read_text()
+    assert "Imported baseline: imported olmoe" in text
+    assert "of its tokens are its unknown token" in text  # a char-level vocabulary of 96
+    claims = list(csv.DictReader(open(run.path / "claims.csv")))
+    assert [c["claim"][:8] for c in claims] == ["DeRS-SM ", "DeRS-LM "]
+    assert all("imported" not in c["evidence"] for c in claims)
+
+
+def test_document_tokens_of_the_byte_tokenizer_are_the_byte_stream():
+    """The documents in any tokenizer's ids cover the bytes the byte stream has: with byte
+    tokens, the ids are that stream itself (so its windows are unchanged)."""
+    import numpy as np
+
+    from moejax.data.corpora import corpus_tokens, document_tokens
+    from moejax.data.tokenizer import ByteTokenizer
+
+    ids, n_bytes = document_tokens("stdlib_code", "validation", ByteTokenizer())
+    assert np.array_equal(ids, corpus_tokens("stdlib_code", "validation"))
+    assert n_bytes == len(ids)
+
+
+def test_an_imported_baseline_is_checked_before_anything_runs(tmp_path):
+    mod = upcycling
+    from moejax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="give hf:<dir> of a Hugging Face MoE"):
+        mod.make_config("quick").replace(baseline=f"hf:{tmp_path}")
+    hf = Path(__file__).parent / "fixtures" / "hf_moe" / "olmoe"  # 64 positions
+    with pytest.raises(ConfigError, match="takes at most 64 positions"):
+        mod.make_config("quick").replace(baseline=f"hf:{hf}", substrate=mod.SubstrateConfig(
+            seq_len=128))

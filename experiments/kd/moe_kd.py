@@ -39,11 +39,11 @@ is refused for its softmax router. The summary names the teacher that ran.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal, NamedTuple
 
 import jax
 import numpy as np
+from flax import nnx
 
 from experiments.kd import PAPER_SCALE
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
@@ -60,18 +60,22 @@ from moejax.evaluate_generation import (
 from moejax.harness.claims import Claim, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.io.hf_moe import hf_moe_config, load_hf_moe
+from moejax.io.hf_moe import hf_checkpoint_dir, hf_moe_config, hf_spec_config, load_hf_moe
+from moejax.io.hf_moe_checkpoints import CHECKPOINTS
 from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
 from moejax.io.smollm2 import load_smollm2
-from moejax.nn.decoder import keep_layers
+from moejax.nn.decoder import DecoderLM, keep_layers
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
+from moejax.train.aot import abstract_run
 from moejax.train.distill import (
     METHODS,
     DistillConfig,
     Method,
     distil,
+    distill_loss_fn,
+    distill_pair,
 )
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
@@ -158,12 +162,7 @@ class MoEKDConfig(Config):
     def hf_teacher(self):
         """The imported teacher's DecoderConfig (``teacher=hf:<dir>``), read from its
         ``config.json`` (an unsupported family refused in one line)."""
-        d = Path(self.teacher.removeprefix("hf:"))
-        self._require(self.teacher.startswith("hf:") and (d / "config.json").is_file()
-                      and (d / "tokenizer.json").is_file(),
-                      f"teacher={self.teacher!r}: give hf:<dir> of a Hugging Face MoE "
-                      "checkpoint with config.json and tokenizer.json, or '' (upcycled)")
-        return hf_moe_config(d / "config.json")
+        return self._checked(hf_spec_config, self.teacher, "teacher")
 
 
 def make_config(preset: str) -> MoEKDConfig:
@@ -199,7 +198,7 @@ def make_config(preset: str) -> MoEKDConfig:
 
 def _imported_teacher(cfg: MoEKDConfig):
     """``(teacher, tokenizer, description)`` of ``teacher=hf:<dir>``."""
-    d = Path(cfg.teacher.removeprefix("hf:"))
+    d = hf_checkpoint_dir(cfg.teacher, "teacher")
     model = load_hf_moe(d, dispatch=cfg.upcycle.moe.dispatch)
     moe = model.cfg.ffn_slots[0]
     return model, tokenizer_from_hf_dir(d), (
@@ -519,8 +518,39 @@ CLAIMS = {"GKD - KD (MoE teacher)": "GKD beats KD with the MoE teacher (Table 1)
                                       "teacher (Table 1, Sec. 5.2)"}
 
 
+def checkpoint_runs(cfg: MoEKDConfig) -> list:
+    """The preset's runs with each named real checkpoint as ``teacher=hf:<dir>``
+    (:data:`moejax.io.hf_moe_checkpoints.CHECKPOINTS`), from its ``config.json`` alone: the
+    teacher's and the student's SFT and each method's distillation (SAR aside: these
+    routers are softmax, not noisy top-k) at this preset's shapes (``make full-aot``)."""
+    tok = ByteTokenizer()  # the batches' shapes, not their ids, make the program
+
+    def batch(bs: int):
+        return chat_prompt_response("train", tok, batch_size=bs, limit=bs,
+                                    prompt_len=cfg.prompt_len,
+                                    response_len=cfg.response_len).batch(0)
+
+    out = []
+    for name, c in CHECKPOINTS.items():
+        hf = hf_moe_config(c, dispatch=cfg.upcycle.moe.dispatch)
+        teacher = lambda hf=hf: DecoderLM(hf, rngs=nnx.Rngs(0))  # noqa: E731 (Rngs traced)
+        student = lambda teacher=teacher: keep_layers(teacher(), range(cfg.student_layers))  # noqa: E731
+        out += [abstract_run(teacher, cfg.sft, batch(cfg.sft.batch_size),
+                             label=f"teacher=hf:{name}: SFT MoE teacher (config.json only)"),
+                abstract_run(student, cfg.sft, batch(cfg.sft.batch_size),
+                             label=f"teacher=hf:{name}: SFT student (config.json only)")]
+        for method in (m for m in cfg.methods if m != "sar"):
+            kd = cfg.kd.replace(method=method, eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
+            out.append(abstract_run(
+                lambda kd=kd, teacher=teacher, student=student: distill_pair(student(),
+                                                                            teacher(), kd),
+                cfg.distill, batch(cfg.distill.batch_size), loss_fn=distill_loss_fn(kd),
+                label=f"teacher=hf:{name}: {LABELS[method]} (config.json only)"))
+    return out
+
+
 STUDY = Study(
-    "moe_kd", make_config, run, claims=claims,
+    "moe_kd", make_config, run, claims=claims, checkpoint_runs=checkpoint_runs,
     smoke=("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1"),
     paper_scale=PAPER_SCALE,
 )

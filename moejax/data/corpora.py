@@ -30,7 +30,8 @@ from moejax.data.lm_batches import WindowBatches
 from moejax.data.stdlib_corpus import load_stdlib_bytes
 from moejax.data.tokenizer import ByteTokenizer
 
-__all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts", "corpus_windows"]
+__all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts", "corpus_windows",
+           "document_tokens"]
 
 CORPORA = ("stdlib_code", "prose/pydoc", "prose/kjv", "chitchat")
 
@@ -68,6 +69,20 @@ def _byte_token_stream(name: str, split: str) -> np.ndarray:
     out = np.concatenate([p for d in docs for p in (tok.encode(d), eos)]).astype(np.int32)
     out.flags.writeable = False  # cached and shared
     return out
+
+
+def document_tokens(name: str, split: str, tokenizer) -> tuple[np.ndarray, int]:
+    """``(ids, n_bytes)``: the documents of the byte stream (:func:`corpus_texts`) in
+    ``tokenizer``'s ids, each followed by its ``eos_id`` where it has one, and the bytes they
+    cover (UTF-8, plus one per document end). A loss summed over ``ids`` and divided by
+    ``n_bytes`` compares models of different tokenizers on one text; with
+    :class:`~moejax.data.tokenizer.ByteTokenizer` the ids are the byte stream itself and
+    ``n_bytes == len(ids)``."""
+    docs = corpus_texts(name, split)
+    eos = [] if getattr(tokenizer, "eos_id", None) is None else [tokenizer.eos_id]
+    ids = np.concatenate([np.concatenate([np.asarray(t, np.int32), np.asarray(eos, np.int32)])
+                          for t in tokenizer.encode_batch(list(docs))] or [np.zeros(0, np.int32)])
+    return ids.astype(np.int32), sum(len(d.encode("utf-8")) + 1 for d in docs)
 
 
 def corpus_tokens(name: str, split: str, tokenizer=None, max_bytes: int | None = None):

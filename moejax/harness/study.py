@@ -21,7 +21,11 @@ proofs need to know about it, in one frozen value at the end of its module.
   every verdict with the scale the run trained at (:mod:`moejax.train.scale`);
 * ``variants``: ``(name, overrides)`` runs of the quick preset that ``make studies`` makes
   after the study's own (e.g. the same recipe on a real pretrained model), each indexed and
-  documented as ``<study>[<name>]``.
+  documented as ``<study>[<name>]``;
+* ``checkpoint_runs(cfg) -> [CapturedStep]``: the full preset's training runs on real
+  checkpoints this machine cannot hold, built from their ``config.json`` alone
+  (:func:`moejax.train.aot.abstract_run`, :mod:`moejax.io.hf_moe_checkpoints`); ``make
+  full-aot`` proves them beside the recipe's own runs.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Study:
     # named runs of the quick preset with overrides that `make studies` makes after the
     # study's own, each its own section of the results documents
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # the full preset's runs on named real checkpoints, from their config.json alone
+    checkpoint_runs: Callable[[Any], list] | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier():

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import jax
@@ -70,7 +70,8 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern
 
-__all__ = ["hf_moe_config", "load_hf_moe", "save_hf_moe", "FAMILIES", "HFMoEFamily"]
+__all__ = ["hf_moe_config", "hf_checkpoint_dir", "hf_spec_config", "load_hf_moe", "save_hf_moe",
+           "FAMILIES", "HFMoEFamily"]
 
 _PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
@@ -136,16 +137,38 @@ def _family(path: Path, c: dict) -> tuple[str, HFMoEFamily]:
     return kind, fam
 
 
+def hf_checkpoint_dir(spec: str, key: str) -> Path:
+    """The directory an ``hf:<dir>`` config value names (``key=spec``), with its
+    ``config.json`` and ``tokenizer.json``; ``ValueError`` naming ``key`` otherwise."""
+    d = Path(spec.removeprefix("hf:"))
+    if not (spec.startswith("hf:") and (d / "config.json").is_file()
+            and (d / "tokenizer.json").is_file()):
+        raise ValueError(f"{key}={spec!r}: give hf:<dir> of a Hugging Face MoE checkpoint "
+                         "with config.json and tokenizer.json, or leave it ''")
+    return d
+
+
+def hf_spec_config(spec: str, key: str) -> DecoderConfig:
+    """The :class:`DecoderConfig` of the checkpoint an ``hf:<dir>`` config value names
+    (:func:`hf_checkpoint_dir`, :func:`hf_moe_config`)."""
+    return hf_moe_config(hf_checkpoint_dir(spec, key) / "config.json")
+
+
 def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> DecoderConfig:
     """The :class:`DecoderConfig` of a Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE ``config.json``
-    (every setting read from it; anything the layers cannot reproduce refused, naming the
-    key); ``dispatch``: the MoE layers' dispatch path (:mod:`moejax.kernels.moe_dispatch`)."""
-    path = Path(config_json)
-    try:
-        c = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
-                              _FIX) from None
+    (a path, or its fields as a mapping, e.g. :data:`moejax.io.hf_moe_checkpoints.
+    CHECKPOINTS`; every setting read from it; anything the layers cannot reproduce refused,
+    naming the key); ``dispatch``: the MoE layers' dispatch path
+    (:mod:`moejax.kernels.moe_dispatch`)."""
+    if isinstance(config_json, Mapping):
+        path, c = Path("<config.json>"), dict(config_json)
+    else:
+        path = Path(config_json)
+        try:
+            c = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
+                                  _FIX) from None
     kind, fam = _family(path, c)
     try:
         return _decoder_config(c, fam, dispatch, overrides)

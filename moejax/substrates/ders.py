@@ -16,7 +16,9 @@ from typing import Literal
 import numpy as np
 
 from moejax.config import Config, config
-from moejax.data.corpora import corpus_windows
+from moejax.data.corpora import corpus_bytes, corpus_tokens, corpus_windows, document_tokens
+from moejax.data.lm_batches import WindowBatches
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.io.smollm2 import load_smollm2
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
@@ -54,6 +56,24 @@ def batches(name: str, split: str, *, batch_size: int, seq_len: int, seed: int,
     """LM windows of a corpus: byte tokens (``ByteTokenizer``) or SmolLM2 tokens."""
     return corpus_windows(name, split, batch_size=batch_size, seq_len=seq_len, seed=seed,
                           tokenizer=_smollm2_tokenizer() if source == "smollm2" else None)
+
+
+def text_windows(s: SubstrateConfig, split: str, *, batch_size: int, seed: int,
+                 tokenizer=None) -> tuple[WindowBatches, float]:
+    """``(windows, bytes_per_token)`` of the downstream corpus's ``split``: ``tokenizer`` None,
+    the study's own tokens (the windows of :func:`batches`); otherwise the same text in
+    another model's tokens (an imported checkpoint's). Bytes per token turn a loss per token
+    into one per byte (:class:`moejax.evaluate.LMEvaluator`'s ``bpb``), which compares the
+    two: the substrates read the corpus's documents
+    (:func:`moejax.data.corpora.document_tokens`), SmolLM2 its bytes."""
+    name = s.downstream_corpus
+    if s.source == "smollm2":
+        ids = corpus_tokens(name, split, tokenizer or _smollm2_tokenizer())
+        n_bytes = len(corpus_bytes(name, split))
+    else:
+        ids, n_bytes = document_tokens(name, split, tokenizer or ByteTokenizer())
+    return (WindowBatches(ids, batch_size=batch_size, seq_len=s.seq_len, seed=seed),
+            n_bytes / len(ids))
 
 
 def _smollm2(s: SubstrateConfig):
@@ -94,4 +114,4 @@ FULL_PRESET = dict(
                       seed=2, log_every=20),
     eval_batches=32)
 
-__all__ = ["SubstrateConfig", "batches", "dense_substrate", "fit", "FULL_PRESET"]
+__all__ = ["SubstrateConfig", "batches", "dense_substrate", "fit", "text_windows", "FULL_PRESET"]

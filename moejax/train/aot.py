@@ -4,7 +4,9 @@ its real shapes, lowered for a named device (:mod:`moejax.kernels.targets`), and
 the run is read from XLA.
 
 :func:`prove_step` takes a :class:`~moejax.capture.CapturedStep` and returns one row
-(:func:`prove_decode` does the same for a captured decode loop, per call):
+(:func:`prove_decode` does the same for a captured decode loop, per call;
+:func:`abstract_run` makes the step a training run would capture for a model too large to
+build, from its config alone):
 
 - ``params``, ``weights_GB``, ``opt_state_GB``: from the state's shapes (f32 master weights);
 - ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU with the MoE
@@ -34,15 +36,18 @@ import jax.export as je
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.capture import CapturedDecode, CapturedStep
+from moejax.capture import CapturedDecode, CapturedStep, abstract
 from moejax.kernels.moe_dispatch import experts_in_xla
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import PEAK_FLOPS
 from moejax.pytree import count_bytes, count_params
-from moejax.train.loop import compiled_memory
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import compiled_memory, loop_step, loss_name
+from moejax.train.mesh import make_mesh
+from moejax.train.step import init_state, lm_loss_fn
 
-__all__ = ["prove_step", "prove_decode", "H100_BF16_FLOPS", "H100_BYTES", "UTILISATION",
-           "KERNEL_CALLS"]
+__all__ = ["prove_step", "prove_decode", "abstract_run", "H100_BF16_FLOPS", "H100_BYTES",
+           "UTILISATION", "KERNEL_CALLS"]
 
 H100_BF16_FLOPS = PEAK_FLOPS["H100"]  # dense bf16 tensor-core peak of an H100 SXM
 H100_BYTES = 80e9
@@ -139,3 +144,19 @@ def prove_decode(c: CapturedDecode, platforms=("cuda", "tpu")) -> dict:
         row[f"{platform}_kernels"] = _export(c.fn, c.args, c.static, platform)
     row["fits_H100_80GB"] = peak <= H100_BYTES
     return row
+
+
+def abstract_run(model_fn, cfg: TrainConfig, batch, *, loss_fn=lm_loss_fn,
+                 label: str = "") -> CapturedStep:
+    """The :class:`CapturedStep` ``train(model_fn(), source, cfg, loss_fn=loss_fn)`` records
+    (:mod:`moejax.capture`), for a model too large to build here: ``model_fn`` runs under
+    ``nnx.eval_shape`` (no weights are made; it makes its own ``nnx.Rngs``), the optimizer
+    state is ``jax.eval_shape`` of the loop's own, and the step is the loop's
+    (:func:`moejax.train.loop.loop_step`) on the mesh ``cfg`` names. ``batch``: one batch of
+    the run's source (arrays or shapes)."""
+    graphdef, params, rest = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
+    mesh = make_mesh(cfg.mesh_data, cfg.mesh_expert)
+    tx, step = loop_step(graphdef, loss_fn, None, cfg, mesh)
+    state = jax.eval_shape(lambda p, r: init_state(p, r, tx, cfg.seed), params, rest)
+    return CapturedStep(label, step, mesh, state, abstract(batch), cfg,
+                        program=loss_name(loss_fn))

@@ -116,7 +116,7 @@ def _record_scale(params, batch, steps: int) -> None:
     jax.monitoring.record_scalar(scale.STEPS, float(steps))
 
 
-def _loss_name(loss_fn) -> str:
+def loss_name(loss_fn) -> str:
     """What tells a run's step apart from another's of the same shapes: its loss (a function's
     name, or the repr of a loss value such as a distillation method's, equal for equal
     recipes)."""
@@ -263,9 +263,9 @@ def _release_memory(available=available_fraction) -> bool:
     return short
 
 
-def _step_for(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
-    """``(tx, jitted step)``; settings that do not change the step (seed, logging) are
-    dropped from the cache key."""
+def loop_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
+    """``(tx, jitted step)`` the loop runs for these (``tx`` None: built from ``cfg``);
+    settings that do not change the step (seed, logging) are dropped from the cache key."""
     try:
         return _cached_step(graphdef, loss_fn, tx, cfg.replace(**_NOT_IN_STEP), mesh)
     except TypeError:  # something unhashable: build without the cache
@@ -328,7 +328,7 @@ class _Run:
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if opts.mesh is None
                      else opts.mesh)
-        tx, self.step_fn = _step_for(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
+        tx, self.step_fn = loop_step(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
         # Own copies: the step donates its input state, and neither the caller's arrays nor
         # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may
         # be donated with it.
@@ -461,7 +461,7 @@ class _Run:
             return self.cfg.steps, None
         batch = assemble(local_batch(self.source, self.position), self.mesh)
         record_step(self.opts.desc, self.step_fn, self.state, batch, self.cfg, mesh=self.mesh,
-                    program=_loss_name(self.opts.loss_fn))
+                    program=loss_name(self.opts.loss_fn))
         end = (self.cfg.steps if capture.steps is None
                else min(self.cfg.steps, self.start + capture.steps))
         return end, capture.rows
