@@ -375,7 +375,8 @@ def test_real_checkpoints_are_proven_from_their_config_alone(tmp_path, monkeypat
         "kd", "sar"), dense_teacher_methods=(), teacher_ks=(), lr_sweep=(), router_lr_sweep=())
     kd_runs = moe_kd.checkpoint_runs(kd)
     assert [r.label.split(": ", 1)[1] for r in kd_runs] == [
-        "SFT MoE teacher (config.json only)", "SFT student (config.json only)",
+        "SFT MoE teacher (config.json only)",
+        f"SFT student (config.json only, {kd.student_layers} blocks)",
         "KD (config.json only)"] * 2
     student, distil = (prove_step(r, platforms=()) for r in kd_runs[1:3])
     # the teacher is frozen inside the distillation: the student's parameters are trained

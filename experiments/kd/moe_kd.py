@@ -538,7 +538,8 @@ def checkpoint_runs(cfg: MoEKDConfig) -> list:
         out += [abstract_run(teacher, cfg.sft, batch(cfg.sft.batch_size),
                              label=f"teacher=hf:{name}: SFT MoE teacher (config.json only)"),
                 abstract_run(student, cfg.sft, batch(cfg.sft.batch_size),
-                             label=f"teacher=hf:{name}: SFT student (config.json only)")]
+                             label=f"teacher=hf:{name}: SFT student (config.json only, "
+                                   f"{cfg.student_layers} blocks)")]
         for method in (m for m in cfg.methods if m != "sar"):
             kd = cfg.kd.replace(method=method, eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
             out.append(abstract_run(
