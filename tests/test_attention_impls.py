@@ -1,6 +1,8 @@
 """``jax.nn.dot_product_attention`` (the default) against the einsum oracle: values and
 gradients with GQA, padding, packed segments, fully masked rows and the KV-cache path."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +60,95 @@ def test_module_paths_and_decoder_agree():
     la = jitted(DecoderLM(cfg.replace(attention="jax"), rngs=nnx.Rngs(0)))(ids)[0]
     lb = jitted(DecoderLM(cfg.replace(attention="einsum"), rngs=nnx.Rngs(0)))(ids)[0]
     np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError, match="attention impl='flash'"):
-        Attention(16, 4, impl="flash", rngs=nnx.Rngs(0))
-    want = "einsum" if jax.default_backend() == "cpu" else "jax"
-    assert Attention(16, 4, rngs=nnx.Rngs(0)).impl == want  # "auto"
+    with pytest.raises(ValueError, match="attention impl='sparse'"):
+        Attention(16, 4, impl="sparse", rngs=nnx.Rngs(0))
+    assert Attention(16, 4, rngs=nnx.Rngs(0)).impl == "flash"  # "auto": picked when lowered
+
+
+def _qkv_mask(B, T, S, H, G, J, seed=0):
+    k0, k1, k2, k3 = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(k0, (B, T, H, J))
+    k = jax.random.normal(k1, (B, S, G, J))
+    v = jax.random.normal(k2, (B, S, G, J))
+    return q, k, v, k3
+
+
+@contextlib.contextmanager
+def _pallas_interpreted(platform: str):
+    """Run ``platform``'s Pallas kernels on the CPU in Pallas's interpreters: Mosaic TPU's
+    own (``force_tpu_interpret_mode``) or, for Triton, the generic HLO interpreter (every
+    ``pallas_call`` lowered for the CPU is interpreted while inside)."""
+    from jax._src.interpreters import mlir
+    from jax._src.pallas import pallas_call as pc
+    from jax.experimental.pallas import tpu as pltpu
+
+    from moejax.kernels.grouped.ragged import cross_compile
+
+    if platform == "tpu":
+        with pltpu.force_tpu_interpret_mode(), cross_compile(None):
+            yield
+        return
+    cpu = mlir._platform_specific_lowerings["cpu"]
+    before = cpu.get(pc.pallas_call_p)
+    mlir.register_lowering(pc.pallas_call_p, lambda ctx, *a, interpret, **p: (
+        pc._pallas_call_lowering(ctx, *a, interpret=True, **p)), platform="cpu")
+    try:
+        with cross_compile(9.0):
+            yield
+    finally:
+        if before is None:
+            cpu.pop(pc.pallas_call_p, None)
+        else:
+            cpu[pc.pallas_call_p] = before
+
+
+@pytest.mark.parametrize("platform,case", [("tpu", "train"), ("cuda", "train"),
+                                           ("cuda", "decode")])
+def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, case):
+    """tokamax's flash attention, the kernel ``impl="flash"`` runs on a TPU (Mosaic: values
+    and gradients) or an NVIDIA GPU (Triton: values), in Pallas's interpreters: causal
+    training attention with GQA and padded keys, and a decode step's 3 new tokens over a
+    cache whose rows hold 100 and 37 valid slots (a GPU decode step; the TPU kernel takes
+    query blocks of 128 and declines it, so a TPU decodes on XLA's attention)."""
+    from moejax.kernels.attention import flash_kernel
+
+    B, H, G = 2, 4, 2
+    if case == "train":
+        T = S = 128
+        q, k, v, key = _qkv_mask(B, T, S, H, G, 128)
+        real = jnp.arange(S)[None, :] < jnp.array([[128], [90]])
+        mask = jnp.tril(jnp.ones((T, S), bool))[None] & real[:, None, :]
+    else:
+        T, S = 3, 256
+        q, k, v, key = _qkv_mask(B, T, S, H, G, 64, seed=1)
+        slot_BT = jnp.array([[100], [37]]) + jnp.arange(T)[None]
+        mask = jnp.arange(S)[None, None, :] <= slot_BT[:, :, None]
+
+    def loss(q, k, v, flash):
+        o = (flash_kernel(q, k, v, mask, platform) if flash
+             else dot_product_attention(q, k, v, mask, impl="einsum"))
+        return jnp.sum(o * jnp.cos(o)), o
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True),
+                   static_argnums=3)
+    (_, want), g_want = grad(q, k, v, False)
+    with _pallas_interpreted(platform):
+        if platform == "cuda":  # Triton's VJP kernels do not run in the HLO interpreter
+            got, g_got = jax.jit(loss, static_argnums=3)(q, k, v, True)[1], ()
+        else:
+            (_, got), g_got = grad(q, k, v, True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    for a, b in zip(g_got, g_want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)
+
+
+def test_flash_on_the_cpu_is_xlas_attention():
+    """Lowered for the CPU, ``"flash"`` is the einsum (bit for bit): no kernel, no branch."""
+    q, k, v, key = _qkv_mask(2, 5, 7, 4, 2, 8)
+    mask = jax.random.uniform(key, (2, 5, 7)) < 0.6
+    a = jax.jit(lambda *x: dot_product_attention(*x, impl="flash"))(q, k, v, mask)
+    b = jax.jit(lambda *x: dot_product_attention(*x, impl="einsum"))(q, k, v, mask)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = jax.jit(lambda *x: dot_product_attention(*x, impl="flash")).lower(
+        q, k, v, mask).as_text()
+    assert "custom_call" not in text and "case" not in text

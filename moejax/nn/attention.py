@@ -14,14 +14,15 @@ head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 ``h`` reads kv head ``h // (H // G)`` (the HF ``repeat_kv`` convention). An HF
 ``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
 
-Two implementations of the attention itself (``impl``): ``"jax"`` calls
-``jax.nn.dot_product_attention`` with the explicit boolean mask and its default
-implementation, which is XLA's on every platform (cuDNN's flash attention is
-``implementation="cudnn"``, not asked for here: tracing it needs a GPU's cuDNN);
-``"einsum"`` is the obvious float32-softmax einsum, kept as the oracle (tests: equal values
-and gradients, GQA, padding, fully masked rows, the KV-cache path). ``"auto"`` (the default)
-is ``"jax"`` on GPU/TPU and ``"einsum"`` on CPU, where both are plain XLA and the einsum
-compiles faster (the test suite's model tests: 159 s vs 178 s, cold cache, serial).
+Implementations of the attention itself (``impl``): ``"flash"`` runs the platform's flash
+kernel, tokamax's, chosen when the program is lowered (:mod:`moejax.kernels.attention`: Pallas
+Triton on ``cuda``, Pallas Mosaic on TPU), and XLA's attention elsewhere (the CPU) or where the
+kernel declines a call; ``"jax"`` calls ``jax.nn.dot_product_attention`` with the explicit
+boolean mask and its default implementation, which is XLA's on every platform; ``"einsum"`` is
+the obvious float32-softmax einsum, kept as the oracle (tests: equal values and gradients,
+GQA, padding, fully masked rows, the KV-cache path). ``"auto"`` (the default) is ``"flash"``,
+whose XLA side is ``"einsum"`` on the CPU, where it compiles faster than ``"jax"`` (the test
+suite's model tests: 159 s vs 178 s, cold cache, serial), and ``"jax"`` elsewhere.
 
 KV cache: :class:`KVCache` is a pytree ``(k_BSGJ, v_BSGJ, lengths_B)`` passed in and returned
 by :meth:`Attention.decode`; slot ``s`` of row ``b`` holds the token written ``s``-th, and
@@ -37,23 +38,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels.attention import flash_attention
+from moejax.kernels.tiling import target_device
 from moejax.nn.norms import RMSNorm
 from moejax.nn.rope import apply_rope
 
 __all__ = ["KVCache", "init_kv_cache", "dot_product_attention", "Attention", "ATTENTION_IMPLS",
            "QK_NORMS", "resolve_attention_impl"]
 
-ATTENTION_IMPLS = ("auto", "jax", "einsum")
+ATTENTION_IMPLS = ("auto", "flash", "jax", "einsum")
 QK_NORMS = ("none", "head", "full")
 
 
 def resolve_attention_impl(impl: str) -> str:
-    """``"auto"`` -> ``"jax"`` on GPU/TPU, ``"einsum"`` on CPU; others unchanged."""
+    """``"auto"`` -> ``"flash"`` (the kernel is picked when the program is lowered); others
+    unchanged."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl={impl!r}; use one of {ATTENTION_IMPLS}")
-    if impl == "auto":
-        return "einsum" if jax.default_backend() == "cpu" else "jax"
-    return impl
+    return "flash" if impl == "auto" else impl
+
+
+def _xla_impl() -> str:
+    """XLA's attention for the platform being built for: the einsum on the CPU, ``"jax"``
+    elsewhere."""
+    return "einsum" if target_device()[0] == "cpu" else "jax"
 
 _NEG = -1e30  # finite "minus infinity": a fully masked row gives a uniform softmax, not NaN
 
@@ -80,14 +88,21 @@ def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Arra
 
     ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``; a fully masked
     query row attends uniformly (finite, not NaN). Returns ``[B, T, H, J]`` in ``q``'s dtype.
-    ``impl``: ``"jax"`` (``jax.nn.dot_product_attention``), ``"einsum"`` (the oracle) or
-    ``"auto"`` (:func:`resolve_attention_impl`).
+    ``impl``: ``"flash"`` (the platform's kernel, XLA's on the CPU), ``"jax"``
+    (``jax.nn.dot_product_attention``), ``"einsum"`` (the oracle) or ``"auto"``
+    (:func:`resolve_attention_impl`).
     """
     impl = resolve_attention_impl(impl)
     B, T, H, J = q_BTHJ.shape
     G = k_BSGJ.shape[2]
     if H % G:
         raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={G}")
+    if impl == "flash":
+        xla = _xla_impl()
+        if mask_BTS is None:
+            mask_BTS = jnp.ones((B, T, k_BSGJ.shape[1]), bool)
+        return flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, fallback=lambda q, k, v, m: (
+            dot_product_attention(q, k, v, m, impl=xla)))
     if impl == "jax":
         mask = None
         if mask_BTS is not None:
@@ -171,14 +186,18 @@ class Attention(nnx.Module):
             y = y + getattr(self, "b_" + name)[...].astype(dt)
         return y
 
+    def _project(self, x_BTD):
+        """The q, k and v projections ``[B, T, H*J]``, ``[B, T, G*J]`` (twice)."""
+        return self._proj(x_BTD, "q"), self._proj(x_BTD, "k"), self._proj(x_BTD, "v")
+
     def _qkv(self, x_BTD, positions_BT):
         B, T, _ = x_BTD.shape
-        q, k = self._proj(x_BTD, "q"), self._proj(x_BTD, "k")
+        q, k, v = self._project(x_BTD)
         if self.qk_norm == "full":  # over the whole projection (OLMoE)
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
         k = k.reshape(B, T, self.n_kv_heads, self.head_dim)
-        v = self._proj(x_BTD, "v").reshape(B, T, self.n_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # over each head's dims (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_style is not None:

@@ -59,9 +59,10 @@ class DecoderConfig(Config):
     init_std: float = 0.02  # embedding (and untied head) init std
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # "flash": tokamax's flash kernel on GPU / TPU, picked when lowered, XLA's on the CPU;
     # "jax": jax.nn.dot_product_attention, its default implementation (XLA's);
-    # "einsum": the float32 einsum oracle; "auto": jax on GPU/TPU, einsum on CPU
-    attention: Literal["auto", "jax", "einsum"] = "auto"
+    # "einsum": the float32 einsum oracle; "auto": flash
+    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2 / Qwen2-MoE)
     # RMSNorms on the projected q and k before RoPE: over each head (Qwen3) or the whole
     # projection (OLMoE); moejax.nn.attention.Attention

@@ -94,7 +94,7 @@ class EncoderConfig(Config):
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "jax", "einsum"] = "auto"  # see moejax.nn.attention
+    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"  # see moejax.nn.attention
 
     def validate(self) -> None:
         _check_common(self)
@@ -198,7 +198,7 @@ class ViTConfig(Config):
     init_std: float = 0.02
     dtype: Literal["float32", "bfloat16"] = "float32"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "jax", "einsum"] = "auto"  # see moejax.nn.attention
+    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"  # see moejax.nn.attention
 
     def validate(self) -> None:
         _check_common(self)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.lean_decode import lean_decoder
 
 __all__ = ["generate", "select_token", "check_decode_inputs"]
 
@@ -92,6 +93,7 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
                          f"max_seq_len={model.cfg.max_seq_len}; shorten or raise max_seq_len")
     if max_new_tokens <= 0:
         return prompt_BT
+    model = lean_decoder(model)  # its fused weights made once, for every token's step
     graphdef, state = nnx.split(model)
     cache = model.init_cache(B, total)
     record_decode("generate (one token)", _decode_one,

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.lean_decode import lean_decoder
 
 __all__ = ["Sampled", "sample", "sampler", "sample_traced", "top_p_filter", "select_next"]
 
@@ -74,6 +75,7 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
     step's loss); the caller guarantees what :func:`sample` checks."""
     B, T = prompts_BT.shape
     S = T + max_new
+    model = lean_decoder(model)  # its fused weights made once, before the loop
     cache = model.init_cache(B, S)
     logits_BTV, cache = model.decode(prompts_BT, cache)
     cache = tuple(c._replace(lengths_B=prompt_lens_B) for c in cache)

@@ -43,6 +43,7 @@ from flax import nnx
 from moejax.capture import record_decode
 from moejax.nn.blockffn import BlockFFN
 from moejax.nn.generate import check_decode_inputs
+from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
 
 __all__ = ["SpecOutput", "speculative_generate", "speculative_decoder", "cache_len", "rollback",
@@ -121,7 +122,8 @@ def cache_len(prompt_len: int, max_new_tokens: int, draft_len: int) -> int:
 
 @partial(jax.jit, static_argnums=(0, 2), static_argnames=("max_new", "n", "temperature"))
 def _speculate(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
-    target, draft = nnx.merge(tg, ts), nnx.merge(dg, ds)
+    # the fused weights of each made once, before the loop
+    target, draft = lean_decoder(nnx.merge(tg, ts)), lean_decoder(nnx.merge(dg, ds))
     B, T = prompt_BT.shape
     size = cache_len(T, max_new, n)
     tcache, dcache = target.init_cache(B, size), draft.init_cache(B, size)

@@ -1,0 +1,66 @@
+"""Softmax attention on a maintained flash kernel: tokamax's, chosen when the program is lowered.
+
+:func:`flash_attention` runs ``[B, T, H, J]`` queries against ``[B, S, G, J]`` keys and values
+(grouped kv heads) under a boolean ``[B, T, S]`` mask, the contract of
+:func:`moejax.nn.attention.dot_product_attention`:
+
+* ``cuda``: tokamax's Pallas Triton flash attention (its VJP too), one kernel for training
+  sequences and for a decode step's 1 to 64 new tokens over the KV cache (the mask gives
+  each new token its valid slots);
+* ``tpu``: tokamax's Pallas Mosaic TPU flash attention;
+* anything else (the CPU): ``fallback``, XLA's attention.
+
+The platform is the one the program is built for (:func:`moejax.kernels.tiling.target_device`:
+the abstract device of :func:`moejax.kernels.targets.lowering_target`, else the default
+device), and only its branch is traced beside the fallback
+(:func:`jax.lax.platform_dependent`), as for the grouped matmul
+(:mod:`moejax.kernels.grouped.ragged`): tokamax cannot trace one platform's kernel on
+another's device. Where tokamax declines a call (``NotImplementedError``, or the
+``ValueError`` of a shape its kernel does not tile: the TPU kernel takes query blocks of 128,
+so a TPU decode step runs the fallback), or is not installed, the fallback runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moejax.kernels.grouped.ragged import AVAILABLE, tokamax
+from moejax.kernels.tiling import target_device
+
+__all__ = ["KERNELS", "flash_attention", "flash_kernel"]
+
+# tokamax's implementation per lowering platform
+KERNELS = {"cuda": "triton", "tpu": "mosaic_tpu"}
+
+
+def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str):
+    """tokamax's flash attention of ``platform`` (:data:`KERNELS`), called directly (the
+    tests run the TPU kernel in Pallas's interpreter); raises ``NotImplementedError`` where
+    it declines."""
+    if not AVAILABLE:
+        raise NotImplementedError("tokamax is not installed")
+    B, T = q_BTHJ.shape[:2]
+    mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
+    dt = q_BTHJ.dtype
+    return tokamax.dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
+                                         mask=mask, implementation=KERNELS[platform])
+
+
+def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback):
+    """Attention on the target platform's flash kernel, ``fallback(q, k, v, mask)`` elsewhere
+    or where the kernel declines (module docstring). Returns ``[B, T, H, J]`` in ``q``'s
+    dtype."""
+    platform = target_device()[0]
+    if platform not in KERNELS or not AVAILABLE:
+        return fallback(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS)
+
+    def kernel(q, k, v, m):
+        try:
+            return flash_kernel(q, k, v, m, platform).astype(q.dtype)
+        except (NotImplementedError, ValueError):  # a shape or dtype it does not take
+            return fallback(q, k, v, m)
+
+    mask = jnp.broadcast_to(mask_BTS, (q_BTHJ.shape[0], q_BTHJ.shape[1], k_BSGJ.shape[1]))
+    return jax.lax.platform_dependent(q_BTHJ, k_BSGJ, v_BSGJ, mask, default=fallback,
+                                      **{platform: kernel})

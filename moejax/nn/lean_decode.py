@@ -1,0 +1,160 @@
+"""A decoder's decode step with fewer, larger products: weights prepared once per decoding.
+
+:func:`lean_decoder` returns a :class:`LeanDecoder`, the same :class:`DecoderLM` for
+``decode`` and ``init_cache`` (equal logits and caches, up to float rounding), whose blocks
+(:class:`LeanBlock`) run
+
+* q, k and v as one product of ``w_qkv = diag(s_attn) [w_q | w_k | w_v]`` ``[D, (H+2G)J]``:
+  the attention RMSNorm's learned scale ``s_attn`` folded into the weights, its per-token
+  ``rsqrt(mean(x^2) + eps)`` applied to the product (exact: a per-row scalar commutes with
+  the product), biases added after it;
+* a dense FFN's gate and up as one product of ``w_in = diag(s_ffn) [w_gate | w_up]``
+  ``[D, 2F]``, the same way; any other FFN slot (MoE, BlockFFN, DeRS) runs as the module does,
+  after its RMSNorm;
+* attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
+  GPU, :mod:`moejax.kernels.attention`), the cache written in place
+  (:func:`moejax.nn.attention._write_cache`).
+
+The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
+their loop: :mod:`moejax.nn.sample`, :mod:`moejax.nn.speculative`, :mod:`moejax.nn.generate`),
+so a token reads each weight once, as the module would. Decoding only: a :class:`LeanDecoder`
+has no training forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.nn.attention import Attention, KVCache
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.ffn import DenseFFN
+from moejax.nn.norms import RMSNorm
+from moejax.ops.activations import activation_fn
+
+__all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "lean_decoder"]
+
+
+def _rsqrt_ms(x_BTD, eps: float) -> jax.Array:
+    """RMSNorm's per-token factor ``rsqrt(mean(x^2) + eps)`` ``[B, T, 1]`` (float32)."""
+    x32 = x_BTD.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
+def _folded(norm: RMSNorm, *ws) -> jax.Array:
+    """``diag(norm.scale) [w_1 | w_2 | ...]`` in the weights' dtype (folded in float32)."""
+    w = jnp.concatenate([x[...] for x in ws], axis=1)
+    return (norm.scale[...].astype(jnp.float32)[:, None] * w.astype(jnp.float32)).astype(w.dtype)
+
+
+def _bias(module, names) -> nnx.Param | None:
+    present = [getattr(module, "b_" + n) for n in names if hasattr(module, "b_" + n)]
+    return nnx.Param(jnp.concatenate([b[...] for b in present])) if present else None
+
+
+class LeanAttention(Attention):
+    """:class:`Attention` after its RMSNorm, with q, k and v in one product (module
+    docstring); takes the block's input, not its normalised input."""
+
+    def __init__(self, attn: Attention, norm: RMSNorm):  # noqa: D107 - no Attention init
+        for name in ("impl", "n_heads", "n_kv_heads", "head_dim", "causal", "rope_style",
+                     "rope_base", "use_bias", "dtype", "qk_norm"):
+            setattr(self, name, getattr(attn, name))
+        self.biased = tuple(n for n in attn.biased if n == "o")
+        self.eps = norm.eps
+        self.w_qkv = nnx.Param(_folded(norm, attn.w_q, attn.w_k, attn.w_v))
+        self.b_qkv = _bias(attn, ("q", "k", "v"))
+        self.w_o = attn.w_o
+        if "o" in attn.biased:
+            self.b_o = attn.b_o
+        if attn.qk_norm != "none":
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+
+    def _project(self, x_BTD):
+        dt = self.dtype or x_BTD.dtype
+        y = (x_BTD.astype(dt) @ self.w_qkv[...].astype(dt)) * _rsqrt_ms(x_BTD, self.eps
+                                                                       ).astype(dt)
+        if self.b_qkv is not None:
+            y = y + self.b_qkv[...].astype(dt)
+        qj, kj = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return y[..., :qj], y[..., qj:qj + kj], y[..., qj + kj:]
+
+
+class LeanDenseFFN(nnx.Module):
+    """A :class:`DenseFFN` after its RMSNorm, gate and up in one product (module docstring);
+    ``y, {} = ffn(x_BTD)`` of the block's input."""
+
+    def __init__(self, ffn: DenseFFN, norm: RMSNorm):
+        self.dtype, self.gated, self.eps = ffn.dtype, ffn.gated, norm.eps
+        self.activation, self.d_hidden = ffn.cfg.activation, ffn.cfg.d_hidden
+        ins = (ffn.w_gate, ffn.w_up) if ffn.gated else (ffn.w_up,)
+        self.w_in = nnx.Param(_folded(norm, *ins))
+        self.b_in = _bias(ffn, ("gate", "up"))
+        self.w_down = ffn.w_down
+        self.b_down = getattr(ffn, "b_down", None)
+
+    def __call__(self, x_BTD: jax.Array):
+        dt = self.dtype or x_BTD.dtype
+        h = (x_BTD.astype(dt) @ self.w_in[...].astype(dt)) * _rsqrt_ms(x_BTD, self.eps
+                                                                      ).astype(dt)
+        if self.b_in is not None:
+            h = h + self.b_in[...].astype(dt)
+        act = activation_fn(self.activation)
+        h = act(h[..., :self.d_hidden]) * h[..., self.d_hidden:] if self.gated else act(h)
+        y = h @ self.w_down[...].astype(dt)
+        if self.b_down is not None:
+            y = y + self.b_down[...].astype(dt)
+        return y, {}
+
+
+def _plain_rmsnorm(norm) -> bool:
+    return type(norm) is RMSNorm
+
+
+class LeanBlock(nnx.Module):
+    """A pre-RMSNorm :class:`~moejax.nn.block.TransformerBlock`'s decode with the folded
+    products (module docstring)."""
+
+    def __init__(self, block):
+        self.attn = LeanAttention(block.attn, block.attn_norm)
+        if type(block.ffn) is DenseFFN and _plain_rmsnorm(block.ffn_norm):
+            self.ffn, self.ffn_norm = LeanDenseFFN(block.ffn, block.ffn_norm), None
+        else:
+            self.ffn, self.ffn_norm = block.ffn, block.ffn_norm
+
+    def decode(self, x_BTD: jax.Array, cache: KVCache, *, positions_BT=None,
+               mask_BT=None) -> tuple[jax.Array, dict, KVCache]:
+        a, cache = self.attn.decode(x_BTD, cache, positions_BT)
+        x_BTD = x_BTD + a.astype(x_BTD.dtype)
+        if self.ffn_norm is None:
+            y, aux = self.ffn(x_BTD)
+        else:
+            y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
+        return x_BTD + y.astype(x_BTD.dtype), aux, cache
+
+
+class LeanDecoder(DecoderLM):
+    """A :class:`DecoderLM`'s ``decode`` and ``init_cache`` on :class:`LeanBlock` s; its
+    embedding, final norm and head are the model's own arrays."""
+
+    def __init__(self, model: DecoderLM):  # noqa: D107 - no DecoderLM init (no new weights)
+        self.cfg, self.dtype = model.cfg, model.dtype
+        self.embed, self.final_norm = model.embed, model.final_norm
+        if not model.cfg.tie_embeddings:
+            self.w_head = model.w_head
+        self.blocks = nnx.List([LeanBlock(b) for b in model.blocks])
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError("a LeanDecoder decodes only (decode, init_cache); run the full "
+                        "forward on the DecoderLM it was made from")
+
+
+def lean_decoder(model):
+    """``model`` with its decode step lean (:class:`LeanDecoder`) where it is a
+    pre-RMSNorm :class:`DecoderLM`; anything else (a lean decoder already, another model
+    kind) is returned as it is."""
+    if type(model) is not DecoderLM or not all(
+            b.norm_position == "pre" and _plain_rmsnorm(b.attn_norm) for b in model.blocks):
+        return model
+    return LeanDecoder(model)

@@ -1,0 +1,128 @@
+"""The lean decode step (moejax.nn.lean_decode): equal to the modules' decode in float32, and
+lean in what it launches: the one-token decode of a 14-block decoder exported for ``cuda``
+counts at most 8.6 products, reductions, scatters and custom calls per block (dense SwiGLU;
+the BlockFFN decoder its own budget). The train steps export with the flash kernel."""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.kernels.targets import lowering_target
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.lean_decode import LeanDecoder, lean_decoder
+from moejax.nn.moe import MoEConfig
+from moejax.train.aot import TRITON
+
+COUNTED = ("dot_general", "reduce", "scatter", "custom_call")
+# per block, in the one-token decode of 14 blocks (d 256, 4 heads, 2 kv heads, bf16) lowered
+# for cuda: q/k/v, o, gate+up and down products, the two RMSNorms' reductions and the flash
+# kernel (7.2 measured); the BlockFFN decoder also has its router's product and RMSNorm
+BUDGET = {"dense": 8.6, "blockffn": 10.3}
+SLOTS = {"dense": DenseFFNConfig(d_hidden=1024, activation="swiglu"),
+         "blockffn": BlockFFNConfig(n_experts=16, d_expert=64)}
+
+
+def _model(slot, *, layers=2, d=32, **kw):
+    cfg = DecoderConfig(vocab_size=64, d_model=d, n_layers=layers, n_heads=4, n_kv_heads=2,
+                        ffn_slots=(slot,) * layers, max_seq_len=64, **kw)
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    for i, block in enumerate(model.blocks):  # scales away from 1, so folding them shows
+        for j, norm in enumerate((block.attn_norm, block.ffn_norm)):
+            norm.scale[...] = (jax.random.uniform(jax.random.key(10 * i + j), (d,)) + 0.5
+                               ).astype(norm.scale.dtype)
+    return model
+
+
+@pytest.mark.parametrize("name,slot,kw", [
+    ("swiglu", DenseFFNConfig(d_hidden=48, activation="swiglu"), {}),
+    ("gelu, biases", DenseFFNConfig(d_hidden=48, activation="gelu", use_bias=True),
+     dict(qkv_bias=True)),
+    ("qk norm per head", DenseFFNConfig(d_hidden=48, activation="swiglu"),
+     dict(qk_norm="head")),
+    ("qk norm full, untied", DenseFFNConfig(d_hidden=48, activation="swiglu"),
+     dict(qk_norm="full", tie_embeddings=False)),
+    ("moe", MoEConfig(n_experts=4, top_k=2, d_expert=16), {}),
+    ("blockffn", BlockFFNConfig(n_experts=8, d_expert=8), {}),
+])
+def test_the_lean_decode_equals_the_modules_decode(name, slot, kw):
+    model = _model(slot, **kw)
+    lean = lean_decoder(model)
+    assert isinstance(lean, LeanDecoder) and lean_decoder(lean) is lean
+    toks = jax.random.randint(jax.random.key(3), (2, 9), 0, 64)
+    want_c, got_c = model.init_cache(2, 16), lean.init_cache(2, 16)
+    for part in (toks[:, :6], toks[:, 6:7], toks[:, 7:9]):  # prefill, one token, two
+        want, want_c = model.decode(part, want_c)
+        got, got_c = lean.decode(part, got_c)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_c), jax.tree.leaves(want_c)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="decodes only"):
+        lean(toks)
+
+
+def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
+    model = lean_decoder(_model(SLOTS[kind], layers=layers, d=256, dtype="bfloat16",
+                                param_dtype="bfloat16"))
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(1, 256)
+
+    def step(state, tok, cache):
+        return nnx.merge(graphdef, state).decode(tok, cache)
+
+    with lowering_target(platform):
+        text = jax.export.export(
+            jax.jit(step, donate_argnums=2), platforms=(platform,),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+                state, jnp.zeros((1, 1), jnp.int32), cache).mlir_module()
+    ops = collections.Counter(re.findall(r"stablehlo\.([a-z_]+)", text))
+    return {k: ops[k] / layers for k in (*COUNTED, "dynamic_update_slice")}
+
+
+@pytest.mark.parametrize("kind", ["dense", "blockffn"])
+def test_the_one_token_decode_launches_within_its_budget(kind):
+    """Exported for cuda: the q/k/v and gate/up products fused, the flash kernel for the
+    attention over the cache, each cache written by one in-place dynamic_update_slice."""
+    per = _per_block(kind, "cuda")
+    assert sum(per[k] for k in COUNTED) <= BUDGET[kind], per
+    assert per["scatter"] == 0 and per["dynamic_update_slice"] == 2, per
+    assert per["custom_call"] == 1, per  # the flash kernel, nothing else
+    products = {"dense": 4, "blockffn": 6}[kind]  # + the head's, once
+    assert per["dot_general"] <= products + 1 / 14, per
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("kind", ["moe", "blockffn"])
+def test_the_train_steps_export_with_the_flash_kernel(kind, platform):
+    """The MoE and BlockFFN LM train steps lowered for cuda and tpu run attention on
+    tokamax's flash kernel (forward and backward) in the exported module."""
+    from moejax.capture import capture_steps
+    from moejax.train.hparams import TrainConfig
+    from moejax.train.loop import train
+    from tests.toy_models import ToySource
+
+    slot = (MoEConfig(n_experts=4, top_k=2, d_expert=32) if kind == "moe"
+            else BlockFFNConfig(n_experts=8, d_expert=16))
+    cfg = DecoderConfig(vocab_size=64, d_model=128, n_layers=1, n_heads=1, ffn_slots=(slot,),
+                        max_seq_len=128)
+    with capture_steps(steps=0) as captured:
+        train(DecoderLM(cfg, rngs=nnx.Rngs(0)), ToySource(batch_size=2, seq_len=128),
+              TrainConfig(steps=2, batch_size=2))
+    c = captured[0]
+    with lowering_target(platform):
+        text = jax.export.export(
+            c.step.jitted(c.state) if hasattr(c.step, "jitted") else c.step,
+            platforms=(platform,),
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
+                c.state, c.batch).mlir_module()
+    name = {"cuda": "pallas_flash_attention", "tpu": "splash_m"}[platform]
+    kernels = re.findall(r'name = "([^"]*)"', text) + re.findall(r'kernel_name = "([^"]*)"',
+                                                                 text)
+    flash = [k for k in kernels if name in k]
+    assert len(flash) >= 2, sorted(set(kernels))  # forward and at least one backward kernel
