@@ -31,9 +31,14 @@
 #                (fewer decodes to compile)
 #   speculative_wide_graphs
 #                speculative_wide again (from its trained checkpoints when that stage ran),
-#                with XLA's command buffers (CUDA graphs) also taking while loops and
-#                conditionals, where this XLA has the flag: a decoding's whole loop launched as
-#                one graph, against the stage above, whose loop the host steps
+#                each decoding loop compiled with XLA's command buffers (CUDA graphs) also
+#                taking while loops and conditionals (command_buffers=true: per function,
+#                where this XLA has the options; the command_buffers column says which ran):
+#                a decoding's whole loop launched as one graph, against the stage above,
+#                whose loop the host steps
+#   dispatch_xla_attention
+#                bench_dispatch's full preset with XLA's attention (model.attention=jax),
+#                against the dispatch stage's, which trains on tokamax's flash kernel
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -120,23 +125,23 @@ for stage in $stages; do
         "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,1408),(1408,2048)})" \
         "decode_shapes=(${AUTOTUNE_DECODE_SHAPES:-(2048,256),})" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
-    grouped|grouped_f32|kernels|dispatch|speculative|speculative_quick|speculative_wide|\
-    speculative_wide_graphs|extracted)
+    grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
+    speculative_quick|speculative_wide|speculative_wide_graphs|extracted)
       args=(preset=full)
       flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
       bench=${bench%_graphs}
       bench=${bench%_quick}
       bench=${bench%_wide}
+      bench=${bench%_xla_attention}
+      [ "$stage" = dispatch_xla_attention ] && args+=(model.attention=jax)
       [ "$stage" = speculative ] && args+=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
       [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
         "draft_lens=(4,)")
       [ "${stage%_graphs}" = speculative_wide ] && args=(preset=quick variant=wide \
         decode_dtype=bfloat16 "draft_lens=(4,)" decode_trained=false)
       if [ "$stage" = speculative_wide_graphs ]; then
-        flags=$("$py" -c "from moejax.xla_flags import with_flags
-print(with_flags(['--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL']))")
-        echo "XLA_FLAGS=$flags"
+        args+=(command_buffers=true)
         for m in target draft distilled self_distilled; do
           [ -d "$out/bench_speculative_wide/$m" ] && mkdir -p "$out/bench_$stage" &&
             cp -rn "$out/bench_speculative_wide/$m" "$out/bench_$stage/"

@@ -112,18 +112,21 @@ def test_the_kernels_stage_times_the_paths_its_targets_are_judged_on(tmp_path):
 
 def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_flags(tmp_path):
     """speculative_wide_graphs: the same benchmark call as speculative_wide, from the
-    checkpoints that stage trained, under the XLA_FLAGS that moejax.xla_flags accepted."""
+    checkpoints that stage trained, with each decoding loop compiled with command buffers
+    (command_buffers=true: per function, no process-wide XLA_FLAGS); dispatch_xla_attention:
+    bench_dispatch's full preset on XLA's attention."""
     wide = tmp_path / "out" / "bench_speculative_wide"
     for m in ("target", "self_distilled"):
         (wide / m).mkdir(parents=True)
         (wide / m / "ckpt.bin").write_text(m)
     (wide / "decode.csv").write_text("the wide stage's own table")
-    proc, calls = _run(tmp_path, "speculative_wide_graphs")
+    proc, calls = _run(tmp_path, "speculative_wide_graphs", "dispatch_xla_attention")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_wide_graphs"
     assert calls == [f"-m experiments.bench_speculative preset=quick variant=wide "
-                     f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false out={out}",
-                     "  XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE"]
+                     f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
+                     f"command_buffers=true out={out}",
+                     f"-m experiments.bench_dispatch preset=full model.attention=jax "
+                     f"out={tmp_path / 'out' / 'bench_dispatch_xla_attention'}"]
     assert sorted(p.name for p in out.iterdir()) == ["self_distilled", "target"]
     assert (out / "target" / "ckpt.bin").read_text() == "target"
-    assert "XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE" in proc.stdout

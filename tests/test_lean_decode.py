@@ -126,3 +126,36 @@ def test_the_train_steps_export_with_the_flash_kernel(kind, platform):
                                                                  text)
     flash = [k for k in kernels if name in k]
     assert len(flash) >= 2, sorted(set(kernels))  # forward and at least one backward kernel
+
+
+def test_compile_options_are_checked_against_the_running_xla():
+    """An option this XLA does not know is named and left out (never passed to a compile);
+    the command-buffer options it knows are kept."""
+    from moejax.xla_flags import COMMAND_BUFFERS, known_options
+
+    known, unknown = known_options({**COMMAND_BUFFERS, "xla_gpu_no_such_option": 1})
+    assert known == COMMAND_BUFFERS and unknown == ("xla_gpu_no_such_option",)
+
+
+def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
+    """The decoding loops compiled with the command-buffer options (per function, once per
+    prompt shape) give the tokens of the plain loops; an option unknown to this XLA is
+    dropped and the timing says so."""
+    import moejax.bench.decode as bench_decode
+    from moejax.bench.decode import decode_timing
+
+    target = _model(BlockFFNConfig(n_experts=8, d_expert=8))
+    draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
+    prompts = jax.random.randint(jax.random.key(0), (2, 5), 0, 64)
+    runs = {}
+    for on in (False, True):
+        for d in (None, draft):
+            r = decode_timing(target, prompts, 6, draft=d, draft_len=2, command_buffers=on)
+            runs[on, d is None] = r
+            assert r["command_buffers"] == ("on" if on else "off")
+    for ar in (True, False):
+        np.testing.assert_array_equal(runs[True, ar]["tokens"], runs[False, ar]["tokens"])
+    monkeypatch.setattr(bench_decode, "COMMAND_BUFFERS", {"xla_gpu_no_such_option": 1})
+    r = decode_timing(target, prompts, 6, command_buffers=True)
+    assert r["command_buffers"] == "off: unknown to this XLA (xla_gpu_no_such_option)"
+    np.testing.assert_array_equal(r["tokens"], runs[False, True]["tokens"])

@@ -116,6 +116,10 @@ class SpecBenchConfig(Config):
     # time the trained (small) target's decodings as well as the grown one's (false: the
     # grown target's only, where a GPU's minutes go to the >= 100M-parameter claim)
     decode_trained: bool = True
+    # every decoding's loop compiled with XLA's command buffers taking its while loops and
+    # conditionals (moejax.xla_flags.COMMAND_BUFFERS), where this XLA has them; the
+    # command_buffers column says which ran
+    command_buffers: bool = False
     seed: int = 0
 
     def validate(self):
@@ -236,7 +240,8 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
     ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
     agreement measured so far (read, not written: the caller keeps the row's)."""
     r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
-                      profile=cfg.profile and sees_device(), fix=(
+                      profile=cfg.profile and sees_device(),
+                      command_buffers=cfg.command_buffers, fix=(
                           f"lower grow.extra_layers (now {cfg.grow.extra_layers}) or "
                           f"grow.d_expert (now {cfg.grow.d_expert}), or prompt_len (now "
                           f"{cfg.prompt_len}) or max_new_tokens (now {cfg.max_new_tokens})"))
@@ -250,6 +255,7 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
            "draft_params": count_params(d) if d is not None else "",
            "agreement": agreement,
            "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
+           "command_buffers": r["command_buffers"],
            "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
            "mean_accepted_length": r.get("mean_accepted_length", 1.0),
            "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref_tokens)),

@@ -45,6 +45,7 @@ from moejax.nn.speculative import speculative_decoder
 from moejax.nn.surgery import build_from_pure, with_slot_config
 from moejax.ops.activations import is_gated
 from moejax.train.budget import lowered_fitting
+from moejax.xla_flags import COMMAND_BUFFERS, known_options
 
 __all__ = ["grow_blockffn_lm", "decode_timing", "spec_chunk_sparsity", "matching_prefix",
            "blockffn_path", "expert_routes"]
@@ -148,7 +149,7 @@ def _get(tree, names):
 
 
 def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
-                  draft_len: int = 4, profile: bool = False,
+                  draft_len: int = 4, profile: bool = False, command_buffers: bool = False,
                   fix: str = "a smaller model or a shorter decoding (fewer prompt or new tokens)"
                   ) -> dict:
     """Greedy batch-1 decoding of each prompt row (autoregressive when ``draft`` is None):
@@ -164,15 +165,21 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
     first) and ``kernel_counts`` (launches per generated token by kernel name); each None
     where the trace sees no device (a CPU). The decoding loop is compiled and its memory
     checked against the device's before its first call
-    (:class:`~moejax.train.budget.MemoryBudgetError`, naming ``fix``: what shrinks it)."""
+    (:class:`~moejax.train.budget.MemoryBudgetError`, naming ``fix``: what shrinks it).
+    ``command_buffers``: the loop compiled with :data:`moejax.xla_flags.COMMAND_BUFFERS`
+    where the running XLA knows them; ``command_buffers`` in the result says ``"on"``,
+    ``"off"`` or which options this XLA refused (the loop then ran without them)."""
     prompts = jnp.asarray(prompts, jnp.int32)
     P, T = prompts.shape
     # the models split once, as a server holds them: a timed call is the jitted decoding
+    options, refused = known_options(COMMAND_BUFFERS) if command_buffers else ({}, ())
     if draft is None:
-        draw, lens, key = sampler(target, max_new_tokens, temperature=0.0), np.full(
-            (1,), T, np.int32), jax.random.key(0)
+        draw, lens, key = sampler(target, max_new_tokens, temperature=0.0,
+                                  compiler_options=options), np.full((1,), T, np.int32), \
+            jax.random.key(0)
     else:
-        decode = speculative_decoder(target, draft, max_new_tokens, draft_len=draft_len)
+        decode = speculative_decoder(target, draft, max_new_tokens, draft_len=draft_len,
+                                     compiler_options=options)
 
     def one(row):
         if draft is None:
@@ -195,7 +202,9 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
         outs.append(out)
     seconds = time.perf_counter() - t0
     res = {"tokens_per_s": P * max_new_tokens / seconds, "seconds": seconds,
-           "prompt_seconds": each, "tokens": np.stack(toks)}
+           "prompt_seconds": each, "tokens": np.stack(toks),
+           "command_buffers": (f"off: unknown to this XLA ({', '.join(refused)})" if refused
+                               else "on" if options else "off")}
     if draft is not None:
         acc = sum(int(jnp.sum(o.accepted_B)) for o in outs)
         rounds = sum(int(jnp.sum(o.rounds_B)) for o in outs)

@@ -36,6 +36,9 @@ class MoELMConfig(Config):
     moe_layers: Literal["all", "every_other", "none"] = "all"
     max_seq_len: int = 1024
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (params stay fp32)
+    # the attention's implementation (moejax.nn.attention): "auto" = tokamax's flash kernel
+    # on GPU / TPU, XLA's on the CPU; "jax" = XLA's everywhere
+    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"
 
     def validate(self) -> None:
         try:  # the decoder this config builds must be valid too: fail at construction
@@ -54,4 +57,5 @@ class MoELMConfig(Config):
         return DecoderConfig(vocab_size=self.vocab_size, d_model=self.d_model,
                              n_layers=self.n_layers, n_heads=self.n_heads,
                              n_kv_heads=self.n_kv_heads, ffn_slots=slots,
-                             max_seq_len=self.max_seq_len, dtype=self.dtype)
+                             max_seq_len=self.max_seq_len, dtype=self.dtype,
+                             attention=self.attention)

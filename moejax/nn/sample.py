@@ -32,6 +32,7 @@ from flax import nnx
 
 from moejax.capture import record_decode
 from moejax.nn.lean_decode import lean_decoder
+from moejax.xla_flags import call_compiled
 
 __all__ = ["Sampled", "sample", "sampler", "sample_traced", "top_p_filter", "select_next"]
 
@@ -117,7 +118,8 @@ def _sample(graphdef, state, prompts_BT, prompt_lens_B, key, **kw):
 
 
 def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-            eos_id: int | None = None, pad_id: int = 0) -> Callable[..., Sampled]:
+            eos_id: int | None = None, pad_id: int = 0,
+            compiler_options: dict | None = None) -> Callable[..., Sampled]:
     """``draw(prompts_BT, prompt_lens_B, *, key) -> Sampled``: :func:`sample` with this model
     and these settings, the model split once (as a server holds it): a call pays the jitted
     loop and nothing per module. The split state holds the model's variables, so a call
@@ -125,7 +127,10 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     variable or submodule replaced by a new object is not (make a new sampler). Prompt
     lengths given as numpy are checked on the host, with no device round trip.
     ``draw.lower(prompts_BT, prompt_lens_B, key=...)``: the loop lowered for those arguments,
-    not run (its compiled memory can be checked first; a later call reuses the compilation)."""
+    not run (its compiled memory can be checked first; a later call reuses the compilation).
+    ``compiler_options``: XLA compile options of the loop (e.g.
+    :data:`moejax.xla_flags.COMMAND_BUFFERS`; pass those :func:`moejax.xla_flags.
+    known_options` keeps), compiled with them once per prompt shape."""
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
     if temperature < 0:
@@ -134,6 +139,7 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     max_seq_len = model.cfg.max_seq_len
     graphdef, state = nnx.split(model)
+    compiled: dict = {}  # with compiler_options: the loop compiled per prompt shape
     static = dict(max_new=int(max_new_tokens), temperature=float(temperature),
                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
 
@@ -155,7 +161,8 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
         args = checked(prompts_BT, prompt_lens_B, key)
         record_decode("sample", _sample, args, static)
-        return _sample(*args, **static)
+        return call_compiled(_sample, args, static, (1, 2, 3, 4), compiler_options or {},
+                             compiled)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     draw.lower = lambda prompts_BT, prompt_lens_B, *, key: _sample.lower(

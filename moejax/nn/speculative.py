@@ -45,6 +45,7 @@ from moejax.nn.blockffn import BlockFFN
 from moejax.nn.generate import check_decode_inputs
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
+from moejax.xla_flags import call_compiled
 
 __all__ = ["SpecOutput", "speculative_generate", "speculative_decoder", "cache_len", "rollback",
            "chunk_sparse_target", "accept_greedy", "accept_sampled"]
@@ -197,8 +198,8 @@ def _speculate(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
 
 
 def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: int, *,
-                        draft_len: int = 4, temperature: float = 0.0
-                        ) -> Callable[..., SpecOutput]:
+                        draft_len: int = 4, temperature: float = 0.0,
+                        compiler_options: dict | None = None) -> Callable[..., SpecOutput]:
     """``decode(prompt_BT, key=None) -> SpecOutput``: :func:`speculative_generate` with these
     models and settings, the models split once (as a server holds them): a call pays the
     jitted loop and nothing per module. The split states hold the models' variables, so a
@@ -207,7 +208,9 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     ``temperature == 0``: greedy (no key needed);
     otherwise each call takes an explicit ``key``. All prompt rows share one length; target
     and draft must share the vocabulary. ``decode.lower(prompt_BT, key=None)``: the loop
-    lowered for those arguments, not run (a later call reuses its compilation)."""
+    lowered for those arguments, not run (a later call reuses its compilation).
+    ``compiler_options``: XLA compile options of the loop, as :func:`moejax.nn.sample.
+    sampler` takes them."""
     temperature = float(temperature)
     if draft_len < 1 or max_new_tokens < 1:
         raise ValueError(f"draft_len={draft_len} and max_new_tokens={max_new_tokens} must be "
@@ -223,6 +226,7 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     cfgs = (("target", target.cfg), ("draft", draft.cfg))
     static = dict(max_new=int(max_new_tokens), n=int(draft_len), temperature=temperature)
     greedy_key = jax.random.key(0)  # greedy decoding draws nothing; the loop takes a key
+    compiled: dict = {}  # with compiler_options: the loop compiled per prompt shape
 
     def checked(prompt_BT, key: jax.Array | None) -> tuple:
         prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
@@ -242,7 +246,8 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
         args = checked(prompt_BT, key)
         record_decode(f"speculative n={draft_len}", _speculate, args, static)
-        return _speculate(*args, **static)
+        return call_compiled(_speculate, args, static, (1, 3, 4, 5), compiler_options or {},
+                             compiled)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     decode.lower = lambda prompt_BT, key=None: _speculate.lower(*checked(prompt_BT, key),
