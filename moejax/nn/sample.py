@@ -106,7 +106,11 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
         return i + 1, logits_B1V[:, 0], cache, tokens_BS, resp_BS, done_B
 
     init = (jnp.int32(0), last_BV, cache, tokens_BS, resp_BS, jnp.zeros((B,), bool))
-    _, _, _, tokens_BS, resp_BS, _ = jax.lax.while_loop(cond, body, init)
+    if eos_id is None:  # the count is known: a fixed-trip loop, no data-dependent stop
+        _, _, _, tokens_BS, resp_BS, _ = jax.lax.fori_loop(0, max_new, lambda _, c: body(c),
+                                                            init)
+    else:
+        _, _, _, tokens_BS, resp_BS, _ = jax.lax.while_loop(cond, body, init)
     lengths_B = prompt_lens_B + resp_BS.sum(-1).astype(jnp.int32)
     return Sampled(tokens_BS, resp_BS, lengths_B)
 
