@@ -31,7 +31,7 @@ results: setup
 	$(PY) -m experiments.results_doc
 
 bench: setup
-	$(PY) -m experiments.bench_dispatch $(ARGS)
+	$(PY) -m experiments.benchmarks.dispatch $(ARGS)
 
 # Every study's and benchmark's full preset as a smoke run here (real sizes and weights, a
 # couple of steps and batches each; not part of `make test`) -> runs/full_smoke/full_smoke.md

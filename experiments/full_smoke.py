@@ -14,7 +14,7 @@ smokes the quick presets instead; ``devices=N`` gives each study N CPU devices
 and benchmark runs with its arrays spread over a mesh of several devices, as on a multi-GPU
 host (``make smoke-devices``; the devices column says how many the study saw).
 
-``mode=smoke`` runs it as ``python -m experiments.<study> preset=full smoke=true`` would
+``mode=smoke`` runs it as ``python -m experiments.<paper>.<study> preset=full smoke=true`` would
 (:mod:`moejax.harness.smoke`: real model sizes and weights, every training run cut to a couple of
 steps of a few rows, evaluations to a couple of batches, plus the study's ``smoke`` cuts).
 The table (``full_smoke.md`` / ``.csv``, rewritten after every study) gives per study: the

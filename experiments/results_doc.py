@@ -37,7 +37,6 @@ being written: it is listed as running and not read.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shutil
@@ -47,6 +46,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from experiments import study_module
 from experiments.main import REGISTRY, entries, run_dirname
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
@@ -176,7 +176,7 @@ def _seed_runs(record: dict) -> dict[str, list[str] | None]:
 
 
 def _claims(name: str, path: Path, record: dict) -> list[Claim]:
-    module = importlib.import_module(f"experiments.{name}")
+    module = study_module(name)
     fn = getattr(module, "claims", None)
     if fn is None:
         return []
@@ -214,7 +214,7 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
     record = json.loads((path / "run.json").read_text())
     cfg = json.loads((path / "config.json").read_text())
     summary = (path / "summary.md").read_text()
-    module = importlib.import_module(f"experiments.{study}")
+    module = study_module(study)
     what = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
     head = summary.split("\n\n")[1].strip() if summary.count("\n\n") > 1 else ""
     claims = _claims(study, path, record)
@@ -277,7 +277,7 @@ def _rejudge(study: str, section: str, folder: Path) -> tuple[str, list[Claim] |
     tables carried with it (its seed runs' too, for a repeated run); ``(section, None)``
     unchanged where those tables are not all there (a repeated run documented before its
     seed runs' tables were carried)."""
-    fn = getattr(importlib.import_module(f"experiments.{study}"), "claims", None)
+    fn = getattr(study_module(study), "claims", None)
     block = _CLAIMS_BLOCK.search(section)
     if fn is None or block is None or not folder.is_dir():
         return section, None

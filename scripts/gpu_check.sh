@@ -8,8 +8,8 @@
 #                and the timers' (the device loop runs a call in every iteration there too)
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
 #                platform beside the GPU for the cases that run a kernel interpreted)
-#   autotune     python -m experiments.autotune for the decode kernel and the bf16 grouped
-#                products at the full presets' shapes: each configuration checked against an
+#   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
+#                grouped products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/tuned_configs.json
 #                (AUTOTUNE_KERNELS=gmm_mgpu,tgmm_mgpu: only those kernels;
 #                AUTOTUNE_SHAPES="(2048,1408),": only those grouped shapes (K, N);
@@ -121,7 +121,8 @@ for stage in $stages; do
         tests/test_moe_layer.py tests/test_bench_utils.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
-      timeout "$limit" "$py" -m experiments.autotune "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
+      timeout "$limit" "$py" -m experiments.benchmarks.autotune \
+        "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
         "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,1408),(1408,2048)})" \
         "decode_shapes=(${AUTOTUNE_DECODE_SHAPES:-(2048,256),})" \
         out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
@@ -155,7 +156,12 @@ for stage in $stages; do
         # its checkpoints and measurements are reused; its record is not this run's
         rm -f "$out/bench_$stage/run.json"
       fi
-      XLA_FLAGS=$flags timeout "$limit" "$py" -m "experiments.bench_$bench" "${args[@]}" \
+      case $bench in  # the benchmark's module: with its paper, or the MoE FFN op's
+        kernels|speculative) module=experiments.blockffn.$bench ;;
+        extracted) module=experiments.extraction.bench ;;
+        *) module=experiments.benchmarks.$bench ;;
+      esac
+      XLA_FLAGS=$flags timeout "$limit" "$py" -m "$module" "${args[@]}" \
         out="$out/bench_$stage" 2>&1 | tee "$out/bench_$stage.log" | grep -v "it/s" | tail -25 ;;
     full_*)
       timeout "$limit" "$py" -m experiments.main only="${stage#full_}" preset=full \

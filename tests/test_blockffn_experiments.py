@@ -3,12 +3,11 @@ extraction used for the baselines' metrics (TopK / DSMoE expert ids -> [B, T, N]
 
 from __future__ import annotations
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import study_module
 from moejax.config import ConfigError, apply_overrides
 
 MODULES = ["blockffn_baselines", "blockffn_ablations", "blockffn_granularity"]
@@ -17,7 +16,7 @@ MODULES = ["blockffn_baselines", "blockffn_ablations", "blockffn_granularity"]
 @pytest.mark.parametrize("name", MODULES)
 @pytest.mark.parametrize("preset", ["quick", "full"])
 def test_presets_build(name, preset):
-    mod = importlib.import_module(f"experiments.{name}")
+    mod = study_module(name)
     cfg = mod.make_config(preset)
     cfg2 = apply_overrides(cfg, ["train.steps=3", "train.warmup_steps=1", "model.al_coef=0.001"])
     assert cfg2.train.steps == 3 and cfg2.model.al_coef == 0.001

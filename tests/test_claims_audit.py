@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.benchmarks import speculative
-from experiments.blockffn import ablations, baselines, granularity
+from experiments import study_module
+from experiments.blockffn import ablations, baselines, granularity, speculative
 from experiments.darex import controlled, decoder, encoder, storage
 from experiments.ders import compression, upcycling
 from experiments.extraction import moee
@@ -209,13 +209,12 @@ STUDIES = {
 
 
 def test_every_study_with_claims_is_audited():
-    import importlib
 
     from experiments.main import REGISTRY, entries
 
     with_claims = set()
     for _, study, _ in entries(REGISTRY):
-        module = importlib.import_module(f"experiments.{study}")
+        module = study_module(study)
         if getattr(module, "claims", None) is not None:
             with_claims.add(study)
     assert with_claims == set(STUDIES)

@@ -64,7 +64,7 @@ def _rerun_and_resume(tmp):
 def _data_dir_file(tmp):
     afile = tmp / "not_a_dir"
     afile.write_text("x")
-    return _study(["experiments.darex_encoder", "smoke=true", f"out={tmp / 'enc'}"], tmp,
+    return _study(["experiments.darex.encoder", "smoke=true", f"out={tmp / 'enc'}"], tmp,
                   {"MOEJAX_DATA_DIR": str(afile)})
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import main as main_job
+from experiments import study_module
 from experiments.benchmarks.dispatch import TORCH
 from moejax.config import Config, ConfigError, from_json, to_json
 from moejax.harness.experiment import run_experiment
@@ -133,7 +134,7 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
 
 
 def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
-    from experiments.benchmarks import kernels as bench_kernels
+    from experiments.blockffn import kernels as bench_kernels
 
     summary, run = run_experiment(
         "bench_kernels", bench_kernels.make_config, bench_kernels.run,
@@ -172,7 +173,7 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
 
 
 def test_union_breakdown_splits_the_distance_to_the_bound():
-    from experiments.benchmarks.kernels import _breakdown_note, union_breakdown
+    from experiments.blockffn.kernels import _breakdown_note, union_breakdown
 
     def row(path, u, ms, bound=None):
         r = {"n": 4, "union": u, "union_fraction": u / 8, "path": path, "ms": ms}
@@ -208,10 +209,9 @@ def test_main_job_rejects_bad_arguments(capsys):
 
 
 def test_registry_modules_expose_the_contract():
-    import importlib
 
     for name in main_job.REGISTRY:
-        mod = importlib.import_module(f"experiments.{name}")
+        mod = study_module(name)
         quick, full = mod.make_config("quick"), mod.make_config("full")
         for cfg in (quick, full):  # frozen, validated, and stored / read back exactly
             assert isinstance(cfg, Config) and from_json(to_json(cfg)) == cfg
@@ -219,7 +219,6 @@ def test_registry_modules_expose_the_contract():
 
 
 def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
-    import importlib
 
     from moejax.harness.experiment import parse_cli
 
@@ -227,12 +226,12 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
     assert suite == "demo" and preset == "quick"
     assert [n for n, _ in jobs] == [n for n, _ in main_job.DEMO]
     for name, overrides in jobs:  # every override of the tour parses against its config
-        mod = importlib.import_module(f"experiments.{name}")
+        mod = study_module(name)
         parse_cli(name, mod.make_config, ["preset=quick", *overrides])
     _, _, jobs, suite = main_job._parse(["suite=studies"])
     assert suite == "studies" and [n for n, _ in jobs] == list(main_job.REGISTRY)
     for name in main_job.REGISTRY:  # each declared seed key is an int field of its config
-        study = importlib.import_module(f"experiments.{name}").STUDY
+        study = study_module(name).STUDY
         keys = study.seed_keys
         assert study.name == name and (study.quick_repeat == 1 or keys), name
         if keys:
@@ -272,7 +271,7 @@ def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_
     """Each timed forward is compiled and its estimate compared with the device's memory
     before the first call (the host made 10 kB): exit 2 in one line naming the key, no row."""
     import moejax.train.budget as budget
-    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import bench as bench_extracted
     from moejax.harness.experiment import main
 
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
@@ -287,7 +286,7 @@ def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_
 
 
 def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
-    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import bench as bench_extracted
 
     _, run = run_experiment(
         "bench_extracted", bench_extracted.make_config, bench_extracted.run,
@@ -326,7 +325,7 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
     accounting, the serving layout's shared neurons within the kept ones."""
     import csv
 
-    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import bench as bench_extracted
     from moejax.extract import ClusterConfig
     from moejax.extract.pipeline import ExtractConfig
     from moejax.substrates.classify import ViTSubstrateConfig
@@ -363,7 +362,7 @@ def test_bench_extracted_refuses_a_batch_the_glosses_cannot_fill_before_recordin
     """A timed batch takes glosses at least the mean length long, cut to it (every token
     real); a ``rows`` the test set cannot fill is refused with the fix, before the substrate's
     FFNs are recorded and clustered."""
-    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import bench as bench_extracted
 
     lengths = np.array([2, 5, 4, 6, 3, 4])  # mean 4: four glosses of at least 4 tokens
     mask = np.arange(8)[None, :] < lengths[:, None]
@@ -385,7 +384,7 @@ def test_bench_extracted_refuses_a_batch_the_glosses_cannot_fill_before_recordin
 
 
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
-    from experiments.benchmarks import ders as bench_ders
+    from experiments.ders import bench as bench_ders
 
     _, run = run_experiment(
         "bench_ders", bench_ders.make_config, bench_ders.run,
@@ -594,7 +593,7 @@ def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
     recipe per preset (only which model each defaults to differs)."""
     import dataclasses
 
-    from experiments.benchmarks import extracted as bench_extracted
+    from experiments.extraction import bench as bench_extracted
     from experiments.extraction import moee
     from moejax.extract.source import ExtractionSource
 
@@ -604,9 +603,11 @@ def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
     assert (a.extract.n_tokens == 100_000) == (preset == "full")
 
 
-def test_a_study_is_one_module_under_its_flat_name_and_its_papers_package():
-    """``experiments.<name>`` is the same module object as its paper package's, every
-    registered name loads a Study of that name, and ``python -m experiments.<name>`` runs it."""
+def test_a_study_runs_from_its_papers_package_and_its_old_flat_name_still_runs():
+    """Every registered name loads a Study of that name from its module in a paper package (or
+    the op's benchmarks); ``python -m experiments.<paper>.<study>`` runs it with the usage
+    naming that command; the last release's flat name is, imported, that same module and,
+    run, prints one line naming the new command and runs it."""
     import importlib
     import subprocess
     import sys
@@ -614,21 +615,28 @@ def test_a_study_is_one_module_under_its_flat_name_and_its_papers_package():
     import experiments
 
     for name, module in {**experiments.STUDIES, **experiments.TOOLS}.items():
-        flat = importlib.import_module(f"experiments.{name}")
-        assert flat is importlib.import_module(module), name
-        assert flat.__spec__.name == module  # the module keeps its own spec
+        assert experiments.study_module(name) is importlib.import_module(module), name
+        assert module.count(".") == 2 or name in ("lm_demo", "substrate_build"), module
         if name in experiments.STUDIES:
             assert experiments.load_study(name).name == name
+        flat = importlib.import_module(f"experiments.{name}")
+        assert flat is importlib.import_module(module), name
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("experiments.no_such_study")
-    r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
+    r = subprocess.run([sys.executable, "-m", "experiments.blockffn.granularity", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "n_experts" in r.stdout, r.stderr[-2000:]
+    assert "usage: python -m experiments.blockffn.granularity " in r.stdout
+    r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage: python -m experiments.blockffn.granularity " in r.stdout
+    assert r.stderr.strip().splitlines()[0] == (
+        "experiments.blockffn_granularity moved: python -m experiments.blockffn.granularity")
 
 
 def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_path):
-    from experiments.benchmarks import kernels as bench_kernels
-    from experiments.benchmarks.kernels import _ffn_summary, _profile_columns
+    from experiments.blockffn import kernels as bench_kernels
+    from experiments.blockffn.kernels import _ffn_summary, _profile_columns
 
     timed = {"kernel_s": 12e-6, "kernels_per_call": 3.0,
              "kernels": {"decode_kernel": 10e-6, "fusion": 1.5e-6, "memset": 0.5e-6,
@@ -665,7 +673,7 @@ def test_the_benchmarks_time_no_wrong_kernel(monkeypatch):
     """A grouped product or an expert path whose output is not its oracle's is a row saying
     "wrong: ...", with no time; the others are timed."""
     from experiments.benchmarks import grouped as bench_grouped
-    from experiments.benchmarks import kernels as bench_kernels
+    from experiments.blockffn import kernels as bench_kernels
 
     right = bench_grouped._pass_fn
     monkeypatch.setattr(bench_grouped, "_pass_fn", lambda path, which: (

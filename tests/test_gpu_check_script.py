@@ -35,8 +35,8 @@ def test_stages_call_their_benchmark_and_resume(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out"
     assert calls == [
-        f"-m experiments.bench_grouped preset=full variant=f32 out={out}/bench_grouped_f32",
-        f"-m experiments.bench_speculative preset=full n_prompts=4 max_new_tokens=128 "
+        f"-m experiments.benchmarks.grouped preset=full variant=f32 out={out}/bench_grouped_f32",
+        f"-m experiments.blockffn.speculative preset=full n_prompts=4 max_new_tokens=128 "
         f"draft_lens=(2,4) out={out}/bench_speculative"]
     assert (out / ".done-grouped_f32").exists() and (out / ".done-speculative").exists()
     _, again = _run(tmp_path, "grouped_f32")
@@ -61,7 +61,8 @@ def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_
         assert not any("checkpoints" in name for name in tar.getnames())
     with tarfile.open(tmp_path / "all.tgz") as tar:  # everything
         assert "out/bench_speculative_wide/target/checkpoints/200/state" in tar.getnames()
-    assert calls == [f"-m experiments.autotune kernels=(decode_mgpu,gmm,tgmm) dtypes=(bfloat16,) "
+    assert calls == [f"-m experiments.benchmarks.autotune kernels=(decode_mgpu,gmm,tgmm) "
+                     f"dtypes=(bfloat16,) "
                      f"shapes=((2048,1408),(1408,2048)) decode_shapes=((2048,256),) "
                      f"out={tmp_path}/out/autotune"]
     late = tmp_path / "late"
@@ -79,12 +80,12 @@ def test_the_quick_speculative_stage_starts_from_seeded_checkpoints(tmp_path):
     proc, calls = _run(tmp_path, "speculative_quick", SEED=str(tmp_path / "seed"))
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_quick"
-    assert calls == [f"-m experiments.bench_speculative preset=quick decode_dtype=bfloat16 "
+    assert calls == [f"-m experiments.blockffn.speculative preset=quick decode_dtype=bfloat16 "
                      f"draft_lens=(4,) out={out}"]
     assert (out / "target" / "ckpt.bin").read_text() == "trained elsewhere"
     proc, calls = _run(tmp_path, "speculative_wide")
     assert proc.returncode == 0, proc.stderr
-    assert calls[-1] == (f"-m experiments.bench_speculative preset=quick variant=wide "
+    assert calls[-1] == (f"-m experiments.blockffn.speculative preset=quick variant=wide "
                          f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
                          f"out={out.parent}/bench_speculative_wide")
 
@@ -99,13 +100,14 @@ def test_a_full_stage_runs_that_studys_full_preset(tmp_path):
 def test_autotune_kernels_names_what_the_autotune_stage_tunes(tmp_path):
     proc, calls = _run(tmp_path, "autotune", AUTOTUNE_KERNELS="gmm,tgmm")
     assert proc.returncode == 0, proc.stderr
-    assert calls[0].startswith("-m experiments.autotune kernels=(gmm,tgmm) dtypes=(bfloat16,)")
+    assert calls[0].startswith(
+        "-m experiments.benchmarks.autotune kernels=(gmm,tgmm) dtypes=(bfloat16,)")
 
 
 def test_the_kernels_stage_times_the_paths_its_targets_are_judged_on(tmp_path):
     proc, calls = _run(tmp_path, "kernels")
     assert proc.returncode == 0, proc.stderr
-    assert calls == [f"-m experiments.bench_kernels preset=full "
+    assert calls == [f"-m experiments.blockffn.kernels preset=full "
                      f"ffn_paths=(dense,dense_union,pallas,decode) "
                      f"union_fractions=(0.25,0.5,0.75,1.0) out={tmp_path}/out/bench_kernels"]
 
@@ -123,10 +125,10 @@ def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_fla
     proc, calls = _run(tmp_path, "speculative_wide_graphs", "dispatch_xla_attention")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_wide_graphs"
-    assert calls == [f"-m experiments.bench_speculative preset=quick variant=wide "
+    assert calls == [f"-m experiments.blockffn.speculative preset=quick variant=wide "
                      f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
                      f"command_buffers=true out={out}",
-                     f"-m experiments.bench_dispatch preset=full model.attention=jax "
+                     f"-m experiments.benchmarks.dispatch preset=full model.attention=jax "
                      f"out={tmp_path / 'out' / 'bench_dispatch_xla_attention'}"]
     assert sorted(p.name for p in out.iterdir()) == ["self_distilled", "target"]
     assert (out / "target" / "ckpt.bin").read_text() == "target"

@@ -32,7 +32,7 @@ def test_newest_run_per_study_and_machine_class(tmp_path):
     gpu = _run(tmp_path / "g", "lm_demo", "python -m experiments.lm_demo preset=full",
                accelerator="1 x NVIDIA H200")
     smoke = _run(tmp_path / "s", "lm_demo", "python -m experiments.lm_demo smoke=true")
-    gone = _run(tmp_path / "gone", "moee", "python -m experiments.moee")
+    gone = _run(tmp_path / "gone", "moee", "python -m experiments.extraction.moee")
     for p in (old, new, gpu, gone):
         assert run_index.record(p, index)["path"] == str(p.resolve())
     assert run_index.record(smoke, index) is None          # a smoke run is no result
@@ -54,7 +54,7 @@ def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch)
                      index)
     graphs = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
     monkeypatch.setenv("XLA_FLAGS", graphs)  # what the run ran under is on its machine line
-    run_index.record(_run(tmp_path / "y" / "g", "moee", "python -m experiments.moee",
+    run_index.record(_run(tmp_path / "y" / "g", "moee", "python -m experiments.extraction.moee",
                           accelerator="1 x NVIDIA H200"), index)
     monkeypatch.setattr(results_doc, "REGISTRY", ("lm_demo", "moee"))
     out = tmp_path / "docs" / "results.md"

@@ -3,13 +3,13 @@ model sizes and the study's data kept; every registered study's full preset pars
 the training loop reports each run's size for the smoke table."""
 
 import dataclasses
-import importlib
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import study_module
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
 from moejax.harness.experiment import parse_runner
@@ -38,7 +38,7 @@ def _strip_trains(cfg: Config):
 
 @pytest.mark.parametrize("name", REGISTRY)
 def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
-    study = importlib.import_module(f"experiments.{name}").STUDY
+    study = study_module(name).STUDY
     full = study.make_config("full")
     cuts = study.smoke_cuts
     # a depth cut drops layers and keeps every layer's shape

@@ -132,7 +132,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     """The whole bench on tiny models; with a device trace (stubbed: a CPU trace has none)
     each decoding's row gets its kernels per token, and token_kernels_<target> its longest
     kernels."""
-    from experiments.benchmarks import speculative as mod
+    from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
     monkeypatch.setattr(mod, "sees_device", lambda: True)
@@ -185,7 +185,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
-    from experiments.benchmarks import speculative as mod
+    from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
@@ -257,7 +257,7 @@ def _prompt_times(row, speedups):
 
 @pytest.mark.parametrize("dtype,verdict", [("float32", False), ("bfloat16", True)])
 def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype, verdict):
-    from experiments.benchmarks.speculative import claims
+    from experiments.blockffn.speculative import claims
 
     row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
            "decode_dtype": dtype, "draft": "d", "speedup_vs_AR_token_sparse": 2.0,
@@ -275,7 +275,7 @@ def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype
 def test_the_serving_claim_is_judged_on_per_prompt_speedups():
     """Holds when the per-prompt speedups' interval lies above 1.5x, does not hold below,
     inconclusive when it straddles 1.5x or when only one timing was kept."""
-    from experiments.benchmarks.speculative import claims
+    from experiments.blockffn.speculative import claims
 
     row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
            "decode_dtype": "float32", "draft": "d", "speedup_vs_AR_token_sparse": 1.6,
@@ -321,7 +321,7 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     """decode_trained=false: only the grown target's decodings are timed (a GPU's minutes go
     to the >= 100M-parameter claim); with no grown target that would decode nothing and is
     refused before any training."""
-    from experiments.benchmarks import speculative as mod
+    from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
     args = [*TINY, "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",

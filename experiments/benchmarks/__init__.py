@@ -1,3 +1,4 @@
-"""Speed and memory benchmarks: dispatch paths, expert kernels against their bounds, the
-grouped matmul, speculative decoding, expert parallelism, extracted experts' layouts, DeRS
-experts at decode, and the kernel autotuner."""
+"""Speed and memory benchmarks of the MoE FFN op: its dispatch paths and train step, the
+dropless grouped matmul, expert parallelism, and the kernel autotuner. The benchmarks of one
+paper live with its studies (``experiments.blockffn.kernels``, ``experiments.blockffn.
+speculative``, ``experiments.extraction.bench``, ``experiments.ders.bench``)."""

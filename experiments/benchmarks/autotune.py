@@ -17,9 +17,9 @@ correct one is merged into the package's kernel table under this GPU's device ki
 later lowering for that device reads it. The run's ``trials`` table keeps every configuration's time
 or the reason it was refused.
 
-    python -m experiments.autotune                                   # the default cases
-    python -m experiments.autotune dtypes=(bfloat16,) shapes=((2048,1408),)
-    python -m experiments.autotune kernels=(decode_mgpu,) "decode_shapes=((2048,256),)"
+    python -m experiments.benchmarks.autotune                                   # the default cases
+    python -m experiments.benchmarks.autotune dtypes=(bfloat16,) shapes=((2048,1408),)
+    python -m experiments.benchmarks.autotune kernels=(decode_mgpu,) "decode_shapes=((2048,256),)"
 
 A GPU only: on a CPU the kernels run in interpret mode, which is no timing (exit 2).
 """

@@ -17,10 +17,10 @@ Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 reported too.
 
     make bench                                 # = the next line, malloc huge pages on
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m experiments.bench_dispatch
-    python -m experiments.bench_dispatch preset=full           # GPU: batch 64, seq 512
-    python -m experiments.bench_dispatch paths=capacity,ragged steps=20
-    python -m experiments.bench_dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m experiments.benchmarks.dispatch
+    python -m experiments.benchmarks.dispatch preset=full           # GPU: batch 64, seq 512
+    python -m experiments.benchmarks.dispatch paths=capacity,ragged steps=20
+    python -m experiments.benchmarks.dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
     pip install torch   # optional: fills the PyTorch peer row (never a moejax dependency;
                         # on a CPU-only machine: pip install "torch==2.13.0+cpu")
 """

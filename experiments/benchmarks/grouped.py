@@ -26,8 +26,8 @@ against a sampled float32 oracle (:func:`moejax.bench.oracles.grouped_pass_sampl
 its time is kept: a wrong one is a row saying ``wrong: ...``, with no time; a ``train`` row's
 dX and dW are checked against the same oracles as the dX and dW products.
 
-    python -m experiments.bench_grouped                 # CPU: dense and xla, small shapes
-    python -m experiments.bench_grouped preset=full     # accelerator: every path, bf16
+    python -m experiments.benchmarks.grouped                 # CPU: dense and xla, small shapes
+    python -m experiments.benchmarks.grouped preset=full     # accelerator: every path, bf16
 """
 
 from __future__ import annotations

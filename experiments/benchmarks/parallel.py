@@ -10,8 +10,8 @@ simulated CPU devices (``JAX_NUM_CPU_DEVICES``), or on the real
 devices when the machine has that many; simulated devices share this machine's cores, so the
 times compare paths, not interconnects.
 
-    python -m experiments.bench_parallel                  # quick: T 2048, D 256, F 512
-    python -m experiments.bench_parallel preset=full      # T 4096, D 512, F 1024, E 16, k 2
+    python -m experiments.benchmarks.parallel                  # quick: T 2048, D 256, F 512
+    python -m experiments.benchmarks.parallel preset=full      # T 4096, D 512, F 1024, E 16, k 2
 """
 
 from __future__ import annotations

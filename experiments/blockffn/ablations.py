@@ -9,12 +9,12 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 (``A0 ~ N(0, 1)`` at init) the quick models train better with alpha = 10 (measured: see the
 ``alpha`` table), so the quick presets use 10 and the full presets keep the paper's 100.
 
-    python -m experiments.blockffn_ablations                 # quick (CPU)
+    python -m experiments.blockffn.ablations                 # quick (CPU)
 """
 
 from __future__ import annotations
 
-from experiments.blockffn import PAPER_SCALE
+from experiments.blockffn.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.harness.claims import Claim, lookup, paired_compare
 from moejax.harness.results import RunDir

@@ -15,9 +15,9 @@ activation magnitudes (Fig. 4) and BlockFFN's per-token expert allocation (Fig. 
 preset uses AL sharpness alpha = 10 instead of the paper's 100 (see
 experiments/blockffn/ablations.py, table ``alpha``).
 
-    python -m experiments.blockffn_baselines                          # quick (CPU)
-    python -m experiments.blockffn_baselines "sizes=(xl,)"            # 5.3M params (CPU)
-    python -m experiments.blockffn_baselines preset=full              # GPU
+    python -m experiments.blockffn.baselines                          # quick (CPU)
+    python -m experiments.blockffn.baselines "sizes=(xl,)"            # 5.3M params (CPU)
+    python -m experiments.blockffn.baselines preset=full              # GPU
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from experiments.blockffn import PAPER_SCALE
+from experiments.blockffn.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.harness.claims import Claim, paired, paired_claim
 from moejax.harness.results import RunDir

@@ -1,12 +1,12 @@
 """BlockFFN expert granularity sweep at a fixed FFN budget (Fig. 5/6 analog): ``N`` experts of
 width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
-    python -m experiments.blockffn_granularity               # quick (CPU)
+    python -m experiments.blockffn.granularity               # quick (CPU)
 """
 
 from __future__ import annotations
 
-from experiments.blockffn import PAPER_SCALE
+from experiments.blockffn.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.harness.claims import Claim, lookup, paired_compare
 from moejax.harness.results import RunDir

@@ -18,8 +18,8 @@ LoRA + DAREx-q (Table 4 analog): the pre-trained MLP is fine-tuned with LoRA (ra
 pruned at ``lora_ps`` (the paper: p = 0.9) with DARE (q = 1 - p) and DAREx-q (q_v), and, as
 the option the paper does not use, the merged delta ``A B`` is pruned the same way.
 
-    python -m experiments.darex_controlled                  # quick (CPU, < 1 min)
-    python -m experiments.darex_controlled preset=full      # wider MLP, longer training
+    python -m experiments.darex.controlled                  # quick (CPU, < 1 min)
+    python -m experiments.darex.controlled preset=full      # wider MLP, longer training
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Literal
 
 import jax
 
-from experiments.darex import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods

@@ -11,8 +11,8 @@ deltas are pruned at p = 0.95 and 0.99 with DARE, DAREx-q (q_v: validation loss;
 last-layer logit change on one batch) and per-layer q_e (analytic, Eq. 5). Metric: held-out
 code cross-entropy (nats/token; lower is better) and next-token accuracy.
 
-    python -m experiments.darex_decoder                 # quick
-    python -m experiments.darex_decoder preset=full     # SmolLM2-135M on a GPU
+    python -m experiments.darex.decoder                 # quick
+    python -m experiments.darex.decoder preset=full     # SmolLM2-135M on a GPU
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.darex import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens

@@ -24,8 +24,8 @@ applies to the encoder only (``regularise_head``). Table: test accuracy mean and
 over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
 AdamW) with DARE's 1/(1-p) marked.
 
-    python -m experiments.darex_encoder                 # quick: MiniLM on CPU
-    python -m experiments.darex_encoder preset=full     # MiniLM on a GPU
+    python -m experiments.darex.encoder                 # quick: MiniLM on CPU
+    python -m experiments.darex.encoder preset=full     # MiniLM on a GPU
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.darex import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches

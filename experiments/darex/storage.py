@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.darex import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim

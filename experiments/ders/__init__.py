@@ -1,7 +1,3 @@
 """DeRS (Huang et al. 2025): upcycling with decomposed, replaced and synthesised experts, and
-compressing the experts' delta weights (``compression``, ``upcycling``)."""
-
-# the models and data the paper measured its claims on (beside every verdict)
-PAPER_SCALE = ("MoE-LLaVA upcycled from StableLM-2-1.6B, Qwen-1.8B and Phi-2-2.7B (4 "
-               "experts, top-2, in every other block), plus medical multi-modal and "
-               "code-generation upcycled MoEs (DeRS Sec. 4)")
+compressing the experts' delta weights (``compression``, ``upcycling``),
+and DeRS experts at decode (``bench``); ``common``: what they share."""

@@ -15,8 +15,8 @@ similarity of the trained experts to the base and to each other per layer (Fig. 
 and a compressed orbax checkpoint per scenario (drop 0.9 and 4 bits) re-loaded and evaluated
 with on-the-fly expert synthesis, with compiled peak inference memory.
 
-    python -m experiments.ders_compression                    # quick (CPU)
-    python -m experiments.ders_compression preset=full        # SmolLM2-135M-Instruct (GPU)
+    python -m experiments.ders.compression                    # quick (CPU)
+    python -m experiments.ders.compression preset=full        # SmolLM2-135M-Instruct (GPU)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.ders import PAPER_SCALE
+from experiments.ders.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.ders_compress import (
     QuantSpec,

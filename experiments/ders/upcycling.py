@@ -23,9 +23,9 @@ training memory and peak inference memory, both from XLA's compiled memory analy
 jitted training / evaluation step (``compiled.memory_analysis()``: arguments + outputs +
 temporaries - aliased), NOT process RSS.
 
-    python -m experiments.ders_upcycling                  # quick (CPU)
-    python -m experiments.ders_upcycling preset=full      # SmolLM2-135M-Instruct (GPU)
-    python -m experiments.ders_upcycling preset=full baseline=hf:/data/OLMoE-1B-7B-0924
+    python -m experiments.ders.upcycling                  # quick (CPU)
+    python -m experiments.ders.upcycling preset=full      # SmolLM2-135M-Instruct (GPU)
+    python -m experiments.ders.upcycling preset=full baseline=hf:/data/OLMoE-1B-7B-0924
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.ders import PAPER_SCALE
+from experiments.ders.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
 from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim

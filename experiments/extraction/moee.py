@@ -19,11 +19,11 @@ routing; DBSCAN, OPTICS, k-means, BIRCH; magnitude selection; Euclidean routing)
 stability against the sample size, per-class routing distributions and expert-mean cosine
 similarity matrices of an early and a late extracted layer.
 
-    python -m experiments.moee                       # quick: the ViT substrate on CPU
-    python -m experiments.moee model=minilm seeds=2 kd.steps=60 kd.batch_size=32
+    python -m experiments.extraction.moee                       # quick: the ViT substrate on CPU
+    python -m experiments.extraction.moee model=minilm seeds=2 kd.steps=60 kd.batch_size=32
         "ablations=(random_all,random_routing,kmeans,euclidean)" finetune_ablations=false
         "stability_tokens=(1000,2000)"               # (one line) the real MiniLM on CPU, ~15 min
-    python -m experiments.moee preset=full           # GPU: bigger samples, longer KD
+    python -m experiments.extraction.moee preset=full           # GPU: bigger samples, longer KD
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from experiments.extraction import PAPER_SCALE
+from experiments.extraction.common import PAPER_SCALE
 from moejax.config import config
 from moejax.extract import (
     extract_model,

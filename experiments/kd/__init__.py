@@ -1,7 +1,2 @@
 """Distillation from an MoE teacher ("Every Expert Matters", Kim et al. 2025): KD, GKD, ALL,
-KA and SAR (``moe_kd``, its sweeps in ``sweeps``)."""
-
-# the models and data the paper measured its claims on (beside every verdict)
-PAPER_SCALE = ("Llama-MoE-3.5B teachers (e.g. 4 of 16 experts), a Sheared-Llama-2.7B dense "
-               "teacher and a Sheared-Llama-1.3B student (Every Expert Matters, experimental "
-               "setup)")
+KA and SAR (``moe_kd``, its sweeps in ``sweeps``); ``common``: what they share."""

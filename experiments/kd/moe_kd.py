@@ -31,9 +31,9 @@ fine-tuned on the pairs like the upcycled teacher, and the student is its first
 sharing its tokenizer); there is no dense teacher, and SAR, which trains a noisy top-k router,
 is refused for its softmax router. The summary names the teacher that ran.
 
-    python -m experiments.moe_kd                     # quick (CPU)
-    python -m experiments.moe_kd preset=full         # GPU: SmolLM2-135M substrate sizes
-    python -m experiments.moe_kd preset=full teacher=hf:/data/OLMoE-1B-7B-0924 \
+    python -m experiments.kd.moe_kd                     # quick (CPU)
+    python -m experiments.kd.moe_kd preset=full         # GPU: SmolLM2-135M substrate sizes
+    python -m experiments.kd.moe_kd preset=full teacher=hf:/data/OLMoE-1B-7B-0924 \
         student_layers=4 dense_teacher_methods=() "methods=(kd,gkd,all,ka)"
 """
 
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.kd import PAPER_SCALE
+from experiments.kd.common import PAPER_SCALE
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches

@@ -9,7 +9,7 @@ falls with ``U`` towards ``per_member / floor_per_member``, and :func:`smallest_
 is the union size from which the line is within a limit of the floor: ``None`` when the
 per-member cost alone is beyond it (no union is large enough; only a faster stream helps),
 else ``fixed / (limit * floor_per_member - per_member)`` (a smaller fixed part moves it down).
-:func:`union_cost` fits the line per path and chunk size of ``experiments.bench_kernels``'
+:func:`union_cost` fits the line per path and chunk size of ``experiments.blockffn.kernels``'
 rows; :func:`cost_note` says the decode kernel's in words.
 """
 

@@ -10,7 +10,7 @@ An experiment module defines
 and ends with its declaration, a :class:`moejax.harness.study.Study` named ``STUDY``, and
 ``if __name__ == "__main__": raise SystemExit(STUDY.main())``, so that
 
-    python -m experiments.<name> preset=full model.d_model=512 out=runs/mine
+    python -m experiments.<paper>.<study> preset=full model.d_model=512 out=runs/mine
 
 works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other ``key=value``
 goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
@@ -19,7 +19,7 @@ before any compute with a message naming the key and the allowed keys/values.
 ``smoke=true`` runs the preset as a smoke run (:mod:`moejax.harness.smoke`): real model sizes and
 weights, every training run cut to a couple of steps of a few rows, evaluations to a couple of
 batches, plus the study's own ``smoke`` overrides for what else it counts; once, not over
-seeds (``python -m experiments.<name> preset=full smoke=true``).
+seeds (``python -m experiments.<paper>.<study> preset=full smoke=true``).
 
 ``repeat=N`` runs the study ``N`` times with its ``seed_keys`` (the config keys that seed a
 run: init, data order, masks) offset by ``0 .. N-1``, each run in ``out/seed_<i>/``, and
@@ -80,12 +80,23 @@ PRESETS = ("quick", "full")
 ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
 
 
+def study_module(name: str, run_fn) -> str:
+    """The module ``python -m`` runs a study as: its recipe's (``run_fn``'s; run as
+    ``__main__``, the module ``python -m`` ran) where that is a module of ``experiments``,
+    else ``experiments.<name>``."""
+    module = getattr(run_fn, "__module__", "") or ""
+    if module == "__main__":  # run as python -m <module>: the name it was run by
+        module = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "") or ""
+    return module if module.startswith("experiments.") else f"experiments.{name}"
+
+
 def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick",
-          variants: Mapping[str, Sequence[str]] | None = None) -> str:
+          variants: Mapping[str, Sequence[str]] | None = None, module: str = "") -> str:
     """The ``--help`` text: the runner's keys, the study's variants and every config key with
-    its default (of ``preset``) and allowed values."""
-    head = [f"usage: python -m experiments.{name} [preset=quick|full] [out=DIR] [repeat=N] "
-            "[smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
+    its default (of ``preset``) and allowed values; ``module``: what ``python -m`` runs
+    (default ``experiments.<name>``)."""
+    head = [f"usage: python -m {module or 'experiments.' + name} [preset=quick|full] [out=DIR] "
+            "[repeat=N] [smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
             f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
             "std of every table; default: the study's), smoke (true: every training run and "
@@ -229,6 +240,7 @@ def run_experiment(
     lock = RunLock(out).acquire()  # the directory is this run's until it ends
     try:
         claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
+                      module=study_module(name, run_fn),
                       overwrite=overwrite, resume_force=any(
                           t.resume == "force" for _, t in find_configs(cfg, TrainConfig)))
         try:
@@ -247,7 +259,8 @@ def run_experiment(
                          seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
                          scale=run.scale, variant=variant, cfg_hash=h, tables=_stems(run),
                          seed_runs=seed_runs, preset=_preset(argv),
-                         smoke=_flag(argv, "smoke"), kind=_run_kind(
+                         smoke=_flag(argv, "smoke"), module=study_module(name, run_fn),
+                         kind=_run_kind(
                              name, make_config, argv, h, repeat, quick_repeat, smoke,
                              (variants or {}).get(variant, ())))
     finally:
@@ -445,7 +458,8 @@ def main(
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
-        print(usage(name, make_config, preset if preset in PRESETS else "quick", variants))
+        print(usage(name, make_config, preset if preset in PRESETS else "quick", variants,
+                    module=study_module(name, run_fn)))
         return 0
     try:
         peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)

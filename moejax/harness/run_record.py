@@ -73,7 +73,7 @@ def _entry(study: str, variant: str) -> str:
 
 def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash: str,
                   argv: Sequence[str], overwrite: bool = False,
-                  resume_force: bool = False) -> None:
+                  resume_force: bool = False, module: str = "") -> None:
     """Take ``path`` for a run of ``study`` (``variant``) with config hash ``cfg_hash``.
 
     Refused (:class:`RunOwnerError`, before anything is written) when the directory holds
@@ -100,7 +100,7 @@ def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash
         clear_results(path)
     path.mkdir(parents=True, exist_ok=True)
     record = {"study": study, "variant": variant, "config_hash": cfg_hash, "state": "running",
-              "command": _command(study, argv), "started": _now(time.time())}
+              "command": _command(study, argv, module), "started": _now(time.time())}
     atomic_write_text(path / "run.json", json.dumps(record, indent=2) + "\n")
 
 
@@ -135,8 +135,10 @@ def clear_results(path: str | os.PathLike) -> list[str]:
     return removed
 
 
-def _command(study: str, argv: Sequence[str]) -> str:
-    return shlex.join(["python", "-m", "experiments." + study, *argv])
+def _command(study: str, argv: Sequence[str], module: str = "") -> str:
+    """The command that reproduces the run: ``python -m <module>`` (default
+    ``experiments.<study>``) with its arguments, shell-quoted."""
+    return shlex.join(["python", "-m", module or "experiments." + study, *argv])
 
 
 def _now(t: float) -> str:
@@ -177,18 +179,19 @@ def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str]
                      tables: Sequence[str] = (),
                      seed_runs: Mapping[str, Sequence[str]] | None = None,
                      preset: str = "quick", smoke: bool = False,
-                     kind: str = "preset") -> Path:
+                     kind: str = "preset", module: str = "") -> Path:
     """``run.json`` of a finished run beside its ``summary.md``: the command that reproduces
     it (shell-quoted), when it ran and for how long, its seeds, the scale it trained at
     (:mod:`moejax.train.scale`), the variant it is (``""``: the study's own), its config hash,
     the tables it wrote (``tables``: CSV stems; ``seed_runs``: each seed run's directory and
     stems), its preset, whether it was a smoke run, its ``kind`` (``"preset"``: the study's
     preset config, variants included, at its default repeat; ``"trial"``: anything else), and
-    the machine; read back by the results documents and the run index."""
+    the machine; read back by the results documents and the run index. ``module``: the
+    study's module, which the command runs (default ``experiments.<study>``)."""
     record = {"study": study, "variant": variant, "config_hash": cfg_hash,
               "state": "finished", "scale": scale, "preset": preset, "smoke": smoke,
               "kind": kind,
-              "command": _command(study, argv), "started": _now(started),
+              "command": _command(study, argv, module), "started": _now(started),
               "wall_s": round(time.time() - started, 1), "repeat": repeat,
               "seeds": {k: list(v) for k, v in seeds.items()}, "tables": list(tables),
               "seed_runs": {k: list(v) for k, v in (seed_runs or {}).items()},

@@ -1,6 +1,6 @@
 """Smoke runs: a study's preset at its real model sizes and weights, with every training run
 and evaluation cut to a couple of steps and batches, to prove the recipe runs end to end
-before it meets an accelerator (``python -m experiments.<study> preset=full smoke=true``).
+before it meets an accelerator (``python -m experiments.<paper>.<study> preset=full smoke=true``).
 
 :func:`smoke_config` cuts every :class:`~moejax.train.hparams.TrainConfig` in a config tree
 (substrates' included): ``steps`` steps of at most ``rows`` rows, no warm-up, a log line per

@@ -95,7 +95,7 @@ class Study:
                               paper_scale=self.paper_scale)
 
     def main(self, argv: Sequence[str] | None = None) -> int:
-        """``python -m experiments.<name> key=value ...`` (:func:`.experiment.main`)."""
+        """``python -m experiments.<paper>.<study> key=value ...`` (:func:`.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
                     quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
                     paper_scale=self.paper_scale, variants=dict(self.variants))

@@ -33,7 +33,8 @@ otherwise.
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
 configuration is never stored, however fast); :func:`write_entries` merges the winners into
-the table for one device kind, atomically (``python -m experiments.autotune`` on a GPU does both).
+the table for one device kind, atomically (``python -m experiments.benchmarks.autotune`` on
+a GPU does both).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ DEFAULTS: dict[tuple[str, str], TritonConfig] = {
 }
 
 
-# the candidates python -m experiments.autotune times: tiles around the defaults, 4 or 8 warps;
-# then Triton's usual Hopper matmul configurations (256-row blocks, 4-stage pipelines)
+# the candidates python -m experiments.benchmarks.autotune times: tiles around the defaults,
+# 4 or 8 warps; then Triton's usual Hopper matmul configurations (256-row blocks, 4-stage pipelines)
 SPACE: tuple[TritonConfig, ...] = tuple(
     TritonConfig(tm, tk, tn, w, st)
     for tm, tk, tn in ((64, 32, 64), (64, 64, 128), (128, 32, 128), (128, 64, 128),
@@ -171,7 +172,7 @@ def read_table(path: Path | None = None) -> dict:
         table = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a kernel table ({e}); delete it or rerun "
-                         "python -m experiments.autotune") from e
+                         "python -m experiments.benchmarks.autotune") from e
     check_table(table, path)
     return table
 
@@ -187,7 +188,7 @@ def check_table(table, path) -> None:
     L2 prefetch and at least one split of the model width."""
     def bad(where, what):
         raise ValueError(f"{path}: {where}: {what}; fix or delete the entry (python -m "
-                         "experiments.autotune rewrites it)")
+                         "experiments.benchmarks.autotune rewrites it)")
 
     if not isinstance(table, dict):
         bad("top level", "not a JSON object by device kind")

@@ -4,7 +4,7 @@
 by ``w[g]`` (the contract of :func:`jax.lax.ragged_dot`), differentiable in both operands:
 its forward and its VJP are three products (``PASSES``: ``fwd`` x w_g, ``dlhs`` dy w_g^T,
 ``drhs`` x_g^T dy_g), each a :func:`ragged_pass` with the implementation ``IMPLEMENTATIONS``
-names for that platform and pass (``experiments.bench_grouped`` times every implementation
+names for that platform and pass (``experiments.benchmarks.grouped`` times every implementation
 per pass and names the fastest). The platform is picked when the program is lowered
 (:func:`jax.lax.platform_dependent`):
 
@@ -25,7 +25,7 @@ takes bf16 / f16 only, Mosaic TPU a contraction of at least 128; a GPU older tha
 project's own Pallas kernel :func:`moejax.kernels.grouped.pallas_gmm.gmm` runs it (Triton on
 GPU, Mosaic on TPU), never :func:`jax.lax.ragged_dot`, whose GPU lowering expands to dense.
 The own kernels also run the passes of at least ``OWN_FROM_FLOPS`` on the platforms where
-``experiments.bench_grouped``'s per-pass table measured them faster than tokamax's at such
+``experiments.benchmarks.grouped``'s per-pass table measured them faster than tokamax's at such
 sizes, each in the size tiers where it was the faster own kernel (``OWN_TIERS``;
 :func:`implementation` says which runs a given product).
 Shapes off Mosaic GPU's tiles are zero-padded to them (``ALIGN``), which is exact.
@@ -68,7 +68,7 @@ AVAILABLE = tokamax is not None
 PASSES = ("fwd", "dlhs", "drhs")
 # what runs each pass per lowering platform ("default": every other platform): tokamax's
 # implementation, except cuda's drhs. tokamax's sm90 ragged-contracting kernel (dW = x_g^T
-# dy_g) disagreed with experiments.bench_grouped's float32 oracle by 0.10-0.13 of the largest
+# dy_g) disagreed with experiments.benchmarks.grouped's float32 oracle by 0.10-0.13 of the largest
 # value at all three of its bf16 shapes on an H200 (tokamax 0.0.17; its fwd and dlhs agreed,
 # and both own kernels' dW agreed), so on cuda dW runs on the project's Mosaic GPU kernel
 # ("gmm_mgpu"; Triton where that declines: float32, a GPU without wgmma) at every size, for

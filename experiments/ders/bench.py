@@ -17,7 +17,7 @@ Training memory (``train_memory``): XLA's compiled temporaries of one loss gradi
 ``capacity``): vanilla, DeRS synthesising every expert (``"all"``: the ``N`` copies kept for
 the backward) and DeRS streaming one expert at a time (``"stream"``).
 
-    python -m experiments.bench_ders                 # >= 100M parameters (vanilla), CPU
+    python -m experiments.ders.bench                 # >= 100M parameters (vanilla), CPU
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ expert to the largest, and the host kernel skips each expert's padding. Tokens: 
 ``seq_len`` for each batch of ``batches``, routed uniformly at random. Every compact output is
 checked against the masked layout before it is timed.
 
-    python -m experiments.bench_extracted                  # MiniLM MoEE plans + synthetic
-    python -m experiments.bench_extracted model=vit        # the ViT substrate's plans
+    python -m experiments.extraction.bench                  # MiniLM MoEE plans + synthetic
+    python -m experiments.extraction.bench model=vit        # the ViT substrate's plans
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ of width 256 to 106M parameters, shapes the Hopper decode kernel takes. The quic
 width 48 is off the kernel's blocks, so on a GPU its chunk-sparse rows run the dense product
 and measure the draft and the verification, not the union kernel.
 
-    python -m experiments.bench_speculative
-    python -m experiments.bench_speculative variant=wide decode_dtype=bfloat16   # a GPU
-    python -m experiments.bench_speculative preset=full   # GPU, bigger target
+    python -m experiments.blockffn.speculative
+    python -m experiments.blockffn.speculative variant=wide decode_dtype=bfloat16   # a GPU
+    python -m experiments.blockffn.speculative preset=full   # GPU, bigger target
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.blockffn import PAPER_SCALE
+from experiments.blockffn.common import PAPER_SCALE
 from moejax.bench.decode import (
     blockffn_path,
     decode_timing,

@@ -36,10 +36,10 @@ path's time per chunk size as a line over the union sizes, a fixed part plus a c
 (:mod:`moejax.bench.cost`): whether a path's distance to the floor is its fixed part or the
 rate it streams a member's weights at.
 
-The dropless grouped matmul has its own benchmark, :mod:`experiments.bench_grouped`.
+The dropless grouped matmul has its own benchmark, :mod:`experiments.benchmarks.grouped`.
 
-    python -m experiments.bench_kernels                 # CPU: the jnp paths
-    python -m experiments.bench_kernels preset=full     # GPU: every path, bf16, larger shapes
+    python -m experiments.blockffn.kernels                 # CPU: the jnp paths
+    python -m experiments.blockffn.kernels preset=full     # GPU: every path, bf16, larger shapes
 """
 
 from __future__ import annotations
