@@ -14,7 +14,7 @@ ARGS   ?=
         clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
-# fault per 2 MiB instead of per 4 KiB (moejax.kernels.host.memory; ignored off glibc >= 2.35). An
+# fault per 2 MiB instead of per 4 KiB (moejax.kernels.host_memory; ignored off glibc >= 2.35). An
 # environment that sets GLIBC_TUNABLES itself keeps its own.
 demo studies bench: export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moejax.kernels.activation_forms import ACTIVATION_FORMS, kernel_activation
-from moejax.kernels.host.act import act_into
+from moejax.kernels.moe_ffn.host_act import act_into
 from moejax.ops.activations import ACTIVATIONS
 
 X = np.linspace(-9.0, 9.0, 2001, dtype=np.float32)

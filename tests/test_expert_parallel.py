@@ -1,5 +1,5 @@
-"""Expert-parallel dispatch (moejax.kernels.expert_parallel) on 8 simulated CPU devices, in a
-subprocess (the device count is fixed before JAX starts):
+"""Expert-parallel dispatch (moejax.kernels.moe_ffn.expert_parallel) on 8 simulated CPU
+devices, in a subprocess (the device count is fixed before JAX starts):
 
 * outputs and gradients (x, combine weights, every expert weight) equal the single-device
   dense oracle on meshes (8, 1), (4, 2), (2, 4), (1, 8): uneven routing with an expert that
@@ -26,7 +26,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 import jax.export as je
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
-from moejax.kernels.moe_dispatch import dispatch
+from moejax.kernels.moe_ffn.api import dispatch
 from moejax.kernels.targets import lowering_target
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
@@ -166,7 +166,7 @@ import logging
 said = []
 handler = logging.Handler()
 handler.emit = lambda record: said.append(record.getMessage())
-logging.getLogger("moejax.kernels.moe_dispatch").addHandler(handler)
+logging.getLogger("moejax.kernels.moe_ffn.api").addHandler(handler)
 other = jax.make_mesh((2, 4), ("batch", "model"),
                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
 args = (jnp.zeros((64, D)), jnp.zeros((64, K), jnp.int32), jnp.zeros((64, K)),
@@ -175,7 +175,7 @@ with jax.set_mesh(other):
     dispatch("auto", *args, activation="swish")
 assert any("('batch', 'model')" in m and "'grouped' path" in m for m in said), said
 # ... and with those axes named, expert parallelism runs over them, equal to the oracle
-from moejax.kernels.moe_dispatch import expert_mesh_axes
+from moejax.kernels.moe_ffn.api import expert_mesh_axes
 said.clear()
 ids = jnp.asarray(ids_uneven, jnp.int32)
 want = dispatch("dense", x, ids, w, wu, wd, wg, activation="swiglu").y_ND

@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-import moejax.kernels.host.memory as hmem
+import moejax.kernels.host_memory as hmem
 
 STEP = """
 import sys, numpy as np
-from moejax.kernels.host.memory import retain_freed_memory, minor_page_faults
+from moejax.kernels.host_memory import retain_freed_memory, minor_page_faults
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def step():  # three 12 MiB buffers, touched, freed: the heap's free top exceeds glibc's trim
@@ -115,7 +115,7 @@ def test_malloc_huge_pages_reads_the_glibc_tunable(monkeypatch):
 
 RELEASE = """
 import ctypes, os, sys
-from moejax.kernels.host.memory import release_freed_memory
+from moejax.kernels.host_memory import release_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -1,4 +1,4 @@
-"""The fused host expert kernel (``moejax.kernels.host.moe``) against the dispatch oracles: the
+"""The fused host expert kernel (``moejax.kernels.moe_ffn.host``) against the dispatch oracles: the
 dense path (dropless) and the XLA capacity path (same drops), in values and in the gradients
 of the input, the combine weights and every expert weight; serial and threaded (split experts)
 schedules; activations against ``jax.nn``, their derivatives against the formulas in float64."""
@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moejax.kernels.host.moe as hm
-from moejax.kernels.host.act import act_into, base_activation
-from moejax.kernels.moe_dispatch import dispatch
+import moejax.kernels.moe_ffn.host as hm
+from moejax.kernels.moe_ffn.api import dispatch
+from moejax.kernels.moe_ffn.host_act import act_into, base_activation
+from moejax.kernels.moe_ffn.reference import dispatch_capacity, dispatch_dense
 from moejax.ops.activations import activation_fn, is_gated
-from moejax.ops.dispatch import dispatch_capacity, dispatch_dense
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 

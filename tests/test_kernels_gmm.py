@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from moejax.kernels import gmm, group_tiles, tgmm
+from moejax.kernels.grouped import layout as grouped_layout
+from moejax.kernels.grouped.layout import group_visits
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
-from moejax.kernels.moe_dispatch import dispatch
+from moejax.kernels.moe_ffn.api import dispatch
 from moejax.nn.router import top_k_gates
-from moejax.ops import grouped_layout
-from moejax.ops.grouped_layout import group_visits
 
 CASES = [  # (group sizes, M, tm, tn): empty / multi-tile / unaligned groups, rows past the sum
     ([3, 0, 9, 4], 16, 4, 4),

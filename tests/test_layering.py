@@ -1,8 +1,9 @@
 """The layering the codebase promises, read from the source (imports at any depth, function
 bodies included): ops (pure jnp) -> kernels -> nn -> train / io -> experiments. A layer imports
 only layers below it and the foundation modules (configs, the capture context, atomic file
-writes, XLA flags and compile options checked against the running XLA), never a layer above; and no module name is shared between ``ops`` and ``kernels``,
-so a kernel family's package is the one place its reference, backends and layout live."""
+writes, XLA flags and compile options checked against the running XLA), never a layer above;
+and no module name is shared between ``ops`` and ``kernels``, so a kernel family's package is
+the one place its reference, backends and layout live."""
 
 import ast
 from pathlib import Path

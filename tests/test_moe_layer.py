@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError, apply_overrides, from_json, to_json
+from moejax.kernels.moe_ffn.reference import ffn_apply
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
-from moejax.ops.dispatch import ffn_apply
 
 B, T, D, F, E, K = 2, 5, 8, 12, 4, 2
 

@@ -1,12 +1,12 @@
-"""The dispatch permutations (moejax.ops.permute) against plain indexing, whose gradients are
-the scatters they replace: values and gradients, float32 and bfloat16, k = 1..3."""
+"""The dispatch permutations (moejax.kernels.moe_ffn.permute) against plain indexing, whose
+gradients are the scatters they replace: values and gradients, float32 and bfloat16, k = 1..3."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.ops.permute import inverse_permutation, sort_rows, unsort_rows
+from moejax.kernels.moe_ffn.permute import inverse_permutation, sort_rows, unsort_rows
 
 
 def _case(seed, n, k, e, d, dtype):

@@ -4,8 +4,8 @@ loop and against the FLOP bound at this machine's matmul rate, and each delta op
 SmolLM2-135M-shaped tree against a jitted ``x * 2`` and a numpy copy of the same bytes. The
 FLOP bound is taken at the faster of XLA's and numpy's measured matmul rates on the CPU, at
 XLA's matmul rate in device time on an accelerator; the block is
-timed again, last, after :func:`moejax.kernels.host.memory.retain_freed_memory` (process-wide).
-``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.kernels.host.memory`); the
+timed again, last, after :func:`moejax.kernels.host_memory.retain_freed_memory` (process-wide).
+``make bench`` runs it with glibc's huge-page malloc on (:mod:`moejax.kernels.host_memory`); the
 tables' titles say whether it was. On a GPU or TPU one more step per path runs under the
 profiler (``profile``): the device's busy fraction of the step and its longest kernels
 (``step_kernels``), so a path's distance to another reads off the kernels that make it.
@@ -57,12 +57,12 @@ from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.kernels.host.memory import malloc_huge_pages, retain_freed_memory
-from moejax.kernels.moe_dispatch import PATHS, describe_dispatch
+from moejax.kernels.host_memory import malloc_huge_pages, retain_freed_memory
+from moejax.kernels.moe_ffn.api import PATHS, describe_dispatch
+from moejax.kernels.moe_ffn.reference import DispatchMethod
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
-from moejax.ops.dispatch import DispatchMethod
 from moejax.pytree import count_params
 from moejax.train.budget import compile_fitting
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
@@ -100,7 +100,7 @@ class BenchConfig(Config):
     block_paths: tuple[Literal["capacity", "grouped", "bucketed", "host", "host_capacity",
                                "ragged", "dense"], ...] = (
         "capacity", "grouped", "bucketed", "host", "host_capacity", "ragged", "dense")
-    # measure the block again after moejax.kernels.host.memory.retain_freed_memory() (glibc keeps
+    # measure the block again after moejax.kernels.host_memory.retain_freed_memory() (glibc keeps
     # freed memory: fewer page faults; process-wide, so it runs last)
     block_retain_memory: bool = True
     # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
@@ -375,7 +375,7 @@ def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
             block[-1]["note"] += "; retained-memory columns: not glibc, not measured"
     how = ("wall time per call" if _block_timer() is time_call else
            "device time per call (20 calls in one jitted loop)")
-    retained = ("; *_retained: measured again after moejax.kernels.host.memory."
+    retained = ("; *_retained: measured again after moejax.kernels.host_memory."
                 "retain_freed_memory()" if "ms_retained" in columns else "")
     run.table("block", block, title=f"One MoE block fwd+bwd: {cfg.block_tokens} tokens, d "
               f"{cfg.block_d}, {cfg.block_experts} SwiGLU experts of width {cfg.block_f}, "

@@ -35,8 +35,8 @@ from moejax.bench.timing import time_call
 from moejax.config import Config, config
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.kernels.expert_parallel import capacity_rungs, dropless_need
-from moejax.kernels.moe_dispatch import dispatch
+from moejax.kernels.moe_ffn.api import dispatch
+from moejax.kernels.moe_ffn.expert_parallel import capacity_rungs, dropless_need
 from moejax.train.budget import lowered_fitting
 from moejax.train.collectives import collective_bytes
 from moejax.train.distributed import cpu_devices_env

@@ -32,12 +32,12 @@ from flax import nnx
 from moejax.config import config
 from moejax.delta.quant import num_levels
 from moejax.ders_compress.compress import CompressedDeRS
+from moejax.kernels.moe_ffn.reference import ffn_apply
 from moejax.nn.ders_moe import matrix_shapes
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.nn.surgery import build_from_pure
 from moejax.ops.activations import is_gated
-from moejax.ops.dispatch import ffn_apply
 
 __all__ = ["DeRSBuffer", "SynthMoEConfig", "SynthMoE", "unpack_codes", "synth_decoder_config",
            "synth_variables", "build_synth_model"]

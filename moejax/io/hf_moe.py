@@ -159,7 +159,7 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
     (a path, or its fields as a mapping, e.g. :data:`moejax.io.hf_moe_checkpoints.
     CHECKPOINTS`; every setting read from it; anything the layers cannot reproduce refused,
     naming the key); ``dispatch``: the MoE layers' dispatch path
-    (:mod:`moejax.kernels.moe_dispatch`)."""
+    (:mod:`moejax.kernels.moe_ffn.api`)."""
     if isinstance(config_json, Mapping):
         path, c = Path("<config.json>"), dict(config_json)
     else:

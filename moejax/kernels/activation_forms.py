@@ -5,7 +5,7 @@
   as in ``jax.nn``; exact GELU through an ``erf`` of ``exp`` and a polynomial, Abramowitz &
   Stegun 7.1.26, ``|error| <= 1.5e-7``, float32's own resolution), for the Pallas kernels;
 * ``host``: the pointwise base the numpy host kernels evaluate with its derivative into
-  caller-owned buffers (:func:`moejax.kernels.host.act.act_into`; swiglu -> swish,
+  caller-owned buffers (:func:`moejax.kernels.moe_ffn.host_act.act_into`; swiglu -> swish,
   geglu -> gelu);
 
 and whether the FFN is gated (``act(x W_gate) * (x W_up)``).
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from moejax.kernels.host.act import base_activation
+from moejax.kernels.moe_ffn.host_act import base_activation
 from moejax.ops.activations import ACTIVATIONS, activation_fn
 
 __all__ = ["ActivationForms", "ACTIVATION_FORMS", "kernel_activation"]

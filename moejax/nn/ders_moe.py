@@ -44,11 +44,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
+from moejax.kernels.moe_ffn.reference import capacity_apply, ffn_apply
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
 from moejax.ops.ders_apply import ders_experts, ders_streamed, synthesize_one
-from moejax.ops.dispatch import capacity_apply, ffn_apply
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
            "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts",

@@ -59,10 +59,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.moe_dispatch import dispatch
+from moejax.kernels.moe_ffn.api import dispatch
+from moejax.kernels.moe_ffn.reference import DispatchMethod
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
-from moejax.ops.dispatch import DispatchMethod
 
 __all__ = ["ExtractedFFNConfig", "ExtractedFFN", "ExpertMask", "RouterWeights", "random_scores"]
 

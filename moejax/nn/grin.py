@@ -2,7 +2,7 @@
 SparseMixer-v2 (top-k with ``k`` sequential stages as an extension).
 
 The experts, dispatch and statistics are those of :class:`moejax.nn.moe.MoE` (stacked experts,
-``router/w_g [D, E]`` logits ``s = x W_g`` in float32, :func:`moejax.kernels.moe_dispatch.dispatch`,
+``router/w_g [D, E]`` logits ``s = x W_g`` in float32, :func:`moejax.kernels.moe_ffn.api.dispatch`,
 :func:`moejax.nn.moe.router_aux`); only the routing differs. This follows the reference
 ``sparsemixer`` function of microsoft/GRIN-MoE (``modeling_grinmoe.py``), which is top-2;
 ``moe.top_k = k > 2`` runs ``k`` stages the same way (each on the logits with the experts of

@@ -37,12 +37,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.moe_dispatch import dispatch
+from moejax.kernels.moe_ffn.api import dispatch
+from moejax.kernels.moe_ffn.reference import DispatchMethod, ffn_apply
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl
 from moejax.ops.activations import ActivationName, is_gated
-from moejax.ops.dispatch import DispatchMethod, ffn_apply
 
 __all__ = ["MoEConfig", "MoE", "MoESkeleton", "StackedExperts", "FFNWeights", "make_router",
            "router_aux", "add_always_on"]
@@ -60,9 +60,9 @@ class MoEConfig(FFNSlotConfig):
         router always renormalises (softmax over the kept logits), so it requires True.
     dispatch: "auto" (the default: "expert_parallel" under a data x expert mesh, else
         "host" lowered for a CPU and "tokamax" for a GPU/TPU with one device, "grouped" with
-        several; see :func:`moejax.kernels.moe_dispatch.resolve_dispatch`),
+        several; see :func:`moejax.kernels.moe_ffn.api.resolve_dispatch`),
         "expert_parallel" / "expert_parallel_capacity" (all-to-all expert parallelism,
-        dropless / with ``capacity_factor``; :mod:`moejax.kernels.expert_parallel`),
+        dropless / with ``capacity_factor``; :mod:`moejax.kernels.moe_ffn.expert_parallel`),
         "dense" (oracle, all
         experts on all tokens), "capacity" (fixed [E, C, D] buffers, drops overflow),
         "ragged" (dropless grouped matmul with ``jax.lax.ragged_dot``), "tokamax"
@@ -71,7 +71,7 @@ class MoEConfig(FFNSlotConfig):
         grouped-matmul kernels with their backward; GPU, interpret mode on CPU),
         "grouped" (dropless, block-padded grouped tiles as batched dense matmuls
         in jnp; runs and shards anywhere), "host" (dropless: the fused expert FFN of
-        :mod:`moejax.kernels.host.moe`, each expert's exact rows on numpy's BLAS, one
+        :mod:`moejax.kernels.moe_ffn.host`, each expert's exact rows on numpy's BLAS, one
         callback forward and one backward; CPU backend only, first-order gradients; the
         fastest path on CPU), "host_capacity" (the capacity path's drops, computed by
         the same kernel over the kept rows only) or "bucketed" (dropless: the capacity
@@ -216,7 +216,7 @@ class MoESkeleton(nnx.Module):
 
     A slot sets ``self.moe_cfg`` (its config), ``self.router``, ``self.dtype``, ``self.d_model``,
     ``self.top_k`` and overrides the parts it changes: :meth:`route`, :meth:`expert_weights`
-    (stacked weights for :func:`moejax.kernels.moe_dispatch.dispatch`) or the whole
+    (stacked weights for :func:`moejax.kernels.moe_ffn.api.dispatch`) or the whole
     :meth:`experts_out`, :meth:`universal_ffn`, :meth:`always_on` and :meth:`aux` (default:
     :func:`router_aux` of a top-k router; ``extra`` is then the dropped fraction).
     ``top_k_routing`` is False for slots whose router picks a variable number of experts

@@ -10,7 +10,7 @@ build, from its config alone):
 
 - ``params``, ``weights_GB``, ``opt_state_GB``: from the state's shapes (f32 master weights);
 - ``flops_per_step``: XLA's cost analysis of the step lowered for the CPU with the MoE
-  experts in plain jnp (:func:`moejax.kernels.moe_dispatch.experts_in_xla`, the ``grouped``
+  experts in plain jnp (:func:`moejax.kernels.moe_ffn.api.experts_in_xla`, the ``grouped``
   path: the expert matmuls plus at most a tile of padding per expert). Work left inside
   custom calls or host callbacks is not in it; ``uncounted_calls`` says how many such calls
   remain, so a nonzero count makes the FLOPs a lower bound. XLA counts a loop's body once,
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.capture import CapturedDecode, CapturedStep, abstract
-from moejax.kernels.moe_dispatch import experts_in_xla
+from moejax.kernels.moe_ffn.api import experts_in_xla
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import PEAK_FLOPS
 from moejax.pytree import count_bytes, count_params

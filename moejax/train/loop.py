@@ -51,7 +51,7 @@ import moejax.train.scale as scale
 from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.extras import progress
-from moejax.kernels.host.memory import available_fraction, release_freed_memory
+from moejax.kernels.host_memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits, compiled_memory
 from moejax.train.checkpoint import restore_params

@@ -34,15 +34,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.moe_ffn.every_expert import every_expert, expert_hidden
 from moejax.ops.activations import activation_fn
-from moejax.ops.every_expert import every_expert, expert_hidden
 
 __all__ = ["dense_experts", "dense_chunk", "chunk_union_experts", "union_members", "pad_to_tiles"]
 
 
 def dense_experts(x_ND, a_NE, w_up, w_down, w_gate, activation: str):
     """Reference: ``y = sum_e A_e E_e(x)`` with every expert evaluated on every token
-    (:func:`moejax.ops.every_expert.every_expert`, whose layout follows the token count)."""
+    (:func:`moejax.kernels.moe_ffn.every_expert.every_expert`, whose layout follows the token
+    count)."""
     return every_expert(x_ND, a_NE, w_up, w_down, w_gate, activation_fn(activation))
 
 

@@ -11,15 +11,15 @@ tests compare with):
   ships it), and :mod:`~moejax.kernels.grouped.gmm_mgpu` / ``gmm_mgpu_ws``: the same as
   Mosaic GPU kernels for Hopper (bf16 / f16), on the same tile metadata.
 
-Its layout metadata stays in ``ops`` (:mod:`moejax.ops.grouped_layout`): the block-padded
-tiles (:func:`~moejax.ops.grouped_layout.group_tiles`), which the plain-jnp ``grouped``
+Its layout metadata stays in ``ops`` (:mod:`moejax.kernels.grouped.layout`): the block-padded
+tiles (:func:`~moejax.kernels.grouped.layout.group_tiles`), which the plain-jnp ``grouped``
 dispatch path and the TPU kernel share, and the megablox-style visits of rows left in place
-(:func:`~moejax.ops.grouped_layout.group_visits`), which the GPU kernel runs on.
+(:func:`~moejax.kernels.grouped.layout.group_visits`), which the GPU kernel runs on.
 """
 
+from moejax.kernels.grouped.layout import group_tiles, group_visits
 from moejax.kernels.grouped.pallas_gmm import GMM_TILES, gmm, tgmm
 from moejax.kernels.grouped.ragged import AVAILABLE, cross_compile, ragged_dot
-from moejax.ops.grouped_layout import group_tiles, group_visits
 
 __all__ = ["gmm", "tgmm", "group_tiles", "group_visits", "GMM_TILES", "ragged_dot", "cross_compile",
            "AVAILABLE"]

@@ -1,7 +1,7 @@
 """The grouped matmul's three products (:mod:`moejax.kernels.grouped.pallas_gmm`) as Pallas
 Mosaic GPU kernels for Hopper: TMA copies into swizzled shared memory, wgmma into float32
 accumulators, bf16 / f16 operands (:mod:`moejax.kernels.mgpu`). They run on megablox's tile
-metadata (:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are and no
+metadata (:func:`moejax.kernels.grouped.layout.group_visits`): the rows stay where they are and no
 operand is copied into a padded layout. One warpgroup a program here; warp-specialized (one
 loading, two computing, as jax's Hopper matmul is) in :mod:`moejax.kernels.grouped.gmm_mgpu_ws`
 (``num_warps`` 12 in the configuration, the default: :data:`WARPS`).
@@ -9,7 +9,7 @@ loading, two computing, as jax's Hopper matmul is) in :mod:`moejax.kernels.group
 * :func:`mgpu_visits` ``[M, n_out]`` (forward ``x w_g``; dX ``dy w_g^T`` with ``transpose``,
   the weight read as stored and given to wgmma as a transposed view): a 1-D grid over
   (visit, output block) in grouped launch order
-  (:func:`moejax.ops.grouped_layout.launch_order`). A visit pipelines its row tile and its
+  (:func:`moejax.kernels.grouped.layout.launch_order`). A visit pipelines its row tile and its
   group's weight blocks over the contraction; the visit of the rows past the groups skips
   the product and writes zeros. A row tile two groups share is visited once per group, so
   each visit stores only its group's rows: TMA copies of the accumulator's rows in a ladder
@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moejax.kernels.grouped.gmm_mgpu_ws import mgpu_tgmm_ws, mgpu_visits_ws
+from moejax.kernels.grouped.layout import group_visits, launch_order
 from moejax.kernels.mgpu import (
     block_spec,
     mgpu_kernel,
@@ -48,7 +49,6 @@ from moejax.kernels.mgpu import (
 )
 from moejax.kernels.tiling import hopper_target, pad_to
 from moejax.kernels.tuning import TritonConfig, config_for
-from moejax.ops.grouped_layout import group_visits, launch_order
 
 __all__ = ["gmm_mgpu", "gmm_t_mgpu", "tgmm_mgpu", "mgpu_visits", "mgpu_tgmm", "fit_block",
            "WARPS", "PASSES"]
@@ -236,5 +236,5 @@ def tgmm_mgpu(x_MK, dy_MN, group_sizes_G, *, interpret: bool = False, tiles=None
     return kernel(x, dy, group_sizes_G, (c.tm, c.tk, c.tn, c.num_stages), interpret)[:, :K, :N]
 
 
-# the grouped layer's three products (moejax.ops.grouped_layout.RAGGED_DIMS) on these kernels
+# the grouped layer's three products (moejax.kernels.grouped.layout.RAGGED_DIMS) on these kernels
 PASSES = {"fwd": gmm_mgpu, "dlhs": gmm_t_mgpu, "drhs": tgmm_mgpu}

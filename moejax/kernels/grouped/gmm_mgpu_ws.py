@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from moejax.kernels.grouped.layout import group_visits, launch_order
 from moejax.kernels.mgpu import store_row_range, swizzled, zero_rows_outside
-from moejax.ops.grouped_layout import group_visits, launch_order
 
 __all__ = ["mgpu_visits_ws", "mgpu_tgmm_ws", "EPILOGUE_COLS"]
 

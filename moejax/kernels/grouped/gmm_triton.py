@@ -1,11 +1,11 @@
 """The grouped matmul's GPU products (:mod:`moejax.kernels.grouped.pallas_gmm`) as Pallas Triton
-kernels, on megablox's tile metadata (:func:`moejax.ops.grouped_layout.group_visits`): the rows
+kernels, on megablox's tile metadata (:func:`moejax.kernels.grouped.layout.group_visits`): the rows
 stay where they are, and a row tile two groups share is visited once per group, each visit
 loading and storing only its group's rows (masked), so no operand is copied or padded.
 
 * :func:`triton_tiles` ``[M, n_out]`` (forward; dX with ``transpose``): a 1-D grid over
   (visit, output block) in grouped launch order
-  (:func:`moejax.ops.grouped_layout.launch_order`); each program loops over the contraction,
+  (:func:`moejax.kernels.grouped.layout.launch_order`); each program loops over the contraction,
   loading its group's weight block by dynamic offsets, with a float32 accumulator in
   registers. The visit of the rows past the groups stores zeros.
 * :func:`triton_tgmm` ``[G, K, N]`` (dW): grid ``(N blocks, K blocks, groups)``, each
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from moejax.kernels.grouped.layout import group_visits, launch_order
 from moejax.kernels.tiling import pad_to, pow2
-from moejax.ops.grouped_layout import group_visits, launch_order
 
 try:  # deprecated since jax 0.12: these kernels run while jax still ships it
     from jax.experimental.pallas import triton as pltriton

@@ -15,7 +15,7 @@ The kernel is chosen when the function is lowered, per platform
 (:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
 
 * GPU: Triton (:mod:`moejax.kernels.grouped.gmm_triton`), on megablox's tile metadata
-  (:func:`moejax.ops.grouped_layout.group_visits`): the rows stay where they are, each visit
+  (:func:`moejax.kernels.grouped.layout.group_visits`): the rows stay where they are, each visit
   of a row tile loads and stores only its group's rows (masked), so no operand is copied or
   padded; the visits run in grouped launch order (their rows stay in L2 while the weight
   blocks stream past).
@@ -27,7 +27,7 @@ The kernel is chosen when the function is lowered, per platform
   because on Mosaic GPU it means a tf32 wgmma, which takes K-major operands only (Mosaic GPU
   transposes 16-bit operands alone): the forward's ``w[g]`` (``[K, N]``, N fastest) and dW's
   ``x`` (contracted over its rows) would each need a transposed copy per step.
-* TPU: Mosaic, on the block-padded layout (:func:`moejax.ops.grouped_layout.group_tiles`:
+* TPU: Mosaic, on the block-padded layout (:func:`moejax.kernels.grouped.layout.group_tiles`:
   every group's rows copied into tiles of its own). Grid ``(tiles, output blocks, contraction
   blocks)``; the tiles' groups are scalar-prefetched so each program DMAs only its group's
   ``[tk, tn]`` weight block, and an f32 accumulator lives in VMEM scratch across the
@@ -36,7 +36,7 @@ The kernel is chosen when the function is lowered, per platform
   writing when it changes. (On TPU this kernel only runs where tokamax's declines:
   :mod:`moejax.kernels.grouped.ragged`.)
 * CPU: the TPU kernels in Pallas interpret mode (correct and slow: for tests; the CPU's fast
-  MoE path is the host kernel of :mod:`moejax.kernels.host`).
+  MoE path is the host kernel of :mod:`moejax.kernels.moe_ffn.host`).
 
 Where jax no longer ships Pallas Triton (deprecated since jax 0.12), a GPU runs the Mosaic GPU
 kernels of :mod:`moejax.kernels.grouped.gmm_mgpu` (bf16 / f16 on a Hopper GPU) and otherwise
@@ -58,9 +58,9 @@ from jax.experimental.pallas import tpu as pltpu
 from moejax.kernels.grouped.gmm_mgpu import PASSES as MGPU_PASSES
 from moejax.kernels.grouped.gmm_triton import AVAILABLE as TRITON_AVAILABLE
 from moejax.kernels.grouped.gmm_triton import triton_tgmm, triton_tiles
+from moejax.kernels.grouped.layout import RAGGED_DIMS, group_tiles
 from moejax.kernels.tiling import block, choose_platform, pad_to, pow2
 from moejax.kernels.tuning import TritonConfig, config_for
-from moejax.ops.grouped_layout import RAGGED_DIMS, group_tiles
 
 __all__ = ["gmm", "gmm_t", "tgmm", "group_tiles", "GMM_TILES"]
 

@@ -49,9 +49,9 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.grouped.gmm_mgpu import PASSES as MGPU_PASSES
+from moejax.kernels.grouped.layout import RAGGED_DIMS
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
-from moejax.ops.grouped_layout import RAGGED_DIMS
 
 try:  # optional: the gpu / tpu / dev extras
     import tokamax

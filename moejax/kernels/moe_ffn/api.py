@@ -1,17 +1,17 @@
-"""Every MoE dispatch path by name: the jnp paths of :mod:`moejax.ops.dispatch` and the kernel
-paths, behind one signature, and ``"auto"``.
+"""Every MoE dispatch path by name: the jnp paths of :mod:`moejax.kernels.moe_ffn.reference`
+and the kernel paths, behind one signature, and ``"auto"``.
 
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
-  (:mod:`moejax.ops.dispatch`).
-* ``"tokamax"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with tokamax's
-  grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with
+  (:mod:`moejax.kernels.moe_ffn.reference`).
+* ``"tokamax"``: dropless, :func:`~moejax.kernels.moe_ffn.reference.dispatch_ragged` with
+  tokamax's grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with
   ``kernel="library"``: Mosaic GPU / Mosaic TPU kernels at every size, but dW on a GPU on the
   project's Mosaic GPU kernel, tokamax's being wrong there; :func:`jax.lax.ragged_dot`
   elsewhere).
-* ``"gmm"``: dropless, :func:`~moejax.ops.dispatch.dispatch_ragged` with the project's Pallas
-  grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and backward kernels; Pallas
-  interpret mode on CPU, so only for tests there).
-* ``"host"``: dropless, :func:`moejax.kernels.host.moe.host_moe`, the whole expert FFN on the
+* ``"gmm"``: dropless, :func:`~moejax.kernels.moe_ffn.reference.dispatch_ragged` with the
+  project's Pallas grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and
+  backward kernels; Pallas interpret mode on CPU, so only for tests there).
+* ``"host"``: dropless, :func:`moejax.kernels.moe_ffn.host.host_moe`, the whole expert FFN on the
   host's BLAS (one callback forward, one backward), experts spread over the cores. CPU only.
 * ``"host_capacity"``: the capacity path's semantics (same capacity, priority and drops)
   computed by the same host kernel over the kept rows only. CPU only.
@@ -19,7 +19,7 @@ paths, behind one signature, and ``"auto"``.
 * ``"expert_parallel"`` (dropless) and ``"expert_parallel_capacity"``: under a mesh with axes
   ``("data", "expert")`` set for tracing (``jax.set_mesh``; the train step sets it), tokens go
   to the devices holding their experts by all-to-all, each device runs its local experts with
-  the one-device choice below (:mod:`moejax.kernels.expert_parallel`).
+  the one-device choice below (:mod:`moejax.kernels.moe_ffn.expert_parallel`).
 
 ``"auto"`` (the models' default): under such a mesh, ``"expert_parallel"``; otherwise, with one
 device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
@@ -43,13 +43,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from moejax.kernels.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
 from moejax.kernels.grouped.ragged import IMPLEMENTATIONS, OWN_TIERS, ragged_dot
-from moejax.kernels.host.moe import HOST_ACTIVATIONS, host_moe
-from moejax.kernels.tiling import target_device
-from moejax.ops.dispatch import (
+from moejax.kernels.moe_ffn.expert_parallel import expert_parallel_dispatch
+from moejax.kernels.moe_ffn.host import HOST_ACTIVATIONS, host_moe
+from moejax.kernels.moe_ffn.reference import (
     DispatchMethod,
     DispatchOut,
     dispatch_bucketed,
@@ -59,6 +58,7 @@ from moejax.ops.dispatch import (
     dispatch_ragged,
     expert_capacity,
 )
+from moejax.kernels.tiling import target_device
 
 __all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla",
            "expert_mesh_axes"]
@@ -208,7 +208,7 @@ def _auto(*args, activation, capacity_factor, valid_N, priority, widths_E=None):
         names = tuple(jax.sharding.get_abstract_mesh().axis_names)
         if names:  # a mesh of the caller's own: say why it gets no expert parallelism
             log.warning("dispatch='auto' under a mesh with axes %s: expert parallelism runs "
-                        "over the axes %s (name yours with moejax.kernels.moe_dispatch."
+                        "over the axes %s (name yours with moejax.kernels.moe_ffn.api."
                         "expert_mesh_axes(data=..., expert=...)); the experts run on the "
                         "'grouped' path, partitioned by XLA", names, tuple(_EXPERT_AXES.value))
         return _grouped(*args, **kw)

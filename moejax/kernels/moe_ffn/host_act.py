@@ -1,6 +1,6 @@
 """FFN activations and their derivatives in numpy, written into caller-owned buffers.
 
-The host expert kernels (:mod:`moejax.kernels.host.moe`) evaluate ``act`` and ``act'`` on one
+The host expert kernels (:mod:`moejax.kernels.moe_ffn.host`) evaluate ``act`` and ``act'`` on one
 expert's ``[rows, F]`` block at a time. Every step writes into a buffer the caller owns
 (``out=``): a fresh array per step would cost a page fault per 4 KiB touched, which costs more
 than the arithmetic on those floats. The functions match :mod:`jax.nn`'s (``silu``, exact and

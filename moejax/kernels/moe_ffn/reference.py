@@ -34,7 +34,7 @@ Paths (all agree to float tolerance when nothing is dropped):
 
 The paths by name, with the kernel paths (``"tokamax"``, ``"gmm"``, ``"host"``,
 ``"host_capacity"``) and
-``"auto"``, are in :mod:`moejax.kernels.moe_dispatch`.
+``"auto"``, are in :mod:`moejax.kernels.moe_ffn.api`.
 
 Each returns a :class:`DispatchOut` ``(y_ND, n_dropped, dropped_fraction)``.
 """
@@ -47,10 +47,10 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moejax.kernels.grouped.layout import group_tiles
+from moejax.kernels.moe_ffn.every_expert import every_expert
+from moejax.kernels.moe_ffn.permute import inverse_permutation, sort_rows, unsort_rows
 from moejax.ops.activations import activation_fn, is_gated
-from moejax.ops.every_expert import every_expert
-from moejax.ops.grouped_layout import group_tiles
-from moejax.ops.permute import inverse_permutation, sort_rows, unsort_rows
 
 __all__ = [
     "DispatchMethod",

@@ -10,7 +10,7 @@ the arithmetic on that page's floats. Three remedies, from local to global:
 * :func:`advise_huge_pages`: for one buffer about to be written for the first time, ask the
   kernel (``madvise(MADV_HUGEPAGE)``) to back its aligned 2 MiB ranges with transparent huge
   pages, so a first write faults once per 2 MiB instead of once per 4 KiB. The host expert
-  kernel (:mod:`moejax.kernels.host.moe`) gives it its output buffers, which XLA allocates
+  kernel (:mod:`moejax.kernels.moe_ffn.host`) gives it its output buffers, which XLA allocates
   fresh every step. Where THP is off or the platform is not Linux it does nothing; a touched
   range then costs 2 MiB of memory.
 * glibc (2.35 and later) has the same advice built in for every large allocation of the

@@ -1,7 +1,7 @@
 """The whole routed-expert FFN on the host, fused: one callback forward, one backward.
 
 ``host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF, activation=...)``
-computes what every dispatch path computes (:mod:`moejax.ops.dispatch`)::
+computes what every dispatch path computes (:mod:`moejax.kernels.moe_ffn.reference`)::
     y_N[n] = sum_k weights_NK[n, k] * E_{ids_NK[n, k]}(x_N[n])
 
 the way an eager framework's expert loop does, but without its per-op dispatch: for each
@@ -16,7 +16,8 @@ the rows is split into row chunks whose weight gradients are summed. The result 
 deterministic: every sum runs in a fixed order.
 
 ``capacity=None`` is dropless (``dispatch="host"``). ``capacity=C`` keeps, per expert, the
-first ``C`` assignments in :func:`moejax.ops.dispatch.dispatch_capacity`'s priority order
+first ``C`` assignments in :func:`moejax.kernels.moe_ffn.reference.dispatch_capacity`'s priority
+order
 and drops the rest, with that path's semantics (``dispatch="host_capacity"``), but only the
 kept rows are computed: no padded buffers.
 
@@ -27,7 +28,7 @@ floats with a gate, ``2 N k F + N k D`` without); the backward's elementwise wor
 products: numpy's float32 ``exp`` costs as much as several multiplies, so computing it once
 instead of twice is worth a residual. They are fresh XLA buffers every step: they are advised
 onto transparent huge pages before the first write
-(:func:`moejax.kernels.host.memory.advise_huge_pages`), and ``dx`` is written over ``dy``'s
+(:func:`moejax.kernels.host_memory.advise_huge_pages`), and ``dx`` is written over ``dy``'s
 buffer.
 
 Inputs of any float dtype are computed in float32 and cast back. First-order gradients only;
@@ -49,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from moejax.kernels.host.act import HOST_ACTIVATIONS, act_into, base_activation
-from moejax.kernels.host.memory import advise_huge_pages
+from moejax.kernels.host_memory import advise_huge_pages
+from moejax.kernels.moe_ffn.host_act import HOST_ACTIVATIONS, act_into, base_activation
 from moejax.ops.activations import is_gated
 
 __all__ = ["host_moe", "HOST_ACTIVATIONS", "host_threads"]
@@ -69,8 +70,8 @@ class _Layout(NamedTuple):
 
 
 def _layout(ids_NK, real_N, n_experts: int, capacity: int | None, priority: str) -> _Layout:
-    """Assignments ordered as :func:`moejax.ops.dispatch._sort_assignments` orders them; with
-    a capacity, each expert keeps the first ``capacity`` of its queue."""
+    """Assignments ordered as :func:`moejax.kernels.moe_ffn.reference._sort_assignments`
+    orders them; with a capacity, each expert keeps the first ``capacity`` of its queue."""
     n, k = ids_NK.shape
     ids_A = ids_NK.reshape(-1).astype(np.int64)
     if capacity is None:
@@ -410,10 +411,11 @@ _host_moe.defvjp(_fwd, _bwd)
 def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
              activation: str, capacity: int | None = None, valid_N=None,
              priority: str = "choice", widths_E=None, check_backend: bool = True):
-    """``(y_ND, n_dropped)``: the routed experts' combined output computed on the host (module
-    docstring). ``capacity=None`` drops nothing; ``capacity=C`` has
-    :func:`moejax.ops.dispatch.dispatch_capacity`'s drop rule (``valid_N``: padding tokens
-    yield first; ``priority``: "choice" or "token"). Weights are cast to ``x_ND``'s dtype.
+    """``(y_ND, n_dropped)``: the routed experts' combined output computed on the host
+    (module docstring). ``capacity=None`` drops nothing; ``capacity=C`` has
+    :func:`moejax.kernels.moe_ffn.reference.dispatch_capacity`'s drop rule (``valid_N``:
+    padding tokens yield first; ``priority``: "choice" or "token"). Weights are cast to
+    ``x_ND``'s dtype.
     ``widths_E`` (int ``[E]``, optional): expert ``e``'s hidden units past ``widths_E[e]`` are
     zero-padding (experts of different widths in one padded array): the forward skips them
     (the result is the same; under differentiation every unit is computed).
