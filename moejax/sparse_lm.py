@@ -3,7 +3,7 @@
 :class:`SparseLMConfig` describes one decoder LM whose every FFN is one of
 
 * ``blockffn``: ReLU + RMSNorm router, AL / CS (and ablation L1 / entropy) objectives, the
-  adaptive lambda_cs scheduler of Eq. 7 (:class:`~moejax.train.lambda_schedule.ScheduledLM`);
+  adaptive lambda_cs scheduler of Eq. 7 (:class:`~moejax.chunk_sparse.schedule.ScheduledLM`);
 * ``remoe``: ReLU router without RMSNorm, ReMoE's load-balanced L1 (``k = E (1 - target_tls)``)
   with its adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;
@@ -29,6 +29,7 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
+from moejax.chunk_sparse.schedule import CoefScheduleConfig, ScheduledLM
 from moejax.config import Config, ConfigError, config
 from moejax.data.corpora import corpus_windows
 from moejax.evaluate import SparsityEvaluator, router_active_sets
@@ -40,7 +41,6 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.remoe import ReMoEConfig
 from moejax.pytree import count_params
 from moejax.train.hparams import TrainConfig
-from moejax.train.lambda_schedule import CoefScheduleConfig, ScheduledLM
 from moejax.train.logs import read_csv
 from moejax.train.loop import train
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.evaluate_generation import (
     GenerationEvaluator,
     ResponseScorer,
@@ -19,7 +20,6 @@ from moejax.evaluate_generation import (
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers, with_dtype
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
-from moejax.nn.routing_modes import RoutingMode, with_routing
 
 
 def test_rouge_l_hand_cases():

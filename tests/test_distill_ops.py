@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.distill.routing_modes import RoutingMode, route_with_mode, with_routing
 from moejax.nn.moe import MoE, MoEConfig
-from moejax.nn.routing_modes import RoutingMode, route_with_mode, with_routing
 from moejax.ops.distill_losses import (
     check_same_vocab,
     distill_divergence,

@@ -1,4 +1,4 @@
-"""moejax.train.draft: the target's continuations are its greedy decoding, the agreement is
+"""moejax.chunk_sparse.draft: the target's continuations are its greedy decoding, the agreement is
 the argmax match rate, and distillation teaches a draft the target's next-token choices."""
 
 import jax
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.nn.decoder import DecoderConfig, DecoderLM
-from moejax.nn.ffn import DenseFFNConfig
-from moejax.train.draft import (
+from moejax.chunk_sparse.draft import (
     DraftDistillConfig,
     argmax_agreement,
     distill_draft,
     target_continuations,
 )
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
 from moejax.train.hparams import TrainConfig
 
 V = 16

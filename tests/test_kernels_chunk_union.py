@@ -192,8 +192,8 @@ def test_kernel_compiled_on_gpu_matches_reference_with_gradients(backend):
 
 
 def test_blockffn_is_a_skeleton_slot_but_not_a_top_k_slot():
+    from moejax.distill.routing_modes import moe_slots
     from moejax.nn.moe import MoESkeleton
-    from moejax.nn.routing_modes import moe_slots
 
     layer = BlockFFNConfig(n_experts=E, d_expert=F).build(D, rngs=nnx.Rngs(0))
     assert isinstance(layer, MoESkeleton) and moe_slots(layer) == []

@@ -206,7 +206,7 @@ def test_split_upcycling_partitions_neurons():
     """Llama-MoE neuron split: N experts of F/N neurons each (total FFN parameters unchanged);
     with uniform gates (zero router) the ALL-experts mixture is the dense model exactly, and
     every hidden neuron lands in exactly one expert."""
-    from moejax.nn.routing_modes import RoutingMode, with_routing
+    from moejax.distill.routing_modes import RoutingMode, with_routing
 
     rule = UpcycleConfig(expert_form="split", blocks="all", router_init="zeros",
                          moe=UPCYCLE_MOE.replace(n_experts=4, top_k=2, dispatch="dense"))

@@ -14,9 +14,10 @@ from the trained one and calibrated to its TLS, so it predicts the same tokens w
 trained routing statistics). Drafts (``drafts``):
 
 * ``independent``: a small dense LM trained by the same loop on the same data and tokenizer;
-* ``distilled``: that draft distilled from the target (:func:`moejax.train.draft.distill_draft`:
-  forward KL on the target's greedy continuations of training prompts, or on-policy reverse
-  KL), from the trained small target, whose logits the grown one reproduces exactly;
+* ``distilled``: that draft distilled from the target
+  (:func:`moejax.chunk_sparse.draft.distill_draft`: forward KL on the target's greedy
+  continuations of training prompts, or on-policy reverse KL), from the trained small target,
+  whose logits the grown one reproduces exactly;
 * ``self``: the target's first ``self_layers`` layers with its final norm and head (early exit,
   no training), and ``self distilled``: the same fine-tuned by the same distillation. Fewer
   layers than the trained model have, so the self-draft of the grown target is not the trained
@@ -63,6 +64,7 @@ from moejax.bench.decode import (
 )
 from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
 from moejax.bench.resume import MeasurementStore, device_basis, weights_fingerprint
+from moejax.chunk_sparse.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.config import Config, config, to_dict
 from moejax.harness.claims import Claim, threshold_claim
 from moejax.harness.results import RunDir
@@ -70,7 +72,6 @@ from moejax.harness.study import Study
 from moejax.nn.decoder import keep_layers, with_dtype
 from moejax.pytree import count_params
 from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
-from moejax.train.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.train.hparams import TrainConfig
 
 

@@ -9,7 +9,7 @@ experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on ch
 prompt/response pairs. Dense teacher: the substrate fine-tuned the same way. Student: the
 substrate's first ``student_layers`` blocks (same tokenizer), fine-tuned the same way (SFT).
 Every method then continues from that SFT student for ``distill.steps`` steps
-(:func:`moejax.train.distill.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
+(:func:`moejax.distill.methods.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
 official code trains it, ``kd.kd_ratio=1`` for pure forward KL); the checkpoint kept is the one
 with the best validation ROUGE-L. Scores (:class:`moejax.evaluate_generation.ResponseScorer`):
 test ROUGE-L of responses sampled at temperature 1 / top-p 1 (the paper's generation
@@ -51,6 +51,14 @@ from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.loader import chat_prompt_response
 from moejax.data.tokenizer import ByteTokenizer
+from moejax.distill.methods import (
+    METHODS,
+    DistillConfig,
+    Method,
+    distil,
+    distill_loss_fn,
+    distill_pair,
+)
 from moejax.evaluate_generation import (
     GenerationEvaluator,
     ResponseScorer,
@@ -69,14 +77,6 @@ from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.aot import abstract_run
-from moejax.train.distill import (
-    METHODS,
-    DistillConfig,
-    Method,
-    distil,
-    distill_loss_fn,
-    distill_pair,
-)
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model

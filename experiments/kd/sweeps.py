@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.evaluate_generation import router_kl_by_layer
 from moejax.harness.results import RunDir
 from moejax.harness.tables import seed_summary
-from moejax.nn.routing_modes import RoutingMode, with_routing
 
 __all__ = ["teacher_k_sweep", "ka_sweep", "sar_kl_table", "lr_sweeps"]
 

@@ -41,7 +41,7 @@ Compute paths (same outputs and gradients, see tests/test_blockffn.py):
 * ``active_BTE`` (bool), ``a_BTE`` (combine weights ``A``): for streaming metrics
 * ``union_overflow`` (every path but ``dense``)
 
-When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.train.lambda_schedule`) the slot's
+When an adaptive ``lambda_cs`` schedule is used (:mod:`moejax.chunk_sparse.schedule`) the slot's
 ``cs_coef`` must be 0; the schedule adds ``lambda_cs * cs_loss`` itself.
 """
 

@@ -3,7 +3,7 @@
 ``A = ReLU(x W_router)`` (no RMSNorm), ``y = sum_e A_e E_e(x)``, trained with an L1 penalty
 ``lambda * mean_t sum_e A_e`` whose coefficient follows ReMoE's controller
 ``lambda <- lambda * alpha^sign(S* - S_t)`` (target sparsity ``S* = 1 - k/E``; see
-:func:`moejax.train.lambda_schedule.remoe_update`, run by ``ScheduledLM(kind="remoe_l1")``).
+:func:`moejax.chunk_sparse.schedule.remoe_update`, run by ``ScheduledLM(kind="remoe_l1")``).
 
 The experts are the same non-gated fine-grained experts as BlockFFN (the BlockFFN paper keeps
 expert number and width identical across baselines), so a ReMoE slot is a :class:`BlockFFN`

@@ -29,7 +29,7 @@ loop ("Every Expert Matters", Kim et al. 2025, Sec. 3-4).
   distribution fixed); (2) the student distils (reverse KL) from the teacher with all experts
   active under the updated router (clean gate). The router weights are
   :class:`RouterParam` variables and their AdamW state a :class:`RouterOptState` of the pair:
-  both are updated inside the loss (like :class:`~moejax.train.lambda_schedule.ScheduledLM`'s
+  both are updated inside the loss (like :class:`~moejax.chunk_sparse.schedule.ScheduledLM`'s
   state), so they ride in the train state, the checkpoints and the non-finite rollback.
 
 ``divergence`` overrides the method's default (``forward_kl`` for KD, ``reverse_kl``
@@ -53,7 +53,7 @@ import optax
 from flax import nnx
 
 from moejax.config import Config, config
-from moejax.nn.routing_modes import RoutingMode, moe_slots, with_routing
+from moejax.distill.routing_modes import RoutingMode, moe_slots, with_routing
 from moejax.nn.sample import sample_traced
 from moejax.ops.distill_losses import (
     Reduction,
