@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.chunk_sparse import schedule as ls
 from moejax.config import ConfigError
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
-from moejax.train import lambda_schedule as ls
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 
