@@ -159,7 +159,7 @@ def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
     # chunk-sparse verification of one exact chunk: TPU's decode kernels in both BlockFFN
     # layers; a float32 chunk on a GPU is the dense product (moejax.kernels.chunk_union.pallas)
     # layers; a float32 chunk on a GPU is the dense product, so cuda's kernels are the flash
-    # attention's (moejax.kernels.attention), one per layer a decode call site runs: target
+    # attention's (moejax.kernels.flash_attention), one per layer a decode call site runs: target
     # prefill and verification (2 x 2), draft prefill and step (2 x 1); sample's prefill and
     # step (2 x 2); generate's one-token step (2)
     assert int(spec["tpu_kernels"]) >= 2 and spec["cuda_kernels"] == "6", spec
@@ -269,7 +269,7 @@ def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
     programs (different kernels): they are proven apart; repeats of one are proven once."""
     from experiments.full_smoke import _shapes
-    from moejax.bench.decode import blockffn_path
+    from moejax.bench.decode_timing import blockffn_path
 
     target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
     with capture_steps() as captured:

@@ -110,7 +110,7 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
     training attention with GQA and padded keys, and a decode step's 3 new tokens over a
     cache whose rows hold 100 and 37 valid slots (a GPU decode step; the TPU kernel takes
     query blocks of 128 and declines it, so a TPU decodes on XLA's attention)."""
-    from moejax.kernels.attention import flash_kernel
+    from moejax.kernels.flash_attention import flash_kernel
 
     B, H, G = 2, 4, 2
     if case == "train":

@@ -1,4 +1,4 @@
-"""Dispatch paths (moejax.kernels.moe_ffn.reference) against numpy loops and each other."""
+"""Dispatch paths (moejax.kernels.moe_ffn.jnp_paths) against numpy loops and each other."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from scipy.special import erf
 
 from moejax.kernels.moe_ffn import api as dp
 from moejax.kernels.moe_ffn.api import dispatch
-from moejax.kernels.moe_ffn.reference import (
+from moejax.kernels.moe_ffn.jnp_paths import (
     dispatch_capacity,
     dispatch_dense,
     dispatch_ragged,
@@ -270,7 +270,7 @@ def test_ffn_apply_and_weight_errors():
 
 @pytest.mark.parametrize("tile", [None, 4, 3])
 def test_grouped_dispatch_equals_dense_oracle_with_gradients(tile):
-    from moejax.kernels.moe_ffn.reference import dispatch_grouped
+    from moejax.kernels.moe_ffn.jnp_paths import dispatch_grouped
 
     activation = "swiglu"
     p = _params(4, activation)
@@ -301,7 +301,7 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
     """The bucketed path picks the smallest capacity rung that holds the fullest expert and
     then equals the dense oracle in values and gradients (nothing dropped), from a balanced
     load (first rung) to every token on one expert (the last rung, C = N)."""
-    from moejax.kernels.moe_ffn.reference import bucket_capacities, dispatch_bucketed
+    from moejax.kernels.moe_ffn.jnp_paths import bucket_capacities, dispatch_bucketed
 
     activation = "swiglu"
     p = _params(5, activation)

@@ -11,7 +11,7 @@ from flax import nnx
 from moejax.config import ConfigError
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.packing import prompt_response_rows
-from moejax.distill.methods import (
+from moejax.distill.training import (
     DistillConfig,
     FrozenParam,
     RouterParam,
@@ -121,7 +121,7 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     loss equals the divergence recomputed on exactly the sequences the sampler returned for
     the student (recorded by a pass-through wrapper), and differs from the loss on the
     dataset's responses."""
-    import moejax.distill.methods as distill_mod
+    import moejax.distill.training as distill_mod
 
     teacher, student = _lm(False, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="gkd")
@@ -206,7 +206,7 @@ def test_runs_of_one_recipe_share_one_compiled_step():
     """distil builds its loss as a value (equal for equal configs) and lets the loop build the
     optimizer from the TrainConfig, so a second run of a recipe (another seed) reuses the
     first one's jitted step instead of compiling and holding another."""
-    from moejax.distill.methods import distil
+    from moejax.distill.training import distil
     from moejax.train import loop
 
     cfg = DistillConfig(method="kd", kd_ratio=0.5)
@@ -228,7 +228,7 @@ def test_ka_takes_m_updates_per_batch_on_one_student_sample_by_default(monkeypat
     (the named option) averages the M teacher passes into one update."""
     import optax
 
-    import moejax.distill.methods as distill_mod
+    import moejax.distill.training as distill_mod
     from moejax.train.step import init_state, make_step_fn
 
     assert DistillConfig(method="ka").ka_updates == "sequential"

@@ -595,7 +595,7 @@ def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
 
     from experiments.extraction import bench as bench_extracted
     from experiments.extraction import moee
-    from moejax.extract.source import ExtractionSource
+    from moejax.extract.start import ExtractionSource
 
     a, b = moee.make_config(preset), bench_extracted.make_config(preset)
     shared = [f.name for f in dataclasses.fields(ExtractionSource) if f.name != "model"]

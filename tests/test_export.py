@@ -57,7 +57,7 @@ FLASH = re.compile(r"pallas_flash_attention|splash_m")  # tokamax's attention ke
 
 
 def _custom_calls(exported, *, attention: bool = False) -> dict[str, int]:
-    """Custom calls by target; the flash attention's (moejax.kernels.attention) only with
+    """Custom calls by target; the flash attention's (moejax.kernels.flash_attention) only with
     ``attention``: these tests count the FFN's kernels."""
     text = exported if isinstance(exported, str) else exported.mlir_module()
     calls = [m.group(1) for line in text.splitlines()

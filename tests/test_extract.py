@@ -22,12 +22,12 @@ from moejax.extract import (
     record_ffn,
     select_neurons,
 )
+from moejax.extract.layer_surgery import compact_model, shared_neurons
 from moejax.extract.pipeline import (
     matched_top_k,
     moefication_model,
     routing_stats,
 )
-from moejax.extract.surgery import compact_model, shared_neurons
 from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN

@@ -15,7 +15,7 @@ import pytest
 import moejax.kernels.moe_ffn.host as hm
 from moejax.kernels.moe_ffn.api import dispatch
 from moejax.kernels.moe_ffn.host_act import act_into, base_activation
-from moejax.kernels.moe_ffn.reference import dispatch_capacity, dispatch_dense
+from moejax.kernels.moe_ffn.jnp_paths import dispatch_capacity, dispatch_dense
 from moejax.ops.activations import activation_fn, is_gated
 
 TOL = dict(rtol=2e-5, atol=2e-5)

@@ -62,6 +62,18 @@ def test_no_module_name_is_shared_between_ops_and_kernels():
     assert names("ops") & names("kernels") == set()
 
 
+def test_no_module_name_is_shared_between_two_packages():
+    """Every module and package of moejax has its own name: one name, one home (a reader
+    searching for ``reference`` or ``attention`` finds one file)."""
+    homes: dict[str, list[str]] = {}
+    for p in sorted(ROOT.rglob("*")):
+        if p.name in ("__init__.py", "__pycache__") or "__pycache__" in p.parts:
+            continue
+        if p.is_dir() or p.suffix == ".py":
+            homes.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    assert {k: v for k, v in homes.items() if len(v) > 1} == {}
+
+
 def test_the_library_never_imports_the_studies():
     """Shared helpers live in the library; ``experiments/`` is the top layer."""
     bad = [f"{p.relative_to(ROOT)} imports {m}" for p in sorted(ROOT.rglob("*.py"))

@@ -141,8 +141,8 @@ def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
     """The decoding loops compiled with the command-buffer options (per function, once per
     prompt shape) give the tokens of the plain loops; an option unknown to this XLA is
     dropped and the timing says so."""
-    import moejax.bench.decode as bench_decode
-    from moejax.bench.decode import decode_timing
+    import moejax.bench.decode_timing as bench_decode
+    from moejax.bench.decode_timing import decode_timing
 
     target = _model(BlockFFNConfig(n_experts=8, d_expert=8))
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)

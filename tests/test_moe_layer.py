@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError, apply_overrides, from_json, to_json
-from moejax.kernels.moe_ffn.reference import ffn_apply
+from moejax.kernels.moe_ffn.jnp_paths import ffn_apply
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 

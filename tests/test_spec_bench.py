@@ -1,4 +1,4 @@
-"""moejax.bench.decode: the grown target predicts exactly what the small one does, its extra
+"""moejax.bench.decode_timing: the grown target predicts exactly what the small one does, its extra
 routers reach the asked TLS, and the decode timing reports what it ran; the benchmark study
 runs tiny and checks speculative against autoregressive output."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.bench import decode as bench_decode
-from moejax.bench.decode import blockffn_path, decode_timing, expert_routes, grow_blockffn_lm
+from moejax.bench import decode_timing as bench_decode
+from moejax.bench.decode_timing import blockffn_path, decode_timing, expert_routes, grow_blockffn_lm
 from moejax.bench.profile import KernelTrace
 from moejax.config import ConfigError
 from moejax.kernels.targets import lowering_target
@@ -234,7 +234,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
 
 
 def test_matching_prefix_counts_new_tokens_before_the_first_difference():
-    from moejax.bench.decode import matching_prefix
+    from moejax.bench.decode_timing import matching_prefix
 
     ref = np.array([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8]])
     assert matching_prefix(ref, ref, 2) == 1.0

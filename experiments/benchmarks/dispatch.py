@@ -59,7 +59,7 @@ from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.kernels.host_memory import malloc_huge_pages, retain_freed_memory
 from moejax.kernels.moe_ffn.api import PATHS, describe_dispatch
-from moejax.kernels.moe_ffn.reference import DispatchMethod
+from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig

@@ -69,7 +69,7 @@ from moejax.kernels.chunk_union.decode_gpu import l2_prefetch as decode_prefetch
 from moejax.kernels.chunk_union.decode_gpu import supports as supports_gpu_decode
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
-from moejax.kernels.moe_ffn.reference import dispatch_ragged
+from moejax.kernels.moe_ffn.jnp_paths import dispatch_ragged
 from moejax.kernels.tuning import L2_PREFETCH, WrongResult, check_close
 
 FfnPath = Literal["dense", "dense_union", "ragged", "chunk_union", "chunk_union_gather", "pallas",

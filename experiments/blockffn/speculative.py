@@ -9,7 +9,7 @@ analog): decode tokens/s at batch 1, greedy, for
 
 on (a) the trained BlockFFN LM of the BlockFFN studies (``moejax.sparse_lm`` quick model) and
 (b) a >= 100M-parameter BlockFFN LM grown from it
-(:func:`moejax.bench.decode.grow_blockffn_lm`: zero-residual extra layers with routers tiled
+(:func:`moejax.bench.decode_timing.grow_blockffn_lm`: zero-residual extra layers with routers tiled
 from the trained one and calibrated to its TLS, so it predicts the same tokens with the
 trained routing statistics). Drafts (``drafts``):
 
@@ -54,7 +54,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments.blockffn.common import PAPER_SCALE
-from moejax.bench.decode import (
+from moejax.bench.decode_timing import (
     blockffn_path,
     decode_timing,
     expert_routes,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.bench.decode import decode_timing
+from moejax.bench.decode_timing import decode_timing
 from moejax.config import Config, config
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study

@@ -8,7 +8,7 @@ in three layouts: dense (the unmodified FFN), masked (the trainable oracle: ever
 expert keeps, the unused ones zeroed) and compact (each expert's neurons contiguous, each
 token through its expert only, by the MoE dispatch: the host kernel on a CPU, the grouped
 matmul on GPU/TPU). The serving model is compact with shared neurons: in each layer the
-neurons of the most used experts (:func:`moejax.extract.surgery.shared_neurons`, chosen from
+neurons of the most used experts (:func:`moejax.extract.layer_surgery.shared_neurons`, chosen from
 the first batch's expert loads, a routed MAC costing ``grouped_cost`` dense ones) are computed
 for every token in one masked dense product and only the rest are routed; the whole encoder
 is timed in every layout. The MAC
@@ -39,11 +39,7 @@ from tqdm.auto import tqdm
 
 from moejax.bench.timing import time_interleaved
 from moejax.config import config
-from moejax.extract.macs import ffn_macs, model_macs
-from moejax.extract.pipeline import cluster_layers, moee_plans, routing_stats
-from moejax.extract.plan import ExpertPlan
-from moejax.extract.source import ExtractionSource, source_preset
-from moejax.extract.surgery import (
+from moejax.extract.layer_surgery import (
     apply_model,
     compact_model,
     extract_model,
@@ -51,6 +47,10 @@ from moejax.extract.surgery import (
     record_ffn,
     slot_layers,
 )
+from moejax.extract.macs import ffn_macs, model_macs
+from moejax.extract.pipeline import cluster_layers, moee_plans, routing_stats
+from moejax.extract.plan import ExpertPlan
+from moejax.extract.start import ExtractionSource, source_preset
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.nn.encoder import ViT, vit_config
@@ -61,7 +61,7 @@ from moejax.train.budget import lowered_fitting
 @config
 class ExtractedBenchConfig(ExtractionSource):
     """Part 1: the substrate whose MoEE plans are timed and its recording, as the moee study
-    takes them (:class:`moejax.extract.source.ExtractionSource`; ``model=none``: skip), ``rows``
+    takes them (:class:`moejax.extract.start.ExtractionSource`; ``model=none``: skip), ``rows``
     (examples per timed batch; the first is judged), ``grouped_cost`` (the serving layout's
     price of a routed MAC in dense MACs, for choosing each layer's shared neurons). Part 2
     (``synthetic``): one FFN of ``d_model`` x ``d_hidden``, ``experts`` random experts

@@ -47,7 +47,7 @@ from moejax.extract.pipeline import (
     moee_plans,
     moefication_model,
 )
-from moejax.extract.source import ExtractionSource, source_preset
+from moejax.extract.start import ExtractionSource, source_preset
 from moejax.harness.claims import Claim, compare, lookup, paired, paired_claim, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
@@ -76,7 +76,7 @@ KD = TrainConfig(steps=150, batch_size=64, lr=5e-4, schedule="cosine", warmup_st
 
 @config
 class MoEEStudyConfig(ExtractionSource):
-    """The substrate and its recording (:class:`moejax.extract.source.ExtractionSource`);
+    """The substrate and its recording (:class:`moejax.extract.start.ExtractionSource`);
     kd: the fine-tuning (``kd_alpha`` weight of the KL term, the rest cross-entropy);
     moefication_*: the baseline; ablations: keys of ``ABLATIONS``; stability_tokens /
     stability_draws: the sample-size study."""

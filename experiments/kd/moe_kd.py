@@ -9,7 +9,7 @@ experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on ch
 prompt/response pairs. Dense teacher: the substrate fine-tuned the same way. Student: the
 substrate's first ``student_layers`` blocks (same tokenizer), fine-tuned the same way (SFT).
 Every method then continues from that SFT student for ``distill.steps`` steps
-(:func:`moejax.distill.methods.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
+(:func:`moejax.distill.training.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
 official code trains it, ``kd.kd_ratio=1`` for pure forward KL); the checkpoint kept is the one
 with the best validation ROUGE-L. Scores (:class:`moejax.evaluate_generation.ResponseScorer`):
 test ROUGE-L of responses sampled at temperature 1 / top-p 1 (the paper's generation
@@ -51,7 +51,7 @@ from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.loader import chat_prompt_response
 from moejax.data.tokenizer import ByteTokenizer
-from moejax.distill.methods import (
+from moejax.distill.training import (
     METHODS,
     DistillConfig,
     Method,

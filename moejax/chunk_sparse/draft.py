@@ -4,7 +4,7 @@ Greedy speculative decoding commits a drafted token only when it is the target's
 (:mod:`moejax.nn.speculative`), so a draft is worth what its argmax agrees with the target's
 on the contexts decoding visits. A draft trained on the data learns the data; one distilled
 from the target learns the target (DistillSpec, Zhou et al. 2024). Two recipes, both through
-the library's distillation (:mod:`moejax.distill.methods`) and its one training loop:
+the library's distillation (:mod:`moejax.distill.training`) and its one training loop:
 
 * ``"kd"`` (sequence-level): the target's own continuations of training prompts
   (:func:`target_continuations`, greedy by default) are the responses, and the draft fits the
@@ -29,7 +29,7 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
-from moejax.distill.methods import DistillConfig, distil
+from moejax.distill.training import DistillConfig, distil
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.sample import sampler
 from moejax.train.hparams import TrainConfig

@@ -15,7 +15,6 @@ from moejax.delta.analytic_q import (
     search_eta_e,
     search_eta_v,
 )
-from moejax.delta.capture import MatrixInputStats, matmul_input_stats
 from moejax.delta.dare import (
     GridSearchResult,
     dare,
@@ -55,6 +54,7 @@ from moejax.delta.lora import (
     lora_merge,
     lora_num_params,
 )
+from moejax.delta.matrix_inputs import MatrixInputStats, matmul_input_stats
 from moejax.delta.methods import (
     METHODS,
     MethodName,

@@ -32,7 +32,7 @@ from flax import nnx
 from moejax.config import config
 from moejax.delta.quant import num_levels
 from moejax.ders_compress.compress import CompressedDeRS
-from moejax.kernels.moe_ffn.reference import ffn_apply
+from moejax.kernels.moe_ffn.jnp_paths import ffn_apply
 from moejax.nn.ders_moe import matrix_shapes
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig

@@ -6,7 +6,7 @@ baseline (Zhang et al. 2022).
 * :mod:`~moejax.extract.plan`: per-layer :class:`ExpertPlan` s: MoEE's variance-based neuron
   selection and mean-input routers; MoEfication's constrained balanced k-means experts and
   parameter centres.
-* :mod:`~moejax.extract.surgery`: record FFN inputs/activations; replace dense FFNs by
+* :mod:`~moejax.extract.layer_surgery`: record FFN inputs/activations; replace dense FFNs by
   :class:`~moejax.nn.extracted.ExtractedFFN` slots; the compact (serving) layout.
 * :mod:`~moejax.extract.macs`: exact MAC and parameter accounting.
 * :mod:`~moejax.extract.pipeline`: the recipe end to end (record, cluster, plan, extract,
@@ -19,6 +19,15 @@ from moejax.extract.cluster import (
                                  cluster_activations,
                                  n_clusters_of,
 )
+from moejax.extract.layer_surgery import (
+                                 apply_model,
+                                 copy_model,
+                                 dense_ffn_layers,
+                                 extract_model,
+                                 ffn_holder,
+                                 record_ffn,
+                                 slot_layers,
+)
 from moejax.extract.macs import ffn_macs, model_macs, param_breakdown, param_counts
 from moejax.extract.plan import (
                                  ExpertPlan,
@@ -28,15 +37,6 @@ from moejax.extract.plan import (
                                  moee_plan,
                                  moefication_plan,
                                  select_neurons,
-)
-from moejax.extract.surgery import (
-                                 apply_model,
-                                 copy_model,
-                                 dense_ffn_layers,
-                                 extract_model,
-                                 ffn_holder,
-                                 record_ffn,
-                                 slot_layers,
 )
 
 __all__ = ["CLUSTER_METHODS", "ClusterConfig", "cluster_activations", "n_clusters_of", "ffn_macs",

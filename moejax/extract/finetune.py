@@ -8,9 +8,9 @@ import numpy as np
 
 from moejax.data.batches import ArrayBatches
 from moejax.evaluate import classifier_kd_loss_fn
+from moejax.extract.layer_surgery import copy_model
 from moejax.extract.macs import model_macs, param_counts
 from moejax.extract.pipeline import routing_stats
-from moejax.extract.surgery import copy_model
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train

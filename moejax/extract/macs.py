@@ -21,8 +21,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from moejax.extract.layer_surgery import ffn_holder
 from moejax.extract.plan import kept_neurons
-from moejax.extract.surgery import ffn_holder
 from moejax.nn.extracted import ExpertMask, ExtractedFFNConfig, RouterWeights
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.ops.activations import is_gated

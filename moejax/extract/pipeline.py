@@ -1,4 +1,5 @@
-"""The expert-extraction recipe end to end, on any model :mod:`moejax.extract.surgery` handles.
+"""The expert-extraction recipe end to end, on any model
+:mod:`moejax.extract.layer_surgery` handles.
 
     records = record_ffn(model, batches, n_tokens=cfg.n_tokens, seed=seed)   # step 1 data
     labels  = cluster_layers(records, cfg.cluster, seed=seed)                 # step 1
@@ -26,8 +27,8 @@ from flax import nnx
 from moejax.config import Config, config
 from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
+from moejax.extract.layer_surgery import apply_model, extract_model, ffn_holder, slot_layers
 from moejax.extract.plan import ExpertPlan, kept_neurons, moee_plan, moefication_plan
-from moejax.extract.surgery import apply_model, extract_model, ffn_holder, slot_layers
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 

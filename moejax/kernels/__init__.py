@@ -10,7 +10,7 @@ tests use small shapes).
   project's Pallas gmm) with its layout;
 * :mod:`~moejax.kernels.chunk_union`: BlockFFN's chunk-union experts (reference, pair
   products, the Pallas layer, the fused Triton forward, the decode kernels);
-* :mod:`~moejax.kernels.attention`: attention on tokamax's flash kernel, picked when lowered;
+* :mod:`~moejax.kernels.flash_attention`: attention on tokamax's flash kernel, picked when lowered;
 * :mod:`~moejax.kernels.activation_forms`: the one activation table (jax, kernel, numpy);
 * :mod:`~moejax.kernels.tiling`: block sizes and the per-platform kernel choice;
   :mod:`~moejax.kernels.targets`: the devices exports are lowered for;

@@ -15,7 +15,7 @@ head-major, i.e. column ``h * J + k`` is head ``h``, dim ``k``):
 ``nn.Linear`` weight ``[out, in]`` is imported as its transpose.
 
 Implementations of the attention itself (``impl``): ``"flash"`` runs the platform's flash
-kernel, tokamax's, chosen when the program is lowered (:mod:`moejax.kernels.attention`: Pallas
+kernel, tokamax's, chosen when the program is lowered (:mod:`moejax.kernels.flash_attention`: Pallas
 Triton on ``cuda``, Pallas Mosaic on TPU), and XLA's attention elsewhere (the CPU) or where the
 kernel declines a call; ``"jax"`` calls ``jax.nn.dot_product_attention`` with the explicit
 boolean mask and its default implementation, which is XLA's on every platform; ``"einsum"`` is
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.kernels.attention import flash_attention
+from moejax.kernels.flash_attention import flash_attention
 from moejax.kernels.tiling import target_device
 from moejax.nn.norms import RMSNorm
 from moejax.nn.rope import apply_rope

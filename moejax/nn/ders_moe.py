@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.moe_ffn.reference import capacity_apply, ffn_apply
+from moejax.kernels.moe_ffn.jnp_paths import capacity_apply, ffn_apply
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated

@@ -33,7 +33,7 @@ Two layouts (``layout`` in the config):
 
 * ``"masked"`` (default, trainable): the masked oracle above; every kept neuron is evaluated
   and the unused ones zeroed, so it saves no time.
-* ``"compact"`` (serving, built by :func:`moejax.extract.surgery.compact_model`): each
+* ``"compact"`` (serving, built by :func:`moejax.extract.layer_surgery.compact_model`): each
   expert's neurons copied into contiguous weights ``w_up [E, D (+1), d_expert]`` (the up
   bias folded in as an extra input row), ``w_down [E, d_expert, D (+1)]``, zero-padded to the
   largest expert; tokens go to their experts through the MoE dispatch (``dispatch``: the host
@@ -43,7 +43,7 @@ Two layouts (``layout`` in the config):
   dense product, masked per token like the masked layout (``w_up_shared [D, d_shared]``,
   ``b_up_shared``, ``w_down_shared [d_shared, D]``, ``shared_masks [E, d_shared]``): a few
   MACs more for tokens of the other experts, in exchange for the dense product's rate on the
-  neurons most tokens use (:func:`moejax.extract.surgery.shared_neurons` chooses them). Exact
+  neurons most tokens use (:func:`moejax.extract.layer_surgery.shared_neurons` chooses them). Exact
   for one expert per token, or for experts whose non-shared neurons are disjoint.
 
 ``aux``: ``expert_ids [B, T, k]``, ``load [E]`` (share of real tokens' assignments per expert),
@@ -60,7 +60,7 @@ from flax import nnx
 
 from moejax.config import config
 from moejax.kernels.moe_ffn.api import dispatch
-from moejax.kernels.moe_ffn.reference import DispatchMethod
+from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
 
@@ -125,7 +125,7 @@ class ExtractedFFNConfig(FFNSlotConfig):
                       "router='mlp' needs d_router > 0 (the router's hidden width)")
         self._require(self.layout == "masked" or self.d_expert is not None,
                       "layout='compact' needs d_expert (build it with "
-                      "moejax.extract.surgery.compact_model)")
+                      "moejax.extract.layer_surgery.compact_model)")
         self._require(self.d_shared >= 0 and (self.d_expert or 0) >= 0,
                       f"d_shared={self.d_shared} and d_expert={self.d_expert} must be >= 0")
         self._require(self.layout == "compact" or self.d_shared == 0,
@@ -137,7 +137,8 @@ class ExtractedFFNConfig(FFNSlotConfig):
 
 
 class ExtractedFFN(nnx.Module):
-    """See the module docstring. Built empty (zeros); :func:`moejax.extract.surgery` fills it."""
+    """See the module docstring. Built empty (zeros); :mod:`moejax.extract.layer_surgery`
+    fills it."""
 
     def __init__(self, cfg: ExtractedFFNConfig, d_model: int, *, rngs: nnx.Rngs, dtype=None,
                  param_dtype=jnp.float32):

@@ -12,7 +12,7 @@
   ``[D, 2F]``, the same way; any other FFN slot (MoE, BlockFFN, DeRS) runs as the module does,
   after its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
-  GPU, :mod:`moejax.kernels.attention`), the cache written in place
+  GPU, :mod:`moejax.kernels.flash_attention`), the cache written in place
   (:func:`moejax.nn.attention._write_cache`).
 
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before

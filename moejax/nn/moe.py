@@ -38,7 +38,7 @@ from flax import nnx
 
 from moejax.config import config
 from moejax.kernels.moe_ffn.api import dispatch
-from moejax.kernels.moe_ffn.reference import DispatchMethod, ffn_apply
+from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod, ffn_apply
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl

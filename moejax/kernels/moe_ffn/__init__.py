@@ -2,7 +2,7 @@
 tokens each expert received, by named dispatch path.
 
 * :mod:`.api`: every dispatch path by name (``DISPATCH_PATHS``, ``"auto"``) and the call;
-* :mod:`.reference`: the jnp paths (the dense oracle, capacity, dropless ``ragged_dot``,
+* :mod:`.jnp_paths`: the jnp paths (the dense oracle, capacity, dropless ``ragged_dot``,
   block-padded ``grouped``, ``bucketed``) with :mod:`.permute` (row permutations, forward and
   backward) and :mod:`.every_expert` (every expert on every row: the oracle's inner product);
 * :mod:`.host` / :mod:`.host_act`: the fused numpy expert FFN of the CPU backend

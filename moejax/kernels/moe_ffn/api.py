@@ -1,14 +1,14 @@
-"""Every MoE dispatch path by name: the jnp paths of :mod:`moejax.kernels.moe_ffn.reference`
+"""Every MoE dispatch path by name: the jnp paths of :mod:`moejax.kernels.moe_ffn.jnp_paths`
 and the kernel paths, behind one signature, and ``"auto"``.
 
 * ``"dense"``, ``"capacity"``, ``"ragged"``, ``"grouped"``, ``"bucketed"``: plain jnp
-  (:mod:`moejax.kernels.moe_ffn.reference`).
-* ``"tokamax"``: dropless, :func:`~moejax.kernels.moe_ffn.reference.dispatch_ragged` with
+  (:mod:`moejax.kernels.moe_ffn.jnp_paths`).
+* ``"tokamax"``: dropless, :func:`~moejax.kernels.moe_ffn.jnp_paths.dispatch_ragged` with
   tokamax's grouped matmul (:func:`moejax.kernels.grouped.ragged.ragged_dot` with
   ``kernel="library"``: Mosaic GPU / Mosaic TPU kernels at every size, but dW on a GPU on the
   project's Mosaic GPU kernel, tokamax's being wrong there; :func:`jax.lax.ragged_dot`
   elsewhere).
-* ``"gmm"``: dropless, :func:`~moejax.kernels.moe_ffn.reference.dispatch_ragged` with the
+* ``"gmm"``: dropless, :func:`~moejax.kernels.moe_ffn.jnp_paths.dispatch_ragged` with the
   project's Pallas grouped matmul :func:`moejax.kernels.grouped.pallas_gmm.gmm` (forward and
   backward kernels; Pallas interpret mode on CPU, so only for tests there).
 * ``"host"``: dropless, :func:`moejax.kernels.moe_ffn.host.host_moe`, the whole expert FFN on the
@@ -48,7 +48,7 @@ from moejax.kernels.grouped.ragged import AVAILABLE as RAGGED_DOT_AVAILABLE
 from moejax.kernels.grouped.ragged import IMPLEMENTATIONS, OWN_TIERS, ragged_dot
 from moejax.kernels.moe_ffn.expert_parallel import expert_parallel_dispatch
 from moejax.kernels.moe_ffn.host import HOST_ACTIVATIONS, host_moe
-from moejax.kernels.moe_ffn.reference import (
+from moejax.kernels.moe_ffn.jnp_paths import (
     DispatchMethod,
     DispatchOut,
     dispatch_bucketed,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from moejax.kernels.moe_ffn.reference import DispatchOut
+from moejax.kernels.moe_ffn.jnp_paths import DispatchOut
 
 __all__ = ["expert_parallel_dispatch", "expert_axis_size", "check_expert_parallel",
            "send_capacity", "capacity_rungs", "dropless_need"]

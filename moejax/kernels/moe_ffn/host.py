@@ -1,7 +1,7 @@
 """The whole routed-expert FFN on the host, fused: one callback forward, one backward.
 
 ``host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF, activation=...)``
-computes what every dispatch path computes (:mod:`moejax.kernels.moe_ffn.reference`)::
+computes what every dispatch path computes (:mod:`moejax.kernels.moe_ffn.jnp_paths`)::
     y_N[n] = sum_k weights_NK[n, k] * E_{ids_NK[n, k]}(x_N[n])
 
 the way an eager framework's expert loop does, but without its per-op dispatch: for each
@@ -16,7 +16,7 @@ the rows is split into row chunks whose weight gradients are summed. The result 
 deterministic: every sum runs in a fixed order.
 
 ``capacity=None`` is dropless (``dispatch="host"``). ``capacity=C`` keeps, per expert, the
-first ``C`` assignments in :func:`moejax.kernels.moe_ffn.reference.dispatch_capacity`'s priority
+first ``C`` assignments in :func:`moejax.kernels.moe_ffn.jnp_paths.dispatch_capacity`'s priority
 order
 and drops the rest, with that path's semantics (``dispatch="host_capacity"``), but only the
 kept rows are computed: no padded buffers.
@@ -70,7 +70,7 @@ class _Layout(NamedTuple):
 
 
 def _layout(ids_NK, real_N, n_experts: int, capacity: int | None, priority: str) -> _Layout:
-    """Assignments ordered as :func:`moejax.kernels.moe_ffn.reference._sort_assignments`
+    """Assignments ordered as :func:`moejax.kernels.moe_ffn.jnp_paths._sort_assignments`
     orders them; with a capacity, each expert keeps the first ``capacity`` of its queue."""
     n, k = ids_NK.shape
     ids_A = ids_NK.reshape(-1).astype(np.int64)
@@ -413,7 +413,7 @@ def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
              priority: str = "choice", widths_E=None, check_backend: bool = True):
     """``(y_ND, n_dropped)``: the routed experts' combined output computed on the host
     (module docstring). ``capacity=None`` drops nothing; ``capacity=C`` has
-    :func:`moejax.kernels.moe_ffn.reference.dispatch_capacity`'s drop rule (``valid_N``:
+    :func:`moejax.kernels.moe_ffn.jnp_paths.dispatch_capacity`'s drop rule (``valid_N``:
     padding tokens yield first; ``priority``: "choice" or "token"). Weights are cast to
     ``x_ND``'s dtype.
     ``widths_E`` (int ``[E]``, optional): expert ``e``'s hidden units past ``widths_E[e]`` are
