@@ -24,7 +24,7 @@ BLOCKED = ("tqdm", "matplotlib", "tensorflow_datasets", "tensorflow", "array_rec
 # the study stack: these modules need an extra and must say which when imported
 NEEDS_AN_EXTRA = re.compile(
     r"^moejax\.(data\.(builders_\w+|cards|corpora|datasets|loader|tfds_base|token_cache)"
-    r"|evaluate_generation|extract\.(finetune|source)|io\.(hf_moe|minilm|safetensors_io)|sparse_lm"
+    r"|evaluate_generation|extract\.(finetune|start)|io\.(hf_moe|minilm|safetensors_io)|sparse_lm"
     r"|substrates(\..*)?)$")
 
 
