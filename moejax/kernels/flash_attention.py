@@ -18,6 +18,12 @@ device), and only its branch is traced beside the fallback
 another's device. Where tokamax declines a call (``NotImplementedError``, or the
 ``ValueError`` of a shape its kernel does not tile: the TPU kernel takes query blocks of 128,
 so a TPU decode step runs the fallback), or is not installed, the fallback runs.
+
+A fully masked query row gets the einsum oracle's values (uniform over the keys, finite), but
+not its gradient: the TPU kernel sends none through such a row (the einsum sends ``1/S`` of
+its output gradient to every value). Such rows are padding, which the
+models' losses leave out, so training is unchanged (tests: values and gradients equal the
+oracle's in Pallas's interpreters, with a fully masked row outside the loss).
 """
 
 from __future__ import annotations
