@@ -1,5 +1,5 @@
 """What the speculative-decoding benchmark measures, as library functions (the study file
-``experiments/benchmarks/speculative.py`` is its recipe).
+``experiments/blockffn/speculative.py`` is its recipe).
 
 * :func:`grow_blockffn_lm`: a >= 100M-parameter BlockFFN decoder that predicts exactly what a
   trained small one predicts: the trained blocks, then ``extra_layers`` BlockFFN blocks whose

@@ -30,16 +30,10 @@ from flax import nnx
 from moejax.nn.attention import Attention, KVCache
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.ffn import DenseFFN
-from moejax.nn.norms import RMSNorm
+from moejax.nn.norms import RMSNorm, inv_rms
 from moejax.ops.activations import activation_fn
 
 __all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "lean_decoder"]
-
-
-def _rsqrt_ms(x_BTD, eps: float) -> jax.Array:
-    """RMSNorm's per-token factor ``rsqrt(mean(x^2) + eps)`` ``[B, T, 1]`` (float32)."""
-    x32 = x_BTD.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
 
 
 def _folded(norm: RMSNorm, *ws) -> jax.Array:
@@ -73,8 +67,8 @@ class LeanAttention(Attention):
 
     def _project(self, x_BTD):
         dt = self.dtype or x_BTD.dtype
-        y = (x_BTD.astype(dt) @ self.w_qkv[...].astype(dt)) * _rsqrt_ms(x_BTD, self.eps
-                                                                       ).astype(dt)
+        r = inv_rms(x_BTD, self.eps).astype(dt)
+        y = (x_BTD.astype(dt) @ self.w_qkv[...].astype(dt)) * r
         if self.b_qkv is not None:
             y = y + self.b_qkv[...].astype(dt)
         qj, kj = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -96,8 +90,8 @@ class LeanDenseFFN(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array):
         dt = self.dtype or x_BTD.dtype
-        h = (x_BTD.astype(dt) @ self.w_in[...].astype(dt)) * _rsqrt_ms(x_BTD, self.eps
-                                                                      ).astype(dt)
+        r = inv_rms(x_BTD, self.eps).astype(dt)
+        h = (x_BTD.astype(dt) @ self.w_in[...].astype(dt)) * r
         if self.b_in is not None:
             h = h + self.b_in[...].astype(dt)
         act = activation_fn(self.activation)

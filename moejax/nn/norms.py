@@ -17,9 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["RMSNorm", "LayerNorm", "NormKind", "make_norm"]
+__all__ = ["RMSNorm", "LayerNorm", "NormKind", "make_norm", "inv_rms"]
 
 NormKind = Literal["rmsnorm", "layernorm"]
+
+
+def inv_rms(x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm's per-row factor ``rsqrt(mean(x^2) + eps)`` over the last axis (float32, kept
+    dims): what a decode step folds after its product (:mod:`moejax.nn.lean_decode`)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -34,9 +41,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         out_dtype = self.dtype or x.dtype
-        x32 = x.astype(jnp.float32)
-        ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        y = x32 * jax.lax.rsqrt(ms + self.eps) * self.scale[...].astype(jnp.float32)
+        y = x.astype(jnp.float32) * inv_rms(x, self.eps) * self.scale[...].astype(jnp.float32)
         return y.astype(out_dtype)
 
 
