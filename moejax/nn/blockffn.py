@@ -62,7 +62,8 @@ from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import chunk_sparsity as cs
 from moejax.ops.activations import ActivationName, is_gated
 
-__all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath"]
+__all__ = ["BlockFFNConfig", "BlockFFN", "BlockRoute", "ReLURouter", "ExpertPath",
+           "block_experts"]
 
 ExpertPath = Literal["dense", "chunk_union", "auto", "pallas", "triton"]
 
@@ -178,27 +179,7 @@ class BlockFFN(MoESkeleton):
 
     def experts_out(self, x_ND, r: BlockRoute, mask_N):
         """``(y_ND, {"union_overflow": ...} on the chunk_union path, else {})``."""
-        cfg, dt = self.cfg, x_ND.dtype
-        w_up, w_down, w_gate = self.experts.weights()
-        w_up, w_down = w_up.astype(dt), w_down.astype(dt)
-        w_gate = None if w_gate is None else w_gate.astype(dt)
-        if cfg.path == "dense":
-            return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
-        if cfg.path in ("pallas", "triton"):
-            y_ND, overflow = chunk_union_kernel(
-                x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
-                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts,
-                backend=cfg.path)
-            return y_ND.astype(dt), {"union_overflow": overflow}
-        if cfg.path == "auto":
-            y_ND, overflow = chunk_union_auto(
-                x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, activation=cfg.activation,
-                tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
-            return y_ND.astype(dt), {"union_overflow": overflow}
-        y_ND, overflow = chunk_union_experts(
-            x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate, cfg.activation, tile=cfg.union_chunk,
-            max_union=cfg.max_union or cfg.n_experts)
-        return y_ND.astype(dt), {"union_overflow": overflow}
+        return block_experts(self.cfg, x_ND, r, *self.experts.weights())
 
     def always_on(self, x_ND):
         return None
@@ -228,3 +209,24 @@ class BlockFFN(MoESkeleton):
             "tls": tls, "act_magnitude": mag,
             "active_BTE": active, "a_BTE": a,
         }
+
+
+def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate):
+    """BlockFFN's expert part on ``cfg.path``: ``(y_ND, {"union_overflow": ...} on the
+    chunk-union paths, else {})`` in ``x``'s dtype, the weights cast to it."""
+    dt = x_ND.dtype
+    w_up, w_down = w_up.astype(dt), w_down.astype(dt)
+    w_gate = None if w_gate is None else w_gate.astype(dt)
+    if cfg.path == "dense":
+        return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
+    kw = dict(tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
+    if cfg.path in ("pallas", "triton"):
+        y_ND, overflow = chunk_union_kernel(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
+                                            activation=cfg.activation, backend=cfg.path, **kw)
+    elif cfg.path == "auto":
+        y_ND, overflow = chunk_union_auto(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
+                                          activation=cfg.activation, **kw)
+    else:
+        y_ND, overflow = chunk_union_experts(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
+                                             cfg.activation, **kw)
+    return y_ND.astype(dt), {"union_overflow": overflow}

@@ -9,8 +9,14 @@
   ``rsqrt(mean(x^2) + eps)`` applied to the product (exact: a per-row scalar commutes with
   the product), biases added after it;
 * a dense FFN's gate and up as one product of ``w_in = diag(s_ffn) [w_gate | w_up]``
-  ``[D, 2F]``, the same way; any other FFN slot (MoE, BlockFFN, DeRS) runs as the module does,
-  after its RMSNorm;
+  ``[D, 2F]``, the same way;
+* a BlockFFN slot's router as one product of the block's input with ``diag(s_ffn) w_router``,
+  times the per-token rsqrt (the router no longer waits for the norm: its product and the
+  norm's reduction read ``x`` side by side), and its experts' input weights
+  ``diag(s_ffn) W_up^(e)`` (and ``W_gate^(e)``), so the experts take ``x`` times that rsqrt;
+  the expert part is the module's (:func:`moejax.nn.blockffn.block_experts`: on a GPU the
+  chunk-union decode kernel); any other FFN slot (MoE, DeRS) runs as the module does, after
+  its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
   GPU, :mod:`moejax.kernels.flash_attention`), the cache written in place
   (:func:`moejax.nn.attention._write_cache`).
@@ -28,12 +34,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.nn.attention import Attention, KVCache
+from moejax.nn.blockffn import BlockFFN, BlockRoute, block_experts
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.ffn import DenseFFN
 from moejax.nn.norms import RMSNorm, inv_rms
 from moejax.ops.activations import activation_fn
 
-__all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "lean_decoder"]
+__all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "LeanBlockFFN",
+           "lean_decoder"]
 
 
 def _folded(norm: RMSNorm, *ws) -> jax.Array:
@@ -102,6 +110,36 @@ class LeanDenseFFN(nnx.Module):
         return y, {}
 
 
+class LeanBlockFFN(nnx.Module):
+    """A :class:`~moejax.nn.blockffn.BlockFFN` after its RMSNorm with the norm's scale folded
+    into the router and the experts' input weights (module docstring); ``y, {} = ffn(x_BTD)``
+    of the block's input."""
+
+    def __init__(self, ffn: BlockFFN, norm: RMSNorm):
+        self.cfg, self.dtype, self.eps = ffn.cfg, ffn.dtype, norm.eps
+        s_D = norm.scale[...].astype(jnp.float32)
+        self.w_router = nnx.Param(s_D[:, None] * ffn.router.w[...].astype(jnp.float32))
+        self.router_norm = ffn.router_norm if ffn.cfg.rmsnorm else None
+        w_up, w_down, w_gate = ffn.experts.weights()
+        fold = lambda w: (s_D[None, :, None] * w.astype(jnp.float32)).astype(w.dtype)  # noqa: E731
+        self.w_up, self.w_down = nnx.Param(fold(w_up)), nnx.Param(w_down)
+        self.w_gate = None if w_gate is None else nnx.Param(fold(w_gate))
+
+    def __call__(self, x_BTD: jax.Array):
+        B, T, D = x_BTD.shape
+        dt = self.dtype or x_BTD.dtype
+        x_ND = x_BTD.reshape(B * T, D)
+        r_N1 = inv_rms(x_ND, self.eps)
+        a0 = (x_ND.astype(jnp.float32) @ self.w_router[...]) * r_N1
+        a1 = jax.nn.relu(a0)
+        a = a1 if self.router_norm is None else self.router_norm(a1)
+        xe_ND = (x_ND.astype(jnp.float32) * r_N1).astype(dt)
+        w_gate = None if self.w_gate is None else self.w_gate[...]
+        y_ND, _ = block_experts(self.cfg, xe_ND, BlockRoute(a0, a1, a), self.w_up[...],
+                                self.w_down[...], w_gate)
+        return y_ND.reshape(B, T, D), {}
+
+
 def _plain_rmsnorm(norm) -> bool:
     return type(norm) is RMSNorm
 
@@ -112,8 +150,9 @@ class LeanBlock(nnx.Module):
 
     def __init__(self, block):
         self.attn = LeanAttention(block.attn, block.attn_norm)
-        if type(block.ffn) is DenseFFN and _plain_rmsnorm(block.ffn_norm):
-            self.ffn, self.ffn_norm = LeanDenseFFN(block.ffn, block.ffn_norm), None
+        lean = {DenseFFN: LeanDenseFFN, BlockFFN: LeanBlockFFN}.get(type(block.ffn))
+        if lean is not None and _plain_rmsnorm(block.ffn_norm):
+            self.ffn, self.ffn_norm = lean(block.ffn, block.ffn_norm), None
         else:
             self.ffn, self.ffn_norm = block.ffn, block.ffn_norm
 

@@ -5,8 +5,10 @@ decode kernels), in one launch after the output is zeroed.
 
 As in the official kernels (thunlp/BlockFFN ``inference/``), the weights are wgmma's M operand
 and the chunk its N: the products are computed transposed, ``h^T = W^T x^T``, so the chunk is
-padded only to a multiple of 8 rows (wgmma's N step), not to the 64 rows of an M operand, and
-a step's copy of the chunk is ``rows x bK`` beside the weights' ``bK x bF``.
+computed as a multiple of 8 rows (wgmma's N step), not the 64 rows of an M operand, and a
+step's copy of the chunk is ``rows x bK`` beside the weights' ``bK x bF``. The rows past the
+chunk's ``n`` are TMA's zero-filled out-of-bounds reads of ``x`` itself (no padded copy); a
+column of a product depends on its own token's column only, so they never reach the chunk's.
 
 The grid is (expert ``e``, F block ``f``, split ``s``); each program is one warpgroup (a
 tuned configuration may split each (expert, F block) over the model width in ``splits``
@@ -46,8 +48,10 @@ and its pipelines then copy from the L2. The values are the same either way.
 Against the official design (a union kernel, then programs over (union slot, F block) and a
 down-projection over D blocks) each program finds its own membership and the programs sum the
 down-projection through the reduce-add; the weights read are the same (the union's, once),
-with no launch but this one and the output's zeroing (and, for a chunk off wgmma's 8-row step,
-its padding).
+with no launch but this one, the output's zeroing before it and one fusion after it (the
+chunk's columns of ``y^T``, transposed and cast). The output is staged as ``y^T``: Mosaic GPU
+has no store of a float32 wgmma accumulator through a transposed view of shared memory (its
+layout inference finds no transfer plan), so ``y`` itself cannot be the TMA's target.
 
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
 of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
@@ -188,6 +192,10 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
     D = x_g.shape[1]
     dt = x_g.dtype
     e, f, s = (jax.lax.axis_index(a) for a in ("e", "f", "s"))
+    # the chunk's rows are read as a block of ``rows``: the ones past ``n`` are TMA's
+    # zero-filled out-of-bounds reads (no padded copy of x). Their start is the program's
+    # index times 0, a dynamic 0: a static start is checked against ``n`` when traced
+    row0 = e * 0
     blocks_s = D // bD // splits  # the down-projection's D blocks in each program
     box = math.gcd(D, 256)
 
@@ -220,7 +228,7 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
             w_spec = spec((bK, bF), lambda k: (k, f), "w")
             weights = (wu_g.at[e],) + ((wg_g.at[e],) if gated else ())
             plgpu.emit_pipeline(step, grid=(D // bK,),
-                                in_specs=(spec((rows, bK), lambda k: (0, k), "x"),
+                                in_specs=(spec((rows, bK), lambda k: (row0, k), "x"),
                                           *[w_spec] * len(weights)),
                                 max_concurrent_steps=stages)(x_g, *weights)
             return tuple(acc[...] for acc in accs)
@@ -284,7 +292,6 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     dt = x_nD.dtype
     gated = w_gate is not None
     weights = [w.astype(dt) for w in (w_up, w_down) + ((w_gate,) if gated else ())]
-    x = x_nD if rows == n else jnp.pad(x_nD, ((0, rows - n), (0, 0)))
     kernel = plgpu.kernel(
         functools.partial(_body, rows=rows, activation=activation, gated=gated,
                           interpret=interpret, tiles=tiles, prefetch=prefetch, splits=splits),
@@ -295,5 +302,5 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
         interpret=plgpu.InterpretGPUParams() if interpret else False)
     y = jax.new_ref(jnp.zeros((D, rows), jnp.float32))
     a = a_nE if any(a_nE.dtype == d for d in (jnp.float32, *DTYPES)) else a_nE.astype(jnp.float32)
-    kernel(x, a, *weights[:2], *weights[2:], y)
-    return y[...][:, :n].T.astype(dt)
+    kernel(x_nD, a, *weights[:2], *weights[2:], y)
+    return y[...][:, :n].T.astype(dt)  # one fusion: the chunk's columns, transposed and cast
