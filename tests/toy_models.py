@@ -1,5 +1,7 @@
 """Shared helpers for the training and checkpoint tests (not a test module): a tiny MoE-shaped
-LM with a sub-module ``experts`` holding stacked ``[E, d, f]`` weights, and a toy batch source."""
+LM with a sub-module ``experts`` holding stacked ``[E, d, f]`` weights (with logical axis names;
+the rest is flax's own layers, unnamed, as a user's model would be), and a toy batch
+source."""
 
 from __future__ import annotations
 
@@ -8,15 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.nn import axes as ax
+
 V, D, F, E, T = 16, 8, 12, 4, 6
 
 
 class Experts(nnx.Module):
     def __init__(self, rngs: nnx.Rngs, d: int = D, e: int = E):
-        init = nnx.initializers.normal(0.3)
-        self.w_up = nnx.Param(init(rngs.params(), (e, d, F)))
-        self.w_down = nnx.Param(init(rngs.params(), (e, F, d)))
-        self.bias = nnx.Param(jnp.zeros((e, d)))
+        init = nnx.initializers.normal(0.3)  # stacked expert weights, named for sharding
+        self.w_up = ax.param(init(rngs.params(), (e, d, F)), ax.EXPERTS, ax.EMBED, ax.MLP)
+        self.w_down = ax.param(init(rngs.params(), (e, F, d)), ax.EXPERTS, ax.MLP, ax.EMBED)
+        self.bias = ax.param(jnp.zeros((e, d)), ax.EXPERTS, ax.EMBED)
 
     def __call__(self, x_BTD, gates_BTE):
         h = jax.nn.gelu(jnp.einsum("btd,edf->btef", x_BTD, self.w_up[...]))

@@ -29,6 +29,7 @@ from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
 from moejax.extract.layer_surgery import apply_model, extract_model, ffn_holder, slot_layers
 from moejax.extract.plan import ExpertPlan, kept_neurons, moee_plan, moefication_plan
+from moejax.nn import axes as ax
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 
@@ -138,8 +139,8 @@ class MLPRouterNet(nnx.Module):
 
     def __init__(self, centres_ED: np.ndarray):
         E = centres_ED.shape[0]
-        self.w1 = nnx.Param(jnp.asarray(centres_ED, jnp.float32).T)
-        self.w2 = nnx.Param(jnp.eye(E, dtype=jnp.float32))
+        self.w1 = ax.param(jnp.asarray(centres_ED, jnp.float32).T, ax.EMBED, ax.SCORES)
+        self.w2 = ax.param(jnp.eye(E, dtype=jnp.float32), ax.SCORES, ax.SCORES)
 
     def __call__(self, x_ND):
         x = x_ND / jnp.maximum(jnp.linalg.norm(x_ND, axis=-1, keepdims=True), 1e-12)

@@ -40,6 +40,7 @@ from flax import nnx
 
 from moejax.kernels.flash_attention import flash_attention
 from moejax.kernels.tiling import target_device
+from moejax.nn import axes as ax
 from moejax.nn.norms import RMSNorm
 from moejax.nn.rope import apply_rope
 
@@ -163,16 +164,18 @@ class Attention(nnx.Module):
         self.use_bias, self.dtype, self.qk_norm = use_bias, dtype, qk_norm
         H, G, J, D = n_heads, n_kv_heads, head_dim, d_model
 
-        def dense(shape):
-            return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
-                             * (shape[0] ** -0.5))
+        def dense(shape, *names):
+            return ax.param(jax.random.normal(rngs.params(), shape, param_dtype)
+                            * (shape[0] ** -0.5), *names)
 
-        self.w_q, self.w_k, self.w_v = dense((D, H * J)), dense((D, G * J)), dense((D, G * J))
-        self.w_o = dense((H * J, D))
+        self.w_q = dense((D, H * J), ax.EMBED, ax.HEADS)
+        self.w_k, self.w_v = (dense((D, G * J), ax.EMBED, ax.KV_HEADS) for _ in "kv")
+        self.w_o = dense((H * J, D), ax.HEADS, ax.EMBED)
         self.biased = ("q", "k", "v", "o") if use_bias else ("q", "k", "v") if qkv_bias else ()
-        for name, width in zip(("q", "k", "v", "o"), (H * J, G * J, G * J, D)):
+        for name, width, axis in zip(("q", "k", "v", "o"), (H * J, G * J, G * J, D),
+                                     (ax.HEADS, ax.KV_HEADS, ax.KV_HEADS, ax.EMBED)):
             if name in self.biased:
-                setattr(self, "b_" + name, nnx.Param(jnp.zeros((width,), param_dtype)))
+                setattr(self, "b_" + name, ax.param(jnp.zeros((width,), param_dtype), axis))
         if qk_norm != "none":
             per_head = qk_norm == "head"
             norm_kw = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype)

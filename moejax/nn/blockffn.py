@@ -56,6 +56,7 @@ from flax import nnx
 from moejax.config import config
 from moejax.kernels.chunk_union.pallas import chunk_union_auto, chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
+from moejax.nn import axes as ax
 from moejax.nn.moe import MoESkeleton, StackedExperts
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
@@ -130,8 +131,8 @@ class ReLURouter(nnx.Module):
     """``A0 = x w`` with ``w [D, E]`` ~ N(0, 1/D); returns float32 scores."""
 
     def __init__(self, d_model: int, n_experts: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.w = nnx.Param(jax.random.normal(rngs.params(), (d_model, n_experts), param_dtype)
-                           * d_model ** -0.5)
+        self.w = ax.param(jax.random.normal(rngs.params(), (d_model, n_experts), param_dtype)
+                          * d_model ** -0.5, ax.EMBED, ax.SCORES)
 
     def __call__(self, x_ND):
         return jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), self.w[...].astype(jnp.float32))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.nn import axes as ax
 from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.norms import RMSNorm
@@ -122,7 +123,8 @@ class DecoderLM(nnx.Module):
         dtype, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         self.dtype = dtype
         D, V = cfg.d_model, cfg.vocab_size
-        self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D), pdt) * cfg.init_std)
+        self.embed = ax.param(jax.random.normal(rngs.params(), (V, D), pdt) * cfg.init_std,
+                              ax.VOCAB, ax.EMBED)
         self.blocks = nnx.List([
             TransformerBlock(D, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
                              head_dim=cfg.dim_per_head, ffn_slot=slot, norm_position="pre",
@@ -134,8 +136,8 @@ class DecoderLM(nnx.Module):
         ])
         self.final_norm = RMSNorm(D, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
         if not cfg.tie_embeddings:
-            self.w_head = nnx.Param(jax.random.normal(rngs.params(), (D, V), pdt)
-                                    * cfg.init_std)
+            self.w_head = ax.param(jax.random.normal(rngs.params(), (D, V), pdt)
+                                   * cfg.init_std, ax.EMBED, ax.VOCAB)
 
     def _embed(self, tokens_BT):
         return jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)

@@ -45,6 +45,7 @@ from flax import nnx
 
 from moejax.config import config
 from moejax.kernels.moe_ffn.jnp_paths import capacity_apply, ffn_apply
+from moejax.nn import axes as ax
 from moejax.nn.moe import MoEConfig, MoESkeleton, add_always_on, make_router
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import is_gated
@@ -132,6 +133,9 @@ def matrix_shapes(d_model: int, d_hidden: int, gated: bool) -> dict[str, tuple[i
     return shapes
 
 
+MATRIX_AXES = {"gate": (ax.EMBED, ax.MLP), "up": (ax.EMBED, ax.MLP), "down": (ax.MLP, ax.EMBED)}
+
+
 def sm_num_kept(d_in: int, d_out: int, rate: float) -> int:
     """``K = max(1, round(d_in d_out (1 - p)))`` trainable positions per expert and matrix."""
     return max(1, int(round(d_in * d_out * (1.0 - rate))))
@@ -158,14 +162,17 @@ class DeltaStack(nnx.Module):
                 k = sm_num_kept(d_in, d_out, cfg.sm_rate)
                 setattr(self, f"idx_{name}",
                         DeRSIndex(draw_sm_indices(rngs.params(), n, d_in * d_out, k)))
-                setattr(self, f"v_{name}", nnx.Param(jnp.zeros((n, k), param_dtype)))
+                setattr(self, f"v_{name}",
+                        ax.param(jnp.zeros((n, k), param_dtype), ax.EXPERTS, ax.KEPT))
             else:
                 check_lm_rank(cfg.lm_rank, name, d_in, d_out)
                 std = cfg.lm_init_std if cfg.lm_init_std is not None else d_in ** -0.5
                 a = jax.random.normal(rngs.params(), (n, d_in, cfg.lm_rank), param_dtype) * std
-                setattr(self, f"a_{name}", nnx.Param(a))
+                d_in_axis, d_out_axis = MATRIX_AXES[name]
+                setattr(self, f"a_{name}", ax.param(a, ax.EXPERTS, d_in_axis, ax.RANK))
                 setattr(self, f"b_{name}",
-                        nnx.Param(jnp.zeros((n, cfg.lm_rank, d_out), param_dtype)))
+                        ax.param(jnp.zeros((n, cfg.lm_rank, d_out), param_dtype),
+                                 ax.EXPERTS, ax.RANK, d_out_axis))
 
     def deltas(self) -> dict[str, dict]:
         """Per matrix the increments as arrays: ``{"idx", "v"}`` (SM) or ``{"a", "b"}`` (LM)."""
@@ -187,7 +194,7 @@ class _Base(nnx.Module):
         kind = DeRSFrozen if frozen else nnx.Param
         for name, shape in shapes.items():
             w = jax.random.normal(rngs.params(), shape, param_dtype) * shape[0] ** -0.5
-            setattr(self, f"w_{name}", kind(w))
+            setattr(self, f"w_{name}", ax.named(kind, w, *MATRIX_AXES[name]))
 
     def get(self, name: str) -> jax.Array:
         return getattr(self, f"w_{name}")[...]

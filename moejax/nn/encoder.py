@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.nn import axes as ax
 from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.decoder import DTYPES
 from moejax.nn.ffn import DenseFFNConfig
@@ -53,8 +54,8 @@ def _check_common(cfg) -> None:
                  "every ffn_slots entry must be an FFNSlotConfig (e.g. DenseFFNConfig)")
 
 
-def _normal(rngs, shape, dtype, std):
-    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std)
+def _normal(rngs, shape, dtype, std, *names):
+    return ax.param(jax.random.normal(rngs.params(), shape, dtype) * std, *names)
 
 
 def _blocks(cfg, norm_position, rngs, dtype, pdt):
@@ -127,14 +128,14 @@ class BertEncoder(nnx.Module):
         dtype, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         self.dtype = dtype
         D, s = cfg.d_model, cfg.init_std
-        self.tok_embed = _normal(rngs, (cfg.vocab_size, D), pdt, s)
-        self.pos_embed = _normal(rngs, (cfg.max_position, D), pdt, s)
-        self.type_embed = _normal(rngs, (cfg.type_vocab_size, D), pdt, s)
+        self.tok_embed = _normal(rngs, (cfg.vocab_size, D), pdt, s, ax.VOCAB, ax.EMBED)
+        self.pos_embed = _normal(rngs, (cfg.max_position, D), pdt, s, ax.POSITIONS, ax.EMBED)
+        self.type_embed = _normal(rngs, (cfg.type_vocab_size, D), pdt, s, ax.VOCAB, ax.EMBED)
         self.embed_norm = LayerNorm(D, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
         self.blocks = _blocks(cfg, "post", rngs, dtype, pdt)
         if cfg.pooling == "pooler":
-            self.w_pool = _normal(rngs, (D, D), pdt, s)
-            self.b_pool = nnx.Param(jnp.zeros((D,), pdt))
+            self.w_pool = _normal(rngs, (D, D), pdt, s, ax.EMBED, ax.EMBED)
+            self.b_pool = ax.param(jnp.zeros((D,), pdt), ax.EMBED)
 
     def __call__(self, tokens_BT: jax.Array, *, token_types_BT: jax.Array | None = None,
                  mask_BT: jax.Array | None = None, train: bool = False,
@@ -168,8 +169,9 @@ class SequenceClassifier(nnx.Module):
             raise ValueError(f"n_classes={n_classes} must be >= 1")
         self.encoder = BertEncoder(cfg, rngs=rngs)
         pdt = DTYPES[cfg.param_dtype]
-        self.w_cls = _normal(rngs, (cfg.d_model, n_classes), pdt, cfg.init_std)
-        self.b_cls = nnx.Param(jnp.zeros((n_classes,), pdt))
+        self.w_cls = _normal(rngs, (cfg.d_model, n_classes), pdt, cfg.init_std, ax.EMBED,
+                             ax.CLASSES)
+        self.b_cls = ax.param(jnp.zeros((n_classes,), pdt), ax.CLASSES)
 
     def __call__(self, tokens_BT, *, token_types_BT=None, mask_BT=None, train=False, key=None):
         _, pooled_BD, aux = self.encoder(tokens_BT, token_types_BT=token_types_BT,
@@ -241,14 +243,14 @@ class ViT(nnx.Module):
         dtype, pdt = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         self.dtype = dtype
         D, s, P = cfg.d_model, cfg.init_std, cfg.patch_size * cfg.patch_size * cfg.n_channels
-        self.w_patch = _normal(rngs, (P, D), pdt, P ** -0.5)
-        self.b_patch = nnx.Param(jnp.zeros((D,), pdt))
-        self.cls_token = _normal(rngs, (D,), pdt, s)
-        self.pos_embed = _normal(rngs, (1 + cfg.n_patches, D), pdt, s)
+        self.w_patch = _normal(rngs, (P, D), pdt, P ** -0.5, ax.PATCH, ax.EMBED)
+        self.b_patch = ax.param(jnp.zeros((D,), pdt), ax.EMBED)
+        self.cls_token = _normal(rngs, (D,), pdt, s, ax.EMBED)
+        self.pos_embed = _normal(rngs, (1 + cfg.n_patches, D), pdt, s, ax.POSITIONS, ax.EMBED)
         self.blocks = _blocks(cfg, "pre", rngs, dtype, pdt)
         self.final_norm = LayerNorm(D, eps=cfg.norm_eps, dtype=dtype, param_dtype=pdt)
-        self.w_head = _normal(rngs, (D, cfg.n_classes), pdt, s)
-        self.b_head = nnx.Param(jnp.zeros((cfg.n_classes,), pdt))
+        self.w_head = _normal(rngs, (D, cfg.n_classes), pdt, s, ax.EMBED, ax.CLASSES)
+        self.b_head = ax.param(jnp.zeros((cfg.n_classes,), pdt), ax.CLASSES)
 
     def features(self, images_BYXZ: jax.Array, *, train: bool = False, key=None):
         """Final-normed token features ``[B, 1 + n_patches, D]`` (CLS first) and aux."""

@@ -61,6 +61,7 @@ from flax import nnx
 from moejax.config import config
 from moejax.kernels.moe_ffn.api import dispatch
 from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod
+from moejax.nn import axes as ax
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn
 
@@ -148,21 +149,23 @@ class ExtractedFFN(nnx.Module):
         z = lambda *s: jnp.zeros(s, param_dtype)  # noqa: E731
         if cfg.layout == "compact":
             Fe, bias_row = cfg.d_expert, int(cfg.use_bias)
-            self.w_up = nnx.Param(z(E, D + bias_row, Fe))
-            self.w_down = nnx.Param(z(E, Fe, D + bias_row))
+            self.w_up = ax.param(z(E, D + bias_row, Fe), ax.EXPERTS, ax.EMBED, ax.MLP)
+            self.w_down = ax.param(z(E, Fe, D + bias_row), ax.EXPERTS, ax.MLP, ax.EMBED)
             if cfg.use_bias:
-                self.b_down = nnx.Param(z(D))
+                self.b_down = ax.param(z(D), ax.EMBED)
             self.sizes = ExpertMask(jnp.zeros((E,), jnp.float32))
             if cfg.d_shared:
                 Fs = cfg.d_shared
-                self.w_up_shared, self.w_down_shared = nnx.Param(z(D, Fs)), nnx.Param(z(Fs, D))
+                self.w_up_shared = ax.param(z(D, Fs), ax.EMBED, ax.MLP)
+                self.w_down_shared = ax.param(z(Fs, D), ax.MLP, ax.EMBED)
                 if cfg.use_bias:
-                    self.b_up_shared = nnx.Param(z(Fs))
+                    self.b_up_shared = ax.param(z(Fs), ax.MLP)
                 self.shared_masks = ExpertMask(jnp.zeros((E, Fs), jnp.float32))
         else:
-            self.w_up, self.w_down = nnx.Param(z(D, F)), nnx.Param(z(F, D))
+            self.w_up = ax.param(z(D, F), ax.EMBED, ax.MLP)
+            self.w_down = ax.param(z(F, D), ax.MLP, ax.EMBED)
             if cfg.use_bias:
-                self.b_up, self.b_down = nnx.Param(z(F)), nnx.Param(z(D))
+                self.b_up, self.b_down = ax.param(z(F), ax.MLP), ax.param(z(D), ax.EMBED)
             self.masks = ExpertMask(jnp.zeros((E, F), jnp.float32))
         if cfg.router == "mlp":
             self.router_w1, self.router_w2 = RouterWeights(z(D, H)), RouterWeights(z(H, E))

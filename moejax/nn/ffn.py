@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
+from moejax.nn import axes as ax
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName, activation_fn, is_gated
 
@@ -52,19 +53,19 @@ class DenseFFN(nnx.Module):
         self.gated = is_gated(cfg.activation)
         D, F = d_model, cfg.d_hidden
 
-        def dense(shape):
-            return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
-                             * (shape[0] ** -0.5))
+        def dense(shape, *names):
+            return ax.param(jax.random.normal(rngs.params(), shape, param_dtype)
+                            * (shape[0] ** -0.5), *names)
 
         if self.gated:
-            self.w_gate = dense((D, F))
-        self.w_up = dense((D, F))
-        self.w_down = dense((F, D))
+            self.w_gate = dense((D, F), ax.EMBED, ax.MLP)
+        self.w_up = dense((D, F), ax.EMBED, ax.MLP)
+        self.w_down = dense((F, D), ax.MLP, ax.EMBED)
         if cfg.use_bias:
             if self.gated:
-                self.b_gate = nnx.Param(jnp.zeros((F,), param_dtype))
-            self.b_up = nnx.Param(jnp.zeros((F,), param_dtype))
-            self.b_down = nnx.Param(jnp.zeros((D,), param_dtype))
+                self.b_gate = ax.param(jnp.zeros((F,), param_dtype), ax.MLP)
+            self.b_up = ax.param(jnp.zeros((F,), param_dtype), ax.MLP)
+            self.b_down = ax.param(jnp.zeros((D,), param_dtype), ax.EMBED)
 
     def hidden(self, x_BTD: jax.Array) -> jax.Array:
         """The hidden activations ``act(x w_up + b_up)`` (gated: ``act(x w_gate + b_gate) *

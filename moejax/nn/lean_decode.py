@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.nn import axes as ax
 from moejax.nn.attention import Attention, KVCache
 from moejax.nn.blockffn import BlockFFN, BlockRoute, block_experts
 from moejax.nn.decoder import DecoderLM
@@ -50,9 +51,9 @@ def _folded(norm: RMSNorm, *ws) -> jax.Array:
     return (norm.scale[...].astype(jnp.float32)[:, None] * w.astype(jnp.float32)).astype(w.dtype)
 
 
-def _bias(module, names) -> nnx.Param | None:
+def _bias(module, names, axis: str) -> nnx.Param | None:
     present = [getattr(module, "b_" + n) for n in names if hasattr(module, "b_" + n)]
-    return nnx.Param(jnp.concatenate([b[...] for b in present])) if present else None
+    return ax.param(jnp.concatenate([b[...] for b in present]), axis) if present else None
 
 
 class LeanAttention(Attention):
@@ -65,8 +66,8 @@ class LeanAttention(Attention):
             setattr(self, name, getattr(attn, name))
         self.biased = tuple(n for n in attn.biased if n == "o")
         self.eps = norm.eps
-        self.w_qkv = nnx.Param(_folded(norm, attn.w_q, attn.w_k, attn.w_v))
-        self.b_qkv = _bias(attn, ("q", "k", "v"))
+        self.w_qkv = ax.param(_folded(norm, attn.w_q, attn.w_k, attn.w_v), ax.EMBED, ax.HEADS)
+        self.b_qkv = _bias(attn, ("q", "k", "v"), ax.HEADS)
         self.w_o = attn.w_o
         if "o" in attn.biased:
             self.b_o = attn.b_o
@@ -91,8 +92,8 @@ class LeanDenseFFN(nnx.Module):
         self.dtype, self.gated, self.eps = ffn.dtype, ffn.gated, norm.eps
         self.activation, self.d_hidden = ffn.cfg.activation, ffn.cfg.d_hidden
         ins = (ffn.w_gate, ffn.w_up) if ffn.gated else (ffn.w_up,)
-        self.w_in = nnx.Param(_folded(norm, *ins))
-        self.b_in = _bias(ffn, ("gate", "up"))
+        self.w_in = ax.param(_folded(norm, *ins), ax.EMBED, ax.MLP)
+        self.b_in = _bias(ffn, ("gate", "up"), ax.MLP)
         self.w_down = ffn.w_down
         self.b_down = getattr(ffn, "b_down", None)
 
@@ -118,12 +119,15 @@ class LeanBlockFFN(nnx.Module):
     def __init__(self, ffn: BlockFFN, norm: RMSNorm):
         self.cfg, self.dtype, self.eps = ffn.cfg, ffn.dtype, norm.eps
         s_D = norm.scale[...].astype(jnp.float32)
-        self.w_router = nnx.Param(s_D[:, None] * ffn.router.w[...].astype(jnp.float32))
+        self.w_router = ax.param(s_D[:, None] * ffn.router.w[...].astype(jnp.float32), ax.EMBED,
+                                 ax.SCORES)
         self.router_norm = ffn.router_norm if ffn.cfg.rmsnorm else None
         w_up, w_down, w_gate = ffn.experts.weights()
         fold = lambda w: (s_D[None, :, None] * w.astype(jnp.float32)).astype(w.dtype)  # noqa: E731
-        self.w_up, self.w_down = nnx.Param(fold(w_up)), nnx.Param(w_down)
-        self.w_gate = None if w_gate is None else nnx.Param(fold(w_gate))
+        up = (ax.EXPERTS, ax.EMBED, ax.MLP)
+        self.w_up = ax.param(fold(w_up), *up)
+        self.w_down = ax.param(w_down, ax.EXPERTS, ax.MLP, ax.EMBED)
+        self.w_gate = None if w_gate is None else ax.param(fold(w_gate), *up)
 
     def __call__(self, x_BTD: jax.Array):
         B, T, D = x_BTD.shape

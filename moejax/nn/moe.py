@@ -39,6 +39,7 @@ from flax import nnx
 from moejax.config import config
 from moejax.kernels.moe_ffn.api import dispatch
 from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod, ffn_apply
+from moejax.nn import axes as ax
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops import router_losses as rl
@@ -167,9 +168,11 @@ class MoEConfig(FFNSlotConfig):
         return MoE(self, d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype or jnp.float32)
 
 
-def _normal(rngs: nnx.Rngs, shape, param_dtype):
-    """N(0, 1/fan_in) with fan_in = ``shape[-2]`` (same scheme as DenseFFN)."""
-    return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * shape[-2] ** -0.5)
+def _normal(rngs: nnx.Rngs, shape, param_dtype, *names: str):
+    """N(0, 1/fan_in) with fan_in = ``shape[-2]`` (same scheme as DenseFFN), named
+    ``names`` (:mod:`moejax.nn.axes`)."""
+    return ax.param(jax.random.normal(rngs.params(), shape, param_dtype) * shape[-2] ** -0.5,
+                    *names)
 
 
 class StackedExperts(nnx.Module):
@@ -179,10 +182,11 @@ class StackedExperts(nnx.Module):
     def __init__(self, n_experts: int, d_model: int, d_hidden: int, *, gated: bool,
                  rngs: nnx.Rngs, param_dtype=jnp.float32):
         E, D, F = n_experts, d_model, d_hidden
+        up, down = (ax.EXPERTS, ax.EMBED, ax.MLP), (ax.EXPERTS, ax.MLP, ax.EMBED)
         if gated:
-            self.w_gate = _normal(rngs, (E, D, F), param_dtype)
-        self.w_up = _normal(rngs, (E, D, F), param_dtype)
-        self.w_down = _normal(rngs, (E, F, D), param_dtype)
+            self.w_gate = _normal(rngs, (E, D, F), param_dtype, *up)
+        self.w_up = _normal(rngs, (E, D, F), param_dtype, *up)
+        self.w_down = _normal(rngs, (E, F, D), param_dtype, *down)
 
     def weights(self):
         """``(w_up_EDF, w_down_EFD, w_gate_EDF or None)`` as arrays."""
@@ -197,9 +201,9 @@ class FFNWeights(nnx.Module):
     def __init__(self, d_model: int, d_hidden: int, *, gated: bool, rngs: nnx.Rngs,
                  param_dtype=jnp.float32):
         if gated:
-            self.w_gate = _normal(rngs, (d_model, d_hidden), param_dtype)
-        self.w_up = _normal(rngs, (d_model, d_hidden), param_dtype)
-        self.w_down = _normal(rngs, (d_hidden, d_model), param_dtype)
+            self.w_gate = _normal(rngs, (d_model, d_hidden), param_dtype, ax.EMBED, ax.MLP)
+        self.w_up = _normal(rngs, (d_model, d_hidden), param_dtype, ax.EMBED, ax.MLP)
+        self.w_down = _normal(rngs, (d_hidden, d_model), param_dtype, ax.MLP, ax.EMBED)
 
     def __call__(self, x_ND, *, activation: str):
         w_gate = self.w_gate[...] if hasattr(self, "w_gate") else None
@@ -289,7 +293,7 @@ def add_always_on(slot, moe: MoEConfig, d_model: int, *, gated: bool, rngs, para
         slot.shared = FFNWeights(d_model, moe.n_shared_experts * (moe.d_shared or moe.d_expert),
                                  gated=gated, rngs=rngs, param_dtype=param_dtype)
         if moe.shared_gate:
-            slot.w_shared_gate = _normal(rngs, (d_model, 1), param_dtype)
+            slot.w_shared_gate = _normal(rngs, (d_model, 1), param_dtype, ax.EMBED, ax.SCORES)
     if moe.universal_ffn and universal:
         slot.universal = FFNWeights(d_model, moe.d_universal or moe.d_expert, gated=gated,
                                     rngs=rngs, param_dtype=param_dtype)

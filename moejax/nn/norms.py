@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.nn import axes as ax
+
 __all__ = ["RMSNorm", "LayerNorm", "NormKind", "make_norm", "inv_rms"]
 
 NormKind = Literal["rmsnorm", "layernorm"]
@@ -37,7 +39,7 @@ class RMSNorm(nnx.Module):
         del rngs  # deterministic init; kept for a uniform constructor signature
         self.eps = float(eps)
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = ax.param(jnp.ones((dim,), param_dtype), ax.NORM)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         out_dtype = self.dtype or x.dtype
@@ -53,8 +55,8 @@ class LayerNorm(nnx.Module):
         del rngs
         self.eps = float(eps)
         self.dtype = dtype
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.scale = ax.param(jnp.ones((dim,), param_dtype), ax.NORM)
+        self.bias = ax.param(jnp.zeros((dim,), param_dtype), ax.NORM)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         out_dtype = self.dtype or x.dtype

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.nn import axes as ax
+
 __all__ = ["RouterOutput", "top_k_gates", "SoftmaxRouter", "NoisyTopKRouter"]
 
 
@@ -59,7 +61,7 @@ def top_k_gates(logits_NE, k: int, *, renormalize: bool) -> RouterOutput:
 
 def _init_w(rngs: nnx.Rngs, shape, param_dtype, scale: float):
     w = jax.random.normal(rngs.params(), shape, param_dtype)
-    return nnx.Param(w * (scale * shape[0] ** -0.5))
+    return ax.param(w * (scale * shape[0] ** -0.5), ax.EMBED, ax.SCORES)
 
 
 class SoftmaxRouter(nnx.Module):
@@ -91,7 +93,7 @@ class NoisyTopKRouter(nnx.Module):
                  param_dtype=jnp.float32):
         self.n_experts, self.top_k = n_experts, top_k
         self.w_g = _init_w(rngs, (d_model, n_experts), param_dtype, 1.0)
-        self.w_noise = nnx.Param(jnp.zeros((d_model, n_experts), param_dtype))
+        self.w_noise = ax.param(jnp.zeros((d_model, n_experts), param_dtype), ax.EMBED, ax.SCORES)
 
     def logits(self, x_ND, *, train: bool = False, key=None):
         """``H = x W_g + eps * softplus(x W_noise)`` (train) or ``x W_g`` (eval), float32."""

@@ -28,6 +28,7 @@ from moejax.data.batches import ClassificationBatches
 from moejax.data.builders_images import load_digits_arrays, load_mnist5k_arrays
 from moejax.delta.lora import lora_apply, lora_init
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
+from moejax.nn import axes as ax
 from moejax.train.hparams import TrainConfig, adam_linear_config
 from moejax.train.loop import train, train_params
 
@@ -57,6 +58,10 @@ def load_tasks(seed: int = 0) -> dict:
         for split, idx in parts.items():
             out[task, split] = (jnp.asarray(x[idx]), jnp.asarray(labels[idx].astype(np.int32)))
     return out
+
+
+MLP_AXES = {"norm_in": (ax.NORM,), "w1": (ax.FEATURES, ax.MLP), "b1": (ax.MLP,),
+            "norm_h": (ax.NORM,), "wo": (ax.MLP, ax.CLASSES), "bo": (ax.CLASSES,)}
 
 
 def init_mlp(key: jax.Array, d_in: int, d_hidden: int, n_classes: int = 10) -> dict:
@@ -156,7 +161,7 @@ class MLPClassifier(nnx.Module):
 
     def __init__(self, d_in: int, d_hidden: int, n_classes: int = 10, *, seed: int = 0):
         for k, v in init_mlp(jax.random.key(seed), d_in, d_hidden, n_classes).items():
-            setattr(self, k, nnx.Param(v))
+            setattr(self, k, ax.param(v, *MLP_AXES[k]))
 
     def params(self) -> dict:
         """The plain parameter dict :func:`mlp` and the delta operations take."""

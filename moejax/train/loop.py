@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -51,6 +52,7 @@ import moejax.train.scale as scale
 from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.extras import progress
+from moejax.files import atomic_write_text
 from moejax.kernels.host_memory import available_fraction, release_freed_memory
 from moejax.pytree import count_params
 from moejax.train.budget import check_fits, compiled_memory
@@ -88,6 +90,8 @@ class History(list):
 
     memory: dict | None = None
     best: dict | None = None  # {"step", "value"} of the kept evaluation (keep_best)
+    # parameters without logical axis names, replicated on a mesh of more than one device
+    replicated_unnamed: tuple[str, ...] = ()
 
 
 class FnSource:
@@ -206,6 +210,21 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
         optimizer.step[...] = optimizer.step[...] + (int(jax.device_get(run.state.step))
                                                      - run.start)
     return history
+
+
+def _unnamed(graphdef, params, rest, n_devices: int) -> list[str]:
+    """The parameters a mesh of ``n_devices`` replicates for want of logical axis names
+    (:func:`moejax.train.mesh.check_named`: a moejax module's is refused there); a plain
+    pytree's are all of them. Logged once where they matter (more than one device)."""
+    if graphdef is None:
+        unnamed = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    else:
+        unnamed = mesh_lib.check_named(nnx.merge(graphdef, params, rest), n_devices)
+    if unnamed and n_devices > 1:
+        log.warning("%d parameters without logical axis names are replicated over the %d "
+                    "devices: %s", len(unnamed), n_devices, ", ".join(unnamed[:8])
+                    + (" ..." if len(unnamed) > 8 else ""))
+    return unnamed
 
 
 def _variable_leaves(tree) -> list:
@@ -328,6 +347,7 @@ class _Run:
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if opts.mesh is None
                      else opts.mesh)
+        self.unnamed = _unnamed(graphdef, params, rest, self.mesh.size)
         tx, self.step_fn = loop_step(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
         # Own copies: the step donates its input state, and neither the caller's arrays nor
         # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may
@@ -345,6 +365,8 @@ class _Run:
         self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
         self.history, self.best, self.pending = History(), None, []
+        if self.mesh.size > 1:
+            self.history.replicated_unnamed = tuple(self.unnamed)
         self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
         self.position = 0
         self.rows: int | None = None  # rows of each batch to execute (a captured run's cut)
@@ -359,6 +381,10 @@ class _Run:
             self.ckpt, self.state, self.position = open_run_dir(
                 run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
         self.start = int(jax.device_get(self.state.step))
+        if run_dir is not None and self.main and self.mesh.size > 1:
+            atomic_write_text(os.path.join(run_dir, "sharding.json"), json.dumps(
+                mesh_lib.sharding_summary(self.state.params, self.mesh, cfg.fsdp, self.unnamed),
+                indent=1))
         if run_dir is not None and self.main:
             self.csv_log = CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
             self.eval_log = CsvLog(os.path.join(run_dir, "eval.csv"), self.start)

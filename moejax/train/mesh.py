@@ -1,35 +1,45 @@
-"""Device mesh and sharding rules for data + expert parallelism.
+"""Device mesh and sharding by logical axis names, for data + expert parallelism.
 
 Mesh axes ``("data", "expert")`` over ``jax.devices()`` (all processes' devices).
 
-Rules (:func:`leaf_spec`):
+Every moejax parameter names its dimensions (:mod:`moejax.nn.axes`); one table, :data:`RULES`,
+says which mesh roles each logical axis may take, as MaxText's logical axis rules do:
 
-* batch arrays: dim 0 over ``("data", "expert")`` -- every device gets distinct rows;
-* params whose path contains a component named ``experts`` and whose leading dim is divisible
-  by the ``expert`` axis size: ``P("expert")`` (expert-parallel stacked weights ``[E, ...]``);
-* everything else: replicated, unless ``fsdp=True`` (ZeRO-3 style fully sharded data
-  parallelism): then a non-expert leaf shards its largest dimension divisible by the device
-  count over ``("data", "expert")`` (else one divisible by the ``data`` axis over ``"data"``),
-  and an expert leaf its largest free dimension over ``"data"``. XLA gathers a layer's
-  weights where they are used and reduce-scatters their gradients, so parameters and
-  optimizer state take about ``1 / n`` of a device each;
-* optimizer state: the same path rule, so ``mu``/``nu`` (whose paths end with the param's path)
-  are sharded exactly like the params they mirror; scalar counters are replicated.
+* ``"expert"``: the mesh's expert axis, for the dimension named ``experts`` of a stacked
+  expert weight whose size it divides (expert parallelism);
+* ``"fsdp"``: with ``fsdp=True`` (ZeRO-3 style fully sharded data parallelism) the largest
+  dimension whose name takes it and whose size the device count divides is sharded over
+  ``("data", "expert")`` (over ``"data"`` alone when the leaf already uses the expert axis,
+  or when only the data axis divides it). XLA gathers a layer's weights where they are used
+  and reduce-scatters their gradients, so parameters and optimizer state take about
+  ``1 / n`` of a device each.
+
+Batch arrays: dim 0 over ``("data", "expert")``, so every device gets distinct rows. A leaf
+without names (a user's own parameter, an optimizer counter, a buffer) is replicated;
+:func:`unnamed_params` lists a model's parameters without names, which
+:func:`check_named` refuses for moejax's own modules on a mesh of more than one device.
+The optimizer's moments are the parameters' variables with the same names, so they are
+sharded exactly like the parameters they mirror.
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ConfigError
-from moejax.pytree import path_names
+from moejax.nn import axes as ax
 
 __all__ = [
     "AXES",
     "BATCH_AXES",
+    "RULES",
+    "unnamed_params",
+    "check_named",
+    "sharding_summary",
     "resolve_mesh_shape",
     "make_mesh",
     "leaf_spec",
@@ -42,6 +52,14 @@ __all__ = [
 
 AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
+_FSDP = ("fsdp",)
+# logical axis -> the mesh roles it may take (module docstring)
+RULES: dict[str, tuple[str, ...]] = {
+    ax.EXPERTS: ("expert",),
+    ax.EMBED: _FSDP, ax.VOCAB: _FSDP, ax.MLP: _FSDP, ax.HEADS: _FSDP, ax.KV_HEADS: _FSDP,
+    ax.SCORES: _FSDP, ax.NORM: _FSDP, ax.RANK: _FSDP, ax.KEPT: _FSDP, ax.CLASSES: _FSDP,
+    ax.POSITIONS: _FSDP, ax.PATCH: _FSDP, ax.FEATURES: _FSDP,
+}
 
 
 def resolve_mesh_shape(data: int, expert: int, n_devices: int) -> tuple[int, int]:
@@ -99,18 +117,23 @@ def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train")
             f"choose {key}.batch_size as a multiple of {d * e * cfg.grad_accum}")
 
 
-def leaf_spec(path, x, expert_size: int, data_size: int = 1, fsdp: bool = False) -> P:
-    """Partition spec of one state leaf (see module docstring)."""
-    names = path_names(path)
-    shape = tuple(getattr(x, "shape", ()))
+def leaf_spec(names, shape, expert_size: int, data_size: int = 1, fsdp: bool = False) -> P:
+    """Partition spec of one state leaf of ``shape`` with logical axis ``names`` (None:
+    replicated) by :data:`RULES` (module docstring)."""
+    shape = tuple(shape)
+    if names is None or not shape:
+        return P()
     spec: list = [None] * len(shape)
-    if "experts" in names and len(shape) >= 1 and expert_size > 1 and shape[0] % expert_size == 0:
-        spec[0] = "expert"
-    if fsdp:  # experts: the data axis; the rest: every device (both axes), else the data axis
+    for i, name in enumerate(names):
+        if "expert" in RULES[name] and expert_size > 1 and shape[i] % expert_size == 0:
+            spec[i] = "expert"
+            break
+    if fsdp:  # every device (both axes), else the data axis; the data axis beside the experts
+        takes = [i for i, name in enumerate(names) if "fsdp" in RULES[name] and spec[i] is None]
         for axes, size in ((("data", "expert"), data_size * expert_size), ("data", data_size)):
-            if size <= 1 or (axes != "data" and spec and spec[0] == "expert"):
+            if size <= 1 or (axes != "data" and "expert" in spec):
                 continue
-            free = [i for i, n in enumerate(shape) if spec[i] is None and n % size == 0]
+            free = [i for i in takes if shape[i] % size == 0]
             if free:
                 spec[max(free, key=lambda i: shape[i])] = axes
                 break
@@ -119,12 +142,71 @@ def leaf_spec(path, x, expert_size: int, data_size: int = 1, fsdp: bool = False)
     return P(*spec)
 
 
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
 def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
-    """``NamedSharding`` for every leaf of a params / optimizer / train-state tree."""
+    """``NamedSharding`` for every leaf of a params / optimizer / train-state tree, from the
+    logical axis names its variables carry (:func:`leaf_spec`)."""
     e, d = mesh.shape["expert"], mesh.shape["data"]
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, leaf_spec(p, x, e, d, fsdp)), tree
-    )
+
+    def one(x):
+        value = x.get_value() if _is_variable(x) else x
+        sharding = NamedSharding(mesh, leaf_spec(ax.logical_axes(x), getattr(value, "shape", ()),
+                                                 e, d, fsdp))
+        return x.replace(sharding) if _is_variable(x) else sharding
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def unnamed_params(model) -> list[tuple[str, str]]:
+    """``(path, owner)`` of every ``nnx.Param`` of ``model`` (a module) without logical axis
+    names; ``owner`` is the module class that holds it, ``"module.Class"``."""
+    out = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and ax.logical_axes(node) is None:
+            owner = _owner(model, path)
+            out.append(("/".join(map(str, path)), f"{owner.__module__}.{owner.__qualname__}"))
+    return out
+
+
+def _owner(model, path) -> type:
+    node = model
+    for key in path[:-1]:
+        node = node[key] if isinstance(node, (list, tuple, dict, nnx.List, nnx.Dict)) else (
+            getattr(node, key))
+    return type(node)
+
+
+def check_named(model, n_devices: int) -> list[str]:
+    """The paths of ``model``'s parameters without logical axis names, which a mesh of
+    ``n_devices`` replicates; refuses (ValueError, naming each and the fix) one held by a
+    moejax module when ``n_devices > 1``."""
+    unnamed = unnamed_params(model)
+    ours = [f"{p} ({o})" for p, o in unnamed if o.startswith("moejax.")]
+    if ours and n_devices > 1:
+        raise ValueError(f"moejax parameters without logical axis names cannot be sharded: "
+                         f"{', '.join(ours)}; make them with moejax.nn.axes.param(value, "
+                         "*names)")
+    return [p for p, _ in unnamed]
+
+
+def sharding_summary(params, mesh: Mesh, fsdp: bool, unnamed) -> dict:
+    """What a run's ``sharding.json`` records: the mesh, the rules, every parameter's logical
+    axis names and partition spec, and the parameters replicated for want of names."""
+    shardings = jax.tree.leaves(tree_shardings(params, mesh, fsdp))
+    named = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable)
+    return {
+        "mesh": dict(mesh.shape), "fsdp": bool(fsdp),
+        "rules": {name: list(roles) for name, roles in sorted(RULES.items())},
+        "params": {jax.tree_util.keystr(path): {
+            "logical_axes": None if (names := ax.logical_axes(x)) is None else list(names),
+            "spec": [None if a is None else a if isinstance(a, str) else list(a)
+                     for a in sh.spec]}
+            for (path, x), sh in zip(named, shardings)},
+        "replicated_unnamed": list(unnamed),
+    }
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
