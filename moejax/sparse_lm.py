@@ -3,7 +3,8 @@
 :class:`SparseLMConfig` describes one decoder LM whose every FFN is one of
 
 * ``blockffn``: ReLU + RMSNorm router, AL / CS (and ablation L1 / entropy) objectives, the
-  adaptive lambda_cs scheduler of Eq. 7 (:class:`~moejax.chunk_sparse.schedule.ScheduledLM`);
+  adaptive lambda_cs scheduler of BlockFFN Eq. 7
+  (:class:`~moejax.chunk_sparse.schedule.ScheduledLM`);
 * ``remoe``: ReLU router without RMSNorm, ReMoE's load-balanced L1 (``k = E (1 - target_tls)``)
   with its adaptive coefficient;
 * ``topk``: softmax top-k MoE; ``dsmoe``: top-k MoE + ``n_shared`` always-active experts;

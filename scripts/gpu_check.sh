@@ -10,7 +10,7 @@
 #                platform beside the GPU for the cases that run a kernel interpreted)
 #   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
 #                grouped products at the full presets' shapes: each configuration checked against an
-#                oracle, the fastest written to moejax/kernels/tuned_configs.json
+#                oracle, the fastest written to moejax/kernels/<op>/tuned/<device kind>.json
 #                (AUTOTUNE_KERNELS=gmm_mgpu,tgmm_mgpu: only those kernels;
 #                AUTOTUNE_SHAPES="(2048,1408),": only those grouped shapes (K, N);
 #                AUTOTUNE_DECODE_SHAPES="(2048,256),": the decode kernel's (D, F))

@@ -164,8 +164,9 @@ def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
     # step (2 x 2); generate's one-token step (2)
     assert int(spec["tpu_kernels"]) >= 2 and spec["cuda_kernels"] == "6", spec
     assert samp["cuda_kernels"] == "4" and gen["cuda_kernels"] == "2", (samp, gen)
-    # generate's step takes the lean weights, made before it: the attention norms folded
-    assert gen["params"] == n_target - 2 * 16
+    # generate's step takes the lean weights, made before it: each block's attention and
+    # BlockFFN norm scales folded into the products (2 blocks x 2 norms of d 16)
+    assert gen["params"] == n_target - 2 * 2 * 16
     assert all(r["fits_H100_80GB"] and r["peak_GB"] >= r["weights_GB"] > 0
                for r in (spec, samp, gen))
 

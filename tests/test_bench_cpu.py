@@ -49,7 +49,7 @@ def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
     import types
 
     import moejax.bench.cpu as bench
-    from experiments.benchmarks import dispatch
+    from moejax.bench import moe_block
 
     fake = types.ModuleType("torch")
     fake.cuda = types.SimpleNamespace(is_available=lambda: False)
@@ -57,36 +57,36 @@ def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
     assert bench.torch_moe_block_s(8, 4, 4, 2, 1, device="cuda") == (None, bench.NO_CUDA)
 
     times = {"capacity cf=1.25": 0.002,
-             f"{dispatch.TORCH})": "not timed: this torch has no CUDA"}
-    rows = {r["impl"]: r for r in dispatch._block_rows(times, 0.001, {"xla": 10.0,
+             f"{moe_block.TORCH})": "not timed: this torch has no CUDA"}
+    rows = {r["impl"]: r for r in moe_block.block_rows(times, 0.001, {"xla": 10.0,
                                                                       "numpy": 1.0})}
     assert "vs_torch" not in rows["capacity cf=1.25"]  # nothing to divide by
     assert rows["capacity cf=1.25"]["vs_flop_bound"] == pytest.approx(2.0)
-    assert rows[f"{dispatch.TORCH})"]["note"].startswith("not timed")
-    assert "ms" not in rows[f"{dispatch.TORCH})"]
-    monkeypatch.setattr(dispatch, "torch_moe_block_s", lambda *a, **k: (None, bench.NO_CUDA))
-    noted = dispatch._block_times(dispatch.BenchConfig(block_paths=()))
-    assert noted == {f"{dispatch.TORCH})": "not timed: this torch has no CUDA (a CUDA torch "
-                                           "times the peer on the GPU)"}
+    assert rows[f"{moe_block.TORCH})"]["note"].startswith("not timed")
+    assert "ms" not in rows[f"{moe_block.TORCH})"]
+    monkeypatch.setattr(moe_block, "torch_moe_block_s", lambda *a, **k: (None, bench.NO_CUDA))
+    noted = moe_block.block_times(moe_block.BlockShape(64, 16, 32, 4, 2), (), repeats=1)
+    assert noted == {f"{moe_block.TORCH})": "not timed: this torch has no CUDA (a CUDA torch "
+                                            "times the peer on the GPU)"}
 
 
 def test_the_block_bound_on_an_accelerator_is_a_device_timed_matmul(monkeypatch):
     """On a GPU the bound's rate is XLA's matmul in device time (as the block is timed), not
     a host-timed one nor numpy's BLAS; the note names it."""
-    from experiments.benchmarks import dispatch
+    from moejax.bench import moe_block
+    from moejax.bench.cpu import moe_block_flops
     from moejax.bench.timing import device_matmul_gflops
 
     assert device_matmul_gflops(64, 32, 16, iters=2, repeats=1) > 0  # runs here too
     asked = []
-    monkeypatch.setattr(dispatch, "device_matmul_gflops", lambda *s: asked.append(s) or 500.0)
-    monkeypatch.setattr(dispatch, "matmul_gflops", lambda *a, **k: pytest.fail("host rate"))
-    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
-    cfg = dispatch.BenchConfig()
-    bound, rates = dispatch._block_bound(cfg)
-    assert asked == [(2 * cfg.block_tokens, cfg.block_d, cfg.block_f)]
+    monkeypatch.setattr(moe_block, "device_matmul_gflops", lambda *s: asked.append(s) or 500.0)
+    monkeypatch.setattr(moe_block, "matmul_gflops", lambda *a, **k: pytest.fail("host rate"))
+    monkeypatch.setattr(moe_block.jax, "default_backend", lambda: "gpu")
+    shape = moe_block.BlockShape(2048, 256, 1024, 8, 2)
+    bound, rates = moe_block.block_bound(shape)
+    assert asked == [(2 * shape.tokens, shape.d, shape.f)]
     assert rates == {"XLA (device time)": 500.0}
-    flops = dispatch.moe_block_flops(cfg.block_tokens, cfg.block_d, cfg.block_f,
-                                     cfg.block_top_k)
+    flops = moe_block_flops(shape.tokens, shape.d, shape.f, shape.top_k)
     assert bound == pytest.approx(flops / 500e9)
-    row = dispatch._block_rows({}, bound, rates)[-1]
+    row = moe_block.block_rows({}, bound, rates)[-1]
     assert row["note"] == "matmul rate here: XLA (device time) 500 GFLOP/s"

@@ -10,7 +10,7 @@ import pytest
 
 from experiments import main as main_job
 from experiments import study_module
-from experiments.benchmarks.dispatch import TORCH
+from moejax.bench.moe_block import TORCH
 from moejax.config import Config, ConfigError, from_json, to_json
 from moejax.harness.experiment import run_experiment
 
@@ -88,9 +88,10 @@ def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, 
 
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     from experiments.benchmarks import dispatch as bench_dispatch
+    from moejax.bench import moe_block
 
     # the retained-memory columns run, without changing this worker's allocator
-    monkeypatch.setattr(bench_dispatch, "retain_freed_memory", lambda: True)
+    monkeypatch.setattr(moe_block, "retain_freed_memory", lambda: True)
 
     summary, run = run_experiment(
         "bench_dispatch",
@@ -714,8 +715,10 @@ def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_pa
         one_step()  # the step runs (and donates its state) as under the profiler
         return KernelTrace(12, 3e-3, {"gemm": 2e-3, "fusion": 0.8e-3, "copy": 0.2e-3})
 
-    monkeypatch.setattr(bench_dispatch, "_profiles", lambda cfg: True)
-    monkeypatch.setattr(bench_dispatch, "trace_kernels", traced)
+    from moejax.bench import train_steps
+
+    monkeypatch.setattr(train_steps, "sees_device", lambda: True)
+    monkeypatch.setattr(train_steps, "trace_kernels", traced)
     _, run = run_experiment(
         "bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
         TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=1", "paths=(dense,capacity)",

@@ -121,7 +121,7 @@ def test_core_without_extras_and_the_wheel(tmp_path):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"moejax"}, tops
-    assert any(n.endswith("moejax/kernels/tuned_configs.json") for n in names)
+    assert any(n.endswith("moejax/kernels/chunk_union/tuned/NVIDIA_H200.json") for n in names)
     required = {re.split(r"[<>=!\[; ]", line[len("Requires-Dist: "):])[0].lower()
                 for line in meta.splitlines()
                 if line.startswith("Requires-Dist: ") and "extra ==" not in line}

@@ -144,6 +144,34 @@ def test_the_table_merges_per_device_and_reads_back(tmp_path, monkeypatch):
         tuning.config_for("gmm", jnp.bfloat16, 8, 8, H100)
 
 
+def test_each_ops_entries_live_with_it_one_file_per_device(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOEJAX_KERNEL_TABLE", raising=False)
+    monkeypatch.setattr(tuning, "_KERNELS_DIR", tmp_path)
+    cfg = {**tuning.TritonConfig(128, 64, 256, 8, 3)._asdict(), "ms": 1.5}
+    dec = {**tuning.TritonConfig(256, 64, 256, 4, 4, 2, 2)._asdict(), "ms": 0.1}
+    written = tuning.write_entries(H100, {"gmm": {"bfloat16": {"k2048_n2048": cfg}},
+                                          "decode_mgpu": {"bfloat16": {"k2048_n256": dec}}})
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
+        "chunk_union/tuned/NVIDIA_H100_80GB_HBM3.json", "grouped/tuned/NVIDIA_H100_80GB_HBM3.json"]
+    doc = json.loads((tmp_path / "grouped/tuned/NVIDIA_H100_80GB_HBM3.json").read_text())
+    assert doc["device_kind"] == H100 and set(doc["kernels"]) == {"gmm"}
+    assert tuning.config_for("gmm", jnp.bfloat16, 1500, 2000, H100) == (128, 64, 256, 8, 3, 0, 1)
+    assert tuning.config_for("decode_mgpu", jnp.bfloat16, 2048, 256, H100) == (
+        256, 64, 256, 4, 4, 2, 2)
+    # a kernel filed under another op's tuned/ is refused, naming where it belongs
+    (tmp_path / "chunk_union/tuned/x.json").write_text(json.dumps(
+        {"device_kind": "NVIDIA B200", "kernels": {"gmm": {"bfloat16": {"k8_n8": cfg}}}}))
+    with pytest.raises(ValueError, match=r"\['gmm'\] belong in their own op"):
+        tuning.read_table()
+
+
+def test_the_shipped_tables_are_each_ops_own():
+    files = tuning.table_files()
+    assert files and all(p.parent.name == "tuned" for p in files)
+    table = tuning.read_table()  # every entry checked, each in its op's file
+    assert "decode_mgpu" in table["NVIDIA H200"]
+
+
 def _triton_launches(dtype, k=256, n=384):
     f = jax.jit(lambda x, w, g: gmm(x, w, g))
     S = jax.ShapeDtypeStruct

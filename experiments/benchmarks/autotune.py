@@ -50,7 +50,6 @@ from moejax.kernels.tuning import (
     Tuned,
     check_close,
     forced,
-    table_path,
     tune,
     write_entries,
 )
@@ -239,8 +238,10 @@ def tune_all(cfg: AutotuneConfig, time_fn, keep=None) -> Tuned:
 
 def run(cfg: AutotuneConfig, run: RunDir) -> dict:
     kind = target_device()[1]
-    tuned = tune_all(cfg, _timer(cfg), keep=lambda entries: write_entries(kind, entries))
-    path = table_path()
+    written: set = set()
+    tuned = tune_all(cfg, _timer(cfg),
+                     keep=lambda entries: written.update(write_entries(kind, entries)))
+    path = ", ".join(sorted(str(p) for p in written)) or "no file"
     rows = [{"kernel": kn, "dtype": dt, "bucket": b, **e}
             for kn, by_dtype in tuned.entries.items() for dt, by_b in by_dtype.items()
             for b, e in by_b.items()]
@@ -253,12 +254,13 @@ def run(cfg: AutotuneConfig, run: RunDir) -> dict:
               "was refused (output unlike the float32 oracle's, or it cannot run)")
     won = {(r["kernel"], r["dtype"], r["bucket"]) for r in rows}
     lost = sorted({(t["kernel"], t["dtype"], t["bucket"]) for t in tuned.trials} - won)
-    run.note(f"Written to {path} under {kind!r}; lowerings for this device read it."
+    run.note(f"Written to {path} under {kind!r} (each kernel's op's tuned/); lowerings for "
+             "this device read it."
              + (f" No configuration ran correctly for {lost}: those keep their defaults."
                 if lost else ""))
     return {"device": kind, "cases": len(rows), "cases_without_a_winner": len(lost),
             "wrong_configurations": sum(t["outcome"].startswith("wrong") for t in tuned.trials),
-            "table": str(path)}
+            "table": path}
 
 
 STUDY = Study("autotune", make_config, run)

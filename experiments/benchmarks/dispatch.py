@@ -33,34 +33,22 @@ from typing import Literal
 import jax
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
-from moejax.bench.cpu import (
-    NO_CUDA,
-    delta_op_times,
-    matmul_gflops,
-    moe_block_flops,
-    moe_block_fwd_bwd,
-    torch_moe_block_s,
-    tree_of_shapes,
-)
-from moejax.bench.profile import sees_device, top_kernel_rows, trace_kernels
-from moejax.bench.timing import (
-    device_matmul_gflops,
-    kernel_unavailable,
-    time_call,
-    time_device_loop,
-)
+from moejax.bench.cpu import delta_op_times, tree_of_shapes
+from moejax.bench.moe_block import BlockShape, block_table, block_timer, software_versions
+from moejax.bench.profile import top_kernel_rows
+from moejax.bench.timing import kernel_unavailable, time_call
+from moejax.bench.train_steps import time_train_steps
 from moejax.capture import active_capture, record_step
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes
 from moejax.data.lm_batches import WindowBatches
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.kernels.host_memory import malloc_huge_pages, retain_freed_memory
+from moejax.kernels.host_memory import malloc_huge_pages
 from moejax.kernels.moe_ffn.api import PATHS, describe_dispatch
 from moejax.kernels.moe_ffn.jnp_paths import DispatchMethod
-from moejax.nn.decoder import DecoderLM
+from moejax.nn.decoder import DecoderLM, param_shapes, smollm2_135m_config
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.pytree import count_params
@@ -68,7 +56,6 @@ from moejax.train.budget import compile_fitting
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 
-TORCH = "PyTorch expert loop (HF Mixtral style"  # the row's name: + ", on <device>)"
 Path_ = DispatchMethod
 
 
@@ -163,153 +150,30 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
             step, state, source.batch(0), what=f"the {path} train step",
             fix=f"lower batch_size (now {cfg.batch_size}) or seq_len (now {cfg.seq_len}), "
             "or the model's d_model / moe.d_expert / n_layers")
-    for i in range(cfg.warmup):
-        state, m = step(state, source.batch(i))
-        jax.block_until_ready(m["loss"])
-        if i == 0:
-            compile_s = time.perf_counter() - t0
-    times, losses = [], []
-    for i in tqdm(range(cfg.steps), desc=f"bench {path}", leave=False):
-        batch = source.batch(cfg.warmup + i)
-        t = time.perf_counter()
-        state, m = step(state, batch)
-        jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t)
-        losses.append(float(m["ce"]))
-    kernels = None
-    if _profiles(cfg):
-        held = {"state": state}
-
-        def one_step():
-            held["state"], m = step(held["state"], source.batch(cfg.warmup + cfg.steps))
-            return m["loss"]
-
-        kernels = trace_kernels(one_step)
-        state = held["state"]
+    fitted_s = time.perf_counter() - t0
+    timed = time_train_steps(step, state, source.batch, warmup=cfg.warmup, steps=cfg.steps,
+                             profile=cfg.profile, desc=f"bench {path}")
+    state, kernels = timed.state, timed.kernels
     # Dropped (token, expert) assignments, measured on one more batch with the trained params.
     trained = nnx.merge(graphdef, state.params, state.rest)
     _, aux = trained(source.batch(cfg.warmup + cfg.steps)["inputs"], train=False)
     dropped = [float(a["dropped_fraction"]) for a in aux["layers"] if "dropped_fraction" in a]
-    step_s = float(np.median(times))
+    step_s = timed.median_s
     tokens = cfg.batch_size * cfg.seq_len
     return {
         "path": path,
         "runs": describe_dispatch(path),
         "params": n_params,
-        "compile_plus_first_step_s": compile_s,
+        "compile_plus_first_step_s": fitted_s + timed.compile_s,
         "step_s_median": step_s,
-        "step_s_min": float(np.min(times)),
+        "step_s_min": float(np.min(timed.times_s)),
         "tokens_per_s": tokens / step_s,
-        "final_ce": losses[-1],
+        "final_ce": float(timed.metrics["ce"]),
         "dropped_fraction": float(np.mean(dropped)),
         **({} if kernels is None else {
             "kernels_per_step": kernels.launches, "device_busy": kernels.busy_s / step_s,
             "kernels": kernels.by_name}),
     }
-
-
-def _profiles(cfg: BenchConfig) -> bool:
-    """Whether the train steps are profiled here (where a trace sees the device)."""
-    return cfg.profile and sees_device()
-
-
-def _smollm2_shapes(tiny: bool) -> dict:
-    layers, d, f, kv, vocab = (2, 64, 128, 32, 512) if tiny else (30, 576, 1536, 192, 49152)
-    shapes = {"embed": (vocab, d), "final_norm": (d,)}
-    for i in range(layers):
-        shapes.update({f"{i}/w_q": (d, d), f"{i}/w_k": (d, kv), f"{i}/w_v": (d, kv),
-                       f"{i}/w_o": (d, d), f"{i}/w_gate": (d, f), f"{i}/w_up": (d, f),
-                       f"{i}/w_down": (f, d), f"{i}/attn_norm": (d,), f"{i}/ffn_norm": (d,)})
-    return shapes
-
-
-def _block_bound(cfg: BenchConfig) -> tuple[float, dict]:
-    """Seconds of the block's expert FLOPs at the best rate a matmul reaches here, and the
-    rates by library. On the CPU, XLA's and numpy's BLAS (a path cannot beat the faster
-    library it could call), each a wall time; on an accelerator, XLA's matmul of the block's
-    dtype (float32) in device time, as the block itself is timed."""
-    shape = (2 * cfg.block_tokens, cfg.block_d, cfg.block_f)
-    if jax.default_backend() != "cpu":
-        rates = {"XLA (device time)": device_matmul_gflops(*shape)}
-    else:
-        rates = {lib: matmul_gflops(*shape, backend=lib) for lib in ("xla", "numpy")}
-    flops = moe_block_flops(cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_top_k)
-    return flops / (max(rates.values()) * 1e9), rates
-
-
-def _block_times(cfg: BenchConfig) -> dict[str, float | None]:
-    """Median fwd+bwd seconds of one MoE block per dispatch path and of the PyTorch peer
-    (None: torch not installed)."""
-    base = MoEConfig(n_experts=cfg.block_experts, top_k=cfg.block_top_k, d_expert=cfg.block_f,
-                     activation="swiglu", balance_loss="none")
-    variants = [("capacity cf=1.25", base.replace(dispatch="capacity", capacity_factor=1.25)),
-                ("capacity cf=2.0", base.replace(dispatch="capacity", capacity_factor=2.0)),
-                ("grouped (dropless)", base.replace(dispatch="grouped")),
-                ("bucketed (dropless)", base.replace(dispatch="bucketed")),
-                ("host (dropless, fused)", base.replace(dispatch="host")),
-                ("host_capacity cf=1.25 (fused)", base.replace(dispatch="host_capacity",
-                                                               capacity_factor=1.25)),
-                ("ragged (dropless)", base.replace(dispatch="ragged")),
-                ("dense (oracle)", base.replace(dispatch="dense"))]
-    times = {}
-    runnable = [(n, m) for n, m in variants
-                if m.dispatch in cfg.block_paths and not kernel_unavailable(m.dispatch)]
-    for name, mcfg in tqdm(runnable, desc="MoE block", leave=False):
-        fn, args = moe_block_fwd_bwd(mcfg, cfg.block_d, cfg.block_tokens)
-        times[name] = _block_timer()(fn, *args, repeats=cfg.block_repeats)["median_s"]
-    t, device = torch_moe_block_s(
-        cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts, cfg.block_top_k,
-        repeats=cfg.block_repeats, device="cuda" if jax.default_backend() == "gpu" else "cpu")
-    if device == NO_CUDA:  # a note, not a time: its CPU time is no peer of a GPU's
-        times[f"{TORCH})"] = ("not timed: this torch has no CUDA (a CUDA torch times the "
-                              "peer on the GPU)")
-    else:
-        times[f"{TORCH}, on {device})" if device else f"{TORCH})"] = t
-    return times
-
-
-def _block_timer():
-    """On an accelerator the device time of a call (calls in one jitted loop, so a sub-
-    millisecond block is not timed as Python dispatch); on the CPU, whose host paths call
-    numpy, the wall time of one call."""
-    return time_call if jax.default_backend() == "cpu" else time_device_loop
-
-
-def _block_rows(times: dict, bound: float, rates: dict, suffix: str = "") -> list[dict]:
-    """Rows ``impl, ms, vs_torch, vs_flop_bound`` (column names + ``suffix``)."""
-    t_torch = next((t for name, t in times.items()
-                    if name.startswith(TORCH) and isinstance(t, float)), None)
-    rows = []
-    for name, t in times.items():
-        row = {"impl": name}
-        if t is None:
-            row["note"] = "not installed (pip install torch)"
-        elif isinstance(t, str):
-            row["note"] = t
-        else:
-            row |= {f"ms{suffix}": t * 1e3, f"vs_flop_bound{suffix}": t / bound}
-            if t_torch is not None:
-                row[f"vs_torch{suffix}"] = t / t_torch
-        rows.append(row)
-    flops_g = bound * max(rates.values())
-    rows.append({"impl": f"FLOP bound ({flops_g:.1f} GFLOP at {max(rates.values()):.0f} "
-                         "GFLOP/s)", f"ms{suffix}": bound * 1e3, f"vs_flop_bound{suffix}": 1.0,
-                 "note": "matmul rate here: " + ", ".join(
-                     f"{'numpy BLAS' if lib == 'numpy' else lib.replace('xla', 'XLA')} "
-                     f"{r:.0f}" for lib, r in rates.items()) + " GFLOP/s"})
-    return rows
-
-
-def _versions() -> str:
-    try:
-        import torch
-        tv = torch.__version__
-    except ImportError:
-        tv = "not installed"
-    import platform
-    thp = "on" if malloc_huge_pages() else "off"
-    return (f"jax {jax.__version__}, torch {tv}, {platform.machine()} "
-            f"{jax.devices()[0].platform} x{jax.device_count()}, malloc huge pages {thp}")
 
 
 def run(cfg: BenchConfig, run: RunDir) -> dict:
@@ -362,40 +226,33 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
 def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
     """One MoE block forward + backward per implementation against PyTorch and the FLOP
     bound (again with freed memory retained, when asked); the rows and the matmul rate."""
-    bound, rates = _block_bound(cfg)
-    block = _block_rows(_block_times(cfg), bound, rates)
-    columns = ["impl", "ms", "vs_torch", "vs_flop_bound"]
-    if cfg.block_retain_memory:  # last: process-wide from here on
-        if retain_freed_memory():
-            again = _block_rows(_block_times(cfg), bound, rates, suffix="_retained")
-            for row, other in zip(block, again):
-                row |= {k: v for k, v in other.items() if k.endswith("_retained")}
-            columns += ["ms_retained", "vs_torch_retained", "vs_flop_bound_retained"]
-        else:
-            block[-1]["note"] += "; retained-memory columns: not glibc, not measured"
-    how = ("wall time per call" if _block_timer() is time_call else
+    shape = BlockShape(cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts,
+                       cfg.block_top_k)
+    block, columns, rate = block_table(shape, cfg.block_paths, cfg.block_repeats,
+                                       cfg.block_retain_memory)
+    how = ("wall time per call" if block_timer() is time_call else
            "device time per call (20 calls in one jitted loop)")
     retained = ("; *_retained: measured again after moejax.kernels.host_memory."
                 "retain_freed_memory()" if "ms_retained" in columns else "")
     run.table("block", block, title=f"One MoE block fwd+bwd: {cfg.block_tokens} tokens, d "
               f"{cfg.block_d}, {cfg.block_experts} SwiGLU experts of width {cfg.block_f}, "
               f"top-{cfg.block_top_k}, float32 operands at each library's default matmul "
-              f"precision, {how}, median of {cfg.block_repeats} ({_versions()}); PyTorch: "
-              f"wall time of a step ending in a device synchronisation{retained}",
-              columns=columns + ["note"])
-    return block, max(rates.values())
+              f"precision, {how}, median of {cfg.block_repeats} ({software_versions()}); "
+              "PyTorch: wall time of a step ending in a device synchronisation"
+              f"{retained}", columns=columns + ["note"])
+    return block, rate
 
 
 def _delta_ops(cfg: BenchConfig, run: RunDir) -> dict:
     """The delta ops over a SmolLM2-shaped tree against ``x * 2``; ``{op: ratio}``."""
     if cfg.delta_tree == "none":
         return {}
-    tree = tree_of_shapes(_smollm2_shapes(cfg.delta_tree == "tiny"))
+    tree = tree_of_shapes(param_shapes(smollm2_135m_config(tiny=cfg.delta_tree == "tiny")))
     n = sum(x.size for x in jax.tree.leaves(tree))
     delta = delta_op_times(tree)
     run.table("delta_ops", delta, title=f"Delta ops over a {n / 1e6:.1f}M-parameter "
               f"float32 tree ({cfg.delta_tree}), 8 bytes per parameter "
-              f"({_versions()})", columns=["op", "seconds", "min_seconds", "gb_s",
+              f"({software_versions()})", columns=["op", "seconds", "min_seconds", "gb_s",
                                            "vs_x2", "vs_numpy_copy"])
     return {r["op"]: round(r["vs_x2"], 2) for r in delta}
 

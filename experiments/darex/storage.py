@@ -28,7 +28,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
@@ -36,7 +35,7 @@ from moejax.config import Config, config
 from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.nn.decoder import DecoderLM, smollm2_135m_config
+from moejax.nn.decoder import param_shapes, smollm2_135m_config
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
@@ -80,21 +79,13 @@ def make_config(preset: str) -> StorageConfig:
 # ------------------------------------------------------------------------------ delta sources
 
 
-TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
-            d_hidden=128)
-
-
 def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
     """``{path: array}`` with SmolLM2-135M's exact parameter shapes, entries N(0, std^2)
-    (``tiny``: a 2-layer, d=64 variant of the same layout, for tests)."""
-
-    mcfg = smollm2_135m_config(**(TINY if tiny else {}))
-    abstract = nnx.eval_shape(lambda: DecoderLM(mcfg, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    paths = dl.leaf_paths(state)
-    shapes = [x.shape for x in jax.tree_util.tree_leaves(state)]
+    (``tiny``: its 2-layer, d=64 variant, for tests)."""
+    shapes = param_shapes(smollm2_135m_config(tiny=tiny))
     keys = jax.random.split(key, len(shapes))
-    return {p: jax.random.normal(k, s, jnp.float32) * std for p, s, k in zip(paths, shapes, keys)}
+    return {p: jax.random.normal(k, s, jnp.float32) * std
+            for (p, s), k in zip(shapes.items(), keys)}
 
 
 def mlp_source(cfg: StorageConfig):

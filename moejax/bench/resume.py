@@ -31,7 +31,7 @@ from flax import nnx
 
 from moejax.files import atomic_write_text
 from moejax.integrity import array_checksum, json_checksum
-from moejax.kernels.tuning import table_path
+from moejax.kernels.tuning import table_files
 from moejax.pytree import named_leaves
 
 __all__ = ["MeasurementStore", "device_basis", "weights_fingerprint", "jsonable"]
@@ -57,15 +57,17 @@ def jsonable(value: Any) -> Any:
 
 def device_basis() -> dict:
     """The device and software a measurement was taken on: platform, device kind and count,
-    jax version, ``XLA_FLAGS`` and the kernel table the lowerings read
-    (:func:`moejax.kernels.tuning.table_path`, by checksum of its bytes)."""
+    jax version, ``XLA_FLAGS`` and the kernel tables the lowerings read
+    (:func:`moejax.kernels.tuning.table_files`, by one checksum of their names and bytes)."""
     devs = jax.devices()
-    table = table_path()
+    tables = [p for p in table_files() if p.is_file()]
+    crc = 0
+    for p in tables:
+        crc = zlib.crc32(p.read_bytes(), zlib.crc32(p.name.encode(), crc))
     return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
             "devices": len(devs), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "kernel_table": f"{zlib.crc32(table.read_bytes()) & 0xFFFFFFFF:08x}"
-            if table.is_file() else "none"}
+            "kernel_table": f"{crc & 0xFFFFFFFF:08x}" if tables else "none"}
 
 
 def weights_fingerprint(tree) -> str:

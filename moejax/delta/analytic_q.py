@@ -276,10 +276,9 @@ class EtaSearchResult(NamedTuple):
     search: GridSearchResult
 
 
-def _search_eta(
-    key, pretrained, delta_tree, x_stats, p, etas, score_of_params, minimize, gamma, mask, in_axis,
-    form="two_sided", q_mask=None,
-):
+def _search_eta(key, pretrained, delta_tree, x_stats, p, etas, score_of_params, *,
+                minimize: bool, gamma: float, mask, in_axis: int, form: QForm = "two_sided",
+                q_mask=None):
     cache: dict[float, dict] = {}
     q_mask = mask if q_mask is None else q_mask
 
@@ -318,21 +317,9 @@ def search_eta_e(
     the mean of the layers' q).
     """
     ref = outputs_fn(apply_delta(pretrained, delta_tree))
-    return _search_eta(
-        key,
-        pretrained,
-        delta_tree,
-        x_stats,
-        p,
-        etas,
-        lambda prm: mean_abs_output_change(outputs_fn(prm), ref),
-        True,
-        gamma,
-        mask,
-        in_axis,
-        form,
-        q_mask,
-    )
+    return _search_eta(key, pretrained, delta_tree, x_stats, p, etas,
+                       lambda prm: mean_abs_output_change(outputs_fn(prm), ref), minimize=True,
+                       gamma=gamma, mask=mask, in_axis=in_axis, form=form, q_mask=q_mask)
 
 
 def search_eta_v(
@@ -353,18 +340,6 @@ def search_eta_v(
 ) -> EtaSearchResult:
     """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``
     (``mask`` and ``q_mask`` as in :func:`search_eta_e`)."""
-    return _search_eta(
-        key,
-        pretrained,
-        delta_tree,
-        x_stats,
-        p,
-        etas,
-        lambda prm: float(metric_fn(prm)),
-        not higher_is_better,
-        gamma,
-        mask,
-        in_axis,
-        form,
-        q_mask,
-    )
+    return _search_eta(key, pretrained, delta_tree, x_stats, p, etas,
+                       lambda prm: float(metric_fn(prm)), minimize=not higher_is_better,
+                       gamma=gamma, mask=mask, in_axis=in_axis, form=form, q_mask=q_mask)

@@ -442,33 +442,27 @@ def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims, paper_sc
     return summary, top
 
 
-def main(
-    name: str,
-    make_config: Callable[[str], Config],
-    run_fn: Callable[[Config, RunDir], dict[str, Any]],
-    argv: Sequence[str] | None = None,
-    *,
-    seed_keys: Sequence[str] = (),
-    quick_repeat: int = 1,
-    claims: ClaimsFn | None = None,
-    smoke: Sequence[str] = (),
-    paper_scale: str = "",
-    variants: Mapping[str, Sequence[str]] | None = None,
-) -> int:
+def main(name: str, make_config: Callable[[str], Config],
+         run_fn: Callable[[Config, RunDir], dict[str, Any]], argv: Sequence[str] | None = None,
+         **study) -> int:
+    """A study's command line: ``argv`` (default ``sys.argv[1:]``) run through
+    :func:`run_experiment` with ``study``, its keywords (``seed_keys``, ``quick_repeat``,
+    ``claims``, ``smoke``, ``paper_scale``, ``variants``); the exit code (2: the user's to
+    fix, one line)."""
+    if "out" in study:
+        raise TypeError("main() takes the output directory from the command line (out=...)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
-        print(usage(name, make_config, preset if preset in PRESETS else "quick", variants,
-                    module=study_module(name, run_fn)))
+        print(usage(name, make_config, preset if preset in PRESETS else "quick",
+                    study.get("variants"), module=study_module(name, run_fn)))
         return 0
     try:
         peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    code = _run_main(name, make_config, run_fn, argv, seed_keys=seed_keys,
-                     quick_repeat=quick_repeat, claims=claims, smoke=smoke,
-                     paper_scale=paper_scale, variants=variants)
+    code = _run_main(name, make_config, run_fn, argv, **study)
     if code and isinstance(peers, PeerWatch):  # failed: leave now, not waiting on the others
         sys.stdout.flush()
         sys.stderr.flush()

@@ -35,24 +35,24 @@ def _erf(x):
     return jnp.where(x < 0, -y, y)
 
 
-def _gelu(x):
+def _erf_gelu(x):
     return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
 
 
-def _gelu_tanh(x):
+def _tanh_gelu_formula(x):
     return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-def _silu(x):
+def _exp_silu(x):
     return x / (1.0 + jnp.exp(-x))
 
 
-def _relu(x):
+def _max_relu(x):
     return jnp.maximum(x, 0.0)
 
 
-_KERNEL = {"relu": _relu, "swish": _silu, "swiglu": _silu, "gelu": _gelu, "geglu": _gelu,
-           "gelu_tanh": _gelu_tanh}
+_KERNEL = {"relu": _max_relu, "swish": _exp_silu, "swiglu": _exp_silu, "gelu": _erf_gelu,
+           "geglu": _erf_gelu, "gelu_tanh": _tanh_gelu_formula}
 
 
 class ActivationForms(NamedTuple):

@@ -10,9 +10,14 @@ Triton; ``"gmm_mgpu"`` / ``"tgmm_mgpu"``: the same on Mosaic GPU; ``"pairs_mgpu"
 BlockFFN's Mosaic GPU pair products; ``"decode_mgpu"``: its Mosaic GPU decode kernel), a
 dtype and a shape ``(K, N)`` (contraction, output columns; the decode kernel: ``(D, F)``) on
 the device the program is lowered for
-(:func:`moejax.kernels.tiling.target_device`): the entry of :data:`TABLE` (a JSON file in
-this package; ``MOEJAX_KERNEL_TABLE`` names another) for that device kind, kernel, dtype and
-shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS`.
+(:func:`moejax.kernels.tiling.target_device`): the tuned entry for that device kind, kernel,
+dtype and shape bucket (``K`` and ``N`` rounded up to powers of two), else :data:`DEFAULTS`.
+The tuned entries live with their op, one JSON file per device kind:
+``moejax/kernels/<op>/tuned/<device kind>.json`` (:data:`HOMES`: the grouped products'
+kernels in ``grouped/``, BlockFFN's in ``chunk_union/``), each
+``{"device_kind": ..., "kernels": {kernel: {dtype: {bucket: entry}}}}``;
+``MOEJAX_KERNEL_TABLE`` names one file of every device and kernel instead,
+``{device: {kernel: ...}}`` (a tuning run's own, or a test's).
 
 The defaults follow the published H100 configurations of the anchors (tokamax's and
 megablox's grouped matmuls): 16-bit inputs take 128 x 64 x 128 tiles with 8 warps and 3
@@ -33,8 +38,8 @@ otherwise.
 :func:`tune` times a space of configurations per case with a given timer and keeps the
 fastest whose output the timer found equal to an oracle's (:func:`check_close`; a wrong
 configuration is never stored, however fast); :func:`write_entries` merges the winners into
-the table for one device kind, atomically (``python -m experiments.benchmarks.autotune`` on
-a GPU does both).
+their ops' files for one device kind, atomically (``python -m experiments.benchmarks.autotune``
+on a GPU does both).
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ import numpy as np
 from moejax.files import atomic_write_text
 from moejax.kernels.tiling import pow2, target_device
 
-__all__ = ["TritonConfig", "DEFAULTS", "TABLE", "KERNELS", "TILES", "config_for", "forced",
+__all__ = ["TritonConfig", "DEFAULTS", "HOMES", "KERNELS", "TILES", "config_for", "forced",
            "is_forced", "bucket", "tune", "Tuned", "WrongResult", "check_close", "write_entries",
-           "read_table", "check_table", "table_path", "SPACE", "SPACES", "L2_PREFETCH"]
+           "read_table", "check_table", "table_files", "op_file", "SPACE", "SPACES",
+           "L2_PREFETCH"]
 
 KERNELS = ("gmm", "tgmm", "gmm_mgpu", "tgmm_mgpu", "pairs_mgpu", "decode_mgpu")
 # what a configuration's three tiles are, per kernel
@@ -62,7 +68,10 @@ TILES = {"gmm": ("rows", "contraction", "columns"), "tgmm": ("rows", "K", "N"),
          "gmm_mgpu": ("rows", "contraction", "columns"), "tgmm_mgpu": ("rows", "K", "N"),
          "pairs_mgpu": ("rows", "contraction", "columns"),
          "decode_mgpu": ("D step", "F block", "D block")}
-TABLE = Path(__file__).with_name("tuned_configs.json")
+# the op package each kernel's tuned entries live in (moejax/kernels/<op>/tuned/)
+HOMES = {"gmm": "grouped", "tgmm": "grouped", "gmm_mgpu": "grouped", "tgmm_mgpu": "grouped",
+         "pairs_mgpu": "chunk_union", "decode_mgpu": "chunk_union"}
+_KERNELS_DIR = Path(__file__).parent
 
 
 class TritonConfig(NamedTuple):
@@ -153,27 +162,67 @@ def bucket(k: int, n: int) -> str:
     return f"k{pow2(k)}_n{pow2(n)}"
 
 
-def table_path() -> Path:
-    return Path(os.environ.get("MOEJAX_KERNEL_TABLE") or TABLE)
+def _slug(device_kind: str) -> str:
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in device_kind)
 
 
-def read_table(path: Path | None = None) -> dict:
-    """The tuned table (``{}`` when the package's own is absent), every entry checked
-    against the kernels' constraints (:func:`check_table`); a malformed file, a bad entry or
-    a ``MOEJAX_KERNEL_TABLE`` that names no file is an error naming it."""
-    named = path is not None or bool(os.environ.get("MOEJAX_KERNEL_TABLE"))
-    path = table_path() if path is None else Path(path)
-    if not path.is_file():
-        if named and path != TABLE:
-            raise ValueError(f"{path}: no kernel table there (MOEJAX_KERNEL_TABLE or the path "
-                             "given); fix the path, or unset it for the package's table")
-        return {}
+def op_file(kernel: str, device_kind: str) -> Path:
+    """The file holding ``kernel``'s tuned entries for ``device_kind``, in its op package."""
+    return _KERNELS_DIR / HOMES[kernel] / "tuned" / f"{_slug(device_kind)}.json"
+
+
+def _named_table() -> Path | None:
+    named = os.environ.get("MOEJAX_KERNEL_TABLE")
+    return Path(named) if named else None
+
+
+def table_files() -> list[Path]:
+    """The files the lowerings read: ``MOEJAX_KERNEL_TABLE``'s, else every op's per-device
+    files (module docstring)."""
+    named = _named_table()
+    if named is not None:
+        return [named]
+    return sorted(p for op in sorted(set(HOMES.values()))
+                  for p in (_KERNELS_DIR / op / "tuned").glob("*.json"))
+
+
+def _read_json(path: Path):
     try:
-        table = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a kernel table ({e}); delete it or rerun "
                          "python -m experiments.benchmarks.autotune") from e
-    check_table(table, path)
+
+
+def read_table(path: Path | None = None) -> dict:
+    """The tuned table ``{device: {kernel: {dtype: {bucket: entry}}}}``: one file of them
+    (``path``, else ``MOEJAX_KERNEL_TABLE``), else the ops' per-device files merged (``{}``
+    when there are none); every entry checked against the kernels' constraints
+    (:func:`check_table`), and each op file's kernels against its op. A malformed file, a bad
+    entry or a named file that does not exist is an error naming it."""
+    path = _named_table() if path is None else Path(path)
+    if path is not None:
+        if not path.is_file():
+            raise ValueError(f"{path}: no kernel table there (MOEJAX_KERNEL_TABLE or the path "
+                             "given); fix the path, or unset it for the ops' own tables")
+        table = _read_json(path)
+        check_table(table, path)
+        return table
+    table: dict = {}
+    for f in table_files():
+        doc = _read_json(f)
+        if not (isinstance(doc, dict) and isinstance(doc.get("device_kind"), str)
+                and isinstance(doc.get("kernels"), dict)):
+            raise ValueError(f"{f}: not an op's kernel table ({{\"device_kind\": ..., "
+                             "\"kernels\": ...}}); delete it or rerun python -m "
+                             "experiments.benchmarks.autotune")
+        check_table({doc["device_kind"]: doc["kernels"]}, f)
+        strays = [k for k in doc["kernels"] if op_file(k, doc["device_kind"]) != f]
+        if strays:
+            raise ValueError(f"{f}: kernels {strays} belong in their own op's tuned/ "
+                             "(moejax.kernels.tuning.HOMES); move them there")
+        for kernel, by_dtype in doc["kernels"].items():
+            table.setdefault(doc["device_kind"], {})[kernel] = by_dtype
     return table
 
 
@@ -334,14 +383,30 @@ def tune(cases: Iterable[tuple[str, str, int, int]], space: Sequence[TritonConfi
     return Tuned(out, trials)
 
 
-def write_entries(device_kind: str, entries: dict, path: Path | None = None) -> Path:
-    """Merge ``entries`` (from :func:`tune`) into the table under ``device_kind``;
-    atomic."""
-    path = table_path() if path is None else Path(path)
-    table = read_table(path) if path.is_file() else {}
-    dev = table.setdefault(device_kind, {})
-    for kernel, by_dtype in entries.items():
-        for dtype, by_bucket in by_dtype.items():
-            dev.setdefault(kernel, {}).setdefault(dtype, {}).update(by_bucket)
-    atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
-    return path
+def write_entries(device_kind: str, entries: dict, path: Path | None = None) -> list[Path]:
+    """Merge ``entries`` (from :func:`tune`) under ``device_kind`` into each kernel's op file
+    (:func:`op_file`), or into the one file ``path`` (else ``MOEJAX_KERNEL_TABLE``) names;
+    atomic per file. Returns the files written."""
+    path = _named_table() if path is None else Path(path)
+    if path is not None:
+        table = read_table(path) if path.is_file() else {}
+        dev = table.setdefault(device_kind, {})
+        for kernel, by_dtype in entries.items():
+            for dtype, by_bucket in by_dtype.items():
+                dev.setdefault(kernel, {}).setdefault(dtype, {}).update(by_bucket)
+        atomic_write_text(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+        return [path]
+    written = []
+    for f in sorted({op_file(k, device_kind) for k in entries}):
+        doc = ({"device_kind": device_kind, "kernels": {}} if not f.is_file()
+               else _read_json(f))
+        for kernel, by_dtype in entries.items():
+            if op_file(kernel, device_kind) != f:
+                continue
+            for dtype, by_bucket in by_dtype.items():
+                doc["kernels"].setdefault(kernel, {}).setdefault(dtype, {}).update(by_bucket)
+        check_table({device_kind: doc["kernels"]}, f)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(f, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        written.append(f)
+    return written

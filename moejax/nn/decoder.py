@@ -33,6 +33,7 @@ from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.norms import RMSNorm
 from moejax.nn.slots import FFNSlotConfig
 from moejax.nn.surgery import build_from_pure
+from moejax.pytree import named_leaves
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
            "smollm2_135m_config", "keep_layers", "with_dtype", "DTYPES"]
@@ -106,13 +107,27 @@ def dense_decoder_config(*, vocab_size: int, d_model: int, n_layers: int, n_head
                          n_heads=n_heads, ffn_slots=(slot,) * n_layers, **kwargs)
 
 
-def smollm2_135m_config(**kwargs) -> DecoderConfig:
-    """SmolLM2-135M architecture (HF layout: ``rope_style="half"``)."""
+# a 2-layer, d 64 variant of SmolLM2-135M's layout (the same parameter kinds), for tests
+# and quick presets
+SMOLLM2_TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32,
+                    d_hidden=128)
+
+
+def smollm2_135m_config(*, tiny: bool = False, **kwargs) -> DecoderConfig:
+    """SmolLM2-135M architecture (HF layout: ``rope_style="half"``); ``tiny``: its
+    :data:`SMOLLM2_TINY` variant."""
     base = dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                 head_dim=64, d_hidden=1536, activation="swiglu", max_seq_len=8192,
                 rope_base=100000.0, rope_style="half", norm_eps=1e-5, tie_embeddings=True)
-    base.update(kwargs)
+    base.update(SMOLLM2_TINY if tiny else {}, **kwargs)
     return dense_decoder_config(**base)
+
+
+def param_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """``{path: shape}`` of the parameters of a :class:`DecoderLM` of ``cfg``, in
+    ``jax.tree_util`` leaf order, made abstractly (no weights)."""
+    state = nnx.state(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return {path: tuple(x.shape) for path, x in named_leaves(state)}
 
 
 class DecoderLM(nnx.Module):

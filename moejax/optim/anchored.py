@@ -155,37 +155,14 @@ def scale_by_adamr(
 def adamr(
     learning_rate: optax.ScalarOrSchedule,
     weight_decay: float = _UNSET,
-    *,
-    reg: Literal["l2", "l1"] = "l2",
-    anchor: PyTree | None = None,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps_root: float = 0.0,
-    mu_dtype: Any = None,
-    mask: PyTree | None = _UNSET,
-    weight: float = _UNSET,
-    decay_mask: PyTree | None = _UNSET,
+    **kwargs,
 ) -> optax.GradientTransformation:
-    """AdamR-L2 / AdamR-L1 (Algorithm 1) as an optax transformation.
+    """AdamR-L2 / AdamR-L1 (Algorithm 1) as an optax transformation:
+    :func:`scale_by_adamr` then the learning rate.
 
     ``weight_decay`` is ``lambda`` (default 0: Adam); ``learning_rate`` a float or an optax
-    schedule; ``mask`` where the anchored decay applies. ``weight`` and ``decay_mask`` are
-    the former names (deprecated).
+    schedule; the other keywords are :func:`scale_by_adamr`'s (``reg``, ``anchor``, ``b1``,
+    ``b2``, ``eps``, ``eps_root``, ``mu_dtype``, ``mask``, where the anchored decay applies).
     """
-    weight_decay = _renamed(weight_decay, weight, "weight_decay", "weight")
-    mask = _renamed(mask, decay_mask, "mask", "decay_mask")
-    return optax.chain(
-        scale_by_adamr(
-            weight_decay,
-            reg=reg,
-            anchor=anchor,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            eps_root=eps_root,
-            mu_dtype=mu_dtype,
-            mask=mask,
-        ),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+    return optax.chain(scale_by_adamr(weight_decay, **kwargs),
+                       optax.scale_by_learning_rate(learning_rate))

@@ -153,6 +153,8 @@ def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
 
     def one(x):
         value = x.get_value() if _is_variable(x) else x
+        if _is_variable(x) and not hasattr(value, "shape"):  # a pytree in one variable
+            return x.replace(jax.tree.map(lambda _: NamedSharding(mesh, P()), value))
         sharding = NamedSharding(mesh, leaf_spec(ax.logical_axes(x), getattr(value, "shape", ()),
                                                  e, d, fsdp))
         return x.replace(sharding) if _is_variable(x) else sharding
