@@ -19,6 +19,7 @@ from moejax.delta import (
     storage_report,
     unpack_bits,
 )
+from moejax.delta.pruned_codec import decode_pruned, encode_pruned
 
 
 def test_index_dtype_and_bit_packing():
@@ -132,3 +133,17 @@ def test_save_is_atomic_and_names_a_bad_suffix(tmp_path, monkeypatch):
                                   np.arange(6).reshape(2, 3))
     with pytest.raises(ValueError, match=r"\.npz"):
         storage.save(str(tmp_path / "delta.bin"), good)
+
+
+def test_a_pruned_delta_round_trips_sparse_and_quantised():
+    d = {"w": jax.random.normal(jax.random.key(0), (40, 30)), "b": np.ones(30, np.float32)}
+    mask = {"w": True, "b": False}
+    pruned = dare(jax.random.key(1), d, 0.9, mask=mask)
+    back = decode_pruned(encode_pruned(pruned, mask, 0.9, 32), {k: v.shape for k, v in d.items()})
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.asarray(pruned["w"]))
+    np.testing.assert_array_equal(np.asarray(back["b"]), d["b"])
+    q8 = decode_pruned(encode_pruned(pruned, mask, 0.9, 8), {k: v.shape for k, v in d.items()})
+    # dropped entries stay exactly zero (tiny survivors may round to zero too)
+    assert np.all(np.asarray(q8["w"])[np.asarray(pruned["w"]) == 0] == 0)
+    assert np.max(np.abs(np.asarray(q8["w"]) - np.asarray(pruned["w"]))) < 0.05 * np.max(
+        np.abs(np.asarray(pruned["w"])))

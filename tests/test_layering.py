@@ -1,7 +1,8 @@
 """The layering the codebase promises, read from the source (imports at any depth, function
 bodies included): ops (pure jnp) -> kernels -> nn -> train / io -> experiments. A layer imports
 only layers below it and the foundation modules (configs, the capture context, atomic file
-writes, XLA flags and compile options checked against the running XLA), never a layer above;
+writes, XLA flags and compile options checked against the running XLA, pytree paths and
+counts), never a layer above;
 and no module name is shared between ``ops`` and ``kernels``, so a kernel family's package is
 the one place its reference, backends and layout live."""
 
@@ -12,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
 BELOW = {"ops": {"ops"}, "kernels": {"ops", "kernels"}, "nn": {"ops", "kernels", "nn"}}
-FOUNDATION = {"config", "capture", "files", "xla_flags"}  # import nothing of moejax's layers
+FOUNDATION = {"config", "capture", "files", "xla_flags", "pytree"}  # no moejax layer
 
 
 def _imports(path: Path) -> set[str]:

@@ -32,6 +32,7 @@ import numpy as np
 from experiments.darex.common import PAPER_SCALE
 from moejax import delta as dl
 from moejax.config import Config, config
+from moejax.delta.pruned_codec import decode_pruned, encode_pruned
 from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
@@ -101,48 +102,6 @@ def mlp_source(cfg: StorageConfig):
 # ------------------------------------------------------------------------------ encode / decode
 
 
-def encode_delta(delta_tree: dict, mask: dict, p: float, bits: int) -> dl.StoredDelta:
-    """Encode one pruned delta (flat ``{path: array}``) at ``bits`` (see module docstring)."""
-    out = {}
-    for path, d in delta_tree.items():
-        if not mask[path]:
-            out[path] = d
-            continue
-        if p == 0.0:
-            out[path] = (d.astype(jnp.bfloat16) if bits == 16 else d if bits == 32
-                         else dl.quantize(d, bits, granularity="channel"))
-            continue
-        flat = np.asarray(d).reshape(-1)
-        idx = np.flatnonzero(flat)
-        vals = flat[idx]
-        out[path] = {
-            "index": idx.astype(dl.index_dtype_for(max(flat.size, 1))),
-            "values": (vals.astype(jnp.bfloat16) if bits == 16 else vals if bits == 32
-                       else dl.quantize(vals, bits, granularity="tensor")),
-        }
-    return dl.encode(out, formats="dense")
-
-
-def decode_delta(stored: dl.StoredDelta, shapes: dict) -> dict:
-    """Inverse of :func:`encode_delta` -> flat ``{path: float32 array}``."""
-    tree = dl.decode(stored)
-    out = {}
-    for path, shape in shapes.items():
-        node = tree
-        for part in path.split("/"):
-            node = node[part]
-        if isinstance(node, dict):  # sparse: index + values
-            vals = node["values"]
-            vals = dl.dequantize(vals) if isinstance(vals, dl.QuantizedLeaf) else np.asarray(vals)
-            flat = np.zeros(int(np.prod(shape)), np.float32)
-            flat[np.asarray(node["index"], np.int64)] = np.asarray(vals, np.float32)
-            out[path] = jnp.asarray(flat.reshape(shape))
-        else:
-            node = dl.dequantize(node) if isinstance(node, dl.QuantizedLeaf) else node
-            out[path] = jnp.asarray(node, jnp.float32)
-    return out
-
-
 def _flat(tree) -> dict:
     return dict(zip(dl.leaf_paths(tree), jax.tree_util.tree_leaves(tree)))
 
@@ -161,19 +120,20 @@ def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         # warm-up (first-call compilation of the eager ops), not timed
-        _block(dl.apply_delta(flat_pre, decode_delta(encode_delta(flat_d, mask, 0.0, 32), shapes)))
+        stored = encode_pruned(flat_d, mask, 0.0, 32)
+        _block(dl.apply_delta(flat_pre, decode_pruned(stored, shapes)))
         for p in cfg.ps:
             pruned = (flat_d if p == 0 else
                       _flat(dl.dare(jax.random.key(cfg.seed), flat_d, p, mask=mask)))
             ref_norm = float(jnp.sqrt(sum(jnp.sum(v * v) for v in pruned.values())))
             for bits in cfg.bits:
-                stored = encode_delta(pruned, mask, p, bits)
+                stored = encode_pruned(pruned, mask, p, bits)
                 f = Path(tmp) / f"delta_p{p}_b{bits}.npz"
                 t0 = time.perf_counter()
                 dl.save(str(f), stored)
                 t_save = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                back = _block(decode_delta(dl.load(str(f)), shapes))
+                back = _block(decode_pruned(dl.load(str(f)), shapes))
                 t_load = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 theta = _block(dl.apply_delta(flat_pre, back))

@@ -16,7 +16,6 @@ import platform
 from typing import NamedTuple
 
 import jax
-from tqdm.auto import tqdm
 
 from moejax.bench.cpu import (
     NO_CUDA,
@@ -31,6 +30,7 @@ from moejax.bench.timing import (
     time_call,
     time_device_loop,
 )
+from moejax.extras import progress
 from moejax.kernels.host_memory import malloc_huge_pages, retain_freed_memory
 from moejax.nn.moe import MoEConfig
 
@@ -86,7 +86,7 @@ def block_times(shape: BlockShape, paths, repeats: int) -> dict[str, float | str
     times: dict = {}
     runnable = [(n, m) for n, m in variants
                 if m.dispatch in paths and not kernel_unavailable(m.dispatch)]
-    for name, mcfg in tqdm(runnable, desc="MoE block", leave=False):
+    for name, mcfg in progress(runnable, desc="MoE block", leave=False):
         fn, args = moe_block_fwd_bwd(mcfg, shape.d, shape.tokens)
         times[name] = block_timer()(fn, *args, repeats=repeats)["median_s"]
     t, device = torch_moe_block_s(

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from moejax.bench.profile import sees_device, trace_kernels
+from moejax.extras import progress
 
 __all__ = ["StepTimes", "time_train_steps"]
 
@@ -47,7 +47,7 @@ def time_train_steps(step: Callable, state, batch_at: Callable[[int], Any], *, w
         if i == 0:
             compile_s = time.perf_counter() - t0
     times = []
-    for i in tqdm(range(steps), desc=desc, leave=False):
+    for i in progress(range(steps), desc=desc, leave=False):
         batch = batch_at(warmup + i)
         t = time.perf_counter()
         state, m = step(state, batch)
