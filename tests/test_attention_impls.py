@@ -103,14 +103,15 @@ def _pallas_interpreted(platform: str):
 
 
 @pytest.mark.parametrize("platform,case", [("tpu", "train"), ("cuda", "train"),
-                                           ("cuda", "decode")])
+                                           ("cuda", "decode"), ("cuda", "decode one")])
 def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, case):
     """tokamax's flash attention, the kernel ``impl="flash"`` runs on a TPU (Mosaic: values
     and gradients) or an NVIDIA GPU (Triton: values), in Pallas's interpreters: causal
     training attention with GQA, padded keys and a fully masked query row, and a decode
-    step's 3 new tokens over a cache whose rows hold 100 and 37 valid slots (a GPU decode
-    step; the TPU kernel takes query blocks of 128 and declines it, so a TPU decodes on XLA's
-    attention)."""
+    step's 3 (or 1) new tokens over a cache whose rows hold 100 and 37 valid slots, given as
+    the rows' lengths (the kernel's key loop ends there; one new token needs no mask beside
+    them) as a GPU decode step runs it (the TPU kernel takes query blocks of 128 and declines
+    a decode step, so a TPU decodes on XLA's attention)."""
     from moejax.kernels.flash_attention import flash_kernel
 
     B, H, G = 2, 4, 2
@@ -123,15 +124,16 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
         # the loss leaves it out, as the models' losses leave padding out
         mask = mask.at[1, 5].set(False)
     else:
-        T, S = 3, 256
+        T, S = (3 if case == "decode" else 1), 256
         q, k, v, key = _qkv_mask(B, T, S, H, G, 64, seed=1)
         slot_BT = jnp.array([[100], [37]]) + jnp.arange(T)[None]
         mask = jnp.arange(S)[None, None, :] <= slot_BT[:, :, None]
+    lengths = None if case == "train" else jnp.array([100, 37], jnp.int32) + T
 
     weight = jnp.any(mask, axis=-1)[:, :, None, None]  # fully masked rows out of the loss
 
     def loss(q, k, v, flash):
-        o = (flash_kernel(q, k, v, mask, platform) if flash
+        o = (flash_kernel(q, k, v, mask, platform, lengths) if flash
              else dot_product_attention(q, k, v, mask, impl="einsum"))
         return jnp.sum(o * jnp.cos(o) * weight), o
 

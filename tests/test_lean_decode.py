@@ -92,7 +92,12 @@ def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(
                 state, jnp.zeros((1, 1), jnp.int32), cache).mlir_module()
     ops = collections.Counter(re.findall(r"stablehlo\.([a-z_]+)", text))
-    return {k: ops[k] / layers for k in (*COUNTED, "dynamic_update_slice")}
+    per = {k: ops[k] / layers for k in (*COUNTED, "dynamic_update_slice")}
+    # the element types of each flash call's operands: q, k, v and the rows' cache lengths
+    # (int32), or a dense mask (i1) where the lengths were not given
+    per["flash operands"] = {tuple(re.findall(r"x([a-z]+\d+)>", c)) for c in re.findall(
+        r"custom_call @__gpu\$xla\.gpu\.triton\([^)]*\).*?: \(([^)]*)\)", text)}
+    return per
 
 
 @pytest.mark.parametrize("kind", ["dense", "blockffn"])
@@ -101,6 +106,8 @@ def test_the_one_token_decode_launches_within_its_budget(kind):
     attention over the cache, each cache written by one in-place dynamic_update_slice."""
     per = _per_block(kind, "cuda")
     assert sum(per[k] for k in COUNTED) <= BUDGET[kind], per
+    # the kernel's key loop ends at the cache's lengths: no dense mask to read
+    assert per["flash operands"] == {("bf16", "bf16", "bf16", "i32")}, per
     assert per["scatter"] == 0 and per["dynamic_update_slice"] == 2, per
     assert per["custom_call"] == KERNELS[kind], per
     assert per["dot_general"] <= PRODUCTS[kind] + 1 / 14, per  # + the head's, once

@@ -5,8 +5,10 @@
 :func:`moejax.nn.attention.dot_product_attention`:
 
 * ``cuda``: tokamax's Pallas Triton flash attention (its VJP too), one kernel for training
-  sequences and for a decode step's 1 to 64 new tokens over the KV cache (the mask gives
-  each new token its valid slots);
+  sequences and for a decode step's 1 to 64 new tokens over the KV cache: given each row's
+  valid length (``kv_lengths_B``), the kernel's loop over key blocks stops at the longest, so
+  a step reads the cache's filled slots, not all of it (the mask gives each new token its
+  own slots among them; one new token per row needs no mask beside the lengths);
 * ``tpu``: tokamax's Pallas Mosaic TPU flash attention;
 * anything else (the CPU): ``fallback``, XLA's attention.
 
@@ -40,33 +42,45 @@ __all__ = ["KERNELS", "flash_attention", "flash_kernel"]
 KERNELS = {"cuda": "triton", "tpu": "mosaic_tpu"}
 
 
-def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str):
+def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=None):
     """tokamax's flash attention of ``platform`` (:data:`KERNELS`), called directly (the
-    tests run the TPU kernel in Pallas's interpreter); raises ``NotImplementedError`` where
-    it declines."""
+    tests run the kernels in Pallas's interpreters); raises ``NotImplementedError`` where
+    it declines. ``kv_lengths_B``: each row's keys past it are masked (``mask_BTS`` enables
+    none of them), and with one query per row the mask is those lengths alone."""
     if not AVAILABLE:
         raise NotImplementedError("tokamax is not installed")
     B, T = q_BTHJ.shape[:2]
-    mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
+    mask = None
+    if kv_lengths_B is None or T > 1:
+        mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
     dt = q_BTHJ.dtype
     return tokamax.dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
-                                         mask=mask, implementation=KERNELS[platform])
+                                         mask=mask, key_value_seq_lengths=kv_lengths_B,
+                                         implementation=KERNELS[platform])
 
 
-def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback):
+def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback, kv_lengths_B=None):
     """Attention on the target platform's flash kernel, ``fallback(q, k, v, mask)`` elsewhere
-    or where the kernel declines (module docstring). Returns ``[B, T, H, J]`` in ``q``'s
-    dtype."""
+    or where the kernel declines (module docstring). ``kv_lengths_B`` (optional, int32
+    ``[B]``): each row's valid keys are its first ``kv_lengths_B`` and ``mask_BTS`` enables
+    none past them (a KV cache's filled slots; module docstring). Returns ``[B, T, H, J]`` in
+    ``q``'s dtype."""
     platform = target_device()[0]
     if platform not in KERNELS or not AVAILABLE:
         return fallback(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS)
+    B = q_BTHJ.shape[0]
+    lengths = (jnp.full((B,), k_BSGJ.shape[1], jnp.int32) if kv_lengths_B is None
+               else kv_lengths_B.astype(jnp.int32))
+    with_lengths = kv_lengths_B is not None
 
-    def kernel(q, k, v, m):
+    def kernel(q, k, v, m, n):
         try:
-            return flash_kernel(q, k, v, m, platform).astype(q.dtype)
+            return flash_kernel(q, k, v, m, platform, n if with_lengths else None).astype(
+                q.dtype)
         except (NotImplementedError, ValueError):  # a shape or dtype it does not take
             return fallback(q, k, v, m)
 
-    mask = jnp.broadcast_to(mask_BTS, (q_BTHJ.shape[0], q_BTHJ.shape[1], k_BSGJ.shape[1]))
-    return jax.lax.platform_dependent(q_BTHJ, k_BSGJ, v_BSGJ, mask, default=fallback,
-                                      **{platform: kernel})
+    mask = jnp.broadcast_to(mask_BTS, (B, q_BTHJ.shape[1], k_BSGJ.shape[1]))
+    return jax.lax.platform_dependent(
+        q_BTHJ, k_BSGJ, v_BSGJ, mask, lengths,
+        default=lambda q, k, v, m, n: fallback(q, k, v, m), **{platform: kernel})

@@ -84,14 +84,16 @@ def init_kv_cache(batch: int, max_len: int, n_kv_heads: int, head_dim: int,
 
 
 def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Array,
-                          mask_BTS: jax.Array | None = None, *, impl: str = "auto") -> jax.Array:
+                          mask_BTS: jax.Array | None = None, *, impl: str = "auto",
+                          kv_lengths_B: jax.Array | None = None) -> jax.Array:
     """Softmax attention with grouped kv heads (float32 logits and softmax).
 
     ``mask_BTS`` (bool, True = may attend) broadcasts against ``[B, T, S]``; a fully masked
     query row attends uniformly (finite, not NaN). Returns ``[B, T, H, J]`` in ``q``'s dtype.
     ``impl``: ``"flash"`` (the platform's kernel, XLA's on the CPU), ``"jax"``
     (``jax.nn.dot_product_attention``), ``"einsum"`` (the oracle) or ``"auto"``
-    (:func:`resolve_attention_impl`).
+    (:func:`resolve_attention_impl`). ``kv_lengths_B`` (a KV cache's filled slots per row,
+    beyond which ``mask_BTS`` enables nothing) lets the flash kernel skip the rest.
     """
     impl = resolve_attention_impl(impl)
     B, T, H, J = q_BTHJ.shape
@@ -102,8 +104,9 @@ def dot_product_attention(q_BTHJ: jax.Array, k_BSGJ: jax.Array, v_BSGJ: jax.Arra
         xla = _xla_impl()
         if mask_BTS is None:
             mask_BTS = jnp.ones((B, T, k_BSGJ.shape[1]), bool)
-        return flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, fallback=lambda q, k, v, m: (
-            dot_product_attention(q, k, v, m, impl=xla)))
+        return flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, kv_lengths_B=kv_lengths_B,
+                               fallback=lambda q, k, v, m: dot_product_attention(
+                                   q, k, v, m, impl=xla))
     if impl == "jax":
         mask = None
         if mask_BTS is not None:
@@ -254,5 +257,6 @@ class Attention(nnx.Module):
         k_cache = _write_cache(cache.k_BSGJ, k, start_B)
         v_cache = _write_cache(cache.v_BSGJ, v, start_B)
         mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]
-        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS, impl=self.impl))
+        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS, impl=self.impl,
+                                              kv_lengths_B=start_B + T))
         return out, KVCache(k_cache, v_cache, start_B + T)

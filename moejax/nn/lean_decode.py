@@ -18,7 +18,8 @@
   chunk-union decode kernel); any other FFN slot (MoE, DeRS) runs as the module does, after
   its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
-  GPU, :mod:`moejax.kernels.flash_attention`), the cache written in place
+  GPU, :mod:`moejax.kernels.flash_attention`, given the rows' filled lengths, so its loop over
+  key blocks ends there), the cache written in place
   (:func:`moejax.nn.attention._write_cache`).
 
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
