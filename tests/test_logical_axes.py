@@ -173,3 +173,56 @@ def test_the_loop_records_names_specs_and_the_replicated_unnamed_parameters():
     assert "head/kernel" in summary["replicated_unnamed"] and "experts/w_up" not in (
         summary["replicated_unnamed"])
     assert got["history"] == summary["replicated_unnamed"]
+
+
+_TENSOR_SCRIPT = r"""
+import sys, json
+sys.path.insert(0, ROOT)
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
+from moejax.train import mesh as mesh_lib
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
+from tests.toy_models import ToySource
+
+assert jax.device_count() == 8
+MODEL = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16,
+                    moe=MoEConfig(n_experts=4, top_k=2, d_expert=32))
+cfg = TrainConfig(steps=3, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant")
+one = train(DecoderLM(MODEL.decoder_config(), rngs=nnx.Rngs(0)), ToySource(batch_size=8), cfg,
+            mesh=mesh_lib.make_mesh(1, 1, devices=jax.devices()[:1]), progress=False)
+for fsdp in (False, True):
+    tcfg = cfg.replace(mesh_data=2, mesh_expert=2, mesh_tensor=2, fsdp=fsdp)
+    model = DecoderLM(MODEL.decoder_config(), rngs=nnx.Rngs(0))
+    mesh = mesh_lib.make_mesh(2, 2, tensor=2)
+    assert dict(mesh.shape) == {"data": 2, "expert": 2, "tensor": 2}
+    hist = train(model, ToySource(batch_size=8), tcfg, progress=False)
+    np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in one], rtol=2e-5)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(
+        mesh_lib.tree_shardings(params, mesh, fsdp))}
+    get = lambda part: next(v for k, v in specs.items() if part in k)
+    data = ("data", "expert")
+    want = {"experts']['w_up": P("expert", "data" if fsdp else None, "tensor"),
+            "experts']['w_down": P("expert", "tensor", "data") if fsdp else P("expert", "tensor"),
+            "attn']['w_q": P(data, "tensor") if fsdp else P(None, "tensor"),
+            "attn']['w_o": P("tensor", data) if fsdp else P("tensor"),
+            "'embed'": P(None, data) if fsdp else P()}
+    for part, spec in want.items():
+        assert get(part) == spec, (fsdp, part, get(part), spec)
+    print("fsdp", fsdp, "losses", [round(h["loss"], 5) for h in hist])
+print("OK")
+"""
+
+
+def test_a_tensor_axis_splits_ffn_widths_and_heads_and_trains_as_one_device():
+    """An 8-device mesh of data 2 x expert 2 x tensor 2 (with and without FSDP): experts'
+    hidden widths and attention's heads over the tensor axis, the experts over the expert
+    axis, the model width over the data axes with FSDP; three training steps give one
+    device's losses."""
+    out = run_on_devices(_TENSOR_SCRIPT, 8)
+    assert out.count("losses") == 2

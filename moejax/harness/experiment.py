@@ -173,7 +173,7 @@ def _check_devices(cfg: Config) -> None:
         key = key or "train"
         check_devices(train_cfg, jax.device_count(), jax.process_count(), key)
         _, n_ep = resolve_mesh_shape(train_cfg.mesh_data, train_cfg.mesh_expert,
-                                     jax.device_count())
+                                     jax.device_count(), train_cfg.mesh_tensor)
         for moe_key, moe in moes:
             if n_ep > 1 and moe.n_experts % n_ep:
                 raise ConfigError(

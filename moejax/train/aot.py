@@ -155,7 +155,7 @@ def abstract_run(model_fn, cfg: TrainConfig, batch, *, loss_fn=lm_loss_fn,
     (:func:`moejax.train.loop.loop_step`) on the mesh ``cfg`` names. ``batch``: one batch of
     the run's source (arrays or shapes)."""
     graphdef, params, rest = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
-    mesh = make_mesh(cfg.mesh_data, cfg.mesh_expert)
+    mesh = make_mesh(cfg.mesh_data, cfg.mesh_expert, tensor=cfg.mesh_tensor)
     tx, step = loop_step(graphdef, loss_fn, None, cfg, mesh)
     state = jax.eval_shape(lambda p, r: init_state(p, r, tx, cfg.seed), params, rest)
     return CapturedStep(label, step, mesh, state, abstract(batch), cfg,

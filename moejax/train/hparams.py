@@ -65,6 +65,7 @@ class TrainConfig(Config):
     precision: Literal["float32", "bfloat16"] = "float32"
     mesh_data: int = -1  # -1 = all devices not used by the other axis
     mesh_expert: int = 1
+    mesh_tensor: int = 1  # > 1: a tensor axis (moejax.train.mesh: FFN widths, heads split)
     fsdp: bool = False  # shard parameters and optimizer state over the data axis (ZeRO-3)
     log_every: int = 10
     eval_every: int = 0  # 0 = no periodic evaluation
@@ -127,6 +128,7 @@ class TrainConfig(Config):
             not (self.mesh_data == -1 and self.mesh_expert == -1),
             "mesh_data and mesh_expert cannot both be -1; fix one of them",
         )
+        r(self.mesh_tensor >= 1, f"mesh_tensor={self.mesh_tensor} must be >= 1")
         r(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
         r(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = off)")
         r(self.ckpt_every >= 0, f"ckpt_every={self.ckpt_every} must be >= 0 (0 = end only)")

@@ -345,7 +345,8 @@ class _Run:
         self.graphdef, self.source, self.cfg, self.opts = graphdef, source, cfg, opts
         self.vocab_size = vocab_size
         self.config = cfg if opts.config is None else opts.config
-        self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert) if opts.mesh is None
+        self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
+                                         tensor=cfg.mesh_tensor) if opts.mesh is None
                      else opts.mesh)
         self.unnamed = _unnamed(graphdef, params, rest, self.mesh.size)
         tx, self.step_fn = loop_step(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)

@@ -1,12 +1,18 @@
-"""Device mesh and sharding by logical axis names, for data + expert parallelism.
+"""Device mesh and sharding by logical axis names: data, expert, fully sharded data and
+tensor parallelism.
 
-Mesh axes ``("data", "expert")`` over ``jax.devices()`` (all processes' devices).
+Mesh axes ``("data", "expert")`` over ``jax.devices()`` (all processes' devices), and
+``"tensor"`` after them when a tensor axis of more than one device is asked for.
 
 Every moejax parameter names its dimensions (:mod:`moejax.nn.axes`); one table, :data:`RULES`,
 says which mesh roles each logical axis may take, as MaxText's logical axis rules do:
 
 * ``"expert"``: the mesh's expert axis, for the dimension named ``experts`` of a stacked
   expert weight whose size it divides (expert parallelism);
+* ``"tensor"``: the mesh's tensor axis (if any), for the first dimension named ``mlp``,
+  ``heads`` or ``kv_heads`` whose size it divides (tensor parallelism, as Megatron splits a
+  layer: an FFN's hidden width, attention's heads; XLA partitions the products and inserts
+  their collectives; the batch is not split over it);
 * ``"fsdp"``: with ``fsdp=True`` (ZeRO-3 style fully sharded data parallelism) the largest
   dimension whose name takes it and whose size the device count divides is sharded over
   ``("data", "expert")`` (over ``"data"`` alone when the leaf already uses the expert axis,
@@ -42,6 +48,7 @@ __all__ = [
     "sharding_summary",
     "resolve_mesh_shape",
     "make_mesh",
+    "TENSOR",
     "leaf_spec",
     "tree_shardings",
     "batch_sharding",
@@ -52,18 +59,26 @@ __all__ = [
 
 AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
+TENSOR = "tensor"
 _FSDP = ("fsdp",)
+_SPLIT = ("tensor", "fsdp")
 # logical axis -> the mesh roles it may take (module docstring)
 RULES: dict[str, tuple[str, ...]] = {
     ax.EXPERTS: ("expert",),
-    ax.EMBED: _FSDP, ax.VOCAB: _FSDP, ax.MLP: _FSDP, ax.HEADS: _FSDP, ax.KV_HEADS: _FSDP,
-    ax.SCORES: _FSDP, ax.NORM: _FSDP, ax.RANK: _FSDP, ax.KEPT: _FSDP, ax.CLASSES: _FSDP,
-    ax.POSITIONS: _FSDP, ax.PATCH: _FSDP, ax.FEATURES: _FSDP,
+    ax.MLP: _SPLIT, ax.HEADS: _SPLIT, ax.KV_HEADS: _SPLIT,
+    ax.EMBED: _FSDP, ax.VOCAB: _FSDP, ax.SCORES: _FSDP, ax.NORM: _FSDP, ax.RANK: _FSDP,
+    ax.KEPT: _FSDP, ax.CLASSES: _FSDP, ax.POSITIONS: _FSDP, ax.PATCH: _FSDP, ax.FEATURES: _FSDP,
 }
 
 
-def resolve_mesh_shape(data: int, expert: int, n_devices: int) -> tuple[int, int]:
-    """Fill a ``-1`` axis with the remaining devices; check the product."""
+def resolve_mesh_shape(data: int, expert: int, n_devices: int, tensor: int = 1
+                       ) -> tuple[int, int]:
+    """Fill a ``-1`` axis with the devices the others leave (``tensor`` devices each take
+    one data x expert mesh); check the product."""
+    if tensor < 1 or n_devices % tensor:
+        raise ValueError(f"mesh: a tensor axis of {tensor} does not divide the {n_devices} "
+                         "devices; choose mesh_tensor dividing the device count")
+    n_devices //= tensor
     if data == -1 and expert == -1:
         raise ValueError("mesh: data and expert cannot both be -1; fix one of them")
     if data == -1:
@@ -89,15 +104,18 @@ def resolve_mesh_shape(data: int, expert: int, n_devices: int) -> tuple[int, int
     return data, expert
 
 
-def make_mesh(data: int = -1, expert: int = 1, devices=None) -> Mesh:
-    """Mesh with axes ``("data", "expert")``; ``-1`` = all remaining devices."""
+def make_mesh(data: int = -1, expert: int = 1, devices=None, tensor: int = 1) -> Mesh:
+    """Mesh with axes ``("data", "expert")`` (and ``"tensor"`` when ``tensor > 1``); ``-1`` =
+    all remaining devices."""
     devices = list(jax.devices() if devices is None else devices)
-    d, e = resolve_mesh_shape(data, expert, len(devices))
+    d, e = resolve_mesh_shape(data, expert, len(devices), tensor)
+    shape, names = ((d, e), AXES) if tensor == 1 else ((d, e, tensor), (*AXES, TENSOR))
     # Auto axes: XLA propagates shardings (explicit-sharding mode would require every model
     # op to spell out its output sharding). All devices: jax's topology-aware order.
+    types = (AxisType.Auto,) * len(names)
     if devices == list(jax.devices()):
-        return jax.make_mesh((d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
-    return Mesh(np.asarray(devices).reshape(d, e), AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+        return jax.make_mesh(shape, names, axis_types=types)
+    return Mesh(np.asarray(devices).reshape(shape), names, axis_types=types)
 
 
 def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train") -> None:
@@ -105,10 +123,11 @@ def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train")
     ``TrainConfig`` whose mesh does not fit ``n_devices`` or whose batch does not divide over
     the mesh and the processes, before anything is compiled or written."""
     try:
-        d, e = resolve_mesh_shape(cfg.mesh_data, cfg.mesh_expert, n_devices)
+        d, e = resolve_mesh_shape(cfg.mesh_data, cfg.mesh_expert, n_devices, cfg.mesh_tensor)
     except ValueError as err:
         raise ConfigError(f"{key}.mesh_data={cfg.mesh_data} {key}.mesh_expert="
-                          f"{cfg.mesh_expert}: {err}") from None
+                          f"{cfg.mesh_expert} {key}.mesh_tensor={cfg.mesh_tensor}: "
+                          f"{err}") from None
     micro = cfg.batch_size // cfg.grad_accum
     if micro % (d * e) or cfg.batch_size % n_processes:
         raise ConfigError(
@@ -117,17 +136,19 @@ def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train")
             f"choose {key}.batch_size as a multiple of {d * e * cfg.grad_accum}")
 
 
-def leaf_spec(names, shape, expert_size: int, data_size: int = 1, fsdp: bool = False) -> P:
+def leaf_spec(names, shape, expert_size: int, data_size: int = 1, fsdp: bool = False,
+              tensor_size: int = 1) -> P:
     """Partition spec of one state leaf of ``shape`` with logical axis ``names`` (None:
     replicated) by :data:`RULES` (module docstring)."""
     shape = tuple(shape)
     if names is None or not shape:
         return P()
     spec: list = [None] * len(shape)
-    for i, name in enumerate(names):
-        if "expert" in RULES[name] and expert_size > 1 and shape[i] % expert_size == 0:
-            spec[i] = "expert"
-            break
+    for role, axis, size in (("expert", "expert", expert_size), ("tensor", TENSOR, tensor_size)):
+        for i, name in enumerate(names):
+            if role in RULES[name] and spec[i] is None and size > 1 and shape[i] % size == 0:
+                spec[i] = axis
+                break
     if fsdp:  # every device (both axes), else the data axis; the data axis beside the experts
         takes = [i for i, name in enumerate(names) if "fsdp" in RULES[name] and spec[i] is None]
         for axes, size in ((("data", "expert"), data_size * expert_size), ("data", data_size)):
@@ -149,14 +170,14 @@ def _is_variable(x) -> bool:
 def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
     """``NamedSharding`` for every leaf of a params / optimizer / train-state tree, from the
     logical axis names its variables carry (:func:`leaf_spec`)."""
-    e, d = mesh.shape["expert"], mesh.shape["data"]
+    e, d, t = mesh.shape["expert"], mesh.shape["data"], dict(mesh.shape).get(TENSOR, 1)
 
     def one(x):
         value = x.get_value() if _is_variable(x) else x
         if _is_variable(x) and not hasattr(value, "shape"):  # a pytree in one variable
             return x.replace(jax.tree.map(lambda _: NamedSharding(mesh, P()), value))
         sharding = NamedSharding(mesh, leaf_spec(ax.logical_axes(x), getattr(value, "shape", ()),
-                                                 e, d, fsdp))
+                                                 e, d, fsdp, t))
         return x.replace(sharding) if _is_variable(x) else sharding
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
