@@ -14,29 +14,18 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from experiments.blockffn.common import PAPER_SCALE
-from moejax.config import Config, config
+from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
+from moejax.config import config
 from moejax.harness.claims import Claim, lookup, paired_compare
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.sparse_lm import (
-    SparseLMConfig,
-    data_sources,
-    sparse_lm_preset,
-    summary_row,
-    train_and_evaluate,
-)
-from moejax.train.hparams import TrainConfig
+from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
 
 
 @config
-class AblationsConfig(Config):
-    model: SparseLMConfig = SparseLMConfig()
-    train: TrainConfig = TrainConfig()
+class AblationsConfig(SparseLMStudyConfig):
     l1_coef: float = 1e-2
     entropy_coef: float = 5e-2
-    seq_len: int = 64
-    eval_batches: int = 4
 
 
 def make_config(preset: str) -> AblationsConfig:
@@ -44,8 +33,7 @@ def make_config(preset: str) -> AblationsConfig:
 
 
 def run(cfg: AblationsConfig, run: RunDir) -> dict:
-    train_src, val = data_sources(cfg.train.batch_size, cfg.seq_len, cfg.train.seed,
-                                  cfg.eval_batches)
+    train_src, val = cfg.sources()
     m = cfg.model.replace(arch="blockffn")
     no_al = dict(al_coef=0.0)
     settings = {

@@ -26,31 +26,22 @@ from typing import Literal
 
 import numpy as np
 
-from experiments.blockffn.common import PAPER_SCALE
-from moejax.config import Config, config
+from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
+from moejax.config import config
 from moejax.harness.claims import Claim, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.sparse_lm import (
-    SparseLMConfig,
-    data_sources,
-    sparse_lm_preset,
-    summary_row,
-    train_and_evaluate,
-)
-from moejax.train.hparams import TrainConfig
+from moejax.sparse_lm import SparseLMConfig, sparse_lm_preset, summary_row, train_and_evaluate
 
 Size = Literal["small", "large", "xl"]
 
 
 @config
-class BaselinesConfig(Config):
+class BaselinesConfig(SparseLMStudyConfig):
     NONEMPTY = ("sizes",)
 
-    model: SparseLMConfig = SparseLMConfig()
-    train: TrainConfig = TrainConfig()
     sizes: tuple[Size, ...] = ("small", "large")
     small_d_model: int = 48
     small_d_expert: int = 16
@@ -67,12 +58,9 @@ class BaselinesConfig(Config):
     # the baselines trained beside BlockFFN (which is always trained: its TLS sets theirs)
     models: tuple[Literal["TopK", "DSMoE", "GRIN", "ReMoE", "Dense"], ...] = (
         "TopK", "DSMoE", "GRIN", "ReMoE", "Dense")
-    seq_len: int = 64
-    eval_batches: int = 4
 
     def validate(self):
-        self._require(self.seq_len <= self.model.max_seq_len,
-                      f"seq_len={self.seq_len} exceeds model.max_seq_len")
+        super().validate()
         self._require(len(set(self.models)) == len(self.models),
                       f"models={self.models} names a model twice")
         self._require(len(self.sizes) >= 1 and len(set(self.sizes)) == len(self.sizes),
@@ -120,8 +108,7 @@ def _train_all(cfg: BaselinesConfig):
     rows, cls_rows, mag_rows, alloc = [], [], [], None
     for seed in range(cfg.seeds):
         tcfg = cfg.train.replace(seed=cfg.train.seed + seed)
-        train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, tcfg.seed,
-                                      cfg.eval_batches)
+        train_src, val = cfg.sources(tcfg.seed)
         for size in cfg.sizes:
             base = cfg.size_spec(size)
             bf = train_and_evaluate(base.replace(arch="blockffn"), tcfg, train_src, val)

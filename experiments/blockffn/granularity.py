@@ -6,33 +6,23 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
-from experiments.blockffn.common import PAPER_SCALE
-from moejax.config import Config, config
+from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
+from moejax.config import config
 from moejax.harness.claims import Claim, lookup, paired_compare
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.sparse_lm import (
-    SparseLMConfig,
-    data_sources,
-    sparse_lm_preset,
-    summary_row,
-    train_and_evaluate,
-)
-from moejax.train.hparams import TrainConfig
+from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
 
 
 @config
-class GranularityConfig(Config):
+class GranularityConfig(SparseLMStudyConfig):
     NONEMPTY = ("n_experts",)
 
-    model: SparseLMConfig = SparseLMConfig()
-    train: TrainConfig = TrainConfig()
     ffn_width: int = 256  # N * d_expert, fixed
     n_experts: tuple[int, ...] = (4, 8, 16, 32)
-    seq_len: int = 64
-    eval_batches: int = 4
 
     def validate(self):
+        super().validate()
         for n in self.n_experts:
             self._require(self.ffn_width % int(n) == 0,
                           f"ffn_width={self.ffn_width} is not divisible by n_experts={n}")
@@ -46,8 +36,7 @@ def make_config(preset: str) -> GranularityConfig:
 
 
 def run(cfg: GranularityConfig, run: RunDir) -> dict:
-    train_src, val = data_sources(cfg.train.batch_size, cfg.seq_len, cfg.train.seed,
-                                  cfg.eval_batches)
+    train_src, val = cfg.sources()
     rows = []
     for n in cfg.n_experts:
         n = int(n)
