@@ -41,9 +41,13 @@ class ConfigError(ValueError):
     """A configuration value or override is invalid; the message names key and fix."""
 
 
-def config(cls):
-    """Decorator: make ``cls`` a frozen, keyword-only-friendly dataclass."""
-    return dataclasses.dataclass(frozen=True)(cls)
+def config(cls=None, *, kw_only: bool = False):
+    """Decorator: make ``cls`` a frozen, keyword-only-friendly dataclass; ``kw_only=True``
+    (``@config(kw_only=True)``): its fields keyword-only, so a base config of defaulted fields
+    can be subclassed by configs with required ones."""
+    if cls is None:
+        return lambda c: dataclasses.dataclass(frozen=True, kw_only=kw_only)(c)
+    return dataclasses.dataclass(frozen=True, kw_only=kw_only)(cls)
 
 
 def _resolved_hints(cls) -> dict[str, Any]:

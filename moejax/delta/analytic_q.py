@@ -277,8 +277,8 @@ class EtaSearchResult(NamedTuple):
 
 
 def _search_eta(key, pretrained, delta_tree, x_stats, p, etas, score_of_params, *,
-                minimize: bool, gamma: float, mask, in_axis: int, form: QForm = "two_sided",
-                q_mask=None):
+                minimize: bool, gamma: float = 0.05, mask=None, in_axis: int = -2,
+                form: QForm = "two_sided", q_mask=None):
     cache: dict[float, dict] = {}
     q_mask = mask if q_mask is None else q_mask
 
@@ -332,14 +332,11 @@ def search_eta_v(
     etas: Sequence[float],
     *,
     higher_is_better: bool = True,
-    gamma: float = 0.05,
-    mask: PyTree | None = None,
-    in_axis: int = -2,
-    form: QForm = "two_sided",
-    q_mask: PyTree | None = None,
+    **options,
 ) -> EtaSearchResult:
-    """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``
-    (``mask`` and ``q_mask`` as in :func:`search_eta_e`)."""
+    """``q_v`` vector: ``eta_v = argopt_eta metric_fn(theta_P + P(Delta, q(eta)))``;
+    ``options``: :func:`search_eta_e`'s keywords (``gamma``, ``mask``, ``in_axis``, ``form``,
+    ``q_mask``), the same meaning."""
     return _search_eta(key, pretrained, delta_tree, x_stats, p, etas,
                        lambda prm: float(metric_fn(prm)), minimize=not higher_is_better,
-                       gamma=gamma, mask=mask, in_axis=in_axis, form=form, q_mask=q_mask)
+                       **options)

@@ -42,6 +42,20 @@ __all__ = ["EncoderConfig", "BertEncoder", "SequenceClassifier", "bert_encoder_c
            "minilm_l6_config", "ViTConfig", "ViT", "vit_config", "patchify", "masked_mean"]
 
 
+@config(kw_only=True)
+class EncoderNumerics(Config):
+    """What every encoder config shares (BERT's, ViT's): initialisation, dtypes, attention
+    (:mod:`moejax.nn.attention`), and the checks of its shape fields."""
+
+    init_std: float = 0.02
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"  # see moejax.nn.attention
+
+    def validate(self) -> None:
+        _check_common(self)
+
+
 def _check_common(cfg) -> None:
     for name in ("d_model", "n_layers", "n_heads"):
         cfg._require(getattr(cfg, name) > 0, f"{name}={getattr(cfg, name)} must be > 0")
@@ -80,7 +94,7 @@ def masked_mean(h_BTD: jax.Array, mask_BT: jax.Array | None) -> jax.Array:
 
 
 @config
-class EncoderConfig(Config):
+class EncoderConfig(EncoderNumerics):
     """BERT-style encoder (post-LN, learned positions, token types, attention biases)."""
 
     vocab_size: int
@@ -92,13 +106,9 @@ class EncoderConfig(Config):
     type_vocab_size: int = 2
     norm_eps: float = 1e-12
     pooling: Literal["cls", "mean", "pooler"] = "cls"
-    init_std: float = 0.02
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"  # see moejax.nn.attention
 
     def validate(self) -> None:
-        _check_common(self)
+        super().validate()
         self._require(self.vocab_size > 0 and self.max_position > 0 and self.type_vocab_size > 0,
                       "vocab_size, max_position and type_vocab_size must be > 0")
 
@@ -184,7 +194,7 @@ class SequenceClassifier(nnx.Module):
 
 
 @config
-class ViTConfig(Config):
+class ViTConfig(EncoderNumerics):
     """Vision transformer: patches -> dense, CLS token, learned positions, pre-LN blocks."""
 
     image_size: int
@@ -197,13 +207,9 @@ class ViTConfig(Config):
     n_channels: int = 3
     norm_eps: float = 1e-6
     pooling: Literal["cls", "mean"] = "cls"
-    init_std: float = 0.02
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    attention: Literal["auto", "flash", "jax", "einsum"] = "auto"  # see moejax.nn.attention
 
     def validate(self) -> None:
-        _check_common(self)
+        super().validate()
         self._require(self.patch_size > 0 and self.image_size % self.patch_size == 0,
                       f"image_size={self.image_size} must be a multiple of "
                       f"patch_size={self.patch_size}")
