@@ -11,6 +11,7 @@ from moejax.nn import generate as gen_mod
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
+from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import FFNSlotConfig, layer_pattern
 from tests.toy_models import jitted
@@ -398,3 +399,21 @@ def test_batch_one_decode_writes_its_cache_in_place_without_scatters():
     assert hlo.count("stablehlo.dynamic_update_slice") == 2 * model.cfg.n_layers
     batched = step.lower(state, TOKENS[:, 8:9], model.init_cache(2, 12)).as_text()
     assert batched.count("stablehlo.scatter") >= 2 * model.cfg.n_layers  # rows at own offsets
+
+
+def test_generate_steps_take_the_cache_donated():
+    """The prefill and each token's step write into the cache they are given (donated: its
+    buffers are the new cache's, no copy per token): every cache array aliases an output of
+    the step, and the arrays passed in are consumed."""
+    cfg = dense_decoder_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_hidden=32,
+                               max_seq_len=32)
+    graphdef, state = nnx.split(lean_decoder(DecoderLM(cfg, rngs=nnx.Rngs(0))))
+    cache = nnx.merge(graphdef, state).init_cache(1, 16)
+    _, cache2 = gen_mod._prefill(graphdef, state, jnp.ones((1, 3), jnp.int32), cache)
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache))
+    tok = jnp.zeros((1,), jnp.int32)
+    text = gen_mod._decode_one.lower(graphdef, state, tok, cache2).as_text()
+    assert text.count("tf.aliasing_output") == len(jax.tree.leaves(cache2)) == 6
+    _, cache3 = gen_mod._decode_one(graphdef, state, tok, cache2)
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache2))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(cache3))

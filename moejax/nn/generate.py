@@ -1,7 +1,8 @@
 """Autoregressive generation for :class:`moejax.nn.decoder.DecoderLM` with a KV cache.
 
 One jitted prefill over the prompt, then one jitted decode step per new token (same shapes
-every step, so it is traced once per (model structure, batch, cache length)). Greedy when
+every step, so it is traced once per (model structure, batch, cache length)); each step takes
+the cache donated, so its new tokens are written into the same buffers, not a copy. Greedy when
 ``temperature == 0``; otherwise samples from ``softmax(logits / temperature)`` (optionally
 restricted to the ``top_k`` largest logits) with ``fold_in(key, step)`` as the step's key.
 """
@@ -51,14 +52,14 @@ def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: fl
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnums=(0,))
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def _prefill(graphdef, state, prompt_BT, cache):
     model = nnx.merge(graphdef, state)
     logits_BTV, cache = model.decode(prompt_BT, cache)
     return logits_BTV[:, -1], cache
 
 
-@partial(jax.jit, static_argnums=(0,))
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
 def _decode_one(graphdef, state, token_B, cache):
     model = nnx.merge(graphdef, state)
     logits_B1V, cache = model.decode(token_B[:, None], cache)
