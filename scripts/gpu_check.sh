@@ -11,6 +11,7 @@
 #   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
 #                grouped products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/<op>/tuned/<device kind>.json
+#                (copied to OUT_DIR/autotune/tuned/, so they come back with the stage)
 #                (AUTOTUNE_KERNELS=gmm_mgpu,tgmm_mgpu: only those kernels;
 #                AUTOTUNE_SHAPES="(2048,1408),": only those grouped shapes (K, N);
 #                AUTOTUNE_DECODE_SHAPES="(2048,256),": the decode kernel's (D, F))
@@ -125,7 +126,12 @@ for stage in $stages; do
         "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
         "dtypes=(bfloat16,)" "shapes=(${AUTOTUNE_SHAPES:-(2048,1408),(1408,2048)})" \
         "decode_shapes=(${AUTOTUNE_DECODE_SHAPES:-(2048,256),})" \
-        out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12 ;;
+        out="$out/autotune" 2>&1 | tee "$out/autotune.log" | grep -v "it/s" | tail -12
+      st=${PIPESTATUS[0]}
+      # the ops' tuned files come back with the stage's output (for the checkout)
+      mkdir -p "$out/autotune/tuned" && cp --parents moejax/kernels/*/tuned/*.json \
+        "$out/autotune/tuned/" 2>/dev/null
+      (exit "$st") ;;
     grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
     speculative_quick|speculative_wide|speculative_wide_graphs|extracted)
       args=(preset=full)

@@ -12,13 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(tmp_path, *stages, **env_vars):
+def _run(tmp_path, *stages, exit_code: int = 0, **env_vars):
     log = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(f'#!/usr/bin/env bash\necho "$@" >> {log}\n'  # and, asked for flags, one
                     '[[ "$*" == *with_flags* ]] && echo "--xla_gpu_enable_command_buffer=+WHILE"\n'
                     f'[ -n "${{XLA_FLAGS:-}}" ] && echo "  XLA_FLAGS=$XLA_FLAGS" >> {log}\n'
-                    'exit 0\n')
+                    f'[[ "$*" == -m* ]] && exit {exit_code}\nexit 0\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the suite's own
     env.update(PYTHON=str(fake), **env_vars)
@@ -58,6 +58,9 @@ def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(tmp_path / "gpu.tgz") as tar:  # packed after the stage, no checkpoints
         assert "out/.done-autotune" in tar.getnames()
+        # the ops' tuned files come back with it
+        assert ("out/autotune/tuned/moejax/kernels/chunk_union/tuned/NVIDIA_H200.json"
+                in tar.getnames())
         assert not any("checkpoints" in name for name in tar.getnames())
     with tarfile.open(tmp_path / "all.tgz") as tar:  # everything
         assert "out/bench_speculative_wide/target/checkpoints/200/state" in tar.getnames()
@@ -132,3 +135,9 @@ def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_fla
                      f"out={tmp_path / 'out' / 'bench_dispatch_xla_attention'}"]
     assert sorted(p.name for p in out.iterdir()) == ["self_distilled", "target"]
     assert (out / "target" / "ckpt.bin").read_text() == "target"
+
+
+def test_a_failed_autotune_is_not_marked_done(tmp_path):
+    proc, calls = _run(tmp_path, "autotune", exit_code=1)
+    assert proc.returncode != 0 and "stage autotune failed" in proc.stderr
+    assert calls and not (tmp_path / "out" / ".done-autotune").exists()
