@@ -68,19 +68,14 @@ def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback, kv_lengths_B=
     platform = target_device()[0]
     if platform not in KERNELS or not AVAILABLE:
         return fallback(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS)
-    B = q_BTHJ.shape[0]
-    lengths = (jnp.full((B,), k_BSGJ.shape[1], jnp.int32) if kv_lengths_B is None
-               else kv_lengths_B.astype(jnp.int32))
-    with_lengths = kv_lengths_B is not None
+    lengths = None if kv_lengths_B is None else kv_lengths_B.astype(jnp.int32)
 
-    def kernel(q, k, v, m, n):
+    def kernel(q, k, v, m):
         try:
-            return flash_kernel(q, k, v, m, platform, n if with_lengths else None).astype(
-                q.dtype)
+            return flash_kernel(q, k, v, m, platform, lengths).astype(q.dtype)
         except (NotImplementedError, ValueError):  # a shape or dtype it does not take
             return fallback(q, k, v, m)
 
-    mask = jnp.broadcast_to(mask_BTS, (B, q_BTHJ.shape[1], k_BSGJ.shape[1]))
-    return jax.lax.platform_dependent(
-        q_BTHJ, k_BSGJ, v_BSGJ, mask, lengths,
-        default=lambda q, k, v, m, n: fallback(q, k, v, m), **{platform: kernel})
+    mask = jnp.broadcast_to(mask_BTS, (q_BTHJ.shape[0], q_BTHJ.shape[1], k_BSGJ.shape[1]))
+    return jax.lax.platform_dependent(q_BTHJ, k_BSGJ, v_BSGJ, mask, default=fallback,
+                                      **{platform: kernel})

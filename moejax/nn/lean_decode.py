@@ -134,11 +134,11 @@ class LeanBlockFFN(nnx.Module):
         B, T, D = x_BTD.shape
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D)
-        r_N1 = inv_rms(x_ND, self.eps)
-        a0 = (x_ND.astype(jnp.float32) @ self.w_router[...]) * r_N1
+        x32_ND, r_N1 = x_ND.astype(jnp.float32), inv_rms(x_ND, self.eps)
+        a0 = (x32_ND @ self.w_router[...]) * r_N1
         a1 = jax.nn.relu(a0)
         a = a1 if self.router_norm is None else self.router_norm(a1)
-        xe_ND = (x_ND.astype(jnp.float32) * r_N1).astype(dt)
+        xe_ND = (x32_ND * r_N1).astype(dt)
         w_gate = None if self.w_gate is None else self.w_gate[...]
         y_ND, _ = block_experts(self.cfg, xe_ND, BlockRoute(a0, a1, a), self.w_up[...],
                                 self.w_down[...], w_gate)

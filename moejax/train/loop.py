@@ -212,21 +212,6 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     return history
 
 
-def _unnamed(graphdef, params, rest, n_devices: int) -> list[str]:
-    """The parameters a mesh of ``n_devices`` replicates for want of logical axis names
-    (:func:`moejax.train.mesh.check_named`: a moejax module's is refused there); a plain
-    pytree's are all of them. Logged once where they matter (more than one device)."""
-    if graphdef is None:
-        unnamed = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    else:
-        unnamed = mesh_lib.check_named(nnx.merge(graphdef, params, rest), n_devices)
-    if unnamed and n_devices > 1:
-        log.warning("%d parameters without logical axis names are replicated over the %d "
-                    "devices: %s", len(unnamed), n_devices, ", ".join(unnamed[:8])
-                    + (" ..." if len(unnamed) > 8 else ""))
-    return unnamed
-
-
 def _variable_leaves(tree) -> list:
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -348,7 +333,7 @@ class _Run:
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
                                          tensor=cfg.mesh_tensor) if opts.mesh is None
                      else opts.mesh)
-        self.unnamed = _unnamed(graphdef, params, rest, self.mesh.size)
+        self.unnamed = mesh_lib.replicated_unnamed(graphdef, params, rest, self.mesh.size)
         tx, self.step_fn = loop_step(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
         # Own copies: the step donates its input state, and neither the caller's arrays nor
         # aliases inside the optimizer state (e.g. AdamR's anchor is the initial params) may

@@ -30,6 +30,8 @@ sharded exactly like the parameters they mirror.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 from flax import nnx
@@ -45,6 +47,7 @@ __all__ = [
     "RULES",
     "unnamed_params",
     "check_named",
+    "replicated_unnamed",
     "sharding_summary",
     "resolve_mesh_shape",
     "make_mesh",
@@ -56,6 +59,8 @@ __all__ = [
     "shard_tree",
     "shard_batch",
 ]
+
+log = logging.getLogger(__name__)
 
 AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
@@ -186,20 +191,11 @@ def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
 def unnamed_params(model) -> list[tuple[str, str]]:
     """``(path, owner)`` of every ``nnx.Param`` of ``model`` (a module) without logical axis
     names; ``owner`` is the module class that holds it, ``"module.Class"``."""
-    out = []
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param) and ax.logical_axes(node) is None:
-            owner = _owner(model, path)
-            out.append(("/".join(map(str, path)), f"{owner.__module__}.{owner.__qualname__}"))
-    return out
-
-
-def _owner(model, path) -> type:
-    node = model
-    for key in path[:-1]:
-        node = node[key] if isinstance(node, (list, tuple, dict, nnx.List, nnx.Dict)) else (
-            getattr(node, key))
-    return type(node)
+    nodes = dict(nnx.iter_graph(model))
+    return [("/".join(map(str, path)), f"{type(nodes[path[:-1]]).__module__}."
+             f"{type(nodes[path[:-1]]).__qualname__}")
+            for path, node in nodes.items()
+            if isinstance(node, nnx.Param) and ax.logical_axes(node) is None]
 
 
 def check_named(model, n_devices: int) -> list[str]:
@@ -213,6 +209,22 @@ def check_named(model, n_devices: int) -> list[str]:
                          f"{', '.join(ours)}; make them with moejax.nn.axes.param(value, "
                          "*names)")
     return [p for p, _ in unnamed]
+
+
+def replicated_unnamed(graphdef, params, rest, n_devices: int) -> list[str]:
+    """The parameters a mesh of ``n_devices`` replicates for want of logical axis names:
+    a split module's (:func:`check_named`, which refuses a moejax module's), or every leaf of
+    a plain pytree (``graphdef`` None). Logged once where they matter (more than one
+    device)."""
+    if graphdef is None:
+        unnamed = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    else:
+        unnamed = check_named(nnx.merge(graphdef, params, rest), n_devices)
+    if unnamed and n_devices > 1:
+        log.warning("%d parameters without logical axis names are replicated over the %d "
+                    "devices: %s", len(unnamed), n_devices, ", ".join(unnamed[:8])
+                    + (" ..." if len(unnamed) > 8 else ""))
+    return unnamed
 
 
 def sharding_summary(params, mesh: Mesh, fsdp: bool, unnamed) -> dict:
