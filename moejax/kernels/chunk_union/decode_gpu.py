@@ -1,7 +1,7 @@
 """BlockFFN's chunk-union forward at decode on an NVIDIA Hopper GPU, in Pallas Mosaic GPU: one
 chunk of ``n`` tokens (1 to 64: a decoded token, or the draft block that speculative decoding
 verifies) reads only the weights of the experts in its union (BlockFFN paper, Sec. 3.3 and its
-decode kernels), in one launch after the output is zeroed.
+decode kernels), in one launch into a zeroed float32 output.
 
 As in the official kernels (thunlp/BlockFFN ``inference/``), the weights are wgmma's M operand
 and the chunk its N: the products are computed transposed, ``h^T = W^T x^T``, so the chunk is
@@ -31,12 +31,15 @@ programs, :func:`d_splits`: each computes the up-projection and the down-project
    oracle casts it, stored through a transposed view as ``[rows, bF]`` (the K-major operand
    the down-projection's wgmma takes for any ``rows``).
 3. **Down-projection.** Over D blocks (default 128): ``W_down[e][f, d]^T h^T`` by wgmma
-   (``[bD, rows]``), added into the float32 output ``y^T [D, rows]`` by TMA's reduce-add
+   (``[bD, rows]``), added into the float32 output ``y [n, D]`` by TMA's reduce-add
    (``cp.reduce.async.bulk``), so the programs of all members and F blocks sum into one
-   output without a second launch. The products are staged for the add in two alternating
-   shared-memory buffers, so a block's product waits only for the add issued two blocks
-   before it, not for the last one. The output is transposed back when it is cut to the
-   chunk's ``n`` rows and cast.
+   output without a second launch. The product is turned into ``y``'s orientation on its
+   way to shared memory: its registers take wgmma's transposed layout (one warp shuffle:
+   two neighbouring rows of a column in one thread), which stores through a transposed view
+   of a ``[rows, bD]`` buffer, and the add writes that buffer's first ``n`` rows (TMA drops
+   the rows past the output's end, as it zero-fills them on the way in). The products are
+   staged for the add in two alternating shared-memory buffers, so a block's product waits
+   only for the add issued two blocks before it, not for the last one.
 
 **L2 prefetch** (a tuned option, :data:`moejax.kernels.tuning.L2_PREFETCH`; default none):
 at its start a member's program can ask the L2 for its down-projection's weights, or for all
@@ -48,10 +51,9 @@ and its pipelines then copy from the L2. The values are the same either way.
 Against the official design (a union kernel, then programs over (union slot, F block) and a
 down-projection over D blocks) each program finds its own membership and the programs sum the
 down-projection through the reduce-add; the weights read are the same (the union's, once),
-with no launch but this one, the output's zeroing before it and one fusion after it (the
-chunk's columns of ``y^T``, transposed and cast). The output is staged as ``y^T``: Mosaic GPU
-has no store of a float32 wgmma accumulator through a transposed view of shared memory (its
-layout inference finds no transfer plan), so ``y`` itself cannot be the TMA's target.
+with no launch but this one. Around it: the float32 output's zeroing (the target the
+reduce-adds sum into) and its cast to the operands' dtype, an elementwise conversion that
+XLA fuses into whatever reads the output (a decoder's residual add).
 
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
 of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
@@ -251,13 +253,14 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
             # the add issued two steps ago, from the same buffer, has read it; the last one
             # may still be reading the other
             plgpu.wait_smem_to_gmem(OUT_BUFFERS - 1, wait_read_only=True)
-            buf = o_smem.at[i % OUT_BUFFERS]
-            buf[...] = out
+            buf = o_smem.at[i % OUT_BUFFERS]  # [rows, bD]: y's orientation
+            buf.T[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            dst = y_g.at[pl.ds(d * bD, bD)]
-            if interpret:
-                dst[...] = dst[...] + buf[...]
-            else:
+            if interpret:  # the interpreter checks bounds: the chunk's n rows only
+                dst = y_g.at[:, pl.ds(d * bD, bD)]
+                dst[...] = dst[...] + buf[:y_g.shape[0]]
+            else:  # TMA drops the rows past n (the dynamic row start, as for x's reads)
+                dst = y_g.at[pl.ds(row0, rows), pl.ds(d * bD, bD)]
                 plgpu.copy_smem_to_gmem(buf, dst, reduction_op="add")
 
         plgpu.emit_pipeline(down, grid=(blocks_s,),
@@ -298,9 +301,10 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
         out_type=(), grid=(E, w_up.shape[-1] // bF, splits), grid_names=("e", "f", "s"),
         kernel_name="moejax_chunk_union_decode",
         scratch_types=[plgpu.SMEM((rows, bF), dt, transforms=swizzled((rows, bF), dt, "h")),
-                       plgpu.SMEM((OUT_BUFFERS, bD, rows), jnp.float32)],
+                       plgpu.SMEM((OUT_BUFFERS, rows, bD), jnp.float32,
+                                  transforms=swizzled((rows, bD), jnp.float32, "y"))],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
-    y = jax.new_ref(jnp.zeros((D, rows), jnp.float32))
+    y = jax.new_ref(jnp.zeros((n, D), jnp.float32))  # what the reduce-adds sum into
     a = a_nE if any(a_nE.dtype == d for d in (jnp.float32, *DTYPES)) else a_nE.astype(jnp.float32)
     kernel(x_nD, a, *weights[:2], *weights[2:], y)
-    return y[...][:, :n].T.astype(dt)  # one fusion: the chunk's columns, transposed and cast
+    return y[...].astype(dt)  # elementwise: fused into the output's reader
