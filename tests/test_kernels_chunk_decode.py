@@ -71,13 +71,15 @@ def test_bfloat16_chunk_accumulates_in_float32():
 def test_its_gradient_is_the_oracles(activation):
     x, a, on, wu, wd, wg = _chunk(6, activation, density=0.5)
 
+    r = jax.random.normal(jax.random.key(5), x.shape, x.dtype)  # a decoder's residual
+
     def loss(fn):
-        def f(x, a, wu, wd, wg):
-            return jnp.sum(fn(x, a, wu, wd, wg) ** 2)
-        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4)))(x, a, wu, wd, wg)
+        def f(x, a, wu, wd, wg, r):
+            return jnp.sum(fn(x, a, wu, wd, wg, r) ** 2)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3, 4, 5)))(x, a, wu, wd, wg, r)
 
     got = loss(lambda *z: decode_chunk(z[0], z[1], on, *z[2:], activation, True, "tpu"))
-    want = loss(lambda x, a, wu, wd, wg: dense_experts(x, a, wu, wd, wg, activation))
+    want = loss(lambda x, a, wu, wd, wg, r: r + dense_experts(x, a, wu, wd, wg, activation))
     for g, w in zip(got, want):
         if w is not None:
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

@@ -81,13 +81,18 @@ ON_HOPPER = jax.default_backend() == "gpu" and hopper_target()
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the compiled kernel needs a Hopper GPU (make gpu-check)")
-@pytest.mark.parametrize("activation,n", [("swish", 1), ("swiglu", 8), ("geglu", 64)])
-def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation, n):
-    """The kernel as the GPU runs it: TMA reduce-add, wgmma, early exit."""
+@pytest.mark.parametrize("activation,n,residual", [("swish", 1, False), ("swiglu", 8, False),
+                                                   ("geglu", 64, False), ("relu", 5, True),
+                                                   ("swiglu", 1, True)])
+def test_the_compiled_kernel_equals_the_dense_oracle_on_a_hopper_gpu(activation, n, residual):
+    """The kernel as the GPU runs it: TMA reduce-add (the rows past ``n`` dropped, into zeros
+    or a residual), wgmma, early exit."""
     x, a, on, wu, wd, wg = _chunk(n, activation, seed=n)
-    y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation=activation))(
-        x, a, on, wu, wd, wg)
-    assert _steps(y, _oracle(x, a, wu, wd, wg, activation)) <= 2
+    r = (4 * jax.random.normal(jax.random.key(n), x.shape)).astype(BF) if residual else None
+    y = jax.jit(lambda *z: chunk_union_decode_gpu(*z[:6], activation=activation,
+                                                  residual_nD=z[6]))(x, a, on, wu, wd, wg, r)
+    want = _oracle(x, a, wu, wd, wg, activation)
+    assert _steps(y, want if r is None else want + r.astype(jnp.float32)) <= 2
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the compiled kernel needs a Hopper GPU (make gpu-check)")
@@ -99,6 +104,29 @@ def test_the_compiled_kernel_with_a_prefetch_or_a_split_equals_the_oracle(prefet
         y = jax.jit(lambda *z: chunk_union_decode_gpu(*z, activation="swiglu"))(
             x, a, on, wu, wd, wg)
     assert _steps(y, _oracle(x, a, wu, wd, wg, "swiglu")) <= 2
+
+
+@pytest.mark.parametrize("n,activation", [(1, "swiglu"), (5, "relu"), (40, "geglu")])
+def test_a_residual_is_the_start_of_the_sum(n, activation):
+    """With a residual the kernel returns ``residual + y``, rounded once to the residual's
+    dtype (bf16 here, a decoder's residual stream; float32 for the last case), and its
+    gradient through :func:`decode_chunk` gives the residual the output's cotangent."""
+    x, a, on, wu, wd, wg = _chunk(n, activation, seed=20 + n)
+    dtype = jnp.float32 if n == 40 else BF
+    r = (4 * jax.random.normal(jax.random.key(n), x.shape)).astype(dtype)
+    y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation, interpret=True,
+                               residual_nD=r)
+    assert y.dtype == dtype
+    want = r.astype(jnp.float32) + _oracle(x, a, wu, wd, wg, activation)
+    err = np.abs(np.asarray(y, np.float32) - np.asarray(want)).max()
+    assert err <= (2 * 2.0 ** -8 if dtype == BF else 1e-3) * np.abs(np.asarray(want)).max()
+    ct = jax.random.normal(jax.random.key(1), x.shape)
+    dr = jax.grad(lambda r: jnp.sum(decode_chunk(x, a, on, wu, wd, wg, r, activation, True,
+                                                 "mosaic_gpu").astype(jnp.float32) * ct))(r)
+    np.testing.assert_array_equal(np.asarray(dr), np.asarray(ct.astype(dtype)))
+    with pytest.raises(ValueError, match="residual"):
+        chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation,
+                               residual_nD=r[:, :8])
 
 
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
@@ -135,7 +163,7 @@ def test_its_gradient_is_the_oracles():
         return jax.grad(lambda *z: jnp.sum(fn(*z).astype(jnp.float32) ** 2),
                         argnums=(0, 1, 2, 3))(x.astype(BF), a, wu.astype(BF), wd.astype(BF))
 
-    got = grads(lambda x, a, wu, wd: decode_chunk(x, a, on, wu, wd, None, "relu", True,
+    got = grads(lambda x, a, wu, wd: decode_chunk(x, a, on, wu, wd, None, None, "relu", True,
                                                   "mosaic_gpu"))
     want = jax.jit(lambda: grads(lambda x, a, wu, wd: dense_experts(x, a, wu, wd, None,
                                                                     "relu")))()
@@ -162,26 +190,34 @@ def test_it_lowers_for_cuda_to_one_mosaic_gpu_launch_at_the_benchmark_shapes(n):
     assert "triton" not in text and "callback" not in text
 
 
-@pytest.mark.parametrize("n,a_dtype", [(1, jnp.float32), (8, BF), (5, jnp.float32)])
-def test_only_the_outputs_zeroing_and_cast_surround_the_kernel(n, a_dtype):
+@pytest.mark.parametrize("n,a_dtype,residual", [(1, jnp.float32, False), (8, BF, False),
+                                                (5, jnp.float32, False), (1, BF, True),
+                                                (8, jnp.float32, True)])
+def test_only_the_outputs_start_and_cast_surround_the_kernel(n, a_dtype, residual):
     """The members and their combine weights are read by the kernel from ``a`` as given
     (float32 or the operands' 16-bit dtype) and the chunk from ``x`` (its rows past ``n``
     are out-of-bounds reads), and the kernel writes ``y`` in its own orientation and rows:
-    outside the launch there is the float32 output's zeroing (a broadcast zero) and its one
-    conversion to the operands' dtype, and nothing else (no reduction, transpose, slice,
-    pad or copy)."""
+    outside the launch there is the float32 output's start (a broadcast zero, or the
+    residual's conversion) and its one conversion to the output's dtype, and nothing else
+    (no reduction, transpose, slice, pad, copy or add)."""
     def fn(*z):
+        if residual:
+            return chunk_union_decode_gpu(*z[:-1], activation="swiglu", residual_nD=z[-1])
         return chunk_union_decode_gpu(*z, activation="swiglu")
 
-    shapes = _shapes(n)
+    shapes = _shapes(n) + ([jax.ShapeDtypeStruct((n, 2048), BF)] if residual else [])
     shapes[1] = jax.ShapeDtypeStruct(shapes[1].shape, a_dtype)
     with lowering_target("cuda"):
         text = je.export(jax.jit(fn), platforms=("cuda",))(*shapes).mlir_module()
     hlo = [line for line in text.splitlines() if "stablehlo." in line and "custom_call" not in line]
     ops = [re.search(r"stablehlo\.(\w+)", line).group(1) for line in hlo]
-    assert sorted(ops) == ["broadcast_in_dim", "constant", "convert"], ops
+    assert sorted(ops) == (["convert"] * 2 if residual else
+                           ["broadcast_in_dim", "constant", "convert"]), ops
+    hlo = "\n".join(hlo)
     assert re.search(rf"stablehlo.convert %\d+ : \(tensor<{n}x2048xf32>\) -> "
-                     rf"tensor<{n}x2048xbf16>", "\n".join(hlo))  # the output's, not a's
+                     rf"tensor<{n}x2048xbf16>", hlo)  # the output's, not a's
+    assert not residual or re.search(rf"stablehlo.convert %arg5 : \(tensor<{n}x2048xbf16>\) "
+                                     rf"-> tensor<{n}x2048xf32>", hlo)  # the residual's
 
 
 @pytest.mark.parametrize("dtype,d,kernel", [(BF, 2048, "mosaic_gpu_v2"), (jnp.float32, 2048, None),
@@ -255,6 +291,9 @@ def test_bad_calls_are_refused_before_lowering():
         chunk_union_decode_gpu(x, a, on, wu, wd[:, :, :64], activation="relu")
     with pytest.raises(ValueError, match="unknown activation"):
         chunk_union_decode_gpu(x, a, on, wu, wd, activation="tanh")
+    with pytest.raises(ValueError, match=r"the residual \(4, 8\) must be x's \(4, 256\)"):
+        chunk_union_auto(x, a, on, wu, wd, activation="relu", tile=4, max_union=E,
+                         residual_ND=x[:, :8])
 
 
 # around the limit for a chunk of 8 and of 64 tokens, plain and gated

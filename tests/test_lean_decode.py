@@ -97,6 +97,12 @@ def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
     # (int32), or a dense mask (i1) where the lengths were not given
     per["flash operands"] = {tuple(re.findall(r"x([a-z]+\d+)>", c)) for c in re.findall(
         r"custom_call @__gpu\$xla\.gpu\.triton\([^)]*\).*?: \(([^)]*)\)", text)}
+    # what makes the float32 output each chunk-union decode kernel sums into
+    per["decode kernel output from"] = set()
+    for call in re.finditer(r"custom_call @mosaic_gpu_v2\(([^)]*)\)", text):
+        start = re.findall(rf"{call.group(1).split(', ')[-1]} = (stablehlo\.\w+ .*?)loc",
+                           text[:call.start()])[-1]
+        per["decode kernel output from"].add(re.sub(r"%\w+", "%", start).strip())
     return per
 
 
@@ -110,6 +116,9 @@ def test_the_one_token_decode_launches_within_its_budget(kind):
     assert per["flash operands"] == {("bf16", "bf16", "bf16", "i32")}, per
     assert per["scatter"] == 0 and per["dynamic_update_slice"] == 2, per
     assert per["custom_call"] == KERNELS[kind], per
+    if kind == "blockffn":  # the block's residual (bf16), not a zeroed buffer
+        assert per["decode kernel output from"] == {
+            "stablehlo.convert % : (tensor<1x256xbf16>) -> tensor<1x256xf32>"}, per
     assert per["dot_general"] <= PRODUCTS[kind] + 1 / 14, per  # + the head's, once
 
 

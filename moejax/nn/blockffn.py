@@ -212,22 +212,32 @@ class BlockFFN(MoESkeleton):
         }
 
 
-def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate):
+def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate,
+                  residual_ND=None):
     """BlockFFN's expert part on ``cfg.path``: ``(y_ND, {"union_overflow": ...} on the
-    chunk-union paths, else {})`` in ``x``'s dtype, the weights cast to it."""
+    chunk-union paths, else {})`` in ``x``'s dtype, the weights cast to it. With
+    ``residual_ND``: ``residual + y`` in the residual's dtype (a decoder block's output), which
+    ``path="auto"`` hands to its decode kernel to sum into
+    (:func:`moejax.kernels.chunk_union.pallas.chunk_union_auto`)."""
     dt = x_ND.dtype
     w_up, w_down = w_up.astype(dt), w_down.astype(dt)
     w_gate = None if w_gate is None else w_gate.astype(dt)
+
+    def plus(y_ND):
+        return y_ND if residual_ND is None else residual_ND + y_ND.astype(residual_ND.dtype)
+
     if cfg.path == "dense":
-        return dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt), {}
+        return plus(dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt)), {}
     kw = dict(tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
+    if cfg.path == "auto":
+        y_ND, overflow = chunk_union_auto(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
+                                          activation=cfg.activation, residual_ND=residual_ND,
+                                          **kw)
+        return y_ND, {"union_overflow": overflow}
     if cfg.path in ("pallas", "triton"):
         y_ND, overflow = chunk_union_kernel(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
                                             activation=cfg.activation, backend=cfg.path, **kw)
-    elif cfg.path == "auto":
-        y_ND, overflow = chunk_union_auto(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
-                                          activation=cfg.activation, **kw)
     else:
         y_ND, overflow = chunk_union_experts(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
                                              cfg.activation, **kw)
-    return y_ND.astype(dt), {"union_overflow": overflow}
+    return plus(y_ND.astype(dt)), {"union_overflow": overflow}

@@ -15,8 +15,9 @@
   norm's reduction read ``x`` side by side), and its experts' input weights
   ``diag(s_ffn) W_up^(e)`` (and ``W_gate^(e)``), so the experts take ``x`` times that rsqrt;
   the expert part is the module's (:func:`moejax.nn.blockffn.block_experts`: on a GPU the
-  chunk-union decode kernel); any other FFN slot (MoE, DeRS) runs as the module does, after
-  its RMSNorm;
+  chunk-union decode kernel, which sums the experts' output into the block's residual, so
+  the block's residual add is the kernel's and its float32 output needs no zeroing); any
+  other FFN slot (MoE, DeRS) runs as the module does, after its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
   GPU, :mod:`moejax.kernels.flash_attention`, given the rows' filled lengths, so its loop over
   key blocks ends there), the cache written in place
@@ -111,6 +112,11 @@ class LeanDenseFFN(nnx.Module):
             y = y + self.b_down[...].astype(dt)
         return y, {}
 
+    def with_residual(self, x_BTD: jax.Array):
+        """``x + ffn(x)``, the block's output, and ``{}``."""
+        y, aux = self(x_BTD)
+        return x_BTD + y.astype(x_BTD.dtype), aux
+
 
 class LeanBlockFFN(nnx.Module):
     """A :class:`~moejax.nn.blockffn.BlockFFN` after its RMSNorm with the norm's scale folded
@@ -131,6 +137,14 @@ class LeanBlockFFN(nnx.Module):
         self.w_gate = None if w_gate is None else ax.param(fold(w_gate), *up)
 
     def __call__(self, x_BTD: jax.Array):
+        return self._experts(x_BTD, residual=False), {}
+
+    def with_residual(self, x_BTD: jax.Array):
+        """``x + ffn(x)``, the block's output, and ``{}``: the residual goes to the expert
+        part, whose GPU decode kernel sums into it (no zeroed output, no add after it)."""
+        return self._experts(x_BTD, residual=True), {}
+
+    def _experts(self, x_BTD: jax.Array, residual: bool):
         B, T, D = x_BTD.shape
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D)
@@ -141,8 +155,8 @@ class LeanBlockFFN(nnx.Module):
         xe_ND = (x32_ND * r_N1).astype(dt)
         w_gate = None if self.w_gate is None else self.w_gate[...]
         y_ND, _ = block_experts(self.cfg, xe_ND, BlockRoute(a0, a1, a), self.w_up[...],
-                                self.w_down[...], w_gate)
-        return y_ND.reshape(B, T, D), {}
+                                self.w_down[...], w_gate, x_ND if residual else None)
+        return y_ND.reshape(B, T, D)
 
 
 def _plain_rmsnorm(norm) -> bool:
@@ -165,10 +179,10 @@ class LeanBlock(nnx.Module):
                mask_BT=None) -> tuple[jax.Array, dict, KVCache]:
         a, cache = self.attn.decode(x_BTD, cache, positions_BT)
         x_BTD = x_BTD + a.astype(x_BTD.dtype)
-        if self.ffn_norm is None:
-            y, aux = self.ffn(x_BTD)
-        else:
-            y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
+        if self.ffn_norm is None:  # a lean slot: it takes the block's input, adds its own
+            x_BTD, aux = self.ffn.with_residual(x_BTD)
+            return x_BTD, aux, cache
+        y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
         return x_BTD + y.astype(x_BTD.dtype), aux, cache
 
 

@@ -1,7 +1,8 @@
 """BlockFFN's chunk-union forward at decode on an NVIDIA Hopper GPU, in Pallas Mosaic GPU: one
 chunk of ``n`` tokens (1 to 64: a decoded token, or the draft block that speculative decoding
 verifies) reads only the weights of the experts in its union (BlockFFN paper, Sec. 3.3 and its
-decode kernels), in one launch into a zeroed float32 output.
+decode kernels), in one launch into a float32 output that starts at zero or at the block's
+residual.
 
 As in the official kernels (thunlp/BlockFFN ``inference/``), the weights are wgmma's M operand
 and the chunk its N: the products are computed transposed, ``h^T = W^T x^T``, so the chunk is
@@ -51,9 +52,10 @@ and its pipelines then copy from the L2. The values are the same either way.
 Against the official design (a union kernel, then programs over (union slot, F block) and a
 down-projection over D blocks) each program finds its own membership and the programs sum the
 down-projection through the reduce-add; the weights read are the same (the union's, once),
-with no launch but this one. Around it: the float32 output's zeroing (the target the
-reduce-adds sum into) and its cast to the operands' dtype, an elementwise conversion that
-XLA fuses into whatever reads the output (a decoder's residual add).
+with no launch but this one. Around it: the float32 output's start (the target the
+reduce-adds sum into: zeros, or a decoder block's residual, whose add then is the kernel's)
+and its cast to the operands' dtype, an elementwise conversion that XLA fuses into whatever
+reads the output.
 
 bfloat16 and float16 operands (what wgmma takes without tf32), ``D`` and ``F`` whole multiples
 of the blocks (:func:`blocks`, tuned per device; default 128 and 64): :func:`supports` says
@@ -271,15 +273,23 @@ def _body(x_g, a_g, wu_g, wd_g, *rest, rows, activation, gated, interpret, tiles
 
 
 def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
-                           activation: str, interpret: bool = False):
+                           activation: str, interpret: bool = False, residual_nD=None):
     """``y [n, D]`` in ``x``'s dtype: the chunk's expert output through its members' weights
     only (module docstring); equals
     :func:`moejax.kernels.chunk_union.reference.dense_experts` of ``a`` (``active``, whose
-    union holds every member, is checked for its shape: the members are read from ``a``)."""
+    union holds every member, is checked for its shape: the members are read from ``a``).
+
+    ``residual_nD`` (``[n, D]``): ``residual + y`` instead, rounded once to the residual's
+    dtype.
+    The float32 output the reduce-adds sum into starts from the residual rather than from
+    zeros, so a decoder block's residual add is the kernel's own and nothing but conversions
+    surrounds the launch."""
     n, D = x_nD.shape
     E = a_nE.shape[-1]
     if a_nE.shape != (n, E) or active_nE.shape != (n, E):
         raise ValueError(f"a {a_nE.shape} and active {active_nE.shape} must be {(n, E)}")
+    if residual_nD is not None and residual_nD.shape != (n, D):
+        raise ValueError(f"the residual {tuple(residual_nD.shape)} must be x's {(n, D)}")
     check_expert_weights(x_nD.shape, E, w_up, w_down, w_gate)
     activation_fn(activation)  # an unknown name fails here, before any lowering
     if not supports(x_nD, w_up, w_gate):
@@ -304,7 +314,9 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
                        plgpu.SMEM((OUT_BUFFERS, rows, bD), jnp.float32,
                                   transforms=swizzled((rows, bD), jnp.float32, "y"))],
         interpret=plgpu.InterpretGPUParams() if interpret else False)
-    y = jax.new_ref(jnp.zeros((n, D), jnp.float32))  # what the reduce-adds sum into
+    y = jax.new_ref(jnp.zeros((n, D), jnp.float32) if residual_nD is None  # what the
+                    else residual_nD.astype(jnp.float32))  # reduce-adds sum into
     a = a_nE if any(a_nE.dtype == d for d in (jnp.float32, *DTYPES)) else a_nE.astype(jnp.float32)
     kernel(x_nD, a, *weights[:2], *weights[2:], y)
-    return y[...].astype(dt)  # elementwise: fused into the output's reader
+    out_dtype = dt if residual_nD is None else residual_nD.dtype
+    return y[...].astype(out_dtype)  # elementwise: fused into the output's reader

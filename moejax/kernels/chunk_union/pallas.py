@@ -209,32 +209,42 @@ def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
 DECODE_KERNELS = {"tpu": chunk_union_decode, "mosaic_gpu": chunk_union_decode_gpu}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret, kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activation,
+                 interpret, kernel):
     """One chunk through a decode kernel (``kernel``: ``"tpu"``,
     :mod:`moejax.kernels.chunk_union.decode`, or ``"mosaic_gpu"``,
-    :mod:`moejax.kernels.chunk_union.decode_gpu`); its gradient, where one is asked for,
-    recomputes the chunk through the pair kernels."""
-    return DECODE_KERNELS[kernel](x_nD, a_nE, active_nE, w_up, w_down, w_gate,
-                                  activation=activation, interpret=interpret)
+    :mod:`moejax.kernels.chunk_union.decode_gpu`), plus ``residual_nD`` where one is given
+    (the Mosaic GPU kernel sums into it, the TPU kernels' output is added to it); its
+    gradient, where one is asked for, recomputes the chunk through the pair kernels."""
+    if kernel == "mosaic_gpu":
+        return chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate,
+                                      activation=activation, interpret=interpret,
+                                      residual_nD=residual_nD)
+    y = DECODE_KERNELS[kernel](x_nD, a_nE, active_nE, w_up, w_down, w_gate,
+                               activation=activation, interpret=interpret)
+    return y if residual_nD is None else residual_nD + y.astype(residual_nD.dtype)
 
 
-def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret, kernel):
-    y = decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, activation, interpret,
-                     kernel)
-    return y, (x_nD, a_nE, active_nE, w_up, w_down, w_gate)
+def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activation,
+                interpret, kernel):
+    y = decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activation,
+                     interpret, kernel)
+    return y, (x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD)
 
 
 def _decode_bwd(activation, interpret, kernel, res, ct):
-    x_nD, a_nE, active_nE, w_up, w_down, w_gate = res
+    x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD = res
 
     def pairs(x, a, wu, wd, wg):
         return chunk_union_kernel(x, a, active_nE, wu, wd, wg, activation=activation,
                                   tile=x.shape[0], max_union=a.shape[-1],
                                   interpret=interpret)[0]
 
-    dx, da, dwu, dwd, dwg = jax.vjp(pairs, x_nD, a_nE, w_up, w_down, w_gate)[1](ct)
-    return dx, da, None, dwu, dwd, dwg
+    y, vjp = jax.vjp(pairs, x_nD, a_nE, w_up, w_down, w_gate)
+    dx, da, dwu, dwd, dwg = vjp(ct.astype(y.dtype))
+    dr = None if residual_nD is None else ct.astype(residual_nD.dtype)
+    return dx, da, None, dwu, dwd, dwg, dr
 
 
 decode_chunk.defvjp(_decode_fwd, _decode_bwd)
@@ -262,7 +272,7 @@ def decode_route(x_nD, w_up, w_gate=None, platform: str | None = None) -> str:
 
 
 def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
-                     tile: int, max_union: int):
+                     tile: int, max_union: int, residual_ND=None):
     """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
     loop (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the
     Pallas pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
@@ -274,38 +284,49 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
     (:func:`moejax.kernels.chunk_union.reference.dense_chunk`): at these sizes the pair
     kernels are slower than computing every expert. Where a GPU has no compiled pair kernel
     for the dtype (float32 or a GPU before Hopper once jax no longer ships Pallas Triton),
-    the jnp loop runs there too."""
+    the jnp loop runs there too.
+
+    ``residual_ND``: ``(residual + y, overflow)``, ``y`` in the residual's dtype first (a
+    decoder block's residual add); the Mosaic GPU decode kernel sums into the residual
+    itself, rounding once (:func:`moejax.kernels.chunk_union.decode_gpu.chunk_union_decode_gpu`)."""
     _check(x_ND, a_NE, w_up, w_down, w_gate, tile, max_union)
+    if residual_ND is not None and residual_ND.shape != x_ND.shape:
+        raise ValueError(f"the residual {tuple(residual_ND.shape)} must be x's "
+                         f"{tuple(x_ND.shape)}")
     N, E = a_NE.shape
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
     no_overflow = jnp.zeros((), jnp.float32)
 
-    def jnp_path(x, a, act, wu, wd, wg):
+    def plus(r, y_and_overflow):
+        y, o = y_and_overflow
+        return (y if r is None else r + y.astype(r.dtype)), o
+
+    def jnp_path(x, a, act, wu, wd, wg, r):
         y, o = chunk_union_experts(x, a, act, wu, wd, wg, activation, tile=tile,
                                    max_union=max_union)
-        return y.astype(x.dtype), o
+        return plus(r, (y.astype(x.dtype), o))
 
-    def kernel_path(x, a, act, wu, wd, wg):
-        return chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation, tile=tile,
-                                  max_union=max_union)
+    def kernel_path(x, a, act, wu, wd, wg, r):
+        return plus(r, chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation,
+                                          tile=tile, max_union=max_union))
 
-    def gpu_path(x, a, act, wu, wd, wg):
+    def gpu_path(x, a, act, wu, wd, wg, r):
         if not decode:  # the pair kernels; the jnp loop where they would run interpreted
             fast = gpu_kernels_take(x.dtype)
-            return (kernel_path if fast else jnp_path)(x, a, act, wu, wd, wg)
+            return (kernel_path if fast else jnp_path)(x, a, act, wu, wd, wg, r)
         if decode_route(x, wu, wg, "cuda") == DECODE_ROUTES[2]:
-            return (decode_chunk(x, a, act, wu, wd, wg, activation, False, "mosaic_gpu"),
+            return (decode_chunk(x, a, act, wu, wd, wg, r, activation, False, "mosaic_gpu"),
                     no_overflow)
         # with the union capped at E, as here, the pair kernels ran slower than this dense
         # product of every expert at each decode size measured (H100 float32; H200 bf16 at
         # width 48, which the decode kernel's blocks do not divide)
-        return dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow
+        return plus(r, (dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow))
 
-    def tpu_path(x, a, act, wu, wd, wg):
+    def tpu_path(x, a, act, wu, wd, wg, r):
         if not decode:
-            return kernel_path(x, a, act, wu, wd, wg)
-        return decode_chunk(x, a, act, wu, wd, wg, activation, False, "tpu"), no_overflow
+            return kernel_path(x, a, act, wu, wd, wg, r)
+        return decode_chunk(x, a, act, wu, wd, wg, r, activation, False, "tpu"), no_overflow
 
     return jax.lax.platform_dependent(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
-                                      cpu=jnp_path, tpu=tpu_path, cuda=gpu_path,
+                                      residual_ND, cpu=jnp_path, tpu=tpu_path, cuda=gpu_path,
                                       default=kernel_path)
