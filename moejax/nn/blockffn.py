@@ -233,7 +233,7 @@ def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate
         y_ND, overflow = chunk_union_auto(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
                                           activation=cfg.activation, residual_ND=residual_ND,
                                           **kw)
-        return y_ND, {"union_overflow": overflow}
+        return (y_ND.astype(dt) if residual_ND is None else y_ND), {"union_overflow": overflow}
     if cfg.path in ("pallas", "triton"):
         y_ND, overflow = chunk_union_kernel(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
                                             activation=cfg.activation, backend=cfg.path, **kw)

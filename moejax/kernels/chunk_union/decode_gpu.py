@@ -280,10 +280,9 @@ def chunk_union_decode_gpu(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *,
     union holds every member, is checked for its shape: the members are read from ``a``).
 
     ``residual_nD`` (``[n, D]``): ``residual + y`` instead, rounded once to the residual's
-    dtype.
-    The float32 output the reduce-adds sum into starts from the residual rather than from
-    zeros, so a decoder block's residual add is the kernel's own and nothing but conversions
-    surrounds the launch."""
+    dtype. The float32 output the reduce-adds sum into starts from the residual rather than
+    from zeros, so a decoder block's residual add is the kernel's own and nothing but
+    conversions surrounds the launch."""
     n, D = x_nD.shape
     E = a_nE.shape[-1]
     if a_nE.shape != (n, E) or active_nE.shape != (n, E):
