@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import config
-from moejax.kernels.chunk_union.pallas import chunk_union_auto, chunk_union_kernel
+from moejax.kernels.chunk_union.pallas import add_residual, chunk_union_auto, chunk_union_kernel
 from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
 from moejax.nn import axes as ax
 from moejax.nn.moe import MoESkeleton, StackedExperts
@@ -222,12 +222,9 @@ def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate
     dt = x_ND.dtype
     w_up, w_down = w_up.astype(dt), w_down.astype(dt)
     w_gate = None if w_gate is None else w_gate.astype(dt)
-
-    def plus(y_ND):
-        return y_ND if residual_ND is None else residual_ND + y_ND.astype(residual_ND.dtype)
-
     if cfg.path == "dense":
-        return plus(dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation).astype(dt)), {}
+        y_ND = dense_experts(x_ND, r.a, w_up, w_down, w_gate, cfg.activation)
+        return add_residual(residual_ND, y_ND.astype(dt)), {}
     kw = dict(tile=cfg.union_chunk, max_union=cfg.max_union or cfg.n_experts)
     if cfg.path == "auto":
         y_ND, overflow = chunk_union_auto(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
@@ -240,4 +237,4 @@ def block_experts(cfg: BlockFFNConfig, x_ND, r: BlockRoute, w_up, w_down, w_gate
     else:
         y_ND, overflow = chunk_union_experts(x_ND, r.a, r.a1 > 0, w_up, w_down, w_gate,
                                              cfg.activation, **kw)
-    return plus(y_ND.astype(dt)), {"union_overflow": overflow}
+    return add_residual(residual_ND, y_ND.astype(dt)), {"union_overflow": overflow}

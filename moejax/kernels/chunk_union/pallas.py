@@ -58,7 +58,7 @@ from moejax.kernels.tiling import hopper_target, target_device
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions",
-           "decode_chunk", "decode_route", "DECODE_ROUTES"]
+           "decode_chunk", "decode_route", "DECODE_ROUTES", "add_residual"]
 
 BACKENDS = ("pallas", "triton")
 
@@ -209,6 +209,12 @@ def chunk_union_pallas(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, acti
 DECODE_KERNELS = {"tpu": chunk_union_decode, "mosaic_gpu": chunk_union_decode_gpu}
 
 
+def add_residual(residual, y):
+    """``residual + y`` in the residual's dtype (a decoder block's residual add); ``y`` where
+    there is no residual."""
+    return y if residual is None else residual + y.astype(residual.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activation,
                  interpret, kernel):
@@ -223,7 +229,7 @@ def decode_chunk(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activ
                                       residual_nD=residual_nD)
     y = DECODE_KERNELS[kernel](x_nD, a_nE, active_nE, w_up, w_down, w_gate,
                                activation=activation, interpret=interpret)
-    return y if residual_nD is None else residual_nD + y.astype(residual_nD.dtype)
+    return add_residual(residual_nD, y)
 
 
 def _decode_fwd(x_nD, a_nE, active_nE, w_up, w_down, w_gate, residual_nD, activation,
@@ -297,18 +303,15 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
     decode = N <= min(tile, MAX_CHUNK) and max_union == E
     no_overflow = jnp.zeros((), jnp.float32)
 
-    def plus(r, y_and_overflow):
-        y, o = y_and_overflow
-        return (y if r is None else r + y.astype(r.dtype)), o
-
     def jnp_path(x, a, act, wu, wd, wg, r):
         y, o = chunk_union_experts(x, a, act, wu, wd, wg, activation, tile=tile,
                                    max_union=max_union)
-        return plus(r, (y.astype(x.dtype), o))
+        return add_residual(r, y.astype(x.dtype)), o
 
     def kernel_path(x, a, act, wu, wd, wg, r):
-        return plus(r, chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation,
-                                          tile=tile, max_union=max_union))
+        y, o = chunk_union_pallas(x, a, act, wu, wd, wg, activation=activation, tile=tile,
+                                  max_union=max_union)
+        return add_residual(r, y), o
 
     def gpu_path(x, a, act, wu, wd, wg, r):
         if not decode:  # the pair kernels; the jnp loop where they would run interpreted
@@ -320,7 +323,7 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
         # with the union capped at E, as here, the pair kernels ran slower than this dense
         # product of every expert at each decode size measured (H100 float32; H200 bf16 at
         # width 48, which the decode kernel's blocks do not divide)
-        return plus(r, (dense_chunk(x, a, act, wu, wd, wg, activation), no_overflow))
+        return add_residual(r, dense_chunk(x, a, act, wu, wd, wg, activation)), no_overflow
 
     def tpu_path(x, a, act, wu, wd, wg, r):
         if not decode:
