@@ -31,16 +31,17 @@ from moejax.train.run_lock import RunLockedError
 REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
 
 
-def entries(names=REGISTRY) -> list[tuple[str, str, str]]:
+def entries(names=REGISTRY, accelerator: bool = False) -> list[tuple[str, str, str]]:
     """``(entry, study, variant)`` of every study in ``names`` and its declared variants
-    (:attr:`moejax.harness.study.Study.variants`), in suite order: what ``make studies`` runs
-    and the results documents hold, one section each (``entry``: ``study`` or
-    ``study[variant]``; its run directory under the suite's ``out`` is
-    :func:`run_dirname`)."""
+    (:attr:`moejax.harness.study.Study.variants`; with ``accelerator``, the
+    ``accelerator_variants`` too), in suite order: what ``make studies`` runs and the results
+    documents hold, one section each (``entry``: ``study`` or ``study[variant]``; its run
+    directory under the suite's ``out`` is :func:`run_dirname`)."""
     out = []
     for name in names:
         out.append((name, name, ""))
-        out += [(entry_name(name, v), name, v) for v, _ in load_study(name).variants]
+        out += [(entry_name(name, v), name, v)
+                for v in load_study(name).variant_names(accelerator)]
     return out
 
 

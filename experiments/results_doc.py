@@ -67,9 +67,9 @@ _SECTION = re.compile(r"^## (.+)$", re.M)
 _OVERVIEW = "Paper claims at a glance"
 
 
-def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str, Path]]:
+def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str, Path], bool]:
     """``({study: run directory}, out, where the runs came from, studies to forget,
-    {study: newest trial run})``."""
+    {study: newest trial run}, whether the document is an accelerator's)``."""
     opts = {"runs": "", "machine": run_index.machine_class(machine_info()), "index": "",
             "out": "", "forget": ""}
     for item in argv:
@@ -79,7 +79,8 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str,
                               "index=FILE runs=DIR out=FILE.md forget=STUDY[,STUDY]")
         opts[key] = value
     forget = tuple(n for n in opts["forget"].split(",") if n)
-    known = [entry for entry, _, _ in entries(REGISTRY)]
+    accelerator = opts["machine"] != "cpu"
+    known = [entry for entry, _, _ in entries(REGISTRY, accelerator)]
     if unknown := [n for n in forget if n not in known]:
         raise ConfigError(f"forget={opts['forget']}: {', '.join(unknown)} is no study; "
                           f"one of {', '.join(known)}")
@@ -93,7 +94,7 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str,
             raise ConfigError(f"runs={runs} is not a directory; run the studies first "
                               "(make studies), or point runs= at their output")
         paths = {entry: runs / run_dirname(study, variant)
-                 for entry, study, variant in entries(REGISTRY)}
+                 for entry, study, variant in entries(REGISTRY, accelerator)}
         source, trials = f"runs={runs}", {}
     else:
         if opts["machine"] not in ("cpu", "gpu", "tpu"):
@@ -108,7 +109,7 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str,
                                                  else "")
     _check_assets(list(paths.values()), out)
     return (paths, out, source + (f" forget={','.join(forget)}" if forget else ""), forget,
-            trials)
+            trials, accelerator)
 
 
 def _check_assets(runs: Sequence[Path], out: Path) -> Path:
@@ -318,15 +319,17 @@ def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
 
 
 def build(runs: Path | dict[str, Path], out: Path, source: str = "",
-          forget: Sequence[str] = (), trials: dict[str, Path] | None = None) -> Path:
+          forget: Sequence[str] = (), trials: dict[str, Path] | None = None,
+          accelerator: bool = False) -> Path:
     """Write the results document for the runs ``{study: run directory}`` (or those under
     one directory, ``runs/<study>``); return its path. A study of ``forget`` without a run
     here is not carried over from the previous document; ``trials`` (``{study: run}``) are
-    listed by command, never published (module docstring)."""
+    listed by command, never published (module docstring); ``accelerator``: a GPU's or TPU's
+    document, which holds the studies' accelerator variants too."""
     if isinstance(runs, Path):
         source = source or f"runs={runs}"
         runs = {entry: runs / run_dirname(study, variant)
-                for entry, study, variant in entries(REGISTRY)}
+                for entry, study, variant in entries(REGISTRY, accelerator)}
     assets = _check_assets(list(runs.values()), out)
     old_sections, old_rows = _previous(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -339,7 +342,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                                            "replaced whole on every rebuild\n")
         sections, overview, missing, running, carried = [], [], [], [], []
         rejudged, kept = [], []
-        for name, study, variant in entries(REGISTRY):
+        for name, study, variant in entries(REGISTRY, accelerator):
             path = runs.get(name)
             held = path is not None and is_held(path)
             if held:
@@ -420,8 +423,8 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0
     try:
-        runs, out, source, forget, trials = _parse(argv)
-        print(f"wrote {build(runs, out, source, forget, trials)}")
+        runs, out, source, forget, trials, accelerator = _parse(argv)
+        print(f"wrote {build(runs, out, source, forget, trials, accelerator)}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@
 #                and the timers' (the device loop runs a call in every iteration there too)
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
 #                platform beside the GPU for the cases that run a kernel interpreted)
+#   decode_tests the chunk-union decode kernel's compiled tests, the attention kernels and the
+#                lean decode step against their oracles, compiled for the GPU (as tests)
 #   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
 #                grouped products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/<op>/tuned/<device kind>.json
@@ -27,19 +29,28 @@
 #                stopped by STAGE_LIMIT resumes without training or timing anything again
 #   speculative_quick | speculative_wide
 #                bench_speculative's quick models (the trained target grown to 104M
-#                parameters; _wide: its variant wide, width 256, on the decode kernel's blocks,
+#                parameters; _wide: the wide ones, width 256, on the decode kernel's blocks,
 #                the grown target's decodings only) decoded in bfloat16 at draft length 4
-#                (fewer decodes to compile)
+#                (fewer decodes to compile): its variants bf16 and wide_bf16
 #   speculative_wide_graphs
 #                speculative_wide again (from its trained checkpoints when that stage ran),
 #                each decoding loop compiled with XLA's command buffers (CUDA graphs) also
 #                taking while loops and conditionals (command_buffers=true: per function,
 #                where this XLA has the options; the command_buffers column says which ran):
 #                a decoding's whole loop launched as one graph, against the stage above,
-#                whose loop the host steps
+#                whose loop the host steps (its variant wide_bf16_graphs)
 #   dispatch_xla_attention
-#                bench_dispatch's full preset with XLA's attention (model.attention=jax),
-#                against the dispatch stage's, which trains on tokamax's flash kernel
+#                bench_dispatch's full preset with XLA's attention (its variant
+#                xla_attention), against the dispatch stage's, which trains on tokamax's
+#                flash kernel
+#   train_step | train_step_xla_attention
+#                bench_dispatch's full-preset train step alone, on one path (gmm), on the
+#                flash kernel and on XLA's attention (its variants of those names)
+#   decoding     stands for speculative_wide train_step train_step_xla_attention
+#                decode_tests speculative_wide_graphs: the lean decode step's and the flash
+#                kernel's measurements, in one command of under 10 minutes (BUDGET=570)
+# Every stage's run is its benchmark's preset or a declared variant of it, so
+# python -m experiments.results_doc machine=gpu publishes each in docs/results_gpu.md.
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -66,6 +77,8 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
+stages=${stages//decoding/speculative_wide train_step train_step_xla_attention decode_tests \
+speculative_wide_graphs}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -121,6 +134,11 @@ for stage in $stages; do
         tests/test_dispatch.py tests/test_blockffn.py tests/test_speculative.py \
         tests/test_moe_layer.py tests/test_bench_utils.py 2>&1 | tee "$out/tests.log" |
         grep -E "^(FAILED|ERROR)|passed|failed" ;;
+    decode_tests)
+      JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
+        "$py" -m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py \
+        tests/test_attention_impls.py tests/test_lean_decode.py 2>&1 |
+        tee "$out/decode_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.benchmarks.autotune \
         "kernels=(${AUTOTUNE_KERNELS:-decode_mgpu,gmm,tgmm})" \
@@ -133,7 +151,8 @@ for stage in $stages; do
         "$out/autotune/tuned/" 2>/dev/null
       (exit "$st") ;;
     grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
-    speculative_quick|speculative_wide|speculative_wide_graphs|extracted)
+    speculative_quick|speculative_wide|speculative_wide_graphs|extracted|train_step|\
+    train_step_xla_attention)
       args=(preset=full)
       flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
@@ -141,22 +160,23 @@ for stage in $stages; do
       bench=${bench%_quick}
       bench=${bench%_wide}
       bench=${bench%_xla_attention}
-      [ "$stage" = dispatch_xla_attention ] && args+=(model.attention=jax)
-      [ "$stage" = speculative ] && args+=(n_prompts=4 max_new_tokens=128 "draft_lens=(2,4)")
-      [ "$stage" = speculative_quick ] && args=(preset=quick decode_dtype=bfloat16 \
-        "draft_lens=(4,)")
-      [ "${stage%_graphs}" = speculative_wide ] && args=(preset=quick variant=wide \
-        decode_dtype=bfloat16 "draft_lens=(4,)" decode_trained=false)
+      [ "$bench" = train_step ] && bench=dispatch
+      case $stage in  # the benchmark's declared variant this stage runs
+        grouped_f32) args+=(variant=f32) ;;
+        dispatch_xla_attention) args+=(variant=xla_attention) ;;
+        train_step*) args+=(variant="$stage") ;;
+        kernels) args+=(variant=judged) ;;
+        speculative) args+=(variant=short) ;;
+        speculative_quick) args=(preset=quick variant=bf16) ;;
+        speculative_wide) args=(preset=quick variant=wide_bf16) ;;
+        speculative_wide_graphs) args=(preset=quick variant=wide_bf16_graphs) ;;
+      esac
       if [ "$stage" = speculative_wide_graphs ]; then
-        args+=(command_buffers=true)
         for m in target draft distilled self_distilled; do
           [ -d "$out/bench_speculative_wide/$m" ] && mkdir -p "$out/bench_$stage" &&
             cp -rn "$out/bench_speculative_wide/$m" "$out/bench_$stage/"
         done
       fi
-      [ "$stage" = grouped_f32 ] && args+=(variant=f32)
-      [ "$stage" = kernels ] && args+=("ffn_paths=(dense,dense_union,pallas,decode)" \
-        "union_fractions=(0.25,0.5,0.75,1.0)")
       if [ -n "${SEED:-}" ] && [ -d "$SEED/bench_$stage" ]; then
         mkdir -p "$out/bench_$stage" && cp -rn "$SEED/bench_$stage/." "$out/bench_$stage/"
         # its checkpoints and measurements are reused; its record is not this run's

@@ -86,6 +86,28 @@ def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, 
     assert not (tmp_path / "bench" / "dispatch.csv").exists()
 
 
+def test_bench_dispatch_times_the_train_step_alone_without_block_or_delta_paths(tmp_path):
+    """``block_paths=()`` and ``delta_tree=none`` leave the train step alone (the GPU's
+    attention comparison); the table names the attention it ran, and a machine that cannot
+    time any path says so in the headline instead of failing."""
+    from experiments.benchmarks import dispatch as bench_dispatch
+
+    tiny = TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=1", "block_paths=()",
+                      "delta_tree=none", "model.attention=jax"]
+    summary, run = run_experiment("bench_dispatch", bench_dispatch.make_config,
+                                  bench_dispatch.run, [*tiny, "paths=(capacity,)"],
+                                  out=tmp_path / "one")
+    assert sorted(p.name for p in run.path.glob("*.csv")) == ["dispatch.csv"]
+    assert "matmul_gflops" not in summary
+    assert "fastest path: capacity at " in (run.path / "summary.md").read_text()
+    assert ", attention jax, on " in (run.path / "dispatch.md").read_text()
+    _, run = run_experiment("bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
+                            [*tiny, "paths=(gmm,)"], out=tmp_path / "none")
+    if jax.default_backend() == "cpu":
+        assert ("no train step timed here: gmm: not measured: needs a GPU (cpu runs Pallas in "
+                "interpret mode)") in (run.path / "summary.md").read_text()
+
+
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     from experiments.benchmarks import dispatch as bench_dispatch
     from moejax.bench import moe_block

@@ -36,8 +36,8 @@ def test_stages_call_their_benchmark_and_resume(tmp_path):
     out = tmp_path / "out"
     assert calls == [
         f"-m experiments.benchmarks.grouped preset=full variant=f32 out={out}/bench_grouped_f32",
-        f"-m experiments.blockffn.speculative preset=full n_prompts=4 max_new_tokens=128 "
-        f"draft_lens=(2,4) out={out}/bench_speculative"]
+        f"-m experiments.blockffn.speculative preset=full variant=short "
+        f"out={out}/bench_speculative"]
     assert (out / ".done-grouped_f32").exists() and (out / ".done-speculative").exists()
     _, again = _run(tmp_path, "grouped_f32")
     assert again == calls  # done: not called again
@@ -83,13 +83,12 @@ def test_the_quick_speculative_stage_starts_from_seeded_checkpoints(tmp_path):
     proc, calls = _run(tmp_path, "speculative_quick", SEED=str(tmp_path / "seed"))
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_quick"
-    assert calls == [f"-m experiments.blockffn.speculative preset=quick decode_dtype=bfloat16 "
-                     f"draft_lens=(4,) out={out}"]
+    assert calls == [f"-m experiments.blockffn.speculative preset=quick variant=bf16 "
+                     f"out={out}"]
     assert (out / "target" / "ckpt.bin").read_text() == "trained elsewhere"
     proc, calls = _run(tmp_path, "speculative_wide")
     assert proc.returncode == 0, proc.stderr
-    assert calls[-1] == (f"-m experiments.blockffn.speculative preset=quick variant=wide "
-                         f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
+    assert calls[-1] == (f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16 "
                          f"out={out.parent}/bench_speculative_wide")
 
 
@@ -110,9 +109,8 @@ def test_autotune_kernels_names_what_the_autotune_stage_tunes(tmp_path):
 def test_the_kernels_stage_times_the_paths_its_targets_are_judged_on(tmp_path):
     proc, calls = _run(tmp_path, "kernels")
     assert proc.returncode == 0, proc.stderr
-    assert calls == [f"-m experiments.blockffn.kernels preset=full "
-                     f"ffn_paths=(dense,dense_union,pallas,decode) "
-                     f"union_fractions=(0.25,0.5,0.75,1.0) out={tmp_path}/out/bench_kernels"]
+    assert calls == [f"-m experiments.blockffn.kernels preset=full variant=judged "
+                     f"out={tmp_path}/out/bench_kernels"]
 
 
 def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_flags(tmp_path):
@@ -128,10 +126,9 @@ def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_fla
     proc, calls = _run(tmp_path, "speculative_wide_graphs", "dispatch_xla_attention")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_wide_graphs"
-    assert calls == [f"-m experiments.blockffn.speculative preset=quick variant=wide "
-                     f"decode_dtype=bfloat16 draft_lens=(4,) decode_trained=false "
-                     f"command_buffers=true out={out}",
-                     f"-m experiments.benchmarks.dispatch preset=full model.attention=jax "
+    assert calls == [f"-m experiments.blockffn.speculative preset=quick "
+                     f"variant=wide_bf16_graphs out={out}",
+                     f"-m experiments.benchmarks.dispatch preset=full variant=xla_attention "
                      f"out={tmp_path / 'out' / 'bench_dispatch_xla_attention'}"]
     assert sorted(p.name for p in out.iterdir()) == ["self_distilled", "target"]
     assert (out / "target" / "ckpt.bin").read_text() == "target"
@@ -141,3 +138,53 @@ def test_a_failed_autotune_is_not_marked_done(tmp_path):
     proc, calls = _run(tmp_path, "autotune", exit_code=1)
     assert proc.returncode != 0 and "stage autotune failed" in proc.stderr
     assert calls and not (tmp_path / "out" / ".done-autotune").exists()
+
+
+BENCH_STAGES = ("grouped", "grouped_f32", "kernels", "dispatch", "dispatch_xla_attention",
+                "speculative", "speculative_quick", "speculative_wide",
+                "speculative_wide_graphs", "extracted", "train_step",
+                "train_step_xla_attention")
+
+
+def test_every_benchmark_stage_runs_a_preset_or_a_declared_variant(tmp_path):
+    """No stage overrides a config key, so each run is published in the GPU's results
+    document (a run with an overridden key is a trial, listed by command only); each variant
+    a stage names is declared by its benchmark, and its overrides are that config's keys."""
+    import importlib
+
+    from moejax.harness.experiment import parse_runner
+
+    proc, calls = _run(tmp_path, *BENCH_STAGES)
+    assert proc.returncode == 0, proc.stderr
+    assert len(calls) == len(BENCH_STAGES)
+    for call in calls:
+        module, *args = call.split()[1:]
+        keys = {a.partition("=")[0] for a in args}
+        assert keys <= {"preset", "variant", "out"}, call
+        study = importlib.import_module(module).STUDY
+        variant = dict(a.partition("=")[::2] for a in args).get("variant")
+        if variant is None:
+            continue
+        overrides = dict(study.all_variants)[variant]
+        preset = next(a for a in args if a.startswith("preset="))
+        parse_runner(study.name, study.make_config, [preset, *overrides], 1, ())  # or raises
+
+
+def test_the_decoding_group_measures_the_lean_decode_step_and_the_flash_kernel(tmp_path):
+    proc, calls = _run(tmp_path, "decoding")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    assert calls == [
+        f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16 "
+        f"out={out}/bench_speculative_wide",
+        f"-m experiments.benchmarks.dispatch preset=full variant=train_step "
+        f"out={out}/bench_train_step",
+        f"-m experiments.benchmarks.dispatch preset=full variant=train_step_xla_attention "
+        f"out={out}/bench_train_step_xla_attention",
+        "-m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py "
+        "tests/test_attention_impls.py tests/test_lean_decode.py",
+        f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_graphs "
+        f"out={out}/bench_speculative_wide_graphs"]
+    assert sorted(p.name for p in out.glob(".done-*")) == [
+        ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_graphs",
+        ".done-train_step", ".done-train_step_xla_attention"]

@@ -240,7 +240,7 @@ def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path
     table = tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv"
     assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()
     shutil.rmtree(out)
-    runs, path, source, forget, _ = results_doc._parse(
+    runs, path, source, forget, _, _ = results_doc._parse(
         [f"runs={tmp_path / 'runs'}", f"out={doc_path}", "forget=blockffn_granularity"])
     assert forget == ("blockffn_granularity",) and source.endswith(" forget=blockffn_granularity")
     gone = results_doc.build(runs, path, source, forget).read_text()
@@ -365,3 +365,46 @@ def test_a_declared_variant_is_run_indexed_and_documented_apart(tmp_path, monkey
         Study("s", study.make_config, _study, variants=(("two words", ("seed=1",)),))
     with pytest.raises(ValueError, match="key=value"):
         Study("s", study.make_config, _study, variants=(("v", ("seed",)),))
+
+
+def test_an_accelerator_variant_is_a_preset_run_documented_on_an_accelerator_only(
+        tmp_path, monkeypatch):
+    """A study's accelerator variant (what the GPU check measures) runs at any preset as a
+    preset run, is indexed under its own name, and has a section in an accelerator's document
+    only: the CPU document neither holds it nor lists it as not run, and the quick suite does
+    not run it."""
+    from experiments import main as suite
+    from moejax.harness import run_index
+    from moejax.harness.study import Study
+    from moejax.train.hparams import TrainConfig
+
+    study = Study("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                  claims=blockffn_granularity.claims, variants=(("late", ("seed=7",)),),
+                  accelerator_variants=(("gpu", ("seed=9",)),))
+    monkeypatch.setenv(run_index.ENV, str(tmp_path / "index.jsonl"))
+    runs = tmp_path / "runs"
+    study.run_experiment(["preset=full"], out=runs / "blockffn_granularity_gpu", variant="gpu")
+    record = json.loads((runs / "blockffn_granularity_gpu" / "run.json").read_text())
+    assert record["kind"] == "preset" and record["variant"] == "gpu"
+    assert record["command"] == ("python -m experiments.blockffn_granularity preset=full "
+                                 "variant=gpu")
+    assert run_index.newest("cpu")[0] == {
+        "blockffn_granularity[gpu]": runs / "blockffn_granularity_gpu"}
+    monkeypatch.setattr(suite, "load_study", lambda name: study)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    assert [v for _, _, v in suite._jobs_with_variants(
+        [("blockffn_granularity", ())], "quick", "studies")] == ["", "late"]
+    cpu = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
+    assert "[gpu]" not in cpu
+    assert "Not run: blockffn_granularity, blockffn_granularity[late]." in cpu
+    gpu = results_doc.build(runs, tmp_path / "docs" / "results_gpu.md",
+                            accelerator=True).read_text()
+    assert "## blockffn_granularity[gpu]\n" in gpu and "Headline: seed 9" in gpu
+    assert "Not run: blockffn_granularity, blockffn_granularity[late]." in gpu
+    assert results_doc._parse([f"runs={runs}", "machine=gpu", "forget=blockffn_granularity[gpu]"]
+                              )[5] is True
+    with pytest.raises(ConfigError, match=r"blockffn_granularity\[gpu\] is no study"):
+        results_doc._parse([f"runs={runs}", "forget=blockffn_granularity[gpu]"])
+    with pytest.raises(ValueError, match="variant late declared twice"):
+        Study("s", study.make_config, _study, variants=(("late", ("seed=1",)),),
+              accelerator_variants=(("late", ("seed=2",)),))

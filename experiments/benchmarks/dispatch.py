@@ -77,7 +77,8 @@ class BenchConfig(Config):
     warmup: int = 2
     steps: int = 8
     precision: Literal["float32", "bfloat16"] = "float32"
-    # one MoE block, fwd+bwd: tokens, d_model, expert width, experts, k
+    # one MoE block, fwd+bwd: tokens, d_model, expert width, experts, k (block_paths=():
+    # none)
     block_tokens: int = 2048
     block_d: int = 256
     block_f: int = 1024
@@ -90,7 +91,7 @@ class BenchConfig(Config):
     # measure the block again after moejax.kernels.host_memory.retain_freed_memory() (glibc keeps
     # freed memory: fewer page faults; process-wide, so it runs last)
     block_retain_memory: bool = True
-    # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "" = skip
+    # delta ops over a SmolLM2-135M-shaped tree (134.5M float32 params); "none" = skip
     delta_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"
     # on a GPU or TPU, one more step per path traced by the profiler: the device's busy
     # fraction of the step and its longest kernels (table "step_kernels")
@@ -180,12 +181,16 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     timed = _train_steps(cfg, run)
     block, rate = _block_table(cfg, run)
     summary_delta = _delta_ops(cfg, run)
-    best = max(timed, key=lambda r: r["tokens_per_s"])
     blk = {r["impl"]: r for r in block}
+    if timed:
+        best = max(timed, key=lambda r: r["tokens_per_s"])
+        head = (f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
+                f"({best['step_s_median'] * 1e3:.3g} ms/step){_ratios(timed, blk)}")
+    else:
+        head = f"no train step timed here: {'; '.join(f'{p}: {n}' for p, n in _untimed(cfg))}"
     return {
-        "headline": f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
-        f"({best['step_s_median'] * 1e3:.3g} ms/step){_ratios(timed, blk)}",
-        "matmul_gflops": round(rate, 1),
+        "headline": head,
+        **({"matmul_gflops": round(rate, 1)} if block else {}),
         "malloc_huge_pages": malloc_huge_pages(),
         **{f"block {k}": round(r["ms"], 1) for k, r in blk.items() if "ms" in r},
         **{f"block {k}, retained": round(r["ms_retained"], 1) for k, r in blk.items()
@@ -193,6 +198,11 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         **{f"delta {k} vs x*2": v for k, v in summary_delta.items()},
         **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
     }
+
+
+def _untimed(cfg: BenchConfig) -> list[tuple[str, str]]:
+    """``(path, why)`` of each path this machine cannot time."""
+    return [(p, why) for p in cfg.paths if (why := kernel_unavailable(p))]
 
 
 def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
@@ -210,22 +220,27 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
     run.table("dispatch", rows, title=(
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
         f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "
-        f"batch {cfg.batch_size}, {cfg.precision}, on {dev.platform} ({dev.device_kind}, "
-        f"{jax.device_count()} device(s))"))
+        f"batch {cfg.batch_size}, {cfg.precision}, attention {cfg.model.attention}, on "
+        f"{dev.platform} ({dev.device_kind}, {jax.device_count()} device(s))"))
     if top:
         run.table("step_kernels", top, title=(
             f"Where one train step's device time goes, per dispatch path: its {cfg.profile_top} "
             "longest kernels (profiler; device_busy in the table above: the kernels' time over "
             f"the step's wall time) on {dev.platform} ({dev.device_kind})"))
     timed = [r for r in rows if "tokens_per_s" in r]
-    run.bar_plot("tokens_per_s", [r["path"] for r in timed], [r["tokens_per_s"] for r in timed],
-                 ylabel="tokens / s", title="Train throughput by dispatch path")
+    if timed:
+        run.bar_plot("tokens_per_s", [r["path"] for r in timed],
+                     [r["tokens_per_s"] for r in timed], ylabel="tokens / s",
+                     title="Train throughput by dispatch path")
     return timed
 
 
 def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
     """One MoE block forward + backward per implementation against PyTorch and the FLOP
-    bound (again with freed memory retained, when asked); the rows and the matmul rate."""
+    bound (again with freed memory retained, when asked); the rows and the matmul rate
+    (none, without ``block_paths``)."""
+    if not cfg.block_paths:
+        return [], 0.0
     shape = BlockShape(cfg.block_tokens, cfg.block_d, cfg.block_f, cfg.block_experts,
                        cfg.block_top_k)
     block, columns, rate = block_table(shape, cfg.block_paths, cfg.block_repeats,
@@ -287,6 +302,11 @@ def _ratios(timed: list[dict], blk: dict) -> str:
 DROPLESS = ("auto", "tokamax", "gmm", "grouped", "bucketed", "ragged", "host")
 
 
+# the train step alone on one dropless path (the project's grouped-matmul kernel): what the
+# attention kernel changes, in a fraction of the full benchmark's time
+TRAIN_STEP = ("paths=(gmm,)", "block_paths=()", "delta_tree=none")
+XLA_ATTENTION = ("model.attention=jax",)
+
 STUDY = Study(
     "bench_dispatch", make_config, run,
     smoke=("batch_size=4", "warmup=1", "steps=2", "block_repeats=1"),
@@ -294,6 +314,10 @@ STUDY = Study(
     # ragged_dot and the dense oracle compute every expert for every token): its smoke run takes
     # one layer, every other size full
     smoke_depth=("model.n_layers=1",),
+    # on a GPU or TPU: every path on XLA's attention instead of the flash kernel, and the
+    # train step alone on the flash kernel and on XLA's
+    accelerator_variants=(("xla_attention", XLA_ATTENTION), ("train_step", TRAIN_STEP),
+                          ("train_step_xla_attention", (*TRAIN_STEP, *XLA_ATTENTION))),
 )
 
 

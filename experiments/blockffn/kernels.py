@@ -400,6 +400,9 @@ def run(cfg: BenchKernelsConfig, run: RunDir) -> dict:
 STUDY = Study(
     "bench_kernels", make_config, run,
     smoke=("union_fractions=(0.25,1.0)", "repeats=1"),
+    # on a GPU: the paths and union sizes the decode and Pallas targets are judged on
+    accelerator_variants=(("judged", ("ffn_paths=(dense,dense_union,pallas,decode)",
+                                      "union_fractions=(0.25,0.5,0.75,1.0)")),),
 )
 
 

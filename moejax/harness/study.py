@@ -22,6 +22,9 @@ proofs need to know about it, in one frozen value at the end of its module.
 * ``variants``: ``(name, overrides)`` runs of the quick preset that ``make studies`` makes
   after the study's own (e.g. the same recipe on a real pretrained model), each indexed and
   documented as ``<study>[<name>]``;
+* ``accelerator_variants``: ``(name, overrides)`` runs that measure what only a GPU or TPU can
+  (``scripts/gpu_check.sh``'s stages): run as ``variant=NAME`` at any preset, documented as
+  ``<study>[<name>]`` in an accelerator's results document; ``make studies`` does not run them;
 * ``checkpoint_runs(cfg) -> [CapturedStep]``: the full preset's training runs on real
   checkpoints this machine cannot hold, built from their ``config.json`` alone
   (:func:`moejax.train.aot.abstract_run`, :mod:`moejax.io.hf_moe_checkpoints`); ``make
@@ -55,6 +58,9 @@ class Study:
     # named runs of the quick preset with overrides that `make studies` makes after the
     # study's own, each its own section of the results documents
     variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # named runs for a GPU or TPU (the GPU check's measurements), in an accelerator's results
+    # document only; `make studies` does not run them
+    accelerator_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the full preset's runs on named real checkpoints, from their config.json alone
     checkpoint_runs: Callable[[Any], list] | None = None
 
@@ -66,14 +72,28 @@ class Study:
         if self.quick_repeat > 1 and not self.seed_keys:
             raise ValueError(f"Study {self.name}: quick_repeat={self.quick_repeat} needs the "
                              "seed_keys its runs offset")
-        for name, _ in self.variants:
+        names = [name for name, _ in self.all_variants]
+        for name in names:
             if not name.isidentifier():
                 raise ValueError(f"Study {self.name}: variant {name!r}: expected a name")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"Study {self.name}: variant {', '.join(twice)} declared twice")
         for key, cuts in (("smoke", self.smoke), ("smoke_depth", self.smoke_depth),
-                          *((f"variant {n}", o) for n, o in self.variants)):
+                          *((f"variant {n}", o) for n, o in self.all_variants)):
             bad = [c for c in cuts if "=" not in c]
             if bad:
                 raise ValueError(f"Study {self.name}: {key}={bad}: expected key=value items")
+
+    @property
+    def all_variants(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Every named variant: the quick suite's, then the accelerators'."""
+        return (*self.variants, *self.accelerator_variants)
+
+    def variant_names(self, accelerator: bool = False) -> list[str]:
+        """The variants a results document of this machine class holds: the quick suite's,
+        and on an accelerator (``accelerator``) the accelerators' too."""
+        return [n for n, _ in (self.all_variants if accelerator else self.variants)]
 
     @property
     def smoke_cuts(self) -> tuple[str, ...]:
@@ -85,10 +105,10 @@ class Study:
                        repeat_quick: bool = False, variant: str = ""):
         """``(summary, RunDir)`` of :func:`moejax.harness.experiment.run_experiment` with this
         study's declaration; ``repeat_quick``: the quick preset makes ``quick_repeat`` runs;
-        ``variant``: one of :attr:`variants` (as ``variant=NAME`` on the command line)."""
+        ``variant``: one of :attr:`all_variants` (as ``variant=NAME`` on the command line)."""
         argv = [*argv, f"variant={variant}"] if variant else list(argv)
         return run_experiment(self.name, self.make_config, self.run, argv, out=out,
-                              variants=dict(self.variants),
+                              variants=dict(self.all_variants),
                               seed_keys=self.seed_keys,
                               quick_repeat=self.quick_repeat if repeat_quick else 1,
                               claims=self.claims, smoke=self.smoke_cuts,
@@ -98,4 +118,4 @@ class Study:
         """``python -m experiments.<paper>.<study> key=value ...`` (:func:`.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
                     quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
-                    paper_scale=self.paper_scale, variants=dict(self.variants))
+                    paper_scale=self.paper_scale, variants=dict(self.all_variants))
