@@ -50,6 +50,20 @@ def test_paired_differences_by_hand():
         paired("bad", [1.0], [1.0, 2.0])
 
 
+def test_a_paired_value_that_is_not_a_number_is_not_measured():
+    """A NaN or infinite value (a run that could not measure it, e.g. a diverged loss) leaves
+    the claim not measured, not inconclusive; a metric that lies below still decides it."""
+    nan, inf = float("nan"), float("inf")
+    for a in ([0.5, nan, 0.9], [0.5, inf, 0.9]):
+        c = paired_claim("A beats B", paired("A - B", a, [0.4, 0.5, 0.5]))
+        assert c.verdict == "not measured" and "not a number" in c.evidence
+    up = paired("up", [1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    down = paired("down", [0.0, 1.0, 2.0], [1.0, 2.1, 3.0])
+    bad = paired("bad", [nan, 1.0, 2.0], [0.0, 0.0, 0.0])
+    assert paired_claim("both", [up, bad]).verdict == "not measured"
+    assert paired_claim("both", [down, bad]).verdict == "does not hold"
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_paired_verdicts_follow_the_interval(seed):
     """Properties over random seeds: a clear shift holds (its mirror does not), arms equal in

@@ -141,11 +141,19 @@ def t_critical(df: int) -> float:
     return value
 
 
-def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None, str]:
-    """True / False / None (inconclusive) for one paired row, and its evidence."""
+# the outcome of a paired row whose values are not all numbers (NaN or infinite: a quantity
+# its run could not measure): the claim is not measured, not undecided
+_UNMEASURED = "unmeasured"
+
+
+def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None | str, str]:
+    """True / False / None (inconclusive) / :data:`_UNMEASURED` for one paired row, and its
+    evidence."""
     n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
     text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
             f"{format(mean, fmt)} +/- {format(sd, fmt)}, wins {int(row['wins'])}/{n} seeds")
+    if not (math.isfinite(mean) and math.isfinite(sd)):
+        return _UNMEASURED, text + ", a value is not a number: not measured"
     if n < 2:
         return None, text + ", one seed: no interval"
     if mean == 0 and sd == 0:  # every seed a tie: the first method is better in none
@@ -162,7 +170,8 @@ def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any
     on one paired row or on several (one per metric the claim names, each oriented so that
     higher is better): holds when every metric's 95% interval lies above zero, does not hold
     when any lies below or is tied in every seed, inconclusive otherwise; not measured
-    without rows."""
+    without rows, or where a metric's values are not all numbers (NaN or infinite) and none
+    lies below."""
     if rows is None or (not isinstance(rows, Mapping) and not rows):
         return Claim(claim, None, "not run")
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
@@ -170,6 +179,8 @@ def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any
     evidence = "; ".join(texts)
     if any(o is False for o in outcomes):
         return Claim(claim, False, evidence)
+    if any(o == _UNMEASURED for o in outcomes):
+        return Claim(claim, None, evidence)
     if all(o is True for o in outcomes):
         return Claim(claim, True, evidence)
     return Claim(claim, None, evidence, inconclusive=True)
