@@ -123,6 +123,10 @@ def test_granularity_claim_pairs_the_seed_runs():
     mixed = tables(*[(12.0 + e, 11.0 + e, 11.5 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
     assert [c.verdict for c in blockffn_granularity.claims(mixed)] == [
         "holds", "does not hold"]  # N=32 beats N=4, but N=8 -> N=32 goes up
+    diverged = tables(*[(12.0 + e, float("nan") if e else 11.5, 11.0 + e)
+                        for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
+    assert [c.verdict for c in blockffn_granularity.claims(diverged)] == [
+        "holds", "not measured"]  # N=8's loss is NaN in four seed runs
 
 
 def _study(cfg, run: RunDir) -> dict:

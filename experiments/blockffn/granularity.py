@@ -83,7 +83,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         out.append(Claim("Each finer setting lowers PPL (App. F, Fig. 5)", holds,
                          "; ".join(f"N={b:.0f} vs N={a:.0f}: {v}"
                                    for (a, b), v in zip(zip(ns, ns[1:]), verdicts)),
-                         inconclusive=holds is None))
+                         inconclusive=holds is None and "not measured" not in verdicts))
     return out
 
 
