@@ -21,10 +21,10 @@
 #                that benchmark's full preset -> $OUT_DIR/<bench>/ (tables name the device;
 #                grouped_f32: bench_grouped's variant f32, float32 where tokamax does not apply;
 #                kernels: the paths and union sizes the decode and Pallas targets are judged on,
-#                the decode kernel profiled);
-#                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (the
-#                full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter target for longer
-#                than one command may run) and keeps its trained target and draft as
+#                its variant judged, the decode kernel profiled);
+#                speculative times 4 prompts of 128 new tokens at draft lengths 2 and 4 (its
+#                variant short; the full preset's 16 x 256 at 2, 4, 6 decode a 2.0B-parameter
+#                target for longer than one command may run) and keeps its trained target and draft as
 #                checkpoints and each decoding it timed (measured_<target>.json), so a stage
 #                stopped by STAGE_LIMIT resumes without training or timing anything again
 #   speculative_quick | speculative_wide
@@ -49,15 +49,18 @@
 #   decoding     stands for speculative_wide train_step train_step_xla_attention
 #                decode_tests speculative_wide_graphs: the lean decode step's and the flash
 #                kernel's measurements, in one command of under 10 minutes (BUDGET=570)
-# Every stage's run is its benchmark's preset or a declared variant of it, so
-# python -m experiments.results_doc machine=gpu publishes each in docs/results_gpu.md.
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
 #                copy of ~/.cache/moejax/tfds carried with the tree: the machine builds none)
+# Every stage's run is its benchmark's preset, or its preset with one of the variants the
+# benchmark declares, so python -m experiments.results_doc machine=gpu publishes each in
+# docs/results_gpu.md (a run with a key overridden is a trial, listed by command only).
 # SEED=DIR: a stage's output folder starts as a copy of DIR/<its folder> (e.g. the trained
 #   target/ and draft/ checkpoints of a run of the same configuration made on a CPU), so a
-#   lent machine's minutes go to the measurements; the checkpoints are verified when restored.
+#   lent machine's minutes go to the measurements; the checkpoints are verified when restored
+#   (speculative_wide's: python -m experiments.blockffn.speculative variant=wide_bf16
+#   n_prompts=1 max_new_tokens=8 out=DIR/bench_speculative_wide on a CPU trains them, 40 MB).
 # Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
 # and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
 # stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
