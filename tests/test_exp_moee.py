@@ -100,6 +100,11 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
     assert c.verdict == "inconclusive"
     one = {c.claim: c.verdict for c in mod.claims({"table1": [dense, moee]})}
     assert one["MoEE cuts MACs by 27% or more (Table 1)"] == "inconclusive"  # one value
+    means = {c.claim: c for c in mod.claims({"table1": [dense, moee, moef]})}  # no seeds
+    for claim in ("MoEE beats MoEfication (param) at equal MACs after KD (Table 1)",
+                  "MoEE routes more evenly than MoEfication (param) (Sec. 5, Fig. 2)"):
+        assert means[claim].verdict == "inconclusive", claim  # one pair of means
+        assert "one seed: no interval" in means[claim].evidence
 
 
 def test_moefication_claim_is_paired_per_seed_with_an_interval():

@@ -48,7 +48,7 @@ from moejax.extract.pipeline import (
     moefication_model,
 )
 from moejax.extract.start import ExtractionSource, source_preset
-from moejax.harness.claims import Claim, compare, lookup, paired, paired_claim, threshold_claim
+from moejax.harness.claims import Claim, lookup, paired, paired_claim, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
@@ -368,7 +368,7 @@ def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
     """``claim`` that MoEE's ``a`` beats ``other``'s ``b``, judged only where the two cut
     MACs alike (inconclusive, with both cuts, where they do not): on the paired per-seed
     differences with their 95% interval where both have per-seed values (``{seed: value}``),
-    else on the means."""
+    else on the one pair of means (inconclusive: no interval)."""
     gap = abs(float(moee["MACs_change_%"]) - float(other["MACs_change_%"]))
     macs = f"MACs {float(moee['MACs_change_%']):+.1f}% vs {float(other['MACs_change_%']):+.1f}%"
     if gap > EQUAL_MACS_PTS:
@@ -381,7 +381,8 @@ def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
                                        [moee_seeds[s] for s in seeds],
                                        [other_seeds[s] for s in seeds]))
     else:
-        c = compare(claim, ("MoEE", moee[a]), (other["model"], other[b]))
+        c = paired_claim(claim, paired(f"MoEE - {other['model']} (means)",
+                                       [float(moee[a])], [float(other[b])]))
     return c._replace(evidence=f"{c.evidence}; {macs}")
 
 
@@ -478,12 +479,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
 def _paired_lower(claim: str, what: str, a: dict, b: dict, mean_a, mean_b) -> Claim:
     """``claim`` that MoEE's ``what`` is lower than another's, paired per seed where both have
-    per-seed values, else on the means."""
+    per-seed values, else on the one pair of means (inconclusive: no interval)."""
     common = sorted(set(a) & set(b))
     if common:
         return paired_claim(claim, paired(f"other - MoEE {what}", [b[s] for s in common],
                                           [a[s] for s in common]))
-    return compare(claim, (f"MoEE {what}", mean_a), (f"other {what}", mean_b), better="lower")
+    return paired_claim(claim, paired(f"other - MoEE {what} (means)", [float(mean_b)],
+                                      [float(mean_a)]))
 
 
 STUDY = Study(
