@@ -47,6 +47,29 @@ def test_newest_run_per_study_and_machine_class(tmp_path):
     assert (line["preset"], line["machine"]) == ("full", "gpu")
 
 
+def test_runs_moved_with_their_index_are_found_beside_it(tmp_path):
+    """A GPU machine's runs and their index, copied back to another path (the recorded paths
+    gone), are read from beside the index; a directory of that name holding another study's
+    run is not taken for it."""
+    import shutil
+
+    there = tmp_path / "device" / "runs" / "gpu"
+    run_index.record(_run(there / "bench_train_step", "bench_dispatch",
+                          "python -m experiments.benchmarks.dispatch preset=full "
+                          "variant=train_step", accelerator="1 x NVIDIA H200"),
+                     there / "index.jsonl")  # beside the runs, as outside the tests
+    run_index.record(_run(there / "bench_other", "moee", "python -m experiments.extraction.moee",
+                          accelerator="1 x NVIDIA H200"), there / "index.jsonl")
+    here = tmp_path / "here" / "runs" / "gpu"
+    shutil.copytree(there, here)
+    shutil.rmtree(tmp_path / "device")
+    shutil.rmtree(here / "bench_other")
+    _run(here / "bench_other", "lm_demo", "python -m experiments.lm_demo",
+         accelerator="1 x NVIDIA H200")  # another study's run under the moved one's name
+    paths, skipped = run_index.newest("gpu", [here / "index.jsonl"])
+    assert paths == {"bench_dispatch": here / "bench_train_step"} and skipped == 0
+
+
 def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch):
     index = tmp_path / "index.jsonl"
     monkeypatch.delenv("XLA_FLAGS", raising=False)

@@ -8,7 +8,9 @@ documents publish; ``trial``: anything overridden), the machine class (``cpu``, 
 ``tpu``, from the run's ``run.json``) and when it finished. Smoke runs (``smoke=true`` in the
 run's record) are not results and are not indexed. :func:`newest` reads the index back: per
 study the newest line of a kind whose directory still holds a finished run (its ``run.json``
-in state ``finished``), malformed lines counted and skipped.
+in state ``finished``), malformed lines counted and skipped. A run directory moved together
+with its index (a GPU machine's ``runs/gpu`` copied back here) is found beside the index
+under its own name.
 
 The index lives beside the runs it indexes: ``index.jsonl`` in the run directory's parent
 (``runs/index.jsonl`` for the default ``out=runs/<study>``), or ``$MOEJAX_RUN_INDEX`` when
@@ -113,12 +115,14 @@ def newest(machine: str, index: Path | Sequence[Path] | None = None, *,
                else list(index))
     best: dict[str, tuple[float, Path]] = {}
     skipped = 0
-    raws = [raw for i in map(Path, indexes) if i.is_file() for raw in i.read_text().splitlines()]
-    for raw in raws:
+    raws = [(i, raw) for i in map(Path, indexes) if i.is_file()
+            for raw in i.read_text().splitlines()]
+    for index_file, raw in raws:
         try:
             line = json.loads(raw)
             study = entry_name(line["study"], line.get("variant", ""))
-            path, t = Path(line["path"]), float(line["t"])
+            path = _located(Path(line["path"]), index_file, line["study"])
+            t = float(line["t"])
             if line["machine"] != machine or (preset and line["preset"] != preset):
                 continue
         except (ValueError, KeyError, TypeError):
@@ -128,6 +132,17 @@ def newest(machine: str, index: Path | Sequence[Path] | None = None, *,
                 and (line.get("kind") or _legacy_kind(path)) == kind):
             best[study] = (t, path)
     return {study: path for study, (_, path) in best.items()}, skipped
+
+
+def _located(path: Path, index_file: Path, study: str) -> Path:
+    """The run directory an index line names: its recorded path, or, where that is gone, the
+    directory of the same name beside the index holding a run of the same study (the runs and
+    their index moved together, e.g. brought back from a GPU machine)."""
+    if path.is_dir():
+        return path
+    moved = index_file.parent / path.name
+    record = read_run_record(moved) if moved.is_dir() else None
+    return moved if record is not None and record.get("study") == study else path
 
 
 def _finished(path: Path) -> bool:
