@@ -60,7 +60,7 @@
 #   target/ and draft/ checkpoints of a run of the same configuration made on a CPU), so a
 #   lent machine's minutes go to the measurements; the checkpoints are verified when restored
 #   (speculative_wide's: python -m experiments.blockffn.speculative variant=wide_bf16
-#   n_prompts=1 max_new_tokens=8 out=DIR/bench_speculative_wide on a CPU trains them, 40 MB).
+#   n_prompts=1 max_new_tokens=8 out=DIR/bench_speculative_wide on a CPU trains them).
 # Each stage runs under STAGE_LIMIT seconds (default 570, inside a 10-minute command limit)
 # and leaves OUT_DIR/.done-<stage> when it passes; running the script again skips those
 # stages (REDO=1 runs them again), so an interrupted check resumes where it stopped.
