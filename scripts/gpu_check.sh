@@ -43,12 +43,11 @@
 #                bench_dispatch's full preset with XLA's attention (its variant
 #                xla_attention), against the dispatch stage's, which trains on tokamax's
 #                flash kernel
-#   train_step | train_step_xla_attention
-#                bench_dispatch's full-preset train step alone, on one path (gmm), on the
-#                flash kernel and on XLA's attention (its variants of those names)
-#   decoding     stands for speculative_wide train_step train_step_xla_attention
-#                decode_tests speculative_wide_graphs: the lean decode step's and the flash
-#                kernel's measurements, in one command of under 10 minutes (BUDGET=570)
+#   train_step   bench_dispatch's full-preset train step alone, on one path (gmm), timed on
+#                the flash kernel and on XLA's attention in one run (its variant train_step)
+#   decoding     stands for speculative_wide train_step decode_tests speculative_wide_graphs:
+#                the lean decode step's and the flash kernel's measurements, in one command
+#                of under 10 minutes (BUDGET=570)
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
@@ -80,8 +79,7 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
-stages=${stages//decoding/speculative_wide train_step train_step_xla_attention decode_tests \
-speculative_wide_graphs}
+stages=${stages//decoding/speculative_wide train_step decode_tests speculative_wide_graphs}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -154,8 +152,7 @@ for stage in $stages; do
         "$out/autotune/tuned/" 2>/dev/null
       (exit "$st") ;;
     grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
-    speculative_quick|speculative_wide|speculative_wide_graphs|extracted|train_step|\
-    train_step_xla_attention)
+    speculative_quick|speculative_wide|speculative_wide_graphs|extracted|train_step)
       args=(preset=full)
       flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
@@ -167,7 +164,7 @@ for stage in $stages; do
       case $stage in  # the benchmark's declared variant this stage runs
         grouped_f32) args+=(variant=f32) ;;
         dispatch_xla_attention) args+=(variant=xla_attention) ;;
-        train_step*) args+=(variant="$stage") ;;
+        train_step) args+=(variant=train_step) ;;
         kernels) args+=(variant=judged) ;;
         speculative) args+=(variant=short) ;;
         speculative_quick) args=(preset=quick variant=bf16) ;;

@@ -86,21 +86,32 @@ def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, 
     assert not (tmp_path / "bench" / "dispatch.csv").exists()
 
 
-def test_bench_dispatch_times_the_train_step_alone_without_block_or_delta_paths(tmp_path):
-    """``block_paths=()`` and ``delta_tree=none`` leave the train step alone (the GPU's
-    attention comparison); the table names the attention it ran, and a machine that cannot
-    time any path says so in the headline instead of failing."""
+def test_bench_dispatch_times_the_train_step_alone_on_each_attention(tmp_path):
+    """``block_paths=()`` and ``delta_tree=none`` leave the train step alone, and
+    ``attentions`` times each path on each attention in the one run (the GPU's comparison of
+    the flash kernel with XLA's attention): a row each, the ratio of the steps in the
+    headline; a machine that cannot time any path says so in the headline instead of
+    failing."""
+    import csv
+
     from experiments.benchmarks import dispatch as bench_dispatch
 
     tiny = TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=1", "block_paths=()",
-                      "delta_tree=none", "model.attention=jax"]
+                      "delta_tree=none", "attentions=(einsum,jax)"]
     summary, run = run_experiment("bench_dispatch", bench_dispatch.make_config,
                                   bench_dispatch.run, [*tiny, "paths=(capacity,)"],
                                   out=tmp_path / "one")
     assert sorted(p.name for p in run.path.glob("*.csv")) == ["dispatch.csv"]
-    assert "matmul_gflops" not in summary
-    assert "fastest path: capacity at " in (run.path / "summary.md").read_text()
-    assert ", attention jax, on " in (run.path / "dispatch.md").read_text()
+    rows = list(csv.DictReader(open(run.path / "dispatch.csv")))
+    assert [(r["path"], r["attention"]) for r in rows] == [("capacity", "einsum"),
+                                                           ("capacity", "jax")]
+    # the same model and batches on either attention: the same loss
+    assert float(rows[0]["final_ce"]) == pytest.approx(float(rows[1]["final_ce"]), rel=1e-4)
+    ratio = float(rows[1]["step_s_median"]) / float(rows[0]["step_s_median"])
+    assert f"train step on jax / on einsum: capacity {ratio:.2f}" in (
+        run.path / "summary.md").read_text()
+    assert "matmul_gflops" not in summary and {"capacity_ms", "capacity_jax_ms"} <= set(summary)
+    assert ", attention einsum, jax (auto: " in (run.path / "dispatch.md").read_text()
     _, run = run_experiment("bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
                             [*tiny, "paths=(gmm,)"], out=tmp_path / "none")
     if jax.default_backend() == "cpu":

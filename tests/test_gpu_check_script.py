@@ -142,8 +142,7 @@ def test_a_failed_autotune_is_not_marked_done(tmp_path):
 
 BENCH_STAGES = ("grouped", "grouped_f32", "kernels", "dispatch", "dispatch_xla_attention",
                 "speculative", "speculative_quick", "speculative_wide",
-                "speculative_wide_graphs", "extracted", "train_step",
-                "train_step_xla_attention")
+                "speculative_wide_graphs", "extracted", "train_step")
 
 
 def test_every_benchmark_stage_runs_a_preset_or_a_declared_variant(tmp_path):
@@ -179,12 +178,10 @@ def test_the_decoding_group_measures_the_lean_decode_step_and_the_flash_kernel(t
         f"out={out}/bench_speculative_wide",
         f"-m experiments.benchmarks.dispatch preset=full variant=train_step "
         f"out={out}/bench_train_step",
-        f"-m experiments.benchmarks.dispatch preset=full variant=train_step_xla_attention "
-        f"out={out}/bench_train_step_xla_attention",
         "-m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py "
         "tests/test_attention_impls.py tests/test_lean_decode.py",
         f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_graphs "
         f"out={out}/bench_speculative_wide_graphs"]
     assert sorted(p.name for p in out.glob(".done-*")) == [
         ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_graphs",
-        ".done-train_step", ".done-train_step_xla_attention"]
+        ".done-train_step"]

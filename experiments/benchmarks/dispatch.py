@@ -14,11 +14,18 @@ Default model: 4 layers, d 256, 8 experts, top-2, SwiGLU experts of width 704
 (~18M params), seq 128, batch 16, on the CPython-stdlib byte corpus. Each path runs
 ``warmup`` untimed steps (compilation) and then ``steps`` timed steps
 (``block_until_ready`` after each). The capacity path's dropped-assignment fraction is
-reported too.
+reported too. ``attentions=(auto,jax)`` times each path's step on the flash kernel and on
+XLA's attention in the same run, the headline giving the ratio of the two steps.
+
+On a GPU or TPU (an accelerator's variants): ``xla_attention`` is the full preset on XLA's
+attention; ``train_step`` is the full preset's train step alone, on the project's grouped
+matmul (``gmm``), timed on the flash kernel and on XLA's attention, without the block and
+delta tables.
 
     make bench                                 # = the next line, malloc huge pages on
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python -m experiments.benchmarks.dispatch
-    python -m experiments.benchmarks.dispatch preset=full           # GPU: batch 64, seq 512
+    python -m experiments.benchmarks.dispatch preset=full           # GPU: d 1024, seq 2048
+    python -m experiments.benchmarks.dispatch preset=full variant=train_step   # GPU
     python -m experiments.benchmarks.dispatch paths=capacity,ragged steps=20
     python -m experiments.benchmarks.dispatch "paths=(capacity,ragged,gmm)"   # gmm: GPU only
     pip install torch   # optional: fills the PyTorch peer row (never a moejax dependency;
@@ -28,6 +35,7 @@ reported too.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -77,6 +85,9 @@ class BenchConfig(Config):
     warmup: int = 2
     steps: int = 8
     precision: Literal["float32", "bfloat16"] = "float32"
+    # the attentions each path's train step is timed on in this run (e.g. (auto, jax): the
+    # flash kernel against XLA's attention, one after the other); () = model.attention alone
+    attentions: tuple[Literal["auto", "flash", "jax", "einsum"], ...] = ()
     # one MoE block, fwd+bwd: tokens, d_model, expert width, experts, k (block_paths=():
     # none)
     block_tokens: int = 2048
@@ -127,6 +138,7 @@ def _build_step(cfg: BenchConfig, path: str, source):
         dtype=cfg.precision,
     )
     model = DecoderLM(mcfg.decoder_config(), rngs=nnx.Rngs(0))
+    what = path if mcfg.attention == "auto" else f"{path}, attention {mcfg.attention}"
     tcfg = TrainConfig(
         steps=cfg.warmup + cfg.steps,
         batch_size=cfg.batch_size,
@@ -139,7 +151,7 @@ def _build_step(cfg: BenchConfig, path: str, source):
     tx = make_optimizer(tcfg, schedule)
     graphdef, state = init_train_state(model, tx, seed=0)
     step = make_train_step(graphdef, lm_loss_fn, tx, tcfg, schedule=schedule, donate=True)
-    record_step(f"train step ({path})", step, state, source.batch(0), tcfg, program=path)
+    record_step(f"train step ({what})", step, state, source.batch(0), tcfg, program=path)
     return graphdef, state, step, count_params(state.params)
 
 
@@ -163,6 +175,7 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
     tokens = cfg.batch_size * cfg.seq_len
     return {
         "path": path,
+        "attention": cfg.model.attention,
         "runs": describe_dispatch(path),
         "params": n_params,
         "compile_plus_first_step_s": fitted_s + timed.compile_s,
@@ -182,10 +195,14 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
     block, rate = _block_table(cfg, run)
     summary_delta = _delta_ops(cfg, run)
     blk = {r["impl"]: r for r in block}
+    attentions = _attentions(cfg)
+    several = len(attentions) > 1
     if timed:
         best = max(timed, key=lambda r: r["tokens_per_s"])
-        head = (f"fastest path: {best['path']} at {best['tokens_per_s']:.0f} tokens/s "
-                f"({best['step_s_median'] * 1e3:.3g} ms/step){_ratios(timed, blk)}")
+        first = [r for r in timed if r["attention"] == attentions[0]]
+        head = (f"fastest path: {_label(best, several)} at {best['tokens_per_s']:.0f} "
+                f"tokens/s ({best['step_s_median'] * 1e3:.3g} ms/step)"
+                f"{_attention_ratios(timed, attentions)}{_ratios(first, blk)}")
     else:
         head = f"no train step timed here: {'; '.join(f'{p}: {n}' for p, n in _untimed(cfg))}"
     return {
@@ -196,8 +213,24 @@ def run(cfg: BenchConfig, run: RunDir) -> dict:
         **{f"block {k}, retained": round(r["ms_retained"], 1) for k, r in blk.items()
            if "ms_retained" in r},
         **{f"delta {k} vs x*2": v for k, v in summary_delta.items()},
-        **{f"{r['path']}_ms": round(r["step_s_median"] * 1e3, 1) for r in timed},
+        **{(f"{r['path']}_ms" if r["attention"] == attentions[0] else
+            f"{r['path']}_{r['attention']}_ms"): round(r["step_s_median"] * 1e3, 1)
+           for r in timed},
     }
+
+
+def _attention_ratios(timed: list[dict], attentions: Sequence[str]) -> str:
+    """The headline's step time on each further attention over the first's, per path that
+    both timed (e.g. XLA's attention over the flash kernel's: above 1, the kernel is
+    faster)."""
+    by = {(r["path"], r["attention"]): r["step_s_median"] for r in timed}
+    parts = []
+    for other in attentions[1:]:
+        paths = [p for p, a in by if a == other and (p, attentions[0]) in by]
+        if paths:
+            parts.append(f"train step on {other} / on {attentions[0]}: " + ", ".join(
+                f"{p} {by[p, other] / by[p, attentions[0]]:.2f}" for p in paths))
+    return "".join(f"; {t}" for t in parts)
 
 
 def _untimed(cfg: BenchConfig) -> list[tuple[str, str]]:
@@ -212,16 +245,21 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
     rows = []
     for p in cfg.paths:
         why = kernel_unavailable(p)
-        if why and active_capture() is not None:  # ahead of time: recorded, not timed
-            _build_step(cfg, p, source)
-        rows.append({"path": p, "note": why} if why else _bench_path(cfg, p, source))
+        for attention in _attentions(cfg):
+            c = cfg.replace(model=cfg.model.replace(attention=attention))
+            if why and active_capture() is not None:  # ahead of time: recorded, not timed
+                _build_step(c, p, source)
+            rows.append({"path": p, "attention": attention, "note": why} if why
+                        else _bench_path(c, p, source))
     dev = jax.devices()[0]
-    top = top_kernel_rows(rows, cfg.profile_top, ("path",))  # takes them out of the rows
+    # takes them out of the rows
+    top = top_kernel_rows(rows, cfg.profile_top, ("path", "attention"))
     run.table("dispatch", rows, title=(
         f"Train step, {cfg.model.n_layers}-layer d={cfg.model.d_model} "
         f"{cfg.model.moe.n_experts}-expert top-{cfg.model.moe.top_k} MoE LM, seq {cfg.seq_len}, "
-        f"batch {cfg.batch_size}, {cfg.precision}, attention {cfg.model.attention}, on "
-        f"{dev.platform} ({dev.device_kind}, {jax.device_count()} device(s))"))
+        f"batch {cfg.batch_size}, {cfg.precision}, attention {', '.join(_attentions(cfg))} "
+        f"(auto: the platform's flash kernel, XLA's on a CPU; jax: XLA's), on {dev.platform} "
+        f"({dev.device_kind}, {jax.device_count()} device(s))"))
     if top:
         run.table("step_kernels", top, title=(
             f"Where one train step's device time goes, per dispatch path: its {cfg.profile_top} "
@@ -229,10 +267,20 @@ def _train_steps(cfg: BenchConfig, run: RunDir) -> list[dict]:
             f"the step's wall time) on {dev.platform} ({dev.device_kind})"))
     timed = [r for r in rows if "tokens_per_s" in r]
     if timed:
-        run.bar_plot("tokens_per_s", [r["path"] for r in timed],
+        several = len(_attentions(cfg)) > 1
+        run.bar_plot("tokens_per_s", [_label(r, several) for r in timed],
                      [r["tokens_per_s"] for r in timed], ylabel="tokens / s",
                      title="Train throughput by dispatch path")
     return timed
+
+
+def _attentions(cfg: BenchConfig) -> tuple[str, ...]:
+    return cfg.attentions or (cfg.model.attention,)
+
+
+def _label(row: dict, several: bool) -> str:
+    """A timed row's name: its path, and its attention where the run timed several."""
+    return f"{row['path']} ({row['attention']})" if several else row["path"]
 
 
 def _block_table(cfg: BenchConfig, run: RunDir) -> tuple[list[dict], float]:
@@ -302,10 +350,10 @@ def _ratios(timed: list[dict], blk: dict) -> str:
 DROPLESS = ("auto", "tokamax", "gmm", "grouped", "bucketed", "ragged", "host")
 
 
-# the train step alone on one dropless path (the project's grouped-matmul kernel): what the
-# attention kernel changes, in a fraction of the full benchmark's time
-TRAIN_STEP = ("paths=(gmm,)", "block_paths=()", "delta_tree=none")
-XLA_ATTENTION = ("model.attention=jax",)
+# the train step alone on one dropless path (the project's grouped-matmul kernel), on the
+# flash kernel and on XLA's attention: what the kernel changes, in a fraction of the full
+# benchmark's time
+TRAIN_STEP = ("paths=(gmm,)", "attentions=(auto,jax)", "block_paths=()", "delta_tree=none")
 
 STUDY = Study(
     "bench_dispatch", make_config, run,
@@ -316,8 +364,8 @@ STUDY = Study(
     smoke_depth=("model.n_layers=1",),
     # on a GPU or TPU: every path on XLA's attention instead of the flash kernel, and the
     # train step alone on the flash kernel and on XLA's
-    accelerator_variants=(("xla_attention", XLA_ATTENTION), ("train_step", TRAIN_STEP),
-                          ("train_step_xla_attention", (*TRAIN_STEP, *XLA_ATTENTION))),
+    accelerator_variants=(("xla_attention", ("model.attention=jax",)),
+                          ("train_step", TRAIN_STEP)),
 )
 
 
