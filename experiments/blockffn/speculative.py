@@ -40,10 +40,8 @@ of width 256 to 106M parameters, shapes the Hopper decode kernel takes. The quic
 width 48 is off the kernel's blocks, so on a GPU its chunk-sparse rows run the dense product
 and measure the draft and the verification, not the union kernel.
 
-On a GPU (an accelerator's variants, documented there only): ``bf16`` serves the quick models in
-bfloat16 at draft length 4; ``wide_bf16`` does the same for the wide ones, timing the grown
-target's decodings only; ``wide_bf16_graphs`` repeats it with each decoding's loop compiled with
-command buffers (``command_buffers=true``).
+A GPU's variants (``STUDY.accelerator_variants``) serve the quick or wide models in bfloat16
+at draft length 4, the wide ones also with command buffers, or the full preset cut short.
 
     python -m experiments.blockffn.speculative
     python -m experiments.blockffn.speculative variant=wide_bf16   # a GPU
@@ -496,10 +494,8 @@ STUDY = Study(
     smoke_depth=("grow.extra_layers=8",),
     paper_scale=PAPER_SCALE,
     variants=(("wide", WIDE),),
-    # on a GPU: the full preset's 16 prompts x 256 new tokens cut to 4 x 128 at draft lengths
-    # 2 and 4 (within one command's time); the quick models served in bfloat16 at draft
-    # length 4 (the grown target's decodings only, for the wide ones); and the wide ones
-    # again with each decoding's loop compiled with command buffers
+    # a GPU's: the full preset's 16 x 256 new tokens cut to 4 x 128 (one command's time); the
+    # quick models in bf16 (the wide: the grown target only), the wide with command buffers
     accelerator_variants=(("short", ("n_prompts=4", "max_new_tokens=128", "draft_lens=(2,4)")),
                           ("bf16", GPU_DECODE),
                           ("wide_bf16", (*WIDE, *GPU_DECODE, "decode_trained=false")),
