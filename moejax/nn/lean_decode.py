@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.kernels.chunk_union.pallas import add_residual
 from moejax.nn import axes as ax
 from moejax.nn.attention import Attention, KVCache
 from moejax.nn.blockffn import BlockFFN, BlockRoute, block_experts
@@ -115,7 +116,7 @@ class LeanDenseFFN(nnx.Module):
     def with_residual(self, x_BTD: jax.Array):
         """``x + ffn(x)``, the block's output, and ``{}``."""
         y, aux = self(x_BTD)
-        return x_BTD + y.astype(x_BTD.dtype), aux
+        return add_residual(x_BTD, y), aux
 
 
 class LeanBlockFFN(nnx.Module):
@@ -183,7 +184,7 @@ class LeanBlock(nnx.Module):
             x_BTD, aux = self.ffn.with_residual(x_BTD)
             return x_BTD, aux, cache
         y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
-        return x_BTD + y.astype(x_BTD.dtype), aux, cache
+        return add_residual(x_BTD, y), aux, cache
 
 
 class LeanDecoder(DecoderLM):
