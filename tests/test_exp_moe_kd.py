@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.kd import claims as kd_claims
 from experiments.kd import moe_kd as mod  # imported before tiny_recipes patches the registry
 from moejax.harness.claims import paired_claim
 from moejax.harness.experiment import run_experiment
@@ -75,9 +76,14 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     rows = [r for r in csv.DictReader(open(run.path / "paired.csv"))
             if r["comparison"] == "KD: dense - MoE teacher"]
     assert {r["metric"] for r in rows} == {"rouge_l", "-ppl"}  # both reported
-    assert kd_claim == paired_claim("KD", [{k: (float(v) if k in ("mean_diff", "std_diff")
-                                                else v) for k, v in r.items()}
-                                           for r in rows if r["metric"] == "rouge_l"]).verdict
+    paired_kd = paired_claim("KD", [{k: (float(v) if k in ("mean_diff", "std_diff") else v)
+                                     for k, v in r.items()} for r in rows
+                                    if r["metric"] == "rouge_l"])
+    refs = {r["model"]: {k: (v if k == "model" else float(v)) for k, v in r.items()}
+            for r in csv.DictReader(open(run.path / "references.csv"))}
+    unfit = paired_kd.holds is not None and kd_claims.setting_fault(
+        "KD: dense - MoE teacher", paired_kd.holds, refs) is not None
+    assert kd_claim == ("inconclusive" if unfit else paired_kd.verdict)
     assert sum(v == "not measured" for v in verdicts.values()) == 5
 
 
@@ -93,11 +99,17 @@ def test_teacher_gap_needs_both_the_rouge_and_the_perplexity_gap():
     assert gap(0.75, 0.5, 3.5, 4.0)["worth_distilling"] is False  # perplexity only 12.5% lower
 
 
+# before distillation: an MoE teacher 40% ahead of the student, a dense teacher level with it
+REFERENCES = [{"model": "MoE teacher", "rouge_l": 0.070, "ppl": 4.0},
+              {"model": "student (SFT)", "rouge_l": 0.050, "ppl": 6.0},
+              {"model": "dense teacher", "rouge_l": 0.070, "ppl": 3.8}]
+
+
 def test_claims_are_judged_on_rouge_l_alone_with_perplexity_beside_it():
     """The paper's metric is ROUGE-L: a ROUGE-L win with a perplexity loss holds; a ROUGE-L
     loss with a perplexity win does not; the perplexity row is in the evidence either way."""
     def rows(rouge, ppl):
-        return {"paired": [
+        return {"references": REFERENCES, "paired": [
             {"metric": "rouge_l", "comparison": "GKD - KD (MoE teacher)", "mean_diff": rouge,
              "std_diff": 0.001, "wins": 5 if rouge > 0 else 0, "n": 5},
             {"metric": "-ppl", "comparison": "GKD - KD (MoE teacher)", "mean_diff": ppl,
@@ -109,6 +121,46 @@ def test_claims_are_judged_on_rouge_l_alone_with_perplexity_beside_it():
     assert first(rows(-0.02, 0.3)).verdict == "does not hold"
     assert first(rows(0.0001, -0.3)).verdict == "inconclusive"
     assert first({"paired": []}).verdict == "not measured"
+
+
+def _paired(comparison: str, diff: float) -> dict:
+    """One comparison's ROUGE-L row, 5 of 5 seeds ``diff`` apart (std 0.001)."""
+    return {"metric": "rouge_l", "comparison": comparison, "mean_diff": diff,
+            "std_diff": 0.001, "wins": 5 if diff > 0 else 0, "n": 5}
+
+
+def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
+    """Every claim needs an MoE teacher ahead of the student by Table 1's weakest margin
+    (8.9%); a dense-vs-MoE claim needs comparable teachers (within 2.5%, Sec. 5.1), except
+    where the weaker teacher's student won. Otherwise the verdict reads inconclusive, with the
+    reason in its evidence; without a references table nothing is judged."""
+    def verdicts(moe, dense, student=0.050, diff=0.01):
+        refs = [{"model": "MoE teacher", "rouge_l": moe, "ppl": 4.0},
+                {"model": "student (SFT)", "rouge_l": student, "ppl": 6.0},
+                {"model": "dense teacher", "rouge_l": dense, "ppl": 4.0}]
+        got = mod.claims({"references": refs,
+                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})
+        return [c.verdict for c in got], got
+
+    method, dense_vs = ["holds"] * 4, ["holds"] * 2
+    assert verdicts(0.070, 0.070)[0] == method + dense_vs  # a fit setting: as the pairs say
+    assert verdicts(0.070, 0.071)[0] == method + dense_vs  # +1.4%: still comparable
+    # the dense teacher 10% ahead: its students winning says nothing; losing still does
+    v, got = verdicts(0.070, 0.077)
+    assert v == method + ["inconclusive"] * 2
+    assert "dense teacher is itself the better one" in got[4].evidence
+    assert verdicts(0.070, 0.077, diff=-0.01)[0] == ["does not hold"] * 6
+    # the MoE teacher 10% ahead: the dense-teacher students losing says nothing
+    assert verdicts(0.077, 0.070, diff=-0.01)[0] == ["does not hold"] * 4 + ["inconclusive"] * 2
+    assert verdicts(0.077, 0.070)[0] == ["holds"] * 6
+    # an MoE teacher only 8% ahead of the student: no claim is judged, either way
+    for diff in (0.01, -0.01):
+        v, got = verdicts(0.054, 0.054, diff=diff)
+        assert v == ["inconclusive"] * 6 and "nothing here to distil" in got[0].evidence
+    assert verdicts(float("nan"), 0.07)[0] == ["inconclusive"] * 6  # a teacher not measured
+    no_refs = mod.claims({"paired": [_paired(label, 0.01) for label in mod.CLAIMS]})
+    assert [c.verdict for c in no_refs] == ["inconclusive"] * 6
+    assert "no references table" in no_refs[0].evidence
 
 
 HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.kd.claims import CLAIMS, claims, paired_rows, teacher_gap
 from experiments.kd.common import PAPER_SCALE
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
 from moejax.config import Config, config
@@ -65,7 +66,6 @@ from moejax.evaluate_generation import (
     gate_mass_by_layer,
     router_kl_by_layer,
 )
-from moejax.harness.claims import Claim, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.io.hf_moe import hf_checkpoint_dir, hf_moe_config, hf_spec_config, load_hf_moe
@@ -263,48 +263,6 @@ def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
             "runs": len(runs), "scores": len(flat)}
 
 
-# the paper's comparisons: (label, (teacher, method) that should win, (teacher, method))
-COMPARISONS = (
-    ("GKD - KD (MoE teacher)", ("MoE", "GKD"), ("MoE", "KD")),
-    ("ALL - GKD (MoE teacher)", ("MoE", "ALL"), ("MoE", "GKD")),
-    ("KA - GKD (MoE teacher)", ("MoE", "KA"), ("MoE", "GKD")),
-    ("SAR - GKD (MoE teacher)", ("MoE", "SAR"), ("MoE", "GKD")),
-    ("KD: dense - MoE teacher", ("dense", "KD"), ("MoE", "KD")),
-    ("GKD: dense - MoE teacher", ("dense", "GKD"), ("MoE", "GKD")),
-)
-
-
-def paired_rows(per_seed: list[dict]) -> list[dict]:
-    """Each of :data:`COMPARISONS` both runs made, per training seed (ROUGE-L: the mean over
-    the shared sampling seeds; perplexity: lower is better, so the sign is flipped)."""
-    by = {}
-    for r in per_seed:
-        by.setdefault((r["teacher"].split()[0], r["method"]), {})[r["seed"]] = r
-    out = []
-    for label, a, b in COMPARISONS:
-        if a not in by or b not in by:
-            continue
-        seeds = sorted(set(by[a]) & set(by[b]))
-        out.append({"metric": "rouge_l", **paired(label, [by[a][s]["rouge_l"] for s in seeds],
-                                                  [by[b][s]["rouge_l"] for s in seeds])})
-        out.append({"metric": "-ppl", **paired(label, [-by[a][s]["ppl"] for s in seeds],
-                                               [-by[b][s]["ppl"] for s in seeds])})
-    return out
-
-
-def teacher_gap(refs: dict) -> dict:
-    """How much better the MoE teacher is than the SFT student before distillation: relative
-    and absolute ROUGE-L gain, relative perplexity reduction, and whether the setting has a
-    teacher worth distilling (>= 50% relative or 0.05 absolute ROUGE-L, >= 20% perplexity)."""
-    t, s = refs["MoE teacher"], refs["student (SFT)"]
-    rel = (t["rouge_l"] - s["rouge_l"]) / max(s["rouge_l"], 1e-12)
-    ppl = 1.0 - t["ppl"] / s["ppl"]
-    return {"rouge_l_rel_gain": rel, "rouge_l_abs_gain": t["rouge_l"] - s["rouge_l"],
-            "ppl_reduction": ppl,
-            "worth_distilling": bool((rel >= 0.5 or t["rouge_l"] - s["rouge_l"] >= 0.05)
-                                     and ppl >= 0.2)}
-
-
 # ------------------------------------------------------------------------------ study
 
 
@@ -336,10 +294,9 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     ka_sweep(cfg, run, s, per_seed)
     sar_kl_table(run, sar_kls)
     lr_sweeps(cfg, run, s, per_seed, sar_kls)
-    verdicts = {}
-    for r in paired_tab:  # each comparison judged on ROUGE-L, perplexity beside it
-        verdicts.setdefault(r["comparison"], []).append(r)
-    verdicts = {k: rouge_claim(k, v) for k, v in verdicts.items()}
+    ran = {r["comparison"] for r in paired_tab}
+    verdicts = {label: c for label, c in zip(CLAIMS, claims(
+        {"paired": paired_tab, "references": reference_rows(refs)})) if label in ran}
     run.note(_setting_note(cfg, verdicts))
     out = {"student_sft": refs["student (SFT)"]["rouge_l"],
            "moe_teacher": refs["MoE teacher"]["rouge_l"],
@@ -384,9 +341,7 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
     if s.dense_teacher is not None:
         refs["dense teacher"] = s.score(s.dense_teacher)
     gap = teacher_gap(refs)
-    run.table("references", [{"model": k, "rouge_l": v["rouge_l"],
-                              "std": float(np.std(v["rouge_l_seeds"])), "ppl": v["ppl"],
-                              "kl_to_moe_teacher": v["kl"]} for k, v in refs.items()],
+    run.table("references", reference_rows(refs),
               title=f"Before distillation: test ROUGE-L over {cfg.eval_seeds} sampling seeds, "
                     "response-token perplexity, KL(MoE teacher || model) per response token")
     run.note(f"Teacher worth distilling: the MoE teacher's ROUGE-L is "
@@ -395,6 +350,12 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
              f"student's: the >= 50% (or 0.05) ROUGE-L and >= 20% perplexity gap "
              + ("holds." if gap["worth_distilling"] else "does NOT hold."))
     return refs, gap
+
+
+def reference_rows(refs: dict) -> list[dict]:
+    """The ``references`` table: each model's scores before distillation."""
+    return [{"model": k, "rouge_l": v["rouge_l"], "std": float(np.std(v["rouge_l_seeds"])),
+             "ppl": v["ppl"], "kl_to_moe_teacher": v["kl"]} for k, v in refs.items()]
 
 
 def _methods(cfg: MoEKDConfig, s: _Setup) -> tuple[list[dict], list[dict]]:
@@ -480,42 +441,6 @@ def _setting_note(cfg: MoEKDConfig, verdicts: dict) -> str:
             f"{cfg.kd.router_lr:g} (the paper: 1e-5 both), weight decay "
             f"{cfg.distill.weight_decay:g}. SAR runs the paper's two stages per step (router "
             f"AdamW step, then distillation under the updated router). Evaluation {sampling}")
-
-
-def rouge_claim(claim: str, rows: list[dict] | None) -> Claim:
-    """``claim`` judged on the paired per-seed ROUGE-L differences alone, the paper's one
-    metric ("We adopt the ROUGE-L score as the evaluation metric", Table 1); the response
-    perplexity's paired row is reported beside it, never as a condition (teacher-forced
-    perplexity on the reference responses favours the methods trained on them)."""
-    rows = rows or []
-    rouge = [r for r in rows if r.get("metric", "rouge_l") == "rouge_l"]
-    c = paired_claim(claim, rouge)
-    ppl = [r for r in rows if r.get("metric") == "-ppl"]
-    if rouge and ppl:
-        c = c._replace(evidence=f"{c.evidence}; beside it, not judged: "
-                                f"{paired_claim(claim, ppl).evidence}")
-    return c
-
-
-def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """The paper's main-table claims (Table 1, Sec. 5.2), each judged on the paired
-    per-seed ROUGE-L differences (:func:`rouge_claim`: holds when the 95% interval lies above
-    zero): with an MoE teacher ALL, KA and SAR beat GKD, which beats KD; a comparable dense
-    teacher gives better KD and GKD students than the MoE teacher."""
-    rows = {}
-    for r in t.get("paired") or []:
-        rows.setdefault(r["comparison"], []).append(r)
-    return [rouge_claim(claim, rows.get(label)) for label, claim in CLAIMS.items()]
-
-
-CLAIMS = {"GKD - KD (MoE teacher)": "GKD beats KD with the MoE teacher (Table 1)",
-          "ALL - GKD (MoE teacher)": "ALL beats GKD with the MoE teacher (Table 1)",
-          "KA - GKD (MoE teacher)": "KA beats GKD with the MoE teacher (Table 1)",
-          "SAR - GKD (MoE teacher)": "SAR beats GKD with the MoE teacher (Table 1)",
-          "KD: dense - MoE teacher": "KD from the dense teacher beats KD from the MoE "
-                                     "teacher (Table 1, Sec. 5.2)",
-          "GKD: dense - MoE teacher": "GKD from the dense teacher beats GKD from the MoE "
-                                      "teacher (Table 1, Sec. 5.2)"}
 
 
 def checkpoint_runs(cfg: MoEKDConfig) -> list:
