@@ -161,16 +161,20 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
 def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
     from experiments.blockffn import baselines as mod
 
-    def rows(ppl_other_offset, cls_other_offset):
+    def rows(ppl_other_offset, cls_other_offset, remoe_tls_gap=0.0):
         out = []
         for seed in range(5):
             noise = 0.05 * ((seed * 7) % 5 - 2)
+            # N = 16 experts, 3.2 active: close TLS is within half an expert, 1/32
             out.append({"seed": seed, "size": "S", "model": "BlockFFN", "val_ppl": 10 + noise,
-                        "CLS_8": 0.5 + noise / 10})
+                        "CLS_8": 0.5 + noise / 10, "TLS": 0.8, "active_experts": 3.2,
+                        "TLS - TLS_BlockFFN": 0.0})
             for i, m in enumerate(("TopK", "ReMoE")):
+                gap = (0.0, remoe_tls_gap)[i]
                 out.append({"seed": seed, "size": "S", "model": m,
                             "val_ppl": 10 + noise + ppl_other_offset * (i + 1),
-                            "CLS_8": 0.5 + noise / 10 + cls_other_offset * (i + 1)})
+                            "CLS_8": 0.5 + noise / 10 + cls_other_offset * (i + 1),
+                            "TLS": 0.8 + gap, "TLS - TLS_BlockFFN": gap})
             out.append({"seed": seed, "size": "S", "model": "Dense", "val_ppl": 1.0,
                         "CLS_8": 0.0})  # the dense model is not an MoE: not compared
         return {"baselines_per_seed": out}
@@ -181,3 +185,23 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
     assert ppl.holds is False and cls.holds is False
     ppl, _ = mod.claims(rows(0.0, -0.1))             # tied with both in every seed
     assert ppl.verdict == "does not hold" and "equal in every seed" in ppl.evidence
+
+    # close TLS (Table 2): a gap over half an expert voids a verdict it could explain
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.03))  # within 1/32: stands
+    assert ppl.holds is True and cls.holds is True
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.05))  # ReMoE sparser, BlockFFN wins
+    assert ppl.verdict == "inconclusive" and "not close" in ppl.evidence
+    assert cls.holds is True  # a sparser ReMoE with the lower CLS: the gap runs against it
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=-0.05))  # ReMoE denser, BlockFFN wins
+    assert ppl.holds is True and cls.verdict == "inconclusive"
+    ppl, cls = mod.claims(rows(-0.5, 0.1, remoe_tls_gap=-0.05))  # a denser ReMoE has lower PPL
+    assert ppl.holds is False  # TopK, at the same TLS, beats BlockFFN too
+    remoe_only = rows(-0.5, 0.1, remoe_tls_gap=-0.05)
+    remoe_only["baselines_per_seed"] = [r for r in remoe_only["baselines_per_seed"]
+                                        if r["model"] != "TopK"]
+    ppl, cls = mod.claims(remoe_only)  # only a denser ReMoE beats it: on PPL, says nothing
+    assert ppl.verdict == "inconclusive" and cls.holds is False
+    no_tls = rows(0.5, -0.1)
+    for r in no_tls["baselines_per_seed"]:
+        r.pop("TLS - TLS_BlockFFN", None)
+    assert [c.verdict for c in mod.claims(no_tls)] == ["inconclusive"] * 2

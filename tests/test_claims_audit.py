@@ -111,8 +111,10 @@ def blockffn_baselines(d):
     rows = []
     for s in SEEDS:
         rows += [{"size": "small", "model": "BlockFFN", "seed": s, "val_ppl": 10 - 10 * d(s),
-                  "CLS_8": 0.5 + d(s)},
-                 {"size": "small", "model": "ReMoE", "seed": s, "val_ppl": 10.0, "CLS_8": 0.5},
+                  "CLS_8": 0.5 + d(s), "TLS": 0.8, "active_experts": 3.2,
+                  "TLS - TLS_BlockFFN": 0.0},
+                 {"size": "small", "model": "ReMoE", "seed": s, "val_ppl": 10.0, "CLS_8": 0.5,
+                  "TLS": 0.81, "active_experts": 3.04, "TLS - TLS_BlockFFN": 0.01},
                  {"size": "small", "model": "Dense", "seed": s, "val_ppl": 9.0, "CLS_8": 0.0}]
     return {"baselines_per_seed": rows}
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
 from moejax.config import config
-from moejax.harness.claims import Claim, paired, paired_claim
+from moejax.harness.claims import Claim, measured, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
@@ -213,22 +213,61 @@ def paired_gaps(rows: list[dict], sizes) -> list[dict]:
     return out
 
 
+def close_tls(rows: list[dict]) -> float | None:
+    """How far a baseline's validation TLS may lie from BlockFFN's and still be "close TLS"
+    (Table 2): half an expert of the ``N``, the most rounding ``k = round(N (1 - TLS))`` moves
+    it (``N = active_experts / (1 - TLS)`` of a BlockFFN row); None where the rows cannot
+    say."""
+    for r in rows:
+        if r["model"] == "BlockFFN":
+            active, tls = measured(r.get("active_experts")), measured(r.get("TLS"))
+            if active and tls is not None and tls < 1.0:
+                return 0.5 * (1.0 - tls) / active + 1e-6
+    return None
+
+
+def _pair_claim(label: str, a: list[float], b: list[float], gap: float | None,
+                tol: float | None, confounds) -> Claim:
+    """One BlockFFN-vs-baseline comparison (``a`` the BlockFFN side, higher is better),
+    inconclusive where the baseline's TLS lies further than ``tol`` from BlockFFN's in the
+    direction that would explain the verdict (``confounds(holds, gap)``; ``gap``: its mean
+    TLS minus BlockFFN's)."""
+    c = paired_claim(label, paired(label, a, b))
+    if c.holds is None:
+        return c
+    if gap is None or tol is None:
+        return Claim(label, None, f"{c.evidence}; TLS not recorded: close TLS unchecked",
+                     inconclusive=True)
+    if confounds(c.holds, gap) and abs(gap) > tol:
+        return Claim(label, None, f"{c.evidence}; its TLS {gap:+.4f} from BlockFFN's, not "
+                     f"close (within {tol:.4f}, half an expert)", inconclusive=True)
+    return c
+
+
+# per metric: (column, sign making higher better, what, whether a baseline's TLS minus
+# BlockFFN's explains the verdict): a denser model has the lower PPL, a sparser the higher CLS
+METRICS = (("val_ppl", -1.0, "the lowest PPL", lambda holds, gap: (gap > 0) == holds),
+           ("CLS_8", 1.0, "the highest chunk-level sparsity CLS_8",
+            lambda holds, gap: (gap < 0) == holds))
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """BlockFFN's claims against the other MoEs at matched parameters and TLS (Table 2), each
-    judged on the paired per-seed differences against every other MoE
-    (:func:`moejax.harness.claims.paired_claim`): holds when BlockFFN beats each one, does not hold
-    when one beats it."""
+    """BlockFFN's claims against the other MoEs at matched parameters and close TLS (Table 2),
+    each judged on the paired per-seed differences against every other MoE
+    (:func:`moejax.harness.claims.paired_claim`): holds when BlockFFN beats each one, does not
+    hold when one beats it. A comparison counts only at close TLS (:func:`close_tls`), unless
+    the TLS gap runs against the verdict (a sparser baseline that still has the lower PPL)."""
     rows = t.get("baselines_per_seed") or []
     out = []
     for size in dict.fromkeys(r["size"] for r in rows):
         at = [r for r in rows if r["size"] == size and r["model"] != "Dense"]
+        tol = close_tls(at)
         by = {}
         for r in at:
             by.setdefault(r["model"], {})[int(float(r["seed"]))] = r
         if "BlockFFN" not in by or len(by) < 2:
             continue
-        for column, sign, what in (("val_ppl", -1.0, "the lowest PPL"),
-                                   ("CLS_8", 1.0, "the highest chunk-level sparsity CLS_8")):
+        for column, sign, what, confounds in METRICS:
             pairs = []
             for other in by:
                 if other == "BlockFFN":
@@ -236,11 +275,22 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                 seeds = sorted(set(by["BlockFFN"]) & set(by[other]))
                 label = (f"BlockFFN - {other} {column}" if sign > 0
                          else f"{other} - BlockFFN {column}")
-                pairs.append(paired(label,
-                                    [sign * float(by["BlockFFN"][s][column]) for s in seeds],
-                                    [sign * float(by[other][s][column]) for s in seeds]))
-            out.append(paired_claim(f"BlockFFN has {what} of the MoEs ({size}; Table 2"
-                                    f"{', Fig. 1a' if column == 'CLS_8' else ''})", pairs))
+                gaps = [measured(by[other][s].get("TLS - TLS_BlockFFN")) for s in seeds]
+                gap = (None if not gaps or None in gaps else float(np.mean(gaps)))
+                pairs.append(_pair_claim(
+                    label, [sign * float(by["BlockFFN"][s][column]) for s in seeds],
+                    [sign * float(by[other][s][column]) for s in seeds], gap, tol, confounds))
+            claim = (f"BlockFFN has {what} of the MoEs ({size}; Table 2"
+                     f"{', Fig. 1a' if column == 'CLS_8' else ''})")
+            evidence = "; ".join(c.evidence for c in pairs)
+            if any(c.holds is False for c in pairs):
+                out.append(Claim(claim, False, evidence))
+            elif any(c.verdict == "not measured" for c in pairs):
+                out.append(Claim(claim, None, evidence))
+            elif all(c.holds is True for c in pairs):
+                out.append(Claim(claim, True, evidence))
+            else:
+                out.append(Claim(claim, None, evidence, inconclusive=True))
     return out
 
 
