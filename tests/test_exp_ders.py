@@ -116,6 +116,18 @@ def test_compression_claim_judges_each_seed_runs_worst_scenario():
     bad = [run(0.99, 0.6 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]  # one scenario fails
     assert mod.claims({**bad[0], SEED_TABLES: bad})[0].holds is False
 
+    # a scenario whose deltas are worth nothing (dropping them all leaves the loss alone)
+    # cannot be judged: "in every scenario" is then inconclusive, and says where
+    worthless = [run(0.97 + e, 0.95 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]
+    for r in worthless[2]["sweep"]:
+        if r["scenario"] == "b" and r["method"] == "base_only":
+            r["d_loss"] = 0.0
+    sparse, _ = mod.claims({**worthless[0], SEED_TABLES: worthless})
+    assert sparse.verdict == "inconclusive" and "b in seed run(s) 2" in sparse.evidence
+    worse = [run(0.99, 0.6 + e) for e in (0.0, 0.01, -0.01, 0.005, 0.0)]
+    worse[2]["sweep"] = [r for r in worse[2]["sweep"] if r["method"] != "sparse"]
+    assert mod.claims({**worse[0], SEED_TABLES: worse})[0].holds is False  # still fails
+
 
 def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
     """The table the study writes (read back from its CSV) carries the dense control: where
