@@ -23,7 +23,7 @@ from pathlib import Path
 from experiments import STUDIES, load_study
 from moejax.config import ConfigError
 from moejax.files import atomic_write_text
-from moejax.harness.experiment import PRESETS
+from moejax.harness.cli import PRESETS
 from moejax.harness.run_index import entry_name
 from moejax.harness.run_record import read_run_record
 from moejax.train.run_lock import RunLockedError

@@ -108,7 +108,8 @@ def test_bad_value_names_allowed_values():
 
 def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_key(capsys):
     from experiments.darex import controlled as mod
-    from moejax.harness.experiment import main, parse_cli
+    from moejax.harness.cli import parse_cli
+    from moejax.harness.experiment import main
 
     with pytest.raises(ConfigError, match=r"methods='DAREx-q \(qv\)' is not allowed"):
         parse_cli(mod.STUDY.name, mod.make_config, ["methods=(DARE,DAREx-q (qv))"])

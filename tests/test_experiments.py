@@ -254,7 +254,7 @@ def test_registry_modules_expose_the_contract():
 
 def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
 
-    from moejax.harness.experiment import parse_cli
+    from moejax.harness.cli import parse_cli
 
     preset, _, jobs, suite = main_job._parse([])
     assert suite == "demo" and preset == "quick"

@@ -24,8 +24,9 @@ from experiments.kd import moe_kd
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
 from moejax.delta import storage
+from moejax.harness.cli import parse_runner
 from moejax.harness.experiment import main as cli_main
-from moejax.harness.experiment import parse_runner, run_experiment
+from moejax.harness.experiment import run_experiment
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.run_record import RunOwnerError, mark_run_state
 from moejax.io import WeightFileError

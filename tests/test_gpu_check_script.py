@@ -151,7 +151,7 @@ def test_every_benchmark_stage_runs_a_preset_or_a_declared_variant(tmp_path):
     a stage names is declared by its benchmark, and its overrides are that config's keys."""
     import importlib
 
-    from moejax.harness.experiment import parse_runner
+    from moejax.harness.cli import parse_runner
 
     proc, calls = _run(tmp_path, *BENCH_STAGES)
     assert proc.returncode == 0, proc.stderr

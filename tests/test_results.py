@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, config
-from moejax.harness.experiment import parse_cli, run_experiment
+from moejax.harness.cli import parse_cli
+from moejax.harness.experiment import run_experiment
 from moejax.harness.results import RunDir
 from moejax.harness.tables import markdown_table, seed_summary
 

@@ -12,7 +12,7 @@ from flax import nnx
 from experiments import study_module
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
-from moejax.harness.experiment import parse_runner
+from moejax.harness.cli import parse_runner
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train

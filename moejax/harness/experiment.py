@@ -14,7 +14,8 @@ and ends with its declaration, a :class:`moejax.harness.study.Study` named ``STU
 
 works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other ``key=value``
 goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
-before any compute with a message naming the key and the allowed keys/values.
+before any compute with a message naming the key and the allowed keys/values (the command
+line's parsing: :mod:`moejax.harness.cli`).
 
 ``smoke=true`` runs the preset as a smoke run (:mod:`moejax.harness.smoke`): real model sizes and
 weights, every training run cut to a couple of steps of a few rows, evaluations to a couple of
@@ -42,10 +43,20 @@ from typing import Any
 
 import jax
 
-from moejax.config import Config, ConfigError, apply_overrides, describe, find_configs, to_dict
+from moejax.config import Config, ConfigError, apply_overrides, find_configs, to_dict
 from moejax.data.raw_files import DataDirError, MissingDataError
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim
+from moejax.harness.cli import (
+    PRESETS,
+    expand_variant,
+    flag,
+    parse_runner,
+    preset_of,
+    run_module,
+    split_overwrite,
+    usage,
+)
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.run_record import (
     RunOwnerError,
@@ -54,7 +65,6 @@ from moejax.harness.run_record import (
     mark_run_state,
     write_run_record,
 )
-from moejax.harness.smoke import smoke_config
 from moejax.harness.tables import mean_std, merge_seed_tables, read_csv_rows
 from moejax.io._common import WeightFileError
 from moejax.nn.moe import MoEConfig
@@ -73,96 +83,9 @@ from moejax.train.run_state import ResumeError
 from moejax.train.scale import measure_scale
 from moejax.train.step import NonFiniteError
 
-__all__ = ["parse_cli", "parse_runner", "run_experiment", "seed_offset", "main", "usage",
-           "PRESETS"]
+__all__ = ["run_experiment", "seed_offset", "main"]
 
-PRESETS = ("quick", "full")
 ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
-
-
-def study_module(name: str, run_fn) -> str:
-    """The module ``python -m`` runs a study as: its recipe's (``run_fn``'s; run as
-    ``__main__``, the module ``python -m`` ran) where that is a module of ``experiments``,
-    else ``experiments.<name>``."""
-    module = getattr(run_fn, "__module__", "") or ""
-    if module == "__main__":  # run as python -m <module>: the name it was run by
-        module = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "") or ""
-    return module if module.startswith("experiments.") else f"experiments.{name}"
-
-
-def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick",
-          variants: Mapping[str, Sequence[str]] | None = None, module: str = "") -> str:
-    """The ``--help`` text: the runner's keys, the study's variants and every config key with
-    its default (of ``preset``) and allowed values; ``module``: what ``python -m`` runs
-    (default ``experiments.<name>``)."""
-    head = [f"usage: python -m {module or 'experiments.' + name} [preset=quick|full] [out=DIR] "
-            "[repeat=N] [smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
-            "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
-            f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
-            "std of every table; default: the study's), smoke (true: every training run and "
-            "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
-            "of the study's declared variants: its overrides, its own run directory and "
-            "results section), overwrite (true: replace a run of another study or config "
-            "in out, deleting its tables, seed runs and plots first, checkpoints kept; "
-            "default false)", ""]
-    head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
-    head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
-    return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
-
-
-def parse_cli(
-    name: str, make_config: Callable[[str], Config], argv: Sequence[str]
-) -> tuple[Config, Path]:
-    cfg, out, _ = parse_runner(name, make_config, argv)
-    return cfg, out
-
-
-def parse_runner(
-    name: str, make_config: Callable[[str], Config], argv: Sequence[str],
-    quick_repeat: int = 1, smoke_overrides: Sequence[str] = (),
-) -> tuple[Config, Path, int]:
-    """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
-    ``quick_repeat`` with the quick preset and to 1 with the full one or a smoke run.
-    ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
-    command line's keys (which win)."""
-    preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
-    seen: set[str] = set()
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"bad argument {item!r}: expected key=value (e.g. preset=full)")
-        if key in ("preset", "out", "repeat", "smoke"):
-            if key in seen:
-                raise ConfigError(f"{key} is given twice; give each key once")
-            seen.add(key)
-        if key == "preset":
-            if value not in PRESETS:
-                raise ConfigError(f"preset={value!r} is not allowed; allowed values: {PRESETS}")
-            preset = value
-        elif key == "out":
-            if not value.strip():
-                raise ConfigError("out= is empty: name the run directory (e.g. out=runs/mine)")
-            out = Path(value)
-        elif key == "repeat":
-            try:
-                repeat = int(value)
-            except ValueError:
-                repeat = 0
-            if repeat < 1:
-                raise ConfigError(f"repeat={value!r}: expected an int >= 1 (runs over seeds)")
-        elif key == "smoke":
-            if value not in ("true", "false"):
-                raise ConfigError(f"smoke={value!r}: expected true or false")
-            smoke = value == "true"
-        else:
-            rest.append(item)
-    cfg = make_config(preset)
-    if smoke:
-        cfg = apply_overrides(smoke_config(cfg), list(smoke_overrides))
-    cfg = apply_overrides(cfg, rest)
-    if repeat is None:
-        repeat = quick_repeat if preset == "quick" and not smoke else 1
-    return cfg, out, repeat
 
 
 def _check_devices(cfg: Config) -> None:
@@ -224,8 +147,8 @@ def run_experiment(
     its own run directory ``runs/<name>_<variant>``; the run index and the results documents
     keep its newest run apart from the study's own)."""
     given = list(argv)
-    argv, overwrite = _overwrite(argv)
-    argv, variant = _variant(name, argv, variants or {})
+    argv, overwrite = split_overwrite(argv)
+    argv, variant = expand_variant(name, argv, variants or {})
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
     if variant and not any(a.startswith("out=") for a in argv):  # the variant's own default
         default_out = default_out.with_name(f"{default_out.name}_{variant}")
@@ -240,7 +163,7 @@ def run_experiment(
     lock = RunLock(out).acquire()  # the directory is this run's until it ends
     try:
         claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
-                      module=study_module(name, run_fn),
+                      module=run_module(name, run_fn),
                       overwrite=overwrite, resume_force=any(
                           t.resume == "force" for _, t in find_configs(cfg, TrainConfig)))
         try:
@@ -258,8 +181,8 @@ def run_experiment(
         write_run_record(run.path, study=name, argv=given, started=started, repeat=repeat,
                          seeds={k: [_get(c, k) for c in cfgs] for k in seed_keys},
                          scale=run.scale, variant=variant, cfg_hash=h, tables=_stems(run),
-                         seed_runs=seed_runs, preset=_preset(argv),
-                         smoke=_flag(argv, "smoke"), module=study_module(name, run_fn),
+                         seed_runs=seed_runs, preset=preset_of(argv),
+                         smoke=flag(argv, "smoke"), module=run_module(name, run_fn),
                          kind=_run_kind(
                              name, make_config, argv, h, repeat, quick_repeat, smoke,
                              (variants or {}).get(variant, ())))
@@ -285,37 +208,6 @@ def _run_kind(name, make_config, argv, cfg_hash: str, repeat: int, quick_repeat:
 def _stems(run: RunDir) -> list[str]:
     """The CSV stems a run wrote (its own, not whatever else is in its directory)."""
     return [csv_name[:-len(".csv")] for _, _, csv_name in run.tables]
-
-
-def _preset(argv: Sequence[str]) -> str:
-    return next((a.partition("=")[2] for a in argv if a.startswith("preset=")), "quick")
-
-
-def _flag(argv: Sequence[str], key: str) -> bool:
-    return any(a == f"{key}=true" for a in argv)
-
-
-def _overwrite(argv: Sequence[str]) -> tuple[list[str], bool]:
-    """``(argv without overwrite=..., whether it was true)``."""
-    values = [a.partition("=")[2] for a in argv if a.startswith("overwrite=")]
-    if len(values) > 1 or (values and values[0] not in ("true", "false")):
-        raise ConfigError(f"overwrite={', '.join(values)}: give it once, true or false")
-    return [a for a in argv if not a.startswith("overwrite=")], values == ["true"]
-
-
-def _variant(name: str, argv: Sequence[str],
-             variants: Mapping[str, Sequence[str]]) -> tuple[list[str], str]:
-    """``(argv with the variant's overrides in place of variant=NAME, NAME or "")``."""
-    picked = [a.partition("=")[2] for a in argv if a.startswith("variant=")]
-    if not picked:
-        return list(argv), ""
-    if len(picked) > 1 or picked[0] not in variants:
-        raise ConfigError(f"variant={', '.join(picked)}: give one of the variants {name} "
-                          f"declares: {', '.join(variants) or 'none'}")
-    rest = [a for a in argv if not a.startswith("variant=")]
-    head = [a for a in rest if a.partition("=")[0] in ("preset", "out", "repeat", "smoke")]
-    tail = [a for a in rest if a not in head]
-    return [*head, *variants[picked[0]], *tail], picked[0]
 
 
 def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale=""):
@@ -455,7 +347,7 @@ def main(name: str, make_config: Callable[[str], Config],
     if any(a in ("-h", "--help", "help") for a in argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
         print(usage(name, make_config, preset if preset in PRESETS else "quick",
-                    study.get("variants"), module=study_module(name, run_fn)))
+                    study.get("variants"), module=run_module(name, run_fn)))
         return 0
     try:
         peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)

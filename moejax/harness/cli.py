@@ -1,0 +1,135 @@
+"""A study's command line: the runner's own keys (``preset``, ``out``, ``repeat``, ``smoke``,
+``variant``, ``overwrite``) parsed and checked, every other ``key=value`` applied to the
+preset's config (:func:`moejax.config.apply_overrides`), and the ``--help`` text."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from moejax.config import Config, ConfigError, apply_overrides, describe
+from moejax.harness.smoke import smoke_config
+
+__all__ = ["PRESETS", "expand_variant", "flag", "parse_cli", "parse_runner", "preset_of",
+           "run_module", "split_overwrite", "usage"]
+
+PRESETS = ("quick", "full")
+
+
+def run_module(name: str, run_fn) -> str:
+    """The module ``python -m`` runs a study as: its recipe's (``run_fn``'s; run as
+    ``__main__``, the module ``python -m`` ran) where that is a module of ``experiments``,
+    else ``experiments.<name>``."""
+    module = getattr(run_fn, "__module__", "") or ""
+    if module == "__main__":  # run as python -m <module>: the name it was run by
+        module = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", "") or ""
+    return module if module.startswith("experiments.") else f"experiments.{name}"
+
+
+def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick",
+          variants: Mapping[str, Sequence[str]] | None = None, module: str = "") -> str:
+    """The ``--help`` text: the runner's keys, the study's variants and every config key with
+    its default (of ``preset``) and allowed values; ``module``: what ``python -m`` runs
+    (default ``experiments.<name>``)."""
+    head = [f"usage: python -m {module or 'experiments.' + name} [preset=quick|full] [out=DIR] "
+            "[repeat=N] [smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
+            "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
+            f"out (run directory; default runs/{name}), repeat (runs over seeds, mean and "
+            "std of every table; default: the study's), smoke (true: every training run and "
+            "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
+            "of the study's declared variants: its overrides, its own run directory and "
+            "results section), overwrite (true: replace a run of another study or config "
+            "in out, deleting its tables, seed runs and plots first, checkpoints kept; "
+            "default false)", ""]
+    head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
+    head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
+    return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
+
+
+def parse_cli(
+    name: str, make_config: Callable[[str], Config], argv: Sequence[str]
+) -> tuple[Config, Path]:
+    cfg, out, _ = parse_runner(name, make_config, argv)
+    return cfg, out
+
+
+def parse_runner(
+    name: str, make_config: Callable[[str], Config], argv: Sequence[str],
+    quick_repeat: int = 1, smoke_overrides: Sequence[str] = (),
+) -> tuple[Config, Path, int]:
+    """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
+    ``quick_repeat`` with the quick preset and to 1 with the full one or a smoke run.
+    ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
+    command line's keys (which win)."""
+    preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
+    seen: set[str] = set()
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"bad argument {item!r}: expected key=value (e.g. preset=full)")
+        if key in ("preset", "out", "repeat", "smoke"):
+            if key in seen:
+                raise ConfigError(f"{key} is given twice; give each key once")
+            seen.add(key)
+        if key == "preset":
+            if value not in PRESETS:
+                raise ConfigError(f"preset={value!r} is not allowed; allowed values: {PRESETS}")
+            preset = value
+        elif key == "out":
+            if not value.strip():
+                raise ConfigError("out= is empty: name the run directory (e.g. out=runs/mine)")
+            out = Path(value)
+        elif key == "repeat":
+            try:
+                repeat = int(value)
+            except ValueError:
+                repeat = 0
+            if repeat < 1:
+                raise ConfigError(f"repeat={value!r}: expected an int >= 1 (runs over seeds)")
+        elif key == "smoke":
+            if value not in ("true", "false"):
+                raise ConfigError(f"smoke={value!r}: expected true or false")
+            smoke = value == "true"
+        else:
+            rest.append(item)
+    cfg = make_config(preset)
+    if smoke:
+        cfg = apply_overrides(smoke_config(cfg), list(smoke_overrides))
+    cfg = apply_overrides(cfg, rest)
+    if repeat is None:
+        repeat = quick_repeat if preset == "quick" and not smoke else 1
+    return cfg, out, repeat
+
+
+def preset_of(argv: Sequence[str]) -> str:
+    """The ``preset=`` of a command line (default quick)."""
+    return next((a.partition("=")[2] for a in argv if a.startswith("preset=")), "quick")
+
+
+def flag(argv: Sequence[str], key: str) -> bool:
+    """Whether the command line says ``key=true``."""
+    return any(a == f"{key}=true" for a in argv)
+
+
+def split_overwrite(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``(argv without overwrite=..., whether it was true)``."""
+    values = [a.partition("=")[2] for a in argv if a.startswith("overwrite=")]
+    if len(values) > 1 or (values and values[0] not in ("true", "false")):
+        raise ConfigError(f"overwrite={', '.join(values)}: give it once, true or false")
+    return [a for a in argv if not a.startswith("overwrite=")], values == ["true"]
+
+
+def expand_variant(name: str, argv: Sequence[str],
+             variants: Mapping[str, Sequence[str]]) -> tuple[list[str], str]:
+    """``(argv with the variant's overrides in place of variant=NAME, NAME or "")``."""
+    picked = [a.partition("=")[2] for a in argv if a.startswith("variant=")]
+    if not picked:
+        return list(argv), ""
+    if len(picked) > 1 or picked[0] not in variants:
+        raise ConfigError(f"variant={', '.join(picked)}: give one of the variants {name} "
+                          f"declares: {', '.join(variants) or 'none'}")
+    rest = [a for a in argv if not a.startswith("variant=")]
+    head = [a for a in rest if a.partition("=")[0] in ("preset", "out", "repeat", "smoke")]
+    tail = [a for a in rest if a not in head]
+    return [*head, *variants[picked[0]], *tail], picked[0]
