@@ -78,7 +78,8 @@ def darex_storage(d):
     def run(s):  # the best ratio within the tolerance: 10 + 100 d
         return {"storage": [{"p": 0.0, "bits": 32, "ratio_vs_fp32": 1.0, "metric": 0.9},
                             {"p": 0.9, "bits": 4, "ratio_vs_fp32": 10 + 100 * d(s),
-                             "metric": 0.9}]}
+                             "metric": 0.9}],
+                "delta_worth": [{"pretrained": 0.4, "finetuned": 0.9, "delta_worth": 0.5}]}
     return _seeded([run(s) for s in SEEDS])
 
 

@@ -30,6 +30,9 @@ def test_darex_storage_tiny(tmp_path):
     assert 0.0 < float(by[0.0, 4]["rel_err"]) < 0.5
     # 16-bit codes of the unpruned delta keep the model's accuracy (to a test image or two)
     assert abs(float(by[0.0, 16]["metric"]) - float(by[0.0, 32]["metric"])) < 0.02
+    (w,) = csv.DictReader(open(run.path / "delta_worth.csv"))  # the claim's control
+    assert float(w["finetuned"]) == pytest.approx(float(by[0.0, 32]["metric"]))
+    assert float(w["delta_worth"]) == pytest.approx(float(w["finetuned"]) - float(w["pretrained"]))
     t = list(csv.DictReader(open(run.path / "apply_time.csv")))
     assert len(t) == 3 and all(float(r["GB_per_s"]) > 0 for r in t)
     assert int(t[0]["params"]) * 12 == pytest.approx(float(t[0]["GB_moved"]) * 1e9)
@@ -43,9 +46,10 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
 
     from moejax.harness.claims import SEED_TABLES
 
-    def seeds(rows, n=3):  # n seed runs, the ratios a little apart
+    def seeds(rows, n=3, worth=0.5):  # n seed runs, the ratios a little apart
         runs = [{"storage": [{**r, "ratio_vs_fp32": r["ratio_vs_fp32"] * (1 + 0.01 * i)}
-                             for r in rows]} for i in range(n)]
+                             for r in rows],
+                 "delta_worth": [{"delta_worth": worth}]} for i in range(n)]
         return {**runs[0], SEED_TABLES: runs}
 
     rows = [row(0.0, 32, 1.0, 0.94), row(0.9, 32, 8.2, 0.93), row(0.99, 32, 56.0, 0.60)]
@@ -55,6 +59,15 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
     rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2))
     (c,) = claims(seeds(rows))
     assert c.holds is True and "14.1x at p=0.9, 4 bits" in c.evidence
+    # a delta worth no more than the tolerance stays "within it" when dropped whole: the
+    # claim cannot be judged, nor where what the delta is worth was not recorded
+    (c,) = claims(seeds(rows, worth=ACCURACY_TOLERANCE / 2))
+    assert c.verdict == "inconclusive" and "dropping it whole" in c.evidence
+    no_worth = seeds(rows)
+    for run in no_worth[SEED_TABLES]:
+        del run["delta_worth"]
+    (c,) = claims(no_worth)
+    assert c.verdict == "inconclusive" and "no delta_worth table" in c.evidence
     for missing in ("", "nan", float("nan")):  # a random delta: the CSV holds "nan"
         (c,) = claims({"storage": [{**r, "metric": missing} for r in rows]})
         assert c.verdict == "not measured" and "no accuracy" in c.evidence
