@@ -28,7 +28,7 @@ import numpy as np
 
 from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
 from moejax.config import config
-from moejax.harness.claims import Claim, measured, paired, paired_claim
+from moejax.harness.claims import Claim, all_hold, measured, paired, paired_claim, unjudged
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
@@ -236,11 +236,10 @@ def _pair_claim(label: str, a: list[float], b: list[float], gap: float | None,
     if c.holds is None:
         return c
     if gap is None or tol is None:
-        return Claim(label, None, f"{c.evidence}; TLS not recorded: close TLS unchecked",
-                     inconclusive=True)
+        return unjudged(c, "TLS not recorded: close TLS unchecked")
     if confounds(c.holds, gap) and abs(gap) > tol:
-        return Claim(label, None, f"{c.evidence}; its TLS {gap:+.4f} from BlockFFN's, not "
-                     f"close (within {tol:.4f}, half an expert)", inconclusive=True)
+        return unjudged(c, f"its TLS {gap:+.4f} from BlockFFN's, not close (within "
+                           f"{tol:.4f}, half an expert)")
     return c
 
 
@@ -282,15 +281,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                     [sign * float(by[other][s][column]) for s in seeds], gap, tol, confounds))
             claim = (f"BlockFFN has {what} of the MoEs ({size}; Table 2"
                      f"{', Fig. 1a' if column == 'CLS_8' else ''})")
-            evidence = "; ".join(c.evidence for c in pairs)
-            if any(c.holds is False for c in pairs):
-                out.append(Claim(claim, False, evidence))
-            elif any(c.verdict == "not measured" for c in pairs):
-                out.append(Claim(claim, None, evidence))
-            elif all(c.holds is True for c in pairs):
-                out.append(Claim(claim, True, evidence))
-            else:
-                out.append(Claim(claim, None, evidence, inconclusive=True))
+            out.append(all_hold(claim, pairs, "; ".join(c.evidence for c in pairs)))
     return out
 
 

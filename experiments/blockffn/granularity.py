@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
 from moejax.config import config
-from moejax.harness.claims import Claim, lookup, paired_compare
+from moejax.harness.claims import Claim, all_hold, lookup, paired_compare
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
@@ -77,13 +77,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     if len(ns) > 2:
         steps = [paired_compare("", t, ppl(b), ppl(a), better="lower")
                  for a, b in zip(ns, ns[1:])]
-        verdicts = [c.verdict for c in steps]
-        holds = (True if all(v == "holds" for v in verdicts) else
-                 False if any(v == "does not hold" for v in verdicts) else None)
-        out.append(Claim("Each finer setting lowers PPL (App. F, Fig. 5)", holds,
-                         "; ".join(f"N={b:.0f} vs N={a:.0f}: {v}"
-                                   for (a, b), v in zip(zip(ns, ns[1:]), verdicts)),
-                         inconclusive=holds is None and "not measured" not in verdicts))
+        out.append(all_hold("Each finer setting lowers PPL (App. F, Fig. 5)", steps,
+                            "; ".join(f"N={b:.0f} vs N={a:.0f}: {c.verdict}"
+                                      for (a, b), c in zip(zip(ns, ns[1:]), steps))))
     return out
 
 

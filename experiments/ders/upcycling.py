@@ -37,7 +37,7 @@ from flax import nnx
 from experiments.ders.common import PAPER_SCALE
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
-from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
+from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim, unjudged
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.io.hf_moe import hf_checkpoint_dir, hf_moe_config, hf_spec_config, load_hf_moe
@@ -289,8 +289,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
             c = c._replace(evidence=f"{c.evidence}; the dense control (no added parameters): "
                                     f"{cc.evidence}")
             if c.holds and cc.holds:
-                c = Claim(claim, None, c.evidence + f"; both within {MATCH_NATS}: the experts "
-                          "make no measurable difference here", inconclusive=True)
+                c = unjudged(c, f"both within {MATCH_NATS}: the experts make no measurable "
+                                "difference here")
         out.append(c)
     return out
 

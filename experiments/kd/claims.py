@@ -4,7 +4,7 @@ teacher worth distilling; comparable dense and MoE teachers, Sec. 5.1)."""
 
 from __future__ import annotations
 
-from moejax.harness.claims import Claim, paired, paired_claim
+from moejax.harness.claims import Claim, paired, paired_claim, unjudged
 
 # the paper's comparisons: (label, (teacher, method) that should win, (teacher, method))
 COMPARISONS = (
@@ -114,9 +114,7 @@ def judged(label: str, rows: list[dict] | None, refs: dict) -> Claim:
     if c.holds is None:
         return c
     fault = setting_fault(label, c.holds, refs)
-    if fault is None:
-        return c
-    return Claim(c.claim, None, f"{c.evidence}; {fault}", inconclusive=True)
+    return c if fault is None else unjudged(c, fault)
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:

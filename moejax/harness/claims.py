@@ -175,15 +175,28 @@ def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any
     if rows is None or (not isinstance(rows, Mapping) and not rows):
         return Claim(claim, None, "not run")
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
-    outcomes, texts = zip(*(_one(r, fmt) for r in rows))
-    evidence = "; ".join(texts)
-    if any(o is False for o in outcomes):
+    parts = [Claim(claim, None if o == _UNMEASURED else o, text, inconclusive=o is None)
+             for o, text in (_one(r, fmt) for r in rows)]
+    return all_hold(claim, parts, "; ".join(c.evidence for c in parts))
+
+
+def all_hold(claim: str, parts: Sequence[Claim], evidence: str) -> Claim:
+    """``claim`` that every one of ``parts`` holds: does not hold where one does not, not
+    measured where one is not (and none fails), holds where all hold, else inconclusive."""
+    verdicts = [c.verdict for c in parts]
+    if "does not hold" in verdicts:
         return Claim(claim, False, evidence)
-    if any(o == _UNMEASURED for o in outcomes):
+    if "not measured" in verdicts:
         return Claim(claim, None, evidence)
-    if all(o is True for o in outcomes):
+    if all(v == "holds" for v in verdicts):
         return Claim(claim, True, evidence)
     return Claim(claim, None, evidence, inconclusive=True)
+
+
+def unjudged(c: Claim, why: str) -> Claim:
+    """``c`` made inconclusive, ``why`` added to its evidence: the run's setting cannot test
+    the claim (a control the claim assumes failed, or was not recorded)."""
+    return Claim(c.claim, None, f"{c.evidence}; {why}", inconclusive=True)
 
 
 def per_seed(t: Mapping[str, Any]) -> list[Mapping[str, Any]]:
