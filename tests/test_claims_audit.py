@@ -146,9 +146,11 @@ def moe_kd_tables(d):
         mean = sum(diffs) / len(diffs)
         sd = (sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1)) ** 0.5
         rows += [{"metric": "rouge_l", "comparison": comparison, "mean_diff": mean,
-                  "std_diff": sd, "wins": sum(x > 0 for x in diffs), "n": len(diffs)},
+                  "std_diff": sd, "wins": sum(x > 0 for x in diffs), "n": len(diffs),
+                  "teachers": len(diffs)},  # a teacher draw per seed
                  {"metric": "-ppl", "comparison": comparison, "mean_diff": -mean,
-                  "std_diff": sd, "wins": 0, "n": len(diffs)}]  # the other way: not judged
+                  "std_diff": sd, "wins": 0, "n": len(diffs),
+                  "teachers": len(diffs)}]  # the other way: not judged
     # a setting that can test every claim: the MoE teacher well ahead of the student, the
     # dense teacher level with it
     refs = [{"model": "MoE teacher", "rouge_l": 0.07, "ppl": 4.0},

@@ -17,10 +17,10 @@ from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
 
-def test_moe_kd_tiny(tiny_recipes, tmp_path):
+def _tiny_config(tiny_recipes, **kw) -> mod.MoEKDConfig:
     from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 
-    cfg = mod.MoEKDConfig(
+    return mod.MoEKDConfig(**{**dict(
         model="dense_lm_prose", dense_lm_prose=tiny_lm("dense_lm_prose", "quick"),
         substrate_cache=str(tiny_recipes),
         upcycle=UpcycleConfig(blocks="all", expert_form="split", moe=UPCYCLE_MOE.replace(
@@ -31,7 +31,11 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
         distill=TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=0, eval_every=2,
                             log_every=2),
         methods=("kd", "sar"), dense_teacher_methods=("kd",), teacher_ks=(4,), ka_lambdas=(),
-        ka_ms=(), lr_sweep=(3e-3,), router_lr_sweep=(), seeds=2, eval_seeds=2)
+        ka_ms=(), lr_sweep=(3e-3,), router_lr_sweep=(), seeds=2, eval_seeds=2), **kw})
+
+
+def test_moe_kd_tiny(tiny_recipes, tmp_path):
+    cfg = _tiny_config(tiny_recipes)
     summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "kd")
     rows = list(csv.DictReader(open(run.path / "main.csv")))
@@ -85,6 +89,35 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
         "KD: dense - MoE teacher", paired_kd.holds, refs) is not None
     assert kd_claim == ("inconclusive" if unfit else paired_kd.verdict)
     assert sum(v == "not measured" for v in verdicts.values()) == 5
+    # each training seed distilled from its own draw of the teachers and the SFT student
+    assert {int(r["teachers"]) for r in rows} == {2}
+    assert [int(per[("MoE teacher", "KD", s)]["teacher_draw"]) for s in (0, 1)] == [0, 1]
+    draws = {(r["model"], int(r["seed"])): r
+             for r in csv.DictReader(open(run.path / "references_per_seed.csv"))}
+    assert set(draws) == {(m, s) for m in refs for s in (0, 1)}
+    for m in refs:  # two fine-tuning runs, two models; the pooled table their mean
+        ppl = [float(draws[(m, s)]["ppl"]) for s in (0, 1)]
+        assert ppl[0] != ppl[1] and float(refs[m]["ppl"]) == pytest.approx(sum(ppl) / 2)
+
+
+def test_moe_kd_shared_teachers(tiny_recipes, tmp_path):
+    """``teachers=shared``: one draw for both seeds (no per-seed references), the pairs say
+    so, and the dense-vs-MoE claim is not judged on them."""
+    cfg = _tiny_config(tiny_recipes, methods=("kd",), lr_sweep=(), teacher_ks=(),
+                       teachers="shared")
+    _, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
+                            claims=mod.claims, out=tmp_path / "kd")
+    per = list(csv.DictReader(open(run.path / "per_seed.csv")))
+    assert {(int(r["seed"]), int(r["teacher_draw"])) for r in per} == {(0, 0), (1, 0)}
+    assert not (run.path / "references_per_seed.csv").exists()
+    pair = [r for r in csv.DictReader(open(run.path / "paired.csv"))]
+    assert {(int(r["teachers"]), int(r["n"])) for r in pair} == {(1, 2)}
+    dense_vs = [r for r in pair if r["comparison"] == "KD: dense - MoE teacher"]
+    assert "not the teachers'" in kd_claims.draws_fault("KD: dense - MoE teacher", dense_vs)
+    verdicts = {c["claim"]: c["verdict"] for c in csv.DictReader(open(run.path / "claims.csv"))}
+    assert next(v for k, v in verdicts.items() if k.startswith("KD from the dense")) in (
+        "inconclusive", "not measured")
+    assert "teachers=shared" in (run.path / "summary.md").read_text()
 
 
 def test_teacher_gap_needs_both_the_rouge_and_the_perplexity_gap():
@@ -123,10 +156,11 @@ def test_claims_are_judged_on_rouge_l_alone_with_perplexity_beside_it():
     assert first({"paired": []}).verdict == "not measured"
 
 
-def _paired(comparison: str, diff: float) -> dict:
-    """One comparison's ROUGE-L row, 5 of 5 seeds ``diff`` apart (std 0.001)."""
+def _paired(comparison: str, diff: float, teachers: int = 5) -> dict:
+    """One comparison's ROUGE-L row, 5 of 5 seeds ``diff`` apart (std 0.001), from
+    ``teachers`` teacher draws."""
     return {"metric": "rouge_l", "comparison": comparison, "mean_diff": diff,
-            "std_diff": 0.001, "wins": 5 if diff > 0 else 0, "n": 5}
+            "std_diff": 0.001, "wins": 5 if diff > 0 else 0, "n": 5, "teachers": teachers}
 
 
 def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
@@ -161,6 +195,23 @@ def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
     no_refs = mod.claims({"paired": [_paired(label, 0.01) for label in mod.CLAIMS]})
     assert [c.verdict for c in no_refs] == ["inconclusive"] * 6
     assert "no references table" in no_refs[0].evidence
+
+
+def test_teacher_kinds_are_compared_only_over_a_teacher_draw_per_seed():
+    """A dense-vs-MoE verdict needs a draw of each teacher per paired seed: with one MoE and
+    one dense teacher for all seeds (or a table that does not say, from a run with one) it
+    reads inconclusive either way; the method claims, made with one teacher, stand."""
+    def verdicts(teachers, diff=0.01, key=True):
+        rows = [_paired(label, diff, teachers) for label in mod.CLAIMS]
+        if not key:
+            rows = [{k: v for k, v in r.items() if k != "teachers"} for r in rows]
+        return mod.claims({"references": REFERENCES, "paired": rows})
+
+    assert [c.verdict for c in verdicts(5)] == ["holds"] * 6
+    for diff, method in ((0.01, "holds"), (-0.01, "does not hold")):
+        for got in (verdicts(1, diff), verdicts(4, diff), verdicts(5, diff, key=False)):
+            assert [c.verdict for c in got] == [method] * 4 + ["inconclusive"] * 2
+            assert "not the teachers'" in got[4].evidence
 
 
 HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"

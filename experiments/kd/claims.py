@@ -1,6 +1,7 @@
 """MoE KD's claim rules (Every Expert Matters, Table 1 and Sec. 5): the paper's comparisons,
 paired per training seed on ROUGE-L, each judged only in a setting that can test it (a
-teacher worth distilling; comparable dense and MoE teachers, Sec. 5.1)."""
+teacher worth distilling; comparable dense and MoE teachers, Sec. 5.1, and a draw of each
+teacher per training seed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ COMPARISONS = (
 
 def paired_rows(per_seed: list[dict]) -> list[dict]:
     """Each of :data:`COMPARISONS` both runs made, per training seed (ROUGE-L: the mean over
-    the shared sampling seeds; perplexity: lower is better, so the sign is flipped)."""
+    the shared sampling seeds; perplexity: lower is better, so the sign is flipped), with
+    ``teachers``, how many teacher draws the pairs came from (a row's ``teacher_draw``)."""
     by = {}
     for r in per_seed:
         by.setdefault((r["teacher"].split()[0], r["method"]), {})[r["seed"]] = r
@@ -28,10 +30,12 @@ def paired_rows(per_seed: list[dict]) -> list[dict]:
         if a not in by or b not in by:
             continue
         seeds = sorted(set(by[a]) & set(by[b]))
+        draws = {"teachers": len({by[a][s].get("teacher_draw", 0) for s in seeds})}
         out.append({"metric": "rouge_l", **paired(label, [by[a][s]["rouge_l"] for s in seeds],
-                                                  [by[b][s]["rouge_l"] for s in seeds])})
+                                                  [by[b][s]["rouge_l"] for s in seeds]),
+                    **draws})
         out.append({"metric": "-ppl", **paired(label, [-by[a][s]["ppl"] for s in seeds],
-                                               [-by[b][s]["ppl"] for s in seeds])})
+                                               [-by[b][s]["ppl"] for s in seeds]), **draws})
     return out
 
 
@@ -107,13 +111,32 @@ def setting_fault(label: str, holds: bool, refs: dict) -> str | None:
     return None
 
 
+def draws_fault(label: str, rows: list[dict]) -> str | None:
+    """Why a dense-versus-MoE comparison's pairs cannot speak for the teacher kinds, or None:
+    they need a teacher draw of each kind per training seed (the rows' ``teachers``; a table
+    without it had one draw). With one MoE and one dense teacher for every seed, the interval
+    covers the students' training only, and the difference could be those two fine-tuning
+    runs' (a noisy top-k teacher's fine-tuning is chaotic: a change in the last bits of its
+    numerics flips routing choices and ends in a different teacher)."""
+    if label not in DENSE_VS_MOE:
+        return None
+    rouge = [r for r in rows if r.get("metric", "rouge_l") == "rouge_l"]
+    teachers, n = (min(int(r.get(k, 1)) for r in rouge) for k in ("teachers", "n"))
+    if teachers >= n:
+        return None
+    return (f"{teachers} teacher draw(s) of each kind for {n} paired seeds: the interval "
+            "covers the students' training, not the teachers' (teachers=per_seed trains a "
+            "draw per seed)")
+
+
 def judged(label: str, rows: list[dict] | None, refs: dict) -> Claim:
     """The claim of the comparison ``label`` on its paired rows (:func:`rouge_claim`), made
-    inconclusive where the setting cannot test it (:func:`setting_fault`)."""
+    inconclusive where the setting cannot test it (:func:`setting_fault`,
+    :func:`draws_fault`)."""
     c = rouge_claim(CLAIMS[label], rows)
     if c.holds is None:
         return c
-    fault = setting_fault(label, c.holds, refs)
+    fault = setting_fault(label, c.holds, refs) or draws_fault(label, rows)
     return c if fault is None else unjudged(c, fault)
 
 

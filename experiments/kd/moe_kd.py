@@ -8,21 +8,29 @@ noisy-top-k MoE the way Llama-MoE is built (``upcycle``: every FFN's neurons spl
 experts, top-2, CV^2 balance loss; full: 16 experts, top-4) and fine-tuned on chit-chat
 prompt/response pairs. Dense teacher: the substrate fine-tuned the same way. Student: the
 substrate's first ``student_layers`` blocks (same tokenizer), fine-tuned the same way (SFT).
+Each training seed has its own draw of the three (``teachers="per_seed"``: the MoE teacher
+upcycled with that seed's key, every fine-tuning on that seed's batch order), so the paired
+intervals cover the teachers' training too; a student's ROUGE-L moves with its teacher's draw
+as much as with the method, and a dense-versus-MoE comparison of one teacher of each kind
+could only speak for those two teachers. ``teachers="shared"`` fine-tunes one of each (seed
+0's) for every seed: cheaper, and the dense-versus-MoE claims then read inconclusive.
 Every method then continues from that SFT student for ``distill.steps`` steps
 (:func:`moejax.distill.training.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
 official code trains it, ``kd.kd_ratio=1`` for pure forward KL); the checkpoint kept is the one
 with the best validation ROUGE-L. Scores (:class:`moejax.evaluate_generation.ResponseScorer`):
 test ROUGE-L of responses sampled at temperature 1 / top-p 1 (the paper's generation
 settings) over ``eval_seeds`` sampling seeds, response-token perplexity and the per-token
-``KL(MoE teacher || student)`` on the test responses, each for ``seeds`` training seeds.
+``KL(MoE teacher || student)`` on the test responses (the seed's own MoE teacher), each for
+``seeds`` training seeds.
 
-Tables: ``references`` (teachers and SFT student before distillation: is the teacher worth
-distilling?), ``main`` (the paper's layout: teacher x method), ``per_seed`` (every run),
-``paired`` (the paper's comparisons per training seed: mean, std and sign of each
-difference), ``gate_mass`` (Fig. 1), ``teacher_k`` (Fig. 2, when ``teacher_ks`` is set),
-``ka_sweep`` (KA's lambda and M over the training seeds), ``sar_kl`` (Fig. 6: per-layer KL
-between the original and the SAR-trained router, over the training seeds), ``lr_sweep``
-(student and router learning rates within the step budget, when set).
+Tables: ``references`` (teachers and SFT student before distillation, over the draws: is the
+teacher worth distilling?), ``references_per_seed`` (each draw's, with several), ``main`` (the
+paper's layout: teacher x method), ``per_seed`` (every run), ``paired`` (the paper's
+comparisons per training seed: mean, std and sign of each difference), ``gate_mass`` (Fig. 1),
+``teacher_k`` (Fig. 2, when ``teacher_ks`` is set), ``ka_sweep`` (KA's lambda and M over the
+training seeds), ``sar_kl`` (Fig. 6: per-layer KL between the original and the SAR-trained
+router, over the training seeds), ``lr_sweep`` (student and router learning rates within the
+step budget, when set).
 
 ``teacher=hf:<dir>`` distils an imported Hugging Face MoE instead (Mixtral, Qwen2-MoE,
 Qwen3-MoE or OLMoE with its ``tokenizer.json``; :func:`moejax.io.hf_moe.load_hf_moe`): it is
@@ -123,6 +131,9 @@ class MoEKDConfig(Config):
     # SAR at each router learning rate, first training seed (how far the router moves); () = skip
     router_lr_sweep: tuple[float, ...] = ()
     seeds: int = 3  # training seeds of every distillation run and sweep
+    # "per_seed": each training seed fine-tunes its own teachers and SFT student (module
+    # docstring); "shared": seed 0's for every seed (the dense-vs-MoE claims unjudged)
+    teachers: Literal["per_seed", "shared"] = "per_seed"
     eval_seeds: int = 5  # sampling seeds of every ROUGE-L score (as the paper)
     # the paper samples evaluation responses at temperature 1 (top-p 1); 0 = greedy
     eval_temperature: float = 1.0
@@ -266,21 +277,55 @@ def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
 # ------------------------------------------------------------------------------ study
 
 
-class _Setup(NamedTuple):
-    """What every distillation run of the study shares."""
+class _Draw(NamedTuple):
+    """One training seed's teachers and SFT student, and its scorer (KL to its MoE teacher)."""
 
-    kd: DistillConfig
     moe_teacher: object
     dense_teacher: object
     student_sft: object
-    train_src: object
-    val: GenerationEvaluator
     score: ResponseScorer
 
+
+class _Setup(NamedTuple):
+    """What every distillation run of the study shares: the data, and the teacher draws (one
+    per training seed, or one for all with ``teachers="shared"``). ``moe_teacher``,
+    ``dense_teacher``, ``student_sft`` and ``score`` are the first seed's, the sweeps'."""
+
+    kd: DistillConfig
+    draws: tuple[_Draw, ...]
+    train_src: object
+    val: GenerationEvaluator
+
+    def draw_index(self, seed: int) -> int:
+        """Which draw training seed ``seed`` distils from."""
+        return seed if len(self.draws) > 1 else 0
+
+    def draw(self, seed: int) -> _Draw:
+        """The teachers and SFT student of training seed ``seed``."""
+        return self.draws[self.draw_index(seed)]
+
+    @property
+    def moe_teacher(self):
+        return self.draws[0].moe_teacher
+
+    @property
+    def dense_teacher(self):
+        return self.draws[0].dense_teacher
+
+    @property
+    def student_sft(self):
+        return self.draws[0].student_sft
+
+    @property
+    def score(self) -> ResponseScorer:
+        return self.draws[0].score
+
     def distil(self, cfg: MoEKDConfig, dcfg: DistillConfig, seed: int, desc: str, **train_kw):
-        """One distillation run from the SFT student with the MoE teacher (or ``teacher``)."""
-        teacher = train_kw.pop("teacher", self.moe_teacher)
-        return _distil(self.student_sft, teacher, dcfg, _seed_cfg(cfg, seed).replace(**train_kw),
+        """One distillation run from seed ``seed``'s SFT student with its MoE teacher (or
+        ``teacher``)."""
+        d = self.draw(seed)
+        teacher = train_kw.pop("teacher", d.moe_teacher)
+        return _distil(d.student_sft, teacher, dcfg, _seed_cfg(cfg, seed).replace(**train_kw),
                        self.train_src, self.val, desc)
 
 
@@ -312,7 +357,8 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
 
 
 def _setup(cfg: MoEKDConfig, run: RunDir) -> _Setup:
-    """The substrate, the data, the SFT MoE teacher (upcycled), dense teacher and student."""
+    """The substrate, the data, and each draw's SFT MoE teacher (upcycled), dense teacher and
+    student (:class:`_Draw`)."""
     if cfg.teacher:  # the imported MoE is the teacher, its first blocks the student
         moe, tok, start = _imported_teacher(cfg)
         run.note(f"MoE teacher: {start}, fine-tuned on the pairs; the student is its first "
@@ -322,28 +368,52 @@ def _setup(cfg: MoEKDConfig, run: RunDir) -> _Setup:
     else:
         dense, tok, start = _dense_start(cfg)
         run.note(f"Teacher and student start from {start}.")
-        moe = upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed))
+        moe = None
     train_src, val, test = _data(cfg, tok)
     kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-    sft = cfg.sft.replace(seed=cfg.seed)
+    n = cfg.seeds if cfg.teachers == "per_seed" else 1
+    draws = tuple(_draw(cfg, dense, moe, train_src, test, i, n) for i in range(n))
+    return _Setup(kd, draws, train_src, val)
+
+
+def _draw(cfg: MoEKDConfig, dense, imported, train_src, test, i: int, n: int) -> _Draw:
+    """Draw ``i`` of ``n``: the MoE teacher (``dense`` upcycled with key ``seed + i``, or a
+    copy of the ``imported`` one), the dense teacher and the student (copies of ``dense``),
+    each fine-tuned with seed ``seed + i``."""
+    sft, tag = cfg.sft.replace(seed=cfg.seed + i), f" s{i}" if n > 1 else ""
+    layers = range(dense.cfg.n_layers)
+    moe = (keep_layers(imported, layers) if imported is not None else
+           upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed + i)))
     student = keep_layers(dense, range(cfg.student_layers))  # copied before any SFT
-    moe_teacher = _sft(moe, train_src, sft, "SFT MoE teacher")
-    dense_teacher = (_sft(keep_layers(dense, range(dense.cfg.n_layers)), train_src, sft,
-                          "SFT dense teacher") if cfg.dense_teacher_methods else None)
-    student_sft = _sft(student, train_src, sft, "SFT student")
-    return _Setup(kd, moe_teacher, dense_teacher, student_sft, train_src, val,
-                  ResponseScorer(test, moe_teacher))
+    moe_teacher = _sft(moe, train_src, sft, f"SFT MoE teacher{tag}")
+    dense_teacher = (_sft(keep_layers(dense, layers), train_src, sft, f"SFT dense teacher{tag}")
+                     if cfg.dense_teacher_methods else None)
+    student_sft = _sft(student, train_src, sft, f"SFT student{tag}")
+    return _Draw(moe_teacher, dense_teacher, student_sft, ResponseScorer(test, moe_teacher))
 
 
 def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
-    """Teachers and SFT student before distillation, and whether the teacher is worth it."""
-    refs = {"MoE teacher": s.score(s.moe_teacher), "student (SFT)": s.score(s.student_sft)}
-    if s.dense_teacher is not None:
-        refs["dense teacher"] = s.score(s.dense_teacher)
+    """Teachers and SFT student before distillation (each draw's, and over the draws), and
+    whether the teacher is worth it."""
+    per_draw = []
+    for d in s.draws:
+        refs = {"MoE teacher": d.score(d.moe_teacher), "student (SFT)": d.score(d.student_sft)}
+        if d.dense_teacher is not None:
+            refs["dense teacher"] = d.score(d.dense_teacher)
+        per_draw.append(refs)
+    refs = {k: _pooled([r[k] for r in per_draw]) for k in per_draw[0]}
     gap = teacher_gap(refs)
+    over = (f"over {len(s.draws)} draws (one per training seed) and " if len(s.draws) > 1
+            else "over ")
     run.table("references", reference_rows(refs),
-              title=f"Before distillation: test ROUGE-L over {cfg.eval_seeds} sampling seeds, "
+              title=f"Before distillation: test ROUGE-L {over}{cfg.eval_seeds} sampling seeds, "
                     "response-token perplexity, KL(MoE teacher || model) per response token")
+    if len(s.draws) > 1:
+        run.table("references_per_seed",
+                  [{"seed": i, **row} for i, r in enumerate(per_draw)
+                   for row in reference_rows(r)],
+                  title="Before distillation, each training seed's draw of the teachers and "
+                        "the SFT student (ROUGE-L over the sampling seeds)")
     run.note(f"Teacher worth distilling: the MoE teacher's ROUGE-L is "
              f"{100 * gap['rouge_l_rel_gain']:+.1f}% ({gap['rouge_l_abs_gain']:+.4f}) and its "
              f"response perplexity {100 * gap['ppl_reduction']:.1f}% lower than the SFT "
@@ -355,6 +425,15 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
     return refs, gap
 
 
+def _pooled(scores: list[dict]) -> dict:
+    """One model's scores over the draws: ROUGE-L over every draw's sampling seeds, mean
+    perplexity and KL."""
+    return {"rouge_l_seeds": [x for sc in scores for x in sc["rouge_l_seeds"]],
+            "rouge_l": float(np.mean([x for sc in scores for x in sc["rouge_l_seeds"]])),
+            "ppl": float(np.mean([sc["ppl"] for sc in scores])),
+            "kl": float(np.mean([sc["kl"] for sc in scores]))}
+
+
 def reference_rows(refs: dict) -> list[dict]:
     """The ``references`` table: each model's scores before distillation."""
     return [{"model": k, "rouge_l": v["rouge_l"], "std": float(np.std(v["rouge_l_seeds"])),
@@ -364,22 +443,24 @@ def reference_rows(refs: dict) -> list[dict]:
 def _methods(cfg: MoEKDConfig, s: _Setup) -> tuple[list[dict], list[dict]]:
     """Every (teacher, method, training seed) run's scores, and SAR's router KL per layer."""
     per_seed, sar_kls = [], []
-    plan = [("MoE", s.moe_teacher, m) for m in cfg.methods]
-    plan += [("dense", s.dense_teacher, m) for m in cfg.dense_teacher_methods]
-    for teacher_name, teacher, method in plan:
+    plan = [("MoE", "moe_teacher", m) for m in cfg.methods]
+    plan += [("dense", "dense_teacher", m) for m in cfg.dense_teacher_methods]
+    for teacher_name, which, method in plan:
         for seed in range(cfg.seeds):
+            d = s.draw(seed)
             student, pair = s.distil(cfg, s.kd.replace(method=method), seed,
                                      f"{LABELS[method]} ({teacher_name}) s{seed}",
-                                     teacher=teacher)
-            sc = s.score(student)
+                                     teacher=getattr(d, which))
+            sc = d.score(student)
             per_seed.append({"teacher": f"{teacher_name} teacher", "method": LABELS[method],
-                             "seed": seed, "rouge_l": sc["rouge_l"],
+                             "seed": seed, "teacher_draw": s.draw_index(seed),
+                             "rouge_l": sc["rouge_l"],
                              "rouge_l_sampling_std": float(np.std(sc["rouge_l_seeds"])),
                              "ppl": sc["ppl"], "kl_to_moe_teacher": sc["kl"],
                              "_seeds": sc["rouge_l_seeds"]})
             if method == "sar":
                 sar_kls += [{**r, "seed": seed} for r in router_kl_by_layer(
-                    s.moe_teacher, pair.teacher, [s.val.batches[0]])]
+                    d.moe_teacher, pair.teacher, [s.val.batches[0]])]
     return per_seed, sar_kls
 
 
@@ -443,7 +524,12 @@ def _setting_note(cfg: MoEKDConfig, verdicts: dict) -> str:
             + f". Student lr {cfg.distill.lr:g}, router lr "
             f"{cfg.kd.router_lr:g} (the paper: 1e-5 both), weight decay "
             f"{cfg.distill.weight_decay:g}. SAR runs the paper's two stages per step (router "
-            f"AdamW step, then distillation under the updated router). Evaluation {sampling}")
+            f"AdamW step, then distillation under the updated router). Evaluation {sampling} "
+            + ("Teachers: each training seed fine-tunes its own MoE teacher, dense teacher and "
+               "SFT student (teachers=per_seed), so the intervals cover their training too."
+               if cfg.teachers == "per_seed" else
+               "Teachers: one MoE teacher, dense teacher and SFT student for every training "
+               "seed (teachers=shared): the dense-vs-MoE claims are not judged."))
 
 
 def checkpoint_runs(cfg: MoEKDConfig) -> list:
