@@ -47,47 +47,39 @@ is refused for its softmax router. The summary names the teacher that ran.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
-import jax
 import numpy as np
 from flax import nnx
 
 from experiments.kd.claims import CLAIMS, MIN_TEACHER_GAIN, claims, paired_rows, teacher_gap
 from experiments.kd.common import PAPER_SCALE
+from experiments.kd.setup import Setup, setup
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
 from moejax.config import Config, config
-from moejax.data.batches import PromptResponseBatches
 from moejax.data.loader import chat_prompt_response
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.distill.training import (
     METHODS,
     DistillConfig,
     Method,
-    distil,
     distill_loss_fn,
     distill_pair,
 )
 from moejax.evaluate_generation import (
-    GenerationEvaluator,
-    ResponseScorer,
     gate_mass_by_layer,
     router_kl_by_layer,
 )
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.io.hf_moe import hf_checkpoint_dir, hf_moe_config, hf_spec_config, load_hf_moe
+from moejax.io.hf_moe import hf_moe_config, hf_spec_config
 from moejax.io.hf_moe_checkpoints import CHECKPOINTS
-from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
-from moejax.io.smollm2 import load_smollm2
 from moejax.nn.decoder import DecoderLM, keep_layers
-from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.aot import abstract_run
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import train
-from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, upcycle_model
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 
 LABELS = {"sft": "SFT", "kd": "KD", "gkd": "GKD", "all": "ALL", "ka": "KA", "sar": "SAR"}
 
@@ -204,66 +196,6 @@ def make_config(preset: str) -> MoEKDConfig:
         ka_lambdas=(0.0, 0.05, 0.1, 0.2), ka_ms=(1, 2, 4), seeds=5, eval_seeds=5)
 
 
-# ------------------------------------------------------------------------------ pieces
-
-
-def _imported_teacher(cfg: MoEKDConfig):
-    """``(teacher, tokenizer, description)`` of ``teacher=hf:<dir>``."""
-    d = hf_checkpoint_dir(cfg.teacher, "teacher")
-    model = load_hf_moe(d, dispatch=cfg.upcycle.moe.dispatch)
-    moe = model.cfg.ffn_slots[0]
-    return model, tokenizer_from_hf_dir(d), (
-        f"the imported checkpoint {d.name} ({model.cfg.n_layers} layers, {moe.n_experts} "
-        f"experts, top-{moe.top_k}, {'renormalised' if moe.renormalize else 'raw'} top-k "
-        "weights)")
-
-
-def _dense_start(cfg: MoEKDConfig):
-    """``(dense model, tokenizer, description)``."""
-    if cfg.model == "smollm2_135m":
-        model, tok = load_smollm2(max_seq_len=max(512, cfg.prompt_len + cfg.response_len))
-        return model, tok, "SmolLM2-135M-Instruct"
-    sub = build_substrate(cfg.model, getattr(cfg, cfg.model),
-                          cache_dir=cfg.substrate_cache or None, progress=True)
-    return sub.model, ByteTokenizer(), (f"substrate {cfg.model} ({sub.path.name}, "
-                                        f"{sub.config.corpus} val loss "
-                                        f"{sub.metrics['val_loss']:.3f} nats/token)")
-
-
-def _data(cfg: MoEKDConfig, tok):
-    kw = dict(prompt_len=cfg.prompt_len, response_len=cfg.response_len)
-
-    def fixed(split, n):
-        return chat_prompt_response(split, tok, batch_size=n, limit=n, shuffle=False,
-                                    **kw).batch(0)
-
-    rows = chat_prompt_response("train", tok, batch_size=1, limit=cfg.n_train, **kw).rows
-    train_src = lambda bs, seed: PromptResponseBatches(rows, batch_size=bs, seed=seed)  # noqa: E731
-    gen = dict(temperature=cfg.eval_temperature, top_p=cfg.kd.top_p, eos_id=tok.eos_id,
-               pad_id=tok.pad_id or 0)
-    val = GenerationEvaluator([fixed("validation", cfg.n_val)], tok.decode, seeds=(0,), **gen)
-    test = GenerationEvaluator([fixed("test", cfg.n_test)], tok.decode,
-                               seeds=tuple(range(cfg.eval_seeds)), **gen)
-    return train_src, val, test
-
-
-def _sft(model, train_src, tcfg: TrainConfig, desc: str):
-    train(model, train_src(tcfg.batch_size, tcfg.seed), tcfg, desc=desc)
-    return model
-
-
-def _distil(student_sft, teacher, dcfg: DistillConfig, tcfg: TrainConfig, train_src, val, desc):
-    """One distillation run from the SFT student (validation-best checkpoint kept)."""
-    student, pair, _ = distil(student_sft, teacher, dcfg, tcfg,
-                              train_src(tcfg.batch_size, tcfg.seed), eval_fn=val,
-                              keep_best="rouge_l", desc=desc)
-    return student, pair
-
-
-def _seed_cfg(cfg: MoEKDConfig, s: int) -> TrainConfig:
-    return cfg.distill.replace(seed=cfg.seed + 100 * (s + 1))
-
-
 def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
     flat = [x for r in runs for x in r["rouge_l_seeds"]]
     ppl = [r["ppl"] for r in runs]
@@ -277,60 +209,9 @@ def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
 # ------------------------------------------------------------------------------ study
 
 
-class _Draw(NamedTuple):
-    """One training seed's teachers and SFT student, and its scorer (KL to its MoE teacher)."""
-
-    moe_teacher: object
-    dense_teacher: object
-    student_sft: object
-    score: ResponseScorer
-
-
-class _Setup(NamedTuple):
-    """What every distillation run of the study shares: the data, and the teacher draws (one
-    per training seed, or one for all with ``teachers="shared"``). ``moe_teacher``,
-    ``dense_teacher``, ``student_sft`` and ``score`` are the first seed's, the sweeps'."""
-
-    kd: DistillConfig
-    draws: tuple[_Draw, ...]
-    train_src: object
-    val: GenerationEvaluator
-
-    def draw_index(self, seed: int) -> int:
-        """Which draw training seed ``seed`` distils from."""
-        return seed if len(self.draws) > 1 else 0
-
-    def draw(self, seed: int) -> _Draw:
-        """The teachers and SFT student of training seed ``seed``."""
-        return self.draws[self.draw_index(seed)]
-
-    @property
-    def moe_teacher(self):
-        return self.draws[0].moe_teacher
-
-    @property
-    def dense_teacher(self):
-        return self.draws[0].dense_teacher
-
-    @property
-    def student_sft(self):
-        return self.draws[0].student_sft
-
-    @property
-    def score(self) -> ResponseScorer:
-        return self.draws[0].score
-
-    def distil(self, cfg: MoEKDConfig, dcfg: DistillConfig, seed: int, desc: str, **train_kw):
-        """One distillation run from seed ``seed``'s SFT student with its MoE teacher (or
-        ``teacher``)."""
-        d = self.draw(seed)
-        teacher = train_kw.pop("teacher", d.moe_teacher)
-        return _distil(d.student_sft, teacher, dcfg, _seed_cfg(cfg, seed).replace(**train_kw),
-                       self.train_src, self.val, desc)
-
-
 def run(cfg: MoEKDConfig, run: RunDir) -> dict:
-    s = _setup(cfg, run)
+    s, start = setup(cfg)
+    run.note(start)
     refs, gap = _references(cfg, run, s)
     per_seed, sar_kls = _methods(cfg, s)
     rows, paired_tab = _main_tables(cfg, run, per_seed, refs)
@@ -356,43 +237,7 @@ def run(cfg: MoEKDConfig, run: RunDir) -> dict:
     return out
 
 
-def _setup(cfg: MoEKDConfig, run: RunDir) -> _Setup:
-    """The substrate, the data, and each draw's SFT MoE teacher (upcycled), dense teacher and
-    student (:class:`_Draw`)."""
-    if cfg.teacher:  # the imported MoE is the teacher, its first blocks the student
-        moe, tok, start = _imported_teacher(cfg)
-        run.note(f"MoE teacher: {start}, fine-tuned on the pairs; the student is its first "
-                 f"{cfg.student_layers} blocks with their MoE FFNs (not the paper's dense "
-                 "student: the checkpoint has no dense sibling sharing its tokenizer).")
-        dense = moe
-    else:
-        dense, tok, start = _dense_start(cfg)
-        run.note(f"Teacher and student start from {start}.")
-        moe = None
-    train_src, val, test = _data(cfg, tok)
-    kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-    n = cfg.seeds if cfg.teachers == "per_seed" else 1
-    draws = tuple(_draw(cfg, dense, moe, train_src, test, i, n) for i in range(n))
-    return _Setup(kd, draws, train_src, val)
-
-
-def _draw(cfg: MoEKDConfig, dense, imported, train_src, test, i: int, n: int) -> _Draw:
-    """Draw ``i`` of ``n``: the MoE teacher (``dense`` upcycled with key ``seed + i``, or a
-    copy of the ``imported`` one), the dense teacher and the student (copies of ``dense``),
-    each fine-tuned with seed ``seed + i``."""
-    sft, tag = cfg.sft.replace(seed=cfg.seed + i), f" s{i}" if n > 1 else ""
-    layers = range(dense.cfg.n_layers)
-    moe = (keep_layers(imported, layers) if imported is not None else
-           upcycle_model(dense, cfg.upcycle, jax.random.key(cfg.seed + i)))
-    student = keep_layers(dense, range(cfg.student_layers))  # copied before any SFT
-    moe_teacher = _sft(moe, train_src, sft, f"SFT MoE teacher{tag}")
-    dense_teacher = (_sft(keep_layers(dense, layers), train_src, sft, f"SFT dense teacher{tag}")
-                     if cfg.dense_teacher_methods else None)
-    student_sft = _sft(student, train_src, sft, f"SFT student{tag}")
-    return _Draw(moe_teacher, dense_teacher, student_sft, ResponseScorer(test, moe_teacher))
-
-
-def _references(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> tuple[dict, dict]:
+def _references(cfg: MoEKDConfig, run: RunDir, s: Setup) -> tuple[dict, dict]:
     """Teachers and SFT student before distillation (each draw's, and over the draws), and
     whether the teacher is worth it."""
     per_draw = []
@@ -440,7 +285,7 @@ def reference_rows(refs: dict) -> list[dict]:
              "ppl": v["ppl"], "kl_to_moe_teacher": v["kl"]} for k, v in refs.items()]
 
 
-def _methods(cfg: MoEKDConfig, s: _Setup) -> tuple[list[dict], list[dict]]:
+def _methods(cfg: MoEKDConfig, s: Setup) -> tuple[list[dict], list[dict]]:
     """Every (teacher, method, training seed) run's scores, and SAR's router KL per layer."""
     per_seed, sar_kls = [], []
     plan = [("MoE", "moe_teacher", m) for m in cfg.methods]
@@ -491,7 +336,7 @@ def _main_tables(cfg, run: RunDir, per_seed: list[dict], refs: dict):
     return rows, paired_tab
 
 
-def _gate_mass(cfg: MoEKDConfig, run: RunDir, s: _Setup) -> list[float]:
+def _gate_mass(cfg: MoEKDConfig, run: RunDir, s: Setup) -> list[float]:
     """Fig. 1: the gate mass of the activated experts, per layer."""
     mass = gate_mass_by_layer(s.moe_teacher, [s.val.batches[0]])
     run.table("gate_mass", [{"layer": i, "activated": m, "not_activated": 1 - m}

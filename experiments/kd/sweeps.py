@@ -1,7 +1,7 @@
 """The MoE-distillation study's sweeps around its main table (Every Expert Matters, Sec. 5):
 Fig. 2 (the teacher's k), KA's lambda and M over seeds, Fig. 6 (SAR's router KL per layer)
 and the student and router learning rates. Each takes the study's config and its setup
-(:class:`experiments.kd.moe_kd._Setup`: ``distil``, ``score``, the teachers and the data)."""
+(:class:`experiments.kd.setup.Setup`: ``distil``, ``score``, the teachers and the data)."""
 
 from __future__ import annotations
 
