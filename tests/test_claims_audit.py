@@ -70,7 +70,8 @@ def darex_controlled(d):
             # the drop at the strongest weight: 0.05 - x/2 (below 0.05 when x > 0)
             "l2_sweep": [{"l2_weight": 0.1, "unpruned": 0.9, "DARE p=0.999": 0.5},
                          {"l2_weight": 1.0, "unpruned": 0.9,
-                          "DARE p=0.999": 0.9 - (0.05 - x / 2)}]}
+                          "DARE p=0.999": 0.9 - (0.05 - x / 2)}],
+            "finetuned": [{"pre-trained acc digits": 0.4}]}  # the deltas worth 0.5
     return _seeded([run(s) for s in SEEDS])
 
 

@@ -67,3 +67,29 @@ def test_darex_controlled_tiny(tmp_path):
     detail = list(csv.DictReader(open(run.path / "large_deltas_detail.csv")))
     assert len(detail) == 2 * 2 * (1 + 2)  # lrs x seeds x (unpruned + 2 methods)
     assert "Large deltas: at p = 0.9" in (run.path / "summary.md").read_text()
+
+
+def test_the_l2_sweep_claim_needs_a_delta_worth_more_than_its_drop():
+    """Fig. 7's "minor drop": the strongest AdamR-L2 delta pruned loses < 0.05 in every seed
+    run. A "holds" stands only where that delta is worth more than 0.05 over the pre-trained
+    model (unchecked without the ``finetuned`` table); a "does not hold" stands either way."""
+    from experiments.darex.controlled import MINOR_DROP, claims
+    from moejax.harness.claims import SEED_TABLES
+
+    def verdict(drop, unpruned, pretrained=0.37):
+        runs = [{"l2_sweep": [{"l2_weight": 1.0, "unpruned": unpruned,
+                               "DARE p=0.999": unpruned - drop - 0.001 * i}],
+                 **({} if pretrained is None else
+                    {"finetuned": [{"pre-trained acc digits": pretrained}]})}
+                for i in range(5)]
+        c = claims({**runs[0], SEED_TABLES: runs})[-1]
+        assert c.claim.startswith("The strongest AdamR-L2")
+        return c
+
+    assert verdict(0.01, 0.72).verdict == "holds"  # worth 0.35, a drop of 0.01-0.015
+    assert "worth 0.350 or more" in verdict(0.01, 0.72).evidence
+    c = verdict(0.01, 0.37 + MINOR_DROP / 2)  # L2 kept the delta at nothing: nothing to lose
+    assert c.verdict == "inconclusive" and "dropping it whole" in c.evidence
+    assert verdict(0.01, 0.72, pretrained=None).verdict == "inconclusive"
+    assert verdict(0.3, 0.72).verdict == "does not hold"
+    assert verdict(0.3, 0.72, pretrained=None).verdict == "does not hold"

@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.darex.common import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE, worth_checked
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta.pruned_codec import decode_pruned, encode_pruned
-from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim, unjudged
+from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.nn.decoder import param_shapes, smollm2_135m_config
@@ -261,17 +261,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                       "to evaluate: sizes and times only)")]
     c = threshold_claim(claim, ratios, 10.0, fmt=".1f")
     c = c._replace(evidence=f"ratio vs fp32 {c.evidence}; seed run 0: {evidence}")
-    if c.holds and None in worths:
-        return [unjudged(c, "what the delta is worth was not recorded (no delta_worth "
-                            "table): unchecked")]
-    if c.holds and min(worths) <= ACCURACY_TOLERANCE:
-        return [unjudged(c, f"the delta is worth only {min(worths):.3f} over the pre-trained "
-                            f"model, within the {ACCURACY_TOLERANCE:g} tolerance: dropping "
-                            "it whole would count")]
-    if worths and None not in worths:
-        c = c._replace(evidence=f"{c.evidence}; the delta is worth {min(worths):.3f} or more "
-                                "over the pre-trained model")
-    return [c]
+    return [worth_checked(c, worths, ACCURACY_TOLERANCE)]
 
 
 def _best_within_tolerance(rows) -> tuple[float, str] | None:
