@@ -237,6 +237,11 @@ def test_moe_kd_distils_an_imported_hugging_face_moe(tmp_path):
     assert "MoE teacher: the imported checkpoint qwen3_moe (2 layers, 4 experts, top-2" in (
         run.path / "summary.md").read_text()
     assert [int(m["layer"]) for m in csv.DictReader(open(run.path / "gate_mass.csv"))] == [0, 1]
+    # one draw of an imported teacher by default (seeds copies of a checkpoint), per seed asked
+    assert (cfg.replace(seeds=3).teacher_draws,
+            cfg.replace(seeds=3, teachers="per_seed").teacher_draws) == (1, 3)
+    assert (cfg.replace(teacher="", seeds=3).teacher_draws,
+            cfg.replace(teacher="", seeds=3, teachers="shared").teacher_draws) == (3, 1)
     for bad, words in [(dict(dense_teacher_methods=("kd",)), "has no dense teacher"),
                        (dict(methods=("sar",)), "router is softmax: drop sar"),
                        (dict(teacher_ks=(8,)), "must lie in [1, 4]"),

@@ -13,7 +13,8 @@ upcycled with that seed's key, every fine-tuning on that seed's batch order), so
 intervals cover the teachers' training too; a student's ROUGE-L moves with its teacher's draw
 as much as with the method, and a dense-versus-MoE comparison of one teacher of each kind
 could only speak for those two teachers. ``teachers="shared"`` fine-tunes one of each (seed
-0's) for every seed: cheaper, and the dense-versus-MoE claims then read inconclusive.
+0's) for every seed: cheaper, and the dense-versus-MoE claims then read inconclusive. The
+default, ``"auto"``, is per seed for the upcycled teacher and shared for an imported one.
 Every method then continues from that SFT student for ``distill.steps`` steps
 (:func:`moejax.distill.training.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
 official code trains it, ``kd.kd_ratio=1`` for pure forward KL); the checkpoint kept is the one
@@ -124,8 +125,10 @@ class MoEKDConfig(Config):
     router_lr_sweep: tuple[float, ...] = ()
     seeds: int = 3  # training seeds of every distillation run and sweep
     # "per_seed": each training seed fine-tunes its own teachers and SFT student (module
-    # docstring); "shared": seed 0's for every seed (the dense-vs-MoE claims unjudged)
-    teachers: Literal["per_seed", "shared"] = "per_seed"
+    # docstring); "shared": seed 0's for every seed (the dense-vs-MoE claims unjudged);
+    # "auto": per_seed for the upcycled teacher, shared for an imported one (no dense teacher
+    # to compare; `seeds` copies of a large checkpoint would not fit)
+    teachers: Literal["auto", "per_seed", "shared"] = "auto"
     eval_seeds: int = 5  # sampling seeds of every ROUGE-L score (as the paper)
     # the paper samples evaluation responses at temperature 1 (top-p 1); 0 = greedy
     eval_temperature: float = 1.0
@@ -161,6 +164,12 @@ class MoEKDConfig(Config):
           "lr_sweep and router_lr_sweep take learning rates > 0")
         r(self.seeds >= 1 and self.eval_seeds >= 1, "seeds and eval_seeds must be >= 1")
         r(self.eval_temperature >= 0, "eval_temperature must be >= 0 (0 = greedy)")
+
+    @property
+    def teacher_draws(self) -> int:
+        """How many draws of the teachers and SFT student the study fine-tunes."""
+        shared = self.teachers == "shared" or (self.teachers == "auto" and bool(self.teacher))
+        return 1 if shared else self.seeds
 
     def hf_teacher(self):
         """The imported teacher's DecoderConfig (``teacher=hf:<dir>``), read from its
@@ -371,10 +380,10 @@ def _setting_note(cfg: MoEKDConfig, verdicts: dict) -> str:
             f"{cfg.distill.weight_decay:g}. SAR runs the paper's two stages per step (router "
             f"AdamW step, then distillation under the updated router). Evaluation {sampling} "
             + ("Teachers: each training seed fine-tunes its own MoE teacher, dense teacher and "
-               "SFT student (teachers=per_seed), so the intervals cover their training too."
-               if cfg.teachers == "per_seed" else
+               f"SFT student (teachers={cfg.teachers}), so the intervals cover their training "
+               "too." if cfg.teacher_draws > 1 or cfg.seeds == 1 else
                "Teachers: one MoE teacher, dense teacher and SFT student for every training "
-               "seed (teachers=shared): the dense-vs-MoE claims are not judged."))
+               f"seed (teachers={cfg.teachers}): the dense-vs-MoE claims are not judged."))
 
 
 def checkpoint_runs(cfg: MoEKDConfig) -> list:

@@ -38,7 +38,7 @@ class Draw(NamedTuple):
 
 class Setup(NamedTuple):
     """What every distillation run of the study shares: the data, and the teacher draws (one
-    per training seed, or one for all with ``teachers="shared"``). ``moe_teacher``,
+    per training seed, or one for all: ``MoEKDConfig.teacher_draws``). ``moe_teacher``,
     ``dense_teacher``, ``student_sft`` and ``score`` are the first seed's, the sweeps'."""
 
     kd: DistillConfig
@@ -93,7 +93,7 @@ def setup(cfg) -> tuple[Setup, str]:
         start, moe = f"Teacher and student start from {start}.", None
     train_src, val, test = data(cfg, tok)
     kd = cfg.kd.replace(eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-    n = cfg.seeds if cfg.teachers == "per_seed" else 1
+    n = cfg.teacher_draws
     draws = tuple(draw(cfg, dense, moe, train_src, test, i, n) for i in range(n))
     return Setup(kd, draws, train_src, val), start
 
