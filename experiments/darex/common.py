@@ -17,14 +17,15 @@ def worth_checked(c: Claim, worths: list[float | None], tolerance: float) -> Cla
     the pre-trained one's; None: not recorded). A "holds" stands only where every delta is
     worth more than ``tolerance``: a delta worth less loses "within the tolerance" even when
     dropped whole. A "does not hold" stands either way."""
-    if not c.holds:
-        return c
-    if not worths or None in worths:
+    known = bool(worths) and None not in worths
+    if c.holds and not known:
         return unjudged(c, "what the delta is worth over the pre-trained model was not "
                            "recorded: unchecked")
-    if min(worths) <= tolerance:
+    if c.holds and min(worths) <= tolerance:
         return unjudged(c, f"the delta is worth only {min(worths):.3f} over the pre-trained "
                            f"model, within the {tolerance:g} tolerance: dropping it whole "
                            "would count")
+    if not known:
+        return c
     return c._replace(evidence=f"{c.evidence}; the delta is worth {min(worths):.3f} or more "
                                "over the pre-trained model")
