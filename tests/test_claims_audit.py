@@ -124,12 +124,14 @@ def blockffn_baselines(d):
 def blockffn_ablations(d):
     def run(s):
         x = d(s)
-        return {"objectives": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, "CLS_8": 0.5 + x},
-                               {"model": "AL+L1", "val_ppl": 10.0, "CLS_8": 0.4},
-                               {"model": "AL+Ent", "val_ppl": 10.0, "CLS_8": 0.4},
-                               {"model": "AL", "val_ppl": 10.0, "CLS_8": 0.5}],
-                "rmsnorm": [{"model": "AL+CS", "val_ppl": 10 - 10 * x},
-                            {"model": "AL+CS, no RMSNorm", "val_ppl": 10.0}]}
+        tls = {"TLS": 0.8, "n_experts": 16}  # every model at the same TLS: close
+        return {"objectives": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, "CLS_8": 0.5 + x,
+                                **tls},
+                               {"model": "AL+L1", "val_ppl": 10.0, "CLS_8": 0.4, **tls},
+                               {"model": "AL+Ent", "val_ppl": 10.0, "CLS_8": 0.4, **tls},
+                               {"model": "AL", "val_ppl": 10.0, "CLS_8": 0.5, **tls}],
+                "rmsnorm": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, **tls},
+                            {"model": "AL+CS, no RMSNorm", "val_ppl": 10.0, **tls}]}
     return _seeded([run(s) for s in SEEDS])
 
 

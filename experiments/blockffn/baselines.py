@@ -26,9 +26,14 @@ from typing import Literal
 
 import numpy as np
 
-from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
+from experiments.blockffn.common import (
+    PAPER_SCALE,
+    SparseLMStudyConfig,
+    sparser_explains_ppl,
+    tls_checked,
+)
 from moejax.config import config
-from moejax.harness.claims import Claim, all_hold, measured, paired, paired_claim, unjudged
+from moejax.harness.claims import Claim, all_hold, measured, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
@@ -230,22 +235,14 @@ def _pair_claim(label: str, a: list[float], b: list[float], gap: float | None,
                 tol: float | None, confounds) -> Claim:
     """One BlockFFN-vs-baseline comparison (``a`` the BlockFFN side, higher is better),
     inconclusive where the baseline's TLS lies further than ``tol`` from BlockFFN's in the
-    direction that would explain the verdict (``confounds(holds, gap)``; ``gap``: its mean
-    TLS minus BlockFFN's)."""
-    c = paired_claim(label, paired(label, a, b))
-    if c.holds is None:
-        return c
-    if gap is None or tol is None:
-        return unjudged(c, "TLS not recorded: close TLS unchecked")
-    if confounds(c.holds, gap) and abs(gap) > tol:
-        return unjudged(c, f"its TLS {gap:+.4f} from BlockFFN's, not close (within "
-                           f"{tol:.4f}, half an expert)")
-    return c
+    direction that would explain the verdict (:func:`experiments.blockffn.common.tls_checked`;
+    ``gap``: its mean TLS minus BlockFFN's)."""
+    return tls_checked(paired_claim(label, paired(label, a, b)), gap, tol, confounds)
 
 
 # per metric: (column, sign making higher better, what, whether a baseline's TLS minus
 # BlockFFN's explains the verdict): a denser model has the lower PPL, a sparser the higher CLS
-METRICS = (("val_ppl", -1.0, "the lowest PPL", lambda holds, gap: (gap > 0) == holds),
+METRICS = (("val_ppl", -1.0, "the lowest PPL", sparser_explains_ppl),
            ("CLS_8", 1.0, "the highest chunk-level sparsity CLS_8",
             lambda holds, gap: (gap < 0) == holds))
 
