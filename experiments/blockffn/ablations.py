@@ -3,7 +3,11 @@
 Settings (same model, data and steps): AL+CS (standard), CS, AL, Null, AL+L1, AL+Ent and
 AL+CS without the router RMSNorm, and AL+CS with the other AL sharpness (alpha 10 <-> 100). CS
 uses the adaptive lambda_cs scheduler; L1 (on the ReLU activations A1) and router entropy use
-fixed coefficients.
+fixed coefficients, chosen so that AL+L1 and AL+Ent reach AL+CS's TLS: the PPL comparisons
+count only at close TLS (half an expert, as Table 2 compares), since a sparser model has the
+higher PPL whatever its objective. The quick preset's are calibrated so (training seed 0: TLS
+0.819 with L1 1.5e-3 and 0.833 with entropy 7e-3, against AL+CS's 0.816); the full preset's
+have not been, and its claims say so where the TLS lands apart.
 
 alpha: the paper's alpha = 100 assumes small router scores; with this library's router init
 (``A0 ~ N(0, 1)`` at init) the quick models train better with alpha = 10 (measured: see the
@@ -34,6 +38,8 @@ class AblationsConfig(SparseLMStudyConfig):
 
 
 def make_config(preset: str) -> AblationsConfig:
+    if preset == "quick":  # AL+L1 and AL+Ent at AL+CS's TLS (module docstring)
+        return AblationsConfig(**sparse_lm_preset(preset), l1_coef=1.5e-3, entropy_coef=7e-3)
     return AblationsConfig(**sparse_lm_preset(preset))
 
 
