@@ -207,22 +207,23 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
     assert [c.verdict for c in mod.claims(no_tls)] == ["inconclusive"] * 2
 
 
-def test_ablation_ppl_claims_count_only_at_close_tls():
-    """Table 5's PPL comparisons set two objectives apart only at close TLS (half an expert,
-    1/32 at N = 16): AL+L1 far sparser than AL+CS leaves AL+CS's lower PPL unexplained by the
-    objective (inconclusive), while a sparser AL+L1 that still wins PPL, or a denser one that
-    loses, stands; no TLS recorded: unchecked. The CLS claim needs no such check."""
+def test_ablation_claims_count_only_at_close_tls():
+    """Table 5 sets two objectives apart only at close TLS (half an expert, 1/32 at N = 16):
+    AL+L1 far sparser than AL+CS leaves AL+CS's lower PPL unexplained by the objective
+    (inconclusive), while a sparser AL+L1 that still wins PPL, or a denser one that loses,
+    stands; CLS the other way round (a denser AL+L1 explains AL+CS's higher CLS); no TLS
+    recorded: unchecked. AL+CS against AL alone needs no such check."""
     from experiments.blockffn.ablations import claims
     from moejax.harness.claims import SEED_TABLES
 
-    def verdicts(d_ppl, l1_tls, n_experts=16, tls=True):
+    def verdicts(d_ppl, l1_tls, n_experts=16, tls=True, l1_cls=0.5):
         def row(model, ppl, t, cls=0.5):
             r = {"model": model, "val_ppl": ppl, "CLS_8": cls}
             return {**r, "TLS": t, "n_experts": n_experts} if tls else r
 
-        runs = [{"objectives": [row("AL+CS", 10.0, 0.80, 0.7), row("AL+L1", 10 + d_ppl + i / 100,
-                                                                    l1_tls),
-                                row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80),
+        runs = [{"objectives": [row("AL+CS", 10.0, 0.80, 0.7),
+                                row("AL+L1", 10 + d_ppl + i / 100, l1_tls, l1_cls - i / 100),
+                                row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100),
                                 row("AL", 10.0, 0.5, 0.3)],
                  "rmsnorm": [row("AL+CS", 10.0, 0.80),
                              row("AL+CS, no RMSNorm", 10.0 + d_ppl + i / 100, 0.80)]}
@@ -230,14 +231,16 @@ def test_ablation_ppl_claims_count_only_at_close_tls():
         got = claims({**runs[0], SEED_TABLES: runs})
         return [c.verdict for c in got], got
 
-    assert verdicts(1.0, 0.81)[0] == ["holds"] * 4  # AL+L1 0.01 sparser: close
+    assert verdicts(1.0, 0.81)[0] == ["holds"] * 5  # AL+L1 0.01 sparser: close
     v, got = verdicts(1.0, 0.90)  # AL+L1 0.10 sparser: its higher PPL may be its sparsity
-    assert v == ["inconclusive", "holds", "holds", "holds"]
+    assert v == ["inconclusive", "holds", "holds", "holds", "holds"]
     assert "not close" in got[0].evidence and "AL+CS's" in got[0].evidence
     assert verdicts(-1.0, 0.90)[0][0] == "does not hold"  # sparser and still better: stands
     assert verdicts(1.0, 0.70)[0][0] == "holds"  # denser and worse: stands
-    assert verdicts(-1.0, 0.70)[0][0] == "inconclusive"  # denser and better: explained
+    v, got = verdicts(-1.0, 0.70)  # denser and better PPL: explained; and so is its lower CLS
+    assert v[:3] == ["inconclusive", "does not hold", "inconclusive"]
+    assert verdicts(1.0, 0.70, l1_cls=0.9)[0][2] == "does not hold"  # denser, higher CLS
     assert verdicts(1.0, 0.90, n_experts=4)[0][0] == "holds"  # half an expert of 4: 0.125
-    v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the PPL claims unchecked
-    assert v == ["inconclusive", "inconclusive", "holds", "inconclusive"]
-    assert "close TLS unchecked" in got[3].evidence
+    v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the comparisons unchecked
+    assert v == ["inconclusive"] * 3 + ["holds", "inconclusive"]
+    assert "close TLS unchecked" in got[4].evidence

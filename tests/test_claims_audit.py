@@ -127,8 +127,8 @@ def blockffn_ablations(d):
         tls = {"TLS": 0.8, "n_experts": 16}  # every model at the same TLS: close
         return {"objectives": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, "CLS_8": 0.5 + x,
                                 **tls},
-                               {"model": "AL+L1", "val_ppl": 10.0, "CLS_8": 0.4, **tls},
-                               {"model": "AL+Ent", "val_ppl": 10.0, "CLS_8": 0.4, **tls},
+                               {"model": "AL+L1", "val_ppl": 10.0, "CLS_8": 0.5, **tls},
+                               {"model": "AL+Ent", "val_ppl": 10.0, "CLS_8": 0.5, **tls},
                                {"model": "AL", "val_ppl": 10.0, "CLS_8": 0.5, **tls}],
                 "rmsnorm": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, **tls},
                             {"model": "AL+CS, no RMSNorm", "val_ppl": 10.0, **tls}]}
@@ -213,7 +213,7 @@ STUDIES = {
     "ders_compression": (compression.claims, ders_compression, 2),
     "ders_upcycling": (upcycling.claims, ders_upcycling, 2),
     "blockffn_baselines": (baselines.claims, blockffn_baselines, 2),
-    "blockffn_ablations": (ablations.claims, blockffn_ablations, 4),
+    "blockffn_ablations": (ablations.claims, blockffn_ablations, 5),
     "blockffn_granularity": (granularity.claims, blockffn_granularity, 2),
     "moe_kd": (moe_kd.claims, moe_kd_tables, 6),
     "moee": (moee.claims, moee_tables, 7),

@@ -43,6 +43,12 @@ def sparser_explains_ppl(holds: bool, gap: float) -> bool:
     return (gap > 0) == holds
 
 
+def denser_explains_cls(holds: bool, gap: float) -> bool:
+    """Whether a TLS gap (the other model's TLS minus the claimed winner's) could explain a
+    chunk-level-sparsity verdict: a denser other model explains a win, a sparser one a loss."""
+    return (gap < 0) == holds
+
+
 def tls_checked(c: Claim, gap: float | None, tol: float | None, confounds,
                 what: str = "BlockFFN's") -> Claim:
     """``c``, a comparison of two sparse models, made inconclusive where the other model's
@@ -60,4 +66,5 @@ def tls_checked(c: Claim, gap: float | None, tol: float | None, confounds,
     return c
 
 
-__all__ = ["PAPER_SCALE", "SparseLMStudyConfig", "sparser_explains_ppl", "tls_checked"]
+__all__ = ["PAPER_SCALE", "SparseLMStudyConfig", "denser_explains_cls", "sparser_explains_ppl",
+           "tls_checked"]
