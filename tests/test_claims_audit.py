@@ -137,7 +137,7 @@ def blockffn_ablations(d):
 
 def blockffn_granularity(d):
     def run(s):  # each finer setting lower by 10 d
-        return {"granularity": [{"n_experts": n, "val_ppl": 10 - 10 * d(s) * i}
+        return {"granularity": [{"n_experts": n, "val_ppl": 10 - 10 * d(s) * i, "TLS": 0.8}
                                 for i, n in enumerate((4, 8, 32))]}
     return _seeded([run(s) for s in SEEDS])
 

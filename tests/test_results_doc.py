@@ -108,8 +108,9 @@ def test_t_critical_is_conservative_between_table_entries():
 def test_granularity_claim_pairs_the_seed_runs():
     from moejax.harness.claims import SEED_TABLES
 
-    def tables(*ppl_by_seed):
-        seeds = [{"granularity": [{"n_experts": n, "val_ppl": v} for n, v in zip((4, 8, 32), p)]}
+    def tables(*ppl_by_seed, tls=(0.8, 0.8, 0.8)):
+        seeds = [{"granularity": [{"n_experts": n, "val_ppl": v, "TLS": s}
+                                  for n, v, s in zip((4, 8, 32), p, tls)]}
                  for p in ppl_by_seed]
         return {"granularity": seeds[0]["granularity"], SEED_TABLES: seeds}
 
@@ -127,6 +128,16 @@ def test_granularity_claim_pairs_the_seed_runs():
                         for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
     assert [c.verdict for c in blockffn_granularity.claims(diverged)] == [
         "holds", "not measured"]  # N=8's loss is NaN in four seed runs
+    # at close TLS only (half an expert of the finer setting): a finer setting denser by
+    # more than that may owe its lower PPL to its density; sparser, it stands
+    ppl = [(12.0 + e, 11.5 + e, 11.0 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)]
+    denser = blockffn_granularity.claims(tables(*ppl, tls=(0.8, 0.75, 0.7)))
+    assert [c.verdict for c in denser] == ["inconclusive"] * 2
+    assert "not close" in denser[0].evidence
+    sparser = blockffn_granularity.claims(tables(*ppl, tls=(0.7, 0.75, 0.8)))
+    assert [c.verdict for c in sparser] == ["holds"] * 2
+    close = blockffn_granularity.claims(tables(*ppl, tls=(0.8, 0.8, 0.79)))  # 1/64 at N=32
+    assert [c.verdict for c in close] == ["holds"] * 2
 
 
 def _study(cfg, run: RunDir) -> dict:

@@ -18,15 +18,9 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from experiments.blockffn.common import (
-    PAPER_SCALE,
-    SparseLMStudyConfig,
-    denser_explains_cls,
-    sparser_explains_ppl,
-    tls_checked,
-)
+from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig, at_close_tls
 from moejax.config import config
-from moejax.harness.claims import Claim, all_hold, lookup, measured, paired_compare, per_seed
+from moejax.harness.claims import Claim, all_hold, lookup, paired_compare
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
@@ -84,7 +78,8 @@ def run(cfg: AblationsConfig, run: RunDir) -> dict:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """BlockFFN's objective and RMSNorm ablations (Table 5, Sec. 4.1.4, 4.2), each judged on
     the paired per-seed differences (:func:`moejax.harness.claims.paired_compare`). A
-    comparison of two objectives counts only at close TLS (:func:`at_close_tls`): a sparser
+    comparison of two objectives counts only at close TLS
+    (:func:`experiments.blockffn.common.at_close_tls`): a sparser
     model has the higher PPL and the higher CLS whatever its objective (the paper explains
     AL+CS's lead over CS by its lower TLS, Sec. 4.2). AL+CS against AL alone is about the
     sparsity CS adds, and needs no such check."""
@@ -108,33 +103,6 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         at_close_tls("The router RMSNorm lowers PPL (Sec. 4.1.4)", t, "rmsnorm", "AL+CS",
                      "AL+CS, no RMSNorm", labels=("with", "without")),
     ]
-
-
-def at_close_tls(claim: str, t: dict, table: str, a: str, b: str, column: str = "val_ppl",
-                 labels: tuple[str, str] | None = None) -> Claim:
-    """``claim`` that model ``a`` of ``table`` beats ``b`` on ``column`` (``val_ppl``: lower
-    is better; ``CLS_8``: higher), paired over the seed runs, and judged only where ``b``'s
-    mean TLS lies within half an expert of ``a``'s or on the side that cannot explain the
-    verdict (:func:`experiments.blockffn.common.tls_checked`; ``n_experts`` from ``a``'s
-    rows)."""
-    la, lb = labels or (a, b)
-    ppl = column == "val_ppl"
-
-    def value(model):
-        return lambda r: lookup(r.get(table), {"model": model}, column)
-
-    c = paired_compare(claim, t, (la, value(a)), (lb, value(b)),
-                       better="lower" if ppl else "higher")
-    gaps, tol = [], None
-    for run in per_seed(t):
-        ra, rb = (lookup(run.get(table), {"model": m}) or {} for m in (a, b))
-        ta, tb = measured(ra.get("TLS")), measured(rb.get("TLS"))
-        gaps.append(None if ta is None or tb is None else tb - ta)
-        n = measured(ra.get("n_experts"))
-        tol = tol if n is None else 0.5 / n + 1e-6
-    gap = None if not gaps or None in gaps else sum(gaps) / len(gaps)
-    return tls_checked(c, gap, tol, sparser_explains_ppl if ppl else denser_explains_cls,
-                       what=f"{la}'s")
 
 
 STUDY = Study(

@@ -5,7 +5,7 @@ a comparison between two sparse models (:func:`tls_checked`)."""
 from __future__ import annotations
 
 from moejax.config import Config, config
-from moejax.harness.claims import Claim, unjudged
+from moejax.harness.claims import Claim, lookup, measured, paired_compare, per_seed, unjudged
 from moejax.sparse_lm import SparseLMConfig, data_sources
 from moejax.train.hparams import TrainConfig
 
@@ -66,5 +66,32 @@ def tls_checked(c: Claim, gap: float | None, tol: float | None, confounds,
     return c
 
 
-__all__ = ["PAPER_SCALE", "SparseLMStudyConfig", "denser_explains_cls", "sparser_explains_ppl",
-           "tls_checked"]
+def at_close_tls(claim: str, t: dict, table: str, a, b, column: str = "val_ppl", *,
+                 key: str = "model", labels: tuple[str, str] | None = None) -> Claim:
+    """``claim`` that the row ``key == a`` of ``table`` beats the row ``key == b`` on
+    ``column`` (``val_ppl``: lower is better; ``CLS_8``: higher), paired over the seed runs
+    (:func:`moejax.harness.claims.paired_compare`), and judged only where ``b``'s mean TLS
+    lies within half an expert of ``a``'s (``n_experts`` of ``a``'s rows) or on the side that
+    cannot explain the verdict (:func:`tls_checked`)."""
+    la, lb = labels or (str(a), str(b))
+    ppl = column == "val_ppl"
+
+    def value(x):
+        return lambda r: lookup(r.get(table), {key: x}, column)
+
+    c = paired_compare(claim, t, (la, value(a)), (lb, value(b)),
+                       better="lower" if ppl else "higher")
+    gaps, tol = [], None
+    for run in per_seed(t):
+        ra, rb = (lookup(run.get(table), {key: x}) or {} for x in (a, b))
+        ta, tb = measured(ra.get("TLS")), measured(rb.get("TLS"))
+        gaps.append(None if ta is None or tb is None else tb - ta)
+        n = measured(ra.get("n_experts"))
+        tol = tol if n is None else 0.5 / n + 1e-6
+    gap = None if not gaps or None in gaps else sum(gaps) / len(gaps)
+    return tls_checked(c, gap, tol, sparser_explains_ppl if ppl else denser_explains_cls,
+                       what=f"{la}'s")
+
+
+__all__ = ["PAPER_SCALE", "SparseLMStudyConfig", "at_close_tls", "denser_explains_cls",
+           "sparser_explains_ppl", "tls_checked"]

@@ -6,9 +6,9 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
-from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig
+from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig, at_close_tls
 from moejax.config import config
-from moejax.harness.claims import Claim, all_hold, lookup, paired_compare
+from moejax.harness.claims import Claim, all_hold
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
@@ -63,20 +63,21 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """Expert granularity (App. F, Fig. 5): finer experts at equal FFN width lower PPL, judged
     on the paired per-seed differences between the finest and the coarsest setting, and on
-    every step between neighbouring settings (each finer one lowers PPL)."""
+    every step between neighbouring settings (each finer one lowers PPL); each comparison at
+    close TLS (:func:`experiments.blockffn.common.at_close_tls`: a denser finer setting's
+    lower PPL could be its density)."""
     rows = sorted(t.get("granularity") or [], key=lambda r: float(r["n_experts"]))
     if len(rows) < 2:
         return [Claim("Finer experts lower PPL (App. F)", None, "fewer than two sizes")]
     ns = [float(r["n_experts"]) for r in rows]
 
-    def ppl(n):
-        return f"N={n:.0f}", lambda r: lookup(r.get("granularity"), {"n_experts": n}, "val_ppl")
+    def finer(claim, fine, coarse):  # fine has the lower PPL, at close TLS
+        return at_close_tls(claim, t, "granularity", fine, coarse, key="n_experts",
+                            labels=(f"N={fine:.0f}", f"N={coarse:.0f}"))
 
-    out = [paired_compare("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)", t,
-                          ppl(ns[-1]), ppl(ns[0]), better="lower")]
+    out = [finer("Finer experts lower PPL at equal FFN width (App. F, Fig. 5)", ns[-1], ns[0])]
     if len(ns) > 2:
-        steps = [paired_compare("", t, ppl(b), ppl(a), better="lower")
-                 for a, b in zip(ns, ns[1:])]
+        steps = [finer("", b, a) for a, b in zip(ns, ns[1:])]
         out.append(all_hold("Each finer setting lowers PPL (App. F, Fig. 5)", steps,
                             "; ".join(f"N={b:.0f} vs N={a:.0f}: {c.verdict}"
                                       for (a, b), c in zip(zip(ns, ns[1:]), steps))))
