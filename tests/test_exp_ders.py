@@ -93,6 +93,19 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
     assert verdict(0.0095, 0.03, 0.08, noise=(0.0, 0.004, -0.004)) == [
         "inconclusive", "does not hold"]    # the seeds straddle the tolerance
     assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 2
+    # the best of several >= 10x variants is judged at a Bonferroni level (0.05 / K)
+    seeds = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
+                            *(row(f"DeRS-SM p=0.9{i}", "sm", 0.0085 + e + i / 1e4, 50.0)
+                              for i in range(k)),
+                            row(mod.CONTROL, "dense", 0.08 + e, 1e9)]}
+             for e in (0.0, 0.0005, -0.0005) for k in (1,)]
+    one = mod.claims({**seeds[0], SEED_TABLES: seeds})[0]
+    assert one.verdict == "holds" and "95% CI" in one.evidence
+    seeds = [{"upcycling": [*s["upcycling"][:2],
+                            *(row(f"DeRS-SM p=0.9{i}", "sm", 0.0095, 50.0) for i in (1, 2, 3)),
+                            s["upcycling"][-1]]} for s in seeds]
+    four = mod.claims({**seeds[0], SEED_TABLES: seeds})[0]
+    assert four.verdict == "inconclusive" and "the best of 4: Bonferroni" in four.evidence
 
 
 def test_compression_claim_judges_each_seed_runs_worst_scenario():

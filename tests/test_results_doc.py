@@ -105,6 +105,39 @@ def test_t_critical_is_conservative_between_table_entries():
         t_critical(0)
 
 
+@pytest.mark.parametrize("df", [1, 2, 4, 9, 30, 200])
+@pytest.mark.parametrize("alpha", [0.025, 0.01, 0.05 / 6, 0.001])
+def test_t_critical_at_other_levels_is_student_t(df, alpha):
+    """Away from 95% the critical value is solved from the t distribution: scipy's quantile,
+    and the two-sided tail probability there is ``alpha``."""
+    stats = pytest.importorskip("scipy.stats")
+    from moejax.harness.claims import t_critical, t_two_sided_p
+
+    assert t_critical(df, alpha) == pytest.approx(stats.t.ppf(1 - alpha / 2, df), rel=1e-9)
+    assert t_two_sided_p(float(stats.t.ppf(1 - alpha / 2, df)), df) == pytest.approx(
+        alpha, rel=1e-9)
+    assert t_critical(df, alpha) > t_critical(df)  # wider than the 95% interval
+
+
+def test_the_best_of_several_settings_is_judged_at_a_bonferroni_level():
+    """A threshold claim on the best of K settings widens its interval to 1 - 0.05/K: the
+    same values that clear the threshold at 95% can be inconclusive as the best of many."""
+    from moejax.harness.claims import threshold_claim
+
+    values = [1.62, 1.58, 1.66, 1.55, 1.64]  # mean 1.61, 95% CI [1.554, 1.666]
+    assert threshold_claim("c", values, 1.5).verdict == "holds"
+    c = threshold_claim("c", values, 1.5, candidates=2)  # 97.5%: [1.540, 1.680]
+    assert c.verdict == "holds" and "97.5% CI [0.04009, 0.1799]" in c.evidence
+    assert threshold_claim("c", values, 1.6).verdict == "inconclusive"
+    c = threshold_claim("c", [v + 0.05 for v in values], 1.6)  # 95%: [1.604, 1.716]
+    assert c.verdict == "holds" and "95% CI" in c.evidence
+    c = threshold_claim("c", [v + 0.05 for v in values], 1.6, candidates=20)
+    assert c.verdict == "inconclusive" and "99.75% CI" in c.evidence
+    assert "the best of 20: Bonferroni" in c.evidence
+    with pytest.raises(ValueError, match="candidates"):
+        threshold_claim("c", values, 1.5, candidates=0)
+
+
 def test_granularity_claim_pairs_the_seed_runs():
     from moejax.harness.claims import SEED_TABLES
 

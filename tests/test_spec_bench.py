@@ -292,6 +292,17 @@ def test_the_serving_claim_is_judged_on_per_prompt_speedups():
     assert verdict([1.1, 1.2, 1.15, 1.2]) == "does not hold"
     assert verdict([1.2, 1.9, 1.4, 1.7]) == "inconclusive"
     assert verdict([]) == "inconclusive"  # one timing: no interval
+    # the fastest of several settings: a Bonferroni interval (0.05 / 4), wider
+    slower = [{**row, "draft_len": n, "speedup_vs_AR_token_sparse": 1.0} for n in (2, 6, 8)]
+    speedups = [1.62, 1.58, 1.66, 1.55, 1.64]  # 95%: [1.554, 1.666]; 98.75%: [1.518, 1.702]
+    t = {"decode": [row], "decode_prompts": _prompt_times(row, speedups)}
+    assert claims(t)[0].verdict == "holds"
+    c = claims({**t, "decode": [row, *slower]})[0]
+    assert c.verdict == "holds" and "98.75% CI" in c.evidence and "the best of 4" in c.evidence
+    tight = [s - 0.045 for s in speedups]  # 95%: [1.509, 1.621] holds; 98.75%: does not
+    t = {"decode": [row, *slower], "decode_prompts": _prompt_times(row, tight)}
+    assert claims({**t, "decode": [row]})[0].verdict == "holds"
+    assert claims(t)[0].verdict == "inconclusive"
 
 
 def test_expert_routes_say_what_each_layer_decodes_with():

@@ -26,12 +26,12 @@ def _prompt_speedups(t: dict, best: dict) -> list[float]:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """BlockFFN's serving claim (Sec. 3.3, 4.3): speculative decoding with chunk-sparse
-    verification beats autoregressive decoding that already skips inactive experts per
-    token; judged at >= 100M parameters, batch 1, greedy, with output equal to greedy
-    autoregressive decoding (this project's target: 1.5x), on the fastest setting's
-    per-prompt speedups (:func:`moejax.harness.claims.threshold_claim`: holds when their 95%
-    interval lies above 1.5x). A float32 decoding that differs from autoregressive decoding
-    does not hold (a bug)."""
+    verification beats autoregressive decoding that already skips inactive experts per token;
+    judged at >= 100M parameters, batch 1, greedy, with output equal to greedy autoregressive
+    decoding (this project's target: 1.5x), on the fastest setting's per-prompt speedups
+    (:func:`moejax.harness.claims.threshold_claim`: holds when their interval lies above 1.5x,
+    widened for the fastest of the settings timed). A float32 decoding that differs from
+    autoregressive decoding does not hold (a bug)."""
     claim = ("Speculative + chunk-sparse decoding is >= 1.5x token-sparse autoregressive "
              "decoding at >= 100M parameters, same tokens (Sec. 4.3)")
     rows = [r for r in t.get("decode") or [] if float(r["params"]) >= 100e6]
@@ -48,7 +48,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     matched = min(float(r.get("tokens_matching_AR", 1.0)) for r in spec)
     per_prompt = _prompt_speedups(t, best)
     c = threshold_claim(claim, per_prompt or [float(best["speedup_vs_AR_token_sparse"])],
-                        1.5, fmt=".2f")
+                        1.5, fmt=".2f", candidates=len(spec))
     evidence = (f"{float(best['speedup_vs_AR_token_sparse']):.2f}x at n = "
                 f"{float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
                 f"({float(best['tokens_per_s']):.1f} tokens/s, "

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 __all__ = ["Claim", "claims_markdown", "claims_scale", "lookup", "compare", "top_column",
-           "paired", "paired_claim", "paired_compare", "per_seed", "t_critical",
+           "paired", "paired_claim", "paired_compare", "per_seed", "t_critical", "t_two_sided_p",
            "threshold_claim", "measured", "SEED_TABLES"]
 
 # the key under which a repeated study's claims also get each seed run's tables (a list of
@@ -129,11 +129,22 @@ _T95 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447),
         (25, 2.060), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980))
 
 
-def t_critical(df: int) -> float:
-    """Two-sided 95% critical value of Student's t with ``df`` >= 1 degrees of freedom
-    (1.96 past the table)."""
+def t_critical(df: int, alpha: float = 0.05) -> float:
+    """Two-sided ``1 - alpha`` critical value of Student's t with ``df`` >= 1 degrees of
+    freedom: at 95% from the table (1.96 past it), otherwise solved from the t distribution
+    (:func:`t_two_sided_p`) by bisection."""
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha={alpha} must lie in (0, 1)")
+    if alpha != 0.05:
+        lo, hi = 0.0, 1.0
+        while t_two_sided_p(hi, df) > alpha:
+            hi *= 2
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if t_two_sided_p(mid, df) > alpha else (lo, mid)
+        return hi
     value = 1.960
     for d, t in reversed(_T95):
         if df >= d:
@@ -141,14 +152,49 @@ def t_critical(df: int) -> float:
     return value
 
 
+def t_two_sided_p(t: float, df: int) -> float:
+    """``P(|T| > t)`` for Student's t with ``df`` degrees of freedom: the regularised
+    incomplete beta ``I_x(df / 2, 1 / 2)`` at ``x = df / (df + t^2)``."""
+    return _betainc(0.5 * df, 0.5, df / (df + t * t))
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function ``I_x(a, b)`` by its continued fraction
+    (modified Lentz), on the side of ``x`` where it converges fast."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1.0) / (a + b + 2.0):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
 # the outcome of a paired row whose values are not all numbers (NaN or infinite: a quantity
 # its run could not measure): the claim is not measured, not undecided
 _UNMEASURED = "unmeasured"
 
 
-def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None | str, str]:
+def _one(row: Mapping[str, Any], fmt: str,
+         alpha: float = 0.05) -> tuple[bool | None | str, str]:
     """True / False / None (inconclusive) / :data:`_UNMEASURED` for one paired row, and its
-    evidence."""
+    evidence (a ``1 - alpha`` interval)."""
     n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
     text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
             f"{format(mean, fmt)} +/- {format(sd, fmt)}, wins {int(row['wins'])}/{n} seeds")
@@ -158,25 +204,26 @@ def _one(row: Mapping[str, Any], fmt: str) -> tuple[bool | None | str, str]:
         return None, text + ", one seed: no interval"
     if mean == 0 and sd == 0:  # every seed a tie: the first method is better in none
         return False, text + ", equal in every seed"
-    half = t_critical(n - 1) * sd / math.sqrt(n)
+    half = t_critical(n - 1, alpha) * sd / math.sqrt(n)
     lo, hi = mean - half, mean + half
-    text += f", 95% CI [{format(lo, fmt)}, {format(hi, fmt)}]"
+    text += f", {100 * (1 - alpha):.4g}% CI [{format(lo, fmt)}, {format(hi, fmt)}]"
     return (True if lo > 0 else False if hi < 0 else None), text
 
 
 def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
-                 fmt: str = ".4f") -> Claim:
+                 fmt: str = ".4f", alpha: float = 0.05) -> Claim:
     """``claim`` (that the first of a :func:`paired` comparison's methods is better) judged
     on one paired row or on several (one per metric the claim names, each oriented so that
     higher is better): holds when every metric's 95% interval lies above zero, does not hold
     when any lies below or is tied in every seed, inconclusive otherwise; not measured
     without rows, or where a metric's values are not all numbers (NaN or infinite) and none
-    lies below."""
+    lies below. ``alpha``: one minus the intervals' level (0.05/K for the best of K
+    candidates, Bonferroni)."""
     if rows is None or (not isinstance(rows, Mapping) and not rows):
         return Claim(claim, None, "not run")
     rows = [rows] if isinstance(rows, Mapping) else list(rows)
     parts = [Claim(claim, None if o == _UNMEASURED else o, text, inconclusive=o is None)
-             for o, text in (_one(r, fmt) for r in rows)]
+             for o, text in (_one(r, fmt, alpha) for r in rows)]
     return all_hold(claim, parts, "; ".join(c.evidence for c in parts))
 
 
@@ -225,16 +272,22 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
 
 
 def threshold_claim(claim: str, values: Sequence[float], threshold: float, *,
-                    better: str = "higher", fmt: str = ".4g") -> Claim:
+                    better: str = "higher", fmt: str = ".4g", candidates: int = 1) -> Claim:
     """``claim`` that a quantity measured once per seed is at least (``better="higher"``) or
     at most ``threshold``: holds when its 95% interval lies past the threshold, does not
-    hold when it lies short of it, inconclusive otherwise (one seed: no interval)."""
+    hold when it lies short of it, inconclusive otherwise (one seed: no interval). For the
+    best of ``candidates`` settings, picked by their means, the interval is widened to
+    ``1 - 0.05 / candidates`` (Bonferroni): the best of several noisy means is biased
+    upwards."""
+    if candidates < 1:
+        raise ValueError(f"candidates={candidates} must be >= 1")
     if not values:
         return Claim(claim, None, "not run")
     sign = 1.0 if better == "higher" else -1.0
     row = paired(f"value - {threshold:g}" if sign > 0 else f"{threshold:g} - value",
                  [sign * float(v) for v in values], [sign * threshold] * len(values))
-    c = paired_claim(claim, row, fmt=fmt)
+    c = paired_claim(claim, row, fmt=fmt, alpha=0.05 / candidates)
     mean = sum(float(v) for v in values) / len(values)
-    return c._replace(evidence=f"{format(mean, fmt)} (mean of {len(values)}) vs {threshold:g}; "
-                      f"{c.evidence}")
+    best = f" (the best of {candidates}: Bonferroni)" if candidates > 1 else ""
+    return c._replace(evidence=f"{format(mean, fmt)} (mean of {len(values)}) vs {threshold:g}"
+                      f"{best}; {c.evidence}")
