@@ -232,15 +232,6 @@ def close_tls(rows: list[dict]) -> float | None:
     return None
 
 
-def _pair_claim(label: str, a: list[float], b: list[float], gap: float | None,
-                tol: float | None, confounds) -> Claim:
-    """One BlockFFN-vs-baseline comparison (``a`` the BlockFFN side, higher is better),
-    inconclusive where the baseline's TLS lies further than ``tol`` from BlockFFN's in the
-    direction that would explain the verdict (:func:`experiments.blockffn.common.tls_checked`;
-    ``gap``: its mean TLS minus BlockFFN's)."""
-    return tls_checked(paired_claim(label, paired(label, a, b)), gap, tol, confounds)
-
-
 # per metric: (column, sign making higher better, what, whether a baseline's TLS minus
 # BlockFFN's explains the verdict): a denser model has the lower PPL, a sparser the higher CLS
 METRICS = (("val_ppl", -1.0, "the lowest PPL", sparser_explains_ppl),
@@ -273,9 +264,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                          else f"{other} - BlockFFN {column}")
                 gaps = [measured(by[other][s].get("TLS - TLS_BlockFFN")) for s in seeds]
                 gap = (None if not gaps or None in gaps else float(np.mean(gaps)))
-                pairs.append(_pair_claim(
-                    label, [sign * float(by["BlockFFN"][s][column]) for s in seeds],
-                    [sign * float(by[other][s][column]) for s in seeds], gap, tol, confounds))
+                row = paired(label, [sign * float(by["BlockFFN"][s][column]) for s in seeds],
+                             [sign * float(by[other][s][column]) for s in seeds])
+                pairs.append(tls_checked(paired_claim(label, row), gap, tol, confounds))
             claim = (f"BlockFFN has {what} of the MoEs ({size}; Table 2"
                      f"{', Fig. 1a' if column == 'CLS_8' else ''})")
             out.append(all_hold(claim, pairs, "; ".join(c.evidence for c in pairs)))

@@ -206,13 +206,13 @@ def make_config(preset: str) -> MoEKDConfig:
 
 
 def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
-    flat = [x for r in runs for x in r["rouge_l_seeds"]]
-    ppl = [r["ppl"] for r in runs]
-    return {"teacher": teacher, "method": method, "rouge_l": float(np.mean(flat)),
-            "std": float(np.std(flat)), "ppl": float(np.mean(ppl)),
+    """The ``main`` table's row of one (teacher, method): its runs pooled (:func:`_pooled`),
+    with the spread over the sampling seeds and, of the perplexity, over the runs."""
+    p, ppl = _pooled(runs), [r["ppl"] for r in runs]
+    return {"teacher": teacher, "method": method, "rouge_l": p["rouge_l"],
+            "std": float(np.std(p["rouge_l_seeds"])), "ppl": p["ppl"],
             "ppl std": float(np.std(ppl, ddof=1)) if len(ppl) > 1 else 0.0,
-            "kl_to_moe_teacher": float(np.mean([r["kl"] for r in runs])),
-            "runs": len(runs), "scores": len(flat)}
+            "kl_to_moe_teacher": p["kl"], "runs": len(runs), "scores": len(p["rouge_l_seeds"])}
 
 
 # ------------------------------------------------------------------------------ study
@@ -280,10 +280,10 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: Setup) -> tuple[dict, dict]:
 
 
 def _pooled(scores: list[dict]) -> dict:
-    """One model's scores over the draws: ROUGE-L over every draw's sampling seeds, mean
-    perplexity and KL."""
-    return {"rouge_l_seeds": [x for sc in scores for x in sc["rouge_l_seeds"]],
-            "rouge_l": float(np.mean([x for sc in scores for x in sc["rouge_l_seeds"]])),
+    """One model's scores over several runs or draws: ROUGE-L over every one's sampling
+    seeds, mean perplexity and KL."""
+    flat = [x for sc in scores for x in sc["rouge_l_seeds"]]
+    return {"rouge_l_seeds": flat, "rouge_l": float(np.mean(flat)),
             "ppl": float(np.mean([sc["ppl"] for sc in scores])),
             "kl": float(np.mean([sc["kl"] for sc in scores]))}
 
