@@ -38,7 +38,7 @@ def test_darex_storage_tiny(tmp_path):
     assert int(t[0]["params"]) * 12 == pytest.approx(float(t[0]["GB_moved"]) * 1e9)
 
 
-def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
+def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
     from experiments.darex.storage import ACCURACY_TOLERANCE, claims
 
     def row(p, bits, ratio, acc):
@@ -46,19 +46,32 @@ def test_the_storage_claim_counts_only_deltas_that_keep_accuracy():
 
     from moejax.harness.claims import SEED_TABLES
 
-    def seeds(rows, n=3, worth=0.5):  # n seed runs, the ratios a little apart
-        runs = [{"storage": [{**r, "ratio_vs_fp32": r["ratio_vs_fp32"] * (1 + 0.01 * i)}
+    def seeds(rows, n=3, worth=0.5, noise=(0.0, 0.001, -0.0015)):
+        # n seed runs: the ratios a little apart, each compressed row's accuracy off by noise
+        runs = [{"storage": [{**r, "ratio_vs_fp32": r["ratio_vs_fp32"] * (1 + 0.01 * i),
+                              "metric": r["metric"] + (noise[i] if r["p"] or r["bits"] < 32
+                                                       else 0.0)}
                              for r in rows],
                  "delta_worth": [{"delta_worth": worth}]} for i in range(n)]
         return {**runs[0], SEED_TABLES: runs}
 
-    rows = [row(0.0, 32, 1.0, 0.94), row(0.9, 32, 8.2, 0.93), row(0.99, 32, 56.0, 0.60)]
-    (c,) = claims(seeds(rows))  # 56x, but at 0.60 accuracy: does not count
-    assert c.holds is False and "8.2x at p=0.9" in c.evidence and "keeps 0.600" in c.evidence
+    rows = [row(0.0, 32, 1.0, 0.94), row(0.9, 32, 8.2, 0.94), row(0.99, 32, 56.0, 0.60)]
+    (c,) = claims(seeds(rows))  # 56x, but at 0.60 accuracy; 8.2x is too large to count
+    assert c.holds is False and "p=0.99, 32 bits (56.0x smaller" in c.evidence
+    assert "the least loss of 1 settings" in c.evidence
     assert claims({"storage": rows})[0].verdict == "inconclusive"  # one run: no interval
+    # a setting 10x smaller that loses half the tolerance: the least loss of 2 settings,
+    # judged at the Bonferroni level over both
     rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2))
     (c,) = claims(seeds(rows))
-    assert c.holds is True and "14.1x at p=0.9, 4 bits" in c.evidence
+    assert c.holds is True and "p=0.9, 4 bits (14.1x smaller" in c.evidence
+    assert "the best of 2: Bonferroni" in c.evidence and "97.5% CI" in c.evidence
+    # the loss per seed straddles the tolerance: no verdict, though its mean is within it
+    at_edge = rows[:-1] + [row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE + 0.001)]
+    assert claims(seeds(at_edge))[0].verdict == "inconclusive"
+    # a grid with no setting 10x smaller tests nothing
+    (c,) = claims(seeds(rows[:2]))
+    assert c.verdict == "inconclusive" and "untested" in c.evidence
     # a delta worth no more than the tolerance stays "within it" when dropped whole: the
     # claim cannot be judged, nor where what the delta is worth was not recorded
     (c,) = claims(seeds(rows, worth=ACCURACY_TOLERANCE / 2))
