@@ -19,8 +19,16 @@ def test_darex_storage_tiny(tmp_path):
         claims=mod.claims, out=tmp_path / "st",
     )
     rows = list(csv.DictReader(open(run.path / "storage.csv")))
-    assert len(rows) == 9
-    by = {(float(r["p"]), int(r["bits"])): r for r in rows}
+    assert len(rows) == 3 + 2 * 2 * 3  # p = 0 once; DARE and DAREx-q (q_v) at each p > 0
+    every = {(r["method"], float(r["p"]), int(r["bits"])): r for r in rows}
+    by = {(p, b): r for (m, p, b), r in every.items() if m in ("unpruned", "DARE")}
+    for (m, p, b), r in every.items():
+        if m == "DAREx-q (q_v)":  # the same survivors, rescaled by a q on the DAREx grid
+            dare = every["DARE", p, b]
+            assert r["bytes"] == dare["bytes"] and float(dare["q"]) == pytest.approx(1 - p)
+            assert 1 - p - 1e-6 <= float(r["q"]) <= 1.0
+            if float(r["q"]) == float(dare["q"]):
+                assert r["metric"] == dare["metric"]
     dense = summary["dense_bytes"]
     assert int(by[0.0, 32]["bytes"]) == dense  # lossless dense copy
     assert float(by[0.0, 32]["rel_err"]) == 0.0 and float(by[0.9, 32]["rel_err"]) == 0.0
@@ -36,13 +44,26 @@ def test_darex_storage_tiny(tmp_path):
     t = list(csv.DictReader(open(run.path / "apply_time.csv")))
     assert len(t) == 3 and all(float(r["GB_per_s"]) > 0 for r in t)
     assert int(t[0]["params"]) * 12 == pytest.approx(float(t[0]["GB_moved"]) * 1e9)
+    assert (run.path / "accuracy_vs_size.png").stat().st_size > 0
+
+
+def test_darex_q_without_a_model_to_choose_q_on_is_refused():
+    from experiments.darex.storage import StorageConfig, make_config
+    from moejax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"without a model to choose DAREx-q's q_v on"):
+        StorageConfig(source="smollm2_shapes")
+    with pytest.raises(ConfigError, match=r"names a method twice"):
+        StorageConfig(methods=("DARE", "DARE"))
+    assert make_config("full").methods == ("DARE",)
 
 
 def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
     from experiments.darex.storage import ACCURACY_TOLERANCE, claims
 
-    def row(p, bits, ratio, acc):
-        return {"p": p, "bits": bits, "ratio_vs_fp32": ratio, "metric": acc}
+    def row(p, bits, ratio, acc, method="DARE"):
+        return {"method": "unpruned" if p == 0 else method, "p": p, "bits": bits,
+                "ratio_vs_fp32": ratio, "metric": acc}
 
     from moejax.harness.claims import SEED_TABLES
 
@@ -57,17 +78,21 @@ def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
 
     rows = [row(0.0, 32, 1.0, 0.94), row(0.9, 32, 8.2, 0.94), row(0.99, 32, 56.0, 0.60)]
     (c,) = claims(seeds(rows))  # 56x, but at 0.60 accuracy; 8.2x is too large to count
-    assert c.holds is False and "p=0.99, 32 bits (56.0x smaller" in c.evidence
+    assert c.holds is False and "DARE at p=0.99, 32 bits (56.0x smaller" in c.evidence
     assert "the least loss of 1 settings" in c.evidence
     assert claims({"storage": rows})[0].verdict == "inconclusive"  # one run: no interval
     # a setting 10x smaller that loses half the tolerance: the least loss of 2 settings,
     # judged at the Bonferroni level over both
-    rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2))
+    rows.append(row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE / 2, "DAREx-q (q_v)"))
     (c,) = claims(seeds(rows))
-    assert c.holds is True and "p=0.9, 4 bits (14.1x smaller" in c.evidence
+    assert c.holds is True and "DAREx-q (q_v) at p=0.9, 4 bits (14.1x" in c.evidence
     assert "the best of 2: Bonferroni" in c.evidence and "97.5% CI" in c.evidence
+    # an older table without methods: its rows are DARE's
+    (c,) = claims(seeds([{k: v for k, v in r.items() if k != "method"} for r in rows]))
+    assert c.holds is True and "DARE at p=0.9, 4 bits" in c.evidence
     # the loss per seed straddles the tolerance: no verdict, though its mean is within it
-    at_edge = rows[:-1] + [row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE + 0.001)]
+    at_edge = rows[:-1] + [row(0.9, 4, 14.1, 0.94 - ACCURACY_TOLERANCE + 0.001,
+                               "DAREx-q (q_v)")]
     assert claims(seeds(at_edge))[0].verdict == "inconclusive"
     # a grid with no setting 10x smaller tests nothing
     (c,) = claims(seeds(rows[:2]))
@@ -94,10 +119,12 @@ def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_pat
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
-        ["source=smollm2_shapes_tiny", "ps=(0.0,0.9)", "bits=(32,4)", "timing_tree=none"],
+        ["source=smollm2_shapes_tiny", "methods=(DARE,)", "ps=(0.0,0.9)", "bits=(32,4)",
+         "timing_tree=none"],
         claims=mod.claims, out=tmp_path / "st")
     rows = list(csv.DictReader(open(run.path / "storage.csv")))
     assert len(rows) == 4 and all(r["metric"] == "nan" for r in rows)
+    assert [r["method"] for r in rows] == ["unpruned"] * 2 + ["DARE"] * 2
     assert int(rows[0]["bytes"]) == summary["dense_bytes"]
     (c,) = csv.DictReader(open(run.path / "claims.csv"))
     assert c["verdict"] == "not measured" and (run.path / "summary.md").exists()

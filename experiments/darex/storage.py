@@ -1,15 +1,19 @@
 """Storage study: bytes of a pruned + quantised delta checkpoint, load/apply time, and the time to
 apply DARE / DAREx-q to a SmolLM2-135M-sized tree.
 
-Table ``storage``: for each drop rate p and bit width, the delta is pruned with DARE and written
-with :mod:`moejax.delta.storage` (``.npz``, no pickle):
+Table ``storage``: for each pruning method, drop rate p and bit width, the delta is pruned and
+written with :mod:`moejax.delta.storage` (``.npz``, no pickle). The methods: DARE (survivors
+rescaled by 1 / (1 - p)) and DAREx-q (q_v) (DAREx paper, Sec. 4.1: the same survivors rescaled
+by 1 / q_v, q_v chosen on the validation accuracy), the paper's recipe for high drop rates;
+the delta is AdamR-L2's (Sec. 4.2). Both store the same entries, so the same bytes:
 * p = 0: dense leaves (32 = float32, 16 = bfloat16, b <= 8 = symmetric per-channel k-bit codes);
 * p > 0: pruned matrices as flat indices (smallest unsigned dtype) + their surviving values
   (float32, bfloat16, or k-bit codes with one scale per matrix); vectors stay dense float32.
 
-Columns: exact array bytes, ratio to the dense float32 delta, relative error of the decoded
-delta against the pruned one, accuracy of ``theta_P + decoded delta`` (quick preset: the
-AdamR-L2 fine-tuned MLP of ``darex_controlled``), and save / load+decode / apply seconds.
+Columns: the method and its q, exact array bytes, ratio to the dense float32 delta, relative
+error of the decoded delta against the pruned one, accuracy of ``theta_P + decoded delta``
+(quick preset: the AdamR-L2 fine-tuned MLP of ``darex_controlled``), and save / load+decode /
+apply seconds. Plot ``accuracy_vs_size``: accuracy against the storage ratio.
 
 Table ``delta_worth`` (with a metric): the metric of ``theta_P`` alone and with the dense
 delta, the control of the storage claim.
@@ -50,13 +54,15 @@ from moejax.train import TrainConfig, adam_linear_config
 class StorageConfig(Config):
     """What delta to store, at which drop rates / bit widths, and the timing tree."""
 
-    NONEMPTY = ("ps", "bits")
+    NONEMPTY = ("ps", "bits", "methods")
 
     # smollm2_shapes: a random delta with SmolLM2-135M's shapes, sizes and times only (no model
     # to evaluate); smollm2_shapes_tiny: the same layout at 2 layers of width 64 (tests only)
     source: Literal["mlp", "smollm2_shapes", "smollm2_shapes_tiny"] = "mlp"
     delta_std: float = 1e-3  # std of the random delta when source="smollm2_shapes[_tiny]"
     ps: tuple[float, ...] = (0.0, 0.9, 0.95, 0.99)
+    # how the survivors of p > 0 are rescaled; DAREx-q (q_v) needs a model to validate q on
+    methods: tuple[Literal["DARE", "DAREx-q (q_v)"], ...] = ("DARE", "DAREx-q (q_v)")
     bits: tuple[int, ...] = (32, 16, 8, 4, 2)
     timing_tree: Literal["smollm2_135m", "tiny", "none"] = "smollm2_135m"  # tiny: tests only
     timing_repeats: int = 3
@@ -72,12 +78,17 @@ class StorageConfig(Config):
         self._require(all(b in (32, 16) or 1 <= b <= 8 for b in self.bits),
                       f"bits={self.bits}: use 32 (float32), 16 (bfloat16) or 1..8 (k-bit codes)")
         self._require(self.timing_repeats >= 1, "timing_repeats must be >= 1")
+        self._require(len(set(self.methods)) == len(self.methods),
+                      f"methods={self.methods} names a method twice")
+        self._require(self.source == "mlp" or "DAREx-q (q_v)" not in self.methods,
+                      f"source={self.source!r} is a random delta without a model to choose "
+                      "DAREx-q's q_v on: use methods=('DARE',)")
 
 
 def make_config(preset: str) -> StorageConfig:
     if preset == "quick":
         return StorageConfig()
-    return StorageConfig(source="smollm2_shapes", timing_repeats=10)
+    return StorageConfig(source="smollm2_shapes", methods=("DARE",), timing_repeats=10)
 
 
 # ------------------------------------------------------------------------------ delta sources
@@ -93,13 +104,15 @@ def smollm2_shapes_tree(key: jax.Array, std: float, tiny: bool = False) -> dict:
 
 
 def mlp_source(cfg: StorageConfig):
-    """``(theta_P, Delta, accuracy_fn)`` of the fine-tuned controlled MLP."""
+    """``(theta_P, Delta, test accuracy_fn, validation accuracy_fn)`` of the fine-tuned
+    controlled MLP."""
 
     tasks = load_tasks(cfg.substrate.split_seed)
     pre = build_substrate("mlp_mnist5k", cfg.substrate, cache_dir=cfg.substrate_cache or None,
                           progress=True).model.params()
     fin = finetune_mlp(pre, tasks, cfg.finetune.replace(seed=cfg.seed))
-    return pre, dl.delta(pre, fin), accuracy_fn(tasks["B", "test"])
+    return (pre, dl.delta(pre, fin), accuracy_fn(tasks["B", "test"]),
+            accuracy_fn(tasks["B", "validation"]))
 
 
 # ------------------------------------------------------------------------------ encode / decode
@@ -114,7 +127,28 @@ def _block(tree):
     return tree
 
 
-def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn) -> list[dict]:
+def pruned_deltas(cfg: StorageConfig, pre, delta_tree, val_fn) -> list[tuple[str, float, float,
+                                                                             dict]]:
+    """``(method, p, q, {path: pruned delta})`` for every drop rate and method (p = 0: the
+    delta itself, method "unpruned"). Every method drops the same entries at a drop rate (one
+    key per run); DAREx-q (q_v) rescales them by the q of the best ``val_fn`` accuracy on
+    the DAREx grid (:func:`moejax.delta.search_q_v`)."""
+    flat_d, mask = _flat(delta_tree), dl.select_leaves(delta_tree)
+    key = jax.random.key(cfg.seed)
+    out = []
+    for p in cfg.ps:
+        if p == 0:
+            out.append(("unpruned", 0.0, 1.0, flat_d))
+            continue
+        for method in cfg.methods:
+            q = 1.0 - p
+            if method == "DAREx-q (q_v)":
+                q = float(dl.search_q_v(key, pre, delta_tree, p, val_fn, mask=mask).best)
+            out.append((method, p, q, _flat(dl.dare(key, delta_tree, p, q=q, mask=mask))))
+    return out
+
+
+def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn, val_fn=None) -> list[dict]:
     flat_pre, flat_d = _flat(pre), _flat(delta_tree)
     treedef = jax.tree_util.tree_structure(pre)
     mask = _flat(dl.select_leaves(delta_tree))
@@ -125,13 +159,11 @@ def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn) -> list[dict]:
         # warm-up (first-call compilation of the eager ops), not timed
         stored = encode_pruned(flat_d, mask, 0.0, 32)
         _block(dl.apply_delta(flat_pre, decode_pruned(stored, shapes)))
-        for p in cfg.ps:
-            pruned = (flat_d if p == 0 else
-                      _flat(dl.dare(jax.random.key(cfg.seed), flat_d, p, mask=mask)))
+        for method, p, q, pruned in pruned_deltas(cfg, pre, delta_tree, val_fn):
             ref_norm = float(jnp.sqrt(sum(jnp.sum(v * v) for v in pruned.values())))
             for bits in cfg.bits:
                 stored = encode_pruned(pruned, mask, p, bits)
-                f = Path(tmp) / f"delta_p{p}_b{bits}.npz"
+                f = Path(tmp) / f"delta_{len(rows)}.npz"
                 t0 = time.perf_counter()
                 dl.save(str(f), stored)
                 t_save = time.perf_counter() - t0
@@ -146,7 +178,7 @@ def storage_rows(cfg: StorageConfig, pre, delta_tree, metric_fn) -> list[dict]:
                 metric = (float(metric_fn(jax.tree_util.tree_unflatten(
                     treedef, [theta[k] for k in flat_pre]))) if metric_fn else float("nan"))
                 rows.append({
-                    "p": p, "bits": bits, "bytes": rep["array_bytes"],
+                    "method": method, "q": q, "p": p, "bits": bits, "bytes": rep["array_bytes"],
                     "file_bytes": f.stat().st_size, "ratio_vs_fp32": dense / rep["array_bytes"],
                     "bits_per_param": 8 * rep["array_bytes"] / n_params,
                     "rel_err": err / max(ref_norm, 1e-30), "metric": metric,
@@ -195,20 +227,22 @@ def apply_timing_rows(cfg: StorageConfig) -> tuple[list[dict], int]:
 
 def run(cfg: StorageConfig, run: RunDir) -> dict:
     if cfg.source == "mlp":
-        pre, delta_tree, metric_fn = mlp_source(cfg)
+        pre, delta_tree, metric_fn, val_fn = mlp_source(cfg)
         what = ("AdamR-L2 fine-tuned MLP (started from substrate mlp_mnist5k; MNIST -> sklearn "
                 "digits); metric = test accuracy")
     else:
         k1, k2 = jax.random.split(jax.random.key(cfg.seed))
         tiny = cfg.source == "smollm2_shapes_tiny"
-        pre, delta_tree, metric_fn = (smollm2_shapes_tree(k1, 0.02, tiny),
-                                      smollm2_shapes_tree(k2, cfg.delta_std, tiny), None)
+        pre, delta_tree, metric_fn, val_fn = (smollm2_shapes_tree(k1, 0.02, tiny),
+                                              smollm2_shapes_tree(k2, cfg.delta_std, tiny),
+                                              None, None)
         what = (f"random delta (std {cfg.delta_std}) with SmolLM2-135M"
                 f"{' (tiny)' if tiny else ''} shapes; no metric")
-    rows = storage_rows(cfg, pre, delta_tree, metric_fn)
+    rows = storage_rows(cfg, pre, delta_tree, metric_fn, val_fn)
     run.table("storage", rows, title=f"Delta checkpoint size and load/apply time: {what}")
     if metric_fn is not None:  # the control: what the delta is worth at all
         tuned = float(metric_fn(dl.apply_delta(pre, delta_tree)))
+        _plot_accuracy(run, rows, tuned)
         pre_metric = float(metric_fn(pre))
         run.table("delta_worth", [{"pretrained": pre_metric, "finetuned": tuned,
                                    "delta_worth": tuned - pre_metric}],
@@ -230,6 +264,23 @@ def run(cfg: StorageConfig, run: RunDir) -> dict:
                        + (f"; DARE on the 135M tree {out['dare_apply_s']:.2f} s "
                           f"({out['dare_GB_per_s']:.2f} GB/s)" if "dare_apply_s" in out else ""))
     return out
+
+
+def _plot_accuracy(run: RunDir, rows: list[dict], unpruned: float) -> None:
+    """Accuracy against the storage ratio, a line per method and bit width over the drop
+    rates, with the claim's bounds: the unpruned accuracy less the tolerance, and 10x."""
+    series = {}
+    for method in dict.fromkeys(r["method"] for r in rows if r["p"] > 0):
+        for bits in dict.fromkeys(r["bits"] for r in rows):
+            pts = [r for r in rows if r["bits"] == bits and r["method"] in ("unpruned", method)]
+            series[f"{method}, {bits} bits"] = ([r["ratio_vs_fp32"] for r in pts],
+                                                [r["metric"] for r in pts])
+    run.line_plot("accuracy_vs_size", series, xlabel="storage ratio to the dense float32 delta",
+                  ylabel="test accuracy", logx=True, markers=True,
+                  hlines={f"unpruned - {ACCURACY_TOLERANCE:g}": unpruned - ACCURACY_TOLERANCE},
+                  vlines={f"{MIN_RATIO:g}x": MIN_RATIO},
+                  title="Accuracy of the compressed delta against its size (the claim: a "
+                        "point above the line and right of 10x)")
 
 
 # how much test accuracy a compressed delta may lose and still count as "minimally
@@ -270,7 +321,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     c = threshold_claim(claim, [lost[best][1] for lost in losses], ACCURACY_TOLERANCE,
                         better="lower", fmt=".4f", candidates=len(small))
     ratio = min(lost[best][0] for lost in losses)
-    c = c._replace(evidence=f"p={best[0]:g}, {best[1]} bits ({ratio:.1f}x smaller, the least "
+    c = c._replace(evidence=f"{best[0]} at p={best[1]:g}, {best[2]} bits ({ratio:.1f}x smaller, "
+                            "the least "
                             f"loss of {len(small)} settings >= {MIN_RATIO:g}x), accuracy lost "
                             f"vs the unpruned delta {c.evidence}")
     worths = [measured((run.get("delta_worth") or [{}])[0].get("delta_worth"))
@@ -278,14 +330,15 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     return [worth_checked(c, worths, ACCURACY_TOLERANCE)]
 
 
-def _losses(rows) -> dict[tuple[float, int], tuple[float, float]] | None:
-    """``{(p, bits): (ratio to dense float32, accuracy lost vs the unpruned delta)}`` of one
-    run's storage table; None without an accuracy."""
+def _losses(rows) -> dict[tuple[str, float, int], tuple[float, float]] | None:
+    """``{(method, p, bits): (ratio to dense float32, accuracy lost vs the unpruned delta)}``
+    of one run's storage table (a table without methods: DARE's); None without an
+    accuracy."""
     base = lookup(rows, {"p": 0.0, "bits": 32})
     acc0 = measured(None if base is None else base.get("metric"))
     if acc0 is None:
         return None
-    return {(float(r["p"]), int(float(r["bits"]))):
+    return {(r.get("method") or "DARE", float(r["p"]), int(float(r["bits"]))):
             (float(r["ratio_vs_fp32"]), acc0 - float(r["metric"])) for r in rows}
 
 
