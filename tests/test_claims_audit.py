@@ -50,7 +50,10 @@ def darex_decoder(d):
         return {"pruned_wide": [
             {"fine-tuning": "AdamW", "method": "DARE", "p=0.95": 2.0, "p=0.99": 2.0},
             {"fine-tuning": "AdamW", "method": "DAREx-q (q_v)", "p=0.99": 2.0 - d(s)},
-            {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 2.0 - d(s)}]}
+            {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 2.0 - d(s)}],
+            # the winners beat the pre-trained model (their control) when d > 0
+            "finetuned": [{"fine-tuning": ft, "test_loss_pretrained": 2.05}
+                          for ft in ("AdamW", "AdamR-L2")]}
     return _seeded([run(s) for s in SEEDS])
 
 

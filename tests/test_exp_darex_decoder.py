@@ -36,3 +36,33 @@ def test_darex_decoder_tiny(tmp_path):
     assert "p=0.99" in (run.path / "pruned_wide.md").read_text()
     assert "substrate `dense_lm_prose`" in (run.path / "summary.md").read_text()
     assert len(list((tmp_path / "subs" / "dense_lm_prose").glob("custom-*/model.safetensors")))
+
+
+def test_a_decoder_claim_holds_only_where_its_winner_beats_the_pre_trained_model():
+    """AdamR-L2 + DARE beating a collapsed AdamW + DARE says nothing where it is no better
+    than not fine-tuning at all: the claim reads inconclusive, and says why; the same where
+    the pre-trained loss was not recorded."""
+    from experiments.darex.decoder import claims
+    from moejax.harness.claims import SEED_TABLES
+
+    def tables(winner_losses, pretrained=2.41):
+        runs = [{"pruned_wide": [
+            {"fine-tuning": "AdamW", "method": "DARE", "p=0.99": 24.0 + s},
+            {"fine-tuning": "AdamW", "method": "DAREx-q (q_v)", "p=0.99": 2.38 + 0.001 * s},
+            {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": loss}],
+            "finetuned": [{"fine-tuning": ft, "test_loss_pretrained": pretrained}
+                          for ft in ("AdamW", "AdamR-L2")]}
+            for s, loss in enumerate(winner_losses)]
+        return {**runs[0], SEED_TABLES: runs}
+
+    darex, adamr = claims(tables([2.30, 2.32, 2.31]))  # both winners beat 2.41
+    assert darex.holds is True and adamr.holds is True
+    assert "it beats the pre-trained model" in adamr.evidence
+    darex, adamr = claims(tables([2.40, 2.52, 2.36]))  # as the CPU run: no better than 2.41
+    assert darex.holds is True and adamr.verdict == "inconclusive"
+    assert "keeps nothing shown of the fine-tuning" in adamr.evidence
+    unrecorded = tables([2.30, 2.32, 2.31])
+    for run in unrecorded[SEED_TABLES]:
+        del run["finetuned"]
+    assert [c.verdict for c in claims(unrecorded)] == ["inconclusive"] * 2
+    assert "not recorded" in claims(unrecorded)[0].evidence

@@ -1,9 +1,10 @@
-"""What the darex studies share: the scale the paper measured its claims on, and the check
-that a pruned delta's "small loss" is not the loss of a delta worth nothing."""
+"""What the darex studies share: the scale the paper measured its claims on, the check that a
+pruned delta's "small loss" is not the loss of a delta worth nothing, and the check that a
+pruned model's win keeps something of its fine-tuning."""
 
 from __future__ import annotations
 
-from moejax.harness.claims import Claim, unjudged
+from moejax.harness.claims import Claim, paired, paired_claim, unjudged
 
 # the models and data the paper measured its claims on (beside every verdict)
 PAPER_SCALE = ("BERT-base and RoBERTa-base fine-tuned on CoLA, SST-2, MRPC and STS-B; "
@@ -29,3 +30,27 @@ def worth_checked(c: Claim, worths: list[float | None], tolerance: float) -> Cla
         return c
     return c._replace(evidence=f"{c.evidence}; the delta is worth {min(worths):.3f} or more "
                                "over the pre-trained model")
+
+
+def beats_pretrained(c: Claim, winner: list[float | None], pretrained: list[float | None], *,
+                     better: str = "higher", fmt: str = ".4g") -> Claim:
+    """``c``, a claim that one pruned model beats another, with its control: the winner
+    keeps some of what fine-tuning gained, i.e. beats the pre-trained model (``winner[i]``
+    and ``pretrained[i]``: seed run ``i``'s metric; None: not recorded), paired over the
+    seeds. A "holds" stands only where it does: a winner no better than the pre-trained
+    model wins by the other's collapse, not by the delta it keeps. A "does not hold" stands
+    either way."""
+    if not c.holds:
+        return c
+    if not winner or None in winner or None in pretrained or len(winner) != len(pretrained):
+        return unjudged(c, "the pre-trained model's metric was not recorded: the winner's "
+                           "gain over it is unchecked")
+    sign = 1.0 if better == "higher" else -1.0
+    row = paired("winner - pre-trained" if sign > 0 else "pre-trained - winner",
+                 [sign * v for v in winner], [sign * v for v in pretrained])
+    control = paired_claim("the winner beats the pre-trained model", row, fmt=fmt)
+    if control.holds:
+        return c._replace(evidence=f"{c.evidence}; it beats the pre-trained model: "
+                                   f"{control.evidence}")
+    return unjudged(c, "the winner is not shown better than the pre-trained model, so it "
+                       f"keeps nothing shown of the fine-tuning ({control.evidence})")

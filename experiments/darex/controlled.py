@@ -28,7 +28,7 @@ from typing import Literal
 
 import jax
 
-from experiments.darex.common import PAPER_SCALE, worth_checked
+from experiments.darex.common import PAPER_SCALE, beats_pretrained, worth_checked
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
@@ -368,19 +368,24 @@ def _lora_table(cfg, run, pre, tasks, acc_val, acc_test) -> dict:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's claims on this study's tables; the comparisons of two methods are
-    judged on the paired per-seed differences (:func:`moejax.harness.claims.paired_compare`)."""
+    judged on the paired per-seed differences (:func:`moejax.harness.claims.paired_compare`),
+    each with its control: the winner beats the pre-trained model
+    (:func:`experiments.darex.common.beats_pretrained`)."""
     p = top_column(t.get("accuracy"))
+
+    def compare(claim, a, b):
+        c = paired_compare(claim, t, a, b)
+        return beats_pretrained(c, [measured(a[1](r)) for r in per_seed(t)],
+                                [_pretrained(r) for r in per_seed(t)])
 
     def at(ft, m):
         return (f"{ft} {m} {p}",
                 lambda r: lookup(r.get("accuracy"), {"fine-tuning": ft, "method": m}, p))
 
-    out = [paired_compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, "
-                          "Table 1)", t, at("no reg (Adam)", "DAREx-q (q_v)"),
-                          at("no reg (Adam)", "DARE")),
-           paired_compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate "
-                          "(Sec. 4.2, Table 2)", t, at("AdamR-L2", "DARE"),
-                          at("no reg (Adam)", "DARE"))]
+    out = [compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, Table 1)",
+                   at("no reg (Adam)", "DAREx-q (q_v)"), at("no reg (Adam)", "DARE")),
+           compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate (Sec. 4.2, "
+                   "Table 2)", at("AdamR-L2", "DARE"), at("no reg (Adam)", "DARE"))]
     lora = t.get("lora")
     if lora:
         lp = max(float(r["p"]) for r in lora)
@@ -389,8 +394,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
             return label, lambda r: lookup(r.get("lora"), {"p": lp, "method": method},
                                            "accuracy")
 
-        out.append(paired_compare(
-            f"DAREx-q beats DARE on LoRA factors at p = {lp:g} (Table 4)", t,
+        out.append(compare(
+            f"DAREx-q beats DARE on LoRA factors at p = {lp:g} (Table 4)",
             on_lora("DAREx-q (q_v)", "DAREx-q (q_v) on LoRA factors"),
             on_lora("DARE", "DARE on LoRA factors")))
     large = t.get("large_deltas")
@@ -404,9 +409,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
             return (f"{method} {q}", lambda r: lookup(r.get("large_deltas"),
                                                       {"lr": big["lr"]}, f"{method} {q}"))
 
-        out.append(paired_compare(
+        out.append(compare(
             "With large deltas, magnitude pruning beats DARE at the highest drop rate (Sec. "
-            f"5.3, Table 6; lr {float(big['lr']):g})", t, at_lr("magnitude"), at_lr("DARE")))
+            f"5.3, Table 6; lr {float(big['lr']):g})", at_lr("magnitude"), at_lr("DARE")))
     sweep = t.get("l2_sweep")
     if sweep:
         c = top_column([{k: v for k, v in sweep[0].items() if k.startswith("DARE p=")
@@ -431,11 +436,17 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 MINOR_DROP = 0.05
 
 
+def _pretrained(run: dict) -> float | None:
+    """The pre-trained model's digits accuracy in one seed run (the ``finetuned`` table);
+    None where not recorded."""
+    return measured((run.get("finetuned") or [{}])[0].get("pre-trained acc digits"))
+
+
 def _l2_delta_worth(run: dict, row: dict) -> float | None:
     """What an AdamR-L2 delta of the sweep is worth in one seed run: its unpruned accuracy
-    over the pre-trained model's (the ``finetuned`` table); None where not recorded. A weight
-    strong enough to keep the delta at zero loses nothing to pruning, and gains nothing."""
-    pre = measured((run.get("finetuned") or [{}])[0].get("pre-trained acc digits"))
+    over the pre-trained model's; None where not recorded. A weight strong enough to keep
+    the delta at zero loses nothing to pruning, and gains nothing."""
+    pre = _pretrained(run)
     return None if pre is None else float(row["unpruned"]) - pre
 
 

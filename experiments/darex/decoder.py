@@ -23,14 +23,21 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.darex.common import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE, beats_pretrained
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.corpora import corpus_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.delta import MethodName, PruneContext, delta_stats, matmul_input_stats, run_methods
 from moejax.evaluate import LMEvaluator, outputs_on
-from moejax.harness.claims import Claim, lookup, paired_compare, top_column
+from moejax.harness.claims import (
+    Claim,
+    lookup,
+    measured,
+    paired_compare,
+    per_seed,
+    top_column,
+)
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.io.smollm2 import load_smollm2
@@ -218,19 +225,30 @@ def _start_note(sub) -> str:
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's decoder claims on this study's tables (held-out loss: lower is
-    better), each judged on the paired per-seed differences at the highest drop rate."""
+    better), each judged on the paired per-seed differences at the highest drop rate, with
+    its control: the winner beats the pre-trained model
+    (:func:`experiments.darex.common.beats_pretrained`), so that it wins by the delta it
+    keeps, not only by the other's collapse."""
     p = top_column(t.get("pruned_wide"))
 
     def at(ft, m):
         return (f"{ft} {m} {p}",
                 lambda r: lookup(r.get("pruned_wide"), {"fine-tuning": ft, "method": m}, p))
 
-    return [paired_compare("DAREx-q (q_v) has a lower loss than DARE at the highest drop rate "
-                           "(Sec. 4.1, Table 3)", t, at("AdamW", "DAREx-q (q_v)"),
-                           at("AdamW", "DARE"), better="lower"),
-            paired_compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest drop rate "
-                           "(Sec. 4.2)", t, at("AdamR-L2", "DARE"), at("AdamW", "DARE"),
-                           better="lower")]
+    def checked(c, winner):
+        runs = per_seed(t)
+        pre = [measured(lookup(r.get("finetuned"), {"fine-tuning": winner[0]},
+                               "test_loss_pretrained")) for r in runs]
+        return beats_pretrained(c, [measured(at(*winner)[1](r)) for r in runs], pre,
+                                better="lower")
+
+    return [checked(paired_compare("DAREx-q (q_v) has a lower loss than DARE at the highest "
+                                   "drop rate (Sec. 4.1, Table 3)", t,
+                                   at("AdamW", "DAREx-q (q_v)"), at("AdamW", "DARE"),
+                                   better="lower"), ("AdamW", "DAREx-q (q_v)")),
+            checked(paired_compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest "
+                                   "drop rate (Sec. 4.2)", t, at("AdamR-L2", "DARE"),
+                                   at("AdamW", "DARE"), better="lower"), ("AdamR-L2", "DARE"))]
 
 
 STUDY = Study(
