@@ -42,6 +42,9 @@ def darex_encoder(d):
         for ft, m in {x for pair in pairs for x in pair}:
             rows.append({"task": "pos", "seed": s, "fine-tuning": ft, "method": m,
                          "accuracy": 0.5 + (d(s) if (ft, m) in firsts else 0.0)})
+        for ft in ("AdamW", "AdamR-L2", "AdamR-L1"):  # the control: the deltas dropped whole
+            rows.append({"task": "pos", "seed": s, "fine-tuning": ft, "method": encoder.DROPPED,
+                         "accuracy": 0.3 + 0.01 * s})
     return {"per_seed": rows}
 
 

@@ -33,8 +33,11 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
               "DAREx-q (per-layer q_e)", "magnitude", "WANDA", "structural DPP + q_v",
               "AdamR-L2 + DARE",
               "AdamR-L2 + structural DPP + q_v",
-              "AdamR-L1 + magnitude"):
+              "AdamR-L1 + magnitude", mod.DROPPED):
         assert m in methods, m
+    # the control row of each fine-tuning: its pruned deltas dropped whole
+    assert {r["fine-tuning"] for r in rows if r["method"] == mod.DROPPED} == {
+        "AdamW", "AdamR-L2", "AdamR-L1"}
     for r in rows:
         assert int(r["n_seeds"]) == 2
     seeds = list(csv.DictReader(open(run.path / "per_seed.csv")))
@@ -80,7 +83,7 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
                                   claims=mod.claims, out=tmp_path / "enc")
     rows = list(csv.DictReader(open(run.path / "per_seed.csv")))
     assert {r["fine-tuning"] for r in rows} == {"AdamR-L1"}
-    assert {r["method"] for r in rows} == {"unpruned", "AdamR-L1 + magnitude"}
+    assert {r["method"] for r in rows} == {"unpruned", "AdamR-L1 + magnitude", mod.DROPPED}
     assert set(summary) >= {"AdamR-L1 unpruned", "AdamR-L1 + magnitude"}
     assert "DARE" not in summary and not (run.path / "fig1_lexname.csv").exists()
 
@@ -94,19 +97,29 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
 def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
     from experiments.darex import encoder as mod
 
-    def rows(dare, darex):
+    def rows(dare, darex, dropped=(0.1,) * 6):
         out = []
         for i, (task, seed) in enumerate([(t, s) for t in ("a", "b") for s in (0, 1, 2)]):
             out += [{"task": task, "seed": seed, "fine-tuning": "AdamW", "method": "DARE",
                      "accuracy": dare[i]},
                     {"task": task, "seed": seed, "fine-tuning": "AdamW",
                      "method": "DAREx-q (q_v)", "accuracy": darex[i]}]
+            if dropped is not None:
+                out.append({"task": task, "seed": seed, "fine-tuning": "AdamW",
+                            "method": mod.DROPPED, "accuracy": dropped[i]})
         return {"per_seed": out}
 
     base = [0.5, 0.52, 0.48, 0.7, 0.71, 0.69]
     better = [b + 0.1 + 0.01 * i for i, b in enumerate(base)]
     (c, *rest) = mod.claims(rows(base, better))
     assert c.holds is True and "wins 6/6" in c.evidence and "tasks a, b" in c.evidence
+    assert "it beats the AdamW delta dropped whole" in c.evidence
+    # the control: a winner no better than its delta dropped whole keeps nothing of it, and
+    # a run that did not record the dropped delta cannot say
+    (c, *_) = mod.claims(rows(base, better, dropped=[b + 0.1 for b in better]))
+    assert c.verdict == "inconclusive" and "keeps nothing shown" in c.evidence
+    (c, *_) = mod.claims(rows(base, better, dropped=None))
+    assert c.verdict == "inconclusive" and "was not recorded" in c.evidence
     assert all(r.verdict == "not measured" for r in rest)  # those methods did not run
     # the last task alone favours DAREx-q, the first task more strongly the other way
     mixed = [b + (0.02 if i >= 3 else -0.2) for i, b in enumerate(base)]

@@ -33,24 +33,24 @@ def worth_checked(c: Claim, worths: list[float | None], tolerance: float) -> Cla
 
 
 def beats_pretrained(c: Claim, winner: list[float | None], pretrained: list[float | None], *,
-                     better: str = "higher", fmt: str = ".4g") -> Claim:
+                     better: str = "higher", fmt: str = ".4g",
+                     name: str = "the pre-trained model") -> Claim:
     """``c``, a claim that one pruned model beats another, with its control: the winner
-    keeps some of what fine-tuning gained, i.e. beats the pre-trained model (``winner[i]``
-    and ``pretrained[i]``: seed run ``i``'s metric; None: not recorded), paired over the
-    seeds. A "holds" stands only where it does: a winner no better than the pre-trained
-    model wins by the other's collapse, not by the delta it keeps. A "does not hold" stands
-    either way."""
+    keeps some of what fine-tuning gained, i.e. beats ``name``, the model with the pruned
+    delta dropped whole (``winner[i]`` and ``pretrained[i]``: seed run ``i``'s metric; None:
+    not recorded), paired over the seeds. A "holds" stands only where it does: a winner no
+    better than that wins by the other's collapse, not by the delta it keeps. A "does not
+    hold" stands either way."""
     if not c.holds:
         return c
     if not winner or None in winner or None in pretrained or len(winner) != len(pretrained):
-        return unjudged(c, "the pre-trained model's metric was not recorded: the winner's "
-                           "gain over it is unchecked")
+        return unjudged(c, f"the metric of {name} was not recorded: the winner's gain over "
+                           "it is unchecked")
     sign = 1.0 if better == "higher" else -1.0
-    row = paired("winner - pre-trained" if sign > 0 else "pre-trained - winner",
+    row = paired("winner - baseline" if sign > 0 else "baseline - winner",
                  [sign * v for v in winner], [sign * v for v in pretrained])
-    control = paired_claim("the winner beats the pre-trained model", row, fmt=fmt)
+    control = paired_claim(f"the winner beats {name}", row, fmt=fmt)
     if control.holds:
-        return c._replace(evidence=f"{c.evidence}; it beats the pre-trained model: "
-                                   f"{control.evidence}")
-    return unjudged(c, "the winner is not shown better than the pre-trained model, so it "
-                       f"keeps nothing shown of the fine-tuning ({control.evidence})")
+        return c._replace(evidence=f"{c.evidence}; it beats {name}: {control.evidence}")
+    return unjudged(c, f"the winner is not shown better than {name}, so it keeps nothing "
+                       f"shown of the fine-tuning ({control.evidence})")

@@ -19,7 +19,8 @@ per seed). The encoder's matrix deltas are pruned at p = 0.99 (the head is kept,
 unpruned, DARE, DAREx-q (q_v, q_e, per-layer q_v and q_e in the official form, per-layer q_v in
 the pooled form, see ``moejax.delta.analytic_q``), magnitude, WANDA, structural DPP + q_v
 (after AdamW), DARE and structural DPP + q_v after AdamR-L2 (Table 9 analog), magnitude after
-AdamR-L1 (Table 7: magnitude after AdamW is its "original" column). AdamR's anchored decay
+AdamR-L1 (Table 7: magnitude after AdamW is its "original" column), and each fine-tuning's
+control, its pruned deltas dropped whole (p = 1). AdamR's anchored decay
 applies to the encoder only (``regularise_head``). Table: test accuracy mean and std
 over seeds. Fig. 1 analog: test accuracy and last-layer output change against 1/q (seed 0,
 AdamW) with DARE's 1/(1-p) marked.
@@ -36,7 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.darex.common import PAPER_SCALE
+from experiments.darex.common import PAPER_SCALE, beats_pretrained
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
@@ -178,6 +179,9 @@ def backbone(cfg: EncoderStudyConfig):
 
 # AdamR-L2 + structural DPP + q_v is the Table 9 analog (structural DPP after AdamW is in
 # ADAMW_METHODS)
+# the control row of every fine-tuning: its pruned deltas dropped whole (the head and any
+# unpruned leaf keep theirs); a pruned model no better than this keeps nothing of its delta
+DROPPED = "delta dropped (p = 1)"
 OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS),
               "adamr_l2": ("AdamR-L2", ("unpruned", "DARE", "structural DPP + q_v")),
               "adamr_l1": ("AdamR-L1", ("unpruned", "magnitude"))}
@@ -257,6 +261,11 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, out: dict[str, list], sweep
                 out["rows"].append({"task": task.name, "seed": seed, "fine-tuning": label,
                                     "method": name, "accuracy": r["metric"], "q": r["q"],
                                     "seconds": r["seconds"]})
+            # the claims' control: the pruned deltas dropped whole (p = 1; head kept)
+            dropped = jax.tree_util.tree_map(lambda d, m: d * 0 if m else d, D, mask)
+            out["rows"].append({"task": task.name, "seed": seed, "fine-tuning": label,
+                                "method": DROPPED, "q": "", "seconds": 0.0,
+                                "accuracy": float(test_metric(dl.apply_delta(pre, dropped)))})
             if opt in ("adamw", "adamr_l1"):  # Table 7: magnitude pruning, original vs L1
                 for p in sorted({*cfg.mp_ps, cfg.p}):
                     out["magnitude"].append({"task": task.name, "seed": seed,
@@ -360,7 +369,8 @@ def _headline(cfg: EncoderStudyConfig, summary: list[dict]) -> dict:
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The DAREx paper's encoder claims on this study's tables, each judged on the paired
     differences over every (task, seed) that both methods ran (:func:`moejax.harness.claims.
-    paired_claim`), not on one task's means."""
+    paired_claim`), not on one task's means, with its control: the winner beats its
+    fine-tuning's :data:`DROPPED` row (:func:`experiments.darex.common.beats_pretrained`)."""
     rows = t.get("per_seed") or []
 
     def acc(ft, m):
@@ -375,7 +385,10 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         row = paired(f"{la[1]} - {lb[1]}", [va[u] for u in units], [vb[u] for u in units])
         tasks = sorted({u[0] for u in units})
         c = paired_claim(claim, row)
-        return c._replace(evidence=f"{c.evidence} (tasks {', '.join(tasks)} x seeds)")
+        c = c._replace(evidence=f"{c.evidence} (tasks {', '.join(tasks)} x seeds)")
+        base = acc(la[0], DROPPED)
+        return beats_pretrained(c, [va[u] for u in units], [base.get(u) for u in units],
+                                name=f"the {la[0]} delta dropped whole")
 
     dare = ("AdamW", "DARE")
     return [
