@@ -55,8 +55,12 @@ def darex_decoder(d):
             {"fine-tuning": "AdamW", "method": "DAREx-q (q_v)", "p=0.99": 2.0 - d(s)},
             {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 2.0 - d(s)}],
             # the winners beat the pre-trained model (their control) when d > 0
-            "finetuned": [{"fine-tuning": ft, "test_loss_pretrained": 2.05}
-                          for ft in ("AdamW", "AdamR-L2")]}
+            "finetuned": [{"fine-tuning": ft, "test_loss_pretrained": 2.05,
+                           "test_loss_finetuned": 1.5} for ft in ("AdamW", "AdamR-L2")],
+            # Fig. 3: the one AdamR-L2 weight keeps 0.9 + d of AdamW's gain
+            "l2_sweep": [{"l2_weight": 0.0, "DARE p=0.99": 2.0, "kept_of_AdamW_gain": 0.1},
+                         {"l2_weight": 0.1, "DARE p=0.99": 2.0,
+                          "kept_of_AdamW_gain": 0.9 + d(s)}]}
     return _seeded([run(s) for s in SEEDS])
 
 
@@ -214,7 +218,7 @@ def bench_speculative(d):
 
 STUDIES = {
     "darex_encoder": (encoder.claims, darex_encoder, 5),
-    "darex_decoder": (decoder.claims, darex_decoder, 2),
+    "darex_decoder": (decoder.claims, darex_decoder, 3),
     "darex_controlled": (controlled.claims, darex_controlled, 5),
     "darex_storage": (storage.claims, darex_storage, 1),
     "ders_compression": (compression.claims, ders_compression, 2),

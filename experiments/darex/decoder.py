@@ -9,7 +9,10 @@
 Fine-tuning runs twice (AdamW without weight decay, and AdamR-L2). The attention / FFN matrix
 deltas are pruned at p = 0.95 and 0.99 with DARE, DAREx-q (q_v: validation loss; q_e:
 last-layer logit change on one batch) and per-layer q_e (analytic, Eq. 5). Metric: held-out
-code cross-entropy (nats/token; lower is better) and next-token accuracy.
+code cross-entropy (nats/token; lower is better) and next-token accuracy. Table ``l2_sweep``
+(Sec. 5.2, Fig. 3 analog): AdamR-L2 at each weight of ``l2_sweep``, unpruned and with DARE at
+each p, and the share of AdamW fine-tuning's gain over the pre-trained model that DARE at the
+highest p keeps.
 
     python -m experiments.darex.decoder                 # quick
     python -m experiments.darex.decoder preset=full     # SmolLM2-135M on a GPU
@@ -36,6 +39,7 @@ from moejax.harness.claims import (
     measured,
     paired_compare,
     per_seed,
+    threshold_claim,
     top_column,
 )
 from moejax.harness.results import RunDir
@@ -61,6 +65,8 @@ class DecoderStudyConfig(Config):
     # the DAREx recipe, run with Adam (no decay) and with AdamR-L2 (lambda = l2_weight)
     finetune: TrainConfig = adam_linear_config(200, 1e-3, batch_size=16, warmup=20)
     l2_weight: float = 0.1
+    # Fig. 3: AdamR-L2 at each weight, pruned with DARE at ps (() = no sweep)
+    l2_sweep: tuple[float, ...] = (0.01, 0.1, 1.0)
     corpus_bytes: int = 2_000_000  # bytes of each corpus read
     eval_batches: int = 4
     ps: tuple[float, ...] = (0.95, 0.99)
@@ -85,6 +91,9 @@ class DecoderStudyConfig(Config):
         self._require(all(0 < p < 1 for p in self.ps), f"ps={self.ps} must lie in (0, 1)")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
+        self._require(all(w > 0 for w in self.l2_sweep),
+                      f"l2_sweep={self.l2_sweep}: AdamR-L2 weights must be > 0 (weight 0 is "
+                      "the AdamW run, always there)")
 
 
 def make_config(preset: str) -> DecoderStudyConfig:
@@ -131,11 +140,12 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
     data = _data(cfg, tok, graphdef, rest)
     loss_fn = params_loss(graphdef, rest, lm_loss_fn)
     before = data.test_eval(pre)
-    base_rows, rows = [], []
+    base_rows, rows, tuned = [], [], {}
     for opt, weight in (("adamw", 0.0), ("adamr_l2", cfg.l2_weight)):
         tcfg = cfg.finetune.replace(optimizer="adam" if opt == "adamw" else opt,
                                     weight_decay=weight, seed=cfg.seed)
         fin, _ = train_params(pre, data.train_src, tcfg, loss_fn, desc=f"finetune code ({opt})")
+        tuned[weight] = fin
         base, pruned = _prune(cfg, graphdef, rest, pre, fin, data, LABEL[opt])
         base_rows.append({"fine-tuning": LABEL[opt], "test_loss_pretrained": before["loss"],
                           **base})
@@ -158,6 +168,9 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
         {"fine-tuning": lab, "method": m, **{f"p={r['p']}": r["test_loss"] for r in rows
                                              if r["fine-tuning"] == lab and r["method"] == m}}
         for lab in LABEL.values() for m in cfg.methods], title="Held-out code loss by drop rate")
+    if cfg.l2_sweep:
+        _l2_sweep(cfg, run, pre, data, loss_fn, tuned, before["loss"],
+                  base_rows[0]["test_loss_finetuned"])
     p_hi = max(cfg.ps)
     at_p = {r["method"]: r["test_loss"] for r in rows
             if r["fine-tuning"] == "AdamW" and r["p"] == p_hi}
@@ -189,11 +202,46 @@ def _data(cfg: DecoderStudyConfig, tok, graphdef, rest) -> _Data:
                  train_src.batch(10**6)["inputs"][: max(2, bs // 2)])
 
 
+def _mask(cfg: DecoderStudyConfig, D):
+    """The pruned leaves of the delta ``D`` (``cfg.prune``)."""
+    return (dl.select_leaves(D, exclude=r"^w_head$", min_ndim=0) if cfg.prune == "all"
+            else dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_"))
+
+
+def _l2_sweep(cfg: DecoderStudyConfig, run: RunDir, pre, data: _Data, loss_fn, tuned: dict,
+              pretrained_loss: float, adamw_loss: float) -> None:
+    """Fig. 3 analog: AdamR-L2 at each weight of ``cfg.l2_sweep`` (weight 0: the AdamW run;
+    a weight fine-tuned already is reused), unpruned and with DARE at each p (the drop mask
+    of the main table), and the share of AdamW's gain that DARE at the highest p keeps."""
+    key, p_hi, rows = jax.random.key(cfg.seed + 3), max(cfg.ps), []
+    for w in (0.0, *cfg.l2_sweep):
+        if w not in tuned:
+            tcfg = cfg.finetune.replace(optimizer="adamr_l2", weight_decay=w, seed=cfg.seed)
+            tuned[w], _ = train_params(pre, data.train_src, tcfg, loss_fn,
+                                       desc=f"finetune code (AdamR-L2 {w:g})")
+        D = dl.delta(pre, tuned[w])
+        mask = _mask(cfg, D)
+        row = {"l2_weight": w, "unpruned": data.test_eval(tuned[w])["loss"]}
+        for p in cfg.ps:
+            row[f"DARE p={p}"] = data.test_eval(dl.apply_delta(
+                pre, dl.dare(key, D, p, mask=mask)))["loss"]
+        row["kept_of_AdamW_gain"] = ((pretrained_loss - row[f"DARE p={p_hi}"])
+                                     / (pretrained_loss - adamw_loss))
+        rows.append(row)
+    run.table("l2_sweep", rows, title="AdamR-L2 weight vs DARE (Fig. 3 analog): held-out code "
+              f"loss (weight 0: AdamW); kept_of_AdamW_gain: (pre-trained - DARE p={p_hi}) / "
+              "(pre-trained - AdamW unpruned)")
+    run.line_plot("l2_sweep", {f"L2 {r['l2_weight']:g}": ([0.0, *cfg.ps], [
+        r["unpruned"], *(r[f"DARE p={p}"] for p in cfg.ps)]) for r in rows},
+        xlabel="drop rate p", ylabel="held-out code loss (nats/token)", markers=True, logy=True,
+        hlines={"pre-trained": pretrained_loss, "AdamW unpruned": adamw_loss},
+        title="DARE after AdamR-L2 of each weight (weight 0: AdamW)")
+
+
 def _prune(cfg, graphdef, rest, pre, fin, data: _Data, label: str):
     """The fine-tuned model's unpruned row and one row per (method, drop rate)."""
     D = dl.delta(pre, fin)
-    mask = (dl.select_leaves(D, exclude=r"^w_head$", min_ndim=0) if cfg.prune == "all"
-            else dl.select_leaves(D, include=r"blocks/.*/(attn|ffn)/w_"))
+    mask = _mask(cfg, D)
     after = data.test_eval(fin)
     base = {"fine-tuning": label, "test_loss_finetuned": after["loss"],
             "test_acc_finetuned": after["accuracy"], **delta_stats(D, mask)}
@@ -242,13 +290,55 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         return beats_pretrained(c, [measured(at(*winner)[1](r)) for r in runs], pre,
                                 better="lower")
 
-    return [checked(paired_compare("DAREx-q (q_v) has a lower loss than DARE at the highest "
-                                   "drop rate (Sec. 4.1, Table 3)", t,
-                                   at("AdamW", "DAREx-q (q_v)"), at("AdamW", "DARE"),
-                                   better="lower"), ("AdamW", "DAREx-q (q_v)")),
-            checked(paired_compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest "
-                                   "drop rate (Sec. 4.2)", t, at("AdamR-L2", "DARE"),
-                                   at("AdamW", "DARE"), better="lower"), ("AdamR-L2", "DARE"))]
+    out = [checked(paired_compare("DAREx-q (q_v) has a lower loss than DARE at the highest "
+                                  "drop rate (Sec. 4.1, Table 3)", t,
+                                  at("AdamW", "DAREx-q (q_v)"), at("AdamW", "DARE"),
+                                  better="lower"), ("AdamW", "DAREx-q (q_v)")),
+           checked(paired_compare("AdamR-L2 fine-tuning lowers DARE's loss at the highest "
+                                  "drop rate (Sec. 4.2)", t, at("AdamR-L2", "DARE"),
+                                  at("AdamW", "DARE"), better="lower"), ("AdamR-L2", "DARE"))]
+    if t.get("l2_sweep"):
+        out.append(_sweep_claim(t))
+    return out
+
+
+# the share of AdamW fine-tuning's gain that counts as "maintaining performance" at the
+# highest drop rate (Sec. 5.2, Fig. 3; the paper gives no number)
+KEPT_SHARE = 0.9
+
+
+def _sweep_claim(t: dict) -> Claim:
+    """Fig. 3: some AdamR-L2 weight lets DARE prune at the highest drop rate keeping at least
+    :data:`KEPT_SHARE` of what AdamW fine-tuning gained over the pre-trained model (a share
+    of AdamW's gain, not of the weight's own, so that a weight strong enough to keep the
+    delta at zero wins nothing). The weight with the highest mean share, its share per seed
+    run at a Bonferroni level over the weights (:func:`moejax.harness.claims.
+    threshold_claim`)."""
+    runs = per_seed(t)
+    first = t["l2_sweep"]
+    col = top_column([{k: v for k, v in first[0].items() if k.startswith("DARE p=")
+                       and not k.endswith("std")}], "DARE p=")
+    claim = (f"An AdamR-L2 weight lets DARE prune at {col[5:]} keeping >= {KEPT_SHARE:g} of "
+             "AdamW fine-tuning's gain (Sec. 5.2, Fig. 3)")
+    pre = [measured(lookup(r.get("finetuned"), {"fine-tuning": "AdamW"},
+                           "test_loss_pretrained")) for r in runs]
+    tuned = [measured(lookup(r.get("finetuned"), {"fine-tuning": "AdamW"},
+                             "test_loss_finetuned")) for r in runs]
+    if None in pre or None in tuned or any(a - b <= 0 for a, b in zip(pre, tuned)):
+        return Claim(claim, None, "AdamW fine-tuning gained nothing over the pre-trained model "
+                     "in a seed run (or was not recorded): no gain to keep", inconclusive=True)
+    shares = {}
+    for w in (float(r["l2_weight"]) for r in first if float(r["l2_weight"]) > 0):
+        got = [measured(lookup(r.get("l2_sweep"), {"l2_weight": w}, "kept_of_AdamW_gain"))
+               for r in runs]
+        if None not in got:
+            shares[w] = got
+    if not shares:
+        return Claim(claim, None, "no AdamR-L2 weight measured in every seed run")
+    best = max(shares, key=lambda w: sum(shares[w]) / len(shares[w]))
+    c = threshold_claim(claim, shares[best], KEPT_SHARE, fmt=".3f", candidates=len(shares))
+    return c._replace(evidence=f"L2 weight {best:g} (the best of {len(shares)}), share of "
+                               f"AdamW's gain kept {c.evidence}")
 
 
 STUDY = Study(
