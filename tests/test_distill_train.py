@@ -207,18 +207,18 @@ def test_runs_of_one_recipe_share_one_compiled_step():
     optimizer from the TrainConfig, so a second run of a recipe (another seed) reuses the
     first one's jitted step instead of compiling and holding another."""
     from moejax.distill.training import distil
-    from moejax.train import loop
+    from moejax.train import step_cache
 
     cfg = DistillConfig(method="kd", kd_ratio=0.5)
     assert distill_loss_fn(cfg) == distill_loss_fn(DistillConfig(method="kd", kd_ratio=0.5))
     assert hash(distill_loss_fn(cfg)) == hash(distill_loss_fn(cfg))
     assert distill_loss_fn(cfg) != distill_loss_fn(cfg.replace(method="sft"))
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
-    before = loop._cached_step.cache_info()
+    before = step_cache.cached_step.cache_info()
     for seed in (0, 1):
         tcfg = TrainConfig(steps=2, batch_size=4, lr=1e-2, schedule="constant", seed=seed)
         distil(student, teacher, cfg, tcfg, _source())
-    after = loop._cached_step.cache_info()
+    after = step_cache.cached_step.cache_info()
     assert after.misses - before.misses == 1 and after.hits - before.hits == 1
 
 

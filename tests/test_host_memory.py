@@ -155,11 +155,12 @@ def test_available_fraction_reads_meminfo(tmp_path):
 
 
 def test_the_loop_drops_its_cached_steps_only_when_memory_is_short():
-    from moejax.train import loop
+    from moejax.train import step_cache
+    from moejax.train.hparams import TrainConfig
 
-    loop._cached_step.cache_clear()
-    loop._cached_step(None, None, None, loop.TrainConfig(steps=1), None)  # one cached step
-    assert loop._release_memory(lambda: 0.9) is False
-    assert loop._cached_step.cache_info().currsize == 1
-    assert loop._release_memory(lambda: 0.1) is True
-    assert loop._cached_step.cache_info().currsize == 0
+    step_cache.cached_step.cache_clear()
+    step_cache.cached_step(None, None, None, TrainConfig(steps=1), None)  # one cached step
+    assert step_cache.release_memory(lambda: 0.9) is False
+    assert step_cache.cached_step.cache_info().currsize == 1
+    assert step_cache.release_memory(lambda: 0.1) is True
+    assert step_cache.cached_step.cache_info().currsize == 0

@@ -112,15 +112,15 @@ def test_tensorboard_events_and_memory_analysis(tmp_path):
 
 
 def test_runs_of_one_recipe_share_one_jitted_step():
-    from moejax.train import loop
+    from moejax.train import step_cache
 
     cfg = CFG.replace(steps=2)
     train_params(P0, _regression, cfg, _mse, progress=False)
-    hits = loop._cached_step.cache_info().hits
+    hits = step_cache.cached_step.cache_info().hits
     _, h1 = train_params(P0, _regression, cfg.replace(seed=5, log_every=1), _mse, progress=False)
-    assert loop._cached_step.cache_info().hits == hits + 1  # seed / logging: same step
+    assert step_cache.cached_step.cache_info().hits == hits + 1  # seed / logging: same step
     train_params(P0, _regression, cfg.replace(lr=0.5), _mse, progress=False)
-    assert loop._cached_step.cache_info().hits == hits + 1  # another lr: another step
+    assert step_cache.cached_step.cache_info().hits == hits + 1  # another lr: another step
 
 
 def test_keep_best_returns_the_best_evaluated_parameters():

@@ -41,10 +41,11 @@ from moejax.kernels.moe_ffn.api import experts_in_xla
 from moejax.kernels.targets import lowering_target
 from moejax.kernels.tiling import PEAK_FLOPS
 from moejax.pytree import count_bytes, count_params
+from moejax.train.budget import compiled_memory
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import compiled_memory, loop_step, loss_name
 from moejax.train.mesh import make_mesh
 from moejax.train.step import init_state, lm_loss_fn
+from moejax.train.step_cache import loop_step, loss_name
 
 __all__ = ["prove_step", "prove_decode", "abstract_run", "H100_BF16_FLOPS", "H100_BYTES",
            "UTILISATION", "KERNEL_CALLS"]
@@ -152,7 +153,7 @@ def abstract_run(model_fn, cfg: TrainConfig, batch, *, loss_fn=lm_loss_fn,
     (:mod:`moejax.capture`), for a model too large to build here: ``model_fn`` runs under
     ``nnx.eval_shape`` (no weights are made; it makes its own ``nnx.Rngs``), the optimizer
     state is ``jax.eval_shape`` of the loop's own, and the step is the loop's
-    (:func:`moejax.train.loop.loop_step`) on the mesh ``cfg`` names. ``batch``: one batch of
+    (:func:`moejax.train.step_cache.loop_step`) on the mesh ``cfg`` names. ``batch``: one batch of
     the run's source (arrays or shapes)."""
     graphdef, params, rest = nnx.split(nnx.eval_shape(model_fn), nnx.Param, ...)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_expert, tensor=cfg.mesh_tensor)

@@ -33,9 +33,7 @@ call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -43,18 +41,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 import moejax.train.mesh as mesh_lib
-import moejax.train.scale as scale
 from moejax.capture import active_capture, record_step
 from moejax.config import Config
 from moejax.extras import progress
 from moejax.files import atomic_write_text
-from moejax.kernels.host_memory import available_fraction, release_freed_memory
-from moejax.pytree import count_params
+from moejax.train.batch_checks import (
+    FnSource,
+    batch_tokens,
+    check_batch_rows,
+    check_token_ids,
+    record_scale,
+)
 from moejax.train.budget import check_fits, compiled_memory
 from moejax.train.checkpoint import restore_params
 from moejax.train.distributed import (
@@ -64,7 +65,7 @@ from moejax.train.distributed import (
     is_peer_failure,
     local_batch,
 )
-from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
+from moejax.train.hparams import TrainConfig
 from moejax.train.logs import CsvLog, TensorBoardLog, read_csv
 from moejax.train.run_lock import RunLock
 from moejax.train.run_state import CtrlC, ResumeError, config_differences, open_run_dir
@@ -73,16 +74,13 @@ from moejax.train.step import (
     check_finite,
     init_state,
     lm_loss_fn,
-    make_train_step,
-    per_step_schedule,
     tree_all_finite,
-    updates_per_batch,
 )
+from moejax.train.step_cache import loop_step, loss_name, release_memory
 
 __all__ = ["train", "train_params", "LoopOptions", "History", "read_csv", "FnSource",
            "compiled_memory", "ResumeError", "config_differences"]
 
-log = logging.getLogger(__name__)
 
 class History(list):
     """Per-step metric dicts; ``memory`` holds ``{"peak_bytes", "argument_bytes"}`` of the
@@ -92,49 +90,6 @@ class History(list):
     best: dict | None = None  # {"step", "value"} of the kept evaluation (keep_best)
     # parameters without logical axis names, replicated on a mesh of more than one device
     replicated_unnamed: tuple[str, ...] = ()
-
-
-class FnSource:
-    """Adapts a ``position -> batch`` callable to the batch-source protocol."""
-
-    def __init__(self, fn: Callable[[int], Any], batch_size: int | None = None):
-        self.fn, self.batch_size = fn, batch_size
-
-    def batch(self, position: int):
-        return self.fn(position)
-
-
-def _record_scale(params, batch, steps: int) -> None:
-    """The run's size as ``jax.monitoring`` scalars: trained parameters, tokens per step (a
-    batch of token ids) or rows per step (images, features), and the run's steps. Listeners
-    (:func:`moejax.train.scale.measure_scale`, the full-preset smoke runs) read them;
-    without one it is a no-op."""
-    jax.monitoring.record_scalar(scale.PARAMS, float(count_params(params)))
-    first = jax.tree.leaves(batch)[0]
-    if (isinstance(batch, dict) and "mask" in batch) or (
-            np.ndim(first) >= 2 and np.issubdtype(np.asarray(first).dtype, np.integer)):
-        jax.monitoring.record_scalar(scale.TOKENS_PER_STEP, _tokens(batch))
-    else:
-        jax.monitoring.record_scalar(scale.ROWS_PER_STEP,
-                                     float(np.shape(first)[0] * jax.process_count()))
-    jax.monitoring.record_scalar(scale.STEPS, float(steps))
-
-
-def loss_name(loss_fn) -> str:
-    """What tells a run's step apart from another's of the same shapes: its loss (a function's
-    name, or the repr of a loss value such as a distillation method's, equal for equal
-    recipes)."""
-    name = getattr(loss_fn, "__qualname__", None)
-    return f"{loss_fn.__module__}.{name}" if name else repr(loss_fn)
-
-
-def _tokens(batch) -> float:
-    """Real tokens (or rows) in the global batch, from this process's rows."""
-    if isinstance(batch, dict) and "mask" in batch:
-        n = float(np.sum(batch["mask"]))
-    else:
-        n = float(np.size(jax.tree.leaves(batch)[0]))
-    return n * jax.process_count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,86 +185,6 @@ def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
         params = restore_params(opts.init_from, params=params)
     params, _, history = _Run(None, params, None, source, cfg, opts).run()
     return params, history
-
-
-def _build_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
-    schedule = None
-    if tx is None:  # a loss taking several updates per batch: each gets its step's lr
-        schedule = make_schedule(cfg)
-        tx = make_optimizer(cfg, per_step_schedule(schedule, updates_per_batch(loss_fn)))
-    return tx, make_train_step(graphdef, loss_fn, tx, cfg, schedule=schedule, mesh=mesh,
-                               donate=True)
-
-
-# Jitted steps keyed by what they are built from, so that repeated runs of one recipe (seeds,
-# methods) compile once, as jax.jit's own cache would for one function object. Bounded.
-_cached_step = functools.lru_cache(maxsize=16)(_build_step)
-_NOT_IN_STEP = dict(seed=0, log_every=1, eval_every=0, ckpt_every=0, keep_checkpoints=1,
-                    tensorboard=False, resume="auto")
-
-
-# Below this fraction of the machine's memory available at the end of a run, the cached steps
-# (compiled programs: hundreds of MB each at a real model's size) are dropped.
-LOW_MEMORY_FRACTION = 0.3
-
-
-def _release_memory(available=available_fraction) -> bool:
-    """At the end of a run: give freed heap back and, when memory is short, drop the cached
-    steps and jax's compilation caches (a later run of the same recipe compiles again).
-    Returns whether the caches were dropped."""
-    short = (available() or 1.0) < LOW_MEMORY_FRACTION
-    if short:
-        log.info("memory short after this run: dropping %d cached train steps",
-                 _cached_step.cache_info().currsize)
-        _cached_step.cache_clear()
-        jax.clear_caches()
-    release_freed_memory()
-    return short
-
-
-def loop_step(graphdef, loss_fn, tx, cfg: TrainConfig, mesh):
-    """``(tx, jitted step)`` the loop runs for these (``tx`` None: built from ``cfg``);
-    settings that do not change the step (seed, logging) are dropped from the cache key."""
-    try:
-        return _cached_step(graphdef, loss_fn, tx, cfg.replace(**_NOT_IN_STEP), mesh)
-    except TypeError:  # something unhashable: build without the cache
-        return _build_step(graphdef, loss_fn, tx, cfg, mesh)
-
-
-def _check_batch_rows(batch, cfg: TrainConfig) -> None:
-    """The first batch must hold this process's share of ``cfg.batch_size`` rows: a source
-    that ignores the batch size would train on batches of another size, silently."""
-    leaves = jax.tree.leaves(batch)
-    want = cfg.batch_size // jax.process_count()
-    if leaves and np.ndim(leaves[0]) and np.shape(leaves[0])[0] != want:
-        raise ValueError(
-            f"the source's first batch has {np.shape(leaves[0])[0]} rows but "
-            f"TrainConfig.batch_size={cfg.batch_size} asks for {want} per process; the "
-            "source does not follow the batch size. Fix: build the source with "
-            f"batch_size={cfg.batch_size}, or set batch_size to the source's")
-
-
-def _check_token_ids(batch, vocab_size: int | None) -> None:
-    """Token ids of the first batch must index the model's vocabulary (an id past it, or a
-    negative one, makes the embedding lookup return NaN or garbage, silently)."""
-    if not isinstance(batch, dict):
-        return
-    for key in ("inputs", "targets"):
-        x = batch.get(key)
-        if x is None or not np.issubdtype(np.asarray(x).dtype, np.integer):
-            continue
-        lo = int(np.min(x)) if np.size(x) else 0
-        if lo < 0:
-            raise ValueError(
-                f"batch[{key!r}] holds the negative token id {lo} (JAX would wrap it around "
-                "the embedding silently); the data or tokenizer is broken. Fix: check the "
-                "batch source's token ids")
-        hi = int(np.max(x)) if np.size(x) else 0
-        if vocab_size and hi >= vocab_size:
-            raise ValueError(
-                f"batch[{key!r}] holds token id {hi} but the model's vocab_size is "
-                f"{vocab_size}; the tokenizer's vocabulary does not fit the model. Fix: set "
-                f"vocab_size >= {hi + 1} (e.g. the tokenizer's vocab_size)")
 
 
 class _Run:
@@ -458,7 +333,7 @@ class _Run:
             ctrl_c.restore()
             self.bar.close()
             self._close(failed)
-            _release_memory()  # a study's many runs in one process do not add up
+            release_memory()  # a study's many runs in one process do not add up
         if self.best is not None:
             self.history.best = {"step": self.best[1], "value": self.best[0]}
             return self.best[2][0], self.best[2][1], self.history
@@ -485,11 +360,11 @@ class _Run:
             local = jax.tree.map(lambda x: x[:self.rows], local)
         if step == self.start:
             if self.rows is None:
-                _check_batch_rows(local, cfg)
-            _check_token_ids(local, self.vocab_size)
-            _record_scale(self.state.params, local, cfg.steps)
+                check_batch_rows(local, cfg)
+            check_token_ids(local, self.vocab_size)
+            record_scale(self.state.params, local, cfg.steps)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
-        self.pending.append((step, self.position, _tokens(local), metrics))
+        self.pending.append((step, self.position, batch_tokens(local), metrics))
         self.position += 1
         done = step + 1
         do_eval = self.opts.eval_fn is not None and cfg.eval_every and done % cfg.eval_every == 0
