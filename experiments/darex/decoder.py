@@ -231,9 +231,11 @@ def _l2_sweep(cfg: DecoderStudyConfig, run: RunDir, pre, data: _Data, loss_fn, t
     run.table("l2_sweep", rows, title="AdamR-L2 weight vs DARE (Fig. 3 analog): held-out code "
               f"loss (weight 0: AdamW); kept_of_AdamW_gain: (pre-trained - DARE p={p_hi}) / "
               "(pre-trained - AdamW unpruned)")
-    run.line_plot("l2_sweep", {f"L2 {r['l2_weight']:g}": ([0.0, *cfg.ps], [
+    xs = [0.0, *(-float(np.log10(1 - p)) for p in cfg.ps)]  # the paper's log-scaled p
+    run.line_plot("l2_sweep", {f"L2 {r['l2_weight']:g}": (xs, [
         r["unpruned"], *(r[f"DARE p={p}"] for p in cfg.ps)]) for r in rows},
-        xlabel="drop rate p", ylabel="held-out code loss (nats/token)", markers=True, logy=True,
+        xlabel="-log10(1 - p)   (0: unpruned, 1: p = 0.9, 2: p = 0.99)",
+        ylabel="held-out code loss (nats/token)", markers=True, logy=True,
         hlines={"pre-trained": pretrained_loss, "AdamW unpruned": adamw_loss},
         title="DARE after AdamR-L2 of each weight (weight 0: AdamW)")
 
