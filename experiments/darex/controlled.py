@@ -401,8 +401,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     large = t.get("large_deltas")
     if large:
         big = max(large, key=lambda r: float(r["mean_abs_delta"]))
-        c = top_column([{k: v for k, v in big.items() if k.startswith("DARE p=")
-                         and not k.endswith("std")}], "DARE p=")
+        c = top_column([big], "DARE p=")
         q = c[len("DARE "):] if c else ""
 
         def at_lr(method):
@@ -414,8 +413,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
             f"5.3, Table 6; lr {float(big['lr']):g})", at_lr("magnitude"), at_lr("DARE")))
     sweep = t.get("l2_sweep")
     if sweep:
-        c = top_column([{k: v for k, v in sweep[0].items() if k.startswith("DARE p=")
-                         and not k.endswith("std")}], "DARE p=")
+        c = top_column(sweep, "DARE p=")
         strongest = max(float(r["l2_weight"]) for r in sweep)
         drops, worths = [], []
         for run in per_seed(t):  # the drop at the strongest weight, one per seed run

@@ -318,8 +318,7 @@ def _sweep_claim(t: dict) -> Claim:
     threshold_claim`)."""
     runs = per_seed(t)
     first = t["l2_sweep"]
-    col = top_column([{k: v for k, v in first[0].items() if k.startswith("DARE p=")
-                       and not k.endswith("std")}], "DARE p=")
+    col = top_column(first, "DARE p=")
     claim = (f"An AdamR-L2 weight lets DARE prune at {col[5:]} keeping >= {KEPT_SHARE:g} of "
              "AdamW fine-tuning's gain (Sec. 5.2, Fig. 3)")
     pre = [measured(lookup(r.get("finetuned"), {"fine-tuning": "AdamW"},
