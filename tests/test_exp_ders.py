@@ -92,6 +92,16 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
         "inconclusive", "does not hold"]    # no experts at all match vanilla too
     assert verdict(0.0095, 0.03, 0.08, noise=(0.0, 0.004, -0.004)) == [
         "inconclusive", "does not hold"]    # the seeds straddle the tolerance
+    # SM matches, but the control's seeds straddle the tolerance (not shown apart), or the
+    # control is missing: either way nothing shows what the experts add
+    for control in ([0.01, 0.014, 0.006], []):
+        rows = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
+                               row("DeRS-SM p=0.99", "sm", 0.004 + e, 50.0),
+                               *(row(mod.CONTROL, "dense", g, 1e9) for g in control[i:i + 1])]}
+                for i, e in enumerate((0.0, 0.0005, -0.0005))]
+        c = mod.claims({**rows[0], SEED_TABLES: rows})[0]
+        assert c.verdict == "inconclusive", c.evidence
+        assert ("not shown further than 0.01" if control else "not recorded") in c.evidence
     assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 2
     # the best of several >= 10x variants is judged at a Bonferroni level (0.05 / K)
     seeds = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),

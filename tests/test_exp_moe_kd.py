@@ -70,7 +70,7 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
                                 and int(r["n_seeds"]) == 2 for r in kl)
     assert (run.path / "main.png").exists() and (run.path / "gate_mass.png").exists()
     text = (run.path / "summary.md").read_text()
-    assert "Paired comparisons, judged on ROUGE-L" in text
+    assert "Paired comparisons are judged on ROUGE-L" in text
     assert "Teacher worth distilling" in text
     assert set(summary["shape_holds"]) == {"KD: dense - MoE teacher"}
     # no GKD run: every claim that needs it is unmeasured; the dense-vs-MoE KD one is judged
@@ -138,11 +138,23 @@ REFERENCES = [{"model": "MoE teacher", "rouge_l": 0.070, "ppl": 4.0},
               {"model": "dense teacher", "rouge_l": 0.070, "ppl": 3.8}]
 
 
+def _runs(gain: float = 0.01, seeds: int = 5) -> list[dict]:
+    """A ``per_seed`` table: every (teacher, method) at each seed, each method ``gain``
+    ROUGE-L above the SFT student trained on alike (seed noise 0.001 apart)."""
+    return [{"teacher": f"{kind} teacher", "method": m, "seed": s,
+             "rouge_l": 0.05 + (0.0 if m == "SFT" else gain + 0.001 * (s % 2))}
+            for kind in ("MoE", "dense") for m in ("SFT", "KD", "GKD", "ALL", "KA", "SAR")
+            for s in range(seeds)]
+
+
+RUNS = _runs()
+
+
 def test_claims_are_judged_on_rouge_l_alone_with_perplexity_beside_it():
     """The paper's metric is ROUGE-L: a ROUGE-L win with a perplexity loss holds; a ROUGE-L
     loss with a perplexity win does not; the perplexity row is in the evidence either way."""
     def rows(rouge, ppl):
-        return {"references": REFERENCES, "paired": [
+        return {"references": REFERENCES, "per_seed": RUNS, "paired": [
             {"metric": "rouge_l", "comparison": "GKD - KD (MoE teacher)", "mean_diff": rouge,
              "std_diff": 0.001, "wins": 5 if rouge > 0 else 0, "n": 5},
             {"metric": "-ppl", "comparison": "GKD - KD (MoE teacher)", "mean_diff": ppl,
@@ -172,7 +184,7 @@ def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
         refs = [{"model": "MoE teacher", "rouge_l": moe, "ppl": 4.0},
                 {"model": "student (SFT)", "rouge_l": student, "ppl": 6.0},
                 {"model": "dense teacher", "rouge_l": dense, "ppl": 4.0}]
-        got = mod.claims({"references": refs,
+        got = mod.claims({"references": refs, "per_seed": RUNS,
                           "paired": [_paired(label, diff) for label in mod.CLAIMS]})
         return [c.verdict for c in got], got
 
@@ -205,13 +217,35 @@ def test_teacher_kinds_are_compared_only_over_a_teacher_draw_per_seed():
         rows = [_paired(label, diff, teachers) for label in mod.CLAIMS]
         if not key:
             rows = [{k: v for k, v in r.items() if k != "teachers"} for r in rows]
-        return mod.claims({"references": REFERENCES, "paired": rows})
+        return mod.claims({"references": REFERENCES, "paired": rows, "per_seed": RUNS})
 
     assert [c.verdict for c in verdicts(5)] == ["holds"] * 6
     for diff, method in ((0.01, "holds"), (-0.01, "does not hold")):
         for got in (verdicts(1, diff), verdicts(4, diff), verdicts(5, diff, key=False)):
             assert [c.verdict for c in got] == [method] * 4 + ["inconclusive"] * 2
             assert "not the teachers'" in got[4].evidence
+
+
+def test_a_method_win_stands_only_where_the_winner_beats_sft_alone():
+    """A method's win counts only where the winner also beats the SFT student trained on for
+    the same steps without a teacher, paired per seed: a winner level with SFT won by the
+    other's harm. A "does not hold" stands either way; with no SFT run, a "holds" is
+    unchecked. The dense-versus-MoE claims compare the teachers' effect, harm included, and
+    take no such control."""
+    def verdicts(runs, diff=0.01):
+        got = mod.claims({"references": REFERENCES, "per_seed": runs,
+                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})
+        return [c.verdict for c in got], got
+
+    assert verdicts(_runs(0.01))[0] == ["holds"] * 6
+    v, got = verdicts(_runs(0.0))  # every method level with SFT (noise 0.001 either way)
+    assert v == ["inconclusive"] * 4 + ["holds"] * 2
+    assert "distils nothing shown of its teacher" in got[0].evidence
+    assert verdicts(_runs(-0.01))[0] == ["inconclusive"] * 4 + ["holds"] * 2  # all harm
+    assert verdicts(_runs(0.0), diff=-0.01)[0] == ["does not hold"] * 6
+    v, got = verdicts([r for r in RUNS if r["method"] != "SFT"])
+    assert v == ["inconclusive"] * 4 + ["holds"] * 2 and "was not recorded" in got[0].evidence
+    assert "it beats the SFT student" in verdicts(RUNS)[1][0].evidence
 
 
 HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"

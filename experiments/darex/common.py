@@ -4,7 +4,7 @@ pruned model's win keeps something of its fine-tuning."""
 
 from __future__ import annotations
 
-from moejax.harness.claims import Claim, paired, paired_claim, unjudged
+from moejax.harness.claims import Claim, beats_control, unjudged
 
 # the models and data the paper measured its claims on (beside every verdict)
 PAPER_SCALE = ("BERT-base and RoBERTa-base fine-tuned on CoLA, SST-2, MRPC and STS-B; "
@@ -38,19 +38,7 @@ def beats_pretrained(c: Claim, winner: list[float | None], pretrained: list[floa
     """``c``, a claim that one pruned model beats another, with its control: the winner
     keeps some of what fine-tuning gained, i.e. beats ``name``, the model with the pruned
     delta dropped whole (``winner[i]`` and ``pretrained[i]``: seed run ``i``'s metric; None:
-    not recorded), paired over the seeds. A "holds" stands only where it does: a winner no
-    better than that wins by the other's collapse, not by the delta it keeps. A "does not
-    hold" stands either way."""
-    if not c.holds:
-        return c
-    if not winner or None in winner or None in pretrained or len(winner) != len(pretrained):
-        return unjudged(c, f"the metric of {name} was not recorded: the winner's gain over "
-                           "it is unchecked")
-    sign = 1.0 if better == "higher" else -1.0
-    row = paired("winner - baseline" if sign > 0 else "baseline - winner",
-                 [sign * v for v in winner], [sign * v for v in pretrained])
-    control = paired_claim(f"the winner beats {name}", row, fmt=fmt)
-    if control.holds:
-        return c._replace(evidence=f"{c.evidence}; it beats {name}: {control.evidence}")
-    return unjudged(c, f"the winner is not shown better than {name}, so it keeps nothing "
-                       f"shown of the fine-tuning ({control.evidence})")
+    not recorded), paired over the seeds (:func:`moejax.harness.claims.beats_control`): a
+    winner no better than that wins by the other's collapse, not by the delta it keeps."""
+    return beats_control(c, winner, pretrained, name=name, better=better, fmt=fmt,
+                         so="it keeps nothing shown of the fine-tuning")

@@ -260,9 +260,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     added parameters with the lowest mean loss gap to vanilla; "matches": its per-seed gap
     ``val_loss - vanilla`` lies below :data:`MATCH_NATS` nats/byte with 95% confidence,
     widened for the best of the variants (:func:`moejax.harness.claims.threshold_claim`;
-    above it: does not hold). Inconclusive where the
-    dense control, trained alike with no added parameters, matches vanilla too: then nothing
-    at this scale separates more experts from none."""
+    above it: does not hold). A "holds" stands only where the dense control, trained alike
+    with no added parameters, is shown not to match vanilla (:func:`_controlled`): else
+    nothing at this scale separates more experts from none."""
     rows = t.get("upcycling") or []
     runs = per_seed(t)
 
@@ -285,16 +285,29 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                             candidates=len(ok))
         c = c._replace(evidence=f"{best['variant']} ({float(best['added_vs_vanilla']):.0f}x "
                                 f"fewer added), loss gap to vanilla {c.evidence}")
-        control = gaps(CONTROL)
-        if control:
-            cc = threshold_claim("", control, MATCH_NATS, better="lower")
-            c = c._replace(evidence=f"{c.evidence}; the dense control (no added parameters): "
-                                    f"{cc.evidence}")
-            if c.holds and cc.holds:
-                c = unjudged(c, f"both within {MATCH_NATS}: the experts make no measurable "
-                                "difference here")
-        out.append(c)
+        out.append(_controlled(c, gaps(CONTROL)))
     return out
+
+
+def _controlled(c: Claim, control: list[float]) -> Claim:
+    """``c`` with its control: a "holds" stands only where the dense control (trained alike,
+    no added parameters; ``control``, its per-seed loss gaps to vanilla) is shown further
+    than :data:`MATCH_NATS` from vanilla, so that matching vanilla takes the experts. A
+    control that matches too, or is not shown apart, or was not recorded, leaves nothing to
+    separate more experts from none."""
+    if not control:
+        return unjudged(c, "the dense control was not recorded: what the experts add is "
+                           "unchecked") if c.holds else c
+    cc = threshold_claim("", control, MATCH_NATS, better="lower")
+    c = c._replace(evidence=f"{c.evidence}; the dense control (no added parameters): "
+                            f"{cc.evidence}")
+    if c.holds and cc.holds:
+        return unjudged(c, f"both within {MATCH_NATS}: the experts make no measurable "
+                           "difference here")
+    if c.holds and cc.holds is None:
+        return unjudged(c, f"the dense control is not shown further than {MATCH_NATS} from "
+                           "vanilla: what the experts add is not shown")
+    return c
 
 
 def checkpoint_runs(cfg: DeRSUpcyclingConfig) -> list:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 __all__ = ["Claim", "claims_markdown", "claims_scale", "lookup", "compare", "top_column",
            "paired", "paired_claim", "paired_compare", "per_seed", "t_critical", "t_two_sided_p",
-           "threshold_claim", "measured", "SEED_TABLES"]
+           "threshold_claim", "measured", "beats_control", "unjudged", "SEED_TABLES"]
 
 # the key under which a repeated study's claims also get each seed run's tables (a list of
 # {table: rows}, seed order), beside the tables merged over the runs
@@ -244,6 +244,30 @@ def unjudged(c: Claim, why: str) -> Claim:
     """``c`` made inconclusive, ``why`` added to its evidence: the run's setting cannot test
     the claim (a control the claim assumes failed, or was not recorded)."""
     return Claim(c.claim, None, f"{c.evidence}; {why}", inconclusive=True)
+
+
+def beats_control(c: Claim, winner: Sequence[float | None],
+                  control: Sequence[float | None], *, name: str, so: str,
+                  better: str = "higher", fmt: str = ".4g") -> Claim:
+    """``c``, a claim that one method beats another, with the control it assumes: the winner
+    also beats ``name``, the run that did without what the methods compete at (``winner[i]``
+    and ``control[i]``: seed run ``i``'s metric, ``better`` oriented; None: not recorded),
+    paired over the seeds. A "holds" stands only where it does: a winner no better than the
+    control wins by the other's harm, not by what it does itself (``so``: what that leaves
+    unshown, for the evidence). A "does not hold" stands either way."""
+    if not c.holds:
+        return c
+    if not winner or None in winner or None in control or len(winner) != len(control):
+        return unjudged(c, f"the metric of {name} was not recorded: the winner's gain over "
+                           "it is unchecked")
+    sign = 1.0 if better == "higher" else -1.0
+    row = paired("winner - control" if sign > 0 else "control - winner",
+                 [sign * v for v in winner], [sign * v for v in control])
+    check = paired_claim(f"the winner beats {name}", row, fmt=fmt)
+    if check.holds:
+        return c._replace(evidence=f"{c.evidence}; it beats {name}: {check.evidence}")
+    return unjudged(c, f"the winner is not shown better than {name}, so {so} "
+                       f"({check.evidence})")
 
 
 def per_seed(t: Mapping[str, Any]) -> list[Mapping[str, Any]]:
