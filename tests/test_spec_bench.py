@@ -169,9 +169,10 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert float(top[0]["share"]) == pytest.approx(2 / 3)
     assert (run.path / "tokens_per_s_grown.png").exists()
     assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
-    # the tiny models are far below 100M parameters: the serving claim is not judged
-    (claim,) = list(csv.DictReader(open(run.path / "claims.csv")))
-    assert claim["verdict"] == "not measured" and "100M" in claim["evidence"]
+    # the tiny models are far below 100M parameters: the serving claims are not judged
+    got = list(csv.DictReader(open(run.path / "claims.csv")))
+    assert len(got) == 2 and all(c["verdict"] == "not measured" and "100M" in c["evidence"]
+                                 for c in got)
     with pytest.raises(ConfigError, match="self_layers"):  # the whole trained target: no
         mod.make_config("quick").replace(drafts=mod.DraftsConfig(self_layers=2))
 
@@ -264,11 +265,11 @@ def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype
            "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
            "same_tokens_as_AR": "False", "tokens_matching_AR": 0.875}
     prompts = _prompt_times(row, [1.9, 2.0, 2.1, 2.0])
-    (claim,) = claims({"decode": [row], "decode_prompts": prompts})
+    claim = claims({"decode": [row], "decode_prompts": prompts})[0]
     assert claim.holds is verdict
     assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
     assert "expert path: not recorded" in claim.evidence
-    (claim,) = claims({"decode": [{**row, "expert_path": "jnp loop"}], "decode_prompts": prompts})
+    claim = claims({"decode": [{**row, "expert_path": "jnp loop"}], "decode_prompts": prompts})[0]
     assert "expert path: jnp loop" in claim.evidence
 
 
@@ -303,6 +304,39 @@ def test_the_serving_claim_is_judged_on_per_prompt_speedups():
     t = {"decode": [row, *slower], "decode_prompts": _prompt_times(row, tight)}
     assert claims({**t, "decode": [row]})[0].verdict == "holds"
     assert claims(t)[0].verdict == "inconclusive"
+
+
+def test_chunk_sparse_verification_is_judged_against_dense_verification_of_the_same_draft():
+    """The second serving claim pairs each chunk-sparse speculative decoding with the dense
+    verification of the same draft and length, per prompt; holds above 1x, does not hold
+    below, widened for the fastest of the pairs; a draft with no dense twin is not a pair."""
+    from experiments.blockffn.speculative import claims
+
+    base = {"model": "grown", "params": 2e8, "decode_dtype": "float32", "draft": "d",
+            "draft_len": 4, "mean_accepted_length": 3.0, "same_tokens_as_AR": "True",
+            "tokens_matching_AR": 1.0, "speedup_vs_AR_token_sparse": 1.0}
+    sparse = {**base, "mode": "spec chunk-sparse", "tokens_per_s": 200.0}
+    dense = {**base, "mode": "spec dense", "tokens_per_s": 100.0}
+    other = {**sparse, "draft": "e", "tokens_per_s": 900.0}  # fastest, but no dense twin
+
+    def judged(ratios, rows=(sparse, dense, other)):
+        key = {"model": "grown", "draft": "d", "draft_len": 4}
+        prompts = [{**key, "mode": m, "prompt": i, "seconds": s}
+                   for i, x in enumerate(ratios)
+                   for m, s in (("spec dense", 1.0), ("spec chunk-sparse", 1.0 / x))]
+        return claims({"decode": list(rows), "decode_prompts": prompts})[1]
+
+    c = judged([1.9, 2.0, 2.1, 2.0])
+    assert c.verdict == "holds" and "2.00x at n = 4, d draft (200.0 vs 100.0" in c.evidence
+    assert "95% CI" in c.evidence  # one pair: draft e has no dense twin
+    assert judged([0.8, 0.9, 0.85, 0.9]).verdict == "does not hold"
+    assert judged([0.9, 1.2, 1.0, 1.1]).verdict == "inconclusive"
+    two = judged([1.9, 2.0, 2.1, 2.0], rows=(sparse, dense, {**dense, "draft_len": 2},
+                                             {**sparse, "draft_len": 2, "tokens_per_s": 50.0}))
+    assert two.verdict == "holds" and "97.5% CI" in two.evidence  # the best of 2 pairs
+    wrong = judged([1.9, 2.0, 2.1, 2.0], rows=(sparse, {**dense, "same_tokens_as_AR": "False"}))
+    assert wrong.verdict == "does not hold"  # float32 decoding that differs from AR: a bug
+    assert claims({"decode": [sparse]})[1].verdict == "not measured"
 
 
 def test_expert_routes_say_what_each_layer_decodes_with():

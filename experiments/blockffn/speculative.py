@@ -33,7 +33,7 @@ halves the weight bytes each token reads and takes the 16-bit kernels (on a Hopp
 chunk-union decode kernel), but a verified block and a single token sum in different orders,
 so a near-tie can round the other way; there the table gives each decoding's
 ``tokens_matching_AR`` (the share of new tokens before its first difference, over prompts)
-and the serving claim is judged on speed, its evidence naming that share.
+and the serving claims are judged on speed, their evidence naming that share.
 
 Variant ``wide``: the quick recipe at width 256 (16 experts of width 64), grown with 64 experts
 of width 256 to 106M parameters, shapes the Hopper decode kernel takes. The quick model's
