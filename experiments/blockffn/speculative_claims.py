@@ -32,18 +32,22 @@ def _prompt_speedups(t: dict, model: str, slow: tuple, fast: tuple) -> list[floa
     return [a[i] / b[i] for i in sorted(set(a) & set(b)) if b[i] > 0]
 
 
-def _exactness(spec: list[dict]) -> tuple[bool, bool, str]:
-    """Whether every decoding of ``spec`` is exact (float32) and gave the autoregressive
-    tokens, and the evidence's note on 16-bit decoding (how many tokens matched)."""
+def _judged(c: Claim, head: str, fast: dict, spec: list[dict]) -> Claim:
+    """``c`` with its evidence: ``head`` (the fastest setting), the expert path of ``fast``
+    (its row) and whether every decoding of ``spec`` gave the autoregressive tokens. float32
+    is exact: a different token there is a bug, and the claim does not hold. In 16 bits the
+    two orders of summation may round a near-tie apart, so there a claim is on speed and the
+    evidence says how many tokens matched (the module docstring of
+    :mod:`experiments.blockffn.speculative`)."""
     same = all(str(r["same_tokens_as_AR"]) == "True" for r in spec)
-    # float32 is exact: a different token is a bug. In 16 bits the two orders of summation
-    # may round a near-tie apart, so there a claim is on speed and the evidence says how
-    # many tokens matched (the module docstring of experiments.blockffn.speculative)
     exact = all(str(r.get("decode_dtype", "float32")) == "float32" for r in spec)
     matched = min(float(r.get("tokens_matching_AR", 1.0)) for r in spec)
-    note = ("" if exact else f" (16-bit decoding: at least {matched:.3f} of each decoding's "
-            "tokens before the first difference)")
-    return exact, same, note
+    evidence = (f"{head}; per prompt: {c.evidence}; expert path: "
+                f"{fast.get('expert_path', 'not recorded')}; same tokens as AR: {same}"
+                + ("" if exact else f" (16-bit decoding: at least {matched:.3f} of each "
+                   "decoding's tokens before the first difference)"))
+    return Claim(c.claim, False, evidence) if exact and not same else c._replace(
+        evidence=evidence)
 
 
 def _over_ar(t: dict, rows: list[dict]) -> Claim:
@@ -55,18 +59,14 @@ def _over_ar(t: dict, rows: list[dict]) -> Claim:
         return Claim(claim[:claim.index(", same tokens")] + " (Sec. 4.3)", None,
                      "no model of >= 100M parameters was timed")
     best = max(spec, key=lambda r: float(r["speedup_vs_AR_token_sparse"]))
-    exact, same, note = _exactness(spec)
     per_prompt = _prompt_speedups(t, best["model"], (AR_SPARSE, "", ""), (SPEC, *_key(best)))
     c = threshold_claim(claim, per_prompt or [float(best["speedup_vs_AR_token_sparse"])],
                         1.5, fmt=".2f", candidates=len(spec))
-    evidence = (f"{float(best['speedup_vs_AR_token_sparse']):.2f}x at n = "
-                f"{float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
-                f"({float(best['tokens_per_s']):.1f} tokens/s, "
-                f"{float(best['mean_accepted_length']):.2f} accepted per target pass); "
-                f"per prompt: {c.evidence}; expert path: "
-                f"{best.get('expert_path', 'not recorded')}; same tokens as AR: {same}{note}")
-    return Claim(claim, False, evidence) if exact and not same else c._replace(
-        evidence=evidence)
+    head = (f"{float(best['speedup_vs_AR_token_sparse']):.2f}x at n = "
+            f"{float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
+            f"({float(best['tokens_per_s']):.1f} tokens/s, "
+            f"{float(best['mean_accepted_length']):.2f} accepted per target pass)")
+    return _judged(c, head, best, spec)
 
 
 def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
@@ -84,20 +84,15 @@ def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
     def ratio(pair):
         return float(pair[0]["tokens_per_s"]) / float(pair[1]["tokens_per_s"])
 
-    best = max(pairs, key=ratio)
-    exact, same, note = _exactness([r for p in pairs for r in p])
-    per_prompt = _prompt_speedups(t, best[0]["model"], (SPEC_DENSE, *_key(best[1])),
-                                  (SPEC, *_key(best[0])))
-    c = threshold_claim(claim, per_prompt or [ratio(best)], 1.0, fmt=".2f",
+    (fast, slow) = max(pairs, key=ratio)
+    per_prompt = _prompt_speedups(t, fast["model"], (SPEC_DENSE, *_key(slow)),
+                                  (SPEC, *_key(fast)))
+    c = threshold_claim(claim, per_prompt or [ratio((fast, slow))], 1.0, fmt=".2f",
                         candidates=len(pairs))
-    fast, slow = best
-    evidence = (f"{ratio(best):.2f}x at n = {float(fast['draft_len']):.0f}, "
-                f"{fast.get('draft') or 'the'} draft ({float(fast['tokens_per_s']):.1f} vs "
-                f"{float(slow['tokens_per_s']):.1f} tokens/s); per prompt: {c.evidence}; "
-                f"expert path: {fast.get('expert_path', 'not recorded')}; same tokens as AR: "
-                f"{same}{note}")
-    return Claim(claim, False, evidence) if exact and not same else c._replace(
-        evidence=evidence)
+    head = (f"{ratio((fast, slow)):.2f}x at n = {float(fast['draft_len']):.0f}, "
+            f"{fast.get('draft') or 'the'} draft ({float(fast['tokens_per_s']):.1f} vs "
+            f"{float(slow['tokens_per_s']):.1f} tokens/s)")
+    return _judged(c, head, fast, [r for p in pairs for r in p])
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
