@@ -13,7 +13,7 @@ import pytest
 from experiments import study_module
 from experiments.blockffn import ablations, baselines, granularity, speculative
 from experiments.darex import controlled, decoder, encoder, storage
-from experiments.ders import compression, upcycling
+from experiments.ders import compression, upcycling, upcycling_claims
 from experiments.extraction import moee
 from experiments.kd import moe_kd
 from moejax.harness.claims import SEED_TABLES
@@ -109,14 +109,20 @@ def ders_compression(d):
 
 
 def ders_upcycling(d):
-    def row(variant, gap, ratio):
-        return {"variant": variant, "d_loss_vs_vanilla": gap, "added_vs_vanilla": ratio}
+    def row(variant, form, gap, ratio):
+        return {"variant": variant, "form": form, "d_loss_vs_vanilla": gap,
+                "val_loss": 1.7 + gap, "added_vs_vanilla": ratio}
 
-    def run(s):  # DeRS within MATCH_NATS of vanilla by d/10; the control well outside
-        gap = upcycling.MATCH_NATS - d(s) / 10
-        return {"upcycling": [row("vanilla", 0.0, 1.0), row("DeRS-SM p=0.99", gap, 50.0),
-                              row("DeRS-LM r=4", gap, 20.0),
-                              row(upcycling.CONTROL, 0.1, 1e9)]}
+    def run(s):  # DeRS within MATCH_NATS of vanilla by d/10; the control well outside;
+        gap = upcycling_claims.MATCH_NATS - d(s) / 10  # each ablation's loser d/20 behind
+        return {"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
+                              row("DeRS-SM p=0.99", "sm", gap, 50.0),
+                              row("DeRS-SM p=0.9999", "sm", gap + d(s) / 20, 500.0),
+                              row("DeRS-LM r=4", "lm", gap, 20.0),
+                              row("DeRS-LM r=64", "lm", gap + d(s) / 20, 2.0),
+                              row("DeRS-SM p=0.99 frozen shared", "sm-frozen",
+                                  gap + d(s) / 20, 50.0),
+                              row(upcycling.CONTROL, "dense", 0.1, 1e9)]}
     return _seeded([run(s) for s in SEEDS])
 
 
@@ -231,7 +237,7 @@ STUDIES = {
     "darex_controlled": (controlled.claims, darex_controlled, 5),
     "darex_storage": (storage.claims, darex_storage, 1),
     "ders_compression": (compression.claims, ders_compression, 2),
-    "ders_upcycling": (upcycling.claims, ders_upcycling, 2),
+    "ders_upcycling": (upcycling.claims, ders_upcycling, 5),
     "blockffn_baselines": (baselines.claims, blockffn_baselines, 2),
     "blockffn_ablations": (ablations.claims, blockffn_ablations, 5),
     "blockffn_granularity": (granularity.claims, blockffn_granularity, 2),

@@ -35,9 +35,9 @@ import numpy as np
 from flax import nnx
 
 from experiments.ders.common import PAPER_SCALE
+from experiments.ders.upcycling_claims import CONTROL, claims
 from moejax.config import Config, config
 from moejax.evaluate import LMEvaluator
-from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim, unjudged
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.io.hf_moe import hf_checkpoint_dir, hf_moe_config, hf_spec_config, load_hf_moe
@@ -57,7 +57,6 @@ from moejax.train.aot import abstract_run
 from moejax.train.hparams import TrainConfig
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, model_variables, param_report, upcycle_model
 
-CONTROL = "dense fine-tuned (control)"  # the dense model trained alike: no added parameters
 VAL_SEED = 10_000  # the validation windows' seed
 
 
@@ -248,66 +247,6 @@ def _tables(run: RunDir, rows: list[dict], dense_ref: dict) -> None:
     run.bar_plot("val_loss", [r["variant"] for r in rows], [r["val_loss"] for r in rows],
                  ylabel="validation loss (nats/byte)", title="Vanilla vs DeRS upcycling",
                  hlines=dense_ref)
-
-
-# "matches vanilla upcycling": validation loss within this many nats per byte
-MATCH_NATS = 0.01
-
-
-def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """DeRS upcycling (Sec. 3.4, Tables 1, 4, 5): a DeRS variant matches vanilla upcycling
-    with at least 10x fewer added parameters. The variant: the one of at least 10x fewer
-    added parameters with the lowest mean loss gap to vanilla; "matches": its per-seed gap
-    ``val_loss - vanilla`` lies below :data:`MATCH_NATS` nats/byte with 95% confidence,
-    widened for the best of the variants (:func:`moejax.harness.claims.threshold_claim`;
-    above it: does not hold). A "holds" stands only where the dense control, trained alike
-    with no added parameters, is shown not to match vanilla (:func:`_controlled`): else
-    nothing at this scale separates more experts from none."""
-    rows = t.get("upcycling") or []
-    runs = per_seed(t)
-
-    def gaps(variant):
-        vals = [lookup(r.get("upcycling"), {"variant": variant}, "d_loss_vs_vanilla")
-                for r in runs]
-        return [float(v) for v in vals if measured(v) is not None]
-
-    out = []
-    for form in ("SM", "LM"):
-        claim = (f"DeRS-{form} matches vanilla upcycling with >= 10x fewer added parameters "
-                 "(Sec. 3.4)")
-        ok = [r for r in rows if str(r["variant"]).startswith(f"DeRS-{form} ")
-              and "frozen" not in str(r["variant"]) and float(r["added_vs_vanilla"]) >= 10]
-        if not ok:
-            out.append(Claim(claim, None, f"no DeRS-{form} row"))
-            continue
-        best = min(ok, key=lambda r: float(r["d_loss_vs_vanilla"]))
-        c = threshold_claim(claim, gaps(best["variant"]), MATCH_NATS, better="lower",
-                            candidates=len(ok))
-        c = c._replace(evidence=f"{best['variant']} ({float(best['added_vs_vanilla']):.0f}x "
-                                f"fewer added), loss gap to vanilla {c.evidence}")
-        out.append(_controlled(c, gaps(CONTROL)))
-    return out
-
-
-def _controlled(c: Claim, control: list[float]) -> Claim:
-    """``c`` with its control: a "holds" stands only where the dense control (trained alike,
-    no added parameters; ``control``, its per-seed loss gaps to vanilla) is shown further
-    than :data:`MATCH_NATS` from vanilla, so that matching vanilla takes the experts. A
-    control that matches too, or is not shown apart, or was not recorded, leaves nothing to
-    separate more experts from none."""
-    if not control:
-        return unjudged(c, "the dense control was not recorded: what the experts add is "
-                           "unchecked") if c.holds else c
-    cc = threshold_claim("", control, MATCH_NATS, better="lower")
-    c = c._replace(evidence=f"{c.evidence}; the dense control (no added parameters): "
-                            f"{cc.evidence}")
-    if c.holds and cc.holds:
-        return unjudged(c, f"both within {MATCH_NATS}: the experts make no measurable "
-                           "difference here")
-    if c.holds and cc.holds is None:
-        return unjudged(c, f"the dense control is not shown further than {MATCH_NATS} from "
-                           "vanilla: what the experts add is not shown")
-    return c
 
 
 def checkpoint_runs(cfg: DeRSUpcyclingConfig) -> list:
