@@ -96,14 +96,17 @@ def darex_storage(d):
 
 
 def ders_compression(d):
-    def run(s):  # kept worth 1 - d_loss / base = 0.9 + d/2 in each of two scenarios
-        rows = []
-        for sc in ("a", "b"):
-            rows.append({"scenario": sc, "decomposed": "experts", "method": "base_only",
-                         "setting": "", "d_loss": 1.0})
-            for method, setting in (("sparse", 0.9), ("quant", 2)):
-                rows.append({"scenario": sc, "decomposed": "experts", "method": method,
-                             "setting": setting, "d_loss": 0.1 - d(s) / 2})
+    from experiments.ders.compression_claims import PAPER_SETTINGS
+
+    def run(s):  # every paper setting keeps worth 1 - d_loss / base = 0.9 + d/2
+        rows, bases = [], set()
+        for sc, dec, settings, _ in PAPER_SETTINGS:
+            if (sc, dec) not in bases:
+                bases.add((sc, dec))
+                rows.append({"scenario": sc, "decomposed": dec, "method": "base_only",
+                             "setting": "", "d_loss": 1.0})
+            rows += [{"scenario": sc, "decomposed": dec, "method": method, "setting": setting,
+                      "d_loss": 0.1 - d(s) / 2} for method, setting in settings]
         return {"sweep": rows}
     return _seeded([run(s) for s in SEEDS])
 
@@ -236,7 +239,7 @@ STUDIES = {
     "darex_decoder": (decoder.claims, darex_decoder, 3),
     "darex_controlled": (controlled.claims, darex_controlled, 5),
     "darex_storage": (storage.claims, darex_storage, 1),
-    "ders_compression": (compression.claims, ders_compression, 2),
+    "ders_compression": (compression.claims, ders_compression, 6),
     "ders_upcycling": (upcycling.claims, ders_upcycling, 5),
     "blockffn_baselines": (baselines.claims, blockffn_baselines, 2),
     "blockffn_ablations": (ablations.claims, blockffn_ablations, 5),

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.ders.common import PAPER_SCALE
+from experiments.ders.compression_claims import claims
 from moejax.config import Config, config
 from moejax.ders_compress import (
     QuantSpec,
@@ -46,7 +47,6 @@ from moejax.ders_compress import (
     save_compressed,
 )
 from moejax.evaluate import LMEvaluator
-from moejax.harness.claims import Claim, lookup, measured, per_seed, threshold_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.pytree import fmt_count
@@ -318,42 +318,6 @@ def _headline(cfg: DeRSCompressionConfig, rows: list[dict]) -> str:
                      f"{at(n, 'sparse', 0.99):+.4f}, 2-bit {at(n, 'quant', 2):+.4f}, 1-bit "
                      f"{at(n, 'quant', 1):+.4f}, base only "
                      f"{at(n, 'base_only', 'all deltas dropped'):+.4f}" for n in cfg.scenarios)
-
-
-def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """DeRS compression (Sec. 3.3, Tables S13-S18): compressed deltas keep most of what the
-    deltas are worth (the loss rise of dropping every delta), in every scenario; judged on the
-    worst scenario of each seed run (:func:`moejax.harness.claims.threshold_claim`). A
-    scenario whose deltas are worth nothing there (dropping them all does not raise the
-    loss) or whose compressed row is missing cannot be judged: the claim, being about every
-    scenario, is then inconclusive at best."""
-    out = []
-    for method, setting, label in (("sparse", 0.9, "sparse deltas at drop rate 0.9"),
-                                   ("quant", 2, "2-bit deltas")):
-        worst, untested = [], {}
-        for i, run in enumerate(per_seed(t)):
-            rows, kept = run.get("sweep") or [], []
-            for sc in dict.fromkeys(r["scenario"] for r in rows):
-                d = measured(lookup(rows, {"scenario": sc, "decomposed": "experts",
-                                           "method": method, "setting": setting}, "d_loss"))
-                base = measured(lookup(rows, {"scenario": sc, "decomposed": "experts",
-                                              "method": "base_only"}, "d_loss"))
-                if d is None or base is None or base <= 0:
-                    untested.setdefault(sc, []).append(i)
-                else:
-                    kept.append(1 - d / base)
-            if kept:
-                worst.append(min(kept))
-        claim = (f"DeRS compression with {label} keeps >= 90% of the deltas' worth in every "
-                 "scenario (Sec. 3.3)")
-        c = threshold_claim(claim, worst, 0.9, fmt=".3f")
-        if untested and c.holds is not False:
-            why = "; ".join(f"{sc} in seed run(s) {', '.join(map(str, runs))}"
-                            for sc, runs in untested.items())
-            c = Claim(claim, None, f"{c.evidence}; not judged (no compressed row, or the "
-                      f"deltas worth nothing there): {why}", inconclusive=bool(worst))
-        out.append(c)
-    return out
 
 
 STUDY = Study(
