@@ -179,32 +179,52 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
                         "CLS_8": 0.0})  # the dense model is not an MoE: not compared
         return {"baselines_per_seed": out}
 
-    ppl, cls = mod.claims(rows(0.5, -0.1))
+    ppl, cls = mod.claims(rows(0.5, -0.1))[:2]
     assert ppl.holds is True and cls.holds is True and "wins 5/5" in ppl.evidence
-    ppl, cls = mod.claims(rows(-0.5, 0.1))           # every other MoE is better
+    ppl, cls = mod.claims(rows(-0.5, 0.1))[:2]           # every other MoE is better
     assert ppl.holds is False and cls.holds is False
-    ppl, _ = mod.claims(rows(0.0, -0.1))             # tied with both in every seed
+    ppl, _ = mod.claims(rows(0.0, -0.1))[:2]             # tied with both in every seed
     assert ppl.verdict == "does not hold" and "equal in every seed" in ppl.evidence
 
     # close TLS (Table 2): a gap over half an expert voids a verdict it could explain
-    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.03))  # within 1/32: stands
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.03))[:2]  # within 1/32: stands
     assert ppl.holds is True and cls.holds is True
-    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.05))  # ReMoE sparser, BlockFFN wins
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.05))[:2]  # ReMoE sparser, BlockFFN wins
     assert ppl.verdict == "inconclusive" and "not close" in ppl.evidence
     assert cls.holds is True  # a sparser ReMoE with the lower CLS: the gap runs against it
-    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=-0.05))  # ReMoE denser, BlockFFN wins
+    ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=-0.05))[:2]  # ReMoE denser, BlockFFN wins
     assert ppl.holds is True and cls.verdict == "inconclusive"
-    ppl, cls = mod.claims(rows(-0.5, 0.1, remoe_tls_gap=-0.05))  # a denser ReMoE has lower PPL
+    ppl, cls = mod.claims(rows(-0.5, 0.1, remoe_tls_gap=-0.05))[:2]  # a denser ReMoE has lower PPL
     assert ppl.holds is False  # TopK, at the same TLS, beats BlockFFN too
     remoe_only = rows(-0.5, 0.1, remoe_tls_gap=-0.05)
     remoe_only["baselines_per_seed"] = [r for r in remoe_only["baselines_per_seed"]
                                         if r["model"] != "TopK"]
-    ppl, cls = mod.claims(remoe_only)  # only a denser ReMoE beats it: on PPL, says nothing
+    ppl, cls = mod.claims(remoe_only)[:2]  # only a denser ReMoE beats it: on PPL, says nothing
     assert ppl.verdict == "inconclusive" and cls.holds is False
     no_tls = rows(0.5, -0.1)
     for r in no_tls["baselines_per_seed"]:
         r.pop("TLS - TLS_BlockFFN", None)
-    assert [c.verdict for c in mod.claims(no_tls)] == ["inconclusive"] * 2
+    assert [c.verdict for c in mod.claims(no_tls)[:2]] == ["inconclusive"] * 2
+
+
+def test_baselines_judge_blockffns_own_sparsity_against_the_papers_levels():
+    """Over 80% TLS and over 70% CLS_8 (the abstract), both over the seed runs: holds when
+    both intervals lie above, does not hold when one lies below, else inconclusive."""
+    from experiments.blockffn import baselines as mod
+
+    def verdict(tls, cls, spread=0.005):
+        rows = [{"seed": s, "size": "S", "model": m, "val_ppl": 10.0, "TLS": tls + e,
+                 "CLS_8": cls + e, "active_experts": 3.2, "TLS - TLS_BlockFFN": 0.0}
+                for s, e in enumerate((0.0, spread, -spread, spread / 2, 0.0))
+                for m in ("BlockFFN", "TopK")]
+        return mod.claims({"baselines_per_seed": rows})[2]
+
+    c = verdict(0.85, 0.75)
+    assert c.verdict == "holds" and c.claim.startswith("BlockFFN reaches over 80% TLS")
+    assert "TLS 0.850" in c.evidence and "CLS_8 0.750" in c.evidence
+    assert verdict(0.85, 0.6).verdict == "does not hold"   # CLS_8 well under 70%
+    assert verdict(0.7, 0.75).verdict == "does not hold"   # TLS well under 80%
+    assert verdict(0.85, 0.705, spread=0.05).verdict == "inconclusive"
 
 
 def test_ablation_claims_count_only_at_close_tls():
