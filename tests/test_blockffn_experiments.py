@@ -232,7 +232,8 @@ def test_ablation_claims_count_only_at_close_tls():
     AL+L1 far sparser than AL+CS leaves AL+CS's lower PPL unexplained by the objective
     (inconclusive), while a sparser AL+L1 that still wins PPL, or a denser one that loses,
     stands; CLS the other way round (a denser AL+L1 explains AL+CS's higher CLS); no TLS
-    recorded: unchecked. AL+CS against AL alone needs no such check."""
+    recorded: unchecked. AL+CS against AL alone needs no such check; against CS alone (AL
+    removed) it does."""
     from experiments.blockffn.ablations import claims
     from moejax.harness.claims import SEED_TABLES
 
@@ -244,16 +245,18 @@ def test_ablation_claims_count_only_at_close_tls():
         runs = [{"objectives": [row("AL+CS", 10.0, 0.80, 0.7),
                                 row("AL+L1", 10 + d_ppl + i / 100, l1_tls, l1_cls - i / 100),
                                 row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100),
-                                row("AL", 10.0, 0.5, 0.3)],
+                                row("AL", 10.0, 0.5, 0.3),
+                                row("CS", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100)],
                  "rmsnorm": [row("AL+CS", 10.0, 0.80),
                              row("AL+CS, no RMSNorm", 10.0 + d_ppl + i / 100, 0.80)]}
                 for i in range(5)]
         got = claims({**runs[0], SEED_TABLES: runs})
         return [c.verdict for c in got], got
 
-    assert verdicts(1.0, 0.81)[0] == ["holds"] * 5  # AL+L1 0.01 sparser: close
+    assert verdicts(1.0, 0.81)[0] == ["holds"] * 7  # AL+L1 0.01 sparser: close
+    assert verdicts(-1.0, 0.81)[0][5] == "does not hold"  # CS alone has the lower PPL
     v, got = verdicts(1.0, 0.90)  # AL+L1 0.10 sparser: its higher PPL may be its sparsity
-    assert v == ["inconclusive", "holds", "holds", "holds", "holds"]
+    assert v == ["inconclusive"] + ["holds"] * 6
     assert "not close" in got[0].evidence and "AL+CS's" in got[0].evidence
     assert verdicts(-1.0, 0.90)[0][0] == "does not hold"  # sparser and still better: stands
     assert verdicts(1.0, 0.70)[0][0] == "holds"  # denser and worse: stands
@@ -262,5 +265,5 @@ def test_ablation_claims_count_only_at_close_tls():
     assert verdicts(1.0, 0.70, l1_cls=0.9)[0][2] == "does not hold"  # denser, higher CLS
     assert verdicts(1.0, 0.90, n_experts=4)[0][0] == "holds"  # half an expert of 4: 0.125
     v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the comparisons unchecked
-    assert v == ["inconclusive"] * 3 + ["holds", "inconclusive"]
-    assert "close TLS unchecked" in got[4].evidence
+    assert v == ["inconclusive"] * 3 + ["holds"] + ["inconclusive"] * 3
+    assert "close TLS unchecked" in got[4].evidence and "close TLS unchecked" in got[6].evidence
