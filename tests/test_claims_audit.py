@@ -192,7 +192,7 @@ def moe_kd_tables(d):
 def moee_tables(d):
     """Every MoEE claim's margin d: MACs cut 27 + 100 d %, non-embedding parameters cut
     20 + 100 d %, accuracy after KD (98 + 10 d)% of the dense model's, 0.1 d better than
-    MoEfication and the random ablation at equal MACs, load CV lower by d, 10 d more experts
+    MoEfication and the Table 2 ablations at equal MACs, load CV lower by d, 10 d more experts
     in the later layers."""
     dense = {"model": "dense", "acc_after_kd": 1.0}
     mean = lambda f: sum(f(s) for s in SEEDS) / len(SEEDS)  # noqa: E731
@@ -201,8 +201,10 @@ def moee_tables(d):
                 "acc_after_kd": 0.9, "load_cv": 0.5}
     moef = {"model": "MoEfication (mlp router)", "MACs_change_%": moee_row["MACs_change_%"],
             "acc_after_kd": 0.9, "load_cv": 0.5}
-    rand = {"model": "random clusters + random neurons + random routing",
-            "MACs_change_%": moee_row["MACs_change_%"], "accuracy": 0.8}
+    rand, magnitude, dbscan = ({"model": m, "MACs_change_%": moee_row["MACs_change_%"],
+                                "accuracy": 0.8}
+                               for m in ("random clusters + random neurons + random routing",
+                                         "magnitude selection", "DBSCAN"))
     per1, per2, params = [], [], []
     for s in SEEDS:
         x = d(s)
@@ -211,11 +213,13 @@ def moee_tables(d):
                   "load_cv": 0.5 - x, "experts": f"2/2/{2 + round(100 * x)}/2"},
                  {"model": moef["model"], "seed": s, "accuracy_after_kd": 0.98,
                   "load_cv": 0.5}]
-        per2.append({"model": rand["model"], "seed": s, "accuracy": 0.8})
+        per2 += [{"model": r["model"], "seed": s, "accuracy": 0.8}
+                 for r in (rand, magnitude, dbscan)]
         params += [{"seed": s, "layer": "whole model", "removed_%": 10.0},
                    {"seed": s, "layer": "without embeddings", "removed_%": 20 + 100 * x}]
     return {"table1": [dense, moee_row, moef], "table1_per_seed": per1,
-            "table2_ablations": [rand], "table2_per_seed": per2, "params_per_layer": params}
+            "table2_ablations": [rand, magnitude, dbscan], "table2_per_seed": per2,
+            "params_per_layer": params}
 
 
 def bench_speculative(d):
@@ -247,7 +251,7 @@ STUDIES = {
     "blockffn_ablations": (ablations.claims, blockffn_ablations, 7),
     "blockffn_granularity": (granularity.claims, blockffn_granularity, 2),
     "moe_kd": (moe_kd.claims, moe_kd_tables, 6),
-    "moee": (moee.claims, moee_tables, 7),
+    "moee": (moee.claims, moee_tables, 9),
     "bench_speculative": (speculative.claims, bench_speculative, 2),
 }
 

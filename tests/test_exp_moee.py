@@ -107,6 +107,39 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
         assert "one seed: no interval" in means[claim].evidence
 
 
+def test_selection_and_clustering_ablations_are_judged_at_equal_macs():
+    """Sec. 5.1-5.2: variance selection against magnitude selection, and HDBSCAN against
+    every other clustering the run tried (named in the claim), right after extraction,
+    paired per seed, each only at equal MACs."""
+    moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -10.0,
+            "kd_vs_dense_%": 99.0, "acc_extracted": 0.8, "acc_after_kd": 0.9}
+    rows = [{"model": "magnitude selection", "MACs_change_%": -28.0, "accuracy": 0.7},
+            {"model": "DBSCAN", "MACs_change_%": -27.0, "accuracy": 0.75},
+            {"model": "k-means (HDBSCAN's count)", "MACs_change_%": -26.0, "accuracy": 0.7}]
+    per1 = [{"model": "MoEE", "seed": s, "accuracy": 0.8 + 0.01 * (s % 2),
+             "MACs_change_%": -27.5} for s in range(4)]
+    per2 = [{"model": r["model"], "seed": s, "accuracy": r["accuracy"]}
+            for r in rows for s in range(4)]
+
+    def got(ablations):
+        return {c.claim: c for c in mod.claims({
+            "table1": [moee], "table1_per_seed": per1, "table2_ablations": ablations,
+            "table2_per_seed": per2})}
+
+    c = got(rows)
+    assert c["Variance selection beats magnitude selection right after extraction "
+             "(Sec. 5.2)"].verdict == "holds"
+    hdb = c["HDBSCAN beats DBSCAN and k-means right after extraction (Sec. 5.1)"]
+    assert hdb.verdict == "holds" and "MACs -27.5% vs -26.0%" in hdb.evidence
+    far = [rows[0], rows[1], {**rows[2], "MACs_change_%": -20.0}]
+    hdb = got(far)["HDBSCAN beats DBSCAN and k-means right after extraction (Sec. 5.1)"]
+    assert hdb.verdict == "inconclusive" and "not at equal MACs" in hdb.evidence
+    better = [{**rows[0], "accuracy": 0.9}, *rows[1:]]
+    per2[:4] = [{**r, "accuracy": 0.9} for r in per2[:4]]
+    assert got(better)["Variance selection beats magnitude selection right after extraction "
+                       "(Sec. 5.2)"].verdict == "does not hold"
+
+
 def test_moefication_claim_is_paired_per_seed_with_an_interval():
     """Per-seed differences -0.003, -0.001, -0.009 against the MLP router: the interval
     spans zero, so inconclusive (the unpaired means read 'does not hold'); a consistent win

@@ -1,17 +1,22 @@
 """MoEE's claim rules (Berisha et al. 2025, Tables 1-2, Sec. 4-5): the cuts and the accuracy
-regained against the paper's smallest model, the comparisons with MoEfication and the random
-ablations only at equal MACs, each judged over the seeds."""
+regained against the paper's smallest model, the comparisons with MoEfication and the
+ablations (random components, magnitude selection, other clusterings) only at equal MACs, each
+judged over the seeds."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from moejax.harness.claims import Claim, lookup, paired, paired_claim, threshold_claim
+from moejax.harness.claims import Claim, all_hold, lookup, paired, paired_claim, threshold_claim
 
 # Table 1's smallest model (DeiT-T): MACs -27.0%, parameters -20.1%; the abstract: 98% of the
 # original accuracy regained after fine-tuning. Two rows are "at equal MACs" when their MACs
 # changes differ by at most EQUAL_MACS_PTS points (Table 1's pairs differ by 0.4-1.6).
 MACS_CUT_PCT, PARAMS_CUT_PCT, KD_RETAINED_PCT, EQUAL_MACS_PTS = 27.0, 20.0, 98.0, 2.0
+
+# the clusterings Sec. 5.1 sets against HDBSCAN ("HDBSCAN consistently yielding the best
+# results"), as the first word of their Table 2 rows
+OTHER_CLUSTERINGS = ("DBSCAN", "OPTICS", "k-means", "BIRCH")
 
 
 def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
@@ -79,7 +84,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """MoEE's claims (Sec. 4-5, Tables 1-2) on this study's tables, at the thresholds of the
     paper's smallest model (:data:`MACS_CUT_PCT` ...), each judged over the seeds: the cuts
     and the accuracy regained by :func:`moejax.harness.claims.threshold_claim` on the per-seed
-    values, the comparisons with MoEfication and the random ablations on the paired per-seed
+    values, the comparisons with MoEfication and the ablations (random components, Table 2;
+    magnitude selection, Sec. 5.2; the other clusterings, Sec. 5.1) on the paired per-seed
     differences, only at equal MACs."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
@@ -108,12 +114,25 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                                      "Fig. 2)", "load CV", seeds("MoEE", "load_cv"),
                                      seeds(r["model"], "load_cv"), moee["load_cv"],
                                      r["load_cv"]))
-    for r in t.get("table2_ablations") or []:
+    def extracted(claim, r):  # MoEE against an ablation right after extraction
+        return _at_equal_macs(claim, moee, r, "acc_extracted", "accuracy",
+                              seeds("MoEE", "accuracy"), _by_seed(per2, r["model"], "accuracy"))
+
+    ablations = t.get("table2_ablations") or []
+    for r in ablations:
         if "random" in str(r["model"]):
-            out.append(_at_equal_macs(f"MoEE beats {r['model']} right after extraction "
-                                      "(Table 2)", moee, r, "acc_extracted", "accuracy",
-                                      seeds("MoEE", "accuracy"),
-                                      _by_seed(per2, r["model"], "accuracy")))
+            out.append(extracted(f"MoEE beats {r['model']} right after extraction (Table 2)", r))
+        elif str(r["model"]).startswith("magnitude"):
+            out.append(extracted("Variance selection beats magnitude selection right after "
+                                 "extraction (Sec. 5.2)", r))
+    others = [r for r in ablations if str(r["model"]).split()[0] in OTHER_CLUSTERINGS]
+    if others:
+        parts = [extracted("", r) for r in others]
+        names = [str(r["model"]).split()[0] for r in others]
+        names = ", ".join(names[:-1]) + " and " * (len(names) > 1) + names[-1]
+        out.append(all_hold(f"HDBSCAN beats {names} right after extraction (Sec. 5.1)", parts,
+                            "; ".join(f"{r['model']}: {c.evidence}"
+                                      for r, c in zip(others, parts))))
     later = [d for d in (_later_minus_earlier(r.get("experts", "")) for r in per1 or ()
                          if r.get("model") == "MoEE") if d is not None]
     if not later:  # a run that kept one seed's layers only
