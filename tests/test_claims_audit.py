@@ -31,17 +31,17 @@ def _seeded(per_seed_tables: list[dict]) -> dict:
 
 
 def darex_encoder(d):
-    pairs = [(("AdamW", "DAREx-q (q_v)"), ("AdamW", "DARE")),
-             (("AdamW", "DAREx-q (per-layer q_v)"), ("AdamW", "DARE")),
-             (("AdamR-L2", "AdamR-L2 + DARE"), ("AdamW", "DARE")),
-             (("AdamR-L2", "AdamR-L2 + structural DPP + q_v"), ("AdamW", "structural DPP + q_v")),
-             (("AdamR-L1", "AdamR-L1 + magnitude"), ("AdamW", "magnitude"))]
+    # each claim's first arm one level above its second: d, per-layer q_v 2 d over DARE
+    level = {("AdamW", "DARE"): 0, ("AdamW", "DAREx-q (q_v)"): 1,
+             ("AdamW", "DAREx-q (per-layer q_v)"): 2, ("AdamR-L2", "AdamR-L2 + DARE"): 1,
+             ("AdamW", "structural DPP + q_v"): 0,
+             ("AdamR-L2", "AdamR-L2 + structural DPP + q_v"): 1,
+             ("AdamW", "magnitude"): 0, ("AdamR-L1", "AdamR-L1 + magnitude"): 1}
     rows = []
     for s in SEEDS:
-        firsts = {a for a, _ in pairs}
-        for ft, m in {x for pair in pairs for x in pair}:
+        for (ft, m), k in level.items():
             rows.append({"task": "pos", "seed": s, "fine-tuning": ft, "method": m,
-                         "accuracy": 0.5 + (d(s) if (ft, m) in firsts else 0.0)})
+                         "accuracy": 0.5 + k * d(s)})
         for ft in ("AdamW", "AdamR-L2", "AdamR-L1"):  # the control: the deltas dropped whole
             rows.append({"task": "pos", "seed": s, "fine-tuning": ft, "method": encoder.DROPPED,
                          "accuracy": 0.3 + 0.01 * s})
@@ -241,7 +241,7 @@ def bench_speculative(d):
 
 
 STUDIES = {
-    "darex_encoder": (encoder.claims, darex_encoder, 5),
+    "darex_encoder": (encoder.claims, darex_encoder, 6),
     "darex_decoder": (decoder.claims, darex_decoder, 3),
     "darex_controlled": (controlled.claims, darex_controlled, 5),
     "darex_storage": (storage.claims, darex_storage, 1),

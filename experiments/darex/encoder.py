@@ -392,10 +392,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
 
     dare = ("AdamW", "DARE")
     return [
-        judge("DAREx-q (q_v) beats DARE (Table 1)", ("AdamW", "DAREx-q (q_v)"), dare),
+        judge("DAREx-q (q_v) beats DARE (Tables 1-2)", ("AdamW", "DAREx-q (q_v)"), dare),
         judge("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
               ("AdamW", "DAREx-q (per-layer q_v)"), dare),
-        judge("AdamR-L2 + DARE beats DARE after AdamW (Table 2)",
+        judge("Per-layer rescaling beats global: per-layer DAREx-q (q_v) beats DAREx-q (q_v) "
+              "on encoders (Sec. 5.1, Table 2)", ("AdamW", "DAREx-q (per-layer q_v)"),
+              ("AdamW", "DAREx-q (q_v)")),
+        judge("AdamR-L2 + DARE beats DARE after AdamW (Tables 1, 5)",
               ("AdamR-L2", "AdamR-L2 + DARE"), dare),
         judge("AdamR-L2 lifts structural DPP (Table 9)",
               ("AdamR-L2", "AdamR-L2 + structural DPP + q_v"),
