@@ -9,7 +9,7 @@ settings, such as sparsification with a 0.99 drop rate or quantization with the 
 there is no significant degradation" (Sec. 4.1). Its Coder-MoE was upcycled with no prior
 fine-tuning: "removing 60% of their elements or quantizing them to 2 bits" is without
 degradation (Sec. 4.3, Fig. 6), and with the universal FFN decomposed too, 40% or 4 bits
-(App., Fig. S8). "Without degradation" is judged here as keeping at least
+(App. A3, Fig. S8). "Without degradation" is judged here as keeping at least
 :data:`KEPT` of the deltas' worth, the loss rise of dropping every delta."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PAPER_SETTINGS = (
      ">= 90% of the deltas' worth (Sec. 4.3, Fig. 6)"),
     ("not_finetuned", "experts+universal", (("sparse", 0.4), ("quant", 4)),
      "Not fine-tuned, universal FFN decomposed too (extended DeRS): drop rate 0.4 and 4-bit "
-     "deltas keep >= 90% of the deltas' worth (App., Fig. S8)"),
+     "deltas keep >= 90% of the deltas' worth (App. A3, Fig. S8)"),
 )
 
 

@@ -34,7 +34,8 @@ def _matches_vanilla(t: dict, form: str) -> Claim:
     confidence, widened for the best of the variants
     (:func:`moejax.harness.claims.threshold_claim`; above it: does not hold), and stands
     only with its control (:func:`_controlled`)."""
-    claim = f"DeRS-{form} matches vanilla upcycling with >= 10x fewer added parameters (Sec. 3.4)"
+    claim = (f"DeRS-{form} matches vanilla upcycling with >= 10x fewer added parameters "
+             "(Sec. 4.1-4.3, Tables 1-3)")
     ok = [r for r in t.get("upcycling") or [] if str(r["variant"]).startswith(f"DeRS-{form} ")
           and "frozen" not in str(r["variant"]) and float(r["added_vs_vanilla"]) >= 10]
     if not ok:
