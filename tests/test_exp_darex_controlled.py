@@ -73,7 +73,7 @@ def test_the_l2_sweep_claim_needs_a_delta_worth_more_than_its_drop():
     """Fig. 7's "minor drop": the strongest AdamR-L2 delta pruned loses < 0.05 in every seed
     run. A "holds" stands only where that delta is worth more than 0.05 over the pre-trained
     model (unchecked without the ``finetuned`` table); a "does not hold" stands either way."""
-    from experiments.darex.controlled import MINOR_DROP, claims
+    from experiments.darex.controlled_claims import MINOR_DROP, claims
     from moejax.harness.claims import SEED_TABLES
 
     def verdict(drop, unpruned, pretrained=0.37):

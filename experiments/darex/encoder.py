@@ -37,14 +37,14 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.darex.common import PAPER_SCALE, beats_pretrained
+from experiments.darex.common import PAPER_SCALE
+from experiments.darex.encoder_claims import DROPPED, claims
 from moejax import delta as dl
 from moejax.config import Config, config
 from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.delta import PruneContext, delta_stats, matmul_input_stats, run_one
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
-from moejax.harness.claims import Claim, paired, paired_claim
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
@@ -179,9 +179,6 @@ def backbone(cfg: EncoderStudyConfig):
 
 # AdamR-L2 + structural DPP + q_v is the Table 9 analog (structural DPP after AdamW is in
 # ADAMW_METHODS)
-# the control row of every fine-tuning: its pruned deltas dropped whole (the head and any
-# unpruned leaf keep theirs); a pruned model no better than this keeps nothing of its delta
-DROPPED = "delta dropped (p = 1)"
 OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS),
               "adamr_l2": ("AdamR-L2", ("unpruned", "DARE", "structural DPP + q_v")),
               "adamr_l1": ("AdamR-L1", ("unpruned", "magnitude"))}
@@ -364,48 +361,6 @@ def _headline(cfg: EncoderStudyConfig, summary: list[dict]) -> dict:
     head["headline"] = f"{cfg.model} on {t0}, p={cfg.p}: " + ", ".join(
         f"{k} {v:.3f}" for k, v in head.items())
     return head
-
-
-def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """The DAREx paper's encoder claims on this study's tables, each judged on the paired
-    differences over every (task, seed) that both methods ran (:func:`moejax.harness.claims.
-    paired_claim`), not on one task's means, with its control: the winner beats its
-    fine-tuning's :data:`DROPPED` row (:func:`experiments.darex.common.beats_pretrained`)."""
-    rows = t.get("per_seed") or []
-
-    def acc(ft, m):
-        return {(r["task"], int(float(r["seed"]))): float(r["accuracy"]) for r in rows
-                if r["fine-tuning"] == ft and r["method"] == m}
-
-    def judge(claim, a, b):
-        (la, va), (lb, vb) = (a, acc(*a)), (b, acc(*b))
-        units = sorted(set(va) & set(vb))
-        if not units:
-            return Claim(claim, None, f"{' '.join(la)} or {' '.join(lb)} not run")
-        row = paired(f"{la[1]} - {lb[1]}", [va[u] for u in units], [vb[u] for u in units])
-        tasks = sorted({u[0] for u in units})
-        c = paired_claim(claim, row)
-        c = c._replace(evidence=f"{c.evidence} (tasks {', '.join(tasks)} x seeds)")
-        base = acc(la[0], DROPPED)
-        return beats_pretrained(c, [va[u] for u in units], [base.get(u) for u in units],
-                                name=f"the {la[0]} delta dropped whole")
-
-    dare = ("AdamW", "DARE")
-    return [
-        judge("DAREx-q (q_v) beats DARE (Tables 1-2)", ("AdamW", "DAREx-q (q_v)"), dare),
-        judge("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
-              ("AdamW", "DAREx-q (per-layer q_v)"), dare),
-        judge("Per-layer rescaling beats global: per-layer DAREx-q (q_v) beats DAREx-q (q_v) "
-              "on encoders (Sec. 5.1, Table 2)", ("AdamW", "DAREx-q (per-layer q_v)"),
-              ("AdamW", "DAREx-q (q_v)")),
-        judge("AdamR-L2 + DARE beats DARE after AdamW (Tables 1, 5)",
-              ("AdamR-L2", "AdamR-L2 + DARE"), dare),
-        judge("AdamR-L2 lifts structural DPP (Table 9)",
-              ("AdamR-L2", "AdamR-L2 + structural DPP + q_v"),
-              ("AdamW", "structural DPP + q_v")),
-        judge("AdamR-L1 makes magnitude pruning better (Table 7)",
-              ("AdamR-L1", "AdamR-L1 + magnitude"), ("AdamW", "magnitude")),
-    ]
 
 
 STUDY = Study(
