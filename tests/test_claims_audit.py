@@ -228,6 +228,8 @@ def bench_speculative(d):
            "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
            "same_tokens_as_AR": "True", "tokens_matching_AR": 1.0}
     dense = {**row, "mode": "spec dense", "tokens_per_s": 50.0}
+    ar = [{**row, "mode": m, "draft": "", "draft_len": "", "tokens_per_s": x}
+          for m, x in (("AR dense", 30.0), ("AR token-sparse", 100 / 1.5))]
     base = {"model": "grown", "draft": "", "draft_len": ""}
     prompts = []
     for s in SEEDS:  # one prompt per "seed": AR 1 s, speculative 1 / (1.5 + 5 d) s, and
@@ -237,7 +239,7 @@ def bench_speculative(d):
                      "seconds": spec},
                     {**base, "mode": "spec dense", "draft": "d", "draft_len": 4, "prompt": s,
                      "seconds": spec * (1 + 5 * d(s))}]
-    return {"decode": [row, dense], "decode_prompts": prompts}
+    return {"decode": [row, dense, *ar], "decode_prompts": prompts}
 
 
 STUDIES = {

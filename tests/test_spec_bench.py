@@ -247,6 +247,13 @@ def test_matching_prefix_counts_new_tokens_before_the_first_difference():
     assert matching_prefix(got, ref, 2) == pytest.approx(1 / 8)
 
 
+def _ar_rows(row, sparse=1.0, dense=0.5):
+    """``row``'s model's autoregressive decodings (tokens/s; token-sparse the faster unless
+    told otherwise)."""
+    return [{**row, "mode": m, "draft": "", "draft_len": "", "tokens_per_s": x}
+            for m, x in (("AR dense", dense), ("AR token-sparse", sparse))]
+
+
 def _prompt_times(row, speedups):
     """Per-prompt times: AR token-sparse 1 s each, ``row``'s decoding 1 / speedup."""
     base = {"model": row["model"], "draft": "", "draft_len": ""}
@@ -265,17 +272,19 @@ def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype
            "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
            "same_tokens_as_AR": "False", "tokens_matching_AR": 0.875}
     prompts = _prompt_times(row, [1.9, 2.0, 2.1, 2.0])
-    claim = claims({"decode": [row], "decode_prompts": prompts})[0]
+    claim = claims({"decode": [row, *_ar_rows(row)], "decode_prompts": prompts})[0]
     assert claim.holds is verdict
     assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
     assert "expert path: not recorded" in claim.evidence
-    claim = claims({"decode": [{**row, "expert_path": "jnp loop"}], "decode_prompts": prompts})[0]
+    claim = claims({"decode": [{**row, "expert_path": "jnp loop"}, *_ar_rows(row)],
+                    "decode_prompts": prompts})[0]
     assert "expert path: jnp loop" in claim.evidence
 
 
 def test_the_serving_claim_is_judged_on_per_prompt_speedups():
     """Holds when the per-prompt speedups' interval lies above 1.5x, does not hold below,
-    inconclusive when it straddles 1.5x or when only one timing was kept."""
+    inconclusive when it straddles 1.5x or when only one timing was kept; against the faster
+    autoregressive decoding, dense where it is the faster."""
     from experiments.blockffn.speculative import claims
 
     row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
@@ -283,26 +292,37 @@ def test_the_serving_claim_is_judged_on_per_prompt_speedups():
            "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
            "same_tokens_as_AR": "True", "tokens_matching_AR": 1.0}
 
+    ar = _ar_rows(row, sparse=100 / 1.6)
+
     def verdict(speedups):
-        t = {"decode": [row]}
+        t = {"decode": [row, *ar]}
         if speedups:
             t["decode_prompts"] = _prompt_times(row, speedups)
         return claims(t)[0].verdict
 
     assert verdict([1.9, 2.0, 2.1, 2.0]) == "holds"
+    # AR dense the faster (twice token-sparse): the speedups over it are half as large
+    dense_first = _ar_rows(row, sparse=100 / 1.6, dense=200 / 1.6)
+    prompts = _prompt_times(row, [3.9, 4.0, 4.1, 4.0])
+    prompts += [{**p, "mode": "AR dense", "seconds": 0.5} for p in prompts
+                if p["mode"] == "AR token-sparse"]
+    c = claims({"decode": [row, *dense_first], "decode_prompts": prompts})[0]
+    assert c.verdict == "holds" and "AR dense" in c.evidence and "2.00 (mean of 4)" in c.evidence
+    assert claims({"decode": [row]})[0].verdict == "not measured"  # no AR decoding timed
     assert verdict([1.1, 1.2, 1.15, 1.2]) == "does not hold"
     assert verdict([1.2, 1.9, 1.4, 1.7]) == "inconclusive"
     assert verdict([]) == "inconclusive"  # one timing: no interval
     # the fastest of several settings: a Bonferroni interval (0.05 / 4), wider
-    slower = [{**row, "draft_len": n, "speedup_vs_AR_token_sparse": 1.0} for n in (2, 6, 8)]
+    slower = [{**row, "draft_len": n, "speedup_vs_AR_token_sparse": 1.0, "tokens_per_s": 62.5}
+              for n in (2, 6, 8)]
     speedups = [1.62, 1.58, 1.66, 1.55, 1.64]  # 95%: [1.554, 1.666]; 98.75%: [1.518, 1.702]
-    t = {"decode": [row], "decode_prompts": _prompt_times(row, speedups)}
+    t = {"decode": [row, *ar], "decode_prompts": _prompt_times(row, speedups)}
     assert claims(t)[0].verdict == "holds"
-    c = claims({**t, "decode": [row, *slower]})[0]
+    c = claims({**t, "decode": [row, *ar, *slower]})[0]
     assert c.verdict == "holds" and "98.75% CI" in c.evidence and "the best of 4" in c.evidence
     tight = [s - 0.045 for s in speedups]  # 95%: [1.509, 1.621] holds; 98.75%: does not
-    t = {"decode": [row, *slower], "decode_prompts": _prompt_times(row, tight)}
-    assert claims({**t, "decode": [row]})[0].verdict == "holds"
+    t = {"decode": [row, *ar, *slower], "decode_prompts": _prompt_times(row, tight)}
+    assert claims({**t, "decode": [row, *ar]})[0].verdict == "holds"
     assert claims(t)[0].verdict == "inconclusive"
 
 

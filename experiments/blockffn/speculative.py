@@ -388,8 +388,8 @@ DECODE_TITLE = (
 
 
 def _decode_table(run: RunDir, rows: list[dict]) -> None:
-    """Every decoding's row, and per target a bar plot against AR dense and 1.5x AR
-    token-sparse."""
+    """Every decoding's row, and per target a bar plot against AR dense and 1.5x the faster
+    AR decoding (the serving claim's bar)."""
     run.table("decode", rows, title=DECODE_TITLE)
     for name in ("trained", "grown"):
         sel = [r for r in rows if r["model"] == name]
@@ -401,7 +401,7 @@ def _decode_table(run: RunDir, rows: list[dict]) -> None:
         run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
                      ylabel="tokens / s", title=f"Decode speed, {name} target",
                      hlines={"AR dense": ar["AR dense"],
-                             "1.5x AR token-sparse": 1.5 * ar["AR token-sparse"]})
+                             "1.5x the faster AR": 1.5 * max(ar.values())})
 
 
 def _best_notes(run: RunDir, rows: list[dict]) -> dict:
@@ -423,10 +423,7 @@ def _best_notes(run: RunDir, rows: list[dict]) -> dict:
                      f"{b['speedup_vs_AR_dense']:.2f}x AR dense, "
                      f"{b['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, mean accepted "
                      f"length {b['mean_accepted_length']:.2f}, CLS_{b['draft_len'] + 1} "
-                     f"{b['CLS_block']:.3f}, expert path: {b['expert_path']}; target >= 1.5x "
-                     "AR token-sparse at >= 100M parameters: "
-                     + ("met" if b["params"] >= 1e8 and b["speedup_vs_AR_token_sparse"] >= 1.5
-                        else "not met" if b["params"] >= 1e8 else "n/a (< 100M)"))
+                     f"{b['CLS_block']:.3f}, expert path: {b['expert_path']}")
     return best
 
 
