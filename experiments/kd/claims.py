@@ -149,9 +149,9 @@ def distilled(c: Claim, label: str, per_seed: list[dict] | None) -> Claim:
     does not involve knowledge distillation"), paired per training seed on ROUGE-L
     (:func:`moejax.harness.claims.beats_control`). A method that wins only by another's harm
     to the student has distilled nothing shown; in Table 1 GKD, ALL, KA and SAR are 2.5-4.3
-    ROUGE-L above the SFT student. The dense-versus-MoE claims need no
-    such control: they compare what each teacher does to the student, harm included (Table
-    1's MoE-teacher KD ends below the SFT student)."""
+    ROUGE-L above the SFT student. The dense-versus-MoE claims need no such control: they
+    compare what each teacher does to the student, harm included (Table 1's MoE-teacher KD
+    ends below the SFT student)."""
     if label in DENSE_VS_MOE:
         return c
     a, b = next((a, b) for lab, a, b in COMPARISONS if lab == label)
