@@ -247,16 +247,18 @@ def test_ablation_claims_count_only_at_close_tls():
                                 row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100),
                                 row("AL", 10.0, 0.5, 0.3),
                                 row("CS", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100)],
-                 "rmsnorm": [row("AL+CS", 10.0, 0.80),
-                             row("AL+CS, no RMSNorm", 10.0 + d_ppl + i / 100, 0.80)]}
+                 "rmsnorm": [{**row("AL+CS", 10.0, 0.80), "act_magnitude": 4.0},
+                             {**row("AL+CS, no RMSNorm", 10.0 + d_ppl + i / 100, 0.80),
+                              "act_magnitude": 4.0 + d_ppl + i / 100}]}
                 for i in range(5)]
         got = claims({**runs[0], SEED_TABLES: runs})
         return [c.verdict for c in got], got
 
-    assert verdicts(1.0, 0.81)[0] == ["holds"] * 7  # AL+L1 0.01 sparser: close
+    assert verdicts(1.0, 0.81)[0] == ["holds"] * 8  # AL+L1 0.01 sparser: close
     assert verdicts(-1.0, 0.81)[0][5] == "does not hold"  # CS alone has the lower PPL
+    assert verdicts(-1.0, 0.81)[0][7] == "does not hold"  # no RMSNorm: magnitudes fall
     v, got = verdicts(1.0, 0.90)  # AL+L1 0.10 sparser: its higher PPL may be its sparsity
-    assert v == ["inconclusive"] + ["holds"] * 6
+    assert v == ["inconclusive"] + ["holds"] * 7
     assert "not close" in got[0].evidence and "AL+CS's" in got[0].evidence
     assert verdicts(-1.0, 0.90)[0][0] == "does not hold"  # sparser and still better: stands
     assert verdicts(1.0, 0.70)[0][0] == "holds"  # denser and worse: stands
@@ -265,5 +267,5 @@ def test_ablation_claims_count_only_at_close_tls():
     assert verdicts(1.0, 0.70, l1_cls=0.9)[0][2] == "does not hold"  # denser, higher CLS
     assert verdicts(1.0, 0.90, n_experts=4)[0][0] == "holds"  # half an expert of 4: 0.125
     v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the comparisons unchecked
-    assert v == ["inconclusive"] * 3 + ["holds"] + ["inconclusive"] * 3
+    assert v == ["inconclusive"] * 3 + ["holds"] + ["inconclusive"] * 3 + ["holds"]
     assert "close TLS unchecked" in got[4].evidence and "close TLS unchecked" in got[6].evidence

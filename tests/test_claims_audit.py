@@ -152,8 +152,10 @@ def blockffn_ablations(d):
                                {"model": "AL+Ent", "val_ppl": 10.0, "CLS_8": 0.5, **tls},
                                {"model": "AL", "val_ppl": 10.0, "CLS_8": 0.5, **tls},
                                {"model": "CS", "val_ppl": 10.0, "CLS_8": 0.5, **tls}],
-                "rmsnorm": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, **tls},
-                            {"model": "AL+CS, no RMSNorm", "val_ppl": 10.0, **tls}]}
+                "rmsnorm": [{"model": "AL+CS", "val_ppl": 10 - 10 * x, "act_magnitude": 4.0,
+                             **tls},
+                            {"model": "AL+CS, no RMSNorm", "val_ppl": 10.0,
+                             "act_magnitude": 4.0 + x, **tls}]}
     return _seeded([run(s) for s in SEEDS])
 
 
@@ -250,7 +252,7 @@ STUDIES = {
     "ders_compression": (compression.claims, ders_compression, 6),
     "ders_upcycling": (upcycling.claims, ders_upcycling, 5),
     "blockffn_baselines": (baselines.claims, blockffn_baselines, 3),
-    "blockffn_ablations": (ablations.claims, blockffn_ablations, 7),
+    "blockffn_ablations": (ablations.claims, blockffn_ablations, 8),
     "blockffn_granularity": (granularity.claims, blockffn_granularity, 2),
     "moe_kd": (moe_kd.claims, moe_kd_tables, 6),
     "moee": (moee.claims, moee_tables, 9),

@@ -84,7 +84,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     AL+CS's lead over CS by its lower TLS, Sec. 4.2). AL+CS against AL alone is about the
     sparsity CS adds, and needs no such check. Removing AL (CS alone) costs CLS and PPL
     (Sec. 4.2: "without AL (Setting CS), the model suffers from lower CLS and considerably
-    higher PPL"), each at close TLS."""
+    higher PPL"), each at close TLS. Without RMSNorm, "the magnitudes of activation values in
+    BlockFFN considerably rise" (Sec. 4.1.4): the mean ``||A||_2`` of the routing weights."""
     def col(table, model, column):
         return model, lambda r: lookup(r.get(table), {"model": model}, column)
 
@@ -108,6 +109,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
                      "AL+CS", "CS"),
         at_close_tls("The router RMSNorm lowers PPL (Sec. 4.1.4)", t, "rmsnorm", "AL+CS",
                      "AL+CS, no RMSNorm", labels=("with", "without")),
+        paired_compare("Without the router RMSNorm the activation magnitudes rise (Sec. 4.1.4, "
+                       "Fig. 4)", t, col("rmsnorm", "AL+CS, no RMSNorm", "act_magnitude"),
+                       col("rmsnorm", "AL+CS", "act_magnitude")),
     ]
 
 
