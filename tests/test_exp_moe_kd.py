@@ -63,7 +63,9 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     mass = list(csv.DictReader(open(run.path / "gate_mass.csv")))
     assert [int(m["layer"]) for m in mass] == [0, 1]  # one row per MoE layer of the teacher
     ks = list(csv.DictReader(open(run.path / "teacher_k.csv")))
-    assert [int(r["k"]) for r in ks] == [4]
+    assert [(int(r["k"]), int(r["n_seeds"])) for r in ks] == [(4, 2)]  # every training seed
+    each = list(csv.DictReader(open(run.path / "teacher_k_per_seed.csv")))
+    assert [(int(r["seed"]), int(r["of_experts"])) for r in each] == [(0, 4), (1, 4)]
     kl = list(csv.DictReader(open(run.path / "sar_kl.csv")))  # per layer, over the 2 seeds
     # the student-aware router moves away from the teacher's: a KL that is there, and finite
     assert len(kl) == 2 and all(0 < float(r["mean_kl"]) <= float(r["max_kl"]) < 1e3
@@ -75,7 +77,7 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     assert set(summary["shape_holds"]) == {"KD: dense - MoE teacher"}
     # no GKD run: every claim that needs it is unmeasured; the dense-vs-MoE KD one is judged
     verdicts = {c["claim"]: c["verdict"] for c in csv.DictReader(open(run.path / "claims.csv"))}
-    assert len(verdicts) == 6
+    assert len(verdicts) == 7
     kd_claim = next(v for c, v in verdicts.items() if c.startswith("KD from the dense"))
     rows = [r for r in csv.DictReader(open(run.path / "paired.csv"))
             if r["comparison"] == "KD: dense - MoE teacher"]
@@ -88,7 +90,8 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     unfit = paired_kd.holds is not None and kd_claims.setting_fault(
         "KD: dense - MoE teacher", paired_kd.holds, refs) is not None
     assert kd_claim == ("inconclusive" if unfit else paired_kd.verdict)
-    assert sum(v == "not measured" for v in verdicts.values()) == 5
+    # and Fig. 2's: k = 4 of 4 experts is all of them, short of which nothing was swept
+    assert sum(v == "not measured" for v in verdicts.values()) == 6
     # each training seed distilled from its own draw of the teachers and the SFT student
     assert {int(r["teachers"]) for r in rows} == {2}
     assert [int(per[("MoE teacher", "KD", s)]["teacher_draw"]) for s in (0, 1)] == [0, 1]
@@ -185,7 +188,7 @@ def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
                 {"model": "student (SFT)", "rouge_l": student, "ppl": 6.0},
                 {"model": "dense teacher", "rouge_l": dense, "ppl": 4.0}]
         got = mod.claims({"references": refs, "per_seed": RUNS,
-                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})
+                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})[:6]
         return [c.verdict for c in got], got
 
     method, dense_vs = ["holds"] * 4, ["holds"] * 2
@@ -204,7 +207,7 @@ def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
         v, got = verdicts(0.054, 0.054, diff=diff)
         assert v == ["inconclusive"] * 6 and "nothing here to distil" in got[0].evidence
     assert verdicts(float("nan"), 0.07)[0] == ["inconclusive"] * 6  # a teacher not measured
-    no_refs = mod.claims({"paired": [_paired(label, 0.01) for label in mod.CLAIMS]})
+    no_refs = mod.claims({"paired": [_paired(label, 0.01) for label in mod.CLAIMS]})[:6]
     assert [c.verdict for c in no_refs] == ["inconclusive"] * 6
     assert "no references table" in no_refs[0].evidence
 
@@ -217,7 +220,7 @@ def test_teacher_kinds_are_compared_only_over_a_teacher_draw_per_seed():
         rows = [_paired(label, diff, teachers) for label in mod.CLAIMS]
         if not key:
             rows = [{k: v for k, v in r.items() if k != "teachers"} for r in rows]
-        return mod.claims({"references": REFERENCES, "paired": rows, "per_seed": RUNS})
+        return mod.claims({"references": REFERENCES, "paired": rows, "per_seed": RUNS})[:6]
 
     assert [c.verdict for c in verdicts(5)] == ["holds"] * 6
     for diff, method in ((0.01, "holds"), (-0.01, "does not hold")):
@@ -234,7 +237,7 @@ def test_a_method_win_stands_only_where_the_winner_beats_sft_alone():
     take no such control."""
     def verdicts(runs, diff=0.01):
         got = mod.claims({"references": REFERENCES, "per_seed": runs,
-                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})
+                          "paired": [_paired(label, diff) for label in mod.CLAIMS]})[:6]
         return [c.verdict for c in got], got
 
     assert verdicts(_runs(0.01))[0] == ["holds"] * 6
@@ -246,6 +249,30 @@ def test_a_method_win_stands_only_where_the_winner_beats_sft_alone():
     v, got = verdicts([r for r in RUNS if r["method"] != "SFT"])
     assert v == ["inconclusive"] * 4 + ["holds"] * 2 and "was not recorded" in got[0].evidence
     assert "it beats the SFT student" in verdicts(RUNS)[1][0].evidence
+
+
+def test_more_experts_claim_pairs_the_students_short_of_all_the_experts():
+    """Fig. 2: the KD student from the largest k short of all the experts against the one
+    from the smallest, paired per seed; k = all is left out (the paper's exception); a
+    teacher not worth distilling, or a winner no better than SFT alone, is no verdict."""
+    def rows(gain, at_all=-1.0):  # student ROUGE-L 0.06 at k=1, + gain at k=4, k=8 of 8
+        return [{"seed": s, "k": k, "of_experts": 8, "teacher_rouge_l": 0.07,
+                 "student_rouge_l": 0.06 + 0.001 * (s % 2) + {1: 0.0, 4: gain, 8: at_all}[k]}
+                for s in range(5) for k in (1, 4, 8)]
+
+    def claim(gain, refs=REFERENCES, runs=RUNS, **kw):
+        return mod.claims({"references": refs, "per_seed": runs,
+                           "teacher_k_per_seed": rows(gain, **kw)})[6]
+
+    c = claim(0.01)
+    assert c.verdict == "holds" and "k=4 - k=1" in c.evidence  # k=8, all of them, left out
+    assert claim(-0.01).verdict == "does not hold"
+    assert claim(0.01, at_all=0.5).verdict == "holds"  # whatever k = all does
+    weak = [{**r, "rouge_l": 0.052} if r["model"] == "MoE teacher" else r for r in REFERENCES]
+    assert "nothing here to distil" in claim(0.01, refs=weak).evidence
+    level = [{**r, "rouge_l": 0.1} if r["method"] == "SFT" else r for r in RUNS]
+    assert "distils nothing shown" in claim(0.01, runs=level).evidence
+    assert mod.claims({"references": REFERENCES})[6].verdict == "not measured"
 
 
 HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"

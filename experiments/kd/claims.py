@@ -157,8 +157,14 @@ def distilled(c: Claim, label: str, per_seed: list[dict] | None) -> Claim:
     a, b = next((a, b) for lab, a, b in COMPARISONS if lab == label)
     by = _by_run(per_seed or [])
     seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
-    sft = by.get(SFT, {})
-    return beats_control(c, [by[a][s] for s in seeds], [sft.get(s) for s in seeds],
+    return _beats_sft(c, by.get(a, {}), seeds, per_seed)
+
+
+def _beats_sft(c: Claim, winner: dict, seeds: list[int], per_seed: list[dict] | None) -> Claim:
+    """``c`` where the winner (``{seed: ROUGE-L}``) beats the SFT student trained on alike
+    over ``seeds`` (:func:`moejax.harness.claims.beats_control`)."""
+    sft = _by_run(per_seed or []).get(SFT, {})
+    return beats_control(c, [winner[s] for s in seeds], [sft.get(s) for s in seeds],
                          name="the SFT student trained on alike (no teacher)", fmt=".4f",
                          so="it distils nothing shown of its teacher")
 
@@ -176,6 +182,40 @@ def judged(label: str, rows: list[dict] | None, refs: dict,
     return distilled(c, label, per_seed) if fault is None else unjudged(c, fault)
 
 
+MORE_EXPERTS = ("A KD student gains as its MoE teacher uses more experts, short of all of "
+                "them (Sec. 3, Fig. 2)")
+
+
+def more_experts(t: dict[str, list[dict]], refs: dict) -> Claim:
+    """Fig. 2: "using more experts does not necessarily increase the performance of the
+    teacher, but it certainly increases the performance of the student, except when all are
+    used". The KD student from the largest swept k short of all the experts against the one
+    from the smallest, paired per training seed on ROUGE-L (``teacher_k_per_seed``), in a
+    setting with a teacher worth distilling (:func:`setting_fault`), and with the method
+    claims' control: the winner beats the SFT student trained on alike (:func:`distilled`'s
+    rule, from ``per_seed``)."""
+    rows = t.get("teacher_k_per_seed") or []
+    by = {}
+    for r in rows:
+        if float(r["k"]) < float(r["of_experts"]):
+            by.setdefault(int(float(r["k"])), {})[int(float(r["seed"]))] = float(
+                r["student_rouge_l"])
+    if len(by) < 2:
+        return Claim(MORE_EXPERTS, None, "fewer than two teacher k short of all the experts "
+                                         "swept over the seeds")
+    lo, hi = min(by), max(by)
+    seeds = sorted(set(by[lo]) & set(by[hi]))
+    c = paired_claim(MORE_EXPERTS, paired(f"KD student, teacher k={hi} - k={lo}",
+                                          [by[hi][s] for s in seeds],
+                                          [by[lo][s] for s in seeds]))
+    if c.holds is None:
+        return c
+    fault = setting_fault("", c.holds, refs)
+    if fault is not None:
+        return unjudged(c, fault)
+    return _beats_sft(c, by[hi], seeds, t.get("per_seed"))
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """The paper's main-table claims (Table 1, Sec. 5.2), each judged on the paired
     per-seed ROUGE-L differences (:func:`rouge_claim`: holds when the 95% interval lies above
@@ -183,12 +223,13 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     teacher gives better KD and GKD students than the MoE teacher. A verdict stands only in a
     setting that can test it (:func:`setting_fault`, from the ``references`` table), a
     method's "holds" only where its winner beats SFT alone (:func:`distilled`, from
-    ``per_seed``)."""
+    ``per_seed``); and Fig. 2's more experts for the student (:func:`more_experts`)."""
     rows = {}
     for r in t.get("paired") or []:
         rows.setdefault(r["comparison"], []).append(r)
     refs = {r["model"]: r for r in t.get("references") or []}
-    return [judged(label, rows.get(label), refs, t.get("per_seed")) for label in CLAIMS]
+    return [*(judged(label, rows.get(label), refs, t.get("per_seed")) for label in CLAIMS),
+            more_experts(t, refs)]
 
 
 CLAIMS = {"GKD - KD (MoE teacher)": "GKD beats KD with the MoE teacher (Table 1)",

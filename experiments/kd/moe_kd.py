@@ -28,10 +28,10 @@ Tables: ``references`` (teachers and SFT student before distillation, over the d
 teacher worth distilling?), ``references_per_seed`` (each draw's, with several), ``main`` (the
 paper's layout: teacher x method), ``per_seed`` (every run), ``paired`` (the paper's
 comparisons per training seed: mean, std and sign of each difference), ``gate_mass`` (Fig. 1),
-``teacher_k`` (Fig. 2, when ``teacher_ks`` is set), ``ka_sweep`` (KA's lambda and M over the
-training seeds), ``sar_kl`` (Fig. 6: per-layer KL between the original and the SAR-trained
-router, over the training seeds), ``lr_sweep`` (student and router learning rates within the
-step budget, when set).
+``teacher_k`` and ``teacher_k_per_seed`` (Fig. 2, every training seed, when ``teacher_ks``
+is set), ``ka_sweep`` (KA's lambda and M over the training seeds), ``sar_kl`` (Fig. 6:
+per-layer KL between the original and the SAR-trained router, over the training seeds),
+``lr_sweep`` (student and router learning rates within the step budget, when set).
 
 ``teacher=hf:<dir>`` distils an imported Hugging Face MoE instead (Mixtral, Qwen2-MoE,
 Qwen3-MoE or OLMoE with its ``tokenizer.json``; :func:`moejax.io.hf_moe.load_hf_moe`): it is
@@ -76,6 +76,7 @@ from moejax.harness.study import Study
 from moejax.io.hf_moe import hf_moe_config, hf_spec_config
 from moejax.io.hf_moe_checkpoints import CHECKPOINTS
 from moejax.nn.decoder import DecoderLM, keep_layers
+from moejax.nn.moe import MoEConfig
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.aot import abstract_run
@@ -115,7 +116,7 @@ class MoEKDConfig(Config):
     kd: DistillConfig = DistillConfig(router_lr=1e-5)  # method is set per row
     methods: tuple[Method, ...] = METHODS
     dense_teacher_methods: tuple[Method, ...] = ("kd", "gkd")
-    teacher_ks: tuple[int, ...] = (1, 2, 4, 8)  # Fig. 2 sweep (first training seed); () = skip
+    teacher_ks: tuple[int, ...] = (1, 2, 4, 8)  # Fig. 2 sweep (every training seed); () = skip
     ka_lambdas: tuple[float, ...] = (0.0, 0.2)  # extra KA runs (lambda sweep at kd.ka_m)
     ka_ms: tuple[int, ...] = (1, 4)  # extra KA runs (M sweep at kd.ka_lambda)
     # KD (MoE teacher) at each student learning rate, first training seed: shows which rates
@@ -139,11 +140,10 @@ class MoEKDConfig(Config):
         sub = None if self.model == "smollm2_135m" else getattr(self, self.model)
         n_layers, max_len = 30, None if sub is None else sub.max_seq_len
         n_layers = n_layers if sub is None else sub.n_layers
-        moe, where = self.upcycle.moe, "upcycle.moe"
+        moe, where = self.teacher_moe()
         if self.teacher:
             hf = self.hf_teacher()
             n_layers, max_len = hf.n_layers, hf.max_seq_len
-            moe, where = hf.ffn_slots[0], "the imported teacher"
             r(not self.dense_teacher_methods, f"teacher={self.teacher} has no dense teacher: "
               "set dense_teacher_methods=()")
         r(1 <= self.student_layers < n_layers,
@@ -171,6 +171,13 @@ class MoEKDConfig(Config):
         shared = self.teachers == "shared" or (self.teachers == "auto" and bool(self.teacher))
         return 1 if shared else self.seeds
 
+    def teacher_moe(self) -> tuple[MoEConfig, str]:
+        """The MoE teacher's expert layer and where it is configured (the upcycling, or the
+        imported checkpoint's ``config.json``)."""
+        if self.teacher:
+            return self.hf_teacher().ffn_slots[0], "the imported teacher"
+        return self.upcycle.moe, "upcycle.moe"
+
     def hf_teacher(self):
         """The imported teacher's DecoderConfig (``teacher=hf:<dir>``), read from its
         ``config.json`` (an unsupported family refused in one line)."""
@@ -185,7 +192,7 @@ def make_config(preset: str) -> MoEKDConfig:
             distill=TrainConfig(steps=150, batch_size=16, lr=1e-4, warmup_steps=10,
                                 schedule="constant", weight_decay=0.01, eval_every=50,
                                 log_every=25),
-            kd=DistillConfig(router_lr=1e-4), teacher_ks=(2, 8), ka_lambdas=(0.2,),
+            kd=DistillConfig(router_lr=1e-4), teacher_ks=(2, 4, 8), ka_lambdas=(0.2,),
             ka_ms=(4,), lr_sweep=(1e-5, 1e-4, 3e-4, 1e-3), router_lr_sweep=(1e-5, 1e-4, 1e-3))
     return MoEKDConfig(
         model="smollm2_135m", dense_lm_chat=substrate_config("dense_lm_chat", "full"),
