@@ -39,7 +39,8 @@ class Draw(NamedTuple):
 class Setup(NamedTuple):
     """What every distillation run of the study shares: the data, and the teacher draws (one
     per training seed, or one for all: ``MoEKDConfig.teacher_draws``). ``moe_teacher``,
-    ``dense_teacher``, ``student_sft`` and ``score`` are the first seed's, the sweeps'."""
+    ``dense_teacher``, ``student_sft`` and ``score`` are the first seed's (the learning-rate
+    sweeps')."""
 
     kd: DistillConfig
     draws: tuple[Draw, ...]
