@@ -270,7 +270,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
             claim = (f"BlockFFN has {what} of the MoEs ({size}; Table 2"
                      f"{', Fig. 1a' if column == 'CLS_8' else ''})")
             out.append(all_hold(claim, pairs, "; ".join(c.evidence for c in pairs)))
-        out.append(_sparsity_levels(size, [r for r in by["BlockFFN"].values()]))
+        out.append(_sparsity_levels(size, list(by["BlockFFN"].values())))
     return out
 
 

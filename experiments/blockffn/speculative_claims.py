@@ -51,6 +51,11 @@ def _judged(c: Claim, head: str, fast: dict, spec: list[dict]) -> Claim:
         evidence=evidence)
 
 
+def _ratio(pair: tuple[dict, dict]) -> float:
+    """The first decoding's tokens/s over the second's."""
+    return float(pair[0]["tokens_per_s"]) / float(pair[1]["tokens_per_s"])
+
+
 def _best_ar(rows: list[dict], model: str) -> dict | None:
     """``model``'s faster autoregressive decoding (dense or token-sparse experts: which one
     is faster depends on the device), or None where neither was timed."""
@@ -70,14 +75,11 @@ def _over_ar(t: dict, rows: list[dict]) -> Claim:
         return Claim(claim[:claim.index(", same tokens")] + " (Sec. 4.3)", None,
                      "no model of >= 100M parameters was timed both ways")
 
-    def ratio(pair):
-        return float(pair[0]["tokens_per_s"]) / float(pair[1]["tokens_per_s"])
-
-    (best, ar) = max(spec, key=ratio)
+    (best, ar) = max(spec, key=_ratio)
     per_prompt = _prompt_speedups(t, best["model"], (ar["mode"], "", ""), (SPEC, *_key(best)))
-    c = threshold_claim(claim, per_prompt or [ratio((best, ar))], 1.5, fmt=".2f",
+    c = threshold_claim(claim, per_prompt or [_ratio((best, ar))], 1.5, fmt=".2f",
                         candidates=len(spec))
-    head = (f"{ratio((best, ar)):.2f}x {ar['mode']} ({float(ar['tokens_per_s']):.1f} tokens/s) "
+    head = (f"{_ratio((best, ar)):.2f}x {ar['mode']} ({float(ar['tokens_per_s']):.1f} tokens/s) "
             f"at n = {float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
             f"({float(best['tokens_per_s']):.1f} tokens/s, "
             f"{float(best['mean_accepted_length']):.2f} accepted per target pass)")
@@ -96,15 +98,12 @@ def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
         return Claim(claim, None, "no speculative decoding with both verifications was timed "
                                   "at >= 100M parameters")
 
-    def ratio(pair):
-        return float(pair[0]["tokens_per_s"]) / float(pair[1]["tokens_per_s"])
-
-    (fast, slow) = max(pairs, key=ratio)
+    (fast, slow) = max(pairs, key=_ratio)
     per_prompt = _prompt_speedups(t, fast["model"], (SPEC_DENSE, *_key(slow)),
                                   (SPEC, *_key(fast)))
-    c = threshold_claim(claim, per_prompt or [ratio((fast, slow))], 1.0, fmt=".2f",
+    c = threshold_claim(claim, per_prompt or [_ratio((fast, slow))], 1.0, fmt=".2f",
                         candidates=len(pairs))
-    head = (f"{ratio((fast, slow)):.2f}x at n = {float(fast['draft_len']):.0f}, "
+    head = (f"{_ratio((fast, slow)):.2f}x at n = {float(fast['draft_len']):.0f}, "
             f"{fast.get('draft') or 'the'} draft ({float(fast['tokens_per_s']):.1f} vs "
             f"{float(slow['tokens_per_s']):.1f} tokens/s)")
     return _judged(c, head, fast, [r for p in pairs for r in p])

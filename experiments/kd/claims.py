@@ -19,13 +19,19 @@ COMPARISONS = (
 )
 
 
+def _by_run(per_seed: list[dict]) -> dict:
+    """``{(teacher kind, method): {training seed: row}}`` of the ``per_seed`` table."""
+    by = {}
+    for r in per_seed:
+        by.setdefault((str(r["teacher"]).split()[0], r["method"]), {})[int(float(r["seed"]))] = r
+    return by
+
+
 def paired_rows(per_seed: list[dict]) -> list[dict]:
     """Each of :data:`COMPARISONS` both runs made, per training seed (ROUGE-L: the mean over
     the shared sampling seeds; perplexity: lower is better, so the sign is flipped), with
     ``teachers``, how many teacher draws the pairs came from (a row's ``teacher_draw``)."""
-    by = {}
-    for r in per_seed:
-        by.setdefault((r["teacher"].split()[0], r["method"]), {})[r["seed"]] = r
+    by = _by_run(per_seed)
     out = []
     for label, a, b in COMPARISONS:
         if a not in by or b not in by:
@@ -134,15 +140,6 @@ def draws_fault(label: str, rows: list[dict]) -> str | None:
 SFT = ("MoE", "SFT")
 
 
-def _by_run(per_seed: list[dict]) -> dict:
-    """``{(teacher kind, method): {training seed: ROUGE-L}}`` of the ``per_seed`` table."""
-    by = {}
-    for r in per_seed:
-        by.setdefault((str(r["teacher"]).split()[0], r["method"]), {})[
-            int(float(r["seed"]))] = float(r["rouge_l"])
-    return by
-
-
 def distilled(c: Claim, label: str, per_seed: list[dict] | None) -> Claim:
     """``c`` with its control: the winner of the method comparison ``label`` beats the SFT
     student trained on for the same steps without a teacher (Table 1's SFT baseline, "which
@@ -157,14 +154,15 @@ def distilled(c: Claim, label: str, per_seed: list[dict] | None) -> Claim:
     a, b = next((a, b) for lab, a, b in COMPARISONS if lab == label)
     by = _by_run(per_seed or [])
     seeds = sorted(set(by.get(a, {})) & set(by.get(b, {})))
-    return _beats_sft(c, by.get(a, {}), seeds, per_seed)
+    return _beats_sft(c, {s: float(by[a][s]["rouge_l"]) for s in seeds}, seeds, per_seed)
 
 
 def _beats_sft(c: Claim, winner: dict, seeds: list[int], per_seed: list[dict] | None) -> Claim:
     """``c`` where the winner (``{seed: ROUGE-L}``) beats the SFT student trained on alike
     over ``seeds`` (:func:`moejax.harness.claims.beats_control`)."""
     sft = _by_run(per_seed or []).get(SFT, {})
-    return beats_control(c, [winner[s] for s in seeds], [sft.get(s) for s in seeds],
+    return beats_control(c, [winner[s] for s in seeds],
+                         [float(sft[s]["rouge_l"]) if s in sft else None for s in seeds],
                          name="the SFT student trained on alike (no teacher)", fmt=".4f",
                          so="it distils nothing shown of its teacher")
 
