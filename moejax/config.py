@@ -15,6 +15,7 @@ Every config in moejax subclasses :class:`Config`:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import json
 import math
@@ -367,10 +368,11 @@ def _collect(
     names = {f.name for f in dataclasses.fields(cfg)}
     head = path[0]
     if head not in names:
-        raise ConfigError(
-            f"unknown config key {full_key!r}; allowed keys: "
-            + ", ".join(_allowed_keys(cfg, prefix))
-        )
+        allowed = _allowed_keys(cfg, prefix)
+        near = difflib.get_close_matches(full_key, allowed, n=3, cutoff=0.75)
+        guess = f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
+        raise ConfigError(f"unknown config key {full_key!r}{guess}; allowed keys: "
+                          + ", ".join(allowed))
     value = getattr(cfg, head)
     if len(path) > 1:
         if not isinstance(value, Config):

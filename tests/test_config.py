@@ -84,6 +84,17 @@ def test_unknown_key_names_allowed_keys():
     assert "inner.depth" in msg and "inner.width" in msg and "inner.act" in msg
 
 
+def test_a_misspelt_key_gets_its_nearest_keys_first():
+    with pytest.raises(ConfigError, match=r"unknown config key 'inner.widht' \(did you mean "
+                                          r"'inner.width'\?\); allowed keys: inner.width, "):
+        apply_overrides(_Outer(), ["inner.widht=3"])
+    with pytest.raises(ConfigError, match=r"'layer' \(did you mean 'layers'\?\)"):
+        apply_overrides(_Outer(), ["layer=(1,)"])
+    with pytest.raises(ConfigError) as e:  # nothing near: the list alone
+        apply_overrides(_Outer(), ["zzz=1"])
+    assert "did you mean" not in str(e.value) and "allowed keys: name, inner.width" in str(e.value)
+
+
 def test_a_key_given_twice_is_refused():
     with pytest.raises(ConfigError, match=r"inner.width is given twice \(inner.width=3 and "
                                           r"inner.width=4\)"):
