@@ -73,6 +73,13 @@ def _qkv_mask(B, T, S, H, G, J, seed=0):
     return q, k, v, k3
 
 
+# jax 0.11's Pallas interpreters: Mosaic TPU's runs through io callbacks, which tokamax's
+# remat-optimised VJP refuses (its values are checked, its gradients from jax 0.12 on), and
+# the HLO interpreter does not lower a ``program_id`` inside the kernel's loops, as the Triton
+# kernel's decode step has (its lowering for cuda is proven by the export tests)
+OLD_INTERPRETERS = jax.__version_info__ < (0, 12)
+
+
 @contextlib.contextmanager
 def _pallas_interpreted(platform: str):
     """Run ``platform``'s Pallas kernels on the CPU in Pallas's interpreters: Mosaic TPU's
@@ -114,6 +121,8 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
     a decode step, so a TPU decodes on XLA's attention)."""
     from moejax.kernels.flash_attention import flash_kernel
 
+    if OLD_INTERPRETERS and platform == "cuda" and case != "train":
+        pytest.skip("jax < 0.12: the HLO interpreter does not lower program_id in a loop")
     B, H, G = 2, 4, 2
     if case == "train":
         T = S = 128
@@ -141,7 +150,8 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
                    static_argnums=3)
     (_, want), g_want = grad(q, k, v, False)
     with _pallas_interpreted(platform):
-        if platform == "cuda":  # Triton's VJP kernels do not run in the HLO interpreter
+        if platform == "cuda" or OLD_INTERPRETERS:  # Triton's VJP kernels do not run in
+            # the HLO interpreter (nor, on jax 0.11, tokamax's TPU VJP in Mosaic's)
             got, g_got = jax.jit(loss, static_argnums=3)(q, k, v, True)[1], ()
         else:
             (_, got), g_got = grad(q, k, v, True)
