@@ -76,7 +76,8 @@ def _qkv_mask(B, T, S, H, G, J, seed=0):
 # jax 0.11's Pallas interpreters: Mosaic TPU's runs through io callbacks, which tokamax's
 # remat-optimised VJP refuses (its values are checked, its gradients from jax 0.12 on), and
 # the HLO interpreter does not lower a ``program_id`` inside the kernel's loops, as the Triton
-# kernel's decode step has (its lowering for cuda is proven by the export tests)
+# kernel's decode step has (on a CPU; a GPU compiles it, and the export tests prove its
+# lowering for cuda)
 OLD_INTERPRETERS = jax.__version_info__ < (0, 12)
 
 
@@ -113,15 +114,17 @@ def _pallas_interpreted(platform: str):
                                            ("cuda", "decode"), ("cuda", "decode one")])
 def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, case):
     """tokamax's flash attention, the kernel ``impl="flash"`` runs on a TPU (Mosaic: values
-    and gradients) or an NVIDIA GPU (Triton: values), in Pallas's interpreters: causal
-    training attention with GQA, padded keys and a fully masked query row, and a decode
+    and gradients) or an NVIDIA GPU (Triton: values; compiled on a GPU, training's
+    gradients too), in Pallas's interpreters: causal training attention with GQA, padded
+    keys and a fully masked query row, and a decode
     step's 3 (or 1) new tokens over a cache whose rows hold 100 and 37 valid slots, given as
     the rows' lengths (the kernel's key loop ends there; one new token needs no mask beside
     them) as a GPU decode step runs it (the TPU kernel takes query blocks of 128 and declines
     a decode step, so a TPU decodes on XLA's attention)."""
     from moejax.kernels.flash_attention import flash_kernel
 
-    if OLD_INTERPRETERS and platform == "cuda" and case != "train":
+    compiled = platform == "cuda" and jax.default_backend() == "gpu"  # else interpreted
+    if OLD_INTERPRETERS and platform == "cuda" and case != "train" and not compiled:
         pytest.skip("jax < 0.12: the HLO interpreter does not lower program_id in a loop")
     B, H, G = 2, 4, 2
     if case == "train":
@@ -150,8 +153,10 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
                    static_argnums=3)
     (_, want), g_want = grad(q, k, v, False)
     with _pallas_interpreted(platform):
-        if platform == "cuda" or OLD_INTERPRETERS:  # Triton's VJP kernels do not run in
-            # the HLO interpreter (nor, on jax 0.11, tokamax's TPU VJP in Mosaic's)
+        # Triton's VJP kernels do not run in the HLO interpreter (nor, on jax 0.11, tokamax's
+        # TPU VJP in Mosaic's); a GPU compiles them, and training is what takes gradients
+        grads = (compiled and case == "train") or (platform == "tpu" and not OLD_INTERPRETERS)
+        if not grads:
             got, g_got = jax.jit(loss, static_argnums=3)(q, k, v, True)[1], ()
         else:
             (_, got), g_got = grad(q, k, v, True)
