@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from moejax.train.distributed import cpu_devices_env
+from moejax.xla_flags import with_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,6 +16,12 @@ def run_on_devices(script: str, n_devices: int = 8, timeout: int = 600) -> str:
     CPU devices; fail the test unless it exits 0 and its output ends with ``OK``. Returns
     the output, for the caller to check the stages the script reports."""
     env = cpu_devices_env(n_devices)  # keeps the suite's XLA flags and compilation cache
+    # the simulated devices share two cores with the other pytest worker: XLA's 40 s for every
+    # device to reach a collective can pass under that load (a false "stuck" abort); a real
+    # hang still ends at 240 s, inside every caller's subprocess timeout
+    env["XLA_FLAGS"] = with_flags(["--xla_cpu_collective_call_warn_stuck_timeout_seconds=60",
+                                   "--xla_cpu_collective_call_terminate_timeout_seconds=240"],
+                                  env)
     r = subprocess.run([sys.executable, "-c", script.replace("ROOT", repr(ROOT), 1)], env=env,
                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.stdout[-3000:]
