@@ -116,11 +116,11 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
     """tokamax's flash attention, the kernel ``impl="flash"`` runs on a TPU (Mosaic: values
     and gradients) or an NVIDIA GPU (Triton: values; compiled on a GPU, training's
     gradients too), in Pallas's interpreters: causal training attention with GQA, padded
-    keys and a fully masked query row, and a decode
-    step's 3 (or 1) new tokens over a cache whose rows hold 100 and 37 valid slots, given as
-    the rows' lengths (the kernel's key loop ends there; one new token needs no mask beside
-    them) as a GPU decode step runs it (the TPU kernel takes query blocks of 128 and declines
-    a decode step, so a TPU decodes on XLA's attention)."""
+    keys and a fully masked query row, and a decode step's 3 (or 1) new tokens over a cache
+    whose rows hold 100 and 37 valid slots, given as the rows' lengths (the kernel's key loop
+    ends there; one new token needs no mask beside them) as a GPU decode step runs it (the TPU
+    kernel takes query blocks of 128 and declines a decode step, so a TPU decodes on XLA's
+    attention)."""
     from moejax.kernels.flash_attention import flash_kernel
 
     compiled = platform == "cuda" and jax.default_backend() == "gpu"  # else interpreted
