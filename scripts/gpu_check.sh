@@ -2,8 +2,8 @@
 # The GPU checks with whatever python has jax with CUDA (PYTHON, default python3): no virtual
 # environment, nothing downloaded. WHEELHOUSE=DIR (scripts/gpu_wheelhouse.sh) installs the
 # wheels there into a folder of their own first (its floor/ ones only where the image's
-# flax, optax, chex or orbax-checkpoint is older than the project's floor). Stages (default:
-# all):
+# flax, optax, chex or orbax-checkpoint is missing or outside pyproject.toml's range:
+# scripts/unmet_deps.py). Stages (default: all):
 #   tests        the kernel, dispatch and layer tests with the kernels compiled for the GPU,
 #                and the timers' (the device loop runs a call in every iteration there too)
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
@@ -86,18 +86,8 @@ if [ -n "${WHEELHOUSE:-}" ]; then
   site=$(mktemp -d /tmp/moejax-site.XXXX)
   "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
     "$WHEELHOUSE"/*.whl || { echo "gpu_check: installing $WHEELHOUSE failed" >&2; exit 1; }
-  old=$("$py" - <<'PY'
-import importlib.metadata as md
-from packaging.version import Version
-floors = {"flax": "0.12.8", "optax": "0.2.6", "chex": "0.1.91", "orbax_checkpoint": "0.12.8"}
-def below(name, floor):
-    try:
-        return Version(md.version(name)) < Version(floor)
-    except md.PackageNotFoundError:
-        return True
-print(" ".join(n for n, v in floors.items() if below(n, v)))
-PY
-)
+  # the image's flax, optax, chex and orbax-checkpoint outside pyproject.toml's ranges
+  old=$("$py" scripts/unmet_deps.py flax optax chex orbax_checkpoint) || exit 1
   for name in $old; do
     "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
       "$WHEELHOUSE"/floor/"$name"-*.whl || exit 1

@@ -3,9 +3,10 @@
 # orbax, chex and torch: tokamax with what importing it pulls in, and tensorflow-datasets (the
 # studies' data layer) with what building and reading its array_record datasets needs
 # (array-record, dm-tree and theirs), for CPython 3.12 on x86-64 Linux; floor/ holds
-# flax, optax, chex and orbax-checkpoint for an image older than pyproject.toml's floors. These
-# versions ran the GPU checks on an H200 with jax 0.11.2. Run it where pip reaches a registry,
-# carry DIR to the GPU machine, then: WHEELHOUSE=DIR scripts/gpu_check.sh OUT_DIR
+# flax, optax, chex and orbax-checkpoint for an image whose own are outside pyproject.toml's
+# ranges (scripts/unmet_deps.py). These versions ran the GPU checks on an H200 with jax
+# 0.11.2. Run it where pip reaches a registry, carry DIR to the GPU machine, then:
+# WHEELHOUSE=DIR scripts/gpu_check.sh OUT_DIR
 # Usage: scripts/gpu_wheelhouse.sh DIR
 set -euo pipefail
 dir=${1:?usage: scripts/gpu_wheelhouse.sh DIR}
