@@ -10,8 +10,8 @@ STAMP  := $(VENV)/.moejax-installed
 DEPS   := pyproject.toml scripts/install_data_deps.sh
 ARGS   ?=
 
-.PHONY: demo studies results test setup lint bench full-smoke full-aot smoke-devices gpu-check \
-        clean-runs
+.PHONY: demo studies results test test-floor setup lint bench full-smoke full-aot smoke-devices \
+        gpu-check clean-runs
 
 # glibc: put large allocations (XLA's per-step buffers) on transparent huge pages, one page
 # fault per 2 MiB instead of per 4 KiB (moejax.kernels.host_memory; ignored off glibc >= 2.35). An
@@ -59,6 +59,14 @@ gpu-check: setup
 
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
+
+# The suite on the lowest jax pyproject.toml allows (a GPU machine's may be that old): that jax
+# and jaxlib in a folder of their own ahead of the virtualenv's, which stays as it is
+JAX_FLOOR := $(shell sed -n 's/^ *"jax>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+test-floor: setup
+	test -d $(VENV)/jax-floor/jax-$(JAX_FLOOR).dist-info || $(PY) -m pip install -q --no-deps \
+	  --target $(VENV)/jax-floor "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)"
+	PYTHONPATH=$(VENV)/jax-floor JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 setup: $(STAMP)
 
