@@ -367,3 +367,13 @@ def test_the_tokenizer_travels_with_the_export(tmp_path):
     (bad / "generation_config.json").unlink()
     with pytest.raises(WeightFileError, match="eos_token_id=50279 is outside the tokenizer's"):
         tokenizer_from_hf_dir(bad)
+
+
+def test_a_missing_or_unreadable_config_is_refused_with_its_fix(tmp_path):
+    with pytest.raises(WeightFileError, match=r"config.json: no such file. Fix: give the "
+                                              r"directory of a Hugging Face checkpoint"):
+        load_hf_moe(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(WeightFileError, match=r"unreadable config.json \(JSONDecodeError: .*"
+                                              r"Fix: copy the checkpoint's config.json again"):
+        load_hf_moe(tmp_path)

@@ -166,9 +166,13 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
         path = Path(config_json)
         try:
             c = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise WeightFileError(path, "no such file", "give the directory of a Hugging Face "
+                                  "checkpoint, which holds its config.json and *.safetensors "
+                                  "shards") from None
         except (OSError, ValueError) as e:
             raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
-                                  _FIX) from None
+                                  "copy the checkpoint's config.json again") from None
     kind, fam = _family(path, c)
     try:
         return _decoder_config(c, fam, dispatch, overrides)
