@@ -66,7 +66,7 @@ JAX_FLOOR := $(shell sed -n 's/^ *"jax>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 test-floor: setup
 	test -d $(VENV)/jax-floor/jax-$(JAX_FLOOR).dist-info || $(PY) -m pip install -q --no-deps \
 	  --target $(VENV)/jax-floor "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)"
-	PYTHONPATH=$(VENV)/jax-floor JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
+	PYTHONPATH=$(abspath $(VENV))/jax-floor JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 setup: $(STAMP)
 
