@@ -5,8 +5,10 @@ need per-input-feature statistics of the activations ``x`` that multiply each ma
 (``y = x @ W``). moejax models use their parameters as ``x @ self.w[...]``, so instead of adding
 hooks we trace ``fn(params)`` to a jaxpr and interpret it eagerly: every ``dot_general`` whose
 right operand is (a dtype cast of) a 2-D parameter leaf contracted over its first axis records
-its left operand. Nested ``jit``/``pjit`` calls are interpreted recursively; every other
-primitive is bound as in ``jax.core.eval_jaxpr``.
+its left operand. The inner programs of ``jit``, ``remat`` and custom derivatives are
+interpreted in turn, and ``scan``, ``while`` and ``cond`` run as Python loops and branches, so
+a body's matmuls see every step's inputs (a matrix the body closes over keeps its tag); every
+other primitive is bound as in ``jax.core.eval_jaxpr``.
 
     stats = matmul_input_stats(lambda prm: model_fn(prm, batch), params)
     stats["blocks/0/ffn/w_up"].mean_abs, .l2, .mean    # [d_in] each
@@ -36,7 +38,9 @@ from moejax.delta.tree import leaf_paths
 __all__ = ["MatrixInputStats", "matmul_input_stats"]
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
-_CALLS = {"pjit", "jit", "closed_call", "core_call"}
+# primitives that run an inner jaxpr once on their operands (jit, remat, custom derivatives)
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
 class MatrixInputStats(NamedTuple):
@@ -49,8 +53,73 @@ class MatrixInputStats(NamedTuple):
     mean: np.ndarray | None = None
 
 
+def _open(j):
+    """``(jaxpr, consts)`` of a closed or an open jaxpr."""
+    return (j.jaxpr, j.consts) if hasattr(j, "consts") else (j, ())
+
+
+def _run(j, args, tags, record):
+    jaxpr, consts = _open(j)
+    return _interpret(jaxpr, consts, args, tags, record)[0]
+
+
+def _scan_operands(prm, vals) -> list[list]:
+    """``[consts, carry, xs]`` of a scan's operands (or of their tags); jax 0.12 describes the
+    split by a flat tree, jax 0.11 by counts."""
+    if "ft_in" in prm:
+        return [list(part) for part in prm["ft_in"].update(list(vals)).unpack()]
+    nc, ncar = prm["num_consts"], prm["num_carry"]
+    return [list(vals[:nc]), list(vals[nc:nc + ncar]), list(vals[nc + ncar:])]
+
+
+def _scan(eqn, invals, in_tags, record):
+    """``lax.scan`` as a Python loop, so the body's matmuls see every step's inputs; the
+    scan's constants keep their parameter tags (a matrix closed over by the body)."""
+    prm = eqn.params
+    consts, carry, xs = _scan_operands(prm, invals)
+    const_tags = _scan_operands(prm, in_tags)[0]
+    tags = const_tags + [None] * (len(carry) + len(xs))
+    n, ys = prm["length"], [None] * prm["length"]
+    if n == 0:  # no step runs: the scan's own outputs
+        return _bind(eqn, invals)
+    for i in (range(n - 1, -1, -1) if prm["reverse"] else range(n)):
+        out = _run(prm["jaxpr"], consts + carry + [x[i] for x in xs], tags, record)
+        carry, ys[i] = out[:len(carry)], out[len(carry):]
+    n_ys = len(eqn.outvars) - len(carry)
+    return carry + [jnp.stack([y[k] for y in ys]) for k in range(n_ys)]
+
+
+def _while(eqn, invals, in_tags, record):
+    """``lax.while_loop`` (and ``fori_loop``) as a Python loop."""
+    prm = eqn.params
+    cn, bn = prm["cond_nconsts"], prm["body_nconsts"]
+    cc, bc, carry = invals[:cn], invals[cn:cn + bn], invals[cn + bn:]
+    ctags = list(in_tags[:cn]) + [None] * len(carry)
+    btags = list(in_tags[cn:cn + bn]) + [None] * len(carry)
+    while bool(_run(prm["cond_jaxpr"], cc + carry, ctags, record)[0]):
+        carry = _run(prm["body_jaxpr"], bc + carry, btags, record)
+    return carry
+
+
+def _cond(eqn, invals, in_tags, record):
+    """``lax.cond`` / ``switch``: the branch the index picks, on the operands."""
+    branch = eqn.params["branches"][int(invals[0])]
+    return _run(branch, invals[1:], in_tags[1:], record)
+
+
+def _bind(eqn, invals) -> list:
+    """The primitive of ``eqn`` applied to ``invals``, as ``jax.core.eval_jaxpr`` does."""
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+_LOOPS = {"scan": _scan, "while": _while, "cond": _cond}
+
+
 def _interpret(jaxpr, consts, args, arg_tags, record):
-    """Eagerly evaluate ``jaxpr``; ``arg_tags[i]`` is the param-leaf index of input i (or None)."""
+    """Eagerly evaluate ``jaxpr``; ``arg_tags[i]`` is the param-leaf index of input i (or None).
+    Returns the outputs and, per output, its tag (always None: a tag marks a parameter)."""
     env, tags = {}, {}
 
     def read(v):
@@ -66,18 +135,17 @@ def _interpret(jaxpr, consts, args, arg_tags, record):
         invals = [read(v) for v in eqn.invars]
         in_tags = [None if isinstance(v, Literal) else tags.get(v) for v in eqn.invars]
         name = eqn.primitive.name
-        if name in _CALLS and "jaxpr" in eqn.params:
-            sub = eqn.params["jaxpr"]
-            outs, out_tags = _interpret(sub.jaxpr, sub.consts, invals, in_tags, record)
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if name in _CALLS and inner is not None:
+            outs, out_tags = _run(inner, invals, in_tags, record), [None] * len(eqn.outvars)
+        elif name in _LOOPS:
+            outs, out_tags = _LOOPS[name](eqn, invals, in_tags, record), [None] * len(eqn.outvars)
         else:
             if name == "dot_general" and in_tags[1] is not None:
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 if tuple(rc) == (0,) and not rb and jnp.ndim(invals[1]) == 2:
                     record(in_tags[1], invals[0])
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = _bind(eqn, invals)
             out_tags = [in_tags[0] if name in _PASSTHROUGH else None] * len(outs)
         for v, o, t in zip(eqn.outvars, outs, out_tags):
             env[v] = o
@@ -86,17 +154,14 @@ def _interpret(jaxpr, consts, args, arg_tags, record):
     return [read(v) for v in jaxpr.outvars], [None] * len(jaxpr.outvars)
 
 
-def matmul_input_stats(
-    fn: Callable[[Any], Any], params: Any, batches: int | None = None
-) -> dict[str, MatrixInputStats]:
+def matmul_input_stats(fn: Callable[[Any], Any], params: Any) -> dict[str, MatrixInputStats]:
     """``{leaf_path: MatrixInputStats}`` for every 2-D leaf of ``params`` used as ``x @ W``.
 
-    ``fn(params)`` runs the model on fixed data (close over the batch); call this once per
-    calibration batch and merge, or pass a ``fn`` that loops over several batches. A matrix used
-    several times (e.g. tied weights) accumulates all its inputs. Leaves never used as the right
-    operand of a matmul (embeddings looked up by index, vectors) are absent.
+    ``fn(params)`` runs the model on fixed data (close over the batch); for several
+    calibration batches, pass a ``fn`` that runs them all. A matrix used several times (several
+    batches, tied weights) accumulates all its inputs. Leaves never used as the right operand
+    of a matmul (embeddings looked up by index, vectors) are absent.
     """
-    del batches
     flat, treedef = jax.tree_util.tree_flatten(params)
     paths = leaf_paths(params)
     closed = jax.make_jaxpr(lambda fl: fn(jax.tree_util.tree_unflatten(treedef, fl)))(flat)
