@@ -1,6 +1,7 @@
 """Configs: validation at construction, JSON round trip, key=value overrides that fail fast."""
 
 import dataclasses
+import re
 from typing import Literal
 
 import pytest
@@ -163,3 +164,46 @@ def test_help_lists_the_studys_variants(capsys):
     assert moee.STUDY.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "[variant=NAME]" in out and "variant minilm: model=minilm seeds=3" in out
+
+
+def _numeric_keys(cfg, prefix=""):
+    """The override keys of ``cfg``'s int and float fields (nested configs too)."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, Config):
+            yield from _numeric_keys(v, f"{prefix}{f.name}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{prefix}{f.name}"
+
+
+def test_every_study_refuses_a_negative_number_before_it_runs():
+    """No size, count, seed, coefficient or rate of any study takes -1 (only a mesh axis,
+    where -1 means "all remaining devices"); each is refused with the key named."""
+    import importlib
+
+    from experiments import STUDIES
+
+    checked = 0
+    for module in STUDIES.values():
+        cfg = importlib.import_module(module).STUDY.make_config("quick")
+        for key in _numeric_keys(cfg):
+            if key.rsplit(".", 1)[-1] == "mesh_data":
+                continue
+            with pytest.raises(ConfigError, match=key.rsplit(".", 1)[-1]):
+                apply_overrides(cfg, [f"{key}=-1"])
+            checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("override, why", [
+    ("n_test=0", "n_test=0: must be >= 1"),                      # moe_kd
+    ("seeds=0", "seeds=0: must be >= 1 (the number of seeds)"),  # every paired study
+    ("kd.kd_ratio=1.5", "kd_ratio=1.5: must lie in [0, 1]"),
+    ("upcycle.sm_rate=2.0", "sm_rate=2.0: must lie in [0, 1]"),
+    ("upcycle.lm_rank=0", "lm_rank=0: must be >= 1"),
+])
+def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
+    from experiments.kd.moe_kd import make_config
+
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        apply_overrides(make_config("quick"), [override])

@@ -61,10 +61,10 @@ class DraftDistillConfig(Config):
         r(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)")
 
     def distill(self) -> DistillConfig:
-        """The :class:`DistillConfig` of this recipe (pad/eos unused: byte windows have
-        neither, so no response ends early)."""
+        """The :class:`DistillConfig` of this recipe (no EOS and no padding: byte windows
+        have neither, so every response runs to its full length)."""
         return DistillConfig(method=self.method, kd_ratio=1.0, on_policy_fraction=1.0,
-                             temperature=1.0, eos_id=-1, pad_id=0)
+                             temperature=1.0, eos_id=None, pad_id=0)
 
 
 def target_continuations(target: DecoderLM, prompts_PT, response_len: int, *, key: jax.Array,

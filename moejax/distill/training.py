@@ -96,7 +96,7 @@ class DistillConfig(Config):
     # recomputes one teacher block at a time in that backward instead of keeping every
     # block's activations (same gradient, one more teacher forward)
     sar_remat: bool = True
-    eos_id: int = 2  # ends a sampled response (ByteTokenizer's EOS)
+    eos_id: int | None = 2  # ends a sampled response (ByteTokenizer's EOS); None: never
     pad_id: int = 0
 
     def validate(self):
