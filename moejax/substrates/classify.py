@@ -26,7 +26,7 @@ from moejax.data.batches import ClassificationBatches
 from moejax.data.tokenizer import ByteTokenizer
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
 from moejax.io._common import jit_init
-from moejax.io.minilm import load_minilm
+from moejax.io.minilm import MINILM_MAX_POSITION, load_minilm
 from moejax.nn.encoder import (
     SequenceClassifier,
     ViT,
@@ -62,6 +62,9 @@ class ViTSubstrateConfig(Config):
     n_heads: int = 4
     d_hidden: int = 128
     train: TrainConfig = TrainConfig()
+
+    def validate(self) -> None:  # the ViT this config builds must be valid too
+        self._checked(self.vit)
 
     def vit(self):
         return vit_config(image_size=28, patch_size=self.patch_size, d_model=self.d_model,
@@ -118,6 +121,10 @@ class MiniLMTaskConfig(Config):
     max_train_examples: int = 0  # 0 = the whole train split
     eval_examples: int = 1024  # first rows of the validation split (0 = all)
     train: TrainConfig = TrainConfig()
+
+    def validate(self) -> None:
+        self._require(self.seq_len <= MINILM_MAX_POSITION,
+                      f"seq_len={self.seq_len} exceeds MiniLM's {MINILM_MAX_POSITION} positions")
 
 
 def minilm_task_config(task: str, preset: str) -> MiniLMTaskConfig:
@@ -195,6 +202,9 @@ class ByteEncoderTaskConfig(Config):
     eval_examples: int = 500
     train: TrainConfig = adam_linear_config(300, 2e-3, batch_size=32, optimizer="adamw",
                                             weight=0.01, warmup=30)
+
+    def validate(self) -> None:  # the encoder this config builds must be valid too
+        self._checked(self.encoder)
 
     def encoder(self):
         return bert_encoder_config(vocab_size=259, d_model=self.d_model,
