@@ -213,8 +213,12 @@ def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
     ("experiments.extraction.moee", "vit.patch_size=5", "must be a multiple of patch_size=5"),
     ("experiments.extraction.moee", "minilm.seq_len=600", "exceeds MiniLM's 512 positions"),
     ("experiments.darex.encoder", "substrate.n_heads=3", "ByteEncoderTaskConfig"),
+    ("experiments.ders.bench", "n_heads=3", "d_model=512 is not divisible by n_heads=3"),
+    ("experiments.ders.bench", "lm_rank=1000", "lm_rank=1000 exceeds min(d_in, d_out) = 512"),
+    ("experiments.ders.upcycling", "top_k=10", "top_k=10 must be in [1, n_experts=4]"),
+    ("experiments.benchmarks.dispatch", "block_top_k=9", "block_top_k=9 must be <= block_"),
 ])
-def test_a_substrate_that_would_build_a_bad_model_is_refused(module, override, why):
+def test_a_config_that_would_build_a_bad_model_is_refused(module, override, why):
     import importlib
 
     cfg = importlib.import_module(module).STUDY.make_config("quick")

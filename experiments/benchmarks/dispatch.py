@@ -115,6 +115,9 @@ class BenchConfig(Config):
         self._require(not bad, f"paths={bad} unknown; allowed: {', '.join(allowed)}")
         self._require(self.steps >= 1 and self.warmup >= 1, "steps and warmup must be >= 1")
         self._require(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
+        self._require(self.block_top_k <= self.block_experts,
+                      f"block_top_k={self.block_top_k} must be <= block_experts="
+                      f"{self.block_experts}")
 
 
 def make_config(preset: str) -> BenchConfig:

@@ -34,7 +34,7 @@ from moejax.config import Config, config
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
-from moejax.nn.ders_moe import DeRSMoE, expert_bytes_per_token
+from moejax.nn.ders_moe import DeRSMoE, check_lm_rank, expert_bytes_per_token
 from moejax.nn.moe import MoE
 from moejax.nn.surgery import with_slot_config
 from moejax.ops.losses import cross_entropy
@@ -71,6 +71,15 @@ class DeRSBenchConfig(Config):
           + self.max_new_tokens + 7, "train_batch >= 1 and train_seq within the models' "
           "max_seq_len (prompt_len + max_new_tokens + 8, minus the shifted target)")
         r(self.capacity > 0, f"capacity={self.capacity} must be > 0")
+        self._checked(self.dense_config)  # heads that divide d_model ...
+        self._checked(check_lm_rank, self.lm_rank, "gate", self.d_model, self.d_hidden)
+
+    def dense_config(self):
+        """The dense decoder every MoE is upcycled from."""
+        return dense_decoder_config(vocab_size=self.vocab_size, d_model=self.d_model,
+                                    n_layers=self.n_layers, n_heads=self.n_heads,
+                                    d_hidden=self.d_hidden,
+                                    max_seq_len=self.prompt_len + self.max_new_tokens + 8)
 
 
 def make_config(preset: str) -> DeRSBenchConfig:
@@ -101,10 +110,7 @@ def _random_increments(model, seed: int):
 
 
 def _models(cfg: DeRSBenchConfig):
-    dense = DecoderLM(dense_decoder_config(
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads, d_hidden=cfg.d_hidden,
-        max_seq_len=cfg.prompt_len + cfg.max_new_tokens + 8), rngs=nnx.Rngs(cfg.seed))
+    dense = DecoderLM(cfg.dense_config(), rngs=nnx.Rngs(cfg.seed))
     moe = UPCYCLE_MOE.replace(n_experts=cfg.n_experts, top_k=cfg.top_k)
     out = {}
     for form in ("vanilla", "sm", "lm"):

@@ -87,6 +87,7 @@ class DeRSUpcyclingConfig(Config):
             self._require(max(self.lm_ranks + (self.frozen_lm_rank,)) <= full,
                           f"lm_ranks={self.lm_ranks} / frozen_lm_rank={self.frozen_lm_rank}: "
                           f"a rank past min(d_model, d_hidden) = {full} is full rank already")
+        self._checked(_variants, self)  # every variant's MoE builds (top_k <= n_experts ...)
         if self.baseline:
             hf = self.hf_baseline()
             self._require(self.substrate.seq_len <= hf.max_seq_len,
