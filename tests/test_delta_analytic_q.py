@@ -268,3 +268,13 @@ def test_two_sided_agrees_with_the_official_float16_scan():
         else:
             assert theirs <= ours + 0.003
     assert compared >= 3
+
+
+def test_a_selected_leaf_without_input_statistics_is_named():
+    from moejax.delta import eta_grid
+
+    d, x = _layer(d_out=64)
+    for fn in (lambda: eta_grid({"w": d, "v": d}, {"w": True, "v": True}, {"w": x}, 0.9),
+               lambda: analytic_q_tree({"w": d, "v": d}, {"w": x}, 0.9, 0.1)):
+        with pytest.raises(ValueError, match="no input statistic for selected leaf 'v'"):
+            fn()

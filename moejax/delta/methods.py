@@ -68,6 +68,9 @@ def eta_grid(delta_tree, mask, x_stat: dict, p: float, num: int = 12, *,
                           jax.tree_util.tree_leaves(mask)):
         if not m:
             continue
+        if path not in x_stat:
+            raise ValueError(f"eta_grid: no input statistic for selected leaf {path!r}; add it "
+                             "to x_stat or deselect the leaf via mask.")
         s1, s2 = coefficient_sums(d, x_stat[path], signed=signed)
         ratio = np.abs(s1[s2 > 0]) / s2[s2 > 0]
         ratio = ratio[ratio > 0]
