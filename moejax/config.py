@@ -18,11 +18,12 @@ import dataclasses
 import difflib
 import importlib
 import json
-import math
 import sys
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
+
+from moejax.config_names import convention_error
 
 __all__ = [
     "Config",
@@ -96,50 +97,10 @@ def _check_value(owner: str, name: str, tp, value) -> None:
             raise ConfigError(f"{owner}.{name}={value!r}: expected a float.")
 
 
-# Conventions every config shares, checked by field name (also inside tuples such as
-# ``draft_lens``): sizes and counts are positive, a count of seeds too; seeds, token ids,
-# coefficients, weights and the counts where 0 means "none" or "all" are non-negative; rates
-# and fractions lie in [0, 1]; floats are finite.
-_POSITIVE_INTS = {"seq_len", "eval_batches", "batch_size", "steps", "d_model", "n_layers",
-                  "n_heads", "vocab_size", "max_seq_len", "n_experts", "n_seeds",
-                  "d_hidden", "d_expert", "n_tokens", "eval_batch_size", "n_kv_heads",
-                  "patch_size", "n_train", "n_val", "n_test", "n_adj", "n_st", "n_prompts",
-                  "corpus_bytes", "max_new_tokens", "q_num", "eta_num", "ka_m", "ka_ms",
-                  "draft_lens", "n_clusters", "block_d", "block_f", "block_tokens",
-                  "block_experts", "block_top_k", "ffn_width", "sample_tokens", "tokens"}
-_POSITIVE_SUFFIXES = ("_d_model", "_d_expert", "_n_layers", "_rank", "_ranks", "_len",
-                      "_repeats", "repeats")
-_NON_NEGATIVE = {"seed", "alpha", "top_k", "n_shared", "n_shared_experts", "extra_layers",
-                 "eval_examples", "max_train_examples", "eval_rows", "weight_decay",
-                 "l2_sweep"}
-_NON_NEGATIVE_SUFFIXES = ("_seed", "_id", "_coef", "_weight", "_lam0", "_eps", "_std",
-                          "_lambda", "_lambdas", "_beta")
-_UNIT_INTERVAL = {"sm_rate", "sm_rates", "frozen_sm_rate", "target_tls", "kd_alpha",
-                  "jsd_beta", "kd_ratio", "on_policy_fraction"}
-
-
 def _check_by_name(owner: str, name: str, value) -> None:
-    if isinstance(value, bool):
-        return
-    numbers = [v for v in (value if isinstance(value, tuple) else (value,))
-               if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if name in _POSITIVE_INTS or name.endswith(_POSITIVE_SUFFIXES):
-        if any(isinstance(v, int) and v < 1 for v in numbers):
-            raise ConfigError(f"{owner}.{name}={value}: must be >= 1")
-    if name in _NON_NEGATIVE or name.endswith(_NON_NEGATIVE_SUFFIXES):
-        if any(v < 0 for v in numbers):
-            why = " (PRNG seeds are unsigned)" if "seed" in name else ""
-            raise ConfigError(f"{owner}.{name}={value}: must be >= 0{why}")
-    if name == "seeds" or name.endswith("_seeds"):  # a count of seeds, or the seeds
-        if isinstance(value, int) and value < 1:
-            raise ConfigError(f"{owner}.{name}={value}: must be >= 1 (the number of seeds)")
-        if any(v < 0 for v in numbers):
-            raise ConfigError(f"{owner}.{name}={value}: seeds must be >= 0 (PRNG seeds are "
-                              "unsigned)")
-    if name in _UNIT_INTERVAL and any(not 0 <= v <= 1 for v in numbers):
-        raise ConfigError(f"{owner}.{name}={value}: must lie in [0, 1]")
-    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
-        raise ConfigError(f"{owner}.{name}={value}: must be a finite number")
+    why = convention_error(name, value)
+    if why is not None:
+        raise ConfigError(f"{owner}.{name}={value}: {why}")
 
 
 class Config:
