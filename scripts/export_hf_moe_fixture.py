@@ -9,7 +9,7 @@ import sys
 
 from flax import nnx
 
-from moejax.io.hf_moe import save_hf_moe
+from moejax.io.hf_moe_save import save_hf_moe
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from moejax.io._common import WeightFileError, flat_params
-from moejax.io.hf_moe import load_hf_moe, save_hf_moe
+from moejax.io.hf_moe import load_hf_moe
+from moejax.io.hf_moe_save import save_hf_moe
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.slots import layer_pattern
@@ -172,7 +173,7 @@ def test_models_without_a_hugging_face_layout_are_not_exported(tmp_path, cfg, wo
 
 
 def test_a_plain_moe_exports_as_mixtral_and_qwen_layers_as_their_family(tmp_path):
-    from moejax.io.hf_moe import _family_of
+    from moejax.io.hf_moe_save import _family_of
 
     assert _family_of(_moe_decoder()) == "mixtral"
     assert _family_of(_moe_decoder(n_shared_experts=1, shared_gate=True)) == "qwen2_moe"

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
 BELOW = {"ops": {"ops"}, "kernels": {"ops", "kernels"}, "nn": {"ops", "kernels", "nn"}}
-FOUNDATION = {"config", "config_names", "capture", "files", "xla_flags", "pytree"}  # no moejax layer
+# no moejax layer
+FOUNDATION = {"config", "config_names", "capture", "files", "xla_flags", "pytree"}
 
 
 def _imports(path: Path) -> set[str]:

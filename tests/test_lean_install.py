@@ -24,8 +24,8 @@ BLOCKED = ("tqdm", "matplotlib", "tensorflow_datasets", "tensorflow", "array_rec
 # the study stack: these modules need an extra and must say which when imported
 NEEDS_AN_EXTRA = re.compile(
     r"^moejax\.(data\.(builders_\w+|cards|corpora|datasets|loader|tfds_base|token_cache)"
-    r"|evaluate_generation|extract\.(finetune|start)|io\.(hf_moe|minilm|safetensors_io)|sparse_lm"
-    r"|substrates(\..*)?)$")
+    r"|evaluate_generation|extract\.(finetune|start)"
+    r"|io\.(hf_moe|hf_moe_save|minilm|safetensors_io)|sparse_lm|substrates(\..*)?)$")
 
 
 

@@ -8,6 +8,8 @@
   params.
 * :mod:`moejax.io.gguf`: GGUF reading and dequantisation; :mod:`moejax.io.hf_tokenizer`:
   pretrained tokenizers with the moejax interface.
+* :mod:`moejax.io.hf_moe` / :mod:`moejax.io.hf_moe_save`: Hugging Face MoE checkpoints
+  (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) in and out.
 
 Submodules are imported lazily (``from moejax.io import load_smollm2`` works) so that
 ``import moejax.io`` stays cheap.
@@ -21,7 +23,8 @@ from moejax.io._common import WeightFileError
 
 __all__ = ["WeightFileError", "load_smollm2", "load_gguf_decoder", "load_minilm", "load_bert",
            "sentence_embeddings", "export_params", "import_params", "read_safetensors",
-           "read_gguf", "tokenizer_from_gguf", "tokenizer_from_json", "HFTokenizer"]
+           "read_gguf", "tokenizer_from_gguf", "tokenizer_from_json", "HFTokenizer",
+           "load_hf_moe", "save_hf_moe"]
 
 _LAZY = {
     "load_smollm2": "smollm2", "load_gguf_decoder": "smollm2",
@@ -29,7 +32,7 @@ _LAZY = {
     "export_params": "safetensors_io", "import_params": "safetensors_io",
     "read_safetensors": "safetensors_io", "read_gguf": "gguf",
     "tokenizer_from_gguf": "hf_tokenizer", "tokenizer_from_json": "hf_tokenizer",
-    "HFTokenizer": "hf_tokenizer",
+    "HFTokenizer": "hf_tokenizer", "load_hf_moe": "hf_moe", "save_hf_moe": "hf_moe_save",
 }
 
 

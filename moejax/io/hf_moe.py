@@ -1,9 +1,8 @@
-"""Hugging Face MoE checkpoints in and out: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE
-``config.json`` + (sharded) ``*.safetensors`` <-> :class:`moejax.nn.decoder.DecoderLM` with an
-MoE FFN in every block.
+"""Hugging Face MoE checkpoints in: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE ``config.json`` +
+(sharded) ``*.safetensors`` -> :class:`moejax.nn.decoder.DecoderLM` with an MoE FFN in every
+block (:mod:`moejax.io.hf_moe_save` writes them back out).
 
     model = load_hf_moe("path/to/checkpoint")   # a DecoderLM equal to transformers' forward
-    save_hf_moe(model, "out/dir")               # config.json + model.safetensors
 
 Layout (safetensors ``[out, in]``; moejax ``[in, out]``; experts stacked on a leading axis;
 ``<moe>`` is ``block_sparse_moe`` in Mixtral, ``mlp`` in the others; Mixtral's expert
@@ -48,7 +47,7 @@ router jitter, rope scaling, dense layers between the sparse ones, clipped q/k/v
 biases where the family has none), is refused in one line naming the key. The shards are read
 one at a time; each tensor goes to its place as its shard is read, and a layer's stacked
 experts are assembled from their shards before they leave the host. bf16 files stay bf16 (the
-model's ``param_dtype``). :func:`save_hf_moe` writes the family whose layers the model has.
+model's ``param_dtype``).
 """
 
 from __future__ import annotations
@@ -63,15 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.files import atomic_write_text
 from moejax.io._common import WeightFileError, build_with_params, check_values, flat_params
-from moejax.io.safetensors_io import export_params, read_safetensors
+from moejax.io.safetensors_io import read_safetensors
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern
 
-__all__ = ["hf_moe_config", "hf_checkpoint_dir", "hf_spec_config", "load_hf_moe", "save_hf_moe",
-           "FAMILIES", "HFMoEFamily"]
+__all__ = ["hf_moe_config", "hf_checkpoint_dir", "hf_spec_config", "load_hf_moe",
+           "layer_tensors", "FAMILIES", "HFMoEFamily"]
 
 _PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
@@ -213,7 +211,7 @@ def _decoder_config(c: dict, fam: HFMoEFamily, dispatch: str, overrides: dict
     return DecoderConfig(**base)
 
 
-def _layer_tensors(fam: HFMoEFamily, qkv_bias: bool) -> dict[str, tuple[str, bool]]:
+def layer_tensors(fam: HFMoEFamily, qkv_bias: bool) -> dict[str, tuple[str, bool]]:
     """A block's tensors other than its routed experts: HF name -> (moejax name,
     transposed)."""
     out = {"input_layernorm.weight": ("attn_norm/scale", False),
@@ -259,10 +257,10 @@ def _shards(directory: Path) -> list[Path]:
     return [single]
 
 
-def _moejax_name(name: str, fam: HFMoEFamily, layer_tensors: dict
+def _moejax_name(name: str, fam: HFMoEFamily, per_layer: dict
                  ) -> tuple[str, int | None, bool] | None:
     """``(moejax parameter, expert index or None, transpose)`` of one of ``fam``'s tensor
-    names (``layer_tensors``: :func:`_layer_tensors` of ``fam``)."""
+    names (``per_layer``: :func:`layer_tensors` of ``fam``)."""
     if name == "model.embed_tokens.weight":
         return "embed", None, False
     if name == "lm_head.weight":
@@ -273,8 +271,8 @@ def _moejax_name(name: str, fam: HFMoEFamily, layer_tensors: dict
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         return None
     o, rest = f"blocks/{parts[2]}/", ".".join(parts[3:])
-    if rest in layer_tensors:
-        target, transpose = layer_tensors[rest]
+    if rest in per_layer:
+        target, transpose = per_layer[rest]
         return o + target, None, transpose
     if (len(parts) == 8 and parts[3:5] == [fam.moe, "experts"]
             and parts[5].isdigit() and parts[7] == "weight"):
@@ -307,7 +305,7 @@ def load_hf_moe(directory, *, dispatch: str = "auto", shardings=None,
     directory = Path(directory)
     cfg = hf_moe_config(directory / "config.json", dispatch=dispatch, **config_overrides)
     fam = FAMILIES[json.loads((directory / "config.json").read_text())["model_type"]]
-    layer_tensors = _layer_tensors(fam, cfg.qkv_bias)
+    per_layer = layer_tensors(fam, cfg.qkv_bias)
     want = flat_params(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0))))
 
     def place(target, value):
@@ -323,7 +321,7 @@ def load_hf_moe(directory, *, dispatch: str = "auto", shardings=None,
             raise WeightFileError(shard, f"tensor {name!r} appears twice (also in "
                                   f"{seen[name]})", "the checkpoint's shards overlap")
         seen[name] = shard.name
-        found = _moejax_name(name, fam, layer_tensors)
+        found = _moejax_name(name, fam, per_layer)
         if found is None or found[0] not in want:
             raise WeightFileError(shard, f"unexpected tensor {name!r} for the config's "
                                   f"{cfg.n_layers} layers and {cfg.ffn_slots[0].n_experts} "
@@ -354,109 +352,3 @@ def load_hf_moe(directory, *, dispatch: str = "auto", shardings=None,
                               "the checkpoint is incomplete")
     return build_with_params(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0)), params, directory,
                              values_checked=True)
-
-
-def _family_of(cfg: DecoderConfig) -> str:
-    """The Hugging Face family whose layers ``cfg`` has (ValueError naming why none)."""
-    slots = cfg.ffn_slots
-    moe = slots[0]
-    why = None
-    if not all(type(s) is MoEConfig for s in slots):
-        why = ("every block's FFN must be a plain MoE (MoEConfig): BlockFFN, DeRS and other "
-               "slots have no Hugging Face family; synthesise DeRS experts to dense first")
-    elif any(s != moe for s in slots):
-        why = "every block's MoE must have the same config"
-    elif moe.activation != "swiglu" or moe.router != "softmax":
-        why = "the families' experts are SwiGLU with a softmax top-k router"
-    elif moe.universal_ffn:
-        why = "no family has a universal FFN"
-    elif cfg.rope_style != "half":
-        why = "the families' RoPE is the rotate-half layout (rope_style='half')"
-    if why:
-        raise ValueError(f"save_hf_moe: this model has no Hugging Face layout: {why}")
-    shared = (moe.n_shared_experts, moe.shared_gate)
-    for kind, fam in FAMILIES.items():
-        bias_ok = cfg.qkv_bias == fam.qkv_bias or (fam.qkv_bias and fam.shared)  # Qwen2-MoE
-        if fam.qk_norm == cfg.qk_norm and bias_ok and shared == (
-                (1, True) if fam.shared else (0, False)):
-            if fam.renormalize_key is None and not moe.renormalize:
-                raise ValueError("save_hf_moe: Mixtral renormalises the top-k weights; this "
-                                 "model does not (renormalize=False)")
-            return kind
-    raise ValueError(
-        f"save_hf_moe: no family has these layers: qk_norm={cfg.qk_norm!r}, qkv_bias="
-        f"{cfg.qkv_bias}, {moe.n_shared_experts} shared experts (gated: {moe.shared_gate}); "
-        "Mixtral: none of them; Qwen2-MoE: one gated shared expert (q/k/v biases or not); "
-        "Qwen3-MoE: qk_norm='head'; OLMoE: qk_norm='full'")
-
-
-def _hf_config(kind: str, cfg: DecoderConfig) -> dict:
-    fam, moe = FAMILIES[kind], cfg.ffn_slots[0]
-    out = {
-        "architectures": [fam.architecture], "model_type": kind,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-        fam.d_expert_key: moe.d_expert, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.dim_per_head, "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_base, "rms_norm_eps": cfg.norm_eps,
-        fam.n_experts_key: moe.n_experts, "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.balance_coef, "hidden_act": "silu",
-        "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.param_dtype,
-        "attention_dropout": 0.0, **dict(fam.required),
-    }
-    if fam.renormalize_key is not None:
-        out[fam.renormalize_key] = moe.renormalize
-    if fam.shared:
-        out["shared_expert_intermediate_size"] = moe.d_shared or moe.d_expert
-    if kind == "qwen2_moe":  # its MLP width for dense layers (none here) must be set
-        out.update(intermediate_size=moe.d_expert, qkv_bias=cfg.qkv_bias)
-    return out
-
-
-def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
-    """Write ``model`` as a Hugging Face directory (``config.json`` and ``model.safetensors``)
-    of the family whose layers it has (Mixtral for a plain MoE decoder; Qwen2-MoE, Qwen3-MoE
-    or OLMoE for one imported from them); :func:`load_hf_moe` reads it back bit for bit.
-    ``tokenizer`` (a :class:`moejax.io.hf_tokenizer.HFTokenizer`, e.g. the imported one):
-    its ``tokenizer.json`` beside them and its bos / eos / pad ids in the config."""
-    cfg = model.cfg
-    kind = _family_of(cfg)
-    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"save_hf_moe: the tokenizer has {tokenizer.vocab_size} tokens, more "
-                         f"than the model's vocab_size={cfg.vocab_size}")
-    fam = FAMILIES[kind]
-    inverse = {ours: (hf, t) for hf, (ours, t) in _layer_tensors(fam, cfg.qkv_bias).items()}
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    out: dict[str, np.ndarray] = {}
-    for name, value in flat_params(model).items():
-        value = np.asarray(value)
-        for hf_name, expert, transpose in _names_for(name, cfg, fam, inverse):
-            v = value[expert] if expert is not None else value
-            out[hf_name] = np.ascontiguousarray(v.T if transpose else v)
-    export_params(out, directory / "model.safetensors", metadata={"format": "pt"})
-    config = _hf_config(kind, cfg)
-    if tokenizer is not None:
-        atomic_write_text(directory / "tokenizer.json", tokenizer.tokenizer.to_str())
-        config.update({f"{k}_token_id": getattr(tokenizer, f"{k}_id")
-                       for k in ("bos", "eos", "pad")})
-    atomic_write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
-    return directory
-
-
-def _names_for(name: str, cfg: DecoderConfig, fam: HFMoEFamily, inverse: dict
-               ) -> list[tuple[str, int | None, bool]]:
-    """The family's tensors of one moejax parameter (the inverse of :func:`_moejax_name`;
-    ``inverse``: moejax name in a block -> (HF name, transposed))."""
-    n_experts = cfg.ffn_slots[0].n_experts
-    candidates = {"embed": "model.embed_tokens.weight", "w_head": "lm_head.weight",
-                  "final_norm/scale": "model.norm.weight"}
-    if name in candidates:
-        return [(candidates[name], None, name == "w_head")]
-    _, layer, rest = name.split("/", 2)
-    pre = f"model.layers.{layer}."
-    if rest.startswith("ffn/experts/"):
-        hf = fam.experts[rest.rsplit("/", 1)[1]]
-        return [(f"{pre}{fam.moe}.experts.{j}.{hf}.weight", j, True) for j in range(n_experts)]
-    hf, transpose = inverse[rest]
-    return [(pre + hf, None, transpose)]
