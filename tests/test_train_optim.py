@@ -160,3 +160,7 @@ def test_decay_paths_restricts_every_optimizers_decay(optimizer):
     assert not np.allclose(full["head"]["kernel"], plain["head"]["kernel"])
     with pytest.raises(ConfigError, match="decay_paths"):
         TrainConfig(decay_paths="(")
+    # a pattern that selects nothing would switch the decay off: refused, paths shown
+    with pytest.raises(ValueError, match=r"decay_paths='\^encoder/w_' selects no parameter .*"
+                                         r"paths look like encoder/w, head/kernel"):
+        step(cfg.replace(decay_paths="^encoder/w_"))

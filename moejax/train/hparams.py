@@ -204,7 +204,8 @@ def decay_mask(params):
 def paths_mask(pattern: str, base=None):
     """``params -> bool tree``: True where the leaf path matches ``pattern`` (``re.search``)
     and, given ``base`` (a mask function such as :func:`decay_mask`), where ``base`` is True.
-    ``pattern=""`` returns ``base`` itself (``None`` = every leaf)."""
+    ``pattern=""`` returns ``base`` itself (``None`` = every leaf). A pattern that selects no
+    leaf is refused (a misspelt path would otherwise switch the decay off unnoticed)."""
     if not pattern:
         return base
     rx = re.compile(pattern)
@@ -212,8 +213,14 @@ def paths_mask(pattern: str, base=None):
     def mask(params):
         inner = (jax.tree_util.tree_map(lambda _: True, params) if base is None
                  else base(params))
-        return jax.tree_util.tree_map_with_path(
+        out = jax.tree_util.tree_map_with_path(
             lambda path, _, m: bool(m) and rx.search(path_str(path)) is not None, params, inner)
+        if not any(jax.tree_util.tree_leaves(out)):
+            some = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)][:3]
+            raise ValueError(f"decay_paths={pattern!r} selects no parameter the optimizer "
+                             f"decays (paths look like {', '.join(some)}); fix the pattern, "
+                             "or leave it empty to decay them all")
+        return out
 
     return mask
 
