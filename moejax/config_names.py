@@ -1,11 +1,13 @@
 """The conventions every moejax config shares, checked by field name (also inside tuples such
 as ``draft_lens``): sizes and counts are positive, a count of seeds too; seeds, token ids,
 coefficients, weights and the counts where 0 means "none" or "all" are non-negative; rates and
-fractions lie in [0, 1]; floats are finite. A field whose meaning differs from its name's
-checks itself in its config's ``validate()``."""
+fractions lie in [0, 1]; floats are finite. A tuple of values (a sweep: rates, ranks, methods,
+paths) holds each value once. A field whose meaning differs from its name's checks itself in
+its config's ``validate()``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 __all__ = ["convention_error"]
@@ -33,6 +35,12 @@ def convention_error(name: str, value) -> str | None:
     ``None`` where it may."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, tuple) and not any(dataclasses.is_dataclass(v) for v in value):
+        seen = set()
+        for v in value:  # a sweep that names a value twice would run it, and row it, twice
+            if v in seen:
+                return f"repeats {v!r}: give each value once"
+            seen.add(v)
     numbers = [v for v in (value if isinstance(value, tuple) else (value,))
                if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if name in _POSITIVE_INTS or name.endswith(_POSITIVE_SUFFIXES):

@@ -224,3 +224,20 @@ def test_a_config_that_would_build_a_bad_model_is_refused(module, override, why)
     cfg = importlib.import_module(module).STUDY.make_config("quick")
     with pytest.raises(ConfigError, match=re.escape(why)):
         apply_overrides(cfg, [override])
+
+
+@pytest.mark.parametrize("module, override", [
+    ("experiments.darex.controlled", "ps=(0.9,0.99,0.9)"),
+    ("experiments.kd.moe_kd", "methods=(kd,gkd,kd)"),
+    ("experiments.blockffn.speculative", "draft_lens=(4,4)"),
+    ("experiments.ders.compression", "bits=(2,4,2)"),
+])
+def test_a_sweep_that_names_a_value_twice_is_refused(module, override):
+    import importlib
+
+    cfg = importlib.import_module(module).STUDY.make_config("quick")
+    with pytest.raises(ConfigError, match=r"repeats .*: give each value once"):
+        apply_overrides(cfg, [override])
+    assert _Outer(layers=(0, 2)).layers == (0, 2)
+    with pytest.raises(ConfigError, match=r"_Outer.layers=\(2, 2\): repeats 2"):
+        _Outer(layers=(2, 2))

@@ -53,7 +53,7 @@ def test_darex_q_without_a_model_to_choose_q_on_is_refused():
 
     with pytest.raises(ConfigError, match=r"without a model to choose DAREx-q's q_v on"):
         StorageConfig(source="smollm2_shapes")
-    with pytest.raises(ConfigError, match=r"names a method twice"):
+    with pytest.raises(ConfigError, match=r"repeats 'DARE'"):
         StorageConfig(methods=("DARE", "DARE"))
     assert make_config("full").methods == ("DARE",)
 

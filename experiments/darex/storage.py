@@ -78,8 +78,6 @@ class StorageConfig(Config):
         self._require(all(b in (32, 16) or 1 <= b <= 8 for b in self.bits),
                       f"bits={self.bits}: use 32 (float32), 16 (bfloat16) or 1..8 (k-bit codes)")
         self._require(self.timing_repeats >= 1, "timing_repeats must be >= 1")
-        self._require(len(set(self.methods)) == len(self.methods),
-                      f"methods={self.methods} names a method twice")
         self._require(self.source == "mlp" or "DAREx-q (q_v)" not in self.methods,
                       f"source={self.source!r} is a random delta without a model to choose "
                       "DAREx-q's q_v on: use methods=('DARE',)")
