@@ -67,7 +67,6 @@ class BaselinesConfig(SparseLMStudyConfig):
 
     def validate(self):
         super().validate()
-        self._require(len(self.sizes) >= 1, "sizes=() is empty: give at least one size")
         for size in self.sizes:  # every size must build a valid model
             self.size_spec(size)
 
