@@ -109,3 +109,49 @@ def test_a_scan_of_no_steps_records_nothing_and_returns_its_outputs():
         return X1 @ p["w1"], empty
     got = matmul_input_stats(fn, PARAMS)
     assert got["w1"].count == 4 * 7
+
+
+def test_a_grouped_matmul_records_each_experts_rows_apart():
+    """``ragged_dot`` over a stack of experts: expert g's statistics are those of its own
+    rows (the rows past the groups, padding, count for none)."""
+    w = jax.random.normal(K[0], (3, 6, 4))
+    sizes = jnp.asarray([5, 0, 9], jnp.int32)
+    x = jax.random.normal(K[1], (16, 6))  # 14 rows in groups, 2 of padding
+    got = matmul_input_stats(lambda p: jax.lax.ragged_dot(x, p["w"], sizes), {"w": w})["w"]
+    assert got.mean.shape == got.l2.shape == (3, 6) and list(got.count) == [5, 0, 9]
+    rows = np.asarray(x)
+    for g, (a, b) in enumerate([(0, 5), (5, 5), (5, 14)]):
+        want = rows[a:b] if b > a else np.zeros((0, 6))
+        np.testing.assert_allclose(got.mean[g], want.mean(0) if b > a else 0, atol=1e-6)
+        np.testing.assert_allclose(got.mean_abs[g], np.abs(want).mean(0) if b > a else 0,
+                                   atol=1e-6)
+        np.testing.assert_allclose(got.l2[g], np.sqrt((want ** 2).sum(0)), atol=1e-5)
+
+
+def test_an_moe_on_the_dropless_path_gives_per_expert_statistics_for_per_layer_q():
+    """Each expert's count is the tokens routed to it; gate and up see the same rows; the
+    per-layer q of the experts' deltas follows from them (Eq. 5 per expert unit)."""
+    from moejax.delta import analytic_q_tree, delta, select_leaves, wanda_prune
+    from moejax.nn.moe import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, dispatch="ragged")
+    cfg = DecoderConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                        max_seq_len=16, ffn_slots=(moe,))
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 9)), jnp.int32)
+    stats = matmul_input_stats(lambda p: nnx.merge(graphdef, p, rest)(tokens)[0], params)
+    ids = np.asarray(model(tokens)[1]["layers"][0]["expert_ids"]).reshape(-1)
+    up, gate, down = (stats[f"blocks/0/ffn/experts/{w}"] for w in ("w_up", "w_gate", "w_down"))
+    assert list(up.count) == list(np.bincount(ids, minlength=4)) and up.count.sum() == 18 * 2
+    np.testing.assert_array_equal(up.mean, gate.mean)
+    assert up.mean.shape == (4, 16) and down.mean.shape == (4, 16)
+    tuned = jax.tree.map(lambda a: a + 0.01 * jax.random.normal(K[2], a.shape), params)
+    d = delta(params, tuned)
+    mask = select_leaves(d, include=r"experts/")
+    qs = analytic_q_tree(d, {k: s.mean for k, s in stats.items()}, 0.9, 1.0, mask=mask)
+    assert set(qs) >= {"blocks/0/ffn/experts/w_up", "blocks/0/ffn/experts/w_down"}
+    assert all(0.1 <= q <= 1.0 for k, q in qs.items() if "experts/" in k)
+    pruned = wanda_prune(d, {k: s.l2 for k, s in stats.items()}, 0.5, mask=mask)
+    kept = np.asarray(pruned["blocks"][0]["ffn"]["experts"]["w_up"][...]) != 0
+    assert kept.shape == (4, 16, 16) and abs(kept.mean() - 0.5) < 0.01

@@ -5,7 +5,10 @@ need per-input-feature statistics of the activations ``x`` that multiply each ma
 (``y = x @ W``). moejax models use their parameters as ``x @ self.w[...]``, so instead of adding
 hooks we trace ``fn(params)`` to a jaxpr and interpret it eagerly: every ``dot_general`` whose
 right operand is (a dtype cast of) a 2-D parameter leaf contracted over its first axis records
-its left operand. The inner programs of ``jit``, ``remat`` and custom derivatives are
+its left operand, and a grouped matmul (``ragged_dot``: an MoE's dropless dispatch) over a stack
+of experts ``[E, d_in, d_out]`` records each expert's rows, the tokens routed to it, apart
+(statistics ``[E, d_in]``; other dispatch paths pad the experts' rows, and are not read). The
+inner programs of ``jit``, ``remat`` and custom derivatives are
 interpreted in turn, and ``scan``, ``while`` and ``cond`` run as Python loops and branches, so
 a body's matmuls see every step's inputs (a matrix the body closes over keeps its tag); every
 other primitive is bound as in ``jax.core.eval_jaxpr``.
@@ -44,12 +47,13 @@ _CALLS = {"pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint", "cu
 
 
 class MatrixInputStats(NamedTuple):
-    """Statistics of one matrix's input features ([d_in] each): ``mean|x_j|``, ``||x_j||_2``
-    and the signed ``mean x_j``."""
+    """Statistics of one matrix's input features ([d_in] each; ``[E, d_in]`` and ``[E]``
+    counts for a stack of experts): ``mean|x_j|``, ``||x_j||_2`` and the signed ``mean x_j``,
+    over ``count`` tokens."""
 
     mean_abs: np.ndarray
     l2: np.ndarray
-    count: int
+    count: int | np.ndarray
     mean: np.ndarray | None = None
 
 
@@ -145,6 +149,13 @@ def _interpret(jaxpr, consts, args, arg_tags, record):
                 (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
                 if tuple(rc) == (0,) and not rb and jnp.ndim(invals[1]) == 2:
                     record(in_tags[1], invals[0])
+            elif name == "ragged_dot_general" and in_tags[1] is not None:
+                dn = eqn.params["ragged_dot_dimension_numbers"]
+                (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+                if (tuple(dn.lhs_ragged_dimensions) == (0,) and tuple(lc) == (1,)
+                        and tuple(dn.rhs_group_dimensions) == (0,) and tuple(rc) == (1,)
+                        and not lb and not rb and jnp.ndim(invals[1]) == 3):
+                    record(in_tags[1], invals[0], invals[2])  # rows grouped by expert
             outs = _bind(eqn, invals)
             out_tags = [in_tags[0] if name in _PASSTHROUGH else None] * len(outs)
         for v, o, t in zip(eqn.outvars, outs, out_tags):
@@ -155,7 +166,9 @@ def _interpret(jaxpr, consts, args, arg_tags, record):
 
 
 def matmul_input_stats(fn: Callable[[Any], Any], params: Any) -> dict[str, MatrixInputStats]:
-    """``{leaf_path: MatrixInputStats}`` for every 2-D leaf of ``params`` used as ``x @ W``.
+    """``{leaf_path: MatrixInputStats}`` for every 2-D leaf of ``params`` used as ``x @ W``
+    and every stack of experts used in a grouped matmul (run an MoE with ``dispatch="ragged"``
+    to collect its experts').
 
     ``fn(params)`` runs the model on fixed data (close over the batch); for several
     calibration batches, pass a ``fn`` that runs them all. A matrix used several times (several
@@ -165,12 +178,17 @@ def matmul_input_stats(fn: Callable[[Any], Any], params: Any) -> dict[str, Matri
     flat, treedef = jax.tree_util.tree_flatten(params)
     paths = leaf_paths(params)
     closed = jax.make_jaxpr(lambda fl: fn(jax.tree_util.tree_unflatten(treedef, fl)))(flat)
-    acc: dict[int, Any] = {}
+    acc: dict[int, Any] = {}  # leaf index -> InputStats, or a list of one per expert
 
-    def record(idx, x):
+    def record(idx, x, group_sizes=None):
         x = jnp.asarray(x, jnp.float32)
-        st = acc.get(idx) or input_stats_init(x.shape[-1])
-        acc[idx] = input_stats_update(st, x)
+        if group_sizes is None:
+            acc[idx] = input_stats_update(acc.get(idx) or input_stats_init(x.shape[-1]), x)
+            return
+        sizes = np.asarray(group_sizes)
+        ends = np.cumsum(sizes)
+        acc[idx] = [input_stats_update(st, x[end - size:end]) for st, size, end in zip(
+            acc.get(idx) or [input_stats_init(x.shape[-1]) for _ in sizes], sizes, ends)]
 
     _interpret(closed.jaxpr, closed.consts, flat, list(range(len(flat))), record)
     if not acc:
@@ -178,10 +196,15 @@ def matmul_input_stats(fn: Callable[[Any], Any], params: Any) -> dict[str, Matri
             "matmul_input_stats: no `x @ W` with a 2-D parameter leaf as W was found in fn; "
             "the model must use its matrices as the right operand of a matmul."
         )
-    return {
-        paths[i]: MatrixInputStats(
-            np.asarray(input_mean_abs(s)), np.asarray(input_l2_norm(s)), int(s.count),
-            np.asarray(input_mean(s)),
-        )
-        for i, s in sorted(acc.items())
-    }
+    return {paths[i]: _matrix_stats(s) for i, s in sorted(acc.items())}
+
+
+def _matrix_stats(st) -> MatrixInputStats:
+    """One matrix's statistics; a stack of experts' (a list of theirs) as ``[E, d_in]``
+    arrays and ``[E]`` counts."""
+    if isinstance(st, list):
+        parts = [_matrix_stats(s) for s in st]
+        return MatrixInputStats(*(np.stack([getattr(p, f) for p in parts])
+                                  for f in MatrixInputStats._fields))
+    return MatrixInputStats(np.asarray(input_mean_abs(st)), np.asarray(input_l2_norm(st)),
+                            int(st.count), np.asarray(input_mean(st)))
