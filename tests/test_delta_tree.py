@@ -2,11 +2,14 @@
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax import delta as dl
 from moejax.delta import apply, delta, leaf_paths, per_leaf_values, select_leaves
+from moejax.delta.hash_mask import hash_keep_mask
 
 
 class Blk(NamedTuple):
@@ -63,3 +66,29 @@ def test_per_leaf_values_forms():
     assert per_leaf_values({"a": 1.0, "b": {"c": 3.0}}, t) == [1.0, 3.0]
     with pytest.raises(ValueError, match="missing"):
         per_leaf_values({"a": 1.0}, t)
+
+
+def test_a_mask_of_another_structure_is_refused_by_every_pruner():
+    """A mask's leaves are matched to the delta's by position: one built from another tree
+    (a missing or an extra leaf, other keys) would prune the wrong matrices, so it is
+    refused, naming the function and the fix."""
+    d = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4)), "c": jnp.ones((4, 4))}
+    x = {k: jnp.ones(4) for k in d}
+    key = jax.random.key(0)
+    calls = {
+        "dare": lambda m: dl.dare(key, d, 0.5, mask=m),
+        "dare_keep_mask": lambda m: dl.dare_keep_mask(key, d, 0.5, m, rng="threefry"),
+        "hash_keep_mask": lambda m: hash_keep_mask(key, d, 0.5, m),
+        "map_selected": lambda m: dl.map_selected(lambda v: v, d, m),
+        "wanda_prune": lambda m: dl.wanda_prune(d, x, 0.5, mask=m),
+        "structural_dpp": lambda m: dl.structural_dpp(key, d, 0.5, 0.5, mask=m),
+        "analytic_q_tree": lambda m: dl.analytic_q_tree(d, x, 0.5, 0.1, mask=m),
+        "eta_grid": lambda m: dl.eta_grid(d, m, x, 0.5),
+        "delta_stats": lambda m: dl.delta_stats(d, m),
+    }
+    for bad in ({"a": True, "b": True}, {"a": True, "x": False, "c": True}):
+        for who, call in calls.items():
+            with pytest.raises(ValueError, match=rf"{who}: the mask's structure differs .*"
+                                                 r"select_leaves\(delta_tree"):
+                call(bad)
+    assert dl.analytic_q_tree(d, x, 0.5, 0.1, mask={"a": True, "b": False, "c": True})

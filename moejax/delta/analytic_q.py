@@ -56,7 +56,7 @@ import jax
 import numpy as np
 
 from moejax.delta.dare import GridSearchResult, dare, grid_search, mean_abs_output_change, q_grid
-from moejax.delta.tree import apply_delta, leaf_paths, per_leaf_values
+from moejax.delta.tree import apply_delta, leaf_paths, mask_leaves, per_leaf_values
 
 __all__ = [
     "QForm",
@@ -221,7 +221,7 @@ def analytic_q_tree(
     _check_form(form)
     paths = leaf_paths(delta_tree)
     leaves = jax.tree_util.tree_leaves(delta_tree)
-    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    sel = mask_leaves(mask, delta_tree, "analytic_q_tree")
     if (
         isinstance(x_stats, dict)
         and all(isinstance(k, str) for k in x_stats)
@@ -252,9 +252,9 @@ def fill_other_leaves(qs: dict[str, float], delta_tree: PyTree, mask: PyTree | N
     ``.../w_X``'s q, any other leaf (norm scales, embedding tables) the mean of the layers'
     q."""
     paths = leaf_paths(delta_tree)
-    sel = [True] * len(paths) if mask is None else [bool(m) for m in
-                                                     jax.tree_util.tree_leaves(mask)]
-    has = sel if q_mask is None else [bool(m) for m in jax.tree_util.tree_leaves(q_mask)]
+    sel = [bool(m) for m in mask_leaves(mask, delta_tree, "fill_other_leaves")]
+    has = sel if q_mask is None else [bool(m) for m in
+                                      mask_leaves(q_mask, delta_tree, "fill_other_leaves")]
     stated = {pth: qs[pth] for pth, h in zip(paths, has) if h}
     if not stated:
         return dict(qs)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.delta.hash_mask import hash_keep_mask
-from moejax.delta.tree import apply_delta, leaf_paths, per_leaf_keys, per_leaf_values
+from moejax.delta.tree import apply_delta, leaf_paths, mask_leaves, per_leaf_keys, per_leaf_values
 
 __all__ = [
     "dare",
@@ -63,6 +63,7 @@ def dare_keep_mask(
     (other masks for the same key).
     """
     _check_rate(p)
+    mask_leaves(mask, delta_tree, "dare_keep_mask")
     if rng == "hash":
         return hash_keep_mask(key, delta_tree, p, mask)
     if rng != "threefry":
@@ -104,7 +105,7 @@ def dare(
             raise ValueError(f"q={qi} must be finite and > 0 (DAREx-q rescales survivors by "
                              "1/q).")
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
-    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    sel = mask_leaves(mask, delta_tree, "dare")
     for path, d, s in zip(leaf_paths(delta_tree), leaves, sel):
         if s and not jnp.issubdtype(jnp.result_type(d), jnp.floating):
             raise ValueError(f"dare: delta leaf {path!r} is {jnp.result_type(d)}; DARE "

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moejax.delta.tree import per_leaf_keys
+from moejax.delta.tree import mask_leaves, per_leaf_keys
 
 __all__ = ["fmix32", "hash_bits", "hash_keep_mask"]
 
@@ -65,6 +65,7 @@ def hash_keep_mask(key: jax.Array, delta_tree: PyTree, p: float,
     if not 0.0 <= float(p) < 1.0:
         raise ValueError(f"p={p} must be in [0, 1) (drop rate)")
     threshold = jnp.uint32(min(int(round(float(p) * 2**32)), 2**32 - 1))
+    mask_leaves(mask, delta_tree, "hash_keep_mask")
     keys = per_leaf_keys(key, delta_tree)
     sel = jax.tree_util.tree_map(lambda _: True, delta_tree) if mask is None else mask
     return jax.tree_util.tree_map(

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moejax.delta.tree import leaf_paths, map_selected, per_leaf_keys, per_leaf_values
+from moejax.delta.tree import leaf_paths, map_selected, mask_leaves, per_leaf_keys, per_leaf_values
 
 __all__ = [
     "num_kept",
@@ -150,7 +150,7 @@ def wanda_prune(
     """
     norms = per_leaf_values(_fill_paths(input_norms, delta_tree, mask), delta_tree, "input_norms")
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
-    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    sel = mask_leaves(mask, delta_tree, "wanda_prune")
     out = []
     for d, n, s in zip(leaves, norms, sel):
         if s and n is None:
@@ -212,7 +212,7 @@ def structural_dpp(
     qs = per_leaf_values(a * b if q is None else q, delta_tree, "q")
     keys = jax.tree_util.tree_leaves(per_leaf_keys(key, delta_tree))
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
-    sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    sel = mask_leaves(mask, delta_tree, "structural_dpp")
     out = [
         _structural_leaf(k, d, a, b, qi, in_axis) if s else d
         for d, k, qi, s in zip(leaves, keys, qs, sel)

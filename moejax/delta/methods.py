@@ -22,7 +22,7 @@ import numpy as np
 from moejax.delta.analytic_q import Q_FORMS, coefficient_sums, phi, search_eta_e, search_eta_v
 from moejax.delta.dare import dare, q_grid, search_q_e, search_q_v
 from moejax.delta.importance import magnitude_prune, structural_pruner, wanda_prune
-from moejax.delta.tree import apply_delta, leaf_paths, select_leaves
+from moejax.delta.tree import apply_delta, leaf_paths, mask_leaves, select_leaves
 from moejax.extras import progress
 
 __all__ = ["MethodName", "PruneContext", "run_one", "run_methods", "eta_grid", "METHODS",
@@ -45,8 +45,8 @@ METHODS: tuple[str, ...] = get_args(MethodName)[1:]  # every pruning method ("un
 
 def delta_stats(delta_tree, mask) -> dict:
     """Mean |Delta| and L2 norm over the selected leaves."""
-    sel = [x for x, m in zip(jax.tree_util.tree_leaves(delta_tree), jax.tree_util.tree_leaves(mask))
-           if m]
+    sel = [x for x, m in zip(jax.tree_util.tree_leaves(delta_tree),
+                             mask_leaves(mask, delta_tree, "delta_stats")) if m]
     n = sum(x.size for x in sel)
     return {"mean_abs_delta": float(sum(jnp.sum(jnp.abs(x)) for x in sel) / max(n, 1)),
             "delta_l2": float(jnp.sqrt(sum(jnp.sum(x * x) for x in sel)))}
@@ -65,7 +65,7 @@ def eta_grid(delta_tree, mask, x_stat: dict, p: float, num: int = 12, *,
     phi_p = phi(p)
     lo, hi = [], []
     for path, d, m in zip(leaf_paths(delta_tree), jax.tree_util.tree_leaves(delta_tree),
-                          jax.tree_util.tree_leaves(mask)):
+                          mask_leaves(mask, delta_tree, "eta_grid")):
         if not m:
             continue
         if path not in x_stat:

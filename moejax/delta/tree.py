@@ -24,6 +24,7 @@ __all__ = [
     "path_str",
     "leaf_paths",
     "select_leaves",
+    "mask_leaves",
     "delta",
     "apply_delta",
     "apply",
@@ -89,6 +90,20 @@ def _check_same_structure(a: PyTree, b: PyTree, what: str) -> None:
         )
 
 
+def mask_leaves(mask: PyTree | None, tree: PyTree, who: str) -> list:
+    """``mask``'s leaves, one per leaf of ``tree`` (every leaf selected for ``None``); a mask of
+    another structure is refused, since its leaves would select the wrong matrices."""
+    n = len(jax.tree_util.tree_leaves(tree))
+    if mask is None:
+        return [True] * n
+    if not _same_structure(mask, tree):
+        raise ValueError(f"{who}: the mask's structure differs from the delta tree's "
+                         f"({jax.tree_util.tree_structure(mask)} vs "
+                         f"{jax.tree_util.tree_structure(tree)}); build it from this tree: "
+                         "select_leaves(delta_tree, include=...)")
+    return jax.tree_util.tree_leaves(mask)
+
+
 def delta(pretrained: PyTree, finetuned: PyTree) -> PyTree:
     """``Delta = theta_F - theta_P`` leaf by leaf (shapes must match)."""
     _check_same_structure(pretrained, finetuned, "delta(pretrained, finetuned)")
@@ -124,6 +139,7 @@ def map_selected(fn: Callable, tree: PyTree, mask: PyTree | None, *rest: PyTree)
     """
     if mask is None:
         return jax.tree_util.tree_map(fn, tree, *rest)
+    mask_leaves(mask, tree, "map_selected")
     return jax.tree_util.tree_map(lambda x, m, *r: fn(x, *r) if m else x, tree, mask, *rest)
 
 
