@@ -278,3 +278,11 @@ def test_a_selected_leaf_without_input_statistics_is_named():
                lambda: analytic_q_tree({"w": d, "v": d}, {"w": x}, 0.9, 0.1)):
         with pytest.raises(ValueError, match="no input statistic for selected leaf 'v'"):
             fn()
+
+
+@pytest.mark.parametrize("eta, gamma", [(0.0, 0.05), (-1.0, 0.05), (float("nan"), 0.05),
+                                        (1.0, 0.0), (1.0, 1.0)])
+def test_eq5_takes_a_positive_eta_and_a_failure_probability_in_0_1(eta, gamma):
+    d, x = _layer(d_out=64)
+    with pytest.raises(ValueError, match=r"eta=.* must be > 0 .* gamma=.* in \(0, 1\)"):
+        analytic_q_tree({"w": d}, {"w": x}, 0.9, eta, gamma=gamma)

@@ -92,3 +92,8 @@ def test_a_mask_of_another_structure_is_refused_by_every_pruner():
                                                  r"select_leaves\(delta_tree"):
                 call(bad)
     assert dl.analytic_q_tree(d, x, 0.5, 0.1, mask={"a": True, "b": False, "c": True})
+
+
+def test_a_bad_pattern_is_named():
+    with pytest.raises(ValueError, match=r"select_leaves: '\(' is not a regular expression"):
+        select_leaves({"a": jnp.ones((2, 2))}, include="(")

@@ -49,6 +49,7 @@ experts) are treated as more output units of the same layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, get_args
 
@@ -180,6 +181,9 @@ def analytic_q_leaf(
     ``x_stat`` is the signed mean input for ``"two_sided"`` and ``"official_signed"``, the
     mean ``|x|`` for ``"pooled"``)."""
     _check_form(form)
+    if not (math.isfinite(eta) and eta > 0 and 0 < gamma < 1):
+        raise ValueError(f"eta={eta} must be > 0 (the bound's Laplace-transform variable) and "
+                         f"gamma={gamma} in (0, 1) (its failure probability); Eq. 5 / App. E.2")
     if form == "pooled":
         g = q_grid(p, 200, include_max=False) if grid is None else np.asarray(grid, np.float64)
         s1, s2 = coefficient_sums(delta_leaf, x_stat, in_axis)

@@ -42,7 +42,15 @@ def _as_patterns(patterns) -> list[re.Pattern]:
         return []
     if isinstance(patterns, str):
         patterns = [patterns]
-    return [re.compile(p) for p in patterns]
+    out = []
+    for p in patterns:
+        try:
+            out.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"select_leaves: {p!r} is not a regular expression ({e}); "
+                             "patterns are searched in leaf paths such as 'blocks/0/attn/w_q'"
+                             ) from None
+    return out
 
 
 def select_leaves(
