@@ -103,3 +103,12 @@ def test_search_q_v_uses_metric_direction():
     lo = search_q_v(key, w_p, d, p, lambda prm: -neg_mse(prm), higher_is_better=False)
     assert hi.best == lo.best and hi.best > 1 - p
     assert hi.best_score == pytest.approx(np.max(hi.scores))
+
+
+def test_a_search_whose_metric_fails_everywhere_chooses_nothing():
+    from moejax.delta import NoFiniteScore, grid_search
+
+    with pytest.raises(NoFiniteScore, match=r"not finite at any of the 3 points"):
+        grid_search(lambda q: float("nan"), [0.1, 0.2, 0.3])
+    # one finite point is enough, and a non-finite one never wins
+    assert grid_search(lambda q: float("nan") if q < 0.3 else 1.0, [0.1, 0.2, 0.3]).best == 0.3

@@ -46,3 +46,13 @@ def test_structural_dpp_on_a_plain_mlp_treats_every_matrix_as_mlp():
     ctx = _ctx(delta)
     out = dl.methods._structural_mlp_pruner(ctx, 0.25, 0.4, 0.9)(jax.random.key(2), delta, 0.1)
     assert len(_kept_columns(out["w1"])) == 10 and len(_kept_columns(out["wo"])) == 4
+
+
+def test_a_search_with_no_finite_score_gets_a_nan_row_and_the_others_still_run():
+    rng = np.random.default_rng(2)
+    delta = {"w1": jnp.asarray(rng.normal(size=(8, 8)))}
+    ctx = _ctx(delta)
+    ctx.val_metric = lambda prm: float("nan")  # e.g. a diverged model's loss
+    rows = dl.run_methods(ctx, ["DARE", "DAREx-q (q_v)"], [0.9])
+    assert np.isfinite(rows[0]["metric"]) and rows[0]["q"] == "0.1"
+    assert np.isnan(rows[1]["metric"]) and rows[1]["q"] == "none: no finite validation score"

@@ -17,6 +17,7 @@ from moejax.delta.analytic_q import (
 )
 from moejax.delta.dare import (
     GridSearchResult,
+    NoFiniteScore,
     dare,
     dare_keep_mask,
     grid_search,
@@ -130,6 +131,7 @@ __all__ = [
     "encode",
     "eq5_objective",
     "grid_search",
+    "NoFiniteScore",
     "index_dtype_for",
     "input_l2_norm",
     "input_mean",

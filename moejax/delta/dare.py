@@ -30,6 +30,7 @@ from moejax.delta.hash_mask import hash_keep_mask
 from moejax.delta.tree import apply_delta, leaf_paths, mask_leaves, per_leaf_keys, per_leaf_values
 
 __all__ = [
+    "NoFiniteScore",
     "dare",
     "dare_keep_mask",
     "q_grid",
@@ -166,6 +167,10 @@ class GridSearchResult(NamedTuple):
     scores: np.ndarray
 
 
+class NoFiniteScore(ValueError):
+    """A search whose score is not finite at any point: there is nothing to choose."""
+
+
 def grid_search(
     score_fn: Callable[[float], float],
     grid: Sequence[float],
@@ -202,6 +207,10 @@ def grid_search(
         pts += [float(x) for x in new]
         scores += [float(score_fn(x)) for x in new]
         step = (c - a) / refine_num
+    if not any(np.isfinite(s) for s in scores):
+        raise NoFiniteScore(f"grid_search: the score is not finite at any of the {len(pts)} "
+                         f"points ({scores[0]} at {pts[0]}); the metric fails there, so no "
+                         "point can be chosen")
     i = best_idx()
     return GridSearchResult(pts[i], scores[i], np.asarray(pts), np.asarray(scores))
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.delta.analytic_q import Q_FORMS, coefficient_sums, phi, search_eta_e, search_eta_v
-from moejax.delta.dare import dare, q_grid, search_q_e, search_q_v
+from moejax.delta.dare import NoFiniteScore, dare, q_grid, search_q_e, search_q_v
 from moejax.delta.importance import magnitude_prune, structural_pruner, wanda_prune
 from moejax.delta.tree import apply_delta, leaf_paths, mask_leaves, select_leaves
 from moejax.extras import progress
@@ -176,9 +176,23 @@ def _structural_mlp_pruner(ctx: PruneContext, a: float, b: float, p: float):
 
 
 def run_one(ctx: PruneContext, method: str, p: float) -> dict:
-    """Apply ``method`` at drop rate ``p``; returns ``{"metric", "q", "seconds"}``."""
+    """Apply ``method`` at drop rate ``p``; returns ``{"metric", "q", "seconds"}``. A search
+    whose validation score is not finite at any of its points chooses no q: its row gets a
+    NaN metric and says so, and the other rows still run."""
+    t0 = time.time()
+    try:
+        out, q = _pruned(ctx, method, p)
+    except NoFiniteScore:
+        return {"metric": float("nan"), "q": "none: no finite validation score",
+                "seconds": round(time.time() - t0, 2)}
+    return {"metric": ctx.test(out), "q": _fmt_q(q) if q != "" else "",
+            "seconds": round(time.time() - t0, 2)}
+
+
+def _pruned(ctx: PruneContext, method: str, p: float):
+    """``(pruned delta, q)`` of ``method`` at drop rate ``p`` (``q``: ``""`` where none)."""
     P, D, mask, key = ctx.pretrained, ctx.delta, ctx.mask, ctx.key
-    t0, q = time.time(), ""
+    q = ""
     grid = q_grid(p, ctx.q_num, spacing=ctx.q_spacing)
     if method == "unpruned":
         out = D
@@ -226,8 +240,7 @@ def run_one(ctx: PruneContext, method: str, p: float) -> dict:
         out, q = pruner(key, D, r.best), r.best
     else:
         raise ValueError(f"unknown method {method!r}; available: unpruned, {', '.join(METHODS)}")
-    return {"metric": ctx.test(out), "q": _fmt_q(q) if q != "" else "",
-            "seconds": round(time.time() - t0, 2)}
+    return out, q
 
 
 def run_methods(ctx: PruneContext, methods: Sequence[str], ps: Sequence[float],
