@@ -64,11 +64,11 @@ def dare_keep_mask(
     (other masks for the same key).
     """
     _check_rate(p)
-    mask_leaves(mask, delta_tree, "dare_keep_mask")
-    if rng == "hash":
+    if rng == "hash":  # which checks the mask itself
         return hash_keep_mask(key, delta_tree, p, mask)
     if rng != "threefry":
         raise ValueError(f"rng={rng!r}; use 'threefry' (JAX's PRNG) or 'hash'")
+    mask_leaves(mask, delta_tree, "dare_keep_mask")
     keys = per_leaf_keys(key, delta_tree)
     sel = jax.tree_util.tree_map(lambda _: True, delta_tree) if mask is None else mask
     return jax.tree_util.tree_map(

@@ -89,32 +89,27 @@ def select_leaves(
     return mask
 
 
-def _check_same_structure(a: PyTree, b: PyTree, what: str) -> None:
+def _check_same_structure(a: PyTree, b: PyTree, what: str,
+                          fix: str = "pass trees built from the same model definition") -> None:
     ta, tb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
     if ta != tb:
-        raise ValueError(
-            f"{what}: the two pytrees have different structures ({ta} vs {tb}); "
-            "pass trees built from the same model definition."
-        )
+        raise ValueError(f"{what} ({ta} vs {tb}); {fix}.")
 
 
 def mask_leaves(mask: PyTree | None, tree: PyTree, who: str) -> list:
     """``mask``'s leaves, one per leaf of ``tree`` (every leaf selected for ``None``); a mask of
     another structure is refused, since its leaves would select the wrong matrices."""
-    n = len(jax.tree_util.tree_leaves(tree))
     if mask is None:
-        return [True] * n
-    if not _same_structure(mask, tree):
-        raise ValueError(f"{who}: the mask's structure differs from the delta tree's "
-                         f"({jax.tree_util.tree_structure(mask)} vs "
-                         f"{jax.tree_util.tree_structure(tree)}); build it from this tree: "
-                         "select_leaves(delta_tree, include=...)")
+        return [True] * len(jax.tree_util.tree_leaves(tree))
+    _check_same_structure(mask, tree, f"{who}: the mask's structure differs from the delta "
+                          "tree's", "build it from this tree: select_leaves(delta_tree, ...)")
     return jax.tree_util.tree_leaves(mask)
 
 
 def delta(pretrained: PyTree, finetuned: PyTree) -> PyTree:
     """``Delta = theta_F - theta_P`` leaf by leaf (shapes must match)."""
-    _check_same_structure(pretrained, finetuned, "delta(pretrained, finetuned)")
+    _check_same_structure(pretrained, finetuned, "delta(pretrained, finetuned): the two pytrees "
+                          "have different structures")
 
     def sub(path, p, f):
         if jnp.shape(p) != jnp.shape(f):
@@ -129,7 +124,8 @@ def delta(pretrained: PyTree, finetuned: PyTree) -> PyTree:
 
 def apply_delta(pretrained: PyTree, delta_tree: PyTree) -> PyTree:
     """``theta = theta_P + Delta`` leaf by leaf, result in the pre-trained dtype."""
-    _check_same_structure(pretrained, delta_tree, "apply_delta(pretrained, delta)")
+    _check_same_structure(pretrained, delta_tree, "apply_delta(pretrained, delta): the two "
+                          "pytrees have different structures")
     return jax.tree_util.tree_map(
         lambda p, d: (jnp.asarray(p) + jnp.asarray(d)).astype(jnp.result_type(p)),
         pretrained,
