@@ -10,9 +10,10 @@ accelerator: as a smoke run, or ahead of time for GPU and TPU. One table each.
 
 Each study runs in its own Python, so its peak host memory is its own. ``preset=quick``
 smokes the quick presets instead; ``devices=N`` gives each study N CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=N``), so every training loop, evaluator
-and benchmark runs with its arrays spread over a mesh of several devices, as on a multi-GPU
-host (``make smoke-devices``; the devices column says how many the study saw).
+(``JAX_NUM_CPU_DEVICES=N``, :func:`moejax.train.distributed.cpu_devices_env`), so every
+training loop, evaluator and benchmark runs with its arrays spread over a mesh of several
+devices, as on a multi-GPU host (``make smoke-devices``; the devices column says how many
+the study saw).
 
 ``mode=smoke`` runs it as ``python -m experiments.<paper>.<study> preset=full smoke=true`` would
 (:mod:`moejax.harness.smoke`: real model sizes and weights, every training run cut to a couple of
@@ -68,6 +69,7 @@ from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.harness.study import Study
 from moejax.pytree import fmt_count
 from moejax.train.aot import prove_decode, prove_step
+from moejax.train.distributed import cpu_devices_env
 from moejax.train.scale import measure_scale
 
 __all__ = ["main", "child"]
@@ -185,21 +187,17 @@ def child(name: str, out: str, report: str, mode: str = "smoke", overrides=(),
 
 def _run_child(name: str, out: Path, timeout: float, mode: str, overrides=(),
                preset: str = "full", devices: int = 0) -> tuple[dict, float, float]:
-    """One study in its own Python (``devices`` > 0: that many CPU devices, as
-    ``XLA_FLAGS=--xla_force_host_platform_device_count`` gives them, so the training loop's
-    mesh, the evaluators and the benchmarks span several): its report, wall time and peak
-    resident memory (GB)."""
+    """One study in its own Python (``devices`` > 0: that many simulated CPU devices,
+    :func:`moejax.train.distributed.cpu_devices_env`, so the training loop's mesh, the
+    evaluators and the benchmarks span several): its report, wall time and peak resident
+    memory (GB)."""
     report = out / f"{name}.{mode}.json"
     report.unlink(missing_ok=True)
     env = dict(os.environ)
     if mode == "aot":  # untrained substrates never enter the shared cache
         env["MOEJAX_SUBSTRATE_DIR"] = str(out / "substrates")
     if devices:
-        env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = " ".join(
-            [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-            + [f"--xla_force_host_platform_device_count={devices}"])
+        env = cpu_devices_env(devices, env)
     code = ("import sys; from experiments.full_smoke import child; "
             f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}, "
             f"{list(overrides)!r}, {preset!r}))")

@@ -1,20 +1,19 @@
-"""A subprocess of tests/test_checkpoint.py: train a tiny MoE LM two steps on an 4 x 2 mesh of
-8 simulated devices, checkpoint it into ``argv[1]`` and save its parameters beside it."""
+"""A subprocess of tests/test_checkpoint.py (started with the environment of
+``cpu_devices_env(8)``): train a tiny MoE LM two steps on an 4 x 2 mesh of 8 simulated devices,
+checkpoint it into ``argv[1]`` and save its parameters beside it."""
 
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from moejax.nn.decoder import DecoderConfig, DecoderLM  # noqa: E402
-from moejax.nn.ffn import DenseFFNConfig  # noqa: E402
-from moejax.nn.moe import MoEConfig  # noqa: E402
-from moejax.nn.slots import layer_pattern  # noqa: E402
-from moejax.train import TrainConfig, train  # noqa: E402
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.moe import MoEConfig
+from moejax.nn.slots import layer_pattern
+from moejax.train import TrainConfig, train
 
 
 def main(out: str) -> None:

@@ -16,6 +16,7 @@ from flax import nnx
 import moejax.train.checkpoint as ck_mod
 from moejax.config import from_json
 from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
+from moejax.train.distributed import cpu_devices_env
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from tests.toy_models import TinyMoELM, ToySource, tree_equal
@@ -204,7 +205,7 @@ def test_plain_orbax_restores_a_checkpoint_of_8_devices_on_1_and_4(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ckpt_saver.py"),
                         str(run)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                       env=dict(env, PYTHONPATH=ROOT))
+                       env=dict(cpu_devices_env(8, env), PYTHONPATH=ROOT))
     assert r.returncode == 0 and "devices 8" in r.stdout, r.stderr[-2000:]
     code = _snippet(run / "checkpoints") + textwrap.dedent(f"""
         import numpy as np
@@ -219,9 +220,8 @@ def test_plain_orbax_restores_a_checkpoint_of_8_devices_on_1_and_4(tmp_path):
     assert "moejax" not in code
 
     def restore(n):
-        flags = f"--xla_force_host_platform_device_count={n}"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=300, cwd=str(tmp_path), env=dict(env, XLA_FLAGS=flags))
+                              timeout=300, cwd=str(tmp_path), env=cpu_devices_env(n, env))
 
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(restore, (1, 4)))

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from moejax.train.distributed import cpu_devices_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "prompt=it's a \"quoted\" smoke=true prompt"
 
@@ -71,7 +73,7 @@ def _data_dir_file(tmp):
 def _expert_axis(tmp):
     return _study(["experiments.lm_demo", "smoke=true", "train.mesh_data=2",
                    "train.mesh_expert=3", "train.batch_size=6", f"out={tmp / 'ep'}"], tmp,
-                  {"XLA_FLAGS": "--xla_force_host_platform_device_count=6"})
+                  cpu_devices_env(6, {}))
 
 
 def _refused(r, *needles):

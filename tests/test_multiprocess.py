@@ -299,8 +299,10 @@ def test_a_failed_collective_ends_the_loop_naming_the_step_and_the_checkpoint(
 
 
 def test_cpu_devices_env_sets_the_device_count_and_keeps_other_flags():
+    big_pool = {"PJRT_NPROC": "64"}  # no jaxlib asks for more (moejax.cpu_pool)
     env = cpu_devices_env(8, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --a=1",
-                              "JAX_PLATFORMS": "cuda", "HOME": "/h"})
+                              "JAX_PLATFORMS": "cuda", "HOME": "/h", **big_pool})
     assert env == {"XLA_FLAGS": "--a=1", "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
-                   "HOME": "/h"}
-    assert cpu_devices_env(3, {}) == {"JAX_NUM_CPU_DEVICES": "3", "JAX_PLATFORMS": "cpu"}
+                   "HOME": "/h", **big_pool}
+    assert cpu_devices_env(3, big_pool) == {"JAX_NUM_CPU_DEVICES": "3", "JAX_PLATFORMS": "cpu",
+                                            **big_pool}

@@ -58,6 +58,7 @@ import time
 import jax
 import numpy as np
 
+from moejax.cpu_pool import pool_env
 from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
@@ -258,7 +259,8 @@ def cpu_devices_env(n_devices: int, env=None) -> dict[str, str]:
     ``JAX_NUM_CPU_DEVICES`` (a jax option, so no XLA flag that a jaxlib may not know), with a
     ``--xla_force_host_platform_device_count`` flag of the caller's removed and the other XLA
     flags kept (the device count is fixed when JAX starts, so multi-device runs on one CPU
-    need a new process)."""
+    need a new process); on a jaxlib whose CPU client needs it, a worker pool that cannot
+    deadlock in a collective (:mod:`moejax.cpu_pool`)."""
     env = dict(os.environ if env is None else env)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     if flags:
@@ -267,6 +269,7 @@ def cpu_devices_env(n_devices: int, env=None) -> dict[str, str]:
         env.pop("XLA_FLAGS", None)
     env["JAX_NUM_CPU_DEVICES"] = str(n_devices)
     env["JAX_PLATFORMS"] = "cpu"
+    env.update(pool_env(n_devices, env))
     return env
 
 

@@ -39,6 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ConfigError
+from moejax.cpu_pool import check_pool
 from moejax.nn import axes as ax
 
 __all__ = [
@@ -114,6 +115,7 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None, tensor: int = 1) ->
     all remaining devices."""
     devices = list(jax.devices() if devices is None else devices)
     d, e = resolve_mesh_shape(data, expert, len(devices), tensor)
+    check_pool(devices)
     shape, names = ((d, e), AXES) if tensor == 1 else ((d, e, tensor), (*AXES, TENSOR))
     # Auto axes: XLA propagates shardings (explicit-sharding mode would require every model
     # op to spell out its output sharding). All devices: jax's topology-aware order.

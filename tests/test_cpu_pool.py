@@ -1,0 +1,84 @@
+"""The CPU client's worker pool: sized so that several CPU devices cannot deadlock in a
+collective when the host runs ahead (jaxlib < 0.12), and left alone where it need not be."""
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from moejax.cpu_pool import check_pool, needs_pool, pool_env, pool_threads, threads_needed
+from moejax.train.distributed import cpu_devices_env
+from tests.devices import run_on_devices
+
+
+def test_only_a_jaxlib_before_0_12_needs_the_pool():
+    assert needs_pool("0.11.2") and needs_pool("0.10.0")
+    assert not needs_pool("0.12.0.1") and not needs_pool("0.13.0") and not needs_pool("1.0.0")
+
+
+def test_the_pool_asked_for_leaves_a_thread_free_beside_two_per_device():
+    assert threads_needed(8) == 17 and threads_needed(2) == 5
+    old = "0.11.2"
+    assert pool_env(8, {"NPROC": "2"}, old) == {"PJRT_NPROC": "17"}
+    assert pool_env(2, {"PJRT_NPROC": "4"}, old) == {"PJRT_NPROC": "5"}  # too small: replaced
+    assert pool_env(8, {"PJRT_NPROC": "17"}, old) == {}  # large enough: kept
+    assert pool_env(8, {"PJRT_NPROC": "3", "NPROC": "64"}, old) == {"PJRT_NPROC": "17"}
+    assert pool_env(1, {"NPROC": "1"}, old) == {}  # one device: no collective
+    assert pool_env(8, {"NPROC": "2"}, "0.12.0.1") == {}  # a jaxlib that launches without waiting
+    assert pool_threads({"PJRT_NPROC": "9", "NPROC": "3"}) == 9
+    assert pool_threads({"NPROC": "3"}) == 3 and pool_threads({}) >= 1
+
+
+def test_a_process_with_several_cpu_devices_gets_the_pool_where_its_jaxlib_needs_it():
+    env = cpu_devices_env(8, {"NPROC": "2"})
+    assert (env.get("PJRT_NPROC") == "17") == needs_pool()
+    assert "PJRT_NPROC" not in cpu_devices_env(1, {"NPROC": "2"})
+
+
+def _cpus(n):
+    return [SimpleNamespace(platform="cpu")] * n
+
+
+def test_a_mesh_on_too_small_a_pool_is_warned_about_with_the_fix(monkeypatch):
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with pytest.warns(RuntimeWarning, match="PJRT_NPROC=17"):
+        check_pool(_cpus(8), "0.11.2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_pool(_cpus(8), "0.12.0.1")
+        check_pool(_cpus(1), "0.11.2")
+        check_pool([SimpleNamespace(platform="gpu")] * 8, "0.11.2")
+        monkeypatch.setenv("PJRT_NPROC", "17")
+        check_pool(_cpus(8), "0.11.2")
+
+
+# A step whose all-reduce spans the mesh's expert axis, dispatched 600 programs ahead of the
+# devices; with one pool thread per device jaxlib 0.11.2 deadlocked here in every run.
+_RUN_AHEAD = r"""
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+w = jax.device_put(jnp.ones((8, 256, 256)) / 256, NamedSharding(mesh, P("expert")))
+x = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P()))
+
+@jax.jit
+def step(w, x):
+    for _ in range(4):
+        x = jnp.tanh(jnp.einsum("bd,edf->bef", x, w).sum(1))
+    return x
+
+assert "all-reduce" in step.lower(w, x).compile().as_text()
+for _ in range(300):
+    tok = jnp.argmax(x, -1)
+    x = step(w, x)
+c = 1.0  # every entry stays equal: each step maps c to tanh(8 experts x c), 4 times
+for _ in range(1200):
+    c = np.tanh(8 * c)
+np.testing.assert_allclose(np.asarray(x), np.full((64, 256), c), rtol=1e-5)
+print("OK")
+"""
+
+
+def test_eight_cpu_devices_do_not_deadlock_when_the_host_runs_ahead():
+    run_on_devices(_RUN_AHEAD, hang_s=30, timeout=300)
