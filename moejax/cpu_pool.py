@@ -21,7 +21,7 @@ import os
 import warnings
 from collections.abc import Mapping
 
-from jaxlib import version as _jaxlib
+import jaxlib
 
 __all__ = ["POOL_ENV", "needs_pool", "threads_needed", "pool_threads", "pool_env", "check_pool"]
 
@@ -37,7 +37,7 @@ def _version(text: str) -> tuple[int, ...]:
 def needs_pool(jaxlib_version: str | None = None) -> bool:
     """Whether the CPU client of ``jaxlib_version`` (default: the installed one) deadlocks on a
     pool of one thread per device."""
-    return _version(jaxlib_version or _jaxlib.__version__) < _FIXED_IN
+    return _version(jaxlib_version or jaxlib.__version__) < _FIXED_IN
 
 
 def threads_needed(n_devices: int) -> int:
@@ -54,7 +54,7 @@ def pool_threads(env: Mapping[str, str] | None = None) -> int:
         value = env.get(name, "")
         if value.isdigit():
             return int(value)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pool_env(n_devices: int, env: Mapping[str, str] | None = None,
@@ -76,7 +76,7 @@ def check_pool(devices, jaxlib_version: str | None = None) -> None:
     if (len(devices) < 2 or devices[0].platform != "cpu"
             or not pool_env(len(devices), jaxlib_version=jaxlib_version)):
         return
-    version = jaxlib_version or _jaxlib.__version__
+    version = jaxlib_version or jaxlib.__version__
     warnings.warn(
         f"jaxlib {version}'s CPU client can deadlock in a collective on "
         f"{len(devices)} CPU devices with {pool_threads()} worker threads once the host runs "
