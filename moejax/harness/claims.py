@@ -10,6 +10,7 @@ contains zero otherwise or when one seed cannot give an interval (:func:`paired_
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -122,51 +123,40 @@ def paired(label: str, a: Sequence[float], b: Sequence[float]) -> dict:
             "wins": sum(x > 0 for x in d), "n": len(d)}
 
 
-# two-sided 95% critical values of Student's t by degrees of freedom (a df between two
-# entries takes the smaller df's, the wider interval)
-_T95 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447), (7, 2.365),
-        (8, 2.306), (9, 2.262), (10, 2.228), (12, 2.179), (15, 2.131), (20, 2.086),
-        (25, 2.060), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980))
-
-
+@functools.lru_cache(maxsize=256)
 def t_critical(df: int, alpha: float = 0.05) -> float:
     """Two-sided ``1 - alpha`` critical value of Student's t with ``df`` >= 1 degrees of
-    freedom: at 95% from the table (1.96 past it), otherwise solved from the t distribution
-    (:func:`t_two_sided_p`) by bisection."""
+    freedom, solved from the t distribution (:func:`t_two_sided_p`) by bisection: exact at
+    every ``df`` (no table whose gaps or large-``df`` limit would shift the interval's level)."""
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha={alpha} must lie in (0, 1)")
-    if alpha != 0.05:
-        lo, hi = 0.0, 1.0
-        while t_two_sided_p(hi, df) > alpha:
-            hi *= 2
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if t_two_sided_p(mid, df) > alpha else (lo, mid)
-        return hi
-    value = 1.960
-    for d, t in reversed(_T95):
-        if df >= d:
-            return t if df <= 120 else value
-    return value
+    lo, hi = 0.0, 1.0
+    while t_two_sided_p(hi, df) > alpha:
+        lo, hi = hi, 2 * hi
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > alpha else (lo, mid)
+    return hi
 
 
 def t_two_sided_p(t: float, df: int) -> float:
     """``P(|T| > t)`` for Student's t with ``df`` degrees of freedom: the regularised
-    incomplete beta ``I_x(df / 2, 1 / 2)`` at ``x = df / (df + t^2)``."""
-    return _betainc(0.5 * df, 0.5, df / (df + t * t))
+    incomplete beta ``I_x(df / 2, 1 / 2)`` at ``x = df / (df + t^2)`` (``1 - x`` passed as
+    ``t^2 / (df + t^2)``, exact where ``x`` rounds to 1)."""
+    return _betainc(0.5 * df, 0.5, df / (df + t * t), t * t / (df + t * t))
 
 
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function ``I_x(a, b)`` by its continued fraction
-    (modified Lentz), on the side of ``x`` where it converges fast."""
-    if x <= 0.0 or x >= 1.0:
+def _betainc(a: float, b: float, x: float, y: float) -> float:
+    """The regularised incomplete beta function ``I_x(a, b)``, ``y = 1 - x``, by its
+    continued fraction (modified Lentz), on the side of ``x`` where it converges fast."""
+    if x <= 0.0 or y <= 0.0:
         return 0.0 if x <= 0.0 else 1.0
     if x > (a + 1.0) / (a + b + 2.0):
-        return 1.0 - _betainc(b, a, 1.0 - x)
+        return 1.0 - _betainc(b, a, y, x)
     front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x)) / a
+                     + a * math.log(x) + b * math.log(y)) / a
     tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
     for i in range(400):
         m = i // 2
