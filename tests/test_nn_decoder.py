@@ -130,6 +130,21 @@ def test_decoding_past_the_cache_is_refused_with_both_lengths():
         speculative_decoder(model, model, 20, draft_len=2)(TOKENS[:1])
 
 
+def test_generate_refuses_a_negative_count_and_an_eos_outside_the_vocabulary():
+    """generate returns the prompt for 0 new tokens, refuses a negative count, and an eos_id
+    the model could never emit (the loop would run to the end, the padding never come)."""
+    from moejax.nn.generate import generate
+
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(np.asarray(generate(model, TOKENS, 0)), np.asarray(TOKENS))
+    with pytest.raises(ValueError, match="max_new_tokens=-1 must be >= 0"):
+        generate(model, TOKENS, -1)
+    with pytest.raises(ValueError, match=r"eos_id=32 lies outside the vocabulary \[0, 32\)"):
+        generate(model, TOKENS, 3, eos_id=32)
+    with pytest.raises(ValueError, match="eos_id=-2 lies outside"):
+        generate(model, TOKENS, 3, eos_id=-2)
+
+
 def test_tied_vs_untied_parameter_counts():
     tied = DecoderLM(tiny_cfg(tie_embeddings=True), rngs=nnx.Rngs(0))
     untied = DecoderLM(tiny_cfg(tie_embeddings=False), rngs=nnx.Rngs(0))

@@ -94,6 +94,24 @@ def test_bad_arguments_raise():
         sample(model, p, np.array([4, 4]), 40, key=jax.random.key(0))
     with pytest.raises(ValueError, match="prompt_lens_B has shape"):
         sample(model, p, np.array([4]), 2, key=jax.random.key(0))
+    key = jax.random.key(0)
+    for t in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match=f"temperature={t} must be a finite number"):
+            sample(model, p, np.array([4, 4]), 2, key=key, temperature=t)
+    with pytest.raises(ValueError, match=r"eos_id=32 lies outside the vocabulary \[0, 32\)"):
+        sample(model, p, np.array([4, 4]), 2, key=key, eos_id=32)
+    with pytest.raises(ValueError, match=r"pad_id=-1 lies outside the vocabulary"):
+        sample(model, p, np.array([4, 4]), 2, key=key, pad_id=-1)
+    with pytest.raises(ValueError, match=r"prompts_BT of shape \(4,\)"):
+        sample(model, np.ones(4, np.int32), np.array([4]), 2, key=key)
+    bad = np.array([[1, 2, 40, 0], [1, 2, 3, 4]], np.int32)  # 40: no token of 32
+    for prompts in (bad, jnp.asarray(bad)):
+        with pytest.raises(ValueError, match=r"token ids in \[1, 40\], outside the "
+                                             r"vocabulary \[0, 32\)"):
+            sample(model, prompts, np.array([3, 4]), 2, key=key)
+    padded = np.array([[1, 2, -1, -1], [1, 2, 3, 4]], np.int32)  # -1 only past the prompt
+    out = sample(model, padded, np.array([2, 4]), 2, key=key, temperature=0.0)
+    assert out.tokens_BS.shape == (2, 6)
 
 
 def test_a_sampler_splits_the_model_once_and_samples_its_variables_values():

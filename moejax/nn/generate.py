@@ -14,6 +14,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
@@ -22,18 +23,26 @@ from moejax.nn.lean_decode import lean_decoder
 __all__ = ["generate", "select_token", "check_decode_inputs"]
 
 
-def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float) -> None:
+def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
+                        eos_id: int | None = None, lens_B=None) -> None:
     """Refuse, naming the argument, what a decoding would turn into garbage: an empty
-    prompt, token ids outside ``[0, vocab_size)`` (a concrete prompt), a temperature that is
-    not a finite number >= 0."""
+    prompt, token ids outside ``[0, vocab_size)`` (a concrete prompt: each row's first
+    ``lens_B[b]`` ids where the rows are padded blocks), an ``eos_id`` outside the
+    vocabulary (it could never be emitted), a temperature that is not a finite number >= 0."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
                          "(0 = greedy)")
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(f"eos_id={eos_id} lies outside the vocabulary [0, {vocab_size}): "
+                         "the model could never emit it; give the tokenizer's eos id")
     if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
         raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give [B, T] token ids with "
                          "T >= 1 (an empty prompt has nothing to continue)")
     if not isinstance(prompt_BT, jax.core.Tracer) and prompt_BT.size:
-        lo, hi = int(jnp.min(prompt_BT)), int(jnp.max(prompt_BT))
+        ids = np.asarray(prompt_BT)
+        if lens_B is not None:  # the prompt of each row, not the padding after it
+            ids = ids[np.arange(ids.shape[1])[None, :] < np.asarray(lens_B)[:, None]]
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
                              f"vocabulary [0, {vocab_size}); encode it with the model's "
@@ -82,7 +91,9 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     """
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     temperature = float(temperature)
-    check_decode_inputs(prompt_BT, model.cfg.vocab_size, temperature)
+    check_decode_inputs(prompt_BT, model.cfg.vocab_size, temperature, eos_id=eos_id)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0 (0: the prompt back)")
     B, T = prompt_BT.shape
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(...)")

@@ -21,6 +21,7 @@ stops when every row has emitted ``eos_id`` or after ``max_new_tokens`` steps; t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -31,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.generate import check_decode_inputs
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
 
@@ -128,8 +130,8 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     and these settings, the model split once (as a server holds it): a call pays the jitted
     loop and nothing per module. The split state holds the model's variables, so a call
     samples their values at that time (``param[...] = x`` and ``nnx.update`` are seen); a
-    variable or submodule replaced by a new object is not (make a new sampler). Prompt
-    lengths given as numpy are checked on the host, with no device round trip.
+    variable or submodule replaced by a new object is not (make a new sampler). Prompts and
+    their lengths given as numpy are checked on the host, with no device round trip.
     ``draw.lower(prompts_BT, prompt_lens_B, key=...)``: the loop lowered for those arguments,
     not run (its compiled memory can be checked first; a later call reuses the compilation).
     ``compiler_options``: XLA compile options of the loop (e.g.
@@ -137,8 +139,13 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     known_options` keeps), compiled with them once per prompt shape."""
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
+                         "(0 = greedy)")
+    vocab_size = model.cfg.vocab_size
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad_id={pad_id} lies outside the vocabulary [0, {vocab_size}): "
+                         "the sampled rows must stay token ids the model can read back")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     max_seq_len = model.cfg.max_seq_len
@@ -148,7 +155,10 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
 
     def checked(prompts_BT, prompt_lens_B, key: jax.Array) -> tuple:
-        prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
+        if not isinstance(prompts_BT, jax.Array):  # checked where it is, on the host
+            prompts_BT = np.asarray(prompts_BT)
+        if prompts_BT.ndim != 2:
+            raise ValueError(f"prompts_BT of shape {prompts_BT.shape}: give [B, T] token ids")
         B, T = prompts_BT.shape
         lens_host = np.asarray(prompt_lens_B)
         if lens_host.shape != (B,):
@@ -160,6 +170,9 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
         lo, hi = int(lens_host.min()), int(lens_host.max())
         if lo < 1 or hi > T:
             raise ValueError(f"prompt lengths must lie in [1, {T}], got [{lo}, {hi}]")
+        check_decode_inputs(prompts_BT, vocab_size, temperature, eos_id=eos_id,
+                            lens_B=lens_host)
+        prompts_BT = jnp.asarray(prompts_BT, jnp.int32)
         return graphdef, state, prompts_BT, jnp.asarray(lens_host, jnp.int32), key
 
     def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
