@@ -1,4 +1,5 @@
-"""BlockFFN losses (moejax.ops.chunk_sparsity) against direct numpy loops."""
+"""BlockFFN losses (moejax.ops.chunk_sparsity) against direct numpy loops: on hand-built arrays
+and on drawn batches (hypothesis)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moejax.ops import chunk_sparsity as cs
+from tests.token_runs import runs, token_batches
 
 # 2 rows x 7 tokens x 3 experts; row 1: two documents (segments 1, 2) then padding.
 A0 = np.array([
@@ -20,30 +24,13 @@ MASK = np.array([[1] * 7, [1, 1, 1, 1, 1, 0, 0]], bool)
 SEG = np.array([[1] * 7, [1, 1, 1, 2, 2, 0, 0]], np.int32)
 
 
-def _runs(mask, seg):
-    """List of (row, [token indices]) runs of real same-document tokens."""
-    out = []
-    for b in range(mask.shape[0]):
-        cur = []
-        for t in range(mask.shape[1]):
-            if mask[b, t] and cur and seg[b, t] == seg[b, cur[-1]] and cur[-1] == t - 1:
-                cur.append(t)
-            else:
-                if cur:
-                    out.append((b, cur))
-                cur = [t] if mask[b, t] else []
-        if cur:
-            out.append((b, cur))
-    return out
-
-
 def _sig(v):
     return 1 / (1 + np.exp(-v))
 
 
 def np_al(a0, alpha, mask, seg):
     tot, n = 0.0, 0
-    for b, run in _runs(mask, seg):
+    for b, run in runs(mask, seg):
         for t in run[:-1]:
             for e in range(a0.shape[-1]):
                 p, q = _sig(alpha * a0[b, t, e]), _sig(alpha * a0[b, t + 1, e])
@@ -54,7 +41,7 @@ def np_al(a0, alpha, mask, seg):
 
 def np_cs(a1, L, mask, seg, eps=1e-6):
     tot, n = 0.0, 0
-    for b, run in _runs(mask, seg):
+    for b, run in runs(mask, seg):
         for c in range(0, len(run), L):
             chunk = run[c:c + L]
             for e in range(a1.shape[-1]):
@@ -97,6 +84,47 @@ def test_chunk_sparsification_matches_numpy(L, use_mask, use_seg):
                                        segment_ids_BT=jnp.asarray(seg) if use_seg else None)
     np.testing.assert_allclose(float(got), np_cs(a1.astype(np.float64), L, mask, seg),
                                rtol=1e-5)
+
+
+@settings(max_examples=30)  # each new shape compiles jax's ops once
+@given(token_batches(max_tokens=8), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_both_losses_equal_the_loops_on_any_batch(batch, L, seed):
+    """L_cs and L_al equal the token-by-token loops on any activation pattern, padding and
+    document split (with at least one real token and one neighbouring pair)."""
+    act, mask, seg = batch
+    rng = np.random.default_rng(seed)
+    a1 = (act * rng.uniform(0.1, 2.0, act.shape)).astype(np.float32)
+    a0 = rng.normal(size=act.shape).astype(np.float32)
+    m, sg = jnp.asarray(mask), jnp.asarray(seg)
+    if mask.any():
+        got = cs.chunk_sparsification_loss(jnp.asarray(a1), chunk_len=L, mask_BT=m,
+                                           segment_ids_BT=sg)
+        np.testing.assert_allclose(float(got), np_cs(a1.astype(np.float64), L, mask, seg),
+                                   rtol=1e-4, atol=1e-6)
+    if any(len(run) > 1 for _, run in runs(mask, seg)):
+        got = cs.activation_locality_loss(jnp.asarray(a0), alpha=3.0, mask_BT=m,
+                                          segment_ids_BT=sg)
+        np.testing.assert_allclose(float(got), np_al(a0.astype(np.float64), 3.0, mask, seg),
+                                   rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=30)
+@given(token_batches(max_tokens=8), st.integers(1, 5))
+def test_one_hot_routing_makes_the_loss_the_chunks_active_fraction(batch, L):
+    """With at most one active expert per token (p is 0 or 1) an expert is active in a chunk
+    exactly when one of its tokens picks it: L_cs is the mean over chunks (a run's shorter
+    last chunk included) of the fraction of experts the chunk's union holds, 1 - CLS_L of
+    the sparsity metrics (moejax.ops.sparsity_metrics) counted over every chunk."""
+    act, mask, seg = batch
+    first = act & (np.cumsum(act, axis=-1) == 1)  # each token's first active expert, if any
+    want = [np.any(first[b, run[c:c + L]], axis=0).mean()
+            for b, run in runs(mask, seg) for c in range(0, len(run), L)]
+    if not want:
+        return
+    got = cs.chunk_sparsification_loss(jnp.asarray(first, jnp.float32), chunk_len=L,
+                                       mask_BT=jnp.asarray(mask),
+                                       segment_ids_BT=jnp.asarray(seg), eps=1e-7)
+    np.testing.assert_allclose(float(got), np.mean(want), atol=1e-5)
 
 
 def test_chunk_sparsification_single_active_expert_is_finite():

@@ -96,40 +96,6 @@ def test_paired_verdicts_follow_the_interval(seed):
     assert paired_claim("both", [up, down]).holds is False
 
 
-def test_t_critical_is_student_t_at_every_df():
-    """The 95% critical value is Student's t's at every df, between the classic table's
-    entries (t(11) = 2.201, not t(10)'s 2.228) and past it (t(500) = 1.9647, not 1.96's
-    narrower interval), reaching 1.96 only in the limit."""
-    from moejax.harness.claims import t_critical
-
-    assert t_critical(1) == pytest.approx(12.7062, abs=1e-4)
-    assert t_critical(4) == pytest.approx(2.7764, abs=1e-4)
-    assert t_critical(11) == pytest.approx(2.2010, abs=1e-4)
-    assert t_critical(121) == pytest.approx(1.9798, abs=1e-4)
-    assert t_critical(500) == pytest.approx(1.9647, abs=1e-4)
-    assert t_critical(10**7) == pytest.approx(1.95996, abs=1e-5)
-    assert all(t_critical(df) > t_critical(df + 1) for df in range(1, 130))
-    with pytest.raises(ValueError, match="df"):
-        t_critical(0)
-
-
-@pytest.mark.parametrize("df", [1, 2, 4, 9, 11, 30, 121, 200, 5000])
-@pytest.mark.parametrize("alpha", [0.05, 0.025, 0.01, 0.05 / 6, 0.001])
-def test_t_critical_at_every_level_is_student_t(df, alpha):
-    """The critical value is scipy's quantile, and the two-sided tail probability there is
-    ``alpha``; also where ``1 - x`` of the incomplete beta would round away (tiny t, large
-    df)."""
-    stats = pytest.importorskip("scipy.stats")
-    from moejax.harness.claims import t_critical, t_two_sided_p
-
-    assert t_critical(df, alpha) == pytest.approx(stats.t.ppf(1 - alpha / 2, df), rel=1e-9)
-    assert t_two_sided_p(float(stats.t.ppf(1 - alpha / 2, df)), df) == pytest.approx(
-        alpha, rel=1e-9)
-    assert t_two_sided_p(1e-6, df) == pytest.approx(2 * stats.t.sf(1e-6, df), rel=1e-9)
-    if alpha < 0.05:
-        assert t_critical(df, alpha) > t_critical(df)  # wider than the 95% interval
-
-
 def test_the_best_of_several_settings_is_judged_at_a_bonferroni_level():
     """A threshold claim on the best of K settings widens its interval to 1 - 0.05/K: the
     same values that clear the threshold at 95% can be inconclusive as the best of many."""

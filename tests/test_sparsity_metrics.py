@@ -1,11 +1,15 @@
-"""Sparsity metrics (moejax.ops.sparsity_metrics) against direct loops on hand-built arrays."""
+"""Sparsity metrics (moejax.ops.sparsity_metrics) against direct loops: on hand-built arrays and
+on drawn batches (hypothesis)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moejax.ops import sparsity_metrics as sm
+from tests.token_runs import runs, token_batches
 
 # 2 rows x 6 tokens x 4 experts
 ACT = np.array([
@@ -16,41 +20,35 @@ MASK = np.array([[1] * 6, [1, 1, 1, 1, 1, 0]], bool)
 SEG = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 2, 2, 2, 0]], np.int32)
 
 
-def _runs(mask, seg):
-    out = []
-    for b in range(mask.shape[0]):
-        cur = []
-        for t in range(mask.shape[1]):
-            if mask[b, t] and cur and seg[b, t] == seg[b, cur[-1]]:
-                cur.append(t)
-            else:
-                if cur:
-                    out.append((b, cur))
-                cur = [t] if mask[b, t] else []
-        if cur:
-            out.append((b, cur))
-    return out
-
-
-def np_cls(act, L, mask, seg):
+def cls_values(act, L, mask, seg):
+    """The all-inactive fraction of each full chunk of each run, chunk by chunk."""
     vals = []
-    for b, run in _runs(mask, seg):
+    for b, run in runs(mask, seg):
         for c in range(0, len(run) - L + 1, L):
             union = np.zeros(act.shape[-1], bool)
             for t in run[c:c + L]:
                 union |= act[b, t]
             vals.append(1 - union.mean())
-    return np.mean(vals)
+    return vals
 
 
-def np_reuse(act, mask, seg):
+def reuse_values(act, mask, seg):
+    """``|S_t & S_t+1| / |S_t|`` of each neighbouring pair of a run with ``S_t`` not empty."""
     vals = []
-    for b, run in _runs(mask, seg):
+    for b, run in runs(mask, seg):
         for t in run[:-1]:
             s, s2 = set(np.flatnonzero(act[b, t])), set(np.flatnonzero(act[b, t + 1]))
             if s:
                 vals.append(len(s & s2) / len(s))
-    return np.mean(vals)
+    return vals
+
+
+def np_cls(act, L, mask, seg):
+    return np.mean(cls_values(act, L, mask, seg))
+
+
+def np_reuse(act, mask, seg):
+    return np.mean(reuse_values(act, mask, seg))
 
 
 def test_tls_hand_computed():
@@ -66,9 +64,26 @@ def test_cls_matches_loops(L, use_seg):
     seg = SEG if use_seg else np.where(MASK, 1, 0)
     num, den = sm.cls_counts(ACT, L, MASK, seg if use_seg else None)
     if den == 0:  # no run holds a full chunk
-        assert all(len(run) < L for _, run in _runs(MASK, seg)) and num == 0
+        assert all(len(run) < L for _, run in runs(MASK, seg)) and num == 0
         return
     assert num / den == pytest.approx(np_cls(ACT, L, MASK, seg))
+
+
+@given(token_batches(), st.integers(1, 6))
+def test_counts_equal_the_loops_on_any_batch(batch, L):
+    """TLS, CLS_L and reuse counts equal the token-by-token loops on any pattern, padding and
+    document split, including rows with no real token and runs shorter than a chunk."""
+    act, mask, seg = batch
+    real = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    num, den = sm.tls_counts(act, mask)
+    assert den == len(real)
+    assert num == pytest.approx(sum(1 - act[b, t].mean() for b, t in real))
+    want = cls_values(act, L, mask, seg)
+    num, den = sm.cls_counts(act, L, mask, seg)
+    assert den == len(want) and num == pytest.approx(sum(want))
+    want = reuse_values(act, mask, seg)
+    num, den = sm.reuse_counts(act, mask, seg)
+    assert den == len(want) and num == pytest.approx(sum(want))
 
 
 def test_cls_hand_value_and_cls1_equals_tls():

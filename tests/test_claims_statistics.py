@@ -1,0 +1,91 @@
+"""The statistics the paper claims are judged by (moejax.harness.claims): Student's t critical
+values and tail probabilities against scipy, and the verdicts of paired and threshold claims
+against the exact t interval, as properties over drawn samples (hypothesis)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
+from scipy import stats
+
+from moejax.harness.claims import (
+    paired,
+    paired_claim,
+    t_critical,
+    t_two_sided_p,
+    threshold_claim,
+)
+
+DIFFS = st.lists(st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False), min_size=2,
+                 max_size=12)
+
+
+def test_t_critical_is_student_t_at_every_df():
+    """The 95% critical value is Student's t's at every df, between the classic table's
+    entries (t(11) = 2.201, not t(10)'s 2.228) and past it (t(500) = 1.9647, not 1.96's
+    narrower interval), reaching 1.96 only in the limit."""
+    assert t_critical(1) == pytest.approx(12.7062, abs=1e-4)
+    assert t_critical(4) == pytest.approx(2.7764, abs=1e-4)
+    assert t_critical(11) == pytest.approx(2.2010, abs=1e-4)
+    assert t_critical(121) == pytest.approx(1.9798, abs=1e-4)
+    assert t_critical(500) == pytest.approx(1.9647, abs=1e-4)
+    assert t_critical(10**7) == pytest.approx(1.95996, abs=1e-5)
+    assert all(t_critical(df) > t_critical(df + 1) for df in range(1, 130))
+    with pytest.raises(ValueError, match="df"):
+        t_critical(0)
+    with pytest.raises(ValueError, match="alpha"):
+        t_critical(3, 1.0)
+
+
+@given(st.integers(1, 10**6), st.floats(1e-6, 0.5))
+@example(11, 0.05)
+@example(121, 0.05)
+@example(5000, 0.05 / 6)
+def test_t_critical_is_scipys_quantile(df, alpha):
+    """At every df and level the critical value is scipy's quantile, the two-sided tail
+    probability there is ``alpha``, and a stricter level widens the interval."""
+    t = t_critical(df, alpha)
+    assert t == pytest.approx(stats.t.ppf(1 - alpha / 2, df), rel=1e-8)
+    assert t_two_sided_p(t, df) == pytest.approx(alpha, rel=1e-8)
+    assert t_critical(df, alpha / 2) > t
+
+
+@given(st.integers(1, 10**6), st.floats(0, 1e4, allow_subnormal=False))
+@example(8192, 1e-6)
+def test_t_tail_probability_is_scipys(df, t):
+    """``P(|T| > t)`` equals scipy's at every df, also near 1 (tiny t, where ``1 - x`` of the
+    incomplete beta rounds away) and far in the tail."""
+    want = 2 * stats.t.sf(t, df)
+    assert t_two_sided_p(t, df) == pytest.approx(want, rel=1e-8, abs=1e-300)
+
+
+@given(DIFFS)
+def test_a_paired_verdict_is_the_exact_t_interval(diffs):
+    """A paired claim holds exactly when the 95% t interval of the mean difference lies above
+    zero, does not hold when it lies below (or every seed ties), and is inconclusive when it
+    holds zero; the wins count the seeds the first arm is ahead in."""
+    d = np.asarray(diffs, np.float64)
+    row = paired("A - B", list(d), [0.0] * len(d))
+    c = paired_claim("A beats B", row)
+    assert row["wins"] == int(np.sum(d > 0)) and row["n"] == len(d)
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    if mean == 0 and sd == 0:
+        assert c.verdict == "does not hold" and "equal in every seed" in c.evidence
+        return
+    half = stats.t.ppf(0.975, len(d) - 1) * sd / math.sqrt(len(d))
+    lo, hi = mean - half, mean + half
+    assume(min(abs(lo), abs(hi)) > 1e-9 * (abs(mean) + sd + 1))  # not a rounding tie
+    assert c.verdict == ("holds" if lo > 0 else "does not hold" if hi < 0 else "inconclusive")
+
+
+@given(DIFFS, st.floats(-1e3, 1e3, allow_subnormal=False), st.integers(1, 20))
+def test_a_lower_is_better_threshold_is_the_mirror_of_a_higher_one(values, threshold, k):
+    """``value <= threshold`` judged on the values is ``-value >= -threshold`` judged on their
+    negatives, at every Bonferroni level; the level names its candidates."""
+    low = threshold_claim("c", values, threshold, better="lower", candidates=k)
+    high = threshold_claim("c", [-v for v in values], -threshold, candidates=k)
+    assert low.verdict == high.verdict
+    assert (f"{100 * (1 - 0.05 / k):.4g}% CI" in low.evidence) == (len(set(values)) > 1 or
+                                                                  values[0] != threshold)
