@@ -127,7 +127,7 @@ def paired(label: str, a: Sequence[float], b: Sequence[float]) -> dict:
 def t_critical(df: int, alpha: float = 0.05) -> float:
     """Two-sided ``1 - alpha`` critical value of Student's t with ``df`` >= 1 degrees of
     freedom, solved from the t distribution (:func:`t_two_sided_p`) by bisection: exact at
-    every ``df`` (no table whose gaps or large-``df`` limit would shift the interval's level)."""
+    every ``df``, so every interval has the level its evidence states."""
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
     if not 0 < alpha < 1:
