@@ -3,10 +3,12 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from moejax.delta import dequantize, dequantize_tree, num_levels, quantize, quantize_tree
+from moejax.delta.quant_jnp import fake_quantize, quantize_codes
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -120,3 +122,15 @@ def test_midrise_leaves_round_trip_through_storage():
     assert back["w"].n_levels == 4
     rep = storage_report(stored)
     assert rep["array_bytes"] == 64 * 8 * 2 // 8 + 2 * 8 * 4  # codes + float32 scales
+
+
+@pytest.mark.parametrize("scheme", ["midrise", "symmetric", "asymmetric"])
+@pytest.mark.parametrize("gran", ["tensor", "channel"])
+def test_an_empty_leaf_quantises_to_no_codes_in_both_implementations(scheme, gran):
+    for shape in [(0,), (0, 4), (4, 0)]:
+        q = quantize(np.zeros(shape, np.float32), 4, scheme=scheme, granularity=gran)
+        assert q.codes.shape == shape and np.all(q.step == 0)
+        assert dequantize(q).shape == shape
+        codes, step, _ = quantize_codes(jnp.zeros(shape), 4, scheme=scheme, granularity=gran)
+        assert codes.shape == shape and step.shape == q.step.shape
+        assert fake_quantize(jnp.zeros(shape), 4, scheme=scheme, granularity=gran).shape == shape

@@ -147,3 +147,18 @@ def test_a_pruned_delta_round_trips_sparse_and_quantised():
     assert np.all(np.asarray(q8["w"])[np.asarray(pruned["w"]) == 0] == 0)
     assert np.max(np.abs(np.asarray(q8["w"]) - np.asarray(pruned["w"]))) < 0.05 * np.max(
         np.abs(np.asarray(pruned["w"])))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8, 16, 32])
+def test_a_matrix_with_no_survivors_stores_and_reads_back_as_zeros(tmp_path, bits):
+    # at a high drop rate a small matrix can lose every entry: it stores as an empty survivor
+    # list (no scale to take from no values) and reads back as zeros
+    d = {"w": np.zeros((3, 4), np.float32), "v": np.arange(1.0, 7.0, dtype=np.float32)}
+    mask = {"w": True, "v": True}
+    stored = encode_pruned(d, mask, 0.99, bits)
+    save(str(tmp_path / "d.npz"), stored)
+    back = decode_pruned(load(str(tmp_path / "d.npz")), {"w": (3, 4), "v": (6,)})
+    np.testing.assert_array_equal(np.asarray(back["w"]), 0.0)
+    assert back["w"].shape == (3, 4)
+    half_step = {1: 5.0, 2: 3.0, 8: 6.0 / 254, 16: 6.0 / 256, 32: 0.0}[bits]
+    assert np.max(np.abs(np.asarray(back["v"]) - d["v"])) <= half_step

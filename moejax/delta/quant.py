@@ -102,12 +102,22 @@ def _blocked(x: np.ndarray, granularity: str, group_size: int, in_axis: int):
     g = d_in if granularity == "channel" else min(group_size, d_in)  # a longer group = column
     if granularity not in ("channel", "group"):
         raise ValueError(f"granularity={granularity!r}; use 'tensor', 'channel' or 'group'.")
+    if d_in == 0:  # an empty matrix: one empty block per output channel
+        return xm.reshape(xm.shape[:-2] + (1, 0, xm.shape[-1]))
     if g <= 0 or d_in % g:
         raise ValueError(
             f"group_size={group_size} must divide d_in={d_in} (axis {in_axis}); "
             "pick a divisor or use granularity='channel'."
         )
     return xm.reshape(xm.shape[:-2] + (d_in // g, g, xm.shape[-1]))
+
+
+def _block_stat(fn, xb: np.ndarray) -> np.ndarray:
+    """``fn`` over each block (axis -2, kept); 0 for an empty block (an empty leaf, or a pruned
+    matrix with no survivors), whose step is then 0 like a block of zeros."""
+    if xb.shape[-2] == 0:
+        return np.zeros(xb.shape[:-2] + (1,) + xb.shape[-1:])
+    return fn(xb, axis=-2, keepdims=True)
 
 
 def _unblocked(xb: np.ndarray, shape, granularity: str, in_axis: int):
@@ -142,11 +152,11 @@ def quantize(
     symmetric = scheme == "symmetric"
     levels = num_levels(bits, symmetric)
     if symmetric:
-        amax = np.max(np.abs(xb), axis=-2, keepdims=True)
+        amax = _block_stat(np.max, np.abs(xb))
         step = 2.0 * amax / (levels - 1)
         offset = -(levels - 1) / 2.0 * step
     else:
-        lo, hi = np.min(xb, axis=-2, keepdims=True), np.max(xb, axis=-2, keepdims=True)
+        lo, hi = _block_stat(np.min, xb), _block_stat(np.max, xb)
         step, offset = (hi - lo) / (levels - 1), lo
     safe = np.where(step > 0, step, 1.0)
     codes = np.clip(np.rint((xb - offset) / safe), 0, levels - 1).astype(np.uint8)
@@ -168,9 +178,9 @@ def _quantize_midrise(x, xb, bits, granularity, group_size, in_axis) -> Quantize
     num_levels(bits, True)  # validates bits
     levels = 2**bits
     if bits == 1:
-        step = 2.0 * np.mean(np.abs(xb), axis=-2, keepdims=True)
+        step = 2.0 * _block_stat(np.mean, np.abs(xb))
     else:
-        step = 2.0 * np.max(np.abs(xb), axis=-2, keepdims=True) / levels
+        step = 2.0 * _block_stat(np.max, np.abs(xb)) / levels
     safe = np.where(step > 0, step, 1.0)
     codes = np.clip(np.floor(xb / safe + levels / 2.0), 0, levels - 1).astype(np.uint8)
     codes = _unblocked(codes, x.shape, granularity, in_axis)

@@ -33,6 +33,8 @@ def _blocked(x, granularity: str, group_size: int, in_axis: int):
     xm = jnp.moveaxis(x, in_axis, -2)
     d_in = xm.shape[-2]
     g = d_in if granularity == "channel" else min(group_size, d_in)
+    if d_in == 0:  # an empty matrix: one empty block per output channel
+        return xm.reshape(xm.shape[:-2] + (1, 0, xm.shape[-1]))
     if g <= 0 or d_in % g:
         raise ValueError(f"group_size={group_size} must divide d_in={d_in} (axis {in_axis}); "
                          "pick a divisor or use granularity='channel'.")
@@ -48,6 +50,13 @@ def _unblocked(xb, shape, granularity: str, in_axis: int):
     return jnp.moveaxis(xb.reshape(moved), -2, ax)
 
 
+def _block_stat(fn, xb):
+    """``fn`` over each block (axis -2, kept); 0 for an empty block (an empty leaf)."""
+    if xb.shape[-2] == 0:
+        return jnp.zeros(xb.shape[:-2] + (1,) + xb.shape[-1:], xb.dtype)
+    return fn(xb, axis=-2, keepdims=True)
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "scheme", "granularity", "group_size",
                                              "in_axis"))
 def quantize_codes(x, bits: int, *, scheme: str = "midrise", granularity: str = "group",
@@ -61,19 +70,19 @@ def quantize_codes(x, bits: int, *, scheme: str = "midrise", granularity: str = 
         num_levels(bits, True)
         levels = 2**bits
         if bits == 1:
-            step = 2.0 * jnp.mean(jnp.abs(xb), axis=-2, keepdims=True)
+            step = 2.0 * _block_stat(jnp.mean, jnp.abs(xb))
         else:
-            step = 2.0 * jnp.max(jnp.abs(xb), axis=-2, keepdims=True) / levels
+            step = 2.0 * _block_stat(jnp.max, jnp.abs(xb)) / levels
         safe = jnp.where(step > 0, step, 1.0)
         codes = jnp.clip(jnp.floor(xb / safe + levels / 2.0), 0, levels - 1)
         offset = -(levels - 1) / 2.0 * step
     else:
         levels = num_levels(bits, scheme == "symmetric")
         if scheme == "symmetric":
-            step = 2.0 * jnp.max(jnp.abs(xb), axis=-2, keepdims=True) / (levels - 1)
+            step = 2.0 * _block_stat(jnp.max, jnp.abs(xb)) / (levels - 1)
             offset = -(levels - 1) / 2.0 * step
         else:
-            lo, hi = jnp.min(xb, axis=-2, keepdims=True), jnp.max(xb, axis=-2, keepdims=True)
+            lo, hi = _block_stat(jnp.min, xb), _block_stat(jnp.max, xb)
             step, offset = (hi - lo) / (levels - 1), lo
         safe = jnp.where(step > 0, step, 1.0)
         codes = jnp.clip(jnp.rint((xb - offset) / safe), 0, levels - 1)
