@@ -8,7 +8,8 @@
 * :class:`ResponseScorer`: the three test metrics of a distilled LM at once: ROUGE-L per
   sampling seed, response-token perplexity, KL to a reference teacher.
 * :func:`gate_mass_by_layer` / :func:`router_kl_by_layer`: router statistics of MoE LMs (how
-  much gate mass the selected experts hold; how far two routers' gate distributions are).
+  much gate mass the selected experts hold; how far two routers' gate distributions are),
+  over the batches' real tokens (:func:`real_tokens`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moejax.nn.sample import sampler
 from moejax.ops.distill_losses import forward_kl
 
 __all__ = ["GenerationEvaluator", "ResponseScorer", "rouge_l", "response_kl",
-           "gate_mass_by_layer", "router_kl_by_layer"]
+           "gate_mass_by_layer", "router_kl_by_layer", "real_tokens"]
 
 
 def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> np.ndarray:
@@ -132,41 +133,65 @@ class ResponseScorer:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _router_stats(graphdef, state, inputs_BT):
-    _, aux = nnx.merge(graphdef, state)(inputs_BT, train=False)
+def _router_stats(graphdef, state, inputs_BT, real_BT):
+    _, aux = nnx.merge(graphdef, state)(inputs_BT, train=False, mask_BT=real_BT)
     return [{k: la[k] for k in ("gate_mass_selected", "gate_probs")}
             for la in aux["layers"] if "gate_probs" in la]
 
 
+def real_tokens(batch: dict) -> np.ndarray:
+    """``[B, T]`` bool over a batch's ``inputs``: True on its real tokens, False on the padding
+    after them. A prompt/response batch's real tokens are each row's prompt part and response
+    (``prompt_lens`` + the response's length); a packed LM batch's are its ``segment_ids``
+    > 0; a batch with neither is all real."""
+    B, T = np.shape(batch["inputs"])
+    if "prompt_lens" in batch:
+        n_B = np.asarray(batch["prompt_lens"]) + np.asarray(batch["response_mask"]).sum(-1)
+        return np.arange(T)[None, :] < n_B[:, None]
+    if "segment_ids" in batch:
+        return np.asarray(batch["segment_ids"])[:, :T] > 0
+    return np.ones((B, T), bool)
+
+
 def _moe_aux(model, batch):
     graphdef, state = nnx.split(model)
-    return _router_stats(graphdef, state, jnp.asarray(batch["inputs"]))
+    real_BT = real_tokens(batch)
+    return _router_stats(graphdef, state, jnp.asarray(batch["inputs"]), jnp.asarray(real_BT))
 
 
 def gate_mass_by_layer(model, batches: Sequence[dict]) -> list[float]:
-    """Per MoE layer: mean over the batches' tokens of the gate probability held by the
-    experts the router selected (the paper's Fig. 1; the rest sits on unused experts)."""
-    sums = None
+    """Per MoE layer: mean over the batches' real tokens (:func:`real_tokens`; the padding
+    masked out of attention and of the statistic) of the gate probability held by the experts
+    the router selected (the paper's Fig. 1; the rest sits on unused experts)."""
+    sums, count = None, 0.0
     for b in batches:
-        vals = [float(la["gate_mass_selected"]) for la in _moe_aux(model, b)]
+        n = float(real_tokens(b).sum())
+        vals = [n * float(la["gate_mass_selected"]) for la in _moe_aux(model, b)]
         sums = vals if sums is None else [a + v for a, v in zip(sums, vals)]
-    return [v / len(batches) for v in (sums or [])]
+        count += n
+    if batches and count == 0:
+        raise ValueError("gate_mass_by_layer: the batches hold no real token (all padding)")
+    return [v / max(count, 1.0) for v in (sums or [])]
 
 
 def router_kl_by_layer(model_a, model_b, batches: Sequence[dict]) -> list[dict]:
-    """Per MoE layer: mean and max over tokens of ``KL(g_a || g_b)`` between the full gate
-    distributions of two models with the same layout (e.g. a teacher before and after SAR),
-    each run on the same tokens (layer inputs are each model's own hidden states)."""
+    """Per MoE layer: mean and max over the batches' real tokens (:func:`real_tokens`) of
+    ``KL(g_a || g_b)`` between the full gate distributions of two models with the same layout
+    (e.g. a teacher before and after SAR), each run on the same tokens (layer inputs are each
+    model's own hidden states)."""
     out = None
     for b in batches:
         la, lb = _moe_aux(model_a, b), _moe_aux(model_b, b)
         if len(la) != len(lb):
             raise ValueError(f"models have {len(la)} and {len(lb)} MoE layers")
+        real = real_tokens(b)
         kls = []
         for xa, xb in zip(la, lb):
             pa = jnp.clip(xa["gate_probs"].astype(jnp.float32), 1e-30, 1.0)
             pb = jnp.clip(xb["gate_probs"].astype(jnp.float32), 1e-30, 1.0)
-            kls.append(np.asarray(jnp.sum(pa * (jnp.log(pa) - jnp.log(pb)), -1)).ravel())
+            kls.append(np.asarray(jnp.sum(pa * (jnp.log(pa) - jnp.log(pb)), -1))[real])
         out = kls if out is None else [np.concatenate([o, k]) for o, k in zip(out, kls)]
+    if out and not out[0].size:
+        raise ValueError("router_kl_by_layer: the batches hold no real token (all padding)")
     return [{"layer": i, "mean_kl": float(k.mean()), "max_kl": float(k.max())}
             for i, k in enumerate(out or [])]

@@ -13,6 +13,7 @@ from moejax.evaluate_generation import (
     GenerationEvaluator,
     ResponseScorer,
     gate_mass_by_layer,
+    real_tokens,
     response_kl,
     rouge_l,
     router_kl_by_layer,
@@ -167,3 +168,37 @@ def test_response_kl_and_scorer_against_numpy():
                                       rel=1e-4)
     assert sc["kl"] == pytest.approx(response_kl(teacher, student, gen.batches))
     assert len(sc["rouge_l_seeds"]) == 2 and "kl" not in ResponseScorer(gen)(student)
+
+
+def test_router_statistics_count_real_tokens_only():
+    # a prompt/response batch padded after each row's response: the statistics equal those of
+    # every row run alone at its real length (the decoder is causal), the padding ignored
+    from moejax.data.packing import prompt_response_rows
+
+    rng = np.random.default_rng(0)
+    rows = prompt_response_rows([rng.integers(3, 12, n) for n in (1, 4, 2)],
+                                [rng.integers(3, 12, n) for n in (2, 6, 1)], 8, 8)
+    batch = {**rows, "inputs": rows["tokens"][:, :-1]}
+    real = real_tokens(batch)
+    n_B = (rows["prompt_lens"] + rows["response_mask"].sum(-1)).astype(int)
+    assert real.sum() == n_B.sum() < real.size
+    a, b = _lm(moe=True, n_layers=2), _lm(moe=True, n_layers=2, seed=3)
+    mass_sum, kls = np.zeros(2), [[], []]
+    for row, n in zip(batch["inputs"], n_B):
+        _, aux_a = a(jnp.asarray(row[None, :n]))
+        _, aux_b = b(jnp.asarray(row[None, :n]))
+        for i, (la, lb) in enumerate(zip(aux_a["layers"], aux_b["layers"])):
+            pa = np.asarray(la["gate_probs"], np.float64).reshape(-1, 4)
+            pb = np.asarray(lb["gate_probs"], np.float64).reshape(-1, 4)
+            mass_sum[i] += np.sort(pa, -1)[:, -2:].sum()
+            kls[i] += list((pa * (np.log(pa) - np.log(pb))).sum(-1))
+    np.testing.assert_allclose(gate_mass_by_layer(a, [batch]), mass_sum / n_B.sum(), rtol=1e-5)
+    got = router_kl_by_layer(a, b, [batch])
+    np.testing.assert_allclose([r["mean_kl"] for r in got], [np.mean(k) for k in kls],
+                               rtol=1e-4)
+    np.testing.assert_allclose([r["max_kl"] for r in got], [np.max(k) for k in kls], rtol=1e-4)
+    empty = {**batch, "prompt_lens": 0 * rows["prompt_lens"], "response_mask": 0 * real}
+    with pytest.raises(ValueError, match="no real token"):
+        gate_mass_by_layer(a, [empty])
+    with pytest.raises(ValueError, match="no real token"):
+        router_kl_by_layer(a, b, [empty])
