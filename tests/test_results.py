@@ -198,3 +198,31 @@ def test_a_table_written_again_is_replaced_not_listed_twice(tmp_path):
     assert (tmp_path / "r" / "rows.csv").read_text().splitlines() == ["n", "1", "2"]
     summary = run.finish("h").read_text()
     assert summary.count("### Rows") + summary.count("#### Rows") == 1
+
+
+def test_cells_a_run_could_not_measure_are_named_beside_the_merged_mean():
+    from moejax.harness.tables import merge_seed_tables, nan_in_some_runs
+
+    nan = float("nan")
+    runs = [[{"m": "a", "acc": 0.5, "loss": nan}, {"m": "b", "acc": nan, "loss": nan}],
+            [{"m": "a", "acc": 0.7, "loss": nan}, {"m": "b", "acc": 0.9, "loss": nan}],
+            [{"m": "a", "acc": nan, "loss": nan}, {"m": "b", "acc": 0.8, "loss": nan}]]
+    merged = merge_seed_tables(runs)
+    assert merged[0]["acc"] == pytest.approx(0.6) and merged[1]["acc"] == pytest.approx(0.85)
+    # NaN in every run is a column no run measured: not a partial average, so not listed
+    assert nan_in_some_runs(runs) == ["row 0, acc: NaN in runs [2]", "row 1, acc: NaN in runs [0]"]
+    assert nan_in_some_runs([[{"m": "a", "acc": 0.5}], [{"m": "a", "acc": 0.6}]]) == []
+
+
+def test_a_merged_run_names_what_a_seed_run_could_not_measure(tmp_path):
+    def run(cfg, rundir):
+        acc = float("nan") if cfg.seed == 6 else 0.5
+        rundir.table("acc", [{"method": "dare", "acc": acc}])
+        return {"headline": f"seed {cfg.seed}", "acc": acc}
+
+    run_experiment("s", lambda preset: _SeedCfg(seed=5), run, ["repeat=2"],
+                   out=tmp_path / "s", seed_keys=("seed",))
+    text = (tmp_path / "s" / "summary.md").read_text()
+    assert "Table `acc` averages some cells over fewer runs" in text
+    assert "row 0, acc: NaN in runs [1]" in text
+    assert "acc 0.5 +/- 0 (1 of 2 runs measured it)" in text

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import math
 import os
 import sys
 import time
@@ -65,7 +66,7 @@ from moejax.harness.run_record import (
     mark_run_state,
     write_run_record,
 )
-from moejax.harness.tables import mean_std, merge_seed_tables, read_csv_rows
+from moejax.harness.tables import mean_std, merge_seed_tables, nan_in_some_runs, read_csv_rows
 from moejax.io._common import WeightFileError
 from moejax.nn.moe import MoEConfig
 from moejax.train.checkpoint import CheckpointWriteError, ForeignCheckpointError
@@ -282,7 +283,9 @@ def _headline_keys(summaries: Sequence[dict], limit: int = 4) -> list[str]:
 
 def _spread(key: str, vals: Sequence[float]) -> str:
     mean, sd = mean_std(vals)
-    return f"{key} {mean:.4g} +/- {sd:.2g}"
+    measured = sum(not math.isnan(v) for v in vals)
+    of = f" ({measured} of {len(vals)} runs measured it)" if measured < len(vals) else ""
+    return f"{key} {mean:.4g} +/- {sd:.2g}{of}"
 
 
 def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None,
@@ -315,6 +318,11 @@ def _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims, paper_sc
                      + ", ".join(f"[seed {i}](seed_{i}/{md})" for i in range(n)) + ".")
             continue
         top.table(stem, merged, title=f"{title} (mean over {n} seed runs)")
+        partial = nan_in_some_runs(tables)
+        if partial:
+            top.note(f"Table `{stem}` averages some cells over fewer runs: a run could not "
+                     "measure them (NaN; see its `seed_<i>/` table): " + "; ".join(partial[:8])
+                     + (f"; and {len(partial) - 8} more" if len(partial) > 8 else "") + ".")
     summary: dict[str, Any] = {}
     for key in summaries[0]:  # float values averaged; counts, choices and labels listed
         vals = [s.get(key) for s in summaries]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["format_value", "seed_summary", "mean_std", "read_csv_rows", "merge_seed_tables",
-           "markdown_table", "read_tables", "csv_value", "columns_of"]
+           "nan_in_some_runs", "markdown_table", "read_tables", "csv_value", "columns_of"]
 
 
 def format_value(v: Any, floatfmt: str = ".4g") -> str:
@@ -110,6 +110,21 @@ def merge_seed_tables(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[dic
             out_cols.append(_std_name(c, cols))
     stds = {_std_name(c, cols) for c in varies}  # 0.0 on rows where the column agreed
     return [{c: r.get(c, 0.0 if c in stds else "") for c in out_cols} for r in merged]
+
+
+def nan_in_some_runs(tables: Sequence[Sequence[Mapping[str, Any]]]) -> list[str]:
+    """The cells that :func:`merge_seed_tables` averages over fewer runs than it merges: a
+    number in some runs and NaN (not measured) in others, each as ``"row i, <col>: NaN in
+    runs [..]"`` (run indices; the merged mean and std are those of the other runs)."""
+    out = []
+    for i in range(min(len(t) for t in tables)):
+        for c in columns_of([t[i] for t in tables], None):
+            vals = [t[i].get(c, "") for t in tables]
+            nan = [j for j, v in enumerate(vals) if _isnan(v)]
+            if nan and len(nan) < len(vals) and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                out.append(f"row {i}, {c}: NaN in runs {nan}")
+    return out
 
 
 def _std_name(column: str, columns) -> str:
