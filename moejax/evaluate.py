@@ -126,14 +126,17 @@ class Evaluator:
 
 class LMEvaluator(Evaluator):
     """Mean ``loss`` (cross-entropy, nats/token), ``accuracy`` and ``bpb`` (bits per byte) over
-    fixed batches. ``bytes_per_token``: UTF-8 bytes per token of the corpus (1 for byte-level
-    tokens); ``bpb = loss / ln 2 / bytes_per_token``."""
+    the scored tokens (``mask`` > 0, else every target) of fixed batches.
+    ``bytes_per_token``: UTF-8 bytes per token of the corpus (1 for byte-level tokens);
+    ``bpb = loss / ln 2 / bytes_per_token``."""
 
     def __init__(self, batches: Sequence[dict], *, bytes_per_token: float = 1.0,
                  loss_fn: Callable = lm_loss_fn):
         if not batches:
             raise ValueError("LMEvaluator needs at least one batch")
         self.batches, self.bytes_per_token, self.loss_fn = list(batches), bytes_per_token, loss_fn
+        self._scored = np.asarray([float(np.sum(np.asarray(b["mask"]) > 0)) if "mask" in b
+                                   else float(np.size(b["targets"])) for b in self.batches])
         self._fns: dict = {}
 
     @classmethod
@@ -163,8 +166,10 @@ class LMEvaluator(Evaluator):
         fn = self._compiled(graphdef, params, rest)
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
         ms = jax.device_get([fn(params, rest, b, key) for b in self.batches])
-        loss = float(np.mean([m["ce"] for m in ms]))
-        return {"loss": loss, "accuracy": float(np.mean([m["accuracy"] for m in ms])),
+        n = self._scored  # each batch's mean weighted by its scored tokens: a token mean
+        loss = float(np.dot([m["ce"] for m in ms], n) / max(n.sum(), 1.0))
+        return {"loss": loss, "accuracy": float(np.dot([m["accuracy"] for m in ms], n)
+                                                / max(n.sum(), 1.0)),
                 "bpb": loss / math.log(2) / self.bytes_per_token}
 
     def memory(self, model: nnx.Module) -> dict:

@@ -76,3 +76,27 @@ def test_outputs_on_and_params_loss_see_the_params_they_are_given():
     ref, _ = classifier_loss_fn(model, batch)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
     assert set(metrics) >= {"ce", "accuracy"}
+
+
+def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
+    # two batches scoring different numbers of tokens: the loss and accuracy are the means over
+    # every scored token, not the mean of the two batch means
+    model = TinyMoELM(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    batches = []
+    for n_scored in (3, 17):
+        tok = rng.integers(0, 16, (2, 13))
+        mask = np.zeros((2, 12), np.float32)
+        mask.reshape(-1)[rng.permutation(24)[:n_scored]] = 1.0
+        batches.append({"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": mask})
+    got = LMEvaluator(batches)(model)
+    nll, hits, count = 0.0, 0.0, 0.0
+    for b in batches:
+        logits, _ = model(jnp.asarray(b["inputs"]), train=False)
+        logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32)), np.float64)
+        tok_nll = -np.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
+        nll += (tok_nll * b["mask"]).sum()
+        hits += ((logp.argmax(-1) == b["targets"]) * b["mask"]).sum()
+        count += b["mask"].sum()
+    np.testing.assert_allclose(got["loss"], nll / count, rtol=1e-5)
+    np.testing.assert_allclose(got["accuracy"], hits / count, rtol=1e-6)
