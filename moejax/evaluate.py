@@ -32,11 +32,11 @@ from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
 from moejax.train.budget import check_program_fits
 from moejax.train.loop import compiled_memory
-from moejax.train.step import lm_loss_fn, make_eval_step
+from moejax.train.step import lm_loss_fn, lm_model_kwargs, make_eval_step
 
 __all__ = ["LMEvaluator", "ClassifierEvaluator", "SparsityEvaluator", "matthews_corrcoef",
            "classifier_loss_fn", "router_active_sets", "classifier_kd_loss_fn",
-           "classifier_logits", "outputs_on"]
+           "classifier_logits", "outputs_on", "scored_tokens", "token_mean"]
 
 
 def classifier_loss_fn(model, batch, key=None, train: bool = True):
@@ -135,8 +135,7 @@ class LMEvaluator(Evaluator):
         if not batches:
             raise ValueError("LMEvaluator needs at least one batch")
         self.batches, self.bytes_per_token, self.loss_fn = list(batches), bytes_per_token, loss_fn
-        self._scored = np.asarray([float(np.sum(np.asarray(b["mask"]) > 0)) if "mask" in b
-                                   else float(np.size(b["targets"])) for b in self.batches])
+        self._scored = scored_tokens(self.batches)
         self._fns: dict = {}
 
     @classmethod
@@ -166,16 +165,26 @@ class LMEvaluator(Evaluator):
         fn = self._compiled(graphdef, params, rest)
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
         ms = jax.device_get([fn(params, rest, b, key) for b in self.batches])
-        n = self._scored  # each batch's mean weighted by its scored tokens: a token mean
-        loss = float(np.dot([m["ce"] for m in ms], n) / max(n.sum(), 1.0))
-        return {"loss": loss, "accuracy": float(np.dot([m["accuracy"] for m in ms], n)
-                                                / max(n.sum(), 1.0)),
+        loss = token_mean([m["ce"] for m in ms], self._scored)
+        return {"loss": loss, "accuracy": token_mean([m["accuracy"] for m in ms], self._scored),
                 "bpb": loss / math.log(2) / self.bytes_per_token}
 
     def memory(self, model: nnx.Module) -> dict:
         """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         return compiled_memory(self._compiled(graphdef, params, rest))
+
+
+def scored_tokens(batches: Sequence[dict]) -> np.ndarray:
+    """How many tokens each batch scores: its ``mask`` > 0, else every target."""
+    return np.asarray([float(np.sum(np.asarray(b["mask"]) > 0)) if "mask" in b
+                       else float(np.size(b["targets"])) for b in batches])
+
+
+def token_mean(batch_means: Sequence[float], scored: np.ndarray) -> float:
+    """The mean over every scored token from each batch's mean and its scored-token count
+    (:func:`scored_tokens`), not the mean of the batch means."""
+    return float(np.dot(np.asarray(batch_means, np.float64), scored) / max(scored.sum(), 1.0))
 
 
 def _layout(tree) -> tuple:
@@ -293,7 +302,7 @@ class SparsityEvaluator(Evaluator):
             @jax.jit
             def fn(params, rest, batch):
                 m = nnx.merge(graphdef, params, rest)
-                logits, aux = m(batch["inputs"], train=False, mask_BT=batch["mask"] > 0)
+                logits, aux = m(batch["inputs"], train=False, **lm_model_kwargs(batch))
                 ce = cross_entropy(logits, batch["targets"], batch["mask"])
                 return ce, [active_fn(la) for la in aux["layers"]]
 
@@ -310,7 +319,7 @@ class SparsityEvaluator(Evaluator):
             for i, (act, a) in enumerate(layers):
                 if act is not None:
                     acc.update(i, act, mask_BT=b["mask"] > 0, a_BTE=a, tokens_BT=b["inputs"])
-        ce = float(np.mean(ces))
+        ce = token_mean(ces, scored_tokens(self.batches))
         out = {"val_ce": ce, "val_ppl": math.exp(ce)}
         res = acc.result()
         out.update(res["mean"])

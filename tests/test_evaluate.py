@@ -81,7 +81,13 @@ def test_outputs_on_and_params_loss_see_the_params_they_are_given():
 def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
     # two batches scoring different numbers of tokens: the loss and accuracy are the means over
     # every scored token, not the mean of the two batch means
-    model = TinyMoELM(nnx.Rngs(0))
+    from moejax.evaluate import SparsityEvaluator
+    from moejax.nn.decoder import DecoderConfig, DecoderLM
+    from moejax.nn.ffn import DenseFFNConfig
+
+    model = DecoderLM(DecoderConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2,
+                                    n_kv_heads=1, max_seq_len=16,
+                                    ffn_slots=(DenseFFNConfig(12, "swiglu"),)), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     batches = []
     for n_scored in (3, 17):
@@ -100,3 +106,5 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
         count += b["mask"].sum()
     np.testing.assert_allclose(got["loss"], nll / count, rtol=1e-5)
     np.testing.assert_allclose(got["accuracy"], hits / count, rtol=1e-6)
+    np.testing.assert_allclose(SparsityEvaluator(batches)(model)["val_ce"], nll / count,
+                               rtol=1e-5)

@@ -53,6 +53,7 @@ from moejax.train.hparams import TrainConfig
 
 __all__ = [
     "params_loss",
+    "lm_model_kwargs",
     "TrainState",
     "NonFiniteError",
     "init_train_state",
@@ -114,6 +115,20 @@ def params_loss(graphdef, rest, loss_fn: Callable) -> Callable:
     return loss
 
 
+def lm_model_kwargs(batch) -> dict:
+    """What an LM batch shows the model besides its ``inputs`` (:func:`lm_loss_fn`'s rule):
+    ``mask_BT`` (the real tokens: ``segment_ids > 0``, else ``token_mask > 0``, else None),
+    ``segment_ids_BT`` and ``positions_BT`` where the batch has them; never the loss
+    ``mask``."""
+    seg, real = batch.get("segment_ids"), batch.get("token_mask")
+    kw = {"mask_BT": None if real is None else real > 0}
+    if seg is not None:
+        kw.update(mask_BT=seg > 0, segment_ids_BT=seg)
+    if batch.get("positions") is not None:
+        kw["positions_BT"] = batch["positions"]
+    return kw
+
+
 def lm_loss_fn(model, batch, key, train: bool = True):
     """Next-token cross-entropy on ``batch["targets"]`` (masked by ``batch["mask"]``) plus
     the model's ``aux["aux_loss"]``. Metrics: ``ce``, ``aux_loss``, ``accuracy`` and every
@@ -133,13 +148,8 @@ def lm_loss_fn(model, batch, key, train: bool = True):
             f"lm_loss_fn (the default loss) needs batch keys 'inputs' and 'targets' ('mask', "
             f"'token_mask', 'segment_ids' and 'positions' optional); the batch has {found}. "
             "Fix: give the batches those keys, or pass your own loss_fn=")
-    mask, seg, real = batch.get("mask"), batch.get("segment_ids"), batch.get("token_mask")
-    kw = {"mask_BT": None if real is None else real > 0}
-    if seg is not None:
-        kw.update(mask_BT=seg > 0, segment_ids_BT=seg)
-    if batch.get("positions") is not None:
-        kw["positions_BT"] = batch["positions"]
-    logits, aux = model(batch["inputs"], train=train, key=key, **kw)
+    mask = batch.get("mask")
+    logits, aux = model(batch["inputs"], train=train, key=key, **lm_model_kwargs(batch))
     ce = cross_entropy(logits, batch["targets"], mask)
     aux_loss = jnp.asarray(aux.get("aux_loss", 0.0), jnp.float32)
     metrics = {"ce": ce, "aux_loss": aux_loss, "accuracy": accuracy(logits, batch["targets"], mask)}
