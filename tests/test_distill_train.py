@@ -164,7 +164,8 @@ def test_bad_pairs_and_configs_raise():
 def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
     """One SAR loss call = (1) one optax AdamW step of the router on KL(p_noisy || q) + beta
     CV^2, computed here by hand from the same key, then (2) reverse KL against the teacher
-    under the updated router."""
+    under the updated router; both route (and balance) each row's real tokens only, its
+    prompt part and response, not the padding after them."""
     import optax
 
     from moejax.ops.distill_losses import reverse_kl
@@ -179,12 +180,16 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
     k_noise, k_clean = jax.random.split(k_teacher)
     graphdef, router, rest = nnx.split(pair.teacher, RouterParam, ...)
     pure0 = nnx.to_pure_dict(router)
+    n_B = np.asarray(b["prompt_lens"]) + np.asarray(b["response_mask"]).sum(-1)
+    real = jnp.asarray(np.arange(b["inputs"].shape[1])[None, :] < n_B[:, None])
+    assert not bool(real.all())  # the batch has padding for the rule to skip
     s_logits, _ = jitted(student)(b["inputs"])
 
     def objective(pure):
         r = jax.tree.map(lambda x: x, router)
         nnx.replace_by_pure_dict(r, pure)
-        logits, aux = nnx.merge(graphdef, r, rest)(b["inputs"], train=True, key=k_noise)
+        logits, aux = nnx.merge(graphdef, r, rest)(b["inputs"], train=True, key=k_noise,
+                                                   mask_BT=real)
         bal = sum(la["balance_loss"] for la in aux["layers"])
         return forward_kl(logits, s_logits, b["mask"]) + 0.3 * bal
 
@@ -197,7 +202,8 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-7)
     assert any(not np.allclose(np.asarray(a), np.asarray(w0))
                for (_, a), (_, w0) in zip(named_leaves(got), named_leaves(pure0)))
-    t_logits, _ = jitted(pair.teacher, train=False)(b["inputs"], key=k_clean)  # updated router
+    t_logits, _ = jitted(pair.teacher, train=False)(b["inputs"], key=k_clean,  # updated router
+                                                    mask_BT=real)
     np.testing.assert_allclose(float(loss), float(reverse_kl(t_logits, s_logits, b["mask"])),
                                rtol=1e-5)
 

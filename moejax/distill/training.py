@@ -205,16 +205,18 @@ def _router_tx(cfg: DistillConfig) -> optax.GradientTransformation:
     return optax.adamw(cfg.router_lr, weight_decay=cfg.router_weight_decay)
 
 
-def sar_router_step(pair: DistillPair, inputs, s_logits, mask, key, cfg: DistillConfig):
+def sar_router_step(pair: DistillPair, inputs, s_logits, mask, key, cfg: DistillConfig,
+                    real=None):
     """Stage 1 of SAR, in place on ``pair``: one AdamW step of the teacher's router weights on
-    ``KL(p_noisy-gate || q) + sar_beta * CV^2`` (the student's logits held fixed). Returns
-    ``(kl, balance)`` before the step."""
+    ``KL(p_noisy-gate || q) + sar_beta * CV^2`` (the student's logits held fixed; ``real``:
+    the real tokens, which alone are routed and balanced). Returns ``(kl, balance)`` before
+    the step."""
     graphdef, router, rest = nnx.split(pair.teacher, RouterParam, ...)
     s_fixed = jax.lax.stop_gradient(s_logits)
 
     def objective(pure):
         logits, aux = nnx.merge(graphdef, _as_state(router, pure), rest)(
-            inputs, train=True, key=key, remat=cfg.sar_remat)
+            inputs, train=True, key=key, remat=cfg.sar_remat, mask_BT=real)
         kl = forward_kl(logits, s_fixed, mask, cfg.reduction)
         balance = _balance(aux)
         return kl + cfg.sar_beta * balance, (kl, balance)
@@ -253,8 +255,10 @@ def _frozen_copy(model: nnx.Module) -> nnx.Module:
 
 
 def _sequences(pair, batch, cfg: DistillConfig, key):
-    """``(inputs, targets, mask)`` of the rows to distil on: the dataset responses, or (on
-    policy) a student sample for a ``on_policy_fraction`` share of the rows."""
+    """``(inputs, targets, mask, real)`` of the rows to distil on: the dataset responses, or
+    (on policy) a student sample for a ``on_policy_fraction`` share of the rows; ``real`` marks
+    each row's prompt part and response (the padding after them routes no token and weighs in
+    no router statistic)."""
     tokens, resp = batch["tokens"], batch["response_mask"] > 0
     if cfg.method in ON_POLICY and cfg.on_policy_fraction > 0:
         k_sample, k_mix = jax.random.split(key)
@@ -265,7 +269,9 @@ def _sequences(pair, batch, cfg: DistillConfig, key):
         use = jax.random.bernoulli(k_mix, cfg.on_policy_fraction, (tokens.shape[0],))
         tokens = jnp.where(use[:, None], s.tokens_BS, tokens)
         resp = jnp.where(use[:, None], s.response_mask_BS, resp)
-    return tokens[:, :-1], tokens[:, 1:], resp[:, 1:].astype(jnp.float32)
+    n_B = batch["prompt_lens"] + jnp.sum(resp, axis=-1)
+    real = jnp.arange(tokens.shape[1] - 1)[None, :] < n_B[:, None]
+    return tokens[:, :-1], tokens[:, 1:], resp[:, 1:].astype(jnp.float32), real
 
 
 def _balance(aux) -> jax.Array:
@@ -294,18 +300,17 @@ class _DistillLoss:
     def prepare(self, pair, batch, key):
         """The batch with the student's sampled responses in place (once per step, shared
         by the step's updates; :func:`moejax.train.step.make_step_fn`)."""
-        inputs, targets, mask = _sequences(pair, batch, self.cfg, key)
-        return {**batch, "presampled": (inputs, targets, mask)}
+        return {**batch, "presampled": _sequences(pair, batch, self.cfg, key)}
 
     def __call__(self, pair, batch, key, train: bool = True):
         cfg = self.cfg
         key = jax.random.key(0) if key is None else key
         k_seq, k_teacher = jax.random.split(key)
         if "presampled" in batch:
-            inputs, targets, mask = batch["presampled"]
+            inputs, targets, mask, real = batch["presampled"]
         else:
-            inputs, targets, mask = _sequences(pair, batch, cfg, k_seq)
-        s_logits, _ = pair.student(inputs, train=train)
+            inputs, targets, mask, real = _sequences(pair, batch, cfg, k_seq)
+        s_logits, _ = pair.student(inputs, train=train, mask_BT=real)
         metrics = {"response_tokens": jnp.sum(mask) / inputs.shape[0]}
         if cfg.method == "sft":
             loss = cross_entropy(s_logits, targets, mask)
@@ -315,15 +320,16 @@ class _DistillLoss:
             losses = []  # sequential: one teacher pass per update (the step takes ka_m)
             n = 1 if self.updates_per_batch > 1 else cfg.ka_m
             for k in jax.random.split(k_teacher, n):
-                t_logits, _ = pair.teacher(inputs, train=False, key=k)
+                t_logits, _ = pair.teacher(inputs, train=False, key=k, mask_BT=real)
                 losses.append(self._div(jax.lax.stop_gradient(t_logits), s_logits, mask))
             loss = sum(losses) / n
             return loss, {"distill": loss, **metrics}
         if cfg.method == "sar":  # stage 1: the router step; stage 2 below sees its result
             k_noise, k_teacher = jax.random.split(k_teacher)
-            kl, balance = sar_router_step(pair, inputs, s_logits, mask, k_noise, cfg)
+            kl, balance = sar_router_step(pair, inputs, s_logits, mask, k_noise, cfg,
+                                          real=real)
             metrics.update(sar_kl=kl, sar_balance=balance)
-        t_logits, _ = pair.teacher(inputs, train=False, key=k_teacher)
+        t_logits, _ = pair.teacher(inputs, train=False, key=k_teacher, mask_BT=real)
         distill = self._div(jax.lax.stop_gradient(t_logits), s_logits, mask)
         loss = (cfg.kd_ratio * distill + (1.0 - cfg.kd_ratio) * metrics["ce"]
                 if cfg.method == "kd" else distill)
