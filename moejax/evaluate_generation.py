@@ -30,6 +30,7 @@ try:
 except ImportError as _e:
     raise missing_extra(_e, "moejax.evaluate_generation (ROUGE)") from None
 
+from moejax.data.packing import prompt_response_real
 from moejax.evaluate import Evaluator, LMEvaluator
 from moejax.nn.sample import sampler
 from moejax.ops.distill_losses import forward_kl
@@ -141,13 +142,15 @@ def _router_stats(graphdef, state, inputs_BT, real_BT):
 
 def real_tokens(batch: dict) -> np.ndarray:
     """``[B, T]`` bool over a batch's ``inputs``: True on its real tokens, False on the padding
-    after them. A prompt/response batch's real tokens are each row's prompt part and response
-    (``prompt_lens`` + the response's length); a packed LM batch's are its ``segment_ids``
-    > 0; a batch with neither is all real."""
+    after them: its ``token_mask`` > 0 where it has one, else a prompt/response batch's prompt
+    part and response (:func:`~moejax.data.packing.prompt_response_real`), else a packed LM
+    batch's ``segment_ids`` > 0, else every token."""
     B, T = np.shape(batch["inputs"])
+    if "token_mask" in batch:
+        return np.asarray(batch["token_mask"]) > 0
     if "prompt_lens" in batch:
-        n_B = np.asarray(batch["prompt_lens"]) + np.asarray(batch["response_mask"]).sum(-1)
-        return np.arange(T)[None, :] < n_B[:, None]
+        return prompt_response_real(np.asarray(batch["prompt_lens"]),
+                                    np.asarray(batch["response_mask"]))[:, :T]
     if "segment_ids" in batch:
         return np.asarray(batch["segment_ids"])[:, :T] > 0
     return np.ones((B, T), bool)

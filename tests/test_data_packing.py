@@ -144,3 +144,25 @@ def test_pack_pairs_and_pair_batches():
     np.testing.assert_array_equal(b["mask"], loss[:, 1:])
     assert b["segment_ids"][0].tolist() == [1] * 9 + [0] * 2
     assert b["positions"][0].tolist() == list(range(9)) + [0, 0]
+
+
+def test_prompt_response_batches_mark_their_real_tokens():
+    import jax
+    import jax.numpy as jnp
+
+    from moejax.data.batches import PromptResponseBatches
+    from moejax.data.packing import prompt_response_real, prompt_response_rows
+
+    prompts, responses = [[5, 6], [7], [8, 9, 10, 11, 12, 13]], [[3], [4, 4, 4, 4], [6, 6]]
+    rows = prompt_response_rows(prompts, responses, prompt_len=6, response_len=4)
+    # [bos] + prompt (cut to its last 3 tokens) + [eos, bos], then response[:3] + [eos]
+    n_real = [2 + 3 + 2, 1 + 3 + 4, 3 + 3 + 3]
+    want = np.arange(10)[None, :] < np.asarray(n_real)[:, None]
+    np.testing.assert_array_equal(prompt_response_real(rows["prompt_lens"],
+                                                       rows["response_mask"]), want)
+    assert np.all(rows["tokens"][~want] == 0) and np.all(rows["tokens"][want] > 0)
+    traced = jax.jit(prompt_response_real)(jnp.asarray(rows["prompt_lens"]),
+                                           jnp.asarray(rows["response_mask"]))
+    np.testing.assert_array_equal(np.asarray(traced), want)
+    b = PromptResponseBatches(rows, batch_size=3, shuffle=False).batch(0)
+    np.testing.assert_array_equal(b["token_mask"] > 0, want[:, :-1])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.data.packing import PackedRows, lm_example
+from moejax.data.packing import PackedRows, lm_example, prompt_response_real
 from moejax.data.source import local_slice
 
 __all__ = [
@@ -217,8 +217,10 @@ class PairLMBatches(_RowSource):
 class PromptResponseBatches(_RowSource):
     """Shuffled batches of the arrays of :func:`~moejax.data.packing.prompt_response_rows`
     (``prompts``, ``prompt_lens``, ``tokens``, ``response_mask``), plus the teacher-forcing
-    view of the dataset responses: ``inputs`` / ``targets`` (``tokens`` shifted by one) and
-    ``mask`` (1 where the target is a response token)."""
+    view of the dataset responses: ``inputs`` / ``targets`` (``tokens`` shifted by one),
+    ``mask`` (1 where the target is a response token) and ``token_mask`` (1 on the real
+    inputs, the prompt part and response, 0 on the padding after them:
+    :func:`~moejax.data.packing.prompt_response_real`)."""
 
     def __init__(self, rows: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
         self.rows = {k: np.asarray(v) for k, v in rows.items()}
@@ -231,6 +233,8 @@ class PromptResponseBatches(_RowSource):
     def _take(self, index):
         out = {k: v[index] for k, v in self.rows.items()}
         tok = out["tokens"]
+        real = prompt_response_real(out["prompt_lens"], out["response_mask"])
         out.update(inputs=tok[:, :-1], targets=tok[:, 1:],
-                   mask=out["response_mask"][:, 1:].astype(np.float32))
+                   mask=out["response_mask"][:, 1:].astype(np.float32),
+                   token_mask=real[:, :-1].astype(np.float32))
         return out

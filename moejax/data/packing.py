@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs", "prompt_response_rows"]
+__all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs", "prompt_response_rows",
+           "prompt_response_real"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,11 @@ def prompt_response_rows(
         out["tokens"][i, len(head): len(head) + len(tail)] = tail
         out["response_mask"][i, len(head): len(head) + len(tail)] = 1.0
     return out
+
+
+def prompt_response_real(prompt_lens_B, response_mask_BS):
+    """``[B, S]`` bool: True on each row's real tokens, its prompt part and its response, False
+    on the padding after them (the layout of :func:`prompt_response_rows` and of sampled rows,
+    :mod:`moejax.nn.sample`). Numpy in, numpy out; jax arrays (also traced) in, jax out."""
+    n_B = prompt_lens_B + (response_mask_BS > 0).sum(-1)
+    return n_B[:, None] > np.arange(response_mask_BS.shape[-1])[None, :]

@@ -53,6 +53,7 @@ import optax
 from flax import nnx
 
 from moejax.config import Config, config
+from moejax.data.packing import prompt_response_real
 from moejax.distill.routing_modes import RoutingMode, moe_slots, with_routing
 from moejax.nn.sample import sample_traced
 from moejax.ops.distill_losses import (
@@ -269,8 +270,7 @@ def _sequences(pair, batch, cfg: DistillConfig, key):
         use = jax.random.bernoulli(k_mix, cfg.on_policy_fraction, (tokens.shape[0],))
         tokens = jnp.where(use[:, None], s.tokens_BS, tokens)
         resp = jnp.where(use[:, None], s.response_mask_BS, resp)
-    n_B = batch["prompt_lens"] + jnp.sum(resp, axis=-1)
-    real = jnp.arange(tokens.shape[1] - 1)[None, :] < n_B[:, None]
+    real = prompt_response_real(batch["prompt_lens"], resp)[:, :-1]
     return tokens[:, :-1], tokens[:, 1:], resp[:, 1:].astype(jnp.float32), real
 
 
