@@ -112,3 +112,19 @@ def test_a_search_whose_metric_fails_everywhere_chooses_nothing():
         grid_search(lambda q: float("nan"), [0.1, 0.2, 0.3])
     # one finite point is enough, and a non-finite one never wins
     assert grid_search(lambda q: float("nan") if q < 0.3 else 1.0, [0.1, 0.2, 0.3]).best == 0.3
+
+
+def test_q_grid_is_algorithm_2s_and_refinement_stays_inside_its_bounds():
+    from moejax.delta import grid_search
+
+    # q_t = 1 - p + t dq, t = 0..N, dq = (1 - (1 - p)) / N; Algorithm 3 drops t = N
+    np.testing.assert_allclose(q_grid(0.9, 4), [0.1, 0.325, 0.55, 0.775, 1.0])
+    np.testing.assert_allclose(q_grid(0.9, 4, include_max=False), [0.1, 0.325, 0.55, 0.775])
+    g = q_grid(0.99, 8, spacing="geometric", inv_q_min=10.0)
+    assert len(g) == 9 and g[0] == pytest.approx(0.01) and g[-1] == pytest.approx(0.1)
+    np.testing.assert_allclose(g[1:] / g[:-1], (0.1 / 0.01) ** (1 / 8))
+    # the best point at either end of the grid: refinement never leaves [lo, hi]
+    for f in (lambda q: q, lambda q: -q):
+        res = grid_search(f, q_grid(0.9, 4), refine_rounds=3, lo=0.1, hi=1.0)
+        assert res.points.min() >= 0.1 - 1e-12 and res.points.max() <= 1.0 + 1e-12
+        assert res.best == pytest.approx(0.1 if f(1.0) > f(0.1) else 1.0)

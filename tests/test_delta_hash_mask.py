@@ -60,3 +60,13 @@ def test_nd_bits_are_the_flat_counters_reshaped():
         n = int(np.prod(shape))
         want = np.asarray(hash_bits(key, (n,))).reshape(shape)
         np.testing.assert_array_equal(np.asarray(hash_bits(key, shape)), want)
+
+
+def test_every_word_of_the_key_reaches_the_hash():
+    # keys alike in one word and different in the other give unrelated counters
+    def key(a, b):
+        return jax.random.wrap_key_data(jnp.asarray([a, b], jnp.uint32), impl="threefry2x32")
+
+    base = np.asarray(hash_bits(key(7, 11), (4096,)))
+    for other in (key(7, 12), key(8, 11)):
+        assert np.mean(np.asarray(hash_bits(other, (4096,))) == base) < 0.01

@@ -62,6 +62,8 @@ def test_cv_squared(ddof):
     np.testing.assert_allclose(float(got), _np_cv2(v, ddof), rtol=1e-6)
     assert float(rl.cv_squared(jnp.asarray([2.0, 2.0, 2.0]))) == 0.0
     assert float(rl.cv_squared(jnp.asarray([5.0]))) == 0.0  # single expert: 0 like the reference
+    # the default is the reference code's unbiased variance (torch.var)
+    np.testing.assert_allclose(float(rl.cv_squared(jnp.asarray(v))), _np_cv2(v, 1), rtol=1e-6)
 
 
 @pytest.mark.parametrize("use_mask", [False, True])
