@@ -14,6 +14,7 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.speculative import (
+    accept_sampled,
     chunk_sparse_target,
     rollback,
     speculative_decoder,
@@ -141,6 +142,33 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(models):
     dof = len(obs) - 1
     assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # ~ 3.5 sigma
     assert 0 < int(np.asarray(out.accept_hist_N)[0]) < B  # rejections and acceptances both
+
+
+def test_the_rejection_rule_draws_each_outcome_from_its_distribution():
+    """``accept_sampled`` on fixed logits: a draft equal to the target is always accepted and
+    the bonus token is drawn from ``p_n``; a draft whose first token the target never emits
+    is rejected at once and the token is drawn from ``norm(max(0, p_0 - q_0))``."""
+    rng = np.random.default_rng(0)
+    B, n, temp = 20000, 2, 1.0
+    tgt = jnp.asarray(rng.normal(size=(1, n + 1, 5)) * 1.5, jnp.float32)
+    tgt_B = jnp.tile(tgt, (B, 1, 1))
+    drafts = jnp.asarray(rng.integers(0, 5, (B, n)), jnp.int32)
+
+    def freq(x):
+        return np.bincount(np.asarray(x), minlength=5) / B
+
+    a, x = accept_sampled(jax.random.key(1), drafts, tgt_B[:, :n], tgt_B, temp)
+    assert np.all(np.asarray(a) == n)
+    p = np.asarray(jax.nn.softmax(tgt[0] / temp), np.float64)
+    np.testing.assert_allclose(freq(x), p[n], atol=4 * np.sqrt(0.25 / B))
+    never = tgt_B.at[:, 0, 0].set(-1e9)  # the target never emits token 0 first
+    draft_logits = tgt_B[:, :n].at[:, 0, 0].set(3.0)
+    a, x = accept_sampled(jax.random.key(2), drafts.at[:, 0].set(0), draft_logits, never, temp)
+    assert np.all(np.asarray(a) == 0)
+    q0 = np.asarray(jax.nn.softmax(draft_logits[0, 0] / temp), np.float64)
+    p0 = np.asarray(jax.nn.softmax(never[0, 0] / temp), np.float64)
+    resid = np.maximum(p0 - q0, 0.0)
+    np.testing.assert_allclose(freq(x), resid / resid.sum(), atol=4 * np.sqrt(0.25 / B))
 
 
 def test_rollback_equals_the_cache_of_the_kept_tokens(models):
