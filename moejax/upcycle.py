@@ -51,6 +51,7 @@ from moejax.nn.ders_moe import (
     DeRSMoEConfig,
     check_lm_rank,
     draw_sm_indices,
+    lm_a_std,
     sm_num_kept,
 )
 from moejax.nn.ffn import DenseFFNConfig
@@ -193,8 +194,8 @@ def _ders_stack(key, n: int, ffn: dict, rule: UpcycleConfig) -> dict:
             out[f"v_{name}"] = jnp.zeros((n, k), ffn[w].dtype)
         else:
             check_lm_rank(rule.lm_rank, name, d_in, d_out)
-            std = rule.lm_init_std if rule.lm_init_std is not None else d_in ** -0.5
-            out[f"a_{name}"] = jax.random.normal(kk, (n, d_in, rule.lm_rank), ffn[w].dtype) * std
+            out[f"a_{name}"] = (jax.random.normal(kk, (n, d_in, rule.lm_rank), ffn[w].dtype)
+                                * lm_a_std(rule.lm_init_std, d_in))
             out[f"b_{name}"] = jnp.zeros((n, rule.lm_rank, d_out), ffn[w].dtype)
     return out
 

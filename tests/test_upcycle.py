@@ -222,7 +222,22 @@ def test_split_upcycling_partitions_neurons():
     cols = [int(np.flatnonzero((dense_up == up[e][:, j:j + 1]).all(0))[0])
             for e in range(4) for j in range(F // 4)]
     assert sorted(cols) == list(range(F))
+    assert cols != list(range(F))  # a random partition (Llama-MoE), drawn from the key
+    other = upcycle_model(dense, rule, jax.random.key(4)).blocks[0].ffn.experts.w_up[...]
+    assert not np.array_equal(np.asarray(other), up)
     # only the routers are added: 4 layers x D x N
     assert param_report(dense, moe)["added"] == L * D * 4
     with pytest.raises(ValueError, match="equal groups"):
         upcycle_model(dense, rule.replace(moe=rule.moe.replace(n_experts=5)), jax.random.key(0))
+
+
+def test_ders_lm_increments_start_at_a_random_a_and_a_zero_b():
+    """DeRS-LM: ``A ~ N(0, 1/d_in)`` by default (``lm_init_std`` otherwise), ``B = 0``, so the
+    upcycled model is the dense one at step 0 while A's gradient path is open."""
+    for std, want in ((None, D ** -0.5), (0.1, 0.1)):
+        rule = UpcycleConfig(expert_form="lm", lm_rank=4, blocks="all", lm_init_std=std,
+                             moe=UPCYCLE_MOE.replace(n_experts=8))
+        ffn = upcycle_model(_dense(), rule, jax.random.key(0)).blocks[0].ffn.experts
+        a = np.concatenate([np.asarray(ffn.a_up[...]).ravel(), np.asarray(ffn.a_gate[...]).ravel()])
+        assert abs(a.std() / want - 1) < 0.1 and abs(a.mean()) < 0.1 * want
+        assert not np.asarray(ffn.b_up[...]).any() and not np.asarray(ffn.b_down[...]).any()

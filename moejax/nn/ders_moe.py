@@ -12,7 +12,7 @@ light expert-specific increment, for every FFN matrix ``W`` in ``{w_gate, w_up, 
   :class:`DeRSIndex` variable, never trained), ``V_i`` a trainable value vector initialised
   to zero. The N dense expert copies are never parameters; they exist only as activations.
 * DeRS-LM (``form="lm"``, rank ``r``): ``F_pre(Delta_i) = A_i B_i``, ``A_i: [d_in, r] ~
-  N(0, lm_init_std^2)`` (default ``1/d_in``), ``B_i: [r, d_out] = 0``.
+  N(0, lm_init_std^2)`` (default ``lm_init_std = d_in^-1/2``), ``B_i: [r, d_out] = 0``.
 
 Both equal the dense model at step 0 (zero value vector / zero ``B``). ``W_shared`` is an
 ``nnx.Param`` (trainable, as in the paper) unless ``freeze_shared`` (Table 5 ablation), in which
@@ -53,7 +53,7 @@ from moejax.ops.ders_apply import ders_experts, ders_streamed, synthesize_one
 
 __all__ = ["DeRSIndex", "DeRSFrozen", "DeRSMoEConfig", "DeRSMoE", "DeltaStack",
            "sm_num_kept", "draw_sm_indices", "matrix_shapes", "ders_param_counts",
-           "expert_bytes_per_token"]
+           "expert_bytes_per_token", "lm_a_std", "check_lm_rank"]
 
 
 class DeRSIndex(nnx.Variable):
@@ -62,6 +62,11 @@ class DeRSIndex(nnx.Variable):
 
 class DeRSFrozen(nnx.Variable):
     """A frozen expert-shared weight (``freeze_shared=True``); not an ``nnx.Param``."""
+
+
+def lm_a_std(lm_init_std: float | None, d_in: int) -> float:
+    """The std of a DeRS-LM ``A`` at initialisation: ``lm_init_std``, else ``d_in^-1/2``."""
+    return lm_init_std if lm_init_std is not None else d_in ** -0.5
 
 
 def check_lm_rank(rank: int, name: str, d_in: int, d_out: int) -> None:
@@ -166,8 +171,8 @@ class DeltaStack(nnx.Module):
                         ax.param(jnp.zeros((n, k), param_dtype), ax.EXPERTS, ax.KEPT))
             else:
                 check_lm_rank(cfg.lm_rank, name, d_in, d_out)
-                std = cfg.lm_init_std if cfg.lm_init_std is not None else d_in ** -0.5
-                a = jax.random.normal(rngs.params(), (n, d_in, cfg.lm_rank), param_dtype) * std
+                a = (jax.random.normal(rngs.params(), (n, d_in, cfg.lm_rank), param_dtype)
+                     * lm_a_std(cfg.lm_init_std, d_in))
                 d_in_axis, d_out_axis = MATRIX_AXES[name]
                 setattr(self, f"a_{name}", ax.param(a, ax.EXPERTS, d_in_axis, ax.RANK))
                 setattr(self, f"b_{name}",
