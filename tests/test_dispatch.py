@@ -204,6 +204,15 @@ def test_capacity_drops_match_numpy_oracle():
                                _np_moe(p["x"], ids, w, p, activation, kept=kept2),
                                rtol=1e-5, atol=1e-5)
     assert int(out2.n_dropped) == int(np.sum(~kept2))
+    # token priority keeps real tokens before padding too
+    out3 = dispatch_capacity(p["x"], jnp.asarray(ids), jnp.asarray(w), p["w_up"], p["w_down"],
+                             p["w_gate"], activation=activation, capacity_factor=cf,
+                             valid_N=jnp.asarray(valid), priority="token")
+    kept3 = _np_capacity_keep(ids, valid, cap, "token")
+    assert not kept3[1, 0] and not kept3[5, 0]
+    np.testing.assert_allclose(np.asarray(out3.y_ND),
+                               _np_moe(p["x"], ids, w, p, activation, kept=kept3),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("jit", [False, True])
