@@ -92,8 +92,9 @@ class GenerationEvaluator(Evaluator):
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _kl_sums(graphdef_t, state_t, graphdef_s, state_s, batch):
-    t_logits, _ = nnx.merge(graphdef_t, state_t)(batch["inputs"], train=False)
-    s_logits, _ = nnx.merge(graphdef_s, state_s)(batch["inputs"], train=False)
+    kw = {"train": False, "mask_BT": batch["real"]}
+    t_logits, _ = nnx.merge(graphdef_t, state_t)(batch["inputs"], **kw)
+    s_logits, _ = nnx.merge(graphdef_s, state_s)(batch["inputs"], **kw)
     n = jnp.sum(batch["mask"])
     return forward_kl(t_logits, s_logits, batch["mask"], "token") * n, n
 
@@ -101,13 +102,15 @@ def _kl_sums(graphdef_t, state_t, graphdef_s, state_s, batch):
 def response_kl(teacher, student, batches: Sequence[dict]) -> float:
     """Mean over the batches' response tokens (``mask`` > 0) of ``KL(p_teacher || q_student)``
     of the next-token distributions, both models teacher-forced on the dataset responses
-    (``train=False``: each MoE routes as trained)."""
+    (``train=False``: each MoE routes as trained, the batches' real tokens only:
+    :func:`real_tokens`)."""
     gt, st = nnx.split(teacher)
     gs, ss = nnx.split(student)
     total = count = 0.0
     for b in batches:
-        kl, n = jax.device_get(_kl_sums(gt, st, gs, ss, {k: jnp.asarray(b[k])
-                                                         for k in ("inputs", "mask")}))
+        kl, n = jax.device_get(_kl_sums(gt, st, gs, ss, {
+            "inputs": jnp.asarray(b["inputs"]), "mask": jnp.asarray(b["mask"]),
+            "real": jnp.asarray(real_tokens(b))}))
         total, count = total + float(kl), count + float(n)
     if count == 0:
         raise ValueError("response_kl: the batches hold no response token (mask is all 0)")

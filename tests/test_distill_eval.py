@@ -202,3 +202,24 @@ def test_router_statistics_count_real_tokens_only():
         gate_mass_by_layer(a, [empty])
     with pytest.raises(ValueError, match="no real token"):
         router_kl_by_layer(a, b, [empty])
+
+
+def test_response_kl_does_not_depend_on_the_padding_of_a_capacity_limited_teacher():
+    # the padding after each row takes no expert slot: what it holds cannot move the real
+    # tokens' logits, even where the experts' capacity is short
+    from moejax.data.packing import prompt_response_rows
+
+    slot = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch="capacity", capacity_factor=0.5)
+    teacher = DecoderLM(DecoderConfig(vocab_size=12, d_model=16, n_layers=2, n_heads=2,
+                                      n_kv_heads=1, max_seq_len=32, ffn_slots=(slot,) * 2),
+                        rngs=nnx.Rngs(0))
+    student = _lm(moe=False, seed=1)
+    rng = np.random.default_rng(0)
+    rows = prompt_response_rows([rng.integers(3, 12, n) for n in (1, 4, 2, 1)],
+                                [rng.integers(3, 12, n) for n in (2, 6, 1, 1)], 8, 8)
+    batch = {**rows, "inputs": rows["tokens"][:, :-1], "mask": rows["response_mask"][:, 1:]}
+    pad = ~real_tokens(batch)
+    other = {**batch, "inputs": np.where(pad, rng.integers(3, 12, pad.shape), batch["inputs"])}
+    assert pad.sum() > 8
+    assert response_kl(teacher, student, [other]) == pytest.approx(
+        response_kl(teacher, student, [batch]), rel=1e-5)
