@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from moejax.harness.claims import (
+    Claim,
+    beats_control,
     paired,
     paired_claim,
     t_critical,
@@ -89,3 +91,22 @@ def test_a_lower_is_better_threshold_is_the_mirror_of_a_higher_one(values, thres
     assert low.verdict == high.verdict
     assert (f"{100 * (1 - 0.05 / k):.4g}% CI" in low.evidence) == (len(set(values)) > 1 or
                                                                   values[0] != threshold)
+
+
+def test_a_control_can_only_take_a_holds_away():
+    """beats_control: "holds" stands where the winner also beats the control over the seeds,
+    and is made inconclusive where it does not or where the control was not recorded; every
+    other verdict stands as it is, evidence included."""
+    kw = dict(name="the control", so="its gain is unshown")
+    win, ctl_low, ctl_high = [0.9, 0.92, 0.91], [0.5, 0.52, 0.49], [0.95, 0.9, 0.97]
+    held = Claim("A beats B", True, "A 0.9 vs B 0.8")
+    assert beats_control(held, win, ctl_low, **kw).verdict == "holds"
+    assert beats_control(held, win, ctl_high, **kw).verdict == "inconclusive"
+    assert beats_control(held, win, [0.5, None, 0.5], **kw).verdict == "inconclusive"
+    # lower is better: the winner's 0.1 loss beats a control's 0.5
+    lower = beats_control(held, [0.1, 0.12, 0.11], ctl_low, better="lower", **kw)
+    assert lower.verdict == "holds"
+    for other in (Claim("A beats B", False, "e"), Claim("A beats B", None, "e"),
+                  Claim("A beats B", None, "e", inconclusive=True)):
+        for ctl in (ctl_low, ctl_high, [None] * 3):
+            assert beats_control(other, win, ctl, **kw) == other
