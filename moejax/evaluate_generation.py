@@ -54,7 +54,8 @@ class GenerationEvaluator(Evaluator):
     (:class:`~moejax.data.batches.PromptResponseBatches` rows): for each seed in ``seeds`` every
     prompt gets one response of up to ``response_len`` tokens (``temperature`` 0 = greedy);
     ``decode(ids) -> str`` turns tokens into text. Returns ``rouge_l`` (mean over seeds of the
-    mean over prompts), ``rouge_l_std`` (over seeds) and ``rouge_l_seeds``."""
+    mean over prompts), ``rouge_l_std`` (sample std over seeds; 0 for one) and
+    ``rouge_l_seeds``."""
 
     def __init__(self, batches: Sequence[dict], decode: Callable, *, seeds=(0,),
                  temperature: float = 1.0, top_p: float = 1.0, eos_id: int = 2,
@@ -82,7 +83,8 @@ class GenerationEvaluator(Evaluator):
         model = nnx.merge(graphdef, params, rest)
         per_seed = [float(rouge_l(self.generate(model, s), self.references).mean())
                     for s in self.seeds]
-        return {"rouge_l": float(np.mean(per_seed)), "rouge_l_std": float(np.std(per_seed)),
+        std = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else 0.0
+        return {"rouge_l": float(np.mean(per_seed)), "rouge_l_std": std,
                 "rouge_l_seeds": per_seed}
 
     def __call__(self, model: nnx.Module, step: int | None = None) -> dict:

@@ -51,7 +51,7 @@ from moejax.extract.pipeline import (
 from moejax.extract.start import ExtractionSource, source_preset
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.harness.tables import seed_summary
+from moejax.harness.tables import mean_std, seed_summary
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.train.hparams import TrainConfig
 
@@ -209,8 +209,8 @@ def stability(cfg: MoEEStudyConfig, data: ClassifierData) -> list[dict]:
             ex = np.asarray([p[li]["experts"] for p in per], float)
             size = np.asarray([p[li].get("size_mean", 0.0) for p in per], float)
             rows.append({"tokens": n, "layer": per[0][li]["layer"], "experts_mean": ex.mean(),
-                         "experts_std": ex.std(), "size_mean": size.mean(),
-                         "size_std": size.std()})
+                         "experts_std": mean_std(ex)[1], "size_mean": size.mean(),
+                         "size_std": mean_std(size)[1]})
     return rows
 
 

@@ -73,6 +73,7 @@ from moejax.evaluate_generation import (
 )
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
+from moejax.harness.tables import mean_std
 from moejax.io.hf_moe import hf_moe_config, hf_spec_config
 from moejax.io.hf_moe_checkpoints import CHECKPOINTS
 from moejax.nn.decoder import DecoderLM, keep_layers
@@ -217,8 +218,8 @@ def _summary_row(teacher: str, method: str, runs: list[dict]) -> dict:
     with the spread over the sampling seeds and, of the perplexity, over the runs."""
     p, ppl = _pooled(runs), [r["ppl"] for r in runs]
     return {"teacher": teacher, "method": method, "rouge_l": p["rouge_l"],
-            "std": float(np.std(p["rouge_l_seeds"])), "ppl": p["ppl"],
-            "ppl std": float(np.std(ppl, ddof=1)) if len(ppl) > 1 else 0.0,
+            "std": mean_std(p["rouge_l_seeds"])[1], "ppl": p["ppl"],
+            "ppl std": mean_std(ppl)[1],
             "kl_to_moe_teacher": p["kl"], "runs": len(runs), "scores": len(p["rouge_l_seeds"])}
 
 
@@ -298,7 +299,7 @@ def _pooled(scores: list[dict]) -> dict:
 
 def reference_rows(refs: dict) -> list[dict]:
     """The ``references`` table: each model's scores before distillation."""
-    return [{"model": k, "rouge_l": v["rouge_l"], "std": float(np.std(v["rouge_l_seeds"])),
+    return [{"model": k, "rouge_l": v["rouge_l"], "std": mean_std(v["rouge_l_seeds"])[1],
              "ppl": v["ppl"], "kl_to_moe_teacher": v["kl"]} for k, v in refs.items()]
 
 
@@ -317,7 +318,7 @@ def _methods(cfg: MoEKDConfig, s: Setup) -> tuple[list[dict], list[dict]]:
             per_seed.append({"teacher": f"{teacher_name} teacher", "method": LABELS[method],
                              "seed": seed, "teacher_draw": s.draw_index(seed),
                              "rouge_l": sc["rouge_l"],
-                             "rouge_l_sampling_std": float(np.std(sc["rouge_l_seeds"])),
+                             "rouge_l_sampling_std": mean_std(sc["rouge_l_seeds"])[1],
                              "ppl": sc["ppl"], "kl_to_moe_teacher": sc["kl"],
                              "_seeds": sc["rouge_l_seeds"]})
             if method == "sar":
