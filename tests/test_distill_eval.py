@@ -103,6 +103,8 @@ def test_generation_evaluator_matches_sampling_then_rouge():
     assert ev["rouge_l"] == pytest.approx(want) and ev["rouge_l_std"] == 0.0
     sampled = GenerationEvaluator([batch], decode, seeds=(0, 1, 2, 3))(lm)
     assert len(set(sampled["rouge_l_seeds"])) > 1 or sampled["rouge_l"] == 0.0
+    # the spread over sampling seeds is the sample std, as every spread of the harness
+    assert sampled["rouge_l_std"] == pytest.approx(np.std(sampled["rouge_l_seeds"], ddof=1))
 
 
 def test_router_statistics():
