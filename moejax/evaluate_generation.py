@@ -34,6 +34,7 @@ from moejax.data.packing import prompt_response_real
 from moejax.evaluate import Evaluator, LMEvaluator
 from moejax.nn.sample import sampler
 from moejax.ops.distill_losses import forward_kl
+from moejax.train.step import lm_model_kwargs
 
 __all__ = ["GenerationEvaluator", "ResponseScorer", "rouge_l", "response_kl",
            "gate_mass_by_layer", "router_kl_by_layer", "real_tokens"]
@@ -147,18 +148,17 @@ def _router_stats(graphdef, state, inputs_BT, real_BT):
 
 def real_tokens(batch: dict) -> np.ndarray:
     """``[B, T]`` bool over a batch's ``inputs``: True on its real tokens, False on the padding
-    after them: its ``token_mask`` > 0 where it has one, else a prompt/response batch's prompt
-    part and response (:func:`~moejax.data.packing.prompt_response_real`), else a packed LM
-    batch's ``segment_ids`` > 0, else every token."""
-    B, T = np.shape(batch["inputs"])
-    if "token_mask" in batch:
-        return np.asarray(batch["token_mask"]) > 0
+    after them: what :func:`~moejax.train.step.lm_model_kwargs` shows the model (``segment_ids``
+    or ``token_mask``), else a prompt/response batch's prompt part and response
+    (:func:`~moejax.data.packing.prompt_response_real`), else every token."""
+    mask = lm_model_kwargs(batch)["mask_BT"]
+    if mask is not None:
+        return np.asarray(mask)
     if "prompt_lens" in batch:
+        T = np.shape(batch["inputs"])[1]
         return prompt_response_real(np.asarray(batch["prompt_lens"]),
                                     np.asarray(batch["response_mask"]))[:, :T]
-    if "segment_ids" in batch:
-        return np.asarray(batch["segment_ids"])[:, :T] > 0
-    return np.ones((B, T), bool)
+    return np.ones(np.shape(batch["inputs"]), bool)
 
 
 def _moe_aux(model, batch):
