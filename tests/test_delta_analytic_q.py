@@ -9,10 +9,12 @@ from moejax.delta import (
     analytic_q_leaf,
     analytic_q_tree,
     coefficient_sums,
+    eq5_objective,
     phi,
     psi,
     q_grid,
     search_eta_e,
+    search_eta_v,
 )
 
 
@@ -286,3 +288,68 @@ def test_eq5_takes_a_positive_eta_and_a_failure_probability_in_0_1(eta, gamma):
     d, x = _layer(d_out=64)
     with pytest.raises(ValueError, match=r"eta=.* must be > 0 .* gamma=.* in \(0, 1\)"):
         analytic_q_tree({"w": d}, {"w": x}, 0.9, eta, gamma=gamma)
+
+
+def test_eq5_objective_by_hand():
+    # q = 0.5, S1 = 1, S2 = 2, p = 0.9, eta = 3, gamma = 0.05:
+    # |log(2 / 0.05) + 3 (1 - 0.1 / 0.5) 1 + 9 Phi(0.9) 2 / (4 0.25)|
+    want = abs(np.log(40.0) + 2.4 + 18.0 * (-0.8 / np.log(1 / 9)))
+    got = eq5_objective(0.5, np.array([1.0]), np.array([2.0]), 0.9, 3.0, 0.05)
+    assert float(got) == pytest.approx(want, rel=1e-12)
+
+
+def test_official_scan_ties_keep_the_larger_q_and_count_as_stops():
+    """Units with no coefficients have a flat f_i: each tie moves their q up one step and
+    marks them done, so with four of five units flat the scan stops (4/5 reaches 0.8) after
+    its second step; the fifth unit, still falling, keeps that step's q."""
+    p, eta = 0.9, 2.0
+    d = np.zeros((3, 5))  # [d_in, d_out]: units 0-3 flat
+    d[:, 4] = [0.2, 0.1, 0.3]
+    x = np.ones(3)
+    got = analytic_q_leaf(d, x, p, eta, form="official_signed")
+    assert got == pytest.approx(_official_oracle(d.T, x, p, eta), rel=1e-12)
+    assert got == pytest.approx(1 - p + 0.001, abs=1e-12)
+
+
+def test_two_sided_scan_finds_the_argmin_above_the_official_cap():
+    # S1 = 0, S2 = 2: f_i = log 40 + eta^2 Phi S2 / (4 q^2) > 1e4 on the whole grid at
+    # eta = 300 and falls with q: the argmin is the grid's end, not DARE's 1-p
+    d, x = np.array([[1.0], [-1.0]]), np.ones(2)
+    assert analytic_q_leaf(d, x, 0.9, 300.0) == pytest.approx(0.998)
+
+
+def test_pooled_q_is_within_one_step_of_its_200_point_grid_of_the_optimum():
+    p = 0.9
+    one = np.array([[0.5], [1.0], [0.25]])
+    x = np.ones(3)
+    s1, s2 = coefficient_sums(one, x)
+    eta = 2 * (1 - p) * s1[0] * 0.4367 / (phi(p) * s2[0])  # q* = 0.4367
+    step = (1 - (1 - p)) / 200
+    assert abs(analytic_q_leaf(one, x, p, eta, form="pooled") - 0.4367) <= step
+
+
+def test_other_leaves_take_their_weights_q_or_the_mean_of_the_layers():
+    from moejax.delta.analytic_q import fill_other_leaves
+
+    tree = {"blk": {"w_a": np.zeros((2, 2)), "b_a": np.zeros(2)}, "w_b": np.zeros((2, 2)),
+            "w_c": np.zeros((2, 2)), "scale": np.zeros(2)}
+    q_mask = {"blk": {"w_a": True, "b_a": False}, "w_b": True, "w_c": True, "scale": False}
+    got = fill_other_leaves({"blk/w_a": 0.1, "w_b": 0.2, "w_c": 0.6}, tree, None, q_mask)
+    assert got["blk/b_a"] == 0.1 and got["scale"] == pytest.approx(0.3)  # mean, not median
+
+
+def test_eta_v_search_follows_the_metrics_direction():
+    r = np.random.default_rng(3)
+    pre = {"w": jnp.asarray(r.normal(size=(6, 4)), jnp.float32)}
+    d = {"w": jnp.asarray(r.normal(0, 0.3, (6, 4)), jnp.float32)}
+    xs = {"w": np.abs(r.normal(size=6))}
+    xin = jnp.asarray(r.normal(size=(10, 6)), jnp.float32)
+    target = xin @ (pre["w"] + d["w"])
+    err = lambda prm: float(jnp.mean(jnp.abs(xin @ prm["w"] - target)))  # noqa: E731
+    etas = [1.0, 10.0, 100.0, 1000.0]
+    low = search_eta_v(jax.random.PRNGKey(0), pre, d, xs, 0.8, err, etas,
+                       higher_is_better=False)
+    high = search_eta_v(jax.random.PRNGKey(0), pre, d, xs, 0.8, err, etas)
+    assert len(set(low.search.scores)) > 1
+    assert low.search.best_score == min(low.search.scores)
+    assert high.search.best_score == max(high.search.scores)

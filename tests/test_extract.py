@@ -389,3 +389,102 @@ def test_brute_and_tree_neighbour_search_give_the_same_clusters(method):
     np.testing.assert_array_equal(brute, tree)
     assert cfg.algorithm(100) == "brute"
     assert cfg.replace(brute_max_points=50).algorithm(100) == "auto"
+
+
+def test_magnitude_selection_ranks_neurons_by_the_size_of_their_mean_activation():
+    # means -5, 1, 0.5, 4: by size 5 and 4 cover 9 of 10.5 >= 0.8; by signed value 4, 1, 0.5
+    y = np.tile([[-5.0, 1.0, 0.5, 4.0]], (10, 1))
+    got = select_neurons(y, np.zeros(10, int), 1, p=0.8, selection="magnitude")
+    assert got.tolist() == [[True, False, False, True]]
+
+
+def test_balanced_kmeans_ignores_each_neurons_scale_and_ends_at_a_fixed_point():
+    rng = np.random.default_rng(0)
+    w_DF = rng.normal(size=(6, 24))  # the first assignment (to the k-means++ seeds) moves
+    g = balanced_kmeans_partition(w_DF, 4, seed=2)
+    # the columns are normalised first: rescaling a neuron cannot move it to another expert
+    scaled = w_DF * rng.uniform(0.01, 100.0, size=24)
+    np.testing.assert_array_equal(balanced_kmeans_partition(scaled, 4, seed=2), g)
+    # Lloyd's iteration ran to convergence: the best balanced assignment to the centres of g
+    # is g itself
+    from moejax.extract.plan import balanced_assignment, param_centres
+
+    cols = w_DF.T / np.linalg.norm(w_DF.T, axis=1, keepdims=True)
+    np.testing.assert_array_equal(balanced_assignment(cols, param_centres(w_DF, g, 4)), g)
+
+
+def test_mac_count_of_a_gated_dense_ffn_and_of_a_random_router():
+    from moejax.extract import ffn_macs
+    from moejax.nn.extracted import ExtractedFFNConfig
+    from moejax.nn.ffn import DenseFFNConfig
+
+    assert ffn_macs(DenseFFNConfig(d_hidden=16, activation="swiglu"), 8, 5) == {
+        "router": 0.0, "experts": 3 * 5 * 8 * 16}
+    assert ffn_macs(DenseFFNConfig(d_hidden=16, activation="gelu"), 8, 5) == {
+        "router": 0.0, "experts": 2 * 5 * 8 * 16}
+    rnd = ExtractedFFNConfig(d_hidden=16, n_experts=4, router="random")
+    assert ffn_macs(rnd, 8, 5, active_neurons=4.0) == {"router": 0.0, "experts": 2 * 5 * 8 * 4}
+
+
+def test_record_ffn_draws_distinct_tokens_from_every_batch_by_seed():
+    model = tiny_vit(n_layers=1)
+    batches = [{"inputs": images(4, seed=s)} for s in range(3)]  # 3 x 4 images x 5 tokens
+    every = record_ffn(model, batches, n_tokens=60, seed=0)[0][0]
+    rows = {tuple(r) for r in every}
+    assert len(rows) == 60
+    picks = [record_ffn(model, batches, n_tokens=20, seed=s)[0][0] for s in (0, 1)]
+    for x in picks:
+        at = [next(j for j, r in enumerate(every) if np.array_equal(r, row)) for row in x]
+        assert len(set(at)) == 20 and at == sorted(at)  # distinct tokens, in stream order
+        assert max(at) >= 40 or min(at) < 20 <= max(at)  # not just the first batch's tokens
+    assert not np.array_equal(picks[0], picks[1])
+
+
+def test_shared_neurons_refuses_a_routed_mac_cheaper_than_a_dense_one():
+    masks = np.ones((2, 4), bool)
+    with pytest.raises(ValueError, match="grouped_cost"):
+        shared_neurons(masks, [0.5, 0.5], grouped_cost=0.5)
+
+
+def _bert_classifier():
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+
+    cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=1, n_heads=2, d_hidden=16,
+                              max_position=8, pooling="mean")
+    return SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+
+
+def test_routing_stats_and_the_slots_aux_count_real_tokens_only():
+    clf = _bert_classifier()
+    rng = np.random.default_rng(5)
+    masks = rng.uniform(size=(3, 16)) < 0.5
+    masks[:, 0] = True
+    plan = ExpertPlan(masks, rng.normal(size=(3, 8)).astype(np.float32), np.zeros(3, np.float32))
+    new = extract_model(clf, {0: plan})
+    toks = rng.integers(1, 20, (4, 6)).astype(np.int32)
+    lens = [6, 2, 4, 3]
+    mask = (np.arange(6)[None] < np.array(lens)[:, None]).astype(np.float32)
+    labels = np.array([0, 1, 2, 1])
+    got = routing_stats(new, [{"inputs": toks, "mask": mask, "labels": labels}], n_classes=3)[0]
+    # oracle: every row alone at its real length (no padding anywhere), counts pooled by token
+    counts, per_class, active = np.zeros(3), np.zeros((3, 3)), 0.0
+    for b, n in enumerate(lens):
+        _, aux = new(jnp.asarray(toks[b:b + 1, :n]))
+        first = np.asarray(aux["layers"][0]["expert_ids"])[0, :, 0]
+        counts += np.bincount(first, minlength=3)
+        np.add.at(per_class, (labels[b], first), 1.0)
+        active += float(masks[first].sum())
+    np.testing.assert_allclose(got["load"], counts / sum(lens), rtol=1e-6)
+    np.testing.assert_allclose(got["active_neurons"], active / sum(lens), rtol=1e-6)
+    np.testing.assert_allclose(got["per_class"], per_class / per_class.sum(1, keepdims=True),
+                               rtol=1e-6)
+    # the slot's own aux: the padded batch's load and active neurons are those of its real
+    # tokens alone, whatever the padding holds
+    slot = new.encoder.blocks[0].ffn
+    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+    real = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    _, aux = slot(x, mask_BT=real)
+    _, alone = slot(jnp.concatenate([x[0, :3], x[1]])[None])
+    np.testing.assert_allclose(np.asarray(aux["load"]), np.asarray(alone["load"]), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["active_neurons"]), float(alone["active_neurons"]),
+                               rtol=1e-6)

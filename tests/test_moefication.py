@@ -156,3 +156,21 @@ def test_param_breakdown_counts_what_extraction_removes():
     assert rows["whole model"]["total_params"] == dense
     assert dense - rows["whole model"]["params_removed"] == new
     assert rows["FFNs only"]["total_params"] == 2 * (16 * (2 * 8 + 1) + 8)
+
+
+def test_router_training_runs_the_authors_epochs_over_the_tokens():
+    from moejax.extract.pipeline import router_train_config
+
+    cfg = router_train_config(1000)  # 30 epochs of 1000 tokens in batches of 512: 58.6 -> 59
+    assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.optimizer) == (59, 512, 1e-2, "adam")
+    assert router_train_config(512, epochs=2).steps == 2
+    assert router_train_config(10).steps == 1
+
+
+def test_param_breakdown_without_embeddings_leaves_out_the_embedding_tables():
+    model = ViT(vit_config(image_size=8, patch_size=4, d_model=8, n_layers=1, n_heads=2,
+                           d_hidden=16, n_classes=3, n_channels=1), rngs=nnx.Rngs(0))
+    rows = {r["layer"]: r for r in param_breakdown(model, {})}
+    # the ViT's only parameter named "embed" is its position table, 5 positions x 8
+    assert (rows["whole model"]["total_params"]
+            - rows["without embeddings"]["total_params"]) == 5 * 8
