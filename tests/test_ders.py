@@ -24,7 +24,7 @@ from moejax.ders_compress import (
     save_compressed,
     unpack_codes,
 )
-from moejax.ders_compress.compress import delta_tree
+from moejax.ders_compress.compress import QuantSpec, delta_tree
 from moejax.ders_compress.synth import DeRSBuffer
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model
@@ -152,6 +152,7 @@ def test_unpack_codes_matches_storage_packing():
 
 
 @pytest.mark.parametrize("method,kw", [("sparse", dict(drop_rate=0.7)), ("quant", dict(bits=3)),
+                                       ("quant", dict(bits=3, quant=QuantSpec(group_size=8))),
                                        ("quant", dict(bits=16))])
 def test_checkpoint_round_trip_and_synthesis_matches_decompressed(trained, method, kw, tmp_path):
     dec = decompose(trained["pure"], trained["base"], extended=trained["extended"])
@@ -173,6 +174,11 @@ def test_checkpoint_round_trip_and_synthesis_matches_decompressed(trained, metho
     n = N + int(trained["extended"])
     assert (n, D, F) not in shapes or method == "quant" and kw["bits"] == 16
     assert jax.tree.leaves(nnx.state(synth, DeRSBuffer))
+    slot = synth.blocks[0].ffn
+    if kw.get("bits") == 16:  # the float16 deltas stay float16 in the buffers
+        assert slot.d_up[...].dtype == jnp.float16
+    if "quant" in kw:  # one scale per group of 8 input rows: 16 / 8 and 32 / 8 groups
+        assert slot.step_up[...].shape[1:] == (2, F) and slot.step_down[...].shape[1:] == (4, D)
     x = jax.random.randint(jax.random.key(5), (2, 9), 0, 64)
     np.testing.assert_allclose(np.asarray(synth(x)[0]), np.asarray(oracle(x)[0]),
                                rtol=2e-4, atol=2e-4)
@@ -185,6 +191,7 @@ def test_checkpoint_round_trip_and_synthesis_matches_decompressed(trained, metho
 
     assert any(t in trace(oracle) for t in stacked)  # the check can fire
     assert not any(t in trace(synth) for t in stacked)
+    assert "cond[" in trace(synth)  # an expert no token chose is not synthesised
 
 
 def test_expert_cosines_against_numpy(trained):
@@ -201,3 +208,44 @@ def test_expert_cosines_against_numpy(trained):
                                flat[2] @ b / np.linalg.norm(flat[2]) / np.linalg.norm(b), rtol=1e-9)
     assert np.allclose(np.diag(cos[i]["pairwise"]), 1.0)
     assert 0.99 < cos[i]["to_base"].min() < 1.0  # 5% noise: close but not equal
+
+
+def test_the_dense_bases_are_the_upcycled_experts_starting_weights():
+    """With outputs scaled (a universal FFN beside the experts: w_down / 2), a freshly
+    upcycled MoE decomposes into zero deltas against bases_from_dense with that scale."""
+    cfg = dense_decoder_config(vocab_size=64, d_model=D, n_layers=2, n_heads=2, d_hidden=F,
+                               max_seq_len=32)
+    dense = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    rule = UpcycleConfig(blocks="all", scale_outputs=True, moe=UPCYCLE_MOE.replace(
+        dispatch="dense", universal_ffn=True))
+    assert output_scale(rule) == 0.5
+    moe = jax.tree.map(np.asarray, _pure(upcycle_model(dense, rule, jax.random.key(1))))
+    dec = decompose(moe, bases_from_dense(_pure(dense), (0, 1), output_scale(rule)),
+                    extended=True)
+    for i in (0, 1):
+        for w, d in dec.deltas[i].items():
+            np.testing.assert_array_equal(d, np.zeros_like(d), err_msg=f"layer {i} {w}")
+
+
+def test_the_mean_base_leaves_deltas_that_sum_to_zero(trained):
+    dec = decompose(trained["pure"], "mean", extended=trained["extended"])
+    for i in (0, 1):
+        for d in dec.deltas[i].values():
+            np.testing.assert_allclose(d.sum(0), 0.0, atol=1e-6)
+            assert np.abs(d).max() > 1e-4
+    _close(recompose(dec), trained["pure"], rtol=1e-6, atol=1e-6)
+
+
+def test_compression_report_counts_bytes_in_the_models_dtype(trained):
+    half = jax.tree.map(lambda a: np.asarray(a, np.float16), trained["pure"])
+    base16 = jax.tree.map(lambda a: np.asarray(a, np.float16), trained["base"])
+    dec = decompose(half, base16, extended=trained["extended"])
+    r = compression_report(compress(dec, "quant", bits=3))
+    n = N + int(trained["extended"])
+    base = 2 * 3 * D * F
+    rest = sum(np.size(a) for a in jax.tree.leaves(dec.rest))
+    assert r["base"] == base and r["rest_params"] == rest
+    assert r["vanilla_expert_bytes"] == n * base * 2  # float16: 2 bytes a parameter
+    assert r["expert_bytes"] == base * 2 + r["delta_bytes"]
+    assert r["rest_bytes"] == rest * 2
+    assert r["total_bytes"] == rest * 2 + base * 2 + r["delta_bytes"]

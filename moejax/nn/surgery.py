@@ -17,10 +17,30 @@ __all__ = ["build_from_pure", "with_slot_config"]
 def build_from_pure(make: Callable[[], nnx.Module], pure: dict) -> nnx.Module:
     """``make()`` built abstractly (no random init), its variables set from the pure dict
     ``pure`` (every array copied, so the new model never aliases its source's buffers: a
-    training step that donates its state must not delete the source's weights)."""
+    training step that donates its state must not delete the source's weights). Every array
+    must have the shape and dtype the model's config gives that variable, so the config
+    describes the model it built (a rebuild from the config alone gets the same model)."""
     graphdef, state = nnx.split(nnx.eval_shape(make))
+    _check_against(nnx.to_pure_dict(state), pure)
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.array(x, copy=True), pure))
     return nnx.merge(graphdef, state)
+
+
+def _check_against(abstract: dict, pure: dict) -> None:
+    """Refuse arrays of ``pure`` whose shape or dtype differs from the abstract model's."""
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
+    wrong = []
+    for k, x in jax.tree_util.tree_leaves_with_path(pure):
+        spec = want.get(jax.tree_util.keystr(k))
+        if spec is not None and (tuple(spec.shape) != tuple(jnp.shape(x))
+                                 or jnp.dtype(spec.dtype) != jnp.result_type(x)):
+            wrong.append(f"{jax.tree_util.keystr(k)} is {jnp.result_type(x)}{list(jnp.shape(x))}"
+                         f", the config gives {jnp.dtype(spec.dtype)}{list(spec.shape)}")
+    if wrong:
+        more = f"; {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError("build_from_pure: arrays that do not match the model's config ("
+                         + "; ".join(wrong[:3]) + more + "); build from the config that "
+                         "describes these arrays")
 
 
 def with_slot_config(model: nnx.Module, slot_type: type, **changes) -> nnx.Module:
