@@ -146,6 +146,7 @@ def test_chunk_sparsification_known_value_and_gradient_direction():
 
 def test_l1_and_entropy_match_numpy():
     a1 = np.maximum(A0, 0).astype(np.float64)
+    a1[0, 3] = 0.0  # a real token with no active expert: no entropy to average
     m = MASK
     l1 = sum(a1[b, t].sum() for b in range(2) for t in range(7) if m[b, t]) / m.sum()
     ents = []
@@ -208,3 +209,17 @@ def test_remoe_slot_reports_the_load_balanced_l1():
     a1 = jnp.maximum(jnp.einsum("btd,de->bte", x, layer.router.w[...]), 0)
     np.testing.assert_allclose(float(aux["l1_loss"]),
                                float(cs.load_balanced_l1_loss(a1, k=1.0)), rtol=1e-5)
+
+
+def test_activation_locality_pulls_on_both_tokens_of_a_pair():
+    """Eq. 4's target sigma(alpha A0[t+1]) is not detached (as BCE-with-logits on a soft target
+    in the official training code): the last token, which is only ever a target, gets a
+    gradient, equal to a central difference of the loss."""
+    a0 = jnp.asarray(A0[:1] * 0.05)
+    f = lambda a: cs.activation_locality_loss(a, alpha=10.0)  # noqa: E731
+    g = np.asarray(jax.grad(f)(a0))
+    assert np.abs(g[0, -1]).max() > 1e-4
+    e = np.zeros(A0[:1].shape, np.float32)
+    e[0, -1, 0] = 1e-2
+    fd = (float(f(a0 + e)) - float(f(a0 - e))) / 2e-2
+    np.testing.assert_allclose(g[0, -1, 0], fd, rtol=2e-2)

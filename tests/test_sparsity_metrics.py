@@ -152,3 +152,14 @@ def test_a_metric_no_layer_measured_averages_to_nan_without_a_warning():
     acc.update(1, ACT, mask_BT=MASK)
     res = acc.result()
     assert res["mean"]["tls"] == pytest.approx(res["layers"][1]["tls"])
+
+
+def test_allocation_skips_padding_wherever_it_lies():
+    mask = np.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)  # padding inside the batch
+    tokens = np.array([[5, 6, 0, 0, 0, 0], [7, 7, 7, 8, 8, 5]])
+    acc = sm.SparsityAccumulator(chunk_lens=(1,))
+    acc.update(0, ACT, mask_BT=mask, tokens_BT=tokens)
+    ids, counts, frac = acc.allocation()
+    assert ids.tolist() == [5, 6, 7, 8] and counts.tolist() == [2, 1, 3, 2]
+    # token 5: (0, 0) .25 and (1, 5) .25; 6: (0, 1) .5; 7: 0.25, 0.25, 0; 8: 1, .25
+    np.testing.assert_allclose(frac, [0.25, 0.5, 0.5 / 3, 0.625])
