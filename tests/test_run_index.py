@@ -172,3 +172,36 @@ def test_trials_are_indexed_apart_and_never_replace_a_published_section(tmp_path
     assert "Headline: 300 steps" in section and "Headline: 30 steps" not in doc
     assert "Trial runs, not published here" in doc
     assert "python -m experiments.lm_demo repeat=1" in doc
+
+
+def test_a_run_directory_reused_by_a_later_run_is_read_as_that_run(tmp_path, monkeypatch):
+    """A preset run, then a trial written over it (overwrite=true, same out=): the preset
+    run's index line now names a directory that holds the trial, so it is no preset run any
+    more and nothing is published for the study; a preset run over a trial is published."""
+    from moejax.harness.experiment import run_experiment
+    from moejax.train.hparams import TrainConfig
+
+    monkeypatch.delenv(run_index.ENV, raising=False)
+    make = lambda preset: TrainConfig(seed=0, steps=300)  # noqa: E731
+
+    def body(cfg, run):
+        run.table("t", [{"steps": cfg.steps}])
+        return {"headline": f"{cfg.steps} steps"}
+
+    runs = tmp_path / "runs"
+    index = runs / "index.jsonl"
+    run_experiment("lm_demo", make, body, [], out=runs / "lm")
+    assert run_index.newest("cpu", index)[0] == {"lm_demo": (runs / "lm").resolve()}
+    run_experiment("lm_demo", make, body, ["steps=30", "overwrite=true"], out=runs / "lm")
+    assert run_index.newest("cpu", index)[0] == {}
+    assert run_index.newest("cpu", index, kind="trial")[0] == {"lm_demo": (runs / "lm").resolve()}
+    monkeypatch.setattr(results_doc, "REGISTRY", ("lm_demo",))
+    out = tmp_path / "docs" / "results.md"
+    assert results_doc.main([f"index={index}", f"out={out}"]) == 0
+    assert "Headline: 30 steps" not in out.read_text()
+    assert "Not run: lm_demo." in out.read_text()
+    run_experiment("lm_demo", make, body, ["overwrite=true"], out=runs / "lm")
+    assert run_index.newest("cpu", index)[0] == {"lm_demo": (runs / "lm").resolve()}
+    assert run_index.newest("cpu", index, kind="trial")[0] == {}
+    assert results_doc.main([f"index={index}", f"out={out}"]) == 0
+    assert "Headline: 300 steps" in out.read_text()

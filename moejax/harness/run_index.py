@@ -7,8 +7,10 @@ run has finished: the study, the run directory's absolute path, the preset, its 
 documents publish; ``trial``: anything overridden), the machine class (``cpu``, ``gpu`` or
 ``tpu``, from the run's ``run.json``) and when it finished. Smoke runs (``smoke=true`` in the
 run's record) are not results and are not indexed. :func:`newest` reads the index back: per
-study the newest line of a kind whose directory still holds a finished run (its ``run.json``
-in state ``finished``), malformed lines counted and skipped. A run directory moved together
+study the newest line of a kind whose directory still holds the finished run it recorded (its
+``run.json`` in state ``finished``, of the line's study, variant, kind, machine class and
+start time: a directory another run was since written over holds that run, not this line's),
+malformed lines counted and skipped. A run directory moved together
 with its index (a GPU machine's ``runs/gpu`` copied back here) is found beside the index
 under its own name.
 
@@ -88,6 +90,7 @@ def record(run_dir: str | os.PathLike, index: Path | None = None) -> dict | None
     line = {"study": meta["study"], "variant": meta.get("variant", ""), "path": str(run_dir),
             "preset": preset, "kind": str(meta.get("kind") or _legacy_kind(run_dir)),
             "machine": machine_class(meta.get("machine", {})),
+            "started": str(meta.get("started", "")),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "t": time.time()}
     index = index or index_path(run_dir)
     index.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +131,7 @@ def newest(machine: str, index: Path | Sequence[Path] | None = None, *,
         except (ValueError, KeyError, TypeError):
             skipped += 1
             continue
-        if (_finished(path) and t >= best.get(study, (-1.0, path))[0]
+        if (t >= best.get(study, (-1.0, path))[0] and _holds(path, line)
                 and (line.get("kind") or _legacy_kind(path)) == kind):
             best[study] = (t, path)
     return {study: path for study, (_, path) in best.items()}, skipped
@@ -145,11 +148,24 @@ def _located(path: Path, index_file: Path, study: str) -> Path:
     return moved if record is not None and record.get("study") == study else path
 
 
-def _finished(path: Path) -> bool:
-    """Whether ``path`` holds a finished run (:func:`moejax.harness.run_record.read_run_record`: a
-    record from before states were kept counts)."""
+def _holds(path: Path, line: Mapping) -> bool:
+    """Whether ``path`` still holds the finished run ``line`` recorded
+    (:func:`moejax.harness.run_record.read_run_record`: a record from before states were kept
+    counts): the same study, variant and kind, machine class and start time where the record
+    keeps them. A directory another run has since been written over (``overwrite=true``, or
+    a rerun) holds that run, which its own line names."""
     record = read_run_record(path)
-    return record is not None and record.get("state") == "finished"
+    if record is None or record.get("state") != "finished":
+        return False
+    same = [(record.get("study"), line["study"]), (record.get("variant", ""),
+                                                    line.get("variant", ""))]
+    if record.get("kind") and line.get("kind"):
+        same.append((record["kind"], line["kind"]))
+    if record.get("machine"):
+        same.append((machine_class(record["machine"]), line["machine"]))
+    if line.get("started"):
+        same.append((str(record.get("started", "")), line["started"]))
+    return all(a == b for a, b in same)
 
 
 _RUNNER_KEYS = ("preset", "out", "variant", "overwrite")
