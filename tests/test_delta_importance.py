@@ -151,3 +151,28 @@ def test_eager_topk_compiles_once_per_shape_and_k():
     for _ in range(5):
         magnitude_prune(d, 0.7)
     assert _select_top_k._cache_size() == before
+
+
+def test_the_kept_count_rounds_to_nearest():
+    assert num_kept(3, 0.5) == 2 and num_kept(7, 0.9) == 1 and num_kept(10, 0.99) == 0
+    assert num_kept(100, 0.0) == 100 and num_kept(100, 1.0) == 0
+
+
+def test_wanda_on_stacked_experts_uses_each_experts_own_input_norms():
+    r = np.random.default_rng(3)
+    d = {"w": jnp.asarray(r.normal(size=(3, 12, 5)), jnp.float32)}  # [E, d_in, d_out]
+    norms = np.abs(r.normal(size=(3, 12))) * np.array([[0.1], [1.0], [10.0]])
+    norms[1, :6] *= 50  # expert 1's first inputs dominate its scores
+    out = np.asarray(wanda_prune(d, {"w": norms}, 0.6)["w"])
+    for e in range(3):
+        alone = wanda_prune({"w": d["w"][e]}, {"w": norms[e]}, 0.6)["w"]
+        np.testing.assert_array_equal(out[e], np.asarray(alone))
+
+
+def test_structural_dpp_draws_round_a_d_in_features_per_expert():
+    r = np.random.default_rng(4)
+    d = {"s": jnp.asarray(r.normal(size=(4, 30, 8)) + 0.1, jnp.float32)}  # [E, d_in, d_out]
+    out = np.asarray(structural_dpp(jax.random.PRNGKey(3), d, 0.05, 1.0)["s"])
+    rows = [tuple(np.flatnonzero(np.any(out[e] != 0, axis=1))) for e in range(4)]
+    assert all(len(x) == 2 for x in rows)  # round(0.05 x 30) = round(1.5) = 2, b = 1
+    assert len(set(rows)) > 1  # each expert draws its own features
