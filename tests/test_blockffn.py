@@ -71,6 +71,35 @@ def test_forward_matches_numpy(rmsnorm):
     np.testing.assert_array_equal(np.asarray(aux["active_BTE"]), a1 > 0)
     real = np.asarray(mask)
     np.testing.assert_allclose(float(aux["tls"]), 1 - (a1 > 0).mean(-1)[real].mean(), rtol=1e-5)
+    # Fig. 4's activation magnitude: mean L2 norm of the combine weights A (after RMSNorm)
+    a = np.asarray(aux["a_BTE"], np.float64)
+    scale = np.asarray(layer.router_norm.scale[...], np.float64)
+    want_a = a1 / np.sqrt((a1 ** 2).mean(-1, keepdims=True) + layer.cfg.norm_eps) * scale
+    np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(aux["act_magnitude"]),
+                               np.linalg.norm(want_a, axis=-1)[real].mean(), rtol=1e-5)
+
+
+def test_every_sparsifier_enters_the_aux_loss_with_its_weight():
+    """L1 and entropy act on the ReLU pattern A1 (the paper keeps regularisation off the
+    RMSNorm'd values), each weighted by its own coefficient."""
+    layer = _layer(al_coef=0.1, cs_coef=0.2, l1_coef=0.3, entropy_coef=0.4, chunk_len=3)
+    x = _x(1)
+    mask = jnp.ones((B, T), bool).at[0, 4:].set(False)
+    _, aux = layer(x, mask_BT=mask)
+    _, a0, a1 = _np_blockffn(layer, x)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(float(aux["l1_loss"]), a1.sum(-1)[real].mean(), rtol=1e-5)
+    want = (0.1 * float(aux["al_loss"]) + 0.2 * float(aux["cs_loss"])
+            + 0.3 * float(aux["l1_loss"]) + 0.4 * float(aux["entropy_loss"]))
+    assert float(aux["entropy_loss"]) > 0
+    np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)
+
+
+def test_the_router_starts_with_variance_one_over_d_model():
+    w = np.asarray(BlockFFNConfig(n_experts=64, d_expert=4).build(
+        256, rngs=nnx.Rngs(0)).router.w[...])
+    assert w.std() == pytest.approx(256 ** -0.5, rel=0.02) and abs(w.mean()) < 3e-3
 
 
 def _loss(layer, x):
