@@ -160,7 +160,7 @@ def test_merge_seed_tables_rules():
     # a spread within each run: averaged; the spread of the runs' means gets its own name
     assert r["v std"] == 1.0 and "v std std" not in r
     assert r["v std over runs"] == np.std([1.0, 3.0], ddof=1)
-    assert np.isnan(r["w"])
+    assert np.isnan(r["w"]) and "w std" not in r  # NaN in every run: not measured, no spread
     assert merge_seed_tables([a, a + a]) is None
     assert merge_seed_tables([a, [{"m": "x", "v": 1.0}]]) is None
     (r,) = merge_seed_tables([[{"v": 1.0}], [{"v": 3.0}]])
@@ -169,6 +169,9 @@ def test_merge_seed_tables_rules():
     rows = merge_seed_tables([[{"v": 1.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}],
                               [{"v": 3.0, "v std": 0.1}, {"v": 5.0, "v std": 0.1}]])
     assert rows[1]["v std over runs"] == 0.0 and rows[0]["v std over runs"] > 0
+    # a spread named with an underscore (rouge_l_std) is a spread too: its mean, no std of it
+    (r,) = merge_seed_tables([[{"acc_std": 0.2}], [{"acc_std": 0.4}]])
+    assert r == {"acc_std": pytest.approx(0.3)}
 
 
 def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
