@@ -61,7 +61,10 @@ class TrainConfig(Config):
     # covers (AdamW / SGD: matrices, not norms or biases; AdamR: every leaf)
     decay_paths: str = ""
     grad_clip: float = 1.0  # global-norm clipping threshold, 0 = off
-    grad_accum: int = 1  # micro-batches per optimizer step
+    # micro-batches per optimizer step; the step takes the mean of their losses and gradients,
+    # which is the whole batch's when each micro-batch scores as many tokens (a masked loss
+    # over unequal micro-batches weighs each micro-batch equally, not each token)
+    grad_accum: int = 1
     precision: Literal["float32", "bfloat16"] = "float32"
     mesh_data: int = -1  # -1 = all devices not used by the other axis
     mesh_expert: int = 1
