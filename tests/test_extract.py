@@ -488,3 +488,21 @@ def test_routing_stats_and_the_slots_aux_count_real_tokens_only():
     np.testing.assert_allclose(np.asarray(aux["load"]), np.asarray(alone["load"]), rtol=1e-6)
     np.testing.assert_allclose(float(aux["active_neurons"]), float(alone["active_neurons"]),
                                rtol=1e-6)
+
+
+def test_routing_stats_count_the_union_of_a_tokens_overlapping_experts():
+    model = tiny_vit(n_layers=1)
+    rng = np.random.default_rng(6)
+    masks = rng.uniform(size=(4, 16)) < 0.5  # overlapping experts, two per token
+    masks[:, 0] = True
+    plan = ExpertPlan(masks, rng.normal(size=(4, 8)).astype(np.float32), np.zeros(4, np.float32))
+    new = extract_model(model, {0: plan}, router="dot", top_k=2)
+    x = images(6, seed=2)
+    st = routing_stats(new, [{"inputs": x}])[0]
+    _, aux = new(jnp.asarray(x))
+    ids = np.asarray(aux["layers"][0]["expert_ids"]).reshape(-1, 2)
+    union = np.mean([np.any(masks[pair], axis=0).sum() for pair in ids])
+    assert union < 2 * masks.sum(1).mean()  # the overlap counts once
+    assert st["active_neurons"] == pytest.approx(union, rel=1e-12)
+    assert st["active_neurons"] == pytest.approx(float(aux["layers"][0]["active_neurons"]),
+                                                 rel=1e-6)

@@ -80,44 +80,42 @@ def moee_plans(records: dict, labels: dict, cfg: ExtractConfig, *,
 
 
 def routing_stats(model, batches: Iterable[dict], n_classes: int = 0) -> dict[int, dict]:
-    """Per extracted layer: ``active_neurons`` (mean per real token), ``load [E]`` (share of
-    assignments) and, with labels in the batches and ``n_classes``, ``per_class [L, E]``
-    (share of each class's tokens routed to each expert, first choice)."""
+    """Per extracted layer: ``active_neurons`` (mean per real token of the neurons its experts
+    use, their union when it has several: the slot's own count), ``load [E]`` (share of the
+    first-choice assignments) and, with labels in the batches and ``n_classes``,
+    ``per_class [L, E]`` (share of each class's tokens routed to each expert, first choice)."""
     layers = slot_layers(model)
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def fwd(state, batch):
         _, aux = apply_model(nnx.merge(graphdef, state), batch)
-        return {i: aux["layers"][i]["expert_ids"][..., 0] for i in layers}
+        return {i: aux["layers"][i]["expert_ids"] for i in layers}
 
     holder = ffn_holder(model)
     acc = {i: {"active": 0.0, "tokens": 0.0,
                "counts": np.zeros(holder.blocks[i].ffn.cfg.n_experts),
                "per_class": np.zeros((max(n_classes, 1), holder.blocks[i].ffn.cfg.n_experts))}
            for i in layers}
-    masks = {i: np.asarray(holder.blocks[i].ffn.masks[...]) for i in layers}
-    ks = {i: holder.blocks[i].ffn.cfg.top_k for i in layers}
+    masks = {i: np.asarray(holder.blocks[i].ffn.masks[...]) > 0 for i in layers}
     for batch in batches:
         ids = fwd(state, {k: jnp.asarray(v) for k, v in batch.items()})
         for i in layers:
-            first = np.asarray(ids[i])
+            ids_BTK = np.asarray(ids[i])
+            first = ids_BTK[..., 0]
             real = (np.ones(first.shape, bool) if "mask" not in batch
                     else np.asarray(batch["mask"]) > 0)
             a = acc[i]
             a["counts"] += np.bincount(first[real], minlength=len(a["counts"]))
             a["tokens"] += real.sum()
-            if ks[i] == 1:
-                a["active"] += masks[i].sum(1)[first[real]].sum()
+            # the union of each real token's experts' neurons (an expert alone: its size)
+            a["active"] += int(masks[i][ids_BTK[real]].any(axis=1).sum())
             if n_classes and "labels" in batch:
                 lab = np.broadcast_to(np.asarray(batch["labels"])[:, None], first.shape)
                 np.add.at(a["per_class"], (lab[real], first[real]), 1.0)
     out = {}
     for i, a in acc.items():
-        if ks[i] == 1:
-            active = a["active"] / max(a["tokens"], 1)
-        else:  # disjoint equal experts (MoEfication): k experts of the layer's expert size
-            active = ks[i] * masks[i].sum(1).mean()
+        active = a["active"] / max(a["tokens"], 1)
         pc = a["per_class"] / np.maximum(a["per_class"].sum(1, keepdims=True), 1)
         out[i] = {"active_neurons": float(active), "load": a["counts"] / max(a["tokens"], 1),
                   "per_class": pc}
