@@ -506,3 +506,20 @@ def test_routing_stats_count_the_union_of_a_tokens_overlapping_experts():
     assert st["active_neurons"] == pytest.approx(union, rel=1e-12)
     assert st["active_neurons"] == pytest.approx(float(aux["layers"][0]["active_neurons"]),
                                                  rel=1e-6)
+
+
+def test_text_macs_are_the_mean_of_every_examples_macs():
+    """Attention's scores grow with T^2: the mean example's MACs take the mean of T^2 over
+    the examples' real lengths, not the square of their mean length."""
+    clf = _bert_classifier()  # 1 block, D 8, F 16, a 3-class head
+    lens = np.array([2, 6, 3, 5])
+
+    def one(t):  # a single example of t real tokens, by hand
+        return 4 * t * 8 * 8 + 2 * t * t * 8 + 2 * t * 8 * 16 + 8 * 3
+
+    got = model_macs(clf, lens)
+    assert got["total"] == pytest.approx(np.mean([one(t) for t in lens]), rel=1e-12)
+    assert model_macs(clf, 4.0)["total"] == one(4)  # one length for every example
+    assert got["total"] > model_macs(clf, lens.mean())["total"]
+    with pytest.raises(ValueError, match="lengths >= 0"):
+        model_macs(clf, [])

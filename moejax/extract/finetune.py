@@ -23,7 +23,7 @@ def evaluate_extracted(data: ClassifierData, model, name: str, dense: dict) -> d
     test rows), their change against ``dense`` (``{"MACs", "params"}``; empty: none), and
     the per-layer routing statistics under ``"_stats"``."""
     stats = routing_stats(model, data.eval_batches(), n_classes=data.n_classes)
-    macs = model_macs(model, data.seq_len, {i: s["active_neurons"] for i, s in stats.items()})
+    macs = model_macs(model, data.seq_lens, {i: s["active_neurons"] for i, s in stats.items()})
     params = param_counts(model)["params"]
     row = {"model": name, "accuracy": data.evaluator(model)["accuracy"],
            "MACs": macs["total"], "params": params}

@@ -4,7 +4,8 @@ are not MACs, as in fvcore / the paper's tables).
 
 Per block with ``T`` tokens, width ``D``:
 
-* attention: ``4 T D^2`` (q, k, v, o projections) + ``2 T^2 D`` (scores and weighted values)
+* attention: ``4 T D^2`` (q, k, v, o projections) + ``2 T^2 D`` (scores and weighted values);
+  over text examples of several real lengths, the mean of ``T`` and of ``T^2``
 * dense FFN of width ``F``: ``2 T D F`` (``3 T D F`` gated)
 * extracted FFN: router ``T E D`` (``T (D H + H E)`` for the MLP router) + experts
   ``2 T D a``, ``a`` = mean hidden neurons a token uses (measured: ``aux["active_neurons"]``)
@@ -47,28 +48,33 @@ def ffn_macs(slot_cfg, d_model: int, tokens: float, active_neurons: float | None
     raise TypeError(f"no MAC count for slot {type(slot_cfg).__name__}")
 
 
-def model_macs(model, seq_len: float | None = None,
-               active_neurons: dict[int, float] | None = None) -> dict:
+def model_macs(model, seq_len=None, active_neurons: dict[int, float] | None = None) -> dict:
     """MACs per example: ``total``, ``attention``, ``ffn`` (router + experts), ``other``
     (patch embedding, head) and ``per_layer`` FFN MACs. ``seq_len``: tokens per example (a
-    ViT's is fixed: ``1 + n_patches``; give a text model's mean real length)."""
+    ViT's is fixed: ``1 + n_patches``); for a text model every example's real length (the
+    mean example's MACs: attention's ``T^2`` averaged as such), or one length for all."""
     holder = ffn_holder(model)
     cfg = holder.cfg
     D = cfg.d_model
     other = 0.0
     if hasattr(cfg, "n_patches"):
         T = 1 + cfg.n_patches
+        T2 = T * T
         other += cfg.n_patches * cfg.patch_size ** 2 * cfg.n_channels * D + D * cfg.n_classes
     else:
         if seq_len is None:
-            raise ValueError("model_macs of a text model needs seq_len (mean real tokens)")
-        T = float(seq_len)
+            raise ValueError("model_macs of a text model needs seq_len (each example's real "
+                             "tokens)")
+        lens = np.asarray(seq_len, np.float64).reshape(-1)
+        if lens.size == 0 or np.any(lens < 0):
+            raise ValueError(f"model_macs: seq_len needs example lengths >= 0, got {seq_len!r}")
+        T, T2 = float(lens.mean()), float((lens * lens).mean())
         head = getattr(model, "w_cls", None)  # SequenceClassifier's head
         if head is not None:
             other += float(np.prod(head[...].shape))
     active_neurons = active_neurons or {}
     per_layer = [ffn_macs(s, D, T, active_neurons.get(i)) for i, s in enumerate(cfg.ffn_slots)]
-    attn = cfg.n_layers * (4 * T * D * D + 2 * T * T * D)
+    attn = cfg.n_layers * (4 * T * D * D + 2 * T2 * D)
     ffn = sum(p["router"] + p["experts"] for p in per_layer)
     return {"total": attn + ffn + other, "attention": attn, "ffn": ffn, "other": other,
             "per_layer": per_layer}

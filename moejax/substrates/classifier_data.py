@@ -27,8 +27,9 @@ __all__ = ["ClassifierData"]
 
 class ClassifierData:
     """The substrate model, its name, the train / test arrays (``inputs``, ``labels`` and,
-    for text, ``mask``), the class names, the mean sequence length (``None`` for images), a
-    test-set evaluator and the model's logits on the training rows.
+    for text, ``mask``), the class names, each test row's real length (``seq_lens``; ``None``
+    for images) and their mean (``seq_len``), a test-set evaluator and the model's logits on
+    the training rows.
 
     ``train_rows``: at least this many training rows are loaded (text); ``eval_rows``: test
     rows kept (0 = all)."""
@@ -41,7 +42,7 @@ class ClassifierData:
             tr, te = mnist_arrays("train"), mnist_arrays("test")
             self.train = {"inputs": tr[0], "labels": tr[1]}
             self.test = {"inputs": te[0], "labels": te[1]}
-            self.n_classes, self.seq_len = 10, None
+            self.n_classes, self.seq_lens = 10, None
             self.class_names = [str(i) for i in range(10)]
         else:
             sub = build_substrate("minilm_wordnet_pos", minilm, cache_dir=cache_dir,
@@ -54,15 +55,21 @@ class ClassifierData:
             self.test = dict(zip(names, wordnet_arrays(minilm.task, "test", tok,
                                                        minilm.seq_len, eval_rows)))
             self.n_classes = WORDNET_CLASSES[minilm.task]
-            self.seq_len = float(self.test["mask"].sum(1).mean())
             self.class_names = list(POS_NAMES)
         if eval_rows:
             self.test = {k: v[:eval_rows] for k, v in self.test.items()}
+        if model != "vit":
+            self.seq_lens = self.test["mask"].sum(1).astype(np.int64)
         self.model, self.substrate = sub.model, f"{sub.name} ({sub.path.name})"
         self.evaluator = ClassifierEvaluator(self.test["inputs"], self.test["labels"],
                                              self.test.get("mask"))
         self.teacher_logits = classifier_logits(self.model, self.train["inputs"],
                                                 self.train.get("mask"))
+
+    @property
+    def seq_len(self) -> float | None:
+        """The mean real length of a test row (``None`` for images)."""
+        return None if self.seq_lens is None else float(self.seq_lens.mean())
 
     def record_batches(self, rows: int, seed: int, size: int = 250):
         """Batches (no labels) of ``rows`` training rows drawn without replacement."""
