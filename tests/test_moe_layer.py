@@ -329,3 +329,13 @@ def test_moe_layer_is_an_nnx_layer_over_the_same_moe():
     np.testing.assert_array_equal(np.asarray(layer(x, deterministic=True)), np.asarray(y))
     with pytest.raises(TypeError, match="cfg must be a MoEConfig"):
         MoELayer(D, cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("router", [SoftmaxRouter, NoisyTopKRouter])
+def test_routers_start_with_variance_one_over_d_model(router):
+    kw = {"renormalize": True} if router is SoftmaxRouter else {}
+    r = router(256, 64, 2, rngs=nnx.Rngs(0), **kw)
+    w = np.asarray(r.w_g[...])
+    assert w.std() == pytest.approx(256 ** -0.5, rel=0.02) and abs(w.mean()) < 3e-3
+    if router is NoisyTopKRouter:  # the noise weights start at 0: noise std softplus(0)
+        assert not np.any(np.asarray(r.w_noise[...]))
