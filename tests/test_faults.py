@@ -481,6 +481,19 @@ def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
         _invert_file(f)
     with pytest.raises(CorruptDataError, match="is corrupt"):
         load_compressed(path)
+    # a meta record that lost its checksums cannot vouch for the arrays: refused, not loaded
+    import orbax.checkpoint as ocp
+
+    from moejax.ders_compress.ckpt import FORMAT
+    bare = str(tmp_path / "bare")
+    tree = {"base": {"0": base[0]}, "rest": dict(c.rest), "deltas": dict(c.stored.arrays)}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(bare, args=ocp.args.Composite(
+            arrays=ocp.args.StandardSave(tree),
+            meta=ocp.args.JsonSave({"format": FORMAT, "ders": c.meta, "storage": c.stored.meta,
+                                    "model_config": None})))
+    with pytest.raises(CorruptDataError, match="no array checksums"):
+        load_compressed(bare)
 
 
 def _data_files_any(path):

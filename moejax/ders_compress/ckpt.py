@@ -11,7 +11,8 @@ Layout of ``<directory>/`` (orbax ``CompositeCheckpointHandler``; no pickle)::
                                    "model_config": moejax.config.to_json of the MoE decoder
                                                    config (or null),
                                    "checksums":    CRC-32 per array of "arrays"
-                                                   (moejax.integrity), verified on load}
+                                                   (moejax.integrity), verified on load;
+                                                   a record without them is refused}
 
 The delta arrays are exactly those of :mod:`moejax.delta.storage` (packed codes, smallest
 index dtype), so ``compression_report`` byte counts are what is written (orbax may compress
@@ -85,9 +86,12 @@ def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
                          f"{FORMAT!r}; was it written by "
                          "moejax.ders_compress.ckpt.save_compressed?")
     arr = out["arrays"]
-    if meta.get("checksums"):
-        verify_checksums(jax.tree.map(np.asarray, arr), meta["checksums"],
-                         f"compressed DeRS checkpoint {path}")
+    if not isinstance(meta.get("checksums"), dict):  # save_compressed always writes them
+        raise CorruptDataError(f"load_compressed: {path} is corrupt: its meta record has no "
+                               "array checksums, so its arrays cannot be verified. Fix: "
+                               "re-run the compression that wrote it")
+    verify_checksums(jax.tree.map(np.asarray, arr), meta["checksums"],
+                     f"compressed DeRS checkpoint {path}")
     stored = StoredDelta({k: np.asarray(v) for k, v in arr["deltas"].items()}, meta["storage"])
     validate_stored(stored, path)
     c = CompressedDeRS(_int_keys(arr["base"]), _int_keys(arr["rest"]), stored, meta["ders"])
