@@ -217,18 +217,13 @@ def stability(cfg: MoEEStudyConfig, data: ClassifierData) -> list[dict]:
 # ------------------------------------------------------------------------------ report
 
 
-def _mean_std(rows, key):
-    v = np.asarray([r[key] for r in rows], float)
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
-
-
 def _table1(run: RunDir, rows: list, dense: dict, cfg) -> dict:
     out, by = [], {}
     for r in rows:
         by.setdefault(r["model"], []).append(r)
     for name, rs in by.items():
-        acc, acc_s = _mean_std(rs, "accuracy")
-        kd, kd_s = _mean_std(rs, "accuracy_after_kd")
+        acc, acc_s = mean_std([r["accuracy"] for r in rs])
+        kd, kd_s = mean_std([r["accuracy_after_kd"] for r in rs])
         out.append({"model": name, "MACs": np.mean([r["MACs"] for r in rs]),
                     "MACs_change_%": np.mean([r["MACs_change_%"] for r in rs]),
                     "params": np.mean([r["params"] for r in rs]),
