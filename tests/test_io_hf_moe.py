@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from moejax.io._common import WeightFileError, flat_params
-from moejax.io.hf_moe import load_hf_moe
+from moejax.io.hf_moe import hf_moe_config, load_hf_moe
 from moejax.io.hf_moe_save import save_hf_moe
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
@@ -147,6 +147,70 @@ def test_what_the_layers_cannot_reproduce_is_refused(tmp_path, change, words):
 def test_each_familys_unsupported_options_are_refused(tmp_path, family, change, words):
     with pytest.raises(WeightFileError) as e:
         load_hf_moe(_edited(tmp_path, family, **change))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def _fixture_config(family="mixtral", drop=(), **changes) -> dict:
+    c = json.loads((FIXTURES / family / "config.json").read_text())
+    for key in drop:
+        del c[key]
+    return {**c, **changes}
+
+
+@pytest.mark.parametrize("changes, base", [
+    ({"rope_theta": 5e5}, 5e5),  # transformers 4
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     5e5),  # transformers 5
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     5e5),  # both: transformers 5 takes rope_parameters'
+    ({"rope_scaling": {"rope_type": "default", "rope_theta": 3e5}}, 3e5),  # its older name
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "default"}}, 1e6),  # Mixtral's
+])
+def test_the_rope_base_is_read_where_transformers_4_and_5_write_it(changes, base):
+    assert hf_moe_config(_fixture_config(**changes)).rope_base == base
+
+
+def test_a_transformers_5_config_imports_with_transformers_logits(tmp_path):
+    """The fixture's RoPE base moved where transformers 5 writes it (a Qwen family's default
+    base is the fixture's, so Mixtral, whose default is 1e6, is the case that can fail)."""
+    d = _edited(tmp_path, "mixtral", rope_theta=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    np.testing.assert_allclose(_logits(load_hf_moe(d)), np.load(MIXTRAL / "logits.npy"),
+                               rtol=0, atol=1e-5)
+
+
+# transformers' config classes' defaults: (RoPE base, RMSNorm epsilon, max positions, router
+# aux loss coefficient, key/value heads; None: as many as the query heads)
+_HF_DEFAULTS = {"mixtral": (1e6, 1e-5, 131072, 0.001, 8),
+                "qwen2_moe": (1e4, 1e-6, 32768, 0.001, 16),
+                "qwen3_moe": (1e4, 1e-6, 32768, 0.001, 4),
+                "olmoe": (1e4, 1e-5, 4096, 0.01, None)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_key_the_config_leaves_out_takes_transformers_default(family):
+    keys = ("rope_theta", "rms_norm_eps", "max_position_embeddings", "router_aux_loss_coef",
+            "num_key_value_heads")
+    cfg = hf_moe_config(_fixture_config(family, drop=keys, num_attention_heads=32, head_dim=4))
+    got = (cfg.rope_base, cfg.norm_eps, cfg.max_seq_len, cfg.ffn_slots[0].balance_coef,
+           cfg.n_kv_heads)
+    theta, eps, positions, coef, kv = _HF_DEFAULTS[family]
+    assert got == (theta, eps, positions, coef, kv or 32)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters={'rope_type': 'yarn'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "one plain RoPE for every layer only"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "RoPE over the whole head only"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_scaling": "linear"}, "rope_scaling='linear'"),
+])
+def test_rope_other_than_plain_is_refused(changes, words):
+    with pytest.raises(WeightFileError) as e:
+        hf_moe_config(_fixture_config(**changes))
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -312,7 +376,7 @@ root = ROOT
 from pathlib import Path
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from moejax.io.hf_moe import load_hf_moe
+from moejax.io.hf_moe import hf_moe_config, load_hf_moe
 from moejax.io._common import flat_params
 
 d = Path(root) / "tests" / "fixtures" / "hf_moe" / "qwen3_moe"

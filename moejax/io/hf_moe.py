@@ -42,9 +42,13 @@ What each family's import reads from ``config.json``:
   (``qk_norm="full"``).
 
 RoPE is the "rotate half" layout in all four (``rope_style="half"``), so q and k need no
-permutation. An unknown ``model_type``, or an option the layers lack (a sliding window,
-router jitter, rope scaling, dense layers between the sparse ones, clipped q/k/v, attention
-biases where the family has none), is refused in one line naming the key. The shards are read
+permutation. Its base is read where transformers 5 writes it (``rope_parameters``) or where 4
+did (``rope_theta``). A key the file leaves out takes the default of the family's
+transformers config class (e.g. Mixtral's RoPE base 1e6, the Qwens' RMSNorm epsilon 1e-6,
+Mixtral's 8 key/value heads). An unknown ``model_type``, or an option the layers lack (a
+sliding window, router jitter, rope scaling or partial rotary, dense layers between the
+sparse ones, clipped q/k/v, attention biases where the family has none), is refused in one
+line naming the key. The shards are read
 one at a time; each tensor goes to its place as its shard is read, and a layer's stacked
 experts are assembled from their shards before they leave the host. bf16 files stay bf16 (the
 model's ``param_dtype``).
@@ -89,7 +93,19 @@ class HFMoEFamily:
     shared: bool = False
     # config keys whose value must be this (a layer moejax lacks otherwise)
     required: tuple = ()
-    default_aux_coef: float = 0.01
+    # what transformers' config class takes for a key config.json leaves out
+    defaults: tuple = ()
+
+    def get(self, c: dict, key: str):
+        """``c[key]``, or the family's default where ``config.json`` leaves it out (or null)."""
+        value = c.get(key)
+        return dict(self.defaults)[key] if value is None else value
+
+
+def _defaults(rope_theta, rms_norm_eps, max_positions, aux_coef, kv_heads) -> tuple:
+    return (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps),
+            ("max_position_embeddings", max_positions), ("router_aux_loss_coef", aux_coef),
+            ("num_key_value_heads", kv_heads))  # None: as many as the query heads
 
 
 FAMILIES = {
@@ -97,20 +113,24 @@ FAMILIES = {
         "MixtralForCausalLM", "block_sparse_moe", {"w_gate": "w1", "w_up": "w3", "w_down": "w2"},
         "intermediate_size", "num_local_experts", None,
         required=(("sliding_window", None), ("router_jitter_noise", 0.0),
-                  ("attention_bias", False), ("mlp_bias", False)), default_aux_coef=0.02),
+                  ("attention_bias", False), ("mlp_bias", False)),
+        defaults=_defaults(1e6, 1e-5, 4096 * 32, 0.001, 8)),
     "qwen2_moe": HFMoEFamily(
         "Qwen2MoeForCausalLM", "mlp", _PROJ, "moe_intermediate_size", "num_experts",
         "norm_topk_prob", qkv_bias=True, shared=True,
         required=(("use_sliding_window", False), ("decoder_sparse_step", 1),
-                  ("mlp_only_layers", [])), default_aux_coef=0.001),
+                  ("mlp_only_layers", [])),
+        defaults=_defaults(10000.0, 1e-6, 32768, 0.001, 16)),
     "qwen3_moe": HFMoEFamily(
         "Qwen3MoeForCausalLM", "mlp", _PROJ, "moe_intermediate_size", "num_experts",
         "norm_topk_prob", qk_norm="head",
         required=(("use_sliding_window", False), ("decoder_sparse_step", 1),
-                  ("mlp_only_layers", []), ("attention_bias", False)), default_aux_coef=0.001),
+                  ("mlp_only_layers", []), ("attention_bias", False)),
+        defaults=_defaults(10000.0, 1e-6, 32768, 0.001, 4)),
     "olmoe": HFMoEFamily(
         "OlmoeForCausalLM", "mlp", _PROJ, "intermediate_size", "num_experts", "norm_topk_prob",
-        qk_norm="full", required=(("clip_qkv", None), ("attention_bias", False))),
+        qk_norm="full", required=(("clip_qkv", None), ("attention_bias", False)),
+        defaults=_defaults(10000.0, 1e-5, 4096, 0.01, None)),
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _FIX = "convert it to a supported family, or load it with transformers"
@@ -130,9 +150,26 @@ def _family(path: Path, c: dict) -> tuple[str, HFMoEFamily]:
             raise _refuse(path, key, c[key], f"moejax's layers need {ok!r} here")
     if c.get("hidden_act", "silu") != "silu":
         raise _refuse(path, "hidden_act", c["hidden_act"], "the experts are SwiGLU (silu)")
-    if c.get("rope_scaling"):
-        raise _refuse(path, "rope_scaling", c["rope_scaling"], "plain RoPE only")
     return kind, fam
+
+
+def _rope_base(path: Path, c: dict, fam: HFMoEFamily) -> float:
+    """RoPE's base, where transformers 5 keeps it (``rope_parameters``, or ``rope_scaling``,
+    its older name), else at the top level (transformers 4), else the family's default;
+    anything but one plain RoPE for every layer is refused."""
+    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    params = c.get(key) or {}
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+        raise _refuse(path, key, params, "one plain RoPE for every layer only")
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise _refuse(path, key, params, "plain RoPE only")
+    for where, factor in ((key, params.get("partial_rotary_factor")),
+                          ("partial_rotary_factor", c.get("partial_rotary_factor"))):
+        if factor not in (None, 1, 1.0):
+            raise _refuse(path, where, params if where == key else factor,
+                          "RoPE over the whole head only")
+    theta = params.get("rope_theta")
+    return float(fam.get(c, "rope_theta") if theta is None else theta)
 
 
 def hf_checkpoint_dir(spec: str, key: str) -> Path:
@@ -172,15 +209,16 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
             raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
                                   "copy the checkpoint's config.json again") from None
     kind, fam = _family(path, c)
+    rope_base = _rope_base(path, c, fam)
     try:
-        return _decoder_config(c, fam, dispatch, overrides)
+        return _decoder_config(c, fam, dispatch, rope_base, overrides)
     except KeyError as e:
         raise WeightFileError(path, f"config.json has no {e.args[0]!r}, which a {kind} "
                               "config needs", _FIX) from None
 
 
-def _decoder_config(c: dict, fam: HFMoEFamily, dispatch: str, overrides: dict
-                    ) -> DecoderConfig:
+def _decoder_config(c: dict, fam: HFMoEFamily, dispatch: str, rope_base: float,
+                    overrides: dict) -> DecoderConfig:
     dtype = _DTYPES.get(str(c.get("torch_dtype") or c.get("dtype") or "float32"), "float32")
     n_layers, d = int(c["num_hidden_layers"]), int(c["hidden_size"])
     n_experts = int(c[fam.n_experts_key])
@@ -193,16 +231,16 @@ def _decoder_config(c: dict, fam: HFMoEFamily, dispatch: str, overrides: dict
                     router="softmax", balance_loss="switch",
                     renormalize=(True if fam.renormalize_key is None
                                  else bool(c.get(fam.renormalize_key, False))),
-                    balance_coef=float(c.get("router_aux_loss_coef", fam.default_aux_coef)),
+                    balance_coef=float(fam.get(c, "router_aux_loss_coef")),
                     dispatch=dispatch, **shared,
                     **({"capacity_factor": float(n_experts)} if "capacity" in dispatch else {}))
     n_heads = int(c["num_attention_heads"])
     base = dict(vocab_size=int(c["vocab_size"]), d_model=d, n_layers=n_layers,
-                n_heads=n_heads, n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+                n_heads=n_heads, n_kv_heads=int(fam.get(c, "num_key_value_heads") or n_heads),
                 head_dim=int(c.get("head_dim") or d // n_heads),
-                max_seq_len=int(c.get("max_position_embeddings", 2048)),
-                rope_base=float(c.get("rope_theta", 10000.0)), rope_style="half",
-                norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+                max_seq_len=int(fam.get(c, "max_position_embeddings")),
+                rope_base=rope_base, rope_style="half",
+                norm_eps=float(fam.get(c, "rms_norm_eps")),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 dtype=dtype, param_dtype=dtype, qk_norm=fam.qk_norm,
                 qkv_bias=fam.qkv_bias and bool(c.get("qkv_bias", True)),
