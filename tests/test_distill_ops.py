@@ -129,6 +129,9 @@ def test_ka_expert_sets_have_the_stated_distribution():
     assert (np.sort(np.asarray(r0.ids_NK), -1) == [0, 1, 3]).all()
     with pytest.raises(ValueError, match="needs a PRNG key"):
         route_with_mode(logits[None], RoutingMode(mode="ka"), trained_k=2, renormalize=True)
+    with pytest.raises(ValueError, match="keeps N-1 experts and needs N >= 2"):
+        route_with_mode(logits[None, :1], RoutingMode(mode="ka"), trained_k=1,
+                        renormalize=True, key=jax.random.key(0))
 
 
 def test_with_routing_needs_an_moe():

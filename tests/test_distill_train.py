@@ -265,3 +265,105 @@ def test_ka_takes_m_updates_per_batch_on_one_student_sample_by_default(monkeypat
                                                                             "count")}
         (counts[mode],) = found
     assert counts == {"sequential": 3, "averaged": 1}
+
+
+def _batch():
+    return {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+
+
+def test_a_fraction_of_rows_take_student_samples_drawn_with_the_configs_settings(monkeypatch):
+    """on_policy_fraction = 0.5: each row is the student's sample or the dataset's response,
+    about half of each over 64 rows; the sampler gets the config's temperature, top-p and
+    EOS."""
+    import moejax.distill.training as distill_mod
+
+    teacher, student = _lm(False, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="gkd", on_policy_fraction=0.5, temperature=0.7, top_p=0.9,
+                        eos_id=5)
+    pair, b = distill_pair(student, teacher, cfg), _batch()
+    samples, settings = [], []
+
+    def recording(model, *a, **kw):
+        out = distill_mod.sample_traced.__wrapped__(model, *a, **kw)
+        samples.append(np.asarray(out.tokens_BS))
+        settings.append({k: kw[k] for k in ("temperature", "top_p", "eos_id")})
+        return out
+
+    recording.__wrapped__ = distill_mod.sample_traced
+    monkeypatch.setattr(distill_mod, "sample_traced", recording)
+    sampled = 0
+    data = np.asarray(b["tokens"])[:, :-1]
+    for i in range(16):
+        inputs = np.asarray(distill_mod._sequences(pair, b, cfg, jax.random.key(i))[0])
+        s = samples[-1][:, :-1]
+        for row, s_row, d_row in zip(inputs, s, data):
+            assert (row == s_row).all() or (row == d_row).all()
+            sampled += int((row == s_row).all() and not (row == d_row).all())
+    assert 16 <= sampled <= 48, sampled  # Binomial(64, 0.5): mean 32, sd 4
+    assert settings[0] == {"temperature": 0.7, "top_p": 0.9, "eos_id": 5}
+
+
+def test_distillation_scores_the_configs_divergence_beta_and_reduction():
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="gkd", on_policy_fraction=0.0, divergence="jsd", jsd_beta=0.2,
+                        reduction="sequence")
+    b = _batch()
+    loss, _ = nnx.jit(distill_loss_fn(cfg))(distill_pair(student, teacher, cfg), b,
+                                            jax.random.key(0))
+    t_logits, _ = jitted(teacher)(b["inputs"])
+    s_logits, _ = jitted(student)(b["inputs"])
+    want = distill_divergence("jsd", t_logits, s_logits, b["mask"], beta=0.2,
+                              reduction="sequence")
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    other = distill_divergence("jsd", t_logits, s_logits, b["mask"], beta=0.5,
+                               reduction="token")
+    assert abs(float(want) - float(other)) > 1e-4
+
+
+def test_averaged_ka_is_the_mean_over_m_teacher_passes_each_with_its_own_key():
+    """ka_updates="averaged": the loss is the mean of the M divergences, the i-th teacher pass
+    routed with the i-th key split from the step's teacher key; ka_lambda reaches every
+    rerouted layer."""
+    import moejax.distill.training as distill_mod
+    from moejax.distill.routing_modes import ModeRouter
+    from moejax.ops.distill_losses import reverse_kl
+
+    teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
+    cfg = DistillConfig(method="ka", ka_m=3, ka_lambda=1.0, ka_updates="averaged",
+                        on_policy_fraction=0.0)
+    pair, b, key = distill_pair(student, teacher, cfg), _batch(), jax.random.key(7)
+    routers = [m for _, m in nnx.iter_modules(pair.teacher) if isinstance(m, ModeRouter)]
+    assert len(routers) == 2 and all(r.mode.ka_lambda == 1.0 for r in routers)
+    assert all(r.mode.ka_lambda == 0.3 for _, r in nnx.iter_modules(distill_pair(
+        student, teacher, cfg.replace(ka_lambda=0.3)).teacher) if isinstance(r, ModeRouter))
+    loss, _ = distill_loss_fn(cfg)(pair, b, key)
+    k_seq, k_teacher = jax.random.split(key)
+    inputs, _, mask, real = distill_mod._sequences(pair, b, cfg, k_seq)
+    s_logits, _ = student(inputs, mask_BT=real)
+    divs = [float(reverse_kl(pair.teacher(inputs, key=k, mask_BT=real)[0], s_logits, mask))
+            for k in jax.random.split(k_teacher, 3)]
+    np.testing.assert_allclose(float(loss), np.mean(divs), rtol=1e-5)
+    assert np.ptp(divs) > 1e-5  # the three passes routed differently
+
+
+def test_sequential_ka_gives_every_update_of_a_step_that_steps_learning_rate():
+    """KA's M updates per step (Algorithm 1) each take the schedule's rate at the loop's step:
+    with Adam on a constant gradient every update moves a parameter by that rate."""
+    cfg = DistillConfig(method="ka", ka_m=2)
+    tcfg = TrainConfig(steps=4, batch_size=4, lr=1.0, schedule="linear", min_lr_ratio=0.0,
+                       warmup_steps=0, grad_clip=0.0)
+    tx = distill_tx(cfg, tcfg)
+    params = {"b": jnp.zeros(3)}  # 1-D: no weight decay
+    state, moves = tx.init(params), []
+    for _ in range(6):
+        updates, state = tx.update({"b": jnp.ones(3)}, state, params)
+        moves.append(-float(updates["b"][0]))
+    rates = [1.0, 1.0, 0.75, 0.75, 0.5, 0.5]  # lr (1 - step / 4) at steps 0, 0, 1, 1, 2, 2
+    np.testing.assert_allclose(moves, rates, rtol=1e-4)
+
+
+def test_settings_no_method_can_honour_are_refused():
+    with pytest.raises(ConfigError, match="top_p=0.0 must be in"):
+        DistillConfig(top_p=0.0)
+    with pytest.raises(ValueError, match=r"teacher_k=2\) changes an MoE teacher's routing"):
+        distill_pair(_lm(False), _lm(False), DistillConfig(method="kd", teacher_k=2))
