@@ -139,6 +139,47 @@ def test_keep_best_returns_the_best_evaluated_parameters():
                      progress=False)
 
 
+def test_keep_best_survives_a_crash_and_a_second_call_of_the_finished_run(tmp_path):
+    """The evaluation peaks at step 2 of 6; the run crashes during step 5 (checkpoints at 2
+    and 4, a best step written at 2). The resumed run ends with step 2's parameters, as the
+    uninterrupted run does, and so does the finished run called again (no step run); a best
+    step past the resumed one is set aside, not resumed from."""
+    cfg = CFG.replace(steps=6, eval_every=1, log_every=1, schedule="constant", ckpt_every=2)
+    score = lambda params, step: {"score": -abs(step - 2.0)}  # noqa: E731
+    want, _ = train_params(P0, _regression, cfg, _mse, eval_fn=score, keep_best="score",
+                           progress=False)
+
+    def crashing(position):
+        if position == 4:
+            raise RuntimeError("killed")
+        return _regression(position)
+
+    run = dict(eval_fn=score, keep_best="score", run_dir=str(tmp_path), progress=False)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_params(P0, crashing, cfg, _mse, **run)
+    assert latest_step(tmp_path / "checkpoints") == 4
+    assert latest_step(tmp_path / "best") == 2
+    resumed, hist = train_params(P0, _regression, cfg, _mse, **run)
+    assert [h["step"] for h in hist] == [5, 6]
+    assert hist.best == {"step": 2, "value": 0.0} and tree_equal(resumed, want)
+    again, hist = train_params(P0, _regression, cfg, _mse, **run)
+    assert len(hist) == 0 and hist.best == {"step": 2, "value": 0.0}
+    assert tree_equal(again, want)
+    # a best step past the resumed one (its run crashed before the step's own checkpoint)
+    late = tmp_path / "late"
+    with pytest.raises(RuntimeError, match="killed"):
+        train_params(P0, crashing, cfg.replace(ckpt_every=3), _mse,
+                     **{**run, "run_dir": str(late)})
+    os.rename(late / "checkpoints" / "3", late / "checkpoints" / "moved")  # as if never saved
+    resumed, hist = train_params(P0, _regression, cfg.replace(ckpt_every=3), _mse,
+                                 **{**run, "run_dir": str(late)})
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6] and tree_equal(resumed, want)
+    assert os.listdir(late / "best" / ".after-resume")
+    with pytest.raises(ValueError, match="keeps the best by 'score', this run by 'other'"):
+        train_params(P0, _regression, cfg, _mse, eval_fn=lambda p, s: {"other": 1.0},
+                     keep_best="other", run_dir=str(tmp_path), progress=False)
+
+
 def test_nothing_silent_for_a_users_source_loss_and_transform(tmp_path):
     """A source that ignores batch_size is refused at its first batch; the default loss on a
     batch without its keys names the keys expected and found; config.json records that the

@@ -334,6 +334,15 @@ class Checkpointer:
             self._mngr.reload()
         return moved
 
+    def set_aside(self, steps, kind: str) -> list[str]:
+        """Move the complete ``steps`` to ``<directory>/.<kind>/<step>-<time>`` (kept, never
+        read again by a run); returns where they went. Call only when no other process writes
+        to the directory."""
+        moved = [self._quarantine(str(step), kind) for step in steps]
+        if moved:
+            self._mngr.reload()
+        return moved
+
     def _quarantine(self, name: str, kind: str) -> str:
         dest_dir = os.path.join(self.directory, f".{kind}")
         os.makedirs(dest_dir, exist_ok=True)

@@ -56,6 +56,7 @@ from moejax.train.batch_checks import (
     check_token_ids,
     record_scale,
 )
+from moejax.train.best import BestKeeper
 from moejax.train.budget import check_fits, compiled_memory
 from moejax.train.checkpoint import restore_params
 from moejax.train.distributed import (
@@ -114,8 +115,10 @@ class LoopOptions:
         the device's (:mod:`moejax.train.budget`).
     keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
         evaluation where it was highest (checkpoint selection on validation;
-        ``History.best`` says which step), not those of the last step. Only this call's
-        evaluations compete.
+        ``History.best`` says which step), not those of the last step. Only this run's
+        evaluations compete (not those of an ``init_from`` run); in a ``run_dir`` the best is
+        checkpointed beside the run (:mod:`moejax.train.best`), so a resumed run, or a
+        finished one called again, ends with the best of all its evaluations.
     init_from: a moejax run directory (or its ``checkpoints/``) whose newest verified
         parameters start this run (its optimizer state and data position are not taken;
         AdamR's anchor is these parameters); a checkpoint in ``run_dir`` still takes
@@ -225,7 +228,8 @@ class _Run:
                 structure, [jnp.array(v) for v in opt_state]))
         self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
-        self.history, self.best, self.pending = History(), None, []
+        self.history, self.pending = History(), []
+        self.best = BestKeeper(opts.keep_best) if opts.keep_best else None
         if self.mesh.size > 1:
             self.history.replicated_unnamed = tuple(self.unnamed)
         self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
@@ -242,6 +246,9 @@ class _Run:
             self.ckpt, self.state, self.position = open_run_dir(
                 run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
         self.start = int(jax.device_get(self.state.step))
+        if self.best is not None and run_dir is not None:
+            self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints)
+            self.best.resume(self.state, self.start, main=self.main)
         if run_dir is not None and self.main and self.mesh.size > 1:
             atomic_write_text(os.path.join(run_dir, "sharding.json"), json.dumps(
                 mesh_lib.sharding_summary(self.state.params, self.mesh, cfg.fsdp, self.unnamed),
@@ -287,6 +294,8 @@ class _Run:
         try:
             if self.ckpt is not None and failed != "peer":
                 self.ckpt.close(abort=bool(failed))
+            if self.best is not None and self.best.ckpt is not None and failed != "peer":
+                self.best.ckpt.close(abort=bool(failed))
             if self.tb is not None:
                 self.tb.close()
         finally:
@@ -334,9 +343,9 @@ class _Run:
             self.bar.close()
             self._close(failed)
             release_memory()  # a study's many runs in one process do not add up
-        if self.best is not None:
-            self.history.best = {"step": self.best[1], "value": self.best[0]}
-            return self.best[2][0], self.best[2][1], self.history
+        if self.best is not None and self.best.step is not None:
+            self.history.best = self.best.summary
+            return self.best.params, self.best.rest, self.history
         return self.state.params, self.state.rest, self.history
 
     def _capture(self) -> tuple[int, int | None]:
@@ -401,18 +410,13 @@ class _Run:
                              tok_s=f"{rows[-1]['tokens_per_s']:.0f}")
 
     def _evaluate(self, done: int) -> None:
-        state, keep_best = self.state, self.opts.keep_best
+        state = self.state
         target = (state.params if self.graphdef is None
                   else nnx.merge(self.graphdef, state.params, state.rest))
         ev = {k: float(v) for k, v in self.opts.eval_fn(target, done).items()}
         self.history[-1].update({f"eval/{k}": v for k, v in ev.items()})
-        if keep_best:
-            if keep_best not in ev:
-                raise KeyError(f"keep_best={keep_best!r} is not among the evaluation "
-                               f"metrics {sorted(ev)}")
-            if self.best is None or ev[keep_best] > self.best[0]:
-                self.best = (ev[keep_best], done,
-                             jax.tree.map(jnp.copy, (state.params, state.rest)))
+        if self.best is not None:
+            self.best.consider(ev, done, state.params, state.rest)
         if self.eval_log is not None:
             self.eval_log.write([{"step": done, **ev}])
         if self.tb is not None:
@@ -424,4 +428,6 @@ class _Run:
                 f"parameters became non-finite by step {int(jax.device_get(self.state.step))}"
                 "; nothing was saved (the previous checkpoint is intact). Lower the lr or "
                 "enable grad_clip.")
+        if self.best is not None:  # first: every resumable step has its best on disk
+            self.best.save(self.state)
         self.ckpt.save(self.state, data_position=self.position, config=self.config)

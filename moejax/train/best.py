@@ -1,0 +1,99 @@
+"""The training loop's best evaluation (``keep_best``): the parameters of the evaluation where
+the kept metric was highest, and, in a run directory, their checkpoints beside the run's.
+
+A run that stops and resumes, or a finished run called again, then ends with the same best
+model as one uninterrupted call: the best before the resumed step is read back from
+``run_dir/best`` (its newest step at or before the resumed one, verified like every
+checkpoint; the metric's value rides in the step's meta record), and the evaluations after it
+are run again. The best is written just before each of the run's own checkpoints (parameters
+and non-trainable state only, no optimizer state), so every resumable step has the best up to
+it on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError
+from moejax.train.step import TrainState
+
+__all__ = ["BestKeeper"]
+
+log = logging.getLogger(__name__)
+
+
+class BestKeeper:
+    """The best of a run's evaluations by ``key`` (higher is better); ``run_dir``: where its
+    checkpoints go (``None``: in memory only); ``keep``: how many best steps stay on disk."""
+
+    def __init__(self, key: str, run_dir=None, *, keep: int = 3):
+        self.key = key
+        self.value: float | None = None
+        self.step: int | None = None
+        self.params = self.rest = None
+        self._saved_step: int | None = None
+        self.ckpt = (None if run_dir is None else
+                     Checkpointer(os.path.join(os.fspath(run_dir), "best"), keep=max(2, keep),
+                                  async_save=False))
+
+    def consider(self, ev: dict, step: int, params, rest) -> None:
+        """Keep copies of ``params`` / ``rest`` when ``ev[key]`` beats the best so far."""
+        if self.key not in ev:
+            raise KeyError(f"keep_best={self.key!r} is not among the evaluation metrics "
+                           f"{sorted(ev)}")
+        if self.value is None or ev[self.key] > self.value:
+            self.value, self.step = float(ev[self.key]), step
+            self.params, self.rest = jax.tree.map(jnp.copy, (params, rest))
+
+    def save(self, like: TrainState) -> None:
+        """Write the best to ``run_dir/best`` unless it is there already (``like``: the run's
+        state, whose key the saved step carries)."""
+        if self.ckpt is None or self.step is None or self._saved_step == self.step:
+            return
+        state = TrainState(step=jnp.asarray(self.step, jnp.int32), params=self.params,
+                           opt_state={}, key=like.key, rest=self.rest)
+        self.ckpt.save(state, data_position=self.step,
+                       config=json.dumps({"keep_best": self.key, "value": self.value}))
+        self._saved_step = self.step
+
+    def resume(self, like: TrainState, start: int, *, main: bool = True) -> None:
+        """Take the newest verified best at or before step ``start`` from ``run_dir/best``
+        (``like``: a state of the run's structure and placement). Best steps after ``start``
+        (written before a crash, and evaluated again by this run) are moved to
+        ``run_dir/best/.after-resume/`` by the ``main`` process."""
+        if self.ckpt is None:
+            return
+        if main:
+            self.ckpt.clean_stale()
+            later = [s for s in self.ckpt.all_steps() if s > start]
+            if later:
+                log.warning("%s: best steps %s are past the resumed step %d; moved to "
+                            ".after-resume/", self.ckpt.directory, later, start)
+                self.ckpt.set_aside(later, "after-resume")
+        template = like._replace(opt_state={})
+        for step in reversed([s for s in self.ckpt.all_steps() if s <= start]):
+            try:
+                state, meta = self.ckpt.restore(template, step)
+            except CorruptCheckpointError as e:
+                log.warning("%s; falling back to an earlier best step", e)
+                continue
+            saved = json.loads(meta["config"])
+            if saved.get("keep_best") != self.key:
+                raise ValueError(
+                    f"{self.ckpt.directory} keeps the best by {saved.get('keep_best')!r}, "
+                    f"this run by {self.key!r}. Fix: resume with keep_best="
+                    f"{saved.get('keep_best')!r}, or start a fresh run directory")
+            self.value, self.step = float(saved["value"]), step
+            self.params, self.rest = state.params, state.rest
+            self._saved_step = step
+            return
+
+    @property
+    def summary(self) -> dict | None:
+        """``{"step", "value"}`` of the best, or ``None`` before any evaluation."""
+        return None if self.step is None else {"step": self.step, "value": self.value}
