@@ -93,6 +93,8 @@ def test_ders_lm_ranks_past_full_rank_are_refused():
     check_lm_rank(32, "up", 32, 96)  # full rank: allowed
     with pytest.raises(ValueError, match="lm_rank=1000 exceeds min"):
         check_lm_rank(1000, "up", 32, 96)
+    with pytest.raises(ValueError, match="lm_rank=33 exceeds min"):  # past d_in, not d_out
+        check_lm_rank(33, "up", 32, 96)
     with pytest.raises(ConfigError, match="full rank already"):
         apply_overrides(upcycling.make_config("quick"), ["lm_ranks=(1000,)"])
 

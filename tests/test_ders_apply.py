@@ -59,9 +59,10 @@ def test_synthesis_paths_equal_synthesising_every_expert(form, activation, synth
                                                          capacity):
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 6, D)), jnp.float32)
     ct = jnp.cos(jnp.arange(2 * 6 * D, dtype=jnp.float32)).reshape(2, 6, D)
+    real = jnp.arange(6)[None, :] < jnp.array([[6], [3]])  # padding takes no capacity
 
     def loss(layer):
-        y, aux = layer(x)
+        y, aux = layer(x, mask_BT=real)
         return jnp.sum(y * ct), (y, aux["dropped_fraction"])
 
     (g_all, (y_all, drop_all)), (g_new, (y_new, drop_new)) = (

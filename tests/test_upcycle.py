@@ -202,6 +202,51 @@ def test_exact_parameter_counts():
                  "vanilla": 4 * mats}
 
 
+def _sizes(layer, kind, *prefixes) -> int:
+    from moejax.pytree import named_leaves
+
+    return sum(int(np.size(x)) for k, x in named_leaves(nnx.state(layer, kind))
+               if k.startswith(prefixes))
+
+
+@pytest.mark.parametrize("cfg", [
+    DeRSMoEConfig(moe=MoEConfig(n_experts=4, d_expert=F, universal_ffn=True), form="sm",
+                  sm_rate=0.93, extended=True),
+    DeRSMoEConfig(moe=MoEConfig(n_experts=3, d_expert=F, activation="gelu"), form="sm",
+                  sm_rate=0.5, freeze_shared=True),
+    DeRSMoEConfig(moe=MoEConfig(n_experts=4, d_expert=F, universal_ffn=True), form="lm",
+                  lm_rank=3, extended=True),
+])
+def test_ders_param_counts_are_the_layers_own_arrays(cfg):
+    """The exact counts (DeRS Sec. 3.4) against the arrays a built layer holds: W_shared, the
+    N (+1 extended) increments, the SM index vectors, N (+1) dense copies for vanilla."""
+    layer = cfg.build(D, rngs=nnx.Rngs(0))
+    shared = _sizes(layer, ...,  "base/")
+    inc = _sizes(layer, nnx.Param, "experts/", "universal/")
+    index = _sizes(layer, DeRSIndex, "experts/", "universal/")
+    trainable = _sizes(layer, nnx.Param, "base/", "experts/", "universal/")
+    n = cfg.moe.n_experts + cfg.extended
+    assert ders_param_counts(cfg, D) == {"shared": shared, "increments": inc, "index": index,
+                                         "trainable": trainable, "vanilla": n * shared}
+    assert (index > 0) == (cfg.form == "sm") and (trainable == inc) == cfg.freeze_shared
+
+
+def test_ders_starting_weights_have_their_stated_scales():
+    """DeRS-SM keeps round(d_in d_out (1 - p)) positions (7 x 7 x 0.1 = 4.9 -> 5); a
+    DeRS-LM A starts at std d_in^-1/2 and a from-scratch W_shared at fan-in^-1/2, for the
+    up (d_in = D) and the down (d_in = F) matrices alike."""
+    from moejax.nn.ders_moe import sm_num_kept
+
+    assert sm_num_kept(7, 7, 0.9) == 5
+    cfg = DeRSMoEConfig(moe=MoEConfig(n_experts=8, d_expert=4 * F), form="lm", lm_rank=16)
+    layer = cfg.build(D, rngs=nnx.Rngs(0))
+    for name, d_in in (("up", D), ("down", 4 * F)):
+        a = np.asarray(getattr(layer.experts, f"a_{name}")[...])
+        w = np.asarray(layer.base.get(name))
+        np.testing.assert_allclose(a.std(), d_in ** -0.5, rtol=0.1)
+        np.testing.assert_allclose(w.std(), d_in ** -0.5, rtol=0.1)
+
+
 def test_split_upcycling_partitions_neurons():
     """Llama-MoE neuron split: N experts of F/N neurons each (total FFN parameters unchanged);
     with uniform gates (zero router) the ALL-experts mixture is the dense model exactly, and
@@ -241,3 +286,29 @@ def test_ders_lm_increments_start_at_a_random_a_and_a_zero_b():
         a = np.concatenate([np.asarray(ffn.a_up[...]).ravel(), np.asarray(ffn.a_gate[...]).ravel()])
         assert abs(a.std() / want - 1) < 0.1 and abs(a.mean()) < 0.1 * want
         assert not np.asarray(ffn.b_up[...]).any() and not np.asarray(ffn.b_down[...]).any()
+
+
+def test_expert_bytes_per_token_by_hand():
+    """Batch-1 expert bytes: vanilla reads its k experts; DeRS "selected" reads W_shared once
+    and k increments (SM: K float32 values and K int32 positions per matrix); "all" reads
+    W_shared and N increments and writes then reads N dense copies."""
+    from moejax.nn.ders_moe import expert_bytes_per_token, sm_num_kept
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=F, activation="swiglu")
+    dense = 3 * D * F * 4
+    assert expert_bytes_per_token(moe, D) == 2 * dense
+    K = sm_num_kept(D, F, 0.9)
+    sm = DeRSMoEConfig(moe=moe, form="sm", sm_rate=0.9, synthesis="selected")
+    assert expert_bytes_per_token(sm, D) == dense + 2 * 3 * K * 8
+    lm = DeRSMoEConfig(moe=moe, form="lm", lm_rank=2, synthesis="all")
+    assert expert_bytes_per_token(lm, D) == dense + 4 * (2 * 3 * (D + F) * 4) + 2 * 4 * dense
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(sm_rate=1.0), "sm_rate=1.0 must be in"),
+    (dict(extended=True, moe=MoEConfig(d_expert=F, universal_ffn=True, d_universal=2 * F)),
+     "extended=True needs d_universal == d_expert"),
+])
+def test_ders_settings_it_cannot_build_are_refused(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        DeRSMoEConfig(**kw)
