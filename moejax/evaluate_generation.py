@@ -1,8 +1,9 @@
 """Evaluation of generated responses and of MoE routers (the distillation studies).
 
-* :class:`GenerationEvaluator`: ROUGE-L (F-measure, ``rouge-score``) of responses sampled
-  from a decoder LM against the references of prompt/response batches, mean and standard
-  deviation over generation seeds.
+* :class:`GenerationEvaluator`: ROUGE-L (F-measure, ``rouge-score``, words Porter-stemmed as
+  in MiniLLM's evaluation, which "Every Expert Matters" follows) of responses sampled from a
+  decoder LM against the references of prompt/response batches, mean and standard deviation
+  over generation seeds.
 * :func:`response_kl`: ``KL(teacher || student)`` per response token on fixed held-out
   prompt/response batches (how close a distilled student came to its teacher).
 * :class:`ResponseScorer`: the three test metrics of a distilled LM at once: ROUGE-L per
@@ -40,12 +41,15 @@ __all__ = ["GenerationEvaluator", "ResponseScorer", "rouge_l", "response_kl",
            "gate_mass_by_layer", "router_kl_by_layer", "real_tokens"]
 
 
-def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> np.ndarray:
+def rouge_l(predictions: Sequence[str], references: Sequence[str], *,
+            stem: bool = True) -> np.ndarray:
     """ROUGE-L F-measure of each prediction against its reference (``rouge-score``: lower-cased
-    alphanumeric word tokens, longest common subsequence; 0 when either side has no word)."""
+    alphanumeric word tokens, Porter-stemmed unless ``stem=False``, longest common
+    subsequence; 0 when either side has no word). The stemming is MiniLLM's evaluation
+    (``RougeScorer(["rougeL"], use_stemmer=True)``), whose ROUGE-L the paper reports."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references")
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=stem)
     return np.asarray([scorer.score(r, p)["rougeL"].fmeasure
                        for p, r in zip(predictions, references)], np.float64)
 
@@ -54,16 +58,17 @@ class GenerationEvaluator(Evaluator):
     """ROUGE-L of sampled responses on fixed prompt/response batches
     (:class:`~moejax.data.batches.PromptResponseBatches` rows): for each seed in ``seeds`` every
     prompt gets one response of up to ``response_len`` tokens (``temperature`` 0 = greedy);
-    ``decode(ids) -> str`` turns tokens into text. Returns ``rouge_l`` (mean over seeds of the
-    mean over prompts), ``rouge_l_std`` (sample std over seeds; 0 for one) and
-    ``rouge_l_seeds``."""
+    ``decode(ids) -> str`` turns tokens into text; ``stem``: :func:`rouge_l`'s. Returns
+    ``rouge_l`` (mean over seeds of the mean over prompts), ``rouge_l_std`` (sample std over
+    seeds; 0 for one) and ``rouge_l_seeds``."""
 
     def __init__(self, batches: Sequence[dict], decode: Callable, *, seeds=(0,),
                  temperature: float = 1.0, top_p: float = 1.0, eos_id: int = 2,
-                 pad_id: int = 0):
+                 pad_id: int = 0, stem: bool = True):
         if not batches:
             raise ValueError("GenerationEvaluator needs at least one batch")
         self.batches, self.decode, self.seeds = list(batches), decode, tuple(seeds)
+        self.stem = stem
         self.kw = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)
         self.references = [decode(row[m > 0]) for b in self.batches
                            for row, m in zip(b["tokens"], b["response_mask"])]
@@ -82,7 +87,8 @@ class GenerationEvaluator(Evaluator):
 
     def _evaluate(self, graphdef, params, rest) -> dict:
         model = nnx.merge(graphdef, params, rest)
-        per_seed = [float(rouge_l(self.generate(model, s), self.references).mean())
+        per_seed = [float(rouge_l(self.generate(model, s), self.references,
+                                  stem=self.stem).mean())
                     for s in self.seeds]
         std = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else 0.0
         return {"rouge_l": float(np.mean(per_seed)), "rouge_l_std": std,

@@ -30,6 +30,10 @@ def test_rouge_l_hand_cases():
     np.testing.assert_allclose(got, [10 / 11, 1.0, 0.0, 0.0], rtol=1e-9)
     # LCS is in order: "b a" vs "a b" shares one word -> P = R = 1/2
     np.testing.assert_allclose(rouge_l(["b a"], ["a b"]), [0.5])
+    # words are Porter-stemmed as in MiniLLM's evaluation ("cats"/"cat", "running"/"runs"
+    # -> "cat", "run"); stem=False compares them as written
+    np.testing.assert_allclose(rouge_l(["cats running"], ["the cat runs"]), [0.8])
+    np.testing.assert_allclose(rouge_l(["cats running"], ["the cat runs"], stem=False), [0.0])
     with pytest.raises(ValueError, match="2 predictions but 1 references"):
         rouge_l(["a", "b"], ["a"])
 

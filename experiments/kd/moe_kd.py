@@ -19,8 +19,9 @@ Every method then continues from that SFT student for ``distill.steps`` steps
 (:func:`moejax.distill.training.distil`; KD is 0.5 forward KL + 0.5 cross-entropy as the
 official code trains it, ``kd.kd_ratio=1`` for pure forward KL); the checkpoint kept is the one
 with the best validation ROUGE-L. Scores (:class:`moejax.evaluate_generation.ResponseScorer`):
-test ROUGE-L of responses sampled at temperature 1 / top-p 1 (the paper's generation
-settings) over ``eval_seeds`` sampling seeds, response-token perplexity and the per-token
+test ROUGE-L (words Porter-stemmed, as MiniLLM's evaluation the paper follows) of responses
+sampled at temperature 1 / top-p 1 (the paper's generation settings) over ``eval_seeds``
+sampling seeds, response-token perplexity and the per-token
 ``KL(MoE teacher || student)`` on the test responses (the seed's own MoE teacher), each for
 ``seeds`` training seeds.
 
