@@ -141,8 +141,12 @@ def moe_slot_config(rule: UpcycleConfig, dense: DenseFFNConfig):
                              f"neurons into n_experts={rule.moe.n_experts} equal groups; pick a "
                              "divisor")
         d_expert = dense.d_hidden // rule.moe.n_experts
-    moe = rule.moe.replace(d_expert=d_expert, activation=dense.activation,
-                           capacity_factor=rule.moe.capacity, d_shared=None, d_universal=None)
+    # the universal FFN and shared experts are copies of the whole dense FFN, also when the
+    # split experts are narrower
+    moe = rule.moe.replace(
+        d_expert=d_expert, activation=dense.activation, capacity_factor=rule.moe.capacity,
+        d_shared=dense.d_hidden if rule.moe.n_shared_experts else None,
+        d_universal=dense.d_hidden if rule.moe.universal_ffn else None)
     if rule.expert_form in ("vanilla", "split"):
         return moe
     return DeRSMoEConfig(moe=moe, form=rule.expert_form, sm_rate=rule.sm_rate,

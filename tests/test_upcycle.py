@@ -13,7 +13,14 @@ from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, de
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.train.hparams import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, param_report, upcycle_model, upcycled_layers
+from moejax.upcycle import (
+    UPCYCLE_MOE,
+    UpcycleConfig,
+    model_variables,
+    param_report,
+    upcycle_model,
+    upcycled_layers,
+)
 
 D, F, L = 16, 32, 4
 
@@ -272,6 +279,16 @@ def test_split_upcycling_partitions_neurons():
     assert not np.array_equal(np.asarray(other), up)
     # only the routers are added: 4 layers x D x N
     assert param_report(dense, moe)["added"] == L * D * 4
+    # a universal FFN and a shared expert are whole copies of the dense FFN (width F, not
+    # F/N); with scale_outputs every w_down is scaled by s = 1/3 (N s for the split experts),
+    # so the ALL-experts mixture plus both copies is still the dense model
+    uni = rule.replace(scale_outputs=True, moe=rule.moe.replace(universal_ffn=True,
+                                                                n_shared_experts=1))
+    both = upcycle_model(dense, uni, jax.random.key(3))
+    assert both.blocks[0].ffn.universal.w_up[...].shape == (D, F)
+    assert both.blocks[0].ffn.shared.w_up[...].shape == (D, F)
+    out, _ = with_routing(both, RoutingMode(mode="all"))(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="equal groups"):
         upcycle_model(dense, rule.replace(moe=rule.moe.replace(n_experts=5)), jax.random.key(0))
 
@@ -312,3 +329,29 @@ def test_expert_bytes_per_token_by_hand():
 def test_ders_settings_it_cannot_build_are_refused(kw, words):
     with pytest.raises(ConfigError, match=words):
         DeRSMoEConfig(**kw)
+
+
+def test_each_layer_and_matrix_draws_its_own_new_weights():
+    """The new router ~ N(0, router_init_std^2) (a noisy router's noise weights 0), drawn per
+    layer; DeRS increments drawn per matrix (SM positions, LM A's)."""
+    rule = UpcycleConfig(blocks="all", router_init_std=0.5,
+                         moe=UPCYCLE_MOE.replace(n_experts=8, router="noisy"))
+    moe = upcycle_model(_dense(), rule, jax.random.key(0))
+    w = [np.asarray(moe.blocks[i].ffn.router.w_g[...]) for i in range(L)]
+    np.testing.assert_allclose(np.std(np.stack(w)), 0.5, rtol=0.1)
+    assert not np.array_equal(w[0], w[1])
+    assert not np.asarray(moe.blocks[0].ffn.router.w_noise[...]).any()
+    for form in ("sm", "lm"):
+        ders = upcycle_model(_dense(), UpcycleConfig(expert_form=form, sm_rate=0.5),
+                             jax.random.key(0))
+        ex = ders.blocks[1].ffn.experts
+        drawn = "idx" if form == "sm" else "a"
+        gate, up = (np.asarray(getattr(ex, f"{drawn}_{n}")[...]) for n in ("gate", "up"))
+        assert not np.array_equal(gate, up), form
+
+
+def test_model_variables_sort_every_element_into_one_kind():
+    frozen = upcycle_model(_dense(), UpcycleConfig(expert_form="sm", sm_rate=0.5,
+                                                   freeze_shared=True), jax.random.key(0))
+    v = model_variables(frozen)
+    assert v["frozen"] > 0 and v["index"] > 0 and v["other"] == 0
