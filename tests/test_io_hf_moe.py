@@ -18,6 +18,7 @@ from moejax.io.hf_moe import hf_moe_config, load_hf_moe
 from moejax.io.hf_moe_save import save_hf_moe
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import layer_pattern
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_moe"
@@ -198,7 +199,20 @@ def test_a_key_the_config_leaves_out_takes_transformers_default(family):
     assert got == (theta, eps, positions, coef, kv or 32)
 
 
+def test_what_a_config_sets_reaches_the_layers():
+    """q/k/v biases off in a Qwen2-MoE config, tied embeddings, transformers' default of
+    norm_topk_prob (False) where the key is left out, and a capacity path that drops no
+    token (capacity for every expert's share of all tokens)."""
+    qwen2 = _fixture_config("qwen2_moe", drop=("norm_topk_prob",), qkv_bias=False,
+                            tie_word_embeddings=True)
+    cfg = hf_moe_config(qwen2)
+    assert (cfg.qkv_bias, cfg.tie_embeddings, cfg.ffn_slots[0].renormalize) == (
+        False, True, False)
+    assert hf_moe_config(_fixture_config(), dispatch="capacity").ffn_slots[0].capacity == 4.0
+
+
 @pytest.mark.parametrize("changes, words", [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu': the experts are SwiGLU"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters={'rope_type': 'yarn'"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
@@ -215,8 +229,6 @@ def test_rope_other_than_plain_is_refused(changes, words):
 
 
 def _moe_decoder(**moe_kw):
-    from moejax.nn.moe import MoEConfig
-
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, **moe_kw)
     return DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
                          ffn_slots=layer_pattern(2, moe, moe, every=1))
@@ -229,6 +241,10 @@ def _moe_decoder(**moe_kw):
     (_moe_decoder(renormalize=False), "Mixtral renormalises"),
     (_moe_decoder(n_shared_experts=1), "no family has these layers"),
     (_moe_decoder().replace(qk_norm="head", qkv_bias=True), "no family has these layers"),
+    (_moe_decoder(universal_ffn=True), "no family has a universal FFN"),
+    (_moe_decoder().replace(ffn_slots=(MoEConfig(n_experts=4, top_k=2, d_expert=8),
+                                       MoEConfig(n_experts=4, top_k=1, d_expert=8))),
+     "every block's MoE must have the same config"),
 ])
 def test_models_without_a_hugging_face_layout_are_not_exported(tmp_path, cfg, words):
     with pytest.raises(ValueError, match=words):
@@ -341,6 +357,20 @@ def _int(shards, index):
     shards["a.safetensors"][k] = shards["a.safetensors"][k].astype(np.int32)
 
 
+def _foreign_prefix(shards, index):
+    k = next(k for k in shards["b.safetensors"] if k.startswith("model.layers.0.input_"))
+    new = k.replace("model.layers", "decoder.layers")
+    shards["b.safetensors"][new] = shards["b.safetensors"].pop(k)
+    index["weight_map"][new] = index["weight_map"].pop(k)
+
+
+def _expert_past_the_count(shards, index):
+    k = next(k for k in shards["a.safetensors"] if ".experts.1.up_proj" in k)
+    new = k.replace(".experts.1.", ".experts.4.")  # of 4 experts: 0..3
+    shards["a.safetensors"][new] = shards["a.safetensors"].pop(k)
+    index["weight_map"][new] = index["weight_map"].pop(k)
+
+
 def _drop_norm(shards, index):
     k = next(k for k in shards["b.safetensors"] if "q_norm" in k)
     del shards["b.safetensors"][k]
@@ -355,6 +385,8 @@ def _drop_norm(shards, index):
     (_shape, "up_proj.weight' is float32 (24, 31); the config's is (24, 32) floats"),
     (_int, "is int32"),
     (_drop_norm, "missing tensors"),
+    (_foreign_prefix, "unexpected tensor 'decoder.layers.0.input_layernorm.weight'"),
+    (_expert_past_the_count, "names expert 4 of 4"),
 ])
 def test_bad_checkpoints_are_refused_in_one_line_naming_file_and_tensor(tmp_path, edit, words):
     """A sharded Qwen3-MoE checkpoint reads as the single file; each fault (duplicate tensor,
@@ -425,6 +457,9 @@ def test_the_tokenizer_travels_with_the_export(tmp_path):
     assert back.fingerprint == tok.fingerprint and (back.bos_id, back.eos_id) == (1, 2)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
+    big = type("Tok", (), {"vocab_size": 97})()  # one token past the model's 96
+    with pytest.raises(ValueError, match="the tokenizer has 97 tokens, more than"):
+        save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), tmp_path / "big", tokenizer=big)
     bad = tmp_path / "bad"
     shutil.copytree(FIXTURES / "olmoe", bad)
     cfg = json.loads((bad / "config.json").read_text())
