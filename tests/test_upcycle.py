@@ -197,6 +197,7 @@ def test_exact_parameter_counts():
     sm = param_report(dense, upcycle_model(dense, sm_rule, jax.random.key(0)))
     assert sm["added"] == 2 * (4 * 3 * K) + router
     assert sm["index"] == 2 * 4 * 3 * K and sm["added_with_index"] == sm["added"] + sm["index"]
+    assert sm["stored"] == sm["weights"] + sm["index"] == n_dense + sm["added_with_index"]
     assert sm["trainable"] == n_dense + sm["added"]
     lm_rule = UpcycleConfig(expert_form="lm", lm_rank=2, freeze_shared=True)
     lm = param_report(dense, upcycle_model(dense, lm_rule, jax.random.key(0)))
@@ -355,3 +356,8 @@ def test_model_variables_sort_every_element_into_one_kind():
                                                    freeze_shared=True), jax.random.key(0))
     v = model_variables(frozen)
     assert v["frozen"] > 0 and v["index"] > 0 and v["other"] == 0
+
+
+def test_a_negative_layer_offset_is_refused():
+    with pytest.raises(ConfigError, match="offset=-1 must be >= 0"):
+        UpcycleConfig(offset=-1)
