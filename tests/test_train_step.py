@@ -12,6 +12,7 @@ from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import (
     NonFiniteError,
     check_finite,
+    init_state,
     init_train_state,
     lm_loss_fn,
     make_eval_step,
@@ -249,3 +250,62 @@ def test_several_updates_per_batch_equal_sequential_sgd_on_one_prepared_batch():
     assert [sched(c) for c in range(6)] == [0, 0, 0, 10, 10, 10]
     with pytest.raises(ValueError, match="updates_per_batch"):
         updates_per_batch(type("L", (), {"updates_per_batch": 0})())
+
+
+def test_lm_loss_fn_adds_the_models_aux_loss_and_scores_accuracy_on_the_mask():
+    """loss = masked CE + the model's aux loss; accuracy counts the masked positions only
+    (here every unmasked position is right and every masked one wrong)."""
+
+    class Fixed(nnx.Module):
+        def __call__(self, tokens_BT, *, train=False, key=None, mask_BT=None, **kw):
+            logits = jax.nn.one_hot(tokens_BT, 8) * 5.0
+            return logits, {"aux_loss": jnp.asarray(0.25), "balance": jnp.asarray(2.0)}
+
+    toks = np.arange(12, dtype=np.int32).reshape(2, 6) % 8
+    targets = toks.copy()
+    mask = np.zeros((2, 6), np.float32)
+    mask[:, 4:] = 1
+    targets[:, 4:] = (toks[:, 4:] + 1) % 8  # wrong where scored
+    loss, m = lm_loss_fn(Fixed(), {"inputs": toks, "targets": targets, "mask": mask}, None)
+    assert float(m["accuracy"]) == 0.0 and float(m["aux_loss"]) == 0.25
+    np.testing.assert_allclose(float(loss), float(m["ce"]) + 0.25, rtol=1e-6)
+    assert float(m["aux/balance"]) == 2.0
+
+
+def test_a_non_finite_gradient_of_a_finite_loss_is_not_applied():
+    """sqrt at 0 has a finite value and an infinite gradient: the step is flagged and not
+    applied, like a non-finite loss."""
+    cfg = TrainConfig(steps=2, batch_size=1, lr=1e-2, grad_clip=0.0)
+    tx = make_optimizer(cfg)
+    loss = lambda p, batch, key: jnp.sum(jnp.sqrt(p["w"]))  # noqa: E731
+    params = {"w": jnp.zeros(3)}
+    state = init_state(params, None, tx)
+    step = make_train_step(None, loss, tx, cfg)
+    new, m = step(state, {"x": np.zeros((1, 1), np.float32)})
+    assert np.isfinite(float(m["loss"])) and not bool(m["finite"])
+    assert tree_equal(new.params, state.params) and int(new.step) == 0
+
+
+def test_the_logged_rate_is_the_one_the_update_used():
+    """Warmup over 4 steps: step t's update uses lr (t + 1) / 4, and logs it."""
+    cfg = CFG.replace(warmup_steps=4, schedule="constant")
+    _, state, step = _setup(cfg)
+    src = ToySource(batch_size=8)
+    for t in range(3):
+        state, m = step(state, src.batch(t))
+        assert float(m["lr"]) == pytest.approx(1e-2 * (t + 1) / 4)
+
+
+def test_each_micro_batch_draws_its_own_randomness():
+    """A loss that is one uniform draw: two micro-batches average two draws, which differ
+    from the one draw of the whole batch (the same key twice would give that draw back)."""
+    loss = lambda p, batch, key: jnp.sum(p["w"]) * jax.random.uniform(key)  # noqa: E731
+    params = {"w": jnp.ones(3)}
+    batch = {"x": np.zeros((2, 1), np.float32)}
+    out = {}
+    for n in (1, 2):
+        cfg = TrainConfig(steps=2, batch_size=2, lr=1e-2, grad_accum=n)
+        tx = make_optimizer(cfg)
+        _, m = make_train_step(None, loss, tx, cfg)(init_state(params, None, tx), batch)
+        out[n] = float(m["loss"])
+    assert abs(out[2] - out[1]) > 1e-4, out
