@@ -134,6 +134,10 @@ def test_keep_best_returns_the_best_evaluated_parameters():
                           progress=False)
     assert hist.best == {"step": 2, "value": 0.0} and len(hist) == 5
     assert tree_equal(best, two)
+    tie = lambda params, step: {"score": -min(abs(step - 2.0), abs(step - 4.0))}  # noqa: E731
+    _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=tie, keep_best="score",
+                           progress=False)
+    assert hist.best == {"step": 2, "value": 0.0}  # a tie keeps the earlier evaluation
     with pytest.raises(ValueError, match="keep_best"):
         train_params(P0, _regression, cfg.replace(eval_every=0), _mse, keep_best="score",
                      progress=False)
