@@ -138,6 +138,10 @@ def test_keep_best_returns_the_best_evaluated_parameters():
     _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=tie, keep_best="score",
                            progress=False)
     assert hist.best == {"step": 2, "value": 0.0}  # a tie keeps the earlier evaluation
+    nan_first = lambda params, step: {"score": float("nan") if step == 1 else -step}  # noqa: E731
+    _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=nan_first, keep_best="score",
+                           progress=False)
+    assert hist.best == {"step": 2, "value": -2.0}  # a NaN evaluation is never the best
     with pytest.raises(ValueError, match="keep_best"):
         train_params(P0, _regression, cfg.replace(eval_every=0), _mse, keep_best="score",
                      progress=False)

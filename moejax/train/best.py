@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 
 from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError
+from moejax.train.run_state import ResumeError
 from moejax.train.step import TrainState
 
 __all__ = ["BestKeeper"]
@@ -42,10 +44,13 @@ class BestKeeper:
                                   async_save=False))
 
     def consider(self, ev: dict, step: int, params, rest) -> None:
-        """Keep copies of ``params`` / ``rest`` when ``ev[key]`` beats the best so far."""
+        """Keep copies of ``params`` / ``rest`` when ``ev[key]`` beats the best so far (a NaN
+        evaluation never does)."""
         if self.key not in ev:
             raise KeyError(f"keep_best={self.key!r} is not among the evaluation metrics "
                            f"{sorted(ev)}")
+        if math.isnan(ev[self.key]):
+            return
         if self.value is None or ev[self.key] > self.value:
             self.value, self.step = float(ev[self.key]), step
             self.params, self.rest = jax.tree.map(jnp.copy, (params, rest))
@@ -84,7 +89,7 @@ class BestKeeper:
                 continue
             saved = json.loads(meta["config"])
             if saved.get("keep_best") != self.key:
-                raise ValueError(
+                raise ResumeError(
                     f"{self.ckpt.directory} keeps the best by {saved.get('keep_best')!r}, "
                     f"this run by {self.key!r}. Fix: resume with keep_best="
                     f"{saved.get('keep_best')!r}, or start a fresh run directory")
