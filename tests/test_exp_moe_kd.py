@@ -311,3 +311,16 @@ def test_moe_kd_distils_an_imported_hugging_face_moe(tmp_path):
                        (dict(teacher=f"hf:{tmp_path}"), "give hf:<dir> of a Hugging Face")]:
         with pytest.raises(Exception, match=re.escape(words)):
             cfg.replace(**bad)
+
+
+def test_paired_rows_pair_the_shared_seeds_and_flip_perplexity():
+    """GKD ran seeds 0-2, KD seeds 0-1: the pairs are seeds 0 and 1; the perplexity row is
+    oriented so that a positive difference means the first method's is lower."""
+    rows = [{"teacher": "MoE teacher", "method": m, "seed": s, "rouge_l": r, "ppl": p}
+            for m, s, r, p in (("GKD", 0, 0.30, 5.0), ("GKD", 1, 0.32, 6.0), ("GKD", 2, 0.9, 1.0),
+                               ("KD", 0, 0.20, 7.0), ("KD", 1, 0.30, 7.0))]
+    out = {r["metric"]: r for r in kd_claims.paired_rows(rows)
+           if r["comparison"] == "GKD - KD (MoE teacher)"}
+    assert out["rouge_l"]["n"] == 2 == out["-ppl"]["n"]
+    assert out["rouge_l"]["mean_diff"] == pytest.approx(0.06)
+    assert out["-ppl"]["mean_diff"] == pytest.approx(1.5) and out["-ppl"]["wins"] == 2
