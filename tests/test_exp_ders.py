@@ -292,3 +292,43 @@ def test_an_imported_baseline_is_checked_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match="takes at most 64 positions"):
         mod.make_config("quick").replace(baseline=f"hf:{hf}", substrate=mod.SubstrateConfig(
             seq_len=128))
+
+
+def _upcycling_runs(rows_of_seed):
+    from moejax.harness.claims import SEED_TABLES
+
+    runs = [{"upcycling": rows_of_seed(s)} for s in range(5)]
+    return {"upcycling": runs[0]["upcycling"], SEED_TABLES: runs}
+
+
+def _up_row(variant, form, gap, ratio):
+    return {"variant": variant, "form": form, "d_loss_vs_vanilla": gap, "val_loss": 1.7 + gap,
+            "added_vs_vanilla": ratio}
+
+
+def test_upcycling_claims_pick_their_candidates_and_need_every_part():
+    """"Matches vanilla" is judged on the trainable-shared variant of >= 10x fewer added
+    parameters with the lowest gap (not a frozen one with a lower gap, not a 5x one, not the
+    first listed);
+    the shared-base claim needs every frozen variant to lose; the rank claim needs a rank
+    above the paper's 4."""
+    from experiments.ders import upcycling_claims as uc
+
+    def rows(s):
+        e = 0.001 * s
+        return [_up_row("DeRS-SM p=0.999", "sm", 0.05 + e, 500.0),
+                _up_row("DeRS-SM p=0.5", "sm", -0.04 + e, 5.0),
+                _up_row("DeRS-SM p=0.99", "sm", 0.002 + e, 50.0),
+                # frozen, lowest gap: a form of its own, so only the candidate rule reads it
+                _up_row("DeRS-SM p=0.9 frozen shared", "sm-frozen-x", -0.05 + e, 50.0),
+                _up_row("DeRS-SM frozen p=0.99", "sm-frozen", 0.2 + 2 * e, 50.0),  # higher
+                _up_row("DeRS-LM r=1", "lm", 0.003 + e, 40.0),
+                _up_row("DeRS-LM r=4", "lm", 0.001 + e, 20.0),
+                _up_row("DeRS-LM frozen r=4", "lm-frozen", -0.05 + e, 20.0),  # lower loss
+                _up_row(uc.CONTROL, "dense", 0.1, 1e9)]
+
+    sm, lm, shared, _, rank = uc.claims(_upcycling_runs(rows))
+    assert sm.evidence.startswith("DeRS-SM p=0.99 (50x"), sm.evidence
+    assert lm.evidence.startswith("DeRS-LM r=4 (20x"), lm.evidence
+    assert shared.holds is False  # LM's frozen twin has the lower loss (SM's the higher)
+    assert rank.holds is None and "no rank 4 and a higher one" in rank.evidence
