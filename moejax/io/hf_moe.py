@@ -94,18 +94,18 @@ class HFMoEFamily:
     # config keys whose value must be this (a layer moejax lacks otherwise)
     required: tuple = ()
     # what transformers' config class takes for a key config.json leaves out
-    defaults: tuple = ()
+    defaults: dict = dataclasses.field(default_factory=dict)
 
     def get(self, c: dict, key: str):
         """``c[key]``, or the family's default where ``config.json`` leaves it out (or null)."""
         value = c.get(key)
-        return dict(self.defaults)[key] if value is None else value
+        return self.defaults[key] if value is None else value
 
 
-def _defaults(rope_theta, rms_norm_eps, max_positions, aux_coef, kv_heads) -> tuple:
-    return (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps),
-            ("max_position_embeddings", max_positions), ("router_aux_loss_coef", aux_coef),
-            ("num_key_value_heads", kv_heads))  # None: as many as the query heads
+def _defaults(rope_theta, rms_norm_eps, max_positions, aux_coef, kv_heads) -> dict:
+    return {"rope_theta": rope_theta, "rms_norm_eps": rms_norm_eps,
+            "max_position_embeddings": max_positions, "router_aux_loss_coef": aux_coef,
+            "num_key_value_heads": kv_heads}  # None: as many as the query heads
 
 
 FAMILIES = {

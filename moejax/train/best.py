@@ -98,6 +98,11 @@ class BestKeeper:
             self._saved_step = step
             return
 
+    def close(self, *, abort: bool = False) -> None:
+        """Close the best's checkpointer, if it has one (:meth:`Checkpointer.close`)."""
+        if self.ckpt is not None:
+            self.ckpt.close(abort=abort)
+
     @property
     def summary(self) -> dict | None:
         """``{"step", "value"}`` of the best, or ``None`` before any evaluation."""

@@ -229,7 +229,7 @@ class _Run:
         self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
         self.history, self.pending = History(), []
-        self.best = BestKeeper(opts.keep_best) if opts.keep_best else None
+        self.best: BestKeeper | None = None  # with keep_best: made by _open
         if self.mesh.size > 1:
             self.history.replicated_unnamed = tuple(self.unnamed)
         self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
@@ -246,7 +246,7 @@ class _Run:
             self.ckpt, self.state, self.position = open_run_dir(
                 run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
         self.start = int(jax.device_get(self.state.step))
-        if self.best is not None and run_dir is not None:
+        if self.opts.keep_best:
             self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints)
             self.best.resume(self.state, self.start, main=self.main)
         if run_dir is not None and self.main and self.mesh.size > 1:
@@ -294,8 +294,8 @@ class _Run:
         try:
             if self.ckpt is not None and failed != "peer":
                 self.ckpt.close(abort=bool(failed))
-            if self.best is not None and self.best.ckpt is not None and failed != "peer":
-                self.best.ckpt.close(abort=bool(failed))
+            if self.best is not None and failed != "peer":
+                self.best.close(abort=bool(failed))
             if self.tb is not None:
                 self.tb.close()
         finally:
