@@ -93,3 +93,39 @@ def test_the_l2_sweep_claim_needs_a_delta_worth_more_than_its_drop():
     assert verdict(0.01, 0.72, pretrained=None).verdict == "inconclusive"
     assert verdict(0.3, 0.72).verdict == "does not hold"
     assert verdict(0.3, 0.72, pretrained=None).verdict == "does not hold"
+
+
+def test_claims_read_the_highest_drop_rate_the_largest_deltas_and_the_winners_control():
+    """Table 4 is judged at the LoRA table's highest drop rate, Table 6 at the fine-tuning lr
+    with the largest deltas (each table holds others where the verdict differs), and each
+    comparison's control is its winner's: a loser below the pre-trained model does not make
+    the winner's gain unchecked."""
+    from experiments.darex.controlled_claims import claims
+    from moejax.harness.claims import SEED_TABLES
+
+    def run(s):
+        x = 0.1 + 0.001 * s
+        return {
+            "accuracy": [{"fine-tuning": "no reg (Adam)", "method": "DARE", "p=0.99": 0.3},
+                         {"fine-tuning": "no reg (Adam)", "method": "DAREx-q (q_v)",
+                          "p=0.99": 0.5 + x},
+                         {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 0.5 + x}],
+            "lora": [{"p": 0.5, "method": "DARE on LoRA factors", "accuracy": 0.9},
+                     {"p": 0.5, "method": "DAREx-q (q_v) on LoRA factors", "accuracy": 0.6},
+                     {"p": 0.9, "method": "DARE on LoRA factors", "accuracy": 0.5},
+                     {"p": 0.9, "method": "DAREx-q (q_v) on LoRA factors",
+                      "accuracy": 0.5 + x}],
+            "large_deltas": [{"lr": 0.001, "mean_abs_delta": 0.001, "DARE p=0.9": 0.9,
+                              "magnitude p=0.9": 0.5},
+                             {"lr": 0.03, "mean_abs_delta": 0.01, "DARE p=0.9": 0.5,
+                              "magnitude p=0.9": 0.5 + x}],
+            "finetuned": [{"pre-trained acc digits": 0.4}]}
+
+    runs = [run(s) for s in range(4)]
+    got = {c.claim: c for c in claims({**runs[0], SEED_TABLES: runs})}
+    lora = got["DAREx-q beats DARE on LoRA factors at p = 0.9 (Table 4)"]
+    large = next(c for k, c in got.items() if k.startswith("With large deltas"))
+    assert lora.verdict == "holds" and large.verdict == "holds", (lora, large)
+    assert "lr 0.03" in large.claim
+    q = got["DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, Tables 1-2)"]
+    assert q.verdict == "holds" and "beats the pre-trained model" in q.evidence  # DARE 0.3

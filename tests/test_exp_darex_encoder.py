@@ -124,3 +124,33 @@ def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
     # the last task alone favours DAREx-q, the first task more strongly the other way
     mixed = [b + (0.02 if i >= 3 else -0.2) for i, b in enumerate(base)]
     assert mod.claims(rows(base, mixed))[0].verdict != "holds"
+
+
+def test_claims_take_each_fine_tunings_own_control_and_pair_only_common_units():
+    """Every fine-tuning has its own "delta dropped whole" row: the AdamR-L2 claims check
+    the AdamR-L2 winner against AdamR-L2's dropped delta, not AdamW's; a loser below the
+    control does not matter; a (task, seed) one arm did not run is left out of the pairs."""
+    from experiments.darex import encoder as mod
+
+    def rows(l2_dropped, skip_seed=None):
+        out = []
+        for task, seed in [(t, s) for t in ("a", "b") for s in (0, 1, 2)]:
+            x = 0.1 + 0.01 * seed
+            acc = {("AdamR-L2", "AdamR-L2 + structural DPP + q_v"): 0.2 + x + 0.4,
+                   ("AdamR-L2", mod.DROPPED): l2_dropped,
+                   ("AdamW", "structural DPP + q_v"): 0.05,  # the loser: below both controls
+                   ("AdamW", mod.DROPPED): 0.3}
+            out += [{"task": task, "seed": seed, "fine-tuning": ft, "method": m, "accuracy": a}
+                    for (ft, m), a in acc.items()
+                    if not (seed == skip_seed and m == "structural DPP + q_v")]
+        return {"per_seed": out}
+
+    def dpp(**kw):
+        return next(c for c in mod.claims(rows(**kw)) if "structural DPP" in c.claim)
+
+    c = dpp(l2_dropped=0.1)
+    assert c.verdict == "holds" and "AdamR-L2 delta dropped whole" in c.evidence, c
+    # the AdamR-L2 winner no better than its own delta dropped whole: unchecked gain
+    assert dpp(l2_dropped=0.9).verdict == "inconclusive"
+    c = dpp(l2_dropped=0.1, skip_seed=2)  # seed 2 of the loser missing: 4 pairs
+    assert c.verdict == "holds" and "wins 4/4" in c.evidence, c

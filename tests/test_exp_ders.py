@@ -175,6 +175,23 @@ def test_compression_claims_judge_the_papers_settings_per_scenario():
     only = {SEED_TABLES: [{"sweep": [r for r in run["sweep"] if r["scenario"] == "finetuned"]}
                           for run in runs(lambda *a: 0.95)[SEED_TABLES]]}
     assert [c.verdict for c in mod.claims(only)[4:]] == ["not measured"] * 2
+    # a seed run that cannot tell does not hide the others' clear failure
+    fail = runs(lambda sc, dec, m, x, i: 0.3 if sc == "finetuned" else 0.95)
+    for r in fail[SEED_TABLES][2]["sweep"]:
+        if r["scenario"] == "finetuned" and r["method"] == "base_only":
+            r["d_loss"] = 0.0
+    c = mod.claims(fail)[0]
+    assert c.verdict == "does not hold" and "seed run 2" not in c.evidence, c
+    # no seed run can tell, one for want of a row: still measured, so inconclusive
+    for r in fail[SEED_TABLES][0]["sweep"]:
+        if r["scenario"] == "finetuned" and r["method"] == "base_only":
+            r["scenario"] = "elsewhere"
+    for run in fail[SEED_TABLES][1:]:
+        for r in run["sweep"]:
+            if r["scenario"] == "finetuned" and r["method"] == "base_only":
+                r["d_loss"] = 0.0
+    c = mod.claims(fail)[0]
+    assert c.verdict == "inconclusive" and "seed run 0: no row" in c.evidence, c
 
 
 def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):

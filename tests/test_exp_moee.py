@@ -181,3 +181,28 @@ def test_parameter_claim_is_judged_without_the_embedding_table():
            for r in split]
     got = mod.claims({"table1": [moee], "params_per_layer": low})
     assert next(c for c in got if "non-embedding" in c.claim).holds is False
+
+
+def test_later_layers_claim_compares_halves_of_equal_size_in_layer_order():
+    """Sec. 4's "later layers form more clusters": later half minus earlier half, over the
+    seeds. An odd layer count leaves its middle layer out (so equal counts read 0, never a
+    spurious rise); the fallback on one seed's layer rows orders them by number (layer 10
+    after layer 9)."""
+    moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -10.0,
+            "kd_vs_dense_%": 99.0, "acc_extracted": 0.8, "acc_after_kd": 0.9}
+
+    def later(experts_by_seed):
+        per = [{"model": "MoEE", "seed": s, "experts": e} for s, e in enumerate(experts_by_seed)]
+        got = mod.claims({"table1": [moee], "table1_per_seed": per})
+        return next(c for c in got if c.claim.startswith("Later layers"))
+
+    flat = later(["3/3/3", "4/4/4", "2/2/2"])  # the old split read +3, +4, +2: "holds"
+    assert flat.verdict == "does not hold" and "+0.0 (mean of 3)" in flat.evidence
+    assert later(["2/9/5", "2/9/6", "2/9/7"]).verdict == "holds"
+    assert later(["6/1/5", "7/1/5", "6/1/4"]).verdict == "does not hold"
+    # one seed's layer rows, layers 0..11: more experts in layers 6..11, listed out of order
+    layers = [{"model": "MoEE", "layer": i, "experts": 1 + (i >= 6) * 5} for i in range(12)]
+    rows = sorted(layers, key=lambda r: str(r["layer"]))
+    got = mod.claims({"table1": [moee], "experts_per_layer": rows})
+    c = next(c for c in got if c.claim.startswith("Later layers"))
+    assert "+30.0 (mean of 1)" in c.evidence and c.verdict == "inconclusive"

@@ -401,3 +401,32 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
         run_experiment(mod.STUDY.name, mod.make_config, mod.run,
                        [*no_growth, "grow.extra_layers=0"], out=tmp_path / "bad")
     assert not (tmp_path / "bad" / "target").exists()
+
+
+def test_serving_claims_judge_only_the_100m_models_and_each_settings_own_prompt_times():
+    """Both serving claims read models of >= 100M parameters only (a faster small model does
+    not count), and each per-prompt speedup pairs the judged setting's own prompt times, not
+    another draft length's of the same model."""
+    from experiments.blockffn.speculative import claims
+
+    base = {"model": "grown", "params": 2e8, "decode_dtype": "float32", "draft": "d",
+            "mean_accepted_length": 3.0, "same_tokens_as_AR": "True",
+            "tokens_matching_AR": 1.0, "speedup_vs_AR_token_sparse": 1.0}
+    fast = {**base, "mode": "spec chunk-sparse", "draft_len": 4, "tokens_per_s": 200.0}
+    slow = {**fast, "draft_len": 2, "tokens_per_s": 150.0}
+    dense = {**fast, "mode": "spec dense", "tokens_per_s": 100.0}
+    ar = _ar_rows(fast, sparse=50.0, dense=40.0)
+    small = {**fast, "model": "small", "params": 5e7}
+    tiny = [small, {**small, "mode": "spec dense", "tokens_per_s": 1000.0},
+            *_ar_rows(small, sparse=1000.0, dense=1000.0)]
+    prompts = (_prompt_times(fast, [4.0, 4.1, 3.9, 4.0])
+               + [p for p in _prompt_times(slow, [0.9, 1.0, 1.1, 1.0])
+                  if p["mode"] == "spec chunk-sparse"]
+               + [{"model": "grown", "mode": "spec dense", "draft": "d", "draft_len": n,
+                   "prompt": i, "seconds": 2.0} for n in (2, 4) for i in range(4)])
+    over_ar, over_dense = claims({"decode": [fast, slow, dense, *ar, *tiny],
+                                  "decode_prompts": prompts})
+    assert over_ar.verdict == "holds" and "4.00 (mean of 4)" in over_ar.evidence, over_ar
+    assert "the best of 2" in over_ar.evidence  # the two draft lengths, not the small model
+    assert over_dense.verdict == "holds" and "2.00x at n = 4" in over_dense.evidence, over_dense
+    assert "97.5% CI" not in over_dense.evidence  # one pair: the small model's is not counted

@@ -72,12 +72,13 @@ def _param_cut(t: dict, moee: dict) -> Claim:
 
 
 def _later_minus_earlier(experts: str) -> float | None:
-    """Experts in the later half of the layers minus the earlier half, from ``"2/2/4/5"``."""
+    """Experts in the later half of the layers minus the earlier half, from ``"2/2/4/5"``;
+    the middle layer of an odd count is in neither half (both halves have as many layers)."""
     counts = [float(c) for c in str(experts).split("/") if c != ""]
     if len(counts) < 2:
         return None
     half = len(counts) // 2
-    return sum(counts[half:]) - sum(counts[:half])
+    return sum(counts[-half:]) - sum(counts[:half])
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
