@@ -105,20 +105,17 @@ def test_claims_read_the_highest_drop_rate_the_largest_deltas_and_the_winners_co
 
     def run(s):
         x = 0.1 + 0.001 * s
+        acc = [("no reg (Adam)", "DARE", 0.3), ("no reg (Adam)", "DAREx-q (q_v)", 0.5 + x),
+               ("AdamR-L2", "DARE", 0.5 + x)]
+        lora = [(0.5, "DARE", 0.9), (0.5, "DAREx-q (q_v)", 0.6), (0.9, "DARE", 0.5),
+                (0.9, "DAREx-q (q_v)", 0.5 + x)]  # DAREx-q wins at 0.9 only
+        large = [(0.001, 0.001, 0.9, 0.5), (0.03, 0.01, 0.5, 0.5 + x)]  # magnitude at 0.03
         return {
-            "accuracy": [{"fine-tuning": "no reg (Adam)", "method": "DARE", "p=0.99": 0.3},
-                         {"fine-tuning": "no reg (Adam)", "method": "DAREx-q (q_v)",
-                          "p=0.99": 0.5 + x},
-                         {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 0.5 + x}],
-            "lora": [{"p": 0.5, "method": "DARE on LoRA factors", "accuracy": 0.9},
-                     {"p": 0.5, "method": "DAREx-q (q_v) on LoRA factors", "accuracy": 0.6},
-                     {"p": 0.9, "method": "DARE on LoRA factors", "accuracy": 0.5},
-                     {"p": 0.9, "method": "DAREx-q (q_v) on LoRA factors",
-                      "accuracy": 0.5 + x}],
-            "large_deltas": [{"lr": 0.001, "mean_abs_delta": 0.001, "DARE p=0.9": 0.9,
-                              "magnitude p=0.9": 0.5},
-                             {"lr": 0.03, "mean_abs_delta": 0.01, "DARE p=0.9": 0.5,
-                              "magnitude p=0.9": 0.5 + x}],
+            "accuracy": [{"fine-tuning": f, "method": m, "p=0.99": a} for f, m, a in acc],
+            "lora": [{"p": p, "method": f"{m} on LoRA factors", "accuracy": a}
+                     for p, m, a in lora],
+            "large_deltas": [{"lr": lr, "mean_abs_delta": d, "DARE p=0.9": a,
+                              "magnitude p=0.9": b} for lr, d, a, b in large],
             "finetuned": [{"pre-trained acc digits": 0.4}]}
 
     runs = [run(s) for s in range(4)]
