@@ -162,3 +162,28 @@ def test_a_matrix_with_no_survivors_stores_and_reads_back_as_zeros(tmp_path, bit
     assert back["w"].shape == (3, 4)
     half_step = {1: 5.0, 2: 3.0, 8: 6.0 / 254, 16: 6.0 / 256, 32: 0.0}[bits]
     assert np.max(np.abs(np.asarray(back["v"]) - d["v"])) <= half_step
+
+
+@pytest.mark.parametrize("shape,granularity,in_axis", [
+    ((8, 16), "tensor", -2), ((8, 16), "channel", -2), ((8, 16), "group", -2),
+    ((8, 16), "channel", -1), ((8, 16), "group", 0), ((3, 8, 12), "group", -2),
+    ((3, 8, 12), "channel", 0), ((5,), "channel", -2), ((0, 6), "channel", -2)])
+def test_block_shape_is_the_shape_of_the_quantisers_steps(shape, granularity, in_axis):
+    from moejax.delta.quant import block_shape
+
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    for symmetric in (True, False):
+        q = quantize(x, 3, symmetric=symmetric, granularity=granularity, group_size=4,
+                     in_axis=in_axis)
+        assert block_shape(shape, granularity, 4, in_axis) == q.step.shape == q.offset.shape
+
+
+def test_block_shape_refuses_what_quantize_refuses():
+    from moejax.delta.quant import block_shape
+
+    for args, match in ((((8, 16), "row", 4, -2), "granularity='row'"),
+                        (((8, 16), "group", 3, -2), "must divide d_in=8"),
+                        (((5,), "group", 4, -2), "needs a matrix leaf"),
+                        (((8, 16), "channel", 4, 2), "in_axis=2 is outside")):
+        with pytest.raises(ValueError, match=match):
+            block_shape(*args)

@@ -465,6 +465,41 @@ def test_delta_metadata_inconsistencies_are_named(delta_file):
         storage.decode(stored, like={"a": np.zeros((8, 16)), "b": np.zeros(32)})
 
 
+def test_quantised_delta_damage_is_named_not_decoded_into_wrong_values():
+    """A quantised leaf's block arrays and settings are checked against each other: a step of
+    the wrong block shape would broadcast into wrong weights (an error of 0.9 here)."""
+    from moejax.delta.quant import quantize_tree
+
+    rng = np.random.default_rng(0)
+    tree = {"w": rng.normal(size=(8, 16)).astype(np.float32)}
+    stored = storage.encode(quantize_tree(tree, 4, granularity="channel"))
+    asym = storage.encode(quantize_tree(tree, 3, symmetric=False, granularity="group",
+                                        group_size=4))
+
+    def refused(st, match, arrays=None, **meta):
+        m = json.loads(json.dumps(st.meta))
+        m["leaves"][0].update(meta)
+        with pytest.raises(ValueError, match=match):
+            storage.decode(storage.StoredDelta({**st.arrays, **(arrays or {})}, m))
+
+    step = stored.arrays["leaf0.step"]
+    refused(stored, r"leaf 0 \('w'\): step stored as float32 \(1, 1, 1\); the leaf's blocks "
+            r"need float32 \(1, 1, 16\)", {"leaf0.step": step[:, :, :1]})
+    refused(stored, "step stored as float64", {"leaf0.step": step.astype(np.float64)})
+    refused(stored, "granularity='tensor '", granularity="tensor ")
+    refused(stored, "group_size=5 must divide d_in=8", granularity="group", group_size=5)
+    refused(stored, "in_axis=3 is outside", in_axis=3)
+    refused(stored, "levels=3 at 4 bits", levels=3)
+    refused(stored, "symmetric must be a bool", symmetric=1)
+    codes = stored.arrays["leaf0.codes"].copy()
+    codes[0] = 0xFF  # two codes of 15 at 4 bits, symmetric: 15 levels, 0..14
+    refused(stored, "a code past the 15 levels of 4-bit codes", {"leaf0.codes": codes})
+    refused(asym, r"offset stored as float32 \(1, 1, 16\)",
+            {"leaf0.offset": asym.arrays["leaf0.offset"][:1]})
+    for st in (stored, asym):  # the undamaged ones still decode
+        storage.decode(st, like=tree)
+
+
 def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
     from moejax.ders_compress.ckpt import load_compressed, save_compressed
     from moejax.ders_compress.compress import CompressedDeRS

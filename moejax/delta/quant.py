@@ -41,6 +41,7 @@ from moejax.delta.tree import map_selected
 __all__ = [
     "QuantizedLeaf",
     "quantize",
+    "block_shape",
     "dequantize",
     "quantize_tree",
     "dequantize_tree",
@@ -92,24 +93,39 @@ def num_levels(bits: int, symmetric: bool) -> int:
 
 
 def _blocked(x: np.ndarray, granularity: str, group_size: int, in_axis: int):
-    """View ``x`` as ``[..., G, g, d_out]`` (reduce axis -2) or ``[1, n]`` for tensor."""
+    """View ``x`` as ``[..., G, g, d_out]`` (reduce axis -2) or ``[1, n]`` for tensor; the
+    blocks of :func:`block_shape`."""
+    blocks = block_shape(x.shape, granularity, group_size, in_axis)
     if granularity == "tensor" or x.ndim < 2:
-        if granularity == "group" and x.ndim < 2:
-            raise ValueError(f"group quantisation needs a matrix leaf, got shape {x.shape}.")
         return x.reshape(1, -1, 1)
     xm = np.moveaxis(x, in_axis, -2)  # [..., d_in, d_out]
-    d_in = xm.shape[-2]
-    g = d_in if granularity == "channel" else min(group_size, d_in)  # a longer group = column
-    if granularity not in ("channel", "group"):
+    return xm.reshape(blocks[:-2] + (xm.shape[-2] // blocks[-3],) + blocks[-1:])
+
+
+def block_shape(shape, granularity: str, group_size: int, in_axis: int) -> tuple[int, ...]:
+    """The shape of a leaf's ``step`` (and ``offset``) array: one entry per block of
+    :func:`_blocked`'s view of a leaf of ``shape``, the reduced axis kept as 1. Refuses what
+    :func:`quantize` refuses (an unknown granularity, a group size that does not divide the
+    input width, groups of a vector) and an ``in_axis`` outside the leaf."""
+    shape = tuple(int(n) for n in shape)
+    if granularity not in ("tensor", "channel", "group"):
         raise ValueError(f"granularity={granularity!r}; use 'tensor', 'channel' or 'group'.")
+    if granularity == "tensor" or len(shape) < 2:
+        if granularity == "group":
+            raise ValueError(f"group quantisation needs a matrix leaf, got shape {shape}.")
+        return (1, 1, 1)
+    if not -len(shape) <= in_axis < len(shape):
+        raise ValueError(f"in_axis={in_axis} is outside a leaf of shape {shape}")
+    ax = in_axis % len(shape)
+    rest = shape[:ax] + shape[ax + 1:]
+    d_in, d_out = shape[ax], rest[-1]
     if d_in == 0:  # an empty matrix: one empty block per output channel
-        return xm.reshape(xm.shape[:-2] + (1, 0, xm.shape[-1]))
+        return rest[:-1] + (1, 1, d_out)
+    g = d_in if granularity == "channel" else min(group_size, d_in)
     if g <= 0 or d_in % g:
-        raise ValueError(
-            f"group_size={group_size} must divide d_in={d_in} (axis {in_axis}); "
-            "pick a divisor or use granularity='channel'."
-        )
-    return xm.reshape(xm.shape[:-2] + (d_in // g, g, xm.shape[-1]))
+        raise ValueError(f"group_size={group_size} must divide d_in={d_in} (axis {in_axis}); "
+                         "pick a divisor or use granularity='channel'.")
+    return rest[:-1] + (d_in // g, 1, d_out)
 
 
 def _block_stat(fn, xb: np.ndarray) -> np.ndarray:

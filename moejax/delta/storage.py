@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.delta.quant import QuantizedLeaf, num_levels
+from moejax.delta.quant import QuantizedLeaf, block_shape, num_levels
 from moejax.delta.tree import leaf_paths, per_leaf_values
 from moejax.files import atomic_open
 
@@ -351,12 +351,42 @@ def validate_stored(stored: StoredDelta, source="delta", max_bytes: int | None =
             if any(k not in m for k in keys) or not isinstance(m["bits"], int):
                 raise ValueError(f"{where}: malformed quantised-leaf metadata (needs "
                                  f"{', '.join(keys)}; got {sorted(m)})")
-            nbytes = math.ceil(size * int(m["bits"]) / 8)
-            if a[pre + "codes"].size != nbytes:
-                raise ValueError(f"{where}: {a[pre + 'codes'].size} code bytes, shape {shape} "
-                                 f"at {m['bits']} bits needs {nbytes}")
-            if not m["symmetric"] and pre + "offset" not in a:
-                raise ValueError(f"{where}: asymmetric codes without their offset array")
+            _check_quant(where, pre, m, shape, a)
+
+
+def _check_quant(where: str, pre: str, m: dict, shape: tuple, a: dict) -> None:
+    """A quantised leaf's settings, and its arrays against them: the packed code bytes, every
+    code below the leaf's level count, and a float32 ``step`` (and ``offset``, asymmetric
+    codes) of the leaf's block shape; a wrong block array would broadcast into wrong
+    values."""
+    try:
+        if not isinstance(m["symmetric"], bool) or not all(
+                isinstance(m[k], int) for k in ("group_size", "in_axis")):
+            raise ValueError("symmetric must be a bool, group_size and in_axis ints")
+        blocks = block_shape(shape, m["granularity"], m["group_size"], m["in_axis"])
+        levels = num_levels(m["bits"], m["symmetric"])
+        allowed = {0, levels} | ({2 ** m["bits"]} if m["symmetric"] else set())
+        if m.get("levels", 0) not in allowed:
+            raise ValueError(f"levels={m.get('levels')!r} at {m['bits']} bits, "
+                             f"{'symmetric' if m['symmetric'] else 'asymmetric'}: one of "
+                             f"{sorted(allowed)}")
+    except ValueError as e:
+        raise ValueError(f"{where}: malformed quantised-leaf metadata: {e}") from None
+    size, bits = math.prod(shape), m["bits"]
+    nbytes = math.ceil(size * bits / 8)
+    if a[pre + "codes"].size != nbytes:
+        raise ValueError(f"{where}: {a[pre + 'codes'].size} code bytes, shape {shape} "
+                         f"at {bits} bits needs {nbytes}")
+    n_levels = m.get("levels") or levels
+    if size and int(unpack_bits(a[pre + "codes"], bits, size).max()) >= n_levels:
+        raise ValueError(f"{where}: a code past the {n_levels} levels of {bits}-bit codes")
+    if not m["symmetric"] and pre + "offset" not in a:
+        raise ValueError(f"{where}: asymmetric codes without their offset array")
+    for name in ("step",) + (("offset",) if not m["symmetric"] else ()):
+        x = a[pre + name]
+        if x.dtype != np.float32 or x.shape != blocks:
+            raise ValueError(f"{where}: {name} stored as {x.dtype} {x.shape}; the leaf's "
+                             f"blocks need float32 {blocks}")
 
 
 def storage_report(stored: StoredDelta) -> dict:
