@@ -161,6 +161,9 @@ def test_prompt_response_batches_mark_their_real_tokens():
     np.testing.assert_array_equal(prompt_response_real(rows["prompt_lens"],
                                                        rows["response_mask"]), want)
     assert np.all(rows["tokens"][~want] == 0) and np.all(rows["tokens"][want] > 0)
+    # a long prompt loses its beginning: its last 3 tokens stay, then the response
+    np.testing.assert_array_equal(rows["tokens"][2, :9], [1, 11, 12, 13, 2, 1, 6, 6, 2])
+    np.testing.assert_array_equal(rows["prompts"][2], [1, 11, 12, 13, 2, 1])
     traced = jax.jit(prompt_response_real)(jnp.asarray(rows["prompt_lens"]),
                                            jnp.asarray(rows["response_mask"]))
     np.testing.assert_array_equal(np.asarray(traced), want)

@@ -54,6 +54,15 @@ def test_eos_stops_rows_and_masks_after_eos():
             assert len(gen) == hit[0] + 1
             assert not resp[b, n + hit[0] + 1:].any() and (toks[b, n + hit[0] + 1:] == 0).all()
     assert resp[0].sum() <= 3
+    np.testing.assert_array_equal(np.asarray(out.lengths_B), lens + resp.sum(1))
+    # a prompt block padded with real token ids: after an early EOS only pad follows
+    padded = np.array([[5, 6, 7, 7, 7, 7]], np.int32)
+    first = int(np.asarray(sample(model, padded, np.array([2]), 4, key=jax.random.key(1),
+                                  temperature=0.0).tokens_BS)[0, 2])
+    out = sample(model, padded, np.array([2]), 4, key=jax.random.key(1), temperature=0.0,
+                 eos_id=first)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BS)[0], [5, 6, first] + [0] * 7)
+    assert int(out.lengths_B[0]) == 3
 
 
 def test_top_p_filter_keeps_the_nucleus():
@@ -62,6 +71,31 @@ def test_top_p_filter_keeps_the_nucleus():
     # row 0: 0.5 (mass before 0) and one 0.2 (mass before 0.5 < 0.6); the tie goes to index 1
     np.testing.assert_array_equal(kept, [[1, 1, 0, 0], [0, 1, 0, 0]])
     assert np.isfinite(np.asarray(top_p_filter(logits, 1.0))).all()
+    # the set stops once its mass reaches top_p exactly (0.5 + 0.25: float-exact here)
+    exact = jnp.log(jnp.array([[0.5, 0.25, 0.125, 0.125]]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(top_p_filter(exact, 0.75))),
+                                  [[1, 1, 0, 0]])
+    # top_p just below 1 still drops a token whose mass lies past it
+    tail = jnp.log(jnp.array([[0.997, 0.003]]))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(top_p_filter(tail, 0.995))), [[1, 0]])
+
+
+def test_temperature_scales_the_logits_before_sampling():
+    """Temperature 0.5: the first sampled token follows ``softmax(logits / 0.5)`` (chi-square
+    at the 1e-3 level), not the model's own softmax."""
+    model = _lm(vocab=8)
+    prompt = np.array([[1, 2, 3]], np.int32)
+    n = 4000
+    out = sample(model, np.repeat(prompt, n, 0), np.full(n, 3), 1, key=jax.random.key(5),
+                 temperature=0.5)
+    logits = model(jnp.asarray(prompt))[0][0, -1]
+    counts = np.bincount(np.asarray(out.tokens_BS)[:, 3], minlength=8)
+
+    def chi2(probs):
+        return float(((counts - n * probs) ** 2 / (n * probs)).sum())
+
+    assert chi2(np.asarray(jax.nn.softmax(logits / 0.5))) < 24.3  # chi2(7 dof) 0.999 quantile
+    assert chi2(np.asarray(jax.nn.softmax(logits))) > 24.3
 
 
 def test_sampled_first_token_follows_the_model_distribution():
@@ -92,6 +126,9 @@ def test_bad_arguments_raise():
         sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), top_p=0.0)
     with pytest.raises(ValueError, match="max_seq_len"):
         sample(model, p, np.array([4, 4]), 40, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"prompt block \(4\) \+ max_new_tokens \(29\) exceeds "
+                                         "max_seq_len=32"):
+        sample(model, p, np.array([4, 4]), 29, key=jax.random.key(0))
     with pytest.raises(ValueError, match="prompt_lens_B has shape"):
         sample(model, p, np.array([4]), 2, key=jax.random.key(0))
     key = jax.random.key(0)
