@@ -53,8 +53,31 @@ def test_full_union_and_cap_overflow_match_the_reference():
             x, a, a > 0, *w, None, "swish", tile=4, max_union=cap))(wu, wd)
         np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
         assert float(o) == float(ro) and (float(o) > 0) == (cap < E)
+        # an overflowing tile keeps its lowest-index union members (the dense oracle with
+        # the other members' weights zeroed)
+        keep = np.zeros((N, E), np.float32)
+        for t0 in range(0, N, 4):
+            union = np.flatnonzero(np.any(np.asarray(a[t0:t0 + 4]) > 0, axis=0))
+            keep[t0:t0 + 4, union[:cap]] = 1.0
+        want = dense_experts(x, a * keep, wu, wd, None, "swish")
+        np.testing.assert_allclose(np.asarray(r), np.asarray(want), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="max_union"):
         chunk_union_pallas(x, a, a > 0, wu, wd, activation="swish", tile=4, max_union=0)
+
+
+def test_dense_chunk_is_the_union_computed_densely():
+    """One tile: every expert run, the ones outside its union weighted 0 whatever weights they
+    carry: the chunk-union reference of the tile with ``max_union = E``."""
+    from moejax.kernels.chunk_union.reference import dense_chunk
+
+    x, a, wu, wd, wg = inputs(seed=2, gated=True)
+    x, a = x[:4], a[:4]
+    active = a > 0
+    assert not bool(active.any(0).all())  # an expert outside the union
+    noisy = a + jnp.where(active, 0.0, 0.5)  # weights on the inactive pairs too
+    y, _ = chunk_union_experts(x, noisy, active, wu, wd, wg, "swiglu", tile=4, max_union=E)
+    np.testing.assert_allclose(np.asarray(dense_chunk(x, noisy, active, wu, wd, wg, "swiglu")),
+                               np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_inputs_accumulate_in_float32():
