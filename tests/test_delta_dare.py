@@ -57,6 +57,11 @@ def test_dare_unbiased_statistically():
         sd = np.abs(np.asarray(d[k])) * np.sqrt(p / (1 - p) / n)
         assert np.all(np.abs(mean - np.asarray(d[k])) <= 5 * sd + 1e-6), k
         assert abs(np.mean(np.asarray(outs[k]) != 0) - (1 - p)) < 0.01
+    # both mask generators keep 1 - p of the entries
+    big = {"w": jnp.ones((400, 250))}
+    for rng in ("hash", "threefry"):
+        kept = np.asarray(dare_keep_mask(jax.random.PRNGKey(4), big, p, rng=rng)["w"]).mean()
+        assert abs(kept - (1 - p)) < 0.005, (rng, kept)  # 100k draws: sd 0.001
     # independence across leaves: masks of two same-shape leaves differ
     m = dare_keep_mask(
         jax.random.PRNGKey(0), {"a": jnp.ones((50, 50)), "b": jnp.ones((50, 50))}, 0.5
@@ -123,6 +128,13 @@ def test_q_grid_is_algorithm_2s_and_refinement_stays_inside_its_bounds():
     g = q_grid(0.99, 8, spacing="geometric", inv_q_min=10.0)
     assert len(g) == 9 and g[0] == pytest.approx(0.01) and g[-1] == pytest.approx(0.1)
     np.testing.assert_allclose(g[1:] / g[:-1], (0.1 / 0.01) ** (1 / 8))
+    # p = 0.9: 1 - p is 1 / inv_q_min itself; the grid runs to q_max instead of collapsing
+    g = q_grid(0.9, 4, spacing="geometric", inv_q_min=10.0)
+    assert g[0] == pytest.approx(0.1) and g[-1] == pytest.approx(1.0)
+    # each refinement round searches between the best point's neighbours of the round before
+    res = grid_search(lambda q: (q - 1.23) ** 2, [0.0, 1.0, 2.0, 3.0, 4.0], refine_rounds=2,
+                      refine_num=10)
+    assert res.best == pytest.approx(1.24) and len(res.points) == 5 + 8 + 8  # no repeats
     # the best point at either end of the grid: refinement never leaves [lo, hi]
     for f in (lambda q: q, lambda q: -q):
         res = grid_search(f, q_grid(0.9, 4), refine_rounds=3, lo=0.1, hi=1.0)
