@@ -106,6 +106,7 @@ def test_sparse_compression_is_dare_and_counts_are_exact(trained):
     base = 2 * 3 * D * F
     assert r["base"] == base and r["delta_values"] == nnz == r["delta_index"]
     assert r["expert_params"] == base + nnz and r["vanilla_expert_params"] == n * base
+    assert r["expert_params_with_index"] == base + 2 * nnz  # a value and an index per kept
     assert r["delta_bytes"] == nnz * (4 + 2)  # float32 values + uint16 index (D*F = 512)
     assert 0.3 < nnz / (n * base) < 0.5  # ~ (1 - p)
 
