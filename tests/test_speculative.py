@@ -235,3 +235,19 @@ def test_a_decoder_splits_the_models_once_and_decodes_like_generate(models, monk
         decode(jnp.zeros((1, 50), jnp.int32))
     with pytest.raises(ValueError, match="draft_len"):
         speculative_decoder(target, near, 9, draft_len=0)
+
+
+def test_each_round_draws_with_its_own_key():
+    """A target and draft of uniform logits accept every draft, so each round's tokens are
+    its fresh draws: no two rounds of a row may repeat (a round key reused would repeat
+    them; by chance: V^-4 per pair of rounds)."""
+    model = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), 3, layers=1)
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    prompt = jnp.zeros((4, 3), jnp.int32)
+    n, rounds = 3, 4
+    out = speculative_generate(model, model, prompt, rounds * (n + 1), draft_len=n,
+                               key=jax.random.key(2), temperature=1.0)
+    assert np.all(np.asarray(out.rounds_B) == rounds)
+    per_round = np.asarray(out.tokens_BS)[:, 3:].reshape(4, rounds, n + 1)
+    for row in per_round:
+        assert len({tuple(r) for r in row}) == rounds, row
