@@ -494,6 +494,8 @@ def test_quantised_delta_damage_is_named_not_decoded_into_wrong_values():
     codes = stored.arrays["leaf0.codes"].copy()
     codes[0] = 0xFF  # two codes of 15 at 4 bits, symmetric: 15 levels, 0..14
     refused(stored, "a code past the 15 levels of 4-bit codes", {"leaf0.codes": codes})
+    refused(stored, "64 code int64 entries, shape \\(8, 16\\) at 4 bits needs 64 uint8 bytes",
+            {"leaf0.codes": stored.arrays["leaf0.codes"].astype(np.int64)})
     refused(asym, r"offset stored as float32 \(1, 1, 16\)",
             {"leaf0.offset": asym.arrays["leaf0.offset"][:1]})
     for st in (stored, asym):  # the undamaged ones still decode

@@ -355,8 +355,8 @@ def validate_stored(stored: StoredDelta, source="delta", max_bytes: int | None =
 
 
 def _check_quant(where: str, pre: str, m: dict, shape: tuple, a: dict) -> None:
-    """A quantised leaf's settings, and its arrays against them: the packed code bytes, every
-    code below the leaf's level count, and a float32 ``step`` (and ``offset``, asymmetric
+    """A quantised leaf's settings, and its arrays against them: the packed code bytes (uint8),
+    every code below the leaf's level count, and a float32 ``step`` (and ``offset``, asymmetric
     codes) of the leaf's block shape; a wrong block array would broadcast into wrong
     values."""
     try:
@@ -374,9 +374,9 @@ def _check_quant(where: str, pre: str, m: dict, shape: tuple, a: dict) -> None:
         raise ValueError(f"{where}: malformed quantised-leaf metadata: {e}") from None
     size, bits = math.prod(shape), m["bits"]
     nbytes = math.ceil(size * bits / 8)
-    if a[pre + "codes"].size != nbytes:
-        raise ValueError(f"{where}: {a[pre + 'codes'].size} code bytes, shape {shape} "
-                         f"at {bits} bits needs {nbytes}")
+    if a[pre + "codes"].dtype != np.uint8 or a[pre + "codes"].size != nbytes:
+        raise ValueError(f"{where}: {a[pre + 'codes'].size} code {a[pre + 'codes'].dtype} "
+                         f"entries, shape {shape} at {bits} bits needs {nbytes} uint8 bytes")
     n_levels = m.get("levels") or levels
     if size and int(unpack_bits(a[pre + "codes"], bits, size).max()) >= n_levels:
         raise ValueError(f"{where}: a code past the {n_levels} levels of {bits}-bit codes")
