@@ -164,6 +164,9 @@ def _decode_leaf(i: int, m: dict, arrays: dict):
         codes = unpack_bits(arrays[pre + "codes"], m["bits"], size).reshape(shape)
         step = arrays[pre + "step"]
         levels = m.get("levels") or num_levels(m["bits"], m["symmetric"])
+        if size and int(codes.max()) >= levels:
+            raise ValueError(f"decode: leaf {i} ({m['path']!r}): a code past the {levels} "
+                             f"levels of {m['bits']}-bit codes")
         offset = (
             arrays[pre + "offset"]
             if not m["symmetric"]
@@ -355,10 +358,10 @@ def validate_stored(stored: StoredDelta, source="delta", max_bytes: int | None =
 
 
 def _check_quant(where: str, pre: str, m: dict, shape: tuple, a: dict) -> None:
-    """A quantised leaf's settings, and its arrays against them: the packed code bytes (uint8),
-    every code below the leaf's level count, and a float32 ``step`` (and ``offset``, asymmetric
-    codes) of the leaf's block shape; a wrong block array would broadcast into wrong
-    values."""
+    """A quantised leaf's settings, and its arrays against them: the packed code bytes (uint8)
+    and a float32 ``step`` (and ``offset``, asymmetric codes) of the leaf's block shape; a
+    wrong block array would broadcast into wrong values. (The codes themselves are checked
+    where they are unpacked, :func:`_decode_leaf`.)"""
     try:
         if not isinstance(m["symmetric"], bool) or not all(
                 isinstance(m[k], int) for k in ("group_size", "in_axis")):
@@ -377,9 +380,6 @@ def _check_quant(where: str, pre: str, m: dict, shape: tuple, a: dict) -> None:
     if a[pre + "codes"].dtype != np.uint8 or a[pre + "codes"].size != nbytes:
         raise ValueError(f"{where}: {a[pre + 'codes'].size} code {a[pre + 'codes'].dtype} "
                          f"entries, shape {shape} at {bits} bits needs {nbytes} uint8 bytes")
-    n_levels = m.get("levels") or levels
-    if size and int(unpack_bits(a[pre + "codes"], bits, size).max()) >= n_levels:
-        raise ValueError(f"{where}: a code past the {n_levels} levels of {bits}-bit codes")
     if not m["symmetric"] and pre + "offset" not in a:
         raise ValueError(f"{where}: asymmetric codes without their offset array")
     for name in ("step",) + (("offset",) if not m["symmetric"] else ()):
