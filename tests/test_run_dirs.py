@@ -229,3 +229,54 @@ def test_an_unwritable_out_is_refused_in_one_line_by_a_real_write(capsys):
     assert main("lm_demo", MAKE, _two_tables, ["out=/sys/kernel"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/sys/kernel is not writable" in err[0]
+
+
+def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_results(tmp_path):
+    """The study's interrupted run of another config is a resume (the training loop judges
+    its checkpoints); its finished run of another config needs overwrite, or resume=force;
+    overwrite deletes the results (``seed_<i>/``, never another folder of that prefix nor a
+    linked one) and keeps the rest; an unreadable record is not rewritten by a state mark."""
+    from moejax.harness.run_record import claim_run_dir, clear_results, mark_run_state
+
+    out = tmp_path / "run"
+    take = lambda h, **kw: claim_run_dir(out, study="lm_demo", variant="", cfg_hash=h,  # noqa
+                                         argv=[], **kw)
+    take("a")
+    mark_run_state(out, "interrupted")
+    take("b")  # a resume under another config
+    assert read_run_record(out)["config_hash"] == "b"
+    mark_run_state(out, "finished")
+    with pytest.raises(RunOwnerError, match="another config"):
+        take("c")
+    take("c", resume_force=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept.csv").write_text("x\n1\n")
+    for name in ("seed_0", "seed_x", "seed_", "checkpoints"):
+        (out / name).mkdir()
+    (out / "seed_1").symlink_to(elsewhere)
+    (out / "notes.txt").write_text("mine")
+    removed = clear_results(out)
+    assert removed == ["run.json", "seed_0"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt", "seed_",
+                                                     "seed_1", "seed_x"]
+    assert (elsewhere / "kept.csv").read_text() == "x\n1\n"
+    (out / "run.json").write_text("{cut")
+    mark_run_state(out, "interrupted")
+    assert (out / "run.json").read_text() == "{cut"
+
+
+def test_config_json_is_the_new_runs_at_once_unless_checkpoints_of_another_wait(tmp_path):
+    """A changed config replaces config.json when the run starts; where checkpoints of the
+    old config lie, only when the run finishes (a resume the loop refuses keeps the old)."""
+    from moejax.harness.results import RunDir
+
+    out = tmp_path / "run"
+    RunDir.create(out, TrainConfig(seed=0, steps=5)).close()
+    RunDir.create(out, TrainConfig(seed=0, steps=6)).close()
+    assert json.loads((out / "config.json").read_text())["steps"] == 6
+    (out / "checkpoints" / "10").mkdir(parents=True)
+    run = RunDir.create(out, TrainConfig(seed=0, steps=7))
+    assert json.loads((out / "config.json").read_text())["steps"] == 6
+    run.finish()
+    assert json.loads((out / "config.json").read_text())["steps"] == 7

@@ -205,3 +205,46 @@ def test_a_run_directory_reused_by_a_later_run_is_read_as_that_run(tmp_path, mon
     assert run_index.newest("cpu", index, kind="trial")[0] == {}
     assert results_doc.main([f"index={index}", f"out={out}"]) == 0
     assert "Headline: 300 steps" in out.read_text()
+
+
+def test_a_line_names_its_run_only_while_the_directory_holds_that_run(tmp_path):
+    """An index line publishes its directory only while the run.json there is the run it
+    recorded: another variant, another machine class or another start time (a run written
+    over it and recorded elsewhere) is not that run; a record from before states were kept
+    counts as finished."""
+    index = tmp_path / "index.jsonl"
+    run = _run(tmp_path / "r", "lm_demo", "python -m experiments.lm_demo")
+    run_index.record(run, index)
+    meta = json.loads((run / "run.json").read_text())
+    assert run_index.newest("cpu", index)[0] == {"lm_demo": run.resolve()}
+    for key, value in (("variant", "wide"), ("started", "2001-01-01T00:00:00+0000"),
+                       ("machine", {**meta["machine"], "accelerator": "1 x NVIDIA H200"})):
+        (run / "run.json").write_text(json.dumps({**meta, key: value}))
+        assert run_index.newest("cpu", index)[0] == {}, key
+    (run / "run.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "state"}))
+    assert run_index.newest("cpu", index)[0] == {"lm_demo": run.resolve()}
+
+
+def test_machine_classes_and_the_kind_of_a_run_indexed_before_kinds_were_kept(tmp_path):
+    """cpu / gpu / tpu from the recorded accelerator; a line and record without a kind read
+    the recorded command: the runner's own keys keep a preset run, any other key makes a
+    trial (a record that keeps its kind is taken at its word)."""
+    assert [run_index.machine_class({"accelerator": a}) for a in
+            ("none", "", "1 x NVIDIA H200", "8 x TPU v5 lite")] == ["cpu", "cpu", "gpu", "tpu"]
+    index = tmp_path / "index.jsonl"
+    commands = {"plain": "python -m experiments.lm_demo preset=quick out=runs/x overwrite=true",
+                "tuned": "python -m experiments.lm_demo steps=3",
+                "kept": "python -m experiments.lm_demo steps=3"}
+    for name, command in commands.items():
+        run = _run(tmp_path / name, name, command)
+        meta = json.loads((run / "run.json").read_text())
+        if name != "kept":
+            del meta["kind"]
+        (run / "run.json").write_text(json.dumps(meta))
+        line = run_index.record(run, index)
+        assert line["kind"] == {"plain": "preset", "tuned": "trial", "kept": "preset"}[name]
+    lines = [json.loads(x) for x in index.read_text().splitlines()]
+    index.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "kind"}) + "\n"
+                             for x in lines))
+    assert set(run_index.newest("cpu", index)[0]) == {"plain", "kept"}
+    assert set(run_index.newest("cpu", index, kind="trial")[0]) == {"tuned"}
