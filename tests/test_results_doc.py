@@ -255,6 +255,16 @@ def test_a_carried_section_is_judged_again_by_todays_rules_on_its_own_tables(tmp
            "Fig. 5) | does not hold |" in again
     assert "judged again by today's claim rules on the tables carried with them: " \
            "blockffn_granularity." in again
+
+    def unreadable(tables):  # today's rule cannot read the carried tables: they stay judged
+        raise KeyError("a column today's rule needs")
+
+    monkeypatch.setattr(blockffn_granularity, "claims", unreadable)
+    odd = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "**does not hold**: Finer experts lower PPL" in odd
+    assert "| blockffn_granularity | Finer experts lower PPL at equal FFN width (App. F, " \
+           "Fig. 5) | does not hold |" in odd
+    assert "as their runs judged them" in odd
     shutil.rmtree(assets / "seed_0")  # a section documented before seed tables were kept
     shutil.rmtree(assets / "seed_1")
     monkeypatch.setattr(blockffn_granularity, "claims", lambda t: [])
@@ -447,3 +457,47 @@ def test_an_accelerator_variant_is_a_preset_run_documented_on_an_accelerator_onl
     with pytest.raises(ValueError, match="variant late declared twice"):
         Study("s", study.make_config, _study, variants=(("late", ("seed=1",)),),
               accelerator_variants=(("late", ("seed=2",)),))
+
+
+def test_a_record_from_before_tables_and_seed_runs_were_kept_is_read_from_its_summary(
+        tmp_path, monkeypatch):
+    """A run.json without ``tables`` and ``seed_runs``: the claims get the tables its summary
+    links (not a stray CSV of its directory) and its ``repeat`` seed runs' tables."""
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
+                   ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    record = json.loads((out / "run.json").read_text())
+    del record["tables"], record["seed_runs"]
+    (out / "run.json").write_text(json.dumps(record))
+    (out / "stray.csv").write_text("n_experts,val_ppl\n4,1\n")
+    (out / "seed_0" / "stray.csv").write_text("n_experts,val_ppl\n4,1\n")
+    seen = []
+    monkeypatch.setattr(blockffn_granularity, "claims", lambda t: seen.append(
+        (sorted(k for k in t if k != SEED_TABLES), [sorted(s) for s in t[SEED_TABLES]])) or [])
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    results_doc.build(tmp_path / "runs", tmp_path / "docs" / "results.md")
+    assert seen == [(["granularity"], [["granularity"], ["granularity"]])]
+
+
+def test_one_seed_and_a_long_table_are_written_as_such(tmp_path, monkeypatch):
+    """A run of one seed says so; a table past the inline limit is linked with its row
+    count, not inlined."""
+    from moejax.train.hparams import TrainConfig
+
+    rows = results_doc.MAX_INLINE_ROWS + 1
+
+    def long_table(cfg, run):
+        run.table("sweep", [{"i": i, "loss": 1.0 / (i + 1)} for i in range(rows)])
+        return {"headline": "swept"}
+
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), long_table,
+                   ["preset=quick"], out=tmp_path / "runs" / "blockffn_granularity",
+                   seed_keys=("seed",))
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc = results_doc.build(tmp_path / "runs", tmp_path / "docs" / "results.md").read_text()
+    assert "- seeds: 1\n" in doc
+    assert f"{rows} rows: [sweep.csv](results/blockffn_granularity/sweep.csv)" in doc
+    assert f"| {rows - 1} |" not in doc
