@@ -53,9 +53,10 @@ def test_grin_slot():
 
 
 def test_sparsity_evaluator_matches_direct_computation():
-    """val_ce is the mean batch cross-entropy of the model and TLS the fraction of inactive
-    (token, expert) pairs, both recomputed here from the model's own outputs; a dense FFN
-    reports no sparsity metrics."""
+    """val_ce is the mean cross-entropy over the scored tokens and TLS the fraction of
+    inactive (token, expert) pairs over the real tokens (a padded tail left out), pooled over
+    the batches per layer and averaged over the layers, both recomputed here from the model's
+    own outputs; a dense FFN reports no sparsity metrics."""
     import functools
 
     from moejax.evaluate import SparsityEvaluator
@@ -66,27 +67,32 @@ def test_sparsity_evaluator_matches_direct_computation():
     batches = [{"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
                 "targets": rng.integers(0, 256, (2, 16)).astype(np.int32),
                 "mask": np.ones((2, 16), np.float32)} for _ in range(2)]
+    batches[1]["mask"][1, 11:] = 0.0  # a padded tail: scored nowhere
     for arch in ("topk", "blockffn", "dense"):
         spec = SparseLMConfig(arch=arch, d_model=16, n_layers=2, n_heads=2, n_experts=4,
                               d_expert=8, chunk_len=8, max_seq_len=32)
         model = spec.build(0)
         ev = SparsityEvaluator(batches, chunk_lens=(2, 8),
                                active_fn=functools.partial(active_sets, spec))(model)
-        ces, inactive = [], []
+        nll = scored = 0.0
+        inactive = np.zeros(spec.n_layers)  # per layer: inactive pairs, real tokens
+        real = 0.0
         for b in batches:
-            logits, aux = model(jnp.asarray(b["inputs"]), train=False,
-                                mask_BT=jnp.asarray(b["mask"]) > 0)
-            ces.append(float(cross_entropy(logits, b["targets"], b["mask"])))
-            for la in aux["layers"]:
+            logits, aux = model(jnp.asarray(b["inputs"]), train=False)
+            n = b["mask"].sum()
+            nll += float(cross_entropy(logits, b["targets"], b["mask"])) * n
+            scored += n
+            real += n
+            for i, la in enumerate(aux["layers"]):
                 act, _ = active_sets(spec, la)
                 if act is not None:
-                    inactive.append(1.0 - float(np.asarray(act).mean()))
-        np.testing.assert_allclose(ev["val_ce"], np.mean(ces), rtol=1e-5)
+                    act = np.asarray(act)[b["mask"] > 0]
+                    inactive[i] += (1.0 - act.mean(-1)).sum()
+        np.testing.assert_allclose(ev["val_ce"], nll / scored, rtol=1e-5)
         if arch == "dense":
             assert "tls" not in ev and ev["layers"] == {}
         else:
-            # equal batch shapes, no padding: the pooled ratio is the mean of the per-batch ones
-            np.testing.assert_allclose(ev["tls"], np.mean(inactive), rtol=1e-5)
+            np.testing.assert_allclose(ev["tls"], np.mean(inactive / real), rtol=1e-5)
             if arch == "topk":
                 np.testing.assert_allclose(ev["tls"], 1 - 2 / 4, rtol=1e-6)
             assert set(ev["layers"]) == {0, 1} and "cls_8" in ev

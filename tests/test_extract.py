@@ -346,6 +346,13 @@ def test_kd_loss_and_array_batches():
     loss, m = classifier_kd_loss_fn(alpha=0.3, temperature=T)(model, b)
     np.testing.assert_allclose(float(loss), 0.3 * kl + 0.7 * ce, rtol=1e-5)
     np.testing.assert_allclose(float(m["kd"]), kl, rtol=1e-5)
+
+    class WithAux:  # a student whose router adds an auxiliary loss: it joins the objective
+        def __call__(self, x, **kw):
+            return model(x, **kw)[0], {"aux_loss": jnp.float32(0.25)}
+
+    loss_aux, _ = classifier_kd_loss_fn(alpha=0.3, temperature=T)(WithAux(), b)
+    np.testing.assert_allclose(float(loss_aux), float(loss) + 0.25, rtol=1e-5)
     with pytest.raises(ValueError, match="common length"):
         ArrayBatches({"a": np.zeros(3), "b": np.zeros(4)}, batch_size=2)
 
