@@ -109,6 +109,10 @@ def test_generation_evaluator_matches_sampling_then_rouge():
     assert len(set(sampled["rouge_l_seeds"])) > 1 or sampled["rouge_l"] == 0.0
     # the spread over sampling seeds is the sample std, as every spread of the harness
     assert sampled["rouge_l_std"] == pytest.approx(np.std(sampled["rouge_l_seeds"], ddof=1))
+    # each batch draws with its own key: the same prompts twice are sampled apart
+    twice = GenerationEvaluator([batch, batch], decode, seeds=(0,))
+    first, second = np.split(np.asarray(twice.generate(lm, 0)), 2)
+    assert list(first) != list(second)
 
 
 def test_router_statistics():
@@ -203,6 +207,10 @@ def test_router_statistics_count_real_tokens_only():
     np.testing.assert_allclose([r["mean_kl"] for r in got], [np.mean(k) for k in kls],
                                rtol=1e-4)
     np.testing.assert_allclose([r["max_kl"] for r in got], [np.max(k) for k in kls], rtol=1e-4)
+    packed = {"inputs": batch["inputs"], "segment_ids": np.array([[1, 1, 2, 0, 0, 0, 0]] * 3)}
+    np.testing.assert_array_equal(real_tokens(packed), packed["segment_ids"] > 0)
+    shown = {**batch, "token_mask": np.tril(np.ones((3, 7), np.int32))}  # before prompt_lens
+    np.testing.assert_array_equal(real_tokens(shown), shown["token_mask"] > 0)
     empty = {**batch, "prompt_lens": 0 * rows["prompt_lens"], "response_mask": 0 * real}
     with pytest.raises(ValueError, match="no real token"):
         gate_mass_by_layer(a, [empty])
