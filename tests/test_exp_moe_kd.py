@@ -207,6 +207,9 @@ def test_a_verdict_stands_only_in_a_setting_that_can_test_it():
         v, got = verdicts(0.054, 0.054, diff=diff)
         assert v == ["inconclusive"] * 6 and "nothing here to distil" in got[0].evidence
     assert verdicts(float("nan"), 0.07)[0] == ["inconclusive"] * 6  # a teacher not measured
+    v, got = verdicts(0.070, float("nan"))  # the dense teacher not measured: its claims only
+    assert v == method + ["inconclusive"] * 2 and "comparable teachers unchecked" in \
+        got[4].evidence
     no_refs = mod.claims({"paired": [_paired(label, 0.01) for label in mod.CLAIMS]})[:6]
     assert [c.verdict for c in no_refs] == ["inconclusive"] * 6
     assert "no references table" in no_refs[0].evidence
@@ -249,6 +252,12 @@ def test_a_method_win_stands_only_where_the_winner_beats_sft_alone():
     v, got = verdicts([r for r in RUNS if r["method"] != "SFT"])
     assert v == ["inconclusive"] * 4 + ["holds"] * 2 and "was not recorded" in got[0].evidence
     assert "it beats the SFT student" in verdicts(RUNS)[1][0].evidence
+    # the winner is checked against SFT, not the loser: GKD above SFT, KD harming below it
+    gains = {"SFT": 0.0, "KD": -0.01, "GKD": 0.01}
+    split = [{**r, "rouge_l": 0.05 + gains[r["method"]] + 0.001 * (r["seed"] % 2)}
+             for r in RUNS if r["method"] in gains]
+    v, got = verdicts(split)
+    assert v[0] == "holds" and "it beats the SFT student" in got[0].evidence
 
 
 def test_more_experts_claim_pairs_the_students_short_of_all_the_experts():
@@ -266,6 +275,11 @@ def test_more_experts_claim_pairs_the_students_short_of_all_the_experts():
 
     c = claim(0.01)
     assert c.verdict == "holds" and "k=4 - k=1" in c.evidence  # k=8, all of them, left out
+    k2 = [{**r, "k": 2, "student_rouge_l": r["student_rouge_l"] + 0.02}  # a k between them
+          for r in rows(0.01) if r["k"] == 1]
+    c = mod.claims({"references": REFERENCES, "per_seed": RUNS,
+                    "teacher_k_per_seed": rows(0.01) + k2})[6]
+    assert c.verdict == "holds" and "k=4 - k=1" in c.evidence  # the smallest k, not the next
     assert claim(-0.01).verdict == "does not hold"
     assert claim(0.01, at_all=0.5).verdict == "holds"  # whatever k = all does
     weak = [{**r, "rouge_l": 0.052} if r["model"] == "MoE teacher" else r for r in REFERENCES]
