@@ -176,7 +176,9 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
                         "CLS_8": 0.5 + noise / 10, "TLS": 0.8, "active_experts": 3.2,
                         "TLS - TLS_BlockFFN": 0.0})
             for i, m in enumerate(("TopK", "ReMoE")):
-                gap = (0.0, remoe_tls_gap)[i]
+                remoe = (remoe_tls_gap[seed] if isinstance(remoe_tls_gap, tuple)
+                         else remoe_tls_gap)  # a gap per seed, or one for all
+                gap = (0.0, remoe)[i]
                 out.append({"seed": seed, "size": "S", "model": m,
                             "val_ppl": 10 + noise + ppl_other_offset * (i + 1),
                             "CLS_8": 0.5 + noise / 10 + cls_other_offset * (i + 1),
@@ -195,6 +197,9 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
     # close TLS (Table 2): a gap over half an expert voids a verdict it could explain
     ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.03))[:2]  # within 1/32: stands
     assert ppl.holds is True and cls.holds is True
+    # the gap is the mean over the seeds: 0.1 in one of five is 0.02 on average, close
+    ppl, _ = mod.claims(rows(0.5, -0.1, remoe_tls_gap=(0.0, 0.0, 0.0, 0.0, 0.1)))[:2]
+    assert ppl.holds is True
     ppl, cls = mod.claims(rows(0.5, -0.1, remoe_tls_gap=0.05))[:2]  # ReMoE sparser, BlockFFN wins
     assert ppl.verdict == "inconclusive" and "not close" in ppl.evidence
     assert cls.holds is True  # a sparser ReMoE with the lower CLS: the gap runs against it
@@ -243,20 +248,24 @@ def test_ablation_claims_count_only_at_close_tls():
     from experiments.blockffn.ablations import claims
     from moejax.harness.claims import SEED_TABLES
 
-    def verdicts(d_ppl, l1_tls, n_experts=16, tls=True, l1_cls=0.5):
+    def verdicts(d_ppl, l1_tls, n_experts=16, tls=True, l1_cls=0.5, ent_cls=0.5,
+                 drop_tls_at=None):
         def row(model, ppl, t, cls=0.5):
             r = {"model": model, "val_ppl": ppl, "CLS_8": cls}
             return {**r, "TLS": t, "n_experts": n_experts} if tls else r
 
         runs = [{"objectives": [row("AL+CS", 10.0, 0.80, 0.7),
                                 row("AL+L1", 10 + d_ppl + i / 100, l1_tls, l1_cls - i / 100),
-                                row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100),
+                                row("AL+Ent", 10.0 + d_ppl + i / 100, 0.80, ent_cls - i / 100),
                                 row("AL", 10.0, 0.5, 0.3),
                                 row("CS", 10.0 + d_ppl + i / 100, 0.80, 0.5 - i / 100)],
                  "rmsnorm": [{**row("AL+CS", 10.0, 0.80), "act_magnitude": 4.0},
                              {**row("AL+CS, no RMSNorm", 10.0 + d_ppl + i / 100, 0.80),
                               "act_magnitude": 4.0 + d_ppl + i / 100}]}
                 for i in range(5)]
+        if drop_tls_at is not None:  # one seed run did not record its TLS
+            for r in runs[drop_tls_at]["objectives"]:
+                r.pop("TLS")
         got = claims({**runs[0], SEED_TABLES: runs})
         return [c.verdict for c in got], got
 
@@ -272,6 +281,10 @@ def test_ablation_claims_count_only_at_close_tls():
     assert v[:3] == ["inconclusive", "does not hold", "inconclusive"]
     assert verdicts(1.0, 0.70, l1_cls=0.9)[0][2] == "does not hold"  # denser, higher CLS
     assert verdicts(1.0, 0.90, n_experts=4)[0][0] == "holds"  # half an expert of 4: 0.125
+    assert verdicts(1.0, 0.85)[0][0] == "inconclusive"  # 0.05: over half an expert of 16
+    assert verdicts(1.0, 0.70, ent_cls=0.9)[0][2] == "does not hold"  # AL+Ent: higher CLS
+    v, got = verdicts(1.0, 0.81, drop_tls_at=3)  # a seed run's TLS missing: unchecked
+    assert v[0] == "inconclusive" and "close TLS unchecked" in got[0].evidence
     v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the comparisons unchecked
     assert v == ["inconclusive"] * 3 + ["holds"] + ["inconclusive"] * 3 + ["holds"]
     assert "close TLS unchecked" in got[4].evidence and "close TLS unchecked" in got[6].evidence
