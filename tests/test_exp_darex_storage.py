@@ -104,6 +104,10 @@ def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
     # claim cannot be judged, nor where what the delta is worth was not recorded
     (c,) = claims(seeds(rows, worth=ACCURACY_TOLERANCE / 2))
     assert c.verdict == "inconclusive" and "dropping it whole" in c.evidence
+    one_poor = seeds(rows)  # worth enough in two seed runs, not in the third
+    one_poor[SEED_TABLES][1]["delta_worth"] = [{"delta_worth": ACCURACY_TOLERANCE / 2}]
+    (c,) = claims(one_poor)
+    assert c.verdict == "inconclusive" and "dropping it whole" in c.evidence
     no_worth = seeds(rows)
     for run in no_worth[SEED_TABLES]:
         del run["delta_worth"]
@@ -112,6 +116,20 @@ def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
     for missing in ("", "nan", float("nan")):  # a random delta: the CSV holds "nan"
         (c,) = claims({"storage": [{**r, "metric": missing} for r in rows]})
         assert c.verdict == "not measured" and "no accuracy" in c.evidence
+    # a setting counts only where it is 10x smaller in every seed run
+    edge = seeds(rows[:3] + [row(0.95, 8, 10.0, 0.935)])
+    edge[SEED_TABLES][2]["storage"][-1]["ratio_vs_fp32"] = 9.9
+    (c,) = claims(edge)
+    assert c.holds is False and "the least loss of 1 settings" in c.evidence
+    # the candidate with the least loss on the mean over the seed runs, not in the first
+
+    def run(a_acc, b_acc):
+        return {"storage": [row(0.0, 32, 1.0, 0.94), row(0.99, 32, 56.0, a_acc),
+                            row(0.9, 4, 14.1, b_acc)], "delta_worth": [{"delta_worth": 0.5}]}
+
+    runs = [run(0.939, 0.935), run(0.89, 0.935), run(0.89, 0.935)]
+    (c,) = claims({**runs[0], SEED_TABLES: runs})
+    assert c.holds is True and "DARE at p=0.9, 4 bits" in c.evidence
 
 
 def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_path):
