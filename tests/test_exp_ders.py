@@ -102,6 +102,10 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
         c = mod.claims({**rows[0], SEED_TABLES: rows})[0]
         assert c.verdict == "inconclusive", c.evidence
         assert ("not shown further than 0.01" if control else "not recorded") in c.evidence
+    far = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),  # no control, SM far off
+                          row("DeRS-SM p=0.99", "sm", 0.05 + e, 50.0)]}
+           for e in (0.0, 0.0005, -0.0005)]
+    assert mod.claims({**far[0], SEED_TABLES: far})[0].verdict == "does not hold"
     assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 5
     # the best of several >= 10x variants is judged at a Bonferroni level (0.05 / K)
     seeds = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
