@@ -70,9 +70,19 @@ def exclusive(lock_path: str | os.PathLike) -> Iterator[None]:
 
 
 def default_file_mode() -> int:
-    """The mode ``open()`` gives a new file here: ``0o666`` less the process umask."""
-    umask = os.umask(0)
-    os.umask(umask)
+    """The mode ``open()`` gives a new file here: ``0o666`` less the process umask, read from
+    ``/proc/self/status`` where the kernel reports it. Elsewhere the umask is read by setting
+    it and back, a moment in which a file another thread creates (an async checkpoint save)
+    would get no umask at all."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next((int(line.split()[1], 8) for line in f
+                          if line.startswith("Umask:")), None)
+    except (OSError, ValueError, IndexError):
+        umask = None
+    if umask is None:
+        umask = os.umask(0)
+        os.umask(umask)
     return 0o666 & ~umask
 
 

@@ -331,3 +331,21 @@ def test_result_files_are_readable_like_ordinary_files(tmp_path):
         os.umask(old)
     for name in ("config.json", "t.csv", "t.md", "summary.md"):
         assert (tmp_path / "r" / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_the_file_mode_is_read_without_clearing_the_umask(monkeypatch):
+    """Where the kernel reports the umask, it is read, not set to 0 and back: a file another
+    thread creates meanwhile (an async checkpoint save) would be world-writable."""
+    from moejax.files import default_file_mode
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc/self/status here")
+    old = os.umask(0o027)
+    try:
+        set_to = []
+        real = os.umask
+        monkeypatch.setattr(os, "umask", lambda m: set_to.append(m) or real(m))
+        assert default_file_mode() == 0o640 and set_to == []
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
