@@ -13,6 +13,8 @@ from scipy import stats
 from moejax.harness.claims import (
     Claim,
     beats_control,
+    compare,
+    lookup,
     paired,
     paired_claim,
     t_critical,
@@ -103,6 +105,7 @@ def test_a_control_can_only_take_a_holds_away():
     assert beats_control(held, win, ctl_low, **kw).verdict == "holds"
     assert beats_control(held, win, ctl_high, **kw).verdict == "inconclusive"
     assert beats_control(held, win, [0.5, None, 0.5], **kw).verdict == "inconclusive"
+    assert beats_control(held, win, ctl_low[:2], **kw).verdict == "inconclusive"  # unpaired
     # lower is better: the winner's 0.1 loss beats a control's 0.5
     lower = beats_control(held, [0.1, 0.12, 0.11], ctl_low, better="lower", **kw)
     assert lower.verdict == "holds"
@@ -110,3 +113,16 @@ def test_a_control_can_only_take_a_holds_away():
                   Claim("A beats B", None, "e", inconclusive=True)):
         for ctl in (ctl_low, ctl_high, [None] * 3):
             assert beats_control(other, win, ctl, **kw) == other
+
+
+def test_edges_of_a_verdict_ties_and_an_interval_touching_zero_are_no_win():
+    """A tie of single values is no win; an interval whose lower end is exactly zero does
+    not lie above zero; a column a row lacks is not measured (None), not an error."""
+    assert compare("A beats B", ("A", 1.0), ("B", 1.0)).verdict == "does not hold"
+    assert compare("A beats B", ("A", 1.0), ("B", 1.0), better="lower").verdict == \
+        "does not hold"
+    n, sd = 2, 1.0
+    half = t_critical(n - 1, 0.05) * sd / math.sqrt(n)
+    row = {"comparison": "A - B", "mean_diff": half, "std_diff": sd, "wins": 2, "n": n}
+    assert paired_claim("A beats B", row).verdict == "inconclusive"
+    assert lookup([{"model": "A", "x": 1.0}], {"model": "A"}, "y") is None
