@@ -188,6 +188,31 @@ def test_keep_best_survives_a_crash_and_a_second_call_of_the_finished_run(tmp_pa
                      keep_best="other", run_dir=str(tmp_path), progress=False)
 
 
+def test_keep_best_resumes_from_the_newest_best_step_that_verifies(tmp_path):
+    """Two best steps before the crash (2, then the better 4): the resumed run starts from
+    step 4's best, not the older one; with step 4's best damaged it falls back to step 2's
+    rather than forgetting both."""
+    cfg = CFG.replace(steps=6, eval_every=1, log_every=1, schedule="constant", ckpt_every=2)
+    table = {1: -5.0, 2: 0.0, 3: -3.0, 4: 0.5, 5: -4.0, 6: -4.0}
+    score = lambda params, step: {"score": table[step]}  # noqa: E731
+
+    def crashing(position):
+        if position == 4:
+            raise RuntimeError("killed")
+        return _regression(position)
+
+    for damaged, best in ((False, {"step": 4, "value": 0.5}), (True, {"step": 2, "value": 0.0})):
+        run = dict(eval_fn=score, keep_best="score", run_dir=str(tmp_path / str(damaged)),
+                   progress=False)
+        with pytest.raises(RuntimeError, match="killed"):
+            train_params(P0, crashing, cfg, _mse, **run)
+        assert latest_step(tmp_path / str(damaged) / "best") == 4
+        if damaged:
+            os.remove(tmp_path / str(damaged) / "best" / "4" / "state" / "_METADATA")
+        _, hist = train_params(P0, _regression, cfg, _mse, **run)
+        assert [h["step"] for h in hist] == [5, 6] and hist.best == best
+
+
 def test_nothing_silent_for_a_users_source_loss_and_transform(tmp_path):
     """A source that ignores batch_size is refused at its first batch; the default loss on a
     batch without its keys names the keys expected and found; config.json records that the
