@@ -147,6 +147,19 @@ def test_mismatching_model_fails_naming_leaves(tmp_path):
     template, _ = _fresh(n_experts=2)
     with pytest.raises(CheckpointMismatchError, match=r"params/experts/w_up: saved \(4, 8, 12\)"):
         Checkpointer(tmp_path / "ck").restore(template)
+    no_bias = TinyMoELM(nnx.Rngs(0), noise=0.3)  # a leaf the checkpoint has, the model not
+    no_bias.router = nnx.Linear(8, 4, use_bias=False, rngs=nnx.Rngs(0))
+    template = init_train_state(no_bias, make_optimizer(CFG), CFG.seed)[1]
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"params/router/bias: in checkpoint \(\(4,\) float32\) but not"):
+        Checkpointer(tmp_path / "ck").restore(template)
+    template, _ = _fresh()  # the same shapes in another dtype: refused, not cast silently
+    template = template._replace(params=jax.tree.map(lambda x: x.astype("bfloat16"),
+                                                     template.params))
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"params/embed/embedding: saved \(16, 8\) float32 vs expected "
+                             r"\(16, 8\) bfloat16"):
+        Checkpointer(tmp_path / "ck").restore(template)
 
 
 def test_plain_orbax_snippet_from_docstring(tmp_path):

@@ -74,16 +74,34 @@ def test_swapped_step_directories_are_caught_and_resume_stays_exact(tmp_path, st
     assert [h["loss"] for h in hist] == straight[1]
 
 
-@pytest.mark.parametrize("edit", ["data_position", "config"])
+@pytest.mark.parametrize("part", ["state", "meta"])
+def test_a_step_holding_another_steps_state_or_record_is_named(tmp_path, part):
+    """One part of step 4 (its arrays, or its meta record) replaced by step 2's: the step is
+    refused naming both steps, before its arrays are compared with the record's checksums."""
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(5, batch_size=4))
+    ck = run / "checkpoints"
+    shutil.rmtree(ck / "4" / part)
+    shutil.copytree(ck / "2" / part, ck / "4" / part)
+    said = "holds the state of step 2 \\(meta says 4\\)" if part == "state" else \
+        "holds the state of step 4 \\(meta says 2\\)"
+    with pytest.raises(CorruptCheckpointError, match=said):
+        Checkpointer(ck).restore(_template(), 4)
+
+
+@pytest.mark.parametrize("edit", ["data_position", "config", "format"])
 def test_edited_meta_record_is_caught(tmp_path, straight, edit):
     run = tmp_path / "r"
     with pytest.raises(Crash):
         _run(run, source=CrashAt(5, batch_size=4))
     path = _meta_file(run, 4)
     meta = json.loads(path.read_text())
-    meta.update(data_position=2) if edit == "data_position" else meta.update(config=None)
+    meta.update({"data_position": {"data_position": 2}, "config": {"config": None},
+                 "format": {"format": "moejax-checkpoint-v9"}}[edit])
     path.write_text(json.dumps(meta))
-    with pytest.raises(Exception, match="meta record .* was changed"):
+    problem = "unknown meta format" if edit == "format" else "meta record .* was changed"
+    with pytest.raises(Exception, match=problem):
         Checkpointer(run / "checkpoints").restore(_template(), 4)
     if edit == "config":  # a resume with another lr is refused again (falls back to step 2)
         with pytest.raises(ResumeError, match="lr: checkpoint"):
