@@ -89,6 +89,7 @@ def test_sparsity_evaluator_matches_direct_computation():
                     act = np.asarray(act)[b["mask"] > 0]
                     inactive[i] += (1.0 - act.mean(-1)).sum()
         np.testing.assert_allclose(ev["val_ce"], nll / scored, rtol=1e-5)
+        np.testing.assert_allclose(ev["val_ppl"], np.exp(nll / scored), rtol=1e-5)
         if arch == "dense":
             assert "tls" not in ev and ev["layers"] == {}
         else:

@@ -108,3 +108,20 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
     np.testing.assert_allclose(got["accuracy"], hits / count, rtol=1e-6)
     np.testing.assert_allclose(SparsityEvaluator(batches)(model)["val_ce"], nll / count,
                                rtol=1e-5)
+
+
+def test_classifier_logits_are_the_models_own_per_row_with_its_mask():
+    """Every row's logits as the model gives them with its token mask (padding left out of
+    the pooling), in fixed batches whose last one is padded and cut."""
+    from moejax.evaluate import classifier_logits
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+
+    cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=1, n_heads=2, d_hidden=16,
+                              max_position=8, pooling="mean")
+    model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    toks = rng.integers(1, 20, (5, 6)).astype(np.int32)
+    mask = (np.arange(6)[None] < np.array([6, 2, 4, 3, 5])[:, None]).astype(np.int32)
+    got = classifier_logits(model, toks, mask, batch_size=2)
+    want = model(jnp.asarray(toks), mask_BT=jnp.asarray(mask) > 0)[0]
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)

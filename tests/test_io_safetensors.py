@@ -109,6 +109,24 @@ def test_crafted_headers_end_in_one_error_naming_the_file(tmp_path):
                      + json.dumps(entry).encode() + b"}")
     with pytest.raises(WeightFileError, match=r"twice\.safetensors: .*names 'w' twice"):
         read_safetensors(twice)
+    for header, words in (
+            ({"__metadata__": {"n": 1}}, "__metadata__ must map names to strings"),
+            ({"w": {"dtype": "F32", "shape": [-2, -2], "data_offsets": [0, 16]}},
+             "shape and data_offsets non-negative integers"),
+            ({"w": {"dtype": "F32", "shape": [True, 4], "data_offsets": [0, 16]}},
+             "shape and data_offsets non-negative integers"),
+            ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [-8, 8]}},
+             r"data_offsets \[-8, 8\] hold")):
+        odd = _crafted(tmp_path / "odd.safetensors", json.dumps(header).encode())
+        with pytest.raises(WeightFileError, match=r"odd\.safetensors: .*" + words):
+            read_safetensors(odd)
+    vast = tmp_path / "vast.safetensors"  # a header past 100 MiB: refused before it is read
+    with open(vast, "wb") as f:
+        f.write(struct.pack("<Q", 200 * 2**20))
+        f.truncate(8 + 200 * 2**20)  # sparse: no disk used
+    with pytest.raises(WeightFileError, match=r"vast\.safetensors: .*header length 209715200 "
+                                              "does not fit"):
+        read_safetensors(vast)
 
 
 def test_missing_package_names_pip_command():
