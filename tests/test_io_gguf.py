@@ -200,3 +200,22 @@ def test_extra_layers_rejected(tiny, tmp_path):
     with pytest.raises(WeightFileError, match=r"extra\.gguf: unexpected tensors "
                                               r"\['blk\.1\..*block_count=1"):
         load_gguf_decoder(tmp_path / "extra.gguf")
+
+
+def test_non_finite_values_and_names_not_in_the_file_are_refused(tmp_path):
+    """A tensor that dequantises to NaN or inf is refused naming it; ``names`` the file does not
+    hold are named; the finite tensors read as written."""
+    path = tmp_path / "nan.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("good", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.add_tensor("bad", np.array([1.0, np.nan, np.inf, 2.0], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    np.testing.assert_array_equal(read_gguf(path, names=["good"]).tensors["good"],
+                                  np.arange(6, dtype=np.float32).reshape(2, 3))
+    with pytest.raises(WeightFileError, match=r"nan\.gguf: tensor 'bad' contains NaN/inf"):
+        read_gguf(path)
+    with pytest.raises(WeightFileError, match=r"nan\.gguf: tensors missing: \['nope'\]"):
+        read_gguf(path, names=["good", "nope"])
