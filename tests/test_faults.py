@@ -531,6 +531,23 @@ def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
                                     "model_config": None})))
     with pytest.raises(CorruptDataError, match="no array checksums"):
         load_compressed(bare)
+    # its meta record decides how the deltas are put back: an edit to it is caught
+    path = save_compressed(tmp_path / "edited", c)
+    record = os.path.join(path, "meta", "metadata")
+    meta = json.load(open(record))
+    assert meta["format"] == FORMAT and meta["ders"] == {"note": "test"}
+    json.dump({**meta, "ders": {"note": "edited"}}, open(record, "w"))
+    with pytest.raises(CorruptDataError, match="meta record .* was changed"):
+        load_compressed(path)
+    from moejax.integrity import tree_checksums  # a v1 record (no meta_checksum) still loads
+    v1 = str(tmp_path / "v1")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        ckptr.save(v1, args=ocp.args.Composite(
+            arrays=ocp.args.StandardSave(tree),
+            meta=ocp.args.JsonSave({"format": "moejax-ders-compressed-v1", "ders": c.meta,
+                                    "storage": c.stored.meta, "model_config": None,
+                                    "checksums": tree_checksums(tree)})))
+    np.testing.assert_array_equal(load_compressed(v1)[0].base[0]["w_up"], base[0]["w_up"])
 
 
 def _data_files_any(path):

@@ -5,14 +5,18 @@ Layout of ``<directory>/`` (orbax ``CompositeCheckpointHandler``; no pickle)::
     item "arrays" (StandardSave): {"base":   {layer: {w_*: [d_in, d_out]}},
                                    "rest":   the model's other parameters (str keys),
                                    "deltas": {"leaf{j}.{index|values|codes|step|offset}": ...}}
-    item "meta"   (JsonSave):     {"format": "moejax-ders-compressed-v1",
+    item "meta"   (JsonSave):     {"format": "moejax-ders-compressed-v2",
                                    "ders": CompressedDeRS.meta,
                                    "storage": moejax.delta.storage meta (leaf paths, kinds),
                                    "model_config": moejax.config.to_json of the MoE decoder
                                                    config (or null),
                                    "checksums":    CRC-32 per array of "arrays"
                                                    (moejax.integrity), verified on load;
-                                                   a record without them is refused}
+                                                   a record without them is refused,
+                                   "meta_checksum": CRC-32 of the record itself (its other
+                                                   keys), verified on load: the DeRS
+                                                   settings decide how the deltas are
+                                                   put back (v1 records have none)}
 
 The delta arrays are exactly those of :mod:`moejax.delta.storage` (packed codes, smallest
 index dtype), so ``compression_report`` byte counts are what is written (orbax may compress
@@ -31,11 +35,12 @@ import orbax.checkpoint as ocp
 from moejax.config import Config, from_json, to_json
 from moejax.delta.storage import StoredDelta, validate_stored
 from moejax.ders_compress.compress import CompressedDeRS
-from moejax.integrity import CorruptDataError, tree_checksums, verify_checksums
+from moejax.integrity import CorruptDataError, json_checksum, tree_checksums, verify_checksums
 
 __all__ = ["FORMAT", "save_compressed", "load_compressed", "disk_bytes"]
 
-FORMAT = "moejax-ders-compressed-v1"
+FORMAT = "moejax-ders-compressed-v2"
+_LEGACY_FORMATS = ("moejax-ders-compressed-v1",)  # written before meta had its own checksum
 
 
 def _str_keys(tree):
@@ -61,6 +66,7 @@ def save_compressed(directory, c: CompressedDeRS, model_config: Config | None = 
     meta = {"format": FORMAT, "ders": c.meta, "storage": c.stored.meta,
             "model_config": to_json(model_config) if model_config is not None else None,
             "checksums": tree_checksums(tree)}
+    meta["meta_checksum"] = json_checksum(meta, exclude="meta_checksum")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(path, args=ocp.args.Composite(arrays=ocp.args.StandardSave(tree),
                                                  meta=ocp.args.JsonSave(meta)))
@@ -81,7 +87,7 @@ def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
                                f"checkpoint ({type(e).__name__}: {str(e)[:300]}). Fix: "
                                "re-run the compression that wrote it") from e
     meta = out["meta"]
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, *_LEGACY_FORMATS):
         raise ValueError(f"load_compressed: {path} has format {meta.get('format')!r}, expected "
                          f"{FORMAT!r}; was it written by "
                          "moejax.ders_compress.ckpt.save_compressed?")
@@ -90,6 +96,12 @@ def load_compressed(directory) -> tuple[CompressedDeRS, Config | None]:
         raise CorruptDataError(f"load_compressed: {path} is corrupt: its meta record has no "
                                "array checksums, so its arrays cannot be verified. Fix: "
                                "re-run the compression that wrote it")
+    if meta["format"] == FORMAT and meta.get("meta_checksum") != json_checksum(
+            meta, exclude="meta_checksum"):
+        raise CorruptDataError(f"load_compressed: {path} is corrupt: its meta record (the DeRS "
+                               "settings, storage layout and model config) was changed after "
+                               "it was saved (meta_checksum does not match). Fix: re-run the "
+                               "compression that wrote it")
     verify_checksums(jax.tree.map(np.asarray, arr), meta["checksums"],
                      f"compressed DeRS checkpoint {path}")
     stored = StoredDelta({k: np.asarray(v) for k, v in arr["deltas"].items()}, meta["storage"])
