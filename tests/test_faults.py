@@ -316,6 +316,23 @@ def test_run_lock_excludes_a_second_run_and_recovers_stale_locks(tmp_path):
     _run(tmp_path / "r", CFG.replace(steps=1))  # stale lock: recovered
 
 
+def test_a_readers_instant_check_does_not_refuse_a_run_starting_then(tmp_path):
+    """A results document checks whether a run holds a directory by taking its lock shared
+    for an instant; a run that starts in that instant waits it out instead of being refused
+    as if another run held the directory."""
+    import fcntl
+    import threading
+
+    lock = tmp_path / "r" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the reader, caught mid-check
+    threading.Timer(0.05, lambda: (fcntl.flock(fd, fcntl.LOCK_UN), os.close(fd))).start()
+    with RunLock(tmp_path / "r"):
+        pass
+
+
 def test_setup_failure_releases_the_lock(tmp_path, monkeypatch):
     import moejax.train.logs as logs_mod
 

@@ -22,6 +22,11 @@ class RunLockedError(RuntimeError):
     """Another live process holds the run directory."""
 
 
+# a reader's check (:func:`is_held`) holds a shared lock for an instant: a run that starts
+# in that instant tries again this many times, this far apart, before it is refused
+_RETRIES, _RETRY_S = 10, 0.02
+
+
 class RunLock:
     """Exclusive, non-blocking lock of ``directory`` (created if missing)."""
 
@@ -34,7 +39,7 @@ class RunLock:
         os.makedirs(self.directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd)
         except OSError:
             holder = _read_holder(fd)
             os.close(fd)
@@ -61,6 +66,19 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _flock_soon(fd: int) -> None:
+    """Take the exclusive lock on ``fd``, trying again for a moment where it is held (a
+    reader's instant shared lock); ``OSError`` where it is still held after that."""
+    for attempt in range(_RETRIES + 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            if attempt == _RETRIES:
+                raise
+            time.sleep(_RETRY_S)
 
 
 def is_held(directory) -> bool:
