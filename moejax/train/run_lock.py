@@ -1,7 +1,8 @@
 """An exclusive lock on a run directory, so two runs never write one directory at once.
 
 ``with RunLock(run_dir): ...`` takes an ``fcntl.flock`` on ``run_dir/.lock`` (and writes the
-holder's pid, host and start time into it). A second run on the same directory fails at once
+holder's pid, host and start time into it). A second run on the same directory fails within
+a fifth of a second (the time it gives a reader's instant check, :func:`is_held`, to let go)
 with :class:`RunLockedError` naming the holder and the fix. The operating system drops the
 lock when its process dies (kill -9 included), so a stale ``.lock`` file left by a crashed run
 never blocks the next one: it is simply taken over.
