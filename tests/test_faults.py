@@ -188,6 +188,29 @@ def test_all_steps_uncommitted_restarts_and_keeps_old_metrics(tmp_path, straight
     assert len(backups) == 1 and len(read_csv(backups[0])) == 5  # nothing lost
 
 
+def test_a_metrics_log_rewritten_on_resume_is_whole_or_untouched(tmp_path, monkeypatch):
+    """Resuming trims a metrics log back to the resumed step by rewriting it; a failure in
+    the middle of that (a kill, a full disk) leaves the old file as it was, not cut short."""
+    import csv
+
+    from moejax.train.logs import CsvLog
+
+    path = tmp_path / "metrics.csv"
+    CsvLog(str(path), 0).write([{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)])
+    before = path.read_text()
+
+    def dies(self, rows):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", dies)
+    with pytest.raises(OSError, match="No space"):
+        CsvLog(str(path), 3)  # nothing to drop: no backup copy, the rewrite alone
+    assert path.read_text() == before
+    monkeypatch.undo()
+    CsvLog(str(path), 2)
+    assert [r["step"] for r in read_csv(path)] == ["1", "2"]
+
+
 # -- checkpoints: failing and interrupted saves ---------------------------------------------
 _FAILING_SAVE = """
 import os, sys, errno

@@ -4,10 +4,13 @@ trimmed back to the resumed step on resume, nothing lost) and TensorBoard event 
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 import shutil
 import time
+
+from moejax.files import atomic_write_text
 
 __all__ = ["CsvLog", "TensorBoardLog", "read_csv", "FIRST_COLS"]
 
@@ -33,11 +36,12 @@ class CsvLog:
                             backup)
             if rows:
                 self.cols = list(rows[0].keys())
-            with open(path, "w", newline="") as f:
-                if self.cols:
-                    w = csv.DictWriter(f, self.cols)
-                    w.writeheader()
-                    w.writerows(rows)
+            buf = io.StringIO()  # rewritten whole or not at all: a crash keeps the old file
+            if self.cols:
+                w = csv.DictWriter(buf, self.cols)
+                w.writeheader()
+                w.writerows(rows)
+            atomic_write_text(path, buf.getvalue())
 
     def write(self, rows: list[dict]) -> None:
         if not rows:
