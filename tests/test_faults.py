@@ -35,7 +35,7 @@ from moejax.train.checkpoint import (
 )
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.loop import ResumeError, read_csv, train
-from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.run_lock import RunLock, RunLockedError, is_held
 from moejax.train.run_state import check_resume
 from moejax.train.step import NonFiniteError, init_state, lm_loss_fn
 from tests.test_train_loop import Crash
@@ -351,9 +351,13 @@ def test_a_readers_instant_check_does_not_refuse_a_run_starting_then(tmp_path):
     lock.write_text("")
     fd = os.open(lock, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the reader, caught mid-check
-    threading.Timer(0.05, lambda: (fcntl.flock(fd, fcntl.LOCK_UN), os.close(fd))).start()
-    with RunLock(tmp_path / "r"):
-        pass
+    reader = threading.Timer(0.05, lambda: (fcntl.flock(fd, fcntl.LOCK_UN), os.close(fd)))
+    reader.start()
+    with RunLock(tmp_path / "r") as run:  # refused (RunLockedError) by a single try
+        assert run._fd is not None and is_held(tmp_path / "r")
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    reader.join()
+    assert not is_held(tmp_path / "r")
 
 
 def test_setup_failure_releases_the_lock(tmp_path, monkeypatch):
