@@ -13,7 +13,8 @@ proven of a long recipe survives the recipe being stopped. ``steps`` / ``rows`` 
 it executes: at most ``steps`` steps (0: none; the model is returned unchanged) on the first
 ``rows`` rows of each batch, so a recipe goes through every training run it has, with results
 to read, at the cost of a smoke run, while each run is recorded at its real shapes and step
-count.
+count. A run cut to ``rows`` rows writes no checkpoint (nor a ``keep_best`` best): its steps
+are not those of the run its config describes, which would resume from them later.
 
 The jitted decode loops (:func:`moejax.nn.sample.sample`,
 :func:`moejax.nn.speculative.speculative_generate`, and the one-token step of

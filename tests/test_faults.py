@@ -401,6 +401,10 @@ def test_check_resume_refuses_from_metadata_alone(tmp_path, straight):
     assert check_resume(run, CFG.replace(lr=2e-2, resume="force")) is not None
     with pytest.raises(ResumeError, match="past this run's steps=1"):
         check_resume(run, CFG.replace(steps=1))
+    # a record it cannot read is left to the loop, which sets the step aside and falls back
+    newest = latest_step(run / "checkpoints")
+    (run / "checkpoints" / str(newest) / "meta" / "metadata").write_text("{not json")
+    assert check_resume(run, CFG.replace(lr=2e-2)) == newest
 
 
 def test_mismatched_model_does_not_touch_the_run_dir(tmp_path):

@@ -40,6 +40,7 @@ from moejax.train.checkpoint import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import ResumeError, config_differences, train
 from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.run_state import CtrlC
 from moejax.train.step import NonFiniteError
 from tests.test_faults import _SIGINT_RUN, CFG, ROOT, _params, _run, _template
 from tests.test_train_loop import Crash
@@ -145,6 +146,39 @@ def test_post_training_settings_do_not_block_a_resume():
     assert config_differences(*(json.dumps(json.loads(c)) for c in (
         _json(a), _json(b)))) == []
     assert config_differences(_json(a), _json(a.replace(seq_len=64))) != []
+    # the cadence keys are free inside a nested TrainConfig too; its other keys are not
+    nested = apply_overrides(a, ["train.log_every=7", "train.ckpt_every=3"])
+    assert config_differences(_json(a), _json(nested)) == []
+    assert config_differences(_json(a), _json(apply_overrides(a, ["train.lr=0.5"]))) == [
+        f"train/lr: checkpoint {a.train.lr!r} vs now 0.5"]
+
+
+def test_a_second_signal_stops_at_once():
+    """The first Ctrl-C or SIGTERM is kept for the end of the step; a second one raises."""
+    guard = CtrlC()
+    try:
+        guard._handler(signal.SIGTERM, None)
+        assert guard.pressed and guard.signal_name == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C: stopping at once"):
+            guard._handler(signal.SIGINT, None)
+    finally:
+        guard.restore()
+    assert signal.getsignal(signal.SIGINT) is not guard._handler
+
+
+def test_a_refused_resume_closes_its_checkpointer(tmp_path, monkeypatch):
+    """A resume refused while the run directory is opened closes (aborts) the checkpointer
+    it opened, so no save threads outlive the refusal."""
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=CrashAt(3, batch_size=4))
+    closed = []
+    original = Checkpointer.close
+    monkeypatch.setattr(Checkpointer, "close", lambda self, abort=False: (
+        closed.append((self.directory, abort)), original(self, abort=abort))[1])
+    with pytest.raises(ResumeError, match="lr: checkpoint"):
+        _run(run, CFG.replace(lr=2e-2))
+    assert (str(run / "checkpoints"), True) in [(str(d), a) for d, a in closed]
 
 
 def _json(cfg):

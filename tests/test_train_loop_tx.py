@@ -270,3 +270,114 @@ def test_train_takes_a_users_nnx_optimizer_as_given():
     by_hand(mine, opt_mine, 5)  # and the user's loop goes on from where the run left it
     by_hand(ref, opt_ref, 5)
     assert tree_max_diff(nnx.state(mine, nnx.Param), nnx.state(ref, nnx.Param)) < 1e-6
+
+
+def test_each_evaluation_joins_the_row_of_its_own_step():
+    """An evaluation between two log flushes is written into its own step's row of the
+    history, not into the last row flushed before it."""
+    cfg = CFG.replace(steps=6, eval_every=2, log_every=100)
+    _, hist = train_params(P0, _regression, cfg, _mse, progress=False,
+                           eval_fn=lambda params, step: {"at": float(step)})
+    assert [h["step"] for h in hist] == list(range(1, 7))
+    assert {h["step"]: h["eval/at"] for h in hist if "eval/at" in h} == {2: 2.0, 4: 4.0, 6: 6.0}
+
+
+def _crashing_at(position_to_fail, source):
+    class Crashing:
+        batch_size = source.batch_size
+
+        def batch(self, position):
+            if position == position_to_fail:
+                raise RuntimeError("killed")
+            return source.batch(position)
+
+    return Crashing()
+
+
+def test_a_resumed_run_checks_its_first_batch_too(tmp_path):
+    """The first batch of a resumed call is checked like a fresh run's first batch: its rows
+    against the batch size and its token ids (a negative id here)."""
+    cfg = TrainConfig(steps=4, batch_size=4, ckpt_every=2, log_every=1)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(TinyMoELM(nnx.Rngs(0)), _crashing_at(2, ToySource(batch_size=4)), cfg,
+              run_dir=str(tmp_path), progress=False)
+    assert latest_step(tmp_path / "checkpoints") == 2
+
+    class BadFrom2(ToySource):
+        def batch(self, position):
+            b = super().batch(position)
+            if position >= 2:
+                b["inputs"][0, 0] = -1
+            return b
+
+    with pytest.raises(ValueError, match="negative token id -1"):
+        train(TinyMoELM(nnx.Rngs(0)), BadFrom2(batch_size=4), cfg, run_dir=str(tmp_path),
+              progress=False)
+    assert latest_step(tmp_path / "checkpoints") == 2
+
+    class ShortFrom2:
+        batch_size = 4
+
+        def batch(self, position):
+            b = ToySource(batch_size=4).batch(position)
+            return {k: v[:2] for k, v in b.items()} if position >= 2 else b
+
+    with pytest.raises(ValueError, match="first batch has 2 rows"):
+        train(TinyMoELM(nnx.Rngs(0)), ShortFrom2(), cfg, run_dir=str(tmp_path),
+              progress=False)
+
+
+def test_a_users_optimizer_counts_every_update_of_a_resumed_run(tmp_path):
+    """A run resumed from its checkpoint hands the caller's optimizer the run's state: its
+    step count is the updates that state has seen (the transform's own count), not only
+    those of this call."""
+    cfg = CFG.replace(steps=5, ckpt_every=2, grad_clip=0.0)
+    model = TinyMoELM(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(model, _crashing_at(3, ToySource(batch_size=8)), cfg, tx=opt,
+              run_dir=str(tmp_path), progress=False)
+    assert int(opt.step[...]) == 0  # a failed call leaves the caller's optimizer alone
+    train(model, ToySource(batch_size=8), cfg, tx=opt, run_dir=str(tmp_path), progress=False)
+    assert int(opt.opt_state[0].count[...]) == 5  # adam's count: the restored run's
+    assert int(opt.step[...]) == 5
+
+
+def test_a_run_cut_to_a_few_rows_by_a_capture_saves_no_checkpoint(tmp_path):
+    """Inside capture_steps(rows=...) each step trains on the first rows of its batch: a
+    checkpoint of it would be resumed later as the configured run's, so none is written (nor
+    a best); a run cut to a few steps only keeps the real steps' checkpoints."""
+    from moejax.capture import capture_steps
+
+    cfg = TrainConfig(steps=3, batch_size=4, ckpt_every=1, log_every=1, eval_every=1)
+    score = lambda model, step: {"score": float(step)}  # noqa: E731
+    with capture_steps(rows=2):
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir=str(tmp_path / "r"),
+              eval_fn=score, keep_best="score", progress=False)
+    assert latest_step(tmp_path / "r" / "checkpoints") is None
+    assert latest_step(tmp_path / "r" / "best") is None
+    with capture_steps(steps=2):
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir=str(tmp_path / "s"),
+              progress=False)
+    assert latest_step(tmp_path / "s" / "checkpoints") == 2
+
+
+def test_a_resumed_run_keeps_one_evaluation_row_per_step(tmp_path):
+    """Evaluations written after the checkpoint a run resumes from are run again, and
+    eval.csv keeps one row per evaluated step, the resumed run's."""
+    cfg = CFG.replace(ckpt_every=2, eval_every=1)
+
+    def crashing(position):
+        if position == 3:
+            raise RuntimeError("killed")
+        return _regression(position)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train_params(P0, crashing, cfg, _mse, run_dir=str(tmp_path), progress=False,
+                     eval_fn=lambda p, step: {"at": float(step)})
+    assert [int(r["step"]) for r in read_csv(tmp_path / "eval.csv")] == [1, 2, 3]
+    train_params(P0, _regression, cfg, _mse, run_dir=str(tmp_path), progress=False,
+                 eval_fn=lambda p, step: {"at": float(step) + 0.5})
+    rows = read_csv(tmp_path / "eval.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 7))
+    assert [float(r["at"]) for r in rows] == [1, 2, 3.5, 4.5, 5.5, 6.5]

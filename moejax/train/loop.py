@@ -165,9 +165,17 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
         for var, value in zip(_variable_leaves(optimizer.opt_state),
                               jax.tree.leaves(run.state.opt_state)):
             var[...] = value
-        optimizer.step[...] = optimizer.step[...] + (int(jax.device_get(run.state.step))
-                                                     - run.start)
+        # every update the run's state has seen, a resumed call's earlier ones included (the
+        # state restored from its checkpoint began from this optimizer's state too)
+        optimizer.step[...] = optimizer.step[...] + int(jax.device_get(run.state.step))
     return history
+
+
+def _close_unsaved(ckpt):
+    """Close a checkpointer that is to save nothing more; ``None`` in its place."""
+    if ckpt is not None:
+        ckpt.close()
+    return None
 
 
 def _variable_leaves(tree) -> list:
@@ -311,6 +319,8 @@ class _Run:
             raise
         cfg = self.cfg
         end, self.rows = self._capture()
+        if self.rows is not None:  # steps on a few rows are not the configured run's: no
+            self.ckpt = _close_unsaved(self.ckpt)  # checkpoint (or best) of them is kept
         self.bar = progress(total=cfg.steps, initial=self.start, desc=self.opts.desc,
                         disable=not (self.opts.progress and self.main), mininterval=1.0)
         self.t_flush = time.perf_counter()
