@@ -8,6 +8,7 @@ import json
 import pytest
 
 from experiments import blockffn_granularity, results_doc
+from moejax.config import ConfigError
 from moejax.harness import run_index
 from moejax.harness.experiment import main, run_experiment
 from moejax.harness.run_record import RunOwnerError, read_run_record
@@ -280,3 +281,52 @@ def test_config_json_is_the_new_runs_at_once_unless_checkpoints_of_another_wait(
     assert json.loads((out / "config.json").read_text())["steps"] == 6
     run.finish()
     assert json.loads((out / "config.json").read_text())["steps"] == 7
+
+
+def test_a_seed_key_must_name_an_int_field():
+    from moejax.harness.experiment import seed_offset
+    from moejax.train.hparams import TrainConfig
+
+    cfg = TrainConfig(seed=3)
+    assert seed_offset(cfg, ("seed",), 2).seed == 5
+    with pytest.raises(ConfigError, match="seed key 'tensorboard' is not an int field"):
+        seed_offset(cfg, ("tensorboard",), 1)  # a bool is no seed
+    with pytest.raises(ConfigError, match="seed key 'lr' is not an int field"):
+        seed_offset(cfg, ("lr",), 1)
+    with pytest.raises(ConfigError, match="seed key 'train.seed' is not a key"):
+        seed_offset(cfg, ("train.seed",), 1)
+
+
+def test_a_repeats_headline_gives_the_first_four_values_every_run_measured():
+    from moejax.harness.experiment import _headline_keys
+
+    runs = [{"a": 1.0, "n": 3, "b": 2.0, "wall_s": 9.0, "c": 1.0, "d": 1.0, "e": 1.0, "f": 1.0},
+            {"a": 2.0, "n": 4, "b": "n/a", "wall_s": 8.0, "c": 2.0, "d": 2.0, "e": 2.0,
+             "f": 2.0}]
+    assert _headline_keys(runs) == ["a", "c", "d", "e"]
+
+
+def test_overwrite_is_true_or_false_and_given_once():
+    from moejax.harness.cli import split_overwrite
+
+    assert split_overwrite(["overwrite=false", "seed=1"]) == (["seed=1"], False)
+    assert split_overwrite(["seed=1", "overwrite=true"]) == (["seed=1"], True)
+    assert split_overwrite(["seed=1"]) == (["seed=1"], False)
+    for bad in (["overwrite=yes"], ["overwrite=true", "overwrite=true"]):
+        with pytest.raises(ConfigError, match="give it once, true or false"):
+            split_overwrite(bad)
+
+
+def test_a_studys_quick_run_is_one_run_unless_the_suite_asks_for_its_repeats(tmp_path):
+    from moejax.harness.study import Study
+
+    def one(cfg, run):
+        run.table("t", [{"seed": float(cfg.seed)}])
+        return {}
+
+    study = Study("repeated", lambda preset: TrainConfig(seed=0), one, seed_keys=("seed",),
+                  quick_repeat=2)
+    _, run = study.run_experiment(["preset=quick"], out=tmp_path / "one")
+    assert not (tmp_path / "one" / "seed_0").exists()
+    _, run = study.run_experiment(["preset=quick"], out=tmp_path / "two", repeat_quick=True)
+    assert sorted(p.name for p in (tmp_path / "two").glob("seed_*")) == ["seed_0", "seed_1"]

@@ -103,3 +103,49 @@ def test_the_loop_reports_each_runs_parameters_tokens_per_step_and_steps():
     assert seen == [("/moejax/train/params", float(n_params)),
                     ("/moejax/train/tokens_per_step", float(source.batch(0)["mask"].size)),
                     ("/moejax/train/steps", 2.0)]
+
+
+def test_a_smoke_run_cuts_each_training_run_to_at_most_its_own_steps():
+    """Every training run of a smoke run takes at most SMOKE_STEPS steps of SMOKE_ROWS rows,
+    no more than its own, with its periodic evaluation and checkpoint due within them (a
+    cadence of 0, never, stays 0); a proof's cut (cut_training=False) leaves the runs, and
+    the presets the substrates start from, whole."""
+    full = TrainConfig(steps=1000, batch_size=64, warmup_steps=50, eval_every=250,
+                       ckpt_every=500, log_every=20)
+    cut = smoke_config(full)
+    assert (cut.steps, cut.batch_size, cut.warmup_steps, cut.log_every) == (
+        SMOKE_STEPS, SMOKE_ROWS, 0, 1)
+    assert (cut.eval_every, cut.ckpt_every) == (SMOKE_STEPS, SMOKE_STEPS)
+    one = smoke_config(full.replace(steps=1, warmup_steps=0, eval_every=0, ckpt_every=0,
+                                    batch_size=2))
+    assert (one.steps, one.batch_size, one.eval_every, one.ckpt_every) == (1, 2, 0, 0)
+    assert smoke_config(full, cut_training=False) == full
+    from moejax.substrates.registry import substrate_config
+
+    code = substrate_config("dense_lm_code", "full")
+    kept = smoke_config(code, cut_training=False)
+    assert kept.init_preset == "full" and kept.train == code.train
+
+
+def test_a_repeat_that_is_not_a_count_is_refused():
+    from experiments.ders import upcycling as study
+
+    for bad in ("abc", "0", "-1", "1.5"):
+        with pytest.raises(ConfigError, match=f"repeat='{bad}': expected an int >= 1"):
+            parse_runner("ders_upcycling", study.make_config, [f"repeat={bad}"])
+
+
+def test_a_smoke_run_is_one_run_with_the_studys_own_cuts_under_the_command_line():
+    from experiments.ders import upcycling as study
+
+    def parse(*argv):
+        return parse_runner("ders_upcycling", study.make_config, list(argv), quick_repeat=5,
+                            smoke_overrides=("eval_batches=1", "train.steps=1"))
+
+    cfg, _, repeat = parse("smoke=true")
+    assert repeat == 1 and cfg.eval_batches == 1 and cfg.train.steps == 1
+    cfg, _, repeat = parse("smoke=true", "train.steps=3")
+    assert cfg.train.steps == 3 and cfg.eval_batches == 1
+    cfg, _, repeat = parse()
+    assert repeat == 5 and cfg == study.make_config("quick")
+    assert parse("preset=full")[2] == 1 and parse("smoke=true", "repeat=2")[2] == 2

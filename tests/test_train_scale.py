@@ -89,3 +89,20 @@ def test_image_batches_count_examples_not_pixels():
         train_params(params, _Images(), CFG.replace(steps=4, batch_size=6), loss)
     assert (scale.params, scale.tokens, scale.unit) == (7840, 24, "examples")
     assert scale.text() == "7.8K parameters, 24 training examples"
+
+
+def test_the_merged_run_of_a_repeat_gives_the_scale_beside_its_verdicts(tmp_path):
+    def run(cfg, run_dir):
+        jax.monitoring.record_scalar(PARAMS, 1000.0)
+        jax.monitoring.record_scalar(TOKENS_PER_STEP, 64.0)
+        jax.monitoring.record_scalar(STEPS, 10.0)
+        run_dir.table("t", [{"a": float(cfg.seed)}])
+        return {"headline": "h"}
+
+    _, r = run_experiment("scaled", lambda preset: CFG, run, ["repeat=2"], out=tmp_path / "r",
+                          claims=lambda tables: [Claim("A beats B", True, "1 vs 0")],
+                          seed_keys=("seed",))
+    want = "1.0K parameters, 640 training tokens"
+    assert json.loads((r.path / "run.json").read_text())["scale"] == want
+    (row,) = list(csv.DictReader(open(r.path / "claims.csv")))
+    assert row["scale"] == f"here: {want}; paper: not stated"
