@@ -309,3 +309,85 @@ def test_each_micro_batch_draws_its_own_randomness():
         _, m = make_train_step(None, loss, tx, cfg)(init_state(params, None, tx), batch)
         out[n] = float(m["loss"])
     assert abs(out[2] - out[1]) > 1e-4, out
+
+
+def test_a_non_finite_loss_with_finite_gradients_is_not_applied():
+    """A loss whose non-finite part carries no gradient: the step is still flagged and not
+    applied."""
+    cfg = TrainConfig(steps=2, batch_size=1, lr=1e-2, grad_clip=0.0)
+    tx = make_optimizer(cfg)
+    loss = lambda p, batch, key: jnp.sum(p["w"] ** 2) + jax.lax.stop_gradient(  # noqa: E731
+        jnp.inf)
+    state = init_state({"w": jnp.ones(3)}, None, tx)
+    new, m = make_train_step(None, loss, tx, cfg)(state, {"x": np.zeros((1, 1), np.float32)})
+    assert np.isfinite(float(m["grad_norm"])) and not bool(m["finite"])
+    assert tree_equal(new.params, state.params) and int(new.step) == 0
+
+
+class _FirstUpdateNotFinite:
+    """Two updates per batch; the first (at w = 0) reports an infinite loss that carries no
+    gradient, the second (w moved away from 0) a finite one."""
+
+    updates_per_batch = 2
+
+    def __call__(self, params, batch, key):
+        w = params["w"]
+        bad = jax.lax.stop_gradient(jnp.where(jnp.all(w == 0), jnp.inf, 0.0))
+        return jnp.sum((w - 1.0) ** 2) + bad
+
+
+def test_a_step_of_several_updates_is_not_applied_when_any_update_is_not_finite():
+    import optax
+
+    from moejax.train.step import make_step_fn
+
+    cfg = TrainConfig(steps=2, lr=0.1, schedule="constant", warmup_steps=0)
+    tx = optax.sgd(0.1)
+    state = init_state({"w": jnp.zeros(3)}, None, tx)
+    new, m = jax.jit(make_step_fn(None, _FirstUpdateNotFinite(), tx, cfg))(state, {})
+    assert not bool(m["finite"])
+    assert tree_equal(new.params, state.params) and int(new.step) == 0
+
+
+def test_micro_batches_interleave_the_rows():
+    """Micro-batch i of A holds rows i, i + A, i + 2A, ... (a batch sharded over devices keeps
+    each micro-batch spread over all of them)."""
+    from moejax.train.step import _split_micro
+
+    micro = _split_micro({"x": jnp.arange(8)[:, None]}, 2)["x"]
+    np.testing.assert_array_equal(micro[:, :, 0], [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+def test_the_logged_rate_is_left_out_when_several_transforms_inject_one():
+    import optax
+
+    from moejax.train.step import injected_lr
+
+    tx = optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                     optax.inject_hyperparams(optax.sgd)(learning_rate=0.2))
+    params = {"w": jnp.ones(2)}
+    assert injected_lr(tx.init(params)) is None
+    one = optax.inject_hyperparams(optax.sgd)(learning_rate=0.3)
+    assert float(injected_lr(one.init(params))) == pytest.approx(0.3)
+
+
+def test_only_scalar_float_aux_entries_become_metrics():
+    class WithAux(nnx.Module):
+        def __call__(self, tokens_BT, *, train=False, key=None, mask_BT=None, **kw):
+            return jax.nn.one_hot(tokens_BT, 8), {
+                "load": jnp.ones(4), "count": jnp.asarray(3), "balance": jnp.asarray(2.0)}
+
+    toks = np.zeros((1, 4), np.int32)
+    _, m = lm_loss_fn(WithAux(), {"inputs": toks, "targets": toks}, None)
+    assert sorted(m) == ["accuracy", "aux/balance", "aux_loss", "ce"]
+
+
+def test_every_floating_leaf_is_checked_for_finiteness():
+    from moejax.train.step import tree_all_finite
+
+    good = {"a": jnp.ones(3), "b": jnp.zeros(2), "i": jnp.arange(2)}
+    assert bool(tree_all_finite(good))
+    for leaf in ("a", "b"):
+        bad = {**good, leaf: good[leaf].at[-1].set(jnp.nan)}
+        assert not bool(tree_all_finite(bad)), leaf
+    assert bool(tree_all_finite({"i": jnp.arange(2)}))
