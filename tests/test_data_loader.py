@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moejax.data import datasets, loader
-from moejax.data.tokenizer import ByteTokenizer
+from moejax.data.tokenizer import BpeTokenizer, ByteTokenizer
 
 N = 6
 
@@ -42,6 +42,21 @@ def test_bpe_for_is_cached_and_used_for_lm(data_dir):
     assert loader.bpe_for("prose/pydoc", 300, **kw).fingerprint == tok.fingerprint
     src = loader.lm_batches("prose/pydoc", "test", tok, seq_len=32, batch_size=2, **kw)
     assert src.batch(0)["inputs"].max() < 300
+
+
+def test_a_damaged_cached_bpe_is_set_aside_and_trained_again(data_dir, caplog):
+    kw = dict(data_dir=data_dir, max_examples_per_split=N)
+    tok = loader.bpe_for("prose/kjv", 280, **kw)
+    (path,) = data_dir.rglob("prose-kjv-bpe280/tokenizer.json")
+    good = path.read_text()
+    path.write_text(good[: len(good) // 2])  # a torn copy
+    with pytest.raises(ValueError, match=f"tokenizer file {path} cannot be read"):
+        BpeTokenizer.load(path)
+    again = loader.bpe_for("prose/kjv", 280, **kw)
+    assert again.fingerprint == tok.fingerprint and path.read_text() == good
+    (aside,) = path.parent.glob("tokenizer.json.corrupt-*")
+    assert aside.read_text() == good[: len(good) // 2]
+    assert "moved to" in caplog.text
 
 
 def test_wordnet_classification(data_dir):

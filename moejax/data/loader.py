@@ -14,6 +14,9 @@ Documents are read from the TFDS data source in its stored (deterministic) order
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +46,8 @@ __all__ = [
     "TEXT_FIELD",
     "LABELS",
 ]
+
+log = logging.getLogger(__name__)
 
 TEXT_FIELD = {
     "stdlib_code": "text",
@@ -221,7 +226,8 @@ def bpe_for(
     """A BPE trained on the ``train`` split of ``name``, cached as ``tokenizer.json``.
 
     Cached at ``<data dir>/tokenizers/<name>-bpe<vocab_size>/tokenizer.json`` (written
-    atomically); later calls load it.
+    atomically); later calls load it. A cached file that cannot be read back as a moejax BPE
+    is moved aside (``tokenizer.json.corrupt-<time>``, with a warning) and trained again.
     """
     root = raw_files.data_dir(data_dir)
     if max_examples_per_split is not None:
@@ -230,7 +236,12 @@ def bpe_for(
         Path(root) / "tokenizers" / f"{name.replace('/', '-')}-bpe{vocab_size}" / "tokenizer.json"
     )
     if path.exists():
-        return BpeTokenizer.load(path)
+        try:
+            return BpeTokenizer.load(path)
+        except ValueError as e:  # unreadable, or not one of ours: set aside and trained again
+            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            os.replace(path, aside)
+            log.warning("%s; moved to %s and trained again", e, aside)
     texts = read_texts(
         name, "train", data_dir=data_dir, max_examples_per_split=max_examples_per_split
     )

@@ -107,7 +107,13 @@ class BpeTokenizer:
                 f"tokenizer file {path} not found; train it with "
                 "moejax.data.tokenizers.train_bpe(texts, vocab_size, path=...)"
             )
-        return cls(Tokenizer.from_file(str(path)))
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"tokenizer file {path} cannot be read ({e}); fix: delete it and "
+                             "train it again (moejax.data.loader.bpe_for does so itself)"
+                             ) from None
+        return cls(tok)
 
     @property
     def vocab_size(self) -> int:
