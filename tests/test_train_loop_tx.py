@@ -381,3 +381,20 @@ def test_a_resumed_run_keeps_one_evaluation_row_per_step(tmp_path):
     rows = read_csv(tmp_path / "eval.csv")
     assert [int(r["step"]) for r in rows] == list(range(1, 7))
     assert [float(r["at"]) for r in rows] == [1, 2, 3.5, 4.5, 5.5, 6.5]
+
+
+def test_a_captured_run_whose_first_batch_fails_lets_go_of_its_directory(tmp_path):
+    """Inside a capture the first batch is read before the first step, to record the step:
+    a source failing there ends the run with the directory unlocked, as a failure while
+    opening it does."""
+    from moejax.capture import capture_steps
+    from moejax.train.run_lock import is_held
+
+    cfg = TrainConfig(steps=2, batch_size=4, log_every=1)
+    with capture_steps(steps=1), pytest.raises(RuntimeError, match="killed"):
+        train(TinyMoELM(nnx.Rngs(0)), _crashing_at(0, ToySource(batch_size=4)), cfg,
+              run_dir=str(tmp_path), progress=False)
+    assert not is_held(tmp_path)
+    with capture_steps(steps=1):  # the same process runs it again at once
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir=str(tmp_path),
+              progress=False)

@@ -314,13 +314,13 @@ class _Run:
     def run(self):
         try:  # a failure while opening must not leave the run directory locked
             self._open()
+            end, self.rows = self._capture()
+            if self.rows is not None:  # steps on a few rows are not the configured run's:
+                self.ckpt = _close_unsaved(self.ckpt)  # no checkpoint (or best) of them
         except BaseException:
             self._close(failed=True)
             raise
         cfg = self.cfg
-        end, self.rows = self._capture()
-        if self.rows is not None:  # steps on a few rows are not the configured run's: no
-            self.ckpt = _close_unsaved(self.ckpt)  # checkpoint (or best) of them is kept
         self.bar = progress(total=cfg.steps, initial=self.start, desc=self.opts.desc,
                         disable=not (self.opts.progress and self.main), mininterval=1.0)
         self.t_flush = time.perf_counter()
