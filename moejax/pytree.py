@@ -60,9 +60,13 @@ def _tree_of(obj, params_only: bool):
 
 
 def count_params(tree: PyTree, mask: PyTree | None = None) -> int:
-    """Scalar entries of (the ``mask``-selected leaves of) ``tree``; of a module's Params."""
+    """Scalar entries of (the ``mask``-selected leaves of) ``tree``; of a module's Params.
+    ``mask``: a bool per leaf of ``tree``, in its leaf order."""
     leaves = jax.tree_util.tree_leaves(_tree_of(tree, True))
     sel = [True] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    if len(sel) != len(leaves):
+        raise ValueError(f"count_params: the mask has {len(sel)} leaves but the tree "
+                         f"{len(leaves)}; give a bool per leaf")
     return int(sum(int(np.size(x)) for x, m in zip(leaves, sel) if m))
 
 

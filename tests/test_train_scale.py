@@ -7,6 +7,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from moejax.harness.claims import Claim, claims_markdown, claims_scale
@@ -106,3 +107,11 @@ def test_the_merged_run_of_a_repeat_gives_the_scale_beside_its_verdicts(tmp_path
     assert json.loads((r.path / "run.json").read_text())["scale"] == want
     (row,) = list(csv.DictReader(open(r.path / "claims.csv")))
     assert row["scale"] == f"here: {want}; paper: not stated"
+
+
+def test_a_params_mask_is_a_bool_per_leaf():
+    tree = {"a": jnp.ones((2, 3)), "b": {"c": jnp.ones(4), "d": jnp.ones(())}}
+    assert count_params(tree) == 11
+    assert count_params(tree, {"a": False, "b": {"c": True, "d": True}}) == 5
+    with pytest.raises(ValueError, match="the mask has 2 leaves but the tree 3"):
+        count_params(tree, {"a": False, "b": True})  # a prefix would drop leaves unseen
