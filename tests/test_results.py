@@ -229,3 +229,22 @@ def test_a_merged_run_names_what_a_seed_run_could_not_measure(tmp_path):
     assert "Table `acc` averages some cells over fewer runs" in text
     assert "row 0, acc: NaN in runs [1]" in text
     assert "acc 0.5 +/- 0 (1 of 2 runs measured it)" in text
+
+
+def test_a_run_directory_whose_config_cannot_be_written_is_not_left_locked(tmp_path,
+                                                                          monkeypatch):
+    import errno
+
+    from moejax.harness import results
+    from moejax.train.hparams import TrainConfig
+    from moejax.train.run_lock import is_held
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(results, "atomic_write_text", full)
+    with pytest.raises(OSError, match="No space left"):
+        RunDir.create(tmp_path / "r", TrainConfig(), lock=True)
+    assert not is_held(tmp_path / "r")
+    monkeypatch.undo()
+    RunDir.create(tmp_path / "r", TrainConfig(), lock=True).close()  # at once, same process

@@ -84,13 +84,17 @@ class RunDir:
         run = cls(path, name or path.name)
         if lock:
             run._lock = RunLock(path).acquire()
-        if cfg is not None:
-            text = json.dumps(to_dict(cfg), indent=2) + "\n"
-            old = path / "config.json"
-            if old.is_file() and old.read_text() != text and _has_checkpoints(path):
-                run._pending_config = text
-            else:
-                atomic_write_text(old, text)
+        try:  # a failure here (a full disk) must not leave the directory locked
+            if cfg is not None:
+                text = json.dumps(to_dict(cfg), indent=2) + "\n"
+                old = path / "config.json"
+                if old.is_file() and old.read_text() != text and _has_checkpoints(path):
+                    run._pending_config = text
+                else:
+                    atomic_write_text(old, text)
+        except BaseException:
+            run.close()
+            raise
         return run
 
     def close(self) -> None:
