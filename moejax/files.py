@@ -19,12 +19,13 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 __all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode",
-           "exclusive", "writable_dir", "UnusableDirError"]
+           "exclusive", "move_aside", "writable_dir", "UnusableDirError"]
 
 
 class UnusableDirError(OSError):
@@ -120,3 +121,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     with atomic_open(path, "w") as f:
         f.write(text)
     return Path(path)
+
+
+def move_aside(path: str | os.PathLike, tag: str = "corrupt") -> Path:
+    """Move a file or directory that cannot be trusted out of the way, kept beside it as
+    ``<name>.<tag>-<time>`` (a cache then rebuilds it); returns where it went."""
+    path = Path(path)
+    dest = path.with_name(f"{path.name}.{tag}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, dest)
+    return dest

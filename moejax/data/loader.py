@@ -15,8 +15,6 @@ Documents are read from the TFDS data source in its stored (deterministic) order
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ from moejax.data.builders_labelled import LEXNAMES, POS_NAMES
 from moejax.data.packing import pack_documents, pack_pairs, prompt_response_rows
 from moejax.data.token_cache import tokenized_docs
 from moejax.data.tokenizer import BpeTokenizer, train_bpe
+from moejax.files import move_aside
 
 __all__ = [
     "read_texts",
@@ -239,9 +238,7 @@ def bpe_for(
         try:
             return BpeTokenizer.load(path)
         except ValueError as e:  # unreadable, or not one of ours: set aside and trained again
-            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
-            os.replace(path, aside)
-            log.warning("%s; moved to %s and trained again", e, aside)
+            log.warning("%s; moved to %s and trained again", e, move_aside(path))
     texts = read_texts(
         name, "train", data_dir=data_dir, max_examples_per_split=max_examples_per_split
     )

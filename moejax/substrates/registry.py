@@ -49,7 +49,7 @@ from typing import Any
 from flax import nnx
 
 from moejax.config import Config, to_json
-from moejax.files import atomic_write_text, exclusive, writable_dir
+from moejax.files import atomic_write_text, exclusive, move_aside, writable_dir
 from moejax.harness.smoke import SMOKE_SUFFIX, smoke_config
 from moejax.io.safetensors_io import export_params, import_params
 from moejax.pytree import count_bytes
@@ -220,9 +220,8 @@ def _load(name: str, cfg: Config, d: Path) -> Substrate | None:
             if not (d / "integrity.json").is_file():
                 _write_integrity(d)  # an entry from before integrity.json: adopt it
             return Substrate(name, model, cfg, metrics, d)
-    dest = d.with_name(f"{d.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    dest = move_aside(d)
     log.warning("substrate cache %s is damaged: %s; moved to %s and rebuilt", d, problem, dest)
-    os.replace(d, dest)
     return None
 
 

@@ -171,13 +171,6 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     return history
 
 
-def _close_unsaved(ckpt):
-    """Close a checkpointer that is to save nothing more; ``None`` in its place."""
-    if ckpt is not None:
-        ckpt.close()
-    return None
-
-
 def _variable_leaves(tree) -> list:
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -315,8 +308,9 @@ class _Run:
         try:  # a failure while opening must not leave the run directory locked
             self._open()
             end, self.rows = self._capture()
-            if self.rows is not None:  # steps on a few rows are not the configured run's:
-                self.ckpt = _close_unsaved(self.ckpt)  # no checkpoint (or best) of them
+            if self.rows is not None and self.ckpt is not None:  # steps on a few rows are
+                self.ckpt.close()  # not the configured run's: no checkpoint (or best) of them
+                self.ckpt = None
         except BaseException:
             self._close(failed=True)
             raise
