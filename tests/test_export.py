@@ -225,3 +225,48 @@ def test_moe_lm_train_step_lowers_with_the_platforms_moe_kernel(platform):
     assert not any("callback" in c for c in calls), calls
     # the grouped products' metadata is array ops: no loop of small sequential kernels
     assert _loops(exported) == 0
+
+
+def test_a_program_traces_the_kernel_of_its_target_platform_alone():
+    """``on_target`` traces one branch: the CPU's here, the named accelerator's under
+    ``lowering_target``, the default where a platform has none. A program built for the CPU
+    refuses to lower for ``cuda`` instead of running another platform's kernel there."""
+    from moejax.kernels.tiling import on_target
+
+    traced = []
+
+    def branch(name):
+        def run(x):
+            traced.append(name)
+            return x + len(name)
+        return run
+
+    def fn(x):
+        return on_target(x, cpu=branch("cpu"), cuda=branch("cuda"), default=branch("other"))
+
+    jitted = jax.jit(fn)
+    assert float(jitted(1.0)) == 4.0 and traced == ["cpu"]
+    with pytest.raises(NotImplementedError, match=r"platform_index.*cuda"):
+        je.export(jitted, platforms=("cuda",))(1.0)
+    for platform, name in (("cuda", "cuda"), ("tpu", "other")):
+        traced.clear()
+        with lowering_target(platform):
+            je.export(jax.jit(fn), platforms=(platform,))(1.0)
+        assert traced == [name], (platform, traced)
+    with pytest.raises(ValueError, match="no kernel for platform 'cpu'; there are kernels "
+                                         "for cuda, tpu"):
+        on_target(1.0, cuda=branch("cuda"), tpu=branch("tpu"))
+
+
+@pytest.mark.parametrize("model", ["blockffn", "moe"])
+def test_a_step_built_for_the_cpu_traces_no_accelerator_kernel(model):
+    """The BlockFFN step traces neither the Triton nor the Mosaic pair kernels on the CPU
+    (only the jnp chunk-union loop), and the MoE step not the accelerators' grouped
+    matmul (only the host kernel): tracing them was a large share of a CPU run's time."""
+    step, state, batch = _train_step(_blockffn_decoder()) if model == "blockffn" else _lm_step()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    text = str(jax.make_jaxpr(step)(abstract, batch))
+    assert "pallas_call" not in text and "ragged_dot" not in text
+    with lowering_target("cuda"):  # the same step built for a GPU does trace its kernels
+        text = str(jax.make_jaxpr(step)(abstract, batch))
+    assert "pallas_call" in text or "ragged_dot" in text

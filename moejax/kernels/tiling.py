@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["pad_to", "pow2", "block", "choose_platform", "target_device", "hopper_target",
-           "peak_flops", "PEAK_FLOPS"]
+__all__ = ["pad_to", "pow2", "block", "on_target", "choose_platform", "target_device",
+           "hopper_target", "peak_flops", "PEAK_FLOPS"]
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 # dense 16-bit tensor-core peaks (FLOP/s) by the device-kind name they appear in, the
@@ -44,15 +44,37 @@ def block(dim: int, pref: int) -> int:
     return dim if dim <= pref else pref
 
 
+_LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+def on_target(*args, default=None, **branches):
+    """``branches[p](*args)`` for the platform ``p`` the program is built for
+    (:func:`target_device`), ``default(*args)`` where ``branches`` has none.
+
+    Only that branch is traced: :func:`jax.lax.platform_dependent` traces every branch it is
+    given, and tracing the other platforms' Pallas kernels, which this program would never
+    lower, took a large share of a CPU run's time. The branch sits under ``platform_dependent``
+    keyed by its platform alone, so the program lowers for that platform only: lowering it
+    for another fails (jax names ``platform_index`` and the platform) instead of running the
+    wrong platform's kernel. Lower for an accelerator that is not attached under
+    :func:`moejax.kernels.targets.lowering_target`, which makes it the target."""
+    platform = target_device()[0]
+    branch = branches.get(platform, default)
+    if branch is None:
+        raise ValueError(f"no kernel for platform {platform!r}; there are kernels for "
+                         f"{', '.join(sorted(branches))}")
+    if platform in _LOWERING_PLATFORMS:
+        return jax.lax.platform_dependent(*args, **{platform: branch})
+    return jax.lax.platform_dependent(*args, default=branch)
+
+
 def choose_platform(args, *, mosaic, triton, interpret: bool):
-    """Run ``mosaic(interpret)`` on TPU (interpret mode on CPU) and ``triton`` on GPU, chosen
-    when the program is lowered (:func:`jax.lax.platform_dependent`), so one jitted function
-    lowers to each platform's kernel. ``interpret=True`` runs the interpreted Mosaic kernel
-    everywhere."""
+    """Run ``mosaic(interpret)`` on TPU (interpret mode on CPU) and ``triton`` on GPU: the
+    branch of the platform the program is built for (:func:`on_target`). ``interpret=True``
+    runs the interpreted Mosaic kernel everywhere."""
     if interpret:
         return mosaic(True)(*args)
-    return jax.lax.platform_dependent(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton,
-                                      rocm=triton)
+    return on_target(*args, cpu=mosaic(True), tpu=mosaic(False), cuda=triton, rocm=triton)
 
 
 def target_device() -> tuple[str, str]:

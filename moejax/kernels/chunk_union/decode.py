@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moejax.kernels.activation_forms import kernel_activation
+from moejax.kernels.tiling import on_target
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_decode", "chunk_union_ids", "check_expert_weights", "MAX_CHUNK",
@@ -176,4 +177,4 @@ def chunk_union_decode(x_nD, a_nE, active_nE, w_up, w_down, w_gate=None, *, acti
 
     if interpret:
         return run(True)[:n]
-    return jax.lax.platform_dependent(cpu=lambda: run(True), default=lambda: run(False))[:n]
+    return on_target(cpu=lambda: run(True), default=lambda: run(False))[:n]

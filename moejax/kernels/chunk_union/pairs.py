@@ -15,7 +15,7 @@ Tokens come in tiles ``xs [S, n, K]`` (``S`` tiles of ``n`` rows). Tile ``s`` ha
 
 Each kernel is tiled over rows, output columns and the contraction, so a program holds a few
 small blocks whatever ``n``, ``K`` and ``N`` are, and reads only the weight blocks of the
-experts its pairs name. Per platform, chosen when the function is lowered
+experts its pairs name. Per platform, chosen when the function is traced for it
 (:func:`moejax.kernels.tiling.choose_platform`):
 
 * TPU: Mosaic with scalar-prefetched pair tables: the weight BlockSpecs' index maps read the

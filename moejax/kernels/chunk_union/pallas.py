@@ -8,7 +8,7 @@ when no tile overflows ``max_union``), with gradients in ``x``, the combine weig
 router's path) and every expert weight. Per tile ``c`` the union (members first, ascending) and its
 clipped size ``count_c = min(|U_c|, max_union)`` are computed once in jnp; the (tile, member)
 pairs are the rows of three pair products (:mod:`moejax.kernels.chunk_union.pairs`, Mosaic on TPU,
-Triton on GPU, chosen when the function is lowered):
+Triton on GPU, chosen for the platform the function is built for):
 
 * forward: ``pre = x_c W_up[e]`` per pair (``pair_up``); ``h = act(pre) * A[:, e]`` (gated:
   ``act(x_c W_gate[e]) * pre * A[:, e]``) elementwise; ``y_c = sum_j h_cj W_down[e_cj]``
@@ -54,7 +54,7 @@ from moejax.kernels.chunk_union.reference import (
     pad_to_tiles,
     union_members,
 )
-from moejax.kernels.tiling import hopper_target, target_device
+from moejax.kernels.tiling import hopper_target, on_target, target_device
 from moejax.ops.activations import activation_fn
 
 __all__ = ["chunk_union_kernel", "chunk_union_pallas", "chunk_union_auto", "tile_unions",
@@ -279,9 +279,10 @@ def decode_route(x_nD, w_up, w_gate=None, platform: str | None = None) -> str:
 
 def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activation: str,
                      tile: int, max_union: int, residual_ND=None):
-    """The chunk-union experts on every platform's fast path, chosen when lowered: the jnp
-    loop (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the
-    Pallas pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
+    """The chunk-union experts on the fast path of the platform the program is built for
+    (:func:`moejax.kernels.tiling.on_target`): the jnp loop
+    (:func:`moejax.kernels.chunk_union.reference.chunk_union_experts`) on the CPU, the Pallas
+    pair kernels on GPU and TPU. A single exact chunk of at most ``MAX_CHUNK`` tokens
     (batch-1 decoding, a verified draft block) takes a decode kernel (:func:`decode_chunk`)
     instead: on TPU always, on a Hopper GPU where the Mosaic GPU kernel takes the chunk
     (bf16 / f16, :func:`moejax.kernels.chunk_union.decode_gpu.supports`). A decode chunk on a
@@ -330,6 +331,5 @@ def chunk_union_auto(x_ND, a_NE, active_NE, w_up, w_down, w_gate=None, *, activa
             return kernel_path(x, a, act, wu, wd, wg, r)
         return decode_chunk(x, a, act, wu, wd, wg, r, activation, False, "tpu"), no_overflow
 
-    return jax.lax.platform_dependent(x_ND, a_NE, active_NE, w_up, w_down, w_gate,
-                                      residual_ND, cpu=jnp_path, tpu=tpu_path, cuda=gpu_path,
-                                      default=kernel_path)
+    return on_target(x_ND, a_NE, active_NE, w_up, w_down, w_gate, residual_ND, cpu=jnp_path,
+                     tpu=tpu_path, cuda=gpu_path, default=kernel_path)

@@ -11,8 +11,9 @@ small tiles whatever ``K`` and ``N`` are:
   kernel: no transposed weight stack is materialised);
 * ``dW[g] = sum over g's row tiles of x_t^T dy_t`` (:func:`tgmm`; an empty group gets 0).
 
-The kernel is chosen when the function is lowered, per platform
-(:func:`jax.lax.platform_dependent`), so one jitted program lowers to the right kernel on each:
+The kernel is chosen per platform when the function is traced, for the platform the program
+is built for (:func:`moejax.kernels.tiling.on_target`), so one function lowers to the right
+kernel on each:
 
 * GPU: Triton (:mod:`moejax.kernels.grouped.gmm_triton`), on megablox's tile metadata
   (:func:`moejax.kernels.grouped.layout.group_visits`): the rows stay where they are, each visit

@@ -22,8 +22,8 @@ and the kernel paths, behind one signature, and ``"auto"``.
   the one-device choice below (:mod:`moejax.kernels.moe_ffn.expert_parallel`).
 
 ``"auto"`` (the models' default): under such a mesh, ``"expert_parallel"``; otherwise, with one
-device, ``"host"`` when the program is lowered for a CPU and ``"tokamax"`` when it is lowered
-for a GPU or TPU (:func:`jax.lax.platform_dependent`; ``"gmm"`` where tokamax is not
+device, ``"host"`` when the program is built for a CPU and ``"tokamax"`` when it is built
+for a GPU or TPU (:func:`moejax.kernels.tiling.on_target`; ``"gmm"`` where tokamax is not
 installed), and ``"grouped"`` with several devices and no mesh: see :func:`resolve_dispatch`.
 On a GPU, ``"auto"``'s grouped matmul runs each pass on the project's kernel of the size
 tier the product reaches (:data:`~moejax.kernels.grouped.ragged.OWN_TIERS`), where that was
@@ -58,7 +58,7 @@ from moejax.kernels.moe_ffn.jnp_paths import (
     dispatch_ragged,
     expert_capacity,
 )
-from moejax.kernels.tiling import target_device
+from moejax.kernels.tiling import on_target, target_device
 
 __all__ = ["PATHS", "dispatch", "resolve_dispatch", "describe_dispatch", "experts_in_xla",
            "expert_mesh_axes"]
@@ -132,12 +132,12 @@ def _one_device(*args, activation, capacity_factor, valid_N, priority, widths_E=
             return _host(*a, check_backend=False, widths_E=widths, **kw)
         return _grouped(*a, **kw)
 
-    def accelerator(*flat):  # each picks the platform's kernel itself (every branch is traced)
+    def accelerator(*flat):  # each picks the target platform's kernel itself
         if not RAGGED_DOT_AVAILABLE:
             return _gmm(*rebuild(flat)[:-1], **kw)
         return _tokamax(*rebuild(flat)[:-1], kernel="measured", **kw)
 
-    return jax.lax.platform_dependent(*arrays, cpu=cpu, default=accelerator)
+    return on_target(*arrays, cpu=cpu, default=accelerator)
 
 
 # a jit-cache-sensitive context: a step traced inside experts_in_xla() is traced anew
@@ -229,9 +229,10 @@ def resolve_dispatch(method: DispatchMethod) -> DispatchMethod:
     ``"tokamax"`` on a GPU or TPU (``"gmm"``, the project's Pallas grouped matmul, where
     tokamax is not installed); with several devices ``"grouped"``
     (plain jnp, which the SPMD partitioner shards). Inside a jitted function ``"auto"`` picks
-    the kernel when the function is lowered, so a program exported for another platform gets
-    that platform's kernel. Under a data x expert mesh set for tracing, ``"expert_parallel"``.
-    Other names are returned as they are."""
+    the kernel of the platform the function is built for, so a program exported for another
+    platform (:func:`moejax.kernels.targets.lowering_target`) gets that platform's kernel.
+    Under a data x expert mesh set for tracing, ``"expert_parallel"``. Other names are
+    returned as they are."""
     if method != "auto":
         return method
     if _mesh() is not None:

@@ -419,8 +419,8 @@ def host_moe(x_ND, ids_NK, weights_NK, w_up_EDF, w_down_EFD, w_gate_EDF=None, *,
     ``widths_E`` (int ``[E]``, optional): expert ``e``'s hidden units past ``widths_E[e]`` are
     zero-padding (experts of different widths in one padded array): the forward skips them
     (the result is the same; under differentiation every unit is computed).
-    ``check_backend=False``: trace it on any backend (for a branch of
-    :func:`jax.lax.platform_dependent` that is only lowered for the CPU)."""
+    ``check_backend=False``: trace it on any backend (for a branch that is only lowered for
+    the CPU: :func:`moejax.kernels.tiling.on_target`)."""
     if check_backend:
         _check_backend()
     if activation not in HOST_ACTIVATIONS:
