@@ -52,24 +52,6 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
     assert "Quantiser: midrise" in text
 
 
-def test_ders_upcycling_tiny(tiny_recipes, tmp_path):
-    mod = upcycling
-
-    cfg = mod.make_config("quick").replace(substrate=_substrate(tiny_recipes), train=TRAIN,
-                                           sm_rates=(0.9,), lm_ranks=(2,), eval_batches=1)
-    summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
-                                  claims=mod.claims, out=tmp_path / "up")
-    rows = list(csv.DictReader(open(run.path / "upcycling.csv")))
-    by = {r["variant"]: r for r in rows}
-    assert {"vanilla", "DeRS-SM p=0.9", "DeRS-LM r=2", "DeRS-SM p=0.9 frozen shared"} <= set(by)
-    # every upcycled model equals the dense substrate at step 0
-    step0 = {float(r["val_loss_step0"]) for r in rows}
-    assert max(step0) - min(step0) < 1e-4
-    assert int(by["DeRS-SM p=0.9"]["added"]) < int(by["vanilla"]["added"])
-    assert int(by["dense fine-tuned (control)"]["added"]) == 0  # trained alike, no experts
-    assert "Upcycled from substrate dense_lm_code" in (run.path / "summary.md").read_text()
-
-
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
     mod = upcycling
     from moejax.harness.claims import SEED_TABLES
@@ -262,8 +244,9 @@ def test_upcycling_ablation_claims_pair_the_variants_over_the_seeds(tmp_path):
     assert "rank 4 beats rank 64" in got[4].claim and "p=0.9 beats p=0.9999" in got[3].claim
 
 
-def test_ders_upcycling_with_an_imported_baseline(tiny_recipes, tmp_path):
-    """``baseline=hf:<dir>``: the tiny OLMoE fixture (its char-level tokenizer) evaluated and
+def test_ders_upcycling_tiny_with_an_imported_baseline(tiny_recipes, tmp_path):
+    """The study's variants, every one equal to the dense substrate at step 0, and
+    ``baseline=hf:<dir>``: the tiny OLMoE fixture (its char-level tokenizer) evaluated and
     trained alike on the same text; its row compares in bits per byte, its nats converted to
     the study's byte tokens, and the claims still judge the DeRS rows only."""
     mod = upcycling
@@ -274,15 +257,24 @@ def test_ders_upcycling_with_an_imported_baseline(tiny_recipes, tmp_path):
                                            baseline=f"hf:{hf}")
     summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "up")
-    by = {r["form"]: r for r in csv.DictReader(open(run.path / "upcycling.csv"))}
-    imp, van = by["imported"], by["vanilla"]
+    rows = list(csv.DictReader(open(run.path / "upcycling.csv")))
+    by = {r["variant"]: r for r in rows}
+    assert {"vanilla", "DeRS-SM p=0.9", "DeRS-LM r=2", "DeRS-SM p=0.9 frozen shared"} <= set(by)
+    # every upcycled model equals the dense substrate at step 0
+    step0 = {float(r["val_loss_step0"]) for r in rows if r["form"] != "imported"}
+    assert max(step0) - min(step0) < 1e-4
+    assert int(by["DeRS-SM p=0.9"]["added"]) < int(by["vanilla"]["added"])
+    assert int(by["dense fine-tuned (control)"]["added"]) == 0  # trained alike, no experts
+    text = (run.path / "summary.md").read_text()
+    assert "Upcycled from substrate dense_lm_code" in text
+    (imp,) = [r for r in rows if r["form"] == "imported"]
+    van = by["vanilla"]
     assert imp["variant"].startswith("imported olmoe") and imp["added_vs_vanilla"] == "-"
     # byte tokens: a loss per token is one per byte; the imported row converts to it
     assert abs(float(van["val_bpb"]) * math.log(2) - float(van["val_loss"])) < 1e-6
     assert abs(float(imp["val_bpb"]) * math.log(2) - float(imp["val_loss"])) < 1e-6
     assert 0 < float(imp["val_loss"]) < 10 and float(imp["val_loss"]) != float(
         imp["val_loss_step0"])
-    text = (run.path / "summary.md").read_text()
     assert "Imported baseline: imported olmoe" in text
     assert "of its tokens are its unknown token" in text  # a char-level vocabulary of 96
     claims = list(csv.DictReader(open(run.path / "claims.csv")))

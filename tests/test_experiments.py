@@ -657,13 +657,11 @@ def test_a_study_runs_from_its_papers_package_and_its_old_flat_name_still_runs()
         assert flat is importlib.import_module(module), name
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("experiments.no_such_study")
-    r = subprocess.run([sys.executable, "-m", "experiments.blockffn.granularity", "--help"],
+    # the flat name runs the new module as ``__main__``, as ``python -m`` would
+    r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "n_experts" in r.stdout, r.stderr[-2000:]
     assert "usage: python -m experiments.blockffn.granularity " in r.stdout
-    r = subprocess.run([sys.executable, "-m", "experiments.blockffn_granularity", "--help"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "usage: python -m experiments.blockffn.granularity " in r.stdout
     assert r.stderr.strip().splitlines()[0] == (
         "experiments.blockffn_granularity moved: python -m experiments.blockffn.granularity")
 

@@ -1,6 +1,6 @@
 """Two local CPU processes with 4 devices each on JAX's distributed runtime (gloo collectives):
 an MoE LM with expert parallelism and FSDP over a (2, 4) mesh spanning both processes trains
-20 steps through the training loop (each process loads only its half of every global batch;
+10 steps through the training loop (each process loads only its half of every global batch;
 both write the orbax checkpoint; each device holds 1/8 of the parameters and optimizer
 state) and reports the losses of the single-device run of the same steps; the
 checkpoint the single device wrote restores onto the 8-device mesh, and the one the 8 devices
@@ -33,7 +33,7 @@ from moejax.train.step import init_state
 from tests.toy_models import ToySource, tree_max_diff
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = TrainConfig(steps=20, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant",
+CFG = TrainConfig(steps=10, batch_size=8, lr=1e-2, warmup_steps=0, schedule="constant",
                   mesh_data=2, mesh_expert=4, fsdp=True)
 MODEL = MoELMConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=16,
                     moe=MoEConfig(n_experts=8, top_k=2, d_expert=32))
