@@ -115,7 +115,8 @@ def initialize_from_env(env=None) -> PeerWatch | bool:
     Returns the :class:`PeerWatch` on the other processes (or True where the runtime cannot
     say who is alive) when the distributed runtime was initialised, False for a single
     process.
-    Raises ``ValueError`` naming the variable when the ``MOEJAX_*`` settings are incomplete.
+    Raises ``ValueError`` naming the variable when the ``MOEJAX_*`` settings are incomplete
+    or malformed, before anything is set up.
     """
     env = os.environ if env is None else env
     coord = env.get("MOEJAX_COORDINATOR")
@@ -126,36 +127,49 @@ def initialize_from_env(env=None) -> PeerWatch | bool:
                 f"MOEJAX_COORDINATOR={coord} is set but {missing} are not; set all of "
                 "MOEJAX_COORDINATOR, MOEJAX_NUM_PROCESSES and MOEJAX_PROCESS_ID"
             )
-        n, pid = int(env["MOEJAX_NUM_PROCESSES"]), int(env["MOEJAX_PROCESS_ID"])
-        if not 0 <= pid < n:
+        n = _whole(env, "MOEJAX_NUM_PROCESSES", least=1)
+        pid = _whole(env, "MOEJAX_PROCESS_ID")
+        if pid >= n:
             raise ValueError(f"MOEJAX_PROCESS_ID={pid} must be in [0, MOEJAX_NUM_PROCESSES={n})")
         local = env.get("MOEJAX_LOCAL_DEVICE_IDS")
+        ids = None
+        if local:
+            ids = local.split(",")
+            if not all(i.strip().isdigit() for i in ids):
+                raise ValueError(f"MOEJAX_LOCAL_DEVICE_IDS={local!r} must be device numbers "
+                                 "separated by commas, e.g. 0,1")
+            ids = [int(i) for i in ids]
+        heartbeat = _heartbeat(env)
         _maybe_cpu_collectives(env, n)
-        heartbeat = _recoverable(env)
-        jax.distributed.initialize(
-            coordinator_address=coord,
-            num_processes=n,
-            process_id=pid,
-            local_device_ids=[int(i) for i in local.split(",")] if local else None,
-            heartbeat_timeout_seconds=heartbeat,
-        )
-        return _watch_peers() or True
+        return _start(heartbeat, coordinator_address=coord, num_processes=n, process_id=pid,
+                      local_device_ids=ids)
     if _auto_detectable(env):
-        jax.distributed.initialize(heartbeat_timeout_seconds=_recoverable(env))
-        return _watch_peers() or True
+        return _start(_heartbeat(env))
     return False
 
 
-def _recoverable(env) -> int:
-    """Let the processes outlive a dead one long enough to say so (``jax_enable_recoverability``:
+def _start(heartbeat: int, **where) -> PeerWatch | bool:
+    """``jax.distributed.initialize(**where)``, recoverable (``jax_enable_recoverability``:
     the coordination service then reports a dead process to the others instead of aborting
-    them); returns the heartbeat timeout (``MOEJAX_HEARTBEAT_TIMEOUT`` seconds)."""
-    raw = env.get("MOEJAX_HEARTBEAT_TIMEOUT", str(HEARTBEAT_TIMEOUT_S))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"MOEJAX_HEARTBEAT_TIMEOUT={raw!r} must be a whole number of seconds "
-                         ">= 1")
+    them, so they outlive it long enough to say so), and the watch on the others."""
     jax.config.update("jax_enable_recoverability", True)
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat, **where)
+    return _watch_peers() or True
+
+
+def _whole(env, name: str, least: int = 0, unit: str = "") -> int:
+    """The whole number ``env[name]`` (at least ``least``), or ``ValueError`` naming it."""
+    raw = env[name]
+    if not raw.strip().isdigit() or int(raw) < least:
+        raise ValueError(f"{name}={raw!r} must be a whole number{unit} >= {least}")
     return int(raw)
+
+
+def _heartbeat(env) -> int:
+    """The heartbeat timeout: a process silent this long is dead (``MOEJAX_HEARTBEAT_TIMEOUT``
+    seconds, default ``HEARTBEAT_TIMEOUT_S``)."""
+    return _whole({"MOEJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S), **env},
+                  "MOEJAX_HEARTBEAT_TIMEOUT", least=1, unit=" of seconds")
 
 
 class PeerWatch:
