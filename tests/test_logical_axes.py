@@ -226,3 +226,17 @@ def test_a_tensor_axis_splits_ffn_widths_and_heads_and_trains_as_one_device():
     device's losses."""
     out = run_on_devices(_TENSOR_SCRIPT, 8)
     assert out.count("losses") == 2
+
+
+@pytest.mark.parametrize("data,expert,name", [(-1, 0, "mesh_expert=0"), (0, -1, "mesh_data=0"),
+                                              (-2, 1, "mesh_data=-2"), (2, -3, "mesh_expert=-3")])
+def test_a_mesh_axis_neither_minus_one_nor_positive_is_refused_naming_it(data, expert, name):
+    """``make_mesh`` / ``resolve_mesh_shape`` called directly (a config refuses these
+    itself): one ValueError naming the axis, not a division by zero or a negative device
+    count."""
+    with pytest.raises(ValueError, match=f"mesh: {name} must be -1 \\(all remaining devices\\) "
+                                         "or >= 1"):
+        mesh_lib.resolve_mesh_shape(data, expert, 8)
+    with pytest.raises(ValueError, match=name):
+        mesh_lib.make_mesh(data, expert)
+    assert mesh_lib.resolve_mesh_shape(-1, 1, 8) == (8, 1)

@@ -85,6 +85,9 @@ def resolve_mesh_shape(data: int, expert: int, n_devices: int, tensor: int = 1
         raise ValueError(f"mesh: a tensor axis of {tensor} does not divide the {n_devices} "
                          "devices; choose mesh_tensor dividing the device count")
     n_devices //= tensor
+    for name, size in (("mesh_data", data), ("mesh_expert", expert)):
+        if size != -1 and size < 1:
+            raise ValueError(f"mesh: {name}={size} must be -1 (all remaining devices) or >= 1")
     if data == -1 and expert == -1:
         raise ValueError("mesh: data and expert cannot both be -1; fix one of them")
     if data == -1:
