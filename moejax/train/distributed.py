@@ -157,9 +157,10 @@ def _start(heartbeat: int, **where) -> PeerWatch | bool:
     return _watch_peers() or True
 
 
-def _whole(env, name: str, least: int = 0, unit: str = "") -> int:
-    """The whole number ``env[name]`` (at least ``least``), or ``ValueError`` naming it."""
-    raw = env[name]
+def _whole(env, name: str, least: int = 0, unit: str = "", default: int | None = None) -> int:
+    """The whole number ``env[name]`` (at least ``least``; ``default`` where it is not set),
+    or ``ValueError`` naming it."""
+    raw = env.get(name, str(default))
     if not raw.strip().isdigit() or int(raw) < least:
         raise ValueError(f"{name}={raw!r} must be a whole number{unit} >= {least}")
     return int(raw)
@@ -168,8 +169,8 @@ def _whole(env, name: str, least: int = 0, unit: str = "") -> int:
 def _heartbeat(env) -> int:
     """The heartbeat timeout: a process silent this long is dead (``MOEJAX_HEARTBEAT_TIMEOUT``
     seconds, default ``HEARTBEAT_TIMEOUT_S``)."""
-    return _whole({"MOEJAX_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S), **env},
-                  "MOEJAX_HEARTBEAT_TIMEOUT", least=1, unit=" of seconds")
+    return _whole(env, "MOEJAX_HEARTBEAT_TIMEOUT", least=1, unit=" of seconds",
+                  default=HEARTBEAT_TIMEOUT_S)
 
 
 class PeerWatch:
