@@ -154,3 +154,30 @@ def test_update_without_params_errors():
     p = {"w": jnp.ones(3)}
     with pytest.raises(ValueError, match="needs params"):
         tx.update(p, tx.init(p))
+
+
+@pytest.mark.parametrize("reg", ["l2", "l1"])
+def test_inject_hyperparams_binds_adamr_and_its_weight_decay_can_change(reg):
+    """``optax.inject_hyperparams(adamr)`` (the usual way to schedule or log a rate) binds
+    the signature and gives adamr's updates; the injected weight decay is state, so setting
+    it to 0 mid-run gives injected Adam's updates from there (injected hyperparameters are
+    float32 arrays, so both are compared injected)."""
+    rng = np.random.default_rng(4)
+    anchor = _tree(rng)
+    theta0 = jax.tree.map(lambda a: a + 0.5 * rng.normal(size=a.shape).astype(np.float32),
+                          anchor)
+    grads = [_tree(rng) for _ in range(6)]
+    injected = optax.inject_hyperparams(adamr)(learning_rate=1e-2, weight_decay=0.1, reg=reg,
+                                               anchor=anchor)
+    plain = _run(adamr(1e-2, 0.1, reg=reg, anchor=anchor), theta0, grads)
+    got = _run(injected, theta0, grads)
+    for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(plain)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    state = injected.init(theta0)
+    assert set(state.hyperparams) >= {"learning_rate", "weight_decay"}
+    state.hyperparams["weight_decay"] = jnp.zeros_like(state.hyperparams["weight_decay"])
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    upd, _ = jax.jit(injected.update)(grads[0], state, theta0)
+    ref, _ = jax.jit(adam.update)(grads[0], adam.init(theta0), theta0)
+    for x, y in zip(jax.tree_util.tree_leaves(upd), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)

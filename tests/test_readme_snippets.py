@@ -133,12 +133,17 @@ def test_the_finetuning_and_plain_orbax_blocks(tmp_path):
     exec(code, ns)
     assert len(ns["history"]) >= 1 and all(np.isfinite(h["loss"]) for h in ns["history"])
     # the comment's transforms compose with the block's
-    line = next(ln for ln in code.splitlines() if "inject_hyperparams(" in ln)
-    tx = eval(line.split("# ", 1)[1], ns)
+    dare_line, adamr_line = (ln for ln in code.splitlines() if "inject_hyperparams(" in ln)
+    tx = eval(dare_line.split("# ", 1)[1].removesuffix(", and"), ns)
     params = nnx.state(model, nnx.Param)
     updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params))
     assert 0.05 < float(np.mean([np.mean(np.asarray(u) != 0)
                                  for u in jax.tree.leaves(updates)])) < 0.2  # p = 0.9
+    tx = eval(adamr_line.split("# ", 1)[1], ns)
+    state = tx.init(params)
+    assert abs(float(state.hyperparams["weight_decay"]) - 0.1) < 1e-7
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
 
     # the checkpoint it wrote, restored with plain orbax in a process without moejax
     restore = _block("ocp.CheckpointManager",

@@ -21,6 +21,7 @@ is ``lambda`` and ``mask`` where the decay applies; the former names ``weight`` 
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Literal, NamedTuple
@@ -166,3 +167,16 @@ def adamr(
     """
     return optax.chain(scale_by_adamr(weight_decay, **kwargs),
                        optax.scale_by_learning_rate(learning_rate))
+
+
+def _signature_of_adamr() -> inspect.Signature:
+    """``learning_rate`` then :func:`scale_by_adamr`'s parameters: the signature that
+    ``optax.inject_hyperparams(adamr)`` binds (a bare ``**kwargs`` would be bound as one
+    argument named ``kwargs``)."""
+    inner = inspect.signature(scale_by_adamr)
+    lr = inspect.Parameter("learning_rate", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           annotation=optax.ScalarOrSchedule)
+    return inner.replace(parameters=[lr, *inner.parameters.values()])
+
+
+adamr.__signature__ = _signature_of_adamr()
