@@ -45,6 +45,10 @@ def test_dare_updates_reproducible_and_composes():
     np.testing.assert_array_equal(a1["w"], a2["w"])  # same seed -> same mask
     assert not np.array_equal(a1["w"], b1["w"])  # key advances each step
     assert set(np.unique(np.asarray(a1["w"])).round(6)) <= {0.0, round(-0.1 / 0.8, 6)}
+    # a seed given as an integer of any kind (a config's numpy int) is the same seed
+    for seed in (7, np.int64(7), np.int32(7)):
+        tx = optax.chain(optax.sgd(0.1), dare_updates(0.5, seed, q=0.8))
+        np.testing.assert_array_equal(tx.update(u, tx.init(u), u)[0]["w"], a1["w"])
 
 
 def test_dare_updates_hash_masks_with_traced_rate():

@@ -19,6 +19,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moejax.delta.hash_mask import hash_bits
@@ -51,8 +52,9 @@ def dare_updates(
 ) -> optax.GradientTransformation:
     """Drop-and-rescale transformation; chain after the optimiser to sparsify its deltas.
 
-    ``p`` and ``q`` may be traced (``optax.inject_hyperparams(dare_updates,
-    static_args="key")(p=schedule, key=0)``); they are range-checked when they are concrete.
+    ``key``: a PRNG key or an integer seed (Python or numpy). ``p`` and ``q`` may be traced
+    (``optax.inject_hyperparams(dare_updates, static_args="key")(p=schedule, key=0)``); they
+    are range-checked when they are concrete.
     """
     if _is_concrete(p) and not (math.isfinite(float(p)) and 0.0 <= float(p) < 1.0):
         raise ValueError(f"dare_updates: p={p} must be in [0, 1).")
@@ -61,7 +63,7 @@ def dare_updates(
         raise ValueError(f"dare_updates: q={q} must be finite and > 0.")
     if rng not in ("hash", "threefry"):
         raise ValueError(f"dare_updates: rng={rng!r}; use 'hash' or 'threefry'")
-    key0 = jax.random.PRNGKey(key) if isinstance(key, int) else key
+    key0 = jax.random.PRNGKey(int(key)) if isinstance(key, (int, np.integer)) else key
 
     def init_fn(params):
         del params
