@@ -72,6 +72,24 @@ def test_frozen_parts_multisteps_and_injected_lr():
     np.testing.assert_allclose([h["lr"] for h in hist], [sched(i) for i in range(6)], rtol=1e-6)
 
 
+def test_a_transform_that_reads_the_loss_gets_it_as_value():
+    """optax's extra argument ``value=``: reduce_on_plateau cuts the rate on the loop's
+    losses exactly as in a hand-written loop that passes the loss."""
+    tx = optax.chain(optax.sgd(3e-2),
+                     optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0))
+    cfg = CFG.replace(steps=12)
+    params, _ = train_params(P0, _regression, cfg, _mse, tx=tx, progress=False)
+    want, state = P0, tx.init(P0)
+    for i in range(cfg.steps):
+        batch = _regression(i)
+        loss, grads = jax.value_and_grad(lambda p, b=batch: _mse(p, b, None)[0])(want)
+        updates, state = tx.update(grads, state, want, value=loss)
+        want = optax.apply_updates(want, updates)
+    assert float(state[1].scale) < 1.0  # the plateau rule cut the rate: the loss was read
+    for k in P0:
+        np.testing.assert_allclose(params[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
     full, _ = train_params(P0, _regression, cfg, _mse, progress=False)

@@ -246,6 +246,9 @@ def make_step_fn(
     n_micro = cfg.grad_accum
     n_updates = updates_per_batch(loss_fn)
     prepare = getattr(loss_fn, "prepare", None)
+    # the loss goes to the transform as optax's extra argument ``value`` (read by
+    # optax.contrib.reduce_on_plateau and the like; ignored by the others)
+    extra_args_tx = optax.with_extra_args_support(tx)
 
     def gradients(params, rest0, batch, step_key):
         if n_micro == 1:
@@ -282,7 +285,7 @@ def make_step_fn(
         loss, metrics, rest, grads = gradients(params, rest, batch, key)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = extra_args_tx.update(grads, opt_state, params, value=loss)
         return optax.apply_updates(params, updates), opt_state, rest, dict(
             metrics, loss=loss, grad_norm=grad_norm, finite=finite)
 
@@ -326,6 +329,8 @@ def make_train_step(
     """Jitted ``step(state, batch) -> (state, metrics)`` (``graphdef=None``: plain pytree
     params, see :func:`_loss_and_grad`).
 
+    ``tx.update`` gets the step's loss as optax's extra argument ``value=`` (a transform that
+    reads it, such as ``optax.contrib.reduce_on_plateau``, composes; others ignore it).
     Metrics: ``loss``, ``grad_norm`` (before clipping), ``finite``, ``lr`` (from ``schedule``,
     else from an ``optax.inject_hyperparams`` state) and the loss_fn's metrics. With ``mesh``
     the step is jitted with explicit in/out shardings from :mod:`moejax.train.mesh` (state:
@@ -336,7 +341,6 @@ def make_train_step(
     if mesh is None:
         fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule)
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
-
 
     b_sh = mesh_lib.batch_sharding(mesh)
     fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule, batch_sharding=b_sh)
