@@ -90,6 +90,51 @@ def test_a_transform_that_reads_the_loss_gets_it_as_value():
         np.testing.assert_allclose(params[k], want[k], rtol=1e-5, atol=1e-6)
 
 
+class _StatefulNet(nnx.Module):
+    """A user's model that updates its own state in training: nnx.Dropout with its own Rngs
+    (the count advances every call) and nnx.BatchNorm (running statistics)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.BatchNorm(5, rngs=rngs)
+        self.linear = nnx.Linear(5, 1, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, train: bool):
+        return self.drop(self.linear(self.norm(x, use_running_average=not train)),
+                         deterministic=not train)[..., 0]
+
+
+def _stateful_loss(model, batch, key, train=True):
+    return jnp.mean((model(batch["x"], train) - batch["y"]) ** 2)
+
+
+def test_a_model_that_updates_its_own_state_trains_and_resumes_exactly(tmp_path):
+    """Variables a model changes in its forward (Dropout's Rngs count, BatchNorm's running
+    statistics) come back from each step, and a resumed run equals an uninterrupted one."""
+    cfg = CFG.replace(ckpt_every=2, grad_accum=2)
+    full = _StatefulNet(nnx.Rngs(0))
+    hist = train(full, _regression, cfg, loss_fn=_stateful_loss, progress=False)
+    assert int(full.drop.rngs.count[...]) == cfg.steps * cfg.grad_accum
+    assert float(jnp.abs(full.norm.mean[...]).max()) > 1e-3  # the statistics moved from 0
+    assert len({round(h["loss"], 6) for h in hist}) == len(hist)
+
+    def crashing(position):
+        if position == 3:
+            raise RuntimeError("killed")
+        return _regression(position)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        train(_StatefulNet(nnx.Rngs(0)), crashing, cfg, loss_fn=_stateful_loss,
+              run_dir=str(tmp_path), progress=False)
+    resumed = _StatefulNet(nnx.Rngs(0))
+    train(resumed, _regression, cfg, loss_fn=_stateful_loss, run_dir=str(tmp_path),
+          progress=False)
+    data = lambda m: jax.tree.map(  # key arrays as their data, to compare
+        lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        else x, nnx.state(m))
+    assert tree_equal(data(resumed), data(full))
+
+
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
     full, _ = train_params(P0, _regression, cfg, _mse, progress=False)

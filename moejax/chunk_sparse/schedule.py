@@ -151,12 +151,10 @@ class ScheduledLM(nnx.Module):
                              self.sched_win_sum[...], self.sched_prev_mean[...])
 
     def _set(self, st: ScheduleState) -> None:
-        # fresh Variables rather than in-place writes: the step merges the model inside
-        # value_and_grad, whose trace may not own the Variables it was given
-        self.sched_lam = ScheduleVariable(st.lam)
-        self.sched_step = ScheduleVariable(st.step)
-        self.sched_win_sum = ScheduleVariable(st.win_sum)
-        self.sched_prev_mean = ScheduleVariable(st.prev_mean)
+        self.sched_lam[...] = st.lam
+        self.sched_step[...] = st.step
+        self.sched_win_sum[...] = st.win_sum
+        self.sched_prev_mean[...] = st.prev_mean
 
     def __call__(self, tokens_BT, *, train: bool = False, key=None, positions_BT=None,
                  mask_BT=None, segment_ids_BT=None):

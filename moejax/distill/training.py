@@ -226,12 +226,9 @@ def sar_router_step(pair: DistillPair, inputs, s_logits, mask, key, cfg: Distill
     (_, (kl, balance)), grads = jax.value_and_grad(objective, has_aux=True)(pure)
     updates, opt_state = _router_tx(cfg).update(grads, pair.router_opt.get_value(), pure)
     new = dict(nnx.to_flat_state(_as_state(router, optax.apply_updates(pure, updates))))
-    # fresh Variables rather than in-place writes: the training step merges the pair inside
-    # value_and_grad, whose trace does not own the Variables it was given
     for path, var in list(nnx.iter_graph(pair.teacher)):
         if isinstance(var, RouterParam):
-            _set_attr(_parent(pair.teacher, path), path[-1],
-                      RouterParam(new[tuple(path)].get_value()))
+            var[...] = new[tuple(path)].get_value()
     pair.router_opt = RouterOptState(opt_state)
     return kl, balance
 

@@ -183,7 +183,9 @@ def _loss_and_grad(graphdef, loss_fn, compute_dtype):
             loss, metrics = as_loss_and_metrics(loss_fn(p, batch, key))
             new_rest = rest
         else:
-            model = nnx.merge(graphdef, p, rest)
+            # new Variables, owned by this trace: a model may update its own state in the
+            # loss (nnx.Dropout's Rngs count, nnx.BatchNorm's statistics)
+            model = nnx.merge(graphdef, p, rest, copy=True)
             loss, metrics = as_loss_and_metrics(loss_fn(model, batch, key))
             _, _, new_rest = nnx.split(model, nnx.Param, ...)
             new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
