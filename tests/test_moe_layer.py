@@ -331,6 +331,34 @@ def test_moe_layer_is_an_nnx_layer_over_the_same_moe():
         MoELayer(D, cfg, rngs=nnx.Rngs(0))
 
 
+def test_a_user_model_with_a_moe_layer_trains_in_the_training_loop():
+    """A user's model holding a noisy-router MoELayer (its own rng stream) trains through
+    moejax's loop: each step draws new noise (the stream's count comes back), and the loss
+    falls."""
+    from moejax.nn.moe_layer import MoELayer
+    from moejax.train import TrainConfig, train
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, router="noisy")
+            self.moe = MoELayer(cfg, D, rngs=rngs)
+            self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def source(position):
+        x = np.random.default_rng([5, position]).normal(size=(B, T, D)).astype(np.float32)
+        return {"x": x, "y": x.sum(-1)}
+
+    def loss_fn(net, batch, key, train=True):
+        y = net.head(net.moe(batch["x"], deterministic=not train))[..., 0]
+        return jnp.mean((y - batch["y"]) ** 2)
+
+    net = Net(nnx.Rngs(0))
+    hist = train(net, source, TrainConfig(steps=8, batch_size=B, lr=3e-2, warmup_steps=0),
+                 loss_fn=loss_fn, progress=False)
+    assert int(net.moe.rngs.count[...]) == 8
+    assert hist[-1]["loss"] < hist[0]["loss"]
+
+
 @pytest.mark.parametrize("router", [SoftmaxRouter, NoisyTopKRouter])
 def test_routers_start_with_variance_one_over_d_model(router):
     kw = {"renormalize": True} if router is SoftmaxRouter else {}
