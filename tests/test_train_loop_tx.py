@@ -135,6 +135,22 @@ def test_a_model_that_updates_its_own_state_trains_and_resumes_exactly(tmp_path)
     assert tree_equal(data(resumed), data(full))
 
 
+@pytest.mark.parametrize("what", ["metric", "loss"])
+def test_a_loss_or_metric_that_is_not_a_scalar_is_refused_before_any_step(tmp_path, what):
+    """A per-row metric (or loss) is refused naming it while the step is traced: nothing runs
+    and nothing is written to the run directory."""
+    def per_row(params, batch, key, train=True):
+        err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+        return (jnp.mean(err), {"per_row": err}) if what == "metric" else err
+
+    name = "per_row" if what == "metric" else "loss"
+    with pytest.raises(ValueError, match=rf"loss_fn returned {name} of shape \(8,\).*reduce"):
+        train_params(P0, _regression, CFG, per_row, run_dir=str(tmp_path / "run"),
+                     progress=False)
+    run = tmp_path / "run"
+    assert not run.exists() or not any(run.iterdir())
+
+
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
     full, _ = train_params(P0, _regression, cfg, _mse, progress=False)

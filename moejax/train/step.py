@@ -165,11 +165,18 @@ def lm_loss_fn(model, batch, key, train: bool = True):
 
 
 def as_loss_and_metrics(out) -> tuple[jax.Array, dict]:
-    """A loss function may return ``loss`` or ``(loss, metrics)``; normalise to the pair."""
-    if isinstance(out, tuple):
-        loss, metrics = out
-        return loss, dict(metrics or {})
-    return out, {}
+    """A loss function may return ``loss`` or ``(loss, metrics)``; normalise to the pair. A
+    loss or metric that is not a scalar is refused naming it, while the step is traced (before
+    any step runs), not when its row is logged."""
+    loss, metrics = (out[0], dict(out[1] or {})) if isinstance(out, tuple) else (out, {})
+    shapes = {k: jnp.shape(v) for k, v in {"loss": loss, **metrics}.items()}
+    bad = {k: shape for k, shape in shapes.items() if shape != ()}
+    if bad:
+        raise ValueError(
+            f"loss_fn returned {', '.join(f'{k} of shape {s}' for k, s in bad.items())}: the "
+            "loss and each metric must be one number per step. Fix: reduce them (jnp.mean, "
+            "jnp.sum) inside loss_fn")
+    return loss, metrics
 
 
 def _loss_and_grad(graphdef, loss_fn, compute_dtype):
