@@ -151,6 +151,22 @@ def test_a_loss_or_metric_that_is_not_a_scalar_is_refused_before_any_step(tmp_pa
     assert not run.exists() or not any(run.iterdir())
 
 
+@pytest.mark.parametrize("result, named", [
+    ({"acc": np.array([0.1, 0.2])}, r"acc=an array of shape \(2,\) at step 2"),
+    ({"acc": "high"}, r"acc='high' at step 2"),
+    (None, r"returned NoneType at step 2; it must return a dict of numbers")])
+def test_an_eval_result_that_is_not_numbers_is_refused_naming_the_key(result, named):
+    """An eval_fn's dict of numbers (Python, numpy or jax scalars) becomes eval rows; any
+    other value is refused in one line naming its key and the step."""
+    cfg = CFG.replace(eval_every=2, steps=4)
+    _, hist = train_params(P0, _regression, cfg, _mse, progress=False,
+                           eval_fn=lambda p, step: {"acc": jnp.float32(0.5), "n": np.int64(3)})
+    assert hist[-1]["eval/acc"] == 0.5 and hist[-1]["eval/n"] == 3.0
+    with pytest.raises(TypeError, match=named):
+        train_params(P0, _regression, cfg, _mse, progress=False,
+                     eval_fn=lambda p, step: result)
+
+
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
     full, _ = train_params(P0, _regression, cfg, _mse, progress=False)

@@ -12,11 +12,31 @@ import time
 
 from moejax.files import atomic_write_text
 
-__all__ = ["CsvLog", "TensorBoardLog", "read_csv", "FIRST_COLS"]
+__all__ = ["CsvLog", "TensorBoardLog", "read_csv", "FIRST_COLS", "eval_numbers"]
 
 log = logging.getLogger(__name__)
 
 FIRST_COLS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+
+
+def eval_numbers(result, step: int) -> dict[str, float]:
+    """An ``eval_fn``'s result as the row ``eval.csv`` gets: a dict of numbers (Python, numpy
+    or 0-d jax scalars). Anything else is refused in one line naming the key and the step."""
+    if not hasattr(result, "items"):
+        raise TypeError(f"eval_fn returned {type(result).__name__} at step {step}; it must "
+                        "return a dict of numbers, e.g. {'accuracy': 0.93}")
+    out = {}
+    for k, v in result.items():
+        shape = getattr(v, "shape", ())
+        try:
+            if shape != ():
+                raise TypeError
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            what = f"an array of shape {shape}" if shape != () else repr(v)[:60]
+            raise TypeError(f"eval_fn returned {k}={what} at step {step}; each value must be "
+                            "one number (reduce an array, leave text out of the dict)") from None
+    return out
 
 
 class CsvLog:

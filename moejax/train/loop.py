@@ -67,7 +67,7 @@ from moejax.train.distributed import (
     local_batch,
 )
 from moejax.train.hparams import TrainConfig
-from moejax.train.logs import CsvLog, TensorBoardLog, read_csv
+from moejax.train.logs import CsvLog, TensorBoardLog, eval_numbers, read_csv
 from moejax.train.run_lock import RunLock
 from moejax.train.run_state import CtrlC, ResumeError, config_differences, open_run_dir
 from moejax.train.step import (
@@ -417,7 +417,7 @@ class _Run:
         state = self.state
         target = (state.params if self.graphdef is None
                   else nnx.merge(self.graphdef, state.params, state.rest))
-        ev = {k: float(v) for k, v in self.opts.eval_fn(target, done).items()}
+        ev = eval_numbers(self.opts.eval_fn(target, done), done)
         self.history[-1].update({f"eval/{k}": v for k, v in ev.items()})
         if self.best is not None:
             self.best.consider(ev, done, state.params, state.rest)
