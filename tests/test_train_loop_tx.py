@@ -1,6 +1,8 @@
-"""The one training loop with user optax transforms and plain pytree params: exact match with
-a hand-written optax loop, frozen parts, inject_hyperparams, batched metric logging,
-TensorBoard, exact resume of pytree training, and non-finite parameters never saved."""
+"""The one training loop with user optax transforms, user models and plain pytree params:
+exact match with a hand-written optax loop, frozen parts, inject_hyperparams, a transform that
+reads the loss, a model that changes its own state (Dropout's Rngs, BatchNorm), a loss, metric
+or eval result that is not a number refused by name, batched metric logging, TensorBoard,
+exact resume, and non-finite parameters never saved."""
 
 import os
 
