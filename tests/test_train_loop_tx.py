@@ -169,6 +169,23 @@ def test_an_eval_result_that_is_not_numbers_is_refused_naming_the_key(result, na
                      eval_fn=lambda p, step: result)
 
 
+def _two_args(params, batch):
+    return _mse(params, batch, None)
+
+
+@pytest.mark.parametrize("source, loss_fn, named", [
+    ([1, 2], _mse, r"source is a list; give an object with \.batch\(position\)"),
+    (_regression, _two_args, r"loss_fn _two_args\(params, batch\) cannot be called as "
+                             r"loss_fn\(model_or_params, batch, key\)")])
+def test_a_source_or_loss_the_loop_cannot_call_is_refused_before_anything(
+        tmp_path, source, loss_fn, named):
+    with pytest.raises(TypeError, match=named):
+        train_params(P0, source, CFG, loss_fn, run_dir=str(tmp_path / "run"),
+                     progress=False)
+    run = tmp_path / "run"
+    assert not run.exists() or not any(run.iterdir())
+
+
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
     full, _ = train_params(P0, _regression, cfg, _mse, progress=False)

@@ -73,6 +73,7 @@ from moejax.train.run_state import CtrlC, ResumeError, config_differences, open_
 from moejax.train.step import (
     NonFiniteError,
     check_finite,
+    check_loss_fn,
     init_state,
     lm_loss_fn,
     tree_all_finite,
@@ -202,6 +203,11 @@ class _Run:
                              "eval_fn and set TrainConfig.eval_every > 0")
         if callable(source) and not hasattr(source, "batch"):
             source = FnSource(source)
+        if not callable(getattr(source, "batch", None)):
+            raise TypeError(f"source is a {type(source).__name__}; give an object with "
+                            ".batch(position) -> dict of arrays (moejax.data's sources) or a "
+                            "callable position -> batch")
+        check_loss_fn(opts.loss_fn)
         if (getattr(source, "batch_size", None) or cfg.batch_size) != cfg.batch_size:
             raise ValueError(
                 f"source.batch_size={source.batch_size} != TrainConfig.batch_size="

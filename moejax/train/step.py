@@ -39,6 +39,7 @@ raises :class:`NonFiniteError` via :func:`check_finite`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -65,6 +66,7 @@ __all__ = [
     "cast_floating",
     "tree_all_finite",
     "as_loss_and_metrics",
+    "check_loss_fn",
     "updates_per_batch",
     "per_step_schedule",
 ]
@@ -162,6 +164,22 @@ def lm_loss_fn(model, batch, key, train: bool = True):
         ):
             metrics[f"aux/{name}"] = v.astype(jnp.float32)
     return ce + aux_loss, metrics
+
+
+def check_loss_fn(loss_fn) -> None:
+    """Refuse, before anything runs, a loss that cannot be called as the step calls it:
+    ``loss_fn(model_or_params, batch, key)``, naming the signature it has."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): its call will tell
+        return
+    try:
+        sig.bind(None, None, None)
+    except TypeError:
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+        raise TypeError(f"loss_fn {name}{sig} cannot be called as loss_fn(model_or_params, "
+                        "batch, key); add the key argument (and train=True, which evaluation "
+                        "sets to False), even if unused") from None
 
 
 def as_loss_and_metrics(out) -> tuple[jax.Array, dict]:
