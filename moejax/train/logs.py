@@ -25,10 +25,11 @@ def eval_numbers(result, step: int) -> dict[str, float]:
     if not hasattr(result, "items"):
         raise TypeError(f"eval_fn returned {type(result).__name__} at step {step}; it must "
                         "return a dict of numbers, e.g. {'accuracy': 0.93}")
-    out = {k: _number(v) for k, v in result.items()}
-    for k, x in out.items():
-        if x is None:
-            v, shape = result[k], getattr(result[k], "shape", ())
+    out = {}
+    for k, v in result.items():
+        out[k] = _number(v)
+        if out[k] is None:
+            shape = getattr(v, "shape", ())
             what = f"an array of shape {shape}" if shape != () else repr(v)[:60]
             raise TypeError(f"eval_fn returned {k}={what} at step {step}; each value must be "
                             "one number (reduce an array, leave text out of the dict)")

@@ -187,7 +187,7 @@ def as_loss_and_metrics(out) -> tuple[jax.Array, dict]:
     loss or metric that is not a scalar is refused naming it, while the step is traced (before
     any step runs), not when its row is logged."""
     loss, metrics = (out[0], dict(out[1] or {})) if isinstance(out, tuple) else (out, {})
-    shapes = {k: jnp.shape(v) for k, v in {"loss": loss, **metrics}.items()}
+    shapes = {k: jnp.shape(v) for k, v in {**metrics, "loss": loss}.items()}
     bad = {k: shape for k, shape in shapes.items() if shape != ()}
     if bad:
         raise ValueError(
