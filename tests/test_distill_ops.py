@@ -56,6 +56,36 @@ def test_divergences_match_numpy_and_mask_prompt_and_padding():
     assert float(distill_divergence("jsd", t, t, mask)) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_token_without_mass_adds_nothing_to_value_or_gradient():
+    """A ``-inf`` logit (a masked or padded vocabulary entry) is a token of zero probability:
+    it adds ``0 * log 0 = 0`` to a divergence where it weighs, so forward KL and the
+    (bounded) JSD stay finite and equal the divergence over the other tokens, with finite
+    student gradients; reverse KL is infinite only where the student gives it mass."""
+    rng = np.random.default_rng(1)
+    t, s = rng.normal(size=(2, 3, 6)), rng.normal(size=(2, 3, 6))
+    t[..., 2] = -np.inf                       # the teacher never emits token 2
+    mask = np.ones((2, 3), np.float32)
+    lp, lq = _np_logsoftmax(t), _np_logsoftmax(s)
+    keep = np.arange(6) != 2
+    fkl = (np.exp(lp[..., keep]) * (lp[..., keep] - lq[..., keep])).sum(-1).mean()
+    beta = 0.4
+    lm = np.log(beta * np.exp(lp) + (1 - beta) * np.exp(lq))
+    jsd = (beta * (np.exp(lp[..., keep]) * (lp[..., keep] - lm[..., keep])).sum(-1)
+           + (1 - beta) * _np_kl(lq, lm)).mean()
+    t_j, s_j = jnp.asarray(t, jnp.float32), jnp.asarray(s, jnp.float32)
+    for fn, ref in ((forward_kl, fkl),
+                    (lambda a, b, m: generalized_jsd(a, b, m, beta), jsd)):
+        np.testing.assert_allclose(float(fn(t_j, s_j, mask)), ref, rtol=1e-5)
+        grad = jax.grad(lambda x, fn=fn: fn(t_j, x, mask))(s_j)
+        assert bool(jnp.all(jnp.isfinite(grad)))
+    assert float(forward_kl(t_j, t_j, mask)) == pytest.approx(0.0, abs=1e-6)
+    assert float(reverse_kl(t_j, s_j, mask)) == np.inf   # the student gives token 2 mass
+    s_masked = s_j.at[..., 2].set(-jnp.inf)          # and once it gives none, it is finite
+    rkl = (np.exp(lq_m := _np_logsoftmax(np.where(keep, s, -np.inf)))[..., keep]
+           * (lq_m[..., keep] - lp[..., keep])).sum(-1).mean()
+    np.testing.assert_allclose(float(reverse_kl(t_j, s_masked, mask)), rkl, rtol=1e-5)
+
+
 def test_vocab_mismatch_names_both_sizes():
     with pytest.raises(ValueError, match="vocabulary of 10 tokens and student of 12"):
         forward_kl(jnp.zeros((1, 2, 10)), jnp.zeros((1, 2, 12)), jnp.ones((1, 2)))

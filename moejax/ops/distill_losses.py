@@ -65,8 +65,12 @@ def _logps(teacher_logits, student_logits):
 
 
 def _kl_BT(logp_a, logp_b):
-    """``KL(a || b)`` per position from log-probabilities (0 * log 0 = 0)."""
-    return jnp.sum(jnp.exp(logp_a) * (logp_a - logp_b), axis=-1)
+    """``KL(a || b)`` per position from log-probabilities. A token ``a`` gives no mass
+    (a ``-inf`` logit: a masked or padded vocabulary entry) adds nothing, ``0 * log 0 = 0``,
+    in the value and the gradient; one that ``a`` gives mass and ``b`` none makes it ``inf``."""
+    p_a = jnp.exp(logp_a)
+    log_ratio = jnp.where(p_a > 0, logp_a - logp_b, 0.0)
+    return jnp.sum(p_a * log_ratio, axis=-1)
 
 
 def forward_kl(teacher_logits, student_logits, mask_BT, reduction: Reduction = "token"):
