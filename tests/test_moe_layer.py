@@ -331,6 +331,35 @@ def test_moe_layer_is_an_nnx_layer_over_the_same_moe():
         MoELayer(D, cfg, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("dispatch", ["dense", "capacity"])
+def test_moe_layer_takes_any_leading_shape_as_a_linear_does(dispatch):
+    """[N, D] and [A, B, T, D] inputs (a flat token list, an image's patch grid) route each
+    token as [B, T, D] does: the same outputs token for token, the same sown statistics, the
+    mask in the input's leading shape; a 1-D input, a mask of another shape and a width of 0
+    are refused naming the shapes."""
+    from moejax.nn.moe_layer import MoELayer
+
+    cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, dispatch=dispatch, capacity_factor=2.0)
+    layer = MoELayer(cfg, D, rngs=nnx.Rngs(0), deterministic=True)
+    x, mask = _x(3), _mask()
+    want, sown = nnx.capture(layer, nnx.Intermediate)(x, mask_BT=mask)
+    for shape in ((B * T, D), (B, 1, T, D), (B, T, 1, D)):
+        y, got = nnx.capture(layer, nnx.Intermediate)(x.reshape(shape),
+                                                      mask_BT=mask.reshape(shape[:-1]))
+        assert y.shape == shape
+        np.testing.assert_allclose(np.asarray(y).reshape(B, T, D), np.asarray(want),
+                                   rtol=1e-6, atol=1e-6)
+        for name in ("aux_loss", "load", "dropped_fraction"):
+            np.testing.assert_allclose(np.asarray(got[name][0]), np.asarray(sown[name][0]),
+                                       rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"input of shape \(8,\); it needs a leading"):
+        layer(x[0, 0])
+    with pytest.raises(ValueError, match=r"mask_BT of shape \(2, 4\) for input"):
+        layer(x, mask_BT=mask[:, :4])
+    with pytest.raises(ValueError, match="d_model=0 must be a positive int"):
+        MoELayer(cfg, 0, rngs=nnx.Rngs(0))
+
+
 def test_a_user_model_with_a_moe_layer_trains_in_the_training_loop():
     """A user's model holding a noisy-router MoELayer (its own rng stream) trains through
     moejax's loop: each step draws new noise (the stream's count comes back), and the loss
