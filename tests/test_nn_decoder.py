@@ -130,6 +130,25 @@ def test_decoding_past_the_cache_is_refused_with_both_lengths():
         speculative_decoder(model, model, 20, draft_len=2)(TOKENS[:1])
 
 
+def test_tokens_that_are_not_integer_ids_in_rows_or_not_the_caches_rows_are_refused():
+    """A single sequence, float ids, or a prefill of more rows than the cache was made for
+    are refused in one line naming the shapes (they failed deep in the gather, attention or
+    the cache write)."""
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"tokens of shape \(9,\) and dtype int32; a "
+                                         r"DecoderLM takes integer token ids \[batch, time\]"):
+        model(TOKENS[0])
+    with pytest.raises(ValueError, match="dtype float32"):
+        model(TOKENS.astype(jnp.float32))
+    with pytest.raises(ValueError, match="dtype float32"):
+        model.decode(TOKENS.astype(jnp.float32), model.init_cache(2, 16))
+    with pytest.raises(ValueError, match=r"decode: 2 rows of tokens for a cache of 1 rows; "
+                                         r"make the cache with init_cache\(2, max_len\)"):
+        model.decode(TOKENS, model.init_cache(1, 16))
+    logits, _ = model(np.asarray(TOKENS, np.int64))  # numpy ids of any integer dtype pass
+    assert logits.shape == (*TOKENS.shape, tiny_cfg().vocab_size)
+
+
 def test_generate_refuses_a_negative_count_and_an_eos_outside_the_vocabulary():
     """generate returns the prompt for 0 new tokens, refuses a negative count, and an eos_id
     the model could never emit (the loop would run to the end, the padding never come)."""

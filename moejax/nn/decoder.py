@@ -36,7 +36,7 @@ from moejax.nn.surgery import build_from_pure
 from moejax.pytree import named_leaves
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
-           "smollm2_135m_config", "keep_layers", "with_dtype", "DTYPES"]
+           "smollm2_135m_config", "keep_layers", "with_dtype", "check_tokens", "DTYPES"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DecoderCache = tuple  # tuple[KVCache, ...], one per layer
@@ -177,6 +177,7 @@ class DecoderLM(nnx.Module):
         Packed rows: ``segment_ids_BT`` keeps attention inside each document and reaches the
         FFN slots; pass the packed ``positions_BT`` too so RoPE restarts per document (then
         each document's logits equal those of the document run alone)."""
+        check_tokens(tokens_BT)
         h, aux = run_blocks(self.blocks, self._embed(tokens_BT), train=train, key=key,
                             positions_BT=positions_BT, mask_BT=mask_BT,
                             segment_ids_BT=segment_ids_BT, remat=remat)
@@ -196,6 +197,11 @@ class DecoderLM(nnx.Module):
         concrete cache), and always where ``T`` alone exceeds it: a write past the end
         would be clamped onto the last slots.
         """
+        check_tokens(tokens_BT)
+        if cache and cache[0].k_BSGJ.shape[0] != tokens_BT.shape[0]:
+            raise ValueError(f"decode: {tokens_BT.shape[0]} rows of tokens for a cache of "
+                             f"{cache[0].k_BSGJ.shape[0]} rows; make the cache with "
+                             f"init_cache({tokens_BT.shape[0]}, max_len)")
         check_cache_room(tokens_BT.shape[1], cache[0] if cache else None)
         h = self._embed(tokens_BT)
         new_cache = []
@@ -203,6 +209,15 @@ class DecoderLM(nnx.Module):
             h, _, c = block.decode(h, c, positions_BT=positions_BT)
             new_cache.append(c)
         return self._head(h), tuple(new_cache)
+
+
+def check_tokens(tokens_BT) -> None:
+    """Refuse tokens that are not a ``[batch, time]`` array of integer ids (a float array
+    or a single row would fail deeper, in the embedding's gather or the attention)."""
+    shape, dtype = jnp.shape(tokens_BT), jnp.result_type(tokens_BT)
+    if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"tokens of shape {shape} and dtype {dtype}; a DecoderLM takes "
+                         "integer token ids [batch, time] (one sequence: tokens[None])")
 
 
 def check_cache_room(n_new: int, cache) -> None:
