@@ -124,6 +124,13 @@ def test_cls_pooling_and_sequence_classifier():
     assert logits.shape == (2, 3) and not hasattr(clf.encoder, "w_pool")
     with pytest.raises(ValueError, match="max_position"):
         clf(jnp.zeros((1, 11), jnp.int32))
+    with pytest.raises(ValueError, match=r"tokens of shape \(5,\) and dtype int32; a "
+                                         "BertEncoder takes integer token ids"):
+        clf(tokens[0].astype(jnp.int32))
+    for name in ("mask_BT", "token_types_BT"):
+        with pytest.raises(ValueError, match=rf"{name} of shape \(2, 4\) for tokens of "
+                                             r"shape \(2, 5\); give one entry per token"):
+            clf(tokens, **{name: jnp.ones((2, 4), jnp.int32)})
 
 
 def test_minilm_layout_has_the_published_parameter_count():

@@ -211,13 +211,13 @@ class DecoderLM(nnx.Module):
         return self._head(h), tuple(new_cache)
 
 
-def check_tokens(tokens_BT) -> None:
+def check_tokens(tokens_BT, who: str = "a DecoderLM") -> None:
     """Refuse tokens that are not a ``[batch, time]`` array of integer ids (a float array
     or a single row would fail deeper, in the embedding's gather or the attention)."""
     shape, dtype = jnp.shape(tokens_BT), jnp.result_type(tokens_BT)
     if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(f"tokens of shape {shape} and dtype {dtype}; a DecoderLM takes "
-                         "integer token ids [batch, time] (one sequence: tokens[None])")
+        raise ValueError(f"tokens of shape {shape} and dtype {dtype}; {who} takes integer "
+                         "token ids [batch, time] (one sequence: tokens[None])")
 
 
 def check_cache_room(n_new: int, cache) -> None:

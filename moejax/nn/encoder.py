@@ -33,7 +33,7 @@ from flax import nnx
 from moejax.config import Config, config
 from moejax.nn import axes as ax
 from moejax.nn.block import TransformerBlock, run_blocks
-from moejax.nn.decoder import DTYPES
+from moejax.nn.decoder import DTYPES, check_tokens
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.norms import LayerNorm
 from moejax.nn.slots import FFNSlotConfig
@@ -150,6 +150,11 @@ class BertEncoder(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, *, token_types_BT: jax.Array | None = None,
                  mask_BT: jax.Array | None = None, train: bool = False,
                  key: jax.Array | None = None):
+        check_tokens(tokens_BT, "a BertEncoder")
+        for name, arr in (("token_types_BT", token_types_BT), ("mask_BT", mask_BT)):
+            if arr is not None and jnp.shape(arr) != jnp.shape(tokens_BT):
+                raise ValueError(f"{name} of shape {jnp.shape(arr)} for tokens of shape "
+                                 f"{jnp.shape(tokens_BT)}; give one entry per token")
         B, T = tokens_BT.shape
         if T > self.cfg.max_position:
             raise ValueError(f"sequence length {T} > max_position={self.cfg.max_position}; "
