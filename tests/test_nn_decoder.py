@@ -131,9 +131,10 @@ def test_decoding_past_the_cache_is_refused_with_both_lengths():
 
 
 def test_tokens_that_are_not_integer_ids_in_rows_or_not_the_caches_rows_are_refused():
-    """A single sequence, float ids, or a prefill of more rows than the cache was made for
-    are refused in one line naming the shapes (they failed deep in the gather, attention or
-    the cache write)."""
+    """A single sequence, float ids, a prefill of more rows than the cache was made for, or a
+    mask, segment ids or positions of another shape than the tokens are refused in one line
+    naming the shapes (they failed deep in the gather, attention or the cache write, or a
+    [B, 1] array was broadcast)."""
     model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"tokens of shape \(9,\) and dtype int32; a "
                                          r"DecoderLM takes integer token ids \[batch, time\]"):
@@ -145,6 +146,13 @@ def test_tokens_that_are_not_integer_ids_in_rows_or_not_the_caches_rows_are_refu
     with pytest.raises(ValueError, match=r"decode: 2 rows of tokens for a cache of 1 rows; "
                                          r"make the cache with init_cache\(2, max_len\)"):
         model.decode(TOKENS, model.init_cache(1, 16))
+    for name, arr in (("mask_BT", jnp.ones((2, 1))), ("segment_ids_BT", jnp.ones((2, 1), int)),
+                      ("positions_BT", jnp.arange(8)[None])):
+        with pytest.raises(ValueError, match=rf"{name} of shape \({arr.shape[0]}, "
+                                             rf"{arr.shape[1]}\) for tokens of shape \(2, 9\)"):
+            model(TOKENS, **{name: arr})
+    shared = model(TOKENS, positions_BT=jnp.arange(9)[None])[0]  # one row for every row
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(model(TOKENS)[0]))
     logits, _ = model(np.asarray(TOKENS, np.int64))  # numpy ids of any integer dtype pass
     assert logits.shape == (*TOKENS.shape, tiny_cfg().vocab_size)
 

@@ -177,7 +177,8 @@ class DecoderLM(nnx.Module):
         Packed rows: ``segment_ids_BT`` keeps attention inside each document and reaches the
         FFN slots; pass the packed ``positions_BT`` too so RoPE restarts per document (then
         each document's logits equal those of the document run alone)."""
-        check_tokens(tokens_BT)
+        check_tokens(tokens_BT, positions_BT=positions_BT, mask_BT=mask_BT,
+                     segment_ids_BT=segment_ids_BT)
         h, aux = run_blocks(self.blocks, self._embed(tokens_BT), train=train, key=key,
                             positions_BT=positions_BT, mask_BT=mask_BT,
                             segment_ids_BT=segment_ids_BT, remat=remat)
@@ -197,7 +198,7 @@ class DecoderLM(nnx.Module):
         concrete cache), and always where ``T`` alone exceeds it: a write past the end
         would be clamped onto the last slots.
         """
-        check_tokens(tokens_BT)
+        check_tokens(tokens_BT, positions_BT=positions_BT)
         if cache and cache[0].k_BSGJ.shape[0] != tokens_BT.shape[0]:
             raise ValueError(f"decode: {tokens_BT.shape[0]} rows of tokens for a cache of "
                              f"{cache[0].k_BSGJ.shape[0]} rows; make the cache with "
@@ -211,13 +212,23 @@ class DecoderLM(nnx.Module):
         return self._head(h), tuple(new_cache)
 
 
-def check_tokens(tokens_BT, who: str = "a DecoderLM") -> None:
+def check_tokens(tokens_BT, who: str = "a DecoderLM", *, positions_BT=None,
+                 **per_token) -> None:
     """Refuse tokens that are not a ``[batch, time]`` array of integer ids (a float array
-    or a single row would fail deeper, in the embedding's gather or the attention)."""
+    or a single row would fail deeper, in the embedding's gather or the attention), and
+    per-token arrays (``mask_BT``, ``segment_ids_BT``, ...) of another shape;
+    ``positions_BT`` may also be one row ``[1, time]`` shared by every row."""
     shape, dtype = jnp.shape(tokens_BT), jnp.result_type(tokens_BT)
     if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"tokens of shape {shape} and dtype {dtype}; {who} takes integer "
                          "token ids [batch, time] (one sequence: tokens[None])")
+    given = {k: v for k, v in per_token.items() if v is not None}
+    if positions_BT is not None and jnp.shape(positions_BT) != (1, shape[1]):
+        given["positions_BT"] = positions_BT
+    for name, arr in given.items():
+        if jnp.shape(arr) != shape:
+            raise ValueError(f"{name} of shape {jnp.shape(arr)} for tokens of shape {shape}; "
+                             "give one entry per token")
 
 
 def check_cache_room(n_new: int, cache) -> None:

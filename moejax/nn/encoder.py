@@ -150,11 +150,7 @@ class BertEncoder(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, *, token_types_BT: jax.Array | None = None,
                  mask_BT: jax.Array | None = None, train: bool = False,
                  key: jax.Array | None = None):
-        check_tokens(tokens_BT, "a BertEncoder")
-        for name, arr in (("token_types_BT", token_types_BT), ("mask_BT", mask_BT)):
-            if arr is not None and jnp.shape(arr) != jnp.shape(tokens_BT):
-                raise ValueError(f"{name} of shape {jnp.shape(arr)} for tokens of shape "
-                                 f"{jnp.shape(tokens_BT)}; give one entry per token")
+        check_tokens(tokens_BT, "a BertEncoder", token_types_BT=token_types_BT, mask_BT=mask_BT)
         B, T = tokens_BT.shape
         if T > self.cfg.max_position:
             raise ValueError(f"sequence length {T} > max_position={self.cfg.max_position}; "
