@@ -105,6 +105,9 @@ class UpcycleConfig(Config):
         r = self._require
         r(self.blocks != "list" or len(self.block_list) > 0,
           "blocks='list' needs block_list (e.g. block_list=(1, 3)); or use blocks='all'")
+        r(self.blocks == "list" or not self.block_list,
+          f"block_list={self.block_list} is read only with blocks='list' (blocks="
+          f"{self.blocks!r} would ignore it); set blocks='list' or drop block_list")
         r(all(isinstance(i, int) and i >= 0 for i in self.block_list),
           f"block_list={self.block_list} must hold non-negative layer indices")
         r(self.offset >= 0, f"offset={self.offset} must be >= 0")
@@ -116,11 +119,17 @@ class UpcycleConfig(Config):
 
 
 def upcycled_layers(n_layers: int, rule: UpcycleConfig) -> tuple[int, ...]:
-    """Indices of the blocks that become MoE layers."""
+    """Indices of the blocks that become MoE layers; a rule that chooses none is refused
+    (the "upcycled" model would be the dense one)."""
     if rule.blocks == "all":
         return tuple(range(n_layers))
     if rule.blocks == "every_other":
-        return tuple(range(rule.offset, n_layers, 2))
+        layers = tuple(range(rule.offset, n_layers, 2))
+        if not layers:
+            raise ValueError(f"upcycle: blocks='every_other' from offset={rule.offset} chooses "
+                             f"no block of a {n_layers}-layer model, so nothing would become "
+                             "an MoE; lower offset or use blocks='all'")
+        return layers
     bad = [i for i in rule.block_list if i >= n_layers]
     if bad:
         raise ValueError(f"upcycle: block_list entries {bad} out of range for {n_layers} layers")

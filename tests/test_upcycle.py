@@ -83,6 +83,21 @@ def test_layer_selection_rules():
         UpcycleConfig(freeze_shared=True)
 
 
+def test_a_rule_that_would_upcycle_nothing_is_refused():
+    """Every other block from offset 1 of a one-block model, or an offset past the last
+    block, chooses no block: the "MoE" would be the dense model, compared with itself. A
+    block_list that blocks='all' or 'every_other' would ignore is refused too."""
+    with pytest.raises(ValueError, match="offset=1 chooses no block of a 1-layer model"):
+        upcycled_layers(1, UpcycleConfig())
+    with pytest.raises(ValueError, match="offset=5 chooses no block of a 4-layer model"):
+        upcycled_layers(4, UpcycleConfig(offset=5))
+    assert upcycled_layers(1, UpcycleConfig(offset=0)) == (0,)
+    for blocks in ("all", "every_other"):
+        with pytest.raises(ConfigError, match=r"block_list=\(1,\) is read only with "
+                                              "blocks='list'"):
+            UpcycleConfig(blocks=blocks, block_list=(1,))
+
+
 @pytest.mark.parametrize("scale", [False, True])
 def test_vanilla_surgery_copies_dense_ffn_and_router_is_new(scale):
     dense = _dense()
