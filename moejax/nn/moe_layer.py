@@ -30,6 +30,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from moejax.nn.moe import MoE, MoEConfig
 
@@ -70,8 +71,27 @@ class MoELayer(nnx.Module):
             B_T = (math.prod(lead[:-1]), lead[-1])
         det = self.deterministic if deterministic is None else deterministic
         key = None if det else self.rngs()
-        y_BTD, aux = self.moe(x.reshape(*B_T, x.shape[-1]), train=not det, key=key,
-                              mask_BT=None if mask_BT is None else mask_BT.reshape(B_T))
+        x_BTD = x.reshape(*B_T, x.shape[-1])
+        mask_BT = None if mask_BT is None else mask_BT.reshape(B_T)
+        if jax.sharding.get_abstract_mesh().explicit_axes:
+            y_BTD, aux = self._under_auto_axes(x_BTD, key, mask_BT, train=not det)
+        else:
+            y_BTD, aux = self.moe(x_BTD, train=not det, key=key, mask_BT=mask_BT)
         for name in SOWN:
             self.sow(nnx.Intermediate, name, aux[name], capture_noop=True)
         return y_BTD.reshape(x.shape[:-1] + y_BTD.shape[-1:])
+
+    def _under_auto_axes(self, x_BTD, key, mask_BT, *, train: bool):
+        """The MoE under a mesh with explicit axes (``jax.make_mesh``'s default): routing
+        scatters tokens to experts, which explicit sharding cannot type, so it runs with the
+        mesh's axes automatic (``jax.sharding.auto_axes``), its parameters passed in. The
+        output keeps the input's sharding; the sown statistics come back replicated."""
+        graphdef, state = nnx.split(self.moe)
+
+        def run(state, x_BTD, key, mask_BT):
+            y_BTD, aux = nnx.merge(graphdef, state)(x_BTD, train=train, key=key,
+                                                     mask_BT=mask_BT)
+            return y_BTD, {name: aux[name] for name in SOWN}
+
+        out = (jax.typeof(x_BTD).sharding.spec, {name: P() for name in SOWN})
+        return jax.sharding.auto_axes(run, out_sharding=out)(state, x_BTD, key, mask_BT)
