@@ -49,6 +49,27 @@ for shape in [(4, 2), (2, 4)]:
     assert diff < 1e-5, (shape, diff)
     assert tree_max_diff(state.opt_state, ref_state.opt_state) < 1e-5
     print("mesh", shape, "losses", losses, "max param diff", diff)
+# a mesh of explicit axes (jax.make_mesh's default) runs as the same mesh with automatic axes,
+# in the step and in the loop; a mesh of other axis names is refused naming them
+from moejax.train import train
+explicit = jax.make_mesh((2, 4), ("data", "expert"))
+assert explicit.axis_types == (jax.sharding.AxisType.Explicit,) * 2
+state, losses = run(explicit)
+np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+assert tree_max_diff(state.params, ref_state.params) < 1e-5
+loop = {name: train(TinyMoELM(nnx.Rngs(0), noise=0.2), src, cfg, mesh=m, progress=False)
+        for name, m in (("auto", mesh_lib.make_mesh(2, 4)), ("explicit", explicit))}
+assert len(loop["explicit"]) == cfg.steps
+np.testing.assert_allclose([r["loss"] for r in loop["explicit"]],
+                           [r["loss"] for r in loop["auto"]], rtol=1e-6)
+try:
+    train(TinyMoELM(nnx.Rngs(0)), src, cfg, mesh=jax.make_mesh((8,), ("batch",)),
+          progress=False)
+except ValueError as e:
+    assert "mesh axes ('batch',): the training loop shards over axes named" in str(e), e
+else:
+    raise AssertionError("a mesh without 'data' and 'expert' axes should be refused")
+print("explicit mesh OK")
 # -1 fills the remaining devices; impossible meshes fail with a clear message
 assert dict(mesh_lib.make_mesh(-1, 2).shape) == {"data": 4, "expert": 2}
 try:
@@ -64,6 +85,7 @@ print("OK")
 def test_sharded_step_matches_single_device():
     out = run_on_devices(_SCRIPT)
     assert "mesh (4, 2)" in out and "mesh (2, 4)" in out, out[-2000:]
+    assert "explicit mesh OK" in out, out[-2000:]
 
 
 _STUDIES = r"""

@@ -108,7 +108,8 @@ class LoopOptions:
     eval_fn: ``eval_fn(model_or_params, step) -> dict`` every ``eval_every`` steps.
     config: the full experiment config stored with every checkpoint and in
         ``run_dir/config.json`` (default: the ``TrainConfig``).
-    mesh: a mesh to use instead of the one built from ``mesh_data`` x ``mesh_expert``.
+    mesh: a mesh to use instead of the one built from ``mesh_data`` x ``mesh_expert``, with
+        axes ``"data"`` and ``"expert"`` (:func:`moejax.train.mesh.loop_mesh`).
     progress / desc: the progress bar and its label.
     measure_memory: compile the step once more for XLA's memory analysis
         (``History.memory``).
@@ -217,7 +218,7 @@ class _Run:
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
                                          tensor=cfg.mesh_tensor) if opts.mesh is None
-                     else opts.mesh)
+                     else mesh_lib.loop_mesh(opts.mesh))
         self.unnamed = mesh_lib.replicated_unnamed(graphdef, params, rest, self.mesh.size)
         tx, self.step_fn = loop_step(graphdef, opts.loss_fn, opts.tx, cfg, self.mesh)
         # Own copies: the step donates its input state, and neither the caller's arrays nor

@@ -52,6 +52,7 @@ __all__ = [
     "sharding_summary",
     "resolve_mesh_shape",
     "make_mesh",
+    "loop_mesh",
     "TENSOR",
     "leaf_spec",
     "tree_shardings",
@@ -128,6 +129,26 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None, tensor: int = 1) ->
     return Mesh(np.asarray(devices).reshape(shape), names, axis_types=types)
 
 
+def loop_mesh(mesh: Mesh) -> Mesh:
+    """A caller's mesh as the training loop runs on it. Its axes must be named as
+    :func:`make_mesh` names them, ``"data"`` and ``"expert"`` (and ``"tensor"``), since the
+    step shards batches, experts and matrices by those names; explicit axes
+    (``jax.make_mesh``'s default) become automatic, as the step leaves its shardings to XLA's
+    propagation (same devices, same order)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh is a {type(mesh).__name__}; give a jax.sharding.Mesh "
+                        "(moejax.train.mesh.make_mesh(data=..., expert=...))")
+    names = tuple(mesh.axis_names)
+    if set(AXES) - set(names) or set(names) - {*AXES, TENSOR}:
+        raise ValueError(f"mesh axes {names}: the training loop shards over axes named "
+                         f"{AXES} (and {TENSOR!r}); build the mesh with "
+                         "moejax.train.mesh.make_mesh(data=..., expert=...) or name its axes "
+                         "so (a size-1 axis where one is not split)")
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
 def check_devices(cfg, n_devices: int, n_processes: int = 1, key: str = "train") -> None:
     """Refuse (:class:`~moejax.config.ConfigError`, one line naming the keys) a
     ``TrainConfig`` whose mesh does not fit ``n_devices`` or whose batch does not divide over
@@ -179,7 +200,9 @@ def _is_variable(x) -> bool:
 
 def tree_shardings(tree, mesh: Mesh, fsdp: bool = False):
     """``NamedSharding`` for every leaf of a params / optimizer / train-state tree, from the
-    logical axis names its variables carry (:func:`leaf_spec`)."""
+    logical axis names its variables carry (:func:`leaf_spec`), on ``mesh`` as the loop runs
+    on it (:func:`loop_mesh`)."""
+    mesh = loop_mesh(mesh)
     e, d, t = mesh.shape["expert"], mesh.shape["data"], dict(mesh.shape).get(TENSOR, 1)
 
     def one(x):
@@ -250,12 +273,12 @@ def sharding_summary(params, mesh: Mesh, fsdp: bool, unnamed) -> dict:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of batch arrays: dim 0 over ``("data", "expert")``."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """Sharding of batch arrays: dim 0 over ``("data", "expert")`` (of :func:`loop_mesh`)."""
+    return NamedSharding(loop_mesh(mesh), P(BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
+    return NamedSharding(loop_mesh(mesh), P())
 
 
 def _put(x, sharding):

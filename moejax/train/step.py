@@ -362,13 +362,16 @@ def make_train_step(
     else from an ``optax.inject_hyperparams`` state) and the loss_fn's metrics. With ``mesh``
     the step is jitted with explicit in/out shardings from :mod:`moejax.train.mesh` (state:
     expert params over ``"expert"``, the rest replicated; batch: dim 0 over
-    ``("data", "expert")``); the shardings are built from the first state passed in.
+    ``("data", "expert")``; a mesh of explicit axes runs with them automatic,
+    :func:`moejax.train.mesh.loop_mesh`); the shardings are built from the first state passed
+    in.
     ``donate=True`` donates the input state's buffers.
     """
     if mesh is None:
         fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule)
         return jax.jit(fn, donate_argnums=(0,) if donate else ())
 
+    mesh = mesh_lib.loop_mesh(mesh)
     b_sh = mesh_lib.batch_sharding(mesh)
     fn = make_step_fn(graphdef, loss_fn, tx, cfg, schedule, batch_sharding=b_sh)
     cache: dict = {}
