@@ -28,6 +28,7 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.nn import axes as ax
+from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.norms import RMSNorm
@@ -176,9 +177,14 @@ class DecoderLM(nnx.Module):
 
         Packed rows: ``segment_ids_BT`` keeps attention inside each document and reaches the
         FFN slots; pass the packed ``positions_BT`` too so RoPE restarts per document (then
-        each document's logits equal those of the document run alone)."""
+        each document's logits equal those of the document run alone). Under a mesh of
+        explicit axes it runs with them automatic (:mod:`moejax.nn.auto_axes`)."""
         check_tokens(tokens_BT, positions_BT=positions_BT, mask_BT=mask_BT,
                      segment_ids_BT=segment_ids_BT)
+        if explicit_mesh():
+            return call_with_auto_axes(self, DecoderLM.__call__, tokens_BT, train=train,
+                                       key=key, positions_BT=positions_BT, mask_BT=mask_BT,
+                                       segment_ids_BT=segment_ids_BT, remat=remat)
         h, aux = run_blocks(self.blocks, self._embed(tokens_BT), train=train, key=key,
                             positions_BT=positions_BT, mask_BT=mask_BT,
                             segment_ids_BT=segment_ids_BT, remat=remat)
@@ -196,7 +202,8 @@ class DecoderLM(nnx.Module):
         ``(logits_BTV, new_cache)``; inference mode (``train=False``, no key). Tokens that
         would not fit the cache are refused before tracing where the lengths are known (a
         concrete cache), and always where ``T`` alone exceeds it: a write past the end
-        would be clamped onto the last slots.
+        would be clamped onto the last slots. Under a mesh of explicit axes it runs with them
+        automatic (:mod:`moejax.nn.auto_axes`).
         """
         check_tokens(tokens_BT, positions_BT=positions_BT)
         if cache and cache[0].k_BSGJ.shape[0] != tokens_BT.shape[0]:
@@ -204,6 +211,9 @@ class DecoderLM(nnx.Module):
                              f"{cache[0].k_BSGJ.shape[0]} rows; make the cache with "
                              f"init_cache({tokens_BT.shape[0]}, max_len)")
         check_cache_room(tokens_BT.shape[1], cache[0] if cache else None)
+        if explicit_mesh():
+            return call_with_auto_axes(self, type(self).decode, tokens_BT, cache,
+                                       positions_BT=positions_BT)
         h = self._embed(tokens_BT)
         new_cache = []
         for block, c in zip(self.blocks, cache):

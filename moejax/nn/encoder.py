@@ -19,7 +19,8 @@ within a patch, see :func:`patchify`; an HF conv kernel ``[D, C_in, p, p]`` impo
 ``pos_embed`` ``[1 + n_patches, D]``, ``blocks/{i}`` (pre-LN, same names as above),
 ``final_norm/{scale,bias}``, ``w_head`` ``[D, n_classes]``, ``b_head`` ``[n_classes]``.
 
-Both return ``aux = {"aux_loss": summed slot aux losses, "layers": per-layer slot aux}``.
+Both return ``aux = {"aux_loss": summed slot aux losses, "layers": per-layer slot aux}``, and
+under a mesh of explicit axes run with them automatic (:mod:`moejax.nn.auto_axes`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.nn import axes as ax
+from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.decoder import DTYPES, check_tokens
 from moejax.nn.ffn import DenseFFNConfig
@@ -151,6 +153,10 @@ class BertEncoder(nnx.Module):
                  mask_BT: jax.Array | None = None, train: bool = False,
                  key: jax.Array | None = None):
         check_tokens(tokens_BT, "a BertEncoder", token_types_BT=token_types_BT, mask_BT=mask_BT)
+        if explicit_mesh():
+            return call_with_auto_axes(self, BertEncoder.__call__, tokens_BT,
+                                       token_types_BT=token_types_BT, mask_BT=mask_BT,
+                                       train=train, key=key)
         B, T = tokens_BT.shape
         if T > self.cfg.max_position:
             raise ValueError(f"sequence length {T} > max_position={self.cfg.max_position}; "
@@ -261,6 +267,8 @@ class ViT(nnx.Module):
 
     def features(self, images_BYXZ: jax.Array, *, train: bool = False, key=None):
         """Final-normed token features ``[B, 1 + n_patches, D]`` (CLS first) and aux."""
+        if explicit_mesh():
+            return call_with_auto_axes(self, ViT.features, images_BYXZ, train=train, key=key)
         cfg = self.cfg
         if images_BYXZ.shape[1:] != (cfg.image_size, cfg.image_size, cfg.n_channels):
             raise ValueError(f"images shape {images_BYXZ.shape[1:]} != (image_size, image_size, "
@@ -275,6 +283,8 @@ class ViT(nnx.Module):
         return self.final_norm(x), aux
 
     def __call__(self, images_BYXZ: jax.Array, *, train: bool = False, key=None):
+        if explicit_mesh():
+            return call_with_auto_axes(self, ViT.__call__, images_BYXZ, train=train, key=key)
         h, aux = self.features(images_BYXZ, train=train, key=key)
         pooled = h[:, 0] if self.cfg.pooling == "cls" else jnp.mean(h[:, 1:], axis=1)
         logits = pooled.astype(jnp.float32) @ self.w_head[...].astype(jnp.float32)

@@ -15,6 +15,8 @@
   nothing);
 * ``model.train()`` / ``model.eval()`` (or ``deterministic=`` at the call) switch the
   training-time routing (the noisy router's noise) on and off;
+* under a mesh of explicit axes (``jax.make_mesh``'s default) it runs with them automatic
+  (:mod:`moejax.nn.auto_axes`), expert-parallel where ``expert_mesh_axes`` names them;
 * its randomness comes from its own ``noise`` rng stream, forked from the ``rngs`` it was
   built with (as ``nnx.Dropout`` forks ``dropout``), so no key is passed by hand.
 
@@ -30,8 +32,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
+from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.moe import MoE, MoEConfig
 
 __all__ = ["MoELayer", "SOWN"]
@@ -73,25 +75,17 @@ class MoELayer(nnx.Module):
         key = None if det else self.rngs()
         x_BTD = x.reshape(*B_T, x.shape[-1])
         mask_BT = None if mask_BT is None else mask_BT.reshape(B_T)
-        if jax.sharding.get_abstract_mesh().explicit_axes:
-            y_BTD, aux = self._under_auto_axes(x_BTD, key, mask_BT, train=not det)
+        if explicit_mesh():
+            y_BTD, aux = call_with_auto_axes(self.moe, _sown, x_BTD, train=not det, key=key,
+                                             mask_BT=mask_BT)
         else:
             y_BTD, aux = self.moe(x_BTD, train=not det, key=key, mask_BT=mask_BT)
         for name in SOWN:
             self.sow(nnx.Intermediate, name, aux[name], capture_noop=True)
         return y_BTD.reshape(x.shape[:-1] + y_BTD.shape[-1:])
 
-    def _under_auto_axes(self, x_BTD, key, mask_BT, *, train: bool):
-        """The MoE under a mesh with explicit axes (``jax.make_mesh``'s default): routing
-        scatters tokens to experts, which explicit sharding cannot type, so it runs with the
-        mesh's axes automatic (``jax.sharding.auto_axes``), its parameters passed in. The
-        output keeps the input's sharding; the sown statistics come back replicated."""
-        graphdef, state = nnx.split(self.moe)
 
-        def run(state, x_BTD, key, mask_BT):
-            y_BTD, aux = nnx.merge(graphdef, state)(x_BTD, train=train, key=key,
-                                                     mask_BT=mask_BT)
-            return y_BTD, {name: aux[name] for name in SOWN}
-
-        out = (jax.typeof(x_BTD).sharding.spec, {name: P() for name in SOWN})
-        return jax.sharding.auto_axes(run, out_sharding=out)(state, x_BTD, key, mask_BT)
+def _sown(moe: MoE, x_BTD, **kwargs):
+    """The MoE's output and the statistics the layer sows."""
+    y_BTD, aux = moe(x_BTD, **kwargs)
+    return y_BTD, {name: aux[name] for name in SOWN}

@@ -1,0 +1,68 @@
+"""moejax modules under a mesh of explicit axes (``jax.make_mesh``'s default).
+
+The modules leave their shardings to XLA's propagation: an embedding's gather by token ids,
+the routing's scatters and the expert-parallel ``shard_map`` have no output sharding that
+explicit sharding can type, so under a mesh with explicit axes they fail at trace time.
+:func:`call_with_auto_axes` runs a module's method there with the mesh's axes automatic
+(:func:`jax.sharding.auto_axes`), its variables passed in:
+
+* an output whose leading axis has the batch's size (logits, hidden states, a KV cache's
+  keys and values, per-token expert ids) keeps the sharding of the batch input's first axis;
+  every other output (losses, per-expert loads, a cache's lengths) comes back replicated;
+* variables other than parameters that the call changes (an rng stream's count, a norm's
+  statistics) are written back to the module.
+
+Values and gradients are those of the same call without a mesh; under no mesh, or one whose
+axes are all automatic, the method runs as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["explicit_mesh", "call_with_auto_axes"]
+
+
+def explicit_mesh() -> bool:
+    """Whether the mesh set for tracing (``jax.set_mesh``) has explicit axes."""
+    return bool(jax.sharding.get_abstract_mesh().explicit_axes)
+
+
+def _is_array(v) -> bool:
+    return isinstance(v, (jax.Array, np.ndarray))
+
+
+def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs):
+    """``method(module, x, *args, **kwargs)`` under the context mesh with its axes automatic
+    (module docstring). ``x``: the batch input (its first axis is the batch); array
+    arguments and keyword arguments are passed in, the others (flags, ``None``) are held
+    fixed."""
+    graphdef, state = nnx.split(module)
+    arrays = {k: v for k, v in kwargs.items() if _is_array(v)}
+    fixed = {k: v for k, v in kwargs.items() if not _is_array(v)}
+    batch, x_spec = np.shape(x)[0], jax.typeof(x).sharding.spec
+    lead = x_spec[0] if len(x_spec) else None
+
+    def run(state, x, args, arrays):
+        m = nnx.merge(graphdef, state)
+        out = method(m, x, *args, **arrays, **fixed)
+        return out, nnx.state(m, nnx.Not(nnx.Param))
+
+    def spec(leaf) -> P:
+        if len(leaf.shape) >= 2 and leaf.shape[0] == batch:
+            return P(lead, *([None] * (len(leaf.shape) - 1)))
+        return P()
+
+    inputs = (state, x, args, arrays)
+    shapes, _ = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), *inputs)
+    rest_in = nnx.state(module, nnx.Not(nnx.Param))
+    out_sharding = (jax.tree.map(spec, shapes),
+                    jax.tree.map(lambda v: jax.typeof(v).sharding.spec, rest_in))
+    out, rest = jax.sharding.auto_axes(run, out_sharding=out_sharding)(*inputs)
+    nnx.update(module, rest)
+    return out
