@@ -1,7 +1,8 @@
 """moejax's models under a mesh of explicit axes (jax.make_mesh's default): the decoder's
-forward, gradients and cached decoding, the BERT encoder and the ViT give the values they give
-without a mesh, outputs keep the batch's sharding, and variables a call changes are written
-back (moejax.nn.auto_axes). On 8 simulated CPU devices, in a subprocess."""
+forward, gradients and cached decoding, generation, batched sampling and speculative decoding,
+the BERT encoder and the ViT give the values they give without a mesh, outputs keep the
+batch's sharding, and variables a call changes are written back (moejax.nn.auto_axes). On 8
+simulated CPU devices, in a subprocess."""
 
 from tests.devices import run_on_devices
 
@@ -10,12 +11,15 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from moejax.nn.auto_axes import explicit_mesh
-from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers
 from moejax.nn.encoder import BertEncoder, ViT, bert_encoder_config, vit_config
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_layer import MoELayer
+from moejax.nn.sample import sample
 from moejax.nn.slots import layer_pattern
+from moejax.nn.speculative import speculative_decoder
 from moejax.ops.losses import cross_entropy
 
 def close(a, b, tol=1e-5):
@@ -48,6 +52,11 @@ want_vit, want_feat = vit(images), vit.features(images)
 layer = MoELayer(moe.replace(router="noisy"), 16, rngs=nnx.Rngs(5))
 count = int(layer.rngs.count[...])
 
+lens = jnp.array([4, 3, 4, 2, 4, 4, 1, 4])
+spec = speculative_decoder(lm, keep_layers(lm, [0]), 5, draft_len=2)
+want_decoding = (generate(lm, tokens[:, :4], 4),
+                 sample(lm, tokens[:, :4], lens, 4, key=jax.random.key(7)), spec(tokens[:1, :4]))
+
 mesh = jax.make_mesh((2, 4), ("data", "model"))
 assert not explicit_mesh()
 with jax.set_mesh(mesh):
@@ -73,11 +82,19 @@ with jax.set_mesh(mesh):
     assert int(layer.rngs.count[...]) == count + 2, layer.rngs.count
     assert not np.allclose(np.asarray(a), np.asarray(b))
     print("state OK")
+    prompts = jax.device_put(tokens[:, :4], P("data"))
+    got = (generate(lm, prompts, 4), sample(lm, prompts, lens, 4, key=jax.random.key(7)),
+           spec(tokens[:1, :4]))
+    for a, b in zip(got, want_decoding):
+        assert all(np.array_equal(np.asarray(x), np.asarray(y))
+                   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    assert got[1].tokens_BS.sharding.spec[0] == "data", got[1].tokens_BS.sharding
+    print("decoding OK")
 print("OK")
 """
 
 
 def test_models_under_a_mesh_of_explicit_axes_equal_the_unsharded_call():
     out = run_on_devices(_SCRIPT)
-    for stage in ("decoder OK", "encoders OK", "state OK"):
+    for stage in ("decoder OK", "encoders OK", "state OK", "decoding OK"):
         assert stage in out, out[-2000:]

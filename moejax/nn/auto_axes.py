@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["explicit_mesh", "call_with_auto_axes"]
+__all__ = ["explicit_mesh", "run_with_auto_axes", "call_with_auto_axes", "run_for_mesh"]
 
 
 def explicit_mesh() -> bool:
@@ -37,32 +37,52 @@ def _is_array(v) -> bool:
     return isinstance(v, (jax.Array, np.ndarray))
 
 
-def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs):
-    """``method(module, x, *args, **kwargs)`` under the context mesh with its axes automatic
-    (module docstring). ``x``: the batch input (its first axis is the batch); array
-    arguments and keyword arguments are passed in, the others (flags, ``None``) are held
-    fixed."""
-    graphdef, state = nnx.split(module)
+def run_with_auto_axes(fn: Callable, x, *args, **kwargs):
+    """``fn(x, *args, **kwargs)`` under the context mesh with its axes automatic, outputs
+    sharded as the module docstring says. ``x``: the batch input (its first axis is the
+    batch); ``args`` and array keyword arguments are passed in (pytrees of arrays), the other
+    keyword arguments (flags, ``None``) are held fixed."""
     arrays = {k: v for k, v in kwargs.items() if _is_array(v)}
     fixed = {k: v for k, v in kwargs.items() if not _is_array(v)}
     batch, x_spec = np.shape(x)[0], jax.typeof(x).sharding.spec
     lead = x_spec[0] if len(x_spec) else None
 
-    def run(state, x, args, arrays):
-        m = nnx.merge(graphdef, state)
-        out = method(m, x, *args, **arrays, **fixed)
-        return out, nnx.state(m, nnx.Not(nnx.Param))
+    def run(x, args, arrays):
+        return fn(x, *args, **arrays, **fixed)
 
     def spec(leaf) -> P:
         if len(leaf.shape) >= 2 and leaf.shape[0] == batch:
             return P(lead, *([None] * (len(leaf.shape) - 1)))
         return P()
 
-    inputs = (state, x, args, arrays)
-    shapes, _ = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), *inputs)
-    rest_in = nnx.state(module, nnx.Not(nnx.Param))
-    out_sharding = (jax.tree.map(spec, shapes),
-                    jax.tree.map(lambda v: jax.typeof(v).sharding.spec, rest_in))
-    out, rest = jax.sharding.auto_axes(run, out_sharding=out_sharding)(*inputs)
+    shapes = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), x, args, arrays)
+    out_sharding = jax.tree.map(spec, shapes)
+    return jax.sharding.auto_axes(run, out_sharding=out_sharding)(x, args, arrays)
+
+
+def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs):
+    """``method(module, x, *args, **kwargs)`` by :func:`run_with_auto_axes`, the module's
+    variables passed in and those other than parameters that the call changes written
+    back."""
+    graphdef, state = nnx.split(module)
+
+    def run(x, state, *args, **kwargs):
+        m = nnx.merge(graphdef, state)
+        return method(m, x, *args, **kwargs), nnx.state(m, nnx.Not(nnx.Param))
+
+    out, rest = run_with_auto_axes(run, x, state, *args, **kwargs)
     nnx.update(module, rest)
     return out
+
+
+def run_for_mesh(fn: Callable, args: tuple, batch_arg: int):
+    """``fn(*args)``: by :func:`run_with_auto_axes` under a mesh of explicit axes, with
+    ``args[batch_arg]`` the batch input; else as it is (a decoding loop's entry point)."""
+    if not explicit_mesh():
+        return fn(*args)
+
+    def placed(x, *rest):
+        return fn(*rest[:batch_arg], x, *rest[batch_arg:])
+
+    return run_with_auto_axes(placed, args[batch_arg], *args[:batch_arg],
+                              *args[batch_arg + 1:])

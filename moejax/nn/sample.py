@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.generate import check_decode_inputs
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
@@ -178,8 +179,12 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
         args = checked(prompts_BT, prompt_lens_B, key)
         record_decode("sample", _sample, args, static)
-        return call_compiled(_sample, args, static, (1, 2, 3, 4), compiler_options or {},
-                             compiled)
+
+        def run(*dynamic):  # a mesh of explicit axes: the loop with them automatic
+            return call_compiled(_sample, (graphdef, *dynamic), static, (1, 2, 3, 4),
+                                 compiler_options or {}, compiled)
+
+        return run_for_mesh(run, args[1:], batch_arg=1)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     draw.lower = lambda prompts_BT, prompt_lens_B, *, key: _sample.lower(

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.blockffn import BlockFFN
 from moejax.nn.generate import check_decode_inputs
 from moejax.nn.lean_decode import lean_decoder
@@ -246,8 +247,12 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
         args = checked(prompt_BT, key)
         record_decode(f"speculative n={draft_len}", _speculate, args, static)
-        return call_compiled(_speculate, args, static, (1, 3, 4, 5), compiler_options or {},
-                             compiled)
+
+        def run(ts, ds, prompt_BT, key):  # a mesh of explicit axes: with them automatic
+            return call_compiled(_speculate, (tg, ts, dg, ds, prompt_BT, key), static,
+                                 (1, 3, 4, 5), compiler_options or {}, compiled)
+
+        return run_for_mesh(run, (ts, ds, args[4], args[5]), batch_arg=2)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     decode.lower = lambda prompt_BT, key=None: _speculate.lower(*checked(prompt_BT, key),
