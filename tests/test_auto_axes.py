@@ -7,6 +7,7 @@ simulated CPU devices, in a subprocess."""
 from tests.devices import run_on_devices
 
 _SCRIPT = r"""
+import warnings
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -83,7 +84,11 @@ with jax.set_mesh(mesh):
     assert not np.allclose(np.asarray(a), np.asarray(b))
     print("state OK")
     prompts = jax.device_put(tokens[:, :4], P("data"))
-    got = (generate(lm, prompts, 4), sample(lm, prompts, lens, 4, key=jax.random.key(7)),
+    with warnings.catch_warnings(record=True) as said:  # the cache's buffers are donated
+        warnings.simplefilter("always")
+        generated = generate(lm, prompts, 4)
+    assert not [w for w in said if "donated" in str(w.message)], [str(w.message) for w in said]
+    got = (generated, sample(lm, prompts, lens, 4, key=jax.random.key(7)),
            spec(tokens[:1, :4]))
     for a, b in zip(got, want_decoding):
         assert all(np.array_equal(np.asarray(x), np.asarray(y))

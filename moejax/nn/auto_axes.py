@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["explicit_mesh", "run_with_auto_axes", "call_with_auto_axes", "run_for_mesh"]
+__all__ = ["explicit_mesh", "run_with_auto_axes", "call_with_auto_axes", "run_for_mesh",
+           "batch_specs", "like_batch"]
 
 
 def explicit_mesh() -> bool:
@@ -44,20 +45,35 @@ def run_with_auto_axes(fn: Callable, x, *args, **kwargs):
     keyword arguments (flags, ``None``) are held fixed."""
     arrays = {k: v for k, v in kwargs.items() if _is_array(v)}
     fixed = {k: v for k, v in kwargs.items() if not _is_array(v)}
-    batch, x_spec = np.shape(x)[0], jax.typeof(x).sharding.spec
-    lead = x_spec[0] if len(x_spec) else None
 
     def run(x, args, arrays):
         return fn(x, *args, **arrays, **fixed)
 
+    shapes = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), x, args, arrays)
+    return jax.sharding.auto_axes(run, out_sharding=batch_specs(shapes, x))(x, args, arrays)
+
+
+def batch_specs(tree, x):
+    """The partition spec of each leaf of ``tree`` (arrays or shapes) as the module
+    docstring says: ``x``'s first-axis sharding on a leaf with two or more axes whose first
+    has ``x``'s batch size, replicated elsewhere."""
+    batch, x_spec = np.shape(x)[0], jax.typeof(x).sharding.spec
+    lead = x_spec[0] if len(x_spec) else None
+
     def spec(leaf) -> P:
-        if len(leaf.shape) >= 2 and leaf.shape[0] == batch:
-            return P(lead, *([None] * (len(leaf.shape) - 1)))
+        shape = np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape
+        if len(shape) >= 2 and shape[0] == batch:
+            return P(lead, *([None] * (len(shape) - 1)))
         return P()
 
-    shapes = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), x, args, arrays)
-    out_sharding = jax.tree.map(spec, shapes)
-    return jax.sharding.auto_axes(run, out_sharding=out_sharding)(x, args, arrays)
+    return jax.tree.map(spec, tree)
+
+
+def like_batch(tree, x):
+    """``tree`` resharded by :func:`batch_specs` under a mesh of explicit axes (e.g. a new
+    KV cache placed as the decode steps will return it, so its buffers can be donated);
+    as it is elsewhere."""
+    return jax.sharding.reshard(tree, batch_specs(tree, x)) if explicit_mesh() else tree
 
 
 def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs):

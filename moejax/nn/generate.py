@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
 __all__ = ["generate", "select_token", "check_decode_inputs"]
@@ -107,7 +108,7 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
         return prompt_BT
     model = lean_decoder(model)  # its fused weights made once, for every token's step
     graphdef, state = nnx.split(model)
-    cache = model.init_cache(B, total)
+    cache = like_batch(model.init_cache(B, total), prompt_BT)  # as the steps return it
     record_decode("generate (one token)", _decode_one,
                   (graphdef, state, jnp.zeros((B,), jnp.int32), cache), {})
     logits_BV, cache = _prefill(graphdef, state, prompt_BT, cache)
