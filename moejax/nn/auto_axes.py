@@ -13,7 +13,9 @@ explicit sharding can type, so under a mesh with explicit axes they fail at trac
   statistics) are written back to the module.
 
 Values and gradients are those of the same call without a mesh; under no mesh, or one whose
-axes are all automatic, the method runs as it is.
+axes are all automatic, the method runs as it is. A decoding loop's entry point runs the same
+way (:func:`run_for_mesh`), and a new KV cache is placed as its steps return it
+(:func:`like_batch`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def batch_specs(tree, x):
     lead = x_spec[0] if len(x_spec) else None
 
     def spec(leaf) -> P:
-        shape = np.shape(leaf) if not hasattr(leaf, "shape") else leaf.shape
+        shape = getattr(leaf, "shape", ())
         if len(shape) >= 2 and shape[0] == batch:
             return P(lead, *([None] * (len(shape) - 1)))
         return P()
