@@ -227,6 +227,11 @@ def test_decoder_config_validation_and_json_roundtrip():
         cfg.replace(n_kv_heads=3)
     with pytest.raises(ConfigError, match="rope_style"):
         cfg.replace(rope_style="neox")
+    for base in (0.0, -1.0, 1.0):  # inf or NaN angles, or one frequency for every pair
+        with pytest.raises(ConfigError, match=rf"rope_base={base} must be a finite number > 1"):
+            cfg.replace(rope_base=base)
+    with pytest.raises(ConfigError, match="head_dim=0 must be even and >= 2"):  # no heads
+        cfg.replace(head_dim=0)
     assert from_json(to_json(cfg)) == cfg
 
 

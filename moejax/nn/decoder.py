@@ -20,6 +20,7 @@ token; the cache (a tuple of per-layer :class:`KVCache`) is an explicit pytree.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import jax
@@ -87,8 +88,12 @@ class DecoderConfig(Config):
             self._require(self.d_model % self.n_heads == 0,
                           f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                           "set head_dim explicitly")
-        self._require(self.dim_per_head % 2 == 0,
-                      f"head_dim={self.dim_per_head} must be even for RoPE")
+        self._require(self.dim_per_head >= 2 and self.dim_per_head % 2 == 0,
+                      f"head_dim={self.dim_per_head} must be even and >= 2 for RoPE")
+        self._require(math.isfinite(self.rope_base) and self.rope_base > 1,
+                      f"rope_base={self.rope_base} must be a finite number > 1 (RoPE's "
+                      "frequencies base^(-2i/head_dim) fall with i; 0 or less gives inf or "
+                      "NaN angles)")
 
     @property
     def kv_heads(self) -> int:
