@@ -196,6 +196,15 @@ def test_config_errors_name_the_field(kw, field):
         BlockFFNConfig(n_experts=E, **kw)
 
 
+@pytest.mark.parametrize("kw, words", [(dict(union_chunk=0), "union_chunk=0 must be >= 1"),
+                                       (dict(l1_k=0.0), "l1_k=0.0 must be > 0")])
+def test_remoe_config_refuses_what_its_blockffn_slot_would(kw, words):
+    """A ReMoE slot's settings are refused when its config is made (naming ReMoEConfig),
+    not when the slot it builds is."""
+    with pytest.raises(ConfigError, match=f"ReMoEConfig: {words}"):
+        ReMoEConfig(n_experts=E, d_expert=F, **kw)
+
+
 def test_in_decoder_and_jit():
     slot = BlockFFNConfig(n_experts=4, d_expert=8, path="chunk_union", union_chunk=4,
                           cs_coef=0.1)

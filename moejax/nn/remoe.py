@@ -19,7 +19,7 @@ from typing import Literal
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import config
+from moejax.config import ConfigError, config
 from moejax.nn.blockffn import BlockFFN, BlockFFNConfig, ExpertPath
 from moejax.nn.slots import FFNSlotConfig
 from moejax.ops.activations import ActivationName
@@ -43,8 +43,11 @@ class ReMoEConfig(FFNSlotConfig):
     l1_k: float = 2.0
 
     def validate(self) -> None:
-        self._require(self.l1_coef >= 0, f"l1_coef={self.l1_coef} must be >= 0")
-        self._require(self.l1_k > 0, f"l1_k={self.l1_k} must be > 0")
+        try:  # the BlockFFN slot it builds checks the shared fields (sizes, union_chunk)
+            self.blockffn_config()
+        except ConfigError as e:
+            raise ConfigError(f"ReMoEConfig: {str(e).removeprefix('BlockFFNConfig: ')}"
+                              ) from None
 
     def blockffn_config(self) -> BlockFFNConfig:
         return BlockFFNConfig(n_experts=self.n_experts, d_expert=self.d_expert,
