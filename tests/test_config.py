@@ -210,7 +210,7 @@ def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
 
 
 @pytest.mark.parametrize("module, override, why", [
-    ("experiments.extraction.moee", "vit.patch_size=5", "must be a multiple of patch_size=5"),
+    ("experiments.extraction.moee", "vit.patch_size=5", "a positive multiple of patch_size=5"),
     ("experiments.extraction.moee", "minilm.seq_len=600", "exceeds MiniLM's 512 positions"),
     ("experiments.darex.encoder", "substrate.n_heads=3", "ByteEncoderTaskConfig"),
     ("experiments.ders.bench", "n_heads=3", "d_model=512 is not divisible by n_heads=3"),

@@ -174,5 +174,7 @@ def test_vit_shapes_patch_embedding_and_grad():
     assert float(jnp.abs(grads.cls_token[...]).sum()) > 0
     with pytest.raises(ConfigError, match="multiple of patch_size"):
         cfg.replace(image_size=10)
+    with pytest.raises(ConfigError, match="image_size=0 must be a positive multiple"):
+        cfg.replace(image_size=0)  # no patch: a model of the CLS token alone
     with pytest.raises(ValueError, match="image_size"):
         vit(jnp.zeros((1, 4, 4, 3)))

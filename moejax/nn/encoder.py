@@ -217,8 +217,9 @@ class ViTConfig(EncoderNumerics):
 
     def validate(self) -> None:
         super().validate()
-        self._require(self.patch_size > 0 and self.image_size % self.patch_size == 0,
-                      f"image_size={self.image_size} must be a multiple of "
+        self._require(self.patch_size > 0 and self.image_size >= self.patch_size
+                      and self.image_size % self.patch_size == 0,
+                      f"image_size={self.image_size} must be a positive multiple of "
                       f"patch_size={self.patch_size}")
         self._require(self.n_classes > 0 and self.n_channels > 0,
                       "n_classes and n_channels must be > 0")
