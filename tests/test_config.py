@@ -217,6 +217,7 @@ def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
     ("experiments.ders.bench", "lm_rank=1000", "lm_rank=1000 exceeds min(d_in, d_out) = 512"),
     ("experiments.ders.upcycling", "top_k=10", "top_k=10 must be in [1, n_experts=4]"),
     ("experiments.benchmarks.dispatch", "block_top_k=9", "block_top_k=9 must be <= block_"),
+    ("experiments.darex.storage", "delta_std=0", "delta_std=0.0 must be > 0"),
 ])
 def test_a_config_that_would_build_a_bad_model_is_refused(module, override, why):
     import importlib

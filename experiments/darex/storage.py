@@ -78,6 +78,8 @@ class StorageConfig(Config):
         self._require(all(b in (32, 16) or 1 <= b <= 8 for b in self.bits),
                       f"bits={self.bits}: use 32 (float32), 16 (bfloat16) or 1..8 (k-bit codes)")
         self._require(self.timing_repeats >= 1, "timing_repeats must be >= 1")
+        self._require(self.delta_std > 0, f"delta_std={self.delta_std} must be > 0 (a zero "
+                      "delta has nothing to prune, quantise or store)")
         self._require(self.source == "mlp" or "DAREx-q (q_v)" not in self.methods,
                       f"source={self.source!r} is a random delta without a model to choose "
                       "DAREx-q's q_v on: use methods=('DARE',)")
