@@ -39,9 +39,8 @@ def fmix32(h: jax.Array) -> jax.Array:
 
 def _flat_index(shape) -> jax.Array:
     """uint32 row-major element index of ``shape`` (``arange(n).reshape(shape)``), built from
-    per-axis iotas, which XLA fuses into the mask's consumer. With a reshaped 1-D ``arange``,
-    DARE over the SmolLM2-shaped tree took 0.091 s; this way 0.075 s (a jitted ``x * 2`` over
-    the same tree: 0.071 s)."""
+    per-axis iotas, which XLA fuses into the mask's consumer (a reshaped 1-D ``arange`` is
+    materialised first), so DARE runs at close to an elementwise pass over the tree."""
     shape = tuple(int(s) for s in shape)
     if not shape:
         return jnp.zeros((), jnp.uint32)
