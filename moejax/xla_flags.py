@@ -84,14 +84,15 @@ def call_compiled(jitted, args: tuple, static: dict, dynamic: tuple[int, ...], o
                   cache: dict):
     """``jitted(*args, **static)``, compiled with the compile ``options`` (known ones: see
     :func:`known_options`) once per shapes of its ``dynamic`` positional arguments (the
-    others are its static ones) and kept in ``cache``; without options, the plain call."""
+    others are its static ones) and mesh set for tracing, and kept in ``cache``; without
+    options, the plain call."""
     if not options:
         return jitted(*args, **static)
     import jax
 
     dyn = tuple(args[i] for i in dynamic)
     key = tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
-                for x in jax.tree.leaves(dyn))
+                for x in jax.tree.leaves(dyn)) + (jax.sharding.get_abstract_mesh(),)
     if key not in cache:
         cache[key] = jitted.lower(*args, **static).compile(compiler_options=dict(options))
     return cache[key](*dyn)

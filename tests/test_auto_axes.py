@@ -18,10 +18,11 @@ from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_layer import MoELayer
-from moejax.nn.sample import sample
+from moejax.nn.sample import sample, sampler
 from moejax.nn.slots import layer_pattern
 from moejax.nn.speculative import speculative_decoder
 from moejax.ops.losses import cross_entropy
+from moejax.xla_flags import known_options
 
 def close(a, b, tol=1e-5):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -55,6 +56,10 @@ count = int(layer.rngs.count[...])
 
 lens = jnp.array([4, 3, 4, 2, 4, 4, 1, 4])
 spec = speculative_decoder(lm, keep_layers(lm, [0]), 5, draft_len=2)
+options, _ = known_options({"xla_cpu_enable_fast_math": False})
+assert options
+draw = sampler(lm, 4, compiler_options=options)
+draw(tokens[:, :4], lens, key=jax.random.key(7))  # compiled without a mesh first
 want_decoding = (generate(lm, tokens[:, :4], 4),
                  sample(lm, tokens[:, :4], lens, 4, key=jax.random.key(7)), spec(tokens[:1, :4]))
 
@@ -94,6 +99,11 @@ with jax.set_mesh(mesh):
         assert all(np.array_equal(np.asarray(x), np.asarray(y))
                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     assert got[1].tokens_BS.sharding.spec[0] == "data", got[1].tokens_BS.sharding
+    # the sampler compiled with XLA options: its program, not only its call, runs the mesh's
+    # axes automatic, compiled again for this mesh
+    with_options = draw(prompts, lens, key=jax.random.key(7))
+    assert np.array_equal(np.asarray(with_options.tokens_BS), np.asarray(got[1].tokens_BS))
+    assert with_options.tokens_BS.sharding.spec[0] == "data", with_options.tokens_BS.sharding
     print("decoding OK")
 print("OK")
 """

@@ -121,7 +121,10 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
 @partial(jax.jit, static_argnames=("graphdef", "max_new", "temperature", "top_p", "eos_id",
                                    "pad_id"))
 def _sample(graphdef, state, prompts_BT, prompt_lens_B, key, **kw):
-    return sample_traced(nnx.merge(graphdef, state), prompts_BT, prompt_lens_B, key, **kw)
+    """The sampling program (under a mesh of explicit axes, with them automatic)."""
+    return run_for_mesh(lambda prompts_BT, state, prompt_lens_B, key: sample_traced(
+        nnx.merge(graphdef, state), prompts_BT, prompt_lens_B, key, **kw),
+        (prompts_BT, state, prompt_lens_B, key), batch_arg=0)
 
 
 def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
@@ -179,12 +182,8 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     def draw(prompts_BT, prompt_lens_B, *, key: jax.Array) -> Sampled:
         args = checked(prompts_BT, prompt_lens_B, key)
         record_decode("sample", _sample, args, static)
-
-        def run(*dynamic):  # a mesh of explicit axes: the loop with them automatic
-            return call_compiled(_sample, (graphdef, *dynamic), static, (1, 2, 3, 4),
-                                 compiler_options or {}, compiled)
-
-        return run_for_mesh(run, args[1:], batch_arg=1)
+        return call_compiled(_sample, args, static, (1, 2, 3, 4), compiler_options or {},
+                             compiled)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     draw.lower = lambda prompts_BT, prompt_lens_B, *, key: _sample.lower(

@@ -123,7 +123,13 @@ def cache_len(prompt_len: int, max_new_tokens: int, draft_len: int) -> int:
 
 
 @partial(jax.jit, static_argnums=(0, 2), static_argnames=("max_new", "n", "temperature"))
-def _speculate(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
+def _speculate(tg, ts, dg, ds, prompt_BT, key, **static):
+    """The decoding program (under a mesh of explicit axes, with them automatic)."""
+    return run_for_mesh(lambda prompt_BT, ts, ds, key: _speculate_loop(
+        tg, ts, dg, ds, prompt_BT, key, **static), (prompt_BT, ts, ds, key), batch_arg=0)
+
+
+def _speculate_loop(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
     # the fused weights of each made once, before the loop
     target, draft = lean_decoder(nnx.merge(tg, ts)), lean_decoder(nnx.merge(dg, ds))
     B, T = prompt_BT.shape
@@ -247,12 +253,8 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     def decode(prompt_BT, key: jax.Array | None = None) -> SpecOutput:
         args = checked(prompt_BT, key)
         record_decode(f"speculative n={draft_len}", _speculate, args, static)
-
-        def run(ts, ds, prompt_BT, key):  # a mesh of explicit axes: with them automatic
-            return call_compiled(_speculate, (tg, ts, dg, ds, prompt_BT, key), static,
-                                 (1, 3, 4, 5), compiler_options or {}, compiled)
-
-        return run_for_mesh(run, (ts, ds, args[4], args[5]), batch_arg=2)
+        return call_compiled(_speculate, args, static, (1, 3, 4, 5), compiler_options or {},
+                             compiled)
 
     # the jitted loop lowered for these arguments (e.g. to check its memory before a call)
     decode.lower = lambda prompt_BT, key=None: _speculate.lower(*checked(prompt_BT, key),
