@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from moejax.nn.auto_axes import explicit_mesh
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers
+from moejax.nn.ders_moe import DeRSFrozen, DeRSMoEConfig
 from moejax.nn.encoder import BertEncoder, ViT, bert_encoder_config, vit_config
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
@@ -52,6 +53,10 @@ vit = ViT(vit_config(image_size=8, patch_size=4, d_model=16, n_layers=1, n_heads
 images = jax.random.normal(jax.random.key(4), (8, 8, 8, 1))
 want_vit, want_feat = vit(images), vit.features(images)
 layer = MoELayer(moe.replace(router="noisy"), 16, rngs=nnx.Rngs(5))
+frozen_slot = DeRSMoEConfig(moe=moe, form="lm", lm_rank=2, freeze_shared=True)
+frozen_lm = DecoderLM(DecoderConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2,
+                                    ffn_slots=(frozen_slot,)), rngs=nnx.Rngs(6))
+frozen_before = nnx.state(frozen_lm, DeRSFrozen)
 count = int(layer.rngs.count[...])
 
 lens = jnp.array([4, 3, 4, 2, 4, 4, 1, 4])
@@ -87,6 +92,12 @@ with jax.set_mesh(mesh):
     a, b = layer(x), layer(x)  # each call draws new noise from the layer's own stream
     assert int(layer.rngs.count[...]) == count + 2, layer.rngs.count
     assert not np.allclose(np.asarray(a), np.asarray(b))
+    # variables the call does not change keep their sharding, even where their first axis
+    # has the batch's size (DeRS's frozen shared weights [8, 8] for a batch of 8)
+    frozen_lm(ts)
+    for v in jax.tree.leaves(nnx.state(frozen_lm, DeRSFrozen)):
+        assert jax.typeof(v).sharding.spec == P(None, None), jax.typeof(v).sharding
+    close(nnx.state(frozen_lm, DeRSFrozen), frozen_before)
     print("state OK")
     prompts = jax.device_put(tokens[:, :4], P("data"))
     with warnings.catch_warnings(record=True) as said:  # the cache's buffers are donated

@@ -10,7 +10,7 @@ explicit sharding can type, so under a mesh with explicit axes they fail at trac
   keys and values, per-token expert ids) keeps the sharding of the batch input's first axis;
   every other output (losses, per-expert loads, a cache's lengths) comes back replicated;
 * variables other than parameters that the call changes (an rng stream's count, a norm's
-  statistics) are written back to the module.
+  statistics) are written back to the module, with the shardings they had.
 
 Values and gradients are those of the same call without a mesh; under no mesh, or one whose
 axes are all automatic, the method runs as it is. A decoding loop's entry point runs the same
@@ -40,11 +40,14 @@ def _is_array(v) -> bool:
     return isinstance(v, (jax.Array, np.ndarray))
 
 
-def run_with_auto_axes(fn: Callable, x, *args, **kwargs):
-    """``fn(x, *args, **kwargs)`` under the context mesh with its axes automatic, outputs
-    sharded as the module docstring says. ``x``: the batch input (its first axis is the
-    batch); ``args`` and array keyword arguments are passed in (pytrees of arrays), the other
-    keyword arguments (flags, ``None``) are held fixed."""
+def run_with_auto_axes(fn: Callable, x, args: tuple = (), kwargs: dict | None = None, *,
+                       out_specs: Callable | None = None):
+    """``fn(x, *args, **kwargs)`` under the context mesh with its axes automatic. ``x``: the
+    batch input (its first axis is the batch); ``args`` and array keyword arguments are
+    passed in (pytrees of arrays), the other keyword arguments (flags, ``None``) are held
+    fixed. ``out_specs(shapes) -> specs`` gives the outputs' partition specs from their
+    shapes; default :func:`batch_specs` (the module docstring's rule)."""
+    kwargs = kwargs or {}
     arrays = {k: v for k, v in kwargs.items() if _is_array(v)}
     fixed = {k: v for k, v in kwargs.items() if not _is_array(v)}
 
@@ -52,7 +55,8 @@ def run_with_auto_axes(fn: Callable, x, *args, **kwargs):
         return fn(x, *args, **arrays, **fixed)
 
     shapes = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), x, args, arrays)
-    return jax.sharding.auto_axes(run, out_sharding=batch_specs(shapes, x))(x, args, arrays)
+    specs = batch_specs(shapes, x) if out_specs is None else out_specs(shapes)
+    return jax.sharding.auto_axes(run, out_sharding=specs)(x, args, arrays)
 
 
 def batch_specs(tree, x):
@@ -80,15 +84,18 @@ def like_batch(tree, x):
 
 def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs):
     """``method(module, x, *args, **kwargs)`` by :func:`run_with_auto_axes`, the module's
-    variables passed in and those other than parameters that the call changes written
-    back."""
+    variables passed in; those other than parameters that the call changes are written back
+    with the shardings they had."""
     graphdef, state = nnx.split(module)
+    rest_specs = jax.tree.map(lambda v: jax.typeof(v).sharding.spec,
+                              nnx.state(module, nnx.Not(nnx.Param)))
 
     def run(x, state, *args, **kwargs):
         m = nnx.merge(graphdef, state)
         return method(m, x, *args, **kwargs), nnx.state(m, nnx.Not(nnx.Param))
 
-    out, rest = run_with_auto_axes(run, x, state, *args, **kwargs)
+    out, rest = run_with_auto_axes(run, x, (state, *args), kwargs,
+                                   out_specs=lambda s: (batch_specs(s[0], x), rest_specs))
     nnx.update(module, rest)
     return out
 
@@ -102,5 +109,4 @@ def run_for_mesh(fn: Callable, args: tuple, batch_arg: int):
     def placed(x, *rest):
         return fn(*rest[:batch_arg], x, *rest[batch_arg:])
 
-    return run_with_auto_axes(placed, args[batch_arg], *args[:batch_arg],
-                              *args[batch_arg + 1:])
+    return run_with_auto_axes(placed, args[batch_arg], args[:batch_arg] + args[batch_arg + 1:])
