@@ -111,6 +111,20 @@ def test_sparse_compression_is_dare_and_counts_are_exact(trained):
     assert 0.3 < nnz / (n * base) < 0.5  # ~ (1 - p)
 
 
+def test_compression_metadata_says_what_ran_and_a_mismatched_setting_is_refused(trained):
+    """A drop rate given with quantisation (or no compression) is refused, not recorded as if
+    it had run; the stored metadata names the bits only where codes were stored."""
+    dec = decompose(trained["pure"], trained["base"], extended=trained["extended"])
+    for method in ("quant", "none"):
+        with pytest.raises(ValueError, match=f"drop_rate=0.9 applies to method='sparse', not "
+                                             f"'{method}'"):
+            compress(dec, method, drop_rate=0.9, bits=4)
+    sparse = compress(dec, "sparse", drop_rate=0.5, key=jax.random.key(1)).meta
+    quant = compress(dec, "quant", bits=4).meta
+    assert (sparse["drop_rate"], sparse["bits"]) == (0.5, 32)  # float32 values kept
+    assert (quant["drop_rate"], quant["bits"]) == (0.0, 4)
+
+
 @pytest.mark.parametrize("bits", [1, 3, 16])
 def test_quantised_deltas_error_bound_and_bytes(trained, bits):
     dec = decompose(trained["pure"], trained["base"], extended=trained["extended"])

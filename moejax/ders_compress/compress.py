@@ -82,7 +82,12 @@ def compress(dec: Decomposed, method: Method, *, drop_rate: float = 0.0, bits: i
              key: jax.Array | None = None, quant: QuantSpec = DEFAULT_QUANT) -> CompressedDeRS:
     """Replace every delta by its light form (module docstring). ``key`` drives the DARE
     masks (required for ``"sparse"``; leaf ``j`` of the tree uses ``fold_in(key, j)``);
-    ``quant`` is the k-bit quantiser."""
+    ``quant`` is the k-bit quantiser. ``drop_rate`` is the sparse form's and is refused with
+    another method (the metadata stores what ran: ``bits`` is 32, float32 values, but for
+    ``"quant"``)."""
+    if method != "sparse" and drop_rate:
+        raise ValueError(f"compress: drop_rate={drop_rate} applies to method='sparse', not "
+                         f"{method!r}; drop it or use method='sparse'")
     tree = delta_tree(dec.deltas)
     if method == "sparse":
         if key is None:
@@ -105,7 +110,8 @@ def compress(dec: Decomposed, method: Method, *, drop_rate: float = 0.0, bits: i
         raise ValueError(f"compress: method={method!r}; use 'sparse', 'quant' or 'none'")
     layers = list(dec.base)
     n = int(next(iter(dec.deltas[layers[0]].values())).shape[0])
-    meta = {"method": method, "drop_rate": float(drop_rate), "bits": int(bits),
+    meta = {"method": method, "drop_rate": float(drop_rate),
+            "bits": int(bits) if method == "quant" else 32,
             "quant": dict(quant._asdict()) if method == "quant" else None,
             "extended": bool(dec.extended), "layers": [int(i) for i in layers], "n": n}
     return CompressedDeRS(dec.base, dec.rest, stored, meta)
