@@ -84,6 +84,32 @@ def test_with_dtype_is_the_same_network_in_bfloat16(moe):
         with_dtype(lm, "float16")
 
 
+def test_layer_and_dtype_surgery_carry_every_variable_not_only_the_parameters():
+    """A DeRS-SM model with a frozen shared weight holds buffers that are not nnx.Param (the
+    SM indices, the frozen weight): keep_layers and with_dtype copy them (the model they
+    build computes as its source did; before, those variables held no value and the first
+    call failed), and build_from_pure refuses a dict that leaves a variable unset."""
+    from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex
+    from moejax.nn.surgery import build_from_pure
+    from moejax.upcycle import UpcycleConfig, upcycle_model
+
+    rule = UpcycleConfig(blocks="all", expert_form="sm", sm_rate=0.9, freeze_shared=True)
+    lm = upcycle_model(_lm(), rule, jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(2).integers(0, 12, (2, 7)))
+    for new in (keep_layers(lm, range(3)), with_dtype(lm, "float32")):
+        np.testing.assert_array_equal(np.asarray(new(x)[0]), np.asarray(lm(x)[0]))
+        for kind in (DeRSIndex, DeRSFrozen):
+            for a, b in zip(jax.tree.leaves(nnx.state(new, kind)),
+                            jax.tree.leaves(nnx.state(lm, kind)), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    half = with_dtype(lm, "bfloat16")
+    assert {str(a.dtype) for a in jax.tree.leaves(nnx.state(half, DeRSFrozen))} == {"bfloat16"}
+    with pytest.raises(ValueError, match=r"build_from_pure: no value for \['blocks'\]\[0\]"
+                                         r"\['ffn'\]\['base'\]"):
+        build_from_pure(lambda: DecoderLM(lm.cfg, rngs=nnx.Rngs(0)),
+                        nnx.to_pure_dict(nnx.state(lm, nnx.Param)))
+
+
 def test_generation_evaluator_matches_sampling_then_rouge():
     """Greedy: every seed gives the same responses (std 0) and the score is ROUGE-L of the
     decoded greedy continuation of each row's own prompt against its reference; sampled:

@@ -263,16 +263,17 @@ def check_cache_room(n_new: int, cache) -> None:
 
 def keep_layers(model: DecoderLM, layers) -> DecoderLM:
     """Layer surgery: a new :class:`DecoderLM` made of ``model``'s blocks ``layers`` (in the
-    given order) with its embedding, final norm and head; every array copied, ``model``
-    unchanged. E.g. ``keep_layers(lm, range(2))``: a shallower student that shares the
-    teacher's tokenizer and vocabulary."""
+    given order) with its embedding, final norm and head; every variable (parameters and
+    buffers, such as DeRS-SM's indices) copied, ``model`` unchanged. E.g.
+    ``keep_layers(lm, range(2))``: a shallower student that shares the teacher's tokenizer
+    and vocabulary."""
     layers = [int(i) for i in layers]
     n = model.cfg.n_layers
     if not layers or any(not 0 <= i < n for i in layers):
         raise ValueError(f"layers={layers} must be a non-empty list of indices in [0, {n})")
     cfg = model.cfg.replace(n_layers=len(layers),
                             ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure = nnx.to_pure_dict(nnx.state(model))  # every variable: DeRS's buffers too
     pure["blocks"] = {j: pure["blocks"][i] for j, i in enumerate(layers)}
     return _rebuilt(cfg, pure)
 
@@ -280,11 +281,12 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
 def with_dtype(model: DecoderLM, dtype: Literal["float32", "bfloat16"]) -> DecoderLM:
     """A copy of ``model`` that stores its parameters and computes in ``dtype`` (e.g. a model
     trained in float32, served in bfloat16: half the weight bytes a decoded token reads, and
-    the 16-bit kernels); ``model`` unchanged, every array copied."""
+    the 16-bit kernels); ``model`` unchanged, every variable copied (buffers too; floating
+    ones cast)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {tuple(DTYPES)}")
     cfg = model.cfg.replace(dtype=dtype, param_dtype=dtype)
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure = nnx.to_pure_dict(nnx.state(model))  # every variable: DeRS's buffers too
     pure = jax.tree.map(lambda x: x.astype(DTYPES[dtype])
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, pure)
     return _rebuilt(cfg, pure)

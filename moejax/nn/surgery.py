@@ -27,8 +27,17 @@ def build_from_pure(make: Callable[[], nnx.Module], pure: dict) -> nnx.Module:
 
 
 def _check_against(abstract: dict, pure: dict) -> None:
-    """Refuse arrays of ``pure`` whose shape or dtype differs from the abstract model's."""
+    """Refuse arrays of ``pure`` whose shape or dtype differs from the abstract model's, and a
+    ``pure`` that leaves any of the model's variables unset (built abstractly, it would hold
+    no value: a buffer such as DeRS-SM's indices, not only the parameters, must be given)."""
     want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
+    given = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(pure)}
+    missing = sorted(set(want) - given)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"build_from_pure: no value for {', '.join(missing[:3])}{more}; give "
+                         "every variable of the model (nnx.state(model), not only its "
+                         "nnx.Param)")
     wrong = []
     for k, x in jax.tree_util.tree_leaves_with_path(pure):
         spec = want.get(jax.tree_util.keystr(k))
