@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -265,6 +266,64 @@ def test_init_from_starts_a_run_from_another_runs_parameters(tmp_path):
         restore_params(tmp_path / "a" / "ck", TinyMoELM(nnx.Rngs(0), noise=0.3, d=10))
     with pytest.raises(FileNotFoundError, match="no complete moejax checkpoint"):
         restore_params(tmp_path / "nothing", TinyMoELM(nnx.Rngs(0), noise=0.3))
+
+
+def test_restore_params_brings_the_buffers_that_give_the_parameters_their_meaning(tmp_path):
+    """A DeRS-SM model keeps its SM indices and frozen shared weights outside nnx.Param; a
+    model upcycled with another key has other indices, so its parameters alone, restored
+    from a run, computed another function (silently). Restored with them, it computes the
+    trained model's, and an rng stream's state comes back typed."""
+    from moejax.nn.decoder import DecoderLM, dense_decoder_config
+    from moejax.nn.ders_moe import DeRSIndex
+    from moejax.nn.moe import MoEConfig
+    from moejax.nn.moe_layer import MoELayer
+    from moejax.ops.losses import cross_entropy
+    from moejax.train import restore_params, train
+    from moejax.upcycle import UpcycleConfig, upcycle_model
+
+    dense = DecoderLM(dense_decoder_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
+                                           d_hidden=32), rngs=nnx.Rngs(0))
+    rule = UpcycleConfig(blocks="all", expert_form="sm", sm_rate=0.9, freeze_shared=True)
+    trained = upcycle_model(dense, rule, jax.random.key(0))
+
+    def loss_fn(model, batch, key, train=True):
+        logits, aux = model(batch["inputs"], train=train, key=key)
+        return cross_entropy(logits, batch["targets"]) + aux["aux_loss"]
+
+    def source(pos):
+        t = np.random.default_rng(pos).integers(0, 32, (4, 9)).astype(np.int32)
+        return {"inputs": t[:, :-1], "targets": t[:, 1:]}
+
+    train(trained, source, CFG.replace(steps=2, warmup_steps=0, ckpt_every=2), loss_fn=loss_fn,
+          run_dir=tmp_path / "sm", progress=False)
+    other = upcycle_model(dense, rule, jax.random.key(5))
+    x = jnp.asarray(source(9)["inputs"])
+    assert not np.allclose(np.asarray(other(x)[0]), np.asarray(trained(x)[0]))
+    restore_params(tmp_path / "sm", other)
+    np.testing.assert_array_equal(np.asarray(other(x)[0]), np.asarray(trained(x)[0]))
+    assert tree_equal(nnx.to_pure_dict(nnx.state(other, DeRSIndex)),
+                      nnx.to_pure_dict(nnx.state(trained, DeRSIndex)))
+
+    class Noisy(nnx.Module):  # an rng stream in the model's state
+        def __init__(self, rngs):
+            self.moe = MoELayer(MoEConfig(n_experts=4, top_k=2, d_expert=8, router="noisy"), 8,
+                                rngs=rngs)
+
+        def __call__(self, x, train=True, key=None):
+            return self.moe(x), {"aux_loss": jnp.zeros(())}
+
+    def noisy_loss(model, batch, key, train=True):
+        return jnp.mean(model(batch["x"])[0] ** 2)
+
+    noisy = Noisy(nnx.Rngs(1))
+    feats = lambda pos: {"x": np.ones((4, 3, 8), np.float32) * (pos + 1)}  # noqa: E731
+    train(noisy, feats, CFG.replace(steps=2, warmup_steps=0, ckpt_every=2),
+          loss_fn=noisy_loss, run_dir=tmp_path / "noisy", progress=False)
+    fresh = restore_params(tmp_path / "noisy", Noisy(nnx.Rngs(7)))
+    assert int(fresh.moe.rngs.count[...]) == int(noisy.moe.rngs.count[...]) == 2
+    assert jnp.issubdtype(fresh.moe.rngs.key[...].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(fresh.moe.rngs.key[...])),
+                                  np.asarray(jax.random.key_data(noisy.moe.rngs.key[...])))
 
 
 def test_a_checkpoint_moejax_did_not_write_is_refused_and_left_alone(tmp_path):

@@ -129,6 +129,18 @@ __all__ = [
     "check_compatible",
 ]
 
+def refill(tmpl, restored):
+    """``restored``'s leaves in ``tmpl``'s structure, typed keys where ``tmpl`` has them
+    (checkpoints hold a key's uint32 data)."""
+    leaves = jax.tree.leaves(restored)
+    tleaves, treedef = jax.tree.flatten(tmpl)
+    leaves = [
+        jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if is_key_array(t) else v
+        for t, v in zip(tleaves, leaves)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
 class ForeignCheckpointError(ValueError):
     """A run directory holds a checkpoint moejax did not write; nothing is moved."""
 
@@ -137,8 +149,11 @@ def restore_params(source, model: nnx.Module | None = None, *, params=None):
     """The parameters of the newest complete step of a moejax run (``source``: its run
     directory or its ``checkpoints/``), verified, into ``model`` (in place; returned) or
     onto the pytree ``params`` (returned): the start of a new run from another one's
-    weights (``TrainConfig.init_from``). Shapes must match (:class:`CheckpointMismatchError`
-    names every differing leaf); the optimizer state and data position are not taken."""
+    weights (``TrainConfig.init_from``). Into a model, its other variables come with them
+    (buffers that give the parameters their meaning, such as DeRS-SM's indices and frozen
+    shared weights, a norm's statistics, an rng stream's state). Shapes must match
+    (:class:`CheckpointMismatchError` names every differing leaf); the optimizer state and
+    data position are not taken."""
     if (model is None) == (params is None):
         raise TypeError("restore_params(source, model) or restore_params(source, params=...)")
     source = os.path.abspath(os.fspath(source))
@@ -151,9 +166,11 @@ def restore_params(source, model: nnx.Module | None = None, *, params=None):
     ckpt = Checkpointer(directory)
     try:
         if model is not None:
-            state = nnx.state(model, nnx.Param)
-            plain = jax.tree.map(to_plain, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-            nnx.update(model, ckpt.restore_params(plain))
+            is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+            state, rest = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
+            plain, rest_plain = (jax.tree.map(to_plain, t, is_leaf=is_var) for t in (state, rest))
+            new_params, new_rest = ckpt.restore_params(plain, rest=rest_plain)
+            nnx.update(model, new_params, refill(rest, new_rest))  # keys typed again
             return model
         return ckpt.restore_params(params)
     finally:
@@ -395,10 +412,12 @@ class Checkpointer:
                 f"{where} is corrupt or unreadable ({type(e).__name__}: {str(e)[:300]})"
             ) from e
 
-    def _verified_read(self, step: int, abstract_src, check=None, *, part: str = ""):
+    def _verified_read(self, step: int, abstract_src, check=None, *, parts: tuple = ()):
         """The ``state`` item of ``step`` restored onto ``abstract_src``'s shapes, dtypes and
         shardings (arrays or ``ShapeDtypeStruct`` leaves) and its ``meta``, both verified
-        (files present, leaves compatible with ``check``, record and checksums)."""
+        (files present, leaves compatible with ``check``, record and checksums). With
+        ``parts`` (subtrees of the state, ``check`` a dict of their templates), those
+        subtrees alone are checked."""
         self.check_ours(step)
         where = f"checkpoint step {step} under {self.directory}"
         for name in ("_CHECKPOINT_METADATA", "state", "meta"):
@@ -410,8 +429,10 @@ class Checkpointer:
         saved_meta = self._read(step, lambda: self._mngr.item_metadata(step)["state"])
         saved_tree = getattr(saved_meta, "tree", saved_meta)
         if check is not None:
-            check_compatible(saved_tree[part] if part else saved_tree, check,
-                             where=f"{self.directory}/{step}")
+            for part in parts or ("",):
+                check_compatible(saved_tree[part] if part else saved_tree,
+                                 check[part] if part else check,
+                                 where=f"{self.directory}/{step}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_src)
         out = self._read(step, lambda: self._mngr.restore(
             step,
@@ -421,10 +442,12 @@ class Checkpointer:
         ))
         r, meta = out["state"], dict(out["meta"])
         verify_meta(meta, step, int(np.asarray(jax.device_get(r["step"]))), where)
-        # with ``part``, that subtree's arrays alone are compared (the rest was read onto a
+        # with ``parts``, those subtrees' arrays alone are compared (the rest was read onto a
         # structure from orbax's metadata, whose paths differ from the saved state's)
-        checked = {part: r[part]} if part else r
-        keep = (lambda k: k.startswith(f"{part}/")) if part else (lambda k: True)
+        checked = {part: r[part] for part in parts} if parts else r
+
+        def keep(k: str) -> bool:
+            return not parts or any(k.startswith(f"{part}/") for part in parts)
         try:
             if meta.get("checksums"):
                 host = host_tree(checked)
@@ -458,11 +481,12 @@ class Checkpointer:
                 "run_dir=...), and restore those weights with plain orbax (the snippet in "
                 "moejax.train.checkpoint) or start from a moejax run with init_from=")
 
-    def restore_params(self, params, step: int | None = None):
+    def restore_params(self, params, step: int | None = None, *, rest=None):
         """The parameters of ``step`` (default: the newest complete one) alone, verified
         like :meth:`restore`, placed as ``params`` (a pytree of the model's parameter arrays,
-        e.g. ``nnx.state(model, nnx.Param)`` as a pure dict) is; the optimizer state, key and
-        data position of the run are not read into anything."""
+        e.g. ``nnx.state(model, nnx.Param)`` as a pure dict) is; with ``rest`` (the model's
+        other variables, plain arrays), ``(params, rest)``, both verified. The optimizer
+        state, key and data position of the run are not read into anything."""
         step = self._resolve(step)
         saved = self._read(step, lambda: self._mngr.item_metadata(step)["state"])
         saved = getattr(saved, "tree", saved)
@@ -470,8 +494,11 @@ class Checkpointer:
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), saved)
         abstract["params"] = params
-        r, _ = self._verified_read(step, abstract, check=params, part="params")
-        return r["params"]
+        check = {"params": params}
+        if rest is not None:
+            abstract["rest"] = check["rest"] = rest
+        r, _ = self._verified_read(step, abstract, check=check, parts=tuple(check))
+        return r["params"] if rest is None else (r["params"], r["rest"])
 
     def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
         """Restore into ``template`` (same structure, shapes, dtypes and shardings).
@@ -484,15 +511,6 @@ class Checkpointer:
         plain = to_saveable(template)
         r, meta = self._verified_read(step, plain, check=plain)
         rest_t = template.rest if template.rest is not None else {}
-
-        def refill(tmpl, restored):
-            leaves = jax.tree.leaves(restored)
-            tleaves, treedef = jax.tree.flatten(tmpl)
-            leaves = [
-                jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if is_key_array(t) else v
-                for t, v in zip(tleaves, leaves)
-            ]
-            return jax.tree.unflatten(treedef, leaves)
 
         state = TrainState(
             step=r["step"],
