@@ -104,8 +104,8 @@ from moejax.train.checkpoint_format import (
     disk_full,
     gather_dicts,
     host_tree,
-    is_key_array,
     latest_step,
+    refill,
     release_orbax_threads,
     to_plain,
     to_saveable,
@@ -128,18 +128,6 @@ __all__ = [
     "to_saveable",
     "check_compatible",
 ]
-
-def refill(tmpl, restored):
-    """``restored``'s leaves in ``tmpl``'s structure, typed keys where ``tmpl`` has them
-    (checkpoints hold a key's uint32 data)."""
-    leaves = jax.tree.leaves(restored)
-    tleaves, treedef = jax.tree.flatten(tmpl)
-    leaves = [
-        jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if is_key_array(t) else v
-        for t, v in zip(tleaves, leaves)
-    ]
-    return jax.tree.unflatten(treedef, leaves)
-
 
 class ForeignCheckpointError(ValueError):
     """A run directory holds a checkpoint moejax did not write; nothing is moved."""

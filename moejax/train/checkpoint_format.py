@@ -27,7 +27,7 @@ from moejax.train.step import TrainState
 __all__ = ["FORMAT", "COMMIT_FILE", "CheckpointMismatchError", "CorruptCheckpointError",
            "CheckpointWriteError", "disk_full", "release_orbax_threads", "to_saveable",
            "complete_steps", "latest_step", "check_compatible", "verify_meta", "gather_dicts",
-           "host_tree", "is_key_array", "to_plain"]
+           "host_tree", "is_key_array", "to_plain", "refill"]
 
 FORMAT = "moejax-checkpoint-v2"
 _LEGACY_FORMATS = ("moejax-checkpoint-v1",)  # written before meta had its own checksum
@@ -93,6 +93,18 @@ def to_plain(x):
     if isinstance(x, nnx.Variable):
         x = x.get_value()
     return jax.random.key_data(x) if is_key_array(x) else x
+
+
+def refill(tmpl, restored):
+    """``restored``'s leaves in ``tmpl``'s structure, typed keys where ``tmpl`` has them
+    (checkpoints hold a key's uint32 data)."""
+    leaves = jax.tree.leaves(restored)
+    tleaves, treedef = jax.tree.flatten(tmpl)
+    leaves = [
+        jax.random.wrap_key_data(v, impl=jax.random.key_impl(t)) if is_key_array(t) else v
+        for t, v in zip(tleaves, leaves)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def to_saveable(state: TrainState) -> dict:
