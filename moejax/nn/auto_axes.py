@@ -100,13 +100,7 @@ def call_with_auto_axes(module: nnx.Module, method: Callable, x, *args, **kwargs
     return out
 
 
-def run_for_mesh(fn: Callable, args: tuple, batch_arg: int):
-    """``fn(*args)``: by :func:`run_with_auto_axes` under a mesh of explicit axes, with
-    ``args[batch_arg]`` the batch input; else as it is (a decoding loop's entry point)."""
-    if not explicit_mesh():
-        return fn(*args)
-
-    def placed(x, *rest):
-        return fn(*rest[:batch_arg], x, *rest[batch_arg:])
-
-    return run_with_auto_axes(placed, args[batch_arg], args[:batch_arg] + args[batch_arg + 1:])
+def run_for_mesh(fn: Callable, x, *args):
+    """``fn(x, *args)`` (``x`` the batch input): by :func:`run_with_auto_axes` under a mesh
+    of explicit axes, else as it is (a decoding loop's entry point)."""
+    return run_with_auto_axes(fn, x, args) if explicit_mesh() else fn(x, *args)

@@ -124,7 +124,7 @@ def _sample(graphdef, state, prompts_BT, prompt_lens_B, key, **kw):
     """The sampling program (under a mesh of explicit axes, with them automatic)."""
     return run_for_mesh(lambda prompts_BT, state, prompt_lens_B, key: sample_traced(
         nnx.merge(graphdef, state), prompts_BT, prompt_lens_B, key, **kw),
-        (prompts_BT, state, prompt_lens_B, key), batch_arg=0)
+        prompts_BT, state, prompt_lens_B, key)
 
 
 def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,

@@ -126,7 +126,7 @@ def cache_len(prompt_len: int, max_new_tokens: int, draft_len: int) -> int:
 def _speculate(tg, ts, dg, ds, prompt_BT, key, **static):
     """The decoding program (under a mesh of explicit axes, with them automatic)."""
     return run_for_mesh(lambda prompt_BT, ts, ds, key: _speculate_loop(
-        tg, ts, dg, ds, prompt_BT, key, **static), (prompt_BT, ts, ds, key), batch_arg=0)
+        tg, ts, dg, ds, prompt_BT, key, **static), prompt_BT, ts, ds, key)
 
 
 def _speculate_loop(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
