@@ -93,6 +93,34 @@ def test_vocab_mismatch_names_both_sizes():
         check_same_vocab(49152, 256, "SmolLM2", "byte LM")
 
 
+def test_positions_that_do_not_pair_up_are_refused_not_broadcast():
+    """A mask, targets or student logits of another shape than the positions they weigh (a
+    ``[B, 1]`` mask, one target or student position per row) would broadcast: every position
+    weighted and the mean taken over the wrong count. Each is refused, naming both shapes."""
+    from moejax.ops.losses import accuracy, cross_entropy
+
+    logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
+    targets, mask = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5))
+    for bad_mask in (jnp.ones((2, 1)), jnp.ones((5,)), jnp.ones((2, 4))):
+        for fn in (cross_entropy, accuracy):
+            with pytest.raises(ValueError, match=rf"{fn.__name__}: a mask of shape "
+                               rf"\({bad_mask.shape[0]},"):
+                fn(logits, targets, bad_mask)
+        for div in (forward_kl, reverse_kl, generalized_jsd):
+            with pytest.raises(ValueError, match="a mask of shape .* for positions of shape "
+                               r"\(2, 5\)"):
+                div(logits, logits, bad_mask)
+    for bad_targets in (jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 6), jnp.int32)):
+        with pytest.raises(ValueError, match=r"targets of shape .* for logits of shape "
+                           r"\(2, 5, 7\)"):
+            cross_entropy(logits, bad_targets, None)
+    with pytest.raises(ValueError, match=r"student logits of shape \(2, 1, 7\)"):
+        forward_kl(logits, logits[:, :1], mask)
+    # what pairs up still works, classifier shapes included
+    assert np.isfinite(float(cross_entropy(logits, targets, mask)))
+    assert np.isfinite(float(forward_kl(logits[:, 0], logits[:, 1], jnp.ones((2,)))))
+
+
 def _moe(router="noisy", n=4, k=2):
     cfg = MoEConfig(n_experts=n, top_k=k, d_expert=8, router=router, dispatch="dense",
                     activation="swiglu", balance_loss="cv2")

@@ -391,3 +391,24 @@ def test_every_floating_leaf_is_checked_for_finiteness():
         bad = {**good, leaf: good[leaf].at[-1].set(jnp.nan)}
         assert not bool(tree_all_finite(bad)), leaf
     assert bool(tree_all_finite({"i": jnp.arange(2)}))
+
+
+def test_a_loss_mask_of_another_shape_than_the_targets_is_refused_before_a_step(tmp_path):
+    """A ``[B, 1]`` loss mask broadcast over the targets counted every token of a row and
+    divided by the rows: the loss was T times too large, silently. The loop now stops at the
+    first step's trace, naming both shapes."""
+    from moejax.train import train
+
+    model = TinyMoELM(rngs=nnx.Rngs(0))
+    src = ToySource()
+    b = src.batch(0)
+
+    class OneWeightPerRow:
+        def batch(self, position):
+            return dict(src.batch(position), mask=np.ones((b["targets"].shape[0], 1),
+                                                          np.float32))
+
+    with pytest.raises(ValueError, match=r"cross_entropy: a mask of shape \(\d+, 1\) for "
+                       r"positions of shape \(\d+, \d+\)"):
+        train(model, OneWeightPerRow(), TrainConfig(steps=1, batch_size=b["targets"].shape[0]),
+              run_dir=str(tmp_path / "run"))

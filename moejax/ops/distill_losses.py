@@ -27,6 +27,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from moejax.ops.losses import check_mask
+
 __all__ = ["forward_kl", "reverse_kl", "generalized_jsd", "distill_divergence",
            "check_same_vocab", "reduce_positions", "Divergence", "Reduction"]
 
@@ -47,6 +49,7 @@ def check_same_vocab(teacher_vocab: int, student_vocab: int, teacher: str = "tea
 def reduce_positions(loss_BT: jax.Array, mask_BT: jax.Array,
                      reduction: Reduction = "token") -> jax.Array:
     """Masked mean of per-position losses (see the module docstring)."""
+    check_mask("reduce_positions", mask_BT, jnp.shape(loss_BT))
     m = mask_BT.astype(jnp.float32)
     if reduction == "token":
         return jnp.sum(loss_BT * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -60,6 +63,10 @@ def reduce_positions(loss_BT: jax.Array, mask_BT: jax.Array,
 
 def _logps(teacher_logits, student_logits):
     check_same_vocab(teacher_logits.shape[-1], student_logits.shape[-1])
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"teacher logits of shape {tuple(teacher_logits.shape)} and student "
+                         f"logits of shape {tuple(student_logits.shape)}: a divergence compares "
+                         "the two at the same positions; give both the same tokens")
     return (jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1),
             jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1))
 

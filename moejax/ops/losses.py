@@ -14,7 +14,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["token_cross_entropy", "cross_entropy", "accuracy"]
+__all__ = ["token_cross_entropy", "cross_entropy", "accuracy", "check_mask"]
+
+
+def check_mask(fn: str, mask, shape) -> None:
+    """Refuse (at trace time: shapes are static) a ``mask`` that is not one weight per
+    position of ``shape``: broadcast, a ``[B, 1]`` or ``[T]`` mask would weight every position
+    and divide by the wrong count, silently."""
+    if mask is not None and tuple(jnp.shape(mask)) != tuple(shape):
+        raise ValueError(f"{fn}: a mask of shape {tuple(jnp.shape(mask))} for positions of shape "
+                         f"{tuple(shape)}; give one weight per position")
+
+
+def _check_targets(fn: str, logits, targets, mask) -> None:
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{fn}: targets of shape {tuple(targets.shape)} for logits of shape "
+                         f"{tuple(logits.shape)}; give one target per position (the logits' "
+                         "shape without the vocabulary axis)")
+    check_mask(fn, mask, targets.shape)
 
 
 def token_cross_entropy(logits, targets):
@@ -34,8 +51,10 @@ def _weights(mask, shape):
 def cross_entropy(logits, targets, mask=None):
     """Mean cross-entropy over real tokens (``mask`` > 0). Returns a float32 scalar.
 
-    An all-padding batch gives 0 (the denominator is clamped to 1), not NaN.
+    An all-padding batch gives 0 (the denominator is clamped to 1), not NaN. ``targets`` and
+    ``mask`` must have the logits' shape without the vocabulary axis.
     """
+    _check_targets("cross_entropy", logits, targets, mask)
     w = _weights(mask, targets.shape)
     ce = token_cross_entropy(logits, targets)
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
@@ -43,6 +62,7 @@ def cross_entropy(logits, targets, mask=None):
 
 def accuracy(logits, targets, mask=None):
     """Mean top-1 accuracy over real tokens. Returns a float32 scalar."""
+    _check_targets("accuracy", logits, targets, mask)
     w = _weights(mask, targets.shape)
     hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return jnp.sum(hit * w) / jnp.maximum(jnp.sum(w), 1.0)
