@@ -163,3 +163,25 @@ def test_allocation_skips_padding_wherever_it_lies():
     assert ids.tolist() == [5, 6, 7, 8] and counts.tolist() == [2, 1, 3, 2]
     # token 5: (0, 0) .25 and (1, 5) .25; 6: (0, 1) .5; 7: 0.25, 0.25, 0; 8: 1, .25
     np.testing.assert_allclose(frac, [0.25, 0.5, 0.5 / 3, 0.625])
+
+
+def test_a_mask_that_is_not_one_per_token_is_refused_not_broadcast():
+    """A ``[B, 1]`` real-token mask broadcast over the tokens counted every token of a row
+    that had one real token, silently; the metrics and BlockFFN's objectives refuse it."""
+    import jax.numpy as jnp
+
+    from moejax.ops import chunk_sparsity as cs
+
+    row_mask = np.ones((2, 1), bool)
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 1\) for positions of shape "
+                       r"\(2, 6\)"):
+        sm.tls_counts(ACT, row_mask)
+    with pytest.raises(ValueError, match=r"mask of shape \(6,\)"):
+        sm.cls_counts(ACT, 2, MASK[0])
+    a = jnp.asarray(ACT, jnp.float32)
+    for loss in (lambda m: cs.activation_locality_loss(a, mask_BT=m),
+                 lambda m: cs.chunk_sparsification_loss(a, chunk_len=2, mask_BT=m),
+                 lambda m: cs.l1_activation_loss(a, mask_BT=m)):
+        with pytest.raises(ValueError, match=r"mask of shape \(2, 1\)"):
+            loss(jnp.asarray(row_mask))
+        assert np.isfinite(float(loss(jnp.asarray(MASK))))

@@ -37,6 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moejax.ops.losses import check_mask
+
 __all__ = [
     "run_starts",
     "chunk_starts",
@@ -51,6 +53,7 @@ __all__ = [
 
 
 def _real(mask_BT, shape):
+    check_mask("the real-token mask", mask_BT, shape)
     return jnp.ones(shape, bool) if mask_BT is None else mask_BT.astype(bool)
 
 

@@ -25,6 +25,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from moejax.ops.losses import check_mask
+
 __all__ = [
     "CHUNK_LENS",
     "chunk_groups",
@@ -39,6 +41,7 @@ CHUNK_LENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _real(mask_BT, shape):
+    check_mask("the real-token mask", mask_BT, shape)
     return np.ones(shape, bool) if mask_BT is None else np.asarray(mask_BT).astype(bool)
 
 
