@@ -164,3 +164,20 @@ def test_losses_are_differentiable_through_probs_and_logits():
     for g in (g_sw, g_z):
         assert float(jnp.max(jnp.abs(g))) > 1e-4
         np.testing.assert_array_equal(np.asarray(g[3]), 0.0)  # padding row gets no gradient
+
+
+def test_a_token_mask_of_another_size_is_refused_not_broadcast():
+    """A one-entry mask broadcast over every token (the losses of a batch whose one flag
+    said "real"), silently; one of the tokens' size in any shape is taken."""
+    ids, probs, logits = jnp.asarray(IDS), jnp.asarray(PROBS), jnp.asarray(LOGITS)
+    for bad in (jnp.ones((1,), bool), jnp.ones((4,), bool)):
+        for fn in (lambda m: rl.expert_counts(ids, E, m),
+                   lambda m: rl.switch_balance_loss(ids, probs, m),
+                   lambda m: rl.cv2_balance_loss(ids, probs, m),
+                   lambda m: rl.router_z_loss(logits, m),
+                   lambda m: rl.gate_mass_selected(ids, probs, m)):
+            with pytest.raises(ValueError, match=rf"token mask of shape \({bad.shape[0]},\) "
+                               "for 5 routed tokens"):
+                fn(bad)
+    np.testing.assert_allclose(rl.switch_balance_loss(ids, probs, jnp.asarray(MASK)[None]),
+                               rl.switch_balance_loss(ids, probs, jnp.asarray(MASK)))

@@ -27,6 +27,9 @@ __all__ = [
 def _mask_f32(mask_N, n: int):
     if mask_N is None:
         return jnp.ones((n,), jnp.float32)
+    if jnp.size(mask_N) != n:  # one of size 1 would broadcast over every token, silently
+        raise ValueError(f"a token mask of shape {tuple(jnp.shape(mask_N))} for {n} routed "
+                         "tokens; give one entry per token (any shape of that size)")
     return mask_N.reshape(-1).astype(jnp.float32)
 
 
