@@ -45,6 +45,14 @@ def test_delta_apply_roundtrip_and_shape_errors():
         delta(p, bad)
     with pytest.raises(ValueError, match="structures"):
         delta(p, {"embed": p["embed"]})
+    # a delta whose leaf broadcasts against the parameter ([1, 4, 4] onto [4, 4], one per
+    # stacked expert onto one matrix) would change the parameter's shape, silently
+    for shape in ((1, 4, 4), (3, 4, 4)):
+        d_bad = delta(p, f)
+        d_bad["attn"]["q"] = jnp.zeros(shape)
+        with pytest.raises(ValueError, match=rf"apply_delta: leaf 'attn/q' has shape "
+                           rf"\({shape[0]}, 4, 4\) in the delta but \(4, 4\)"):
+            apply(p, d_bad)
 
 
 def test_select_leaves_patterns():

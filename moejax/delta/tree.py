@@ -123,14 +123,19 @@ def delta(pretrained: PyTree, finetuned: PyTree) -> PyTree:
 
 
 def apply_delta(pretrained: PyTree, delta_tree: PyTree) -> PyTree:
-    """``theta = theta_P + Delta`` leaf by leaf, result in the pre-trained dtype."""
+    """``theta = theta_P + Delta`` leaf by leaf (shapes must match), result in the
+    pre-trained dtype."""
     _check_same_structure(pretrained, delta_tree, "apply_delta(pretrained, delta): the two "
                           "pytrees have different structures")
-    return jax.tree_util.tree_map(
-        lambda p, d: (jnp.asarray(p) + jnp.asarray(d)).astype(jnp.result_type(p)),
-        pretrained,
-        delta_tree,
-    )
+
+    def add(path, p, d):
+        if jnp.shape(p) != jnp.shape(d):  # a broadcast sum would change the parameter's shape
+            raise ValueError(
+                f"apply_delta: leaf {path_str(path)!r} has shape {jnp.shape(d)} in the delta but "
+                f"{jnp.shape(p)} in pretrained; the delta must come from the same model.")
+        return (jnp.asarray(p) + jnp.asarray(d)).astype(jnp.result_type(p))
+
+    return jax.tree_util.tree_map_with_path(add, pretrained, delta_tree)
 
 
 apply = apply_delta
