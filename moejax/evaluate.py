@@ -197,14 +197,32 @@ def matthews_corrcoef(y_true, y_pred, n_classes: int | None = None) -> float:
     ``(c s - sum_k p_k t_k) / sqrt((s^2 - sum_k p_k^2)(s^2 - sum_k t_k^2))`` with ``c`` the
     correct count, ``s`` the total, ``t_k``/``p_k`` true/predicted counts of class ``k``;
     0 when a denominator factor is 0 (one class only). Binary: the usual MCC."""
-    y_true, y_pred = np.asarray(y_true, np.int64), np.asarray(y_pred, np.int64)
+    y_true, y_pred = _class_ids("y_true", y_true), _class_ids("y_pred", y_pred)
+    if y_true.shape != y_pred.shape:
+        raise ValueError(f"matthews_corrcoef: y_true of shape {y_true.shape} and y_pred of shape "
+                         f"{y_pred.shape}; give one prediction per label")
     k = int(n_classes or max(y_true.max(initial=0), y_pred.max(initial=0)) + 1)
+    if max(y_true.max(initial=0), y_pred.max(initial=0)) >= k:
+        raise ValueError(f"matthews_corrcoef: a class id of {max(y_true.max(), y_pred.max())} "
+                         f"for n_classes={n_classes}")
     conf = np.zeros((k, k), np.float64)
     np.add.at(conf, (y_true, y_pred), 1.0)
     t, p = conf.sum(1), conf.sum(0)
     c, s = np.trace(conf), conf.sum()
     den = math.sqrt((s * s - p @ p) * (s * s - t @ t))
     return float((c * s - p @ t) / den) if den > 0 else 0.0
+
+
+def _class_ids(name: str, y) -> np.ndarray:
+    """``y`` as a 1-D int64 array of class ids, refused where it is not one (a float label
+    would be truncated, a negative one counted as the last class, ``[N, 1]`` broadcast)."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not (np.issubdtype(y.dtype, np.integer) or y.dtype == bool):
+        raise ValueError(f"{name} of shape {y.shape} and dtype {y.dtype}; give a 1-D array of "
+                         "integer class ids")
+    if y.size and y.min() < 0:
+        raise ValueError(f"{name} holds the negative class id {y.min()}")
+    return y.astype(np.int64)
 
 
 @jax.jit
@@ -221,8 +239,17 @@ class ClassifierEvaluator(Evaluator):
 
     def __init__(self, inputs, labels, mask=None, *, batch_size: int = 1024,
                  n_classes: int | None = None):
-        self.inputs, self.labels = np.asarray(inputs), np.asarray(labels)
+        self.inputs, self.labels = np.asarray(inputs), _class_ids("labels", labels)
         self.mask = None if mask is None else np.asarray(mask)
+        if len(self.inputs) != len(self.labels) or not len(self.labels):
+            raise ValueError(f"ClassifierEvaluator: {len(self.inputs)} rows of inputs for "
+                             f"{len(self.labels)} labels; give one label per row")
+        if self.mask is not None and self.mask.shape != self.inputs.shape:
+            raise ValueError(f"ClassifierEvaluator: a mask of shape {self.mask.shape} for inputs "
+                             f"of shape {self.inputs.shape}; give one entry per token")
+        if n_classes is not None and self.labels.max() >= n_classes:
+            raise ValueError(f"ClassifierEvaluator: a label of {self.labels.max()} for "
+                             f"n_classes={n_classes}")
         self.n_classes, self.batch_size = n_classes, min(batch_size, len(self.labels))
         self._fns: dict = {}
 

@@ -114,6 +114,8 @@ def test_positions_that_do_not_pair_up_are_refused_not_broadcast():
         with pytest.raises(ValueError, match=r"targets of shape .* for logits of shape "
                            r"\(2, 5, 7\)"):
             cross_entropy(logits, bad_targets, None)
+    with pytest.raises(ValueError, match="targets of dtype float32; give integer"):
+        cross_entropy(logits, jnp.full((2, 5), 0.7), mask)  # soft labels, truncated to id 0
     with pytest.raises(ValueError, match=r"student logits of shape \(2, 1, 7\)"):
         forward_kl(logits, logits[:, :1], mask)
     # what pairs up still works, classifier shapes included

@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from moejax.evaluate import ClassifierEvaluator, LMEvaluator, matthews_corrcoef
@@ -41,6 +42,31 @@ def test_classifier_evaluator_matches_direct_computation_with_padding():
     pred = np.asarray(logp).argmax(-1)
     assert got["accuracy"] == np.mean(pred == y)
     assert got["mcc"] == matthews_corrcoef(y, pred, 4)
+
+
+def test_labels_and_predictions_that_are_not_one_class_id_a_row_are_refused():
+    """One prediction broadcast over every label, or a negative label counted as the last
+    class, gave a Matthews correlation of something else, silently; rows of inputs beyond the
+    labels were left out of the evaluation."""
+    y = np.array([0, 1, 2, 1])
+    with pytest.raises(ValueError, match=r"y_true of shape \(4,\) and y_pred of shape \(1,\)"):
+        matthews_corrcoef(y, np.array([1]))
+    with pytest.raises(ValueError, match="y_true holds the negative class id -1"):
+        matthews_corrcoef(np.array([0, 1, -1, 1]), y)
+    with pytest.raises(ValueError, match="a class id of 2 for n_classes=2"):
+        matthews_corrcoef(y, y, 2)
+    x = np.zeros((4, 3), np.float32)
+    for labels, match in ((y[:, None], r"labels of shape \(4, 1\)"),
+                          (y.astype(np.float32), "dtype float32"),
+                          (y[:3], "4 rows of inputs for 3 labels")):
+        with pytest.raises(ValueError, match=match):
+            ClassifierEvaluator(x, labels)
+    with pytest.raises(ValueError, match=r"a mask of shape \(4, 1\) for inputs of shape "
+                       r"\(4, 3\)"):
+        ClassifierEvaluator(x.astype(np.int32), y, np.ones((4, 1)))
+    with pytest.raises(ValueError, match="a label of 2 for n_classes=2"):
+        ClassifierEvaluator(x, y, n_classes=2)
+    assert matthews_corrcoef(y, y) == 1.0 and matthews_corrcoef(y > 0, y > 0) == 1.0
 
 
 def test_lm_evaluator_bits_per_byte_and_counters():

@@ -27,6 +27,9 @@ def check_mask(fn: str, mask, shape) -> None:
 
 
 def _check_targets(fn: str, logits, targets, mask) -> None:
+    if not jnp.issubdtype(targets.dtype, jnp.integer):  # a float would be truncated to an id
+        raise ValueError(f"{fn}: targets of dtype {targets.dtype}; give integer class or token "
+                         "ids (one-hot or soft labels: optax.softmax_cross_entropy)")
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"{fn}: targets of shape {tuple(targets.shape)} for logits of shape "
                          f"{tuple(logits.shape)}; give one target per position (the logits' "
