@@ -97,7 +97,7 @@ def test_positions_that_do_not_pair_up_are_refused_not_broadcast():
     """A mask, targets or student logits of another shape than the positions they weigh (a
     ``[B, 1]`` mask, one target or student position per row) would broadcast: every position
     weighted and the mean taken over the wrong count. Each is refused, naming both shapes."""
-    from moejax.ops.losses import accuracy, cross_entropy
+    from moejax.ops.losses import accuracy, cross_entropy, token_cross_entropy
 
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
     targets, mask = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5))
@@ -114,6 +114,8 @@ def test_positions_that_do_not_pair_up_are_refused_not_broadcast():
         with pytest.raises(ValueError, match=r"targets of shape .* for logits of shape "
                            r"\(2, 5, 7\)"):
             cross_entropy(logits, bad_targets, None)
+        with pytest.raises(ValueError, match="token_cross_entropy: targets of shape"):
+            token_cross_entropy(logits, bad_targets)
     with pytest.raises(ValueError, match="targets of dtype float32; give integer"):
         cross_entropy(logits, jnp.full((2, 5), 0.7), mask)  # soft labels, truncated to id 0
     with pytest.raises(ValueError, match=r"student logits of shape \(2, 1, 7\)"):

@@ -39,6 +39,7 @@ def _check_targets(fn: str, logits, targets, mask) -> None:
 
 def token_cross_entropy(logits, targets):
     """Per-token cross-entropy ``logsumexp(logits) - logits[target]`` in float32."""
+    _check_targets("token_cross_entropy", logits, targets, None)
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
