@@ -185,3 +185,13 @@ def test_a_mask_that_is_not_one_per_token_is_refused_not_broadcast():
         with pytest.raises(ValueError, match=r"mask of shape \(2, 1\)"):
             loss(jnp.asarray(row_mask))
         assert np.isfinite(float(loss(jnp.asarray(MASK))))
+    # one document id a row, broadcast over its tokens, is refused the same way
+    with pytest.raises(ValueError, match=r"segment ids of shape \(2, 1\) for positions of "
+                       r"shape \(2, 6\)"):
+        sm.cls_counts(ACT, 2, MASK, SEG[:, :1])
+    for loss in (lambda s: cs.activation_locality_loss(a, mask_BT=MASK, segment_ids_BT=s),
+                 lambda s: cs.chunk_sparsification_loss(a, chunk_len=2, mask_BT=MASK,
+                                                        segment_ids_BT=s)):
+        with pytest.raises(ValueError, match=r"segment ids of shape \(2, 1\)"):
+            loss(jnp.asarray(SEG[:, :1]))
+        assert np.isfinite(float(loss(jnp.asarray(SEG))))

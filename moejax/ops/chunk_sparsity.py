@@ -53,12 +53,13 @@ __all__ = [
 
 
 def _real(mask_BT, shape):
-    check_mask("the real-token mask", mask_BT, shape)
+    check_mask("mask_BT", mask_BT, shape, "a real-token mask")
     return jnp.ones(shape, bool) if mask_BT is None else mask_BT.astype(bool)
 
 
 def _same_as_prev(segment_ids_BT, shape):
     """``[B, T]`` bool: token t has the same segment id as token t-1 (False at t=0)."""
+    check_mask("segment_ids_BT", segment_ids_BT, shape, "segment ids")
     if segment_ids_BT is None:
         same = jnp.ones(shape, bool)
     else:

@@ -17,13 +17,14 @@ import jax.numpy as jnp
 __all__ = ["token_cross_entropy", "cross_entropy", "accuracy", "check_mask"]
 
 
-def check_mask(fn: str, mask, shape) -> None:
-    """Refuse (at trace time: shapes are static) a ``mask`` that is not one weight per
-    position of ``shape``: broadcast, a ``[B, 1]`` or ``[T]`` mask would weight every position
-    and divide by the wrong count, silently."""
+def check_mask(fn: str, mask, shape, what: str = "a mask") -> None:
+    """Refuse (at trace time: shapes are static) a ``mask`` (or another per-position array,
+    named by ``what``) that is not one entry per position of ``shape``: broadcast, a
+    ``[B, 1]`` or ``[T]`` mask would weight every position and divide by the wrong count,
+    silently."""
     if mask is not None and tuple(jnp.shape(mask)) != tuple(shape):
-        raise ValueError(f"{fn}: a mask of shape {tuple(jnp.shape(mask))} for positions of shape "
-                         f"{tuple(shape)}; give one weight per position")
+        raise ValueError(f"{fn}: {what} of shape {tuple(jnp.shape(mask))} for positions of "
+                         f"shape {tuple(shape)}; give one entry per position")
 
 
 def _check_targets(fn: str, logits, targets, mask) -> None:

@@ -41,11 +41,12 @@ CHUNK_LENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _real(mask_BT, shape):
-    check_mask("the real-token mask", mask_BT, shape)
+    check_mask("mask_BT", mask_BT, shape, "a real-token mask")
     return np.ones(shape, bool) if mask_BT is None else np.asarray(mask_BT).astype(bool)
 
 
 def _same_as_prev(segment_ids_BT, shape):
+    check_mask("segment_ids_BT", segment_ids_BT, shape, "segment ids")
     same = np.ones(shape, bool)
     if segment_ids_BT is not None:
         s = np.asarray(segment_ids_BT)
