@@ -59,9 +59,9 @@ def cross_entropy(logits, targets, mask=None):
     An all-padding batch gives 0 (the denominator is clamped to 1), not NaN. ``targets`` and
     ``mask`` must have the logits' shape without the vocabulary axis.
     """
-    _check_targets("cross_entropy", logits, targets, mask)
+    ce = token_cross_entropy(logits, targets)  # checks the targets
+    check_mask("cross_entropy", mask, targets.shape)
     w = _weights(mask, targets.shape)
-    ce = token_cross_entropy(logits, targets)
     return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 
