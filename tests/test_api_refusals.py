@@ -82,7 +82,15 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
             run(np.asarray([[1, 2]]), t)
     with pytest.raises(ValueError, match="empty prompt"):
         run(np.zeros((1, 0), np.int32))
+    # float ids: a cast to int32 would decode [1, 2] for [1.7, 2.2], silently
+    for floats in (np.asarray([[1.7, 2.2]]), jnp.asarray([[1.7, 2.2]]), [[1.7, 2.2]]):
+        with pytest.raises(ValueError, match="prompt_BT of dtype float.*integer token ids"):
+            run(floats)
     run(np.asarray([[1, 15]]))  # ids in range: decodes
+    run([[1, 15]])  # a nested list of ints, too
+    if decode == "generate":
+        with pytest.raises(ValueError, match=r"eos_id=2\.5 must be an integer token id"):
+            generate(target, np.asarray([[1, 2]]), 4, eos_id=2.5)
 
 
 def test_ders_lm_ranks_past_full_rank_are_refused():

@@ -81,7 +81,12 @@ def test_distillation_teaches_the_draft_the_targets_choices(method):
     assert argmax_agreement(draft, target, held["tokens"]) == before
 
 
-def test_distill_draft_refuses_short_prompts():
+def test_distill_draft_refuses_short_prompts_and_float_ids():
     cfg = DraftDistillConfig(prompt_len=8)
     with pytest.raises(ValueError, match="prompt_len"):
         distill_draft(_lm(0), _lm(1), np.zeros((4, 5), np.int32), cfg)
+    # float ids would be truncated to other tokens by a cast: refused, here and in the sampler
+    with pytest.raises(ValueError, match="dtype float32; need integer token ids"):
+        distill_draft(_lm(0), _lm(1), np.full((4, 8), 1.7, np.float32), cfg)
+    with pytest.raises(ValueError, match="prompt_BT of dtype float"):
+        target_continuations(_lm(0), np.full((2, 4), 1.7), 3, key=jax.random.key(0))

@@ -129,8 +129,17 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match=r"prompt block \(4\) \+ max_new_tokens \(29\) exceeds "
                                          "max_seq_len=32"):
         sample(model, p, np.array([4, 4]), 29, key=jax.random.key(0))
-    with pytest.raises(ValueError, match="prompt_lens_B has shape"):
+    with pytest.raises(ValueError, match="prompt_lens_B of shape"):
         sample(model, p, np.array([4]), 2, key=jax.random.key(0))
+    # float lengths and ids: a cast would truncate them (2.6 -> 2, id 1.7 -> 1), silently
+    with pytest.raises(ValueError, match=r"prompt_lens_B of shape \(2,\) and dtype float"):
+        sample(model, p, np.array([2.6, 4.0]), 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="prompt_BT of dtype float"):
+        sample(model, p + 0.7, np.array([4, 4]), 2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"eos_id=2\.5 must be an integer token id"):
+        sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), eos_id=2.5)
+    with pytest.raises(ValueError, match=r"pad_id=1\.5 must be an integer token id"):
+        sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), pad_id=1.5)
     key = jax.random.key(0)
     for t in (float("nan"), float("inf"), -0.5):
         with pytest.raises(ValueError, match=f"temperature={t} must be a finite number"):

@@ -73,7 +73,7 @@ def target_continuations(target: DecoderLM, prompts_PT, response_len: int, *, ke
     followed by ``response_len`` tokens the target generates (``temperature`` 0: greedy).
     ``prompts [P, T]``, ``prompt_lens [P]``, ``tokens [P, T + response_len]``,
     ``response_mask`` (1 on the generated tokens)."""
-    prompts_PT = np.asarray(prompts_PT, np.int32)
+    prompts_PT = np.asarray(prompts_PT)  # the sampler refuses ids that are not integers
     P, T = prompts_PT.shape
     tokens, draw = [], sampler(target, response_len, temperature=temperature)
     for i in range(0, P, batch):
@@ -83,7 +83,7 @@ def target_continuations(target: DecoderLM, prompts_PT, response_len: int, *, ke
     tokens_PS = np.concatenate(tokens)
     mask = np.zeros(tokens_PS.shape, np.float32)
     mask[:, T:] = 1.0
-    return {"prompts": prompts_PT, "prompt_lens": np.full((P,), T, np.int32),
+    return {"prompts": prompts_PT.astype(np.int32), "prompt_lens": np.full((P,), T, np.int32),
             "tokens": tokens_PS, "response_mask": mask}
 
 
@@ -106,9 +106,11 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
     history)``. ``run_dir``: checkpoints there (with :class:`DistilledDraft` of ``cfg``,
     ``seed`` and ``start``, the starting draft's name), so a stopped distillation resumes and
     a finished one is restored instead of trained again."""
-    prompts_PT = np.asarray(prompts_PT, np.int32)
-    if prompts_PT.ndim != 2 or prompts_PT.shape[1] < cfg.prompt_len:
-        raise ValueError(f"distill_draft: prompts of shape {prompts_PT.shape}; need [P, T >= "
+    prompts_PT = np.asarray(prompts_PT)
+    if (prompts_PT.ndim != 2 or prompts_PT.shape[1] < cfg.prompt_len
+            or not np.issubdtype(prompts_PT.dtype, np.integer)):
+        raise ValueError(f"distill_draft: prompts of shape {prompts_PT.shape} and dtype "
+                         f"{prompts_PT.dtype}; need integer token ids [P, T >= "
                          f"prompt_len={cfg.prompt_len}]")
     prompts_PT = prompts_PT[:cfg.prompts, :cfg.prompt_len]
     key = jax.random.key(seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from numbers import Integral
 
 import jax
 import jax.numpy as jnp
@@ -21,24 +22,31 @@ from moejax.capture import record_decode
 from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
-__all__ = ["generate", "select_token", "check_decode_inputs"]
+__all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device"]
 
 
 def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
                         eos_id: int | None = None, lens_B=None) -> None:
     """Refuse, naming the argument, what a decoding would turn into garbage: an empty
     prompt, token ids outside ``[0, vocab_size)`` (a concrete prompt: each row's first
-    ``lens_B[b]`` ids where the rows are padded blocks), an ``eos_id`` outside the
+    ``lens_B[b]`` ids where the rows are padded blocks), ids that are not integers (a cast
+    would truncate them to other tokens), an ``eos_id`` that is not an integer id in the
     vocabulary (it could never be emitted), a temperature that is not a finite number >= 0."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
                          "(0 = greedy)")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, Integral)):
+        raise ValueError(f"eos_id={eos_id!r} must be an integer token id (the tokenizer's "
+                         "eos id)")
     if eos_id is not None and not 0 <= eos_id < vocab_size:
         raise ValueError(f"eos_id={eos_id} lies outside the vocabulary [0, {vocab_size}): "
                          "the model could never emit it; give the tokenizer's eos id")
     if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
         raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give [B, T] token ids with "
                          "T >= 1 (an empty prompt has nothing to continue)")
+    if not jnp.issubdtype(prompt_BT.dtype, jnp.integer):
+        raise ValueError(f"prompt_BT of dtype {prompt_BT.dtype}: give integer token ids (a "
+                         "cast would truncate each value to another token)")
     if not isinstance(prompt_BT, jax.core.Tracer) and prompt_BT.size:
         ids = np.asarray(prompt_BT)
         if lens_B is not None:  # the prompt of each row, not the padding after it
@@ -48,6 +56,12 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
             raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
                              f"vocabulary [0, {vocab_size}); encode it with the model's "
                              "tokenizer")
+
+
+def host_or_device(x):
+    """``x`` as an array where it is: a jax array as it is, anything else (a list, numpy) on
+    the host, so its checks need no device round trip and see its own dtype."""
+    return x if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def select_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: float,
@@ -90,9 +104,10 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     After a row emits ``eos_id`` its remaining positions are filled with ``eos_id``; the loop
     stops early once every row has finished. All prompt rows share one length ``T``.
     """
-    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     temperature = float(temperature)
-    check_decode_inputs(prompt_BT, model.cfg.vocab_size, temperature, eos_id=eos_id)
+    check_decode_inputs(host_or_device(prompt_BT), model.cfg.vocab_size, temperature,
+                        eos_id=eos_id)
+    prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0 (0: the prompt back)")
     B, T = prompt_BT.shape

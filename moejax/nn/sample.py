@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from numbers import Integral
 from typing import NamedTuple
 
 import jax
@@ -33,7 +34,7 @@ from flax import nnx
 
 from moejax.capture import record_decode
 from moejax.nn.auto_axes import run_for_mesh
-from moejax.nn.generate import check_decode_inputs
+from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
 
@@ -147,6 +148,8 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
                          "(0 = greedy)")
     vocab_size = model.cfg.vocab_size
+    if isinstance(pad_id, bool) or not isinstance(pad_id, Integral):
+        raise ValueError(f"pad_id={pad_id!r} must be an integer token id")
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id={pad_id} lies outside the vocabulary [0, {vocab_size}): "
                          "the sampled rows must stay token ids the model can read back")
@@ -159,14 +162,14 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
                   top_p=float(top_p), eos_id=eos_id, pad_id=int(pad_id))
 
     def checked(prompts_BT, prompt_lens_B, key: jax.Array) -> tuple:
-        if not isinstance(prompts_BT, jax.Array):  # checked where it is, on the host
-            prompts_BT = np.asarray(prompts_BT)
+        prompts_BT = host_or_device(prompts_BT)
         if prompts_BT.ndim != 2:
             raise ValueError(f"prompts_BT of shape {prompts_BT.shape}: give [B, T] token ids")
         B, T = prompts_BT.shape
         lens_host = np.asarray(prompt_lens_B)
-        if lens_host.shape != (B,):
-            raise ValueError(f"prompt_lens_B has shape {lens_host.shape}; expected ({B},)")
+        if lens_host.shape != (B,) or not np.issubdtype(lens_host.dtype, np.integer):
+            raise ValueError(f"prompt_lens_B of shape {lens_host.shape} and dtype "
+                             f"{lens_host.dtype}; expected ({B},) integer lengths")
         if T + max_new_tokens > max_seq_len:
             raise ValueError(f"prompt block ({T}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_seq_len={max_seq_len}; shorten the prompts or the "

@@ -43,7 +43,7 @@ from flax import nnx
 from moejax.capture import record_decode
 from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.blockffn import BlockFFN
-from moejax.nn.generate import check_decode_inputs
+from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
 from moejax.xla_flags import call_compiled
@@ -236,8 +236,9 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     compiled: dict = {}  # with compiler_options: the loop compiled per prompt shape
 
     def checked(prompt_BT, key: jax.Array | None) -> tuple:
-        prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
+        prompt_BT = host_or_device(prompt_BT)
         check_decode_inputs(prompt_BT, target.cfg.vocab_size, temperature)
+        prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
         T = prompt_BT.shape[1]
         if temperature > 0 and key is None:
             raise ValueError(f"temperature={temperature}: sampling needs an explicit "
