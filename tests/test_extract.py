@@ -77,6 +77,15 @@ def test_variance_selection_hand_case_and_minimality():
     y2 = np.tile([[5.0, 1.0, 0.0, 4.0]], (10, 1))
     assert select_neurons(y2, np.zeros(10, int), 1, p=0.8,
                           selection="magnitude").tolist() == [[True, False, False, True]]
+    # another selection name, or labels that are not one integer id a row, are refused (a
+    # misspelt selection ran variance selection, silently)
+    with pytest.raises(ValueError, match="selection='varience'; use one of"):
+        select_neurons(y2, np.zeros(10, int), 1, selection="varience")
+    for bad in (np.zeros(9, int), np.zeros(10) + 0.5):
+        with pytest.raises(ValueError, match="give one integer cluster id a row"):
+            select_neurons(y2, bad, 1)
+    with pytest.raises(ValueError, match="give one integer id a point"):
+        moee_plan(y2, y2, np.zeros(10) + 0.5)
     rng = np.random.default_rng(0)
     for seed in range(5):
         yy = rng.gamma(1.0, size=(200, 30)) * rng.uniform(0.1, 3, size=30)

@@ -82,7 +82,11 @@ def n_clusters_of(labels_N: np.ndarray) -> int:
 def relabel(labels_N: np.ndarray) -> np.ndarray:
     """Cluster ids made contiguous ``0..C-1`` (in the order of the old ids; empty ids vanish);
     noise stays ``-1``."""
-    labels_N = np.asarray(labels_N, np.int64)
+    labels_N = np.asarray(labels_N)
+    if labels_N.ndim != 1 or not np.issubdtype(labels_N.dtype, np.integer):
+        raise ValueError(f"cluster labels of shape {labels_N.shape} and dtype "
+                         f"{labels_N.dtype}: give one integer id a point (-1: noise)")
+    labels_N = labels_N.astype(np.int64)
     ids = np.unique(labels_N[labels_N >= 0])
     out = np.full_like(labels_N, -1)
     for new, old in enumerate(ids):

@@ -28,7 +28,7 @@ from moejax.config import Config, config
 from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
 from moejax.extract.layer_surgery import apply_model, extract_model, ffn_holder, slot_layers
-from moejax.extract.plan import ExpertPlan, kept_neurons, moee_plan, moefication_plan
+from moejax.extract.plan import ExpertPlan, Selection, kept_neurons, moee_plan, moefication_plan
 from moejax.nn import axes as ax
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
@@ -48,7 +48,7 @@ class ExtractConfig(Config):
     n_tokens: int = 20000
     cluster: ClusterConfig = ClusterConfig()
     p: float = 0.8
-    selection: Literal["variance", "magnitude", "random"] = "variance"
+    selection: Selection = "variance"
     router: Literal["cosine", "euclidean", "random"] = "cosine"
 
     def validate(self) -> None:

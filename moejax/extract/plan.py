@@ -34,7 +34,11 @@ from moejax.extract.cluster import n_clusters_of, relabel
 from moejax.extras import require
 
 __all__ = ["ExpertPlan", "select_neurons", "cluster_means", "moee_plan", "moefication_plan",
-           "balanced_kmeans_partition", "balanced_assignment", "param_centres", "kept_neurons"]
+           "balanced_kmeans_partition", "balanced_assignment", "param_centres", "kept_neurons",
+           "SELECTIONS"]
+
+Selection = Literal["variance", "magnitude", "random"]
+SELECTIONS = ("variance", "magnitude", "random")
 
 
 class ExpertPlan(NamedTuple):
@@ -69,13 +73,19 @@ def _take_until(scores_F: np.ndarray, p: float) -> np.ndarray:
 
 
 def select_neurons(y_NF: np.ndarray, labels_N: np.ndarray, n_clusters: int, *, p: float = 0.8,
-                   selection: Literal["variance", "magnitude", "random"] = "variance",
+                   selection: Selection = "variance",
                    seed: int = 0) -> np.ndarray:
     """``masks_EF``: per cluster, the neurons covering ``p`` of its total within-cluster
     variance (or mean activation magnitude), largest first."""
     if not 0 < p <= 1:
         raise ValueError(f"p={p} must be in (0, 1]")
+    if selection not in SELECTIONS:  # another name would run variance selection, silently
+        raise ValueError(f"selection={selection!r}; use one of {SELECTIONS}")
     y = np.asarray(y_NF, np.float64)
+    labels_N = np.asarray(labels_N)
+    if labels_N.shape != y.shape[:1] or not np.issubdtype(labels_N.dtype, np.integer):
+        raise ValueError(f"labels_N of shape {labels_N.shape} and dtype {labels_N.dtype} for "
+                         f"activations of shape {y.shape}: give one integer cluster id a row")
     rng = np.random.default_rng(seed)
     masks = np.zeros((n_clusters, y.shape[1]), bool)
     for c in range(n_clusters):
@@ -97,7 +107,7 @@ def cluster_means(x_ND: np.ndarray, labels_N: np.ndarray, n_clusters: int) -> np
 
 
 def moee_plan(x_ND, y_NF, labels_N, *, p: float = 0.8,
-              selection: Literal["variance", "magnitude", "random"] = "variance",
+              selection: Selection = "variance",
               seed: int = 0) -> ExpertPlan | None:
     """The MoEE plan of one layer from its cluster labels; ``None`` when there is no cluster
     (the layer stays dense)."""
