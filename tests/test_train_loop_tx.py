@@ -246,16 +246,18 @@ def test_keep_best_returns_the_best_evaluated_parameters():
                               progress=False)
     two, _ = train_params(P0, _regression, cfg.replace(steps=2, eval_every=0), _mse,
                           progress=False)
-    assert hist.best == {"step": 2, "value": 0.0} and len(hist) == 5
+    assert hist.best == {"step": 2, "value": 0.0, "mode": "max"} and len(hist) == 5
     assert tree_equal(best, two)
     tie = lambda params, step: {"score": -min(abs(step - 2.0), abs(step - 4.0))}  # noqa: E731
     _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=tie, keep_best="score",
                            progress=False)
-    assert hist.best == {"step": 2, "value": 0.0}  # a tie keeps the earlier evaluation
+    # a tie keeps the earlier evaluation
+    assert hist.best == {"step": 2, "value": 0.0, "mode": "max"}
     nan_first = lambda params, step: {"score": float("nan") if step == 1 else -step}  # noqa: E731
     _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=nan_first, keep_best="score",
                            progress=False)
-    assert hist.best == {"step": 2, "value": -2.0}  # a NaN evaluation is never the best
+    # a NaN evaluation is never the best
+    assert hist.best == {"step": 2, "value": -2.0, "mode": "max"}
     with pytest.raises(ValueError, match="keep_best"):
         train_params(P0, _regression, cfg.replace(eval_every=0), _mse, keep_best="score",
                      progress=False)
@@ -283,9 +285,9 @@ def test_keep_best_survives_a_crash_and_a_second_call_of_the_finished_run(tmp_pa
     assert latest_step(tmp_path / "best") == 2
     resumed, hist = train_params(P0, _regression, cfg, _mse, **run)
     assert [h["step"] for h in hist] == [5, 6]
-    assert hist.best == {"step": 2, "value": 0.0} and tree_equal(resumed, want)
+    assert hist.best == {"step": 2, "value": 0.0, "mode": "max"} and tree_equal(resumed, want)
     again, hist = train_params(P0, _regression, cfg, _mse, **run)
-    assert len(hist) == 0 and hist.best == {"step": 2, "value": 0.0}
+    assert len(hist) == 0 and hist.best == {"step": 2, "value": 0.0, "mode": "max"}
     assert tree_equal(again, want)
     # a best step past the resumed one (its run crashed before the step's own checkpoint)
     late = tmp_path / "late"
@@ -297,9 +299,39 @@ def test_keep_best_survives_a_crash_and_a_second_call_of_the_finished_run(tmp_pa
                                  **{**run, "run_dir": str(late)})
     assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6] and tree_equal(resumed, want)
     assert os.listdir(late / "best" / ".after-resume")
-    with pytest.raises(ValueError, match="keeps the best by 'score', this run by 'other'"):
+    with pytest.raises(ValueError, match=r"keeps the best by 'score' \(max\), this run by "
+                                         r"'other' \(max\)"):
         train_params(P0, _regression, cfg, _mse, eval_fn=lambda p, s: {"other": 1.0},
                      keep_best="other", run_dir=str(tmp_path), progress=False)
+    with pytest.raises(ValueError, match=r"this run by 'score' \(min\)"):  # another mode
+        train_params(P0, _regression, cfg, _mse, **run, keep_best_mode="min")
+
+
+def test_keep_best_of_a_lower_is_better_metric_needs_its_mode():
+    """keep_best keeps the highest evaluation by default: a loss would keep its worst step.
+    A metric that reads as lower-is-better is refused before any step unless the mode is
+    said; keep_best_mode="min" keeps the lowest."""
+    cfg = CFG.replace(steps=5, eval_every=1, log_every=1, schedule="constant")
+    loss = lambda params, step: {"loss": abs(step - 2.0), "val_kl": 1.0}  # noqa: E731
+    for key in ("loss", "val_kl", "PPL"):
+        with pytest.raises(ValueError, match=f"keep_best='{key}' reads as a metric where "
+                                             "lower is better.*keep_best_mode='min'"):
+            train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best=key,
+                         progress=False)
+    best, hist = train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best="loss",
+                              keep_best_mode="min", progress=False)
+    two, _ = train_params(P0, _regression, cfg.replace(steps=2, eval_every=0), _mse,
+                          progress=False)
+    assert hist.best == {"step": 2, "value": 0.0, "mode": "min"} and tree_equal(best, two)
+    _, hist = train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best="loss",
+                           keep_best_mode="max", progress=False)  # said: taken as said
+    assert hist.best == {"step": 5, "value": 3.0, "mode": "max"}
+    with pytest.raises(ValueError, match="keep_best_mode='lowest'; use 'max'"):
+        train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best="loss",
+                     keep_best_mode="lowest", progress=False)
+    with pytest.raises(ValueError, match="keep_best_mode='min' without keep_best"):
+        train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best_mode="min",
+                     progress=False)
 
 
 def test_keep_best_resumes_from_the_newest_best_step_that_verifies(tmp_path):
@@ -315,7 +347,8 @@ def test_keep_best_resumes_from_the_newest_best_step_that_verifies(tmp_path):
             raise RuntimeError("killed")
         return _regression(position)
 
-    for damaged, best in ((False, {"step": 4, "value": 0.5}), (True, {"step": 2, "value": 0.0})):
+    for damaged, best in ((False, {"step": 4, "value": 0.5, "mode": "max"}),
+                          (True, {"step": 2, "value": 0.0, "mode": "max"})):
         run = dict(eval_fn=score, keep_best="score", run_dir=str(tmp_path / str(damaged)),
                    progress=False)
         with pytest.raises(RuntimeError, match="killed"):

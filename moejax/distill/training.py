@@ -349,11 +349,12 @@ def distill_tx(cfg: DistillConfig, tcfg: TrainConfig) -> optax.GradientTransform
 
 def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,
            tcfg: TrainConfig, source, *, eval_fn=None, keep_best: str = "",
-           desc: str = "distil", run_dir=None, config=None
+           keep_best_mode: str | None = None, desc: str = "distil", run_dir=None, config=None
            ) -> tuple[nnx.Module, DistillPair, History]:
     """Distil a copy of ``student`` from ``teacher`` by ``cfg.method`` for ``tcfg.steps``
     steps on ``source`` (prompt/response batches); ``eval_fn(student, step)`` with
-    ``keep_best`` keeps the best-evaluated student. Returns ``(student, pair, history)``
+    ``keep_best`` (and ``keep_best_mode``, :class:`~moejax.train.loop.LoopOptions`) keeps the
+    best-evaluated student. Returns ``(student, pair, history)``
     (``pair.teacher``: the teacher as distilled from, e.g. SAR's trained router); the models
     passed in are left unchanged. ``run_dir`` / ``config``: the training loop's checkpoints
     and the config stored with them (:class:`moejax.train.loop.LoopOptions`), so a stopped
@@ -362,5 +363,6 @@ def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,
     history = train(pair, source, tcfg, loss_fn=distill_loss_fn(cfg), tx=None,
                     eval_fn=None if eval_fn is None else (lambda p, step: eval_fn(p.student,
                                                                                  step)),
-                    keep_best=keep_best, desc=desc, run_dir=run_dir, config=config)
+                    keep_best=keep_best, keep_best_mode=keep_best_mode, desc=desc,
+                    run_dir=run_dir, config=config)
     return pair.student, pair, history

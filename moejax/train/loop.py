@@ -56,7 +56,7 @@ from moejax.train.batch_checks import (
     check_token_ids,
     record_scale,
 )
-from moejax.train.best import BestKeeper
+from moejax.train.best import BestKeeper, check_keep_best
 from moejax.train.budget import check_fits, compiled_memory
 from moejax.train.checkpoint import restore_params
 from moejax.train.distributed import (
@@ -89,7 +89,7 @@ class History(list):
     compiled step when the loop was asked to measure it (else ``None``)."""
 
     memory: dict | None = None
-    best: dict | None = None  # {"step", "value"} of the kept evaluation (keep_best)
+    best: dict | None = None  # {"step", "value", "mode"} of the kept evaluation (keep_best)
     # parameters without logical axis names, replicated on a mesh of more than one device
     replicated_unnamed: tuple[str, ...] = ()
 
@@ -116,7 +116,9 @@ class LoopOptions:
     check_memory: refuse, before the first step, a step whose compiled peak memory exceeds
         the device's (:mod:`moejax.train.budget`).
     keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
-        evaluation where it was highest (checkpoint selection on validation;
+        evaluation where it was highest, or lowest with ``keep_best_mode="min"`` (a key that
+        reads as lower-is-better, ``loss``, ``ppl``, ``kl``, ..., needs the mode said;
+        :func:`moejax.train.best.check_keep_best`) (checkpoint selection on validation;
         ``History.best`` says which step), not those of the last step. Only this run's
         evaluations compete (not those of an ``init_from`` run); in a ``run_dir`` the best is
         checkpointed beside the run (:mod:`moejax.train.best`), so a resumed run, or a
@@ -138,6 +140,7 @@ class LoopOptions:
     check_memory: bool = True
     desc: str = "train"
     keep_best: str = ""
+    keep_best_mode: str | None = None
     init_from: str | os.PathLike | None = None
 
 
@@ -202,6 +205,11 @@ class _Run:
         if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
             raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
                              "eval_fn and set TrainConfig.eval_every > 0")
+        if opts.keep_best:
+            check_keep_best(opts.keep_best, opts.keep_best_mode)
+        elif opts.keep_best_mode is not None:
+            raise ValueError(f"keep_best_mode={opts.keep_best_mode!r} without keep_best: name "
+                             "the evaluation metric to keep the best of")
         if callable(source) and not hasattr(source, "batch"):
             source = FnSource(source)
         if not callable(getattr(source, "batch", None)):
@@ -255,7 +263,9 @@ class _Run:
                 run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
         self.start = int(jax.device_get(self.state.step))
         if self.opts.keep_best:
-            self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints)
+            self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints,
+                                   mode=check_keep_best(self.opts.keep_best,
+                                                        self.opts.keep_best_mode))
             self.best.resume(self.state, self.start, main=self.main)
         if run_dir is not None and self.main and self.mesh.size > 1:
             atomic_write_text(os.path.join(run_dir, "sharding.json"), json.dumps(
