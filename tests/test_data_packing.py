@@ -1,11 +1,23 @@
 """Packing vs a naive oracle, and batch sources: determinism, epochs, resume, sharding."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.data.batches import ClassificationBatches, PackedLMBatches, pad_token_rows
+from moejax.data.batches import (
+    ClassificationBatches,
+    PackedLMBatches,
+    PromptResponseBatches,
+    pad_token_rows,
+)
 from moejax.data.loader import BatchIterator
-from moejax.data.packing import lm_example, pack_documents
+from moejax.data.packing import (
+    lm_example,
+    pack_documents,
+    prompt_response_real,
+    prompt_response_rows,
+)
 from moejax.data.source import BatchSource
 
 BOS, EOS, PAD = 1, 2, 0
@@ -121,6 +133,15 @@ def test_classification_batches():
     again = ClassificationBatches(ids, np.array([0, 1, 2]), mask=mask, batch_size=2, seed=1)
     for pos in range(3):  # a fresh source with the same seed serves the same batches
         np.testing.assert_array_equal(src.batch(pos)["inputs"], again.batch(pos)["inputs"])
+    # labels that are not one class id a row: refused (float labels 0.5, 1.7 were truncated
+    # to classes 0 and 1; an id past num_classes or below 0 trained on another class)
+    for bad, match in ((np.array([0.5, 1.7, 2.0]), "dtype float64; give one integer class"),
+                       (np.array([[0], [1], [2]]), r"labels of shape \(3, 1\)"),
+                       (np.array([0, -1, 2]), r"labels in \[-1, 2\]")):
+        with pytest.raises(ValueError, match=match):
+            ClassificationBatches(ids, bad, mask=mask, batch_size=2)
+    with pytest.raises(ValueError, match=r"labels in \[0, 2\] for num_classes=2"):
+        ClassificationBatches(ids, np.array([0, 1, 2]), batch_size=2, num_classes=2)
         np.testing.assert_array_equal(src.batch(pos)["labels"], again.batch(pos)["labels"])
 
 
@@ -147,12 +168,6 @@ def test_pack_pairs_and_pair_batches():
 
 
 def test_prompt_response_batches_mark_their_real_tokens():
-    import jax
-    import jax.numpy as jnp
-
-    from moejax.data.batches import PromptResponseBatches
-    from moejax.data.packing import prompt_response_real, prompt_response_rows
-
     prompts, responses = [[5, 6], [7], [8, 9, 10, 11, 12, 13]], [[3], [4, 4, 4, 4], [6, 6]]
     rows = prompt_response_rows(prompts, responses, prompt_len=6, response_len=4)
     # [bos] + prompt (cut to its last 3 tokens) + [eos, bos], then response[:3] + [eos]
@@ -169,3 +184,27 @@ def test_prompt_response_batches_mark_their_real_tokens():
     np.testing.assert_array_equal(np.asarray(traced), want)
     b = PromptResponseBatches(rows, batch_size=3, shuffle=False).batch(0)
     np.testing.assert_array_equal(b["token_mask"] > 0, want[:, :-1])
+
+
+def test_prompt_response_rows_that_do_not_line_up_are_refused_before_a_batch():
+    """Arrays of different row counts failed mid-run (a batch drawing a row past the shortest
+    raised IndexError at position 1 here) and paired rows past it with other rows' prompts;
+    they, a missing array, float ids, a mask of another shape and prompt lengths past the
+    prompt block are refused when the source is made."""
+    prompts = [np.arange(3, 3 + n) for n in (2, 3, 4, 5)]
+    rows = prompt_response_rows(prompts, [np.array([6, 7])] * 4, 6, 4)
+    PromptResponseBatches(rows, batch_size=2)  # as built: fine
+
+    def refused(match, **change):
+        bad = {**rows, **change}
+        with pytest.raises(ValueError, match=match):
+            PromptResponseBatches({k: v for k, v in bad.items() if v is not None},
+                                  batch_size=2)
+
+    refused("different numbers of rows", prompts=rows["prompts"][:3],
+            prompt_lens=rows["prompt_lens"][:3])
+    refused(r"lack \['prompt_lens'\]", prompt_lens=None)
+    refused("tokens of shape .* and dtype float", tokens=rows["tokens"] + 0.5)
+    refused("response_mask of shape", response_mask=rows["response_mask"][:, :-1])
+    refused(r"prompt_lens in \[0, ", prompt_lens=rows["prompt_lens"] * 0)
+    refused("each must be in", prompt_lens=rows["prompt_lens"] + 7)

@@ -136,11 +136,21 @@ class ClassificationBatches(_RowSource):
         inputs, labels = np.asarray(inputs), np.asarray(labels)
         if inputs.shape[0] != labels.shape[0]:
             raise ValueError(f"{inputs.shape[0]} inputs but {labels.shape[0]} labels")
-        if mask is not None and mask.shape != inputs.shape:
-            raise ValueError(f"mask shape {mask.shape} differs from inputs shape {inputs.shape}")
-        self.inputs, self.labels, self.mask = inputs, labels.astype(np.int32), mask
+        if mask is not None and np.shape(mask) != inputs.shape:
+            raise ValueError(f"mask shape {np.shape(mask)} differs from inputs shape "
+                             f"{inputs.shape}")
+        if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer)
+                                    or labels.dtype == bool):
+            raise ValueError(f"labels of shape {labels.shape} and dtype {labels.dtype}; give "
+                             "one integer class id a row (a float would be truncated)")
+        n = int(num_classes if num_classes is not None else labels.max(initial=0) + 1)
+        if labels.size and (labels.min() < 0 or labels.max() >= n):
+            raise ValueError(f"labels in [{labels.min()}, {labels.max()}] for num_classes={n}; "
+                             "each must be a class id in [0, num_classes)")
+        self.inputs, self.labels = inputs, labels.astype(np.int32)
+        self.mask = None if mask is None else np.asarray(mask)
         self.batch_size, self.seed = batch_size, seed
-        self.num_classes = int(num_classes if num_classes is not None else labels.max() + 1)
+        self.num_classes = n
         self._order = EpochPermutation(labels.shape[0], seed, shuffle)
 
     def __len__(self) -> int:
@@ -224,6 +234,7 @@ class PromptResponseBatches(_RowSource):
 
     def __init__(self, rows: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
         self.rows = {k: np.asarray(v) for k, v in rows.items()}
+        _check_prompt_response_rows(self.rows)
         self.batch_size, self.seed = batch_size, seed
         self._order = EpochPermutation(len(self), seed, shuffle)
 
@@ -238,3 +249,33 @@ class PromptResponseBatches(_RowSource):
                    mask=out["response_mask"][:, 1:].astype(np.float32),
                    token_mask=real[:, :-1].astype(np.float32))
         return out
+
+
+def _check_prompt_response_rows(rows: dict) -> None:
+    """Refuse, before any batch, rows that are not :func:`~moejax.data.packing.
+    prompt_response_rows`' layout: a missing array, arrays of different row counts (a batch
+    that drew a row past the shortest would fail mid-run, and rows past it would pair with
+    other rows' prompts), token ids that are not integers, a response mask of another shape
+    than the tokens, prompt lengths outside ``[1, prompt width]``."""
+    missing = [k for k in ("prompts", "prompt_lens", "tokens", "response_mask") if k not in rows]
+    if missing:
+        raise ValueError(f"PromptResponseBatches: rows lack {missing}; give the arrays of "
+                         "moejax.data.packing.prompt_response_rows")
+    counts = {k: v.shape[0] if v.ndim else None for k, v in rows.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"PromptResponseBatches: the arrays hold different numbers of rows "
+                         f"{counts}; give one entry per row in each")
+    prompts, lens, tokens = rows["prompts"], rows["prompt_lens"], rows["tokens"]
+    for name, a, ndim in (("prompts", prompts, 2), ("prompt_lens", lens, 1),
+                          ("tokens", tokens, 2)):
+        if a.ndim != ndim or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"PromptResponseBatches: {name} of shape {a.shape} and dtype "
+                             f"{a.dtype}; give integers of {ndim} axes")
+    if rows["response_mask"].shape != tokens.shape:
+        raise ValueError(f"PromptResponseBatches: response_mask of shape "
+                         f"{rows['response_mask'].shape} for tokens of shape {tokens.shape}; "
+                         "give one entry per token")
+    if lens.size and (lens.min() < 1 or lens.max() > min(prompts.shape[1], tokens.shape[1])):
+        raise ValueError(f"PromptResponseBatches: prompt_lens in [{lens.min()}, {lens.max()}] "
+                         f"for prompts of width {prompts.shape[1]}; each must be in [1, "
+                         f"{min(prompts.shape[1], tokens.shape[1])}]")
