@@ -17,6 +17,7 @@ from moejax.harness.claims import (
     lookup,
     paired,
     paired_claim,
+    paired_compare,
     t_critical,
     t_two_sided_p,
     threshold_claim,
@@ -126,3 +127,22 @@ def test_edges_of_a_verdict_ties_and_an_interval_touching_zero_are_no_win():
     row = {"comparison": "A - B", "mean_diff": half, "std_diff": sd, "wins": 2, "n": n}
     assert paired_claim("A beats B", row).verdict == "inconclusive"
     assert lookup([{"model": "A", "x": 1.0}], {"model": "A"}, "y") is None
+
+
+def test_an_orientation_other_than_higher_or_lower_is_refused():
+    """``better`` orients every comparison; a misspelt one ("greater", "Higher") was taken
+    as "lower" and judged the claim the wrong way round: compare("a > b", 2 vs 1,
+    better="greater") held False."""
+    assert compare("a > b", ("a", 2.0), ("b", 1.0)).holds
+    assert not compare("a < b", ("a", 2.0), ("b", 1.0), better="lower").holds
+    won = Claim("a beats b", True, "a 2 vs b 1")
+    calls = [lambda b: compare("c", ("a", 2.0), ("b", 1.0), better=b),
+             lambda b: threshold_claim("c", [1.0, 2.0], 0.5, better=b),
+             lambda b: beats_control(won, [2.0, 2.1], [1.0, 1.1], name="n", so="s", better=b),
+             lambda b: paired_compare("c", {"x": 1.0}, ("a", lambda t: 2.0),
+                                      ("b", lambda t: 1.0), better=b)]
+    for call in calls:
+        call("lower")  # both orientations run
+        for bad in ("greater", "Higher", ""):
+            with pytest.raises(ValueError, match=f"better='{bad}'; use 'higher' or 'lower'"):
+                call(bad)

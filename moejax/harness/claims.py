@@ -82,15 +82,24 @@ def lookup(rows: Sequence[Mapping[str, Any]] | None, match: Mapping[str, Any],
     return None
 
 
+def _sign(better: str) -> float:
+    """+1 for ``better="higher"``, -1 for ``"lower"``; anything else is refused (a misspelt
+    orientation would judge the claim the wrong way round)."""
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better={better!r}; use 'higher' or 'lower'")
+    return 1.0 if better == "higher" else -1.0
+
+
 def compare(claim: str, a: tuple[str, Any], b: tuple[str, Any], *, better: str = "higher",
             fmt: str = ".4g") -> Claim:
     """``claim`` holds when ``a``'s value is better than ``b``'s (``better``: "higher" or
     "lower"); not measured when either is missing or NaN."""
     (la, va), (lb, vb) = a, b
+    sign = _sign(better)
     va, vb = measured(va), measured(vb)
     if va is None or vb is None:
         return Claim(claim, None, f"{la} or {lb} missing")
-    holds = va > vb if better == "higher" else va < vb
+    holds = sign * va > sign * vb
     return Claim(claim, holds, f"{la} {format(va, fmt)} vs {lb} {format(vb, fmt)}")
 
 
@@ -245,12 +254,12 @@ def beats_control(c: Claim, winner: Sequence[float | None],
     paired over the seeds. A "holds" stands only where it does: a winner no better than the
     control wins by the other's harm, not by what it does itself (``so``: what that leaves
     unshown, for the evidence). A "does not hold" stands either way."""
+    sign = _sign(better)
     if not c.holds:
         return c
     if not winner or None in winner or None in control or len(winner) != len(control):
         return unjudged(c, f"the metric of {name} was not recorded: the winner's gain over "
                            "it is unchecked")
-    sign = 1.0 if better == "higher" else -1.0
     row = paired("winner - control" if sign > 0 else "control - winner",
                  [sign * v for v in winner], [sign * v for v in control])
     check = paired_claim(f"the winner beats {name}", row, fmt=fmt)
@@ -272,12 +281,12 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
     is :func:`paired_claim` on the differences (oriented by ``better``), with both arms'
     means. One run: inconclusive. A value missing in any run: not measured."""
     (la, fa), (lb, fb) = a, b
+    sign = _sign(better)
     runs = per_seed(t)
     va, vb = [measured(fa(r)) for r in runs], [measured(fb(r)) for r in runs]
     if any(v is None for v in va + vb):
         return Claim(claim, None, f"{la} or {lb} missing")
-    sign = 1.0 if better == "higher" else -1.0
-    row = paired(f"{la} - {lb}" if better == "higher" else f"{lb} - {la}",
+    row = paired(f"{la} - {lb}" if sign > 0 else f"{lb} - {la}",
                  [sign * v for v in va], [sign * v for v in vb])
     c = paired_claim(claim, row, fmt=fmt)
     means = (f"{la} {format(sum(va) / len(va), fmt)} vs {lb} {format(sum(vb) / len(vb), fmt)}"
@@ -295,9 +304,9 @@ def threshold_claim(claim: str, values: Sequence[float], threshold: float, *,
     upwards."""
     if candidates < 1:
         raise ValueError(f"candidates={candidates} must be >= 1")
+    sign = _sign(better)
     if not values:
         return Claim(claim, None, "not run")
-    sign = 1.0 if better == "higher" else -1.0
     row = paired(f"value - {threshold:g}" if sign > 0 else f"{threshold:g} - value",
                  [sign * float(v) for v in values], [sign * threshold] * len(values))
     c = paired_claim(claim, row, fmt=fmt, alpha=0.05 / candidates)
