@@ -2,7 +2,7 @@
 
 * :class:`LMEvaluator`: language-model loss (nats/token), next-token accuracy and bits per
   byte on fixed held-out batches; XLA's compiled memory analysis of the evaluation step (the
-  inference peak). One compilation per model structure.
+  inference peak). One compilation per model structure and batch shape.
 * :class:`ClassifierEvaluator`: loss, accuracy and Matthews correlation (multi-class MCC) of a
   classifier over every row of a split, in fixed-shape batches (one compilation).
 * :class:`SparsityEvaluator`: validation cross-entropy / perplexity of a sparsely activated
@@ -143,36 +143,40 @@ class LMEvaluator(Evaluator):
         """The first ``n_batches`` batches of a batch source (a held-out split)."""
         return cls([source.batch(i) for i in range(n_batches)], **kw)
 
-    def _compiled(self, graphdef, params, rest):
-        """The evaluation step compiled for this model and for where its arrays live: a model
-        trained on a mesh is evaluated on that mesh (a step compiled for one layout refuses
-        arrays of another)."""
-        key = (graphdef, _layout(params), _layout(rest))
+    def _compiled(self, graphdef, params, rest, batch: dict):
+        """The evaluation step compiled for this model, for where its arrays live (a model
+        trained on a mesh is evaluated on that mesh: a step compiled for one layout refuses
+        arrays of another) and for ``batch``'s shapes (a held-out split's last, smaller batch
+        gets its own compilation)."""
+        key = (graphdef, _layout(params), _layout(rest), _shapes(batch))
         fn = self._fns.get(key)
         if fn is None:
             step = make_eval_step(graphdef, self.loss_fn)
-            fn = step.lower(params, rest, self.batches[0], jax.random.key(0)).compile()
-            b = self.batches[0]["inputs"].shape
+            fn = step.lower(params, rest, batch, jax.random.key(0)).compile()
+            b = np.shape(batch["inputs"])
             check_program_fits(  # before it first runs: an evaluation can be the first program
                 compiled_memory(fn)["peak_bytes"], jax.devices()[0],
-                f"the evaluation of batches of {b[0]} x {b[1]} tokens",
+                f"the evaluation of batches of {' x '.join(map(str, b))} tokens",
                 "evaluate smaller batches (the run's batch_size or sequence length), or run "
                 "on a machine with more memory")
             self._fns[key] = fn
         return fn
 
     def _evaluate(self, graphdef, params, rest) -> dict:
-        fn = self._compiled(graphdef, params, rest)
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
-        ms = jax.device_get([fn(params, rest, b, key) for b in self.batches])
+        ms = jax.device_get([self._compiled(graphdef, params, rest, b)(params, rest, b, key)
+                             for b in self.batches])
         loss = token_mean([m["ce"] for m in ms], self._scored)
         return {"loss": loss, "accuracy": token_mean([m["accuracy"] for m in ms], self._scored),
                 "bpb": loss / math.log(2) / self.bytes_per_token}
 
     def memory(self, model: nnx.Module) -> dict:
-        """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch)."""
+        """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch; of
+        the batch shape with the largest peak where the batches differ in shape)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return compiled_memory(self._compiled(graphdef, params, rest))
+        shapes = {_shapes(b): b for b in self.batches}
+        return max((compiled_memory(self._compiled(graphdef, params, rest, b))
+                    for b in shapes.values()), key=lambda m: m["peak_bytes"])
 
 
 def scored_tokens(batches: Sequence[dict]) -> np.ndarray:
@@ -185,6 +189,12 @@ def token_mean(batch_means: Sequence[float], scored: np.ndarray) -> float:
     """The mean over every scored token from each batch's mean and its scored-token count
     (:func:`scored_tokens`), not the mean of the batch means."""
     return float(np.dot(np.asarray(batch_means, np.float64), scored) / max(scored.sum(), 1.0))
+
+
+def _shapes(batch: dict) -> tuple:
+    """A batch's array shapes and dtypes by key, hashable."""
+    return tuple((k, np.shape(v), str(np.asarray(v).dtype if not hasattr(v, "dtype")
+                                      else v.dtype)) for k, v in sorted(batch.items()))
 
 
 def _layout(tree) -> tuple:

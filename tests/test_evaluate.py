@@ -105,8 +105,10 @@ def test_outputs_on_and_params_loss_see_the_params_they_are_given():
 
 
 def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
-    # two batches scoring different numbers of tokens: the loss and accuracy are the means over
-    # every scored token, not the mean of the two batch means
+    # batches scoring different numbers of tokens: the loss and accuracy are the means over
+    # every scored token, not the mean of the batch means; the last batch is smaller (a
+    # held-out split's remainder), which the evaluation step, compiled for the first batch's
+    # shape, refused with XLA's "Argument types differ" error
     from moejax.evaluate import SparsityEvaluator
     from moejax.nn.decoder import DecoderConfig, DecoderLM
     from moejax.nn.ffn import DenseFFNConfig
@@ -116,10 +118,10 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
                                     ffn_slots=(DenseFFNConfig(12, "swiglu"),)), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     batches = []
-    for n_scored in (3, 17):
-        tok = rng.integers(0, 16, (2, 13))
-        mask = np.zeros((2, 12), np.float32)
-        mask.reshape(-1)[rng.permutation(24)[:n_scored]] = 1.0
+    for n_scored, rows, width in ((3, 2, 13), (17, 2, 13), (4, 1, 8)):
+        tok = rng.integers(0, 16, (rows, width))
+        mask = np.zeros((rows, width - 1), np.float32)
+        mask.reshape(-1)[rng.permutation(mask.size)[:n_scored]] = 1.0
         batches.append({"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": mask})
     got = LMEvaluator(batches)(model)
     nll, hits, count = 0.0, 0.0, 0.0
