@@ -225,6 +225,25 @@ def test_tensorboard_events_and_memory_analysis(tmp_path):
     assert hist.memory["peak_bytes"] >= hist.memory["argument_bytes"] > 0
 
 
+class _TwoLengths(ToySource):
+    """Every other batch is cut to 5 tokens (a source of varying sequence lengths)."""
+
+    def batch(self, position: int):
+        b = super().batch(position)
+        return {k: v[:, :5] for k, v in b.items()} if position % 2 else b
+
+
+def test_measuring_memory_leaves_batches_of_other_shapes_trainable():
+    """measure_memory reuses the step compiled for the first batch's shapes; a batch of other
+    shapes failed with XLA's "Argument types differ" error. It now runs, with the losses of a
+    run that does not measure."""
+    cfg = TrainConfig(steps=3, batch_size=4, log_every=1)
+    runs = [train(TinyMoELM(nnx.Rngs(0)), _TwoLengths(batch_size=4), cfg, progress=False,
+                  measure_memory=m) for m in (False, True)]
+    assert [h["loss"] for h in runs[0]] == [h["loss"] for h in runs[1]]
+    assert runs[1].memory["peak_bytes"] > 0 and runs[0].memory is None
+
+
 def test_runs_of_one_recipe_share_one_jitted_step():
     from moejax.train import step_cache
 

@@ -196,6 +196,19 @@ def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
     return params, history
 
 
+def _compiled_for(batch, compiled, jitted) -> Callable:
+    """The step as ``compiled`` (``jitted`` compiled ahead of time for ``batch``'s shapes,
+    not paid for twice) on batches of those shapes, and as ``jitted`` on others (a source
+    whose sequence lengths vary: the executable alone refuses them)."""
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), batch)
+
+    def step(state, batch):
+        same = jax.tree.map(lambda x: (x.shape, x.dtype), batch) == shapes
+        return (compiled if same else jitted)(state, batch)
+
+    return step
+
+
 class _Run:
     """One call of the loop: its state, logs, checkpointer and lock, opened in that order and
     closed in reverse whatever happens."""
@@ -293,7 +306,7 @@ class _Run:
         if self.opts.measure_memory:
             self.history.memory = memory
             if not captured:
-                self.step_fn = compiled
+                self.step_fn = _compiled_for(batch, compiled, self.step_fn)
 
     def _peer_lost(self, step: int, error: BaseException) -> PeerLostError:
         first = (str(error).strip().splitlines() or [""])[0][:200]
