@@ -332,7 +332,7 @@ def test_keep_best_of_a_lower_is_better_metric_needs_its_mode():
     said; keep_best_mode="min" keeps the lowest."""
     cfg = CFG.replace(steps=5, eval_every=1, log_every=1, schedule="constant")
     loss = lambda params, step: {"loss": abs(step - 2.0), "val_kl": 1.0}  # noqa: E731
-    for key in ("loss", "val_kl", "PPL"):
+    for key in ("loss", "val_kl", "PPL", "bpb", "val_ce"):
         with pytest.raises(ValueError, match=f"keep_best='{key}' reads as a metric where "
                                              "lower is better.*keep_best_mode='min'"):
             train_params(P0, _regression, cfg, _mse, eval_fn=loss, keep_best=key,

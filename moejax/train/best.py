@@ -35,14 +35,16 @@ log = logging.getLogger(__name__)
 
 MODES = ("max", "min")
 # names of metrics where lower is better: whole names, and the endings of longer ones
-_LOWER_NAMES = ("loss", "ppl", "perplexity", "kl", "nll", "error", "err", "mse", "mae")
+_LOWER_NAMES = ("loss", "ppl", "perplexity", "kl", "nll", "ce", "bpb", "error", "err", "mse",
+                "mae")
 _LOWER_ENDINGS = tuple(f"_{n}" for n in _LOWER_NAMES)
 
 
 def check_keep_best(key: str, mode: str | None) -> str:
     """The mode ``keep_best=key`` runs with: ``mode`` itself (``"max"`` or ``"min"``), or, for
     ``None``, ``"max"``; a ``key`` that reads as lower-is-better (``loss``, ``ppl``, ``kl``,
-    ``error``, ... or a name ending in ``_loss``, ``_kl``, ...) needs its mode said, since the
+    ``bpb``, ``error``, ... or a name ending in ``_loss``, ``_ce``, ...: the evaluators'
+    ``loss``, ``bpb``, ``val_ce`` and ``val_ppl`` among them) needs its mode said, since the
     default would keep the worst evaluation."""
     if mode is not None and mode not in MODES:
         raise ValueError(f"keep_best_mode={mode!r}; use 'max' (higher is better) or 'min'")
