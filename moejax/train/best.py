@@ -84,7 +84,7 @@ class BestKeeper:
         value = float(ev[self.key])
         if self.value is None or (value > self.value if self.mode == "max"
                                   else value < self.value):
-            self.value, self.step = float(ev[self.key]), step
+            self.value, self.step = value, step
             self.params, self.rest = jax.tree.map(jnp.copy, (params, rest))
 
     def save(self, like: TrainState) -> None:

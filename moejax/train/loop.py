@@ -116,13 +116,14 @@ class LoopOptions:
     check_memory: refuse, before the first step, a step whose compiled peak memory exceeds
         the device's (:mod:`moejax.train.budget`).
     keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
-        evaluation where it was highest, or lowest with ``keep_best_mode="min"`` (a key that
-        reads as lower-is-better, ``loss``, ``ppl``, ``kl``, ..., needs the mode said;
-        :func:`moejax.train.best.check_keep_best`) (checkpoint selection on validation;
+        evaluation where it was highest (checkpoint selection on validation;
         ``History.best`` says which step), not those of the last step. Only this run's
         evaluations compete (not those of an ``init_from`` run); in a ``run_dir`` the best is
         checkpointed beside the run (:mod:`moejax.train.best`), so a resumed run, or a
         finished one called again, ends with the best of all its evaluations.
+    keep_best_mode: ``"min"`` keeps the lowest evaluation instead, ``"max"`` the highest;
+        a key that reads as lower-is-better (``loss``, ``ppl``, ``bpb``, ``kl``, ...) is
+        refused without it (:func:`moejax.train.best.check_keep_best`).
     init_from: a moejax run directory (or its ``checkpoints/``) whose newest verified
         parameters start this run (its optimizer state and data position are not taken;
         AdamR's anchor is these parameters); a checkpoint in ``run_dir`` still takes
@@ -218,9 +219,9 @@ class _Run:
         if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
             raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
                              "eval_fn and set TrainConfig.eval_every > 0")
-        if opts.keep_best:
-            check_keep_best(opts.keep_best, opts.keep_best_mode)
-        elif opts.keep_best_mode is not None:
+        self.best_mode = (check_keep_best(opts.keep_best, opts.keep_best_mode)
+                          if opts.keep_best else None)
+        if not opts.keep_best and opts.keep_best_mode is not None:
             raise ValueError(f"keep_best_mode={opts.keep_best_mode!r} without keep_best: name "
                              "the evaluation metric to keep the best of")
         if callable(source) and not hasattr(source, "batch"):
@@ -277,8 +278,7 @@ class _Run:
         self.start = int(jax.device_get(self.state.step))
         if self.opts.keep_best:
             self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints,
-                                   mode=check_keep_best(self.opts.keep_best,
-                                                        self.opts.keep_best_mode))
+                                   mode=self.best_mode)
             self.best.resume(self.state, self.start, main=self.main)
         if run_dir is not None and self.main and self.mesh.size > 1:
             atomic_write_text(os.path.join(run_dir, "sharding.json"), json.dumps(
