@@ -219,6 +219,23 @@ def test_aux_flows_from_slots_every_other_layer_with_per_layer_keys():
     assert not np.any(np.asarray(aux_nokey["layers"][1]["key_bits"]))
 
 
+def test_a_layer_pattern_that_places_its_slot_nowhere_is_refused():
+    """Every other layer from the second, of one layer, is none: MoELMConfig(n_layers=1,
+    moe_layers="every_other") built a dense LM, silently."""
+    from moejax.nn.moe_lm import MoELMConfig
+
+    dense, moe = DenseFFNConfig(d_hidden=24, activation="swiglu"), MoEConfig()
+    assert layer_pattern(2, dense, moe, every=2) == (dense, moe)
+    with pytest.raises(ValueError, match="places MoEConfig in none of the 1 layers"):
+        layer_pattern(1, dense, moe, every=2)
+    for bad in (dict(every=0), dict(offset=-1)):
+        with pytest.raises(ValueError, match="every=.* must be >= 1 and offset"):
+            layer_pattern(4, dense, moe, **bad)
+    assert layer_pattern(2, dense, moe, layers=()) == (dense, dense)  # said: none
+    with pytest.raises(ConfigError, match="MoELMConfig: layer_pattern: every=2 from offset=1"):
+        MoELMConfig(n_layers=1, moe_layers="every_other")
+
+
 def test_decoder_config_validation_and_json_roundtrip():
     cfg = tiny_cfg()
     with pytest.raises(ConfigError, match="ffn_slots has 1 entries but n_layers=2"):

@@ -43,7 +43,7 @@ class MoELMConfig(Config):
     def validate(self) -> None:
         try:  # the decoder this config builds must be valid too: fail at construction
             self.decoder_config()
-        except ConfigError as e:
+        except ValueError as e:  # a ConfigError, or layer_pattern's refusal
             raise ConfigError(f"MoELMConfig: {e}") from None
 
     def decoder_config(self) -> DecoderConfig:

@@ -55,9 +55,18 @@ def layer_pattern(
     layers: Sequence[int] | None = None,
 ) -> tuple[FFNSlotConfig, ...]:
     """Per-layer slot configs: ``other`` at ``layers`` (or every ``every``-th layer starting at
-    ``offset``), ``base`` elsewhere. ``every=1, offset=0`` puts ``other`` in all layers."""
+    ``offset``), ``base`` elsewhere. ``every=1, offset=0`` puts ``other`` in all layers. A
+    pattern of ``every`` / ``offset`` that leaves ``other`` out of every layer is refused (an
+    MoE LM of one layer with MoE in every other layer from the second would have none)."""
     if layers is None:
+        if every < 1 or offset < 0:
+            raise ValueError(f"layer_pattern: every={every} must be >= 1 and offset={offset} "
+                             ">= 0")
         chosen = {i for i in range(n_layers) if i >= offset and (i - offset) % every == 0}
+        if not chosen:
+            raise ValueError(f"layer_pattern: every={every} from offset={offset} places "
+                             f"{type(other).__name__} in none of the {n_layers} layers; "
+                             "lower the offset (or use base alone)")
     else:
         chosen = set(layers)
         bad = [i for i in chosen if not 0 <= i < n_layers]
