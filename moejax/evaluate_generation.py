@@ -67,6 +67,8 @@ class GenerationEvaluator(Evaluator):
                  pad_id: int = 0, stem: bool = True):
         if not batches:
             raise ValueError("GenerationEvaluator needs at least one batch")
+        if not tuple(seeds):  # a ROUGE-L of no sample would be NaN
+            raise ValueError("GenerationEvaluator needs at least one sampling seed")
         self.batches, self.decode, self.seeds = list(batches), decode, tuple(seeds)
         self.stem = stem
         self.kw = dict(temperature=temperature, top_p=top_p, eos_id=eos_id, pad_id=pad_id)

@@ -139,6 +139,8 @@ def test_generation_evaluator_matches_sampling_then_rouge():
     twice = GenerationEvaluator([batch, batch], decode, seeds=(0,))
     first, second = np.split(np.asarray(twice.generate(lm, 0)), 2)
     assert list(first) != list(second)
+    with pytest.raises(ValueError, match="at least one sampling seed"):  # else a NaN ROUGE-L
+        GenerationEvaluator([batch], decode, seeds=())
 
 
 def test_router_statistics():
