@@ -353,6 +353,46 @@ def test_keep_best_of_a_lower_is_better_metric_needs_its_mode():
                      progress=False)
 
 
+@pytest.mark.parametrize("ckpt_every", [2, 3])
+def test_a_failed_evaluation_keeps_its_step_and_the_resumed_run_evaluates_it(tmp_path,
+                                                                              ckpt_every):
+    """An evaluation that fails (here at step 4 of 6) took the steps since the last checkpoint
+    with it: the newest checkpoint stayed at step 2 (or 3, saving every 3 steps). The step is
+    now saved before the error goes on, and the run resumed from it evaluates step 4 first
+    (and saves its best at once), so it ends as the uninterrupted run does: the same best step
+    and parameters, one evaluation row per step, also when the evaluation of the last step
+    fails."""
+    cfg = CFG.replace(steps=6, eval_every=2, log_every=1, schedule="constant",
+                      ckpt_every=ckpt_every)
+    score = lambda params, step: {"score": -abs(step - 4.0)}  # noqa: E731
+    want, _ = train_params(P0, _regression, cfg, _mse, eval_fn=score, keep_best="score",
+                           progress=False)
+
+    def failing(params, step):
+        if step == 4:
+            raise RuntimeError("evaluator failed")
+        return score(params, step)
+
+    run = dict(keep_best="score", run_dir=str(tmp_path), progress=False)
+    with pytest.raises(RuntimeError, match="evaluator failed"):
+        train_params(P0, _regression, cfg, _mse, eval_fn=failing, **run)
+    assert latest_step(tmp_path / "checkpoints") == 4
+    got, hist = train_params(P0, _regression, cfg, _mse, eval_fn=score, **run)
+    assert [h["step"] for h in hist] == [5, 6] and tree_equal(got, want)
+    assert hist.best == {"step": 4, "value": 0.0, "mode": "max"}
+    assert [int(r["step"]) for r in read_csv(tmp_path / "eval.csv")] == [2, 4, 6]
+    last = tmp_path / "last"  # the last step's evaluation fails: the run's end is kept
+    late = lambda params, step: failing(params, step + 2)  # noqa: E731 - fails at step 2
+    with pytest.raises(RuntimeError, match="evaluator failed"):
+        train_params(P0, _regression, cfg.replace(steps=2), _mse, eval_fn=late,
+                     **{**run, "run_dir": str(last)})
+    assert latest_step(last / "checkpoints") == 2
+    _, hist = train_params(P0, _regression, cfg.replace(steps=2), _mse, eval_fn=score,
+                           **{**run, "run_dir": str(last)})
+    assert len(hist) == 0 and hist.best == {"step": 2, "value": -2.0, "mode": "max"}
+    assert latest_step(last / "best") == 2  # the owed evaluation's best, saved at once
+
+
 def test_keep_best_resumes_from_the_newest_best_step_that_verifies(tmp_path):
     """Two best steps before the crash (2, then the better 4): the resumed run starts from
     step 4's best, not the older one; with step 4's best damaged it falls back to step 2's

@@ -69,7 +69,14 @@ from moejax.train.distributed import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.logs import CsvLog, TensorBoardLog, eval_numbers, read_csv
 from moejax.train.run_lock import RunLock
-from moejax.train.run_state import CtrlC, ResumeError, config_differences, open_run_dir
+from moejax.train.run_state import (
+    CtrlC,
+    ResumeError,
+    config_differences,
+    evaluation_pending,
+    log,
+    open_run_dir,
+)
 from moejax.train.step import (
     NonFiniteError,
     check_finite,
@@ -258,6 +265,7 @@ class _Run:
                 structure, [jnp.array(v) for v in opt_state]))
         self.state = mesh_lib.shard_tree(state, self.mesh, cfg.fsdp)
         self.main = is_main_process()
+        self.single = jax.process_count() == 1  # one process: no peers to wait on
         self.history, self.pending = History(), []
         self.best: BestKeeper | None = None  # with keep_best: made by _open
         if self.mesh.size > 1:
@@ -352,6 +360,11 @@ class _Run:
                            and self.ckpt.latest_step() == self.start else None)
         failed, ctrl_c, step = True, CtrlC(), self.start
         try:
+            if (self.opts.eval_fn is not None and self.rows is None and self.single
+                    and evaluation_pending(self.opts.run_dir, self.start, cfg.eval_every)):
+                self._evaluate(self.start)  # its evaluation failed after its checkpoint
+                if self.best is not None:  # on disk before eval.csv says it ran
+                    self.best.save(self.state)
             for step in range(self.start, end):
                 self._step(step)
                 if ctrl_c.pressed:
@@ -415,7 +428,11 @@ class _Run:
         if done % cfg.log_every == 0 or done == cfg.steps or do_eval or do_ckpt:
             self._flush()
         if do_eval:
-            self._evaluate(done)
+            try:
+                self._evaluate(done)
+            except Exception:
+                self._save_after_failed_evaluation(done)
+                raise
         if do_ckpt:
             self._save()
             self.last_saved = done
@@ -448,13 +465,32 @@ class _Run:
         target = (state.params if self.graphdef is None
                   else nnx.merge(self.graphdef, state.params, state.rest))
         ev = eval_numbers(self.opts.eval_fn(target, done), done)
-        self.history[-1].update({f"eval/{k}": v for k, v in ev.items()})
+        if self.history:  # not a resumed run's first, owed evaluation
+            self.history[-1].update({f"eval/{k}": v for k, v in ev.items()})
         if self.best is not None:
             self.best.consider(ev, done, state.params, state.rest)
         if self.eval_log is not None:
             self.eval_log.write([{"step": done, **ev}])
         if self.tb is not None:
             self.tb.write([{"step": done, **ev}], "eval/")
+
+    def _save_after_failed_evaluation(self, done: int) -> None:
+        """The checkpoint of step ``done``, whose evaluation failed, so the steps since the
+        last checkpoint are not lost; a resumed run evaluates the step first
+        (:func:`~moejax.train.run_state.evaluation_pending`). One process only: with several,
+        the others may be in the next step's collectives, where the save's would hang."""
+        if self.ckpt is None or self.last_saved == done or not self.single:
+            return
+        try:
+            self._save()
+            self.ckpt.wait()
+        except Exception as e:  # noqa: BLE001 - the evaluation's error is the one to raise
+            log.warning("step %d: its evaluation failed and so did its checkpoint (%s)", done,
+                        e)
+            return
+        self.last_saved = done
+        log.warning("step %d: its evaluation failed; its checkpoint was saved, and the run "
+                    "resumed from it evaluates step %d first", done, done)
 
     def _save(self) -> None:
         if not bool(tree_all_finite(self.state.params)):

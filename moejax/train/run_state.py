@@ -16,8 +16,10 @@ from moejax.config import to_json
 from moejax.files import atomic_write_text
 from moejax.integrity import flatten_dict
 from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError, latest_step
+from moejax.train.logs import read_csv
 
-__all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "open_run_dir"]
+__all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "open_run_dir",
+           "evaluation_pending"]
 
 log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
 
@@ -154,3 +156,15 @@ def open_run_dir(run_dir, cfg, config, state, main, tx=None):
         ckpt.close(abort=True)
         raise
     return ckpt, state, position
+
+
+def evaluation_pending(run_dir, step: int, eval_every: int) -> bool:
+    """Whether the run in ``run_dir``, resumed at ``step``, owes that step its evaluation: the
+    step is one of the evaluation cadence but ``eval.csv`` has no row for it (its evaluation
+    failed after the loop saved the step's checkpoint, so that the steps before it were not
+    lost). The resumed run evaluates it first, and so ends as an uninterrupted run would."""
+    if run_dir is None or step <= 0 or not eval_every or step % eval_every:
+        return False
+    path = os.path.join(os.fspath(run_dir), "eval.csv")
+    rows = read_csv(path) if os.path.exists(path) else []
+    return not any(int(float(r["step"])) == step for r in rows)
