@@ -33,7 +33,7 @@ from moejax.distill.training import DistillConfig, distil
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.sample import sampler
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import History
+from moejax.train.loop_options import History
 
 __all__ = ["DraftDistillConfig", "DistilledDraft", "target_continuations", "distill_draft",
            "argmax_agreement"]

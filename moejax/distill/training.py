@@ -64,7 +64,8 @@ from moejax.ops.distill_losses import (
 )
 from moejax.ops.losses import cross_entropy
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
-from moejax.train.loop import History, train
+from moejax.train.loop import train
+from moejax.train.loop_options import History
 from moejax.train.step import per_step_schedule
 
 __all__ = ["DistillConfig", "FrozenParam", "RouterParam", "RouterOptState", "DistillPair",
@@ -353,11 +354,11 @@ def distil(student: nnx.Module, teacher: nnx.Module | None, cfg: DistillConfig,
            ) -> tuple[nnx.Module, DistillPair, History]:
     """Distil a copy of ``student`` from ``teacher`` by ``cfg.method`` for ``tcfg.steps``
     steps on ``source`` (prompt/response batches); ``eval_fn(student, step)`` with
-    ``keep_best`` (and ``keep_best_mode``, :class:`~moejax.train.loop.LoopOptions`) keeps the
-    best-evaluated student. Returns ``(student, pair, history)``
+    ``keep_best`` (and ``keep_best_mode``: :class:`~moejax.train.loop_options.LoopOptions`)
+    keeps the best-evaluated student. Returns ``(student, pair, history)``
     (``pair.teacher``: the teacher as distilled from, e.g. SAR's trained router); the models
     passed in are left unchanged. ``run_dir`` / ``config``: the training loop's checkpoints
-    and the config stored with them (:class:`moejax.train.loop.LoopOptions`), so a stopped
+    and the config stored with them (:class:`moejax.train.loop_options.LoopOptions`), so a stopped
     distillation resumes and a finished one is restored."""
     pair = distill_pair(nnx.clone(student), teacher, cfg)
     history = train(pair, source, tcfg, loss_fn=distill_loss_fn(cfg), tx=None,

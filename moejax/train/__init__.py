@@ -10,7 +10,8 @@ from moejax.train.hparams import (
     make_schedule,
     paths_mask,
 )
-from moejax.train.loop import History, LoopOptions, train, train_params
+from moejax.train.loop import train, train_params
+from moejax.train.loop_options import History, LoopOptions
 from moejax.train.run_state import ResumeError, check_resume
 from moejax.train.step import (
     NonFiniteError,

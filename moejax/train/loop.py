@@ -41,12 +41,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 import moejax.train.mesh as mesh_lib
 from moejax.capture import active_capture, record_step
-from moejax.config import Config
 from moejax.extras import progress
 from moejax.files import atomic_write_text
 from moejax.train.batch_checks import (
@@ -68,6 +66,7 @@ from moejax.train.distributed import (
 )
 from moejax.train.hparams import TrainConfig
 from moejax.train.logs import CsvLog, TensorBoardLog, eval_numbers, read_csv
+from moejax.train.loop_options import History, LoopOptions, options_of
 from moejax.train.run_lock import RunLock
 from moejax.train.run_state import (
     CtrlC,
@@ -82,7 +81,6 @@ from moejax.train.step import (
     check_finite,
     check_loss_fn,
     init_state,
-    lm_loss_fn,
     tree_all_finite,
 )
 from moejax.train.step_cache import loop_step, loss_name, release_memory
@@ -91,78 +89,11 @@ __all__ = ["train", "train_params", "LoopOptions", "History", "read_csv", "FnSou
            "compiled_memory", "ResumeError", "config_differences"]
 
 
-class History(list):
-    """Per-step metric dicts; ``memory`` holds ``{"peak_bytes", "argument_bytes"}`` of the
-    compiled step when the loop was asked to measure it (else ``None``)."""
-
-    memory: dict | None = None
-    best: dict | None = None  # {"step", "value", "mode"} of the kept evaluation (keep_best)
-    # parameters without logical axis names, replicated on a mesh of more than one device
-    replicated_unnamed: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopOptions:
-    """Everything :func:`train` and :func:`train_params` take besides the model, the data and
-    the :class:`TrainConfig` (pass them as keywords, or as one ``options=`` object).
-
-    loss_fn: ``loss_fn(model_or_params, batch, key) -> loss`` or ``(loss, metrics)``
-        (default :func:`moejax.train.step.lm_loss_fn`; :func:`train_params` needs its own).
-    tx: any optax transform, or an ``nnx.Optimizer`` over the model (:func:`train` only: its
-        transform continues from its state, and the optimizer holds the state the run ends
-        with); default: the optimizer and schedule of the ``TrainConfig``.
-    run_dir: where logs and checkpoints go; ``None`` writes nothing to disk.
-    eval_fn: ``eval_fn(model_or_params, step) -> dict`` every ``eval_every`` steps.
-    config: the full experiment config stored with every checkpoint and in
-        ``run_dir/config.json`` (default: the ``TrainConfig``).
-    mesh: a mesh to use instead of the one built from ``mesh_data`` x ``mesh_expert``, with
-        axes ``"data"`` and ``"expert"`` (:func:`moejax.train.mesh.loop_mesh`).
-    progress / desc: the progress bar and its label.
-    measure_memory: compile the step once more for XLA's memory analysis
-        (``History.memory``).
-    check_memory: refuse, before the first step, a step whose compiled peak memory exceeds
-        the device's (:mod:`moejax.train.budget`).
-    keep_best: a key of ``eval_fn``'s result; the model ends with the parameters of the
-        evaluation where it was highest (checkpoint selection on validation;
-        ``History.best`` says which step), not those of the last step. Only this run's
-        evaluations compete (not those of an ``init_from`` run); in a ``run_dir`` the best is
-        checkpointed beside the run (:mod:`moejax.train.best`), so a resumed run, or a
-        finished one called again, ends with the best of all its evaluations.
-    keep_best_mode: ``"min"`` keeps the lowest evaluation instead, ``"max"`` the highest;
-        a key that reads as lower-is-better (``loss``, ``ppl``, ``bpb``, ``kl``, ...) is
-        refused without it (:func:`moejax.train.best.check_keep_best`).
-    init_from: a moejax run directory (or its ``checkpoints/``) whose newest verified
-        parameters start this run (its optimizer state and data position are not taken;
-        AdamR's anchor is these parameters); a checkpoint in ``run_dir`` still takes
-        precedence when this run resumes.
-    """
-
-    loss_fn: Callable = lm_loss_fn
-    tx: optax.GradientTransformation | None = None
-    run_dir: str | os.PathLike | None = None
-    eval_fn: Callable | None = None
-    config: Config | None = None
-    mesh: Any = None
-    progress: bool = True
-    measure_memory: bool = False
-    check_memory: bool = True
-    desc: str = "train"
-    keep_best: str = ""
-    keep_best_mode: str | None = None
-    init_from: str | os.PathLike | None = None
-
-
-def _options(options: LoopOptions | None, kw: dict) -> LoopOptions:
-    if options is not None and kw:
-        raise TypeError(f"pass either options= or keywords, not both (got {sorted(kw)})")
-    return options if options is not None else LoopOptions(**kw)
-
-
 def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions | None = None,
           **kw) -> History:
     """Train ``model`` in place for ``cfg.steps`` optimizer steps (see the module docstring);
     the keywords are the fields of :class:`LoopOptions`."""
-    opts = _options(options, kw)
+    opts = options_of(options, kw)
     if opts.init_from is not None:
         restore_params(opts.init_from, model)
     optimizer = opts.tx if isinstance(opts.tx, nnx.Optimizer) else None
@@ -197,7 +128,7 @@ def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
                  options: LoopOptions | None = None, **kw) -> tuple[Any, History]:
     """Train a plain pytree of arrays with ``loss_fn(params, batch, key)``; returns
     ``(params, history)``. Same loop, checkpoints and resume as :func:`train`."""
-    opts = dataclasses.replace(_options(options, kw), loss_fn=loss_fn)
+    opts = dataclasses.replace(options_of(options, kw), loss_fn=loss_fn)
     if opts.init_from is not None:
         params = restore_params(opts.init_from, params=params)
     params, _, history = _Run(None, params, None, source, cfg, opts).run()
