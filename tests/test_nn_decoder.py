@@ -164,8 +164,10 @@ def test_generate_refuses_a_negative_count_and_an_eos_outside_the_vocabulary():
 
     model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(np.asarray(generate(model, TOKENS, 0)), np.asarray(TOKENS))
-    with pytest.raises(ValueError, match="max_new_tokens=-1 must be >= 0"):
+    with pytest.raises(ValueError, match="max_new_tokens=-1 must be an integer >= 0"):
         generate(model, TOKENS, -1)
+    with pytest.raises(ValueError, match="max_new_tokens=2.5 must be an integer"):
+        generate(model, TOKENS, 2.5)
     with pytest.raises(ValueError, match=r"eos_id=32 lies outside the vocabulary \[0, 32\)"):
         generate(model, TOKENS, 3, eos_id=32)
     with pytest.raises(ValueError, match="eos_id=-2 lies outside"):

@@ -140,6 +140,8 @@ def test_bad_arguments_raise():
         sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), eos_id=2.5)
     with pytest.raises(ValueError, match=r"pad_id=1\.5 must be an integer token id"):
         sample(model, p, np.array([4, 4]), 2, key=jax.random.key(0), pad_id=1.5)
+    with pytest.raises(ValueError, match=r"max_new_tokens=2\.7 must be an integer >= 1"):
+        sample(model, p, np.array([4, 4]), 2.7, key=jax.random.key(0))  # ran 2, silently
     key = jax.random.key(0)
     for t in (float("nan"), float("inf"), -0.5):
         with pytest.raises(ValueError, match=f"temperature={t} must be a finite number"):

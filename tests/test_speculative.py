@@ -235,6 +235,11 @@ def test_a_decoder_splits_the_models_once_and_decodes_like_generate(models, monk
         decode(jnp.zeros((1, 50), jnp.int32))
     with pytest.raises(ValueError, match="draft_len"):
         speculative_decoder(target, near, 9, draft_len=0)
+    # float counts were truncated (draft_len 2.5 ran drafts of 2, 9.9 new tokens ran 9)
+    with pytest.raises(ValueError, match="draft_len=2.5 must be an integer >= 1"):
+        speculative_decoder(target, near, 9, draft_len=2.5)
+    with pytest.raises(ValueError, match="max_new_tokens=9.9 must be an integer >= 1"):
+        speculative_decoder(target, near, 9.9)
 
 
 def test_each_round_draws_with_its_own_key():

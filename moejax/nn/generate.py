@@ -22,7 +22,8 @@ from moejax.capture import record_decode
 from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
-__all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device"]
+__all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device",
+           "check_count"]
 
 
 def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
@@ -56,6 +57,14 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
             raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
                              f"vocabulary [0, {vocab_size}); encode it with the model's "
                              "tokenizer")
+
+
+def check_count(name: str, value, minimum: int) -> int:
+    """``value`` as an int, refused where it is not an integer ``>= minimum`` (a float count
+    would be truncated to another one, silently)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
 
 
 def host_or_device(x):
@@ -108,8 +117,7 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     check_decode_inputs(host_or_device(prompt_BT), model.cfg.vocab_size, temperature,
                         eos_id=eos_id)
     prompt_BT = jnp.asarray(prompt_BT, jnp.int32)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0 (0: the prompt back)")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 0)  # 0: the prompt back
     B, T = prompt_BT.shape
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(...)")

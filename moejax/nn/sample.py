@@ -34,7 +34,7 @@ from flax import nnx
 
 from moejax.capture import record_decode
 from moejax.nn.auto_axes import run_for_mesh
-from moejax.nn.generate import check_decode_inputs, host_or_device
+from moejax.nn.generate import check_count, check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
 
@@ -153,8 +153,7 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id={pad_id} lies outside the vocabulary [0, {vocab_size}): "
                          "the sampled rows must stay token ids the model can read back")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
     max_seq_len = model.cfg.max_seq_len
     graphdef, state = nnx.split(model)
     compiled: dict = {}  # with compiler_options: the loop compiled per prompt shape

@@ -43,7 +43,7 @@ from flax import nnx
 from moejax.capture import record_decode
 from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.blockffn import BlockFFN
-from moejax.nn.generate import check_decode_inputs, host_or_device
+from moejax.nn.generate import check_count, check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
 from moejax.xla_flags import call_compiled
@@ -219,9 +219,8 @@ def speculative_decoder(target: nnx.Module, draft: nnx.Module, max_new_tokens: i
     ``compiler_options``: XLA compile options of the loop, as :func:`moejax.nn.sample.
     sampler` takes them."""
     temperature = float(temperature)
-    if draft_len < 1 or max_new_tokens < 1:
-        raise ValueError(f"draft_len={draft_len} and max_new_tokens={max_new_tokens} must be "
-                         ">= 1")
+    draft_len = check_count("draft_len", draft_len, 1)
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature}: use 0 (greedy) or a finite number > 0 "
                          "with an explicit key=jax.random.key(...)")
