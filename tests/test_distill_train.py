@@ -159,6 +159,16 @@ def test_bad_pairs_and_configs_raise():
         distill_pair(_lm(False), _lm(False), DistillConfig(method="ka"))
     with pytest.raises(ConfigError, match="on_policy_fraction"):
         DistillConfig(on_policy_fraction=1.5)
+    # the student's samples end at eos_id and are padded with pad_id: both must be ids of its
+    # vocabulary (a pad id of 300 for 40 tokens gave a NaN loss, an eos id of 99 never ended
+    # a response); off policy, neither is used
+    for bad in (dict(pad_id=300), dict(eos_id=99)):
+        name, v = next(iter(bad.items()))
+        with pytest.raises(ValueError, match=f"{name}={v} lies outside the student's "
+                                             r"vocabulary \[0, 40\)"):
+            distill_pair(_lm(False), _lm(True), DistillConfig(method="gkd", **bad))
+        distill_pair(_lm(False), _lm(True), DistillConfig(method="kd", on_policy_fraction=0.0,
+                                                          **bad))
 
 
 def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():

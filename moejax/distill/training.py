@@ -191,6 +191,8 @@ def distill_pair(student: nnx.Module, teacher: nnx.Module | None,
         raise ValueError(f"method={cfg.method!r} distils from a teacher; pass one")
     check_same_vocab(teacher.cfg.vocab_size, student.cfg.vocab_size,
                      f"teacher {type(teacher).__name__}", f"student {type(student).__name__}")
+    if cfg.method in ON_POLICY and cfg.on_policy_fraction > 0:
+        _check_sampling_ids(cfg, student.cfg.vocab_size)
     if moe_slots(teacher):
         teacher = with_routing(teacher, mode)
     elif cfg.method in ("all", "ka", "sar") or cfg.teacher_k:
@@ -201,6 +203,16 @@ def distill_pair(student: nnx.Module, teacher: nnx.Module | None,
     teacher = freeze(teacher, lambda p: RouterParam if _is_router(p) else FrozenParam)
     router = nnx.to_pure_dict(nnx.state(teacher, RouterParam))
     return DistillPair(student, teacher, RouterOptState(_router_tx(cfg).init(router)))
+
+
+def _check_sampling_ids(cfg: DistillConfig, vocab_size: int) -> None:
+    """Refuse an ``eos_id`` or ``pad_id`` of the student's samples outside its vocabulary: a
+    padding id past it fed the models ids they have no embedding for (a NaN loss), an EOS
+    past it was never emitted (every response ran to its full length)."""
+    for name, v in (("eos_id", cfg.eos_id), ("pad_id", cfg.pad_id)):
+        if v is not None and not 0 <= v < vocab_size:
+            raise ValueError(f"DistillConfig.{name}={v} lies outside the student's vocabulary "
+                             f"[0, {vocab_size}); give the tokenizer's {name[:3]} id")
 
 
 def _router_tx(cfg: DistillConfig) -> optax.GradientTransformation:
