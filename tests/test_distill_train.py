@@ -15,6 +15,7 @@ from moejax.distill.training import (
     DistillConfig,
     FrozenParam,
     RouterParam,
+    distil,
     distill_loss_fn,
     distill_pair,
     distill_tx,
@@ -169,6 +170,15 @@ def test_bad_pairs_and_configs_raise():
             distill_pair(_lm(False), _lm(True), DistillConfig(method="gkd", **bad))
         distill_pair(_lm(False), _lm(True), DistillConfig(method="kd", on_policy_fraction=0.0,
                                                           **bad))
+    # the loop checks the first batch's ids against the pair's vocabulary, as a model's (ids
+    # up to 89 for 40 tokens gave a NaN loss, blamed on the learning rate)
+    rng = np.random.default_rng(0)
+    wide = PromptResponseBatches(prompt_response_rows(
+        [rng.integers(3, 90, 4) for _ in range(8)], [rng.integers(3, 90, 4) for _ in range(8)],
+        8, 6), batch_size=4)
+    with pytest.raises(ValueError, match="token id .* but the model's vocab_size is 40"):
+        distil(_lm(False), _lm(True), DistillConfig(method="kd"),
+               TrainConfig(steps=1, batch_size=4), wide)
 
 
 def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():

@@ -176,3 +176,18 @@ def test_lm_loss_fn_forwards_segment_ids_to_scheduled_lm():
     _, aux_plain = model(b["inputs"], mask_BT=b["mask"] > 0)
     np.testing.assert_allclose(m["aux/al_loss"], float(aux["al_loss"]), rtol=1e-6)
     assert abs(float(aux["al_loss"]) - float(aux_plain["al_loss"])) > 1e-7
+
+
+def test_the_loop_checks_token_ids_against_the_wrapped_lms_vocabulary():
+    """A ScheduledLM has the schedule's config, not the LM's: the loop's first-batch check of
+    the token ids against the vocabulary was skipped (ids past it reach the embedding)."""
+    model = ls.ScheduledLM(_lm(), SMALL)
+    assert model.vocab_size == 32
+
+    class Wide(_Src):
+        def batch(self, position):
+            return {k: v + 40 if k in ("inputs", "targets") else v
+                    for k, v in super().batch(position).items()}
+
+    with pytest.raises(ValueError, match="token id .* but the model's vocab_size is 32"):
+        train(model, Wide(), TrainConfig(steps=1, batch_size=4), progress=False)

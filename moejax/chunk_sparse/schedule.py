@@ -146,6 +146,11 @@ class ScheduledLM(nnx.Module):
                     "slot config (it would be counted twice)")
 
     @property
+    def vocab_size(self) -> int | None:
+        """The wrapped LM's vocabulary (what the training loop checks token ids against)."""
+        return getattr(getattr(self.lm, "cfg", None), "vocab_size", None)
+
+    @property
     def state(self) -> ScheduleState:
         return ScheduleState(self.sched_lam[...], self.sched_step[...],
                              self.sched_win_sum[...], self.sched_prev_mean[...])

@@ -175,6 +175,12 @@ class DistillPair(nnx.Module):
                  router_opt: RouterOptState | None = None):
         self.student, self.teacher, self.router_opt = student, teacher, router_opt
 
+    @property
+    def vocab_size(self) -> int | None:
+        """The student's vocabulary (the teacher's is the same): what the training loop
+        checks the batches' token ids against."""
+        return getattr(getattr(self.student, "cfg", None), "vocab_size", None)
+
 
 def _is_router(path: str) -> bool:
     return "/router/" in f"/{path}/"

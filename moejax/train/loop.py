@@ -100,7 +100,7 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     if optimizer is not None:  # its transform, continuing from its state
         opts = dataclasses.replace(opts, tx=optimizer.tx)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    vocab_size = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    vocab_size = _vocab_size(model)
     run = _Run(graphdef, params, rest, source, cfg, opts, vocab_size,
                opt_state=None if optimizer is None else _variables(optimizer.opt_state))
     params, rest, history = run.run()
@@ -122,6 +122,13 @@ def _variable_leaves(tree) -> list:
 def _variables(tree) -> list:
     """The arrays of an ``nnx.Optimizer``'s state, in leaf order."""
     return [v[...] for v in _variable_leaves(tree)]
+
+
+def _vocab_size(model) -> int | None:
+    """The vocabulary the batches' token ids must index: the model's ``vocab_size`` (a
+    wrapper's: a distillation pair, a scheduled LM), else its config's; ``None``: unknown."""
+    size = getattr(model, "vocab_size", None)
+    return size if size is not None else getattr(getattr(model, "cfg", None), "vocab_size", None)
 
 
 def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
