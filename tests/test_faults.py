@@ -442,6 +442,26 @@ def test_token_ids_past_the_vocabulary_fail_before_compute():
         train(model, ToySource(batch_size=4), CFG.replace(steps=1), progress=False)
 
 
+def test_a_classifiers_token_and_class_ids_are_checked_before_compute():
+    """A SequenceClassifier keeps its config on its encoder, so its token ids went unchecked,
+    and no model's labels were: labels 0..4 for a head of 3 classes gave a NaN loss, blamed
+    on the learning rate."""
+    from moejax.data.batches import ClassificationBatches
+    from moejax.evaluate import classifier_loss_fn
+    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+
+    cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=1, n_heads=2, d_hidden=16,
+                              max_position=8)
+    rng = np.random.default_rng(0)
+    tokens, labels = rng.integers(0, 20, (16, 6)), rng.integers(0, 5, 16)
+    for x, y, match in ((tokens, labels, "class id 4 but the model has 3 classes"),
+                        (tokens + 20, labels % 3, "token id .* but the model's vocab_size is 20")):
+        model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match=match):
+            train(model, ClassificationBatches(x, y, batch_size=4), CFG.replace(steps=1),
+                  loss_fn=classifier_loss_fn, progress=False)
+
+
 # -- delta files, compressed checkpoints, imports -----------------------------------------
 @pytest.fixture
 def delta_file(tmp_path):

@@ -190,6 +190,14 @@ class SequenceClassifier(nnx.Module):
                              ax.CLASSES)
         self.b_cls = ax.param(jnp.zeros((n_classes,), pdt), ax.CLASSES)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.encoder.cfg.vocab_size
+
+    @property
+    def n_classes(self) -> int:
+        return int(self.b_cls.shape[0])
+
     def __call__(self, tokens_BT, *, token_types_BT=None, mask_BT=None, train=False, key=None):
         _, pooled_BD, aux = self.encoder(tokens_BT, token_types_BT=token_types_BT,
                                          mask_BT=mask_BT, train=train, key=key)

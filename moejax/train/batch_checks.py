@@ -64,24 +64,43 @@ def check_batch_rows(batch, cfg: TrainConfig) -> None:
             f"batch_size={cfg.batch_size}, or set batch_size to the source's")
 
 
-def check_token_ids(batch, vocab_size: int | None) -> None:
-    """Token ids of the first batch must index the model's vocabulary (an id past it, or a
-    negative one, makes the embedding lookup return NaN or garbage, silently)."""
+def id_limits(model) -> dict[str, int]:
+    """The ids the batches give ``model``, by batch key, and the bound each must stay below:
+    ``inputs`` / ``targets`` its vocabulary, ``labels`` its classes, where the model says
+    (``vocab_size`` / ``n_classes`` on it, a wrapper's too, else on its ``cfg``)."""
+    def known(name):
+        v = getattr(model, name, None)
+        return v if v is not None else getattr(getattr(model, "cfg", None), name, None)
+
+    vocab, classes = known("vocab_size"), known("n_classes")
+    limits = {} if vocab is None else {"inputs": int(vocab), "targets": int(vocab)}
+    return limits if classes is None else {**limits, "labels": int(classes)}
+
+
+def check_token_ids(batch, limits: dict[str, int]) -> None:
+    """Ids of the first batch must index what they index (``limits``: :func:`id_limits`): an
+    id past the model's vocabulary or classes, or a negative one, makes the embedding lookup
+    or the loss's gather return NaN or garbage, silently."""
     if not isinstance(batch, dict):
         return
-    for key in ("inputs", "targets"):
+    for key in ("inputs", "targets", "labels"):
         x = batch.get(key)
         if x is None or not np.issubdtype(np.asarray(x).dtype, np.integer):
             continue
+        what = "class id" if key == "labels" else "token id"
         lo = int(np.min(x)) if np.size(x) else 0
         if lo < 0:
             raise ValueError(
-                f"batch[{key!r}] holds the negative token id {lo} (JAX would wrap it around "
-                "the embedding silently); the data or tokenizer is broken. Fix: check the "
-                "batch source's token ids")
-        hi = int(np.max(x)) if np.size(x) else 0
-        if vocab_size and hi >= vocab_size:
+                f"batch[{key!r}] holds the negative {what} {lo} (JAX would wrap it around "
+                "silently); the data or tokenizer is broken. Fix: check the batch source's "
+                "ids")
+        hi, bound = (int(np.max(x)) if np.size(x) else 0), limits.get(key)
+        if bound is not None and hi >= bound and key == "labels":
+            raise ValueError(
+                f"batch['labels'] holds class id {hi} but the model has {bound} classes. Fix: "
+                f"build the classifier with n_classes >= {hi + 1} (the labels' classes)")
+        if bound is not None and hi >= bound:
             raise ValueError(
                 f"batch[{key!r}] holds token id {hi} but the model's vocab_size is "
-                f"{vocab_size}; the tokenizer's vocabulary does not fit the model. Fix: set "
+                f"{bound}; the tokenizer's vocabulary does not fit the model. Fix: set "
                 f"vocab_size >= {hi + 1} (e.g. the tokenizer's vocab_size)")

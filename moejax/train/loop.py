@@ -52,6 +52,7 @@ from moejax.train.batch_checks import (
     batch_tokens,
     check_batch_rows,
     check_token_ids,
+    id_limits,
     record_scale,
 )
 from moejax.train.best import BestKeeper, check_keep_best
@@ -100,8 +101,7 @@ def train(model: nnx.Module, source, cfg: TrainConfig, *, options: LoopOptions |
     if optimizer is not None:  # its transform, continuing from its state
         opts = dataclasses.replace(opts, tx=optimizer.tx)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    vocab_size = _vocab_size(model)
-    run = _Run(graphdef, params, rest, source, cfg, opts, vocab_size,
+    run = _Run(graphdef, params, rest, source, cfg, opts, id_limits(model),
                opt_state=None if optimizer is None else _variables(optimizer.opt_state))
     params, rest, history = run.run()
     nnx.update(model, params, rest)
@@ -122,13 +122,6 @@ def _variable_leaves(tree) -> list:
 def _variables(tree) -> list:
     """The arrays of an ``nnx.Optimizer``'s state, in leaf order."""
     return [v[...] for v in _variable_leaves(tree)]
-
-
-def _vocab_size(model) -> int | None:
-    """The vocabulary the batches' token ids must index: the model's ``vocab_size`` (a
-    wrapper's: a distillation pair, a scheduled LM), else its config's; ``None``: unknown."""
-    size = getattr(model, "vocab_size", None)
-    return size if size is not None else getattr(getattr(model, "cfg", None), "vocab_size", None)
 
 
 def train_params(params, source, cfg: TrainConfig, loss_fn: Callable, *,
@@ -160,7 +153,7 @@ class _Run:
     closed in reverse whatever happens."""
 
     def __init__(self, graphdef, params, rest, source, cfg: TrainConfig, opts: LoopOptions,
-                 vocab_size: int | None = None, opt_state: list | None = None):
+                 limits: dict[str, int] | None = None, opt_state: list | None = None):
         if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
             raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
                              "eval_fn and set TrainConfig.eval_every > 0")
@@ -181,7 +174,7 @@ class _Run:
                 f"source.batch_size={source.batch_size} != TrainConfig.batch_size="
                 f"{cfg.batch_size}; build the source with the training batch size")
         self.graphdef, self.source, self.cfg, self.opts = graphdef, source, cfg, opts
-        self.vocab_size = vocab_size
+        self.id_limits = limits or {}  # the bound of each batch key's ids (id_limits)
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
                                          tensor=cfg.mesh_tensor) if opts.mesh is None
@@ -355,7 +348,7 @@ class _Run:
         if step == self.start:
             if self.rows is None:
                 check_batch_rows(local, cfg)
-            check_token_ids(local, self.vocab_size)
+            check_token_ids(local, self.id_limits)
             record_scale(self.state.params, local, cfg.steps)
         self.state, metrics = self.step_fn(self.state, assemble(local, self.mesh))
         self.pending.append((step, self.position, batch_tokens(local), metrics))
