@@ -143,12 +143,13 @@ class LMEvaluator(Evaluator):
         """The first ``n_batches`` batches of a batch source (a held-out split)."""
         return cls([source.batch(i) for i in range(n_batches)], **kw)
 
-    def _compiled(self, graphdef, params, rest, batch: dict):
-        """The evaluation step compiled for this model, for where its arrays live (a model
-        trained on a mesh is evaluated on that mesh: a step compiled for one layout refuses
-        arrays of another) and for ``batch``'s shapes (a held-out split's last, smaller batch
-        gets its own compilation)."""
-        key = (graphdef, _layout(params), _layout(rest), _shapes(batch))
+    def _compiled(self, where: tuple, params, rest, batch: dict):
+        """The evaluation step compiled for this model and where its arrays live (``where``:
+        :meth:`_where`; a model trained on a mesh is evaluated on that mesh: a step compiled
+        for one layout refuses arrays of another) and for ``batch``'s shapes (a held-out
+        split's last, smaller batch gets its own compilation)."""
+        graphdef = where[0]
+        key = (*where, _shapes(batch))
         fn = self._fns.get(key)
         if fn is None:
             step = make_eval_step(graphdef, self.loss_fn)
@@ -162,9 +163,15 @@ class LMEvaluator(Evaluator):
             self._fns[key] = fn
         return fn
 
+    @staticmethod
+    def _where(graphdef, params, rest) -> tuple:
+        """The model's structure and its arrays' layout: read once per evaluation."""
+        return graphdef, _layout(params), _layout(rest)
+
     def _evaluate(self, graphdef, params, rest) -> dict:
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
-        ms = jax.device_get([self._compiled(graphdef, params, rest, b)(params, rest, b, key)
+        where = self._where(graphdef, params, rest)
+        ms = jax.device_get([self._compiled(where, params, rest, b)(params, rest, b, key)
                              for b in self.batches])
         loss = token_mean([m["ce"] for m in ms], self._scored)
         return {"loss": loss, "accuracy": token_mean([m["accuracy"] for m in ms], self._scored),
@@ -174,8 +181,8 @@ class LMEvaluator(Evaluator):
         """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch; of
         the batch shape with the largest peak where the batches differ in shape)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        shapes = {_shapes(b): b for b in self.batches}
-        return max((compiled_memory(self._compiled(graphdef, params, rest, b))
+        where, shapes = self._where(graphdef, params, rest), {_shapes(b): b for b in self.batches}
+        return max((compiled_memory(self._compiled(where, params, rest, b))
                     for b in shapes.values()), key=lambda m: m["peak_bytes"])
 
 

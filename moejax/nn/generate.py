@@ -23,7 +23,7 @@ from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
 __all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device",
-           "check_count"]
+           "check_count", "is_integer"]
 
 
 def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
@@ -36,7 +36,7 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
                          "(0 = greedy)")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, Integral)):
+    if eos_id is not None and not is_integer(eos_id):
         raise ValueError(f"eos_id={eos_id!r} must be an integer token id (the tokenizer's "
                          "eos id)")
     if eos_id is not None and not 0 <= eos_id < vocab_size:
@@ -59,10 +59,15 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
                              "tokenizer")
 
 
+def is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool (a count or an id; a float would be truncated)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def check_count(name: str, value, minimum: int) -> int:
     """``value`` as an int, refused where it is not an integer ``>= minimum`` (a float count
     would be truncated to another one, silently)."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
     return int(value)
 

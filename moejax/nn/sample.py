@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from numbers import Integral
 from typing import NamedTuple
 
 import jax
@@ -34,7 +33,7 @@ from flax import nnx
 
 from moejax.capture import record_decode
 from moejax.nn.auto_axes import run_for_mesh
-from moejax.nn.generate import check_count, check_decode_inputs, host_or_device
+from moejax.nn.generate import check_count, check_decode_inputs, host_or_device, is_integer
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
 
@@ -148,7 +147,7 @@ def sampler(model, max_new_tokens: int, *, temperature: float = 1.0, top_p: floa
         raise ValueError(f"temperature={temperature} must be a finite number >= 0 "
                          "(0 = greedy)")
     vocab_size = model.cfg.vocab_size
-    if isinstance(pad_id, bool) or not isinstance(pad_id, Integral):
+    if not is_integer(pad_id):
         raise ValueError(f"pad_id={pad_id!r} must be an integer token id")
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"pad_id={pad_id} lies outside the vocabulary [0, {vocab_size}): "

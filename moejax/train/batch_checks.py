@@ -95,12 +95,13 @@ def check_token_ids(batch, limits: dict[str, int]) -> None:
                 "silently); the data or tokenizer is broken. Fix: check the batch source's "
                 "ids")
         hi, bound = (int(np.max(x)) if np.size(x) else 0), limits.get(key)
-        if bound is not None and hi >= bound and key == "labels":
+        if bound is None or hi < bound:
+            continue
+        if key == "labels":
             raise ValueError(
                 f"batch['labels'] holds class id {hi} but the model has {bound} classes. Fix: "
                 f"build the classifier with n_classes >= {hi + 1} (the labels' classes)")
-        if bound is not None and hi >= bound:
-            raise ValueError(
-                f"batch[{key!r}] holds token id {hi} but the model's vocab_size is "
-                f"{bound}; the tokenizer's vocabulary does not fit the model. Fix: set "
-                f"vocab_size >= {hi + 1} (e.g. the tokenizer's vocab_size)")
+        raise ValueError(
+            f"batch[{key!r}] holds token id {hi} but the model's vocab_size is {bound}; the "
+            f"tokenizer's vocabulary does not fit the model. Fix: set vocab_size >= {hi + 1} "
+            "(e.g. the tokenizer's vocab_size)")
