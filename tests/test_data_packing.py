@@ -6,15 +6,19 @@ import numpy as np
 import pytest
 
 from moejax.data.batches import (
+    ArrayBatches,
     ClassificationBatches,
     PackedLMBatches,
+    PairLMBatches,
     PromptResponseBatches,
     pad_token_rows,
 )
+from moejax.data.lm_batches import WindowBatches
 from moejax.data.loader import BatchIterator
 from moejax.data.packing import (
     lm_example,
     pack_documents,
+    pack_pairs,
     prompt_response_real,
     prompt_response_rows,
 )
@@ -208,3 +212,38 @@ def test_prompt_response_rows_that_do_not_line_up_are_refused_before_a_batch():
     refused("response_mask of shape", response_mask=rows["response_mask"][:, :-1])
     refused(r"prompt_lens in \[0, ", prompt_lens=rows["prompt_lens"] * 0)
     refused("each must be in", prompt_lens=rows["prompt_lens"] + 7)
+
+
+def _sources(docs, **kw):
+    """One source of each kind over the same documents (``kw``: batch_size, seed)."""
+    ids, mask = pad_token_rows(docs, 12, pad_id=PAD, bos_id=BOS)
+    tokens, loss = pack_pairs(docs[:6], docs[6:], 16, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    pairs = prompt_response_rows(docs[:6], docs[6:], 6, 8, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    labels = np.array([len(d) % 3 for d in docs])
+    return [
+        PackedLMBatches(pack_documents(docs, 8, bos_id=BOS, eos_id=EOS, pad_id=PAD), **kw),
+        ClassificationBatches(ids, labels, mask=mask, num_classes=3, **kw),
+        ArrayBatches({"inputs": ids, "labels": labels}, **kw),
+        PairLMBatches(tokens, loss, pad_id=PAD, **kw),
+        PromptResponseBatches(pairs, **kw),
+        WindowBatches(np.concatenate(docs), seq_len=8, **kw),
+    ]
+
+
+def test_every_source_names_its_stream_by_its_rows_and_order():
+    """The fingerprint a checkpoint stores (a resumed run must match it) is equal for equal
+    rows and settings, and differs with other tokens, the batch size or the seed."""
+    docs = _docs(5, n=12)
+    base = [s.fingerprint for s in _sources(docs, batch_size=2, seed=0)]
+    assert base == [s.fingerprint for s in _sources(_docs(5, n=12), batch_size=2, seed=0)]
+    edited = [d.copy() for d in docs]
+    for d in edited[6:]:  # the responses' first tokens, which every source keeps
+        d[:1] += 1
+    for other in (_sources(edited, batch_size=2, seed=0), _sources(docs, batch_size=4, seed=0),
+                  _sources(docs, batch_size=2, seed=1)):
+        for a, b in zip(base, (s.fingerprint for s in other)):
+            assert a != b, a
+    assert len(set(base)) == len(base)  # each names its kind
+    ordered = PackedLMBatches(pack_documents(docs, 8, bos_id=BOS, eos_id=EOS, pad_id=PAD),
+                              batch_size=2, shuffle=False)
+    assert ordered.fingerprint != base[0] and "order=in order" in ordered.fingerprint

@@ -407,6 +407,38 @@ def test_check_resume_refuses_from_metadata_alone(tmp_path, straight):
     assert check_resume(run, CFG.replace(lr=2e-2)) == newest
 
 
+def test_another_data_stream_is_refused_unless_forced(tmp_path):
+    """Each checkpoint records its source's fingerprint (moejax.data's loaders set one); a
+    resume from a source of another fingerprint is refused as a changed config is, before
+    anything is written, and a source that names none is not compared."""
+    def named(source, fingerprint):
+        source.fingerprint = fingerprint
+        return source
+
+    a, b = "lm/chitchat/train/seq16/seed0", "lm/chitchat/train/seq16/seed1"
+    run = tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, source=named(CrashAt(3, batch_size=4), a))
+    ckpt = Checkpointer(run / "checkpoints")
+    try:
+        assert ckpt.read_meta(2)["data"] == a
+    finally:
+        ckpt.close()
+    before = (run / "config.json").read_text()
+    with pytest.raises(ResumeError, match=f"data: checkpoint '{a}' vs now '{b}'"):
+        _run(run, source=named(ToySource(batch_size=4, seed=1), b))
+    assert (run / "config.json").read_text() == before and latest_step(run / "checkpoints") == 2
+    with pytest.raises(ResumeError, match="another config or data"):
+        check_resume(run, CFG, data=b)
+    assert check_resume(run, CFG, data=a) == check_resume(run, CFG) == 2
+    assert check_resume(run, CFG.replace(resume="force"), data=b) == 2
+    with pytest.raises(Crash):  # the same stream resumes
+        _run(run, source=named(CrashAt(5, batch_size=4), a))
+    assert latest_step(run / "checkpoints") == 4
+    _, hist = _run(run)  # a plain source names no stream: not compared
+    assert [h["step"] for h in hist] == [5, 6]
+
+
 def test_mismatched_model_does_not_touch_the_run_dir(tmp_path):
     run = tmp_path / "r"
     _run(run, CFG.replace(steps=2))

@@ -18,10 +18,12 @@ row is seen once per epoch, and the data position saved in a checkpoint is one i
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from moejax.data.packing import PackedRows, lm_example, prompt_response_real
-from moejax.data.source import local_slice
+from moejax.data.source import local_slice, stream_fingerprint
 
 __all__ = [
     "EpochPermutation",
@@ -64,11 +66,24 @@ class EpochPermutation:
 
 class _RowSource:
     batch_size: int
-    fingerprint: str = ""  # set by the loaders; identifies the data stream in checkpoints
+    seed: int
+    name: str = ""  # set by the loaders: the dataset, split and tokenizer the rows came from
     _order: EpochPermutation
 
     def _take(self, index: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError
+
+    def _arrays(self) -> dict[str, np.ndarray]:
+        """Every array the batches are drawn from."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The stream's identity, stored with each checkpoint (a resumed run must match it):
+        the loader's name, batch size, seed, order and a checksum of the rows."""
+        return stream_fingerprint(self.name or type(self).__name__, self._arrays(),
+                                  batch=self.batch_size, seed=self.seed,
+                                  order="shuffled" if self._order.shuffle else "in order")
 
     def batch(self, position: int) -> dict[str, np.ndarray]:
         """The ``position``-th global batch (deterministic from seed and position)."""
@@ -100,6 +115,10 @@ class PackedLMBatches(_RowSource):
 
     def _take(self, index):
         return lm_example(self.rows, index)
+
+    def _arrays(self):
+        r = self.rows
+        return {"tokens": r.tokens, "segment_ids": r.segment_ids, "positions": r.positions}
 
 
 def pad_token_rows(docs, seq_len: int, *, pad_id: int = 0, bos_id: int | None = None):
@@ -162,6 +181,10 @@ class ClassificationBatches(_RowSource):
             out["mask"] = self.mask[index].astype(np.float32)
         return out
 
+    def _arrays(self):
+        out = {"inputs": self.inputs, "labels": self.labels}
+        return out if self.mask is None else {**out, "mask": self.mask}
+
 
 class ArrayBatches(_RowSource):
     """Shuffled batches of the rows of ``arrays`` (a dict of arrays sharing their first axis);
@@ -180,6 +203,9 @@ class ArrayBatches(_RowSource):
 
     def _take(self, index):
         return {k: v[index] for k, v in self.arrays.items()}
+
+    def _arrays(self):
+        return self.arrays
 
 
 class PairLMBatches(_RowSource):
@@ -223,6 +249,9 @@ class PairLMBatches(_RowSource):
             "positions": np.where(seg > 0, pos[None, :], 0).astype(np.int32),
         }
 
+    def _arrays(self):
+        return {"tokens": self.tokens, "loss": self.loss}
+
 
 class PromptResponseBatches(_RowSource):
     """Shuffled batches of the arrays of :func:`~moejax.data.packing.prompt_response_rows`
@@ -249,6 +278,9 @@ class PromptResponseBatches(_RowSource):
                    mask=out["response_mask"][:, 1:].astype(np.float32),
                    token_mask=real[:, :-1].astype(np.float32))
         return out
+
+    def _arrays(self):
+        return self.rows
 
 
 def _check_prompt_response_rows(rows: dict) -> None:

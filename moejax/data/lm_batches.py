@@ -7,7 +7,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+
+from moejax.data.source import stream_fingerprint
 
 __all__ = ["WindowBatches"]
 
@@ -25,6 +29,12 @@ class WindowBatches:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The stream's identity, stored with each checkpoint (a resumed run must match it)."""
+        return stream_fingerprint("WindowBatches", {"tokens": self.tokens},
+                                  batch=self.batch_size, seq_len=self.seq_len, seed=self.seed)
 
     def batch(self, position: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, position])

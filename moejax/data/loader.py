@@ -88,9 +88,7 @@ def lm_batches(
         seed=seed,
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint(
-        "lm", name, split, tokenizer.fingerprint, seq_len, batch_size, seed
-    )
+    src.name = _name("lm", name, split, tokenizer.fingerprint, f"seq{seq_len}")
     return src
 
 
@@ -126,9 +124,7 @@ def classification_batches(
         num_classes=len(LABELS[task]),
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint(
-        "cls", task, split, tokenizer.fingerprint, seq_len, batch_size, seed
-    )
+    src.name = _name("cls", task, split, tokenizer.fingerprint, f"seq{seq_len}")
     return src
 
 
@@ -156,7 +152,7 @@ def image_batches(
         num_classes=10,
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint("img", name, split, batch_size, seed)
+    src.name = _name("img", name, split)
     return src
 
 
@@ -194,9 +190,7 @@ def chat_batches(
         pad_id=tokenizer.pad_id,
         shuffle=(split == "train") if shuffle is None else shuffle,
     )
-    src.fingerprint = _fingerprint(
-        "chat", prompt_field, split, tokenizer.fingerprint, seq_len, batch_size, seed
-    )
+    src.name = _name("chat", prompt_field, split, tokenizer.fingerprint, f"seq{seq_len}")
     return src
 
 
@@ -215,8 +209,11 @@ def chat_prompt_response(split: str, tokenizer, *, prompt_len: int, response_len
         tokenizer.encode_batch([datasets.decode_text(e["response"]) for e in examples]),
         prompt_len, response_len, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
         pad_id=tokenizer.pad_id)
-    return PromptResponseBatches(rows, batch_size=batch_size, seed=seed,
-                                 shuffle=(split == "train") if shuffle is None else shuffle)
+    src = PromptResponseBatches(rows, batch_size=batch_size, seed=seed,
+                                shuffle=(split == "train") if shuffle is None else shuffle)
+    src.name = _name("chat-pairs", prompt_field, split, tokenizer.fingerprint,
+                     f"prompt{prompt_len}", f"response{response_len}")
+    return src
 
 
 def bpe_for(
@@ -245,7 +242,7 @@ def bpe_for(
     return train_bpe(texts, vocab_size, path=path)
 
 
-def _fingerprint(*parts) -> str:
+def _name(*parts) -> str:
     return "/".join(str(p) for p in parts)
 
 
@@ -253,8 +250,8 @@ class BatchIterator:
     """Iterates ``source.batch(position)``; its state is ``{"position", "fingerprint"}``.
 
     Save ``state_dict()`` in the run's checkpoint; ``load_state_dict`` restores the position and
-    refuses a state written for a differently configured source (other dataset, tokenizer,
-    sequence length, batch size or seed), which would silently change the data stream.
+    refuses a state written for a source of another fingerprint (other rows, batch size, seed
+    or order), which would silently change the data stream.
     """
 
     def __init__(self, source, *, position: int = 0, fingerprint: str | None = None):

@@ -17,6 +17,10 @@ training loop also accepts a plain ``position -> batch`` callable.
 For multi-process runs, ``source.local_batch(position, process_index, process_count)`` returns
 this process's contiguous slice of the global batch along axis 0 (the default implementation
 slices ``batch``; sources may override it to load only their shard).
+
+A source may name its stream by a ``fingerprint`` string; the training loop stores it with
+each checkpoint and refuses to resume from a source of another. moejax.data's sources derive
+theirs from their settings and a checksum of their rows (:func:`stream_fingerprint`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BatchSource", "local_slice"]
+from moejax.integrity import array_checksum, json_checksum
+
+__all__ = ["BatchSource", "local_slice", "stream_fingerprint"]
 
 
 @runtime_checkable
@@ -48,3 +54,11 @@ def local_slice(batch: dict[str, np.ndarray], process_index: int, process_count:
         per = n // process_count
         out[name] = arr[process_index * per : (process_index + 1) * per]
     return out
+
+
+def stream_fingerprint(name: str, arrays: dict, **settings) -> str:
+    """``"<name>/<key>=<value>/.../rows <crc>"``: a data stream's identity from the settings
+    that order its batches and a CRC-32 over every array it draws from, so that any other data
+    (another file, tokenizer, slice or packing) gets another fingerprint."""
+    rows = json_checksum({k: array_checksum(v) for k, v in arrays.items()})
+    return "/".join([name, *(f"{k}={v}" for k, v in settings.items()), f"rows {rows}"])

@@ -14,6 +14,7 @@ only once complete, with ``commit_success.txt`` written on finalisation):
 * item ``meta`` (orbax ``JsonSave``)::
 
       {"format": "moejax-checkpoint-v2", "step": int, "data_position": int,
+       "data": <the source's fingerprint (moejax.data's loaders set one) or null>,
        "config": <moejax.config.to_json text or null>, "checksums": {path: crc32},
        "meta_checksum": crc32 of the rest of this record}
 
@@ -209,9 +210,12 @@ class Checkpointer:
                 "or make the directory writable, or choose another run directory") from None
 
     def save(
-        self, state: TrainState, *, data_position: int, config: Config | str | None = None
+        self, state: TrainState, *, data_position: int, config: Config | str | None = None,
+        data: str | None = None,
     ) -> int:
-        """Save ``state`` at step ``int(state.step)``; returns the step."""
+        """Save ``state`` at step ``int(state.step)``; returns the step. ``data``: the
+        identity of the data stream (a source's ``fingerprint``), which a resumed run must
+        match."""
         step = int(jax.device_get(state.step))
         cfg_json = to_json(config) if isinstance(config, Config) else config
         plain = to_saveable(state)
@@ -220,6 +224,7 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "data_position": int(data_position),
+            "data": None if data is None else str(data),
             "config": cfg_json,
             "checksums": tree_checksums(host) if host is not None else None,
         }

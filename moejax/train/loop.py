@@ -174,6 +174,8 @@ class _Run:
                 f"source.batch_size={source.batch_size} != TrainConfig.batch_size="
                 f"{cfg.batch_size}; build the source with the training batch size")
         self.graphdef, self.source, self.cfg, self.opts = graphdef, source, cfg, opts
+        fingerprint = getattr(source, "fingerprint", None)  # a resumed run's must match
+        self.data = str(fingerprint) if fingerprint else None
         self.id_limits = limits or {}  # the bound of each batch key's ids (id_limits)
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
@@ -213,7 +215,8 @@ class _Run:
             run_dir = os.fspath(run_dir)
             self.lock = RunLock(run_dir).acquire() if self.main else None
             self.ckpt, self.state, self.position = open_run_dir(
-                run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx)
+                run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx,
+                data=self.data)
         self.start = int(jax.device_get(self.state.step))
         if self.opts.keep_best:
             self.best = BestKeeper(self.opts.keep_best, run_dir, keep=cfg.keep_checkpoints,
@@ -431,4 +434,5 @@ class _Run:
                 "enable grad_clip.")
         if self.best is not None:  # first: every resumable step has its best on disk
             self.best.save(self.state)
-        self.ckpt.save(self.state, data_position=self.position, config=self.config)
+        self.ckpt.save(self.state, data_position=self.position, config=self.config,
+                       data=self.data)

@@ -18,8 +18,8 @@ from moejax.integrity import flatten_dict
 from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError, latest_step
 from moejax.train.logs import read_csv
 
-__all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "open_run_dir",
-           "evaluation_pending"]
+__all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "data_differences",
+           "open_run_dir", "evaluation_pending"]
 
 log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
 
@@ -76,26 +76,36 @@ def config_differences(saved_json: str, current_json: str) -> list[str]:
     return out
 
 
-def _refuse_resume(run_dir, saved_step: int, meta: dict, cfg, config) -> list[str]:
+def data_differences(saved: str | None, current: str | None) -> list[str]:
+    """``["data: checkpoint X vs now Y"]`` when both data streams are known (a source's
+    ``fingerprint``) and differ; a source that names none is not compared."""
+    if saved and current and saved != current:
+        return [f"data: checkpoint {saved!r} vs now {current!r}"]
+    return []
+
+
+def _refuse_resume(run_dir, saved_step: int, meta: dict, cfg, config,
+                   data: str | None = None) -> list[str]:
     """Raise :class:`ResumeError` when the checkpoint at ``saved_step`` (its ``meta``) cannot
-    continue this run; return the config differences ``resume=force`` lets through."""
+    continue this run: a later step, another config, another data stream (``data``, this
+    run's source's fingerprint); return the differences ``resume=force`` lets through."""
     if saved_step > cfg.steps:
         raise ResumeError(
             f"{run_dir} holds a checkpoint at step {saved_step}, past this run's "
             f"steps={cfg.steps}; resuming would return a longer-trained model. Fix: "
             f"use a new run directory (out=...), or ask for steps >= {saved_step}")
     diffs = (config_differences(meta["config"], to_json(config))
-             if meta.get("config") else [])
+             if meta.get("config") else []) + data_differences(meta.get("data"), data)
     if diffs and cfg.resume != "force":
         raise ResumeError(
             f"{run_dir} holds a checkpoint (step {saved_step}) of a run with another "
-            "config; resuming would not reproduce either run:\n  "
+            "config or data; resuming would not reproduce either run:\n  "
             + "\n  ".join(diffs[:20]) + "\nFix: restore the old values, use a new "
             "run directory (out=...), or resume anyway with train.resume=force")
     return diffs
 
 
-def check_resume(run_dir, cfg, config=None) -> int | None:
+def check_resume(run_dir, cfg, config=None, data: str | None = None) -> int | None:
     """Refuse, before any compute, a run directory whose newest checkpoint cannot continue
     this run (a later step, another config); return that step, or ``None`` when the
     directory holds no checkpoint. Reads only the checkpoint's metadata, so a study calls it
@@ -111,7 +121,8 @@ def check_resume(run_dir, cfg, config=None) -> int | None:
         return step  # restore_latest sets it aside and falls back, with a warning
     finally:
         ckpt.close()
-    _refuse_resume(run_dir, int(meta["step"]), meta, cfg, config if config is not None else cfg)
+    _refuse_resume(run_dir, int(meta["step"]), meta, cfg,
+                   config if config is not None else cfg, data)
     return step
 
 
@@ -131,11 +142,12 @@ def run_config_json(config, tx=None) -> str:
                       indent=2)
 
 
-def open_run_dir(run_dir, cfg, config, state, main, tx=None):
+def open_run_dir(run_dir, cfg, config, state, main, tx=None, data: str | None = None):
     """Checkpointer of ``run_dir`` and the state/data position to start from. Everything is
-    validated (stale saves moved aside, the newest verifying step restored, its config
-    compared with this run's) before anything is written; ``tx``: the caller's optax
-    transform, recorded in ``config.json`` (:func:`run_config_json`)."""
+    validated (stale saves moved aside, the newest verifying step restored, its config and
+    data stream compared with this run's: ``data``, the source's fingerprint) before
+    anything is written; ``tx``: the caller's optax transform, recorded in ``config.json``
+    (:func:`run_config_json`)."""
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.keep_checkpoints)
     position = 0
     try:
@@ -145,9 +157,9 @@ def open_run_dir(run_dir, cfg, config, state, main, tx=None):
         if found is not None:
             restored, meta = found
             saved_step = int(meta["step"])
-            diffs = _refuse_resume(run_dir, saved_step, meta, cfg, config)
+            diffs = _refuse_resume(run_dir, saved_step, meta, cfg, config, data)
             if diffs:
-                log.warning("resuming %s with a changed config (resume=force):\n  %s",
+                log.warning("resuming %s with a changed config or data (resume=force):\n  %s",
                             run_dir, "\n  ".join(diffs))
             state, position = restored, int(meta["data_position"])
         if main:
