@@ -315,6 +315,11 @@ def router_active_sets(layer_aux: dict, n_experts: int = 0, n_always_on: int = 0
     if "active_BTE" in layer_aux:
         return layer_aux["active_BTE"], layer_aux.get("a_BTE")
     if "expert_ids" in layer_aux:
+        if n_experts < 1:
+            raise ValueError(
+                f"a top-k layer's expert ids need its expert count (n_experts={n_experts}); "
+                "pass active_fn=functools.partial(router_active_sets, n_experts=E, "
+                "n_always_on=S) to SparsityEvaluator")
         ids_BTK = layer_aux["expert_ids"]
         routed_BTE = jax.nn.one_hot(ids_BTK, n_experts, dtype=jnp.int32).sum(-2) > 0
         if n_always_on:

@@ -195,3 +195,37 @@ def test_a_mask_that_is_not_one_per_token_is_refused_not_broadcast():
         with pytest.raises(ValueError, match=r"segment ids of shape \(2, 1\)"):
             loss(jnp.asarray(SEG[:, :1]))
         assert np.isfinite(float(loss(jnp.asarray(SEG))))
+
+
+def test_the_accumulator_refuses_values_and_tokens_of_other_shapes():
+    """Activation values transposed (``[B, E, T]``) or of another expert count gave another
+    norm, and float token ids were truncated to other tokens, silently."""
+    rng = np.random.default_rng(0)
+    acc = sm.SparsityAccumulator(chunk_lens=(1,))
+    B, T, E = ACT.shape
+    for bad in (rng.random((B, E, T)), rng.random((B, T, E - 1))):
+        with pytest.raises(ValueError, match="activation values"):
+            acc.update(0, ACT, a_BTE=bad)
+    with pytest.raises(ValueError, match="token ids of shape"):
+        acc.update(0, ACT, tokens_BT=np.zeros((B, T + 1), int))
+    with pytest.raises(ValueError, match="integer token ids"):
+        acc.update(0, ACT, tokens_BT=np.full((B, T), 2.7))
+    for bad in (ACT[..., 0], ACT[..., :0]):
+        with pytest.raises(ValueError, match="batch, tokens, experts"):
+            acc.update(0, bad)
+    assert acc.result() == {"layers": {}, "mean": {}}  # nothing was counted
+    acc.update(0, ACT, a_BTE=rng.random(ACT.shape), tokens_BT=np.zeros((B, T), int))
+    assert np.isfinite(acc.result()["mean"]["magnitude"])
+
+
+def test_top_k_active_sets_need_the_expert_count():
+    """Without ``n_experts`` a top-k layer's ids became an empty active set, which failed
+    later in the accumulator with numpy's "cannot reshape array of size 0"."""
+    from moejax.evaluate import router_active_sets
+
+    ids_BTK = np.array([[[0, 1], [2, 3]]])
+    with pytest.raises(ValueError, match="n_experts=0.*functools.partial"):
+        router_active_sets({"expert_ids": ids_BTK})
+    act, _ = router_active_sets({"expert_ids": ids_BTK}, n_experts=4, n_always_on=1)
+    assert np.asarray(act).astype(int).tolist() == [[[1, 1, 1, 0, 0], [1, 0, 0, 1, 1]]]
+

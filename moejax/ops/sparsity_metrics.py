@@ -143,6 +143,15 @@ class SparsityAccumulator:
     def update(self, layer, active_BTE, *, mask_BT=None, segment_ids_BT=None, a_BTE=None,
                tokens_BT=None) -> None:
         act = np.asarray(active_BTE).astype(bool)
+        if act.ndim != 3 or not act.shape[-1]:
+            raise ValueError(f"active_BTE of shape {act.shape}; give [batch, tokens, experts] "
+                             "with at least one expert")
+        check_mask("SparsityAccumulator.update", a_BTE, act.shape,
+                   "activation values (a_BTE)")  # [B, E, T] or [B, T, E'] measured other norms
+        check_mask("SparsityAccumulator.update", tokens_BT, act.shape[:2], "token ids")
+        if tokens_BT is not None and not np.issubdtype(np.asarray(tokens_BT).dtype, np.integer):
+            raise ValueError(f"tokens_BT of dtype {np.asarray(tokens_BT).dtype}; give integer "
+                             "token ids (a float would be truncated to another token)")
         s = self.sums[layer]
         s["tls"] += tls_counts(act, mask_BT)
         for L in self.chunk_lens:
