@@ -247,3 +247,24 @@ def test_every_source_names_its_stream_by_its_rows_and_order():
     ordered = PackedLMBatches(pack_documents(docs, 8, bos_id=BOS, eos_id=EOS, pad_id=PAD),
                               batch_size=2, shuffle=False)
     assert ordered.fingerprint != base[0] and "order=in order" in ordered.fingerprint
+
+
+def test_float_negative_or_nested_token_ids_are_refused_not_cast():
+    """Every packer cast documents to int32: float ids 3.7, 4.2 became the tokens 3, 4, and a
+    negative id went into the rows; an empty document stays an empty document."""
+    floats = [np.array([3.7, 4.2, 5.9]), np.array([6.5, 7.1])]
+    packers = (lambda d: pad_token_rows(d, 4), lambda d: pack_documents(d, 4),
+               lambda d: pack_pairs(d, d, 8), lambda d: prompt_response_rows(d, d, 6, 4))
+    for pack in packers:
+        with pytest.raises(ValueError, match="dtype float64; give a 1-D sequence of integer"):
+            pack(floats)
+        with pytest.raises(ValueError, match="token id -1"):
+            pack([np.array([5, -1]), np.array([3])])
+        with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+            pack([np.ones((2, 2), int), np.array([3])])
+        pack([[], np.array([3, 4], np.uint8)])  # an empty list, any integer dtype: taken
+    with pytest.raises(ValueError, match="seq_len must be >= 1"):
+        pad_token_rows([[3]], 0)
+    ids, mask = pad_token_rows([[], [3, 4]], 3, bos_id=BOS)
+    assert ids.tolist() == [[BOS, 0, 0], [BOS, 3, 4]] and mask.sum() == 4
+

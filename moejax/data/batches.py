@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from moejax.data.packing import PackedRows, lm_example, prompt_response_real
+from moejax.data.packing import PackedRows, as_token_ids, lm_example, prompt_response_real
 from moejax.data.source import local_slice, stream_fingerprint
 
 __all__ = [
@@ -126,10 +126,12 @@ def pad_token_rows(docs, seq_len: int, *, pad_id: int = 0, bos_id: int | None = 
 
     With ``bos_id`` each row starts with it (for a classifier that reads a leading token).
     """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     ids = np.full((len(docs), seq_len), pad_id, np.int32)
     mask = np.zeros((len(docs), seq_len), np.float32)
     for i, d in enumerate(docs):
-        d = np.asarray(d, np.int32)
+        d = as_token_ids(d, f"document {i}")
         if bos_id is not None:
             d = np.concatenate([[bos_id], d]).astype(np.int32)
         d = d[:seq_len]

@@ -24,7 +24,28 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["PackedRows", "pack_documents", "lm_example", "pack_pairs", "prompt_response_rows",
-           "prompt_response_real"]
+           "prompt_response_real", "as_token_ids"]
+
+
+def as_token_ids(doc, what: str = "a document") -> np.ndarray:
+    """``doc`` as a 1-D int32 array of token ids; an empty sequence is an empty document.
+    Refuses float ids (a cast would truncate 3.7 to the token 3), negative ids and nested
+    sequences, naming ``what``."""
+    a = _integer_ids(doc, what)
+    if a.size and a.min() < 0:
+        raise ValueError(f"{what} holds the token id {a.min()}; token ids are >= 0")
+    return a
+
+
+def _integer_ids(doc, what: str) -> np.ndarray:
+    """:func:`as_token_ids` less the sign check (which a packer does once on its stream)."""
+    a = np.asarray(doc)
+    if a.size == 0:
+        return np.zeros(0, np.int32)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise ValueError(f"{what} of shape {a.shape} and dtype {a.dtype}; give a 1-D sequence "
+                         "of integer token ids (a float would be truncated to another token)")
+    return a.astype(np.int32, copy=False)
 
 
 @dataclass(frozen=True)
@@ -59,13 +80,16 @@ def pack_documents(
         raise ValueError("no documents to pack")
     lengths = np.array([len(d) + 2 for d in docs], dtype=np.int64)
     pieces = []
-    for d in docs:
+    for i, d in enumerate(docs):
         pieces += [
             np.array([bos_id], np.int32),
-            np.asarray(d, np.int32),
+            _integer_ids(d, f"document {i}"),
             np.array([eos_id], np.int32),
         ]
     stream = np.concatenate(pieces)
+    if stream.min() < 0:  # one pass over the stream, not one per document
+        first = next(i for i, d in enumerate(docs) if len(d) and np.min(d) < 0)
+        as_token_ids(docs[first], f"document {first}")  # raises, naming it
     n = stream.shape[0]
     itype = np.int32 if n + seq_len < 2**31 else np.int64  # halves peak memory on big corpora
     doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(itype)
@@ -126,9 +150,9 @@ def pack_pairs(
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     loss = np.zeros((len(prompts), width), np.float32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        r = np.asarray(r, np.int32)[: width - 4]
+        r = as_token_ids(r, f"response {i}")[: width - 4]
         room = width - 4 - len(r)
-        p = np.asarray(p, np.int32)
+        p = as_token_ids(p, f"prompt {i}")
         p = p[len(p) - room :] if room > 0 else p[:0]
         row = np.concatenate([[bos_id], p, [eos_id, bos_id], r, [eos_id]]).astype(np.int32)
         tokens[i, : len(row)] = row
@@ -165,10 +189,10 @@ def prompt_response_rows(
            "tokens": np.full((n, width), pad_id, np.int32),
            "response_mask": np.zeros((n, width), np.float32)}
     for i, (p, r) in enumerate(zip(prompts, responses)):
-        p = np.asarray(p, np.int32)
+        p = as_token_ids(p, f"prompt {i}")
         p = p[max(0, len(p) - (prompt_len - 3)):]
         head = np.concatenate([[bos_id], p, [eos_id, bos_id]]).astype(np.int32)
-        tail = np.concatenate([np.asarray(r, np.int32)[: response_len - 1], [eos_id]])
+        tail = np.concatenate([as_token_ids(r, f"response {i}")[: response_len - 1], [eos_id]])
         out["prompts"][i, : len(head)] = head
         out["prompt_lens"][i] = len(head)
         out["tokens"][i, : len(head)] = head
