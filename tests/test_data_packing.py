@@ -268,3 +268,27 @@ def test_float_negative_or_nested_token_ids_are_refused_not_cast():
     ids, mask = pad_token_rows([[], [3, 4]], 3, bos_id=BOS)
     assert ids.tolist() == [[BOS, 0, 0], [BOS, 3, 4]] and mask.sum() == 4
 
+
+
+def test_a_source_refuses_bad_settings_when_it_is_made():
+    """A batch size of 0 or -2 served empty batches; floats failed at the first batch deep in
+    numpy, and a window source truncated float tokens 3.5 to 3."""
+    docs = _docs(2, n=12)
+    for bad, match in ((dict(batch_size=0), "batch_size=0"), (dict(batch_size=-2), "batch_size"),
+                       (dict(batch_size=2.5), "batch_size=2.5"), (dict(batch_size=True), "True"),
+                       (dict(batch_size=2, seed=1.5), "seed=1.5"),
+                       (dict(batch_size=2, seed=-1), "seed=-1")):
+        for make in (lambda kw: _sources(docs, **kw)[0], lambda kw: _sources(docs, **kw)[2],
+                     lambda kw: WindowBatches(np.arange(40), seq_len=4, **kw)):
+            with pytest.raises(ValueError, match=match):
+                make(bad)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        WindowBatches(np.arange(40), batch_size=2, seq_len=0)
+    with pytest.raises(ValueError, match="dtype float64"):
+        WindowBatches(np.arange(40) + 0.5, batch_size=2, seq_len=4)
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        WindowBatches(np.arange(40), batch_size=2, seq_len=4).batch(-1)
+    with pytest.raises(ValueError, match="no row axis"):
+        ArrayBatches({"x": np.float32(3)}, batch_size=2)
+    for source in _sources(docs, batch_size=np.int64(2), seed=np.int32(3)):  # numpy ints
+        assert len(next(iter(source.batch(0).values()))) == 2

@@ -23,7 +23,7 @@ import functools
 import numpy as np
 
 from moejax.data.packing import PackedRows, as_token_ids, lm_example, prompt_response_real
-from moejax.data.source import local_slice, stream_fingerprint
+from moejax.data.source import check_source_settings, local_slice, stream_fingerprint
 
 __all__ = [
     "EpochPermutation",
@@ -70,6 +70,12 @@ class _RowSource:
     name: str = ""  # set by the loaders: the dataset, split and tokenizer the rows came from
     _order: EpochPermutation
 
+    def _settle(self, num_rows: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        """Validate and set the batch size, seed and row order of ``num_rows`` rows."""
+        check_source_settings(batch_size=batch_size, seed=seed)
+        self.batch_size, self.seed = batch_size, seed
+        self._order = EpochPermutation(num_rows, seed, shuffle)
+
     def _take(self, index: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
@@ -109,9 +115,8 @@ class PackedLMBatches(_RowSource):
     """Shuffled batches of packed LM rows; ``shuffle=False`` reads rows in order (evaluation)."""
 
     def __init__(self, rows: PackedRows, *, batch_size: int, seed: int = 0, shuffle: bool = True):
-        self.rows, self.batch_size, self.seed = rows, batch_size, seed
-        self.seq_len = rows.seq_len
-        self._order = EpochPermutation(rows.num_rows, seed, shuffle)
+        self.rows, self.seq_len = rows, rows.seq_len
+        self._settle(rows.num_rows, batch_size, seed, shuffle)
 
     def _take(self, index):
         return lm_example(self.rows, index)
@@ -170,9 +175,8 @@ class ClassificationBatches(_RowSource):
                              "each must be a class id in [0, num_classes)")
         self.inputs, self.labels = inputs, labels.astype(np.int32)
         self.mask = None if mask is None else np.asarray(mask)
-        self.batch_size, self.seed = batch_size, seed
         self.num_classes = n
-        self._order = EpochPermutation(labels.shape[0], seed, shuffle)
+        self._settle(labels.shape[0], batch_size, seed, shuffle)
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -194,11 +198,10 @@ class ArrayBatches(_RowSource):
 
     def __init__(self, arrays: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
         self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        lengths = {k: v.shape[0] for k, v in self.arrays.items()}
-        if not lengths or len(set(lengths.values())) != 1:
+        lengths = {k: v.shape[0] if v.ndim else "no row axis" for k, v in self.arrays.items()}
+        if not lengths or len(set(lengths.values())) != 1 or "no row axis" in lengths.values():
             raise ValueError(f"ArrayBatches needs arrays with one common length, got {lengths}")
-        self.batch_size, self.seed = batch_size, seed
-        self._order = EpochPermutation(next(iter(lengths.values())), seed, shuffle)
+        self._settle(next(iter(lengths.values())), batch_size, seed, shuffle)
 
     def __len__(self) -> int:
         return self._order.num_rows
@@ -230,11 +233,11 @@ class PairLMBatches(_RowSource):
         if tokens.shape != loss.shape:
             raise ValueError(f"tokens {tokens.shape} and loss {loss.shape} differ in shape")
         self.tokens, self.loss, self.pad_id = tokens, loss, pad_id
-        self.batch_size, self.seed, self.seq_len = batch_size, seed, tokens.shape[1] - 1
+        self.seq_len = tokens.shape[1] - 1
         # row length = up to the last non-pad token (the final eos is never pad)
         nonpad = tokens != pad_id
         self.lengths = np.where(nonpad.any(1), tokens.shape[1] - np.argmax(nonpad[:, ::-1], 1), 0)
-        self._order = EpochPermutation(tokens.shape[0], seed, shuffle)
+        self._settle(tokens.shape[0], batch_size, seed, shuffle)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -266,8 +269,7 @@ class PromptResponseBatches(_RowSource):
     def __init__(self, rows: dict, *, batch_size: int, seed: int = 0, shuffle: bool = True):
         self.rows = {k: np.asarray(v) for k, v in rows.items()}
         _check_prompt_response_rows(self.rows)
-        self.batch_size, self.seed = batch_size, seed
-        self._order = EpochPermutation(len(self), seed, shuffle)
+        self._settle(len(self), batch_size, seed, shuffle)
 
     def __len__(self) -> int:
         return self.rows["tokens"].shape[0]

@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from moejax.data.source import stream_fingerprint
+from moejax.data.source import check_source_settings, stream_fingerprint
 
 __all__ = ["WindowBatches"]
 
@@ -19,8 +19,10 @@ __all__ = ["WindowBatches"]
 class WindowBatches:
     def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int = 0):
         tokens = np.asarray(tokens)
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        check_source_settings(batch_size=batch_size, seed=seed, seq_len=seq_len)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"tokens of shape {tokens.shape} and dtype {tokens.dtype}; give a "
+                             "1-D array of integer token ids (a float would be truncated)")
         if tokens.shape[0] < seq_len + 2:
             raise ValueError(
                 f"corpus of {tokens.shape[0]} tokens is shorter than one window of {seq_len + 1}"
@@ -37,6 +39,8 @@ class WindowBatches:
                                   batch=self.batch_size, seq_len=self.seq_len, seed=self.seed)
 
     def batch(self, position: int) -> dict[str, np.ndarray]:
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
         rng = np.random.default_rng([self.seed, position])
         hi = self.tokens.shape[0] - self.seq_len - 1
         starts = rng.integers(0, hi, size=self.batch_size)

@@ -31,7 +31,7 @@ import numpy as np
 
 from moejax.integrity import array_checksum, json_checksum
 
-__all__ = ["BatchSource", "local_slice", "stream_fingerprint"]
+__all__ = ["BatchSource", "local_slice", "stream_fingerprint", "check_source_settings"]
 
 
 @runtime_checkable
@@ -62,3 +62,18 @@ def stream_fingerprint(name: str, arrays: dict, **settings) -> str:
     (another file, tokenizer, slice or packing) gets another fingerprint."""
     rows = json_checksum({k: array_checksum(v) for k, v in arrays.items()})
     return "/".join([name, *(f"{k}={v}" for k, v in settings.items()), f"rows {rows}"])
+
+
+def check_source_settings(*, batch_size, seed, **counts) -> None:
+    """Refuse, when a source is made, a batch size or another count (``seq_len``) that is not
+    an integer >= 1, and a seed that is not an integer >= 0: a batch size of 0 served empty
+    batches, and a float failed at the first batch, deep in numpy."""
+    def integer(v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    for name, v in {"batch_size": batch_size, **counts}.items():
+        if not integer(v) or v < 1:
+            raise ValueError(f"{name}={v!r}; give an integer >= 1")
+    if not integer(seed) or seed < 0:
+        raise ValueError(f"seed={seed!r}; give an integer >= 0")
+
