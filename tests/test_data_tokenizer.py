@@ -22,6 +22,11 @@ def test_byte_tokenizer_round_trip():
         assert ids.min(initial=3) >= 3 and ids.max(initial=0) < 259
         assert tok.decode(ids) == t
     assert tok.decode([BOS_ID, *tok.encode("ab"), EOS_ID, PAD_ID]) == "ab"
+    assert tok.decode([]) == ""
+    with pytest.raises(ValueError, match="dtype float64"):  # was decoded as "ab"
+        tok.decode(tok.encode("ab") + 0.7)
+    with pytest.raises(ValueError, match="no texts"):  # was max()'s "iterable argument is empty"
+        tok.encode_padded([])
 
 
 @pytest.fixture(scope="module")

@@ -452,6 +452,11 @@ def test_the_tokenizer_travels_with_the_export(tmp_path):
     tok = tokenizer_from_hf_dir(FIXTURES / "olmoe")
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 96)  # pad: eos
     assert tok.decode(tok.encode("Hi there!")) == "Hi there!"
+    for bad in (tok.encode("Hi") + 0.7, np.array([-1])):  # decoded as "Hi"; an OverflowError
+        with pytest.raises(ValueError, match="give integer token ids >= 0"):
+            tok.decode(bad)
+    with pytest.raises(ValueError, match="no texts"):
+        tok.encode_padded([])
     save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), tmp_path / "out", tokenizer=tok)
     back = tokenizer_from_hf_dir(tmp_path / "out")
     assert back.fingerprint == tok.fingerprint and (back.bos_id, back.eos_id) == (1, 2)

@@ -62,6 +62,8 @@ class ByteTokenizer:
         """``(tokens_BT int32, mask_BT bool)`` right-padded with ``pad_id`` to the longest
         text (or truncated to ``max_len``); the same contract as the HF tokenizer's."""
 
+        if not len(texts):
+            raise ValueError("encode_padded: no texts; give at least one")
         ids = [x[:max_len] if max_len is not None else x for x in self.encode_batch(texts)]
         tokens, mask = pad_token_rows(ids, max(1, max(len(x) for x in ids)),
                                       pad_id=self.pad_id)
@@ -69,8 +71,12 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         """Text of ``ids``; special ids are dropped, invalid UTF-8 is replaced; an id outside
-        the vocabulary ``[0, 259)`` raises ``ValueError``."""
-        ids = np.asarray(ids, dtype=np.int64)
+        the vocabulary ``[0, 259)`` or a float id raises ``ValueError``."""
+        ids = np.asarray(ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"ByteTokenizer.decode: ids of dtype {ids.dtype}; give integer "
+                             "token ids (a float would be truncated to another token)")
+        ids = ids.astype(np.int64)
         bad = ids[(ids < 0) | (ids >= self.vocab_size)]
         if bad.size:
             raise ValueError(f"ByteTokenizer.decode: id {int(bad[0])} is outside the "

@@ -76,6 +76,8 @@ class HFTokenizer:
     def encode_padded(self, texts: Sequence[str], max_len: int | None = None):
         """``(tokens_BT int32, mask_BT bool)`` right-padded with ``pad_id`` to the longest
         text (or truncated to ``max_len``); specials added as configured."""
+        if not len(texts):
+            raise ValueError("encode_padded: no texts; give at least one")
         ids = self.encode_batch(texts)
         if max_len is not None:
             ids = [x[:max_len] for x in ids]
@@ -87,8 +89,14 @@ class HFTokenizer:
         return tokens, mask
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
-        ids = np.asarray(ids).reshape(-1).astype(np.int64).tolist()
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``; ids the tokenizer does not know (a model's padded vocabulary) are
+        dropped, as the ``tokenizers`` library does. Float or negative ids are refused."""
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0):
+            raise ValueError(f"decode: ids of dtype {ids.dtype} (least {ids.min()}); give "
+                             "integer token ids >= 0 (a float would be truncated)")
+        return self.tokenizer.decode(ids.astype(np.int64).tolist(),
+                                     skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict], *,
                             add_generation_prompt: bool = True) -> str:
