@@ -90,3 +90,37 @@ def test_distill_draft_refuses_short_prompts_and_float_ids():
         distill_draft(_lm(0), _lm(1), np.full((4, 8), 1.7, np.float32), cfg)
     with pytest.raises(ValueError, match="prompt_BT of dtype float"):
         target_continuations(_lm(0), np.full((2, 4), 1.7), 3, key=jax.random.key(0))
+
+
+def test_a_distillation_resumes_though_the_targets_samples_differ(tmp_path, monkeypatch):
+    """The responses are the target's samples, which a GPU need not reproduce bit for bit
+    after a restart: the stream a resumed run must match is named by its prompts."""
+    import moejax.chunk_sparse.draft as draft_mod
+    from moejax.train.checkpoint import Checkpointer
+
+    cfg = DraftDistillConfig(method="kd", prompts=8, prompt_len=4, response_len=6,
+                             train=TrainConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=0,
+                                               ckpt_every=2, log_every=1))
+    prompts = np.asarray(jax.random.randint(jax.random.key(3), (8, 4), 0, V))
+    first, _ = distill_draft(_lm(5), _lm(0), prompts, cfg, seed=0, run_dir=tmp_path)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    try:
+        assert ckpt.read_meta(2)["data"].startswith("target continuations/")
+    finally:
+        ckpt.close()
+    sampled = draft_mod.target_continuations
+
+    def one_token_flipped(*args, **kw):
+        rows = sampled(*args, **kw)
+        tokens = rows["tokens"].copy()
+        tokens[0, -2] = (tokens[0, -2] + 1) % V
+        return {**rows, "tokens": tokens}
+
+    monkeypatch.setattr(draft_mod, "target_continuations", one_token_flipped)
+    again, hist = distill_draft(_lm(5), _lm(0), prompts, cfg, seed=0, run_dir=tmp_path)
+    assert hist == []  # the finished run is restored, not refused nor trained again
+    assert argmax_agreement(again, first, prompts) == 1.0
+    other = prompts.copy()
+    other[0, 0] = (other[0, 0] + 1) % V
+    with pytest.raises(ValueError, match="data: checkpoint 'target continuations/"):
+        distill_draft(_lm(5), _lm(0), other, cfg, seed=0, run_dir=tmp_path)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from moejax.config import Config, config
 from moejax.data.batches import PromptResponseBatches
+from moejax.data.source import stream_fingerprint
 from moejax.distill.training import DistillConfig, distil
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.sample import sampler
@@ -118,6 +119,11 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
                                 key=jax.random.fold_in(key, 0), temperature=cfg.temperature)
     tcfg = cfg.train.replace(seed=seed)
     src = PromptResponseBatches(rows, batch_size=tcfg.batch_size, seed=seed)
+    # The responses are the target's samples, which a GPU need not reproduce bit for bit
+    # after a restart (its matmul algorithms are chosen per process): the stream a resumed
+    # run must match is named by its prompts (the recipe and seed are in the run's config).
+    src.fingerprint = stream_fingerprint("target continuations", {"prompts": prompts_PT},
+                                         batch=tcfg.batch_size, seed=seed)
     student, _, hist = distil(draft, target, cfg.distill(), tcfg, src, desc=desc,
                               run_dir=run_dir,
                               config=DistilledDraft(recipe=cfg, seed=seed, start=start))
