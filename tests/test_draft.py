@@ -60,6 +60,9 @@ def test_argmax_agreement_counts_matching_argmaxes():
     lb, _ = b(jnp.asarray(toks))
     want = np.mean(np.argmax(np.asarray(la), -1) == np.argmax(np.asarray(lb), -1))
     assert argmax_agreement(b, a, toks) == pytest.approx(want)
+    for bad, words in ((toks + 0.5, "integer token ids"), (toks + V, "outside the vocabulary")):
+        with pytest.raises(ValueError, match=words):  # truncated; clamped by the gather
+            argmax_agreement(b, a, bad)
 
 
 @pytest.mark.parametrize("method", ["kd", "gkd"])

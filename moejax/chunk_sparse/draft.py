@@ -32,6 +32,7 @@ from moejax.data.batches import PromptResponseBatches
 from moejax.data.source import stream_fingerprint
 from moejax.distill.training import DistillConfig, distil
 from moejax.nn.decoder import DecoderLM
+from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.sample import sampler
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop_options import History
@@ -133,7 +134,9 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
 def argmax_agreement(draft: DecoderLM, target: DecoderLM, tokens_BS) -> float:
     """Share of positions of ``tokens_BS`` where the draft's next-token argmax is the
     target's (teacher-forced): the per-token acceptance a greedy speculative round sees."""
-    toks = jnp.asarray(tokens_BS, jnp.int32)
+    toks = host_or_device(tokens_BS)
+    check_decode_inputs(toks, min(draft.cfg.vocab_size, target.cfg.vocab_size), 0.0)
+    toks = jnp.asarray(toks, jnp.int32)
     return float(jnp.mean(_argmax(draft, toks) == _argmax(target, toks)))
 
 
