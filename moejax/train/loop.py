@@ -174,8 +174,6 @@ class _Run:
                 f"source.batch_size={source.batch_size} != TrainConfig.batch_size="
                 f"{cfg.batch_size}; build the source with the training batch size")
         self.graphdef, self.source, self.cfg, self.opts = graphdef, source, cfg, opts
-        fingerprint = getattr(source, "fingerprint", None)  # a resumed run's must match
-        self.data = str(fingerprint) if fingerprint else None
         self.id_limits = limits or {}  # the bound of each batch key's ids (id_limits)
         self.config = cfg if opts.config is None else opts.config
         self.mesh = (mesh_lib.make_mesh(cfg.mesh_data, cfg.mesh_expert,
@@ -203,7 +201,7 @@ class _Run:
         self.best: BestKeeper | None = None  # with keep_best: made by _open
         if self.mesh.size > 1:
             self.history.replicated_unnamed = tuple(self.unnamed)
-        self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = None
+        self.ckpt = self.lock = self.csv_log = self.eval_log = self.tb = self.data = None
         self.position = 0
         self.rows: int | None = None  # rows of each batch to execute (a captured run's cut)
 
@@ -214,6 +212,8 @@ class _Run:
         if run_dir is not None:
             run_dir = os.fspath(run_dir)
             self.lock = RunLock(run_dir).acquire() if self.main else None
+            fingerprint = getattr(self.source, "fingerprint", None)  # a resume's must match
+            self.data = str(fingerprint) if fingerprint else None
             self.ckpt, self.state, self.position = open_run_dir(
                 run_dir, cfg, self.config, self.state, self.main, tx=self.opts.tx,
                 data=self.data)
