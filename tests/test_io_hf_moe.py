@@ -334,6 +334,26 @@ def _sharded(tmp_path, family="qwen3_moe", edit=None):
     return d
 
 
+def test_a_directory_with_one_file_and_shards_reads_as_transformers_does(tmp_path):
+    """transformers reads model.safetensors before a shard index; so does load_hf_moe (it
+    read the index: saved over an imported sharded checkpoint, it gave the old weights).
+    save_hf_moe refuses such a directory before writing anything."""
+    import jax
+
+    d = _sharded(tmp_path)
+    model = load_hf_moe(d)
+    nnx.update(model, jax.tree.map(lambda x: 2 * x, nnx.state(model, nnx.Param)))
+    before = sorted(p.name for p in d.iterdir())
+    with pytest.raises(ValueError, match="holds a sharded checkpoint.*new directory"):
+        save_hf_moe(model, d)
+    assert sorted(p.name for p in d.iterdir()) == before
+    save_hf_moe(model, tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", d / "model.safetensors")
+    want, got = flat_params(model), flat_params(load_hf_moe(d))
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
 def _dup(shards, index):
     k = next(iter(shards["b.safetensors"]))
     shards["a.safetensors"][k] = shards["b.safetensors"][k]

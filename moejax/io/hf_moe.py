@@ -270,6 +270,11 @@ def layer_tensors(fam: HFMoEFamily, qkv_bias: bool) -> dict[str, tuple[str, bool
 
 
 def _shards(directory: Path) -> list[Path]:
+    """The weight files of ``directory`` in transformers' order: ``model.safetensors`` where
+    there is one, else the shards its ``model.safetensors.index.json`` names."""
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -288,11 +293,8 @@ def _shards(directory: Path) -> list[Path]:
                                       "the checkpoint is incomplete: download every shard")
             shards.append(shard)
         return shards
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        raise WeightFileError(directory, "holds neither model.safetensors nor "
-                              "model.safetensors.index.json", _FIX)
-    return [single]
+    raise WeightFileError(directory, "holds neither model.safetensors nor "
+                          "model.safetensors.index.json", _FIX)
 
 
 def _moejax_name(name: str, fam: HFMoEFamily, per_layer: dict

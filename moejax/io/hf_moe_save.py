@@ -92,6 +92,12 @@ def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
     fam = FAMILIES[kind]
     inverse = {ours: (hf, t) for hf, (ours, t) in layer_tensors(fam, cfg.qkv_bias).items()}
     directory = Path(directory)
+    if (directory / "model.safetensors.index.json").exists():
+        raise ValueError(
+            f"save_hf_moe: {directory} holds a sharded checkpoint "
+            "(model.safetensors.index.json and its shards); its files would stay beside this "
+            "model's, and a reader that takes the index would load them instead. Fix: save "
+            "into a new directory")
     directory.mkdir(parents=True, exist_ok=True)
     out: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
