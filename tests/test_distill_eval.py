@@ -60,8 +60,10 @@ def test_keep_layers_is_the_shallower_network():
     assert sub.cfg.n_layers == 2
     sub.embed[...] = sub.embed[...] * 0  # a copy: the original keeps its own
     assert float(jnp.abs(lm.embed[...]).sum()) > 0
-    with pytest.raises(ValueError, match="indices in \\[0, 3\\)"):
-        keep_layers(lm, [3])
+    for bad in ([3], [], [1.7], [True]):  # 1.7 kept layer 1
+        with pytest.raises(ValueError, match="integer indices in \\[0, 3\\)"):
+            keep_layers(lm, bad)
+    assert keep_layers(lm, np.array([2])).cfg.n_layers == 1  # numpy integers are indices
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -21,6 +21,7 @@ token; the cache (a tuple of per-layer :class:`KVCache`) is an explicit pytree.
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Literal
 
 import jax
@@ -267,10 +268,13 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
     buffers, such as DeRS-SM's indices) copied, ``model`` unchanged. E.g.
     ``keep_layers(lm, range(2))``: a shallower student that shares the teacher's tokenizer
     and vocabulary."""
-    layers = [int(i) for i in layers]
+    layers = list(layers)
     n = model.cfg.n_layers
-    if not layers or any(not 0 <= i < n for i in layers):
-        raise ValueError(f"layers={layers} must be a non-empty list of indices in [0, {n})")
+    if not layers or any(isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < n
+                         for i in layers):  # a float index would be truncated to another
+        raise ValueError(f"layers={layers} must be a non-empty list of integer indices in "
+                         f"[0, {n})")
+    layers = [int(i) for i in layers]
     cfg = model.cfg.replace(n_layers=len(layers),
                             ffn_slots=tuple(model.cfg.ffn_slots[i] for i in layers))
     pure = nnx.to_pure_dict(nnx.state(model))  # every variable: DeRS's buffers too
