@@ -211,6 +211,24 @@ def test_a_metrics_log_rewritten_on_resume_is_whole_or_untouched(tmp_path, monke
     assert [r["step"] for r in read_csv(path)] == ["1", "2"]
 
 
+def test_a_metrics_line_cut_off_by_a_kill_is_not_read_as_a_row(tmp_path):
+    """A kill or a full disk can leave the last line without its end: "1" of "13,...", which
+    was kept on resume as a row of step 1 with empty cells. It is dropped, the old file
+    kept beside it."""
+    from moejax.train.logs import CsvLog
+
+    path = tmp_path / "metrics.csv"
+    CsvLog(str(path), 0).write([{"step": s, "loss": 1.0 / s} for s in range(1, 13)])
+    whole = path.read_text()
+    path.write_text(whole + "1")
+    CsvLog(str(path), 12).write([{"step": 13, "loss": 0.5}])
+    rows = read_csv(path)
+    assert [r["step"] for r in rows] == [str(s) for s in range(1, 14)]
+    assert all(r["loss"] for r in rows)
+    backup = glob.glob(str(path) + ".before-resume-at-12-*")
+    assert len(backup) == 1 and open(backup[0]).read() == whole + "1"
+
+
 # -- checkpoints: failing and interrupted saves ---------------------------------------------
 _FAILING_SAVE = """
 import os, sys, errno

@@ -53,13 +53,19 @@ class CsvLog:
     def __init__(self, path: str, resume_step: int):
         self.path, self.cols = path, None
         if os.path.exists(path):
-            all_rows = read_csv(path)
+            with open(path, newline="") as f:
+                text = f.read()
+            # a line without its newline was cut off by a kill or a full disk: "1" of "13,..."
+            # would read as a row of step 1
+            whole = text[:text.rfind("\n") + 1]
+            all_rows = list(csv.DictReader(io.StringIO(whole)))
             rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
-            if len(rows) < len(all_rows):  # keep what is dropped: nothing is lost
+            if len(rows) < len(all_rows) or whole != text:  # keep what is dropped
                 backup = f"{path}.before-resume-at-{resume_step}-{time.strftime('%Y%m%dT%H%M%S')}"
                 shutil.copyfile(path, backup)
-                log.warning("%s: dropped %d rows past the resumed step %d (a copy of the old "
+                log.warning("%s: dropped %d rows past the resumed step %d%s (a copy of the old "
                             "file is in %s)", path, len(all_rows) - len(rows), resume_step,
+                            " and a line cut off before its end" if whole != text else "",
                             backup)
             if rows:
                 self.cols = list(rows[0].keys())
