@@ -88,8 +88,9 @@ def pack_documents(
         ]
     stream = np.concatenate(pieces)
     if stream.min() < 0:  # one pass over the stream, not one per document
-        first = next(i for i, d in enumerate(docs) if len(d) and np.min(d) < 0)
-        as_token_ids(docs[first], f"document {first}")  # raises, naming it
+        for i, d in enumerate(docs):
+            as_token_ids(d, f"document {i}")  # raises, naming the first with one
+        raise ValueError(f"bos_id={bos_id}, eos_id={eos_id}: token ids are >= 0")
     n = stream.shape[0]
     itype = np.int32 if n + seq_len < 2**31 else np.int64  # halves peak memory on big corpora
     doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(itype)

@@ -76,4 +76,3 @@ def check_source_settings(*, batch_size, seed, **counts) -> None:
             raise ValueError(f"{name}={v!r}; give an integer >= 1")
     if not integer(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}; give an integer >= 0")
-

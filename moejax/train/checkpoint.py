@@ -14,7 +14,7 @@ only once complete, with ``commit_success.txt`` written on finalisation):
 * item ``meta`` (orbax ``JsonSave``)::
 
       {"format": "moejax-checkpoint-v2", "step": int, "data_position": int,
-       "data": <the source's fingerprint (moejax.data's loaders set one) or null>,
+       "data": <the source's fingerprint (moejax.data's sources have one) or null>,
        "config": <moejax.config.to_json text or null>, "checksums": {path: crc32},
        "meta_checksum": crc32 of the rest of this record}
 
