@@ -265,6 +265,8 @@ def test_float_negative_or_nested_token_ids_are_refused_not_cast():
         pack([[], np.array([3, 4], np.uint8)])  # an empty list, any integer dtype: taken
     with pytest.raises(ValueError, match="seq_len must be >= 1"):
         pad_token_rows([[3]], 0)
+    with pytest.raises(ValueError, match="bos_id=-1, eos_id=2"):  # was packed as is
+        pack_documents([np.array([3])], 4, bos_id=-1)
     ids, mask = pad_token_rows([[], [3, 4]], 3, bos_id=BOS)
     assert ids.tolist() == [[BOS, 0, 0], [BOS, 3, 4]] and mask.sum() == 4
 
