@@ -52,6 +52,37 @@ def test_encoder_bf16_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(v, np.float32))
 
 
+def test_a_models_buffers_travel_with_its_parameters(tmp_path):
+    """DeRS-LM's frozen shared weights, DeRS-SM's indices and an extracted FFN's masks are
+    buffers, not parameters: they were left out of the file, and the imported model kept its
+    factory's (a frozen DeRS-LM layer: logits off by 0.33). A file without them is refused."""
+    from moejax.io._common import flat_buffers, set_buffers
+    from moejax.nn.ders_moe import DeRSMoEConfig
+    from moejax.nn.extracted import ExtractedFFNConfig
+    from moejax.nn.moe import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, n_shared_experts=1)
+    x = jnp.arange(8, dtype=jnp.int32)[None]
+    for slot in (DeRSMoEConfig(moe=moe, form="lm", lm_rank=2, freeze_shared=True),
+                 DeRSMoEConfig(moe=moe, form="sm"), ExtractedFFNConfig(d_hidden=16, n_experts=4)):
+        cfg = dense_decoder_config(vocab_size=32, d_model=16, n_layers=1, n_heads=2,
+                                   n_kv_heads=1, d_hidden=16, max_seq_len=16
+                                   ).replace(ffn_slots=(slot,))
+        model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+        buffers = flat_buffers(model)
+        assert buffers, slot
+        for k, v in buffers.items():  # values no factory gives: a trained or extracted model's
+            v = np.asarray(v)
+            buffers[k] = (v[::-1].copy() if v.dtype.kind in "iub" else v * 1.5 + 0.25)
+        set_buffers(model, buffers)
+        path = export_params(model, tmp_path / "m.safetensors")
+        back = import_params(path, lambda cfg=cfg: DecoderLM(cfg, rngs=nnx.Rngs(1)))
+        np.testing.assert_array_equal(np.asarray(back(x)[0]), np.asarray(model(x)[0]))
+        plain = export_params(flat_params(model), tmp_path / "params_only.safetensors")
+        with pytest.raises(WeightFileError, match="buffers do not fit the model: missing"):
+            import_params(plain, lambda cfg=cfg: DecoderLM(cfg, rngs=nnx.Rngs(1)))
+
+
 def test_shape_mismatch_and_missing_named(tmp_path):
     p = {k: np.asarray(v) for k, v in flat_params(_make()).items()}
     p["blocks/0/ffn/w_up"] = np.zeros((32, 40), np.float32)

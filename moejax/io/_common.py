@@ -54,6 +54,29 @@ def package_file(dist: str, relpath: str, *, pip_name: str | None = None) -> Pat
                           f"(version {d.version})", fix)
 
 
+# A module's variables that are part of the model but not trained parameters: DeRS's indices
+# and frozen weights, an extracted FFN's masks (RNG state is not part of a model)
+_BUFFERS = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+BUFFER = "buffer:"  # the name prefix of a buffer in an exported file
+
+
+def flat_buffers(model: nnx.Module) -> dict[str, object]:
+    """``{"a/b/0/c": value}`` of every buffer of ``model`` (:data:`_BUFFERS`)."""
+    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, _BUFFERS)))
+    return {"/".join(str(k) for k in path): v for path, v in flat.items()}
+
+
+def set_buffers(model: nnx.Module, values: Mapping[str, np.ndarray]) -> None:
+    """Set ``model``'s buffers to ``values`` (``{"a/b/0/c": array}``, every buffer, each cast
+    to the buffer's dtype)."""
+    state = nnx.state(model, _BUFFERS)
+    like = flat_buffers(model)
+    new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
+           jnp.asarray(values[k], dtype=like[k].dtype) for k in like}
+    nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
+    nnx.update(model, state)
+
+
 def flat_params(model: nnx.Module) -> dict[str, object]:
     """``{"a/b/0/c": value}`` of every :class:`nnx.Param` of ``model`` (arrays, or
     ``ShapeDtypeStruct`` for an abstract model)."""

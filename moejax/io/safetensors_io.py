@@ -6,9 +6,12 @@
   of a bare library error. Read with ``safetensors.numpy`` (no torch, nothing unpickled).
 * :func:`export_params` writes a module's (or a flat dict's) parameters to one ``.safetensors``
   file in moejax naming (``blocks/0/attn/w_q``, ``[in, out]``), with string metadata (e.g. the
-  model config as JSON under ``"moejax_config"``).
+  model config as JSON under ``"moejax_config"``). A module's other variables that are part of
+  the model (its buffers: DeRS's indices and frozen weights, an extracted FFN's expert masks)
+  go with them, named ``buffer:<path>``; RNG state does not.
 * :func:`import_params` reads such a file back into a model built by a factory (shapes and
-  names are checked; see :func:`moejax.io._common.build_with_params`).
+  names are checked; see :func:`moejax.io._common.build_with_params`), buffers included: a
+  model whose buffers the file does not hold is refused, since it would keep the factory's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ except ImportError as _e:
 
 from moejax.config import to_json
 from moejax.files import atomic_write_bytes
-from moejax.io._common import WeightFileError, build_with_params, flat_params
+from moejax.io._common import (
+    BUFFER,
+    WeightFileError,
+    build_with_params,
+    check_values,
+    flat_buffers,
+    flat_params,
+    set_buffers,
+)
 
 __all__ = ["read_safetensors", "read_safetensors_metadata", "export_params", "import_params"]
 
@@ -140,6 +151,7 @@ def export_params(model_or_params, path, *, metadata: Mapping[str, str] | None =
     """
     if isinstance(model_or_params, nnx.Module):
         flat = flat_params(model_or_params)
+        flat.update({BUFFER + k: v for k, v in flat_buffers(model_or_params).items()})
     else:
         flat = dict(model_or_params)
     arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flat.items()}
@@ -151,6 +163,24 @@ def export_params(model_or_params, path, *, metadata: Mapping[str, str] | None =
 
 
 def import_params(path, make_model: Callable[[], nnx.Module]) -> nnx.Module:
-    """A model from ``make_model`` filled with the parameters exported to ``path``."""
+    """A model from ``make_model`` filled with the parameters and buffers exported to
+    ``path``."""
     tensors, _ = read_safetensors(path)
-    return build_with_params(make_model, tensors, path)
+    buffers = {k[len(BUFFER):]: tensors.pop(k) for k in list(tensors) if k.startswith(BUFFER)}
+    model = build_with_params(make_model, tensors, path)
+    want = flat_buffers(model)
+    missing = sorted(set(want) - set(buffers))
+    extra = sorted(set(buffers) - set(want))
+    bad = [f"{k}: file {tuple(np.shape(buffers[k]))} vs model {tuple(np.shape(want[k]))}"
+           for k in sorted(set(want) & set(buffers))
+           if tuple(np.shape(buffers[k])) != tuple(np.shape(want[k]))]
+    if missing or extra or bad:
+        parts = [f"{what} {items[:6]}" for what, items in
+                 (("missing", missing), ("unexpected", extra), ("mis-shaped", bad)) if items]
+        raise WeightFileError(
+            path, f"its buffers do not fit the model: {'; '.join(parts)} (the model would keep "
+            "its factory's values, e.g. DeRS's frozen weights or indices)",
+            "export the model with this moejax's export_params, which writes its buffers")
+    check_values(buffers, want, path)
+    set_buffers(model, buffers)
+    return model
