@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import numbers
 import sys
 import types
 import typing
@@ -34,6 +35,7 @@ __all__ = [
     "from_dict",
     "to_json",
     "from_json",
+    "is_integer",
 ]
 
 _IMPORTABLE_PREFIX = "moejax."  # other config classes must already be imported
@@ -41,6 +43,12 @@ _IMPORTABLE_PREFIX = "moejax."  # other config classes must already be imported
 
 class ConfigError(ValueError):
     """A configuration value or override is invalid; the message names key and fix."""
+
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool: a count, an id or an index, where a float would
+    be truncated to another one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def config(cls=None, *, kw_only: bool = False):

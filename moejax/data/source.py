@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from moejax.config import is_integer
 from moejax.integrity import array_checksum, json_checksum
 
 __all__ = ["BatchSource", "local_slice", "stream_fingerprint", "check_source_settings"]
@@ -68,11 +69,8 @@ def check_source_settings(*, batch_size, seed, **counts) -> None:
     """Refuse, when a source is made, a batch size or another count (``seq_len``) that is not
     an integer >= 1, and a seed that is not an integer >= 0: a batch size of 0 served empty
     batches, and a float failed at the first batch, deep in numpy."""
-    def integer(v) -> bool:
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
     for name, v in {"batch_size": batch_size, **counts}.items():
-        if not integer(v) or v < 1:
+        if not is_integer(v) or v < 1:
             raise ValueError(f"{name}={v!r}; give an integer >= 1")
-    if not integer(seed) or seed < 0:
+    if not is_integer(seed) or seed < 0:
         raise ValueError(f"seed={seed!r}; give an integer >= 0")

@@ -21,14 +21,13 @@ token; the cache (a tuple of per-layer :class:`KVCache`) is an explicit pytree.
 from __future__ import annotations
 
 import math
-from numbers import Integral
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.config import Config, config
+from moejax.config import Config, config, is_integer
 from moejax.nn import axes as ax
 from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.block import TransformerBlock, run_blocks
@@ -270,8 +269,7 @@ def keep_layers(model: DecoderLM, layers) -> DecoderLM:
     and vocabulary."""
     layers = list(layers)
     n = model.cfg.n_layers
-    if not layers or any(isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < n
-                         for i in layers):  # a float index would be truncated to another
+    if not layers or any(not is_integer(i) or not 0 <= i < n for i in layers):
         raise ValueError(f"layers={layers} must be a non-empty list of integer indices in "
                          f"[0, {n})")
     layers = [int(i) for i in layers]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from numbers import Integral
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +18,12 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.config import is_integer
 from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
 __all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device",
-           "check_count", "is_integer"]
+           "check_count"]
 
 
 def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
@@ -57,11 +57,6 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
             raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
                              f"vocabulary [0, {vocab_size}); encode it with the model's "
                              "tokenizer")
-
-
-def is_integer(value) -> bool:
-    """A Python or numpy integer, not a bool (a count or an id; a float would be truncated)."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 def check_count(name: str, value, minimum: int) -> int:

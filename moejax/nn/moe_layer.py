@@ -27,12 +27,12 @@ Inside moejax the models call :class:`~moejax.nn.moe.MoE` directly (``(y, aux)``
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.config import is_integer
 from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.moe import MoE, MoEConfig
 
@@ -49,7 +49,7 @@ class MoELayer(nnx.Module):
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"MoELayer(cfg, d_model, rngs=...): cfg must be a MoEConfig, got "
                             f"{type(cfg).__name__}")
-        if not isinstance(d_model, numbers.Integral) or isinstance(d_model, bool) or d_model < 1:
+        if not is_integer(d_model) or d_model < 1:
             raise ValueError(f"MoELayer: d_model={d_model!r} must be a positive int (the width "
                              "of the inputs and outputs)")
         self.moe = MoE(cfg, d_model, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
