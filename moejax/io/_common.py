@@ -60,33 +60,61 @@ _BUFFERS = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
 BUFFER = "buffer:"  # the name prefix of a buffer in an exported file
 
 
+def _flat(model: nnx.Module, kind) -> dict[str, object]:
+    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, kind)))
+    return {"/".join(str(k) for k in path): v for path, v in flat.items()}
+
+
+def flat_params(model: nnx.Module) -> dict[str, object]:
+    """``{"a/b/0/c": value}`` of every :class:`nnx.Param` of ``model`` (arrays, or
+    ``ShapeDtypeStruct`` for an abstract model)."""
+    return _flat(model, nnx.Param)
+
+
 def flat_buffers(model: nnx.Module) -> dict[str, object]:
     """``{"a/b/0/c": value}`` of every buffer of ``model`` (:data:`_BUFFERS`)."""
-    flat = nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, _BUFFERS)))
-    return {"/".join(str(k) for k in path): v for path, v in flat.items()}
+    return _flat(model, _BUFFERS)
 
 
 def set_buffers(model: nnx.Module, values: Mapping[str, np.ndarray]) -> None:
     """Set ``model``'s buffers to ``values`` (``{"a/b/0/c": array}``, every buffer, each cast
     to the buffer's dtype)."""
-    state = nnx.state(model, _BUFFERS)
-    like = flat_buffers(model)
+    _replace(model, _BUFFERS, values, flat_buffers(model))
+
+
+def _replace(model: nnx.Module, kind, values: Mapping, like: Mapping) -> None:
+    """Set ``model``'s variables of ``kind`` (``like``: their flat dict) to ``values``."""
+    state = nnx.state(model, kind)
     new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
            jnp.asarray(values[k], dtype=like[k].dtype) for k in like}
     nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
     nnx.update(model, state)
 
 
-def flat_params(model: nnx.Module) -> dict[str, object]:
-    """``{"a/b/0/c": value}`` of every :class:`nnx.Param` of ``model`` (arrays, or
-    ``ShapeDtypeStruct`` for an abstract model)."""
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    flat = nnx.traversals.flatten_mapping(pure)
-    return {"/".join(str(k) for k in path): v for path, v in flat.items()}
+def _fill(model: nnx.Module, kind, values: Mapping, source, *, subject: str, noun: str,
+          fix: str, values_checked: bool = False) -> None:
+    """Set ``model``'s variables of ``kind`` to ``values`` once their names and shapes are
+    exactly the model's (else :class:`WeightFileError`: ``subject`` and the missing,
+    unexpected and mis-shaped ``noun``) and the values pass :func:`check_values`."""
+    want = _flat(model, kind)
+    missing = sorted(set(want) - set(values))
+    extra = sorted(set(values) - set(want))
+    bad = [f"{k}: file {tuple(np.shape(values[k]))} vs model {tuple(want[k].shape)}"
+           for k in sorted(set(want) & set(values))
+           if tuple(np.shape(values[k])) != tuple(want[k].shape)]
+    if missing or extra or bad:
+        parts = [f"{label} {_short(items)}" for label, items in
+                 ((f"missing {noun}", missing), (f"unexpected {noun}", extra),
+                  ("shape mismatches", bad)) if items]
+        raise WeightFileError(source, f"{subject}: " + "; ".join(parts), fix)
+    if not values_checked:
+        check_values(values, want, source)
+    _replace(model, kind, values, want)
 
 
 def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.ndarray],
-                      source, *, values_checked: bool = False) -> nnx.Module:
+                      source, *, values_checked: bool = False,
+                      buffers: Mapping[str, np.ndarray] | None = None) -> nnx.Module:
     """Build ``make_model()`` abstractly (no random init) and fill it with ``params``.
 
     ``params`` must hold exactly the model's parameter names with the model's shapes;
@@ -94,35 +122,20 @@ def build_with_params(make_model: Callable[[], nnx.Module], params: Mapping[str,
     mis-shaped tensors. Values are cast to the model's parameter dtype (arrays already on
     devices keep their placement). ``values_checked``: the caller ran :func:`check_values`
     on each tensor as it read it (so device arrays are not copied back to the host).
+    ``buffers``: the model's buffers (:func:`flat_buffers`), checked and set the same way.
     """
     model = nnx.eval_shape(make_model)
     rest = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
     if nnx.traversals.flatten_mapping(rest):
         model = make_model()  # has non-parameter state (e.g. RNG counters): build it for real
-    want = flat_params(model)
-    missing = sorted(set(want) - set(params))
-    extra = sorted(set(params) - set(want))
-    bad = [f"{k}: file {tuple(np.shape(params[k]))} vs model {tuple(want[k].shape)}"
-           for k in sorted(set(want) & set(params))
-           if tuple(np.shape(params[k])) != tuple(want[k].shape)]
-    if missing or extra or bad:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {_short(missing)}")
-        if extra:
-            parts.append(f"unexpected tensors {_short(extra)}")
-        if bad:
-            parts.append(f"shape mismatches {_short(bad)}")
-        raise WeightFileError(source, "does not fit the model: " + "; ".join(parts),
-                              "check that the file and the model config describe the same "
-                              "architecture")
-    if not values_checked:
-        check_values(params, want, source)
-    state = nnx.state(model, nnx.Param)
-    new = {tuple(int(p) if p.isdigit() else p for p in k.split("/")):
-           jnp.asarray(params[k], dtype=want[k].dtype) for k in want}
-    nnx.replace_by_pure_dict(state, nnx.traversals.unflatten_mapping(new))
-    nnx.update(model, state)
+    _fill(model, nnx.Param, params, source, subject="does not fit the model",
+          noun="tensors", values_checked=values_checked,
+          fix="check that the file and the model config describe the same architecture")
+    if buffers is not None:
+        _fill(model, _BUFFERS, buffers, source, subject="its buffers do not fit the model",
+              noun="buffers", fix="export the model with this moejax's export_params, which "
+              "writes its buffers (a model would keep its factory's values, e.g. DeRS's "
+              "frozen weights or indices)")
     return model
 
 

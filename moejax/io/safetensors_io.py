@@ -38,10 +38,8 @@ from moejax.io._common import (
     BUFFER,
     WeightFileError,
     build_with_params,
-    check_values,
     flat_buffers,
     flat_params,
-    set_buffers,
 )
 
 __all__ = ["read_safetensors", "read_safetensors_metadata", "export_params", "import_params"]
@@ -167,20 +165,4 @@ def import_params(path, make_model: Callable[[], nnx.Module]) -> nnx.Module:
     ``path``."""
     tensors, _ = read_safetensors(path)
     buffers = {k[len(BUFFER):]: tensors.pop(k) for k in list(tensors) if k.startswith(BUFFER)}
-    model = build_with_params(make_model, tensors, path)
-    want = flat_buffers(model)
-    missing = sorted(set(want) - set(buffers))
-    extra = sorted(set(buffers) - set(want))
-    bad = [f"{k}: file {tuple(np.shape(buffers[k]))} vs model {tuple(np.shape(want[k]))}"
-           for k in sorted(set(want) & set(buffers))
-           if tuple(np.shape(buffers[k])) != tuple(np.shape(want[k]))]
-    if missing or extra or bad:
-        parts = [f"{what} {items[:6]}" for what, items in
-                 (("missing", missing), ("unexpected", extra), ("mis-shaped", bad)) if items]
-        raise WeightFileError(
-            path, f"its buffers do not fit the model: {'; '.join(parts)} (the model would keep "
-            "its factory's values, e.g. DeRS's frozen weights or indices)",
-            "export the model with this moejax's export_params, which writes its buffers")
-    check_values(buffers, want, path)
-    set_buffers(model, buffers)
-    return model
+    return build_with_params(make_model, tensors, path, buffers=buffers)
