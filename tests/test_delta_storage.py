@@ -20,6 +20,7 @@ from moejax.delta import (
     unpack_bits,
 )
 from moejax.delta.pruned_codec import decode_pruned, encode_pruned
+from moejax.delta.storage import StoredDelta
 
 
 def test_index_dtype_and_bit_packing():
@@ -147,6 +148,36 @@ def test_a_pruned_delta_round_trips_sparse_and_quantised():
     assert np.all(np.asarray(q8["w"])[np.asarray(pruned["w"]) == 0] == 0)
     assert np.max(np.abs(np.asarray(q8["w"]) - np.asarray(pruned["w"]))) < 0.05 * np.max(
         np.abs(np.asarray(pruned["w"])))
+
+
+def test_a_pruned_delta_reads_back_in_the_shapes_it_was_stored_in(tmp_path):
+    # the survivors are flat positions: read back in another shape of equal or larger size they
+    # would make another matrix, so the shapes travel with the delta and others are refused
+    d = {"a/w": np.arange(1.0, 21.0, dtype=np.float32).reshape(4, 5),
+         "b": np.ones(3, np.float32)}
+    mask = {"a/w": True, "b": False}
+    save(str(tmp_path / "d.npz"), encode_pruned(d, mask, 0.5, 32))
+    stored = load(str(tmp_path / "d.npz"))
+    back = decode_pruned(stored)  # no shapes needed
+    np.testing.assert_array_equal(np.asarray(back["a/w"]), d["a/w"])
+    assert back["b"].shape == (3,)
+    for wrong in ({"a/w": (5, 4), "b": (3,)}, {"a/w": (4, 6), "b": (3,)},
+                  {"a/w": (4, 5), "b": (1, 3)}, {"a/w": (4, 5)}):
+        with pytest.raises(ValueError, match="differ from the stored delta"):
+            decode_pruned(stored, wrong)
+    # a delta stored without its shapes needs them, and fitting ones only
+    legacy = StoredDelta(stored.arrays, {k: v for k, v in stored.meta.items() if k != "shapes"})
+    with pytest.raises(ValueError, match="records no shapes"):
+        decode_pruned(legacy)
+    with pytest.raises(ValueError, match="past the 15 entries"):
+        decode_pruned(legacy, {"a/w": (3, 5), "b": (3,)})
+    with pytest.raises(ValueError, match="stored as"):
+        decode_pruned(legacy, {"a/w": (4, 5), "b": (1, 3)})
+    with pytest.raises(ValueError, match="one flag per path"):
+        encode_pruned(d, {"a/w": True}, 0.5, 32)
+    for p in (-0.1, 1.0, True, "0.5"):
+        with pytest.raises(ValueError, match="drop rate"):
+            encode_pruned(d, mask, p, 32)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 8, 16, 32])
