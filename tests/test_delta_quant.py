@@ -68,6 +68,18 @@ def test_quant_special_cases_and_tree():
     np.testing.assert_array_equal(back["b"], t["b"])
 
 
+@pytest.mark.parametrize("scheme", ["symmetric", "asymmetric", "midrise"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_delta_is_refused_not_quantised_to_junk(scheme, bad):
+    # one NaN or inf makes its block's step NaN or inf: every code of the block is junk (a
+    # tensor-wide scale loses the whole matrix), so it is refused before any code is made
+    x = np.array([[1.0, bad], [2.0, 3.0]], np.float32)
+    with pytest.raises(ValueError, match="1 NaN or inf values"):
+        quantize(x, 4, scheme=scheme, granularity="tensor")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize_tree({"w": x}, 8, granularity="channel")
+
+
 def test_quantized_leaf_is_a_pytree_that_passes_through_jit_and_tree_map():
     tree = {"w": np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32),
             "b": np.zeros((4,), np.float32)}

@@ -156,13 +156,18 @@ def quantize(
     group_size: int = 64,
     in_axis: int = -2,
 ) -> QuantizedLeaf:
-    """Quantise one array to ``bits`` bits (see module docstring for the equations).
+    """Quantise one finite array to ``bits`` bits (see module docstring for the equations).
     ``scheme`` None = ``"symmetric"`` or ``"asymmetric"`` by the ``symmetric`` flag."""
     scheme = scheme or ("symmetric" if symmetric else "asymmetric")
     if scheme not in ("midrise", "symmetric", "asymmetric"):
         raise ValueError(f"scheme={scheme!r}; use 'midrise', 'symmetric' or 'asymmetric'.")
     x = np.asarray(jax.device_get(x))
-    xb = _blocked(x.astype(np.float64), granularity, group_size, in_axis)
+    x64 = x.astype(np.float64)
+    if not np.isfinite(x64).all():  # a NaN or inf block has no step: every code would be junk
+        raise ValueError(f"quantize: {int(np.size(x64) - np.isfinite(x64).sum())} NaN or inf "
+                         f"values in an array of shape {x.shape}; quantise a finite delta "
+                         "(these come from a diverged run)")
+    xb = _blocked(x64, granularity, group_size, in_axis)
     if scheme == "midrise":
         return _quantize_midrise(x, xb, bits, granularity, group_size, in_axis)
     symmetric = scheme == "symmetric"
