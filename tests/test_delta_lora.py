@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moejax.delta import (
     apply,
@@ -54,6 +55,9 @@ def test_lora_init_apply_merge_and_dare():
     assert 0.02 < nz.mean() < 0.25
     out = apply(params, pruned)
     assert out["ffn"]["w_up"].shape == (8, 16)
+    for rank in (0, 2.5, True):  # True would be rank 1, 2.5 failed deep in jax.random
+        with pytest.raises(ValueError, match="an integer >= 1"):
+            lora_init(jax.random.PRNGKey(0), params, mask, rank=rank)
 
 
 def test_lora_dare_prunes_the_factors_and_feeds_the_q_search():
