@@ -100,3 +100,21 @@ def test_matches_numpy_reference(minilm):
     diff = np.abs(np.asarray(pooled, np.float64) - ref).max()
     print(f"max |pooled diff| vs numpy = {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_a_config_of_another_architecture_is_refused(tmp_path):
+    # RoBERTa's checkpoints use BERT's tensor names but offset their positions, and relative
+    # position embeddings have no absolute table: either would load and compute something else
+    import json
+
+    from moejax.io._common import WeightFileError
+    from moejax.io.minilm import bert_config_from_hf, minilm_dir
+
+    base = json.loads((minilm_dir() / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base))
+    assert bert_config_from_hf(path).d_model == 384
+    for key, value in (("model_type", "roberta"), ("position_embedding_type", "relative_key")):
+        path.write_text(json.dumps({**base, key: value}))
+        with pytest.raises(WeightFileError, match=f"{key} is '{value}'"):
+            bert_config_from_hf(path)

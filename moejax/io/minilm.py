@@ -53,10 +53,18 @@ def minilm_dir() -> Path:
 
 
 def bert_config_from_hf(config_json, **overrides) -> EncoderConfig:
-    """An :class:`EncoderConfig` from a HF BERT ``config.json`` path (mean pooling)."""
+    """An :class:`EncoderConfig` from a HF BERT ``config.json`` path (mean pooling); another
+    ``model_type`` or a position embedding other than ``absolute`` is refused."""
     path = Path(config_json)
     try:
         hf = json.loads(path.read_text())
+        # another architecture under BERT's tensor names (RoBERTa's offset positions, relative
+        # position embeddings) would load without an error and compute something else
+        if hf.get("model_type", "bert") != "bert":
+            raise ValueError(f"model_type is {hf['model_type']!r}, not 'bert'")
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type is {hf['position_embedding_type']!r}; "
+                             "the encoder has absolute position embeddings only")
         base = dict(vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
                     n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
                     d_hidden=hf["intermediate_size"],
@@ -68,8 +76,8 @@ def bert_config_from_hf(config_json, **overrides) -> EncoderConfig:
     except FileNotFoundError:
         raise WeightFileError(path, "config.json does not exist", _FIX) from None
     except (ValueError, KeyError, TypeError) as e:
-        raise WeightFileError(path, f"malformed BERT config.json ({type(e).__name__}: {e})",
-                              _FIX) from None
+        raise WeightFileError(path, f"malformed or unsupported BERT config.json "
+                              f"({type(e).__name__}: {e})", _FIX) from None
     base.update(overrides)
     return bert_encoder_config(**base)
 
