@@ -152,6 +152,24 @@ def test_tokenizer_rebuilt_from_metadata(tiny):
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_pre_tokenizer_not_rebuilt_here_is_refused(tiny):
+    # "llama-bpe", "qwen2" ... split text by other regexes than GPT-2's: a rebuilt tokenizer
+    # would give other ids than the model was trained on
+    from moejax.io.hf_tokenizer import tokenizer_from_gguf
+
+    meta = read_gguf(tiny[0], names=["token_embd.weight"]).metadata
+    def pieces(meta):
+        return [p for p, _ in tokenizer_from_gguf(meta).tokenizer.pre_tokenizer
+                .pre_tokenize_str("x 123")]
+
+    assert pieces(meta) == ["x", "Ġ", "1", "2", "3"]  # "smollm": digits one by one
+    assert pieces({**meta, "tokenizer.ggml.pre": "gpt-2"}) == ["x", "Ġ123"]
+    assert pieces({k: v for k, v in meta.items() if k != "tokenizer.ggml.pre"}) == ["x", "Ġ123"]
+    for pre in ("llama-bpe", "qwen2"):
+        with pytest.raises(WeightFileError, match=f"tokenizer.ggml.pre='{pre}'"):
+            tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": pre})
+
+
 def test_not_gguf_file(tmp_path):
     bad = tmp_path / "weights.gguf"
     bad.write_bytes(b"PK\x03\x04" + bytes(100))

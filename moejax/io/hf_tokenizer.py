@@ -35,6 +35,10 @@ __all__ = ["HFTokenizer", "tokenizer_from_gguf", "tokenizer_from_json", "tokeniz
            "render_chat_template"]
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+# llama.cpp's pre-tokenizer types rebuilt here: the GPT-2 byte-level regex, alone or after
+# splitting digits one by one (the StarCoder family's rule)
+_GGUF_PRE_TOKENIZERS = {"gpt-2": "plain", "smollm": "digits", "starcoder": "digits",
+                        "refact": "digits"}
 
 
 class HFTokenizer:
@@ -142,9 +146,11 @@ def tokenizer_from_gguf(metadata: dict, source="<gguf>") -> HFTokenizer:
     """Rebuild the tokenizer stored in GGUF ``metadata`` (``tokenizer.ggml.*``).
 
     Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE). The pre-tokenizer follows
-    ``tokenizer.ggml.pre``: ``"smollm"`` splits digits individually before the GPT-2 regex
-    (SmolLM/StarCoder style); others use the plain GPT-2 byte-level regex. Tokens of type
-    CONTROL / USER_DEFINED become special added tokens with their original ids.
+    ``tokenizer.ggml.pre``: ``"smollm"``, ``"starcoder"`` and ``"refact"`` split digits
+    individually before the GPT-2 regex; ``"gpt-2"`` (or no such key, as in files older than
+    the key) is the plain GPT-2 byte-level regex. Others (``"llama-bpe"``, ``"qwen2"`` ...)
+    split text by other rules and are refused: their token ids would differ from the model's.
+    Tokens of type CONTROL / USER_DEFINED become special added tokens with their original ids.
     """
     tk = require("tokenizers", "moejax.io.hf_tokenizer")
     AddedToken, Tokenizer, decoders, models, pre_tokenizers = (  # noqa: N806
@@ -161,6 +167,12 @@ def tokenizer_from_gguf(metadata: dict, source="<gguf>") -> HFTokenizer:
     if kind != "gpt2":
         raise WeightFileError(source, f"tokenizer.ggml.model={kind!r} is not supported (only "
                               "byte-level BPE 'gpt2')", "use a BPE-tokenizer model")
+    pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in _GGUF_PRE_TOKENIZERS:
+        raise WeightFileError(source, f"tokenizer.ggml.pre={pre!r}: its pre-tokenizer splits "
+                              "text by rules not rebuilt here (known: "
+                              f"{', '.join(sorted(_GGUF_PRE_TOKENIZERS))}), so its token ids "
+                              "would differ from the model's", "use a GGUF with one of these")
     tokens = list(need("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in need("tokenizer.ggml.merges")]
     types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -170,7 +182,7 @@ def tokenizer_from_gguf(metadata: dict, source="<gguf>") -> HFTokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if metadata.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
+    if _GGUF_PRE_TOKENIZERS[pre] == "digits":
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
