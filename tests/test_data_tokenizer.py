@@ -27,6 +27,11 @@ def test_byte_tokenizer_round_trip():
         tok.decode(tok.encode("ab") + 0.7)
     with pytest.raises(ValueError, match="no texts"):  # was max()'s "iterable argument is empty"
         tok.encode_padded([])
+    tokens, mask = tok.encode_padded(["abc", "d"], max_len=2)
+    assert tokens.tolist() == [[100, 101], [103, 0]] and mask.tolist() == [[1, 1], [1, 0]]
+    for bad in (0, -1, 2.5, True):  # -1 cut the last byte, 0 gave rows of padding alone
+        with pytest.raises(ValueError, match="max_len"):
+            tok.encode_padded(["abc"], max_len=bad)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,24 @@ def test_tokenizer(minilm):
     assert tok.decode(tok.encode("Hello, World!")) == "hello, world!"
 
 
+def test_truncation_keeps_the_rows_specials_as_the_tokenizers_library_does(minilm):
+    # a row cut at max_len ends with [SEP], as tokenizers' (and sentence-transformers') own
+    # truncation gives: cutting after the specials dropped [SEP] from every long row
+    from tokenizers import Tokenizer
+
+    _, tok = minilm
+    oracle = Tokenizer.from_str(tok.tokenizer.to_str())
+    for max_len in (3, 5, 9, 64):
+        oracle.enable_truncation(max_len)
+        want = [e.ids for e in oracle.encode_batch(SENTS)]
+        tokens, mask = tok.encode_padded(SENTS, max_len=max_len)
+        assert [list(row[m]) for row, m in zip(tokens, mask)] == want
+        assert all(row[m][-1] == 102 for row, m in zip(tokens, mask))
+    for bad in (2, 0, -1, 2.5, True):  # no room for the text, or not a length
+        with pytest.raises(ValueError, match="max_len"):
+            tok.encode_padded(SENTS, max_len=bad)
+
+
 def test_paraphrase_ranks_above_unrelated(minilm):
     from moejax.io.minilm import sentence_embeddings
 

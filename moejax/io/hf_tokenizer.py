@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moejax.config import is_integer
 from moejax.extras import require
 from moejax.io._common import WeightFileError
 
@@ -79,12 +80,26 @@ class HFTokenizer:
 
     def encode_padded(self, texts: Sequence[str], max_len: int | None = None):
         """``(tokens_BT int32, mask_BT bool)`` right-padded with ``pad_id`` to the longest
-        text (or truncated to ``max_len``); specials added as configured."""
+        text; specials added as configured. ``max_len`` truncates each text as the
+        ``tokenizers`` library does: the text's tokens are cut so that the row, its specials
+        included, has at most ``max_len`` (a BERT row still ends with ``[SEP]``)."""
         if not len(texts):
             raise ValueError("encode_padded: no texts; give at least one")
-        ids = self.encode_batch(texts)
-        if max_len is not None:
-            ids = [x[:max_len] for x in ids]
+        if max_len is None:
+            ids = self.encode_batch(texts)
+        else:
+            n_special = (self.tokenizer.num_special_tokens_to_add(False)
+                         if self.add_special_tokens else 0)
+            if not is_integer(max_len) or max_len < n_special + 1:
+                raise ValueError(f"encode_padded: max_len={max_len!r}; give an integer >= "
+                                 f"{n_special + 1} (the {n_special} special tokens of a row "
+                                 "and at least one of its text)")
+            ids = []
+            for enc in self.tokenizer.encode_batch(list(texts), add_special_tokens=False):
+                enc.truncate(max_len - n_special)
+                if self.add_special_tokens:
+                    enc = self.tokenizer.post_process(enc, add_special_tokens=True)
+                ids.append(np.asarray(enc.ids, np.int32))
         T = max(1, max(len(x) for x in ids))
         tokens = np.full((len(ids), T), self.pad_id or 0, np.int32)
         mask = np.zeros((len(ids), T), bool)
