@@ -145,3 +145,16 @@ def test_chitchat_corpus_is_each_context_then_its_response():
     stream = corpus_tokens("chitchat", "validation")  # documents joined by eos
     assert int((stream == tok.eos_id).sum()) == len(texts)
     assert tok.decode(stream[: len(texts[0].encode())]) == texts[0]
+
+
+def test_a_byte_budget_is_a_count_of_leading_bytes_in_every_corpus():
+    # 0 read the whole of a TFDS corpus but nothing of the standard library's, and a negative
+    # budget cut the end off: every corpus takes the same budget now, or refuses it
+    from moejax.data.corpora import corpus_bytes
+
+    for name in ("chitchat", "stdlib_code"):
+        whole = corpus_bytes(name, "validation")
+        np.testing.assert_array_equal(corpus_bytes(name, "validation", 100), whole[:100])
+        for bad in (0, -5, 2.5, True):
+            with pytest.raises(ValueError, match="max_bytes"):
+                corpus_bytes(name, "validation", bad)

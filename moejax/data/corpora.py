@@ -27,7 +27,7 @@ import numpy as np
 
 from moejax.data import datasets
 from moejax.data.lm_batches import WindowBatches
-from moejax.data.stdlib_corpus import load_stdlib_bytes
+from moejax.data.stdlib_corpus import check_max_bytes, load_stdlib_bytes
 from moejax.data.tokenizer import ByteTokenizer
 
 __all__ = ["CORPORA", "corpus_bytes", "corpus_tokens", "corpus_texts", "corpus_windows",
@@ -53,12 +53,14 @@ def corpus_texts(name: str, split: str) -> tuple[str, ...]:
 
 
 def corpus_bytes(name: str, split: str, max_bytes: int | None = None) -> np.ndarray:
-    """UTF-8 bytes of ``name``/``split`` (NUL between documents), cut to ``max_bytes``."""
+    """UTF-8 bytes of ``name``/``split`` (NUL between documents), cut to ``max_bytes``
+    (``None``: all)."""
     _check(name)
+    check_max_bytes(max_bytes)
     if name == "stdlib_code":
         return load_stdlib_bytes(split, max_bytes=max_bytes)
     data = b"".join(t.encode("utf-8") + b"\0" for t in corpus_texts(name, split))
-    return np.frombuffer(data[:max_bytes] if max_bytes else data, np.uint8)
+    return np.frombuffer(data if max_bytes is None else data[:max_bytes], np.uint8)
 
 
 @functools.lru_cache(maxsize=8)

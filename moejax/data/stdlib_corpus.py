@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["stdlib_root", "stdlib_files", "load_stdlib_bytes"]
+from moejax.config import is_integer
+
+__all__ = ["stdlib_root", "stdlib_files", "load_stdlib_bytes", "check_max_bytes"]
 
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "dist-packages"}
 
@@ -45,10 +47,20 @@ def _split_of(rel: str, val_fraction: float) -> str:
     return "validation" if h < val_fraction else "train"
 
 
+def check_max_bytes(max_bytes) -> None:
+    """Refuse a byte budget that is not ``None`` or an integer >= 1 (0 and negative counts
+    would read nothing, everything or all but the end, depending on the corpus)."""
+    if max_bytes is not None and (not is_integer(max_bytes) or max_bytes < 1):
+        raise ValueError(f"max_bytes={max_bytes!r}: give an integer >= 1, or None for the "
+                         "whole corpus")
+
+
 def load_stdlib_bytes(
     split: str, *, val_fraction: float = 0.05, max_bytes: int | None = None
 ) -> np.ndarray:
-    """Concatenated UTF-8 bytes (uint8) of the split's files, each file followed by ``\\0``."""
+    """Concatenated UTF-8 bytes (uint8) of the split's files, each file followed by ``\\0``;
+    the first ``max_bytes`` of them (``None``: all)."""
+    check_max_bytes(max_bytes)
     if split not in ("train", "validation"):
         raise ValueError(f"split={split!r}; allowed: 'train', 'validation'")
     root = stdlib_root()
