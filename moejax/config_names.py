@@ -1,7 +1,8 @@
 """The conventions every moejax config shares, checked by field name (also inside tuples such
 as ``draft_lens``): sizes and counts are positive, a count of seeds too; seeds, token ids,
-coefficients, weights and the counts where 0 means "none" or "all" are non-negative; rates and
-fractions lie in [0, 1]; floats are finite. A tuple of values (a sweep: rates, ranks, methods,
+coefficients, weights and the counts where 0 means "none" or "all" are non-negative; seeds
+are below 2**32 (the seeds a JAX key tells apart); rates and fractions lie in [0, 1]; floats
+are finite. A tuple of values (a sweep: rates, ranks, methods,
 paths) holds each value once. A field whose meaning differs from its name's checks itself in
 its config's ``validate()``."""
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["convention_error"]
+__all__ = ["SEED_LIMIT", "convention_error"]
+
+SEED_LIMIT = 2**32  # jax.random.key(seed) keeps the low 32 bits without 64-bit mode
 
 _POSITIVE_INTS = {"seq_len", "eval_batches", "batch_size", "steps", "d_model", "n_layers",
                   "n_heads", "vocab_size", "max_seq_len", "n_experts", "n_seeds",
@@ -54,6 +57,9 @@ def convention_error(name: str, value) -> str | None:
             return "must be >= 1 (the number of seeds)"
         if any(v < 0 for v in numbers):
             return "seeds must be >= 0 (PRNG seeds are unsigned)"
+    if "seed" in name and any(v >= SEED_LIMIT for v in numbers):
+        return (f"must be < 2**32 ({SEED_LIMIT}): a JAX key keeps a seed's low 32 bits, so "
+                "seed 2**32 would run as seed 0")
     if name in _UNIT_INTERVAL and any(not 0 <= v <= 1 for v in numbers):
         return "must lie in [0, 1]"
     if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):

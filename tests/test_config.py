@@ -195,6 +195,35 @@ def test_every_study_refuses_a_negative_number_before_it_runs():
     assert checked > 500
 
 
+def test_every_study_refuses_a_seed_a_jax_key_cannot_tell_from_a_smaller_one():
+    """A JAX key keeps a seed's low 32 bits: seed 2**32 ran as seed 0, the same run under
+    another name (paired seeds would pair a run with itself)."""
+    import importlib
+
+    import jax
+
+    from experiments import STUDIES
+    from moejax.optim import dare_updates
+    from moejax.train.hparams import TrainConfig
+
+    assert (jax.random.key_data(jax.random.key(2**32)) == jax.random.key_data(
+        jax.random.key(0))).all()  # why: the aliasing this refuses
+    checked = 0
+    for module in STUDIES.values():
+        cfg = importlib.import_module(module).STUDY.make_config("quick")
+        for key in _numeric_keys(cfg):
+            if "seed" in key.rsplit(".", 1)[-1]:
+                with pytest.raises(ConfigError, match=r"2\*\*32"):
+                    apply_overrides(cfg, [f"{key}={2**32}"])
+                apply_overrides(cfg, [f"{key}={2**32 - 1}"])
+                checked += 1
+    assert checked > 20
+    with pytest.raises(ConfigError, match=r"2\*\*32"):
+        TrainConfig(seed=2**32)
+    with pytest.raises(ValueError, match=r"2\*\*32"):
+        dare_updates(0.5, 2**32)
+
+
 @pytest.mark.parametrize("override, why", [
     ("n_test=0", "n_test=0: must be >= 1"),                      # moe_kd
     ("seeds=0", "seeds=0: must be >= 1 (the number of seeds)"),  # every paired study

@@ -63,7 +63,11 @@ def dare_updates(
         raise ValueError(f"dare_updates: q={q} must be finite and > 0.")
     if rng not in ("hash", "threefry"):
         raise ValueError(f"dare_updates: rng={rng!r}; use 'hash' or 'threefry'")
-    key0 = jax.random.PRNGKey(int(key)) if isinstance(key, (int, np.integer)) else key
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        if not 0 <= int(key) < 2**32:  # a JAX key keeps the low 32 bits: 2**32 would be 0
+            raise ValueError(f"dare_updates: seed key={key} must be in [0, 2**32)")
+        key = jax.random.PRNGKey(int(key))
+    key0 = key
 
     def init_fn(params):
         del params

@@ -31,6 +31,7 @@ import jax
 import optax
 
 from moejax.config import Config, config
+from moejax.config_names import SEED_LIMIT
 from moejax.optim.anchored import adamr
 from moejax.pytree import path_names, path_str
 
@@ -135,7 +136,8 @@ class TrainConfig(Config):
         r(self.log_every >= 1, f"log_every={self.log_every} must be >= 1")
         r(self.eval_every >= 0, f"eval_every={self.eval_every} must be >= 0 (0 = off)")
         r(self.ckpt_every >= 0, f"ckpt_every={self.ckpt_every} must be >= 0 (0 = end only)")
-        r(self.seed >= 0, f"seed={self.seed} must be >= 0 (PRNG seeds are unsigned)")
+        r(0 <= self.seed < SEED_LIMIT, f"seed={self.seed} must be in [0, 2**32) (PRNG seeds are "
+          "unsigned; a JAX key keeps the low 32 bits, so 2**32 would run as 0)")
         r(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
 
     @property
