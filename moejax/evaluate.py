@@ -20,6 +20,7 @@ The evaluators take an ``nnx.Module`` or, for functional code, a params pytree a
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import jax
@@ -134,6 +135,10 @@ class LMEvaluator(Evaluator):
                  loss_fn: Callable = lm_loss_fn):
         if not batches:
             raise ValueError("LMEvaluator needs at least one batch")
+        if not (isinstance(bytes_per_token, numbers.Real) and not isinstance(bytes_per_token, bool)
+                and math.isfinite(bytes_per_token) and bytes_per_token > 0):
+            raise ValueError(f"LMEvaluator: bytes_per_token={bytes_per_token!r}; give the "
+                             "corpus's UTF-8 bytes per token, a finite number > 0 (1 for bytes)")
         self.batches, self.bytes_per_token, self.loss_fn = list(batches), bytes_per_token, loss_fn
         self._scored = scored_tokens(self.batches)
         self._fns: dict = {}

@@ -136,6 +136,9 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
     np.testing.assert_allclose(got["accuracy"], hits / count, rtol=1e-6)
     np.testing.assert_allclose(SparsityEvaluator(batches)(model)["val_ce"], nll / count,
                                rtol=1e-5)
+    for bad in (0, -1.5, float("nan"), None):  # 0 failed after the evaluation, -1.5 gave bpb < 0
+        with pytest.raises(ValueError, match="bytes_per_token"):
+            LMEvaluator(batches, bytes_per_token=bad)
 
 
 def test_classifier_logits_are_the_models_own_per_row_with_its_mask():
