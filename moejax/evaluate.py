@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.config import is_integer
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -87,9 +88,16 @@ def outputs_on(graphdef, rest, inputs, mask=None) -> Callable:
     return fn
 
 
+def _check_batch_size(who: str, batch_size) -> None:
+    """A batch of 0 rows loops on nothing (``range`` step 0), a float fails deep in numpy."""
+    if not is_integer(batch_size) or batch_size < 1:
+        raise ValueError(f"{who}: batch_size={batch_size!r}; give an integer >= 1")
+
+
 def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.ndarray:
     """``model``'s logits ``[N, L]`` for every row of ``inputs`` (``mask``: real tokens), in
     fixed-size batches (one compilation; the last batch is padded and cut)."""
+    _check_batch_size("classifier_logits", batch_size)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -272,6 +280,7 @@ class ClassifierEvaluator(Evaluator):
         if n_classes is not None and self.labels.max() >= n_classes:
             raise ValueError(f"ClassifierEvaluator: a label of {self.labels.max()} for "
                              f"n_classes={n_classes}")
+        _check_batch_size("ClassifierEvaluator", batch_size)
         self.n_classes, self.batch_size = n_classes, min(batch_size, len(self.labels))
         self._fns: dict = {}
 
@@ -345,6 +354,7 @@ class SparsityEvaluator(Evaluator):
                  active_fn: Callable = router_active_sets):
         if not batches:
             raise ValueError("SparsityEvaluator needs at least one batch")
+        SparsityAccumulator(chunk_lens)  # its chunk lengths checked before any evaluation
         self.batches, self.chunk_lens, self.active_fn = list(batches), chunk_lens, active_fn
         self._fns: dict = {}
 

@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.evaluate import ClassifierEvaluator, LMEvaluator, matthews_corrcoef
+from moejax.evaluate import (
+    ClassifierEvaluator,
+    LMEvaluator,
+    classifier_logits,
+    matthews_corrcoef,
+)
 from moejax.pytree import count_bytes, count_params
 from tests.toy_models import TinyMoELM, ToySource
 
@@ -42,6 +47,11 @@ def test_classifier_evaluator_matches_direct_computation_with_padding():
     pred = np.asarray(logp).argmax(-1)
     assert got["accuracy"] == np.mean(pred == y)
     assert got["mcc"] == matthews_corrcoef(y, pred, 4)
+    for bad in (0, -1, 2.5):  # 0 failed at the evaluation in range(), 2.5 in numpy
+        with pytest.raises(ValueError, match="batch_size"):
+            ClassifierEvaluator(x, y, batch_size=bad)
+        with pytest.raises(ValueError, match="batch_size"):
+            classifier_logits(None, x, batch_size=bad)
 
 
 def test_labels_and_predictions_that_are_not_one_class_id_a_row_are_refused():
