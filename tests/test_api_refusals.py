@@ -186,3 +186,25 @@ def test_an_evaluation_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
                        "mask": np.ones((64, 32), np.float32)}])
     with pytest.raises(MemoryBudgetError, match="the evaluation of batches of 64 x 32 tokens"):
         ev(_lm())
+
+
+@pytest.mark.parametrize("option, value, what", [
+    ("tx", "adam", "an optax transform"), ("loss_fn", None, "a function loss_fn"),
+    ("eval_fn", 3, "a function eval_fn"), ("run_dir", 3, "a directory path"),
+    ("init_from", 5, "a directory path"), ("config", {}, "a moejax Config"),
+    ("keep_best", 1, "an evaluation key"), ("progress", "no", "True or False")])
+def test_a_loop_option_of_the_wrong_kind_is_refused_before_any_step(tmp_path, option, value,
+                                                                    what):
+    # a string tx failed in the step's set-up, a number eval_fn only at the first evaluation,
+    # after the training steps before it had run
+    import optax
+
+    from moejax.train import LoopOptions, TrainConfig, train
+    from tests.toy_models import TinyMoELM, ToySource
+
+    with pytest.raises(TypeError, match=f"{option}=.*give {what}"):
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(), TrainConfig(steps=1, batch_size=8),
+              **{option: value})
+    LoopOptions(tx=optax.adam(1e-3), eval_fn=lambda m, s: {}, run_dir=tmp_path)  # the right kinds
+    model = TinyMoELM(nnx.Rngs(0))
+    LoopOptions(tx=nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))

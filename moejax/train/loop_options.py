@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optax
+from flax import nnx
 
 from moejax.config import Config
 from moejax.train.step import lm_loss_fn
@@ -75,6 +76,30 @@ class LoopOptions:
     keep_best: str = ""
     keep_best_mode: str | None = None
     init_from: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        """Each option of the wrong kind refused here, before any compute or write (a string
+        ``tx`` failed in the step's set-up, a number ``eval_fn`` at the first evaluation)."""
+        def need(ok: bool, name: str, what: str):
+            if not ok:
+                raise TypeError(f"{name}={getattr(self, name)!r}: give {what}")
+
+        need(callable(self.loss_fn), "loss_fn", "a function loss_fn(model, batch, key)")
+        need(self.tx is None or isinstance(self.tx, nnx.Optimizer)
+             or (callable(getattr(self.tx, "init", None))
+                 and callable(getattr(self.tx, "update", None))),
+             "tx", "an optax transform (e.g. optax.adamw(3e-4)), an nnx.Optimizer or None")
+        need(self.eval_fn is None or callable(self.eval_fn), "eval_fn",
+             "a function eval_fn(model, step) -> dict, or None")
+        for name in ("run_dir", "init_from"):
+            need(getattr(self, name) is None or isinstance(getattr(self, name),
+                                                           (str, os.PathLike)),
+                 name, "a directory path or None")
+        need(self.config is None or isinstance(self.config, Config), "config",
+             "a moejax Config or None")
+        need(isinstance(self.keep_best, str), "keep_best", "an evaluation key (a string)")
+        for name in ("progress", "measure_memory", "check_memory"):
+            need(isinstance(getattr(self, name), bool), name, "True or False")
 
 
 def options_of(options: LoopOptions | None, kw: dict) -> LoopOptions:
