@@ -168,6 +168,10 @@ def test_extracted_slot_matches_per_token_oracle(router, top_k):
     np.testing.assert_allclose(float(jnp.sum(aux["load"])), 1.0, rtol=1e-6)
     # the source model is untouched
     assert isinstance(model.blocks[1].ffn, DenseFFN)
+    n_layers = len(model.cfg.ffn_slots)
+    for layer in (-1, n_layers, 1.0):  # -1 reached the last layer's slot but no block
+        with pytest.raises(ValueError, match=f"layers are 0..{n_layers - 1}"):
+            extract_model(model, {layer: plan}, router=router, top_k=top_k)
 
 
 @pytest.mark.parametrize("shared", [False, True])

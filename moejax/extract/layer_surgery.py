@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from moejax.config import is_integer
 from moejax.extract.plan import ExpertPlan, kept_neurons
 from moejax.nn.extracted import ExtractedFFN, ExtractedFFNConfig
 from moejax.nn.ffn import DenseFFN, DenseFFNConfig
@@ -252,6 +253,10 @@ def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "
     pure = nnx.to_pure_dict(nnx.state(model))
     blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
     slots = list(holder.cfg.ffn_slots)
+    bad = [i for i in plans if not is_integer(i) or not 0 <= i < len(slots)]
+    if bad:
+        raise ValueError(f"extract_model: plans for layers {bad}; the model's layers are "
+                         f"0..{len(slots) - 1}")
     for i, plan in sorted(plans.items()):
         if plan is None:
             continue
