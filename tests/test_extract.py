@@ -337,6 +337,10 @@ def test_moefication_model_disjoint_experts_cover_the_dense_layer():
                                np.asarray(model(jnp.asarray(x))[0]), rtol=1e-5, atol=1e-6)
     st = routing_stats(full, [{"inputs": x}])[0]
     assert st["active_neurons"] == 16
+    # -1 reached sklearn's k-means with seed -1, 1 had no top_k: refused before any k-means
+    for layers, top_k in (([-1], {-1: 1}), ([1], {1: 1}), ([0, 0], {0: 1}), ([0], {})):
+        with pytest.raises(ValueError, match="give distinct layers of 0..0, each with its top_k"):
+            moefication_model(model, rec, layers, n_experts=4, top_k=top_k)
 
 
 def test_kd_loss_and_array_batches():

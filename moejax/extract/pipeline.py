@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moejax.config import Config, config
+from moejax.config import Config, config, is_integer
 from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
 from moejax.extract.layer_surgery import apply_model, extract_model, ffn_holder, slot_layers
@@ -197,6 +197,12 @@ def moefication_model(model, records: dict, layers: Iterable[int], *, n_experts:
     (``"param"``) or by the trained MLP router, ``top_k[i]`` experts per token. ``records``:
     :func:`record_ffn` output (the MLP router's training data)."""
     holder = ffn_holder(model)
+    layers = list(layers)
+    n_layers = len(holder.blocks)
+    bad = [i for i in layers if not is_integer(i) or not 0 <= i < n_layers]
+    if bad or len(set(layers)) != len(layers) or set(layers) - set(top_k):
+        raise ValueError(f"moefication_model: layers {layers} with top_k for {sorted(top_k)}; "
+                         f"give distinct layers of 0..{n_layers - 1}, each with its top_k")
     plans, mlps = {}, {}
     for i in layers:
         plans[i] = moefication_plan(np.asarray(holder.blocks[i].ffn.w_up[...]), n_experts,
