@@ -170,7 +170,7 @@ def test_extracted_slot_matches_per_token_oracle(router, top_k):
     assert isinstance(model.blocks[1].ffn, DenseFFN)
     n_layers = len(model.cfg.ffn_slots)
     for layer in (-1, n_layers, 1.0):  # -1 reached the last layer's slot but no block
-        with pytest.raises(ValueError, match=f"layers are 0..{n_layers - 1}"):
+        with pytest.raises(ValueError, match=f"the model's 0..{n_layers - 1}"):
             extract_model(model, {layer: plan}, router=router, top_k=top_k)
 
 
@@ -338,9 +338,13 @@ def test_moefication_model_disjoint_experts_cover_the_dense_layer():
     st = routing_stats(full, [{"inputs": x}])[0]
     assert st["active_neurons"] == 16
     # -1 reached sklearn's k-means with seed -1, 1 had no top_k: refused before any k-means
-    for layers, top_k in (([-1], {-1: 1}), ([1], {1: 1}), ([0, 0], {0: 1}), ([0], {})):
-        with pytest.raises(ValueError, match="give distinct layers of 0..0, each with its top_k"):
+    for layers, top_k, why in (([-1], {-1: 1}, "layers of the model's 0..0"),
+                               ([1], {1: 1}, "layers of the model's 0..0"),
+                               ([0, 0], {0: 1}, "distinct layers"), ([0], {}, "no top_k")):
+        with pytest.raises(ValueError, match=why):
             moefication_model(model, rec, layers, n_experts=4, top_k=top_k)
+    with pytest.raises(ValueError, match="record_ffn: layers \\[-1\\]"):
+        record_ffn(model, [{"inputs": x}], n_tokens=80, layers=[-1])
 
 
 def test_kd_loss_and_array_batches():

@@ -73,6 +73,16 @@ class _Recorder(nnx.Module):
         return y, {"ffn_x": x_BTD, "ffn_h": self.inner.hidden(x_BTD)}
 
 
+def check_layers(who: str, layers: list, n_layers: int) -> None:
+    """Refuse a layer index that is not one of the model's ``0..n_layers-1``, or one given
+    twice (``-1`` would reach the last layer by Python's indexing in one place and fail, or
+    seed something with -1, in another)."""
+    bad = [i for i in layers if not is_integer(i) or not 0 <= i < n_layers]
+    if bad or len(set(layers)) != len(layers):
+        raise ValueError(f"{who}: layers {layers}; give distinct layers of the model's "
+                         f"0..{n_layers - 1}")
+
+
 def record_ffn(model, batches: Iterable[dict], *, n_tokens: int, seed: int = 0,
                layers: Iterable[int] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """``{layer: (x_ND, y_NF)}``: FFN inputs and hidden activations of ``n_tokens`` tokens drawn
@@ -81,6 +91,7 @@ def record_ffn(model, batches: Iterable[dict], *, n_tokens: int, seed: int = 0,
     rec = copy_model(model)
     holder = ffn_holder(rec)
     layers = dense_ffn_layers(rec) if layers is None else list(layers)
+    check_layers("record_ffn", layers, len(holder.blocks))
     for i in layers:
         if not isinstance(holder.blocks[i].ffn, DenseFFN):
             raise ValueError(f"layer {i} is not a DenseFFN; record before extraction")
@@ -253,10 +264,7 @@ def extract_model(model, plans: dict[int, ExpertPlan | None], *, router: str = "
     pure = nnx.to_pure_dict(nnx.state(model))
     blocks = pure["blocks"] if holder is model else pure["encoder"]["blocks"]
     slots = list(holder.cfg.ffn_slots)
-    bad = [i for i in plans if not is_integer(i) or not 0 <= i < len(slots)]
-    if bad:
-        raise ValueError(f"extract_model: plans for layers {bad}; the model's layers are "
-                         f"0..{len(slots) - 1}")
+    check_layers("extract_model", list(plans), len(slots))
     for i, plan in sorted(plans.items()):
         if plan is None:
             continue

@@ -24,10 +24,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-from moejax.config import Config, config, is_integer
+from moejax.config import Config, config
 from moejax.data.batches import ArrayBatches
 from moejax.extract.cluster import ClusterConfig, cluster_activations
-from moejax.extract.layer_surgery import apply_model, extract_model, ffn_holder, slot_layers
+from moejax.extract.layer_surgery import (
+    apply_model,
+    check_layers,
+    extract_model,
+    ffn_holder,
+    slot_layers,
+)
 from moejax.extract.plan import ExpertPlan, Selection, kept_neurons, moee_plan, moefication_plan
 from moejax.nn import axes as ax
 from moejax.train.hparams import TrainConfig
@@ -198,11 +204,9 @@ def moefication_model(model, records: dict, layers: Iterable[int], *, n_experts:
     :func:`record_ffn` output (the MLP router's training data)."""
     holder = ffn_holder(model)
     layers = list(layers)
-    n_layers = len(holder.blocks)
-    bad = [i for i in layers if not is_integer(i) or not 0 <= i < n_layers]
-    if bad or len(set(layers)) != len(layers) or set(layers) - set(top_k):
-        raise ValueError(f"moefication_model: layers {layers} with top_k for {sorted(top_k)}; "
-                         f"give distinct layers of 0..{n_layers - 1}, each with its top_k")
+    check_layers("moefication_model", layers, len(holder.blocks))
+    if missing := sorted(set(layers) - set(top_k)):
+        raise ValueError(f"moefication_model: no top_k for layers {missing}; give one per layer")
     plans, mlps = {}, {}
     for i in layers:
         plans[i] = moefication_plan(np.asarray(holder.blocks[i].ffn.w_up[...]), n_experts,
