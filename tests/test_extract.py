@@ -24,6 +24,8 @@ from moejax.extract import (
 )
 from moejax.extract.layer_surgery import compact_model, shared_neurons
 from moejax.extract.pipeline import (
+    cluster_layers,
+    layer_seed,
     matched_top_k,
     moefication_model,
     routing_stats,
@@ -343,6 +345,11 @@ def test_moefication_model_disjoint_experts_cover_the_dense_layer():
                                ([0, 0], {0: 1}, "distinct layers"), ([0], {}, "no top_k")):
         with pytest.raises(ValueError, match=why):
             moefication_model(model, rec, layers, n_experts=4, top_k=top_k)
+    # a run seed past 4294967 made a layer seed past 2**32, which k-means refused after the
+    # recording; the layer seeds of smaller run seeds are unchanged
+    assert layer_seed(7, 3) == 7003 and layer_seed(2**32 - 1, 5) < 2**32
+    moefication_model(model, rec, [0], n_experts=4, top_k={0: 1}, seed=5_000_000)
+    cluster_layers(rec, ClusterConfig(method="kmeans", n_clusters=2), seed=5_000_000)
     with pytest.raises(ValueError, match="record_ffn: layers \\[-1\\]"):
         record_ffn(model, [{"inputs": x}], n_tokens=80, layers=[-1])
 

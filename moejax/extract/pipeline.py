@@ -62,6 +62,12 @@ class ExtractConfig(Config):
         self._require(0 < self.p <= 1, f"p={self.p} must be in (0, 1]")
 
 
+def layer_seed(seed: int, layer: int) -> int:
+    """Layer ``layer``'s seed of a run seeded ``seed``: ``seed * 1000 + layer``, kept below 2**32
+    (scikit-learn's k-means refuses larger seeds; smaller runs' seeds are unchanged)."""
+    return (seed * 1000 + layer) % 2**32
+
+
 def cluster_layers(records: dict, cfg: ClusterConfig, *, seed: int = 0,
                    n_clusters: dict[int, int] | None = None) -> dict[int, np.ndarray]:
     """Cluster labels per layer; ``n_clusters`` (per layer) overrides ``cfg.n_clusters`` for the
@@ -73,7 +79,7 @@ def cluster_layers(records: dict, cfg: ClusterConfig, *, seed: int = 0,
             out[i] = np.full(y.shape[0], -1)
             continue
         out[i] = cluster_activations(y, cfg.replace(n_clusters=max(k, 1)),
-                                     seed=seed * 1000 + i)
+                                     seed=layer_seed(seed, i))
     return out
 
 
@@ -81,7 +87,7 @@ def moee_plans(records: dict, labels: dict, cfg: ExtractConfig, *,
                seed: int = 0) -> dict[int, ExpertPlan | None]:
     """MoEE plan of every recorded layer (``None``: no cluster, the layer stays dense)."""
     return {i: moee_plan(x, y, labels[i], p=cfg.p, selection=cfg.selection,
-                         seed=seed * 1000 + i)
+                         seed=layer_seed(seed, i))
             for i, (x, y) in sorted(records.items())}
 
 
@@ -210,11 +216,11 @@ def moefication_model(model, records: dict, layers: Iterable[int], *, n_experts:
     plans, mlps = {}, {}
     for i in layers:
         plans[i] = moefication_plan(np.asarray(holder.blocks[i].ffn.w_up[...]), n_experts,
-                                    seed=seed * 1000 + i)
+                                    seed=layer_seed(seed, i))
         if router == "mlp":
             x, y = records[i]
             mlps[i] = train_mlp_router(x, y, plans[i], train_cfg=router_train,
-                                       seed=seed * 1000 + i)
+                                       seed=layer_seed(seed, i))
     return extract_model(model, plans, router=router, top_k=top_k,
                          router_mlps=mlps if router == "mlp" else None), plans
 
