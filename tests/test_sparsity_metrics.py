@@ -216,13 +216,15 @@ def test_the_accumulator_refuses_values_and_tokens_of_other_shapes():
     assert acc.result() == {"layers": {}, "mean": {}}  # nothing was counted
     acc.update(0, ACT, a_BTE=rng.random(ACT.shape), tokens_BT=np.zeros((B, T), int))
     assert np.isfinite(acc.result()["mean"]["magnitude"])
-    for lens in ((0,), (-1,), (2.5,), (8, 8)):  # cls_0 was a NaN made of 0/0 chunks
+    for lens in ((0,), (-1,), (2.5,), (8, True)):  # cls_0 was a NaN made of 0/0 chunks
         with pytest.raises(ValueError, match="chunk_lens"):
             sm.SparsityAccumulator(chunk_lens=lens)
     from moejax.evaluate import SparsityEvaluator
 
     with pytest.raises(ValueError, match="chunk_lens"):  # before any evaluation
         SparsityEvaluator([{"inputs": np.zeros((1, 4), np.int32)}], chunk_lens=(0,))
+    sm.SparsityAccumulator(chunk_lens=(1, 1))  # a length twice is counted alike (a speculative
+    # bench's draft length of one asks for CLS_1 twice)
 
 
 def test_top_k_active_sets_need_the_expert_count():

@@ -139,9 +139,9 @@ class SparsityAccumulator:
         self.chunk_lens = tuple(chunk_lens)
         bad = [L for L in self.chunk_lens
                if not isinstance(L, numbers.Integral) or isinstance(L, bool) or L < 1]
-        if bad or len(set(self.chunk_lens)) != len(self.chunk_lens):
-            raise ValueError(f"SparsityAccumulator: chunk_lens={self.chunk_lens}; give distinct "
-                             "integer chunk lengths >= 1 (CLS of a chunk of 0 tokens is 0/0)")
+        if bad:
+            raise ValueError(f"SparsityAccumulator: chunk_lens={self.chunk_lens}; give integer "
+                             "chunk lengths >= 1 (CLS of a chunk of 0 tokens is 0/0)")
         self.sums = defaultdict(lambda: defaultdict(lambda: np.zeros(2)))
         self.tok_count: dict[int, float] = defaultdict(float)
         self.tok_frac: dict[int, float] = defaultdict(float)
