@@ -378,10 +378,52 @@ def test_a_readers_instant_check_does_not_refuse_a_run_starting_then(tmp_path):
     assert not is_held(tmp_path / "r")
 
 
+def _tb_events(path):
+    """The events of a TensorBoard event file (TFRecord: length, its CRC, data, data CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    data, out, i = open(path, "rb").read(), [], 0
+    while i < len(data):
+        n = struct.unpack("<Q", data[i:i + 8])[0]
+        event = Event()
+        event.ParseFromString(data[i + 12:i + 12 + n])
+        out.append(event)
+        i += 12 + n + 4
+    return out
+
+
+def test_a_resumed_run_purges_its_tensorboard_events_past_the_checkpoint(tmp_path, monkeypatch):
+    """The killed run logged step 5 after its checkpoint of step 4, and the resumed run logs
+    it again: without a purge TensorBoard drew both. The resumed run's event file starts with
+    TensorBoard's purge marker (a session start at step 5), as the metrics CSV drops its rows
+    past step 4. tensorboardX names a file by the second and opens it for writing: a run
+    resumed within the same second overwrote the killed run's events (the clock is held
+    still here to make that second the same)."""
+    tbx = pytest.importorskip("tensorboardX.event_file_writer")
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    monkeypatch.setattr(tbx.time, "time", lambda: 1764561600.25)
+    cfg, run = CFG.replace(tensorboard=True), tmp_path / "r"
+    with pytest.raises(Crash):
+        _run(run, cfg, source=CrashAt(5, batch_size=4))
+    first = glob.glob(str(run / "tb" / "events.*"))
+    assert len(first) == 1
+    logged = {e.step for e in _tb_events(first[0]) if e.summary.value}
+    assert logged == {1, 2, 3, 4, 5}
+    _run(run, cfg)
+    assert {e.step for e in _tb_events(first[0]) if e.summary.value} == logged  # kept
+    (second,) = set(glob.glob(str(run / "tb" / "events.*"))) - set(first)
+    starts = [e.step for e in _tb_events(second) if e.session_log.status == SessionLog.START]
+    assert starts == [5]
+    assert {e.step for e in _tb_events(second) if e.summary.value} == {5, 6}
+
+
 def test_setup_failure_releases_the_lock(tmp_path, monkeypatch):
     import moejax.train.logs as logs_mod
 
-    def no_tb(self, logdir):
+    def no_tb(self, logdir, **kw):
         raise ImportError("train.tensorboard=True needs tensorboardX")
 
     monkeypatch.setattr(logs_mod.TensorBoardLog, "__init__", no_tb)

@@ -93,9 +93,12 @@ class CsvLog:
 
 
 class TensorBoardLog:
-    """Scalars to TensorBoard event files (tensorboardX, the ``tb`` extra)."""
+    """Scalars to TensorBoard event files (tensorboardX, the ``tb`` extra). ``purge_step``: a
+    resumed run's first step; TensorBoard drops the earlier run's events from it on, as the
+    metrics CSV drops its rows past the resumed step, so the steps between the checkpoint and
+    a crash are not drawn twice. Each run writes its own file."""
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, purge_step: int | None = None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError as e:
@@ -103,7 +106,10 @@ class TensorBoardLog:
                 "train.tensorboard=True needs tensorboardX: pip install -e '.[tb]' "
                 "(or set train.tensorboard=False)"
             ) from e
-        self.writer = SummaryWriter(logdir)
+        # tensorboardX names its file by the second and opens it for writing: a run resumed
+        # within the second of the last would overwrite the last one's events
+        self.writer = SummaryWriter(logdir, purge_step=purge_step,
+                                    filename_suffix=f".{time.time_ns()}")
 
     def write(self, rows: list[dict], prefix: str = "") -> None:
         for row in rows:

@@ -230,7 +230,8 @@ class _Run:
             self.csv_log = CsvLog(os.path.join(run_dir, "metrics.csv"), self.start)
             self.eval_log = CsvLog(os.path.join(run_dir, "eval.csv"), self.start)
             if cfg.tensorboard:
-                self.tb = TensorBoardLog(os.path.join(run_dir, "tb"))
+                self.tb = TensorBoardLog(os.path.join(run_dir, "tb"),
+                                         purge_step=self.start + 1 if self.start else None)
 
     def _compile_and_check(self) -> None:
         """Compile the step for the first batch's shapes (jit reuses it) and refuse a step
