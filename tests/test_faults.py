@@ -227,6 +227,11 @@ def test_a_metrics_line_cut_off_by_a_kill_is_not_read_as_a_row(tmp_path):
     assert all(r["loss"] for r in rows)
     backup = glob.glob(str(path) + ".before-resume-at-12-*")
     assert len(backup) == 1 and open(backup[0]).read() == whole + "1"
+    # resumed at step 12 again within the same second: the first copy is kept beside the new
+    path.write_text(path.read_text() + "14,0.25\n")
+    CsvLog(str(path), 12)
+    backups = glob.glob(str(path) + ".before-resume-at-12-*")
+    assert len(backups) == 2 and whole + "1" in [open(b).read() for b in backups]
 
 
 # -- checkpoints: failing and interrupted saves ---------------------------------------------

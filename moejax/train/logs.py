@@ -61,7 +61,12 @@ class CsvLog:
             all_rows = list(csv.DictReader(io.StringIO(whole)))
             rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
             if len(rows) < len(all_rows) or whole != text:  # keep what is dropped
-                backup = f"{path}.before-resume-at-{resume_step}-{time.strftime('%Y%m%dT%H%M%S')}"
+                backup = stem = (f"{path}.before-resume-at-{resume_step}-"
+                                 f"{time.strftime('%Y%m%dT%H%M%S')}")
+                n = 1
+                while os.path.exists(backup):  # a resume within the same second keeps both
+                    n += 1
+                    backup = f"{stem}-{n}"
                 shutil.copyfile(path, backup)
                 log.warning("%s: dropped %d rows past the resumed step %d%s (a copy of the old "
                             "file is in %s)", path, len(all_rows) - len(rows), resume_step,
