@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 __all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_text", "default_file_mode",
-           "exclusive", "move_aside", "writable_dir", "UnusableDirError"]
+           "exclusive", "move_aside", "unused_name", "writable_dir", "UnusableDirError"]
 
 
 class UnusableDirError(OSError):
@@ -123,10 +123,21 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return Path(path)
 
 
+def unused_name(stem: str | os.PathLike) -> str:
+    """``<stem>-<time>``, or ``<stem>-<time>-<n>`` where a file of that name exists already
+    (something set aside twice within one second keeps both)."""
+    first = f"{stem}-{time.strftime('%Y%m%dT%H%M%S')}"
+    name, n = first, 1
+    while os.path.lexists(name):
+        n += 1
+        name = f"{first}-{n}"
+    return name
+
+
 def move_aside(path: str | os.PathLike, tag: str = "corrupt") -> Path:
     """Move a file or directory that cannot be trusted out of the way, kept beside it as
     ``<name>.<tag>-<time>`` (a cache then rebuilds it); returns where it went."""
     path = Path(path)
-    dest = path.with_name(f"{path.name}.{tag}-{time.strftime('%Y%m%dT%H%M%S')}")
+    dest = Path(unused_name(path.with_name(f"{path.name}.{tag}")))
     os.replace(path, dest)
     return dest

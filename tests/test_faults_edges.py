@@ -401,3 +401,26 @@ def test_the_file_mode_is_read_without_clearing_the_umask(monkeypatch):
     finally:
         monkeypatch.undo()
         os.umask(old)
+
+
+def test_something_set_aside_twice_within_a_second_keeps_both(tmp_path, monkeypatch):
+    """Names of what is moved aside carry the time to the second: a second move of a cache
+    directory within it failed (a directory cannot replace a non-empty one), and of a file
+    replaced the first copy."""
+    import time
+
+    from moejax.files import move_aside
+
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261201T000000")
+    for kind in ("dir", "file"):
+        entry = tmp_path / kind
+        aside = []
+        for i in range(3):
+            if kind == "dir":
+                entry.mkdir()
+                (entry / "x").write_text(str(i))
+            else:
+                entry.write_text(str(i))
+            aside.append(move_aside(entry))
+        assert len(set(aside)) == 3 and not entry.exists()
+        assert [(p / "x" if kind == "dir" else p).read_text() for p in aside] == ["0", "1", "2"]

@@ -77,7 +77,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 
 import jax
 import numpy as np
@@ -85,6 +84,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from moejax.config import Config, to_json
+from moejax.files import unused_name
 from moejax.integrity import (
     CorruptDataError,
     json_checksum,
@@ -356,10 +356,7 @@ class Checkpointer:
     def _quarantine(self, name: str, kind: str) -> str:
         dest_dir = os.path.join(self.directory, f".{kind}")
         os.makedirs(dest_dir, exist_ok=True)
-        stem = os.path.join(dest_dir, f"{name}-{time.strftime('%Y%m%dT%H%M%S')}")
-        dest, n = stem, 1
-        while os.path.exists(dest):
-            dest, n = f"{stem}.{n}", n + 1
+        dest = unused_name(os.path.join(dest_dir, name))
         os.replace(os.path.join(self.directory, name), dest)
         return dest
 

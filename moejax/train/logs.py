@@ -10,7 +10,7 @@ import os
 import shutil
 import time
 
-from moejax.files import atomic_write_text
+from moejax.files import atomic_write_text, unused_name
 
 __all__ = ["CsvLog", "TensorBoardLog", "read_csv", "FIRST_COLS", "eval_numbers"]
 
@@ -61,12 +61,7 @@ class CsvLog:
             all_rows = list(csv.DictReader(io.StringIO(whole)))
             rows = [r for r in all_rows if int(float(r["step"])) <= resume_step]
             if len(rows) < len(all_rows) or whole != text:  # keep what is dropped
-                backup = stem = (f"{path}.before-resume-at-{resume_step}-"
-                                 f"{time.strftime('%Y%m%dT%H%M%S')}")
-                n = 1
-                while os.path.exists(backup):  # a resume within the same second keeps both
-                    n += 1
-                    backup = f"{stem}-{n}"
+                backup = unused_name(f"{path}.before-resume-at-{resume_step}")
                 shutil.copyfile(path, backup)
                 log.warning("%s: dropped %d rows past the resumed step %d%s (a copy of the old "
                             "file is in %s)", path, len(all_rows) - len(rows), resume_step,
