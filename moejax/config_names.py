@@ -2,9 +2,8 @@
 as ``draft_lens``): sizes and counts are positive, a count of seeds too; seeds, token ids,
 coefficients, weights and the counts where 0 means "none" or "all" are non-negative; seeds
 are below 2**32 (the seeds a JAX key tells apart); rates and fractions lie in [0, 1]; floats
-are finite. A tuple of values (a sweep: rates, ranks, methods,
-paths) holds each value once. A field whose meaning differs from its name's checks itself in
-its config's ``validate()``."""
+are finite. A tuple of values (a sweep: rates, ranks, methods, paths) holds each value once.
+A field whose meaning differs from its name's checks itself in its config's ``validate()``."""
 
 from __future__ import annotations
 

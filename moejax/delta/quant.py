@@ -166,7 +166,7 @@ def quantize(
     if not np.isfinite(x64).all():  # a NaN or inf block has no step: every code would be junk
         raise ValueError(f"quantize: {int(np.size(x64) - np.isfinite(x64).sum())} NaN or inf "
                          f"values in an array of shape {x.shape}; quantise a finite delta "
-                         "(these come from a diverged run)")
+                         "(NaN and inf come from a diverged run)")
     xb = _blocked(x64, granularity, group_size, in_axis)
     if scheme == "midrise":
         return _quantize_midrise(x, xb, bits, granularity, group_size, in_axis)

@@ -63,8 +63,8 @@ class ExtractConfig(Config):
 
 
 def layer_seed(seed: int, layer: int) -> int:
-    """Layer ``layer``'s seed of a run seeded ``seed``: ``seed * 1000 + layer``, kept below 2**32
-    (scikit-learn's k-means refuses larger seeds; smaller runs' seeds are unchanged)."""
+    """Layer ``layer``'s seed of a run seeded ``seed``: ``seed * 1000 + layer`` modulo 2**32
+    (scikit-learn's k-means takes seeds below 2**32 only)."""
     return (seed * 1000 + layer) % 2**32
 
 

@@ -79,7 +79,8 @@ class LoopOptions:
 
     def __post_init__(self):
         """Each option of the wrong kind refused here, before any compute or write (a string
-        ``tx`` failed in the step's set-up, a number ``eval_fn`` at the first evaluation)."""
+        ``tx`` would fail in the step's set-up, a number ``eval_fn`` only at the first
+        evaluation, after the steps before it)."""
         def need(ok: bool, name: str, what: str):
             if not ok:
                 raise TypeError(f"{name}={getattr(self, name)!r}: give {what}")
