@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -409,7 +410,8 @@ def test_a_resumed_run_purges_its_tensorboard_events_past_the_checkpoint(tmp_pat
     tbx = pytest.importorskip("tensorboardX.event_file_writer")
     from tensorboardX.proto.event_pb2 import SessionLog
 
-    monkeypatch.setattr(tbx.time, "time", lambda: 1764561600.25)
+    # tensorboardX's own clock only (its module's name `time`)
+    monkeypatch.setattr(tbx, "time", types.SimpleNamespace(time=lambda: 1764561600.25))
     cfg, run = CFG.replace(tensorboard=True), tmp_path / "r"
     with pytest.raises(Crash):
         _run(run, cfg, source=CrashAt(5, batch_size=4))
