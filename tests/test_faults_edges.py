@@ -407,11 +407,14 @@ def test_something_set_aside_twice_within_a_second_keeps_both(tmp_path, monkeypa
     """Names of what is moved aside carry the time to the second: a second move of a cache
     directory within it failed (a directory cannot replace a non-empty one), and of a file
     replaced the first copy."""
-    import time
+    import types
 
+    import moejax.files
     from moejax.files import move_aside
 
-    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20261201T000000")
+    # the one second, on moejax.files' clock alone
+    monkeypatch.setattr(moejax.files, "time",
+                        types.SimpleNamespace(strftime=lambda fmt, *a: "20261201T000000"))
     for kind in ("dir", "file"):
         entry = tmp_path / kind
         aside = []
