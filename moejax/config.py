@@ -36,6 +36,7 @@ __all__ = [
     "to_json",
     "from_json",
     "is_integer",
+    "check_count",
 ]
 
 _IMPORTABLE_PREFIX = "moejax."  # other config classes must already be imported
@@ -49,6 +50,14 @@ def is_integer(value) -> bool:
     """A Python or numpy integer, not a bool: a count, an id or an index, where a float would
     be truncated to another one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_count(name: str, value, minimum: int) -> int:
+    """``value`` as an int, refused where it is not an integer ``>= minimum`` (a float count
+    would be truncated to another one, silently)."""
+    if not is_integer(value) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
 
 
 def config(cls=None, *, kw_only: bool = False):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.config import is_integer
+from moejax.config import check_count
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -88,16 +88,10 @@ def outputs_on(graphdef, rest, inputs, mask=None) -> Callable:
     return fn
 
 
-def _check_batch_size(who: str, batch_size) -> None:
-    """A batch of 0 rows loops on nothing (``range`` step 0), a float fails deep in numpy."""
-    if not is_integer(batch_size) or batch_size < 1:
-        raise ValueError(f"{who}: batch_size={batch_size!r}; give an integer >= 1")
-
-
 def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.ndarray:
     """``model``'s logits ``[N, L]`` for every row of ``inputs`` (``mask``: real tokens), in
     fixed-size batches (one compilation; the last batch is padded and cut)."""
-    _check_batch_size("classifier_logits", batch_size)
+    check_count("classifier_logits: batch_size", batch_size, 1)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -280,7 +274,7 @@ class ClassifierEvaluator(Evaluator):
         if n_classes is not None and self.labels.max() >= n_classes:
             raise ValueError(f"ClassifierEvaluator: a label of {self.labels.max()} for "
                              f"n_classes={n_classes}")
-        _check_batch_size("ClassifierEvaluator", batch_size)
+        check_count("ClassifierEvaluator: batch_size", batch_size, 1)
         self.n_classes, self.batch_size = n_classes, min(batch_size, len(self.labels))
         self._fns: dict = {}
 

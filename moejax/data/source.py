@@ -29,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from moejax.config import is_integer
+from moejax.config import check_count
 from moejax.integrity import array_checksum, json_checksum
 
 __all__ = ["BatchSource", "local_slice", "stream_fingerprint", "check_source_settings"]
@@ -70,7 +70,5 @@ def check_source_settings(*, batch_size, seed, **counts) -> None:
     an integer >= 1, and a seed that is not an integer >= 0: a batch size of 0 served empty
     batches, and a float failed at the first batch, deep in numpy."""
     for name, v in {"batch_size": batch_size, **counts}.items():
-        if not is_integer(v) or v < 1:
-            raise ValueError(f"{name}={v!r}; give an integer >= 1")
-    if not is_integer(seed) or seed < 0:
-        raise ValueError(f"seed={seed!r}; give an integer >= 0")
+        check_count(name, v, 1)
+    check_count("seed", seed, 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.config import is_integer
+from moejax.config import check_count
 
 __all__ = ["stdlib_root", "stdlib_files", "load_stdlib_bytes", "check_max_bytes"]
 
@@ -50,9 +50,8 @@ def _split_of(rel: str, val_fraction: float) -> str:
 def check_max_bytes(max_bytes) -> None:
     """Refuse a byte budget that is not ``None`` or an integer >= 1 (0 and negative counts
     would read nothing, everything or all but the end, depending on the corpus)."""
-    if max_bytes is not None and (not is_integer(max_bytes) or max_bytes < 1):
-        raise ValueError(f"max_bytes={max_bytes!r}: give an integer >= 1, or None for the "
-                         "whole corpus")
+    if max_bytes is not None:
+        check_count("max_bytes", max_bytes, 1)
 
 
 def load_stdlib_bytes(

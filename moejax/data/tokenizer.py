@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.config import is_integer
+from moejax.config import check_count
 from moejax.data.batches import pad_token_rows
 from moejax.extras import require
 from moejax.files import atomic_write_text
@@ -65,8 +65,8 @@ class ByteTokenizer:
 
         if not len(texts):
             raise ValueError("encode_padded: no texts; give at least one")
-        if max_len is not None and (not is_integer(max_len) or max_len < 1):
-            raise ValueError(f"encode_padded: max_len={max_len!r}; give an integer >= 1")
+        if max_len is not None:
+            check_count("encode_padded: max_len", max_len, 1)
         ids = [x[:max_len] if max_len is not None else x for x in self.encode_batch(texts)]
         tokens, mask = pad_token_rows(ids, max(1, max(len(x) for x in ids)),
                                       pad_id=self.pad_id)

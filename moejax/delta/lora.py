@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moejax.config import is_integer
+from moejax.config import check_count
 from moejax.delta.dare import dare
 from moejax.delta.tree import apply_delta, per_leaf_keys
 
@@ -44,8 +44,7 @@ def lora_init(key: jax.Array, params: PyTree, mask: PyTree, rank: int, *, dtype=
     ``A ~ N(0, 1/d_in)`` (key ``fold_in(key, leaf_index)``), ``B = 0`` so the initial
     delta is exactly zero.
     """
-    if not is_integer(rank) or rank < 1:
-        raise ValueError(f"lora_init: rank={rank!r} must be an integer >= 1")
+    check_count("lora_init: rank", rank, 1)
     keys = per_leaf_keys(key, params)
 
     def make(w, m, k):

@@ -18,12 +18,11 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
-from moejax.config import is_integer
+from moejax.config import check_count, is_integer
 from moejax.nn.auto_axes import like_batch
 from moejax.nn.lean_decode import lean_decoder
 
-__all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device",
-           "check_count"]
+__all__ = ["generate", "select_token", "check_decode_inputs", "host_or_device"]
 
 
 def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
@@ -57,14 +56,6 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
             raise ValueError(f"prompt_BT holds token ids in [{lo}, {hi}], outside the "
                              f"vocabulary [0, {vocab_size}); encode it with the model's "
                              "tokenizer")
-
-
-def check_count(name: str, value, minimum: int) -> int:
-    """``value`` as an int, refused where it is not an integer ``>= minimum`` (a float count
-    would be truncated to another one, silently)."""
-    if not is_integer(value) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return int(value)
 
 
 def host_or_device(x):

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from moejax.capture import record_decode
-from moejax.config import is_integer
+from moejax.config import check_count, is_integer
 from moejax.nn.auto_axes import run_for_mesh
-from moejax.nn.generate import check_count, check_decode_inputs, host_or_device
+from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
 

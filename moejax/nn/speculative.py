@@ -41,9 +41,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.capture import record_decode
+from moejax.config import check_count
 from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.blockffn import BlockFFN
-from moejax.nn.generate import check_count, check_decode_inputs, host_or_device
+from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
 from moejax.xla_flags import call_compiled
