@@ -494,6 +494,43 @@ def test_the_tokenizer_travels_with_the_export(tmp_path):
         tokenizer_from_hf_dir(bad)
 
 
+def test_a_directory_holding_another_tokenizer_is_refused_before_anything_is_written(tmp_path):
+    """A save that would leave another model's tokenizer files beside this model is refused
+    (it left OLMoE's tokenizer.json beside a Qwen3-MoE saved without one, and
+    tokenizer_from_hf_dir read the pair back as one model); a save with the tokenizer
+    rewrites its own tokenizer.json and generation_config.json."""
+    from moejax.io.hf_tokenizer import tokenizer_from_hf_dir
+
+    tok = tokenizer_from_hf_dir(FIXTURES / "olmoe")
+    d = tmp_path / "out"
+    save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), d, tokenizer=tok)
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+    def files(path):
+        return {p.name: p.read_bytes() for p in path.iterdir()}
+
+    before = files(d)
+    qwen = load_hf_moe(FIXTURES / "qwen3_moe")
+    with pytest.raises(ValueError, match=r"holds tokenizer.json, generation_config.json of "
+                                         r"another tokenizer.*pass the model's tokenizer"):
+        save_hf_moe(qwen, d)
+    assert files(d) == before
+    save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), d, tokenizer=tok)  # its own files again
+    assert files(d) == before
+    copy = tmp_path / "copy"
+    shutil.copytree(FIXTURES / "qwen3_moe", copy)
+    (copy / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    before = files(copy)
+    with pytest.raises(ValueError, match=r"holds tokenizer_config.json of another tokenizer"
+                                         r".*AutoTokenizer.*Fix: save into a new directory$"):
+        save_hf_moe(load_hf_moe(FIXTURES / "olmoe"), copy, tokenizer=tok)
+    assert files(copy) == before
+    save_hf_moe(qwen, tmp_path / "bare")  # a new directory: no tokenizer files at all
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [
+        "config.json", "model.safetensors"]
+
+
 def test_a_missing_or_unreadable_config_is_refused_with_its_fix(tmp_path):
     with pytest.raises(WeightFileError, match=r"config.json: no such file. Fix: give the "
                                               r"directory of a Hugging Face checkpoint"):

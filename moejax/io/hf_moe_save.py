@@ -2,6 +2,7 @@
 has (:data:`moejax.io.hf_moe.FAMILIES`), in the layout :mod:`moejax.io.hf_moe` reads.
 
     save_hf_moe(model, "out/dir")               # config.json + model.safetensors
+    save_hf_moe(model, "out/dir", tokenizer=tok)  # + tokenizer.json, generation_config.json
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.moe import MoEConfig
 
 __all__ = ["save_hf_moe"]
+
+# a tokenizer's files that save_hf_moe never writes and that a reader (transformers'
+# AutoTokenizer) takes beside the tokenizer.json it does write
+_TOKENIZER_SETTINGS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                       "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt")
 
 
 def _family_of(cfg: DecoderConfig) -> str:
@@ -83,7 +89,13 @@ def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
     of the family whose layers it has (Mixtral for a plain MoE decoder; Qwen2-MoE, Qwen3-MoE
     or OLMoE for one imported from them); :func:`load_hf_moe` reads it back bit for bit.
     ``tokenizer`` (a :class:`moejax.io.hf_tokenizer.HFTokenizer`, e.g. the imported one):
-    its ``tokenizer.json`` beside them and its bos / eos / pad ids in the config."""
+    its ``tokenizer.json`` beside them and its bos / eos / pad ids in the config and in
+    ``generation_config.json``.
+
+    A directory holding another checkpoint's files that would stay beside these and be read
+    as this model's is refused before anything is written: a shard index, a tokenizer's
+    settings (``tokenizer_config.json`` ...), and, saved without a tokenizer, a
+    ``tokenizer.json`` or ``generation_config.json``."""
     cfg = model.cfg
     kind = _family_of(cfg)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
@@ -98,6 +110,7 @@ def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
             "(model.safetensors.index.json and its shards); its files would stay beside this "
             "model's, and a reader that takes the index would load them instead. Fix: save "
             "into a new directory")
+    _refuse_other_tokenizer(directory, tokenizer)
     directory.mkdir(parents=True, exist_ok=True)
     out: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
@@ -109,10 +122,32 @@ def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
     config = _hf_config(kind, cfg)
     if tokenizer is not None:
         atomic_write_text(directory / "tokenizer.json", tokenizer.tokenizer.to_str())
-        config.update({f"{k}_token_id": getattr(tokenizer, f"{k}_id")
-                       for k in ("bos", "eos", "pad")})
+        ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
+        config.update(ids)
+        atomic_write_text(directory / "generation_config.json", json.dumps(ids, indent=2) + "\n")
     atomic_write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def _refuse_other_tokenizer(directory: Path, tokenizer) -> None:
+    """ValueError naming the files of another tokenizer in ``directory`` that this save
+    would leave beside the model: its settings, and without ``tokenizer`` its
+    ``tokenizer.json`` and ``generation_config.json`` (the ids generation starts and stops
+    on), which a reader would take as this model's."""
+    names = list(_TOKENIZER_SETTINGS)
+    if tokenizer is None:
+        names += ["tokenizer.json", "generation_config.json"]
+    stale = [n for n in names if (directory / n).exists()]
+    if not stale:
+        return
+    fix = "save into a new directory"
+    if tokenizer is None and "tokenizer.json" in stale:
+        fix += (", or pass the model's tokenizer (tokenizer=, e.g. tokenizer_from_hf_dir of "
+                "the directory it was imported from)")
+    raise ValueError(
+        f"save_hf_moe: {directory} holds {', '.join(stale)} of another tokenizer; they would "
+        "stay beside this model, and a reader (tokenizer_from_hf_dir, transformers' "
+        f"AutoTokenizer) would take them as its own. Fix: {fix}")
 
 
 def _names_for(name: str, cfg: DecoderConfig, fam: HFMoEFamily, inverse: dict
