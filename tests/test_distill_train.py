@@ -153,6 +153,26 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     assert abs(float(loss_data) - float(loss)) > 1e-4
 
 
+def test_a_loss_that_draws_refuses_to_run_without_a_key():
+    """A method that draws (student samples, KA's teacher passes, SAR's noisy gate) called
+    without a key is refused: it drew every call from one fixed key, the same samples at
+    every step. KD and SFT draw nothing and take key=None."""
+    teacher, student = _lm(True, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
+    b = {k: jnp.asarray(v) for k, v in _source().batch(0).items()}
+    for cfg in (DistillConfig(method="gkd"), DistillConfig(method="all"),
+                DistillConfig(method="ka", on_policy_fraction=0.0),
+                DistillConfig(method="sar", on_policy_fraction=0.0)):
+        with pytest.raises(ValueError, match=f"method='{cfg.method}' draws .* needs an "
+                                             "explicit PRNG key, a new one each step"):
+            distill_loss_fn(cfg)(distill_pair(student, teacher, cfg), b, None)
+    for cfg in (DistillConfig(method="kd"), DistillConfig(method="sft"),
+                DistillConfig(method="gkd", on_policy_fraction=0.0)):
+        pair = distill_pair(student, teacher, cfg)
+        loss, _ = distill_loss_fn(cfg)(pair, b, None)
+        np.testing.assert_array_equal(
+            loss, distill_loss_fn(cfg)(pair, b, jax.random.key(3))[0])
+
+
 def test_bad_pairs_and_configs_raise():
     with pytest.raises(ValueError, match="vocabulary of 40 tokens and student.* of 50"):
         distill_pair(_lm(False, vocab=50), _lm(True), DistillConfig(method="kd"))

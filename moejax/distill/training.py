@@ -290,6 +290,13 @@ def _sequences(pair, batch, cfg: DistillConfig, key):
     return tokens[:, :-1], tokens[:, 1:], resp[:, 1:].astype(jnp.float32), real
 
 
+def _draws(cfg: DistillConfig) -> bool:
+    """Whether ``cfg.method``'s loss draws from its key: on-policy student samples, KA's
+    sampled teacher experts, SAR's noisy gate."""
+    return (cfg.method in ("ka", "sar")
+            or (cfg.method in ON_POLICY and cfg.on_policy_fraction > 0))
+
+
 def _balance(aux) -> jax.Array:
     return sum((la["balance_loss"] for la in aux["layers"] if "balance_loss" in la),
                jnp.zeros((), jnp.float32))
@@ -320,7 +327,13 @@ class _DistillLoss:
 
     def __call__(self, pair, batch, key, train: bool = True):
         cfg = self.cfg
-        key = jax.random.key(0) if key is None else key
+        if key is None:
+            if _draws(cfg):
+                raise ValueError(
+                    f"distill loss: method={cfg.method!r} draws (student samples, teacher "
+                    "passes or router noise) and needs an explicit PRNG key, a new one each "
+                    "step; pass key=jax.random.fold_in(jax.random.key(seed), step)")
+            key = jax.random.key(0)  # nothing is drawn: the key is never read
         k_seq, k_teacher = jax.random.split(key)
         if "presampled" in batch:
             inputs, targets, mask, real = batch["presampled"]
@@ -354,7 +367,8 @@ class _DistillLoss:
 
 def distill_loss_fn(cfg: DistillConfig):
     """``loss(pair, batch, key) -> (loss, metrics)`` of ``cfg.method`` for the training loop
-    (equal for equal configs)."""
+    (equal for equal configs). ``key`` may be None only where the method draws nothing (SFT,
+    KD, and GKD / ALL without on-policy rows); a method that draws refuses to run without one."""
     return _DistillLoss(cfg)
 
 
