@@ -91,6 +91,13 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
     if decode == "generate":
         with pytest.raises(ValueError, match=r"eos_id=2\.5 must be an integer token id"):
             generate(target, np.asarray([[1, 2]]), 4, eos_id=2.5)
+        # top_k=True sampled from the top 1 (greedy), 2.5 failed inside lax.top_k
+        for top_k in (0, 17, True, 2.5, "3"):
+            with pytest.raises(ValueError, match=f"top_k={top_k!r} must be an integer in "
+                                                 r"\[1, vocab_size=16\]"):
+                generate(target, np.asarray([[1, 2]]), 4, temperature=1.0, key=KEY,
+                         top_k=top_k)
+        generate(target, np.asarray([[1, 2]]), 4, temperature=1.0, key=KEY, top_k=np.int64(3))
 
 
 def test_ders_lm_ranks_past_full_rank_are_refused():

@@ -112,8 +112,9 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     B, T = prompt_BT.shape
     if temperature > 0 and key is None:
         raise ValueError("sampling (temperature > 0) needs an explicit key=jax.random.key(...)")
-    if top_k is not None and not 0 < top_k <= model.cfg.vocab_size:
-        raise ValueError(f"top_k={top_k} must be in [1, vocab_size={model.cfg.vocab_size}]")
+    if top_k is not None and not (is_integer(top_k) and 0 < top_k <= model.cfg.vocab_size):
+        raise ValueError(f"top_k={top_k!r} must be an integer in [1, vocab_size="
+                         f"{model.cfg.vocab_size}] (or None: the whole vocabulary)")
     total = T + max_new_tokens
     if total > model.cfg.max_seq_len:
         raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
