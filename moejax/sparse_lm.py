@@ -23,6 +23,7 @@ the CPython stdlib source bytes and scores it with :class:`moejax.evaluate.Spars
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Literal
@@ -45,10 +46,24 @@ from moejax.train.hparams import TrainConfig
 from moejax.train.logs import read_csv
 from moejax.train.loop import train
 
-__all__ = ["Arch", "SparseLMConfig", "TrainedLM", "active_sets", "sparse_lm_preset", "data_sources",
-           "train_and_evaluate", "summary_row"]
+__all__ = ["Arch", "ARCH_FIELDS", "SHARED_FIELDS", "SparseLMConfig", "TrainedLM", "active_sets",
+           "sparse_lm_preset", "data_sources", "train_and_evaluate", "summary_row"]
 
 Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
+
+# the fields of :class:`SparseLMConfig` each architecture's model reads besides those every
+# model reads (:data:`SHARED_FIELDS`)
+SHARED_FIELDS = ("arch", "d_model", "n_layers", "n_heads", "n_experts", "d_expert",
+                 "max_seq_len")
+ARCH_FIELDS: dict[str, tuple[str, ...]] = {
+    "blockffn": ("rmsnorm", "al_coef", "alpha", "use_cs", "chunk_len", "cs_lam0", "n_st",
+                 "n_adj", "l1_coef", "entropy_coef"),
+    "remoe": ("target_tls", "remoe_lam0"),
+    "topk": ("top_k",),
+    "dsmoe": ("top_k", "n_shared"),
+    "grin": ("top_k", "grin_eps"),
+    "dense": (),
+}
 
 
 @config
@@ -85,6 +100,21 @@ class SparseLMConfig(Config):
                           max_seq_len=self.max_seq_len)
         except ConfigError as e:
             raise ConfigError(f"SparseLMConfig: {e}") from None
+
+    def unread(self, archs, set_here=()) -> dict:
+        """The fields no model of ``archs`` reads, or that the caller sets itself
+        (``set_here``), that hold a value other than their default: ``{name: value}``. A
+        study refuses them (its recorded config would name a setting that did not run)."""
+        read = {*SHARED_FIELDS, *(f for a in archs for f in ARCH_FIELDS[a])} - set(set_here)
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in read and getattr(self, f.name) != getattr(default, f.name)}
+
+    def without_unread(self, archs, set_here=()) -> SparseLMConfig:
+        """This config with :meth:`unread`'s fields at their defaults (a study's model from
+        the preset, which holds settings for the studies that read them)."""
+        default = type(self)()
+        return self.replace(**{k: getattr(default, k) for k in self.unread(archs, set_here)})
 
     @property
     def n_always_on(self) -> int:

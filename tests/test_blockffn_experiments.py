@@ -24,6 +24,30 @@ def test_presets_build(name, preset):
         apply_overrides(cfg, ["model.arch=gshard"])
 
 
+@pytest.mark.parametrize("name,override,words", [
+    ("blockffn_baselines", "model.top_k=4", "it sets k = round"),
+    ("blockffn_baselines", "model.n_shared=2", "DSMoE has one shared expert"),
+    ("blockffn_baselines", "model.d_model=96", "it takes small_d_model"),
+    ("blockffn_granularity", "model.n_experts=32", "it takes N from its own n_experts"),
+    ("blockffn_granularity", "model.d_expert=8", "d_expert = ffn_width / N"),
+    ("blockffn_ablations", "model.top_k=3", r"no model it trains \(blockffn\) reads it"),
+    ("blockffn_ablations", "model.remoe_lam0=0.01", "leave it at its default, 0.0001"),
+    ("bench_speculative", "target.grin_eps=0.1", "=0.1 is not read by a blockffn model"),
+    ("bench_speculative", "draft.n_shared=2", "=2 is not read by a dense model"),
+])
+def test_a_model_setting_no_model_of_the_study_reads_is_refused(name, override, words):
+    """A model field the study never reads, or sets itself, is refused: it was taken, and
+    the run's recorded config named a setting that did not run (blockffn_baselines'
+    model.top_k=4 trained TopK at its TLS-matched k). What its models read is taken."""
+    cfg = study_module(name).make_config("quick")
+    with pytest.raises(ConfigError, match=f"{override.split('=')[0]}.*{words}"):
+        apply_overrides(cfg, [override])
+    read = {"blockffn_baselines": ["model.remoe_lam0=0.01", "model.grin_eps=0.1"],
+            "blockffn_granularity": ["model.alpha=3.0"], "blockffn_ablations": ["model.n_st=7"],
+            "bench_speculative": ["draft.arch=topk", "draft.top_k=3"]}[name]
+    apply_overrides(cfg, read)
+
+
 def test_active_sets_topk_and_dsmoe():
     from moejax.sparse_lm import SparseLMConfig, active_sets
 

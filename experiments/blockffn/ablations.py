@@ -23,7 +23,7 @@ from moejax.config import config
 from moejax.harness.claims import Claim, all_hold, lookup, paired_compare
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
+from moejax.sparse_lm import summary_row, train_and_evaluate
 
 
 @config
@@ -34,8 +34,8 @@ class AblationsConfig(SparseLMStudyConfig):
 
 def make_config(preset: str) -> AblationsConfig:
     if preset == "quick":  # AL+L1 and AL+Ent at AL+CS's TLS (module docstring)
-        return AblationsConfig(**sparse_lm_preset(preset), l1_coef=1.5e-3, entropy_coef=7e-3)
-    return AblationsConfig(**sparse_lm_preset(preset))
+        return AblationsConfig.from_preset(preset, l1_coef=1.5e-3, entropy_coef=7e-3)
+    return AblationsConfig.from_preset(preset)
 
 
 def run(cfg: AblationsConfig, run: RunDir) -> dict:

@@ -39,7 +39,7 @@ from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
 from moejax.ops.sparsity_metrics import CHUNK_LENS
-from moejax.sparse_lm import SparseLMConfig, sparse_lm_preset, summary_row, train_and_evaluate
+from moejax.sparse_lm import SparseLMConfig, summary_row, train_and_evaluate
 
 Size = Literal["small", "large", "xl"]
 
@@ -65,6 +65,14 @@ class BaselinesConfig(SparseLMStudyConfig):
     models: tuple[Literal["TopK", "DSMoE", "GRIN", "ReMoE", "Dense"], ...] = (
         "TopK", "DSMoE", "GRIN", "ReMoE", "Dense")
 
+    MODEL_ARCHS = ("blockffn", "topk", "dsmoe", "grin", "remoe", "dense")
+    MODEL_SET_HERE = {
+        "arch": "it sets each model's architecture",
+        "top_k": "it sets k = round(N (1 - TLS)) from BlockFFN's TLS",
+        "n_shared": "DSMoE has one shared expert", "target_tls": "ReMoE targets BlockFFN's TLS",
+        "d_model": "it takes small_d_model, large_d_model and xl_d_model",
+        "d_expert": "it takes small_d_expert, large_d_expert and xl_d_expert"}
+
     def validate(self):
         super().validate()
         for size in self.sizes:  # every size must build a valid model
@@ -79,11 +87,10 @@ class BaselinesConfig(SparseLMStudyConfig):
 
 
 def make_config(preset: str) -> BaselinesConfig:
-    base = sparse_lm_preset(preset)
     if preset == "quick":
-        return BaselinesConfig(**base)
-    return BaselinesConfig(**base, small_d_model=256, small_d_expert=64, large_d_model=512,
-                           large_d_expert=128, seeds=1)
+        return BaselinesConfig.from_preset(preset)
+    return BaselinesConfig.from_preset(preset, small_d_model=256, small_d_expert=64,
+                                       large_d_model=512, large_d_expert=128, seeds=1)
 
 
 def baselines(base: SparseLMConfig, tls: float, grin_k: str = "matched"

@@ -4,9 +4,9 @@ a comparison between two sparse models (:func:`tls_checked`)."""
 
 from __future__ import annotations
 
-from moejax.config import Config, config
+from moejax.config import Config, ConfigError, config
 from moejax.harness.claims import Claim, lookup, measured, paired_compare, per_seed, unjudged
-from moejax.sparse_lm import SparseLMConfig, data_sources
+from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset
 from moejax.train.hparams import TrainConfig
 
 # the models and data the paper measured its claims on (beside every verdict)
@@ -26,9 +26,28 @@ class SparseLMStudyConfig(Config):
     seq_len: int = 64
     eval_batches: int = 4
 
+    # the architectures a study trains from ``model``, and the fields of ``model`` it sets
+    # itself (name -> what sets it): any other field no such model reads must keep its
+    # default, or the recorded config would name a setting that did not run
+    MODEL_ARCHS = ("blockffn",)
+    MODEL_SET_HERE = {"arch": "every model it trains is BlockFFN"}
+
     def validate(self):
         self._require(self.seq_len <= self.model.max_seq_len,
                       f"seq_len={self.seq_len} exceeds model.max_seq_len")
+        for name, value in self.model.unread(self.MODEL_ARCHS, self.MODEL_SET_HERE).items():
+            why = self.MODEL_SET_HERE.get(name) or (
+                f"no model it trains ({', '.join(self.MODEL_ARCHS)}) reads it")
+            raise ConfigError(f"model.{name}={value!r} is not read by this study: {why}; "
+                              f"leave it at its default, {getattr(SparseLMConfig(), name)!r}")
+
+    @classmethod
+    def from_preset(cls, preset: str, **fields):
+        """The study's config of ``preset`` (:func:`moejax.sparse_lm.sparse_lm_preset`),
+        its model's unread fields at their defaults, with ``fields`` set."""
+        base = sparse_lm_preset(preset)
+        model = base.pop("model").without_unread(cls.MODEL_ARCHS, cls.MODEL_SET_HERE)
+        return cls(model=model, **{**base, **fields})
 
     def sources(self, seed: int | None = None):
         """``(train source, validation batches)`` of the byte corpus, at ``seed`` (default

@@ -11,7 +11,7 @@ from moejax.config import config
 from moejax.harness.claims import Claim, all_hold
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
-from moejax.sparse_lm import sparse_lm_preset, summary_row, train_and_evaluate
+from moejax.sparse_lm import summary_row, train_and_evaluate
 
 
 @config
@@ -21,6 +21,10 @@ class GranularityConfig(SparseLMStudyConfig):
     ffn_width: int = 256  # N * d_expert, fixed
     n_experts: tuple[int, ...] = (4, 8, 16, 32)
 
+    MODEL_SET_HERE = {"arch": "every model it trains is BlockFFN",
+                      "n_experts": "it takes N from its own n_experts",
+                      "d_expert": "it takes d_expert = ffn_width / N"}
+
     def validate(self):
         super().validate()
         for n in self.n_experts:
@@ -29,10 +33,10 @@ class GranularityConfig(SparseLMStudyConfig):
 
 
 def make_config(preset: str) -> GranularityConfig:
-    base = sparse_lm_preset(preset)
     if preset == "quick":
-        return GranularityConfig(**base)
-    return GranularityConfig(**base, ffn_width=2560, n_experts=(8, 16, 32, 40, 64, 80))
+        return GranularityConfig.from_preset(preset)
+    return GranularityConfig.from_preset(preset, ffn_width=2560,
+                                         n_experts=(8, 16, 32, 40, 64, 80))
 
 
 def run(cfg: GranularityConfig, run: RunDir) -> dict:

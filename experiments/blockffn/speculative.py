@@ -131,6 +131,10 @@ class SpecBenchConfig(Config):
     def validate(self):
         r = self._require
         r(self.target.arch == "blockffn", "target.arch must be 'blockffn' (chunk sparsity)")
+        for name, spec in (("target", self.target), ("draft", self.draft)):
+            for key, value in spec.unread((spec.arch,)).items():
+                r(False, f"{name}.{key}={value!r} is not read by a {spec.arch} model; leave "
+                         f"it at its default, {getattr(SparseLMConfig(), key)!r}")
         r(all(n >= 1 for n in self.draft_lens) and self.draft_lens, "draft_lens must be >= 1")
         r(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
         r(self.decode_trained or self.grow.extra_layers > 0,
@@ -154,7 +158,8 @@ class SpecBenchConfig(Config):
 
 def make_config(preset: str) -> SpecBenchConfig:
     base = sparse_lm_preset(preset)
-    cfg = SpecBenchConfig(target=base["model"], train=base["train"], seq_len=base["seq_len"])
+    cfg = SpecBenchConfig(target=base["model"].without_unread(("blockffn",)),
+                          train=base["train"], seq_len=base["seq_len"])
     if preset == "quick":
         return cfg
     # the GPU preset serves in bfloat16, as a deployment would (the 16-bit decode kernels)
