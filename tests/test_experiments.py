@@ -279,6 +279,40 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
     assert main_job.main(["suite=everything"]) == 2
 
 
+def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
+    """A study's derived keys (a sub-config's seed set from the study's seed, a method set
+    from the list it runs) name keys of its config in both presets, and each is refused on
+    the command line before anything runs: taken, its value was recorded in the run's config
+    but never ran (moe_kd sft.seed=3 trained the seed of seed=0). --help lists them."""
+    from moejax.harness.cli import parse_runner
+
+    declared = {}
+    for name in main_job.REGISTRY:
+        study = study_module(name).STUDY
+        for key, _ in study.derived_keys:
+            for preset in ("quick", "full"):  # a key of the config: a typo would refuse nothing
+                value = study.make_config(preset)
+                for part in key.split("."):
+                    assert isinstance(value, Config) and hasattr(value, part), (name, key)
+                    value = getattr(value, part)
+            with pytest.raises(ConfigError, match=f"{key} is set by the study itself "
+                                                  r"\(.+\): a value given here would be"):
+                parse_runner(name, study.make_config, [f"{key}=1"],
+                             derived=dict(study.derived_keys))
+            declared.setdefault(name, []).append(key)
+    assert {"moe_kd", "darex_controlled", "darex_storage", "darex_decoder", "darex_encoder",
+            "moee", "bench_dispatch", "bench_speculative"} <= set(declared)
+    assert {"sft.seed", "distill.seed", "kd.method"} <= set(declared["moe_kd"])
+    study = study_module("moe_kd").STUDY
+    assert study.main(["sft.seed=3", "out=unused"]) == 2
+    assert "sft.seed is set by the study itself (seed + i" in capsys.readouterr().err
+    assert study.main(["--help"]) == 0
+    assert "  sft.seed: seed + i for teacher draw i" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="variant v sets .*sft.seed=1.*sets itself"):
+        type(study)("x", study.make_config, study.run, variants=(("v", ("sft.seed=1",)),),
+                    derived_keys=study.derived_keys)
+
+
 def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
     from experiments.benchmarks import parallel as bench_parallel
 

@@ -364,6 +364,8 @@ STUDY = Study(
     quick_repeat=5,
     smoke=("large_seeds=1", "lora_seeds=1"),
     paper_scale=PAPER_SCALE,
+    derived_keys=(("finetune.seed", "seed (the large-delta runs: seed * large_seeds + i)"),
+                  ("lora_finetune.seed", "seed * lora_seeds + i")),
 )
 
 

@@ -349,6 +349,9 @@ STUDY = Study(
     quick_repeat=5,
     smoke=("q_num=3",),
     paper_scale=PAPER_SCALE,
+    derived_keys=(("finetune.optimizer", "AdamW's run (Adam, no decay) and AdamR-L2's"),
+                  ("finetune.weight_decay", "0 for AdamW, l2_weight and l2_sweep for AdamR-L2"),
+                  ("finetune.seed", "seed")),
 )
 
 

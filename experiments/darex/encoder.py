@@ -204,10 +204,11 @@ def q_sweep(ctx: PruneContext, p: float, num: int) -> dict:
 
 
 def finetune_configs(cfg: EncoderStudyConfig) -> dict[str, TrainConfig]:
-    """The fine-tuning recipe per optimizer: AdamW as given; AdamR-L2 / -L1 with their lambda,
-    the anchored decay on the encoder only unless ``regularise_head``."""
+    """The fine-tuning recipe per optimizer: AdamW with ``finetune``'s weight decay; AdamR-L2 /
+    -L1 with their lambda, the anchored decay on the encoder only unless
+    ``regularise_head``."""
     adamr = cfg.finetune.replace(decay_paths="" if cfg.regularise_head else "^encoder/")
-    return {"adamw": cfg.finetune,
+    return {"adamw": cfg.finetune.replace(optimizer="adamw"),
             "adamr_l2": adamr.replace(optimizer="adamr_l2", weight_decay=cfg.l2_weight),
             "adamr_l1": adamr.replace(optimizer="adamr_l1", weight_decay=cfg.l1_weight)}
 
@@ -367,6 +368,8 @@ STUDY = Study(
     "darex_encoder", make_config, run, claims=claims,
     smoke=("n_train=256", "n_val=32", "n_test=64", "seeds=1"),
     paper_scale=PAPER_SCALE,
+    derived_keys=(("finetune.optimizer", "each of optimizers"),
+                  ("finetune.seed", "seed + i for fine-tuning seed i")),
 )
 
 

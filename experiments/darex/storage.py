@@ -355,6 +355,7 @@ STUDY = Study(
     quick_repeat=5,
     smoke=("timing_repeats=1",),
     paper_scale=PAPER_SCALE,
+    derived_keys=(("finetune.seed", "seed"),),
 )
 
 

@@ -433,6 +433,11 @@ STUDY = Study(
     "moe_kd", make_config, run, claims=claims, checkpoint_runs=checkpoint_runs,
     smoke=("n_train=64", "n_val=8", "n_test=8", "seeds=1", "eval_seeds=1"),
     paper_scale=PAPER_SCALE,
+    derived_keys=(("sft.seed", "seed + i for teacher draw i"),
+                  ("distill.seed", "seed + 100 (s + 1) for distillation seed s"),
+                  ("kd.method", "each of methods, dense_teacher_methods and the sweeps'"),
+                  ("kd.eos_id", "the tokenizer's eos id"),
+                  ("kd.pad_id", "the tokenizer's pad id")),
 )
 
 

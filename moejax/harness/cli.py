@@ -28,10 +28,11 @@ def run_module(name: str, run_fn) -> str:
 
 
 def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick",
-          variants: Mapping[str, Sequence[str]] | None = None, module: str = "") -> str:
+          variants: Mapping[str, Sequence[str]] | None = None, module: str = "",
+          derived: Mapping[str, str] | None = None) -> str:
     """The ``--help`` text: the runner's keys, the study's variants and every config key with
-    its default (of ``preset``) and allowed values; ``module``: what ``python -m`` runs
-    (default ``experiments.<name>``)."""
+    its default (of ``preset``) and allowed values, and the keys the study sets itself
+    (``derived``); ``module``: what ``python -m`` runs (default ``experiments.<name>``)."""
     head = [f"usage: python -m {module or 'experiments.' + name} [preset=quick|full] [out=DIR] "
             "[repeat=N] [smoke=true] [variant=NAME] [overwrite=true] [key=value ...]",
             "", f"runner keys: preset ({' | '.join(PRESETS)}; default quick), "
@@ -44,7 +45,9 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
             "default false)", ""]
     head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
     head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
-    return "\n".join([h for h in head if h is not None] + describe(make_config(preset)))
+    tail = ["", "set by the study itself (refused on the command line):",
+            *(f"  {k}: {why}" for k, why in derived.items())] if derived else []
+    return "\n".join([h for h in head if h is not None] + describe(make_config(preset)) + tail)
 
 
 def parse_cli(
@@ -57,11 +60,13 @@ def parse_cli(
 def parse_runner(
     name: str, make_config: Callable[[str], Config], argv: Sequence[str],
     quick_repeat: int = 1, smoke_overrides: Sequence[str] = (),
+    derived: Mapping[str, str] | None = None,
 ) -> tuple[Config, Path, int]:
     """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
     ``quick_repeat`` with the quick preset and to 1 with the full one or a smoke run.
     ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
-    command line's keys (which win)."""
+    command line's keys (which win). ``derived``: the config keys the study sets itself
+    (key -> what sets it), refused: their value would be recorded, never run."""
     preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
     seen: set[str] = set()
     for item in argv:
@@ -91,6 +96,9 @@ def parse_runner(
             if value not in ("true", "false"):
                 raise ConfigError(f"smoke={value!r}: expected true or false")
             smoke = value == "true"
+        elif key in (derived or {}):
+            raise ConfigError(f"{key} is set by the study itself ({derived[key]}): a value "
+                              "given here would be recorded but not run")
         else:
             rest.append(item)
     cfg = make_config(preset)

@@ -138,6 +138,7 @@ def run_experiment(
     smoke: Sequence[str] = (),
     paper_scale: str = "",
     variants: Mapping[str, Sequence[str]] | None = None,
+    derived_keys: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], RunDir]:
     """Run a study once or over seeds (module docstring); ``claims(tables) -> [Claim]`` judges
     the paper's claims from a run's tables (every run's and the merged ones) into its
@@ -146,11 +147,13 @@ def run_experiment(
     for ``smoke=true``; ``variants``: the study's declared variants by name, which
     ``variant=NAME`` on the command line selects (its overrides before the line's other keys;
     its own run directory ``runs/<name>_<variant>``; the run index and the results documents
-    keep its newest run apart from the study's own)."""
+    keep its newest run apart from the study's own); ``derived_keys``: the config keys the
+    recipe sets itself (key -> what sets it), refused on the command line."""
     given = list(argv)
     argv, overwrite = split_overwrite(argv)
     argv, variant = expand_variant(name, argv, variants or {})
-    cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke)
+    cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke,
+                                            derived_keys)
     if variant and not any(a.startswith("out=") for a in argv):  # the variant's own default
         default_out = default_out.with_name(f"{default_out.name}_{variant}")
     _check_devices(cfg)
@@ -347,15 +350,16 @@ def main(name: str, make_config: Callable[[str], Config],
          **study) -> int:
     """A study's command line: ``argv`` (default ``sys.argv[1:]``) run through
     :func:`run_experiment` with ``study``, its keywords (``seed_keys``, ``quick_repeat``,
-    ``claims``, ``smoke``, ``paper_scale``, ``variants``); the exit code (2: the user's to
-    fix, one line)."""
+    ``claims``, ``smoke``, ``paper_scale``, ``variants``, ``derived_keys``); the exit code
+    (2: the user's to fix, one line)."""
     if "out" in study:
         raise TypeError("main() takes the output directory from the command line (out=...)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help", "help") for a in argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
         print(usage(name, make_config, preset if preset in PRESETS else "quick",
-                    study.get("variants"), module=run_module(name, run_fn)))
+                    study.get("variants"), module=run_module(name, run_fn),
+                    derived=study.get("derived_keys")))
         return 0
     try:
         peers = initialize_from_env()  # one of several processes (SLURM, TPU pod, MOEJAX_*)

@@ -25,6 +25,9 @@ proofs need to know about it, in one frozen value at the end of its module.
 * ``accelerator_variants``: ``(name, overrides)`` runs that measure what only a GPU or TPU can
   (``scripts/gpu_check.sh``'s stages): run as ``variant=NAME`` at any preset, documented as
   ``<study>[<name>]`` in an accelerator's results document; ``make studies`` does not run them;
+* ``derived_keys``: ``(key, what sets it)`` of the config keys the recipe sets itself (a
+  sub-config's seed taken from the study's ``seed``, a method taken from the list it runs):
+  refused on the command line, where a value would be recorded but never run;
 * ``checkpoint_runs(cfg) -> [CapturedStep]``: the full preset's training runs on real
   checkpoints this machine cannot hold, built from their ``config.json`` alone
   (:func:`moejax.train.aot.abstract_run`, :mod:`moejax.io.hf_moe_checkpoints`); ``make
@@ -63,6 +66,8 @@ class Study:
     accelerator_variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the full preset's runs on named real checkpoints, from their config.json alone
     checkpoint_runs: Callable[[Any], list] | None = None
+    # (key, what sets it): config keys the recipe sets itself, refused on the command line
+    derived_keys: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -84,6 +89,10 @@ class Study:
             bad = [c for c in cuts if "=" not in c]
             if bad:
                 raise ValueError(f"Study {self.name}: {key}={bad}: expected key=value items")
+            derived = [c for c in cuts if c.partition("=")[0] in dict(self.derived_keys)]
+            if derived:
+                raise ValueError(f"Study {self.name}: {key} sets {derived}, which the recipe "
+                                 "sets itself (derived_keys)")
 
     @property
     def all_variants(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -112,10 +121,12 @@ class Study:
                               seed_keys=self.seed_keys,
                               quick_repeat=self.quick_repeat if repeat_quick else 1,
                               claims=self.claims, smoke=self.smoke_cuts,
-                              paper_scale=self.paper_scale)
+                              paper_scale=self.paper_scale,
+                              derived_keys=dict(self.derived_keys))
 
     def main(self, argv: Sequence[str] | None = None) -> int:
         """``python -m experiments.<paper>.<study> key=value ...`` (:func:`.experiment.main`)."""
         return main(self.name, self.make_config, self.run, argv, seed_keys=self.seed_keys,
                     quick_repeat=self.quick_repeat, claims=self.claims, smoke=self.smoke_cuts,
-                    paper_scale=self.paper_scale, variants=dict(self.all_variants))
+                    paper_scale=self.paper_scale, variants=dict(self.all_variants),
+                    derived_keys=dict(self.derived_keys))
