@@ -89,6 +89,67 @@ def test_each_method_trains_only_what_it_should(method):
         np.testing.assert_array_equal(np.asarray(v), t0[k.replace("/inner", "")])
 
 
+class _Killed(RuntimeError):
+    pass
+
+
+class _KilledAt(PromptResponseBatches):
+    """The toy batches, killing the job when asked for data position ``at``."""
+
+    name = "PromptResponseBatches"  # the same stream as the toy batches', to its checkpoints
+
+    def __init__(self, at, rows, **kw):
+        super().__init__(rows, **kw)
+        self.at = at
+
+    def batch(self, position):
+        if position == self.at:
+            raise _Killed(f"killed at data position {position}")
+        return super().batch(position)
+
+
+@pytest.mark.parametrize("method", ["gkd", "ka", "sar"])
+def test_a_killed_distillation_resumes_bitwise(tmp_path, method):
+    """Killed after its step-2 checkpoint, a distillation resumed in the same run directory
+    ends bitwise where an uninterrupted one ends: the student, and with SAR the teacher's
+    router weights and their AdamW state (updated inside the loss); on-policy samples and
+    KA's M sequential updates per batch drawn and taken as in the straight run."""
+    rows = prompt_response_rows(
+        *zip(*[(np.arange(3, 3 + i % 4 + 1), np.arange(5, 5 + i % 5 + 1)) for i in range(16)]),
+        8, 6)
+    cfg = DistillConfig(method=method, ka_m=2, ka_lambda=0.5, router_lr=1e-2)
+    tcfg = TrainConfig(steps=4, batch_size=4, lr=1e-2, schedule="constant", log_every=1,
+                       ckpt_every=2, seed=7)
+
+    def models():
+        return _lm(False, n_layers=1, seed=2), _lm(True, seed=1)
+
+    def state(pair):
+        keep = (nnx.Param, RouterParam, nnx.Variable) if method == "sar" else nnx.Param
+        return {k: np.asarray(v) for k, v in named_leaves(nnx.state(pair, keep))}
+
+    student, teacher = models()
+    _, straight, hist_a = distil(student, teacher, cfg, tcfg,
+                                 PromptResponseBatches(rows, batch_size=4),
+                                 run_dir=str(tmp_path / "a"))
+    student, teacher = models()
+    with pytest.raises(_Killed):
+        distil(student, teacher, cfg, tcfg, _KilledAt(3, rows, batch_size=4),
+               run_dir=str(tmp_path / "b"))
+    student, teacher = models()
+    _, resumed, hist_b = distil(student, teacher, cfg, tcfg,
+                                PromptResponseBatches(rows, batch_size=4),
+                                run_dir=str(tmp_path / "b"))
+    assert [h["step"] for h in hist_b] == [3, 4]
+    assert [h["loss"] for h in hist_b] == [h["loss"] for h in hist_a[2:]]
+    want, got = state(straight), state(resumed)
+    assert want.keys() == got.keys() and len(want) > 0
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    if method == "sar":
+        assert any("router_opt" in k for k in want) and any("w_noise" in k for k in want)
+
+
 def test_kd_objective_is_half_forward_kl_half_ce_on_dataset_responses():
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="kd")
