@@ -358,7 +358,8 @@ def test_each_layer_and_matrix_draws_its_own_new_weights():
     assert not np.array_equal(w[0], w[1])
     assert not np.asarray(moe.blocks[0].ffn.router.w_noise[...]).any()
     for form in ("sm", "lm"):
-        ders = upcycle_model(_dense(), UpcycleConfig(expert_form=form, sm_rate=0.5),
+        ders = upcycle_model(_dense(), UpcycleConfig(expert_form=form,
+                                                     **({"sm_rate": 0.5} if form == "sm" else {})),
                              jax.random.key(0))
         ex = ders.blocks[1].ffn.experts
         drawn = "idx" if form == "sm" else "a"
@@ -376,3 +377,24 @@ def test_model_variables_sort_every_element_into_one_kind():
 def test_a_negative_layer_offset_is_refused():
     with pytest.raises(ConfigError, match="offset=-1 must be >= 0"):
         UpcycleConfig(offset=-1)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"blocks": "all", "offset": 0}, "offset=0 is read only with blocks='every_other'"),
+    ({"blocks": "list", "block_list": (1,), "offset": 3}, "offset=3 is read only with"),
+    ({"expert_form": "split", "sm_rate": 0.9}, "sm_rate=0.9 is read only with expert_form='sm'"),
+    ({"expert_form": "sm", "lm_rank": 8}, "lm_rank=8 is read only with expert_form='lm'"),
+    ({"expert_form": "vanilla", "lm_init_std": 0.1}, "lm_init_std=0.1 is read only with"),
+    ({"router_init": "zeros", "router_init_std": 0.5},
+     "router_init_std=0.5 is read only with router_init='normal'"),
+])
+def test_a_setting_only_another_rule_reads_is_refused(kw, words):
+    """As block_list outside blocks='list': a setting the rule ignores, changed from its
+    default, is refused (moe_kd's upcycle.sm_rate=0.9 with its split experts was taken and
+    recorded, and did nothing); at its default, or under the rule that reads it, it is taken."""
+    with pytest.raises(ConfigError, match=words):
+        UpcycleConfig(**kw)
+    UpcycleConfig(**{k: v for k, v in kw.items()
+                     if k in ("blocks", "block_list", "expert_form", "router_init")})
+    assert UpcycleConfig(offset=0).offset == 0 and UpcycleConfig(
+        expert_form="lm", lm_rank=8, lm_init_std=0.1).lm_rank == 8

@@ -114,8 +114,9 @@ def _models(cfg: DeRSBenchConfig):
     moe = UPCYCLE_MOE.replace(n_experts=cfg.n_experts, top_k=cfg.top_k)
     out = {}
     for form in ("vanilla", "sm", "lm"):
-        rule = UpcycleConfig(blocks="all", moe=moe, expert_form=form, sm_rate=cfg.sm_rate,
-                             lm_rank=cfg.lm_rank)
+        rule = UpcycleConfig(blocks="all", moe=moe, expert_form=form,
+                             **{"vanilla": {}, "sm": {"sm_rate": cfg.sm_rate},
+                                "lm": {"lm_rank": cfg.lm_rank}}[form])
         m = upcycle_model(dense, rule, jax.random.key(cfg.seed))
         if form == "vanilla":
             out[("vanilla", "-")] = m
