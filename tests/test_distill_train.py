@@ -214,6 +214,14 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     assert abs(float(loss_data) - float(loss)) > 1e-4
 
 
+def test_a_jsd_beta_without_the_jsd_is_refused():
+    """jsd_beta weighs the generalised JSD only: with another divergence it was taken and
+    recorded, and did nothing."""
+    with pytest.raises(ConfigError, match="jsd_beta=0.2 is read only with divergence='jsd'"):
+        DistillConfig(method="gkd", jsd_beta=0.2)
+    assert DistillConfig(method="gkd", divergence="jsd", jsd_beta=0.2).jsd_beta == 0.2
+
+
 def test_a_loss_that_draws_refuses_to_run_without_a_key():
     """A method that draws (student samples, KA's teacher passes, SAR's noisy gate) called
     without a key is refused: it drew every call from one fixed key, the same samples at
