@@ -52,6 +52,12 @@ def test_config_validation_names_field_and_roundtrips():
         TrainConfig(mesh_data=-1, mesh_expert=-1)
     with pytest.raises(ConfigError, match="wsd"):
         TrainConfig(schedule="wsd", steps=10, warmup_steps=5, decay_fraction=0.8)
+    # a schedule setting the schedule never reads (taken before: recorded and ignored)
+    with pytest.raises(ConfigError, match="decay_fraction=0.2 is read only with schedule='wsd'"):
+        TrainConfig(schedule="cosine", decay_fraction=0.2)
+    with pytest.raises(ConfigError, match="min_lr_ratio=0.0: schedule='constant' never decays"):
+        TrainConfig(schedule="constant", min_lr_ratio=0.0)
+    assert TrainConfig(schedule="linear", min_lr_ratio=0.0).min_lr_ratio == 0.0
     cfg = TrainConfig(steps=7, schedule="wsd", precision="bfloat16")
     assert from_json(to_json(cfg)) == cfg
 
