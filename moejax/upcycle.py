@@ -124,6 +124,12 @@ class UpcycleConfig(Config):
             r(read_by or value == default[name],
               f"{name}={value!r} is read only with {rule} (this rule would ignore it); set "
               f"{rule} or drop {name}")
+        moe_default = MoEConfig()
+        for name in ("d_expert", "activation", "d_shared", "d_universal"):
+            value = getattr(self.moe, name)
+            r(value == getattr(moe_default, name),
+              f"moe.{name}={value!r}: the experts take it from the dense FFN they are "
+              "upcycled from (its width and activation), so it would be ignored; drop it")
         r(self.expert_form in ("sm", "lm") or not (self.freeze_shared or self.extended),
           "freeze_shared / extended apply to DeRS experts; set expert_form='sm' or 'lm'")
         r(not self.extended or self.moe.universal_ffn,

@@ -10,6 +10,7 @@ from flax import nnx
 from moejax.config import ConfigError
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
+from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.train.hparams import TrainConfig
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
@@ -17,6 +18,7 @@ from moejax.upcycle import (
     UPCYCLE_MOE,
     UpcycleConfig,
     model_variables,
+    moe_slot_config,
     param_report,
     upcycle_model,
     upcycled_layers,
@@ -387,6 +389,9 @@ def test_a_negative_layer_offset_is_refused():
     ({"expert_form": "vanilla", "lm_init_std": 0.1}, "lm_init_std=0.1 is read only with"),
     ({"router_init": "zeros", "router_init_std": 0.5},
      "router_init_std=0.5 is read only with router_init='normal'"),
+    ({"moe": UPCYCLE_MOE.replace(d_expert=64)}, "moe.d_expert=64: the experts take it from "
+                                                "the dense FFN"),
+    ({"moe": UPCYCLE_MOE.replace(activation="gelu")}, "moe.activation='gelu': the experts"),
 ])
 def test_a_setting_only_another_rule_reads_is_refused(kw, words):
     """As block_list outside blocks='list': a setting the rule ignores, changed from its
@@ -396,5 +401,8 @@ def test_a_setting_only_another_rule_reads_is_refused(kw, words):
         UpcycleConfig(**kw)
     UpcycleConfig(**{k: v for k, v in kw.items()
                      if k in ("blocks", "block_list", "expert_form", "router_init")})
+    if "moe" in kw:  # the dense FFN's width and activation, whatever the slot's defaults
+        slot = moe_slot_config(UpcycleConfig(), DenseFFNConfig(d_hidden=24, activation="gelu"))
+        assert (slot.d_expert, slot.activation) == (24, "gelu")
     assert UpcycleConfig(offset=0).offset == 0 and UpcycleConfig(
         expert_form="lm", lm_rank=8, lm_init_std=0.1).lm_rank == 8
