@@ -365,7 +365,7 @@ STUDY = Study(
     # ragged_dot and the dense oracle compute every expert for every token): its smoke run takes
     # one layer, every other size full
     smoke_depth=("model.n_layers=1",),
-    derived_keys=(("model.moe.dispatch", "each of paths"),),
+    derived_keys=(("model.moe.dispatch", "each of paths"), ("model.dtype", "precision")),
     # on a GPU or TPU: every path on XLA's attention instead of the flash kernel, and the
     # train step alone on the flash kernel and on XLA's
     accelerator_variants=(("xla_attention", ("model.attention=jax",)),

@@ -444,7 +444,7 @@ STUDY = Study(
     # than this CPU's 24 GB; 8 of them keep every layer's shape
     smoke_depth=("grow.extra_layers=8",),
     paper_scale=PAPER_SCALE,
-    derived_keys=(("train.seed", "seed"),),
+    derived_keys=(("train.seed", "seed"), ("drafts.distil.train.seed", "seed")),
     variants=(("wide", WIDE),),
     # a GPU's: the full preset's 16 x 256 new tokens cut to 4 x 128 (one command's time); the
     # quick models in bf16 (the wide: the grown target only), the wide with command buffers
