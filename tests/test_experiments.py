@@ -303,6 +303,8 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     assert {"moe_kd", "darex_controlled", "darex_storage", "darex_decoder", "darex_encoder",
             "moee", "bench_dispatch", "bench_speculative"} <= set(declared)
     assert {"sft.seed", "distill.seed", "kd.method"} <= set(declared["moe_kd"])
+    for name, overrides in main_job.DEMO:  # the tour sets none of them
+        assert not {o.partition("=")[0] for o in overrides} & set(declared.get(name, ())), name
     study = study_module("moe_kd").STUDY
     assert study.main(["sft.seed=3", "out=unused"]) == 2
     assert "sft.seed is set by the study itself (seed + i" in capsys.readouterr().err
