@@ -154,6 +154,19 @@ class Config:
         if not condition:
             raise ConfigError(f"{type(self).__name__}: {message}")
 
+    @classmethod
+    def _default(cls, name: str):
+        """The default value of field ``name``."""
+        return cls.__dataclass_fields__[name].default
+
+    def _require_default_unless(self, read: bool, name: str, rule: str) -> None:
+        """Refuse field ``name`` changed from its default where ``read`` is False: only
+        ``rule`` reads it, so a value given would be recorded and ignored."""
+        value, default = getattr(self, name), self._default(name)
+        self._require(read or value == default,
+                      f"{name}={value!r} is read only with {rule} (this config would ignore "
+                      f"it); set {rule} or leave {name} at its default, {default!r}")
+
     def _checked(self, fn, *args):
         """``fn(*args)``, a value checked by a library function: its ``ValueError`` raised as
         this config's :class:`ConfigError`."""

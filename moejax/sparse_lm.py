@@ -106,15 +106,13 @@ class SparseLMConfig(Config):
         (``set_here``), that hold a value other than their default: ``{name: value}``. A
         study refuses them (its recorded config would name a setting that did not run)."""
         read = {*SHARED_FIELDS, *(f for a in archs for f in ARCH_FIELDS[a])} - set(set_here)
-        default = type(self)()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in read and getattr(self, f.name) != getattr(default, f.name)}
+                if f.name not in read and getattr(self, f.name) != self._default(f.name)}
 
     def without_unread(self, archs, set_here=()) -> SparseLMConfig:
         """This config with :meth:`unread`'s fields at their defaults (a study's model from
         the preset, which holds settings for the studies that read them)."""
-        default = type(self)()
-        return self.replace(**{k: getattr(default, k) for k in self.unread(archs, set_here)})
+        return self.replace(**{k: self._default(k) for k in self.unread(archs, set_here)})
 
     @property
     def n_always_on(self) -> int:

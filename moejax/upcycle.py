@@ -112,22 +112,16 @@ class UpcycleConfig(Config):
           f"block_list={self.block_list} must hold non-negative layer indices")
         r(self.offset >= 0, f"offset={self.offset} must be >= 0")
         r(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
-        # a setting only another rule reads, changed from its default, would be ignored
-        default = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, read_by, rule in (
+        for name, read, rule in (
                 ("offset", self.blocks == "every_other", "blocks='every_other'"),
                 ("sm_rate", self.expert_form == "sm", "expert_form='sm'"),
                 ("lm_rank", self.expert_form == "lm", "expert_form='lm'"),
                 ("lm_init_std", self.expert_form == "lm", "expert_form='lm'"),
                 ("router_init_std", self.router_init == "normal", "router_init='normal'")):
-            value = getattr(self, name)
-            r(read_by or value == default[name],
-              f"{name}={value!r} is read only with {rule} (this rule would ignore it); set "
-              f"{rule} or drop {name}")
-        moe_default = MoEConfig()
+            self._require_default_unless(read, name, rule)
         for name in ("d_expert", "activation", "d_shared", "d_universal"):
             value = getattr(self.moe, name)
-            r(value == getattr(moe_default, name),
+            r(value == MoEConfig._default(name),
               f"moe.{name}={value!r}: the experts take it from the dense FFN they are "
               "upcycled from (its width and activation), so it would be ignored; drop it")
         r(self.expert_form in ("sm", "lm") or not (self.freeze_shared or self.extended),

@@ -39,7 +39,7 @@ class SparseLMStudyConfig(Config):
             why = self.MODEL_SET_HERE.get(name) or (
                 f"no model it trains ({', '.join(self.MODEL_ARCHS)}) reads it")
             raise ConfigError(f"model.{name}={value!r} is not read by this study: {why}; "
-                              f"leave it at its default, {getattr(SparseLMConfig(), name)!r}")
+                              f"leave it at its default, {SparseLMConfig._default(name)!r}")
 
     @classmethod
     def from_preset(cls, preset: str, **fields):

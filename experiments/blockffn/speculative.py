@@ -134,7 +134,7 @@ class SpecBenchConfig(Config):
         for name, spec in (("target", self.target), ("draft", self.draft)):
             for key, value in spec.unread((spec.arch,)).items():
                 r(False, f"{name}.{key}={value!r} is not read by a {spec.arch} model; leave "
-                         f"it at its default, {getattr(SparseLMConfig(), key)!r}")
+                         f"it at its default, {SparseLMConfig._default(key)!r}")
         r(all(n >= 1 for n in self.draft_lens) and self.draft_lens, "draft_lens must be >= 1")
         r(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
         r(self.decode_trained or self.grow.extra_layers > 0,

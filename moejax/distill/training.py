@@ -106,9 +106,7 @@ class DistillConfig(Config):
         r(0.0 <= self.on_policy_fraction <= 1.0,
           f"on_policy_fraction={self.on_policy_fraction} must be in [0, 1]")
         r(0.0 < self.jsd_beta < 1.0, f"jsd_beta={self.jsd_beta} must be in (0, 1)")
-        r(self.divergence == "jsd" or self.jsd_beta == DistillConfig.jsd_beta,
-          f"jsd_beta={self.jsd_beta} is read only with divergence='jsd' (divergence="
-          f"{self.divergence!r} would ignore it); set divergence='jsd' or drop jsd_beta")
+        self._require_default_unless(self.divergence == "jsd", "jsd_beta", "divergence='jsd'")
         r(self.teacher_k >= 0, f"teacher_k={self.teacher_k} must be >= 0 (0 = as trained)")
         r(0.0 <= self.kd_ratio <= 1.0, f"kd_ratio={self.kd_ratio} must be in [0, 1]")
         r(0.0 <= self.ka_lambda <= 1.0, f"ka_lambda={self.ka_lambda} must be in [0, 1]")

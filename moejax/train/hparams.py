@@ -103,14 +103,11 @@ class TrainConfig(Config):
                 f"(decay_fraction * steps) exceed steps={self.steps}; lower one of them",
             )
         r(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        r(self.schedule == "wsd" or self.decay_fraction == TrainConfig.decay_fraction,
-          f"decay_fraction={self.decay_fraction} is read only with schedule='wsd' (schedule="
-          f"{self.schedule!r} would ignore it); set schedule='wsd' or decay_fraction to its "
-          f"default, {TrainConfig.decay_fraction}")
-        r(self.schedule != "constant" or self.min_lr_ratio == TrainConfig.min_lr_ratio,
+        self._require_default_unless(self.schedule == "wsd", "decay_fraction", "schedule='wsd'")
+        r(self.schedule != "constant" or self.min_lr_ratio == self._default("min_lr_ratio"),
           f"min_lr_ratio={self.min_lr_ratio}: schedule='constant' never decays, so it would "
           "be ignored; choose a decaying schedule or set min_lr_ratio to its default, "
-          f"{TrainConfig.min_lr_ratio}")
+          f"{self._default('min_lr_ratio')}")
         r(0.0 <= self.b1 < 1.0, f"b1={self.b1} must be in [0, 1)")
         r(0.0 <= self.b2 < 1.0, f"b2={self.b2} must be in [0, 1)")
         r(math.isfinite(self.eps) and self.eps > 0, f"eps={self.eps} must be finite and > 0")
