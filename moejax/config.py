@@ -414,8 +414,16 @@ def _rebuild(cfg: Config, changes: dict) -> Config:
     try:
         return dataclasses.replace(cfg, **kwargs)
     except ConfigError as e:
-        given = ", ".join(f"{c[1]}={c[2]!r}" for c in changes.values() if not isinstance(c, dict))
-        raise ConfigError(f"overrides rejected ({given}): {e}") from None
+        raise ConfigError(f"overrides rejected ({', '.join(_given(changes))}): {e}") from None
+
+
+def _given(changes: dict):
+    """Every ``key='value'`` of a (nested) set of changes, as given."""
+    for change in changes.values():
+        if isinstance(change, dict):
+            yield from _given(change)
+        else:
+            yield f"{change[1]}={change[2]!r}"
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

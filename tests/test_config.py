@@ -28,6 +28,15 @@ class _Outer(Config):
     maybe: int | None = None
 
 
+@config
+class _Checked(Config):  # a rule across sections: the outer config checks its inner one's key
+    inner: _Inner = _Inner()
+    cap: int = 8
+
+    def validate(self):
+        self._require(self.inner.width <= self.cap, f"inner.width exceeds cap={self.cap}")
+
+
 def test_literal_and_custom_validation_at_construction():
     with pytest.raises(
         ConfigError, match=r"act='tanh' is not allowed; allowed values: 'relu', 'gelu'"
@@ -116,6 +125,18 @@ def test_bad_value_names_allowed_values():
         apply_overrides(_Outer(), ["inner.width"])
     with pytest.raises(ConfigError, match="is a config section"):
         apply_overrides(_Outer(), ["inner=3"])
+
+
+def test_a_rule_of_the_outer_config_names_every_nested_override_given():
+    """An outer config refusing its sections' values names the overrides given, nested keys
+    included (not "overrides rejected ()")."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "overrides rejected (inner.width='9', inner.act='gelu'): _Checked: inner.width "
+            "exceeds cap=8")):
+        apply_overrides(_Checked(), ["inner.width=9", "inner.act=gelu"])
+    with pytest.raises(ConfigError, match=re.escape("overrides rejected (cap='2', "
+                                                    "inner.width='3')")):
+        apply_overrides(_Checked(), ["cap=2", "inner.width=3"])
 
 
 def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_key(capsys):
