@@ -11,7 +11,7 @@ import pytest
 from experiments import main as main_job
 from experiments import study_module
 from moejax.bench.moe_block import TORCH
-from moejax.config import Config, ConfigError, from_json, to_json
+from moejax.config import Config, ConfigError, apply_overrides, from_json, to_json
 from moejax.harness.experiment import run_experiment
 
 TINY_LM = [
@@ -313,6 +313,51 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     with pytest.raises(ValueError, match="variant v sets .*sft.seed=1.*sets itself"):
         type(study)("x", study.make_config, study.run, variants=(("v", ("sft.seed=1",)),),
                     derived_keys=study.derived_keys)
+
+
+UNREAD_TRAINING = [  # (study, key=value): a setting no training run of the study reads
+    ("moe_kd", "sft.eval_every=5"), ("moe_kd", "distill.ckpt_every=3"),
+    ("moe_kd", "sft.resume=force"), ("moee", "kd.eval_every=2"),
+    ("darex_controlled", "finetune.eval_every=1"),
+    ("darex_controlled", "lora_finetune.keep_checkpoints=5"),
+    ("darex_controlled", "substrate.train.eval_every=1"),
+    ("darex_storage", "finetune.tensorboard=true"), ("darex_decoder", "finetune.ckpt_every=2"),
+    ("darex_encoder", "finetune.eval_every=1"), ("ders_compression", "train.eval_every=1"),
+    ("ders_upcycling", "train.ckpt_every=1"), ("blockffn_baselines", "train.eval_every=1"),
+    ("blockffn_ablations", "train.tensorboard=true"),
+    ("blockffn_granularity", "train.eval_every=1"), ("bench_speculative", "train.eval_every=1"),
+    ("bench_speculative", "drafts.distil.train.eval_every=1"),
+    ("substrate_build", "mlp_mnist5k.train.eval_every=1"),
+]
+READ_TRAINING = [  # the same kind of setting where the run reads it
+    ("moe_kd", "distill.eval_every=5"), ("bench_speculative", "train.ckpt_every=3"),
+    ("bench_speculative", "drafts.distil.train.resume=force"),
+    ("darex_controlled", "substrate.train.ckpt_every=100"),
+    ("darex_decoder", "substrate.train.eval_every=5"), ("lm_demo", "train.tensorboard=true"),
+    ("moee", "vit.train.eval_every=5"),
+]
+
+
+@pytest.mark.parametrize("name, setting", UNREAD_TRAINING + READ_TRAINING)
+def test_a_training_setting_no_run_of_the_study_reads_is_refused(name, setting, tmp_path):
+    """A study's training run without an evaluation never read its eval_every, and one without
+    a run directory never read its checkpoint, TensorBoard and resume settings: taken, the
+    value was recorded in the run's config and ignored (moe_kd sft.eval_every=5 ran the SFT
+    without evaluating). Each is refused with the config, before anything runs or is written,
+    naming the key and its default; where the run reads the setting it is taken."""
+    study = study_module(name).STUDY
+    key = setting.partition("=")[0]
+    field = ".".join(key.split(".")[-2:])  # a substrate's config names its own train.*
+    for preset in ("quick", "full"):
+        if (name, setting) in READ_TRAINING:
+            apply_overrides(study.make_config(preset), [setting])
+            continue
+        with pytest.raises(ConfigError, match=f"overrides rejected \\({key}=.*: .*{field}=.*: "
+                                              ".* has no (evaluation|run directory)"):
+            apply_overrides(study.make_config(preset), [setting])
+    if name == "moe_kd" and setting == "sft.eval_every=5":
+        assert study.main([setting, f"out={tmp_path / 'run'}"]) == 2
+        assert not (tmp_path / "run").exists()
 
 
 def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):

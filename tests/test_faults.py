@@ -46,6 +46,7 @@ from tests.toy_models import TinyMoELM, ToySource, tree_equal
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosine",
                   ckpt_every=2, log_every=1, keep_checkpoints=10, seed=1)
+ONE_STEP = CFG.replace(steps=1, ckpt_every=0, keep_checkpoints=3)  # a call without a run_dir
 
 
 # A restore of a deliberately corrupted checkpoint fails inside orbax's asynchronous reads,
@@ -538,7 +539,7 @@ def test_token_ids_past_the_vocabulary_fail_before_compute():
     cfg = dense_decoder_config(vocab_size=8, d_model=8, n_layers=1, n_heads=2, d_hidden=16)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="token id 15 but the model's vocab_size is 8"):
-        train(model, ToySource(batch_size=4), CFG.replace(steps=1), progress=False)
+        train(model, ToySource(batch_size=4), ONE_STEP, progress=False)
 
 
 def test_a_classifiers_token_and_class_ids_are_checked_before_compute():
@@ -557,7 +558,7 @@ def test_a_classifiers_token_and_class_ids_are_checked_before_compute():
                         (tokens + 20, labels % 3, "token id .* but the model's vocab_size is 20")):
         model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
         with pytest.raises(ValueError, match=match):
-            train(model, ClassificationBatches(x, y, batch_size=4), CFG.replace(steps=1),
+            train(model, ClassificationBatches(x, y, batch_size=4), ONE_STEP,
                   loss_fn=classifier_loss_fn, progress=False)
 
 

@@ -42,7 +42,7 @@ from moejax.train.loop import ResumeError, config_differences, train
 from moejax.train.run_lock import RunLock, RunLockedError
 from moejax.train.run_state import CtrlC
 from moejax.train.step import NonFiniteError
-from tests.test_faults import _SIGINT_RUN, CFG, ROOT, _params, _run, _template
+from tests.test_faults import _SIGINT_RUN, CFG, ONE_STEP, ROOT, _params, _run, _template
 from tests.test_train_loop import Crash
 from tests.test_train_loop import CrashingSource as CrashAt
 from tests.toy_models import TinyMoELM, ToySource, tree_equal
@@ -341,7 +341,7 @@ def test_negative_token_ids_are_refused(tmp_path):
             return b
 
     with pytest.raises(ValueError, match="negative token id -3"):
-        train(TinyMoELM(nnx.Rngs(0)), Negative(batch_size=4), CFG.replace(steps=1),
+        train(TinyMoELM(nnx.Rngs(0)), Negative(batch_size=4), ONE_STEP,
               progress=False)
 
 

@@ -98,10 +98,11 @@ from experiments.blockffn import granularity as blockffn_granularity
 
 assert jax.device_count() == 8, jax.devices()
 out = pathlib.Path(tempfile.mkdtemp())
-TRAIN = ["train.batch_size=16", "train.steps=4", "train.warmup_steps=0", "train.eval_every=2"]
+TRAIN = ["train.batch_size=16", "train.steps=4", "train.warmup_steps=0"]
 runs = [
     ("lm_demo", lm_demo, ["model.d_model=32", "model.n_layers=1", "model.moe.d_expert=32",
-                          "seq_len=32", "eval_batches=1", "train.mesh_expert=4", *TRAIN]),
+                          "seq_len=32", "eval_batches=1", "train.mesh_expert=4",
+                          "train.eval_every=2", *TRAIN]),
     ("blockffn_granularity", blockffn_granularity,
      ["model.n_layers=1", "n_experts=(4,8)", "ffn_width=64", "seq_len=32", "eval_batches=1",
       *TRAIN]),

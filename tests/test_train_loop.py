@@ -11,7 +11,7 @@ from flax import nnx
 
 from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
-from moejax.train.loop import read_csv, train
+from moejax.train.loop import read_csv, train, train_params
 from moejax.train.step import NonFiniteError
 from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
@@ -26,6 +26,7 @@ CFG = TrainConfig(
     log_every=2,
     seed=1,
 )
+PLAIN = CFG.replace(ckpt_every=0, eval_every=0)  # for a call without eval_fn or run_dir
 
 
 class Crash(RuntimeError):
@@ -86,13 +87,14 @@ def test_loop_outputs_and_crash_resume_is_exact(tmp_path):
         train(
             TinyMoELM(nnx.Rngs(0)),
             CrashingSource(5, batch_size=4),
-            CFG,
+            CFG.replace(eval_every=0),  # no eval_fn: the run's evaluation cadence unset
             run_dir=run_b,
             progress=False,
         )
     assert latest_step(os.path.join(run_b, "checkpoints")) == 3
     resumed_model = TinyMoELM(nnx.Rngs(0))  # fresh model: the loop restores from step 3
-    hist_b = train(resumed_model, ToySource(batch_size=4), CFG, run_dir=run_b, progress=False)
+    hist_b = train(resumed_model, ToySource(batch_size=4), CFG.replace(eval_every=0),
+                   run_dir=run_b, progress=False)
     assert [h["step"] for h in hist_b] == [4, 5, 6]
     assert [h["loss"] for h in hist_b] == [h["loss"] for h in hist_a[3:]]
     rows_b = read_csv(os.path.join(run_b, "metrics.csv"))
@@ -102,7 +104,8 @@ def test_loop_outputs_and_crash_resume_is_exact(tmp_path):
 
     # a finished run resumes to a no-op
     assert (
-        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), CFG, run_dir=run_b, progress=False)
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), CFG.replace(eval_every=0),
+              run_dir=run_b, progress=False)
         == []
     )
 
@@ -123,7 +126,39 @@ def test_loop_raises_non_finite_before_saving(tmp_path):
 
 def test_source_batch_size_must_match():
     with pytest.raises(ValueError, match="batch_size"):
-        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=3), CFG, progress=False)
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=3), PLAIN, progress=False)
+
+
+@pytest.mark.parametrize("setting, needs", [
+    (dict(eval_every=3), "eval_fn"), (dict(ckpt_every=2), "run_dir"),
+    (dict(keep_checkpoints=5), "run_dir"), (dict(tensorboard=True), "run_dir"),
+    (dict(resume="force"), "run_dir"), (dict(eval_every=3, ckpt_every=2), "eval_fn and run_dir"),
+])
+def test_a_setting_the_call_would_ignore_is_refused_before_it_runs(tmp_path, setting, needs):
+    """The evaluation cadence is read only with an eval_fn, the checkpoint, TensorBoard and
+    resume settings only with a run_dir: taken without them, a run recorded them in its
+    config and ran as if they were unset. Refused before any step, naming the fix, for a model
+    and a plain pytree alike; given what reads it, the same setting runs."""
+    model = TinyMoELM(nnx.Rngs(0))
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    cfg = PLAIN.replace(steps=2, **setting)
+    field = next(iter(setting))
+    match = f"{field}=.* is read only with {needs}, which this call was not given"
+    with pytest.raises(ValueError, match=match) as e:
+        train(model, ToySource(batch_size=4), cfg, progress=False)
+    assert f"leave {field} at its default, {TrainConfig._default(field)!r}" in str(e.value)
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+    with pytest.raises(ValueError, match=match):
+        train_params(before, ToySource(batch_size=4), cfg, lambda p, batch, key: 0.0)
+    if needs == "eval_fn":  # a run directory does not read the evaluation cadence either
+        with pytest.raises(ValueError, match=match):
+            train(model, ToySource(batch_size=4), cfg, run_dir=str(tmp_path / "r"),
+                  progress=False)
+        assert not (tmp_path / "r").exists()
+    hist = train(model, ToySource(batch_size=4), cfg, run_dir=str(tmp_path / "ok"),
+                 eval_fn=_eval_fn, progress=False)
+    assert len(hist) == 2
 
 
 def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
@@ -180,7 +215,8 @@ def test_a_step_that_cannot_fit_the_device_is_refused_before_it_runs(tmp_path, m
     assert budget.available_bytes(jax.devices()[0])[0] > 1e9  # this host: the real memory
     monkeypatch.setattr(budget, "available_bytes", lambda device: (1000, "a 1 kB device"))
     with pytest.raises(budget.MemoryBudgetError) as e:
-        train(model, ToySource(batch_size=4), CFG, run_dir=str(tmp_path / "r"), progress=False)
+        train(model, ToySource(batch_size=4), CFG.replace(eval_every=0),
+              run_dir=str(tmp_path / "r"), progress=False)
     msg = str(e.value)
     assert " per device" in msg and "a 1 kB device is 1.0 kB" in msg
     assert "batch_size (now 4)" in msg and "grad_accum" in msg and "\n" not in msg
@@ -188,4 +224,4 @@ def test_a_step_that_cannot_fit_the_device_is_refused_before_it_runs(tmp_path, m
     jax.tree.map(np.testing.assert_array_equal, before,
                  jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
     monkeypatch.undo()
-    assert len(train(model, ToySource(batch_size=4), CFG.replace(steps=1), progress=False)) == 1
+    assert len(train(model, ToySource(batch_size=4), PLAIN.replace(steps=1), progress=False)) == 1

@@ -115,7 +115,8 @@ def test_a_model_that_updates_its_own_state_trains_and_resumes_exactly(tmp_path)
     statistics) come back from each step, and a resumed run equals an uninterrupted one."""
     cfg = CFG.replace(ckpt_every=2, grad_accum=2)
     full = _StatefulNet(nnx.Rngs(0))
-    hist = train(full, _regression, cfg, loss_fn=_stateful_loss, progress=False)
+    hist = train(full, _regression, cfg.replace(ckpt_every=0), loss_fn=_stateful_loss,
+                 progress=False)  # the uninterrupted run: no run directory
     assert int(full.drop.rngs.count[...]) == cfg.steps * cfg.grad_accum
     assert float(jnp.abs(full.norm.mean[...]).max()) > 1e-3  # the statistics moved from 0
     assert len({round(h["loss"], 6) for h in hist}) == len(hist)
@@ -188,7 +189,7 @@ def test_a_source_or_loss_the_loop_cannot_call_is_refused_before_anything(
 
 def test_pytree_training_resumes_exactly(tmp_path):
     cfg = CFG.replace(ckpt_every=2)
-    full, _ = train_params(P0, _regression, cfg, _mse, progress=False)
+    full, _ = train_params(P0, _regression, cfg.replace(ckpt_every=0), _mse, progress=False)
 
     def crashing(position):
         if position == 3:
@@ -289,8 +290,8 @@ def test_keep_best_survives_a_crash_and_a_second_call_of_the_finished_run(tmp_pa
     step past the resumed one is set aside, not resumed from."""
     cfg = CFG.replace(steps=6, eval_every=1, log_every=1, schedule="constant", ckpt_every=2)
     score = lambda params, step: {"score": -abs(step - 2.0)}  # noqa: E731
-    want, _ = train_params(P0, _regression, cfg, _mse, eval_fn=score, keep_best="score",
-                           progress=False)
+    want, _ = train_params(P0, _regression, cfg.replace(ckpt_every=0), _mse, eval_fn=score,
+                           keep_best="score", progress=False)
 
     def crashing(position):
         if position == 4:
@@ -365,8 +366,8 @@ def test_a_failed_evaluation_keeps_its_step_and_the_resumed_run_evaluates_it(tmp
     cfg = CFG.replace(steps=6, eval_every=2, log_every=1, schedule="constant",
                       ckpt_every=ckpt_every)
     score = lambda params, step: {"score": -abs(step - 4.0)}  # noqa: E731
-    want, _ = train_params(P0, _regression, cfg, _mse, eval_fn=score, keep_best="score",
-                           progress=False)
+    want, _ = train_params(P0, _regression, cfg.replace(ckpt_every=0), _mse, eval_fn=score,
+                           keep_best="score", progress=False)
 
     def failing(params, step):
         if step == 4:
@@ -563,8 +564,8 @@ def test_a_run_cut_to_a_few_rows_by_a_capture_saves_no_checkpoint(tmp_path):
     assert latest_step(tmp_path / "r" / "checkpoints") is None
     assert latest_step(tmp_path / "r" / "best") is None
     with capture_steps(steps=2):
-        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg, run_dir=str(tmp_path / "s"),
-              progress=False)
+        train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=4), cfg.replace(eval_every=0),
+              run_dir=str(tmp_path / "s"), progress=False)
     assert latest_step(tmp_path / "s" / "checkpoints") == 2
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from moejax.config import Config, ConfigError, config
 from moejax.harness.claims import Claim, lookup, measured, paired_compare, per_seed, unjudged
 from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 
 # the models and data the paper measured its claims on (beside every verdict)
 PAPER_SCALE = ("BlockFFN and baseline LMs of 0.1B, 0.5B, 0.8B and 1.2B parameters at close "
@@ -33,6 +33,7 @@ class SparseLMStudyConfig(Config):
     MODEL_SET_HERE = {"arch": "every model it trains is BlockFFN"}
 
     def validate(self):
+        require_read(self, "train", "each model's training")
         self._require(self.seq_len <= self.model.max_seq_len,
                       f"seq_len={self.seq_len} exceeds model.max_seq_len")
         for name, value in self.model.unread(self.MODEL_ARCHS, self.MODEL_SET_HERE).items():

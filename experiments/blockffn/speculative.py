@@ -75,7 +75,7 @@ from moejax.harness.study import Study
 from moejax.nn.decoder import keep_layers, with_dtype
 from moejax.pytree import count_params
 from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 
 
 @config
@@ -129,6 +129,8 @@ class SpecBenchConfig(Config):
     seed: int = 0
 
     def validate(self):
+        require_read(self, "train", "the target's and draft's training", run_dir=True)
+        require_read(self, "drafts.distil.train", "each draft's distillation", run_dir=True)
         r = self._require
         r(self.target.arch == "blockffn", "target.arch must be 'blockffn' (chunk sparsity)")
         for name, spec in (("target", self.target), ("draft", self.draft)):

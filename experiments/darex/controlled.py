@@ -46,7 +46,7 @@ from moejax.substrates.mlp import (
     load_tasks,
     mlp,
 )
-from moejax.train import TrainConfig, adam_linear_config
+from moejax.train import TrainConfig, adam_linear_config, require_read
 
 MATRICES = r"^(w1|wo)$"  # the MLP's weight matrices (prune=matrices)
 
@@ -96,6 +96,8 @@ class ControlledConfig(Config):
     q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
 
     def validate(self):
+        require_read(self, "finetune", "each fine-tune")
+        require_read(self, "lora_finetune", "each LoRA fine-tune")
         self._require(all(0 < p < 1 for p in self.ps), f"ps={self.ps} must lie in (0, 1)")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(all(0 < p < 1 for p in self.sweep_ps) and all(w >= 0 for w in

@@ -48,7 +48,14 @@ from moejax.io.smollm2 import load_smollm2
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
-from moejax.train import TrainConfig, adam_linear_config, lm_loss_fn, params_loss, train_params
+from moejax.train import (
+    TrainConfig,
+    adam_linear_config,
+    lm_loss_fn,
+    params_loss,
+    require_read,
+    train_params,
+)
 
 
 @config
@@ -84,6 +91,7 @@ class DecoderStudyConfig(Config):
     seed: int = 0  # batch order, DARE masks (replaces finetune.seed)
 
     def validate(self):
+        require_read(self, "finetune", "each fine-tune")
         self._require(self.seq_len >= 8, f"seq_len={self.seq_len} must be >= 8")
         self._require(self.model != "substrate" or self.seq_len <= self.substrate.max_seq_len,
                       f"seq_len={self.seq_len} exceeds substrate.max_seq_len="

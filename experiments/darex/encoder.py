@@ -54,7 +54,7 @@ from moejax.pytree import path_str
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
-from moejax.train import TrainConfig, adam_linear_config, params_loss, train_params
+from moejax.train import TrainConfig, adam_linear_config, params_loss, require_read, train_params
 
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
                  "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "magnitude",
@@ -109,6 +109,7 @@ class EncoderStudyConfig(Config):
     q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
 
     def validate(self):
+        require_read(self, "finetune", "each fine-tune")
         for t in self.tasks:
             self._require(t in N_CLASSES, f"task {t!r} unknown; use one of {sorted(N_CLASSES)}")
         self._require(len(self.optimizers) >= 1, "optimizers must name at least one of "

@@ -47,7 +47,7 @@ from moejax.nn.decoder import param_shapes, smollm2_135m_config
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
-from moejax.train import TrainConfig, adam_linear_config
+from moejax.train import TrainConfig, adam_linear_config, require_read
 
 
 @config
@@ -74,6 +74,7 @@ class StorageConfig(Config):
     seed: int = 0  # replaces finetune.seed
 
     def validate(self):
+        require_read(self, "finetune", "each fine-tune")
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")
         self._require(all(b in (32, 16) or 1 <= b <= 8 for b in self.bits),
                       f"bits={self.bits}: use 32 (float32), 16 (bfloat16) or 1..8 (k-bit codes)")

@@ -51,7 +51,7 @@ from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.pytree import fmt_count
 from moejax.substrates.ders import FULL_PRESET, SubstrateConfig, batches, dense_substrate, fit
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, output_scale, upcycle_model, upcycled_layers
 
 SCENARIOS = {
@@ -83,6 +83,7 @@ class DeRSCompressionConfig(Config):
     quant_group: int = 64
 
     def validate(self) -> None:
+        require_read(self, "train", "each upcycled model's training")
         self._require(all(s in SCENARIOS for s in self.scenarios),
                       f"scenarios={self.scenarios}; allowed: {tuple(SCENARIOS)}")
         self._require(all(0 <= p < 1 for p in self.drop_rates), "drop_rates must be in [0, 1)")

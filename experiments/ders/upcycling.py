@@ -54,7 +54,7 @@ from moejax.substrates.ders import (
     text_windows,
 )
 from moejax.train.aot import abstract_run
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig, model_variables, param_report, upcycle_model
 
 VAL_SEED = 10_000  # the validation windows' seed
@@ -78,6 +78,7 @@ class DeRSUpcyclingConfig(Config):
     baseline: str = ""
 
     def validate(self) -> None:
+        require_read(self, "train", "each upcycled model's training")
         self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")
         self._require(all(r >= 1 for r in self.lm_ranks), "lm_ranks must be >= 1")
         self._require(len(self.sm_rates) >= 1 and len(self.lm_ranks) >= 1,

@@ -53,7 +53,7 @@ from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import mean_std, seed_summary
 from moejax.substrates.classifier_data import ClassifierData
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 
 # ablation key -> (label, cluster method, neuron selection, router); "random" routing sends
 # every token to a random expert (Table 2)
@@ -94,6 +94,7 @@ class MoEEStudyConfig(ExtractionSource):
     seed: int = 0
 
     def validate(self) -> None:
+        require_read(self, "kd", "the KD fine-tune")
         r = self._require
         bad = [a for a in self.ablations if a not in ABLATIONS]
         r(not bad, f"ablations {bad} unknown; use a subset of {tuple(ABLATIONS)}")

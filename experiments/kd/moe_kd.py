@@ -82,7 +82,7 @@ from moejax.nn.moe import MoEConfig
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.aot import abstract_run
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import TrainConfig, require_read
 from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 
 LABELS = {"sft": "SFT", "kd": "KD", "gkd": "GKD", "all": "ALL", "ka": "KA", "sar": "SAR"}
@@ -138,6 +138,8 @@ class MoEKDConfig(Config):
     seed: int = 0
 
     def validate(self):
+        require_read(self, "sft", "the SFT run")
+        require_read(self, "distill", "each distillation", eval_fn=True)
         r = self._require
         sub = None if self.model == "smollm2_135m" else getattr(self, self.model)
         n_layers, max_len = 30, None if sub is None else sub.max_seq_len

@@ -29,7 +29,7 @@ from moejax.data.builders_images import load_digits_arrays, load_mnist5k_arrays
 from moejax.delta.lora import lora_apply, lora_init
 from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn
 from moejax.nn import axes as ax
-from moejax.train.hparams import TrainConfig, adam_linear_config
+from moejax.train.hparams import TrainConfig, adam_linear_config, require_read
 from moejax.train.loop import train, train_params
 
 __all__ = ["load_tasks", "init_mlp", "mlp", "mlp_loss", "accuracy_fn", "pretrain_mlp",
@@ -146,6 +146,7 @@ class MLPSubstrateConfig(Config):
     train: TrainConfig = adam_linear_config(400, 1e-3, batch_size=128, warmup=20)
 
     def validate(self) -> None:
+        require_read(self, "train", "the MLP's pre-training", run_dir=True)
         self._require(self.d_hidden > 0, f"d_hidden={self.d_hidden} must be > 0")
 
 

@@ -9,6 +9,7 @@ from moejax.train.hparams import (
     make_optimizer,
     make_schedule,
     paths_mask,
+    require_read,
 )
 from moejax.train.loop import train, train_params
 from moejax.train.loop_options import History, LoopOptions
@@ -37,6 +38,7 @@ __all__ = [
     "make_optimizer",
     "decay_mask",
     "paths_mask",
+    "require_read",
     "TrainState",
     "NonFiniteError",
     "init_state",

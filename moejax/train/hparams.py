@@ -35,8 +35,14 @@ from moejax.config_names import SEED_LIMIT
 from moejax.optim.anchored import adamr
 from moejax.pytree import path_names, path_str
 
-__all__ = ["TrainConfig", "adam_linear_config", "make_schedule", "make_optimizer", "decay_mask",
-           "paths_mask", "wsd_decay_start"]
+__all__ = ["EVAL_FIELDS", "RUN_DIR_FIELDS", "TrainConfig", "adam_linear_config", "require_read",
+           "make_schedule", "make_optimizer", "decay_mask", "paths_mask", "wsd_decay_start"]
+
+
+# The fields the training loop reads only with an evaluation (``eval_fn``) or only with a run
+# directory (``run_dir``: checkpoints, TensorBoard events and resume live there).
+EVAL_FIELDS = ("eval_every",)
+RUN_DIR_FIELDS = ("ckpt_every", "keep_checkpoints", "tensorboard", "resume")
 
 
 @config
@@ -148,6 +154,31 @@ class TrainConfig(Config):
     @property
     def micro_batch_size(self) -> int:
         return self.batch_size // self.grad_accum
+
+    def unread_by_loop(self, *, eval_fn: bool, run_dir: bool) -> list[str]:
+        """The fields set away from their defaults that a loop without an evaluation
+        (``eval_fn`` False) or without a run directory (``run_dir`` False) would ignore."""
+        unread = [*(() if eval_fn else EVAL_FIELDS), *(() if run_dir else RUN_DIR_FIELDS)]
+        return [f for f in unread if getattr(self, f) != self._default(f)]
+
+
+def require_read(owner: Config, key: str, run: str, *, eval_fn: bool = False,
+                 run_dir: bool = False) -> None:
+    """Refuse, as ``owner``'s error, the fields of its training config ``key`` that ``run``
+    (the training that config drives, named for the message) would ignore: the evaluation
+    cadence where it has no ``eval_fn``, the checkpoint and resume settings where it has no
+    ``run_dir`` (:meth:`TrainConfig.unread_by_loop`). A study's config calls it from its
+    ``validate``, so the setting is refused before anything runs, not at the loop."""
+    cfg = owner
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    unread = cfg.unread_by_loop(eval_fn=eval_fn, run_dir=run_dir)
+    why = " and ".join(w for w, fields in (("has no evaluation", EVAL_FIELDS), (
+        "has no run directory (its checkpoints, TensorBoard events and resume)",
+        RUN_DIR_FIELDS)) if set(unread) & set(fields))
+    owner._require(not unread, f"{', '.join(f'{key}.{f}={getattr(cfg, f)!r}' for f in unread)}"
+                   f": {run} {why}, so nothing would read it; leave "
+                   + ", ".join(f"{key}.{f} at its default, {cfg._default(f)!r}" for f in unread))
 
 
 def adam_linear_config(steps: int, lr: float, *, batch_size: int, optimizer: str = "adam",

@@ -26,6 +26,10 @@ functional model) and returns the new pytree. Both:
 * checkpoint every ``cfg.ckpt_every`` steps and at the end, only after checking with one fused
   reduction that every parameter is finite (non-finite state is never saved).
 
+A setting the call would ignore is refused before any step: ``cfg.eval_every`` without an
+``eval_fn``, the checkpoint, TensorBoard and resume settings (``ckpt_every``,
+``keep_checkpoints``, ``tensorboard``, ``resume``) without a ``run_dir``.
+
 The result is a :class:`History`: the list of per-step metric dicts of the steps run by this
 call, with ``.memory`` (XLA's compiled memory analysis of the step, when ``measure_memory``).
 """
@@ -65,7 +69,7 @@ from moejax.train.distributed import (
     is_peer_failure,
     local_batch,
 )
-from moejax.train.hparams import TrainConfig
+from moejax.train.hparams import EVAL_FIELDS, RUN_DIR_FIELDS, TrainConfig
 from moejax.train.logs import CsvLog, TensorBoardLog, eval_numbers, read_csv
 from moejax.train.loop_options import History, LoopOptions, options_of
 from moejax.train.run_lock import RunLock
@@ -148,6 +152,21 @@ def _compiled_for(batch, compiled, jitted) -> Callable:
     return step
 
 
+def _check_read(cfg: TrainConfig, opts: LoopOptions) -> None:
+    """Refuse the settings this call would ignore: the evaluation cadence without an
+    ``eval_fn``, the checkpoint and resume settings without a ``run_dir``."""
+    unread = cfg.unread_by_loop(eval_fn=opts.eval_fn is not None,
+                                run_dir=opts.run_dir is not None)
+    if unread:
+        needs = [what for what, fields in (("eval_fn", EVAL_FIELDS), ("run_dir", RUN_DIR_FIELDS))
+                 if set(unread) & set(fields)]
+        raise ValueError(
+            f"TrainConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in unread)} is read only "
+            f"with {' and '.join(needs)}, which this call was not given (the loop would ignore "
+            f"it); pass {' and '.join(f'{n}=' for n in needs)} or leave "
+            + ", ".join(f"{f} at its default, {cfg._default(f)!r}" for f in unread))
+
+
 class _Run:
     """One call of the loop: its state, logs, checkpointer and lock, opened in that order and
     closed in reverse whatever happens."""
@@ -157,6 +176,7 @@ class _Run:
         if opts.keep_best and not (opts.eval_fn is not None and cfg.eval_every):
             raise ValueError(f"keep_best={opts.keep_best!r} selects among evaluations; pass "
                              "eval_fn and set TrainConfig.eval_every > 0")
+        _check_read(cfg, opts)
         self.best_mode = (check_keep_best(opts.keep_best, opts.keep_best_mode)
                           if opts.keep_best else None)
         if not opts.keep_best and opts.keep_best_mode is not None:
