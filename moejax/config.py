@@ -150,6 +150,20 @@ class Config:
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
+    def unread_fields(self) -> dict[str, str]:
+        """The fields (sections or values) this config's other settings leave unread, each
+        with the setting that would read it: :func:`apply_overrides` refuses a key through
+        one, whose value would be recorded but never run. Default: none."""
+        return {}
+
+    def _read_only_with(self, selector: str, reads: dict[str, tuple]) -> dict[str, str]:
+        """:meth:`unread_fields` of a choice: ``reads`` maps each field to the values of field
+        ``selector`` that read it; those this config's value is not among are unread."""
+        current = getattr(self, selector)
+        return {f: f"read only with {selector}={' or '.join(repr(v) for v in values)} (this "
+                   f"config has {selector}={current!r})"
+                for f, values in reads.items() if current not in values}
+
     def _require(self, condition: bool, message: str) -> None:
         if not condition:
             raise ConfigError(f"{type(self).__name__}: {message}")
@@ -452,4 +466,22 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
                               "each key once")
         given[key] = text
         _collect(cfg, key.split("."), text.strip(), key, changes)
-    return _rebuild(cfg, changes)
+    new = _rebuild(cfg, changes)
+    for key, text in given.items():
+        _check_read(new, key, text)
+    return new
+
+
+def _check_read(cfg: Config, key: str, text: str) -> None:
+    """Refuse override ``key=text`` where it sets a field (or a field inside a section) that
+    the config's other settings leave unread (:meth:`Config.unread_fields`)."""
+    node, path = cfg, []
+    for part in key.split("."):
+        why = node.unread_fields().get(part)
+        if why is not None:
+            where = ".".join([*path, part])
+            raise ConfigError(f"{key}={text!r}: {where} is {why}, so the value would be "
+                              "recorded but not run; drop the key or set what reads it")
+        node, path = getattr(node, part), [*path, part]
+        if not isinstance(node, Config):
+            return

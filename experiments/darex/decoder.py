@@ -90,6 +90,9 @@ class DecoderStudyConfig(Config):
     q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
     seed: int = 0  # batch order, DARE masks (replaces finetune.seed)
 
+    def unread_fields(self) -> dict[str, str]:
+        return self._read_only_with("model", {"substrate": ("substrate",)})
+
     def validate(self):
         require_read(self, "finetune", "each fine-tune")
         self._require(self.seq_len >= 8, f"seq_len={self.seq_len} must be >= 8")

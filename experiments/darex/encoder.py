@@ -108,6 +108,9 @@ class EncoderStudyConfig(Config):
     per_layer_form: Literal["two_sided", "official_signed"] = "two_sided"
     q_spacing: Literal["geometric", "linear"] = "geometric"  # the searched q grid (q_grid)
 
+    def unread_fields(self) -> dict[str, str]:
+        return self._read_only_with("model", {"substrate": ("substrate",), "seq_len": ("minilm",)})
+
     def validate(self):
         require_read(self, "finetune", "each fine-tune")
         for t in self.tasks:

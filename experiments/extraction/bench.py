@@ -81,6 +81,13 @@ class ExtractedBenchConfig(ExtractionSource):
     repeats: int = 20
     seed: int = 0
 
+    def unread_fields(self) -> dict[str, str]:
+        plans = ("vit", "minilm")  # the MoEE plans' part (model=none: the synthetic part only)
+        return {**self._read_only_with("model", {"vit": ("vit",), "minilm": ("minilm",), **{
+            f: plans for f in ("extract", "record_rows", "eval_rows", "rows", "grouped_cost")}}),
+                **self._read_only_with("synthetic", {f: (True,) for f in (
+                    "d_model", "d_hidden", "experts", "keep", "batches", "seq_len")})}
+
     def validate(self) -> None:
         self._require(0 < self.keep < 1, f"keep={self.keep} must be in (0, 1)")
         self._require(self.experts >= 2 and self.seq_len >= 1, "experts >= 2, seq_len >= 1")

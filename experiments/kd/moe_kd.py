@@ -137,6 +137,10 @@ class MoEKDConfig(Config):
     eval_temperature: float = 1.0
     seed: int = 0
 
+    def unread_fields(self) -> dict[str, str]:
+        return self._read_only_with("model", {"dense_lm_chat": ("dense_lm_chat",),
+                                              "dense_lm_prose": ("dense_lm_prose",)})
+
     def validate(self):
         require_read(self, "sft", "the SFT run")
         require_read(self, "distill", "each distillation", eval_fn=True)

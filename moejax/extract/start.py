@@ -36,6 +36,9 @@ class ExtractionSource(Config):
     record_rows: int = 1000
     eval_rows: int = 1000
 
+    def unread_fields(self) -> dict[str, str]:
+        return self._read_only_with("model", {"vit": ("vit",), "minilm": ("minilm",)})
+
     def classifier_data(self, train_rows: int | None = None) -> ClassifierData:
         """The substrate (built or read from the cache) with its data; ``train_rows``: the
         training rows to hold (default ``record_rows``)."""
