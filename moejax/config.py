@@ -151,9 +151,10 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def unread_fields(self) -> dict[str, str]:
-        """The fields (sections or values) this config's other settings leave unread, each
-        with the setting that would read it: :func:`apply_overrides` refuses a key through
-        one, whose value would be recorded but never run. Default: none."""
+        """The fields (sections, values, or dotted keys inside a section) this config's other
+        settings leave unread, each with why (the setting that would read it):
+        :func:`apply_overrides` refuses a key through one, whose value would be recorded but
+        never run. Default: none."""
         return {}
 
     def _read_only_with(self, selector: str, reads: dict[str, tuple]) -> dict[str, str]:
@@ -475,13 +476,14 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 def _check_read(cfg: Config, key: str, text: str) -> None:
     """Refuse override ``key=text`` where it sets a field (or a field inside a section) that
     the config's other settings leave unread (:meth:`Config.unread_fields`)."""
-    node, path = cfg, []
-    for part in key.split("."):
-        why = node.unread_fields().get(part)
-        if why is not None:
-            where = ".".join([*path, part])
-            raise ConfigError(f"{key}={text!r}: {where} is {why}, so the value would be "
-                              "recorded but not run; drop the key or set what reads it")
+    node, path, parts = cfg, [], key.split(".")
+    for i, part in enumerate(parts):
+        rest = ".".join(parts[i:])
+        for field, why in node.unread_fields().items():
+            if rest == field or rest.startswith(field + "."):
+                where = ".".join([*path, field])
+                raise ConfigError(f"{key}={text!r}: {where} is {why}, so the value would be "
+                                  "recorded but not run; drop the key or set what reads it")
         node, path = getattr(node, part), [*path, part]
         if not isinstance(node, Config):
             return

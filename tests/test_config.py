@@ -218,8 +218,10 @@ def test_every_study_refuses_a_negative_number_before_it_runs():
 
 def _unread(cfg: Config, key: str) -> bool:
     """Whether ``key`` goes through a field ``cfg``'s settings leave unread."""
-    for part in key.split("."):
-        if part in cfg.unread_fields():
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        rest = ".".join(parts[i:])
+        if any(rest == f or rest.startswith(f + ".") for f in cfg.unread_fields()):
             return True
         cfg = getattr(cfg, part)
     return False
@@ -316,6 +318,24 @@ BRANCHES = [  # (study, the choice, a key that choice leaves unread, a key it re
     ("darex_decoder", "model=smollm2_135m", "substrate.train.lr=0.01", "q_num=3"),
     ("darex_encoder", "model=minilm", "substrate.train.lr=0.01", "seq_len=16"),
     ("darex_encoder", "model=substrate", "seq_len=16", "substrate.train.lr=0.01"),
+    ("darex_storage", "source=smollm2_shapes methods=(DARE,)", "finetune.lr=0.01",
+     "delta_std=0.01"),
+    ("darex_storage", "source=mlp timing_tree=none", "delta_std=0.01", "finetune.lr=0.01"),
+    ("darex_storage", "timing_tree=none", "timing_repeats=2", "ps=(0.5,)"),
+    ("bench_speculative", "drafts.distilled=false drafts.self_distilled=false",
+     "drafts.distil.prompts=8", "drafts.self_layers=1"),
+    ("bench_speculative", "profile=false", "profile_top=3", "n_prompts=2"),
+    ("bench_speculative", "grow.extra_layers=0", "grow.d_expert=64", "n_prompts=4"),
+    ("bench_dispatch", "block_paths=()", "block_repeats=2", "steps=2"),
+    ("bench_dispatch", "profile=false", "profile_top=3", "steps=2"),
+    ("blockffn_baselines", "sizes=(small,)", "xl_n_layers=2", "small_d_model=32"),
+    ("blockffn_baselines", "models=(TopK,)", "grin_k=two", "sizes=(small,)"),
+    ("ders_upcycling", "substrate.source=substrates", "substrate.pretrained.train.lr=0.01",
+     "substrate.prefinetuned.train.lr=0.01"),
+    ("ders_compression", "substrate.source=substrates scenarios=(finetuned,)",
+     "substrate.pretrained.train.lr=0.01", "substrate.prefinetuned.train.lr=0.01"),
+    ("ders_compression", "substrate.source=smollm2", "substrate.prefinetuned.train.lr=0.01",
+     "substrate.seq_len=128"),
 ]
 
 
@@ -331,25 +351,24 @@ def test_a_key_the_studys_choice_leaves_unread_is_refused(name, choice, unread, 
     from experiments import STUDIES, TOOLS
 
     study = importlib.import_module({**STUDIES, **TOOLS}[name]).STUDY
-    where = unread.partition("=")[0].split(".")[0]
-    selector = choice.partition("=")[0]
+    choice = choice.split()
+    key, _, value = unread.partition("=")
     checked = 0
     for preset in ("quick", "full"):
         cfg = study.make_config(preset)
         try:
-            apply_overrides(cfg, [choice])
+            apply_overrides(cfg, choice)
         except ConfigError:  # a choice this preset cannot take (moe_kd's full preset: chat)
             continue
         checked += 1
-        for given in ([choice, unread], [unread, choice]):
-            with pytest.raises(ConfigError, match=re.escape(
-                    f"{unread.partition('=')[0]}={unread.partition('=')[2]!r}: {where} is "
-                    f"read only with {selector}=") + r".*\(this config has " + re.escape(
-                    f"{selector}=") + ".*recorded but not run"):
+        for given in ([*choice, unread], [unread, *choice]):
+            with pytest.raises(ConfigError, match=re.escape(f"{key}={value!r}: ") + (
+                    r"[\w.]+ is read (only with .*\(this config has |by no part of this "
+                    r"study).*recorded but not run")):
                 apply_overrides(cfg, given)
-        apply_overrides(cfg, [choice, read])
+        apply_overrides(cfg, [*choice, read])
     assert checked
-    assert study.main([choice, unread, f"out={tmp_path / 'run'}"]) == 2
+    assert study.main([*choice, unread, f"out={tmp_path / 'run'}"]) == 2
     assert not (tmp_path / "run").exists()
 
 

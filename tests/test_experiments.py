@@ -333,7 +333,7 @@ READ_TRAINING = [  # the same kind of setting where the run reads it
     ("moe_kd", "distill.eval_every=5"), ("bench_speculative", "train.ckpt_every=3"),
     ("bench_speculative", "drafts.distil.train.resume=force"),
     ("darex_controlled", "substrate.train.ckpt_every=100"),
-    ("ders_upcycling", "substrate.pretrained.train.eval_every=5"),
+    ("substrate_build", "dense_lm_prose.train.eval_every=5"),
     ("lm_demo", "train.tensorboard=true"),
     ("moee", "vit.train.eval_every=5"),
 ]

@@ -189,7 +189,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
-    args = [*(a for a in TINY if not a.startswith("grow.extra_layers")),
+    args = [*(a for a in TINY if not a.startswith("grow.")),  # no growth: no grow.* read
             "grow.extra_layers=0", "drafts.distilled=true", "drafts.self_layers=0",
             "drafts.self_distilled=false", "decode_dtype=bfloat16"]
     calls, real = [], mod.decode_timing
@@ -389,14 +389,15 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
-    args = [*TINY, "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
+    args = [*(a for a in TINY if not a.startswith("drafts.distil.")),  # no distilled draft
+            "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
             "drafts.self_distilled=false"]
     _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"grown"}
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
                                          "spec chunk-sparse"]
-    no_growth = [a for a in args if not a.startswith("grow.extra_layers")]
+    no_growth = [a for a in args if not a.startswith("grow.")]
     with pytest.raises(ConfigError, match="decode_trained=false needs grow.extra_layers"):
         run_experiment(mod.STUDY.name, mod.make_config, mod.run,
                        [*no_growth, "grow.extra_layers=0"], out=tmp_path / "bad")

@@ -109,6 +109,15 @@ class BenchConfig(Config):
     profile: bool = True
     profile_top: int = 8
 
+    def unread_fields(self) -> dict[str, str]:
+        unread = self._read_only_with("profile", {"profile_top": (True,)})
+        if not self.block_paths:
+            unread.update({f: "read only with block_paths (this config has block_paths=(): "
+                              "no MoE block timed)" for f in (
+                "block_tokens", "block_d", "block_f", "block_experts", "block_top_k",
+                "block_repeats", "block_retain_memory")})
+        return unread
+
     def validate(self):
         allowed = ("auto", *PATHS)
         bad = [p for p in self.paths if p not in allowed]

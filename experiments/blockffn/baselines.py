@@ -73,6 +73,17 @@ class BaselinesConfig(SparseLMStudyConfig):
         "d_model": "it takes small_d_model, large_d_model and xl_d_model",
         "d_expert": "it takes small_d_expert, large_d_expert and xl_d_expert"}
 
+    def unread_fields(self) -> dict[str, str]:
+        unread = {f"{size}_{f}": f"read only with {size!r} in sizes (this config has "
+                                 f"sizes={self.sizes})"
+                  for size, fields in (("small", ("d_model", "d_expert")),
+                                       ("large", ("d_model", "d_expert")),
+                                       ("xl", ("d_model", "d_expert", "n_layers")))
+                  if size not in self.sizes for f in fields}
+        if "GRIN" not in self.models:
+            unread["grin_k"] = f"read only with GRIN in models (this config has {self.models})"
+        return unread
+
     def validate(self):
         super().validate()
         for size in self.sizes:  # every size must build a valid model

@@ -86,6 +86,11 @@ class GrowConfig(Config):
     n_experts: int = 64
     d_expert: int = 1408
 
+    def unread_fields(self) -> dict[str, str]:
+        return {} if self.extra_layers else {
+            f: "read only with extra_layers >= 1 (this config has extra_layers=0: no grown "
+               "target)" for f in ("n_experts", "d_expert")}
+
 
 @config
 class DraftsConfig(Config):
@@ -127,6 +132,13 @@ class SpecBenchConfig(Config):
     # command_buffers column says which ran
     command_buffers: bool = False
     seed: int = 0
+
+    def unread_fields(self) -> dict[str, str]:
+        unread = self._read_only_with("profile", {"profile_top": (True,)})
+        if not (self.drafts.distilled or self.drafts.self_distilled):
+            unread["drafts.distil"] = ("read only with drafts.distilled or "
+                                       "drafts.self_distilled (this config has neither)")
+        return unread
 
     def validate(self):
         require_read(self, "train", "the target's and draft's training", run_dir=True)

@@ -73,6 +73,16 @@ class StorageConfig(Config):
                                                optimizer="adamr_l2", weight=0.1)
     seed: int = 0  # replaces finetune.seed
 
+    def unread_fields(self) -> dict[str, str]:
+        unread = {**self._read_only_with("source", {f: ("mlp",) for f in (
+            "substrate", "substrate_cache", "finetune")}),
+            **self._read_only_with("timing_tree", {"timing_repeats": ("smollm2_135m", "tiny")})}
+        if self.source == "mlp" and self.timing_tree == "none":  # no random delta drawn
+            unread["delta_std"] = ("read only with a random delta: source='smollm2_shapes[_tiny]' "
+                                   "or a timing_tree (this config has source='mlp', "
+                                   "timing_tree='none')")
+        return unread
+
     def validate(self):
         require_read(self, "finetune", "each fine-tune")
         self._require(all(0 <= p < 1 for p in self.ps), f"ps={self.ps} must lie in [0, 1)")

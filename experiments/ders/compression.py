@@ -82,6 +82,13 @@ class DeRSCompressionConfig(Config):
     quant_granularity: Literal["group", "channel"] = "group"
     quant_group: int = 64
 
+    def unread_fields(self) -> dict[str, str]:
+        return {f"substrate.{field}": f"read only with {name!r} in scenarios (this config has "
+                                      f"scenarios={self.scenarios})"
+                for name, field in (("finetuned", "prefinetuned"),
+                                    ("not_finetuned", "pretrained"))
+                if name not in self.scenarios}
+
     def validate(self) -> None:
         require_read(self, "train", "each upcycled model's training")
         self._require(all(s in SCENARIOS for s in self.scenarios),

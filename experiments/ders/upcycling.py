@@ -77,6 +77,10 @@ class DeRSUpcyclingConfig(Config):
     # "" = none; "hf:<dir>" = an imported Hugging Face MoE beside the upcycled ones (docstring)
     baseline: str = ""
 
+    def unread_fields(self) -> dict[str, str]:
+        return {"substrate.pretrained": "read by no part of this study (it upcycles the "
+                                        "pre-fine-tuned model, substrate.prefinetuned)"}
+
     def validate(self) -> None:
         require_read(self, "train", "each upcycled model's training")
         self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")

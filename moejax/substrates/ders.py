@@ -45,6 +45,10 @@ class SubstrateConfig(Config):
     seq_len: int = 64
     downstream_corpus: Corpus = "stdlib_code"
 
+    def unread_fields(self) -> dict[str, str]:
+        return self._read_only_with("source", {"pretrained": ("substrates",),
+                                               "prefinetuned": ("substrates",)})
+
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer():
