@@ -37,6 +37,7 @@ __all__ = [
     "from_json",
     "is_integer",
     "check_count",
+    "unread_reason",
 ]
 
 _IMPORTABLE_PREFIX = "moejax."  # other config classes must already be imported
@@ -476,14 +477,23 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 def _check_read(cfg: Config, key: str, text: str) -> None:
     """Refuse override ``key=text`` where it sets a field (or a field inside a section) that
     the config's other settings leave unread (:meth:`Config.unread_fields`)."""
+    found = unread_reason(cfg, key)
+    if found is not None:
+        where, why = found
+        raise ConfigError(f"{key}={text!r}: {where} is {why}, so the value would be "
+                          "recorded but not run; drop the key or set what reads it")
+
+
+def unread_reason(cfg: Config, key: str) -> tuple[str, str] | None:
+    """``(the unread field key goes through, why)`` where dotted ``key`` sets a field that
+    ``cfg``'s other settings leave unread (:meth:`Config.unread_fields`), else None."""
     node, path, parts = cfg, [], key.split(".")
     for i, part in enumerate(parts):
         rest = ".".join(parts[i:])
         for field, why in node.unread_fields().items():
             if rest == field or rest.startswith(field + "."):
-                where = ".".join([*path, field])
-                raise ConfigError(f"{key}={text!r}: {where} is {why}, so the value would be "
-                                  "recorded but not run; drop the key or set what reads it")
+                return ".".join([*path, field]), why
         node, path = getattr(node, part), [*path, part]
         if not isinstance(node, Config):
-            return
+            return None
+    return None

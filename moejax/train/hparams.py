@@ -35,14 +35,19 @@ from moejax.config_names import SEED_LIMIT
 from moejax.optim.anchored import adamr
 from moejax.pytree import path_names, path_str
 
-__all__ = ["EVAL_FIELDS", "RUN_DIR_FIELDS", "TrainConfig", "adam_linear_config", "require_read",
-           "make_schedule", "make_optimizer", "decay_mask", "paths_mask", "wsd_decay_start"]
+__all__ = ["EVAL_FIELDS", "LOOP_READERS", "RUN_DIR_FIELDS", "TrainConfig", "adam_linear_config",
+           "require_read", "make_schedule", "make_optimizer", "decay_mask", "paths_mask",
+           "wsd_decay_start"]
 
 
 # The fields the training loop reads only with an evaluation (``eval_fn``) or only with a run
 # directory (``run_dir``: checkpoints, TensorBoard events and resume live there).
 EVAL_FIELDS = ("eval_every",)
 RUN_DIR_FIELDS = ("ckpt_every", "keep_checkpoints", "tensorboard", "resume")
+# (the loop's argument, the fields only it lets the loop read, what a run without it lacks)
+LOOP_READERS = (("eval_fn", EVAL_FIELDS, "has no evaluation"),
+                ("run_dir", RUN_DIR_FIELDS, "has no run directory (its checkpoints, TensorBoard "
+                                            "events and resume)"))
 
 
 @config
@@ -158,8 +163,9 @@ class TrainConfig(Config):
     def unread_by_loop(self, *, eval_fn: bool, run_dir: bool) -> list[str]:
         """The fields set away from their defaults that a loop without an evaluation
         (``eval_fn`` False) or without a run directory (``run_dir`` False) would ignore."""
-        unread = [*(() if eval_fn else EVAL_FIELDS), *(() if run_dir else RUN_DIR_FIELDS)]
-        return [f for f in unread if getattr(self, f) != self._default(f)]
+        given = {"eval_fn": eval_fn, "run_dir": run_dir}
+        return [f for arg, fields, _ in LOOP_READERS if not given[arg] for f in fields
+                if getattr(self, f) != self._default(f)]
 
 
 def require_read(owner: Config, key: str, run: str, *, eval_fn: bool = False,
@@ -173,9 +179,7 @@ def require_read(owner: Config, key: str, run: str, *, eval_fn: bool = False,
     for part in key.split("."):
         cfg = getattr(cfg, part)
     unread = cfg.unread_by_loop(eval_fn=eval_fn, run_dir=run_dir)
-    why = " and ".join(w for w, fields in (("has no evaluation", EVAL_FIELDS), (
-        "has no run directory (its checkpoints, TensorBoard events and resume)",
-        RUN_DIR_FIELDS)) if set(unread) & set(fields))
+    why = " and ".join(lacks for _, fields, lacks in LOOP_READERS if set(unread) & set(fields))
     owner._require(not unread, f"{', '.join(f'{key}.{f}={getattr(cfg, f)!r}' for f in unread)}"
                    f": {run} {why}, so nothing would read it; leave "
                    + ", ".join(f"{key}.{f} at its default, {cfg._default(f)!r}" for f in unread))

@@ -69,7 +69,7 @@ from moejax.train.distributed import (
     is_peer_failure,
     local_batch,
 )
-from moejax.train.hparams import EVAL_FIELDS, RUN_DIR_FIELDS, TrainConfig
+from moejax.train.hparams import LOOP_READERS, TrainConfig
 from moejax.train.logs import CsvLog, TensorBoardLog, eval_numbers, read_csv
 from moejax.train.loop_options import History, LoopOptions, options_of
 from moejax.train.run_lock import RunLock
@@ -158,8 +158,7 @@ def _check_read(cfg: TrainConfig, opts: LoopOptions) -> None:
     unread = cfg.unread_by_loop(eval_fn=opts.eval_fn is not None,
                                 run_dir=opts.run_dir is not None)
     if unread:
-        needs = [what for what, fields in (("eval_fn", EVAL_FIELDS), ("run_dir", RUN_DIR_FIELDS))
-                 if set(unread) & set(fields)]
+        needs = [arg for arg, fields, _ in LOOP_READERS if set(unread) & set(fields)]
         raise ValueError(
             f"TrainConfig {', '.join(f'{f}={getattr(cfg, f)!r}' for f in unread)} is read only "
             f"with {' and '.join(needs)}, which this call was not given (the loop would ignore "
