@@ -250,6 +250,11 @@ def test_several_updates_per_batch_equal_sequential_sgd_on_one_prepared_batch():
     assert [sched(c) for c in range(6)] == [0, 0, 0, 10, 10, 10]
     with pytest.raises(ValueError, match="updates_per_batch"):
         updates_per_batch(type("L", (), {"updates_per_batch": 0})())
+    # the updates are one loop: the step's program is the same size for 3 updates as for 30
+    many = type("Many", (_ThreeUpdates,), {"updates_per_batch": 30})()
+    sizes = [len(jax.make_jaxpr(make_step_fn(None, loss, tx, cfg))(state, batch).eqns)
+             for loss in (_ThreeUpdates(), many)]
+    assert sizes[0] == sizes[1], sizes
 
 
 def test_lm_loss_fn_adds_the_models_aux_loss_and_scores_accuracy_on_the_mask():

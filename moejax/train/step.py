@@ -326,13 +326,16 @@ def make_step_fn(
                 prep_key, step_key = jax.random.split(step_key)
                 model = params if graphdef is None else nnx.merge(graphdef, params, rest)
                 batch = jax.lax.stop_gradient(prepare(model, batch, prep_key))
-            outs = []
-            for m in range(n_updates):
-                params, opt_state, rest, o = update(params, opt_state, rest, batch,
-                                                    jax.random.fold_in(step_key, m))
-                outs.append(o)
-            out = {k: (jnp.all(jnp.stack([o[k] for o in outs])) if k == "finite" else
-                       sum(o[k] for o in outs) / n_updates) for k in outs[0]}
+            # a loop, not n_updates copies of the update: the program (and its compile time)
+            # stays the size of one update whatever the count
+            def one(carry, m):
+                *carry, o = update(*carry, batch, jax.random.fold_in(step_key, m))
+                return tuple(carry), o
+
+            (params, opt_state, rest), outs = jax.lax.scan(
+                one, (params, opt_state, rest), jnp.arange(n_updates))
+            out = {k: jnp.all(v) if k == "finite" else jnp.mean(v, axis=0)
+                   for k, v in outs.items()}
         new = TrainState(state.step + 1, params, opt_state, jax.random.key_data(key), rest)
         new = jax.tree.map(lambda n, o: jnp.where(out["finite"], n, o), new, state)
         lr = schedule(state.step) if schedule is not None else injected_lr(opt_state)
