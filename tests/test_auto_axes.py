@@ -40,18 +40,19 @@ def loss(model, tokens):
     logits, aux = model(tokens[:, :-1], train=True, key=jax.random.key(3))
     return cross_entropy(logits, tokens[:, 1:]) + aux["aux_loss"]
 
-want_fwd = lm(tokens)
-want_grads = nnx.grad(loss)(lm, tokens)
-want_dec = lm.decode(tokens, lm.init_cache(8, 10))
+# the values without a mesh, each compiled whole (run op by op, each op compiles on its own)
+want_fwd = nnx.jit(lambda m, t: m(t))(lm, tokens)
+want_grads = nnx.jit(nnx.grad(loss))(lm, tokens)
+want_dec = nnx.jit(lambda m, t, c: m.decode(t, c))(lm, tokens, lm.init_cache(8, 10))
 bert = BertEncoder(bert_encoder_config(vocab_size=32, d_model=16, n_layers=1, n_heads=2,
                                        d_hidden=24, max_position=8, pooling="mean"),
                    rngs=nnx.Rngs(1))
 mask = jnp.ones((8, 6), bool).at[:, 4:].set(False)
-want_bert = bert(tokens, mask_BT=mask)
+want_bert = nnx.jit(lambda m, t, k: m(t, mask_BT=k))(bert, tokens, mask)
 vit = ViT(vit_config(image_size=8, patch_size=4, d_model=16, n_layers=1, n_heads=2,
                      d_hidden=24, n_classes=3, n_channels=1), rngs=nnx.Rngs(2))
 images = jax.random.normal(jax.random.key(4), (8, 8, 8, 1))
-want_vit, want_feat = vit(images), vit.features(images)
+want_vit, want_feat = nnx.jit(lambda m, x: (m(x), m.features(x)))(vit, images)
 layer = MoELayer(moe.replace(router="noisy"), 16, rngs=nnx.Rngs(5))
 frozen_slot = DeRSMoEConfig(moe=moe, form="lm", lm_rank=2, freeze_shared=True)
 frozen_lm = DecoderLM(DecoderConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2,

@@ -86,7 +86,13 @@ def test_chunk_sparsification_matches_numpy(L, use_mask, use_seg):
                                rtol=1e-5)
 
 
-@settings(max_examples=30)  # each new shape compiles jax's ops once
+# The drawn batches' shapes differ: each compiles the loss once, whole (op by op, each of its
+# ops would compile for each shape).
+_cs_loss = jax.jit(cs.chunk_sparsification_loss, static_argnames=("chunk_len", "eps"))
+_al_loss = jax.jit(cs.activation_locality_loss, static_argnames="alpha")
+
+
+@settings(max_examples=30)
 @given(token_batches(max_tokens=8), st.integers(1, 5), st.integers(0, 2**32 - 1))
 def test_both_losses_equal_the_loops_on_any_batch(batch, L, seed):
     """L_cs and L_al equal the token-by-token loops on any activation pattern, padding and
@@ -97,13 +103,11 @@ def test_both_losses_equal_the_loops_on_any_batch(batch, L, seed):
     a0 = rng.normal(size=act.shape).astype(np.float32)
     m, sg = jnp.asarray(mask), jnp.asarray(seg)
     if mask.any():
-        got = cs.chunk_sparsification_loss(jnp.asarray(a1), chunk_len=L, mask_BT=m,
-                                           segment_ids_BT=sg)
+        got = _cs_loss(jnp.asarray(a1), chunk_len=L, mask_BT=m, segment_ids_BT=sg)
         np.testing.assert_allclose(float(got), np_cs(a1.astype(np.float64), L, mask, seg),
                                    rtol=1e-4, atol=1e-6)
     if any(len(run) > 1 for _, run in runs(mask, seg)):
-        got = cs.activation_locality_loss(jnp.asarray(a0), alpha=3.0, mask_BT=m,
-                                          segment_ids_BT=sg)
+        got = _al_loss(jnp.asarray(a0), alpha=3.0, mask_BT=m, segment_ids_BT=sg)
         np.testing.assert_allclose(float(got), np_al(a0.astype(np.float64), 3.0, mask, seg),
                                    rtol=1e-4, atol=1e-6)
 
@@ -121,9 +125,8 @@ def test_one_hot_routing_makes_the_loss_the_chunks_active_fraction(batch, L):
             for b, run in runs(mask, seg) for c in range(0, len(run), L)]
     if not want:
         return
-    got = cs.chunk_sparsification_loss(jnp.asarray(first, jnp.float32), chunk_len=L,
-                                       mask_BT=jnp.asarray(mask),
-                                       segment_ids_BT=jnp.asarray(seg), eps=1e-7)
+    got = _cs_loss(jnp.asarray(first, jnp.float32), chunk_len=L, mask_BT=jnp.asarray(mask),
+                   segment_ids_BT=jnp.asarray(seg), eps=1e-7)
     np.testing.assert_allclose(float(got), np.mean(want), atol=1e-5)
 
 

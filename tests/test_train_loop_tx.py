@@ -454,9 +454,13 @@ def test_train_takes_a_users_nnx_optimizer_as_given():
     opt_mine = nnx.Optimizer(mine, optax.adam(1e-2), wrt=nnx.Param)
     opt_ref = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
 
-    def by_hand(model, opt, position):
-        grads = nnx.grad(lambda m: loss(m, src.batch(position), None)[0])(model)
+    @nnx.jit  # the user's step compiled once (run op by op, each op compiles on its own)
+    def step(model, opt, batch):
+        grads = nnx.grad(lambda m: loss(m, batch, None)[0])(model)
         opt.update(model, grads)
+
+    def by_hand(model, opt, position):
+        step(model, opt, src.batch(position))
 
     for position in range(2):  # both start with two steps of the user's own loop
         by_hand(mine, opt_mine, position)
