@@ -137,9 +137,10 @@ def test_chunk_union_with_cap_is_exact_when_union_fits_and_flags_overflow():
 def test_router_gradient_flows_through_relu_only_for_active_experts():
     layer = _layer()
     x = _x(3)[:1, :1]  # one token
-    g = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(layer)
+    # compiled whole, like a train step (op by op, each op compiles on its own)
+    g = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2)))(layer, x)
     gw = np.asarray(g.router.w[...])
-    active = np.asarray(layer(x)[1]["active_BTE"]).reshape(E)
+    active = np.asarray(nnx.jit(lambda m, x: m(x)[1]["active_BTE"])(layer, x)).reshape(E)
     assert active.any() and not active.all()
     assert np.all(np.abs(gw[:, active]).sum(0) > 0)  # reaches the router through ReLU
     np.testing.assert_array_equal(gw[:, ~active], 0.0)  # ReLU blocks inactive experts

@@ -390,7 +390,7 @@ x = jax.random.normal(jax.random.key(1), (16, 4, 8))
 y = jnp.sum(x, -1, keepdims=True)
 ref = Net(nnx.Rngs(0))
 ref.eval()
-want_loss, want_grads = nnx.value_and_grad(loss_fn)(ref, x, y)
+want_loss, want_grads = nnx.jit(nnx.value_and_grad(loss_fn))(ref, x, y)  # one program
 model = Net(nnx.Rngs(0))
 model.eval()
 with jax.set_mesh(mesh), expert_mesh_axes("batch", "model"):
