@@ -170,12 +170,13 @@ def test_causal_future_tokens_do_not_change_past_outputs():
 def test_kv_cache_prefill_then_steps_matches_full():
     attn = Attention(8, 4, 2, 4, causal=True, rope_style="interleaved", rngs=nnx.Rngs(5))
     x = jnp.asarray(randn(2, 7, 8))
-    full = attn(x)
+    full = nnx.jit(lambda a, x: a(x))(attn, x)
+    decode = nnx.jit(lambda a, x, c: a.decode(x, c))  # per shape one program, not one per op
     cache = attn.init_cache(2, 10)
-    out, cache = attn.decode(x[:, :4], cache)
+    out, cache = decode(attn, x[:, :4], cache)
     outs = [out]
     for t in range(4, 7):
-        out, cache = attn.decode(x[:, t:t + 1], cache)
+        out, cache = decode(attn, x[:, t:t + 1], cache)
         outs.append(out)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(cache.lengths_B, [7, 7])
@@ -187,12 +188,13 @@ def test_kv_cache_rows_with_different_lengths():
     attn = Attention(8, 2, 2, 4, causal=True, rope_style="half", rngs=nnx.Rngs(6))
     x = jnp.asarray(randn(2, 5, 8))
     cache = attn.init_cache(2, 8)
-    _, c0 = attn.decode(x[:, :3], cache)  # both rows hold 3 tokens
+    decode, full = nnx.jit(lambda a, x, c: a.decode(x, c)), nnx.jit(lambda a, x: a(x))
+    _, c0 = decode(attn, x[:, :3], cache)  # both rows hold 3 tokens
     # Row 1 "forgets" its last token: lengths [3, 2]; row 1's next token goes to slot 2.
     c0 = c0._replace(lengths_B=jnp.array([3, 2], jnp.int32))
-    out, c1 = attn.decode(x[:, 3:4], c0)
-    ref0 = attn(x[:1, :4])[:, 3]
-    ref1 = attn(jnp.concatenate([x[1:, :2], x[1:, 3:4]], 1))[:, 2]
+    out, c1 = decode(attn, x[:, 3:4], c0)
+    ref0 = full(attn, x[:1, :4])[:, 3]
+    ref1 = full(attn, jnp.concatenate([x[1:, :2], x[1:, 3:4]], 1))[:, 2]
     np.testing.assert_allclose(out[:, 0], jnp.concatenate([ref0, ref1]), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(c1.lengths_B, [4, 3])
 
