@@ -159,10 +159,10 @@ def test_vit_shapes_patch_embedding_and_grad():
                      d_hidden=16, n_classes=5)
     vit = ViT(cfg, rngs=nnx.Rngs(3))
     imgs = jnp.asarray(RNG.standard_normal((2, 8, 8, 3)).astype(np.float32))
-    logits, aux = vit(imgs)
+    # each compiled whole (op by op, each op compiles on its own)
+    (logits, aux), (feats, _) = nnx.jit(lambda m, x: (m(x), m.features(x)))(vit, imgs)
     assert logits.shape == (2, 5) and len(aux["layers"]) == 2
     assert vit.pos_embed[...].shape == (1 + 4, 8) and vit.w_patch[...].shape == (48, 8)
-    feats, _ = vit.features(imgs)
     assert feats.shape == (2, 5, 8)
     # patch embedding == a conv with stride p (explicit loop over patches)
     w = np.asarray(vit.w_patch[...]).reshape(4, 4, 3, 8)
@@ -170,7 +170,7 @@ def test_vit_shapes_patch_embedding_and_grad():
     emb = np.asarray(patchify(imgs, 4) @ vit.w_patch[...])
     np.testing.assert_allclose(emb[1, 3], np.einsum("ijc,ijcd->d", x[1, 4:8, 4:8], w),
                                rtol=1e-5, atol=1e-5)
-    grads = nnx.grad(lambda m: jnp.sum(m(imgs)[0] ** 2))(vit)
+    grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2)))(vit, imgs)
     assert float(jnp.abs(grads.cls_token[...]).sum()) > 0
     with pytest.raises(ConfigError, match="multiple of patch_size"):
         cfg.replace(image_size=10)
