@@ -201,10 +201,11 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
     (sampler_model, s), = seen
     tokens, resp = s.tokens_BS, s.response_mask_BS
-    np.testing.assert_allclose(sampler_model(tokens)[0], student(tokens)[0], rtol=1e-6)
+    logits = nnx.jit(lambda model, t: model(t)[0])  # per shape one program, not one per op
+    np.testing.assert_allclose(logits(sampler_model, tokens), logits(student, tokens), rtol=1e-6)
     mask = resp[:, 1:].astype(jnp.float32)
-    want = distill_divergence(cfg.divergence_kind, teacher(tokens[:, :-1])[0],
-                              student(tokens[:, :-1])[0], mask, beta=cfg.jsd_beta,
+    want = distill_divergence(cfg.divergence_kind, logits(teacher, tokens[:, :-1]),
+                              logits(student, tokens[:, :-1]), mask, beta=cfg.jsd_beta,
                               reduction=cfg.reduction)
     assert float(m["response_tokens"]) == pytest.approx(float(jnp.sum(mask)) / 4)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)

@@ -109,7 +109,8 @@ def test_the_layer_on_them_equals_the_union_oracle_with_gradients(compiled):
     def loss(fn):
         def f(x, a, wu, wd):
             return jnp.sum(fn(x, a, wu, wd).astype(jnp.float32) ** 2)
-        return jax.value_and_grad(f, argnums=(0, 1, 2, 3))(x, a, ws[0], ws[1])
+        # compiled whole (op by op, each op compiles on its own)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, a, ws[0], ws[1])
 
     got = loss(lambda x, a, wu, wd: chunk_union_kernel(
         x, a, a > 0, wu, wd, wg, activation=act, tile=tile, max_union=E,
