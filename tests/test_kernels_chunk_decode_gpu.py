@@ -114,15 +114,15 @@ def test_a_residual_is_the_start_of_the_sum(n, activation):
     x, a, on, wu, wd, wg = _chunk(n, activation, seed=20 + n)
     dtype = jnp.float32 if n == 40 else BF
     r = (4 * jax.random.normal(jax.random.key(n), x.shape)).astype(dtype)
-    y = chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation, interpret=True,
-                               residual_nD=r)
+    y = jax.jit(lambda r: chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation,
+                                                 interpret=True, residual_nD=r))(r)
     assert y.dtype == dtype
     want = r.astype(jnp.float32) + _oracle(x, a, wu, wd, wg, activation)
     err = np.abs(np.asarray(y, np.float32) - np.asarray(want)).max()
     assert err <= (2 * 2.0 ** -8 if dtype == BF else 1e-3) * np.abs(np.asarray(want)).max()
     ct = jax.random.normal(jax.random.key(1), x.shape)
-    dr = jax.grad(lambda r: jnp.sum(decode_chunk(x, a, on, wu, wd, wg, r, activation, True,
-                                                 "mosaic_gpu").astype(jnp.float32) * ct))(r)
+    dr = jax.jit(jax.grad(lambda r: jnp.sum(decode_chunk(
+        x, a, on, wu, wd, wg, r, activation, True, "mosaic_gpu").astype(jnp.float32) * ct)))(r)
     np.testing.assert_array_equal(np.asarray(dr), np.asarray(ct.astype(dtype)))
     with pytest.raises(ValueError, match="residual"):
         chunk_union_decode_gpu(x, a, on, wu, wd, wg, activation=activation,
@@ -163,8 +163,8 @@ def test_its_gradient_is_the_oracles():
         return jax.grad(lambda *z: jnp.sum(fn(*z).astype(jnp.float32) ** 2),
                         argnums=(0, 1, 2, 3))(x.astype(BF), a, wu.astype(BF), wd.astype(BF))
 
-    got = grads(lambda x, a, wu, wd: decode_chunk(x, a, on, wu, wd, None, None, "relu", True,
-                                                  "mosaic_gpu"))
+    got = jax.jit(lambda: grads(lambda x, a, wu, wd: decode_chunk(
+        x, a, on, wu, wd, None, None, "relu", True, "mosaic_gpu")))()
     want = jax.jit(lambda: grads(lambda x, a, wu, wd: dense_experts(x, a, wu, wd, None,
                                                                     "relu")))()
     for g, w in zip(got, want):
