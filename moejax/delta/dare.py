@@ -113,23 +113,27 @@ def dare(
             raise ValueError(f"dare: delta leaf {path!r} is {jnp.result_type(d)}; DARE "
                              "rescales by 1/q and needs floating deltas (cast it, or deselect "
                              "it via mask).")
+    picked = [d for d, s in zip(leaves, sel) if s]
     q_sel = [jnp.asarray(qi, jnp.result_type(d)) for d, qi, s in zip(leaves, qs, sel) if s]
-    dropped = iter(_drop_and_rescale(key, leaves, q_sel, p=float(p), sel=tuple(sel), rng=rng,
+    dropped = iter(_drop_and_rescale(key, picked, q_sel, p=float(p), sel=tuple(sel), rng=rng,
                                      treedef=treedef))
     return jax.tree_util.tree_unflatten(treedef, [next(dropped) if s else d
                                                   for d, s in zip(leaves, sel)])
 
 
 @partial(jax.jit, static_argnames=("p", "sel", "rng", "treedef"))
-def _drop_and_rescale(key, leaves, q_sel, *, p, sel, rng, treedef) -> list:
+def _drop_and_rescale(key, picked, q_sel, *, p, sel, rng, treedef) -> list:
     """The selected leaves' ``m * Delta / q``, all in one program (op by op, each leaf's mask
-    and rescale would be a dozen dispatches, each compiled for its shape)."""
-    tree = jax.tree_util.tree_unflatten(treedef, leaves)
+    and rescale would be a dozen dispatches, each compiled for its shape). Only the selected
+    leaves are passed in; the others stand in as scalars, so each leaf keeps its index (and
+    its mask's key)."""
+    it = iter(picked)
+    leaves = [next(it) if s else jnp.zeros(()) for s in sel]
     keep = jax.tree_util.tree_leaves(dare_keep_mask(
-        key, tree, p, jax.tree_util.tree_unflatten(treedef, list(sel)), rng))
-    picked = [(d, k) for d, k, s in zip(leaves, keep, sel) if s]
+        key, jax.tree_util.tree_unflatten(treedef, leaves), p,
+        jax.tree_util.tree_unflatten(treedef, list(sel)), rng))
     return [jnp.where(k, d / q, jnp.zeros((), d.dtype)).astype(d.dtype)
-            for (d, k), q in zip(picked, q_sel)]
+            for d, k, q in zip(picked, [k for k, s in zip(keep, sel) if s], q_sel)]
 
 
 def q_grid(p: float, num: int = 20, *, q_max: float = 1.0, include_max: bool = True,
