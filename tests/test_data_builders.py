@@ -1,5 +1,6 @@
 """TFDS array_record builders: build small slices, read back, splits disjoint, deterministic."""
 
+import tempfile
 import time
 
 import numpy as np
@@ -127,3 +128,15 @@ def test_two_builds_at_once_build_it_once_and_both_read_it(tmp_path, monkeypatch
     second.join(120)
     assert errors == [] and len(got) == 2 and len(builds) == 1
     assert all(b.is_prepared() and b.info.splits["test"].num_examples == N for b in got)
+
+
+def test_builder_of_an_unbuilt_dataset_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """TFDS looks for pre-computed metadata of an unbuilt dataset on its bucket, making a
+    temporary folder first; an offline builder has none to look up, so none is made."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for name in datasets.DATASETS:
+        b = datasets.get_builder(name, data_dir=tmp_path / "data", prepare=False)
+        assert not b.is_prepared() and b.info.description
+    assert list(scratch.iterdir()) == []
