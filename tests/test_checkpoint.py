@@ -20,7 +20,7 @@ from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, lates
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
-from tests.toy_models import TinyMoELM, ToySource, tree_equal
+from tests.toy_models import TinyMoELM, ToySource, logits_of, tree_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=2, schedule="cosine", seed=3)
@@ -298,10 +298,10 @@ def test_restore_params_brings_the_buffers_that_give_the_parameters_their_meanin
           run_dir=tmp_path / "sm", progress=False)
     other = upcycle_model(dense, rule, jax.random.key(5))
     x = jnp.asarray(source(9)["inputs"])
-    logits = nnx.jit(lambda model, x: model(x)[0])  # one program for the four calls
-    assert not np.allclose(np.asarray(logits(other, x)), np.asarray(logits(trained, x)))
+    assert not np.allclose(np.asarray(logits_of(other, x)), np.asarray(logits_of(trained, x)))
     restore_params(tmp_path / "sm", other)
-    np.testing.assert_array_equal(np.asarray(logits(other, x)), np.asarray(logits(trained, x)))
+    np.testing.assert_array_equal(np.asarray(logits_of(other, x)),
+                                  np.asarray(logits_of(trained, x)))
     assert tree_equal(nnx.to_pure_dict(nnx.state(other, DeRSIndex)),
                       nnx.to_pure_dict(nnx.state(trained, DeRSIndex)))
 

@@ -27,7 +27,7 @@ from moejax.ops.distill_losses import distill_divergence, forward_kl
 from moejax.pytree import named_leaves
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
-from tests.toy_models import jitted
+from tests.toy_models import jitted, logits_of
 
 V = 40
 
@@ -201,11 +201,11 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     loss, m = distill_loss_fn(cfg)(pair, b, jax.random.key(0))
     (sampler_model, s), = seen
     tokens, resp = s.tokens_BS, s.response_mask_BS
-    logits = nnx.jit(lambda model, t: model(t)[0])  # per shape one program, not one per op
-    np.testing.assert_allclose(logits(sampler_model, tokens), logits(student, tokens), rtol=1e-6)
+    np.testing.assert_allclose(logits_of(sampler_model, tokens), logits_of(student, tokens),
+                               rtol=1e-6)
     mask = resp[:, 1:].astype(jnp.float32)
-    want = distill_divergence(cfg.divergence_kind, logits(teacher, tokens[:, :-1]),
-                              logits(student, tokens[:, :-1]), mask, beta=cfg.jsd_beta,
+    want = distill_divergence(cfg.divergence_kind, logits_of(teacher, tokens[:, :-1]),
+                              logits_of(student, tokens[:, :-1]), mask, beta=cfg.jsd_beta,
                               reduction=cfg.reduction)
     assert float(m["response_tokens"]) == pytest.approx(float(jnp.sum(mask)) / 4)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)

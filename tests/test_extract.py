@@ -34,6 +34,7 @@ from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
 from moejax.ops.activations import activation_fn
+from tests.toy_models import logits_of
 
 
 def blobs(n_per=100, n_blobs=3, dim=8, seed=0):
@@ -238,8 +239,7 @@ def test_compact_model_only_touches_the_given_layers():
     assert [served.blocks[i].ffn.cfg.layout for i in (0, 1)] == ["masked", "compact"]
     assert served.blocks[1].ffn.cfg.d_shared == plans[1].masks_EF[0].sum()
     x = jnp.asarray(images())
-    logits = nnx.jit(lambda m, x: m(x)[0])  # each model compiled whole, not op by op
-    np.testing.assert_allclose(np.asarray(logits(served, x)), np.asarray(logits(masked, x)),
+    np.testing.assert_allclose(np.asarray(logits_of(served, x)), np.asarray(logits_of(masked, x)),
                                rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="not extracted"):
         compact_model(extract_model(model, {1: plans[1]}), layers=[0])
@@ -252,13 +252,12 @@ def test_one_expert_with_every_neuron_is_the_dense_model_and_cfg_rebuilds():
     plan = ExpertPlan(np.ones((1, 16), bool), np.ones((1, 8), np.float32), np.zeros(1, np.float32))
     new = extract_model(model, {0: plan, 1: plan})
     x = jnp.asarray(images())
-    logits = nnx.jit(lambda m, x: m(x)[0])  # each model compiled whole, not op by op
-    np.testing.assert_allclose(np.asarray(logits(new, x)), np.asarray(logits(model, x)),
+    np.testing.assert_allclose(np.asarray(logits_of(new, x)), np.asarray(logits_of(model, x)),
                                rtol=1e-5, atol=1e-6)
     # the config describes the new model: build from it and load the state
     rebuilt = ViT(new.cfg, rngs=nnx.Rngs(0))
     nnx.update(rebuilt, nnx.state(new))
-    np.testing.assert_allclose(np.asarray(logits(rebuilt, x)), np.asarray(logits(new, x)))
+    np.testing.assert_allclose(np.asarray(logits_of(rebuilt, x)), np.asarray(logits_of(new, x)))
 
 
 def test_record_ffn_pairs_inputs_with_hidden_and_skips_padding():

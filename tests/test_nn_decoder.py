@@ -14,7 +14,7 @@ from moejax.nn.generate import generate
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.moe import MoEConfig
 from moejax.nn.slots import FFNSlotConfig, layer_pattern
-from tests.toy_models import jitted
+from tests.toy_models import jitted, logits_of
 
 
 def tiny_cfg(**kw):
@@ -266,11 +266,10 @@ def test_greedy_generate_equals_repeated_full_forward_argmax():
     # Oracle: a full (uncached) forward over the whole sequence so far, once per new token.
     # The sequence is right-padded to a fixed length (the model is causal, so the padding
     # cannot affect earlier positions) so that one compiled forward serves every step.
-    forward = nnx.jit(lambda m, t: m(t)[0])
     seq = np.zeros((2, 10), np.int32)
     seq[:, :4] = np.asarray(prompt)
     for t in range(4, 10):
-        logits = forward(model, jnp.asarray(seq))
+        logits = logits_of(model, jnp.asarray(seq))
         seq[:, t] = np.argmax(np.asarray(logits[:, t - 1]), -1)
     np.testing.assert_array_equal(out, seq)
     compiled = gen_mod._decode_one._cache_size()

@@ -88,3 +88,10 @@ def jitted(module: nnx.Module, **static):
     ``static``: keyword arguments that are Python values (``train=True``), fixed here."""
     call = nnx.jit(lambda m, *args, **kw: m(*args, **kw, **static))
     return lambda *args, **kw: call(module, *args, **kw)
+
+
+@nnx.jit
+def logits_of(model: nnx.Module, x):
+    """``model(x)[0]`` (a model's logits) compiled whole, one XLA program per model structure and
+    input shape, for tests that compare several models' outputs."""
+    return model(x)[0]
