@@ -2,7 +2,8 @@
 
 * :class:`LMEvaluator`: language-model loss (nats/token), next-token accuracy and bits per
   byte on fixed held-out batches; XLA's compiled memory analysis of the evaluation step (the
-  inference peak). One compilation per model structure and batch shape.
+  inference peak). One compilation per model structure and batch shape (and per layout of
+  the model's arrays over several devices: arrays on one device share one layout).
 * :class:`ClassifierEvaluator`: loss, accuracy and Matthews correlation (multi-class MCC) of a
   classifier over every row of a split, in fixed-shape batches (one compilation).
 * :class:`SparsityEvaluator`: validation cross-entropy / perplexity of a sparsely activated
@@ -114,7 +115,7 @@ class _Bound:
         self.evaluator, self.graphdef, self.rest = evaluator, graphdef, rest
 
     def __call__(self, params) -> dict:
-        return self.evaluator._evaluate(self.graphdef, params, self.rest)
+        return self.evaluator._evaluate(self.graphdef, *_on_one_device(params, self.rest))
 
 
 class Evaluator:
@@ -124,7 +125,22 @@ class Evaluator:
     def __call__(self, model: nnx.Module, step: int | None = None) -> dict:
         """Metrics of ``model`` (``step`` is accepted so this can be a loop ``eval_fn``)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return self._evaluate(graphdef, params, rest)
+        return self._evaluate(graphdef, *_on_one_device(params, rest))
+
+
+def _on_one_device(*trees) -> tuple:
+    """``trees`` with their arrays committed to their device where all of them live on one
+    and the same device, else as they are. A program is compiled for where its arrays are:
+    a model's arrays that a training loop placed on a one-device mesh and those made outside
+    it (a fresh model, experts added after training) would each compile the evaluation again
+    though they sit on the same device. Nothing is copied."""
+    arrays = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.Array)]
+    devices = {d for x in arrays for d in x.sharding.device_set}
+    if len(devices) != 1:
+        return trees
+    one = jax.sharding.SingleDeviceSharding(devices.pop())
+    return jax.tree.map(lambda x: jax.device_put(x, one) if isinstance(x, jax.Array) else x,
+                        trees)
 
 
 class LMEvaluator(Evaluator):
@@ -188,6 +204,7 @@ class LMEvaluator(Evaluator):
         """``{"peak_bytes", "argument_bytes"}`` of the compiled evaluation step (one batch; of
         the batch shape with the largest peak where the batches differ in shape)."""
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params, rest = _on_one_device(params, rest)
         where, shapes = self._where(graphdef, params, rest), {_shapes(b): b for b in self.batches}
         return max((compiled_memory(self._compiled(where, params, rest, b))
                     for b in shapes.values()), key=lambda m: m["peak_bytes"])

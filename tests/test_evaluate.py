@@ -17,6 +17,8 @@ from moejax.evaluate import (
     matthews_corrcoef,
 )
 from moejax.pytree import count_bytes, count_params
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
 from tests.toy_models import TinyMoELM, ToySource
 
 
@@ -90,6 +92,22 @@ def test_lm_evaluator_bits_per_byte_and_counters():
     n = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     assert count_params(model) == count_params(params) == n
     assert count_bytes({"a": np.zeros((3, 2), np.float32), "b": np.zeros(5, np.int8)}) == 29
+
+
+def test_a_model_trained_on_one_device_is_evaluated_by_the_step_compiled_before_training():
+    """The training loop places the arrays on its one-device mesh; a fresh model's are
+    uncommitted. Both sit on the same device: one compiled evaluation serves both, and a
+    model only partly placed (new weights beside trained ones) too."""
+    model = TinyMoELM(nnx.Rngs(0))
+    ev = LMEvaluator.from_source(ToySource(batch_size=4), 2)
+    before = ev(model)["loss"]
+    train(model, ToySource(batch_size=4), TrainConfig(steps=1, batch_size=4, lr=1e-2))
+    assert isinstance(model.head.kernel[...].sharding, jax.sharding.NamedSharding)
+    assert ev(model)["loss"] != before  # trained
+    model.head.kernel = nnx.Param(jnp.asarray(np.asarray(model.head.kernel[...])))
+    ev(model)
+    ev.bind(*nnx.split(model, nnx.Param, ...)[::2])(nnx.state(model, nnx.Param))
+    assert len(ev._fns) == 1, list(ev._fns)
 
 
 def test_outputs_on_and_params_loss_see_the_params_they_are_given():
