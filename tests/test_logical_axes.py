@@ -138,7 +138,7 @@ def test_bad_names_are_refused_when_the_parameter_is_made():
 
 
 _SCRIPT = r"""
-import sys, json, os, tempfile
+import sys, json, os
 sys.path.insert(0, ROOT)
 import jax
 from flax import nnx
@@ -148,7 +148,7 @@ from moejax.train import mesh as mesh_lib
 from tests.toy_models import TinyMoELM, ToySource
 
 assert jax.device_count() == 8
-run_dir = tempfile.mkdtemp()
+run_dir = RUN_DIR
 cfg = TrainConfig(steps=2, batch_size=16, lr=1e-2, warmup_steps=0, schedule="constant",
                   mesh_data=2, mesh_expert=4, fsdp=True)
 hist = train(TinyMoELM(nnx.Rngs(0)), ToySource(batch_size=16), cfg, run_dir=run_dir,
@@ -159,8 +159,8 @@ print("OK")
 """
 
 
-def test_the_loop_records_names_specs_and_the_replicated_unnamed_parameters():
-    out = run_on_devices(_SCRIPT, 8)
+def test_the_loop_records_names_specs_and_the_replicated_unnamed_parameters(tmp_path):
+    out = run_on_devices(_SCRIPT.replace("RUN_DIR", repr(str(tmp_path / "run"))), 8)
     got = json.loads(out.split("RESULT", 1)[1].rsplit("OK", 1)[0])
     summary = got["summary"]
     assert summary["mesh"] == {"data": 2, "expert": 4} and summary["fsdp"] is True

@@ -91,13 +91,13 @@ def test_sharded_step_matches_single_device():
 _STUDIES = r"""
 import sys
 sys.path.insert(0, ROOT)
-import json, pathlib, tempfile
+import json, pathlib
 import jax
 from experiments import lm_demo
 from experiments.blockffn import granularity as blockffn_granularity
 
 assert jax.device_count() == 8, jax.devices()
-out = pathlib.Path(tempfile.mkdtemp())
+out = pathlib.Path(OUT)
 TRAIN = ["train.batch_size=16", "train.steps=4", "train.warmup_steps=0"]
 runs = [
     ("lm_demo", lm_demo, ["model.d_model=32", "model.n_layers=1", "model.moe.d_expert=32",
@@ -131,10 +131,10 @@ print("OK")
 """
 
 
-def test_studies_run_to_their_summary_on_eight_devices():
+def test_studies_run_to_their_summary_on_eight_devices(tmp_path):
     """Training on a (data x expert) mesh, then evaluating the sharded model: each study's
     evaluator compiles for the layout its model's arrays have. A batch or mesh that does not
     fit the devices is refused before anything is written."""
-    out = run_on_devices(_STUDIES)
+    out = run_on_devices(_STUDIES.replace("OUT", repr(str(tmp_path))))
     assert "lm_demo summary written" in out and "blockffn_granularity summary written" in out
     assert "refused OK" in out
