@@ -64,12 +64,13 @@ from experiments.main import REGISTRY
 from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError, apply_overrides
 from moejax.files import atomic_write_text
-from moejax.harness.results import RunDir
+from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.harness.study import Study
 from moejax.pytree import fmt_count
 from moejax.train.aot import prove_decode, prove_step
 from moejax.train.distributed import cpu_devices_env
+from moejax.train.run_lock import RunLockedError
 from moejax.train.scale import measure_scale
 
 __all__ = ["main", "child"]
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     try:
         names, out, timeout, mode, overrides, child_opts = _parse(argv)
         run = RunDir.create(out, name=f"full_{mode}", lock=True)
-    except ConfigError as e:
+    except (ConfigError, RunDirError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows, ok = [], 0

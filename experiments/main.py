@@ -22,7 +22,7 @@ from pathlib import Path
 
 from experiments import STUDIES, load_study
 from moejax.config import ConfigError
-from moejax.files import atomic_write_text
+from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness.cli import PRESETS
 from moejax.harness.run_index import entry_name
 from moejax.harness.run_record import read_run_record
@@ -109,12 +109,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         preset, out, jobs, suite = _parse(argv)
-    except ConfigError as e:
+        writable_dir(out, f"out={out}", "choose a writable directory with out=DIR")
+    except (ConfigError, UnusableDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import jax
 
-    out.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
     sections, failures, skipped = [], [], []
     for name, overrides, variant in _jobs_with_variants(jobs, preset, suite):

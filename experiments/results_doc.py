@@ -49,7 +49,7 @@ from pathlib import Path
 from experiments import study_module
 from experiments.main import REGISTRY, entries, run_dirname
 from moejax.config import ConfigError
-from moejax.files import atomic_write_text
+from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.harness.run_record import machine_info, read_run_record
@@ -88,6 +88,12 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str,
                                else f"docs/results_{opts['machine']}.md"))
     if out.suffix != ".md":
         raise ConfigError(f"out={out}: the results document is markdown; name it *.md")
+    if out.is_dir():
+        raise ConfigError(f"out={out} is a directory; name the document's file, *.md")
+    try:  # its folder, where its tables and plots go beside it
+        writable_dir(out.parent, f"out={out}", "name a *.md file in a writable folder")
+    except UnusableDirError as e:
+        raise ConfigError(str(e)) from None
     if opts["runs"]:
         runs = Path(opts["runs"])
         if not runs.is_dir():

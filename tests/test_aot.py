@@ -213,6 +213,25 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
             _parse(bad)
 
 
+def test_an_unusable_out_stops_the_command_in_one_line(tmp_path, capsys):
+    """out= naming a file, or a run directory another full_smoke holds, exits 2 with the
+    reason before any study starts (not a traceback)."""
+    from experiments.full_smoke import main
+    from moejax.train.run_lock import RunLock
+
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    assert main([f"out={a_file}", "only=moee"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: out={a_file}: {a_file} is a file")
+    held = RunLock(tmp_path / "busy").acquire()
+    try:
+        assert main([f"out={tmp_path / 'busy'}", "only=moee"]) == 2
+        assert capsys.readouterr().err.startswith("error: ")
+    finally:
+        held.release()
+    assert a_file.read_text() == "x" and not (tmp_path / "busy" / "summary.md").exists()
+
+
 def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path, monkeypatch):
     """The report holds a run's proof before the recipe goes on (a study killed later by its
     timeout keeps it); a second run of the same program adds its steps to that row."""

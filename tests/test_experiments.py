@@ -242,6 +242,19 @@ def test_main_job_rejects_bad_arguments(capsys):
         main_job._parse(["colour=red"])
 
 
+def test_main_job_refuses_an_unusable_out_before_any_study(tmp_path, capsys):
+    """out= naming a file, or a folder under one, is one line and exit 2, not a
+    traceback."""
+    a_file = tmp_path / "report"
+    a_file.write_text("not a folder")
+    for out in (a_file, a_file / "sub"):
+        assert main_job.main([f"out={out}", "only=moee"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: out={out}: ") and "Fix: choose a writable" in err
+        assert err.count("\n") == 1
+    assert a_file.read_text() == "not a folder"
+
+
 def test_registry_modules_expose_the_contract():
 
     for name in main_job.REGISTRY:

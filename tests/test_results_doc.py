@@ -306,6 +306,14 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
         results_doc._parse([f"runs={tmp_path / 'none'}"])
     with pytest.raises(ConfigError, match=r"\*.md"):
         results_doc._parse([f"runs={tmp_path}", "out=results.txt"])
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    (tmp_path / "folder.md").mkdir()
+    for out, why in ((a_file / "results.md", "taken is a file, not a directory"),
+                     (tmp_path / "folder.md", "folder.md is a directory")):
+        with pytest.raises(ConfigError, match=why):  # a line, not a traceback
+            results_doc._parse([f"runs={tmp_path}", f"out={out}"])
+    assert a_file.read_text() == "x"
     assert results_doc.main(["colour=blue"]) == 2
     assert Claim("c", None, "e").verdict == "not measured"
 
