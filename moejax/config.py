@@ -36,6 +36,7 @@ __all__ = [
     "to_json",
     "from_json",
     "is_integer",
+    "is_real",
     "check_count",
     "unread_reason",
 ]
@@ -51,6 +52,17 @@ def is_integer(value) -> bool:
     """A Python or numpy integer, not a bool: a count, an id or an index, where a float would
     be truncated to another one."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number, not a bool: a Python or numpy scalar, or a 0-d integer or floating
+    array (numpy's or jax's, e.g. a hyperparameter ``optax.inject_hyperparams`` holds)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return getattr(value, "ndim", None) == 0 and kind in ("i", "u", "f")
 
 
 def check_count(name: str, value, minimum: int) -> int:

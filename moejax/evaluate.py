@@ -21,7 +21,6 @@ The evaluators take an ``nnx.Module`` or, for functional code, a params pytree a
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Sequence
 
 import jax
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.config import check_count
+from moejax.config import check_count, is_real
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -153,7 +152,7 @@ class LMEvaluator(Evaluator):
                  loss_fn: Callable = lm_loss_fn):
         if not batches:
             raise ValueError("LMEvaluator needs at least one batch")
-        if not (isinstance(bytes_per_token, numbers.Real) and not isinstance(bytes_per_token, bool)
+        if not (is_real(bytes_per_token)
                 and math.isfinite(bytes_per_token) and bytes_per_token > 0):
             raise ValueError(f"LMEvaluator: bytes_per_token={bytes_per_token!r}; give the "
                              "corpus's UTF-8 bytes per token, a finite number > 0 (1 for bytes)")

@@ -4,6 +4,8 @@ import dataclasses
 import re
 from typing import Literal
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from moejax.config import (
@@ -12,6 +14,8 @@ from moejax.config import (
     apply_overrides,
     config,
     from_json,
+    is_integer,
+    is_real,
     to_json,
     unread_reason,
 )
@@ -390,3 +394,13 @@ def test_unread_fields_of_a_choice_follow_the_choice():
         apply_overrides(_Choice(), ["kind=b", "a.width=2"])
     assert apply_overrides(_Choice(), ["kind=b", "b_width=4"]).b_width == 4
 
+
+
+def test_is_integer_and_is_real_take_numbers_and_refuse_bools_and_containers():
+    for v in (0, 3, np.int64(2), 0.5, np.float32(1.5), jnp.asarray(0.1), np.asarray(2)):
+        assert is_real(v), v
+    for v in (True, np.bool_(True), "1", None, [1.0], np.ones(2), jnp.ones(1),
+              jnp.asarray(True), 1 + 2j, {"w": 1.0}):
+        assert not is_real(v), v
+    assert is_integer(3) and is_integer(np.int32(3))
+    assert not any(is_integer(v) for v in (True, 3.0, "3", np.float32(3)))

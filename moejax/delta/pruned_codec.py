@@ -14,11 +14,11 @@ gives the float32 delta back in those shapes, and refuses shapes passed for it t
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.config import is_real
 from moejax.delta.quant import QuantizedLeaf, dequantize, quantize
 from moejax.delta.storage import StoredDelta, decode, encode, index_dtype_for
 
@@ -38,7 +38,7 @@ def encode_pruned(delta: dict, mask: dict, p: float, bits: int) -> StoredDelta:
     if sorted(mask) != sorted(delta):
         raise ValueError(f"encode_pruned: mask has paths {sorted(mask)[:6]} but the delta "
                          f"{sorted(delta)[:6]}; give one flag per path of the delta")
-    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+    if not is_real(p) or not 0.0 <= p < 1.0:
         raise ValueError(f"encode_pruned: p={p!r}; the drop rate is a number in [0, 1)")
     out = {}
     for path, d in delta.items():

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moejax.config import is_real
+
 __all__ = ["ScaleByAdamRState", "scale_by_adamr", "adamr"]
 
 PyTree = Any
@@ -99,9 +101,13 @@ def scale_by_adamr(
         raise ValueError(
             f"reg={reg!r}; use 'l2' (AdamR-L2, random DPP) or 'l1' (AdamR-L1, importance DPP)."
         )
-    if not isinstance(weight, jax.core.Tracer) and not (
-            math.isfinite(float(weight)) and float(weight) >= 0):
-        raise ValueError(f"adamr: weight_decay={weight} must be a finite lambda >= 0.")
+    if not isinstance(weight, jax.core.Tracer):
+        if not is_real(weight):
+            raise TypeError(f"adamr: weight_decay must be a number (lambda), got "
+                            f"{type(weight).__name__}; the pre-trained params go in anchor= "
+                            "(or leave it out: anchored at the params given to init).")
+        if not (math.isfinite(float(weight)) and float(weight) >= 0):
+            raise ValueError(f"adamr: weight_decay={weight} must be a finite lambda >= 0.")
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype)
     reg_fn = (lambda d: d) if reg == "l2" else jnp.sign
 
