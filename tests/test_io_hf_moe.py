@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.files import UnusableDirError
 from moejax.io._common import WeightFileError, flat_params
 from moejax.io.hf_moe import hf_moe_config, load_hf_moe
 from moejax.io.hf_moe_save import save_hf_moe
@@ -539,3 +540,17 @@ def test_a_missing_or_unreadable_config_is_refused_with_its_fix(tmp_path):
     with pytest.raises(WeightFileError, match=r"unreadable config.json \(JSONDecodeError: .*"
                                               r"Fix: copy the checkpoint's config.json again"):
         load_hf_moe(tmp_path)
+    with pytest.raises(WeightFileError, match=r"config.json: a file, not a checkpoint "
+                                              r"directory. Fix: give the directory"):
+        load_hf_moe(tmp_path / "config.json")  # the file given for its directory
+
+
+def test_an_export_into_a_file_is_refused_in_one_line(tmp_path):
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    model = DecoderLM(_moe_decoder(), rngs=nnx.Rngs(0))
+    for where, words in ((a_file, "taken is a file, not a directory"),
+                         (a_file / "sub", "cannot create .*sub")):
+        with pytest.raises(UnusableDirError, match=f"save_hf_moe: .*{words}.*Fix: save into"):
+            save_hf_moe(model, where)
+    assert a_file.read_text() == "x"

@@ -201,8 +201,10 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
         path = Path(config_json)
         try:
             c = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise WeightFileError(path, "no such file", "give the directory of a Hugging Face "
+        except (FileNotFoundError, NotADirectoryError) as e:
+            where, what = ((path, "no such file") if isinstance(e, FileNotFoundError)
+                           else (path.parent, "a file, not a checkpoint directory"))
+            raise WeightFileError(where, what, "give the directory of a Hugging Face "
                                   "checkpoint, which holds its config.json and *.safetensors "
                                   "shards") from None
         except (OSError, ValueError) as e:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moejax.files import atomic_write_text
+from moejax.files import atomic_write_text, writable_dir
 from moejax.io._common import flat_params
 from moejax.io.hf_moe import FAMILIES, HFMoEFamily, layer_tensors
 from moejax.io.safetensors_io import export_params
@@ -111,7 +111,7 @@ def save_hf_moe(model: DecoderLM, directory, *, tokenizer=None) -> Path:
             "model's, and a reader that takes the index would load them instead. Fix: save "
             "into a new directory")
     _refuse_other_tokenizer(directory, tokenizer)
-    directory.mkdir(parents=True, exist_ok=True)
+    writable_dir(directory, "save_hf_moe", "save into a writable directory")
     out: dict[str, np.ndarray] = {}
     for name, value in flat_params(model).items():
         value = np.asarray(value)
