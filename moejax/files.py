@@ -96,7 +96,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb",
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open: mode={mode!r}; use 'wb' or 'w'")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():  # before anything is written: the rename would fail at the end
+        raise IsADirectoryError(f"cannot write {path}: it is a directory. Fix: name a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        file = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        why = f"{file} is a file, not a directory" if file else e.strerror
+        raise UnusableDirError(f"cannot write {path}: cannot create its folder {path.parent} "
+                               f"({why}). Fix: name a file in a writable folder") from None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         kw = {} if mode == "wb" else {"encoding": encoding or "utf-8"}

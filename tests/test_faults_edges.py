@@ -24,13 +24,15 @@ from experiments.kd import moe_kd
 from moejax import substrates
 from moejax.config import ConfigError, apply_overrides
 from moejax.delta import storage
+from moejax.files import UnusableDirError
 from moejax.harness.cli import parse_runner
 from moejax.harness.experiment import main as cli_main
 from moejax.harness.experiment import run_experiment
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.run_record import RunOwnerError, mark_run_state
 from moejax.io import WeightFileError
-from moejax.io.safetensors_io import read_safetensors
+from moejax.io.hf_tokenizer import tokenizer_from_json
+from moejax.io.safetensors_io import export_params, read_safetensors
 from moejax.train.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
@@ -329,6 +331,22 @@ def test_wrong_typed_safetensors_header_fields_name_the_file(tmp_path):
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 8)
     with pytest.raises(WeightFileError, match="bad.safetensors.*dtype must be a string"):
         read_safetensors(path)
+
+
+def test_a_weight_path_that_is_a_directory_or_under_a_file_is_named(tmp_path):
+    """Reading a folder as a weight file says it is a folder (not "does not exist"); writing
+    one over a folder, or under a file, is refused before any byte is written."""
+    for read in (read_safetensors, tokenizer_from_json):
+        with pytest.raises(WeightFileError, match=f"{tmp_path}: a directory, not a"):
+            read(tmp_path)
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    w = {"w": np.ones(2, np.float32)}
+    with pytest.raises(IsADirectoryError, match="it is a directory. Fix: name a file"):
+        export_params(w, tmp_path)
+    with pytest.raises(UnusableDirError, match="taken is a file, not a directory"):
+        export_params(w, a_file / "w.safetensors")
+    assert a_file.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["taken"]
 
 
 # -- token ids -----------------------------------------------------------------------------

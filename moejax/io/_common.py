@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["WeightFileError", "package_file", "flat_params", "build_with_params", "jit_init"]
+__all__ = ["WeightFileError", "existing_file", "package_file", "flat_params", "build_with_params",
+           "jit_init"]
 
 
 class WeightFileError(ValueError):
@@ -31,6 +32,17 @@ class WeightFileError(ValueError):
         if fix:
             msg += f". Fix: {fix}"
         super().__init__(msg)
+
+
+def existing_file(path, fix: str, what: str = "file") -> Path:
+    """``path`` as a :class:`Path`, or :class:`WeightFileError` saying it is a directory or
+    does not exist (``what``: how the message names it, e.g. ``"tokenizer file"``)."""
+    path = Path(path)
+    if path.is_dir():
+        raise WeightFileError(path, f"a directory, not a {what}", fix)
+    if not path.is_file():
+        raise WeightFileError(path, f"{what} does not exist", fix)
+    return path
 
 
 def package_file(dist: str, relpath: str, *, pip_name: str | None = None) -> Path:

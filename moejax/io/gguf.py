@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from moejax.extras import require
-from moejax.io._common import WeightFileError
+from moejax.io._common import WeightFileError, existing_file
 
 __all__ = ["GGUFFile", "read_gguf", "GGUF_MAGIC"]
 
@@ -62,8 +62,7 @@ class GGUFFile:
 def _open_reader(path: Path):
     gguf = require("gguf", "moejax.io.gguf (GGUF weights)")  # on use: the io extra
 
-    if not path.is_file():
-        raise WeightFileError(path, "file does not exist", _FIX)
+    existing_file(path, _FIX)
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(4)

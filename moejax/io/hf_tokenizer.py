@@ -30,7 +30,7 @@ import numpy as np
 
 from moejax.config import is_integer
 from moejax.extras import require
-from moejax.io._common import WeightFileError
+from moejax.io._common import WeightFileError, existing_file
 
 __all__ = ["HFTokenizer", "tokenizer_from_gguf", "tokenizer_from_json", "tokenizer_from_hf_dir",
            "render_chat_template"]
@@ -228,9 +228,7 @@ def tokenizer_from_json(path, *, add_special_tokens: bool = True) -> HFTokenizer
     truncation settings are turned off (use :meth:`HFTokenizer.encode_padded`)."""
     Tokenizer = require("tokenizers", "moejax.io.hf_tokenizer").Tokenizer  # noqa: N806
     path = Path(path)
-    if not path.is_file():
-        raise WeightFileError(path, "tokenizer file does not exist",
-                              "reinstall the package that ships it")
+    existing_file(path, "reinstall the package that ships it", "tokenizer file")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:

@@ -75,6 +75,8 @@ def bert_config_from_hf(config_json, **overrides) -> EncoderConfig:
                     norm_eps=hf.get("layer_norm_eps", 1e-12), pooling="mean")
     except FileNotFoundError:
         raise WeightFileError(path, "config.json does not exist", _FIX) from None
+    except NotADirectoryError:
+        raise WeightFileError(path.parent, "a file, not a model directory", _FIX) from None
     except (ValueError, KeyError, TypeError) as e:
         raise WeightFileError(path, f"malformed or unsupported BERT config.json "
                               f"({type(e).__name__}: {e})", _FIX) from None

@@ -38,6 +38,7 @@ from moejax.io._common import (
     BUFFER,
     WeightFileError,
     build_with_params,
+    existing_file,
     flat_buffers,
     flat_params,
 )
@@ -61,8 +62,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def _header(path: Path, fix: str) -> tuple[dict, int, int]:
     """``(header dict, data start, file size)`` after validating every entry."""
-    if not path.is_file():
-        raise WeightFileError(path, "file does not exist", fix)
+    existing_file(path, fix)
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
