@@ -54,6 +54,15 @@ def test_adamr_refuses_broadcast_anchors_and_bad_weights():
     for weight in (float("nan"), -0.1, float("inf")):
         with pytest.raises(ValueError, match="weight_decay="):
             adamr(1e-3, weight)
+    # the pre-trained params where lambda goes (the second positional argument), or another
+    # thing that is no number, named with where the params go; a 0-d array (as
+    # optax.inject_hyperparams holds it) is a number
+    for weight in (params, "0.1", [0.1], np.ones(2), None, True):
+        with pytest.raises(TypeError, match="weight_decay must be a number.*anchor="):
+            adamr(1e-3, weight)
+    for weight in (0.1, 1, np.float32(0.1), jnp.asarray(0.1)):
+        tx = adamr(1e-3, weight)
+        tx.update(params, tx.init(params), params)
     adamr(1e-3, 0.1, anchor={"w": jnp.zeros((3, 3))}).init(params)  # same shapes: fine
 
 
@@ -82,6 +91,9 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
             run(np.asarray([[1, 2]]), t)
     with pytest.raises(ValueError, match="empty prompt"):
         run(np.zeros((1, 0), np.int32))
+    with pytest.raises(ValueError, match=r"shape \(2,\): give \[B, T\] token ids, a row per "
+                                         r"prompt \(prompt\[None\] for one\)"):
+        run(np.asarray([1, 2]))
     # float ids: a cast to int32 would decode [1, 2] for [1.7, 2.2], silently
     for floats in (np.asarray([[1.7, 2.2]]), jnp.asarray([[1.7, 2.2]]), [[1.7, 2.2]]):
         with pytest.raises(ValueError, match="prompt_BT of dtype float.*integer token ids"):

@@ -149,20 +149,6 @@ def test_former_keyword_names_still_work_and_warn():
         adamr(1e-2, 0.3, weight=0.3)
 
 
-def test_a_weight_decay_that_is_no_number_is_refused_by_name():
-    """The pre-trained params passed where lambda goes (adamr's second positional argument)
-    are refused naming weight_decay and anchor=; a 0-d array (inject_hyperparams') is taken."""
-    p = {"w": jnp.ones(3)}
-    for bad in (p, "0.1", [0.1], np.ones(2), None, True):
-        with pytest.raises(TypeError, match="weight_decay must be a number.*anchor="):
-            adamr(1e-3, bad)
-    for good in (0.1, 1, np.float32(0.1), jnp.asarray(0.1)):
-        tx = adamr(1e-3, good)
-        tx.update(p, tx.init(p), p)
-    with pytest.raises(ValueError, match="finite lambda >= 0"):
-        adamr(1e-3, -1.0)
-
-
 def test_update_without_params_errors():
     tx = adamr(1e-3, 0.1)
     p = {"w": jnp.ones(3)}

@@ -41,9 +41,12 @@ def check_decode_inputs(prompt_BT, vocab_size: int, temperature: float, *,
     if eos_id is not None and not 0 <= eos_id < vocab_size:
         raise ValueError(f"eos_id={eos_id} lies outside the vocabulary [0, {vocab_size}): "
                          "the model could never emit it; give the tokenizer's eos id")
-    if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
-        raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give [B, T] token ids with "
-                         "T >= 1 (an empty prompt has nothing to continue)")
+    if prompt_BT.ndim != 2:
+        raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give [B, T] token ids, a "
+                         "row per prompt (prompt[None] for one)")
+    if prompt_BT.shape[1] < 1:
+        raise ValueError(f"prompt_BT of shape {prompt_BT.shape}: give T >= 1 token ids per "
+                         "row (an empty prompt has nothing to continue)")
     if not jnp.issubdtype(prompt_BT.dtype, jnp.integer):
         raise ValueError(f"prompt_BT of dtype {prompt_BT.dtype}: give integer token ids (a "
                          "cast would truncate each value to another token)")
