@@ -105,6 +105,10 @@ def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str,
     else:
         if opts["machine"] not in ("cpu", "gpu", "tpu"):
             raise ConfigError(f"machine={opts['machine']}: one of cpu, gpu, tpu")
+        if opts["index"] and not Path(opts["index"]).is_file():
+            raise ConfigError(f"index={opts['index']} is no file; name a run index "
+                              "(runs/index.jsonl), or leave index= out to read every index "
+                              "under runs/")
         index = [Path(opts["index"])] if opts["index"] else run_index.index_paths()
         paths, skipped = run_index.newest(opts["machine"], index)
         trials, _ = run_index.newest(opts["machine"], index, kind="trial")

@@ -314,6 +314,9 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
         with pytest.raises(ConfigError, match=why):  # a line, not a traceback
             results_doc._parse([f"runs={tmp_path}", f"out={out}"])
     assert a_file.read_text() == "x"
+    for index in (tmp_path / "typo.jsonl", tmp_path):  # not a doc of every study "not run"
+        with pytest.raises(ConfigError, match=f"index={index} is no file"):
+            results_doc._parse([f"index={index}", f"out={tmp_path / 'r.md'}"])
     assert results_doc.main(["colour=blue"]) == 2
     assert Claim("c", None, "e").verdict == "not measured"
 
