@@ -134,6 +134,8 @@ FAMILIES = {
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 _FIX = "convert it to a supported family, or load it with transformers"
+_GIVE_DIR = ("give the directory of a Hugging Face checkpoint, which holds its config.json and "
+             "*.safetensors shards")
 
 
 def _refuse(path, key: str, value, why: str) -> WeightFileError:
@@ -201,12 +203,11 @@ def hf_moe_config(config_json, *, dispatch: str = "auto", **overrides) -> Decode
         path = Path(config_json)
         try:
             c = json.loads(path.read_text())
-        except (FileNotFoundError, NotADirectoryError) as e:
-            where, what = ((path, "no such file") if isinstance(e, FileNotFoundError)
-                           else (path.parent, "a file, not a checkpoint directory"))
-            raise WeightFileError(where, what, "give the directory of a Hugging Face "
-                                  "checkpoint, which holds its config.json and *.safetensors "
-                                  "shards") from None
+        except FileNotFoundError:
+            raise WeightFileError(path, "no such file", _GIVE_DIR) from None
+        except NotADirectoryError:
+            raise WeightFileError(path.parent, "a file, not a checkpoint directory",
+                                  _GIVE_DIR) from None
         except (OSError, ValueError) as e:
             raise WeightFileError(path, f"unreadable config.json ({type(e).__name__}: {e})",
                                   "copy the checkpoint's config.json again") from None
