@@ -140,3 +140,28 @@ def test_q_grid_is_algorithm_2s_and_refinement_stays_inside_its_bounds():
         res = grid_search(f, q_grid(0.9, 4), refine_rounds=3, lo=0.1, hi=1.0)
         assert res.points.min() >= 0.1 - 1e-12 and res.points.max() <= 1.0 + 1e-12
         assert res.best == pytest.approx(0.1 if f(1.0) > f(0.1) else 1.0)
+
+
+@pytest.mark.parametrize("method", ["dare", "structural_dpp", "dare_updates"])
+def test_bfloat16_survivors_are_rescaled_by_the_exact_q_rounded_once(method):
+    """A bfloat16 delta's survivors are ``d / q`` rounded once to bfloat16, so their sum is
+    the exact rescaled sum up to rounding noise: dividing by q rounded to bfloat16 first
+    (0.3 -> 0.30078) shrinks every survivor by the same factor, the sum by 0.27%, and DARE
+    would no longer be unbiased."""
+    from moejax.delta import structural_dpp
+    from moejax.optim import dare_updates
+
+    d = jnp.abs(jax.random.normal(jax.random.key(0), (256, 256))).astype(jnp.bfloat16)
+    key, q = jax.random.key(1), 0.3
+    if method == "dare":
+        out = dare(key, {"w": d}, 0.7)["w"]
+    elif method == "structural_dpp":
+        out = structural_dpp(key, {"w": d}, 0.5, 0.6, q=q)["w"]
+    else:
+        tx = dare_updates(0.7, 0)
+        out = tx.update({"w": d}, tx.init({"w": d}))[0]["w"]
+    assert out.dtype == jnp.bfloat16
+    kept = np.asarray(out) != 0
+    assert 0.1 < kept.mean() < 0.5
+    ratio = np.asarray(out, np.float64)[kept].sum() / (np.asarray(d, np.float64)[kept] / q).sum()
+    assert abs(ratio - 1) < 3e-4, ratio

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moejax.delta.dare import rescale
 from moejax.delta.tree import leaf_paths, map_selected, mask_leaves, per_leaf_keys, per_leaf_values
 
 __all__ = [
@@ -186,7 +187,7 @@ def _structural_leaf(key, d, a, b, q, in_axis):
     cols = topk_keep_mask(col_scores, 1.0 - n_cols / d_in, matrix_ndim=1)  # [n_lead, d_in]
     cols = cols.reshape(lead + (1, d_in))
     keep = cols & jax.random.bernoulli(k_keep, b, dm.shape)
-    out = jnp.where(keep, dm / jnp.asarray(q, dm.dtype), jnp.zeros((), d.dtype))
+    out = jnp.where(keep, rescale(dm, q), jnp.zeros((), d.dtype))
     return jnp.moveaxis(out, -1, in_axis)
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from moejax.delta.dare import rescale
 from moejax.delta.hash_mask import hash_bits
 
 __all__ = ["DareUpdatesState", "dare_updates"]
@@ -83,7 +84,7 @@ def dare_updates(
                 raise ValueError(f"dare_updates: update leaf {i} is {u.dtype}; DARE rescales "
                                  "by 1/q and needs floating updates.")
             keep = _keep(jax.random.fold_in(step_key, i), p, u.shape, rng)
-            out.append(jnp.where(keep, u / jnp.asarray(q, u.dtype), jnp.zeros((), u.dtype)))
+            out.append(jnp.where(keep, rescale(u, q), jnp.zeros((), u.dtype)))
         return jax.tree_util.tree_unflatten(treedef, out), DareUpdatesState(next_key)
 
     return optax.GradientTransformation(init_fn, update_fn)
