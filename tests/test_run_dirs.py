@@ -107,6 +107,28 @@ def test_a_smaller_repeat_is_judged_on_its_own_seeds(tmp_path, monkeypatch):
     assert "wins 2/2 seeds" in doc and "3/3" not in doc
 
 
+def test_a_smoke_runs_summary_says_so_and_judges_no_claim(tmp_path):
+    """A smoke run trains a couple of steps: its claim rules still run on its tables, but no
+    verdict of it reads as the paper's (holds or does not hold), and its summary opens by
+    saying what it was; the same study run for real judges them."""
+    from moejax.harness.claims import Claim
+
+    def claims(tables):
+        return [Claim("A beats B", True, "1 vs 0"), Claim("C beats D", False, "0 vs 1")]
+
+    for argv, verdicts in ((["smoke=true"], {"inconclusive"}),
+                           ([], {"holds", "does not hold"})):
+        out = tmp_path / ("smoke" if argv else "real")
+        run_experiment("darex_controlled", MAKE, _two_tables, argv, out=out, claims=claims)
+        rows = (out / "claims.csv").read_text()
+        assert {v for v in ("holds", "does not hold", "inconclusive") if f",{v}," in rows} \
+            == verdicts
+        summary = (out / "summary.md").read_text()
+        assert ("**Smoke run**" in summary) == bool(argv)
+        assert ("tests the pipeline, not the claim" in rows) == bool(argv)
+        assert "1 vs 0" in rows  # the rule's own evidence is kept
+
+
 def test_an_interrupted_run_is_marked_and_never_shown_as_finished(tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     out = runs / "blockffn_granularity"
