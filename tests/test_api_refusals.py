@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.delta import dare
+from moejax.delta import dare, structural_dpp
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
@@ -32,6 +32,22 @@ def test_dare_refuses_integer_deltas_and_non_finite_rates():
             dare(KEY, floats, p)
     assert dare(KEY, {"w": floats["w"], "n": jnp.arange(3)}, 0.5,
                 mask={"w": True, "n": False})["n"].dtype == jnp.int32  # deselected: kept
+
+
+def test_structural_dpp_refuses_integer_deltas_and_bad_rescalings():
+    """Structural DPP rescales its survivors by 1/q as DARE does: an integer delta (survivors
+    truncated: 1/0.25 stored as 4, exactly and wrongly) and a q that is not a finite number
+    > 0 (1/0 = inf) are refused, naming the leaf or the q."""
+    ints = {"w": jnp.ones((8, 8), jnp.int32)}
+    with pytest.raises(ValueError, match="structural_dpp: delta leaf 'w' is int32"):
+        structural_dpp(KEY, ints, 0.5, 0.5)
+    floats = {"w": jnp.ones((8, 8))}
+    for q in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="structural_dpp: q="):
+            structural_dpp(KEY, floats, 0.5, 0.5, q=q)
+    kept = structural_dpp(KEY, {"w": floats["w"], "n": jnp.arange(3)}, 0.5, 0.5,
+                          mask={"w": True, "n": False})
+    assert kept["n"].dtype == jnp.int32  # deselected: kept
 
 
 def test_dare_updates_refuses_integer_updates_and_non_finite_q():

@@ -35,6 +35,7 @@ __all__ = [
     "dare",
     "dare_keep_mask",
     "rescale",
+    "check_rescaled",
     "q_grid",
     "GridSearchResult",
     "grid_search",
@@ -58,6 +59,22 @@ def rescale(d: jax.Array, q) -> jax.Array:
     factor, up to 2^-9 off, and DARE's rescale exists to keep ``E[Delta'] = Delta``."""
     wide = jnp.promote_types(jnp.result_type(d), jnp.float32)
     return (jnp.asarray(d, wide) / jnp.asarray(q, wide)).astype(jnp.result_type(d))
+
+
+def check_rescaled(who: str, delta_tree: PyTree, qs: Sequence, sel: Sequence[bool]) -> None:
+    """Refuse what ``Delta / q`` would turn into garbage, before any compute: a concrete
+    ``q`` (one per leaf, ``qs``) that is not a finite number > 0, and a selected leaf (``sel``)
+    that is not floating (the rescaled survivors would be truncated to integers)."""
+    for qi in qs:
+        if qi is not None and not isinstance(qi, jax.core.Tracer) and not (
+                math.isfinite(float(qi)) and float(qi) > 0.0):
+            raise ValueError(f"{who}: q={qi} must be finite and > 0 (survivors are rescaled by "
+                             "1/q).")
+    for path, d, s in zip(leaf_paths(delta_tree), jax.tree_util.tree_leaves(delta_tree), sel):
+        if s and not jnp.issubdtype(jnp.result_type(d), jnp.floating):
+            raise ValueError(f"{who}: delta leaf {path!r} is {jnp.result_type(d)}; its "
+                             "survivors are rescaled by 1/q and need a floating dtype (cast "
+                             "it, or deselect it via mask).")
 
 
 def dare_keep_mask(
@@ -110,18 +127,9 @@ def dare(
     """
     _check_rate(p)
     qs = per_leaf_values(1.0 - p if q is None else q, delta_tree, "q")
-    for qi in qs:
-        if qi is not None and not isinstance(qi, jax.core.Tracer) and not (
-                math.isfinite(float(qi)) and float(qi) > 0.0):
-            raise ValueError(f"q={qi} must be finite and > 0 (DAREx-q rescales survivors by "
-                             "1/q).")
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
     sel = mask_leaves(mask, delta_tree, "dare")
-    for path, d, s in zip(leaf_paths(delta_tree), leaves, sel):
-        if s and not jnp.issubdtype(jnp.result_type(d), jnp.floating):
-            raise ValueError(f"dare: delta leaf {path!r} is {jnp.result_type(d)}; DARE "
-                             "rescales by 1/q and needs floating deltas (cast it, or deselect "
-                             "it via mask).")
+    check_rescaled("dare", delta_tree, qs, sel)
     picked = [d for d, s in zip(leaves, sel) if s]
     q_sel = [jnp.asarray(qi, jnp.promote_types(jnp.result_type(d), jnp.float32))
              for d, qi, s in zip(leaves, qs, sel) if s]

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moejax.delta.dare import rescale
+from moejax.delta.dare import check_rescaled, rescale
 from moejax.delta.tree import leaf_paths, map_selected, mask_leaves, per_leaf_keys, per_leaf_values
 
 __all__ = [
@@ -214,6 +214,7 @@ def structural_dpp(
     keys = jax.tree_util.tree_leaves(per_leaf_keys(key, delta_tree))
     leaves, treedef = jax.tree_util.tree_flatten(delta_tree)
     sel = mask_leaves(mask, delta_tree, "structural_dpp")
+    check_rescaled("structural_dpp", delta_tree, qs, sel)
     out = [
         _structural_leaf(k, d, a, b, qi, in_axis) if s else d
         for d, k, qi, s in zip(leaves, keys, qs, sel)
