@@ -3,6 +3,7 @@ supersense) runs tiny and names the substrate it fine-tunes."""
 
 import csv
 
+import jax
 import numpy as np
 import pytest
 
@@ -67,9 +68,19 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     assert at99["AdamR-L1"] == pytest.approx(main["AdamR-L1", "AdamR-L1 + magnitude"])
 
 
-def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_path):
+def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_path,
+                                                              monkeypatch):
     """``optimizers`` picks the fine-tunings that run; AdamR decays the encoder only (the
-    classifier head has no pre-trained value to anchor at) unless ``regularise_head``."""
+    classifier head has no pre-trained value to anchor at) unless ``regularise_head``; run i's
+    head is drawn from ``seed + i``, as its batches are (another base seed, other heads)."""
+    heads = []
+
+    class Recorded(mod.SequenceClassifier):
+        def __init__(self, *a, rngs):
+            heads.append(np.asarray(jax.random.key_data(rngs.default.key[...])).tolist())
+            super().__init__(*a, rngs=rngs)
+
+    monkeypatch.setattr(mod, "SequenceClassifier", Recorded)
     base = mod.make_config("quick")
     cfg = base.replace(
         model="substrate", tasks=("lexname",),
@@ -78,9 +89,11 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
                                         train=tiny_train(4)),
         substrate_cache=str(tiny_recipes),
         finetune=base.finetune.replace(batch_size=16, steps=10, warmup_steps=5),
-        n_train=400, n_val=64, n_test=64, seeds=1, optimizers=("adamr_l1",), l1_weight=1.0)
+        n_train=400, n_val=64, n_test=64, seeds=1, optimizers=("adamr_l1",), l1_weight=1.0,
+        seed=3)
     summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
                                   claims=mod.claims, out=tmp_path / "enc")
+    assert heads[-1] == np.asarray(jax.random.key_data(jax.random.key(3))).tolist()
     rows = list(csv.DictReader(open(run.path / "per_seed.csv")))
     assert {r["fine-tuning"] for r in rows} == {"AdamR-L1"}
     assert {r["method"] for r in rows} == {"unpruned", "AdamR-L1 + magnitude", mod.DROPPED}

@@ -237,7 +237,7 @@ def finetune_and_prune(cfg, task: Task, enc_p, ecfg, out: dict[str, list], sweep
     val_metric = task.accuracy("validation", graphdef, rest)
     test_metric = task.accuracy("test", graphdef, rest)
     for seed in range(cfg.seeds):
-        clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(seed))
+        clf = SequenceClassifier(ecfg, task.n_classes, rngs=nnx.Rngs(cfg.seed + seed))
         nnx.update(clf.encoder, enc_p)
         params = nnx.state(clf, nnx.Param)
         for opt in cfg.optimizers:
