@@ -69,6 +69,31 @@ def test_moee_without_clusters_keeps_the_dense_model_and_says_so(tiny_recipes, t
     assert claims["MoEE cuts MACs by 27% or more (Table 1)"] == "inconclusive"
 
 
+def test_stability_draws_follow_the_base_seed(monkeypatch):
+    """Each stability draw records, clusters and plans from ``seed + 100 + d``: another base
+    seed draws other token samples (the seed runs use ``seed + s``, s < 100)."""
+    seen = []
+
+    class Data:
+        model = None
+
+        def record_batches(self, rows, seed):
+            seen.append(("batches", seed))
+
+    monkeypatch.setattr(mod, "record_ffn", lambda m, b, n_tokens, seed: seen.append(
+        ("record", seed)))
+    monkeypatch.setattr(mod, "cluster_layers", lambda r, c, seed: seen.append(("cluster", seed)))
+    monkeypatch.setattr(mod, "moee_plans", lambda r, lab, ex, seed: seen.append(("plan", seed)))
+    monkeypatch.setattr(mod, "expert_summary", lambda plans: [{"layer": 0, "experts": 1}])
+    for base in (0, 7):
+        seen.clear()
+        cfg = mod.make_config("quick").replace(seed=base, stability_tokens=(50,),
+                                               stability_draws=2)
+        mod.stability(cfg, Data())
+        assert {s for _, s in seen} == {base + 100, base + 101}
+        assert len(seen) == 8  # four steps a draw, every one seeded
+
+
 def _per_seed(model, n=3, **values):
     """``n`` per-seed rows of ``model``, each value a little apart per seed."""
     return [{"model": model, "seed": s, **{k: v + 0.001 * (s - 1) for k, v in values.items()}}

@@ -201,10 +201,11 @@ def stability(cfg: MoEEStudyConfig, data: ClassifierData) -> list[dict]:
     for n in cfg.stability_tokens:
         per = []
         for d in range(cfg.stability_draws):
-            rec = record_ffn(data.model, data.record_batches(cfg.record_rows, 100 + d),
-                             n_tokens=min(n, cfg.extract.n_tokens * 4), seed=100 + d)
-            labels = cluster_layers(rec, cfg.extract.cluster, seed=100 + d)
-            plans = moee_plans(rec, labels, cfg.extract, seed=100 + d)
+            seed = cfg.seed + 100 + d  # apart from the seed runs' samples
+            rec = record_ffn(data.model, data.record_batches(cfg.record_rows, seed),
+                             n_tokens=min(n, cfg.extract.n_tokens * 4), seed=seed)
+            labels = cluster_layers(rec, cfg.extract.cluster, seed=seed)
+            plans = moee_plans(rec, labels, cfg.extract, seed=seed)
             per.append(expert_summary(plans))
         for li in range(len(per[0])):
             ex = np.asarray([p[li]["experts"] for p in per], float)
