@@ -131,8 +131,7 @@ def dare(
     sel = mask_leaves(mask, delta_tree, "dare")
     check_rescaled("dare", delta_tree, qs, sel)
     picked = [d for d, s in zip(leaves, sel) if s]
-    q_sel = [jnp.asarray(qi, jnp.promote_types(jnp.result_type(d), jnp.float32))
-             for d, qi, s in zip(leaves, qs, sel) if s]
+    q_sel = [jnp.asarray(qi) for qi, s in zip(qs, sel) if s]  # :func:`rescale` widens them
     dropped = iter(_drop_and_rescale(key, picked, q_sel, p=float(p), sel=tuple(sel), rng=rng,
                                      treedef=treedef))
     return jax.tree_util.tree_unflatten(treedef, [next(dropped) if s else d
