@@ -316,6 +316,10 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     assert {"moe_kd", "darex_controlled", "darex_storage", "darex_decoder", "darex_encoder",
             "moee", "bench_dispatch", "bench_speculative"} <= set(declared)
     assert {"sft.seed", "distill.seed", "kd.method"} <= set(declared["moe_kd"])
+    # darex_controlled gives every fine-tuning run its own optimizer and decay (Adam for the
+    # plain and large-delta runs, AdamR-L2 / -L1 with their lambda): finetune.optimizer=adamr_l1
+    # left the arm labelled Adam as it was and changed the large-delta runs alone
+    assert {"finetune.optimizer", "finetune.weight_decay"} <= set(declared["darex_controlled"])
     for name, overrides in main_job.DEMO:  # the tour sets none of them
         assert not {o.partition("=")[0] for o in overrides} & set(declared.get(name, ())), name
     study = study_module("moe_kd").STUDY

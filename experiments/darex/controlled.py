@@ -131,12 +131,21 @@ def pretrain_and_finetune(cfg: ControlledConfig, tasks: dict, regs=("none", "l2"
     sub = build_substrate("mlp_mnist5k", cfg.substrate, cache_dir=cfg.substrate_cache or None,
                           progress=True)
     pre = sub.model.params()
-    opts = {"none": ("adam", 0.0), "l2": ("adamr_l2", cfg.l2_weight),
-            "l1": ("adamr_l1", cfg.l1_weight)}
-    tuned = {reg: finetune_mlp(pre, tasks, cfg.finetune.replace(
-        optimizer=opts[reg][0], weight_decay=opts[reg][1], seed=cfg.seed),
-        desc=f"finetune digits ({reg})") for reg in regs}
+    tuned = {reg: finetune_mlp(pre, tasks, finetune_config(cfg, reg),
+                               desc=f"finetune digits ({reg})") for reg in regs}
     return pre, tuned, sub
+
+
+def finetune_config(cfg: ControlledConfig, reg: str, weight: float | None = None,
+                    **changes) -> TrainConfig:
+    """``finetune`` with the fine-tuning regulariser ``reg`` (``"none"``: Adam, no decay;
+    ``"l2"`` / ``"l1"``: AdamR-L2 / -L1, lambda ``weight`` or ``l2_weight`` / ``l1_weight``)
+    and ``changes`` (lr, seed): the one place the recipe sets the optimizer of a run."""
+    optimizer, default = {"none": ("adam", 0.0), "l2": ("adamr_l2", cfg.l2_weight),
+                          "l1": ("adamr_l1", cfg.l1_weight)}[reg]
+    return cfg.finetune.replace(optimizer=optimizer,
+                                weight_decay=default if weight is None else weight,
+                                **{"seed": cfg.seed, **changes})
 
 
 REG_NAMES = {"none": "no reg (Adam)", "l2": "AdamR-L2", "l1": "AdamR-L1"}
@@ -271,7 +280,7 @@ def _large_deltas(cfg, run, pre, tasks, acc_val, acc_test, calib_x) -> dict:
     for lr in cfg.large_lrs:
         for seed in range(cfg.large_seeds):
             s = cfg.seed * cfg.large_seeds + seed  # disjoint seeds across `repeat` runs
-            fin = finetune_mlp(pre, tasks, cfg.finetune.replace(lr=lr, seed=s),
+            fin = finetune_mlp(pre, tasks, finetune_config(cfg, "none", lr=lr, seed=s),
                                desc=f"finetune lr {lr} seed {seed}")
             D = dl.delta(pre, fin)
             mask = pruned_mask(D, cfg.prune)
@@ -314,8 +323,7 @@ def _l2_sweep(cfg, run, pre, tasks, acc_test) -> dict:
     """Fig. 7 analog: test accuracy of DARE at ``sweep_ps`` after AdamR-L2 of each weight."""
     rows = []
     for w in cfg.l2_sweep:
-        fin = finetune_mlp(pre, tasks, cfg.finetune.replace(
-            optimizer="adamr_l2", weight_decay=w, seed=cfg.seed), desc=f"AdamR-L2 {w}")
+        fin = finetune_mlp(pre, tasks, finetune_config(cfg, "l2", w), desc=f"AdamR-L2 {w}")
         D = dl.delta(pre, fin)
         mask = pruned_mask(D, cfg.prune)
         row = {"l2_weight": w, "unpruned": acc_test(fin), **delta_stats(D, mask)}
@@ -366,7 +374,11 @@ STUDY = Study(
     quick_repeat=5,
     smoke=("large_seeds=1", "lora_seeds=1"),
     paper_scale=PAPER_SCALE,
-    derived_keys=(("finetune.seed", "seed (the large-delta runs: seed * large_seeds + i)"),
+    derived_keys=(("finetune.optimizer", "Adam, AdamR-L2 or AdamR-L1 per fine-tuning run; "
+                   "Adam for the large deltas"),
+                  ("finetune.weight_decay", "0 for Adam, l2_weight, l1_weight and l2_sweep "
+                   "for AdamR"),
+                  ("finetune.seed", "seed (the large-delta runs: seed * large_seeds + i)"),
                   ("lora_finetune.seed", "seed * lora_seeds + i")),
 )
 
