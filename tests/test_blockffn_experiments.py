@@ -33,6 +33,13 @@ def test_presets_build(name, preset):
     ("blockffn_granularity", "model.d_expert=8", "d_expert = ffn_width / N"),
     ("blockffn_ablations", "model.top_k=3", r"no model it trains \(blockffn\) reads it"),
     ("blockffn_ablations", "model.remoe_lam0=0.01", "leave it at its default, 0.0001"),
+    # each ablation setting sets its own objective: model.use_cs=false ran AL and labelled
+    # it AL+CS; model.l1_coef added L1 to every setting
+    ("blockffn_ablations", "model.use_cs=false", "each setting turns CS on or off"),
+    ("blockffn_ablations", "model.rmsnorm=false", r"but 'AL\+CS, no RMSNorm'"),
+    ("blockffn_ablations", "model.l1_coef=0.1", r"AL\+L1 alone takes the study's own"),
+    ("blockffn_ablations", "model.entropy_coef=0.1", r"AL\+Ent alone takes the study's own"),
+    ("blockffn_ablations", "model.al_coef=0", "leaves AL out of every setting"),
     ("bench_speculative", "target.grin_eps=0.1", "=0.1 is not read by a blockffn model"),
     ("bench_speculative", "draft.n_shared=2", "=2 is not read by a dense model"),
 ])

@@ -28,8 +28,23 @@ from moejax.sparse_lm import summary_row, train_and_evaluate
 
 @config
 class AblationsConfig(SparseLMStudyConfig):
-    l1_coef: float = 1e-2
-    entropy_coef: float = 5e-2
+    l1_coef: float = 1e-2  # AL+L1's coefficient
+    entropy_coef: float = 5e-2  # AL+Ent's coefficient
+
+    # each setting names its objective: the model's switches for them are the settings' own
+    MODEL_SET_HERE = {
+        "arch": "every model it trains is BlockFFN",
+        "use_cs": "each setting turns CS on or off (on in AL+CS and CS)",
+        "rmsnorm": "each setting has the router RMSNorm but 'AL+CS, no RMSNorm'",
+        "l1_coef": "AL+L1 alone takes the study's own l1_coef",
+        "entropy_coef": "AL+Ent alone takes the study's own entropy_coef"}
+
+    def validate(self):
+        super().validate()
+        self._require(self.model.al_coef > 0,
+                      f"model.al_coef={self.model.al_coef} leaves AL out of every setting "
+                      "(AL+CS would be CS, AL would be Null); give a weight > 0, the one the "
+                      "AL settings train with (CS and Null set it to 0)")
 
 
 def make_config(preset: str) -> AblationsConfig:
