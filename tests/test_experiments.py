@@ -320,6 +320,10 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     # plain and large-delta runs, AdamR-L2 / -L1 with their lambda): finetune.optimizer=adamr_l1
     # left the arm labelled Adam as it was and changed the large-delta runs alone
     assert {"finetune.optimizer", "finetune.weight_decay"} <= set(declared["darex_controlled"])
+    # moee's MoEE row is the paper's recipe, each ablation's claim set against it:
+    # extract.selection=magnitude judged 'variance beats magnitude' on magnitude against itself
+    assert {"extract.selection", "extract.router", "extract.cluster.method",
+            "extract.cluster.n_clusters"} <= set(declared["moee"])
     for name, overrides in main_job.DEMO:  # the tour sets none of them
         assert not {o.partition("=")[0] for o in overrides} & set(declared.get(name, ())), name
     study = study_module("moe_kd").STUDY

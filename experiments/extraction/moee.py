@@ -359,7 +359,14 @@ STUDY = Study(
     smoke=("extract.n_tokens=2000", "record_rows=200", "stability_tokens=(2000,)", "seeds=1",
              "eval_rows=64"),
     paper_scale=PAPER_SCALE,
-    derived_keys=(("kd.seed", "each extraction seed"),),
+    derived_keys=(("kd.seed", "each extraction seed"),
+                  *((f"extract.{k}", f"the MoEE row is the paper's {what}; ablations= runs "
+                                     "the others, each against it")
+                    for k, what in (("selection", "variance selection"),
+                                    ("router", "cosine routing"),
+                                    ("cluster.method", "HDBSCAN"))),
+                  ("extract.cluster.n_clusters", "HDBSCAN's count per layer, for the "
+                                                 "ablations that need one")),
     # the recipe on a real pretrained transformer: all-MiniLM-L6-v2 fine-tuned on WordNet
     # parts of speech (a shorter KD and ablation set than the ViT's, for the CPU's time)
     variants=(("minilm", ("model=minilm", "seeds=3", "kd.steps=60", "kd.batch_size=32",
