@@ -123,6 +123,21 @@ def test_moe_kd_shared_teachers(tiny_recipes, tmp_path):
     assert "teachers=shared" in (run.path / "summary.md").read_text()
 
 
+def test_the_summary_names_each_distillation_setting_changed_from_the_papers():
+    """A run whose methods sample or weigh otherwise than the paper says so beside its
+    verdicts (kd.on_policy_fraction=0.5 ran GKD, ALL, KA and SAR half off-policy, unnoted);
+    the presets change none."""
+    for preset in ("quick", "full"):
+        assert "Changed from the paper's" not in mod._setting_note(mod.make_config(preset))
+    cfg = mod.make_config("quick")
+    note = mod._setting_note(cfg.replace(kd=cfg.kd.replace(on_policy_fraction=0.5,
+                                                           temperature=0.7, sar_beta=0.0)))
+    assert ("Changed from the paper's distillation: kd.on_policy_fraction=0.5 (the share of "
+            "rows whose response the student samples; the paper's: 1.0); kd.temperature=0.7 "
+            "(the student's sampling temperature; the paper's: 1.0); kd.sar_beta=0.0 "
+            "(SAR's balance-loss weight; the paper's: 0.01).") in note
+
+
 def test_teacher_gap_needs_both_the_rouge_and_the_perplexity_gap():
     def gap(t, s, tp, sp):
         return mod.teacher_gap({"MoE teacher": {"rouge_l": t, "ppl": tp},

@@ -316,6 +316,9 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     assert {"moe_kd", "darex_controlled", "darex_storage", "darex_decoder", "darex_encoder",
             "moee", "bench_dispatch", "bench_speculative"} <= set(declared)
     assert {"sft.seed", "distill.seed", "kd.method"} <= set(declared["moe_kd"])
+    # each method is the paper's (kd.teacher_k=4 ran 'KD' from four experts, then stopped the
+    # run at its dense teacher, which has no routing to change)
+    assert {"kd.divergence", "kd.teacher_k"} <= set(declared["moe_kd"])
     # darex_controlled gives every fine-tuning run its own optimizer and decay (Adam for the
     # plain and large-delta runs, AdamR-L2 / -L1 with their lambda): finetune.optimizer=adamr_l1
     # left the arm labelled Adam as it was and changed the large-delta runs alone

@@ -374,6 +374,25 @@ def _gate_mass(cfg: MoEKDConfig, run: RunDir, s: Setup) -> list[float]:
     return mass
 
 
+# the distillation settings a run may change from the paper's (DistillConfig's defaults),
+# each named in the summary where it does
+KD_SETTINGS = {"on_policy_fraction": "the share of rows whose response the student samples",
+               "temperature": "the student's sampling temperature",
+               "top_p": "the student's sampling top-p",
+               "reduction": "the divergence's mean over positions",
+               "ka_lambda": "KA's probability of sampling the N-1 experts",
+               "sar_beta": "SAR's balance-loss weight"}
+
+
+def _kd_changes(kd: DistillConfig) -> str:
+    """A sentence naming each of :data:`KD_SETTINGS` that ``kd`` changes from the paper's
+    (``""`` when none)."""
+    paper = DistillConfig()
+    changed = [f"kd.{k}={getattr(kd, k)!r} ({what}; the paper's: {getattr(paper, k)!r})"
+               for k, what in KD_SETTINGS.items() if getattr(kd, k) != getattr(paper, k)]
+    return f" Changed from the paper's distillation: {'; '.join(changed)}." if changed else ""
+
+
 def _setting_note(cfg: MoEKDConfig) -> str:
     """How the comparisons are judged, and the settings that ran, beside the paper's."""
     kd_loss = (f"{cfg.kd.kd_ratio:g} forward KL + {1 - cfg.kd.kd_ratio:g} cross-entropy (the "
@@ -400,7 +419,8 @@ def _setting_note(cfg: MoEKDConfig) -> str:
                f"SFT student (teachers={cfg.teachers}), so the intervals cover their training "
                "too." if cfg.teacher_draws > 1 or cfg.seeds == 1 else
                "Teachers: one MoE teacher, dense teacher and SFT student for every training "
-               f"seed (teachers={cfg.teachers}): the dense-vs-MoE claims are not judged."))
+               f"seed (teachers={cfg.teachers}): the dense-vs-MoE claims are not judged.")
+            + _kd_changes(cfg.kd))
 
 
 def checkpoint_runs(cfg: MoEKDConfig) -> list:
@@ -442,6 +462,11 @@ STUDY = Study(
     derived_keys=(("sft.seed", "seed + i for teacher draw i"),
                   ("distill.seed", "seed + 100 (s + 1) for distillation seed s"),
                   ("kd.method", "each of methods, dense_teacher_methods and the sweeps'"),
+                  ("kd.divergence", "each method's own: forward KL for KD, reverse KL on "
+                                    "student samples for the others"),
+                  ("kd.teacher_k", "each method's: the MoE teacher's trained k for KD and "
+                                   "GKD, all experts for ALL and SAR, N-1 for KA; teacher_ks "
+                                   "sweeps KD's"),
                   ("kd.eos_id", "the tokenizer's eos id"),
                   ("kd.pad_id", "the tokenizer's pad id")),
 )
