@@ -187,8 +187,10 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
         ["sizes=(small,)", "small_d_model=16", "small_d_expert=8", "model.n_experts=4",
          "model.n_heads=2", "model.n_layers=1", "train.steps=2", "train.warmup_steps=1",
          "train.batch_size=2",
-         "seq_len=16", "eval_batches=1", "seeds=1", "models=(TopK,)"],
+         "seq_len=16", "eval_batches=1", "seeds=1", "models=(TopK,)", "model.use_cs=false"],
         claims=mod.claims, out=tmp_path / "b")
+    # the summary says which BlockFFN ran beside its verdicts
+    assert "the CS loss False (the paper's: True)" in (run.path / "summary.md").read_text()
     rows = list(csv.DictReader(open(run.path / "baselines_per_seed.csv")))
     assert [r["model"] for r in rows] == ["BlockFFN", "TopK"]
     gaps = list(csv.DictReader(open(run.path / "blockffn_minus_baseline.csv")))
@@ -196,6 +198,25 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     assert (run.path / "ppl_small.png").exists()
     with pytest.raises(ConfigError, match="models"):
         apply_overrides(mod.make_config("quick"), ["models=(TopK,TopK)"])
+
+
+def test_a_blockffn_study_names_each_setting_changed_from_the_papers():
+    """A BlockFFN without CS, or with another AL sharpness, is named as such in the summary
+    (each was labelled BlockFFN, its objective unstated); the paper's is named by nothing, and
+    an ablation's own switches are left to its settings."""
+    from experiments.blockffn import ablations, baselines
+    from experiments.blockffn.common import blockffn_changes
+    from moejax.sparse_lm import SparseLMConfig
+
+    assert blockffn_changes(SparseLMConfig()) == ""
+    note = blockffn_changes(SparseLMConfig(use_cs=False, alpha=10.0))
+    assert note == ("BlockFFN here differs from the paper's in AL's sharpness alpha 10.0 (the "
+                    "paper's: 100.0); the CS loss False (the paper's: True).")
+    quick = baselines.make_config("quick").model  # the CPU scale's shorter chunks and schedule
+    assert "CS's chunk length 16 (the paper's: 64)" in blockffn_changes(quick)
+    cfg = ablations.make_config("quick")
+    assert "router RMSNorm" not in blockffn_changes(cfg.model.replace(rmsnorm=False),
+                                                    cfg.MODEL_SET_HERE)
 
 
 def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():

@@ -18,7 +18,12 @@ alpha: the paper's alpha = 100 assumes small router scores; with this library's 
 
 from __future__ import annotations
 
-from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig, at_close_tls
+from experiments.blockffn.common import (
+    PAPER_SCALE,
+    SparseLMStudyConfig,
+    at_close_tls,
+    blockffn_changes,
+)
 from moejax.config import config
 from moejax.harness.claims import Claim, all_hold, lookup, paired_compare
 from moejax.harness.results import RunDir
@@ -54,6 +59,8 @@ def make_config(preset: str) -> AblationsConfig:
 
 
 def run(cfg: AblationsConfig, run: RunDir) -> dict:
+    if note := blockffn_changes(cfg.model, cfg.MODEL_SET_HERE):
+        run.note(note)
     train_src, val = cfg.sources()
     m = cfg.model.replace(arch="blockffn")
     no_al = dict(al_coef=0.0)

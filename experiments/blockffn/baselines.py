@@ -29,6 +29,7 @@ import numpy as np
 from experiments.blockffn.common import (
     PAPER_SCALE,
     SparseLMStudyConfig,
+    blockffn_changes,
     denser_explains_cls,
     sparser_explains_ppl,
     tls_checked,
@@ -183,6 +184,8 @@ def _plots(run: RunDir, cfg: BaselinesConfig, summary, cls_rows, alloc) -> None:
 
 
 def run(cfg: BaselinesConfig, run: RunDir) -> dict:
+    if note := blockffn_changes(cfg.model, cfg.MODEL_SET_HERE):
+        run.note(note)
     rows, cls_rows, mag_rows, alloc = _train_all(cfg)
     values = ["val_ppl", "TLS", "TLS - TLS_BlockFFN", "active_experts", "CLS_8", "reuse"]
     summary = seed_summary(rows, ["size", "model", "d_model", "d_expert", "n_layers", "params"],

@@ -57,6 +57,28 @@ class SparseLMStudyConfig(Config):
         return data_sources(self.train.batch_size, self.seq_len, seed, self.eval_batches)
 
 
+# BlockFFN's router and objective settings, each with what it is; SparseLMConfig's defaults
+# are the paper's (Sec. 3, App. B)
+BLOCKFFN_SETTINGS = {"rmsnorm": "the router RMSNorm", "al_coef": "the AL weight",
+                     "alpha": "AL's sharpness alpha", "use_cs": "the CS loss",
+                     "chunk_len": "CS's chunk length", "cs_lam0": "lambda_cs's start",
+                     "n_st": "the scheduler's constant steps N_st",
+                     "n_adj": "its window N_adj", "l1_coef": "an L1 weight",
+                     "entropy_coef": "a router-entropy weight"}
+
+
+def blockffn_changes(model: SparseLMConfig, set_here=()) -> str:
+    """The note naming each BlockFFN setting of ``model`` that differs from the paper's
+    (:data:`BLOCKFFN_SETTINGS`; ``set_here``: those the study sets per model, left out), so
+    a summary says which BlockFFN ran; ``""`` when it is the paper's."""
+    paper = SparseLMConfig()
+    changed = [f"{what} {getattr(model, k)!r} (the paper's: {getattr(paper, k)!r})"
+               for k, what in BLOCKFFN_SETTINGS.items()
+               if k not in set_here and getattr(model, k) != getattr(paper, k)]
+    return ("BlockFFN here differs from the paper's in " + "; ".join(changed) + "."
+            if changed else "")
+
+
 def sparser_explains_ppl(holds: bool, gap: float) -> bool:
     """Whether a TLS gap (the other model's TLS minus the claimed winner's) could explain a
     PPL verdict: a sparser other model explains a win, a denser one a loss."""
@@ -113,5 +135,5 @@ def at_close_tls(claim: str, t: dict, table: str, a, b, column: str = "val_ppl",
                        what=f"{la}'s")
 
 
-__all__ = ["PAPER_SCALE", "SparseLMStudyConfig", "at_close_tls", "denser_explains_cls",
-           "sparser_explains_ppl", "tls_checked"]
+__all__ = ["PAPER_SCALE", "BLOCKFFN_SETTINGS", "SparseLMStudyConfig", "at_close_tls",
+           "blockffn_changes", "denser_explains_cls", "sparser_explains_ppl", "tls_checked"]

@@ -6,7 +6,12 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 
 from __future__ import annotations
 
-from experiments.blockffn.common import PAPER_SCALE, SparseLMStudyConfig, at_close_tls
+from experiments.blockffn.common import (
+    PAPER_SCALE,
+    SparseLMStudyConfig,
+    at_close_tls,
+    blockffn_changes,
+)
 from moejax.config import config
 from moejax.harness.claims import Claim, all_hold
 from moejax.harness.results import RunDir
@@ -40,6 +45,8 @@ def make_config(preset: str) -> GranularityConfig:
 
 
 def run(cfg: GranularityConfig, run: RunDir) -> dict:
+    if note := blockffn_changes(cfg.model, cfg.MODEL_SET_HERE):
+        run.note(note)
     train_src, val = cfg.sources()
     rows = []
     for n in cfg.n_experts:
