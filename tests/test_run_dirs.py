@@ -180,6 +180,14 @@ def test_user_errors_and_ctrl_c_end_in_one_line_with_their_exit_codes(tmp_path, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(exc).strip("'") in err[0], err
 
+    def ctrl_c(cfg, run):  # outside a training loop: a bare KeyboardInterrupt, no text
+        raise KeyboardInterrupt
+
+    assert main("lm_demo", MAKE, ctrl_c, [f"out={tmp_path / 'c'}"]) == 130
+    assert capsys.readouterr().err.strip() == ("[lm_demo] stopped: interrupted by Ctrl-C; the "
+                                               "same command continues the run (its trainings "
+                                               "from their checkpoints)")
+
 
 def test_ctrl_c_without_a_checkpoint_promises_no_resume(tmp_path):
     """ckpt_every=0: the message says no checkpoint exists, not 'step None resumes'."""

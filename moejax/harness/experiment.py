@@ -88,6 +88,10 @@ __all__ = ["run_experiment", "seed_offset", "main"]
 
 ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
 
+# a Ctrl-C outside a training loop (whose own stop names its step and checkpoint)
+STOPPED = ("interrupted by Ctrl-C; the same command continues the run (its trainings from "
+           "their checkpoints)")
+
 # what a smoke run's summary says first, and why its claims are left unjudged
 SMOKE_NOTE = ("**Smoke run**: every training run cut to a couple of steps of a few rows, every "
               "evaluation to a couple of batches; its numbers test the pipeline, not the paper, "
@@ -409,7 +413,7 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: one line, the shell's code for it
-        print(f"[{name}] stopped: {e or 'interrupted'}", file=sys.stderr)
+        print(f"[{name}] stopped: {str(e) or STOPPED}", file=sys.stderr)
         return 130
     except (CheckpointWriteError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
