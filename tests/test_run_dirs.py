@@ -4,6 +4,9 @@ first); claims and the results documents read only the tables and seed runs the 
 an interrupted run is marked so and never shown or indexed as finished."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
@@ -187,6 +190,23 @@ def test_user_errors_and_ctrl_c_end_in_one_line_with_their_exit_codes(tmp_path, 
     assert capsys.readouterr().err.strip() == ("[lm_demo] stopped: interrupted by Ctrl-C; the "
                                                "same command continues the run (its trainings "
                                                "from their checkpoints)")
+
+    def sigterm(cfg, run):  # a preemption between trainings: was death, the run left running
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    def ignore(signum, frame):  # the study's own handler replaces it while the run lasts
+        pass
+
+    before = signal.signal(signal.SIGTERM, ignore)
+    try:
+        assert main("lm_demo", MAKE, sigterm, [f"out={tmp_path / 't'}"]) == 130
+        assert signal.getsignal(signal.SIGTERM) is ignore  # put back
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip().startswith("[lm_demo] stopped: interrupted by "
+                                                      "SIGTERM; the same command continues")
+    assert read_run_record(tmp_path / "t")["state"] == "interrupted"
 
 
 def test_ctrl_c_without_a_checkpoint_promises_no_resume(tmp_path):

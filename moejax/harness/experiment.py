@@ -80,7 +80,7 @@ from moejax.train.distributed import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.mesh import check_devices, resolve_mesh_shape
 from moejax.train.run_lock import RunLock, RunLockedError
-from moejax.train.run_state import ResumeError
+from moejax.train.run_state import ResumeError, sigterm_as_interrupt
 from moejax.train.scale import measure_scale
 from moejax.train.step import NonFiniteError
 
@@ -88,9 +88,9 @@ __all__ = ["run_experiment", "seed_offset", "main"]
 
 ClaimsFn = Callable[[dict[str, list[dict]]], list[Claim]]
 
-# a Ctrl-C outside a training loop (whose own stop names its step and checkpoint)
-STOPPED = ("interrupted by Ctrl-C; the same command continues the run (its trainings from "
-           "their checkpoints)")
+# a Ctrl-C or SIGTERM outside a training loop (whose own stop names its step and checkpoint)
+STOPPED = ("interrupted by {}; the same command continues the run (its trainings from their "
+           "checkpoints)")
 
 # what a smoke run's summary says first, and why its claims are left unjudged
 SMOKE_NOTE = ("**Smoke run**: every training run cut to a couple of steps of a few rows, every "
@@ -402,7 +402,8 @@ def main(name: str, make_config: Callable[[str], Config],
 
 def _run_main(name, make_config, run_fn, argv, **kw) -> int:
     try:
-        summary, run = run_experiment(name, make_config, run_fn, argv, **kw)
+        with sigterm_as_interrupt(STOPPED.format("SIGTERM")):
+            summary, run = run_experiment(name, make_config, run_fn, argv, **kw)
     except PeerLostError as e:  # exit now: the distributed runtime would abort the process
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -413,7 +414,7 @@ def _run_main(name, make_config, run_fn, argv, **kw) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM: one line, the shell's code for it
-        print(f"[{name}] stopped: {str(e) or STOPPED}", file=sys.stderr)
+        print(f"[{name}] stopped: {str(e) or STOPPED.format('Ctrl-C')}", file=sys.stderr)
         return 130
     except (CheckpointWriteError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)

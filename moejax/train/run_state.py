@@ -2,10 +2,12 @@
 (:func:`open_run_dir`: stale saves moved aside, the newest verifying checkpoint restored, its
 config compared with this run's, before anything is written), the settings that may change
 across a resumption (:func:`config_differences`), and the signal guard that turns Ctrl-C or
-SIGTERM into a stop at the end of a step (:class:`CtrlC`)."""
+SIGTERM into a stop at the end of a step (:class:`CtrlC`), and the one that turns SIGTERM into
+Ctrl-C's ``KeyboardInterrupt`` outside a loop (:func:`sigterm_as_interrupt`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +21,7 @@ from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError, latest
 from moejax.train.logs import read_csv
 
 __all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "data_differences",
-           "open_run_dir", "evaluation_pending"]
+           "open_run_dir", "evaluation_pending", "sigterm_as_interrupt"]
 
 log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
 
@@ -50,6 +52,26 @@ class CtrlC:
         for s, prev in self._prev.items():
             signal.signal(s, prev or signal.SIG_DFL)
         self._prev = {}
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt(message: str):
+    """SIGTERM (a cluster's preemption, ``kill``) raised as ``KeyboardInterrupt(message)``
+    while the block runs (main thread only), as Ctrl-C is: a study stopped between its
+    trainings then ends as an interrupted run, in one line, instead of dying unmarked. A
+    training loop inside takes both signals over while it runs (:class:`CtrlC`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(message)
+
+    prev = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev or signal.SIG_DFL)
 
 
 class ResumeError(ValueError):
