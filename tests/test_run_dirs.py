@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from experiments import blockffn_granularity, results_doc
@@ -152,6 +153,53 @@ def test_an_interrupted_run_is_marked_and_never_shown_as_finished(tmp_path, monk
     # the same study and config resumes in place and finishes
     run_experiment("blockffn_granularity", MAKE, _granularity, [], out=out)
     assert read_run_record(out)["state"] == "finished"
+
+
+def test_a_stopped_repeat_keeps_its_finished_seed_runs_when_it_resumes(tmp_path):
+    """Resumed, a repeat stopped in its second seed run makes only that one again (before,
+    every seed run was made again); its merged tables, claims and headline are those of a run
+    never stopped. A finished run's rerun, or a seed run whose files are gone, makes them
+    all."""
+    kw = dict(seed_keys=("seed",), claims=blockffn_granularity.claims)
+    made = []
+
+    def whole_study(cfg, run):  # numpy's scalars kept as the numbers they hold
+        return {**_granularity(cfg, run), "best": np.int64(8), "ppl": np.float32(8 + cfg.seed)}
+
+    stop = {1}  # the seeds whose next run is stopped
+
+    def study(cfg, run):
+        made.append(cfg.seed)
+        if cfg.seed in stop:
+            stop.discard(cfg.seed)
+            raise KeyboardInterrupt
+        return whole_study(cfg, run)
+
+    out, whole = tmp_path / "stopped", tmp_path / "whole"
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment("blockffn_granularity", MAKE, study, ["repeat=3"], out=out, **kw)
+    summary, _ = run_experiment("blockffn_granularity", MAKE, study, ["repeat=3"], out=out, **kw)
+    assert made == [0, 1, 1, 2]
+    assert summary["ppl"] == 9.0 and summary["best"] == [8, 8, 8]
+    run_experiment("blockffn_granularity", MAKE, whole_study, ["repeat=3"], out=whole, **kw)
+    for f in ("granularity.csv", "claims.csv"):
+        assert (out / f).read_text() == (whole / f).read_text()
+    text = (out / "summary.md").read_text()
+    assert "Seed run(s) 0 finished before the run was stopped and were kept" in text
+    assert text.split("_wall time")[0] == (whole / "summary.md").read_text().split(
+        "_wall time")[0]
+    made.clear()  # finished: the same command makes every seed run again
+    run_experiment("blockffn_granularity", MAKE, study, ["repeat=3"], out=out, **kw)
+    assert made == [0, 1, 2]
+    stop.add(1)
+    with pytest.raises(KeyboardInterrupt):  # a kept seed run needs every file it wrote
+        run_experiment("blockffn_granularity", MAKE, study, ["repeat=3", "lr=0.5"],
+                       out=tmp_path / "gone", **kw)
+    (tmp_path / "gone" / "seed_0" / "granularity.csv").unlink()
+    made.clear()
+    run_experiment("blockffn_granularity", MAKE, study, ["repeat=3", "lr=0.5"],
+                   out=tmp_path / "gone", **kw)
+    assert made == [0, 1, 2]
 
 
 def test_an_unreadable_record_is_refused_and_overwrite_is_checked(tmp_path):

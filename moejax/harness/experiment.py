@@ -64,6 +64,7 @@ from moejax.harness.run_record import (
     claim_run_dir,
     config_hash,
     mark_run_state,
+    read_run_record,
     write_run_record,
 )
 from moejax.harness.tables import mean_std, merge_seed_tables, nan_in_some_runs, read_csv_rows
@@ -192,6 +193,9 @@ def run_experiment(
     RunDir.check_usable(out)
     lock = RunLock(out).acquire()  # the directory is this run's until it ends
     try:
+        prior = read_run_record(out)  # a stopped run of this config keeps its finished seeds
+        resuming = (prior is not None and prior.get("state") in ("running", "interrupted")
+                    and prior.get("config_hash") == h)
         claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
                       module=run_module(name, run_fn),
                       overwrite=overwrite, resume_force=any(
@@ -203,7 +207,7 @@ def run_experiment(
                 seed_runs = {}
             else:
                 summary, run, runs = _run_repeat(name, cfg, cfgs, seed_keys, study_fn, out,
-                                                 judge, paper_scale)
+                                                 judge, paper_scale, keep_finished=resuming)
                 seed_runs = {r.path.name: _stems(r) for r in runs}
         except BaseException:
             mark_run_state(out, "interrupted")  # never shown as finished
@@ -240,21 +244,34 @@ def _stems(run: RunDir) -> list[str]:
     return [csv_name[:-len(".csv")] for _, _, csv_name in run.tables]
 
 
-def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale=""):
+def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale="",
+                keep_finished: bool = False):
+    """Every seed run, then their merge; ``keep_finished`` (the repeat resumes a stopped run
+    of its config): a seed run that finished before the stop is kept, not made again."""
     repeat = len(cfgs)
-    runs, summaries, heads = [], [], []
+    runs, summaries, heads, kept_runs, kept_s = [], [], [], [], 0.0
     t0 = time.time()
     for i, c in enumerate(cfgs):
-        print(f"[{name}] seed run {i + 1}/{repeat}: "
-              + ", ".join(f"{k}={_get(c, k)}" for k in seed_keys), flush=True)
-        summary, run, head = _run_once(name, c, run_fn, out / f"seed_{i}", claims,
-                                       paper_scale)
-        _release_compiled()
+        seeds = ", ".join(f"{k}={_get(c, k)}" for k in seed_keys)
+        seed_dir, seed_hash = out / f"seed_{i}", config_hash(to_dict(c))
+        kept = RunDir.reopen(seed_dir, seed_hash) if keep_finished else None
+        if kept is not None:
+            print(f"[{name}] seed run {i + 1}/{repeat}: {seeds}: finished before the stop, "
+                  "kept", flush=True)
+            run, summary, head = kept
+            kept_runs.append(i)
+            kept_s += float(summary.get("wall_s", 0.0))
+        else:
+            print(f"[{name}] seed run {i + 1}/{repeat}: {seeds}", flush=True)
+            RunDir.forget_outcome(seed_dir)  # never kept half made again
+            summary, run, head = _run_once(name, c, run_fn, seed_dir, claims, paper_scale)
+            run.save_outcome(seed_hash, summary, head)
+            _release_compiled()
         runs.append(run)
         summaries.append(summary)
         heads.append(head)
     summary, top = _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out,
-                               time.time() - t0, claims, paper_scale)
+                               time.time() - t0 + kept_s, claims, paper_scale, kept_runs)
     return summary, top, runs
 
 
@@ -285,13 +302,20 @@ def _judge(run: RunDir, claims: ClaimsFn | None, seed_runs: Sequence[RunDir] = (
         run.claims(claims(tables), paper_scale=paper_scale)
 
 
+def _plain(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A study's summary values with every numpy or jax scalar as the Python number it
+    holds: averaged over seed runs as floats are, and recorded for a resume as they are."""
+    return {k: v.item() if getattr(v, "shape", None) == () and hasattr(v, "item") else v
+            for k, v in summary.items()}
+
+
 def _run_once(name, cfg, run_fn, out: Path, claims=None, paper_scale: str = "",
               lock: bool = True) -> tuple[dict[str, Any], RunDir, str]:
     run = RunDir.create(out, cfg, name=name, lock=lock)
     try:
         t0 = time.time()
         with measure_scale() as scale:
-            summary = dict(run_fn(cfg, run) or {})
+            summary = _plain(run_fn(cfg, run) or {})
         run.scale = scale.text()
         summary.setdefault("wall_s", round(time.time() - t0, 1))
         headline = str(summary.pop("headline", ""))
@@ -318,10 +342,14 @@ def _spread(key: str, vals: Sequence[float]) -> str:
 
 
 def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None,
-                paper_scale=""):
+                paper_scale="", kept: Sequence[int] = ()):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
-    numeric summary values averaged, each run's headline, notes and plots linked."""
+    numeric summary values averaged, each run's headline, notes and plots linked; ``kept``:
+    the seed runs a stopped run had finished, said so."""
     top = RunDir.create(out, cfg, name=name)  # run_experiment holds its lock
+    if kept:
+        top.note(f"Seed run(s) {', '.join(map(str, kept))} finished before the run was "
+                 "stopped and were kept when it resumed; the wall time adds theirs.")
     try:
         return _merge_into(top, seed_keys, runs, summaries, heads, wall_s, claims,
                            paper_scale)

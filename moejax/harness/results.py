@@ -47,6 +47,20 @@ def _usable_dir(path: Path) -> None:
         raise RunDirError(str(e)) from None
 
 
+# a finished run's outcome beside its files (a seed run's: kept when its repeat resumes)
+OUTCOME = "outcome.json"
+
+
+def _json_exact(x) -> bool:
+    """Whether ``x`` comes back from JSON as it is (plain numbers, strings, lists and
+    string-keyed dicts; not tuples or numpy scalars, which would come back as other types)."""
+    if x is None or type(x) in (bool, int, float, str):
+        return True
+    if type(x) is list:
+        return all(_json_exact(v) for v in x)
+    return type(x) is dict and all(type(k) is str and _json_exact(v) for k, v in x.items())
+
+
 def _has_checkpoints(path: Path) -> bool:
     return any(p.name.isdigit() for p in path.glob("**/checkpoints/*"))
 
@@ -96,6 +110,47 @@ class RunDir:
             run.close()
             raise
         return run
+
+    def save_outcome(self, cfg_hash: str, summary: Mapping[str, Any], headline: str) -> bool:
+        """Record this finished run's outcome (the study's summary values, headline, tables,
+        plots, notes and scale) for :meth:`reopen`, under ``cfg_hash``, the hash of the config
+        it ran; False, writing nothing, where the summary would not come back from JSON as it
+        is (:meth:`reopen` then finds nothing, and the run is made again)."""
+        record = {"config_hash": cfg_hash, "summary": dict(summary), "headline": headline,
+                  "name": self.name, "scale": self.scale, "notes": self.notes,
+                  "tables": [list(t) for t in self.tables],
+                  "plots": [list(p) for p in self.plots]}
+        if not _json_exact(record):
+            return False
+        atomic_write_text(self.path / OUTCOME, json.dumps(record, indent=2) + "\n")
+        return True
+
+    @classmethod
+    def reopen(cls, path: str | os.PathLike, cfg_hash: str):
+        """``(run, summary, headline)`` of the finished run :meth:`save_outcome` recorded in
+        ``path`` under ``cfg_hash``, or None: no record, another config's, an unreadable one,
+        or one naming a file that is gone."""
+        path = Path(path)
+        try:
+            rec = json.loads((path / OUTCOME).read_text())
+            if rec["config_hash"] != cfg_hash:
+                return None
+            run = cls(path, rec["name"])
+            run.tables = [tuple(t) for t in rec["tables"]]
+            run.plots = [tuple(p) for p in rec["plots"]]
+            run.notes, run.scale = list(rec["notes"]), rec["scale"]
+            files = [f for _, md, c in run.tables for f in (md, c)] + [p for _, p in run.plots]
+            summary, headline = dict(rec["summary"]), str(rec["headline"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not all((path / f).is_file() for f in [*files, "summary.md"]):
+            return None
+        return run, summary, headline
+
+    @staticmethod
+    def forget_outcome(path: str | os.PathLike) -> None:
+        """Remove the outcome recorded in ``path``: a run about to be made again there."""
+        (Path(path) / OUTCOME).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent)."""
