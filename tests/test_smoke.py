@@ -135,6 +135,28 @@ def test_a_repeat_that_is_not_a_count_is_refused():
             parse_runner("ders_upcycling", study.make_config, [f"repeat={bad}"])
 
 
+def test_a_smoke_run_of_a_variant_cuts_the_variants_training_too():
+    """A variant is part of the preset it runs: ``variant=minilm smoke=true`` cuts moee's KD
+    fine-tune to the smoke steps (the variant's kd.steps=60 used to win over the cut, so the
+    smoke run trained 60 steps under a summary saying every training run was cut); the
+    command line's own keys still win, and the run's kind is the variant's preset."""
+    from experiments.extraction import moee
+    from moejax.harness.cli import expand_variant
+
+    variants = dict(moee.STUDY.variants)
+    argv, name = expand_variant("moee", ["variant=minilm", "smoke=true"], variants)
+    assert (argv, name) == (["smoke=true"], "minilm")
+
+    def parse(*argv):
+        return parse_runner("moee", moee.make_config, list(argv), 1, moee.STUDY.smoke,
+                            variant_overrides=variants["minilm"])[0]
+
+    cfg = parse("smoke=true")
+    assert cfg.model == "minilm" and cfg.kd.steps == SMOKE_STEPS and cfg.seeds == 1
+    assert parse("smoke=true", "kd.steps=5").kd.steps == 5
+    assert parse().kd.steps == 60 and parse().seeds == 3  # a real run: the variant's
+
+
 def test_a_smoke_run_is_one_run_with_the_studys_own_cuts_under_the_command_line():
     from experiments.ders import upcycling as study
 

@@ -60,13 +60,15 @@ def parse_cli(
 def parse_runner(
     name: str, make_config: Callable[[str], Config], argv: Sequence[str],
     quick_repeat: int = 1, smoke_overrides: Sequence[str] = (),
-    derived: Mapping[str, str] | None = None,
+    derived: Mapping[str, str] | None = None, variant_overrides: Sequence[str] = (),
 ) -> tuple[Config, Path, int]:
     """``(config, out dir, repeat)`` of a command line; ``repeat`` defaults to
     ``quick_repeat`` with the quick preset and to 1 with the full one or a smoke run.
-    ``smoke_overrides``: the study's own cuts for ``smoke=true``, applied before the
-    command line's keys (which win). ``derived``: the config keys the study sets itself
-    (key -> what sets it), refused: their value would be recorded, never run."""
+    ``variant_overrides``: the chosen variant's, part of the preset it runs, so applied
+    first (a smoke run cuts the variant's training too). ``smoke_overrides``: the study's own
+    cuts for ``smoke=true``, applied after the smoke cut and before the command line's keys
+    (which win). ``derived``: the config keys the study sets itself (key -> what sets it),
+    refused: their value would be recorded, never run."""
     preset, out, rest, repeat, smoke = "quick", Path("runs") / name, [], None, False
     seen: set[str] = set()
     for item in argv:
@@ -101,7 +103,7 @@ def parse_runner(
                               "given here would be recorded but not run")
         else:
             rest.append(item)
-    cfg = make_config(preset)
+    cfg = apply_overrides(make_config(preset), list(variant_overrides))
     if smoke:
         cfg = apply_overrides(smoke_config(cfg), list(smoke_overrides))
     cfg = apply_overrides(cfg, rest)
@@ -130,14 +132,12 @@ def split_overwrite(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 def expand_variant(name: str, argv: Sequence[str],
              variants: Mapping[str, Sequence[str]]) -> tuple[list[str], str]:
-    """``(argv with the variant's overrides in place of variant=NAME, NAME or "")``."""
+    """``(argv without variant=NAME, NAME or "")``; NAME is one of ``variants``, whose
+    overrides :func:`parse_runner` takes as ``variant_overrides``."""
     picked = [a.partition("=")[2] for a in argv if a.startswith("variant=")]
     if not picked:
         return list(argv), ""
     if len(picked) > 1 or picked[0] not in variants:
         raise ConfigError(f"variant={', '.join(picked)}: give one of the variants {name} "
                           f"declares: {', '.join(variants) or 'none'}")
-    rest = [a for a in argv if not a.startswith("variant=")]
-    head = [a for a in rest if a.partition("=")[0] in ("preset", "out", "repeat", "smoke")]
-    tail = [a for a in rest if a not in head]
-    return [*head, *variants[picked[0]], *tail], picked[0]
+    return [a for a in argv if not a.startswith("variant=")], picked[0]

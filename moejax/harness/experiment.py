@@ -95,8 +95,8 @@ STOPPED = ("interrupted by {}; the same command continues the run (its trainings
 
 # what a smoke run's summary says first, and why its claims are left unjudged
 SMOKE_NOTE = ("**Smoke run**: every training run cut to a couple of steps of a few rows, every "
-              "evaluation to a couple of batches; its numbers test the pipeline, not the paper, "
-              "and its claims are not judged.")
+              "evaluation to a couple of batches (where no key on the command line sets them); "
+              "its numbers test the pipeline, not the paper, and its claims are not judged.")
 SMOKE_WHY = "a smoke run (training cut to a couple of steps) tests the pipeline, not the claim"
 
 
@@ -177,8 +177,9 @@ def run_experiment(
     given = list(argv)
     argv, overwrite = split_overwrite(argv)
     argv, variant = expand_variant(name, argv, variants or {})
+    variant_overrides = tuple((variants or {}).get(variant, ()))
     cfg, default_out, repeat = parse_runner(name, make_config, argv, quick_repeat, smoke,
-                                            derived_keys)
+                                            derived_keys, variant_overrides)
     if variant and not any(a.startswith("out=") for a in argv):  # the variant's own default
         default_out = default_out.with_name(f"{default_out.name}_{variant}")
     _check_devices(cfg)
@@ -219,7 +220,7 @@ def run_experiment(
                          smoke=flag(argv, "smoke"), module=run_module(name, run_fn),
                          kind=_run_kind(
                              name, make_config, argv, h, repeat, quick_repeat, smoke,
-                             (variants or {}).get(variant, ())))
+                             variant_overrides))
     finally:
         lock.release()
     run_index.record(run.path)  # the results documents read the newest run from the index
@@ -232,9 +233,8 @@ def _run_kind(name, make_config, argv, cfg_hash: str, repeat: int, quick_repeat:
     ran the preset's default number of seed runs; else ``"trial"`` (a key overridden, a
     repeat changed): the results documents publish preset runs only."""
     runner = [a for a in argv if a.partition("=")[0] in ("preset", "smoke")]
-    preset_cfg, _, preset_repeat = parse_runner(name, make_config,
-                                                [*runner, *variant_overrides],
-                                                quick_repeat, smoke)
+    preset_cfg, _, preset_repeat = parse_runner(name, make_config, runner, quick_repeat, smoke,
+                                                variant_overrides=variant_overrides)
     same = config_hash(to_dict(preset_cfg)) == cfg_hash
     return "preset" if same and repeat == preset_repeat else "trial"
 
