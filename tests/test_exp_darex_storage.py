@@ -149,3 +149,23 @@ def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_pat
     assert int(rows[0]["bytes"]) == summary["dense_bytes"]
     (c,) = csv.DictReader(open(run.path / "claims.csv"))
     assert c["verdict"] == "not measured" and (run.path / "summary.md").exists()
+
+
+def test_the_summary_names_the_fine_tuning_that_made_the_delta(tmp_path):
+    """The storage table and the note name the optimizer the delta was fine-tuned with, and
+    say where it is not the recipe's AdamR-L2: an AdamW delta is never labelled AdamR-L2's."""
+    from experiments.darex import storage as mod
+
+    common = ["substrate.d_hidden=16", "substrate.train.steps=20", "finetune.steps=20",
+              f"substrate_cache={tmp_path / 'subs'}", "ps=(0.0,0.9)", "methods=(DARE,)",
+              "bits=(32,)", "timing_tree=none"]
+    for extra, label, aside in (
+            ([], "AdamR-L2 (lambda 0.1)", False),
+            (["finetune.optimizer=adamw", "finetune.weight_decay=0.01"],
+             "AdamW (weight decay 0.01)", True)):
+        _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, common + extra,
+                                claims=mod.claims, out=tmp_path / label.split()[0])
+        text = (run.path / "summary.md").read_text()
+        assert f"### Delta checkpoint size and load/apply time: {label} fine-tuned MLP" in text
+        assert f"The delta: the MLP fine-tuned with {label}" in text
+        assert ("not the recipe's AdamR-L2" in text) is aside

@@ -48,6 +48,10 @@ from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.mlp import MLPSubstrateConfig, accuracy_fn, finetune_mlp, load_tasks
 from moejax.train import TrainConfig, adam_linear_config, require_read
+from moejax.train.hparams import OPTIMIZER_NAMES
+
+# the fine-tuning whose delta the study stores (DAREx Sec. 4.2: AdamR-L2 before DARE)
+RECIPE_OPTIMIZER = "adamr_l2"
 
 
 @config
@@ -70,7 +74,7 @@ class StorageConfig(Config):
     substrate: MLPSubstrateConfig = substrate_config("mlp_mnist5k", "quick")
     substrate_cache: str = ""  # "" = $MOEJAX_SUBSTRATE_DIR or ~/.cache/moejax/substrates
     finetune: TrainConfig = adam_linear_config(300, 1e-3, batch_size=128, warmup=20,
-                                               optimizer="adamr_l2", weight=0.1)
+                                               optimizer=RECIPE_OPTIMIZER, weight=0.1)
     seed: int = 0  # replaces finetune.seed
 
     def unread_fields(self) -> dict[str, str]:
@@ -239,8 +243,13 @@ def apply_timing_rows(cfg: StorageConfig) -> tuple[list[dict], int]:
 def run(cfg: StorageConfig, run: RunDir) -> dict:
     if cfg.source == "mlp":
         pre, delta_tree, metric_fn, val_fn = mlp_source(cfg)
-        what = ("AdamR-L2 fine-tuned MLP (started from substrate mlp_mnist5k; MNIST -> sklearn "
-                "digits); metric = test accuracy")
+        tuned_with = cfg.finetune.optimizer_label()
+        what = (f"{tuned_with} fine-tuned MLP (started from substrate mlp_mnist5k; MNIST -> "
+                "sklearn digits); metric = test accuracy")
+        run.note(f"The delta: the MLP fine-tuned with {tuned_with}"
+                 + ("." if cfg.finetune.optimizer == RECIPE_OPTIMIZER else
+                    f", not the recipe's {OPTIMIZER_NAMES[RECIPE_OPTIMIZER]} (DAREx Sec. 4.2: "
+                    "DARE at high drop rates after AdamR-L2)."))
     else:
         k1, k2 = jax.random.split(jax.random.key(cfg.seed))
         tiny = cfg.source == "smollm2_shapes_tiny"

@@ -35,9 +35,9 @@ from moejax.config_names import SEED_LIMIT
 from moejax.optim.anchored import adamr
 from moejax.pytree import path_names, path_str
 
-__all__ = ["EVAL_FIELDS", "LOOP_READERS", "RUN_DIR_FIELDS", "TrainConfig", "adam_linear_config",
-           "require_read", "make_schedule", "make_optimizer", "decay_mask", "paths_mask",
-           "wsd_decay_start"]
+__all__ = ["EVAL_FIELDS", "LOOP_READERS", "OPTIMIZER_NAMES", "RUN_DIR_FIELDS", "TrainConfig",
+           "adam_linear_config", "require_read", "make_schedule", "make_optimizer", "decay_mask",
+           "paths_mask", "wsd_decay_start"]
 
 
 # The fields the training loop reads only with an evaluation (``eval_fn``) or only with a run
@@ -45,6 +45,10 @@ __all__ = ["EVAL_FIELDS", "LOOP_READERS", "RUN_DIR_FIELDS", "TrainConfig", "adam
 EVAL_FIELDS = ("eval_every",)
 RUN_DIR_FIELDS = ("ckpt_every", "keep_checkpoints", "tensorboard", "resume")
 # (the loop's argument, the fields only it lets the loop read, what a run without it lacks)
+# each optimizer as the papers name it (``TrainConfig.optimizer_label``)
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adamr_l2": "AdamR-L2",
+                   "adamr_l1": "AdamR-L1"}
+
 LOOP_READERS = (("eval_fn", EVAL_FIELDS, "has no evaluation"),
                 ("run_dir", RUN_DIR_FIELDS, "has no run directory (its checkpoints, TensorBoard "
                                             "events and resume)"))
@@ -155,6 +159,15 @@ class TrainConfig(Config):
         r(0 <= self.seed < SEED_LIMIT, f"seed={self.seed} must be in [0, 2**32) (PRNG seeds are "
           "unsigned; a JAX key keeps the low 32 bits, so 2**32 would run as 0)")
         r(self.keep_checkpoints >= 1, f"keep_checkpoints={self.keep_checkpoints} must be >= 1")
+
+    def optimizer_label(self) -> str:
+        """The optimizer as the papers name it, with the decay it runs: ``AdamR-L2 (lambda
+        0.1)``, ``AdamW (weight decay 0.01)``, ``Adam``; for a table or a note that says
+        which fine-tuning made a delta."""
+        name = OPTIMIZER_NAMES[self.optimizer]
+        if self.optimizer in ("adamr_l2", "adamr_l1"):
+            return f"{name} (lambda {self.weight_decay:g})"
+        return f"{name} (weight decay {self.weight_decay:g})" if self.weight_decay else name
 
     @property
     def micro_batch_size(self) -> int:
