@@ -161,6 +161,12 @@ def test_compression_claims_judge_the_papers_settings_per_scenario():
     only = {SEED_TABLES: [{"sweep": [r for r in run["sweep"] if r["scenario"] == "finetuned"]}
                           for run in runs(lambda *a: 0.95)[SEED_TABLES]]}
     assert [c.verdict for c in mod.claims(only)[4:]] == ["not measured"] * 2
+    assert "seed run 0: no row of the scenario (not run)" in mod.claims(only)[4].evidence
+    # a sweep without the paper's setting names the row it lacks
+    short = {SEED_TABLES: [{"sweep": [r for r in run["sweep"] if r["setting"] != 0.6]}
+                           for run in runs(lambda *a: 0.95)[SEED_TABLES]]}
+    c = mod.claims(short)[4]
+    assert c.verdict == "not measured" and "no row sparse 0.6 (not in the sweep)" in c.evidence
     # a seed run that cannot tell does not hide the others' clear failure
     fail = runs(lambda sc, dec, m, x, i: 0.3 if sc == "finetuned" else 0.95)
     for r in fail[SEED_TABLES][2]["sweep"]:
@@ -177,7 +183,7 @@ def test_compression_claims_judge_the_papers_settings_per_scenario():
             if r["scenario"] == "finetuned" and r["method"] == "base_only":
                 r["d_loss"] = 0.0
     c = mod.claims(fail)[0]
-    assert c.verdict == "inconclusive" and "seed run 0: no row" in c.evidence, c
+    assert c.verdict == "inconclusive" and "seed run 0: no row base_only" in c.evidence, c
 
 
 def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):

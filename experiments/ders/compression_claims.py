@@ -21,6 +21,10 @@ __all__ = ["KEPT", "PAPER_SETTINGS", "claims"]
 # the share of the deltas' worth a compression keeps to count as "without degradation"
 KEPT = 0.9
 
+# how a seed run's evidence begins where it lacks a row the claim reads (then the claim is
+# not measured there, not undecided)
+_NO_ROW = "no row"
+
 # (scenario, what was decomposed, ((method, setting), ...), the claim): every setting of a
 # claim must keep KEPT of the worth (the worst one per seed run is judged)
 PAPER_SETTINGS = (
@@ -49,12 +53,16 @@ def _kept(rows: list[dict], scenario: str, decomposed: str, method: str,
           setting: float) -> float | str:
     """The share of the deltas' worth (the loss rise of dropping them all, the ``base_only``
     row) that ``method`` at ``setting`` keeps, ``1 - d_loss / worth``; or why it cannot be
-    told (no row, or deltas worth nothing)."""
+    told (:data:`_NO_ROW` and the row the run lacks, or deltas worth nothing)."""
     at = {"scenario": scenario, "decomposed": decomposed}
     d = measured(lookup(rows, {**at, "method": method, "setting": setting}, "d_loss"))
     worth = measured(lookup(rows, {**at, "method": "base_only"}, "d_loss"))
-    if d is None or worth is None:
-        return "no row"
+    if not any(all(r.get(k) == v for k, v in at.items()) for r in rows):
+        return f"{_NO_ROW} of the scenario (not run)"
+    if d is None:
+        return f"{_NO_ROW} {method} {setting:g} (not in the sweep)"
+    if worth is None:
+        return f"{_NO_ROW} base_only (every delta dropped)"
     if worth <= 0:
         return f"deltas worth nothing ({worth:+.4f})"
     return 1.0 - d / worth
@@ -77,7 +85,7 @@ def _claim(t: dict, scenario: str, decomposed: str, settings: tuple, claim: str)
     if not worst:
         return Claim(claim, None, f"{scenario} ({decomposed}) not judged: "
                                   + ("; ".join(untold) or "no seed run"),
-                     inconclusive=any("no row" not in u for u in untold))
+                     inconclusive=any(_NO_ROW not in u for u in untold))
     c = threshold_claim(claim, worst, KEPT, fmt=".3f")
     what = " and ".join(f"{m} {s:g}" for m, s in settings)
     c = c._replace(evidence=f"share kept{', worst of ' + what if len(settings) > 1 else ''}: "
