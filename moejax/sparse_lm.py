@@ -46,10 +46,14 @@ from moejax.train.hparams import TrainConfig
 from moejax.train.logs import read_csv
 from moejax.train.loop import train
 
-__all__ = ["Arch", "ARCH_FIELDS", "SHARED_FIELDS", "SparseLMConfig", "TrainedLM", "active_sets",
-           "sparse_lm_preset", "data_sources", "train_and_evaluate", "summary_row"]
+__all__ = ["Arch", "ARCH_FIELDS", "ARCH_NAMES", "SHARED_FIELDS", "SparseLMConfig", "TrainedLM",
+           "active_sets", "sparse_lm_preset", "data_sources", "train_and_evaluate", "summary_row"]
 
 Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
+
+# each architecture as the BlockFFN paper's tables name it
+ARCH_NAMES = {"blockffn": "BlockFFN", "remoe": "ReMoE", "topk": "TopK MoE", "dsmoe": "DSMoE",
+              "grin": "GRIN", "dense": "dense"}
 
 # the fields of :class:`SparseLMConfig` each architecture's model reads besides those every
 # model reads (:data:`SHARED_FIELDS`)

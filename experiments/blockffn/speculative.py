@@ -56,7 +56,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.blockffn.common import PAPER_SCALE
+from experiments.blockffn.common import PAPER_SCALE, blockffn_changes
 from experiments.blockffn.speculative_claims import claims
 from moejax.bench.decode_timing import (
     blockffn_path,
@@ -74,7 +74,13 @@ from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.nn.decoder import keep_layers, with_dtype
 from moejax.pytree import count_params
-from moejax.sparse_lm import SparseLMConfig, data_sources, sparse_lm_preset, train_and_evaluate
+from moejax.sparse_lm import (
+    ARCH_NAMES,
+    SparseLMConfig,
+    data_sources,
+    sparse_lm_preset,
+    train_and_evaluate,
+)
 from moejax.train.hparams import TrainConfig, require_read
 
 
@@ -330,6 +336,8 @@ def _drafts(cfg, target, draft, train_src, run) -> dict:
 
 
 def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
+    if note := blockffn_changes(cfg.target):
+        run.note(note)
     tcfg = cfg.train.replace(seed=cfg.seed)
     train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, 2)
     # checkpointed in the run directory (the drafts distilled from the target too): the same
@@ -341,8 +349,9 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in val])[:cfg.n_prompts]
     run.note(f"Target: the BlockFFN LM trained {tcfg.steps} steps on stdlib code "
              f"({count_params(target)} params, val PPL {target_ev['val_ppl']:.2f}, TLS "
-             f"{target_ev['tls']:.3f}); draft: a dense LM ({count_params(draft)} params, val PPL "
-             f"{draft_ev['val_ppl']:.2f}) trained the same way. Greedy, batch 1, "
+             f"{target_ev['tls']:.3f}); draft: a {ARCH_NAMES[cfg.draft.arch]} LM "
+             f"({count_params(draft)} params, val PPL {draft_ev['val_ppl']:.2f}) trained the "
+             "same way. Greedy, batch 1, "
              f"{cfg.n_prompts} prompts of {cfg.prompt_len} bytes, {cfg.max_new_tokens} new "
              f"tokens each, on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
              f"decoded in {cfg.decode_dtype}.")
