@@ -54,8 +54,9 @@ def run_dirname(study: str, variant: str = "") -> str:
 DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lm_demo", ("train.steps=60",)),
     ("darex_controlled", ("ps=(0.9,0.99)", "lora_seeds=1", "l2_sweep=()", "large_lrs=()")),
+    # the settings the paper reports for a model upcycled without fine-tuning (its claims)
     ("ders_compression", ("scenarios=(not_finetuned,)", "train.steps=50",
-                          "drop_rates=(0.9,0.99)", "bits=(2,1)")),
+                          "drop_rates=(0.4,0.6)", "bits=(4,2)")),
     ("blockffn_granularity", ("n_experts=(8,32)", "train.steps=100")),
     ("moe_kd", ("model=dense_lm_prose", "student_layers=2", "methods=(kd,)",
                 "dense_teacher_methods=()", "teacher_ks=()", "ka_lambdas=()", "ka_ms=()",

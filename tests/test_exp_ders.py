@@ -351,3 +351,19 @@ def test_upcycling_claims_pick_their_candidates_and_need_every_part():
     assert lm.evidence.startswith("DeRS-LM r=4 (20x"), lm.evidence
     assert shared.holds is False  # LM's frozen twin has the lower loss (SM's the higher)
     assert rank.holds is None and "no rank 4 and a higher one" in rank.evidence
+
+
+def test_the_compression_headline_reads_the_settings_the_run_swept():
+    """The headline gives each scenario's two highest drop rates and two fewest bits that the
+    run swept (make demo's 0.4 / 0.6 and 4 / 2 bits), not settings it never ran."""
+    from experiments.ders.compression import _headline, make_config
+
+    cfg = make_config("quick").replace(scenarios=("not_finetuned",), drop_rates=(0.4, 0.6),
+                                       bits=(4, 2))
+    rows = [{"scenario": "not_finetuned", "decomposed": "experts", "method": m, "setting": s,
+             "d_loss": d} for m, s, d in (("sparse", 0.4, 0.001), ("sparse", 0.6, 0.002),
+                                          ("quant", 4, 0.0005), ("quant", 2, 0.003),
+                                          ("base_only", "all deltas dropped", 0.05))]
+    assert _headline(cfg, rows) == ("not_finetuned: d_loss drop0.4 +0.0010, drop0.6 +0.0020, "
+                                    "4-bit +0.0005, 2-bit +0.0030, base only +0.0500")
+    assert "drop0.9 " in _headline(make_config("quick"), rows)  # the quick sweep's 0.9, 0.99

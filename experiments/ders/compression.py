@@ -315,6 +315,8 @@ def _plots(cfg: DeRSCompressionConfig, run: RunDir, rows: list[dict], cos_rows) 
 
 
 def _headline(cfg: DeRSCompressionConfig, rows: list[dict]) -> str:
+    """Each scenario's loss change at its two highest drop rates and two fewest bits (the
+    most compressed settings the run swept), and with every delta dropped."""
     def at(name, method, setting):
         for r in rows:
             if (r["scenario"], r["decomposed"], r["method"], r["setting"]) == (
@@ -322,10 +324,16 @@ def _headline(cfg: DeRSCompressionConfig, rows: list[dict]) -> str:
                 return r["d_loss"]
         return float("nan")
 
-    return "; ".join(f"{n}: d_loss drop0.9 {at(n, 'sparse', 0.9):+.4f}, drop0.99 "
-                     f"{at(n, 'sparse', 0.99):+.4f}, 2-bit {at(n, 'quant', 2):+.4f}, 1-bit "
-                     f"{at(n, 'quant', 1):+.4f}, base only "
-                     f"{at(n, 'base_only', 'all deltas dropped'):+.4f}" for n in cfg.scenarios)
+    rates = sorted(p for p in set(cfg.drop_rates) if p > 0)[-2:]
+    bits = sorted(set(cfg.bits), reverse=True)[-2:]
+
+    def one(n):
+        parts = ([f"drop{p:g} {at(n, 'sparse', p):+.4f}" for p in rates]
+                 + [f"{b}-bit {at(n, 'quant', b):+.4f}" for b in bits])
+        return (f"{n}: d_loss {', '.join(parts)}, base only "
+                f"{at(n, 'base_only', 'all deltas dropped'):+.4f}")
+
+    return "; ".join(one(n) for n in cfg.scenarios)
 
 
 STUDY = Study(
