@@ -231,3 +231,24 @@ def test_later_layers_claim_compares_halves_of_equal_size_in_layer_order():
     got = mod.claims({"table1": [moee], "experts_per_layer": rows})
     c = next(c for c in got if c.claim.startswith("Later layers"))
     assert "+30.0 (mean of 1)" in c.evidence and c.verdict == "inconclusive"
+
+
+def test_the_recipe_note_says_which_extraction_and_kd_ran():
+    """The note names the KD fine-tune's optimizer and schedule as configured (an SGD run is
+    not called AdamW) and calls the extraction the paper's recipe only with the paper's
+    minimum cluster size and extraction percentage, naming any it changes."""
+    from types import SimpleNamespace
+
+    from experiments.extraction.moee import _recipe_note, make_config
+
+    data = SimpleNamespace(substrate="vit_mnist5k", test={"labels": [0] * 4})
+    cfg = make_config("quick")
+    note = _recipe_note(cfg, data, {"accuracy": 0.9}, [2, 3])
+    assert "cosine routing to cluster mean inputs (the paper's recipe)" in note
+    assert "KD: 150 steps of AdamW (weight decay 0.01), lr 0.0005, cosine schedule" in note
+    other = cfg.replace(kd=cfg.kd.replace(optimizer="sgd", weight_decay=0.0, schedule="linear"),
+                        extract=cfg.extract.replace(p=0.5))
+    note = _recipe_note(other, data, {"accuracy": 0.9}, [2, 3])
+    assert "KD: 150 steps of SGD, lr 0.0005, linear schedule" in note and "AdamW" not in note
+    assert ("(the paper's recipe but for its extraction percentage p 0.5 (the paper's: 0.8))"
+            in note)

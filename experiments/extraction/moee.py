@@ -42,6 +42,7 @@ from moejax.extract import (
 )
 from moejax.extract.finetune import evaluate_extracted, kd_finetune, load_cv
 from moejax.extract.pipeline import (
+    ExtractConfig,
     cluster_layers,
     expert_summary,
     matched_top_k,
@@ -339,19 +340,30 @@ def _stability(cfg: MoEEStudyConfig, run: RunDir, data) -> None:
 
 
 def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> str:
+    """What ran: the extraction (beside the paper's minimum cluster size and extraction
+    percentage where this run changes them), the KD fine-tune's optimizer and schedule as
+    configured, and the MoEfication baseline."""
+    paper = ExtractConfig()
+    changed = [f"{what} {got} (the paper's: {want})" for what, got, want in (
+        ("minimum cluster size", f"{cfg.extract.cluster.min_cluster_frac:.2%}",
+         f"{paper.cluster.min_cluster_frac:.2%}"),
+        ("extraction percentage p", f"{cfg.extract.p:g}", f"{paper.p:g}")) if got != want]
+    recipe = ("the paper's recipe" if not changed else
+              "the paper's recipe but for its " + "; ".join(changed))
     return (f"Started from substrate {data.substrate}; dense test accuracy "
             f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
             f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
             f"cluster size {cfg.extract.cluster.min_cluster_frac:.2%} of the sample, p = "
             f"{cfg.extract.p}, {cfg.extract.selection} selection, {cfg.extract.router} routing "
-            f"to cluster mean inputs (the paper's recipe). Clusters per layer (seed "
-            f"{cfg.seed}): {counts}. KD: {cfg.kd.steps} AdamW steps, lr {cfg.kd.lr}, weight "
-            f"decay {cfg.kd.weight_decay}, cosine, loss {cfg.kd_alpha} KL(T={cfg.kd_temperature})"
-            f" + {1 - cfg.kd_alpha:g} CE (the paper does not give its KD loss). MoEfication: "
-            f"{cfg.moefication_experts} balanced k-means experts per extracted layer, top-k "
-            "matched per layer to MoEE's mean active neurons, routed by their parameter "
-            "centres (param) or the trained Linear-Tanh-Linear MLP router (mlp), as the "
-            "MoEfication code builds them. Random routing sends each token to a random expert.")
+            f"to cluster mean inputs ({recipe}). Clusters per layer (seed {cfg.seed}): "
+            f"{counts}. KD: {cfg.kd.steps} steps of {cfg.kd.optimizer_label()}, lr "
+            f"{cfg.kd.lr}, {cfg.kd.schedule} schedule, loss {cfg.kd_alpha} "
+            f"KL(T={cfg.kd_temperature}) + {1 - cfg.kd_alpha:g} CE (the paper does not give its "
+            f"KD loss). MoEfication: {cfg.moefication_experts} balanced k-means experts per "
+            "extracted layer, top-k matched per layer to MoEE's mean active neurons, routed by "
+            "their parameter centres (param) or the trained Linear-Tanh-Linear MLP router "
+            "(mlp), as the MoEfication code builds them. Random routing sends each token to a "
+            "random expert.")
 
 
 STUDY = Study(
