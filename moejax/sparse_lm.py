@@ -47,7 +47,8 @@ from moejax.train.logs import read_csv
 from moejax.train.loop import train
 
 __all__ = ["Arch", "ARCH_FIELDS", "ARCH_NAMES", "SHARED_FIELDS", "SparseLMConfig", "TrainedLM",
-           "active_sets", "sparse_lm_preset", "data_sources", "train_and_evaluate", "summary_row"]
+           "active_sets", "decoder_of", "sparse_lm_preset", "data_sources", "train_and_evaluate",
+           "summary_row"]
 
 Arch = Literal["blockffn", "remoe", "topk", "dsmoe", "grin", "dense"]
 
@@ -156,6 +157,13 @@ class SparseLMConfig(Config):
             return ScheduledLM(lm, CoefScheduleConfig(kind="remoe_l1", lam0=self.remoe_lam0,
                                                       target_sparsity=self.target_tls))
         return lm
+
+
+def decoder_of(model) -> DecoderLM:
+    """The decoder LM a model of :meth:`SparseLMConfig.build` decodes with: a BlockFFN or
+    ReMoE model trains wrapped in its coefficient schedule (:class:`ScheduledLM`), the others
+    are the decoder itself."""
+    return model.lm if isinstance(model, ScheduledLM) else model
 
 
 def active_sets(spec: SparseLMConfig, layer_aux: dict):

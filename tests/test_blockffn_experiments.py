@@ -73,6 +73,20 @@ def test_active_sets_topk_and_dsmoe():
     assert active_sets(SparseLMConfig(arch="dense"), {}) == (None, None)
 
 
+@pytest.mark.parametrize("arch", ["blockffn", "remoe", "topk", "dense"])
+def test_every_architecture_decodes_as_its_decoder(arch):
+    """decoder_of gives the DecoderLM of a built model of any architecture: BlockFFN and
+    ReMoE train wrapped in their coefficient schedule, the others are their decoder."""
+    from moejax.nn.decoder import DecoderLM
+    from moejax.sparse_lm import SparseLMConfig, decoder_of
+
+    spec = SparseLMConfig(arch=arch, d_model=16, n_experts=4, d_expert=8, max_seq_len=16)
+    model = spec.build(0)
+    lm = decoder_of(model)
+    assert isinstance(lm, DecoderLM) and (lm is model) == (arch in ("topk", "dense"))
+    assert lm.cfg.vocab_size == 256
+
+
 def test_grin_slot():
     from moejax.nn.grin import GRINConfig
     from moejax.sparse_lm import SparseLMConfig

@@ -385,22 +385,22 @@ def test_expert_routes_say_what_each_layer_decodes_with():
 def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     """decode_trained=false: only the grown target's decodings are timed (a GPU's minutes go
     to the >= 100M-parameter claim); with no grown target that would decode nothing and is
-    refused before any training. The summary names the independent draft's architecture (a
-    TopK MoE draft is not called dense) and the target's BlockFFN settings that differ from
-    the paper's."""
+    refused before any training. A draft of a sparse architecture decodes (a BlockFFN draft
+    trains wrapped in its schedule, and decodes as its decoder), and the summary names it (not
+    "dense") and the target's BlockFFN settings that differ from the paper's."""
     from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("drafts.distil.")),  # no distilled draft
             "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
-            "drafts.self_distilled=false", "draft.arch=topk"]
+            "drafts.self_distilled=false", "draft.arch=blockffn"]
     _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"grown"}
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
                                          "spec chunk-sparse"]
     text = (run.path / "summary.md").read_text()
-    assert "draft: a TopK MoE LM (" in text and "draft: a dense LM" not in text
+    assert "draft: a BlockFFN LM (" in text and "draft: a dense LM" not in text
     assert "BlockFFN here differs from the paper's in AL's sharpness alpha 10.0" in text
     no_growth = [a for a in args if not a.startswith("grow.")]
     with pytest.raises(ConfigError, match="decode_trained=false needs grow.extra_layers"):

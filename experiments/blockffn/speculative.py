@@ -78,6 +78,7 @@ from moejax.sparse_lm import (
     ARCH_NAMES,
     SparseLMConfig,
     data_sources,
+    decoder_of,
     sparse_lm_preset,
     train_and_evaluate,
 )
@@ -345,7 +346,7 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     # straight to the decodings
     target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val, run.path / "target")
     draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val, run.path / "draft")
-    target, draft = target_ev["model"].lm, draft_ev["model"]
+    target, draft = decoder_of(target_ev["model"]), decoder_of(draft_ev["model"])
     prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in val])[:cfg.n_prompts]
     run.note(f"Target: the BlockFFN LM trained {tcfg.steps} steps on stdlib code "
              f"({count_params(target)} params, val PPL {target_ev['val_ppl']:.2f}, TLS "
