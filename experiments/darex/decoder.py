@@ -56,6 +56,7 @@ from moejax.train import (
     require_read,
     train_params,
 )
+from moejax.train.hparams import OPTIMIZER_NAMES
 
 
 @config
@@ -135,7 +136,7 @@ def build_models(cfg: DecoderStudyConfig):
     return graphdef, rest, params, None, sub
 
 
-LABEL = {"adamw": "AdamW", "adamr_l2": "AdamR-L2"}
+LABEL = {k: OPTIMIZER_NAMES[k] for k in ("adamw", "adamr_l2")}
 
 
 class _Data(NamedTuple):

@@ -55,6 +55,7 @@ from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.classify import ByteEncoderTaskConfig, wordnet_arrays
 from moejax.train import TrainConfig, adam_linear_config, params_loss, require_read, train_params
+from moejax.train.hparams import OPTIMIZER_NAMES
 
 ADAMW_METHODS = ("unpruned", "DARE", "DAREx-q (q_v)", "DAREx-q (q_e)", "DAREx-q (per-layer q_v)",
                  "DAREx-q (per-layer q_v, pooled)", "DAREx-q (per-layer q_e)", "magnitude",
@@ -183,9 +184,9 @@ def backbone(cfg: EncoderStudyConfig):
 
 # AdamR-L2 + structural DPP + q_v is the Table 9 analog (structural DPP after AdamW is in
 # ADAMW_METHODS)
-OPTIMIZERS = {"adamw": ("AdamW", ADAMW_METHODS),
-              "adamr_l2": ("AdamR-L2", ("unpruned", "DARE", "structural DPP + q_v")),
-              "adamr_l1": ("AdamR-L1", ("unpruned", "magnitude"))}
+OPTIMIZERS = {k: (OPTIMIZER_NAMES[k], methods) for k, methods in (
+    ("adamw", ADAMW_METHODS), ("adamr_l2", ("unpruned", "DARE", "structural DPP + q_v")),
+    ("adamr_l1", ("unpruned", "magnitude")))}
 
 
 def _with_encoder(tree, enc_tree):
