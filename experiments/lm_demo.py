@@ -94,6 +94,14 @@ def make_config(preset: str) -> LMDemoConfig:
     )
 
 
+def _longer_runs(steps: int) -> str:
+    """`` (the quick preset's 300 steps and the full preset's 4000 go further)``, naming
+    only the presets that train longer than ``steps`` (``""`` when none does)."""
+    longer = [f"the {name} preset's {n}" for name in ("quick", "full")
+              if (n := make_config(name).train.steps) > steps]
+    return f" ({' and '.join(longer)} steps go further)" if longer else ""
+
+
 def _sources(cfg: LMDemoConfig) -> tuple[WindowBatches, WindowBatches]:
     """Training and validation windows of the CPython standard library's bytes."""
     def windows(split, seed):
@@ -163,9 +171,9 @@ def run(cfg: LMDemoConfig, run: RunDir) -> dict:
         f"What {cfg.train.steps} steps bought: validation loss {before['loss']:.2f} -> "
         f"{after['loss']:.2f} nats/byte (a uniform guess over bytes scores "
         f"{UNIFORM_NATS:.2f}) and {after['accuracy']:.0%} of next bytes right. A byte-level "
-        "model this early has learned byte statistics and frequent fragments, not syntax, so "
-        "its greedy completion loops on fragments; the loss curve is the measure of progress "
-        "(the quick preset's 300 steps and the full preset go further):\n\n```python\n"
+        "model learns byte statistics and frequent fragments before syntax, so its greedy "
+        "completion can loop on fragments long after its loss has fallen; the loss curve is "
+        f"the measure of progress{_longer_runs(cfg.train.steps)}:\n\n```python\n"
         + _completion(model, cfg) + "\n```")
     return {
         "headline": (

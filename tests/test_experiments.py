@@ -64,6 +64,16 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
             f"{summary['val_loss_after']:.2f} nats/byte (a uniform guess over bytes scores "
             "5.55)") in text
     assert text.index("What 12 steps bought") < text.index("```python")
+    assert "(the quick preset's 300 and the full preset's 4000 steps go further)" in text
+
+
+def test_lm_demo_names_only_the_presets_that_train_longer():
+    """The note points to longer runs only where they are longer: the quick preset's own run
+    is not told that the quick preset's 300 steps go further."""
+    from experiments.lm_demo import _longer_runs
+
+    assert _longer_runs(300) == " (the full preset's 4000 steps go further)"
+    assert _longer_runs(4000) == ""
 
 
 def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, monkeypatch,
