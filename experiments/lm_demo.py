@@ -95,7 +95,7 @@ def make_config(preset: str) -> LMDemoConfig:
 
 
 def _longer_runs(steps: int) -> str:
-    """`` (the quick preset's 300 steps and the full preset's 4000 go further)``, naming
+    """`` (the quick preset's 300 and the full preset's 4000 steps go further)``, naming
     only the presets that train longer than ``steps`` (``""`` when none does)."""
     longer = [f"the {name} preset's {n}" for name in ("quick", "full")
               if (n := make_config(name).train.steps) > steps]

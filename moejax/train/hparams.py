@@ -44,11 +44,10 @@ __all__ = ["EVAL_FIELDS", "LOOP_READERS", "OPTIMIZER_NAMES", "RUN_DIR_FIELDS", "
 # directory (``run_dir``: checkpoints, TensorBoard events and resume live there).
 EVAL_FIELDS = ("eval_every",)
 RUN_DIR_FIELDS = ("ckpt_every", "keep_checkpoints", "tensorboard", "resume")
-# (the loop's argument, the fields only it lets the loop read, what a run without it lacks)
 # each optimizer as the papers name it (``TrainConfig.optimizer_label``)
 OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adamr_l2": "AdamR-L2",
                    "adamr_l1": "AdamR-L1"}
-
+# (the loop's argument, the fields only it lets the loop read, what a run without it lacks)
 LOOP_READERS = (("eval_fn", EVAL_FIELDS, "has no evaluation"),
                 ("run_dir", RUN_DIR_FIELDS, "has no run directory (its checkpoints, TensorBoard "
                                             "events and resume)"))
