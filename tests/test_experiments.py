@@ -333,6 +333,9 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     # plain and large-delta runs, AdamR-L2 / -L1 with their lambda): finetune.optimizer=adamr_l1
     # left the arm labelled Adam as it was and changed the large-delta runs alone
     assert {"finetune.optimizer", "finetune.weight_decay"} <= set(declared["darex_controlled"])
+    # darex_encoder sets each optimizer's decay paths (AdamR's from regularise_head):
+    # finetune.decay_paths reached AdamW's runs alone, recorded as every run's
+    assert "finetune.decay_paths" in declared["darex_encoder"]
     # moee's MoEE row is the paper's recipe, each ablation's claim set against it:
     # extract.selection=magnitude judged 'variance beats magnitude' on magnitude against itself
     assert {"extract.selection", "extract.router", "extract.cluster.method",

@@ -374,7 +374,10 @@ STUDY = Study(
     smoke=("n_train=256", "n_val=32", "n_test=64", "seeds=1"),
     paper_scale=PAPER_SCALE,
     derived_keys=(("finetune.optimizer", "each of optimizers"),
-                  ("finetune.seed", "seed + i for fine-tuning seed i")),
+                  ("finetune.seed", "seed + i for fine-tuning seed i"),
+                  ("finetune.decay_paths", "AdamW's decay on every matrix; AdamR's anchored "
+                                           "decay on the encoder, or on every leaf with "
+                                           "regularise_head=true")),
 )
 
 
