@@ -357,3 +357,33 @@ def test_ablation_claims_count_only_at_close_tls():
     v, got = verdicts(1.0, 0.81, tls=False)  # no TLS recorded: the comparisons unchecked
     assert v == ["inconclusive"] * 3 + ["holds"] + ["inconclusive"] * 3 + ["holds"]
     assert "close TLS unchecked" in got[4].evidence and "close TLS unchecked" in got[6].evidence
+
+
+def test_granularity_judges_where_sparsity_peaks():
+    """App. F's non-monotonic sparsity: the middle N of the highest mean TLS must beat the
+    coarsest and the finest N on TLS and CLS_8 in the paired seeds, at an interval widened for
+    the best of the middle settings; sparsity rising to the finest N does not hold, and two
+    sizes have no middle."""
+    from experiments.blockffn.granularity import PEAK_CLAIM, claims
+    from moejax.harness.claims import SEED_TABLES
+
+    def peak(tls, cls=None, wobble=0.002):  # N=16's per-seed wobble
+        runs = [{"granularity": [{"n_experts": n, "val_ppl": 10.0,
+                                  "TLS": t + wobble * (-1) ** i * (n == 16), "CLS_8": c}
+                                 for n, t, c in zip((4, 8, 16, 32), tls, cls or tls)]}
+                for i in range(5)]
+        got = claims({**runs[0], SEED_TABLES: runs})
+        assert got[-1].claim == PEAK_CLAIM
+        return got[-1]
+
+    c = peak((0.70, 0.80, 0.83, 0.78))  # the quick preset's shape: N=16 peaks
+    assert c.verdict == "holds", c.evidence
+    assert c.evidence.startswith("N=16 (the best of 2 middle settings: Bonferroni)")
+    assert "97.5% CI" in c.evidence  # 1 - 0.05 / 2
+    assert peak((0.70, 0.75, 0.80, 0.85)).verdict == "does not hold"  # densest to sparsest
+    # TLS peaks in the middle, CLS_8 falls all the way: not both
+    assert peak((0.70, 0.80, 0.83, 0.78), (0.8, 0.7, 0.6, 0.5)).verdict == "does not hold"
+    assert peak((0.70, 0.80, 0.83, 0.829), wobble=0.01).verdict == "inconclusive"
+    two = claims({"granularity": [{"n_experts": n, "val_ppl": 10.0, "TLS": 0.8, "CLS_8": 0.6}
+                                  for n in (8, 32)]})
+    assert two[-1].verdict == "not measured" and "no setting between" in two[-1].evidence

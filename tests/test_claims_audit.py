@@ -160,8 +160,11 @@ def blockffn_ablations(d):
 
 
 def blockffn_granularity(d):
-    def run(s):  # each finer setting lower by 10 d
-        return {"granularity": [{"n_experts": n, "val_ppl": 10 - 10 * d(s) * i, "TLS": 0.8}
+    def run(s):  # each finer setting lower by 10 d; the middle one sparser by d / 10 (within
+        # half an expert of its neighbours: the PPL claims stay at close TLS)
+        return {"granularity": [{"n_experts": n, "val_ppl": 10 - 10 * d(s) * i,
+                                 "TLS": 0.8 + 0.1 * d(s) * (n == 8),
+                                 "CLS_8": 0.6 + 0.1 * d(s) * (n == 8)}
                                 for i, n in enumerate((4, 8, 32))]}
     return _seeded([run(s) for s in SEEDS])
 
@@ -256,7 +259,7 @@ STUDIES = {
     "ders_upcycling": (upcycling.claims, ders_upcycling, 5),
     "blockffn_baselines": (baselines.claims, blockffn_baselines, 3),
     "blockffn_ablations": (ablations.claims, blockffn_ablations, 8),
-    "blockffn_granularity": (granularity.claims, blockffn_granularity, 2),
+    "blockffn_granularity": (granularity.claims, blockffn_granularity, 3),
     "moe_kd": (moe_kd.claims, moe_kd_tables, 7),
     "moee": (moee.claims, moee_tables, 9),
     "bench_speculative": (speculative.claims, bench_speculative, 2),

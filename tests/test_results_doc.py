@@ -124,29 +124,34 @@ def test_granularity_claim_pairs_the_seed_runs():
                  for p in ppl_by_seed]
         return {"granularity": seeds[0]["granularity"], SEED_TABLES: seeds}
 
-    one = blockffn_granularity.claims(tables((12.0, 11.5, 11.0)))
+    def ppl_claims(t):  # the PPL claims, without the sparsity claim after them
+        *ppl, peak = blockffn_granularity.claims(t)
+        assert peak.claim == blockffn_granularity.PEAK_CLAIM
+        return ppl
+
+    one = ppl_claims(tables((12.0, 11.5, 11.0)))
     assert one[0].verdict == "inconclusive" and "N=32 11 vs N=4 12" in one[0].evidence
     five = tables(*[(12.0 + e, 11.5 + e, 11.0 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
-    finest, steps = blockffn_granularity.claims(five)
+    finest, steps = ppl_claims(five)
     assert finest.holds is True and steps.holds is True and "wins 5/5" in finest.evidence
     worse = tables(*[(11.0 + e, 11.5 + e, 12.0 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
-    assert [c.verdict for c in blockffn_granularity.claims(worse)] == ["does not hold"] * 2
+    assert [c.verdict for c in ppl_claims(worse)] == ["does not hold"] * 2
     mixed = tables(*[(12.0 + e, 11.0 + e, 11.5 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
-    assert [c.verdict for c in blockffn_granularity.claims(mixed)] == [
+    assert [c.verdict for c in ppl_claims(mixed)] == [
         "holds", "does not hold"]  # N=32 beats N=4, but N=8 -> N=32 goes up
     diverged = tables(*[(12.0 + e, float("nan") if e else 11.5, 11.0 + e)
                         for e in (0.0, 0.1, -0.2, 0.3, 0.05)])
-    assert [c.verdict for c in blockffn_granularity.claims(diverged)] == [
+    assert [c.verdict for c in ppl_claims(diverged)] == [
         "holds", "not measured"]  # N=8's loss is NaN in four seed runs
     # at close TLS only (half an expert of the finer setting): a finer setting denser by
     # more than that may owe its lower PPL to its density; sparser, it stands
     ppl = [(12.0 + e, 11.5 + e, 11.0 + e) for e in (0.0, 0.1, -0.2, 0.3, 0.05)]
-    denser = blockffn_granularity.claims(tables(*ppl, tls=(0.8, 0.75, 0.7)))
+    denser = ppl_claims(tables(*ppl, tls=(0.8, 0.75, 0.7)))
     assert [c.verdict for c in denser] == ["inconclusive"] * 2
     assert "not close" in denser[0].evidence
-    sparser = blockffn_granularity.claims(tables(*ppl, tls=(0.7, 0.75, 0.8)))
+    sparser = ppl_claims(tables(*ppl, tls=(0.7, 0.75, 0.8)))
     assert [c.verdict for c in sparser] == ["holds"] * 2
-    close = blockffn_granularity.claims(tables(*ppl, tls=(0.8, 0.8, 0.79)))  # 1/64 at N=32
+    close = ppl_claims(tables(*ppl, tls=(0.8, 0.8, 0.79)))  # 1/64 at N=32
     assert [c.verdict for c in close] == ["holds"] * 2
 
 

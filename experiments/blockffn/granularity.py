@@ -13,7 +13,7 @@ from experiments.blockffn.common import (
     blockffn_changes,
 )
 from moejax.config import config
-from moejax.harness.claims import Claim, all_hold
+from moejax.harness.claims import Claim, all_hold, lookup, measured, paired_compare, per_seed
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.sparse_lm import summary_row, train_and_evaluate
@@ -71,15 +71,50 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
             "best_n": best["n_experts"]}
 
 
+# App. F: "a nonmonotonic relationship between sparsity and expert granularities"; "the
+# setting with 40 experts ... achieves both the highest TLS and CLS_8"
+PEAK_CLAIM = ("Sparsity peaks at an intermediate granularity: a middle N has higher TLS and "
+              "CLS_8 than both the coarsest and the finest (App. F, Fig. 6; the paper's: N=40)")
+
+
+def _sparsity_peaks_inside(t: dict, ns: list[float]) -> Claim:
+    """App. F's non-monotonic sparsity: the middle setting of the highest mean TLS over the
+    seed runs beats the coarsest and the finest setting on TLS and on CLS_8 (four paired
+    comparisons, every one must hold). Picked as the best of the middle settings by its
+    means, its intervals are widened to ``1 - 0.05 / K`` for ``K`` candidates (Bonferroni)."""
+    inner = ns[1:-1]
+    if not inner:
+        return Claim(PEAK_CLAIM, None, f"{len(ns)} sizes: no setting between the coarsest "
+                                       "and the finest")
+
+    def value(n, column):
+        return lambda run: lookup(run.get("granularity"), {"n_experts": n}, column)
+
+    def mean_tls(n):
+        vals = [measured(value(n, "TLS")(run)) for run in per_seed(t)]
+        return -1.0 if None in vals else sum(vals) / len(vals)
+
+    peak = max(inner, key=mean_tls)
+    parts = [paired_compare("", t, (f"N={peak:.0f} {col}", value(peak, col)),
+                            (f"N={end:.0f} {col}", value(end, col)), better="higher",
+                            alpha=0.05 / len(inner))
+             for col in ("TLS", "CLS_8") for end in (ns[0], ns[-1])]
+    best = f" (the best of {len(inner)} middle settings: Bonferroni)" if len(inner) > 1 else ""
+    return all_hold(PEAK_CLAIM, parts, f"N={peak:.0f}{best}: "
+                    + "; ".join(c.evidence for c in parts))
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
-    """Expert granularity (App. F, Fig. 5): finer experts at equal FFN width lower PPL, judged
-    on the paired per-seed differences between the finest and the coarsest setting, and on
-    every step between neighbouring settings (each finer one lowers PPL); each comparison at
-    close TLS (:func:`experiments.blockffn.common.at_close_tls`: a denser finer setting's
-    lower PPL could be its density)."""
+    """Expert granularity (App. F, Figs. 5 and 6): finer experts at equal FFN width lower PPL,
+    judged on the paired per-seed differences between the finest and the coarsest setting,
+    and on every step between neighbouring settings (each finer one lowers PPL); each
+    comparison at close TLS (:func:`experiments.blockffn.common.at_close_tls`: a denser finer
+    setting's lower PPL could be its density). Sparsity peaks at a middle setting
+    (:func:`_sparsity_peaks_inside`)."""
     rows = sorted(t.get("granularity") or [], key=lambda r: float(r["n_experts"]))
     if len(rows) < 2:
-        return [Claim("Finer experts lower PPL (App. F)", None, "fewer than two sizes")]
+        return [Claim("Finer experts lower PPL (App. F)", None, "fewer than two sizes"),
+                Claim(PEAK_CLAIM, None, "fewer than two sizes")]
     ns = [float(r["n_experts"]) for r in rows]
 
     def finer(claim, fine, coarse):  # fine has the lower PPL, at close TLS
@@ -92,7 +127,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         out.append(all_hold("Each finer setting lowers PPL (App. F, Fig. 5)", steps,
                             "; ".join(f"N={b:.0f} vs N={a:.0f}: {c.verdict}"
                                       for (a, b), c in zip(zip(ns, ns[1:]), steps))))
-    return out
+    return out + [_sparsity_peaks_inside(t, ns)]
 
 
 STUDY = Study(

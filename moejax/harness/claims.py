@@ -275,11 +275,12 @@ def per_seed(t: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tuple[str, Any],
-                   *, better: str = "higher", fmt: str = ".4g") -> Claim:
+                   *, better: str = "higher", fmt: str = ".4g", alpha: float = 0.05) -> Claim:
     """:func:`compare` judged from the seeds: ``a`` and ``b`` are ``(label, value_of)`` with
     ``value_of(tables)`` reading one run's value; each seed run gives a pair, and the claim
-    is :func:`paired_claim` on the differences (oriented by ``better``), with both arms'
-    means. One run: inconclusive. A value missing in any run: not measured."""
+    is :func:`paired_claim` on the differences (oriented by ``better``; ``alpha`` as there),
+    with both arms' means. One run: inconclusive. A value missing in any run: not
+    measured."""
     (la, fa), (lb, fb) = a, b
     sign = _sign(better)
     runs = per_seed(t)
@@ -288,7 +289,7 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
         return Claim(claim, None, f"{la} or {lb} missing")
     row = paired(f"{la} - {lb}" if sign > 0 else f"{lb} - {la}",
                  [sign * v for v in va], [sign * v for v in vb])
-    c = paired_claim(claim, row, fmt=fmt)
+    c = paired_claim(claim, row, fmt=fmt, alpha=alpha)
     means = (f"{la} {format(sum(va) / len(va), fmt)} vs {lb} {format(sum(vb) / len(vb), fmt)}"
              f" (mean of {len(va)} seed run{'s' * (len(va) > 1)})")
     return c._replace(evidence=f"{means}; {c.evidence}")
