@@ -39,6 +39,24 @@ def test_markdown_table_and_csv(tmp_path):
     assert not [p for p in (tmp_path / "r").iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_line_runs_through_its_points_in_the_order_of_x():
+    """A sweep given in any order (``n_experts=(32,8,16)``) is drawn as one curve, each y
+    still beside its own x; the reference lines are drawn and labelled."""
+    from moejax.harness.plots import line_figure
+
+    fig = line_figure("g", {"TLS": ((32, 8, 16), (0.7, 0.8, 0.9)), "one": ([2], [1.0])},
+                      xlabel="N", ylabel="s", logx=True, vlines={"paper's N=40": 40},
+                      hlines={"level 0.8": 0.8})
+    ax = fig.axes[0]
+    tls, one, vline, hline = ax.lines
+    assert list(tls.get_xdata()) == [8, 16, 32] and list(tls.get_ydata()) == [0.8, 0.9, 0.7]
+    assert list(one.get_xdata()) == [2]
+    assert list(vline.get_xdata()) == [40, 40] and list(hline.get_ydata()) == [0.8, 0.8]
+    assert {t.get_text() for t in ax.texts} == {"paper's N=40", "level 0.8"}
+    with pytest.raises(ValueError):  # an x without its y is refused, not cut
+        line_figure("g", {"a": ([1, 2], [1.0])}, xlabel="x", ylabel="y")
+
+
 def test_markdown_table_column_order():
     assert markdown_table([{"b": 1, "a": 2}], columns=["a", "b"]).splitlines()[2] == "| 2 | 1 |"
 

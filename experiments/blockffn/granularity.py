@@ -7,7 +7,9 @@ width ``budget / N``; validation PPL, TLS and CLS_8 against ``N``.
 from __future__ import annotations
 
 from experiments.blockffn.common import (
+    PAPER_CLS_8,
     PAPER_SCALE,
+    PAPER_TLS,
     SparseLMStudyConfig,
     at_close_tls,
     blockffn_changes,
@@ -17,6 +19,15 @@ from moejax.harness.claims import Claim, all_hold, lookup, measured, paired_comp
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.sparse_lm import summary_row, train_and_evaluate
+
+# App. F: "40 experts is the best setting for BlockFFN Medium"
+PAPER_BEST_N = 40
+
+# App. F: "a nonmonotonic relationship between sparsity and expert granularities"; "the
+# setting with 40 experts ... achieves both the highest TLS and CLS_8"
+PEAK_CLAIM = ("Sparsity peaks at an intermediate granularity: a middle N has higher TLS and "
+              "CLS_8 than both the coarsest and the finest (App. F, Fig. 6; the paper's: "
+              f"N={PAPER_BEST_N})")
 
 
 @config
@@ -58,23 +69,20 @@ def run(cfg: GranularityConfig, run: RunDir) -> dict:
               f"{cfg.ffn_width}", columns=["n_experts", "d_expert", "val_ppl", "TLS", "CLS_8",
                                            "reuse", "params"])
     xs = [r["n_experts"] for r in rows]
+    best_n = {f"paper's best N={PAPER_BEST_N}": PAPER_BEST_N}
     run.line_plot("granularity_sparsity", {"TLS": (xs, [r["TLS"] for r in rows]),
                                            "CLS_8": (xs, [r["CLS_8"] for r in rows])},
                   xlabel="experts N", ylabel="sparsity", logx=True, markers=True,
+                  vlines=best_n, hlines={f"paper's TLS {PAPER_TLS:g}": PAPER_TLS,
+                                         f"paper's CLS_8 {PAPER_CLS_8:g}": PAPER_CLS_8},
                   title="TLS / CLS_8 vs expert granularity (Fig. 6)")
     run.line_plot("granularity_ppl", {"val PPL": (xs, [r["val_ppl"] for r in rows])},
                   xlabel="experts N", ylabel="validation PPL (bytes)", logx=True, markers=True,
-                  title="Validation PPL vs expert granularity (Fig. 5)")
+                  vlines=best_n, title="Validation PPL vs expert granularity (Fig. 5)")
     best = min(rows, key=lambda r: r["val_ppl"])
     return {"headline": "; ".join(f"N={r['n_experts']}: PPL {r['val_ppl']:.3f} TLS "
                                   f"{r['TLS']:.3f} CLS8 {r['CLS_8']:.3f}" for r in rows),
             "best_n": best["n_experts"]}
-
-
-# App. F: "a nonmonotonic relationship between sparsity and expert granularities"; "the
-# setting with 40 experts ... achieves both the highest TLS and CLS_8"
-PEAK_CLAIM = ("Sparsity peaks at an intermediate granularity: a middle N has higher TLS and "
-              "CLS_8 than both the coarsest and the finest (App. F, Fig. 6; the paper's: N=40)")
 
 
 def _sparsity_peaks_inside(t: dict, ns: list[float]) -> Claim:

@@ -29,13 +29,17 @@ def line_figure(
     vlines: Mapping[str, float] | None = None,
     hlines: Mapping[str, float] | None = None,
 ):
-    """Lines ``series`` (label -> (xs, ys)); ``vlines`` / ``hlines``: labelled dashed
-    reference lines (e.g. DARE's 1/(1-p); the unpruned / dense / uncompressed value)."""
+    """Lines ``series`` (label -> (xs, ys)), each drawn through its points in the order of x
+    (a sweep given in any order, e.g. ``n_experts=(32,8,16)``, is one curve, not a zigzag);
+    ``vlines`` / ``hlines``: labelled dashed reference lines (e.g. DARE's 1/(1-p); the
+    unpruned / dense / uncompressed value)."""
     plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for label, (xs, ys) in series.items():
-        ax.plot(list(xs), list(ys), label=label, marker="o" if markers else None, ms=3)
+        points = sorted(zip(xs, ys, strict=True), key=lambda p: p[0])
+        ax.plot([x for x, _ in points], [y for _, y in points], label=label,
+                marker="o" if markers else None, ms=3)
     for label, x in (vlines or {}).items():
         ax.axvline(x, ls="--", color="gray", lw=1)
         ax.text(x, ax.get_ylim()[1], label, rotation=90, va="top", ha="right", fontsize=8)
