@@ -41,7 +41,8 @@ def test_markdown_table_and_csv(tmp_path):
 
 def test_a_line_runs_through_its_points_in_the_order_of_x():
     """A sweep given in any order (``n_experts=(32,8,16)``) is drawn as one curve, each y
-    still beside its own x; the reference lines are drawn and labelled."""
+    still beside its own x; the reference lines are drawn and labelled, and a log axis reads
+    in plain numbers."""
     from moejax.harness.plots import line_figure
 
     fig = line_figure("g", {"TLS": ((32, 8, 16), (0.7, 0.8, 0.9)), "one": ([2], [1.0])},
@@ -53,6 +54,9 @@ def test_a_line_runs_through_its_points_in_the_order_of_x():
     assert list(one.get_xdata()) == [2]
     assert list(vline.get_xdata()) == [40, 40] and list(hline.get_ydata()) == [0.8, 0.8]
     assert {t.get_text() for t in ax.texts} == {"paper's N=40", "level 0.8"}
+    fig.canvas.draw()  # the log axis labelled in plain numbers, not "2 x 10^1"
+    labels = {t.get_text() for t in ax.get_xticklabels(which="both")} - {""}
+    assert {"10", "20"} <= labels and not [t for t in labels if "times" in t], labels
     with pytest.raises(ValueError):  # an x without its y is refused, not cut
         line_figure("g", {"a": ([1, 2], [1.0])}, xlabel="x", ylabel="y")
 

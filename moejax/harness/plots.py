@@ -52,12 +52,29 @@ def line_figure(
         ax.set_xscale("log")
     if logy:
         ax.set_yscale("log")
+    _plain_log_labels(ax, logx, logy)
     ax.set_title(title or stem)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _plain_log_labels(ax, logx: bool, logy: bool) -> None:
+    """A log axis's tick labels as plain numbers ("4", "40", "0.999") instead of
+    "4 x 10^0": a sweep's settings read as they were given. matplotlib's LogFormatter still
+    decides which ticks get a label (the minor ones only over a few decades)."""
+    ticker = require("matplotlib.ticker", "moejax.harness.plots (the plots)")
+
+    class Plain(ticker.LogFormatter):
+        def __call__(self, x, pos=None):
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    for axis, log in ((ax.xaxis, logx), (ax.yaxis, logy)):
+        if log:
+            axis.set_major_formatter(Plain(labelOnlyBase=False))
+            axis.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
 
 
 def bar_figure(
