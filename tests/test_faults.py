@@ -805,13 +805,22 @@ def test_configs_fail_at_construction(build, match):
 
 
 def test_study_overrides_fail_before_compute():
+    from experiments.blockffn import speculative
     from experiments.ders import compression as ders_compression
+    from experiments.ders import upcycling
 
     cfg = ders_compression.make_config("quick")
     for bad, match in (("ckpt_drop=1.0", "ckpt_drop=1.0"), ("eval_batches=0", "eval_batches"),
-                       ("train.seed=-1", "seed")):
+                       ("train.seed=-1", "seed"),
+                       ("substrate.seq_len=2000", "exceeds the substrates' max_seq_len, 1024")):
         with pytest.raises(ConfigError, match=match):
             apply_overrides(cfg, [bad])
+    # a training window longer than the model's positions: refused, not trained on
+    with pytest.raises(ConfigError, match="exceeds SmolLM2's context, 8192"):
+        apply_overrides(upcycling.make_config("quick"),
+                        ["substrate.source=smollm2", "substrate.seq_len=9000"])
+    with pytest.raises(ConfigError, match=r"seq_len=2000 \(the training window\) exceeds"):
+        apply_overrides(speculative.make_config("quick"), ["seq_len=2000"])
     r = subprocess.run([sys.executable, "-m", "experiments.ders.compression", "ckpt_drop=1.0",
                         "out=" + os.devnull], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)

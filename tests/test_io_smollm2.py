@@ -92,6 +92,10 @@ def test_config_from_metadata(smol):
         49152, 576, 30, 9, 3, 64)
     assert c.ffn_slots[0].d_hidden == 1536 and c.rope_base == 100000.0
     assert c.rope_style == "half" and c.tie_embeddings
+    from moejax.io.smollm2 import SMOLLM2_CONTEXT
+
+    f, _, _ = smol  # the context a config checks a window against, before the file is read
+    assert int(f.metadata["llama.context_length"]) == SMOLLM2_CONTEXT
 
 
 def test_logits_match_numpy_reference(smol):

@@ -162,6 +162,9 @@ class SpecBenchConfig(Config):
           "decode_trained=false needs grow.extra_layers >= 1: else nothing is decoded")
         r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
+        longest = min(self.target.max_seq_len, self.draft.max_seq_len)
+        r(self.seq_len <= longest, f"seq_len={self.seq_len} (the training window) exceeds the "
+                                   f"models' max_seq_len={longest}")
         need = self.prompt_len + self.max_new_tokens + 2 * (max(self.draft_lens) + 1)
         r(need <= min(self.target.max_seq_len, self.draft.max_seq_len),
           f"prompt_len + max_new_tokens + 2 (max draft_len + 1) = {need} exceeds the models' "

