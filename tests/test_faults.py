@@ -806,6 +806,7 @@ def test_configs_fail_at_construction(build, match):
 
 def test_study_overrides_fail_before_compute():
     from experiments.blockffn import speculative
+    from experiments.darex import encoder
     from experiments.ders import compression as ders_compression
     from experiments.ders import upcycling
 
@@ -821,6 +822,8 @@ def test_study_overrides_fail_before_compute():
                         ["substrate.source=smollm2", "substrate.seq_len=9000"])
     with pytest.raises(ConfigError, match=r"seq_len=2000 \(the training window\) exceeds"):
         apply_overrides(speculative.make_config("quick"), ["seq_len=2000"])
+    with pytest.raises(ConfigError, match="seq_len=600 exceeds MiniLM's 512 positions"):
+        apply_overrides(encoder.make_config("quick"), ["seq_len=600"])
     r = subprocess.run([sys.executable, "-m", "experiments.ders.compression", "ckpt_drop=1.0",
                         "out=" + os.devnull], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)

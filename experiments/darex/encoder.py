@@ -48,7 +48,7 @@ from moejax.evaluate import ClassifierEvaluator, classifier_loss_fn, outputs_on
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.harness.tables import seed_summary
-from moejax.io.minilm import load_minilm
+from moejax.io.minilm import MINILM_MAX_POSITION, load_minilm
 from moejax.nn.encoder import SequenceClassifier
 from moejax.pytree import path_str
 from moejax.substrates import build as build_substrate
@@ -125,6 +125,8 @@ class EncoderStudyConfig(Config):
                       "n_train, n_val and n_test must be >= 1")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
+        self._require(self.model != "minilm" or self.seq_len <= MINILM_MAX_POSITION,
+                      f"seq_len={self.seq_len} exceeds MiniLM's {MINILM_MAX_POSITION} positions")
 
 
 def make_config(preset: str) -> EncoderStudyConfig:
