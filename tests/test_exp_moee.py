@@ -3,6 +3,9 @@ stability tables and the routing and similarity plots, names its substrate, and 
 extracted model's accounting is consistent."""
 
 import csv
+import re
+
+import pytest
 
 from experiments.extraction import moee as mod  # imported before tiny_recipes patches the registry
 from moejax.extract import ClusterConfig
@@ -92,6 +95,49 @@ def test_stability_draws_follow_the_base_seed(monkeypatch):
         mod.stability(cfg, Data())
         assert {s for _, s in seen} == {base + 100, base + 101}
         assert len(seen) == 8  # four steps a draw, every one seeded
+
+
+def test_each_stability_row_records_the_tokens_it_names(monkeypatch):
+    """Each sample size is recorded as named, past 4x extract.n_tokens too (the row's number
+    is the sample's)."""
+    recorded = []
+
+    class Data:
+        model = None
+
+        def record_batches(self, rows, seed):
+            return []
+
+    monkeypatch.setattr(mod, "record_ffn", lambda m, b, n_tokens, seed: recorded.append(n_tokens))
+    monkeypatch.setattr(mod, "cluster_layers", lambda r, c, seed: None)
+    monkeypatch.setattr(mod, "moee_plans", lambda r, lab, ex, seed: None)
+    monkeypatch.setattr(mod, "expert_summary", lambda plans: [{"layer": 0, "experts": 1}])
+    cfg = mod.make_config("quick").replace(extract=ExtractConfig(n_tokens=1000),
+                                           stability_tokens=(500, 8000), stability_draws=1)
+    rows = mod.stability(cfg, Data())
+    assert recorded == [500, 8000] and [r["tokens"] for r in rows] == [500, 8000]
+
+
+@pytest.mark.parametrize("study,bad,words", [
+    ("moee", "moefication_experts=3", "must divide the FFN width 128"),
+    ("moee", "model=minilm moefication_experts=7", "must divide the FFN width 1536"),
+    ("moee", "stability_tokens=(20000,)", "stability_tokens=20000 exceeds the 17000 tokens that "
+                                         "record_rows=1000 rows of vit hold (17 each"),
+    ("moee", "record_rows=100", "extract.n_tokens=4000 exceeds the 1700 tokens"),
+    ("moee", "model=minilm extract.n_tokens=40000", "32000 tokens that record_rows=1000 rows "
+                                                    "of minilm hold (32 each at most)"),
+    ("bench_extracted", "model=vit record_rows=10", "exceeds the 170 tokens"),
+])
+def test_a_sample_or_split_the_substrate_cannot_give_is_refused(study, bad, words):
+    """MoEfication's equal experts must divide the FFN width, and a token sample must fit in
+    the recorded rows: refused before the substrate is built or anything trained, not when
+    the partition or the recording meets them."""
+    from experiments import study_module
+    from moejax.config import ConfigError, apply_overrides
+
+    m = study_module(study)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        apply_overrides(m.make_config("quick"), bad.split())
 
 
 def _per_seed(model, n=3, **values):

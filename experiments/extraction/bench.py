@@ -89,6 +89,8 @@ class ExtractedBenchConfig(ExtractionSource):
                     "d_model", "d_hidden", "experts", "keep", "batches", "seq_len")})}
 
     def validate(self) -> None:
+        if self.model != "none":
+            super().validate()
         self._require(0 < self.keep < 1, f"keep={self.keep} must be in (0, 1)")
         self._require(self.experts >= 2 and self.seq_len >= 1, "experts >= 2, seq_len >= 1")
         self._require(len(self.batches) > 0 and min(self.batches) >= 1,

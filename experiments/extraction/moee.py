@@ -95,16 +95,22 @@ class MoEEStudyConfig(ExtractionSource):
     seed: int = 0
 
     def validate(self) -> None:
+        super().validate()
         require_read(self, "kd", "the KD fine-tune")
         r = self._require
         bad = [a for a in self.ablations if a not in ABLATIONS]
         r(not bad, f"ablations {bad} unknown; use a subset of {tuple(ABLATIONS)}")
         r(self.seeds >= 1 and self.stability_draws >= 1, "seeds and stability_draws must be >= 1")
         r(self.record_rows >= 1 and self.eval_rows >= 0, "record_rows >= 1, eval_rows >= 0")
-        r(self.moefication_experts >= 1, "moefication_experts must be >= 1")
+        width = self.ffn_width()
+        r(self.moefication_experts >= 1 and width % self.moefication_experts == 0,
+          f"moefication_experts={self.moefication_experts} must divide the FFN width {width} "
+          "(MoEfication's balanced experts are of equal size)")
         r(0.0 <= self.kd_alpha <= 1.0 and self.kd_temperature > 0,
           "kd_alpha in [0, 1], kd_temperature > 0")
         r(all(n >= 10 for n in self.stability_tokens), "stability_tokens must be >= 10 each")
+        for n in self.stability_tokens:
+            self.require_sample(n, "stability_tokens")
 
 
 def make_config(preset: str) -> MoEEStudyConfig:
@@ -204,7 +210,7 @@ def stability(cfg: MoEEStudyConfig, data: ClassifierData) -> list[dict]:
         for d in range(cfg.stability_draws):
             seed = cfg.seed + 100 + d  # apart from the seed runs' samples
             rec = record_ffn(data.model, data.record_batches(cfg.record_rows, seed),
-                             n_tokens=min(n, cfg.extract.n_tokens * 4), seed=seed)
+                             n_tokens=n, seed=seed)
             labels = cluster_layers(rec, cfg.extract.cluster, seed=seed)
             plans = moee_plans(rec, labels, cfg.extract, seed=seed)
             per.append(expert_summary(plans))

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from moejax.config import Config, config
 from moejax.extract.pipeline import ExtractConfig
+from moejax.nn.encoder import minilm_l6_config
 from moejax.substrates import substrate_config
 from moejax.substrates.classifier_data import ClassifierData
 from moejax.substrates.classify import MiniLMTaskConfig, ViTSubstrateConfig
@@ -38,6 +39,30 @@ class ExtractionSource(Config):
 
     def unread_fields(self) -> dict[str, str]:
         return self._read_only_with("model", {"vit": ("vit",), "minilm": ("minilm",)})
+
+    def tokens_per_row(self) -> int:
+        """The FFN tokens of one recorded row, at most: a ViT image's CLS and patch tokens
+        (exactly), a MiniLM gloss's ``seq_len`` (its real tokens, which are recorded, are
+        fewer: the sample size is checked again against them when recording)."""
+        return 1 + self.vit.vit().n_patches if self.model == "vit" else self.minilm.seq_len
+
+    def ffn_width(self) -> int:
+        """The substrate's FFN width: ``vit.d_hidden``, or all-MiniLM-L6-v2's."""
+        return (self.vit.d_hidden if self.model == "vit"
+                else minilm_l6_config().ffn_slots[0].d_hidden)
+
+    def require_sample(self, n_tokens: int, key: str) -> None:
+        """Refuse a token sample (``key``: its config key) larger than the ``record_rows``
+        rows hold, before anything is built or trained."""
+        most = self.record_rows * self.tokens_per_row()
+        self._require(n_tokens <= most, f"{key}={n_tokens} exceeds the {most} tokens that "
+                                        f"record_rows={self.record_rows} rows of {self.model} "
+                                        f"hold ({self.tokens_per_row()} each at most); raise "
+                                        f"record_rows or lower {key}")
+
+    def validate(self) -> None:
+        self._require(self.record_rows >= 1, f"record_rows={self.record_rows} must be >= 1")
+        self.require_sample(self.extract.n_tokens, "extract.n_tokens")
 
     def classifier_data(self, train_rows: int | None = None) -> ClassifierData:
         """The substrate (built or read from the cache) with its data; ``train_rows``: the
