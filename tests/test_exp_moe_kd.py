@@ -138,6 +138,18 @@ def test_the_summary_names_each_distillation_setting_changed_from_the_papers():
             "(SAR's balance-loss weight; the paper's: 0.01).") in note
 
 
+def test_a_derslm_teacher_rank_past_full_rank_is_refused_before_anything_runs():
+    """The upcycled teacher's DeRS-LM rank is checked against its substrate's FFN (d_model
+    256, d_hidden 768 for dense_lm_chat) with the config, not when the teacher is built."""
+    from moejax.config import ConfigError, apply_overrides
+
+    cfg = mod.make_config("quick")
+    with pytest.raises(ConfigError, match=re.escape("upcycle.lm_rank=257: a rank past "
+                                                    "min(d_model, d_hidden) = 256")):
+        apply_overrides(cfg, ["upcycle.expert_form=lm", "upcycle.lm_rank=257"])
+    assert apply_overrides(cfg, ["upcycle.expert_form=lm", "upcycle.lm_rank=256"])
+
+
 def test_teacher_gap_needs_both_the_rouge_and_the_perplexity_gap():
     def gap(t, s, tp, sp):
         return mod.teacher_gap({"MoE teacher": {"rouge_l": t, "ppl": tp},

@@ -159,6 +159,10 @@ class MoEKDConfig(Config):
           "layers)")
         r(max_len is None or self.prompt_len + self.response_len <= max_len,
           f"prompt_len + response_len exceeds the model's max_seq_len ({max_len})")
+        if sub is not None and not self.teacher and self.upcycle.expert_form == "lm":
+            full = min(sub.d_model, sub.d_hidden)  # the FFN's matrices: [d, h] and [h, d]
+            r(self.upcycle.lm_rank <= full, f"upcycle.lm_rank={self.upcycle.lm_rank}: a rank "
+              f"past min(d_model, d_hidden) = {full} of {self.model} is full rank already")
         r(all(1 <= k <= moe.n_experts for k in self.teacher_ks),
           f"teacher_ks={self.teacher_ks} must lie in [1, {moe.n_experts}] (the experts of "
           f"{where})")
