@@ -101,7 +101,6 @@ class MoEEStudyConfig(ExtractionSource):
         bad = [a for a in self.ablations if a not in ABLATIONS]
         r(not bad, f"ablations {bad} unknown; use a subset of {tuple(ABLATIONS)}")
         r(self.seeds >= 1 and self.stability_draws >= 1, "seeds and stability_draws must be >= 1")
-        r(self.record_rows >= 1 and self.eval_rows >= 0, "record_rows >= 1, eval_rows >= 0")
         width = self.ffn_width()
         r(self.moefication_experts >= 1 and width % self.moefication_experts == 0,
           f"moefication_experts={self.moefication_experts} must divide the FFN width {width} "
