@@ -156,6 +156,13 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
             a for a in TINY if a.startswith("n_prompts="))[10:])
     assert len(each) == len(rows) * n_prompts and all(float(r["seconds"]) > 0 for r in each)
     assert [r["expert_path"] for r in rows[:4]] == ["dense", "jnp loop", "dense", "jnp loop"]
+    # the sparse path's gain is over the dense verification of the same draft only: the other
+    # drafts verify chunk-sparse only, so theirs is blank (not their acceptance over another's)
+    assert float(rows[3]["sparse_gain"]) == pytest.approx(
+        float(rows[3]["tokens_per_s"]) / float(rows[2]["tokens_per_s"]), rel=1e-3)
+    assert rows[4]["sparse_gain"] == "" and float(rows[4]["gain_bound"]) > 1
+    assert float(rows[1]["sparse_gain"]) == pytest.approx(
+        float(rows[1]["tokens_per_s"]) / float(rows[0]["tokens_per_s"]), rel=1e-3)
     assert all(float(r["kernels_per_token"]) == pytest.approx(2.0) for r in rows)  # 12 / 6
     top = list(csv.DictReader(open(run.path / "token_kernels_grown.csv")))
     assert [(t["mode"], t["kernel"]) for t in top[:4]] == [

@@ -263,8 +263,11 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: l
     for r in mine:
         r["speedup_vs_AR_token_sparse"] = r["tokens_per_s"] / ar_sparse["tokens_per_s"]
         if r["ffn_fraction_bound"] < 1:  # the sparse path against the dense one, same decoding
-            dense = [x for x in mine if x["draft_len"] == r["draft_len"] and x["mode"] == (
-                "AR dense" if r["mode"].startswith("AR") else "spec dense")]
+            # (same draft and draft length: only the first draft also verifies dense, and
+            # another draft's acceptance is not the sparse path's gain)
+            dense = [x for x in mine if x["draft_len"] == r["draft_len"]
+                     and x["draft"] == r["draft"] and x["mode"] == (
+                         "AR dense" if r["mode"].startswith("AR") else "spec dense")]
             if dense:
                 r["sparse_gain"] = r["tokens_per_s"] / dense[0]["tokens_per_s"]
             r["gain_bound"] = 1 / r["ffn_fraction_bound"]  # if the FFN were all the time
@@ -413,7 +416,8 @@ DECODE_TITLE = (
     "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token,"
     " 1 - CLS per verified block; expert_path = what the target's BlockFFN layers computed a "
     "token or a verified block with on this device; sparse_gain = tokens/s over the dense "
-    "path of the same decoding, gain_bound = the paper's bound 1 / ffn_fraction_bound, "
+    "path of the same decoding, same draft and draft length (blank for the drafts verified "
+    "chunk-sparse only), gain_bound = the paper's bound 1 / ffn_fraction_bound, "
     "reached only if the experts were all the time; on a GPU or TPU, kernels_per_token and "
     "device_busy from one profiled decode: the device's kernels per generated token and their"
     " time over the wall time)")
