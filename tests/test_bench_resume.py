@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.bench.resume import MeasurementStore, device_basis, jsonable, weights_fingerprint
+import moejax
+from moejax.bench.resume import (
+    MeasurementStore,
+    device_basis,
+    jsonable,
+    source_fingerprint,
+    weights_fingerprint,
+)
 
 BASIS = {"config": {"n": 4, "dims": (2, 3)}, "device": {"platform": "cpu"}}
 
@@ -47,13 +54,14 @@ def test_a_damaged_or_edited_file_is_set_aside(tmp_path, damage, why):
     assert MeasurementStore(path, BASIS).entries == {"b": 1} and aside.read_bytes() == foreign
 
 
-def test_another_config_device_or_weights_is_measured_again(tmp_path):
+def test_another_config_device_code_or_weights_is_measured_again(tmp_path):
     path = tmp_path / "m.json"
     MeasurementStore(path, BASIS).put("a", 1)
     for other in ({**BASIS, "config": {"n": 5, "dims": (2, 3)}},
-                  {**BASIS, "device": {"platform": "gpu"}}, {**BASIS, "weights": "0a1b2c3d"}):
+                  {**BASIS, "device": {"platform": "gpu"}}, {**BASIS, "weights": "0a1b2c3d"},
+                  {**BASIS, "code": "1f2e3d4c"}):
         store = MeasurementStore(path, other)
-        assert store.entries == {} and "another config, device or weights" in store.dropped
+        assert store.entries == {} and "another config, device, code or weights" in store.dropped
     assert MeasurementStore(path, BASIS).entries == {"a": 1}  # the file was not rewritten
 
 
@@ -71,6 +79,31 @@ def test_the_device_basis_names_the_flags_and_kernel_table_a_lowering_reads(tmp_
     empty = device_basis()["kernel_table"]
     table.write_text('{"NVIDIA H200": {}}')
     assert device_basis()["kernel_table"] not in {"none", empty}
+
+
+def test_the_basis_changes_with_the_source_a_time_was_measured_with(tmp_path, monkeypatch):
+    """moejax's source is in the device basis, and a package's fingerprint sees every file
+    under it (by its path in the package), a module's its own file."""
+    assert device_basis()["moejax"] == source_fingerprint(moejax)
+    pkg = tmp_path / "bench_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "timing.py").write_text("N = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "decode.py").write_text("M = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import bench_pkg
+    import bench_pkg.timing
+
+    whole, module = source_fingerprint(bench_pkg), source_fingerprint(bench_pkg.timing)
+    assert whole != module and source_fingerprint(bench_pkg) == whole
+    (pkg / "sub" / "decode.py").write_text("M = 3\n")  # a file below the package's own
+    assert source_fingerprint(bench_pkg) != whole
+    assert source_fingerprint(bench_pkg.timing) == module
+    (pkg / "sub" / "decode.py").rename(pkg / "sub" / "decode2.py")  # the same bytes, renamed
+    renamed = source_fingerprint(bench_pkg)
+    (pkg / "sub" / "decode2.py").rename(pkg / "sub" / "decode.py")
+    assert renamed != source_fingerprint(bench_pkg)
 
 
 def test_weights_fingerprint_sees_every_weight_and_its_dtype():

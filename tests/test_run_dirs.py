@@ -334,7 +334,8 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
     """The study's interrupted run of another config is a resume (the training loop judges
     its checkpoints); its finished run of another config needs overwrite, or resume=force;
     overwrite deletes the results (``seed_<i>/``, never another folder of that prefix nor a
-    linked one) and keeps the rest; an unreadable record is not rewritten by a state mark."""
+    linked one; a benchmark's kept measurements, not a file set aside) and keeps the rest; an
+    unreadable record is not rewritten by a state mark."""
     from moejax.harness.run_record import claim_run_dir, clear_results, mark_run_state
 
     out = tmp_path / "run"
@@ -355,10 +356,12 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
         (out / name).mkdir()
     (out / "seed_1").symlink_to(elsewhere)
     (out / "notes.txt").write_text("mine")
+    for name in ("measured_grown.json", "measured.json.foreign"):  # a bench's kept timings
+        (out / name).write_text("{}")
     removed = clear_results(out)
-    assert removed == ["run.json", "seed_0"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "notes.txt", "seed_",
-                                                     "seed_1", "seed_x"]
+    assert removed == ["measured_grown.json", "run.json", "seed_0"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "measured.json.foreign",
+                                                     "notes.txt", "seed_", "seed_1", "seed_x"]
     assert (elsewhere / "kept.csv").read_text() == "x\n1\n"
     (out / "run.json").write_text("{cut")
     mark_run_state(out, "interrupted")

@@ -188,8 +188,8 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     """A run cut short (a GPU command's time limit) leaves every decoding timed before it;
     the same command again restores the trained target and draft and the distilled draft
     from their checkpoints (no training step, the same validation perplexity), times only
-    the decodings still missing, and finishes the table; under another config every
-    decoding is timed again. It decodes
+    the decodings still missing, and finishes the table; a run that replaces it
+    (``overwrite=true``) times every decoding again. It decodes
     in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
@@ -234,9 +234,9 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert float(rows[0]["tokens_matching_AR"]) == 1.0
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
     assert "decoded in bfloat16" in (tmp_path / "b" / "summary.md").read_text()
-    timed.clear()  # a decode key changed: the measurements kept are not reused
-    run_experiment(mod.STUDY.name, mod.make_config, mod.run,  # another config: overwrite
-                   [*args, "profile_top=3", "overwrite=true"], out=tmp_path / "b")
+    timed.clear()  # the finished run replaced: its measurements go with it, not reused
+    run_experiment(mod.STUDY.name, mod.make_config, mod.run, [*args, "overwrite=true"],
+                   out=tmp_path / "b")
     assert len(timed) == 5 and steps == []
     assert "decodings were timed by an earlier" not in (tmp_path / "b" / "summary.md").read_text()
 

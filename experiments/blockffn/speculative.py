@@ -50,6 +50,7 @@ at draft length 4, the wide ones also with command buffers, or the full preset c
 
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 import jax
@@ -67,7 +68,12 @@ from moejax.bench.decode_timing import (
     spec_chunk_sparsity,
 )
 from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
-from moejax.bench.resume import MeasurementStore, device_basis, weights_fingerprint
+from moejax.bench.resume import (
+    MeasurementStore,
+    device_basis,
+    source_fingerprint,
+    weights_fingerprint,
+)
 from moejax.chunk_sparse.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.config import Config, config, to_dict
 from moejax.harness.results import RunDir
@@ -207,14 +213,15 @@ def _modes(target, drafts, cfg):
 def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: list):
     """Time every decoding of ``target`` into ``rows``. The table is rewritten after each
     row, and each decoding is kept in ``measured_<name>.json`` (:class:`moejax.bench.resume.
-    MeasurementStore`, under the config, the device and the models' weights), so the same
+    MeasurementStore`, under the config, the device, the code and the models' weights), so the same
     command again after a time limit times only the decodings still missing. Each prompt's
     own wall time goes to ``prompt_rows`` (the ``decode_prompts`` table: what the speed claim
     pairs by prompt)."""
     if cfg.decode_dtype != "float32":  # the drafts are cast once, in run()
         target = with_dtype(target, cfg.decode_dtype)
     store = MeasurementStore(run.path / f"measured_{name}.json", {
-        "config": to_dict(cfg), "device": device_basis(), "target": weights_fingerprint(target),
+        "config": to_dict(cfg), "device": device_basis(),
+        "code": source_fingerprint(sys.modules[__name__]), "target": weights_fingerprint(target),
         "drafts": {k: weights_fingerprint(d) for k, d in drafts.items()}})
     if store.dropped:
         print(f"bench_speculative: {store.dropped}", flush=True)

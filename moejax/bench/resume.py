@@ -2,18 +2,22 @@
 GPU command's time limit stopped it) measures only what is still missing.
 
     store = MeasurementStore(run.path / "measured.json", basis={"config": to_dict(cfg),
-                             "device": device_basis(), "weights": weights_fingerprint(m)})
+                             "device": device_basis(), "code": source_fingerprint(study),
+                             "weights": weights_fingerprint(m)})
     row = store.get("AR dense")
     if row is None:
         row = store.put("AR dense", measure())
 
 A stored measurement is reused only under the same ``basis``: what it was measured from and
-on (the run's config, the device, jax, ``XLA_FLAGS`` and the kernel table, the models'
-weights). A file measured
+on (the run's config, the device, jax, ``XLA_FLAGS``, the kernel table and moejax's source,
+the benchmark's own source, the models' weights): a time taken before the code changed is
+never reported as the changed code's. A file measured
 under another basis, or one that cannot be read back as the store's JSON, is set aside
 (:attr:`MeasurementStore.dropped` says why) and everything is measured again. Each
 :meth:`~MeasurementStore.put` rewrites the file atomically, so a command killed mid-write
-leaves the measurements before it.
+leaves the measurements before it. A run's stores are named ``measured*.json``, which
+``overwrite=true`` deletes with the run's other results
+(:func:`moejax.harness.run_record.clear_results`).
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ import os
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+import moejax
 from moejax.files import atomic_write_text
 from moejax.integrity import array_checksum, json_checksum
 from moejax.kernels.tuning import table_files
 from moejax.pytree import named_leaves
 
-__all__ = ["MeasurementStore", "device_basis", "weights_fingerprint", "jsonable"]
+__all__ = ["MeasurementStore", "device_basis", "source_fingerprint", "weights_fingerprint",
+           "jsonable"]
 
 _FORMAT = 1
 
@@ -55,10 +62,24 @@ def jsonable(value: Any) -> Any:
     raise TypeError(f"a measurement holds a {type(value).__name__}, which JSON cannot keep")
 
 
+def source_fingerprint(*modules: ModuleType) -> str:
+    """One checksum of the Python source of ``modules``: a package's every ``.py`` file under
+    its folder (by path within it), a module's own file."""
+    crc = 0
+    for module in modules:
+        path = Path(module.__file__)
+        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+        for f in files:
+            name = f"{module.__name__}/{f.relative_to(path.parent).as_posix()}"
+            crc = zlib.crc32(f.read_bytes(), zlib.crc32(name.encode(), crc))
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
 def device_basis() -> dict:
     """The device and software a measurement was taken on: platform, device kind and count,
-    jax version, ``XLA_FLAGS`` and the kernel tables the lowerings read
-    (:func:`moejax.kernels.tuning.table_files`, by one checksum of their names and bytes)."""
+    jax version, ``XLA_FLAGS``, the kernel tables the lowerings read
+    (:func:`moejax.kernels.tuning.table_files`, by one checksum of their names and bytes) and
+    moejax's source (:func:`source_fingerprint`)."""
     devs = jax.devices()
     tables = [p for p in table_files() if p.is_file()]
     crc = 0
@@ -67,7 +88,8 @@ def device_basis() -> dict:
     return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
             "devices": len(devs), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "kernel_table": f"{crc & 0xFFFFFFFF:08x}" if tables else "none"}
+            "kernel_table": f"{crc & 0xFFFFFFFF:08x}" if tables else "none",
+            "moejax": source_fingerprint(moejax)}
 
 
 def weights_fingerprint(tree) -> str:
@@ -103,7 +125,7 @@ class MeasurementStore:
             self.dropped = (f"{self.path} is not a measurement store it wrote: moved to "
                             f"{self._set_aside()}; measuring again")
         elif data.get("basis") != self.basis:
-            self.dropped = (f"{self.path} was measured under another config, device or "
+            self.dropped = (f"{self.path} was measured under another config, device, code or "
                             "weights: measuring again")
         else:
             self.entries = data["entries"]

@@ -32,6 +32,9 @@ __all__ = ["machine_info", "write_run_record", "config_hash", "read_run_record",
 
 RUN_STATES = ("running", "finished", "interrupted")
 RESULT_SUFFIXES = (".csv", ".md", ".png")  # what a run writes beside run.json and config.json
+# a benchmark's kept measurements (moejax.bench.resume.MeasurementStore): results too, so a
+# run that replaces this one measures everything again
+MEASUREMENT_FILES = "measured*.json"
 
 
 class RunOwnerError(ValueError):
@@ -89,8 +92,8 @@ def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash
         who = _entry(old.get("study", "?"), old.get("variant", ""))
         what = (f"an unreadable run.json ({old['unreadable']})" if "unreadable" in old else
                 f"a {old.get('state')} run of {who}")
-        fix = ("choose another out=, or add overwrite=true to replace it (its tables, seed runs "
-               "and plots are deleted first; checkpoints are kept)")
+        fix = ("choose another out=, or add overwrite=true to replace it (its tables, seed runs, "
+               "plots and measurements are deleted first; checkpoints are kept)")
         if "unreadable" in old or (old.get("study"), old.get("variant", "")) != (study, variant):
             raise RunOwnerError(f"out={path} holds {what}; {fix}")
         if old["state"] == "finished" and old.get("config_hash") != cfg_hash and not resume_force:
@@ -118,16 +121,18 @@ def mark_run_state(path: str | os.PathLike, state: str) -> None:
 
 def clear_results(path: str | os.PathLike) -> list[str]:
     """Delete what a run reports in ``path``: its record, summary, tables, notes and plots
-    (``run.json`` and the ``*.csv``, ``*.md``, ``*.png`` beside it) and its seed runs
-    (``seed_<i>/``). Checkpoints, caches and anything else stay (a trained model is reused
-    when its config allows, :mod:`moejax.train.loop`). Returns the names removed."""
+    (``run.json`` and the ``*.csv``, ``*.md``, ``*.png`` beside it), its kept measurements
+    (:data:`MEASUREMENT_FILES`) and its seed runs (``seed_<i>/``). Checkpoints, caches and
+    anything else stay (a trained model is reused when its config allows,
+    :mod:`moejax.train.loop`). Returns the names removed."""
     path, removed = Path(path), []
     for entry in sorted(path.iterdir()) if path.is_dir() else []:
         name = entry.name
         if entry.is_dir() and not entry.is_symlink() and name.startswith("seed_") \
                 and name[5:].isdigit():
             shutil.rmtree(entry)
-        elif entry.is_file() and (name == "run.json" or entry.suffix in RESULT_SUFFIXES):
+        elif entry.is_file() and (name == "run.json" or entry.suffix in RESULT_SUFFIXES
+                                  or entry.match(MEASUREMENT_FILES)):
             entry.unlink()
         else:
             continue
