@@ -35,6 +35,19 @@ def test_the_largest_trained_model_and_its_training_tokens_are_measured():
     assert scale.params == n_big
 
 
+def test_a_run_restored_finished_from_its_checkpoints_counts_as_it_ran(tmp_path):
+    """A rerun in the same directory trains nothing (its checkpoint is the finished run) and
+    reports the scale the first run did, not "no model trained"."""
+    runs = []
+    for _ in range(2):
+        with measure_scale() as scale:
+            hist = train(TinyMoELM(nnx.Rngs(0), d=8), ToySource(batch_size=4, seq_len=16),
+                         CFG, run_dir=str(tmp_path / "run"), progress=False)
+        runs.append((len(hist), scale.params, scale.tokens, scale.runs))
+    assert runs[0][0] == 3 and runs[1][0] == 0  # the second restored, nothing trained
+    assert runs[1][1:] == runs[0][1:] and runs[0][2:] == (3 * 4 * 16, 1)
+
+
 def test_nothing_trained_gives_no_scale():
     with measure_scale() as scale:
         jax.monitoring.record_scalar(TOKENS_PER_STEP, 10.0)  # no run started: ignored

@@ -319,6 +319,8 @@ class _Run:
                 self._evaluate(self.start)  # its evaluation failed after its checkpoint
                 if self.best is not None:  # on disk before eval.csv says it ran
                     self.best.save(self.state)
+            if self.start == cfg.steps > 0:  # restored finished: its size, as when it ran
+                record_scale(self.state.params, local_batch(self.source, 0), cfg.steps)
             for step in range(self.start, end):
                 self._step(step)
                 if ctrl_c.pressed:

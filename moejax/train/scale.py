@@ -4,7 +4,8 @@ trained on.
 
 The loop records ``/moejax/train/params``, ``/moejax/train/tokens_per_step`` (or
 ``/moejax/train/rows_per_step``) and ``/moejax/train/steps`` as :mod:`jax.monitoring`
-scalars when a run starts
+scalars when a run starts, or when it is restored finished from its own checkpoints (a
+rerun in the same directory reports the scale its first run did)
 (:func:`moejax.train.loop.train`); :func:`measure_scale` listens while a study runs, so a
 verdict can state the scale it was reached at beside the paper's. Models a study loads
 already trained (a cached substrate) or trains outside the loop are not counted.
