@@ -62,17 +62,24 @@ def jsonable(value: Any) -> Any:
     raise TypeError(f"a measurement holds a {type(value).__name__}, which JSON cannot keep")
 
 
+def _files_checksum(named_files) -> str:
+    """One CRC-32 of ``(name, path)`` pairs: each name, then its file's bytes, in order."""
+    crc = 0
+    for name, path in named_files:
+        crc = zlib.crc32(path.read_bytes(), zlib.crc32(name.encode(), crc))
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
 def source_fingerprint(*modules: ModuleType) -> str:
     """One checksum of the Python source of ``modules``: a package's every ``.py`` file under
     its folder (by path within it), a module's own file."""
-    crc = 0
+    named = []
     for module in modules:
         path = Path(module.__file__)
         files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-        for f in files:
-            name = f"{module.__name__}/{f.relative_to(path.parent).as_posix()}"
-            crc = zlib.crc32(f.read_bytes(), zlib.crc32(name.encode(), crc))
-    return f"{crc & 0xFFFFFFFF:08x}"
+        named += [(f"{module.__name__}/{f.relative_to(path.parent).as_posix()}", f)
+                  for f in files]
+    return _files_checksum(named)
 
 
 def device_basis() -> dict:
@@ -82,13 +89,10 @@ def device_basis() -> dict:
     moejax's source (:func:`source_fingerprint`)."""
     devs = jax.devices()
     tables = [p for p in table_files() if p.is_file()]
-    crc = 0
-    for p in tables:
-        crc = zlib.crc32(p.read_bytes(), zlib.crc32(p.name.encode(), crc))
     return {"platform": devs[0].platform, "device_kind": devs[0].device_kind,
             "devices": len(devs), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "kernel_table": f"{crc & 0xFFFFFFFF:08x}" if tables else "none",
+            "kernel_table": _files_checksum((p.name, p) for p in tables) if tables else "none",
             "moejax": source_fingerprint(moejax)}
 
 
