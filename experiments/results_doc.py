@@ -24,7 +24,10 @@ being rerun) keeps its section and its tables from the document being replaced, 
 carried over: each such section still names the command, date and machine of the run it came
 from. Its claims are judged again by the study's current rules on the tables carried with it
 (a repeated run's seed runs' tables are carried too); where those tables are not all there,
-its claims stay as its run judged them, and the document says which. A study never
+its claims stay as its run judged them, and the document says which. The columns a study
+derives from what it measured (its module's ``derived_tables``, e.g. a ratio of two measured
+speeds) are computed again by today's rule too, in the carried tables and the section's inline
+ones, and the document names the sections where a cell changed. A study never
 documented is listed as not run, as is a carried-over one named in ``forget=`` (its run no
 longer describes the code, or holds a row that does not stand: it goes until a new run
 brings it back).
@@ -53,7 +56,12 @@ from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.harness.run_record import machine_info, read_run_record
-from moejax.harness.tables import read_csv_rows
+from moejax.harness.tables import (
+    changed_cells,
+    read_csv_rows,
+    rewrite_csv_cells,
+    rewrite_markdown_cells,
+)
 from moejax.train.run_lock import is_held
 
 __all__ = ["build", "main"]
@@ -312,6 +320,32 @@ def _rejudge(study: str, section: str, folder: Path) -> tuple[str, list[Claim] |
     return section[:block.start(1)] + text + section[block.end(1):], claims
 
 
+def _rederive(study: str, section: str, folder: Path) -> tuple[str, bool]:
+    """A carried section with the columns its study derives from what it measured (the
+    module's ``derived_tables``) computed again by today's rule, in the tables carried with
+    it and in the section's inline tables (the measured cells stay, to the character); and
+    whether a cell changed. As it was where the rule cannot read the tables."""
+    fn = getattr(study_module(study), "derived_tables", None)
+    if fn is None or not folder.is_dir():
+        return section, False
+    tables = {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv"))}
+    try:
+        derived = fn(tables)
+        cells = {stem: changed_cells(tables[stem], rows, list(tables[stem][0]))
+                 for stem, rows in derived.items() if tables.get(stem)}
+    except (KeyError, ValueError, TypeError):  # a table of another layout
+        return section, False
+    for stem, changed in ((s, c) for s, c in cells.items() if c):
+        rewrite_csv_cells(folder / f"{stem}.csv", changed)
+        inline = re.search(rf"^((?:\|.*\|\n)+)\n\(\[{re.escape(stem)}\.csv\]\(", section,
+                           re.M)
+        if inline and inline.group(1).count("\n") == len(tables[stem]) + 2:
+            section = (section[:inline.start(1)] + rewrite_markdown_cells(inline.group(1),
+                                                                          changed)
+                       + section[inline.end(1):])
+    return section, any(cells.values())
+
+
 def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     """The document at ``out`` (if any): its sections by study name, and its claims-overview
     rows by study name."""
@@ -351,7 +385,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         (fresh / ASSETS_MARKER).write_text("written by python -m experiments.results_doc; "
                                            "replaced whole on every rebuild\n")
         sections, overview, missing, running, carried = [], [], [], [], []
-        rejudged, kept = [], []
+        rejudged, kept, rederived = [], [], []
         for name, study, variant in entries(REGISTRY, accelerator):
             path = runs.get(name)
             held = path is not None and is_held(path)
@@ -362,7 +396,10 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                     folder = assets / run_dirname(study, variant)
                     if folder.is_dir():
                         shutil.copytree(folder, fresh / folder.name)
-                    text, claims = _rejudge(study, old_sections[name], fresh / folder.name)
+                    text, redone = _rederive(study, old_sections[name], fresh / folder.name)
+                    text, claims = _rejudge(study, text, fresh / folder.name)
+                    if redone:
+                        rederived.append(name)
                     sections.append(text)
                     overview += ([f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
                                  if claims is not None else old_rows.get(name, []))
@@ -390,6 +427,9 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         if rejudged:
             head += ["Their claims judged again by today's claim rules on the tables carried "
                      f"with them: {', '.join(rejudged)}.", ""]
+        if rederived:
+            head += ["Their columns derived from what was measured computed again by today's "
+                     f"rules, in their tables: {', '.join(rederived)}.", ""]
         if kept:
             head += ["Their claims as their runs judged them (the tables that would judge them "
                      f"again were not carried: rerun them): {', '.join(kept)}.", ""]

@@ -279,6 +279,54 @@ def test_a_carried_section_is_judged_again_by_todays_rules_on_its_own_tables(tmp
            "carried: rerun them): blockffn_granularity." in kept
 
 
+def _study_with_a_ratio(cfg, run: RunDir) -> dict:
+    run.table("granularity", [{"n_experts": 4, "val_ppl": 9.0, "gain": 1.0},
+                              {"n_experts": 8, "val_ppl": 8.0, "gain": 1.5},  # 9 / 8 = 1.125
+                              {"n_experts": 16, "val_ppl": 7.5, "gain": ""}])
+    return {"headline": "a table with a derived column"}
+
+
+def test_a_carried_section_has_the_columns_it_derives_computed_again(tmp_path, monkeypatch):
+    """A carried section's derived columns (its study module's ``derived_tables``) are
+    computed again by today's rule, in its CSV and its inline table, every measured cell kept
+    to the character, and the document names it; a rule that cannot read the tables, or that
+    changes nothing, leaves the section as it was."""
+    from moejax.train.hparams import TrainConfig
+
+    out = tmp_path / "runs" / "blockffn_granularity"
+    run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0),
+                   _study_with_a_ratio, ["preset=quick"], out=out, seed_keys=("seed",),
+                   claims=blockffn_granularity.claims)
+    monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
+    doc_path = tmp_path / "docs" / "results.md"
+    table = tmp_path / "docs" / "results" / "blockffn_granularity" / "granularity.csv"
+    first = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "| 4 | 9 | 1 |\n| 8 | 8 | 1.5 |\n| 16 | 7.5 |  |\n" in first
+    shutil.rmtree(out)  # carried from now on
+
+    def unreadable(tables):
+        raise KeyError("a column today's rule needs")
+
+    monkeypatch.setattr(blockffn_granularity, "derived_tables", unreadable, raising=False)
+    kept = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "| 8 | 8 | 1.5 |" in kept and "derived from what was measured" not in kept
+
+    def today(tables):  # the gain over N=4's perplexity
+        rows = tables["granularity"]
+        return {"granularity": [{**r, "gain": rows[0]["val_ppl"] / r["val_ppl"]}
+                                for r in rows]}
+
+    monkeypatch.setattr(blockffn_granularity, "derived_tables", today, raising=False)
+    again = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "| 4 | 9 | 1 |\n| 8 | 8 | 1.125 |\n| 16 | 7.5 | 1.2 |\n" in again
+    assert table.read_text().splitlines() == ["n_experts,val_ppl,gain", "4,9.0,1.0",
+                                              "8,8.0,1.125", "16,7.5,1.2"]
+    assert ("Their columns derived from what was measured computed again by today's rules, "
+            "in their tables: blockffn_granularity.") in again
+    third = results_doc.build(tmp_path / "runs", doc_path).read_text()
+    assert "| 8 | 8 | 1.125 |" in third and "derived from what was measured" not in third
+
+
 def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path,
                                                                        monkeypatch):
     """forget=: a carried-over section (its run gone) is left out and named as not run, and

@@ -443,3 +443,36 @@ def test_serving_claims_judge_only_the_100m_models_and_each_settings_own_prompt_
     assert "the best of 2" in over_ar.evidence  # the two draft lengths, not the small model
     assert over_dense.verdict == "holds" and "2.00x at n = 4" in over_dense.evidence, over_dense
     assert "97.5% CI" not in over_dense.evidence  # one pair: the small model's is not counted
+
+
+def test_the_ratios_are_derived_again_from_a_table_read_back():
+    """ratio_columns on the decode table as a results document reads it back (floats and
+    blank cells): a chunk-sparse row's sparse_gain is over the dense decoding of its own draft
+    only, a stale ratio over another draft's is blanked, and the rule gives a run's own rows
+    what it gave them (the results document recomputes nothing that stands)."""
+    from experiments.blockffn.speculative import derived_tables, ratio_columns
+    from moejax.harness.tables import changed_cells
+
+    def row(mode, draft, n, tps, bound, **stale):
+        return {"model": "grown", "mode": mode, "draft": draft, "draft_len": n,
+                "tokens_per_s": tps, "ffn_fraction_bound": bound, **stale}
+
+    read_back = [row("AR dense", "", "", 100.0, 1.0, speedup_vs_AR_token_sparse=0.8),
+                 row("AR token-sparse", "", "", 125.0, 0.2, sparse_gain=1.25),
+                 row("spec dense", "independent", 4.0, 150.0, 1.0),
+                 row("spec chunk-sparse", "independent", 4.0, 300.0, 0.25, sparse_gain=2.0),
+                 row("spec chunk-sparse", "distilled", 4.0, 450.0, 0.25, sparse_gain=3.0)]
+    out = ratio_columns(read_back)
+    assert [r.get("sparse_gain", "") for r in out] == ["", 1.25, "", 2.0, ""]
+    assert [r.get("gain_bound", "") for r in out] == ["", 5.0, "", 4.0, 4.0]
+    assert [r["speedup_vs_AR_token_sparse"] for r in out] == [0.8, 1.0, 1.2, 2.4, 3.6]
+    assert read_back[4]["sparse_gain"] == 3.0  # the rows given are not changed
+    cols = ["sparse_gain", "gain_bound", "speedup_vs_AR_token_sparse"]
+    assert changed_cells(read_back, out, cols) == {
+        (1, "gain_bound"): 5.0, (1, "speedup_vs_AR_token_sparse"): 1.0,
+        (2, "speedup_vs_AR_token_sparse"): 1.2, (3, "gain_bound"): 4.0,
+        (3, "speedup_vs_AR_token_sparse"): 2.4, (4, "sparse_gain"): "",
+        (4, "gain_bound"): 4.0, (4, "speedup_vs_AR_token_sparse"): 3.6}
+    assert changed_cells(out, ratio_columns(out), cols) == {}
+    assert derived_tables({"decode": read_back}) == {"decode": out}
+    assert derived_tables({"decode_prompts": []}) == {}

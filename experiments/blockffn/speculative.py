@@ -265,19 +265,41 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: l
         run.note(f"{name} target: {reused} of {total} decodings were timed by an earlier "
                  f"command of this run on the same device ({store.path.name}), the others by "
                  "this one.")
-    mine = [r for r in rows if r["model"] == name]
-    ar_sparse = next(r for r in mine if r["mode"] == "AR token-sparse")
-    for r in mine:
-        r["speedup_vs_AR_token_sparse"] = r["tokens_per_s"] / ar_sparse["tokens_per_s"]
-        if r["ffn_fraction_bound"] < 1:  # the sparse path against the dense one, same decoding
-            # (same draft and draft length: only the first draft also verifies dense, and
-            # another draft's acceptance is not the sparse path's gain)
+    rows[:] = ratio_columns(rows)
+
+
+RATIOS = ("speedup_vs_AR_token_sparse", "sparse_gain", "gain_bound")
+
+
+def ratio_columns(rows: list[dict]) -> list[dict]:
+    """The decode table's ``rows`` with its ratios (:data:`RATIOS`) computed from the measured
+    columns, per target: tokens/s over its AR token-sparse decoding's; ``sparse_gain``, tokens/s
+    over the dense path of the same decoding (same draft and draft length: only the first
+    draft also verifies dense, and another draft's acceptance is not the sparse path's gain),
+    absent where that decoding was not timed dense; ``gain_bound`` = 1 / ffn_fraction_bound
+    (what the sparse path would gain if the experts were all the time). Reads rows as a run
+    writes them or as :func:`moejax.harness.tables.read_csv_rows` reads them back."""
+    out = [{k: v for k, v in r.items() if k not in RATIOS} for r in rows]
+    for r in out:
+        mine = [x for x in out if x["model"] == r["model"]]
+        ar_sparse = [x for x in mine if x["mode"] == "AR token-sparse"]
+        if ar_sparse:
+            r["speedup_vs_AR_token_sparse"] = (float(r["tokens_per_s"])
+                                               / float(ar_sparse[0]["tokens_per_s"]))
+        if float(r["ffn_fraction_bound"]) < 1:  # the sparse path against the dense one
             dense = [x for x in mine if x["draft_len"] == r["draft_len"]
                      and x["draft"] == r["draft"] and x["mode"] == (
                          "AR dense" if r["mode"].startswith("AR") else "spec dense")]
             if dense:
-                r["sparse_gain"] = r["tokens_per_s"] / dense[0]["tokens_per_s"]
-            r["gain_bound"] = 1 / r["ffn_fraction_bound"]  # if the FFN were all the time
+                r["sparse_gain"] = float(r["tokens_per_s"]) / float(dense[0]["tokens_per_s"])
+            r["gain_bound"] = 1 / float(r["ffn_fraction_bound"])
+    return out
+
+
+def derived_tables(tables: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The tables whose columns this benchmark derives from what it measured, derived again
+    (:func:`ratio_columns`): a results document recomputes them in a carried section."""
+    return {"decode": ratio_columns(tables["decode"])} if tables.get("decode") else {}
 
 
 def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) -> dict:

@@ -1,11 +1,13 @@
 """Result tables as rows of dicts: markdown and CSV round trips (:func:`markdown_table`,
-:func:`read_csv_rows`, :func:`read_tables`), and statistics over seeds (:func:`seed_summary`:
-per-seed rows collapsed to mean and sample std; :func:`merge_seed_tables`: one table per seed
-run merged the same way)."""
+:func:`read_csv_rows`, :func:`read_tables`; :func:`changed_cells`, :func:`rewrite_csv_cells`
+and :func:`rewrite_markdown_cells` to write again only the cells a rule recomputes), and
+statistics over seeds (:func:`seed_summary`: per-seed rows collapsed to mean and sample std;
+:func:`merge_seed_tables`: one table per seed run merged the same way)."""
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -14,8 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from moejax.files import atomic_write_text
+
 __all__ = ["format_value", "seed_summary", "mean_std", "read_csv_rows", "merge_seed_tables",
-           "nan_in_some_runs", "markdown_table", "read_tables", "csv_value", "columns_of"]
+           "nan_in_some_runs", "markdown_table", "read_tables", "csv_value", "columns_of",
+           "changed_cells", "rewrite_csv_cells", "rewrite_markdown_cells"]
 
 
 def format_value(v: Any, floatfmt: str = ".4g") -> str:
@@ -175,3 +180,50 @@ def csv_value(v):
     if isinstance(v, float):
         return repr(v)
     return v
+
+
+def changed_cells(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
+                  columns: Sequence[str]) -> dict[tuple[int, str], Any]:
+    """The cells of ``columns`` where ``new`` differs from ``old`` (the same rows, in the same
+    order), ``{(row, column): new value}`` (``""`` where ``new`` has none); two numbers equal
+    to 12 significant digits are the same cell."""
+    if len(old) != len(new):
+        raise ValueError(f"{len(new)} rows derived from a table of {len(old)}")
+    out = {}
+    for i, (a, b) in enumerate(zip(old, new)):
+        for c in columns:
+            x, y = a.get(c, ""), b.get(c, "")
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                          for v in (x, y))
+            if not (x == y or (numbers and (math.isclose(x, y, rel_tol=1e-12)
+                                            or (_isnan(x) and _isnan(y))))):
+                out[(i, c)] = y
+    return out
+
+
+def rewrite_csv_cells(path: str | os.PathLike, cells: Mapping[tuple[int, str], Any]) -> None:
+    """Replace ``cells`` (``{(row, column): value}``) of the CSV at ``path`` (atomically; the
+    other cells stay as written, to the character)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        cols, rows = list(reader.fieldnames or ()), list(reader)
+    for (i, c), v in cells.items():
+        rows[i][c] = csv_value(v)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=cols)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def rewrite_markdown_cells(md: str, cells: Mapping[tuple[int, str], Any],
+                           floatfmt: str = ".4g") -> str:
+    """``md``, a table as :func:`markdown_table` writes it (a header, its rule and a line per
+    row), with ``cells`` (``{(row, column): value}``) written again; the other cells stay as
+    they were."""
+    lines = md.rstrip("\n").split("\n")
+    cols = lines[0][2:-2].split(" | ")
+    rows = [line[2:-2].split(" | ") for line in lines[2:]]
+    for (i, c), v in cells.items():
+        rows[i][cols.index(c)] = format_value(v, floatfmt)
+    return "\n".join(lines[:2] + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
