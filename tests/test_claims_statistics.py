@@ -146,3 +146,15 @@ def test_an_orientation_other_than_higher_or_lower_is_refused():
         for bad in ("greater", "Higher", ""):
             with pytest.raises(ValueError, match=f"better='{bad}'; use 'higher' or 'lower'"):
                 call(bad)
+
+
+def test_an_interval_end_that_decides_the_verdict_is_never_printed_as_zero():
+    """A coarse format would print a small positive lower end (the verdict: holds) as 0.0; it
+    is printed to two significant digits instead, on either side of zero, and an end the
+    format shows as it is stays in that format."""
+    held = threshold_claim("x", [98.5, 98.05, 99.0, 98.2, 98.8], 98.0, fmt=".1f")
+    assert held.verdict == "holds" and "95% CI [0.016, 1.0]" in held.evidence
+    failed = threshold_claim("x", [97.5, 97.95, 97.0, 97.8, 97.2], 98.0, fmt="+.1f")
+    assert failed.verdict == "does not hold" and "95% CI [-1.0, -0.016]" in failed.evidence
+    wide = threshold_claim("x", [98.6, 98.1, 99.0, 98.2, 98.8], 98.0, fmt=".1f")
+    assert "95% CI [0.1, 1.0]" in wide.evidence

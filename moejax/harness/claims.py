@@ -205,8 +205,18 @@ def _one(row: Mapping[str, Any], fmt: str,
         return False, text + ", equal in every seed"
     half = t_critical(n - 1, alpha) * sd / math.sqrt(n)
     lo, hi = mean - half, mean + half
-    text += f", {100 * (1 - alpha):.4g}% CI [{format(lo, fmt)}, {format(hi, fmt)}]"
+    text += f", {100 * (1 - alpha):.4g}% CI [{_bound(lo, fmt)}, {_bound(hi, fmt)}]"
     return (True if lo > 0 else False if hi < 0 else None), text
+
+
+def _bound(x: float, fmt: str) -> str:
+    """An interval's end in ``fmt``, or to two significant digits where ``fmt`` would print a
+    nonzero end as zero: the side of zero the verdict reads must show ("[0.0025, 1.0]", not
+    "[0.0, 1.0]" beside "holds")."""
+    text = format(x, fmt)
+    if x == 0 or float(text) != 0:
+        return text
+    return format(x, "+.2g" if fmt.startswith("+") else ".2g")
 
 
 def paired_claim(claim: str, rows: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
