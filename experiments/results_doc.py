@@ -27,7 +27,7 @@ from. Its claims are judged again by the study's current rules on the tables car
 its claims stay as its run judged them, and the document says which. The columns a study
 derives from what it measured (its module's ``derived_tables``, e.g. a ratio of two measured
 speeds) are computed again by today's rule too, in the carried tables and the section's inline
-ones, and the document names the sections where a cell changed. A study never
+ones, and the document names those sections. A study never
 documented is listed as not run, as is a carried-over one named in ``forget=`` (its run no
 longer describes the code, or holds a row that does not stand: it goes until a new run
 brings it back).
@@ -324,7 +324,8 @@ def _rederive(study: str, section: str, folder: Path) -> tuple[str, bool]:
     """A carried section with the columns its study derives from what it measured (the
     module's ``derived_tables``) computed again by today's rule, in the tables carried with
     it and in the section's inline tables (the measured cells stay, to the character); and
-    whether a cell changed. As it was where the rule cannot read the tables."""
+    whether the rule was applied (False: the section as it was, the rule cannot read its
+    tables)."""
     fn = getattr(study_module(study), "derived_tables", None)
     if fn is None or not folder.is_dir():
         return section, False
@@ -343,7 +344,7 @@ def _rederive(study: str, section: str, folder: Path) -> tuple[str, bool]:
             section = (section[:inline.start(1)] + rewrite_markdown_cells(inline.group(1),
                                                                           changed)
                        + section[inline.end(1):])
-    return section, any(cells.values())
+    return section, True
 
 
 def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -429,7 +430,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                      f"with them: {', '.join(rejudged)}.", ""]
         if rederived:
             head += ["Their columns derived from what was measured computed again by today's "
-                     f"rules, in their tables: {', '.join(rederived)}.", ""]
+                     f"rules: {', '.join(rederived)}.", ""]
         if kept:
             head += ["Their claims as their runs judged them (the tables that would judge them "
                      f"again were not carried: rerun them): {', '.join(kept)}.", ""]
