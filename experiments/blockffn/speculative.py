@@ -59,6 +59,13 @@ from tqdm.auto import tqdm
 
 from experiments.blockffn.common import PAPER_SCALE, blockffn_changes
 from experiments.blockffn.speculative_claims import claims
+from experiments.blockffn.speculative_tables import (  # derived_tables: read by results_doc
+    DECODE_TITLE,
+    best_notes,
+    decode_table,
+    derived_tables,  # noqa: F401
+    ratio_columns,
+)
 from moejax.bench.decode_timing import (
     blockffn_path,
     decode_timing,
@@ -268,40 +275,6 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: l
     rows[:] = ratio_columns(rows)
 
 
-RATIOS = ("speedup_vs_AR_token_sparse", "sparse_gain", "gain_bound")
-
-
-def ratio_columns(rows: list[dict]) -> list[dict]:
-    """The decode table's ``rows`` with its ratios (:data:`RATIOS`) computed from the measured
-    columns, per target: tokens/s over its AR token-sparse decoding's; ``sparse_gain``, tokens/s
-    over the dense path of the same decoding (same draft and draft length: only the first
-    draft also verifies dense, and another draft's acceptance is not the sparse path's gain),
-    absent where that decoding was not timed dense; ``gain_bound`` = 1 / ffn_fraction_bound
-    (what the sparse path would gain if the experts were all the time). Reads rows as a run
-    writes them or as :func:`moejax.harness.tables.read_csv_rows` reads them back."""
-    out = [{k: v for k, v in r.items() if k not in RATIOS} for r in rows]
-    for r in out:
-        mine = [x for x in out if x["model"] == r["model"]]
-        ar_sparse = [x for x in mine if x["mode"] == "AR token-sparse"]
-        if ar_sparse:
-            r["speedup_vs_AR_token_sparse"] = (float(r["tokens_per_s"])
-                                               / float(ar_sparse[0]["tokens_per_s"]))
-        if float(r["ffn_fraction_bound"]) < 1:  # the sparse path against the dense one
-            dense = [x for x in mine if x["draft_len"] == r["draft_len"]
-                     and x["draft"] == r["draft"] and x["mode"] == (
-                         "AR dense" if r["mode"].startswith("AR") else "spec dense")]
-            if dense:
-                r["sparse_gain"] = float(r["tokens_per_s"]) / float(dense[0]["tokens_per_s"])
-            r["gain_bound"] = 1 / float(r["ffn_fraction_bound"])
-    return out
-
-
-def derived_tables(tables: dict[str, list[dict]]) -> dict[str, list[dict]]:
-    """The tables whose columns this benchmark derives from what it measured, derived again
-    (:func:`ratio_columns`): a results document recomputes them in a carried section."""
-    return {"decode": ratio_columns(tables["decode"])} if tables.get("decode") else {}
-
-
 def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) -> dict:
     """One decoding timed: its table row, its longest kernels and (AR dense, the reference
     ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
@@ -401,8 +374,8 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     if cfg.grow.extra_layers:
         _bench("grown", _grown(cfg, run, target, target_ev["tls"], val), drafts, prompts, cfg,
                rows, run, prompt_rows)
-    _decode_table(run, rows)
-    best = _best_notes(run, rows)
+    decode_table(run, rows)
+    best = best_notes(run, rows)
     differ = [r for r in rows if not r["same_tokens_as_AR"]]
     if differ and cfg.decode_dtype == "float32":
         raise RuntimeError("a speculative decode differs from the autoregressive one: see "
@@ -438,58 +411,6 @@ def _grown(cfg: SpecBenchConfig, run: RunDir, target, tls: float, val):
              "acceptance is an upper estimate of what a draft of the same size would reach "
              "against a trained 100M-parameter target.")
     return big
-
-
-DECODE_TITLE = (
-    "Batch-1 greedy decoding: tokens/s, acceptance, TLS and CLS of the verified blocks "
-    "(ffn_fraction_bound = the share of expert work the sparse path needs: 1 - TLS per token,"
-    " 1 - CLS per verified block; expert_path = what the target's BlockFFN layers computed a "
-    "token or a verified block with on this device; sparse_gain = tokens/s over the dense "
-    "path of the same decoding, same draft and draft length (blank for the drafts verified "
-    "chunk-sparse only), gain_bound = the paper's bound 1 / ffn_fraction_bound, "
-    "reached only if the experts were all the time; on a GPU or TPU, kernels_per_token and "
-    "device_busy from one profiled decode: the device's kernels per generated token and their"
-    " time over the wall time)")
-
-
-def _decode_table(run: RunDir, rows: list[dict]) -> None:
-    """Every decoding's row, and per target a bar plot against AR dense and 1.5x the faster
-    AR decoding (the serving claim's bar)."""
-    run.table("decode", rows, title=DECODE_TITLE)
-    for name in ("trained", "grown"):
-        sel = [r for r in rows if r["model"] == name]
-        if not sel:
-            continue
-        labels = [r["mode"] + (f" {r['draft']} n={r['draft_len']}" if r["draft_len"] else "")
-                  for r in sel]
-        ar = {r["mode"]: r["tokens_per_s"] for r in sel if not r["draft_len"]}
-        run.bar_plot(f"tokens_per_s_{name}", labels, [r["tokens_per_s"] for r in sel],
-                     ylabel="tokens / s", title=f"Decode speed, {name} target",
-                     hlines={"AR dense": ar["AR dense"],
-                             "1.5x the faster AR": 1.5 * max(ar.values())})
-
-
-def _best_notes(run: RunDir, rows: list[dict]) -> dict:
-    """Per target and draft, the best speculative + chunk-sparse decoding as a note; the best
-    row per target."""
-    best = {}
-    for name in ("trained", "grown"):
-        for dname in dict.fromkeys(r["draft"] for r in rows if r["draft"]):
-            sel = [r for r in rows if r["model"] == name and r["draft"] == dname
-                   and r["mode"] == "spec chunk-sparse"]
-            if not sel:
-                continue
-            b = max(sel, key=lambda r: r["tokens_per_s"])
-            if name not in best or b["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = b
-            run.note(f"- {name} ({b['params'] / 1e6:.2f}M params), {dname} draft "
-                     f"(argmax agreement {b['agreement']:.3f}): best speculative + "
-                     f"chunk-sparse n={b['draft_len']}: {b['tokens_per_s']:.1f} tokens/s, "
-                     f"{b['speedup_vs_AR_dense']:.2f}x AR dense, "
-                     f"{b['speedup_vs_AR_token_sparse']:.2f}x AR token-sparse, mean accepted "
-                     f"length {b['mean_accepted_length']:.2f}, CLS_{b['draft_len'] + 1} "
-                     f"{b['CLS_block']:.3f}, expert path: {b['expert_path']}")
-    return best
 
 
 # the module docstring's variant: width 256, experts on the Hopper decode kernel's blocks
