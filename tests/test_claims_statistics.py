@@ -156,5 +156,6 @@ def test_an_interval_end_that_decides_the_verdict_is_never_printed_as_zero():
     assert held.verdict == "holds" and "95% CI [0.016, 1.0]" in held.evidence
     failed = threshold_claim("x", [97.5, 97.95, 97.0, 97.8, 97.2], 98.0, fmt="+.1f")
     assert failed.verdict == "does not hold" and "95% CI [-1.0, -0.016]" in failed.evidence
+    assert "value - 98: -0.5 +/- 0.4," in failed.evidence  # a signed format; a spread unsigned
     wide = threshold_claim("x", [98.6, 98.1, 99.0, 98.2, 98.8], 98.0, fmt=".1f")
     assert "95% CI [0.1, 1.0]" in wide.evidence

@@ -196,7 +196,8 @@ def _one(row: Mapping[str, Any], fmt: str,
     evidence (a ``1 - alpha`` interval)."""
     n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
     text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
-            f"{format(mean, fmt)} +/- {format(sd, fmt)}, wins {int(row['wins'])}/{n} seeds")
+            f"{format(mean, fmt)} +/- {format(sd, fmt.lstrip('+'))}, wins {int(row['wins'])}/{n}"
+            " seeds")  # a spread has no sign to show
     if not (math.isfinite(mean) and math.isfinite(sd)):
         return _UNMEASURED, text + ", a value is not a number: not measured"
     if n < 2:
