@@ -291,17 +291,22 @@ _CLAIMS_BLOCK = re.compile(r"^Paper claims:\n\n((?:- \*\*.*\n)+)", re.M)
 _SCALE = re.compile(r" \[scale (.*)\]$")
 
 
-def _rejudge(study: str, section: str, folder: Path) -> tuple[str, list[Claim] | None]:
+def _carried_tables(folder: Path) -> dict[str, list[dict]]:
+    """The tables carried with a section (its claims' table aside), by stem."""
+    return {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv")) if p.stem != "claims"}
+
+
+def _rejudge(study: str, section: str, folder: Path,
+             tables: dict[str, list[dict]]) -> tuple[str, list[Claim] | None]:
     """A carried section with its claims judged again by the study's current rules on the
-    tables carried with it (its seed runs' too, for a repeated run); ``(section, None)``
-    unchanged where those tables are not all there (a repeated run documented before its
-    seed runs' tables were carried)."""
+    ``tables`` carried with it in ``folder`` (its seed runs' too, for a repeated run);
+    ``(section, None)`` unchanged where those tables are not all there (a repeated run
+    documented before its seed runs' tables were carried)."""
     fn = getattr(study_module(study), "claims", None)
     block = _CLAIMS_BLOCK.search(section)
     if fn is None or block is None or not folder.is_dir():
         return section, None
-    tables = {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv"))
-              if p.stem != "claims"}
+    tables = dict(tables)
     repeated = re.search(r"^- seeds: \S+ = ", section, re.M) is not None
     seeds = sorted((p for p in folder.glob("seed_*") if p.is_dir()),
                    key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
@@ -320,31 +325,33 @@ def _rejudge(study: str, section: str, folder: Path) -> tuple[str, list[Claim] |
     return section[:block.start(1)] + text + section[block.end(1):], claims
 
 
-def _rederive(study: str, section: str, folder: Path) -> tuple[str, bool]:
+def _rederive(study: str, section: str, folder: Path, tables: dict[str, list[dict]]
+              ) -> tuple[str, dict[str, list[dict]], bool]:
     """A carried section with the columns its study derives from what it measured (the
-    module's ``derived_tables``) computed again by today's rule, in the tables carried with
-    it and in the section's inline tables (the measured cells stay, to the character); and
-    whether the rule was applied (False: the section as it was, the rule cannot read its
-    tables)."""
+    module's ``derived_tables``) computed again by today's rule, in ``tables`` (those carried
+    with it in ``folder``), in their CSVs there and in the section's inline tables (the
+    measured cells stay, to the character); the tables as their CSVs now read; and whether
+    the rule was applied (False: all as it was, the rule cannot read the tables)."""
     fn = getattr(study_module(study), "derived_tables", None)
     if fn is None or not folder.is_dir():
-        return section, False
-    tables = {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv"))}
+        return section, tables, False
     try:
         derived = fn(tables)
         cells = {stem: changed_cells(tables[stem], rows, list(tables[stem][0]))
                  for stem, rows in derived.items() if tables.get(stem)}
     except (KeyError, ValueError, TypeError):  # a table of another layout
-        return section, False
+        return section, tables, False
+    tables = dict(tables)
     for stem, changed in ((s, c) for s, c in cells.items() if c):
         rewrite_csv_cells(folder / f"{stem}.csv", changed)
+        tables[stem] = [{c: r.get(c, "") for c in tables[stem][0]} for r in derived[stem]]
         inline = re.search(rf"^((?:\|.*\|\n)+)\n\(\[{re.escape(stem)}\.csv\]\(", section,
                            re.M)
         if inline and inline.group(1).count("\n") == len(tables[stem]) + 2:
             section = (section[:inline.start(1)] + rewrite_markdown_cells(inline.group(1),
                                                                           changed)
                        + section[inline.end(1):])
-    return section, True
+    return section, tables, True
 
 
 def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
@@ -397,8 +404,10 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                     folder = assets / run_dirname(study, variant)
                     if folder.is_dir():
                         shutil.copytree(folder, fresh / folder.name)
-                    text, redone = _rederive(study, old_sections[name], fresh / folder.name)
-                    text, claims = _rejudge(study, text, fresh / folder.name)
+                    here = fresh / folder.name
+                    tables = _carried_tables(here) if here.is_dir() else {}
+                    text, tables, redone = _rederive(study, old_sections[name], here, tables)
+                    text, claims = _rejudge(study, text, here, tables)
                     if redone:
                         rederived.append(name)
                     sections.append(text)

@@ -195,9 +195,9 @@ def _one(row: Mapping[str, Any], fmt: str,
     """True / False / None (inconclusive) / :data:`_UNMEASURED` for one paired row, and its
     evidence (a ``1 - alpha`` interval)."""
     n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
+    spread = format(sd, fmt.lstrip("+"))  # a spread has no sign to show
     text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
-            f"{format(mean, fmt)} +/- {format(sd, fmt.lstrip('+'))}, wins {int(row['wins'])}/{n}"
-            " seeds")  # a spread has no sign to show
+            f"{format(mean, fmt)} +/- {spread}, wins {int(row['wins'])}/{n} seeds")
     if not (math.isfinite(mean) and math.isfinite(sd)):
         return _UNMEASURED, text + ", a value is not a number: not measured"
     if n < 2:
