@@ -158,3 +158,24 @@ def test_a_byte_budget_is_a_count_of_leading_bytes_in_every_corpus():
         for bad in (0, -5, 2.5, True):
             with pytest.raises(ValueError, match="max_bytes"):
                 corpus_bytes(name, "validation", bad)
+
+
+def test_the_standard_librarys_bytes_and_its_tfds_stream_split_the_same_files():
+    # the bytes read directly once kept 5% of the files as validation, all of them files
+    # the TFDS builder puts in train: a model trained on one's train split was scored on the
+    # other's validation files, which it had seen
+    from moejax.data.builders_text import LM_SPLITS
+    from moejax.data.corpora import corpus_bytes
+    from moejax.data.raw_files import split_of
+    from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
+
+    root = stdlib_root()
+    files = {s: [p for p in stdlib_files(root) if split_of(str(p.relative_to(root)), LM_SPLITS)
+                 == s] for s in LM_SPLITS}
+    for split in ("validation", "test"):
+        assert files[split], split
+        expect = b"".join(p.read_bytes() + b"\0" for p in files[split])
+        assert bytes(corpus_bytes("stdlib_code", split)) == expect, split
+    assert len(corpus_bytes("stdlib_code", "train", 10_000)) == 10_000
+    with pytest.raises(ValueError, match="'train', 'validation', 'test'"):
+        corpus_bytes("stdlib_code", "dev")

@@ -3,6 +3,7 @@ tables; the substrate is built once into the test's cache and reused."""
 
 import csv
 
+import numpy as np
 import pytest
 
 from moejax.harness.experiment import run_experiment
@@ -115,3 +116,31 @@ def test_the_fig3_claim_takes_the_best_weight_at_a_bonferroni_level():
     assert c.holds is False and KEPT_SHARE == 0.9
     c = claims(tables(good, adamw_loss=2.5))[-1]
     assert c.verdict == "inconclusive" and "no gain to keep" in c.evidence
+
+
+def test_q_v_is_chosen_on_files_that_the_reported_losses_do_not_share(monkeypatch):
+    """The paper tunes q_v on a validation set and reports on a test set: the two evaluators
+    read windows of two different splits, and neither is the fine-tuning split."""
+    from experiments.darex import decoder as mod
+
+    read = []
+
+    def tokens(name, split, tok, max_bytes):
+        read.append(split)
+        return np.full(400, {"train": 1, "validation": 2, "test": 3}[split], np.int32)
+
+    class Evaluator:
+        def __init__(self, batches):
+            self.batches = batches
+
+        def bind(self, graphdef, rest):
+            return self
+
+    monkeypatch.setattr(mod, "corpus_tokens", tokens)
+    monkeypatch.setattr(mod, "LMEvaluator", Evaluator)
+    cfg = mod.make_config("quick").replace(seq_len=16, eval_batches=2)
+    data = mod._data(cfg, None, None, None)
+    assert sorted(set(read)) == ["test", "train", "validation"]
+    split_of = lambda ev: {int(v) for b in ev.batches for v in np.ravel(b["inputs"])}  # noqa: E731
+    assert split_of(data.val_eval) == {2} and split_of(data.test_eval) == {3}
+    assert set(np.ravel(data.calib)) == {1}

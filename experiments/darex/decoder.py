@@ -9,7 +9,8 @@
 Fine-tuning runs twice (AdamW without weight decay, and AdamR-L2). The attention / FFN matrix
 deltas are pruned at p = 0.95 and 0.99 with DARE, DAREx-q (q_v: validation loss; q_e:
 last-layer logit change on one batch) and per-layer q_e (analytic, Eq. 5). Metric: held-out
-code cross-entropy (nats/token; lower is better) and next-token accuracy. Table ``l2_sweep``
+code cross-entropy (nats/token; lower is better) and next-token accuracy on the test files,
+which neither fine-tuning nor q_v's validation files share. Table ``l2_sweep``
 (Sec. 5.2, Fig. 3 analog): AdamR-L2 at each weight of ``l2_sweep``, unpruned and with DARE at
 each p, and the share of AdamW fine-tuning's gain over the pre-trained model that DARE at the
 highest p keeps.
@@ -169,7 +170,8 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
               "the attention and FFN matrices of every block (prune=matrices; the tied "
               "embedding and the norm scales keep their full delta)")
     run.note(f"Fine-tuned {cfg.finetune.steps} steps at lr {cfg.finetune.lr:g}. Pruned: "
-             f"{pruned}. q_v minimises validation loss; q_e the mean |logit change| on one "
+             f"{pruned}. q_v minimises the loss on the validation files, every reported loss is on "
+             f"the test files (disjoint); q_e the mean |logit change| on one "
              f"fixed training batch, over a {cfg.q_spacing} grid of {cfg.q_num} steps; "
              f"per-layer q_e uses Eq. 5's {cfg.per_layer_form} bound with the signed mean "
              "x_j of each matrix input on that batch (other pruned leaves: 1-p), over "
@@ -198,20 +200,21 @@ def run(cfg: DecoderStudyConfig, run: RunDir) -> dict:
 
 
 def _data(cfg: DecoderStudyConfig, tok, graphdef, rest) -> _Data:
-    """Code windows to fine-tune on; validation (for q_v) and test evaluators on held-out
-    windows; a calibration batch from the training stream (for q_e)."""
+    """Code windows to fine-tune on; the validation evaluator (q_v's choice) and the test
+    evaluator (every reported loss) on windows of two disjoint sets of held-out files, as the
+    paper tunes q_v on a validation set and reports on the test set; a calibration batch from
+    the training stream (for q_e)."""
     code = lambda split: corpus_tokens("stdlib_code", split, tok, cfg.corpus_bytes)  # noqa: E731
     bs = cfg.finetune.batch_size
     train_src = WindowBatches(code("train"), batch_size=bs, seq_len=cfg.seq_len,
                               seed=cfg.seed + 1)
-    val_tokens = code("validation")
 
-    def held(seed):
-        return [WindowBatches(val_tokens, batch_size=bs, seq_len=cfg.seq_len,
-                              seed=seed).batch(i) for i in range(cfg.eval_batches)]
+    def held(split, seed):
+        windows = WindowBatches(code(split), batch_size=bs, seq_len=cfg.seq_len, seed=seed)
+        return LMEvaluator([windows.batch(i) for i in range(cfg.eval_batches)])
 
-    return _Data(train_src, LMEvaluator(held(10_000)).bind(graphdef, rest),
-                 LMEvaluator(held(20_000)).bind(graphdef, rest),
+    return _Data(train_src, held("validation", 10_000).bind(graphdef, rest),
+                 held("test", 20_000).bind(graphdef, rest),
                  train_src.batch(10**6)["inputs"][: max(2, bs // 2)])
 
 

@@ -24,13 +24,11 @@ except ImportError as _e:
     raise missing_extra(_e, "moejax.data.builders_text (the TFDS text datasets)") from None
 
 from moejax.data import raw_files
+from moejax.data.raw_files import LM_SPLITS
 from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
 from moejax.data.tfds_base import OfflineBuilder
 
 __all__ = ["MoejaxStdlibCode", "MoejaxProse", "LM_SPLITS", "iter_kjv_chapters"]
-
-LM_SPLITS = {"train": 0.9, "validation": 0.05, "test": 0.05}
-
 
 def _text_features() -> tfds.features.FeaturesDict:
     return tfds.features.FeaturesDict(

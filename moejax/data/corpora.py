@@ -9,11 +9,11 @@
 Names (``CORPORA``): ``stdlib_code`` (the CPython standard library source), the TFDS text
 datasets ``prose/pydoc`` (Python documentation sources) and ``prose/kjv`` (King James Bible),
 and ``chitchat`` (the chit-chat dialogues: each example's context, a newline, its response).
-Splits are per document (stable hashes, see :mod:`moejax.data.raw_files`). One exception:
-``corpus_bytes("stdlib_code", ...)`` reads the installed ``.py`` files directly
-(:func:`~moejax.data.stdlib_corpus.load_stdlib_bytes`: 5% of files by path hash are
-validation, no TFDS build needed), while its token stream comes from the TFDS builder like
-every other corpus; the two split the files differently. Missing data raises
+Splits are per document (stable hashes, :data:`moejax.data.raw_files.LM_SPLITS`: train,
+validation and test). ``corpus_bytes("stdlib_code", ...)`` reads the installed ``.py`` files
+directly (:func:`~moejax.data.stdlib_corpus.load_stdlib_bytes`, no TFDS build needed), while
+its token stream comes from the TFDS builder like every other corpus's; both put each file in
+the same split. Missing data raises
 ``MissingDataError`` naming the install command. Windows over these arrays are
 :class:`moejax.data.lm_batches.WindowBatches`, a batch source as defined in
 :mod:`moejax.data.source`.

@@ -64,6 +64,10 @@ def data_dir(override: str | os.PathLike | None = None) -> Path:
     return path
 
 
+# the language-model corpora's document splits (stable hashes of a document key, :func:`split_of`)
+LM_SPLITS = {"train": 0.9, "validation": 0.05, "test": 0.05}
+
+
 def _hash_unit(key: str) -> float:
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") / 2**64
 

@@ -1,13 +1,15 @@
 """A real code corpus that every Python install ships: the CPython standard library source.
 
-Files are read in sorted order (test suites and site-packages excluded), split into train and
-validation by a stable hash of the relative path (no file appears in both), and encoded as
-UTF-8 bytes. The TFDS builders (:mod:`moejax.data.builders_text`) read it through this module.
+Files are read in sorted order (test suites and site-packages excluded), split into train,
+validation and test by a stable hash of the relative path (no file appears in two;
+:data:`moejax.data.raw_files.LM_SPLITS`), and encoded as UTF-8 bytes. The TFDS builder
+(:mod:`moejax.data.builders_text`) reads the files through this module and splits them the
+same way, so a model trained on either's train split never sees the other's validation or test
+files.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sysconfig
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.config import check_count
+from moejax.data.raw_files import LM_SPLITS, split_of
 
 __all__ = ["stdlib_root", "stdlib_files", "load_stdlib_bytes", "check_max_bytes"]
 
@@ -42,11 +45,6 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     return out
 
 
-def _split_of(rel: str, val_fraction: float) -> str:
-    h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little") / 2**64
-    return "validation" if h < val_fraction else "train"
-
-
 def check_max_bytes(max_bytes) -> None:
     """Refuse a byte budget that is not ``None`` or an integer >= 1 (0 and negative counts
     would read nothing, everything or all but the end, depending on the corpus)."""
@@ -54,19 +52,18 @@ def check_max_bytes(max_bytes) -> None:
         check_count("max_bytes", max_bytes, 1)
 
 
-def load_stdlib_bytes(
-    split: str, *, val_fraction: float = 0.05, max_bytes: int | None = None
-) -> np.ndarray:
-    """Concatenated UTF-8 bytes (uint8) of the split's files, each file followed by ``\\0``;
-    the first ``max_bytes`` of them (``None``: all)."""
+def load_stdlib_bytes(split: str, *, max_bytes: int | None = None) -> np.ndarray:
+    """Concatenated UTF-8 bytes (uint8) of the split's files (``train``, ``validation`` or
+    ``test``, as the TFDS builder splits them), each file followed by ``\\0``; the first
+    ``max_bytes`` of them (``None``: all)."""
     check_max_bytes(max_bytes)
-    if split not in ("train", "validation"):
-        raise ValueError(f"split={split!r}; allowed: 'train', 'validation'")
+    if split not in LM_SPLITS:
+        raise ValueError(f"split={split!r}; allowed: {', '.join(map(repr, LM_SPLITS))}")
     root = stdlib_root()
     chunks, total = [], 0
     for path in stdlib_files(root):
         rel = str(path.relative_to(root))
-        if _split_of(rel, val_fraction) != split:
+        if split_of(rel, LM_SPLITS) != split:
             continue
         data = path.read_bytes() + b"\0"
         chunks.append(data)
