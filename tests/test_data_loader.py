@@ -161,9 +161,9 @@ def test_a_byte_budget_is_a_count_of_leading_bytes_in_every_corpus():
 
 
 def test_the_standard_librarys_bytes_and_its_tfds_stream_split_the_same_files():
-    # the bytes read directly once kept 5% of the files as validation, all of them files
-    # the TFDS builder puts in train: a model trained on one's train split was scored on the
-    # other's validation files, which it had seen
+    # a model trained on the TFDS stream's train split and scored on the bytes read directly
+    # (or the other way round) must never be scored on files it trained on: both paths put
+    # each file in the split the builder's hash gives it
     from moejax.data.builders_text import LM_SPLITS
     from moejax.data.corpora import corpus_bytes
     from moejax.data.raw_files import split_of
