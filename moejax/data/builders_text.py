@@ -30,6 +30,7 @@ from moejax.data.tfds_base import OfflineBuilder
 
 __all__ = ["MoejaxStdlibCode", "MoejaxProse", "LM_SPLITS", "iter_kjv_chapters"]
 
+
 def _text_features() -> tfds.features.FeaturesDict:
     return tfds.features.FeaturesDict(
         {"doc_id": tfds.features.Text(), "text": tfds.features.Text()}
