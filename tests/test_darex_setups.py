@@ -120,6 +120,7 @@ def test_prune_context_refuses_empty_grids_masks_and_unknown_forms():
     (encoder, "per_layer_form=pooled", "per_layer_form"), (encoder, "prune=head", "prune"),
     (decoder, "ps=(0.0,)", "ps"), (decoder, "q_num=0", "q_num"),
     (decoder, "corpus_bytes=0", "corpus_bytes"), (decoder, "corpus_bytes=64", "one window"),
+    (decoder, "corpus_bytes=65", "random offset"),
     (controlled, "ps=(1.0,)", "ps"), (controlled, "lora_ps=()", "lora_ps"),
     (controlled, "sweep_ps=()", "sweep_ps"), (controlled, "large_ps=()", "large_ps"),
     (controlled, "q_spacing=log", "q_spacing"),

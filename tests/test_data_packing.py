@@ -290,6 +290,9 @@ def test_a_source_refuses_bad_settings_when_it_is_made():
         WindowBatches(np.arange(40) + 0.5, batch_size=2, seq_len=4)
     with pytest.raises(ValueError, match="position must be >= 0"):
         WindowBatches(np.arange(40), batch_size=2, seq_len=4).batch(-1)
+    with pytest.raises(ValueError, match=r"corpus of 5 tokens .* at least seq_len \+ 2 = 6"):
+        WindowBatches(np.arange(5), batch_size=2, seq_len=4)  # one window, no offset to draw
+    assert WindowBatches(np.arange(6), batch_size=2, seq_len=4).batch(3)["inputs"].shape == (2, 4)
     with pytest.raises(ValueError, match="no row axis"):
         ArrayBatches({"x": np.float32(3)}, batch_size=2)
     for source in _sources(docs, batch_size=np.int64(2), seed=np.int32(3)):  # numpy ints

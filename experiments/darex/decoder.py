@@ -102,9 +102,10 @@ class DecoderStudyConfig(Config):
                       f"seq_len={self.seq_len} exceeds substrate.max_seq_len="
                       f"{self.substrate.max_seq_len}")
         self._require(all(0 < p < 1 for p in self.ps), f"ps={self.ps} must lie in (0, 1)")
-        self._require(self.corpus_bytes > self.seq_len,
+        self._require(self.corpus_bytes >= self.seq_len + 2,
                       f"corpus_bytes={self.corpus_bytes} cannot hold one window of seq_len + 1 = "
-                      f"{self.seq_len + 1} tokens; raise corpus_bytes")
+                      f"{self.seq_len + 1} tokens at a random offset (at least seq_len + 2 = "
+                      f"{self.seq_len + 2} bytes); raise corpus_bytes")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
         self._require(all(w > 0 for w in self.l2_sweep),

@@ -25,7 +25,9 @@ class WindowBatches:
                              "1-D array of integer token ids (a float would be truncated)")
         if tokens.shape[0] < seq_len + 2:
             raise ValueError(
-                f"corpus of {tokens.shape[0]} tokens is shorter than one window of {seq_len + 1}"
+                f"corpus of {tokens.shape[0]} tokens cannot give windows of seq_len + 1 = "
+                f"{seq_len + 1} tokens at random offsets: that takes at least seq_len + 2 = "
+                f"{seq_len + 2}; give a longer corpus or a shorter seq_len"
             )
         self.tokens = tokens
         self.batch_size = batch_size
