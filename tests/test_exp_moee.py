@@ -140,6 +140,29 @@ def test_a_sample_or_split_the_substrate_cannot_give_is_refused(study, bad, word
         apply_overrides(m.make_config("quick"), bad.split())
 
 
+@pytest.mark.parametrize("model", ["vit", "minilm"])
+def test_the_full_preset_sample_fits_in_the_real_tokens_of_its_rows(model):
+    """The full preset's token samples (100k, and each stability size) fit in the real tokens
+    of the training rows it records, for either substrate, whichever rows are drawn: a
+    gloss's real tokens are fewer than ``seq_len``, which the config's check assumes."""
+    import numpy as np
+
+    from moejax.io.hf_tokenizer import tokenizer_from_json
+    from moejax.io.minilm import minilm_dir
+    from moejax.substrates.classify import mnist_arrays, wordnet_arrays
+
+    cfg = mod.make_config("full").replace(model=model)
+    need = max(cfg.extract.n_tokens, *cfg.stability_tokens)
+    if model == "vit":  # every image has all its tokens
+        real = min(cfg.record_rows, len(mnist_arrays("train")[1])) * cfg.tokens_per_row()
+    else:  # the rows ClassifierData holds (mod._data), the fewest real tokens drawn of them
+        held = max(cfg.record_rows, 4 * cfg.kd.batch_size, cfg.minilm.max_train_examples)
+        tok = tokenizer_from_json(minilm_dir() / "tokenizer.json")
+        mask = wordnet_arrays(cfg.minilm.task, "train", tok, cfg.minilm.seq_len, held)[2]
+        real = int(np.sort(mask.sum(1))[:cfg.record_rows].sum())
+    assert real >= need, f"{model}: {real} real tokens in the recorded rows, {need} sampled"
+
+
 def _per_seed(model, n=3, **values):
     """``n`` per-seed rows of ``model``, each value a little apart per seed."""
     return [{"model": model, "seed": s, **{k: v + 0.001 * (s - 1) for k, v in values.items()}}
@@ -287,10 +310,12 @@ def test_the_recipe_note_says_which_extraction_and_kd_ran():
 
     from experiments.extraction.moee import _recipe_note, make_config
 
-    data = SimpleNamespace(substrate="vit_mnist5k", test={"labels": [0] * 4})
+    data = SimpleNamespace(substrate="vit_mnist5k", test={"labels": [0] * 4},
+                           record_rows=lambda rows: min(rows, 600))
     cfg = make_config("quick")
     note = _recipe_note(cfg, data, {"accuracy": 0.9}, [2, 3])
     assert "cosine routing to cluster mean inputs (the paper's recipe)" in note
+    assert "4000 recorded tokens of 600 training rows" in note
     assert "KD: 150 steps of AdamW (weight decay 0.01), lr 0.0005, cosine schedule" in note
     other = cfg.replace(kd=cfg.kd.replace(optimizer="sgd", weight_decay=0.0, schedule="linear"),
                         extract=cfg.extract.replace(p=0.5))

@@ -357,7 +357,8 @@ def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> 
               "the paper's recipe but for its " + "; ".join(changed))
     return (f"Started from substrate {data.substrate}; dense test accuracy "
             f"{dense['accuracy']:.4f} on {len(data.test['labels'])} test rows. Extraction: "
-            f"{cfg.extract.n_tokens} recorded tokens, {cfg.extract.cluster.method} with min "
+            f"{cfg.extract.n_tokens} recorded tokens of {data.record_rows(cfg.record_rows)} "
+            f"training rows, {cfg.extract.cluster.method} with min "
             f"cluster size {cfg.extract.cluster.min_cluster_frac:.2%} of the sample, p = "
             f"{cfg.extract.p}, {cfg.extract.selection} selection, {cfg.extract.router} routing "
             f"to cluster mean inputs ({recipe}). Clusters per layer (seed {cfg.seed}): "

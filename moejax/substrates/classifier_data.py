@@ -71,8 +71,13 @@ class ClassifierData:
         """The mean real length of a test row (``None`` for images)."""
         return None if self.seq_lens is None else float(self.seq_lens.mean())
 
+    def record_rows(self, rows: int) -> int:
+        """The training rows :meth:`record_batches` draws for ``rows`` asked."""
+        return min(rows, len(self.train["labels"]))
+
     def record_batches(self, rows: int, seed: int, size: int = 250):
-        """Batches (no labels) of ``rows`` training rows drawn without replacement."""
+        """Batches (no labels) of ``rows`` training rows drawn without replacement (all of
+        them where the split holds fewer: :meth:`record_rows`)."""
         idx = np.random.default_rng([seed, 7]).permutation(len(self.train["labels"]))[:rows]
         for s in range(0, len(idx), size):
             yield {k: v[idx[s:s + size]] for k, v in self.train.items() if k != "labels"}
