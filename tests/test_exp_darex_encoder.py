@@ -27,6 +27,7 @@ def test_darex_encoder_tiny(tiny_recipes, tmp_path):
                                   claims=mod.claims, out=tmp_path / "enc")
     text = (run.path / "summary.md").read_text()
     assert "Started from substrate byte_encoder_wordnet_pos" in text
+    assert "Glosses per task: 400 train, 64 validation, 64 test." in text
     assert "DARE at p=0.99 loses (unpruned - DARE, AdamW): lexname " in text
     rows = list(csv.DictReader(open(run.path / "encoder_p.csv")))
     methods = [r["method"] for r in rows]
@@ -105,6 +106,16 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
     assert tc["adamr_l1"].decay_paths == tc["adamr_l2"].decay_paths == "^encoder/"
     assert (tc["adamr_l1"].optimizer, tc["adamr_l1"].weight_decay) == ("adamr_l1", 1.0)
     assert mod.finetune_configs(cfg.replace(regularise_head=True))["adamr_l2"].decay_paths == ""
+
+
+def test_the_full_preset_asks_no_more_glosses_than_the_splits_hold():
+    """Each full-preset count is at most its split's rows, so the configuration says what runs
+    (100,000 test glosses asked of a split of 11,534 ran 11,534)."""
+    from moejax.data import datasets
+
+    cfg = mod.make_config("full")
+    for split, n in (("train", cfg.n_train), ("validation", cfg.n_val), ("test", cfg.n_test)):
+        assert n <= len(datasets.load("wordnet_glosses", split)), (split, n)
 
 
 def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
