@@ -3,6 +3,7 @@ routers reach the asked TLS, and the decode timing reports what it ran; the benc
 runs tiny and checks speculative against autoregressive output."""
 
 import csv
+import re
 
 import jax
 import numpy as np
@@ -476,3 +477,21 @@ def test_the_ratios_are_derived_again_from_a_table_read_back():
     assert changed_cells(out, ratio_columns(out), cols) == {}
     assert derived_tables({"decode": read_back}) == {"decode": out}
     assert derived_tables({"decode_prompts": []}) == {}
+
+
+@pytest.mark.parametrize("bad,words", [
+    ("n_prompts=33", "n_prompts=33 exceeds the 32 validation windows"),
+    ("prompt_len=65", "prompt_len=65 exceeds seq_len=64"),
+    ("drafts.distil.prompt_len=65", "drafts.distil.prompt_len=65 exceeds seq_len=64"),
+])
+def test_prompts_the_windows_cannot_give_are_refused_before_training(bad, words):
+    """The decoded prompts are the heads of two validation batches of seq_len-token windows,
+    and the drafts' training prompts of the training windows: more prompts, or longer ones,
+    than those hold are refused, not decoded fewer or shorter (the note naming what was asked)
+    or refused by the distillation after the target has trained."""
+    from experiments.blockffn import speculative as mod
+    from moejax.config import apply_overrides
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        apply_overrides(mod.make_config("quick"), [bad])
+    apply_overrides(mod.make_config("quick"), ["n_prompts=32", "prompt_len=64"])

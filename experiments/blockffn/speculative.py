@@ -97,6 +97,8 @@ from moejax.sparse_lm import (
 )
 from moejax.train.hparams import TrainConfig, require_read
 
+PROMPT_BATCHES = 2  # validation batches: the targets' PPL and the decoded prompts
+
 
 @config
 class GrowConfig(Config):
@@ -175,6 +177,19 @@ class SpecBenchConfig(Config):
           "decode_trained=false needs grow.extra_layers >= 1: else nothing is decoded")
         r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
+        # the prompts are the heads of the validation windows; the drafts' training prompts
+        # of the training windows (seq_len tokens each)
+        windows = PROMPT_BATCHES * self.train.batch_size
+        r(self.n_prompts <= windows,
+          f"n_prompts={self.n_prompts} exceeds the {windows} validation windows the prompts "
+          f"are cut from ({PROMPT_BATCHES} x train.batch_size={self.train.batch_size}); lower "
+          "n_prompts or raise train.batch_size")
+        distils = self.drafts.distilled or self.drafts.self_distilled
+        for key, n in (("prompt_len", self.prompt_len),
+                       *((("drafts.distil.prompt_len", self.drafts.distil.prompt_len),)
+                         if distils else ())):
+            r(n <= self.seq_len, f"{key}={n} exceeds seq_len={self.seq_len}, the windows the "
+                                 "prompts are cut from; lower it or raise seq_len")
         longest = min(self.target.max_seq_len, self.draft.max_seq_len)
         r(self.seq_len <= longest, f"seq_len={self.seq_len} (the training window) exceeds the "
                                    f"models' max_seq_len={longest}")
@@ -348,7 +363,7 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     if note := blockffn_changes(cfg.target):
         run.note(note)
     tcfg = cfg.train.replace(seed=cfg.seed)
-    train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, 2)
+    train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, PROMPT_BATCHES)
     # checkpointed in the run directory (the drafts distilled from the target too): the same
     # command again (a GPU command's time limit) restores the trained models and goes
     # straight to the decodings
