@@ -510,11 +510,11 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
     assert "MoEE plans (vit, 68 tokens)" in (run.path / "summary.md").read_text()
 
 
-def test_bench_extracted_refuses_a_batch_the_glosses_cannot_fill_before_recording(
+def test_bench_extracted_refuses_a_batch_the_test_split_cannot_fill_before_recording(
         monkeypatch):
     """A timed batch takes glosses at least the mean length long, cut to it (every token
-    real); a ``rows`` the test set cannot fill is refused with the fix, before the substrate's
-    FFNs are recorded and clustered."""
+    real), or images; a ``rows`` the test set cannot fill is refused with the fix, before the
+    substrate's FFNs are recorded and clustered."""
     from experiments.extraction import bench as bench_extracted
 
     lengths = np.array([2, 5, 4, 6, 3, 4])  # mean 4: four glosses of at least 4 tokens
@@ -534,6 +534,10 @@ def test_bench_extracted_refuses_a_batch_the_glosses_cannot_fill_before_recordin
     with pytest.raises(ValueError, match="rows=5: only 4 of the 6 test glosses hold 4 tokens; "
                                          "lower rows or raise eval_rows"):
         bench_extracted.moee_plans_part(cfg, run=None)
+    images = SimpleNamespace(seq_len=None, test={"inputs": np.zeros((6, 28, 28, 1))})
+    assert bench_extracted._timed_batch(images, 6)["inputs"].shape[0] == 6
+    with pytest.raises(ValueError, match="rows=7: the test split holds 6 images"):
+        bench_extracted._timed_batch(images, 7)  # not a batch of 6 timed as one of 7
 
 
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):

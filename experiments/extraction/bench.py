@@ -234,6 +234,9 @@ def _timed_batch(data: ClassifierData, rows: int) -> dict:
     mean gloss length long, cut to it (a batch of ``rows`` x the mean length, every token
     real)."""
     if data.seq_len is None:
+        if len(data.test["inputs"]) < rows:
+            raise ValueError(f"rows={rows}: the test split holds {len(data.test['inputs'])} "
+                             "images; lower rows (or raise eval_rows)")
         return {"inputs": data.test["inputs"][:rows]}
     length = int(round(data.seq_len))
     idx = np.flatnonzero(data.test["mask"].sum(1) >= length)[:rows]
