@@ -480,18 +480,33 @@ def test_the_ratios_are_derived_again_from_a_table_read_back():
 
 
 @pytest.mark.parametrize("bad,words", [
-    ("n_prompts=33", "n_prompts=33 exceeds the 32 validation windows"),
     ("prompt_len=65", "prompt_len=65 exceeds seq_len=64"),
     ("drafts.distil.prompt_len=65", "drafts.distil.prompt_len=65 exceeds seq_len=64"),
 ])
-def test_prompts_the_windows_cannot_give_are_refused_before_training(bad, words):
-    """The decoded prompts are the heads of two validation batches of seq_len-token windows,
-    and the drafts' training prompts of the training windows: more prompts, or longer ones,
-    than those hold are refused, not decoded fewer or shorter (the note naming what was asked)
-    or refused by the distillation after the target has trained."""
+def test_prompts_longer_than_the_windows_are_refused_before_training(bad, words):
+    """The decoded prompts are the heads of seq_len-token validation windows, the drafts'
+    training prompts of training windows: longer ones are refused, not decoded shorter (the
+    note naming the asked length) or refused by the distillation after the target has
+    trained."""
     from experiments.blockffn import speculative as mod
     from moejax.config import apply_overrides
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         apply_overrides(mod.make_config("quick"), [bad])
-    apply_overrides(mod.make_config("quick"), ["n_prompts=32", "prompt_len=64"])
+
+
+def test_every_asked_prompt_is_decoded_past_the_ppl_batches():
+    """More prompts than the PPL's two validation batches hold come from the validation
+    windows after them (33 asked of batches of 16 were 32 decoded); the PPL's batches and the
+    prompts in them stay as they were."""
+    from experiments.blockffn import speculative as mod
+    from moejax.config import apply_overrides
+
+    cfg = apply_overrides(mod.make_config("quick"), ["n_prompts=33", "prompt_len=64"])
+    _, val, prompts = mod._sources(cfg, cfg.train)
+    assert len(val) == mod.EVAL_BATCHES and prompts.shape == (33, 64)
+    np.testing.assert_array_equal(prompts[:32], np.concatenate([b["inputs"] for b in val]))
+    _, val2, prompts2 = mod._sources(cfg.replace(n_prompts=8), cfg.train)
+    np.testing.assert_array_equal(prompts2, prompts[:8])
+    for a, b in zip(val, val2, strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])

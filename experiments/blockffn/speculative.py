@@ -97,7 +97,7 @@ from moejax.sparse_lm import (
 )
 from moejax.train.hparams import TrainConfig, require_read
 
-PROMPT_BATCHES = 2  # validation batches: the targets' PPL and the decoded prompts
+EVAL_BATCHES = 2  # validation batches of the models' PPL (and the first decoded prompts)
 
 
 @config
@@ -177,13 +177,8 @@ class SpecBenchConfig(Config):
           "decode_trained=false needs grow.extra_layers >= 1: else nothing is decoded")
         r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
-        # the prompts are the heads of the validation windows; the drafts' training prompts
-        # of the training windows (seq_len tokens each)
-        windows = PROMPT_BATCHES * self.train.batch_size
-        r(self.n_prompts <= windows,
-          f"n_prompts={self.n_prompts} exceeds the {windows} validation windows the prompts "
-          f"are cut from ({PROMPT_BATCHES} x train.batch_size={self.train.batch_size}); lower "
-          "n_prompts or raise train.batch_size")
+        # the prompts are the heads of validation windows, the drafts' training prompts of
+        # training windows (seq_len tokens each)
         distils = self.drafts.distilled or self.drafts.self_distilled
         for key, n in (("prompt_len", self.prompt_len),
                        *((("drafts.distil.prompt_len", self.drafts.distil.prompt_len),)
@@ -363,14 +358,13 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
     if note := blockffn_changes(cfg.target):
         run.note(note)
     tcfg = cfg.train.replace(seed=cfg.seed)
-    train_src, val = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, PROMPT_BATCHES)
+    train_src, val, prompts = _sources(cfg, tcfg)
     # checkpointed in the run directory (the drafts distilled from the target too): the same
     # command again (a GPU command's time limit) restores the trained models and goes
     # straight to the decodings
     target_ev = train_and_evaluate(cfg.target, tcfg, train_src, val, run.path / "target")
     draft_ev = train_and_evaluate(cfg.draft, tcfg, train_src, val, run.path / "draft")
     target, draft = decoder_of(target_ev["model"]), decoder_of(draft_ev["model"])
-    prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in val])[:cfg.n_prompts]
     run.note(f"Target: the BlockFFN LM trained {tcfg.steps} steps on stdlib code "
              f"({count_params(target)} params, val PPL {target_ev['val_ppl']:.2f}, TLS "
              f"{target_ev['tls']:.3f}); draft: a {ARCH_NAMES[cfg.draft.arch]} LM "
@@ -407,6 +401,16 @@ def run(cfg: SpecBenchConfig, run: RunDir) -> dict:
             f"accepted {g['mean_accepted_length']:.2f})",
             **{f"{r['model']}_{r['mode'].replace(' ', '_')}_{r['draft'] or 'none'}_"
                f"n{r['draft_len']}_tok_s": round(r["tokens_per_s"], 1) for r in rows}}
+
+
+def _sources(cfg: SpecBenchConfig, tcfg: TrainConfig):
+    """``(training source, validation batches, prompts [n_prompts, prompt_len])``: the
+    prompts are the heads of the validation windows, the PPL's batches and as many after them
+    as ``n_prompts`` takes."""
+    n = max(EVAL_BATCHES, -(-cfg.n_prompts // tcfg.batch_size))
+    train_src, windows = data_sources(tcfg.batch_size, cfg.seq_len, cfg.seed, n)
+    prompts = np.concatenate([b["inputs"][:, :cfg.prompt_len] for b in windows])
+    return train_src, windows[:EVAL_BATCHES], prompts[:cfg.n_prompts]
 
 
 def _grown(cfg: SpecBenchConfig, run: RunDir, target, tls: float, val):
