@@ -365,3 +365,18 @@ def test_paired_rows_pair_the_shared_seeds_and_flip_perplexity():
     assert out["rouge_l"]["n"] == 2 == out["-ppl"]["n"]
     assert out["rouge_l"]["mean_diff"] == pytest.approx(0.06)
     assert out["-ppl"]["mean_diff"] == pytest.approx(1.5) and out["-ppl"]["wins"] == 2
+
+
+def test_more_chat_pairs_than_a_split_holds_are_refused_before_training():
+    """The validation and test evaluators take one batch of n_val / n_test pairs, and a
+    batch past a split's end wraps round to its first rows: 8,000 test pairs asked of a
+    split of 7,316 would score 684 of them twice and call it 8,000."""
+    from experiments.kd.setup import data
+    from moejax.data.tokenizer import ByteTokenizer
+
+    cfg = mod.make_config("quick").replace(n_train=64, n_val=8, n_test=8000)
+    with pytest.raises(ValueError, match="n_test=8000: the chit-chat test split holds 7316 "
+                                         "pairs; lower n_test"):
+        data(cfg, ByteTokenizer())
+    train_src, _, test = data(cfg.replace(n_test=8), ByteTokenizer())
+    assert len(train_src(4, 0)) == 64

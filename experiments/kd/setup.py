@@ -143,16 +143,23 @@ def data(cfg, tok):
     validation and test generation evaluators."""
     kw = dict(prompt_len=cfg.prompt_len, response_len=cfg.response_len)
 
-    def fixed(split, n):
-        return chat_prompt_response(split, tok, batch_size=n, limit=n, shuffle=False,
-                                    **kw).batch(0)
+    def pairs(split, n, key, **more):  # refused where the split holds fewer (batches wrap)
+        src = chat_prompt_response(split, tok, limit=n, **kw, **more)
+        if len(src) < n:
+            raise ValueError(f"{key}={n}: the chit-chat {split} split holds {len(src)} pairs; "
+                             f"lower {key}")
+        return src
 
-    rows = chat_prompt_response("train", tok, batch_size=1, limit=cfg.n_train, **kw).rows
+    def fixed(split, n, key):
+        return pairs(split, n, key, batch_size=n, shuffle=False).batch(0)
+
+    rows = pairs("train", cfg.n_train, "n_train", batch_size=1).rows
     train_src = lambda bs, seed: PromptResponseBatches(rows, batch_size=bs, seed=seed)  # noqa: E731
     gen = dict(temperature=cfg.eval_temperature, top_p=cfg.kd.top_p, eos_id=tok.eos_id,
                pad_id=tok.pad_id or 0)
-    val = GenerationEvaluator([fixed("validation", cfg.n_val)], tok.decode, seeds=(0,), **gen)
-    test = GenerationEvaluator([fixed("test", cfg.n_test)], tok.decode,
+    val = GenerationEvaluator([fixed("validation", cfg.n_val, "n_val")], tok.decode, seeds=(0,),
+                              **gen)
+    test = GenerationEvaluator([fixed("test", cfg.n_test, "n_test")], tok.decode,
                                seeds=tuple(range(cfg.eval_seeds)), **gen)
     return train_src, val, test
 
