@@ -121,11 +121,22 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
     ends there; one new token needs no mask beside them) as a GPU decode step runs it (the TPU
     kernel takes query blocks of 128 and declines a decode step, so a TPU decodes on XLA's
     attention)."""
-    from moejax.kernels.flash_attention import flash_kernel
-
     compiled = platform == "cuda" and jax.default_backend() == "gpu"  # else interpreted
     if OLD_INTERPRETERS and platform == "cuda" and case != "train" and not compiled:
         pytest.skip("jax < 0.12: the HLO interpreter does not lower program_id in a loop")
+    # interpreted on the CPU beside a GPU too (Mosaic's interpreter runs on the host)
+    with contextlib.nullcontext() if compiled else _on_cpu():
+        _flash_against_the_oracle(platform, case, compiled)
+
+
+def _on_cpu():
+    """Arrays made and programs run on the CPU (a GPU machine's default is its GPU)."""
+    return jax.default_device(jax.devices("cpu")[0])
+
+
+def _flash_against_the_oracle(platform: str, case: str, compiled: bool) -> None:
+    from moejax.kernels.flash_attention import flash_kernel
+
     B, H, G = 2, 4, 2
     if case == "train":
         T = S = 128
@@ -166,12 +177,15 @@ def test_the_flash_kernel_equals_the_oracle_in_values_and_gradients(platform, ca
 
 
 def test_flash_on_the_cpu_is_xlas_attention():
-    """Lowered for the CPU, ``"flash"`` is the einsum (bit for bit): no kernel, no branch."""
-    q, k, v, key = _qkv_mask(2, 5, 7, 4, 2, 8)
-    mask = jax.random.uniform(key, (2, 5, 7)) < 0.6
-    a = jax.jit(lambda *x: dot_product_attention(*x, impl="flash"))(q, k, v, mask)
-    b = jax.jit(lambda *x: dot_product_attention(*x, impl="einsum"))(q, k, v, mask)
+    """Lowered for the CPU, ``"flash"`` is the einsum (bit for bit): no kernel, no branch
+    (on the CPU beside a GPU too)."""
+    with _on_cpu():
+        q, k, v, key = _qkv_mask(2, 5, 7, 4, 2, 8)
+        mask = jax.random.uniform(key, (2, 5, 7)) < 0.6
+        a = jax.jit(lambda *x: dot_product_attention(*x, impl="flash"))(q, k, v, mask)
+        b = jax.jit(lambda *x: dot_product_attention(*x, impl="einsum"))(q, k, v, mask)
+        text = jax.jit(lambda *x: dot_product_attention(*x, impl="flash")).lower(
+            q, k, v, mask).as_text()
+    assert a.devices() == {jax.devices("cpu")[0]}
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    text = jax.jit(lambda *x: dot_product_attention(*x, impl="flash")).lower(
-        q, k, v, mask).as_text()
     assert "custom_call" not in text and "case" not in text
