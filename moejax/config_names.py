@@ -25,7 +25,7 @@ _POSITIVE_SUFFIXES = ("_d_model", "_d_expert", "_n_layers", "_rank", "_ranks", "
                       "_repeats", "repeats")
 _NON_NEGATIVE = {"seed", "alpha", "top_k", "n_shared", "n_shared_experts", "extra_layers",
                  "eval_examples", "max_train_examples", "eval_rows", "weight_decay",
-                 "l2_sweep"}
+                 "l2_sweep", "lora_rank"}  # (lora_rank 0: no LoRA run)
 _NON_NEGATIVE_SUFFIXES = ("_seed", "_id", "_coef", "_weight", "_lam0", "_eps", "_std",
                           "_lambda", "_lambdas", "_beta")
 _UNIT_INTERVAL = {"sm_rate", "sm_rates", "frozen_sm_rate", "target_tls", "kd_alpha",
@@ -45,7 +45,7 @@ def convention_error(name: str, value) -> str | None:
             seen.add(v)
     numbers = [v for v in (value if isinstance(value, tuple) else (value,))
                if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    if name in _POSITIVE_INTS or name.endswith(_POSITIVE_SUFFIXES):
+    if (name in _POSITIVE_INTS or name.endswith(_POSITIVE_SUFFIXES)) and name not in _NON_NEGATIVE:
         if any(isinstance(v, int) and v < 1 for v in numbers):
             return "must be >= 1"
     if name in _NON_NEGATIVE or name.endswith(_NON_NEGATIVE_SUFFIXES):

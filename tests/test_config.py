@@ -272,6 +272,17 @@ def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
         apply_overrides(make_config("quick"), [override])
 
 
+def test_a_count_whose_zero_means_none_takes_zero():
+    """``lora_rank=0`` skips the controlled study's LoRA table (and its refusal of an empty
+    ``lora_ps`` names it as the fix): the ``_rank`` naming rule (>= 1) gives way to it."""
+    from experiments.darex.controlled import make_config
+
+    cfg = apply_overrides(make_config("quick"), ["lora_rank=0", "lora_ps=()"])
+    assert cfg.lora_rank == 0
+    with pytest.raises(ConfigError, match=re.escape("lora_rank=-1: must be >= 0")):
+        apply_overrides(make_config("quick"), ["lora_rank=-1"])
+
+
 @pytest.mark.parametrize("module, override, why", [
     ("experiments.extraction.moee", "vit.patch_size=5", "a positive multiple of patch_size=5"),
     ("experiments.extraction.moee", "minilm.seq_len=600", "exceeds MiniLM's 512 positions"),
