@@ -176,12 +176,13 @@ def test_the_decoding_group_measures_the_lean_decode_step_and_the_flash_kernel(t
     assert calls == [
         f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16 "
         f"out={out}/bench_speculative_wide",
+        # the measurements first, their tests last (what a BUDGET leaves out is the tests)
+        f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_graphs "
+        f"out={out}/bench_speculative_wide_graphs",
         f"-m experiments.benchmarks.dispatch preset=full variant=train_step "
         f"out={out}/bench_train_step",
         "-m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py "
-        "tests/test_attention_impls.py tests/test_lean_decode.py",
-        f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_graphs "
-        f"out={out}/bench_speculative_wide_graphs"]
+        "tests/test_attention_impls.py tests/test_lean_decode.py"]
     assert sorted(p.name for p in out.glob(".done-*")) == [
         ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_graphs",
         ".done-train_step"]
