@@ -110,7 +110,7 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
 
 def test_the_full_preset_asks_no_more_glosses_than_the_splits_hold():
     """Each full-preset count is at most its split's rows, so the configuration says what runs
-    (100,000 test glosses asked of a split of 11,534 ran 11,534)."""
+    (a count past its split runs the whole split while the config names more)."""
     from moejax.data import datasets
 
     cfg = mod.make_config("full")

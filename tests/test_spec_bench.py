@@ -497,7 +497,7 @@ def test_prompts_longer_than_the_windows_are_refused_before_training(bad, words)
 
 def test_every_asked_prompt_is_decoded_past_the_ppl_batches():
     """More prompts than the PPL's two validation batches hold come from the validation
-    windows after them (33 asked of batches of 16 were 32 decoded); the PPL's batches and the
+    windows after them (33 of batches of 16: a third batch); the PPL's batches and the
     prompts in them stay as they were."""
     from experiments.blockffn import speculative as mod
     from moejax.config import apply_overrides
