@@ -78,7 +78,8 @@ class ClassifierData:
     def record_batches(self, rows: int, seed: int, size: int = 250):
         """Batches (no labels) of ``rows`` training rows drawn without replacement (all of
         them where the split holds fewer: :meth:`record_rows`)."""
-        idx = np.random.default_rng([seed, 7]).permutation(len(self.train["labels"]))[:rows]
+        idx = np.random.default_rng([seed, 7]).permutation(len(self.train["labels"]))[
+            :self.record_rows(rows)]
         for s in range(0, len(idx), size):
             yield {k: v[idx[s:s + size]] for k, v in self.train.items() if k != "labels"}
 
