@@ -47,9 +47,10 @@
 #                the flash kernel and on XLA's attention in one run (its variant train_step)
 #   decoding     stands for speculative_wide speculative_wide_graphs train_step decode_tests:
 #                the lean decode step's and the flash kernel's measurements first (on an H200
-#                about 255 s, 190 s from the first stage's checkpoints, and 60 s), their
-#                kernels' tests last; with BUDGET=570 the tests may be left to a second
-#                command (the stages done are skipped there)
+#                speculative_wide took 255 s, 189 s of it decoding, which the graphs stage
+#                repeats from its checkpoints; train_step 61 s), their kernels' tests last;
+#                with BUDGET=570 the tests may be left to a second command (the stages done
+#                are skipped there)
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
 #                preset=full) -> $OUT_DIR/full/; its training checkpoints let a stage stopped
 #                by STAGE_LIMIT resume where it stopped. Data comes from MOEJAX_DATA_DIR (a
