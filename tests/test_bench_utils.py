@@ -4,6 +4,8 @@ iteration, not once), the profiler's device time counts each kernel once and is 
 trace sees no device, and a union path's time on a line gives back its fixed and per-member
 parts."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from moejax.bench.oracles import grouped_pass_sample
 from moejax.bench.profile import (
     KernelTrace,
     device_kernels,
+    fused_ops,
     kernel_kind,
     kernel_kind_rows,
     trace_kernels,
@@ -205,6 +208,62 @@ def test_kernels_are_grouped_by_kind_without_xlas_instance_numbers():
                                                         ("gemm", 2.0)]
     assert got[0]["ms"] == pytest.approx(5e-3) and got[0]["share"] == pytest.approx(5 / 9)
     assert got[1]["mode"] == "AR" and "kernels" in row  # the row is left as it was
+
+
+# a GPU program's shape: fusions inside a while loop's body, a Triton fusion with its own
+# nested computation, a custom call that is no fusion
+_GPU_PROGRAM = """HloModule jit_draw, is_scheduled=true
+
+%region_0.4 (a.1: f32[], b.1: f32[]) -> f32[] {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %add.9 = f32[] add(%a.1, %b.1)
+}
+
+%fused_reduce.26 (param_0.3: bf16[1,256], param_1.7: bf16[256,1024]) -> f32[1,1024] {
+  %param_0.3 = bf16[1,256]{1,0} parameter(0)
+  %convert.5 = f32[1,256]{1,0} convert(%param_0.3)
+  %param_1.7 = bf16[256,1024]{1,0} parameter(1)
+  %convert.6 = f32[256,1024]{1,0} convert(%param_1.7)
+  %multiply.2 = f32[256,1024]{1,0} multiply(%convert.6, %convert.6)
+  %constant.1 = f32[] constant(0)
+  ROOT %reduce.3 = f32[1,1024]{1,0} reduce(%multiply.2, %constant.1), dimensions={0}, \
+to_apply=%region_0.4
+}
+
+%gemm_dot (p0: bf16[8,256], p1: bf16[256,512]) -> bf16[8,512] {
+  %p0 = bf16[8,256]{1,0} parameter(0)
+  %p1 = bf16[256,512]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,512]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body.2 (state: (s32[], bf16[1,256])) -> (s32[], bf16[1,256]) {
+  %state = (s32[], bf16[1,256]{1,0}) parameter(0)
+  %input_reduce_fusion.26 = f32[1,1024]{1,0} fusion(%x, %w), kind=kInput, calls=%fused_reduce.26
+  %gemm_fusion_dot.3 = bf16[8,512]{1,0} fusion(%y, %v), kind=kCustom, calls=%gemm_dot, \
+backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %pallas_flash_attention_ = bf16[1,1,8,32]{3,2,1,0} custom-call(%q, %k), \
+custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %t = (s32[], bf16[1,256]{1,0}) tuple(%i, %h)
+}
+"""
+
+
+def test_a_programs_fusions_read_as_the_work_they_fuse():
+    """Each fusion of a compiled program, by its name and by the name a GPU profile gives its
+    kernel: its fused instructions by count and its result type; a custom call is no fusion."""
+    got = fused_ops(_GPU_PROGRAM)
+    assert got["input_reduce_fusion_26"] == got["input_reduce_fusion.26"] == (
+        "convert x2, multiply, reduce -> f32[1,1024]")
+    assert got["gemm_fusion_dot_3"] == "dot -> bf16[8,512]"
+    assert "pallas_flash_attention_" not in got and "region_0.4" not in got
+    # a program XLA compiled here: its three fusions, each what the function does there
+    f = jax.jit(lambda x, w: jnp.tanh((x * 2).astype(jnp.bfloat16) @ w).sum())
+    text = f.lower(jnp.ones((4, 8)), jnp.ones((8, 16), jnp.bfloat16)).compile().as_text()
+    got = fused_ops(text)
+    names = re.findall(r"%(\S+) = \S+ fusion\(", text)
+    assert names and {got[n] for n in names} >= {"broadcast, convert, multiply -> bf16[4,8]"}
+    assert all(got[n].endswith(("-> bf16[4,8]", "-> bf16[4,16]", "-> bf16[]")) for n in names)
 
 
 def test_a_cpu_trace_has_no_device_kernels():

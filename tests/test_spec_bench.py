@@ -131,8 +131,8 @@ TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.
 
 def test_bench_speculative_tiny(tmp_path, monkeypatch):
     """The whole bench on tiny models; with a device trace (stubbed: a CPU trace has none)
-    each decoding's row gets its kernels per token, and token_kernels_<target> its longest
-    kernels."""
+    each decoding's row gets its kernels per token, token_kernels_<target> its longest
+    kernels, and programs/ its compiled decoding loop."""
     from experiments.blockffn import speculative as mod
     from moejax.harness.experiment import run_experiment
 
@@ -175,6 +175,13 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert float(kinds[1]["ms"]) == pytest.approx(1e-4 / 6 * 1e3)
     assert float(top[0]["ms"]) == pytest.approx(2e-4 / 6 * 1e3)
     assert float(top[0]["share"]) == pytest.approx(2 / 3)
+    # each traced decoding's compiled loop is kept, and names what each kernel fuses
+    programs = run.path / "programs"
+    assert len(list(programs.glob("*.hlo"))) == len(rows)
+    ar = (programs / "grown_ar_dense_0.hlo").read_text()
+    assert ar.startswith("HloModule") and " while(" in ar
+    assert (programs / "trained_spec_chunk_sparse_self_1_layer_distilled_2.hlo").exists()
+    assert all("fuses" in t for t in top)
     assert (run.path / "tokens_per_s_grown.png").exists()
     assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
     # the tiny models are far below 100M parameters: the serving claims are not judged

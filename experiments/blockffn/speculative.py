@@ -50,6 +50,7 @@ at draft length 4, the wide ones also with command buffers, or the full preset c
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Literal
 
@@ -74,7 +75,7 @@ from moejax.bench.decode_timing import (
     matching_prefix,
     spec_chunk_sparsity,
 )
-from moejax.bench.profile import kernel_kind_rows, sees_device, top_kernel_rows
+from moejax.bench.profile import fused_ops, kernel_kind_rows, sees_device, top_kernel_rows
 from moejax.bench.resume import (
     MeasurementStore,
     device_basis,
@@ -83,6 +84,7 @@ from moejax.bench.resume import (
 )
 from moejax.chunk_sparse.draft import DraftDistillConfig, argmax_agreement, distill_draft
 from moejax.config import Config, config, to_dict
+from moejax.files import atomic_write_text
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.nn.decoder import keep_layers, with_dtype
@@ -143,7 +145,9 @@ class SpecBenchConfig(Config):
     # each decoding traced once more by the profiler on a GPU or TPU (a CPU trace has no
     # device plane): kernels per generated token, the fraction of the wall time the device
     # is busy, the profile_top longest kernels per token (tables "token_kernels_<target>")
-    # and every kernel by kind, with its launches per token ("kernel_kinds_<target>")
+    # and every kernel by kind, with its launches per token ("kernel_kinds_<target>"), and the
+    # compiled decoding loop's HLO, which says what each kernel fuses
+    # ("programs/<target>_<decoding>.hlo")
     profile: bool = True
     profile_top: int = 6
     # time the trained (small) target's decodings as well as the grown one's (false: the
@@ -251,8 +255,10 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: l
         kept = store.get(key)
         reused += kept is not None
         if kept is None:
-            kept = store.put(key, _decoding(name, target, mode, model, dname, d, n, prompts,
-                                            ref, agree, cfg))
+            fresh = _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg)
+            if (program := fresh.pop("program", None)) is not None:
+                atomic_write_text(run.path / "programs" / f"{name}_{_slug(key)}.hlo", program)
+            kept = store.put(key, fresh)
         row = dict(kept["row"])  # the summary's ratios are added to the table's copy
         if mode == "AR dense":
             ref = {"tokens": np.asarray(kept["tokens"], np.int32),
@@ -283,6 +289,11 @@ def _bench(name, target, drafts, prompts, cfg, rows, run: RunDir, prompt_rows: l
                  f"command of this run on the same device ({store.path.name}), the others by "
                  "this one.")
     rows[:] = ratio_columns(rows)
+
+
+def _slug(key: str) -> str:
+    """A decoding's key (``"spec chunk-sparse | distilled | 4"``) as a file name."""
+    return re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
 
 
 def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) -> dict:
@@ -317,12 +328,13 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
         keys = ("model", "mode", "draft", "draft_len")
         kinds = kernel_kind_rows([{**row, "kernels": r["kernels"],
                                    "kernel_counts": r.get("kernel_counts")}], keys)
-        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top, keys)
+        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top, keys,
+                                  fused_ops(r["program"]))
     sp = spec_chunk_sparsity(target, ref_tokens, max(n, 0) + 1)
     row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
     row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")
                                      else sp["tls"] if mode == "AR token-sparse" else 0.0)
-    return {"row": row, "kernels": kernels, "kinds": kinds,
+    return {"row": row, "kernels": kernels, "kinds": kinds, "program": r.get("program"),
             "prompt_seconds": [float(x) for x in r["prompt_seconds"]],
             "tokens": r["tokens"] if ref is r else None}
 

@@ -163,7 +163,9 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
     below 1, the decode waits on the host launching its many small kernels, not on the
     device), ``kernels`` (device seconds per generated token by kernel name, largest
     first) and ``kernel_counts`` (launches per generated token by kernel name); each None
-    where the trace sees no device (a CPU). The decoding loop is compiled and its memory
+    where the trace sees no device (a CPU); and ``program``, the compiled loop's optimised
+    HLO text, which names every fusion the trace counts and the instructions fused into it
+    (what a kernel per token is made of). The decoding loop is compiled and its memory
     checked against the device's before its first call
     (:class:`~moejax.train.budget.MemoryBudgetError`, naming ``fix``: what shrinks it).
     ``command_buffers``: the loop compiled with :data:`moejax.xla_flags.COMMAND_BUFFERS`
@@ -189,8 +191,8 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
 
     # compiled and checked against the device's memory before its first call (which reuses it)
     what = f"the {'speculative' if draft is not None else 'autoregressive'} decoding loop"
-    lowered_fitting(draw.lower(prompts[:1], lens, key=key) if draft is None
-                    else decode.lower(prompts[:1]), what=what, fix=fix)
+    compiled = lowered_fitting(draw.lower(prompts[:1], lens, key=key) if draft is None
+                               else decode.lower(prompts[:1]), what=what, fix=fix)
     jax.block_until_ready(one(prompts[:1])[0])
     toks, outs, each, t0 = [], [], [], time.perf_counter()
     for i in range(P):
@@ -217,6 +219,7 @@ def decode_timing(target, prompts, max_new_tokens: int, *, draft=None,
             name: t / max_new_tokens for name, t in trace.by_name.items()}
         res["kernel_counts"] = None if trace is None or trace.counts is None else {
             name: c / max_new_tokens for name, c in trace.counts.items()}
+        res["program"] = compiled.as_text()
     return res
 
 

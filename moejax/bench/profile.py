@@ -26,7 +26,7 @@ import jax
 from jax.profiler import ProfileData
 
 __all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device", "top_kernel_rows",
-           "kernel_kind", "kernel_kind_rows"]
+           "kernel_kind", "kernel_kind_rows", "fused_ops"]
 
 _TPU_OPS = "XLA Ops"
 
@@ -103,11 +103,52 @@ def trace_kernels(run: Callable[[], object]) -> KernelTrace | None:
         return device_kernels(profile) if profile else None
 
 
-def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...]) -> list[dict]:
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .+ \{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_PLUMBING = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
+
+
+def fused_ops(program: str) -> dict[str, str]:
+    """What each fusion of a compiled program (``compiled.as_text()``, XLA's optimised HLO)
+    computes, by the fusion's name, also as a profile names its kernel (``.`` -> ``_``): the
+    fused computation's instructions by opcode and count, parameters, constants and bitcasts
+    left out, then the result's type (``"convert, dot -> bf16[1,768]"``), so a kernel per
+    token in a trace reads as the work it does."""
+    bodies: dict[str, list[tuple[str, str]]] = {}
+    calls: dict[str, str] = {}
+    current = None
+    for line in program.splitlines():
+        if current is None:
+            if m := _COMPUTATION.match(line):
+                current = bodies.setdefault(m.group(1), [])
+            continue
+        if line.startswith("}"):
+            current = None
+        elif m := _INSTRUCTION.match(line):
+            current.append((m.group(3), re.sub(r"\{[^}]*\}", "", m.group(2))))
+            if m.group(3) == "fusion" and (c := _CALLS.search(line)):
+                calls[m.group(1)] = c.group(1)
+    out = {}
+    for name, comp in calls.items():
+        body = bodies.get(comp, [])
+        ops: dict[str, int] = {}
+        for op, _ in body:
+            if op not in _PLUMBING:
+                ops[op] = ops.get(op, 0) + 1
+        what = ", ".join(op if n == 1 else f"{op} x{n}" for op, n in sorted(ops.items()))
+        text = f"{what} -> {body[-1][1]}" if body else ""
+        out[name] = out[name.replace(".", "_")] = text
+    return out
+
+
+def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...],
+                    fuses: dict[str, str] | None = None) -> list[dict]:
     """Per row with a ``kernels`` mapping (seconds per kernel name, largest first, in some unit
     of work: a train step, a generated token), which it takes out of the row: its ``top``
     longest kernels, then the rest together, each with the row's ``keys``, its milliseconds
-    per unit and its share of the unit's device time."""
+    per unit and its share of the unit's device time; with ``fuses`` (:func:`fused_ops` of the
+    program traced), a ``fuses`` column saying what each fusion computes."""
     out = []
     for r in rows:
         by_name = r.pop("kernels", None)
@@ -118,7 +159,8 @@ def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...]) -> list[d
         rest = sum(t for _, t in items[top:])
         for name, t in items[:top] + ([("(the other kernels)", rest)] if rest else []):
             out.append({**{k: r.get(k, "") for k in keys}, "kernel": name, "ms": t * 1e3,
-                        "share": t / busy if busy else 0.0})
+                        "share": t / busy if busy else 0.0,
+                        **({"fuses": fuses.get(name, "")} if fuses is not None else {})})
     return out
 
 
