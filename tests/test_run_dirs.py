@@ -334,7 +334,8 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
     """The study's interrupted run of another config is a resume (the training loop judges
     its checkpoints); its finished run of another config needs overwrite, or resume=force;
     overwrite deletes the results (``seed_<i>/``, never another folder of that prefix nor a
-    linked one; a benchmark's kept measurements, not a file set aside) and keeps the rest; an
+    linked one; a benchmark's kept measurements and traced programs, not a file set aside)
+    and keeps the rest; an
     unreadable record is not rewritten by a state mark."""
     from moejax.harness.run_record import claim_run_dir, clear_results, mark_run_state
 
@@ -352,14 +353,15 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "kept.csv").write_text("x\n1\n")
-    for name in ("seed_0", "seed_x", "seed_", "checkpoints"):
+    for name in ("seed_0", "seed_x", "seed_", "checkpoints", "programs"):
         (out / name).mkdir()
+    (out / "programs" / "grown_ar_dense_0.hlo").write_text("HloModule old")
     (out / "seed_1").symlink_to(elsewhere)
     (out / "notes.txt").write_text("mine")
     for name in ("measured_grown.json", "measured.json.foreign"):  # a bench's kept timings
         (out / name).write_text("{}")
     removed = clear_results(out)
-    assert removed == ["measured_grown.json", "run.json", "seed_0"]
+    assert removed == ["measured_grown.json", "programs", "run.json", "seed_0"]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "measured.json.foreign",
                                                      "notes.txt", "seed_", "seed_1", "seed_x"]
     assert (elsewhere / "kept.csv").read_text() == "x\n1\n"

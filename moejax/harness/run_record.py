@@ -35,6 +35,8 @@ RESULT_SUFFIXES = (".csv", ".md", ".png")  # what a run writes beside run.json a
 # a benchmark's kept measurements (moejax.bench.resume.MeasurementStore): results too, so a
 # run that replaces this one measures everything again
 MEASUREMENT_FILES = "measured*.json"
+# folders of a run's results besides its tables: the compiled programs a benchmark traced
+RESULT_DIRS = ("programs",)
 
 
 class RunOwnerError(ValueError):
@@ -93,7 +95,8 @@ def claim_run_dir(path: str | os.PathLike, *, study: str, variant: str, cfg_hash
         what = (f"an unreadable run.json ({old['unreadable']})" if "unreadable" in old else
                 f"a {old.get('state')} run of {who}")
         fix = ("choose another out=, or add overwrite=true to replace it (its tables, seed runs, "
-               "plots and measurements are deleted first; checkpoints are kept)")
+               "plots, measurements and traced programs are deleted first; checkpoints are "
+               "kept)")
         if "unreadable" in old or (old.get("study"), old.get("variant", "")) != (study, variant):
             raise RunOwnerError(f"out={path} holds {what}; {fix}")
         if old["state"] == "finished" and old.get("config_hash") != cfg_hash and not resume_force:
@@ -122,14 +125,15 @@ def mark_run_state(path: str | os.PathLike, state: str) -> None:
 def clear_results(path: str | os.PathLike) -> list[str]:
     """Delete what a run reports in ``path``: its record, summary, tables, notes and plots
     (``run.json`` and the ``*.csv``, ``*.md``, ``*.png`` beside it), its kept measurements
-    (:data:`MEASUREMENT_FILES`) and its seed runs (``seed_<i>/``). Checkpoints, caches and
+    (:data:`MEASUREMENT_FILES`), its result folders (:data:`RESULT_DIRS`) and its seed runs
+    (``seed_<i>/``). Checkpoints, caches and
     anything else stay (a trained model is reused when its config allows,
     :mod:`moejax.train.loop`). Returns the names removed."""
     path, removed = Path(path), []
     for entry in sorted(path.iterdir()) if path.is_dir() else []:
         name = entry.name
-        if entry.is_dir() and not entry.is_symlink() and name.startswith("seed_") \
-                and name[5:].isdigit():
+        if entry.is_dir() and not entry.is_symlink() and (
+                name in RESULT_DIRS or name.startswith("seed_") and name[5:].isdigit()):
             shutil.rmtree(entry)
         elif entry.is_file() and (name == "run.json" or entry.suffix in RESULT_SUFFIXES
                                   or entry.match(MEASUREMENT_FILES)):
