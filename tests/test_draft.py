@@ -84,10 +84,13 @@ def test_distillation_teaches_the_draft_the_targets_choices(method):
     assert argmax_agreement(draft, target, held["tokens"]) == before
 
 
-def test_distill_draft_refuses_short_prompts_and_float_ids():
+def test_distill_draft_refuses_short_or_few_prompts_and_float_ids():
     cfg = DraftDistillConfig(prompt_len=8)
     with pytest.raises(ValueError, match="prompt_len"):
         distill_draft(_lm(0), _lm(1), np.zeros((4, 5), np.int32), cfg)
+    # fewer prompts than asked: refused, not distilled on fewer
+    with pytest.raises(ValueError, match=r"shape \(4, 8\).*P >= prompts=5"):
+        distill_draft(_lm(0), _lm(1), np.zeros((4, 8), np.int32), cfg.replace(prompts=5))
     # float ids would be truncated to other tokens by a cast: refused, here and in the sampler
     with pytest.raises(ValueError, match="dtype float32; need integer token ids"):
         distill_draft(_lm(0), _lm(1), np.full((4, 8), 1.7, np.float32), cfg)

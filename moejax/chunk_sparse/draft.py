@@ -103,17 +103,18 @@ def distill_draft(draft: DecoderLM, target: DecoderLM, prompts_PT, cfg: DraftDis
                   *, seed: int = 0, desc: str = "distil draft", run_dir=None,
                   start: str = "") -> tuple[DecoderLM, History]:
     """A copy of ``draft`` distilled from ``target`` on ``prompts_PT`` (``[P, T]`` training
-    prompts, cut to ``cfg.prompts`` rows of ``cfg.prompt_len`` tokens) by ``cfg.method``
-    (module docstring); ``draft`` and ``target`` are left unchanged. Returns ``(draft,
-    history)``. ``run_dir``: checkpoints there (with :class:`DistilledDraft` of ``cfg``,
+    prompts, at least ``cfg.prompts`` rows of ``cfg.prompt_len`` tokens, cut to that) by
+    ``cfg.method`` (module docstring); ``draft`` and ``target`` are left unchanged. Returns
+    ``(draft, history)``. ``run_dir``: checkpoints there (with :class:`DistilledDraft` of ``cfg``,
     ``seed`` and ``start``, the starting draft's name), so a stopped distillation resumes and
     a finished one is restored instead of trained again."""
     prompts_PT = np.asarray(prompts_PT)
     if (prompts_PT.ndim != 2 or prompts_PT.shape[1] < cfg.prompt_len
+            or prompts_PT.shape[0] < cfg.prompts
             or not np.issubdtype(prompts_PT.dtype, np.integer)):
         raise ValueError(f"distill_draft: prompts of shape {prompts_PT.shape} and dtype "
-                         f"{prompts_PT.dtype}; need integer token ids [P, T >= "
-                         f"prompt_len={cfg.prompt_len}]")
+                         f"{prompts_PT.dtype}; need integer token ids [P >= prompts="
+                         f"{cfg.prompts}, T >= prompt_len={cfg.prompt_len}]")
     prompts_PT = prompts_PT[:cfg.prompts, :cfg.prompt_len]
     key = jax.random.key(seed)
     rows = target_continuations(target, prompts_PT, cfg.response_len,
