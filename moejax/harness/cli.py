@@ -41,7 +41,8 @@ def usage(name: str, make_config: Callable[[str], Config], preset: str = "quick"
             "evaluation cut to a couple of steps and batches, model sizes kept), variant (one "
             "of the study's declared variants: its overrides, its own run directory and "
             "results section), overwrite (true: replace a run of another study or config "
-            "in out, deleting its tables, seed runs and plots first, checkpoints kept; "
+            "in out, deleting its tables, seed runs, plots, a benchmark's kept timings and "
+            "traced programs first, checkpoints kept; "
             "default false)", ""]
     head += [f"variant {v}: {' '.join(o)}" for v, o in (variants or {}).items()]
     head += ["" if variants else None, f"config keys (defaults of preset={preset}):"]
