@@ -97,6 +97,13 @@ class SparseLMConfig(Config):
     max_seq_len: int = 1024
 
     def validate(self) -> None:
+        # both schedules multiply their coefficient: started at 0 it stays 0, and the
+        # regulariser the arm is named after never acts
+        self._require(self.cs_lam0 > 0, f"cs_lam0={self.cs_lam0} must be > 0: lambda_cs's "
+                      "schedule scales it, so from 0 CS never acts (use_cs=false trains "
+                      "without CS)")
+        self._require(self.remoe_lam0 > 0, f"remoe_lam0={self.remoe_lam0} must be > 0: "
+                      "ReMoE's controller scales it, so from 0 its L1 penalty never acts")
         try:  # the model this config builds must be valid too: fail at construction
             self.slot()
             stub = DenseFFNConfig(d_hidden=1, activation="swish")

@@ -71,6 +71,25 @@ def test_config_errors():
         ls.CoefScheduleConfig(gamma_min=0.9)
     with pytest.raises(ConfigError, match="n_adj"):
         ls.CoefScheduleConfig(n_adj=0)
+    # a schedule that scales its coefficient from 0 never applies its penalty
+    for kind in ("blockffn_cs", "remoe_l1"):
+        with pytest.raises(ConfigError, match=f"lam0=0.0 must be > 0 for kind='{kind}'"):
+            ls.CoefScheduleConfig(kind=kind, lam0=0.0)
+    assert ls.CoefScheduleConfig(kind="none", lam0=0.0).lam0 == 0.0
+
+
+def test_an_adaptive_coefficient_of_zero_stays_zero():
+    """Why the adaptive kinds refuse lam0=0: the updates that move a positive coefficient
+    only scale it, so one of 0 stays 0."""
+    cfg = ls.CoefScheduleConfig(lam0=0.5, n_st=1, n_adj=1)
+    rcfg = ls.CoefScheduleConfig(kind="remoe_l1", lam0=1e-3)
+    for c, update, stats in ((cfg, ls.lambda_schedule_update, (3.0, 1.0, 9.0, 0.5)),
+                             (rcfg, ls.remoe_update, (0.1, 0.1, 0.9))):
+        for start in (0.5, 0.0):
+            st = ls.init_schedule_state(c)._replace(lam=jnp.float32(start))
+            for x in stats:
+                st = update(st, jnp.float32(x), c)
+            assert (float(st.lam) != start) == (start > 0), (c.kind, start, float(st.lam))
 
 
 def _lm(cs_coef=0.0):

@@ -103,6 +103,12 @@ class ControlledConfig(Config):
         self._require(all(0 < p < 1 for p in self.sweep_ps) and all(w >= 0 for w in
                                                                      self.l2_sweep),
                       "sweep_ps must lie in (0, 1) and l2_sweep weights be >= 0")
+        for name in ("l2_weight", "l1_weight"):
+            self._require(getattr(self, name) > 0, f"{name}={getattr(self, name)}: AdamR's "
+                          "lambda must be > 0 (lambda 0 is the Adam run it is compared with)")
+        self._require(not self.l2_sweep or max(self.l2_sweep) > 0,
+                      f"l2_sweep={self.l2_sweep}: the strongest weight must be > 0 (weight 0 "
+                      "is Adam, not AdamR-L2), or l2_sweep=()")
         self._require(not self.l2_sweep or self.sweep_ps,
                       "sweep_ps is empty while l2_sweep is not; give drop rates or l2_sweep=()")
         self._require(all(0 < p < 1 for p in self.lora_ps),

@@ -108,6 +108,8 @@ class DecoderStudyConfig(Config):
                       f"{self.seq_len + 2} bytes); raise corpus_bytes")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
+        self._require(self.l2_weight > 0, f"l2_weight={self.l2_weight}: AdamR-L2's lambda must "
+                      "be > 0 (lambda 0 is the AdamW run it is compared with)")
         self._require(all(w > 0 for w in self.l2_sweep),
                       f"l2_sweep={self.l2_sweep}: AdamR-L2 weights must be > 0 (weight 0 is "
                       "the AdamW run, always there)")

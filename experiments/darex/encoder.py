@@ -127,6 +127,9 @@ class EncoderStudyConfig(Config):
                       "n_train, n_val and n_test must be >= 1")
         self._require(self.q_num >= 1, f"q_num={self.q_num} must be >= 1 grid steps")
         self._require(self.eta_num >= 1, f"eta_num={self.eta_num} must be >= 1 grid steps")
+        for name in ("l2_weight", "l1_weight"):
+            self._require(getattr(self, name) > 0, f"{name}={getattr(self, name)}: AdamR's "
+                          "lambda must be > 0 (lambda 0 is the AdamW run it is compared with)")
         self._require(self.model != "minilm" or self.seq_len <= MINILM_MAX_POSITION,
                       f"seq_len={self.seq_len} exceeds MiniLM's {MINILM_MAX_POSITION} positions")
 

@@ -68,6 +68,9 @@ class CoefScheduleConfig(Config):
     def validate(self) -> None:
         r = self._require
         r(self.lam0 >= 0, f"lam0={self.lam0} must be >= 0")
+        r(self.kind == "none" or self.lam0 > 0, f"lam0={self.lam0} must be > 0 for "
+          f"kind={self.kind!r}: the schedule scales it, so from 0 the penalty never acts "
+          "(kind='none' applies a fixed coefficient, 0 included)")
         r(self.n_st >= 0, f"n_st={self.n_st} must be >= 0")
         r(self.n_adj >= 1, f"n_adj={self.n_adj} must be >= 1")
         r(self.gamma_min >= 1.0, f"gamma_min={self.gamma_min} must be >= 1 (paper: 1.025)")
