@@ -50,6 +50,9 @@ class AblationsConfig(SparseLMStudyConfig):
                       f"model.al_coef={self.model.al_coef} leaves AL out of every setting "
                       "(AL+CS would be CS, AL would be Null); give a weight > 0, the one the "
                       "AL settings train with (CS and Null set it to 0)")
+        for name, arm in (("l1_coef", "AL+L1"), ("entropy_coef", "AL+Ent")):
+            self._require(getattr(self, name) > 0, f"{name}={getattr(self, name)} makes {arm} "
+                          f"the setting AL; give {arm}'s weight > 0")
 
 
 def make_config(preset: str) -> AblationsConfig:
