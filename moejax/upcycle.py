@@ -112,6 +112,8 @@ class UpcycleConfig(Config):
           f"block_list={self.block_list} must hold non-negative layer indices")
         r(self.offset >= 0, f"offset={self.offset} must be >= 0")
         r(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
+        r(0.0 <= self.sm_rate < 1.0, f"sm_rate={self.sm_rate} must be in [0, 1) (the fraction "
+          "of a delta's positions without a trainable value; 1 would leave none)")
         for name, read, rule in (
                 ("offset", self.blocks == "every_other", "blocks='every_other'"),
                 ("sm_rate", self.expert_form == "sm", "expert_form='sm'"),

@@ -83,6 +83,9 @@ def test_layer_selection_rules():
         UpcycleConfig(blocks="list")
     with pytest.raises(ConfigError, match="expert_form"):
         UpcycleConfig(freeze_shared=True)
+    # a DeRS-SM delta with no trainable position: refused with the rule, not when built
+    with pytest.raises(ConfigError, match=r"sm_rate=1.0 must be in \[0, 1\)"):
+        UpcycleConfig(expert_form="sm", sm_rate=1.0)
 
 
 def test_a_rule_that_would_upcycle_nothing_is_refused():

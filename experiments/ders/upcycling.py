@@ -84,6 +84,9 @@ class DeRSUpcyclingConfig(Config):
     def validate(self) -> None:
         require_read(self, "train", "each upcycled model's training")
         self._require(all(0 <= p < 1 for p in self.sm_rates), "sm_rates must be in [0, 1)")
+        self._require(0 <= self.frozen_sm_rate < 1,
+                      f"frozen_sm_rate={self.frozen_sm_rate} must be in [0, 1) (1 would leave the "
+                      "frozen-shared DeRS-SM no trainable value)")
         self._require(all(r >= 1 for r in self.lm_ranks), "lm_ranks must be >= 1")
         self._require(len(self.sm_rates) >= 1 and len(self.lm_ranks) >= 1,
                       "sm_rates and lm_ranks need at least one value each")
