@@ -291,6 +291,10 @@ def test_a_count_whose_zero_means_none_takes_zero():
     ("experiments.ders.bench", "lm_rank=1000", "lm_rank=1000 exceeds min(d_in, d_out) = 512"),
     ("experiments.ders.upcycling", "top_k=10", "top_k=10 must be in [1, n_experts=4]"),
     ("experiments.ders.upcycling", "frozen_sm_rate=1.0", "frozen_sm_rate=1.0 must be in [0, 1)"),
+    ("experiments.blockffn.speculative", "grow.n_experts=24",
+     "grow.n_experts=24 must be a multiple of target.n_experts=16"),
+    ("experiments.blockffn.baselines", "model.n_experts=1",
+     "model.n_experts=1: the baselines need 2 or more"),
     ("experiments.benchmarks.dispatch", "block_top_k=9", "block_top_k=9 must be <= block_"),
     ("experiments.darex.storage", "delta_std=0", "delta_std=0.0 must be > 0"),
 ])

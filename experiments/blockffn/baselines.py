@@ -89,8 +89,13 @@ class BaselinesConfig(SparseLMStudyConfig):
 
     def validate(self):
         super().validate()
-        for size in self.sizes:  # every size must build a valid model
-            self.size_spec(size)
+        self._require(self.model.n_experts >= 2, f"model.n_experts={self.model.n_experts}: "
+                      "the baselines need 2 or more (DSMoE: one shared, the others routed)")
+        for size in self.sizes:  # every size must build a valid model, every baseline too
+            spec = self.size_spec(size)
+            # the active experts follow BlockFFN's TLS: all of them, and one (the fewest)
+            for tls in (0.0, 1.0 - 1.0 / spec.n_experts):
+                self._checked(baselines, spec, tls, self.grin_k)
 
     def size_spec(self, size: str) -> SparseLMConfig:
         d, de, n_layers = {

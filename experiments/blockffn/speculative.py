@@ -179,6 +179,9 @@ class SpecBenchConfig(Config):
         r(self.profile_top >= 1, f"profile_top={self.profile_top} must be >= 1")
         r(self.decode_trained or self.grow.extra_layers > 0,
           "decode_trained=false needs grow.extra_layers >= 1: else nothing is decoded")
+        r(not self.grow.extra_layers or self.grow.n_experts % self.target.n_experts == 0,
+          f"grow.n_experts={self.grow.n_experts} must be a multiple of target.n_experts="
+          f"{self.target.n_experts}: the extra routers tile the trained last one")
         r(self.n_prompts >= 1 and self.prompt_len >= 1 and self.max_new_tokens >= 1,
           "n_prompts, prompt_len and max_new_tokens must be >= 1")
         # the prompts are the heads of validation windows, the drafts' training prompts of
@@ -209,14 +212,15 @@ class SpecBenchConfig(Config):
 
 def make_config(preset: str) -> SpecBenchConfig:
     base = sparse_lm_preset(preset)
-    cfg = SpecBenchConfig(target=base["model"].without_unread(("blockffn",)),
-                          train=base["train"], seq_len=base["seq_len"])
+    kw = dict(target=base["model"].without_unread(("blockffn",)), train=base["train"],
+              seq_len=base["seq_len"])
     if preset == "quick":
-        return cfg
+        return SpecBenchConfig(**kw)
     # the GPU preset serves in bfloat16, as a deployment would (the 16-bit decode kernels)
-    return cfg.replace(draft=cfg.draft.replace(d_model=128, n_layers=2, n_heads=4),
-                       n_prompts=16, max_new_tokens=256, decode_dtype="bfloat16",
-                       grow=GrowConfig(extra_layers=24, n_experts=160, d_expert=1024))
+    draft = SpecBenchConfig._default("draft").replace(d_model=128, n_layers=2, n_heads=4)
+    return SpecBenchConfig(**kw, draft=draft, n_prompts=16, max_new_tokens=256,
+                           decode_dtype="bfloat16",
+                           grow=GrowConfig(extra_layers=24, n_experts=160, d_expert=1024))
 
 
 def _modes(target, drafts, cfg):
