@@ -314,20 +314,23 @@ def test_a_config_that_would_build_a_bad_model_is_refused(module, override, why)
     ("experiments.darex.encoder", "l2_weight=0"),
     ("experiments.darex.encoder", "l1_weight=0"),
     ("experiments.blockffn.ablations", "model.cs_lam0=0"),
+    ("experiments.kd.moe_kd", "kd.kd_ratio=0"),
     ("experiments.blockffn.ablations", "l1_coef=0"),
     ("experiments.blockffn.ablations", "entropy_coef=0"),
     ("experiments.blockffn.baselines", "model.remoe_lam0=0"),
 ])
 def test_an_arm_without_its_regulariser_is_refused(module, override):
     """AdamR at lambda 0 is the Adam(W) run it is compared with, AL+CS or ReMoE from a
-    coefficient of 0 never apply their penalty, and AL+L1 or AL+Ent at weight 0 are AL:
-    judged, a claim about the regulariser would read from an arm without it. Weight 0
-    beside a positive one stays a sweep's reference point."""
+    coefficient of 0 never apply their penalty, AL+L1 or AL+Ent at weight 0 are AL, and KD
+    at kd_ratio 0 is SFT: judged, a claim about the regulariser (or the teacher) would read
+    from an arm without it. Weight 0 beside a positive one stays a sweep's reference
+    point."""
     import importlib
 
     cfg = importlib.import_module(module).STUDY.make_config("quick")
     with pytest.raises(ConfigError, match=r"(must be > 0(:| \().*(Adam|never acts))|"
-                                          r"makes AL\+(L1|Ent) the setting AL"):
+                                          r"makes AL\+(L1|Ent) the setting AL|"
+                                          r"leaves the teacher out of KD's loss"):
         apply_overrides(cfg, [override])
     if module.endswith("controlled"):
         assert apply_overrides(cfg, ["l2_sweep=(0.0,0.1)"]).l2_sweep == (0.0, 0.1)

@@ -109,6 +109,8 @@ class DistillConfig(Config):
         self._require_default_unless(self.divergence == "jsd", "jsd_beta", "divergence='jsd'")
         r(self.teacher_k >= 0, f"teacher_k={self.teacher_k} must be >= 0 (0 = as trained)")
         r(0.0 <= self.kd_ratio <= 1.0, f"kd_ratio={self.kd_ratio} must be in [0, 1]")
+        r(self.method != "kd" or self.kd_ratio > 0, "kd_ratio=0 leaves the teacher out of "
+          "KD's loss: that is method='sft'")
         r(0.0 <= self.ka_lambda <= 1.0, f"ka_lambda={self.ka_lambda} must be in [0, 1]")
         r(self.ka_m >= 1, f"ka_m={self.ka_m} must be >= 1")
         r(self.temperature > 0.0, f"temperature={self.temperature} must be > 0")
