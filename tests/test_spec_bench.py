@@ -134,9 +134,10 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     each decoding's row gets its kernels per token, token_kernels_<target> its longest
     kernels, and programs/ its compiled decoding loop."""
     from experiments.blockffn import speculative as mod
+    from experiments.blockffn import speculative_decodings
     from moejax.harness.experiment import run_experiment
 
-    monkeypatch.setattr(mod, "sees_device", lambda: True)
+    monkeypatch.setattr(speculative_decodings, "sees_device", lambda: True)
     monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
         12, 3e-4, {"gemm": 2e-4, "fusion_3": 0.6e-4, "fusion_1": 0.4e-4},
         {"gemm": 6, "fusion_3": 4, "fusion_1": 2}))
@@ -202,12 +203,13 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
     from experiments.blockffn import speculative as mod
+    from experiments.blockffn import speculative_decodings as timing
     from moejax.harness.experiment import run_experiment
 
     args = [*(a for a in TINY if not a.startswith("grow.")),  # no growth: no grow.* read
             "grow.extra_layers=0", "drafts.distilled=true", "drafts.self_layers=0",
             "drafts.self_distilled=false", "decode_dtype=bfloat16"]
-    calls, real = [], mod.decode_timing
+    calls, real = [], timing.decode_timing
 
     def stop_at_the_fourth(*a, **k):
         calls.append(1)
@@ -216,7 +218,7 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
         return real(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(mod, "decode_timing", stop_at_the_fourth)
+        m.setattr(timing, "decode_timing", stop_at_the_fourth)
         with pytest.raises(TimeoutError):
             run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
@@ -225,7 +227,8 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert (tmp_path / "b" / "distilled" / "checkpoints").is_dir()
     steps, timed = [], []
     monkeypatch.setattr("moejax.train.loop._Run._step", lambda self, step: steps.append(step))
-    monkeypatch.setattr(mod, "decode_timing", lambda *a, **k: timed.append(k) or real(*a, **k))
+    monkeypatch.setattr(timing, "decode_timing",
+                        lambda *a, **k: timed.append(k) or real(*a, **k))
     run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
     assert steps == []  # nothing trained again
     assert [k["draft"] is not None for k in timed] == [True, True]  # the two never timed
@@ -458,7 +461,7 @@ def test_the_ratios_are_derived_again_from_a_table_read_back():
     blank cells): a chunk-sparse row's sparse_gain is over the dense decoding of its own draft
     only, a stale ratio over another draft's is blanked, and the rule gives a run's own rows
     what it gave them (the results document recomputes nothing that stands)."""
-    from experiments.blockffn.speculative import derived_tables, ratio_columns
+    from experiments.blockffn.speculative_tables import derived_tables, ratio_columns
     from moejax.harness.tables import changed_cells
 
     def row(mode, draft, n, tps, bound, **stale):
