@@ -55,10 +55,9 @@ def time_decodings(name, target, drafts, prompts, cfg, rows, run: RunDir,
     row, and each decoding is kept in ``measured_<name>.json``
     (:class:`moejax.bench.resume.MeasurementStore`, under the config, the device, the code of
     this module and the study's, and the models' weights), so the same command again after a
-    time limit times only the decodings still missing. Each prompt's
-    own wall time goes to ``prompt_rows`` (the ``decode_prompts`` table: what the speed claim
-    pairs by prompt)."""
-    if cfg.decode_dtype != "float32":  # the drafts are cast once, in run()
+    time limit times only the decodings still missing. Each prompt's own wall time goes to
+    ``prompt_rows`` (the ``decode_prompts`` table: what the speed claim pairs by prompt)."""
+    if cfg.decode_dtype != "float32":  # the drafts are cast once, in the study's run()
         target = with_dtype(target, cfg.decode_dtype)
     store = MeasurementStore(run.path / f"measured_{name}.json", {
         "config": to_dict(cfg), "device": device_basis(),
