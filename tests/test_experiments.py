@@ -859,15 +859,21 @@ def test_the_benchmarks_time_no_wrong_kernel(monkeypatch):
 def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_path, monkeypatch):
     """With a device trace (stubbed here: a CPU trace has none), each path's row gets its
     kernels per step and the device's busy fraction, and step_kernels its longest kernels and
-    the rest together."""
+    the rest together, each with what it fuses."""
     import csv
 
     from experiments.benchmarks import dispatch as bench_dispatch
-    from moejax.bench.profile import KernelTrace
+    from moejax.bench.profile import KernelTrace, fused_ops
+
+    compiled, real_compile, named = [], bench_dispatch.compile_fitting, []
+    monkeypatch.setattr(bench_dispatch, "compile_fitting",
+                        lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
 
     def traced(one_step):
         one_step()  # the step runs (and donates its state) as under the profiler
-        return KernelTrace(12, 3e-3, {"gemm": 2e-3, "fusion": 0.8e-3, "copy": 0.2e-3})
+        # the second kernel named as a profile names one of the step's own fusions
+        named.append(next(k for k in fused_ops(compiled[-1].as_text()) if "." not in k))
+        return KernelTrace(12, 3e-3, {"gemm": 2e-3, named[-1]: 0.8e-3, "copy": 0.2e-3})
 
     from moejax.bench import train_steps
 
@@ -885,9 +891,15 @@ def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_pa
         assert float(r["device_busy"]) == pytest.approx(3e-3 / float(r["step_s_median"]))
     top = list(csv.DictReader(open(run.path / "step_kernels.csv")))
     assert [(t["path"], t["kernel"]) for t in top] == [
-        (p, k) for p in ("dense", "capacity") for k in ("gemm", "fusion", "(the other kernels)")]
+        (p, k) for p, name in zip(("dense", "capacity"), named)
+        for k in ("gemm", name, "(the other kernels)")]
     assert [float(t["ms"]) for t in top[:3]] == pytest.approx([2.0, 0.8, 0.2])
     assert float(top[0]["share"]) == pytest.approx(2 / 3)
+    # what each kernel fuses, read from the step each path compiled and timed
+    fuses = [fused_ops(c.as_text()) for c in compiled]
+    assert [t["fuses"] for t in top] == [
+        x for f, name in zip(fuses, named) for x in ("", f[name], "")]
+    assert all(" -> " in f[name] for f, name in zip(fuses, named))
     with pytest.raises(ConfigError, match="profile_top"):
         run_experiment("bench_dispatch", bench_dispatch.make_config, bench_dispatch.run,
                        ["profile_top=0"], out=tmp_path / "bad")

@@ -44,7 +44,7 @@ from flax import nnx
 
 from moejax.bench.cpu import delta_op_times, tree_of_shapes
 from moejax.bench.moe_block import BlockShape, block_table, block_timer, software_versions
-from moejax.bench.profile import top_kernel_rows
+from moejax.bench.profile import fused_ops, top_kernel_rows
 from moejax.bench.timing import kernel_unavailable, time_call
 from moejax.bench.train_steps import time_train_steps
 from moejax.capture import active_capture, record_step
@@ -198,7 +198,9 @@ def _bench_path(cfg: BenchConfig, path: str, source) -> dict:
         "dropped_fraction": float(np.mean(dropped)),
         **({} if kernels is None else {
             "kernels_per_step": kernels.launches, "device_busy": kernels.busy_s / step_s,
-            "kernels": kernels.by_name}),
+            "kernels": kernels.by_name,
+            # what each kernel fuses, from the program compile_fitting compiled
+            **({"fuses": fused_ops(step.as_text())} if hasattr(step, "as_text") else {})}),
     }
 
 

@@ -149,8 +149,8 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
         keys = ("model", "mode", "draft", "draft_len")
         kinds = kernel_kind_rows([{**row, "kernels": r["kernels"],
                                    "kernel_counts": r.get("kernel_counts")}], keys)
-        kernels = top_kernel_rows([{**row, "kernels": r["kernels"]}], cfg.profile_top, keys,
-                                  fused_ops(r["program"]))
+        kernels = top_kernel_rows([{**row, "kernels": r["kernels"],
+                                    "fuses": fused_ops(r["program"])}], cfg.profile_top, keys)
     sp = spec_chunk_sparsity(target, ref_tokens, max(n, 0) + 1)
     row["TLS"], row["CLS_block"] = sp["tls"], sp["cls"]
     row["ffn_fraction_bound"] = 1 - (sp["cls"] if mode.endswith("chunk-sparse")

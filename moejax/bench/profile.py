@@ -142,16 +142,16 @@ def fused_ops(program: str) -> dict[str, str]:
     return out
 
 
-def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...],
-                    fuses: dict[str, str] | None = None) -> list[dict]:
+def top_kernel_rows(rows: list[dict], top: int, keys: tuple[str, ...]) -> list[dict]:
     """Per row with a ``kernels`` mapping (seconds per kernel name, largest first, in some unit
     of work: a train step, a generated token), which it takes out of the row: its ``top``
     longest kernels, then the rest together, each with the row's ``keys``, its milliseconds
-    per unit and its share of the unit's device time; with ``fuses`` (:func:`fused_ops` of the
-    program traced), a ``fuses`` column saying what each fusion computes."""
+    per unit and its share of the unit's device time; where the row has ``fuses``
+    (:func:`fused_ops` of the program traced, also taken out), a ``fuses`` column saying what
+    each fusion computes."""
     out = []
     for r in rows:
-        by_name = r.pop("kernels", None)
+        by_name, fuses = r.pop("kernels", None), r.pop("fuses", None)
         if not by_name:
             continue
         busy = sum(by_name.values())
