@@ -138,6 +138,9 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     from moejax.harness.experiment import run_experiment
 
     monkeypatch.setattr(speculative_decodings, "sees_device", lambda: True)
+    read, fused_ops = [], speculative_decodings.fused_ops
+    monkeypatch.setattr(speculative_decodings, "fused_ops",
+                        lambda text: read.append(text) or fused_ops(text))
     monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
         12, 3e-4, {"gemm": 2e-4, "fusion_3": 0.6e-4, "fusion_1": 0.4e-4},
         {"gemm": 6, "fusion_3": 4, "fusion_1": 2}))
@@ -183,6 +186,8 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert ar.startswith("HloModule") and " while(" in ar
     assert (programs / "trained_spec_chunk_sparse_self_1_layer_distilled_2.hlo").exists()
     assert all("fuses" in t for t in top)
+    # the fuses column reads the programs kept, one per decoding
+    assert sorted(read) == sorted(p.read_text() for p in programs.glob("*.hlo"))
     assert (run.path / "tokens_per_s_grown.png").exists()
     assert "speculative + chunk-sparse" in (run.path / "summary.md").read_text()
     # the tiny models are far below 100M parameters: the serving claims are not judged
