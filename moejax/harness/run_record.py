@@ -126,9 +126,8 @@ def clear_results(path: str | os.PathLike) -> list[str]:
     """Delete what a run reports in ``path``: its record, summary, tables, notes and plots
     (``run.json`` and the ``*.csv``, ``*.md``, ``*.png`` beside it), its kept measurements
     (:data:`MEASUREMENT_FILES`), its result folders (:data:`RESULT_DIRS`) and its seed runs
-    (``seed_<i>/``). Checkpoints, caches and
-    anything else stay (a trained model is reused when its config allows,
-    :mod:`moejax.train.loop`). Returns the names removed."""
+    (``seed_<i>/``). Checkpoints, caches and anything else stay (a trained model is reused
+    when its config allows, :mod:`moejax.train.loop`). Returns the names removed."""
     path, removed = Path(path), []
     for entry in sorted(path.iterdir()) if path.is_dir() else []:
         name = entry.name
