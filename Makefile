@@ -7,7 +7,7 @@ PYTHON ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moejax-installed
-DEPS   := pyproject.toml scripts/install_data_deps.sh
+DEPS   := pyproject.toml scripts/install_data_deps.sh scripts/install_gpu_compiler.sh
 ARGS   ?=
 
 .PHONY: demo studies results test test-floor setup lint bench full-smoke full-aot smoke-devices \
@@ -79,6 +79,7 @@ $(STAMP): $(DEPS)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
 	PYTHON=$(PY) bash scripts/install_data_deps.sh
+	PYTHON=$(PY) bash scripts/install_gpu_compiler.sh
 	touch $(STAMP)
 
 lint: setup

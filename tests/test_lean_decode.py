@@ -58,6 +58,9 @@ def _model(slot, *, layers=2, d=32, **kw):
                                                    activation="swiglu"), {}),
     ("blockffn, no router norm", BlockFFNConfig(n_experts=8, d_expert=8, rmsnorm=False,
                                                 path="chunk_union"), {}),
+    ("blockffn dense", BlockFFNConfig(n_experts=8, d_expert=8, path="dense"), {}),
+    ("blockffn dense gated, no router norm", BlockFFNConfig(
+        n_experts=8, d_expert=8, path="dense", activation="swiglu", rmsnorm=False), {}),
 ])
 def test_the_lean_decode_equals_the_modules_decode(name, slot, kw):
     decode = nnx.jit(lambda m, t, c: m.decode(t, c))  # per shape one program, not one per op

@@ -197,8 +197,11 @@ class Attention(nnx.Module):
         return self._proj(x_BTD, "q"), self._proj(x_BTD, "k"), self._proj(x_BTD, "v")
 
     def _qkv(self, x_BTD, positions_BT):
-        B, T, _ = x_BTD.shape
-        q, k, v = self._project(x_BTD)
+        return self._heads(*self._project(x_BTD), positions_BT)
+
+    def _heads(self, q, k, v, positions_BT):
+        """The projections split into heads, q/k-normed and rotated."""
+        B, T = q.shape[:2]
         if self.qk_norm == "full":  # over the whole projection (OLMoE)
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.n_heads, self.head_dim)
@@ -247,13 +250,19 @@ class Attention(nnx.Module):
         Positions default to ``lengths_B + arange(T)``. The caller guarantees
         ``lengths_B + T <= S_max`` (writes past the end are clamped by XLA).
         """
-        B, T, _ = x_BTD.shape
+        return self.decode_projected(self._project(x_BTD), cache, positions_BT)
+
+    def decode_projected(self, qkv: tuple, cache: KVCache,
+                         positions_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """:meth:`decode` from the q, k and v projections ``[B, T, H*J]``, ``[B, T, G*J]``
+        (twice), however they were made."""
+        B, T = qkv[0].shape[:2]
         S = cache.k_BSGJ.shape[1]
         start_B = cache.lengths_B
         slot_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         if positions_BT is None:
             positions_BT = slot_BT
-        q, k, v = self._qkv(x_BTD, positions_BT)
+        q, k, v = self._heads(*qkv, positions_BT)
         k_cache = _write_cache(cache.k_BSGJ, k, start_B)
         v_cache = _write_cache(cache.v_BSGJ, v, start_B)
         mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]

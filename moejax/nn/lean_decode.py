@@ -16,12 +16,21 @@
   ``diag(s_ffn) W_up^(e)`` (and ``W_gate^(e)``), so the experts take ``x`` times that rsqrt;
   the expert part is the module's (:func:`moejax.nn.blockffn.block_experts`: on a GPU the
   chunk-union decode kernel, which sums the experts' output into the block's residual, so
-  the block's residual add is the kernel's and its float32 output needs no zeroing); any
-  other FFN slot (MoE, DeRS) runs as the module does, after its RMSNorm;
+  the block's residual add is the kernel's and its float32 output needs no zeroing), except
+  on ``path="dense"``, where every expert runs as two products, ``[D, E F]`` in (the
+  experts' input weights side by side, gate then up) and ``[E F, D]`` out, each expert's
+  ``F`` activations weighted by its ``a_e`` between them (``sum_e a_e E_e(x)`` with the
+  weighting moved inside the linear down product), not as ``E`` products of one row each;
+  any other FFN slot (MoE, DeRS) runs as the module does, after its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
   GPU, :mod:`moejax.kernels.flash_attention`, given the rows' filled lengths, so its loop over
   key blocks ends there), the cache written in place
   (:func:`moejax.nn.attention._write_cache`).
+
+A block's input and its attention output's sum are each made once with their sum of squares
+(:func:`_stream`), so the products read a written vector and the norm's factor, rather than
+XLA recomputing the residual sums inside every product's fusion over the whole weight (on a
+GPU, a written ``[D, N]`` of products per matrix-vector product).
 
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
 their loop: :mod:`moejax.nn.sample`, :mod:`moejax.nn.speculative`, :mod:`moejax.nn.generate`),
@@ -77,14 +86,19 @@ class LeanAttention(Attention):
         if attn.qk_norm != "none":
             self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
 
-    def _project(self, x_BTD):
+    def _project(self, x_BTD, r_BT1=None):
         dt = self.dtype or x_BTD.dtype
-        r = inv_rms(x_BTD, self.eps).astype(dt)
+        r = (inv_rms(x_BTD, self.eps) if r_BT1 is None else r_BT1).astype(dt)
         y = (x_BTD.astype(dt) @ self.w_qkv[...].astype(dt)) * r
         if self.b_qkv is not None:
             y = y + self.b_qkv[...].astype(dt)
         qj, kj = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return y[..., :qj], y[..., qj:qj + kj], y[..., qj + kj:]
+
+    def decode_normed(self, x_BTD, r_BT1, cache: KVCache, positions_BT=None):
+        """:meth:`decode` of the block's input ``x`` given its RMS factor ``r``
+        (:func:`_stream`)."""
+        return self.decode_projected(self._project(x_BTD, r_BT1), cache, positions_BT)
 
 
 class LeanDenseFFN(nnx.Module):
@@ -100,9 +114,9 @@ class LeanDenseFFN(nnx.Module):
         self.w_down = ffn.w_down
         self.b_down = getattr(ffn, "b_down", None)
 
-    def __call__(self, x_BTD: jax.Array):
+    def __call__(self, x_BTD: jax.Array, r_BT1=None):
         dt = self.dtype or x_BTD.dtype
-        r = inv_rms(x_BTD, self.eps).astype(dt)
+        r = (inv_rms(x_BTD, self.eps) if r_BT1 is None else r_BT1).astype(dt)
         h = (x_BTD.astype(dt) @ self.w_in[...].astype(dt)) * r
         if self.b_in is not None:
             h = h + self.b_in[...].astype(dt)
@@ -113,9 +127,10 @@ class LeanDenseFFN(nnx.Module):
             y = y + self.b_down[...].astype(dt)
         return y, {}
 
-    def with_residual(self, x_BTD: jax.Array):
-        """``x + ffn(x)``, the block's output, and ``{}``."""
-        y, aux = self(x_BTD)
+    def with_residual(self, x_BTD: jax.Array, r_BT1=None):
+        """``x + ffn(x)``, the block's output, and ``{}``; ``r``: ``x``'s RMS factor, where
+        it is at hand."""
+        y, aux = self(x_BTD, r_BT1)
         return add_residual(x_BTD, y), aux
 
 
@@ -132,32 +147,67 @@ class LeanBlockFFN(nnx.Module):
         self.router_norm = ffn.router_norm if ffn.cfg.rmsnorm else None
         w_up, w_down, w_gate = ffn.experts.weights()
         fold = lambda w: (s_D[None, :, None] * w.astype(jnp.float32)).astype(w.dtype)  # noqa: E731
+        if ffn.cfg.path == "dense":  # every expert: one product in, one out ([D, E F], [E F, D])
+            E, D, F = w_up.shape
+            flat = lambda w: fold(w).transpose(1, 0, 2).reshape(D, E * F)  # noqa: E731
+            ins = (w_up,) if w_gate is None else (w_gate, w_up)
+            self.w_in = ax.param(jnp.concatenate([flat(w) for w in ins], axis=1), ax.EMBED,
+                                 ax.MLP)
+            self.w_out = ax.param(w_down.reshape(E * F, D), ax.MLP, ax.EMBED)
+            return
         up = (ax.EXPERTS, ax.EMBED, ax.MLP)
         self.w_up = ax.param(fold(w_up), *up)
         self.w_down = ax.param(w_down, ax.EXPERTS, ax.MLP, ax.EMBED)
         self.w_gate = None if w_gate is None else ax.param(fold(w_gate), *up)
 
-    def __call__(self, x_BTD: jax.Array):
-        return self._experts(x_BTD, residual=False), {}
+    def __call__(self, x_BTD: jax.Array, r_BT1=None):
+        return self._experts(x_BTD, r_BT1, residual=False), {}
 
-    def with_residual(self, x_BTD: jax.Array):
+    def with_residual(self, x_BTD: jax.Array, r_BT1=None):
         """``x + ffn(x)``, the block's output, and ``{}``: the residual goes to the expert
         part, whose GPU decode kernel sums into it (no zeroed output, no add after it)."""
-        return self._experts(x_BTD, residual=True), {}
+        return self._experts(x_BTD, r_BT1, residual=True), {}
 
-    def _experts(self, x_BTD: jax.Array, residual: bool):
+    def _experts(self, x_BTD: jax.Array, r_BT1, residual: bool):
         B, T, D = x_BTD.shape
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D)
-        x32_ND, r_N1 = x_ND.astype(jnp.float32), inv_rms(x_ND, self.eps)
+        x32_ND = x_ND.astype(jnp.float32)
+        r_N1 = inv_rms(x_ND, self.eps) if r_BT1 is None else r_BT1.reshape(B * T, 1)
         a0 = (x32_ND @ self.w_router[...]) * r_N1
         a1 = jax.nn.relu(a0)
         a = a1 if self.router_norm is None else self.router_norm(a1)
+        if self.cfg.path == "dense":
+            y_ND = self._every_expert(x_ND.astype(dt), r_N1.astype(dt), a, dt)
+            return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
         xe_ND = (x32_ND * r_N1).astype(dt)
         w_gate = None if self.w_gate is None else self.w_gate[...]
         y_ND, _ = block_experts(self.cfg, xe_ND, BlockRoute(a0, a1, a), self.w_up[...],
                                 self.w_down[...], w_gate, x_ND if residual else None)
         return y_ND.reshape(B, T, D)
+
+
+    def _every_expert(self, x_ND, r_N1, a_NE, dt):
+        """``sum_e a_e E_e(x r)`` as two products: ``[N, D] x [D, E F]`` (times ``r`` after
+        it), the activation and each expert's weight ``a_e`` on its ``F`` columns,
+        ``[N, E F] x [E F, D]``."""
+        N, E = a_NE.shape
+        h_NH = (x_ND @ self.w_in[...].astype(dt)) * r_N1
+        act = activation_fn(self.cfg.activation)
+        EF = self.w_out.shape[0]
+        h_NH = act(h_NH) if h_NH.shape[1] == EF else act(h_NH[:, :EF]) * h_NH[:, EF:]
+        g_NEF = h_NH.reshape(N, E, EF // E) * a_NE.astype(dt)[:, :, None]
+        return g_NEF.reshape(N, EF) @ self.w_out[...].astype(dt)
+
+
+def _stream(x_BTD, eps: float):
+    """``(x, inv_rms(x))`` with ``x`` and its sum of squares made together and kept (one
+    reduction, which also writes ``x``): the products read the written stream, rather than
+    recomputing its sums inside each product's fusion over the whole weight. The sum, not the
+    factor, is kept, so the ``rsqrt`` joins the kernels that use it."""
+    ss = jnp.sum(jnp.square(x_BTD.astype(jnp.float32)), axis=-1, keepdims=True)
+    x_BTD, ss = jax.lax.optimization_barrier((x_BTD, ss))
+    return x_BTD, jax.lax.rsqrt(ss / x_BTD.shape[-1] + eps)
 
 
 def _plain_rmsnorm(norm) -> bool:
@@ -178,10 +228,11 @@ class LeanBlock(nnx.Module):
 
     def decode(self, x_BTD: jax.Array, cache: KVCache, *, positions_BT=None,
                mask_BT=None) -> tuple[jax.Array, dict, KVCache]:
-        a, cache = self.attn.decode(x_BTD, cache, positions_BT)
+        x_BTD, r_BT1 = _stream(x_BTD, self.attn.eps)
+        a, cache = self.attn.decode_normed(x_BTD, r_BT1, cache, positions_BT)
         x_BTD = x_BTD + a.astype(x_BTD.dtype)
         if self.ffn_norm is None:  # a lean slot: it takes the block's input, adds its own
-            x_BTD, aux = self.ffn.with_residual(x_BTD)
+            x_BTD, aux = self.ffn.with_residual(*_stream(x_BTD, self.ffn.eps))
             return x_BTD, aux, cache
         y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
         return add_residual(x_BTD, y), aux, cache

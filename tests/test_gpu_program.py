@@ -1,0 +1,139 @@
+"""moejax.bench.gpu_program: a program's GPU kernels counted from its compilation on this
+host, with no GPU. The counter on a written program; the one-token lean decode of a 14-block
+decoder compiled for an H200 within a kernel budget per block."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moejax.bench.gpu_program import compiler_path, gpu_compile_env, launches, loop_launches
+
+PROGRAM = """HloModule jit_step, is_scheduled=true
+
+%fused_compare (param_0: s32[]) -> pred[] {
+  %param_0 = s32[] parameter(0)
+  %constant_4 = s32[] constant(4)
+  ROOT %compare.1 = pred[] compare(%param_0, %constant_4), direction=LT
+}
+
+%branch_a (p.1: f32[4]) -> f32[4] {
+  %p.1 = f32[4]{0} parameter(0)
+  ROOT %loop_exponential_fusion = f32[4]{0} fusion(%p.1), kind=kLoop, calls=%fused_exponential
+}
+
+%branch_b (p.2: f32[4]) -> f32[4] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %copy.3 = f32[4]{0} copy(%p.2)
+}
+
+%inner_body (t.1: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t.1 = (s32[], f32[4]{0}) parameter(0)
+  ROOT %t.2 = (s32[], f32[4]{0}) tuple(%t.1)
+}
+
+%body.7 (arg_tuple.1: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %arg_tuple.1 = (s32[], f32[4]{0}) parameter(0)
+  %gte.1 = s32[] get-tuple-element(%arg_tuple.1), index=0
+  %gte.2 = f32[4]{0} get-tuple-element(%arg_tuple.1), index=1
+  %f.12 = bf16[768]{0} fusion(%gte.2), kind=kInput, calls=%fused_reduce.12
+  %f.13 = bf16[256]{0} fusion(%f.12), kind=kInput, calls=%fused_reduce.13
+  %f.2 = bf16[1,160,8,32]{3,2,1,0} fusion(%gte.2), kind=kLoop, calls=%fused_dynamic_update_slice.2
+  %pc.70 = bf16[1,8,32]{2,1,0} custom-call(%gte.2), custom_call_target="__gpu$xla.gpu.triton"
+  %c.1 = f32[4]{0} conditional(%gte.1, %gte.2, %gte.2), branch_computations={%branch_a, %branch_b}
+  %while.2 = (s32[], f32[4]{0}) while(%arg_tuple.1), condition=%region_cond.9, body=%inner_body
+  %bitcast.1 = f32[4]{0} bitcast(%c.1)
+  ROOT %tuple.3 = (s32[], f32[4]{0}) tuple(%gte.1, %bitcast.1)
+}
+
+%region_cond.9 (arg_tuple.2: (s32[], f32[4])) -> pred[] {
+  %arg_tuple.2 = (s32[], f32[4]{0}) parameter(0)
+  %get-tuple-element.3 = s32[] get-tuple-element(%arg_tuple.2), index=0
+  ROOT %loop_compare_fusion = pred[] fusion(%get-tuple-element.3), kind=kLoop, calls=%fused_compare
+}
+
+ENTRY %main.113 (x.1: f32[4], n.1: s32[]) -> (s32[], f32[4]) {
+  %x.1 = f32[4]{0} parameter(0)
+  %n.1 = s32[] parameter(1)
+  %loop_add_fusion = s32[] fusion(%n.1), kind=kLoop, calls=%fused_add
+  %tuple.1 = (s32[], f32[4]{0}) tuple(%loop_add_fusion, %x.1)
+  %while.5 = (s32[], f32[4]{0}) while(%tuple.1), condition=%region_cond.9, body=%body.7
+  ROOT %gemm.1 = f32[4]{0} custom-call(%x.1), custom_call_target="__cublas$gemm"
+}
+"""
+
+
+def test_the_counter_reads_a_programs_kernels():
+    assert launches(PROGRAM) == {"loop_add_fusion": 1, "while": 1, "custom-call __cublas$gemm": 1}
+    # one round: the body's kernels, each branch of its conditional, the loop inside it once,
+    # and the condition's kernel
+    assert loop_launches(PROGRAM) == {
+        "input_reduce_fusion": 2, "loop_dynamic_update_slice_fusion": 1,
+        "custom-call __gpu$xla.gpu.triton": 1, "conditional": 1, "loop_exponential_fusion": 1,
+        "copy": 1, "while": 1, "loop_compare_fusion": 1}
+    with pytest.raises(ValueError, match="no while loop"):
+        loop_launches(PROGRAM.replace("while(", "call("))
+    with pytest.raises(ValueError, match="ENTRY"):
+        launches("HloModule m\n")
+
+
+# kernels per block of the one-token lean decode, 14 blocks against 2 (d 256, 4 heads, 2 kv
+# heads, bf16, a 256-slot cache) compiled for an H200: the residual stream written once with
+# its sum of squares, each product reading it (12.1 dense, 14.1 for both BlockFFN paths)
+BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 14.5}
+
+
+def _per_block() -> dict[str, dict[str, float]]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from moejax.bench.gpu_program import gpu_program
+    from moejax.nn.blockffn import BlockFFNConfig
+    from moejax.nn.lean_decode import lean_decoder
+    from tests.test_lean_decode import SLOTS, _model
+
+    slots = {**SLOTS, "blockffn_dense": BlockFFNConfig(n_experts=16, d_expert=64, path="dense")}
+    out = {}
+    for kind in BUDGET:
+        counts = []
+        for layers in (2, 14):
+            model = lean_decoder(_model(slots[kind], layers=layers, d=256, dtype="bfloat16",
+                                        param_dtype="bfloat16"))
+            graphdef, state = nnx.split(model)
+            step = jax.jit(lambda s, tok, c, g=graphdef: nnx.merge(g, s).decode(tok, c),
+                           donate_argnums=2)
+            counts.append(launches(gpu_program(step, state, jnp.zeros((1, 1), jnp.int32),
+                                               model.init_cache(1, 256))))
+        out[kind] = {k: (counts[1][k] - counts[0][k]) / 12 for k in counts[1]}
+    return out
+
+
+def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
+    try:
+        env = gpu_compile_env()
+    except FileNotFoundError as e:
+        if compiler_path().is_dir():  # another jaxlib's plugin (a run on the floor jax)
+            pytest.skip(str(e))
+        raise
+    proc = subprocess.run([sys.executable, "-m", "tests.test_gpu_program"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind, budget in BUDGET.items():
+        assert sum(per[kind].values()) <= budget, (kind, per[kind])
+        # each cache written in place; one flash kernel
+        assert per[kind]["loop_dynamic_update_slice_fusion"] == 2, (kind, per[kind])
+        assert per[kind]["custom-call __gpu$xla.gpu.triton"] == 1, (kind, per[kind])
+    # no product's input recomputed over its whole weight: one loop fusion of products per
+    # block (the activation), not one per product
+    assert per["dense"].get("loop_multiply_fusion", 0) <= 1, per["dense"]
+    assert per["blockffn_dense"].get("loop_multiply_fusion", 0) <= 1, per["blockffn_dense"]
+    # the residual stream and its sum of squares made together, before each RMSNorm
+    assert per["dense"]["input_add_reduce_fusion"] == 2, per["dense"]
+    assert per["blockffn"]["custom-call mosaic_gpu_v2"] == 1, per["blockffn"]
+
+
+if __name__ == "__main__":  # the compilation, in a process started with the plugin on its path
+    print(json.dumps(_per_block()))
