@@ -5,6 +5,7 @@ decoder compiled for an H200 within a kernel budget per block."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,6 +134,14 @@ def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     # the residual stream and its sum of squares made together, before each RMSNorm
     assert per["dense"]["input_add_reduce_fusion"] == 2, per["dense"]
     assert per["blockffn"]["custom-call mosaic_gpu_v2"] == 1, per["blockffn"]
+
+
+def test_the_decode_kernels_script_refuses_a_bad_argument_before_compiling():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "decode_kernels.py"
+    for arg in ("max_new=0", "draft_len=x", "steps=3"):
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0 and f"{arg!r}: give max_new=N" in proc.stderr, proc.stderr
 
 
 if __name__ == "__main__":  # the compilation, in a process started with the plugin on its path
