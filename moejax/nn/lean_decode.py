@@ -186,7 +186,6 @@ class LeanBlockFFN(nnx.Module):
                                 self.w_down[...], w_gate, x_ND if residual else None)
         return y_ND.reshape(B, T, D)
 
-
     def _every_expert(self, x_ND, r_N1, a_NE, dt):
         """``sum_e a_e E_e(x r)`` as two products: ``[N, D] x [D, E F]`` (times ``r`` after
         it), the activation and each expert's weight ``a_e`` on its ``F`` columns,
