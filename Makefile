@@ -61,11 +61,13 @@ test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 # The suite on the lowest jax pyproject.toml allows (a GPU machine's may be that old): that jax
-# and jaxlib in a folder of their own ahead of the virtualenv's, which stays as it is
+# and jaxlib in a folder of their own ahead of the virtualenv's, which stays as it is, and
+# that jaxlib's CUDA plugin (scripts/install_gpu_compiler.sh)
 JAX_FLOOR := $(shell sed -n 's/^ *"jax>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 test-floor: setup
 	test -d $(VENV)/jax-floor/jax-$(JAX_FLOOR).dist-info || $(PY) -m pip install -q --no-deps \
 	  --target $(VENV)/jax-floor "jax==$(JAX_FLOOR)" "jaxlib==$(JAX_FLOOR)"
+	PYTHONPATH=$(abspath $(VENV))/jax-floor PYTHON=$(PY) bash scripts/install_gpu_compiler.sh
 	PYTHONPATH=$(abspath $(VENV))/jax-floor JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 setup: $(STAMP)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# jax's CUDA plugin, the version of the installed jaxlib, in a folder of its own
-# (<virtualenv>/gpu-compiler; idempotent, quick when done): what compiles a program for a GPU
-# on a host without one (moejax.bench.gpu_program). No CUDA library comes with it: it is never
-# asked to run anything. A process that compiles for the GPU puts the folder on its path.
+# jax's CUDA plugin, the version of the jaxlib $PYTHON imports, in a folder of its own
+# (<virtualenv>/gpu-compiler-<version>; idempotent, quick when done): what compiles a program
+# for a GPU on a host without one (moejax.bench.gpu_program). No CUDA library comes with it:
+# it is never asked to run anything. A process that compiles for the GPU puts the folder on
+# its path.
 #
 # Usage: scripts/install_gpu_compiler.sh   (PYTHON defaults to .venv/bin/python, else python3)
 set -euo pipefail
@@ -12,8 +13,8 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 # moejax.bench.gpu_program.compiler_path(), read without starting jax
-dest="$("$PYTHON" -c 'import sys; print(sys.prefix)')/gpu-compiler"
 version="$("$PYTHON" -c 'from importlib.metadata import version; print(version("jaxlib"))')"
+dest="$("$PYTHON" -c 'import sys; print(sys.prefix)')/gpu-compiler-$version"
 if [[ -d "$dest/jax_cuda12_plugin-$version.dist-info" && -d "$dest/jax_cuda12_pjrt-$version.dist-info" ]]; then
   exit 0
 fi

@@ -25,9 +25,10 @@ import sys
 from pathlib import Path
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
 
-from moejax.kernels.targets import lowering_target
+from moejax.kernels.grouped.ragged import cross_compile
+from moejax.kernels.targets import COMPUTE_CAPABILITY
 
 __all__ = ["GPUS", "compiler_path", "gpu_compile_env", "gpu_program", "launches",
            "loop_launches"]
@@ -61,9 +62,9 @@ device_description_str: "NVIDIA H200"
 
 
 def compiler_path() -> Path:
-    """The folder ``make setup`` installs jax's CUDA plugin in: ``gpu-compiler`` in the
-    virtualenv."""
-    return Path(sys.prefix) / "gpu-compiler"
+    """The folder ``make setup`` installs jax's CUDA plugin in, one per jaxlib version (the
+    plugin must be the running jaxlib's): ``gpu-compiler-<version>`` in the virtualenv."""
+    return Path(sys.prefix) / f"gpu-compiler-{importlib.metadata.version('jaxlib')}"
 
 
 def _missing() -> str:
@@ -75,14 +76,10 @@ def gpu_compile_env(env: dict | None = None) -> dict:
     """``env`` (default this process's) for a subprocess that compiles for a GPU: the plugin's
     folder first on ``PYTHONPATH``, the CPU as jax's platform (the plugin is only asked to
     compile), its CUDA library check off (no CUDA libraries are installed; none is run).
-    Refused where the plugin is missing or is not the running jaxlib's version."""
-    path, want = compiler_path(), importlib.metadata.version("jaxlib")
+    Refused where the running jaxlib's plugin is not installed."""
+    path = compiler_path()
     if not path.is_dir():
         raise FileNotFoundError(_missing())
-    if not (path / f"jax_cuda12_plugin-{want}.dist-info").is_dir():
-        have = sorted(p.name for p in path.glob("jax_cuda12_plugin-*.dist-info"))
-        raise FileNotFoundError(f"{path} holds {', '.join(have) or 'no plugin'}, not jaxlib "
-                                f"{want}'s; run scripts/install_gpu_compiler.sh with this jaxlib")
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
     env["JAX_PLATFORMS"] = "cpu"
@@ -104,10 +101,12 @@ def gpu_program(jitted, *args, gpu: str = "h200", **static) -> str:
     except NotImplementedError as e:
         raise RuntimeError(f"{_missing()}, and start this process with its folder on the path "
                            "(moejax.bench.gpu_program.gpu_compile_env)") from e
-    sharding = NamedSharding(topologies.make_mesh(topology, (1,), ("gpu",)), PartitionSpec())
+    mesh = topologies.make_mesh(topology, (1,), ("gpu",))
+    sharding = NamedSharding(mesh, PartitionSpec())
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
-    with lowering_target("cuda"):
+    # the kernels are chosen for the described GPU (moejax.kernels.tiling.target_device)
+    with use_abstract_mesh(mesh.abstract_mesh), cross_compile(COMPUTE_CAPABILITY["cuda"]):
         lowered = jitted.lower(*abstract, **static)
     return lowered.compile().as_text()
 
