@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
-from moejax.bench.gpu_program import gpu_compile_env, launches, loop_launches
+from moejax.bench.gpu_program import gpu_compile_env, gpu_program, launches, loop_launches
 
 PROGRAM = """HloModule jit_step, is_scheduled=true
 
@@ -77,6 +78,20 @@ def test_the_counter_reads_a_programs_kernels():
         loop_launches(PROGRAM.replace("while(", "call("))
     with pytest.raises(ValueError, match="ENTRY"):
         launches("HloModule m\n")
+
+
+def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x: x + 1)
+    with pytest.raises(ValueError, match="gpu='a100'; known: h200"):
+        gpu_program(step, jnp.zeros(3), gpu="a100")
+    # this process started without the plugin on its path: refused, naming the fix
+    with pytest.raises(RuntimeError, match="gpu_compile_env"):
+        gpu_program(step, jnp.zeros(3))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="make setup"):
+        gpu_compile_env()
 
 
 # kernels per block of the one-token lean decode, 14 blocks against 2 (d 256, 4 heads, 2 kv

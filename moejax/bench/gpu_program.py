@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import jax
+from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
 
 from moejax.kernels.grouped.ragged import cross_compile
@@ -94,7 +95,6 @@ def gpu_program(jitted, *args, gpu: str = "h200", **static) -> str:
     started with :func:`gpu_compile_env`."""
     if gpu not in GPUS:
         raise ValueError(f"gpu={gpu!r}; known: {', '.join(GPUS)}")
-    from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc("moejax", "cuda", target_config=GPUS[gpu],
                                                 topology="1x1x1")
