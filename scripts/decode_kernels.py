@@ -17,25 +17,23 @@ import os
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moejax.bench.gpu_program import gpu_compile_env  # noqa: E402
+from experiments.blockffn.speculative import WIDE, make_config  # noqa: E402
+from moejax.bench.decode_timing import blockffn_path, grow_blockffn_lm  # noqa: E402
+from moejax.bench.gpu_program import gpu_compile_env, gpu_program, loop_launches  # noqa: E402
+from moejax.config import apply_overrides  # noqa: E402
+from moejax.nn.decoder import keep_layers, with_dtype  # noqa: E402
+from moejax.nn.sample import _sample  # noqa: E402
+from moejax.nn.speculative import _speculate  # noqa: E402
+from moejax.sparse_lm import decoder_of  # noqa: E402
 
 
 def _rows(max_new: int, draft_len: int) -> list[tuple[str, dict]]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from experiments.blockffn.speculative import WIDE, make_config
-    from moejax.bench.decode_timing import blockffn_path, grow_blockffn_lm
-    from moejax.bench.gpu_program import gpu_program, loop_launches
-    from moejax.config import apply_overrides
-    from moejax.nn.decoder import keep_layers, with_dtype
-    from moejax.nn.sample import _sample
-    from moejax.nn.speculative import _speculate
-    from moejax.sparse_lm import decoder_of
-
     cfg = apply_overrides(make_config("quick"), WIDE)
     target = with_dtype(grow_blockffn_lm(
         decoder_of(cfg.target.build(cfg.seed)), extra_layers=cfg.grow.extra_layers,

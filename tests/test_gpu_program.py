@@ -8,9 +8,17 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from moejax.bench.gpu_program import gpu_compile_env, gpu_program, launches, loop_launches
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import keep_layers
+from moejax.nn.lean_decode import lean_decoder
+from moejax.nn.sample import _sample
+from moejax.nn.speculative import _speculate
+from tests.test_lean_decode import SLOTS, _model
 
 PROGRAM = """HloModule jit_step, is_scheduled=true
 
@@ -81,8 +89,6 @@ def test_the_counter_reads_a_programs_kernels():
 
 
 def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
-    import jax.numpy as jnp
-
     step = jax.jit(lambda x: x + 1)
     with pytest.raises(ValueError, match="gpu='a100'; known: h200"):
         gpu_program(step, jnp.zeros(3), gpu="a100")
@@ -101,15 +107,6 @@ BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 14.5}
 
 
 def _per_block() -> dict[str, dict[str, float]]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from moejax.bench.gpu_program import gpu_program
-    from moejax.nn.blockffn import BlockFFNConfig
-    from moejax.nn.lean_decode import lean_decoder
-    from tests.test_lean_decode import SLOTS, _model
-
     slots = {**SLOTS, "blockffn_dense": BlockFFNConfig(n_experts=16, d_expert=64, path="dense")}
     out = {}
     for kind in BUDGET:
@@ -123,6 +120,17 @@ def _per_block() -> dict[str, dict[str, float]]:
             counts.append(launches(gpu_program(step, state, jnp.zeros((1, 1), jnp.int32),
                                                model.init_cache(1, 256))))
         out[kind] = {k: (counts[1][k] - counts[0][k]) / 12 for k in counts[1]}
+    # one round of the greedy sampling loop of the 14-block dense decoder
+    model = _model(SLOTS["dense"], layers=14, d=256, dtype="bfloat16", param_dtype="bfloat16")
+    graphdef, state = nnx.split(model)
+    out["sample_round"] = dict(loop_launches(gpu_program(
+        _sample, graphdef, state, jnp.zeros((1, 8), jnp.int32), jnp.full((1,), 8, jnp.int32),
+        jax.random.key(0), max_new=16, temperature=0.0, top_p=1.0, eos_id=None, pad_id=0)))
+    # one round of greedy speculative decoding, its first layer as the draft (n = 3)
+    dg, ds = nnx.split(keep_layers(model, range(1)))
+    out["spec_round"] = dict(loop_launches(gpu_program(
+        _speculate, graphdef, state, dg, ds, jnp.zeros((1, 8), jnp.int32), jax.random.key(0),
+        max_new=16, n=3, temperature=0.0)))
     return out
 
 
@@ -143,6 +151,16 @@ def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     # the residual stream and its sum of squares made together, before each RMSNorm
     assert per["dense"]["input_add_reduce_fusion"] == 2, per["dense"]
     assert per["blockffn"]["custom-call mosaic_gpu_v2"] == 1, per["blockffn"]
+    # the sampling loop carries one filled-lengths array for all 14 layers: their `+ 1` is
+    # one add a round, not one per layer
+    round_ = per["sample_round"]
+    assert round_.get("loop_add_fusion", 0) <= 2, round_
+    assert round_["custom-call __gpu$xla.gpu.triton"] == 14, round_
+    # and so does the speculative loop: one causal mask for the 14 verifying layers, and the
+    # rolled-back lengths are not copied into each layer's cache
+    spec = per["spec_round"]
+    assert spec.get("loop_add_fusion", 0) <= 6 and spec.get("loop_compare_fusion", 0) <= 4, spec
+    assert spec.get("copy", 0) <= 1, spec
 
 
 def test_the_decode_kernels_script_refuses_a_bad_argument_before_compiling():

@@ -8,7 +8,7 @@ from flax import nnx
 
 from moejax.config import ConfigError, config, from_json, to_json
 from moejax.nn import generate as gen_mod
-from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.decoder import DecoderLM, dense_decoder_config, join_lengths, split_lengths
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.lean_decode import lean_decoder
@@ -483,3 +483,20 @@ def test_generate_steps_take_the_cache_donated():
     _, cache3 = gen_mod._decode_one(graphdef, state, tok, cache2)
     assert all(x.is_deleted() for x in jax.tree.leaves(cache2))
     assert not any(x.is_deleted() for x in jax.tree.leaves(cache3))
+
+
+def test_a_cache_split_from_its_lengths_and_joined_back_decodes_the_same():
+    """A decoding loop carries ``split_lengths(cache)``: each layer's k and v and one lengths
+    array for all of them; joined back, the cache is the one the model returned."""
+    model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
+    _, cache = model.decode(TOKENS[:, :5], model.init_cache(2, 12))
+    kv, lengths = split_lengths(cache)
+    assert len(kv) == 2 and lengths.tolist() == [5, 5]
+    joined = join_lengths(kv, lengths)
+    for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(a, b)
+    shorter = join_lengths(kv, jnp.array([3, 4]))  # every layer rolled back alike
+    assert [c.lengths_B.tolist() for c in shorter] == [[3, 4], [3, 4]]
+    want, _ = model.decode(TOKENS[:, 5:6], cache)
+    got, _ = model.decode(TOKENS[:, 5:6], joined)
+    np.testing.assert_array_equal(got, want)

@@ -29,6 +29,7 @@ from flax import nnx
 
 from moejax.config import Config, config, is_integer
 from moejax.nn import axes as ax
+from moejax.nn.attention import KVCache
 from moejax.nn.auto_axes import call_with_auto_axes, explicit_mesh
 from moejax.nn.block import TransformerBlock, run_blocks
 from moejax.nn.ffn import DenseFFNConfig
@@ -38,7 +39,8 @@ from moejax.nn.surgery import build_from_pure
 from moejax.pytree import named_leaves
 
 __all__ = ["DecoderConfig", "DecoderLM", "DecoderCache", "dense_decoder_config",
-           "smollm2_135m_config", "keep_layers", "with_dtype", "check_tokens", "DTYPES"]
+           "smollm2_135m_config", "keep_layers", "with_dtype", "check_tokens", "DTYPES",
+           "split_lengths", "join_lengths"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DecoderCache = tuple  # tuple[KVCache, ...], one per layer
@@ -259,6 +261,20 @@ def check_cache_room(n_new: int, cache) -> None:
         raise ValueError(f"{n_new} new tokens after {filled} cached ones need {filled + n_new} "
                          f"cache slots, but the cache holds {size}; make it with "
                          "init_cache(batch, max_len) for a larger max_len")
+
+
+def split_lengths(cache: DecoderCache) -> tuple[tuple, jax.Array]:
+    """``(kv, lengths_B)``: each layer's ``(k, v)`` and the filled lengths all layers share (a
+    decode step advances every layer alike). What a decoding loop carries: one lengths array
+    through its rounds, so every layer's ``lengths + T`` is one value, computed once, rather
+    than an add per layer (on a GPU, a kernel each)."""
+    return tuple((c.k_BSGJ, c.v_BSGJ) for c in cache), cache[0].lengths_B
+
+
+def join_lengths(kv: tuple, lengths_B: jax.Array) -> DecoderCache:
+    """The cache of :func:`split_lengths`' ``(kv, lengths_B)``: every layer at
+    ``lengths_B``."""
+    return tuple(KVCache(k, v, lengths_B) for k, v in kv)
 
 
 def keep_layers(model: DecoderLM, layers) -> DecoderLM:

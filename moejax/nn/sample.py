@@ -34,6 +34,7 @@ from flax import nnx
 from moejax.capture import record_decode
 from moejax.config import check_count, is_integer
 from moejax.nn.auto_axes import run_for_mesh
+from moejax.nn.decoder import join_lengths, split_lengths
 from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.xla_flags import call_compiled
@@ -83,7 +84,7 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
     model = lean_decoder(model)  # its fused weights made once, before the loop
     cache = model.init_cache(B, S)
     logits_BTV, cache = model.decode(prompts_BT, cache)
-    cache = tuple(c._replace(lengths_B=prompt_lens_B) for c in cache)
+    kv, _ = split_lengths(cache)  # the loop carries one lengths array for every layer
     last_BV = jnp.take_along_axis(logits_BTV, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
     # prompt tokens in place, everything after the prompt = pad
     cols_S = jnp.arange(S, dtype=jnp.int32)
@@ -97,7 +98,7 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
         return (i < max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        i, logits_BV, cache, tokens_BS, resp_BS, done_B = carry
+        i, logits_BV, (kv, lens_B), tokens_BS, resp_BS, done_B = carry
         tok_B = select_next(logits_BV, jax.random.fold_in(key, i), temperature=temperature,
                             top_p=top_p)
         tok_B = jnp.where(done_B, pad_id, tok_B)
@@ -106,10 +107,11 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
         resp_BS = resp_BS.at[rows_B, pos_B].set(~done_B)
         if eos_id is not None:
             done_B = done_B | (tok_B == eos_id)
-        logits_B1V, cache = model.decode(tok_B[:, None], cache)
-        return i + 1, logits_B1V[:, 0], cache, tokens_BS, resp_BS, done_B
+        logits_B1V, cache = model.decode(tok_B[:, None], join_lengths(kv, lens_B))
+        return i + 1, logits_B1V[:, 0], split_lengths(cache), tokens_BS, resp_BS, done_B
 
-    init = (jnp.int32(0), last_BV, cache, tokens_BS, resp_BS, jnp.zeros((B,), bool))
+    init = (jnp.int32(0), last_BV, (kv, prompt_lens_B), tokens_BS, resp_BS,
+            jnp.zeros((B,), bool))
     if eos_id is None:  # the count is known: a fixed-trip loop, no data-dependent stop
         _, _, _, tokens_BS, resp_BS, _ = jax.lax.fori_loop(0, max_new, lambda _, c: body(c),
                                                             init)

@@ -44,6 +44,7 @@ from moejax.capture import record_decode
 from moejax.config import check_count
 from moejax.nn.auto_axes import run_for_mesh
 from moejax.nn.blockffn import BlockFFN
+from moejax.nn.decoder import join_lengths, split_lengths
 from moejax.nn.generate import check_decode_inputs, host_or_device
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.surgery import with_slot_config
@@ -156,25 +157,25 @@ def _speculate_loop(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
         k = jax.random.fold_in(key, st["round"])
         k_draft, k_acc = jax.random.split(k)
         act_B = active(st)
-        base_B = st["tcache"][0].lengths_B
+        base_B = st["tcache"][1]
 
         def draft_step(carry, i):
-            tok_B, cache = carry
-            logits, cache = draft.decode(tok_B[:, None], cache)
+            tok_B, kv = carry
+            logits, cache = draft.decode(tok_B[:, None], join_lengths(*kv))
             nxt = _pick(logits[:, 0], jax.random.fold_in(k_draft, i), temperature)
-            return (nxt, cache), (nxt, logits[:, 0])
+            return (nxt, split_lengths(cache)), (nxt, logits[:, 0])
 
         pair_B2 = jnp.stack([st["prev"], st["last"]], axis=1)
-        logits, dcache = draft.decode(pair_B2, st["dcache"])
+        logits, dcache = draft.decode(pair_B2, join_lengths(*st["dcache"]))
         d1_B = _pick(logits[:, 1], jax.random.fold_in(k_draft, 0), temperature)
         # unrolled: a loop here would be a second while loop per round, whose trip the GPU
         # runtime ends by reading a flag back to the host each draft step
-        (_, dcache), (d_NB, q_NBV) = jax.lax.scan(draft_step, (d1_B, dcache),
-                                                  jnp.arange(1, n), unroll=True)
+        (_, dkv), (d_NB, q_NBV) = jax.lax.scan(draft_step, (d1_B, split_lengths(dcache)),
+                                               jnp.arange(1, n), unroll=True)
         drafts_BN = jnp.concatenate([d1_B[:, None], d_NB.T], axis=1)
         q_BNV = jnp.concatenate([logits[:, 1:], jnp.swapaxes(q_NBV, 0, 1)], axis=1)
         block = jnp.concatenate([st["last"][:, None], drafts_BN], axis=1)
-        p_BNV, tcache = target.decode(block, st["tcache"])
+        p_BNV, tcache = target.decode(block, join_lengths(*st["tcache"]))
         if temperature == 0.0:
             a_B, x_B = accept_greedy(drafts_BN, p_BNV)
         else:
@@ -193,12 +194,15 @@ def _speculate_loop(tg, ts, dg, ds, prompt_BT, key, *, max_new, n, temperature):
                 "out_len": st["out_len"] + jnp.where(act_B, a_B + 1, 0),
                 "prev": jnp.where(act_B, prev_B, st["prev"]),
                 "last": jnp.where(act_B, x_B, st["last"]),
-                "tcache": rollback(tcache, new_len_B), "dcache": rollback(dcache, new_len_B - 1),
+                # rolled back: every layer's filled lengths, one array per model
+                "tcache": (split_lengths(tcache)[0], new_len_B),
+                "dcache": (dkv[0], new_len_B - 1),
                 "accepted": st["accepted"] + jnp.where(act_B, a_B, 0),
                 "rounds": st["rounds"] + act_B.astype(jnp.int32), "hist": hist}
 
     st = {"round": jnp.int32(0), "out": out, "out_len": out_len, "prev": prev, "last": last,
-          "tcache": tcache, "dcache": dcache, "accepted": jnp.zeros((B,), jnp.int32),
+          "tcache": split_lengths(tcache), "dcache": split_lengths(dcache),
+          "accepted": jnp.zeros((B,), jnp.int32),
           "rounds": jnp.zeros((B,), jnp.int32), "hist": jnp.zeros((n + 1,), jnp.int32)}
     st = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, st)
     tokens = jnp.concatenate([prompt_BT, st["out"][:, :max_new]], axis=1)
