@@ -9,7 +9,9 @@ One round, per row (batched rows advance independently)::
              sampled d_i kept with prob min(1, p_{i-1}(d_i) / q_{i-1}(d_i)); at the first
                      rejection x ~ norm(max(0, p_a - q_a)), after n acceptances x ~ p_n
     commit:  d_1..d_a and x (a + 1 tokens); caches rolled back to the committed prefix
-             (:func:`rollback`: lengths set, stale slots are masked and later overwritten)
+             (:func:`rollback`: lengths set, stale slots are masked and later overwritten;
+             the loop carries one lengths array per model, :func:`~moejax.nn.decoder.
+             split_lengths`, so the rollback sets that array)
 
 ``t`` is the last committed token, in neither cache; ``s`` is the committed token before it,
 which the draft's cache leaves out, so each round's first draft pass takes the two tokens
