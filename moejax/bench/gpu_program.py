@@ -28,6 +28,7 @@ import jax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec, use_abstract_mesh
 
+from moejax.bench.profile import HloInstruction, hlo_computations, kernel_kind
 from moejax.kernels.grouped.ragged import cross_compile
 from moejax.kernels.targets import COMPUTE_CAPABILITY
 
@@ -111,25 +112,12 @@ def gpu_program(jitted, *args, gpu: str = "h200", **static) -> str:
     return lowered.compile().as_text()
 
 
-_COMPUTATION = re.compile(r"^(?:(ENTRY) )?%?([\w.\-]+) \(.*\) -> .+ \{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = .+? ([a-z][\w\-]*)\((.*)$")
 _FREE = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element", "after-all",
          "opt-barrier", "partition-id", "replica-id", "add-dependency"}
 
 
-def _computations(program: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
-    bodies: dict[str, list[tuple[str, str]]] = {}
-    entry, current = "", None
-    for line in program.splitlines():
-        if current is None:
-            if m := _COMPUTATION.match(line):
-                current = bodies.setdefault(m.group(2), [])
-                entry = m.group(2) if m.group(1) else entry
-            continue
-        if line.startswith("}"):
-            current = None
-        elif m := _INSTRUCTION.match(line):
-            current.append((m.group(1), m.group(2)))
+def _computations(program: str) -> tuple[dict[str, list[HloInstruction]], str]:
+    bodies, entry = hlo_computations(program)
     if not entry:
         raise ValueError("not an optimised HLO program (no ENTRY computation): pass "
                          "compiled.as_text()")
@@ -140,7 +128,7 @@ def _kind(op: str, rest: str) -> str:
     if op == "fusion":
         kind = re.search(r"kind=k(\w+)", rest)
         calls = re.search(r"calls=%?([\w.\-]+)", rest)
-        name = re.sub(r"^fused_", "", re.sub(r"([._]\d+)+$", "", calls.group(1))) if calls else ""
+        name = re.sub(r"^fused_", "", kernel_kind(calls.group(1))) if calls else ""
         return f"{kind.group(1).lower() if kind else 'fusion'}_{name}_fusion"
     if op == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', rest)
@@ -149,7 +137,7 @@ def _kind(op: str, rest: str) -> str:
 
 
 def _count(bodies, name: str, out: collections.Counter, loops: list) -> collections.Counter:
-    for op, rest in bodies[name]:
+    for _, _, op, rest in bodies[name]:
         if op in _FREE:
             continue
         if op == "while":

@@ -26,7 +26,7 @@ import jax
 from jax.profiler import ProfileData
 
 __all__ = ["KernelTrace", "device_kernels", "trace_kernels", "sees_device", "top_kernel_rows",
-           "kernel_kind", "kernel_kind_rows", "fused_ops"]
+           "kernel_kind", "kernel_kind_rows", "fused_ops", "HloInstruction", "hlo_computations"]
 
 _TPU_OPS = "XLA Ops"
 
@@ -103,10 +103,38 @@ def trace_kernels(run: Callable[[], object]) -> KernelTrace | None:
         return device_kernels(profile) if profile else None
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .+ \{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\(")
+_COMPUTATION = re.compile(r"^(?:(ENTRY) )?%?([\w.\-]+) \(.*\) -> .+ \{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][\w\-]*)\((.*)$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _PLUMBING = {"parameter", "constant", "bitcast", "tuple", "get-tuple-element"}
+
+
+class HloInstruction(NamedTuple):
+    """One line of an optimised HLO computation: ``name = type opcode(rest``."""
+
+    name: str
+    type: str
+    opcode: str
+    rest: str
+
+
+def hlo_computations(program: str) -> tuple[dict[str, list[HloInstruction]], str]:
+    """``(computations, entry)`` of a compiled program's text (``compiled.as_text()``):
+    each computation's instructions in order, by the computation's name, and the entry
+    computation's name ("" where there is none)."""
+    bodies: dict[str, list[HloInstruction]] = {}
+    entry, current = "", None
+    for line in program.splitlines():
+        if current is None:
+            if m := _COMPUTATION.match(line):
+                current = bodies.setdefault(m.group(2), [])
+                entry = m.group(2) if m.group(1) else entry
+            continue
+        if line.startswith("}"):
+            current = None
+        elif m := _INSTRUCTION.match(line):
+            current.append(HloInstruction(*m.groups()))
+    return bodies, entry
 
 
 def fused_ops(program: str) -> dict[str, str]:
@@ -115,29 +143,19 @@ def fused_ops(program: str) -> dict[str, str]:
     fused computation's instructions by opcode and count, parameters, constants and bitcasts
     left out, then the result's type (``"convert, dot -> bf16[1,768]"``), so a kernel per
     token in a trace reads as the work it does."""
-    bodies: dict[str, list[tuple[str, str]]] = {}
-    calls: dict[str, str] = {}
-    current = None
-    for line in program.splitlines():
-        if current is None:
-            if m := _COMPUTATION.match(line):
-                current = bodies.setdefault(m.group(1), [])
-            continue
-        if line.startswith("}"):
-            current = None
-        elif m := _INSTRUCTION.match(line):
-            current.append((m.group(3), re.sub(r"\{[^}]*\}", "", m.group(2))))
-            if m.group(3) == "fusion" and (c := _CALLS.search(line)):
-                calls[m.group(1)] = c.group(1)
+    bodies, _ = hlo_computations(program)
+    calls = {i.name: c.group(1) for comp in bodies.values() for i in comp
+             if i.opcode == "fusion" and (c := _CALLS.search(i.rest))}
     out = {}
     for name, comp in calls.items():
         body = bodies.get(comp, [])
         ops: dict[str, int] = {}
-        for op, _ in body:
-            if op not in _PLUMBING:
-                ops[op] = ops.get(op, 0) + 1
+        for i in body:
+            if i.opcode not in _PLUMBING:
+                ops[i.opcode] = ops.get(i.opcode, 0) + 1
         what = ", ".join(op if n == 1 else f"{op} x{n}" for op, n in sorted(ops.items()))
-        text = f"{what} -> {body[-1][1]}" if body else ""
+        result = re.sub(r"\{[^}]*\}", "", body[-1].type) if body else ""
+        text = f"{what} -> {result}" if body else ""
         out[name] = out[name.replace(".", "_")] = text
     return out
 
