@@ -39,16 +39,22 @@
 #                where this XLA has the options; the command_buffers column says which ran):
 #                a decoding's whole loop launched as one graph, against the stage above,
 #                whose loop the host steps (its variant wide_bf16_graphs)
+#   speculative_wide_nk
+#                speculative_wide again (from its trained checkpoints when that stage ran),
+#                the lean decode step's product weights transposed (decode_layout=nk: each
+#                one-row product a row reduction, not a column reduction), against the
+#                modules' layout of speculative_wide (its variant wide_bf16_nk)
 #   dispatch_xla_attention
 #                bench_dispatch's full preset with XLA's attention (its variant
 #                xla_attention), against the dispatch stage's, which trains on tokamax's
 #                flash kernel
 #   train_step   bench_dispatch's full-preset train step alone, on one path (gmm), timed on
 #                the flash kernel and on XLA's attention in one run (its variant train_step)
-#   decoding     stands for speculative_wide speculative_wide_graphs train_step decode_tests:
-#                the lean decode step's and the flash kernel's measurements first (on an H200
-#                speculative_wide took 255 s, 189 s of it decoding, which the graphs stage
-#                repeats from its checkpoints; train_step 61 s), their kernels' tests last;
+#   decoding     stands for speculative_wide speculative_wide_nk speculative_wide_graphs
+#                train_step decode_tests: the lean decode step's and the flash kernel's
+#                measurements first (on an H200 speculative_wide took 255 s, 189 s of it
+#                decoding, which the nk and graphs stages repeat from its checkpoints;
+#                train_step 61 s), their kernels' tests last;
 #                with BUDGET=570 the tests may be left to a second command (the stages done
 #                are skipped there)
 #   full_STUDY   that study's full preset (python -m experiments.main only=STUDY
@@ -82,7 +88,7 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
-stages=${stages//decoding/speculative_wide speculative_wide_graphs train_step decode_tests}
+stages=${stages//decoding/speculative_wide speculative_wide_nk speculative_wide_graphs train_step decode_tests}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -145,11 +151,13 @@ for stage in $stages; do
         "$out/autotune/tuned/" 2>/dev/null
       (exit "$st") ;;
     grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
-    speculative_quick|speculative_wide|speculative_wide_graphs|extracted|train_step)
+    speculative_quick|speculative_wide|speculative_wide_graphs|speculative_wide_nk|extracted|\
+    train_step)
       args=(preset=full)
       flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
       bench=${bench%_graphs}
+      bench=${bench%_nk}
       bench=${bench%_quick}
       bench=${bench%_wide}
       bench=${bench%_xla_attention}
@@ -163,8 +171,9 @@ for stage in $stages; do
         speculative_quick) args=(preset=quick variant=bf16) ;;
         speculative_wide) args=(preset=quick variant=wide_bf16) ;;
         speculative_wide_graphs) args=(preset=quick variant=wide_bf16_graphs) ;;
+        speculative_wide_nk) args=(preset=quick variant=wide_bf16_nk) ;;
       esac
-      if [ "$stage" = speculative_wide_graphs ]; then
+      if [ "$stage" = speculative_wide_graphs ] || [ "$stage" = speculative_wide_nk ]; then
         for m in target draft distilled self_distilled; do
           [ -d "$out/bench_speculative_wide/$m" ] && mkdir -p "$out/bench_$stage" &&
             cp -rn "$out/bench_speculative_wide/$m" "$out/bench_$stage/"

@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from moejax.bench.gpu_program import gpu_compile_env, gpu_program, launches, loop_launches
+from moejax.bench.gpu_program import (
+    gpu_compile_env,
+    gpu_program,
+    launches,
+    loop_launches,
+    reductions,
+)
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import keep_layers
 from moejax.nn.lean_decode import lean_decoder
@@ -89,6 +95,33 @@ def test_the_counter_reads_a_programs_kernels():
         launches("HloModule m\n")
 
 
+REDUCES = """HloModule m
+
+%fused_reduce (p.0: bf16[256,768], p.1: bf16[256]) -> f32[768] {
+  %p.0 = bf16[256,768]{1,0} parameter(0)
+  %p.1 = bf16[256]{0} parameter(1)
+  %c.0 = f32[] constant(0)
+  %rows = f32[768]{0} reduce(%p.0, %c.0), dimensions={1}, to_apply=%add
+  %cols = f32[768]{0} reduce(%p.0, %c.0), dimensions={0}, to_apply=%add
+  %t.0 = bf16[256,768]{0,1} parameter(2)
+  %cols_of_transposed = f32[768]{0} reduce(%t.0, %c.0), dimensions={1}, to_apply=%add
+  %one = bf16[1,1,256]{2,1,0} parameter(3)
+  %whole = f32[1,1]{1,0} reduce(%one, %c.0), dimensions={2}, to_apply=%add
+  ROOT %r = f32[768]{0} reduce(%p.1, %c.0), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x.1: f32[4]) -> f32[4] {
+  ROOT %x.1 = f32[4]{0} parameter(0)
+}
+"""
+
+
+def test_reductions_are_told_apart_by_their_operands_layout():
+    # a reduction over the minor dimension is a row reduction; over the major one, or over the
+    # minor one of a transposed layout ({0,1}), a column reduction
+    assert reductions(REDUCES) == {"row": 1, "column": 2, "whole": 2}
+
+
 def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
     step = jax.jit(lambda x: x + 1)
     with pytest.raises(ValueError, match="gpu='a100'; known: h200"):
@@ -107,20 +140,29 @@ def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
 BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 14.5}
 
 
-def _per_block() -> dict[str, dict[str, float]]:
+def _step_program(kind: str, layers: int, layout: str = "kn") -> str:
     slots = {**SLOTS, "blockffn_dense": BlockFFNConfig(n_experts=16, d_expert=64, path="dense")}
-    out = {}
+    model = lean_decoder(_model(slots[kind], layers=layers, d=256, dtype="bfloat16",
+                                param_dtype="bfloat16"), layout)
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, tok, c, g=graphdef: nnx.merge(g, s).decode(tok, c),
+                   donate_argnums=2)
+    return gpu_program(step, state, jnp.zeros((1, 1), jnp.int32), model.init_cache(1, 256))
+
+
+def _per_block() -> dict[str, dict[str, float]]:
+    out, programs = {}, {}
     for kind in BUDGET:
         counts = []
         for layers in (2, 8):
-            model = lean_decoder(_model(slots[kind], layers=layers, d=256, dtype="bfloat16",
-                                        param_dtype="bfloat16"))
-            graphdef, state = nnx.split(model)
-            step = jax.jit(lambda s, tok, c, g=graphdef: nnx.merge(g, s).decode(tok, c),
-                           donate_argnums=2)
-            counts.append(launches(gpu_program(step, state, jnp.zeros((1, 1), jnp.int32),
-                                               model.init_cache(1, 256))))
+            programs[kind, layers] = _step_program(kind, layers)
+            counts.append(launches(programs[kind, layers]))
         out[kind] = {k: (counts[1][k] - counts[0][k]) / 6 for k in counts[1]}
+    # the products' reductions of 2 dense blocks (4 products each) and the head, per layout
+    nk = _step_program("dense", 2, "nk")
+    out["reductions"] = {"kn": dict(reductions(programs["dense", 2])),
+                         "nk": dict(reductions(nk)), "nk_kernels": dict(launches(nk)),
+                         "kn_kernels": dict(launches(programs["dense", 2]))}
     # one round of the greedy sampling loop of a 4-block dense decoder
     model = _model(SLOTS["dense"], layers=4, d=256, dtype="bfloat16", param_dtype="bfloat16")
     graphdef, state = nnx.split(model)
@@ -162,6 +204,12 @@ def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     spec = per["spec_round"]
     assert spec.get("loop_add_fusion", 0) <= 6 and spec.get("loop_compare_fusion", 0) <= 3, spec
     assert spec.get("copy", 0) <= 1, spec
+    # the products' weights transposed (layout "nk"): every product a row reduction, each
+    # output's weights contiguous; in the modules' layout every block's are column reductions
+    red = per["reductions"]
+    assert red["nk"].get("column", 0) == 0 and red["nk"]["row"] >= 2 * 4, red
+    assert red["kn"]["column"] >= 2 * 4, red
+    assert (sum(red["nk_kernels"].values()) <= sum(red["kn_kernels"].values())), red
 
 
 def test_the_decode_kernels_script_refuses_a_bad_argument_before_compiling():

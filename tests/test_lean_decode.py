@@ -44,7 +44,7 @@ def _model(slot, *, layers=2, d=32, **kw):
     return model
 
 
-@pytest.mark.parametrize("name,slot,kw", [
+CASES = [
     ("swiglu", DenseFFNConfig(d_hidden=48, activation="swiglu"), {}),
     ("gelu, biases", DenseFFNConfig(d_hidden=48, activation="gelu", use_bias=True),
      dict(qkv_bias=True)),
@@ -61,12 +61,20 @@ def _model(slot, *, layers=2, d=32, **kw):
     ("blockffn dense", BlockFFNConfig(n_experts=8, d_expert=8, path="dense"), {}),
     ("blockffn dense gated, no router norm", BlockFFNConfig(
         n_experts=8, d_expert=8, path="dense", activation="swiglu", rmsnorm=False), {}),
-])
-def test_the_lean_decode_equals_the_modules_decode(name, slot, kw):
+]
+# the transposed weights ("nk"): every product the lean block makes (q/k/v with biases, o with
+# its bias, gate+up and down, the router, BlockFFN's every-expert pair)
+NK = ("gelu, biases", "blockffn gated, chunk union", "blockffn dense gated, no router norm")
+
+
+@pytest.mark.parametrize("name,slot,kw,layout", [
+    *((*c, "kn") for c in CASES), *((*c, "nk") for c in CASES if c[0] in NK)])
+def test_the_lean_decode_equals_the_modules_decode(name, slot, kw, layout):
     decode = nnx.jit(lambda m, t, c: m.decode(t, c))  # per shape one program, not one per op
     model = _model(slot, **kw)
-    lean = lean_decoder(model)
+    lean = lean_decoder(model, layout)
     assert isinstance(lean, LeanDecoder) and lean_decoder(lean) is lean
+    assert all(b.attn.w_qkv.shape[0] == 32 for b in lean.blocks) == (layout == "kn")  # D
     lean_slot = {DenseFFNConfig: LeanDenseFFN, BlockFFNConfig: LeanBlockFFN}.get(type(slot))
     assert lean_slot is None or all(isinstance(b.ffn, lean_slot) for b in lean.blocks)
     toks = jax.random.randint(jax.random.key(3), (2, 9), 0, 64)
@@ -79,6 +87,12 @@ def test_the_lean_decode_equals_the_modules_decode(name, slot, kw):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="decodes only"):
         lean(toks)
+
+
+def test_a_layout_it_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="layout='mk'; a product's weight is laid out as one "
+                                         "of 'kn', 'nk'"):
+        lean_decoder(_model(DenseFFNConfig(d_hidden=48, activation="gelu")), "mk")
 
 
 def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
@@ -188,3 +202,19 @@ def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
     r = decode_timing(target, prompts, 6, command_buffers=True)
     assert r["command_buffers"] == "off: unknown to this XLA (xla_gpu_no_such_option)"
     np.testing.assert_array_equal(r["tokens"], runs[False, True]["tokens"])
+
+
+def test_a_lean_decoder_made_before_the_loops_decodes_the_same_tokens():
+    """The decoding loops keep a LeanDecoder they are given (bench_speculative makes it once,
+    in the configured layout, before timing): its tokens, autoregressive and speculative,
+    are the plain model's in float32, in either layout."""
+    from moejax.bench.decode_timing import decode_timing
+
+    target = _model(BlockFFNConfig(n_experts=8, d_expert=8, path="dense"))
+    draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
+    prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
+    for d in (None, draft):
+        want = decode_timing(target, prompts, 6, draft=d, draft_len=2)["tokens"]
+        got = decode_timing(lean_decoder(target, "nk"), prompts, 6, draft_len=2,
+                            draft=None if d is None else lean_decoder(d, "nk"))["tokens"]
+        np.testing.assert_array_equal(got, want)

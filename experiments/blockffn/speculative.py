@@ -41,7 +41,8 @@ width 48 is off the kernel's blocks, so on a GPU its chunk-sparse rows run the d
 and measure the draft and the verification, not the union kernel.
 
 A GPU's variants (``STUDY.accelerator_variants``) serve the quick or wide models in bfloat16
-at draft length 4, the wide ones also with command buffers, or the full preset cut short.
+at draft length 4, the wide ones also with command buffers or with the lean decode's product
+weights transposed (``decode_layout=nk``), or the full preset cut short.
 
     python -m experiments.blockffn.speculative
     python -m experiments.blockffn.speculative variant=wide_bf16   # a GPU
@@ -138,6 +139,10 @@ class SpecBenchConfig(Config):
     # conditionals (moejax.xla_flags.COMMAND_BUFFERS), where this XLA has them; the
     # command_buffers column says which ran
     command_buffers: bool = False
+    # each decoding's lean decode step (moejax.nn.lean_decode) made before its loop, its
+    # products' weights as the modules lay them out ("kn") or transposed ("nk": on a GPU
+    # each one-row product a row reduction rather than a column reduction)
+    decode_layout: Literal["kn", "nk"] = "kn"
     seed: int = 0
 
     def unread_fields(self) -> dict[str, str]:
@@ -331,7 +336,9 @@ STUDY = Study(
                           ("bf16", GPU_DECODE),
                           ("wide_bf16", (*WIDE, *GPU_DECODE, "decode_trained=false")),
                           ("wide_bf16_graphs", (*WIDE, *GPU_DECODE, "decode_trained=false",
-                                                "command_buffers=true"))),
+                                                "command_buffers=true")),
+                          ("wide_bf16_nk", (*WIDE, *GPU_DECODE, "decode_trained=false",
+                                            "decode_layout=nk"))),
 )
 
 

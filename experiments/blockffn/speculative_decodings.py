@@ -32,6 +32,7 @@ from moejax.config import to_dict
 from moejax.files import atomic_write_text
 from moejax.harness.results import RunDir
 from moejax.nn.decoder import with_dtype
+from moejax.nn.lean_decode import lean_decoder
 from moejax.pytree import count_params
 
 __all__ = ["modes", "time_decodings"]
@@ -121,7 +122,11 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
     """One decoding timed: its table row, its longest kernels and (AR dense, the reference
     ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
     agreement measured so far (read, not written: the caller keeps the row's)."""
-    r = decode_timing(model, prompts, cfg.max_new_tokens, draft=d, draft_len=max(n, 1),
+    # the lean decode steps made once, before the loops (as a server holds them), with their
+    # products' weights in the configured layout
+    r = decode_timing(lean_decoder(model, cfg.decode_layout), prompts, cfg.max_new_tokens,
+                      draft=None if d is None else lean_decoder(d, cfg.decode_layout),
+                      draft_len=max(n, 1),
                       profile=cfg.profile and sees_device(),
                       command_buffers=cfg.command_buffers, fix=(
                           f"lower grow.extra_layers (now {cfg.grow.extra_layers}) or "
@@ -137,7 +142,7 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
            "draft_params": count_params(d) if d is not None else "",
            "agreement": agreement,
            "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
-           "command_buffers": r["command_buffers"],
+           "command_buffers": r["command_buffers"], "layout": cfg.decode_layout,
            "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
            "mean_accepted_length": r.get("mean_accepted_length", 1.0),
            "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref_tokens)),

@@ -33,7 +33,7 @@ from moejax.kernels.grouped.ragged import cross_compile
 from moejax.kernels.targets import COMPUTE_CAPABILITY
 
 __all__ = ["GPUS", "compiler_path", "gpu_compile_env", "gpu_program", "launches",
-           "loop_launches"]
+           "loop_launches", "reductions"]
 
 # XLA's GpuTargetConfigProto (text) of the GPUs a decode is measured on
 GPUS = {"h200": """
@@ -178,3 +178,43 @@ def loop_launches(program: str) -> collections.Counter:
     rounds = [_count(bodies, body, _count(bodies, cond, collections.Counter(), []), [])
               for cond, body in loops]
     return max(rounds, key=lambda c: sum(c.values()))
+
+
+_SHAPE = re.compile(r"^\w+\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?")
+
+
+def _orientation(operand_type: str, dims: list[int]) -> str:
+    m = _SHAPE.match(operand_type)
+    if m is None:
+        return "unknown"
+    shape = [int(d) for d in m.group(1).split(",") if d]
+    minor_to_major = ([int(d) for d in m.group(2).split(",") if d] if m.group(2) is not None
+                      else list(range(len(shape)))[::-1])
+    real = [d for d in minor_to_major if shape[d] > 1]  # size-1 dimensions take no stride
+    reduced = [d for d in real if d in dims]
+    if len(reduced) == len(real):
+        return "whole"
+    return "row" if real[:len(reduced)] == reduced else "column"
+
+
+def reductions(program: str) -> collections.Counter:
+    """The program's reductions by how they read memory, as XLA's GPU emitter tells them
+    apart: ``"row"`` where the reduced dimensions are the operand's minor-most in its layout
+    (each output's inputs contiguous: a one-row product whose weight is ``[N, K]``),
+    ``"column"`` where they are not (its weight ``[K, N]``), ``"whole"`` where every dimension
+    of more than one element is reduced (a norm's sum of squares over one token)."""
+    bodies, _ = _computations(program)
+    out: collections.Counter = collections.Counter()
+    for body in bodies.values():
+        types = {i.name: i.type for i in body}
+        for i in body:
+            if i.opcode != "reduce":
+                continue
+            operand = re.match(r"\s*%?([\w.\-]+)", i.rest)
+            dims = re.search(r"dimensions=\{([\d,]*)\}", i.rest)
+            if operand is None or dims is None or operand.group(1) not in types:
+                out["unknown"] += 1
+                continue
+            out[_orientation(types[operand.group(1)],
+                             [int(d) for d in dims.group(1).split(",") if d])] += 1
+    return out

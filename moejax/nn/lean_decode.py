@@ -32,6 +32,13 @@ A block's input and its attention output's sum are each made once with their sum
 XLA recomputing the residual sums inside every product's fusion over the whole weight (on a
 GPU, a written ``[D, N]`` of products per matrix-vector product).
 
+Each product's weight is kept ``[K, N]`` (``layout="kn"``, the modules' own orientation, the
+default) or transposed, ``[N, K]`` (``"nk"``). A one-row product is no GEMM: XLA's GPU compiler
+runs it as a reduction over ``K``, a reduction over the weight's major dimension (a column
+reduction) for ``"kn"`` and over its minor one (a row reduction, each output's weights read
+contiguously) for ``"nk"``; the two lower to different kernels, so the layout is a decoding's
+choice, timed on the device (the values are the same products either way).
+
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
 their loop: :mod:`moejax.nn.sample`, :mod:`moejax.nn.speculative`, :mod:`moejax.nn.generate`),
 so a token reads each weight once, as the module would. Decoding only: a :class:`LeanDecoder`
@@ -54,7 +61,23 @@ from moejax.nn.norms import RMSNorm, inv_rms
 from moejax.ops.activations import activation_fn
 
 __all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "LeanBlockFFN",
-           "lean_decoder"]
+           "lean_decoder", "LAYOUTS"]
+
+LAYOUTS = ("kn", "nk")  # a product's weight as [K, N] (the modules') or transposed, [N, K]
+
+
+def _laid(w_KN: jax.Array, layout: str, *axes: str) -> nnx.Param:
+    """A product's weight ``[K, N]`` as a parameter in ``layout`` (``"nk"``: a transposed
+    copy, ``[N, K]``), with its logical axes in the same order."""
+    return (ax.param(w_KN, *axes) if layout == "kn" else
+            ax.param(jnp.asarray(w_KN.T), *reversed(axes)))
+
+
+def _matvec(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
+    """``x @ W`` for ``W`` laid out as ``layout`` (:func:`_laid`): ``x [..., K]``."""
+    if layout == "kn":
+        return x @ w
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def _folded(norm: RMSNorm, *ws) -> jax.Array:
@@ -72,15 +95,18 @@ class LeanAttention(Attention):
     """:class:`Attention` after its RMSNorm, with q, k and v in one product (module
     docstring); takes the block's input, not its normalised input."""
 
-    def __init__(self, attn: Attention, norm: RMSNorm):  # noqa: D107 - no Attention init
+    def __init__(self, attn: Attention, norm: RMSNorm,  # noqa: D107 - no Attention init
+                 layout: str = "kn"):
         for name in ("impl", "n_heads", "n_kv_heads", "head_dim", "causal", "rope_style",
                      "rope_base", "use_bias", "dtype", "qk_norm"):
             setattr(self, name, getattr(attn, name))
         self.biased = tuple(n for n in attn.biased if n == "o")
-        self.eps = norm.eps
-        self.w_qkv = ax.param(_folded(norm, attn.w_q, attn.w_k, attn.w_v), ax.EMBED, ax.HEADS)
+        self.eps, self.layout = norm.eps, layout
+        self.w_qkv = _laid(_folded(norm, attn.w_q, attn.w_k, attn.w_v), layout, ax.EMBED,
+                           ax.HEADS)
         self.b_qkv = _bias(attn, ("q", "k", "v"), ax.HEADS)
-        self.w_o = attn.w_o
+        self.w_o = attn.w_o if layout == "kn" else _laid(attn.w_o[...], layout, ax.HEADS,
+                                                         ax.EMBED)
         if "o" in attn.biased:
             self.b_o = attn.b_o
         if attn.qk_norm != "none":
@@ -89,11 +115,18 @@ class LeanAttention(Attention):
     def _project(self, x_BTD, r_BT1=None):
         dt = self.dtype or x_BTD.dtype
         r = (inv_rms(x_BTD, self.eps) if r_BT1 is None else r_BT1).astype(dt)
-        y = (x_BTD.astype(dt) @ self.w_qkv[...].astype(dt)) * r
+        y = _matvec(x_BTD.astype(dt), self.w_qkv[...].astype(dt), self.layout) * r
         if self.b_qkv is not None:
             y = y + self.b_qkv[...].astype(dt)
         qj, kj = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return y[..., :qj], y[..., qj:qj + kj], y[..., qj + kj:]
+
+    def _proj(self, x_BTD, name):
+        dt = self.dtype or x_BTD.dtype
+        y = _matvec(x_BTD.astype(dt), getattr(self, "w_" + name)[...].astype(dt), self.layout)
+        if name in self.biased:
+            y = y + getattr(self, "b_" + name)[...].astype(dt)
+        return y
 
     def decode_normed(self, x_BTD, r_BT1, cache: KVCache, positions_BT=None):
         """:meth:`decode` of the block's input ``x`` given its RMS factor ``r``
@@ -105,24 +138,25 @@ class LeanDenseFFN(nnx.Module):
     """A :class:`DenseFFN` after its RMSNorm, gate and up in one product (module docstring);
     ``y, {} = ffn(x_BTD)`` of the block's input."""
 
-    def __init__(self, ffn: DenseFFN, norm: RMSNorm):
+    def __init__(self, ffn: DenseFFN, norm: RMSNorm, layout: str = "kn"):
         self.dtype, self.gated, self.eps = ffn.dtype, ffn.gated, norm.eps
-        self.activation, self.d_hidden = ffn.cfg.activation, ffn.cfg.d_hidden
+        self.activation, self.d_hidden, self.layout = ffn.cfg.activation, ffn.cfg.d_hidden, layout
         ins = (ffn.w_gate, ffn.w_up) if ffn.gated else (ffn.w_up,)
-        self.w_in = ax.param(_folded(norm, *ins), ax.EMBED, ax.MLP)
+        self.w_in = _laid(_folded(norm, *ins), layout, ax.EMBED, ax.MLP)
         self.b_in = _bias(ffn, ("gate", "up"), ax.MLP)
-        self.w_down = ffn.w_down
+        self.w_down = ffn.w_down if layout == "kn" else _laid(ffn.w_down[...], layout, ax.MLP,
+                                                              ax.EMBED)
         self.b_down = getattr(ffn, "b_down", None)
 
     def __call__(self, x_BTD: jax.Array, r_BT1=None):
         dt = self.dtype or x_BTD.dtype
         r = (inv_rms(x_BTD, self.eps) if r_BT1 is None else r_BT1).astype(dt)
-        h = (x_BTD.astype(dt) @ self.w_in[...].astype(dt)) * r
+        h = _matvec(x_BTD.astype(dt), self.w_in[...].astype(dt), self.layout) * r
         if self.b_in is not None:
             h = h + self.b_in[...].astype(dt)
         act = activation_fn(self.activation)
         h = act(h[..., :self.d_hidden]) * h[..., self.d_hidden:] if self.gated else act(h)
-        y = h @ self.w_down[...].astype(dt)
+        y = _matvec(h, self.w_down[...].astype(dt), self.layout)
         if self.b_down is not None:
             y = y + self.b_down[...].astype(dt)
         return y, {}
@@ -139,11 +173,11 @@ class LeanBlockFFN(nnx.Module):
     into the router and the experts' input weights (module docstring); ``y, {} = ffn(x_BTD)``
     of the block's input."""
 
-    def __init__(self, ffn: BlockFFN, norm: RMSNorm):
-        self.cfg, self.dtype, self.eps = ffn.cfg, ffn.dtype, norm.eps
+    def __init__(self, ffn: BlockFFN, norm: RMSNorm, layout: str = "kn"):
+        self.cfg, self.dtype, self.eps, self.layout = ffn.cfg, ffn.dtype, norm.eps, layout
         s_D = norm.scale[...].astype(jnp.float32)
-        self.w_router = ax.param(s_D[:, None] * ffn.router.w[...].astype(jnp.float32), ax.EMBED,
-                                 ax.SCORES)
+        self.w_router = _laid(s_D[:, None] * ffn.router.w[...].astype(jnp.float32), layout,
+                              ax.EMBED, ax.SCORES)
         self.router_norm = ffn.router_norm if ffn.cfg.rmsnorm else None
         w_up, w_down, w_gate = ffn.experts.weights()
         fold = lambda w: (s_D[None, :, None] * w.astype(jnp.float32)).astype(w.dtype)  # noqa: E731
@@ -151,9 +185,9 @@ class LeanBlockFFN(nnx.Module):
             E, D, F = w_up.shape
             flat = lambda w: fold(w).transpose(1, 0, 2).reshape(D, E * F)  # noqa: E731
             ins = (w_up,) if w_gate is None else (w_gate, w_up)
-            self.w_in = ax.param(jnp.concatenate([flat(w) for w in ins], axis=1), ax.EMBED,
-                                 ax.MLP)
-            self.w_out = ax.param(w_down.reshape(E * F, D), ax.MLP, ax.EMBED)
+            self.w_in = _laid(jnp.concatenate([flat(w) for w in ins], axis=1), layout, ax.EMBED,
+                              ax.MLP)
+            self.w_out = _laid(w_down.reshape(E * F, D), layout, ax.MLP, ax.EMBED)
             return
         up = (ax.EXPERTS, ax.EMBED, ax.MLP)
         self.w_up = ax.param(fold(w_up), *up)
@@ -174,7 +208,7 @@ class LeanBlockFFN(nnx.Module):
         x_ND = x_BTD.reshape(B * T, D)
         x32_ND = x_ND.astype(jnp.float32)
         r_N1 = inv_rms(x_ND, self.eps) if r_BT1 is None else r_BT1.reshape(B * T, 1)
-        a0 = (x32_ND @ self.w_router[...]) * r_N1
+        a0 = _matvec(x32_ND, self.w_router[...], self.layout) * r_N1
         a1 = jax.nn.relu(a0)
         a = a1 if self.router_norm is None else self.router_norm(a1)
         if self.cfg.path == "dense":
@@ -191,12 +225,12 @@ class LeanBlockFFN(nnx.Module):
         it), the activation and each expert's weight ``a_e`` on its ``F`` columns,
         ``[N, E F] x [E F, D]``."""
         N, E = a_NE.shape
-        h_NH = (x_ND @ self.w_in[...].astype(dt)) * r_N1
+        h_NH = _matvec(x_ND, self.w_in[...].astype(dt), self.layout) * r_N1
         act = activation_fn(self.cfg.activation)
-        EF = self.w_out.shape[0]
+        EF = self.w_out.shape[0 if self.layout == "kn" else 1]
         h_NH = act(h_NH) if h_NH.shape[1] == EF else act(h_NH[:, :EF]) * h_NH[:, EF:]
         g_NEF = h_NH.reshape(N, E, EF // E) * a_NE.astype(dt)[:, :, None]
-        return g_NEF.reshape(N, EF) @ self.w_out[...].astype(dt)
+        return _matvec(g_NEF.reshape(N, EF), self.w_out[...].astype(dt), self.layout)
 
 
 def _stream(x_BTD, eps: float):
@@ -217,11 +251,11 @@ class LeanBlock(nnx.Module):
     """A pre-RMSNorm :class:`~moejax.nn.block.TransformerBlock`'s decode with the folded
     products (module docstring)."""
 
-    def __init__(self, block):
-        self.attn = LeanAttention(block.attn, block.attn_norm)
+    def __init__(self, block, layout: str = "kn"):
+        self.attn = LeanAttention(block.attn, block.attn_norm, layout)
         lean = {DenseFFN: LeanDenseFFN, BlockFFN: LeanBlockFFN}.get(type(block.ffn))
         if lean is not None and _plain_rmsnorm(block.ffn_norm):
-            self.ffn, self.ffn_norm = lean(block.ffn, block.ffn_norm), None
+            self.ffn, self.ffn_norm = lean(block.ffn, block.ffn_norm, layout), None
         else:
             self.ffn, self.ffn_norm = block.ffn, block.ffn_norm
 
@@ -241,23 +275,27 @@ class LeanDecoder(DecoderLM):
     """A :class:`DecoderLM`'s ``decode`` and ``init_cache`` on :class:`LeanBlock` s; its
     embedding, final norm and head are the model's own arrays."""
 
-    def __init__(self, model: DecoderLM):  # noqa: D107 - no DecoderLM init (no new weights)
-        self.cfg, self.dtype = model.cfg, model.dtype
+    def __init__(self, model: DecoderLM, layout: str = "kn"):  # noqa: D107 - no DecoderLM init
+        self.cfg, self.dtype, self.layout = model.cfg, model.dtype, layout
         self.embed, self.final_norm = model.embed, model.final_norm
         if not model.cfg.tie_embeddings:
             self.w_head = model.w_head
-        self.blocks = nnx.List([LeanBlock(b) for b in model.blocks])
+        self.blocks = nnx.List([LeanBlock(b, layout) for b in model.blocks])
 
     def __call__(self, *args, **kwargs):
         raise TypeError("a LeanDecoder decodes only (decode, init_cache); run the full "
                         "forward on the DecoderLM it was made from")
 
 
-def lean_decoder(model):
-    """``model`` with its decode step lean (:class:`LeanDecoder`) where it is a
-    pre-RMSNorm :class:`DecoderLM`; anything else (a lean decoder already, another model
-    kind) is returned as it is."""
+def lean_decoder(model, layout: str = "kn"):
+    """``model`` with its decode step lean (:class:`LeanDecoder`, its products' weights in
+    ``layout``: module docstring) where it is a pre-RMSNorm :class:`DecoderLM`; anything else
+    (a lean decoder already, whatever its layout, another model kind) is returned as it is,
+    so a decoding loop given a :class:`LeanDecoder` made before it keeps that one."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}; a product's weight is laid out as one of "
+                         f"{', '.join(map(repr, LAYOUTS))}")
     if type(model) is not DecoderLM or not all(
             b.norm_position == "pre" and _plain_rmsnorm(b.attn_norm) for b in model.blocks):
         return model
-    return LeanDecoder(model)
+    return LeanDecoder(model, layout)
