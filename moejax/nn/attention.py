@@ -187,10 +187,15 @@ class Attention(nnx.Module):
 
     def _proj(self, x_BTD, name):
         dt = self.dtype or x_BTD.dtype
-        y = x_BTD.astype(dt) @ getattr(self, "w_" + name)[...].astype(dt)
+        y = self._matmul(x_BTD.astype(dt), getattr(self, "w_" + name)[...].astype(dt))
         if name in self.biased:
             y = y + getattr(self, "b_" + name)[...].astype(dt)
         return y
+
+    def _matmul(self, x, w):
+        """A projection's product ``x @ w`` (a subclass may keep its weights laid out
+        otherwise)."""
+        return x @ w
 
     def _project(self, x_BTD):
         """The q, k and v projections ``[B, T, H*J]``, ``[B, T, G*J]`` (twice)."""

@@ -66,11 +66,13 @@ __all__ = ["LeanDecoder", "LeanBlock", "LeanAttention", "LeanDenseFFN", "LeanBlo
 LAYOUTS = ("kn", "nk")  # a product's weight as [K, N] (the modules') or transposed, [N, K]
 
 
-def _laid(w_KN: jax.Array, layout: str, *axes: str) -> nnx.Param:
-    """A product's weight ``[K, N]`` as a parameter in ``layout`` (``"nk"``: a transposed
-    copy, ``[N, K]``), with its logical axes in the same order."""
-    return (ax.param(w_KN, *axes) if layout == "kn" else
-            ax.param(jnp.asarray(w_KN.T), *reversed(axes)))
+def _laid(w_KN, layout: str, *axes: str) -> nnx.Param:
+    """A product's weight ``[K, N]`` (an array, or a module's parameter, which ``"kn"``
+    keeps as it is) as a parameter in ``layout`` (``"nk"``: a transposed copy, ``[N, K]``),
+    with its logical axes in the same order."""
+    if layout == "kn":
+        return w_KN if isinstance(w_KN, nnx.Param) else ax.param(w_KN, *axes)
+    return ax.param(jnp.asarray(w_KN[...].T), *reversed(axes))
 
 
 def _matvec(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
@@ -105,8 +107,7 @@ class LeanAttention(Attention):
         self.w_qkv = _laid(_folded(norm, attn.w_q, attn.w_k, attn.w_v), layout, ax.EMBED,
                            ax.HEADS)
         self.b_qkv = _bias(attn, ("q", "k", "v"), ax.HEADS)
-        self.w_o = attn.w_o if layout == "kn" else _laid(attn.w_o[...], layout, ax.HEADS,
-                                                         ax.EMBED)
+        self.w_o = _laid(attn.w_o, layout, ax.HEADS, ax.EMBED)
         if "o" in attn.biased:
             self.b_o = attn.b_o
         if attn.qk_norm != "none":
@@ -115,18 +116,14 @@ class LeanAttention(Attention):
     def _project(self, x_BTD, r_BT1=None):
         dt = self.dtype or x_BTD.dtype
         r = (inv_rms(x_BTD, self.eps) if r_BT1 is None else r_BT1).astype(dt)
-        y = _matvec(x_BTD.astype(dt), self.w_qkv[...].astype(dt), self.layout) * r
+        y = self._matmul(x_BTD.astype(dt), self.w_qkv[...].astype(dt)) * r
         if self.b_qkv is not None:
             y = y + self.b_qkv[...].astype(dt)
         qj, kj = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         return y[..., :qj], y[..., qj:qj + kj], y[..., qj + kj:]
 
-    def _proj(self, x_BTD, name):
-        dt = self.dtype or x_BTD.dtype
-        y = _matvec(x_BTD.astype(dt), getattr(self, "w_" + name)[...].astype(dt), self.layout)
-        if name in self.biased:
-            y = y + getattr(self, "b_" + name)[...].astype(dt)
-        return y
+    def _matmul(self, x, w):
+        return _matvec(x, w, self.layout)
 
     def decode_normed(self, x_BTD, r_BT1, cache: KVCache, positions_BT=None):
         """:meth:`decode` of the block's input ``x`` given its RMS factor ``r``
@@ -144,8 +141,7 @@ class LeanDenseFFN(nnx.Module):
         ins = (ffn.w_gate, ffn.w_up) if ffn.gated else (ffn.w_up,)
         self.w_in = _laid(_folded(norm, *ins), layout, ax.EMBED, ax.MLP)
         self.b_in = _bias(ffn, ("gate", "up"), ax.MLP)
-        self.w_down = ffn.w_down if layout == "kn" else _laid(ffn.w_down[...], layout, ax.MLP,
-                                                              ax.EMBED)
+        self.w_down = _laid(ffn.w_down, layout, ax.MLP, ax.EMBED)
         self.b_down = getattr(ffn, "b_down", None)
 
     def __call__(self, x_BTD: jax.Array, r_BT1=None):
