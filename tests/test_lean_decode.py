@@ -96,8 +96,8 @@ def test_a_layout_it_does_not_know_is_refused():
 
 
 def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
-    model = lean_decoder(_model(SLOTS[kind], layers=layers, d=256, dtype="bfloat16",
-                                param_dtype="bfloat16"))
+    model = nnx.eval_shape(lambda: lean_decoder(_model(  # shapes only: no weights drawn
+        SLOTS[kind], layers=layers, d=256, dtype="bfloat16", param_dtype="bfloat16")))
     graphdef, state = nnx.split(model)
     cache = model.init_cache(1, 256)
 
