@@ -137,8 +137,9 @@ def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
 
 # kernels per block of the one-token lean decode, 8 blocks against 2 (d 256, 4 heads, 2 kv
 # heads, bf16, a 256-slot cache) compiled for an H200: the residual stream written once with
-# its sum of squares, each product reading it (12.1 dense, 14.1 for both BlockFFN paths)
-BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 14.5}
+# its sum of squares, each product reading it (12.1 dense, 14.1 BlockFFN on the chunk-union
+# kernel, 13.1 on the dense path, whose router's product is the experts' input product)
+BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 13.5}
 
 
 def _step_program(kind: str, layers: int, layout: str = "kn") -> str:

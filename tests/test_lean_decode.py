@@ -14,10 +14,18 @@ import pytest
 from flax import nnx
 
 from moejax.kernels.targets import lowering_target
+from moejax.nn import lean_decode
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
-from moejax.nn.lean_decode import LeanBlockFFN, LeanDecoder, LeanDenseFFN, lean_decoder
+from moejax.nn.lean_decode import (
+    LeanBlockFFN,
+    LeanDecoder,
+    LeanDenseFFN,
+    _matvec,
+    _pieces,
+    lean_decoder,
+)
 from moejax.nn.moe import MoEConfig
 from moejax.train.aot import TRITON
 
@@ -87,6 +95,44 @@ def test_the_lean_decode_equals_the_modules_decode(name, slot, kw, layout):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="decodes only"):
         lean(toks)
+
+
+def test_the_routers_weights_are_three_bfloat16_pieces_whose_sum_is_exact():
+    """float32 router weights over five decades as bfloat16 pieces: their float32 sum is the
+    weights bit for bit, and a bfloat16 input's scores accumulated in float32 over the pieces
+    are the float32 router's (one piece alone, bfloat16's rounding, is 1e3 times further)."""
+    scale = jnp.logspace(-3, 2, 16, dtype=jnp.float32)
+    w_DE = jax.random.normal(jax.random.key(0), (256, 16)) * scale
+    pieces = _pieces(w_DE, jnp.bfloat16)
+    assert [p.dtype for p in pieces] == [jnp.bfloat16] * 3
+    np.testing.assert_array_equal(np.asarray(sum(p.astype(jnp.float32) for p in pieces)),
+                                  np.asarray(w_DE))
+    assert _pieces(w_DE, jnp.float32) == (w_DE,)
+    x_1D = jax.random.normal(jax.random.key(1), (1, 256)).astype(jnp.bfloat16)
+    exact = np.asarray(x_1D, np.float64) @ np.asarray(w_DE, np.float64)
+
+    def err(ps):
+        got = sum(_matvec(x_1D, p, "kn", jnp.float32) for p in ps)
+        return np.max(np.abs(np.asarray(got, np.float64) - exact) / np.abs(exact))
+    assert err(pieces) < 1e-5 and err(pieces[:1]) > 1e3 * err(pieces)
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_a_bfloat16_router_in_the_experts_product_routes_as_its_own_product(layout,
+                                                                             monkeypatch):
+    """The BlockFFN dense path in bfloat16: the router's pieces sliced from the experts' input
+    product and summed give the output of the float32 router's own product."""
+    cfg = BlockFFNConfig(n_experts=8, d_expert=16, path="dense", activation="swiglu")
+    ffn = _model(cfg, d=64, dtype="bfloat16", param_dtype="bfloat16").blocks[0]
+    x_BTD = jax.random.normal(jax.random.key(2), (2, 3, 64)).astype(jnp.bfloat16)
+    joined = LeanBlockFFN(ffn.ffn, ffn.ffn_norm, layout)
+    monkeypatch.setattr(lean_decode, "_pieces", lambda w, dtype: ())
+    apart = LeanBlockFFN(ffn.ffn, ffn.ffn_norm, layout)
+    assert (joined.n_pieces, apart.n_pieces) == (3, 0) and not hasattr(joined, "w_router")
+    got, want = joined.with_residual(x_BTD)[0], apart.with_residual(x_BTD)[0]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=0, rtol=1e-2)
+    assert np.mean(np.asarray(got) == np.asarray(want)) > 0.95
 
 
 def test_a_layout_it_does_not_know_is_refused():

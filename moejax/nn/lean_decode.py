@@ -20,7 +20,11 @@
   on ``path="dense"``, where every expert runs as two products, ``[D, E F]`` in (the
   experts' input weights side by side, gate then up) and ``[E F, D]`` out, each expert's
   ``F`` activations weighted by its ``a_e`` between them (``sum_e a_e E_e(x)`` with the
-  weighting moved inside the linear down product), not as ``E`` products of one row each;
+  weighting moved inside the linear down product), not as ``E`` products of one row each,
+  and the router's product is part of the in product: its float32 weights appended as
+  columns, as three bfloat16 pieces whose sum is those weights exactly (:func:`_pieces`)
+  where the experts run in bfloat16, the product accumulated in float32 and the pieces'
+  scores summed (the float32 router up to the order of its sums);
   any other FFN slot (MoE, DeRS) runs as the module does, after its RMSNorm;
 * attention over the cache as the module's ``impl`` says (``"flash"``: tokamax's kernel on
   GPU, :mod:`moejax.kernels.flash_attention`, given the rows' filled lengths, so its loop over
@@ -75,11 +79,25 @@ def _laid(w_KN, layout: str, *axes: str) -> nnx.Param:
     return ax.param(jnp.asarray(w_KN[...].T), *reversed(axes))
 
 
-def _matvec(x: jax.Array, w: jax.Array, layout: str) -> jax.Array:
-    """``x @ W`` for ``W`` laid out as ``layout`` (:func:`_laid`): ``x [..., K]``."""
-    if layout == "kn":
-        return x @ w
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+def _matvec(x: jax.Array, w: jax.Array, layout: str, out_dtype=None) -> jax.Array:
+    """``x @ W`` for ``W`` laid out as ``layout`` (:func:`_laid`): ``x [..., K]``; the product
+    in ``out_dtype`` where given (accumulated in it), else in the operands' dtype."""
+    dims = (((x.ndim - 1,), (0 if layout == "kn" else 1,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
+
+
+def _pieces(w, dtype) -> tuple[jax.Array, ...]:
+    """float32 ``w`` as a sum of ``dtype`` arrays, exactly: itself in float32; three bfloat16
+    pieces (8 significant bits each, float32's exponent range), each the rounding of what the
+    ones before it leave. A product with them, accumulated in float32, is the float32
+    product up to the order of its sums."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return (w,)
+    out = []
+    for _ in range(3):
+        out.append(w.astype(dtype))
+        w = w - out[-1].astype(jnp.float32)
+    return tuple(out)
 
 
 def _folded(norm: RMSNorm, *ws) -> jax.Array:
@@ -172,17 +190,24 @@ class LeanBlockFFN(nnx.Module):
     def __init__(self, ffn: BlockFFN, norm: RMSNorm, layout: str = "kn"):
         self.cfg, self.dtype, self.eps, self.layout = ffn.cfg, ffn.dtype, norm.eps, layout
         s_D = norm.scale[...].astype(jnp.float32)
-        self.w_router = _laid(s_D[:, None] * ffn.router.w[...].astype(jnp.float32), layout,
-                              ax.EMBED, ax.SCORES)
+        w_router_DE = s_D[:, None] * ffn.router.w[...].astype(jnp.float32)
         self.router_norm = ffn.router_norm if ffn.cfg.rmsnorm else None
         w_up, w_down, w_gate = ffn.experts.weights()
         fold = lambda w: (s_D[None, :, None] * w.astype(jnp.float32)).astype(w.dtype)  # noqa: E731
+        dt = jnp.dtype(ffn.dtype or w_up.dtype)
+        # on the dense path, the router's product joins the experts' input product where its
+        # weights are an exact sum of that product's dtype (_pieces)
+        router = (_pieces(w_router_DE, dt) if ffn.cfg.path == "dense"
+                  and dt in (jnp.float32, jnp.bfloat16) else ())
+        self.n_pieces = len(router)
+        if not router:
+            self.w_router = _laid(w_router_DE, layout, ax.EMBED, ax.SCORES)
         if ffn.cfg.path == "dense":  # every expert: one product in, one out ([D, E F], [E F, D])
             E, D, F = w_up.shape
-            flat = lambda w: fold(w).transpose(1, 0, 2).reshape(D, E * F)  # noqa: E731
+            flat = lambda w: fold(w).transpose(1, 0, 2).reshape(D, E * F).astype(dt)  # noqa: E731
             ins = (w_up,) if w_gate is None else (w_gate, w_up)
-            self.w_in = _laid(jnp.concatenate([flat(w) for w in ins], axis=1), layout, ax.EMBED,
-                              ax.MLP)
+            self.w_in = _laid(jnp.concatenate([flat(w) for w in ins] + list(router), axis=1),
+                              layout, ax.EMBED, ax.MLP)
             self.w_out = _laid(w_down.reshape(E * F, D), layout, ax.MLP, ax.EMBED)
             return
         up = (ax.EXPERTS, ax.EMBED, ax.MLP)
@@ -204,24 +229,42 @@ class LeanBlockFFN(nnx.Module):
         x_ND = x_BTD.reshape(B * T, D)
         x32_ND = x_ND.astype(jnp.float32)
         r_N1 = inv_rms(x_ND, self.eps) if r_BT1 is None else r_BT1.reshape(B * T, 1)
-        a0 = _matvec(x32_ND, self.w_router[...], self.layout) * r_N1
-        a1 = jax.nn.relu(a0)
-        a = a1 if self.router_norm is None else self.router_norm(a1)
+        if self.n_pieces:  # the router's product is the experts' input product
+            y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt)
+            return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
+        route = self._route(_matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
         if self.cfg.path == "dense":
-            y_ND = self._every_expert(x_ND.astype(dt), r_N1.astype(dt), a, dt)
+            y_ND = self._every_expert_of(self._matvec_in(x_ND.astype(dt), dt), r_N1, route.a, dt)
             return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
         xe_ND = (x32_ND * r_N1).astype(dt)
         w_gate = None if self.w_gate is None else self.w_gate[...]
-        y_ND, _ = block_experts(self.cfg, xe_ND, BlockRoute(a0, a1, a), self.w_up[...],
+        y_ND, _ = block_experts(self.cfg, xe_ND, route, self.w_up[...],
                                 self.w_down[...], w_gate, x_ND if residual else None)
         return y_ND.reshape(B, T, D)
 
-    def _every_expert(self, x_ND, r_N1, a_NE, dt):
-        """``sum_e a_e E_e(x r)`` as two products: ``[N, D] x [D, E F]`` (times ``r`` after
-        it), the activation and each expert's weight ``a_e`` on its ``F`` columns,
-        ``[N, E F] x [E F, D]``."""
+    def _route(self, a0_NE) -> BlockRoute:
+        a1 = jax.nn.relu(a0_NE)
+        return BlockRoute(a0_NE, a1, a1 if self.router_norm is None else self.router_norm(a1))
+
+    def _matvec_in(self, x_ND, dt):
+        return _matvec(x_ND, self.w_in[...].astype(dt), self.layout, jnp.float32)
+
+    def _every_expert(self, x_ND, r_N1, dt):
+        """The router's scores and every expert's input from one product
+        ``[N, D] x [D, E F + P E]``, accumulated in float32: the experts' columns rounded to
+        ``dt`` as their own product would be, the router's ``P`` pieces summed in float32."""
+        y_NH = self._matvec_in(x_ND, dt)
+        E, P = self.cfg.n_experts, self.n_pieces
+        H = y_NH.shape[1] - P * E
+        a0_NE = sum(y_NH[:, H + i * E:H + (i + 1) * E] for i in range(P)) * r_N1
+        return self._every_expert_of(y_NH[:, :H], r_N1, self._route(a0_NE).a, dt)
+
+    def _every_expert_of(self, h_NH, r_N1, a_NE, dt):
+        """``sum_e a_e E_e(x r)`` from the experts' input product ``h = x [D, E F]`` (float32,
+        times ``r`` after it, in ``dt``): the activation and each expert's weight ``a_e`` on its
+        ``F`` columns, then ``[N, E F] x [E F, D]``."""
         N, E = a_NE.shape
-        h_NH = _matvec(x_ND, self.w_in[...].astype(dt), self.layout) * r_N1
+        h_NH = h_NH.astype(dt) * r_N1.astype(dt)
         act = activation_fn(self.cfg.activation)
         EF = self.w_out.shape[0 if self.layout == "kn" else 1]
         h_NH = act(h_NH) if h_NH.shape[1] == EF else act(h_NH[:, :EF]) * h_NH[:, EF:]
