@@ -227,11 +227,11 @@ class LeanBlockFFN(nnx.Module):
         B, T, D = x_BTD.shape
         dt = self.dtype or x_BTD.dtype
         x_ND = x_BTD.reshape(B * T, D)
-        x32_ND = x_ND.astype(jnp.float32)
         r_N1 = inv_rms(x_ND, self.eps) if r_BT1 is None else r_BT1.reshape(B * T, 1)
         if self.n_pieces:  # the router's product is the experts' input product
             y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt)
             return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
+        x32_ND = x_ND.astype(jnp.float32)
         route = self._route(_matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
         if self.cfg.path == "dense":
             y_ND = self._every_expert_of(self._matvec_in(x_ND.astype(dt), dt), r_N1, route.a, dt)
