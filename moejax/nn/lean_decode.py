@@ -230,39 +230,34 @@ class LeanBlockFFN(nnx.Module):
         r_N1 = inv_rms(x_ND, self.eps) if r_BT1 is None else r_BT1.reshape(B * T, 1)
         if self.n_pieces:  # the router's product is the experts' input product
             y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt)
-            return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
-        x32_ND = x_ND.astype(jnp.float32)
-        route = self._route(_matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
-        if self.cfg.path == "dense":
-            y_ND = self._every_expert_of(self._matvec_in(x_ND.astype(dt), dt), r_N1, route.a, dt)
-            return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
-        xe_ND = (x32_ND * r_N1).astype(dt)
-        w_gate = None if self.w_gate is None else self.w_gate[...]
-        y_ND, _ = block_experts(self.cfg, xe_ND, route, self.w_up[...],
-                                self.w_down[...], w_gate, x_ND if residual else None)
-        return y_ND.reshape(B, T, D)
+        else:
+            x32_ND = x_ND.astype(jnp.float32)
+            route = self._route(_matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
+            if self.cfg.path != "dense":
+                xe_ND = (x32_ND * r_N1).astype(dt)
+                w_gate = None if self.w_gate is None else self.w_gate[...]
+                y_ND, _ = block_experts(self.cfg, xe_ND, route, self.w_up[...],
+                                        self.w_down[...], w_gate, x_ND if residual else None)
+                return y_ND.reshape(B, T, D)
+            y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt, route.a)
+        return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
 
     def _route(self, a0_NE) -> BlockRoute:
         a1 = jax.nn.relu(a0_NE)
         return BlockRoute(a0_NE, a1, a1 if self.router_norm is None else self.router_norm(a1))
 
-    def _matvec_in(self, x_ND, dt):
-        return _matvec(x_ND, self.w_in[...].astype(dt), self.layout, jnp.float32)
-
-    def _every_expert(self, x_ND, r_N1, dt):
-        """The router's scores and every expert's input from one product
-        ``[N, D] x [D, E F + P E]``, accumulated in float32: the experts' columns rounded to
-        ``dt`` as their own product would be, the router's ``P`` pieces summed in float32."""
-        y_NH = self._matvec_in(x_ND, dt)
-        E, P = self.cfg.n_experts, self.n_pieces
-        H = y_NH.shape[1] - P * E
-        a0_NE = sum(y_NH[:, H + i * E:H + (i + 1) * E] for i in range(P)) * r_N1
-        return self._every_expert_of(y_NH[:, :H], r_N1, self._route(a0_NE).a, dt)
-
-    def _every_expert_of(self, h_NH, r_N1, a_NE, dt):
-        """``sum_e a_e E_e(x r)`` from the experts' input product ``h = x [D, E F]`` (float32,
-        times ``r`` after it, in ``dt``): the activation and each expert's weight ``a_e`` on its
-        ``F`` columns, then ``[N, E F] x [E F, D]``."""
+    def _every_expert(self, x_ND, r_N1, dt, a_NE=None):
+        """``sum_e a_e E_e(x r)`` as two products: ``[N, D] x [D, E F]``, accumulated in
+        float32 and rounded to ``dt`` as the experts' own product would be, times ``r`` after
+        it; the activation and each expert's weight ``a_e`` on its ``F`` columns; then
+        ``[N, E F] x [E F, D]``. Without ``a_NE``, the router's scores are the in product's
+        last ``P E`` columns (``[D, E F + P E]``), its ``P`` pieces summed in float32."""
+        h_NH = _matvec(x_ND, self.w_in[...].astype(dt), self.layout, jnp.float32)
+        if a_NE is None:
+            E, P = self.cfg.n_experts, self.n_pieces
+            H = h_NH.shape[1] - P * E
+            a0_NE = sum(h_NH[:, H + i * E:H + (i + 1) * E] for i in range(P)) * r_N1
+            h_NH, a_NE = h_NH[:, :H], self._route(a0_NE).a
         N, E = a_NE.shape
         h_NH = h_NH.astype(dt) * r_N1.astype(dt)
         act = activation_fn(self.cfg.activation)
