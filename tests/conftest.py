@@ -7,14 +7,11 @@ from moejax.xla_flags import with_flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests run tiny models: compiling dominates their time, running them does not. LLVM's
 # optimisation level 0 compiles 30-40% faster here (e.g. the darex_controlled smoke test
-# 23-26 s -> 14-19 s), and XLA:CPU's elemental emitters instead of its fusion emitters compile
-# a tiny MoE LM's gradient in 0.20 s instead of 0.48 s (the bench_speculative smoke test
-# 35 s -> 23 s; jaxlib 0.10); neither changes a result beyond float rounding. Each flag is
-# passed only where the installed XLA knows it (an unknown flag aborts the process; jaxlib
-# 0.12 no longer has the second). Set MOEJAX_TEST_XLA_OPT=1 to test with XLA's defaults.
+# 23-26 s -> 14-19 s) and changes no result beyond float rounding. The flag is passed only
+# where the installed XLA knows it (an unknown flag aborts the process). Set
+# MOEJAX_TEST_XLA_OPT=1 to test with XLA's defaults.
 if os.environ.get("MOEJAX_TEST_XLA_OPT", "0") != "1":
-    os.environ["XLA_FLAGS"] = with_flags(["--xla_backend_optimization_level=0",
-                                          "--xla_cpu_use_fusion_emitters=false"])
+    os.environ["XLA_FLAGS"] = with_flags(["--xla_backend_optimization_level=0"])
 
 # Tracing a program allocates millions of short-lived Python objects, and with CPython's
 # default thresholds (700, 10, 10) the collector walks the whole heap again and again while it

@@ -63,6 +63,7 @@ def test_capture_records_every_run_at_its_shapes_and_cuts_what_runs():
             pass
 
 
+@pytest.mark.slow
 def test_prove_step_exports_for_both_platforms_and_reads_the_size():
     model = _model()
     with capture_steps(steps=0) as captured:
@@ -85,6 +86,7 @@ def test_prove_step_exports_for_both_platforms_and_reads_the_size():
         row["flops_per_step"] * 500 / (UTILISATION * H100_BF16_FLOPS) / 3600)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_does_not_change_the_step_flops():
     """XLA counts the micro-batch loop's body once; the proof counts the whole step (a dense
     model: no per-micro-batch expert padding; 384 tokens a step, so the optimizer's FLOPs,
@@ -102,6 +104,7 @@ def test_gradient_accumulation_does_not_change_the_step_flops():
     assert rows[1]["gpu_hours"] == pytest.approx(rows[0]["gpu_hours"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
     full) runs as a smoke run to its end while its training step and its decode step are
@@ -136,6 +139,7 @@ def _lm(slot, layers=2):
     return DecoderLM(cfg, rngs=nnx.Rngs(layers))
 
 
+@pytest.mark.slow
 def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
     target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
     draft = _lm(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
@@ -232,6 +236,7 @@ def test_an_unusable_out_stops_the_command_in_one_line(tmp_path, capsys):
     assert a_file.read_text() == "x" and not (tmp_path / "busy" / "summary.md").exists()
 
 
+@pytest.mark.slow
 def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path, monkeypatch):
     """The report holds a run's proof before the recipe goes on (a study killed later by its
     timeout keeps it); a second run of the same program adds its steps to that row."""
@@ -300,6 +305,7 @@ def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     assert keys[0] == keys[2] != keys[1]
 
 
+@pytest.mark.slow
 def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path(tmp_path):
     """bench_dispatch times its steps outside the training loop: each path's step is recorded
     at its real shapes, and paths of equal shapes stay apart (different kernels)."""
@@ -328,6 +334,7 @@ def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path
     assert int(row["cuda_kernels"]) >= 6 and row["flops_per_step"] > 0, row
 
 
+@pytest.mark.slow
 def test_the_grouped_kernel_paths_are_counted_as_the_work_their_kernels_do():
     """tokamax and gmm lowered for a CPU are a dense fallback and an interpret loop; the
     proof counts them as the grouped expert matmuls, so every dropless kernel path gets the
@@ -378,6 +385,7 @@ def _tiny_checkpoints(monkeypatch, *modules):
     return d
 
 
+@pytest.mark.slow
 def test_real_checkpoints_are_proven_from_their_config_alone(tmp_path, monkeypatch):
     """``make full-aot`` proves each study's runs on the named checkpoints from their
     config.json alone, beside the recipe's own: the parameters are the imported model's, and

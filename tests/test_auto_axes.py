@@ -4,6 +4,8 @@ the BERT encoder and the ViT give the values they give without a mesh, outputs k
 batch's sharding, and variables a call changes are written back (moejax.nn.auto_axes). On 8
 simulated CPU devices, in a subprocess."""
 
+import pytest
+
 from tests.devices import run_on_devices
 
 _SCRIPT = r"""
@@ -121,6 +123,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_models_under_a_mesh_of_explicit_axes_equal_the_unsharded_call():
     out = run_on_devices(_SCRIPT)
     for stage in ("decoder OK", "encoders OK", "state OK", "decoding OK"):

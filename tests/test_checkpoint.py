@@ -120,6 +120,7 @@ print("NOT INTERRUPTED")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [True])
 def test_interrupted_save_is_not_latest(tmp_path, async_save):
     d = str(tmp_path / "ck")
@@ -210,6 +211,7 @@ def _snippet(ckdir) -> str:
     return textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(ckdir))
 
 
+@pytest.mark.slow
 def test_plain_orbax_restores_a_checkpoint_of_8_devices_on_1_and_4(tmp_path):
     """The docstring's plain-orbax snippet, in processes that never import moejax, reads a
     checkpoint saved on a 4 x 2 mesh of 8 devices on 1 and on 4 devices, bit for bit."""

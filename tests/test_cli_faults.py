@@ -20,6 +20,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from moejax.train.distributed import cpu_devices_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +87,7 @@ def _refused(r, *needles):
         assert needle in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_command_line_faults_side_by_side(tmp_path):
     with ThreadPoolExecutor(3) as pool:
         chain = pool.submit(_rerun_and_resume, tmp_path)

@@ -4,6 +4,8 @@ collective when the host runs ahead (jaxlib < 0.12), and left alone where it nee
 import warnings
 from types import SimpleNamespace
 
+import pytest
+
 from moejax.cpu_pool import check_pool, needs_pool, pool_env, pool_threads, threads_needed
 from moejax.train.distributed import cpu_devices_env
 from tests.devices import run_on_devices
@@ -84,6 +86,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_eight_cpu_devices_do_not_deadlock_when_the_host_runs_ahead():
     out = run_on_devices(_RUN_AHEAD, hang_s=30, timeout=300)  # a deadlock ends at 30 s
     assert "steps done 300" in out, out[-2000:]

@@ -108,6 +108,7 @@ class _KilledAt(PromptResponseBatches):
         return super().batch(position)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gkd", "ka", "sar"])
 def test_a_killed_distillation_resumes_bitwise(tmp_path, method):
     """Killed after its step-2 checkpoint, a distillation resumed in the same run directory

@@ -8,6 +8,7 @@ import pytest
 from moejax.harness.experiment import run_experiment
 
 
+@pytest.mark.slow
 def test_darex_controlled_tiny(tmp_path):
     from experiments.darex import controlled as mod
 

@@ -9,6 +9,7 @@ import pytest
 from moejax.harness.experiment import run_experiment
 
 
+@pytest.mark.slow
 def test_darex_decoder_tiny(tmp_path):
     from experiments.darex import decoder as mod
 

@@ -13,6 +13,7 @@ from moejax.substrates.classify import ByteEncoderTaskConfig
 from tests.tiny_substrates import tiny_train
 
 
+@pytest.mark.slow
 def test_darex_encoder_tiny(tiny_recipes, tmp_path):
     cfg = mod.make_config("quick").replace(
         model="substrate", tasks=("lexname",),

@@ -26,6 +26,7 @@ def _substrate(cache):
 TRAIN = TrainConfig(steps=4, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2, seed=2)
 
 
+@pytest.mark.slow
 def test_ders_compression_tiny(tiny_recipes, tmp_path):
     mod = compression
 
@@ -250,6 +251,7 @@ def test_upcycling_ablation_claims_pair_the_variants_over_the_seeds(tmp_path):
     assert "rank 4 beats rank 64" in got[4].claim and "p=0.9 beats p=0.9999" in got[3].claim
 
 
+@pytest.mark.slow
 def test_ders_upcycling_tiny_with_an_imported_baseline(tiny_recipes, tmp_path):
     """The study's variants, every one equal to the dense substrate at step 0, and
     ``baseline=hf:<dir>``: the tiny OLMoE fixture (its char-level tokenizer) evaluated and

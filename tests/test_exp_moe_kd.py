@@ -34,6 +34,7 @@ def _tiny_config(tiny_recipes, **kw) -> mod.MoEKDConfig:
         ka_ms=(), lr_sweep=(3e-3,), router_lr_sweep=(), seeds=2, eval_seeds=2), **kw})
 
 
+@pytest.mark.slow
 def test_moe_kd_tiny(tiny_recipes, tmp_path):
     cfg = _tiny_config(tiny_recipes)
     summary, run = run_experiment(mod.STUDY.name, lambda preset: cfg, mod.run, [],
@@ -319,6 +320,7 @@ def test_more_experts_claim_pairs_the_students_short_of_all_the_experts():
 HF_QWEN3 = Path(__file__).parent / "fixtures" / "hf_moe" / "qwen3_moe"
 
 
+@pytest.mark.slow
 def test_moe_kd_distils_an_imported_hugging_face_moe(tmp_path):
     """``teacher=hf:<dir>``: the tiny Qwen3-MoE fixture (its char-level tokenizer.json) is the
     teacher, its first block the student; KD and GKD run, the summary names the teacher, and

@@ -29,6 +29,7 @@ def run_tiny(cache, out, min_cluster_frac: float, **overrides):
     return run, {r["model"]: r for r in csv.DictReader(open(run.path / "table1.csv"))}
 
 
+@pytest.mark.slow
 def test_moee_tiny(tiny_recipes, tmp_path):
     run, rows = run_tiny(tiny_recipes, tmp_path / "moee", 0.02,
                          kd=mod.KD.replace(steps=2, batch_size=8),

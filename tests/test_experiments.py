@@ -129,6 +129,7 @@ def test_bench_dispatch_times_the_train_step_alone_on_each_attention(tmp_path):
                 "interpret mode)") in (run.path / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
     from experiments.benchmarks import dispatch as bench_dispatch
     from moejax.bench import moe_block
@@ -398,6 +399,7 @@ def test_a_training_setting_no_run_of_the_study_reads_is_refused(name, setting, 
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
     from experiments.benchmarks import parallel as bench_parallel
 
@@ -472,6 +474,7 @@ def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
         bench_extracted.make_config("quick").replace(grouped_cost=0.5)
 
 
+@pytest.mark.slow
 def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_path):
     """The MoEE part on the tiny ViT: every extracted layer timed in three layouts on each
     batch (compact outputs checked against the masked layout inside the run), exact MAC
@@ -540,6 +543,7 @@ def test_bench_extracted_refuses_a_batch_the_test_split_cannot_fill_before_recor
         bench_extracted._timed_batch(images, 7)  # not a batch of 6 timed as one of 7
 
 
+@pytest.mark.slow
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
     from experiments.ders import bench as bench_ders
 

@@ -17,6 +17,8 @@ devices, in a subprocess (the device count is fixed before JAX starts):
 * a mesh whose expert axis does not divide the experts, or tokens that do not divide over the
   devices, fail before compiling with both numbers in the message."""
 
+import pytest
+
 from tests.devices import run_on_devices
 
 _SCRIPT = r"""
@@ -192,6 +194,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_expert_parallel_dispatch_on_eight_devices():
     out = run_on_devices(_SCRIPT)
     for stage in ("equality OK", "capacity OK", "collectives", "train step OK",

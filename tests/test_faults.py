@@ -260,6 +260,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_failing_or_interrupted_save_exits_without_hanging(tmp_path):
     """A save that fails inside orbax (read-only disk), then one interrupted by Ctrl-C: both
     raise and the process exits; orbax's waiting threads are released (they used to hang the
@@ -850,6 +851,7 @@ def _damage(run, rng) -> str:
     return kind
 
 
+@pytest.mark.slow
 def test_load_many_interrupted_and_corrupted_saves_resume_bitwise(tmp_path):
     """Ten rounds: crash the run at a random data position, damage the newest checkpoint
     at random, resume. When it finishes, the model equals the uninterrupted run's bit for bit

@@ -135,10 +135,11 @@ def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
         gpu_compile_env()
 
 
-# kernels per block of the one-token lean decode, 8 blocks against 2 (d 256, 4 heads, 2 kv
-# heads, bf16, a 256-slot cache) compiled for an H200: the residual stream written once with
-# its sum of squares, each product reading it (12.1 dense, 14.1 BlockFFN on the chunk-union
-# kernel, 13.1 on the dense path, whose router's product is the experts' input product)
+# kernels per block of the one-token lean decode, 4 blocks against 1 (d 256, 4 heads, 2 kv
+# heads, bf16, a 256-slot cache) compiled for an H200 (8 against 4 counts the same): the
+# residual stream written once with its sum of squares, each product reading it (12 dense, 14
+# BlockFFN on the chunk-union kernel, 13 on the dense path, whose router's product is the
+# experts' input product)
 BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 13.5}
 
 
@@ -156,15 +157,15 @@ def _per_block() -> dict[str, dict[str, float]]:
     out, programs = {}, {}
     for kind in BUDGET:
         counts = []
-        for layers in (2, 8):
+        for layers in (1, 4):
             programs[kind, layers] = _step_program(kind, layers)
             counts.append(launches(programs[kind, layers]))
-        out[kind] = {k: (counts[1][k] - counts[0][k]) / 6 for k in counts[1]}
-    # the products' reductions of 2 dense blocks (4 products each) and the head, per layout
-    nk = _step_program("dense", 2, "nk")
-    out["reductions"] = {"kn": dict(reductions(programs["dense", 2])),
+        out[kind] = {k: (counts[1][k] - counts[0][k]) / 3 for k in counts[1]}
+    # the products' reductions of 1 dense block (4 products) and the head, per layout
+    nk = _step_program("dense", 1, "nk")
+    out["reductions"] = {"kn": dict(reductions(programs["dense", 1])),
                          "nk": dict(reductions(nk)), "nk_kernels": dict(launches(nk)),
-                         "kn_kernels": dict(launches(programs["dense", 2]))}
+                         "kn_kernels": dict(launches(programs["dense", 1]))}
     # one round of the greedy sampling loop of a 4-block dense decoder
     def target_and_draft():
         model = _model(SLOTS["dense"], layers=4, d=256, dtype="bfloat16", param_dtype="bfloat16")
@@ -183,6 +184,7 @@ def _per_block() -> dict[str, dict[str, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     proc = subprocess.run([sys.executable, "-m", "tests.test_gpu_program"], env=gpu_compile_env(),
                           capture_output=True, text=True, timeout=600)
@@ -213,8 +215,8 @@ def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     # the products' weights transposed (layout "nk"): every product a row reduction, each
     # output's weights contiguous; in the modules' layout every block's are column reductions
     red = per["reductions"]
-    assert red["nk"].get("column", 0) == 0 and red["nk"]["row"] >= 2 * 4, red
-    assert red["kn"]["column"] >= 2 * 4, red
+    assert red["nk"].get("column", 0) == 0 and red["nk"]["row"] >= 4, red
+    assert red["kn"]["column"] >= 4, red
     assert (sum(red["nk_kernels"].values()) <= sum(red["kn_kernels"].values())), red
 
 

@@ -37,6 +37,7 @@ def _faults_per_step(mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
 def test_retained_memory_stops_the_page_faults():
     default, retained = _faults_per_step("default"), _faults_per_step("retain")
@@ -134,6 +135,7 @@ print(before - rss())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
 def test_release_freed_memory_returns_free_chunks_inside_the_heap():
     def freed(mode):

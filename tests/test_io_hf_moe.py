@@ -456,6 +456,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_tensors_stream_into_their_sharded_places():
     """On 2 devices, ``shardings`` puts each expert stack split over an expert axis and every
     other tensor replicated as it is read; the model equals transformers' forward."""

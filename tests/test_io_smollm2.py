@@ -85,6 +85,7 @@ def numpy_llama_logits(f, ids):
     return _rms(x, t("output_norm.weight"), eps) @ E.T
 
 
+@pytest.mark.slow
 def test_config_from_metadata(smol):
     _, model, _ = smol
     c = model.cfg
@@ -113,6 +114,7 @@ def test_logits_match_numpy_reference(smol):
     assert tok.decode([int(ref[-1].argmax())]).strip() == "dog"
 
 
+@pytest.mark.slow
 def test_greedy_completes_paris(smol):
     from moejax.nn.generate import generate
 

@@ -68,6 +68,7 @@ def _assert_close(got, want, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2 * step * np.abs(want).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sizes,m", CASES)
 @pytest.mark.parametrize("k,n,dtype,tiles", [(128, 192, jnp.bfloat16, TILES),
                                              (72, 136, jnp.float16, TILES),

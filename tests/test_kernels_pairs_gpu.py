@@ -90,6 +90,7 @@ def test_wgrad_sums_each_experts_pairs(l_by, r_by):
     assert not np.any(np.asarray(dw[5], np.float32))  # in no union: exactly zero
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [
     False,
     pytest.param(True, marks=pytest.mark.skipif(

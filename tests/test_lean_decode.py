@@ -170,6 +170,7 @@ def _per_block(kind: str, platform: str, layers: int = 14) -> dict[str, float]:
     return per
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "blockffn"])
 def test_the_one_token_decode_launches_within_its_budget(kind):
     """Exported for cuda: the q/k/v and gate/up products fused, the flash kernel for the

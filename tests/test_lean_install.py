@@ -14,6 +14,8 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "numpy"}
 # every extra's top-level packages (and what would pull them in), absent below
@@ -94,6 +96,7 @@ def _wheel(tmp: Path) -> Path:
     return wheel
 
 
+@pytest.mark.slow
 def test_core_without_extras_and_the_wheel(tmp_path):
     site = _without_extras(tmp_path)
     example = _readme_block("### MoE in your own model")

@@ -159,6 +159,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_the_loop_records_names_specs_and_the_replicated_unnamed_parameters(tmp_path):
     out = run_on_devices(_SCRIPT.replace("RUN_DIR", repr(str(tmp_path / "run"))), 8)
     got = json.loads(out.split("RESULT", 1)[1].rsplit("OK", 1)[0])
@@ -219,6 +220,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_a_tensor_axis_splits_ffn_widths_and_heads_and_trains_as_one_device():
     """An 8-device mesh of data 2 x expert 2 x tensor 2 (with and without FSDP): experts'
     hidden widths and attention's heads over the tensor axis, the experts over the expert

@@ -426,6 +426,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_moe_layer_runs_expert_parallel_under_a_mesh_of_explicit_axes():
     """Under a mesh from jax.make_mesh (explicit axes by default) with the README's
     expert_mesh_axes, a user's model with a MoELayer gives the single-device loss and

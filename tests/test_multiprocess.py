@@ -117,6 +117,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_with_expert_parallelism_match_one_device(tmp_path):
     assert jax.device_count() == 1
     one = train(new_model(), ToySource(batch_size=8),
@@ -193,6 +194,7 @@ def _start_pair(tmp_path, fail: bool) -> list:
     return procs
 
 
+@pytest.mark.slow
 def test_a_process_that_fails_leaves_at_once_and_the_other_says_so(tmp_path):
     """One of two processes refuses its config (exit 2): it leaves without waiting for the
     other, which is blocked in its first collective and exits with EXIT_PEER_LOST within
@@ -214,6 +216,7 @@ def test_a_process_that_fails_leaves_at_once_and_the_other_says_so(tmp_path):
     assert time.time() - t0 < 100
 
 
+@pytest.mark.slow
 def test_a_dead_peer_ends_the_survivor_in_one_line_naming_the_checkpoint(tmp_path):
     """SIGKILL one of two training processes: the other exits within seconds with
     EXIT_PEER_LOST and one line naming the checkpoint that resumes the run (not JAX's C++

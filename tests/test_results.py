@@ -123,6 +123,7 @@ class _SeedCfg(Config):
     n: int = 2
 
 
+@pytest.mark.slow
 def test_repeat_runs_seeds_and_merges_tables(tmp_path):
     """repeat=3 offsets the declared seed key by 0, 1, 2, runs each into seed_<i>/, and the
     top-level table holds the mean and sample std of what varies, keys kept as they are."""

@@ -2,6 +2,8 @@
 
 Runs in a subprocess because the device count must be set before JAX starts."""
 
+import pytest
+
 from tests.devices import run_on_devices
 
 _SCRIPT = r"""
@@ -82,6 +84,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_sharded_step_matches_single_device():
     out = run_on_devices(_SCRIPT)
     assert "mesh (4, 2)" in out and "mesh (2, 4)" in out, out[-2000:]
@@ -131,6 +134,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_studies_run_to_their_summary_on_eight_devices(tmp_path):
     """Training on a (data x expert) mesh, then evaluating the sharded model: each study's
     evaluator compiles for the layout its model's arrays have. A batch or mesh that does not

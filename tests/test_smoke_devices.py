@@ -4,9 +4,12 @@ study; the sweep over all of them is the make target (too long for the suite).""
 
 import csv
 
+import pytest
+
 from experiments.full_smoke import main
 
 
+@pytest.mark.slow
 def test_a_study_smokes_on_two_cpu_devices_and_the_table_says_so(tmp_path):
     out = tmp_path / "smoke"
     code = main(["only=lm_demo", "preset=quick", "devices=2", f"out={out}", "timeout=600",

@@ -129,6 +129,7 @@ TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.
             "drafts.distil.train.warmup_steps=1", "drafts.distil.train.batch_size=4"]
 
 
+@pytest.mark.slow
 def test_bench_speculative_tiny(tmp_path, monkeypatch):
     """The whole bench on tiny models; with a device trace (stubbed: a CPU trace has none)
     each decoding's row gets its kernels per token, token_kernels_<target> its longest
@@ -198,6 +199,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
         mod.make_config("quick").replace(drafts=mod.DraftsConfig(self_layers=2))
 
 
+@pytest.mark.slow
 def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, monkeypatch):
     """A run cut short (a GPU command's time limit) leaves every decoding timed before it;
     the same command again restores the trained target and draft and the distilled draft

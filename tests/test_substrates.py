@@ -26,6 +26,7 @@ def _same_params(a, b):
         np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
 
 
+@pytest.mark.slow
 def test_lm_chain_build_cache_and_resume(tiny_recipes):
     cache = tiny_recipes
     code = substrates.get("dense_lm_code", "quick", cache_dir=cache)

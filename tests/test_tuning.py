@@ -250,6 +250,7 @@ def test_the_mosaic_gpu_kernels_take_their_configuration():
         tuning.config_for("decode_mgpu", jnp.float32, 256, 128)
 
 
+@pytest.mark.slow
 def test_autotune_times_the_decode_kernel_on_quarter_unions_and_a_full_one():
     """One launch configuration serves every union size: the decode case calls the kernel on
     four unions of a quarter of the experts and on one of all of them (weights of their own),

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import json, re, sys
     sys.modules["jax.experimental.pallas.triton"] = None  # a jax without Pallas Triton
@@ -53,6 +55,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_without_pallas_triton_gpu_programs_lower_on_mosaic_gpu_and_xla():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
