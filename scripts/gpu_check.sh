@@ -8,8 +8,9 @@
 #                and the timers' (the device loop runs a call in every iteration there too)
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
 #                platform beside the GPU for the cases that run a kernel interpreted)
-#   decode_tests the chunk-union decode kernel's compiled tests, the attention kernels and the
-#                lean decode step against their oracles, compiled for the GPU (as tests)
+#   decode_tests the chunk-union decode kernel's compiled tests, the attention kernels, the
+#                lean decode step and its fused attention input against their oracles,
+#                compiled for the GPU (as tests)
 #   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
 #                grouped products at the full presets' shapes: each configuration checked against an
 #                oracle, the fastest written to moejax/kernels/<op>/tuned/<device kind>.json
@@ -44,16 +45,22 @@
 #                the lean decode step's product weights transposed (decode_layout=nk: each
 #                one-row product a row reduction, not a column reduction), against the
 #                modules' layout of speculative_wide (its variant wide_bf16_nk)
+#   speculative_wide_fused
+#                speculative_wide_nk again (from speculative_wide's checkpoints when that
+#                stage ran), each one-token step's attention input as one kernel
+#                (decode_fused=true: the norm's factor, the q/k/v product, RoPE and both
+#                cache writes), against speculative_wide_nk (its variant wide_bf16_nk_fused)
 #   dispatch_xla_attention
 #                bench_dispatch's full preset with XLA's attention (its variant
 #                xla_attention), against the dispatch stage's, which trains on tokamax's
 #                flash kernel
 #   train_step   bench_dispatch's full-preset train step alone, on one path (gmm), timed on
 #                the flash kernel and on XLA's attention in one run (its variant train_step)
-#   decoding     stands for speculative_wide speculative_wide_nk speculative_wide_graphs
-#                train_step decode_tests: the lean decode step's and the flash kernel's
-#                measurements first (on an H200 speculative_wide took 255 s, 189 s of it
-#                decoding, which the nk and graphs stages repeat from its checkpoints;
+#   decoding     stands for speculative_wide speculative_wide_nk speculative_wide_fused
+#                speculative_wide_graphs train_step decode_tests: the lean decode step's and
+#                the flash kernel's measurements first (on an H200 speculative_wide took
+#                255 s, 189 s of it decoding, which the nk, fused and graphs stages repeat
+#                from its checkpoints;
 #                train_step 61 s), their kernels' tests last;
 #                with BUDGET=570 the tests may be left to a second command (the stages done
 #                are skipped there)
@@ -88,7 +95,7 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
-stages=${stages//decoding/speculative_wide speculative_wide_nk speculative_wide_graphs train_step decode_tests}
+stages=${stages//decoding/speculative_wide speculative_wide_nk speculative_wide_fused speculative_wide_graphs train_step decode_tests}
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -137,7 +144,7 @@ for stage in $stages; do
     decode_tests)
       JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
         "$py" -m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py \
-        tests/test_attention_impls.py tests/test_lean_decode.py 2>&1 |
+        tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py 2>&1 |
         tee "$out/decode_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.benchmarks.autotune \
@@ -151,13 +158,14 @@ for stage in $stages; do
         "$out/autotune/tuned/" 2>/dev/null
       (exit "$st") ;;
     grouped|grouped_f32|kernels|dispatch|dispatch_xla_attention|speculative|\
-    speculative_quick|speculative_wide|speculative_wide_graphs|speculative_wide_nk|extracted|\
-    train_step)
+    speculative_quick|speculative_wide|speculative_wide_graphs|speculative_wide_nk|\
+    speculative_wide_fused|extracted|train_step)
       args=(preset=full)
       flags=${XLA_FLAGS:-}
       bench=${stage%_f32}
       bench=${bench%_graphs}
       bench=${bench%_nk}
+      bench=${bench%_fused}
       bench=${bench%_quick}
       bench=${bench%_wide}
       bench=${bench%_xla_attention}
@@ -172,8 +180,9 @@ for stage in $stages; do
         speculative_wide) args=(preset=quick variant=wide_bf16) ;;
         speculative_wide_graphs) args=(preset=quick variant=wide_bf16_graphs) ;;
         speculative_wide_nk) args=(preset=quick variant=wide_bf16_nk) ;;
+        speculative_wide_fused) args=(preset=quick variant=wide_bf16_nk_fused) ;;
       esac
-      if [ "$stage" = speculative_wide_graphs ] || [ "$stage" = speculative_wide_nk ]; then
+      if [ "$stage" != speculative_wide ] && [ "${stage#speculative_wide}" != "$stage" ]; then
         for m in target draft distilled self_distilled; do
           [ -d "$out/bench_speculative_wide/$m" ] && mkdir -p "$out/bench_$stage" &&
             cp -rn "$out/bench_speculative_wide/$m" "$out/bench_$stage/"

@@ -124,18 +124,22 @@ def test_the_graphs_stage_decodes_the_wide_models_again_under_command_buffer_fla
         (wide / m / "ckpt.bin").write_text(m)
     (wide / "decode.csv").write_text("the wide stage's own table")
     proc, calls = _run(tmp_path, "speculative_wide_graphs", "dispatch_xla_attention",
-                       "speculative_wide_nk")
+                       "speculative_wide_nk", "speculative_wide_fused")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "out" / "bench_speculative_wide_graphs"
     nk = tmp_path / "out" / "bench_speculative_wide_nk"
+    fused = tmp_path / "out" / "bench_speculative_wide_fused"
     assert calls == [f"-m experiments.blockffn.speculative preset=quick "
                      f"variant=wide_bf16_graphs out={out}",
                      f"-m experiments.benchmarks.dispatch preset=full variant=xla_attention "
                      f"out={tmp_path / 'out' / 'bench_dispatch_xla_attention'}",
                      # the products' weights transposed, from the same checkpoints
                      f"-m experiments.blockffn.speculative preset=quick "
-                     f"variant=wide_bf16_nk out={nk}"]
-    for d in (out, nk):
+                     f"variant=wide_bf16_nk out={nk}",
+                     # and with the one-token steps' attention input fused
+                     f"-m experiments.blockffn.speculative preset=quick "
+                     f"variant=wide_bf16_nk_fused out={fused}"]
+    for d in (out, nk, fused):
         assert sorted(p.name for p in d.iterdir()) == ["self_distilled", "target"]
         assert (d / "target" / "ckpt.bin").read_text() == "target"
 
@@ -148,7 +152,8 @@ def test_a_failed_autotune_is_not_marked_done(tmp_path):
 
 BENCH_STAGES = ("grouped", "grouped_f32", "kernels", "dispatch", "dispatch_xla_attention",
                 "speculative", "speculative_quick", "speculative_wide",
-                "speculative_wide_graphs", "speculative_wide_nk", "extracted", "train_step")
+                "speculative_wide_graphs", "speculative_wide_nk", "speculative_wide_fused",
+                "extracted", "train_step")
 
 
 def test_every_benchmark_stage_runs_a_preset_or_a_declared_variant(tmp_path):
@@ -184,13 +189,15 @@ def test_the_decoding_group_measures_the_lean_decode_step_and_the_flash_kernel(t
         f"out={out}/bench_speculative_wide",
         f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_nk "
         f"out={out}/bench_speculative_wide_nk",
+        f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_nk_fused "
+        f"out={out}/bench_speculative_wide_fused",
         # the measurements first, their tests last (what a BUDGET leaves out is the tests)
         f"-m experiments.blockffn.speculative preset=quick variant=wide_bf16_graphs "
         f"out={out}/bench_speculative_wide_graphs",
         f"-m experiments.benchmarks.dispatch preset=full variant=train_step "
         f"out={out}/bench_train_step",
         "-m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py "
-        "tests/test_attention_impls.py tests/test_lean_decode.py"]
+        "tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py"]
     assert sorted(p.name for p in out.glob(".done-*")) == [
-        ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_graphs",
-        ".done-speculative_wide_nk", ".done-train_step"]
+        ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_fused",
+        ".done-speculative_wide_graphs", ".done-speculative_wide_nk", ".done-train_step"]

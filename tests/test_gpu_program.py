@@ -141,12 +141,20 @@ def test_compiling_for_a_gpu_names_what_is_missing(monkeypatch, tmp_path):
 # BlockFFN on the chunk-union kernel, 13 on the dense path, whose router's product is the
 # experts' input product)
 BUDGET = {"dense": 12.5, "blockffn": 14.5, "blockffn_dense": 13.5}
+# fused=True, weights transposed ("nk"): the attention input as one kernel (the previous block's
+# residual add, the norm's factor, the q/k/v product, RoPE and both cache writes), the flash
+# kernel, the o product, the FFN input as one kernel (the residual add, the norm's factor, the in
+# product with BlockFFN's router, its norm, the activation), the down product, and the cache's
+# lengths: 6 dense and on BlockFFN's dense path
+FUSED_BUDGET = {"dense_fused": 6.5, "blockffn_dense_fused": 6.5}
 
 
 def _step_program(kind: str, layers: int, layout: str = "kn") -> str:
     slots = {**SLOTS, "blockffn_dense": BlockFFNConfig(n_experts=16, d_expert=64, path="dense")}
+    base, fused = kind.removesuffix("_fused"), kind.endswith("_fused")
     model = nnx.eval_shape(lambda: lean_decoder(_model(  # shapes only: no weights drawn
-        slots[kind], layers=layers, d=256, dtype="bfloat16", param_dtype="bfloat16"), layout))
+        slots[base], layers=layers, d=256, dtype="bfloat16", param_dtype="bfloat16"),
+        "nk" if fused else layout, fused))
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, tok, c, g=graphdef: nnx.merge(g, s).decode(tok, c),
                    donate_argnums=2)
@@ -155,7 +163,7 @@ def _step_program(kind: str, layers: int, layout: str = "kn") -> str:
 
 def _per_block() -> dict[str, dict[str, float]]:
     out, programs = {}, {}
-    for kind in BUDGET:
+    for kind in (*BUDGET, *FUSED_BUDGET):
         counts = []
         for layers in (1, 4):
             programs[kind, layers] = _step_program(kind, layers)
@@ -202,6 +210,15 @@ def test_the_lean_decode_compiled_for_a_gpu_launches_within_its_budget():
     # the residual stream and its sum of squares made together, before each RMSNorm
     assert per["dense"]["input_add_reduce_fusion"] == 2, per["dense"]
     assert per["blockffn"]["custom-call mosaic_gpu_v2"] == 1, per["blockffn"]
+    # fused: three Pallas kernels (attention input, flash, FFN input) and the two products;
+    # no cache-write, RoPE, residual-stream or activation fusion left; at most half the
+    # kernels of the XLA step
+    for kind, budget in FUSED_BUDGET.items():
+        fused, plain = per[kind], per[kind.removesuffix("_fused")]
+        assert sum(fused.values()) <= budget, (kind, fused)
+        assert fused["custom-call __gpu$xla.gpu.triton"] == 3, (kind, fused)
+        assert fused["input_reduce_fusion"] == 2, (kind, fused)
+        assert sum(fused.values()) <= sum(plain.values()) / 2 + 0.5, (kind, fused, plain)
     # the sampling loop carries one filled-lengths array for all 4 layers: their `+ 1` is one
     # add a round, not one per layer
     round_ = per["sample_round"]
@@ -227,7 +244,7 @@ def test_the_decode_kernels_script_refuses_a_bad_argument_before_compiling(monke
     spec.loader.exec_module(module)
     for owner, name in ((module, "_rows"), (module.os, "execve")):  # neither restart nor compile
         monkeypatch.setattr(owner, name, lambda *a, n=name, **kw: pytest.fail(f"{n} reached"))
-    for arg in ("max_new=0", "steps=3", "layout=mn", "draft_len=x"):
+    for arg in ("max_new=0", "steps=3", "layout=mn", "draft_len=x", "fused=2"):
         with pytest.raises(SystemExit, match=f"{arg!r}: give max_new=N"):
             module.main([arg])
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from moejax.kernels.targets import lowering_target
-from moejax.nn import lean_decode
+from moejax.nn import lean_ffn
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -22,10 +22,9 @@ from moejax.nn.lean_decode import (
     LeanBlockFFN,
     LeanDecoder,
     LeanDenseFFN,
-    _matvec,
-    _pieces,
     lean_decoder,
 )
+from moejax.nn.lean_ops import matvec, pieces
 from moejax.nn.moe import MoEConfig
 from moejax.train.aot import TRITON
 
@@ -103,18 +102,18 @@ def test_the_routers_weights_are_three_bfloat16_pieces_whose_sum_is_exact():
     are the float32 router's (one piece alone, bfloat16's rounding, is 1e3 times further)."""
     scale = jnp.logspace(-3, 2, 16, dtype=jnp.float32)
     w_DE = jax.random.normal(jax.random.key(0), (256, 16)) * scale
-    pieces = _pieces(w_DE, jnp.bfloat16)
-    assert [p.dtype for p in pieces] == [jnp.bfloat16] * 3
-    np.testing.assert_array_equal(np.asarray(sum(p.astype(jnp.float32) for p in pieces)),
+    parts = pieces(w_DE, jnp.bfloat16)
+    assert [p.dtype for p in parts] == [jnp.bfloat16] * 3
+    np.testing.assert_array_equal(np.asarray(sum(p.astype(jnp.float32) for p in parts)),
                                   np.asarray(w_DE))
-    assert _pieces(w_DE, jnp.float32) == (w_DE,)
+    assert pieces(w_DE, jnp.float32) == (w_DE,)
     x_1D = jax.random.normal(jax.random.key(1), (1, 256)).astype(jnp.bfloat16)
     exact = np.asarray(x_1D, np.float64) @ np.asarray(w_DE, np.float64)
 
     def err(ps):
-        got = sum(_matvec(x_1D, p, "kn", jnp.float32) for p in ps)
+        got = sum(matvec(x_1D, p, "kn", jnp.float32) for p in ps)
         return np.max(np.abs(np.asarray(got, np.float64) - exact) / np.abs(exact))
-    assert err(pieces) < 1e-5 and err(pieces[:1]) > 1e3 * err(pieces)
+    assert err(parts) < 1e-5 and err(parts[:1]) > 1e3 * err(parts)
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
@@ -126,13 +125,54 @@ def test_a_bfloat16_router_in_the_experts_product_routes_as_its_own_product(layo
     ffn = _model(cfg, d=64, dtype="bfloat16", param_dtype="bfloat16").blocks[0]
     x_BTD = jax.random.normal(jax.random.key(2), (2, 3, 64)).astype(jnp.bfloat16)
     joined = LeanBlockFFN(ffn.ffn, ffn.ffn_norm, layout)
-    monkeypatch.setattr(lean_decode, "_pieces", lambda w, dtype: ())
+    monkeypatch.setattr(lean_ffn, "pieces", lambda w, dtype: ())
     apart = LeanBlockFFN(ffn.ffn, ffn.ffn_norm, layout)
     assert (joined.n_pieces, apart.n_pieces) == (3, 0) and not hasattr(joined, "w_router")
     got, want = joined.with_residual(x_BTD)[0], apart.with_residual(x_BTD)[0]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                atol=0, rtol=1e-2)
     assert np.mean(np.asarray(got) == np.asarray(want)) > 0.95
+
+
+FUSED_CASES = {c[0]: c for c in CASES if c[0] in (
+    "swiglu", "gelu, biases", "qk norm per head", "blockffn dense gated, no router norm")}
+FUSED_CASES.update({c[0]: c for c in (  # experts of 16: the FFN kernel's smallest block
+    ("blockffn dense 16", BlockFFNConfig(n_experts=8, d_expert=16, path="dense"), {}),
+    ("blockffn dense 16 gated, no router norm", BlockFFNConfig(
+        n_experts=4, d_expert=32, path="dense", activation="swiglu", rmsnorm=False), {}))})
+
+
+@pytest.mark.parametrize("name,layout", [("swiglu", "kn"), ("gelu, biases", "nk"),
+                                         ("qk norm per head", "kn"),
+                                         ("blockffn dense gated, no router norm", "nk"),
+                                         ("blockffn dense 16", "kn"),
+                                         ("blockffn dense 16 gated, no router norm", "nk")])
+def test_the_fused_one_token_step_decodes_as_the_lean_step(name, layout):
+    """Every one-token step's attention input is the Pallas kernel (moejax.kernels.decode_qkv:
+    compiled on a GPU, ``fused=True``; elsewhere ``fused="interpret"``, in the interpreter),
+    the prefill and a two-token step XLA's; logits and caches equal the lean XLA step's in
+    float32 (q/k norms: XLA's step throughout, equal to it bit for bit)."""
+    _, slot, kw = FUSED_CASES[name]
+    model = _model(slot, **kw)
+    how = True if jax.default_backend() == "gpu" else "interpret"
+    plain, fused = lean_decoder(model, layout), lean_decoder(model, layout, fused=how)
+    assert all(b.attn.fused == how for b in fused.blocks)
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    toks = jax.random.randint(jax.random.key(4), (2, 10), 0, 64)
+    want_c, got_c = plain.init_cache(2, 16), fused.init_cache(2, 16)
+    for part in (toks[:, :5], toks[:, 5:6], toks[:, 6:7], toks[:, 7:9], toks[:, 9:10]):
+        want, want_c = decode(plain, part, want_c)
+        got, got_c = decode(fused, part, got_c)
+        if "qk norm" in name:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_c), jax.tree.leaves(want_c)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_value_it_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="fused='gpu'; give one of False, True, 'interpret'"):
+        lean_decoder(_model(DenseFFNConfig(d_hidden=48, activation="gelu")), fused="gpu")
 
 
 def test_a_layout_it_does_not_know_is_refused():
@@ -251,17 +291,20 @@ def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
     np.testing.assert_array_equal(r["tokens"], runs[False, True]["tokens"])
 
 
+@pytest.mark.slow
 def test_a_lean_decoder_made_before_the_loops_decodes_the_same_tokens():
     """The decoding loops keep a LeanDecoder they are given (bench_speculative makes it once,
     in the configured layout, before timing): its tokens, autoregressive and speculative,
-    are the plain model's in float32, in either layout."""
+    are the plain model's in float32, in either layout, and with the one-token steps'
+    kernels (``fused``; in the interpreter here)."""
     from moejax.bench.decode_timing import decode_timing
 
-    target = _model(BlockFFNConfig(n_experts=8, d_expert=8, path="dense"))
+    target = _model(BlockFFNConfig(n_experts=8, d_expert=16, path="dense"))
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
     prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
     for d in (None, draft):
         want = decode_timing(target, prompts, 6, draft=d, draft_len=2)["tokens"]
-        got = decode_timing(lean_decoder(target, "nk"), prompts, 6, draft_len=2,
-                            draft=None if d is None else lean_decoder(d, "nk"))["tokens"]
-        np.testing.assert_array_equal(got, want)
+        for fused in (False, "interpret"):
+            got = decode_timing(lean_decoder(target, "nk", fused), prompts, 6, draft_len=2,
+                                draft=None if d is None else lean_decoder(d, "nk", fused))
+            np.testing.assert_array_equal(got["tokens"], want)

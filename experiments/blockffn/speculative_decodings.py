@@ -123,9 +123,10 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
     ``ref`` of the others: None when timing it) its tokens. ``agree``: each draft's argmax
     agreement measured so far (read, not written: the caller keeps the row's)."""
     # the lean decode steps made once, before the loops (as a server holds them), with their
-    # products' weights in the configured layout
-    r = decode_timing(lean_decoder(model, cfg.decode_layout), prompts, cfg.max_new_tokens,
-                      draft=None if d is None else lean_decoder(d, cfg.decode_layout),
+    # products' weights in the configured layout, the one-token steps fused where configured
+    lean = dict(layout=cfg.decode_layout, fused=cfg.decode_fused)
+    r = decode_timing(lean_decoder(model, **lean), prompts, cfg.max_new_tokens,
+                      draft=None if d is None else lean_decoder(d, **lean),
                       draft_len=max(n, 1),
                       profile=cfg.profile and sees_device(),
                       command_buffers=cfg.command_buffers, fix=(
@@ -143,6 +144,7 @@ def _decoding(name, target, mode, model, dname, d, n, prompts, ref, agree, cfg) 
            "agreement": agreement,
            "draft_len": n or "", "tokens_per_s": r["tokens_per_s"],
            "command_buffers": r["command_buffers"], "layout": cfg.decode_layout,
+           "decode_step": "fused" if cfg.decode_fused else "xla",
            "speedup_vs_AR_dense": r["tokens_per_s"] / ref["tokens_per_s"],
            "mean_accepted_length": r.get("mean_accepted_length", 1.0),
            "same_tokens_as_AR": bool(np.array_equal(r["tokens"], ref_tokens)),

@@ -261,16 +261,22 @@ class Attention(nnx.Module):
                          positions_BT: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """:meth:`decode` from the q, k and v projections ``[B, T, H*J]``, ``[B, T, G*J]``
         (twice), however they were made."""
-        B, T = qkv[0].shape[:2]
-        S = cache.k_BSGJ.shape[1]
+        T = qkv[0].shape[1]
         start_B = cache.lengths_B
         slot_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         if positions_BT is None:
             positions_BT = slot_BT
         q, k, v = self._heads(*qkv, positions_BT)
-        k_cache = _write_cache(cache.k_BSGJ, k, start_B)
-        v_cache = _write_cache(cache.v_BSGJ, v, start_B)
+        return self.attend_cache(q, _write_cache(cache.k_BSGJ, k, start_B),
+                                 _write_cache(cache.v_BSGJ, v, start_B), start_B)
+
+    def attend_cache(self, q_BTHJ, k_BSGJ, v_BSGJ, start_B) -> tuple[jax.Array, KVCache]:
+        """The output of ``T`` new queries over caches that hold their keys and values from
+        each row's ``start_B`` on (each query sees its own slot and the ones before it), and
+        the cache with ``T`` more filled slots."""
+        T, S = q_BTHJ.shape[1], k_BSGJ.shape[1]
+        slot_BT = start_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         mask_BTS = jnp.arange(S, dtype=jnp.int32)[None, None, :] <= slot_BT[:, :, None]
-        out = self._out(dot_product_attention(q, k_cache, v_cache, mask_BTS, impl=self.impl,
+        out = self._out(dot_product_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, impl=self.impl,
                                               kv_lengths_B=start_B + T))
-        return out, KVCache(k_cache, v_cache, start_B + T)
+        return out, KVCache(k_BSGJ, v_BSGJ, start_B + T)

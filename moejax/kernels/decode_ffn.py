@@ -1,0 +1,159 @@
+"""A decode step's FFN input in one GPU launch: the attention's residual add, the FFN norm's factor,
+the input product (with a BlockFFN router's scores, its ReLU and RMSNorm), the activation and the
+experts' weights (a Pallas Triton kernel).
+
+The lean decode step (:mod:`moejax.nn.lean_decode`) runs a dense FFN as ``h = act(x W_gate r) *
+(x W_up r)``, ``y = h W_down`` with the norm's scale folded into ``W`` and its per-token factor
+``r`` applied after the product, and BlockFFN's every-expert path the same way over ``[D, E F]``
+with the router's float32 weights as extra columns of the in product (three bfloat16 pieces
+where the experts run in bfloat16) and each expert's ``F`` activations weighted by its combine
+weight ``a_e``: on a GPU, the residual stream with its sum of squares, the in product, the
+router norm's reduction and the activation are four kernels before the down product. Here one
+program per (row, block of ``BLOCK_F`` of the ``H`` hidden columns)
+
+1. reads the row's residual ``x`` and the attention's output ``o``, makes the stream ``x + o``
+   (rounded to the operands' dtype, as the residual add rounds) and its factor ``r``;
+2. with a router, computes every expert's score ``a_0 = r sum_p x P_p`` (float32 over the
+   pieces ``P_p``), ``a_1 = relu(a_0)`` and, with a router norm, ``a = RMSNorm(a_1)``, and
+   takes its expert's ``a_e`` (the scores are ``E`` values of ``D E P`` weights: each program
+   computes them rather than waiting on one that does);
+3. computes its block's columns of the in product (gate and up), each rounded to the operands'
+   dtype and scaled by ``r`` in it (plus the bias), the activation, and ``a_e``, and stores
+   them in ``g [B, H]``, which the down product reads;
+4. the first program of a row stores the stream, which the block's output adds to.
+
+Float32 accumulation, the weights in ``[K, N]`` (``"kn"``) or transposed (``"nk"``) layout;
+``interpret=True`` runs the kernel in Pallas's interpreter (the tests). Pallas Triton is
+deprecated since jax 0.12: :data:`moejax.kernels.decode_qkv.AVAILABLE` says whether this jax
+ships it; :func:`supports` says which calls the kernel takes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from moejax.kernels.decode_rows import AVAILABLE, block_of, compiler_params, pow2, row_product
+from moejax.ops.activations import activation_fn
+
+__all__ = ["Router", "supports", "fused_ffn_in"]
+
+class Router(NamedTuple):
+    """A BlockFFN router inside the in product: its ``n_pieces`` pieces' ``E`` columns each
+    follow the experts' columns; ``norm_scale [E]`` (None: no router norm), its ``eps`` and
+    the norm's output dtype."""
+    n_experts: int
+    n_pieces: int
+    norm_scale: jax.Array | None
+    eps: float
+    norm_dtype: str
+
+
+def _block(n: int, cap: int = 128) -> int:
+    return block_of(n, cap)
+
+
+def supports(d: int, d_hidden: int, n_experts: int, tokens: int, dtype) -> str | None:
+    """None when :func:`fused_ffn_in` takes the call, else why not: one new token per row, the
+    model width and an expert's hidden width divisible by a power of two of at least 16, a
+    power-of-two number of experts, float32 or bfloat16 operands."""
+    if not AVAILABLE:
+        return "this jax ships no Pallas Triton"
+    if tokens != 1:
+        return f"{tokens} new tokens per row (the kernel takes one)"
+    if _block(d, 256) < 16:
+        return f"d_model={d}: no power of two of at least 16 divides it"
+    if _block(d_hidden) < 16:
+        return f"hidden width {d_hidden}: no power of two of at least 16 divides it"
+    if not pow2(n_experts):
+        return f"{n_experts} experts (the router's scores are a power-of-two block)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"dtype {jnp.dtype(dtype).name}"
+    return None
+
+
+def _kernel(*refs, block_k, block_f, d_hidden, hidden, gated, activation, eps, layout, dtype,
+            bias, router):
+    refs = list(refs)
+    x_ref, o_ref, w_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    b_ref = refs.pop(0) if bias else None
+    s_ref = refs.pop(0) if router is not None and router.norm_scale else None
+    g_ref, xo_ref = refs
+    row, j = pl.program_id(0), pl.program_id(1)
+    D = x_ref.shape[1]
+    f32 = jnp.float32
+
+    def stream(cols):  # x + o, rounded as the residual add rounds
+        return (x_ref[row, cols].astype(f32) + o_ref[row, cols].astype(f32)).astype(dtype)
+
+    x = stream(slice(None)).astype(f32)
+    r32 = jax.lax.rsqrt(jnp.sum(x * x) / D + eps)
+    r = r32.astype(dtype).astype(f32)
+
+    def product(c, width):  # x W[:, c : c + width], float32
+        return row_product(lambda cols: stream(cols).astype(f32), w_ref, c, width, block_k,
+                           layout)
+
+    def scaled(c):  # a hidden column block as the XLA step rounds it
+        h = (product(c, block_f).astype(dtype).astype(f32) * r).astype(dtype)
+        if b_ref is not None:
+            h = (h.astype(f32) + b_ref[pl.ds(c, block_f)].astype(f32)).astype(dtype)
+        return h
+
+    c0 = j * block_f
+    act = activation_fn(activation)
+    if gated:  # the activation in float32, rounded once (XLA's excess precision)
+        g = (act(scaled(c0).astype(f32)) * scaled(hidden + c0).astype(f32)).astype(dtype)
+    else:
+        g = act(scaled(c0).astype(f32)).astype(dtype)
+    if router is not None:
+        E = router.n_experts
+        start = (2 if gated else 1) * hidden
+        a0 = sum(product(start + p * E, E) for p in range(router.n_pieces)) * r32
+        a = jnp.maximum(a0, 0.0)
+        if s_ref is not None:
+            a = a * jax.lax.rsqrt(jnp.sum(a * a) / E + router.eps) * s_ref[...].astype(f32)
+            a = a.astype(router.norm_dtype)
+        e = c0 // d_hidden  # this block's expert
+        a_e = jnp.sum(jnp.where(jnp.arange(E) == e, a.astype(f32), 0.0)).astype(dtype)
+        g = (g * a_e).astype(dtype)
+    g_ref[row, pl.ds(c0, block_f)] = g.astype(g_ref.dtype)
+
+    @pl.when(j == 0)
+    def _():
+        xo_ref[row, :] = x.astype(dtype)
+
+
+def fused_ffn_in(x_BD, o_BD, w_in, b_in, *, d_hidden: int, n_experts: int = 1, gated: bool,
+                 activation: str, eps: float, layout: str = "kn", router: Router | None = None,
+                 interpret: bool = False):
+    """``(g [B, E F], x + o [B, D])`` (module docstring): ``x_BD`` the block's residual,
+    ``o_BD`` its attention output, ``w_in`` ``[D, (gate) E F | up E F | router P E]``
+    (``"kn"``; the FFN norm's scale folded in) or its transpose (``"nk"``), ``b_in``
+    ``[(2) E F]`` or None; ``d_hidden`` an expert's ``F`` (a dense FFN: one expert, no
+    router); ``activation`` the gate's (or the plain activation)."""
+    B, D = x_BD.shape
+    reason = supports(D, d_hidden, n_experts, 1, x_BD.dtype)
+    if reason is not None:
+        raise ValueError(f"fused_ffn_in does not take this call: {reason}; run the XLA decode "
+                         "step (lean_decoder without fused=True)")
+    hidden = n_experts * d_hidden
+    block_f = _block(d_hidden)
+    kernel = functools.partial(
+        _kernel, block_k=_block(D, 256), block_f=block_f, d_hidden=d_hidden, hidden=hidden,
+        gated=gated, activation=activation, eps=eps, layout=layout, dtype=x_BD.dtype,
+        bias=b_in is not None, router=None if router is None else router._replace(
+            norm_scale=router.norm_scale is not None))  # the scale itself is an operand
+    scale = None if router is None else router.norm_scale
+    operands = [a for a in (x_BD, o_BD, w_in, b_in, scale) if a is not None]
+    return pl.pallas_call(
+        kernel, grid=(B, hidden // block_f),
+        out_shape=(jax.ShapeDtypeStruct((B, hidden), x_BD.dtype),
+                   jax.ShapeDtypeStruct((B, D), x_BD.dtype)),
+        compiler_params=compiler_params(interpret),
+        interpret=interpret,
+    )(*operands)

@@ -1,0 +1,49 @@
+"""What the decode step's Pallas Triton kernels share (:mod:`moejax.kernels.decode_qkv`,
+:mod:`moejax.kernels.decode_ffn`): whether this jax ships Pallas Triton, their launch
+parameters and blocks, and a program's product of one row with a block of weight columns."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+try:  # deprecated since jax 0.12: the kernels run while jax still ships it
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - exercised by a test that hides the module
+    pltriton = None
+
+__all__ = ["AVAILABLE", "compiler_params", "pow2", "block_of", "row_product"]
+
+AVAILABLE = pltriton is not None
+
+
+def compiler_params(interpret: bool):
+    """A program of 4 warps, one stage (each loads its blocks once); none interpreted."""
+    return None if interpret else pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+def pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def block_of(n: int, cap: int) -> int:
+    """The largest power of two of at most ``cap`` that divides ``n``."""
+    return min(cap, n & -n)
+
+
+def row_product(load_x, w_ref, c, width: int, block_k: int, layout: str):
+    """``x W[:, c : c + width]`` in float32 for the row ``load_x(cols)`` returns (float32,
+    ``cols`` a ``pl.ds`` of the model width), over the width in ``block_k`` steps; ``W`` is
+    ``[K, N]`` (``"kn"``) or ``[N, K]`` (``"nk"``)."""
+    k_dim = w_ref.shape[0 if layout == "kn" else 1]
+
+    def step(i, acc):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        xs = load_x(pl.ds(k0, block_k))
+        if layout == "kn":
+            w = w_ref[pl.ds(k0, block_k), pl.ds(c, width)].astype(jnp.float32)
+            return acc + jnp.sum(xs[:, None] * w, axis=0)
+        w = w_ref[pl.ds(c, width), pl.ds(k0, block_k)].astype(jnp.float32)
+        return acc + jnp.sum(w * xs[None, :], axis=1)
+    return jax.lax.fori_loop(0, k_dim // block_k, step, jnp.zeros((width,), jnp.float32))
