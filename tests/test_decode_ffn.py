@@ -79,6 +79,19 @@ def test_the_kernel_equals_the_xla_step(case, layout, dt):
         np.testing.assert_array_equal(g, e)
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_a_wide_block_is_summed_in_more_steps(layout):
+    """Blocks of 128 hidden columns over a width of 256: the contraction runs in 4 steps of 64
+    (a block's weights kept to 8192 values), with the same sums."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    x, o = (jax.random.normal(k, (1, 256)) for k in ks[:2])
+    w = jax.random.normal(ks[2], (256, 512)) * 0.1
+    got = fused_ffn_in(x, o, w if layout == "kn" else w.T, None, d_hidden=256, gated=True,
+                       activation="swiglu", eps=1e-5, layout=layout, interpret=INTERPRET)
+    want = _oracle(x, o, w, None, 256, 1, True, "swiglu", None)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5, rtol=1e-5)
+
+
 def test_calls_the_kernel_does_not_take_are_refused_with_the_reason():
     assert supports(D, 32, 4, 1, jnp.bfloat16) is None
     assert "3 new tokens" in supports(D, 32, 4, 3, jnp.bfloat16)

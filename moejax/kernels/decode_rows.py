@@ -32,11 +32,18 @@ def block_of(n: int, cap: int) -> int:
     return min(cap, n & -n)
 
 
+_BLOCK_ELEMENTS = 8192  # a weight block's values: 64 registers a thread over 4 warps
+
+
 def row_product(load_x, w_ref, c, width: int, block_k: int, layout: str):
     """``x W[:, c : c + width]`` in float32 for the row ``load_x(cols)`` returns (float32,
-    ``cols`` a ``pl.ds`` of the model width), over the width in ``block_k`` steps; ``W`` is
-    ``[K, N]`` (``"kn"``) or ``[N, K]`` (``"nk"``)."""
+    ``cols`` a ``pl.ds`` of the model width), over the width in steps of ``block_k`` (a power
+    of two dividing it), fewer where a ``block_k x width`` block would pass
+    :data:`_BLOCK_ELEMENTS` (a block kept in registers, not spilled); ``W`` is ``[K, N]``
+    (``"kn"``) or ``[N, K]`` (``"nk"``)."""
     k_dim = w_ref.shape[0 if layout == "kn" else 1]
+    while block_k > 16 and block_k * width > _BLOCK_ELEMENTS:
+        block_k //= 2
 
     def step(i, acc):
         k0 = pl.multiple_of(i * block_k, block_k)
