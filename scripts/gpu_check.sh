@@ -47,9 +47,9 @@
 #                modules' layout of speculative_wide (its variant wide_bf16_nk)
 #   speculative_wide_fused
 #                speculative_wide_nk again (from speculative_wide's checkpoints when that
-#                stage ran), each one-token step's attention input as one kernel
-#                (decode_fused=true: the norm's factor, the q/k/v product, RoPE and both
-#                cache writes), against speculative_wide_nk (its variant wide_bf16_nk_fused)
+#                stage ran), each step's attention input and each one-token step's FFN
+#                input as one kernel each (decode_fused=true: moejax.kernels.decode_qkv and
+#                decode_ffn), against speculative_wide_nk (its variant wide_bf16_nk_fused)
 #   dispatch_xla_attention
 #                bench_dispatch's full preset with XLA's attention (its variant
 #                xla_attention), against the dispatch stage's, which trains on tokamax's

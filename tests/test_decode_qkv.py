@@ -17,24 +17,24 @@ H, G, J, D, S = 4, 2, 16, 64, 8
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU (gpu_check's decode_tests) compiled
 
 
-def _oracle(x_BD, w_KN, b, k_BSGJ, v_BSGJ, pos_B, slot_B, dt, rope_base):
+def _oracle(x_BTD, w_KN, b, k_BSGJ, v_BSGJ, pos_BT, start_B, dt, rope_base):
     """The lean XLA step: the product rounded to ``dt``, times the rounded factor, the bias,
-    RoPE in float32, the rows written at their slots."""
-    r = inv_rms(x_BD, 1e-5).astype(dt)
-    y = jax.lax.dot_general(x_BD.astype(dt), w_KN.astype(dt), (((1,), (0,)), ((), ()))) * r
+    RoPE in float32, each row's tokens written from its start."""
+    r = inv_rms(x_BTD, 1e-5).astype(dt)
+    y = jax.lax.dot_general(x_BTD.astype(dt), w_KN.astype(dt), (((2,), (0,)), ((), ()))) * r
     if b is not None:
         y = y + b.astype(dt)
-    B = x_BD.shape[0]
-    q, k, v = (y[:, a:z].reshape(B, 1, -1, J)
+    B, T = x_BTD.shape[:2]
+    q, k, v = (y[..., a:z].reshape(B, T, -1, J)
                for a, z in ((0, H * J), (H * J, (H + G) * J), ((H + G) * J, (H + 2 * G) * J)))
     if rope_base is not None:
-        q, k = (apply_rope(t, pos_B[:, None], base=rope_base, style="half") for t in (q, k))
-    return q[:, 0], _write_cache(k_BSGJ, k, slot_B), _write_cache(v_BSGJ, v, slot_B)
+        q, k = (apply_rope(t, pos_BT, base=rope_base, style="half") for t in (q, k))
+    return q, _write_cache(k_BSGJ, k, start_B), _write_cache(v_BSGJ, v, start_B)
 
 
-def _operands(dt, bias):
+def _operands(dt, bias, T=1):
     ks = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(ks[0], (2, D)).astype(dt)
+    x = jax.random.normal(ks[0], (2, T, D)).astype(dt)
     w = (jax.random.normal(ks[1], (D, (H + 2 * G) * J)) * 0.2).astype(dt)
     b = (jax.random.normal(ks[2], ((H + 2 * G) * J,)) * 0.2).astype(dt) if bias else None
     k = jax.random.normal(ks[3], (2, S, G, J)).astype(dt)
@@ -44,23 +44,30 @@ def _operands(dt, bias):
 
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("bias,rope_base,add", [(False, 10000.0, True), (True, 500.0, False),
-                                                (False, None, False), (True, 10000.0, True)])
-def test_the_kernel_equals_the_xla_step(dt, layout, bias, rope_base, add):
-    """Two rows at their own slots and positions (a position apart from the slot, as packed
-    or offset decoding gives): q, and each cache with its row written and nothing else
-    changed; with ``y``, the block's input ``x + y`` made in the kernel and returned.
-    bfloat16 rounds as the XLA step does, so its values are the same bits."""
-    x, w, b, k, v = _operands(dt, bias)
+@pytest.mark.parametrize("bias,rope_base,add,T", [
+    (False, 10000.0, True, 1), (True, 500.0, False, 1), (False, None, False, 3),
+    (True, 10000.0, True, 3)])
+def test_the_kernel_equals_the_xla_step(dt, layout, bias, rope_base, add, T):
+    """Two cache rows, each with ``T`` new tokens from its own start at positions apart from
+    the slots (as packed or offset decoding gives): q, and each cache with its rows' tokens
+    written and nothing else changed; with ``y``, the block's input ``x + y`` made in the
+    kernel and returned. bfloat16 rounds as the XLA step does, so its values are the same
+    bits."""
+    x, w, b, k, v = _operands(dt, bias, T)
     y = jax.random.normal(jax.random.key(7), x.shape).astype(dt) if add else None
-    pos, slot = jnp.array([3, 11]), jnp.array([3, 1])
-    got = fused_qkv(x, w if layout == "kn" else w.T, b, k, v, pos, slot, n_heads=H, eps=1e-5,
-                    rope_base=rope_base, layout=layout, y_BD=y, interpret=INTERPRET)
+    start = jnp.array([3, 1])
+    pos = jnp.array([[3], [11]]) + jnp.arange(T)[None, :]
+    slots = start[:, None] + jnp.arange(T)[None, :]
+    flat = lambda a: None if a is None else a.reshape(2 * T, *a.shape[2:])  # noqa: E731
+    got = fused_qkv(flat(x), w if layout == "kn" else w.T, b, k, v, flat(pos), flat(slots),
+                    n_heads=H, eps=1e-5, rope_base=rope_base, layout=layout, y_ND=flat(y),
+                    interpret=INTERPRET)
     x_in = x if y is None else x + y
-    want = _oracle(x_in, w, b, k, v, pos, slot, dt, rope_base)
+    want = _oracle(x_in, w, b, k, v, pos, start, dt, rope_base)
+    want = (flat(want[0]), *want[1:])
     assert len(got) == 3 + add
     if add:
-        np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(x_in))
+        np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(flat(x_in)))
         got = got[:3]
     for g, e in zip(got, want):
         assert g.shape == e.shape and g.dtype == e.dtype
@@ -70,7 +77,8 @@ def test_the_kernel_equals_the_xla_step(dt, layout, bias, rope_base, add):
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
     # the slots not written are the caches as they came in
     untouched = np.ones((2, S), bool)
-    untouched[[0, 1], [3, 1]] = False
+    for row in range(2):
+        untouched[row, int(start[row]):int(start[row]) + T] = False
     for g, old in zip(got[1:], (k, v)):
         np.testing.assert_array_equal(np.asarray(g)[untouched], np.asarray(old)[untouched])
 
@@ -79,7 +87,8 @@ def test_the_rotation_is_applied_to_q_and_k_only():
     """Against the oracle without RoPE, a rotated q and k differ and v does not (a kernel that
     rotates v, or neither, fails here)."""
     x, w, b, k, v = _operands(jnp.float32, False)
-    pos = slot = jnp.array([5, 2])
+    x, pos = x[:, 0], jnp.array([5, 2])
+    slot = pos
     kw = dict(n_heads=H, eps=1e-5, interpret=INTERPRET)
     rotated = fused_qkv(x, w, b, k, v, pos, slot, rope_base=10000.0, **kw)
     plain = fused_qkv(x, w, b, k, v, pos, slot, rope_base=None, **kw)
@@ -89,12 +98,18 @@ def test_the_rotation_is_applied_to_q_and_k_only():
 
 def test_calls_the_kernel_does_not_take_are_refused_with_the_reason():
     assert supports(D, J, "half", 1, jnp.bfloat16) is None
-    assert "2 new tokens" in supports(D, J, "half", 2, jnp.bfloat16)
+    assert supports(D, J, "half", 8, jnp.bfloat16) is None
+    assert "9 new tokens per row (the kernel takes 1 to 8)" in supports(D, J, "half", 9,
+                                                                         jnp.bfloat16)
     assert "head_dim=24" in supports(D, 24, "half", 1, jnp.bfloat16)
     assert "d_model=40" in supports(40, J, "half", 1, jnp.bfloat16)
     assert "'interleaved'" in supports(D, J, "interleaved", 1, jnp.bfloat16)
     assert "float16" in supports(D, J, None, 1, jnp.float16)
     x, w, b, k, v = _operands(jnp.float32, False)
+    x = x[:, 0]
+    with pytest.raises(ValueError, match="3 token rows for 2 cache rows"):
+        fused_qkv(jnp.zeros((3, D)), w, b, k, v, jnp.zeros(3, int), jnp.zeros(3, int),
+                  n_heads=H, eps=1e-5, rope_base=None, interpret=True)
     with pytest.raises(ValueError, match="head_dim=6: its halves.*XLA decode step"):
         fused_qkv(x, w[:, :(H + 2 * G) * 6], b, k[..., :6], v[..., :6], jnp.zeros(2, int),
                   jnp.zeros(2, int), n_heads=H, eps=1e-5, rope_base=None, interpret=True)

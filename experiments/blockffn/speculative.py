@@ -42,8 +42,9 @@ and measure the draft and the verification, not the union kernel.
 
 A GPU's variants (``STUDY.accelerator_variants``) serve the quick or wide models in bfloat16
 at draft length 4, the wide ones also with command buffers or with the lean decode's product
-weights transposed (``decode_layout=nk``), that with each one-token step's attention input
-as one kernel (``decode_fused=true``), or the full preset cut short.
+weights transposed (``decode_layout=nk``), that with each decode step's attention input and
+each one-token step's FFN input as one kernel each (``decode_fused=true``), or the full preset
+cut short.
 
     python -m experiments.blockffn.speculative
     python -m experiments.blockffn.speculative variant=wide_bf16   # a GPU
@@ -144,9 +145,10 @@ class SpecBenchConfig(Config):
     # products' weights as the modules lay them out ("kn") or transposed ("nk": on a GPU
     # each one-row product a row reduction rather than a column reduction)
     decode_layout: Literal["kn", "nk"] = "kn"
-    # each one-token step's attention input (the norm's factor, the q/k/v product, RoPE and
-    # both cache writes) as one kernel on a GPU (moejax.kernels.decode_qkv), XLA's elsewhere
-    # and where the kernel does not take the call; the decode_step column says which was asked
+    # each decode step's attention input (the residual add, the norm's factor, the q/k/v
+    # product, RoPE and both cache writes; up to 8 new tokens) and each one-token step's FFN
+    # input as one kernel on a GPU (moejax.kernels.decode_qkv, decode_ffn), XLA's elsewhere
+    # and where a kernel does not take the call; the decode_step column says which was asked
     decode_fused: bool = False
     seed: int = 0
 

@@ -1,12 +1,13 @@
 """A decode step's attention input in one GPU launch: the block input's RMS factor, the q, k and v
 product, RoPE, and both KV-cache writes (a Pallas Triton kernel).
 
-For one new token per row (``x [B, D]``: autoregressive and draft decoding), the lean decode
+For 1 to :data:`MAX_TOKENS` new tokens per cache row (``x [N, D]``, ``N = B T`` token rows:
+autoregressive and draft decoding, and a speculative round's verified block), the lean decode
 step (:class:`moejax.nn.lean_decode.LeanAttention`) makes q, k and v as one product of
 ``w_qkv = diag(s) [w_q | w_k | w_v]`` with the norm's per-token factor applied after it, then
 rotates q and k and writes k and v into the cache: on a GPU, four kernels after the one that
-makes the residual stream and the factor. Here one program per (row, head) of the ``H + 2G``
-heads of the product
+makes the residual stream and the factor. Here one program per (token row, head) of the
+``H + 2G`` heads of the product
 
 1. reads the row ``x`` (or ``x + y``, the previous block's residual add, rounded to the
    operands' dtype as that add rounds; the first program of the row stores it) and takes its
@@ -18,11 +19,13 @@ heads of the product
    the bias, as the XLA step rounds them;
 3. rotates a q or k head by its position (``"half"`` RoPE, :func:`moejax.nn.rope.apply_rope`:
    ``[y_1 cos - y_2 sin, y_1 sin + y_2 cos]`` in float32);
-4. stores q's head into ``q [B, H, J]``, or k's or v's into its cache row at the row's
-   write slot: the caches are the kernel's outputs aliased to its inputs, so the rest of
-   them is left as it is (donated through the decode loop, no copy).
+4. stores q's head into ``q [N, H, J]``, or k's or v's into its cache row (token row
+   ``n``'s is ``n // T``) at the token's write slot: the caches are the kernel's outputs
+   aliased to its inputs, so the rest of them is left as it is (donated through the decode
+   loop, no copy).
 
-The weights are read once (each program its head's ``D x J`` columns); the ``[N, K]``
+A token row's programs read the weights once (each its head's ``D x J`` columns; the rows
+of a block of ``T`` read them again, from the L2 at these sizes); the ``[N, K]``
 transposed layout (``"nk"``: each output's weights contiguous) and the modules' ``[K, N]``
 (``"kn"``) are both taken. ``interpret=True`` runs the same kernel in Pallas's interpreter
 on the CPU (the tests' oracle comparison). Pallas Triton is deprecated since jax 0.12
@@ -42,7 +45,9 @@ from jax.experimental import pallas as pl
 
 from moejax.kernels.decode_rows import AVAILABLE, block_of, compiler_params, pow2, row_product
 
-__all__ = ["AVAILABLE", "supports", "fused_qkv"]
+__all__ = ["AVAILABLE", "MAX_TOKENS", "supports", "fused_qkv"]
+
+MAX_TOKENS = 8  # new tokens per cache row: a decoded token, or a verified block of up to 8
 
 
 def _block_k(d: int) -> int:
@@ -51,13 +56,14 @@ def _block_k(d: int) -> int:
 
 
 def supports(d: int, head_dim: int, rope_style: str | None, tokens: int, dtype) -> str | None:
-    """None when :func:`fused_qkv` takes the call, else why not: one new token per row, a
+    """None when :func:`fused_qkv` takes the call, else why not: 1 to :data:`MAX_TOKENS` new
+    tokens per cache row, a
     head's halves and the contraction step powers of two (Triton's blocks), ``"half"`` RoPE
     or none, float32 or bfloat16 operands."""
     if not AVAILABLE:
         return "this jax ships no Pallas Triton"
-    if tokens != 1:
-        return f"{tokens} new tokens per row (the kernel takes one)"
+    if not 1 <= tokens <= MAX_TOKENS:
+        return f"{tokens} new tokens per row (the kernel takes 1 to {MAX_TOKENS})"
     if head_dim % 2 or not pow2(head_dim // 2):
         return f"head_dim={head_dim}: its halves are not a power of two"
     if _block_k(d) < 16:
@@ -69,12 +75,13 @@ def supports(d: int, head_dim: int, rope_style: str | None, tokens: int, dtype) 
     return None
 
 
-def _kernel(*refs, n_heads, n_kv, half, block_k, eps, layout, rope, dtype, bias, add):
+def _kernel(*refs, n_heads, n_kv, half, block_k, eps, layout, rope, dtype, bias, add, tokens):
     refs = list(refs)
     x_ref, y_ref = refs.pop(0), refs.pop(0) if add else None
     w_ref, b_ref = refs.pop(0), refs.pop(0) if bias else None
     freq_ref, pos_ref, slot_ref, _, _, q_ref, kc_ref, vc_ref, *xo = refs  # caches aliased
     row, head = pl.program_id(0), pl.program_id(1)
+    batch = row // tokens  # the cache row the token row writes
     D = x_ref.shape[1]
 
     def stream(cols):  # the block's input: x, or x + y rounded as the residual add rounds
@@ -111,14 +118,14 @@ def _kernel(*refs, n_heads, n_kv, half, block_k, eps, layout, rope, dtype, bias,
     @pl.when((head >= n_heads) & (head < n_heads + n_kv))
     def _():
         g = head - n_heads
-        kc_ref[row, slot, g, pl.ds(0, half)] = r1.astype(kc_ref.dtype)
-        kc_ref[row, slot, g, pl.ds(half, half)] = r2.astype(kc_ref.dtype)
+        kc_ref[batch, slot, g, pl.ds(0, half)] = r1.astype(kc_ref.dtype)
+        kc_ref[batch, slot, g, pl.ds(half, half)] = r2.astype(kc_ref.dtype)
 
     @pl.when(head >= n_heads + n_kv)
     def _():
         g = head - n_heads - n_kv
-        vc_ref[row, slot, g, pl.ds(0, half)] = y1.astype(vc_ref.dtype)
-        vc_ref[row, slot, g, pl.ds(half, half)] = y2.astype(vc_ref.dtype)
+        vc_ref[batch, slot, g, pl.ds(0, half)] = y1.astype(vc_ref.dtype)
+        vc_ref[batch, slot, g, pl.ds(half, half)] = y2.astype(vc_ref.dtype)
 
     if add:  # the residual stream, once per row
         @pl.when(head == 0)
@@ -126,19 +133,22 @@ def _kernel(*refs, n_heads, n_kv, half, block_k, eps, layout, rope, dtype, bias,
             xo[0][row, :] = x.astype(dtype)
 
 
-def fused_qkv(x_BD, w_qkv, b_qkv, k_BSGJ, v_BSGJ, positions_B, slots_B, *, n_heads: int,
-              eps: float, rope_base: float | None, layout: str = "kn", y_BD=None,
+def fused_qkv(x_ND, w_qkv, b_qkv, k_BSGJ, v_BSGJ, positions_N, slots_N, *, n_heads: int,
+              eps: float, rope_base: float | None, layout: str = "kn", y_ND=None,
               interpret: bool = False):
-    """``(q [B, H, J], k cache, v cache)`` of one new token per row (module docstring):
-    ``x_BD`` the block's input (before its RMSNorm, whose scale ``w_qkv`` holds), ``w_qkv``
-    ``[D, (H+2G)J]`` (``layout="kn"``) or its transpose (``"nk"``), ``b_qkv`` ``[(H+2G)J]`` or
-    None; the caches ``[B, S, G, J]``, written at ``slots_B`` (the rows' filled lengths, which
-    must be below ``S``); q and k rotated by ``positions_B`` (``rope_base`` None: no RoPE).
-    ``y_BD``: the block's input is ``x + y`` (the previous block's residual add, made here
-    in ``x``'s dtype), returned as a fourth output."""
-    B, D = x_BD.shape
-    _, _, G, J = k_BSGJ.shape
-    reason = supports(D, J, None if rope_base is None else "half", 1, x_BD.dtype)
+    """``(q [N, H, J], k cache, v cache)`` of ``N = B T`` new token rows, ``T`` per cache row
+    (module docstring): ``x_ND`` the block's input (before its RMSNorm, whose scale ``w_qkv``
+    holds; row ``n`` is token ``n % T`` of cache row ``n // T``), ``w_qkv`` ``[D, (H+2G)J]``
+    (``layout="kn"``) or its transpose (``"nk"``), ``b_qkv`` ``[(H+2G)J]`` or None; the caches
+    ``[B, S, G, J]``, each token written at its slot ``slots_N`` (below ``S``); q and k rotated
+    by ``positions_N`` (``rope_base`` None: no RoPE). ``y_ND``: the block's input is ``x + y``
+    (the previous block's residual add, made here in ``x``'s dtype), returned as a fourth
+    output."""
+    N, D = x_ND.shape
+    B, _, G, J = k_BSGJ.shape
+    reason = supports(D, J, None if rope_base is None else "half", N // B, x_ND.dtype)
+    if reason is None and N % B:
+        reason = f"{N} token rows for {B} cache rows"
     if reason is not None:
         raise ValueError(f"fused_qkv does not take this call: {reason}; run the XLA decode "
                          "step (LeanAttention without fused=True)")
@@ -148,19 +158,19 @@ def fused_qkv(x_BD, w_qkv, b_qkv, k_BSGJ, v_BSGJ, positions_B, slots_B, *, n_hea
         np.float32(1.0) / np.float32(rope_base) ** (np.arange(0, J, 2, dtype=np.float32) / J))
     kernel = functools.partial(
         _kernel, n_heads=n_heads, n_kv=G, half=half, block_k=_block_k(D), eps=eps,
-        layout=layout, rope=rope_base is not None, dtype=x_BD.dtype, bias=b_qkv is not None,
-        add=y_BD is not None)
-    operands = [a for a in (x_BD, y_BD, w_qkv, b_qkv) if a is not None]
-    operands += [freq, positions_B.astype(jnp.int32), slots_B.astype(jnp.int32), k_BSGJ,
+        layout=layout, rope=rope_base is not None, dtype=x_ND.dtype, bias=b_qkv is not None,
+        add=y_ND is not None, tokens=N // B)
+    operands = [a for a in (x_ND, y_ND, w_qkv, b_qkv) if a is not None]
+    operands += [freq, positions_N.astype(jnp.int32), slots_N.astype(jnp.int32), k_BSGJ,
                  v_BSGJ]
     n_in = len(operands)
-    out_shape = [jax.ShapeDtypeStruct((B, n_heads, J), x_BD.dtype),
+    out_shape = [jax.ShapeDtypeStruct((N, n_heads, J), x_ND.dtype),
                  jax.ShapeDtypeStruct(k_BSGJ.shape, k_BSGJ.dtype),
                  jax.ShapeDtypeStruct(v_BSGJ.shape, v_BSGJ.dtype)]
-    if y_BD is not None:
-        out_shape.append(jax.ShapeDtypeStruct(x_BD.shape, x_BD.dtype))
+    if y_ND is not None:
+        out_shape.append(jax.ShapeDtypeStruct(x_ND.shape, x_ND.dtype))
     return pl.pallas_call(
-        kernel, grid=(B, n_heads + 2 * G), out_shape=tuple(out_shape),
+        kernel, grid=(N, n_heads + 2 * G), out_shape=tuple(out_shape),
         input_output_aliases={n_in - 2: 1, n_in - 1: 2},
         compiler_params=compiler_params(interpret),
         interpret=interpret,

@@ -46,7 +46,8 @@ choice, timed on the device (the values are the same products either way).
 
 ``fused=True`` (a decoding's choice, timed on the device): where a step decodes one new token
 per row and the program is built for a GPU, each block runs as five kernels, two of them its
-own Pallas kernels:
+own Pallas kernels (a step of up to :data:`moejax.kernels.decode_qkv.MAX_TOKENS` new tokens
+per row, a speculative round's verified block, takes the first and XLA's FFN):
 
 1. the attention input (:func:`moejax.kernels.decode_qkv.fused_qkv`): the previous block's
    residual add (a block's output is passed on as a :class:`Residual`, ``x`` and ``y`` not
@@ -73,6 +74,7 @@ has no training forward.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from moejax.kernels import decode_qkv
@@ -139,7 +141,8 @@ class LeanAttention(Attention):
 
     def fusable(self, x_BTD) -> bool:
         """Whether :meth:`decode_fused` takes the block input ``x`` (an array or a
-        :class:`Residual`): ``fused`` asked for, one new token per row, and a call
+        :class:`Residual`): ``fused`` asked for, 1 to
+        :data:`moejax.kernels.decode_qkv.MAX_TOKENS` new tokens per row, and a call
         :func:`moejax.kernels.decode_qkv.supports`, without q/k norms."""
         x_BTD = x_BTD.x if isinstance(x_BTD, Residual) else x_BTD
         return (bool(self.fused) and self.qk_norm == "none"
@@ -148,31 +151,35 @@ class LeanAttention(Attention):
                                         x_BTD.shape[1], self.dtype or x_BTD.dtype) is None)
 
     def decode_fused(self, x_BTD, cache: KVCache, positions_BT=None):
-        """``(out, x, cache)``: :meth:`decode` of one new token per row (:meth:`fusable`) and
-        the block's input ``x`` (an array, or a :class:`Residual` summed here), before its
+        """``(out, x, cache)``: :meth:`decode` of a few new tokens per row (:meth:`fusable`)
+        and the block's input ``x`` (an array, or a :class:`Residual` summed here), before its
         norm: on a GPU the residual add, the norm's factor, the q, k and v product, RoPE and
         the cache writes are one kernel (:func:`moejax.kernels.decode_qkv.fused_qkv`);
         elsewhere the XLA step."""
         x_BTD, y_BTD = (x_BTD.x, x_BTD.y) if isinstance(x_BTD, Residual) else (x_BTD, None)
+        B, T, D = x_BTD.shape
         start_B = cache.lengths_B
-        pos_B = start_B if positions_BT is None else positions_BT[:, 0]
+        slot_BT = start_B[:, None] + jnp.arange(T, dtype=start_B.dtype)[None, :]
+        pos_BT = slot_BT if positions_BT is None else positions_BT
         b = None if self.b_qkv is None else self.b_qkv[...]
 
-        def kernel(x, y, w, k, v, start, pos):
+        def kernel(x, y, w, k, v, slot, pos):
             out = decode_qkv.fused_qkv(
-                x[:, 0], w, b, k, v, pos, start, n_heads=self.n_heads, eps=self.eps,
+                x.reshape(B * T, D), w, b, k, v, pos.reshape(-1), slot.reshape(-1),
+                n_heads=self.n_heads, eps=self.eps,
                 rope_base=None if self.rope_style is None else self.rope_base,
-                layout=self.layout, y_BD=None if y is None else y[:, 0],
+                layout=self.layout, y_ND=None if y is None else y.reshape(B * T, D),
                 interpret=self.fused == "interpret")
-            return out[0][:, None], out[1], out[2], x if y is None else out[3][:, None]
+            q = out[0].reshape(B, T, self.n_heads, self.head_dim)
+            return q, out[1], out[2], x if y is None else out[3].reshape(B, T, D)
 
-        def xla(x, y, w, k, v, start, pos):
+        def xla(x, y, w, k, v, slot, pos):
             x = add_residual(x, y) if y is not None else x
-            q, k_new, v_new = self._heads(*self._project(x), pos[:, None])
-            return q, _write_cache(k, k_new, start), _write_cache(v, v_new, start), x
+            q, k_new, v_new = self._heads(*self._project(x), pos)
+            return q, _write_cache(k, k_new, slot[:, 0]), _write_cache(v, v_new, slot[:, 0]), x
 
         q, k, v, x_BTD = on_gpu(self.fused, kernel, xla, x_BTD, y_BTD, self.w_qkv[...],
-                                cache.k_BSGJ, cache.v_BSGJ, start_B, pos_B)
+                                cache.k_BSGJ, cache.v_BSGJ, slot_BT, pos_BT)
         out, cache = self.attend_cache(q, k, v, start_B)
         return out, x_BTD, cache
 
@@ -196,7 +203,8 @@ class LeanBlock(nnx.Module):
     def decode(self, x_BTD, cache: KVCache, *, positions_BT=None,
                mask_BT=None) -> tuple[jax.Array | Residual, dict, KVCache]:
         """:meth:`TransformerBlock.decode`; ``x`` an array or a :class:`Residual`. A fused
-        one-token step (:meth:`LeanAttention.fusable`) returns its output as a
+        one-token step (:meth:`LeanAttention.fusable`, :meth:`LeanDenseFFN.fusable_in`)
+        returns its output as a
         :class:`Residual` where the FFN's output is a plain product (the next block's
         kernel, or the decoder's head, makes the add)."""
         if self.attn.fusable(x_BTD):

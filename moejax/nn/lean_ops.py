@@ -20,8 +20,8 @@ __all__ = ["LAYOUTS", "FUSED", "Residual", "on_gpu", "laid", "matvec", "pieces",
            "bias_of", "stream"]
 
 LAYOUTS = ("kn", "nk")  # a product's weight as [K, N] (the modules') or transposed, [N, K]
-# a one-token step's attention input as XLA's kernels, as one kernel on a GPU (XLA's elsewhere),
-# or as that kernel in Pallas's interpreter on any platform (tests)
+# a decode step's attention and FFN inputs as XLA's kernels, as one kernel each on a GPU (XLA's
+# elsewhere), or as those kernels in Pallas's interpreter on any platform (tests)
 FUSED = (False, True, "interpret")
 
 
