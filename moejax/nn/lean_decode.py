@@ -161,7 +161,7 @@ class LeanAttention(Attention):
         start_B = cache.lengths_B
         slot_BT = start_B[:, None] + jnp.arange(T, dtype=start_B.dtype)[None, :]
         pos_BT = slot_BT if positions_BT is None else positions_BT
-        b = None if self.b_qkv is None else self.b_qkv[...]
+        b = None if self.b_qkv is None else self.b_qkv[...].astype(x_BTD.dtype)  # as XLA's adds
 
         def kernel(x, y, w, k, v, slot, pos):
             out = decode_qkv.fused_qkv(

@@ -62,7 +62,7 @@ class LeanDenseFFN(nnx.Module):
         """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU the
         residual add, the norm's factor, the in product and the activation in one kernel
         (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then the down product."""
-        b = None if self.b_in is None else self.b_in[...]
+        b = None if self.b_in is None else self.b_in[...].astype(x_BTD.dtype)  # as XLA's adds
 
         def kernel(x, o, w):
             h, x = decode_ffn.fused_ffn_in(
