@@ -35,12 +35,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from moejax.kernels.decode_rows import AVAILABLE, block_of, compiler_params, pow2, row_product
 from moejax.ops.activations import activation_fn
 
 __all__ = ["Router", "supports", "fused_ffn_in"]
+
 
 class Router(NamedTuple):
     """A BlockFFN router inside the in product: its ``n_pieces`` pieces' ``E`` columns each
@@ -50,7 +52,7 @@ class Router(NamedTuple):
     n_pieces: int
     norm_scale: jax.Array | None
     eps: float
-    norm_dtype: str
+    norm_dtype: np.dtype
 
 
 def _block(n: int, cap: int = 128) -> int:
