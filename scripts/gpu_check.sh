@@ -9,7 +9,7 @@
 #                (f32 dots at full precision, so the oracles' f32 tolerances apply; the CPU
 #                platform beside the GPU for the cases that run a kernel interpreted)
 #   decode_tests the chunk-union decode kernel's compiled tests, the attention kernels, the
-#                lean decode step and its fused attention input against their oracles,
+#                lean decode step and its fused attention and FFN inputs against their oracles,
 #                compiled for the GPU (as tests)
 #   autotune     python -m experiments.benchmarks.autotune for the decode kernel and the bf16
 #                grouped products at the full presets' shapes: each configuration checked against an
@@ -144,7 +144,8 @@ for stage in $stages; do
     decode_tests)
       JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
         "$py" -m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py \
-        tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py 2>&1 |
+        tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py \
+        tests/test_decode_ffn.py 2>&1 |
         tee "$out/decode_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.benchmarks.autotune \

@@ -32,6 +32,17 @@ def _oracle(x_BTD, w_KN, b, k_BSGJ, v_BSGJ, pos_BT, start_B, dt, rope_base):
     return q, _write_cache(k_BSGJ, k, start_B), _write_cache(v_BSGJ, v, start_B)
 
 
+def _same_bits(got, want):
+    """bfloat16 values rounded as the oracle rounds them: the same bits in the interpreter;
+    compiled, the products' float32 sums run in another order, so a value may round one step
+    the other way (at most 2% of them)."""
+    if INTERPRET:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+        assert np.mean(got == want) >= 0.98
+
+
 def _operands(dt, bias, T=1):
     ks = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(ks[0], (2, T, D)).astype(dt)
@@ -72,7 +83,7 @@ def test_the_kernel_equals_the_xla_step(dt, layout, bias, rope_base, add, T):
     for g, e in zip(got, want):
         assert g.shape == e.shape and g.dtype == e.dtype
         if dt == jnp.bfloat16:
-            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+            _same_bits(np.asarray(g, np.float32), np.asarray(e, np.float32))
         else:
             np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
     # the slots not written are the caches as they came in
