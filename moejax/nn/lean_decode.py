@@ -202,11 +202,10 @@ class LeanBlock(nnx.Module):
 
     def decode(self, x_BTD, cache: KVCache, *, positions_BT=None,
                mask_BT=None) -> tuple[jax.Array | Residual, dict, KVCache]:
-        """:meth:`TransformerBlock.decode`; ``x`` an array or a :class:`Residual`. A fused
-        one-token step (:meth:`LeanAttention.fusable`, :meth:`LeanDenseFFN.fusable_in`)
-        returns its output as a
-        :class:`Residual` where the FFN's output is a plain product (the next block's
-        kernel, or the decoder's head, makes the add)."""
+        """:meth:`TransformerBlock.decode`; ``x`` an array or a :class:`Residual`. A step whose
+        attention input is fused (:meth:`LeanAttention.fusable`) returns its output as a
+        :class:`Residual` where the FFN's output is a plain product (its ``decode_fused``;
+        the next block's kernel, or the decoder's head, makes the add)."""
         if self.attn.fusable(x_BTD):
             a, x_BTD, cache = self.attn.decode_fused(x_BTD, cache, positions_BT)
             fused = True
@@ -216,16 +215,11 @@ class LeanBlock(nnx.Module):
             x_BTD, r_BT1 = stream(x_BTD, self.attn.eps)
             a, cache = self.attn.decode_normed(x_BTD, r_BT1, cache, positions_BT)
             fused = False
-        if fused and self.ffn_norm is None and self.ffn.plain_output and \
-                self.ffn.fusable_in(x_BTD):
+        if fused and self.ffn_norm is None and self.ffn.plain_output:
             return self.ffn.decode_fused(x_BTD, a.astype(x_BTD.dtype), self.attn.fused), {}, cache
         x_BTD = x_BTD + a.astype(x_BTD.dtype)
         if self.ffn_norm is None:  # a lean slot: it takes the block's input, adds its own
-            x_BTD, r_BT1 = stream(x_BTD, self.ffn.eps)
-            if fused and self.ffn.plain_output:
-                y, aux = self.ffn(x_BTD, r_BT1)
-                return Residual(x_BTD, y), aux, cache
-            x_BTD, aux = self.ffn.with_residual(x_BTD, r_BT1)
+            x_BTD, aux = self.ffn.with_residual(*stream(x_BTD, self.ffn.eps))
             return x_BTD, aux, cache
         y, aux = self.ffn(self.ffn_norm(x_BTD), train=False, key=None, mask_BT=mask_BT)
         return add_residual(x_BTD, y), aux, cache

@@ -20,6 +20,13 @@ from moejax.ops.activations import activation_fn
 __all__ = ["LeanDenseFFN", "LeanBlockFFN"]
 
 
+def _unfused(ffn, x_BTD, o_BTD) -> Residual:
+    """A lean FFN's :meth:`decode_fused` as XLA's step: the stream ``x + o`` with its factor,
+    and the FFN's output, not yet summed."""
+    x_BTD, r_BT1 = stream(add_residual(x_BTD, o_BTD), ffn.eps)
+    return Residual(x_BTD, ffn(x_BTD, r_BT1)[0])
+
+
 class LeanDenseFFN(nnx.Module):
     """A :class:`DenseFFN` after its RMSNorm, gate and up in one product (module docstring);
     ``y, {} = ffn(x_BTD)`` of the block's input."""
@@ -59,9 +66,12 @@ class LeanDenseFFN(nnx.Module):
                                                     x_BTD.shape[1], x_BTD.dtype) is None)
 
     def decode_fused(self, x_BTD, o_BTD, fused) -> Residual:
-        """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU the
-        residual add, the norm's factor, the in product and the activation in one kernel
+        """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU, where
+        the kernel takes ``x`` (:meth:`fusable_in`), the residual add, the norm's factor, the
+        in product and the activation in one kernel
         (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then the down product."""
+        if not self.fusable_in(x_BTD):
+            return _unfused(self, x_BTD, o_BTD)
         b = None if self.b_in is None else self.b_in[...].astype(x_BTD.dtype)  # as XLA's adds
 
         def kernel(x, o, w):
@@ -196,10 +206,13 @@ class LeanBlockFFN(nnx.Module):
                                         x_BTD.shape[1], x_BTD.dtype) is None)
 
     def decode_fused(self, x_BTD, o_BTD, fused) -> Residual:
-        """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU the
-        residual add, the norm's factor, the in product with the router's scores, the router
-        norm, the activation and the experts' weights in one kernel
-        (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then the down product."""
+        """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU, where
+        the kernel takes ``x`` (:meth:`fusable_in`), the residual add, the norm's factor, the
+        in product with the router's scores, the router norm, the activation and the
+        experts' weights in one kernel (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then
+        the down product."""
+        if not self.fusable_in(x_BTD):
+            return _unfused(self, x_BTD, o_BTD)
         E, EF, norm = self.cfg.n_experts, self._hidden_width(), self.router_norm
         gated = self.w_in.shape[1 if self.layout == "kn" else 0] - self.n_pieces * E > EF
         router = decode_ffn.Router(
