@@ -145,7 +145,7 @@ for stage in $stages; do
       JAX_PLATFORMS=cuda,cpu JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$limit" \
         "$py" -m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py \
         tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py \
-        tests/test_decode_ffn.py 2>&1 |
+        tests/test_decode_ffn.py tests/test_decode_route.py 2>&1 |
         tee "$out/decode_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
     autotune)
       timeout "$limit" "$py" -m experiments.benchmarks.autotune \

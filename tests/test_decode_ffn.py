@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import decode_ffn
+from moejax.kernels import decode_rows
 from moejax.kernels.decode_ffn import Router, fused_ffn_in, supports
 from moejax.nn.norms import inv_rms
 from moejax.ops.activations import activation_fn
@@ -106,5 +106,5 @@ def test_calls_the_kernel_does_not_take_are_refused_with_the_reason():
 
 
 def test_without_pallas_triton_no_call_is_taken(monkeypatch):
-    monkeypatch.setattr(decode_ffn, "AVAILABLE", False)
+    monkeypatch.setattr(decode_rows, "AVAILABLE", False)
     assert "no Pallas Triton" in supports(D, 32, 4, 1, jnp.bfloat16)

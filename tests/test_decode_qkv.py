@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import decode_qkv
+from moejax.kernels import decode_rows
 from moejax.kernels.decode_qkv import fused_qkv, supports
 from moejax.nn.attention import _write_cache
+from moejax.nn.lean_ops import Residual
 from moejax.nn.norms import inv_rms
 from moejax.nn.rope import apply_rope
 
@@ -94,6 +95,27 @@ def test_the_kernel_equals_the_xla_step(dt, layout, bias, rope_base, add, T):
         np.testing.assert_array_equal(np.asarray(g)[untouched], np.asarray(old)[untouched])
 
 
+def test_a_float32_addend_is_added_to_the_stream_rounding_once():
+    """A chunk-union expert part's float32 sum as ``y`` (a :class:`Residual` of a bfloat16
+    stream): the block's input is ``x + y`` in float32 rounded once, as
+    ``Residual.summed`` makes it, not ``y`` rounded first (which differs here in some values),
+    and the q/k/v product reads that input."""
+    x, w, b, k, v = _operands(jnp.bfloat16, False)
+    x = x[:, 0]
+    y = jax.random.normal(jax.random.key(8), x.shape) * 0.05
+    pos = jnp.array([5, 2])
+    got = fused_qkv(x, w, b, k, v, pos, pos, n_heads=H, eps=1e-5, rope_base=None, y_ND=y,
+                    interpret=INTERPRET)
+    once = Residual(x, y).summed()
+    assert once.dtype == jnp.bfloat16
+    assert np.any(np.asarray(once) != np.asarray(x + y.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(once))
+    want = fused_qkv(once, w, b, k, v, pos, pos, n_heads=H, eps=1e-5, rope_base=None,
+                     interpret=INTERPRET)
+    for g, e in zip(got[:3], want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
 def test_the_rotation_is_applied_to_q_and_k_only():
     """Against the oracle without RoPE, a rotated q and k differ and v does not (a kernel that
     rotates v, or neither, fails here)."""
@@ -127,5 +149,5 @@ def test_calls_the_kernel_does_not_take_are_refused_with_the_reason():
 
 
 def test_without_pallas_triton_no_call_is_taken(monkeypatch):
-    monkeypatch.setattr(decode_qkv, "AVAILABLE", False)
+    monkeypatch.setattr(decode_rows, "AVAILABLE", False)
     assert "no Pallas Triton" in supports(D, J, "half", 1, jnp.bfloat16)

@@ -135,7 +135,8 @@ def test_a_bfloat16_router_in_the_experts_product_routes_as_its_own_product(layo
 
 
 FUSED_CASES = {c[0]: c for c in CASES if c[0] in (
-    "swiglu", "gelu, biases", "qk norm per head", "blockffn dense gated, no router norm")}
+    "swiglu", "gelu, biases", "qk norm per head", "blockffn dense gated, no router norm",
+    "blockffn gated, chunk union", "blockffn, no router norm")}
 FUSED_CASES.update({c[0]: c for c in (  # experts of 16: the FFN kernel's smallest block
     ("blockffn dense 16", BlockFFNConfig(n_experts=8, d_expert=16, path="dense"), {}),
     ("blockffn dense 16 gated, no router norm", BlockFFNConfig(
@@ -146,7 +147,9 @@ FUSED_CASES.update({c[0]: c for c in (  # experts of 16: the FFN kernel's smalle
                                          ("qk norm per head", "kn"),
                                          ("blockffn dense gated, no router norm", "nk"),
                                          ("blockffn dense 16", "kn"),
-                                         ("blockffn dense 16 gated, no router norm", "nk")])
+                                         ("blockffn dense 16 gated, no router norm", "nk"),
+                                         ("blockffn gated, chunk union", "nk"),
+                                         ("blockffn, no router norm", "kn")])
 def test_the_fused_one_token_step_decodes_as_the_lean_step(name, layout):
     """Every one-token step's attention input is the Pallas kernel (moejax.kernels.decode_qkv:
     compiled on a GPU, ``fused=True``; elsewhere ``fused="interpret"``, in the interpreter),
@@ -168,6 +171,23 @@ def test_the_fused_one_token_step_decodes_as_the_lean_step(name, layout):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_c), jax.tree.leaves(want_c)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="XLA's step off a GPU")
+def test_off_a_gpu_the_fused_decoder_is_the_lean_step_bit_for_bit():
+    """``fused=True`` on the CPU takes XLA's step in each kernel's place: in bfloat16 its
+    logits are the lean step's bit for bit, with its blocks' outputs handed on unsummed
+    (a :class:`Residual` of the stream and the token-sparse expert part's float32 sum)."""
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c))
+    toks = jax.random.randint(jax.random.key(4), (2, 6), 0, 64)
+    model = _model(BlockFFNConfig(n_experts=8, d_expert=16, path="auto", activation="swiglu"),
+                   d=64, dtype="bfloat16", param_dtype="bfloat16")
+    plain, fused = lean_decoder(model), lean_decoder(model, fused=True)
+    want_c, got_c = plain.init_cache(2, 16), fused.init_cache(2, 16)
+    for part in (toks[:, :5], toks[:, 5:6]):
+        want, want_c = decode(plain, part, want_c)
+        got, got_c = decode(fused, part, got_c)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_a_fused_value_it_does_not_know_is_refused():
@@ -295,16 +315,18 @@ def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
 def test_a_lean_decoder_made_before_the_loops_decodes_the_same_tokens():
     """The decoding loops keep a LeanDecoder they are given (bench_speculative makes it once,
     in the configured layout, before timing): its tokens, autoregressive and speculative,
-    are the plain model's in float32, in either layout, and with the one-token steps'
-    kernels (``fused``; in the interpreter here)."""
+    are the plain model's in float32, in either layout, and with the steps' kernels
+    (``fused``; in the interpreter here), on BlockFFN's dense and token-sparse paths."""
     from moejax.bench.decode_timing import decode_timing
 
-    target = _model(BlockFFNConfig(n_experts=8, d_expert=16, path="dense"))
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
     prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
-    for d in (None, draft):
-        want = decode_timing(target, prompts, 6, draft=d, draft_len=2)["tokens"]
-        for fused in (False, "interpret"):
-            got = decode_timing(lean_decoder(target, "nk", fused), prompts, 6, draft_len=2,
-                                draft=None if d is None else lean_decoder(d, "nk", fused))
-            np.testing.assert_array_equal(got["tokens"], want)
+    for path in ("dense", "auto"):
+        target = _model(BlockFFNConfig(n_experts=8, d_expert=16, path=path))
+        for d in (None, draft):
+            want = decode_timing(target, prompts, 6, draft=d, draft_len=2)["tokens"]
+            for fused in (False, "interpret"):
+                got = decode_timing(lean_decoder(target, "nk", fused), prompts, 6,
+                                    draft_len=2,
+                                    draft=None if d is None else lean_decoder(d, "nk", fused))
+                np.testing.assert_array_equal(got["tokens"], want)

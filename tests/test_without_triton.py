@@ -51,9 +51,10 @@ SCRIPT = textwrap.dedent('''
         out["interpret"] = "ran"
     except ValueError as e:
         out["interpret"] = str(e)
-    from moejax.kernels import decode_ffn, decode_qkv  # the decode step keeps XLA's
+    from moejax.kernels import decode_ffn, decode_qkv, decode_route  # XLA's decode step
     out["fused"] = [decode_qkv.supports(64, 16, "half", 1, jnp.bfloat16),
-                    decode_ffn.supports(64, 32, 4, 1, jnp.bfloat16)]
+                    decode_ffn.supports(64, 32, 4, 1, jnp.bfloat16),
+                    decode_route.supports(64, 4, 1, jnp.bfloat16)]
     print(json.dumps({"/".join(k) if isinstance(k, tuple) else k: v for k, v in out.items()}))
 ''')
 
@@ -71,4 +72,4 @@ def test_without_pallas_triton_gpu_programs_lower_on_mosaic_gpu_and_xla():
     assert got["union/bfloat16"] == ["mosaic_gpu_v2"]
     assert got["union/float32"] == []  # the jnp loop
     assert "no Pallas Triton" in got["interpret"]
-    assert got["fused"] == ["this jax ships no Pallas Triton"] * 2
+    assert got["fused"] == ["this jax ships no Pallas Triton"] * 3

@@ -24,7 +24,7 @@ program per (row, block of ``BLOCK_F`` of the ``H`` hidden columns)
 
 Float32 accumulation, the weights in ``[K, N]`` (``"kn"``) or transposed (``"nk"``) layout;
 ``interpret=True`` runs the kernel in Pallas's interpreter (the tests). Pallas Triton is
-deprecated since jax 0.12: :data:`moejax.kernels.decode_qkv.AVAILABLE` says whether this jax
+deprecated since jax 0.12: :data:`moejax.kernels.decode_rows.AVAILABLE` says whether this jax
 ships it; :func:`supports` says which calls the kernel takes.
 """
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from moejax.kernels.decode_rows import AVAILABLE, block_of, compiler_params, pow2, row_product
+from moejax.kernels.decode_rows import block_of, compiler_params, row_product, unsupported
 from moejax.ops.activations import activation_fn
 
 __all__ = ["Router", "supports", "fused_ffn_in"]
@@ -63,19 +63,11 @@ def supports(d: int, d_hidden: int, n_experts: int, tokens: int, dtype) -> str |
     """None when :func:`fused_ffn_in` takes the call, else why not: one new token per row, the
     model width and an expert's hidden width divisible by a power of two of at least 16, a
     power-of-two number of experts, float32 or bfloat16 operands."""
-    if not AVAILABLE:
-        return "this jax ships no Pallas Triton"
     if tokens != 1:
         return f"{tokens} new tokens per row (the kernel takes one)"
-    if _block(d, 256) < 16:
-        return f"d_model={d}: no power of two of at least 16 divides it"
     if _block(d_hidden) < 16:
         return f"hidden width {d_hidden}: no power of two of at least 16 divides it"
-    if not pow2(n_experts):
-        return f"{n_experts} experts (the router's scores are a power-of-two block)"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"dtype {jnp.dtype(dtype).name}"
-    return None
+    return unsupported(d, dtype, n_experts)
 
 
 def _kernel(*refs, block_k, block_f, d_hidden, hidden, gated, activation, eps, layout, dtype,

@@ -43,7 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from moejax.kernels.decode_rows import AVAILABLE, block_of, compiler_params, pow2, row_product
+from moejax.kernels.decode_rows import (
+    AVAILABLE,
+    block_of,
+    compiler_params,
+    pow2,
+    row_product,
+    unsupported,
+)
 
 __all__ = ["AVAILABLE", "MAX_TOKENS", "supports", "fused_qkv"]
 
@@ -60,19 +67,13 @@ def supports(d: int, head_dim: int, rope_style: str | None, tokens: int, dtype) 
     tokens per cache row, a
     head's halves and the contraction step powers of two (Triton's blocks), ``"half"`` RoPE
     or none, float32 or bfloat16 operands."""
-    if not AVAILABLE:
-        return "this jax ships no Pallas Triton"
     if not 1 <= tokens <= MAX_TOKENS:
         return f"{tokens} new tokens per row (the kernel takes 1 to {MAX_TOKENS})"
     if head_dim % 2 or not pow2(head_dim // 2):
         return f"head_dim={head_dim}: its halves are not a power of two"
-    if _block_k(d) < 16:
-        return f"d_model={d}: no power of two of at least 16 divides it"
     if rope_style not in (None, "half"):
         return f"rope_style={rope_style!r} (the kernel rotates 'half' pairs)"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        return f"dtype {jnp.dtype(dtype).name}"
-    return None
+    return unsupported(d, dtype)
 
 
 def _kernel(*refs, n_heads, n_kv, half, block_k, eps, layout, rope, dtype, bias, add, tokens):

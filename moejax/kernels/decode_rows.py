@@ -1,6 +1,7 @@
 """What the decode step's Pallas Triton kernels share (:mod:`moejax.kernels.decode_qkv`,
-:mod:`moejax.kernels.decode_ffn`): whether this jax ships Pallas Triton, their launch
-parameters and blocks, and a program's product of one row with a block of weight columns."""
+:mod:`moejax.kernels.decode_ffn`, :mod:`moejax.kernels.decode_route`): whether this jax ships
+Pallas Triton and the operands they take, their launch parameters and blocks, and a program's
+product of one row with a block of weight columns."""
 
 from __future__ import annotations
 
@@ -13,9 +14,25 @@ try:  # deprecated since jax 0.12: the kernels run while jax still ships it
 except ImportError:  # pragma: no cover - exercised by a test that hides the module
     pltriton = None
 
-__all__ = ["AVAILABLE", "compiler_params", "pow2", "block_of", "row_product"]
+__all__ = ["AVAILABLE", "unsupported", "compiler_params", "pow2", "block_of", "row_product"]
 
 AVAILABLE = pltriton is not None
+
+
+def unsupported(d: int, dtype, n_experts: int = 1) -> str | None:
+    """Why the decode kernels do not take a call's operands, or None: this jax ships Pallas
+    Triton, a power of two of at least 16 divides the model width ``d`` (the contraction's
+    step), the experts (the router's scores, one block) are a power of two, the operands are
+    float32 or bfloat16."""
+    if not AVAILABLE:
+        return "this jax ships no Pallas Triton"
+    if block_of(d, 256) < 16:
+        return f"d_model={d}: no power of two of at least 16 divides it"
+    if not pow2(n_experts):
+        return f"{n_experts} experts (the router's scores are a power-of-two block)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        return f"dtype {jnp.dtype(dtype).name}"
+    return None
 
 
 def compiler_params(interpret: bool):

@@ -59,10 +59,18 @@ per row, a speculative round's verified block, takes the first and XLA's FFN):
    and RMSNorm) and the activation, weighted by each expert's ``a_e``;
 5. the down product.
 
+On BlockFFN's token-sparse path, 4. and 5. are the FFN input
+(:func:`moejax.kernels.decode_route.fused_route`: the residual add, the norm's factor, the
+router's float32 product with its ReLU and RMSNorm, the experts' input and a zeroed float32
+target) and the chunk-union decode kernel summing the members' output into that target; the
+block's output is the stream and that float32 sum (a :class:`Residual`, added by the next
+block's kernel, rounding once), for a decoded token and a verified block alike (up to
+:data:`moejax.kernels.decode_route.MAX_TOKENS` token rows).
+
 The kernels round as XLA's GPU fusions do (bfloat16 results of the same float32 values), so a
 fused decoding equals the XLA step's up to the products' order of sums. Elsewhere (the CPU),
 for other calls (several new tokens, q/k norms, an FFN the kernel does not take: see each
-kernel's ``supports``) and on the chunk-union path the step is XLA's; ``fused="interpret"``
+kernel's ``supports``) the step is XLA's; ``fused="interpret"``
 runs the kernels in Pallas's interpreter on any platform (tests).
 
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
@@ -174,7 +182,7 @@ class LeanAttention(Attention):
             return q, out[1], out[2], x if y is None else out[3].reshape(B, T, D)
 
         def xla(x, y, w, k, v, slot, pos):
-            x = add_residual(x, y) if y is not None else x
+            x = Residual(x, y).summed() if y is not None else x
             q, k_new, v_new = self._heads(*self._project(x), pos)
             return q, _write_cache(k, k_new, slot[:, 0]), _write_cache(v, v_new, slot[:, 0]), x
 
@@ -203,19 +211,20 @@ class LeanBlock(nnx.Module):
     def decode(self, x_BTD, cache: KVCache, *, positions_BT=None,
                mask_BT=None) -> tuple[jax.Array | Residual, dict, KVCache]:
         """:meth:`TransformerBlock.decode`; ``x`` an array or a :class:`Residual`. A step whose
-        attention input is fused (:meth:`LeanAttention.fusable`) returns its output as a
-        :class:`Residual` where the FFN's output is a plain product (its ``decode_fused``;
-        the next block's kernel, or the decoder's head, makes the add)."""
+        attention input is fused (:meth:`LeanAttention.fusable`) hands a lean FFN the
+        residual and the attention's output (its ``decode_fused``), which returns the block's
+        output as a :class:`Residual` where the FFN's output is a plain product (the next
+        block's kernel, or the decoder's head, makes the add)."""
         if self.attn.fusable(x_BTD):
             a, x_BTD, cache = self.attn.decode_fused(x_BTD, cache, positions_BT)
             fused = True
         else:
             if isinstance(x_BTD, Residual):
-                x_BTD = add_residual(*x_BTD)
+                x_BTD = x_BTD.summed()
             x_BTD, r_BT1 = stream(x_BTD, self.attn.eps)
             a, cache = self.attn.decode_normed(x_BTD, r_BT1, cache, positions_BT)
             fused = False
-        if fused and self.ffn_norm is None and self.ffn.plain_output:
+        if fused and self.ffn_norm is None:
             return self.ffn.decode_fused(x_BTD, a.astype(x_BTD.dtype), self.attn.fused), {}, cache
         x_BTD = x_BTD + a.astype(x_BTD.dtype)
         if self.ffn_norm is None:  # a lean slot: it takes the block's input, adds its own
@@ -238,7 +247,7 @@ class LeanDecoder(DecoderLM):
         self.blocks = nnx.List([LeanBlock(b, layout, fused) for b in model.blocks])
 
     def _head(self, h_BTD):
-        return super()._head(add_residual(*h_BTD) if isinstance(h_BTD, Residual) else h_BTD)
+        return super()._head(h_BTD.summed() if isinstance(h_BTD, Residual) else h_BTD)
 
     def __call__(self, *args, **kwargs):
         raise TypeError("a LeanDecoder decodes only (decode, init_cache); run the full "

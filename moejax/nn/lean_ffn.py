@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moejax.kernels import decode_ffn
+from moejax.kernels import decode_ffn, decode_route
 from moejax.kernels.chunk_union.pallas import add_residual
 from moejax.nn import axes as ax
 from moejax.nn.blockffn import BlockFFN, BlockRoute, block_experts
@@ -20,11 +20,14 @@ from moejax.ops.activations import activation_fn
 __all__ = ["LeanDenseFFN", "LeanBlockFFN"]
 
 
-def _unfused(ffn, x_BTD, o_BTD) -> Residual:
+def _unfused(ffn, x_BTD, o_BTD):
     """A lean FFN's :meth:`decode_fused` as XLA's step: the stream ``x + o`` with its factor,
-    and the FFN's output, not yet summed."""
+    and the FFN's output, not yet summed (a :class:`Residual`) where it is a plain product,
+    else summed by the FFN."""
     x_BTD, r_BT1 = stream(add_residual(x_BTD, o_BTD), ffn.eps)
-    return Residual(x_BTD, ffn(x_BTD, r_BT1)[0])
+    if ffn.plain_output:
+        return Residual(x_BTD, ffn(x_BTD, r_BT1)[0])
+    return ffn.with_residual(x_BTD, r_BT1)[0]
 
 
 class LeanDenseFFN(nnx.Module):
@@ -150,20 +153,29 @@ class LeanBlockFFN(nnx.Module):
         if self.n_pieces:  # the router's product is the experts' input product
             y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt)
         else:
-            x32_ND = x_ND.astype(jnp.float32)
-            route = self._route(matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
+            xe_ND, route = self._routed(x_ND, r_N1, dt)
             if self.cfg.path != "dense":
-                xe_ND = (x32_ND * r_N1).astype(dt)
-                w_gate = None if self.w_gate is None else self.w_gate[...]
-                y_ND, _ = block_experts(self.cfg, xe_ND, route, self.w_up[...],
-                                        self.w_down[...], w_gate, x_ND if residual else None)
-                return y_ND.reshape(B, T, D)
+                return self._sparse(xe_ND, route, x_ND if residual else None).reshape(B, T, D)
             y_ND = self._every_expert(x_ND.astype(dt), r_N1, dt, route.a)
         return (y_ND if not residual else add_residual(x_ND, y_ND)).reshape(B, T, D)
+
+    def _routed(self, x_ND, r_N1, dt) -> tuple[jax.Array, BlockRoute]:
+        """The experts' input ``x r`` in ``dt`` and the router's scores of ``x`` (its own
+        float32 product, times ``r``)."""
+        x32_ND = x_ND.astype(jnp.float32)
+        route = self._route(matvec(x32_ND, self.w_router[...], self.layout) * r_N1)
+        return (x32_ND * r_N1).astype(dt), route
 
     def _route(self, a0_NE) -> BlockRoute:
         a1 = jax.nn.relu(a0_NE)
         return BlockRoute(a0_NE, a1, a1 if self.router_norm is None else self.router_norm(a1))
+
+    def _sparse(self, xe_ND, route: BlockRoute, residual_ND=None):
+        """The expert part on the module's token-sparse path (:func:`block_experts`), summed
+        into ``residual`` where one is given, in its dtype."""
+        w_gate = None if self.w_gate is None else self.w_gate[...]
+        return block_experts(self.cfg, xe_ND, route, self.w_up[...], self.w_down[...], w_gate,
+                             residual_ND)[0]
 
     def _every_expert(self, x_ND, r_N1, dt, a_NE=None):
         """``sum_e a_e E_e(x r)``: :meth:`_every_expert_hidden`, then the out product."""
@@ -197,28 +209,42 @@ class LeanBlockFFN(nnx.Module):
         return matvec(g_NH, self.w_out[...].astype(g_NH.dtype), self.layout)
 
     def fusable_in(self, x_BTD) -> bool:
-        """Whether :meth:`decode_fused` takes the residual ``x``: the dense path with the
-        router in the in product, one new token per row, a call
-        :func:`moejax.kernels.decode_ffn.supports`."""
-        E = self.cfg.n_experts
-        return (self.n_pieces > 0 and (self.dtype or x_BTD.dtype) == x_BTD.dtype
-                and decode_ffn.supports(x_BTD.shape[-1], self._hidden_width() // E, E,
-                                        x_BTD.shape[1], x_BTD.dtype) is None)
+        """Whether :meth:`decode_fused` takes the residual ``x`` into a kernel: on the dense
+        path with the router in the in product, one new token per row
+        (:func:`moejax.kernels.decode_ffn.supports`); on the token-sparse path, up to
+        :data:`moejax.kernels.decode_route.MAX_TOKENS` token rows
+        (:func:`moejax.kernels.decode_route.supports`)."""
+        (B, T, D), E, dt = x_BTD.shape, self.cfg.n_experts, x_BTD.dtype
+        if (self.dtype or dt) != dt:
+            return False
+        if self.cfg.path != "dense":
+            return decode_route.supports(D, E, B * T, dt) is None
+        return self.n_pieces > 0 and decode_ffn.supports(D, self._hidden_width() // E, E, T,
+                                                         dt) is None
 
-    def decode_fused(self, x_BTD, o_BTD, fused) -> Residual:
-        """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU, where
-        the kernel takes ``x`` (:meth:`fusable_in`), the residual add, the norm's factor, the
-        in product with the router's scores, the router norm, the activation and the
-        experts' weights in one kernel (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then
-        the down product."""
-        if not self.fusable_in(x_BTD):
-            return _unfused(self, x_BTD, o_BTD)
-        E, EF, norm = self.cfg.n_experts, self._hidden_width(), self.router_norm
-        gated = self.w_in.shape[1 if self.layout == "kn" else 0] - self.n_pieces * E > EF
-        router = decode_ffn.Router(
-            E, self.n_pieces, None if norm is None else norm.scale[...],
+    def _router(self) -> decode_ffn.Router:
+        norm = self.router_norm
+        return decode_ffn.Router(
+            self.cfg.n_experts, max(self.n_pieces, 1), None if norm is None else norm.scale[...],
             1e-6 if norm is None else norm.eps,
             jnp.dtype(jnp.float32 if norm is None or norm.dtype is None else norm.dtype))
+
+    def decode_fused(self, x_BTD, o_BTD, fused):
+        """The block's output ``x + o + ffn(x + o)``, a :class:`Residual` where a kernel takes
+        ``x`` (:meth:`fusable_in`), as one on a GPU: on the dense path the residual add, the
+        norm's factor, the in product with the router's scores, the router norm, the
+        activation and the experts' weights in one kernel
+        (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then the down product; on the
+        token-sparse path the residual add, the norm's factor, the router and
+        the experts' input in one kernel (:func:`moejax.kernels.decode_route.fused_route`),
+        then the expert part, its output in float32."""
+        if not self.fusable_in(x_BTD):
+            return _unfused(self, x_BTD, o_BTD)
+        if self.cfg.path != "dense":
+            return self._sparse_fused(x_BTD, o_BTD, fused)
+        E, EF = self.cfg.n_experts, self._hidden_width()
+        gated = self.w_in.shape[1 if self.layout == "kn" else 0] - self.n_pieces * E > EF
+        router = self._router()
 
         def kernel(x, o, w):
             g, x = decode_ffn.fused_ffn_in(
@@ -236,3 +262,26 @@ class LeanBlockFFN(nnx.Module):
 
         g_NH, x_BTD = on_gpu(fused, kernel, xla, x_BTD, o_BTD, self.w_in[...])
         return Residual(x_BTD, self._down(g_NH).reshape(x_BTD.shape))
+
+    def _sparse_fused(self, x_BTD, o_BTD, fused) -> Residual:
+        """:meth:`decode_fused` on the token-sparse path: the expert part sums into the
+        float32 zeros that the kernel (or XLA's step) writes; the block's output is the
+        stream and that sum, not yet added."""
+        B, T, D = x_BTD.shape
+        dt, router = x_BTD.dtype, self._router()
+
+        def kernel(x, o, w):
+            return decode_route.fused_route(
+                x.reshape(B * T, D), o.reshape(B * T, D), w, router, eps=self.eps,
+                layout=self.layout, interpret=fused == "interpret")
+
+        def xla(x, o, w):
+            x, r = stream(add_residual(x, o), self.eps)
+            x_ND = x.reshape(B * T, D)
+            xe, route = self._routed(x_ND, r.reshape(B * T, 1), dt)
+            return xe, route.a, route.a1, x_ND, jnp.zeros(x_ND.shape, jnp.float32)
+
+        xe_ND, a_NE, a1_NE, s_ND, y_ND = on_gpu(fused, kernel, xla, x_BTD, o_BTD,
+                                                self.w_router[...])
+        y_ND = self._sparse(xe_ND, BlockRoute(None, a1_NE, a_NE), y_ND)  # a0: not read
+        return Residual(s_ND.reshape(B, T, D), y_ND.reshape(B, T, D))

@@ -27,9 +27,16 @@ FUSED = (False, True, "interpret")
 
 class Residual(NamedTuple):
     """A block's output ``x + y`` not yet summed: the next block's fused kernel makes the add
-    (:func:`moejax.kernels.decode_qkv.fused_qkv`'s ``y_BD``)."""
+    (:func:`moejax.kernels.decode_qkv.fused_qkv`'s ``y_BD``), in ``x``'s dtype, rounding once
+    (``y`` may be wider: a chunk-union expert part's float32 sum)."""
     x: jax.Array
     y: jax.Array
+
+    def summed(self) -> jax.Array:
+        """``x + y`` in ``x``'s dtype, rounded once."""
+        if self.y.dtype == self.x.dtype:
+            return self.x + self.y
+        return (self.x.astype(jnp.float32) + self.y.astype(jnp.float32)).astype(self.x.dtype)
 
 
 def on_gpu(fused, kernel, xla, *args):
