@@ -198,7 +198,7 @@ def test_the_decoding_group_measures_the_lean_decode_step_and_the_flash_kernel(t
         f"out={out}/bench_train_step",
         "-m pytest -q -p no:cacheprovider -n 4 tests/test_kernels_chunk_decode_gpu.py "
         "tests/test_attention_impls.py tests/test_lean_decode.py tests/test_decode_qkv.py "
-        "tests/test_decode_ffn.py"]
+        "tests/test_decode_ffn.py tests/test_decode_route.py"]
     assert sorted(p.name for p in out.glob(".done-*")) == [
         ".done-decode_tests", ".done-speculative_wide", ".done-speculative_wide_fused",
         ".done-speculative_wide_graphs", ".done-speculative_wide_nk", ".done-train_step"]

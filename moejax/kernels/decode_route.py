@@ -4,10 +4,10 @@ experts' normalised input and the zeroed float32 output the chunk-union decode k
 into (a Pallas Triton kernel).
 
 On the chunk-union path the lean decode step (:class:`moejax.nn.lean_ffn.LeanBlockFFN`) runs
-BlockFFN's router (BlockFFN paper, Eq. 2: ``A_0 = x W_r``, ``A_1 = ReLU(A_0)``,
+BlockFFN's router (:mod:`moejax.nn.blockffn`: ``A_0 = x W_r``, ``A_1 = ReLU(A_0)``,
 ``A = RMSNorm(A_1)``) on the FFN norm's input with the norm's scale folded into ``W_r`` and
 its per-token factor ``r`` applied after the product, then hands the experts ``x r`` (the
-norm's scale is in their input weights) and the combine weights ``A`` (Eq. 3); the decode
+norm's scale is in their input weights) and the combine weights ``A``; the decode
 kernel (:mod:`moejax.kernels.chunk_union.decode_gpu`) sums the members' output into a float32
 target. On a GPU, the stream with its sum of squares, the router's product, the router norm's
 reduction, the experts' input and the target are five kernels before it. Here one program per
