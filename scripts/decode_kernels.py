@@ -7,8 +7,8 @@ chunk-sparse path. The weights are random: a program's kernels follow its shapes
 values. Prints a markdown table: kernels per round, and the kinds that make them.
 ``layout=nk``: the target's lean decode step made before the loops with its products' weights
 transposed (:func:`moejax.nn.lean_decode.lean_decoder`), and each product's reduction kind;
-``fused=1``: each decode step's attention input and each one-token step's FFN input as one
-kernel each (on the token-sparse path each step's FFN input, a verified block's too).
+``fused=1``: each decode step's attention and FFN inputs as one kernel each (a verified block's
+too).
 
     .venv/bin/python scripts/decode_kernels.py        # restarts itself with the GPU compiler
     .venv/bin/python scripts/decode_kernels.py max_new=64 draft_len=2 layout=nk fused=1

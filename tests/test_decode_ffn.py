@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.kernels import decode_rows
+from moejax.kernels import decode_ffn, decode_rows
 from moejax.kernels.decode_ffn import Router, fused_ffn_in, supports
 from moejax.nn.norms import inv_rms
 from moejax.ops.activations import activation_fn
@@ -52,14 +52,15 @@ CASES = {  # F, E, gated, activation, bias, router (pieces, norm)
 @pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_equals_the_xla_step(case, layout, dt):
-    """Two rows: the hidden activations the down product reads and the residual stream. The
-    activation is computed in float32 and rounded once, as XLA's GPU fusions do (its CPU
-    rounds bfloat16 after each op: one rounding step apart in about half the values)."""
+def test_the_kernel_equals_the_xla_step(case, layout, dt, rows=2):
+    """Two rows (one token per cache row, both in each program): the hidden activations the
+    down product reads and the residual stream. The activation is computed in float32 and
+    rounded once, as XLA's GPU fusions do (its CPU rounds bfloat16 after each op: one rounding
+    step apart in about half the values)."""
     F, E, gated, activation, bias, rt = CASES[case]
     ks = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(ks[0], (2, D)).astype(dt)
-    o = jax.random.normal(ks[1], (2, D)).astype(dt)
+    x = jax.random.normal(ks[0], (rows, D)).astype(dt)
+    o = jax.random.normal(ks[1], (rows, D)).astype(dt)
     cols = (2 if gated else 1) * E * F + (rt[0] * E if rt else 0)
     w = (jax.random.normal(ks[2], (D, cols)) * 0.2).astype(dt)
     b = (jax.random.normal(ks[3], ((2 if gated else 1) * F,)) * 0.2).astype(dt) if bias else None
@@ -72,11 +73,19 @@ def test_the_kernel_equals_the_xla_step(case, layout, dt):
     want = _oracle(x, o, w, b, F, E, gated, activation, router)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     g, e = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
-    assert got[0].dtype == dt and g.shape == (2, E * F)
+    assert got[0].dtype == dt and g.shape == (rows, E * F)
     if dt == jnp.float32:
         np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
     else:  # rounded as the oracle rounds
         _same_bits(g, e)
+
+
+@pytest.mark.parametrize("case,layout", [("blockffn gated, router norm", "nk"),
+                                         ("dense gelu, bias", "kn")])
+def test_a_verified_block_of_seven_rows_is_one_call(case, layout):
+    """A speculative round's verified block (7 token rows): each row as the XLA step makes
+    it, each program's weights read once for all of them."""
+    test_the_kernel_equals_the_xla_step(case, layout, jnp.bfloat16, rows=7)
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
@@ -94,7 +103,8 @@ def test_a_wide_block_is_summed_in_more_steps(layout):
 
 def test_calls_the_kernel_does_not_take_are_refused_with_the_reason():
     assert supports(D, 32, 4, 1, jnp.bfloat16) is None
-    assert "3 new tokens" in supports(D, 32, 4, 3, jnp.bfloat16)
+    assert supports(D, 32, 4, decode_ffn.MAX_ROWS, jnp.bfloat16) is None
+    assert "9 token rows" in supports(D, 32, 4, 9, jnp.bfloat16)
     assert "hidden width 8" in supports(D, 8, 4, 1, jnp.bfloat16)
     assert "d_model=40" in supports(40, 32, 4, 1, jnp.bfloat16)
     assert "6 experts" in supports(D, 32, 6, 1, jnp.bfloat16)

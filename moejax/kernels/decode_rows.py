@@ -14,7 +14,8 @@ try:  # deprecated since jax 0.12: the kernels run while jax still ships it
 except ImportError:  # pragma: no cover - exercised by a test that hides the module
     pltriton = None
 
-__all__ = ["AVAILABLE", "unsupported", "compiler_params", "pow2", "block_of", "row_product"]
+__all__ = ["AVAILABLE", "unsupported", "compiler_params", "pow2", "block_of", "row_product",
+           "rows_product"]
 
 AVAILABLE = pltriton is not None
 
@@ -54,20 +55,28 @@ _BLOCK_ELEMENTS = 8192  # a weight block's values: 64 registers a thread over 4 
 
 def row_product(load_x, w_ref, c, width: int, block_k: int, layout: str):
     """``x W[:, c : c + width]`` in float32 for the row ``load_x(cols)`` returns (float32,
-    ``cols`` a ``pl.ds`` of the model width), over the width in steps of ``block_k`` (a power
-    of two dividing it), fewer where a ``block_k x width`` block would pass
-    :data:`_BLOCK_ELEMENTS` (a block kept in registers, not spilled); ``W`` is ``[K, N]``
-    (``"kn"``) or ``[N, K]`` (``"nk"``)."""
+    ``cols`` a ``pl.ds`` of the model width): :func:`rows_product` of one row."""
+    return rows_product(lambda n, cols: load_x(cols), w_ref, c, width, block_k, layout, 1)[0]
+
+
+def rows_product(load_x, w_ref, c, width: int, block_k: int, layout: str, rows: int):
+    """``x_n W[:, c : c + width]`` in float32 for each of ``rows`` rows ``load_x(n, cols)``
+    (float32, ``cols`` a ``pl.ds`` of the model width), a tuple: over the width in steps of
+    ``block_k`` (a power of two dividing it), fewer where a ``block_k x width`` block would
+    pass :data:`_BLOCK_ELEMENTS` (a block kept in registers, not spilled), each step's weight
+    block read once for every row; ``W`` is ``[K, N]`` (``"kn"``) or ``[N, K]`` (``"nk"``)."""
     k_dim = w_ref.shape[0 if layout == "kn" else 1]
     while block_k > 16 and block_k * width > _BLOCK_ELEMENTS:
         block_k //= 2
 
-    def step(i, acc):
+    def step(i, accs):
         k0 = pl.multiple_of(i * block_k, block_k)
-        xs = load_x(pl.ds(k0, block_k))
         if layout == "kn":
             w = w_ref[pl.ds(k0, block_k), pl.ds(c, width)].astype(jnp.float32)
-            return acc + jnp.sum(xs[:, None] * w, axis=0)
+            return tuple(acc + jnp.sum(load_x(n, pl.ds(k0, block_k))[:, None] * w, axis=0)
+                         for n, acc in enumerate(accs))
         w = w_ref[pl.ds(c, width), pl.ds(k0, block_k)].astype(jnp.float32)
-        return acc + jnp.sum(w * xs[None, :], axis=1)
-    return jax.lax.fori_loop(0, k_dim // block_k, step, jnp.zeros((width,), jnp.float32))
+        return tuple(acc + jnp.sum(w * load_x(n, pl.ds(k0, block_k))[None, :], axis=1)
+                     for n, acc in enumerate(accs))
+    zeros = tuple(jnp.zeros((width,), jnp.float32) for _ in range(rows))
+    return jax.lax.fori_loop(0, k_dim // block_k, step, zeros)

@@ -44,10 +44,10 @@ reduction) for ``"kn"`` and over its minor one (a row reduction, each output's w
 contiguously) for ``"nk"``; the two lower to different kernels, so the layout is a decoding's
 choice, timed on the device (the values are the same products either way).
 
-``fused=True`` (a decoding's choice, timed on the device): where a step decodes one new token
-per row and the program is built for a GPU, each block runs as five kernels, two of them its
-own Pallas kernels (a step of up to :data:`moejax.kernels.decode_qkv.MAX_TOKENS` new tokens
-per row, a speculative round's verified block, takes the first and XLA's FFN):
+``fused=True`` (a decoding's choice, timed on the device): where a step decodes a few new
+tokens (a decoded token per cache row, up to :data:`moejax.kernels.decode_ffn.MAX_ROWS` token
+rows in all: a speculative round's verified block too) and the program is built for a GPU,
+each block runs as five kernels, two of them its own Pallas kernels:
 
 1. the attention input (:func:`moejax.kernels.decode_qkv.fused_qkv`): the previous block's
    residual add (a block's output is passed on as a :class:`Residual`, ``x`` and ``y`` not
@@ -69,9 +69,11 @@ block's kernel, rounding once), for a decoded token and a verified block alike (
 
 The kernels round as XLA's GPU fusions do (bfloat16 results of the same float32 values), so a
 fused decoding equals the XLA step's up to the products' order of sums. Elsewhere (the CPU),
-for other calls (several new tokens, q/k norms, an FFN the kernel does not take: see each
-kernel's ``supports``) the step is XLA's; ``fused="interpret"``
-runs the kernels in Pallas's interpreter on any platform (tests).
+for other calls (a prefill of more rows, q/k norms, an FFN the kernel does not take: see each
+kernel's ``supports``; the attention kernel takes up to
+:data:`moejax.kernels.decode_qkv.MAX_TOKENS` new tokens per cache row, and the FFN's XLA
+step may follow it) the step is XLA's; ``fused="interpret"`` runs the kernels in Pallas's
+interpreter on any platform (tests).
 
 The weights are made once per decoding (the decode loops call :func:`lean_decoder` before
 their loop: :mod:`moejax.nn.sample`, :mod:`moejax.nn.speculative`, :mod:`moejax.nn.generate`),
@@ -256,7 +258,7 @@ class LeanDecoder(DecoderLM):
 
 def lean_decoder(model, layout: str = "kn", fused: bool = False):
     """``model`` with its decode step lean (:class:`LeanDecoder`, its products' weights in
-    ``layout``, its one-token steps' kernels as ``fused`` says: module docstring) where it is
+    ``layout``, its decode steps' kernels as ``fused`` says: module docstring) where it is
     a pre-RMSNorm :class:`DecoderLM`; anything else
     (a lean decoder already, whatever its layout, another model kind) is returned as it is,
     so a decoding loop given a :class:`LeanDecoder` made before it keeps that one."""

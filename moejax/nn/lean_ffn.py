@@ -1,6 +1,7 @@
 """The lean decode step's FFN slots (:mod:`moejax.nn.lean_decode`): a dense FFN and a BlockFFN
-after their RMSNorm, the norm's scale folded into their input products, and each one-token step's
-FFN input as one GPU kernel where asked (:func:`moejax.kernels.decode_ffn.fused_ffn_in`)."""
+after their RMSNorm, the norm's scale folded into their input products, and a decode step's FFN
+input as one GPU kernel where asked (:func:`moejax.kernels.decode_ffn.fused_ffn_in`; BlockFFN's
+token-sparse path: :func:`moejax.kernels.decode_route.fused_route`)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,13 @@ class LeanDenseFFN(nnx.Module):
     plain_output = True  # __call__ is its output: no kernel sums into the residual
 
     def fusable_in(self, x_BTD) -> bool:
-        """Whether :meth:`decode_fused` takes the residual ``x`` (one new token per row, a
-        call :func:`moejax.kernels.decode_ffn.supports`)."""
+        """Whether :meth:`decode_fused` takes the residual ``x`` (up to
+        :data:`moejax.kernels.decode_ffn.MAX_ROWS` token rows, a call
+        :func:`moejax.kernels.decode_ffn.supports`)."""
+        B, T, D = x_BTD.shape
         return (self.w_in[...].dtype == x_BTD.dtype and (self.dtype or x_BTD.dtype) ==
-                x_BTD.dtype and decode_ffn.supports(x_BTD.shape[-1], self.d_hidden, 1,
-                                                    x_BTD.shape[1], x_BTD.dtype) is None)
+                x_BTD.dtype and decode_ffn.supports(D, self.d_hidden, 1, B * T,
+                                                    x_BTD.dtype) is None)
 
     def decode_fused(self, x_BTD, o_BTD, fused) -> Residual:
         """The block's output ``x + o + ffn(x + o)`` as a :class:`Residual`: on a GPU, where
@@ -77,12 +80,14 @@ class LeanDenseFFN(nnx.Module):
             return _unfused(self, x_BTD, o_BTD)
         b = None if self.b_in is None else self.b_in[...].astype(x_BTD.dtype)  # as XLA's adds
 
+        B, T, D = x_BTD.shape
+
         def kernel(x, o, w):
             h, x = decode_ffn.fused_ffn_in(
-                x[:, 0], o[:, 0], w, b, d_hidden=self.d_hidden, gated=self.gated,
-                activation=self.activation, eps=self.eps, layout=self.layout,
-                interpret=fused == "interpret")
-            return h[:, None], x[:, None]
+                x.reshape(B * T, D), o.reshape(B * T, D), w, b, d_hidden=self.d_hidden,
+                gated=self.gated, activation=self.activation, eps=self.eps,
+                layout=self.layout, interpret=fused == "interpret")
+            return h.reshape(B, T, -1), x.reshape(B, T, D)
 
         def xla(x, o, w):
             x, r = stream(add_residual(x, o), self.eps)
@@ -210,7 +215,8 @@ class LeanBlockFFN(nnx.Module):
 
     def fusable_in(self, x_BTD) -> bool:
         """Whether :meth:`decode_fused` takes the residual ``x`` into a kernel: on the dense
-        path with the router in the in product, one new token per row
+        path with the router in the in product, up to
+        :data:`moejax.kernels.decode_ffn.MAX_ROWS` token rows
         (:func:`moejax.kernels.decode_ffn.supports`); on the token-sparse path, up to
         :data:`moejax.kernels.decode_route.MAX_TOKENS` token rows
         (:func:`moejax.kernels.decode_route.supports`)."""
@@ -219,8 +225,8 @@ class LeanBlockFFN(nnx.Module):
             return False
         if self.cfg.path != "dense":
             return decode_route.supports(D, E, B * T, dt) is None
-        return self.n_pieces > 0 and decode_ffn.supports(D, self._hidden_width() // E, E, T,
-                                                         dt) is None
+        return self.n_pieces > 0 and decode_ffn.supports(D, self._hidden_width() // E, E,
+                                                         B * T, dt) is None
 
     def _router(self) -> decode_ffn.Router:
         norm = self.router_norm
@@ -246,12 +252,14 @@ class LeanBlockFFN(nnx.Module):
         gated = self.w_in.shape[1 if self.layout == "kn" else 0] - self.n_pieces * E > EF
         router = self._router()
 
+        B, T, D = x_BTD.shape
+
         def kernel(x, o, w):
             g, x = decode_ffn.fused_ffn_in(
-                x[:, 0], o[:, 0], w, None, d_hidden=EF // E, n_experts=E, gated=gated,
-                activation=self.cfg.activation, eps=self.eps, layout=self.layout,
-                router=router, interpret=fused == "interpret")
-            return g, x[:, None]
+                x.reshape(B * T, D), o.reshape(B * T, D), w, None, d_hidden=EF // E,
+                n_experts=E, gated=gated, activation=self.cfg.activation, eps=self.eps,
+                layout=self.layout, router=router, interpret=fused == "interpret")
+            return g, x.reshape(B, T, D)
 
         def xla(x, o, w):
             x, r = stream(add_residual(x, o), self.eps)
