@@ -316,14 +316,15 @@ def test_a_lean_decoder_made_before_the_loops_decodes_the_same_tokens():
     """The decoding loops keep a LeanDecoder they are given (bench_speculative makes it once,
     in the configured layout, before timing): its tokens, autoregressive and speculative,
     are the plain model's in float32, in either layout, and with the steps' kernels
-    (``fused``; in the interpreter here), on BlockFFN's dense and token-sparse paths."""
+    (``fused``; in the interpreter here), on BlockFFN's dense path and, speculative, on its
+    token-sparse path."""
     from moejax.bench.decode_timing import decode_timing
 
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
     prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
-    for path in ("dense", "auto"):
+    for path, drafts in (("dense", (None, draft)), ("auto", (draft,))):
         target = _model(BlockFFNConfig(n_experts=8, d_expert=16, path=path))
-        for d in (None, draft):
+        for d in drafts:
             want = decode_timing(target, prompts, 6, draft=d, draft_len=2)["tokens"]
             for fused in (False, "interpret"):
                 got = decode_timing(lean_decoder(target, "nk", fused), prompts, 6,

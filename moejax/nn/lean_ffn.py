@@ -79,7 +79,6 @@ class LeanDenseFFN(nnx.Module):
         if not self.fusable_in(x_BTD):
             return _unfused(self, x_BTD, o_BTD)
         b = None if self.b_in is None else self.b_in[...].astype(x_BTD.dtype)  # as XLA's adds
-
         B, T, D = x_BTD.shape
 
         def kernel(x, o, w):
@@ -241,18 +240,16 @@ class LeanBlockFFN(nnx.Module):
         norm's factor, the in product with the router's scores, the router norm, the
         activation and the experts' weights in one kernel
         (:func:`moejax.kernels.decode_ffn.fused_ffn_in`), then the down product; on the
-        token-sparse path the residual add, the norm's factor, the router and
-        the experts' input in one kernel (:func:`moejax.kernels.decode_route.fused_route`),
-        then the expert part, its output in float32."""
+        token-sparse path the residual add, the norm's factor, the router and the experts'
+        input in one kernel (:func:`moejax.kernels.decode_route.fused_route`), then the
+        expert part, its output in float32."""
         if not self.fusable_in(x_BTD):
             return _unfused(self, x_BTD, o_BTD)
         if self.cfg.path != "dense":
             return self._sparse_fused(x_BTD, o_BTD, fused)
         E, EF = self.cfg.n_experts, self._hidden_width()
         gated = self.w_in.shape[1 if self.layout == "kn" else 0] - self.n_pieces * E > EF
-        router = self._router()
-
-        B, T, D = x_BTD.shape
+        router, (B, T, D) = self._router(), x_BTD.shape
 
         def kernel(x, o, w):
             g, x = decode_ffn.fused_ffn_in(
