@@ -49,14 +49,20 @@ CASES = {  # F, E, gated, activation, bias, router (pieces, norm)
 }
 
 
-@pytest.mark.parametrize("dt", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_equals_the_xla_step(case, layout, dt, rows=2):
-    """Two rows (one token per cache row, both in each program): the hidden activations the
-    down product reads and the residual stream. The activation is computed in float32 and
-    rounded once, as XLA's GPU fusions do (its CPU rounds bfloat16 after each op: one rounding
-    step apart in about half the values)."""
+# two rows (one token per cache row) in every case; a speculative round's verified block of 7
+# rows in two
+ROWS = [(c, layout, dt, 2) for c in CASES for layout in ("kn", "nk")
+        for dt in (jnp.float32, jnp.bfloat16)]
+ROWS += [("blockffn gated, router norm", "nk", jnp.bfloat16, 7),
+         ("dense gelu, bias", "kn", jnp.bfloat16, 7)]
+
+
+@pytest.mark.parametrize("case,layout,dt,rows", ROWS)
+def test_the_kernel_equals_the_xla_step(case, layout, dt, rows):
+    """The hidden activations the down product reads and the residual stream of ``rows``
+    token rows, all in each program (its weights read once for them). The activation is
+    computed in float32 and rounded once, as XLA's GPU fusions do (its CPU rounds bfloat16
+    after each op: one rounding step apart in about half the values)."""
     F, E, gated, activation, bias, rt = CASES[case]
     ks = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(ks[0], (rows, D)).astype(dt)
@@ -78,14 +84,6 @@ def test_the_kernel_equals_the_xla_step(case, layout, dt, rows=2):
         np.testing.assert_allclose(g, e, atol=1e-5, rtol=1e-5)
     else:  # rounded as the oracle rounds
         _same_bits(g, e)
-
-
-@pytest.mark.parametrize("case,layout", [("blockffn gated, router norm", "nk"),
-                                         ("dense gelu, bias", "kn")])
-def test_a_verified_block_of_seven_rows_is_one_call(case, layout):
-    """A speculative round's verified block (7 token rows): each row as the XLA step makes
-    it, each program's weights read once for all of them."""
-    test_the_kernel_equals_the_xla_step(case, layout, jnp.bfloat16, rows=7)
 
 
 @pytest.mark.parametrize("layout", ["kn", "nk"])
