@@ -40,12 +40,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from moejax.kernels.decode_rows import block_of, compiler_params, rows_product, unsupported
+from moejax.kernels.decode_rows import (
+    BLOCK_K,
+    block_of,
+    compiler_params,
+    rows_product,
+    unsupported,
+)
 from moejax.ops.activations import activation_fn
 
 __all__ = ["MAX_ROWS", "Router", "supports", "fused_ffn_in"]
 
 MAX_ROWS = 8  # token rows per call, each program's weight block read once for all of them
+BLOCK_F = 128  # a program's hidden columns: the largest power of two up to this dividing F
 
 
 class Router(NamedTuple):
@@ -59,17 +66,13 @@ class Router(NamedTuple):
     norm_dtype: np.dtype
 
 
-def _block(n: int, cap: int = 128) -> int:
-    return block_of(n, cap)
-
-
 def supports(d: int, d_hidden: int, n_experts: int, rows: int, dtype) -> str | None:
     """None when :func:`fused_ffn_in` takes the call, else why not: 1 to :data:`MAX_ROWS`
     token rows, the model width and an expert's hidden width divisible by a power of two of at
     least 16, a power-of-two number of experts, float32 or bfloat16 operands."""
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} token rows (the kernel takes 1 to {MAX_ROWS})"
-    if _block(d_hidden) < 16:
+    if block_of(d_hidden, BLOCK_F) < 16:
         return f"hidden width {d_hidden}: no power of two of at least 16 divides it"
     return unsupported(d, dtype, n_experts)
 
@@ -149,9 +152,9 @@ def fused_ffn_in(x_ND, o_ND, w_in, b_in, *, d_hidden: int, n_experts: int = 1, g
         raise ValueError(f"fused_ffn_in does not take this call: {reason}; run the XLA decode "
                          "step (lean_decoder without fused=True)")
     hidden = n_experts * d_hidden
-    block_f = _block(d_hidden)
+    block_f = block_of(d_hidden, BLOCK_F)
     kernel = functools.partial(
-        _kernel, rows=N, block_k=_block(D, 256), block_f=block_f, d_hidden=d_hidden,
+        _kernel, rows=N, block_k=block_of(D, BLOCK_K), block_f=block_f, d_hidden=d_hidden,
         hidden=hidden, gated=gated, activation=activation, eps=eps, layout=layout,
         dtype=x_ND.dtype, bias=b_in is not None, router=None if router is None else
         router._replace(norm_scale=router.norm_scale is not None))  # the scale: an operand

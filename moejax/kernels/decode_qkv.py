@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from moejax.kernels.decode_rows import (
     AVAILABLE,
+    BLOCK_K,
     block_of,
     compiler_params,
     pow2,
@@ -55,11 +56,6 @@ from moejax.kernels.decode_rows import (
 __all__ = ["AVAILABLE", "MAX_TOKENS", "supports", "fused_qkv"]
 
 MAX_TOKENS = 8  # new tokens per cache row: a decoded token, or a verified block of up to 8
-
-
-def _block_k(d: int) -> int:
-    """The contraction step: the largest power of two of at most 256 that divides ``d``."""
-    return block_of(d, 256)
 
 
 def supports(d: int, head_dim: int, rope_style: str | None, tokens: int, dtype) -> str | None:
@@ -158,7 +154,7 @@ def fused_qkv(x_ND, w_qkv, b_qkv, k_BSGJ, v_BSGJ, positions_N, slots_N, *, n_hea
     freq = np.ones(half, np.float32) if rope_base is None else (
         np.float32(1.0) / np.float32(rope_base) ** (np.arange(0, J, 2, dtype=np.float32) / J))
     kernel = functools.partial(
-        _kernel, n_heads=n_heads, n_kv=G, half=half, block_k=_block_k(D), eps=eps,
+        _kernel, n_heads=n_heads, n_kv=G, half=half, block_k=block_of(D, BLOCK_K), eps=eps,
         layout=layout, rope=rope_base is not None, dtype=x_ND.dtype, bias=b_qkv is not None,
         add=y_ND is not None, tokens=N // B)
     operands = [a for a in (x_ND, y_ND, w_qkv, b_qkv) if a is not None]

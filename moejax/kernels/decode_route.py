@@ -39,7 +39,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from moejax.kernels.decode_ffn import Router
-from moejax.kernels.decode_rows import block_of, compiler_params, row_product, unsupported
+from moejax.kernels.decode_rows import (
+    BLOCK_K,
+    block_of,
+    compiler_params,
+    row_product,
+    unsupported,
+)
 
 __all__ = ["MAX_TOKENS", "supports", "fused_route"]
 
@@ -99,7 +105,7 @@ def fused_route(x_ND, o_ND, w_router, router: Router, *, eps: float, layout: str
         raise ValueError(f"fused_route does not take this call: {reason}; run the XLA decode "
                          "step (lean_decoder without fused=True)")
     kernel = functools.partial(
-        _kernel, block_k=block_of(D, 256), eps=eps, layout=layout, dtype=x_ND.dtype,
+        _kernel, block_k=block_of(D, BLOCK_K), eps=eps, layout=layout, dtype=x_ND.dtype,
         router=router._replace(norm_scale=router.norm_scale is not None))  # an operand
     a_dtype = jnp.float32 if router.norm_scale is None else router.norm_dtype
     operands = [a for a in (x_ND, o_ND, w_router, router.norm_scale) if a is not None]

@@ -14,10 +14,11 @@ try:  # deprecated since jax 0.12: the kernels run while jax still ships it
 except ImportError:  # pragma: no cover - exercised by a test that hides the module
     pltriton = None
 
-__all__ = ["AVAILABLE", "unsupported", "compiler_params", "pow2", "block_of", "row_product",
-           "rows_product"]
+__all__ = ["AVAILABLE", "BLOCK_K", "unsupported", "compiler_params", "pow2", "block_of",
+           "row_product", "rows_product"]
 
 AVAILABLE = pltriton is not None
+BLOCK_K = 256  # the contraction's step: the largest power of two up to this dividing the width
 
 
 def unsupported(d: int, dtype, n_experts: int = 1) -> str | None:
@@ -27,7 +28,7 @@ def unsupported(d: int, dtype, n_experts: int = 1) -> str | None:
     float32 or bfloat16."""
     if not AVAILABLE:
         return "this jax ships no Pallas Triton"
-    if block_of(d, 256) < 16:
+    if block_of(d, BLOCK_K) < 16:
         return f"d_model={d}: no power of two of at least 16 divides it"
     if not pow2(n_experts):
         return f"{n_experts} experts (the router's scores are a power-of-two block)"
