@@ -7,7 +7,8 @@ PYTHON ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.moejax-installed
-DEPS   := pyproject.toml scripts/install_data_deps.sh scripts/install_gpu_compiler.sh
+DEPS   := pyproject.toml scripts/dev_constraints.txt scripts/install_data_deps.sh \
+          scripts/install_gpu_compiler.sh
 ARGS   ?=
 
 .PHONY: demo studies results test test-floor setup lint bench full-smoke full-aot smoke-devices \
@@ -79,7 +80,7 @@ $(STAMP): $(DEPS)
 	  { rm -rf $(VENV) && py=$$(PYTHON=$(PYTHON) scripts/find_python.sh) && \
 	    echo "creating $(VENV) with $$py" && $$py -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" -c scripts/dev_constraints.txt
 	PYTHON=$(PY) bash scripts/install_data_deps.sh
 	PYTHON=$(PY) bash scripts/install_gpu_compiler.sh
 	touch $(STAMP)

@@ -19,5 +19,12 @@ if [[ -d "$dest/jax_cuda12_plugin-$version.dist-info" && -d "$dest/jax_cuda12_pj
   exit 0
 fi
 rm -rf "$dest"
-"$PYTHON" -m pip install -q --no-deps --target "$dest" \
-  "jax-cuda12-plugin==$version" "jax-cuda12-pjrt==$version"
+if ! "$PYTHON" -m pip install -q --no-deps --target "$dest" \
+    "jax-cuda12-plugin==$version" "jax-cuda12-pjrt==$version"; then
+  rm -rf "$dest"
+  echo "install_gpu_compiler.sh: jax's CUDA plugin $version (jax-cuda12-plugin," \
+    "jax-cuda12-pjrt) could not be installed; the plugin must match jaxlib exactly, so" \
+    "install a jaxlib it is published for (scripts/dev_constraints.txt pins the one" \
+    "\`make setup\` installs)" >&2
+  exit 1
+fi
