@@ -137,7 +137,7 @@ def _on_one_device(*trees) -> tuple:
     devices = {d for x in arrays for d in x.sharding.device_set}
     if len(devices) != 1:
         return trees
-    one = jax.sharding.SingleDeviceSharding(devices.pop())
+    one = jax.sharding.make_single_device_sharding(devices.pop())
     return jax.tree.map(lambda x: jax.device_put(x, one) if isinstance(x, jax.Array) else x,
                         trees)
 

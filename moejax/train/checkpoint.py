@@ -29,7 +29,7 @@ and 4 devices for a checkpoint saved on 8)::
         "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
     step = max(s for s in mngr.all_steps()  # complete steps only (see "latest" below)
                if os.path.exists(os.path.join(ckdir, str(s), "commit_success.txt")))
-    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # any device count
+    here = jax.sharding.make_single_device_sharding(jax.devices()[0])  # any device count
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
                           mngr.item_metadata(step)["state"])
     ck = mngr.restore(step, args=ocp.args.Composite(
@@ -480,7 +480,7 @@ class Checkpointer:
         step = self._resolve(step)
         saved = self._read(step, lambda: self._mngr.item_metadata(step)["state"])
         saved = getattr(saved, "tree", saved)
-        here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        here = jax.sharding.make_single_device_sharding(jax.devices()[0])
         abstract = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), saved)
         abstract["params"] = params
