@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tomllib
 
+from packaging.version import Version
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "find_python.sh")
 PINS = os.path.join(ROOT, "scripts", "dev_constraints.txt")
@@ -37,10 +39,6 @@ def test_no_python_312_stops_with_one_line_saying_what_to_install(tmp_path):
     assert "needs Python >= 3.12" in r.stderr and "install python3.12" in r.stderr
 
 
-def _release(version):
-    return tuple(int(p) for p in version.split("."))
-
-
 def test_the_dev_environments_jax_is_one_release_within_pyprojects_range():
     with open(PINS) as f:
         pins = dict(re.fullmatch(r"([a-z]+)==([0-9.]+)", line.strip()).groups()
@@ -51,7 +49,7 @@ def test_the_dev_environments_jax_is_one_release_within_pyprojects_range():
     for name, pin in pins.items():
         (spec,) = [d for d in deps if re.match(rf"{name}[><=]", d)]
         low, high = re.fullmatch(rf"{name}>=([0-9.]+),<([0-9.]+)", spec).groups()
-        assert _release(low) <= _release(pin) < _release(high), (name, pin, spec)
+        assert Version(low) <= Version(pin) < Version(high), (name, pin, spec)
 
 
 def test_a_jaxlib_without_a_published_cuda_plugin_stops_with_one_line(tmp_path):
