@@ -1,4 +1,5 @@
-"""How many worker threads jaxlib's CPU client needs so that several CPU devices cannot deadlock.
+"""What keeps jaxlib's CPU client out of a deadlock in a collective: a large enough worker pool
+for several CPU devices of one process, and, across processes, programs compiled in the process.
 
 jaxlib < 0.12's CPU client launches each device's part of a program, and runs it, on one pool
 of ``max(cores, devices)`` threads (``PJRT_NPROC`` sets the first term). A launch waits,
@@ -13,25 +14,44 @@ device for the waiting launches and one more always leaves a thread free, which 
 A process that starts several CPU devices itself (``JAX_NUM_CPU_DEVICES``,
 ``--xla_force_host_platform_device_count``) sets ``PJRT_NPROC`` before jax starts;
 :func:`check_pool` warns, naming the value, where a pool is too small.
+
+Across processes (CPU collectives over gloo), jaxlib 0.12.1 deadlocks in an all-gather of a
+program that jax's persistent compilation cache loaded instead of compiling: every device of
+every process waits in gloo's all-gather and none returns. The same program compiled in the
+process runs, and jaxlib 0.12.0.1 runs both. On such a
+jaxlib :func:`compile_here` turns the persistent cache off for the process
+(:func:`moejax.train.distributed.initialize_from_env` calls it where it selects CPU
+collectives); a jaxlib that fixes it goes into :data:`CACHE_FIXED_IN`.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Mapping
 
+import jax
 import jaxlib
 
-__all__ = ["POOL_ENV", "needs_pool", "threads_needed", "pool_threads", "pool_env", "check_pool"]
+__all__ = ["POOL_ENV", "needs_pool", "threads_needed", "pool_threads", "pool_env", "check_pool",
+           "cache_deadlocks", "compile_here", "CACHE_DEADLOCK_FROM", "CACHE_FIXED_IN"]
 
 POOL_ENV = "PJRT_NPROC"
 _SIZE_ENVS = (POOL_ENV, "NPROC")  # read in this order by the CPU client, as its core count
 _FIXED_IN = (0, 12)
+CACHE_DEADLOCK_FROM = (0, 12, 1)  # the first jaxlib seen to deadlock on a cached program
+CACHE_FIXED_IN: tuple[int, ...] | None = None  # the first that runs it again, once one is seen
 
 
 def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+    parts = []
+    for p in text.split("."):
+        digits = re.match(r"\d+", p)  # 0.12.1rc1 -> (0, 12, 1)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
 
 
 def needs_pool(jaxlib_version: str | None = None) -> bool:
@@ -82,3 +102,29 @@ def check_pool(devices, jaxlib_version: str | None = None) -> None:
         f"{len(devices)} CPU devices with {pool_threads()} worker threads once the host runs "
         f"ahead; start the process with {POOL_ENV}={threads_needed(len(devices))} (or jaxlib "
         ">= 0.12)", RuntimeWarning, stacklevel=3)
+
+
+def cache_deadlocks(jaxlib_version: str | None = None) -> bool:
+    """Whether ``jaxlib_version`` (default: the installed one) deadlocks running a program with
+    collectives across processes that jax's persistent compilation cache loaded."""
+    version = _version(jaxlib_version or jaxlib.__version__)
+    return version >= CACHE_DEADLOCK_FROM and (CACHE_FIXED_IN is None or version < CACHE_FIXED_IN)
+
+
+def compile_here(jaxlib_version: str | None = None) -> str | None:
+    """Turn jax's persistent compilation cache off for this process where its jaxlib deadlocks
+    on the programs the cache loads (:func:`cache_deadlocks`) and a cache folder is set, with a
+    warning naming the folder; returns the folder turned off, else None. Call it before the
+    process compiles anything."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder or not jax.config.jax_enable_compilation_cache:
+        return None
+    if not cache_deadlocks(jaxlib_version):
+        return None
+    jax.config.update("jax_enable_compilation_cache", False)
+    warnings.warn(
+        f"jaxlib {jaxlib_version or jaxlib.__version__} deadlocks in a collective across "
+        f"processes when a program comes from jax's persistent compilation cache ({folder}); "
+        "this process compiles its programs instead (the cache is off for it)",
+        RuntimeWarning, stacklevel=2)
+    return folder

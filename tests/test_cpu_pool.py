@@ -1,12 +1,22 @@
 """The CPU client's worker pool: sized so that several CPU devices cannot deadlock in a
-collective when the host runs ahead (jaxlib < 0.12), and left alone where it need not be."""
+collective when the host runs ahead (jaxlib < 0.12), and left alone where it need not be; jax's
+persistent compilation cache off where a jaxlib deadlocks on the programs it loads."""
 
 import warnings
 from types import SimpleNamespace
 
+import jax
 import pytest
 
-from moejax.cpu_pool import check_pool, needs_pool, pool_env, pool_threads, threads_needed
+from moejax.cpu_pool import (
+    cache_deadlocks,
+    check_pool,
+    compile_here,
+    needs_pool,
+    pool_env,
+    pool_threads,
+    threads_needed,
+)
 from moejax.train.distributed import cpu_devices_env
 from tests.devices import run_on_devices
 
@@ -33,6 +43,31 @@ def test_a_process_with_several_cpu_devices_gets_the_pool_where_its_jaxlib_needs
     env = cpu_devices_env(8, {"NPROC": "2"})
     assert (env.get("PJRT_NPROC") == "17") == needs_pool()
     assert "PJRT_NPROC" not in cpu_devices_env(1, {"NPROC": "2"})
+
+
+def test_only_a_jaxlib_seen_to_deadlock_on_a_cached_program_compiles_its_own():
+    assert cache_deadlocks("0.12.1") and cache_deadlocks("0.12.1rc1")
+    assert cache_deadlocks("0.13.0.dev20261201")  # until a release is seen to fix it
+    assert not cache_deadlocks("0.12.0.1") and not cache_deadlocks("0.11.2")
+
+
+def _compile_here(monkeypatch, version):
+    """What :func:`compile_here` sets (recorded, not applied) and warns on ``version``."""
+    calls = []
+    monkeypatch.setattr(jax.config, "update", lambda *a: calls.append(a))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        folder = compile_here(version)
+    return folder, calls, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def test_the_cache_is_turned_off_naming_its_folder_only_on_a_jaxlib_that_deadlocks(monkeypatch):
+    cache = jax.config.jax_compilation_cache_dir
+    assert cache  # the suite's compilation cache (tests/conftest.py)
+    folder, calls, (message,) = _compile_here(monkeypatch, "0.12.1")
+    assert folder == cache and calls == [("jax_enable_compilation_cache", False)]
+    assert "jaxlib 0.12.1 deadlocks" in message and cache in message
+    assert _compile_here(monkeypatch, "0.12.0.1") == (None, [], [])
 
 
 def _cpus(n):

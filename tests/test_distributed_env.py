@@ -3,8 +3,10 @@ malformed one refused in one line naming it, before the runtime or jax's config 
 a complete set handed to ``jax.distributed.initialize`` as given."""
 
 import re
+import warnings
 
 import jax
+import jaxlib
 import pytest
 
 from moejax.harness import experiment
@@ -61,6 +63,21 @@ def test_a_complete_set_reaches_the_runtime_as_given(set_up):
                       {"coordinator_address": "127.0.0.1:1234", "num_processes": 2,
                        "process_id": 1, "local_device_ids": [0, 1],
                        "heartbeat_timeout_seconds": 7}]
+
+
+@pytest.mark.parametrize("version,cache_off", [("0.12.1", True), ("0.12.0.1", False)])
+def test_gloo_collectives_compile_here_on_a_jaxlib_that_deadlocks_on_cached_programs(
+        set_up, monkeypatch, version, cache_off):
+    monkeypatch.setattr(jaxlib, "__version__", version)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        initialize_from_env({**BASE, "JAX_PLATFORMS": "cpu"})
+        initialize_from_env({**BASE, "MOEJAX_CPU_COLLECTIVES": "mpi"})  # not seen there
+    off = ("jax_enable_compilation_cache", False)
+    assert set_up.count(off) == cache_off
+    if cache_off:  # before the runtime starts and anything compiles
+        assert set_up.index(off) == set_up.index(("jax_cpu_collectives_implementation",
+                                                  "gloo")) + 1
 
 
 def test_a_study_refuses_a_malformed_setting_in_one_line(set_up, monkeypatch, capsys):

@@ -16,7 +16,9 @@ Environment read by :func:`initialize_from_env`:
   / ``MEGASCALE_COORDINATOR_ADDRESS``), Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1);
 * nothing of the above: single process, nothing to do.
 * ``MOEJAX_CPU_COLLECTIVES=gloo`` (default when ``JAX_PLATFORMS=cpu`` and multi-process)
-  selects the CPU collectives implementation for CPU-only tests.
+  selects the CPU collectives implementation for CPU-only tests; on a jaxlib that deadlocks
+  on the programs jax's persistent compilation cache loads, the cache is then off for the
+  process (:func:`moejax.cpu_pool.compile_here`).
 
 Launching
 ---------
@@ -58,7 +60,7 @@ import time
 import jax
 import numpy as np
 
-from moejax.cpu_pool import pool_env
+from moejax.cpu_pool import compile_here, pool_env
 from moejax.data.source import local_slice
 from moejax.train.mesh import batch_sharding
 
@@ -262,6 +264,8 @@ def _maybe_cpu_collectives(env, n_processes: int) -> None:
         impl = "gloo"
     if impl:
         jax.config.update("jax_cpu_collectives_implementation", impl)
+        if impl == "gloo":
+            compile_here()
 
 
 def is_main_process() -> bool:
