@@ -18,10 +18,10 @@ A process that starts several CPU devices itself (``JAX_NUM_CPU_DEVICES``,
 Across processes (CPU collectives over gloo), jaxlib 0.12.1 deadlocks in an all-gather of a
 program that jax's persistent compilation cache loaded instead of compiling: every device of
 every process waits in gloo's all-gather and none returns. The same program compiled in the
-process runs, and jaxlib 0.12.0.1 runs both. On such a
-jaxlib :func:`compile_here` turns the persistent cache off for the process
-(:func:`moejax.train.distributed.initialize_from_env` calls it where it selects CPU
-collectives); a jaxlib that fixes it goes into :data:`CACHE_FIXED_IN`.
+process runs, and jaxlib 0.12.0.1 runs both. On such a jaxlib :func:`compile_here` turns the
+persistent cache off for the process (:func:`moejax.train.distributed.initialize_from_env`
+calls it where it selects gloo collectives); a jaxlib that fixes it goes into
+:data:`CACHE_FIXED_IN`.
 """
 
 from __future__ import annotations
@@ -117,13 +117,12 @@ def compile_here(jaxlib_version: str | None = None) -> str | None:
     warning naming the folder; returns the folder turned off, else None. Call it before the
     process compiles anything."""
     folder = jax.config.jax_compilation_cache_dir
-    if not folder or not jax.config.jax_enable_compilation_cache:
-        return None
-    if not cache_deadlocks(jaxlib_version):
+    version = jaxlib_version or jaxlib.__version__
+    if not (folder and jax.config.jax_enable_compilation_cache and cache_deadlocks(version)):
         return None
     jax.config.update("jax_enable_compilation_cache", False)
     warnings.warn(
-        f"jaxlib {jaxlib_version or jaxlib.__version__} deadlocks in a collective across "
+        f"jaxlib {version} deadlocks in a collective across "
         f"processes when a program comes from jax's persistent compilation cache ({folder}); "
         "this process compiles its programs instead (the cache is off for it)",
         RuntimeWarning, stacklevel=2)
