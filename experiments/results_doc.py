@@ -227,6 +227,15 @@ def _notes(summary: str) -> list[str]:
     return out
 
 
+def _resumed(record: dict) -> str:
+    """What a resumed run's wall time leaves out (``run.json``'s ``resumed``), else ``""``."""
+    if not record.get("resumed"):
+        return ""
+    if int(record.get("repeat", 1)) > 1:
+        return " (resumed a stopped run: its time on the seed runs it had not finished is left out)"
+    return " (resumed a stopped run: its time is left out)"
+
+
 def _section(name: str, study: str, variant: str, path: Path, assets: Path,
              rel: str) -> tuple[str, list[Claim]]:
     """The section of ``name`` (a study, or ``study[variant]``) from its run in ``path``."""
@@ -240,7 +249,8 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
     parts = [f"## {name}\n", f"{what}\n",
              f"- command: `{record['command']}`",
              f"- seeds: {_seeds(record, cfg)}",
-             f"- ran: {record['started']}, {record['wall_s']:.0f} s",
+             f"- ran: {record['started']}, {record['wall_s']:.0f} s"
+             + _resumed(record),
              f"- machine: {_machine(record.get('machine', {}))}", ""]
     if claims:
         declared = getattr(module, "STUDY", None)

@@ -13,7 +13,7 @@ import pytest
 
 from experiments import blockffn_granularity, results_doc
 from moejax.config import ConfigError
-from moejax.harness import run_index
+from moejax.harness import experiment, run_index
 from moejax.harness.experiment import main, run_experiment
 from moejax.harness.run_record import RunOwnerError, read_run_record
 from moejax.train.hparams import TrainConfig
@@ -150,9 +150,26 @@ def test_an_interrupted_run_is_marked_and_never_shown_as_finished(tmp_path, monk
     monkeypatch.setattr(results_doc, "REGISTRY", ("blockffn_granularity",))
     doc = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
     assert "Not run: blockffn_granularity." in doc and "## blockffn_granularity" not in doc
-    # the same study and config resumes in place and finishes
+    assert "resumed" not in read_run_record(out)  # its first run resumed nothing
+    assert "Resumed:" not in (out / "summary.md").read_text()
+    # the same study and config resumes in place and finishes, and says it resumed: its wall
+    # time leaves the stopped run's out
     run_experiment("blockffn_granularity", MAKE, _granularity, [], out=out)
-    assert read_run_record(out)["state"] == "finished"
+    record = read_run_record(out)
+    assert record["state"] == "finished" and record["resumed"] is True
+    assert experiment.RESUMED_NOTE in (out / "summary.md").read_text()
+    doc = results_doc.build(runs, tmp_path / "docs" / "results.md").read_text()
+    assert "s (resumed a stopped run: its time is left out)\n" in doc
+    # run again once finished: a rerun, which resumes nothing
+    run_experiment("blockffn_granularity", MAKE, _granularity, [], out=out)
+    assert "resumed" not in read_run_record(out)
+    assert "Resumed:" not in (out / "summary.md").read_text()
+    # a stopped run taken up under another config (what its training allows to change) is
+    # resumed too
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment("blockffn_granularity", MAKE, dies, [], out=out)
+    run_experiment("blockffn_granularity", MAKE, _granularity, ["lr=0.5"], out=out)
+    assert read_run_record(out)["resumed"] is True
 
 
 def test_a_stopped_repeat_keeps_its_finished_seed_runs_when_it_resumes(tmp_path):
@@ -186,6 +203,11 @@ def test_a_stopped_repeat_keeps_its_finished_seed_runs_when_it_resumes(tmp_path)
         assert (out / f).read_text() == (whole / f).read_text()
     text = (out / "summary.md").read_text()
     assert "Seed run(s) 0 finished before the run was stopped and were kept" in text
+    assert experiment.RESUMED_REPEAT_NOTE in text
+    assert read_run_record(out)["resumed"] is True
+    assert results_doc._resumed(read_run_record(out)) == (
+        " (resumed a stopped run: its time on the seed runs it had not finished is left out)")
+    assert "Resumed:" not in (whole / "summary.md").read_text()
     assert text.split("_wall time")[0] == (whole / "summary.md").read_text().split(
         "_wall time")[0]
     made.clear()  # finished: the same command makes every seed run again

@@ -195,20 +195,23 @@ def run_experiment(
     lock = RunLock(out).acquire()  # the directory is this run's until it ends
     try:
         prior = read_run_record(out)  # a stopped run of this config keeps its finished seeds
-        resuming = (prior is not None and prior.get("state") in ("running", "interrupted")
-                    and prior.get("config_hash") == h)
+        stopped = prior is not None and prior.get("state") in ("running", "interrupted")
+        resuming = stopped and prior.get("config_hash") == h  # its finished seed runs kept
         claim_run_dir(out, study=name, variant=variant, cfg_hash=h, argv=given,
                       module=run_module(name, run_fn),
                       overwrite=overwrite, resume_force=any(
                           t.resume == "force" for _, t in find_configs(cfg, TrainConfig)))
+        if stopped:  # whatever it saved (checkpoints, measurements) is taken up again
+            print(f"[{name}] resuming the stopped run in {out}", flush=True)
         try:
             if repeat == 1:
                 summary, run = _run_once(name, cfg, study_fn, out, judge, paper_scale,
-                                         lock=False)[:2]
+                                         lock=False, resumed=stopped)[:2]
                 seed_runs = {}
             else:
                 summary, run, runs = _run_repeat(name, cfg, cfgs, seed_keys, study_fn, out,
-                                                 judge, paper_scale, keep_finished=resuming)
+                                                 judge, paper_scale, keep_finished=resuming,
+                                                 resumed=stopped)
                 seed_runs = {r.path.name: _stems(r) for r in runs}
         except BaseException:
             mark_run_state(out, "interrupted")  # never shown as finished
@@ -218,7 +221,7 @@ def run_experiment(
                          scale=run.scale, variant=variant, cfg_hash=h, tables=_stems(run),
                          seed_runs=seed_runs, preset=preset_of(argv),
                          smoke=flag(argv, "smoke"), module=run_module(name, run_fn),
-                         kind=_run_kind(
+                         resumed=stopped, kind=_run_kind(
                              name, make_config, argv, h, repeat, quick_repeat, smoke,
                              variant_overrides))
     finally:
@@ -245,9 +248,10 @@ def _stems(run: RunDir) -> list[str]:
 
 
 def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale="",
-                keep_finished: bool = False):
+                keep_finished: bool = False, resumed: bool = False):
     """Every seed run, then their merge; ``keep_finished`` (the repeat resumes a stopped run
-    of its config): a seed run that finished before the stop is kept, not made again."""
+    of its config): a seed run that finished before the stop is kept, not made again;
+    ``resumed``: it continues a stopped run in ``out``, of its config or not."""
     repeat = len(cfgs)
     runs, summaries, heads, kept_runs, kept_s = [], [], [], [], 0.0
     t0 = time.time()
@@ -271,7 +275,8 @@ def _run_repeat(name, cfg, cfgs, seed_keys, run_fn, out, claims, paper_scale="",
         summaries.append(summary)
         heads.append(head)
     summary, top = _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out,
-                               time.time() - t0 + kept_s, claims, paper_scale, kept_runs)
+                               time.time() - t0 + kept_s, claims, paper_scale, kept_runs,
+                               resumed=resumed)
     return summary, top, runs
 
 
@@ -309,9 +314,22 @@ def _plain(summary: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in summary.items()}
 
 
+# what a resumed run's summary says of its wall time (``run.json`` records ``resumed``)
+RESUMED_NOTE = ("Resumed: this run continued a stopped run in this directory from "
+                "whatever that run had saved (e.g. training checkpoints or "
+                "kept measurements); the wall time is this invocation's alone.")
+RESUMED_REPEAT_NOTE = ("Resumed: this run continued a stopped run in this directory from "
+                       "whatever that run had saved; the wall time leaves out the stopped "
+                       "run's time on the seed runs it had not finished.")
+
+
 def _run_once(name, cfg, run_fn, out: Path, claims=None, paper_scale: str = "",
-              lock: bool = True) -> tuple[dict[str, Any], RunDir, str]:
+              lock: bool = True, resumed: bool = False) -> tuple[dict[str, Any], RunDir, str]:
+    """One run of the study into ``out``; ``resumed``: it continues a stopped run there,
+    which its summary says (:data:`RESUMED_NOTE`)."""
     run = RunDir.create(out, cfg, name=name, lock=lock)
+    if resumed:
+        run.note(RESUMED_NOTE)
     try:
         t0 = time.time()
         with measure_scale() as scale:
@@ -342,11 +360,14 @@ def _spread(key: str, vals: Sequence[float]) -> str:
 
 
 def _merge_runs(name, cfg, seed_keys, runs, summaries, heads, out, wall_s, claims=None,
-                paper_scale="", kept: Sequence[int] = ()):
+                paper_scale="", kept: Sequence[int] = (), resumed: bool = False):
     """The top-level run of a ``repeat``: every table merged over the seed runs, the
     numeric summary values averaged, each run's headline, notes and plots linked; ``kept``:
-    the seed runs a stopped run had finished, said so."""
+    the seed runs a stopped run had finished, said so; ``resumed``: the repeat continues a
+    stopped run (:data:`RESUMED_REPEAT_NOTE`)."""
     top = RunDir.create(out, cfg, name=name)  # run_experiment holds its lock
+    if resumed:
+        top.note(RESUMED_REPEAT_NOTE)
     if kept:
         top.note(f"Seed run(s) {', '.join(map(str, kept))} finished before the run was "
                  "stopped and were kept when it resumed; the wall time adds theirs.")

@@ -187,7 +187,7 @@ def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str]
                      tables: Sequence[str] = (),
                      seed_runs: Mapping[str, Sequence[str]] | None = None,
                      preset: str = "quick", smoke: bool = False,
-                     kind: str = "preset", module: str = "") -> Path:
+                     kind: str = "preset", module: str = "", resumed: bool = False) -> Path:
     """``run.json`` of a finished run beside its ``summary.md``: the command that reproduces
     it (shell-quoted), when it ran and for how long, its seeds, the scale it trained at
     (:mod:`moejax.train.scale`), the variant it is (``""``: the study's own), its config hash,
@@ -195,7 +195,9 @@ def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str]
     stems), its preset, whether it was a smoke run, its ``kind`` (``"preset"``: the study's
     preset config, variants included, at its default repeat; ``"trial"``: anything else), and
     the machine; read back by the results documents and the run index. ``module``: the
-    study's module, which the command runs (default ``experiments.<study>``)."""
+    study's module, which the command runs (default ``experiments.<study>``); ``resumed``:
+    the run continued a stopped run in its directory, so its wall time leaves out the stopped
+    run's (recorded only where true)."""
     record = {"study": study, "variant": variant, "config_hash": cfg_hash,
               "state": "finished", "scale": scale, "preset": preset, "smoke": smoke,
               "kind": kind,
@@ -204,6 +206,8 @@ def write_run_record(path: str | os.PathLike, *, study: str, argv: Sequence[str]
               "seeds": {k: list(v) for k, v in seeds.items()}, "tables": list(tables),
               "seed_runs": {k: list(v) for k, v in (seed_runs or {}).items()},
               "machine": machine_info()}
+    if resumed:
+        record["resumed"] = True
     out = Path(path) / "run.json"
     atomic_write_text(out, json.dumps(record, indent=2) + "\n")
     return out
