@@ -31,7 +31,7 @@ EXTRAS = {
     "safetensors": "io", "gguf": "io", "tokenizers": "io",
     "tensorflow_datasets": "studies", "array_record": "studies", "matplotlib": "studies",
     "tqdm": "studies", "rouge_score": "studies", "sklearn": "studies", "scipy": "studies",
-    "tensorboardX": "tb", "torch": "bench",
+    "tensorboardX": "tb", "torch": "bench", "tokamax": "gpu",
 }
 
 

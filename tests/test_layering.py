@@ -2,7 +2,7 @@
 bodies included): ops (pure jnp) -> kernels -> nn -> train / io -> experiments. A layer imports
 only layers below it and the foundation modules (configs, the capture context, atomic file
 writes, XLA flags and compile options checked against the running XLA, pytree paths and
-counts), never a layer above;
+counts, how a module imports an optional dependency), never a layer above;
 and no module name is shared between ``ops`` and ``kernels``, so a kernel family's package is
 the one place its reference, backends and layout live."""
 
@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
 BELOW = {"ops": {"ops"}, "kernels": {"ops", "kernels"}, "nn": {"ops", "kernels", "nn"}}
 # no moejax layer
-FOUNDATION = {"config", "config_names", "capture", "cpu_pool", "files", "xla_flags", "pytree"}
+FOUNDATION = {"config", "config_names", "capture", "cpu_pool", "extras", "files", "xla_flags",
+              "pytree"}
 
 
 def _imports(path: Path) -> set[str]:

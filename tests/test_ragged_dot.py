@@ -10,6 +10,9 @@ at every size (tokamax's Hopper kernel for it failed the oracle); the export con
 tokamax's device lookup as it found it."""
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.export as je
@@ -24,6 +27,7 @@ from moejax.kernels.targets import lowering_target
 pytestmark = pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed "
                                 "(pip install -e '.[dev]')")
 KERNEL = {"cuda": "mosaic_gpu_v2", "tpu": "tpu_custom_call"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _oracle(x_MK, w_GKN, sizes_G):
@@ -255,13 +259,13 @@ def test_auto_takes_the_own_kernel_for_large_gpu_products_and_tokamax_keeps_the_
 
 
 def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(monkeypatch):
-    lookup = rd._tokamax_gpu_utils._compute_capability
+    lookup = rd.tokamax_gpu_utils()._compute_capability
     local = lookup()  # None on a machine without a GPU
     with lowering_target("cuda"):
-        assert rd._tokamax_gpu_utils._compute_capability() == 9.0
-        assert rd.tokamax.config.cross_compile.value is True
-    assert rd._tokamax_gpu_utils._compute_capability is lookup
-    assert rd.tokamax.config.cross_compile.value is False
+        assert rd.tokamax_gpu_utils()._compute_capability() == 9.0
+        assert rd.tokamax().config.cross_compile.value is True
+    assert rd.tokamax_gpu_utils()._compute_capability is lookup
+    assert rd.tokamax().config.cross_compile.value is False
     assert lookup() == local
     from moejax.kernels.moe_ffn import api as dp
 
@@ -274,3 +278,24 @@ def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(m
     assert dp.describe_dispatch("tokamax") == "tokamax"
     monkeypatch.setattr(dp, "RAGGED_DOT_AVAILABLE", False)
     assert resolve_dispatch("auto") == "gmm"  # the project's kernel where tokamax is absent
+
+
+_IMPORTS = """
+import sys
+import experiments.lm_demo, moejax.harness.experiment, moejax.train.loop  # noqa: E401, F401
+print(sorted(m for m in sys.modules if m.split(".")[0] == "tokamax"))
+import jax.numpy as jnp
+from moejax.kernels.grouped import ragged_dot
+ragged_dot(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.array([3, 1]))
+print("tokamax" in sys.modules)
+"""
+
+
+def test_tokamax_is_imported_by_its_first_kernel_not_by_moejax():
+    """A study command, the training loop and the harness start without importing tokamax
+    (about 1.3 s of every process's start, a refused command's too); the first grouped
+    product imports it."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[]", "True"], proc.stdout

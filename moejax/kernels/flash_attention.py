@@ -54,7 +54,7 @@ def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=N
     if kv_lengths_B is None or T > 1:
         mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
     dt = q_BTHJ.dtype
-    return tokamax.dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
+    return tokamax().dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
                                          mask=mask, key_value_seq_lengths=kv_lengths_B,
                                          implementation=KERNELS[platform])
 

@@ -37,34 +37,44 @@ which skips the device checks, and, for GPUs, the target's compute capability, w
 otherwise reads from the local default device to choose its sm90 kernel.
 
 tokamax is an optional dependency (the ``gpu`` and ``tpu`` extras; ``dev`` for the tests):
-:data:`AVAILABLE` says whether it is installed.
+:data:`AVAILABLE` says whether it is installed, and :func:`tokamax` imports it where a kernel
+is first traced.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
+from moejax.extras import require
 from moejax.kernels.grouped.gmm_mgpu import PASSES as MGPU_PASSES
 from moejax.kernels.grouped.layout import RAGGED_DIMS
 from moejax.kernels.grouped.pallas_gmm import gmm, gmm_t, tgmm
 from moejax.kernels.tiling import target_device
 
-try:  # optional: the gpu / tpu / dev extras
-    import tokamax
-    from tokamax._src import gpu_utils as _tokamax_gpu_utils
-except ImportError:  # pragma: no cover - exercised where tokamax is not installed
-    tokamax = None
-    _tokamax_gpu_utils = None
-
 __all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_TIERS", "OWN_KERNELS", "PASSES",
            "ALIGN", "KERNEL_CHOICES", "ragged_dot", "ragged_pass", "implementation",
-           "cross_compile"]
+           "cross_compile", "tokamax", "tokamax_gpu_utils"]
 
-AVAILABLE = tokamax is not None
+# tokamax is imported where a kernel is first traced, not with moejax: importing it takes
+# about 1.3 s (twice jax, flax, optax and orbax together), which every process that imports
+# the training loop would pay, a command refused before any compute included
+AVAILABLE = importlib.util.find_spec("tokamax") is not None
+
+
+def tokamax():
+    """The ``tokamax`` module (imported on first use), or :class:`MissingExtraError` naming
+    the extra that installs it."""
+    return require("tokamax", "moejax.kernels.grouped.ragged")
+
+
+def tokamax_gpu_utils():
+    """tokamax's GPU utilities (where it reads the local device's compute capability)."""
+    return require("tokamax._src.gpu_utils", "moejax.kernels.grouped.ragged")
 PASSES = ("fwd", "dlhs", "drhs")
 # what runs each pass per lowering platform ("default": every other platform): tokamax's
 # implementation, except cuda's drhs. tokamax's sm90 ragged-contracting kernel (dW = x_g^T
@@ -144,7 +154,7 @@ def ragged_pass(which: str, a, b, group_sizes_G, implementation: str, *,
             return out.astype(out_dtype)
         ax_a, ax_b, ax_out = _AXES[which]
         align = ALIGN.get(implementation, {})
-        out = tokamax.ragged_dot_general(
+        out = tokamax().ragged_dot_general(
             _pad(a, ax_a, align), _pad(b, ax_b, align), group_sizes_G, RAGGED_DIMS[which],
             preferred_element_type=out_dtype, implementation=implementation)
     except NotImplementedError:  # not this dtype / shape / device: the own kernel
@@ -234,12 +244,13 @@ def cross_compile(compute_capability: float | None = None):
     if not AVAILABLE:
         yield
         return
-    lookup = _tokamax_gpu_utils._compute_capability
-    with tokamax.config.cross_compile(True):
+    gpu_utils = tokamax_gpu_utils()
+    lookup = gpu_utils._compute_capability
+    with tokamax().config.cross_compile(True):
         if compute_capability is not None:
-            _tokamax_gpu_utils._compute_capability = lambda device=None: (
+            gpu_utils._compute_capability = lambda device=None: (
                 lookup(device) if device is not None else float(compute_capability))
         try:
             yield
         finally:
-            _tokamax_gpu_utils._compute_capability = lookup
+            gpu_utils._compute_capability = lookup
