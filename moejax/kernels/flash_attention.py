@@ -55,8 +55,8 @@ def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=N
         mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
     dt = q_BTHJ.dtype
     return tokamax().dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
-                                         mask=mask, key_value_seq_lengths=kv_lengths_B,
-                                         implementation=KERNELS[platform])
+                                           mask=mask, key_value_seq_lengths=kv_lengths_B,
+                                           implementation=KERNELS[platform])
 
 
 def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback, kv_lengths_B=None):

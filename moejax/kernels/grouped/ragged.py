@@ -61,8 +61,8 @@ __all__ = ["AVAILABLE", "IMPLEMENTATIONS", "OWN_FROM_FLOPS", "OWN_TIERS", "OWN_K
            "cross_compile", "tokamax", "tokamax_gpu_utils"]
 
 # tokamax is imported where a kernel is first traced, not with moejax: importing it takes
-# about 1.3 s (twice jax, flax, optax and orbax together), which every process that imports
-# the training loop would pay, a command refused before any compute included
+# about as long as jax, flax, optax and orbax together, which every process that imports the
+# training loop would otherwise pay, a command refused before any compute included
 AVAILABLE = importlib.util.find_spec("tokamax") is not None
 
 
@@ -75,6 +75,8 @@ def tokamax():
 def tokamax_gpu_utils():
     """tokamax's GPU utilities (where it reads the local device's compute capability)."""
     return require("tokamax._src.gpu_utils", "moejax.kernels.grouped.ragged")
+
+
 PASSES = ("fwd", "dlhs", "drhs")
 # what runs each pass per lowering platform ("default": every other platform): tokamax's
 # implementation, except cuda's drhs. tokamax's sm90 ragged-contracting kernel (dW = x_g^T
