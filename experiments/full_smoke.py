@@ -62,7 +62,8 @@ import jax
 from experiments import load_study
 from experiments.main import REGISTRY
 from moejax.capture import CapturedStep, capture_steps
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.files import atomic_write_text
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config

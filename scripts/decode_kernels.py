@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.blockffn.speculative import WIDE, make_config  # noqa: E402
 from moejax.bench.decode_timing import blockffn_path, grow_blockffn_lm  # noqa: E402
 from moejax.bench.gpu_program import gpu_compile_env, gpu_program, loop_launches  # noqa: E402
-from moejax.config import apply_overrides  # noqa: E402
+from moejax.config_overrides import apply_overrides  # noqa: E402
 from moejax.nn.decoder import keep_layers, with_dtype  # noqa: E402
 from moejax.nn.lean_decode import LAYOUTS, lean_decoder  # noqa: E402
 from moejax.nn.sample import _sample  # noqa: E402

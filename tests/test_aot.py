@@ -311,7 +311,7 @@ def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path
     at its real shapes, and paths of equal shapes stay apart (different kernels)."""
     from experiments.benchmarks import dispatch as bench
     from experiments.full_smoke import _shapes
-    from moejax.config import apply_overrides
+    from moejax.config_overrides import apply_overrides
 
     cfg = apply_overrides(bench.make_config("quick"), [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",

@@ -130,7 +130,8 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
 
 def test_ders_lm_ranks_past_full_rank_are_refused():
     from experiments.ders import upcycling
-    from moejax.config import ConfigError, apply_overrides
+    from moejax.config import ConfigError
+    from moejax.config_overrides import apply_overrides
     from moejax.nn.ders_moe import check_lm_rank
 
     check_lm_rank(32, "up", 32, 96)  # full rank: allowed
@@ -186,7 +187,8 @@ def test_a_non_utf8_value_is_refused_in_one_line():
     import os
 
     from experiments import lm_demo
-    from moejax.config import ConfigError, apply_overrides
+    from moejax.config import ConfigError
+    from moejax.config_overrides import apply_overrides
 
     raw = os.fsdecode(b"prompt=caf\xe9")  # argv bytes that are not UTF-8
     with pytest.raises(ConfigError, match="prompt=...: the value is not valid UTF-8"):

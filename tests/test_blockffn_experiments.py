@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from experiments import study_module
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 
 MODULES = ["blockffn_baselines", "blockffn_ablations", "blockffn_granularity"]
 

@@ -8,17 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    config,
-    from_json,
-    is_integer,
-    is_real,
-    to_json,
-    unread_reason,
-)
+from moejax.config import Config, ConfigError, config, from_json, is_integer, is_real, to_json
+from moejax.config_overrides import apply_overrides, unread_reason
 
 
 @config
@@ -115,6 +106,58 @@ def test_a_misspelt_key_gets_its_nearest_keys_first():
     with pytest.raises(ConfigError) as e:  # nothing near: the list alone
         apply_overrides(_Outer(), ["zzz=1"])
     assert "did you mean" not in str(e.value) and "allowed keys: name, inner.width" in str(e.value)
+
+
+@config
+class _Train(Config):
+    lr: float = 1e-3
+    steps: int = 10
+    seed: int = 0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    warmup: int = 0
+    decay: float = 0.0
+
+
+@config
+class _Stage(Config):
+    width: int = 4
+    train: _Train = _Train()
+
+
+@config
+class _Study(Config):  # 27 keys: past the count an error lists one by one
+    dense_lm_chat: _Stage = _Stage()
+    dense_lm_prose: _Stage = _Stage()
+    sft: _Train = _Train()
+    seeds: int = 1
+
+
+def test_a_key_without_its_section_is_pointed_at_the_sections_that_have_it():
+    """``train.lr`` names a setting that lives in sections: the error suggests the keys that
+    end in it, then the same setting elsewhere, and folds a long key list into its sections."""
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(_Study(), ["train.lr=0.1"])
+    assert str(e.value) == (
+        "unknown config key 'train.lr' (did you mean 'dense_lm_chat.train.lr', "
+        "'dense_lm_prose.train.lr' or 'sft.lr'?); allowed keys (27; the command's --help "
+        "lists each with its default): dense_lm_chat.* (9 keys), dense_lm_prose.* (9 keys), "
+        "sft.* (8 keys), seeds")
+    with pytest.raises(ConfigError, match=r"'dense_lm_prse.train.lrr' \(did you mean "
+                                          r"'dense_lm_prose.train.lr'\?\)"):
+        apply_overrides(_Study(), ["dense_lm_prse.train.lrr=0.1"])
+    with pytest.raises(ConfigError) as e:  # inside a section: its keys, listed one by one
+        apply_overrides(_Study(), ["sft.lrr=0.1"])
+    assert "(did you mean 'sft.lr'?); allowed keys: sft.lr, sft.steps, sft.seed" in str(e.value)
+    with pytest.raises(ConfigError, match=r"'sed' \(did you mean 'seeds'\?\)"):
+        apply_overrides(_Study(), ["sed=1"])  # its own section's first
+    with pytest.raises(ConfigError, match=r"'stpes' \(did you mean 'dense_lm_chat.train.steps', "
+                                          r"'dense_lm_prose.train.steps' or 'sft.steps'\?\)"):
+        apply_overrides(_Study(), ["stpes=1"])  # then any section's
+    with pytest.raises(ConfigError, match=r"'dense_lm_chat' is a config section; set one of its "
+                                          r"keys; allowed keys: dense_lm_chat.width, "):
+        apply_overrides(_Study(), ["dense_lm_chat=1"])
 
 
 def test_a_key_given_twice_is_refused():

@@ -11,7 +11,8 @@ from flax import nnx
 
 from experiments.darex import controlled, decoder, encoder
 from moejax import delta as dl
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.delta import MatrixInputStats, PruneContext, run_one
 from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
 from moejax.pytree import path_str

@@ -142,7 +142,8 @@ def test_the_summary_names_each_distillation_setting_changed_from_the_papers():
 def test_a_derslm_teacher_rank_past_full_rank_is_refused_before_anything_runs():
     """The upcycled teacher's DeRS-LM rank is checked against its substrate's FFN (d_model
     256, d_hidden 768 for dense_lm_chat) with the config, not when the teacher is built."""
-    from moejax.config import ConfigError, apply_overrides
+    from moejax.config import ConfigError
+    from moejax.config_overrides import apply_overrides
 
     cfg = mod.make_config("quick")
     with pytest.raises(ConfigError, match=re.escape("upcycle.lm_rank=257: a rank past "

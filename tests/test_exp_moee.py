@@ -134,7 +134,8 @@ def test_a_sample_or_split_the_substrate_cannot_give_is_refused(study, bad, word
     the recorded rows: refused before the substrate is built or anything trained, not when
     the partition or the recording meets them."""
     from experiments import study_module
-    from moejax.config import ConfigError, apply_overrides
+    from moejax.config import ConfigError
+    from moejax.config_overrides import apply_overrides
 
     m = study_module(study)
     with pytest.raises(ConfigError, match=re.escape(words)):

@@ -11,7 +11,8 @@ import pytest
 from experiments import main as main_job
 from experiments import study_module
 from moejax.bench.moe_block import TORCH
-from moejax.config import Config, ConfigError, apply_overrides, from_json, to_json
+from moejax.config import Config, ConfigError, from_json, to_json
+from moejax.config_overrides import apply_overrides
 from moejax.harness.experiment import run_experiment
 
 TINY_LM = [

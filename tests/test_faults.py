@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.delta import storage
 from moejax.integrity import CorruptDataError, array_checksum, verify_checksums
 from moejax.io import WeightFileError

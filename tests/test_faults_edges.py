@@ -22,7 +22,8 @@ from experiments.blockffn import granularity as blockffn_granularity
 from experiments.darex import controlled as darex_controlled
 from experiments.kd import moe_kd
 from moejax import substrates
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.delta import storage
 from moejax.files import UnusableDirError
 from moejax.harness.cli import parse_runner
@@ -210,6 +211,21 @@ def test_a_command_line_key_given_twice_is_refused(capsys):
     for argv in (["train.lr=1e-3", "train.lr=2e-3"], ["preset=quick", "preset=full"]):
         assert cli_main("lm_demo", lm_demo.make_config, lm_demo.run, argv) == 2
         assert "is given twice" in capsys.readouterr().err
+
+
+def test_a_misspelt_runner_key_is_named_and_nothing_is_written(tmp_path, capsys):
+    """``prest=full`` is no config key: the refusal names the runner key it meant, not the
+    study's config keys, before the run directory exists."""
+    for given, meant in (("prest=full", "preset"), ("overwrit=true", "overwrite"),
+                         ("repeats=2", "repeat")):
+        argv = [given, f"out={tmp_path / 'run'}"]
+        assert cli_main("lm_demo", lm_demo.make_config, lm_demo.run, argv) == 2
+        err = capsys.readouterr().err
+        assert f"unknown key {given.split('=')[0]!r} (did you mean the runner key {meant!r}?)" \
+            in err and "allowed keys" not in err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"key 'sed' \(did you mean 'train.seed'\?\)"):
+        parse_runner("lm_demo", lm_demo.make_config, ["sed=1"])  # a config key: its own error
 
 
 def test_empty_or_unusable_out_is_refused(tmp_path, capsys):

@@ -14,8 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "moejax"
 BELOW = {"ops": {"ops"}, "kernels": {"ops", "kernels"}, "nn": {"ops", "kernels", "nn"}}
 # no moejax layer
-FOUNDATION = {"config", "config_names", "capture", "cpu_pool", "extras", "files", "xla_flags",
-              "pytree"}
+FOUNDATION = {"config", "config_names", "config_overrides", "capture", "cpu_pool", "extras",
+              "files", "xla_flags", "pytree"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.config import ConfigError, apply_overrides, from_json, to_json
+from moejax.config import ConfigError, from_json, to_json
+from moejax.config_overrides import apply_overrides
 from moejax.kernels.moe_ffn.jnp_paths import ffn_apply
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter

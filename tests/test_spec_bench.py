@@ -506,7 +506,7 @@ def test_prompts_longer_than_the_windows_are_refused_before_training(bad, words)
     note naming the asked length) or refused by the distillation after the target has
     trained."""
     from experiments.blockffn import speculative as mod
-    from moejax.config import apply_overrides
+    from moejax.config_overrides import apply_overrides
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         apply_overrides(mod.make_config("quick"), [bad])
@@ -517,7 +517,7 @@ def test_every_asked_prompt_is_decoded_past_the_ppl_batches():
     windows after them (33 of batches of 16: a third batch); the PPL's batches and the
     prompts in them stay as they were."""
     from experiments.blockffn import speculative as mod
-    from moejax.config import apply_overrides
+    from moejax.config_overrides import apply_overrides
 
     cfg = apply_overrides(mod.make_config("quick"), ["n_prompts=33", "prompt_len=64"])
     _, val, prompts = mod._sources(cfg, cfg.train)

@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("safetensors", reason="pip install safetensors")
 
 from moejax import substrates
-from moejax.config import ConfigError, apply_overrides
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.evaluate import ClassifierEvaluator
 from moejax.io._common import flat_params
 from moejax.substrates.classify import MiniLMTaskConfig, mnist_arrays

@@ -1,20 +1,24 @@
 """A study's command line: the runner's own keys (``preset``, ``out``, ``repeat``, ``smoke``,
 ``variant``, ``overwrite``) parsed and checked, every other ``key=value`` applied to the
-preset's config (:func:`moejax.config.apply_overrides`), and the ``--help`` text."""
+preset's config (:func:`moejax.config_overrides.apply_overrides`), and the ``--help`` text."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from moejax.config import Config, ConfigError, apply_overrides, describe
+from moejax.config import Config, ConfigError
+from moejax.config_overrides import apply_overrides, describe
 from moejax.harness.smoke import smoke_config
 
 __all__ = ["PRESETS", "expand_variant", "flag", "parse_cli", "parse_runner", "preset_of",
            "run_module", "split_overwrite", "usage"]
 
 PRESETS = ("quick", "full")
+RUNNER_KEYS = ("preset", "out", "repeat", "smoke", "variant", "overwrite")
 
 
 def run_module(name: str, run_fn) -> str:
@@ -105,12 +109,25 @@ def parse_runner(
         else:
             rest.append(item)
     cfg = apply_overrides(make_config(preset), list(variant_overrides))
+    _refuse_misspelt_runner_keys(cfg, rest)
     if smoke:
         cfg = apply_overrides(smoke_config(cfg), list(smoke_overrides))
     cfg = apply_overrides(cfg, rest)
     if repeat is None:
         repeat = quick_repeat if preset == "quick" and not smoke else 1
     return cfg, out, repeat
+
+
+def _refuse_misspelt_runner_keys(cfg: Config, items: Sequence[str]) -> None:
+    """Refuse a ``key=value`` that is no config key but close to a runner key (``prest=full``)
+    with the runner key it meant, before the config's own unknown-key error hides it."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    for item in items:
+        key = item.partition("=")[0].strip()
+        near = difflib.get_close_matches(key, RUNNER_KEYS, n=1, cutoff=0.75)
+        if key.split(".")[0] not in fields and near:
+            raise ConfigError(f"unknown key {key!r} (did you mean the runner key {near[0]!r}?); "
+                              f"runner keys: {', '.join(RUNNER_KEYS)}")
 
 
 def preset_of(argv: Sequence[str]) -> str:

@@ -13,7 +13,7 @@ and ends with its declaration, a :class:`moejax.harness.study.Study` named ``STU
     python -m experiments.<paper>.<study> preset=full model.d_model=512 out=runs/mine
 
 works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other ``key=value``
-goes through :func:`moejax.config.apply_overrides`, so an unknown key or a bad value fails
+goes through :func:`moejax.config_overrides.apply_overrides`, so an unknown key or a bad value fails
 before any compute with a message naming the key and the allowed keys/values (the command
 line's parsing: :mod:`moejax.harness.cli`).
 
@@ -44,7 +44,8 @@ from typing import Any
 
 import jax
 
-from moejax.config import Config, ConfigError, apply_overrides, find_configs, to_dict
+from moejax.config import Config, ConfigError, find_configs, to_dict
+from moejax.config_overrides import apply_overrides
 from moejax.data.raw_files import DataDirError, MissingDataError
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, unjudged
