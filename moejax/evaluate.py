@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import check_count, is_real
+from moejax.extras import LATE_BAR_S, progress
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -192,9 +193,13 @@ class LMEvaluator(Evaluator):
 
     def _evaluate(self, graphdef, params, rest) -> dict:
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
-        where = self._where(graphdef, params, rest)
-        ms = jax.device_get([self._compiled(where, params, rest, b)(params, rest, b, key)
-                             for b in self.batches])
+        where, outs = self._where(graphdef, params, rest), []
+        for b in progress(self.batches, desc="evaluating", unit="batch", leave=False,
+                          delay=LATE_BAR_S):
+            outs.append(self._compiled(where, params, rest, b)(params, rest, b, key))
+            if len(outs) > 1:  # the bar counts finished batches; the next one is queued
+                jax.block_until_ready(outs[-2])
+        ms = jax.device_get(outs)
         loss = token_mean([m["ce"] for m in ms], self._scored)
         return {"loss": loss, "accuracy": token_mean([m["accuracy"] for m in ms], self._scored),
                 "bpb": loss / math.log(2) / self.bytes_per_token}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.extras import missing_extra
+from moejax.extras import LATE_BAR_S, missing_extra, progress
 
 try:
     from rouge_score import rouge_scorer
@@ -75,7 +75,9 @@ class GenerationEvaluator(Evaluator):
         self.references = [decode(row[m > 0]) for b in self.batches
                            for row, m in zip(b["tokens"], b["response_mask"])]
 
-    def generate(self, model, seed: int) -> list[str]:
+    def generate(self, model, seed: int, bar=None) -> list[str]:
+        """One sampled response per prompt, in batch order (``bar``: a progress bar that
+        counts the batches)."""
         out, draws = [], {}  # a sampler per response length: the model split once for each
         for i, b in enumerate(self.batches):
             max_new = b["tokens"].shape[1] - b["prompts"].shape[1]
@@ -85,13 +87,20 @@ class GenerationEvaluator(Evaluator):
                                key=jax.random.fold_in(jax.random.key(seed), i))
             toks, resp = jax.device_get((s.tokens_BS, s.response_mask_BS))
             out += [self.decode(row[m]) for row, m in zip(toks, resp)]
+            if bar is not None:
+                bar.update()
         return out
 
     def _evaluate(self, graphdef, params, rest) -> dict:
         model = nnx.merge(graphdef, params, rest)
-        per_seed = [float(rouge_l(self.generate(model, s), self.references,
-                                  stem=self.stem).mean())
-                    for s in self.seeds]
+        bar = progress(total=len(self.seeds) * len(self.batches), desc="sampling responses",
+                       unit="batch", leave=False, delay=LATE_BAR_S)
+        try:
+            per_seed = [float(rouge_l(self.generate(model, s, bar), self.references,
+                                      stem=self.stem).mean())
+                        for s in self.seeds]
+        finally:
+            bar.close()
         std = float(np.std(per_seed, ddof=1)) if len(per_seed) > 1 else 0.0
         return {"rouge_l": float(np.mean(per_seed)), "rouge_l_std": std,
                 "rouge_l_seeds": per_seed}

@@ -24,7 +24,10 @@ try:  # progress bars where tqdm is installed (the studies extra), silent where 
 except ImportError:
     _tqdm = None
 
-__all__ = ["EXTRAS", "MissingExtraError", "missing_extra", "progress", "require"]
+__all__ = ["EXTRAS", "LATE_BAR_S", "MissingExtraError", "missing_extra", "progress", "require"]
+
+# a bar over work that is usually quick (an evaluation) appears once it has run this long
+LATE_BAR_S = 10.0
 
 # the top-level module each extra provides -> the extra that installs it
 EXTRAS = {

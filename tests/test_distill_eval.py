@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax import evaluate_generation
 from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.evaluate_generation import (
     GenerationEvaluator,
@@ -18,6 +19,7 @@ from moejax.evaluate_generation import (
     rouge_l,
     router_kl_by_layer,
 )
+from moejax.extras import LATE_BAR_S
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers, with_dtype
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
@@ -143,6 +145,34 @@ def test_generation_evaluator_matches_sampling_then_rouge():
     assert list(first) != list(second)
     with pytest.raises(ValueError, match="at least one sampling seed"):  # else a NaN ROUGE-L
         GenerationEvaluator([batch], decode, seeds=())
+
+
+def test_a_long_sampling_shows_one_bar_over_its_seeds_and_batches(monkeypatch):
+    """Sampling responses asks for one bar over every seed's batches, shown once it has run
+    ``LATE_BAR_S``; each batch sampled counts one, and the bar is closed; the scores are the
+    same with or without it."""
+    lm = _lm(n_layers=1)
+    batch = {"prompts": np.array([[1, 4, 2, 0]], np.int32), "prompt_lens": np.array([3]),
+             "tokens": np.array([[1, 4, 2, 7, 9, 2]], np.int32),
+             "response_mask": np.array([[0, 0, 0, 1, 1, 1]], np.float32)}
+    ev = GenerationEvaluator([batch, batch], lambda ids: " ".join(map(str, ids)), seeds=(0, 1))
+    scores, bars = ev(lm), []
+
+    class Bar:  # what the evaluation tells its bar
+        def __init__(self, **kw):
+            self.kw, self.done, self.closed = kw, 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(evaluate_generation, "progress", Bar)
+    assert ev(lm) == scores
+    assert [(b.kw["total"], b.kw["delay"], b.done, b.closed) for b in bars] == [
+        (4, LATE_BAR_S, 4, True)]
 
 
 def test_router_statistics():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax import evaluate
 from moejax.evaluate import (
     ClassifierEvaluator,
     LMEvaluator,
@@ -130,6 +131,19 @@ def test_outputs_on_and_params_loss_see_the_params_they_are_given():
     ref, _ = classifier_loss_fn(model, batch)
     np.testing.assert_allclose(float(loss), float(ref), rtol=1e-6)
     assert set(metrics) >= {"ce", "accuracy"}
+
+
+def test_a_long_evaluation_shows_a_bar_of_its_batches_and_a_quick_one_none(monkeypatch, capsys):
+    """The bar appears once an evaluation has run ``LATE_BAR_S`` (here set to 0: every
+    evaluation is long) and counts its batches; the values are the same either way."""
+    model = TinyMoELM(nnx.Rngs(0))
+    ev = LMEvaluator.from_source(ToySource(batch_size=4), 3)
+    quiet = ev(model)
+    assert "evaluating" not in capsys.readouterr().err
+    monkeypatch.setattr(evaluate, "LATE_BAR_S", 0.0)
+    assert ev(model) == quiet
+    err = capsys.readouterr().err
+    assert "evaluating" in err and "/3 [" in err
 
 
 def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():

@@ -106,6 +106,18 @@ def test_cli_presets_and_fail_fast(tmp_path):
     assert calls == [] and not (tmp_path / "x").exists()  # nothing ran, nothing written
 
 
+def test_the_full_preset_on_a_cpu_says_it_is_sized_for_an_accelerator(tmp_path, capsys):
+    def run(cfg, rundir):
+        return {"headline": "ran"}
+
+    run_experiment("e", _make, run, ["preset=full"], out=tmp_path / "f")
+    assert "[e] preset=full runs on this CPU: it is sized for a GPU or TPU" in \
+        capsys.readouterr().err
+    for i, argv in enumerate(([], ["preset=full", "smoke=true"])):  # the CPU's; a smoke run
+        run_experiment("e", _make, run, argv, out=tmp_path / str(i))
+        assert "sized for a GPU" not in capsys.readouterr().err
+
+
 def test_run_experiment_writes_config_and_summary(tmp_path):
     def run(cfg, rundir):
         rundir.table("t", [{"steps": cfg.steps}])

@@ -204,6 +204,9 @@ def run_experiment(
                           t.resume == "force" for _, t in find_configs(cfg, TrainConfig)))
         if stopped:  # whatever it saved (checkpoints, measurements) is taken up again
             print(f"[{name}] resuming the stopped run in {out}", flush=True)
+        if preset_of(argv) == "full" and not flag(argv, "smoke") and jax.default_backend() == "cpu":
+            print(f"[{name}] preset=full runs on this CPU: it is sized for a GPU or TPU and "
+                  "runs far slower here (preset=quick is the CPU's)", file=sys.stderr, flush=True)
         try:
             if repeat == 1:
                 summary, run = _run_once(name, cfg, study_fn, out, judge, paper_scale,
