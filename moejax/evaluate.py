@@ -15,7 +15,8 @@ The evaluators of generated responses and of MoE routers live in
 :mod:`moejax.evaluate_generation`.
 
 The evaluators take an ``nnx.Module`` or, for functional code, a params pytree after
-``bind(graphdef, rest)``.
+``bind(graphdef, rest)``. An evaluation that runs longer than ``LATE_BAR_S`` (a full preset's
+held-out split on a slow device) shows a bar of its batches.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.
     return np.concatenate(out)
 
 
+def _bar(batches):
+    """``batches`` counted by a bar that appears once an evaluation has run ``LATE_BAR_S``."""
+    return progress(batches, desc="evaluating", unit="batch", leave=False, delay=LATE_BAR_S)
+
+
 class _Bound:
     """``evaluator.bind(graphdef, rest)``: the evaluator as a function of params only."""
 
@@ -194,8 +200,7 @@ class LMEvaluator(Evaluator):
     def _evaluate(self, graphdef, params, rest) -> dict:
         key = jax.random.key(0)  # evaluation is deterministic (train=False draws nothing)
         where, outs = self._where(graphdef, params, rest), []
-        for b in progress(self.batches, desc="evaluating", unit="batch", leave=False,
-                          delay=LATE_BAR_S):
+        for b in _bar(self.batches):
             outs.append(self._compiled(where, params, rest, b)(params, rest, b, key))
             if len(outs) > 1:  # the bar counts finished batches; the next one is queued
                 jax.block_until_ready(outs[-2])
@@ -324,7 +329,7 @@ class ClassifierEvaluator(Evaluator):
     def _evaluate(self, graphdef, params, rest) -> dict:
         fn, n, bs = self._fn(graphdef), len(self.labels), self.batch_size
         nll, preds = 0.0, []
-        for s in range(0, n, bs):
+        for s in _bar(range(0, n, bs)):
             idx = np.minimum(np.arange(s, s + bs), n - 1)
             valid = (np.arange(s, s + bs) < n).astype(np.float32)
             m = None if self.mask is None else self.mask[idx]
@@ -392,7 +397,7 @@ class SparsityEvaluator(Evaluator):
         fn = self._fn(graphdef)
         acc = SparsityAccumulator(self.chunk_lens)
         ces = []
-        for b in self.batches:
+        for b in _bar(self.batches):
             ce, layers = jax.device_get(fn(params, rest, b))
             ces.append(float(ce))
             for i, (act, a) in enumerate(layers):

@@ -23,6 +23,7 @@ from moejax.extras import LATE_BAR_S
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers, with_dtype
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
+from tests.bars import Bars
 
 
 def test_rouge_l_hand_cases():
@@ -156,22 +157,10 @@ def test_a_long_sampling_shows_one_bar_over_its_seeds_and_batches(monkeypatch):
              "tokens": np.array([[1, 4, 2, 7, 9, 2]], np.int32),
              "response_mask": np.array([[0, 0, 0, 1, 1, 1]], np.float32)}
     ev = GenerationEvaluator([batch, batch], lambda ids: " ".join(map(str, ids)), seeds=(0, 1))
-    scores, bars = ev(lm), []
-
-    class Bar:  # what the evaluation tells its bar
-        def __init__(self, **kw):
-            self.kw, self.done, self.closed = kw, 0, False
-            bars.append(self)
-
-        def update(self, n=1):
-            self.done += n
-
-        def close(self):
-            self.closed = True
-
-    monkeypatch.setattr(evaluate_generation, "progress", Bar)
+    scores, bars = ev(lm), Bars()
+    monkeypatch.setattr(evaluate_generation, "progress", bars)
     assert ev(lm) == scores
-    assert [(b.kw["total"], b.kw["delay"], b.done, b.closed) for b in bars] == [
+    assert [(b.kw["total"], b.kw["delay"], b.done, b.closed) for b in bars.made] == [
         (4, LATE_BAR_S, 4, True)]
 
 

@@ -17,9 +17,11 @@ from moejax.evaluate import (
     classifier_logits,
     matthews_corrcoef,
 )
+from moejax.extras import LATE_BAR_S
 from moejax.pytree import count_bytes, count_params
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
+from tests.bars import Bars
 from tests.toy_models import TinyMoELM, ToySource
 
 
@@ -144,6 +146,26 @@ def test_a_long_evaluation_shows_a_bar_of_its_batches_and_a_quick_one_none(monke
     assert ev(model) == quiet
     err = capsys.readouterr().err
     assert "evaluating" in err and "/3 [" in err
+
+
+def test_every_evaluator_counts_its_batches_on_one_late_bar(monkeypatch):
+    from moejax.evaluate import SparsityEvaluator
+    from moejax.nn.decoder import DecoderConfig, DecoderLM
+    from moejax.nn.ffn import DenseFFNConfig
+
+    bars = Bars()
+    monkeypatch.setattr(evaluate, "progress", bars)
+    LMEvaluator.from_source(ToySource(batch_size=4), 3)(TinyMoELM(nnx.Rngs(0)))
+    x = np.random.default_rng(0).integers(0, 16, (5, 6))
+    lm = DecoderLM(DecoderConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
+                                 max_seq_len=16, ffn_slots=(DenseFFNConfig(12, "swiglu"),)),
+                   rngs=nnx.Rngs(0))
+    SparsityEvaluator([{"inputs": x[:, :-1], "targets": x[:, 1:],
+                        "mask": np.ones((5, 5), np.float32)}] * 2)(lm)
+    ClassifierEvaluator(x, np.arange(5) % 2, batch_size=2).bind_fn(
+        lambda params, inputs: jnp.zeros(inputs.shape[:1] + (2,)))(None)
+    assert [(b.kw["desc"], b.kw["delay"], b.done, b.closed) for b in bars.made] == [
+        ("evaluating", LATE_BAR_S, n, True) for n in (3, 2, 3)]
 
 
 def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():

@@ -19,6 +19,7 @@ from moejax.extract import (
     moefication_plan,
     n_clusters_of,
     param_counts,
+    pipeline,
     record_ffn,
     select_neurons,
 )
@@ -30,10 +31,12 @@ from moejax.extract.pipeline import (
     moefication_model,
     routing_stats,
 )
+from moejax.extras import LATE_BAR_S
 from moejax.nn.encoder import ViT, vit_config
 from moejax.nn.extracted import ExtractedFFN
 from moejax.nn.ffn import DenseFFN
 from moejax.ops.activations import activation_fn
+from tests.bars import Bars
 from tests.toy_models import logits_of
 
 
@@ -57,6 +60,18 @@ def test_clustering_recovers_separated_blobs(method):
     core = labels >= 0
     assert core.mean() > 0.9 and n_clusters_of(labels) == 3
     assert same_partition(labels[core], truth[core])
+
+
+def test_clustering_the_layers_shows_a_bar_of_them_once_it_has_run_a_while(monkeypatch):
+    (y0, _), (y1, _) = blobs(seed=0), blobs(seed=1)
+    records, cfg = {3: (None, y1), 0: (None, y0)}, ClusterConfig(method="kmeans", n_clusters=3)
+    labels, bars = cluster_layers(records, cfg), Bars()
+    monkeypatch.setattr(pipeline, "progress", bars)
+    again = cluster_layers(records, cfg)
+    assert list(again) == [0, 3] and all((again[i] == labels[i]).all() for i in (0, 3))
+    (bar,) = bars.made
+    assert (bar.kw["desc"], bar.kw["delay"], bar.done, bar.closed) == (
+        "clustering (kmeans)", LATE_BAR_S, 2, True)
 
 
 def test_hdbscan_finds_no_cluster_in_uniform_noise_and_random_labels_are_in_range():
