@@ -15,8 +15,8 @@ The evaluators of generated responses and of MoE routers live in
 :mod:`moejax.evaluate_generation`.
 
 The evaluators take an ``nnx.Module`` or, for functional code, a params pytree after
-``bind(graphdef, rest)``. An evaluation that runs longer than ``LATE_BAR_S`` (a full preset's
-held-out split on a slow device) shows a bar of its batches.
+``bind(graphdef, rest)``. An evaluation that runs long (a full preset's held-out split on a
+slow device) shows a bar of its batches (:func:`moejax.extras.late_progress`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import check_count, is_real
-from moejax.extras import LATE_BAR_S, progress
+from moejax.extras import late_progress
 from moejax.ops.distill_losses import forward_kl
 from moejax.ops.losses import accuracy, cross_entropy
 from moejax.ops.sparsity_metrics import CHUNK_LENS, SparsityAccumulator
@@ -110,8 +110,8 @@ def classifier_logits(model, inputs, mask=None, *, batch_size: int = 256) -> np.
 
 
 def _bar(batches):
-    """``batches`` counted by a bar that appears once an evaluation has run ``LATE_BAR_S``."""
-    return progress(batches, desc="evaluating", unit="batch", leave=False, delay=LATE_BAR_S)
+    """``batches`` counted by the bar of an evaluation that runs long."""
+    return late_progress(batches, desc="evaluating", unit="batch")
 
 
 class _Bound:

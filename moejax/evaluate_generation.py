@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.extras import LATE_BAR_S, missing_extra, progress
+from moejax.extras import late_progress, missing_extra
 
 try:
     from rouge_score import rouge_scorer
@@ -93,8 +93,8 @@ class GenerationEvaluator(Evaluator):
 
     def _evaluate(self, graphdef, params, rest) -> dict:
         model = nnx.merge(graphdef, params, rest)
-        bar = progress(total=len(self.seeds) * len(self.batches), desc="sampling responses",
-                       unit="batch", leave=False, delay=LATE_BAR_S)
+        bar = late_progress(total=len(self.seeds) * len(self.batches),
+                            desc="sampling responses", unit="batch")
         try:
             per_seed = [float(rouge_l(self.generate(model, s, bar), self.references,
                                       stem=self.stem).mean())

@@ -11,7 +11,8 @@ nothing else. The rest come with extras (``pyproject.toml``):
 
 :func:`require` imports a module of an extra and, where it is missing, raises
 :class:`MissingExtraError` with one line naming the extra and the install command.
-:func:`progress` is tqdm's bar where tqdm is installed and a silent stand-in where not.
+:func:`progress` is tqdm's bar where tqdm is installed and a silent stand-in where not;
+:func:`late_progress` the bar of work that is usually quick.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import jax
+
 try:  # progress bars where tqdm is installed (the studies extra), silent where not
     from tqdm.auto import tqdm as _tqdm
 except ImportError:
     _tqdm = None
 
-__all__ = ["EXTRAS", "LATE_BAR_S", "MissingExtraError", "missing_extra", "progress", "require"]
+__all__ = ["EXTRAS", "LATE_BAR_S", "MissingExtraError", "late_progress", "missing_extra",
+           "progress", "require"]
 
 # a bar over work that is usually quick (an evaluation) appears once it has run this long
 LATE_BAR_S = 10.0
@@ -93,3 +97,11 @@ class _Silent:
 def progress(iterable=None, **kw):
     """``tqdm.auto.tqdm(iterable, **kw)`` where tqdm is installed, else a silent bar."""
     return (_tqdm or _Silent)(iterable, **kw)
+
+
+def late_progress(iterable=None, **kw):
+    """:func:`progress` for work that is usually quick (an evaluation, a clustering): the bar
+    appears once the work has run ``LATE_BAR_S``, is cleared when it ends, and is drawn by the
+    first process only."""
+    return progress(iterable, leave=False, delay=LATE_BAR_S, disable=jax.process_index() != 0,
+                    **kw)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax import evaluate_generation
+from moejax import extras
 from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.evaluate_generation import (
     GenerationEvaluator,
@@ -158,7 +158,7 @@ def test_a_long_sampling_shows_one_bar_over_its_seeds_and_batches(monkeypatch):
              "response_mask": np.array([[0, 0, 0, 1, 1, 1]], np.float32)}
     ev = GenerationEvaluator([batch, batch], lambda ids: " ".join(map(str, ids)), seeds=(0, 1))
     scores, bars = ev(lm), Bars()
-    monkeypatch.setattr(evaluate_generation, "progress", bars)
+    monkeypatch.setattr(extras, "progress", bars)
     assert ev(lm) == scores
     assert [(b.kw["total"], b.kw["delay"], b.done, b.closed) for b in bars.made] == [
         (4, LATE_BAR_S, 4, True)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax import evaluate
+from moejax import extras
 from moejax.evaluate import (
     ClassifierEvaluator,
     LMEvaluator,
@@ -142,7 +142,7 @@ def test_a_long_evaluation_shows_a_bar_of_its_batches_and_a_quick_one_none(monke
     ev = LMEvaluator.from_source(ToySource(batch_size=4), 3)
     quiet = ev(model)
     assert "evaluating" not in capsys.readouterr().err
-    monkeypatch.setattr(evaluate, "LATE_BAR_S", 0.0)
+    monkeypatch.setattr(extras, "LATE_BAR_S", 0.0)
     assert ev(model) == quiet
     err = capsys.readouterr().err
     assert "evaluating" in err and "/3 [" in err
@@ -154,7 +154,7 @@ def test_every_evaluator_counts_its_batches_on_one_late_bar(monkeypatch):
     from moejax.nn.ffn import DenseFFNConfig
 
     bars = Bars()
-    monkeypatch.setattr(evaluate, "progress", bars)
+    monkeypatch.setattr(extras, "progress", bars)
     LMEvaluator.from_source(ToySource(batch_size=4), 3)(TinyMoELM(nnx.Rngs(0)))
     x = np.random.default_rng(0).integers(0, 16, (5, 6))
     lm = DecoderLM(DecoderConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1,
@@ -164,8 +164,10 @@ def test_every_evaluator_counts_its_batches_on_one_late_bar(monkeypatch):
                         "mask": np.ones((5, 5), np.float32)}] * 2)(lm)
     ClassifierEvaluator(x, np.arange(5) % 2, batch_size=2).bind_fn(
         lambda params, inputs: jnp.zeros(inputs.shape[:1] + (2,)))(None)
-    assert [(b.kw["desc"], b.kw["delay"], b.done, b.closed) for b in bars.made] == [
-        ("evaluating", LATE_BAR_S, n, True) for n in (3, 2, 3)]
+    assert [(b.kw["desc"], b.kw["delay"], b.kw["leave"], b.done, b.closed)
+            for b in bars.made] == [("evaluating", LATE_BAR_S, False, n, True) for n in (3, 2, 3)]
+    monkeypatch.setattr(jax, "process_index", lambda: 1)  # a second process draws no bar
+    assert extras.late_progress(range(2)).kw["disable"] and not bars.made[0].kw["disable"]
 
 
 def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax import extras
 from moejax.data.batches import ArrayBatches
 from moejax.extract import (
     ClusterConfig,
@@ -19,7 +20,6 @@ from moejax.extract import (
     moefication_plan,
     n_clusters_of,
     param_counts,
-    pipeline,
     record_ffn,
     select_neurons,
 )
@@ -66,7 +66,7 @@ def test_clustering_the_layers_shows_a_bar_of_them_once_it_has_run_a_while(monke
     (y0, _), (y1, _) = blobs(seed=0), blobs(seed=1)
     records, cfg = {3: (None, y1), 0: (None, y0)}, ClusterConfig(method="kmeans", n_clusters=3)
     labels, bars = cluster_layers(records, cfg), Bars()
-    monkeypatch.setattr(pipeline, "progress", bars)
+    monkeypatch.setattr(extras, "progress", bars)
     again = cluster_layers(records, cfg)
     assert list(again) == [0, 3] and all((again[i] == labels[i]).all() for i in (0, 3))
     (bar,) = bars.made

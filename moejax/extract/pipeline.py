@@ -35,7 +35,7 @@ from moejax.extract.layer_surgery import (
     slot_layers,
 )
 from moejax.extract.plan import ExpertPlan, Selection, kept_neurons, moee_plan, moefication_plan
-from moejax.extras import LATE_BAR_S, progress
+from moejax.extras import late_progress
 from moejax.nn import axes as ax
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
@@ -74,8 +74,8 @@ def cluster_layers(records: dict, cfg: ClusterConfig, *, seed: int = 0,
     """Cluster labels per layer; ``n_clusters`` (per layer) overrides ``cfg.n_clusters`` for the
     methods that need a count (a layer with count 0 gets no cluster)."""
     out = {}
-    for i, (_, y) in progress(sorted(records.items()), desc=f"clustering ({cfg.method})",
-                              unit="layer", leave=False, delay=LATE_BAR_S):
+    for i, (_, y) in late_progress(sorted(records.items()), desc=f"clustering ({cfg.method})",
+                                   unit="layer"):
         k = cfg.n_clusters if n_clusters is None else n_clusters.get(i, 0)
         if cfg.method in ("kmeans", "birch", "random") and k == 0:
             out[i] = np.full(y.shape[0], -1)

@@ -13,9 +13,9 @@ and ends with its declaration, a :class:`moejax.harness.study.Study` named ``STU
     python -m experiments.<paper>.<study> preset=full model.d_model=512 out=runs/mine
 
 works. ``preset``, ``out`` and ``repeat`` are the runner's own keys; every other ``key=value``
-goes through :func:`moejax.config_overrides.apply_overrides`, so an unknown key or a bad value fails
-before any compute with a message naming the key and the allowed keys/values (the command
-line's parsing: :mod:`moejax.harness.cli`).
+goes through :func:`moejax.config_overrides.apply_overrides`, so an unknown key or a bad
+value fails before any compute with a message naming the key and the allowed keys/values (the
+command line's parsing: :mod:`moejax.harness.cli`).
 
 ``smoke=true`` runs the preset as a smoke run (:mod:`moejax.harness.smoke`): real model sizes and
 weights, every training run cut to a couple of steps of a few rows, evaluations to a couple of
