@@ -14,6 +14,7 @@ with a :class:`moejax.harness.study.Study` named ``STUDY``) to :data:`experiment
 
 from __future__ import annotations
 
+import difflib
 import platform
 import sys
 import time
@@ -68,13 +69,21 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
 SUITES = ("demo", "studies")
 
 
+def _meant(names, known) -> str:
+    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` that is a close spelling of one
+    of ``known``; "" where none is."""
+    pairs = [(difflib.get_close_matches(n, list(known), n=1, cutoff=0.75), n) for n in names]
+    said = [f"{near[0]!r} for {n!r}" for near, n in pairs if near]
+    return f" (did you mean {', '.join(said)}?)" if said else ""
+
+
 def _parse(argv):
     opts = {"preset": "quick", "out": "runs/report", "only": "", "suite": "demo"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts:
             raise ConfigError(
-                f"bad argument {item!r}; allowed keys: {sorted(opts)} "
+                f"bad argument {item!r}{_meant([key], opts)}; allowed keys: {sorted(opts)} "
                 f"(registered experiments: {', '.join(REGISTRY)})"
             )
         opts[key] = value
@@ -85,7 +94,8 @@ def _parse(argv):
     names = [n for n in opts["only"].split(",") if n]
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
-        raise ConfigError(f"only={unknown} not registered; registered: {', '.join(REGISTRY)}")
+        raise ConfigError(f"only={unknown} not registered{_meant(unknown, REGISTRY)}; "
+                          f"registered: {', '.join(REGISTRY)}")
     tour = opts["suite"] == "demo" and opts["preset"] == "quick"
     if names:  # a subset; in the tour with the tour's settings
         jobs = [(n, dict(DEMO).get(n, ()) if tour else ()) for n in names]

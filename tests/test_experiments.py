@@ -249,6 +249,12 @@ def test_union_breakdown_splits_the_distance_to_the_bound():
 def test_main_job_rejects_bad_arguments(capsys):
     assert main_job.main(["only=nope"]) == 2
     assert "not registered" in capsys.readouterr().err
+    assert main_job.main(["only=lm_demo,lm_dmo,mo,moe"]) == 2  # misspellings: the near names
+    assert ("only=['lm_dmo', 'mo', 'moe'] not registered (did you mean 'lm_demo' for 'lm_dmo', "
+            "'moee' for 'moe'?); registered: lm_demo") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"bad argument 'onl=moee' \(did you mean 'only' for "
+                                          r"'onl'\?\); allowed keys"):
+        main_job._parse(["onl=moee"])
     assert main_job.main(["preset=medium"]) == 2
     with pytest.raises(ConfigError):
         main_job._parse(["colour=red"])
