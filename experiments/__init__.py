@@ -4,6 +4,7 @@ op apart; each module is its paper's recipe and ends with its
 
     experiments/
       main.py  full_smoke.py  results_doc.py    the suites, the full-preset proofs, the results
+      results_carried.py                        a rebuilt document's carried-over sections
       lm_demo.py  substrate_build.py            the tour's MoE LM, the cached starting points
       ders/        DeRS: compression, upcycling, bench (DeRS experts at decode)
       darex/       DAREx: controlled, storage, decoder, encoder

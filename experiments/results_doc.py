@@ -51,16 +51,21 @@ from pathlib import Path
 
 from experiments import study_module
 from experiments.main import REGISTRY, entries, run_dirname
+from experiments.results_carried import (
+    OVERVIEW,
+    carried_tables,
+    has_claims,
+    previous,
+    rederive,
+    rejudge,
+)
 from moejax.config import ConfigError
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
 from moejax.harness.run_record import machine_info, read_run_record
 from moejax.harness.tables import (
-    changed_cells,
     read_csv_rows,
-    rewrite_csv_cells,
-    rewrite_markdown_cells,
 )
 from moejax.train.run_lock import is_held
 
@@ -71,8 +76,6 @@ ASSETS_MARKER = ".moejax-results-assets"  # marks a folder this generator wrote
 _TABLE_LINK = re.compile(r"^\(\[([\w.-]+\.csv)\]\([\w.-]+\.csv\)\)$", re.M)
 _PER_RUN = re.compile(r"^- seed run (\d+) \(\[summary\]\([\w./-]+\)\): (.*)$", re.M)
 _PLOT = re.compile(r"^!\[([^\]]*)\]\(([\w./-]+\.png)\)$", re.M)
-_SECTION = re.compile(r"^## (.+)$", re.M)
-_OVERVIEW = "Paper claims at a glance"
 
 
 def _parse(argv) -> tuple[dict[str, Path], Path, str, tuple[str, ...], dict[str, Path], bool]:
@@ -297,89 +300,6 @@ def _section(name: str, study: str, variant: str, path: Path, assets: Path,
     return "\n".join(parts), claims
 
 
-_CLAIMS_BLOCK = re.compile(r"^Paper claims:\n\n((?:- \*\*.*\n)+)", re.M)
-_SCALE = re.compile(r" \[scale (.*)\]$")
-
-
-def _carried_tables(folder: Path) -> dict[str, list[dict]]:
-    """The tables carried with a section (its claims' table aside), by stem."""
-    return {p.stem: read_csv_rows(p) for p in sorted(folder.glob("*.csv")) if p.stem != "claims"}
-
-
-def _rejudge(study: str, section: str, folder: Path,
-             tables: dict[str, list[dict]]) -> tuple[str, list[Claim] | None]:
-    """A carried section with its claims judged again by the study's current rules on the
-    ``tables`` carried with it in ``folder`` (its seed runs' too, for a repeated run);
-    ``(section, None)`` unchanged where those tables are not all there (a repeated run
-    documented before its seed runs' tables were carried)."""
-    fn = getattr(study_module(study), "claims", None)
-    block = _CLAIMS_BLOCK.search(section)
-    if fn is None or block is None or not folder.is_dir():
-        return section, None
-    tables = dict(tables)
-    repeated = re.search(r"^- seeds: \S+ = ", section, re.M) is not None
-    seeds = sorted((p for p in folder.glob("seed_*") if p.is_dir()),
-                   key=lambda p: int(p.name[5:]) if p.name[5:].isdigit() else -1)
-    if repeated and not seeds:
-        return section, None
-    if seeds:
-        tables[SEED_TABLES] = [{p.stem: read_csv_rows(p) for p in sorted(d.glob("*.csv"))}
-                               for d in seeds]
-    try:
-        claims = list(fn(tables))
-    except (KeyError, ValueError, TypeError):
-        return section, None
-    first = block.group(1).splitlines()[0]
-    scale = _SCALE.search(first)
-    text = claims_markdown(claims, scale.group(1) if scale else "")
-    return section[:block.start(1)] + text + section[block.end(1):], claims
-
-
-def _rederive(study: str, section: str, folder: Path, tables: dict[str, list[dict]]
-              ) -> tuple[str, dict[str, list[dict]], bool]:
-    """A carried section with the columns its study derives from what it measured (the
-    module's ``derived_tables``) computed again by today's rule, in ``tables`` (those carried
-    with it in ``folder``), in their CSVs there and in the section's inline tables (the
-    measured cells stay, to the character); the tables as their CSVs now read; and whether
-    the rule was applied (False: all as it was, the rule cannot read the tables)."""
-    fn = getattr(study_module(study), "derived_tables", None)
-    if fn is None or not folder.is_dir():
-        return section, tables, False
-    try:
-        derived = fn(tables)
-        cells = {stem: changed_cells(tables[stem], rows, list(tables[stem][0]))
-                 for stem, rows in derived.items() if tables.get(stem)}
-    except (KeyError, ValueError, TypeError):  # a table of another layout
-        return section, tables, False
-    tables = dict(tables)
-    for stem, changed in ((s, c) for s, c in cells.items() if c):
-        rewrite_csv_cells(folder / f"{stem}.csv", changed)
-        tables[stem] = [{c: r.get(c, "") for c in tables[stem][0]} for r in derived[stem]]
-        inline = re.search(rf"^((?:\|.*\|\n)+)\n\(\[{re.escape(stem)}\.csv\]\(", section,
-                           re.M)
-        if inline and inline.group(1).count("\n") == len(tables[stem]) + 2:
-            section = (section[:inline.start(1)] + rewrite_markdown_cells(inline.group(1),
-                                                                          changed)
-                       + section[inline.end(1):])
-    return section, tables, True
-
-
-def _previous(out: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """The document at ``out`` (if any): its sections by study name, and its claims-overview
-    rows by study name."""
-    if not out.is_file():
-        return {}, {}
-    text = out.read_text()
-    heads = [(m.start(), m.group(1).strip()) for m in _SECTION.finditer(text)]
-    sections = {name: text[start:end].rstrip("\n") + "\n" for (start, name), (end, _) in
-                zip(heads, heads[1:] + [(len(text), "")])}
-    rows: dict[str, list[str]] = {}
-    for line in sections.pop(_OVERVIEW, "").splitlines():
-        if line.startswith("| ") and line.count(" | ") >= 2:
-            rows.setdefault(line[2:].split(" | ", 1)[0], []).append(line)
-    return sections, rows
-
-
 def build(runs: Path | dict[str, Path], out: Path, source: str = "",
           forget: Sequence[str] = (), trials: dict[str, Path] | None = None,
           accelerator: bool = False) -> Path:
@@ -393,7 +313,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
         runs = {entry: runs / run_dirname(study, variant)
                 for entry, study, variant in entries(REGISTRY, accelerator)}
     assets = _check_assets(list(runs.values()), out)
-    old_sections, old_rows = _previous(out)
+    old_sections, old_rows = previous(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # the new assets are built beside the old ones and swapped in once the document is
     # written, so a failed rebuild leaves the previous document and its assets whole
@@ -415,16 +335,16 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                     if folder.is_dir():
                         shutil.copytree(folder, fresh / folder.name)
                     here = fresh / folder.name
-                    tables = _carried_tables(here) if here.is_dir() else {}
-                    text, tables, redone = _rederive(study, old_sections[name], here, tables)
-                    text, claims = _rejudge(study, text, here, tables)
+                    tables = carried_tables(here) if here.is_dir() else {}
+                    text, tables, redone = rederive(study, old_sections[name], here, tables)
+                    text, claims = rejudge(study, text, here, tables)
                     if redone:
                         rederived.append(name)
                     sections.append(text)
                     overview += ([f"| {name} | {c.claim} | {c.verdict} |" for c in claims]
                                  if claims is not None else old_rows.get(name, []))
                     carried.append(name)
-                    if _CLAIMS_BLOCK.search(old_sections[name]):  # a section with claims
+                    if has_claims(old_sections[name]):
                         (rejudged if claims is not None else kept).append(name)
                 elif not held:
                     missing.append(name)
@@ -455,7 +375,7 @@ def build(runs: Path | dict[str, Path], out: Path, source: str = "",
                      f"again were not carried: rerun them): {', '.join(kept)}.", ""]
         head += _trial_lines(trials or {}, runs)
         if overview:
-            head += [f"## {_OVERVIEW}", "", "| study | claim | verdict |",
+            head += [f"## {OVERVIEW}", "", "| study | claim | verdict |",
                      "|---|---|---|", *overview, ""]
         atomic_write_text(out, "\n".join(head + sections) + "\n")
     except BaseException:
