@@ -14,7 +14,6 @@ with a :class:`moejax.harness.study.Study` named ``STUDY``) to :data:`experiment
 
 from __future__ import annotations
 
-import difflib
 import platform
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from experiments import STUDIES, load_study
 from moejax.config import ConfigError
+from moejax.config_overrides import close_names
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness.cli import PRESETS
 from moejax.harness.run_index import entry_name
@@ -72,7 +72,7 @@ SUITES = ("demo", "studies")
 def _meant(names, known) -> str:
     """`` (did you mean 'x' for 'y'?)`` for each of ``names`` that is a close spelling of one
     of ``known``; "" where none is."""
-    pairs = [(difflib.get_close_matches(n, list(known), n=1, cutoff=0.75), n) for n in names]
+    pairs = [(close_names(n, known, n=1), n) for n in names]
     said = [f"{near[0]!r} for {n!r}" for near, n in pairs if near]
     return f" (did you mean {', '.join(said)}?)" if said else ""
 

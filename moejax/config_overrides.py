@@ -13,7 +13,7 @@ from typing import Literal, get_args, get_origin
 
 from moejax.config import Config, ConfigError, _is_optional, _resolved_hints
 
-__all__ = ["apply_overrides", "describe", "unread_reason"]
+__all__ = ["apply_overrides", "close_names", "describe", "unread_reason"]
 
 
 def _type_desc(tp) -> str:
@@ -53,6 +53,12 @@ def _allowed_keys(cfg: Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def close_names(word: str, names, n: int = 3) -> list[str]:
+    """Up to ``n`` of ``names`` spelt close to ``word``, closest first: what a refusal of a
+    mistyped name suggests (a key, a runner key, a study)."""
+    return difflib.get_close_matches(word, list(names), n=n, cutoff=0.75)
+
+
 # an error lists every allowed key up to this many; past it, each section as one entry
 _LISTED_KEYS = 24
 
@@ -88,13 +94,15 @@ def _near_keys(key: str, allowed: list[str], most: int = 5) -> list[str]:
                    key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())
     if not near:  # a misspelling: the closest section's closest keys, else any close key
         sections = {k.rpartition(".")[0] for k in allowed}
-        best = section if section in sections else next(
-            iter(difflib.get_close_matches(section, sections, n=1, cutoff=0.75)), None)
+        best = section if section in sections else (close_names(section, sections, n=1)
+                                                    or [None])[0]
         for keys in ([k for k in allowed if k.rpartition(".")[0] == best], allowed):
-            names = {k.rpartition(".")[2] for k in keys}
-            close = difflib.get_close_matches(name, names, n=3, cutoff=0.75)
-            near = near or [k for c in close for k in keys if k.rpartition(".")[2] == c]
-        near = near or difflib.get_close_matches(key, allowed, n=3, cutoff=0.75)
+            close = close_names(name, {k.rpartition(".")[2] for k in keys})
+            near = [k for c in close for k in keys if k.rpartition(".")[2] == c]
+            if near:
+                break
+        else:
+            near = close_names(key, allowed)
     return list(dict.fromkeys(near))[:most]
 
 

@@ -5,13 +5,12 @@ preset's config (:func:`moejax.config_overrides.apply_overrides`), and the ``--h
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from moejax.config import Config, ConfigError
-from moejax.config_overrides import apply_overrides, describe
+from moejax.config_overrides import apply_overrides, close_names, describe
 from moejax.harness.smoke import smoke_config
 
 __all__ = ["PRESETS", "expand_variant", "flag", "parse_cli", "parse_runner", "preset_of",
@@ -124,7 +123,7 @@ def _refuse_misspelt_runner_keys(cfg: Config, items: Sequence[str]) -> None:
     fields = {f.name for f in dataclasses.fields(cfg)}
     for item in items:
         key = item.partition("=")[0].strip()
-        near = difflib.get_close_matches(key, RUNNER_KEYS, n=1, cutoff=0.75)
+        near = close_names(key, RUNNER_KEYS, n=1)
         if key.split(".")[0] not in fields and near:
             raise ConfigError(f"unknown key {key!r} (did you mean the runner key {near[0]!r}?); "
                               f"runner keys: {', '.join(RUNNER_KEYS)}")
