@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import moejax.train.checkpoint as ck_mod
+import moejax.train.checkpoint_format as ck_format
 from moejax.config import from_json
 from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
 from moejax.train.distributed import cpu_devices_env
@@ -166,7 +167,7 @@ def test_mismatching_model_fails_naming_leaves(tmp_path):
 
 def test_plain_orbax_snippet_from_docstring(tmp_path):
     state = _saved_run(tmp_path, steps=(1, 2))
-    doc = ck_mod.__doc__
+    doc = ck_format.__doc__
     start = doc.index("    import os\n")
     end = doc.index("\n\n", start)
     snippet = textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(tmp_path / "ck"))
@@ -205,7 +206,7 @@ def test_plain_orbax_snippet_from_docstring(tmp_path):
 
 
 def _snippet(ckdir) -> str:
-    doc = ck_mod.__doc__
+    doc = ck_format.__doc__
     start = doc.index("    import os\n")
     end = doc.index("\n\n", start)
     return textwrap.dedent(doc[start:end]).replace("RUN_DIR/checkpoints", str(ckdir))

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
 from moejax.pytree import named_leaves
+from moejax.train import checkpoint_format
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.devices import run_on_devices
@@ -146,6 +148,10 @@ def test_the_finetuning_and_plain_orbax_blocks(tmp_path):
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
 
     # the checkpoint it wrote, restored with plain orbax in a process without moejax
+    doc = checkpoint_format.__doc__
+    start = doc.index("    import os\n")
+    assert _block("ocp.CheckpointManager") == textwrap.dedent(
+        doc[start:doc.index("\n\n", start)]) + "\n", "the README's copy of the format's snippet"
     restore = _block("ocp.CheckpointManager",
                      {'"RUN_DIR/checkpoints"': repr(str(run_dir / "checkpoints"))})
     assert "moejax" not in restore

@@ -1,52 +1,10 @@
-"""Checkpoints of a training run on orbax (``CheckpointManager``; no pickle anywhere).
+"""A training run's checkpoints on orbax (``CheckpointManager``; no pickle anywhere): the
+:class:`Checkpointer`, which saves a train state with its data position, config and
+checksums and restores it verified, and :func:`restore_params`, the weights of one run's
+newest verified step in another model.
 
-Layout of ``<directory>/<step>/`` (written by orbax into a temporary directory and renamed
-only once complete, with ``commit_success.txt`` written on finalisation):
-
-* item ``state`` (orbax ``StandardSave``, tensorstore/OCDBT arrays + JSON metadata)::
-
-      {"params":    nested dict of the model's nnx.Param arrays (fp32 master params),
-       "opt_state": optax state (namedtuples stored as lists, dicts of arrays),
-       "rest":      non-Param model variables (fixed buffers),
-       "step":      int32 scalar,
-       "key":       uint32 PRNG key data (jax.random.key_data of the run key)}
-
-* item ``meta`` (orbax ``JsonSave``)::
-
-      {"format": "moejax-checkpoint-v2", "step": int, "data_position": int,
-       "data": <the source's fingerprint (moejax.data's sources have one) or null>,
-       "config": <moejax.config.to_json text or null>, "checksums": {path: crc32},
-       "meta_checksum": crc32 of the rest of this record}
-
-Reading a checkpoint with plain orbax (no moejax import; this exact snippet is tested, on 1
-and 4 devices for a checkpoint saved on 8)::
-
-    import os
-    import jax
-    import orbax.checkpoint as ocp
-    ckdir = "RUN_DIR/checkpoints"
-    mngr = ocp.CheckpointManager(ckdir, item_handlers={
-        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-    step = max(s for s in mngr.all_steps()  # complete steps only (see "latest" below)
-               if os.path.exists(os.path.join(ckdir, str(s), "commit_success.txt")))
-    here = jax.sharding.make_single_device_sharding(jax.devices()[0])  # any device count
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
-                          mngr.item_metadata(step)["state"])
-    ck = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    params = ck["state"]["params"]           # e.g. params["lm_head"]["kernel"] -> jax.Array
-    position = ck["meta"]["data_position"]   # batches consumed
-    key = jax.random.wrap_key_data(ck["state"]["key"])
-
-The target places every array on this process's first device; a checkpoint saved on any
-mesh restores so (orbax refuses a target-less restore onto another topology). For a
-sharded restore, give the leaves the ``NamedSharding`` of a mesh of this machine instead.
-``moejax.train.restore_params`` does the same for a model: the parameters of a run's
-newest verified step, into a model of the same structure (``init_from=`` of a new run).
-
-"Latest" means the newest *complete* step: a directory named by an integer that holds
-orbax's ``commit_success.txt``. orbax's own temporary directories
-(``<step>.orbax-checkpoint-tmp-*``) and hand-made or half-copied step directories are ignored.
+The layout of a step, how to read one with plain orbax (no moejax import) and what is
+checksummed are the format's: :mod:`moejax.train.checkpoint_format`.
 
 Multi-host: every process calls ``save``/``restore`` (orbax coordinates the writes);
 ``directory`` must be on a filesystem all hosts see (NFS, GCS via gcsfuse, ...).
@@ -55,14 +13,8 @@ Restoring into a template whose leaves differ from the saved ones (another model
 raises :class:`CheckpointMismatchError` listing every differing leaf (path, saved shape/dtype
 vs expected) before anything is loaded.
 
-Integrity: ``meta["checksums"]`` holds a CRC-32 per array of ``state``
-(:mod:`moejax.integrity`), or, when the arrays span processes (multi-host),
-``meta["shard_checksums"]`` one per shard region, each process checksumming its own shards
-and the records gathered to every process (each process verifies its shards on restore);
-``meta["meta_checksum"]`` holds one of the meta record itself (so an edited data position
-or config is caught too); and the step stored in ``meta`` and ``state``
-must be the step its directory is named for (a renamed step directory is caught), all
-verified on restore; a step whose arrays, files or record are damaged raises
+Everything read back is verified (the format's checksums, the meta record's own and the
+step); a step whose arrays, files or record are damaged raises
 :class:`CorruptCheckpointError`, and :meth:`Checkpointer.restore_latest` falls back to
 the newest earlier step that verifies, saying so. Saves check first that the directory is
 writable, and a save that fails (or is interrupted by Ctrl-C) releases orbax's background

@@ -3,7 +3,65 @@ Checkpointer` that writes and reads it: the format tag and commit marker, the er
 plain-array form of a train state, the complete steps of a directory, the checks of what is
 read back (array layout against the model, the meta record's own checksum and step), the
 gathering of every process's shard checksums, and the release of orbax's save threads that a
-failed save leaves waiting."""
+failed save leaves waiting.
+
+Layout of ``<directory>/<step>/`` (written by orbax into a temporary directory and renamed
+only once complete, with ``commit_success.txt`` written on finalisation):
+
+* item ``state`` (orbax ``StandardSave``, tensorstore/OCDBT arrays + JSON metadata)::
+
+      {"params":    nested dict of the model's nnx.Param arrays (fp32 master params),
+       "opt_state": optax state (namedtuples stored as lists, dicts of arrays),
+       "rest":      non-Param model variables (fixed buffers),
+       "step":      int32 scalar,
+       "key":       uint32 PRNG key data (jax.random.key_data of the run key)}
+
+* item ``meta`` (orbax ``JsonSave``)::
+
+      {"format": "moejax-checkpoint-v2", "step": int, "data_position": int,
+       "data": <the source's fingerprint (moejax.data's sources have one) or null>,
+       "config": <moejax.config.to_json text or null>, "checksums": {path: crc32},
+       "meta_checksum": crc32 of the rest of this record}
+
+Reading a checkpoint with plain orbax (no moejax import; this exact snippet is tested, on 1
+and 4 devices for a checkpoint saved on 8)::
+
+    import os
+    import jax
+    import orbax.checkpoint as ocp
+    ckdir = "RUN_DIR/checkpoints"
+    mngr = ocp.CheckpointManager(ckdir, item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    step = max(s for s in mngr.all_steps()  # complete steps: orbax's commit marker
+               if os.path.exists(os.path.join(ckdir, str(s), "commit_success.txt")))
+    here = jax.sharding.make_single_device_sharding(jax.devices()[0])  # any device count
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
+                          mngr.item_metadata(step)["state"])
+    ck = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    params = ck["state"]["params"]           # e.g. params["lm_head"]["kernel"] -> jax.Array
+    position = ck["meta"]["data_position"]   # batches consumed
+    key = jax.random.wrap_key_data(ck["state"]["key"])
+
+The target places every array on this process's first device; a checkpoint saved on any
+mesh restores so (orbax refuses a target-less restore onto another topology). For a
+sharded restore, give the leaves the ``NamedSharding`` of a mesh of this machine instead.
+``moejax.train.restore_params`` does the same for a model: the parameters of a run's
+newest verified step, into a model of the same structure (``init_from=`` of a new run).
+
+"Latest" means the newest *complete* step: a directory named by an integer that holds
+orbax's ``commit_success.txt``. orbax's own temporary directories
+(``<step>.orbax-checkpoint-tmp-*``) and hand-made or half-copied step directories are ignored.
+
+Integrity: ``meta["checksums"]`` holds a CRC-32 per array of ``state``
+(:mod:`moejax.integrity`), or, when the arrays span processes (multi-host),
+``meta["shard_checksums"]`` one per shard region, each process checksumming its own shards
+and the records gathered to every process (each process verifies its shards on restore);
+``meta["meta_checksum"]`` holds one of the meta record itself (so an edited data position
+or config is caught too); and the step stored in ``meta`` and ``state``
+must be the step its directory is named for (a renamed step directory is caught), all
+verified on restore.
+"""
 
 from __future__ import annotations
 
