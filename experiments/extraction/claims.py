@@ -1,13 +1,21 @@
 """MoEE's claim rules (Berisha et al. 2025, Tables 1-2, Sec. 4-5): the cuts and the accuracy
-regained against the paper's smallest model, the comparisons with MoEfication and the
-ablations (random components, magnitude selection, other clusterings) only at equal MACs, each
-judged over the seeds."""
+regained against the paper's smallest model, and the comparisons with MoEfication and the
+ablations (random components, magnitude selection, other clusterings) at equal MACs, or where
+unequal MACs worked against the verdict, each judged over the seeds."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from moejax.harness.claims import Claim, all_hold, lookup, paired, paired_claim, threshold_claim
+from moejax.harness.claims import (
+    Claim,
+    all_hold,
+    lookup,
+    paired,
+    paired_claim,
+    threshold_claim,
+    unjudged,
+)
 
 # Table 1's smallest model (DeiT-T): MACs -27.0%, parameters -20.1%; the abstract: 98% of the
 # original accuracy regained after fine-tuning. Two rows are "at equal MACs" when their MACs
@@ -21,16 +29,14 @@ OTHER_CLUSTERINGS = ("DBSCAN", "OPTICS", "k-means", "BIRCH")
 
 def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
                    moee_seeds: dict | None = None, other_seeds: dict | None = None) -> Claim:
-    """``claim`` that MoEE's ``a`` beats ``other``'s ``b``, judged only where the two cut
-    MACs alike (inconclusive, with both cuts, where they do not): on the paired per-seed
-    differences with their 95% interval where both have per-seed values (``{seed: value}``),
-    else on the one pair of means (inconclusive: no interval)."""
-    gap = abs(float(moee["MACs_change_%"]) - float(other["MACs_change_%"]))
-    macs = f"MACs {float(moee['MACs_change_%']):+.1f}% vs {float(other['MACs_change_%']):+.1f}%"
-    if gap > EQUAL_MACS_PTS:
-        return Claim(claim, None, f"not at equal MACs: MoEE {float(moee['MACs_change_%']):+.1f}"
-                     f"% vs {other['model']} {float(other['MACs_change_%']):+.1f}%",
-                     inconclusive=True)
+    """``claim`` that MoEE's ``a`` beats ``other``'s ``b``: on the paired per-seed differences
+    with their 95% interval where both have per-seed values (``{seed: value}``), else on the
+    one pair of means (inconclusive: no interval). Where the two cut MACs unalike (more than
+    :data:`EQUAL_MACS_PTS` apart) a verdict stands only where the MACs worked against it: MoEE
+    winning with fewer MACs, or losing with more; otherwise it is inconclusive, the difference
+    possibly the MACs' (more active neurons keep more of the dense MLP)."""
+    mine, theirs = float(moee["MACs_change_%"]), float(other["MACs_change_%"])
+    macs = f"MACs {mine:+.1f}% vs {theirs:+.1f}%"
     seeds = sorted(set(moee_seeds or {}) & set(other_seeds or {}))
     if seeds:
         c = paired_claim(claim, paired(f"MoEE - {other['model']}",
@@ -39,7 +45,14 @@ def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
     else:
         c = paired_claim(claim, paired(f"MoEE - {other['model']} (means)",
                                        [float(moee[a])], [float(other[b])]))
-    return c._replace(evidence=f"{c.evidence}; {macs}")
+    if abs(mine - theirs) <= EQUAL_MACS_PTS or c.verdict == "not measured":
+        return c._replace(evidence=f"{c.evidence}; {macs}")
+    cheaper = mine < theirs
+    unequal = f"not at equal MACs: MoEE {mine:+.1f}% vs {other['model']} {theirs:+.1f}%"
+    if (c.holds is True and cheaper) or (c.holds is False and not cheaper):
+        return c._replace(evidence=f"{c.evidence}; {unequal}, and MoEE "
+                                   f"{'wins with fewer' if cheaper else 'loses with more'} MACs")
+    return unjudged(c, f"{unequal}: the difference may be the MACs'")
 
 
 def _by_seed(rows, model: str, key: str) -> dict:
@@ -87,7 +100,8 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     and the accuracy regained by :func:`moejax.harness.claims.threshold_claim` on the per-seed
     values, the comparisons with MoEfication and the ablations (random components, Table 2;
     magnitude selection, Sec. 5.2; the other clusterings, Sec. 5.1) on the paired per-seed
-    differences, only at equal MACs."""
+    differences, at equal MACs or where unequal MACs worked against the verdict
+    (:func:`_at_equal_macs`)."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
     if moee is None:
