@@ -1,6 +1,7 @@
 """Tiny substrate recipes for tests (no tests here): the ``tiny_recipes`` fixture in
 ``conftest.py`` swaps them into the substrate registry so that studies and the registry tests
-build their starting points in seconds, in a temporary cache."""
+build their starting points in seconds, in a temporary cache; and :data:`TINY_LM`, the
+overrides that shrink a study's MoE LM to seconds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from moejax.substrates import registry
 from moejax.substrates.classify import ViTSubstrateConfig
 from moejax.substrates.lm import LMSubstrateConfig
 from moejax.train.hparams import TrainConfig
+
+# a study's MoE LM (lm_demo, bench_dispatch) at test size, as command-line overrides
+TINY_LM = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "model.moe.n_experts=4",
+    "model.moe.d_expert=32",
+    "model.d_hidden=64",
+]
 
 
 def tiny_train(steps: int = 4) -> TrainConfig:
