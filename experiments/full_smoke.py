@@ -65,6 +65,7 @@ from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
 from moejax.files import atomic_write_text
+from moejax.harness.cli import asks_help
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.harness.study import Study
@@ -341,6 +342,9 @@ def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]], dic
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if asks_help(argv):
+        print(__doc__)
+        return 0
     try:
         names, out, timeout, mode, overrides, child_opts = _parse(argv)
         run = RunDir.create(out, name=f"full_{mode}", lock=True)

@@ -24,7 +24,7 @@ from experiments import STUDIES, load_study
 from moejax.config import ConfigError
 from moejax.config_overrides import close_names
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
-from moejax.harness.cli import PRESETS
+from moejax.harness.cli import PRESETS, asks_help
 from moejax.harness.run_index import entry_name
 from moejax.harness.run_record import read_run_record
 from moejax.train.run_lock import RunLockedError
@@ -118,6 +118,9 @@ def _jobs_with_variants(jobs, preset: str, suite: str):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if asks_help(argv):
+        print(__doc__)
+        return 0
     try:
         preset, out, jobs, suite = _parse(argv)
         writable_dir(out, f"out={out}", "choose a writable directory with out=DIR")

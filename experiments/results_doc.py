@@ -63,6 +63,7 @@ from moejax.config import ConfigError
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, claims_markdown, claims_scale
+from moejax.harness.cli import asks_help
 from moejax.harness.run_record import machine_info, read_run_record
 from moejax.harness.tables import (
     read_csv_rows,
@@ -409,7 +410,7 @@ def _trial_lines(trials: dict[str, Path], runs: dict[str, Path]) -> list[str]:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
+    if asks_help(argv):
         print(__doc__)
         return 0
     try:

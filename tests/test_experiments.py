@@ -77,6 +77,30 @@ def test_main_job_rejects_bad_arguments(capsys):
         main_job._parse(["colour=red"])
 
 
+@pytest.mark.parametrize("command", ["main", "results_doc", "full_smoke", "autotune"])
+@pytest.mark.parametrize("word", ["--help", "-h", "help"])
+def test_every_command_prints_its_usage_on_help_and_writes_nothing(command, word, tmp_path,
+                                                                   monkeypatch, capsys):
+    """The suite, the results document, the full-preset proofs and the GPU-only autotuner
+    answer a help word with their usage and exit 0, as a study does: before any check of the
+    arguments or the machine (autotune refuses a CPU otherwise), nothing written."""
+    from experiments import full_smoke, results_doc
+    from experiments.benchmarks import autotune
+
+    monkeypatch.chdir(tmp_path)
+    run = {"main": main_job.main, "results_doc": results_doc.main, "full_smoke": full_smoke.main,
+           "autotune": autotune.cli}[command]
+    assert run([word, "only=nope"]) == 0
+    out = capsys.readouterr().out
+    head = ("usage: python -m experiments.benchmarks.autotune" if command == "autotune" else
+            {"main": main_job, "results_doc": results_doc, "full_smoke": full_smoke}[
+                command].__doc__.splitlines()[0])
+    assert out.startswith(head), out[:200]
+    assert list(tmp_path.iterdir()) == []
+    if command == "autotune":  # without the help word, this CPU is refused
+        assert run(["only=nope"]) == 2 and "run it on a GPU" in capsys.readouterr().err
+
+
 def test_main_job_refuses_an_unusable_out_before_any_study(tmp_path, capsys):
     """out= naming a file, or a folder under one, is one line and exit 2, not a
     traceback."""

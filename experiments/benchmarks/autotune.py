@@ -35,6 +35,7 @@ import numpy as np
 
 from moejax.bench.timing import time_device_loop, union_activations
 from moejax.config import Config, config
+from moejax.harness.cli import asks_help
 from moejax.harness.results import RunDir
 from moejax.harness.study import Study
 from moejax.kernels.chunk_union.decode_gpu import TUNED_ROWS, chunk_union_decode_gpu
@@ -267,9 +268,11 @@ STUDY = Study("autotune", make_config, run)
 
 
 def cli(argv=None) -> int:
-    """Refuse a machine without a GPU before anything is written, then run."""
+    """Refuse a machine without a GPU before anything is written, then run (its usage is
+    printed on any machine)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     platform = target_device()[0]
-    if platform not in ("cuda", "rocm"):
+    if platform not in ("cuda", "rocm") and not asks_help(argv):
         print(f"error: autotune times GPU kernels; this machine lowers for {platform} (its "
               "kernels would run in interpret mode, which is no timing): run it on a GPU",
               file=sys.stderr)

@@ -13,11 +13,18 @@ from moejax.config import Config, ConfigError
 from moejax.config_overrides import apply_overrides, close_names, describe
 from moejax.harness.smoke import smoke_config
 
-__all__ = ["PRESETS", "expand_variant", "flag", "parse_cli", "parse_runner", "preset_of",
-           "run_module", "split_overwrite", "usage"]
+__all__ = ["HELP_WORDS", "PRESETS", "asks_help", "expand_variant", "flag", "parse_cli",
+           "parse_runner", "preset_of", "run_module", "split_overwrite", "usage"]
 
 PRESETS = ("quick", "full")
 RUNNER_KEYS = ("preset", "out", "repeat", "smoke", "variant", "overwrite")
+HELP_WORDS = ("-h", "--help", "help")  # any of them on a command line prints its usage
+
+
+def asks_help(argv: Sequence[str]) -> bool:
+    """Whether a command line asks for its usage (one of :data:`HELP_WORDS`): every moejax
+    command then prints it and exits 0, before any check of the machine or the arguments."""
+    return any(a in HELP_WORDS for a in argv)
 
 
 def run_module(name: str, run_fn) -> str:

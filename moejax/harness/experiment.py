@@ -51,6 +51,7 @@ from moejax.harness import run_index
 from moejax.harness.claims import SEED_TABLES, Claim, unjudged
 from moejax.harness.cli import (
     PRESETS,
+    asks_help,
     expand_variant,
     flag,
     parse_runner,
@@ -434,7 +435,7 @@ def main(name: str, make_config: Callable[[str], Config],
     if "out" in study:
         raise TypeError("main() takes the output directory from the command line (out=...)")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
+    if asks_help(argv):
         preset = next((a.split("=", 1)[1] for a in argv if a.startswith("preset=")), "quick")
         print(usage(name, make_config, preset if preset in PRESETS else "quick",
                     study.get("variants"), module=run_module(name, run_fn),
