@@ -172,6 +172,7 @@ def test_an_interrupted_run_is_marked_and_never_shown_as_finished(tmp_path, monk
     assert read_run_record(out)["resumed"] is True
 
 
+@pytest.mark.slow
 def test_a_stopped_repeat_keeps_its_finished_seed_runs_when_it_resumes(tmp_path):
     """Resumed, a repeat stopped in its second seed run makes only that one again (before,
     every seed run was made again); its merged tables, claims and headline are those of a run

@@ -105,6 +105,7 @@ def test_image_batches_count_examples_not_pixels():
     assert scale.text() == "7.8K parameters, 24 training examples"
 
 
+@pytest.mark.slow
 def test_the_merged_run_of_a_repeat_gives_the_scale_beside_its_verdicts(tmp_path):
     def run(cfg, run_dir):
         jax.monitoring.record_scalar(PARAMS, 1000.0)
