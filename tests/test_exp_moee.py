@@ -171,7 +171,7 @@ def _per_seed(model, n=3, **values):
             for s in range(n)]
 
 
-def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
+def test_claims_compare_at_equal_macs_and_use_the_papers_thresholds():
     dense = {"model": "dense", "acc_after_kd": 0.92}
     moee = {"model": "MoEE", "MACs_change_%": -27.5, "params_change_%": -20.5,
             "kd_vs_dense_%": 97.5, "acc_extracted": 0.80, "acc_after_kd": 0.897, "load_cv": 0.3}
@@ -203,7 +203,7 @@ def test_claims_compare_only_at_equal_macs_and_use_the_papers_thresholds():
         assert "one seed: no interval" in means[claim].evidence
 
 
-def test_selection_and_clustering_ablations_are_judged_at_equal_macs():
+def test_selection_and_clustering_ablations_are_judged_where_macs_cannot_explain_them():
     """Sec. 5.1-5.2: variance selection against magnitude selection, and HDBSCAN against
     every other clustering the run tried (named in the claim), right after extraction,
     paired per seed, each at equal MACs or where unequal MACs worked against the verdict."""

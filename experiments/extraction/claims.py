@@ -27,7 +27,7 @@ MACS_CUT_PCT, PARAMS_CUT_PCT, KD_RETAINED_PCT, EQUAL_MACS_PTS = 27.0, 20.0, 98.0
 OTHER_CLUSTERINGS = ("DBSCAN", "OPTICS", "k-means", "BIRCH")
 
 
-def _at_equal_macs(claim: str, moee: dict, other: dict, a: str, b: str,
+def _macs_checked(claim: str, moee: dict, other: dict, a: str, b: str,
                    moee_seeds: dict | None = None, other_seeds: dict | None = None) -> Claim:
     """``claim`` that MoEE's ``a`` beats ``other``'s ``b``: on the paired per-seed differences
     with their 95% interval where both have per-seed values (``{seed: value}``), else on the
@@ -101,7 +101,7 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     values, the comparisons with MoEfication and the ablations (random components, Table 2;
     magnitude selection, Sec. 5.2; the other clusterings, Sec. 5.1) on the paired per-seed
     differences, at equal MACs or where unequal MACs worked against the verdict
-    (:func:`_at_equal_macs`)."""
+    (:func:`_macs_checked`)."""
     t1 = t.get("table1") or []
     moee = lookup(t1, {"model": "MoEE"})
     if moee is None:
@@ -120,18 +120,18 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
            threshold_claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after "
                            "fine-tuning (Table 1, abstract)", kd, KD_RETAINED_PCT, fmt=".1f")]
     for r in moef:
-        out.append(_at_equal_macs(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
-                                  moee, r, "acc_after_kd", "acc_after_kd",
-                                  seeds("MoEE", "accuracy_after_kd"),
-                                  seeds(r["model"], "accuracy_after_kd")))
+        out.append(_macs_checked(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
+                                 moee, r, "acc_after_kd", "acc_after_kd",
+                                 seeds("MoEE", "accuracy_after_kd"),
+                                 seeds(r["model"], "accuracy_after_kd")))
         if r.get("load_cv") not in (None, ""):
             out.append(_paired_lower(f"MoEE routes more evenly than {r['model']} (Sec. 5, "
                                      "Fig. 2)", "load CV", seeds("MoEE", "load_cv"),
                                      seeds(r["model"], "load_cv"), moee["load_cv"],
                                      r["load_cv"]))
     def extracted(claim, r):  # MoEE against an ablation right after extraction
-        return _at_equal_macs(claim, moee, r, "acc_extracted", "accuracy",
-                              seeds("MoEE", "accuracy"), _by_seed(per2, r["model"], "accuracy"))
+        return _macs_checked(claim, moee, r, "acc_extracted", "accuracy",
+                             seeds("MoEE", "accuracy"), _by_seed(per2, r["model"], "accuracy"))
 
     ablations = t.get("table2_ablations") or []
     for r in ablations:
