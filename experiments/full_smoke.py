@@ -73,6 +73,7 @@ from moejax.pytree import fmt_count
 from moejax.train.aot import prove_decode, prove_step
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.run_lock import RunLockedError
+from moejax.train.run_state import sigterm_as_interrupt
 from moejax.train.scale import measure_scale
 
 __all__ = ["main", "child"]
@@ -206,17 +207,23 @@ def _run_child(name: str, out: Path, timeout: float, mode: str, overrides=(),
             f"{list(overrides)!r}, {preset!r}))")
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
+        # its own process group, so that a timeout ends the study and every process it started
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.time() - t0 > timeout:
-                os.killpg(proc.pid, signal.SIGKILL)
-                _, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.5)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    break
+                if time.time() - t0 > timeout:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    _, status, usage = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.5)
+        except BaseException:  # Ctrl-C or SIGTERM here: the study's group ends with this one
+            os.killpg(proc.pid, signal.SIGKILL)
+            os.wait4(proc.pid, 0)
+            raise
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped above
     wall = time.time() - t0
     rec = json.loads(report.read_text()) if report.is_file() else {"ok": False, "error": ""}
@@ -356,22 +363,30 @@ def main(argv=None) -> int:
     on = (f" on {child_opts['devices']} CPU devices" if child_opts["devices"] else "")
     title = (f"{child_opts['preset'].capitalize()} presets as smoke runs{on}" if mode == "smoke"
              else "Full presets ahead of time: every training step at its real shapes")
+    done = 0
     try:
-        for i, name in enumerate(names):
-            print(f"[full_{mode}] {i + 1}/{len(names)} {name}", flush=True)
-            rec, wall, peak = _run_child(name, out, timeout, mode, overrides.get(name, ()),
-                                         **child_opts)
-            ok += bool(rec.get("ok"))
-            rows += to_rows(name, rec, wall, peak, overrides.get(name, ()))
-            print(f"    {'OK' if rec.get('ok') else rec.get('error')} in {wall:.1f} s, "
-                  f"peak {peak:.2f} GB", flush=True)
-            run.tables.clear()
-            run.table(f"full_{mode}", rows, title=title)
+        with sigterm_as_interrupt("stopped by SIGTERM"):
+            for name in names:
+                print(f"[full_{mode}] {done + 1}/{len(names)} {name}", flush=True)
+                rec, wall, peak = _run_child(name, out, timeout, mode, overrides.get(name, ()),
+                                             **child_opts)
+                ok += bool(rec.get("ok"))
+                rows += to_rows(name, rec, wall, peak, overrides.get(name, ()))
+                print(f"    {'OK' if rec.get('ok') else rec.get('error')} in {wall:.1f} s, "
+                      f"peak {peak:.2f} GB", flush=True)
+                run.tables.clear()
+                run.table(f"full_{mode}", rows, title=title)
+                done += 1
         run.note(f"Each study ran in its own Python (`python -m experiments.full_smoke "
                  f"{' '.join(argv) or f'mode={mode}'}`); its log is beside this summary "
                  f"({out}/<study>.log).")
         run.finish(f"{ok} of {len(names)} {child_opts['preset']} presets proven ({mode}"
                    f"{on}).")
+    except KeyboardInterrupt as e:  # the running study's processes were ended with it
+        during = f" during {names[done]}" if done < len(names) else ""
+        print(f"[full_{mode}] {str(e) or 'stopped by Ctrl-C'}{during}: the table in {out} holds "
+              f"the {done} studies that finished before it", file=sys.stderr)
+        return 130
     finally:
         run.close()
     print(f"[full_{mode}] wrote {out / 'summary.md'}")
