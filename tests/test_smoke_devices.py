@@ -55,12 +55,14 @@ def test_a_stopped_run_ends_the_study_it_was_running(tmp_path, sig, why):
     which neither Ctrl-C nor a SIGTERM to the runner reaches: the runner ends it before it
     exits, in one line naming the study and what the table holds, with the shell's 130."""
     out = tmp_path / "smoke"
-    # as from a terminal: a suite started in the background runs with SIGINT ignored, and its
-    # processes would inherit that
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.full_smoke", "only=lm_demo",
-                             "preset=quick", f"out={out}", "timeout=600"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Ctrl-C raised as from a terminal: a suite started in the background runs with SIGINT
+    # ignored, which its processes inherit (and a fork-time reset would fork a threaded jax)
+    runner = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+              " sys.argv[0] = 'full_smoke'; runpy.run_module('experiments.full_smoke', "
+              "run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", runner, "only=lm_demo", "preset=quick",
+                             f"out={out}", "timeout=600"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     study = str(out / "lm_demo")  # in the study's command line, not in the runner's
     try:
         deadline = time.time() + 120
