@@ -40,11 +40,10 @@ CFG = TrainConfig(steps=6, batch_size=4, lr=1e-2, warmup_steps=1, schedule="cosi
 ONE_STEP = CFG.replace(steps=1, ckpt_every=0, keep_checkpoints=3)  # a call without a run_dir
 
 
-# A restore of a deliberately corrupted checkpoint fails inside orbax's asynchronous reads,
-# which leave their unfinished read coroutines to the garbage collector: collected here, after
-# each test, so their "exception ignored" reports stay with the test that caused them (and
-# are expected there) rather than surfacing in whichever test runs next.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# orbax's abandoned reads of the corrupted checkpoints collected after each test, their
+# "exception ignored" reports expected there (conftest's abandoned_reads_collected)
+pytestmark = [pytest.mark.usefixtures("abandoned_reads_collected"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,12 +53,6 @@ def _collect_only_this_modules_objects():
     gc.freeze()
     yield
     gc.unfreeze()
-
-
-@pytest.fixture(autouse=True)
-def _collect_abandoned_reads():
-    yield
-    gc.collect()
 
 
 def _params(model):

@@ -5,7 +5,6 @@ compute, nothing decoded into wrong values; and the checksums' properties."""
 
 from __future__ import annotations
 
-import gc
 import glob
 import json
 import os
@@ -164,16 +163,6 @@ def test_quantised_delta_damage_is_named_not_decoded_into_wrong_values():
             {"leaf0.offset": asym.arrays["leaf0.offset"][:1]})
     for st in (stored, asym):  # the undamaged ones still decode
         storage.decode(st, like=tree)
-
-
-@pytest.fixture
-def abandoned_reads_collected():
-    """A restore of a deliberately corrupted orbax checkpoint fails inside orbax's asynchronous
-    reads, which leave their unfinished read coroutines to the garbage collector: collected
-    after the test, so that their "exception ignored" reports stay with it (and are expected
-    there, its filterwarnings) rather than surfacing in whichever test runs next."""
-    yield
-    gc.collect()
 
 
 @pytest.mark.usefixtures("abandoned_reads_collected")
