@@ -1,6 +1,7 @@
 """The statistics the paper claims are judged by (moejax.harness.claims): Student's t critical
 values and tail probabilities against scipy, and the verdicts of paired and threshold claims
-against the exact t interval, as properties over drawn samples (hypothesis)."""
+against the exact t interval, as properties over drawn samples (hypothesis); the helpers that
+find and compare a table's values, and paired differences and threshold claims by hand."""
 
 import math
 
@@ -21,6 +22,7 @@ from moejax.harness.claims import (
     t_critical,
     t_two_sided_p,
     threshold_claim,
+    top_column,
 )
 
 DIFFS = st.lists(st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False), min_size=2,
@@ -159,3 +161,101 @@ def test_an_interval_end_that_decides_the_verdict_is_never_printed_as_zero():
     assert "value - 98: -0.5 +/- 0.4," in failed.evidence  # a signed format; a spread unsigned
     wide = threshold_claim("x", [98.6, 98.1, 99.0, 98.2, 98.8], 98.0, fmt=".1f")
     assert "95% CI [0.1, 1.0]" in wide.evidence
+
+
+def test_lookup_compare_and_top_column():
+    rows = [{"method": "DARE", "p": 0.9, "acc": 0.5}, {"method": "DARE", "p": "0.99", "acc": 0.2}]
+    assert lookup(rows, {"method": "DARE", "p": 0.99}, "acc") == 0.2  # "0.99" == 0.99
+    assert lookup(rows, {"method": "WANDA"}) is None
+    assert top_column([{"p=0.5": 1, "p=0.99": 2, "p=0.9 std": 3, "method": "x"}]) == "p=0.99"
+    c = compare("a beats b", ("a", 0.3), ("b", 0.4))
+    assert (c.holds, c.verdict, c.evidence) == (False, "does not hold", "a 0.3 vs b 0.4")
+    assert compare("lower wins", ("a", 0.3), ("b", 0.4), better="lower").holds is True
+    assert compare("missing", ("a", None), ("b", 0.4)).holds is None
+    assert compare("nan", ("a", float("nan")), ("b", 0.4)).verdict == "not measured"
+
+
+def test_paired_differences_by_hand():
+    # a - b per seed: 0.1, -0.2, 0.4 -> mean 0.1, sample std sqrt((0 + 0.09 + 0.09) / 2) = 0.3
+    row = paired("A - B", [0.5, 0.3, 0.9], [0.4, 0.5, 0.5])
+    assert row["mean_diff"] == pytest.approx(0.1) and row["std_diff"] == pytest.approx(0.3)
+    assert (row["wins"], row["n"], row["comparison"]) == (2, 3, "A - B")
+    c = paired_claim("A beats B", row)
+    # 95% CI: 0.1 +/- t(2) 4.3027 * 0.3 / sqrt(3) = [-0.6452, 0.8452]: contains zero
+    assert c.verdict == "inconclusive" and c.holds is None
+    assert "0.1000 +/- 0.3000, wins 2/3 seeds, 95% CI [-0.6452, 0.8452]" in c.evidence
+    assert paired_claim("x", None).verdict == "not measured"
+    one = paired("one", [1.0], [0.5])
+    assert one["std_diff"] == 0.0 and paired_claim("x", one).verdict == "inconclusive"
+    with pytest.raises(ValueError, match="equal, non-zero lengths"):
+        paired("bad", [1.0], [1.0, 2.0])
+
+
+def test_a_paired_value_that_is_not_a_number_is_not_measured():
+    """A NaN or infinite value (a run that could not measure it, e.g. a diverged loss) leaves
+    the claim not measured, not inconclusive; a metric that lies below still decides it."""
+    nan, inf = float("nan"), float("inf")
+    for a in ([0.5, nan, 0.9], [0.5, inf, 0.9]):
+        c = paired_claim("A beats B", paired("A - B", a, [0.4, 0.5, 0.5]))
+        assert c.verdict == "not measured" and "not a number" in c.evidence
+    up = paired("up", [1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    down = paired("down", [0.0, 1.0, 2.0], [1.0, 2.1, 3.0])
+    bad = paired("bad", [nan, 1.0, 2.0], [0.0, 0.0, 0.0])
+    assert paired_claim("both", [up, bad]).verdict == "not measured"
+    assert paired_claim("both", [down, bad]).verdict == "does not hold"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_paired_verdicts_follow_the_interval(seed):
+    """Properties over random seeds: a clear shift holds (its mirror does not), arms equal in
+    every seed do not hold (the first is better in none), noise-dominated shifts follow the
+    interval, the interval holds the mean, and several metrics hold only together."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    b = rng.normal(size=n)
+    noise = rng.normal(scale=0.01, size=n)
+    up = paired("A - B", list(b + 1.0 + noise), list(b))
+    assert paired_claim("A beats B", up).holds is True
+    assert paired_claim("B beats A", paired("B - A", list(b), list(b + 1.0 + noise))).holds \
+        is False
+    same = paired_claim("same", paired("same", list(b), list(b)))
+    assert same.verdict == "does not hold" and "equal in every seed" in same.evidence
+    tiny = paired("tiny", list(b + 1e-3 + rng.normal(scale=1.0, size=n)), list(b))
+    c = paired_claim("tiny", tiny)
+    lo, hi = (float(v) for v in c.evidence.split("CI [")[1].rstrip("]").split(", "))
+    assert lo <= tiny["mean_diff"] <= hi
+    assert c.verdict == ("holds" if lo > 0 else "does not hold" if hi < 0 else "inconclusive")
+    assert paired_claim("both", [up, up]).holds is True
+    assert paired_claim("both", [up, paired("same", list(b), list(b))]).verdict == \
+        "does not hold"
+    assert paired_claim("both", [up, tiny]).verdict == ("holds" if lo > 0 else
+                                                        "does not hold" if hi < 0 else
+                                                        "inconclusive")
+    down = paired("B - A", list(b), list(b + 1.0 + noise))
+    assert paired_claim("both", [up, down]).holds is False
+
+
+def test_the_best_of_several_settings_is_judged_at_a_bonferroni_level():
+    """A threshold claim on the best of K settings widens its interval to 1 - 0.05/K: the
+    same values that clear the threshold at 95% can be inconclusive as the best of many."""
+    values = [1.62, 1.58, 1.66, 1.55, 1.64]  # mean 1.61, 95% CI [1.554, 1.666]
+    assert threshold_claim("c", values, 1.5).verdict == "holds"
+    c = threshold_claim("c", values, 1.5, candidates=2)  # 97.5%: [1.540, 1.680]
+    assert c.verdict == "holds" and "97.5% CI [0.04009, 0.1799]" in c.evidence
+    assert threshold_claim("c", values, 1.6).verdict == "inconclusive"
+    c = threshold_claim("c", [v + 0.05 for v in values], 1.6)  # 95%: [1.604, 1.716]
+    assert c.verdict == "holds" and "95% CI" in c.evidence
+    c = threshold_claim("c", [v + 0.05 for v in values], 1.6, candidates=20)
+    assert c.verdict == "inconclusive" and "99.75% CI" in c.evidence
+    assert "the best of 20: Bonferroni" in c.evidence
+    with pytest.raises(ValueError, match="candidates"):
+        threshold_claim("c", values, 1.5, candidates=0)
+
+
+def test_threshold_claims_need_the_interval_past_the_threshold():
+    assert threshold_claim("x", [0.95, 0.96, 0.94, 0.955, 0.945], 0.9).holds is True
+    assert threshold_claim("x", [0.85, 0.86, 0.84, 0.855, 0.845], 0.9).holds is False
+    assert threshold_claim("x", [0.95, 0.80, 0.99], 0.9).verdict == "inconclusive"
+    assert threshold_claim("x", [0.95], 0.9).verdict == "inconclusive"   # one seed
+    assert threshold_claim("x", [0.05, 0.04, 0.06], 0.1, better="lower").holds is True
+    assert threshold_claim("x", [], 0.9).verdict == "not measured"

@@ -8,12 +8,23 @@ from flax import nnx
 
 from moejax.config import ConfigError, config, from_json, to_json
 from moejax.nn import generate as gen_mod
-from moejax.nn.decoder import DecoderLM, dense_decoder_config, join_lengths, split_lengths
+from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.decoder import (
+    DecoderLM,
+    dense_decoder_config,
+    join_lengths,
+    smollm2_135m_config,
+    split_lengths,
+)
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
 from moejax.nn.lean_decode import lean_decoder
 from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_lm import MoELMConfig
+from moejax.nn.remoe import ReMoEConfig
+from moejax.nn.sample import sampler
 from moejax.nn.slots import FFNSlotConfig, layer_pattern
+from moejax.nn.speculative import speculative_decoder
 from tests.toy_models import jitted, logits_of
 
 
@@ -110,10 +121,6 @@ def test_decoding_past_the_cache_is_refused_with_both_lengths():
     """A prefill or step that would write past the cache's end (XLA would clamp it onto the
     last slots) is refused before tracing, naming the lengths; generate, the sampler and the
     speculative decoder refuse a prompt plus new tokens beyond max_seq_len the same way."""
-    from moejax.nn.generate import generate
-    from moejax.nn.sample import sampler
-    from moejax.nn.speculative import speculative_decoder
-
     model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
     cache = model.init_cache(2, 6)
     with pytest.raises(ValueError, match="9 new tokens after 0 cached ones need 9 cache "
@@ -161,8 +168,6 @@ def test_tokens_that_are_not_integer_ids_in_rows_or_not_the_caches_rows_are_refu
 def test_generate_refuses_a_negative_count_and_an_eos_outside_the_vocabulary():
     """generate returns the prompt for 0 new tokens, refuses a negative count, and an eos_id
     the model could never emit (the loop would run to the end, the padding never come)."""
-    from moejax.nn.generate import generate
-
     model = DecoderLM(tiny_cfg(), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(np.asarray(generate(model, TOKENS, 0)), np.asarray(TOKENS))
     with pytest.raises(ValueError, match="max_new_tokens=-1 must be an integer >= 0"):
@@ -225,8 +230,6 @@ def test_aux_flows_from_slots_every_other_layer_with_per_layer_keys():
 def test_a_layer_pattern_that_places_its_slot_nowhere_is_refused():
     """Every other layer from the second, of one layer, is none: MoELMConfig(n_layers=1,
     moe_layers="every_other") built a dense LM, silently."""
-    from moejax.nn.moe_lm import MoELMConfig
-
     dense, moe = DenseFFNConfig(d_hidden=24, activation="swiglu"), MoEConfig()
     assert layer_pattern(2, dense, moe, every=2) == (dense, moe)
     with pytest.raises(ValueError, match="places MoEConfig in none of the 1 layers"):
@@ -333,7 +336,6 @@ def test_decoder_with_moe_every_other_layer_forward_and_grad():
 
 
 def test_smollm2_135m_layout_has_the_published_parameter_count():
-    from moejax.nn.decoder import smollm2_135m_config
     abstract = nnx.eval_shape(lambda: DecoderLM(smollm2_135m_config(), rngs=nnx.Rngs(0)))
     assert n_params(abstract) == 134_515_008
     assert abstract.blocks[0].attn.w_k.get_value().shape == (576, 192)
@@ -359,8 +361,6 @@ def _packed(lens, T, rng):
 
 
 def _slot_variants():
-    from moejax.nn.blockffn import BlockFFNConfig
-    from moejax.nn.remoe import ReMoEConfig
     dense = DenseFFNConfig(d_hidden=24, activation="swiglu")
     return {
         "dense": (dense, dense),

@@ -1,123 +1,26 @@
-"""The results document and the claim helpers: a run directory written by the runner
-(run.json, tables, claims) is read back into docs; claims are judged from tables."""
+"""The results document: a run directory written by the runner (run.json, tables, claims) is
+read back into docs, a carried section judged again by today's rules, and a seed-paired claim
+judged from its seed runs (the claim helpers themselves: test_claims_statistics.py)."""
 
 import json
 import shutil
 
 import pytest
 
+from experiments import main as suite
 from experiments import results_doc
 from experiments.blockffn import granularity as blockffn_granularity
 from moejax.config import ConfigError
-from moejax.harness.claims import (
-    SEED_TABLES,
-    Claim,
-    compare,
-    lookup,
-    paired,
-    paired_claim,
-    top_column,
-)
+from moejax.harness import run_index
+from moejax.harness.claims import SEED_TABLES, Claim
 from moejax.harness.experiment import run_experiment
 from moejax.harness.results import RunDir
-
-
-def test_lookup_compare_and_top_column():
-    rows = [{"method": "DARE", "p": 0.9, "acc": 0.5}, {"method": "DARE", "p": "0.99", "acc": 0.2}]
-    assert lookup(rows, {"method": "DARE", "p": 0.99}, "acc") == 0.2  # "0.99" == 0.99
-    assert lookup(rows, {"method": "WANDA"}) is None
-    assert top_column([{"p=0.5": 1, "p=0.99": 2, "p=0.9 std": 3, "method": "x"}]) == "p=0.99"
-    c = compare("a beats b", ("a", 0.3), ("b", 0.4))
-    assert (c.holds, c.verdict, c.evidence) == (False, "does not hold", "a 0.3 vs b 0.4")
-    assert compare("lower wins", ("a", 0.3), ("b", 0.4), better="lower").holds is True
-    assert compare("missing", ("a", None), ("b", 0.4)).holds is None
-    assert compare("nan", ("a", float("nan")), ("b", 0.4)).verdict == "not measured"
-
-
-def test_paired_differences_by_hand():
-    # a - b per seed: 0.1, -0.2, 0.4 -> mean 0.1, sample std sqrt((0 + 0.09 + 0.09) / 2) = 0.3
-    row = paired("A - B", [0.5, 0.3, 0.9], [0.4, 0.5, 0.5])
-    assert row["mean_diff"] == pytest.approx(0.1) and row["std_diff"] == pytest.approx(0.3)
-    assert (row["wins"], row["n"], row["comparison"]) == (2, 3, "A - B")
-    c = paired_claim("A beats B", row)
-    # 95% CI: 0.1 +/- t(2) 4.3027 * 0.3 / sqrt(3) = [-0.6452, 0.8452]: contains zero
-    assert c.verdict == "inconclusive" and c.holds is None
-    assert "0.1000 +/- 0.3000, wins 2/3 seeds, 95% CI [-0.6452, 0.8452]" in c.evidence
-    assert paired_claim("x", None).verdict == "not measured"
-    one = paired("one", [1.0], [0.5])
-    assert one["std_diff"] == 0.0 and paired_claim("x", one).verdict == "inconclusive"
-    with pytest.raises(ValueError, match="equal, non-zero lengths"):
-        paired("bad", [1.0], [1.0, 2.0])
-
-
-def test_a_paired_value_that_is_not_a_number_is_not_measured():
-    """A NaN or infinite value (a run that could not measure it, e.g. a diverged loss) leaves
-    the claim not measured, not inconclusive; a metric that lies below still decides it."""
-    nan, inf = float("nan"), float("inf")
-    for a in ([0.5, nan, 0.9], [0.5, inf, 0.9]):
-        c = paired_claim("A beats B", paired("A - B", a, [0.4, 0.5, 0.5]))
-        assert c.verdict == "not measured" and "not a number" in c.evidence
-    up = paired("up", [1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
-    down = paired("down", [0.0, 1.0, 2.0], [1.0, 2.1, 3.0])
-    bad = paired("bad", [nan, 1.0, 2.0], [0.0, 0.0, 0.0])
-    assert paired_claim("both", [up, bad]).verdict == "not measured"
-    assert paired_claim("both", [down, bad]).verdict == "does not hold"
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_paired_verdicts_follow_the_interval(seed):
-    """Properties over random seeds: a clear shift holds (its mirror does not), arms equal in
-    every seed do not hold (the first is better in none), noise-dominated shifts follow the
-    interval, the interval holds the mean, and several metrics hold only together."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(2, 9))
-    b = rng.normal(size=n)
-    noise = rng.normal(scale=0.01, size=n)
-    up = paired("A - B", list(b + 1.0 + noise), list(b))
-    assert paired_claim("A beats B", up).holds is True
-    assert paired_claim("B beats A", paired("B - A", list(b), list(b + 1.0 + noise))).holds \
-        is False
-    same = paired_claim("same", paired("same", list(b), list(b)))
-    assert same.verdict == "does not hold" and "equal in every seed" in same.evidence
-    tiny = paired("tiny", list(b + 1e-3 + rng.normal(scale=1.0, size=n)), list(b))
-    c = paired_claim("tiny", tiny)
-    lo, hi = (float(v) for v in c.evidence.split("CI [")[1].rstrip("]").split(", "))
-    assert lo <= tiny["mean_diff"] <= hi
-    assert c.verdict == ("holds" if lo > 0 else "does not hold" if hi < 0 else "inconclusive")
-    assert paired_claim("both", [up, up]).holds is True
-    assert paired_claim("both", [up, paired("same", list(b), list(b))]).verdict == \
-        "does not hold"
-    assert paired_claim("both", [up, tiny]).verdict == ("holds" if lo > 0 else
-                                                        "does not hold" if hi < 0 else
-                                                        "inconclusive")
-    down = paired("B - A", list(b), list(b + 1.0 + noise))
-    assert paired_claim("both", [up, down]).holds is False
-
-
-def test_the_best_of_several_settings_is_judged_at_a_bonferroni_level():
-    """A threshold claim on the best of K settings widens its interval to 1 - 0.05/K: the
-    same values that clear the threshold at 95% can be inconclusive as the best of many."""
-    from moejax.harness.claims import threshold_claim
-
-    values = [1.62, 1.58, 1.66, 1.55, 1.64]  # mean 1.61, 95% CI [1.554, 1.666]
-    assert threshold_claim("c", values, 1.5).verdict == "holds"
-    c = threshold_claim("c", values, 1.5, candidates=2)  # 97.5%: [1.540, 1.680]
-    assert c.verdict == "holds" and "97.5% CI [0.04009, 0.1799]" in c.evidence
-    assert threshold_claim("c", values, 1.6).verdict == "inconclusive"
-    c = threshold_claim("c", [v + 0.05 for v in values], 1.6)  # 95%: [1.604, 1.716]
-    assert c.verdict == "holds" and "95% CI" in c.evidence
-    c = threshold_claim("c", [v + 0.05 for v in values], 1.6, candidates=20)
-    assert c.verdict == "inconclusive" and "99.75% CI" in c.evidence
-    assert "the best of 20: Bonferroni" in c.evidence
-    with pytest.raises(ValueError, match="candidates"):
-        threshold_claim("c", values, 1.5, candidates=0)
+from moejax.harness.study import Study
+from moejax.train.hparams import TrainConfig
+from moejax.train.run_lock import RunLock, is_held
 
 
 def test_granularity_claim_pairs_the_seed_runs():
-    from moejax.harness.claims import SEED_TABLES
-
     def tables(*ppl_by_seed, tls=(0.8, 0.8, 0.8)):
         seeds = [{"granularity": [{"n_experts": n, "val_ppl": v, "TLS": s}
                                   for n, v, s in zip((4, 8, 32), p, tls)]}
@@ -163,8 +66,6 @@ def _study(cfg, run: RunDir) -> dict:
 
 
 def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch):
-    from moejax.train.hparams import TrainConfig
-
     make = lambda preset: TrainConfig(seed=0)  # noqa: E731  any config with an int seed
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", make, _study, ["preset=quick", "repeat=2"],
@@ -196,8 +97,6 @@ def test_runner_records_the_run_and_the_document_reads_it(tmp_path, monkeypatch)
 
 def test_a_study_whose_run_is_gone_keeps_its_section_and_a_failed_rebuild_keeps_all(
         tmp_path, monkeypatch):
-    from moejax.train.hparams import TrainConfig
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                    ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
@@ -233,8 +132,6 @@ def test_a_carried_section_is_judged_again_by_todays_rules_on_its_own_tables(tmp
     """A repeated run's section, carried after its run is gone, keeps its seed runs' tables
     beside it, and its claims are judged again by the study's current rule; a section whose
     tables were not all carried keeps the verdicts its run gave, and the document says so."""
-    from moejax.train.hparams import TrainConfig
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                    ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
@@ -291,8 +188,6 @@ def test_a_carried_section_has_the_columns_it_derives_computed_again(tmp_path, m
     computed again by today's rule, in its CSV and its inline table, every measured cell kept
     to the character, and the document names it; a rule that cannot read the tables leaves
     the section as it was, and is not named."""
-    from moejax.train.hparams import TrainConfig
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0),
                    _study_with_a_ratio, ["preset=quick"], out=out, seed_keys=("seed",),
@@ -331,8 +226,6 @@ def test_forget_leaves_out_a_carried_section_whose_run_no_longer_stands(tmp_path
                                                                        monkeypatch):
     """forget=: a carried-over section (its run gone) is left out and named as not run, and
     the command that wrote the document says so; an unknown study is refused."""
-    from moejax.train.hparams import TrainConfig
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                    ["preset=quick"], out=out, seed_keys=("seed",),
@@ -401,9 +294,6 @@ def test_the_document_never_removes_a_folder_it_did_not_write(tmp_path):
 
 
 def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
-    from moejax.train.hparams import TrainConfig
-    from moejax.train.run_lock import RunLock, is_held
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                    ["preset=quick"], out=out, seed_keys=("seed",),
@@ -420,25 +310,9 @@ def test_a_run_held_by_a_live_lock_is_not_read(tmp_path, monkeypatch):
     assert "## blockffn_granularity" in results_doc.build(tmp_path / "runs", doc_path).read_text()
 
 
-def test_threshold_claims_need_the_interval_past_the_threshold():
-    from moejax.harness.claims import threshold_claim
-
-    assert threshold_claim("x", [0.95, 0.96, 0.94, 0.955, 0.945], 0.9).holds is True
-    assert threshold_claim("x", [0.85, 0.86, 0.84, 0.855, 0.845], 0.9).holds is False
-    assert threshold_claim("x", [0.95, 0.80, 0.99], 0.9).verdict == "inconclusive"
-    assert threshold_claim("x", [0.95], 0.9).verdict == "inconclusive"   # one seed
-    assert threshold_claim("x", [0.05, 0.04, 0.06], 0.1, better="lower").holds is True
-    assert threshold_claim("x", [], 0.9).verdict == "not measured"
-
-
 def test_a_declared_variant_is_run_indexed_and_documented_apart(tmp_path, monkeypatch):
     """A study's variant (its quick preset with declared overrides) keeps its own newest run
     in the index and its own section, beside the study's own run."""
-    from experiments import main as suite
-    from moejax.harness import run_index
-    from moejax.harness.study import Study
-    from moejax.train.hparams import TrainConfig
-
     study = Study("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                   claims=blockffn_granularity.claims, variants=(("late", ("seed=7",)),))
     monkeypatch.setenv(run_index.ENV, str(tmp_path / "index.jsonl"))
@@ -486,11 +360,6 @@ def test_an_accelerator_variant_is_a_preset_run_documented_on_an_accelerator_onl
     preset run, is indexed under its own name, and has a section in an accelerator's document
     only: the CPU document neither holds it nor lists it as not run, and the quick suite does
     not run it."""
-    from experiments import main as suite
-    from moejax.harness import run_index
-    from moejax.harness.study import Study
-    from moejax.train.hparams import TrainConfig
-
     study = Study("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                   claims=blockffn_granularity.claims, variants=(("late", ("seed=7",)),),
                   accelerator_variants=(("gpu", ("seed=9",)),))
@@ -527,8 +396,6 @@ def test_a_record_from_before_tables_and_seed_runs_were_kept_is_read_from_its_su
         tmp_path, monkeypatch):
     """A run.json without ``tables`` and ``seed_runs``: the claims get the tables its summary
     links (not a stray CSV of its directory) and its ``repeat`` seed runs' tables."""
-    from moejax.train.hparams import TrainConfig
-
     out = tmp_path / "runs" / "blockffn_granularity"
     run_experiment("blockffn_granularity", lambda preset: TrainConfig(seed=0), _study,
                    ["preset=quick", "repeat=2"], out=out, seed_keys=("seed",),
@@ -549,8 +416,6 @@ def test_a_record_from_before_tables_and_seed_runs_were_kept_is_read_from_its_su
 def test_one_seed_and_a_long_table_are_written_as_such(tmp_path, monkeypatch):
     """A run of one seed says so; a table past the inline limit is linked with its row
     count, not inlined."""
-    from moejax.train.hparams import TrainConfig
-
     rows = results_doc.MAX_INLINE_ROWS + 1
 
     def long_table(cfg, run):

@@ -1,6 +1,7 @@
-"""moejax.bench.decode_timing: the grown target predicts exactly what the small one does, its extra
-routers reach the asked TLS, and the decode timing reports what it ran; the benchmark study
-runs tiny and checks speculative against autoregressive output."""
+"""moejax.bench.decode_timing: the grown target predicts exactly what the small one does, its
+extra routers reach the asked TLS, and the decode timing reports what it ran; the benchmark
+study runs tiny and checks speculative against autoregressive output (its claims:
+test_spec_claims.py)."""
 
 import csv
 import re
@@ -10,20 +11,26 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.blockffn import speculative as spec_study
+from experiments.blockffn import speculative_decodings
 from moejax.bench import decode_timing as bench_decode
 from moejax.bench.decode_timing import blockffn_path, decode_timing, expert_routes, grow_blockffn_lm
 from moejax.bench.profile import KernelTrace
 from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
+from moejax.harness.experiment import run_experiment
 from moejax.kernels.targets import lowering_target
+from moejax.nn import sample, speculative
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.sample import sampler
+from moejax.nn.speculative import speculative_decoder
 from moejax.pytree import count_params
+from moejax.train import budget
 
 
 def _small(seed=0):
-    from flax import nnx
-
     slot = BlockFFNConfig(n_experts=4, d_expert=8)
     cfg = DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, ffn_slots=(slot,) * 2,
                         max_seq_len=64, init_std=1.0)
@@ -65,9 +72,6 @@ def test_decode_timing_checks_its_loop_against_memory_before_it_runs(spec, monke
     """The decoding loop is compiled and XLA's estimate compared with the device's memory
     before any call: with the host made 10 kB, MemoryBudgetError names the loop and the fix,
     and the model is never called."""
-    import moejax.train.budget as budget
-    from moejax.nn import sample, speculative
-
     small = _small()
     prompts = jax.random.randint(jax.random.key(3), (2, 5), 0, 32)
     ran = []
@@ -89,9 +93,6 @@ def test_decode_timing_checks_its_loop_against_memory_before_it_runs(spec, monke
 def test_a_sampler_and_a_decoder_lower_without_running():
     """``draw.lower`` / ``decode.lower``: the jitted loops for those arguments, not run; the
     compiled loop returns what the call returns."""
-    from moejax.nn.sample import sampler
-    from moejax.nn.speculative import speculative_decoder
-
     small = _small()
     prompts = jax.random.randint(jax.random.key(3), (1, 5), 0, 32)
     lens = np.full((1,), 5, np.int32)
@@ -120,6 +121,12 @@ def test_decode_timing_profiles_kernels_per_token(monkeypatch):
     assert r["kernels"] == pytest.approx({"gemm": 2e-4, "copy": 2e-4 / 9})
 
 
+def _bench(argv, **kw):
+    """The speculative-decoding bench run as its study (``run_experiment``'s keywords)."""
+    return run_experiment(spec_study.STUDY.name, spec_study.make_config, spec_study.run, argv,
+                          **kw)
+
+
 TINY = ["target.d_model=16", "target.n_layers=2", "target.n_experts=4", "target.d_expert=8",
             "draft.d_model=16", "train.steps=4", "train.warmup_steps=1", "train.log_every=2",
             "draft_lens=(2,)", "n_prompts=1", "prompt_len=8", "max_new_tokens=6",
@@ -134,10 +141,6 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     """The whole bench on tiny models; with a device trace (stubbed: a CPU trace has none)
     each decoding's row gets its kernels per token, token_kernels_<target> its longest
     kernels, and programs/ its compiled decoding loop."""
-    from experiments.blockffn import speculative as mod
-    from experiments.blockffn import speculative_decodings
-    from moejax.harness.experiment import run_experiment
-
     monkeypatch.setattr(speculative_decodings, "sees_device", lambda: True)
     read, fused_ops = [], speculative_decodings.fused_ops
     monkeypatch.setattr(speculative_decodings, "fused_ops",
@@ -145,8 +148,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_decode, "trace_kernels", lambda run: KernelTrace(
         12, 3e-4, {"gemm": 2e-4, "fusion_3": 0.6e-4, "fusion_1": 0.4e-4},
         {"gemm": 6, "fusion_3": 4, "fusion_1": 2}))
-    summary, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, TINY,
-                                  claims=mod.claims, out=tmp_path / "b")
+    summary, run = _bench(TINY, claims=spec_study.claims, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"trained", "grown"}
     assert [(r["mode"], r["draft"]) for r in rows[:6]] == [
@@ -157,7 +159,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert all(r["same_tokens_as_AR"] == "True" for r in rows)
     assert all(float(r["tokens_per_s"]) > 0 for r in rows)
     each = list(csv.DictReader(open(run.path / "decode_prompts.csv")))
-    n_prompts = mod.make_config("quick").n_prompts if not any(
+    n_prompts = spec_study.make_config("quick").n_prompts if not any(
         a.startswith("n_prompts=") for a in TINY) else int(next(
             a for a in TINY if a.startswith("n_prompts="))[10:])
     assert len(each) == len(rows) * n_prompts and all(float(r["seconds"]) > 0 for r in each)
@@ -196,7 +198,7 @@ def test_bench_speculative_tiny(tmp_path, monkeypatch):
     assert len(got) == 2 and all(c["verdict"] == "not measured" and "100M" in c["evidence"]
                                  for c in got)
     with pytest.raises(ConfigError, match="self_layers"):  # the whole trained target: no
-        mod.make_config("quick").replace(drafts=mod.DraftsConfig(self_layers=2))
+        spec_study.make_config("quick").replace(drafts=spec_study.DraftsConfig(self_layers=2))
 
 
 @pytest.mark.slow
@@ -209,14 +211,10 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     in bfloat16 (the trained float32 models' bfloat16 copies): every row names the dtype and
     the share of its new tokens before the first difference from AR dense (1 for AR dense
     itself)."""
-    from experiments.blockffn import speculative as mod
-    from experiments.blockffn import speculative_decodings as timing
-    from moejax.harness.experiment import run_experiment
-
     args = [*(a for a in TINY if not a.startswith("grow.")),  # no growth: no grow.* read
             "grow.extra_layers=0", "drafts.distilled=true", "drafts.self_layers=0",
             "drafts.self_distilled=false", "decode_dtype=bfloat16"]
-    calls, real = [], timing.decode_timing
+    calls, real = [], speculative_decodings.decode_timing
 
     def stop_at_the_fourth(*a, **k):
         calls.append(1)
@@ -225,18 +223,18 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
         return real(*a, **k)
 
     with monkeypatch.context() as m:
-        m.setattr(timing, "decode_timing", stop_at_the_fourth)
+        m.setattr(speculative_decodings, "decode_timing", stop_at_the_fourth)
         with pytest.raises(TimeoutError):
-            run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
+            _bench(args, out=tmp_path / "b")
     rows = list(csv.DictReader(open(tmp_path / "b" / "decode.csv")))
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense"]
     first = (tmp_path / "b" / "target" / "metrics.csv").read_text()
     assert (tmp_path / "b" / "distilled" / "checkpoints").is_dir()
     steps, timed = [], []
     monkeypatch.setattr("moejax.train.loop._Run._step", lambda self, step: steps.append(step))
-    monkeypatch.setattr(timing, "decode_timing",
+    monkeypatch.setattr(speculative_decodings, "decode_timing",
                         lambda *a, **k: timed.append(k) or real(*a, **k))
-    run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
+    _bench(args, out=tmp_path / "b")
     assert steps == []  # nothing trained again
     assert [k["draft"] is not None for k in timed] == [True, True]  # the two never timed
     assert (tmp_path / "b" / "target" / "metrics.csv").read_text() == first
@@ -253,135 +251,9 @@ def test_a_stopped_bench_keeps_its_rows_and_resumes_without_training(tmp_path, m
     assert all(0.0 <= float(r["tokens_matching_AR"]) <= 1.0 for r in rows)
     assert "decoded in bfloat16" in (tmp_path / "b" / "summary.md").read_text()
     timed.clear()  # the finished run replaced: its measurements go with it, not reused
-    run_experiment(mod.STUDY.name, mod.make_config, mod.run, [*args, "overwrite=true"],
-                   out=tmp_path / "b")
+    _bench([*args, "overwrite=true"], out=tmp_path / "b")
     assert len(timed) == 5 and steps == []
     assert "decodings were timed by an earlier" not in (tmp_path / "b" / "summary.md").read_text()
-
-
-def test_matching_prefix_counts_new_tokens_before_the_first_difference():
-    from moejax.bench.decode_timing import matching_prefix
-
-    ref = np.array([[9, 9, 1, 2, 3, 4], [9, 9, 5, 6, 7, 8]])
-    assert matching_prefix(ref, ref, 2) == 1.0
-    got = ref.copy()
-    got[0, 3] = 0  # prompt 0: 1 of 4 new tokens before the difference (later ones count not)
-    got[1, 2] = 0  # prompt 1: none
-    assert matching_prefix(got, ref, 2) == pytest.approx((1 / 4 + 0) / 2)
-    got[0, 5] = 4
-    assert matching_prefix(got, ref, 2) == pytest.approx(1 / 8)
-
-
-def _ar_rows(row, sparse=1.0, dense=0.5):
-    """``row``'s model's autoregressive decodings (tokens/s; token-sparse the faster unless
-    told otherwise)."""
-    return [{**row, "mode": m, "draft": "", "draft_len": "", "tokens_per_s": x}
-            for m, x in (("AR dense", dense), ("AR token-sparse", sparse))]
-
-
-def _prompt_times(row, speedups):
-    """Per-prompt times: AR token-sparse 1 s each, ``row``'s decoding 1 / speedup."""
-    base = {"model": row["model"], "draft": "", "draft_len": ""}
-    return ([{**base, "mode": "AR token-sparse", "prompt": i, "seconds": 1.0}
-             for i in range(len(speedups))]
-            + [{**base, "mode": row["mode"], "draft": row["draft"], "draft_len": row["draft_len"],
-                "prompt": i, "seconds": 1.0 / x} for i, x in enumerate(speedups)])
-
-
-@pytest.mark.parametrize("dtype,verdict", [("float32", False), ("bfloat16", True)])
-def test_the_serving_claim_needs_equal_tokens_only_where_decoding_is_exact(dtype, verdict):
-    from experiments.blockffn.speculative import claims
-
-    row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
-           "decode_dtype": dtype, "draft": "d", "speedup_vs_AR_token_sparse": 2.0,
-           "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
-           "same_tokens_as_AR": "False", "tokens_matching_AR": 0.875}
-    prompts = _prompt_times(row, [1.9, 2.0, 2.1, 2.0])
-    claim = claims({"decode": [row, *_ar_rows(row)], "decode_prompts": prompts})[0]
-    assert claim.holds is verdict
-    assert ("0.875" in claim.evidence) is (dtype == "bfloat16")
-    assert "expert path: not recorded" in claim.evidence
-    claim = claims({"decode": [{**row, "expert_path": "jnp loop"}, *_ar_rows(row)],
-                    "decode_prompts": prompts})[0]
-    assert "expert path: jnp loop" in claim.evidence
-
-
-def test_the_serving_claim_is_judged_on_per_prompt_speedups():
-    """Holds when the per-prompt speedups' interval lies above 1.5x, does not hold below,
-    inconclusive when it straddles 1.5x or when only one timing was kept; against the faster
-    autoregressive decoding, dense where it is the faster."""
-    from experiments.blockffn.speculative import claims
-
-    row = {"model": "grown", "params": 2e8, "mode": "spec chunk-sparse",
-           "decode_dtype": "float32", "draft": "d", "speedup_vs_AR_token_sparse": 1.6,
-           "draft_len": 4, "tokens_per_s": 100.0, "mean_accepted_length": 3.0,
-           "same_tokens_as_AR": "True", "tokens_matching_AR": 1.0}
-
-    ar = _ar_rows(row, sparse=100 / 1.6)
-
-    def verdict(speedups):
-        t = {"decode": [row, *ar]}
-        if speedups:
-            t["decode_prompts"] = _prompt_times(row, speedups)
-        return claims(t)[0].verdict
-
-    assert verdict([1.9, 2.0, 2.1, 2.0]) == "holds"
-    # AR dense the faster (twice token-sparse): the speedups over it are half as large
-    dense_first = _ar_rows(row, sparse=100 / 1.6, dense=200 / 1.6)
-    prompts = _prompt_times(row, [3.9, 4.0, 4.1, 4.0])
-    prompts += [{**p, "mode": "AR dense", "seconds": 0.5} for p in prompts
-                if p["mode"] == "AR token-sparse"]
-    c = claims({"decode": [row, *dense_first], "decode_prompts": prompts})[0]
-    assert c.verdict == "holds" and "AR dense" in c.evidence and "2.00 (mean of 4)" in c.evidence
-    assert claims({"decode": [row]})[0].verdict == "not measured"  # no AR decoding timed
-    assert verdict([1.1, 1.2, 1.15, 1.2]) == "does not hold"
-    assert verdict([1.2, 1.9, 1.4, 1.7]) == "inconclusive"
-    assert verdict([]) == "inconclusive"  # one timing: no interval
-    # the fastest of several settings: a Bonferroni interval (0.05 / 4), wider
-    slower = [{**row, "draft_len": n, "speedup_vs_AR_token_sparse": 1.0, "tokens_per_s": 62.5}
-              for n in (2, 6, 8)]
-    speedups = [1.62, 1.58, 1.66, 1.55, 1.64]  # 95%: [1.554, 1.666]; 98.75%: [1.518, 1.702]
-    t = {"decode": [row, *ar], "decode_prompts": _prompt_times(row, speedups)}
-    assert claims(t)[0].verdict == "holds"
-    c = claims({**t, "decode": [row, *ar, *slower]})[0]
-    assert c.verdict == "holds" and "98.75% CI" in c.evidence and "the best of 4" in c.evidence
-    tight = [s - 0.045 for s in speedups]  # 95%: [1.509, 1.621] holds; 98.75%: does not
-    t = {"decode": [row, *ar, *slower], "decode_prompts": _prompt_times(row, tight)}
-    assert claims({**t, "decode": [row, *ar]})[0].verdict == "holds"
-    assert claims(t)[0].verdict == "inconclusive"
-
-
-def test_chunk_sparse_verification_is_judged_against_dense_verification_of_the_same_draft():
-    """The second serving claim pairs each chunk-sparse speculative decoding with the dense
-    verification of the same draft and length, per prompt; holds above 1x, does not hold
-    below, widened for the fastest of the pairs; a draft with no dense twin is not a pair."""
-    from experiments.blockffn.speculative import claims
-
-    base = {"model": "grown", "params": 2e8, "decode_dtype": "float32", "draft": "d",
-            "draft_len": 4, "mean_accepted_length": 3.0, "same_tokens_as_AR": "True",
-            "tokens_matching_AR": 1.0, "speedup_vs_AR_token_sparse": 1.0}
-    sparse = {**base, "mode": "spec chunk-sparse", "tokens_per_s": 200.0}
-    dense = {**base, "mode": "spec dense", "tokens_per_s": 100.0}
-    other = {**sparse, "draft": "e", "tokens_per_s": 900.0}  # fastest, but no dense twin
-
-    def judged(ratios, rows=(sparse, dense, other)):
-        key = {"model": "grown", "draft": "d", "draft_len": 4}
-        prompts = [{**key, "mode": m, "prompt": i, "seconds": s}
-                   for i, x in enumerate(ratios)
-                   for m, s in (("spec dense", 1.0), ("spec chunk-sparse", 1.0 / x))]
-        return claims({"decode": list(rows), "decode_prompts": prompts})[1]
-
-    c = judged([1.9, 2.0, 2.1, 2.0])
-    assert c.verdict == "holds" and "2.00x at n = 4, d draft (200.0 vs 100.0" in c.evidence
-    assert "95% CI" in c.evidence  # one pair: draft e has no dense twin
-    assert judged([0.8, 0.9, 0.85, 0.9]).verdict == "does not hold"
-    assert judged([0.9, 1.2, 1.0, 1.1]).verdict == "inconclusive"
-    two = judged([1.9, 2.0, 2.1, 2.0], rows=(sparse, dense, {**dense, "draft_len": 2},
-                                             {**sparse, "draft_len": 2, "tokens_per_s": 50.0}))
-    assert two.verdict == "holds" and "97.5% CI" in two.evidence  # the best of 2 pairs
-    wrong = judged([1.9, 2.0, 2.1, 2.0], rows=(sparse, {**dense, "same_tokens_as_AR": "False"}))
-    assert wrong.verdict == "does not hold"  # float32 decoding that differs from AR: a bug
-    assert claims({"decode": [sparse]})[1].verdict == "not measured"
 
 
 def test_expert_routes_say_what_each_layer_decodes_with():
@@ -413,13 +285,10 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     refused before any training. A draft of a sparse architecture decodes (a BlockFFN draft
     trains wrapped in its schedule, and decodes as its decoder), and the summary names it (not
     "dense") and the target's BlockFFN settings that differ from the paper's."""
-    from experiments.blockffn import speculative as mod
-    from moejax.harness.experiment import run_experiment
-
     args = [*(a for a in TINY if not a.startswith("drafts.distil.")),  # no distilled draft
             "decode_trained=false", "drafts.distilled=false", "drafts.self_layers=0",
             "drafts.self_distilled=false", "draft.arch=blockffn"]
-    _, run = run_experiment(mod.STUDY.name, mod.make_config, mod.run, args, out=tmp_path / "b")
+    _, run = _bench(args, out=tmp_path / "b")
     rows = list(csv.DictReader(open(run.path / "decode.csv")))
     assert {r["model"] for r in rows} == {"grown"}
     assert [r["mode"] for r in rows] == ["AR dense", "AR token-sparse", "spec dense",
@@ -429,71 +298,8 @@ def test_the_bench_can_time_the_grown_target_alone(tmp_path):
     assert "BlockFFN here differs from the paper's in AL's sharpness alpha 10.0" in text
     no_growth = [a for a in args if not a.startswith("grow.")]
     with pytest.raises(ConfigError, match="decode_trained=false needs grow.extra_layers"):
-        run_experiment(mod.STUDY.name, mod.make_config, mod.run,
-                       [*no_growth, "grow.extra_layers=0"], out=tmp_path / "bad")
+        _bench([*no_growth, "grow.extra_layers=0"], out=tmp_path / "bad")
     assert not (tmp_path / "bad" / "target").exists()
-
-
-def test_serving_claims_judge_only_the_100m_models_and_each_settings_own_prompt_times():
-    """Both serving claims read models of >= 100M parameters only (a faster small model does
-    not count), and each per-prompt speedup pairs the judged setting's own prompt times, not
-    another draft length's of the same model."""
-    from experiments.blockffn.speculative import claims
-
-    base = {"model": "grown", "params": 2e8, "decode_dtype": "float32", "draft": "d",
-            "mean_accepted_length": 3.0, "same_tokens_as_AR": "True",
-            "tokens_matching_AR": 1.0, "speedup_vs_AR_token_sparse": 1.0}
-    fast = {**base, "mode": "spec chunk-sparse", "draft_len": 4, "tokens_per_s": 200.0}
-    slow = {**fast, "draft_len": 2, "tokens_per_s": 150.0}
-    dense = {**fast, "mode": "spec dense", "tokens_per_s": 100.0}
-    ar = _ar_rows(fast, sparse=50.0, dense=40.0)
-    small = {**fast, "model": "small", "params": 5e7}
-    tiny = [small, {**small, "mode": "spec dense", "tokens_per_s": 1000.0},
-            *_ar_rows(small, sparse=1000.0, dense=1000.0)]
-    prompts = (_prompt_times(fast, [4.0, 4.1, 3.9, 4.0])
-               + [p for p in _prompt_times(slow, [0.9, 1.0, 1.1, 1.0])
-                  if p["mode"] == "spec chunk-sparse"]
-               + [{"model": "grown", "mode": "spec dense", "draft": "d", "draft_len": n,
-                   "prompt": i, "seconds": 2.0} for n in (2, 4) for i in range(4)])
-    over_ar, over_dense = claims({"decode": [fast, slow, dense, *ar, *tiny],
-                                  "decode_prompts": prompts})
-    assert over_ar.verdict == "holds" and "4.00 (mean of 4)" in over_ar.evidence, over_ar
-    assert "the best of 2" in over_ar.evidence  # the two draft lengths, not the small model
-    assert over_dense.verdict == "holds" and "2.00x at n = 4" in over_dense.evidence, over_dense
-    assert "97.5% CI" not in over_dense.evidence  # one pair: the small model's is not counted
-
-
-def test_the_ratios_are_derived_again_from_a_table_read_back():
-    """ratio_columns on the decode table as a results document reads it back (floats and
-    blank cells): a chunk-sparse row's sparse_gain is over the dense decoding of its own draft
-    only, a stale ratio over another draft's is blanked, and the rule gives a run's own rows
-    what it gave them (the results document recomputes nothing that stands)."""
-    from experiments.blockffn.speculative_tables import derived_tables, ratio_columns
-    from moejax.harness.tables import changed_cells
-
-    def row(mode, draft, n, tps, bound, **stale):
-        return {"model": "grown", "mode": mode, "draft": draft, "draft_len": n,
-                "tokens_per_s": tps, "ffn_fraction_bound": bound, **stale}
-
-    read_back = [row("AR dense", "", "", 100.0, 1.0, speedup_vs_AR_token_sparse=0.8),
-                 row("AR token-sparse", "", "", 125.0, 0.2, sparse_gain=1.25),
-                 row("spec dense", "independent", 4.0, 150.0, 1.0),
-                 row("spec chunk-sparse", "independent", 4.0, 300.0, 0.25, sparse_gain=2.0),
-                 row("spec chunk-sparse", "distilled", 4.0, 450.0, 0.25, sparse_gain=3.0)]
-    out = ratio_columns(read_back)
-    assert [r.get("sparse_gain", "") for r in out] == ["", 1.25, "", 2.0, ""]
-    assert [r.get("gain_bound", "") for r in out] == ["", 5.0, "", 4.0, 4.0]
-    assert [r["speedup_vs_AR_token_sparse"] for r in out] == [0.8, 1.0, 1.2, 2.4, 3.6]
-    assert read_back[4]["sparse_gain"] == 3.0  # the rows given are not changed
-    cols = ["sparse_gain", "gain_bound", "speedup_vs_AR_token_sparse"]
-    assert changed_cells(read_back, out, cols) == {
-        (1, "gain_bound"): 5.0, (1, "speedup_vs_AR_token_sparse"): 1.0,
-        (2, "speedup_vs_AR_token_sparse"): 1.2, (3, "gain_bound"): 4.0,
-        (3, "speedup_vs_AR_token_sparse"): 2.4, (4, "sparse_gain"): "",
-        (4, "gain_bound"): 4.0, (4, "speedup_vs_AR_token_sparse"): 3.6}
-    assert changed_cells(out, ratio_columns(out), cols) == {}
-    assert derived_tables({"decode": read_back}) == {"decode": out}
-    assert derived_tables({"decode_prompts": []}) == {}
 
 
 @pytest.mark.parametrize("bad,words", [
@@ -505,25 +311,19 @@ def test_prompts_longer_than_the_windows_are_refused_before_training(bad, words)
     training prompts of training windows: longer ones are refused, not decoded shorter (the
     note naming the asked length) or refused by the distillation after the target has
     trained."""
-    from experiments.blockffn import speculative as mod
-    from moejax.config_overrides import apply_overrides
-
     with pytest.raises(ConfigError, match=re.escape(words)):
-        apply_overrides(mod.make_config("quick"), [bad])
+        apply_overrides(spec_study.make_config("quick"), [bad])
 
 
 def test_every_asked_prompt_is_decoded_past_the_ppl_batches():
     """More prompts than the PPL's two validation batches hold come from the validation
     windows after them (33 of batches of 16: a third batch); the PPL's batches and the
     prompts in them stay as they were."""
-    from experiments.blockffn import speculative as mod
-    from moejax.config_overrides import apply_overrides
-
-    cfg = apply_overrides(mod.make_config("quick"), ["n_prompts=33", "prompt_len=64"])
-    _, val, prompts = mod._sources(cfg, cfg.train)
-    assert len(val) == mod.EVAL_BATCHES and prompts.shape == (33, 64)
+    cfg = apply_overrides(spec_study.make_config("quick"), ["n_prompts=33", "prompt_len=64"])
+    _, val, prompts = spec_study._sources(cfg, cfg.train)
+    assert len(val) == spec_study.EVAL_BATCHES and prompts.shape == (33, 64)
     np.testing.assert_array_equal(prompts[:32], np.concatenate([b["inputs"] for b in val]))
-    _, val2, prompts2 = mod._sources(cfg.replace(n_prompts=8), cfg.train)
+    _, val2, prompts2 = spec_study._sources(cfg.replace(n_prompts=8), cfg.train)
     np.testing.assert_array_equal(prompts2, prompts[:8])
     for a, b in zip(val, val2, strict=True):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])

@@ -95,3 +95,23 @@ def logits_of(model: nnx.Module, x):
     """``model(x)[0]`` (a model's logits) compiled whole, one XLA program per model structure and
     input shape, for tests that compare several models' outputs."""
     return model(x)[0]
+
+
+# a plain-pytree model for the loop: a linear regression from zero parameters (LIN_P0)
+def lin_batch(position: int) -> dict:
+    """Batch ``position`` of a noiseless 5-feature linear regression (8 rows): its target is
+    ``x @ [0, 1, 2, 3, 4]``."""
+    rng = np.random.default_rng([3, position])
+    x = rng.normal(size=(8, 5)).astype(np.float32)
+    return {"x": x, "y": (x @ np.arange(5, dtype=np.float32)).astype(np.float32)}
+
+
+def lin_mse(params, batch, key, train=True):
+    """The squared error of :data:`LIN_P0`-shaped parameters on a :func:`lin_batch`, in the
+    training loop's ``loss_fn`` form."""
+    pred = batch["x"] @ params["w"] + params["b"]
+    loss = jnp.mean((pred - batch["y"]) ** 2)
+    return loss, {"mse": loss}
+
+
+LIN_P0 = {"w": jnp.zeros((5,)), "b": jnp.zeros(())}
