@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import experiments.lm_demo as study
+from experiments.benchmarks import dispatch as bench
+from experiments.ders import upcycling
+from experiments.full_smoke import _aot, _aot_rows, _parse, _proven_rows, _shapes, main
+from experiments.kd import moe_kd
+from moejax.bench.decode_timing import blockffn_path
 from moejax.capture import CapturedDecode, CapturedStep, capture_steps
-from moejax.config import ConfigError
+from moejax.config import Config, ConfigError, config
+from moejax.config_overrides import apply_overrides
+from moejax.harness.results import RunDir
 from moejax.harness.study import Study
+from moejax.io.hf_moe import load_hf_moe
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -20,9 +29,11 @@ from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
 from moejax.nn.sample import sample
 from moejax.nn.speculative import chunk_sparse_target, speculative_generate
-from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, prove_decode, prove_step
+from moejax.train.aot import H100_BF16_FLOPS, UTILISATION, abstract_run, prove_decode, prove_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
+from moejax.train.run_lock import RunLock
+from moejax.train.step import lm_loss_fn
 from tests.toy_models import ToySource
 
 
@@ -109,9 +120,6 @@ def test_a_full_preset_is_proven_at_reduced_depth(tmp_path, monkeypatch):
     """lm_demo's full preset (one layer instead of 8, 2 rows instead of 64; everything else
     full) runs as a smoke run to its end while its training step and its decode step are
     captured at their real shapes and exported for both platforms."""
-    import experiments.lm_demo as study
-    from experiments.full_smoke import _aot
-
     monkeypatch.setenv("MOEJAX_SUBSTRATE_DIR", str(tmp_path / "subs"))
     full = study.make_config("full")
     result = _aot(study.STUDY, tmp_path / "run", ["model.n_layers=1", "train.batch_size=2"])
@@ -178,9 +186,6 @@ def test_decode_loops_are_captured_as_called_and_proven_with_their_kernels():
 def test_a_recipe_without_training_or_decoding_is_proven_as_such(tmp_path, monkeypatch):
     """A benchmark that neither trains nor decodes: its recipe runs to its end and the table
     says there was nothing to prove (not an error)."""
-    from experiments.full_smoke import _aot, _aot_rows
-    from moejax.config import Config, config
-
     @config
     class Nothing(Config):
         seed: int = 0
@@ -197,8 +202,6 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
     """``<study>.<key>=<value>`` (e.g. proving only some of a study's arms again) goes to that
     study's run after the cuts and into the depth column; a bad key or value, or a study not
     being run, stops the command before anything starts."""
-    from experiments.full_smoke import _aot_rows, _parse
-
     names, _, _, mode, overrides, _ = _parse(
         ["mode=aot", "only=ders_upcycling,moee", "ders_upcycling.sm_rates=(0.999,0.9999)"])
     assert names == ["ders_upcycling", "moee"] and mode == "aot"
@@ -220,9 +223,6 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
 def test_an_unusable_out_stops_the_command_in_one_line(tmp_path, capsys):
     """out= naming a file, or a run directory another full_smoke holds, exits 2 with the
     reason before any study starts (not a traceback)."""
-    from experiments.full_smoke import main
-    from moejax.train.run_lock import RunLock
-
     a_file = tmp_path / "taken"
     a_file.write_text("x")
     assert main([f"out={a_file}", "only=moee"]) == 2
@@ -241,9 +241,6 @@ def test_each_run_is_proven_as_it_starts_and_kept_when_the_recipe_stops(tmp_path
     """The report holds a run's proof before the recipe goes on (a study killed later by its
     timeout keeps it); a second run of the same program adds its steps to that row."""
     import json
-
-    from experiments.full_smoke import _aot, _proven_rows
-    from moejax.config import Config, config
 
     @config
     class Toy(Config):
@@ -276,9 +273,6 @@ def test_runs_of_one_loss_are_one_program_and_other_losses_are_others():
     """Distillation methods train the same student at the same shapes, yet are different
     programs (ALL's all-expert teacher, KA's passes): grouped by loss, not by shapes only;
     equal losses (one method's seeds) stay one program."""
-    from experiments.full_smoke import _shapes
-    from moejax.train.step import lm_loss_fn
-
     def other_loss(model, batch, key):
         return lm_loss_fn(model, batch, key)
 
@@ -293,9 +287,6 @@ def test_runs_of_one_loss_are_one_program_and_other_losses_are_others():
 def test_decode_calls_group_by_model_structure_not_only_by_shapes():
     """A dense and a chunk-sparse path of one model decode at the same shapes, yet are two
     programs (different kernels): they are proven apart; repeats of one are proven once."""
-    from experiments.full_smoke import _shapes
-    from moejax.bench.decode_timing import blockffn_path
-
     target = _lm(BlockFFNConfig(n_experts=8, d_expert=8))
     with capture_steps() as captured:
         for m in (blockffn_path(target, "dense"), blockffn_path(target, "auto", 1),
@@ -309,17 +300,12 @@ def test_decode_calls_group_by_model_structure_not_only_by_shapes():
 def test_a_benchmarks_own_train_steps_are_captured_one_program_per_dispatch_path(tmp_path):
     """bench_dispatch times its steps outside the training loop: each path's step is recorded
     at its real shapes, and paths of equal shapes stay apart (different kernels)."""
-    from experiments.benchmarks import dispatch as bench
-    from experiments.full_smoke import _shapes
-    from moejax.config_overrides import apply_overrides
-
     cfg = apply_overrides(bench.make_config("quick"), [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.moe.n_experts=4", "model.moe.d_expert=32", "batch_size=2", "seq_len=16",
         "warmup=1", "steps=1", "paths=(capacity,gmm)", "block_tokens=64", "block_d=16",
         "block_f=32", "block_repeats=1", "block_paths=(capacity,)", "delta_tree=none",
         "block_retain_memory=false"])
-    from moejax.harness.results import RunDir
 
     run = RunDir.create(tmp_path / "b", cfg, name="bench_dispatch")
     with capture_steps() as captured:
@@ -356,8 +342,6 @@ def test_the_grouped_kernel_paths_are_counted_as_the_work_their_kernels_do():
 def test_an_abstract_run_is_the_step_the_training_loop_captures():
     """A model built from its config alone (no weights) gives the captured step of the real
     run: the same shapes and program, and the same proven size."""
-    from moejax.train.aot import abstract_run
-
     cfg = TrainConfig(steps=7, batch_size=4, lr=1e-2)
     with capture_steps(steps=0) as captured:
         train(_model(), ToySource(batch_size=4), cfg, desc="real")
@@ -390,12 +374,6 @@ def test_real_checkpoints_are_proven_from_their_config_alone(tmp_path, monkeypat
     """``make full-aot`` proves each study's runs on the named checkpoints from their
     config.json alone, beside the recipe's own: the parameters are the imported model's, and
     moe_kd proves the teacher's and student's SFT and every method but SAR's distillation."""
-    from experiments.ders import upcycling
-    from experiments.full_smoke import _aot, _aot_rows
-    from experiments.kd import moe_kd
-    from moejax.config import Config, config
-    from moejax.io.hf_moe import load_hf_moe
-
     d = _tiny_checkpoints(monkeypatch, upcycling, moe_kd)
     n = {f: _count(load_hf_moe(d / f)) for f in ("olmoe", "qwen2_moe")}
     cfg = upcycling.make_config("quick").replace(

@@ -9,12 +9,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.train.budget as budget
+from experiments import lm_demo
+from experiments.ders import upcycling
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.delta import dare, structural_dpp
+from moejax.evaluate import LMEvaluator
+from moejax.kernels.tuning import config_for, read_table
 from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.ders_moe import check_lm_rank
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.generate import generate
+from moejax.nn.moe import MoEConfig
 from moejax.nn.speculative import speculative_generate
 from moejax.optim import adamr, dare_updates
+from moejax.train import LoopOptions, TrainConfig, train
+from moejax.train.budget import MemoryBudgetError
+from tests.toy_models import TinyMoELM, ToySource
 
 KEY = jax.random.key(0)
 
@@ -129,11 +141,6 @@ def test_decoding_refuses_ids_outside_the_vocabulary_bad_temperatures_and_empty_
 
 
 def test_ders_lm_ranks_past_full_rank_are_refused():
-    from experiments.ders import upcycling
-    from moejax.config import ConfigError
-    from moejax.config_overrides import apply_overrides
-    from moejax.nn.ders_moe import check_lm_rank
-
     check_lm_rank(32, "up", 32, 96)  # full rank: allowed
     with pytest.raises(ValueError, match="lm_rank=1000 exceeds min"):
         check_lm_rank(1000, "up", 32, 96)
@@ -155,8 +162,6 @@ def test_kernel_table_entries_are_checked_when_the_table_loads(tmp_path, monkeyp
                                                                match):
     import json
 
-    from moejax.kernels.tuning import config_for, read_table
-
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"NVIDIA H200": {"gmm": {"bfloat16": {"k128_n128": entry}}}}))
     with pytest.raises(ValueError, match=match):
@@ -172,8 +177,6 @@ def test_kernel_table_entries_are_checked_when_the_table_loads(tmp_path, monkeyp
 @pytest.mark.parametrize("dispatch", ["dense", "capacity", "ragged", "host", "grouped"])
 @pytest.mark.parametrize("shape", [(0, 5, 16), (2, 0, 16)])
 def test_an_moe_layer_of_no_tokens_returns_an_empty_output(dispatch, shape):
-    from moejax.nn.moe import MoEConfig
-
     m = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=dispatch).build(
         16, rngs=nnx.Rngs(0))
     y, aux = m(jnp.zeros(shape))
@@ -186,10 +189,6 @@ def test_an_moe_layer_of_no_tokens_returns_an_empty_output(dispatch, shape):
 def test_a_non_utf8_value_is_refused_in_one_line():
     import os
 
-    from experiments import lm_demo
-    from moejax.config import ConfigError
-    from moejax.config_overrides import apply_overrides
-
     raw = os.fsdecode(b"prompt=caf\xe9")  # argv bytes that are not UTF-8
     with pytest.raises(ConfigError, match="prompt=...: the value is not valid UTF-8"):
         apply_overrides(lm_demo.make_config("quick"), [raw])
@@ -200,8 +199,6 @@ def test_a_non_utf8_value_is_refused_in_one_line():
 def test_expert_parallel_without_an_expert_mesh_computes_on_one_device(ep, ref):
     """An evaluation of host arrays (before training shards them) or a one-device run:
     the expert-parallel dispatch computes the same products on this device."""
-    from moejax.nn.moe import MoEConfig
-
     x = jax.random.normal(jax.random.key(1), (2, 8, 16))
     got, _ = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch=ep).build(
         16, rngs=nnx.Rngs(0))(x)
@@ -213,10 +210,6 @@ def test_expert_parallel_without_an_expert_mesh_computes_on_one_device(ep, ref):
 def test_an_evaluation_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
     """The evaluation before training can be a run's first program: its compiled peak is
     checked against the device's memory before it runs (here the host is made 1 MB)."""
-    import moejax.train.budget as budget
-    from moejax.evaluate import LMEvaluator
-    from moejax.train.budget import MemoryBudgetError
-
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**6, "this host's memory"))
     tokens = np.ones((64, 33), np.int32)
     ev = LMEvaluator([{"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -235,9 +228,6 @@ def test_a_loop_option_of_the_wrong_kind_is_refused_before_any_step(tmp_path, op
     # a string tx failed in the step's set-up, a number eval_fn only at the first evaluation,
     # after the training steps before it had run
     import optax
-
-    from moejax.train import LoopOptions, TrainConfig, train
-    from tests.toy_models import TinyMoELM, ToySource
 
     with pytest.raises(TypeError, match=f"{option}=.*give {what}"):
         train(TinyMoELM(nnx.Rngs(0)), ToySource(), TrainConfig(steps=1, batch_size=8),

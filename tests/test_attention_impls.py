@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.kernels.flash_attention import flash_kernel
+from moejax.kernels.grouped.ragged import cross_compile
 from moejax.nn.attention import Attention, dot_product_attention
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
 from tests.toy_models import jitted
@@ -90,8 +92,6 @@ def _pallas_interpreted(platform: str):
     from jax._src.pallas import pallas_call as pc
     from jax.experimental.pallas import tpu as pltpu
 
-    from moejax.kernels.grouped.ragged import cross_compile
-
     if platform == "tpu":
         with pltpu.force_tpu_interpret_mode(), cross_compile(None):
             yield
@@ -135,8 +135,6 @@ def _on_cpu():
 
 
 def _flash_against_the_oracle(platform: str, case: str, compiled: bool) -> None:
-    from moejax.kernels.flash_attention import flash_kernel
-
     B, H, G = 2, 4, 2
     if case == "train":
         T = S = 128

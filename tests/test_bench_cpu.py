@@ -7,13 +7,14 @@ import math
 import numpy as np
 import pytest
 
+import moejax.bench.cpu as bench
+from moejax.bench import moe_block
 from moejax.bench.cpu import matmul_gflops, moe_block_flops
+from moejax.bench.timing import device_matmul_gflops
 
 
 @pytest.mark.parametrize("backend", ["xla", "numpy"])
 def test_matmul_rate_is_the_flops_over_the_median_time(backend, monkeypatch):
-    import moejax.bench.cpu as bench
-
     calls = []
 
     def timed(fn, *args, repeats):  # runs the multiply once, reports a known median
@@ -48,9 +49,6 @@ def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
     import sys
     import types
 
-    import moejax.bench.cpu as bench
-    from moejax.bench import moe_block
-
     fake = types.ModuleType("torch")
     fake.cuda = types.SimpleNamespace(is_available=lambda: False)
     monkeypatch.setitem(sys.modules, "torch", fake)
@@ -73,10 +71,6 @@ def test_a_torch_without_cuda_is_not_timed_as_a_gpus_peer(monkeypatch):
 def test_the_block_bound_on_an_accelerator_is_a_device_timed_matmul(monkeypatch):
     """On a GPU the bound's rate is XLA's matmul in device time (as the block is timed), not
     a host-timed one nor numpy's BLAS; the note names it."""
-    from moejax.bench import moe_block
-    from moejax.bench.cpu import moe_block_flops
-    from moejax.bench.timing import device_matmul_gflops
-
     assert device_matmul_gflops(64, 32, 16, iters=2, repeats=1) > 0  # runs here too
     asked = []
     monkeypatch.setattr(moe_block, "device_matmul_gflops", lambda *s: asked.append(s) or 500.0)

@@ -7,17 +7,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from moejax.harness.experiment import run_experiment
+import moejax.train.budget as budget
+from experiments.extraction import bench as bench_extracted
+from moejax.extract import ClusterConfig
+from moejax.extract.pipeline import ExtractConfig
+from moejax.harness.experiment import main, run_experiment
+from moejax.substrates.classify import ViTSubstrateConfig
+from tests.tiny_substrates import tiny_train
 
 
 def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_path,
                                                                            monkeypatch, capsys):
     """Each timed forward is compiled and its estimate compared with the device's memory
     before the first call (the host made 10 kB): exit 2 in one line naming the key, no row."""
-    import moejax.train.budget as budget
-    from experiments.extraction import bench as bench_extracted
-    from moejax.harness.experiment import main
-
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
     code = main("bench_extracted", bench_extracted.make_config, bench_extracted.run,
                 ["model=none", "d_model=16", "d_hidden=40", "experts=4", "keep=0.5",
@@ -30,8 +32,6 @@ def test_bench_extracted_checks_its_forwards_against_memory_before_they_run(tmp_
 
 
 def test_bench_extracted_tiny_times_every_layout_per_batch(tmp_path):
-    from experiments.extraction import bench as bench_extracted
-
     _, run = run_experiment(
         "bench_extracted", bench_extracted.make_config, bench_extracted.run,
         ["model=none", "d_model=16", "d_hidden=40", "experts=4", "keep=0.5", "batches=(2,5)",
@@ -70,12 +70,6 @@ def test_bench_extracted_times_the_moee_plans_of_a_substrate(tiny_recipes, tmp_p
     accounting, the serving layout's shared neurons within the kept ones."""
     import csv
 
-    from experiments.extraction import bench as bench_extracted
-    from moejax.extract import ClusterConfig
-    from moejax.extract.pipeline import ExtractConfig
-    from moejax.substrates.classify import ViTSubstrateConfig
-    from tests.tiny_substrates import tiny_train
-
     cfg = bench_extracted.make_config("quick").replace(
         model="vit", synthetic=False, substrate_cache=str(tiny_recipes), record_rows=40,
         eval_rows=100, rows=(4,), repeats=1,
@@ -107,8 +101,6 @@ def test_bench_extracted_refuses_a_batch_the_test_split_cannot_fill_before_recor
     """A timed batch takes glosses at least the mean length long, cut to it (every token
     real), or images; a ``rows`` the test set cannot fill is refused with the fix, before the
     substrate's FFNs are recorded and clustered."""
-    from experiments.extraction import bench as bench_extracted
-
     lengths = np.array([2, 5, 4, 6, 3, 4])  # mean 4: four glosses of at least 4 tokens
     mask = np.arange(8)[None, :] < lengths[:, None]
     data = SimpleNamespace(seq_len=float(lengths.mean()), test={

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from experiments.benchmarks import grouped as bench_grouped
+from moejax.bench.oracles import grouped_pass_sample
 from moejax.config import ConfigError
 from moejax.harness.experiment import run_experiment
 
 
 def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
-    from experiments.benchmarks import grouped as bench_grouped
-
     summary, run = run_experiment(
         "bench_grouped", bench_grouped.make_config, bench_grouped.run,
         ["shapes=((64,16,32,4),)", "iters=2", "repeats=1"], out=tmp_path / "bg")
@@ -46,8 +46,6 @@ def test_bench_grouped_times_each_pass_and_names_the_fastest(tmp_path):
 
 
 def test_bench_grouped_trains_on_each_own_kernel_where_it_runs(monkeypatch):
-    from experiments.benchmarks import grouped as bench_grouped
-
     cfg = bench_grouped.BenchGroupedConfig()
     # this CPU: no own kernel runs; the dense step is the train rows' reference
     assert bench_grouped._train_paths(cfg) == ("train[dense]", "train")
@@ -61,8 +59,6 @@ def test_bench_grouped_trains_on_each_own_kernel_where_it_runs(monkeypatch):
 def test_bench_grouped_keeps_the_other_rows_when_a_kernel_fails(monkeypatch):
     """A kernel path that fails to compile or run is a row saying so; the dense product's
     failure still fails the run."""
-    from experiments.benchmarks import grouped as bench_grouped
-
     def broken(*args, **kw):
         raise RuntimeError("Mosaic GPU: failed to compile\nmore")
 
@@ -79,8 +75,6 @@ def test_bench_grouped_flags_a_wrong_used_kernel_and_a_time_lost_in_the_flush(mo
     subtracted, or at a rate above the device's peak, is a row saying so, not a time; a time
     clear of both is kept; the choice table marks the implementation ragged_dot uses as WRONG
     where its output failed the oracle."""
-    from experiments.benchmarks import grouped as bench_grouped
-
     def timed(median_s, noise_s=1e-6):
         monkeypatch.setattr(bench_grouped, "time_device_loop", lambda *a, **kw: {
             "median_s": median_s, "flush_s": 2e-4, "noise_s": noise_s, "output": None})
@@ -112,9 +106,6 @@ def test_bench_grouped_flags_a_wrong_used_kernel_and_a_time_lost_in_the_flush(mo
 def test_bench_grouped_checks_a_train_rows_gradients_against_the_pass_oracles(monkeypatch):
     """A train row's dX and dW are checked against the dX and dW products' oracles: right
     gradients keep their time, a wrong dW loses it."""
-    from experiments.benchmarks import grouped as bench_grouped
-    from moejax.bench.oracles import grouped_pass_sample
-
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(kx, (24, 8)), jax.random.normal(kw, (3, 8, 5))
     dy, gs = jax.random.normal(kd, (24, 5)), jnp.asarray([10, 0, 14], jnp.int32)
@@ -136,8 +127,6 @@ def test_bench_grouped_checks_a_train_rows_gradients_against_the_pass_oracles(mo
 def test_bench_grouped_names_the_own_kernel_where_tokamax_declines_the_call(monkeypatch):
     """float32 on a GPU: Mosaic GPU declines, ragged_pass runs the own gmm, and the choice
     table judges that kernel, not an empty row."""
-    from experiments.benchmarks import grouped as bench_grouped
-
     monkeypatch.setattr(bench_grouped, "target_device", lambda: ("cuda", None))
     shape = {"M": 64, "K": 16, "N": 32, "G": 4}
     rows = [{**shape, "path": "xla", "pass": "fwd", "ms": 2.0},

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.profiler import ProfileData
 
+import moejax.train.budget as budget
 from moejax.bench import timing
 from moejax.bench.cost import fixed_plus_per_member, smallest_union_within, union_cost
 from moejax.bench.oracles import grouped_pass_sample
@@ -106,8 +107,6 @@ def test_time_device_loop_checks_the_timed_program_against_memory_first(host_loo
     """The timed program is compiled and XLA's estimate compared with the device's memory
     before it runs: with the host made 10 kB, MemoryBudgetError naming what is timed and the
     fix, and the call never runs."""
-    import moejax.train.budget as budget
-
     ran = []
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
     x = jnp.ones((128, 128))

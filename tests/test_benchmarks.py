@@ -5,9 +5,24 @@ and keeps its other rows when one path fails."""
 import jax
 import pytest
 
+import moejax.train.budget as budget
+from experiments.benchmarks import dispatch as bench_dispatch
+from experiments.benchmarks import grouped as bench_grouped
+from experiments.benchmarks import parallel as bench_parallel
+from experiments.benchmarks.dispatch import _ratios
+from experiments.blockffn import kernels as bench_kernels
+from experiments.blockffn.kernels import (
+    _breakdown_note,
+    _ffn_summary,
+    _profile_columns,
+    union_breakdown,
+)
+from experiments.ders import bench as bench_ders
+from moejax.bench import moe_block, train_steps
 from moejax.bench.moe_block import TORCH
+from moejax.bench.profile import KernelTrace, fused_ops
 from moejax.config import ConfigError
-from moejax.harness.experiment import run_experiment
+from moejax.harness.experiment import main, run_experiment
 from tests.tiny_substrates import TINY_LM
 
 
@@ -15,10 +30,6 @@ def test_bench_dispatch_checks_its_step_against_memory_before_it_runs(tmp_path, 
                                                                      capsys):
     """A benchmark's own timed step is compiled and its estimate compared with the device's
     memory before its first call (here the host is made 10 kB): exit 2 in one line, no row."""
-    import moejax.train.budget as budget
-    from experiments.benchmarks import dispatch as bench_dispatch
-    from moejax.harness.experiment import main
-
     monkeypatch.setattr(budget, "available_bytes", lambda device: (10**4, "this host's memory"))
     called = []
     monkeypatch.setattr(bench_dispatch, "_block_table", lambda *a: called.append(1))
@@ -38,8 +49,6 @@ def test_bench_dispatch_times_the_train_step_alone_on_each_attention(tmp_path):
     headline; a machine that cannot time any path says so in the headline instead of
     failing."""
     import csv
-
-    from experiments.benchmarks import dispatch as bench_dispatch
 
     tiny = TINY_LM + ["batch_size=2", "seq_len=16", "warmup=1", "steps=1", "block_paths=()",
                       "delta_tree=none", "attentions=(einsum,jax)"]
@@ -66,9 +75,6 @@ def test_bench_dispatch_times_the_train_step_alone_on_each_attention(tmp_path):
 
 @pytest.mark.slow
 def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
-    from experiments.benchmarks import dispatch as bench_dispatch
-    from moejax.bench import moe_block
-
     # the retained-memory columns run, without changing this worker's allocator
     monkeypatch.setattr(moe_block, "retain_freed_memory", lambda: True)
 
@@ -114,8 +120,6 @@ def test_bench_dispatch_tiny_paths_agree(tmp_path, monkeypatch):
 
 
 def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
-    from experiments.blockffn import kernels as bench_kernels
-
     summary, run = run_experiment(
         "bench_kernels", bench_kernels.make_config, bench_kernels.run,
         ["ffn.d_model=16", "ffn.n_experts=8", "ffn.d_expert=8", "chunk_sizes=(1,4)",
@@ -153,8 +157,6 @@ def test_bench_kernels_tiny_rows_and_bounds(tmp_path):
 
 
 def test_union_breakdown_splits_the_distance_to_the_bound():
-    from experiments.blockffn.kernels import _breakdown_note, union_breakdown
-
     def row(path, u, ms, bound=None):
         r = {"n": 4, "union": u, "union_fraction": u / 8, "path": path, "ms": ms}
         if bound:
@@ -182,8 +184,6 @@ def test_union_breakdown_splits_the_distance_to_the_bound():
 
 @pytest.mark.slow
 def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
-    from experiments.benchmarks import parallel as bench_parallel
-
     _, run = run_experiment(
         "bench_parallel", bench_parallel.make_config, bench_parallel.run,
         ["meshes=(1x8,)", "paths=(expert_parallel,)", "tokens=256", "d_model=32",
@@ -203,8 +203,6 @@ def test_bench_parallel_tiny_measures_the_collectives_of_each_path(tmp_path):
 
 @pytest.mark.slow
 def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
-    from experiments.ders import bench as bench_ders
-
     _, run = run_experiment(
         "bench_ders", bench_ders.make_config, bench_ders.run,
         ["d_model=32", "n_layers=1", "n_heads=2", "d_hidden=64", "n_experts=8", "top_k=2",
@@ -228,8 +226,6 @@ def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
 def test_bench_dispatch_headline_sets_every_dropless_step_against_the_capacity_step():
     """The default dropless path (auto) is compared with the capacity step first, then the
     others measured; a block under a millisecond keeps its digits."""
-    from experiments.benchmarks.dispatch import _ratios
-
     timed = [{"path": p, "step_s_median": s} for p, s in
              (("auto", 0.03702), ("capacity", 0.03634), ("bucketed", 0.08709))]
     blk = {"grouped (dropless)": {"ms": 0.8, "vs_flop_bound": 2.66, "vs_torch": 0.069}}
@@ -239,9 +235,6 @@ def test_bench_dispatch_headline_sets_every_dropless_step_against_the_capacity_s
 
 
 def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_path):
-    from experiments.blockffn import kernels as bench_kernels
-    from experiments.blockffn.kernels import _ffn_summary, _profile_columns
-
     timed = {"kernel_s": 12e-6, "kernels_per_call": 3.0,
              "kernels": {"decode_kernel": 10e-6, "fusion": 1.5e-6, "memset": 0.5e-6,
                          "slice": 0.1e-6}}
@@ -276,9 +269,6 @@ def test_bench_kernels_judges_the_profiled_kernel_time_against_the_floor(tmp_pat
 def test_the_benchmarks_time_no_wrong_kernel(monkeypatch):
     """A grouped product or an expert path whose output is not its oracle's is a row saying
     "wrong: ...", with no time; the others are timed."""
-    from experiments.benchmarks import grouped as bench_grouped
-    from experiments.blockffn import kernels as bench_kernels
-
     right = bench_grouped._pass_fn
     monkeypatch.setattr(bench_grouped, "_pass_fn", lambda path, which: (
         (lambda a, b, gs: 2 * right("xla", which)(a, b, gs)) if path == "xla" and
@@ -311,9 +301,6 @@ def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_pa
     the rest together, each with what it fuses."""
     import csv
 
-    from experiments.benchmarks import dispatch as bench_dispatch
-    from moejax.bench.profile import KernelTrace, fused_ops
-
     compiled, real_compile, named = [], bench_dispatch.compile_fitting, []
     monkeypatch.setattr(bench_dispatch, "compile_fitting",
                         lambda *a, **k: compiled.append(real_compile(*a, **k)) or compiled[-1])
@@ -323,8 +310,6 @@ def test_bench_dispatch_profiles_a_step_per_path_where_it_sees_the_device(tmp_pa
         # the second kernel named as a profile names one of the step's own fusions
         named.append(next(k for k in fused_ops(compiled[-1].as_text()) if "." not in k))
         return KernelTrace(12, 3e-3, {"gemm": 2e-3, named[-1]: 0.8e-3, "copy": 0.2e-3})
-
-    from moejax.bench import train_steps
 
     monkeypatch.setattr(train_steps, "sees_device", lambda: True)
     monkeypatch.setattr(train_steps, "trace_kernels", traced)

@@ -9,8 +9,19 @@ import pytest
 from flax import nnx
 
 from experiments import study_module
+from experiments.blockffn import baselines as mod
+from experiments.blockffn.baselines import paired_gaps
+from experiments.blockffn.common import blockffn_changes
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
+from moejax.evaluate import SparsityEvaluator
+from moejax.harness.claims import SEED_TABLES
+from moejax.harness.experiment import run_experiment
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.grin import GRINConfig
+from moejax.ops.losses import cross_entropy
+from moejax.pytree import count_params
+from moejax.sparse_lm import SparseLMConfig, active_sets, decoder_of
 
 MODULES = ["blockffn_baselines", "blockffn_ablations", "blockffn_granularity"]
 
@@ -58,8 +69,6 @@ def test_a_model_setting_no_model_of_the_study_reads_is_refused(name, override, 
 
 
 def test_active_sets_topk_and_dsmoe():
-    from moejax.sparse_lm import SparseLMConfig, active_sets
-
     ids = jnp.array([[[0, 2], [1, 2]]])  # [B=1, T=2, k=2] routed ids
     act, a = active_sets(SparseLMConfig(arch="topk", n_experts=4, top_k=2),
                          {"expert_ids": ids})
@@ -78,9 +87,6 @@ def test_active_sets_topk_and_dsmoe():
 def test_every_architecture_decodes_as_its_decoder(arch):
     """decoder_of gives the DecoderLM of a built model of any architecture: BlockFFN and
     ReMoE train wrapped in their coefficient schedule, the others are their decoder."""
-    from moejax.nn.decoder import DecoderLM
-    from moejax.sparse_lm import SparseLMConfig, decoder_of
-
     spec = SparseLMConfig(arch=arch, d_model=16, n_experts=4, d_expert=8, max_seq_len=16)
     model = spec.build(0)
     lm = decoder_of(model)
@@ -89,9 +95,6 @@ def test_every_architecture_decodes_as_its_decoder(arch):
 
 
 def test_grin_slot():
-    from moejax.nn.grin import GRINConfig
-    from moejax.sparse_lm import SparseLMConfig
-
     slot = SparseLMConfig(arch="grin", n_experts=8, d_expert=4, grin_eps=0.1).slot()
     assert isinstance(slot, GRINConfig)
     m = slot.moe
@@ -105,10 +108,6 @@ def test_sparsity_evaluator_matches_direct_computation():
     the batches per layer and averaged over the layers, both recomputed here from the model's
     own outputs; a dense FFN reports no sparsity metrics."""
     import functools
-
-    from moejax.evaluate import SparsityEvaluator
-    from moejax.ops.losses import cross_entropy
-    from moejax.sparse_lm import SparseLMConfig, active_sets
 
     rng = np.random.default_rng(0)
     batches = [{"inputs": rng.integers(0, 256, (2, 16)).astype(np.int32),
@@ -152,7 +151,6 @@ def test_baselines_match_blockffn_active_experts():
     models activate round(N (1 - TLS)) experts, ReMoE targets the same TLS; the sizes build
     the parameter counts they claim (xl >= 5M)."""
     from experiments.blockffn.baselines import baselines, make_config
-    from moejax.pytree import count_params
 
     cfg = apply_overrides(make_config("quick"), ["sizes=(small,xl)"])
     base = cfg.size_spec("small")
@@ -178,8 +176,6 @@ def test_baselines_match_blockffn_active_experts():
 
 
 def test_paired_gaps():
-    from experiments.blockffn.baselines import paired_gaps
-
     rows = [{"size": "s", "seed": s, "model": m, "val_ppl": v}
             for s, (bf, tk) in enumerate([(10.0, 11.0), (12.0, 11.5), (9.0, 10.0)])
             for m, v in (("BlockFFN", bf), ("TopK", tk))]
@@ -193,9 +189,6 @@ def test_baselines_run_with_a_subset_of_models(tmp_path):
     """``models`` picks the baselines trained beside BlockFFN; without Dense the PPL bars have
     no dense line and every table is still written."""
     import csv
-
-    from experiments.blockffn import baselines as mod
-    from moejax.harness.experiment import run_experiment
 
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
@@ -220,8 +213,6 @@ def test_a_blockffn_study_names_each_setting_changed_from_the_papers():
     (each was labelled BlockFFN, its objective unstated); the paper's is named by nothing, and
     an ablation's own switches are left to its settings."""
     from experiments.blockffn import ablations, baselines
-    from experiments.blockffn.common import blockffn_changes
-    from moejax.sparse_lm import SparseLMConfig
 
     assert blockffn_changes(SparseLMConfig()) == ""
     note = blockffn_changes(SparseLMConfig(use_cs=False, alpha=10.0))
@@ -235,8 +226,6 @@ def test_a_blockffn_study_names_each_setting_changed_from_the_papers():
 
 
 def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
-    from experiments.blockffn import baselines as mod
-
     def rows(ppl_other_offset, cls_other_offset, remoe_tls_gap=0.0):
         out = []
         for seed in range(5):
@@ -291,8 +280,6 @@ def test_baselines_claims_pair_blockffn_with_every_other_moe_per_seed():
 def test_baselines_judge_blockffns_own_sparsity_against_the_papers_levels():
     """Over 80% TLS and over 70% CLS_8 (the abstract), both over the seed runs: holds when
     both intervals lie above, does not hold when one lies below, else inconclusive."""
-    from experiments.blockffn import baselines as mod
-
     def verdict(tls, cls, spread=0.005):
         rows = [{"seed": s, "size": "S", "model": m, "val_ppl": 10.0, "TLS": tls + e,
                  "CLS_8": cls + e, "active_experts": 3.2, "TLS - TLS_BlockFFN": 0.0}
@@ -316,7 +303,6 @@ def test_ablation_claims_count_only_at_close_tls():
     recorded: unchecked. AL+CS against AL alone needs no such check; against CS alone (AL
     removed) it does."""
     from experiments.blockffn.ablations import claims
-    from moejax.harness.claims import SEED_TABLES
 
     def verdicts(d_ppl, l1_tls, n_experts=16, tls=True, l1_cls=0.5, ent_cls=0.5,
                  drop_tls_at=None):
@@ -366,7 +352,6 @@ def test_granularity_judges_where_sparsity_peaks():
     the best of the middle settings; sparsity rising to the finest N does not hold, and two
     sizes have no middle."""
     from experiments.blockffn.granularity import PEAK_CLAIM, claims
-    from moejax.harness.claims import SEED_TABLES
 
     def peak(tls, cls=None, wobble=0.002):  # N=16's per-seed wobble
         runs = [{"granularity": [{"n_experts": n, "val_ppl": 10.0,

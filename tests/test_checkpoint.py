@@ -17,10 +17,17 @@ from flax import nnx
 import moejax.train.checkpoint as ck_mod
 import moejax.train.checkpoint_format as ck_format
 from moejax.config import from_json
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.ders_moe import DeRSIndex
+from moejax.nn.moe import MoEConfig
+from moejax.nn.moe_layer import MoELayer
+from moejax.ops.losses import cross_entropy
+from moejax.train import ForeignCheckpointError, restore_params, train
 from moejax.train.checkpoint import Checkpointer, CheckpointMismatchError, latest_step
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
+from moejax.upcycle import UpcycleConfig, upcycle_model
 from tests.toy_models import TinyMoELM, ToySource, logits_of, tree_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -252,8 +259,6 @@ def test_init_from_starts_a_run_from_another_runs_parameters(tmp_path):
     model (in place) or a params pytree; other shapes are refused naming the leaves."""
     import optax
 
-    from moejax.train import restore_params, train
-
     state = _saved_run(tmp_path / "a", steps=(2,))
     want = nnx.to_pure_dict(state.params)
     model = TinyMoELM(nnx.Rngs(5), noise=0.3)
@@ -276,14 +281,6 @@ def test_restore_params_brings_the_buffers_that_give_the_parameters_their_meanin
     model upcycled with another key has other indices, so its parameters alone, restored
     from a run, computed another function (silently). Restored with them, it computes the
     trained model's, and an rng stream's state comes back typed."""
-    from moejax.nn.decoder import DecoderLM, dense_decoder_config
-    from moejax.nn.ders_moe import DeRSIndex
-    from moejax.nn.moe import MoEConfig
-    from moejax.nn.moe_layer import MoELayer
-    from moejax.ops.losses import cross_entropy
-    from moejax.train import restore_params, train
-    from moejax.upcycle import UpcycleConfig, upcycle_model
-
     dense = DecoderLM(dense_decoder_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2,
                                            d_hidden=32), rngs=nnx.Rngs(0))
     rule = UpcycleConfig(blocks="all", expert_form="sm", sm_rate=0.9, freeze_shared=True)
@@ -334,8 +331,6 @@ def test_a_checkpoint_moejax_did_not_write_is_refused_and_left_alone(tmp_path):
     """A plain orbax save in a run directory's checkpoints/ is named and refused in one line
     by train(); the step is not moved to .corrupt/ nor touched."""
     import orbax.checkpoint as ocp
-
-    from moejax.train import ForeignCheckpointError, train
 
     ckdir = tmp_path / "run" / "checkpoints"
     with ocp.CheckpointManager(ckdir, item_handlers={

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moejax.nn.remoe import ReMoEConfig
 from moejax.ops import chunk_sparsity as cs
 from tests.token_runs import runs, token_batches
 
@@ -203,8 +204,6 @@ def test_load_balanced_l1_matches_numpy_and_weights_busy_experts():
 
 def test_remoe_slot_reports_the_load_balanced_l1():
     from flax import nnx
-
-    from moejax.nn.remoe import ReMoEConfig
 
     layer = ReMoEConfig(n_experts=4, d_expert=8, l1_k=1.0).build(6, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 6))

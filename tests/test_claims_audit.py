@@ -14,8 +14,10 @@ from experiments import study_module
 from experiments.blockffn import ablations, baselines, granularity, speculative
 from experiments.darex import controlled, decoder, encoder, storage
 from experiments.ders import compression, upcycling, upcycling_claims
+from experiments.ders.compression_claims import PAPER_SETTINGS
 from experiments.extraction import moee
 from experiments.kd import moe_kd
+from experiments.main import REGISTRY, entries
 from moejax.harness.claims import SEED_TABLES
 
 SEEDS = range(4)
@@ -96,8 +98,6 @@ def darex_storage(d):
 
 
 def ders_compression(d):
-    from experiments.ders.compression_claims import PAPER_SETTINGS
-
     def run(s):  # every paper setting keeps worth 1 - d_loss / base = 0.9 + d/2
         rows, bases = [], set()
         for sc, dec, settings, _ in PAPER_SETTINGS:
@@ -267,8 +267,6 @@ STUDIES = {
 
 
 def test_every_study_with_claims_is_audited():
-
-    from experiments.main import REGISTRY, entries
 
     with_claims = set()
     for _, study, _ in entries(REGISTRY):

@@ -8,8 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import experiments.darex.storage as study
+from experiments import STUDIES, TOOLS
+from experiments.darex import controlled as mod
+from experiments.extraction import moee
 from moejax.config import Config, ConfigError, config, from_json, is_integer, is_real, to_json
 from moejax.config_overrides import apply_overrides, unread_reason
+from moejax.harness.cli import parse_cli
+from moejax.harness.experiment import main
+from moejax.optim import dare_updates
+from moejax.train.hparams import TrainConfig
 
 
 @config
@@ -195,10 +203,6 @@ def test_a_rule_of_the_outer_config_names_every_nested_override_given():
 
 
 def test_list_valued_keys_are_checked_element_by_element_and_help_lists_every_key(capsys):
-    from experiments.darex import controlled as mod
-    from moejax.harness.cli import parse_cli
-    from moejax.harness.experiment import main
-
     with pytest.raises(ConfigError, match=r"methods='DAREx-q \(qv\)' is not allowed"):
         parse_cli(mod.STUDY.name, mod.make_config, ["methods=(DARE,DAREx-q (qv))"])
     assert main(mod.STUDY.name, mod.make_config, mod.run, ["--help"]) == 0
@@ -225,8 +229,6 @@ def test_overrides_parse_nested_and_fixed_length_tuples():
 
 
 def test_from_json_takes_study_configs_only_from_imported_modules():
-    import experiments.darex.storage as study
-
     cfg = study.make_config("quick")
     assert from_json(to_json(cfg)) == cfg  # the study module is imported: its class is taken
     text = to_json(cfg).replace("experiments.darex.storage", "experiments.not_a_study")
@@ -235,8 +237,6 @@ def test_from_json_takes_study_configs_only_from_imported_modules():
 
 
 def test_help_lists_the_studys_variants(capsys):
-    from experiments.extraction import moee
-
     assert moee.STUDY.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "[variant=NAME]" in out and "variant minilm: model=minilm seeds=3" in out
@@ -257,8 +257,6 @@ def test_every_study_refuses_a_negative_number_before_it_runs():
     where -1 means "all remaining devices"); each is refused with the key named."""
     import importlib
 
-    from experiments import STUDIES
-
     checked = 0
     for module in STUDIES.values():
         cfg = importlib.import_module(module).STUDY.make_config("quick")
@@ -277,10 +275,6 @@ def test_every_study_refuses_a_seed_a_jax_key_cannot_tell_from_a_smaller_one():
     import importlib
 
     import jax
-
-    from experiments import STUDIES
-    from moejax.optim import dare_updates
-    from moejax.train.hparams import TrainConfig
 
     assert (jax.random.key_data(jax.random.key(2**32)) == jax.random.key_data(
         jax.random.key(0))).all()  # why: the aliasing this refuses
@@ -437,8 +431,6 @@ def test_a_key_the_studys_choice_leaves_unread_is_refused(name, choice, unread, 
     in either order and in each preset that takes the choice; the command line exits 2 before
     writing anything."""
     import importlib
-
-    from experiments import STUDIES, TOOLS
 
     study = importlib.import_module({**STUDIES, **TOOLS}[name]).STUDY
     choice = choice.split()

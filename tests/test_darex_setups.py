@@ -14,6 +14,7 @@ from moejax import delta as dl
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
 from moejax.delta import MatrixInputStats, PruneContext, run_one
+from moejax.delta.analytic_q import fill_other_leaves
 from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
 from moejax.pytree import path_str
 
@@ -89,8 +90,6 @@ def _ctx(mask_vectors=True, **kw):
 def test_per_layer_q_and_wanda_with_vectors_among_the_pruned_leaves():
     """The official rescale_q for leaves without an analytic q: a bias b_X takes its weight
     w_X's q, a norm scale the mean of the layers' q."""
-    from moejax.delta.analytic_q import fill_other_leaves
-
     ctx = _ctx()
     assert [k for k, v in zip(sorted(ctx.delta), jax.tree.leaves(ctx.stats_mask)) if v] == [
         "w_a", "w_o"]

@@ -4,6 +4,11 @@ import numpy as np
 import pytest
 
 from moejax.data import datasets, loader
+from moejax.data.builders_text import LM_SPLITS
+from moejax.data.corpora import corpus_bytes, corpus_texts, corpus_tokens
+from moejax.data.raw_files import split_of
+from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
+from moejax.data.token_cache import _load, tokenized_docs
 from moejax.data.tokenizer import BpeTokenizer, ByteTokenizer
 
 N = 6
@@ -107,8 +112,6 @@ def test_chat_batches(data_dir):
 
 
 def test_bpe_token_cache_round_trip(data_dir):
-    from moejax.data.token_cache import _load, tokenized_docs
-
     kw = dict(data_dir=data_dir, max_examples_per_split=N)
     tok = loader.bpe_for("prose/kjv", 300, **kw)
     first = tokenized_docs("prose/kjv", "train", tok, "text", **kw)
@@ -132,8 +135,6 @@ def test_bpe_token_cache_round_trip(data_dir):
 
 
 def test_chitchat_corpus_is_each_context_then_its_response():
-    from moejax.data.corpora import corpus_texts, corpus_tokens
-
     examples = datasets.load_split("chitchat", "validation")
     texts = corpus_texts("chitchat", "validation")
     assert len(texts) == len(examples)
@@ -150,7 +151,6 @@ def test_chitchat_corpus_is_each_context_then_its_response():
 def test_a_byte_budget_is_a_count_of_leading_bytes_in_every_corpus():
     # 0 read the whole of a TFDS corpus but nothing of the standard library's, and a negative
     # budget cut the end off: every corpus takes the same budget now, or refuses it
-    from moejax.data.corpora import corpus_bytes
 
     for name in ("chitchat", "stdlib_code"):
         whole = corpus_bytes(name, "validation")
@@ -164,10 +164,6 @@ def test_the_standard_librarys_bytes_and_its_tfds_stream_split_the_same_files():
     # a model trained on the TFDS stream's train split and scored on the bytes read directly
     # (or the other way round) must never be scored on files it trained on: both paths put
     # each file in the split the builder's hash gives it
-    from moejax.data.builders_text import LM_SPLITS
-    from moejax.data.corpora import corpus_bytes
-    from moejax.data.raw_files import split_of
-    from moejax.data.stdlib_corpus import stdlib_files, stdlib_root
 
     root = stdlib_root()
     files = {s: [p for p in stdlib_files(root) if split_of(str(p.relative_to(root)), LM_SPLITS)

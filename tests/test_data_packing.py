@@ -150,9 +150,6 @@ def test_classification_batches():
 
 
 def test_pack_pairs_and_pair_batches():
-    from moejax.data.batches import PairLMBatches
-    from moejax.data.packing import pack_pairs
-
     prompts = [np.array([10, 11, 12]), np.arange(20, 40), np.array([], np.int32)]
     responses = [np.array([50, 51]), np.array([60, 61, 62]), np.arange(70, 90)]
     tokens, loss = pack_pairs(prompts, responses, 11)

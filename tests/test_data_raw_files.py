@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from moejax.data import datasets, raw_files
+from moejax.data import builders_images, datasets, raw_files
 
 
 def test_split_of_is_stable_and_matches_fractions():
@@ -55,8 +55,6 @@ def test_missing_pip_source_names_install_command(monkeypatch, tmp_path):
 
 
 def test_failed_generation_leaves_no_partial_dataset(monkeypatch, tmp_path):
-    from moejax.data import builders_images
-
     def boom(*a, **k):
         yield 0, {"image": None}
         raise RuntimeError("disk on fire")

@@ -10,12 +10,14 @@ from moejax.delta import (
     analytic_q_tree,
     coefficient_sums,
     eq5_objective,
+    eta_grid,
     phi,
     psi,
     q_grid,
     search_eta_e,
     search_eta_v,
 )
+from moejax.delta.analytic_q import fill_other_leaves
 
 
 def test_phi_psi_values():
@@ -158,7 +160,6 @@ def _layer(seed=0, d_in=384, d_out=1536, scale=1e-3):
 
 
 def _library_etas(d, x, p, num=12):
-    from moejax.delta import eta_grid
     return eta_grid({"w": d}, {"w": True}, {"w": x}, p, num)
 
 
@@ -273,8 +274,6 @@ def test_two_sided_agrees_with_the_official_float16_scan():
 
 
 def test_a_selected_leaf_without_input_statistics_is_named():
-    from moejax.delta import eta_grid
-
     d, x = _layer(d_out=64)
     for fn in (lambda: eta_grid({"w": d, "v": d}, {"w": True, "v": True}, {"w": x}, 0.9),
                lambda: analytic_q_tree({"w": d, "v": d}, {"w": x}, 0.9, 0.1)):
@@ -329,8 +328,6 @@ def test_pooled_q_is_within_one_step_of_its_200_point_grid_of_the_optimum():
 
 
 def test_other_leaves_take_their_weights_q_or_the_mean_of_the_layers():
-    from moejax.delta.analytic_q import fill_other_leaves
-
     tree = {"blk": {"w_a": np.zeros((2, 2)), "b_a": np.zeros(2)}, "w_b": np.zeros((2, 2)),
             "w_c": np.zeros((2, 2)), "scale": np.zeros(2)}
     q_mask = {"blk": {"w_a": True, "b_a": False}, "w_b": True, "w_c": True, "scale": False}

@@ -5,7 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.delta import apply, dare, dare_keep_mask, q_grid, search_q_e, search_q_v, select_leaves
+from moejax.delta import (
+    NoFiniteScore,
+    apply,
+    dare,
+    dare_keep_mask,
+    grid_search,
+    q_grid,
+    search_q_e,
+    search_q_v,
+    select_leaves,
+    structural_dpp,
+)
+from moejax.optim import dare_updates
 
 
 def _delta(mean=0.0):
@@ -111,8 +123,6 @@ def test_search_q_v_uses_metric_direction():
 
 
 def test_a_search_whose_metric_fails_everywhere_chooses_nothing():
-    from moejax.delta import NoFiniteScore, grid_search
-
     with pytest.raises(NoFiniteScore, match=r"not finite at any of the 3 points"):
         grid_search(lambda q: float("nan"), [0.1, 0.2, 0.3])
     # one finite point is enough, and a non-finite one never wins
@@ -120,8 +130,6 @@ def test_a_search_whose_metric_fails_everywhere_chooses_nothing():
 
 
 def test_q_grid_is_algorithm_2s_and_refinement_stays_inside_its_bounds():
-    from moejax.delta import grid_search
-
     # q_t = 1 - p + t dq, t = 0..N, dq = (1 - (1 - p)) / N; Algorithm 3 drops t = N
     np.testing.assert_allclose(q_grid(0.9, 4), [0.1, 0.325, 0.55, 0.775, 1.0])
     np.testing.assert_allclose(q_grid(0.9, 4, include_max=False), [0.1, 0.325, 0.55, 0.775])
@@ -148,9 +156,6 @@ def test_bfloat16_survivors_are_rescaled_by_the_exact_q_rounded_once(method):
     the exact rescaled sum up to rounding noise: dividing by q rounded to bfloat16 first
     (0.3 -> 0.30078) shrinks every survivor by the same factor, the sum by 0.27%, and DARE
     would no longer be unbiased."""
-    from moejax.delta import structural_dpp
-    from moejax.optim import dare_updates
-
     d = jnp.abs(jax.random.normal(jax.random.key(0), (256, 256))).astype(jnp.bfloat16)
     key, q = jax.random.key(1), 0.3
     if method == "dare":

@@ -18,6 +18,7 @@ from moejax.delta import (
     topk_keep_mask_sort,
     wanda_prune,
 )
+from moejax.delta.importance import _select_top_k
 
 
 def _oracle_topk(score, k):
@@ -143,8 +144,6 @@ def test_structural_dpp_columns_and_rate():
 def test_eager_topk_compiles_once_per_shape_and_k():
     """Eager pruning calls reuse one compiled search per (shape, k) instead of re-tracing the
     loop each call (which once exhausted XLA's code memory in a long study)."""
-    from moejax.delta.importance import _select_top_k
-
     d = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(24, 40)), jnp.float32)}
     magnitude_prune(d, 0.7)
     before = _select_top_k._cache_size()

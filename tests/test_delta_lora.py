@@ -9,10 +9,13 @@ from moejax.delta import (
     apply,
     dare,
     lora_apply,
+    lora_dare,
     lora_delta,
+    lora_factor_pruner,
     lora_init,
     lora_merge,
     lora_num_params,
+    search_q_v,
     select_leaves,
 )
 
@@ -61,8 +64,6 @@ def test_lora_init_apply_merge_and_dare():
 
 
 def test_lora_dare_prunes_the_factors_and_feeds_the_q_search():
-    from moejax.delta import lora_dare, lora_factor_pruner, search_q_v
-
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(32, 24)), jnp.float32),
               "b": jnp.zeros((24,), jnp.float32)}

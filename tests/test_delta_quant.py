@@ -9,6 +9,7 @@ import pytest
 
 from moejax.delta import dequantize, dequantize_tree, num_levels, quantize, quantize_tree
 from moejax.delta.quant_jnp import fake_quantize, quantize_codes
+from moejax.delta.storage import decode, encode, storage_report
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -122,8 +123,6 @@ def test_midrise_error_falls_with_bits_and_one_bit_beats_dropping_the_delta():
 
 
 def test_midrise_leaves_round_trip_through_storage():
-    from moejax.delta.storage import decode, encode, storage_report
-
     x = np.random.default_rng(4).normal(size=(64, 8)).astype(np.float32)
     q = quantize_tree({"w": x}, 2, scheme="midrise", granularity="group", group_size=32,
                       in_axis=0)

@@ -9,6 +9,7 @@ from moejax.delta import (
     dare,
     decode,
     dense_bytes,
+    dequantize,
     encode,
     index_dtype_for,
     load,
@@ -16,10 +17,12 @@ from moejax.delta import (
     quantize,
     quantize_tree,
     save,
+    storage,
     storage_report,
     unpack_bits,
 )
 from moejax.delta.pruned_codec import decode_pruned, encode_pruned
+from moejax.delta.quant import block_shape
 from moejax.delta.storage import StoredDelta
 
 
@@ -107,14 +110,11 @@ def test_quant_roundtrip_packed_bytes(tmp_path):
     qs = quantize_tree(d, 4, mask={"w": True, "b": False}, symmetric=True, granularity="channel")
     sts = encode(qs)
     assert storage_report(sts)["leaves"][1]["bytes"] == 96 * 4 // 8 + 6 * 4
-    from moejax.delta import dequantize
 
     np.testing.assert_array_equal(dequantize(decode(sts, like=d)["w"]), dequantize(qs["w"]))
 
 
 def test_save_is_atomic_and_names_a_bad_suffix(tmp_path, monkeypatch):
-    from moejax.delta import storage
-
     good = storage.encode({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "dense")
     path = tmp_path / "delta.npz"
     storage.save(str(path), good)
@@ -200,8 +200,6 @@ def test_a_matrix_with_no_survivors_stores_and_reads_back_as_zeros(tmp_path, bit
     ((8, 16), "channel", -1), ((8, 16), "group", 0), ((3, 8, 12), "group", -2),
     ((3, 8, 12), "channel", 0), ((5,), "channel", -2), ((0, 6), "channel", -2)])
 def test_block_shape_is_the_shape_of_the_quantisers_steps(shape, granularity, in_axis):
-    from moejax.delta.quant import block_shape
-
     x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     for symmetric in (True, False):
         q = quantize(x, 3, symmetric=symmetric, granularity=granularity, group_size=4,
@@ -210,8 +208,6 @@ def test_block_shape_is_the_shape_of_the_quantisers_steps(shape, granularity, in
 
 
 def test_block_shape_refuses_what_quantize_refuses():
-    from moejax.delta.quant import block_shape
-
     for args, match in ((((8, 16), "row", 4, -2), "granularity='row'"),
                         (((8, 16), "group", 3, -2), "must divide d_in=8"),
                         (((5,), "group", 4, -2), "needs a matrix leaf"),

@@ -13,8 +13,11 @@ from scipy.special import erf
 from moejax.kernels.moe_ffn import api as dp
 from moejax.kernels.moe_ffn.api import dispatch
 from moejax.kernels.moe_ffn.jnp_paths import (
+    bucket_capacities,
+    dispatch_bucketed,
     dispatch_capacity,
     dispatch_dense,
+    dispatch_grouped,
     dispatch_ragged,
     expert_capacity,
     ffn_apply,
@@ -279,8 +282,6 @@ def test_ffn_apply_and_weight_errors():
 
 @pytest.mark.parametrize("tile", [None, 4, 3])
 def test_grouped_dispatch_equals_dense_oracle_with_gradients(tile):
-    from moejax.kernels.moe_ffn.jnp_paths import dispatch_grouped
-
     activation = "swiglu"
     p = _params(4, activation)
     # expert 0: 10 assignments (several tiles), expert 3: none, 24 rows not a tile multiple
@@ -310,8 +311,6 @@ def test_bucketed_dispatch_is_dropless_and_equals_dense_oracle(load):
     """The bucketed path picks the smallest capacity rung that holds the fullest expert and
     then equals the dense oracle in values and gradients (nothing dropped), from a balanced
     load (first rung) to every token on one expert (the last rung, C = N)."""
-    from moejax.kernels.moe_ffn.jnp_paths import bucket_capacities, dispatch_bucketed
-
     activation = "swiglu"
     p = _params(5, activation)
     ids = {"balanced": [[t % E, (t + 1) % E] for t in range(N)],

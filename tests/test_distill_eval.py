@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from moejax import extras
+from moejax.data.packing import prompt_response_rows
 from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.evaluate_generation import (
     GenerationEvaluator,
@@ -21,8 +22,12 @@ from moejax.evaluate_generation import (
 )
 from moejax.extras import LATE_BAR_S
 from moejax.nn.decoder import DecoderConfig, DecoderLM, keep_layers, with_dtype
+from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.generate import generate
 from moejax.nn.moe import MoEConfig
+from moejax.nn.surgery import build_from_pure
+from moejax.upcycle import UpcycleConfig, upcycle_model
 from tests.bars import Bars
 
 
@@ -94,10 +99,6 @@ def test_layer_and_dtype_surgery_carry_every_variable_not_only_the_parameters():
     SM indices, the frozen weight): keep_layers and with_dtype copy them (the model they
     build computes as its source did; before, those variables held no value and the first
     call failed), and build_from_pure refuses a dict that leaves a variable unset."""
-    from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex
-    from moejax.nn.surgery import build_from_pure
-    from moejax.upcycle import UpcycleConfig, upcycle_model
-
     rule = UpcycleConfig(blocks="all", expert_form="sm", sm_rate=0.9, freeze_shared=True)
     lm = upcycle_model(_lm(), rule, jax.random.key(0))
     x = jnp.asarray(np.random.default_rng(2).integers(0, 12, (2, 7)))
@@ -119,8 +120,6 @@ def test_generation_evaluator_matches_sampling_then_rouge():
     """Greedy: every seed gives the same responses (std 0) and the score is ROUGE-L of the
     decoded greedy continuation of each row's own prompt against its reference; sampled:
     seeds differ."""
-    from moejax.nn.generate import generate
-
     lm = _lm(n_layers=1)
     decode = lambda ids: " ".join(f"w{int(t)}" for t in ids if int(t) > 2)  # noqa: E731
     batch = {"prompts": np.array([[1, 4, 2, 0], [1, 5, 6, 2]], np.int32),
@@ -232,7 +231,6 @@ def test_response_kl_and_scorer_against_numpy():
 def test_router_statistics_count_real_tokens_only():
     # a prompt/response batch padded after each row's response: the statistics equal those of
     # every row run alone at its real length (the decoder is causal), the padding ignored
-    from moejax.data.packing import prompt_response_rows
 
     rng = np.random.default_rng(0)
     rows = prompt_response_rows([rng.integers(3, 12, n) for n in (1, 4, 2)],
@@ -270,7 +268,6 @@ def test_router_statistics_count_real_tokens_only():
 def test_response_kl_does_not_depend_on_the_padding_of_a_capacity_limited_teacher():
     # the padding after each row takes no expert slot: what it holds cannot move the real
     # tokens' logits, even where the experts' capacity is short
-    from moejax.data.packing import prompt_response_rows
 
     slot = MoEConfig(n_experts=4, top_k=2, d_expert=8, dispatch="capacity", capacity_factor=0.5)
     teacher = DecoderLM(DecoderConfig(vocab_size=12, d_model=16, n_layers=2, n_heads=2,

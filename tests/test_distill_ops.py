@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from moejax.distill.routing_modes import RoutingMode, route_with_mode, with_routing
+from moejax.nn.ffn import DenseFFN, DenseFFNConfig
 from moejax.nn.moe import MoE, MoEConfig
 from moejax.ops.distill_losses import (
     check_same_vocab,
@@ -19,6 +20,7 @@ from moejax.ops.distill_losses import (
     generalized_jsd,
     reverse_kl,
 )
+from moejax.ops.losses import accuracy, cross_entropy, token_cross_entropy
 
 
 def _np_logsoftmax(x):
@@ -97,8 +99,6 @@ def test_positions_that_do_not_pair_up_are_refused_not_broadcast():
     """A mask, targets or student logits of another shape than the positions they weigh (a
     ``[B, 1]`` mask, one target or student position per row) would broadcast: every position
     weighted and the mean taken over the wrong count. Each is refused, naming both shapes."""
-    from moejax.ops.losses import accuracy, cross_entropy, token_cross_entropy
-
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7))
     targets, mask = jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5))
     for bad_mask in (jnp.ones((2, 1)), jnp.ones((5,)), jnp.ones((2, 4))):
@@ -197,8 +197,6 @@ def test_ka_expert_sets_have_the_stated_distribution():
 
 
 def test_with_routing_needs_an_moe():
-    from moejax.nn.ffn import DenseFFN, DenseFFNConfig
-
     dense = DenseFFN(DenseFFNConfig(d_hidden=8, activation="swiglu"), 6, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no MoE slot"):
         with_routing(dense, RoutingMode(mode="all"))

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.distill.training as distill_mod
 from moejax.config import ConfigError
 from moejax.data.batches import PromptResponseBatches
 from moejax.data.packing import prompt_response_rows
+from moejax.distill.routing_modes import ModeRouter
 from moejax.distill.training import (
     DistillConfig,
     FrozenParam,
@@ -23,10 +25,12 @@ from moejax.distill.training import (
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoEConfig
-from moejax.ops.distill_losses import distill_divergence, forward_kl
+from moejax.ops.distill_losses import distill_divergence, forward_kl, reverse_kl
 from moejax.pytree import named_leaves
+from moejax.train import step_cache
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
+from moejax.train.step import init_state, make_step_fn
 from tests.toy_models import jitted, logits_of
 
 V = 40
@@ -184,8 +188,6 @@ def test_on_policy_rows_are_student_samples(monkeypatch):
     loss equals the divergence recomputed on exactly the sequences the sampler returned for
     the student (recorded by a pass-through wrapper), and differs from the loss on the
     dataset's responses."""
-    import moejax.distill.training as distill_mod
-
     teacher, student = _lm(False, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="gkd")
     pair = distill_pair(student, teacher, cfg)
@@ -279,8 +281,6 @@ def test_sar_step_is_router_adamw_then_distillation_under_the_new_router():
     prompt part and response, not the padding after them."""
     import optax
 
-    from moejax.ops.distill_losses import reverse_kl
-
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="sar", on_policy_fraction=0.0, router_lr=0.05, sar_beta=0.3)
     pair = distill_pair(student, teacher, cfg)
@@ -323,9 +323,6 @@ def test_runs_of_one_recipe_share_one_compiled_step():
     """distil builds its loss as a value (equal for equal configs) and lets the loop build the
     optimizer from the TrainConfig, so a second run of a recipe (another seed) reuses the
     first one's jitted step instead of compiling and holding another."""
-    from moejax.distill.training import distil
-    from moejax.train import step_cache
-
     cfg = DistillConfig(method="kd", kd_ratio=0.5)
     assert distill_loss_fn(cfg) == distill_loss_fn(DistillConfig(method="kd", kd_ratio=0.5))
     assert hash(distill_loss_fn(cfg)) == hash(distill_loss_fn(cfg))
@@ -344,9 +341,6 @@ def test_ka_takes_m_updates_per_batch_on_one_student_sample_by_default(monkeypat
     count moves by M per step, the sampler is traced once per step); ka_updates="averaged"
     (the named option) averages the M teacher passes into one update."""
     import optax
-
-    import moejax.distill.training as distill_mod
-    from moejax.train.step import init_state, make_step_fn
 
     assert DistillConfig(method="ka").ka_updates == "sequential"
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
@@ -386,8 +380,6 @@ def test_a_fraction_of_rows_take_student_samples_drawn_with_the_configs_settings
     """on_policy_fraction = 0.5: each row is the student's sample or the dataset's response,
     about half of each over 64 rows; the sampler gets the config's temperature, top-p and
     EOS."""
-    import moejax.distill.training as distill_mod
-
     teacher, student = _lm(False, n_layers=1, seed=5), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="gkd", on_policy_fraction=0.5, temperature=0.7, top_p=0.9,
                         eos_id=5)
@@ -435,10 +427,6 @@ def test_averaged_ka_is_the_mean_over_m_teacher_passes_each_with_its_own_key():
     """ka_updates="averaged": the loss is the mean of the M divergences, the i-th teacher pass
     routed with the i-th key split from the step's teacher key; ka_lambda reaches every
     rerouted layer."""
-    import moejax.distill.training as distill_mod
-    from moejax.distill.routing_modes import ModeRouter
-    from moejax.ops.distill_losses import reverse_kl
-
     teacher, student = _lm(True, seed=1), _lm(False, n_layers=1, seed=2)
     cfg = DistillConfig(method="ka", ka_m=3, ka_lambda=1.0, ka_updates="averaged",
                         on_policy_fraction=0.0)

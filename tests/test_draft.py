@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.chunk_sparse.draft as draft_mod
 from moejax.chunk_sparse.draft import (
     DraftDistillConfig,
     argmax_agreement,
@@ -15,6 +16,7 @@ from moejax.chunk_sparse.draft import (
 )
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.train.checkpoint import Checkpointer
 from moejax.train.hparams import TrainConfig
 
 V = 16
@@ -101,9 +103,6 @@ def test_distill_draft_refuses_short_or_few_prompts_and_float_ids():
 def test_a_distillation_resumes_though_the_targets_samples_differ(tmp_path, monkeypatch):
     """The responses are the target's samples, which a GPU need not reproduce bit for bit
     after a restart: the stream a resumed run must match is named by its prompts."""
-    import moejax.chunk_sparse.draft as draft_mod
-    from moejax.train.checkpoint import Checkpointer
-
     cfg = DraftDistillConfig(method="kd", prompts=8, prompt_len=4, response_len=6,
                              train=TrainConfig(steps=2, batch_size=4, lr=1e-2, warmup_steps=0,
                                                ckpt_every=2, log_every=1))

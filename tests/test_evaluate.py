@@ -14,11 +14,18 @@ from moejax import extras
 from moejax.evaluate import (
     ClassifierEvaluator,
     LMEvaluator,
+    SparsityEvaluator,
     classifier_logits,
+    classifier_loss_fn,
     matthews_corrcoef,
+    outputs_on,
 )
 from moejax.extras import LATE_BAR_S
+from moejax.nn.decoder import DecoderConfig, DecoderLM
+from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
+from moejax.nn.ffn import DenseFFNConfig
 from moejax.pytree import count_bytes, count_params
+from moejax.train import params_loss
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.bars import Bars
@@ -114,10 +121,6 @@ def test_a_model_trained_on_one_device_is_evaluated_by_the_step_compiled_before_
 
 
 def test_outputs_on_and_params_loss_see_the_params_they_are_given():
-    from moejax.evaluate import classifier_loss_fn, outputs_on
-    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
-    from moejax.train import params_loss
-
     cfg = bert_encoder_config(vocab_size=11, d_model=8, n_layers=1, n_heads=2, d_hidden=16)
     model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -149,10 +152,6 @@ def test_a_long_evaluation_shows_a_bar_of_its_batches_and_a_quick_one_none(monke
 
 
 def test_every_evaluator_counts_its_batches_on_one_late_bar(monkeypatch):
-    from moejax.evaluate import SparsityEvaluator
-    from moejax.nn.decoder import DecoderConfig, DecoderLM
-    from moejax.nn.ffn import DenseFFNConfig
-
     bars = Bars()
     monkeypatch.setattr(extras, "progress", bars)
     LMEvaluator.from_source(ToySource(batch_size=4), 3)(TinyMoELM(nnx.Rngs(0)))
@@ -175,9 +174,6 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
     # every scored token, not the mean of the batch means; the last batch is smaller (a
     # held-out split's remainder), which the evaluation step, compiled for the first batch's
     # shape, refused with XLA's "Argument types differ" error
-    from moejax.evaluate import SparsityEvaluator
-    from moejax.nn.decoder import DecoderConfig, DecoderLM
-    from moejax.nn.ffn import DenseFFNConfig
 
     model = DecoderLM(DecoderConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2,
                                     n_kv_heads=1, max_seq_len=16,
@@ -211,9 +207,6 @@ def test_lm_evaluator_is_the_mean_over_scored_tokens_across_batches():
 def test_classifier_logits_are_the_models_own_per_row_with_its_mask():
     """Every row's logits as the model gives them with its token mask (padding left out of
     the pooling), in fixed batches whose last one is padded and cut."""
-    from moejax.evaluate import classifier_logits
-    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
-
     cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=1, n_heads=2, d_hidden=16,
                               max_position=8, pooling="mean")
     model = SequenceClassifier(cfg, 3, rngs=nnx.Rngs(0))

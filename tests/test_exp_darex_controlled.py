@@ -5,13 +5,14 @@ import re
 
 import pytest
 
+from experiments.darex import controlled as mod
+from experiments.darex.controlled_claims import MINOR_DROP, claims
+from moejax.harness.claims import SEED_TABLES
 from moejax.harness.experiment import run_experiment
 
 
 @pytest.mark.slow
 def test_darex_controlled_tiny(tmp_path):
-    from experiments.darex import controlled as mod
-
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_hidden=32", "substrate.train.steps=60", "finetune.steps=40",
@@ -74,9 +75,6 @@ def test_the_l2_sweep_claim_needs_a_delta_worth_more_than_its_drop():
     """Fig. 7's "minor drop": the strongest AdamR-L2 delta pruned loses < 0.05 in every seed
     run. A "holds" stands only where that delta is worth more than 0.05 over the pre-trained
     model (unchecked without the ``finetuned`` table); a "does not hold" stands either way."""
-    from experiments.darex.controlled_claims import MINOR_DROP, claims
-    from moejax.harness.claims import SEED_TABLES
-
     def verdict(drop, unpruned, pretrained=0.37):
         runs = [{"l2_sweep": [{"l2_weight": 1.0, "unpruned": unpruned,
                                "DARE p=0.999": unpruned - drop - 0.001 * i}],
@@ -101,9 +99,6 @@ def test_claims_read_the_highest_drop_rate_the_largest_deltas_and_the_winners_co
     with the largest deltas (each table holds others where the verdict differs), and each
     comparison's control is its winner's: a loser below the pre-trained model does not make
     the winner's gain unchecked."""
-    from experiments.darex.controlled_claims import claims
-    from moejax.harness.claims import SEED_TABLES
-
     def run(s):
         x = 0.1 + 0.001 * s
         acc = [("no reg (Adam)", "DARE", 0.3), ("no reg (Adam)", "DAREx-q (q_v)", 0.5 + x),

@@ -6,13 +6,14 @@ import csv
 import numpy as np
 import pytest
 
+from experiments.darex import decoder as mod
+from experiments.darex.decoder import KEPT_SHARE, claims
+from moejax.harness.claims import SEED_TABLES
 from moejax.harness.experiment import run_experiment
 
 
 @pytest.mark.slow
 def test_darex_decoder_tiny(tmp_path):
-    from experiments.darex import decoder as mod
-
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_model=32", "substrate.n_layers=1", "substrate.n_heads=2",
@@ -60,9 +61,6 @@ def test_a_decoder_claim_holds_only_where_its_winner_beats_the_pre_trained_model
     """AdamR-L2 + DARE beating a collapsed AdamW + DARE says nothing where it is no better
     than not fine-tuning at all: the claim reads inconclusive, and says why; the same where
     the pre-trained loss was not recorded."""
-    from experiments.darex.decoder import claims
-    from moejax.harness.claims import SEED_TABLES
-
     def tables(winner_losses, pretrained=2.41):
         runs = [{"pruned_wide": [
             {"fine-tuning": "AdamW", "method": "DARE", "p=0.99": 24.0 + s},
@@ -90,9 +88,6 @@ def test_the_fig3_claim_takes_the_best_weight_at_a_bonferroni_level():
     """Some AdamR-L2 weight keeps >= 90% of AdamW's gain at the highest p: the best weight's
     shares per seed against 0.9, the interval widened for the weights tried; no verdict
     where AdamW gained nothing (no gain to keep)."""
-    from experiments.darex.decoder import KEPT_SHARE, claims
-    from moejax.harness.claims import SEED_TABLES
-
     def tables(shares, adamw_loss=2.0):
         runs = [{"pruned_wide": [{"fine-tuning": "AdamW", "method": "DARE", "p=0.99": 9.0}],
                  "finetuned": [{"fine-tuning": "AdamW", "test_loss_pretrained": 2.4,
@@ -122,8 +117,6 @@ def test_the_fig3_claim_takes_the_best_weight_at_a_bonferroni_level():
 def test_q_v_is_chosen_on_files_that_the_reported_losses_do_not_share(monkeypatch):
     """The paper tunes q_v on a validation set and reports on a test set: the two evaluators
     read windows of two different splits, and neither is the fine-tuning split."""
-    from experiments.darex import decoder as mod
-
     read = []
 
     def tokens(name, split, tok, max_bytes):

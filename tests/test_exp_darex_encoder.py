@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments.darex import encoder as mod  # imported before tiny_recipes patches the registry
+from moejax.data import datasets
 from moejax.harness.experiment import run_experiment
 from moejax.substrates.classify import ByteEncoderTaskConfig
 from tests.tiny_substrates import tiny_train
@@ -112,16 +113,12 @@ def test_darex_encoder_optimizer_subset_and_head_not_anchored(tiny_recipes, tmp_
 def test_the_full_preset_asks_no_more_glosses_than_the_splits_hold():
     """Each full-preset count is at most its split's rows, so the configuration says what runs
     (a count past its split runs the whole split while the config names more)."""
-    from moejax.data import datasets
-
     cfg = mod.make_config("full")
     for split, n in (("train", cfg.n_train), ("validation", cfg.n_val), ("test", cfg.n_test)):
         assert n <= len(datasets.load("wordnet_glosses", split)), (split, n)
 
 
 def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
-    from experiments.darex import encoder as mod
-
     def rows(dare, darex, dropped=(0.1,) * 6):
         out = []
         for i, (task, seed) in enumerate([(t, s) for t in ("a", "b") for s in (0, 1, 2)]):
@@ -155,8 +152,6 @@ def test_claims_take_each_fine_tunings_own_control_and_pair_only_common_units():
     """Every fine-tuning has its own "delta dropped whole" row: the AdamR-L2 claims check
     the AdamR-L2 winner against AdamR-L2's dropped delta, not AdamW's; a loser below the
     control does not matter; a (task, seed) one arm did not run is left out of the pairs."""
-    from experiments.darex import encoder as mod
-
     def rows(l2_dropped, skip_seed=None):
         out = []
         for task, seed in [(t, s) for t in ("a", "b") for s in (0, 1, 2)]:

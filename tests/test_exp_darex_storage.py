@@ -4,12 +4,14 @@ import csv
 
 import pytest
 
+from experiments.darex import storage as mod
+from experiments.darex.storage import ACCURACY_TOLERANCE, StorageConfig, claims, make_config
+from moejax.config import ConfigError
+from moejax.harness.claims import SEED_TABLES
 from moejax.harness.experiment import run_experiment
 
 
 def test_darex_storage_tiny(tmp_path):
-    from experiments.darex import storage as mod
-
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
         ["substrate.d_hidden=16", "substrate.train.steps=20", "finetune.steps=20",
@@ -48,9 +50,6 @@ def test_darex_storage_tiny(tmp_path):
 
 
 def test_darex_q_without_a_model_to_choose_q_on_is_refused():
-    from experiments.darex.storage import StorageConfig, make_config
-    from moejax.config import ConfigError
-
     with pytest.raises(ConfigError, match=r"without a model to choose DAREx-q's q_v on"):
         StorageConfig(source="smollm2_shapes")
     with pytest.raises(ConfigError, match=r"repeats 'DARE'"):
@@ -59,13 +58,9 @@ def test_darex_q_without_a_model_to_choose_q_on_is_refused():
 
 
 def test_the_storage_claim_judges_the_accuracy_lost_by_settings_10x_smaller():
-    from experiments.darex.storage import ACCURACY_TOLERANCE, claims
-
     def row(p, bits, ratio, acc, method="DARE"):
         return {"method": "unpruned" if p == 0 else method, "p": p, "bits": bits,
                 "ratio_vs_fp32": ratio, "metric": acc}
-
-    from moejax.harness.claims import SEED_TABLES
 
     def seeds(rows, n=3, worth=0.5, noise=(0.0, 0.001, -0.0015)):
         # n seed runs: the ratios a little apart, each compressed row's accuracy off by noise
@@ -136,8 +131,6 @@ def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_pat
     """The full preset's source (a random delta with SmolLM2-135M's layout, here at its tiny
     size) has no accuracy: every row's metric is NaN and the storage claim says "not
     measured" instead of failing after the tables are written."""
-    from experiments.darex import storage as mod
-
     summary, run = run_experiment(
         mod.STUDY.name, mod.make_config, mod.run,
         ["source=smollm2_shapes_tiny", "methods=(DARE,)", "ps=(0.0,0.9)", "bits=(32,4)",
@@ -154,8 +147,6 @@ def test_the_full_presets_random_delta_is_stored_and_judged_not_measured(tmp_pat
 def test_the_summary_names_the_fine_tuning_that_made_the_delta(tmp_path):
     """The storage table and the note name the optimizer the delta was fine-tuned with, and
     say where it is not the recipe's AdamR-L2: an AdamW delta is never labelled AdamR-L2's."""
-    from experiments.darex import storage as mod
-
     common = ["substrate.d_hidden=16", "substrate.train.steps=20", "finetune.steps=20",
               f"substrate_cache={tmp_path / 'subs'}", "ps=(0.0,0.9)", "methods=(DARE,)",
               "bits=(32,)", "timing_tree=none"]

@@ -10,14 +10,22 @@ import pytest
 # imported here, not inside a test: their configs' defaults read the substrate registry, which
 # the tiny_recipes fixture replaces
 from experiments.ders import compression, upcycling
+from experiments.ders import upcycling_claims as uc
+from experiments.ders.compression import _headline, make_config
+from experiments.ders.compression_claims import PAPER_SETTINGS
+from moejax.config import ConfigError
+from moejax.data.corpora import corpus_tokens, document_tokens
+from moejax.data.tokenizer import ByteTokenizer
+from moejax.harness.claims import SEED_TABLES
 from moejax.harness.experiment import run_experiment
+from moejax.harness.results import RunDir
+from moejax.harness.tables import read_tables
+from moejax.substrates.ders import SubstrateConfig
 from moejax.train.hparams import TrainConfig
 from tests.tiny_substrates import tiny_lm
 
 
 def _substrate(cache):
-    from moejax.substrates.ders import SubstrateConfig
-
     return SubstrateConfig(pretrained=tiny_lm("dense_lm_prose", "quick"),
                            prefinetuned=tiny_lm("dense_lm_code", "quick"), cache_dir=str(cache),
                            seq_len=16)
@@ -55,7 +63,6 @@ def test_ders_compression_tiny(tiny_recipes, tmp_path):
 
 def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
     mod = upcycling
-    from moejax.harness.claims import SEED_TABLES
 
     def row(variant, form, d, ratio):
         return {"variant": variant, "form": form, "d_loss_vs_vanilla": d,
@@ -126,8 +133,6 @@ def test_compression_claims_judge_the_papers_settings_per_scenario():
     setting elsewhere does not count, and a scenario whose deltas are worth nothing cannot be
     judged."""
     mod = compression
-    from experiments.ders.compression_claims import PAPER_SETTINGS
-    from moejax.harness.claims import SEED_TABLES
 
     def runs(kept_of):  # kept_of(scenario, decomposed, method, setting, seed) -> share kept
         out = []
@@ -191,8 +196,6 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
     """The table the study writes (read back from its CSV) carries the dense control: where
     DeRS equals the control, the claim does not read holds."""
     mod = upcycling
-    from moejax.harness.results import RunDir
-    from moejax.harness.tables import read_tables
 
     def row(variant, form, setting, loss, added):
         return {"variant": variant, "form": form, "setting": setting, "val_loss": loss,
@@ -208,7 +211,6 @@ def test_upcycling_claims_find_the_control_in_the_table_as_written(tmp_path):
         r["d_loss_vs_vanilla"] = r["val_loss"] - 1.70
     run = RunDir.create(tmp_path / "up")
     mod._tables(run, rows, {"dense": 1.8})
-    from moejax.harness.claims import SEED_TABLES
 
     tables = read_tables(run.path)
     got = mod.claims({**tables, SEED_TABLES: [tables, tables]})[:2]  # two equal seed runs
@@ -221,9 +223,6 @@ def test_upcycling_ablation_claims_pair_the_variants_over_the_seeds(tmp_path):
     sparse rate beats the highest) and Table 4b (rank 4 beats the highest rank), read from
     the table the study writes (the settings from the variant names), paired over seeds."""
     mod = upcycling
-    from moejax.harness.claims import SEED_TABLES
-    from moejax.harness.results import RunDir
-    from moejax.harness.tables import read_tables
 
     def run(i, frozen, rate, rank):  # each margin in its claim's direction, seed noise 1e-4
         e = 1e-4 * (i % 2)
@@ -295,9 +294,6 @@ def test_document_tokens_of_the_byte_tokenizer_are_the_byte_stream():
     tokens, the ids are that stream itself (so its windows are unchanged)."""
     import numpy as np
 
-    from moejax.data.corpora import corpus_tokens, document_tokens
-    from moejax.data.tokenizer import ByteTokenizer
-
     ids, n_bytes = document_tokens("stdlib_code", "validation", ByteTokenizer())
     assert np.array_equal(ids, corpus_tokens("stdlib_code", "validation"))
     assert n_bytes == len(ids)
@@ -305,7 +301,6 @@ def test_document_tokens_of_the_byte_tokenizer_are_the_byte_stream():
 
 def test_an_imported_baseline_is_checked_before_anything_runs(tmp_path):
     mod = upcycling
-    from moejax.config import ConfigError
 
     with pytest.raises(ConfigError, match="give hf:<dir> of a Hugging Face MoE"):
         mod.make_config("quick").replace(baseline=f"hf:{tmp_path}")
@@ -316,8 +311,6 @@ def test_an_imported_baseline_is_checked_before_anything_runs(tmp_path):
 
 
 def _upcycling_runs(rows_of_seed):
-    from moejax.harness.claims import SEED_TABLES
-
     runs = [{"upcycling": rows_of_seed(s)} for s in range(5)]
     return {"upcycling": runs[0]["upcycling"], SEED_TABLES: runs}
 
@@ -333,8 +326,6 @@ def test_upcycling_claims_pick_their_candidates_and_need_every_part():
     first listed);
     the shared-base claim needs every frozen variant to lose; the rank claim needs a rank
     above the paper's 4."""
-    from experiments.ders import upcycling_claims as uc
-
     def rows(s):
         e = 0.001 * s
         return [_up_row("DeRS-SM p=0.999", "sm", 0.05 + e, 500.0),
@@ -358,8 +349,6 @@ def test_upcycling_claims_pick_their_candidates_and_need_every_part():
 def test_the_compression_headline_reads_the_settings_the_run_swept():
     """The headline gives each scenario's two highest drop rates and two fewest bits that the
     run swept (make demo's 0.4 / 0.6 and 4 / 2 bits), not settings it never ran."""
-    from experiments.ders.compression import _headline, make_config
-
     cfg = make_config("quick").replace(scenarios=("not_finetuned",), drop_rates=(0.4, 0.6),
                                        bits=(4, 2))
     rows = [{"scenario": "not_finetuned", "decomposed": "experts", "method": m, "setting": s,

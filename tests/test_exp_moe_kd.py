@@ -11,15 +11,18 @@ import pytest
 
 from experiments.kd import claims as kd_claims
 from experiments.kd import moe_kd as mod  # imported before tiny_recipes patches the registry
+from experiments.kd.setup import data
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.harness.claims import paired_claim
 from moejax.harness.experiment import run_experiment
 from moejax.train.hparams import TrainConfig
+from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
 from tests.tiny_substrates import tiny_lm
 
 
 def _tiny_config(tiny_recipes, **kw) -> mod.MoEKDConfig:
-    from moejax.upcycle import UPCYCLE_MOE, UpcycleConfig
-
     return mod.MoEKDConfig(**{**dict(
         model="dense_lm_prose", dense_lm_prose=tiny_lm("dense_lm_prose", "quick"),
         substrate_cache=str(tiny_recipes),
@@ -142,9 +145,6 @@ def test_the_summary_names_each_distillation_setting_changed_from_the_papers():
 def test_a_derslm_teacher_rank_past_full_rank_is_refused_before_anything_runs():
     """The upcycled teacher's DeRS-LM rank is checked against its substrate's FFN (d_model
     256, d_hidden 768 for dense_lm_chat) with the config, not when the teacher is built."""
-    from moejax.config import ConfigError
-    from moejax.config_overrides import apply_overrides
-
     cfg = mod.make_config("quick")
     with pytest.raises(ConfigError, match=re.escape("upcycle.lm_rank=257: a rank past "
                                                     "min(d_model, d_hidden) = 256")):
@@ -374,9 +374,6 @@ def test_more_chat_pairs_than_a_split_holds_are_refused_before_training():
     """The validation and test evaluators take one batch of n_val / n_test pairs, and a
     batch past a split's end wraps round to its first rows: 8,000 test pairs asked of a
     split of 7,316 would score 684 of them twice and call it 8,000."""
-    from experiments.kd.setup import data
-    from moejax.data.tokenizer import ByteTokenizer
-
     cfg = mod.make_config("quick").replace(n_train=64, n_val=8, n_test=8000)
     with pytest.raises(ValueError, match="n_test=8000: the chit-chat test split holds 7316 "
                                          "pairs; lower n_test"):

@@ -7,11 +7,17 @@ import re
 
 import pytest
 
+from experiments import study_module
 from experiments.extraction import moee as mod  # imported before tiny_recipes patches the registry
+from experiments.extraction.moee import _recipe_note, make_config
+from moejax.config import ConfigError
+from moejax.config_overrides import apply_overrides
 from moejax.extract import ClusterConfig
 from moejax.extract.pipeline import ExtractConfig
 from moejax.harness.experiment import run_experiment
-from moejax.substrates.classify import ViTSubstrateConfig
+from moejax.io.hf_tokenizer import tokenizer_from_json
+from moejax.io.minilm import minilm_dir
+from moejax.substrates.classify import ViTSubstrateConfig, mnist_arrays, wordnet_arrays
 from tests.tiny_substrates import tiny_train
 
 
@@ -133,10 +139,6 @@ def test_a_sample_or_split_the_substrate_cannot_give_is_refused(study, bad, word
     """MoEfication's equal experts must divide the FFN width, and a token sample must fit in
     the recorded rows: refused before the substrate is built or anything trained, not when
     the partition or the recording meets them."""
-    from experiments import study_module
-    from moejax.config import ConfigError
-    from moejax.config_overrides import apply_overrides
-
     m = study_module(study)
     with pytest.raises(ConfigError, match=re.escape(words)):
         apply_overrides(m.make_config("quick"), bad.split())
@@ -148,10 +150,6 @@ def test_the_full_preset_sample_fits_in_the_real_tokens_of_its_rows(model):
     of the training rows it records, for either substrate, whichever rows are drawn: a
     gloss's real tokens are fewer than ``seq_len``, which the config's check assumes."""
     import numpy as np
-
-    from moejax.io.hf_tokenizer import tokenizer_from_json
-    from moejax.io.minilm import minilm_dir
-    from moejax.substrates.classify import mnist_arrays, wordnet_arrays
 
     cfg = mod.make_config("full").replace(model=model)
     need = max(cfg.extract.n_tokens, *cfg.stability_tokens)
@@ -317,8 +315,6 @@ def test_the_recipe_note_says_which_extraction_and_kd_ran():
     not called AdamW) and calls the extraction the paper's recipe only with the paper's
     minimum cluster size and extraction percentage, naming any it changes."""
     from types import SimpleNamespace
-
-    from experiments.extraction.moee import _recipe_note, make_config
 
     data = SimpleNamespace(substrate="vit_mnist5k", test={"labels": [0] * 4},
                            record_rows=lambda rows: min(rows, 600))

@@ -4,17 +4,23 @@ import json
 
 import pytest
 
+import experiments
+from experiments import full_smoke, lm_demo, results_doc, study_module
 from experiments import main as main_job
-from experiments import study_module
+from experiments.benchmarks import autotune
+from experiments.extraction import bench as bench_extracted
+from experiments.extraction import moee
+from experiments.lm_demo import _longer_runs
 from moejax.config import Config, ConfigError, from_json, to_json
 from moejax.config_overrides import apply_overrides
-from moejax.harness.experiment import run_experiment
+from moejax.extract.start import ExtractionSource
+from moejax.harness.cli import parse_cli, parse_runner
+from moejax.harness.experiment import run_experiment, seed_offset
+from moejax.harness.study import Study
 from tests.tiny_substrates import TINY_LM
 
 
 def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
-    from experiments import lm_demo
-
     summary, run = run_experiment(
         "lm_demo",
         lm_demo.make_config,
@@ -57,8 +63,6 @@ def test_lm_demo_tiny_writes_report_and_learns(tmp_path):
 def test_lm_demo_names_only_the_presets_that_train_longer():
     """The note points to longer runs only where they are longer: the quick preset's own run
     is not told that the quick preset's 300 steps go further."""
-    from experiments.lm_demo import _longer_runs
-
     assert _longer_runs(300) == " (the full preset's 4000 steps go further)"
     assert _longer_runs(4000) == ""
 
@@ -84,9 +88,6 @@ def test_every_command_prints_its_usage_on_help_and_writes_nothing(command, word
     """The suite, the results document, the full-preset proofs and the GPU-only autotuner
     answer a help word with their usage and exit 0, as a study does: before any check of the
     arguments or the machine (autotune refuses a CPU otherwise), nothing written."""
-    from experiments import full_smoke, results_doc
-    from experiments.benchmarks import autotune
-
     monkeypatch.chdir(tmp_path)
     run = {"main": main_job.main, "results_doc": results_doc.main, "full_smoke": full_smoke.main,
            "autotune": autotune.cli}[command]
@@ -126,8 +127,6 @@ def test_registry_modules_expose_the_contract():
 
 def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
 
-    from moejax.harness.cli import parse_cli
-
     preset, _, jobs, suite = main_job._parse([])
     assert suite == "demo" and preset == "quick"
     assert [n for n, _ in jobs] == [n for n, _ in main_job.DEMO]
@@ -141,8 +140,6 @@ def test_suites_demo_overrides_are_valid_and_studies_lists_the_registry():
         keys = study.seed_keys
         assert study.name == name and (study.quick_repeat == 1 or keys), name
         if keys:
-            from moejax.harness.experiment import seed_offset
-
             cfg = study.make_config("quick")
             assert seed_offset(cfg, keys, 2) != cfg
     # a subset of the tour keeps the tour's settings; of the studies, the quick preset's
@@ -156,8 +153,6 @@ def test_a_key_the_recipe_sets_itself_is_refused_on_the_command_line(capsys):
     from the list it runs) name keys of its config in both presets, and each is refused on
     the command line before anything runs: taken, its value was recorded in the run's config
     but never ran (moe_kd sft.seed=3 trained the seed of seed=0). --help lists them."""
-    from moejax.harness.cli import parse_runner
-
     declared = {}
     for name in main_job.REGISTRY:
         study = study_module(name).STUDY
@@ -248,8 +243,6 @@ def test_a_training_setting_no_run_of_the_study_reads_is_refused(name, setting, 
 
 
 def test_a_study_declaration_is_refused_when_it_cannot_run_as_declared():
-    from moejax.harness.study import Study
-
     def make(preset):
         return None
 
@@ -274,10 +267,6 @@ def test_moee_and_the_extraction_benchmark_start_from_the_same_source(preset):
     recipe per preset (only which model each defaults to differs)."""
     import dataclasses
 
-    from experiments.extraction import bench as bench_extracted
-    from experiments.extraction import moee
-    from moejax.extract.start import ExtractionSource
-
     a, b = moee.make_config(preset), bench_extracted.make_config(preset)
     shared = [f.name for f in dataclasses.fields(ExtractionSource) if f.name != "model"]
     assert {k: getattr(a, k) for k in shared} == {k: getattr(b, k) for k in shared}
@@ -292,8 +281,6 @@ def test_a_study_runs_from_its_papers_package_and_its_old_flat_name_still_runs()
     import importlib
     import subprocess
     import sys
-
-    import experiments
 
     for name, module in {**experiments.STUDIES, **experiments.TOOLS}.items():
         assert experiments.study_module(name) is importlib.import_module(module), name

@@ -20,6 +20,7 @@ from flax import nnx
 from moejax.kernels.chunk_union.pallas import chunk_union_pallas
 from moejax.kernels.grouped.pallas_gmm import gmm
 from moejax.kernels.targets import lowering_target
+from moejax.kernels.tiling import on_target
 from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
@@ -231,8 +232,6 @@ def test_a_program_traces_the_kernel_of_its_target_platform_alone():
     """``on_target`` traces one branch: the CPU's here, the named accelerator's under
     ``lowering_target``, the default where a platform has none. A program built for the CPU
     refuses to lower for ``cuda`` instead of running another platform's kernel there."""
-    from moejax.kernels.tiling import on_target
-
     traced = []
 
     def branch(name):

@@ -19,14 +19,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.integrity import CorruptDataError, array_checksum
+from moejax.integrity import (
+    CorruptDataError,
+    array_checksum,
+    shard_checksums,
+    verify_shard_checksums,
+)
 from moejax.train.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
     CorruptCheckpointError,
     latest_step,
 )
+from moejax.train.checkpoint_format import release_orbax_threads
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
+from moejax.train.logs import CsvLog
 from moejax.train.loop import ResumeError, read_csv, train
 from moejax.train.run_state import check_resume
 from moejax.train.step import init_state
@@ -179,8 +186,6 @@ def test_a_metrics_log_rewritten_on_resume_is_whole_or_untouched(tmp_path, monke
     the middle of that (a kill, a full disk) leaves the old file as it was, not cut short."""
     import csv
 
-    from moejax.train.logs import CsvLog
-
     path = tmp_path / "metrics.csv"
     CsvLog(str(path), 0).write([{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)])
     before = path.read_text()
@@ -201,8 +206,6 @@ def test_a_metrics_line_cut_off_by_a_kill_is_not_read_as_a_row(tmp_path):
     """A kill or a full disk can leave the last line without its end: "1" of "13,...", which
     was kept on resume as a row of step 1 with empty cells. It is dropped, the old file
     kept beside it."""
-    from moejax.train.logs import CsvLog
-
     path = tmp_path / "metrics.csv"
     CsvLog(str(path), 0).write([{"step": s, "loss": 1.0 / s} for s in range(1, 13)])
     whole = path.read_text()
@@ -265,8 +268,6 @@ def test_an_orbax_without_the_signalling_threads_is_named_not_ignored(monkeypatc
     """Releasing orbax's waiting threads reads a private orbax module; where a newer orbax
     moved it, a warning says a failed save may hang, and nothing is touched."""
     from orbax.checkpoint._src.futures import future
-
-    from moejax.train.checkpoint_format import release_orbax_threads
 
     monkeypatch.delattr(future, "_SignalingThread")
     with pytest.warns(RuntimeWarning, match="this orbax version moved them"):
@@ -414,8 +415,6 @@ def test_load_many_interrupted_and_corrupted_saves_resume_bitwise(tmp_path):
 
 
 def test_shard_checksums_cover_each_region_and_verify_across_layouts():
-    from moejax.integrity import shard_checksums, verify_shard_checksums
-
     a = np.arange(24, dtype=np.float32).reshape(4, 6)
     whole = shard_checksums({"w": a})
     assert list(whole) == ["w@0:4,0:6"]

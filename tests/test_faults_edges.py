@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.files
 from experiments import lm_demo
 from experiments.blockffn import granularity as blockffn_granularity
 from experiments.darex import controlled as darex_controlled
 from experiments.kd import moe_kd
 from moejax import substrates
-from moejax.config import ConfigError
+from moejax.config import ConfigError, to_json
 from moejax.config_overrides import apply_overrides
 from moejax.delta import storage
-from moejax.files import UnusableDirError
+from moejax.files import UnusableDirError, default_file_mode, move_aside
 from moejax.harness.cli import parse_runner
 from moejax.harness.experiment import main as cli_main
 from moejax.harness.experiment import run_experiment
@@ -185,8 +186,6 @@ def test_a_refused_resume_closes_its_checkpointer(tmp_path, monkeypatch):
 
 
 def _json(cfg):
-    from moejax.config import to_json
-
     return to_json(cfg)
 
 
@@ -422,8 +421,6 @@ def test_result_files_are_readable_like_ordinary_files(tmp_path):
 def test_the_file_mode_is_read_without_clearing_the_umask(monkeypatch):
     """Where the kernel reports the umask, it is read, not set to 0 and back: a file another
     thread creates meanwhile (an async checkpoint save) would be world-writable."""
-    from moejax.files import default_file_mode
-
     if not os.path.exists("/proc/self/status"):
         pytest.skip("no /proc/self/status here")
     old = os.umask(0o027)
@@ -442,9 +439,6 @@ def test_something_set_aside_twice_within_a_second_keeps_both(tmp_path, monkeypa
     directory within it failed (a directory cannot replace a non-empty one), and of a file
     replaced the first copy."""
     import types
-
-    import moejax.files
-    from moejax.files import move_aside
 
     # the one second, on moejax.files' clock alone
     monkeypatch.setattr(moejax.files, "time",

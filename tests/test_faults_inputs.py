@@ -16,11 +16,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.blockffn import speculative
+from experiments.darex import encoder
+from experiments.ders import compression as ders_compression
+from experiments.ders import upcycling
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
+from moejax.data.batches import ClassificationBatches
+from moejax.data.tokenizer import ByteTokenizer
 from moejax.delta import storage
-from moejax.integrity import CorruptDataError, array_checksum, verify_checksums
+from moejax.delta.quant import quantize_tree
+from moejax.ders_compress.ckpt import FORMAT, load_compressed, save_compressed
+from moejax.ders_compress.compress import CompressedDeRS
+from moejax.evaluate import classifier_loss_fn
+from moejax.integrity import CorruptDataError, array_checksum, tree_checksums, verify_checksums
 from moejax.io import WeightFileError
+from moejax.io._common import flat_params
+from moejax.io.safetensors_io import export_params, import_params
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.test_faults import ONE_STEP, _invert_file
@@ -30,8 +44,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_token_ids_past_the_vocabulary_fail_before_compute():
-    from moejax.nn.decoder import DecoderLM, dense_decoder_config
-
     cfg = dense_decoder_config(vocab_size=8, d_model=8, n_layers=1, n_heads=2, d_hidden=16)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="token id 15 but the model's vocab_size is 8"):
@@ -42,10 +54,6 @@ def test_a_classifiers_token_and_class_ids_are_checked_before_compute():
     """A SequenceClassifier keeps its config on its encoder, so its token ids went unchecked,
     and no model's labels were: labels 0..4 for a head of 3 classes gave a NaN loss, blamed
     on the learning rate."""
-    from moejax.data.batches import ClassificationBatches
-    from moejax.evaluate import classifier_loss_fn
-    from moejax.nn.encoder import SequenceClassifier, bert_encoder_config
-
     cfg = bert_encoder_config(vocab_size=20, d_model=8, n_layers=1, n_heads=2, d_hidden=16,
                               max_position=8)
     rng = np.random.default_rng(0)
@@ -131,8 +139,6 @@ def test_delta_metadata_inconsistencies_are_named(delta_file):
 def test_quantised_delta_damage_is_named_not_decoded_into_wrong_values():
     """A quantised leaf's block arrays and settings are checked against each other: a step of
     the wrong block shape would broadcast into wrong weights (an error of 0.9 here)."""
-    from moejax.delta.quant import quantize_tree
-
     rng = np.random.default_rng(0)
     tree = {"w": rng.normal(size=(8, 16)).astype(np.float32)}
     stored = storage.encode(quantize_tree(tree, 4, granularity="channel"))
@@ -168,9 +174,6 @@ def test_quantised_delta_damage_is_named_not_decoded_into_wrong_values():
 @pytest.mark.usefixtures("abandoned_reads_collected")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
-    from moejax.ders_compress.ckpt import load_compressed, save_compressed
-    from moejax.ders_compress.compress import CompressedDeRS
-
     rng = np.random.default_rng(0)
     base = {0: {"w_up": rng.normal(size=(8, 16)).astype(np.float32)}}
     delta = {"e0": rng.normal(size=(8, 16)).astype(np.float32)}
@@ -186,7 +189,6 @@ def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
     # a meta record that lost its checksums cannot vouch for the arrays: refused, not loaded
     import orbax.checkpoint as ocp
 
-    from moejax.ders_compress.ckpt import FORMAT
     bare = str(tmp_path / "bare")
     tree = {"base": {"0": base[0]}, "rest": dict(c.rest), "deltas": dict(c.stored.arrays)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
@@ -204,7 +206,6 @@ def test_compressed_ders_checkpoint_corruption_detected(tmp_path):
     json.dump({**meta, "ders": {"note": "edited"}}, open(record, "w"))
     with pytest.raises(CorruptDataError, match="meta record .* was changed"):
         load_compressed(path)
-    from moejax.integrity import tree_checksums  # a v1 record (no meta_checksum) still loads
     v1 = str(tmp_path / "v1")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         ckptr.save(v1, args=ocp.args.Composite(
@@ -230,7 +231,6 @@ def test_checksum_properties():
     y.view(np.uint8).reshape(-1)[13] ^= 0x80
     assert array_checksum(x) != array_checksum(y)
     tree = {"p": {"w": x}, "s": np.int32(3)}
-    from moejax.integrity import tree_checksums
 
     sums = tree_checksums(tree)
     verify_checksums(tree, sums, "t")
@@ -246,10 +246,7 @@ def test_checksum_properties():
 
 
 def test_safetensors_import_rejects_integers_and_non_finite(tmp_path):
-    from moejax.io.safetensors_io import export_params, import_params
-
     make = lambda: TinyMoELM(nnx.Rngs(0))  # noqa: E731
-    from moejax.io._common import flat_params
 
     flat = {k: np.asarray(v) for k, v in flat_params(make()).items()}
     ints = dict(flat, **{"head/kernel": np.ones(flat["head/kernel"].shape, np.int32)})
@@ -268,8 +265,6 @@ def test_safetensors_import_rejects_integers_and_non_finite(tmp_path):
 
 
 def test_byte_tokenizer_rejects_out_of_vocabulary_ids():
-    from moejax.data.tokenizer import ByteTokenizer
-
     tok = ByteTokenizer()
     assert tok.decode([1, 3 + ord("h"), 3 + ord("i"), 2]) == "hi"
     for bad in ([259], [5, 300], [-1]):
@@ -303,11 +298,6 @@ def test_configs_fail_at_construction(build, match):
 
 
 def test_study_overrides_fail_before_compute():
-    from experiments.blockffn import speculative
-    from experiments.darex import encoder
-    from experiments.ders import compression as ders_compression
-    from experiments.ders import upcycling
-
     cfg = ders_compression.make_config("quick")
     for bad, match in (("ckpt_drop=1.0", "ckpt_drop=1.0"), ("eval_batches=0", "eval_batches"),
                        ("train.seed=-1", "seed"),

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.train.logs as logs_mod
 from moejax.train.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
@@ -122,8 +123,6 @@ def test_a_resumed_run_purges_its_tensorboard_events_past_the_checkpoint(tmp_pat
 
 
 def test_setup_failure_releases_the_lock(tmp_path, monkeypatch):
-    import moejax.train.logs as logs_mod
-
     def no_tb(self, logdir, **kw):
         raise ImportError("train.tensorboard=True needs tensorboardX")
 

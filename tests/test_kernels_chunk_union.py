@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.distill.routing_modes import moe_slots
+from moejax.kernels.chunk_union.fused_triton import unavailable_reason
 from moejax.kernels.chunk_union.pallas import chunk_union_kernel, chunk_union_pallas
-from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_experts
+from moejax.kernels.chunk_union.reference import chunk_union_experts, dense_chunk, dense_experts
 from moejax.nn.blockffn import BlockFFNConfig
+from moejax.nn.moe import MoESkeleton
 from moejax.ops.activations import is_gated
 from tests.toy_models import jitted
 
@@ -68,8 +71,6 @@ def test_full_union_and_cap_overflow_match_the_reference():
 def test_dense_chunk_is_the_union_computed_densely():
     """One tile: every expert run, the ones outside its union weighted 0 whatever weights they
     carry: the chunk-union reference of the tile with ``max_union = E``."""
-    from moejax.kernels.chunk_union.reference import dense_chunk
-
     x, a, wu, wd, wg = inputs(seed=2, gated=True)
     x, a = x[:4], a[:4]
     active = a > 0
@@ -186,8 +187,6 @@ def test_triton_backend_without_gpu_names_the_fix():
 @pytest.mark.parametrize("backend", ["pallas", "triton"])
 def test_kernel_compiled_on_gpu_matches_reference_with_gradients(backend):
     if backend == "triton":
-        from moejax.kernels.chunk_union.fused_triton import unavailable_reason
-
         if (why := unavailable_reason()) is not None:
             pytest.skip(why)
     rng = np.random.default_rng(0)
@@ -215,9 +214,6 @@ def test_kernel_compiled_on_gpu_matches_reference_with_gradients(backend):
 
 
 def test_blockffn_is_a_skeleton_slot_but_not_a_top_k_slot():
-    from moejax.distill.routing_modes import moe_slots
-    from moejax.nn.moe import MoESkeleton
-
     layer = BlockFFNConfig(n_experts=E, d_expert=F).build(D, rngs=nnx.Rngs(0))
     assert isinstance(layer, MoESkeleton) and moe_slots(layer) == []
 

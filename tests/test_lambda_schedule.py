@@ -17,6 +17,7 @@ from moejax.nn.blockffn import BlockFFNConfig
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
+from moejax.train.step import lm_loss_fn
 
 CFG = ls.CoefScheduleConfig(lam0=0.5, n_st=6, n_adj=3, gamma_min=1.025, max_factor=4.0)
 
@@ -187,7 +188,6 @@ def test_state_updates_in_train_step_and_survives_resume(tmp_path):
 
 
 def test_lm_loss_fn_forwards_segment_ids_to_scheduled_lm():
-    from moejax.train.step import lm_loss_fn
     model = ls.ScheduledLM(_lm(), CFG)
     b = {k: jnp.asarray(v) for k, v in _Src().batch(1).items()}
     _, m = lm_loss_fn(model, b, None, train=False)

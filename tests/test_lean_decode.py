@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import moejax.bench.decode_timing as bench_decode
+from moejax.bench.decode_timing import decode_timing
+from moejax.capture import capture_steps
 from moejax.kernels.targets import lowering_target
 from moejax.nn import lean_ffn
 from moejax.nn.blockffn import BlockFFNConfig
@@ -27,6 +30,10 @@ from moejax.nn.lean_decode import (
 from moejax.nn.lean_ops import matvec, pieces
 from moejax.nn.moe import MoEConfig
 from moejax.train.aot import TRITON
+from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
+from moejax.xla_flags import COMMAND_BUFFERS, known_options
+from tests.toy_models import ToySource
 
 COUNTED = ("dot_general", "reduce", "scatter", "custom_call")
 # per block, in the one-token decode of 14 blocks (d 256, 4 heads, 2 kv heads, bf16) lowered
@@ -252,11 +259,6 @@ def test_the_one_token_decode_launches_within_its_budget(kind):
 def test_the_train_steps_export_with_the_flash_kernel(kind, platform):
     """The MoE and BlockFFN LM train steps lowered for cuda and tpu run attention on
     tokamax's flash kernel (forward and backward) in the exported module."""
-    from moejax.capture import capture_steps
-    from moejax.train.hparams import TrainConfig
-    from moejax.train.loop import train
-    from tests.toy_models import ToySource
-
     slot = (MoEConfig(n_experts=4, top_k=2, d_expert=32) if kind == "moe"
             else BlockFFNConfig(n_experts=8, d_expert=16))
     cfg = DecoderConfig(vocab_size=64, d_model=128, n_layers=1, n_heads=1, ffn_slots=(slot,),
@@ -281,8 +283,6 @@ def test_the_train_steps_export_with_the_flash_kernel(kind, platform):
 def test_compile_options_are_checked_against_the_running_xla():
     """An option this XLA does not know is named and left out (never passed to a compile);
     the command-buffer options it knows are kept."""
-    from moejax.xla_flags import COMMAND_BUFFERS, known_options
-
     known, unknown = known_options({**COMMAND_BUFFERS, "xla_gpu_no_such_option": 1})
     assert known == COMMAND_BUFFERS and unknown == ("xla_gpu_no_such_option",)
 
@@ -291,9 +291,6 @@ def test_decoding_with_command_buffers_decodes_the_same_tokens(monkeypatch):
     """The decoding loops compiled with the command-buffer options (per function, once per
     prompt shape) give the tokens of the plain loops; an option unknown to this XLA is
     dropped and the timing says so."""
-    import moejax.bench.decode_timing as bench_decode
-    from moejax.bench.decode_timing import decode_timing
-
     target = _model(BlockFFNConfig(n_experts=8, d_expert=8))
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
     prompts = jax.random.randint(jax.random.key(0), (2, 5), 0, 64)
@@ -318,8 +315,6 @@ def test_a_lean_decoder_made_before_the_loops_decodes_the_same_tokens():
     are the plain model's in float32, in either layout, and with the steps' kernels
     (``fused``; in the interpreter here), on BlockFFN's dense path and, speculative, on its
     token-sparse path."""
-    from moejax.bench.decode_timing import decode_timing
-
     draft = _model(DenseFFNConfig(d_hidden=16, activation="swiglu"), layers=1)
     prompts = jax.random.randint(jax.random.key(1), (2, 5), 0, 64)
     for path, drafts in (("dense", (None, draft)), ("auto", (draft,))):

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.delta import matmul_input_stats
+from moejax.delta import analytic_q_tree, delta, matmul_input_stats, select_leaves, wanda_prune
 from moejax.nn.decoder import DecoderConfig, DecoderLM
 from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.moe import MoEConfig
 
 K = jax.random.split(jax.random.key(0), 4)
 PARAMS = {"w1": jax.random.normal(K[0], (6, 5)), "w2": jax.random.normal(K[1], (5, 3)),
@@ -131,9 +132,6 @@ def test_a_grouped_matmul_records_each_experts_rows_apart():
 def test_an_moe_on_the_dropless_path_gives_per_expert_statistics_for_per_layer_q():
     """Each expert's count is the tokens routed to it; gate and up see the same rows; the
     per-layer q of the experts' deltas follows from them (Eq. 5 per expert unit)."""
-    from moejax.delta import analytic_q_tree, delta, select_leaves, wanda_prune
-    from moejax.nn.moe import MoEConfig
-
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, dispatch="ragged")
     cfg = DecoderConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
                         max_seq_len=16, ffn_slots=(moe,))

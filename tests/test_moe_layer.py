@@ -12,7 +12,9 @@ from moejax.config import ConfigError, from_json, to_json
 from moejax.config_overrides import apply_overrides
 from moejax.kernels.moe_ffn.jnp_paths import ffn_apply
 from moejax.nn.moe import MoE, MoEConfig
+from moejax.nn.moe_layer import SOWN, MoELayer
 from moejax.nn.router import NoisyTopKRouter, SoftmaxRouter
+from moejax.train import TrainConfig, train
 from tests.devices import run_on_devices
 
 B, T, D, F, E, K = 2, 5, 8, 12, 4, 2
@@ -311,8 +313,6 @@ def test_moe_layer_is_an_nnx_layer_over_the_same_moe():
     """MoELayer(cfg, d_model, rngs=) returns the MoE's output alone, sows its auxiliary
     losses and statistics as nnx.Intermediate, follows model.train() / model.eval(), and
     draws the noisy router's noise from its own rng stream (a new draw each call)."""
-    from moejax.nn.moe_layer import SOWN, MoELayer
-
     cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, router="noisy", dispatch="dense")
     layer = MoELayer(cfg, D, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (B, T, D))
@@ -339,8 +339,6 @@ def test_moe_layer_takes_any_leading_shape_as_a_linear_does(dispatch):
     token as [B, T, D] does: the same outputs token for token, the same sown statistics, the
     mask in the input's leading shape; a 1-D input, a mask of another shape and a width of 0
     are refused naming the shapes."""
-    from moejax.nn.moe_layer import MoELayer
-
     cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, dispatch=dispatch, capacity_factor=2.0)
     layer = MoELayer(cfg, D, rngs=nnx.Rngs(0), deterministic=True)
     x, mask = _x(3), _mask()
@@ -441,9 +439,6 @@ def test_a_user_model_with_a_moe_layer_trains_in_the_training_loop():
     """A user's model holding a noisy-router MoELayer (its own rng stream) trains through
     moejax's loop: each step draws new noise (the stream's count comes back), and the loss
     falls."""
-    from moejax.nn.moe_layer import MoELayer
-    from moejax.train import TrainConfig, train
-
     class Net(nnx.Module):
         def __init__(self, rngs):
             cfg = MoEConfig(n_experts=E, top_k=K, d_expert=F, router="noisy")

@@ -22,6 +22,7 @@ from moejax.extract.pipeline import (
     MLPRouterNet,
     router_bce,
     router_targets,
+    router_train_config,
     train_mlp_router,
 )
 from moejax.extract.plan import balanced_assignment, param_centres
@@ -159,8 +160,6 @@ def test_param_breakdown_counts_what_extraction_removes():
 
 
 def test_router_training_runs_the_authors_epochs_over_the_tokens():
-    from moejax.extract.pipeline import router_train_config
-
     cfg = router_train_config(1000)  # 30 epochs of 1000 tokens in batches of 512: 58.6 -> 59
     assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.optimizer) == (59, 512, 1e-2, "adam")
     assert router_train_config(512, epochs=2).steps == 2

@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.harness import experiment
 from moejax.nn.decoder import DecoderLM
 from moejax.nn.moe import MoEConfig
 from moejax.nn.moe_lm import MoELMConfig
+from moejax.train import distributed, loop
 from moejax.train import mesh as mesh_lib
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.distributed import EXIT_PEER_LOST, cpu_devices_env
@@ -268,9 +270,6 @@ def test_a_failed_collective_ends_the_loop_naming_the_step_and_the_checkpoint(
     "connection closed by peer"), so the loop raises PeerLostError naming the step and the
     checkpoint that resumes it, without closing the checkpointer (its barriers would wait on
     the dead process), and a study's main exits with EXIT_PEER_LOST at once."""
-    from moejax.harness import experiment
-    from moejax.train import distributed, loop
-
     assert distributed.is_peer_failure(ValueError(_GLOO_RESET), processes=2)
     assert not distributed.is_peer_failure(ValueError(_GLOO_RESET), processes=1)
     assert not distributed.is_peer_failure(ValueError("shapes (3,) and (4,) differ"), 2)

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from moejax.kernels.grouped import ragged as rd
-from moejax.kernels.moe_ffn.api import resolve_dispatch
+from moejax.kernels.moe_ffn import api as dp
+from moejax.kernels.moe_ffn.api import dispatch, resolve_dispatch
 from moejax.kernels.targets import lowering_target
 
 pytestmark = pytest.mark.skipif(not rd.AVAILABLE, reason="tokamax is not installed "
@@ -233,8 +234,6 @@ def test_auto_takes_the_own_kernel_for_large_gpu_products_and_tokamax_keeps_the_
     product 23.6 GFLOP), forward and backward, exported for an H100: ``auto``'s two forward
     products on the Triton gmm and the rest on Mosaic GPU (dX and dW on the own kernel);
     ``tokamax``'s all on Mosaic GPU, dW on the own kernel."""
-    from moejax.kernels.moe_ffn.api import dispatch
-
     N, D, F, E = 4096, 1024, 1408, 16
 
     def step(x, w_up, w_down, ids, wts):
@@ -267,7 +266,6 @@ def test_the_export_context_restores_tokamax_and_auto_picks_it_on_accelerators(m
     assert rd.tokamax_gpu_utils()._compute_capability is lookup
     assert rd.tokamax().config.cross_compile.value is False
     assert lookup() == local
-    from moejax.kernels.moe_ffn import api as dp
 
     monkeypatch.setattr(dp.jax, "default_backend", lambda: "gpu")
     assert resolve_dispatch("auto") == "tokamax"

@@ -7,10 +7,20 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, config
+from moejax.harness import results
 from moejax.harness.cli import parse_cli
 from moejax.harness.experiment import run_experiment
+from moejax.harness.plots import line_figure
 from moejax.harness.results import RunDir
-from moejax.harness.tables import markdown_table, seed_summary
+from moejax.harness.tables import (
+    markdown_table,
+    mean_std,
+    merge_seed_tables,
+    nan_in_some_runs,
+    seed_summary,
+)
+from moejax.train.hparams import TrainConfig
+from moejax.train.run_lock import is_held
 
 
 def test_markdown_table_and_csv(tmp_path):
@@ -43,8 +53,6 @@ def test_a_line_runs_through_its_points_in_the_order_of_x():
     """A sweep given in any order (``n_experts=(32,8,16)``) is drawn as one curve, each y
     still beside its own x; the reference lines are drawn and labelled, and a log axis reads
     in plain numbers."""
-    from moejax.harness.plots import line_figure
-
     fig = line_figure("g", {"TLS": ((32, 8, 16), (0.7, 0.8, 0.9)), "one": ([2], [1.0])},
                       xlabel="N", ylabel="s", logx=True, vlines={"paper's N=40": 40},
                       hlines={"level 0.8": 0.8})
@@ -186,8 +194,6 @@ def test_repeat_runs_seeds_and_merges_tables(tmp_path):
 
 
 def test_merge_seed_tables_rules():
-    from moejax.harness.tables import merge_seed_tables
-
     a = [{"m": "x", "v": 1.0, "w": float("nan"), "k": 3.0, "v std": 0.5}]
     b = [{"m": "y", "v": 3.0, "w": float("nan"), "k": 3.0, "v std": 1.5}]
     (r,) = merge_seed_tables([a, b])
@@ -210,8 +216,6 @@ def test_merge_seed_tables_rules():
 
 
 def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
-    from moejax.harness.tables import mean_std
-
     rng = np.random.default_rng(0)
     for _ in range(200):  # random lengths, scales and NaN positions
         x = rng.normal(rng.uniform(-5, 5), rng.uniform(0.01, 10), size=rng.integers(1, 9))
@@ -239,8 +243,6 @@ def test_a_table_written_again_is_replaced_not_listed_twice(tmp_path):
 
 
 def test_cells_a_run_could_not_measure_are_named_beside_the_merged_mean():
-    from moejax.harness.tables import merge_seed_tables, nan_in_some_runs
-
     nan = float("nan")
     runs = [[{"m": "a", "acc": 0.5, "loss": nan}, {"m": "b", "acc": nan, "loss": nan}],
             [{"m": "a", "acc": 0.7, "loss": nan}, {"m": "b", "acc": 0.9, "loss": nan}],
@@ -269,10 +271,6 @@ def test_a_merged_run_names_what_a_seed_run_could_not_measure(tmp_path):
 def test_a_run_directory_whose_config_cannot_be_written_is_not_left_locked(tmp_path,
                                                                           monkeypatch):
     import errno
-
-    from moejax.harness import results
-    from moejax.train.hparams import TrainConfig
-    from moejax.train.run_lock import is_held
 
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

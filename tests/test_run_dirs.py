@@ -12,11 +12,28 @@ import numpy as np
 import pytest
 
 from experiments import blockffn_granularity, results_doc
+from experiments import main as suite
 from moejax.config import ConfigError
 from moejax.harness import experiment, run_index
-from moejax.harness.experiment import main, run_experiment
-from moejax.harness.run_record import RunOwnerError, read_run_record
+from moejax.harness.claims import Claim
+from moejax.harness.cli import split_overwrite
+from moejax.harness.experiment import _headline_keys, main, run_experiment, seed_offset
+from moejax.harness.results import RunDir
+from moejax.harness.run_record import (
+    RunOwnerError,
+    claim_run_dir,
+    clear_results,
+    mark_run_state,
+    read_run_record,
+)
+from moejax.harness.study import Study
+from moejax.io._common import WeightFileError
+from moejax.train.checkpoint_format import CheckpointMismatchError
 from moejax.train.hparams import TrainConfig
+from moejax.train.loop import train
+from moejax.train.run_lock import RunLock
+from moejax.train.run_state import ResumeError
+from tests.toy_models import TinyMoELM, ToySource
 
 MAKE = lambda preset: TrainConfig(seed=0)  # noqa: E731  any config with an int seed
 
@@ -115,8 +132,6 @@ def test_a_smoke_runs_summary_says_so_and_judges_no_claim(tmp_path):
     """A smoke run trains a couple of steps: its claim rules still run on its tables, but no
     verdict of it reads as the paper's (holds or does not hold), and its summary opens by
     saying what it was; the same study run for real judges them."""
-    from moejax.harness.claims import Claim
-
     def claims(tables):
         return [Claim("A beats B", True, "1 vs 0"), Claim("C beats D", False, "0 vs 1")]
 
@@ -231,7 +246,6 @@ def test_an_unreadable_record_is_refused_and_overwrite_is_checked(tmp_path):
     (out / "run.json").write_text("{cut")
     with pytest.raises(RunOwnerError, match="unreadable"):
         run_experiment("lm_demo", MAKE, _two_tables, [], out=out)
-    from moejax.config import ConfigError
     with pytest.raises(ConfigError, match="overwrite"):
         run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=yes"], out=out)
     run_experiment("lm_demo", MAKE, _two_tables, ["overwrite=true"], out=out)
@@ -239,10 +253,6 @@ def test_an_unreadable_record_is_refused_and_overwrite_is_checked(tmp_path):
 
 
 def test_user_errors_and_ctrl_c_end_in_one_line_with_their_exit_codes(tmp_path, capsys):
-    from moejax.io._common import WeightFileError
-    from moejax.train.checkpoint_format import CheckpointMismatchError
-    from moejax.train.run_state import ResumeError
-
     for i, (exc, code) in enumerate([(ResumeError("lr: checkpoint 0.1 vs now 0.2"), 2),
                                      (CheckpointMismatchError("shapes differ"), 2),
                                      (WeightFileError("w.gguf", "bad header"), 2),
@@ -287,9 +297,6 @@ def test_ctrl_c_without_a_checkpoint_promises_no_resume(tmp_path):
 
     from flax import nnx
 
-    from moejax.train.loop import train
-    from tests.toy_models import TinyMoELM, ToySource
-
     class Interrupting(ToySource):
         def batch(self, position):
             if position == 2:
@@ -309,10 +316,6 @@ def test_a_suite_skips_a_study_another_suite_holds_or_finished(tmp_path, monkeyp
     its process), not failed; one the other finished since this suite began is not run
     twice."""
     import os
-
-    from experiments import main as suite
-    from moejax.harness.study import Study
-    from moejax.train.run_lock import RunLock
 
     ran = []
 
@@ -360,8 +363,6 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
     linked one; a benchmark's kept measurements and traced programs, not a file set aside)
     and keeps the rest; an
     unreadable record is not rewritten by a state mark."""
-    from moejax.harness.run_record import claim_run_dir, clear_results, mark_run_state
-
     out = tmp_path / "run"
     take = lambda h, **kw: claim_run_dir(out, study="lm_demo", variant="", cfg_hash=h,  # noqa
                                          argv=[], **kw)
@@ -396,8 +397,6 @@ def test_claiming_a_directory_resumes_its_own_unfinished_run_and_clears_only_res
 def test_config_json_is_the_new_runs_at_once_unless_checkpoints_of_another_wait(tmp_path):
     """A changed config replaces config.json when the run starts; where checkpoints of the
     old config lie, only when the run finishes (a resume the loop refuses keeps the old)."""
-    from moejax.harness.results import RunDir
-
     out = tmp_path / "run"
     RunDir.create(out, TrainConfig(seed=0, steps=5)).close()
     RunDir.create(out, TrainConfig(seed=0, steps=6)).close()
@@ -410,9 +409,6 @@ def test_config_json_is_the_new_runs_at_once_unless_checkpoints_of_another_wait(
 
 
 def test_a_seed_key_must_name_an_int_field():
-    from moejax.harness.experiment import seed_offset
-    from moejax.train.hparams import TrainConfig
-
     cfg = TrainConfig(seed=3)
     assert seed_offset(cfg, ("seed",), 2).seed == 5
     with pytest.raises(ConfigError, match="seed key 'tensorboard' is not an int field"):
@@ -424,8 +420,6 @@ def test_a_seed_key_must_name_an_int_field():
 
 
 def test_a_repeats_headline_gives_the_first_four_values_every_run_measured():
-    from moejax.harness.experiment import _headline_keys
-
     runs = [{"a": 1.0, "n": 3, "b": 2.0, "wall_s": 9.0, "c": 1.0, "d": 1.0, "e": 1.0, "f": 1.0},
             {"a": 2.0, "n": 4, "b": "n/a", "wall_s": 8.0, "c": 2.0, "d": 2.0, "e": 2.0,
              "f": 2.0}]
@@ -433,8 +427,6 @@ def test_a_repeats_headline_gives_the_first_four_values_every_run_measured():
 
 
 def test_overwrite_is_true_or_false_and_given_once():
-    from moejax.harness.cli import split_overwrite
-
     assert split_overwrite(["overwrite=false", "seed=1"]) == (["seed=1"], False)
     assert split_overwrite(["seed=1", "overwrite=true"]) == (["seed=1"], True)
     assert split_overwrite(["seed=1"]) == (["seed=1"], False)
@@ -444,8 +436,6 @@ def test_overwrite_is_true_or_false_and_given_once():
 
 
 def test_a_studys_quick_run_is_one_run_unless_the_suite_asks_for_its_repeats(tmp_path):
-    from moejax.harness.study import Study
-
     def one(cfg, run):
         run.table("t", [{"seed": float(cfg.seed)}])
         return {}

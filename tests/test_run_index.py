@@ -6,7 +6,9 @@ import time
 
 from experiments import results_doc
 from moejax.harness import run_index
+from moejax.harness.experiment import run_experiment
 from moejax.harness.run_record import write_run_record
+from moejax.train.hparams import TrainConfig
 
 
 def _run(path, study, command, accelerator="none"):
@@ -95,9 +97,6 @@ def test_results_doc_reads_the_index_of_its_machine_class(tmp_path, monkeypatch)
 
 
 def test_the_runner_indexes_what_it_finishes(tmp_path, monkeypatch):
-    from moejax.harness.experiment import run_experiment
-    from moejax.train.hparams import TrainConfig
-
     index = tmp_path / "index.jsonl"
     monkeypatch.setenv(run_index.ENV, str(index))
     run_experiment("lm_demo", lambda preset: TrainConfig(seed=0),
@@ -111,9 +110,6 @@ def test_index_lines_survive_a_cut_line_and_argv_that_quotes_smoke(tmp_path, mon
     merely contains ' smoke=true' (a prompt) does not keep a real run out of the index; the
     recorded command is shell-quoted and splits back into the run's argv."""
     import shlex
-
-    from moejax.harness.experiment import run_experiment
-    from moejax.train.hparams import TrainConfig
 
     index = tmp_path / "index.jsonl"
     monkeypatch.setenv(run_index.ENV, str(index))
@@ -134,9 +130,6 @@ def test_trials_are_indexed_apart_and_never_replace_a_published_section(tmp_path
     """A run is a preset run only at its preset's config and default repeat (a variant's
     overrides included); an overridden key or another repeat makes a trial, which the results
     document lists by command and never publishes over the preset run's section."""
-    from moejax.harness.experiment import run_experiment
-    from moejax.train.hparams import TrainConfig
-
     monkeypatch.delenv(run_index.ENV, raising=False)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
@@ -178,9 +171,6 @@ def test_a_run_directory_reused_by_a_later_run_is_read_as_that_run(tmp_path, mon
     """A preset run, then a trial written over it (overwrite=true, same out=): the preset
     run's index line now names a directory that holds the trial, so it is no preset run any
     more and nothing is published for the study; a preset run over a trial is published."""
-    from moejax.harness.experiment import run_experiment
-    from moejax.train.hparams import TrainConfig
-
     monkeypatch.delenv(run_index.ENV, raising=False)
     make = lambda preset: TrainConfig(seed=0, steps=300)  # noqa: E731
 

@@ -10,10 +10,13 @@ import pytest
 from flax import nnx
 
 from experiments import study_module
+from experiments.ders import upcycling as study
+from experiments.extraction import moee
 from experiments.main import REGISTRY
 from moejax.config import Config, ConfigError, find_configs
-from moejax.harness.cli import parse_runner
+from moejax.harness.cli import expand_variant, parse_runner
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
+from moejax.substrates.registry import substrate_config
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import train
 from tests.toy_models import TinyMoELM, ToySource
@@ -58,8 +61,6 @@ def test_every_full_preset_parses_as_a_smoke_run_with_its_sizes_kept(name):
 
 
 def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
-    from experiments.ders import upcycling as study
-
     cfg = smoke_config(study.make_config("full"))
     assert cfg.train.steps == 2 and cfg.substrate.pretrained.train.steps == 2
     assert cfg.eval_batches == 2 and cfg.substrate.pretrained.eval_batches == 2
@@ -72,7 +73,6 @@ def test_smoke_cuts_nested_runs_and_counts_and_the_command_line_wins():
     with pytest.raises(ConfigError, match="smoke='yes'"):
         parse_runner("ders_upcycling", study.make_config, ["smoke=yes"])
     # a 0 ("all examples") becomes a cap, a smaller count stays
-    from moejax.substrates.registry import substrate_config
 
     sub = smoke_config(substrate_config("minilm_wordnet_pos", "full"))
     assert sub.eval_examples == 64 and sub.max_train_examples == 256
@@ -120,7 +120,6 @@ def test_a_smoke_run_cuts_each_training_run_to_at_most_its_own_steps():
                                     batch_size=2))
     assert (one.steps, one.batch_size, one.eval_every, one.ckpt_every) == (1, 2, 0, 0)
     assert smoke_config(full, cut_training=False) == full
-    from moejax.substrates.registry import substrate_config
 
     code = substrate_config("dense_lm_code", "full")
     kept = smoke_config(code, cut_training=False)
@@ -128,8 +127,6 @@ def test_a_smoke_run_cuts_each_training_run_to_at_most_its_own_steps():
 
 
 def test_a_repeat_that_is_not_a_count_is_refused():
-    from experiments.ders import upcycling as study
-
     for bad in ("abc", "0", "-1", "1.5"):
         with pytest.raises(ConfigError, match=f"repeat='{bad}': expected an int >= 1"):
             parse_runner("ders_upcycling", study.make_config, [f"repeat={bad}"])
@@ -140,9 +137,6 @@ def test_a_smoke_run_of_a_variant_cuts_the_variants_training_too():
     fine-tune to the smoke steps (the variant's kd.steps=60 used to win over the cut, so the
     smoke run trained 60 steps under a summary saying every training run was cut); the
     command line's own keys still win, and the run's kind is the variant's preset."""
-    from experiments.extraction import moee
-    from moejax.harness.cli import expand_variant
-
     variants = dict(moee.STUDY.variants)
     argv, name = expand_variant("moee", ["variant=minilm", "smoke=true"], variants)
     assert (argv, name) == (["smoke=true"], "minilm")
@@ -158,8 +152,6 @@ def test_a_smoke_run_of_a_variant_cuts_the_variants_training_too():
 
 
 def test_a_smoke_run_is_one_run_with_the_studys_own_cuts_under_the_command_line():
-    from experiments.ders import upcycling as study
-
     def parse(*argv):
         return parse_runner("ders_upcycling", study.make_config, list(argv), quick_repeat=5,
                             smoke_overrides=("eval_batches=1", "train.steps=1"))

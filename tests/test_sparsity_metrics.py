@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moejax.evaluate import SparsityEvaluator, router_active_sets
+from moejax.ops import chunk_sparsity as cs
 from moejax.ops import sparsity_metrics as sm
 from tests.token_runs import runs, token_batches
 
@@ -170,8 +172,6 @@ def test_a_mask_that_is_not_one_per_token_is_refused_not_broadcast():
     that had one real token, silently; the metrics and BlockFFN's objectives refuse it."""
     import jax.numpy as jnp
 
-    from moejax.ops import chunk_sparsity as cs
-
     row_mask = np.ones((2, 1), bool)
     with pytest.raises(ValueError, match=r"mask of shape \(2, 1\) for positions of shape "
                        r"\(2, 6\)"):
@@ -219,7 +219,6 @@ def test_the_accumulator_refuses_values_and_tokens_of_other_shapes():
     for lens in ((0,), (-1,), (2.5,), (8, True)):  # cls_0 was a NaN made of 0/0 chunks
         with pytest.raises(ValueError, match="chunk_lens"):
             sm.SparsityAccumulator(chunk_lens=lens)
-    from moejax.evaluate import SparsityEvaluator
 
     with pytest.raises(ValueError, match="chunk_lens"):  # before any evaluation
         SparsityEvaluator([{"inputs": np.zeros((1, 4), np.int32)}], chunk_lens=(0,))
@@ -230,8 +229,6 @@ def test_the_accumulator_refuses_values_and_tokens_of_other_shapes():
 def test_top_k_active_sets_need_the_expert_count():
     """Without ``n_experts`` a top-k layer's ids became an empty active set, which failed
     later in the accumulator with numpy's "cannot reshape array of size 0"."""
-    from moejax.evaluate import router_active_sets
-
     ids_BTK = np.array([[[0, 1], [2, 3]]])
     with pytest.raises(ValueError, match="n_experts=0.*functools.partial"):
         router_active_sets({"expert_ids": ids_BTK})

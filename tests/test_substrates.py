@@ -11,12 +11,16 @@ import pytest
 
 pytest.importorskip("safetensors", reason="pip install safetensors")
 
+from experiments import substrate_build as sb
 from moejax import substrates
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
 from moejax.evaluate import ClassifierEvaluator
+from moejax.harness import experiment
 from moejax.io._common import flat_params
+from moejax.substrates import registry
 from moejax.substrates.classify import MiniLMTaskConfig, mnist_arrays
+from moejax.substrates.mlp import init_mlp, load_tasks, mlp, mlp_loss
 from tests.tiny_substrates import tiny_lm as _tiny_lm
 
 
@@ -67,9 +71,6 @@ def test_a_full_disk_while_caching_names_the_directory_and_the_space(tiny_recipe
     megabytes its weights need, nothing that looks cached, and a study's main prints one
     line (exit 1); the next build, with space again, resumes from the trained run."""
     import errno
-
-    from moejax.harness import experiment
-    from moejax.substrates import registry
 
     real = registry.export_params
 
@@ -128,8 +129,6 @@ def test_errors(tmp_path):
 
 
 def test_experiment_config():
-    from experiments import substrate_build as sb
-
     q, f = sb.make_config("quick"), sb.make_config("full")
     assert q.dense_lm_code.init_from == "dense_lm_prose"
     assert f.dense_lm_prose.train.steps > q.dense_lm_prose.train.steps
@@ -143,8 +142,6 @@ def test_experiment_config():
 
 def test_controlled_mlp_matches_numpy_and_tasks_split_disjointly():
     import jax
-
-    from moejax.substrates.mlp import init_mlp, load_tasks, mlp, mlp_loss
 
     p = init_mlp(jax.random.key(0), 12, 8, n_classes=3)
     x = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32)

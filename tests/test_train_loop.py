@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moejax.train.checkpoint import latest_step
-from moejax.train.hparams import TrainConfig
+from moejax.data.lm_batches import WindowBatches
+from moejax.nn import decoder, moe
+from moejax.nn.ffn import DenseFFNConfig
+from moejax.nn.slots import layer_pattern
+from moejax.train import budget
+from moejax.train.checkpoint import Checkpointer, latest_step
+from moejax.train.hparams import TrainConfig, make_optimizer
 from moejax.train.loop import read_csv, train, train_params
-from moejax.train.step import NonFiniteError
+from moejax.train.step import NonFiniteError, init_train_state
 from tests.toy_models import TinyMoELM, ToySource, tree_equal
 
 CFG = TrainConfig(
@@ -162,11 +167,6 @@ def test_a_setting_the_call_would_ignore_is_refused_before_it_runs(tmp_path, set
 
 
 def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
-    from moejax.data.lm_batches import WindowBatches
-    from moejax.nn import decoder, moe
-    from moejax.nn.ffn import DenseFFNConfig
-    from moejax.nn.slots import layer_pattern
-
     slots = layer_pattern(
         2,
         DenseFFNConfig(d_hidden=32, activation="swiglu"),
@@ -195,9 +195,6 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
     assert hist[-1]["ce"] < hist[0]["ce"]
     assert hist[0]["aux_loss"] > 0
     # the checkpoint restores into a freshly built DecoderLM state (expert stacks included)
-    from moejax.train.checkpoint import Checkpointer
-    from moejax.train.hparams import make_optimizer
-    from moejax.train.step import init_train_state
 
     _, template = init_train_state(
         decoder.DecoderLM(mcfg, rngs=nnx.Rngs(1)), make_optimizer(cfg), 0
@@ -208,8 +205,6 @@ def test_decoder_lm_with_moe_trains_and_resumes(tmp_path):
 
 
 def test_a_step_that_cannot_fit_the_device_is_refused_before_it_runs(tmp_path, monkeypatch):
-    from moejax.train import budget
-
     model = TinyMoELM(nnx.Rngs(0))
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
     assert budget.available_bytes(jax.devices()[0])[0] > 1e9  # this host: the real memory

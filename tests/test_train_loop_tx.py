@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from moejax.optim.anchored import adamr
+from moejax.train import step_cache
 from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params
@@ -240,8 +241,6 @@ def test_measuring_memory_leaves_batches_of_other_shapes_trainable():
 
 
 def test_runs_of_one_recipe_share_one_jitted_step():
-    from moejax.train import step_cache
-
     cfg = CFG.replace(steps=2)
     train_params(LIN_P0, lin_batch, cfg, lin_mse, progress=False)
     hits = step_cache.cached_step.cache_info().hits

@@ -7,16 +7,25 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moejax.nn.decoder import DecoderLM, dense_decoder_config
+from moejax.ops.losses import cross_entropy
+from moejax.train import train
 from moejax.train.collectives import collective_bytes
 from moejax.train.hparams import TrainConfig, make_optimizer, make_schedule
 from moejax.train.step import (
     NonFiniteError,
+    _split_micro,
     check_finite,
     init_state,
     init_train_state,
+    injected_lr,
     lm_loss_fn,
     make_eval_step,
+    make_step_fn,
     make_train_step,
+    per_step_schedule,
+    tree_all_finite,
+    updates_per_batch,
 )
 from tests.toy_models import TinyMoELM, ToySource, tree_equal, tree_max_diff
 
@@ -132,9 +141,6 @@ def test_lm_loss_fn_never_shows_the_loss_mask_to_the_model():
     """A prompt/response batch's loss mask covers only the response: the model must still
     attend to the prompt, so the loss equals the CE of the unmasked forward's logits on the
     response positions (the mask hiding the prompt keys gives a different loss)."""
-    from moejax.nn.decoder import DecoderLM, dense_decoder_config
-    from moejax.ops.losses import cross_entropy
-
     lm = DecoderLM(dense_decoder_config(vocab_size=16, d_model=16, n_layers=2, n_heads=2,
                                         d_hidden=24, max_seq_len=16, init_std=0.5),
                    rngs=nnx.Rngs(0))
@@ -155,7 +161,6 @@ def test_lm_loss_fn_never_shows_the_loss_mask_to_the_model():
 def test_lm_loss_fn_on_packed_batch_equals_documents_alone():
     """A packed row of two documents (segment ids + restarted positions) has the same
     token-summed CE as the two documents run as separate rows."""
-    from moejax.nn.decoder import DecoderLM, dense_decoder_config
     cfg = dense_decoder_config(vocab_size=16, d_model=16, n_layers=2, n_heads=2, d_hidden=24,
                                max_seq_len=16, init_std=0.5)
     model = DecoderLM(cfg, rngs=nnx.Rngs(0))
@@ -224,8 +229,6 @@ def test_several_updates_per_batch_equal_sequential_sgd_on_one_prepared_batch():
     """The oracle: prepare once with the step's first key, then three plain SGD updates, the
     m-th with fold_in(key, m); the step's metrics are the updates' mean."""
     import optax
-
-    from moejax.train.step import init_state, make_step_fn, per_step_schedule, updates_per_batch
 
     lr = 0.1
     cfg = TrainConfig(steps=4, lr=lr, schedule="constant", warmup_steps=0)
@@ -344,8 +347,6 @@ class _FirstUpdateNotFinite:
 def test_a_step_of_several_updates_is_not_applied_when_any_update_is_not_finite():
     import optax
 
-    from moejax.train.step import make_step_fn
-
     cfg = TrainConfig(steps=2, lr=0.1, schedule="constant", warmup_steps=0)
     tx = optax.sgd(0.1)
     state = init_state({"w": jnp.zeros(3)}, None, tx)
@@ -357,16 +358,12 @@ def test_a_step_of_several_updates_is_not_applied_when_any_update_is_not_finite(
 def test_micro_batches_interleave_the_rows():
     """Micro-batch i of A holds rows i, i + A, i + 2A, ... (a batch sharded over devices keeps
     each micro-batch spread over all of them)."""
-    from moejax.train.step import _split_micro
-
     micro = _split_micro({"x": jnp.arange(8)[:, None]}, 2)["x"]
     np.testing.assert_array_equal(micro[:, :, 0], [[0, 2, 4, 6], [1, 3, 5, 7]])
 
 
 def test_the_logged_rate_is_left_out_when_several_transforms_inject_one():
     import optax
-
-    from moejax.train.step import injected_lr
 
     tx = optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
                      optax.inject_hyperparams(optax.sgd)(learning_rate=0.2))
@@ -388,8 +385,6 @@ def test_only_scalar_float_aux_entries_become_metrics():
 
 
 def test_every_floating_leaf_is_checked_for_finiteness():
-    from moejax.train.step import tree_all_finite
-
     good = {"a": jnp.ones(3), "b": jnp.zeros(2), "i": jnp.arange(2)}
     assert bool(tree_all_finite(good))
     for leaf in ("a", "b"):
@@ -402,8 +397,6 @@ def test_a_loss_mask_of_another_shape_than_the_targets_is_refused_before_a_step(
     """A ``[B, 1]`` loss mask broadcast over the targets counted every token of a row and
     divided by the rows: the loss was T times too large, silently. The loop now stops at the
     first step's trace, naming both shapes."""
-    from moejax.train import train
-
     model = TinyMoELM(rngs=nnx.Rngs(0))
     src = ToySource()
     b = src.batch(0)

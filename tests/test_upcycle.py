@@ -8,11 +8,21 @@ import pytest
 from flax import nnx
 
 from moejax.config import ConfigError
+from moejax.distill.routing_modes import RoutingMode, with_routing
 from moejax.nn.decoder import DecoderLM, dense_decoder_config
-from moejax.nn.ders_moe import DeRSFrozen, DeRSIndex, DeRSMoE, DeRSMoEConfig, ders_param_counts
+from moejax.nn.ders_moe import (
+    DeRSFrozen,
+    DeRSIndex,
+    DeRSMoE,
+    DeRSMoEConfig,
+    ders_param_counts,
+    expert_bytes_per_token,
+    sm_num_kept,
+)
 from moejax.nn.ffn import DenseFFNConfig
 from moejax.nn.moe import MoE, MoEConfig
-from moejax.train.hparams import TrainConfig
+from moejax.pytree import named_leaves
+from moejax.train.hparams import TrainConfig, make_optimizer
 from moejax.train.step import init_train_state, lm_loss_fn, make_train_step
 from moejax.upcycle import (
     UPCYCLE_MOE,
@@ -155,7 +165,6 @@ def test_sm_indices_are_unique_fixed_buffers_and_only_values_train():
     assert isinstance(ffn.experts.idx_up, DeRSIndex) and isinstance(ffn.base.w_up, DeRSFrozen)
     # one training step: values move, indices and the frozen shared weight do not
     tcfg = TrainConfig(steps=1, batch_size=2, lr=1e-2, weight_decay=0.1)
-    from moejax.train.hparams import make_optimizer
     tx = make_optimizer(tcfg)
     graphdef, state = init_train_state(moe, tx)
     step = make_train_step(graphdef, lm_loss_fn, tx, tcfg)
@@ -231,8 +240,6 @@ def test_exact_parameter_counts():
 
 
 def _sizes(layer, kind, *prefixes) -> int:
-    from moejax.pytree import named_leaves
-
     return sum(int(np.size(x)) for k, x in named_leaves(nnx.state(layer, kind))
                if k.startswith(prefixes))
 
@@ -263,8 +270,6 @@ def test_ders_starting_weights_have_their_stated_scales():
     """DeRS-SM keeps round(d_in d_out (1 - p)) positions (7 x 7 x 0.1 = 4.9 -> 5); a
     DeRS-LM A starts at std d_in^-1/2 and a from-scratch W_shared at fan-in^-1/2, for the
     up (d_in = D) and the down (d_in = F) matrices alike."""
-    from moejax.nn.ders_moe import sm_num_kept
-
     assert sm_num_kept(7, 7, 0.9) == 5
     cfg = DeRSMoEConfig(moe=MoEConfig(n_experts=8, d_expert=4 * F), form="lm", lm_rank=16)
     layer = cfg.build(D, rngs=nnx.Rngs(0))
@@ -279,8 +284,6 @@ def test_split_upcycling_partitions_neurons():
     """Llama-MoE neuron split: N experts of F/N neurons each (total FFN parameters unchanged);
     with uniform gates (zero router) the ALL-experts mixture is the dense model exactly, and
     every hidden neuron lands in exactly one expert."""
-    from moejax.distill.routing_modes import RoutingMode, with_routing
-
     rule = UpcycleConfig(expert_form="split", blocks="all", router_init="zeros",
                          moe=UPCYCLE_MOE.replace(n_experts=4, top_k=2, dispatch="dense"))
     dense = _dense()
@@ -330,8 +333,6 @@ def test_expert_bytes_per_token_by_hand():
     """Batch-1 expert bytes: vanilla reads its k experts; DeRS "selected" reads W_shared once
     and k increments (SM: K float32 values and K int32 positions per matrix); "all" reads
     W_shared and N increments and writes then reads N dense copies."""
-    from moejax.nn.ders_moe import expert_bytes_per_token, sm_num_kept
-
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=F, activation="swiglu")
     dense = 3 * D * F * 4
     assert expert_bytes_per_token(moe, D) == 2 * dense
