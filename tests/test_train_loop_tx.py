@@ -240,7 +240,10 @@ def test_measuring_memory_leaves_batches_of_other_shapes_trainable():
     assert runs[1].memory["peak_bytes"] > 0 and runs[0].memory is None
 
 
-def test_runs_of_one_recipe_share_one_jitted_step():
+def test_runs_of_one_recipe_share_one_jitted_step(monkeypatch):
+    """A second run of a recipe (another seed or logging) reuses the first one's jitted step;
+    another learning rate builds another."""
+    monkeypatch.setattr(step_cache, "LOW_MEMORY_FRACTION", 0.0)  # kept on a host short of memory
     cfg = CFG.replace(steps=2)
     train_params(LIN_P0, lin_batch, cfg, lin_mse, progress=False)
     hits = step_cache.cached_step.cache_info().hits

@@ -114,4 +114,6 @@ def lin_mse(params, batch, key, train=True):
     return loss, {"mse": loss}
 
 
-LIN_P0 = {"w": jnp.zeros((5,)), "b": jnp.zeros(())}
+# numpy, not jax: importing this module starts no XLA backend (a multi-process test's script
+# imports it before jax.distributed.initialize)
+LIN_P0 = {"w": np.zeros((5,), np.float32), "b": np.zeros((), np.float32)}
