@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from experiments import study_module
+from experiments.blockffn import ablations, granularity
 from experiments.blockffn import baselines as mod
 from experiments.blockffn.baselines import paired_gaps
 from experiments.blockffn.common import blockffn_changes
@@ -150,23 +151,21 @@ def test_baselines_match_blockffn_active_experts():
     """Every baseline keeps BlockFFN's experts (count and width) and attention; the top-k
     models activate round(N (1 - TLS)) experts, ReMoE targets the same TLS; the sizes build
     the parameter counts they claim (xl >= 5M)."""
-    from experiments.blockffn.baselines import baselines, make_config
-
-    cfg = apply_overrides(make_config("quick"), ["sizes=(small,xl)"])
+    cfg = apply_overrides(mod.make_config("quick"), ["sizes=(small,xl)"])
     base = cfg.size_spec("small")
-    specs = baselines(base, tls=0.82)
+    specs = mod.baselines(base, tls=0.82)
     N = base.n_experts
     assert specs["TopK"][0].top_k == round(N * 0.18) == specs["TopK"][1] == 3
     assert specs["DSMoE"][0].top_k == 3 and specs["DSMoE"][0].n_always_on == 1
     assert specs["ReMoE"][0].target_tls == 0.82
     np.testing.assert_allclose(specs["ReMoE"][1], N * 0.18)
     assert specs["GRIN"][1] == 3 == specs["GRIN"][0].top_k and specs["Dense"][1] == N
-    assert baselines(base, tls=0.82, grin_k="two")["GRIN"][0].top_k == 2
+    assert mod.baselines(base, tls=0.82, grin_k="two")["GRIN"][0].top_k == 2
     assert specs["GRIN"][0].slot().moe.top_k == 3  # the slot really routes to 3 experts
     for spec, _ in specs.values():
         assert (spec.d_model, spec.d_expert, spec.n_experts, spec.n_layers, spec.n_heads) == (
             base.d_model, base.d_expert, N, base.n_layers, base.n_heads)
-    assert baselines(base, tls=0.99)["TopK"][1] == 2  # never fewer than two
+    assert mod.baselines(base, tls=0.99)["TopK"][1] == 2  # never fewer than two
     xl = cfg.size_spec("xl")
     assert count_params(xl.replace(arch="topk").build(0)) > 5_000_000
     with pytest.raises(ConfigError, match="sizes"):
@@ -212,13 +211,11 @@ def test_a_blockffn_study_names_each_setting_changed_from_the_papers():
     """A BlockFFN without CS, or with another AL sharpness, is named as such in the summary
     (each was labelled BlockFFN, its objective unstated); the paper's is named by nothing, and
     an ablation's own switches are left to its settings."""
-    from experiments.blockffn import ablations, baselines
-
     assert blockffn_changes(SparseLMConfig()) == ""
     note = blockffn_changes(SparseLMConfig(use_cs=False, alpha=10.0))
     assert note == ("BlockFFN here differs from the paper's in AL's sharpness alpha 10.0 (the "
                     "paper's: 100.0); the CS loss False (the paper's: True).")
-    quick = baselines.make_config("quick").model  # the CPU scale's shorter chunks and schedule
+    quick = mod.make_config("quick").model  # the CPU scale's shorter chunks and schedule
     assert "CS's chunk length 16 (the paper's: 64)" in blockffn_changes(quick)
     cfg = ablations.make_config("quick")
     assert "router RMSNorm" not in blockffn_changes(cfg.model.replace(rmsnorm=False),
@@ -302,8 +299,6 @@ def test_ablation_claims_count_only_at_close_tls():
     stands; CLS the other way round (a denser AL+L1 explains AL+CS's higher CLS); no TLS
     recorded: unchecked. AL+CS against AL alone needs no such check; against CS alone (AL
     removed) it does."""
-    from experiments.blockffn.ablations import claims
-
     def verdicts(d_ppl, l1_tls, n_experts=16, tls=True, l1_cls=0.5, ent_cls=0.5,
                  drop_tls_at=None):
         def row(model, ppl, t, cls=0.5):
@@ -322,7 +317,7 @@ def test_ablation_claims_count_only_at_close_tls():
         if drop_tls_at is not None:  # one seed run did not record its TLS
             for r in runs[drop_tls_at]["objectives"]:
                 r.pop("TLS")
-        got = claims({**runs[0], SEED_TABLES: runs})
+        got = ablations.claims({**runs[0], SEED_TABLES: runs})
         return [c.verdict for c in got], got
 
     assert verdicts(1.0, 0.81)[0] == ["holds"] * 8  # AL+L1 0.01 sparser: close
@@ -351,15 +346,13 @@ def test_granularity_judges_where_sparsity_peaks():
     coarsest and the finest N on TLS and CLS_8 in the paired seeds, at an interval widened for
     the best of the middle settings; sparsity rising to the finest N does not hold, and two
     sizes have no middle."""
-    from experiments.blockffn.granularity import PEAK_CLAIM, claims
-
     def peak(tls, cls=None, wobble=0.002):  # N=16's per-seed wobble
         runs = [{"granularity": [{"n_experts": n, "val_ppl": 10.0,
                                   "TLS": t + wobble * (-1) ** i * (n == 16), "CLS_8": c}
                                  for n, t, c in zip((4, 8, 16, 32), tls, cls or tls)]}
                 for i in range(5)]
-        got = claims({**runs[0], SEED_TABLES: runs})
-        assert got[-1].claim == PEAK_CLAIM
+        got = granularity.claims({**runs[0], SEED_TABLES: runs})
+        assert got[-1].claim == granularity.PEAK_CLAIM
         return got[-1]
 
     c = peak((0.70, 0.80, 0.83, 0.78))  # the quick preset's shape: N=16 peaks
@@ -370,6 +363,6 @@ def test_granularity_judges_where_sparsity_peaks():
     # TLS peaks in the middle, CLS_8 falls all the way: not both
     assert peak((0.70, 0.80, 0.83, 0.78), (0.8, 0.7, 0.6, 0.5)).verdict == "does not hold"
     assert peak((0.70, 0.80, 0.83, 0.829), wobble=0.01).verdict == "inconclusive"
-    two = claims({"granularity": [{"n_experts": n, "val_ppl": 10.0, "TLS": 0.8, "CLS_8": 0.6}
-                                  for n in (8, 32)]})
+    two = granularity.claims({"granularity": [
+        {"n_experts": n, "val_ppl": 10.0, "TLS": 0.8, "CLS_8": 0.6} for n in (8, 32)]})
     assert two[-1].verdict == "not measured" and "no setting between" in two[-1].evidence

@@ -12,6 +12,7 @@ import experiments.darex.storage as study
 from experiments import STUDIES, TOOLS
 from experiments.darex import controlled as mod
 from experiments.extraction import moee
+from experiments.kd import moe_kd
 from moejax.config import Config, ConfigError, config, from_json, is_integer, is_real, to_json
 from moejax.config_overrides import apply_overrides, unread_reason
 from moejax.harness.cli import parse_cli
@@ -303,21 +304,17 @@ def test_every_study_refuses_a_seed_a_jax_key_cannot_tell_from_a_smaller_one():
     ("upcycle.lm_rank=0", "lm_rank=0: must be >= 1"),
 ])
 def test_a_count_of_zero_or_a_rate_past_one_is_refused(override, why):
-    from experiments.kd.moe_kd import make_config
-
     with pytest.raises(ConfigError, match=re.escape(why)):
-        apply_overrides(make_config("quick"), [override])
+        apply_overrides(moe_kd.make_config("quick"), [override])
 
 
 def test_a_count_whose_zero_means_none_takes_zero():
     """``lora_rank=0`` skips the controlled study's LoRA table (and its refusal of an empty
     ``lora_ps`` names it as the fix): the ``_rank`` naming rule (>= 1) gives way to it."""
-    from experiments.darex.controlled import make_config
-
-    cfg = apply_overrides(make_config("quick"), ["lora_rank=0", "lora_ps=()"])
+    cfg = apply_overrides(mod.make_config("quick"), ["lora_rank=0", "lora_ps=()"])
     assert cfg.lora_rank == 0
     with pytest.raises(ConfigError, match=re.escape("lora_rank=-1: must be >= 0")):
-        apply_overrides(make_config("quick"), ["lora_rank=-1"])
+        apply_overrides(mod.make_config("quick"), ["lora_rank=-1"])
 
 
 @pytest.mark.parametrize("module, override, why", [
