@@ -9,7 +9,10 @@
   valid length (``kv_lengths_B``), the kernel's loop over key blocks stops at the longest, so
   a step reads the cache's filled slots, not all of it (the mask gives each new token its
   own slots among them; one new token per row needs no mask beside the lengths);
-* ``tpu``: tokamax's Pallas Mosaic TPU flash attention;
+* ``tpu``: tokamax's Pallas Mosaic TPU flash attention, whose query and key blocks are 128
+  long: a training sequence of another length (a shifted 512-token row's 511) is padded up to
+  a multiple of 128, the padded keys masked out and the padded queries' rows dropped from the
+  output; a decode step's at most 64 new tokens are not padded;
 * anything else (the CPU): ``fallback``, XLA's attention.
 
 The platform is the one the program is built for (:func:`moejax.kernels.tiling.target_device`:
@@ -18,14 +21,15 @@ device), and only its branch is traced beside the fallback
 (:func:`jax.lax.platform_dependent`), as for the grouped matmul
 (:mod:`moejax.kernels.grouped.ragged`): tokamax cannot trace one platform's kernel on
 another's device. Where tokamax declines a call (``NotImplementedError``, or the
-``ValueError`` of a shape its kernel does not tile: the TPU kernel takes query blocks of 128,
-so a TPU decode step runs the fallback), or is not installed, the fallback runs.
+``ValueError`` of a shape its kernel does not tile: a TPU decode step's few queries), or is not
+installed, the fallback runs.
 
-A fully masked query row gets the einsum oracle's values (uniform over the keys, finite), but
-not its gradient: the TPU kernel sends none through such a row (the einsum sends ``1/S`` of
-its output gradient to every value). Such rows are padding, which the
-models' losses leave out, so training is unchanged (tests: values and gradients equal the
-oracle's in Pallas's interpreters, with a fully masked row outside the loss).
+A fully masked query row gets finite values: the einsum oracle's on a GPU (uniform over the
+keys), on a TPU uniform over the keys of its first block of 128 (padded ones included). The
+TPU kernel sends no gradient through such a row (the einsum sends ``1/S`` of its output
+gradient to every value). Such rows are padding, which the models' losses leave out, so
+training is unchanged (tests: values and gradients equal the oracle's in Pallas's
+interpreters, with a fully masked row outside the loss).
 """
 
 from __future__ import annotations
@@ -36,20 +40,33 @@ import jax.numpy as jnp
 from moejax.kernels.grouped.ragged import AVAILABLE, tokamax
 from moejax.kernels.tiling import target_device
 
-__all__ = ["KERNELS", "flash_attention", "flash_kernel"]
+__all__ = ["KERNELS", "TPU_BLOCK", "flash_attention", "flash_kernel"]
 
 # tokamax's implementation per lowering platform
 KERNELS = {"cuda": "triton", "tpu": "mosaic_tpu"}
+# the TPU kernel's query and key block length; queries beyond DECODE_QUERIES (a decode step's
+# most new tokens) are padded up to a multiple of it
+TPU_BLOCK = 128
+DECODE_QUERIES = 64
 
 
 def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=None):
     """tokamax's flash attention of ``platform`` (:data:`KERNELS`), called directly (the
     tests run the kernels in Pallas's interpreters); raises ``NotImplementedError`` where
     it declines. ``kv_lengths_B``: each row's keys past it are masked (``mask_BTS`` enables
-    none of them), and with one query per row the mask is those lengths alone."""
+    none of them), and with one query per row the mask is those lengths alone. On a TPU, a
+    training length its blocks do not tile is padded to :data:`TPU_BLOCK` (module docstring)."""
     if not AVAILABLE:
         raise NotImplementedError("tokamax is not installed")
     B, T = q_BTHJ.shape[:2]
+    if platform == "tpu" and kv_lengths_B is None and T > DECODE_QUERIES:
+        pad_T, pad_S = -T % TPU_BLOCK, -k_BSGJ.shape[1] % TPU_BLOCK
+        if pad_T or pad_S:
+            mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))
+            out = flash_kernel(_pad_axis1(q_BTHJ, pad_T), _pad_axis1(k_BSGJ, pad_S),
+                               _pad_axis1(v_BSGJ, pad_S),
+                               jnp.pad(mask, ((0, 0), (0, pad_T), (0, pad_S))), platform)
+            return out[:, :T]
     mask = None
     if kv_lengths_B is None or T > 1:
         mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
@@ -57,6 +74,11 @@ def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=N
     return tokamax().dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
                                            mask=mask, key_value_seq_lengths=kv_lengths_B,
                                            implementation=KERNELS[platform])
+
+
+def _pad_axis1(x, n: int):
+    """``x`` with ``n`` zeros appended along its sequence axis (axis 1)."""
+    return jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2)) if n else x
 
 
 def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback, kv_lengths_B=None):
