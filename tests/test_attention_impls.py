@@ -144,8 +144,8 @@ def _flash_against_the_oracle(platform: str, case: str, compiled: bool) -> None:
         q, k, v, key = _qkv_mask(B, T, S, H, G, 128)
         real = jnp.arange(S)[None, :] < jnp.array([[T], [90]])
         mask = jnp.tril(jnp.ones((T, S), bool))[None] & real[:, None, :]
-        # a fully masked query row (padding): its values are the oracle's (uniform, finite);
-        # the loss leaves it out, as the models' losses leave padding out
+        # a fully masked query row (padding): finite, the oracle's values (uniform) but on a
+        # TPU past one block of keys; the loss leaves it out, as the models' losses do
         mask = mask.at[1, 5].set(False)
     else:
         T, S = (3 if case == "decode" else 1), 256
