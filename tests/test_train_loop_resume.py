@@ -13,9 +13,8 @@ from moejax.train.checkpoint import latest_step
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import read_csv, train, train_params
 from moejax.train.run_lock import is_held
+from tests.test_train_loop_tx import CFG
 from tests.toy_models import LIN_P0, TinyMoELM, ToySource, lin_batch, lin_mse, tree_equal
-
-CFG = TrainConfig(steps=6, batch_size=8, lr=1e-2, log_every=4, seed=0, grad_clip=0.0)
 
 
 def test_keep_best_returns_the_best_evaluated_parameters():

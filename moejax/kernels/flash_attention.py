@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.kernels.grouped.ragged import AVAILABLE, tokamax
-from moejax.kernels.tiling import target_device
+from moejax.kernels.tiling import pad_to, target_device
 
 __all__ = ["KERNELS", "TPU_BLOCK", "flash_attention", "flash_kernel"]
 
@@ -59,26 +59,19 @@ def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=N
     if not AVAILABLE:
         raise NotImplementedError("tokamax is not installed")
     B, T = q_BTHJ.shape[:2]
-    if platform == "tpu" and kv_lengths_B is None and T > DECODE_QUERIES:
-        pad_T, pad_S = -T % TPU_BLOCK, -k_BSGJ.shape[1] % TPU_BLOCK
-        if pad_T or pad_S:
-            mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))
-            out = flash_kernel(_pad_axis1(q_BTHJ, pad_T), _pad_axis1(k_BSGJ, pad_S),
-                               _pad_axis1(v_BSGJ, pad_S),
-                               jnp.pad(mask, ((0, 0), (0, pad_T), (0, pad_S))), platform)
-            return out[:, :T]
+    S = k_BSGJ.shape[1]
+    if (platform == "tpu" and kv_lengths_B is None and T > DECODE_QUERIES
+            and (T % TPU_BLOCK or S % TPU_BLOCK)):
+        mask = pad_to(pad_to(jnp.broadcast_to(mask_BTS, (B, T, S)), 1, TPU_BLOCK), 2, TPU_BLOCK)
+        q, k, v = (pad_to(x, 1, TPU_BLOCK) for x in (q_BTHJ, k_BSGJ, v_BSGJ))
+        return flash_kernel(q, k, v, mask, platform)[:, :T]
     mask = None
     if kv_lengths_B is None or T > 1:
-        mask = jnp.broadcast_to(mask_BTS, (B, T, k_BSGJ.shape[1]))[:, None]
+        mask = jnp.broadcast_to(mask_BTS, (B, T, S))[:, None]
     dt = q_BTHJ.dtype
     return tokamax().dot_product_attention(q_BTHJ, k_BSGJ.astype(dt), v_BSGJ.astype(dt),
                                            mask=mask, key_value_seq_lengths=kv_lengths_B,
                                            implementation=KERNELS[platform])
-
-
-def _pad_axis1(x, n: int):
-    """``x`` with ``n`` zeros appended along its sequence axis (axis 1)."""
-    return jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2)) if n else x
 
 
 def flash_attention(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, *, fallback, kv_lengths_B=None):
