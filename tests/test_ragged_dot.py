@@ -9,6 +9,7 @@ the GPU's products from the size where it was measured faster and the GPU's weig
 at every size (tokamax's Hopper kernel for it failed the oracle); the export context leaves
 tokamax's device lookup as it found it."""
 
+import logging
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import jax.export as je
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from moejax.kernels.grouped import ragged as rd
 from moejax.kernels.moe_ffn import api as dp
@@ -297,3 +299,26 @@ def test_tokamax_is_imported_by_its_first_kernel_not_by_moejax():
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["[]", "True"], proc.stdout
+
+
+def test_the_export_context_logs_each_autotuning_miss_once(caplog):
+    miss = rd.AUTOTUNING_MISS + " for %s on %s with key %s"
+
+    def log_all():
+        for key in ("a", "a", "b", "a"):
+            absl_logging.warning(miss, "RaggedDot", "TPU v5p", key)
+        for _ in range(2):
+            absl_logging.warning("another warning")
+
+    def logged():
+        lines = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        return (sum(m.startswith(rd.AUTOTUNING_MISS) for m in lines),
+                lines.count("another warning"))
+
+    with caplog.at_level(logging.WARNING):
+        with lowering_target("tpu"):
+            log_all()
+        assert logged() == (2, 2)  # one line per distinct miss; other lines all kept
+        log_all()
+        assert logged() == (4, 2)  # outside the export context, nothing is filtered

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -242,17 +243,45 @@ def cross_compile(compute_capability: float | None = None):
     ``cross_compile`` option and, for a GPU target, its ``compute_capability`` in place of the
     local default device's (tokamax reads it to choose the sm80 / sm90 / sm100 kernels; it
     has no documented option for it, so this replaces its lookup for the duration only).
-    Without tokamax, nothing."""
+    tokamax logs an autotuning-cache miss each time it traces a kernel whose shapes its shipped
+    cache lacks for the target (the heuristic configuration then runs), and an export traces
+    each kernel many times (forward, VJP, every layer): inside, each distinct miss is logged
+    once. Without tokamax, nothing."""
     if not AVAILABLE:
         yield
         return
     gpu_utils = tokamax_gpu_utils()
     lookup = gpu_utils._compute_capability
+    once = _OnceEach(AUTOTUNING_MISS)
+    absl_log = logging.getLogger("absl")  # tokamax logs through absl.logging
     with tokamax().config.cross_compile(True):
         if compute_capability is not None:
             gpu_utils._compute_capability = lambda device=None: (
                 lookup(device) if device is not None else float(compute_capability))
+        absl_log.addFilter(once)
         try:
             yield
         finally:
+            absl_log.removeFilter(once)
             gpu_utils._compute_capability = lookup
+
+
+# the start of tokamax's log line for a kernel's shapes missing from its autotuning cache
+AUTOTUNING_MISS = "Autotuning cache miss"
+
+
+class _OnceEach(logging.Filter):
+    """Pass each distinct message that starts with ``prefix`` once; all others always."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.seen = prefix, set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.prefix):
+            return True
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
