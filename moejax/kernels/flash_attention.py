@@ -12,7 +12,9 @@
 * ``tpu``: tokamax's Pallas Mosaic TPU flash attention, whose query and key blocks are 128
   long: a training sequence of another length (a shifted 512-token row's 511) is padded up to
   a multiple of 128, the padded keys masked out and the padded queries' rows dropped from the
-  output; a decode step's at most 64 new tokens are not padded;
+  output; a call of at most 64 queries (a decode step's new tokens, or a training sequence
+  that short, whose scores are at most 64 x 64 a head: nothing for a flash kernel to save) is
+  not padded, and runs XLA's attention where the kernel's blocks do not tile it;
 * anything else (the CPU): ``fallback``, XLA's attention.
 
 The platform is the one the program is built for (:func:`moejax.kernels.tiling.target_device`:
@@ -44,8 +46,8 @@ __all__ = ["KERNELS", "TPU_BLOCK", "flash_attention", "flash_kernel"]
 
 # tokamax's implementation per lowering platform
 KERNELS = {"cuda": "triton", "tpu": "mosaic_tpu"}
-# the TPU kernel's query and key block length; queries beyond DECODE_QUERIES (a decode step's
-# most new tokens) are padded up to a multiple of it
+# the TPU kernel's query and key block length; a training call of more than DECODE_QUERIES
+# queries (a decode step's most new tokens) is padded up to a multiple of it, a shorter one not
 TPU_BLOCK = 128
 DECODE_QUERIES = 64
 
@@ -55,7 +57,8 @@ def flash_kernel(q_BTHJ, k_BSGJ, v_BSGJ, mask_BTS, platform: str, kv_lengths_B=N
     tests run the kernels in Pallas's interpreters); raises ``NotImplementedError`` where
     it declines. ``kv_lengths_B``: each row's keys past it are masked (``mask_BTS`` enables
     none of them), and with one query per row the mask is those lengths alone. On a TPU, a
-    training length its blocks do not tile is padded to :data:`TPU_BLOCK` (module docstring)."""
+    training length of more than :data:`DECODE_QUERIES` its blocks do not tile is padded to
+    :data:`TPU_BLOCK` (module docstring)."""
     if not AVAILABLE:
         raise NotImplementedError("tokamax is not installed")
     B, T = q_BTHJ.shape[:2]
