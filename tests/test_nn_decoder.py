@@ -159,6 +159,9 @@ def test_tokens_that_are_not_integer_ids_in_rows_or_not_the_caches_rows_are_refu
         with pytest.raises(ValueError, match=rf"{name} of shape \({arr.shape[0]}, "
                                              rf"{arr.shape[1]}\) for tokens of shape \(2, 9\)"):
             model(TOKENS, **{name: arr})
+    with pytest.raises(ValueError, match=r"mask_BT of shape \(2, 1\) for tokens of shape "
+                                         r"\(2, 9\)"):
+        model.decode(TOKENS, model.init_cache(2, 16), mask_BT=jnp.ones((2, 1), bool))
     shared = model(TOKENS, positions_BT=jnp.arange(9)[None])[0]  # one row for every row
     np.testing.assert_array_equal(np.asarray(shared), np.asarray(model(TOKENS)[0]))
     logits, _ = model(np.asarray(TOKENS, np.int64))  # numpy ids of any integer dtype pass
@@ -477,10 +480,10 @@ def test_generate_steps_take_the_cache_donated():
     cache = nnx.merge(graphdef, state).init_cache(1, 16)
     _, cache2 = gen_mod._prefill(graphdef, state, jnp.ones((1, 3), jnp.int32), cache)
     assert all(x.is_deleted() for x in jax.tree.leaves(cache))
-    tok = jnp.zeros((1,), jnp.int32)
-    text = gen_mod._decode_one.lower(graphdef, state, tok, cache2).as_text()
+    tok, live = jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)
+    text = gen_mod._decode_one.lower(graphdef, state, tok, cache2, live).as_text()
     assert text.count("tf.aliasing_output") == len(jax.tree.leaves(cache2)) == 6
-    _, cache3 = gen_mod._decode_one(graphdef, state, tok, cache2)
+    _, cache3 = gen_mod._decode_one(graphdef, state, tok, cache2, live)
     assert all(x.is_deleted() for x in jax.tree.leaves(cache2))
     assert not any(x.is_deleted() for x in jax.tree.leaves(cache3))
 

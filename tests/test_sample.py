@@ -38,6 +38,32 @@ def test_greedy_batched_equals_each_row_alone(moe):
     np.testing.assert_array_equal(np.asarray(out.lengths_B), lens + 6)
 
 
+def test_padding_and_finished_rows_take_no_moe_capacity():
+    """Under a top-k MoE that drops what overflows an expert's capacity, what one row's
+    padding holds and the filler a finished row feeds change no other row's tokens (both are
+    masked out of the FFN slots); generate's finished rows likewise (its filler is eos_id:
+    sample's tokens with pad_id = eos_id)."""
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=16, dispatch="capacity", capacity_factor=1.0)
+    cfg = DecoderConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                        max_seq_len=32, ffn_slots=(moe, moe))
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)  # drops that the padding and the filler changed, unmasked
+    prompts = rng.integers(1, 32, (2, 8)).astype(np.int32)
+    other = prompts.copy()
+    other[0, 2:] = rng.integers(1, 32, 6)  # row 0's padding, past its 2 prompt tokens
+
+    def rows(prompts, lens, **kw):
+        return np.asarray(sample(model, prompts, np.array(lens), 8, key=jax.random.key(0),
+                                 temperature=0.0, **kw).tokens_BS)
+
+    np.testing.assert_array_equal(rows(prompts, [2, 8])[1], rows(other, [2, 8])[1])
+    eos = int(rows(prompts, [8, 8])[0, 8])  # row 0 ends at its first new token
+    finished = rows(prompts, [8, 8], eos_id=eos, pad_id=eos)
+    assert (finished[0, 8:] == eos).all() and eos not in finished[1, 8:]
+    np.testing.assert_array_equal(rows(prompts, [8, 8], eos_id=eos, pad_id=0)[1], finished[1])
+    np.testing.assert_array_equal(np.asarray(generate(model, prompts, 8, eos_id=eos)), finished)
+
+
 def test_eos_stops_rows_and_masks_after_eos():
     model = _lm()
     prompts = np.array([[5, 6, 7], [8, 9, 0]], np.int32)

@@ -202,17 +202,20 @@ class DecoderLM(nnx.Module):
         return tuple(b.attn.init_cache(batch, max_len, self.dtype) for b in self.blocks)
 
     def decode(self, tokens_BT: jax.Array, cache: DecoderCache,
-               positions_BT: jax.Array | None = None):
+               positions_BT: jax.Array | None = None, mask_BT: jax.Array | None = None):
         """Prefill or incremental step: run ``tokens_BT`` after the cached tokens.
 
-        Positions default to ``cache lengths + arange(T)``. Returns
-        ``(logits_BTV, new_cache)``; inference mode (``train=False``, no key). Tokens that
-        would not fit the cache are refused before tracing where the lengths are known (a
-        concrete cache), and always where ``T`` alone exceeds it: a write past the end
-        would be clamped onto the last slots. Under a mesh of explicit axes it runs with them
-        automatic (:mod:`moejax.nn.auto_axes`).
+        Positions default to ``cache lengths + arange(T)``. ``mask_BT`` marks the real tokens
+        (a padded prompt's padding, a finished row's filler: False) for the FFN slots, as in
+        the full forward: a top-k MoE's padding then takes no slot of an expert's capacity
+        (``dispatch="capacity"``), so a row's output does not depend on what another row's
+        padding holds. Returns ``(logits_BTV, new_cache)``; inference mode (``train=False``,
+        no key). Tokens that would not fit the cache are refused before tracing where the
+        lengths are known (a concrete cache), and always where ``T`` alone exceeds it: a
+        write past the end would be clamped onto the last slots. Under a mesh of explicit
+        axes it runs with them automatic (:mod:`moejax.nn.auto_axes`).
         """
-        check_tokens(tokens_BT, positions_BT=positions_BT)
+        check_tokens(tokens_BT, positions_BT=positions_BT, mask_BT=mask_BT)
         if cache and cache[0].k_BSGJ.shape[0] != tokens_BT.shape[0]:
             raise ValueError(f"decode: {tokens_BT.shape[0]} rows of tokens for a cache of "
                              f"{cache[0].k_BSGJ.shape[0]} rows; make the cache with "
@@ -220,11 +223,11 @@ class DecoderLM(nnx.Module):
         check_cache_room(tokens_BT.shape[1], cache[0] if cache else None)
         if explicit_mesh():
             return call_with_auto_axes(self, type(self).decode, tokens_BT, cache,
-                                       positions_BT=positions_BT)
+                                       positions_BT=positions_BT, mask_BT=mask_BT)
         h = self._embed(tokens_BT)
         new_cache = []
         for block, c in zip(self.blocks, cache):
-            h, _, c = block.decode(h, c, positions_BT=positions_BT)
+            h, _, c = block.decode(h, c, positions_BT=positions_BT, mask_BT=mask_BT)
             new_cache.append(c)
         return self._head(h), tuple(new_cache)
 

@@ -87,9 +87,10 @@ def _prefill(graphdef, state, prompt_BT, cache):
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(3,))
-def _decode_one(graphdef, state, token_B, cache):
+def _decode_one(graphdef, state, token_B, cache, live_B):
     model = nnx.merge(graphdef, state)
-    logits_B1V, cache = model.decode(token_B[:, None], cache)
+    # a finished row's eos filler is no token: it takes no MoE capacity (DecoderLM.decode)
+    logits_B1V, cache = model.decode(token_B[:, None], cache, mask_BT=live_B[:, None])
     return logits_B1V[:, 0], cache
 
 
@@ -128,7 +129,8 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
     graphdef, state = nnx.split(model)
     cache = like_batch(model.init_cache(B, total), prompt_BT)  # as the steps return it
     record_decode("generate (one token)", _decode_one,
-                  (graphdef, state, jnp.zeros((B,), jnp.int32), cache), {})
+                  (graphdef, state, jnp.zeros((B,), jnp.int32), cache, jnp.ones((B,), bool)),
+                  {})
     logits_BV, cache = _prefill(graphdef, state, prompt_BT, cache)
     out = []
     done_B = jnp.zeros((B,), bool)
@@ -140,7 +142,7 @@ def generate(model, prompt_BT: jax.Array, max_new_tokens: int, *, key: jax.Array
         out.append(tok_B)
         if i == max_new_tokens - 1 or (eos_id is not None and bool(done_B.all())):
             break
-        logits_BV, cache = _decode_one(graphdef, state, tok_B, cache)
+        logits_BV, cache = _decode_one(graphdef, state, tok_B, cache, ~done_B)
     new_BN = jnp.stack(out, axis=1)
     if new_BN.shape[1] < max_new_tokens:
         pad = jnp.full((B, max_new_tokens - new_BN.shape[1]), eos_id, jnp.int32)

@@ -12,6 +12,11 @@ length, so row ``b``'s first new token is written at position ``prompt_lens_B[b]
 padding) and attends to its real prompt only (the decode mask admits cache slots ``<=`` the
 current one; stale padding slots beyond are overwritten before they become visible).
 
+The padding after a prompt, and a finished row's ``pad_id`` tokens, are masked out of the FFN
+slots (``DecoderLM.decode``'s ``mask_BT``): under a top-k MoE with ``dispatch="capacity"``
+they take no slot of an expert's capacity, so what one row's padding holds changes no other
+row's tokens.
+
 Token selection: ``temperature == 0`` is greedy; otherwise nucleus (top-p) sampling from
 ``softmax(logits / temperature)``: the smallest set of most probable tokens whose mass reaches
 ``top_p`` (``top_p = 1``: the full distribution). The decode loop is a ``lax.while_loop`` that
@@ -83,11 +88,13 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
     S = T + max_new
     model = lean_decoder(model)  # its fused weights made once, before the loop
     cache = model.init_cache(B, S)
-    logits_BTV, cache = model.decode(prompts_BT, cache)
+    cols_S = jnp.arange(S, dtype=jnp.int32)
+    # the padding after each prompt is no token: it takes no MoE capacity (DecoderLM.decode)
+    logits_BTV, cache = model.decode(prompts_BT, cache,
+                                     mask_BT=cols_S[None, :T] < prompt_lens_B[:, None])
     kv, _ = split_lengths(cache)  # the loop carries one lengths array for every layer
     last_BV = jnp.take_along_axis(logits_BTV, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
     # prompt tokens in place, everything after the prompt = pad
-    cols_S = jnp.arange(S, dtype=jnp.int32)
     prompt_S = jnp.pad(prompts_BT, ((0, 0), (0, max_new)))
     tokens_BS = jnp.where(cols_S[None] < prompt_lens_B[:, None], prompt_S, pad_id)
     resp_BS = jnp.zeros((B, S), bool)
@@ -107,7 +114,8 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
         resp_BS = resp_BS.at[rows_B, pos_B].set(~done_B)
         if eos_id is not None:
             done_B = done_B | (tok_B == eos_id)
-        logits_B1V, cache = model.decode(tok_B[:, None], join_lengths(kv, lens_B))
+        logits_B1V, cache = model.decode(tok_B[:, None], join_lengths(kv, lens_B),
+                                         mask_BT=~done_B[:, None])  # a finished row's pad
         return i + 1, logits_B1V[:, 0], split_lengths(cache), tokens_BS, resp_BS, done_B
 
     init = (jnp.int32(0), last_BV, (kv, prompt_lens_B), tokens_BS, resp_BS,
