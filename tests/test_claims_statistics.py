@@ -191,6 +191,22 @@ def test_paired_differences_by_hand():
         paired("bad", [1.0], [1.0, 2.0])
 
 
+def test_the_evidence_counts_what_was_paired():
+    """Values paired by something other than a seed (a prompt, a (task, seed) pair, a mean)
+    are counted as such in the evidence, not as seeds; a seed's row keeps the columns a
+    table of paired rows had (no ``unit``)."""
+    c = threshold_claim("fast", [3.0, 2.5, 4.0, 3.5], 1.5, fmt=".2f", unit="prompt")
+    assert "wins 4/4 prompts, 95% CI" in c.evidence and "seeds" not in c.evidence
+    one = threshold_claim("fast", [3.0], 1.5, unit="run")
+    assert one.verdict == "inconclusive" and "wins 1/1 runs, one run: no interval" in one.evidence
+    tie = paired_claim("x", paired("A - B", [1.0, 2.0], [1.0, 2.0], unit="(task, seed) pair"))
+    assert tie.evidence.endswith("wins 0/2 (task, seed) pairs, equal in every (task, seed) pair")
+    assert "unit" not in paired("A - B", [1.0], [0.5]) and "seeds" in threshold_claim(
+        "x", [2.0, 3.0], 1.0).evidence
+    with pytest.raises(ValueError, match="name what a pair is"):
+        paired("A - B", [1.0], [0.5], unit="")
+
+
 def test_a_paired_value_that_is_not_a_number_is_not_measured():
     """A NaN or infinite value (a run that could not measure it, e.g. a diverged loss) leaves
     the claim not measured, not inconclusive; a metric that lies below still decides it."""

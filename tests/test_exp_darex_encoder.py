@@ -134,8 +134,10 @@ def test_claims_pair_every_task_and_seed_not_the_last_tasks_means():
     base = [0.5, 0.52, 0.48, 0.7, 0.71, 0.69]
     better = [b + 0.1 + 0.01 * i for i, b in enumerate(base)]
     (c, *rest) = mod.claims(rows(base, better))
-    assert c.holds is True and "wins 6/6" in c.evidence and "tasks a, b" in c.evidence
+    assert c.holds is True and "wins 6/6 (task, seed) pairs" in c.evidence
+    assert "tasks a, b" in c.evidence
     assert "it beats the AdamW delta dropped whole" in c.evidence
+    assert c.evidence.count("wins 6/6 (task, seed) pairs") == 2  # the claim and its control
     # the control: a winner no better than its delta dropped whole keeps nothing of it, and
     # a run that did not record the dropped delta cannot say
     (c, *_) = mod.claims(rows(base, better, dropped=[b + 0.1 for b in better]))

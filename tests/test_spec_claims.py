@@ -80,10 +80,12 @@ def test_the_serving_claim_is_judged_on_per_prompt_speedups():
                 if p["mode"] == "AR token-sparse"]
     c = claims({"decode": [row, *dense_first], "decode_prompts": prompts})[0]
     assert c.verdict == "holds" and "AR dense" in c.evidence and "2.00 (mean of 4)" in c.evidence
+    assert "wins 4/4 prompts" in c.evidence and "seeds" not in c.evidence  # paired by prompt
     assert claims({"decode": [row]})[0].verdict == "not measured"  # no AR decoding timed
     assert verdict([1.1, 1.2, 1.15, 1.2]) == "does not hold"
     assert verdict([1.2, 1.9, 1.4, 1.7]) == "inconclusive"
     assert verdict([]) == "inconclusive"  # one timing: no interval
+    assert "wins 1/1 runs, one run: no interval" in claims({"decode": [row, *ar]})[0].evidence
     # the fastest of several settings: a Bonferroni interval (0.05 / 4), wider
     slower = [{**row, "draft_len": n, "speedup_vs_AR_token_sparse": 1.0, "tokens_per_s": 62.5}
               for n in (2, 6, 8)]
@@ -119,6 +121,7 @@ def test_chunk_sparse_verification_is_judged_against_dense_verification_of_the_s
     c = judged([1.9, 2.0, 2.1, 2.0])
     assert c.verdict == "holds" and "2.00x at n = 4, d draft (200.0 vs 100.0" in c.evidence
     assert "95% CI" in c.evidence  # one pair: draft e has no dense twin
+    assert "wins 4/4 prompts" in c.evidence and "seeds" not in c.evidence
     assert judged([0.8, 0.9, 0.85, 0.9]).verdict == "does not hold"
     assert judged([0.9, 1.2, 1.0, 1.1]).verdict == "inconclusive"
     two = judged([1.9, 2.0, 2.1, 2.0], rows=(sparse, dense, {**dense, "draft_len": 2},

@@ -78,7 +78,7 @@ def _over_ar(t: dict, rows: list[dict]) -> Claim:
     (best, ar) = max(spec, key=_ratio)
     per_prompt = _prompt_speedups(t, best["model"], (ar["mode"], "", ""), (SPEC, *_key(best)))
     c = threshold_claim(claim, per_prompt or [_ratio((best, ar))], 1.5, fmt=".2f",
-                        candidates=len(spec))
+                        candidates=len(spec), unit="prompt" if per_prompt else "run")
     head = (f"{_ratio((best, ar)):.2f}x {ar['mode']} ({float(ar['tokens_per_s']):.1f} tokens/s) "
             f"at n = {float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
             f"({float(best['tokens_per_s']):.1f} tokens/s, "
@@ -102,7 +102,7 @@ def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
     per_prompt = _prompt_speedups(t, fast["model"], (SPEC_DENSE, *_key(slow)),
                                   (SPEC, *_key(fast)))
     c = threshold_claim(claim, per_prompt or [_ratio((fast, slow))], 1.0, fmt=".2f",
-                        candidates=len(pairs))
+                        candidates=len(pairs), unit="prompt" if per_prompt else "run")
     head = (f"{_ratio((fast, slow)):.2f}x at n = {float(fast['draft_len']):.0f}, "
             f"{fast.get('draft') or 'the'} draft ({float(fast['tokens_per_s']):.1f} vs "
             f"{float(slow['tokens_per_s']):.1f} tokens/s)")

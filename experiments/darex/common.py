@@ -34,11 +34,12 @@ def worth_checked(c: Claim, worths: list[float | None], tolerance: float) -> Cla
 
 def beats_pretrained(c: Claim, winner: list[float | None], pretrained: list[float | None], *,
                      better: str = "higher", fmt: str = ".4g",
-                     name: str = "the pre-trained model") -> Claim:
+                     name: str = "the pre-trained model", unit: str = "seed") -> Claim:
     """``c``, a claim that one pruned model beats another, with its control: the winner
     keeps some of what fine-tuning gained, i.e. beats ``name``, the model with the pruned
-    delta dropped whole (``winner[i]`` and ``pretrained[i]``: seed run ``i``'s metric; None:
-    not recorded), paired over the seeds (:func:`moejax.harness.claims.beats_control`): a
-    winner no better than that wins by the other's collapse, not by the delta it keeps."""
+    delta dropped whole (``winner[i]`` and ``pretrained[i]``: seed run ``i``'s metric, or
+    pair ``i``'s of another ``unit``; None: not recorded), paired over them
+    (:func:`moejax.harness.claims.beats_control`): a winner no better than that wins by the
+    other's collapse, not by the delta it keeps."""
     return beats_control(c, winner, pretrained, name=name, better=better, fmt=fmt,
-                         so="it keeps nothing shown of the fine-tuning")
+                         so="it keeps nothing shown of the fine-tuning", unit=unit)

@@ -9,6 +9,8 @@ from moejax.harness.claims import Claim, paired, paired_claim
 
 __all__ = ["DROPPED", "claims"]
 
+UNIT = "(task, seed) pair"  # what each of a comparison's pairs is: one task at one seed
+
 # the control row of every fine-tuning: its pruned deltas dropped whole (the head and any
 # unpruned leaf keep theirs); a pruned model no better than this keeps nothing of its delta
 DROPPED = "delta dropped (p = 1)"
@@ -30,13 +32,14 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         units = sorted(set(va) & set(vb))
         if not units:
             return Claim(claim, None, f"{' '.join(la)} or {' '.join(lb)} not run")
-        row = paired(f"{la[1]} - {lb[1]}", [va[u] for u in units], [vb[u] for u in units])
+        row = paired(f"{la[1]} - {lb[1]}", [va[u] for u in units], [vb[u] for u in units],
+                     unit=UNIT)
         tasks = sorted({u[0] for u in units})
         c = paired_claim(claim, row)
         c = c._replace(evidence=f"{c.evidence} (tasks {', '.join(tasks)} x seeds)")
         base = acc(la[0], DROPPED)
         return beats_pretrained(c, [va[u] for u in units], [base.get(u) for u in units],
-                                name=f"the {la[0]} delta dropped whole")
+                                name=f"the {la[0]} delta dropped whole", unit=UNIT)
 
     dare = ("AdamW", "DARE")
     return [

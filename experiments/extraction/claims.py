@@ -44,7 +44,7 @@ def _macs_checked(claim: str, moee: dict, other: dict, a: str, b: str,
                                        [other_seeds[s] for s in seeds]))
     else:
         c = paired_claim(claim, paired(f"MoEE - {other['model']} (means)",
-                                       [float(moee[a])], [float(other[b])]))
+                                       [float(moee[a])], [float(other[b])], unit="mean"))
     if abs(mine - theirs) <= EQUAL_MACS_PTS or c.verdict == "not measured":
         return c._replace(evidence=f"{c.evidence}; {macs}")
     cheaper = mine < theirs
@@ -76,7 +76,8 @@ def _param_cut(t: dict, moee: dict) -> Claim:
     if not ne:
         per = _by_seed(t.get("table1_per_seed"), "MoEE", "params_change_%")
         c = threshold_claim(claim, list(per.values()) or [float(moee["params_change_%"])],
-                            -PARAMS_CUT_PCT, better="lower", fmt="+.1f")
+                            -PARAMS_CUT_PCT, better="lower", fmt="+.1f",
+                            unit="seed" if per else "mean")
         return c._replace(evidence=f"{c.evidence} (whole model; no split counted)")
     c = threshold_claim(claim, ne, PARAMS_CUT_PCT, fmt=".1f")
     w = float(np.mean(whole)) if whole else float("nan")
@@ -110,15 +111,16 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     moef = [r for r in t1 if str(r["model"]).startswith("MoEfication")]
     per1, per2 = t.get("table1_per_seed"), t.get("table2_per_seed")
     seeds = lambda model, key: _by_seed(per1, model, key)  # noqa: E731
-    macs = list(seeds("MoEE", "MACs_change_%").values()) or [float(moee["MACs_change_%"])]
-    kd = ([100 * v / float(dense["acc_after_kd"]) for v in
-           seeds("MoEE", "accuracy_after_kd").values()] if dense is not None else []) or [
-        float(moee["kd_vs_dense_%"])]
-    out = [threshold_claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)", macs,
-                           -MACS_CUT_PCT, better="lower", fmt="+.1f"),
+    macs = list(seeds("MoEE", "MACs_change_%").values())
+    kd = [100 * v / float(dense["acc_after_kd"]) for v in
+          seeds("MoEE", "accuracy_after_kd").values()] if dense is not None else []
+    out = [threshold_claim(f"MoEE cuts MACs by {MACS_CUT_PCT:g}% or more (Table 1)",
+                           macs or [float(moee["MACs_change_%"])], -MACS_CUT_PCT,
+                           better="lower", fmt="+.1f", unit="seed" if macs else "mean"),
            _param_cut(t, moee),
            threshold_claim(f"MoEE regains {KD_RETAINED_PCT:g}% of the dense accuracy after "
-                           "fine-tuning (Table 1, abstract)", kd, KD_RETAINED_PCT, fmt=".1f")]
+                           "fine-tuning (Table 1, abstract)", kd or [float(moee["kd_vs_dense_%"])],
+                           KD_RETAINED_PCT, fmt=".1f", unit="seed" if kd else "mean")]
     for r in moef:
         out.append(_macs_checked(f"MoEE beats {r['model']} at equal MACs after KD (Table 1)",
                                  moee, r, "acc_after_kd", "acc_after_kd",
@@ -170,4 +172,4 @@ def _paired_lower(claim: str, what: str, a: dict, b: dict, mean_a, mean_b) -> Cl
         return paired_claim(claim, paired(f"other - MoEE {what}", [b[s] for s in common],
                                           [a[s] for s in common]))
     return paired_claim(claim, paired(f"other - MoEE {what} (means)", [float(mean_b)],
-                                      [float(mean_a)]))
+                                      [float(mean_a)], unit="mean"))

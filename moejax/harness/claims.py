@@ -118,18 +118,23 @@ def top_column(rows: Sequence[Mapping[str, Any]] | None, prefix: str = "p=") -> 
     return None if best is None else best[1]
 
 
-def paired(label: str, a: Sequence[float], b: Sequence[float]) -> dict:
+def paired(label: str, a: Sequence[float], b: Sequence[float], *,
+           unit: str = "seed") -> dict:
     """The paired comparison of two methods measured on the same seeds (``a[i]`` and ``b[i]``
-    share seed ``i``): mean and sample standard deviation (ddof 1; 0 for one seed) of
-    ``a - b``, how many seeds ``a`` wins, and the seed count."""
+    share seed ``i``; ``unit``: what a pair is, as the evidence names it, where it is not a
+    seed, e.g. ``"prompt"``, kept as the row's ``unit``): mean and sample standard deviation
+    (ddof 1; 0 for one pair) of ``a - b``, how many pairs ``a`` wins, and the pair count."""
     if len(a) != len(b) or not a:
         raise ValueError(f"{label}: paired values need equal, non-zero lengths "
                          f"({len(a)} vs {len(b)})")
+    if not unit:
+        raise ValueError(f"{label}: unit={unit!r}; name what a pair is (e.g. 'seed')")
     d = [float(x) - float(y) for x, y in zip(a, b)]
     mean = sum(d) / len(d)
     var = sum((x - mean) ** 2 for x in d) / (len(d) - 1) if len(d) > 1 else 0.0
     return {"comparison": label, "mean_diff": mean, "std_diff": math.sqrt(var),
-            "wins": sum(x > 0 for x in d), "n": len(d)}
+            "wins": sum(x > 0 for x in d), "n": len(d),
+            **({} if unit == "seed" else {"unit": unit})}  # a seed: a table keeps no column
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,15 +200,16 @@ def _one(row: Mapping[str, Any], fmt: str,
     """True / False / None (inconclusive) / :data:`_UNMEASURED` for one paired row, and its
     evidence (a ``1 - alpha`` interval)."""
     n, mean, sd = int(row["n"]), float(row["mean_diff"]), float(row["std_diff"])
+    unit = str(row.get("unit") or "seed")
     spread = format(sd, fmt.lstrip("+"))  # a spread has no sign to show
     text = (f"{row['comparison']}{' ' + str(row['metric']) if row.get('metric') else ''}: "
-            f"{format(mean, fmt)} +/- {spread}, wins {int(row['wins'])}/{n} seeds")
+            f"{format(mean, fmt)} +/- {spread}, wins {int(row['wins'])}/{n} {unit}s")
     if not (math.isfinite(mean) and math.isfinite(sd)):
         return _UNMEASURED, text + ", a value is not a number: not measured"
     if n < 2:
-        return None, text + ", one seed: no interval"
-    if mean == 0 and sd == 0:  # every seed a tie: the first method is better in none
-        return False, text + ", equal in every seed"
+        return None, text + f", one {unit}: no interval"
+    if mean == 0 and sd == 0:  # every pair a tie: the first method is better in none
+        return False, text + f", equal in every {unit}"
     half = t_critical(n - 1, alpha) * sd / math.sqrt(n)
     lo, hi = mean - half, mean + half
     text += f", {100 * (1 - alpha):.4g}% CI [{_bound(lo, fmt)}, {_bound(hi, fmt)}]"
@@ -258,13 +264,14 @@ def unjudged(c: Claim, why: str) -> Claim:
 
 def beats_control(c: Claim, winner: Sequence[float | None],
                   control: Sequence[float | None], *, name: str, so: str,
-                  better: str = "higher", fmt: str = ".4g") -> Claim:
+                  better: str = "higher", fmt: str = ".4g", unit: str = "seed") -> Claim:
     """``c``, a claim that one method beats another, with the control it assumes: the winner
     also beats ``name``, the run that did without what the methods compete at (``winner[i]``
     and ``control[i]``: seed run ``i``'s metric, ``better`` oriented; None: not recorded),
-    paired over the seeds. A "holds" stands only where it does: a winner no better than the
-    control wins by the other's harm, not by what it does itself (``so``: what that leaves
-    unshown, for the evidence). A "does not hold" stands either way."""
+    paired over the seeds (over ``unit``, :func:`paired`'s, where a pair is not a seed). A
+    "holds" stands only where it does: a winner no better than the control wins by the
+    other's harm, not by what it does itself (``so``: what that leaves unshown, for the
+    evidence). A "does not hold" stands either way."""
     sign = _sign(better)
     if not c.holds:
         return c
@@ -272,7 +279,7 @@ def beats_control(c: Claim, winner: Sequence[float | None],
         return unjudged(c, f"the metric of {name} was not recorded: the winner's gain over "
                            "it is unchecked")
     row = paired("winner - control" if sign > 0 else "control - winner",
-                 [sign * v for v in winner], [sign * v for v in control])
+                 [sign * v for v in winner], [sign * v for v in control], unit=unit)
     check = paired_claim(f"the winner beats {name}", row, fmt=fmt)
     if check.holds:
         return c._replace(evidence=f"{c.evidence}; it beats {name}: {check.evidence}")
@@ -307,20 +314,22 @@ def paired_compare(claim: str, t: Mapping[str, Any], a: tuple[str, Any], b: tupl
 
 
 def threshold_claim(claim: str, values: Sequence[float], threshold: float, *,
-                    better: str = "higher", fmt: str = ".4g", candidates: int = 1) -> Claim:
-    """``claim`` that a quantity measured once per seed is at least (``better="higher"``) or
-    at most ``threshold``: holds when its 95% interval lies past the threshold, does not
-    hold when it lies short of it, inconclusive otherwise (one seed: no interval). For the
-    best of ``candidates`` settings, picked by their means, the interval is widened to
-    ``1 - 0.05 / candidates`` (Bonferroni): the best of several noisy means is biased
-    upwards."""
+                    better: str = "higher", fmt: str = ".4g", candidates: int = 1,
+                    unit: str = "seed") -> Claim:
+    """``claim`` that a quantity measured once per seed (per ``unit``: e.g. ``"prompt"``
+    for one value per prompt) is at least (``better="higher"``) or at most ``threshold``:
+    holds when its 95% interval lies past the threshold, does not hold when it lies short of
+    it, inconclusive otherwise (one value: no interval). For the best of ``candidates``
+    settings, picked by their means, the interval is widened to ``1 - 0.05 / candidates``
+    (Bonferroni): the best of several noisy means is biased upwards."""
     if candidates < 1:
         raise ValueError(f"candidates={candidates} must be >= 1")
     sign = _sign(better)
     if not values:
         return Claim(claim, None, "not run")
     row = paired(f"value - {threshold:g}" if sign > 0 else f"{threshold:g} - value",
-                 [sign * float(v) for v in values], [sign * threshold] * len(values))
+                 [sign * float(v) for v in values], [sign * threshold] * len(values),
+                 unit=unit)
     c = paired_claim(claim, row, fmt=fmt, alpha=0.05 / candidates)
     mean = sum(float(v) for v in values) / len(values)
     best = f" (the best of {candidates}: Bonferroni)" if candidates > 1 else ""
