@@ -33,17 +33,19 @@ def _prompt_speedups(t: dict, model: str, slow: tuple, fast: tuple) -> list[floa
     return [a[i] / b[i] for i in sorted(set(a) & set(b)) if b[i] > 0]
 
 
-def _judged(c: Claim, head: str, fast: dict, spec: list[dict]) -> Claim:
-    """``c`` with its evidence: ``head`` (the fastest setting), the expert path of ``fast``
-    (its row) and whether every decoding of ``spec`` gave the autoregressive tokens. float32
-    is exact: a different token there is a bug, and the claim does not hold. In 16 bits the
-    two orders of summation may round a near-tie apart, so there a claim is on speed and the
-    evidence says how many tokens matched (the module docstring of
-    :mod:`experiments.blockffn.speculative`)."""
+def _judged(c: Claim, head: str, fast: dict, spec: list[dict], by_prompt: bool) -> Claim:
+    """``c`` with its evidence: ``head`` (the fastest setting), what it was judged on (the
+    per-prompt speedups, ``by_prompt``, else the one ratio of the run's timings), the expert
+    path of ``fast`` (its row) and whether every decoding of ``spec`` gave the
+    autoregressive tokens. float32 is exact: a different token there is a bug, and the claim
+    does not hold. In 16 bits the two orders of summation may round a near-tie apart, so
+    there a claim is on speed and the evidence says how many tokens matched (the module
+    docstring of :mod:`experiments.blockffn.speculative`)."""
     same = all(str(r["same_tokens_as_AR"]) == "True" for r in spec)
     exact = all(str(r.get("decode_dtype", "float32")) == "float32" for r in spec)
     matched = min(float(r.get("tokens_matching_AR", 1.0)) for r in spec)
-    evidence = (f"{head}; per prompt: {c.evidence}; expert path: "
+    on = "per prompt" if by_prompt else "the run's tokens/s (no per-prompt times kept)"
+    evidence = (f"{head}; {on}: {c.evidence}; expert path: "
                 f"{fast.get('expert_path', 'not recorded')}; same tokens as AR: {same}"
                 + ("" if exact else f" (16-bit decoding: at least {matched:.3f} of each "
                    "decoding's tokens before the first difference)"))
@@ -83,7 +85,7 @@ def _over_ar(t: dict, rows: list[dict]) -> Claim:
             f"at n = {float(best['draft_len']):.0f}, {best.get('draft') or 'the'} draft "
             f"({float(best['tokens_per_s']):.1f} tokens/s, "
             f"{float(best['mean_accepted_length']):.2f} accepted per target pass)")
-    return _judged(c, head, best, [r for r, _ in spec])
+    return _judged(c, head, best, [r for r, _ in spec], bool(per_prompt))
 
 
 def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
@@ -106,7 +108,7 @@ def _over_spec_dense(t: dict, rows: list[dict]) -> Claim:
     head = (f"{_ratio((fast, slow)):.2f}x at n = {float(fast['draft_len']):.0f}, "
             f"{fast.get('draft') or 'the'} draft ({float(fast['tokens_per_s']):.1f} vs "
             f"{float(slow['tokens_per_s']):.1f} tokens/s)")
-    return _judged(c, head, fast, [r for p in pairs for r in p])
+    return _judged(c, head, fast, [r for p in pairs for r in p], bool(per_prompt))
 
 
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
