@@ -122,8 +122,9 @@ def paired(label: str, a: Sequence[float], b: Sequence[float], *,
            unit: str = "seed") -> dict:
     """The paired comparison of two methods measured on the same seeds (``a[i]`` and ``b[i]``
     share seed ``i``; ``unit``: what a pair is, as the evidence names it, where it is not a
-    seed, e.g. ``"prompt"``, kept as the row's ``unit``): mean and sample standard deviation
-    (ddof 1; 0 for one pair) of ``a - b``, how many pairs ``a`` wins, and the pair count."""
+    seed, e.g. ``"prompt"``, kept as the row's ``unit``; a seed's row has no ``unit``, so a
+    table of seed rows keeps its columns): mean and sample standard deviation (ddof 1; 0 for
+    one pair) of ``a - b``, how many pairs ``a`` wins, and the pair count."""
     if len(a) != len(b) or not a:
         raise ValueError(f"{label}: paired values need equal, non-zero lengths "
                          f"({len(a)} vs {len(b)})")
@@ -134,7 +135,7 @@ def paired(label: str, a: Sequence[float], b: Sequence[float], *,
     var = sum((x - mean) ** 2 for x in d) / (len(d) - 1) if len(d) > 1 else 0.0
     return {"comparison": label, "mean_diff": mean, "std_diff": math.sqrt(var),
             "wins": sum(x > 0 for x in d), "n": len(d),
-            **({} if unit == "seed" else {"unit": unit})}  # a seed: a table keeps no column
+            **({} if unit == "seed" else {"unit": unit})}
 
 
 @functools.lru_cache(maxsize=256)
