@@ -88,15 +88,14 @@ def sample_traced(model, prompts_BT, prompt_lens_B, key, *, max_new: int,
     S = T + max_new
     model = lean_decoder(model)  # its fused weights made once, before the loop
     cache = model.init_cache(B, S)
-    cols_S = jnp.arange(S, dtype=jnp.int32)
+    in_prompt_BS = jnp.arange(S, dtype=jnp.int32)[None] < prompt_lens_B[:, None]
     # the padding after each prompt is no token: it takes no MoE capacity (DecoderLM.decode)
-    logits_BTV, cache = model.decode(prompts_BT, cache,
-                                     mask_BT=cols_S[None, :T] < prompt_lens_B[:, None])
+    logits_BTV, cache = model.decode(prompts_BT, cache, mask_BT=in_prompt_BS[:, :T])
     kv, _ = split_lengths(cache)  # the loop carries one lengths array for every layer
     last_BV = jnp.take_along_axis(logits_BTV, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
     # prompt tokens in place, everything after the prompt = pad
     prompt_S = jnp.pad(prompts_BT, ((0, 0), (0, max_new)))
-    tokens_BS = jnp.where(cols_S[None] < prompt_lens_B[:, None], prompt_S, pad_id)
+    tokens_BS = jnp.where(in_prompt_BS, prompt_S, pad_id)
     resp_BS = jnp.zeros((B, S), bool)
     rows_B = jnp.arange(B)
 
