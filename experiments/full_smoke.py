@@ -73,7 +73,7 @@ from moejax.pytree import fmt_count
 from moejax.train.aot import prove_decode, prove_step
 from moejax.train.distributed import cpu_devices_env
 from moejax.train.run_lock import RunLockedError
-from moejax.train.run_state import sigterm_as_interrupt
+from moejax.train.run_state import sigterm_as_interrupt, stops_deferred
 from moejax.train.scale import measure_scale
 
 __all__ = ["main", "child"]
@@ -205,12 +205,14 @@ def _run_child(name: str, out: Path, timeout: float, mode: str, overrides=(),
     code = ("import sys; from experiments.full_smoke import child; "
             f"sys.exit(child({name!r}, {str(out / name)!r}, {str(report)!r}, {mode!r}, "
             f"{list(overrides)!r}, {preset!r}))")
-    t0 = time.time()
+    t0, proc = time.time(), None
     with open(out / f"{name}.log", "w") as log:
-        # its own process group, so that a timeout ends the study and every process it started
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
-                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            # its own process group, so that a timeout ends the study and every process it
+            # started; a stop while it starts comes once the runner holds its process
+            with stops_deferred():
+                proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, env=env,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             while True:
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
@@ -221,8 +223,9 @@ def _run_child(name: str, out: Path, timeout: float, mode: str, overrides=(),
                     break
                 time.sleep(0.5)
         except BaseException:  # Ctrl-C or SIGTERM here: the study's group ends with this one
-            os.killpg(proc.pid, signal.SIGKILL)
-            os.wait4(proc.pid, 0)
+            if proc is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                os.wait4(proc.pid, 0)
             raise
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped above
     wall = time.time() - t0

@@ -44,7 +44,7 @@ from moejax.train.checkpoint import (
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import ResumeError, config_differences, train
 from moejax.train.run_lock import RunLock, RunLockedError
-from moejax.train.run_state import CtrlC
+from moejax.train.run_state import CtrlC, sigterm_as_interrupt, stops_deferred
 from moejax.train.step import NonFiniteError
 from tests.test_faults import _SIGINT_RUN, CFG, ONE_STEP, ROOT, _params, _run, _template
 from tests.test_train_loop import Crash
@@ -403,6 +403,32 @@ def test_sigterm_stops_like_ctrl_c_and_the_run_resumes(tmp_path):
     ck.close()
     assert int(state.step) >= 1
     shutil.rmtree(d)
+
+
+def test_a_stop_held_back_comes_once_the_block_ends():
+    """Signals that come inside ``stops_deferred`` reach their handlers as it ends, the first
+    one only, and the handlers in force before come back; an ignored signal stays ignored."""
+    with sigterm_as_interrupt("stopped by SIGTERM"):
+        handler = signal.getsignal(signal.SIGTERM)
+        reached = []
+        with pytest.raises(KeyboardInterrupt, match="stopped by SIGTERM"):
+            with stops_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                reached.append("end of block")
+        assert reached == ["end of block"]
+        assert signal.getsignal(signal.SIGTERM) is handler
+        with stops_deferred():  # nothing came: nothing is raised
+            pass
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stops_deferred():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
 
 
 # -- result files --------------------------------------------------------------------------

@@ -50,15 +50,22 @@ def _naming(text: str) -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads Linux's /proc")
 @pytest.mark.parametrize("sig, why", [(signal.SIGTERM, "stopped by SIGTERM"),
                                       (signal.SIGINT, "stopped by Ctrl-C")])
-def test_a_stopped_run_ends_the_study_it_was_running(tmp_path, sig, why):
+@pytest.mark.parametrize("starting", [False, True], ids=["running", "starting"])
+def test_a_stopped_run_ends_the_study_it_was_running(tmp_path, sig, why, starting):
     """The study runs in a session of its own (so that its timeout ends all its processes),
     which neither Ctrl-C nor a SIGTERM to the runner reaches: the runner ends it before it
-    exits, in one line naming the study and what the table holds, with the shell's 130."""
+    exits, in one line naming the study and what the table holds, with the shell's 130. So
+    too when the stop comes while the study starts: its Python already runs, and the runner
+    has not yet got its process back (here ``Popen`` held 3 s after the study's exec)."""
     out = tmp_path / "smoke"
     # Ctrl-C raised as from a terminal: a suite started in the background runs with SIGINT
     # ignored, which its processes inherit (and a fork-time reset would fork a threaded jax)
-    runner = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
-              " sys.argv[0] = 'full_smoke'; runpy.run_module('experiments.full_smoke', "
+    slow = ("import subprocess, time; subprocess.Popen.__init__ = lambda self, *a, "
+            "_init=subprocess.Popen.__init__, **k: (_init(self, *a, **k), time.sleep(3))[0]; "
+            if starting else "")
+    runner = (f"{slow}import runpy, signal, sys; "
+              "signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "sys.argv[0] = 'full_smoke'; runpy.run_module('experiments.full_smoke', "
               "run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", runner, "only=lm_demo", "preset=quick",
                              f"out={out}", "timeout=600"], cwd=ROOT,

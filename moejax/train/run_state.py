@@ -2,8 +2,9 @@
 (:func:`open_run_dir`: stale saves moved aside, the newest verifying checkpoint restored, its
 config compared with this run's, before anything is written), the settings that may change
 across a resumption (:func:`config_differences`), and the signal guard that turns Ctrl-C or
-SIGTERM into a stop at the end of a step (:class:`CtrlC`), and the one that turns SIGTERM into
-Ctrl-C's ``KeyboardInterrupt`` outside a loop (:func:`sigterm_as_interrupt`)."""
+SIGTERM into a stop at the end of a step (:class:`CtrlC`), the one that turns SIGTERM into
+Ctrl-C's ``KeyboardInterrupt`` outside a loop (:func:`sigterm_as_interrupt`), and the one that
+holds both back while a step must not be cut in two (:func:`stops_deferred`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from moejax.train.checkpoint import Checkpointer, CorruptCheckpointError, latest
 from moejax.train.logs import read_csv
 
 __all__ = ["CtrlC", "ResumeError", "check_resume", "config_differences", "data_differences",
-           "open_run_dir", "evaluation_pending", "sigterm_as_interrupt"]
+           "open_run_dir", "evaluation_pending", "sigterm_as_interrupt", "stops_deferred"]
 
 log = logging.getLogger("moejax.train.loop")  # the loop's messages, one logger
 
@@ -72,6 +73,34 @@ def sigterm_as_interrupt(message: str):
         yield
     finally:
         signal.signal(signal.SIGTERM, prev or signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def stops_deferred():
+    """Ctrl-C and SIGTERM held back while the block runs (main thread only) and delivered to
+    their handlers as it ends: the first one that came, once. For a step that must not be cut
+    in two, such as starting a process and keeping its handle, so that the handler that ends
+    the process always has it. A signal that is ignored, or has no Python handler, is left
+    as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending, prev = [], {}
+
+    def hold(signum, frame):
+        pending.append((signum, frame))
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(s)):
+            prev[s] = signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, handler in prev.items():
+            signal.signal(s, handler)
+        if pending:
+            signum, frame = pending[0]
+            prev[signum](signum, frame)
 
 
 class ResumeError(ValueError):
