@@ -388,7 +388,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:  # the running study's processes were ended with it
         during = f" during {names[done]}" if done < len(names) else ""
         print(f"[full_{mode}] {str(e) or 'stopped by Ctrl-C'}{during}: the table in {out} holds "
-              f"the {done} studies that finished before it", file=sys.stderr)
+              f"the {done} {'study' if done == 1 else 'studies'} that finished before it",
+              file=sys.stderr)
         return 130
     finally:
         run.close()

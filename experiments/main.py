@@ -10,6 +10,10 @@ system (``DEMO``: study + overrides); ``studies`` (``make studies``) runs every 
 ``REGISTRY`` with its preset, and at the quick preset each study's declared variants after it
 (``runs/studies/<study>_<variant>``). A new study registers by adding its name and module (a module
 with a :class:`moejax.harness.study.Study` named ``STUDY``) to :data:`experiments.STUDIES`.
+
+A suite stopped by Ctrl-C or SIGTERM ends in one line naming the study it was running (exit
+130). That study's run is marked interrupted, so the same command resumes it; ``REPORT.md``
+holds the studies run before it and says where the suite stopped.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from moejax.config import ConfigError
 from moejax.config_overrides import close_names
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
 from moejax.harness.cli import PRESETS, asks_help
+from moejax.harness.experiment import STOPPED
 from moejax.harness.run_index import entry_name
 from moejax.harness.run_record import read_run_record
 from moejax.train.run_lock import RunLockedError
+from moejax.train.run_state import sigterm_as_interrupt
 
 REGISTRY: tuple[str, ...] = tuple(STUDIES)  # every study, in the order the suite runs them
 
@@ -130,44 +136,23 @@ def main(argv=None) -> int:
     import jax
 
     t_all = time.time()
-    sections, failures, skipped = [], [], []
-    for name, overrides, variant in _jobs_with_variants(jobs, preset, suite):
-        entry, sub = entry_name(name, variant), run_dirname(name, variant)
-        print(f"=== {entry} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
-              flush=True)
-        t0 = time.time()
-        record = out / sub / "run.json"
-        if (record.is_file() and record.stat().st_mtime >= t_all
-                and (read_run_record(out / sub) or {}).get("state") == "finished"):
-            why = "finished by another process since this suite started"
-        else:
-            why = ""
-            try:
-                study = load_study(name)
-                summary, run = study.run_experiment([f"preset={preset}", *overrides],
-                                                    out=out / sub,
-                                                    repeat_quick=suite == "studies",
-                                                    variant=variant)
-            except RunLockedError as e:  # another suite runs it now: not a failure
-                why = f"locked: {e}"
-            except Exception:  # keep going: the report says which study failed and why
-                tb = traceback.format_exc()
-                print(tb, file=sys.stderr)
-                failures.append(entry)
-                sections.append(f"## {entry}\n\n**FAILED** after {time.time() - t0:.1f} s:"
-                                f"\n\n```\n{tb}```\n")
-                continue
-        if why:
-            print(f"    skipped ({why})", flush=True)
-            skipped.append(entry)
-            sections.append(f"## {entry}\n\nSkipped: {why}.\n")
-            continue
-        rel = Path(sub) / "summary.md"
-        body = (out / rel).read_text()
-        # Re-root relative links of the study's summary into the report directory.
-        body = _reroot(body, sub)
-        sections.append(body + f"\n(full results: [{rel}]({rel}))\n")
-        print(f"    done in {time.time() - t0:.1f} s", flush=True)
+    sections, failures, skipped, entry, stopped = [], [], [], "", ""
+    try:
+        with sigterm_as_interrupt(STOPPED.format("SIGTERM")):
+            for name, overrides, variant in _jobs_with_variants(jobs, preset, suite):
+                entry = entry_name(name, variant)
+                section, outcome = _run_job(name, overrides, variant, preset, suite, out,
+                                            t_all)
+                sections.append(section)
+                if outcome == "failed":
+                    failures.append(entry)
+                elif outcome == "skipped":
+                    skipped.append(entry)
+    except KeyboardInterrupt as e:  # the study's run is marked interrupted; it resumes
+        stopped = f"stopped during {entry or 'the start'}: {str(e) or STOPPED.format('Ctrl-C')}"
+        n = len(sections)
+        print(f"[{suite}] {stopped}; {out / 'REPORT.md'} holds the {n} "
+              f"{'study' if n == 1 else 'studies'} run before it", file=sys.stderr, flush=True)
 
     header = [
         "# moejax report",
@@ -179,11 +164,50 @@ def main(argv=None) -> int:
         f"- studies: {', '.join(n + (' (' + ' '.join(o) + ')' if o else '') for n, o in jobs)}"
         + (f" (FAILED: {', '.join(failures)})" if failures else "")
         + (f" (skipped: {', '.join(skipped)})" if skipped else ""),
+        *([f"- **{stopped}**; the studies after it did not run"] if stopped else []),
         "",
     ]
     atomic_write_text(out / "REPORT.md", "\n".join(header) + "\n" + "\n".join(sections))
     print(f"report: {out / 'REPORT.md'}")
-    return 1 if failures else 0
+    return 130 if stopped else 1 if failures else 0
+
+
+def _run_job(name, overrides, variant, preset: str, suite: str, out: Path,
+             t_all: float) -> tuple[str, str]:
+    """One study of the suite into ``out``: its section of the report (its summary, or why
+    it failed or was skipped) and ``"ok"``, ``"failed"`` or ``"skipped"``."""
+    entry, sub = entry_name(name, variant), run_dirname(name, variant)
+    print(f"=== {entry} (preset={preset}{''.join(' ' + o for o in overrides)}) ===",
+          flush=True)
+    t0 = time.time()
+    record = out / sub / "run.json"
+    if (record.is_file() and record.stat().st_mtime >= t_all
+            and (read_run_record(out / sub) or {}).get("state") == "finished"):
+        why = "finished by another process since this suite started"
+    else:
+        why = ""
+        try:
+            study = load_study(name)
+            summary, run = study.run_experiment([f"preset={preset}", *overrides],
+                                                out=out / sub,
+                                                repeat_quick=suite == "studies",
+                                                variant=variant)
+        except RunLockedError as e:  # another suite runs it now: not a failure
+            why = f"locked: {e}"
+        except Exception:  # keep going: the report says which study failed and why
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr)
+            return (f"## {entry}\n\n**FAILED** after {time.time() - t0:.1f} s:\n\n```\n"
+                    f"{tb}```\n", "failed")
+    if why:
+        print(f"    skipped ({why})", flush=True)
+        return f"## {entry}\n\nSkipped: {why}.\n", "skipped"
+    rel = Path(sub) / "summary.md"
+    body = (out / rel).read_text()
+    # Re-root relative links of the study's summary into the report directory.
+    body = _reroot(body, sub)
+    print(f"    done in {time.time() - t0:.1f} s", flush=True)
+    return body + f"\n(full results: [{rel}]({rel}))\n", "ok"
 
 
 def _reroot(md: str, sub: str) -> str:

@@ -345,6 +345,50 @@ def test_a_suite_skips_a_study_another_suite_holds_or_finished(tmp_path, monkeyp
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_a_stopped_suite_says_where_in_one_line_and_reports_what_ran(tmp_path, monkeypatch,
+                                                                     capsys, how):
+    """Ctrl-C (here as a training loop raises it) or SIGTERM during the suite's second study:
+    exit 130 and one line naming the study; REPORT.md holds the study run before it and says
+    where the suite stopped; the stopped study's run is marked interrupted, so the same
+    command resumes it; the study after it does not run."""
+    ran = []
+
+    def study(name):
+        def run(cfg, run):
+            ran.append(name)
+            if name == "moee" and how == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            if name == "moee":
+                raise KeyboardInterrupt("interrupted by Ctrl-C after step 3; the newest "
+                                        "complete checkpoint (step 2) resumes the run exactly")
+            return {"headline": name}
+        return Study(name, MAKE, run)
+
+    out = tmp_path / "report"
+    monkeypatch.setattr(suite, "load_study", study)
+    monkeypatch.setattr(suite, "_parse", lambda argv: (
+        "quick", out, [("lm_demo", ()), ("moee", ()), ("moe_kd", ())], "demo"))
+    monkeypatch.setattr(suite, "_jobs_with_variants",
+                        lambda jobs, preset, s: [(n, o, "") for n, o in jobs])
+    before = signal.getsignal(signal.SIGTERM)
+    assert suite.main([]) == 130
+    assert signal.getsignal(signal.SIGTERM) is before  # put back
+    assert ran == ["lm_demo", "moee"]
+    why = ("interrupted by SIGTERM; the same command continues the run (its trainings from "
+           "their checkpoints)" if how == "SIGTERM" else
+           "interrupted by Ctrl-C after step 3; the newest complete checkpoint (step 2) "
+           "resumes the run exactly")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"[demo] stopped during moee: {why}; {out / 'REPORT.md'} holds the 1 "
+                   "study run before it"]
+    report = (out / "REPORT.md").read_text()
+    assert f"- **stopped during moee: {why}**; the studies after it did not run" in report
+    assert "## lm_demo" in report and "## moee" not in report and "moe_kd/" not in report
+    assert read_run_record(out / "moee")["state"] == "interrupted"
+
+
 def test_an_unwritable_out_is_refused_in_one_line_by_a_real_write(capsys):
     """/sys/kernel passes os.access for root; a real write finds it unwritable."""
     import os
