@@ -148,8 +148,10 @@ def main(argv=None) -> int:
                     failures.append(entry)
                 elif outcome == "skipped":
                     skipped.append(entry)
+                entry = ""
     except KeyboardInterrupt as e:  # the study's run is marked interrupted; it resumes
-        stopped = f"stopped during {entry or 'the start'}: {str(e) or STOPPED.format('Ctrl-C')}"
+        where = f"during {entry}" if entry else "between studies"
+        stopped = f"stopped {where}: {str(e) or STOPPED.format('Ctrl-C')}"
         n = len(sections)
         print(f"[{suite}] {stopped}; {out / 'REPORT.md'} holds the {n} "
               f"{'study' if n == 1 else 'studies'} run before it", file=sys.stderr, flush=True)

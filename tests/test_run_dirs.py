@@ -389,6 +389,27 @@ def test_a_stopped_suite_says_where_in_one_line_and_reports_what_ran(tmp_path, m
     assert read_run_record(out / "moee")["state"] == "interrupted"
 
 
+def test_a_suite_stopped_between_studies_names_none(tmp_path, monkeypatch, capsys):
+    """A stop after one study has finished and before the next begins (a suite's variants
+    are listed then) names no study: the finished one is in the report, not blamed."""
+    def jobs(jobs, preset, s):
+        yield "lm_demo", (), ""
+        raise KeyboardInterrupt
+
+    out = tmp_path / "report"
+    monkeypatch.setattr(suite, "load_study", lambda name: Study(name, MAKE, lambda c, r: {}))
+    monkeypatch.setattr(suite, "_parse", lambda argv: ("quick", out, [("lm_demo", ())], "demo"))
+    monkeypatch.setattr(suite, "_jobs_with_variants", jobs)
+    assert suite.main([]) == 130
+    why = ("stopped between studies: interrupted by Ctrl-C; the same command continues the run "
+           "(its trainings from their checkpoints)")
+    assert capsys.readouterr().err.strip() == (f"[demo] {why}; {out / 'REPORT.md'} holds the 1 "
+                                               "study run before it")
+    report = (out / "REPORT.md").read_text()
+    assert f"- **{why}**" in report and "## lm_demo" in report
+    assert read_run_record(out / "lm_demo")["state"] == "finished"
+
+
 def test_an_unwritable_out_is_refused_in_one_line_by_a_real_write(capsys):
     """/sys/kernel passes os.access for root; a real write finds it unwritable."""
     import os
