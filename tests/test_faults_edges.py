@@ -43,7 +43,7 @@ from moejax.train.checkpoint import (
 )
 from moejax.train.hparams import TrainConfig
 from moejax.train.loop import ResumeError, config_differences, train
-from moejax.train.run_lock import RunLock, RunLockedError
+from moejax.train.run_lock import RunLock, RunLockedError, is_held
 from moejax.train.run_state import CtrlC, sigterm_as_interrupt, stops_deferred
 from moejax.train.step import NonFiniteError
 from tests.test_faults import _SIGINT_RUN, CFG, ONE_STEP, ROOT, _params, _run, _template
@@ -168,6 +168,28 @@ def test_a_second_signal_stops_at_once():
     finally:
         guard.restore()
     assert signal.getsignal(signal.SIGINT) is not guard._handler
+
+
+def test_a_stop_while_the_loop_starts_closes_what_it_opened(tmp_path, monkeypatch):
+    """Ctrl-C after the run directory is opened and before the first step (here while the
+    progress bar is made) aborts the checkpointer, releases the directory's lock and puts
+    the signal handlers back, as a stop during a step does."""
+    import moejax.train.loop as loop_module
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    closed = []
+    original = Checkpointer.close
+    monkeypatch.setattr(Checkpointer, "close", lambda self, abort=False: (
+        closed.append(abort), original(self, abort=abort))[1])
+    monkeypatch.setattr(loop_module, "progress", stopped)
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "r")
+    assert closed == [True]
+    assert not is_held(tmp_path / "r")
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
 
 
 def test_a_refused_resume_closes_its_checkpointer(tmp_path, monkeypatch):

@@ -306,14 +306,15 @@ class _Run:
         except BaseException:
             self._close(failed=True)
             raise
-        cfg = self.cfg
-        self.bar = progress(total=cfg.steps, initial=self.start, desc=self.opts.desc,
-                        disable=not (self.opts.progress and self.main), mininterval=1.0)
-        self.t_flush = time.perf_counter()
-        self.last_saved = (self.start if self.ckpt is not None
-                           and self.ckpt.latest_step() == self.start else None)
-        failed, ctrl_c, step = True, CtrlC(), self.start
-        try:
+        failed, ctrl_c, step, self.bar = True, None, self.start, None
+        try:  # from here every way out closes what was opened, a stop in the next lines too
+            ctrl_c = CtrlC()
+            cfg = self.cfg
+            self.bar = progress(total=cfg.steps, initial=self.start, desc=self.opts.desc,
+                                disable=not (self.opts.progress and self.main), mininterval=1.0)
+            self.t_flush = time.perf_counter()
+            self.last_saved = (self.start if self.ckpt is not None
+                               and self.ckpt.latest_step() == self.start else None)
             if (self.opts.eval_fn is not None and self.rows is None and self.single
                     and evaluation_pending(self.opts.run_dir, self.start, cfg.eval_every)):
                 self._evaluate(self.start)  # its evaluation failed after its checkpoint
@@ -342,8 +343,10 @@ class _Run:
             failed = "peer"
             raise self._peer_lost(step, e) from e
         finally:
-            ctrl_c.restore()
-            self.bar.close()
+            if ctrl_c is not None:
+                ctrl_c.restore()
+            if self.bar is not None:
+                self.bar.close()
             self._close(failed)
             release_memory()  # a study's many runs in one process do not add up
         if self.best is not None and self.best.step is not None:
