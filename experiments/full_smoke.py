@@ -65,7 +65,7 @@ from moejax.capture import CapturedStep, capture_steps
 from moejax.config import ConfigError
 from moejax.config_overrides import apply_overrides
 from moejax.files import atomic_write_text
-from moejax.harness.cli import asks_help
+from moejax.harness.cli import asks_help, study_names
 from moejax.harness.results import RunDir, RunDirError
 from moejax.harness.smoke import SMOKE_ROWS, SMOKE_STEPS, smoke_config
 from moejax.harness.study import Study
@@ -319,6 +319,8 @@ def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]], dic
             raise ConfigError(f"bad argument {item!r}; allowed: mode=smoke|aot only=a,b "
                               "out=DIR timeout=S preset=full|quick devices=N "
                               "<study>.<key>=<value>")
+        if not value.strip():
+            raise ConfigError(f"{key}= is empty: give it a value or leave it out")
         opts[key] = value
     if opts["mode"] not in MODES:
         raise ConfigError(f"mode={opts['mode']!r}: expected one of {', '.join(MODES)}")
@@ -330,10 +332,7 @@ def _parse(argv) -> tuple[list[str], Path, float, str, dict[str, list[str]], dic
     if not opts["devices"].isdigit():
         raise ConfigError(f"devices={opts['devices']!r}: expected a count of CPU devices "
                           "(0: as the environment gives them)")
-    names = [n for n in opts["only"].split(",") if n] or list(REGISTRY)
-    unknown = [n for n in names if n not in REGISTRY]
-    if unknown:
-        raise ConfigError(f"only={unknown} not registered; registered: {', '.join(REGISTRY)}")
+    names = study_names(opts["only"], REGISTRY) if opts["only"] else list(REGISTRY)
     try:
         timeout = float(opts["timeout"])
     except ValueError:

@@ -26,9 +26,8 @@ from pathlib import Path
 
 from experiments import STUDIES, load_study
 from moejax.config import ConfigError
-from moejax.config_overrides import close_names
 from moejax.files import UnusableDirError, atomic_write_text, writable_dir
-from moejax.harness.cli import PRESETS, asks_help
+from moejax.harness.cli import PRESETS, asks_help, meant, study_names
 from moejax.harness.experiment import STOPPED
 from moejax.harness.run_index import entry_name
 from moejax.harness.run_record import read_run_record
@@ -75,33 +74,24 @@ DEMO: tuple[tuple[str, tuple[str, ...]], ...] = (
 SUITES = ("demo", "studies")
 
 
-def _meant(names, known) -> str:
-    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` that is a close spelling of one
-    of ``known``; "" where none is."""
-    pairs = [(close_names(n, known, n=1), n) for n in names]
-    said = [f"{near[0]!r} for {n!r}" for near, n in pairs if near]
-    return f" (did you mean {', '.join(said)}?)" if said else ""
-
-
 def _parse(argv):
     opts = {"preset": "quick", "out": "runs/report", "only": "", "suite": "demo"}
     for item in argv:
         key, sep, value = item.partition("=")
         if not sep or key not in opts:
             raise ConfigError(
-                f"bad argument {item!r}{_meant([key], opts)}; allowed keys: {sorted(opts)} "
+                f"bad argument {item!r}{meant([key], opts)}; allowed keys: {sorted(opts)} "
                 f"(registered experiments: {', '.join(REGISTRY)})"
             )
+        if not value.strip():
+            raise ConfigError(f"{key}= is empty: give it a value, or leave it out for its "
+                              f"default ({opts[key] or 'every study of the suite'})")
         opts[key] = value
     if opts["preset"] not in PRESETS:
         raise ConfigError(f"preset={opts['preset']!r} is not allowed; allowed values: {PRESETS}")
     if opts["suite"] not in SUITES:
         raise ConfigError(f"suite={opts['suite']!r} is not allowed; allowed values: {SUITES}")
-    names = [n for n in opts["only"].split(",") if n]
-    unknown = [n for n in names if n not in REGISTRY]
-    if unknown:
-        raise ConfigError(f"only={unknown} not registered{_meant(unknown, REGISTRY)}; "
-                          f"registered: {', '.join(REGISTRY)}")
+    names = study_names(opts["only"], REGISTRY) if opts["only"] else []
     tour = opts["suite"] == "demo" and opts["preset"] == "quick"
     if names:  # a subset; in the tour with the tour's settings
         jobs = [(n, dict(DEMO).get(n, ()) if tour else ()) for n in names]

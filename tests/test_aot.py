@@ -215,7 +215,10 @@ def test_a_studys_own_keys_reach_only_that_study_and_are_checked_before_it_runs(
                        (["nostudy.x=1"], "bad argument"),
                        (["preset=tiny"], "expected full or quick"),
                        (["devices=two"], "count of CPU devices"),
-                       (["mode=aot", "devices=2"], "for mode=smoke")]:
+                       (["mode=aot", "devices=2"], "for mode=smoke"),
+                       (["out="], "out= is empty"),  # not the default directory, silently
+                       (["only=moee,moee"], "names moee twice"),
+                       (["only=moee,"], "holds an empty name")]:
         with pytest.raises(ConfigError, match=match):
             _parse(bad)
 

@@ -79,6 +79,14 @@ def test_main_job_rejects_bad_arguments(capsys):
     assert main_job.main(["preset=medium"]) == 2
     with pytest.raises(ConfigError):
         main_job._parse(["colour=red"])
+    # an empty value is refused, not read as the current directory or the whole suite
+    for bad, match in [(["out="], r"out= is empty: give it a value, or leave it out for its "
+                                  r"default \(runs/report\)"),
+                       (["only="], r"only= is empty"),
+                       (["only=lm_demo,,moee"], "holds an empty name"),
+                       (["only=moee,lm_demo,moee"], "names moee twice; name each study once")]:
+        with pytest.raises(ConfigError, match=match):
+            main_job._parse(bad)
 
 
 @pytest.mark.parametrize("command", ["main", "results_doc", "full_smoke", "autotune"])

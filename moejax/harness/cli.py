@@ -13,8 +13,9 @@ from moejax.config import Config, ConfigError
 from moejax.config_overrides import apply_overrides, close_names, describe
 from moejax.harness.smoke import smoke_config
 
-__all__ = ["HELP_WORDS", "PRESETS", "asks_help", "expand_variant", "flag", "parse_cli",
-           "parse_runner", "preset_of", "run_module", "split_overwrite", "usage"]
+__all__ = ["HELP_WORDS", "PRESETS", "asks_help", "expand_variant", "flag", "meant",
+           "parse_cli", "parse_runner", "preset_of", "run_module", "split_overwrite",
+           "study_names", "usage"]
 
 PRESETS = ("quick", "full")
 RUNNER_KEYS = ("preset", "out", "repeat", "smoke", "variant", "overwrite")
@@ -134,6 +135,33 @@ def _refuse_misspelt_runner_keys(cfg: Config, items: Sequence[str]) -> None:
         if key.split(".")[0] not in fields and near:
             raise ConfigError(f"unknown key {key!r} (did you mean the runner key {near[0]!r}?); "
                               f"runner keys: {', '.join(RUNNER_KEYS)}")
+
+
+def meant(names: Sequence[str], known: Sequence[str]) -> str:
+    """`` (did you mean 'x' for 'y'?)`` for each of ``names`` that is a close spelling of one
+    of ``known``; "" where none is."""
+    pairs = [(close_names(n, known, n=1), n) for n in names]
+    said = [f"{near[0]!r} for {n!r}" for near, n in pairs if near]
+    return f" (did you mean {', '.join(said)}?)" if said else ""
+
+
+def study_names(value: str, registry: Sequence[str], key: str = "only") -> list[str]:
+    """The studies a suite's ``key=a,b`` names, in its order: each named once and registered
+    in ``registry``, or the list is refused in one line (an empty name, a name given twice,
+    a name not registered, with the registered names spelt close to it)."""
+    names = [n.strip() for n in value.split(",")]
+    if "" in names:
+        raise ConfigError(f"{key}={value!r} holds an empty name; give study names separated "
+                          f"by commas, e.g. {key}={','.join(registry[:2])}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{key}={value} names {', '.join(twice)} twice; name each study "
+                          "once")
+    unknown = [n for n in names if n not in registry]
+    if unknown:
+        raise ConfigError(f"{key}={unknown} not registered{meant(unknown, registry)}; "
+                          f"registered: {', '.join(registry)}")
+    return names
 
 
 def preset_of(argv: Sequence[str]) -> str:
