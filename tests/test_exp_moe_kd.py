@@ -380,3 +380,19 @@ def test_more_chat_pairs_than_a_split_holds_are_refused_before_training():
         data(cfg, ByteTokenizer())
     train_src, _, test = data(cfg.replace(n_test=8), ByteTokenizer())
     assert len(train_src(4, 0)) == 64
+
+
+def test_the_teacher_gap_note_says_each_gap_in_the_direction_it_went():
+    def note(t, s, tp, sp):
+        return kd_claims.teacher_gap_note(kd_claims.teacher_gap(
+            {"MoE teacher": {"rouge_l": t, "ppl": tp}, "student (SFT)": {"rouge_l": s,
+                                                                         "ppl": sp}}))
+
+    ahead = note(0.75, 0.5, 3.0, 4.0)
+    assert "ROUGE-L is 50.0% higher (+0.2500) and its response perplexity 25.0% lower" in ahead
+    assert ahead.endswith("holds. (The claims are judged where the teacher leads by at least "
+                          "Table 1's weakest 8.9% ROUGE-L.)")
+    behind = note(0.02, 0.025, 4.8, 4.0)  # a teacher worse on both counts
+    assert "ROUGE-L is 20.0% lower (-0.0050) and its response perplexity 20.0% higher" in behind
+    assert "does NOT hold." in behind and "-20" not in behind
+    assert "ROUGE-L is not measured" in note(float("nan"), 0.5, 3.0, 4.0)

@@ -54,7 +54,7 @@ from typing import Literal
 import numpy as np
 from flax import nnx
 
-from experiments.kd.claims import CLAIMS, MIN_TEACHER_GAIN, claims, paired_rows, teacher_gap
+from experiments.kd.claims import CLAIMS, claims, paired_rows, teacher_gap, teacher_gap_note
 from experiments.kd.common import PAPER_SCALE
 from experiments.kd.setup import Setup, setup
 from experiments.kd.sweeps import ka_sweep, lr_sweeps, sar_kl_table, teacher_k_sweep
@@ -288,15 +288,9 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: Setup) -> tuple[dict, dict]:
                    for row in reference_rows(r)],
                   title="Before distillation, each training seed's draw of the teachers and "
                         "the SFT student (ROUGE-L over the sampling seeds)")
-    run.note(f"Teacher worth distilling: the MoE teacher's ROUGE-L is "
-             f"{100 * gap['rouge_l_rel_gain']:+.1f}% ({gap['rouge_l_abs_gain']:+.4f}) and its "
-             f"response perplexity {100 * gap['ppl_reduction']:.1f}% lower than the SFT "
-             f"student's: the >= 50% (or 0.05) ROUGE-L and >= 20% perplexity gap this "
-             "setting is built for "
-             + ("holds." if gap["worth_distilling"] else "does NOT hold.")
-             + f" (The claims are judged where the teacher leads by at least Table 1's "
-             f"weakest {100 * MIN_TEACHER_GAIN:.1f}% ROUGE-L.)")
+    run.note(teacher_gap_note(gap))
     return refs, gap
+
 
 
 def _pooled(scores: list[dict]) -> dict:
