@@ -101,6 +101,10 @@ def test_seed_summary_mean_std_per_group():
         np.testing.assert_allclose(r["ppl"], truth[r["model"]].mean())
         np.testing.assert_allclose(r["ppl std"], truth[r["model"]].std(ddof=1))
     assert out[2]["n_seeds"] == 2 and out[2]["ppl"] == 2.5 and out[2]["ppl std"] == 0.0
+    rows.append({"model": "d", "size": "s", "seed": 0, "ppl": float("nan")})  # unmeasured
+    rows.append({"model": "d", "size": "s", "seed": 1, "ppl": float("nan")})
+    d = seed_summary(rows, ["model", "size"], ["ppl"])[3]
+    assert d["n_seeds"] == 2 and np.isnan(d["ppl"]) and np.isnan(d["ppl std"])
 
 
 def test_cli_presets_and_fail_fast(tmp_path):
@@ -223,7 +227,7 @@ def test_mean_std_is_the_sample_statistics_of_the_values_that_are_numbers():
         kept = x[~np.isnan(x)]
         mean, sd = mean_std(list(x))
         if len(kept) == 0:
-            assert np.isnan(mean) and sd == 0.0
+            assert np.isnan(mean) and np.isnan(sd)  # nothing measured: no spread either
             continue
         assert mean == pytest.approx(kept.mean(), rel=1e-12, abs=1e-12)
         assert sd == (pytest.approx(kept.std(ddof=1), rel=1e-12, abs=1e-12) if len(kept) > 1

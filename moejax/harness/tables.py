@@ -37,11 +37,12 @@ def format_value(v: Any, floatfmt: str = ".4g") -> str:
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (ddof 1; 0.0 for one value) of ``values``, NaNs
-    skipped (the mean of no values is NaN)."""
+    skipped: with no value left both are NaN (a spread of 0 would read as measured)."""
     x = np.asarray([float(v) for v in values], np.float64)
     x = x[~np.isnan(x)]
-    return (float(x.mean()) if len(x) else float("nan"),
-            float(x.std(ddof=1)) if len(x) > 1 else 0.0)
+    if not len(x):
+        return float("nan"), float("nan")
+    return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
 
 
 def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
@@ -49,7 +50,7 @@ def seed_summary(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
     """Collapse per-seed rows into one row per distinct ``keys`` tuple (first-seen order):
     the ``keys``, ``n_seeds``, and for each of ``values`` its mean (same name) and sample
     standard deviation (``"<name> std"``, ddof 1; 0.0 for one seed). NaN values are skipped
-    per column (the mean of no values is NaN); other columns are dropped."""
+    per column (the mean and spread of no values are NaN); other columns are dropped."""
     groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
