@@ -359,8 +359,9 @@ def test_later_layers_claim_compares_halves_of_equal_size_in_layer_order():
 
 def test_the_recipe_note_says_which_extraction_and_kd_ran():
     """The note names the KD fine-tune's optimizer and schedule as configured (an SGD run is
-    not called AdamW) and calls the extraction the paper's recipe only with the paper's
-    minimum cluster size and extraction percentage, naming any it changes."""
+    not called AdamW), calls the extraction the paper's recipe only with the paper's minimum
+    cluster size and extraction percentage, naming any it changes, and says whether the
+    ablations were fine-tuned."""
     from types import SimpleNamespace
 
     data = SimpleNamespace(substrate="vit_mnist5k", test={"labels": [0] * 4},
@@ -376,3 +377,10 @@ def test_the_recipe_note_says_which_extraction_and_kd_ran():
     assert "KD: 150 steps of SGD, lr 0.0005, linear schedule" in note and "AdamW" not in note
     assert ("(the paper's recipe but for its extraction percentage p 0.5 (the paper's: 0.8))"
             in note)
+    # whether the ablations were fine-tuned before the comparison, as Sec. 5 does
+    assert note.endswith("The ablations get the same KD before they are compared (Sec. 5).")
+    plain = _recipe_note(cfg.replace(finetune_ablations=False), data, {"accuracy": 0.9}, [2])
+    assert plain.endswith("The ablations are not fine-tuned (finetune_ablations=false; Sec. 5 "
+                          "compares them after the KD).")
+    assert "ablations" not in _recipe_note(cfg.replace(ablations=()), data, {"accuracy": 0.9},
+                                           [2])

@@ -347,7 +347,7 @@ def _stability(cfg: MoEEStudyConfig, run: RunDir, data) -> None:
 def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> str:
     """What ran: the extraction (beside the paper's minimum cluster size and extraction
     percentage where this run changes them), the KD fine-tune's optimizer and schedule as
-    configured, and the MoEfication baseline."""
+    configured, the MoEfication baseline, and whether the ablations were fine-tuned."""
     paper = ExtractConfig()
     changed = [f"{what} {got} (the paper's: {want})" for what, got, want in (
         ("minimum cluster size", f"{cfg.extract.cluster.min_cluster_frac:.2%}",
@@ -369,7 +369,12 @@ def _recipe_note(cfg: MoEEStudyConfig, data, dense: dict, counts: list[int]) -> 
             "extracted layer, top-k matched per layer to MoEE's mean active neurons, routed by "
             "their parameter centres (param) or the trained Linear-Tanh-Linear MLP router "
             "(mlp), as the MoEfication code builds them. Random routing sends each token to a "
-            "random expert.")
+            "random expert."
+            + ("" if not cfg.ablations else
+               " The ablations get the same KD before they are compared (Sec. 5)."
+               if cfg.finetune_ablations else
+               " The ablations are not fine-tuned (finetune_ablations=false; Sec. 5 compares "
+               "them after the KD)."))
 
 
 STUDY = Study(
