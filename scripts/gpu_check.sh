@@ -96,6 +96,15 @@ out=${1:?usage: scripts/gpu_check.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-tests autotune grouped grouped_f32 kernels dispatch speculative_quick extracted}
 stages=${stages//decoding/speculative_wide speculative_wide_nk speculative_wide_fused speculative_wide_graphs train_step decode_tests}
+# every stage name checked before anything runs: a misspelt one late in the list would
+# otherwise end the command after the stages before it had spent a lent machine's minutes
+known=" tests decode_tests autotune grouped grouped_f32 kernels dispatch dispatch_xla_attention \
+speculative speculative_quick speculative_wide speculative_wide_graphs speculative_wide_nk \
+speculative_wide_fused extracted train_step "
+for stage in $stages; do
+  [[ "$known" == *" $stage "* || "$stage" == full_?* ]] || {
+    echo "gpu_check: unknown stage '$stage'; stages:$known""decoding full_STUDY" >&2; exit 2; }
+done
 py=${PYTHON:-python3}
 site=
 if [ -n "${WHEELHOUSE:-}" ]; then

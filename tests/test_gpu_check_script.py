@@ -51,6 +51,24 @@ def test_an_unknown_stage_is_refused(tmp_path):
     assert calls == []
 
 
+def test_a_misspelt_stage_late_in_the_list_is_refused_before_any_stage_runs(tmp_path):
+    """A typo after good stages ends the command before the first of them, not after they
+    have spent a lent machine's minutes; the refusal lists the stages."""
+    proc, calls = _run(tmp_path, "grouped", "decoding", "speculatve_wide_nk", "full_moee")
+    assert proc.returncode == 2 and "unknown stage 'speculatve_wide_nk'" in proc.stderr
+    assert " speculative_wide_nk " in proc.stderr and "full_STUDY" in proc.stderr
+    assert calls == [] and not (tmp_path / "out").exists()
+    # every stage the loop knows passes the check (the stand-in python makes each a no-op)
+    stages = ("tests decode_tests autotune grouped grouped_f32 kernels dispatch "
+              "dispatch_xla_attention speculative speculative_quick speculative_wide "
+              "speculative_wide_graphs speculative_wide_nk speculative_wide_fused extracted "
+              "train_step full_moee").split()
+    proc, _ = _run(tmp_path, *stages)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob(".done-*")) == sorted(
+        f".done-{s}" for s in stages)
+
+
 def test_the_autotune_stage_tunes_the_full_presets_shapes_and_budget_skips_late_stages(tmp_path):
     ckpt = tmp_path / "out" / "bench_speculative_wide" / "target" / "checkpoints" / "200"
     ckpt.mkdir(parents=True)  # a trained model from an earlier stage
