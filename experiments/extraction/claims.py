@@ -155,9 +155,10 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         if tuned:
             return after_kd(claim, r)
         c = extracted(claim, r)
-        return c if c.verdict == "not measured" else unjudged(c,
-                        "the ablations were not fine-tuned (finetune_ablations=false), and Sec. "
-                        "5 compares them after it: compared right after extraction only")
+        if c.verdict == "not measured":
+            return c
+        return unjudged(c, "the ablations were not fine-tuned (finetune_ablations=false), and "
+                           "Sec. 5 compares them after it: compared right after extraction only")
 
     for r in ablations:
         if "random" in str(r["model"]):

@@ -292,7 +292,6 @@ def _references(cfg: MoEKDConfig, run: RunDir, s: Setup) -> tuple[dict, dict]:
     return refs, gap
 
 
-
 def _pooled(scores: list[dict]) -> dict:
     """One model's scores over several runs or draws: ROUGE-L over every one's sampling
     seeds, mean perplexity and KL."""
