@@ -62,8 +62,10 @@ def test_moe_kd_tiny(tiny_recipes, tmp_path):
     assert int(got["wins"]) == sum(x > 0 for x in d) and int(got["n"]) == 2
     refs = {r["model"] for r in csv.DictReader(open(run.path / "references.csv"))}
     assert refs == {"MoE teacher", "student (SFT)", "dense teacher"}
-    assert [float(r["student_lr"]) for r in csv.DictReader(open(run.path / "lr_sweep.csv"))
-            ] == [3e-3]
+    sweep = list(csv.DictReader(open(run.path / "lr_sweep.csv")))
+    assert [float(r["student_lr"]) for r in sweep] == [3e-3]
+    # KD trains no router: blank router columns, not a NaN that reads as unmeasured
+    assert [(r["router_lr"], r["router_kl"]) for r in sweep] == [("", "")]
     mass = list(csv.DictReader(open(run.path / "gate_mass.csv")))
     assert [int(m["layer"]) for m in mass] == [0, 1]  # one row per MoE layer of the teacher
     ks = list(csv.DictReader(open(run.path / "teacher_k.csv")))

@@ -89,16 +89,16 @@ def lr_sweeps(cfg, run: RunDir, s, per_seed, sar_kls) -> None:
                      for r in per_seed if (r["teacher"], r["method"], r["seed"])
                      == ("MoE teacher", method, 0)), None)
 
-    nan = float("nan")
     lr_rows = []
     for lr in cfg.lr_sweep:
         sc = main_run("KD") if float(lr) == cfg.distill.lr else None
         if sc is None:
             sc = s.score(s.distil(cfg, s.kd.replace(method="kd"), 0, f"KD lr={lr:g}",
                                   lr=float(lr))[0])
-        lr_rows.append({"method": "KD", "student_lr": float(lr), "router_lr": nan,
+        # KD trains no router: its router columns are blank (no setting), not NaN (unmeasured)
+        lr_rows.append({"method": "KD", "student_lr": float(lr), "router_lr": "",
                         "rouge_l": sc["rouge_l"], "ppl": sc["ppl"], "kl": sc["kl"],
-                        "router_kl": nan})
+                        "router_kl": ""})
     for lr in cfg.router_lr_sweep:
         sc = main_run("SAR") if float(lr) == s.kd.router_lr else None
         if sc is not None:
