@@ -185,9 +185,11 @@ class DeltaStack(nnx.Module):
         return {name: {k: getattr(self, f"{k}_{name}")[...] for k in keys}
                 for name, _ in self.shape_items}
 
-    def synthesize(self, name: str, base_IO: jax.Array) -> jax.Array:
-        """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment."""
-        delta = self.deltas()[name]
+    def synthesize(self, name: str, base_IO: jax.Array, delta: dict | None = None
+                   ) -> jax.Array:
+        """``[n, d_in, d_out]``: ``W_i = W_shared + F_pre(Delta_i)`` for every increment
+        (``delta``: ``name``'s increments, :meth:`deltas`' entry, read when not given)."""
+        delta = self.deltas()[name] if delta is None else delta
         return jax.vmap(lambda e: synthesize_one(self.form, base_IO, delta, e))(
             jnp.arange(self.n))
 
@@ -227,7 +229,7 @@ class DeRSMoE(MoESkeleton):
 
     def experts_out(self, x_ND, r, mask_N):
         if self.cfg.synthesis == "all":
-            return super().experts_out(x_ND, r, mask_N)
+            return self.dispatch_experts(x_ND, r, mask_N, self.expert_weights(after=x_ND))
         stack, m = self.experts, self.moe_cfg
         base = {name: self.base.get(name) for name, _ in stack.shape_items}
         if self.cfg.synthesis == "stream":
@@ -241,16 +243,27 @@ class DeRSMoE(MoESkeleton):
                          form=self.cfg.form, activation=m.activation)
         return y, jnp.zeros((), jnp.float32)
 
-    def expert_weights(self, stack: DeltaStack | None = None):
-        """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``."""
+    def expert_weights(self, stack: DeltaStack | None = None, *, after: jax.Array | None = None):
+        """Synthesised ``(w_up [n, D, F], w_down [n, F, D], w_gate [n, D, F] or None)``.
+
+        ``after``: the layer's input; the synthesis then waits for it
+        (``jax.lax.optimization_barrier``). The copies depend on the parameters alone, so a
+        compiler may otherwise synthesise every layer's at the start of the forward and hold
+        them all at once: each layer's ``N`` full copies beside the stored model, more than
+        vanilla upcycling's weights, where DeRS's synthesis on the fly holds one layer's."""
         stack = self.experts if stack is None else stack
-        w = {name: stack.synthesize(name, self.base.get(name)) for name, _ in stack.shape_items}
+        base = {name: self.base.get(name) for name, _ in stack.shape_items}
+        deltas = stack.deltas()
+        if after is not None:
+            _, base, deltas = jax.lax.optimization_barrier((after, base, deltas))
+        w = {name: stack.synthesize(name, base[name], deltas[name])
+             for name, _ in stack.shape_items}
         return w["up"], w["down"], w.get("gate")
 
     def universal_ffn(self, x_ND):
         if not self.cfg.extended:
             return super().universal_ffn(x_ND)
-        u_up, u_down, u_gate = self.expert_weights(self.universal)
+        u_up, u_down, u_gate = self.expert_weights(self.universal, after=x_ND)
         return ffn_apply(x_ND, u_up[0], u_down[0], None if u_gate is None else u_gate[0],
                          activation=self.moe_cfg.activation)
 

@@ -237,8 +237,13 @@ class MoESkeleton(nnx.Module):
 
     def experts_out(self, x_ND, r, mask_N):
         """``(y_ND, dropped_fraction)``: the routed experts' combined output."""
+        return self.dispatch_experts(x_ND, r, mask_N, self.expert_weights())
+
+    def dispatch_experts(self, x_ND, r, mask_N, weights):
+        """:meth:`experts_out` with the experts' ``weights`` (:meth:`expert_weights`'
+        triple) given."""
         m = self.moe_cfg
-        w_up, w_down, w_gate = self.expert_weights()
+        w_up, w_down, w_gate = weights
         out = dispatch(m.dispatch, x_ND, r.ids_NK, r.weights_NK, w_up, w_down, w_gate,
                        activation=m.activation, capacity_factor=m.capacity,
                        valid_N=mask_N, priority=m.capacity_priority)
