@@ -292,6 +292,28 @@ def test_baselines_judge_blockffns_own_sparsity_against_the_papers_levels():
     assert verdict(0.85, 0.705, spread=0.05).verdict == "inconclusive"
 
 
+def test_baselines_judge_blockffns_expert_reuse_against_the_papers_level():
+    """Sec. 4.1.2 (Table 4): BlockFFN's reuse ratio over 85%, over the seed runs: holds when
+    its interval lies above, does not hold when below, inconclusive when it spans 0.85, and
+    not measured where a seed run did not record it."""
+    def verdict(reuse, spread=0.005, missing=False):
+        rows = [{"seed": s, "size": "S", "model": m, "val_ppl": 10.0, "TLS": 0.85,
+                 "CLS_8": 0.75, "reuse": reuse + e, "active_experts": 3.2,
+                 "TLS - TLS_BlockFFN": 0.0}
+                for s, e in enumerate((0.0, spread, -spread, spread / 2, 0.0))
+                for m in ("BlockFFN", "TopK")]
+        if missing:
+            rows[0].pop("reuse")
+        return mod.claims({"baselines_per_seed": rows})[3]
+
+    c = verdict(0.9)
+    assert c.verdict == "holds" and "Table 4" in c.claim and "(S;" in c.claim
+    assert c.evidence.startswith("reuse ratio 0.901 (mean of 5) vs 0.85")
+    assert verdict(0.8).verdict == "does not hold"
+    assert verdict(0.86, spread=0.05).verdict == "inconclusive"
+    assert verdict(0.9, missing=True).verdict == "not measured"
+
+
 def test_ablation_claims_count_only_at_close_tls():
     """Table 5 sets two objectives apart only at close TLS (half an expert, 1/32 at N = 16):
     AL+L1 far sparser than AL+CS leaves AL+CS's lower PPL unexplained by the objective

@@ -125,17 +125,23 @@ def ders_upcycling(d):
                               row("DeRS-LM r=64", "lm", gap + d(s) / 20, 2.0),
                               row("DeRS-SM p=0.99 frozen shared", "sm-frozen",
                                   gap + d(s) / 20, 50.0),
-                              row(upcycling.CONTROL, "dense", 0.1, 1e9)]}
+                              row(upcycling.CONTROL, "dense", 0.1, 1e9)],
+                # Table 6's variants that ran cost d less than vanilla's 1 in every column
+                "cost": [{"variant": v, "stored": c, "peak_train_bytes": c,
+                          "peak_infer_bytes": c}
+                         for v, c in (("vanilla", 1.0), ("DeRS-SM p=0.99", 1.0 - d(s)),
+                                      ("DeRS-LM r=4", 1.0 - d(s)))]}
     return _seeded([run(s) for s in SEEDS])
 
 
 def blockffn_baselines(d):
     rows = []
     for s in SEEDS:
-        # BlockFFN's own TLS and CLS_8 over the paper's 80% and 70% by d / 2 and d
+        # BlockFFN's own TLS, CLS_8 and reuse over the paper's 80%, 70% and 85% by d / 2,
+        # d and d
         rows += [{"size": "small", "model": "BlockFFN", "seed": s, "val_ppl": 10 - 10 * d(s),
-                  "CLS_8": 0.7 + d(s), "TLS": 0.8 + d(s) / 2, "active_experts": 3.2,
-                  "TLS - TLS_BlockFFN": 0.0},
+                  "CLS_8": 0.7 + d(s), "TLS": 0.8 + d(s) / 2, "reuse": 0.85 + d(s),
+                  "active_experts": 3.2, "TLS - TLS_BlockFFN": 0.0},
                  {"size": "small", "model": "ReMoE", "seed": s, "val_ppl": 10.0, "CLS_8": 0.7,
                   "TLS": 0.81, "active_experts": 3.04, "TLS - TLS_BlockFFN": 0.01},
                  {"size": "small", "model": "Dense", "seed": s, "val_ppl": 9.0, "CLS_8": 0.0}]
@@ -256,8 +262,8 @@ STUDIES = {
     "darex_controlled": (controlled.claims, darex_controlled, 5),
     "darex_storage": (storage.claims, darex_storage, 1),
     "ders_compression": (compression.claims, ders_compression, 6),
-    "ders_upcycling": (upcycling.claims, ders_upcycling, 5),
-    "blockffn_baselines": (baselines.claims, blockffn_baselines, 3),
+    "ders_upcycling": (upcycling.claims, ders_upcycling, 8),
+    "blockffn_baselines": (baselines.claims, blockffn_baselines, 4),
     "blockffn_ablations": (ablations.claims, blockffn_ablations, 8),
     "blockffn_granularity": (granularity.claims, blockffn_granularity, 3),
     "moe_kd": (moe_kd.claims, moe_kd_tables, 7),

@@ -96,7 +96,7 @@ def test_upcycling_claim_is_inconclusive_when_the_dense_control_matches_too():
                           row("DeRS-SM p=0.99", "sm", 0.05 + e, 50.0)]}
            for e in (0.0, 0.0005, -0.0005)]
     assert mod.claims({**far[0], SEED_TABLES: far})[0].verdict == "does not hold"
-    assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 5
+    assert [c.verdict for c in mod.claims({"upcycling": []})] == ["not measured"] * 8
     # the best of several >= 10x variants is judged at a Bonferroni level (0.05 / K)
     seeds = [{"upcycling": [row("vanilla", "vanilla", 0.0, 1.0),
                             *(row(f"DeRS-SM p=0.9{i}", "sm", 0.0085 + e + i / 1e4, 50.0)
@@ -241,12 +241,12 @@ def test_upcycling_ablation_claims_pair_the_variants_over_the_seeds(tmp_path):
 
     def verdicts(frozen, rate, rank):
         seeds = [run(i, frozen, rate, rank) for i in range(3)]
-        return [c.verdict for c in mod.claims({**seeds[0], SEED_TABLES: seeds})[2:]]
+        return [c.verdict for c in mod.claims({**seeds[0], SEED_TABLES: seeds})[2:5]]
 
     assert verdicts(0.02, 0.003, 0.01) == ["holds"] * 3
     assert verdicts(-0.02, -0.003, -0.01) == ["does not hold"] * 3
     got = mod.claims({**run(0, 0.02, 0.003, 0.01), SEED_TABLES: [run(0, 0.02, 0.003, 0.01)]})
-    assert [c.verdict for c in got[2:]] == ["inconclusive"] * 3  # one seed run: no interval
+    assert [c.verdict for c in got[2:5]] == ["inconclusive"] * 3  # one seed run: no interval
     assert "rank 4 beats rank 64" in got[4].claim and "p=0.9 beats p=0.9999" in got[3].claim
 
 
@@ -339,11 +339,47 @@ def test_upcycling_claims_pick_their_candidates_and_need_every_part():
                 _up_row("DeRS-LM frozen r=4", "lm-frozen", -0.05 + e, 20.0),  # lower loss
                 _up_row(uc.CONTROL, "dense", 0.1, 1e9)]
 
-    sm, lm, shared, _, rank = uc.claims(_upcycling_runs(rows))
+    sm, lm, shared, _, rank = uc.claims(_upcycling_runs(rows))[:5]
     assert sm.evidence.startswith("DeRS-SM p=0.99 (50x"), sm.evidence
     assert lm.evidence.startswith("DeRS-LM r=4 (20x"), lm.evidence
     assert shared.holds is False  # LM's frozen twin has the lower loss (SM's the higher)
     assert rank.holds is None and "no rank 4 and a higher one" in rank.evidence
+
+
+def test_table_6s_cost_claims_read_the_cost_table_of_each_seed_run(tmp_path):
+    """Table 6: DeRS-SM p=0.9 and p=0.99 and DeRS-LM r=4 each cost less model size, training
+    memory and inference memory than vanilla, read from the cost table the study writes:
+    holds where every one does, does not hold where one costs as much (a tie) or more, and
+    not measured where none of the three ran."""
+    mod = upcycling
+
+    def run(i, infer_sm_99):
+        rows = [{"variant": v, "form": f, "setting": x, "val_loss": 1.7, "stored": n,
+                 "model_bytes": 4 * n, "peak_train_bytes": 10 * n, "train_state_bytes": n,
+                 "peak_infer_bytes": infer_sm_99 if v == "DeRS-SM p=0.99" else 5 * n,
+                 "infer_arg_bytes": n, "d_loss_vs_vanilla": 0.0, "added_vs_vanilla": 2.0}
+                for v, f, x, n in (("vanilla", "vanilla", "", 100),
+                                   ("DeRS-SM p=0.9", "sm", 0.9, 60),
+                                   ("DeRS-SM p=0.99", "sm", 0.99, 50),
+                                   ("DeRS-LM r=4", "lm", 4, 55), ("DeRS-LM r=64", "lm", 64, 99))]
+        d = RunDir.create(tmp_path / f"r{i}_{infer_sm_99}")
+        mod._tables(d, rows, {"dense": 1.8})
+        return read_tables(d.path)
+
+    def claims(infer_sm_99):
+        seeds = [run(i, infer_sm_99) for i in range(3)]
+        return uc.claims({**seeds[0], SEED_TABLES: seeds})[5:]
+
+    size, train, infer = claims(250)
+    assert [c.verdict for c in (size, train, infer)] == ["holds"] * 3
+    assert "Table 6" in infer.claim and "inference memory" in infer.claim
+    assert all(v in infer.evidence for v in ("DeRS-SM p=0.9 ", "DeRS-SM p=0.99 ", "DeRS-LM r=4 "))
+    assert "r=64" not in infer.evidence  # not one of Table 6's rows
+    assert [c.verdict for c in claims(500)] == ["holds", "holds", "does not hold"]  # a tie
+    assert claims(700)[2].verdict == "does not hold"
+    none = {"upcycling": [{"variant": "DeRS-LM r=64", "form": "lm", "val_loss": 1.7,
+                           "d_loss_vs_vanilla": 0.0, "added_vs_vanilla": 2.0}]}
+    assert {c.verdict for c in uc.claims(none)[5:]} == {"not measured"}
 
 
 def test_the_compression_headline_reads_the_settings_the_run_swept():

@@ -17,6 +17,9 @@ PAPER_SCALE = ("BlockFFN and baseline LMs of 0.1B, 0.5B, 0.8B and 1.2B parameter
 # the abstract: "achieving over 80% TLS and 70% 8-token CLS"
 PAPER_TLS, PAPER_CLS_8 = 0.8, 0.7
 
+# Sec. 4.1.2, Table 4: "the high reuse ratios of BlockFFN models over 85%"
+PAPER_REUSE = 0.85
+
 
 @config
 class SparseLMStudyConfig(Config):
@@ -138,6 +141,7 @@ def at_close_tls(claim: str, t: dict, table: str, a, b, column: str = "val_ppl",
                        what=f"{la}'s")
 
 
-__all__ = ["PAPER_CLS_8", "PAPER_SCALE", "PAPER_TLS", "BLOCKFFN_SETTINGS", "SparseLMStudyConfig",
+__all__ = ["PAPER_CLS_8", "PAPER_REUSE", "PAPER_SCALE", "PAPER_TLS", "BLOCKFFN_SETTINGS",
+           "SparseLMStudyConfig",
            "at_close_tls", "blockffn_changes", "denser_explains_cls", "sparser_explains_ppl",
            "tls_checked"]

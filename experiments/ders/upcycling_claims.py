@@ -1,7 +1,8 @@
-"""ders_upcycling's claim rules (DeRS Sec. 3.4 and 4.4, Tables 1, 4, 5): a DeRS variant
+"""ders_upcycling's claim rules (DeRS Sec. 3.4 and 4.4, Tables 1, 4-6): a DeRS variant
 matches vanilla upcycling with far fewer added parameters, where a dense control shows that
 matching takes the experts; the shared base FFN must train (Table 5); a lower DeRS-SM sparse
-rate and a moderate DeRS-LM rank do better (Table 4). Each is judged over the seed runs."""
+rate and a moderate DeRS-LM rank do better (Table 4); DeRS cuts model size, training and
+inference memory (Table 6). Each is judged over the seed runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from moejax.harness.claims import (
     unjudged,
 )
 
-__all__ = ["CONTROL", "MATCH_NATS", "PAPER_BEST_RANK", "claims"]
+__all__ = ["CONTROL", "MATCH_NATS", "PAPER_BEST_RANK", "PAPER_COST_VARIANTS", "claims"]
 
 CONTROL = "dense fine-tuned (control)"  # the dense model trained alike: no added parameters
 
@@ -25,6 +26,13 @@ MATCH_NATS = 0.01
 
 # Table 4b's best DeRS-LM rank (Overall 60.9; rank 64: 59.0, "a too high rank degrades")
 PAPER_BEST_RANK = 4
+
+# Table 6's DeRS rows: DeRS-SM at sparse rates 0.9 and 0.99, DeRS-LM at rank 4
+PAPER_COST_VARIANTS = (("sm", 0.9), ("sm", 0.99), ("lm", 4.0))
+
+# Table 6's costs: the cost table's column for each
+_COSTS = (("stored", "model size"), ("peak_train_bytes", "training memory"),
+          ("peak_infer_bytes", "inference memory"))
 
 
 def _matches_vanilla(t: dict, form: str) -> Claim:
@@ -139,11 +147,38 @@ def _moderate_rank(t: dict) -> Claim:
                           _loss("lm", PAPER_BEST_RANK), _loss("lm", ranks[-1]), better="lower")
 
 
+def _cost(variant: str, column: str) -> tuple[str, object]:
+    """``(label, value_of)`` of ``variant``'s ``column`` in a seed run's ``cost`` table, for
+    :func:`moejax.harness.claims.paired_compare`."""
+    def value_of(run):
+        return lookup(run.get("cost"), {"variant": variant}, column)
+    return variant, value_of
+
+
+def _cuts_cost(t: dict, column: str, what: str) -> Claim:
+    """Table 6: each of its DeRS variants that ran (:data:`PAPER_COST_VARIANTS`) costs less
+    ``what`` (the ``cost`` table's ``column``) than vanilla upcycling, paired over the seed
+    runs (a count or a compiled memory analysis: the same in every seed run, so a tie reads
+    "does not hold")."""
+    claim = f"DeRS upcycling cuts {what} against vanilla upcycling (Sec. 4.4, Table 6)"
+    names = {(r.get("form"), _setting(r)): str(r["variant"]) for r in t.get("upcycling") or []}
+    variants = [names[k] for k in PAPER_COST_VARIANTS if k in names]
+    if not variants:
+        return Claim(claim, None, "none of Table 6's DeRS variants ran (DeRS-SM p=0.9 and "
+                                  "p=0.99, DeRS-LM r=4)")
+    parts = [paired_compare("", t, _cost(v, column), _cost("vanilla", column), better="lower",
+                            fmt=".4g") for v in variants]
+    return all_hold(claim, parts, "; ".join(c.evidence for c in parts))
+
+
 def claims(t: dict[str, list[dict]]) -> list[Claim]:
     """DeRS upcycling's claims on the ``upcycling`` table of each seed run: DeRS-SM and
     DeRS-LM match vanilla with >= 10x fewer added parameters (:func:`_matches_vanilla`),
     the shared base FFN must train (:func:`_shared_trains`), a lower sparse rate does better
-    (:func:`_lower_rate`), a too-high rank worse (:func:`_moderate_rank`); the comparisons
-    paired over the seeds (:func:`moejax.harness.claims.paired_compare`)."""
+    (:func:`_lower_rate`), a too-high rank worse (:func:`_moderate_rank`), and Table 6's
+    variants cost less model size, training and inference memory (:func:`_cuts_cost`, on
+    the ``cost`` table); the comparisons paired over the seeds
+    (:func:`moejax.harness.claims.paired_compare`)."""
     return [_matches_vanilla(t, "SM"), _matches_vanilla(t, "LM"), _shared_trains(t),
-            _lower_rate(t), _moderate_rank(t)]
+            _lower_rate(t), _moderate_rank(t),
+            *(_cuts_cost(t, column, what) for column, what in _COSTS)]
