@@ -36,6 +36,7 @@ def darex_encoder(d):
     # each claim's first arm one level above its second: d, per-layer q_v 2 d over DARE
     level = {("AdamW", "DARE"): 0, ("AdamW", "DAREx-q (q_v)"): 1,
              ("AdamW", "DAREx-q (per-layer q_v)"): 2, ("AdamR-L2", "AdamR-L2 + DARE"): 1,
+             ("AdamW", "DAREx-q (q_e)"): 1, ("AdamW", "DAREx-q (per-layer q_e)"): 1,
              ("AdamW", "structural DPP + q_v"): 0,
              ("AdamR-L2", "AdamR-L2 + structural DPP + q_v"): 1,
              ("AdamW", "magnitude"): 0, ("AdamR-L1", "AdamR-L1 + magnitude"): 1}
@@ -55,7 +56,10 @@ def darex_decoder(d):
         return {"pruned_wide": [
             {"fine-tuning": "AdamW", "method": "DARE", "p=0.95": 2.0, "p=0.99": 2.0},
             {"fine-tuning": "AdamW", "method": "DAREx-q (q_v)", "p=0.99": 2.0 - d(s)},
-            {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 2.0 - d(s)}],
+            {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 2.0 - d(s)},
+            {"fine-tuning": "AdamW", "method": "DAREx-q (q_e)", "p=0.99": 2.0 - d(s)},
+            {"fine-tuning": "AdamW", "method": "DAREx-q (per-layer q_e)",
+             "p=0.99": 2.0 - d(s)}],
             # the winners beat the pre-trained model (their control) when d > 0
             "finetuned": [{"fine-tuning": ft, "test_loss_pretrained": 2.05,
                            "test_loss_finetuned": 1.5} for ft in ("AdamW", "AdamR-L2")],
@@ -73,7 +77,9 @@ def darex_controlled(d):
             "accuracy": [{"fine-tuning": "no reg (Adam)", "method": "DARE", "p=0.99": 0.5},
                          {"fine-tuning": "no reg (Adam)", "method": "DAREx-q (q_v)",
                           "p=0.99": 0.5 + x},
-                         {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 0.5 + x}],
+                         {"fine-tuning": "AdamR-L2", "method": "DARE", "p=0.99": 0.5 + x},
+                         {"fine-tuning": "no reg (Adam)", "method": "DAREx-q (q_e)",
+                          "p=0.99": 0.5 + x}],
             "lora": [{"p": 0.9, "method": "DARE on LoRA factors", "accuracy": 0.5},
                      {"p": 0.9, "method": "DAREx-q (q_v) on LoRA factors",
                       "accuracy": 0.5 + x}],
@@ -257,9 +263,9 @@ def bench_speculative(d):
 
 
 STUDIES = {
-    "darex_encoder": (encoder.claims, darex_encoder, 6),
-    "darex_decoder": (decoder.claims, darex_decoder, 3),
-    "darex_controlled": (controlled.claims, darex_controlled, 5),
+    "darex_encoder": (encoder.claims, darex_encoder, 8),
+    "darex_decoder": (decoder.claims, darex_decoder, 5),
+    "darex_controlled": (controlled.claims, darex_controlled, 6),
     "darex_storage": (storage.claims, darex_storage, 1),
     "ders_compression": (compression.claims, ders_compression, 6),
     "ders_upcycling": (upcycling.claims, ders_upcycling, 8),

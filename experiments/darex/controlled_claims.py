@@ -37,7 +37,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
     out = [compare("DAREx-q (q_v) beats DARE at the highest drop rate (Sec. 4.1, Tables 1-2)",
                    at("no reg (Adam)", "DAREx-q (q_v)"), at("no reg (Adam)", "DARE")),
            compare("AdamR-L2 fine-tuning makes DARE better at the highest drop rate (Sec. 4.2, "
-                   "Tables 1, 5)", at("AdamR-L2", "DARE"), at("no reg (Adam)", "DARE"))]
+                   "Tables 1, 5)", at("AdamR-L2", "DARE"), at("no reg (Adam)", "DARE")),
+           compare("DAREx-q (q_e) beats DARE at the highest drop rate (Sec. 4.1, Tables 1-2)",
+                   at("no reg (Adam)", "DAREx-q (q_e)"), at("no reg (Adam)", "DARE"))]
     lora = t.get("lora")
     if lora:
         lp = max(float(r["p"]) for r in lora)

@@ -46,6 +46,9 @@ def claims(t: dict[str, list[dict]]) -> list[Claim]:
         judge("DAREx-q (q_v) beats DARE (Tables 1-2)", ("AdamW", "DAREx-q (q_v)"), dare),
         judge("Per-layer DAREx-q (q_v) beats DARE (Sec. 4.1, App. C.9)",
               ("AdamW", "DAREx-q (per-layer q_v)"), dare),
+        judge("DAREx-q (q_e) beats DARE (Tables 1-2)", ("AdamW", "DAREx-q (q_e)"), dare),
+        judge("Per-layer DAREx-q (q_e) beats DARE (Sec. 4.1, App. C.9, Table 2)",
+              ("AdamW", "DAREx-q (per-layer q_e)"), dare),
         judge("Per-layer rescaling beats global: per-layer DAREx-q (q_v) beats DAREx-q (q_v) "
               "on encoders (Sec. 5.1, Table 2)", ("AdamW", "DAREx-q (per-layer q_v)"),
               ("AdamW", "DAREx-q (q_v)")),
