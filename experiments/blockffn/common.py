@@ -142,6 +142,5 @@ def at_close_tls(claim: str, t: dict, table: str, a, b, column: str = "val_ppl",
 
 
 __all__ = ["PAPER_CLS_8", "PAPER_REUSE", "PAPER_SCALE", "PAPER_TLS", "BLOCKFFN_SETTINGS",
-           "SparseLMStudyConfig",
-           "at_close_tls", "blockffn_changes", "denser_explains_cls", "sparser_explains_ppl",
-           "tls_checked"]
+           "SparseLMStudyConfig", "at_close_tls", "blockffn_changes", "denser_explains_cls",
+           "sparser_explains_ppl", "tls_checked"]
