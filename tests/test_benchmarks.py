@@ -223,6 +223,20 @@ def test_bench_ders_tiny_decodes_and_measures_training_memory(tmp_path):
         assert mem[(f"DeRS-{form}", "stream")] < mem[(f"DeRS-{form}", "all")] - 0.5 * copies
 
 
+def test_bench_ders_names_a_row_faster_than_its_bandwidth_bound():
+    """A decode row faster than the bytes it is charged allow (x_bound < 1) times something
+    else than it names (e.g. expert synthesis hoisted out of the decode loop): the run says
+    so; a row at or under its bound is not named."""
+    rows = [{"model": "vanilla", "synthesis": "-", "tokens_per_s": 45.0,
+             "bound_tokens_per_s": 150.0, "x_bound": 150.0 / 45.0},
+            {"model": "DeRS-SM", "synthesis": "all", "tokens_per_s": 46.0,
+             "bound_tokens_per_s": 20.9, "x_bound": 20.9 / 46.0}]
+    (line,) = bench_ders.beyond_bound(rows)
+    assert line.startswith("DeRS-SM all decoded faster than its bandwidth bound (46.0 "
+                           "against 20.9 tokens/s)")
+    assert bench_ders.beyond_bound(rows[:1]) == []
+
+
 def test_bench_dispatch_headline_sets_every_dropless_step_against_the_capacity_step():
     """The default dropless path (auto) is compared with the capacity step first, then the
     others measured; a block under a millisecond keeps its digits."""
